@@ -1,0 +1,31 @@
+# hybridpipe: `make test` installs into .venv (if needed) and runs the test suite.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install test test-slow test-cuda demo clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+test: install
+	$(PY) -m pytest
+
+test-slow: install
+	$(PY) -m pytest -m slow
+
+test-cuda: install
+	$(PY) -m pytest -m cuda
+
+demo: install
+	$(VENV)/bin/hybridpipe profile alexnet-small --batch-size 32 -o out/demo/profile.json
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

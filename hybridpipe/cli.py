@@ -1,0 +1,62 @@
+"""The ``hybridpipe`` command. Each subcommand lives in ``hybridpipe/commands/<name>.py`` with
+``add_arguments(parser)`` and ``run(args) -> int``; only the chosen one is imported, so
+``hybridpipe --help`` answers at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from hybridpipe.errors import UserError
+
+# (name, module under hybridpipe.commands, one-line help)
+COMMANDS = (
+    ("profile", "profile", "trace a model and measure every node (forward, backward, bytes)"),
+)
+
+
+def _top_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="hybridpipe",
+        description="Pipelined hybrid-parallel training for PyTorch: profile -> partition -> launch.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="commands:\n" + "\n".join(f"  {n:<18}{h}" for n, _, h in COMMANDS)
+        + "\n\nrun `hybridpipe COMMAND --help` for a command's options")
+    p.add_argument("command", choices=[n for n, _, _ in COMMANDS], metavar="COMMAND")
+    p.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``hybridpipe`` console script; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    top = _top_parser()
+    if not argv or argv[0].startswith("-") and argv[0] not in ("-v", "--verbose"):
+        top.parse_args(argv or ["--help"])
+        return 2
+    verbose = argv[0] in ("-v", "--verbose")
+    if verbose:
+        argv = argv[1:]
+    top.parse_args(argv[:1])  # validates the command name
+    name = argv[0]
+    module_name, help_text = next((m, h) for n, m, h in COMMANDS if n == name)
+    module = importlib.import_module(f"hybridpipe.commands.{module_name}")
+    parser = argparse.ArgumentParser(prog=f"hybridpipe {name}", description=help_text)
+    module.add_arguments(parser)
+    args = parser.parse_args(argv[1:])
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return int(module.run(args) or 0)
+    except UserError as e:
+        print(f"hybridpipe {name}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"hybridpipe {name}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

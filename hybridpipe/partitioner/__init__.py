@@ -1,0 +1,1 @@
+"""hybridpipe.partitioner"""

@@ -1,0 +1,210 @@
+"""The Plan (``hybridpipe partition`` output, JSON ``"format": 1``), read as is by launch.py.
+
+Semantics every package relies on:
+
+* A stage is a contiguous range ``first_node..last_node`` (inclusive) of the profile's nodes in
+  topological order. Stage 0 holds the input placeholder, the last stage the ``output`` node.
+* A stage with ``replicas`` r runs on ``ranks`` (r global ranks); micro-batch m goes to
+  replica ``m % r`` of every stage (round-robin).
+* One training step = ``micro_batches`` micro-batches of the profile's ``batch_size`` samples
+  each. ``gpipe`` and ``1f1b`` flush at the end of the step and give the same update as one
+  SGD step on the concatenated global batch; ``pipedream`` never flushes (weight stashing).
+* Replicas of a stage sum their gradients with the per-layer algorithm in ``layers``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from hybridpipe.errors import UserError
+from hybridpipe.jsonfile import check_header, field, read_json, write_json
+from hybridpipe.partitioner.cluster import Cluster
+
+PLAN_KIND = "plan"
+PLAN_FORMAT = 1
+SCHEDULES = ("gpipe", "1f1b", "pipedream")
+ALGORITHMS = ("ring", "butterfly", "hierarchical", "torus2d", "aggregator", "native")
+STRATEGIES = ("optimal", "pipedream", "dp", "uniform", "params", "time")
+OPTIMIZERS = ("sgd", "adam")
+
+
+@dataclass(frozen=True)
+class LayerSync:
+    """How one layer's gradients are summed across a stage's replicas."""
+
+    layer: str                    # the owning node's name in the profile
+    params: tuple[str, ...]       # qualified parameter names (the model's state_dict keys)
+    bytes: int                    # gradient bytes
+    algorithm: str                # one of ALGORITHMS
+    predicted_ms: float = 0.0     # all-reduce time by the cost model
+    exposed_ms: float = 0.0       # part of it not hidden behind compute
+
+
+@dataclass(frozen=True)
+class Stage:
+    index: int
+    first_node: int
+    last_node: int
+    replicas: int
+    ranks: tuple[int, ...]
+    compute_ms: float = 0.0       # forward + backward of one micro-batch on one replica
+    sync_ms: float = 0.0          # exposed gradient synchronisation per step
+    send_ms: float = 0.0          # activation transfer to the next stage per micro-batch (each way)
+    send_bytes: int = 0           # bytes crossing the cut after this stage per micro-batch (one way)
+    memory_bytes: int = 0         # predicted peak memory per worker
+    layers: tuple[LayerSync, ...] = ()
+
+    @property
+    def node_ids(self) -> range:
+        return range(self.first_node, self.last_node + 1)
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: str                    # the profile's model spec (zoo name or module:factory)
+    batch_size: int               # samples per micro-batch (the profile's batch size)
+    input_shape: tuple[int, ...]
+    profile_signature: str        # Profile.signature(): the traced graph's identity
+    cluster: Cluster
+    strategy: str
+    schedule: str
+    micro_batches: int
+    optimizer: str
+    stages: tuple[Stage, ...]
+    predicted_step_ms: float = 0.0         # one step (micro_batches micro-batches)
+    predicted_samples_per_s: float = 0.0
+    created: str = ""
+
+    @property
+    def world_size(self) -> int:
+        return sum(s.replicas for s in self.stages)
+
+    def stage_of_rank(self, rank: int) -> tuple[Stage, int]:
+        """(stage, replica index) that ``rank`` runs; UserError if the plan has no such rank."""
+        for s in self.stages:
+            if rank in s.ranks:
+                return s, s.ranks.index(rank)
+        raise UserError(f"rank {rank} has no stage in the plan (it uses ranks 0..{self.world_size - 1}); "
+                        f"launch with --nproc-per-node x --nnodes = {self.world_size}")
+
+    def to_dict(self) -> dict:
+        d = {"kind": PLAN_KIND, "format": PLAN_FORMAT}
+        d.update(asdict(self))
+        d["cluster"] = self.cluster.to_dict()
+        d["input_shape"] = list(self.input_shape)
+        d["stages"] = [dict(asdict(s), ranks=list(s.ranks),
+                            layers=[dict(asdict(lv), params=list(lv.params)) for lv in s.layers])
+                       for s in self.stages]
+        return d
+
+    @classmethod
+    def from_dict(cls, data: object, source: str = "plan") -> "Plan":
+        """Validate ``data`` and build a Plan; every defect is a one-line UserError."""
+        d = check_header(data, PLAN_KIND, PLAN_FORMAT, source)
+        raw_stages = field(d, "stages", list, source)
+        if not raw_stages:
+            raise UserError(f"{source}: \"stages\" is empty")
+        plan = cls(
+            model=field(d, "model", str, source),
+            batch_size=field(d, "batch_size", int, source, minimum=1),
+            input_shape=tuple(field(d, "input_shape", list, source)),
+            profile_signature=field(d, "profile_signature", str, source),
+            cluster=Cluster.from_dict(field(d, "cluster", dict, source), f"{source}: cluster"),
+            strategy=field(d, "strategy", str, source, choices=STRATEGIES),
+            schedule=field(d, "schedule", str, source, choices=SCHEDULES),
+            micro_batches=field(d, "micro_batches", int, source, minimum=1),
+            optimizer=field(d, "optimizer", str, source, choices=OPTIMIZERS),
+            stages=tuple(_stage_from_dict(s, i, source) for i, s in enumerate(raw_stages)),
+            predicted_step_ms=field(d, "predicted_step_ms", float, source, minimum=0, default=0.0),
+            predicted_samples_per_s=field(d, "predicted_samples_per_s", float, source, minimum=0, default=0.0),
+            created=field(d, "created", str, source, default=""),
+        )
+        _check_stages(plan, source)
+        return plan
+
+
+def load_plan(path: str | os.PathLike) -> Plan:
+    """Read and validate a plan file."""
+    return Plan.from_dict(read_json(path, "plan"), source=str(path))
+
+
+def save_plan(plan: Plan, path: str | os.PathLike) -> Path:
+    return write_json(path, plan.to_dict())
+
+
+def check_plan_fits(plan: Plan, *, model: str | None, signature: str | None, batch_size: int | None,
+                    world_size: int | None, n_nodes: int | None = None) -> None:
+    """Refuse (one line) a plan made for another model, graph, batch size or world size."""
+    if model is not None and model != plan.model:
+        raise UserError(f"the plan was made for model {plan.model!r}, not {model!r}; "
+                        f"profile and partition {model!r} first, or drop --model")
+    if batch_size is not None and batch_size != plan.batch_size:
+        raise UserError(f"the plan was made for batch size {plan.batch_size}, not {batch_size}; "
+                        "re-profile at this batch size and re-partition, or drop --batch-size")
+    if world_size is not None and world_size != plan.world_size:
+        raise UserError(f"the plan needs {plan.world_size} workers but the job has {world_size}; "
+                        f"launch {plan.world_size} processes or re-partition with --workers {world_size}")
+    if n_nodes is not None and plan.stages[-1].last_node != n_nodes - 1:
+        raise UserError(f"the plan covers {plan.stages[-1].last_node + 1} graph nodes but the model has "
+                        f"{n_nodes}: it was made for another version of the model; re-profile")
+    if signature is not None and signature != plan.profile_signature:
+        raise UserError("the model's traced graph differs from the one the plan was made for "
+                        f"(signature {signature} vs {plan.profile_signature}); re-profile and re-partition")
+
+
+def _stage_from_dict(s: object, i: int, source: str) -> Stage:
+    where = f"{source}: stage {i}"
+    if not isinstance(s, dict):
+        raise UserError(f"{where}: expected an object")
+    ranks = field(s, "ranks", list, where)
+    if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks):
+        raise UserError(f"{where}: \"ranks\" must be a list of non-negative integers")
+    layers = []
+    for j, lv in enumerate(field(s, "layers", list, where, default=[])):
+        lw = f"{where}: layer {j}"
+        if not isinstance(lv, dict):
+            raise UserError(f"{lw}: expected an object")
+        layers.append(LayerSync(layer=field(lv, "layer", str, lw),
+                                params=tuple(field(lv, "params", list, lw)),
+                                bytes=field(lv, "bytes", int, lw, minimum=0),
+                                algorithm=field(lv, "algorithm", str, lw, choices=ALGORITHMS),
+                                predicted_ms=field(lv, "predicted_ms", float, lw, minimum=0, default=0.0),
+                                exposed_ms=field(lv, "exposed_ms", float, lw, minimum=0, default=0.0)))
+    return Stage(index=field(s, "index", int, where, minimum=0),
+                 first_node=field(s, "first_node", int, where, minimum=0),
+                 last_node=field(s, "last_node", int, where, minimum=0),
+                 replicas=field(s, "replicas", int, where, minimum=1),
+                 ranks=tuple(ranks),
+                 compute_ms=field(s, "compute_ms", float, where, minimum=0, default=0.0),
+                 sync_ms=field(s, "sync_ms", float, where, minimum=0, default=0.0),
+                 send_ms=field(s, "send_ms", float, where, minimum=0, default=0.0),
+                 send_bytes=field(s, "send_bytes", int, where, minimum=0, default=0),
+                 memory_bytes=field(s, "memory_bytes", int, where, minimum=0, default=0),
+                 layers=tuple(layers))
+
+
+def _check_stages(plan: Plan, source: str) -> None:
+    expected_first = 0
+    seen: set[int] = set()
+    for i, s in enumerate(plan.stages):
+        where = f"{source}: stage {i}"
+        if s.index != i:
+            raise UserError(f"{where}: index is {s.index}; stages must be listed in order")
+        if s.first_node != expected_first:
+            raise UserError(f"{where}: starts at node {s.first_node} but must start at node {expected_first} "
+                            "(stages are contiguous node ranges covering the graph)")
+        if s.last_node < s.first_node:
+            raise UserError(f"{where}: last_node {s.last_node} is before first_node {s.first_node}")
+        if len(s.ranks) != s.replicas:
+            raise UserError(f"{where}: {s.replicas} replicas but {len(s.ranks)} ranks {list(s.ranks)}")
+        dup = seen.intersection(s.ranks)
+        if dup or len(set(s.ranks)) != len(s.ranks):
+            raise UserError(f"{where}: rank {sorted(dup or s.ranks)[0]} is given to more than one stage/replica")
+        seen.update(s.ranks)
+        expected_first = s.last_node + 1
+    if seen != set(range(plan.world_size)):
+        raise UserError(f"{source}: stage ranks must be exactly 0..{plan.world_size - 1}, got {sorted(seen)}")
+    if plan.world_size > plan.cluster.total_workers:
+        raise UserError(f"{source}: {plan.world_size} workers planned but the cluster has {plan.cluster.total_workers}")

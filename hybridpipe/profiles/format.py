@@ -1,0 +1,213 @@
+"""The Profile: a model's layer graph with measured costs (JSON, ``"format": 1``).
+
+A profile is a value: ``Profile.from_dict`` validates, ``to_dict`` serialises, ``load`` /
+``save`` touch files. Nodes are exactly the torch.fx graph's nodes in graph order (which is
+a topological order): the input placeholder(s) first and the ``output`` node last, so
+``node.id`` is a position in topological order and edges always go forward.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field as dc_field
+from pathlib import Path
+
+from hybridpipe.errors import UserError
+from hybridpipe.jsonfile import check_header, field, read_json, write_json
+
+PROFILE_KIND = "profile"
+PROFILE_FORMAT = 1
+FX_OPS = ("placeholder", "get_attr", "call_module", "call_function", "call_method", "output")
+
+
+@dataclass(frozen=True)
+class ProfileNode:
+    """One node of the traced graph and what it costs for one (micro-)batch."""
+
+    id: int
+    name: str                     # fx node name, unique in the graph
+    op: str                       # fx op (see FX_OPS)
+    target: str                   # module qualified name, function or method name
+    type: str                     # module class name ("Conv2d") or function name ("add")
+    forward_ms: float = 0.0
+    backward_ms: float = 0.0
+    activation_bytes: int = 0     # bytes of all tensors this node outputs
+    param_count: int = 0
+    param_bytes: int = 0
+    params: tuple[str, ...] = ()  # qualified names of the parameters this node owns
+
+    @property
+    def compute_ms(self) -> float:
+        return self.forward_ms + self.backward_ms
+
+
+@dataclass(frozen=True)
+class ProfileTotals:
+    """Whole-model figures: node sums, and a timed full forward+backward to check them."""
+
+    forward_ms: float = 0.0        # sum over nodes
+    backward_ms: float = 0.0       # sum over nodes
+    measured_ms: float = 0.0       # one timed full forward + loss + backward (median)
+    ratio: float = 0.0             # (forward_ms + backward_ms) / measured_ms
+    param_count: int = 0
+    param_bytes: int = 0
+    activation_bytes: int = 0      # sum of node activation bytes
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A traced, measured model. ``input_shape`` includes the batch dimension."""
+
+    model: str                    # zoo name or "package.module:factory" (with [args])
+    batch_size: int
+    input_shape: tuple[int, ...]
+    input_dtype: str
+    dtype: str                    # parameter dtype, e.g. "float32"
+    device: str                   # "cpu" or "cuda" (with the GPU name where known)
+    torch_version: str
+    nodes: tuple[ProfileNode, ...]
+    edges: tuple[tuple[int, int], ...]
+    totals: ProfileTotals = ProfileTotals()
+    repeats: int = 0
+    created: str = ""
+    notes: tuple[str, ...] = dc_field(default=())
+
+    # ---- derived views -------------------------------------------------------------
+    def signature(self) -> str:
+        """Hash of the graph's structure (not its timings): equal for the same model code."""
+        return graph_signature(self.nodes, self.edges)
+
+    def digraph(self):
+        """The graph as a networkx DiGraph with every ProfileNode field as node attributes."""
+        import networkx as nx
+
+        g = nx.DiGraph()
+        for n in self.nodes:
+            g.add_node(n.id, **asdict(n))
+        g.add_edges_from(self.edges)
+        return g
+
+    # ---- serialisation -------------------------------------------------------------
+    def to_dict(self) -> dict:
+        d = {"kind": PROFILE_KIND, "format": PROFILE_FORMAT}
+        d.update(asdict(self))
+        d["input_shape"] = list(self.input_shape)
+        d["edges"] = [list(e) for e in self.edges]
+        d["nodes"] = [dict(asdict(n), params=list(n.params)) for n in self.nodes]
+        d["notes"] = list(self.notes)
+        d["signature"] = self.signature()
+        return d
+
+    @classmethod
+    def from_dict(cls, data: object, source: str = "profile") -> "Profile":
+        """Validate ``data`` (parsed JSON) and build a Profile; raise UserError on any defect."""
+        d = check_header(data, PROFILE_KIND, PROFILE_FORMAT, source)
+        shape = field(d, "input_shape", list, source)
+        if not shape or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in shape):
+            raise UserError(f"{source}: \"input_shape\" must be a non-empty list of positive integers, got {shape}")
+        raw_nodes = field(d, "nodes", list, source)
+        if not raw_nodes:
+            raise UserError(f"{source}: \"nodes\" is empty; a profile needs the traced graph's nodes")
+        nodes = tuple(_node_from_dict(n, i, source) for i, n in enumerate(raw_nodes))
+        edges = tuple(_edge_from_list(e, len(nodes), source) for e in field(d, "edges", list, source))
+        _check_graph(nodes, edges, source)
+        totals_raw = field(d, "totals", dict, source, default={})
+        totals = ProfileTotals(**{k: field(totals_raw, k, type(v), f"{source}: totals", minimum=0, default=v)
+                                  for k, v in asdict(ProfileTotals()).items()})
+        prof = cls(
+            model=field(d, "model", str, source),
+            batch_size=field(d, "batch_size", int, source, minimum=1),
+            input_shape=tuple(shape),
+            input_dtype=field(d, "input_dtype", str, source),
+            dtype=field(d, "dtype", str, source),
+            device=field(d, "device", str, source),
+            torch_version=field(d, "torch_version", str, source),
+            nodes=nodes, edges=edges, totals=totals,
+            repeats=field(d, "repeats", int, source, minimum=0, default=0),
+            created=field(d, "created", str, source, default=""),
+            notes=tuple(str(x) for x in field(d, "notes", list, source, default=[])),
+        )
+        if shape[0] != prof.batch_size:
+            raise UserError(f"{source}: input_shape {shape} does not start with batch_size {prof.batch_size}")
+        stored = d.get("signature")
+        if stored is not None and stored != prof.signature():
+            raise UserError(f"{source}: the graph does not match its stored signature (edited by hand?); "
+                            "re-run `hybridpipe profile`")
+        return prof
+
+
+def graph_signature(nodes, edges) -> str:
+    """sha256 over the nodes' (name, op, target, params) and the edges: the graph's identity."""
+    payload = json.dumps([[[n.name, n.op, n.target, list(n.params)] for n in nodes],
+                          [list(e) for e in edges]], separators=(",", ":"))
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def load_profile(path: str | os.PathLike) -> Profile:
+    """Read and validate a profile file; errors are one-line UserErrors naming the file."""
+    return Profile.from_dict(read_json(path, "profile"), source=str(path))
+
+
+def save_profile(profile: Profile, path: str | os.PathLike) -> Path:
+    """Write ``profile`` atomically as JSON."""
+    return write_json(path, profile.to_dict())
+
+
+def _node_from_dict(n: object, index: int, source: str) -> ProfileNode:
+    where = f"{source}: node {index}"
+    if not isinstance(n, dict):
+        raise UserError(f"{where}: expected an object, got {type(n).__name__}")
+    node_id = field(n, "id", int, where)
+    if node_id != index:
+        raise UserError(f"{where}: id is {node_id} but nodes must be listed in order with id == position")
+    params = field(n, "params", list, where, default=[])
+    if not all(isinstance(p, str) for p in params):
+        raise UserError(f"{where}: \"params\" must be a list of parameter names")
+    node = ProfileNode(
+        id=node_id,
+        name=field(n, "name", str, where),
+        op=field(n, "op", str, where, choices=FX_OPS),
+        target=field(n, "target", str, where),
+        type=field(n, "type", str, where),
+        forward_ms=field(n, "forward_ms", float, where, minimum=0, default=0.0),
+        backward_ms=field(n, "backward_ms", float, where, minimum=0, default=0.0),
+        activation_bytes=field(n, "activation_bytes", int, where, minimum=0, default=0),
+        param_count=field(n, "param_count", int, where, minimum=0, default=0),
+        param_bytes=field(n, "param_bytes", int, where, minimum=0, default=0),
+        params=tuple(params),
+    )
+    if node.param_count and not node.param_bytes:
+        raise UserError(f"{where}: param_count is {node.param_count} but param_bytes is 0")
+    return node
+
+
+def _edge_from_list(e: object, n_nodes: int, source: str) -> tuple[int, int]:
+    if not (isinstance(e, list) and len(e) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in e)):
+        raise UserError(f"{source}: each edge must be a pair of node ids [src, dst], got {json.dumps(e)[:60]}")
+    src, dst = e
+    if not (0 <= src < n_nodes and 0 <= dst < n_nodes):
+        raise UserError(f"{source}: edge {e} names a node id outside 0..{n_nodes - 1}")
+    if src >= dst:
+        raise UserError(f"{source}: edge {e} goes backward; node ids must be a topological order (src < dst)")
+    return (src, dst)
+
+
+def _check_graph(nodes: tuple[ProfileNode, ...], edges, source: str) -> None:
+    names = [n.name for n in nodes]
+    if len(set(names)) != len(names):
+        dup = next(x for x in names if names.count(x) > 1)
+        raise UserError(f"{source}: node name {dup!r} appears more than once; node names must be unique")
+    if nodes[0].op != "placeholder":
+        raise UserError(f"{source}: the first node must be the input placeholder, got op {nodes[0].op!r}")
+    if nodes[-1].op != "output" or sum(n.op == "output" for n in nodes) != 1:
+        raise UserError(f"{source}: the graph must end with exactly one \"output\" node")
+    if len(set(edges)) != len(edges):
+        raise UserError(f"{source}: duplicate edges")
+    owners: dict[str, str] = {}
+    for n in nodes:
+        for p in n.params:
+            if p in owners:
+                raise UserError(f"{source}: parameter {p!r} is owned by both {owners[p]!r} and {n.name!r}")
+            owners[p] = n.name

@@ -1,0 +1,140 @@
+"""Naming a model: a zoo name or the user's ``package.module:factory``, with optional ``[key=value,...]``.
+
+Examples: ``alexnet``, ``gpt[layers=4,width=256,seq=128]``, ``mypkg.models:build``,
+``mypkg.models:build[hidden=64]``. The spec string is recorded verbatim in profiles and
+plans, so every rank rebuilds exactly the same model.
+
+A user's factory returns an ``nn.Module``, or a tuple ``(module, example_input)`` or
+``(module, example_input, loss_fn)``; ``example_input`` carries a batch dimension.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from hybridpipe.errors import UserError
+
+_SPEC = re.compile(r"^(?P<target>[A-Za-z_][\w.\-]*(?::[A-Za-z_]\w*)?)(?:\[(?P<args>[^\]]*)\])?$")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything needed to build, feed and train a model."""
+
+    name: str                                   # the spec string as the user gave it
+    build: Callable[[], nn.Module]              # a fresh model (initialised from torch's RNG)
+    sample_shape: tuple[int, ...]               # one input sample (no batch dimension)
+    input_dtype: torch.dtype
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]   # (output, target) -> mean loss
+    target_shape: tuple[int, ...] = ()          # one target sample: () for a class id, (T,) for tokens
+    num_classes: int = 0                        # targets are int64 in [0, num_classes)
+    leaf_modules: tuple[type, ...] = ()         # module types the tracer keeps whole
+    example: torch.Tensor | None = None         # the user's example input, if the factory gave one
+
+    def example_input(self, batch_size: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        """A random input batch of the model's shape and dtype."""
+        if self.example is not None and self.example.shape[0] == batch_size:
+            return self.example
+        shape = (batch_size, *self.sample_shape)
+        if self.input_dtype.is_floating_point:
+            return torch.randn(shape, dtype=self.input_dtype, generator=generator)
+        high = self.num_classes or 2
+        return torch.randint(0, high, shape, dtype=self.input_dtype, generator=generator)
+
+    def example_target(self, batch_size: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        """A random target batch (class ids) matching ``loss``."""
+        return torch.randint(0, max(self.num_classes, 1), (batch_size, *self.target_shape), generator=generator)
+
+
+def parse_spec(spec: str) -> tuple[str, dict]:
+    """Split ``name[k=v,...]`` into the name and keyword arguments (ints, floats, bools, strings)."""
+    m = _SPEC.match(spec.strip())
+    if not m:
+        raise UserError(f"cannot read model {spec!r}: use a zoo name ({', '.join(zoo_names())}) or "
+                        "package.module:factory, optionally followed by [key=value,...]")
+    kwargs: dict = {}
+    for item in filter(None, (x.strip() for x in (m.group("args") or "").split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip().isidentifier():
+            raise UserError(f"model argument {item!r} in {spec!r} is not key=value")
+        kwargs[key.strip()] = _literal(value.strip())
+    return m.group("target"), kwargs
+
+
+def _literal(text: str):
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def zoo_names() -> list[str]:
+    from hybridpipe.profiles.zoo import ZOO
+
+    return sorted(ZOO)
+
+
+def resolve_model(spec: str) -> ModelSpec:
+    """The ModelSpec for a zoo name or ``package.module:factory`` (see the module docstring)."""
+    from hybridpipe.profiles.zoo import ZOO
+
+    target, kwargs = parse_spec(spec)
+    if ":" not in target:
+        if target not in ZOO:
+            raise UserError(f"unknown model {target!r}: the zoo has {', '.join(zoo_names())}; "
+                            "for your own model pass package.module:factory")
+        try:
+            return ZOO[target](spec, **kwargs)
+        except TypeError as e:
+            raise UserError(f"bad arguments for zoo model {target!r}: {e}") from None
+    return _user_model(spec, target, kwargs)
+
+
+def import_factory(target: str, what: str) -> Callable:
+    """Import ``package.module:attr``; errors name the module or attribute that is missing."""
+    module_name, _, attr = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise UserError(f"cannot import {what} module {module_name!r} ({e}); is it on PYTHONPATH?") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise UserError(f"{module_name!r} has no callable {attr!r} to build the {what}")
+    return factory
+
+
+def _user_model(spec: str, target: str, kwargs: dict) -> ModelSpec:
+    factory = import_factory(target, "model")
+
+    def call():
+        out = factory(**kwargs)
+        items = out if isinstance(out, tuple) else (out,)
+        if not items or not isinstance(items[0], nn.Module) or len(items) > 3:
+            raise UserError(f"{target} must return an nn.Module, or (module, example_input[, loss]); "
+                            f"got {type(out).__name__}")
+        return items
+
+    module, *rest = call()
+    example = rest[0] if rest else None
+    if example is not None and not isinstance(example, torch.Tensor):
+        raise UserError(f"{target}: the example input must be a tensor with a batch dimension")
+    if example is None:
+        raise UserError(f"{target} returned only a module; return (module, example_input) so hybridpipe "
+                        "knows the input shape (the example's first dimension is the batch)")
+    loss = rest[1] if len(rest) > 1 else nn.functional.cross_entropy
+    with torch.no_grad():
+        out = module(example)
+    num_classes = int(out.shape[-1]) if out.dim() >= 2 else 0
+    return ModelSpec(name=spec, build=lambda: call()[0], sample_shape=tuple(example.shape[1:]),
+                     input_dtype=example.dtype, loss=loss, target_shape=tuple(out.shape[1:-1]),
+                     num_classes=num_classes, example=example)
