@@ -50,6 +50,8 @@ class Stage:
     replicas: int
     ranks: tuple[int, ...]
     compute_ms: float = 0.0       # forward + backward of one micro-batch on one replica
+    forward_ms: float = 0.0       # the forward part of compute_ms
+    backward_ms: float = 0.0      # the backward part of compute_ms
     sync_ms: float = 0.0          # exposed gradient synchronisation per step
     send_ms: float = 0.0          # activation transfer to the next stage per micro-batch (each way)
     send_bytes: int = 0           # bytes crossing the cut after this stage per micro-batch (one way)
@@ -178,6 +180,8 @@ def _stage_from_dict(s: object, i: int, source: str) -> Stage:
                  replicas=field(s, "replicas", int, where, minimum=1),
                  ranks=tuple(ranks),
                  compute_ms=field(s, "compute_ms", float, where, minimum=0, default=0.0),
+                 forward_ms=field(s, "forward_ms", float, where, minimum=0, default=0.0),
+                 backward_ms=field(s, "backward_ms", float, where, minimum=0, default=0.0),
                  sync_ms=field(s, "sync_ms", float, where, minimum=0, default=0.0),
                  send_ms=field(s, "send_ms", float, where, minimum=0, default=0.0),
                  send_bytes=field(s, "send_bytes", int, where, minimum=0, default=0),
