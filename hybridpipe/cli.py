@@ -15,6 +15,14 @@ from hybridpipe.errors import UserError
 # (name, module under hybridpipe.commands, one-line help)
 COMMANDS = (
     ("profile", "profile", "trace a model and measure every node (forward, backward, bytes)"),
+    ("show", "show", "print a profile, plan or calibration file as a table"),
+    ("partition", "partition", "split a profiled model into stages x replicas for a cluster"),
+    ("simulate", "simulate", "predict a plan's step time with an event-driven simulation"),
+    ("schedule", "schedule", "print or draw a plan's per-rank instruction lists"),
+    ("bench-allreduce", "bench_allreduce", "measure every all-reduce algorithm; write a calibration"),
+    ("aggregator", "aggregator", "run a dedicated all-reduce aggregator process (seed 001)"),
+    ("timeline", "timeline", "merge the ranks' traces of a run into one Chrome trace and PNG"),
+    ("merge-checkpoint", "merge_checkpoint", "join a run's stage checkpoints into one state_dict"),
 )
 
 
@@ -43,7 +51,13 @@ def main(argv: list[str] | None = None) -> int:
     top.parse_args(argv[:1])  # validates the command name
     name = argv[0]
     module_name, help_text = next((m, h) for n, m, h in COMMANDS if n == name)
-    module = importlib.import_module(f"hybridpipe.commands.{module_name}")
+    try:
+        module = importlib.import_module(f"hybridpipe.commands.{module_name}")
+    except ModuleNotFoundError as e:
+        if e.name != f"hybridpipe.commands.{module_name}":
+            raise
+        print(f"hybridpipe {name}: not available in this build", file=sys.stderr)
+        return 2
     parser = argparse.ArgumentParser(prog=f"hybridpipe {name}", description=help_text)
     module.add_arguments(parser)
     args = parser.parse_args(argv[1:])
