@@ -2,32 +2,139 @@
 
 ``trace_model`` must be deterministic: the profiler records its nodes (names, order, owned
 parameters) and the pipeline later re-traces the same model and cuts the same graph, so a
-plan's node ranges mean the same nodes on every rank.
+plan's node ranges mean the same nodes on every rank. Node id = position in ``gm.graph.nodes``
+(= index in ``node_infos(gm)``); ``graph_edges(gm)`` gives the edges in those ids.
+
+A model fx cannot trace (data-dependent control flow, iterating a tensor, ...) is refused with a
+``UserError`` naming the module and source line, unless it is an ``nn.Sequential``: then each of
+its children becomes one leaf node (the sequential fallback), which needs no tracing inside them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+import os
+import traceback
+from dataclasses import asdict, dataclass
+from typing import Iterable
 
+import networkx as nx
+import torch
 from torch import fx, nn
+
+from hybridpipe.errors import UserError
+
+log = logging.getLogger(__name__)
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
 
 
 class _LeafTracer(fx.Tracer):
-    """fx's default tracer (torch.nn modules are leaves) plus user-chosen leaf module types."""
+    """fx's default tracer (torch.nn modules are leaves) plus user-chosen leaves.
 
-    def __init__(self, leaf_modules: tuple[type, ...] = ()):
+    Leaves are module types, class names, or (for the sequential fallback) qualified names.
+    It remembers the stack of modules being traced when tracing fails, to name the culprit.
+    """
+
+    def __init__(self, leaf_types: tuple[type, ...] = (), leaf_names: frozenset[str] = frozenset(),
+                 leaf_paths: frozenset[str] = frozenset()):
         super().__init__()
-        self.leaf_types = tuple(leaf_modules)
+        self.leaf_types = leaf_types
+        self.leaf_names = leaf_names
+        self.leaf_paths = leaf_paths
+        self.stack: list[tuple[str, str]] = []
+        self.failed_in: list[tuple[str, str]] | None = None
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return isinstance(m, self.leaf_types) or super().is_leaf_module(m, qualname)
+        return (isinstance(m, self.leaf_types) or _class_names(type(m)) & self.leaf_names
+                or qualname in self.leaf_paths or super().is_leaf_module(m, qualname))
+
+    def call_module(self, m: nn.Module, forward, args, kwargs):
+        self.stack.append((self.path_of_module(m), type(m).__name__))
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception:
+            if self.failed_in is None:
+                self.failed_in = list(self.stack)
+            raise
+        finally:
+            self.stack.pop()
 
 
-def trace_model(model: nn.Module, leaf_modules: tuple[type, ...] = ()) -> fx.GraphModule:
-    """Symbolically trace ``model``; module types in ``leaf_modules`` stay single nodes."""
-    tracer = _LeafTracer(leaf_modules)
-    graph = tracer.trace(model)
+def trace_model(model: nn.Module, leaf_modules: Iterable[type | str] = ()) -> fx.GraphModule:
+    """Symbolically trace ``model`` into a GraphModule (deterministic node order).
+
+    ``leaf_modules`` are module types or class names (``"Gate"`` or ``"pkg.mod.Gate"``) kept as
+    single nodes. Raises ``UserError`` for an unknown leaf name or an untraceable model.
+    """
+    types, names = _leaf_spec(model, leaf_modules)
+    tracer = _LeafTracer(types, names)
+    try:
+        graph = tracer.trace(model)
+    except Exception as e:  # fx raises TraceError, RuntimeError, TypeError, ... from user code
+        if isinstance(model, nn.Sequential) and len(model) > 0:
+            log.warning("torch.fx cannot trace %s (%s: %s); profiling it child by child, each child one node",
+                        type(model).__name__, type(e).__name__, _first_line(e))
+            tracer = _LeafTracer(types, names, frozenset(name for name, _ in model.named_children()))
+            graph = tracer.trace(model)
+        else:
+            raise UserError(untraceable_message(model, tracer.failed_in or [], e)) from None
     return fx.GraphModule(tracer.root, graph, model.__class__.__name__)
+
+
+def untraceable_message(model: nn.Module, failed_in: list[tuple[str, str]], error: BaseException) -> str:
+    """One line: which module and source line fx could not trace, and how to get around it."""
+    where = f"in module '{failed_in[-1][0]}' ({failed_in[-1][1]})" if failed_in else \
+        f"in {type(model).__name__}.forward"
+    frame = _user_frame(error)
+    at = f" at {os.path.basename(frame.filename)}:{frame.lineno} `{(frame.line or '').strip()}`" if frame else ""
+    fix = (f"mark it as a leaf so it is profiled as one node: --leaf {failed_in[-1][1]} (or "
+           f"leaf_modules=({failed_in[-1][1]},) in the ModelSpec, or the model spec suffix [leaf={failed_in[-1][1]}])"
+           if failed_in else
+           "move that code into a submodule and mark the submodule as a leaf (--leaf ClassName), "
+           "or build the model as an nn.Sequential of parts, which is profiled part by part")
+    return (f"torch.fx cannot trace {type(model).__name__} {where}{at}: {type(error).__name__}: "
+            f"{_first_line(error)}; {fix}")
+
+
+def _user_frame(error: BaseException) -> traceback.FrameSummary | None:
+    """The innermost frame of the traceback that is not torch's tracing machinery."""
+    frames = traceback.extract_tb(error.__traceback__)
+    def machinery(f: traceback.FrameSummary) -> bool:
+        return f.filename == __file__ or (f.filename.startswith(_TORCH_DIR) and
+                                          not (os.sep + os.path.join("nn", "modules") + os.sep in f.filename
+                                               and not f.filename.endswith("module.py")))
+    user = [f for f in frames if not machinery(f)]
+    return user[-1] if user else None
+
+
+def _first_line(error: BaseException) -> str:
+    """The error's first sentence (fx's messages go on for a paragraph)."""
+    text = str(error).strip()
+    line = text.splitlines()[0] if text else "(no message)"
+    return line.split(". ")[0] if len(line) > 120 else line
+
+
+def _class_names(cls: type) -> set[str]:
+    return {cls.__name__, cls.__qualname__, f"{cls.__module__}.{cls.__qualname__}"}
+
+
+def _leaf_spec(model: nn.Module, leaf_modules: Iterable[type | str]) -> tuple[tuple[type, ...], frozenset[str]]:
+    """Split leaves into types and class names; every name must match a module class in ``model``."""
+    types = tuple(x for x in leaf_modules if isinstance(x, type))
+    names = frozenset(x for x in leaf_modules if isinstance(x, str))
+    bad = [x for x in leaf_modules if not isinstance(x, (type, str))]
+    if bad:
+        raise UserError(f"leaf modules must be module classes or class names, got {bad[0]!r}")
+    present: set[str] = set()
+    for m in model.modules():
+        present |= _class_names(type(m))
+    unknown = sorted(names - present)
+    if unknown:
+        classes = sorted({type(m).__name__ for m in model.modules()})
+        raise UserError(f"leaf module {unknown[0]!r} is not a module class of {type(model).__name__}; "
+                        f"its classes are: {', '.join(classes)}")
+    return types, names
 
 
 @dataclass(frozen=True)
@@ -53,6 +160,25 @@ def node_infos(gm: fx.GraphModule) -> list[NodeInfo]:
                               type=_type_name(gm, node), params=params,
                               inputs=tuple(n.name for n in node.all_input_nodes)))
     return infos
+
+
+def graph_edges(gm: fx.GraphModule) -> list[tuple[int, int]]:
+    """Data edges ``(src_id, dst_id)`` between node ids (positions in graph order), sorted.
+
+    One edge per (producer, consumer) pair however often the consumer reads the value; this is
+    the edge list every profile holds and every consumer of a profile relies on.
+    """
+    index = {node: i for i, node in enumerate(gm.graph.nodes)}
+    return sorted({(index[src], index[node]) for node in gm.graph.nodes for src in node.all_input_nodes})
+
+
+def to_digraph(gm: fx.GraphModule) -> nx.DiGraph:
+    """The traced graph as a networkx DiGraph: node ids as keys, NodeInfo fields as attributes."""
+    g = nx.DiGraph()
+    for i, info in enumerate(node_infos(gm)):
+        g.add_node(i, **asdict(info))
+    g.add_edges_from(graph_edges(gm))
+    return g
 
 
 def _node_params(gm: fx.GraphModule, node: fx.Node) -> list[str]:
@@ -94,4 +220,4 @@ def _type_name(gm: fx.GraphModule, node: fx.Node) -> str:
     return node.op
 
 
-__all__ = ["trace_model", "node_infos", "NodeInfo"]
+__all__ = ["trace_model", "node_infos", "NodeInfo", "graph_edges", "to_digraph", "untraceable_message"]

@@ -21,7 +21,8 @@ class MLP(nn.Sequential):
         super().__init__(*blocks)
 
 
-def mlp(spec: str, features: int = 64, hidden: int = 128, layers: int = 4, classes: int = 10) -> ModelSpec:
+def mlp_spec(spec: str, features: int = 64, hidden: int = 128, layers: int = 4, classes: int = 10) -> ModelSpec:
+    """``mlp[features=64,hidden=128,layers=4,classes=10]``: input (features,) floats."""
     return ModelSpec(name=spec, build=lambda: MLP(features, hidden, layers, classes),
                      sample_shape=(features,), input_dtype=torch.float32,
                      loss=nn.functional.cross_entropy, num_classes=classes)

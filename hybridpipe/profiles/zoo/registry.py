@@ -4,6 +4,10 @@ Examples: ``alexnet``, ``gpt[layers=4,width=256,seq=128]``, ``mypkg.models:build
 ``mypkg.models:build[hidden=64]``. The spec string is recorded verbatim in profiles and
 plans, so every rank rebuilds exactly the same model.
 
+The argument ``leaf`` is reserved: ``[leaf=Gate+Router]`` adds module class names to the
+ModelSpec's ``leaf_modules`` (kept whole by the tracer) instead of being passed to the factory,
+so the tracing choice travels with the spec string to every rank.
+
 A user's factory returns an ``nn.Module``, or a tuple ``(module, example_input)`` or
 ``(module, example_input, loss_fn)``; ``example_input`` carries a batch dimension.
 """
@@ -12,7 +16,7 @@ from __future__ import annotations
 
 import importlib
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -34,7 +38,7 @@ class ModelSpec:
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]   # (output, target) -> mean loss
     target_shape: tuple[int, ...] = ()          # one target sample: () for a class id, (T,) for tokens
     num_classes: int = 0                        # targets are int64 in [0, num_classes)
-    leaf_modules: tuple[type, ...] = ()         # module types the tracer keeps whole
+    leaf_modules: tuple[type | str, ...] = ()   # module types / class names the tracer keeps whole
     example: torch.Tensor | None = None         # the user's example input, if the factory gave one
 
     def example_input(self, batch_size: int, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -52,17 +56,18 @@ class ModelSpec:
         return torch.randint(0, max(self.num_classes, 1), (batch_size, *self.target_shape), generator=generator)
 
 
-def parse_spec(spec: str) -> tuple[str, dict]:
+def parse_spec(spec: str, what: str = "model") -> tuple[str, dict]:
     """Split ``name[k=v,...]`` into the name and keyword arguments (ints, floats, bools, strings)."""
     m = _SPEC.match(spec.strip())
     if not m:
-        raise UserError(f"cannot read model {spec!r}: use a zoo name ({', '.join(zoo_names())}) or "
-                        "package.module:factory, optionally followed by [key=value,...]")
+        choices = f"a zoo name ({', '.join(zoo_names())}) or " if what == "model" else ""
+        raise UserError(f"cannot read {what} {spec!r}: use {choices}package.module:factory, "
+                        "optionally followed by [key=value,...]")
     kwargs: dict = {}
     for item in filter(None, (x.strip() for x in (m.group("args") or "").split(","))):
         key, eq, value = item.partition("=")
         if not eq or not key.strip().isidentifier():
-            raise UserError(f"model argument {item!r} in {spec!r} is not key=value")
+            raise UserError(f"{what} argument {item!r} in {spec!r} is not key=value")
         kwargs[key.strip()] = _literal(value.strip())
     return m.group("target"), kwargs
 
@@ -89,15 +94,32 @@ def resolve_model(spec: str) -> ModelSpec:
     from hybridpipe.profiles.zoo import ZOO
 
     target, kwargs = parse_spec(spec)
+    leaves = tuple(x for x in str(kwargs.pop("leaf", "")).split("+") if x)
     if ":" not in target:
         if target not in ZOO:
             raise UserError(f"unknown model {target!r}: the zoo has {', '.join(zoo_names())}; "
                             "for your own model pass package.module:factory")
         try:
-            return ZOO[target](spec, **kwargs)
+            model = ZOO[target](spec, **kwargs)
         except TypeError as e:
             raise UserError(f"bad arguments for zoo model {target!r}: {e}") from None
-    return _user_model(spec, target, kwargs)
+    else:
+        model = _user_model(spec, target, kwargs)
+    return replace(model, leaf_modules=model.leaf_modules + leaves) if leaves else model
+
+
+def with_leaves(spec: str, leaves: list[str]) -> str:
+    """``spec`` with module class names added to its reserved ``leaf`` argument (see the docstring)."""
+    if not leaves:
+        return spec
+    target, kwargs = parse_spec(spec)
+    names = [x for x in str(kwargs.pop("leaf", "")).split("+") if x]
+    names += [x for x in leaves if x not in names]
+    bad = [x for x in names if not all(part.isidentifier() for part in x.split("."))]
+    if bad:
+        raise UserError(f"leaf module {bad[0]!r} is not a class name (like Gate or mypkg.blocks.Gate)")
+    args = [f"{k}={v}" for k, v in kwargs.items()] + [f"leaf={'+'.join(names)}"]
+    return f"{target}[{','.join(args)}]"
 
 
 def import_factory(target: str, what: str) -> Callable:
