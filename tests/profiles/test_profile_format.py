@@ -1,0 +1,123 @@
+"""The Profile file: round trip and rejection of malformed files with one clear line."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from hybridpipe.errors import UserError
+from hybridpipe.profiles.format import Profile, load_profile, save_profile
+from hybridpipe.profiles.profiler import profile_model
+from hybridpipe.profiles.zoo import resolve_model
+
+
+@pytest.fixture(scope="module")
+def profile() -> Profile:
+    return profile_model(resolve_model("resnet-small[norm=none]"), batch_size=2, repeats=1, warmup=0, progress=False)
+
+
+def test_round_trip_through_a_file(profile, tmp_path):
+    path = save_profile(profile, tmp_path / "sub" / "p.json")
+    loaded = load_profile(path)
+    assert loaded == profile
+    assert loaded.signature() == profile.signature()
+    assert json.loads(path.read_text())["signature"] == profile.signature()
+    assert save_profile(loaded, tmp_path / "again.json").read_text() == path.read_text()
+
+
+def test_digraph_view_matches_edges(profile):
+    g = profile.digraph()
+    assert sorted(g.edges) == sorted(profile.edges)
+    assert g.nodes[1]["name"] == profile.nodes[1].name
+
+
+def _mutate(d: dict, how: str) -> object:
+    n = d["nodes"]
+    if how == "list":
+        return [d]
+    if how == "kind":
+        d["kind"] = "plan"
+    elif how == "format":
+        d["format"] = 2
+    elif how == "no_nodes":
+        del d["nodes"]
+    elif how == "empty_nodes":
+        d["nodes"] = []
+    elif how == "id_order":
+        n[2]["id"] = 5
+    elif how == "bad_op":
+        n[1]["op"] = "conv"
+    elif how == "negative_time":
+        n[1]["forward_ms"] = -1.0
+    elif how == "string_time":
+        n[1]["backward_ms"] = "fast"
+    elif how == "nan_time":
+        n[1]["forward_ms"] = float("nan")
+    elif how == "edge_backward":
+        d["edges"][0] = [3, 1]
+    elif how == "edge_range":
+        d["edges"].append([0, 9999])
+    elif how == "edge_shape":
+        d["edges"].append([1, 2, 3])
+    elif how == "duplicate_name":
+        n[2]["name"] = n[1]["name"]
+    elif how == "first_not_input":
+        n[0]["op"] = "call_module"
+    elif how == "no_output":
+        n[-1]["op"] = "call_function"
+    elif how == "param_twice":
+        n[2]["params"] = list(n[1]["params"])
+    elif how == "batch_mismatch":
+        d["input_shape"][0] = 3
+    elif how == "batch_zero":
+        d["batch_size"] = 0
+    elif how == "bool_int":
+        d["batch_size"] = True
+    elif how == "signature":
+        n[1]["target"] = "other"
+    elif how == "param_bytes":
+        n[1]["param_bytes"] = 0
+    elif how == "node_not_object":
+        n[3] = "conv"
+    elif how == "totals_negative":
+        d["totals"]["measured_ms"] = -5
+    return d
+
+
+MALFORMED = [
+    ("list", "expected a JSON object"), ("kind", "not a profile file"), ("format", "format 2 is not supported"),
+    ("no_nodes", 'missing required field "nodes"'), ("empty_nodes", '"nodes" is empty'),
+    ("id_order", "id is 5"), ("bad_op", "must be one of"), ("negative_time", "must be >= 0"),
+    ("string_time", "must be a number"), ("nan_time", "finite"), ("edge_backward", "goes backward"),
+    ("edge_range", "outside 0.."), ("edge_shape", "pair of node ids"), ("duplicate_name", "more than once"),
+    ("first_not_input", "input placeholder"), ("no_output", '"output" node'), ("param_twice", "owned by both"),
+    ("batch_mismatch", "does not start with batch_size"), ("batch_zero", "must be >= 1"),
+    ("bool_int", "must be an integer"), ("signature", "signature"), ("param_bytes", "param_bytes is 0"),
+    ("node_not_object", "node 3: expected an object"), ("totals_negative", "totals"),
+]
+
+
+@pytest.mark.parametrize("how, message", MALFORMED, ids=[m[0] for m in MALFORMED])
+def test_malformed_profile_is_rejected_with_one_clear_line(profile, tmp_path, how, message):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(_mutate(copy.deepcopy(profile.to_dict()), how)))
+    with pytest.raises(UserError) as err:
+        load_profile(path)
+    assert message in str(err.value) and "\n" not in str(err.value)
+    assert str(path) in str(err.value)
+
+
+@pytest.mark.parametrize("text, message", [("", "not valid JSON"), ("{\"kind\": ", "not valid JSON"),
+                                           ("\xff", "not valid JSON")])
+def test_unreadable_files_are_rejected(tmp_path, text, message):
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    with pytest.raises(UserError, match=message):
+        load_profile(path)
+
+
+def test_missing_file_is_rejected(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        load_profile(tmp_path / "nope.json")

@@ -1,0 +1,128 @@
+"""The profiler: per-node attribution, bytes, parameters, totals, and the node-sum check."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from hybridpipe.errors import UserError
+from hybridpipe.profiles.measure import nbytes, reference_pass
+from hybridpipe.profiles.profiler import profile_model
+from hybridpipe.profiles.timing import median_ms
+from hybridpipe.profiles.trace import trace_model
+from hybridpipe.profiles.zoo import resolve_model
+
+FAST = dict(repeats=2, warmup=1, progress=False)
+
+
+def by_name(profile):
+    return {n.name: n for n in profile.nodes}
+
+
+def test_deliberately_slow_backward_layer_has_the_largest_backward_time():
+    p = profile_model(resolve_model("tests.profiles.user_models:slow_backward[leaf=Sleepy]"), batch_size=4, **FAST)
+    slow = max(p.nodes, key=lambda n: n.backward_ms)
+    assert slow.type == "Sleepy" and slow.backward_ms >= 30
+    assert slow.forward_ms < 10                              # the time is attributed to backward only
+
+
+def test_deliberately_slow_forward_layer_has_the_largest_forward_time():
+    p = profile_model(resolve_model("tests.profiles.user_models:slow_forward[leaf=Sleepy]"), batch_size=4, **FAST)
+    slow = max(p.nodes, key=lambda n: n.forward_ms)
+    assert slow.type == "Sleepy" and slow.forward_ms >= 30 and slow.backward_ms < 10
+
+
+def test_node_sum_against_a_measured_full_step_is_recorded():
+    p = profile_model(resolve_model("tests.profiles.user_models:slow_backward[leaf=Sleepy]"), batch_size=4, **FAST)
+    t = p.totals
+    assert t.forward_ms == pytest.approx(sum(n.forward_ms for n in p.nodes), abs=1e-4)
+    assert t.backward_ms == pytest.approx(sum(n.backward_ms for n in p.nodes), abs=1e-4)
+    assert t.measured_ms >= 30                               # the full step includes the slow backward
+    assert t.ratio == pytest.approx((t.forward_ms + t.backward_ms) / t.measured_ms, rel=1e-3)
+    assert 0.5 < t.ratio < 2.0                               # dominated by the same 30 ms sleep
+
+
+def test_bytes_and_parameters_of_every_node():
+    ms = resolve_model("mlp[features=6,hidden=5,layers=2,classes=3]")
+    p = profile_model(ms, batch_size=7, **FAST)
+    nodes = p.nodes
+    assert [n.type for n in nodes] == ["placeholder", "Linear", "ReLU", "Linear", "ReLU", "Linear", "output"]
+    assert [n.activation_bytes for n in nodes] == [7 * 6 * 4, 7 * 5 * 4, 7 * 5 * 4, 7 * 5 * 4, 7 * 5 * 4, 7 * 3 * 4, 0]
+    assert [n.param_count for n in nodes] == [0, 6 * 5 + 5, 0, 5 * 5 + 5, 0, 5 * 3 + 3, 0]
+    assert all(n.param_bytes == 4 * n.param_count for n in nodes)
+    assert nodes[1].params == ("0.weight", "0.bias")
+    assert p.totals.param_count == sum(q.numel() for q in ms.build().parameters())
+    assert p.input_shape == (7, 6) and p.input_dtype == "float32" and p.dtype == "float32"
+    assert p.edges == tuple((i, i + 1) for i in range(6))
+    assert nodes[0].backward_ms == 0                        # the input needs no gradient
+    assert nodes[-1].backward_ms > 0                        # the output node carries the loss
+
+
+def test_activation_bytes_use_the_real_dtype_and_all_outputs():
+    class Split(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8).double()
+
+        def forward(self, x):
+            a, b = self.lin(x.double()).chunk(2, dim=1)
+            return (a * b).float()
+
+    gm = trace_model(Split())
+    env = reference_pass(gm, torch.randn(3, 8))
+    by = {n.name: env[n] for n in gm.graph.nodes}
+    assert nbytes(by["chunk"]) == 2 * 3 * 4 * 8             # both float64 halves
+    assert nbytes(by["lin"]) == 3 * 8 * 8 and nbytes(by["float_1"]) == 3 * 4 * 4
+    assert by["lin"].requires_grad and not by["x"].requires_grad and not by["double"].requires_grad
+
+
+def test_profile_of_a_resnet_keeps_the_skip_edges_and_integer_gpt_inputs():
+    p = profile_model(resolve_model("resnet-small[norm=none]"), batch_size=2, **FAST)
+    assert len(p.edges) > len(p.nodes) - 1                  # more edges than a chain
+    g = profile_model(resolve_model("gpt[layers=1,width=16,heads=2,seq=8,vocab=11]"), batch_size=2, **FAST)
+    assert g.input_dtype == "int64" and g.input_shape == (2, 8)
+    assert by_name(g)["embed"].param_count == 11 * 16 + 8 * 16
+
+
+def test_sequential_fallback_profiles_child_by_child():
+    p = profile_model(resolve_model("tests.profiles.user_models:gated_sequential"), batch_size=2, **FAST)
+    assert [n.type for n in p.nodes[1:-1]] == ["Linear", "Gate", "Gate", "Linear"]
+    assert by_name(p)["_1"].param_count == 8 * 8 + 8 and by_name(p)["_1"].backward_ms > 0
+
+
+def test_untraceable_user_model_is_a_user_error_and_leaf_fixes_it():
+    with pytest.raises(UserError, match="--leaf Gate"):
+        profile_model(resolve_model("tests.profiles.user_models:gated"), batch_size=2, **FAST)
+    p = profile_model(resolve_model("tests.profiles.user_models:gated[leaf=Gate]"), batch_size=2, **FAST)
+    assert [n.type for n in p.nodes] == ["placeholder", "Linear", "relu", "Gate", "Linear", "output"]
+    assert p.model == "tests.profiles.user_models:gated[leaf=Gate]"
+
+
+def test_cuda_requested_without_a_gpu_is_a_user_error():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(UserError, match="no CUDA device"):
+        profile_model(resolve_model("mlp"), batch_size=2, device="cuda", **FAST)
+
+
+@pytest.mark.cuda
+def test_profile_on_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    p = profile_model(resolve_model("resnet-small"), batch_size=8, device="cuda", **FAST)
+    assert p.device.startswith("cuda (") and p.totals.measured_ms > 0
+    assert all(n.forward_ms > 0 for n in p.nodes if n.op == "call_module")
+
+
+def test_median_ms_takes_the_median_after_warmup():
+    calls = []
+    durations = iter([0.05, 0.0, 0.0, 0.02, 0.0])          # warm-up slow, then one slow of three timed
+    import time
+
+    def run(_):
+        calls.append(1)
+        time.sleep(next(durations))
+
+    ms = median_ms(run, repeats=3, warmup=1)
+    assert len(calls) == 4 and ms < 15

@@ -1,0 +1,151 @@
+"""The `hybridpipe profile` and `hybridpipe show` commands end to end (in-process and as a subprocess)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hybridpipe.cli import main
+from hybridpipe.partitioner.calibration import Calibration, LinkFit, save_calibration
+from hybridpipe.partitioner.cluster import Cluster, Level
+from hybridpipe.partitioner.plan import LayerSync, Plan, Stage, save_plan
+from hybridpipe.profiles.format import load_profile
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICK = ["--repeats", "1", "--warmup", "0", "-q"]
+
+
+def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "hybridpipe.cli", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def mlp_profile(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("prof") / "mlp.json"
+    assert main(["profile", "mlp[layers=2]", "--batch-size", "4", *QUICK, "-o", str(out)]) == 0
+    return out
+
+
+def test_profile_writes_a_loadable_profile_and_a_summary(mlp_profile, capsys, tmp_path):
+    p = load_profile(mlp_profile)
+    assert p.model == "mlp[layers=2]" and p.batch_size == 4 and len(p.nodes) == 7
+    assert main(["profile", "mlp", *QUICK, "-o", str(tmp_path / "m.json")]) == 0
+    out = capsys.readouterr().out
+    assert "profiled mlp: 11 nodes" in out and "ratio" in out and str(tmp_path / "m.json") in out
+
+
+def test_show_profile_prints_every_node_and_the_totals(mlp_profile, capsys):
+    assert main(["show", str(mlp_profile)]) == 0
+    out = capsys.readouterr().out
+    p = load_profile(mlp_profile)
+    for n in p.nodes:
+        assert f" {n.name} " in out
+    assert "fwd ms" in out and "bwd ms" in out and "node sum / measured" in out
+    assert f"parameters {p.totals.param_count:,}" in out
+
+
+def test_show_profile_sorted_and_cut(mlp_profile, capsys):
+    assert main(["show", str(mlp_profile), "--sort", "params", "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.strip()[:1].isdigit() and "Linear" in line]
+    assert len(rows) == 2 and "shown 2 of 7 nodes (sorted by params)" in out
+    assert "8,320" in rows[0] or "16,512" in rows[0]      # the biggest Linear comes first
+
+
+def _cluster() -> Cluster:
+    return Cluster((Level("node", 1, 1000.0), Level("network", 4, 1.0, 50.0)), 16.0)
+
+
+def test_show_plan_has_the_stage_table(tmp_path, capsys):
+    plan = Plan(model="mlp", batch_size=4, input_shape=(4, 64), profile_signature="abc", cluster=_cluster(),
+                strategy="optimal", schedule="1f1b", micro_batches=4, optimizer="sgd",
+                stages=(Stage(0, 0, 4, 2, (0, 1), compute_ms=1.5, sync_ms=0.25, send_ms=0.125, memory_bytes=3 << 20,
+                              layers=(LayerSync("l0", ("0.weight",), 4096, "butterfly", 0.2, 0.1),)),
+                        Stage(1, 5, 10, 1, (2,), compute_ms=1.25)),
+                predicted_step_ms=9.5, predicted_samples_per_s=1684.2)
+    path = save_plan(plan, tmp_path / "plan.json")
+    assert main(["show", str(path), "--layers"]) == 0
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.startswith("stage  nodes"))
+    assert header.split() == ["stage", "nodes", "replicas", "ranks", "compute", "ms", "sync", "ms", "send", "ms",
+                              "memory"]
+    assert any(line.split()[:8] == ["0", "0-4", "2", "0,1", "1.50", "0.25", "0.12", "3.0"] for line in out.splitlines())
+    assert "butterfly" in out and "1f1b" in out and "network x4 @ 1 Gbit/s" in out
+
+
+def test_show_calibration_and_cluster(tmp_path, capsys):
+    cal = Calibration(world_size=4, hosts=4, backend="gloo", device="cpu", level="network", gamma_s_per_byte=1e-10,
+                      p2p=LinkFit(5e-5, 8e-9), algorithms={"ring": LinkFit(1e-4, 8.4e-9, 0.05)})
+    assert main(["show", str(save_calibration(cal, tmp_path / "cal.json"))]) == 0
+    out = capsys.readouterr().out
+    assert "4 ranks on 4 hosts" in out and "ring" in out and "0.952" in out and "5.0%" in out
+    cluster = tmp_path / "cluster.json"
+    cluster.write_text(json.dumps({"levels": [{"name": "node", "workers": 2, "bandwidth_gbps": 100}], "memory_gb": 8}))
+    assert main(["show", str(cluster)]) == 0
+    assert "cluster: 2 workers" in capsys.readouterr().out
+
+
+def test_show_refuses_an_unknown_kind(tmp_path, capsys):
+    path = tmp_path / "x.json"
+    path.write_text('{"kind": "recipe"}')
+    assert main(["show", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "not a file hybridpipe can show" in err and len(err.strip().splitlines()) == 1
+
+
+def test_malformed_profile_exits_2_with_one_line_and_no_traceback(mlp_profile, tmp_path):
+    data = json.loads(mlp_profile.read_text())
+    data["edges"][0] = [2, 1]
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(data))
+    result = run_cli("show", str(bad), timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+    assert "goes backward" in result.stderr and str(bad) in result.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["profile", "nosuchmodel"], "unknown model"),
+    (["profile", "tests.profiles.user_models:gated"], "--leaf Gate"),
+    (["profile", "mlp", "--leaf", "Gate"], "'Gate' is not a module class of MLP"),
+    (["profile", "mlp", "--batch-size", "0"], "batch size >= 1"),
+    (["show", "/nonexistent/p.json"], "does not exist"),
+])
+def test_user_errors_exit_2_with_one_line(args, message, capsys, tmp_path):
+    assert main([*args, *([] if args[0] == "show" else [*QUICK, "-o", str(tmp_path / "p.json")])]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_user_factory_model_with_leaf_option(tmp_path, capsys):
+    out = tmp_path / "gated.json"
+    assert main(["profile", "tests.profiles.user_models:gated[width=6]", "--leaf", "Gate", *QUICK,
+                 "-o", str(out)]) == 0
+    p = load_profile(out)
+    assert p.model == "tests.profiles.user_models:gated[width=6,leaf=Gate]"
+    assert [n.type for n in p.nodes] == ["placeholder", "Linear", "relu", "Gate", "Linear", "output"]
+    assert p.input_shape == (32, 6)
+
+
+def test_default_output_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["profile", "mlp[layers=1]", "-b", "2", *QUICK]) == 0
+    assert load_profile(tmp_path / "mlp_layers_1.json").batch_size == 2
+
+
+@pytest.mark.slow
+def test_alexnet_profile_command_of_the_issue(tmp_path):
+    out = tmp_path / "alexnet.json"
+    result = run_cli("profile", "alexnet", "--batch-size", "8", "-o", str(out), timeout=300)
+    assert result.returncode == 0, result.stderr
+    p = load_profile(out)
+    convs = [n.param_count for n in p.nodes if n.type in ("Conv2d", "Linear")]
+    assert convs == [34_944, 614_656, 885_120, 1_327_488, 884_992, 37_752_832, 16_781_312, 4_097_000]
+    assert p.totals.measured_ms > 0 and p.totals.ratio > 0
