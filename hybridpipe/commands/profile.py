@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import re
 
 from hybridpipe.profiles.format import save_profile
 from hybridpipe.profiles.profiler import profile_model
 from hybridpipe.profiles.zoo.registry import resolve_model, with_leaves, zoo_names
-
-log = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

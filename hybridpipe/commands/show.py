@@ -7,6 +7,7 @@ malformed file ends in one line naming the defect (exit 2).
 from __future__ import annotations
 
 import argparse
+import re
 
 from hybridpipe.errors import UserError
 from hybridpipe.jsonfile import read_json
@@ -65,9 +66,12 @@ def table(headers: list[str], rows: list[list[object]]) -> str:
     return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in cells])
 
 
+_NUMBER = re.compile(r"^-?[\d,]+(\.\d+)?( ?[KMG]?i?B|%)?$|^-?$")
+
+
 def _looks_numeric(text: str) -> bool:
-    return text.replace(",", "").replace(".", "", 1).replace(" ", "").rstrip("KMGTiB").lstrip("-").isdigit() \
-        or text in ("", "-")
+    """A number, possibly with thousands commas and a byte unit or %, or a placeholder dash."""
+    return bool(_NUMBER.match(text))
 
 
 def human_bytes(n: float) -> str:

@@ -4,6 +4,10 @@ A profile is a value: ``Profile.from_dict`` validates, ``to_dict`` serialises, `
 ``save`` touch files. Nodes are exactly the torch.fx graph's nodes in graph order (which is
 a topological order): the input placeholder(s) first and the ``output`` node last, so
 ``node.id`` is a position in topological order and edges always go forward.
+
+Costs are for one batch of ``batch_size`` samples, measured per node in isolation
+(``hybridpipe.profiles.profiler``). The ``output`` node carries the loss: its forward_ms and
+backward_ms are the loss's, and its activation_bytes are 0 (it creates no tensor).
 """
 
 from __future__ import annotations

@@ -10,7 +10,6 @@ node sums are checked against a timed full forward + loss + backward of the whol
 from __future__ import annotations
 
 import datetime
-import logging
 
 import torch
 from tqdm import tqdm
@@ -21,12 +20,13 @@ from hybridpipe.profiles.measure import measure_loss, measure_node, measure_step
 from hybridpipe.profiles.trace import graph_edges, node_infos, trace_model
 from hybridpipe.profiles.zoo.registry import ModelSpec
 
-log = logging.getLogger(__name__)
-
 
 def resolve_device(name: str) -> torch.device:
     """``cpu`` or ``cuda[:i]``; asking for CUDA on a machine without it is a UserError."""
-    device = torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UserError(f"device {name!r} is not a torch device; use cpu or cuda") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda was asked for but torch sees no CUDA device here; use --device cpu")
     if device.type not in ("cpu", "cuda"):
