@@ -1,0 +1,171 @@
+"""The emulated cluster for real: namespaces, shaping, a 2-host torchrun job, teardown after failures.
+
+Needs root with ``ip`` and ``tc`` (skipped with the reason otherwise). Each test builds its own
+cluster under a unique tag, so concurrent runs do not collide.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tools.emucluster import EmulatedCluster, HostCommandFailed, cleanup_leftovers, list_clusters, measure_goodput
+from tools.emucluster import netns
+from tools.emucluster.topology import host_ns, switch_ns
+
+REPO = Path(__file__).resolve().parents[2]
+JOB = str(Path(__file__).with_name("allreduce_job.py"))
+
+pytestmark = [
+    pytest.mark.root,
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root to create network namespaces"),
+    pytest.mark.skipif(not (shutil.which("ip") and shutil.which("tc")), reason="needs iproute2 (ip, tc)"),
+]
+
+
+def root_links() -> set[str]:
+    return {link["ifname"] for link in json.loads(subprocess.check_output(["ip", "-j", "link", "show"]))}
+
+
+def cli(*args: str, timeout: float = 60, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tools.emucluster", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout, **kw)
+
+
+def test_build_and_teardown_leave_nothing_behind_and_never_touch_the_root_namespace():
+    links_before = root_links()
+    with EmulatedCluster(3, "1gbit", mtu=9000) as cluster:
+        assert set(cluster.namespaces) <= set(netns.list_namespaces())
+        assert root_links() == links_before               # veth ends were born inside the namespaces
+        for host in cluster.hosts:
+            addrs = {i["ifname"]: i for i in json.loads(netns.ip(host.ns, "-j", "addr", "show"))}
+            assert set(addrs) == {"lo", "eth0"}
+            assert "UP" in addrs["lo"]["flags"] and "UP" in addrs["eth0"]["flags"]
+            assert addrs["eth0"]["mtu"] == 9000
+            assert [a["local"] for a in addrs["eth0"]["addr_info"] if a["family"] == "inet"] == [host.addr]
+            for ns, dev in ((host.ns, "eth0"), (cluster.switch.ns, f"h{host.index}")):
+                (tbf,) = [q for q in netns.qdisc_json(ns, dev) if q["kind"] == "tbf"]
+                assert tbf["options"]["rate"] * 8 == 10**9
+        ping = cluster.start(cluster.hosts[0], ["sleep", "30"])   # a process still running at teardown
+    assert ping.poll() is not None
+    assert not set(cluster.namespaces) & set(netns.list_namespaces())
+    assert root_links() == links_before
+
+
+def test_rate_limit_is_measured_within_ten_percent_of_nominal():
+    with EmulatedCluster(2, "1gbit") as cluster:
+        goodput = measure_goodput(cluster, seconds=2.0)
+    # TCP goodput at MTU 1500 is at most 1448/1514 = 95.6% of the wire rate tbf enforces.
+    assert 0.90 <= goodput.fraction <= 1.0, goodput
+
+
+def test_two_host_torchrun_job_all_reduces_over_the_emulated_network():
+    with EmulatedCluster(2, "1gbit") as cluster:
+        results = cluster.torchrun([JOB], timeout_s=90, env={"OMP_NUM_THREADS": "1"})
+    reports = sorted((json.loads(r.stdout.strip().splitlines()[-1]) for r in results), key=lambda r: r["rank"])
+    assert [r["rank"] for r in reports] == [0, 1]
+    assert all(r["sum"] == 3.0 and r["world"] == 2 and r["ifname"] == "eth0" for r in reports)
+    assert {r["host"] for r in reports} == {"0", "1"}
+
+
+def test_a_failing_host_stops_the_others_and_names_itself():
+    with EmulatedCluster(2, "1gbit") as cluster:
+        t0 = time.monotonic()
+        with pytest.raises(HostCommandFailed, match=r"host 1 exited with 3") as err:
+            cluster.run(lambda h: ["sh", "-c", "sleep 60" if h.index == 0 else "echo boom >&2; exit 3"],
+                        timeout_s=60)
+        assert time.monotonic() - t0 < 20
+        assert "boom" in str(err.value)
+        assert err.value.results[0].stopped
+        assert all(not netns.namespace_pids(h.ns) for h in cluster.hosts)
+
+
+def test_a_run_past_its_timeout_is_killed():
+    with EmulatedCluster(2, None) as cluster:
+        with pytest.raises(HostCommandFailed, match="ran past its timeout"):
+            cluster.run(["sleep", "60"], timeout_s=1.0)
+        assert all(not netns.namespace_pids(h.ns) for h in cluster.hosts)
+
+
+def test_an_exception_inside_the_block_still_tears_everything_down():
+    with pytest.raises(RuntimeError, match="user code failed"):
+        with EmulatedCluster(2, "1gbit") as cluster:
+            proc = cluster.start(cluster.hosts[1], ["sleep", "60"])
+            raise RuntimeError("user code failed")
+    assert proc.poll() is not None
+    assert not set(cluster.namespaces) & set(netns.list_namespaces())
+
+
+def test_leftovers_of_a_killed_owner_are_cleaned_up_and_live_clusters_are_kept():
+    code = ("import os, time; from tools.emucluster import EmulatedCluster; "
+            "c = EmulatedCluster(2, '1gbit').up(); c.start(c.hosts[0], ['sleep', '60']); "
+            "print(c.tag, flush=True); time.sleep(60)")
+    owner = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        tag = owner.stdout.readline().strip()
+    finally:
+        owner.kill()
+        owner.wait()
+    assert tag in list_clusters()
+    with EmulatedCluster(1, None) as mine:
+        removed = cleanup_leftovers()
+        assert set(removed) == {host_ns(tag, 0), host_ns(tag, 1), switch_ns(tag)}
+        assert mine.tag in list_clusters()
+    assert tag not in list_clusters()
+
+
+def test_cli_interrupt_tears_down_the_transient_cluster():
+    proc = subprocess.Popen([sys.executable, "-m", "tools.emucluster", "run", "--hosts", "2", "--", "sleep", "60"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 20
+    tags = set()
+    while time.monotonic() < deadline and not tags:
+        tags = {t for t in list_clusters() if t.startswith(f"{proc.pid}x")}
+        time.sleep(0.1)
+    assert tags, "the CLI never built its cluster"
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err
+    assert not tags & set(list_clusters())
+
+
+def test_cli_up_exec_list_down():
+    name = f"t{os.getpid()}"
+    try:
+        up = cli("up", name, "--hosts", "2", "--rate", "100mbit", "--mtu", "1400")
+        assert up.returncode == 0, up.stderr
+        listed = cli("list")
+        assert name in listed.stdout and "100 Mbit/s" in listed.stdout and "1400" in listed.stdout
+        ex = cli("exec", name, "1", "--", "sh", "-c", "echo $RANK $EMUCLUSTER_ADDR")
+        assert ex.returncode == 0 and ex.stdout.split() == ["1", "10.213.0.2"]
+        again = cli("up", name, "--hosts", "2")
+        assert again.returncode == 2 and "already exists" in again.stderr
+    finally:
+        down = cli("down", name)
+    assert down.returncode == 0 and name not in list_clusters()
+
+
+def test_refuses_clearly_without_ip_and_tc_or_without_root():
+    no_tools = cli("run", "--hosts", "2", "--", "true", env={**os.environ, "PATH": "/nonexistent"})
+    assert no_tools.returncode == 2 and "ip and tc not found" in no_tools.stderr
+    if shutil.which("setpriv"):
+        nobody = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable,
+                                 "-m", "tools.emucluster", "list"], cwd=REPO, capture_output=True, text=True,
+                                timeout=60)
+        assert nobody.returncode == 2 and "needs root" in nobody.stderr
+
+
+@pytest.mark.slow
+def test_four_hosts_torchrun_and_senders_share_the_receivers_link():
+    with EmulatedCluster(4, "1gbit") as cluster:
+        incast = measure_goodput(cluster, senders=(1, 2, 3), dst=0, seconds=2.0)
+        assert 0.85 <= incast.fraction <= 1.0, incast       # three senders share host 0's one link
+        results = cluster.torchrun([JOB], timeout_s=120, env={"OMP_NUM_THREADS": "1"})
+    assert sorted(json.loads(r.stdout.strip().splitlines()[-1])["rank"] for r in results) == [0, 1, 2, 3]
