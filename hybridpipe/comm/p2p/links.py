@@ -1,0 +1,350 @@
+"""Everything one rank does with one peer, in each of the three modes.
+
+* :class:`PerTensorLink` (``per-tensor``, PipeDream's original): a thread per direction and
+  tensor slot ("lane"); tensor i of every message travels on lane i with blocking operations.
+* :class:`SaLink` (``sa``, seed 003's impl-SA): one send and one receive thread; all tensors of
+  a message are posted non-blocking, then waited for in order.
+* :class:`SraLink` (``sra``, impl-SRA): one thread that performs the link's transfers in both
+  directions in an order fixed in advance (see order.py), in lockstep with the peer's thread.
+
+Receive threads of ``per-tensor`` and ``sa`` always have the next receive posted (they prefetch
+without bound), so a send never waits for the receiving program: any program that would run
+with unbounded buffers runs here, whatever the stage graph (fan-in, skip edges). A link ends
+with a CLOSE frame in each direction (see Channels.close).
+
+Background threads wait on the backend with ``idle_timeout`` (a liveness bound: a link with
+no progress for that long is dead); the caller's own waits use the channel's ``timeout``.
+A failure in any thread of a link is sticky and reaches the caller on its next operation with
+that peer, after the messages that arrived before it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from hybridpipe.comm.p2p.device import SideStream
+from hybridpipe.comm.p2p.errors import P2PError, PeerLost, ProtocolError, classify_transport_error
+from hybridpipe.comm.p2p.frames import Frame, FrameReceiver, FrameSender
+from hybridpipe.comm.p2p.groups import PairGroups
+from hybridpipe.comm.p2p.mailbox import Counter, Mailbox, Outbox
+from hybridpipe.comm.p2p.order import RECV, SEND, Cursor, Op, keys_of
+from hybridpipe.comm.p2p.wire import Flag
+
+log = logging.getLogger(__name__)
+
+TransferHook = Callable[[int, str, int, float, float], None]
+
+
+@dataclass(frozen=True)
+class LinkConfig:
+    idle_timeout: float
+    clock: Callable[[], float]
+    on_transfer: TransferHook | None
+    dedicated_streams: bool = True
+
+
+@dataclass
+class Submission:
+    key: str
+    items: list[tuple[str, torch.Tensor]]
+    ready: "torch.cuda.Event | None"
+    msg: int = 0
+    parts: int = 0
+
+
+@dataclass
+class Message:
+    key: str
+    tensors: dict[str, torch.Tensor]
+    events: tuple
+
+
+class _Close:
+    """Outbox item asking a send thread to send CLOSE and stop."""
+
+
+CLOSE = _Close()
+
+
+class Link:
+    """Base: sticky failure, completion counting, threads, notification."""
+
+    mode = ""
+
+    def __init__(self, peer: int, groups: PairGroups, cfg: LinkConfig, lanes: int = 1) -> None:
+        self.peer = peer
+        self.rank = groups.rank
+        self.cfg = cfg
+        self.sent = Counter()
+        self.last_sent_key: str | None = None
+        self.closed_by_peer = False
+        self.threads: list[threading.Thread] = []
+        self.senders = [self._end(FrameSender, groups.outbound(peer, i), groups) for i in range(lanes)]
+        self.receivers = [self._end(FrameReceiver, groups.inbound(peer, i), groups) for i in range(lanes)]
+        self.inboxes: list[Mailbox] = [Mailbox() for _ in range(lanes)]
+
+    def _end(self, cls, route, groups: PairGroups):
+        stream = SideStream(groups.device, dedicated=self.cfg.dedicated_streams)
+        return cls(route, self.peer, stream, self.cfg.clock)
+
+    # ---- caller side -------------------------------------------------------------------
+    def submit(self, key: str, items: list[tuple[str, torch.Tensor]], ready) -> None:
+        raise NotImplementedError
+
+    def take(self, key: str, deadline: float) -> Message:
+        raise NotImplementedError
+
+    def request_close(self) -> None:
+        raise NotImplementedError
+
+    def check_usable(self, what: str) -> None:
+        """Raise the link's failure, or PeerLost if the peer closed, before posting ``what``."""
+        err = self.sent.error
+        if err is not None:
+            raise type(err)(self.peer, what, err.detail) from err
+        if self.closed_by_peer:
+            raise PeerLost(self.peer, what, f"rank {self.peer} closed its channels")
+
+    def wait_sent(self, deadline: float) -> None:
+        self.sent.wait_for(self.sent.posted, deadline)
+
+    def start(self) -> None:
+        for t in self.threads:
+            t.start()
+
+    def join(self, deadline: float) -> list[str]:
+        """Join the threads until ``deadline``; return the names of those still running."""
+        for t in self.threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        return [t.name for t in self.threads if t.is_alive()]
+
+    def undelivered(self) -> list[str]:
+        return [getattr(x, "key", "?") for box in self.inboxes for x in box.drain()]
+
+    # ---- thread side -------------------------------------------------------------------
+    def _thread(self, target: Callable[[], None], role: str) -> None:
+        name = f"p2p-{self.mode}-{self.rank}-{self.peer}-{role}"
+        self.threads.append(threading.Thread(target=self._guarded, args=(target,), name=name, daemon=True))
+
+    def _guarded(self, target: Callable[[], None]) -> None:
+        try:
+            target()
+        except P2PError as e:
+            self._fail(e)
+        except Exception as e:          # noqa: BLE001 - any failure must reach the caller
+            log.exception("p2p thread for rank %d failed", self.peer)
+            self._fail(classify_transport_error(e, self.peer, "the link"))
+
+    def _fail(self, err: P2PError) -> None:
+        self.sent.fail(err)
+        for box in self.inboxes:
+            box.fail(err)
+
+    def _deadline(self) -> float:
+        return time.monotonic() + self.cfg.idle_timeout
+
+    def _notify(self, key: str, nbytes: int, t0: float, t1: float) -> None:
+        if self.cfg.on_transfer is None:
+            return
+        try:
+            self.cfg.on_transfer(self.peer, key, nbytes, t0, t1)
+        except Exception:               # noqa: BLE001 - a broken recorder must not break the link
+            log.exception("on_transfer callback failed")
+
+    def _send(self, sender: FrameSender, sub: Submission) -> None:
+        posted = sender.post(sub.key, sub.msg, sub.parts, sub.items, ready=sub.ready)
+        t1 = sender.complete(posted, self._deadline())
+        self.sent.complete()
+        self._notify(sub.key, posted.header.payload_bytes, posted.t0, t1)
+
+    def _send_close(self, sender: FrameSender) -> None:
+        sender.complete(sender.post("close", 0, 0, [], flags=Flag.CLOSE), self._deadline())
+
+    def _received(self, box: Mailbox, frame: Frame, item) -> bool:
+        """Deliver ``item`` (False and mark the peer closed if the frame is CLOSE)."""
+        if frame.header.flags & Flag.CLOSE:
+            self.closed_by_peer = True
+            box.fail(PeerLost(self.peer, "the next message", f"rank {self.peer} closed its channels"))
+            return False
+        box.put(item)
+        self._notify(frame.key, frame.nbytes, frame.t0, frame.t1)
+        return True
+
+    def _mismatch(self, key: str, found: str) -> ProtocolError:
+        return ProtocolError(self.peer, f"recv {key!r}", f"the next message from rank {self.peer} is "
+                             f"{found!r}; both ranks must send and receive in the same order")
+
+
+class SaLink(Link):
+    mode = "sa"
+
+    def __init__(self, peer: int, groups: PairGroups, cfg: LinkConfig) -> None:
+        super().__init__(peer, groups, cfg)
+        self.outbox: Outbox = Outbox()
+        self.msg_out = 0
+        self._thread(self._send_loop, "send")
+        self._thread(self._recv_loop, "recv")
+
+    def submit(self, key, items, ready) -> None:
+        self.check_usable(f"send {key!r}")
+        self.sent.post()
+        self.last_sent_key = key
+        self.outbox.put(Submission(key, items, ready, self.msg_out, len(items)))
+        self.msg_out += 1
+
+    def take(self, key: str, deadline: float) -> Message:
+        box = self.inboxes[0]
+        if (head := box.peek(deadline)).key != key:
+            raise self._mismatch(key, head.key)
+        return box.pop()
+
+    def request_close(self) -> None:
+        self.outbox.put(CLOSE)
+
+    def _send_loop(self) -> None:
+        while (item := self.outbox.get()) is not CLOSE:
+            self._send(self.senders[0], item)
+        self._send_close(self.senders[0])
+
+    def _recv_loop(self) -> None:
+        while True:
+            f = self.receivers[0].receive(self._deadline())
+            if not self._received(self.inboxes[0], f, Message(f.key, f.tensors, (f.event,))):
+                return
+
+
+class PerTensorLink(Link):
+    mode = "per-tensor"
+
+    def __init__(self, peer: int, groups: PairGroups, cfg: LinkConfig) -> None:
+        super().__init__(peer, groups, cfg, lanes=groups.lanes)
+        self.lanes = groups.lanes
+        self.outboxes: list[Outbox] = [Outbox() for _ in range(self.lanes)]
+        self.msg_out = 0
+        self.msg_in = 0
+        for lane in range(self.lanes):
+            self._thread(lambda lane=lane: self._send_loop(lane), f"send{lane}")
+            self._thread(lambda lane=lane: self._recv_loop(lane), f"recv{lane}")
+
+    def submit(self, key, items, ready) -> None:
+        if len(items) > self.lanes:
+            raise ValueError(f"a message of {len(items)} tensors needs {len(items)} lanes in per-tensor mode, "
+                             f"but the groups have {self.lanes}; open the channels with max_tensors>={len(items)}")
+        self.check_usable(f"send {key!r}")
+        self.last_sent_key = key
+        for lane in range(max(len(items), 1)):      # lane 0 always carries the message header
+            self.sent.post()
+            self.outboxes[lane].put(Submission(key, items[lane:lane + 1], ready, self.msg_out, len(items)))
+        self.msg_out += 1
+
+    def take(self, key: str, deadline: float) -> Message:
+        head: Frame = self.inboxes[0].peek(deadline)
+        if head.key != key:
+            raise self._mismatch(key, head.key)
+        if head.header.msg != self.msg_in:
+            raise ProtocolError(self.peer, f"recv {key!r}", f"message {head.header.msg} arrived where "
+                                f"{self.msg_in} was expected")
+        frames = [head]
+        for lane in range(1, head.header.parts):    # peek all before popping: a timeout loses nothing
+            f = self.inboxes[lane].peek(deadline)
+            if f.key != key or f.header.msg != head.header.msg:
+                raise ProtocolError(self.peer, f"recv {key!r}", f"lane {lane} carries message "
+                                    f"{f.header.msg} ({f.key!r}) where {head.header.msg} ({key!r}) was expected")
+            frames.append(f)
+        for lane in range(len(frames)):
+            self.inboxes[lane].pop()
+        self.msg_in += 1
+        tensors = {name: t for f in frames for name, t in f.tensors.items()}
+        return Message(key, tensors, tuple(f.event for f in frames))
+
+    def request_close(self) -> None:
+        for box in self.outboxes:
+            box.put(CLOSE)
+
+    def _send_loop(self, lane: int) -> None:
+        while (item := self.outboxes[lane].get()) is not CLOSE:
+            self._send(self.senders[lane], item)
+        self._send_close(self.senders[lane])
+
+    def _recv_loop(self, lane: int) -> None:
+        while True:
+            f = self.receivers[lane].receive(self._deadline())
+            if not self._received(self.inboxes[lane], f, f):
+                return
+
+
+class SraLink(Link):
+    mode = "sra"
+
+    def __init__(self, peer: int, groups: PairGroups, cfg: LinkConfig, order: Sequence[Op]) -> None:
+        super().__init__(peer, groups, cfg)
+        self.order = list(order)
+        self.send_keys = Cursor(keys_of(self.order, SEND))
+        self.recv_keys = Cursor(keys_of(self.order, RECV))
+        self.outbox: Outbox = Outbox(on_starve=self.inboxes[0].poke)
+        self.msg_out = 0
+        self._thread(self._loop, "sendrecv")
+
+    def submit(self, key, items, ready) -> None:
+        expected = self.send_keys.peek()
+        if expected != key:
+            raise ProtocolError(self.peer, f"send {key!r}", "the sra order " + (
+                f"expects {expected!r} as the next send to this rank" if expected else "has no sends to this rank"))
+        self.check_usable(f"send {key!r}")
+        self.send_keys.advance()
+        self.sent.post()
+        self.last_sent_key = key
+        self.outbox.put(Submission(key, items, ready, self.msg_out, len(items)))
+        self.msg_out += 1
+
+    def take(self, key: str, deadline: float) -> Message:
+        expected = self.recv_keys.peek()
+        if expected != key:
+            raise ProtocolError(self.peer, f"recv {key!r}", "the sra order " + (
+                f"expects {expected!r} as the next receive from this rank" if expected
+                else "has no receives from this rank"))
+        box = self.inboxes[0]
+        if (head := box.peek(deadline, check=lambda: self._starved(key))).key != key:
+            raise self._mismatch(key, head.key)
+        self.recv_keys.advance()
+        return box.pop()
+
+    def _starved(self, key: str) -> ProtocolError | None:
+        waiting = self.outbox.starved()
+        if waiting is None:
+            return None
+        return ProtocolError(self.peer, f"recv {key!r}", f"the sra order sends {waiting!r} to rank {self.peer} "
+                             "before this receive and it has not been sent: that would deadlock; send it "
+                             "first or fix the order")
+
+    def request_close(self) -> None:
+        self.outbox.put(CLOSE)
+
+    def _loop(self) -> None:
+        sender, receiver, box = self.senders[0], self.receivers[0], self.inboxes[0]
+        i = 0
+        while True:
+            op, key = self.order[i % len(self.order)] if self.order else (SEND, "close")
+            if op == SEND:
+                item = self.outbox.get(waiting_for=key if self.order else None)
+                if item is CLOSE:
+                    return self._close_first(sender, receiver)
+                self._send(sender, item)
+            else:
+                f = receiver.receive(self._deadline(), f"recv {key!r}")
+                if not self._received(box, f, Message(f.key, f.tensors, (f.event,))):
+                    return self._send_close(sender)     # the peer closed first: answer
+            i += 1
+
+    def _close_first(self, sender: FrameSender, receiver: FrameReceiver) -> None:
+        """We close while the peer's thread waits to receive: send CLOSE, then await its CLOSE."""
+        self._send_close(sender)
+        while not (f := receiver.receive(self._deadline(), "the peer's close")).header.flags & Flag.CLOSE:
+            log.warning("rank %d sent %r while closing; dropped", self.peer, f.key)
+        self.closed_by_peer = True

@@ -1,0 +1,173 @@
+"""Thread-safe hand-over points between the caller and the communication threads.
+
+:class:`Mailbox` is a FIFO a background thread fills and a caller drains with a deadline. A
+failure of the background side is *sticky*: it is raised to every later taker, but only after
+the items that arrived before it (messages received before a peer died are still valid).
+:class:`Outbox` is the FIFO in the other direction; it also tells whether its consumer is
+blocked waiting for a particular item. :class:`Counter` counts completed operations so that
+``flush`` can wait for a number.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Callable, Generic, TypeVar
+
+from hybridpipe.comm.p2p.errors import P2PError
+
+T = TypeVar("T")
+
+
+class Expired(Exception):
+    """The deadline passed (the caller turns this into P2PTimeout with its own context)."""
+
+
+class Mailbox(Generic[T]):
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._items: deque[T] = deque()
+        self._error: P2PError | None = None
+
+    def put(self, item: T) -> None:
+        with self._cv:
+            self._items.append(item)
+            self._cv.notify_all()
+
+    def fail(self, error: P2PError) -> None:
+        """Record the first failure and wake every waiter."""
+        with self._cv:
+            if self._error is None:
+                self._error = error
+            self._cv.notify_all()
+
+    def poke(self) -> None:
+        """Wake waiters so they re-evaluate their ``check`` callback."""
+        with self._cv:
+            self._cv.notify_all()
+
+    @property
+    def error(self) -> P2PError | None:
+        return self._error
+
+    def __len__(self) -> int:
+        with self._cv:
+            return len(self._items)
+
+    def peek(self, deadline: float, check: Callable[[], P2PError | None] | None = None) -> T:
+        """Wait (until ``deadline``, a ``time.monotonic()`` value) for the head item; do not remove it.
+
+        Raises the sticky error once no items are left, the error ``check`` returns (evaluated on
+        every wake-up), or :class:`Expired`.
+        """
+        with self._cv:
+            while True:
+                if self._items:
+                    return self._items[0]
+                if self._error is not None:
+                    raise self._error
+                if check is not None and (err := check()) is not None:
+                    raise err
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise Expired()
+                self._cv.wait(left)
+
+    def pop(self) -> T:
+        with self._cv:
+            return self._items.popleft()
+
+    def take(self, deadline: float, check: Callable[[], P2PError | None] | None = None) -> T:
+        with self._cv:
+            self.peek(deadline, check)
+            return self._items.popleft()
+
+    def drain(self) -> list[T]:
+        with self._cv:
+            items = list(self._items)
+            self._items.clear()
+            return items
+
+
+class Counter:
+    """A monotonically increasing count of completed operations, with a sticky failure."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._posted = 0
+        self._done = 0
+        self._error: P2PError | None = None
+
+    def post(self) -> int:
+        with self._cv:
+            self._posted += 1
+            return self._posted
+
+    def complete(self) -> None:
+        with self._cv:
+            self._done += 1
+            self._cv.notify_all()
+
+    def fail(self, error: P2PError) -> None:
+        with self._cv:
+            if self._error is None:
+                self._error = error
+            self._cv.notify_all()
+
+    @property
+    def error(self) -> P2PError | None:
+        return self._error
+
+    @property
+    def posted(self) -> int:
+        return self._posted
+
+    def wait_for(self, n: int, deadline: float) -> None:
+        """Wait until ``n`` operations completed; raise the failure or :class:`Expired`."""
+        with self._cv:
+            while self._done < n:
+                if self._error is not None:
+                    raise self._error
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise Expired()
+                self._cv.wait(left)
+
+
+class Outbox(Generic[T]):
+    """FIFO from the caller to a communication thread (never times out: the thread idles here).
+
+    ``on_starve`` is called (without the lock held) when the consumer starts waiting for a
+    named item on an empty outbox, so that whoever watches :meth:`starved` can re-check.
+    """
+
+    def __init__(self, on_starve: Callable[[], None] | None = None) -> None:
+        self._cv = threading.Condition()
+        self._items: deque[T] = deque()
+        self._waiting_for: str | None = None
+        self._on_starve = on_starve
+
+    def put(self, item: T) -> None:
+        with self._cv:
+            self._items.append(item)
+            self._cv.notify_all()
+
+    def get(self, waiting_for: str | None = None) -> T:
+        """Block until an item is there; meanwhile :meth:`starved` reports ``waiting_for``."""
+        with self._cv:
+            if self._items:
+                return self._items.popleft()
+            self._waiting_for = waiting_for
+        if self._on_starve is not None and waiting_for is not None:
+            self._on_starve()
+        with self._cv:
+            while not self._items:
+                self._cv.wait()
+            self._waiting_for = None
+            return self._items.popleft()
+
+    def starved(self) -> str | None:
+        """What the consumer is blocked waiting for, if it is blocked on an empty outbox."""
+        with self._cv:
+            return self._waiting_for if not self._items else None
