@@ -70,49 +70,35 @@ def format_rate(bits_per_s: int | None) -> str:
     return f"{bits_per_s} bit/s"
 
 
-PEAK_SHAPING_MAX_BITS = 2 * 10**9   # above this, the peak bucket's timer cannot keep up (2 cores)
-PEAK_FACTOR = 1.02
-
-
 @dataclass(frozen=True)
 class TbfParams:
-    """Arguments of ``tc qdisc add ... tbf``: rate (bit/s), bucket and queue (bytes), optional peak bucket."""
+    """Arguments of ``tc qdisc add ... tbf``: rate (bit/s), bucket (bytes), queue limit (bytes)."""
 
     rate_bits: int
     burst_bytes: int
     limit_bytes: int
-    peak_bits: int | None = None     # peakrate: how fast a full bucket may drain
-    peak_bytes: int | None = None    # the peak bucket ("mtu"): the largest packet sent at once
 
     def tc_args(self) -> list[str]:
-        args = ["tbf", "rate", f"{self.rate_bits}bit", "burst", str(self.burst_bytes),
+        return ["tbf", "rate", f"{self.rate_bits}bit", "burst", str(self.burst_bytes),
                 "limit", str(self.limit_bytes)]
-        if self.peak_bits:
-            args += ["peakrate", f"{self.peak_bits}bit", "mtu", str(self.peak_bytes)]
-        return args
 
 
 def tbf_params(rate_bits: int, mtu: int) -> TbfParams:
-    """A token bucket that lets TCP reach the nominal rate and keeps bursts near line rate.
+    """A token bucket that lets TCP reach the nominal rate without bursting far above it.
 
     Bucket: one millisecond at line rate, at least a 64 KiB GSO packet plus one MTU (veth
     hands tbf segmentation-offloaded packets up to 64 KiB; a smaller bucket makes tbf split
-    every one of them, and TCP then reaches only ~50-75% of the rate here). Queue: 10 ms at
+    every one of them, and TCP then reaches only 50-75% of the rate here). Queue: 10 ms at
     line rate, at least 4 buckets, like a shallow switch buffer.
 
-    A full bucket alone would let a message of up to a millisecond's worth (125 KB at
-    1 Gbit/s) leave an idle link at once. Up to 2 Gbit/s a peak bucket of one GSO packet
-    draining at 1.02x line rate prevents that: beyond its first 64 KiB a message takes its
-    serialisation time, at no cost in TCP goodput (0.955 Gbit/s measured). Above 2 Gbit/s
-    the peak bucket's timer cannot keep up on this machine (10 Gbit/s fell to ~5.6), so it
-    is left out there.
+    The price: a full bucket lets up to a millisecond's worth (125 KB at 1 Gbit/s) leave an
+    idle link at once, so short messages are faster than on a real NIC. A peak bucket
+    (``peakrate``) would fix that but its per-packet timers cost so much CPU that with 8
+    hosts on 2 cores a 16 MB all-reduce took 4x longer; it is not used.
     """
     rate_bytes = rate_bits / 8
-    gso_packet = 65536 + mtu
-    burst = max(int(rate_bytes * 1e-3), gso_packet)
+    burst = max(int(rate_bytes * 1e-3), 65536 + mtu)
     limit = max(int(rate_bytes * 10e-3), 4 * burst)
-    if rate_bits <= PEAK_SHAPING_MAX_BITS:
-        return TbfParams(rate_bits, burst, limit, int(rate_bits * PEAK_FACTOR), gso_packet)
     return TbfParams(rate_bits, burst, limit)
 
 
