@@ -133,10 +133,12 @@ class Channels:
         hand_over(msg.tensors, msg.events)
         return msg.tensors
 
-    def flush(self) -> None:
-        """Wait until every posted send has completed (at most ``timeout`` seconds in all)."""
+    def flush(self, peer: int | None = None) -> None:
+        """Wait until every posted send (to ``peer``, or to all peers) has completed, at most
+        ``timeout`` seconds in all. Raises the failure of any link it waits on."""
+        links = self._links if peer is None else {peer: self._link(peer)}
         self._check_open()
-        self._flush(time.monotonic() + self.timeout)
+        self._flush(links, time.monotonic() + self.timeout)
 
     def close(self) -> None:
         """Flush, tell every peer we are done, and stop the threads.
@@ -149,7 +151,7 @@ class Channels:
         self._closed = True
         deadline = time.monotonic() + self.timeout
         try:
-            self._flush(deadline)
+            self._flush(self._links, deadline)
         except P2PError as e:
             log.warning("rank %d: closing with unsent messages: %s", self.rank, e)
         for link in self._links.values():
@@ -182,8 +184,8 @@ class Channels:
         if self._closed:
             raise RuntimeError("these channels are closed")
 
-    def _flush(self, deadline: float) -> None:
-        for peer, link in self._links.items():
+    def _flush(self, links: Mapping[int, Link], deadline: float) -> None:
+        for peer, link in links.items():
             what = f"flush (sends up to {link.last_sent_key!r})"
             try:
                 link.wait_sent(deadline)
@@ -198,7 +200,7 @@ class Channels:
         posted = {p: link.senders[0].post(self._hello[p][0], 0, 0, [], flags=Flag.HELLO)
                   for p, link in self._links.items()}
         for p, link in self._links.items():
-            what = "its channels to open (a HELLO)"
+            what = "hello (opening channels)"
             try:
                 frame = link.receivers[0].receive(deadline, what)
             except P2PTimeout as e:

@@ -8,6 +8,8 @@ bug in hybridpipe) so the CLI and launch.py print them on one line and exit non-
 
 from __future__ import annotations
 
+import re
+
 from hybridpipe.errors import UserError
 
 
@@ -60,10 +62,18 @@ def classify_transport_error(exc: BaseException, peer: int, what: str) -> P2PErr
     """
     if isinstance(exc, P2PError):
         return exc
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    text = _first_sentence(str(exc)) or type(exc).__name__
     low = text.lower()
     if any(m in low for m in _TIMEOUT_MARKERS):
         return P2PTimeout(peer, what, f"backend timeout ({text})")
     if any(m in low for m in _LOST_MARKERS):
         return PeerLost(peer, what, f"connection lost, the peer's process probably exited ({text})")
     return PeerLost(peer, what, f"transport error {type(exc).__name__}: {text}")
+
+
+def _first_sentence(text: str) -> str:
+    """The backend's message without its source location and boilerplate advice."""
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    line = re.sub(r"^\[[^\]]*\]\s*", "", line)          # "[/path/pair.cc:553] "
+    head, dot, _ = line.partition(". ")
+    return head + dot.strip()

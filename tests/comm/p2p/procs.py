@@ -54,8 +54,14 @@ def _child(rank: int, world: int, port: int, fn: Callable, args: tuple, results,
 
 
 def run_ranks(fn: Callable, world: int, *, args: tuple = (), timeout: float = 60.0,
-              pg_timeout_s: float = 60.0, grace: float = 3.0) -> dict[int, Outcome]:
-    """Run ``fn(rank, world, *args)`` on ``world`` processes; return each rank's outcome."""
+              pg_timeout_s: float = 60.0, grace: float = 3.0,
+              wait_for: set[int] | None = None) -> dict[int, Outcome]:
+    """Run ``fn(rank, world, *args)`` on ``world`` processes; return each rank's outcome.
+
+    Once every rank in ``wait_for`` (default: all) reported or died, ranks that did not report
+    are killed (reported as "hung"); those that reported get ``grace`` seconds to exit.
+    """
+    wait_for = set(range(world)) if wait_for is None else set(wait_for)
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=pg_timeout_s))
     ctx = mp.get_context("spawn")
@@ -66,23 +72,24 @@ def run_ranks(fn: Callable, world: int, *, args: tuple = (), timeout: float = 60
         p.start()
     out: dict[int, Outcome] = {}
     deadline = time.monotonic() + timeout
-    settle: float | None = None     # once every live rank reported, wait a little for the rest
+    settle: float | None = None     # once the awaited ranks reported or died, drain briefly
     try:
         while len(out) < world and time.monotonic() < deadline:
             try:
-                rank, status, value, err, msg = results.get(timeout=0.2)
+                rank, status, value, err, msg = results.get(timeout=0.1)
                 out[rank] = Outcome(rank, status, value, err, msg)
             except queue.Empty:
                 pass
-            silent = [r for r in range(world) if r not in out]
-            if all(not procs[r].is_alive() for r in silent):
-                settle = settle or time.monotonic() + grace
+            if all(r in out or not procs[r].is_alive() for r in wait_for):
+                settle = settle or time.monotonic() + 0.5
                 if time.monotonic() > settle:
                     break
     finally:
+        end = time.monotonic() + grace
+        for r, p in enumerate(procs):
+            if r in out:            # reported: it exits right away
+                p.join(timeout=max(0.0, end - time.monotonic()))
         killed = set()
-        for p in procs:
-            p.join(timeout=max(0.0, min(grace, deadline - time.monotonic())))
         for r, p in enumerate(procs):
             if p.is_alive():
                 killed.add(r)

@@ -79,13 +79,150 @@ def roundtrip(rank: int, world: int, modes: tuple[str, ...], n: int) -> dict:
             prog[1].append(("recv", 0, f"shape/{i}"))
         transfers = []
         order = link_orders(prog)[rank] if mode == "sra" else None
+        msgs["act/1"]["x"] = msgs["act/1"]["x"].t().contiguous().t()     # non-contiguous is fine
         ch = open_channels([(0, 1)], mode, timeout=30, order=order, max_tensors=6,
                            on_transfer=lambda *a: transfers.append(a))
-        # a non-contiguous tensor is sent as its contiguous copy
         problems = run_program(ch, prog[rank], msgs)
+        stats = ch.stats()[peer]
         ch.close()
-        nbytes = sum(t.numel() * t.element_size() for op, p, k in prog[rank] for t in msgs[k].values())
+        sent = [msgs[k] for op, _, k in prog[rank] if op == "send"]
         report[mode] = {"problems": problems, "transfer_bytes": sum(a[2] for a in transfers),
-                        "expected_bytes": nbytes, "peers": sorted({a[0] for a in transfers}),
-                        "times_ok": all(a[3] <= a[4] for a in transfers)}
+                        "expected_bytes": sum(t.numel() * t.element_size() for _, p, k in prog[rank]
+                                              for t in msgs[k].values()),
+                        "peers": sorted({a[0] for a in transfers}),
+                        "times_ok": all(a[3] <= a[4] for a in transfers),
+                        "meta_sent": stats["meta_sent"],
+                        "meta_expected": announcements(prog[rank], msgs, 6 if mode == "per-tensor" else 1),
+                        "sent": len(sent)}
     return report
+
+
+def announcements(program: list, msgs: dict, lanes: int) -> int:
+    """Reference: how often metadata must travel for the sends of ``program`` (once per key
+    kind and lane, again whenever the tensors of that kind change name, dtype or shape)."""
+    last: dict = {}
+    count = 0
+    for op, _, key in program:
+        if op != "send":
+            continue
+        items = list(msgs[key].items())
+        per_lane = [items] if lanes == 1 else [items[i:i + 1] for i in range(max(len(items), 1))]
+        for lane, part in enumerate(per_lane):
+            meta = [(n, t.dtype, tuple(t.shape)) for n, t in part]
+            slot = (key.split("/")[0], lane)
+            if last.get(slot) != meta:
+                last[slot] = meta
+                count += 1
+    return count
+
+
+# ---------------------------------------------------------------------------------------
+def graph_programs(fanin_micro: int = 6, skip_micro: int = 3) -> tuple[dict[int, list], dict[str, dict]]:
+    """4 ranks: seed 003's AlexNet case (stage 0 replicated on ranks 0-2 feeding rank 3,
+    round-robin micro-batches, gradients back), then a chain 0-1-2-3 with skip edges 0-2, 0-3,
+    1-3, forward and backward. Returns each rank's program and every message's tensors."""
+    prog: dict[int, list] = {r: [] for r in range(4)}
+    msgs: dict[str, dict] = {}
+
+    def xfer(src: int, dst: int, key: str, spec: dict, tag: int) -> None:
+        prog[src].append(("send", dst, key))
+        prog[dst].append(("recv", src, key))
+        msgs[key] = message(tag, spec)
+
+    act = {"x": ((8, 16), torch.float32), "labels": ((8,), torch.int64)}
+    fanin = [(m, m % 3) for m in range(fanin_micro)]
+    for m, r in fanin:                      # all forwards, then all backwards (GPipe-like)
+        xfer(r, 3, f"act/{m}", act, 100 + m)
+    for m, r in fanin:
+        xfer(3, r, f"grad/{m}", {"x": ((8, 16), torch.float32)}, 200 + m)
+    hid = {"h": ((4, 8), torch.float32)}
+    for m in range(skip_micro):
+        t = 300 + 10 * m
+        for src, dst in ((0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 3)):
+            xfer(src, dst, f"f{src}{dst}/{m}", hid, t + src * 4 + dst)
+        for src, dst in ((3, 2), (3, 1), (3, 0), (2, 1), (2, 0), (1, 0)):
+            xfer(src, dst, f"b{src}{dst}/{m}", hid, t + 100 + src * 4 + dst)
+    return prog, msgs
+
+
+def fanin_and_skips(rank: int, world: int, modes: tuple[str, ...]) -> dict:
+    prog, msgs = graph_programs()
+    edges = [(a, b) for a in range(4) for b in range(a + 1, 4)]
+    report = {}
+    for mode in modes:
+        order = link_orders(prog)[rank] if mode == "sra" else None
+        with open_channels(edges, mode, timeout=30, order=order) as ch:
+            report[mode] = {"problems": run_program(ch, prog[rank], msgs), "stats": ch.stats()}
+    return report
+
+
+# ---------------------------------------------------------------------------------------
+TRIANGLE = [(0, 1), (0, 2), (1, 2)]
+
+
+def _failure_orders(n_big: int) -> dict[int, dict[int, list]]:
+    """The sra orders of the failure scenarios (what the ranks would do if rank 0 went on)."""
+    prog = {0: [("send", 1, "hi/0"), ("send", 2, "hi/0"), ("send", 1, "act/0")]
+            + [("recv", 2, f"big/{i}") for i in range(n_big)],
+            1: [("recv", 0, "hi/0"), ("recv", 0, "act/0"), ("recv", 2, "act/1"), ("send", 2, "ok/0")],
+            2: [("recv", 0, "hi/0")] + [("send", 0, f"big/{i}") for i in range(n_big)]
+            + [("send", 1, "act/1"), ("recv", 1, "ok/0")]}
+    return link_orders(prog)
+
+
+def _attempt(fn) -> dict:
+    t = time.monotonic()
+    try:
+        fn()
+        return {"error": None, "elapsed": time.monotonic() - t}
+    except P2PError as e:
+        return {"error": type(e).__name__, "peer": e.peer, "what": e.what, "text": str(e),
+                "elapsed": time.monotonic() - t}
+
+
+def peer_failure(rank: int, world: int, mode: str, how: str, timeout: float) -> dict:
+    """Rank 0 opens its channels, says hello, then dies (``how="kill"``) or freezes (``"stop"``).
+    Rank 1 waits for a message from it; rank 2 pushes large messages to it and flushes. Then
+    1 and 2 check that their own link is unaffected and that a wrong key is a ProtocolError."""
+    n_big, big = 8, (4 << 20,)               # 8 x 16 MB: more than any socket buffer holds
+    order = _failure_orders(n_big)[rank] if mode == "sra" else None
+    ch = open_channels(TRIANGLE, mode, timeout=timeout, order=order)
+    hello = {"x": payload(1, (3,), torch.float32)}
+    if rank == 0:
+        ch.send(1, "hi/0", hello)
+        ch.send(2, "hi/0", hello)
+        ch.flush()
+        time.sleep(0.3)
+        if how == "kill":
+            os._exit(17)
+        os.kill(os.getpid(), signal.SIGSTOP)
+        time.sleep(600)
+    out: dict = {"hello": same(ch.recv(0, "hi/0"), hello)}
+    if rank == 1:
+        out["wait"] = _attempt(lambda: ch.recv(0, "act/0"))
+        out["mismatch"] = _attempt(lambda: ch.recv(2, "ok/0"))
+        out["after"] = same(ch.recv(2, "act/1"), hello)
+        ch.send(2, "ok/0", hello)
+    else:
+        def push() -> None:
+            for i in range(n_big):
+                ch.send(0, f"big/{i}", {"x": payload(i, big, torch.float32)})
+            ch.flush()
+        out["wait"] = _attempt(push)
+        ch.send(1, "act/1", hello)
+        out["after"] = same(ch.recv(1, "ok/0"), hello)
+    ch.flush(3 - rank)
+    return out
+
+
+def mismatched_open(rank: int, world: int, timeout: float) -> dict:
+    """Ranks 0 and 1 open channels with different modes, then with non-mirrored sra orders."""
+    out = {}
+    for case, cfg in (("mode", {0: ("sa", None), 1: ("per-tensor", None)}),
+                      ("order", {0: ("sra", {1: [("send", "a/0"), ("recv", "b/0")]}),
+                                 1: ("sra", {0: [("send", "b/0"), ("recv", "a/0")]})})):
+        groups = pair_groups([(0, 1)])
+        mode, order = cfg[rank]
+        out[case] = _attempt(lambda: Channels(groups, mode, timeout=timeout, order=order).close())
+    dist.barrier()
+    return out

@@ -1,0 +1,87 @@
+"""Channels between real processes (gloo on 127.0.0.1), every mode, bounded by timeouts."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridpipe.comm.p2p import MODES
+from tests.comm.p2p import scenarios
+from tests.comm.p2p.procs import expect_ok, run_ranks
+
+FAIL_TIMEOUT = 3.0      # the channels' timeout in the failure scenarios
+
+
+def test_round_trips_every_mode_many_in_flight_and_shape_changes():
+    values = expect_ok(run_ranks(scenarios.roundtrip, 2, args=(MODES, 16), timeout=120))
+    for rank, report in values.items():
+        for mode in MODES:
+            r = report[mode]
+            assert r["problems"] == [], (rank, mode)
+            # metadata travels once per key kind (and lane), again exactly when it changes
+            assert r["meta_sent"] == r["meta_expected"], (rank, mode, r)
+            # on_transfer saw every byte of both directions, with ordered timestamps
+            assert r["transfer_bytes"] == r["expected_bytes"] > 0, (rank, mode, r)
+            assert r["peers"] == [1 - rank] and r["times_ok"]
+
+
+def test_fan_in_from_three_replicas_and_skip_edges_every_mode():
+    values = expect_ok(run_ranks(scenarios.fanin_and_skips, 4, args=(MODES,), timeout=120))
+    for rank, report in values.items():
+        for mode in MODES:
+            assert report[mode]["problems"] == [], (rank, mode)
+    # rank 3 talked to all three replicas, in every mode
+    assert all(set(values[3][m]["stats"]) == {0, 1, 2} for m in MODES)
+
+
+def _check_failure(out, how: str) -> None:
+    for rank in (1, 2):
+        assert out[rank].status == "ok", out
+    r1, r2 = out[1].value, out[2].value
+    assert r1["hello"] and r2["hello"]
+    for r, what in ((r1["wait"], "recv 'act/0'"), (r2["wait"], None)):
+        # the error names the culprit and what was awaited ...
+        assert r["error"] in (("PeerLost", "P2PTimeout") if how == "kill" else ("P2PTimeout",)), r
+        assert r["peer"] == 0 and "rank 0" in r["text"]
+        if what:
+            assert r["what"] == what
+        # ... within the timeout (a dead process is noticed from its closed connection)
+        assert r["elapsed"] < FAIL_TIMEOUT + 2.0, r
+        if how == "stop":
+            assert r["elapsed"] >= FAIL_TIMEOUT - 0.05, r
+    # the two survivors' own link is unaffected; a wrong key is a ProtocolError naming the peer
+    assert r1["after"] and r2["after"]
+    assert r1["mismatch"]["error"] == "ProtocolError" and r1["mismatch"]["peer"] == 2
+    assert "'ok/0'" in r1["mismatch"]["text"] and "'act/1'" in r1["mismatch"]["text"]
+
+
+def _run_failure(mode: str, how: str) -> None:
+    out = run_ranks(scenarios.peer_failure, 3, args=(mode, how, FAIL_TIMEOUT), timeout=90, wait_for={1, 2})
+    _check_failure(out, how)
+    if how == "kill":
+        assert out[0].status == "exit" and out[0].exitcode == 17
+
+
+@pytest.mark.parametrize("mode", ["sa"])
+def test_killed_peer_is_reported_by_name(mode):
+    _run_failure(mode, "kill")
+
+
+@pytest.mark.parametrize("mode", ["sra"])
+def test_stalled_peer_times_out_for_receivers_and_senders(mode):
+    _run_failure(mode, "stop")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["kill", "stop"])
+@pytest.mark.parametrize("mode", MODES)
+def test_peer_failures_every_mode(mode, how):
+    _run_failure(mode, how)
+
+
+def test_mismatched_modes_or_orders_fail_at_open():
+    values = expect_ok(run_ranks(scenarios.mismatched_open, 2, args=(FAIL_TIMEOUT,), timeout=60))
+    for rank, report in values.items():
+        for case in ("mode", "order"):
+            r = report[case]
+            assert r["error"] == "ProtocolError" and r["peer"] == 1 - rank, (rank, case, r)
+            assert r["elapsed"] < FAIL_TIMEOUT
