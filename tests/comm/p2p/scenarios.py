@@ -226,3 +226,36 @@ def mismatched_open(rank: int, world: int, timeout: float) -> dict:
         out[case] = _attempt(lambda: Channels(groups, mode, timeout=timeout, order=order).close())
     dist.barrier()
     return out
+
+
+# ---------------------------------------------------------------------------------------
+def cuda_roundtrip(rank: int, world: int, modes: tuple[str, ...], n: int) -> dict:
+    """Like ``roundtrip`` with CUDA tensors (NCCL payloads, gloo headers); one GPU per rank."""
+    torch.cuda.set_device(rank)
+    peer = 1 - rank
+    shapes = {"x": ((64, 128), torch.float32), "labels": ((64,), torch.int64), "h": ((3, 5), torch.bfloat16)}
+    report = {}
+    for mode in modes:
+        prog = {0: [], 1: []}
+        cpu = {}
+        for src in (0, 1):
+            for i in range(n):
+                key = f"{'act' if src == 0 else 'grad'}/{i}"
+                cpu[key] = message(src * 1000 + i, shapes if i != n - 1 else {"x": ((7,), torch.float16)})
+                prog[src].append(("send", 1 - src, key))
+                prog[1 - src].append(("recv", src, key))
+        order = link_orders(prog)[rank] if mode == "sra" else None
+        problems = []
+        with open_channels([(0, 1)], mode, device="cuda", timeout=60, order=order) as ch:
+            for op, p, key in prog[rank]:
+                if op == "send":
+                    # produced by a kernel on the compute stream just before the send
+                    ch.send(p, key, {k: (v.cuda() * 1).to(v.dtype) for k, v in cpu[key].items()})
+                else:
+                    got = ch.recv(p, key)
+                    # consumed on the compute stream right away: the stream ordering must hold
+                    if not same({k: (v * 1).to(v.dtype).cpu() for k, v in got.items()}, cpu[key]):
+                        problems.append(key)
+            ch.flush()
+        report[mode] = problems
+    return report

@@ -1,0 +1,78 @@
+"""The frame format: headers and metadata survive a round trip; corruption is detected."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from hybridpipe.comm.p2p import wire
+from hybridpipe.comm.p2p.wire import Flag, Header, TensorMeta
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
+          torch.int8, torch.uint8, torch.bool, torch.complex64]
+
+keys = st.text(min_size=1, max_size=20).filter(lambda k: len(k.encode()) <= wire.MAX_KEY_BYTES)
+headers = st.builds(Header, st.sampled_from(list(Flag)), st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1),
+                    st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1),
+                    st.integers(0, 2**64 - 1), keys)
+metas = st.lists(st.builds(TensorMeta, st.text(max_size=12), st.sampled_from(DTYPES),
+                           st.lists(st.integers(0, 1000), max_size=4).map(tuple)), max_size=6).map(tuple)
+
+
+@given(headers)
+def test_header_round_trip(h):
+    raw = wire.encode_header(h)
+    assert len(raw) == wire.HEADER_BYTES
+    assert wire.decode_header(raw) == h
+    assert wire.decode_header(wire.from_bytes_tensor(wire.to_bytes_tensor(raw))) == h
+
+
+@given(metas)
+def test_meta_round_trip_and_sizes(ms):
+    assert wire.decode_meta(wire.encode_meta(ms)) == ms
+    assert wire.payload_bytes(ms) == sum(torch.empty(m.shape, dtype=m.dtype, device="meta").nbytes for m in ms)
+
+
+@settings(max_examples=50)
+@given(headers, st.integers(0, 5), st.integers(1, 255))
+def test_corrupted_magic_or_version_is_rejected(h, pos, flip):
+    raw = bytearray(wire.encode_header(h))
+    raw[pos] ^= flip                               # bytes 0-3 magic, 4-5 version
+    with pytest.raises(wire.WireError):
+        wire.decode_header(bytes(raw))
+
+
+def test_bad_inputs_are_explained():
+    with pytest.raises(wire.WireError, match="hybridpipe p2p protocol"):
+        wire.decode_header(b"x" * wire.HEADER_BYTES)
+    with pytest.raises(wire.WireError, match="bytes"):
+        wire.decode_header(b"short")
+    with pytest.raises(wire.WireError, match="metadata"):
+        wire.decode_meta(b'[["x", "not_a_dtype", [1]]]')
+    with pytest.raises(wire.WireError, match="metadata"):
+        wire.decode_meta(b"{broken")
+    with pytest.raises(ValueError, match="at most"):
+        wire.check_key("k" * (wire.MAX_KEY_BYTES + 1))
+    with pytest.raises(ValueError, match="non-empty"):
+        wire.check_key("")
+    with pytest.raises(TypeError, match="dict"):
+        wire.named_items([torch.zeros(1)])
+    with pytest.raises(TypeError, match="not a tensor"):
+        wire.named_items({"x": [1, 2]})
+    with pytest.raises(TypeError, match="dense"):
+        wire.named_items({"x": torch.zeros(2, 2).to_sparse()})
+
+
+def test_meta_cache_announces_once_per_kind_and_again_on_change():
+    cache = wire.MetaCache()
+    a = wire.describe([("x", torch.zeros(2, 3))])
+    b = wire.describe([("x", torch.zeros(4, 3))])
+    assert cache.changed("act/0", a)
+    assert not cache.changed("act/1", a)          # same kind, same metadata: cached
+    assert cache.changed("grad/0", a)             # another kind has its own entry
+    assert cache.changed("act/2", b)              # a changed shape is re-announced
+    assert not cache.changed("act/3", b)
+    assert cache.changed("act/4", wire.describe([("x", torch.zeros(4, 3, dtype=torch.float64))]))
+    assert cache.get("act/9") != b and cache.get("grad/1") == a
+    assert wire.kind_of("act/3") == "act" and wire.kind_of("labels") == "labels"
