@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tools.emucluster import EmulatedCluster, HostCommandFailed, cleanup_leftovers, list_clusters, measure_goodput
-from tools.emucluster import netns
+from tools.emucluster import (SWITCH, EmulatedCluster, HostCommandFailed, cleanup_leftovers, list_clusters,
+                              measure_goodput, netns)
 from tools.emucluster.topology import host_ns, switch_ns
 
 REPO = Path(__file__).resolve().parents[2]
@@ -63,6 +63,13 @@ def test_rate_limit_is_measured_within_ten_percent_of_nominal():
         goodput = measure_goodput(cluster, seconds=2.0)
     # TCP goodput at MTU 1500 is at most 1448/1514 = 95.6% of the wire rate tbf enforces.
     assert 0.90 <= goodput.fraction <= 1.0, goodput
+
+
+def test_the_switch_port_is_unshaped_so_two_hosts_reach_it_at_twice_the_link_rate():
+    with EmulatedCluster(2, "500mbit") as cluster:
+        both = measure_goodput(cluster, senders=(0, 1), dst=SWITCH, seconds=1.5)
+    # Each host's own link still limits it; the switch (an in-network aggregator's seat) takes both.
+    assert 1.7 <= both.gbps / 0.5 <= 2.0, both
 
 
 def test_two_host_torchrun_job_all_reduces_over_the_emulated_network():

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tools.emucluster.cluster import EmulatedCluster
+from tools.emucluster.cluster import SWITCH, EmulatedCluster
 
 PROBE = str(Path(__file__).with_name("tcpprobe.py"))
 
@@ -29,10 +29,13 @@ class Goodput:
 
 def measure_goodput(cluster: EmulatedCluster, *, senders: Sequence[int] = (0,), dst: int = 1,
                     seconds: float = 3.0, port: int = 5201) -> Goodput:
-    """Stream TCP from each host in ``senders`` to ``dst`` for ``seconds``; sum the goodput."""
+    """Stream TCP from each host in ``senders`` to ``dst`` for ``seconds``; sum the goodput.
+
+    ``dst`` may be ``SWITCH`` (-1): the switch's own, unshaped port on the bridge.
+    """
     if dst in senders:
         raise ValueError("a host cannot send to itself through the bridge")
-    target = cluster.hosts[dst]
+    target = cluster.switch if dst == SWITCH else cluster.hosts[dst]
     recvs = [cluster.start(target, [sys.executable, PROBE, "recv", "--bind", target.addr,
                                     "--port", str(port + k), "--timeout", str(seconds + 20)])
              for k in range(len(senders))]
