@@ -1,0 +1,221 @@
+"""Executing one rank's instruction list for one training step.
+
+    engine = PipelineEngine(stage, topo, rank, "1f1b", transport=channels, sync=hdp,
+                            optimizer=opt, data=data, recorder=recorder)
+    for step in range(steps):
+        result = engine.run_step(step, drain=step == steps - 1)   # drain matters for pipedream only
+        result.losses                                            # last stage: {micro-batch: loss}
+
+Interfaces (duck-typed, see the project's contracts):
+
+* ``transport``: ``send(peer, key, tensors)`` (posts), ``recv(peer, key) -> tensors`` (blocks);
+  keys are ``act/<g>`` and ``grad/<g>`` with g the micro-batch's number in the run (step * M + m).
+* ``sync``: ``no_sync()`` (context: backward inside it starts no all-reduce) and ``finish()``
+  (wait for the started all-reduces). Gradients must be *summed* across replicas
+  (``HybridDataParallel(..., reduce="sum")``): the schedule's Step applies 1/M (or 1/r).
+  ``None`` for an unreplicated stage.
+* ``optimizer``: a ``torch.optim.Optimizer`` over ``stage.module``'s parameters.
+* ``data``: ``input(step, micro_batch)`` and ``target(step, micro_batch)`` (see data.py).
+* ``recorder`` (optional): ``record(phase, micro_batch, t0, t1)``, phase one of
+  receive_for, run_for, send_for, receive_back, run_back, sync, send_back, step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import torch
+
+from hybridpipe.pipeline.instructions import (
+    Backward, Forward, Instruction, LoadInput, LoadTarget, Loss, RecvActivations, RecvGradients, SendActivations,
+    SendGradients, Step, SyncStart, SyncWait, message_key,
+)
+from hybridpipe.pipeline.schedules import Topology, check_schedulable, rank_program
+from hybridpipe.pipeline.stage import Activation, PipelineStage
+from hybridpipe.pipeline.stash import WeightStash
+
+
+class Transport(Protocol):
+    def send(self, peer: int, key: str, tensors: dict[str, torch.Tensor]) -> None: ...
+    def recv(self, peer: int, key: str) -> dict[str, torch.Tensor]: ...
+
+
+class DataSource(Protocol):
+    def input(self, step: int, micro_batch: int) -> Any: ...
+    def target(self, step: int, micro_batch: int) -> torch.Tensor: ...
+
+
+class LocalSync:
+    """The gradient sync of an unreplicated stage: nothing to do."""
+
+    def no_sync(self):
+        return contextlib.nullcontext()
+
+    def finish(self) -> None:
+        pass
+
+
+@dataclass
+class StepResult:
+    step: int
+    losses: dict[int, torch.Tensor] = field(default_factory=dict)   # last stage: micro-batch of this step -> loss
+    optimizer_steps: int = 0
+
+    @property
+    def mean_loss(self) -> float | None:
+        return float(torch.stack(list(self.losses.values())).mean()) if self.losses else None
+
+
+_PHASES = {LoadInput: "receive_for", RecvActivations: "receive_for", Forward: "run_for", LoadTarget: "run_for",
+           Loss: "run_for", SendActivations: "send_for", RecvGradients: "receive_back", Backward: "run_back",
+           SendGradients: "send_back", SyncWait: "sync", Step: "step"}
+
+
+class PipelineEngine:
+    """Runs a rank's schedule step by step (see the module docstring)."""
+
+    def __init__(self, stage: PipelineStage, topo: Topology, rank: int, schedule: str, *, transport: Transport | None,
+                 optimizer: torch.optim.Optimizer, data: DataSource, sync=None, recorder=None,
+                 clock: Callable[[], float] = time.perf_counter):
+        check_schedulable(topo, schedule)
+        s, _ = topo.locate(rank)
+        if s != stage.index:
+            raise ValueError(f"rank {rank} runs stage {s} of the plan, but the engine got stage {stage.index}")
+        self.stage, self.topo, self.rank, self.schedule = stage, topo, rank, schedule
+        self.transport, self.optimizer, self.data = transport, optimizer, data
+        self.sync = sync if sync is not None else LocalSync()
+        self.recorder, self.clock = recorder, clock
+        self.stash = WeightStash(stage.module) if schedule == "pipedream" else None
+        self.phase = 0              # steps since the pipeline was (re)started (pipedream)
+        self._last_step: int | None = None
+        self._inputs: dict[int, dict[str, torch.Tensor]] = {}
+        self._targets: dict[int, torch.Tensor] = {}
+        self._acts: dict[int, Activation] = {}
+        self._grads: dict[int, dict[str, torch.Tensor]] = {}
+        self._sync_next: int | None = None
+
+    # ---- public ------------------------------------------------------------------------
+    @property
+    def in_flight(self) -> list[int]:
+        """Micro-batches (numbered over the run) forwarded here but not yet backwarded."""
+        return sorted(self._acts)
+
+    def program(self, drain: bool = False) -> list[Instruction]:
+        """The instruction list the next ``run_step`` executes."""
+        return rank_program(self.topo, self.rank, self.schedule, phase=self.phase, drain=drain)
+
+    def run_step(self, step: int, *, drain: bool = False) -> StepResult:
+        """Execute this rank's list for ``step``. With pipedream, ``drain=True`` finishes every
+        micro-batch in flight (do it on the last step and before checkpoints); steps between
+        drains must be consecutive."""
+        if self._acts and self._last_step is not None and step != self._last_step + 1:
+            raise RuntimeError(f"step {step} follows step {self._last_step} while micro-batches "
+                               f"{self.in_flight} are in flight; run consecutive steps or drain first")
+        program = self.program(drain)
+        M = self.topo.micro_batches
+        frozen = {step * M + m for m in self._needs_frozen(program)} if self.stash else set()
+        result = StepResult(step)
+        for ins in program:
+            g = step * M + ins.micro_batch if hasattr(ins, "micro_batch") else None
+            t0 = self.clock()
+            self._execute(ins, g, frozen, result)
+            phase = _PHASES.get(type(ins))
+            if self.recorder is not None and phase is not None:
+                self.recorder.record(phase, g if g is not None else -1, t0, self.clock())
+        self._last_step = step
+        self.phase = 0 if drain or not self._acts else self.phase + 1
+        return result
+
+    def state_dict(self) -> dict:
+        """The engine's own state for checkpoints (pipedream: version counter and stashed versions).
+
+        Only between steps with nothing in flight: the activations of micro-batches in flight
+        cannot be saved, so run the step before a checkpoint with ``drain=True``."""
+        if self._acts:
+            raise RuntimeError(f"cannot checkpoint with micro-batches {self.in_flight} in flight; "
+                               "run the step before the checkpoint with drain=True")
+        return {"schedule": self.schedule, "stash": self.stash.state_dict() if self.stash else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("schedule") != self.schedule:
+            raise ValueError(f"the engine state was saved by schedule {state.get('schedule')!r}, "
+                             f"not {self.schedule!r}")
+        if self.stash is not None and state.get("stash") is not None:
+            self.stash.load_state_dict(state["stash"])
+        self.phase = 0
+
+    # ---- instructions ------------------------------------------------------------------
+    def _execute(self, ins: Instruction, g: int | None, frozen: set[int], result: StepResult) -> None:
+        M = self.topo.micro_batches
+        stage = self.stage
+        if isinstance(ins, LoadInput):
+            x = self.data.input(g // M, g % M)
+            named = x if isinstance(x, dict) else {stage.input_names[0]: x}
+            self._inputs[g] = {k: v.to(stage.device, non_blocking=True) for k, v in named.items()}
+        elif isinstance(ins, RecvActivations):
+            self._inputs[g] = self.transport.recv(ins.peer, message_key(ins, g))
+        elif isinstance(ins, Forward):
+            params = self.stash.forward_params(g, g in frozen) if self.stash else None
+            self._acts[g] = stage.forward(self._inputs.pop(g), params=params)
+        elif isinstance(ins, SendActivations):
+            self.transport.send(ins.peer, message_key(ins, g), self._acts[g].outputs)
+        elif isinstance(ins, LoadTarget):
+            self._targets[g] = self.data.target(g // M, g % M).to(stage.device, non_blocking=True)
+        elif isinstance(ins, Loss):
+            act = self._acts[g]
+            act.loss = stage.loss(act.output, self._targets.pop(g))
+            if g // M == result.step:
+                result.losses[g % M] = act.loss.detach()
+        elif isinstance(ins, RecvGradients):
+            self._grads[g] = self.transport.recv(ins.peer, message_key(ins, g))
+        elif isinstance(ins, SyncStart):
+            self._sync_next = g
+        elif isinstance(ins, Backward):
+            synced = self._sync_next == g
+            self._sync_next = None
+            with contextlib.nullcontext() if synced else self.sync.no_sync():
+                self._grads[g] = stage.backward(self._acts.pop(g), self._grads.pop(g, None))
+            if self.stash:
+                self.stash.backward_done(g)
+            if stage.is_first:
+                self._grads.pop(g)
+        elif isinstance(ins, SendGradients):
+            self.transport.send(ins.peer, message_key(ins, g), self._grads.pop(g))
+        elif isinstance(ins, SyncWait):
+            self.sync.finish()
+        elif isinstance(ins, Step):
+            self._optimizer_step(ins.grad_scale)
+            result.optimizer_steps += 1
+        else:
+            raise TypeError(f"unknown instruction {ins!r}")
+
+    def _optimizer_step(self, scale: float) -> None:
+        if scale != 1.0:
+            with torch.no_grad():
+                for p in self.stage.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(scale)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.stash:
+            self.stash.stepped()
+
+    @staticmethod
+    def _needs_frozen(program: list[Instruction]) -> set[int]:
+        """Micro-batches (relative) whose forward is followed by an optimizer step before their
+        backward, in this list or because the backward is in a later step's list."""
+        out: set[int] = set()
+        open_: dict[int, bool] = {}
+        for ins in program:
+            if isinstance(ins, Forward):
+                open_[ins.micro_batch] = False
+            elif isinstance(ins, Step):
+                for m in open_:
+                    open_[m] = True
+            elif isinstance(ins, Backward) and ins.micro_batch in open_:
+                if open_.pop(ins.micro_batch):
+                    out.add(ins.micro_batch)
+        return out | set(open_)

@@ -1,0 +1,123 @@
+"""The instructions of a pipeline schedule: plain frozen values, one list per rank and step.
+
+``micro_batch`` is counted from the first micro-batch of the step the list belongs to: 0..M-1
+for this step's micro-batches, negative for earlier steps' (pipedream carries micro-batches
+in flight from one step into the next). ``peer`` is the global rank on the other side.
+The engine (engine.py) executes a list; validate.py checks a set of lists without running them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+
+@dataclass(frozen=True)
+class LoadInput:
+    """Stage 0: fetch micro-batch ``micro_batch``'s input from the data source."""
+
+    micro_batch: int
+
+
+@dataclass(frozen=True)
+class RecvActivations:
+    """Receive the previous stage's outputs for ``micro_batch`` from ``peer``."""
+
+    micro_batch: int
+    peer: int
+
+
+@dataclass(frozen=True)
+class Forward:
+    micro_batch: int
+
+
+@dataclass(frozen=True)
+class SendActivations:
+    """Post this stage's outputs for ``micro_batch`` to ``peer`` (the next stage's replica)."""
+
+    micro_batch: int
+    peer: int
+
+
+@dataclass(frozen=True)
+class LoadTarget:
+    """Last stage: fetch micro-batch ``micro_batch``'s target from the data source."""
+
+    micro_batch: int
+
+
+@dataclass(frozen=True)
+class Loss:
+    """Last stage: the micro-batch's mean loss from the forward's output and the target."""
+
+    micro_batch: int
+
+
+@dataclass(frozen=True)
+class RecvGradients:
+    """Receive the gradients of this stage's outputs for ``micro_batch`` from ``peer``."""
+
+    micro_batch: int
+    peer: int
+
+
+@dataclass(frozen=True)
+class Backward:
+    """Backpropagate ``micro_batch``; parameter grads accumulate (under ``no_sync`` unless a
+    SyncStart precedes it)."""
+
+    micro_batch: int
+
+
+@dataclass(frozen=True)
+class SendGradients:
+    """Post the gradients of this stage's inputs for ``micro_batch`` to ``peer``."""
+
+    micro_batch: int
+    peer: int
+
+
+@dataclass(frozen=True)
+class SyncStart:
+    """The next Backward (of ``micro_batch``) starts the replicas' gradient all-reduce."""
+
+    micro_batch: int
+
+
+@dataclass(frozen=True)
+class SyncWait:
+    """Wait until every all-reduce started by the synced Backward is done (a collective)."""
+
+
+@dataclass(frozen=True)
+class Step:
+    """Multiply the (summed) gradients by ``grad_scale``, step the optimizer, zero the grads."""
+
+    grad_scale: float
+
+
+Instruction = Union[LoadInput, RecvActivations, Forward, SendActivations, LoadTarget, Loss, RecvGradients,
+                    Backward, SendGradients, SyncStart, SyncWait, Step]
+
+SENDS = (SendActivations, SendGradients)
+RECEIVES = (RecvActivations, RecvGradients)
+
+
+def message_key(instr: Instruction, global_micro_batch: int) -> str:
+    """The transport key of a send/receive: ``act/<g>`` or ``grad/<g>`` (g counted over the run)."""
+    kind = "act" if isinstance(instr, (SendActivations, RecvActivations)) else "grad"
+    return f"{kind}/{global_micro_batch}"
+
+
+def short(instr: Instruction) -> str:
+    """A compact name for printing lists: ``F3``, ``B3``, ``>a3@2`` (send act to rank 2), ``<g3@2``, ..."""
+    m = getattr(instr, "micro_batch", None)
+    peer = getattr(instr, "peer", None)
+    names = {LoadInput: "in", Forward: "F", LoadTarget: "tgt", Loss: "L", Backward: "B",
+             RecvActivations: "<a", SendActivations: ">a", RecvGradients: "<g", SendGradients: ">g",
+             SyncStart: "sync", SyncWait: "wait"}
+    if isinstance(instr, Step):
+        return f"step(x{instr.grad_scale:.3g})"
+    text = f"{names[type(instr)]}{'' if m is None else m}"
+    return f"{text}@{peer}" if peer is not None else text

@@ -1,0 +1,193 @@
+"""Pipeline schedules as pure functions: (topology, rank) -> this rank's instruction list for a step.
+
+A stage with r replicas takes micro-batch m of a step on replica ``m % r``. Each replica runs a
+sequence of forwards ``F(m)`` and backwards ``B(m)`` over its own micro-batches, expanded into
+instructions (receive, compute, send; sync and optimizer step where the schedule says):
+
+* ``gpipe``: all forwards, then all backwards; gradients accumulate; the last backward starts
+  the replicas' all-reduce; one optimizer step (grads x 1/M) at the end of the step (flush).
+* ``1f1b``: ``warm`` forwards, then one backward and one forward alternately, then the
+  remaining backwards (drain); one step at the end, as in gpipe: the same update as SGD on the
+  step's M micro-batches, with at most ``warm`` micro-batches' activations alive at once.
+* ``pipedream``: PipeDream's asynchronous 1F1B. No flush: every backward is followed by an
+  optimizer step (replicas sum their grads, x 1/r, so each update is a round of r micro-batches),
+  and the stream of micro-batches runs on from one step into the next. Weight stashing (in the
+  engine) makes each backward use the weights of its own forward; the micro-batches in flight on
+  a replica, hence the weight versions kept, are at most ``warm``. A step's list starts at the
+  step's first forward; with ``drain=True`` it ends with every backward still owed, else those
+  are left to the next step's list (where their micro-batch numbers are negative).
+
+``warm`` = ceil(W / r) forwards before the first backward, with W the workers of this stage and
+all later ones (PipeDream's NOAM): enough to keep a balanced pipeline busy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+from hybridpipe.errors import UserError
+from hybridpipe.partitioner.plan import SCHEDULES, Plan
+from hybridpipe.pipeline.instructions import (
+    Backward, Forward, Instruction, LoadInput, LoadTarget, Loss, RecvActivations, RecvGradients, SendActivations,
+    SendGradients, Step, SyncStart, SyncWait,
+)
+
+
+@dataclass(frozen=True)
+class Topology:
+    """What a schedule needs of a plan: each stage's ranks (replica order) and micro-batches per step."""
+
+    stage_ranks: tuple[tuple[int, ...], ...]
+    micro_batches: int
+
+    @classmethod
+    def from_plan(cls, plan: Plan) -> "Topology":
+        return cls(tuple(tuple(s.ranks) for s in plan.stages), plan.micro_batches)
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.stage_ranks)
+
+    @property
+    def world_size(self) -> int:
+        return sum(len(r) for r in self.stage_ranks)
+
+    def replicas(self, stage: int) -> int:
+        return len(self.stage_ranks[stage])
+
+    def locate(self, rank: int) -> tuple[int, int]:
+        """(stage, replica) of a global rank."""
+        for s, ranks in enumerate(self.stage_ranks):
+            if rank in ranks:
+                return s, ranks.index(rank)
+        raise UserError(f"rank {rank} has no stage (the plan uses ranks 0..{self.world_size - 1})")
+
+    def rank_for(self, stage: int, micro_batch: int) -> int:
+        """The rank of ``stage`` that handles ``micro_batch`` (round-robin over its replicas)."""
+        ranks = self.stage_ranks[stage]
+        return ranks[micro_batch % len(ranks)]
+
+    def warm(self, stage: int) -> int:
+        """Forwards a replica runs before its first backward (PipeDream's NOAM)."""
+        later = sum(len(r) for r in self.stage_ranks[stage:])
+        return math.ceil(later / self.replicas(stage))
+
+
+def check_schedulable(topo: Topology, schedule: str) -> None:
+    """Refuse (one line) a schedule the topology cannot run."""
+    if schedule not in SCHEDULES:
+        raise UserError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    if topo.micro_batches < 1:
+        raise UserError(f"a step needs at least one micro-batch, got {topo.micro_batches}")
+    r_max = max(topo.replicas(s) for s in range(topo.n_stages))
+    if topo.micro_batches < r_max:
+        raise UserError(f"{topo.micro_batches} micro-batches per step leave replicas of a {r_max}-replica stage "
+                        f"idle; use --micro-batches >= {r_max}")
+    if schedule == "pipedream":
+        bad = [s for s in range(topo.n_stages) if topo.micro_batches % topo.replicas(s)]
+        if bad:
+            s = bad[0]
+            raise UserError(f"pipedream updates each stage once per round of its replicas, so micro-batches per step "
+                            f"({topo.micro_batches}) must be a multiple of every stage's replica count (stage {s} "
+                            f"has {topo.replicas(s)}); choose --micro-batches accordingly")
+
+
+def rank_program(topo: Topology, rank: int, schedule: str, *, phase: int = 0, drain: bool = True) -> list[Instruction]:
+    """This rank's instructions for one step.
+
+    gpipe/1f1b: every step is the same self-contained list (``phase``/``drain`` are ignored).
+    pipedream: ``phase`` = steps since the pipeline was (re)started (0 = warm-up from empty);
+    ``drain`` = finish every micro-batch in flight at the end of this step.
+    """
+    check_schedulable(topo, schedule)
+    stage, replica = topo.locate(rank)
+    if schedule == "pipedream":
+        ops = _pipedream_chunk(topo, stage, replica, phase, drain)
+        r = topo.replicas(stage)
+        return _expand(topo, stage, ops, sync_on=lambda i: r > 1, step_after=lambda i: 1.0 / r)
+    mine = [m for m in range(topo.micro_batches) if m % topo.replicas(stage) == replica]
+    ops = list(_gpipe(mine) if schedule == "gpipe" else _one_f_one_b(mine, topo.warm(stage)))
+    last_b = max(i for i, (kind, _) in enumerate(ops) if kind == "B")
+    scale = 1.0 / topo.micro_batches
+    return _expand(topo, stage, ops, sync_on=lambda i: i == last_b and topo.replicas(stage) > 1,
+                   step_after=lambda i: scale if i == last_b else None)
+
+
+def all_programs(topo: Topology, schedule: str, *, phase: int = 0, drain: bool = True) -> dict[int, list[Instruction]]:
+    """Every rank's list for one step."""
+    return {rank: rank_program(topo, rank, schedule, phase=phase, drain=drain)
+            for ranks in topo.stage_ranks for rank in ranks}
+
+
+# ---- per-replica op sequences ("F"/"B", micro-batch) ----------------------------------------
+Op = tuple[str, int]
+
+
+def _gpipe(mine: Sequence[int]) -> Iterator[Op]:
+    yield from (("F", m) for m in mine)
+    yield from (("B", m) for m in mine)
+
+
+def _one_f_one_b(mine: Sequence[int], warm: int) -> Iterator[Op]:
+    warm = min(warm, len(mine))
+    yield from (("F", m) for m in mine[:warm])
+    for i, m in enumerate(mine):
+        yield ("B", m)
+        if i + warm < len(mine):
+            yield ("F", mine[i + warm])
+
+
+def _pipedream_stream(topo: Topology, stage: int, replica: int, steps: int) -> list[Op]:
+    """The replica's uncut 1F1B stream over ``steps`` steps; micro-batches numbered from the restart."""
+    r = topo.replicas(stage)
+    mine = [g for g in range(steps * topo.micro_batches) if g % r == replica]
+    return list(_one_f_one_b(mine, topo.warm(stage)))
+
+
+def _pipedream_chunk(topo: Topology, stage: int, replica: int, phase: int, drain: bool) -> list[Op]:
+    """Step ``phase``'s slice of the stream (from its first forward to the next step's first
+    forward, or to the end with ``drain``), micro-batches renumbered from the step's start.
+
+    The stream is periodic once warmed up, so a late phase is an early one shifted."""
+    M, per_step = topo.micro_batches, topo.micro_batches // topo.replicas(stage)
+    settled = math.ceil(topo.warm(stage) / per_step) + 1
+    p = min(phase, settled)
+    stream = _pipedream_stream(topo, stage, replica, p + 2)
+
+    def first_forward(step: int) -> int:
+        return next(i for i, (kind, g) in enumerate(stream) if kind == "F" and g // M == step)
+
+    start = first_forward(p)
+    if drain:   # the stream of p + 1 steps ends with the drain and shares the longer one's prefix
+        chunk = _pipedream_stream(topo, stage, replica, p + 1)[start:]
+    else:
+        chunk = stream[start:first_forward(p + 1)]
+    return [(kind, g - p * M) for kind, g in chunk]
+
+
+# ---- expansion into instructions ------------------------------------------------------------
+def _expand(topo: Topology, stage: int, ops: Sequence[Op], sync_on, step_after) -> list[Instruction]:
+    first, last = stage == 0, stage == topo.n_stages - 1
+    out: list[Instruction] = []
+    for i, (kind, m) in enumerate(ops):
+        if kind == "F":
+            out.append(LoadInput(m) if first else RecvActivations(m, topo.rank_for(stage - 1, m)))
+            out.append(Forward(m))
+            out += [LoadTarget(m), Loss(m)] if last else [SendActivations(m, topo.rank_for(stage + 1, m))]
+            continue
+        sync = sync_on(i)
+        if not last:
+            out.append(RecvGradients(m, topo.rank_for(stage + 1, m)))
+        if sync:
+            out.append(SyncStart(m))
+        out.append(Backward(m))
+        if not first:
+            out.append(SendGradients(m, topo.rank_for(stage - 1, m)))
+        if sync:
+            out.append(SyncWait())
+        scale = step_after(i)
+        if scale is not None:
+            out.append(Step(scale))
+    return out

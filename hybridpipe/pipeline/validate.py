@@ -1,0 +1,204 @@
+"""Checking a schedule without running it: execute every rank's instruction lists symbolically.
+
+Sends are posted (they never block); a receive blocks until the next message from that peer
+arrives and must name the micro-batch and kind it expects (FIFO per peer, as the transport
+is); ``SyncWait`` blocks until every replica of the stage has run as many synced backwards (an
+all-reduce is a collective). Ranks are advanced until all finish or none can move; the latter is
+a cycle of waits and is reported with what each stuck rank waits for. Along the way each
+instruction is checked against what the stage may do (only stage 0 loads inputs, a backward
+follows its forward, messages go to the replica that owns the micro-batch, ...).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+from hybridpipe.pipeline.instructions import (
+    Backward, Forward, Instruction, LoadInput, LoadTarget, Loss, RecvActivations, RecvGradients, SendActivations,
+    SendGradients, Step, SyncStart, SyncWait,
+)
+from hybridpipe.pipeline.schedules import Topology
+
+
+class ScheduleError(ValueError):
+    """The instruction lists are inconsistent or deadlock."""
+
+
+@dataclass
+class _Rank:
+    rank: int
+    stage: int
+    replica: int
+    program: list[tuple[int, Instruction]]      # (step, instruction)
+    pc: int = 0
+    have_input: set[int] = field(default_factory=set)
+    forwarded: set[int] = field(default_factory=set)
+    have_target: set[int] = field(default_factory=set)
+    lossed: set[int] = field(default_factory=set)
+    have_grad: set[int] = field(default_factory=set)
+    backwarded: set[int] = field(default_factory=set)
+    in_flight: int = 0
+    max_in_flight: int = 0
+    sync_pending: int | None = None
+    synced: int = 0
+    waited: int = 0
+    steps: list[float] = field(default_factory=list)
+    forward_order: list[int] = field(default_factory=list)
+    backward_order: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Report:
+    """What a valid run of the lists did, per rank."""
+
+    max_in_flight: dict[int, int]       # most micro-batches forwarded but not yet backwarded at once
+    forwards: dict[int, list[int]]      # global micro-batch ids, in order
+    backwards: dict[int, list[int]]
+    steps: dict[int, list[float]]       # grad_scale of every optimizer step, in order
+
+
+def validate(topo: Topology, steps: Sequence[Mapping[int, Sequence[Instruction]]]) -> Report:
+    """Run the lists of consecutive steps (``steps[k][rank]``) symbolically; raise ScheduleError.
+
+    Micro-batch m of step k is global micro-batch ``k * M + m``. The run must end with every
+    message received, every forwarded micro-batch backwarded, and all replicas of a stage having
+    run the same number of syncs and optimizer steps.
+    """
+    M = topo.micro_batches
+    ranks: dict[int, _Rank] = {}
+    for s, stage_ranks in enumerate(topo.stage_ranks):
+        for j, r in enumerate(stage_ranks):
+            prog = [(k, ins) for k, step in enumerate(steps) for ins in step.get(r, ())]
+            ranks[r] = _Rank(r, s, j, prog)
+    extra = {r for step in steps for r in step} - set(ranks)
+    if extra:
+        raise ScheduleError(f"lists given for ranks {sorted(extra)} that have no stage")
+    queues: dict[tuple[int, int], deque[tuple[str, int]]] = {}
+    moved = True
+    while moved:
+        moved = False
+        for st in ranks.values():
+            while st.pc < len(st.program):
+                k, ins = st.program[st.pc]
+                m = getattr(ins, "micro_batch", None)
+                if not _execute(topo, ranks, queues, st, m, None if m is None else k * M + m, ins):
+                    break
+                st.pc += 1
+                moved = True
+    stuck = [st for st in ranks.values() if st.pc < len(st.program)]
+    if stuck:
+        waits = "; ".join(f"rank {st.rank} waits at {st.program[st.pc][1]} (step {st.program[st.pc][0]})"
+                          for st in stuck)
+        raise ScheduleError(f"the lists deadlock: {waits}")
+    left = [f"{list(q)} from rank {a} to rank {b}" for (a, b), q in sorted(queues.items()) if q]
+    if left:
+        raise ScheduleError(f"messages never received: {'; '.join(left)}")
+    for st in ranks.values():
+        if st.forwarded != st.backwarded:
+            raise ScheduleError(f"rank {st.rank} never ran the backward of micro-batches "
+                                f"{sorted(st.forwarded - st.backwarded)}")
+        if st.sync_pending is not None:
+            raise ScheduleError(f"rank {st.rank}: SyncStart({st.sync_pending}) without its Backward")
+        if st.waited != st.synced:
+            raise ScheduleError(f"rank {st.rank} started {st.synced} syncs but waited for {st.waited}")
+    for s, stage_ranks in enumerate(topo.stage_ranks):
+        counts = {(ranks[r].synced, len(ranks[r].steps)) for r in stage_ranks}
+        if len(counts) > 1:
+            raise ScheduleError(f"replicas of stage {s} disagree on (syncs, optimizer steps): {sorted(counts)}")
+    return Report({r: st.max_in_flight for r, st in ranks.items()},
+                  {r: st.forward_order for r, st in ranks.items()},
+                  {r: st.backward_order for r, st in ranks.items()},
+                  {r: st.steps for r, st in ranks.items()})
+
+
+def _fail(st: _Rank, ins: Instruction, why: str) -> ScheduleError:
+    return ScheduleError(f"rank {st.rank} (stage {st.stage} replica {st.replica}): {ins}: {why}")
+
+
+def _execute(topo: Topology, ranks: dict[int, _Rank], queues, st: _Rank, m: int | None, g: int | None,
+             ins: Instruction) -> bool:
+    """Apply one instruction (micro-batch m of its step, g of the run); False if it must wait."""
+    first, last = st.stage == 0, st.stage == topo.n_stages - 1
+    if m is not None and m % topo.replicas(st.stage) != st.replica:
+        raise _fail(st, ins, f"micro-batch {m} of the step belongs to replica {m % topo.replicas(st.stage)}")
+    if isinstance(ins, LoadInput):
+        if not first:
+            raise _fail(st, ins, "only stage 0 loads inputs")
+        st.have_input.add(g)
+    elif isinstance(ins, RecvActivations):
+        if first or ins.peer != topo.rank_for(st.stage - 1, m):
+            raise _fail(st, ins, "activations come from the previous stage's replica of the micro-batch")
+        if not _take(queues, ins.peer, st.rank, ("act", g), st, ins):
+            return False
+        st.have_input.add(g)
+    elif isinstance(ins, Forward):
+        if g not in st.have_input or g in st.forwarded:
+            raise _fail(st, ins, "forward without its input, or twice")
+        st.forwarded.add(g)
+        st.forward_order.append(g)
+        st.in_flight += 1
+        st.max_in_flight = max(st.max_in_flight, st.in_flight)
+    elif isinstance(ins, SendActivations):
+        if last or g not in st.forwarded or ins.peer != topo.rank_for(st.stage + 1, m):
+            raise _fail(st, ins, "send activations after the forward, to the next stage's replica")
+        queues.setdefault((st.rank, ins.peer), deque()).append(("act", g))
+    elif isinstance(ins, LoadTarget):
+        if not last:
+            raise _fail(st, ins, "only the last stage loads targets")
+        st.have_target.add(g)
+    elif isinstance(ins, Loss):
+        if not last or g not in st.forwarded or g not in st.have_target:
+            raise _fail(st, ins, "the loss needs the last stage's forward and the target")
+        st.lossed.add(g)
+    elif isinstance(ins, RecvGradients):
+        if last or ins.peer != topo.rank_for(st.stage + 1, m):
+            raise _fail(st, ins, "gradients come from the next stage's replica of the micro-batch")
+        if not _take(queues, ins.peer, st.rank, ("grad", g), st, ins):
+            return False
+        st.have_grad.add(g)
+    elif isinstance(ins, Backward):
+        ready = g in (st.lossed if last else st.have_grad)
+        if g not in st.forwarded or g in st.backwarded or not ready:
+            raise _fail(st, ins, "backward needs its forward and its loss / output gradients, once")
+        if st.sync_pending is not None:
+            if st.sync_pending != g:
+                raise _fail(st, ins, f"SyncStart was for micro-batch {st.sync_pending}")
+            st.sync_pending = None
+            st.synced += 1
+        st.backwarded.add(g)
+        st.backward_order.append(g)
+        st.in_flight -= 1
+    elif isinstance(ins, SendGradients):
+        if first or g not in st.backwarded or ins.peer != topo.rank_for(st.stage - 1, m):
+            raise _fail(st, ins, "send gradients after the backward, to the previous stage's replica")
+        queues.setdefault((st.rank, ins.peer), deque()).append(("grad", g))
+    elif isinstance(ins, SyncStart):
+        if st.sync_pending is not None:
+            raise _fail(st, ins, "two SyncStarts without a Backward between them")
+        st.sync_pending = g
+    elif isinstance(ins, SyncWait):
+        if st.waited >= st.synced:
+            raise _fail(st, ins, "no synced backward to wait for")
+        need = st.waited + 1
+        if any(ranks[r].synced < need for r in topo.stage_ranks[st.stage]):
+            return False
+        st.waited += 1
+    elif isinstance(ins, Step):
+        if st.waited != st.synced or st.sync_pending is not None:
+            raise _fail(st, ins, "optimizer step before the gradient sync finished")
+        st.steps.append(ins.grad_scale)
+    else:
+        raise _fail(st, ins, "unknown instruction")
+    return True
+
+
+def _take(queues, src: int, dst: int, want: tuple[str, int], st: _Rank, ins: Instruction) -> bool:
+    q = queues.get((src, dst))
+    if not q:
+        return False
+    if q[0] != want:
+        raise _fail(st, ins, f"the next message from rank {src} is {q[0][0]}/{q[0][1]}, not {want[0]}/{want[1]}")
+    q.popleft()
+    return True

@@ -1,0 +1,118 @@
+"""Shared helpers for the pipeline tests: hand-made plans, threaded pipelines, references."""
+
+from __future__ import annotations
+
+import torch
+
+from hybridpipe.partitioner.cluster import Cluster, Level
+from hybridpipe.partitioner.plan import Plan, Stage
+from hybridpipe.pipeline.data import MicroBatches
+from hybridpipe.pipeline.engine import PipelineEngine
+from hybridpipe.pipeline.inprocess import InProcessGradSync, InProcessNetwork, ReplicaGroup, run_ranks
+from hybridpipe.pipeline.schedules import Topology
+from hybridpipe.pipeline.stage import build_stage
+from hybridpipe.profiles.data import resolve_dataset
+from hybridpipe.profiles.format import graph_signature
+from hybridpipe.profiles.trace import graph_edges, node_infos, trace_model
+from hybridpipe.profiles.zoo import resolve_model
+
+
+def make_plan(model: str, cuts: list[int], replicas: list[int], *, schedule: str = "1f1b", micro_batches: int = 4,
+              batch_size: int = 4, times: list[tuple[float, float]] | None = None, send_ms: float = 0.0,
+              n_nodes: int | None = None, signature: str = "") -> Plan:
+    """A plan cutting ``model`` after the node ids in ``cuts`` (stage s ends at cuts[s])."""
+    spec = resolve_model(model)
+    if n_nodes is None or not signature:
+        gm = trace_model(spec.build(), spec.leaf_modules)
+        n_nodes = len(gm.graph.nodes)
+        signature = graph_signature(node_infos(gm), graph_edges(gm))
+    bounds = [-1, *cuts, n_nodes - 1]
+    stages, rank = [], 0
+    for s, r in enumerate(replicas):
+        f, b = times[s] if times else (0.0, 0.0)
+        stages.append(Stage(index=s, first_node=bounds[s] + 1, last_node=bounds[s + 1], replicas=r,
+                            ranks=tuple(range(rank, rank + r)), compute_ms=f + b, forward_ms=f, backward_ms=b,
+                            send_ms=send_ms if s < len(replicas) - 1 else 0.0))
+        rank += r
+    cluster = Cluster((Level("node", rank, 100.0),), 16.0)
+    return Plan(model=model, batch_size=batch_size, input_shape=(batch_size, *spec.sample_shape),
+                profile_signature=signature, cluster=cluster, strategy="uniform", schedule=schedule,
+                micro_batches=micro_batches, optimizer="sgd", stages=tuple(stages))
+
+
+def data_for(plan: Plan, steps: int, seed: int = 1) -> MicroBatches:
+    spec = resolve_model(plan.model)
+    size = steps * plan.micro_batches * plan.batch_size
+    return MicroBatches(resolve_dataset("synthetic", spec, size=size, seed=seed), plan.batch_size, plan.micro_batches)
+
+
+def make_optimizer(params, lr: float, kind: str = "sgd") -> torch.optim.Optimizer:
+    if kind == "adam":
+        return torch.optim.Adam(params, lr=lr)
+    return torch.optim.SGD(params, lr=lr, momentum=0.5)
+
+
+def train_pipeline(plan: Plan, steps: int, *, lr: float = 0.05, seed: int = 0, optimizer: str = "sgd",
+                   drain_every: int | None = None) -> tuple[dict[str, torch.Tensor], dict[int, list[float]]]:
+    """Train ``plan`` with one thread per rank; returns the merged state dict (replica 0 of every
+    stage, after checking the replicas agree bitwise) and the losses per step."""
+    spec = resolve_model(plan.model)
+    topo = Topology.from_plan(plan)
+    network = InProcessNetwork(timeout=60)
+    groups = [ReplicaGroup(s.replicas) for s in plan.stages]
+
+    def rank_fn(rank: int):
+        torch.manual_seed(seed)
+        model = spec.build()
+        stage = build_stage(model, plan, rank, loss=spec.loss, leaf_modules=spec.leaf_modules)
+        st, replica = plan.stage_of_rank(rank)
+        sync = InProcessGradSync(stage.module, groups[st.index], replica)
+        engine = PipelineEngine(stage, topo, rank, plan.schedule, transport=network.transport(rank),
+                                optimizer=make_optimizer(stage.module.parameters(), lr, optimizer),
+                                data=data_for(plan, steps), sync=sync)
+
+        def run():
+            losses = {}
+            for k in range(steps):
+                last = k == steps - 1 or (drain_every is not None and (k + 1) % drain_every == 0)
+                res = engine.run_step(k, drain=last)
+                losses[k] = [float(v) for _, v in sorted(res.losses.items())]
+            return stage.state_dict(), losses, engine
+        return run
+
+    results = run_ranks({r: rank_fn(r) for s in plan.stages for r in s.ranks}, network, groups)
+    assert not network.pending(), network.pending()
+    merged: dict[str, torch.Tensor] = {}
+    losses: dict[int, list[float]] = {}
+    for s in plan.stages:
+        first = results[s.ranks[0]][0]
+        for r in s.ranks[1:]:
+            other = results[r][0]
+            assert all(torch.equal(first[k], other[k]) for k in first), f"replicas of stage {s.index} differ"
+        merged.update(first)
+    for s in plan.stages[-1:]:
+        for r in s.ranks:
+            for k, v in results[r][1].items():
+                losses.setdefault(k, []).extend(v)
+    return merged, losses
+
+
+def train_reference(plan: Plan, steps: int, *, lr: float = 0.05, seed: int = 0,
+                    optimizer: str = "sgd") -> dict[str, torch.Tensor]:
+    """Plain single-process training on each step's concatenated global batch (mean loss)."""
+    spec = resolve_model(plan.model)
+    torch.manual_seed(seed)
+    model = spec.build()
+    opt = make_optimizer(model.parameters(), lr, optimizer)
+    data = data_for(plan, steps)
+    for k in range(steps):
+        x, y = data.global_batch(k)
+        opt.zero_grad()
+        spec.loss(model(x), y).backward()
+        opt.step()
+    return model.state_dict()
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert set(a) == set(b), set(a) ^ set(b)
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
