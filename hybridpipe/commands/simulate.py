@@ -1,0 +1,81 @@
+"""``hybridpipe simulate PLAN``: predict a plan's step time by simulating its schedule.
+
+Runs the instruction lists the workers would run (hybridpipe.pipeline.schedules) through the
+event-driven simulator (hybridpipe.pipeline.simulator) with the plan's per-stage times, its
+transfer times and per-layer all-reduce times, and prints the predicted step time, samples/s
+and per-stage utilisation next to the partitioner's own prediction. ``--trace`` writes a
+Chrome trace (open in https://ui.perfetto.dev or chrome://tracing), ``--png`` a Gantt chart.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from hybridpipe.commands.show import table
+from hybridpipe.errors import UserError
+from hybridpipe.partitioner.calibration import load_calibration
+from hybridpipe.partitioner.costmodel import CostModel
+from hybridpipe.partitioner.plan import SCHEDULES, Plan, load_plan
+from hybridpipe.pipeline.schedules import Topology, check_schedulable
+from hybridpipe.pipeline.simtrace import draw_timeline, write_chrome_trace
+from hybridpipe.pipeline.simulator import SimResult, simulate, stage_costs
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("plan", help="a plan file written by `hybridpipe partition`")
+    parser.add_argument("--trace", metavar="FILE", help="write the simulated timeline as a Chrome trace (JSON)")
+    parser.add_argument("--png", metavar="FILE", help="draw the simulated timeline")
+    parser.add_argument("--steps", type=int, default=None, metavar="N",
+                        help="steps to simulate (default: 2, pipedream: its warm-up + 3)")
+    parser.add_argument("--schedule", choices=SCHEDULES, help="simulate another schedule than the plan's")
+    parser.add_argument("--micro-batches", type=int, metavar="M", help="micro-batches per step (default: the plan's)")
+    parser.add_argument("--calibration", metavar="FILE",
+                        help="measured link costs (bench-allreduce output) for transfers the plan gives only in bytes")
+
+
+def run(args: argparse.Namespace) -> int:
+    plan = load_plan(args.plan)
+    if args.steps is not None and args.steps < 1:
+        raise UserError(f"--steps must be >= 1, got {args.steps}")
+    if args.micro_batches is not None and args.micro_batches < 1:
+        raise UserError(f"--micro-batches must be >= 1, got {args.micro_batches}")
+    schedule = args.schedule or plan.schedule
+    topo = Topology(tuple(tuple(s.ranks) for s in plan.stages), args.micro_batches or plan.micro_batches)
+    check_schedulable(topo, schedule)
+    if all(c.forward_ms == 0 and c.backward_ms == 0 for c in stage_costs(plan)):
+        raise UserError(f"{args.plan} has no per-stage times (forward_ms/backward_ms/compute_ms are 0); "
+                        "partition a measured profile to get them")
+    model = CostModel(plan.cluster, load_calibration(args.calibration) if args.calibration else None)
+    result = simulate(plan, schedule=schedule, steps=args.steps, micro_batches=topo.micro_batches, cost_model=model)
+    print(render(plan, topo, result))
+    if args.trace:
+        print(f"trace: {write_chrome_trace(result, topo, args.trace)} (open in https://ui.perfetto.dev "
+              "or chrome://tracing)")
+    if args.png:
+        print(f"picture: {draw_timeline(result, topo, args.png, title=f'{plan.model}: {_headline(result)}')}")
+    return 0
+
+
+def _headline(result: SimResult) -> str:
+    return f"{result.schedule}, {result.step_ms:.2f} ms per step (simulated)"
+
+
+def render(plan: Plan, topo: Topology, result: SimResult) -> str:
+    """The simulation's summary: per-stage table, step time, throughput, the plan's prediction."""
+    costs = stage_costs(plan)
+    rows = [[s.index, ",".join(map(str, s.ranks)), s.replicas, f"{c.forward_ms:.2f}", f"{c.backward_ms:.2f}",
+             f"{c.send_ms:.2f}", f"{sum(c.allreduce_ms):.2f}", f"{100 * u:.1f}%"]
+            for s, c, u in zip(plan.stages, costs, result.utilisation)]
+    samples = topo.micro_batches * plan.batch_size
+    lines = [f"{plan.model}: schedule {result.schedule}, {topo.micro_batches} micro-batches x {plan.batch_size} "
+             f"samples, {topo.world_size} workers; simulated {result.steps} steps "
+             f"(steady state measured over {result.window[1] - result.window[0]:.2f} ms)", "",
+             table(["stage", "ranks", "replicas", "fwd ms", "bwd ms", "send ms", "allreduce ms", "utilisation"], rows),
+             "",
+             f"predicted step time: {result.step_ms:.2f} ms ({1000 * samples / result.step_ms:.1f} samples/s)"
+             if result.step_ms > 0 else "predicted step time: 0 ms"]
+    if plan.predicted_step_ms > 0 and result.step_ms > 0 and (result.schedule == plan.schedule
+                                                             and topo.micro_batches == plan.micro_batches):
+        diff = 100 * (plan.predicted_step_ms - result.step_ms) / result.step_ms
+        lines.append(f"partitioner's prediction: {plan.predicted_step_ms:.2f} ms ({diff:+.1f}% vs simulated)")
+    return "\n".join(lines)

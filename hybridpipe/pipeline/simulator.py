@@ -1,0 +1,269 @@
+"""Predicting a plan's step time by simulating its schedule: the same instruction lists the engine
+runs, timed with the plan's per-stage costs and the partitioner's cost model.
+
+Discrete-event model, per rank, in instruction order:
+
+* Forward / Backward occupy the rank for the stage's ``forward_ms`` / ``backward_ms`` (one
+  micro-batch on one replica; the last stage's include the loss).
+* Sends are posted and the rank moves on; each directed link (sender, receiver) carries one
+  message at a time, in posting order, for the stage's ``send_ms`` (activations, and gradients
+  back over the same cut), or, when only ``send_bytes`` is known, the cost model's transfer time
+  at the level of the link between the two ranks. A receive waits for the message's arrival.
+* A synced Backward makes the stage's layer gradients ready one after another across the
+  backward (last layer first, evenly spaced); each layer's all-reduce starts when every replica
+  has it ready and the replica group's previous all-reduce is done, and lasts the layer's
+  ``predicted_ms`` (or, with no layer list, one all-reduce of the stage's ``sync_ms`` after the
+  backward). SyncWait waits for the last one: overlap with the rest of the backward and the
+  gradient sends is what hides it.
+* Optimizer steps, data loading and the loss's bookkeeping take no time.
+
+The step time is measured between the ends of consecutive steps (t_k = when the last rank
+finishes step k's list) in the steady state: for gpipe/1f1b every step after the first, for
+pipedream the steps between the warm-up (which may span several steps) and the draining last
+step. Utilisation is measured over the same window.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from hybridpipe.partitioner.costmodel import CostModel
+from hybridpipe.partitioner.plan import Plan
+from hybridpipe.pipeline.instructions import (
+    Backward, Forward, Instruction, RecvActivations, RecvGradients, SendActivations, SendGradients, SyncStart,
+    SyncWait,
+)
+from hybridpipe.pipeline.schedules import Topology, all_programs
+
+
+@dataclass(frozen=True)
+class Interval:
+    """Something that took time: on a rank ("F"/"B"), a link ("act"/"grad") or a replica group ("allreduce")."""
+
+    kind: str
+    micro_batch: int        # global micro-batch id (-1 for none)
+    t0: float               # ms
+    t1: float
+    where: str              # "rank 3", "link 1->2", "stage 2 group"
+    label: str = ""
+
+
+@dataclass
+class SimResult:
+    schedule: str
+    steps: int
+    step_ms: float                          # predicted time per step (steady state)
+    step_ends: list[float]                  # t_k
+    utilisation: list[float]                # per stage: busy fraction of its replicas in the measured window
+    window: tuple[float, float]             # the measured window (ms)
+    intervals: list[Interval] = field(default_factory=list)
+
+    @property
+    def makespan_ms(self) -> float:
+        return self.step_ends[-1] if self.step_ends else 0.0
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    forward_ms: float
+    backward_ms: float
+    send_ms: float                          # per message over the cut after this stage (each way)
+    send_bytes: int
+    allreduce_ms: tuple[float, ...]         # per layer, in forward order (empty: no sync)
+
+
+def stage_costs(plan: Plan) -> list[StageCosts]:
+    """Per-stage costs from the plan; a plan with only ``compute_ms`` splits it 1:2 (forward:backward)."""
+    out = []
+    for s in plan.stages:
+        f, b = s.forward_ms, s.backward_ms
+        if f == 0 and b == 0 and s.compute_ms > 0:
+            f, b = s.compute_ms / 3, 2 * s.compute_ms / 3
+        if s.replicas > 1 and s.layers:
+            ar = tuple(lv.predicted_ms for lv in s.layers)
+        elif s.replicas > 1 and s.sync_ms > 0:
+            ar = (s.sync_ms,)
+        else:
+            ar = ()
+        out.append(StageCosts(f, b, s.send_ms, s.send_bytes, ar))
+    return out
+
+
+def simulate(plan: Plan, *, schedule: str | None = None, steps: int | None = None, micro_batches: int | None = None,
+             cost_model: CostModel | None = None) -> SimResult:
+    """Simulate ``steps`` consecutive steps of the plan's schedule (pipedream drains in the last one;
+    default: enough steps for a steady state, see :func:`default_steps`)."""
+    schedule = schedule or plan.schedule
+    topo = Topology(tuple(tuple(s.ranks) for s in plan.stages), micro_batches or plan.micro_batches)
+    costs = stage_costs(plan)
+    model = cost_model or CostModel(plan.cluster)
+    return simulate_topology(topo, schedule, costs, steps=steps, link_ms=_link_ms(costs, topo, model))
+
+
+def _link_ms(costs: Sequence[StageCosts], topo: Topology, model: CostModel):
+    def transfer(stage_cut: int, src: int, dst: int) -> float:
+        c = costs[stage_cut]
+        if c.send_ms > 0 or c.send_bytes <= 0:
+            return c.send_ms
+        return 1000 * model.p2p_seconds(c.send_bytes, model.cluster.level_between(src, dst))
+    return transfer
+
+
+def settle_steps(topo: Topology, schedule: str) -> int:
+    """Steps before pipedream's pipeline is full (its warm-up spans ceil(warm / per-replica micro-batches))."""
+    if schedule != "pipedream":
+        return 1
+    return max(math.ceil(topo.warm(s) * topo.replicas(s) / topo.micro_batches) for s in range(topo.n_stages))
+
+
+def default_steps(topo: Topology, schedule: str) -> int:
+    """gpipe/1f1b: 2 (every step after the first is the steady state); pipedream: warm-up + 3."""
+    return 2 if schedule != "pipedream" else settle_steps(topo, schedule) + 3
+
+
+def simulate_topology(topo: Topology, schedule: str, costs: Sequence[StageCosts], *, steps: int | None = None,
+                      link_ms=None) -> SimResult:
+    """The simulation itself, over plain per-stage costs. ``link_ms(cut, src, dst)`` gives a
+    transfer's duration over the cut after stage ``cut`` (default: that stage's ``send_ms``)."""
+    steps = default_steps(topo, schedule) if steps is None else steps
+    if steps < 1:
+        raise ValueError(f"simulate at least one step, got {steps}")
+    link_ms = link_ms or (lambda cut, src, dst: costs[cut].send_ms)
+    M = topo.micro_batches
+    phase = 0
+    programs: dict[int, list[tuple[int, Instruction]]] = {r: [] for rs in topo.stage_ranks for r in rs}
+    for k in range(steps):
+        progs = all_programs(topo, schedule, phase=phase, drain=k == steps - 1)
+        phase += 1
+        for r, prog in progs.items():
+            programs[r] += [(k, ins) for ins in prog]
+    sim = _Sim(topo, costs, link_ms, programs)
+    sim.run()
+    ends = [max(sim.step_end[r].get(k, 0.0) for r in programs) for k in range(steps)]
+    lo, hi = _window(schedule, steps, settle_steps(topo, schedule))
+    t_a = ends[lo - 1] if lo > 0 else 0.0
+    t_b = ends[hi - 1]
+    step_ms = (t_b - t_a) / (hi - lo)
+    util = []
+    for s, ranks in enumerate(topo.stage_ranks):
+        busy = sum(max(0.0, min(iv.t1, t_b) - max(iv.t0, t_a)) for iv in sim.intervals
+                   if iv.kind in ("F", "B") and iv.where in {f"rank {r}" for r in ranks})
+        util.append(busy / (len(ranks) * (t_b - t_a)) if t_b > t_a else 0.0)
+    return SimResult(schedule, steps, step_ms, ends, util, (t_a, t_b), sim.intervals)
+
+
+def _window(schedule: str, steps: int, settle: int) -> tuple[int, int]:
+    """Steps [lo, hi) whose durations give the steady-state step time: after the warm-up and,
+    for pipedream, before the draining last step (as far as ``steps`` allows)."""
+    hi = steps - 1 if schedule == "pipedream" and steps >= 2 else steps
+    lo = min(settle, hi - 1)
+    return lo, hi
+
+
+class _Sim:
+    def __init__(self, topo: Topology, costs, link_ms, programs: dict[int, list[tuple[int, Instruction]]]):
+        self.topo, self.costs, self.link_ms, self.programs = topo, costs, link_ms, programs
+        self.clock = {r: 0.0 for r in programs}
+        self.pc = {r: 0 for r in programs}
+        self.step_end: dict[int, dict[int, float]] = {r: {} for r in programs}
+        self.link_free: dict[tuple[int, int], float] = {}
+        self.arrivals: dict[tuple[int, int, str, int], float] = {}      # (src, dst, kind, g) -> arrival
+        self.sync_next: dict[int, int | None] = {r: None for r in programs}
+        self.ready: dict[tuple[int, int], list[list[float]]] = {}       # (stage, n-th sync) -> per replica ready times
+        self.synced: dict[int, int] = {r: 0 for r in programs}
+        self.waited: dict[int, int] = {r: 0 for r in programs}
+        self.sync_done: dict[tuple[int, int], float] = {}
+        self.group_free: dict[int, float] = {}
+        self.intervals: list[Interval] = []
+
+    def run(self) -> None:
+        moved = True
+        while moved:
+            moved = False
+            for r in self.programs:
+                while self.pc[r] < len(self.programs[r]) and self._advance(r):
+                    self.pc[r] += 1
+                    moved = True
+        stuck = [r for r in self.programs if self.pc[r] < len(self.programs[r])]
+        if stuck:
+            raise RuntimeError(f"the simulated schedule deadlocks at ranks {stuck} (validate the schedule)")
+
+    def _advance(self, r: int) -> bool:
+        k, ins = self.programs[r][self.pc[r]]
+        stage, replica = self.topo.locate(r)
+        c = self.costs[stage]
+        M = self.topo.micro_batches
+        g = k * M + ins.micro_batch if hasattr(ins, "micro_batch") else -1
+        now = self.clock[r]
+        if isinstance(ins, (RecvActivations, RecvGradients)):
+            kind = "act" if isinstance(ins, RecvActivations) else "grad"
+            t = self.arrivals.pop((ins.peer, r, kind, g), None)
+            if t is None:
+                return False
+            self.clock[r] = max(now, t)
+        elif isinstance(ins, (SendActivations, SendGradients)):
+            kind = "act" if isinstance(ins, SendActivations) else "grad"
+            cut = stage if kind == "act" else stage - 1
+            start = max(now, self.link_free.get((r, ins.peer), 0.0))
+            end = start + self.link_ms(cut, r, ins.peer)
+            self.link_free[(r, ins.peer)] = end
+            self.arrivals[(r, ins.peer, kind, g)] = end
+            if end > start:
+                self.intervals.append(Interval(kind, g, start, end, f"link {r}->{ins.peer}", f"{kind} {g}"))
+        elif isinstance(ins, Forward):
+            self._busy(r, "F", g, c.forward_ms)
+        elif isinstance(ins, SyncStart):
+            self.sync_next[r] = g
+        elif isinstance(ins, Backward):
+            t0 = now
+            self._busy(r, "B", g, c.backward_ms)
+            if self.sync_next[r] == g:
+                self.sync_next[r] = None
+                n = len(c.allreduce_ms)
+                times = [t0 + c.backward_ms * (i + 1) / n for i in range(n)]   # i-th gradient ready
+                slot = self.ready.setdefault((stage, self.synced[r]), [])
+                slot.append(times)
+                self.synced[r] += 1
+        elif isinstance(ins, SyncWait):
+            key = (stage, self.waited[r])
+            done = self._sync_end(stage, key)
+            if done is None:
+                return False
+            self.clock[r] = max(now, done)
+            self.waited[r] += 1
+        self.step_end[r][k] = self.clock[r]
+        return True
+
+    def _busy(self, r: int, kind: str, g: int, ms: float) -> None:
+        t0 = self.clock[r]
+        self.clock[r] = t0 + ms
+        self.intervals.append(Interval(kind, g, t0, t0 + ms, f"rank {r}", f"{kind}{g}"))
+
+    def _sync_end(self, stage: int, key: tuple[int, int]) -> float | None:
+        """When the replica group's key-th all-reduce round ends (None: not every replica is ready)."""
+        if key in self.sync_done:
+            return self.sync_done[key]
+        slots = self.ready.get(key, [])
+        if len(slots) < self.topo.replicas(stage):
+            return None
+        t = self.group_free.get(stage, 0.0)
+        layers = self.costs[stage].allreduce_ms[::-1]          # gradients arrive last layer first
+        for i, ms in enumerate(layers):
+            start = max(t, max(times[i] for times in slots))
+            t = start + ms
+            self.intervals.append(Interval("allreduce", -1, start, t, f"stage {stage} group", f"allreduce {i}"))
+        self.group_free[stage] = t
+        self.sync_done[key] = t
+        return t
+
+
+def closed_form_ms(micro_batches: int, n_stages: int, forward_ms: float, backward_ms: float) -> float:
+    """(M + S - 1) x (f + b): one flushed step of a balanced pipeline with free communication."""
+    return (micro_batches + n_stages - 1) * (forward_ms + backward_ms)
+
+
+def stage_busy_ms(result: SimResult, ranks: Sequence[int]) -> float:
+    names = {f"rank {r}" for r in ranks}
+    return math.fsum(iv.t1 - iv.t0 for iv in result.intervals if iv.where in names and iv.kind in ("F", "B"))
