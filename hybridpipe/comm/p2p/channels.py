@@ -199,19 +199,28 @@ class Channels:
         deadline = time.monotonic() + self.timeout
         posted = {p: link.senders[0].post(self._hello[p][0], 0, 0, [], flags=Flag.HELLO)
                   for p, link in self._links.items()}
+        what = "hello (opening channels)"
+        mismatches = []
         for p, link in self._links.items():
-            what = "hello (opening channels)"
             try:
                 frame = link.receivers[0].receive(deadline, what)
             except P2PTimeout as e:
                 raise P2PTimeout(p, what, f"rank {p} did not open its channels within {self.timeout:g} s") from e
             mine, expected = self._hello[p]
             if not frame.header.flags & Flag.HELLO or frame.key != expected:
-                raise ProtocolError(p, what, f"rank {p} opened {frame.key!r} while rank {self.rank} opened "
-                                    f"{mine!r} (hello/mode/lanes/order digest); every rank must use the same "
-                                    "mode and max_tensors, and sra orders must mirror each other")
-        for p, link in self._links.items():
-            link.senders[0].complete(posted[p], deadline)
+                mismatches.append(ProtocolError(
+                    p, what, f"rank {p} opened {frame.key!r} while rank {self.rank} opened {mine!r} "
+                    "(hello/mode/lanes/order digest); every rank must use the same mode and max_tensors, "
+                    "and sra orders must mirror each other"))
+        try:
+            # our HELLOs must leave even when we refuse the peer's: it is waiting for them
+            for p, link in self._links.items():
+                link.senders[0].complete(posted[p], deadline)
+        except P2PError:
+            if not mismatches:
+                raise
+        if mismatches:
+            raise mismatches[0]
 
 
 def open_channels(edges: Iterable[tuple[int, int]], mode: str = "sa", *, device: str | torch.device = "cpu",

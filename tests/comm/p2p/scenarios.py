@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import torch
@@ -37,6 +38,10 @@ def message(tag: int, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) ->
 def same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> bool:
     return (list(got) == list(want) and all(got[k].dtype == want[k].dtype and got[k].shape == want[k].shape
                                             and torch.equal(got[k], want[k]) for k in want))
+
+
+def p2p_threads() -> int:
+    return sum(t.name.startswith("p2p-") and t.is_alive() for t in threading.enumerate())
 
 
 def run_program(ch: Channels, program: list, expected: dict) -> list[str]:
@@ -85,6 +90,7 @@ def roundtrip(rank: int, world: int, modes: tuple[str, ...], n: int) -> dict:
         problems = run_program(ch, prog[rank], msgs)
         stats = ch.stats()[peer]
         ch.close()
+        ch.close()                                   # idempotent
         sent = [msgs[k] for op, _, k in prog[rank] if op == "send"]
         report[mode] = {"problems": problems, "transfer_bytes": sum(a[2] for a in transfers),
                         "expected_bytes": sum(t.numel() * t.element_size() for _, p, k in prog[rank]
@@ -93,7 +99,7 @@ def roundtrip(rank: int, world: int, modes: tuple[str, ...], n: int) -> dict:
                         "times_ok": all(a[3] <= a[4] for a in transfers),
                         "meta_sent": stats["meta_sent"],
                         "meta_expected": announcements(prog[rank], msgs, 6 if mode == "per-tensor" else 1),
-                        "sent": len(sent)}
+                        "sent": len(sent), "threads_left": p2p_threads()}
     return report
 
 
@@ -153,6 +159,7 @@ def fanin_and_skips(rank: int, world: int, modes: tuple[str, ...]) -> dict:
         order = link_orders(prog)[rank] if mode == "sra" else None
         with open_channels(edges, mode, timeout=30, order=order) as ch:
             report[mode] = {"problems": run_program(ch, prog[rank], msgs), "stats": ch.stats()}
+        report[mode]["threads_left"] = p2p_threads()
     return report
 
 
@@ -212,6 +219,10 @@ def peer_failure(rank: int, world: int, mode: str, how: str, timeout: float) -> 
         ch.send(1, "act/1", hello)
         out["after"] = same(ch.recv(1, "ok/0"), hello)
     ch.flush(3 - rank)
+    t = time.monotonic()
+    ch.close()                                       # never hangs, never raises
+    out["close_elapsed"] = time.monotonic() - t
+    out["threads_left"] = p2p_threads()
     return out
 
 
