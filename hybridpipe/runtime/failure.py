@@ -1,0 +1,358 @@
+"""Failure handling: when one rank dies, every other rank stops quickly and names it.
+
+How the worker uses it (right after ``init_process_group``, around everything else)::
+
+    store = default_store()                     # the c10d store of the default process group
+    guard = FailureGuard(store, rank=rank, world_size=world, timeout=args.peer_timeout,
+                         describe=describe_ranks(plan), on_exit=[recorder.close])
+    with guard:                                 # starts the watchdog, installs a SIGTERM handler
+        train()                                 # any exception ends here: see below
+    # leaving normally marks this rank done (no longer watched), stops the watchdog
+
+An exception leaving the ``with`` block never returns: the guard finds out which rank failed
+first, prints ONE line on stderr naming it, runs ``on_exit`` (quick, local things only: flush
+the trace; no collectives, no channels) and ends the process with ``os._exit`` (threads blocked
+on dead connections cannot hang the exit). Exit codes:
+
+* :data:`EXIT_PEER_LOST` (75, EX_TEMPFAIL) - another rank failed; this one is fine. Restarting
+  the job (``torchrun --max-restarts``) with ``--resume`` continues from the newest checkpoint.
+* 1 - this rank failed (a bug or an error of its own: traceback printed), 2 - a UserError of
+  its own (one line), 143 - SIGTERM, 130 - Ctrl-C.
+
+How the failed rank is named: ranks share facts through the c10d store (a prefix per torchrun
+restart). The first rank to know publishes ``first`` (compare-and-set: the first report wins):
+a rank that fails by itself publishes itself with its error, a p2p ``PeerLost``/``P2PTimeout``
+names its peer. A watchdog thread on every rank (a) heartbeats, (b) exits the process as soon as
+``first`` is published (so ranks blocked inside an all-reduce or a recv also stop), (c) checks
+the processes of the ranks on its own host every ``interval`` (a killed rank is seen at once)
+and (d) watches the next rank in a ring through its heartbeat (a rank on another host whose
+heartbeat stalls for ``timeout`` s is lost: host or network gone). A gloo collective that fails
+("connection reset") names no rank: the guard then waits (at most ``timeout`` + 2 intervals)
+for the watchdogs to publish the culprit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from typing import Callable, Iterable, NoReturn
+
+import torch.distributed as dist
+
+from hybridpipe.comm.p2p.errors import P2PError, P2PTimeout
+from hybridpipe.errors import UserError
+
+EXIT_PEER_LOST = 75       # os.EX_TEMPFAIL: another rank failed, retry (restart + --resume)
+EXIT_ERROR = 1
+EXIT_USER_ERROR = 2
+EXIT_SIGTERM = 128 + signal.SIGTERM
+EXIT_INTERRUPT = 130
+
+_COLLECTIVE_MARKERS = ("connection reset", "connection closed", "read error", "write error", "broken pipe",
+                       "timed out", "timeout", "socket closed", "end of file")
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived (the launcher stops the job); raised in the main thread by the guard."""
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Who failed first, why, and which rank found out."""
+
+    rank: int
+    reason: str
+    reporter: int
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> "Failure":
+        return cls(**json.loads(raw.decode()))
+
+
+def suspect_of(exc: BaseException) -> tuple[int | None, str]:
+    """Which rank ``exc`` points at and how: ``(peer, "lost"|"stalled")`` for p2p errors,
+    ``(None, "collective")`` for a failed collective that names no rank, ``(None, "own")``
+    when this rank failed by itself."""
+    if isinstance(exc, P2PError):
+        return exc.peer, "stalled" if isinstance(exc, P2PTimeout) else "lost"
+    if isinstance(exc, RuntimeError) and not isinstance(exc, UserError):
+        text = str(exc).lower()
+        if isinstance(exc, dist.DistError) or any(m in text for m in _COLLECTIVE_MARKERS):
+            return None, "collective"
+    return None, "own"
+
+
+def describe_ranks(plan) -> Callable[[int], str]:
+    """``rank -> "rank 3 (stage 1 replica 0)"`` for a ``hybridpipe.partitioner.plan.Plan``."""
+    where = {r: (s.index, i) for s in plan.stages for i, r in enumerate(s.ranks)}
+
+    def describe(rank: int) -> str:
+        return f"rank {rank} (stage {where[rank][0]} replica {where[rank][1]})" if rank in where else f"rank {rank}"
+    return describe
+
+
+def default_store() -> dist.Store:
+    """The c10d store of the initialised default process group (torchrun's agent store)."""
+    from torch.distributed import distributed_c10d
+
+    if not dist.is_initialized():
+        raise RuntimeError("default_store() needs torch.distributed.init_process_group() first")
+    return distributed_c10d._get_default_store()
+
+
+def host_identity() -> str:
+    """Processes with the same identity can check each other's pids (same boot, same pid namespace)."""
+    try:
+        boot = open("/proc/sys/kernel/random/boot_id").read().strip()
+        return f"{socket.gethostname()}/{boot}/{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return f"{socket.gethostname()}/no-proc"
+
+
+def process_alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie (a killed child its parent has not reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rpartition(")")[2].split()[0]
+        return state not in ("Z", "X", "x")
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    except OSError:
+        try:
+            os.kill(pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+
+
+class FailureGuard:
+    """See the module docstring. ``timeout``: seconds without a heartbeat before a rank on another
+    host counts as lost (and the longest wait to name a culprit); ``interval``: heartbeat and
+    check period (default ``min(1, timeout / 10)``); ``describe(rank)`` names ranks in messages;
+    ``namespace``: store prefix (default: per torchrun restart)."""
+
+    def __init__(self, store: dist.Store, *, rank: int, world_size: int, timeout: float = 30.0,
+                 interval: float | None = None, describe: Callable[[int], str] | None = None,
+                 on_exit: Iterable[Callable[[], object]] = (), namespace: str | None = None,
+                 hint: str = "") -> None:
+        if timeout <= 0:
+            raise ValueError(f"timeout must be positive, got {timeout}")
+        self.rank, self.world_size, self.timeout = rank, world_size, float(timeout)
+        self.interval = float(interval) if interval else min(1.0, self.timeout / 10)
+        self.describe = describe or (lambda r: f"rank {r}")
+        self.on_exit = list(on_exit)
+        self.hint = hint
+        ns = namespace if namespace is not None else f"hybridpipe/failure/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        self._store = dist.PrefixStore(ns, store)
+        self._watch_store = dist.PrefixStore(ns, store.clone() if hasattr(store, "clone") else store)
+        self._stop = threading.Event()
+        self._exiting = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._old_sigterm = None
+        self._peers: dict[int, int] = {}          # local ranks -> pid (same host identity)
+        self._done: set[int] = set()
+
+    # ---- lifecycle --------------------------------------------------------------------
+    def start(self) -> "FailureGuard":
+        me = {"host": host_identity(), "pid": os.getpid()}
+        self._store.set(f"who/{self.rank}", json.dumps(me))
+        self._store.add(f"hb/{self.rank}", 1)
+        self._thread = threading.Thread(target=self._watch, name=f"failure-watchdog-{self.rank}", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Normal end: this rank is done (never reported as lost) and the watchdog stops."""
+        try:
+            self._store.set(f"done/{self.rank}", b"1")
+        except Exception:           # noqa: BLE001 - the store may be gone at the very end
+            pass
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.interval * 3)
+
+    def __enter__(self) -> "FailureGuard":
+        self.start()
+        if threading.current_thread() is threading.main_thread():
+            self._old_sigterm = signal.signal(signal.SIGTERM, _raise_terminated)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if self._old_sigterm is not None:
+            signal.signal(signal.SIGTERM, self._old_sigterm)
+        if exc is None or isinstance(exc, SystemExit) and exc.code in (0, None):
+            self.stop()
+            return False
+        self.handle(exc)
+
+    # ---- failure path -----------------------------------------------------------------
+    def published(self) -> Failure | None:
+        """The first failure anyone reported, if any."""
+        return _read_first(self._store)
+
+    def report(self, failure: Failure) -> Failure:
+        """Publish ``failure`` unless one was published before; return the first one."""
+        return _report(self._store, failure)
+
+    def handle(self, exc: BaseException) -> NoReturn:
+        """Name the first failed rank for ``exc``, print one line, exit (see the module docstring)."""
+        peer, how = suspect_of(exc)
+        own_text = _one_line(exc)
+        if isinstance(exc, (Terminated, KeyboardInterrupt)):
+            first = self._wait_published(2 * self.interval)
+            code = EXIT_SIGTERM if isinstance(exc, Terminated) else EXIT_INTERRUPT
+            what = "terminated by SIGTERM" if isinstance(exc, Terminated) else "interrupted"
+            self._exit(code, f"{what}" + (f"; {self._blame(first)}" if first else ""))
+        if how == "own":
+            first = self.report(Failure(self.rank, own_text, self.rank))
+            if first.rank == self.rank:
+                if not isinstance(exc, UserError):
+                    traceback.print_exception(exc, file=sys.stderr)
+                self._exit(EXIT_USER_ERROR if isinstance(exc, UserError) else EXIT_ERROR, f"failed: {own_text}")
+            self._exit(EXIT_PEER_LOST, f"{self._blame(first)}; then this rank failed: {own_text}")
+        first = self.published()
+        if first is None and peer is not None:
+            first = self.report(Failure(peer, self._peer_reason(peer, how, own_text), self.rank))
+        if first is None:
+            first = self._wait_published(self.timeout + 2 * self.interval)
+        if first is None:
+            first = self.report(Failure(self.rank, f"a collective failed and no rank was named: {own_text}",
+                                        self.rank))
+        self._exit(EXIT_PEER_LOST, self._blame(first) + (f" (this rank saw: {own_text})" if first.reporter != self.rank
+                                                          else ""))
+
+    def _peer_reason(self, peer: int, how: str, text: str) -> str:
+        if _is_set(self._store, f"done/{peer}"):
+            return f"it finished its steps while this rank still waited for it ({text})"
+        return text if how == "lost" else f"stalled: {text}"
+
+    def _blame(self, f: Failure) -> str:
+        who = self.describe(f.rank)
+        by = "" if f.reporter == f.rank else f", found by {self.describe(f.reporter)}"
+        return f"{who} failed first{by}: {f.reason}"
+
+    def _wait_published(self, seconds: float) -> Failure | None:
+        end = time.monotonic() + seconds
+        while True:
+            first = self.published()
+            if first is not None or time.monotonic() >= end:
+                return first
+            time.sleep(min(self.interval / 2, 0.1))
+
+    def _exit(self, code: int, message: str) -> NoReturn:
+        with self._exiting:         # the watchdog and the main thread never both exit
+            self._stop.set()
+            text = f"hybridpipe {self.describe(self.rank)}: {message}"
+            if code == EXIT_PEER_LOST and self.hint:
+                text += f". {self.hint}"
+            for fn in self.on_exit:
+                try:
+                    fn()
+                except Exception as e:      # noqa: BLE001 - exiting anyway
+                    print(f"hybridpipe rank {self.rank}: on-exit callback failed: {_one_line(e)}", file=sys.stderr)
+            print(text, file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(code)
+
+    # ---- watchdog thread --------------------------------------------------------------
+    def _watch(self) -> None:
+        store = self._watch_store
+        last_value: dict[int, int] = {}
+        last_change: dict[int, float] = {}
+        while not self._stop.wait(self.interval):
+            try:
+                store.add(f"hb/{self.rank}", 1)
+                first = _read_first(store)
+                if first is None:
+                    lost = self._check_local(store) or self._check_successor(store, last_value, last_change)
+                    if lost is not None:
+                        first = _report(store, lost)
+            except Exception as e:  # noqa: BLE001 - the store itself is gone
+                if self._stop.is_set():
+                    return
+                first = Failure(0, f"the rendezvous store is unreachable ({_one_line(e)}): the launcher "
+                                   "or the rank hosting the store is gone", self.rank)
+            if first is None or self._stop.is_set() or first.rank == first.reporter == self.rank:
+                continue            # (this rank's own failure is handled by its main thread)
+            if first.rank == self.rank:
+                self._exit(EXIT_PEER_LOST, f"stopped because {self.describe(first.reporter)} reported this "
+                                           f"rank as failed: {first.reason}")
+            self._exit(EXIT_PEER_LOST, self._blame(first))
+
+    def _learn_peers(self, store: dist.Store) -> None:
+        """Remember the pids of the ranks on this host (once each has registered)."""
+        me = host_identity()
+        for r in range(self.world_size):
+            if r != self.rank and r not in self._peers and _is_set(store, f"who/{r}"):
+                info = json.loads(store.get(f"who/{r}"))
+                self._peers[r] = info["pid"] if info["host"] == me else -1
+
+    def _check_local(self, store: dist.Store) -> Failure | None:
+        if len(self._peers) < self.world_size - 1:
+            self._learn_peers(store)
+        for r, pid in self._peers.items():
+            if pid > 0 and r not in self._done and not process_alive(pid):
+                if _is_set(store, f"done/{r}"):
+                    self._done.add(r)
+                    continue
+                return Failure(r, f"its process {pid} is gone (killed or crashed without a word)", self.rank)
+        return None
+
+    def _check_successor(self, store: dist.Store, last_value: dict, last_change: dict) -> Failure | None:
+        now = time.monotonic()
+        for step in range(1, self.world_size):
+            r = (self.rank + step) % self.world_size
+            if r in self._done:
+                continue
+            if _is_set(store, f"done/{r}"):
+                self._done.add(r)
+                continue
+            value = store.add(f"hb/{r}", 0)
+            if last_value.get(r) != value:
+                last_value[r], last_change[r] = value, now
+            elif now - last_change[r] > self.timeout:
+                return Failure(r, f"no heartbeat for {self.timeout:.0f} s (its host or the network is gone, "
+                                  "or it is frozen)", self.rank)
+            return None
+        return None
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated()
+
+
+def _is_set(store: dist.Store, key: str) -> bool:
+    return store.check([key])
+
+
+def _read_first(store: dist.Store) -> Failure | None:
+    return Failure.from_bytes(store.get("first")) if _is_set(store, "first") else None
+
+
+def _report(store: dist.Store, failure: Failure) -> Failure:
+    return Failure.from_bytes(store.compare_set("first", "", failure.to_bytes()))
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    text = re.sub(r"^\[[^\]]*\]\s*", "", text)                # gloo's "[/path/pair.cc:553] "
+    text = text.split(". This is typically caused")[0]      # and its boilerplate advice
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+__all__ = ["EXIT_PEER_LOST", "EXIT_ERROR", "EXIT_USER_ERROR", "EXIT_SIGTERM", "EXIT_INTERRUPT", "Failure",
+           "FailureGuard", "Terminated", "default_store", "describe_ranks", "suspect_of", "process_alive",
+           "host_identity"]

@@ -1,0 +1,257 @@
+"""Per-rank timeline: the pipeline engine's phases written as a Chrome trace (seed 003, table 2).
+
+How the worker uses it (one recorder per rank, created after ``init_process_group``)::
+
+    rec = TimelineRecorder(trace_dir(run_dir), rank=rank, stage=stage.index, replica=replica,
+                           world_size=world, keep_steps=200, flush_every=50)
+    rec.align(torch.distributed.barrier)       # same time origin on every rank (collective)
+    channels = Channels(..., on_transfer=rec.on_transfer)   # optional: wire time of each message
+    for step in range(start, steps):
+        rec.begin_step(step)
+        engine.run_step(..., recorder=rec)     # engine calls rec.record(phase, micro_batch, t0, t1)
+        rec.end_step()                         # writes the file every ``flush_every`` steps
+    rec.close()                                # final write (also call it on the failure path)
+
+``t0``/``t1`` handed to :meth:`TimelineRecorder.record` (and to ``on_transfer``) are
+``rec.clock()`` readings: ``time.perf_counter`` unless another clock is given (the p2p
+Channels use the same default). ``phase`` must be one of :data:`PHASES`.
+
+Memory stays bounded on week-long runs: only the newest ``keep_steps`` steps are held (and
+written); older ones are dropped and counted in the file's metadata. The file
+``TRACE_DIR/rank-00003.json`` is rewritten atomically (temp file + rename), so a reader never
+sees a torn file and a crash keeps the last flushed window.
+
+File format: Chrome trace JSON object (opens in Perfetto / chrome://tracing). Process id = rank;
+thread 0 holds the phases, thread 1 the p2p transfers, thread 2 one event per step. Metadata
+(rank, stage, replica, clock alignment, kept/dropped steps) lives under
+``otherData.hybridpipe``. ``hybridpipe timeline RUN_DIR`` merges the ranks (timeline_merge.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+from hybridpipe.errors import UserError
+
+PHASES = ("receive_for", "run_for", "send_for", "receive_back", "run_back", "sync", "send_back", "step")
+TRACE_KIND = "rank-trace"
+TRACE_FORMAT = 1
+TRACE_SUBDIR = "trace"
+TID_PHASES, TID_TRANSFERS, TID_STEPS = 0, 1, 2
+_THREAD_NAMES = {TID_PHASES: "phases", TID_TRANSFERS: "p2p transfers", TID_STEPS: "steps"}
+
+
+def trace_dir(run_dir: str | os.PathLike) -> Path:
+    """Where a run's per-rank traces live: ``RUN_DIR/trace``."""
+    return Path(run_dir) / TRACE_SUBDIR
+
+
+def trace_path(directory: str | os.PathLike, rank: int) -> Path:
+    """The trace file of ``rank`` in a trace directory."""
+    return Path(directory) / f"rank-{rank:05d}.json"
+
+
+@dataclass
+class _Step:
+    step: int | None                      # None: events recorded before the first begin_step
+    t_begin: float | None = None
+    t_end: float | None = None
+    phases: list[tuple[str, int, float, float]] = field(default_factory=list)
+    transfers: list[tuple[int, str, int, float, float]] = field(default_factory=list)
+
+
+class TimelineRecorder:
+    """Records phases and transfers of one rank; see the module docstring for the protocol.
+
+    Thread-safe: ``record`` runs on the compute thread, ``on_transfer`` on p2p threads.
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, rank: int, stage: int, replica: int = 0,
+                 world_size: int = 1, keep_steps: int = 200, flush_every: int = 50,
+                 clock: Callable[[], float] = time.perf_counter, label: str = "") -> None:
+        if keep_steps < 1:
+            raise ValueError(f"keep_steps must be >= 1, got {keep_steps}")
+        self.path = trace_path(directory, rank)
+        self.rank, self.stage, self.replica, self.world_size = rank, stage, replica, world_size
+        self.keep_steps, self.flush_every, self.clock, self.label = keep_steps, flush_every, clock, label
+        self._lock = threading.Lock()
+        self._setup = _Step(None)
+        self._steps: deque[_Step] = deque(maxlen=keep_steps)
+        self._current = self._setup
+        self._dropped = 0
+        self._since_flush = 0
+        self._anchor, self._anchor_wall, self._aligned_by = clock(), time.time(), "wall clock"
+
+    # ---- clock --------------------------------------------------------------------------
+    def align(self, barrier: Callable[[], None]) -> None:
+        """Set the time origin to the end of a collective barrier (call on every rank at once).
+
+        Two barriers: the first absorbs stragglers (process start-up), ranks leave the second
+        within about one network latency of each other, which becomes every trace's time 0.
+        """
+        barrier()
+        barrier()
+        with self._lock:
+            self._anchor, self._anchor_wall, self._aligned_by = self.clock(), time.time(), "barrier"
+
+    # ---- recording ----------------------------------------------------------------------
+    def begin_step(self, step: int) -> None:
+        """Start collecting the events of training step ``step``."""
+        with self._lock:
+            if len(self._steps) == self._steps.maxlen:
+                self._dropped += 1
+            self._current = _Step(step, t_begin=self.clock())
+            self._steps.append(self._current)
+
+    def end_step(self) -> None:
+        """Close the current step; rewrite the file every ``flush_every`` steps."""
+        with self._lock:
+            self._current.t_end = self.clock()
+            self._since_flush += 1
+            due = self.flush_every > 0 and self._since_flush >= self.flush_every
+        if due:
+            self.flush()
+
+    def record(self, phase: str, micro_batch: int, t0: float, t1: float) -> None:
+        """One phase of one micro-batch (the pipeline engine's recorder interface)."""
+        if phase not in PHASES:
+            raise ValueError(f"unknown timeline phase {phase!r}; phases are {', '.join(PHASES)}")
+        with self._lock:
+            self._current.phases.append((phase, int(micro_batch), t0, t1))
+
+    def on_transfer(self, peer: int, key: str, nbytes: int, t0: float, t1: float) -> None:
+        """One completed p2p message (the Channels ``on_transfer`` hook)."""
+        with self._lock:
+            self._current.transfers.append((peer, key, nbytes, t0, t1))
+
+    # ---- output -------------------------------------------------------------------------
+    def events(self) -> list[dict]:
+        """The Chrome trace events held now (metadata events first), times in microseconds."""
+        with self._lock:
+            steps = [_Step(s.step, s.t_begin, s.t_end, list(s.phases), list(s.transfers))
+                     for s in (self._setup, *self._steps)]
+            anchor = self._anchor
+        pid = self.rank
+        out = [_meta("process_name", pid, name=self.describe()),
+               _meta("process_sort_index", pid, sort_index=self.rank)]
+        out += [_meta("thread_name", pid, tid, name=n) for tid, n in _THREAD_NAMES.items()]
+
+        def us(t: float) -> float:
+            return round((t - anchor) * 1e6, 3)
+
+        for s in steps:
+            out += [{"ph": "X", "name": ph, "cat": "phase", "pid": pid, "tid": TID_PHASES, "ts": us(t0),
+                     "dur": round(max(t1 - t0, 0.0) * 1e6, 3), "args": {"step": s.step, "micro_batch": mb}}
+                    for ph, mb, t0, t1 in s.phases]
+            out += [{"ph": "X", "name": key, "cat": "transfer", "pid": pid, "tid": TID_TRANSFERS, "ts": us(t0),
+                     "dur": round(max(t1 - t0, 0.0) * 1e6, 3), "args": {"step": s.step, "peer": peer, "bytes": n}}
+                    for peer, key, n, t0, t1 in s.transfers]
+            if s.step is not None and s.t_begin is not None and s.t_end is not None:
+                out.append({"ph": "X", "name": f"step {s.step}", "cat": "step", "pid": pid, "tid": TID_STEPS,
+                            "ts": us(s.t_begin), "dur": round((s.t_end - s.t_begin) * 1e6, 3),
+                            "args": {"step": s.step}})
+        return out
+
+    def describe(self) -> str:
+        text = f"rank {self.rank}: stage {self.stage} replica {self.replica}"
+        return f"{text} ({self.label})" if self.label else text
+
+    def metadata(self) -> dict:
+        with self._lock:
+            kept = [s.step for s in self._steps if s.step is not None]
+            return {"kind": TRACE_KIND, "format": TRACE_FORMAT, "rank": self.rank, "stage": self.stage,
+                    "replica": self.replica, "world_size": self.world_size, "clock": self._aligned_by,
+                    "anchor_wall_s": self._anchor_wall, "keep_steps": self.keep_steps,
+                    "steps_dropped": self._dropped, "first_step": min(kept, default=None),
+                    "last_step": max(kept, default=None), "phases": list(PHASES), "label": self.label}
+
+    def flush(self) -> Path:
+        """Rewrite this rank's trace file atomically with the steps held now."""
+        data = {"traceEvents": self.events(), "displayTimeUnit": "ms",
+                "otherData": {"hybridpipe": self.metadata()}}
+        with self._lock:
+            self._since_flush = 0
+        return _write_atomic(self.path, data)
+
+    def close(self) -> Path:
+        """Final flush; the recorder may still be used afterwards (it just writes again)."""
+        return self.flush()
+
+
+def _meta(kind: str, pid: int, tid: int = 0, **args) -> dict:
+    return {"ph": "M", "name": kind, "pid": pid, "tid": tid, "args": args}
+
+
+def _write_atomic(path: Path, data: dict) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, separators=(",", ":"))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+@dataclass(frozen=True)
+class RankTrace:
+    """One rank's trace file as read back: its metadata and its events."""
+
+    path: Path
+    meta: dict
+    events: list[dict]
+
+    @property
+    def rank(self) -> int:
+        return int(self.meta["rank"])
+
+
+def load_rank_trace(path: str | os.PathLike) -> RankTrace:
+    """Read a file written by :class:`TimelineRecorder`; a foreign or broken file is a UserError."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read trace file {p}: {e}") from None
+    except json.JSONDecodeError as e:
+        raise UserError(f"trace file {p} is not valid JSON (line {e.lineno}: {e.msg}); "
+                        "was it copied while being written?") from None
+    meta = data.get("otherData", {}).get("hybridpipe") if isinstance(data, dict) else None
+    if not isinstance(meta, dict) or meta.get("kind") != TRACE_KIND:
+        raise UserError(f"{p} is not a hybridpipe rank trace (no otherData.hybridpipe of kind {TRACE_KIND!r})")
+    if meta.get("format") != TRACE_FORMAT:
+        raise UserError(f"{p}: trace format {meta.get('format')!r} is not supported (this hybridpipe "
+                        f"reads format {TRACE_FORMAT})")
+    events = data.get("traceEvents")
+    if not isinstance(events, list):
+        raise UserError(f"{p}: \"traceEvents\" must be a list")
+    return RankTrace(p, meta, events)
+
+
+def find_rank_traces(run_dir: str | os.PathLike) -> list[Path]:
+    """The rank trace files of a run: ``RUN_DIR/trace/rank-*.json`` (or RUN_DIR itself holding them)."""
+    base = Path(run_dir)
+    if not base.is_dir():
+        raise UserError(f"run directory {base} does not exist; pass the directory the run wrote "
+                        f"(it holds {TRACE_SUBDIR}/rank-*.json)")
+    for d in (trace_dir(base), base):
+        found = sorted(d.glob("rank-*.json"))
+        if found:
+            return found
+    raise UserError(f"no rank traces in {base} or {trace_dir(base)}: the run wrote none (was the "
+                    "timeline enabled, and did any step finish?)")
+
+
+def phases_of(events: Iterable[dict]) -> set[str]:
+    """The phase names present among ``events``."""
+    return {e["name"] for e in events if e.get("cat") == "phase"}
