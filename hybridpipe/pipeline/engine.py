@@ -107,10 +107,11 @@ class PipelineEngine:
         """The instruction list the next ``run_step`` executes."""
         return rank_program(self.topo, self.rank, self.schedule, phase=self.phase, drain=drain)
 
-    def run_step(self, step: int, *, drain: bool = False) -> StepResult:
+    def run_step(self, step: int, *, drain: bool = False, recorder=None) -> StepResult:
         """Execute this rank's list for ``step``. With pipedream, ``drain=True`` finishes every
         micro-batch in flight (do it on the last step and before checkpoints); steps between
-        drains must be consecutive."""
+        drains must be consecutive. ``recorder`` replaces the engine's recorder for this step."""
+        recorder = recorder if recorder is not None else self.recorder
         if self._acts and self._last_step is not None and step != self._last_step + 1:
             raise RuntimeError(f"step {step} follows step {self._last_step} while micro-batches "
                                f"{self.in_flight} are in flight; run consecutive steps or drain first")
@@ -123,8 +124,8 @@ class PipelineEngine:
             t0 = self.clock()
             self._execute(ins, g, frozen, result)
             phase = _PHASES.get(type(ins))
-            if self.recorder is not None and phase is not None:
-                self.recorder.record(phase, g if g is not None else -1, t0, self.clock())
+            if recorder is not None and phase is not None:
+                recorder.record(phase, g if g is not None else -1, t0, self.clock())
         self._last_step = step
         self.phase = 0 if drain or not self._acts else self.phase + 1
         return result
