@@ -1,246 +1,284 @@
 """What moving and summing bytes costs: point-to-point transfers and every all-reduce algorithm.
 
-Each all-reduce algorithm is described by its *structure* for a group: a list of phases, each
-``(level, a, b, c)`` = a sequential message steps, ``b * S`` bytes on one rank's link and
-``c * S`` bytes summed, on the links of cluster level ``level``. A phase costs
-``a * alpha + b * S * beta + c * S * gamma`` (the alpha-beta-gamma model); alpha and beta
-come from the cluster file (nominal) or a calibration (measured), gamma from the calibration
-or a nominal memory-bandwidth figure. Pure functions over plain data: no torch here.
+The alpha-beta-gamma model on the cluster's links. A level's link belongs to each unit one level
+below it (level 0: each worker's own link; the network level: each host's NIC) and is full
+duplex. An algorithm is a list of rounds of concurrent messages (``collectives.py``); a message
+between ranks whose innermost common unit is at level l travels on the level-l links of the two
+sub-units it leaves and enters. A round costs ``steps * alpha`` (the largest alpha among its
+messages' levels) plus ``S * max over links (bytes on the link / S) * beta(link level)`` plus
+``S * reduce * gamma``. So messages of one round that cross the same NIC share its bandwidth,
+and a ring spanning hosts is priced at the NIC, not at the fast links inside a host.
+
+alpha and beta come from the cluster file (nominal: the level's latency plus a software cost
+per message, 1/bandwidth) unless a calibration (``hybridpipe bench-allreduce``) measured that
+level: then every algorithm it timed uses its own fitted alpha/beta there, and untimed ones use
+the measured point-to-point fit. Costs are linear in the message size S for a fixed algorithm
+and group, so each (algorithm, group) is reduced once to ``seconds = A + B * S`` and cached.
+Pure computation; no torch.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterable, Sequence
+
+import numpy as np
 
 from hybridpipe.errors import UserError
-from hybridpipe.partitioner.calibration import Calibration, LinkFit, Sample
-from hybridpipe.partitioner.cluster import Cluster
+from hybridpipe.partitioner import collectives as co
+from hybridpipe.partitioner.calibration import Calibration, LinkFit
+from hybridpipe.partitioner.cluster import Cluster, Level
 from hybridpipe.partitioner.plan import ALGORITHMS
 
-# Nominal costs used when no calibration is given.
+# Nominal costs used where no calibration measured a level.
 NOMINAL_SOFTWARE_ALPHA_S = 30e-6      # per message step, on top of the link's latency
 NOMINAL_GAMMA_S_PER_BYTE = 1 / 4e9    # summing float32 at ~4 GB/s on a CPU core
 
 
 @dataclass(frozen=True)
-class Phase:
-    """One phase of a collective: a steps, b*S bytes sent per rank, c*S bytes reduced, at ``level``."""
+class RoundLoad:
+    """A priced-out round: the busiest link's load (in units of S) per level it touches."""
 
-    level: int
-    a: float
-    b: float
-    c: float
-
-
-def _log2_floor_pow(n: int) -> int:
-    return 1 << (n.bit_length() - 1)
+    level_loads: tuple[tuple[int, float], ...]   # (level, max bytes/S on one link of that level)
+    steps: int
+    reduce: float
+    repeat: int
 
 
-def ring_phases(n: int, level: int, scale: float = 1.0) -> list[Phase]:
-    """Reduce-scatter + all-gather around a ring of n ranks, on S * scale bytes."""
-    if n <= 1:
-        return []
-    return [Phase(level, 2 * (n - 1), 2 * (n - 1) / n * scale, (n - 1) / n * scale)]
+@dataclass(frozen=True)
+class Line:
+    """``seconds = alpha_s + s_per_byte * nbytes`` for one algorithm on one group."""
 
+    alpha_s: float
+    s_per_byte: float
 
-def _shared_ring(n: int, g: int, level: int) -> list[Phase]:
-    """g concurrent rings of n ranks, each on S/g, whose streams share each unit's link at ``level``.
-
-    A level's bandwidth is that of one unit's link (a host's NIC), shared by the workers inside:
-    the link carries all g rings' bytes (b as for one ring on S); each rank sums only S/g.
-    """
-    if n <= 1:
-        return []
-    return [Phase(level, 2 * (n - 1), 2 * (n - 1) / n, (n - 1) / n / g)]
-
-
-def butterfly_phases(n: int, level: int, large: bool) -> list[Phase]:
-    """Recursive doubling (small) or halving+doubling (large, Rabenseifner) with the non-power-of-two fold.
-
-    The n - p extra ranks (p = largest power of two <= n) first send their data to a partner
-    (one step, S bytes, S summed) and get the result back at the end (one step, S bytes).
-    """
-    if n <= 1:
-        return []
-    p = _log2_floor_pow(n)
-    k = int(math.log2(p))
-    phases = [Phase(level, 2, 2, 1)] if n != p else []
-    if large:
-        phases.append(Phase(level, 2 * k, 2 * (p - 1) / p, (p - 1) / p))
-    else:
-        phases.append(Phase(level, k, k, k))
-    return phases
-
-
-def aggregator_phases(n: int, level: int, dedicated: bool) -> list[Phase]:
-    """Everyone sends S to one aggregator and gets the sum back, cut-through in chunks.
-
-    With the aggregator on a worker rank its link carries the other n-1 ranks' data each way;
-    a dedicated aggregator (a switch with a port per host) leaves each link carrying S each way.
-    """
-    if n <= 1:
-        return []
-    fan = 1 if dedicated else n - 1
-    return [Phase(level, 2, fan, fan)]
-
-
-def torus_shape(n: int, inner: int) -> tuple[int, int]:
-    """Rows x columns for torus2d: rows = inner-level groups when they tile n, else the squarest split."""
-    if 1 < inner < n and n % inner == 0:
-        return n // inner, inner
-    cols = max(c for c in range(1, int(math.isqrt(n)) + 1) if n % c == 0)
-    return n // cols, cols
+    def seconds(self, nbytes: float) -> float:
+        return self.alpha_s + self.s_per_byte * nbytes if nbytes > 0 else 0.0
 
 
 class CostModel:
-    """Costs on a given cluster, optionally overridden by a measured calibration."""
+    """Costs on a cluster, with measured calibrations (one per level) overriding nominal numbers.
 
-    def __init__(self, cluster: Cluster, calibration: Calibration | None = None,
+    ``aggregator_dedicated`` prices the ``aggregator`` algorithm with a dedicated aggregator
+    process on a spare port (seed 001's switch) instead of on the group's lowest rank.
+    """
+
+    def __init__(self, cluster: Cluster, calibration: Calibration | Sequence[Calibration] | None = None,
                  aggregator_dedicated: bool = False):
         self.cluster = cluster
-        self.calibration = calibration
         self.aggregator_dedicated = aggregator_dedicated
-        self.gamma = calibration.gamma_s_per_byte if calibration else NOMINAL_GAMMA_S_PER_BYTE
-        names = [lv.name for lv in cluster.levels]
-        if calibration and calibration.level and calibration.level not in names:
-            raise UserError(f"the calibration was measured at level {calibration.level!r}, which the cluster "
-                            f"does not have (its levels: {', '.join(names)})")
-        self.calibrated_level = (names.index(calibration.level) if calibration and calibration.level
-                                 else len(names) - 1)
+        cals = [] if calibration is None else [calibration] if isinstance(calibration, Calibration) \
+            else list(calibration)
+        self.calibrations: dict[int, Calibration] = {}
+        for cal in cals:
+            level = self._calibrated_level(cal)
+            if level in self.calibrations:
+                raise UserError(f"two calibrations measure level {cluster.levels[level].name!r}; "
+                                "give one calibration per cluster level")
+            self.calibrations[level] = cal
+        self.gamma = (sum(c.gamma_s_per_byte for c in cals) / len(cals)) if cals else NOMINAL_GAMMA_S_PER_BYTE
+        self._spans = [cluster.span(k) for k in range(len(cluster.levels))]
+        self._structure: dict[tuple, tuple[RoundLoad, ...]] = {}
+        self._lines: dict[tuple, Line] = {}
 
-    # ---- links -----------------------------------------------------------------------
-    def link(self, level: int, algorithm: str = "p2p") -> LinkFit:
-        """alpha/beta for messages at ``level``: calibrated where measured, else nominal."""
-        cal = self.calibration
-        if cal is not None and level == self.calibrated_level:
-            if algorithm == "p2p":
-                return cal.p2p
-            if algorithm in cal.algorithms:
-                return cal.algorithms[algorithm]
-        lv = self.cluster.levels[level]
-        return LinkFit(lv.latency_us * 1e-6 + NOMINAL_SOFTWARE_ALPHA_S, 1 / lv.bytes_per_s)
+    @classmethod
+    def from_calibration(cls, cal: Calibration, memory_gb: float = 16.0,
+                         inner_bandwidth_gbps: float = 100.0) -> "CostModel":
+        """A model of the very group a calibration measured (for ``auto`` outside a plan).
+
+        ``world_size`` ranks on ``hosts`` hosts, consecutive ranks per host; the measured level is
+        the network between hosts (or the one host's fabric when ``hosts`` is 1 or every rank has
+        its own host). Unmeasured inner links get ``inner_bandwidth_gbps`` nominally.
+        """
+        gbps = 8e-9 / cal.p2p.beta_s_per_byte if cal.p2p.beta_s_per_byte > 0 else inner_bandwidth_gbps
+        per_host = cal.world_size // cal.hosts if cal.world_size % cal.hosts == 0 else 1
+        if cal.hosts in (1, cal.world_size) or per_host == 1:
+            levels = (Level(cal.level or "measured", cal.world_size, gbps),)
+        else:
+            levels = (Level("host", per_host, inner_bandwidth_gbps),
+                      Level(cal.level or "network", cal.hosts, gbps))
+        cal = cal if cal.level else _with_level(cal, levels[-1].name)
+        return cls(Cluster(levels, memory_gb), cal)
+
+    # ---- levels and links --------------------------------------------------------------
+    def _calibrated_level(self, cal: Calibration) -> int:
+        names = [lv.name for lv in self.cluster.levels]
+        if cal.level:
+            if cal.level not in names:
+                raise UserError(f"the calibration was measured at level {cal.level!r}, which the cluster does not "
+                                f"have (its levels: {', '.join(names)}); re-run bench-allreduce with --level NAME")
+            return names.index(cal.level)
+        return len(names) - 1 if cal.hosts > 1 else 0
+
+    def level_between(self, a: int, b: int) -> int:
+        """Innermost level whose units hold both ranks."""
+        for k, span in enumerate(self._spans):
+            if a // span == b // span:
+                return k
+        raise UserError(f"ranks {a} and {b} are outside a cluster of {self.cluster.total_workers} workers")
 
     def span_level(self, ranks: Sequence[int]) -> int:
         """The outermost level the ranks' links cross (0 if they share an innermost unit)."""
-        ranks = list(ranks)
-        if len(ranks) <= 1:
-            return 0
-        return max(self.cluster.level_between(ranks[0], r) for r in ranks[1:])
+        lo, hi = min(ranks), max(ranks)
+        if hi >= self.cluster.total_workers or lo < 0:
+            raise UserError(f"rank {hi if hi >= 0 else lo} is outside a cluster of {self.cluster.total_workers} workers")
+        return self.level_between(lo, hi) if len(ranks) > 1 else 0
 
-    def p2p_seconds(self, nbytes: float, level: int) -> float:
-        """One transfer of ``nbytes`` between two ranks whose link is at ``level``."""
+    def sub_unit(self, rank: int, level: int) -> int:
+        """Index of the unit, one level below ``level``, whose level-``level`` link ``rank`` uses."""
+        return rank // self._spans[level - 1] if level > 0 else rank
+
+    def link(self, level: int, algorithm: str = "p2p") -> LinkFit:
+        """alpha/beta for messages at ``level``: calibrated where measured, else nominal."""
+        cal = self.calibrations.get(level)
+        if cal is not None:
+            return cal.algorithms.get(algorithm, cal.p2p) if algorithm != "p2p" else cal.p2p
+        lv = self.cluster.levels[level]
+        return LinkFit(lv.latency_us * 1e-6 + NOMINAL_SOFTWARE_ALPHA_S, 1 / lv.bytes_per_s)
+
+    def p2p_seconds(self, nbytes: float, level: int, share: float = 1.0) -> float:
+        """One transfer of ``nbytes`` at ``level``; ``share`` of the link's bandwidth is its own."""
         if nbytes <= 0:
             return 0.0
         fit = self.link(level)
-        return fit.alpha_s + nbytes * fit.beta_s_per_byte
+        return fit.alpha_s + nbytes * fit.beta_s_per_byte / share
 
-    # ---- all-reduce ------------------------------------------------------------------
-    def phases(self, algorithm: str, ranks: Sequence[int], nbytes: float = 0.0,
-               fit: LinkFit | None = None) -> list[Phase]:
-        """The algorithm's structure for a group of ranks (global ranks, for their levels).
-
-        Butterfly takes recursive doubling or halving+doubling, whichever is cheaper for
-        ``nbytes`` under the link costs (or ``fit``, when given); the comm layer makes the same
-        choice through ``butterfly_halving``.
-        """
-        n = len(ranks)
+    # ---- all-reduce --------------------------------------------------------------------
+    def groups(self, ranks: Sequence[int]) -> list[list[int]]:
+        """Hierarchical groups: the ranks' units one level below the outermost level they span."""
+        ranks = sorted(ranks)
         top = self.span_level(ranks)
+        if top == 0:
+            return [ranks]
+        out: dict[int, list[int]] = {}
+        for r in ranks:
+            out.setdefault(r // self._spans[top - 1], []).append(r)
+        return list(out.values())
+
+    def torus_shape(self, ranks: Sequence[int]) -> tuple[int, int]:
+        """Default torus2d rows x cols: a row per equal inner group, else the squarest grid."""
+        sizes = {len(g) for g in self.groups(ranks)}
+        return co.torus_shape(len(ranks), sizes.pop() if len(sizes) == 1 else 1)
+
+    def rounds(self, algorithm: str, ranks: Sequence[int], *, halving: bool = False,
+               shape: tuple[int, int] | None = None) -> list[co.Round]:
+        """The algorithm's rounds on ``ranks`` (sorted first, as a process group numbers them)."""
+        ranks = sorted(ranks)
         if algorithm in ("ring", "native"):
-            return ring_phases(n, top)
+            return co.ring_rounds(ranks)
         if algorithm == "butterfly":
-            small, large = butterfly_phases(n, top, False), butterfly_phases(n, top, True)
-            return min(small, large, key=lambda ph: self._phase_cost(ph, nbytes, algorithm, fit))
-        if algorithm == "aggregator":
-            return aggregator_phases(n, top, self.aggregator_dedicated)
-        inner_level, g = self._inner_groups(ranks)
+            return co.butterfly_rounds(ranks, halving)
         if algorithm == "hierarchical":
-            if g in (1, n):
-                return ring_phases(n, top)
-            return ring_phases(g, inner_level) + _shared_ring(n // g, g, top)
+            return co.hierarchical_rounds(self.groups(ranks))
         if algorithm == "torus2d":
-            rows, cols = torus_shape(n, g)
-            row_level = inner_level if cols == g and g > 1 else top
-            half = [Phase(row_level, cols - 1, (cols - 1) / cols, (cols - 1) / cols)] if cols > 1 else []
-            gather = [Phase(row_level, cols - 1, (cols - 1) / cols, 0.0)] if cols > 1 else []
-            column = _shared_ring(rows, cols, top) if row_level != top else ring_phases(rows, top, 1 / cols)
-            return half + column + gather
+            rows, cols = shape or self.torus_shape(ranks)
+            if rows * cols != len(ranks) or rows < 1:
+                raise UserError(f"torus2d shape {rows}x{cols} does not hold {len(ranks)} ranks; "
+                                f"choose rows x cols = {len(ranks)}")
+            return co.torus_rounds(ranks, rows, cols)
+        if algorithm == "aggregator":
+            return co.aggregator_rounds(ranks, self.aggregator_dedicated)
         raise UserError(f"unknown all-reduce algorithm {algorithm!r}; choose from {', '.join(ALGORITHMS)}")
 
-    def allreduce_seconds(self, algorithm: str, nbytes: float, ranks: Sequence[int]) -> float:
-        """Predicted time of one all-reduce of ``nbytes`` over ``ranks`` with ``algorithm``."""
+    def structure(self, algorithm: str, ranks: Sequence[int], *, halving: bool = False,
+                  shape: tuple[int, int] | None = None) -> tuple[RoundLoad, ...]:
+        """The rounds reduced to per-level busiest-link loads (independent of alpha, beta, S)."""
+        key = ("ring" if algorithm == "native" else algorithm, tuple(sorted(ranks)), halving, shape)
+        hit = self._structure.get(key)
+        if hit is None:
+            top = self.span_level(key[1]) if len(key[1]) > 1 else 0
+            hit = self._structure[key] = self._loads(self.rounds(algorithm, ranks, halving=halving, shape=shape), top)
+        return hit
+
+    def line(self, algorithm: str, ranks: Sequence[int], *, halving: bool = False,
+             shape: tuple[int, int] | None = None) -> Line:
+        """``seconds = A + B * nbytes`` for one all-reduce with this algorithm (and variant) on ranks."""
+        key = (algorithm, tuple(sorted(ranks)), halving, shape)
+        hit = self._lines.get(key)
+        if hit is None:
+            alpha = per_byte = 0.0
+            for rl in self.structure(algorithm, ranks, halving=halving, shape=shape):
+                a, b = self.price(rl, algorithm)
+                alpha += a
+                per_byte += b
+            hit = self._lines[key] = Line(alpha, per_byte)
+        return hit
+
+    def price(self, rl: RoundLoad, algorithm: str) -> tuple[float, float]:
+        """(seconds, seconds per byte of S) of one priced-out round, all its repeats."""
+        fits = {lvl: self.link(lvl, algorithm) for lvl, _ in rl.level_loads}
+        alpha = max((f.alpha_s for f in fits.values()), default=0.0) * rl.steps
+        per_byte = max((load * fits[lvl].beta_s_per_byte for lvl, load in rl.level_loads), default=0.0)
+        return rl.repeat * alpha, rl.repeat * (per_byte + rl.reduce * self.gamma)
+
+    def lines(self, ranks: Sequence[int], algorithms: Iterable[str] = ALGORITHMS) -> list[tuple[str, Line]]:
+        """Every candidate's line(s) on ``ranks``; butterfly contributes both of its variants."""
+        out = []
+        for a in algorithms:
+            out.append((a, self.line(a, ranks)))
+            if a == "butterfly":
+                out.append((a, self.line(a, ranks, halving=True)))
+        return out
+
+    def butterfly_halving(self, nbytes: float, ranks: Sequence[int]) -> bool:
+        """True when halving + doubling (Rabenseifner) beats recursive doubling at this size."""
+        return self.line("butterfly", ranks, halving=True).seconds(nbytes) < self.line("butterfly", ranks).seconds(nbytes)
+
+    def allreduce_seconds(self, algorithm: str, nbytes: float, ranks: Sequence[int], *,
+                          shape: tuple[int, int] | None = None) -> float:
+        """Predicted time of one all-reduce of ``nbytes`` over ``ranks`` with ``algorithm``.
+
+        Butterfly takes the cheaper of its two variants at this size (the comm layer asks
+        ``butterfly_halving`` for the same choice); torus2d uses ``shape`` or ``torus_shape``.
+        """
+        if algorithm not in ALGORITHMS:
+            raise UserError(f"unknown all-reduce algorithm {algorithm!r}; choose from {', '.join(ALGORITHMS)}")
         if len(ranks) <= 1 or nbytes <= 0:
             return 0.0
-        return self._phase_cost(self.phases(algorithm, ranks, nbytes), nbytes, algorithm)
+        t = self.line(algorithm, ranks, shape=shape).seconds(nbytes)
+        if algorithm == "butterfly":
+            t = min(t, self.line(algorithm, ranks, halving=True).seconds(nbytes))
+        return t
 
     def fastest_allreduce(self, nbytes: float, ranks: Sequence[int],
-                          candidates: Sequence[str] = ALGORITHMS) -> tuple[str, float]:
-        """(algorithm, seconds) of the cheapest candidate; ties go to the earlier candidate."""
-        best = min(candidates, key=lambda a: (self.allreduce_seconds(a, nbytes, ranks), candidates.index(a)))
+                          algorithms: Sequence[str] = ALGORITHMS) -> tuple[str, float]:
+        """(algorithm, seconds) of the cheapest of ``algorithms``; ties go to the earlier one."""
+        if not algorithms:
+            raise UserError("no all-reduce algorithm to choose from; name at least one")
+        best = min(algorithms, key=lambda a: (self.allreduce_seconds(a, nbytes, ranks), algorithms.index(a)))
         return best, self.allreduce_seconds(best, nbytes, ranks)
 
-    # ---- internals -------------------------------------------------------------------
-    def butterfly_halving(self, nbytes: float, ranks: Sequence[int]) -> bool:
-        """True when halving+doubling (Rabenseifner) beats recursive doubling for this size."""
-        return self.phases("butterfly", ranks, nbytes) == butterfly_phases(len(ranks), self.span_level(ranks), True)
+    # ---- internals ---------------------------------------------------------------------
+    def _loads(self, rounds: Sequence[co.Round], top: int) -> tuple[RoundLoad, ...]:
+        """Sum each link's bytes per round (a message loads its sender's egress and receiver's ingress).
 
-    def _phase_cost(self, phases: list[Phase], nbytes: float, algorithm: str, fit: LinkFit | None = None) -> float:
-        total = 0.0
-        for ph in phases:
-            f = fit or self.link(ph.level, algorithm)
-            total += ph.a * f.alpha_s + ph.b * nbytes * f.beta_s_per_byte + ph.c * nbytes * self.gamma
-        return total
+        All rounds at once: link key = (round, level, unit one level below, direction).
+        """
+        if not rounds:
+            return ()
+        msgs = np.asarray([m for r in rounds for m in r.messages], dtype=float).reshape(-1, 3)
+        which = np.repeat(np.arange(len(rounds)), [len(r.messages) for r in rounds])
+        src, dst, part = msgs[:, 0].astype(np.int64), msgs[:, 1].astype(np.int64), msgs[:, 2]
+        spans = np.asarray(self._spans, dtype=np.int64)
+        n_levels = len(spans)
+        switch = (src == co.SWITCH) | (dst == co.SWITCH)
+        shared = (src[:, None] // spans[None, :]) == (dst[:, None] // spans[None, :])
+        level = np.where(switch, top, n_levels - shared.sum(axis=1))
+        below = np.concatenate([[1], spans])[level]          # workers behind one link of that level
+        width = 2 * (self.cluster.total_workers + 1)          # links per level: (unit, direction)
+        keys, loads = [], []
+        for end, direction in ((src, 0), (dst, 1)):
+            real = end != co.SWITCH
+            keys.append(((which * n_levels + level) * width + 2 * (end // below) + direction)[real])
+            loads.append(part[real])
+        per_link = np.bincount(np.concatenate(keys), weights=np.concatenate(loads),
+                               minlength=len(rounds) * n_levels * width)
+        per_level = per_link.reshape(len(rounds), n_levels, width).max(axis=2)
+        return tuple(RoundLoad(tuple((lv, float(v)) for lv, v in enumerate(row) if v > 0), r.steps, r.reduce,
+                               r.repeat) for r, row in zip(rounds, per_level.tolist()))
 
-    def _inner_groups(self, ranks: Sequence[int]) -> tuple[int, int]:
-        """(level, group size) of the largest equal inner-level groups that tile ``ranks``."""
-        top = self.span_level(ranks)
-        for k in range(top - 1, -1, -1):
-            units: dict[int, int] = {}
-            for r in ranks:
-                units[r // self.cluster.span(k)] = units.get(r // self.cluster.span(k), 0) + 1
-            sizes = set(units.values())
-            if len(sizes) == 1 and (g := sizes.pop()) > 1:
-                return k, g
-        return top, 1
 
+def _with_level(cal: Calibration, level: str) -> Calibration:
+    from dataclasses import replace
 
-def fit_link(samples: Sequence[Sample], algorithm: str, n: int, gamma: float) -> LinkFit:
-    """Least-squares alpha, beta (>= 0) for ``algorithm`` timed on a flat group of n ranks.
-
-    Fits relative error (each sample weighted by 1/seconds) so that small and large messages
-    count alike. Butterfly's small/large switch is re-evaluated with the current fit (two passes).
-    ``algorithm`` may be "p2p" for one-way transfers (one step, S bytes).
-    """
-    import numpy as np
-
-    from hybridpipe.partitioner.cluster import Level
-
-    pts = [s for s in samples if s.algorithm == algorithm and s.seconds > 0]
-    if len(pts) < 2:
-        raise UserError(f"need at least two timed sizes to fit {algorithm!r}, got {len(pts)}")
-    flat = CostModel(Cluster((Level("flat", max(n, 1), 1.0),), 1.0))
-    flat.gamma = gamma
-
-    def counts(nbytes: int, fit: LinkFit) -> tuple[float, float, float]:
-        if algorithm == "p2p":
-            return (1.0, 1.0, 0.0)
-        ph = flat.phases(algorithm, range(n), nbytes, fit=fit)
-        return (sum(p.a for p in ph), sum(p.b for p in ph), sum(p.c for p in ph))
-
-    fit = LinkFit(NOMINAL_SOFTWARE_ALPHA_S, 1e-9)
-    for _ in range(2):
-        rows, rhs = [], []
-        for s in pts:
-            a, b, c = counts(s.bytes, fit)
-            w = 1.0 / s.seconds
-            rows.append([a * w, b * s.bytes * w])
-            rhs.append((s.seconds - c * s.bytes * gamma) * w)
-        sol, *_ = np.linalg.lstsq(np.array(rows), np.array(rhs), rcond=None)
-        fit = LinkFit(*(max(float(x), 0.0) for x in sol))
-    errs = []
-    for s in pts:
-        a, b, c = counts(s.bytes, fit)
-        pred = a * fit.alpha_s + b * s.bytes * fit.beta_s_per_byte + c * s.bytes * gamma
-        errs.append(abs(pred - s.seconds) / s.seconds)
-    return LinkFit(fit.alpha_s, fit.beta_s_per_byte, float(np.median(errs)))
+    return replace(cal, level=level)

@@ -7,7 +7,8 @@ import pytest
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner.calibration import Sample
 from hybridpipe.partitioner.cluster import Cluster
-from hybridpipe.partitioner.costmodel import NOMINAL_SOFTWARE_ALPHA_S, CostModel, fit_link
+from hybridpipe.partitioner.costmodel import NOMINAL_SOFTWARE_ALPHA_S, CostModel
+from hybridpipe.partitioner.fitting import fit_link
 
 
 def flat(n, gbps=1.0, latency_us=0.0):

@@ -1,0 +1,81 @@
+"""A profile reduced to the arrays the partitioner needs: per-node times and bytes, cut sizes.
+
+Positions are the profile's node ids (a topological order). A stage is a range ``i..j`` of
+positions; the cut after position ``s`` separates ``0..s`` from ``s+1..``. Every tensor produced
+at or before ``s`` and used after ``s`` crosses that cut (skip connections included), whichever
+stage uses it, so a tensor that jumps several stages is charged at every cut it passes, as the
+pipeline relays it. Its gradient comes back the same way, except for the input batch (the
+placeholder's outputs), which needs none.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from hybridpipe.profiles.format import Profile
+
+
+@dataclass(frozen=True)
+class ModelCosts:
+    """Per-node arrays (length N) and cut arrays (length N; entry N-1 is 0: nothing follows)."""
+
+    names: tuple[str, ...]
+    params: tuple[tuple[str, ...], ...]     # parameter names each node owns
+    forward_ms: np.ndarray
+    backward_ms: np.ndarray
+    param_bytes: np.ndarray
+    activation_bytes: np.ndarray
+    cut_bytes: np.ndarray                   # forward activations crossing the cut after each position
+    cut_grad_bytes: np.ndarray              # their gradients coming back
+
+    @property
+    def n(self) -> int:
+        return len(self.names)
+
+    def prefix(self, values: np.ndarray) -> np.ndarray:
+        """P with P[k] = sum of values[:k] (length N+1)."""
+        return np.concatenate([[0.0], np.cumsum(values, dtype=float)])
+
+    def stash_bytes(self, i: int, j: int) -> float:
+        """Activations one micro-batch leaves for the backward of stage i..j (its outputs and inputs)."""
+        return float(self.activation_bytes[i:j + 1].sum() + (self.cut_bytes[i - 1] if i > 0 else 0))
+
+    def input_bytes(self, i: int) -> tuple[float, float]:
+        """(activations in, gradients out) per micro-batch for a stage starting at ``i``."""
+        return (float(self.cut_bytes[i - 1]), float(self.cut_grad_bytes[i - 1])) if i > 0 else (0.0, 0.0)
+
+    def output_bytes(self, j: int) -> tuple[float, float]:
+        """(activations out, gradients in) per micro-batch for a stage ending at ``j``."""
+        return float(self.cut_bytes[j]), float(self.cut_grad_bytes[j])
+
+
+def model_costs(profile: Profile) -> ModelCosts:
+    """Extract the arrays from a profile (one pass over nodes and edges)."""
+    n = len(profile.nodes)
+    last_use = list(range(n))
+    for src, dst in profile.edges:
+        last_use[src] = max(last_use[src], dst)
+    act = np.array([nd.activation_bytes for nd in profile.nodes], dtype=float)
+    no_grad = np.array([nd.activation_bytes if nd.op == "placeholder" else 0 for nd in profile.nodes], dtype=float)
+    diff = np.zeros(n + 1)
+    diff_ng = np.zeros(n + 1)
+    for u in range(n):
+        if last_use[u] > u:            # live on cuts u .. last_use-1
+            diff[u] += act[u]
+            diff[last_use[u]] -= act[u]
+            diff_ng[u] += no_grad[u]
+            diff_ng[last_use[u]] -= no_grad[u]
+    cut = np.cumsum(diff)[:n]
+    cut_ng = np.cumsum(diff_ng)[:n]
+    return ModelCosts(
+        names=tuple(nd.name for nd in profile.nodes),
+        params=tuple(nd.params for nd in profile.nodes),
+        forward_ms=np.array([nd.forward_ms for nd in profile.nodes], dtype=float),
+        backward_ms=np.array([nd.backward_ms for nd in profile.nodes], dtype=float),
+        param_bytes=np.array([nd.param_bytes for nd in profile.nodes], dtype=float),
+        activation_bytes=act,
+        cut_bytes=cut,
+        cut_grad_bytes=cut - cut_ng,
+    )

@@ -1,0 +1,196 @@
+"""The partitioner's objective: what one stage list (node ranges x rank sets) costs per step.
+
+A step is ``M`` micro-batches; a stage with r replicas gives each replica ``k = ceil(M / r)`` of
+them. Per stage, in ms per step:
+
+* busy: ``k * (F + B) + E`` for gpipe/1f1b (one gradient sync per step, exposed part ``E``),
+  ``k * (F + B + E)`` for pipedream (a sync after every minibatch). ``E`` is the hybrid
+  per-layer policy's exposed time on the stage's own ranks (``layersync.py``).
+* transfer: ``M * X`` where ``X`` is the stage's share of its activation traffic per
+  micro-batch: forward activations out and gradients in leave/enter through the stage's links
+  at level l = max over its ranks p of min over the neighbour's ranks q of level(p, q) (the
+  level a transfer needs at worst for the nearest peer), shared by the stage's replicas inside
+  each sub-unit at that level (``frac`` = the busiest sub-unit's share of the micro-batches);
+  links are full duplex, so egress (activations out + gradients in) and ingress are separate.
+
+The objective is the largest stage term (the steady-state step time); a stage that does not fit
+in a worker's memory makes the plan infeasible (infinite). Memory per worker: weights,
+gradients and optimizer state (sgd momentum: 1 copy, adam: 2), plus the activations of the
+micro-batches in flight (gpipe: all k; 1f1b: min(k, ceil(W_after / r)), W_after = workers in this
+and later stages; pipedream: ceil(W_after / r)), plus pipedream's stashed weight versions (one
+per in-flight minibatch beyond the live weights).
+
+``dp.py`` computes exactly these terms in vectorised form; the brute-force tests compare the
+two. ``predict_step_ms`` adds the pipeline fill and drain for the Plan's prediction.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from hybridpipe.errors import UserError
+from hybridpipe.partitioner.costmodel import CostModel
+from hybridpipe.partitioner.layersync import StageSync, choose_layer_algorithms
+from hybridpipe.partitioner.modelcosts import ModelCosts
+from hybridpipe.partitioner.plan import ALGORITHMS, OPTIMIZERS, SCHEDULES
+
+OPTIMIZER_STATES = {"sgd": 1, "adam": 2}   # extra copies of the weights an optimizer keeps
+
+
+@dataclass(frozen=True)
+class Options:
+    """What the plan is for: schedule, micro-batches per step, optimizer, memory per worker."""
+
+    schedule: str = "1f1b"
+    micro_batches: int = 1
+    optimizer: str = "sgd"
+    memory_bytes: float = math.inf
+    algorithms: tuple[str, ...] = ALGORITHMS
+
+    def __post_init__(self):
+        if self.schedule not in SCHEDULES:
+            raise UserError(f"unknown schedule {self.schedule!r}; choose from {', '.join(SCHEDULES)}")
+        if self.optimizer not in OPTIMIZERS:
+            raise UserError(f"unknown optimizer {self.optimizer!r}; choose from {', '.join(OPTIMIZERS)}")
+        if self.micro_batches < 1:
+            raise UserError(f"--micro-batches must be >= 1, got {self.micro_batches}")
+        if not self.algorithms or any(a not in ALGORITHMS for a in self.algorithms):
+            raise UserError(f"all-reduce algorithms must be among {', '.join(ALGORITHMS)}, got {self.algorithms}")
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """Nodes ``first..last`` (inclusive) on ``ranks`` (one per replica)."""
+
+    first: int
+    last: int
+    ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class StageEval:
+    forward_ms: float            # one micro-batch, one replica
+    backward_ms: float
+    micro_batches: int           # k: micro-batches per replica per step
+    sync: StageSync              # per-layer algorithms; exposed_ms per sync
+    syncs_per_step: int          # 1 (gpipe, 1f1b) or k (pipedream: one per minibatch)
+    transfer_ms: float           # X: this stage's share of activation traffic per micro-batch
+    send_ms: float               # one micro-batch's activations to the next stage (latency)
+    send_grad_ms: float          # its gradients back
+    send_bytes: float
+    inflight: int
+    memory_bytes: float
+    busy_ms: float               # per step
+    term_ms: float               # max(busy, M * X) per step
+
+    @property
+    def sync_ms_per_step(self) -> float:
+        return self.sync.exposed_ms * self.syncs_per_step
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    stages: tuple[StageEval, ...]
+    objective_ms: float          # max term (inf when a stage does not fit in memory)
+    fits: bool
+
+
+def inflight_micro_batches(schedule: str, k: int, workers_after: int, replicas: int) -> int:
+    """Micro-batches whose activations a replica holds at once."""
+    depth = -(-workers_after // replicas)
+    return {"gpipe": k, "1f1b": min(k, depth), "pipedream": depth}[schedule]
+
+
+def memory_bytes(costs: ModelCosts, i: int, j: int, inflight: int, opts: Options) -> float:
+    """Peak bytes per worker of stage i..j (see the module docstring)."""
+    weights = float(costs.param_bytes[i:j + 1].sum())
+    versions = inflight - 1 if opts.schedule == "pipedream" else 0
+    return weights * (2 + OPTIMIZER_STATES[opts.optimizer] + versions) + costs.stash_bytes(i, j) * inflight
+
+
+def transfer_level(model: CostModel, ranks: Sequence[int], peers: Sequence[int]) -> int:
+    """max over ranks p of min over peers q of level(p, q)."""
+    return max(min(model.level_between(p, q) for q in peers) for p in ranks)
+
+
+def busiest_share(model: CostModel, ranks: Sequence[int], level: int) -> float:
+    """The largest fraction of ``ranks`` behind one link of ``level``."""
+    counts: dict[int, int] = {}
+    for r in ranks:
+        u = model.sub_unit(r, level)
+        counts[u] = counts.get(u, 0) + 1
+    return max(counts.values()) / len(ranks)
+
+
+def transfer_ms(model: CostModel, ranks: Sequence[int], cuts: Sequence[tuple[int, float, float]]) -> float:
+    """A stage's activation traffic per micro-batch; ``cuts`` = (level, bytes out, bytes in) per cut."""
+    egress: dict[int, float] = {}
+    ingress: dict[int, float] = {}
+    count: dict[int, int] = {}
+    for level, out, inn in cuts:
+        egress[level] = egress.get(level, 0.0) + out
+        ingress[level] = ingress.get(level, 0.0) + inn
+        count[level] = count.get(level, 0) + 1
+    worst = 0.0
+    for level in count:
+        fit = model.link(level)
+        load = max(egress[level], ingress[level]) * busiest_share(model, ranks, level)
+        worst = max(worst, count[level] * fit.alpha_s + load * fit.beta_s_per_byte)
+    return worst * 1e3
+
+
+def evaluate(costs: ModelCosts, model: CostModel, stages: Sequence[StageSpec], opts: Options) -> Evaluation:
+    """Every stage's figures and the objective for a stage list covering all nodes."""
+    evals = []
+    workers_after = sum(len(s.ranks) for s in stages)
+    for idx, st in enumerate(stages):
+        i, j, ranks = st.first, st.last, st.ranks
+        r = len(ranks)
+        k = -(-opts.micro_batches // r)
+        f = float(costs.forward_ms[i:j + 1].sum())
+        b = float(costs.backward_ms[i:j + 1].sum())
+        sync = choose_layer_algorithms(costs.names[i:j + 1], costs.param_bytes[i:j + 1], costs.backward_ms[i:j + 1],
+                                       costs.forward_ms[i:j + 1], ranks, model, opts.algorithms,
+                                       params=costs.params[i:j + 1])
+        cuts, send_ms, send_grad_ms, send_bytes = [], 0.0, 0.0, 0.0
+        if idx > 0:
+            a_in, g_out = costs.input_bytes(i)
+            cuts.append((transfer_level(model, ranks, stages[idx - 1].ranks), g_out, a_in))
+        if idx < len(stages) - 1:
+            a_out, g_in = costs.output_bytes(j)
+            level = transfer_level(model, ranks, stages[idx + 1].ranks)
+            cuts.append((level, a_out, g_in))
+            send_ms = model.p2p_seconds(a_out, level) * 1e3
+            send_grad_ms = model.p2p_seconds(g_in, level) * 1e3
+            send_bytes = a_out
+        x = transfer_ms(model, ranks, cuts)
+        pipedream = opts.schedule == "pipedream"
+        busy = k * (f + b + sync.exposed_ms) if pipedream else k * (f + b) + sync.exposed_ms
+        inflight = inflight_micro_batches(opts.schedule, k, workers_after, r)
+        mem = memory_bytes(costs, i, j, inflight, opts)
+        evals.append(StageEval(f, b, k, sync, k if pipedream else 1, x, send_ms, send_grad_ms, send_bytes,
+                               inflight, mem, busy, max(busy, opts.micro_batches * x)))
+        workers_after -= r
+    fits = all(e.memory_bytes <= opts.memory_bytes for e in evals)
+    return Evaluation(tuple(evals), max(e.term_ms for e in evals) if fits else math.inf, fits)
+
+
+def predict_step_ms(ev: Evaluation, opts: Options) -> float:
+    """One step including fill and drain (gpipe/1f1b) or the steady state (pipedream).
+
+    gpipe/1f1b: one micro-batch's trip through every stage and transfer, plus the busiest
+    stage's remaining micro-batches, plus the part of a stage's final sync not hidden behind the
+    backward still running on earlier stages; never below the steady-state objective.
+    """
+    if opts.schedule == "pipedream" or not ev.fits:
+        return ev.objective_ms
+    st = ev.stages
+    trip = sum(s.forward_ms + s.backward_ms + s.send_ms + s.send_grad_ms for s in st)
+    rest = max((s.micro_batches - 1) * (s.forward_ms + s.backward_ms) for s in st)
+    tail, slack = 0.0, 0.0
+    for s in st:
+        tail = max(tail, s.sync.exposed_ms - slack)
+        slack += s.backward_ms + s.send_grad_ms
+    return max(trip + rest + tail, ev.objective_ms)

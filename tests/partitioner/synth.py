@@ -1,0 +1,68 @@
+"""Small synthetic profiles and clusters for the partitioner tests (no torch model, no profiler)."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Sequence
+
+from hybridpipe.partitioner.cluster import Cluster, Level
+from hybridpipe.partitioner.costmodel import CostModel
+from hybridpipe.partitioner.modelcosts import ModelCosts
+from hybridpipe.partitioner.objective import Options, StageSpec, evaluate
+from hybridpipe.profiles.format import Profile, ProfileNode
+
+
+def make_profile(layers: Sequence[tuple[float, float, int, int]], skips: Sequence[tuple[int, int]] = (),
+                 model: str = "synthetic", batch_size: int = 8, input_bytes: int = 4096) -> Profile:
+    """A chain input -> layer 1 .. layer k -> output; ``layers`` = (fwd ms, bwd ms, activation bytes,
+    param bytes) per layer; ``skips`` = extra edges (src, dst) between node ids (skip connections)."""
+    nodes = [ProfileNode(0, "x", "placeholder", "x", "placeholder", activation_bytes=input_bytes)]
+    for k, (f, b, act, par) in enumerate(layers, start=1):
+        params = (f"l{k}.weight",) if par else ()
+        nodes.append(ProfileNode(k, f"l{k}", "call_module", f"l{k}", "Linear", f, b, act, par // 4, par, params))
+    n = len(nodes)
+    nodes.append(ProfileNode(n, "output", "output", "output", "output", 0.01, 0.01))
+    edges = [(k, k + 1) for k in range(n)] + [e for e in skips if e[1] != e[0] + 1]
+    return Profile(model, batch_size, (batch_size, 16), "float32", "float32", "cpu", "test", tuple(nodes),
+                   tuple(sorted(set(edges))))
+
+
+def flat_cluster(n: int, gbps: float = 1.0, latency_us: float = 0.0, memory_gb: float = 16.0) -> Cluster:
+    return Cluster((Level("net", n, gbps, latency_us),), memory_gb)
+
+
+def two_level(per_host: int, hosts: int, inner_gbps: float = 100.0, outer_gbps: float = 1.0,
+              memory_gb: float = 16.0) -> Cluster:
+    return Cluster((Level("host", per_host, inner_gbps, 1.0), Level("net", hosts, outer_gbps, 20.0)), memory_gb)
+
+
+def compositions(total: int, parts: int):
+    """Every way to write ``total`` as an ordered sum of ``parts`` positive integers."""
+    for cuts in itertools.combinations(range(1, total), parts - 1):
+        bounds = (0, *cuts, total)
+        yield [bounds[k + 1] - bounds[k] for k in range(parts)]
+
+
+def all_layouts(n_nodes: int, model: CostModel, workers: int, copy_counts: Sequence[int]):
+    """Every layout the DP searches: R copies x contiguous node ranges x contiguous rank blocks."""
+    for copies in copy_counts:
+        wc = workers // copies
+        for s in range(1, min(n_nodes, wc) + 1):
+            for sizes in compositions(n_nodes, s):
+                for blocks in compositions(wc, s):
+                    stages, node, rank = [], 0, 0
+                    for size, block in zip(sizes, blocks):
+                        ranks = tuple(sorted(c * wc + q for c in range(copies) for q in range(rank, rank + block)))
+                        stages.append(StageSpec(node, node + size - 1, ranks))
+                        node, rank = node + size, rank + block
+                    yield stages
+
+
+def brute_force(costs: ModelCosts, model: CostModel, workers: int, opts: Options, copy_counts: Sequence[int]):
+    """(best objective, best stages) by evaluating every layout with objective.evaluate."""
+    best, arg = float("inf"), None
+    for stages in all_layouts(costs.n, model, workers, copy_counts):
+        value = evaluate(costs, model, stages, opts).objective_ms
+        if value < best:
+            best, arg = value, stages
+    return best, arg
