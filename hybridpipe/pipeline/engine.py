@@ -9,7 +9,8 @@
 Interfaces (duck-typed, see the project's contracts):
 
 * ``transport``: ``send(peer, key, tensors)`` (posts), ``recv(peer, key) -> tensors`` (blocks);
-  keys are ``act/<g>`` and ``grad/<g>`` with g the micro-batch's number in the run (step * M + m).
+  keys are ``act/<m>`` and ``grad/<m>`` (m = the micro-batch's index in its step; see
+  ``schedules.transfer_program`` for the ``sra`` mode's orders).
 * ``sync``: ``no_sync()`` (context: backward inside it starts no all-reduce) and ``finish()``
   (wait for the started all-reduces). Gradients must be *summed* across replicas
   (``HybridDataParallel(..., reduce="sum")``): the schedule's Step applies 1/M (or 1/r).
@@ -157,12 +158,12 @@ class PipelineEngine:
             named = x if isinstance(x, dict) else {stage.input_names[0]: x}
             self._inputs[g] = {k: v.to(stage.device, non_blocking=True) for k, v in named.items()}
         elif isinstance(ins, RecvActivations):
-            self._inputs[g] = self.transport.recv(ins.peer, message_key(ins, g))
+            self._inputs[g] = self.transport.recv(ins.peer, message_key(ins, g, M))
         elif isinstance(ins, Forward):
             params = self.stash.forward_params(g, g in frozen) if self.stash else None
             self._acts[g] = stage.forward(self._inputs.pop(g), params=params)
         elif isinstance(ins, SendActivations):
-            self.transport.send(ins.peer, message_key(ins, g), self._acts[g].outputs)
+            self.transport.send(ins.peer, message_key(ins, g, M), self._acts[g].outputs)
         elif isinstance(ins, LoadTarget):
             self._targets[g] = self.data.target(g // M, g % M).to(stage.device, non_blocking=True)
         elif isinstance(ins, Loss):
@@ -171,7 +172,7 @@ class PipelineEngine:
             if g // M == result.step:
                 result.losses[g % M] = act.loss.detach()
         elif isinstance(ins, RecvGradients):
-            self._grads[g] = self.transport.recv(ins.peer, message_key(ins, g))
+            self._grads[g] = self.transport.recv(ins.peer, message_key(ins, g, M))
         elif isinstance(ins, SyncStart):
             self._sync_next = g
         elif isinstance(ins, Backward):
@@ -184,7 +185,7 @@ class PipelineEngine:
             if stage.is_first:
                 self._grads.pop(g)
         elif isinstance(ins, SendGradients):
-            self.transport.send(ins.peer, message_key(ins, g), self._grads.pop(g))
+            self.transport.send(ins.peer, message_key(ins, g, M), self._grads.pop(g))
         elif isinstance(ins, SyncWait):
             self.sync.finish()
         elif isinstance(ins, Step):

@@ -104,10 +104,13 @@ SENDS = (SendActivations, SendGradients)
 RECEIVES = (RecvActivations, RecvGradients)
 
 
-def message_key(instr: Instruction, global_micro_batch: int) -> str:
-    """The transport key of a send/receive: ``act/<g>`` or ``grad/<g>`` (g counted over the run)."""
+def message_key(instr: Instruction, global_micro_batch: int, micro_batches: int) -> str:
+    """The transport key of a send/receive: ``act/<m>`` or ``grad/<m>``, m = the micro-batch's
+    index in its own step (the run's micro-batch ``global_micro_batch`` modulo M). Both ends
+    agree on it even when a message crosses a step boundary, and a step's keys repeat every
+    step, as the ``sra`` channel mode's per-step transfer orders require."""
     kind = "act" if isinstance(instr, (SendActivations, RecvActivations)) else "grad"
-    return f"{kind}/{global_micro_batch}"
+    return f"{kind}/{global_micro_batch % micro_batches}"
 
 
 def short(instr: Instruction) -> str:

@@ -30,8 +30,8 @@ from typing import Iterator, Sequence
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner.plan import SCHEDULES, Plan
 from hybridpipe.pipeline.instructions import (
-    Backward, Forward, Instruction, LoadInput, LoadTarget, Loss, RecvActivations, RecvGradients, SendActivations,
-    SendGradients, Step, SyncStart, SyncWait,
+    RECEIVES, SENDS, Backward, Forward, Instruction, LoadInput, LoadTarget, Loss, RecvActivations, RecvGradients,
+    SendActivations, SendGradients, Step, SyncStart, SyncWait, message_key,
 )
 
 
@@ -190,4 +190,30 @@ def _expand(topo: Topology, stage: int, ops: Sequence[Op], sync_on, step_after) 
         scale = step_after(i)
         if scale is not None:
             out.append(Step(scale))
+    return out
+
+
+# ---- what the transport needs to know ahead of time -----------------------------------------
+def channel_edges(topo: Topology) -> list[tuple[int, int]]:
+    """Every pair of ranks that exchange messages (for ``pair_groups`` / ``open_channels``):
+    each replica of a stage with each replica of the next stage that shares a micro-batch."""
+    edges = set()
+    for s in range(topo.n_stages - 1):
+        for m in range(topo.micro_batches):
+            edges.add((topo.rank_for(s, m), topo.rank_for(s + 1, m)))
+    return sorted(edges)
+
+
+def transfer_program(topo: Topology, rank: int, schedule: str) -> list[tuple[str, int, str]] | None:
+    """This rank's ``("send"|"recv", peer, key)`` of one step, in order: the input of
+    ``hybridpipe.comm.p2p.link_orders`` for the ``sra`` channel mode (keys as the engine uses
+    them). None for pipedream, whose messages cross step boundaries: use ``sa`` there (``sra``
+    without an order behaves like ``sa``)."""
+    if schedule == "pipedream":
+        return None
+    out = []
+    for ins in rank_program(topo, rank, schedule):
+        if isinstance(ins, SENDS + RECEIVES):
+            op = "send" if isinstance(ins, SENDS) else "recv"
+            out.append((op, ins.peer, message_key(ins, ins.micro_batch, topo.micro_batches)))
     return out
