@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -39,7 +40,8 @@ def cli(*args: str, timeout: float = 60, **kw) -> subprocess.CompletedProcess:
 
 
 def test_build_and_teardown_leave_nothing_behind_and_never_touch_the_root_namespace():
-    links_before = root_links()
+    """Hosts get lo, eth0, MTU, address, tbf both ways, their own resolvable hostname; all goes away."""
+    links_before, hostname_before = root_links(), socket.gethostname()
     with EmulatedCluster(3, "1gbit", mtu=9000) as cluster:
         assert set(cluster.namespaces) <= set(netns.list_namespaces())
         assert root_links() == links_before               # veth ends were born inside the namespaces
@@ -52,10 +54,15 @@ def test_build_and_teardown_leave_nothing_behind_and_never_touch_the_root_namesp
             for ns, dev in ((host.ns, "eth0"), (cluster.switch.ns, f"h{host.index}")):
                 (tbf,) = [q for q in netns.qdisc_json(ns, dev) if q["kind"] == "tbf"]
                 assert tbf["options"]["rate"] * 8 == 10**9
+        names = cluster.run([sys.executable, "-c", "import socket; n = socket.gethostname(); "
+                             "print(n, socket.gethostbyname(n), socket.gethostbyname('localhost'))"], timeout_s=30)
+        assert [r.stdout.split() for r in names] == [[h.name, h.addr, "127.0.0.1"] for h in cluster.hosts]
         ping = cluster.start(cluster.hosts[0], ["sleep", "30"])   # a process still running at teardown
     assert ping.poll() is not None
     assert not set(cluster.namespaces) & set(netns.list_namespaces())
+    assert not set(cluster.namespaces) & set(netns.list_etc())
     assert root_links() == links_before
+    assert socket.gethostname() == hostname_before
 
 
 def test_rate_limit_is_measured_within_ten_percent_of_nominal():

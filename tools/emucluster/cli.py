@@ -26,7 +26,7 @@ from collections.abc import Iterator, Sequence
 from hybridpipe.errors import UserError
 from tools.emucluster import netns
 from tools.emucluster.cluster import EmulatedCluster, Host, cleanup_leftovers, destroy, list_clusters
-from tools.emucluster.procs import HostResult
+from tools.emucluster.procs import HostResult, in_namespace
 from tools.emucluster.throughput import measure_goodput
 from tools.emucluster.topology import DEFAULT_SUBNET, format_rate, is_leftover, owner_pid
 
@@ -154,7 +154,7 @@ def _cmd_exec(args: argparse.Namespace) -> int:
             raise UserError(f"host {args.host!r} is not in cluster {args.name} "
                             f"(0..{len(cluster.hosts) - 1} or 'switch')")
         try:
-            return subprocess.run(["ip", "netns", "exec", host.ns, *_command(args)], env=cluster.env(host),
+            return subprocess.run(in_namespace(host.ns, _command(args), host.name), env=cluster.env(host),
                                   timeout=args.timeout).returncode
         except subprocess.TimeoutExpired:
             log.error("command on %s ran past %g s and was killed", args.host, args.timeout)

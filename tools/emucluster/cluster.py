@@ -25,7 +25,7 @@ from tools.emucluster import netns, procs
 from tools.emucluster.errors import EmuClusterError, HostCommandFailed
 from tools.emucluster.procs import HostProcess, HostResult
 from tools.emucluster.topology import (BRIDGE_IFNAME, DEFAULT_SUBNET, HOST_IFNAME, AddressPlan, bridge_port,
-                                       format_rate, host_ns, is_leftover, new_tag, parse_ns, parse_rate,
+                                       format_rate, host_ns, hosts_file, is_leftover, new_tag, parse_ns, parse_rate,
                                        switch_ns, tbf_params)
 from tools.emucluster.torchrun import torchrun_argv
 
@@ -43,6 +43,11 @@ class Host:
     ns: str
     addr: str
     ifname: str
+
+    @property
+    def name(self) -> str:
+        """Its hostname (the namespace's name), resolvable inside the cluster."""
+        return self.ns
 
 
 class EmulatedCluster:
@@ -125,6 +130,9 @@ class EmulatedCluster:
                 netns.tc(sw, "qdisc", "add", "dev", port, "root", *shaping.tc_args())
             netns.ip(host.ns, "link", "set", host.ifname, "up")
             netns.ip(sw, "link", "set", port, "up")
+        etc_hosts = hosts_file([(h.addr, h.name) for h in self.hosts + [self.switch]])
+        for ns in self.namespaces:
+            netns.write_etc(ns, "hosts", etc_hosts)
         netns.ip(sw, "link", "set", BRIDGE_IFNAME, "mtu", str(self.mtu))
         netns.ip(sw, "addr", "add", f"{self.switch.addr}/{self.addresses.prefixlen}", "dev", BRIDGE_IFNAME)
         netns.ip(sw, "link", "set", BRIDGE_IFNAME, "up")
@@ -134,7 +142,7 @@ class EmulatedCluster:
         for p in self._procs:
             p.stop(grace_s=1.0)
         self._procs.clear()
-        existing = set(netns.list_namespaces()) if os.geteuid() == 0 else set()
+        existing = set(netns.list_namespaces()) | set(netns.list_etc()) if os.geteuid() == 0 else set()
         for ns in self.namespaces:            # hosts first, the switch last
             if ns in existing:
                 netns.delete_namespace(ns)
@@ -201,7 +209,7 @@ class EmulatedCluster:
         """Start ``argv`` on ``host`` (or ``cluster.switch``) in the background; stopped by down()."""
         self._require_up()
         proc = procs.start(host.index, host.ns, argv, env if env is not None else self.env(host),
-                           cwd=cwd, log_dir=self.log_dir)
+                           hostname=host.name, cwd=cwd, log_dir=self.log_dir)
         self._procs.append(proc)
         return proc
 
@@ -294,9 +302,9 @@ def raise_on_failure(results: Sequence[HostResult]) -> None:
 
 
 def list_clusters() -> dict[str, list[str]]:
-    """Tag -> namespace names of every emulated cluster on this machine."""
+    """Tag -> namespace names of every emulated cluster on this machine (with /etc/netns remnants)."""
     clusters: dict[str, list[str]] = {}
-    for ns in netns.list_namespaces():
+    for ns in sorted(set(netns.list_namespaces()) | set(netns.list_etc())):
         parsed = parse_ns(ns)
         if parsed:
             clusters.setdefault(parsed[0], []).append(ns)

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from tools.emucluster.errors import EmuClusterError
 from tools.emucluster.topology import PREFIX, parse_ns
@@ -21,6 +22,7 @@ from tools.emucluster.topology import PREFIX, parse_ns
 log = logging.getLogger(__name__)
 
 COMMAND_TIMEOUT_S = 20.0
+NETNS_ETC = Path("/etc/netns")    # `ip netns exec NS` bind-mounts /etc/netns/NS/* over /etc/*
 
 
 def check_prerequisites() -> None:
@@ -103,9 +105,31 @@ def kill_namespace_processes(name: str, grace_s: float = 2.0) -> int:
 
 
 def delete_namespace(name: str) -> None:
-    """Kill its processes, then delete the namespace (and with it its veth ends)."""
+    """Kill its processes, then delete the namespace (and with it its veth ends) and its /etc files."""
     kill_namespace_processes(name)
     ip(None, "netns", "delete", name, check=False)
+    remove_etc(name)
+
+
+def write_etc(name: str, filename: str, text: str) -> None:
+    """A file the namespace's processes see as /etc/<filename> (e.g. its own hosts file)."""
+    folder = NETNS_ETC / name
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / filename).write_text(text)
+
+
+def remove_etc(name: str) -> None:
+    """Remove /etc/netns/<name> (only ever one of ours; /etc/netns itself stays)."""
+    if parse_ns(name) is None:
+        raise ValueError(f"refusing to remove /etc/netns/{name}: not an emulated-cluster namespace")
+    shutil.rmtree(NETNS_ETC / name, ignore_errors=True)
+
+
+def list_etc() -> list[str]:
+    """Names of our folders under /etc/netns (left behind if an owner died mid-teardown)."""
+    if not NETNS_ETC.is_dir():
+        return []
+    return sorted(p.name for p in NETNS_ETC.iterdir() if parse_ns(p.name) is not None)
 
 
 def link_json(ns: str, dev: str) -> dict:

@@ -6,6 +6,7 @@ An emulated cluster with tag ``T`` and ``n`` hosts consists of::
                               ports h0 .. h{n-1}  (tbf: bridge -> host direction)
     namespace emc-T-h{i}      "lo" up, "eth0" with address .{i+1}/24
                               eth0 (tbf: host -> bridge direction)
+                              hostname emc-T-h{i}, resolvable by every host (/etc/netns/*/hosts)
 
 Each veth pair ``eth0 <-> h{i}`` is created directly inside the two namespaces, so the
 machine's own network namespace never holds one of its interfaces, not even for a moment.
@@ -122,6 +123,13 @@ def switch_ns(tag: str) -> str:
 
 def host_ns(tag: str, index: int) -> str:
     return f"{PREFIX}{tag}-h{index}"
+
+
+def hosts_file(entries: list[tuple[str, str]]) -> str:
+    """An /etc/hosts for the cluster's namespaces: localhost plus ``(address, name)`` per host."""
+    lines = ["127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback"]
+    lines += [f"{addr}\t{name}" for addr, name in entries]
+    return "\n".join(lines) + "\n"
 
 
 def bridge_port(index: int) -> str:

@@ -1,12 +1,13 @@
 """The per-host ``torchrun`` command line for a multi-node c10d rendezvous in the emulated cluster.
 
-Two pitfalls of emulated hosts are handled here:
+Rendezvous must not depend on name resolution (on a bare network namespace the hostname is the
+machine's and resolves to 127.0.0.1; the cluster gives each host its own name, but a job may
+run where that is not so):
 
-* the machine's hostname resolves to 127.0.0.1 in every namespace, so each agent must be
-  told its own address (``--local-addr``), or it would advertise loopback to its peers;
-* for the same reason the c10d handler cannot recognise the rendezvous endpoint as its
-  own address, so the store's host is named explicitly (``--rdzv-conf is_host=1``) and
-  every other host is told it is not (``is_host=0``).
+* each agent is told its own address (``--local-addr``), or it could advertise loopback;
+* the c10d handler may not recognise the rendezvous endpoint as its own address, so the
+  store's host is named explicitly (``--rdzv-conf is_host=1``) and every other host is told
+  it is not (``is_host=0``).
 """
 
 from __future__ import annotations
