@@ -53,7 +53,8 @@ def make_optimizer(params, lr: float, kind: str = "sgd") -> torch.optim.Optimize
 
 
 def train_pipeline(plan: Plan, steps: int, *, lr: float = 0.05, seed: int = 0, optimizer: str = "sgd",
-                   drain_every: int | None = None) -> tuple[dict[str, torch.Tensor], dict[int, list[float]]]:
+                   drain_every: int | None = None, device: str = "cpu",
+                   ) -> tuple[dict[str, torch.Tensor], dict[int, list[float]]]:
     """Train ``plan`` with one thread per rank; returns the merged state dict (replica 0 of every
     stage, after checking the replicas agree bitwise) and the losses per step."""
     spec = resolve_model(plan.model)
@@ -64,7 +65,7 @@ def train_pipeline(plan: Plan, steps: int, *, lr: float = 0.05, seed: int = 0, o
     def rank_fn(rank: int):
         torch.manual_seed(seed)
         model = spec.build()
-        stage = build_stage(model, plan, rank, loss=spec.loss, leaf_modules=spec.leaf_modules)
+        stage = build_stage(model, plan, rank, loss=spec.loss, leaf_modules=spec.leaf_modules).to(device)
         st, replica = plan.stage_of_rank(rank)
         sync = InProcessGradSync(stage.module, groups[st.index], replica)
         engine = PipelineEngine(stage, topo, rank, plan.schedule, transport=network.transport(rank),
@@ -77,7 +78,7 @@ def train_pipeline(plan: Plan, steps: int, *, lr: float = 0.05, seed: int = 0, o
                 last = k == steps - 1 or (drain_every is not None and (k + 1) % drain_every == 0)
                 res = engine.run_step(k, drain=last)
                 losses[k] = [float(v) for _, v in sorted(res.losses.items())]
-            return stage.state_dict(), losses, engine
+            return {k: v.cpu() for k, v in stage.state_dict().items()}, losses, engine
         return run
 
     results = run_ranks({r: rank_fn(r) for s in plan.stages for r in s.ranks}, network, groups)
@@ -98,19 +99,19 @@ def train_pipeline(plan: Plan, steps: int, *, lr: float = 0.05, seed: int = 0, o
 
 
 def train_reference(plan: Plan, steps: int, *, lr: float = 0.05, seed: int = 0,
-                    optimizer: str = "sgd") -> dict[str, torch.Tensor]:
+                    optimizer: str = "sgd", device: str = "cpu") -> dict[str, torch.Tensor]:
     """Plain single-process training on each step's concatenated global batch (mean loss)."""
     spec = resolve_model(plan.model)
     torch.manual_seed(seed)
-    model = spec.build()
+    model = spec.build().to(device)
     opt = make_optimizer(model.parameters(), lr, optimizer)
     data = data_for(plan, steps)
     for k in range(steps):
-        x, y = data.global_batch(k)
+        x, y = (t.to(device) for t in data.global_batch(k))
         opt.zero_grad()
         spec.loss(model(x), y).backward()
         opt.step()
-    return model.state_dict()
+    return {k: v.cpu() for k, v in model.state_dict().items()}
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

@@ -1,0 +1,20 @@
+"""The engine on a GPU: stages on CUDA, threads + in-process transport (skipped without CUDA)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.pipeline.harness import make_plan, max_diff, train_pipeline, train_reference
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("model,cuts", [("mlp", [2, 5]), ("gpt[layers=2,width=32,heads=2,seq=8,vocab=64]", [5, 20])])
+def test_cuda_pipeline_equals_single_process(model, cuts, schedule):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    plan = make_plan(model, cuts, [1, 2, 1], schedule=schedule, micro_batches=4, batch_size=4)
+    ours, _ = train_pipeline(plan, 5, device="cuda")
+    assert max_diff(ours, train_reference(plan, 5, device="cuda")) <= 1e-5
