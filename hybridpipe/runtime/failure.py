@@ -216,6 +216,11 @@ class FailureGuard:
             code = EXIT_SIGTERM if isinstance(exc, Terminated) else EXIT_INTERRUPT
             what = "terminated by SIGTERM" if isinstance(exc, Terminated) else "interrupted"
             self._exit(code, f"{what}" + (f"; {self._blame(first)}" if first else ""))
+        if isinstance(exc, SystemExit):
+            code = exc.code if isinstance(exc.code, int) else EXIT_ERROR
+            self.report(Failure(self.rank, f"exited with code {code}" + (f" ({exc.code})" if code != exc.code else ""),
+                                self.rank))
+            self._exit(code, f"exited with code {code}")
         if how == "own":
             first = self.report(Failure(self.rank, own_text, self.rank))
             if first.rank == self.rank:
