@@ -113,6 +113,52 @@ def test_timeline_command_errors_are_one_line(tmp_path, capsys):
     assert "not valid JSON" in capsys.readouterr().err
 
 
+def test_the_pipeline_engine_fills_every_phase_of_the_timeline(tmp_path):
+    """The real engine (threads, in-process transport) drives the recorders; a replicated stage syncs."""
+    from hybridpipe.partitioner.cluster import Cluster, Level
+    from hybridpipe.partitioner.plan import Plan, Stage
+    from hybridpipe.pipeline import MicroBatches, PipelineEngine, Topology, build_stage
+    from hybridpipe.pipeline.inprocess import InProcessGradSync, InProcessNetwork, ReplicaGroup, run_ranks
+    from hybridpipe.profiles.data import resolve_dataset
+    from hybridpipe.profiles.format import graph_signature
+    from hybridpipe.profiles.trace import graph_edges, node_infos, trace_model
+    from hybridpipe.profiles.zoo import resolve_model
+
+    spec = resolve_model("mlp")
+    gm = trace_model(spec.build(), spec.leaf_modules)
+    n_nodes, signature = len(gm.graph.nodes), graph_signature(node_infos(gm), graph_edges(gm))
+    stages = (Stage(0, 0, 2, 1, (0,)), Stage(1, 3, 5, 2, (1, 2)), Stage(2, 6, n_nodes - 1, 1, (3,)))
+    plan = Plan(model="mlp", batch_size=2, input_shape=(2, 64), profile_signature=signature, strategy="uniform",
+                cluster=Cluster((Level("node", 4, 100.0),), 16.0), schedule="1f1b", micro_batches=4,
+                optimizer="sgd", stages=stages)
+    network, groups = InProcessNetwork(timeout=30), [ReplicaGroup(s.replicas) for s in stages]
+    data = MicroBatches(resolve_dataset("synthetic", spec, size=64, seed=0), 2, 4)
+
+    def rank_fn(rank):
+        stage = build_stage(spec.build(), plan, rank, loss=spec.loss)
+        st, replica = plan.stage_of_rank(rank)
+        rec = TimelineRecorder(tmp_path / "trace", rank=rank, stage=st.index, replica=replica, world_size=4)
+        engine = PipelineEngine(stage, Topology.from_plan(plan), rank, "1f1b", transport=network.transport(rank),
+                                optimizer=torch.optim.SGD(stage.module.parameters(), lr=0.1), data=data,
+                                sync=InProcessGradSync(stage.module, groups[st.index], replica), recorder=rec)
+
+        def run():
+            for step in range(2):
+                rec.begin_step(step)
+                engine.run_step(step)
+                rec.end_step()
+            rec.close()
+        return run
+
+    run_ranks({r: rank_fn(r) for r in range(4)}, network, groups)
+    merged = merge_traces([load_rank_trace(p) for p in find_rank_traces(tmp_path)])
+    assert {e["name"] for e in _phase_events(merged)} == set(PHASES)
+    assert {e["name"] for e in _phase_events(merged, 1)} == set(PHASES)    # the middle stage does all eight
+    rows = phase_table(merged)
+    assert [(r.rank, r.stage, r.replica, r.steps) for r in rows] == [(0, 0, 0, 2), (1, 1, 0, 2), (2, 1, 1, 2),
+                                                                      (3, 2, 0, 2)]
+
+
 # ---- real ranks -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def three_rank_run(tmp_path_factory) -> Path:
