@@ -17,9 +17,9 @@ import textwrap
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner.plan import SCHEDULES, load_plan
 from hybridpipe.pipeline.instructions import short
-from hybridpipe.pipeline.schedules import Topology, check_schedulable, rank_program
+from hybridpipe.pipeline.schedules import Topology, check_schedulable, rank_program, settle_phase
 from hybridpipe.pipeline.simtrace import draw_timeline
-from hybridpipe.pipeline.simulator import StageCosts, settle_steps, simulate_topology, stage_costs
+from hybridpipe.pipeline.simulator import StageCosts, simulate_topology, stage_costs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,7 +35,7 @@ def steps_to_show(topo: Topology, schedule: str) -> list[tuple[str, int, bool]]:
     """(title, phase, drain) of the distinct lists a schedule uses."""
     if schedule != "pipedream":
         return [("every step", 0, True)]
-    settle = settle_steps(topo, schedule)
+    settle = settle_phase(topo, schedule)
     shown = [("first step after a start (the pipeline fills)", 0, False)]
     shown += [(f"step {p} after a start", p, False) for p in range(1, settle)]
     shown += [("steady step", settle, False), ("draining step (last, or before a checkpoint)", settle, True)]

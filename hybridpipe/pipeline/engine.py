@@ -37,6 +37,7 @@ from hybridpipe.pipeline.instructions import (
 from hybridpipe.pipeline.schedules import Topology, check_schedulable, rank_program
 from hybridpipe.pipeline.stage import Activation, PipelineStage
 from hybridpipe.pipeline.stash import WeightStash
+from hybridpipe.pipeline.validate import in_transit
 
 
 class Transport(Protocol):
@@ -95,8 +96,10 @@ class PipelineEngine:
         self._inputs: dict[int, dict[str, torch.Tensor]] = {}
         self._targets: dict[int, torch.Tensor] = {}
         self._acts: dict[int, Activation] = {}
-        self._grads: dict[int, dict[str, torch.Tensor]] = {}
+        self._out_grads: dict[int, dict[str, torch.Tensor]] = {}   # received: grads of the stage's outputs
+        self._in_grads: dict[int, dict[str, torch.Tensor]] = {}    # computed: grads of its inputs, to send
         self._sync_next: int | None = None
+        self._settled: int | None = None    # step after which messages in transit were received early
 
     # ---- public ------------------------------------------------------------------------
     @property
@@ -110,8 +113,8 @@ class PipelineEngine:
 
     def run_step(self, step: int, *, drain: bool = False, recorder=None) -> StepResult:
         """Execute this rank's list for ``step``. With pipedream, ``drain=True`` finishes every
-        micro-batch in flight (do it on the last step and before checkpoints); steps between
-        drains must be consecutive. ``recorder`` replaces the engine's recorder for this step."""
+        micro-batch in flight (do it on the last step); steps between drains must be
+        consecutive (a checkpoint needs no drain, see :meth:`state_dict`). ``recorder`` replaces the engine's recorder for this step."""
         recorder = recorder if recorder is not None else self.recorder
         if self._acts and self._last_step is not None and step != self._last_step + 1:
             raise RuntimeError(f"step {step} follows step {self._last_step} while micro-batches "
@@ -132,22 +135,60 @@ class PipelineEngine:
         return result
 
     def state_dict(self) -> dict:
-        """The engine's own state for checkpoints (pipedream: version counter and stashed versions).
+        """The engine's own state for checkpoints, taken between steps (every rank after the same step).
 
-        Only between steps with nothing in flight: the activations of micro-batches in flight
-        cannot be saved, so run the step before a checkpoint with ``drain=True``."""
+        pipedream keeps micro-batches in flight across steps. Their activations are not saved;
+        instead each one's inputs, weight version (the stash) and, when already here, output
+        gradients are, and :meth:`load_state_dict` recomputes their forwards with the stashed
+        weights: training resumes exactly (up to random ops such as dropout). To make that
+        possible the gradients already on their way to this rank are received now (their
+        senders have sent them, so this never waits on a peer's next step).
+        """
+        state = {"schedule": self.schedule, "step": self._last_step, "phase": self.phase,
+                 "stash": self.stash.state_dict() if self.stash else None, "in_flight": {}}
         if self._acts:
-            raise RuntimeError(f"cannot checkpoint with micro-batches {self.in_flight} in flight; "
-                               "run the step before the checkpoint with drain=True")
-        return {"schedule": self.schedule, "stash": self.stash.state_dict() if self.stash else None}
+            self._receive_in_transit()
+            state["in_flight"] = {g: {"inputs": {k: t.detach().clone() for k, t in act.inputs.items()},
+                                      "grads": _clone(self._out_grads.get(g))} for g, act in self._acts.items()}
+        return state
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s state into a fresh engine (same plan and rank), after the
+        stage's weights and the optimizer's state have been loaded; recomputes the forwards of
+        the micro-batches that were in flight."""
         if state.get("schedule") != self.schedule:
             raise ValueError(f"the engine state was saved by schedule {state.get('schedule')!r}, "
                              f"not {self.schedule!r}")
+        if self._acts:
+            raise RuntimeError("load_state_dict needs a fresh engine (this one has micro-batches in flight)")
         if self.stash is not None and state.get("stash") is not None:
             self.stash.load_state_dict(state["stash"])
-        self.phase = 0
+        self._last_step, self.phase = state.get("step"), state.get("phase", 0)
+        self._settled = self._last_step
+        device = self.stage.device
+        M = self.topo.micro_batches
+        for g in sorted(state.get("in_flight", {})):
+            saved = state["in_flight"][g]
+            inputs = {k: t.to(device) for k, t in saved["inputs"].items()}
+            act = self.stage.forward(inputs, params=self.stash.replay_params(g) if self.stash else None)
+            if self.stage.is_last:
+                act.loss = self.stage.loss(act.output, self.data.target(g // M, g % M).to(device))
+            self._acts[g] = act
+            if saved["grads"] is not None:
+                self._out_grads[g] = {k: t.to(device) for k, t in saved["grads"].items()}
+
+    def _receive_in_transit(self) -> None:
+        """Receive now the messages sent to this rank that its next step's list would receive."""
+        if self._settled == self._last_step or self._last_step is None:
+            return
+        M = self.topo.micro_batches
+        base = (self._last_step + 1) * M
+        for peer, kind, m in in_transit(self.topo, self.schedule, self.phase - 1)[self.rank]:
+            g = base + m
+            ins = RecvGradients(m, peer) if kind == "grad" else RecvActivations(m, peer)
+            held = self._out_grads if kind == "grad" else self._inputs
+            held[g] = self.transport.recv(peer, message_key(ins, g, M))
+        self._settled = self._last_step
 
     # ---- instructions ------------------------------------------------------------------
     def _execute(self, ins: Instruction, g: int | None, frozen: set[int], result: StepResult) -> None:
@@ -158,7 +199,8 @@ class PipelineEngine:
             named = x if isinstance(x, dict) else {stage.input_names[0]: x}
             self._inputs[g] = {k: v.to(stage.device, non_blocking=True) for k, v in named.items()}
         elif isinstance(ins, RecvActivations):
-            self._inputs[g] = self.transport.recv(ins.peer, message_key(ins, g, M))
+            if g not in self._inputs:       # else received early, at a checkpoint
+                self._inputs[g] = self.transport.recv(ins.peer, message_key(ins, g, M))
         elif isinstance(ins, Forward):
             params = self.stash.forward_params(g, g in frozen) if self.stash else None
             self._acts[g] = stage.forward(self._inputs.pop(g), params=params)
@@ -172,20 +214,21 @@ class PipelineEngine:
             if g // M == result.step:
                 result.losses[g % M] = act.loss.detach()
         elif isinstance(ins, RecvGradients):
-            self._grads[g] = self.transport.recv(ins.peer, message_key(ins, g, M))
+            if g not in self._out_grads:    # else received early, at a checkpoint
+                self._out_grads[g] = self.transport.recv(ins.peer, message_key(ins, g, M))
         elif isinstance(ins, SyncStart):
             self._sync_next = g
         elif isinstance(ins, Backward):
             synced = self._sync_next == g
             self._sync_next = None
             with contextlib.nullcontext() if synced else self.sync.no_sync():
-                self._grads[g] = stage.backward(self._acts.pop(g), self._grads.pop(g, None))
+                grads = stage.backward(self._acts.pop(g), self._out_grads.pop(g, None))
             if self.stash:
                 self.stash.backward_done(g)
-            if stage.is_first:
-                self._grads.pop(g)
+            if not stage.is_first:
+                self._in_grads[g] = grads
         elif isinstance(ins, SendGradients):
-            self.transport.send(ins.peer, message_key(ins, g, M), self._grads.pop(g))
+            self.transport.send(ins.peer, message_key(ins, g, M), self._in_grads.pop(g))
         elif isinstance(ins, SyncWait):
             self.sync.finish()
         elif isinstance(ins, Step):
@@ -221,3 +264,7 @@ class PipelineEngine:
                 if open_.pop(ins.micro_batch):
                     out.add(ins.micro_batch)
         return out | set(open_)
+
+
+def _clone(tensors: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
+    return None if tensors is None else {k: t.detach().clone() for k, t in tensors.items()}

@@ -146,14 +146,27 @@ def _pipedream_stream(topo: Topology, stage: int, replica: int, steps: int) -> l
     return list(_one_f_one_b(mine, topo.warm(stage)))
 
 
+def settle_phase(topo: Topology, schedule: str) -> int:
+    """The first step (counted from a (re)start) from which every rank's list repeats unchanged
+    (micro-batches counted from each step's start): 0 for gpipe/1f1b; for pipedream, once the
+    warm-up (which may span several steps) is over."""
+    if schedule != "pipedream":
+        return 0
+    return max(_stage_settle(topo, s) for s in range(topo.n_stages))
+
+
+def _stage_settle(topo: Topology, stage: int) -> int:
+    per_step = topo.micro_batches // topo.replicas(stage)
+    return math.ceil(topo.warm(stage) / per_step) + 1
+
+
 def _pipedream_chunk(topo: Topology, stage: int, replica: int, phase: int, drain: bool) -> list[Op]:
     """Step ``phase``'s slice of the stream (from its first forward to the next step's first
     forward, or to the end with ``drain``), micro-batches renumbered from the step's start.
 
     The stream is periodic once warmed up, so a late phase is an early one shifted."""
-    M, per_step = topo.micro_batches, topo.micro_batches // topo.replicas(stage)
-    settled = math.ceil(topo.warm(stage) / per_step) + 1
-    p = min(phase, settled)
+    M = topo.micro_batches
+    p = min(phase, _stage_settle(topo, stage))
     stream = _pipedream_stream(topo, stage, replica, p + 2)
 
     def first_forward(step: int) -> int:

@@ -35,7 +35,7 @@ from hybridpipe.pipeline.instructions import (
     Backward, Forward, Instruction, RecvActivations, RecvGradients, SendActivations, SendGradients, SyncStart,
     SyncWait,
 )
-from hybridpipe.pipeline.schedules import Topology, all_programs
+from hybridpipe.pipeline.schedules import Topology, all_programs, settle_phase
 
 
 @dataclass(frozen=True)
@@ -112,10 +112,9 @@ def _link_ms(costs: Sequence[StageCosts], topo: Topology, model: CostModel):
 
 
 def settle_steps(topo: Topology, schedule: str) -> int:
-    """Steps before pipedream's pipeline is full (its warm-up spans ceil(warm / per-replica micro-batches))."""
-    if schedule != "pipedream":
-        return 1
-    return max(math.ceil(topo.warm(s) * topo.replicas(s) / topo.micro_batches) for s in range(topo.n_stages))
+    """Steps to leave out of the steady-state measurement: the first (gpipe/1f1b), or pipedream's
+    warm-up, which may span several steps."""
+    return max(1, settle_phase(topo, schedule) - 1)
 
 
 def default_steps(topo: Topology, schedule: str) -> int:

@@ -51,6 +51,16 @@ class WeightStash:
         self._users.setdefault(v, set()).add(micro_batch)
         return {n: _StashedWeight.apply(p, self._frozen[v][n]) for n, p in self.params.items()}
 
+    def replay_params(self, micro_batch: int) -> Mapping[str, torch.Tensor] | None:
+        """Parameters to recompute ``micro_batch``'s forward with (after a restore): its stashed
+        version, or None when that version is the live one."""
+        v = self._version_of[micro_batch]
+        if v not in self._frozen:
+            if v != self.version:
+                raise RuntimeError(f"micro-batch {micro_batch} used weight version {v}, which was not stashed")
+            return None
+        return {n: _StashedWeight.apply(p, self._frozen[v][n]) for n, p in self.params.items()}
+
     def backward_done(self, micro_batch: int) -> None:
         """Release ``micro_batch``'s version (dropped when no micro-batch in flight uses it)."""
         v = self._version_of.pop(micro_batch, None)

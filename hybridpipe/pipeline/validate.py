@@ -19,7 +19,7 @@ from hybridpipe.pipeline.instructions import (
     Backward, Forward, Instruction, LoadInput, LoadTarget, Loss, RecvActivations, RecvGradients, SendActivations,
     SendGradients, Step, SyncStart, SyncWait,
 )
-from hybridpipe.pipeline.schedules import Topology
+from hybridpipe.pipeline.schedules import Topology, all_programs, settle_phase
 
 
 class ScheduleError(ValueError):
@@ -59,39 +59,26 @@ class Report:
     steps: dict[int, list[float]]       # grad_scale of every optimizer step, in order
 
 
-def validate(topo: Topology, steps: Sequence[Mapping[int, Sequence[Instruction]]]) -> Report:
+def validate(topo: Topology, steps: Sequence[Mapping[int, Sequence[Instruction]]], *,
+             step_barrier: bool = True) -> Report:
     """Run the lists of consecutive steps (``steps[k][rank]``) symbolically; raise ScheduleError.
 
     Micro-batch m of step k is global micro-batch ``k * M + m``. The run must end with every
     message received, every forwarded micro-batch backwarded, and all replicas of a stage having
-    run the same number of syncs and optimizer steps.
+    run the same number of syncs and optimizer steps. With ``step_barrier`` every rank must be
+    able to finish step k before any rank starts step k+1 (so workers may meet in a collective
+    between steps: metrics, checkpoints); messages may still be received a step later.
     """
-    M = topo.micro_batches
-    ranks: dict[int, _Rank] = {}
-    for s, stage_ranks in enumerate(topo.stage_ranks):
-        for j, r in enumerate(stage_ranks):
-            prog = [(k, ins) for k, step in enumerate(steps) for ins in step.get(r, ())]
-            ranks[r] = _Rank(r, s, j, prog)
-    extra = {r for step in steps for r in step} - set(ranks)
-    if extra:
-        raise ScheduleError(f"lists given for ranks {sorted(extra)} that have no stage")
+    ranks = _ranks(topo, steps)
     queues: dict[tuple[int, int], deque[tuple[str, int]]] = {}
-    moved = True
-    while moved:
-        moved = False
-        for st in ranks.values():
-            while st.pc < len(st.program):
-                k, ins = st.program[st.pc]
-                m = getattr(ins, "micro_batch", None)
-                if not _execute(topo, ranks, queues, st, m, None if m is None else k * M + m, ins):
-                    break
-                st.pc += 1
-                moved = True
-    stuck = [st for st in ranks.values() if st.pc < len(st.program)]
-    if stuck:
-        waits = "; ".join(f"rank {st.rank} waits at {st.program[st.pc][1]} (step {st.program[st.pc][0]})"
-                          for st in stuck)
-        raise ScheduleError(f"the lists deadlock: {waits}")
+    for limit in (range(len(steps)) if step_barrier else [len(steps) - 1]):
+        _run_until(topo, ranks, queues, limit)
+        stuck = [st for st in ranks.values() if st.pc < len(st.program) and st.program[st.pc][0] <= limit]
+        if stuck:
+            waits = "; ".join(f"rank {st.rank} waits at {st.program[st.pc][1]} (step {st.program[st.pc][0]})"
+                              for st in stuck)
+            where = f"step {limit} cannot finish before step {limit + 1} starts: " if step_barrier else ""
+            raise ScheduleError(f"the lists deadlock: {where}{waits}")
     left = [f"{list(q)} from rank {a} to rank {b}" for (a, b), q in sorted(queues.items()) if q]
     if left:
         raise ScheduleError(f"messages never received: {'; '.join(left)}")
@@ -111,6 +98,51 @@ def validate(topo: Topology, steps: Sequence[Mapping[int, Sequence[Instruction]]
                   {r: st.forward_order for r, st in ranks.items()},
                   {r: st.backward_order for r, st in ranks.items()},
                   {r: st.steps for r, st in ranks.items()})
+
+
+def _ranks(topo: Topology, steps: Sequence[Mapping[int, Sequence[Instruction]]]) -> dict[int, _Rank]:
+    ranks: dict[int, _Rank] = {}
+    for s, stage_ranks in enumerate(topo.stage_ranks):
+        for j, r in enumerate(stage_ranks):
+            prog = [(k, ins) for k, step in enumerate(steps) for ins in step.get(r, ())]
+            ranks[r] = _Rank(r, s, j, prog)
+    extra = {r for step in steps for r in step} - set(ranks)
+    if extra:
+        raise ScheduleError(f"lists given for ranks {sorted(extra)} that have no stage")
+    return ranks
+
+
+def in_transit(topo: Topology, schedule: str, phase: int) -> dict[int, list[tuple[int, str, int]]]:
+    """Messages sent but not yet received when every rank has finished step ``phase`` after a
+    (re)start: per receiver, ``(sender, "act"|"grad", micro-batch)`` in arrival order, the
+    micro-batch numbered from the start of the *next* step (so negative). Empty for gpipe/1f1b.
+    """
+    M = topo.micro_batches
+    p = min(phase, settle_phase(topo, schedule) + 1)       # the lists repeat from there on
+    steps = [all_programs(topo, schedule, phase=k, drain=False) for k in range(p + 1)]
+    ranks, queues = _ranks(topo, steps), {}
+    for limit in range(p + 1):
+        _run_until(topo, ranks, queues, limit)
+    out: dict[int, list[tuple[int, str, int]]] = {r: [] for r in ranks}
+    for (src, dst), q in sorted(queues.items()):
+        out[dst] += [(src, kind, g - (p + 1) * M) for kind, g in q]
+    return out
+
+
+def _run_until(topo: Topology, ranks: dict[int, _Rank], queues, limit: int) -> None:
+    """Advance every rank as far as it can without starting a step after ``limit``."""
+    M = topo.micro_batches
+    moved = True
+    while moved:
+        moved = False
+        for st in ranks.values():
+            while st.pc < len(st.program) and st.program[st.pc][0] <= limit:
+                k, ins = st.program[st.pc]
+                m = getattr(ins, "micro_batch", None)
+                if not _execute(topo, ranks, queues, st, m, None if m is None else k * M + m, ins):
+                    break
+                st.pc += 1
+                moved = True
 
 
 def _fail(st: _Rank, ins: Instruction, why: str) -> ScheduleError:
