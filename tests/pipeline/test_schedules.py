@@ -14,7 +14,7 @@ from hybridpipe.pipeline.instructions import (
     Backward, Forward, RecvActivations, RecvGradients, SendActivations, SendGradients, Step, SyncWait,
 )
 from hybridpipe.pipeline.schedules import Topology, all_programs, check_schedulable, rank_program
-from hybridpipe.pipeline.validate import ScheduleError, validate
+from hybridpipe.pipeline.validate import ScheduleError, in_transit, validate
 
 
 def topology(replicas: list[int], micro_batches: int) -> Topology:
@@ -139,3 +139,21 @@ def test_unschedulable_requests_are_refused_clearly():
         check_schedulable(topology([1], 1), "zigzag")
     with pytest.raises(UserError, match="rank 9 has no stage"):
         rank_program(topology([1, 1], 2), 9, "gpipe")
+
+
+@settings(max_examples=60, deadline=None)
+@given(replicas=shapes, phase=st.integers(0, 5))
+def test_in_transit_is_what_was_sent_before_and_is_received_after_a_step_boundary(replicas, phase):
+    M = math.lcm(*replicas)
+    topo = topology(replicas, M)
+    progs = [all_programs(topo, "pipedream", phase=k, drain=False) for k in range(phase + 2)]
+    sent = {(r, ins.peer, g) for k in range(phase + 1) for r, prog in progs[k].items() for ins in prog
+            if isinstance(ins, SendGradients) for g in [k * M + ins.micro_batch]}
+    later = {(ins.peer, r, (phase + 1) * M + ins.micro_batch) for r, prog in progs[phase + 1].items()
+             for ins in prog if isinstance(ins, RecvGradients)}
+    expected = sent & later
+    got = {(src, dst, (phase + 1) * M + m) for dst, msgs in in_transit(topo, "pipedream", phase).items()
+           for src, kind, m in msgs if kind == "grad"}
+    assert got == expected
+    assert all(kind == "grad" for msgs in in_transit(topo, "pipedream", phase).values() for _, kind, _ in msgs)
+    assert all(not msgs for msgs in in_transit(topo, "1f1b", phase).values())
