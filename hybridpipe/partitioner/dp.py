@@ -46,23 +46,32 @@ def copy_counts(model: CostModel, workers: int) -> list[int]:
     return [r for r in range(1, top + 1) if top % r == 0]
 
 
+TIE = 1e-9          # relative slack when re-solving for plans that reach the optimal objective
+
+
 def solve(costs: ModelCosts, model: CostModel, workers: int, opts: Options,
           upper_bound: float = math.inf) -> Solution:
-    """The best layout over every copy count (ties go to fewer copies).
+    """The best layout over every copy count.
 
     ``upper_bound`` is the objective of any feasible plan (e.g. pure data parallelism): prefixes
     and stages costing more cannot be part of a better plan, so they are skipped; the result is
     still exact. Copy counts are solved from the cheapest (most copies) down, each result
-    tightening the bound for the next.
+    tightening the bound for the next. Many plans usually share the optimal bottleneck; a second
+    pass picks, among them, the one with the smallest sum of stage terms (less work and traffic
+    off the critical stage; ties to fewer copies).
     """
-    results = []
+    found = []
     bound = upper_bound
     for copies in sorted(copy_counts(model, workers), reverse=True):
-        sol = _Solver(costs, model, workers, copies, opts).run(bound)
-        results.append(sol)
-        bound = min(bound, sol.objective_ms)
-    best = min(results, key=lambda s: (s.objective_ms, s.copies))
-    return best if math.isfinite(best.objective_ms) else Solution((), math.inf, 1)
+        solver = _Solver(costs, model, workers, copies, opts)
+        found.append((solver, solver.run(bound).objective_ms))
+        bound = min(bound, found[-1][1])
+    if not math.isfinite(bound):
+        return Solution((), math.inf, 1)
+    cap = bound * (1 + TIE) + TIE
+    tied = [solver.run(cap, total=True) for solver, value in found if value <= cap]
+    best = min((s for s in tied if s.stages), key=lambda s: (s.objective_ms, s.copies))
+    return Solution(best.stages, bound, best.copies)
 
 
 class _Solver:
@@ -73,6 +82,9 @@ class _Solver:
         self.copies, self.wc = copies, workers // copies
         n = self.n = costs.n
         self.pf, self.pb = costs.prefix(costs.forward_ms), costs.prefix(costs.backward_ms)
+        flushed = opts.schedule != "pipedream"
+        self.trip = float(self.pf[-1] + self.pb[-1]) if flushed else 0.0     # fill + drain every stage waits
+        self.gap = (self.pf[:-1] + self.pb[:-1]) if flushed else np.zeros(n)  # drain + fill before node i
         upper = np.triu(np.ones((n, n), dtype=bool))
         self.upper = upper
         fb = (self.pf[None, 1:] - self.pf[:-1, None]) + (self.pb[None, 1:] - self.pb[:-1, None])
@@ -96,8 +108,13 @@ class _Solver:
         self._blocks: dict[tuple, _Block] = {}
 
     # ---- the recurrence ------------------------------------------------------------------
-    def run(self, bound: float = math.inf) -> Solution:
-        """The recurrence; entries above ``bound`` are never extended (exact for results <= bound)."""
+    def run(self, bound: float = math.inf, total: bool = False) -> Solution:
+        """The recurrence; exact for results <= ``bound``.
+
+        ``total=False``: the objective (largest stage term); prefixes above ``bound`` are never
+        extended. ``total=True``: the smallest sum of stage terms among plans whose every term is
+        within ``bound``; the Solution's objective is then that sum.
+        """
         n, wc = self.n, self.wc
         best = np.full((n + 1, wc + 1), np.inf)
         best[0, 0] = 0.0
@@ -105,7 +122,7 @@ class _Solver:
         from_x = np.zeros((n + 1, wc + 1), dtype=np.int64)
         for y in range(1, wc + 1):
             for x in range(y):
-                found = self.relax(best, x, y, bound)
+                found = self.relax(best, x, y, bound, total)
                 if found is None:
                     continue
                 cols, rows, val = found
@@ -113,7 +130,7 @@ class _Solver:
                 best[cols[better] + 1, y] = val[better]
                 from_i[cols[better] + 1, y] = rows[better]
                 from_x[cols[better] + 1, y] = x
-        if not best[n, wc] <= bound:
+        if not (np.isfinite(best[n, wc]) if total else best[n, wc] <= bound):
             return Solution((), math.inf, self.copies)
         stages = []
         p, y = n, wc
@@ -124,27 +141,30 @@ class _Solver:
         return Solution(tuple(reversed(stages)), float(best[n, wc]), self.copies)
 
     def ranks(self, x: int, y: int) -> tuple[int, ...]:
-        """Global ranks of block x..y-1 in every copy (sorted)."""
-        return tuple(sorted(c * self.wc + q for c in range(self.copies) for q in range(x, y)))
+        """Global ranks of block x..y-1 in every copy, replica-major (micro-batch m stays in copy m % R)."""
+        return tuple(c * self.wc + q for q in range(x, y) for c in range(self.copies))
 
     # ---- one block: every (start, end) at once -----------------------------------------------
-    def relax(self, best: np.ndarray, x: int, y: int, bound: float):
+    def relax(self, best: np.ndarray, x: int, y: int, bound: float, total: bool = False):
         """Candidates for best[j+1, y] with the last stage on block x..y-1: (cols, argmin rows, values).
 
-        Only starts whose prefix is within ``bound``, ends whose compute alone stays within it, and
-        (before the exposed-sync table is looked up) ends where the rest of the term could still
-        beat the current best are considered; all pruning is by lower bounds, so nothing optimal
-        is lost.
+        Combines a prefix and the last stage's term by max (or sum when ``total``, with terms over
+        ``bound`` excluded). Only starts whose prefix is within ``bound``, ends whose compute
+        alone stays within it, and (before the exposed-sync table is looked up) ends where the
+        rest of the term could still beat the current best are considered; all pruning is by
+        lower bounds, so nothing optimal is lost.
         """
         opts, n = self.opts, self.n
         prev = best[:n, x]
-        rows = np.nonzero(prev <= bound)[0]
+        combine = np.add if total else np.maximum
+        rows = np.nonzero(np.isfinite(prev) if total else prev <= bound)[0]
         if rows.size == 0:
             return None
         blk = self.block(x, y)
         r = blk.replicas
         k = -(-opts.micro_batches // r)
-        reach = np.nonzero(k * self.fb[rows[-1]] <= bound)[0]             # busy >= k (F + B), growing in j
+        kk, base = (k, 0.0) if opts.schedule == "pipedream" else (k - 1, self.trip)
+        reach = np.nonzero(base + _times(kk, self.fb[rows[-1]]) <= bound)[0]   # busy >= base + kk (F+B), grows in j
         cols = np.arange(rows[0], max(reach[-1] if reach.size else rows[-1], rows[-1]) + 1)
         at = np.ix_(rows, cols)
         fb = self.fb[at]
@@ -153,15 +173,21 @@ class _Solver:
             mem = self.weights[at] * self.static_factor(inflight) + self.stash[at] * inflight
             fb = np.where(mem <= opts.memory_bytes, fb, np.inf)
         xfer = opts.micro_batches * self.transfer_table(blk, rows, cols)
-        table = np.maximum(prev[rows, None], np.maximum(k * fb, xfer))
+        work = base + _times(kk, fb)
+        lower = np.maximum(work, xfer)
+        table = combine(prev[rows, None], np.where(lower <= bound, lower, np.inf) if total else lower)
         if r > 1 and self.param_nodes[rows[0]:cols[-1] + 1].any():
             useful = table.min(axis=0) < best[cols + 1, y]                  # the sync only adds
             if not useful.any():
                 return None
-            cols, fb, xfer = cols[useful], fb[:, useful], xfer[:, useful]
+            cols, fb, work, xfer = cols[useful], fb[:, useful], work[:, useful], xfer[:, useful]
             exposed = self.exposure_table(blk)[np.ix_(rows, cols)]
-            busy = k * (fb + exposed) if opts.schedule == "pipedream" else k * fb + exposed
-            table = np.maximum(prev[rows, None], np.maximum(busy, xfer))
+            if opts.schedule == "pipedream":
+                busy = k * (fb + exposed)
+            else:                                                          # the sync may also hide in the gap
+                busy = work + np.maximum(0.0, exposed - self.gap[rows, None])
+            term = np.maximum(busy, xfer)
+            table = combine(prev[rows, None], np.where(term <= bound, term, np.inf) if total else term)
         arg = table.argmin(axis=0)
         return cols, rows[arg], table[arg, np.arange(cols.size)]
 
@@ -222,6 +248,11 @@ class _Solver:
         nbytes = self.costs.param_bytes
         best = np.min([ln.alpha_s + ln.s_per_byte * nbytes for _, ln in lines], axis=0)
         return np.where(self.param_nodes, best * 1e3, 0.0)
+
+
+def _times(count: int, table: np.ndarray) -> np.ndarray:
+    """count * table, keeping inf (impossible stages) inf when count is 0."""
+    return count * table if count else np.where(np.isfinite(table), 0.0, np.inf)
 
 
 @dataclass(frozen=True)

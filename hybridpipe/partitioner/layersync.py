@@ -43,10 +43,11 @@ class StageSync:
 
 
 def simulate_lane(sync_ms: Sequence[float], backward_ms: Sequence[float],
-                  forward_ms: Sequence[float]) -> LaneResult:
+                  forward_ms: Sequence[float], gap_ms: float = 0.0) -> LaneResult:
     """Queue the layers' all-reduces (``sync_ms``; 0 = nothing to sync) on one lane.
 
-    All lists are in forward order. Time 0 is the start of the stage's backward.
+    All lists are in forward order. Time 0 is the start of the stage's backward; the next
+    forward starts ``gap_ms`` after the backward ends (a pipeline's drain and fill).
     """
     n = len(sync_ms)
     finish = [0.0] * n
@@ -59,7 +60,7 @@ def simulate_lane(sync_ms: Sequence[float], backward_ms: Sequence[float],
         if sync_ms[k] > 0:
             lane = max(lane, ready[k]) + sync_ms[k]
             finish[k] = lane
-    needed = t                                  # the next forward starts when the backward ends
+    needed = t + gap_ms                         # the next forward starts when the backward ends (+ gap)
     delay = 0.0
     exposed = [0.0] * n
     for k in range(n):
@@ -74,12 +75,14 @@ def simulate_lane(sync_ms: Sequence[float], backward_ms: Sequence[float],
 def choose_layer_algorithms(names: Sequence[str], nbytes: Sequence[float], backward_ms: Sequence[float],
                             forward_ms: Sequence[float], ranks: Sequence[int], model: CostModel,
                             algorithms: Sequence[str] = ALGORITHMS,
-                            params: Sequence[Sequence[str]] | None = None) -> StageSync:
+                            params: Sequence[Sequence[str]] | None = None, gap_ms: float = 0.0) -> StageSync:
     """The hybrid policy for one replicated stage or data-parallel model (what HDP calls).
 
     ``names``, ``nbytes`` (gradient bytes, 0 for layers without parameters), ``backward_ms`` and
-    ``forward_ms`` are per layer in forward order; ``ranks`` the global ranks that sum them.
-    Returns a LayerSync (algorithm, predicted and exposed ms) for every layer with bytes to sync.
+    ``forward_ms`` are per layer in forward order; ``ranks`` the global ranks that sum them;
+    ``gap_ms`` idle time between the end of the backward and the next forward (0 for plain data
+    parallelism). Returns a LayerSync (algorithm, predicted and exposed ms) for every layer with
+    bytes to sync.
     """
     if len(ranks) <= 1:
         return StageSync((), 0.0, 0.0)
@@ -92,7 +95,7 @@ def choose_layer_algorithms(names: Sequence[str], nbytes: Sequence[float], backw
         else:
             algos.append("")
             sync.append(0.0)
-    lane = simulate_lane(sync, backward_ms, forward_ms)
+    lane = simulate_lane(sync, backward_ms, forward_ms, gap_ms)
     params = params or [()] * len(names)
     layers = tuple(LayerSync(names[k], tuple(params[k]), int(nbytes[k]), algos[k], sync[k], lane.exposed_ms[k])
                    for k in range(len(names)) if nbytes[k] > 0)
@@ -100,8 +103,8 @@ def choose_layer_algorithms(names: Sequence[str], nbytes: Sequence[float], backw
 
 
 def plan_layer_syncs(nodes: Sequence, ranks: Sequence[int], model: CostModel,
-                     algorithms: Sequence[str] = ALGORITHMS) -> StageSync:
+                     algorithms: Sequence[str] = ALGORITHMS, gap_ms: float = 0.0) -> StageSync:
     """The policy for a stage's profile nodes (anything with name, params, param_bytes, forward_ms, backward_ms)."""
     return choose_layer_algorithms([n.name for n in nodes], [n.param_bytes for n in nodes],
                                    [n.backward_ms for n in nodes], [n.forward_ms for n in nodes], ranks, model,
-                                   algorithms, params=[n.params for n in nodes])
+                                   algorithms, params=[n.params for n in nodes], gap_ms=gap_ms)

@@ -1,27 +1,34 @@
 """The partitioner's objective: what one stage list (node ranges x rank sets) costs per step.
 
 A step is ``M`` micro-batches; a stage with r replicas gives each replica ``k = ceil(M / r)`` of
-them. Per stage, in ms per step:
+them; ``F``, ``B`` are a stage's forward and backward time for one micro-batch. Per stage, in
+ms per step, the larger of:
 
-* busy: ``k * (F + B) + E`` for gpipe/1f1b (one gradient sync per step, exposed part ``E``),
-  ``k * (F + B + E)`` for pipedream (a sync after every minibatch). ``E`` is the hybrid
-  per-layer policy's exposed time on the stage's own ranks (``layersync.py``).
-* transfer: ``M * X`` where ``X`` is the stage's share of its activation traffic per
+* compute and sync. gpipe / 1f1b (a flush ends every step): one micro-batch's trip through all
+  nodes (``F + B`` summed over the whole model, the fill and drain every stage waits through),
+  plus the stage's other ``k - 1`` micro-batches, plus its gradient sync where it outlasts the
+  gap it has to hide in: the rest of its own backward and next forward (the per-layer lane of
+  ``layersync.py``) and the drain and fill of the stages before it (``F + B`` of all earlier
+  nodes). pipedream (no flush, a sync after every minibatch): ``k * (F + B + E)``, ``E`` the
+  exposed sync with no extra gap.
+* transfers: ``M * X`` where ``X`` is the stage's share of its activation traffic per
   micro-batch: forward activations out and gradients in leave/enter through the stage's links
   at level l = max over its ranks p of min over the neighbour's ranks q of level(p, q) (the
   level a transfer needs at worst for the nearest peer), shared by the stage's replicas inside
   each sub-unit at that level (``frac`` = the busiest sub-unit's share of the micro-batches);
   links are full duplex, so egress (activations out + gradients in) and ingress are separate.
 
-The objective is the largest stage term (the steady-state step time); a stage that does not fit
-in a worker's memory makes the plan infeasible (infinite). Memory per worker: weights,
-gradients and optimizer state (sgd momentum: 1 copy, adam: 2), plus the activations of the
-micro-batches in flight (gpipe: all k; 1f1b: min(k, ceil(W_after / r)), W_after = workers in this
-and later stages; pipedream: ceil(W_after / r)), plus pipedream's stashed weight versions (one
-per in-flight minibatch beyond the live weights).
+The objective is the largest stage term; a stage that does not fit in a worker's memory makes
+the plan infeasible (infinite). Memory per worker: weights, gradients and optimizer state (sgd
+momentum: 1 copy, adam: 2), plus the activations of the micro-batches in flight (gpipe: all k;
+1f1b: min(k, ceil(W_after / r)), W_after = workers in this and later stages; pipedream:
+ceil(W_after / r)), plus pipedream's stashed weight versions (one per in-flight minibatch
+beyond the live weights).
 
-``dp.py`` computes exactly these terms in vectorised form; the brute-force tests compare the
-two. ``predict_step_ms`` adds the pipeline fill and drain for the Plan's prediction.
+Every term depends only on the stage's node range and ranks (and the neighbours' ranks for the
+transfer level), which is what lets ``dp.py`` compute them exactly in vectorised form; the
+brute-force tests compare the two. ``predict_step_ms`` is the same formula with the transfer
+latencies added to the trip and to the gaps: the Plan's prediction.
 """
 
 from __future__ import annotations
@@ -82,8 +89,9 @@ class StageEval:
     send_bytes: float
     inflight: int
     memory_bytes: float
-    busy_ms: float               # per step
+    busy_ms: float               # compute and sync per step (see the module docstring)
     term_ms: float               # max(busy, M * X) per step
+    gap_ms: float                # drain + fill the stage's final sync may hide in (gpipe/1f1b)
 
     @property
     def sync_ms_per_step(self) -> float:
@@ -145,15 +153,18 @@ def evaluate(costs: ModelCosts, model: CostModel, stages: Sequence[StageSpec], o
     """Every stage's figures and the objective for a stage list covering all nodes."""
     evals = []
     workers_after = sum(len(s.ranks) for s in stages)
+    pipedream = opts.schedule == "pipedream"
+    trip = float(costs.forward_ms.sum() + costs.backward_ms.sum())
     for idx, st in enumerate(stages):
         i, j, ranks = st.first, st.last, st.ranks
         r = len(ranks)
         k = -(-opts.micro_batches // r)
         f = float(costs.forward_ms[i:j + 1].sum())
         b = float(costs.backward_ms[i:j + 1].sum())
+        gap = 0.0 if pipedream else float(costs.forward_ms[:i].sum() + costs.backward_ms[:i].sum())
         sync = choose_layer_algorithms(costs.names[i:j + 1], costs.param_bytes[i:j + 1], costs.backward_ms[i:j + 1],
                                        costs.forward_ms[i:j + 1], ranks, model, opts.algorithms,
-                                       params=costs.params[i:j + 1])
+                                       params=costs.params[i:j + 1], gap_ms=gap)
         cuts, send_ms, send_grad_ms, send_bytes = [], 0.0, 0.0, 0.0
         if idx > 0:
             a_in, g_out = costs.input_bytes(i)
@@ -166,31 +177,32 @@ def evaluate(costs: ModelCosts, model: CostModel, stages: Sequence[StageSpec], o
             send_grad_ms = model.p2p_seconds(g_in, level) * 1e3
             send_bytes = a_out
         x = transfer_ms(model, ranks, cuts)
-        pipedream = opts.schedule == "pipedream"
-        busy = k * (f + b + sync.exposed_ms) if pipedream else k * (f + b) + sync.exposed_ms
+        busy = k * (f + b + sync.exposed_ms) if pipedream else trip + (k - 1) * (f + b) + sync.exposed_ms
         inflight = inflight_micro_batches(opts.schedule, k, workers_after, r)
         mem = memory_bytes(costs, i, j, inflight, opts)
         evals.append(StageEval(f, b, k, sync, k if pipedream else 1, x, send_ms, send_grad_ms, send_bytes,
-                               inflight, mem, busy, max(busy, opts.micro_batches * x)))
+                               inflight, mem, busy, max(busy, opts.micro_batches * x), gap))
         workers_after -= r
     fits = all(e.memory_bytes <= opts.memory_bytes for e in evals)
     return Evaluation(tuple(evals), max(e.term_ms for e in evals) if fits else math.inf, fits)
 
 
 def predict_step_ms(ev: Evaluation, opts: Options) -> float:
-    """One step including fill and drain (gpipe/1f1b) or the steady state (pipedream).
+    """The Plan's step time: the objective with transfer latencies in the trip and the gaps.
 
-    gpipe/1f1b: one micro-batch's trip through every stage and transfer, plus the busiest
-    stage's remaining micro-batches, plus the part of a stage's final sync not hidden behind the
-    backward still running on earlier stages; never below the steady-state objective.
+    gpipe/1f1b: max over stages of (trip + (k - 1) (F + B) + sync beyond the gap), where the trip
+    and each stage's gap also count one micro-batch's activation and gradient transfers over
+    the cuts they cross; never below a stage's transfer term. pipedream: the objective.
     """
     if opts.schedule == "pipedream" or not ev.fits:
         return ev.objective_ms
     st = ev.stages
-    trip = sum(s.forward_ms + s.backward_ms + s.send_ms + s.send_grad_ms for s in st)
-    rest = max((s.micro_batches - 1) * (s.forward_ms + s.backward_ms) for s in st)
-    tail, slack = 0.0, 0.0
-    for s in st:
-        tail = max(tail, s.sync.exposed_ms - slack)
-        slack += s.backward_ms + s.send_grad_ms
-    return max(trip + rest + tail, ev.objective_ms)
+    transfers = [s.send_ms + s.send_grad_ms for s in st]
+    trip = sum(s.forward_ms + s.backward_ms for s in st) + sum(transfers)
+    worst, before = 0.0, 0.0
+    for s, moved in zip(st, transfers):
+        late = max(0.0, s.sync.exposed_ms - before)         # its gap grows by the transfers before it
+        worst = max(worst, trip + (s.micro_batches - 1) * (s.forward_ms + s.backward_ms) + late,
+                    opts.micro_batches * s.transfer_ms)
+        before += moved
+    return worst

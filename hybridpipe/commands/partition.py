@@ -1,0 +1,137 @@
+"""``hybridpipe partition PROFILE --cluster C.json -o plan.json``: split a model into stages x replicas.
+
+Prints the plan as a table (one row per stage, the bottleneck marked), the predicted step time
+and throughput, and how plain data parallelism on the same workers compares; ``--compare``
+adds every strategy side by side, ``--layers`` every layer's all-reduce choice.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+from pathlib import Path
+
+from hybridpipe.commands.show import human_bytes, table
+from hybridpipe.errors import UserError
+from hybridpipe.partitioner.calibration import load_calibration
+from hybridpipe.partitioner.cluster import load_cluster
+from hybridpipe.partitioner.plan import ALGORITHMS, OPTIMIZERS, SCHEDULES, STRATEGIES, Plan, save_plan
+from hybridpipe.partitioner.planner import Outcome, Request, partition
+from hybridpipe.profiles.format import load_profile
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("profile", help="profile JSON written by `hybridpipe profile`")
+    parser.add_argument("--cluster", required=True, metavar="C.json",
+                        help="cluster description: levels innermost first (see examples/clusters/)")
+    parser.add_argument("-o", "--output", metavar="PLAN.json", help="write the plan here (else only print it)")
+    parser.add_argument("--workers", type=int, metavar="N", help="use N workers (default: the whole cluster)")
+    parser.add_argument("--strategy", choices=STRATEGIES, default="optimal",
+                        help="optimal (default), pipedream (PipeDream's formula), dp (data parallel), "
+                             "uniform (equal node counts), params (balanced parameters), time (balanced compute)")
+    parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule (default 1f1b)")
+    parser.add_argument("--micro-batches", type=int, metavar="M",
+                        help="micro-batches per step (default: 2 per worker)")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
+                        help="optimizer state kept per weight: sgd momentum 1x, adam 2x (default sgd)")
+    parser.add_argument("--memory-gb", type=float, metavar="X", help="memory per worker (default: the cluster's)")
+    parser.add_argument("--calibration", action="append", default=[], metavar="CAL.json",
+                        help="measured costs from `hybridpipe bench-allreduce` (one per cluster level; repeatable)")
+    parser.add_argument("--stages", type=int, metavar="S", help="uniform/params: S stages of workers/S replicas")
+    parser.add_argument("--algorithms", default=",".join(ALGORITHMS), metavar="A,B",
+                        help=f"all-reduce algorithms the hybrid policy may pick (default {','.join(ALGORITHMS)})")
+    parser.add_argument("--aggregator", choices=("worker", "dedicated"), default="worker",
+                        help="aggregator all-reduce on a worker rank or a dedicated process (default worker)")
+    parser.add_argument("--layers", action="store_true", help="also print every layer's all-reduce choice")
+    parser.add_argument("--compare", action="store_true", help="also predict every other strategy")
+
+
+def run(args: argparse.Namespace) -> int:
+    profile = load_profile(args.profile)
+    cluster = load_cluster(args.cluster)
+    calibrations = [load_calibration(p) for p in args.calibration]
+    req = Request(workers=args.workers, strategy=args.strategy, schedule=args.schedule,
+                  micro_batches=args.micro_batches, optimizer=args.optimizer, memory_gb=args.memory_gb,
+                  stages=args.stages, algorithms=tuple(a.strip() for a in args.algorithms.split(",") if a.strip()),
+                  dedicated_aggregator=args.aggregator == "dedicated")
+    outcome = partition(profile, cluster, req, calibrations)
+    print(render(outcome, profile.nodes, layers=args.layers))
+    print(compare(profile, cluster, req, calibrations, outcome, every=args.compare))
+    if args.output:
+        save_plan(outcome.plan, Path(args.output))
+        print(f"wrote {args.output}")
+    else:
+        print("(not saved: pass -o plan.json to write the plan)")
+    return 0
+
+
+def render(outcome: Outcome, nodes, *, layers: bool = False) -> str:
+    """The plan for people: header, one row per stage (bottleneck marked), prediction."""
+    plan, ev = outcome.plan, outcome.evaluation
+    worst = max(range(len(ev.stages)), key=lambda k: ev.stages[k].term_ms)
+    head = [f"plan for {plan.model}: {plan.micro_batches} micro-batches of {plan.batch_size} per step, "
+            f"schedule {plan.schedule}, strategy {plan.strategy}, optimizer {plan.optimizer}",
+            f"cluster: {cluster_line(plan)}"]
+    rows = []
+    for s, e in zip(plan.stages, ev.stages):
+        algos = Counter(lv.algorithm for lv in s.layers)
+        rows.append([s.index, f"{s.first_node}-{s.last_node}", f"{nodes[s.first_node].name}..{nodes[s.last_node].name}",
+                     s.replicas, rank_ranges(s.ranks), f"{s.forward_ms:.2f}", f"{s.backward_ms:.2f}",
+                     f"{s.sync_ms:.2f}", human_bytes(s.send_bytes) if s.send_bytes else "-",
+                     human_bytes(s.memory_bytes), f"{100 * e.term_ms / ev.objective_ms:.0f}%" + (" *" if s.index == worst
+                                                                                              else ""),
+                     ", ".join(f"{a} x{c}" for a, c in sorted(algos.items())) or "-"])
+    body = table(["stage", "nodes", "layers", "replicas", "ranks", "fwd ms", "bwd ms", "sync ms", "sends",
+                  "memory", "load", "all-reduce"], rows)
+    foot = [f"predicted step {plan.predicted_step_ms:.1f} ms = {plan.predicted_samples_per_s:.1f} samples/s "
+            f"(steady state {ev.objective_ms:.1f} ms/step, bound by stage {worst}, marked *)"]
+    out = head + ["", body, ""] + foot
+    if layers:
+        lrows = [[s.index, lv.layer, human_bytes(lv.bytes), lv.algorithm, f"{lv.predicted_ms:.3f}",
+                  f"{lv.exposed_ms:.3f}"] for s in plan.stages for lv in s.layers]
+        out += ["", table(["stage", "layer", "gradient", "all-reduce", "predicted ms", "exposed ms"], lrows)
+                if lrows else "no stage is replicated: nothing to all-reduce"]
+    return "\n".join(out)
+
+
+def compare(profile, cluster, req: Request, calibrations, outcome: Outcome, *, every: bool) -> str:
+    """One line against data parallelism, or (``every``) a table of all strategies."""
+    mine = outcome.plan.predicted_step_ms
+    names = [s for s in STRATEGIES if s != req.strategy] if every else (["dp"] if req.strategy != "dp" else [])
+    rows = []
+    for name in names:
+        try:
+            other = partition(profile, cluster, Request(**{**req.__dict__, "strategy": name, "stages": None}),
+                              calibrations).plan
+        except UserError as e:
+            rows.append([name, "-", "-", "-", str(e)[:70]])
+            continue
+        rows.append([name, len(other.stages), f"{other.predicted_step_ms:.1f}", f"{other.predicted_samples_per_s:.1f}",
+                     f"{other.predicted_step_ms / mine:.2f}x the step of {req.strategy}"])
+    if not rows:
+        return ""
+    if not every:
+        r = rows[0]
+        return (f"data parallel on the same workers: {r[2]} ms/step ({r[4]})" if r[1] != "-"
+                else f"data parallel on the same workers: infeasible ({r[4]})")
+    return "\n" + table(["strategy", "stages", "step ms", "samples/s", "vs this plan"], rows)
+
+
+def rank_ranges(ranks) -> str:
+    """Sorted ranks as compact ranges: 0-3,8-11."""
+    out, run = [], []
+    for r in sorted(ranks):
+        if run and r == run[-1] + 1:
+            run.append(r)
+            continue
+        if run:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+        run = [r]
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ",".join(out)
+
+
+def cluster_line(plan: Plan) -> str:
+    lv = ", ".join(f"{x.name} x{x.workers} @ {x.bandwidth_gbps:g} Gbit/s" for x in plan.cluster.levels)
+    return f"{lv}; {plan.cluster.memory_gb:g} GB per worker; {plan.world_size} workers"

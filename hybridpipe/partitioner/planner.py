@@ -1,0 +1,161 @@
+"""``partition``: a profile + a cluster + a request -> a Plan, for every strategy.
+
+The request is validated first (each problem a one-line UserError saying what to change), the
+strategy picks stages (``dp.py``, ``pipedream.py``, ``strategies.py``), and every plan is then
+predicted with the same objective (``objective.py``), so strategies compare like for like.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from hybridpipe.errors import UserError
+from hybridpipe.partitioner import dp
+from hybridpipe.partitioner.calibration import Calibration
+from hybridpipe.partitioner.cluster import Cluster
+from hybridpipe.partitioner.costmodel import CostModel
+from hybridpipe.partitioner.modelcosts import ModelCosts, model_costs
+from hybridpipe.partitioner.objective import (
+    Evaluation, Options, StageSpec, evaluate, inflight_micro_batches, memory_bytes, predict_step_ms,
+)
+from hybridpipe.partitioner.pipedream import pipedream_stages
+from hybridpipe.partitioner.plan import ALGORITHMS, OPTIMIZERS, SCHEDULES, STRATEGIES, Plan, Stage
+from hybridpipe.partitioner.strategies import baseline_stages
+from hybridpipe.profiles.format import Profile
+
+MICRO_BATCHES_PER_WORKER = 2      # default micro-batches per step: enough to keep every stage busy
+
+
+@dataclass(frozen=True)
+class Request:
+    """What ``hybridpipe partition`` was asked for (None = the default)."""
+
+    workers: int | None = None
+    strategy: str = "optimal"
+    schedule: str = "1f1b"
+    micro_batches: int | None = None
+    optimizer: str = "sgd"
+    memory_gb: float | None = None
+    stages: int | None = None
+    algorithms: tuple[str, ...] = ALGORITHMS
+    dedicated_aggregator: bool = False
+
+
+@dataclass(frozen=True)
+class Outcome:
+    plan: Plan
+    evaluation: Evaluation
+    model: CostModel
+    options: Options
+
+
+def resolve(cluster: Cluster, req: Request) -> tuple[Cluster, int, Options]:
+    """Check the request against the cluster; (cluster cut to the workers, workers, options)."""
+    if req.strategy not in STRATEGIES:
+        raise UserError(f"unknown strategy {req.strategy!r}; choose from {', '.join(STRATEGIES)}")
+    if req.schedule not in SCHEDULES:
+        raise UserError(f"unknown schedule {req.schedule!r}; choose from {', '.join(SCHEDULES)}")
+    if req.optimizer not in OPTIMIZERS:
+        raise UserError(f"unknown optimizer {req.optimizer!r}; choose from {', '.join(OPTIMIZERS)}")
+    workers = cluster.total_workers if req.workers is None else req.workers
+    if workers < 1:
+        raise UserError(f"--workers must be at least 1, got {workers}")
+    if workers > cluster.total_workers:
+        raise UserError(f"--workers {workers} is more than the cluster's {cluster.total_workers} workers; "
+                        "ask for fewer or describe a bigger cluster")
+    cluster = cluster.with_workers(workers)
+    if req.memory_gb is not None and not req.memory_gb > 0:
+        raise UserError(f"--memory-gb must be > 0, got {req.memory_gb}")
+    if req.micro_batches is not None and req.micro_batches < 1:
+        raise UserError(f"--micro-batches must be at least 1, got {req.micro_batches}")
+    if req.stages is not None and req.stages < 1:
+        raise UserError(f"--stages must be at least 1, got {req.stages}")
+    if req.stages is not None and req.strategy in ("optimal", "pipedream"):
+        raise UserError(f"--stages fixes the stage count of the uniform/params baselines; --strategy {req.strategy} "
+                        "chooses its own; drop --stages")
+    unknown = [a for a in req.algorithms if a not in ALGORITHMS]
+    if unknown or not req.algorithms:
+        raise UserError(f"--algorithms must name some of {', '.join(ALGORITHMS)}; got {', '.join(req.algorithms) or 'none'}")
+    memory = (req.memory_gb if req.memory_gb is not None else cluster.memory_gb) * 1e9
+    micro = req.micro_batches or MICRO_BATCHES_PER_WORKER * workers
+    opts = Options(req.schedule, micro, req.optimizer, memory, tuple(req.algorithms))
+    return cluster, workers, opts
+
+
+def partition(profile: Profile, cluster: Cluster, req: Request = Request(),
+              calibrations: Sequence[Calibration] = ()) -> Outcome:
+    """Plan ``profile`` on ``cluster`` as ``req`` asks; UserError when no plan is possible."""
+    cluster, workers, opts = resolve(cluster, req)
+    model = CostModel(cluster, list(calibrations), aggregator_dedicated=req.dedicated_aggregator)
+    costs = model_costs(profile)
+    stages = choose_stages(req.strategy, costs, model, workers, opts, req.stages)
+    ev = evaluate(costs, model, stages, opts)
+    if not ev.fits:
+        raise UserError(memory_message(stages, ev, opts, req.strategy))
+    return Outcome(build_plan(profile, costs, cluster, stages, ev, opts, req.strategy), ev, model, opts)
+
+
+def choose_stages(strategy: str, costs: ModelCosts, model: CostModel, workers: int, opts: Options,
+                  stages: int | None = None) -> tuple[StageSpec, ...]:
+    """The stage list a strategy picks."""
+    if strategy == "optimal":
+        data_parallel = baseline_stages("dp", costs, workers)
+        bound = evaluate(costs, model, data_parallel, opts).objective_ms
+        sol = dp.solve(costs, model, workers, opts, bound)
+        if sol.stages:
+            return sol.stages
+        if math.isfinite(bound):
+            return data_parallel
+        raise UserError(no_fit_message(costs, workers, opts))
+    if strategy == "pipedream":
+        found = pipedream_stages(costs, model.cluster.with_workers(workers), opts.memory_bytes)
+        if found is None:
+            raise UserError("PipeDream's partitioner finds no plan within its memory check "
+                            f"({opts.memory_bytes / 1e9:g} GB per worker); raise --memory-gb or add workers")
+        return found
+    return baseline_stages(strategy, costs, workers, stages)
+
+
+def build_plan(profile: Profile, costs: ModelCosts, cluster: Cluster, stages: Sequence[StageSpec],
+               ev: Evaluation, opts: Options, strategy: str) -> Plan:
+    """The Plan: stages with their predicted figures, the step time and throughput."""
+    step_ms = predict_step_ms(ev, opts)
+    out = []
+    for idx, (spec, e) in enumerate(zip(stages, ev.stages)):
+        out.append(Stage(index=idx, first_node=spec.first, last_node=spec.last, replicas=len(spec.ranks),
+                         ranks=tuple(spec.ranks), compute_ms=e.forward_ms + e.backward_ms, forward_ms=e.forward_ms,
+                         backward_ms=e.backward_ms, sync_ms=e.sync_ms_per_step, send_ms=e.send_ms,
+                         send_bytes=int(e.send_bytes), memory_bytes=int(e.memory_bytes), layers=e.sync.layers))
+    samples = opts.micro_batches * profile.batch_size / (step_ms / 1e3) if step_ms > 0 else 0.0
+    return Plan(model=profile.model, batch_size=profile.batch_size, input_shape=tuple(profile.input_shape),
+                profile_signature=profile.signature(), cluster=cluster, strategy=strategy, schedule=opts.schedule,
+                micro_batches=opts.micro_batches, optimizer=opts.optimizer, stages=tuple(out),
+                predicted_step_ms=step_ms, predicted_samples_per_s=samples,
+                created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
+
+
+def no_fit_message(costs: ModelCosts, workers: int, opts: Options) -> str:
+    """Why nothing fits: the hungriest node needs more than a worker has even alone, or the sum does."""
+    per_node = [memory_bytes(costs, i, i, inflight_micro_batches(opts.schedule, 1, 1, 1), opts)
+                for i in range(costs.n)]
+    worst = max(range(costs.n), key=per_node.__getitem__)
+    gb = opts.memory_bytes / 1e9
+    if per_node[worst] > opts.memory_bytes:
+        return (f"no plan fits in {gb:g} GB per worker: node {costs.names[worst]!r} alone needs "
+                f"{per_node[worst] / 1e9:.2f} GB (weights, gradients, optimizer state, one micro-batch's "
+                "activations); raise --memory-gb or use a smaller model or batch")
+    return (f"no partition onto {workers} workers fits in {gb:g} GB per worker with {opts.micro_batches} "
+            f"micro-batches ({opts.schedule}); raise --memory-gb, add workers, lower --micro-batches or "
+            "use --schedule 1f1b")
+
+
+def memory_message(stages: Sequence[StageSpec], ev: Evaluation, opts: Options, strategy: str) -> str:
+    """The first stage that overflows a worker, for a strategy whose stages are fixed."""
+    idx = next(k for k, e in enumerate(ev.stages) if e.memory_bytes > opts.memory_bytes)
+    st, e = stages[idx], ev.stages[idx]
+    return (f"--strategy {strategy} does not fit: stage {idx} (nodes {st.first}-{st.last}) needs "
+            f"{e.memory_bytes / 1e9:.2f} GB per worker, more than {opts.memory_bytes / 1e9:g} GB; raise --memory-gb, "
+            "add workers or try --strategy optimal")

@@ -1,0 +1,88 @@
+"""The baseline partitions selectable with ``--strategy`` (the optimal one is ``dp.py``).
+
+* ``dp``: one stage holding every node on every worker (pure data parallelism).
+* ``uniform``: stages with equal node counts.
+* ``params``: stages with balanced parameter bytes (DeepSpeed's ``partition_method="parameters"``).
+* ``time``: stages with balanced forward + backward time and no replication (torchgpipe's
+  ``balance_by_time``): one stage per worker.
+
+``uniform`` and ``params`` make one stage per worker by default; with ``stages`` S (dividing the
+worker count) each stage gets W / S replicas, as DeepSpeed's pipeline x data parallel grid
+does. Ranks are contiguous blocks in stage order.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hybridpipe.errors import UserError
+from hybridpipe.partitioner.modelcosts import ModelCosts
+from hybridpipe.partitioner.objective import StageSpec
+
+BASELINES = ("dp", "uniform", "params", "time")
+
+
+def contiguous(sizes: list[int], replicas: list[int]) -> tuple[StageSpec, ...]:
+    """Stages of ``sizes`` nodes each on consecutive blocks of ``replicas`` ranks."""
+    out, node, rank = [], 0, 0
+    for size, r in zip(sizes, replicas):
+        out.append(StageSpec(node, node + size - 1, tuple(range(rank, rank + r))))
+        node, rank = node + size, rank + r
+    return tuple(out)
+
+
+def uniform_sizes(n: int, parts: int) -> list[int]:
+    """``n`` items in ``parts`` groups whose sizes differ by at most one (larger ones first)."""
+    return [n // parts + (1 if k < n % parts else 0) for k in range(parts)]
+
+
+def balanced_sizes(weights: np.ndarray, parts: int) -> list[int]:
+    """Contiguous groups (each non-empty) minimising the largest group's total weight.
+
+    The classic linear-partition recurrence ``best[k, j] = min_s max(best[k-1, s], W(s..j))``,
+    vectorised over s; ties go to the earliest cut.
+    """
+    n = len(weights)
+    prefix = np.concatenate([[0.0], np.cumsum(weights, dtype=float)])
+    span = prefix[None, :] - prefix[:, None]                     # span[s, j] = weight of s..j-1
+    best = np.full((parts + 1, n + 1), np.inf)
+    best[0, 0] = 0.0
+    cut = np.zeros((parts + 1, n + 1), dtype=np.int64)
+    valid = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)     # s < j: the group is non-empty
+    for k in range(1, parts + 1):
+        cand = np.where(valid, np.maximum(best[k - 1][:, None], span), np.inf)
+        cut[k] = cand.argmin(axis=0)
+        best[k] = cand[cut[k], np.arange(n + 1)]
+    sizes, j = [], n
+    for k in range(parts, 0, -1):
+        s = int(cut[k, j])
+        sizes.append(j - s)
+        j = s
+    return sizes[::-1]
+
+
+def baseline_stages(strategy: str, costs: ModelCosts, workers: int, stages: int | None = None) -> tuple[StageSpec, ...]:
+    """The stage list of a baseline strategy (see the module docstring)."""
+    n = costs.n
+    if strategy == "dp":
+        if stages not in (None, 1):
+            raise UserError(f"--strategy dp makes one stage; drop --stages {stages}")
+        return contiguous([n], [workers])
+    if strategy == "time" and stages not in (None, workers):
+        raise UserError(f"--strategy time replicates nothing, so it needs one stage per worker ({workers}); "
+                        f"drop --stages or use --strategy uniform/params for {stages} replicated stages")
+    parts = stages or workers
+    if parts < 1 or workers % parts:
+        raise UserError(f"--stages {parts} must divide the {workers} workers (each stage gets the same replicas)")
+    if parts > n:
+        raise UserError(f"--strategy {strategy} needs {parts} stages but the profile has only {n} nodes; "
+                        "use fewer --workers or --stages, or --strategy optimal")
+    if strategy == "uniform":
+        sizes = uniform_sizes(n, parts)
+    elif strategy == "params":
+        sizes = balanced_sizes(costs.param_bytes, parts)
+    elif strategy == "time":
+        sizes = balanced_sizes(costs.forward_ms + costs.backward_ms, parts)
+    else:
+        raise UserError(f"unknown baseline strategy {strategy!r}; choose from {', '.join(BASELINES)}")
+    return contiguous(sizes, [workers // parts] * parts)
