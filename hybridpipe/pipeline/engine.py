@@ -34,7 +34,7 @@ from hybridpipe.pipeline.instructions import (
     Backward, Forward, Instruction, LoadInput, LoadTarget, Loss, RecvActivations, RecvGradients, SendActivations,
     SendGradients, Step, SyncStart, SyncWait, message_key,
 )
-from hybridpipe.pipeline.schedules import Topology, check_schedulable, rank_program
+from hybridpipe.pipeline.schedules import Topology, check_schedulable, rank_program, settle_phase
 from hybridpipe.pipeline.stage import Activation, PipelineStage
 from hybridpipe.pipeline.stash import WeightStash
 from hybridpipe.pipeline.validate import in_transit
@@ -100,6 +100,8 @@ class PipelineEngine:
         self._in_grads: dict[int, dict[str, torch.Tensor]] = {}    # computed: grads of its inputs, to send
         self._sync_next: int | None = None
         self._settled: int | None = None    # step after which messages in transit were received early
+        self._settle = settle_phase(topo, schedule)
+        self._programs: dict[tuple[int, bool], list[Instruction]] = {}
 
     # ---- public ------------------------------------------------------------------------
     @property
@@ -108,13 +110,17 @@ class PipelineEngine:
         return sorted(self._acts)
 
     def program(self, drain: bool = False) -> list[Instruction]:
-        """The instruction list the next ``run_step`` executes."""
-        return rank_program(self.topo, self.rank, self.schedule, phase=self.phase, drain=drain)
+        """The instruction list the next ``run_step`` executes (lists repeat once settled: cached)."""
+        key = (min(self.phase, self._settle), drain)
+        if key not in self._programs:
+            self._programs[key] = rank_program(self.topo, self.rank, self.schedule, phase=key[0], drain=drain)
+        return self._programs[key]
 
     def run_step(self, step: int, *, drain: bool = False, recorder=None) -> StepResult:
         """Execute this rank's list for ``step``. With pipedream, ``drain=True`` finishes every
         micro-batch in flight (do it on the last step); steps between drains must be
-        consecutive (a checkpoint needs no drain, see :meth:`state_dict`). ``recorder`` replaces the engine's recorder for this step."""
+        consecutive (a checkpoint needs no drain, see :meth:`state_dict`). ``recorder``
+        replaces the engine's recorder for this step."""
         recorder = recorder if recorder is not None else self.recorder
         if self._acts and self._last_step is not None and step != self._last_step + 1:
             raise RuntimeError(f"step {step} follows step {self._last_step} while micro-batches "
@@ -131,7 +137,7 @@ class PipelineEngine:
             if recorder is not None and phase is not None:
                 recorder.record(phase, g if g is not None else -1, t0, self.clock())
         self._last_step = step
-        self.phase = 0 if drain or not self._acts else self.phase + 1
+        self.phase = 0 if drain else self.phase + 1     # the same on every rank
         return result
 
     def state_dict(self) -> dict:
