@@ -91,6 +91,7 @@ class PipelineEngine:
         self.sync = sync if sync is not None else LocalSync()
         self.recorder, self.clock = recorder, clock
         self.stash = WeightStash(stage.module) if schedule == "pipedream" else None
+        self.device = stage.device     # where inputs and targets go (place the stage before the engine)
         self.phase = 0              # steps since the pipeline was (re)started (pipedream)
         self._last_step: int | None = None
         self._inputs: dict[int, dict[str, torch.Tensor]] = {}
@@ -171,7 +172,7 @@ class PipelineEngine:
             self.stash.load_state_dict(state["stash"])
         self._last_step, self.phase = state.get("step"), state.get("phase", 0)
         self._settled = self._last_step
-        device = self.stage.device
+        device = self.device
         M = self.topo.micro_batches
         for g in sorted(state.get("in_flight", {})):
             saved = state["in_flight"][g]
@@ -203,7 +204,7 @@ class PipelineEngine:
         if isinstance(ins, LoadInput):
             x = self.data.input(g // M, g % M)
             named = x if isinstance(x, dict) else {stage.input_names[0]: x}
-            self._inputs[g] = {k: v.to(stage.device, non_blocking=True) for k, v in named.items()}
+            self._inputs[g] = {k: v.to(self.device, non_blocking=True) for k, v in named.items()}
         elif isinstance(ins, RecvActivations):
             if g not in self._inputs:       # else received early, at a checkpoint
                 self._inputs[g] = self.transport.recv(ins.peer, message_key(ins, g, M))
@@ -213,7 +214,7 @@ class PipelineEngine:
         elif isinstance(ins, SendActivations):
             self.transport.send(ins.peer, message_key(ins, g, M), self._acts[g].outputs)
         elif isinstance(ins, LoadTarget):
-            self._targets[g] = self.data.target(g // M, g % M).to(stage.device, non_blocking=True)
+            self._targets[g] = self.data.target(g // M, g % M).to(self.device, non_blocking=True)
         elif isinstance(ins, Loss):
             act = self._acts[g]
             act.loss = stage.loss(act.output, self._targets.pop(g))
