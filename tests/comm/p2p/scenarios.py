@@ -8,6 +8,7 @@ so a receiver can check every element it got against what the sender must have s
 from __future__ import annotations
 
 import os
+import random
 import signal
 import threading
 import time
@@ -269,4 +270,47 @@ def cuda_roundtrip(rank: int, world: int, modes: tuple[str, ...], n: int) -> dic
                         problems.append(key)
             ch.flush()
         report[mode] = problems
+    return report
+
+
+# ---------------------------------------------------------------------------------------
+def random_programs(seed: int, ranks: int, events: int) -> dict[int, list]:
+    """Programs cut from a random global execution (so they run with unbounded buffers):
+    any rank may send to any other at any time, receives come in FIFO order per pair."""
+    rng = random.Random(seed)
+    progs: dict[int, list] = {r: [] for r in range(ranks)}
+    pending: dict[tuple[int, int], list[str]] = {}
+    for i in range(events):
+        ready = sorted(k for k, v in pending.items() if v)
+        if ready and rng.random() < 0.5:
+            src, dst = rng.choice(ready)
+            progs[dst].append(("recv", src, pending[(src, dst)].pop(0)))
+        else:
+            src, dst = rng.sample(range(ranks), 2)
+            key = f"k{rng.randrange(3)}/{i}"            # three key kinds with varying shapes
+            progs[src].append(("send", dst, key))
+            pending.setdefault((src, dst), []).append(key)
+    for (src, dst), keys in sorted(pending.items()):
+        progs[dst] += [("recv", src, k) for k in keys]
+    return progs
+
+
+def random_graphs(rank: int, world: int, modes: tuple[str, ...], seeds: tuple[int, ...]) -> dict:
+    """Random traffic between all pairs of ``world`` ranks, every mode; payloads checked."""
+    report = {}
+    for seed in seeds:
+        prog = random_programs(seed, world, 60)
+        rng = random.Random(seed)
+        msgs = {}
+        for ops in prog.values():
+            for op, _, key in ops:
+                if op == "send":
+                    spec = {f"t{j}": ((rng.randrange(0, 5), rng.randrange(1, 9)), rng.choice(DTYPES))
+                            for j in range(rng.randrange(0, 4))}
+                    msgs[key] = message(len(msgs), spec)
+        edges = [(a, b) for a in range(world) for b in range(a + 1, world)]
+        for mode in modes:
+            order = link_orders(prog)[rank] if mode == "sra" else None
+            with open_channels(edges, mode, timeout=60, order=order) as ch:
+                report[f"{seed}/{mode}"] = run_program(ch, prog[rank], msgs)
     return report

@@ -36,6 +36,13 @@ def test_fan_in_from_three_replicas_and_skip_edges_every_mode():
     assert all(set(values[3][m]["stats"]) == {0, 1, 2} for m in MODES)
 
 
+@pytest.mark.parametrize("seeds", [(1,), pytest.param((2, 3, 4, 5, 6), marks=pytest.mark.slow)])
+def test_random_traffic_between_all_pairs_every_mode(seeds):
+    values = expect_ok(run_ranks(scenarios.random_graphs, 4, args=(MODES, seeds), timeout=300))
+    assert all(problems == [] for report in values.values() for problems in report.values())
+    assert len(values[0]) == len(seeds) * len(MODES)
+
+
 def _check_failure(out, how: str) -> None:
     for rank in (1, 2):
         assert out[rank].status == "ok", out

@@ -9,12 +9,11 @@ enabled, so running them to a fixpoint decides whether the system can deadlock.
 
 from __future__ import annotations
 
-import random
-
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from hybridpipe.comm.p2p.order import Cursor, check_order, keys_of, link_orders, mirror, order_digest
+from tests.comm.p2p.scenarios import random_programs
 
 
 def lockstep_completes(programs: dict, orders: dict) -> bool:
@@ -88,23 +87,7 @@ def one_f_one_b(stages: int, micro: int) -> dict:
 @st.composite
 def valid_programs(draw):
     """Programs from a random global execution: always runnable with unbounded buffers."""
-    ranks = draw(st.integers(2, 5))
-    rng = random.Random(draw(st.integers(0, 2**32)))
-    progs = {r: [] for r in range(ranks)}
-    pending = {}
-    for i in range(draw(st.integers(0, 40))):
-        if pending and rng.random() < 0.5:
-            (src, dst) = rng.choice(sorted(k for k, v in pending.items() if v))
-            progs[dst].append(("recv", src, pending[(src, dst)].pop(0)))
-        else:
-            src, dst = rng.sample(range(ranks), 2)
-            key = f"m{src}{dst}/{i}"
-            progs[src].append(("send", dst, key))
-            pending.setdefault((src, dst), []).append(key)
-        pending = {k: v for k, v in pending.items() if v}
-    for (src, dst), keys in sorted(pending.items()):
-        progs[dst] += [("recv", src, k) for k in keys]
-    return progs
+    return random_programs(draw(st.integers(0, 2**32)), draw(st.integers(2, 5)), draw(st.integers(0, 40)))
 
 
 @settings(max_examples=150, deadline=None)
