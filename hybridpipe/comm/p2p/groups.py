@@ -77,20 +77,23 @@ def pair_groups(edges: Iterable[tuple[int, int]], *, lanes: int = 1, device: str
     """Create the point-to-point groups for ``edges``. Collective: every rank of the default
     group must call it with the same edges, lanes and device (checked; ValueError otherwise).
 
-    ``device`` is the device of the tensors the channels will carry; for ``cuda`` the payload
-    groups use NCCL. ``timeout_s`` is the groups' own backend timeout (channels pass explicit,
-    usually shorter, timeouts to every wait).
+    ``device`` is the device of the tensors the channels will carry (``cuda`` means the current
+    device: call ``torch.cuda.set_device`` first); for ``cuda`` the payload groups use NCCL.
+    ``timeout_s`` is the groups' own backend timeout (channels pass explicit, usually shorter,
+    timeouts to every wait).
     """
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised; call init_process_group first")
     device = torch.device(device)
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"channels carry cpu or cuda tensors, not {device.type}")
+    if device.type == "cuda" and device.index is None:     # comm threads must not fall back to cuda:0
+        device = torch.device("cuda", torch.cuda.current_device())
     if lanes < 1:
         raise ValueError(f"lanes must be >= 1, got {lanes}")
     rank, world = dist.get_rank(), dist.get_world_size()
     norm = normalize_edges(edges, world)
-    _check_same_everywhere((norm, lanes, device.type))
+    _check_same_everywhere((norm, lanes, device.type))     # the index may differ between ranks
     timeout = datetime.timedelta(seconds=timeout_s)
     routes: dict[tuple[int, int, int], Route] = {}
     for a, b in norm:

@@ -80,6 +80,7 @@ class Link:
     def __init__(self, peer: int, groups: PairGroups, cfg: LinkConfig, lanes: int = 1) -> None:
         self.peer = peer
         self.rank = groups.rank
+        self.device = groups.device
         self.cfg = cfg
         self.sent = Counter()
         self.last_sent_key: str | None = None
@@ -134,6 +135,8 @@ class Link:
 
     def _guarded(self, target: Callable[[], None]) -> None:
         try:
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)      # a new thread starts on cuda:0
             target()
         except P2PError as e:
             self._fail(e)
