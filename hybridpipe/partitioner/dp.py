@@ -61,17 +61,18 @@ def solve(costs: ModelCosts, model: CostModel, workers: int, opts: Options,
     off the critical stage; ties to fewer copies).
     """
     found = []
-    bound = upper_bound
+    bound = upper_bound * (1 + TIE) + TIE         # the bound's own plan must survive rounding
     for copies in sorted(copy_counts(model, workers), reverse=True):
         solver = _Solver(costs, model, workers, copies, opts)
         found.append((solver, solver.run(bound).objective_ms))
         bound = min(bound, found[-1][1])
-    if not math.isfinite(bound):
+    optimum = min(value for _, value in found)
+    if not math.isfinite(optimum):
         return Solution((), math.inf, 1)
-    cap = bound * (1 + TIE) + TIE
+    cap = optimum * (1 + TIE) + TIE
     tied = [solver.run(cap, total=True) for solver, value in found if value <= cap]
     best = min((s for s in tied if s.stages), key=lambda s: (s.objective_ms, s.copies))
-    return Solution(best.stages, bound, best.copies)
+    return Solution(best.stages, optimum, best.copies)
 
 
 class _Solver:

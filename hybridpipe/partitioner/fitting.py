@@ -154,8 +154,9 @@ def _row(model: CostModel, algorithm: str, ranks: list[int], level: int, fit: Li
 def _round_row(model: CostModel, rl, level: int, fit: LinkFit, nbytes: int) -> tuple[float, float, float, float]:
     """One round's (alpha count, beta count, known seconds, total seconds under ``fit``)."""
     fits = {lv: (fit if lv == level else model.link(lv)) for lv, _ in rl.level_loads}
-    a_lv = max(fits, key=lambda lv: fits[lv].alpha_s)
-    b_lv, load = max(rl.level_loads, key=lambda t: t[1] * fits[t[0]].beta_s_per_byte)
+    # the measured level bounds the round on ties (that is what its samples can tell)
+    a_lv = max(fits, key=lambda lv: (fits[lv].alpha_s, lv == level))
+    b_lv, load = max(rl.level_loads, key=lambda t: (t[1] * fits[t[0]].beta_s_per_byte, t[0] == level))
     known = rl.repeat * rl.reduce * nbytes * model.gamma
     a = b = 0.0
     if a_lv == level:

@@ -59,10 +59,12 @@ def all_layouts(n_nodes: int, model: CostModel, workers: int, copy_counts: Seque
 
 
 def brute_force(costs: ModelCosts, model: CostModel, workers: int, opts: Options, copy_counts: Sequence[int]):
-    """(best objective, best stages) by evaluating every layout with objective.evaluate."""
-    best, arg = float("inf"), None
+    """(best objective, smallest sum of stage terms among plans reaching it) over every layout."""
+    scored = []
     for stages in all_layouts(costs.n, model, workers, copy_counts):
-        value = evaluate(costs, model, stages, opts).objective_ms
-        if value < best:
-            best, arg = value, stages
-    return best, arg
+        ev = evaluate(costs, model, stages, opts)
+        scored.append((ev.objective_ms, sum(e.term_ms for e in ev.stages)))
+    best = min(v for v, _ in scored)
+    if best == float("inf"):
+        return best, best
+    return best, min(t for v, t in scored if v <= best * (1 + 1e-9) + 1e-9)

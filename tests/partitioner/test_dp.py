@@ -1,0 +1,117 @@
+"""The optimal partition against brute force, and the shapes it must find on known cases."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from hybridpipe.partitioner import dp
+from hybridpipe.partitioner.costmodel import CostModel
+from hybridpipe.partitioner.modelcosts import model_costs
+from hybridpipe.partitioner.objective import Options, StageSpec, evaluate
+from hybridpipe.partitioner.strategies import baseline_stages
+from tests.partitioner.synth import brute_force, flat_cluster, make_profile, two_level
+
+LAYER = st.tuples(st.sampled_from([0.0, 0.3, 2.0, 9.0]), st.sampled_from([0.0, 0.5, 4.0, 20.0]),
+                  st.sampled_from([0, 2_000, 300_000, 4_000_000]), st.sampled_from([0, 8_000, 900_000, 60_000_000]))
+OPTIONS = st.builds(Options, schedule=st.sampled_from(["gpipe", "1f1b", "pipedream"]),
+                    micro_batches=st.integers(1, 8), optimizer=st.sampled_from(["sgd", "adam"]),
+                    memory_bytes=st.sampled_from([math.inf, 1e9, 4e8, 1.5e8]))
+
+
+def clusters(max_workers: int):
+    flat = st.builds(flat_cluster, st.integers(1, max_workers), st.sampled_from([0.1, 1.0, 10.0]),
+                     st.sampled_from([0.0, 50.0]))
+    hier = st.builds(two_level, st.integers(1, 3), st.integers(1, 3), st.just(40.0), st.sampled_from([0.1, 1.0]))
+    return st.one_of(flat, hier.filter(lambda c: c.total_workers <= max_workers))
+
+
+def check_against_brute_force(layers, skip, cluster, opts):
+    skips = [(0, len(layers))] if skip and len(layers) > 1 else []
+    costs = model_costs(make_profile(layers, skips))
+    model = CostModel(cluster)
+    workers = cluster.total_workers
+    bound = evaluate(costs, model, baseline_stages("dp", costs, workers), opts).objective_ms
+    sol = dp.solve(costs, model, workers, opts, bound)
+    best, least_total = brute_force(costs, model, workers, opts, dp.copy_counts(model, workers))
+    if math.isinf(best):
+        assert not sol.stages and math.isinf(sol.objective_ms)
+        return
+    ev = evaluate(costs, model, sol.stages, opts)
+    assert sol.objective_ms == pytest.approx(best, rel=1e-9)
+    assert ev.objective_ms == pytest.approx(best, rel=1e-9)
+    assert sum(e.term_ms for e in ev.stages) == pytest.approx(least_total, rel=1e-9)
+    assert sorted(r for s in sol.stages for r in s.ranks) == list(range(workers))
+    assert all(e.memory_bytes <= opts.memory_bytes for e in ev.stages)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(LAYER, min_size=1, max_size=4), st.booleans(), clusters(5), OPTIONS)
+def test_dp_equals_brute_force(layers, skip, cluster, opts):
+    check_against_brute_force(layers, skip, cluster, opts)
+
+
+@pytest.mark.slow
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(LAYER, min_size=1, max_size=5), st.booleans(), clusters(6), OPTIONS)
+def test_dp_equals_brute_force_larger(layers, skip, cluster, opts):
+    check_against_brute_force(layers, skip, cluster, opts)
+
+
+# AlexNet's shape: convolutions with most of the compute and little of the weights, then fully
+# connected layers with most of the weights (seed 000, table 1) and little compute.
+CONV_FC = [(8.0, 16.0, 3_000_000, 140_000), (6.0, 12.0, 2_000_000, 2_400_000), (5.0, 10.0, 1_000_000, 3_500_000),
+           (4.0, 8.0, 400_000, 5_300_000), (0.6, 1.2, 16_000, 150_000_000), (0.3, 0.6, 16_000, 67_000_000),
+           (0.1, 0.2, 4_000, 16_000_000)]
+
+
+def test_slow_network_replicates_convolutions_and_not_the_fc_layers():
+    costs = model_costs(make_profile(CONV_FC, batch_size=64))
+    cluster = two_level(1, 4, outer_gbps=1.0)
+    opts = Options("1f1b", 8, "sgd", 16e9)
+    sol = dp.solve(costs, CostModel(cluster), 4, opts)
+    fc = next(s for s in sol.stages if s.first <= 5 <= s.last)          # node 5: the 150 MB layer
+    assert len(sol.stages[0].ranks) >= 2                                 # the first convolutions: replicated
+    assert len(fc.ranks) == 1 and fc.last == 8                           # the big FC layers: one worker
+    data_parallel = evaluate(costs, CostModel(cluster), baseline_stages("dp", costs, 4), opts).objective_ms
+    assert sol.objective_ms < data_parallel / 2
+
+
+def test_fast_network_and_small_weights_is_pure_data_parallel():
+    layers = [(5.0, 10.0, 4_000_000, 40_000)] * 5
+    costs = model_costs(make_profile(layers, batch_size=64))
+    sol = dp.solve(costs, CostModel(flat_cluster(4, gbps=100.0)), 4, Options("1f1b", 8, "sgd"))
+    assert len(sol.stages) == 1 and sorted(sol.stages[0].ranks) == [0, 1, 2, 3]
+
+
+def test_memory_bound_is_respected_and_changes_the_plan():
+    costs = model_costs(make_profile(CONV_FC, batch_size=64))
+    model = CostModel(two_level(1, 4, outer_gbps=10.0))
+    free = dp.solve(costs, model, 4, Options("gpipe", 8, "adam"))
+    need = max(e.memory_bytes for e in evaluate(costs, model, free.stages, Options("gpipe", 8, "adam")).stages)
+    tight = Options("gpipe", 8, "adam", need * 0.8)
+    sol = dp.solve(costs, model, 4, tight)
+    assert sol.stages and sol.stages != free.stages
+    assert all(e.memory_bytes <= need * 0.8 for e in evaluate(costs, model, sol.stages, tight).stages)
+    assert sol.objective_ms >= free.objective_ms
+    impossible = dp.solve(costs, model, 4, Options("gpipe", 8, "adam", 1e6))
+    assert impossible.stages == () and math.isinf(impossible.objective_ms)
+
+
+def test_copies_keep_a_pipeline_inside_each_host():
+    """Two big, slow layers that do not fit on one worker together, with huge activations between them:
+    a two-stage pipeline inside each host, replicated across hosts (copies), keeps the activations
+    on the fast links; only the weights' sync crosses the slow network."""
+    big = (500.0, 1000.0, 400_000_000, 300_000_000)
+    costs = model_costs(make_profile([big, big, (1.0, 2.0, 1_000, 1_000)], batch_size=64, input_bytes=1000))
+    cluster = two_level(2, 2, inner_gbps=400.0, outer_gbps=1.0)
+    opts = Options("1f1b", 8, "sgd", 2e9)
+    model = CostModel(cluster)
+    sol = dp.solve(costs, model, 4, opts)
+    assert sol.copies == 2 and len(sol.stages) == 2
+    assert [s.ranks for s in sol.stages] == [(0, 2), (1, 3)]           # one replica per host, replica-major
+    contiguous = [StageSpec(0, 1, (0, 1)), StageSpec(2, 4, (2, 3))]        # a stage per host instead
+    assert evaluate(costs, model, contiguous, opts).objective_ms > 2 * sol.objective_ms
+    assert not evaluate(costs, model, baseline_stages("dp", costs, 4), opts).fits

@@ -1,0 +1,86 @@
+"""`hybridpipe partition` end to end on a profile built here (no profiler, no model)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hybridpipe.cli import main
+from hybridpipe.partitioner.plan import load_plan
+from hybridpipe.profiles.format import save_profile
+from tests.partitioner.synth import make_profile
+
+ROOT = Path(__file__).resolve().parents[2]
+CLUSTERS = ROOT / "examples" / "clusters"
+LAYERS = [(6.0, 12.0, 3_000_000, 140_000), (4.0, 8.0, 1_000_000, 3_500_000), (0.6, 1.2, 16_000, 150_000_000),
+          (0.2, 0.4, 4_000, 16_000_000)]
+
+
+@pytest.fixture(scope="module")
+def profile(tmp_path_factory) -> Path:
+    return save_profile(make_profile(LAYERS, model="convfc"), tmp_path_factory.mktemp("p") / "convfc.json")
+
+
+@pytest.mark.parametrize("cluster", sorted(p.name for p in CLUSTERS.glob("*.json")))
+def test_every_example_cluster_plans(profile, cluster, tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["partition", str(profile), "--cluster", str(CLUSTERS / cluster), "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    plan = load_plan(out)
+    assert plan.model == "convfc" and plan.world_size == plan.cluster.total_workers
+    header = next(line for line in text.splitlines() if line.startswith("stage"))
+    assert header.split()[:4] == ["stage", "nodes", "layers", "replicas"]
+    assert f"predicted step {plan.predicted_step_ms:.1f} ms" in text and "data parallel on the same workers" in text
+    assert text.count("% *") == 1 and f"wrote {out}" in text
+
+
+def test_options_reach_the_plan(profile, tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["partition", str(profile), "--cluster", str(CLUSTERS / "8x1gbit.json"), "--workers", "4",
+                 "--schedule", "pipedream", "--strategy", "time", "--micro-batches", "6", "--optimizer", "adam",
+                 "--memory-gb", "2", "--layers", "--compare", "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    plan = load_plan(out)
+    assert (plan.world_size, plan.schedule, plan.strategy, plan.micro_batches, plan.optimizer) == \
+        (4, "pipedream", "time", 6, "adam")
+    assert all(s.replicas == 1 for s in plan.stages) and "no stage is replicated" in text
+    for name in ("optimal", "pipedream", "dp", "uniform", "params"):
+        assert any(line.startswith(name) for line in text.splitlines())
+
+
+def test_calibration_and_algorithm_choice(profile, tmp_path, capsys):
+    cal = {"kind": "calibration", "format": 1, "world_size": 4, "hosts": 4, "backend": "gloo", "device": "cpu",
+           "level": "network", "gamma_s_per_byte": 1e-10, "p2p": {"alpha_s": 1e-4, "beta_s_per_byte": 9e-9},
+           "algorithms": {"ring": {"alpha_s": 1e-4, "beta_s_per_byte": 9e-9}}}
+    (tmp_path / "cal.json").write_text(json.dumps(cal))
+    assert main(["partition", str(profile), "--cluster", str(CLUSTERS / "4x1gbit.json"), "--strategy", "dp",
+                 "--calibration", str(tmp_path / "cal.json"), "--algorithms", "ring", "--layers"]) == 0
+    text = capsys.readouterr().out
+    rows = [line for line in text.splitlines() if line.strip().startswith("0  l")]
+    assert rows and all(" ring " in line for line in rows) and "not saved" in text
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--workers", "0"], "--workers must be at least 1"),
+    (["--workers", "9"], "more than the cluster's 4 workers"),
+    (["--memory-gb", "0.001"], "no plan fits in 0.001 GB per worker"),
+    (["--strategy", "time", "--workers", "4", "--stages", "2"], "replicates nothing"),
+    (["--micro-batches", "0"], "--micro-batches must be at least 1"),
+    (["--algorithms", "smoke-signals"], "--algorithms must name some of"),
+])
+def test_errors_are_one_line_and_exit_2(profile, args, message, capsys):
+    assert main(["partition", str(profile), "--cluster", str(CLUSTERS / "4x1gbit.json"), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1 and err.startswith("hybridpipe partition: error:")
+
+
+def test_as_a_subprocess(profile, tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-m", "hybridpipe.cli", "partition", str(profile), "--cluster",
+                           str(tmp_path / "nope.json")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "cluster file" in done.stderr and "does not exist" in done.stderr

@@ -1,0 +1,152 @@
+"""partition(): plans for every strategy, their round trip, and every request it must refuse."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hybridpipe.errors import UserError
+from hybridpipe.partitioner.calibration import Calibration, LinkFit
+from hybridpipe.partitioner.cluster import Cluster, load_cluster
+from hybridpipe.partitioner.plan import STRATEGIES, check_plan_fits, load_plan, save_plan
+from hybridpipe.partitioner.planner import Request, partition
+from tests.partitioner.synth import make_profile, two_level
+
+LAYERS = [(4.0, 8.0, 2_000_000, 100_000), (3.0, 6.0, 1_000_000, 2_000_000), (2.0, 4.0, 400_000, 3_000_000),
+          (0.5, 1.0, 16_000, 60_000_000), (0.2, 0.4, 4_000, 4_000_000)]
+PROFILE = make_profile(LAYERS, skips=[(1, 4)], model="synthetic-convfc")
+CLUSTER = two_level(1, 4, outer_gbps=1.0, memory_gb=4.0)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "pipedream"])
+def test_every_strategy_makes_a_valid_plan(strategy, schedule, tmp_path):
+    out = partition(PROFILE, CLUSTER, Request(strategy=strategy, schedule=schedule))
+    plan = out.plan
+    assert plan.world_size == 4 and plan.micro_batches == 8 and plan.strategy == strategy
+    assert plan.stages[0].first_node == 0 and plan.stages[-1].last_node == len(PROFILE.nodes) - 1
+    assert plan.predicted_step_ms >= out.evaluation.objective_ms > 0
+    assert plan.predicted_samples_per_s == pytest.approx(8 * PROFILE.batch_size / plan.predicted_step_ms * 1e3)
+    for stage in plan.stages:
+        assert stage.compute_ms == pytest.approx(stage.forward_ms + stage.backward_ms)
+        assert stage.memory_bytes <= 4e9
+        owned = [n for n in PROFILE.nodes[stage.first_node:stage.last_node + 1] if n.param_bytes]
+        if stage.replicas > 1:
+            assert [lv.layer for lv in stage.layers] == [n.name for n in owned]
+            assert all(lv.params == n.params and lv.bytes == n.param_bytes for lv, n in zip(stage.layers, owned))
+        else:
+            assert stage.layers == () and stage.sync_ms == 0
+    back = load_plan(save_plan(plan, tmp_path / "plan.json"))
+    assert back == plan
+    check_plan_fits(back, model="synthetic-convfc", signature=PROFILE.signature(), batch_size=8, world_size=4,
+                    n_nodes=len(PROFILE.nodes))
+
+
+def test_optimal_is_never_worse_than_a_baseline():
+    best = partition(PROFILE, CLUSTER).evaluation.objective_ms
+    for strategy in STRATEGIES:
+        assert best <= partition(PROFILE, CLUSTER, Request(strategy=strategy)).evaluation.objective_ms * (1 + 1e-9)
+
+
+def test_skip_connections_are_charged_at_every_cut_they_cross():
+    out = partition(PROFILE, CLUSTER, Request(strategy="time"))
+    # node 1's output feeds node 4 too: it crosses every cut between them
+    for stage in out.plan.stages[:-1]:
+        if 1 <= stage.last_node < 4:
+            assert stage.send_bytes >= LAYERS[0][2]
+
+
+def test_workers_and_micro_batches_and_calibration():
+    out = partition(PROFILE, two_level(2, 4), Request(workers=4, micro_batches=3, optimizer="adam"))
+    assert out.plan.world_size == 4 and out.plan.micro_batches == 3 and out.plan.cluster.total_workers == 4
+    cal = Calibration(4, 4, "gloo", "cpu", "net", 1e-10, LinkFit(1e-3, 1e-7), {"ring": LinkFit(1e-3, 1e-7)})
+    slow = partition(PROFILE, CLUSTER, Request(strategy="dp"), [cal]).plan.predicted_step_ms
+    assert slow > partition(PROFILE, CLUSTER, Request(strategy="dp")).plan.predicted_step_ms
+
+
+BAD_CLUSTERS = [
+    ([], "expected a JSON object"),
+    ({"kind": "plan", "levels": [], "memory_gb": 1}, "not a cluster file"),
+    ({"format": 2, "levels": [], "memory_gb": 1}, "format 2 is not supported"),
+    ({"memory_gb": 1}, 'missing required field "levels"'),
+    ({"levels": [], "memory_gb": 1}, '"levels" is empty'),
+    ({"levels": [3], "memory_gb": 1}, "level 0: expected an object"),
+    ({"levels": [{"workers": 2}], "memory_gb": 1}, 'missing required field "bandwidth_gbps"'),
+    ({"levels": [{"workers": 2, "bandwidth_gbps": 0}], "memory_gb": 1}, "bandwidth_gbps must be > 0"),
+    ({"levels": [{"workers": 2, "bandwidth_gbps": "fast"}], "memory_gb": 1}, '"bandwidth_gbps" must be a number'),
+    ({"levels": [{"workers": 0, "bandwidth_gbps": 1}], "memory_gb": 1}, '"workers" must be >= 1'),
+    ({"levels": [{"workers": 2.5, "bandwidth_gbps": 1}], "memory_gb": 1}, '"workers" must be an integer'),
+    ({"levels": [{"workers": True, "bandwidth_gbps": 1}], "memory_gb": 1}, '"workers" must be an integer'),
+    ({"levels": [{"workers": 2, "bandwidth_gbps": 1, "latency_us": -1}], "memory_gb": 1}, '"latency_us" must be >= 0'),
+    ({"levels": [{"name": "a", "workers": 2, "bandwidth_gbps": 1}, {"name": "a", "workers": 2, "bandwidth_gbps": 1}],
+      "memory_gb": 1}, "level names must be unique"),
+    ({"levels": [{"workers": 2, "bandwidth_gbps": 1}]}, 'missing required field "memory_gb"'),
+    ({"levels": [{"workers": 2, "bandwidth_gbps": 1}], "memory_gb": 0}, "memory_gb must be > 0"),
+    ({"levels": [{"workers": 2, "bandwidth_gbps": float("nan")}], "memory_gb": 1}, "must be a finite number"),
+]
+
+
+@pytest.mark.parametrize("data,message", BAD_CLUSTERS)
+def test_malformed_clusters_are_rejected_in_one_line(data, message, tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(UserError, match=message) as err:
+        load_cluster(path)
+    assert "\n" not in str(err.value) and str(path) in str(err.value)
+
+
+def test_unreadable_cluster_files(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        load_cluster(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text("{levels: 1")
+    with pytest.raises(UserError, match="not valid JSON"):
+        load_cluster(tmp_path / "bad.json")
+
+
+BAD_REQUESTS = [
+    (Request(workers=0), "--workers must be at least 1"),
+    (Request(workers=-3), "--workers must be at least 1"),
+    (Request(workers=5), "more than the cluster's 4 workers"),
+    (Request(memory_gb=0.0), "--memory-gb must be > 0"),
+    (Request(memory_gb=0.01), "no plan fits in 0.01 GB per worker: node 'l4' alone needs"),
+    (Request(memory_gb=0.3, schedule="gpipe", micro_batches=64, strategy="time"), "--strategy time does not fit"),
+    (Request(micro_batches=0), "--micro-batches must be at least 1"),
+    (Request(stages=0, strategy="uniform"), "--stages must be at least 1"),
+    (Request(stages=3, strategy="uniform"), "must divide the 4 workers"),
+    (Request(stages=2), "drop --stages"),
+    (Request(stages=2, strategy="time"), "replicates nothing"),
+    (Request(strategy="magic"), "unknown strategy"),
+    (Request(schedule="zigzag"), "unknown schedule"),
+    (Request(optimizer="lamb"), "unknown optimizer"),
+    (Request(algorithms=("ring", "carrier-pigeon")), "--algorithms must name some of"),
+    (Request(algorithms=()), "--algorithms must name some of"),
+]
+
+
+@pytest.mark.parametrize("req,message", BAD_REQUESTS)
+def test_impossible_requests_are_refused_in_one_line(req, message):
+    with pytest.raises(UserError, match=message) as err:
+        partition(PROFILE, CLUSTER, req)
+    assert "\n" not in str(err.value)
+
+
+def test_more_stages_than_nodes_and_bad_worker_counts():
+    tiny = make_profile([(1.0, 2.0, 100, 100)])                           # 3 nodes
+    with pytest.raises(UserError, match="needs 4 stages but the profile has only 3 nodes"):
+        partition(tiny, CLUSTER, Request(strategy="time"))
+    assert partition(tiny, CLUSTER).plan.world_size == 4                  # optimal replicates instead
+    with pytest.raises(UserError, match="positive multiple of 4"):
+        partition(PROFILE, two_level(4, 2), Request(workers=6))
+    cal = Calibration(4, 4, "gloo", "cpu", "rack", 1e-10, LinkFit(1e-3, 1e-7), {})
+    with pytest.raises(UserError, match="level 'rack'"):
+        partition(PROFILE, CLUSTER, Request(), [cal])
+
+
+@pytest.mark.parametrize("strategy", ["optimal", "time", "dp"])
+def test_prediction_covers_fill_drain_and_the_busiest_stage(strategy):
+    plan = partition(PROFILE, CLUSTER, Request(schedule="1f1b", strategy=strategy)).plan
+    trip = sum(s.forward_ms + s.backward_ms + s.send_ms for s in plan.stages)
+    rest = max((-(-plan.micro_batches // s.replicas) - 1) * s.compute_ms for s in plan.stages)
+    assert plan.predicted_step_ms >= trip + rest - 1e-9
+    assert isinstance(plan.cluster, Cluster)
