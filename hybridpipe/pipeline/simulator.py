@@ -18,9 +18,9 @@ Discrete-event model, per rank, in instruction order:
 * Optimizer steps, data loading and the loss's bookkeeping take no time.
 
 The step time is measured between the ends of consecutive steps (t_k = when the last rank
-finishes step k's list) in the steady state: for gpipe/1f1b every step after the first, for
-pipedream the steps between the warm-up (which may span several steps) and the draining last
-step. Utilisation is measured over the same window.
+finishes step k's list) in the steady state: the later half of the simulated steps, leaving
+out the first and pipedream's warm-up (which may span several steps) and draining last step.
+Utilisation is measured over the same window.
 """
 
 from __future__ import annotations
@@ -118,8 +118,12 @@ def settle_steps(topo: Topology, schedule: str) -> int:
 
 
 def default_steps(topo: Topology, schedule: str) -> int:
-    """gpipe/1f1b: 2 (every step after the first is the steady state); pipedream: warm-up + 3."""
-    return 2 if schedule != "pipedream" else settle_steps(topo, schedule) + 3
+    """gpipe/1f1b: 3 (a flush makes every step after the first alike). pipedream: its lists
+    repeat after the warm-up, but a slow stage's backlog takes up to about two steps per stage
+    to reach its steady rhythm, so twice that, plus the draining step."""
+    if schedule != "pipedream":
+        return 3
+    return 2 * (settle_steps(topo, schedule) + 2 * topo.n_stages) + 1
 
 
 def simulate_topology(topo: Topology, schedule: str, costs: Sequence[StageCosts], *, steps: int | None = None,
@@ -154,10 +158,10 @@ def simulate_topology(topo: Topology, schedule: str, costs: Sequence[StageCosts]
 
 
 def _window(schedule: str, steps: int, settle: int) -> tuple[int, int]:
-    """Steps [lo, hi) whose durations give the steady-state step time: after the warm-up and,
-    for pipedream, before the draining last step (as far as ``steps`` allows)."""
+    """Steps [lo, hi) whose durations give the steady-state step time: the later half of the
+    steps after the warm-up, without pipedream's draining last step (as far as ``steps`` allows)."""
     hi = steps - 1 if schedule == "pipedream" and steps >= 2 else steps
-    lo = min(settle, hi - 1)
+    lo = min(max(settle, hi // 2), hi - 1)
     return lo, hi
 
 

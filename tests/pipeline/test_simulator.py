@@ -67,7 +67,7 @@ def test_allreduce_hides_behind_the_backward_when_it_is_short_enough():
 def test_replicas_split_the_micro_batches():
     res = simulate_topology(Topology(((0, 1, 2),), 6), "gpipe", [StageCosts(1.0, 2.0, 0, 0, ())])
     assert res.step_ms == pytest.approx(2 * 3.0)
-    assert stage_busy_ms(res, [0]) == pytest.approx(2 * 2 * 3.0)   # 2 simulated steps x 2 micro-batches
+    assert stage_busy_ms(res, [0]) == pytest.approx(res.steps * 2 * 3.0)   # 2 micro-batches per simulated step
 
 
 def test_plan_times_and_chrome_trace(tmp_path):
