@@ -26,12 +26,14 @@ class MicroBatches:
         return [(start + i) % n for i in range(self.batch_size)]
 
     def batch(self, step: int, micro_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, targets) of one micro-batch (the last one fetched is cached)."""
+        """(inputs, targets) of one micro-batch (the last one fetched is cached; safe to share
+        between threads: the cache entry is replaced whole)."""
         key = (step, micro_batch)
-        if self._cached is None or self._cached[0] != key:
-            x, y = default_collate([self.dataset[i] for i in self.indices(step, micro_batch)])
-            self._cached = (key, (x, y))
-        return self._cached[1]
+        cached = self._cached
+        if cached is None or cached[0] != key:
+            cached = (key, tuple(default_collate([self.dataset[i] for i in self.indices(step, micro_batch)])))
+            self._cached = cached
+        return cached[1]
 
     def global_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's M micro-batches concatenated (what single-process training would use)."""
