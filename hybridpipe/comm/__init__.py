@@ -1,1 +1,10 @@
-"""hybridpipe.comm"""
+"""hybridpipe.comm: everything that crosses a process.
+
+``allreduce`` / ``AllReducer``: the all-reduce algorithms (``comm/allreduce``);
+``HybridDataParallel``: layer-wise overlapped gradient sync (``comm/hybrid_dp``);
+``p2p``: the pipeline's point-to-point channels (``comm/p2p``).
+"""
+
+from hybridpipe.comm.allreduce import ALGORITHMS, CHOICES, AllReducer, Topology, allreduce
+
+__all__ = ["ALGORITHMS", "CHOICES", "AllReducer", "Topology", "allreduce"]

@@ -1,0 +1,185 @@
+"""``allreduce(tensor, algorithm, group)`` and :class:`AllReducer`, the object behind it.
+
+Every algorithm sums in place, like ``torch.distributed.all_reduce`` with ``ReduceOp.SUM``:
+``ring``, ``butterfly``, ``hierarchical``, ``torus2d`` and ``aggregator`` run the schedules of
+``schedule.py`` over isend/irecv (so gloo and NCCL both work); ``native`` is torch's own;
+``auto`` picks the cheapest for the size and group by the partitioner's cost model, calibrated
+when a calibration (``hybridpipe bench-allreduce`` output) is given. ``aggregator`` sums on the
+group's first rank, or on a dedicated process (``hybridpipe aggregator``) when an address is
+given (argument or ``HYBRIDPIPE_AGGREGATOR=host:port``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from hybridpipe.comm.allreduce import schedule
+from hybridpipe.comm.allreduce.costs import AUTO_CANDIDATES, GroupCosts, group_costs
+from hybridpipe.comm.allreduce.dedicated import AggregatorClient
+from hybridpipe.comm.allreduce.executor import run_pipelined, run_rounds
+from hybridpipe.comm.allreduce.flat import FlatSpace
+from hybridpipe.comm.allreduce.topology import Topology
+from hybridpipe.comm.allreduce.transport import GroupTransport
+from hybridpipe.partitioner.calibration import Calibration, load_calibration
+
+ALGORITHMS = ("ring", "butterfly", "hierarchical", "torus2d", "aggregator", "native")
+CHOICES = ALGORITHMS + ("auto",)
+AGGREGATOR_ENV = "HYBRIDPIPE_AGGREGATOR"
+DEFAULT_CHUNK_BYTES = 512 << 10
+DEFAULT_INFLIGHT = 4
+
+
+class AllReducer:
+    """In-place sum over one process group with any algorithm; keeps what calls can share.
+
+    ``topology``: which positions share a host (default: from torchrun's environment, else one
+    host). ``calibration``: a Calibration or a path to one, for ``auto``. ``costs``: a ready
+    :class:`GroupCosts` instead (e.g. the plan's cost model and the group's global ranks).
+    ``aggregator``: ``host:port`` of a dedicated aggregator. ``lane``: tags of this reducer's
+    messages (collectives issued concurrently from different threads need different lanes).
+    ``pipelined``: chunked, pipelined executor (default on CPU); False runs round by round.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, *, topology: Topology | None = None,
+                 calibration: Calibration | str | os.PathLike | None = None, costs: GroupCosts | None = None,
+                 aggregator: str | None = None, lane: int = 0, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 inflight: int = DEFAULT_INFLIGHT, pipelined: bool | None = None,
+                 torus_shape: tuple[int, int] | None = None):
+        self.transport = GroupTransport(group)
+        self.group = group
+        self.size = self.transport.size
+        self.position = self.transport.position
+        self.topology = topology or Topology.from_env(self.transport.ranks)
+        if self.topology.size != self.size:
+            raise ValueError(f"the topology describes {self.topology.size} positions but the group has {self.size}")
+        if isinstance(calibration, (str, os.PathLike)):
+            calibration = load_calibration(calibration)
+        self.aggregator_address = aggregator or os.environ.get(AGGREGATOR_ENV) or None
+        self.costs = costs or group_costs(self.topology, calibration, bool(self.aggregator_address))
+        self.lane = lane
+        if chunk_bytes < 64 or inflight < 1:
+            raise ValueError("chunk_bytes must be >= 64 and inflight >= 1")
+        self.chunk_bytes = chunk_bytes
+        self.inflight = inflight
+        self.pipelined = pipelined
+        self.torus_shape = torus_shape
+        self._pools: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        self._client: AggregatorClient | None = None
+
+    # ---- choosing --------------------------------------------------------------------------
+    def choose(self, nbytes: float, candidates: Sequence[str] = AUTO_CANDIDATES) -> str:
+        """What ``auto`` runs for an all-reduce of ``nbytes`` on this group."""
+        if self.size <= 1 or nbytes <= 0:
+            return "native"
+        return self.costs.fastest(nbytes, candidates)
+
+    def rounds(self, algorithm: str, numel: int, nbytes: float) -> list[schedule.Round]:
+        """The schedule ``algorithm`` runs on this group for ``numel`` elements (``nbytes`` bytes)."""
+        n = self.size
+        if algorithm == "ring":
+            return schedule.ring(n, numel)
+        if algorithm == "butterfly":
+            return schedule.butterfly(n, numel, self.costs.halving(nbytes))
+        if algorithm == "hierarchical":
+            return schedule.hierarchical(self.topology.units, numel)
+        if algorithm == "torus2d":
+            rows, cols = self.torus_shape or self.costs.torus_shape()
+            return schedule.torus2d(n, numel, rows, cols)
+        if algorithm == "aggregator":
+            return schedule.aggregator(n, numel)
+        raise ValueError(f"unknown all-reduce algorithm {algorithm!r}; choose from {', '.join(CHOICES)}")
+
+    # ---- running ---------------------------------------------------------------------------
+    def __call__(self, tensors: torch.Tensor | Sequence[torch.Tensor], algorithm: str = "auto") -> str:
+        """Sum ``tensors`` (one tensor or several of one dtype and device) over the group in place.
+
+        Returns the algorithm that ran (``auto`` resolved).
+        """
+        items = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        if algorithm not in CHOICES:
+            raise ValueError(f"unknown all-reduce algorithm {algorithm!r}; choose from {', '.join(CHOICES)}")
+        items = [t for t in items if t.numel() > 0]
+        if not items:
+            return "native" if algorithm == "auto" else algorithm
+        if len({(t.dtype, t.device) for t in items}) != 1:
+            raise ValueError("tensors of one all-reduce must share dtype and device; reduce each kind separately")
+        if items[0].dtype == torch.bool or items[0].is_complex():
+            raise ValueError(f"all-reduce sums numbers; {items[0].dtype} is not supported")
+        nbytes = sum(t.numel() for t in items) * items[0].element_size()
+        if algorithm == "auto":
+            algorithm = self.choose(nbytes)
+        if self.size <= 1:
+            return algorithm
+        work = [t if t.is_contiguous() else t.contiguous() for t in items]
+        if algorithm == "native":
+            for t in work:
+                dist.all_reduce(t, group=self.group)
+        elif algorithm == "aggregator" and self.aggregator_address:
+            self._dedicated(work)
+        else:
+            self._scheduled(work, algorithm, nbytes)
+        for t, w in zip(items, work):
+            if w is not t:
+                t.copy_(w)
+        return algorithm
+
+    def _scheduled(self, tensors: list[torch.Tensor], algorithm: str, nbytes: float) -> None:
+        staged = [t.cpu() for t in tensors] if self._needs_cpu(tensors[0]) else tensors
+        itemsize = tensors[0].element_size()
+        space = FlatSpace(staged, max(1, self.chunk_bytes // itemsize))
+        rounds = self.rounds(algorithm, space.numel, nbytes)
+        pipelined = self.pipelined if self.pipelined is not None else self.transport.backend != "nccl"
+        if pipelined:
+            run_pipelined(rounds, space, self.transport, lane=self.lane, algorithm=algorithm,
+                          inflight=self.inflight, pool=self._pool(space))
+        else:
+            run_rounds(rounds, space, self.transport, lane=self.lane, algorithm=algorithm)
+        if staged is not tensors:
+            for t, s in zip(tensors, staged):
+                t.copy_(s)
+
+    def _needs_cpu(self, t: torch.Tensor) -> bool:
+        return t.device.type != "cpu" and self.transport.backend == "gloo"
+
+    def _pool(self, space: FlatSpace) -> list[torch.Tensor]:
+        key = (space.dtype, space.device)
+        pool = self._pools.get(key)
+        if pool is None or pool[0].numel() < space.chunk:
+            pool = self._pools[key] = [torch.empty(space.chunk, dtype=space.dtype, device=space.device)
+                                       for _ in range(self.inflight)]
+        return pool
+
+    def _dedicated(self, tensors: list[torch.Tensor]) -> None:
+        if self._client is None:
+            self._client = AggregatorClient(self.aggregator_address, self.position, self.size)
+        staged = [t.cpu() for t in tensors] if tensors[0].device.type != "cpu" else tensors
+        self._client.allreduce(staged)
+        if staged is not tensors:
+            for t, s in zip(tensors, staged):
+                t.copy_(s)
+
+    def close(self) -> None:
+        """Drop the dedicated aggregator's connection (if any) and the buffers."""
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+        self._pools.clear()
+
+
+def allreduce(tensor: torch.Tensor, algorithm: str = "auto", group: dist.ProcessGroup | None = None, *,
+              calibration: Calibration | str | os.PathLike | None = None, topology: Topology | None = None,
+              aggregator: str | None = None) -> None:
+    """Sum ``tensor`` over ``group`` in place with ``algorithm`` (one of :data:`CHOICES`).
+
+    Like ``torch.distributed.all_reduce(tensor, group=group)``. For repeated calls, keep an
+    :class:`AllReducer` (it holds the dedicated aggregator's connection and the buffers).
+    """
+    reducer = AllReducer(group, calibration=calibration, topology=topology, aggregator=aggregator)
+    try:
+        reducer(tensor, algorithm)
+    finally:
+        reducer.close()

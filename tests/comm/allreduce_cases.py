@@ -1,0 +1,71 @@
+"""Worker functions for the multi-process all-reduce tests (spawned by tests/comm/spawn.py).
+
+Every case sums a tensor with one algorithm and compares it with ``torch.distributed.all_reduce``
+on a copy of the same input: exactly for integers and for floats holding small integers (exact in
+any summation order), to a dtype-dependent tolerance for random floats.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from hybridpipe.comm.allreduce import AllReducer, Topology
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int64": torch.int64}
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 1e-1}
+
+
+def make_input(rank: int, numel: int, dtype: torch.dtype, exact: bool, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    if dtype == torch.int64:
+        return torch.randint(-2**40, 2**40, (numel,), generator=g, dtype=torch.int64)
+    if exact:
+        return torch.randint(-8, 9, (numel,), generator=g).to(dtype)
+    return torch.randn(numel, generator=g).to(dtype)
+
+
+def mismatch(got: torch.Tensor, want: torch.Tensor, exact: bool) -> str:
+    """'' when ``got`` matches ``want``, else a description of the worst element."""
+    if got.dtype != want.dtype or got.shape != want.shape:
+        return f"dtype/shape {got.dtype}{tuple(got.shape)} != {want.dtype}{tuple(want.shape)}"
+    if got.numel() == 0:
+        return ""
+    if exact or not got.is_floating_point():
+        bad = (got != want).nonzero()
+        return "" if bad.numel() == 0 else f"{bad.numel()} elements differ, first at {bad[0].tolist()}"
+    err = (got.double() - want.double()).abs()
+    tol = TOLERANCE[got.dtype] * (1 + want.double().abs())
+    i = int((err - tol).argmax())
+    return "" if bool((err <= tol).all()) else f"element {i}: {got.flatten()[i]} vs {want.flatten()[i]}"
+
+
+def check_cases(rank: int, world: int, cases: list[tuple], groups: list[list[int]], options: dict) -> list[str]:
+    """Run ``cases`` = (algorithm, numel, dtype name, exact) on every group this rank belongs to.
+
+    Returns failures as strings (empty when all pass). ``groups``: lists of global ranks
+    (created collectively here, in order); ``options``: AllReducer keyword arguments, with
+    ``topology_block`` turned into ``Topology.blocks``.
+    """
+    failures = []
+    made = [(ranks, dist.new_group(ranks)) for ranks in groups]
+    for ranks, group in made:
+        if rank not in ranks:
+            continue
+        opts = dict(options)
+        block = opts.pop("topology_block", None)
+        if block:
+            opts["topology"] = Topology.blocks(len(ranks), block)
+        reducer = AllReducer(group, **opts)
+        for k, (algorithm, numel, dtype_name, exact) in enumerate(cases):
+            dtype = DTYPES[dtype_name]
+            x = make_input(rank, numel, dtype, exact, seed=k)
+            want = x.clone()
+            dist.all_reduce(want, group=group)
+            ran = reducer(x, algorithm)
+            problem = mismatch(x, want, exact)
+            if problem:
+                failures.append(f"group {ranks} {algorithm}->{ran} numel={numel} {dtype_name} "
+                                f"exact={exact}: {problem}")
+        reducer.close()
+    return failures
