@@ -26,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", metavar="FILE", help="write the simulated timeline as a Chrome trace (JSON)")
     parser.add_argument("--png", metavar="FILE", help="draw the simulated timeline")
     parser.add_argument("--steps", type=int, default=None, metavar="N",
-                        help="steps to simulate (default: 2, pipedream: its warm-up + 3)")
+                        help="steps to simulate (default: 3; pipedream: enough to reach its steady state)")
     parser.add_argument("--schedule", choices=SCHEDULES, help="simulate another schedule than the plan's")
     parser.add_argument("--micro-batches", type=int, metavar="M", help="micro-batches per step (default: the plan's)")
     parser.add_argument("--calibration", metavar="FILE",
