@@ -19,6 +19,7 @@ Pure computation; no torch.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -136,6 +137,10 @@ class CostModel:
         lv = self.cluster.levels[level]
         return LinkFit(lv.latency_us * 1e-6 + NOMINAL_SOFTWARE_ALPHA_S, 1 / lv.bytes_per_s)
 
+    def _fits(self, algorithm: str) -> list[LinkFit]:
+        """``link(level, algorithm)`` for every level (the pricing loop's lookup)."""
+        return [self.link(level, algorithm) for level in range(len(self._spans))]
+
     def p2p_seconds(self, nbytes: float, level: int, share: float = 1.0) -> float:
         """One transfer of ``nbytes`` at ``level``; ``share`` of the link's bandwidth is its own."""
         if nbytes <= 0:
@@ -197,28 +202,35 @@ class CostModel:
         hit = self._lines.get(key)
         if hit is None:
             alpha = per_byte = 0.0
+            fits = self._fits(algorithm)
             for rl in self.structure(algorithm, ranks, halving=halving, shape=shape):
-                a, b = self.price(rl, algorithm)
+                a, b = self.price(rl, algorithm, fits)
                 alpha += a
                 per_byte += b
             hit = self._lines[key] = Line(alpha, per_byte)
         return hit
 
-    def price(self, rl: RoundLoad, algorithm: str) -> tuple[float, float]:
+    def price(self, rl: RoundLoad, algorithm: str, fits: Sequence[LinkFit] | None = None) -> tuple[float, float]:
         """(seconds, seconds per byte of S) of one priced-out round, all its repeats."""
-        fits = {lvl: self.link(lvl, algorithm) for lvl, _ in rl.level_loads}
-        alpha = max((f.alpha_s for f in fits.values()), default=0.0) * rl.steps
+        fits = fits or self._fits(algorithm)
+        alpha = max((fits[lvl].alpha_s for lvl, _ in rl.level_loads), default=0.0) * rl.steps
         per_byte = max((load * fits[lvl].beta_s_per_byte for lvl, load in rl.level_loads), default=0.0)
         return rl.repeat * alpha, rl.repeat * (per_byte + rl.reduce * self.gamma)
 
     def lines(self, ranks: Sequence[int], algorithms: Iterable[str] = ALGORITHMS) -> list[tuple[str, Line]]:
         """Every candidate's line(s) on ``ranks``; butterfly contributes both of its variants."""
-        out = []
-        for a in algorithms:
-            out.append((a, self.line(a, ranks)))
-            if a == "butterfly":
-                out.append((a, self.line(a, ranks, halving=True)))
-        return out
+        variants = [(a, h) for a in algorithms for h in ((False, True) if a == "butterfly" else (False,))]
+        key = tuple(sorted(ranks))
+        missing = [(a, h) for a, h in variants
+                   if ("ring" if a == "native" else a, key, h, None) not in self._structure]
+        if missing:                                   # price every missing structure in one pass
+            top = self.span_level(key) if len(key) > 1 else 0
+            built = [self.rounds(a, key, halving=h) for a, h in missing]
+            loads = self._loads([r for rounds in built for r in rounds], top)
+            for (a, h), rounds in zip(missing, built):
+                self._structure[("ring" if a == "native" else a, key, h, None)] = loads[:len(rounds)]
+                loads = loads[len(rounds):]
+        return [(a, self.line(a, key, halving=h)) for a, h in variants]
 
     def butterfly_halving(self, nbytes: float, ranks: Sequence[int]) -> bool:
         """True when halving + doubling (Rabenseifner) beats recursive doubling at this size."""
@@ -256,8 +268,10 @@ class CostModel:
         """
         if not rounds:
             return ()
-        msgs = np.asarray([m for r in rounds for m in r.messages], dtype=float).reshape(-1, 3)
-        which = np.repeat(np.arange(len(rounds)), [len(r.messages) for r in rounds])
+        counts = [len(r.messages) for r in rounds]
+        flat = itertools.chain.from_iterable(itertools.chain.from_iterable(r.messages for r in rounds))
+        msgs = np.fromiter(flat, dtype=float, count=3 * sum(counts)).reshape(-1, 3)
+        which = np.repeat(np.arange(len(rounds)), counts)
         src, dst, part = msgs[:, 0].astype(np.int64), msgs[:, 1].astype(np.int64), msgs[:, 2]
         spans = np.asarray(self._spans, dtype=np.int64)
         n_levels = len(spans)

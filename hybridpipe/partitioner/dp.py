@@ -156,41 +156,41 @@ class _Solver:
         lower bounds, so nothing optimal is lost.
         """
         opts, n = self.opts, self.n
-        prev = best[:n, x]
         combine = np.add if total else np.maximum
-        rows = np.nonzero(np.isfinite(prev) if total else prev <= bound)[0]
-        if rows.size == 0:
+        keep = np.isfinite(best[:n, x]) if total else best[:n, x] <= bound
+        live = np.nonzero(keep)[0]
+        if live.size == 0:
             return None
         blk = self.block(x, y)
         r = blk.replicas
         k = -(-opts.micro_batches // r)
         kk, base = (k, 0.0) if opts.schedule == "pipedream" else (k - 1, self.trip)
-        reach = np.nonzero(base + _times(kk, self.fb[rows[-1]]) <= bound)[0]   # busy >= base + kk (F+B), grows in j
-        cols = np.arange(rows[0], max(reach[-1] if reach.size else rows[-1], rows[-1]) + 1)
-        at = np.ix_(rows, cols)
-        fb = self.fb[at]
+        first, last = int(live[0]), int(live[-1])
+        reach = np.nonzero(base + _times(kk, self.fb[last]) <= bound)[0]   # busy >= base + kk (F+B), grows in j
+        end = max(int(reach[-1]) if reach.size else last, last)
+        rows, cols = slice(first, last + 1), slice(first, end + 1)      # contiguous: views, not copies
+        prev = np.where(keep[rows], best[rows, x], np.inf)[:, None]
+        fb = self.fb[rows, cols]
         inflight = self.inflight(x, r, k)
         if self.static_factor(inflight) * self.most_weights + self.most_stash * inflight > opts.memory_bytes:
-            mem = self.weights[at] * self.static_factor(inflight) + self.stash[at] * inflight
+            mem = self.weights[rows, cols] * self.static_factor(inflight) + self.stash[rows, cols] * inflight
             fb = np.where(mem <= opts.memory_bytes, fb, np.inf)
         xfer = opts.micro_batches * self.transfer_table(blk, rows, cols)
         work = base + _times(kk, fb)
         lower = np.maximum(work, xfer)
-        table = combine(prev[rows, None], np.where(lower <= bound, lower, np.inf) if total else lower)
-        if r > 1 and self.param_nodes[rows[0]:cols[-1] + 1].any():
-            useful = table.min(axis=0) < best[cols + 1, y]                  # the sync only adds
-            if not useful.any():
+        table = combine(prev, np.where(lower <= bound, lower, np.inf) if total else lower)
+        if r > 1 and self.param_nodes[first:end + 1].any():
+            if not (table.min(axis=0) < best[first + 1:end + 2, y]).any():   # the sync only adds
                 return None
-            cols, fb, work, xfer = cols[useful], fb[:, useful], work[:, useful], xfer[:, useful]
-            exposed = self.exposure_table(blk)[np.ix_(rows, cols)]
+            exposed = self.exposure_table(blk)[rows, cols]
             if opts.schedule == "pipedream":
                 busy = k * (fb + exposed)
             else:                                                          # the sync may also hide in the gap
                 busy = work + np.maximum(0.0, exposed - self.gap[rows, None])
             term = np.maximum(busy, xfer)
-            table = combine(prev[rows, None], np.where(term <= bound, term, np.inf) if total else term)
+            table = combine(prev, np.where(term <= bound, term, np.inf) if total else term)
         arg = table.argmin(axis=0)
-        return cols, rows[arg], table[arg, np.arange(cols.size)]
+        return np.arange(first, end + 1), arg + first, table[arg, np.arange(end + 1 - first)]
 
     def inflight(self, x: int, r: int, k: int) -> int:
         """Micro-batches a replica of a block starting at x (r ranks in all copies) holds at once."""
@@ -217,7 +217,7 @@ class _Solver:
                                              lv_in == lv_out)
         return hit
 
-    def transfer_table(self, blk: "_Block", rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    def transfer_table(self, blk: "_Block", rows: slice, cols: slice) -> np.ndarray:
         """X(i, j) in ms: the stage's activation traffic per micro-batch (objective.transfer_ms)."""
         f_in, f_out, s_in, s_out = blk.fit_in, blk.fit_out, blk.share_in, blk.share_out
         a_in, g_out, has_in = self.a_in[rows], self.g_out[rows], self.has_in[rows]

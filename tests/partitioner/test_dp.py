@@ -47,16 +47,17 @@ def check_against_brute_force(layers, skip, cluster, opts):
     assert all(e.memory_bytes <= opts.memory_bytes for e in ev.stages)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(LAYER, min_size=1, max_size=4), st.booleans(), clusters(5), OPTIONS)
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(LAYER, min_size=1, max_size=5), st.booleans(), clusters(6), OPTIONS)
 def test_dp_equals_brute_force(layers, skip, cluster, opts):
+    """Up to 7 nodes (input, 5 layers, output), 6 workers, 1 or 2 levels, every schedule."""
     check_against_brute_force(layers, skip, cluster, opts)
 
 
 @pytest.mark.slow
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(LAYER, min_size=1, max_size=5), st.booleans(), clusters(6), OPTIONS)
-def test_dp_equals_brute_force_larger(layers, skip, cluster, opts):
+def test_dp_equals_brute_force_many(layers, skip, cluster, opts):
     check_against_brute_force(layers, skip, cluster, opts)
 
 
