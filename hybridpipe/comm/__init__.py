@@ -6,5 +6,7 @@
 """
 
 from hybridpipe.comm.allreduce import ALGORITHMS, CHOICES, AllReducer, Topology, allreduce
+from hybridpipe.comm.hybrid_dp import HybridDataParallel, LayerwiseOptimizer
 
-__all__ = ["ALGORITHMS", "CHOICES", "AllReducer", "Topology", "allreduce"]
+__all__ = ["ALGORITHMS", "CHOICES", "AllReducer", "Topology", "allreduce", "HybridDataParallel",
+           "LayerwiseOptimizer"]

@@ -1,0 +1,214 @@
+"""HybridDataParallel: data parallelism with a per-layer, overlapped, hybrid all-reduce (seed 000).
+
+As soon as backward has accumulated the gradients of a sync unit (a layer, or a few fused small
+ones), a post-accumulate-grad hook queues the unit's all-reduce on a background communication
+lane, with the algorithm the policy chose for it; backward goes on meanwhile. Nobody waits for
+it until the unit is needed again: before its optimizer update (``finish()``, an attached
+optimizer's step, or a :class:`LayerwiseOptimizer` update) or before its next forward (a forward
+pre-hook on each of its modules). Gradients are reduced where they are: no fusion buffer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hybridpipe.comm.allreduce import AllReducer, Topology
+from hybridpipe.comm.allreduce.costs import GroupCosts
+from hybridpipe.comm.engine import CommLane, Handle
+from hybridpipe.comm.hybrid_dp.policy import SyncUnit, check_policy, plan_units
+from hybridpipe.comm.hybrid_dp.units import model_layers
+from hybridpipe.partitioner.calibration import Calibration
+
+log = logging.getLogger(__name__)
+
+
+class HybridDataParallel(nn.Module):
+    """Wrap ``module`` like ``DistributedDataParallel``: same results, per-layer overlapped sync.
+
+    ``policy``: ``"hybrid"`` (per layer, by the cost model) or one algorithm for every layer.
+    ``calibration``: a Calibration or path (``hybridpipe bench-allreduce``) for the cost model.
+    ``reduce``: ``"mean"`` (DDP's semantics) or ``"sum"`` of the replicas' gradients.
+    ``broadcast_buffers``: like DDP, buffers (e.g. BatchNorm statistics) follow the group's
+    first rank at every forward; parameters and buffers are broadcast from it at construction.
+    """
+
+    def __init__(self, module: nn.Module, group: dist.ProcessGroup | None = None, policy: str = "hybrid",
+                 calibration: Calibration | str | os.PathLike | None = None, reduce: str = "mean", *,
+                 topology: Topology | None = None, costs: GroupCosts | None = None, aggregator: str | None = None,
+                 lane: int = 1, broadcast_buffers: bool = True, fuse_small: bool = True):
+        super().__init__()
+        check_policy(policy)
+        if reduce not in ("mean", "sum"):
+            raise ValueError(f"reduce must be 'mean' or 'sum', got {reduce!r}")
+        self.module = module
+        self.group = group
+        self.policy = policy
+        self.reduce = reduce
+        self.broadcast_buffers = broadcast_buffers
+        self._reducer = AllReducer(group, topology=topology, calibration=calibration, costs=costs,
+                                   aggregator=aggregator, lane=lane)
+        self._lane = CommLane(f"hybridpipe-hdp-lane{lane}")
+        self._src = dist.get_process_group_ranks(group or dist.group.WORLD)[0]
+        self.units: list[SyncUnit] = plan_units(model_layers(module), policy, self._reducer.costs,
+                                                fuse_small=fuse_small)
+        self._unit_of: dict[int, SyncUnit] = {id(p): u for u in self.units for p in u.params}
+        self._ready: dict[int, int] = {}               # unit index -> params ready this backward
+        self._pending: dict[int, Handle] = {}          # unit index -> all-reduce in flight
+        self._syncing = True
+        self._before_use: list = []                    # callbacks(unit) run after a unit's wait
+        self._buffers_sent: Handle | None = None
+        self._hooks = []
+        for u in self.units:
+            for p in u.params:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+            for layer in u.layers:
+                self._hooks.append(layer.module.register_forward_pre_hook(self._make_pre_hook(u)))
+        self._sync_module_state()
+        log.debug("HDP on %d ranks: %s", self._reducer.size,
+                  ", ".join(f"{u.name}:{u.algorithm}" for u in self.units))
+
+    # ---- what was chosen -------------------------------------------------------------------
+    @property
+    def choices(self) -> dict[str, str]:
+        """Sync unit name -> algorithm."""
+        return {u.name: u.algorithm for u in self.units}
+
+    def in_flight(self) -> list[str]:
+        """Names of the units whose all-reduce was started and not yet waited for."""
+        return [u.name for u in self.units if u.index in self._pending]
+
+    # ---- forward ---------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        # DDP gives every forward the first rank's buffers as they were after its last forward;
+        # we send them right after that forward, ahead of backward's all-reduces on the lane.
+        if self._buffers_sent is not None:
+            self._buffers_sent.wait()
+            self._buffers_sent = None
+        out = self.module(*args, **kwargs)
+        for unit in self.units:                    # units whose modules did not run: before backward
+            self.wait_unit(unit)
+        if self.broadcast_buffers and self._reducer.size > 1:
+            buffers = [b for b in self.module.buffers() if b.numel() > 0]
+            if buffers:
+                self._buffers_sent = self._lane.submit(self._broadcast, buffers, name="buffers")
+        return out
+
+    def _make_pre_hook(self, unit: SyncUnit):
+        def hook(_module: nn.Module, _inputs: Any) -> None:
+            self.wait_unit(unit)
+        return hook
+
+    # ---- backward --------------------------------------------------------------------------
+    def _grad_ready(self, param: torch.Tensor) -> None:
+        if not self._syncing:
+            return
+        unit = self._unit_of[id(param)]
+        count = self._ready.get(unit.index, 0) + 1
+        if count < len(unit.params):
+            self._ready[unit.index] = count
+            return
+        self._ready.pop(unit.index, None)
+        self._launch(unit)
+
+    def _launch(self, unit: SyncUnit) -> None:
+        if unit.index in self._pending:            # a second backward before the wait: queue behind
+            self._pending.pop(unit.index).wait()
+        grads = [p.grad for p in unit.params if p.grad is not None]
+        if grads:
+            ready = None
+            if grads[0].is_cuda:                   # the lane must not read before backward wrote
+                ready = torch.cuda.Event()
+                ready.record()
+            self._pending[unit.index] = self._lane.submit(self._reduce_grads, grads, unit.algorithm, ready,
+                                                          name=unit.name)
+
+    def _reduce_grads(self, grads: list[torch.Tensor], algorithm: str, ready: Any = None) -> None:
+        if ready is not None:
+            ready.synchronize()
+        by_kind: dict[tuple, list[torch.Tensor]] = {}
+        for g in grads:
+            if g.is_sparse:
+                raise ValueError("HybridDataParallel sums dense gradients only")
+            by_kind.setdefault((g.dtype, g.device), []).append(g)
+        for same in by_kind.values():
+            self._reducer(same, algorithm)
+            if self.reduce == "mean":
+                for g in same:
+                    g.div_(self._reducer.size)
+        if ready is not None:                      # the waiter's stream then sees the sums
+            torch.cuda.current_stream().synchronize()
+
+    # ---- waiting ---------------------------------------------------------------------------
+    def wait_unit(self, unit: SyncUnit) -> None:
+        """Wait for ``unit``'s all-reduce, if one is in flight, then run the before-use callbacks."""
+        handle = self._pending.pop(unit.index, None)
+        if handle is not None:
+            handle.wait()
+        for callback in self._before_use:
+            callback(unit)
+
+    def launch_partial(self) -> None:
+        """Start the all-reduce of units whose backward left them partly ready (parameters that
+        got no gradient this step), in unit order, so every rank starts the same ones."""
+        if self._syncing:
+            for unit in self.units:
+                if self._ready.pop(unit.index, None):
+                    self._launch(unit)
+
+    def finish(self) -> None:
+        """Wait for every started all-reduce (after :meth:`launch_partial`): ``.grad`` holds the
+        reduced values afterwards."""
+        self.launch_partial()
+        for unit in self.units:
+            handle = self._pending.pop(unit.index, None)
+            if handle is not None:
+                handle.wait()
+        if self._buffers_sent is not None:
+            self._buffers_sent.wait()
+            self._buffers_sent = None
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward inside starts no all-reduce; gradients accumulate locally."""
+        before = self._syncing
+        self._syncing = False
+        try:
+            yield
+        finally:
+            self._syncing = before
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make ``optimizer.step()`` wait for the all-reduces first (a step pre-hook)."""
+        self._hooks.append(optimizer.register_step_pre_hook(lambda *_: self.finish()))
+
+    def add_before_use(self, callback) -> None:
+        """Run ``callback(unit)`` whenever a unit's sync has been waited for (LayerwiseOptimizer)."""
+        self._before_use.append(callback)
+
+    def close(self) -> None:
+        """Wait for what is in flight, remove the hooks, stop the lane."""
+        self.finish()
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self._lane.close()
+        self._reducer.close()
+
+    # ---- state -----------------------------------------------------------------------------
+    def _broadcast(self, tensors: list[torch.Tensor]) -> None:
+        for t in tensors:
+            dist.broadcast(t, src=self._src, group=self.group)
+
+    def _sync_module_state(self) -> None:
+        if self._reducer.size <= 1:
+            return
+        with torch.no_grad():
+            state = [p.data for p in self.module.parameters()] + [b for b in self.module.buffers()]
+            self._lane.submit(self._broadcast, [t for t in state if t.numel() > 0], name="initial state").wait()
