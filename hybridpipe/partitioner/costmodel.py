@@ -122,7 +122,8 @@ class CostModel:
         """The outermost level the ranks' links cross (0 if they share an innermost unit)."""
         lo, hi = min(ranks), max(ranks)
         if hi >= self.cluster.total_workers or lo < 0:
-            raise UserError(f"rank {hi if hi >= 0 else lo} is outside a cluster of {self.cluster.total_workers} workers")
+            bad = hi if hi >= 0 else lo
+            raise UserError(f"rank {bad} is outside a cluster of {self.cluster.total_workers} workers")
         return self.level_between(lo, hi) if len(ranks) > 1 else 0
 
     def sub_unit(self, rank: int, level: int) -> int:
@@ -234,7 +235,8 @@ class CostModel:
 
     def butterfly_halving(self, nbytes: float, ranks: Sequence[int]) -> bool:
         """True when halving + doubling (Rabenseifner) beats recursive doubling at this size."""
-        return self.line("butterfly", ranks, halving=True).seconds(nbytes) < self.line("butterfly", ranks).seconds(nbytes)
+        halving = self.line("butterfly", ranks, halving=True).seconds(nbytes)
+        return halving < self.line("butterfly", ranks).seconds(nbytes)
 
     def allreduce_seconds(self, algorithm: str, nbytes: float, ranks: Sequence[int], *,
                           shape: tuple[int, int] | None = None) -> float:

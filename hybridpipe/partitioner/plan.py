@@ -10,6 +10,9 @@ Semantics every package relies on:
   each. ``gpipe`` and ``1f1b`` flush at the end of the step and give the same update as one
   SGD step on the concatenated global batch; ``pipedream`` never flushes (weight stashing).
 * Replicas of a stage sum their gradients with the per-layer algorithm in ``layers``.
+* Predicted figures (``hybridpipe partition``) come from ``objective.py``; ``sync_ms`` is what
+  the stage's syncs add to a step after overlapping its backward, next forward and (gpipe,
+  1f1b) the pipeline's drain and fill.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ class LayerSync:
     bytes: int                    # gradient bytes
     algorithm: str                # one of ALGORITHMS
     predicted_ms: float = 0.0     # all-reduce time by the cost model
-    exposed_ms: float = 0.0       # part of it not hidden behind compute
+    exposed_ms: float = 0.0       # how much it delays the stage's next forward (layersync.py's FIFO lane)
 
 
 @dataclass(frozen=True)
@@ -52,8 +55,9 @@ class Stage:
     compute_ms: float = 0.0       # forward + backward of one micro-batch on one replica
     forward_ms: float = 0.0       # the forward part of compute_ms
     backward_ms: float = 0.0      # the backward part of compute_ms
-    sync_ms: float = 0.0          # exposed gradient synchronisation per step
-    send_ms: float = 0.0          # activation transfer to the next stage per micro-batch (each way)
+    sync_ms: float = 0.0          # exposed sync per step: layers' exposed_ms summed, x syncs per step
+    #                               (1 for gpipe/1f1b; pipedream syncs after each of a replica's minibatches)
+    send_ms: float = 0.0          # one micro-batch's activations to the next stage (latency; grads likewise)
     send_bytes: int = 0           # bytes crossing the cut after this stage per micro-batch (one way)
     memory_bytes: int = 0         # predicted peak memory per worker
     layers: tuple[LayerSync, ...] = ()

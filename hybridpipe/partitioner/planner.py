@@ -78,7 +78,8 @@ def resolve(cluster: Cluster, req: Request) -> tuple[Cluster, int, Options]:
                         "chooses its own; drop --stages")
     unknown = [a for a in req.algorithms if a not in ALGORITHMS]
     if unknown or not req.algorithms:
-        raise UserError(f"--algorithms must name some of {', '.join(ALGORITHMS)}; got {', '.join(req.algorithms) or 'none'}")
+        raise UserError(f"--algorithms must name some of {', '.join(ALGORITHMS)}; "
+                        f"got {', '.join(req.algorithms) or 'none'}")
     memory = (req.memory_gb if req.memory_gb is not None else cluster.memory_gb) * 1e9
     micro = req.micro_batches or MICRO_BATCHES_PER_WORKER * workers
     opts = Options(req.schedule, micro, req.optimizer, memory, tuple(req.algorithms))
