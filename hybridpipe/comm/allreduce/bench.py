@@ -1,0 +1,186 @@
+"""Timing every all-reduce algorithm on a group (``hybridpipe bench-allreduce``, the benchmarks).
+
+:func:`measure` runs on every rank of the group; rank 0 gets back the median time of the
+slowest rank per (algorithm, size), one-way point-to-point times between the group's first
+two ranks, and gamma (seconds per byte summed locally). :func:`calibrate` fits those to the
+partitioner's Calibration format. Sizes, bandwidths and the table are plain functions.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+import socket
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from hybridpipe.comm.allreduce.api import AllReducer
+from hybridpipe.comm.allreduce.topology import Topology
+from hybridpipe.errors import UserError
+from hybridpipe.partitioner.calibration import Calibration, Sample
+from hybridpipe.partitioner.fitting import fit_calibration
+
+_SIZE = re.compile(r"^(\d+)\s*([KMG]?)B?$", re.IGNORECASE)
+_SCALE = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``4K``, ``64M``, ``1G`` or a plain number (binary units)."""
+    m = _SIZE.match(text.strip())
+    if not m:
+        raise UserError(f"cannot read size {text!r}; write it like 4K, 64M or 1048576")
+    return int(m[1]) * _SCALE[m[2].upper()]
+
+
+def parse_sizes(text: str, step: int = 4) -> list[int]:
+    """``4K..64M`` (every size from 4 KiB up, times ``step``) or a list ``4K,1M``."""
+    if ".." in text:
+        lo, hi = (parse_size(t) for t in text.split("..", 1))
+        if lo <= 0 or hi < lo or step < 2:
+            raise UserError(f"size range {text!r} must go up from a positive size, with a step >= 2")
+        sizes, s = [], lo
+        while s <= hi:
+            sizes.append(s)
+            s *= step
+        return sizes
+    sizes = [parse_size(t) for t in text.split(",") if t.strip()]
+    if not sizes or min(sizes) <= 0:
+        raise UserError(f"--sizes {text!r}: give positive sizes, e.g. 4K..64M or 4K,1M")
+    return sizes
+
+
+def size_label(nbytes: float) -> str:
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{int(nbytes // scale)}{unit}"
+    return f"{nbytes:g}"
+
+
+def busbw_gbps(nbytes: float, seconds: float, n: int) -> float:
+    """NCCL-tests' bus bandwidth: algbw x 2(n-1)/n, in Gbit/s (compares with the link rate)."""
+    return nbytes * 8 / seconds / 1e9 * 2 * (n - 1) / n if seconds > 0 and n > 1 else 0.0
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    algorithms: tuple[str, ...]
+    sizes: tuple[int, ...]
+    dtype: str = "float32"
+    reps: int = 5
+    max_reps: int = 50
+    budget_s: float = 0.3            # aim for this much timed work per (algorithm, size)
+    aggregator: str | None = None
+    chunk_bytes: int | None = None
+    progress: bool = True
+
+
+def _timed(run: Callable[[], None], control: dist.ProcessGroup) -> float:
+    """One timed call, all ranks starting together; the slowest rank's time."""
+    dist.barrier(group=control)
+    t0 = time.perf_counter()
+    run()
+    t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=control)
+    return t.item()
+
+
+def _repeat(run: Callable[[], None], control: dist.ProcessGroup, cfg: BenchConfig) -> list[float]:
+    first = _timed(run, control)        # warm-up (buffers, connections), also sizes the repetitions
+    reps = int(min(cfg.max_reps, max(cfg.reps, cfg.budget_s / max(first, 1e-6))))
+    return [_timed(run, control) for _ in range(reps)]
+
+
+def measure_gamma(dtype: torch.dtype = torch.float32, numel: int = 1 << 22) -> float:
+    """Seconds per byte of ``a += b`` on this process (the cost model's gamma)."""
+    a, b = torch.ones(numel, dtype=dtype), torch.ones(numel, dtype=dtype)
+    times = []
+    for _ in range(7):
+        t0 = time.perf_counter()
+        a.add_(b)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:]) / (numel * a.element_size())
+
+
+def measure(rank: int, world: int, cfg: BenchConfig) -> dict | None:
+    """Time every algorithm and size on the default group (every rank calls it; rank 0 gets the data)."""
+    control = dist.new_group(backend="gloo")
+    group = dist.new_group()
+    names: list = [None] * world
+    dist.all_gather_object(names, socket.gethostname(), group=control)
+    topology = Topology.from_labels(names)
+    dtype = getattr(torch, cfg.dtype)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
+        else torch.device("cpu")
+    opts = {"chunk_bytes": cfg.chunk_bytes} if cfg.chunk_bytes else {}
+    reducer = AllReducer(group, topology=topology, aggregator=cfg.aggregator, **opts)
+    steps = [(a, s) for a in cfg.algorithms for s in cfg.sizes] + [("p2p", s) for s in cfg.sizes if world > 1]
+    bar = None
+    if rank == 0 and cfg.progress:
+        from tqdm import tqdm
+        bar = tqdm(total=len(steps), desc="bench-allreduce", unit="case")
+    samples, wrong = [], []
+    for algorithm, nbytes in steps:
+        numel = max(1, nbytes // dtype.itemsize)
+        x = torch.full((numel,), float(rank + 1), dtype=dtype, device=device)
+        if algorithm == "p2p":
+            times = [t / 2 for t in _repeat(lambda: _ping_pong(x, rank, group), control, cfg)]
+        else:
+            reducer(x, algorithm)
+            if not bool((x == world * (world + 1) // 2).all()):
+                wrong.append(f"{algorithm} at {size_label(nbytes)}")
+            times = _repeat(lambda: reducer(x, algorithm), control, cfg)
+        samples.append(Sample(algorithm, numel * dtype.itemsize, statistics.median(times)))
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    gamma = measure_gamma(dtype)
+    reducer.close()
+    if rank != 0:
+        return None
+    return {"samples": samples, "world": world, "hosts": len(topology.units), "gamma": gamma, "wrong": wrong,
+            "backend": str(dist.get_backend(group)), "device": device.type}
+
+
+def _ping_pong(x: torch.Tensor, rank: int, group: dist.ProcessGroup) -> None:
+    """Group ranks 0 and 1 bounce ``x`` once; the others idle."""
+    if rank == 0:
+        dist.send(x, 1, group=group)
+        dist.recv(x, 1, group=group)
+    elif rank == 1:
+        dist.recv(x, 0, group=group)
+        dist.send(x, 0, group=group)
+
+
+def calibrate(result: dict, level: str = "", notes: Sequence[str] = ()) -> Calibration:
+    """The Calibration (alpha, beta per algorithm) of :func:`measure`'s rank-0 result."""
+    if result["world"] < 2:
+        raise UserError("an all-reduce calibration needs at least 2 ranks; pass --ranks 2 or more")
+    return fit_calibration(result["samples"], world_size=result["world"], hosts=result["hosts"],
+                           backend=result["backend"], device=result["device"], gamma_s_per_byte=result["gamma"],
+                           level=level, created=dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+                           notes=tuple(notes))
+
+
+def table(samples: Sequence[Sample], world: int) -> str:
+    """Latency and bus bandwidth per size (rows) and algorithm (columns); * marks the fastest."""
+    algos = list(dict.fromkeys(s.algorithm for s in samples if s.algorithm != "p2p"))
+    sizes = sorted({s.bytes for s in samples})
+    at = {(s.algorithm, s.bytes): s.seconds for s in samples}
+    head = f"{'size':>6} " + "".join(f"{a:>22}" for a in algos) + (f"{'p2p one-way':>14}" if ("p2p", sizes[0]) in at
+                                                                  else "")
+    lines = [head, f"{'':>6} " + "".join(f"{'ms    busbw Gbit/s':>22}" for _ in algos)]
+    for size in sizes:
+        row = {a: at[(a, size)] for a in algos if (a, size) in at}
+        best = min(row, key=row.get) if row else None
+        cells = "".join(f"{'-':>22}" if a not in row else
+                        f"{row[a] * 1e3:>10.3f} {busbw_gbps(size, row[a], world):>9.2f}{'*' if a == best else ' '}"
+                        for a in algos)
+        p2p = f"{at[('p2p', size)] * 1e3:>11.3f} ms" if ("p2p", size) in at else ""
+        lines.append(f"{size_label(size):>6} {cells}{p2p}")
+    return "\n".join(lines)

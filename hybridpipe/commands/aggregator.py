@@ -1,0 +1,56 @@
+"""``hybridpipe aggregator``: run a dedicated all-reduce aggregator (seed 001's in-network
+aggregation, in software) for one group of workers.
+
+    hybridpipe aggregator --port 29600 --world 4
+
+Workers use it with ``algorithm="aggregator"`` once they know its address:
+``AllReducer(group, aggregator="HOST:29600")``, ``HybridDataParallel(..., aggregator=...)``, or
+``HYBRIDPIPE_AGGREGATOR=HOST:29600`` in their environment. Place it where the network has a spare
+fast port (on the emulated cluster: the switch's namespace). Stops on Ctrl-C or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+
+from hybridpipe.comm.allreduce.dedicated import AggregatorServer
+from hybridpipe.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--port", type=int, required=True, help="TCP port to listen on (0: any free port, printed)")
+    p.add_argument("--world", type=int, required=True, help="workers in the group it serves")
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all)")
+    p.add_argument("--chunk-bytes", type=int, default=256 << 10, help="bytes summed per chunk (default 256 KiB)")
+    p.add_argument("--buffers", type=int, default=4, help="chunk buffers in flight per worker (default 4)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds a silent worker is waited for (default 300)")
+    p.add_argument("--sessions", type=int, default=None, help="exit after this many sessions (default: run until stopped)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.world < 1:
+        raise UserError(f"--world must be >= 1, got {args.world}")
+    if not 0 <= args.port < 65536:
+        raise UserError(f"--port must be in 0..65535, got {args.port}")
+    if args.buffers < 1 or args.chunk_bytes < 64:
+        raise UserError("--buffers must be >= 1 and --chunk-bytes >= 64")
+    try:
+        server = AggregatorServer(args.host, args.port, args.world, chunk_bytes=args.chunk_bytes,
+                                  buffers=args.buffers, timeout_s=args.timeout)
+    except OSError as e:
+        raise UserError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}; choose another --port") from None
+    signal.signal(signal.SIGTERM, lambda *_: server.stop())
+    host, port = server.address
+    print(f"aggregator listening on {host}:{port} for {args.world} workers", flush=True)
+    try:
+        server.serve(args.sessions)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.close()
+    log.info("served %d session(s)", server.sessions_served)
+    return 0

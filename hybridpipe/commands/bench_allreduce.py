@@ -1,0 +1,121 @@
+"""``hybridpipe bench-allreduce``: time every all-reduce algorithm, write a calibration.
+
+Locally it spawns ``--ranks`` processes on this machine (gloo); under torchrun (``RANK`` and
+``WORLD_SIZE`` set) every process joins and rank 0 writes the results, so the same command
+calibrates a multi-host cluster:
+
+    hybridpipe bench-allreduce --ranks 4 --sizes 4K..64M -o allreduce.json
+    torchrun --nnodes 4 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
+        -m hybridpipe.cli bench-allreduce --level network -o allreduce.json
+
+Writes the calibration (the partitioner's format: alpha/beta per algorithm, p2p, gamma, the raw
+samples), a PNG of bus bandwidth against size, and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from pathlib import Path
+
+from hybridpipe.comm.allreduce.api import ALGORITHMS
+from hybridpipe.comm.allreduce.bench import BenchConfig, busbw_gbps, calibrate, measure, parse_sizes, size_label, table
+from hybridpipe.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-o", "--output", required=True, help="calibration JSON to write")
+    p.add_argument("--algorithms", default=",".join(ALGORITHMS),
+                   help=f"comma-separated, from {','.join(ALGORITHMS)} (default: all)")
+    p.add_argument("--sizes", default="4K..64M", help="message sizes: a range 4K..64M or a list 4K,1M (default 4K..64M)")
+    p.add_argument("--size-step", type=int, default=4, help="factor between sizes of a range (default 4)")
+    p.add_argument("--ranks", type=int, default=4, help="local processes to spawn when not under torchrun (default 4)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16", "int64"))
+    p.add_argument("--reps", type=int, default=5, help="minimum timed repetitions per case (default 5)")
+    p.add_argument("--budget", type=float, default=0.3, help="seconds of timed repetitions per case (default 0.3)")
+    p.add_argument("--level", default="", help="the cluster level the ranks span (a name in your cluster file)")
+    p.add_argument("--aggregator", default=None, help="HOST:PORT of a dedicated aggregator (hybridpipe aggregator)")
+    p.add_argument("--png", default=None, help="figure of busbw against size (default: OUTPUT with .png)")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds before local ranks are stopped")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _config(args: argparse.Namespace) -> BenchConfig:
+    algorithms = tuple(a.strip() for a in args.algorithms.split(",") if a.strip())
+    unknown = [a for a in algorithms if a not in ALGORITHMS]
+    if unknown or not algorithms:
+        raise UserError(f"--algorithms: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(ALGORITHMS)}")
+    sizes = parse_sizes(args.sizes, args.size_step)
+    if len(sizes) < 2:
+        raise UserError("--sizes: give at least two sizes (alpha and beta are fitted from them)")
+    if args.reps < 1 or args.budget < 0:
+        raise UserError("--reps must be >= 1 and --budget >= 0")
+    return BenchConfig(algorithms, tuple(sizes), args.dtype, args.reps, max(args.reps, 50), args.budget,
+                       args.aggregator, progress=not args.no_progress)
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = _config(args)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        import torch.distributed as dist
+        dist.init_process_group()
+        try:
+            result = measure(dist.get_rank(), dist.get_world_size(), cfg)
+        finally:
+            dist.destroy_process_group()
+        if result is None:
+            return 0
+    else:
+        if args.ranks < 2:
+            raise UserError("--ranks must be >= 2 (an all-reduce needs peers)")
+        from hybridpipe.comm.local import describe_failures, run_local
+        log.info("timing %s at %d sizes on %d local ranks", ",".join(cfg.algorithms), len(cfg.sizes), args.ranks)
+        outcomes = run_local(measure, args.ranks, cfg, timeout_s=args.timeout)
+        problems = describe_failures(outcomes)
+        if problems:
+            raise UserError(f"the benchmark ranks failed:\n{problems}")
+        result = outcomes[0].value
+    if result["wrong"]:
+        raise UserError(f"wrong sums from {', '.join(result['wrong'])}: this is a bug, please report it")
+    notes = [f"dtype {cfg.dtype}", f"{result['world']} ranks on {result['hosts']} host(s)"]
+    if cfg.aggregator:
+        notes.append(f"aggregator measured on a dedicated process at {cfg.aggregator}")
+    cal = calibrate(result, args.level, notes)
+    from hybridpipe.partitioner.calibration import save_calibration
+    out = save_calibration(cal, args.output)
+    print(table(cal.samples, cal.world_size))
+    print()
+    for name, fit in sorted(cal.algorithms.items()) + [("p2p", cal.p2p)]:
+        gbps = 8e-9 / fit.beta_s_per_byte if fit.beta_s_per_byte > 0 else float("inf")
+        print(f"{name:>12}: alpha {fit.alpha_s * 1e6:9.1f} us  1/beta {gbps:8.2f} Gbit/s  "
+              f"median error {fit.rel_error * 100:5.1f} %")
+    png = Path(args.png) if args.png else out.with_suffix(".png")
+    _plot(cal, png)
+    print(f"\nwrote {out} and {png}")
+    return 0
+
+
+def _plot(cal, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for name in dict.fromkeys(s.algorithm for s in cal.samples if s.algorithm != "p2p"):
+        pts = sorted((s.bytes, busbw_gbps(s.bytes, s.seconds, cal.world_size)) for s in cal.samples
+                     if s.algorithm == name)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=name)
+    sizes = sorted({s.bytes for s in cal.samples})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [size_label(s) for s in sizes], rotation=45, fontsize=7)
+    ax.set_xlabel("message size")
+    ax.set_ylabel("bus bandwidth (Gbit/s)")
+    ax.set_title(f"all-reduce, {cal.world_size} ranks on {cal.hosts} host(s), {cal.backend}", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
