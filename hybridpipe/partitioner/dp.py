@@ -163,6 +163,8 @@ class _Solver:
             return None
         blk = self.block(x, y)
         r = blk.replicas
+        if not opts.replicas_ok(r):
+            return None
         k = -(-opts.micro_batches // r)
         kk, base = (k, 0.0) if opts.schedule == "pipedream" else (k - 1, self.trip)
         first, last = int(live[0]), int(live[-1])

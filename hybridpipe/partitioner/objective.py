@@ -18,8 +18,9 @@ ms per step, the larger of:
   each sub-unit at that level (``frac`` = the busiest sub-unit's share of the micro-batches);
   links are full duplex, so egress (activations out + gradients in) and ingress are separate.
 
-The objective is the largest stage term; a stage that does not fit in a worker's memory makes
-the plan infeasible (infinite). Memory per worker: weights, gradients and optimizer state (sgd
+The objective is the largest stage term; a stage that does not fit in a worker's memory, or
+has more replicas than micro-batches (or, for pipedream, a replica count that does not divide
+them: its replicas synchronise in rounds), makes the plan infeasible (infinite). Memory per worker: weights, gradients and optimizer state (sgd
 momentum: 1 copy, adam: 2), plus the activations of the micro-batches in flight (gpipe: all k;
 1f1b: min(k, ceil(W_after / r)), W_after = workers in this and later stages; pipedream:
 ceil(W_after / r)), plus pipedream's stashed weight versions (one per in-flight minibatch
@@ -66,6 +67,10 @@ class Options:
         if not self.algorithms or any(a not in ALGORITHMS for a in self.algorithms):
             raise UserError(f"all-reduce algorithms must be among {', '.join(ALGORITHMS)}, got {self.algorithms}")
 
+    def replicas_ok(self, replicas: int) -> bool:
+        """Every replica gets micro-batches (r <= M); pipedream's rounds need r to divide M."""
+        return replicas <= self.micro_batches and (self.schedule != "pipedream" or self.micro_batches % replicas == 0)
+
 
 @dataclass(frozen=True)
 class StageSpec:
@@ -102,7 +107,7 @@ class StageEval:
 class Evaluation:
     stages: tuple[StageEval, ...]
     objective_ms: float          # max term (inf when a stage does not fit in memory)
-    fits: bool
+    fits: bool                   # every stage fits in memory and gives each replica micro-batches
 
 
 def inflight_micro_batches(schedule: str, k: int, workers_after: int, replicas: int) -> int:
@@ -183,7 +188,8 @@ def evaluate(costs: ModelCosts, model: CostModel, stages: Sequence[StageSpec], o
         evals.append(StageEval(f, b, k, sync, k if pipedream else 1, x, send_ms, send_grad_ms, send_bytes,
                                inflight, mem, busy, max(busy, opts.micro_batches * x), gap))
         workers_after -= r
-    fits = all(e.memory_bytes <= opts.memory_bytes for e in evals)
+    fits = all(e.memory_bytes <= opts.memory_bytes for e in evals) and all(
+        opts.replicas_ok(len(s.ranks)) for s in stages)
     return Evaluation(tuple(evals), max(e.term_ms for e in evals) if fits else math.inf, fits)
 
 

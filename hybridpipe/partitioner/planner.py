@@ -148,13 +148,22 @@ def no_fit_message(costs: ModelCosts, workers: int, opts: Options) -> str:
         return (f"no plan fits in {gb:g} GB per worker: node {costs.names[worst]!r} alone needs "
                 f"{per_node[worst] / 1e9:.2f} GB (weights, gradients, optimizer state, one micro-batch's "
                 "activations); raise --memory-gb or use a smaller model or batch")
+    if not opts.replicas_ok(1) or costs.n * opts.micro_batches < workers:
+        return (f"{workers} workers cannot all get micro-batches: {costs.n} nodes x {opts.micro_batches} micro-batches "
+                "per step; raise --micro-batches or use fewer --workers")
     return (f"no partition onto {workers} workers fits in {gb:g} GB per worker with {opts.micro_batches} "
-            f"micro-batches ({opts.schedule}); raise --memory-gb, add workers, lower --micro-batches or "
-            "use --schedule 1f1b")
+            f"micro-batches ({opts.schedule}) and a replica count per stage that divides into them; raise "
+            "--memory-gb or --micro-batches, add workers, or use --schedule 1f1b")
 
 
 def memory_message(stages: Sequence[StageSpec], ev: Evaluation, opts: Options, strategy: str) -> str:
-    """The first stage that overflows a worker, for a strategy whose stages are fixed."""
+    """Why a strategy whose stages are fixed cannot run: replicas without work, or memory."""
+    for idx, st in enumerate(stages):
+        r, m = len(st.ranks), opts.micro_batches
+        if not opts.replicas_ok(r):
+            need = f"at least {r}" if opts.schedule != "pipedream" else f"a multiple of {r}"
+            return (f"--strategy {strategy} gives stage {idx} {r} replicas but a step has {m} micro-batches; "
+                    f"use --micro-batches {need} (one per replica{' and round' if opts.schedule == 'pipedream' else ''})")
     idx = next(k for k, e in enumerate(ev.stages) if e.memory_bytes > opts.memory_bytes)
     st, e = stages[idx], ev.stages[idx]
     return (f"--strategy {strategy} does not fit: stage {idx} (nodes {st.first}-{st.last}) needs "

@@ -121,6 +121,9 @@ BAD_REQUESTS = [
     (Request(optimizer="lamb"), "unknown optimizer"),
     (Request(algorithms=("ring", "carrier-pigeon")), "--algorithms must name some of"),
     (Request(algorithms=()), "--algorithms must name some of"),
+    (Request(strategy="dp", micro_batches=2), "gives stage 0 4 replicas but a step has 2 micro-batches; use "
+                                              "--micro-batches at least 4"),
+    (Request(strategy="uniform", stages=1, schedule="pipedream", micro_batches=6), "a multiple of 4"),
 ]
 
 
@@ -150,3 +153,11 @@ def test_prediction_covers_fill_drain_and_the_busiest_stage(strategy):
     rest = max((-(-plan.micro_batches // s.replicas) - 1) * s.compute_ms for s in plan.stages)
     assert plan.predicted_step_ms >= trip + rest - 1e-9
     assert isinstance(plan.cluster, Cluster)
+
+
+@pytest.mark.parametrize("schedule,micro", [("1f1b", 3), ("gpipe", 2), ("pipedream", 6), ("pipedream", 3)])
+def test_every_replica_gets_micro_batches(schedule, micro):
+    plan = partition(PROFILE, CLUSTER, Request(schedule=schedule, micro_batches=micro)).plan
+    for stage in plan.stages:
+        assert stage.replicas <= micro
+        assert schedule != "pipedream" or micro % stage.replicas == 0
