@@ -1,0 +1,100 @@
+"""Process groups of one job: the default group, each replicated stage's group, the p2p channels.
+
+Every rank creates every group in the same order (``new_group`` is collective over the whole
+job, members or not): first one group per replicated stage in stage order, then the pairwise
+groups of the channels (``pair_groups``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from hybridpipe.comm.p2p import Channels, link_orders, open_channels
+from hybridpipe.errors import UserError
+from hybridpipe.partitioner.plan import Plan
+from hybridpipe.pipeline.schedules import Topology, channel_edges, transfer_program
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Process:
+    """This process's place in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str
+    device: torch.device
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_distributed(backend: str | None, timeout_s: float) -> Process:
+    """Join the job torchrun started (``env://``); without torchrun, a job of one on this host.
+
+    NCCL puts this process on ``cuda:LOCAL_RANK``; gloo on the CPU.
+    """
+    backend = backend or default_backend()
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise UserError("--backend nccl needs a CUDA GPU, and none is visible; use --backend gloo")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if backend == "nccl":
+        if local_rank >= torch.cuda.device_count():
+            raise UserError(f"local rank {local_rank} has no GPU (this host has {torch.cuda.device_count()}); "
+                            "start at most one process per GPU (--nproc-per-node)")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if "RANK" in os.environ:
+        dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
+    else:
+        store = dist.TCPStore("127.0.0.1", _free_port(), 1, is_master=True, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+    return Process(dist.get_rank(), dist.get_world_size(), local_rank, backend, device)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def replica_groups(plan: Plan, timeout_s: float) -> dict[int, dist.ProcessGroup]:
+    """One process group per replicated stage (stage index -> group), made on every rank."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    groups = {}
+    for stage in plan.stages:
+        if stage.replicas > 1:
+            groups[stage.index] = dist.new_group(list(stage.ranks), timeout=timeout)
+    return groups
+
+
+def stage_channels(topo: Topology, rank: int, schedule: str, mode: str, device: torch.device, timeout_s: float,
+                   on_transfer: Callable | None = None) -> Channels:
+    """Open this rank's p2p channels (collective: every rank calls it with the same plan).
+
+    In ``sra`` mode each link follows the order of one step's transfers derived from every
+    rank's schedule; pipedream's messages cross step boundaries, so ``sra`` runs as ``sa`` there.
+    """
+    order = None
+    if mode == "sra":
+        programs = {r: transfer_program(topo, r, schedule) for ranks in topo.stage_ranks for r in ranks}
+        if any(p is None for p in programs.values()):
+            log.info("schedule %s has no fixed per-step order: sra channels behave like sa", schedule)
+        else:
+            order = link_orders(programs).get(rank, {})
+    return open_channels(channel_edges(topo), mode, device=device, timeout=timeout_s, order=order,
+                         on_transfer=on_transfer)

@@ -1,0 +1,113 @@
+"""The end-of-run summary: what every rank measured, combined (pure functions over plain data).
+
+Each rank hands a :class:`RankReport` to one gather; :func:`summarize` turns them into the
+``summary.json`` of the run and :func:`format_summary` into the lines printed at the end.
+
+* Step time of the job at step k = the slowest rank's step k (a flushed pipeline step ends
+  when its last rank is done). The measured step time is the median over the steps after a
+  warm-up (the first fifth of the steps, at least one when more than one step ran), next to
+  the plan's ``predicted_step_ms``.
+* Loss of step k = the mean of the step's micro-batch losses, gathered from every replica of
+  the last stage: the mean loss of the global batch, as single-process training reports it.
+* Replicas of a stage must hold bitwise identical weights at the end (a digest per rank).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+from hybridpipe.partitioner.plan import Plan
+
+
+@dataclass
+class RankReport:
+    """What one rank measured in this session (steps numbered over the whole run)."""
+
+    rank: int
+    stage: int
+    replica: int
+    step_ms: dict[int, float] = field(default_factory=dict)
+    losses: dict[int, dict[int, float]] = field(default_factory=dict)   # step -> micro-batch -> loss
+    digest: str | None = None                                             # weights, replicated stages only
+
+
+def warmup_steps(n: int) -> int:
+    """Steps left out of the measured step time: the first fifth, at least one if n > 1."""
+    return min(max(1, n // 5), n - 1) if n > 1 else 0
+
+
+def step_losses(reports: list[RankReport], micro_batches: int) -> dict[int, float]:
+    """Mean loss per step over all its micro-batches (steps missing a micro-batch are left out)."""
+    merged: dict[int, dict[int, float]] = {}
+    for r in reports:
+        for step, per_mb in r.losses.items():
+            merged.setdefault(step, {}).update(per_mb)
+    return {k: sum(v.values()) / len(v) for k, v in sorted(merged.items()) if len(v) == micro_batches}
+
+
+def summarize(reports: list[RankReport], plan: Plan, *, steps: int, first_step: int, run_dir: str,
+              trace_dir: str | None, schedule: str, comm_mode: str, allreduce: str) -> dict:
+    """The run's summary (what ``summary.json`` holds)."""
+    reports = sorted(reports, key=lambda r: r.rank)
+    ran = sorted(set().union(*(r.step_ms for r in reports)))
+    job_ms = {k: max(r.step_ms[k] for r in reports if k in r.step_ms) for k in ran}
+    skip = warmup_steps(len(ran))
+    steady = [job_ms[k] for k in ran[skip:]]
+    measured = statistics.median(steady) if steady else None
+    global_batch = plan.batch_size * plan.micro_batches
+    predicted = plan.predicted_step_ms or None
+    replicas = {}
+    for s in plan.stages:
+        digests = {r.digest for r in reports if r.stage == s.index}
+        if s.replicas > 1:
+            replicas[str(s.index)] = len(digests) == 1 and None not in digests
+    return {
+        "model": plan.model, "schedule": schedule, "comm_mode": comm_mode, "allreduce": allreduce,
+        "micro_batches": plan.micro_batches, "batch_size": plan.batch_size, "global_batch": global_batch,
+        "world_size": plan.world_size, "stages": [[s.first_node, s.last_node, s.replicas] for s in plan.stages],
+        "steps": steps, "first_step": first_step, "steps_run": len(ran), "warmup_steps": skip,
+        "measured_step_ms": measured, "predicted_step_ms": predicted,
+        "measured_over_predicted": measured / predicted if measured and predicted else None,
+        "samples_per_s": global_batch / measured * 1e3 if measured else None,
+        "predicted_samples_per_s": plan.predicted_samples_per_s or None,
+        "job_step_ms": {str(k): v for k, v in job_ms.items()},
+        "loss": {str(k): v for k, v in step_losses(reports, plan.micro_batches).items()},
+        "replicas_identical": replicas,
+        "run_dir": run_dir, "metrics_dir": f"{run_dir}/metrics", "trace_dir": trace_dir,
+    }
+
+
+def loss_rows(losses: dict[str, float], rows: int = 6) -> list[tuple[int, float]]:
+    """Up to ``rows`` (step, loss) pairs spread evenly over the run, first and last included."""
+    items = sorted((int(k), v) for k, v in losses.items())
+    if len(items) <= rows:
+        return items
+    picks = sorted({round(i * (len(items) - 1) / (rows - 1)) for i in range(rows)})
+    return [items[i] for i in picks]
+
+
+def format_summary(summary: dict) -> str:
+    """The lines printed at the end of a run."""
+    s = summary
+    out = [f"hybridpipe: {s['steps_run']} steps of {s['model']} ({s['schedule']}, {s['micro_batches']} x "
+           f"{s['batch_size']} samples per step, {s['world_size']} workers, p2p {s['comm_mode']}, "
+           f"all-reduce {s['allreduce']})"]
+    rows = loss_rows(s["loss"])
+    if rows:
+        out.append("  loss: " + ", ".join(f"step {k}: {v:.4f}" for k, v in rows))
+    if s["measured_step_ms"] is not None:
+        line = (f"  step time: measured {s['measured_step_ms']:.1f} ms (median after {s['warmup_steps']} "
+                f"warm-up steps, {s['samples_per_s']:.1f} samples/s)")
+        if s["predicted_step_ms"]:
+            line += (f", plan predicted {s['predicted_step_ms']:.1f} ms "
+                     f"(measured/predicted {s['measured_over_predicted']:.2f})")
+        out.append(line)
+    diverged = [k for k, same in s["replicas_identical"].items() if not same]
+    if s["replicas_identical"]:
+        out.append("  replicas: " + ("identical weights in every replicated stage" if not diverged
+                                     else f"WEIGHTS DIFFER between the replicas of stage(s) {', '.join(diverged)}"))
+    out.append(f"  metrics: {s['metrics_dir']}/   summary: {s['run_dir']}/summary.json")
+    if s["trace_dir"]:
+        out.append(f"  timeline: {s['trace_dir']}/ (merge: `hybridpipe timeline {s['trace_dir']} --png timeline.png`)")
+    return "\n".join(out)

@@ -1,0 +1,181 @@
+"""One worker process: join the job, build this rank's part of the pipeline, train, report.
+
+    cfg = resolve(build_parser().parse_args(argv), env_world_size())
+    summary = run_worker(cfg)          # every rank; the summary on the reporting rank, else None
+
+The order of collective calls is the same on every rank: the run directory (broadcast), the
+replica groups, the HybridDataParallel broadcast of a replicated stage's initial weights (its
+group only), the p2p channels, the timeline's clock alignment, the checkpoint restore, the
+steps, the final checkpoint and the summary gather. Any failure inside is handed to the
+operations engineer's FailureGuard, which names the rank that failed first and exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from hybridpipe.jsonfile import write_json
+from hybridpipe.pipeline import PipelineEngine, Topology, build_stage_index
+from hybridpipe.runtime.checkpoint import Checkpointer, restore_rng
+from hybridpipe.runtime.config import RunConfig
+from hybridpipe.runtime.failure import FailureGuard, default_store, describe_ranks
+from hybridpipe.runtime.groups import Process, init_distributed, replica_groups, stage_channels
+from hybridpipe.runtime.metrics import MetricsWriter, Progress, step_record
+from hybridpipe.runtime.parts import load_model, make_data, make_optimizer, make_sync, weights_digest
+from hybridpipe.runtime.summary import RankReport, format_summary, summarize
+from hybridpipe.runtime.timeline import TimelineRecorder, trace_dir
+
+log = logging.getLogger(__name__)
+
+
+def run_worker(cfg: RunConfig, *, print_fn: Callable[[str], None] = print) -> dict | None:
+    """Train ``cfg`` on this process's rank (see the module docstring); returns the summary on the
+    reporting rank (the last stage's first replica), None elsewhere."""
+    model = load_model(cfg)                    # before any process group: a wrong plan fails alone
+    proc = init_distributed(cfg.backend, cfg.timeout)
+    try:
+        closers: list[Callable[[], object]] = []
+        guard = FailureGuard(default_store(), rank=proc.rank, world_size=proc.world_size, timeout=cfg.peer_timeout,
+                             describe=describe_ranks(cfg.plan), on_exit=[lambda: _close_all(closers)],
+                             hint="restart with --resume to continue from the newest checkpoint"
+                             if cfg.checkpoint_dir else "")
+        with guard:
+            summary = _train(cfg, proc, model, closers, print_fn)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return summary
+
+
+def _train(cfg: RunConfig, proc: Process, model, closers: list, print_fn) -> dict | None:
+    plan, rank = cfg.plan, proc.rank
+    stage_plan, replica = plan.stage_of_rank(rank)
+    reporter = rank == plan.stages[-1].ranks[0]
+    run_dir = _agree_run_dir(cfg, rank)
+    traces = None if cfg.trace_dir == "" else Path(cfg.trace_dir or trace_dir(run_dir))
+
+    groups = replica_groups(plan, cfg.timeout)
+    stage = build_stage_index(model.graph, [(s.first_node, s.last_node) for s in plan.stages], stage_plan.index,
+                              loss=model.spec.loss).to(proc.device)
+    sync = make_sync(cfg, stage.module, stage_plan, groups.get(stage_plan.index))
+    optimizer = make_optimizer(cfg.optimizer, stage.module.parameters(), lr=cfg.lr, momentum=cfg.momentum,
+                               weight_decay=cfg.weight_decay)
+    recorder = None
+    if traces is not None:
+        recorder = TimelineRecorder(traces, rank=rank, stage=stage_plan.index, replica=replica,
+                                    world_size=proc.world_size, label=f"{plan.model} {cfg.schedule}")
+        closers.append(recorder.close)
+    topo = Topology.from_plan(plan)
+    channels = stage_channels(topo, rank, cfg.schedule, cfg.comm_mode, proc.device, cfg.timeout,
+                              on_transfer=recorder.on_transfer if recorder else None)
+    if recorder is not None:
+        recorder.align(dist.barrier)
+    engine = PipelineEngine(stage, topo, rank, cfg.schedule, transport=channels, optimizer=optimizer,
+                            data=make_data(cfg, model.spec), sync=sync, recorder=recorder)
+
+    ckpt = None
+    start = 0
+    if cfg.checkpoint_dir:
+        ckpt = Checkpointer(cfg.checkpoint_dir, plan=plan, rank=rank, every=cfg.checkpoint_every,
+                            keep=cfg.keep_checkpoints)
+        if cfg.resume:
+            start = _restore(ckpt, stage, optimizer, engine)
+
+    metrics = MetricsWriter(run_dir, rank)
+    closers.append(metrics.close)
+    report = RankReport(rank, stage_plan.index, replica)
+    bar = Progress(cfg.steps, initial=start, enabled=cfg.progress and reporter,
+                   desc=f"{plan.model} {cfg.schedule}")
+    saved_at = start
+    try:
+        for step in range(start, cfg.steps):
+            if recorder is not None:
+                recorder.begin_step(step)
+            t0 = time.perf_counter()
+            result = engine.run_step(step, drain=step == cfg.steps - 1)
+            if proc.device.type == "cuda":
+                torch.cuda.synchronize(proc.device)
+            seconds = time.perf_counter() - t0
+            if recorder is not None:
+                recorder.end_step()
+            losses = {m: float(v) for m, v in sorted(result.losses.items())}
+            record = step_record(step, seconds, cfg.global_batch, list(losses.values()))
+            metrics.write(record)
+            bar.update(record)
+            report.step_ms[step] = record["step_ms"]
+            if losses:
+                report.losses[step] = losses
+            if ckpt is not None and ckpt.due(step + 1):
+                ckpt.save(step + 1, model=stage.state_dict(), optimizer=optimizer.state_dict(),
+                          engine=engine.state_dict())
+                saved_at = step + 1
+    finally:
+        bar.close()
+    if ckpt is not None and saved_at < cfg.steps:          # the final weights, always
+        ckpt.save(cfg.steps, model=stage.state_dict(), optimizer=optimizer.state_dict(), engine=engine.state_dict())
+
+    channels.close()
+    if hasattr(sync, "close"):
+        sync.close()
+    _close_all(closers)
+    if stage_plan.replicas > 1:
+        report.digest = weights_digest(stage.module)
+    reports: list = [None] * proc.world_size
+    dist.all_gather_object(reports, report)
+    if not reporter:
+        return None
+    summary = summarize(reports, plan, steps=cfg.steps, first_step=start, run_dir=str(run_dir),
+                        trace_dir=str(traces) if traces is not None else None, schedule=cfg.schedule,
+                        comm_mode=cfg.comm_mode, allreduce=cfg.allreduce)
+    write_json(Path(run_dir) / "summary.json", summary)
+    print_fn(format_summary(summary))
+    return summary
+
+
+def _restore(ckpt: Checkpointer, stage, optimizer, engine) -> int:
+    restored = ckpt.restore()
+    if restored is None:
+        log.info("no checkpoint in %s yet: starting from step 0", ckpt.root)
+        return 0
+    stage.load_state_dict(restored.model)
+    optimizer.load_state_dict(restored.optimizer)
+    engine.load_state_dict(restored.engine)
+    restore_rng(restored.rng)               # after everything that draws random numbers
+    return restored.step
+
+
+def _agree_run_dir(cfg: RunConfig, rank: int) -> Path:
+    """Rank 0 names the run directory (runs/<time> by default) and tells everyone."""
+    chosen = [None]
+    if rank == 0:
+        chosen[0] = cfg.run_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+    dist.broadcast_object_list(chosen, src=0)
+    run_dir = Path(chosen[0])
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if rank == 0 and cfg.run_dir is None:
+        _point_latest(run_dir)
+    return run_dir
+
+
+def _point_latest(run_dir: Path) -> None:
+    """runs/latest -> the newest run (replaced atomically)."""
+    latest = run_dir.parent / "latest"
+    tmp = run_dir.parent / f".latest.{os.getpid()}"
+    try:
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(run_dir.name)
+        os.replace(tmp, latest)
+    except OSError as e:
+        log.warning("could not point %s at %s: %s", latest, run_dir, e)
+
+
+def _close_all(closers: list[Callable[[], object]]) -> None:
+    while closers:
+        closers.pop()()
