@@ -92,6 +92,10 @@ class AggregatorServer:
                 conn, peer = self._listener.accept()
             except TimeoutError:
                 continue
+            except OSError:                    # the listener was closed: stop
+                if self._stopped.is_set():
+                    continue
+                raise
             conn.settimeout(self.timeout_s)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             try:

@@ -1,0 +1,114 @@
+"""Every all-reduce algorithm against torch.distributed.all_reduce, on real gloo processes.
+
+The default run covers every algorithm on a 5-rank world and on non-contiguous subgroups of 3
+and 2 ranks (and 1), every dtype, empty to multi-chunk sizes, both executors, two lanes at
+once and the dedicated aggregator. ``-m slow`` adds the whole matrix: 1..9 ranks, every
+dtype, sizes from 0 to a million elements, two topologies, both executors.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hybridpipe.comm.allreduce import AllReducer
+from hybridpipe.comm.allreduce.dedicated import AggregatorServer
+from tests.comm.allreduce_cases import check_cases, make_input, mismatch
+from tests.comm.spawn import spawn
+
+ALGOS = ["ring", "butterfly", "hierarchical", "torus2d", "aggregator", "native", "auto"]
+# (numel, dtype, exact): empty, one element, odd sizes, many 4 KiB chunks
+REPRESENTATIVE = [(0, "float32", False), (1, "int64", True), (7, "bfloat16", True), (1000, "float16", False),
+                  (20_011, "float32", False), (20_011, "int64", True)]
+
+
+def _lanes(rank: int, world: int) -> list[str]:
+    """Two threads all-reduce on one group at once, in different lanes: their messages never cross."""
+    group = dist.new_group()
+    failures = []
+
+    def work(lane: int, algorithm: str) -> None:
+        reducer = AllReducer(group, lane=lane, chunk_bytes=4096)
+        for k in range(3):
+            x = make_input(rank, 5_003, torch.int64, True, seed=lane * 10 + k)
+            want = sum(make_input(r, 5_003, torch.int64, True, seed=lane * 10 + k) for r in range(world))
+            reducer(x, algorithm)
+            if problem := mismatch(x, want, True):
+                failures.append(f"lane {lane} {algorithm}: {problem}")
+
+    threads = [threading.Thread(target=work, args=(lane, algo)) for lane, algo in ((1, "ring"), (2, "butterfly"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return failures + [f"lane thread {t.name} still running" for t in threads if t.is_alive()]
+
+
+def _fast_suite(rank: int, world: int, address: str) -> list[str]:
+    cases = [(a, n, d, e) for a in ALGOS for n, d, e in REPRESENTATIVE]
+    failures = check_cases(rank, world, cases, [[0, 1, 2, 3, 4], [0, 2, 4], [1, 3], [3]],
+                           {"topology_block": 2, "chunk_bytes": 4096})
+    rounds = [(a, 3001, "float32", True) for a in ALGOS[:5]]
+    failures += check_cases(rank, world, rounds, [[0, 1, 2, 3, 4], [1, 2, 4]], {"pipelined": False, "chunk_bytes": 4096})
+    dedicated = [("aggregator", n, d, e) for n, d, e in REPRESENTATIVE]
+    failures += check_cases(rank, world, dedicated, [list(range(world))], {"aggregator": address})
+    return failures + _lanes(rank, world)
+
+
+def test_algorithms_match_torch_on_groups_and_subgroups() -> None:
+    server = AggregatorServer("127.0.0.1", 0, 5, chunk_bytes=4096, buffers=2, timeout_s=60)
+    serving = threading.Thread(target=server.serve, args=(1,), daemon=True)
+    serving.start()
+    try:
+        results = spawn(_fast_suite, 5, f"127.0.0.1:{server.address[1]}", timeout=180)
+    finally:
+        server.close()
+    assert results == [[]] * 5, "\n".join(f for r in results for f in r)
+
+
+def _reducer_errors(rank: int, world: int) -> list[str]:
+    reducer = AllReducer(None)
+    out = []
+    for call in (lambda: reducer(torch.ones(3), "fastest"),
+                 lambda: reducer([torch.ones(3), torch.ones(3, dtype=torch.float64)], "ring"),
+                 lambda: reducer(torch.ones(3, dtype=torch.bool), "ring")):
+        try:
+            call()
+            out.append("no error")
+        except ValueError as e:
+            out.append(str(e).split(";")[0])
+    # a non-contiguous tensor is summed in place too
+    x = torch.arange(12.0).reshape(3, 4).t()
+    reducer(x, "ring")
+    out.append(str(torch.equal(x, torch.arange(12.0).reshape(3, 4).t() * world)))
+    return out
+
+
+def test_bad_calls_fail_clearly_and_noncontiguous_tensors_work() -> None:
+    results = spawn(_reducer_errors, 2, timeout=60)
+    assert results[0] == results[1] == [
+        "unknown all-reduce algorithm 'fastest'",
+        "tensors of one all-reduce must share dtype and device",
+        "all-reduce sums numbers", "True"]
+
+
+# ---- the whole matrix ------------------------------------------------------------------------
+
+FULL_SIZES = [0, 1, 2, 3, 5, 17, 1000, 65_537, 1_000_003]
+FULL_DTYPES = [("float32", True), ("float32", False), ("float16", False), ("bfloat16", True),
+               ("bfloat16", False), ("int64", True)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", range(1, 10))
+def test_full_matrix(world: int) -> None:
+    cases = [(a, n, d, e) for a in ALGOS for n in FULL_SIZES for d, e in FULL_DTYPES
+             if n < 100_000 or (d, e) in (("float32", False), ("int64", True))]
+    sub = list(range(0, world, 2))                    # non-contiguous ranks
+    groups = [list(range(world))] + ([sub] if 1 < len(sub) < world else [])
+    for options in ({"topology_block": 2}, {"topology_block": 3, "pipelined": False}, {"chunk_bytes": 1024}):
+        results = spawn(check_cases, world, cases, groups, options, timeout=900)
+        assert results == [[]] * world, "\n".join(f for r in results for f in r)
