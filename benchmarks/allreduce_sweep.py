@@ -23,24 +23,42 @@ from pathlib import Path
 if __package__ in (None, ""):                       # run as a script: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import (busbw_gbps, emit_result, machine, parse_size_range, pyplot, require_emulation,
-                               result_paths, run_workers, setup_logging, size_label, summary, write_results,
-                               log)
+from benchmarks.common import (busbw_gbps, emit_result, log, machine, parse_size_range, pyplot, require_emulation,
+                               result_paths, run_workers, setup_logging, size_label, summary, worker_env,
+                               write_results)
+from hybridpipe.jsonfile import write_json
 
-ALGORITHMS = ("ring", "butterfly", "hierarchical", "torus2d", "aggregator", "native", "auto")
-PAIRS = (("butterfly", "ring"), ("torus2d", "ring"), ("aggregator", "ring"))
+ALGORITHMS = ("ring", "butterfly", "hierarchical", "torus2d", "aggregator", "aggregator@switch", "native", "auto")
+PAIRS = (("butterfly", "ring"), ("torus2d", "ring"), ("aggregator", "ring"), ("aggregator@switch", "ring"))
+DEDICATED = "aggregator@switch"     # the dedicated aggregator in the switch's namespace (seed 001)
+AGGREGATOR_PORT = 29600
+TCP_MAX = 1448 / 1514      # TCP goodput / wire rate at MTU 1500: what a ring can reach at best
 
 
 # ---- the worker (one per emulated host) ------------------------------------------------------
 
-def make_allreduce(name: str, group):
-    """A function ``tensor -> None`` that all-reduces (sums) in place with algorithm ``name``,
-    plus a function telling which algorithm ``auto`` picked for a size (None otherwise)."""
+def make_reducers(group, cluster_file: str, aggregator: str | None) -> dict:
+    """The algorithm name -> (reducer, algorithm) table of this run.
+
+    ``auto`` prices the algorithms with the partitioner's cost model of the emulated cluster's
+    description (its link rate; ``latency_us`` as given there), as a user passing
+    ``--cluster cluster.json`` would; no calibration.
+    """
     import torch.distributed as dist
-    if name == "native":
-        return (lambda t: dist.all_reduce(t, group=group)), None
-    from hybridpipe.comm import allreduce as ar
-    return ar.benchmark_handle(name, group)
+
+    from hybridpipe.comm.allreduce import AllReducer, GroupCosts
+    from hybridpipe.partitioner.cluster import load_cluster
+    from hybridpipe.partitioner.costmodel import CostModel
+    cluster = load_cluster(cluster_file)
+    ranks = tuple(range(dist.get_world_size(group)))
+    plain = AllReducer(group, costs=GroupCosts(CostModel(cluster), ranks))
+    table = {name: (plain, name) for name in ALGORITHMS if name != DEDICATED}
+    if aggregator:
+        switch = AllReducer(group, costs=GroupCosts(CostModel(cluster, aggregator_dedicated=True), ranks),
+                            aggregator=aggregator, lane=1)
+        table[DEDICATED] = (switch, "aggregator")
+        table["_auto_with_switch"] = (switch, "auto")
+    return table
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -50,28 +68,27 @@ def worker(args: argparse.Namespace) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     control = dist.new_group(backend="gloo")       # barriers and time reductions stay off the measured group
     group = dist.new_group(backend="gloo")
+    table = make_reducers(group, args.cluster_file, args.aggregator)
     sizes = parse_size_range(args.sizes, args.size_step)
     rows = []
     for algo in args.algorithms.split(","):
-        try:
-            run, picked = make_allreduce(algo, group)
-        except Exception as e:                       # an algorithm that does not apply to this world size
-            rows.append({"algorithm": algo, "error": f"{type(e).__name__}: {e}"})
+        if algo not in table:
+            rows.append({"algorithm": algo, "error": "not available in this run (no dedicated aggregator)"})
             continue
+        reducer, name = table[algo]
         for nbytes in sizes:
-            numel = nbytes // 4
-            x = torch.full((numel,), float(rank + 1))
+            x = torch.full((nbytes // 4,), float(rank + 1))
             try:
-                run(x)
-            except Exception as e:
+                ran = reducer(x, name)
+            except Exception as e:                   # an algorithm that does not fit this group
                 rows.append({"algorithm": algo, "bytes": nbytes, "error": f"{type(e).__name__}: {e}"})
                 dist.barrier(group=control)
                 continue
-            expected = world * (world + 1) / 2
-            correct = bool(torch.all(x == expected))
+            correct = bool(torch.all(x == world * (world + 1) / 2))
+            x.zero_()                                # sums of zeros stay finite however often repeated
             # Repetitions: enough for ~budget seconds, within [reps, 5 * reps]; same on all ranks.
             t0 = time.perf_counter()
-            run(x)
+            reducer(x, name)
             warm = torch.tensor([time.perf_counter() - t0])
             dist.all_reduce(warm, op=dist.ReduceOp.MAX, group=control)
             reps = int(min(5 * args.reps, max(args.reps, args.budget / max(warm.item(), 1e-6))))
@@ -79,22 +96,34 @@ def worker(args: argparse.Namespace) -> None:
             for _ in range(reps):
                 dist.barrier(group=control)
                 t0 = time.perf_counter()
-                run(x)
+                reducer(x, name)
                 times.append(time.perf_counter() - t0)
             slowest = torch.tensor(times, dtype=torch.float64)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=control)
-            row = {"algorithm": algo, "bytes": nbytes, "correct": correct, "times_s": slowest.tolist(),
-                   **{f"{k}_s": v for k, v in summary(slowest.tolist()).items() if k in ("median", "min", "max")}}
-            if picked is not None:
-                row["picked"] = picked(nbytes)
+            stats = summary(slowest.tolist())
+            row = {"algorithm": algo, "ran": ran, "bytes": nbytes, "correct": correct, "times_s": slowest.tolist(),
+                   "median_s": stats["median"], "min_s": stats["min"], "max_s": stats["max"]}
+            if algo == "auto":
+                row["picked_with_switch"] = table["_auto_with_switch"][0].choose(nbytes) \
+                    if "_auto_with_switch" in table else None
             rows.append(row)
             if rank == 0:
-                print(f"{algo:>12} {size_label(nbytes):>5} {row['median_s'] * 1e3:9.2f} ms"
+                print(f"{algo:>18} {size_label(nbytes):>5} {row['median_s'] * 1e3:9.2f} ms  ran {ran}"
                       f"{'' if correct else '  WRONG SUM'}", file=sys.stderr, flush=True)
+    for reducer, _ in table.values():
+        reducer.close()
     if rank == 0:
         emit_result({"world": world, "rows": rows})
     dist.barrier(group=control)
     dist.destroy_process_group()
+
+
+def serve_aggregator(args: argparse.Namespace) -> None:
+    """The dedicated aggregator, run in the switch's namespace (killed at the cluster's teardown)."""
+    from hybridpipe.comm.allreduce.dedicated import AggregatorServer
+    server = AggregatorServer(args.bind, args.port, args.world)
+    print(f"aggregator listening on {args.bind}:{args.port} for {args.world} workers", flush=True)
+    server.serve()
 
 
 # ---- analysis (pure) -------------------------------------------------------------------------
@@ -138,7 +167,14 @@ def analyse(config: dict, rows: list[dict]) -> dict:
         cands = {a: d[size] for a, d in by_algo.items() if size in d and a != "auto"}
         if cands:
             best[size] = min(cands, key=cands.get)
-    return {**config, "rows": rows, "crossovers": cross, "fastest": {str(k): v for k, v in best.items()}}
+    auto = {}
+    for r in rows:
+        if r["algorithm"] == "auto" and "median_s" in r and r["bytes"] in best:
+            fastest = by_algo[best[r["bytes"]]][r["bytes"]]
+            auto[str(r["bytes"])] = {"picked": r.get("ran"), "picked_with_switch": r.get("picked_with_switch"),
+                                     "fastest": best[r["bytes"]], "time_over_fastest": r["median_s"] / fastest}
+    return {**config, "rows": rows, "crossovers": cross, "fastest": {str(k): v for k, v in best.items()},
+            "auto": auto}
 
 
 # ---- the driver ------------------------------------------------------------------------------
@@ -159,6 +195,7 @@ def plot(results: list[dict], title: str):
                 xs, ys = zip(*pts)
                 ax.plot(xs, ys, marker="o", ms=3, lw=2.5 if algo == "auto" else 1.2,
                         ls="--" if algo == "auto" else "-", label=algo)
+        ax.axhline(TCP_MAX, color="grey", ls=":", lw=1)
         ax.set_xscale("log", base=2)
         ax.set_title(f"{res['hosts']} hosts, {res['rate_gbps']:g} Gbit/s links", fontsize=9)
         ax.set_ylim(bottom=0)
@@ -187,10 +224,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--mtu", type=int, default=1500)
     p.add_argument("--timeout", type=float, default=1500.0, help="seconds per cluster run")
     p.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
+    p.add_argument("--latency-us", type=float, default=50.0,
+                   help="per-message latency in the cluster description auto prices with (default 50)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--cluster-file", help=argparse.SUPPRESS)
+    p.add_argument("--aggregator", help=argparse.SUPPRESS)
+    p.add_argument("--aggregator-server", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--bind", help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--world", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         worker(args)
+        return 0
+    if args.aggregator_server:
+        serve_aggregator(args)
         return 0
     quick = args.quick
     hosts = [int(h) for h in (args.hosts or "2,4,8").split(",")]
@@ -210,9 +258,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             log.info("%d hosts at %g Gbit/s: %s, sizes %s step %d", n, rate, args.algorithms, sizes, step)
             t0 = time.monotonic()
             with EmulatedCluster(n, rate, mtu=args.mtu) as cluster:
-                out = run_workers(cluster, __file__, ["--algorithms", args.algorithms, "--sizes", sizes,
-                                                      "--size-step", str(step), "--reps", str(reps),
-                                                      "--budget", str(budget)], timeout_s=args.timeout)
+                cluster_file = Path(cluster.log_dir) / "cluster.json"
+                write_json(cluster_file, cluster.cluster_json(latency_us=args.latency_us))
+                worker_args = ["--algorithms", args.algorithms, "--sizes", sizes, "--size-step", str(step),
+                               "--reps", str(reps), "--budget", str(budget), "--cluster-file", str(cluster_file)]
+                if DEDICATED in args.algorithms.split(","):
+                    cluster.start(cluster.switch, [sys.executable, __file__, "--aggregator-server", "--bind",
+                                                   cluster.switch.addr, "--port", str(AGGREGATOR_PORT),
+                                                   "--world", str(n)], env=worker_env(cluster, cluster.switch))
+                    worker_args += ["--aggregator", f"{cluster.switch.addr}:{AGGREGATOR_PORT}"]
+                out = run_workers(cluster, __file__, worker_args, timeout_s=args.timeout)
             res = analyse({"hosts": n, "rate_gbps": rate, "mtu": args.mtu, "seconds": time.monotonic() - t0},
                           out["rows"])
             results.append(res)
@@ -222,6 +277,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     data = {"benchmark": "allreduce_sweep", "quick": quick, "machine": machine(),
             "settings": {"hosts": hosts, "rates_gbps": rates, "sizes": sizes, "size_step": step, "reps": reps,
                          "budget_s": budget, "mtu": args.mtu, "algorithms": args.algorithms.split(","),
+                         "auto_prices_with": f"cluster description: link rate, latency_us={args.latency_us:g}",
                          "latency_emulation": "none (netem unavailable; tbf only)"},
             "duration_s": time.monotonic() - started, "results": results}
     fig = plot(results, f"all-reduce busbw / link rate (gloo, emulated hosts, MTU {args.mtu})")

@@ -15,6 +15,7 @@ import logging
 import os
 import platform
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -161,14 +162,18 @@ def read_result(stdout: str) -> Any:
     return json.loads(lines[-1][len(RESULT_TAG):])
 
 
+def worker_env(cluster: Any, host: Any, threads: int = 1) -> dict[str, str]:
+    """The environment of a benchmark process on ``host``: the cluster's, the repo importable, N threads."""
+    return {**cluster.env(host), "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))}
+
+
 def run_workers(cluster: Any, script: str | os.PathLike, worker_args: Sequence[str], *, timeout_s: float,
                 threads_per_worker: int = 1, env: Mapping[str, str] | None = None) -> Any:
     """Run ``python script --worker ARGS`` on every host of ``cluster``; return rank 0's result."""
-    extra = {"OMP_NUM_THREADS": str(threads_per_worker), "MKL_NUM_THREADS": str(threads_per_worker),
-             "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")])),
-             **(env or {})}
     results = cluster.run([sys.executable, str(script), "--worker", *worker_args], timeout_s=timeout_s,
-                          env=extra, cwd=REPO)
+                          env=lambda host: {**worker_env(cluster, host, threads_per_worker), **(env or {})},
+                          cwd=REPO)
     return read_result(results[0].stdout)
 
 
@@ -179,5 +184,11 @@ def require_emulation() -> None:
 
 
 def setup_logging(verbose: bool = False) -> None:
+    """Log to stderr with times; SIGTERM becomes KeyboardInterrupt, so emulated clusters tear down."""
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
                         format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    signal.signal(signal.SIGTERM, _interrupt)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")

@@ -276,13 +276,18 @@ class EmulatedCluster:
 
     # ---- description -----------------------------------------------------------------------
 
-    def cluster_json(self, *, workers_per_host: int = 1, memory_gb: float = 16.0,
+    def cluster_json(self, *, workers_per_host: int = 1, memory_gb: float = 16.0, latency_us: float = 0.0,
                      host_bandwidth_gbps: float = 1000.0) -> dict:
-        """This cluster as a partitioner cluster description (``--cluster cluster.json``)."""
+        """This cluster as a partitioner cluster description (``--cluster cluster.json``).
+
+        The network level gets the link rate (unshaped: ``host_bandwidth_gbps``); ``latency_us``
+        is what the caller assumes per message, since the emulator adds no latency of its own.
+        """
         rate_gbps = (self.rate_bits or 0) / 1e9 or host_bandwidth_gbps
         return {"kind": "cluster", "format": 1, "memory_gb": memory_gb,
                 "levels": [{"name": "node", "workers": workers_per_host, "bandwidth_gbps": host_bandwidth_gbps},
-                           {"name": "network", "workers": len(self.hosts), "bandwidth_gbps": rate_gbps}]}
+                           {"name": "network", "workers": len(self.hosts), "bandwidth_gbps": rate_gbps,
+                            "latency_us": latency_us}]}
 
     def _require_up(self) -> None:
         if not self._is_up:
