@@ -34,94 +34,138 @@ if __package__ in (None, ""):                       # run as a script: make the 
 
 from benchmarks.common import (emit_result, log, machine, pyplot, require_emulation, result_paths, run_workers,
                                setup_logging, summary, write_results)
+from hybridpipe.jsonfile import write_json
 
-SYSTEMS = ("ddp", "hdp")
+SYSTEMS = ("ddp", "hdp", "hdp-step")
+DEFAULT_SYSTEMS = "ddp,hdp"
 
 
 # ---- the worker (one per emulated host) ------------------------------------------------------
 
+class System:
+    """One way of training the model: a wrapped copy, its optimizer, and how to end a timed block."""
+
+    def __init__(self, name: str, model, optimizer, flush=None):
+        self.name, self.model, self.optimizer = name, model, optimizer
+        self.flush = flush or (lambda: None)
+        self.steps = 0
+
+
+def build_systems(names: list[str], base, groups: dict, costs, lr: float, policy: str) -> tuple[dict, dict]:
+    """``ddp``: torch DDP. ``hdp``: HybridDataParallel + LayerwiseOptimizer, each layer's sync may
+    run until its next forward (the paper's full window). ``hdp-step``: HybridDataParallel with
+    one SGD; every sync ends before ``step()``. Returns the systems and their setup seconds."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    from hybridpipe.comm.hybrid_dp import HybridDataParallel, LayerwiseOptimizer
+
+    def sgd(params):
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+
+    systems, setup = {}, {}
+    for name in names:
+        t0 = time.perf_counter()
+        model = copy.deepcopy(base)
+        if name == "ddp":
+            ddp = DistributedDataParallel(model, process_group=groups[name])
+            systems[name] = System(name, ddp, sgd(ddp.parameters()))
+        elif name == "hdp":
+            hdp = HybridDataParallel(model, group=groups[name], policy=policy, reduce="mean", costs=costs)
+            opt = LayerwiseOptimizer(hdp, sgd)
+            systems[name] = System(name, hdp, opt, flush=opt.flush)
+        elif name == "hdp-step":
+            hdp = HybridDataParallel(model, group=groups[name], policy=policy, reduce="mean", costs=costs, lane=2)
+            opt = sgd(hdp.parameters())
+            hdp.attach_optimizer(opt)                   # step() waits for every sync first
+            systems[name] = System(name, hdp, opt)
+        else:
+            raise ValueError(f"unknown system {name!r}; choose from {', '.join(SYSTEMS)}")
+        setup[name] = time.perf_counter() - t0
+    return systems, setup
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
 
-    from hybridpipe.comm.hybrid_dp import HybridDataParallel
+    from hybridpipe.comm.allreduce import GroupCosts
+    from hybridpipe.partitioner.cluster import load_cluster
+    from hybridpipe.partitioner.costmodel import CostModel
     from hybridpipe.profiles.zoo import resolve_model
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     control = dist.new_group(backend="gloo")
-    g_ddp = dist.new_group(backend="gloo")
-    g_hdp = dist.new_group(backend="gloo")
+    names = args.systems.split(",")
+    groups = {name: dist.new_group(backend="gloo") for name in names}   # each system on its own group
+    costs = GroupCosts(CostModel(load_cluster(args.cluster_file)), tuple(range(world)))
     spec = resolve_model(args.model)
     torch.manual_seed(0)
     base = spec.build()
     params = sum(p.numel() for p in base.parameters())
-    t0 = time.perf_counter()
-    ddp = DistributedDataParallel(base, process_group=g_ddp)
-    ddp_setup = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    hdp = HybridDataParallel(copy.deepcopy(base), group=g_hdp, policy=args.policy, reduce="mean")
-    hdp_setup = time.perf_counter() - t0
-    opts = {"ddp": torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9),
-            "hdp": torch.optim.SGD(hdp.parameters(), lr=args.lr, momentum=0.9)}
-    wrapped = {"ddp": ddp, "hdp": hdp}
+    systems, setup = build_systems(names, base, groups, costs, args.lr, args.policy)
+    del base
 
-    counters = {s: 0 for s in SYSTEMS}
-
-    def step(system: str, x, y) -> None:
-        model, opt = wrapped[system], opts[system]
-        counters[system] += 1
-        torch.manual_seed(counters[system] * 1000 + rank)   # the same dropout masks in both systems
-        loss = spec.loss(model(x), y)
+    def step(system: System, x, y) -> None:
+        system.steps += 1
+        torch.manual_seed(system.steps * 1000 + rank)       # the same dropout masks in every system
+        loss = spec.loss(system.model(x), y)
         loss.backward()
-        if system == "hdp":
-            model.finish()
-        opt.step()
-        opt.zero_grad(set_to_none=False)
+        system.optimizer.step()
+        system.optimizer.zero_grad(set_to_none=False)
 
     def compute_only(x, y) -> None:
-        """Forward + backward without communication or update (DDP's weights stay as they are)."""
-        with ddp.no_sync():
-            spec.loss(ddp(x), y).backward()
-        opts["ddp"].zero_grad(set_to_none=False)
+        """Forward + backward of an unwrapped copy: no communication, no update."""
+        spec.loss(plain(x), y).backward()
+        plain.zero_grad(set_to_none=False)
 
-    def timed_block(run, steps: int) -> float:
-        """Wall time per step of ``steps`` consecutive steps, the slowest rank's."""
+    def timed_block(run, steps: int, end=lambda: None) -> float:
+        """Wall time per step of ``steps`` consecutive steps (plus ``end``), the slowest rank's."""
         dist.barrier(group=control)
         t = time.perf_counter()
         for _ in range(steps):
             run()
+        end()
         per_step = torch.tensor([(time.perf_counter() - t) / steps], dtype=torch.float64)
         dist.all_reduce(per_step, op=dist.ReduceOp.MAX, group=control)
         return per_step.item()
 
+    plain = copy.deepcopy(getattr(systems[names[0]].model, "module", systems[names[0]].model))
     rows = []
     gen = torch.Generator().manual_seed(1000 + rank)
     for bs in [int(b) for b in args.batches.split(",")]:
         x = spec.example_input(bs, gen)
         y = spec.example_target(bs, gen)
-        for system in SYSTEMS:                       # warm-up: allocators, hooks, buckets
+        for system in systems.values():              # warm-up: allocators, hooks, buckets
             for _ in range(args.warmup):
                 step(system, x, y)
-        times = {s: [] for s in SYSTEMS}
-        for rep in range(args.reps):                 # alternate which system goes first
-            order = SYSTEMS if rep % 2 == 0 else SYSTEMS[::-1]
-            for system in order:
-                times[system].append(timed_block(lambda: step(system, x, y), args.steps))
+            system.flush()
+        times = {name: [] for name in names}
+        for rep in range(args.reps):                 # rotate which system goes first
+            order = names[rep % len(names):] + names[:rep % len(names)]
+            for name in order:
+                system = systems[name]
+                times[name].append(timed_block(lambda: step(system, x, y), args.steps, system.flush))
                 if rank == 0:
-                    print(f"batch {bs} {system} rep {rep}: {times[system][-1]:.3f} s/step", file=sys.stderr,
-                          flush=True)
+                    print(f"batch {bs} {name} rep {rep}: {times[name][-1]:.3f} s/step", file=sys.stderr, flush=True)
         compute = timed_block(lambda: compute_only(x, y), 1) if args.compute_steps else None
-        row = {"batch_per_worker": bs, "global_batch": bs * world,
-               **{f"{s}_s": summary(times[s]) for s in SYSTEMS}, "compute_s": compute}
-        row["ratio_hdp_over_ddp"] = row["hdp_s"]["median"] / row["ddp_s"]["median"]
+        row = {"batch_per_worker": bs, "global_batch": bs * world, "compute_s": compute,
+               **{f"{n}_s": summary(times[n]) for n in names}}
+        for n in names:
+            if n != "ddp" and "ddp" in names:
+                row[f"ratio_{n}_over_ddp"] = row[f"{n}_s"]["median"] / row["ddp_s"]["median"]
         rows.append(row)
-    grads_equal = _same_weights(ddp.module, getattr(hdp, "module", hdp))
+    reference = getattr(systems[names[0]].model, "module", systems[names[0]].model)
+    agree = {n: _same_weights(reference, getattr(s.model, "module", s.model)) for n, s in systems.items()
+             if n != names[0]}
+    choices = {n: s.model.choices for n, s in systems.items() if hasattr(s.model, "choices")}
     if rank == 0:
-        emit_result({"world": world, "parameters": params, "ddp_setup_s": ddp_setup, "hdp_setup_s": hdp_setup,
-                     "rows": rows, "same_weights_after_training": grads_equal,
-                     "hdp_choices": _choices(hdp)})
+        emit_result({"world": world, "parameters": params, "setup_s": setup, "rows": rows,
+                     "weights_agree_with_" + names[0]: agree, "hdp_choices": choices})
+    for s in systems.values():
+        if hasattr(s.model, "close"):
+            s.model.close()
     dist.barrier(group=control)
     dist.destroy_process_group()
 
@@ -134,43 +178,46 @@ def _same_weights(a, b) -> dict:
     return {"equal": all(torch.allclose(p, q, rtol=1e-3, atol=1e-5) for p, q in pairs), "max_abs_diff": diff}
 
 
-def _choices(hdp) -> dict | None:
-    """The per-layer algorithm HDP chose, if it tells."""
-    for attr in ("choices", "algorithms", "plan"):
-        value = getattr(hdp, attr, None)
-        if isinstance(value, dict):
-            return {str(k): str(v) for k, v in value.items()}
-    return None
-
-
 # ---- the driver ------------------------------------------------------------------------------
 
+LABELS = {"ddp": "torch DDP (gloo)", "hdp": "HDP hybrid, layer-wise updates (full window)",
+          "hdp-step": "HDP hybrid, all syncs before step()"}
+
+
 def plot(data: dict):
+    """Step times per batch size (with compute alone and the ring bound), and the ratios to DDP."""
     plt = pyplot()
-    rows = data["rows"]
-    bs = [r["batch_per_worker"] for r in rows]
-    xs = range(len(rows))
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
-    w = 0.38
-    ax.bar([i - w / 2 for i in xs], [r["ddp_s"]["median"] for r in rows], w, label="torch DDP (gloo)")
-    ax.bar([i + w / 2 for i in xs], [r["hdp_s"]["median"] for r in rows], w, label="HybridDataParallel (hybrid)")
-    comp = [r["compute_s"] for r in rows]
-    if all(c is not None for c in comp):
-        ax.plot(list(xs), comp, "k:", marker="_", ms=20, label="compute alone")
-    ax.axhline(data["ring_bound_s"], color="grey", ls="--", lw=1, label="ring bound 2(n-1)/n S / link")
-    ax.set_xticks(list(xs), [str(b) for b in bs])
+    rows, names = data["rows"], data["settings"]["systems"]
+    xs = list(range(len(rows)))
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    w = 0.8 / len(names)
+    for k, name in enumerate(names):
+        ax.bar([i + (k - (len(names) - 1) / 2) * w for i in xs], [r[f"{name}_s"]["median"] for r in rows], w,
+               label=LABELS.get(name, name))
+    if all(r["compute_s"] is not None for r in rows):
+        ax.plot(xs, [r["compute_s"] for r in rows], "k:", marker="_", ms=20, label="compute alone")
+    ax.axhline(data["ring_bound_s"], color="grey", ls="--", lw=1, label="ring bound 2(n-1)/n S / goodput")
+    ax.set_xticks(xs, [str(r["batch_per_worker"]) for r in rows])
     ax.set_xlabel("batch per worker")
     ax.set_ylabel("seconds per step (median)")
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
-    ax2.bar(list(xs), [r["ratio_hdp_over_ddp"] for r in rows], 0.5, color="tab:green")
+    others = [n for n in names if n != "ddp"]
+    w2 = 0.8 / max(1, len(others))
+    for k, name in enumerate(others):
+        ratios = [r.get(f"ratio_{name}_over_ddp") for r in rows]
+        if None in ratios:
+            continue
+        pos = [i + (k - (len(others) - 1) / 2) * w2 for i in xs]
+        ax2.bar(pos, ratios, w2, label=LABELS.get(name, name))
+        for x, v in zip(pos, ratios):
+            ax2.text(x, v, f"{v:.3f}", ha="center", va="bottom", fontsize=8)
     ax2.axhline(1.0, color="k", lw=0.8)
-    for i, r in zip(xs, rows):
-        ax2.text(i, r["ratio_hdp_over_ddp"], f"{r['ratio_hdp_over_ddp']:.3f}", ha="center", va="bottom", fontsize=8)
-    ax2.set_xticks(list(xs), [str(b) for b in bs])
+    ax2.set_xticks(xs, [str(r["batch_per_worker"]) for r in rows])
     ax2.set_xlabel("batch per worker")
-    ax2.set_ylabel("HDP step / DDP step")
+    ax2.set_ylabel("step time / DDP step time")
+    ax2.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16))
     fig.suptitle(f"{data['settings']['model']} on {data['settings']['hosts']} emulated hosts at "
-                 f"{data['settings']['rate_gbps']:g} Gbit/s", fontsize=10)
+                 f"{data['settings']['rate_gbps']:g} Gbit/s (gloo, 1 thread per worker)", fontsize=10)
     return fig
 
 
@@ -181,7 +228,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--image", type=int, default=64, help="input image side (default 64; the paper: 224)")
     p.add_argument("--hosts", type=int, default=4)
     p.add_argument("--rate", type=float, default=1.0, help="link rate in Gbit/s (default 1)")
+    p.add_argument("--systems", default=DEFAULT_SYSTEMS, help=f"from {', '.join(SYSTEMS)} (default {DEFAULT_SYSTEMS})")
     p.add_argument("--policy", default="hybrid")
+    p.add_argument("--latency-us", type=float, default=50.0,
+                   help="per-message latency in the cluster description HDP's policy prices with (default 50)")
     p.add_argument("--steps", type=int, default=None, help="steps per timed block (default 2; quick 1)")
     p.add_argument("--reps", type=int, default=None, help="timed blocks per system (default 3; quick 2)")
     p.add_argument("--warmup", type=int, default=1)
@@ -192,6 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--cluster-file", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.model = args.model or f"alexnet[image={args.image}]"
     if args.worker:
@@ -201,32 +252,42 @@ def main(argv: Sequence[str] | None = None) -> int:
     batches = args.batches or ("32,128" if quick else "128,192,256,512")
     steps = args.steps or (1 if quick else 2)
     reps = args.reps or (2 if quick else 3)
+    names = args.systems.split(",")
+    unknown = [n for n in names if n not in SYSTEMS]
+    if unknown or not names:
+        raise SystemExit(f"unknown system(s) {unknown}; choose from {', '.join(SYSTEMS)}")
     setup_logging()
     require_emulation()
     from tools.emucluster import EmulatedCluster
     json_path, png_path = result_paths("hdp_vs_ddp", quick, args.out)
     started = time.monotonic()
-    worker_args = ["--model", args.model, "--batches", batches, "--steps", str(steps), "--reps", str(reps),
-                   "--warmup", str(args.warmup), "--lr", str(args.lr), "--policy", args.policy]
-    if not args.compute_steps:
-        worker_args.append("--no-compute")
-    log.info("%s, %d hosts at %g Gbit/s, batches %s", args.model, args.hosts, args.rate, batches)
+    log.info("%s, %d hosts at %g Gbit/s, batches %s, systems %s", args.model, args.hosts, args.rate, batches,
+             args.systems)
     with EmulatedCluster(args.hosts, args.rate) as cluster:
+        cluster_file = Path(cluster.log_dir) / "cluster.json"
+        write_json(cluster_file, cluster.cluster_json(latency_us=args.latency_us))
+        worker_args = ["--model", args.model, "--batches", batches, "--steps", str(steps), "--reps", str(reps),
+                       "--warmup", str(args.warmup), "--lr", str(args.lr), "--policy", args.policy,
+                       "--systems", args.systems, "--cluster-file", str(cluster_file)]
+        if not args.compute_steps:
+            worker_args.append("--no-compute")
         out = run_workers(cluster, __file__, worker_args, timeout_s=args.timeout)
     grad_bytes = out["parameters"] * 4
     ring_bound = 2 * (args.hosts - 1) / args.hosts * grad_bytes * 8 / (args.rate * 1e9 * 1448 / 1514)
     data = {"benchmark": "hdp_vs_ddp", "quick": quick, "machine": machine(),
             "settings": {"model": args.model, "hosts": args.hosts, "rate_gbps": args.rate, "batches": batches,
-                         "steps_per_block": steps, "blocks": reps, "warmup": args.warmup, "policy": args.policy,
-                         "optimizer": f"SGD lr={args.lr} momentum=0.9", "threads_per_worker": 1,
-                         "input": f"3x{args.image}x{args.image} (paper: 3x224x224)"},
+                         "systems": names, "steps_per_block": steps, "blocks": reps, "warmup": args.warmup,
+                         "policy": args.policy, "policy_prices_with": f"cluster description: link rate, "
+                         f"latency_us={args.latency_us:g}", "optimizer": f"SGD lr={args.lr} momentum=0.9",
+                         "threads_per_worker": 1, "input": f"3x{args.image}x{args.image} (paper: 3x224x224)"},
             "parameters": out["parameters"], "gradient_bytes": grad_bytes, "ring_bound_s": ring_bound,
-            "ddp_setup_s": out["ddp_setup_s"], "hdp_setup_s": out["hdp_setup_s"],
-            "same_weights_after_training": out["same_weights_after_training"], "hdp_choices": out["hdp_choices"],
+            "setup_s": out["setup_s"], "hdp_choices": out["hdp_choices"],
+            **{k: v for k, v in out.items() if k.startswith("weights_agree_with_")},
             "rows": out["rows"], "duration_s": time.monotonic() - started}
     for r in data["rows"]:
-        log.info("batch %4d: DDP %.2f s, HDP %.2f s, HDP/DDP %.3f, compute %s", r["batch_per_worker"],
-                 r["ddp_s"]["median"], r["hdp_s"]["median"], r["ratio_hdp_over_ddp"],
+        log.info("batch %4d: %s; compute alone %s", r["batch_per_worker"],
+                 ", ".join(f"{n} {r[f'{n}_s']['median']:.2f} s" for n in names)
+                 + "".join(f", {n}/ddp {r[f'ratio_{n}_over_ddp']:.3f}" for n in names if f"ratio_{n}_over_ddp" in r),
                  f"{r['compute_s']:.2f} s" if r["compute_s"] is not None else "-")
     write_results(json_path, data, plot(data), png_path)
     log.info("done in %.0f s", data["duration_s"])
