@@ -1,0 +1,143 @@
+"""Running launch.py as a real multi-process job in tests, and the single-process references.
+
+:func:`launch` starts one ``python launch.py ...`` per rank with the environment torchrun
+gives its workers (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT; the parent hosts the c10d
+store on a free port, as torchrun's agent does), waits at most ``timeout`` seconds and always
+reaps the processes. :func:`torchrun` goes through the real torchrun instead.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hybridpipe.partitioner.plan import Plan
+from hybridpipe.pipeline.data import MicroBatches
+from hybridpipe.profiles.data import resolve_dataset
+from hybridpipe.profiles.zoo import resolve_model
+from hybridpipe.runtime.checkpoint_files import merge_stages
+
+ROOT = Path(__file__).resolve().parents[2]
+LAUNCH = ROOT / "launch.py"
+
+
+@dataclass
+class Finished:
+    rank: int
+    returncode: int | None
+    stdout: str
+    stderr: str
+
+    def __repr__(self) -> str:
+        return f"<rank {self.rank} rc={self.returncode}\nstdout: {self.stdout[-2000:]}\nstderr: {self.stderr[-3000:]}>"
+
+
+def _env(extra: dict | None = None) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    env.update(extra or {})
+    return env
+
+
+def _collect(procs: list[subprocess.Popen], files, timeout: float) -> list[Finished]:
+    try:
+        for p in procs:
+            try:
+                p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                break
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(10)
+    out = []
+    for r, (p, (o, e)) in enumerate(zip(procs, files)):
+        o.seek(0)
+        e.seek(0)
+        out.append(Finished(r, p.returncode, o.read(), e.read()))
+        o.close()
+        e.close()
+    return out
+
+
+def launch(args: list[str], world: int, *, timeout: float = 120.0, env: dict | None = None) -> list[Finished]:
+    """Run launch.py on ``world`` local ranks like torchrun would (see the module docstring)."""
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout))
+    base = _env(env)
+    base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), WORLD_SIZE=str(world),
+                LOCAL_WORLD_SIZE=str(world), TORCHELASTIC_USE_AGENT_STORE="True")
+    procs, files = [], []
+    for r in range(world):
+        o, e = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        files.append((o, e))
+        procs.append(subprocess.Popen([sys.executable, str(LAUNCH), *args], cwd=ROOT, stdout=o, stderr=e,
+                                      env=dict(base, RANK=str(r), LOCAL_RANK=str(r))))
+    return _collect(procs, files, timeout)      # the store lives until every rank is done
+
+
+def torchrun(args: list[str], nproc: int, *, timeout: float = 180.0, env: dict | None = None) -> Finished:
+    """``torchrun --standalone --nproc-per-node nproc launch.py args`` (its combined output)."""
+    o, e = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           str(LAUNCH), *args]
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=o, stderr=e, env=_env(env), start_new_session=True)
+    try:
+        p.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, 9)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, 9)
+        p.wait(10)
+    o.seek(0)
+    e.seek(0)
+    done = Finished(0, p.returncode, o.read(), e.read())
+    o.close()
+    e.close()
+    return done
+
+
+def data_for(plan: Plan, steps: int, seed: int) -> MicroBatches:
+    """The data the runtime feeds (default dataset size: one pass of ``steps`` global batches)."""
+    spec = resolve_model(plan.model)
+    size = steps * plan.micro_batches * plan.batch_size
+    return MicroBatches(resolve_dataset("synthetic", spec, size=size, seed=seed), plan.batch_size, plan.micro_batches)
+
+
+def sgd(params, lr: float, momentum: float) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=lr, momentum=momentum)
+
+
+def train_reference(plan: Plan, steps: int, *, lr: float, momentum: float, seed: int) -> dict[str, torch.Tensor]:
+    """Plain single-process SGD on each step's concatenated global batch (mean loss)."""
+    spec = resolve_model(plan.model)
+    torch.manual_seed(seed)
+    model = spec.build()
+    opt = sgd(model.parameters(), lr, momentum)
+    data = data_for(plan, steps, seed)
+    for k in range(steps):
+        x, y = data.global_batch(k)
+        opt.zero_grad()
+        spec.loss(model(x), y).backward()
+        opt.step()
+    return model.state_dict()
+
+
+def final_weights(checkpoint_dir: Path, steps: int) -> dict[str, torch.Tensor]:
+    """The model as the run's final checkpoint holds it (every stage merged)."""
+    merged, _ = merge_stages(checkpoint_dir, steps)
+    return merged
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert set(a) == set(b), sorted(set(a) ^ set(b))
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)

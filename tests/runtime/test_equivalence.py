@@ -1,0 +1,72 @@
+"""Pipelined training through launch.py (real processes, gloo) gives single-process training's weights.
+
+gpipe and 1f1b with a replicated stage: the same weights as plain SGD on the same global
+batches (<= 1e-5 after 5 steps). pipedream: the same weights as an independent single-process
+model of weight-stashed asynchronous SGD (tests/pipeline/pipedream_reference.py).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hybridpipe.partitioner.plan import save_plan
+from tests.pipeline.harness import make_plan
+from tests.pipeline.pipedream_reference import train_pipedream_reference
+from tests.runtime.jobs import data_for, final_weights, launch, max_diff, sgd, train_reference
+
+STEPS, LR, MOMENTUM, SEED = 5, 0.05, 0.5, 3
+
+
+def run_plan(tmp_path, plan, *extra: str, timeout: float = 150.0):
+    path = tmp_path / "plan.json"
+    save_plan(plan, path)
+    ckpt = tmp_path / "ckpt"
+    done = launch(["--plan", str(path), "--steps", str(STEPS), "--lr", str(LR), "--momentum", str(MOMENTUM),
+                   "--seed", str(SEED), "--checkpoint-dir", str(ckpt), "--run-dir", str(tmp_path / "run"),
+                   "--timeout", "60", "--no-progress", *extra], plan.world_size, timeout=timeout)
+    assert all(d.returncode == 0 for d in done), done
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert all(summary["replicas_identical"].values()), summary["replicas_identical"]
+    return final_weights(ckpt, STEPS), summary
+
+
+def check_sgd_equivalence(tmp_path, model, cuts, replicas, schedule, micro_batches=4, batch_size=4, *extra):
+    plan = make_plan(model, cuts, replicas, schedule=schedule, micro_batches=micro_batches, batch_size=batch_size)
+    weights, summary = run_plan(tmp_path, plan, *extra)
+    reference = train_reference(plan, STEPS, lr=LR, momentum=MOMENTUM, seed=SEED)
+    assert max_diff(weights, reference) <= 1e-5
+    assert summary["steps_run"] == STEPS and len(summary["loss"]) == STEPS
+    return summary
+
+
+def test_gpipe_replicated_last_stage_matches_single_process(tmp_path):
+    summary = check_sgd_equivalence(tmp_path, "mlp", [3], [1, 2], "gpipe", 4, 8)
+    assert summary["replicas_identical"] == {"1": True}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("model,cuts,replicas", [
+    ("alexnet-small[dropout=0]", [8], [2, 1]),
+    ("resnet-small[norm=none]", [10], [1, 2]),       # the shortcut crosses the cut
+    ("gpt[layers=2,width=32,heads=2,seq=16,vocab=64]", [21], [2, 1]),   # the residual crosses the cut
+])
+def test_zoo_models_match_single_process(tmp_path, schedule, model, cuts, replicas):
+    check_sgd_equivalence(tmp_path, model, cuts, replicas, schedule, 4, 4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["per-tensor", "sra"])
+def test_comm_modes_match_single_process(tmp_path, mode):
+    check_sgd_equivalence(tmp_path, "mlp", [3, 6], [1, 2, 1], "1f1b", 4, 4, "--comm-mode", mode)
+
+
+@pytest.mark.slow
+def test_pipedream_matches_weight_stashed_async_sgd(tmp_path):
+    plan = make_plan("mlp", [3, 6], [2, 1, 1], schedule="pipedream", micro_batches=4, batch_size=4)
+    weights, _ = run_plan(tmp_path, plan)
+    reference = train_pipedream_reference(plan, data_for(plan, STEPS, SEED), STEPS, {STEPS - 1}, lr=LR,
+                                          make_optimizer=lambda ps, lr: sgd(ps, lr, MOMENTUM), seed=SEED)
+    assert max_diff(weights, reference) <= 1e-5

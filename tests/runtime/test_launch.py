@@ -1,0 +1,83 @@
+"""launch.py end to end through the real torchrun, and its refusals of bad arguments and plans."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hybridpipe.partitioner.plan import save_plan
+from hybridpipe.runtime.main import main
+from hybridpipe.runtime.metrics import read_metrics
+from tests.pipeline.harness import make_plan
+from tests.runtime.jobs import final_weights, max_diff, torchrun, train_reference
+
+
+def test_torchrun_standalone_four_workers(tmp_path):
+    """4 workers, 1f1b, stage 0 replicated: trains, reports, writes metrics and timeline, and
+    ends with single-process training's weights."""
+    plan = make_plan("mlp", [3, 6], [2, 1, 1], schedule="1f1b", micro_batches=4, batch_size=8)
+    path = tmp_path / "plan.json"
+    save_plan(plan, path)
+    run, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    done = torchrun(["--plan", str(path), "--steps", "6", "--lr", "0.05", "--momentum", "0.5", "--seed", "1",
+                     "--run-dir", str(run), "--checkpoint-dir", str(ckpt), "--timeout", "60"], 4)
+    assert done.returncode == 0, done
+    assert "loss: step 0:" in done.stdout and "step time: measured" in done.stdout, done
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps_run"] == 6 and summary["replicas_identical"] == {"0": True}
+    assert summary["measured_step_ms"] > 0
+    for rank in range(4):
+        records = read_metrics(run / "metrics" / f"rank-{rank:05d}.jsonl")
+        assert [r["step"] for r in records] == list(range(6))
+        assert ("loss" in records[0]) == (rank == 3)
+        assert (run / "trace" / f"rank-{rank:05d}.json").is_file()
+    reference = train_reference(plan, 6, lr=0.05, momentum=0.5, seed=1)
+    assert max_diff(final_weights(ckpt, 6), reference) <= 1e-5
+
+
+@pytest.fixture
+def plan_file(tmp_path, monkeypatch):
+    plan = make_plan("mlp", [3], [2, 1], micro_batches=4, batch_size=8)
+    path = tmp_path / "plan.json"
+    save_plan(plan, path)
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    return path
+
+
+@pytest.mark.parametrize("extra,expected", [
+    (["--model", "alexnet-small"], "the plan was made for model 'mlp', not 'alexnet-small'"),
+    (["--batch-size", "16"], "the plan was made for batch size 8, not 16"),
+    (["--micro-batches", "1"], "use --micro-batches >= 2"),
+    (["--schedule", "pipedream", "--micro-batches", "3"], "must be a multiple of every stage's replica count"),
+    (["--resume"], "need --checkpoint-dir"),
+    (["--steps", "0"], "--steps must be positive"),
+    (["--calibration", "/nonexistent/cal.json"], "calibration file /nonexistent/cal.json does not exist"),
+])
+def test_bad_arguments_end_with_one_line(plan_file, capsys, extra, expected):
+    assert main(["--plan", str(plan_file), *extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("launch.py: error: ") and expected in err[0], err
+
+
+def test_plan_for_another_world_size_is_refused(plan_file, capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert main(["--plan", str(plan_file)]) == 2
+    assert "the plan needs 3 workers but the job has 4" in capsys.readouterr().err
+
+
+def test_plan_for_another_graph_is_refused(tmp_path, capsys, monkeypatch):
+    plan = make_plan("mlp", [3], [1, 1], signature="0123456789abcdef", n_nodes=11)
+    save_plan(plan, tmp_path / "plan.json")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["--plan", str(tmp_path / "plan.json")]) == 2
+    assert "traced graph differs from the one the plan was made for" in capsys.readouterr().err
+
+
+def test_missing_or_broken_plan(tmp_path, capsys):
+    assert main(["--plan", str(tmp_path / "nope.json")]) == 2
+    (tmp_path / "bad.json").write_text("{")
+    assert main(["--plan", str(tmp_path / "bad.json")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert "does not exist" in err[0] and "not valid JSON" in err[1]

@@ -1,0 +1,119 @@
+"""The worker's pure parts: configuration against the plan, metrics lines, the summary."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hybridpipe.errors import UserError
+from hybridpipe.partitioner.plan import save_plan
+from hybridpipe.runtime.config import build_parser, resolve
+from hybridpipe.runtime.metrics import MetricsWriter, read_metrics, step_record
+from hybridpipe.runtime.parts import NoParameters, make_optimizer, weights_digest
+from hybridpipe.runtime.summary import RankReport, format_summary, loss_rows, step_losses, summarize, warmup_steps
+from tests.pipeline.harness import make_plan
+
+
+@pytest.fixture
+def plan(tmp_path):
+    p = make_plan("mlp", [3], [2, 1], schedule="1f1b", micro_batches=4, batch_size=8)
+    save_plan(p, tmp_path / "plan.json")
+    return p
+
+
+def parse(tmp_path, *extra):
+    return build_parser().parse_args(["--plan", str(tmp_path / "plan.json"), *extra])
+
+
+def test_plan_values_are_the_defaults(tmp_path, plan):
+    cfg = resolve(parse(tmp_path), world_size=3)
+    assert (cfg.model, cfg.batch_size, cfg.micro_batches, cfg.schedule, cfg.optimizer) == \
+        ("mlp", 8, 4, "1f1b", "sgd")
+    assert cfg.global_batch == 32 and cfg.trace_dir is None and cfg.comm_mode == "sa"
+
+
+def test_overrides_reach_the_effective_plan(tmp_path, plan):
+    cfg = resolve(parse(tmp_path, "--micro-batches", "6", "--schedule", "gpipe", "--optimizer", "adam",
+                        "--model", "mlp", "--batch-size", "8", "--no-trace"), world_size=3)
+    assert (cfg.plan.micro_batches, cfg.plan.schedule, cfg.plan.optimizer) == (6, "gpipe", "adam")
+    assert cfg.plan.stages == plan.stages and cfg.trace_dir == ""
+
+
+def test_checkpoint_options_need_a_directory(tmp_path, plan):
+    with pytest.raises(UserError, match="--checkpoint-dir"):
+        resolve(parse(tmp_path, "--checkpoint-every", "2"), world_size=3)
+    cfg = resolve(parse(tmp_path, "--checkpoint-every", "2", "--checkpoint-dir", str(tmp_path / "c")), world_size=3)
+    assert cfg.checkpoint_every == 2
+
+
+def test_optimizers():
+    w = torch.nn.Parameter(torch.ones(2))
+    assert isinstance(make_optimizer("sgd", [w], lr=0.1, momentum=0.9), torch.optim.SGD)
+    assert isinstance(make_optimizer("adam", [w], lr=0.1), torch.optim.Adam)
+    empty = make_optimizer("sgd", [], lr=0.1)          # a stage without parameters
+    assert isinstance(empty, NoParameters) and empty.state_dict() == {}
+
+
+def test_weights_digest_sees_every_bit():
+    a, b = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    b.load_state_dict(a.state_dict())
+    assert weights_digest(a) == weights_digest(b)
+    with torch.no_grad():
+        b.bias[0] = torch.nextafter(b.bias[0], torch.tensor(1.0))
+    assert weights_digest(a) != weights_digest(b)
+
+
+def test_metrics_lines(tmp_path):
+    w = MetricsWriter(tmp_path, 2)
+    w.write(step_record(0, 0.5, 64, [2.0, 3.0]))
+    w.write(step_record(1, 0.25, 64, []))
+    w.close()
+    with w.path.open("a") as f:
+        f.write('{"step": 2, "st')             # a crash mid-line
+    records = read_metrics(tmp_path / "metrics" / "rank-00002.jsonl")
+    assert [r["step"] for r in records] == [0, 1]
+    assert records[0]["loss"] == 2.5 and records[0]["samples_per_s"] == 128.0 and records[0]["step_ms"] == 500.0
+    assert "loss" not in records[1] and records[1]["samples_per_s"] == 256.0
+
+
+def test_warmup_steps():
+    assert [warmup_steps(n) for n in (0, 1, 2, 5, 10, 11, 100)] == [0, 0, 1, 1, 2, 2, 20]
+
+
+def test_step_losses_join_the_replicas_of_the_last_stage():
+    a = RankReport(1, 1, 0, losses={0: {0: 1.0, 2: 3.0}, 1: {0: 5.0, 2: 5.0}})
+    b = RankReport(2, 1, 1, losses={0: {1: 2.0, 3: 4.0}})            # step 1 of this replica missing
+    assert step_losses([a, b], micro_batches=4) == {0: 2.5}
+
+
+def test_summary(plan, tmp_path):
+    plan = type(plan)(**{**plan.__dict__, "predicted_step_ms": 100.0})
+    reports = [RankReport(0, 0, 0, step_ms={0: 900, 1: 110, 2: 120, 3: 100, 4: 90}, digest="x"),
+               RankReport(1, 0, 1, step_ms={0: 800, 1: 100, 2: 130, 3: 95, 4: 95}, digest="x"),
+               RankReport(2, 1, 0, step_ms={0: 700, 1: 105, 2: 125, 3: 99, 4: 80},
+                          losses={k: {m: 3.0 - k * 0.1 for m in range(4)} for k in range(5)})]
+    s = summarize(reports, plan, steps=5, first_step=0, run_dir=str(tmp_path), trace_dir=None, schedule="1f1b",
+                  comm_mode="sa", allreduce="hybrid")
+    assert s["warmup_steps"] == 1
+    assert s["job_step_ms"] == {"0": 900, "1": 110, "2": 130, "3": 100, "4": 95}
+    assert s["measured_step_ms"] == 105.0 and s["measured_over_predicted"] == pytest.approx(1.05)
+    assert s["samples_per_s"] == pytest.approx(32 / 0.105)
+    assert s["replicas_identical"] == {"0": True}
+    assert s["loss"]["4"] == pytest.approx(2.6)
+    json.dumps(s)
+    text = format_summary(s)
+    assert "measured 105.0 ms" in text and "plan predicted 100.0 ms" in text and "step 0: 3.0000" in text
+    assert "identical weights" in text
+    reports[1].digest = "y"
+    s = summarize(reports, plan, steps=5, first_step=0, run_dir="r", trace_dir="r/trace", schedule="1f1b",
+                  comm_mode="sa", allreduce="ring")
+    assert s["replicas_identical"] == {"0": False} and "WEIGHTS DIFFER" in format_summary(s)
+
+
+def test_loss_rows_spread_over_the_run():
+    losses = {str(k): float(k) for k in range(20)}
+    rows = loss_rows(losses, rows=5)
+    assert rows[0] == (0, 0.0) and rows[-1] == (19, 19.0) and len(rows) == 5
+    assert loss_rows({"0": 1.0, "1": 0.5}) == [(0, 1.0), (1, 0.5)]
