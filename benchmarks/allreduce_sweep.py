@@ -144,6 +144,21 @@ def crossovers(faster: dict[int, float], ring: dict[int, float]) -> list[dict]:
     return out
 
 
+def settles(faster: dict[int, float], ring: dict[int, float]) -> dict | None:
+    """The size from which one of the two wins at every larger size (robust to noisy flips below).
+
+    Returns ``{"winner": "algo"|"ring", "from": size}`` or None without common sizes.
+    """
+    sizes = sorted(set(faster) & set(ring))
+    if not sizes:
+        return None
+    wins = [faster[s] < ring[s] for s in sizes]
+    k = len(sizes) - 1
+    while k > 0 and wins[k - 1] == wins[-1]:
+        k -= 1
+    return {"winner": "algo" if wins[-1] else "ring", "from": sizes[k]}
+
+
 def analyse(config: dict, rows: list[dict]) -> dict:
     """Add busbw and fractions of the link rate; find the crossovers of each pair."""
     world, link = config["hosts"], config["rate_gbps"]
@@ -155,13 +170,16 @@ def analyse(config: dict, rows: list[dict]) -> dict:
     for r in rows:
         if "median_s" in r and r.get("correct", False):
             by_algo.setdefault(r["algorithm"], {})[r["bytes"]] = r["median_s"]
-    cross = {}
+    cross, settled = {}, {}
     for a, b in PAIRS:
         if a in by_algo and b in by_algo:
             cross[f"{a}_vs_{b}"] = [{"between": c["between"],
                                      "below": a if c["below"] == "algo" else b,
                                      "from": a if c["from"] == "algo" else b}
                                     for c in crossovers(by_algo[a], by_algo[b])]
+            st = settles(by_algo[a], by_algo[b])
+            if st:
+                settled[f"{a}_vs_{b}"] = {"winner": a if st["winner"] == "algo" else b, "from": st["from"]}
     best = {}
     for size in sorted({s for d in by_algo.values() for s in d}):
         cands = {a: d[size] for a, d in by_algo.items() if size in d and a != "auto"}
@@ -173,8 +191,8 @@ def analyse(config: dict, rows: list[dict]) -> dict:
             fastest = by_algo[best[r["bytes"]]][r["bytes"]]
             auto[str(r["bytes"])] = {"picked": r.get("ran"), "picked_with_switch": r.get("picked_with_switch"),
                                      "fastest": best[r["bytes"]], "time_over_fastest": r["median_s"] / fastest}
-    return {**config, "rows": rows, "crossovers": cross, "fastest": {str(k): v for k, v in best.items()},
-            "auto": auto}
+    return {**config, "rows": rows, "crossovers": cross, "settles": settled,
+            "fastest": {str(k): v for k, v in best.items()}, "auto": auto}
 
 
 # ---- the driver ------------------------------------------------------------------------------
@@ -272,8 +290,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                           out["rows"])
             results.append(res)
             for name, cs in res["crossovers"].items():
-                log.info("  %s: %s", name, "; ".join(f"{c['below']} below {size_label(c['between'][1])}"
-                                                     for c in cs) or "no crossover")
+                st = res["settles"][name]
+                log.info("  %s: %s wins from %s on (all swaps: %s)", name, st["winner"], size_label(st["from"]),
+                         "; ".join(f"{c['below']} below {size_label(c['between'][1])}" for c in cs) or "none")
     data = {"benchmark": "allreduce_sweep", "quick": quick, "machine": machine(),
             "settings": {"hosts": hosts, "rates_gbps": rates, "sizes": sizes, "size_step": step, "reps": reps,
                          "budget_s": budget, "mtu": args.mtu, "algorithms": args.algorithms.split(","),

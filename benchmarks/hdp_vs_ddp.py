@@ -155,6 +155,7 @@ def worker(args: argparse.Namespace) -> None:
         for n in names:
             if n != "ddp" and "ddp" in names:
                 row[f"ratio_{n}_over_ddp"] = row[f"{n}_s"]["median"] / row["ddp_s"]["median"]
+                row[f"ratio_min_{n}_over_ddp"] = row[f"{n}_s"]["min"] / row["ddp_s"]["min"]   # least disturbed
         rows.append(row)
     reference = getattr(systems[names[0]].model, "module", systems[names[0]].model)
     agree = {n: _same_weights(reference, getattr(s.model, "module", s.model)) for n, s in systems.items()
@@ -233,7 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--latency-us", type=float, default=50.0,
                    help="per-message latency in the cluster description HDP's policy prices with (default 50)")
     p.add_argument("--steps", type=int, default=None, help="steps per timed block (default 2; quick 1)")
-    p.add_argument("--reps", type=int, default=None, help="timed blocks per system (default 3; quick 2)")
+    p.add_argument("--reps", type=int, default=None, help="timed blocks per system (default 3)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--no-compute", dest="compute_steps", action="store_false",
@@ -251,7 +252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     quick = args.quick
     batches = args.batches or ("32,128" if quick else "128,192,256,512")
     steps = args.steps or (1 if quick else 2)
-    reps = args.reps or (2 if quick else 3)
+    reps = args.reps or 3
     names = args.systems.split(",")
     unknown = [n for n in names if n not in SYSTEMS]
     if unknown or not names:

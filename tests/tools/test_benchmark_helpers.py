@@ -2,7 +2,7 @@
 
 import pytest
 
-from benchmarks.allreduce_sweep import analyse, crossovers
+from benchmarks.allreduce_sweep import analyse, crossovers, settles
 from benchmarks.common import busbw_gbps, parse_size_range, read_result, size_label, summary
 from hybridpipe.errors import UserError
 
@@ -35,6 +35,13 @@ def test_crossovers_find_every_swap():
     assert [c["between"] for c in crossovers(wavy, ring)] == [[1, 2], [2, 4], [4, 8]]
 
 
+def test_settles_ignores_flips_below_the_last_crossover():
+    ring = {1: 10.0, 2: 10.0, 4: 10.0, 8: 10.0, 16: 10.0}
+    assert settles({1: 1.0, 2: 20.0, 4: 1.0, 8: 20.0, 16: 20.0}, ring) == {"winner": "ring", "from": 8}
+    assert settles({1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0, 16: 1.0}, ring) == {"winner": "algo", "from": 1}
+    assert settles({}, ring) is None
+
+
 def test_analyse_names_the_winners_and_skips_wrong_sums():
     rows = [{"algorithm": "ring", "bytes": b, "median_s": 1.0, "correct": True} for b in (1, 2)]
     rows += [{"algorithm": "butterfly", "bytes": 1, "median_s": 0.5, "correct": True},
@@ -44,6 +51,7 @@ def test_analyse_names_the_winners_and_skips_wrong_sums():
     assert out["fastest"] == {"1": "butterfly", "2": "ring"}
     assert out["crossovers"]["butterfly_vs_ring"] == [{"between": [1, 2], "below": "butterfly", "from": "ring"}]
     assert "torus2d_vs_ring" not in out["crossovers"]
+    assert out["settles"]["butterfly_vs_ring"] == {"winner": "ring", "from": 2}
     assert out["rows"][0]["busbw_of_link"] == pytest.approx(busbw_gbps(1, 1.0, 4))
 
 
