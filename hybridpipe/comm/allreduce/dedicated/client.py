@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+import selectors
 import socket
-import threading
 from typing import Sequence
 
 import torch
 
 from hybridpipe.comm.allreduce.dedicated.wire import (HELLO, MAGIC, OP, VERSION, AggregatorError, byte_view,
-                                                      dtype_code, parse_address, recv_exact, recv_status)
+                                                      dtype_code, parse_address, recv_status)
 
 
 class AggregatorClient:
@@ -59,36 +59,17 @@ class AggregatorClient:
         numel = sum(t.numel() for t in tensors)
         sock = self._connect()
         self._seq += 1
-        views = [byte_view(t) for t in tensors]
-        failure: list[BaseException] = []
-
-        def stream() -> None:
-            try:
-                for v in views:
-                    sock.sendall(v)
-            except OSError as e:
-                failure.append(e)
-
         try:
             sock.sendall(OP.pack(self._seq & 0xFFFFFFFF, dtype_code(dtype), numel))
             error = self._status(sock)
             if error:
                 self.close()
                 raise AggregatorError(f"the aggregator refused all-reduce #{self._seq}: {error}")
-            sender = threading.Thread(target=stream, daemon=True, name="aggregator-send")
-            sender.start()
-            try:
-                for v in views:              # the sum of chunk i overwrites it after it was sent
-                    recv_exact(sock, v)
-            finally:
-                sender.join()
+            _exchange(sock, [byte_view(t) for t in tensors], self.timeout_s)
         except (OSError, ConnectionError) as e:
             self.close()
             raise AggregatorError(f"lost the aggregator at {self.host}:{self.port} during all-reduce "
                                   f"#{self._seq}: {e}") from None
-        if failure:
-            self.close()
-            raise AggregatorError(f"sending to the aggregator failed: {failure[0]}")
 
     def close(self) -> None:
         if self._sock is not None:
@@ -96,3 +77,49 @@ class AggregatorClient:
                 self._sock.close()
             finally:
                 self._sock = None
+
+
+def _exchange(sock: socket.socket, views: list[memoryview], timeout_s: float) -> None:
+    """Stream ``views`` out while the sum streams back into them (one thread, non-blocking).
+
+    The sum of a byte can only arrive after that byte left, so overwriting in place is safe.
+    """
+    total = sum(len(v) for v in views)
+    out = [0, 0]                                   # (view index, offset) still to send
+    back = [0, 0]                                  # (view index, offset) still to receive
+    sent = received = 0
+    sock.setblocking(False)
+    selector = selectors.DefaultSelector()
+    selector.register(sock, selectors.EVENT_READ | selectors.EVENT_WRITE)
+    try:
+        while received < total:
+            if sent == total:
+                selector.modify(sock, selectors.EVENT_READ)
+            if not selector.select(timeout_s):
+                raise TimeoutError(f"no progress for {timeout_s:.0f} s")
+            if sent < total:
+                try:
+                    n = sock.send(views[out[0]][out[1]:])
+                    sent += n
+                    out = _advance(views, out, n)
+                except BlockingIOError:
+                    pass
+            try:
+                n = sock.recv_into(views[back[0]][back[1]:])
+            except BlockingIOError:
+                continue
+            if n == 0:
+                raise ConnectionError("the aggregator closed the connection")
+            received += n
+            back = _advance(views, back, n)
+    finally:
+        selector.close()
+        sock.settimeout(timeout_s)
+
+
+def _advance(views: list[memoryview], where: list[int], n: int) -> list[int]:
+    i, off = where[0], where[1] + n
+    while i < len(views) and off >= len(views[i]):
+        off -= len(views[i])
+        i += 1
+    return [i, off]

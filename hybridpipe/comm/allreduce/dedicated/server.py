@@ -1,42 +1,24 @@
 """The dedicated aggregator (seed 001's in-network aggregation, in software): a TCP server that
 sums the workers' vectors chunk by chunk as they arrive and streams the sum back.
 
-Per session (``world`` workers connected) there is a reader thread and a writer thread per
-worker and one summing thread. A reader receives its worker's stream into a pool of
-``buffers`` chunk buffers (when the pool is empty it stops reading and TCP holds the worker
-back); the summing thread adds chunk i of every worker, in position order, into an
-accumulator (a pool of ``buffers`` more) as soon as each arrives, and hands it to every writer;
-chunk i of the sum leaves while chunk i+1 is still arriving (cut-through).
+A session is ``world`` workers connected at once; it serves their all-reduces one after the
+other until one of them leaves. Each all-reduce is summed cut-through by ``stream.py``: chunk i
+of the sum leaves while chunk i+1 is still arriving, with a pool of buffers per worker.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import socket
 import threading
-from dataclasses import dataclass
 
-import torch
-
-from hybridpipe.comm.allreduce.dedicated.wire import (DTYPES, HELLO, MAGIC, OP, VERSION, byte_view, recv_exact,
-                                                      recv_struct, send_status)
+from hybridpipe.comm.allreduce.dedicated.stream import reduce_stream
+from hybridpipe.comm.allreduce.dedicated.wire import (DTYPES, HELLO, MAGIC, OP, VERSION, recv_struct, send_status,
+                                                      set_blocking_timeout)
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_BYTES = 256 << 10
-_STOP = object()
-
-
-@dataclass(frozen=True)
-class _Job:
-    dtype: torch.dtype
-    numel: int
-    chunk_elems: int
-
-    @property
-    def chunks(self) -> list[tuple[int, int]]:
-        return [(lo, min(lo + self.chunk_elems, self.numel)) for lo in range(0, self.numel, self.chunk_elems)]
 
 
 class AggregatorServer:
@@ -96,7 +78,7 @@ class AggregatorServer:
                 if self._stopped.is_set():
                     continue
                 raise
-            conn.settimeout(self.timeout_s)
+            set_blocking_timeout(conn, self.timeout_s)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             try:
                 magic, version, pos, world = recv_struct(conn, HELLO)
@@ -142,87 +124,9 @@ class AggregatorServer:
                 return
             _, code, numel = headers[0]
             dtype = DTYPES[code]
-            job = _Job(dtype, numel, max(1, self.chunk_bytes // dtype.itemsize))
-            if numel and not self._reduce(conns, job):
-                return
-
-    def _reduce(self, conns: list[socket.socket], job: _Job) -> bool:
-        """Stream one all-reduce; False if a connection broke (the session ends)."""
-        itemsize = job.dtype.itemsize
-        failed = threading.Event()
-        free = [queue.Queue() for _ in conns]
-        ready = [queue.Queue() for _ in conns]
-        outbox = [queue.Queue() for _ in conns]
-        acc_free: queue.Queue = queue.Queue()
-        for q in free:
-            for _ in range(self.buffers):
-                q.put(torch.empty(job.chunk_elems, dtype=job.dtype))
-        for _ in range(self.buffers):
-            acc_free.put(torch.empty(job.chunk_elems, dtype=job.dtype))
-        remaining: dict[int, int] = {}
-        lock = threading.Lock()
-
-        def reader(i: int) -> None:
             try:
-                for lo, hi in job.chunks:
-                    buf = free[i].get()
-                    recv_exact(conns[i], byte_view(buf)[: (hi - lo) * itemsize])
-                    ready[i].put(buf)
+                reduce_stream(conns, dtype, numel, max(1, self.chunk_bytes // dtype.itemsize), self.buffers,
+                              self.timeout_s)
             except (OSError, ConnectionError) as e:
-                log.warning("worker %d: %s", i, e)
-                failed.set()
-                ready[i].put(_STOP)
-
-        def writer(i: int) -> None:
-            try:
-                for lo, hi in job.chunks:
-                    acc = outbox[i].get()
-                    if acc is _STOP:
-                        return
-                    conns[i].sendall(byte_view(acc)[: (hi - lo) * itemsize])
-                    with lock:
-                        remaining[id(acc)] -= 1
-                        done = remaining[id(acc)] == 0
-                    if done:
-                        acc_free.put(acc)
-            except OSError as e:
-                log.warning("worker %d: %s", i, e)
-                failed.set()
-
-        threads = [threading.Thread(target=f, args=(i,), daemon=True, name=f"agg-{f.__name__}-{i}")
-                   for i in range(len(conns)) for f in (reader, writer)]
-        for t in threads:
-            t.start()
-        try:
-            for lo, hi in job.chunks:
-                acc = acc_free.get()
-                part = acc[: hi - lo]
-                for i in range(len(conns)):
-                    buf = ready[i].get()
-                    if buf is _STOP:
-                        raise ConnectionError("a worker left mid-operation")
-                    if i == 0:
-                        part.copy_(buf[: hi - lo])
-                    else:
-                        part.add_(buf[: hi - lo])
-                    free[i].put(buf)
-                with lock:
-                    remaining[id(acc)] = len(conns)
-                for q in outbox:
-                    q.put(acc)
-        except ConnectionError:
-            failed.set()
-        if failed.is_set():
-            for c in conns:                    # unblock every thread; the session ends
-                try:
-                    c.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-            for q in outbox:
-                q.put(_STOP)
-            for q in free:
-                for _ in range(self.buffers):
-                    q.put(torch.empty(job.chunk_elems, dtype=job.dtype))
-        for t in threads:
-            t.join()
-        return not failed.is_set()
+                log.warning("all-reduce of %d elements failed: %s; ending the session", numel, e)
+                return
