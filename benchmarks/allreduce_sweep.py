@@ -15,6 +15,7 @@ Writes benchmarks/results/allreduce_sweep[_quick].{json,png}.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -270,6 +271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from tools.emucluster import EmulatedCluster
     json_path, png_path = result_paths("allreduce_sweep", quick, args.out)
     started = time.monotonic()
+    load_before = [round(x, 2) for x in os.getloadavg()]
     results = []
     for rate in rates:
         for n in hosts:
@@ -298,7 +300,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "budget_s": budget, "mtu": args.mtu, "algorithms": args.algorithms.split(","),
                          "auto_prices_with": f"cluster description: link rate, latency_us={args.latency_us:g}",
                          "latency_emulation": "none (netem unavailable; tbf only)"},
-            "duration_s": time.monotonic() - started, "results": results}
+            "duration_s": time.monotonic() - started, "load_average_before": load_before, "results": results}
     fig = plot(results, f"all-reduce busbw / link rate (gloo, emulated hosts, MTU {args.mtu})")
     write_results(json_path, data, fig, png_path)
     log.info("done in %.0f s", data["duration_s"])

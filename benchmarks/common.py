@@ -94,7 +94,7 @@ def busbw_gbps(nbytes: int, seconds: float, world: int) -> float:
 # ---- the machine ---------------------------------------------------------------------------
 
 def machine() -> dict[str, Any]:
-    """What the numbers were measured on: CPU, cores, memory, kernel, torch, commit, date."""
+    """What the numbers were measured on: CPU, cores, memory, kernel, torch, commit, date, load."""
     cpu = ""
     try:
         cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
@@ -115,6 +115,7 @@ def machine() -> dict[str, Any]:
         commit = ""
     import torch
     return {"date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "load_average_1_5_15": [round(x, 2) for x in os.getloadavg()],   # others' work on the machine
             "host": platform.node(), "cpu": cpu, "cores": os.cpu_count(), "memory_gb": mem_gb,
             "kernel": platform.release(), "python": platform.python_version(), "torch": torch.__version__,
             "commit": commit, "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])}

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -262,6 +263,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from tools.emucluster import EmulatedCluster
     json_path, png_path = result_paths("hdp_vs_ddp", quick, args.out)
     started = time.monotonic()
+    load_before = [round(x, 2) for x in os.getloadavg()]
     log.info("%s, %d hosts at %g Gbit/s, batches %s, systems %s", args.model, args.hosts, args.rate, batches,
              args.systems)
     with EmulatedCluster(args.hosts, args.rate) as cluster:
@@ -284,7 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "parameters": out["parameters"], "gradient_bytes": grad_bytes, "ring_bound_s": ring_bound,
             "setup_s": out["setup_s"], "hdp_choices": out["hdp_choices"],
             **{k: v for k, v in out.items() if k.startswith("weights_agree_with_")},
-            "rows": out["rows"], "duration_s": time.monotonic() - started}
+            "rows": out["rows"], "duration_s": time.monotonic() - started, "load_average_before": load_before}
     for r in data["rows"]:
         log.info("batch %4d: %s; compute alone %s", r["batch_per_worker"],
                  ", ".join(f"{n} {r[f'{n}_s']['median']:.2f} s" for n in names)
