@@ -40,11 +40,17 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def init_distributed(backend: str | None, timeout_s: float) -> Process:
-    """Join the job torchrun started (``env://``); without torchrun, a job of one on this host.
+def init_distributed(backend: str | None, timeout_s: float) -> tuple[Process, bool]:
+    """Join the job torchrun started (``env://``); without torchrun, a job of one on this host;
+    or use the default process group the caller already made. Returns (process, made here).
 
     NCCL puts this process on ``cuda:LOCAL_RANK``; gloo on the CPU.
     """
+    if dist.is_initialized():
+        backend = dist.get_backend()
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        return Process(dist.get_rank(), dist.get_world_size(), local_rank, backend, device), False
     backend = backend or default_backend()
     if backend == "nccl" and not torch.cuda.is_available():
         raise UserError("--backend nccl needs a CUDA GPU, and none is visible; use --backend gloo")
@@ -63,7 +69,7 @@ def init_distributed(backend: str | None, timeout_s: float) -> Process:
     else:
         store = dist.TCPStore("127.0.0.1", _free_port(), 1, is_master=True, timeout=timeout)
         dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
-    return Process(dist.get_rank(), dist.get_world_size(), local_rank, backend, device)
+    return Process(dist.get_rank(), dist.get_world_size(), local_rank, backend, device), True
 
 
 def _free_port() -> int:

@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from hybridpipe.errors import UserError
 from hybridpipe.jsonfile import write_json
 from hybridpipe.pipeline import PipelineEngine, Topology, build_stage_index
 from hybridpipe.runtime.checkpoint import Checkpointer, restore_rng
@@ -37,10 +38,13 @@ log = logging.getLogger(__name__)
 
 def run_worker(cfg: RunConfig, *, print_fn: Callable[[str], None] = print) -> dict | None:
     """Train ``cfg`` on this process's rank (see the module docstring); returns the summary on the
-    reporting rank (the last stage's first replica), None elsewhere."""
+    reporting rank (the last stage's first replica), None elsewhere. Joins the job torchrun
+    started, or uses the default process group when the caller already made one."""
     model = load_model(cfg)                    # before any process group: a wrong plan fails alone
-    proc = init_distributed(cfg.backend, cfg.timeout)
+    proc, owned = init_distributed(cfg.backend, cfg.timeout)
     try:
+        if proc.world_size != cfg.plan.world_size:
+            raise UserError(f"the plan needs {cfg.plan.world_size} workers but the job has {proc.world_size}")
         closers: list[Callable[[], object]] = []
         guard = FailureGuard(default_store(), rank=proc.rank, world_size=proc.world_size, timeout=cfg.peer_timeout,
                              describe=describe_ranks(cfg.plan), on_exit=[lambda: _close_all(closers)],
@@ -49,7 +53,7 @@ def run_worker(cfg: RunConfig, *, print_fn: Callable[[str], None] = print) -> di
         with guard:
             summary = _train(cfg, proc, model, closers, print_fn)
     finally:
-        if dist.is_initialized():
+        if owned and dist.is_initialized():
             dist.destroy_process_group()
     return summary
 

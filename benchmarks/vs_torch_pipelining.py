@@ -1,0 +1,197 @@
+"""hybridpipe's 1f1b vs ``torch.distributed.pipelining.Schedule1F1B``: same model, split, micro-batches.
+
+    python benchmarks/vs_torch_pipelining.py                       # alexnet-small, 4 stages, 8 x 16
+    python benchmarks/vs_torch_pipelining.py --quick               # fewer steps and rounds
+    python benchmarks/vs_torch_pipelining.py --model mlp[hidden=1024] --stages 2 --modes sa,sra
+
+The model is profiled in this process (one thread, as the workers run) and split into
+``--stages`` stages with balanced compute (``hybridpipe partition --strategy time``); both
+systems run exactly those stages (hybridpipe's fx split, the same GraphModules handed to torch's
+``PipelineStage``), ``--micro-batches`` micro-batches of ``--batch-size`` samples per step, SGD
+after each step, synthetic data fetched inside the timed step on both sides, gloo on loopback,
+one process per stage and one thread per process.
+
+hybridpipe runs through its worker (``run_worker``: channels, engine, metrics) with each p2p
+mode of ``--modes``; torch runs ``Schedule1F1B.step`` + ``optimizer.step``. Step time of a job =
+its slowest rank's step; each run reports the median over the steps after ``--warmup``. The
+systems alternate, ``--rounds`` times, so drifting load on a shared machine hits both; the
+ratio is torch's median step over ours (> 1: hybridpipe is faster). Results:
+``benchmarks/results/vs_torch_pipelining[_quick].json`` and ``.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from benchmarks.common import machine, pyplot, result_paths, setup_logging, write_results  # noqa: E402
+from hybridpipe.comm.local import describe_failures, run_local  # noqa: E402
+from hybridpipe.partitioner.cluster import Cluster, Level  # noqa: E402
+from hybridpipe.partitioner.plan import load_plan, save_plan  # noqa: E402
+from hybridpipe.partitioner.planner import Request, partition  # noqa: E402
+from hybridpipe.pipeline import MicroBatches, build_stage_index  # noqa: E402
+from hybridpipe.profiles.data import resolve_dataset  # noqa: E402
+from hybridpipe.profiles.profiler import profile_model  # noqa: E402
+from hybridpipe.profiles.trace import trace_model  # noqa: E402
+from hybridpipe.profiles.zoo import resolve_model  # noqa: E402
+from hybridpipe.runtime.config import build_parser, resolve  # noqa: E402
+from hybridpipe.runtime.worker import run_worker  # noqa: E402
+
+log = logging.getLogger("benchmarks.vs_torch_pipelining")
+LR, MOMENTUM, SEED = 0.01, 0.9, 0
+
+
+def make_plan(model: str, stages: int, micro_batches: int, batch_size: int, path: Path) -> None:
+    """Profile ``model`` here and split it into ``stages`` compute-balanced, unreplicated stages."""
+    torch.set_num_threads(1)
+    profile = profile_model(resolve_model(model), batch_size=batch_size, repeats=3, progress=False)
+    cluster = Cluster((Level("local", stages, 8.0, 500.0),), 4.0)
+    plan = partition(profile, cluster, Request(workers=stages, strategy="time", micro_batches=micro_batches)).plan
+    save_plan(plan, path)
+
+
+def ours(rank: int, world: int, plan_path: str, steps: int, mode: str, run_dir: str) -> dict | None:
+    """hybridpipe's worker on this rank; the reporting rank returns the job's step times."""
+    args = build_parser().parse_args(["--plan", plan_path, "--steps", str(steps), "--lr", str(LR),
+                                      "--momentum", str(MOMENTUM), "--seed", str(SEED), "--comm-mode", mode,
+                                      "--run-dir", run_dir, "--no-trace", "--no-progress", "--timeout", "120"])
+    summary = run_worker(resolve(args, world), print_fn=lambda _: None)
+    return None if summary is None else {int(k): v for k, v in summary["job_step_ms"].items()}
+
+
+def theirs(rank: int, world: int, plan_path: str, steps: int) -> dict | None:
+    """torch.distributed.pipelining's Schedule1F1B on the same stages; rank 0 returns the job's step times."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    plan = load_plan(plan_path)
+    spec = resolve_model(plan.model)
+    torch.manual_seed(SEED)
+    gm = trace_model(spec.build(), spec.leaf_modules)
+    stage = build_stage_index(gm, [(s.first_node, s.last_node) for s in plan.stages], rank, loss=spec.loss)
+    pipe = PipelineStage(stage.module, rank, world, torch.device("cpu"))
+    schedule = Schedule1F1B(pipe, n_microbatches=plan.micro_batches, loss_fn=spec.loss)
+    params = list(stage.module.parameters())
+    optimizer = torch.optim.SGD(params, lr=LR, momentum=MOMENTUM) if params else None
+    size = steps * plan.micro_batches * plan.batch_size
+    data = MicroBatches(resolve_dataset("synthetic", spec, size=size, seed=SEED), plan.batch_size, plan.micro_batches)
+    times = {}
+    for k in range(steps):
+        t0 = time.perf_counter()
+        if rank == 0:
+            schedule.step(data.global_batch(k)[0])
+        elif rank == world - 1:
+            schedule.step(target=data.global_batch(k)[1], losses=[])
+        else:
+            schedule.step()
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        times[k] = (time.perf_counter() - t0) * 1e3
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, times)
+    return {k: max(t[k] for t in everyone) for k in range(steps)} if rank == 0 else None
+
+
+def job_median(step_ms: dict[int, float], warmup: int) -> float:
+    return statistics.median(v for k, v in sorted(step_ms.items()) if k >= warmup)
+
+
+def run_job(fn, world: int, *args) -> dict[int, float]:
+    outcomes = run_local(fn, world, *args, timeout_s=900, pg_timeout_s=300)
+    problems = describe_failures(outcomes)
+    if problems:
+        raise RuntimeError(problems)
+    return next(o.value for o in outcomes if o.value is not None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="alexnet-small")
+    p.add_argument("--stages", type=int, default=4, help="pipeline stages = processes (2-4 on this machine)")
+    p.add_argument("--micro-batches", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=4, help="steps left out of each run's median")
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds of every system")
+    p.add_argument("--modes", default="sa", help="hybridpipe p2p modes to run (comma-separated)")
+    p.add_argument("--quick", action="store_true", help="10 steps, 2 rounds")
+    p.add_argument("--out-dir", help="results directory (default benchmarks/results)")
+    p.add_argument("-v", "--verbose", action="store_true")
+    a = p.parse_args(argv)
+    setup_logging(a.verbose)
+    if a.quick:
+        a.steps, a.warmup, a.rounds = 10, 3, 2
+    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    tmp = Path(tempfile.mkdtemp(prefix="vs_torch_pp."))
+    plan_path = tmp / "plan.json"
+    make_plan(a.model, a.stages, a.micro_batches, a.batch_size, plan_path)
+    plan = load_plan(plan_path)
+    log.info("stages (node ranges): %s", [(s.first_node, s.last_node) for s in plan.stages])
+    systems = [f"hybridpipe-{m}" for m in modes] + ["torch-Schedule1F1B"]
+    runs: dict[str, list[float]] = {s: [] for s in systems}
+    steps_ms: dict[str, list[dict]] = {s: [] for s in systems}
+    for r in range(a.rounds):
+        order = systems if r % 2 == 0 else systems[::-1]
+        for name in order:
+            if name.startswith("hybridpipe-"):
+                step_ms = run_job(ours, a.stages, str(plan_path), a.steps, name.split("-", 1)[1],
+                                  str(tmp / f"run-{name}-{r}"))
+            else:
+                step_ms = run_job(theirs, a.stages, str(plan_path), a.steps)
+            runs[name].append(job_median(step_ms, a.warmup))
+            steps_ms[name].append(step_ms)
+            log.info("round %d %s: %.1f ms/step", r, name, runs[name][-1])
+    global_batch = a.micro_batches * a.batch_size
+    medians = {s: statistics.median(v) for s, v in runs.items()}
+    torch_ms = medians["torch-Schedule1F1B"]
+    result = {
+        "benchmark": "vs_torch_pipelining", "machine": machine(), "command": " ".join(sys.argv),
+        "model": a.model, "stages": [[s.first_node, s.last_node] for s in plan.stages],
+        "micro_batches": a.micro_batches, "batch_size": a.batch_size, "steps": a.steps, "warmup": a.warmup,
+        "rounds": a.rounds, "backend": "gloo", "threads_per_process": 1,
+        "step_ms_per_round": runs, "median_step_ms": medians,
+        "samples_per_s": {s: global_batch / m * 1e3 for s, m in medians.items()},
+        "throughput_vs_torch": {s: torch_ms / m for s, m in medians.items() if s.startswith("hybridpipe")},
+        "job_step_ms": steps_ms,
+    }
+    json_path, png_path = result_paths("vs_torch_pipelining", a.quick, a.out_dir)
+    write_results(json_path, result, _figure(result), png_path)
+    for s, m in medians.items():
+        ratio = f"  ({torch_ms / m:.2f}x torch's throughput)" if s.startswith("hybridpipe") else ""
+        print(f"{s:>22}: {m:8.1f} ms/step  {global_batch / m * 1e3:8.1f} samples/s{ratio}")
+    print(f"wrote {json_path} and {png_path}")
+    return 0
+
+
+def _figure(result: dict):
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    names = list(result["median_step_ms"])
+    gb = result["micro_batches"] * result["batch_size"]
+    for i, name in enumerate(names):
+        per_round = [gb / ms * 1e3 for ms in result["step_ms_per_round"][name]]
+        ax.bar(i, gb / result["median_step_ms"][name] * 1e3, color="#1f77b4" if name.startswith("hybrid") else "#7f7f7f")
+        ax.plot([i] * len(per_round), per_round, "k.", label="rounds" if i == 0 else None)
+    ax.set_xticks(range(len(names)), names, fontsize=8)
+    ax.set_ylabel("samples/s (median of rounds)")
+    ratios = ", ".join(f"{k}: {v:.2f}x" for k, v in result["throughput_vs_torch"].items())
+    ax.set_title(f"{result['model']}, {len(result['stages'])} stages, {result['micro_batches']} x "
+                 f"{result['batch_size']}, 1F1B, gloo\n{ratios}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+if __name__ == "__main__":
+    sys.exit(main())
