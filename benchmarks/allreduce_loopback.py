@@ -8,6 +8,8 @@ process (``hybridpipe aggregator``) on this machine. Every result is checked aga
 
     .venv/bin/python benchmarks/allreduce_loopback.py            # 4 ranks, 4K..16M
     .venv/bin/python benchmarks/allreduce_loopback.py --quick    # fewer repetitions
+    .venv/bin/hybridpipe bench-allreduce --ranks 4 -o cal.json    # then auto by measurement:
+    .venv/bin/python benchmarks/allreduce_loopback.py --calibration cal.json
 
 Writes benchmarks/results/allreduce_loopback[_quick].{json,png}.
 """
@@ -31,7 +33,8 @@ from benchmarks.common import (busbw_gbps, log, machine, parse_size_range, pyplo
 ALGORITHMS = ("native", "ring", "butterfly", "hierarchical", "torus2d", "aggregator", "aggregator-dedicated", "auto")
 
 
-def worker(rank: int, world: int, sizes: list[int], algorithms: list[str], reps: int, address: str | None) -> dict:
+def worker(rank: int, world: int, sizes: list[int], algorithms: list[str], reps: int, address: str | None,
+           calibration: str | None) -> dict:
     """Runs on every rank; rank 0 returns {algorithm: {size: [seconds...]}} and what auto chose."""
     import torch
     import torch.distributed as dist
@@ -41,7 +44,7 @@ def worker(rank: int, world: int, sizes: list[int], algorithms: list[str], reps:
     control = dist.new_group(backend="gloo")
     group = dist.new_group(backend="gloo")
     topology = Topology.blocks(world, 2)                # two emulated 'hosts' of 2: hierarchical has levels
-    reducers = {"plain": AllReducer(group, topology=topology)}
+    reducers = {"plain": AllReducer(group, topology=topology, calibration=calibration)}
     if address:
         reducers["dedicated"] = AllReducer(group, topology=topology, aggregator=address, lane=1)
     times: dict[str, dict[int, list[float]]] = {a: {s: [] for s in sizes} for a in algorithms}
@@ -119,6 +122,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--size-step", type=int, default=4)
     p.add_argument("--reps", type=int, default=None)
     p.add_argument("--algorithms", default=",".join(ALGORITHMS))
+    p.add_argument("--calibration", default=None,
+                   help="calibration for auto (hybridpipe bench-allreduce --ranks 4 output); default: nominal costs")
     p.add_argument("--timeout", type=float, default=1800.0)
     p.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     args = p.parse_args(argv)
@@ -135,7 +140,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         address = server.stdout.readline().split()[3]
     started = time.monotonic()
     try:
-        outcomes = run_local(worker, args.ranks, sizes, algorithms, reps, address, timeout_s=args.timeout)
+        outcomes = run_local(worker, args.ranks, sizes, algorithms, reps, address, args.calibration,
+                             timeout_s=args.timeout)
     finally:
         if server is not None:
             server.terminate()
@@ -154,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     data = {"benchmark": "allreduce_loopback", "quick": args.quick, "machine": machine(),
             "settings": {"ranks": args.ranks, "sizes": sizes, "reps": reps, "algorithms": algorithms,
                          "topology": "blocks of 2 ranks (hierarchical and torus2d see 2 hosts)",
-                         "threads_per_rank": 1},
+                         "threads_per_rank": 1, "calibration": args.calibration},
             "wrong_sums": out["wrong"], "auto_chose": {str(k): v for k, v in out["auto"].items()},
             "rows": rows, "duration_s": time.monotonic() - started}
     fig = plot(rows, args.ranks, f"all-reduce on {args.ranks} local processes (gloo, loopback): each vs native")

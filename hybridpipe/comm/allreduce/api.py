@@ -29,8 +29,9 @@ from hybridpipe.partitioner.calibration import Calibration, load_calibration
 ALGORITHMS = ("ring", "butterfly", "hierarchical", "torus2d", "aggregator", "native")
 CHOICES = ALGORITHMS + ("auto",)
 AGGREGATOR_ENV = "HYBRIDPIPE_AGGREGATOR"
-DEFAULT_CHUNK_BYTES = 512 << 10
-DEFAULT_INFLIGHT = 4
+MIN_CHUNK_BYTES = 256 << 10          # adaptive chunks: at least this (per-message overhead) ...
+MAX_CHUNK_BYTES = 2 << 20            # ... at most this, and about a quarter of a ring segment
+DEFAULT_INFLIGHT = 6
 
 
 class AllReducer:
@@ -41,12 +42,14 @@ class AllReducer:
     :class:`GroupCosts` instead (e.g. the plan's cost model and the group's global ranks).
     ``aggregator``: ``host:port`` of a dedicated aggregator. ``lane``: tags of this reducer's
     messages (collectives issued concurrently from different threads need different lanes).
-    ``pipelined``: chunked, pipelined executor (default on CPU); False runs round by round.
+    ``chunk_bytes``: the pipelined executor's chunk (default: a quarter of a ring segment, within
+    256 KiB .. 2 MiB); ``inflight``: receives posted ahead. ``pipelined``: chunked, pipelined
+    executor (default on CPU); False runs round by round.
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, topology: Topology | None = None,
                  calibration: Calibration | str | os.PathLike | None = None, costs: GroupCosts | None = None,
-                 aggregator: str | None = None, lane: int = 0, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 aggregator: str | None = None, lane: int = 0, chunk_bytes: int | None = None,
                  inflight: int = DEFAULT_INFLIGHT, pipelined: bool | None = None,
                  torus_shape: tuple[int, int] | None = None):
         self.transport = GroupTransport(group)
@@ -61,7 +64,7 @@ class AllReducer:
         self.aggregator_address = aggregator or os.environ.get(AGGREGATOR_ENV) or None
         self.costs = costs or group_costs(self.topology, calibration, bool(self.aggregator_address))
         self.lane = lane
-        if chunk_bytes < 64 or inflight < 1:
+        if chunk_bytes is not None and chunk_bytes < 64 or inflight < 1:
             raise ValueError("chunk_bytes must be >= 64 and inflight >= 1")
         self.chunk_bytes = chunk_bytes
         self.inflight = inflight
@@ -130,9 +133,10 @@ class AllReducer:
     def _scheduled(self, tensors: list[torch.Tensor], algorithm: str, nbytes: float) -> None:
         staged = [t.cpu() for t in tensors] if self._needs_cpu(tensors[0]) else tensors
         itemsize = tensors[0].element_size()
-        space = FlatSpace(staged, max(1, self.chunk_bytes // itemsize))
+        chunk = self.chunk_bytes or min(MAX_CHUNK_BYTES, max(MIN_CHUNK_BYTES, int(nbytes) // (4 * self.size)))
+        space = FlatSpace(staged, max(1, chunk // itemsize))
         rounds = self.rounds(algorithm, space.numel, nbytes)
-        pipelined = self.pipelined if self.pipelined is not None else self.transport.backend != "nccl"
+        pipelined = self.pipelined if self.pipelined is not None else staged[0].device.type == "cpu"
         if pipelined:
             run_pipelined(rounds, space, self.transport, lane=self.lane, algorithm=algorithm,
                           inflight=self.inflight, pool=self._pool(space))
@@ -143,7 +147,7 @@ class AllReducer:
                 t.copy_(s)
 
     def _needs_cpu(self, t: torch.Tensor) -> bool:
-        return t.device.type != "cpu" and self.transport.backend == "gloo"
+        return t.device.type != "cpu" and "nccl" not in self.transport.backend
 
     def _pool(self, space: FlatSpace) -> list[torch.Tensor]:
         key = (space.dtype, space.device)
