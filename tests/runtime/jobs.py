@@ -15,6 +15,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -68,8 +69,10 @@ def _collect(procs: list[subprocess.Popen], files, timeout: float) -> list[Finis
     return out
 
 
-def launch(args: list[str], world: int, *, timeout: float = 120.0, env: dict | None = None) -> list[Finished]:
-    """Run launch.py on ``world`` local ranks like torchrun would (see the module docstring)."""
+def launch(args: list[str], world: int, *, timeout: float = 120.0, env: dict | None = None,
+           on_start: Callable[[list[subprocess.Popen]], None] | None = None) -> list[Finished]:
+    """Run launch.py on ``world`` local ranks like torchrun would (see the module docstring);
+    ``on_start(processes)`` runs once they are started (e.g. to kill one)."""
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=timeout))
     base = _env(env)
@@ -81,6 +84,12 @@ def launch(args: list[str], world: int, *, timeout: float = 120.0, env: dict | N
         files.append((o, e))
         procs.append(subprocess.Popen([sys.executable, str(LAUNCH), *args], cwd=ROOT, stdout=o, stderr=e,
                                       env=dict(base, RANK=str(r), LOCAL_RANK=str(r))))
+    if on_start is not None:
+        try:
+            on_start(procs)
+        except BaseException:
+            _collect(procs, files, 0)
+            raise
     return _collect(procs, files, timeout)      # the store lives until every rank is done
 
 
@@ -140,4 +149,4 @@ def final_weights(checkpoint_dir: Path, steps: int) -> dict[str, torch.Tensor]:
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert set(a) == set(b), sorted(set(a) ^ set(b))
-    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+    return max(float((a[k].detach().cpu().double() - b[k].detach().cpu().double()).abs().max()) for k in a)
