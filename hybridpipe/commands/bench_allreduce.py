@@ -34,6 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size-step", type=int, default=4, help="factor between sizes of a range (default 4)")
     p.add_argument("--ranks", type=int, default=4, help="local processes to spawn when not under torchrun (default 4)")
     p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16", "int64"))
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="cuda: CUDA tensors on NCCL, one GPU per rank (under torchrun)")
     p.add_argument("--reps", type=int, default=5, help="minimum timed repetitions per case (default 5)")
     p.add_argument("--budget", type=float, default=0.3, help="seconds of timed repetitions per case (default 0.3)")
     p.add_argument("--level", default="", help="the cluster level the ranks span (a name in your cluster file)")
@@ -53,15 +55,19 @@ def _config(args: argparse.Namespace) -> BenchConfig:
         raise UserError("--sizes: give at least two sizes (alpha and beta are fitted from them)")
     if args.reps < 1 or args.budget < 0:
         raise UserError("--reps must be >= 1 and --budget >= 0")
+    if args.device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            raise UserError("--device cuda: no CUDA device here; measure on a GPU machine or use --device cpu")
     return BenchConfig(algorithms, tuple(sizes), args.dtype, args.reps, max(args.reps, 50), args.budget,
-                       args.aggregator, progress=not args.no_progress)
+                       args.aggregator, progress=not args.no_progress, device=args.device)
 
 
 def run(args: argparse.Namespace) -> int:
     cfg = _config(args)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         import torch.distributed as dist
-        dist.init_process_group()
+        dist.init_process_group("gloo")              # the measured group gets its own backend
         try:
             result = measure(dist.get_rank(), dist.get_world_size(), cfg)
         finally:
@@ -71,6 +77,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         if args.ranks < 2:
             raise UserError("--ranks must be >= 2 (an all-reduce needs peers)")
+        if cfg.device == "cuda":
+            import torch
+            if torch.cuda.device_count() < args.ranks:
+                raise UserError(f"--device cuda needs a GPU per rank: {args.ranks} ranks, "
+                                f"{torch.cuda.device_count()} GPU(s); lower --ranks")
         from hybridpipe.comm.local import describe_failures, run_local
         log.info("timing %s at %d sizes on %d local ranks", ",".join(cfg.algorithms), len(cfg.sizes), args.ranks)
         outcomes = run_local(measure, args.ranks, cfg, timeout_s=args.timeout)

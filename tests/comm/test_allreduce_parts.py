@@ -85,6 +85,16 @@ def test_group_costs_shape_the_cluster_like_the_topology() -> None:
     assert two.torus_shape() == (2, 2)
 
 
+def test_a_plans_cost_model_gives_the_groups_hierarchical_uses() -> None:
+    from hybridpipe.comm.allreduce import GroupCosts
+    from hybridpipe.partitioner.cluster import Cluster, Level
+    from hybridpipe.partitioner.costmodel import CostModel
+    cluster = Cluster((Level("node", 2, 100.0), Level("network", 4, 1.0)), 16.0)
+    costs = GroupCosts(CostModel(cluster), (7, 2, 6, 3))          # a stage's ranks, in any order
+    assert costs.topology().units == ((0, 1), (2, 3))             # positions of 2,3 and of 6,7
+    assert costs.torus_shape() == (2, 2)
+
+
 def test_group_costs_price_what_the_calibration_measured() -> None:
     local = group_costs(Topology.flat(4), _calibration("", hosts=1))
     assert local.seconds("native", 4096) < local.seconds("ring", 4096)      # native's own, smaller alpha

@@ -37,8 +37,8 @@ DEFAULT_INFLIGHT = 6
 class AllReducer:
     """In-place sum over one process group with any algorithm; keeps what calls can share.
 
-    ``topology``: which positions share a host (default: from torchrun's environment, else one
-    host). ``calibration``: a Calibration or a path to one, for ``auto``. ``costs``: a ready
+    ``topology``: which positions share a host (default: the groups of ``costs`` when given,
+    else from torchrun's environment, else one host). ``calibration``: a Calibration or a path to one, for ``auto``. ``costs``: a ready
     :class:`GroupCosts` instead (e.g. the plan's cost model and the group's global ranks).
     ``aggregator``: ``host:port`` of a dedicated aggregator. ``lane``: tags of this reducer's
     messages (collectives issued concurrently from different threads need different lanes).
@@ -56,7 +56,9 @@ class AllReducer:
         self.group = group
         self.size = self.transport.size
         self.position = self.transport.position
-        self.topology = topology or Topology.from_env(self.transport.ranks)
+        if topology is None:
+            topology = costs.topology() if costs is not None else Topology.from_env(self.transport.ranks)
+        self.topology = topology
         if self.topology.size != self.size:
             raise ValueError(f"the topology describes {self.topology.size} positions but the group has {self.size}")
         if isinstance(calibration, (str, os.PathLike)):

@@ -9,6 +9,7 @@ partitioner's Calibration format. Sizes, bandwidths and the table are plain func
 from __future__ import annotations
 
 import datetime as dt
+import os
 import re
 import socket
 import statistics
@@ -77,6 +78,7 @@ class BenchConfig:
     aggregator: str | None = None
     chunk_bytes: int | None = None
     progress: bool = True
+    device: str = "cpu"              # "cuda": CUDA tensors on an NCCL group (one GPU per rank)
 
 
 def _timed(run: Callable[[], None], control: dist.ProcessGroup) -> float:
@@ -109,13 +111,17 @@ def measure_gamma(dtype: torch.dtype = torch.float32, numel: int = 1 << 22) -> f
 def measure(rank: int, world: int, cfg: BenchConfig) -> dict | None:
     """Time every algorithm and size on the default group (every rank calls it; rank 0 gets the data)."""
     control = dist.new_group(backend="gloo")
-    group = dist.new_group()
+    if cfg.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
+        group = dist.new_group(backend="nccl")
+    else:
+        device = torch.device("cpu")
+        group = dist.new_group(backend="gloo")
     names: list = [None] * world
     dist.all_gather_object(names, socket.gethostname(), group=control)
     topology = Topology.from_labels(names)
     dtype = getattr(torch, cfg.dtype)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
-        else torch.device("cpu")
     opts = {"chunk_bytes": cfg.chunk_bytes} if cfg.chunk_bytes else {}
     reducer = AllReducer(group, topology=topology, aggregator=cfg.aggregator, **opts)
     steps = [(a, s) for a in cfg.algorithms for s in cfg.sizes] + [("p2p", s) for s in cfg.sizes if world > 1]

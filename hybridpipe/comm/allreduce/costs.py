@@ -27,10 +27,18 @@ AUTO_CANDIDATES = ("native", "ring", "butterfly", "hierarchical", "torus2d", "ag
 
 @dataclass(frozen=True)
 class GroupCosts:
-    """A cost model and the model's rank for each position of the group."""
+    """A cost model and the model's rank for each position of the group (for a plan's cost
+    model: the group's global ranks)."""
 
     model: CostModel
     ranks: tuple[int, ...]
+
+    def topology(self) -> Topology:
+        """The model's hierarchical groups as positions (position i = the i-th smallest rank,
+        as ``torch.distributed.new_group`` numbers a group's global ranks)."""
+        position = {r: i for i, r in enumerate(sorted(self.ranks))}
+        return Topology(tuple(tuple(sorted(position[r] for r in g))
+                              for g in sorted(self.model.groups(self.ranks), key=min)))
 
     def fastest(self, nbytes: float, candidates: Sequence[str] = AUTO_CANDIDATES) -> str:
         """The cheapest candidate for an all-reduce of ``nbytes`` (ties: the earlier candidate)."""

@@ -3,9 +3,13 @@
 :func:`run_pipelined` (gloo, CPU): every message is cut into chunks (the flat space's grid);
 sends go out as soon as the chunk they read is final, and up to ``inflight`` receives are
 posted ahead into a pool of buffers, so chunk c of round r+1 travels while chunk c+1 of round r
-is still arriving (the ring's pipeline, the aggregator's cut-through). Dependencies are kept
-per grid cell: a send waits for the earlier receives that write its cell; a receive's write
-waits for the sends that read its cell. Receives complete in posting order.
+is still arriving (the ring's pipeline, the aggregator's cut-through). A send waits for the last
+earlier receive that wrote its grid cell; a receive's write waits for the sends that read the
+range it overwrites. A receive that can land in place (a copy with nothing to wait for) does,
+others land in a pool buffer and are summed or copied when their turn comes. Receives are posted
+and completed in one fixed order (rounds, then chunks) and sends go out per peer in order, so
+what a rank waits for depends only on earlier rounds, or on receives of the same round that its
+peers post without waiting: no cycle of waits (and the tests run every algorithm on 1..9 ranks).
 
 :func:`run_rounds` (NCCL, or anywhere): round by round, whole messages, all of a round's sends
 and receives posted, then waited; for each peer the lower position sends first, so that two

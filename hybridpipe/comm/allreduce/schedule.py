@@ -90,8 +90,7 @@ def owned_segment(ring: Sequence[int], member: int, lo: int, hi: int) -> tuple[i
 
 def ring(n: int, numel: int) -> list[Round]:
     """Ring all-reduce: reduce-scatter then all-gather, position k sending to k+1."""
-    order = list(range(n))
-    return rings([order], 0, numel)
+    return rings([list(range(n))], 0, numel)
 
 
 def rings(groups: Sequence[Sequence[int]], lo: int, hi: int) -> list[Round]:
@@ -164,7 +163,7 @@ def hierarchical(groups: Sequence[Sequence[int]], numel: int) -> list[Round]:
     """
     groups = [list(g) for g in groups if g]
     if len(groups) <= 1:
-        return ring_rounds_of(groups[0] if groups else [], numel)
+        return rings(groups, 0, numel)
     sizes = {len(g) for g in groups}
     if len(sizes) == 1:
         g = sizes.pop()
@@ -181,10 +180,6 @@ def hierarchical(groups: Sequence[Sequence[int]], numel: int) -> list[Round]:
     across = _rename(rings([leaders], 0, numel), "across")
     bcast = _lockstep([_broadcast_from_leader(grp, numel) for grp in groups])
     return reduce + across + bcast
-
-
-def ring_rounds_of(order: Sequence[int], numel: int) -> list[Round]:
-    return rings([list(order)], 0, numel)
 
 
 def _rename(rounds: list[Round], phase: str) -> list[Round]:

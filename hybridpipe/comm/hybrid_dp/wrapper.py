@@ -37,6 +37,11 @@ class HybridDataParallel(nn.Module):
     ``reduce``: ``"mean"`` (DDP's semantics) or ``"sum"`` of the replicas' gradients.
     ``broadcast_buffers``: like DDP, buffers (e.g. BatchNorm statistics) follow the group's
     first rank at every forward; parameters and buffers are broadcast from it at construction.
+
+    Every rank must run the same backward (the same parameters get gradients, as with DDP's
+    default). A parameter is awaited before the forward of the module that owns it (the first
+    that registers it); one read earlier in forward by another module (an unusual weight tie)
+    needs ``finish()`` before that forward.
     """
 
     def __init__(self, module: nn.Module, group: dist.ProcessGroup | None = None, policy: str = "hybrid",
