@@ -164,6 +164,7 @@ class FailureGuard:
         self._old_sigterm = None
         self._peers: dict[int, int] = {}          # local ranks -> pid (same host identity)
         self._done: set[int] = set()
+        self._store_error: BaseException | None = None
 
     # ---- lifecycle --------------------------------------------------------------------
     def start(self) -> "FailureGuard":
@@ -200,12 +201,20 @@ class FailureGuard:
 
     # ---- failure path -----------------------------------------------------------------
     def published(self) -> Failure | None:
-        """The first failure anyone reported, if any."""
-        return _read_first(self._store)
+        """The first failure anyone reported, if any (None too when the store is gone)."""
+        try:
+            return _read_first(self._store)
+        except Exception as e:      # noqa: BLE001 - the store's host died: decide locally
+            self._store_error = self._store_error or e
+            return None
 
     def report(self, failure: Failure) -> Failure:
         """Publish ``failure`` unless one was published before; return the first one."""
-        return _report(self._store, failure)
+        try:
+            return _report(self._store, failure)
+        except Exception as e:      # noqa: BLE001
+            self._store_error = self._store_error or e
+            return failure
 
     def handle(self, exc: BaseException) -> NoReturn:
         """Name the first failed rank for ``exc``, print one line, exit (see the module docstring)."""
@@ -233,14 +242,24 @@ class FailureGuard:
             first = self.report(Failure(peer, self._peer_reason(peer, how, own_text), self.rank))
         if first is None:
             first = self._wait_published(self.timeout + 2 * self.interval)
+        if first is None and self._store_error is not None:
+            first = self._store_gone(self._store_error)
         if first is None:
             first = self.report(Failure(self.rank, f"a collective failed and no rank was named: {own_text}",
                                         self.rank))
         self._exit(EXIT_PEER_LOST, self._blame(first) + (f" (this rank saw: {own_text})" if first.reporter != self.rank
                                                           else ""))
 
+    def _store_gone(self, e: BaseException) -> Failure:
+        return Failure(0, f"the c10d store is unreachable ({_one_line(e)}): the process hosting it is gone "
+                          "(rank 0, or torchrun's agent)", self.rank)
+
     def _peer_reason(self, peer: int, how: str, text: str) -> str:
-        if _is_set(self._store, f"done/{peer}"):
+        try:
+            finished = _is_set(self._store, f"done/{peer}")
+        except Exception as e:      # noqa: BLE001
+            self._store_error, finished = self._store_error or e, False
+        if finished:
             return f"it finished its steps while this rank still waited for it ({text})"
         return text if how == "lost" else f"stalled: {text}"
 
@@ -253,7 +272,7 @@ class FailureGuard:
         end = time.monotonic() + seconds
         while True:
             first = self.published()
-            if first is not None or time.monotonic() >= end:
+            if first is not None or self._store_error is not None or time.monotonic() >= end:
                 return first
             time.sleep(min(self.interval / 2, 0.1))
 
@@ -288,8 +307,7 @@ class FailureGuard:
             except Exception as e:  # noqa: BLE001 - the store itself is gone
                 if self._stop.is_set():
                     return
-                first = Failure(0, f"the rendezvous store is unreachable ({_one_line(e)}): the launcher "
-                                   "or the rank hosting the store is gone", self.rank)
+                first = self._store_gone(e)
             if first is None or self._stop.is_set() or first.rank == first.reporter == self.rank:
                 continue            # (this rank's own failure is handled by its main thread)
             if first.rank == self.rank:

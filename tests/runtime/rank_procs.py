@@ -1,10 +1,12 @@
-"""Run a function as N real rank processes (gloo on 127.0.0.1), like torchrun would, and watch them.
+"""Run a function (or launch.py) as N real rank processes (gloo on 127.0.0.1), like torchrun would.
 
 The parent hosts the c10d TCPStore (as torchrun's agent does, so it outlives any rank), starts
 ``python -c BOOT`` per rank with RANK/WORLD_SIZE/MASTER_* set, and collects exit code, stdout,
 stderr and the time each rank ended. Each rank imports ``file.py`` by path, joins the gloo
 group and calls ``function(rank, world, *args)``; what it returns is printed as ``RESULT <json>``
-on stdout. Processes are always reaped (killed at the deadline).
+on stdout. With ``command`` every rank runs that command instead (e.g. ``python launch.py ...``)
+with torchrun's environment, joining the parent's store (TORCHELASTIC_USE_AGENT_STORE). Ranks can
+be killed one by one; processes are always reaped (killed at the deadline).
 """
 
 from __future__ import annotations
@@ -62,21 +64,22 @@ class RankResult:
 class Job:
     """``world`` rank processes running ``file:function``; see the module docstring."""
 
-    def __init__(self, file: str | Path, function: str, world: int, args: tuple = (), *, pg_timeout: float = 60.0,
-                 env: dict | None = None) -> None:
+    def __init__(self, file: str | Path | None, function: str | None, world: int, args: tuple = (), *,
+                 pg_timeout: float = 60.0, env: dict | None = None, command: list[str] | None = None) -> None:
         self.store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=pg_timeout))
         self.world = world
         self._files = []
         self.procs: list[subprocess.Popen] = []
         base_env = dict(os.environ, PYTHONPATH=str(ROOT), GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
-                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.store.port), WORLD_SIZE=str(world))
+                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.store.port), WORLD_SIZE=str(world),
+                        LOCAL_WORLD_SIZE=str(world), TORCHELASTIC_USE_AGENT_STORE="True")
         base_env.update(env or {})
         for r in range(world):
             out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
             self._files.append((out, err))
-            cmd = [sys.executable, "-c", BOOT, str(file), function, str(r), str(world), str(self.store.port),
-                   str(pg_timeout), json.dumps(list(args))]
+            cmd = command or [sys.executable, "-c", BOOT, str(file), function, str(r), str(world),
+                              str(self.store.port), str(pg_timeout), json.dumps(list(args))]
             self.procs.append(subprocess.Popen(cmd, cwd=ROOT, env=dict(base_env, RANK=str(r), LOCAL_RANK=str(r)),
                                                stdout=out, stderr=err))
         self.ended: dict[int, float] = {}

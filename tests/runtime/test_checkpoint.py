@@ -184,6 +184,7 @@ def saved_run(tmp_path_factory) -> tuple[Path, list]:
     return root, results
 
 
+@pytest.mark.slow
 def test_ranks_save_complete_checkpoints_and_a_save_cut_short_is_ignored(saved_run):
     root, results = saved_run
     assert results[2].returncode == 17, results            # died in the middle of the step-8 save
@@ -197,6 +198,7 @@ def test_ranks_save_complete_checkpoints_and_a_save_cut_short_is_ignored(saved_r
     assert manifest["n_stages"] == 2 and manifest["world_size"] == 3 and manifest["model"] == MODEL
 
 
+@pytest.mark.slow
 def test_resume_restores_weights_optimizer_engine_state_and_rng(saved_run):
     from tests.runtime.rank_procs import Job
 
@@ -212,6 +214,7 @@ def test_resume_restores_weights_optimizer_engine_state_and_rng(saved_run):
     assert complete_steps(root) == [4, 6] and not step_dir(root, 8).exists()   # leftovers of the dead save
 
 
+@pytest.mark.slow
 def test_merged_checkpoint_equals_the_unsplit_model_trained_alike(saved_run, tmp_path, capsys):
     root, _ = saved_run
     out = tmp_path / "model.pt"
@@ -229,6 +232,7 @@ def test_merged_checkpoint_equals_the_unsplit_model_trained_alike(saved_run, tmp
     assert set(state4) == set(reference.state_dict())
 
 
+@pytest.mark.slow
 def test_merge_checkpoint_names_what_does_not_fit(saved_run, tmp_path, capsys):
     root, _ = saved_run
     assert main(["merge-checkpoint", str(root), "--step", "2", "-o", str(tmp_path / "m.pt")]) == 2

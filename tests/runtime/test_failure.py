@@ -106,6 +106,7 @@ def _check_everyone_named(results, victim: int, killed_at: float, describe) -> f
     return latest
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("victim", [2])
 def test_killed_rank_is_named_by_every_other_rank(victim, tmp_path):
     results, killed_at = _run_and_kill("toy_pipeline", 4, victim, tmp_path)
@@ -128,6 +129,7 @@ def test_ranks_blocked_in_an_all_reduce_name_the_killed_rank(tmp_path):
     print(f"ranks blocked in all-reduce stopped {latest:.2f} s after the kill")
 
 
+@pytest.mark.slow
 def test_a_frozen_rank_is_named_after_the_heartbeat_timeout(tmp_path):
     from tests.runtime.rank_procs import Job
 
@@ -148,6 +150,26 @@ def test_a_frozen_rank_is_named_after_the_heartbeat_timeout(tmp_path):
         assert r.ended - stopped_at >= timeout * 0.9, "named before the heartbeat timeout ran out"
     print(f"a frozen rank was named {max(r.ended for r in results if r.rank != 1) - stopped_at:.2f} s after "
           f"it stopped (timeout {timeout} s)")
+
+
+@pytest.mark.slow
+def test_losing_the_store_host_stops_every_rank(tmp_path):
+    """The c10d store lives in torchrun's agent (or in rank 0): when it goes, the ranks stop too."""
+    import gc
+
+    from tests.runtime.rank_procs import Job
+
+    with Job(HERE, "all_reduce_loop", 3, (TIMEOUT, INTERVAL, str(tmp_path))) as job:
+        while job.store.add("ready", 0) < 3:
+            assert not job.poll(), job.wait(1)
+            time.sleep(0.05)
+        store, job.store = job.store, None
+        del store               # the store's server shuts down with its last reference
+        gc.collect()
+        results = job.wait(timeout=TIMEOUT * 3)
+    for r in results:
+        assert r.returncode == EXIT_PEER_LOST, r
+        assert "the c10d store is unreachable" in r.stderr, r
 
 
 def test_a_rank_that_raises_is_named_with_its_error(tmp_path):

@@ -171,6 +171,7 @@ def three_rank_run(tmp_path_factory) -> Path:
     return run_dir
 
 
+@pytest.mark.slow
 def test_merged_trace_holds_every_rank_and_phase_and_respects_causality(three_rank_run):
     merged = merge_traces([load_rank_trace(p) for p in find_rank_traces(three_rank_run)])
     info = merged["otherData"]["hybridpipe"]
@@ -195,6 +196,7 @@ def test_merged_trace_holds_every_rank_and_phase_and_respects_causality(three_ra
     assert step_window(merged, 2) == (1, 2)
 
 
+@pytest.mark.slow
 def test_timeline_command_writes_the_merged_trace_table_and_png(three_rank_run, tmp_path, capsys):
     out, png = tmp_path / "timeline.json", tmp_path / "timeline.png"
     assert main(["timeline", str(three_rank_run), "-o", str(out), "--png", str(png), "--png-steps", "2"]) == 0
