@@ -66,12 +66,15 @@ class _Step:
     t_end: float | None = None
     phases: list[tuple[str, int, float, float]] = field(default_factory=list)
     transfers: list[tuple[int, str, int, float, float]] = field(default_factory=list)
+    cache: tuple[float, str] | None = None    # (time origin, events as JSON) once serialised
 
 
 class TimelineRecorder:
     """Records phases and transfers of one rank; see the module docstring for the protocol.
 
-    Thread-safe: ``record`` runs on the compute thread, ``on_transfer`` on p2p threads.
+    Thread-safe: ``record`` runs on the compute thread, ``on_transfer`` on p2p threads. Each
+    step is turned into JSON once, when it ends (about 5 us per event), so rewriting the file
+    is a plain write of the kept steps' text, not a re-encoding of all of them.
     """
 
     def __init__(self, directory: str | os.PathLike, *, rank: int, stage: int, replica: int = 0,
@@ -115,6 +118,7 @@ class TimelineRecorder:
         """Close the current step; rewrite the file every ``flush_every`` steps."""
         with self._lock:
             self._current.t_end = self.clock()
+            self._fragment(self._current)
             self._since_flush += 1
             due = self.flush_every > 0 and self._since_flush >= self.flush_every
         if due:
@@ -126,39 +130,18 @@ class TimelineRecorder:
             raise ValueError(f"unknown timeline phase {phase!r}; phases are {', '.join(PHASES)}")
         with self._lock:
             self._current.phases.append((phase, int(micro_batch), t0, t1))
+            self._current.cache = None
 
     def on_transfer(self, peer: int, key: str, nbytes: int, t0: float, t1: float) -> None:
         """One completed p2p message (the Channels ``on_transfer`` hook)."""
         with self._lock:
             self._current.transfers.append((peer, key, nbytes, t0, t1))
+            self._current.cache = None
 
     # ---- output -------------------------------------------------------------------------
     def events(self) -> list[dict]:
         """The Chrome trace events held now (metadata events first), times in microseconds."""
-        with self._lock:
-            steps = [_Step(s.step, s.t_begin, s.t_end, list(s.phases), list(s.transfers))
-                     for s in (self._setup, *self._steps)]
-            anchor = self._anchor
-        pid = self.rank
-        out = [_meta("process_name", pid, name=self.describe()),
-               _meta("process_sort_index", pid, sort_index=self.rank)]
-        out += [_meta("thread_name", pid, tid, name=n) for tid, n in _THREAD_NAMES.items()]
-
-        def us(t: float) -> float:
-            return round((t - anchor) * 1e6, 3)
-
-        for s in steps:
-            out += [{"ph": "X", "name": ph, "cat": "phase", "pid": pid, "tid": TID_PHASES, "ts": us(t0),
-                     "dur": round(max(t1 - t0, 0.0) * 1e6, 3), "args": {"step": s.step, "micro_batch": mb}}
-                    for ph, mb, t0, t1 in s.phases]
-            out += [{"ph": "X", "name": key, "cat": "transfer", "pid": pid, "tid": TID_TRANSFERS, "ts": us(t0),
-                     "dur": round(max(t1 - t0, 0.0) * 1e6, 3), "args": {"step": s.step, "peer": peer, "bytes": n}}
-                    for peer, key, n, t0, t1 in s.transfers]
-            if s.step is not None and s.t_begin is not None and s.t_end is not None:
-                out.append({"ph": "X", "name": f"step {s.step}", "cat": "step", "pid": pid, "tid": TID_STEPS,
-                            "ts": us(s.t_begin), "dur": round((s.t_end - s.t_begin) * 1e6, 3),
-                            "args": {"step": s.step}})
-        return out
+        return json.loads(f"[{self._events_json()}]")
 
     def describe(self) -> str:
         text = f"rank {self.rank}: stage {self.stage} replica {self.replica}"
@@ -175,27 +158,58 @@ class TimelineRecorder:
 
     def flush(self) -> Path:
         """Rewrite this rank's trace file atomically with the steps held now."""
-        data = {"traceEvents": self.events(), "displayTimeUnit": "ms",
-                "otherData": {"hybridpipe": self.metadata()}}
+        events = self._events_json()
+        other = json.dumps({"hybridpipe": self.metadata()}, separators=(",", ":"))
         with self._lock:
             self._since_flush = 0
-        return _write_atomic(self.path, data)
+        return _write_atomic(self.path, f'{{"traceEvents":[{events}],"displayTimeUnit":"ms","otherData":{other}}}')
 
     def close(self) -> Path:
         """Final flush; the recorder may still be used afterwards (it just writes again)."""
         return self.flush()
+
+    # ---- serialisation ------------------------------------------------------------------
+    def _events_json(self) -> str:
+        pid = self.rank
+        meta = [_meta("process_name", pid, name=self.describe()), _meta("process_sort_index", pid, sort_index=pid)]
+        meta += [_meta("thread_name", pid, tid, name=n) for tid, n in _THREAD_NAMES.items()]
+        with self._lock:
+            parts = [self._fragment(s) for s in (self._setup, *self._steps)]
+        return ",".join([json.dumps(meta, separators=(",", ":"))[1:-1], *(p for p in parts if p)])
+
+    def _fragment(self, s: _Step) -> str:
+        """``s``'s events as JSON (without brackets), cached per time origin; call under the lock."""
+        if s.cache is not None and s.cache[0] == self._anchor:
+            return s.cache[1]
+        pid, anchor = self.rank, self._anchor
+
+        def us(t: float) -> float:
+            return round((t - anchor) * 1e6, 3)
+
+        out = [{"ph": "X", "name": ph, "cat": "phase", "pid": pid, "tid": TID_PHASES, "ts": us(t0),
+                "dur": round(max(t1 - t0, 0.0) * 1e6, 3), "args": {"step": s.step, "micro_batch": mb}}
+               for ph, mb, t0, t1 in s.phases]
+        out += [{"ph": "X", "name": key, "cat": "transfer", "pid": pid, "tid": TID_TRANSFERS, "ts": us(t0),
+                 "dur": round(max(t1 - t0, 0.0) * 1e6, 3), "args": {"step": s.step, "peer": peer, "bytes": n}}
+                for peer, key, n, t0, t1 in s.transfers]
+        if s.step is not None and s.t_begin is not None and s.t_end is not None:
+            out.append({"ph": "X", "name": f"step {s.step}", "cat": "step", "pid": pid, "tid": TID_STEPS,
+                        "ts": us(s.t_begin), "dur": round((s.t_end - s.t_begin) * 1e6, 3), "args": {"step": s.step}})
+        text = json.dumps(out, separators=(",", ":"))[1:-1]
+        s.cache = (anchor, text)
+        return text
 
 
 def _meta(kind: str, pid: int, tid: int = 0, **args) -> dict:
     return {"ph": "M", "name": kind, "pid": pid, "tid": tid, "args": args}
 
 
-def _write_atomic(path: Path, data: dict) -> Path:
+def _write_atomic(path: Path, text: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump(data, f, separators=(",", ":"))
+            f.write(text)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
