@@ -37,7 +37,6 @@ import json
 import os
 import re
 import signal
-import socket
 import sys
 import threading
 import time
@@ -49,6 +48,7 @@ import torch.distributed as dist
 
 from hybridpipe.comm.p2p.errors import P2PError, P2PTimeout
 from hybridpipe.errors import UserError
+from hybridpipe.runtime.liveness import host_identity, process_alive
 
 EXIT_PEER_LOST = 75       # os.EX_TEMPFAIL: another rank failed, retry (restart + --resume)
 EXIT_ERROR = 1
@@ -109,33 +109,6 @@ def default_store() -> dist.Store:
     if not dist.is_initialized():
         raise RuntimeError("default_store() needs torch.distributed.init_process_group() first")
     return distributed_c10d._get_default_store()
-
-
-def host_identity() -> str:
-    """Processes with the same identity can check each other's pids (same boot, same pid namespace)."""
-    try:
-        boot = open("/proc/sys/kernel/random/boot_id").read().strip()
-        return f"{socket.gethostname()}/{boot}/{os.stat('/proc/self/ns/pid').st_ino}"
-    except OSError:
-        return f"{socket.gethostname()}/no-proc"
-
-
-def process_alive(pid: int) -> bool:
-    """True while ``pid`` exists and is not a zombie (a killed child its parent has not reaped)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rpartition(")")[2].split()[0]
-        return state not in ("Z", "X", "x")
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
-    except OSError:
-        try:
-            os.kill(pid, 0)
-            return True
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
 
 
 class FailureGuard:
@@ -377,5 +350,4 @@ def _one_line(exc: BaseException) -> str:
 
 
 __all__ = ["EXIT_PEER_LOST", "EXIT_ERROR", "EXIT_USER_ERROR", "EXIT_SIGTERM", "EXIT_INTERRUPT", "Failure",
-           "FailureGuard", "Terminated", "default_store", "describe_ranks", "suspect_of", "process_alive",
-           "host_identity"]
+           "FailureGuard", "Terminated", "default_store", "describe_ranks", "suspect_of"]

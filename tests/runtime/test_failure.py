@@ -25,7 +25,8 @@ from hybridpipe.errors import UserError
 from hybridpipe.partitioner.cluster import Cluster, Level
 from hybridpipe.partitioner.plan import Plan, Stage
 from hybridpipe.runtime.failure import (
-    EXIT_ERROR, EXIT_PEER_LOST, Failure, FailureGuard, default_store, describe_ranks, process_alive, suspect_of)
+    EXIT_ERROR, EXIT_PEER_LOST, Failure, FailureGuard, default_store, describe_ranks, suspect_of)
+from hybridpipe.runtime.liveness import host_identity, process_alive
 
 HERE = Path(__file__).resolve()
 TIMEOUT, INTERVAL = 6.0, 0.2
@@ -66,6 +67,7 @@ def test_process_alive_sees_zombies_as_dead():
     assert not process_alive(child.pid)
     assert os.waitpid(child.pid, 0)[0] == child.pid
     assert process_alive(os.getpid())
+    assert host_identity() == host_identity()
 
 
 def test_first_report_wins_on_a_real_store():
