@@ -22,7 +22,6 @@ ratio is torch's median step over ours (> 1: hybridpipe is faster). Results:
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import statistics
 import sys

@@ -23,7 +23,7 @@ from hybridpipe.comm.hybrid_dp import HybridDataParallel
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner.calibration import load_calibration
 from hybridpipe.partitioner.costmodel import CostModel
-from hybridpipe.partitioner.plan import Plan, Stage, check_plan_fits
+from hybridpipe.partitioner.plan import Stage, check_plan_fits
 from hybridpipe.pipeline import LocalSync, MicroBatches
 from hybridpipe.profiles.data import resolve_dataset
 from hybridpipe.profiles.format import graph_signature
@@ -114,7 +114,3 @@ def weights_digest(module: nn.Module) -> str:
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
-
-
-def stage_of(plan: Plan, rank: int) -> tuple[Stage, int]:
-    return plan.stage_of_rank(rank)

@@ -70,3 +70,9 @@ def test_pipedream_matches_weight_stashed_async_sgd(tmp_path):
     reference = train_pipedream_reference(plan, data_for(plan, STEPS, SEED), STEPS, {STEPS - 1}, lr=LR,
                                           make_optimizer=lambda ps, lr: sgd(ps, lr, MOMENTUM), seed=SEED)
     assert max_diff(weights, reference) <= 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", ["ring", "butterfly", "hierarchical", "torus2d", "aggregator", "native"])
+def test_every_allreduce_matches_single_process(tmp_path, algorithm):
+    check_sgd_equivalence(tmp_path, "mlp", [3], [3, 1], "1f1b", 6, 4, "--allreduce", algorithm)
