@@ -180,7 +180,8 @@ def _figure(result: dict):
     gb = result["micro_batches"] * result["batch_size"]
     for i, name in enumerate(names):
         per_round = [gb / ms * 1e3 for ms in result["step_ms_per_round"][name]]
-        ax.bar(i, gb / result["median_step_ms"][name] * 1e3, color="#1f77b4" if name.startswith("hybrid") else "#7f7f7f")
+        colour = "#1f77b4" if name.startswith("hybrid") else "#7f7f7f"
+        ax.bar(i, gb / result["median_step_ms"][name] * 1e3, color=colour)
         ax.plot([i] * len(per_round), per_round, "k.", label="rounds" if i == 0 else None)
     ax.set_xticks(range(len(names)), names, fontsize=8)
     ax.set_ylabel("samples/s (median of rounds)")

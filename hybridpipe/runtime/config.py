@@ -79,45 +79,48 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="launch.py",
         description="Train with a hybridpipe plan: one process per worker, started by torchrun "
-                    "(e.g. torchrun --standalone --nproc-per-node 4 launch.py --plan plan.json --steps 100).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                    "(e.g. torchrun --standalone --nproc-per-node 4 launch.py --plan plan.json --steps 100).")
     p.add_argument("--plan", required=True, metavar="PLAN.json", help="plan written by `hybridpipe partition`")
     g = p.add_argument_group("model and data")
     g.add_argument("--model", metavar="SPEC", help="zoo name or package.module:factory (default: the plan's; "
                    "must match it)")
     g.add_argument("--dataset", default="synthetic", metavar="SPEC",
-                   help="synthetic or package.module:factory returning a map-style Dataset of (input, target)")
+                   help="synthetic (default) or package.module:factory returning a map-style Dataset of "
+                        "(input, target)")
     g.add_argument("--dataset-size", type=int, metavar="N",
                    help="samples in the synthetic dataset (default: steps x global batch, no sample repeats)")
-    g.add_argument("--seed", type=int, default=0, help="seed of the weights and the synthetic data")
+    g.add_argument("--seed", type=int, default=0, help="seed of the weights and the synthetic data (default 0)")
     g = p.add_argument_group("training")
-    g.add_argument("--steps", type=int, default=50, help="training steps (one step = micro-batches x batch size)")
+    g.add_argument("--steps", type=int, default=50,
+                   help="training steps, one step = micro-batches x batch size (default 50)")
     g.add_argument("--batch-size", type=int, metavar="B", help="samples per micro-batch (default: the plan's; "
                    "must match it)")
     g.add_argument("--micro-batches", type=int, metavar="M", help="micro-batches per step (default: the plan's)")
     g.add_argument("--schedule", choices=SCHEDULES, help="pipeline schedule (default: the plan's)")
     g.add_argument("--optimizer", choices=OPTIMIZERS, help="optimizer (default: the plan's)")
-    g.add_argument("--lr", type=float, default=0.01, help="learning rate")
-    g.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (sgd only)")
-    g.add_argument("--weight-decay", type=float, default=0.0, help="weight decay")
+    g.add_argument("--lr", type=float, default=0.01, help="learning rate (default 0.01)")
+    g.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9; sgd only)")
+    g.add_argument("--weight-decay", type=float, default=0.0, help="weight decay (default 0)")
     g = p.add_argument_group("communication")
     g.add_argument("--comm-mode", choices=MODES, default="sa",
-                   help="p2p channels: per-tensor (PipeDream's threads), sa (one send + one receive thread per "
-                        "peer), sra (one thread per peer following the schedule's order)")
+                   help="p2p channels: per-tensor (PipeDream's threads), sa (default: one send + one receive "
+                        "thread per peer), sra (one thread per peer following the schedule's order)")
     g.add_argument("--allreduce", choices=POLICIES, default="hybrid",
-                   help="gradient sync of replicated stages: hybrid (per layer, by the cost model) or one algorithm")
+                   help="gradient sync of replicated stages: hybrid (default; per layer, by the cost model) or "
+                        "one algorithm")
     g.add_argument("--calibration", action="append", default=[], metavar="CAL.json",
                    help="`hybridpipe bench-allreduce` output for the hybrid policy's cost model (repeatable)")
     g.add_argument("--aggregator", metavar="HOST:PORT", help="address of a dedicated `hybridpipe aggregator`")
     g.add_argument("--backend", choices=BACKENDS, help="torch.distributed backend (default: nccl on GPU, else gloo)")
     g.add_argument("--timeout", type=float, default=300.0, metavar="S",
-                   help="seconds any receive, send or collective may wait before the run fails")
+                   help="seconds any receive, send or collective may wait before the run fails (default 300)")
     g.add_argument("--peer-timeout", type=float, default=30.0, metavar="S",
-                   help="seconds without a heartbeat before a rank on another host counts as lost")
+                   help="seconds without a heartbeat before a rank on another host counts as lost (default 30)")
     g = p.add_argument_group("checkpoints and output")
     g.add_argument("--checkpoint-dir", metavar="D", help="write checkpoints here (shared by every node)")
     g.add_argument("--checkpoint-every", type=int, default=0, metavar="K", help="checkpoint every K steps (0: never)")
-    g.add_argument("--keep-checkpoints", type=int, default=3, metavar="N", help="keep the N newest checkpoints")
+    g.add_argument("--keep-checkpoints", type=int, default=3, metavar="N",
+                   help="keep the N newest checkpoints (default 3)")
     g.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
     g.add_argument("--run-dir", metavar="R", help="metrics, timeline and summary go here (default runs/<time>)")
     g.add_argument("--trace-dir", metavar="T", help="per-rank timeline traces (default RUN_DIR/trace)")
