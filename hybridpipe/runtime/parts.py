@@ -6,6 +6,7 @@
 * :func:`make_sync`: HybridDataParallel (summing) for a replicated stage, else nothing to sync.
 * :func:`make_optimizer`: SGD (momentum) or Adam over the stage's parameters.
 * :func:`make_data`: the (step, micro-batch) -> samples source both ends of the pipeline read.
+* :func:`seed_rank`: each rank's own random stream once the model is built.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import hashlib
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import fx, nn
@@ -107,10 +109,16 @@ def make_data(cfg: RunConfig, spec: ModelSpec) -> MicroBatches:
 
 
 def weights_digest(module: nn.Module) -> str:
-    """SHA-256 of every parameter and buffer (names, dtypes, shapes and bytes)."""
+    """SHA-256 of every parameter (names, dtypes, shapes and bytes). Buffers are left out: like
+    BatchNorm's running statistics, they may differ between replicas that saw different data."""
     h = hashlib.sha256()
-    for name, t in module.state_dict().items():
+    for name, t in module.named_parameters():
         t = t.detach().cpu().contiguous()
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def seed_rank(seed: int, rank: int) -> None:
+    """Give this rank its own random stream (dropout etc.) after the common one built the model."""
+    torch.manual_seed(int(np.random.SeedSequence((seed, rank)).generate_state(1, np.uint64)[0]))

@@ -29,7 +29,7 @@ from hybridpipe.runtime.config import RunConfig
 from hybridpipe.runtime.failure import FailureGuard, default_store, describe_ranks
 from hybridpipe.runtime.groups import Process, init_distributed, replica_groups, stage_channels
 from hybridpipe.runtime.metrics import MetricsWriter, Progress, step_record
-from hybridpipe.runtime.parts import load_model, make_data, make_optimizer, make_sync, weights_digest
+from hybridpipe.runtime.parts import load_model, make_data, make_optimizer, make_sync, seed_rank, weights_digest
 from hybridpipe.runtime.summary import RankReport, format_summary, summarize
 from hybridpipe.runtime.timeline import TimelineRecorder, trace_dir
 
@@ -69,6 +69,7 @@ def _train(cfg: RunConfig, proc: Process, model, closers: list, print_fn) -> dic
     stage = build_stage_index(model.graph, [(s.first_node, s.last_node) for s in plan.stages], stage_plan.index,
                               loss=model.spec.loss).to(proc.device)
     sync = make_sync(cfg, stage.module, stage_plan, groups.get(stage_plan.index))
+    seed_rank(cfg.seed, rank)
     optimizer = make_optimizer(cfg.optimizer, stage.module.parameters(), lr=cfg.lr, momentum=cfg.momentum,
                                weight_decay=cfg.weight_decay)
     recorder = None

@@ -11,7 +11,7 @@ from hybridpipe.errors import UserError
 from hybridpipe.partitioner.plan import save_plan
 from hybridpipe.runtime.config import build_parser, resolve
 from hybridpipe.runtime.metrics import MetricsWriter, read_metrics, step_record
-from hybridpipe.runtime.parts import NoParameters, make_optimizer, weights_digest
+from hybridpipe.runtime.parts import NoParameters, make_optimizer, seed_rank, weights_digest
 from hybridpipe.runtime.summary import RankReport, format_summary, loss_rows, step_losses, summarize, warmup_steps
 from tests.pipeline.harness import make_plan
 
@@ -56,13 +56,24 @@ def test_optimizers():
     assert isinstance(empty, NoParameters) and empty.state_dict() == {}
 
 
-def test_weights_digest_sees_every_bit():
-    a, b = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+def test_weights_digest_sees_every_bit_of_the_parameters():
+    a = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    b = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
     b.load_state_dict(a.state_dict())
     assert weights_digest(a) == weights_digest(b)
+    b[1].running_mean += 1                       # statistics may differ between replicas
+    assert weights_digest(a) == weights_digest(b)
     with torch.no_grad():
-        b.bias[0] = torch.nextafter(b.bias[0], torch.tensor(1.0))
+        b[0].bias[0] = torch.nextafter(b[0].bias[0], torch.tensor(1.0))
     assert weights_digest(a) != weights_digest(b)
+
+
+def test_ranks_get_their_own_random_streams():
+    draws = []
+    for rank in (0, 1, 0):
+        seed_rank(7, rank)
+        draws.append(torch.rand(3))
+    assert torch.equal(draws[0], draws[2]) and not torch.equal(draws[0], draws[1])
 
 
 def test_metrics_lines(tmp_path):
