@@ -48,8 +48,14 @@ def check_against_model(state: dict[str, torch.Tensor], spec: str) -> None:
     """UserError unless ``state`` has exactly the keys and shapes of the model ``spec`` builds."""
     from hybridpipe.profiles.zoo import resolve_model
 
-    with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in resolve_model(spec).build().state_dict().items()}
+    try:
+        with torch.device("meta"):
+            expected = {k: tuple(v.shape) for k, v in resolve_model(spec).build().state_dict().items()}
+    except UserError:
+        raise
+    except Exception as e:      # noqa: BLE001 - a user's factory that cannot build on the meta device
+        raise UserError(f"cannot rebuild {spec} here to check the merged keys ({type(e).__name__}: {e}); "
+                        "pass --no-check to write the merged state_dict without the check") from None
     missing = [k for k in expected if k not in state]
     unexpected = [k for k in state if k not in expected]
     shapes = [f"{k} {tuple(state[k].shape)} vs {expected[k]}" for k in expected
