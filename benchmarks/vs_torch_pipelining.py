@@ -16,7 +16,8 @@ mode of ``--modes``; torch runs ``Schedule1F1B.step`` + ``optimizer.step``. Step
 its slowest rank's step; each run reports the median over the steps after ``--warmup``. The
 systems alternate, ``--rounds`` times, so drifting load on a shared machine hits both; the
 ratio is torch's median step over ours (> 1: hybridpipe is faster). Results:
-``benchmarks/results/vs_torch_pipelining[_quick].json`` and ``.png``.
+``benchmarks/results/vs_torch_pipelining[_TAG][_quick].json`` and ``.png``; the machine's load
+average is recorded with them (on 2 cores, other work changes the picture: see RESULTS.md).
 """
 
 from __future__ import annotations
@@ -126,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default="sa", help="hybridpipe p2p modes to run (comma-separated)")
     p.add_argument("--quick", action="store_true", help="10 steps, 2 rounds")
     p.add_argument("--out-dir", help="results directory (default benchmarks/results)")
+    p.add_argument("--tag", default="", help="suffix of the result files' names (e.g. loaded)")
     p.add_argument("-v", "--verbose", action="store_true")
     a = p.parse_args(argv)
     setup_logging(a.verbose)
@@ -164,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         "throughput_vs_torch": {s: torch_ms / m for s, m in medians.items() if s.startswith("hybridpipe")},
         "job_step_ms": steps_ms,
     }
-    json_path, png_path = result_paths("vs_torch_pipelining", a.quick, a.out_dir)
+    json_path, png_path = result_paths("vs_torch_pipelining" + (f"_{a.tag}" if a.tag else ""), a.quick, a.out_dir)
     write_results(json_path, result, _figure(result), png_path)
     for s, m in medians.items():
         ratio = f"  ({torch_ms / m:.2f}x torch's throughput)" if s.startswith("hybridpipe") else ""
