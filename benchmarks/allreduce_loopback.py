@@ -43,8 +43,10 @@ def worker(rank: int, world: int, sizes: list[int], algorithms: list[str], reps:
 
     control = dist.new_group(backend="gloo")
     group = dist.new_group(backend="gloo")
-    topology = Topology.blocks(world, 2)                # two emulated 'hosts' of 2: hierarchical has levels
-    reducers = {"plain": AllReducer(group, topology=topology, calibration=calibration)}
+    topology = Topology.blocks(world, 2)                # two pretend 'hosts' of 2: hierarchical has levels
+    reducers = {"plain": AllReducer(group, topology=topology),
+                # auto on the group as it is (one host), like the calibration that prices it
+                "auto": AllReducer(group, topology=Topology.flat(world), calibration=calibration, lane=2)}
     if address:
         reducers["dedicated"] = AllReducer(group, topology=topology, aggregator=address, lane=1)
     times: dict[str, dict[int, list[float]]] = {a: {s: [] for s in sizes} for a in algorithms}
@@ -55,7 +57,7 @@ def worker(rank: int, world: int, sizes: list[int], algorithms: list[str], reps:
         for rep in range(reps + 1):                     # the first round warms up
             shift = rep % len(algorithms)
             for algo in algorithms[shift:] + algorithms[:shift]:
-                reducer = reducers["dedicated" if algo == "aggregator-dedicated" else "plain"]
+                reducer = reducers[{"aggregator-dedicated": "dedicated", "auto": "auto"}.get(algo, "plain")]
                 name = "aggregator" if algo == "aggregator-dedicated" else algo
                 x.fill_(rank + 1)
                 dist.barrier(group=control)
@@ -159,7 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     json_path, png_path = result_paths("allreduce_loopback", args.quick, args.out)
     data = {"benchmark": "allreduce_loopback", "quick": args.quick, "machine": machine(),
             "settings": {"ranks": args.ranks, "sizes": sizes, "reps": reps, "algorithms": algorithms,
-                         "topology": "blocks of 2 ranks (hierarchical and torus2d see 2 hosts)",
+                         "topology": "blocks of 2 ranks (hierarchical and torus2d see 2 hosts); auto: one host",
                          "threads_per_rank": 1, "calibration": args.calibration},
             "wrong_sums": out["wrong"], "auto_chose": {str(k): v for k, v in out["auto"].items()},
             "rows": rows, "duration_s": time.monotonic() - started}

@@ -29,6 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--buffers", type=int, default=4, help="chunk buffers in flight per worker (default 4)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a silent worker is waited for (default 300)")
     p.add_argument("--sessions", type=int, default=None, help="exit after this many sessions (default: run until stopped)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads for the sums (default 1: the event loop is single-threaded, and idle "
+                        "OpenMP workers spinning would take the CPU the sockets need)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -36,8 +39,10 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--world must be >= 1, got {args.world}")
     if not 0 <= args.port < 65536:
         raise UserError(f"--port must be in 0..65535, got {args.port}")
-    if args.buffers < 1 or args.chunk_bytes < 64:
-        raise UserError("--buffers must be >= 1 and --chunk-bytes >= 64")
+    if args.buffers < 1 or args.chunk_bytes < 64 or args.threads < 1:
+        raise UserError("--buffers and --threads must be >= 1 and --chunk-bytes >= 64")
+    import torch
+    torch.set_num_threads(args.threads)
     try:
         server = AggregatorServer(args.host, args.port, args.world, chunk_bytes=args.chunk_bytes,
                                   buffers=args.buffers, timeout_s=args.timeout)

@@ -75,6 +75,7 @@ class BenchConfig:
     reps: int = 5
     max_reps: int = 50
     budget_s: float = 0.3            # aim for this much timed work per (algorithm, size)
+    # every size times all algorithms side by side (rotating order), so load drift hits all alike
     aggregator: str | None = None
     chunk_bytes: int | None = None
     progress: bool = True
@@ -89,12 +90,6 @@ def _timed(run: Callable[[], None], control: dist.ProcessGroup) -> float:
     t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=control)
     return t.item()
-
-
-def _repeat(run: Callable[[], None], control: dist.ProcessGroup, cfg: BenchConfig) -> list[float]:
-    first = _timed(run, control)        # warm-up (buffers, connections), also sizes the repetitions
-    reps = int(min(cfg.max_reps, max(cfg.reps, cfg.budget_s / max(first, 1e-6))))
-    return [_timed(run, control) for _ in range(reps)]
 
 
 def measure_gamma(dtype: torch.dtype = torch.float32, numel: int = 1 << 22) -> float:
@@ -124,23 +119,37 @@ def measure(rank: int, world: int, cfg: BenchConfig) -> dict | None:
     dtype = getattr(torch, cfg.dtype)
     opts = {"chunk_bytes": cfg.chunk_bytes} if cfg.chunk_bytes else {}
     reducer = AllReducer(group, topology=topology, aggregator=cfg.aggregator, **opts)
-    steps = [(a, s) for a in cfg.algorithms for s in cfg.sizes] + [("p2p", s) for s in cfg.sizes if world > 1]
+    cases = list(cfg.algorithms) + (["p2p"] if world > 1 else [])
     bar = None
     if rank == 0 and cfg.progress:
         from tqdm import tqdm
-        bar = tqdm(total=len(steps), desc="bench-allreduce", unit="case")
+        bar = tqdm(total=len(cfg.sizes), desc="bench-allreduce", unit="size")
     samples, wrong = [], []
-    for algorithm, nbytes in steps:
+    for nbytes in cfg.sizes:
         numel = max(1, nbytes // dtype.itemsize)
         x = torch.full((numel,), float(rank + 1), dtype=dtype, device=device)
-        if algorithm == "p2p":
-            times = [t / 2 for t in _repeat(lambda: _ping_pong(x, rank, group), control, cfg)]
-        else:
-            reducer(x, algorithm)
-            if not bool((x == world * (world + 1) // 2).all()):
-                wrong.append(f"{algorithm} at {size_label(nbytes)}")
-            times = _repeat(lambda: reducer(x, algorithm), control, cfg)
-        samples.append(Sample(algorithm, numel * dtype.itemsize, statistics.median(times)))
+
+        def run(case: str) -> None:
+            if case == "p2p":
+                _ping_pong(x, rank, group)
+            else:
+                reducer(x, case)
+
+        first = {}
+        for case in cases:                  # warm-up (buffers, connections), check, size the reps
+            x.fill_(rank + 1)
+            first[case] = _timed(lambda: run(case), control)
+            if case != "p2p" and not bool((x == world * (world + 1) // 2).all()):
+                wrong.append(f"{case} at {size_label(nbytes)}")
+        reps = int(min(cfg.max_reps, max(cfg.reps, cfg.budget_s * len(cases) / max(sum(first.values()), 1e-6))))
+        times: dict[str, list[float]] = {case: [] for case in cases}
+        for rep in range(reps):             # side by side: every case in each repetition, rotating
+            shift = rep % len(cases)
+            for case in cases[shift:] + cases[:shift]:
+                times[case].append(_timed(lambda: run(case), control))
+        for case in cases:
+            seconds = statistics.median(times[case]) / (2 if case == "p2p" else 1)   # p2p: a round trip
+            samples.append(Sample(case, numel * dtype.itemsize, seconds))
         if bar is not None:
             bar.update(1)
     if bar is not None:

@@ -9,7 +9,7 @@ from typing import Sequence
 import torch
 
 from hybridpipe.comm.allreduce.dedicated.wire import (HELLO, MAGIC, OP, VERSION, AggregatorError, byte_view,
-                                                      dtype_code, parse_address, recv_status)
+                                                      dtype_code, parse_address, recv_status, wake_after)
 
 
 class AggregatorClient:
@@ -88,6 +88,7 @@ def _exchange(sock: socket.socket, views: list[memoryview], timeout_s: float) ->
     out = [0, 0]                                   # (view index, offset) still to send
     back = [0, 0]                                  # (view index, offset) still to receive
     sent = received = 0
+    level = wake_after(sock, total, 0)
     sock.setblocking(False)
     selector = selectors.DefaultSelector()
     selector.register(sock, selectors.EVENT_READ | selectors.EVENT_WRITE)
@@ -112,8 +113,10 @@ def _exchange(sock: socket.socket, views: list[memoryview], timeout_s: float) ->
                 raise ConnectionError("the aggregator closed the connection")
             received += n
             back = _advance(views, back, n)
+            level = wake_after(sock, total - received, level) if received < total else level
     finally:
         selector.close()
+        wake_after(sock, 1, level)
         sock.settimeout(timeout_s)
 
 

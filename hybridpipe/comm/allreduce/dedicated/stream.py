@@ -16,7 +16,7 @@ from collections import deque
 
 import torch
 
-from hybridpipe.comm.allreduce.dedicated.wire import byte_view
+from hybridpipe.comm.allreduce.dedicated.wire import byte_view, wake_after
 
 
 class StreamError(ConnectionError):
@@ -31,7 +31,7 @@ def reduce_stream(conns: list[socket.socket], dtype: torch.dtype, numel: int, ch
     chunks = [(lo, min(lo + chunk_elems, numel)) for lo in range(0, numel, chunk_elems)]
     free = [[torch.empty(chunk_elems, dtype=dtype) for _ in range(buffers)] for _ in conns]
     ready: list[deque] = [deque() for _ in conns]
-    receiving = [[0, None, 0] for _ in conns]         # chunk index, buffer, bytes in it
+    receiving = [[0, None, 0, 0] for _ in conns]      # chunk index, buffer, bytes in it, wake-up level
     sending: list[deque] = [deque() for _ in conns]   # [sum index, bytes sent]
     sums = [torch.empty(chunk_elems, dtype=dtype) for _ in range(buffers)]
     sum_free = list(range(buffers))
@@ -41,8 +41,9 @@ def reduce_stream(conns: list[socket.socket], dtype: torch.dtype, numel: int, ch
     done = [0] * n                                    # chunks fully sent back per worker
     selector = selectors.DefaultSelector()
     watching = [0] * n                                # events registered per connection
-    for c in conns:
+    for c, state in zip(conns, receiving):
         c.setblocking(False)
+        state[3] = wake_after(c, (chunks[0][1] - chunks[0][0]) * item if chunks else 1, 0)
     try:
         while min(done) < len(chunks):
             for i, c in enumerate(conns):
@@ -94,15 +95,16 @@ def reduce_stream(conns: list[socket.socket], dtype: torch.dtype, numel: int, ch
                 next_sum += 1
     finally:
         selector.close()
-        for c in conns:
+        for c, state in zip(conns, receiving):
             try:
+                wake_after(c, 1, state[3])
                 c.setblocking(True)
             except OSError:
                 pass
 
 
 def _receive(conn: socket.socket, state: list, free: list, ready: deque, chunks: list, item: int) -> None:
-    index, buf, got = state
+    index, buf, got, level = state
     if buf is None:
         buf = free.pop()
     lo, hi = chunks[index]
@@ -117,6 +119,6 @@ def _receive(conn: socket.socket, state: list, free: list, ready: deque, chunks:
     got += n
     if got == len(view):
         ready.append(buf)
-        state[:] = [index + 1, None, 0]
-    else:
-        state[:] = [index, buf, got]
+        index, buf, got = index + 1, None, 0
+    left = (chunks[index][1] - chunks[index][0]) * item - got if index < len(chunks) else 1
+    state[:] = [index, buf, got, wake_after(conn, left, level)]

@@ -81,6 +81,22 @@ def set_blocking_timeout(sock: socket.socket, seconds: float) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
 
 
+WAKE_BYTES = 128 << 10
+
+
+def wake_after(sock: socket.socket, left: int, level: int) -> int:
+    """Report the socket readable only once min(``left``, 128 KiB) bytes wait (SO_RCVLOWAT);
+    returns the level set (``level``: the current one, to skip a needless system call).
+
+    Without it a busy machine wakes an event loop for every few kilobytes that trickle in, and
+    the loop spends its time in per-wake-up overhead.
+    """
+    want = max(1, min(left, WAKE_BYTES))
+    if want != level:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
+    return want
+
+
 def parse_address(text: str) -> tuple[str, int]:
     """``host:port`` -> (host, port); ValueError naming the expected form."""
     host, sep, port = text.rpartition(":")
