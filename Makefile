@@ -25,7 +25,7 @@ test-cuda: install
 	$(PY) -m pytest -m cuda
 
 demo: install
-	$(VENV)/bin/hybridpipe profile alexnet-small --batch-size 32 -o out/demo/profile.json
+	PY=$(PY) examples/demo.sh
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis out
