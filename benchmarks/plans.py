@@ -1,0 +1,379 @@
+"""Reproduction 4 (seed 003, PipeDream): the plans of every partitioning strategy, trained on
+emulated hosts at 1 Gbit/s, measured against the partitioner's prediction.
+
+For each model and host count: profile the model (one process, one thread, as each worker
+runs), calibrate the profile's compute times for the emulated hosts by measurement (below),
+make the plan of every strategy (``hybridpipe partition --strategy S`` with
+``examples/clusters/<n>x1gbit.json``), train each distinct plan a few steps with
+``launch.py`` under multi-node torchrun on ``n`` emulated hosts, and read the median step time
+from its ``summary.json`` next to the plan's prediction. Strategies whose plans are identical
+(same stages, replicas, ranks, schedule and per-layer all-reduce) are run once and say so.
+
+Calibration (``compute_scale`` in plans_analysis.py): the n emulated hosts share this
+machine's cores, so each worker computes slower than the profile says. Measured, not assumed:
+one full forward+loss+backward at the profile's batch (one thread) is timed alone, then while n
+copies run at once (n = hosts, started together, each timing its own iterations). The profile's
+node times are scaled by contended / per-node sum, which also corrects what timing nodes one
+by one misses. The plans are made from the scaled profile. With ``--allreduce-calibration``
+the partitioner also gets ``hybridpipe bench-allreduce`` run on the same emulated cluster.
+
+Sizes are reduced so that n workers on 2 cores stay in proportion to 1 Gbit/s (see MODELS):
+parameters (and so all-reduce and memory) are the full models' except where noted.
+
+    sudo flock /tmp/hybridpipe-bench.lock .venv/bin/python benchmarks/plans.py --quick
+    sudo flock /tmp/hybridpipe-bench.lock .venv/bin/python benchmarks/plans.py
+
+Writes benchmarks/results/plans[_quick].{json,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+if __package__ in (None, ""):                       # run as a script: make the repo importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import (REPO, emit_result, log, machine, pyplot, read_result, require_emulation,
+                               result_paths, setup_logging, write_results)
+from benchmarks.plans_analysis import (STRATEGIES, add_relative, allreduce_choices, compute_scale, error_summary,
+                                       plan_key, plot, prediction_error, scale_profile, stage_layout)
+from hybridpipe.jsonfile import read_json, write_json
+
+# name -> (model spec, samples per micro-batch, what was reduced)
+MODELS = {
+    "alexnet": ("alexnet[image=64]", 32, "input 3x64x64 (paper 224); the adaptive pool keeps fc1 at 9216 inputs, "
+                "so all 62.4M parameters are kept"),
+    "vgg16": ("vgg16[image=32]", 8, "input 3x32x32 (paper 224), batch 8; the adaptive pool keeps fc1 at 25088 "
+              "inputs, so all 138.4M parameters are kept"),
+    "resnet50": ("resnet50[image=64]", 16, "input 3x64x64 (paper 224), batch 16; all 25.6M parameters kept"),
+    "gpt": ("gpt", 8, "the zoo's small GPT (4 layers, width 256, seq 128, vocab 2048; 4.2M parameters), batch 8"),
+}
+QUICK_MODELS, QUICK_HOSTS = "alexnet,gpt", "4"
+LAUNCH_TIMEOUT_S = 120       # launch.py --timeout: any receive / collective
+MEMORY_MARGIN = 0.8          # a plan runs only if its predicted memory fits in this share of MemAvailable
+PROCESS_OVERHEAD = 350 << 20  # bytes per worker process beyond the plan's estimate (torch, gloo, python)
+
+
+# ---- compute-only worker (contention measurement) ------------------------------------------
+
+def compute_worker(args: argparse.Namespace) -> None:
+    """Build the model, wait for the go file, time forward+loss+backward for ``--seconds``."""
+    import torch
+
+    from hybridpipe.profiles.zoo import resolve_model
+    torch.set_num_threads(1)
+    spec = resolve_model(args.model)
+    torch.manual_seed(0)
+    model = spec.build()
+    gen = torch.Generator().manual_seed(os.getpid())
+    x, y = spec.example_input(args.batch, gen), spec.example_target(args.batch, gen)
+
+    def once() -> float:
+        t = time.perf_counter()
+        spec.loss(model(x), y).backward()
+        model.zero_grad(set_to_none=False)
+        return time.perf_counter() - t
+
+    once()                                                     # warm-up (allocator, grads)
+    sync = Path(args.sync_dir)
+    (sync / f"ready-{os.getpid()}").touch()
+    while not (sync / "go").exists():
+        time.sleep(0.01)
+    times, end = [], time.perf_counter() + args.seconds
+    while time.perf_counter() < end or len(times) < 2:
+        times.append(once())
+    emit_result({"median_ms": statistics.median(times) * 1e3, "iterations": len(times)})
+
+
+def measure_compute(spec: str, batch: int, copies: int, seconds: float, timeout_s: float = 600) -> dict:
+    """Median ms of one forward+backward per copy while ``copies`` processes (1 thread each) run at once."""
+    with tempfile.TemporaryDirectory(prefix="hp-plans-") as sync:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))}
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--compute-worker", "--model-spec", spec,
+               "--batch", str(batch), "--seconds", str(seconds), "--sync-dir", sync]
+        procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for _ in range(copies)]
+        try:
+            deadline = time.monotonic() + timeout_s
+            while len(list(Path(sync).glob("ready-*"))) < copies:
+                if any(p.poll() not in (None, 0) for p in procs) or time.monotonic() > deadline:
+                    raise RuntimeError("a compute copy failed to start: " + _first_error(procs))
+                time.sleep(0.05)
+            (Path(sync) / "go").touch()
+            outs = [p.communicate(timeout=timeout_s) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+    if any(p.returncode for p in procs):
+        raise RuntimeError("a compute copy failed: " + next(e for (o, e), p in zip(outs, procs) if p.returncode)[-2000:])
+    per_copy = [read_result(o)["median_ms"] for o, _ in outs]
+    return {"copies": copies, "median_ms": statistics.median(per_copy), "per_copy_ms": per_copy,
+            "iterations": [read_result(o)["iterations"] for o, _ in outs]}
+
+
+def _first_error(procs) -> str:
+    for p in procs:
+        if p.poll() not in (None, 0):
+            return p.stderr.read()[-2000:]
+    return "timed out"
+
+
+# ---- profile, calibrate, partition ---------------------------------------------------------
+
+def hybridpipe_cli(args: Sequence[str], timeout_s: float = 600, threads: int | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    if threads:
+        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    return subprocess.run([sys.executable, "-m", "hybridpipe.cli", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout_s)
+
+
+def profile_model(name: str, work: Path, repeats: int) -> Path:
+    spec, batch, _ = MODELS[name]
+    out = work / f"{name}.profile.json"
+    r = hybridpipe_cli(["profile", spec, "-b", str(batch), "--repeats", str(repeats), "-q", "-o", str(out)], threads=1)
+    if r.returncode:
+        raise RuntimeError(f"profiling {spec} failed:\n{r.stderr[-2000:]}")
+    return out
+
+
+def partition(profile: Path, cluster_file: Path, strategy: str, out: Path, calibrations: Sequence[Path]) -> dict:
+    """The plan dict, or {"refused": message} when the partitioner refuses."""
+    cmd = ["partition", str(profile), "--cluster", str(cluster_file), "--strategy", strategy, "-o", str(out)]
+    for c in calibrations:
+        cmd += ["--calibration", str(c)]
+    r = hybridpipe_cli(cmd, timeout_s=300)
+    if r.returncode:
+        return {"refused": (r.stderr.strip() or r.stdout.strip())[-1000:]}
+    return read_json(out, "plan")
+
+
+def allreduce_calibration(cluster, out: Path, timeout_s: float) -> Path:
+    """``hybridpipe bench-allreduce`` on every host of the emulated cluster (level ``network``)."""
+    from benchmarks.common import worker_env
+    cluster.run([sys.executable, "-m", "hybridpipe.cli", "bench-allreduce", "-o", str(out), "--level", "network",
+                 "--sizes", "64K..64M", "--size-step", "4", "--reps", "3", "--budget", "0.2",
+                 "--algorithms", "ring,butterfly,hierarchical,torus2d,native", "--no-progress"],
+                timeout_s=timeout_s, env=lambda h: worker_env(cluster, h), cwd=REPO)
+    return out
+
+
+# ---- training a plan on the emulated hosts ---------------------------------------------------
+
+def memory_refusal(plan: dict) -> str | None:
+    """Why this plan is not run on this machine (all its workers share its memory), or None."""
+    need = sum(s["memory_bytes"] * s["replicas"] for s in plan["stages"])
+    need += PROCESS_OVERHEAD * sum(s["replicas"] for s in plan["stages"])
+    avail = _mem_available()
+    if avail and need > MEMORY_MARGIN * avail:
+        return (f"not run: its {sum(s['replicas'] for s in plan['stages'])} workers need about {need / 2**30:.1f} GiB "
+                f"together (plan estimate + {PROCESS_OVERHEAD >> 20} MiB per process) but this machine has "
+                f"{avail / 2**30:.1f} GiB available; the emulated hosts share one machine's memory")
+    return None
+
+
+def _mem_available() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def train_plan(cluster, plan_file: Path, run_dir: Path, steps: int, port: int, timeout_s: float) -> dict:
+    """Run launch.py on every emulated host; the summary.json, or {"failed": message}."""
+    from tools.emucluster.errors import HostCommandFailed
+    t = time.monotonic()
+    try:
+        cluster.torchrun(["launch.py", "--plan", str(plan_file), "--steps", str(steps), "--run-dir", str(run_dir),
+                          "--no-trace", "--no-progress", "--timeout", str(LAUNCH_TIMEOUT_S)],
+                         timeout_s=timeout_s, port=port, cwd=REPO,
+                         env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+    except HostCommandFailed as e:
+        return {"failed": _refusal_lines(str(e)), "wall_s": time.monotonic() - t}
+    summary = read_json(run_dir / "summary.json", "summary")
+    summary["wall_s"] = time.monotonic() - t
+    return summary
+
+
+def _refusal_lines(text: str) -> str:
+    """The lines of a failure that say why (UserError / Error lines), else its tail."""
+    keep = [ln for ln in text.splitlines() if "Error" in ln or "error:" in ln or "refus" in ln]
+    return "\n".join(keep[-6:]) if keep else text[-1500:]
+
+
+def row_from(model: str, hosts: int, strategy: str, plan: dict, summary: dict | None) -> dict:
+    """One report row: the plan's prediction and layout, and what the run measured."""
+    row = {"model": model, "hosts": hosts, "strategy": strategy, "layout": stage_layout(plan),
+           "stages": len(plan["stages"]), "schedule": plan["schedule"], "micro_batches": plan["micro_batches"],
+           "batch_size": plan["batch_size"], "global_batch": plan["batch_size"] * plan["micro_batches"],
+           "predicted_step_ms": plan["predicted_step_ms"], "predicted_samples_per_s": plan["predicted_samples_per_s"],
+           "allreduce_per_stage": allreduce_choices(plan),
+           "predicted_memory_gib_per_stage": [round(s["memory_bytes"] / 2**30, 3) for s in plan["stages"]]}
+    if summary is None:
+        return row
+    if "failed" in summary or "not_run" in summary:
+        row["status"] = "failed" if "failed" in summary else "not run"
+        row["reason"] = summary.get("failed") or summary.get("not_run")
+        return row
+    row.update(status="ok", measured_step_ms=summary["measured_step_ms"], samples_per_s=summary["samples_per_s"],
+               error=prediction_error(summary["measured_step_ms"], plan["predicted_step_ms"]),
+               job_step_ms=[round(v, 1) for v in summary["job_step_ms"].values()], warmup_steps=summary["warmup_steps"],
+               replicas_identical=summary["replicas_identical"], run_wall_s=round(summary["wall_s"], 1))
+    return row
+
+
+# ---- the driver ------------------------------------------------------------------------------
+
+def run_model_hosts(name: str, hosts: int, strategies: list[str], args, work: Path, profile: Path,
+                    compute_alone: dict, calib: dict) -> list[dict]:
+    from tools.emucluster import EmulatedCluster
+    spec, batch, _ = MODELS[name]
+    raw = read_json(profile, "profile")
+    node_sum = raw["totals"]["forward_ms"] + raw["totals"]["backward_ms"]
+    contended = measure_compute(spec, batch, hosts, args.contention_seconds)
+    scale = compute_scale(node_sum, compute_alone["median_ms"], contended["median_ms"])
+    calib.update({"hosts": hosts, "node_sum_ms": node_sum, "alone_ms": compute_alone["median_ms"],
+                  "contended": contended, **scale})
+    log.info("%s on %d hosts: per-node sum %.0f ms, alone %.0f ms, %d at once %.0f ms -> scale %.2f "
+             "(isolation %.2f x contention %.2f)", name, hosts, node_sum, compute_alone["median_ms"], hosts,
+             contended["median_ms"], scale["scale"], scale["isolation"], scale["contention"])
+    scaled = work / f"{name}.x{hosts}.profile.json"
+    write_json(scaled, scale_profile(raw, scale["scale"], f"compute x{scale['scale']:.3f} for {hosts} emulated hosts "
+                                     f"on this machine: measured by benchmarks/plans.py (contended/per-node sum)"))
+    cluster_file = REPO / "examples" / "clusters" / f"{hosts}x1gbit.json"
+    rows, done = [], {}
+    with EmulatedCluster(hosts, rate="1gbit") as cluster:
+        calibrations = []
+        if args.allreduce_calibration:
+            calibrations = [allreduce_calibration(cluster, work / f"allreduce{hosts}.json", args.timeout)]
+            calib["allreduce_calibration"] = str(calibrations[0].name)
+        for k, strategy in enumerate(strategies):
+            plan_file = work / f"{name}.{hosts}.{strategy}.plan.json"
+            plan = partition(scaled, cluster_file, strategy, plan_file, calibrations)
+            if "refused" in plan:
+                rows.append({"model": name, "hosts": hosts, "strategy": strategy, "status": "partition refused",
+                             "reason": plan["refused"]})
+                log.info("  %-9s partition refused: %s", strategy, plan["refused"].splitlines()[-1])
+                continue
+            key = plan_key(plan)
+            if key in done:
+                first = done[key]
+                row = {**first, "strategy": strategy, "same_plan_as": first["strategy"]}
+                rows.append(row)
+                log.info("  %-9s same plan as %s", strategy, first["strategy"])
+                continue
+            why = memory_refusal(plan)
+            summary = {"not_run": why} if why else train_plan(
+                cluster, plan_file, work / f"run-{name}-{hosts}-{strategy}", args.steps, 29400 + k, args.timeout)
+            row = row_from(name, hosts, strategy, plan, summary)
+            done[key] = row
+            rows.append(row)
+            if row.get("status") == "ok":
+                log.info("  %-9s %-28s predicted %7.0f ms, measured %7.0f ms (%+.0f%%), %.1f samples/s, %.0f s",
+                         strategy, row["layout"][:28], row["predicted_step_ms"], row["measured_step_ms"],
+                         100 * row["error"], row["samples_per_s"], row["run_wall_s"])
+            else:
+                log.info("  %-9s %s: %s", strategy, row["status"], row["reason"])
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help=f"models {QUICK_MODELS} on {QUICK_HOSTS} hosts, 3 steps")
+    p.add_argument("--models", default=None, help=f"from {','.join(MODELS)} (default all; quick {QUICK_MODELS})")
+    p.add_argument("--hosts", default=None, help="emulated host counts, from 4,8 (default 4,8; quick 4)")
+    p.add_argument("--strategies", default=",".join(STRATEGIES), help=f"from {','.join(STRATEGIES)} (default all)")
+    p.add_argument("--steps", type=int, default=None, help="training steps per plan, the first fifth (at least 1) "
+                   "is warm-up (default 4; quick 3)")
+    p.add_argument("--repeats", type=int, default=3, help="profile repeats per node (default 3)")
+    p.add_argument("--contention-seconds", type=float, default=None, help="seconds of each compute-only "
+                   "contention measurement (default 8; quick 5)")
+    p.add_argument("--allreduce-calibration", action="store_true",
+                   help="run hybridpipe bench-allreduce on each emulated cluster and partition with it")
+    p.add_argument("--timeout", type=float, default=420.0, help="seconds per training run (default 420)")
+    p.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
+    p.add_argument("--tag", default="", help="suffix of the result files (plans_<tag>[_quick])")
+    p.add_argument("--compute-worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--model-spec", help=argparse.SUPPRESS)
+    p.add_argument("--batch", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--seconds", type=float, help=argparse.SUPPRESS)
+    p.add_argument("--sync-dir", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.compute_worker:
+        args.model = args.model_spec
+        compute_worker(args)
+        return 0
+    quick = args.quick
+    models = (args.models or (QUICK_MODELS if quick else ",".join(MODELS))).split(",")
+    hosts_list = [int(h) for h in (args.hosts or (QUICK_HOSTS if quick else "4,8")).split(",")]
+    strategies = args.strategies.split(",")
+    bad = [m for m in models if m not in MODELS] + [s for s in strategies if s not in STRATEGIES]
+    bad += [str(h) for h in hosts_list if not (REPO / "examples" / "clusters" / f"{h}x1gbit.json").exists()]
+    if bad:
+        raise SystemExit(f"unknown model/strategy/host count {bad}; models {','.join(MODELS)}, strategies "
+                         f"{','.join(STRATEGIES)}, hosts with a cluster file examples/clusters/<n>x1gbit.json")
+    if "optimal" not in strategies:
+        strategies.insert(0, "optimal")           # the reference of every ratio
+    args.steps = args.steps or (3 if quick else 4)
+    args.contention_seconds = args.contention_seconds or (5.0 if quick else 8.0)
+    setup_logging()
+    require_emulation()
+    json_path, png_path = result_paths("plans" + (f"_{args.tag}" if args.tag else ""), quick, args.out)
+    started = time.monotonic()
+    load_before = [round(x, 2) for x in os.getloadavg()]
+    rows, calibration = [], []
+    with tempfile.TemporaryDirectory(prefix="hp-plans-") as tmp:
+        work = Path(tmp)
+        for name in models:
+            profile = profile_model(name, work, args.repeats)
+            alone = measure_compute(MODELS[name][0], MODELS[name][1], 1, args.contention_seconds)
+            for hosts in hosts_list:
+                calib = {"model": name}
+                rows += run_model_hosts(name, hosts, strategies, args, work, profile, alone, calib)
+                calibration.append(calib)
+    add_relative(rows)
+    data = {"benchmark": "plans", "quick": quick, "machine": machine(), "load_average_before": load_before,
+            "settings": {"models": {m: {"spec": MODELS[m][0], "batch_per_micro_batch": MODELS[m][1],
+                                        "reduced": MODELS[m][2]} for m in models},
+                         "hosts": hosts_list, "rate": "1gbit (tools/emucluster, tc tbf, MTU 1500, no added latency)",
+                         "cluster_files": [f"examples/clusters/{h}x1gbit.json" for h in hosts_list],
+                         "strategies": strategies, "steps": args.steps, "threads_per_worker": 1,
+                         "launch": "torchrun --nnodes N --nproc-per-node 1 (c10d) launch.py --plan P --steps S "
+                                   f"--no-trace --timeout {LAUNCH_TIMEOUT_S}; schedule, micro-batches, all-reduce "
+                                   "(hybrid, per layer from the plan) and p2p mode (sa) are the defaults",
+                         "measured_step": "launch.py summary.json: median of the slowest rank's step time over the "
+                                          "steps after the warm-up (first fifth, at least 1)",
+                         "calibration_method": "profile: hybridpipe profile, 1 thread, --repeats "
+                                               f"{args.repeats}; compute scale = (median forward+loss+backward of one "
+                                               "copy while N copies run at once, 1 thread each) / (profile's per-node "
+                                               "sum); every node's forward/backward multiplied by it; plans made from "
+                                               "the scaled profile",
+                         "allreduce_calibration": bool(args.allreduce_calibration)},
+            "compute_calibration": calibration, "rows": rows, "errors": error_summary(rows),
+            "duration_s": round(time.monotonic() - started, 1)}
+    title = (f"partition strategies trained on emulated hosts at 1 Gbit/s ({', '.join(models)}; "
+             f"{'/'.join(map(str, hosts_list))} hosts; 1 thread per worker, 2 shared cores)")
+    write_results(json_path, data, plot(pyplot(), rows, title), png_path)
+    e = data["errors"]
+    log.info("prediction within %.0f%% for %d of %d runs (median |error| %s); done in %.0f s", 100 * e["goal"],
+             e["within_goal"], e["runs"], f"{100 * e['median_abs_error']:.0f}%" if e["median_abs_error"] is not None
+             else "-", data["duration_s"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""Pure helpers of ``benchmarks/plans.py``: scaling a profile, naming and comparing plans,
+the rows of the report and its figure. Plain data in, plain data out (tested without processes).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+STRATEGIES = ("optimal", "dp", "uniform", "params", "time", "pipedream")
+ERROR_GOAL = 0.10          # |measured / predicted - 1| the benchmark aims at
+
+
+def scale_profile(profile: Mapping[str, Any], factor: float, note: str) -> dict:
+    """A copy of a profile JSON with every node's forward/backward time multiplied by ``factor``.
+
+    The graph (and so the signature) is unchanged; the totals are rescaled to match and
+    ``note`` is appended to the profile's notes, so the file says how it was calibrated.
+    """
+    if not factor > 0:
+        raise ValueError(f"a compute scale factor must be positive, got {factor!r}")
+    out = copy.deepcopy(dict(profile))
+    for node in out["nodes"]:
+        node["forward_ms"] = node.get("forward_ms", 0.0) * factor
+        node["backward_ms"] = node.get("backward_ms", 0.0) * factor
+    totals = out.get("totals") or {}
+    for key in ("forward_ms", "backward_ms", "measured_ms"):
+        if key in totals:
+            totals[key] = totals[key] * factor
+    out["notes"] = [*out.get("notes", []), note]
+    return out
+
+
+def compute_scale(node_sum_ms: float, alone_ms: float, contended_ms: float) -> dict[str, float]:
+    """How the profile's per-node sum becomes the time one worker's compute takes on the emulated hosts.
+
+    ``alone_ms``: a full forward+loss+backward, one process, one thread; ``contended_ms``: the
+    same while every emulated host's copy runs at once. ``scale`` = contended / node sum is
+    the product of ``isolation`` (alone / node sum: what timing nodes one by one misses or
+    adds) and ``contention`` (contended / alone: the cores shared by the hosts).
+    """
+    if min(node_sum_ms, alone_ms, contended_ms) <= 0:
+        raise ValueError("compute times must be positive")
+    return {"isolation": alone_ms / node_sum_ms, "contention": contended_ms / alone_ms,
+            "scale": contended_ms / node_sum_ms}
+
+
+def stage_layout(plan: Mapping[str, Any]) -> str:
+    """``"0-16x2 | 17x1 | 18-23x1"``: node range x replicas of each stage."""
+    parts = []
+    for s in plan["stages"]:
+        nodes = f"{s['first_node']}" if s["first_node"] == s["last_node"] else f"{s['first_node']}-{s['last_node']}"
+        parts.append(f"{nodes}x{s['replicas']}")
+    return " | ".join(parts)
+
+
+def plan_key(plan: Mapping[str, Any]) -> tuple:
+    """What the runtime does with a plan: schedule, micro-batches, stages and every layer's algorithm.
+
+    Two strategies whose plans have the same key train identically, so one run measures both.
+    """
+    return (plan["schedule"], plan["micro_batches"], plan["batch_size"],
+            tuple((s["first_node"], s["last_node"], s["replicas"], tuple(s["ranks"]),
+                   tuple(lv["algorithm"] for lv in s.get("layers", ()))) for s in plan["stages"]))
+
+
+def allreduce_choices(plan: Mapping[str, Any]) -> list[dict[str, int]]:
+    """Per stage, how many layers sync with each all-reduce algorithm (empty for 1 replica)."""
+    return [dict(sorted(Counter(lv["algorithm"] for lv in s.get("layers", ())).items())) if s["replicas"] > 1 else {}
+            for s in plan["stages"]]
+
+
+def prediction_error(measured_ms: float | None, predicted_ms: float | None) -> float | None:
+    """measured / predicted - 1 (positive: slower than predicted); None if either is missing."""
+    if not measured_ms or not predicted_ms:
+        return None
+    return measured_ms / predicted_ms - 1.0
+
+
+def add_relative(rows: list[dict]) -> list[dict]:
+    """Give every row of a (model, hosts) group its throughput relative to that group's ``optimal``.
+
+    ``measured_vs_optimal`` = samples/s / optimal's samples/s, likewise ``predicted_vs_optimal``;
+    None where either side did not run.
+    """
+    base: dict[tuple, dict] = {(r["model"], r["hosts"]): r for r in rows if r["strategy"] == "optimal"}
+    for r in rows:
+        ref = base.get((r["model"], r["hosts"]))
+        r["measured_vs_optimal"] = _ratio(r.get("samples_per_s"), ref and ref.get("samples_per_s"))
+        r["predicted_vs_optimal"] = _ratio(r.get("predicted_samples_per_s"), ref and ref.get("predicted_samples_per_s"))
+    return rows
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+def error_summary(rows: Sequence[Mapping[str, Any]], goal: float = ERROR_GOAL) -> dict[str, Any]:
+    """How many measured runs were within ``goal`` of the prediction, and the median |error|."""
+    errs = [abs(r["error"]) for r in rows if r.get("error") is not None and not r.get("same_plan_as")]
+    errs.sort()
+    median = None
+    if errs:
+        mid = len(errs) // 2
+        median = errs[mid] if len(errs) % 2 else (errs[mid - 1] + errs[mid]) / 2
+    return {"runs": len(errs), "within_goal": sum(e <= goal for e in errs), "goal": goal,
+            "median_abs_error": median, "max_abs_error": errs[-1] if errs else None}
+
+
+# ---- the figure ------------------------------------------------------------------------------
+
+def plot(plt, rows: Sequence[Mapping[str, Any]], title: str):
+    """Left: measured throughput relative to optimal per model x hosts, one bar per strategy
+    (predicted ratio as a black tick). Right: predicted vs measured step time."""
+    groups = list(dict.fromkeys((r["model"], r["hosts"]) for r in rows))
+    strategies = [s for s in STRATEGIES if any(r["strategy"] == s for r in rows)]
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(14, 5), gridspec_kw={"width_ratios": [1.6, 1]})
+    w = 0.8 / max(1, len(strategies))
+    for k, strategy in enumerate(strategies):
+        xs, meas, pred = [], [], []
+        for i, g in enumerate(groups):
+            r = next((r for r in rows if (r["model"], r["hosts"]) == g and r["strategy"] == strategy), None)
+            if r is None:
+                continue
+            x = i + (k - (len(strategies) - 1) / 2) * w
+            if r.get("measured_vs_optimal") is None:
+                ax.text(x, 0.02, "x", ha="center", va="bottom", color="red", fontsize=9)
+                continue
+            xs.append(x)
+            meas.append(r["measured_vs_optimal"])
+            pred.append(r.get("predicted_vs_optimal"))
+        ax.bar(xs, meas, w, label=strategy)
+        ax.scatter([x for x, p in zip(xs, pred) if p], [p for p in pred if p], marker="_", s=120, color="k", zorder=3)
+    ax.scatter([], [], marker="_", s=120, color="k", label="predicted ratio")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xticks(range(len(groups)), [f"{m}\n{h} hosts" for m, h in groups], fontsize=8)
+    ax.set_ylabel("throughput / optimal's (measured)")
+    ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.14))
+    ax.set_title("x: plan not run (see JSON)", fontsize=8, loc="right", color="red")
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    pts = [r for r in rows if r.get("measured_step_ms") and r.get("predicted_step_ms") and not r.get("same_plan_as")]
+    for model in models:
+        for hosts, marker in ((4, "o"), (8, "s")):
+            sel = [r for r in pts if r["model"] == model and r["hosts"] == hosts]
+            if sel:
+                ax2.scatter([r["predicted_step_ms"] / 1e3 for r in sel], [r["measured_step_ms"] / 1e3 for r in sel],
+                            marker=marker, label=f"{model}, {hosts} hosts")
+    if pts:
+        lo = min(min(r["predicted_step_ms"], r["measured_step_ms"]) for r in pts) / 1e3 * 0.8
+        hi = max(max(r["predicted_step_ms"], r["measured_step_ms"]) for r in pts) / 1e3 * 1.2
+        ax2.plot([lo, hi], [lo, hi], "k-", lw=0.8, label="measured = predicted")
+        ax2.fill_between([lo, hi], [lo * 0.9, hi * 0.9], [lo * 1.1, hi * 1.1], color="grey", alpha=0.2,
+                         label="within 10%")
+        ax2.set_xscale("log")
+        ax2.set_yscale("log")
+    ax2.set_xlabel("predicted step (s)")
+    ax2.set_ylabel("measured step (s, median)")
+    ax2.legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    return fig
