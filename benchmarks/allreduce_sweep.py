@@ -34,16 +34,19 @@ PAIRS = (("butterfly", "ring"), ("torus2d", "ring"), ("aggregator", "ring"), ("a
 DEDICATED = "aggregator@switch"     # the dedicated aggregator in the switch's namespace (seed 001)
 AGGREGATOR_PORT = 29600
 TCP_MAX = 1448 / 1514      # TCP goodput / wire rate at MTU 1500: what a ring can reach at best
+CALIBRATED = ("native", "ring", "butterfly", "hierarchical", "torus2d", "aggregator")   # auto's candidates
+CALIBRATION_SIZES = "4K..16M"
 
 
 # ---- the worker (one per emulated host) ------------------------------------------------------
 
-def make_reducers(group, cluster_file: str, aggregator: str | None) -> dict:
+def make_reducers(group, cluster_file: str, aggregator: str | None, calibration=None) -> dict:
     """The algorithm name -> (reducer, algorithm) table of this run.
 
     ``auto`` prices the algorithms with the partitioner's cost model of the emulated cluster's
     description (its link rate; ``latency_us`` as given there), as a user passing
-    ``--cluster cluster.json`` would; no calibration.
+    ``--cluster cluster.json`` would, and with ``calibration`` (measured alpha/beta per
+    algorithm, ``hybridpipe bench-allreduce`` or :func:`calibrate_group`) when one is given.
     """
     import torch.distributed as dist
 
@@ -52,14 +55,27 @@ def make_reducers(group, cluster_file: str, aggregator: str | None) -> dict:
     from hybridpipe.partitioner.costmodel import CostModel
     cluster = load_cluster(cluster_file)
     ranks = tuple(range(dist.get_world_size(group)))
-    plain = AllReducer(group, costs=GroupCosts(CostModel(cluster), ranks))
+    plain = AllReducer(group, costs=GroupCosts(CostModel(cluster, calibration), ranks))
     table = {name: (plain, name) for name in ALGORITHMS if name != DEDICATED}
     if aggregator:
-        switch = AllReducer(group, costs=GroupCosts(CostModel(cluster, aggregator_dedicated=True), ranks),
-                            aggregator=aggregator, lane=1)
+        switch = AllReducer(group, costs=GroupCosts(CostModel(cluster, calibration, aggregator_dedicated=True),
+                                                    ranks), aggregator=aggregator, lane=1)
         table[DEDICATED] = (switch, "aggregator")
         table["_auto_with_switch"] = (switch, "auto")
     return table
+
+
+def worker_calibration(args: argparse.Namespace):
+    """The calibration ``auto`` prices with: a file, measured here first (``--calibrate``), or none."""
+    from hybridpipe.comm.allreduce.bench import calibrate_group
+    from hybridpipe.partitioner.calibration import load_calibration
+    if args.calibration_file:
+        return load_calibration(args.calibration_file)
+    if args.calibrate:
+        algos = [a for a in CALIBRATED if a in args.algorithms.split(",") or a == "native"]
+        return calibrate_group(algos, parse_size_range(CALIBRATION_SIZES, 4), reps=3, budget_s=0.1,
+                               notes=("measured by allreduce_sweep before its sweep",))
+    return None
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -69,7 +85,10 @@ def worker(args: argparse.Namespace) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     control = dist.new_group(backend="gloo")       # barriers and time reductions stay off the measured group
     group = dist.new_group(backend="gloo")
-    table = make_reducers(group, args.cluster_file, args.aggregator)
+    t0 = time.perf_counter()
+    calibration = worker_calibration(args)
+    calibration_s = time.perf_counter() - t0
+    table = make_reducers(group, args.cluster_file, args.aggregator, calibration)
     sizes = parse_size_range(args.sizes, args.size_step)
     rows = []
     for algo in args.algorithms.split(","):
@@ -114,7 +133,10 @@ def worker(args: argparse.Namespace) -> None:
     for reducer, _ in table.values():
         reducer.close()
     if rank == 0:
-        emit_result({"world": world, "rows": rows})
+        from hybridpipe.comm.allreduce.bench import fits_summary
+        emit_result({"world": world, "rows": rows,
+                     "calibration": fits_summary(calibration) if calibration else None,
+                     "calibration_s": calibration_s if calibration else None})
     dist.barrier(group=control)
     dist.destroy_process_group()
 
@@ -245,8 +267,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     p.add_argument("--latency-us", type=float, default=50.0,
                    help="per-message latency in the cluster description auto prices with (default 50)")
+    p.add_argument("--calibration", default=None,
+                   help="auto prices with this calibration (hybridpipe bench-allreduce output)")
+    p.add_argument("--calibrate", action="store_true",
+                   help=f"auto prices with a calibration measured in each cluster first ({CALIBRATION_SIZES})")
+    p.add_argument("--tag", default="", help="suffix of the result files' names")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--cluster-file", help=argparse.SUPPRESS)
+    p.add_argument("--calibration-file", help=argparse.SUPPRESS)
     p.add_argument("--aggregator", help=argparse.SUPPRESS)
     p.add_argument("--aggregator-server", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--bind", help=argparse.SUPPRESS)
@@ -269,7 +297,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging()
     require_emulation()
     from tools.emucluster import EmulatedCluster
-    json_path, png_path = result_paths("allreduce_sweep", quick, args.out)
+    if args.calibration and args.calibrate:
+        raise SystemExit("give --calibration FILE or --calibrate, not both")
+    json_path, png_path = result_paths("allreduce_sweep" + (f"_{args.tag}" if args.tag else ""), quick, args.out)
+    if args.calibration:
+        from hybridpipe.partitioner.calibration import load_calibration
+        load_calibration(args.calibration)            # fail here, not in every worker
     started = time.monotonic()
     load_before = [round(x, 2) for x in os.getloadavg()]
     results = []
@@ -282,14 +315,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                 write_json(cluster_file, cluster.cluster_json(latency_us=args.latency_us))
                 worker_args = ["--algorithms", args.algorithms, "--sizes", sizes, "--size-step", str(step),
                                "--reps", str(reps), "--budget", str(budget), "--cluster-file", str(cluster_file)]
+                if args.calibration:
+                    worker_args += ["--calibration-file", str(Path(args.calibration).resolve())]
+                elif args.calibrate:
+                    worker_args.append("--calibrate")
                 if DEDICATED in args.algorithms.split(","):
                     cluster.start(cluster.switch, [sys.executable, __file__, "--aggregator-server", "--bind",
                                                    cluster.switch.addr, "--port", str(AGGREGATOR_PORT),
                                                    "--world", str(n)], env=worker_env(cluster, cluster.switch))
                     worker_args += ["--aggregator", f"{cluster.switch.addr}:{AGGREGATOR_PORT}"]
                 out = run_workers(cluster, __file__, worker_args, timeout_s=args.timeout)
-            res = analyse({"hosts": n, "rate_gbps": rate, "mtu": args.mtu, "seconds": time.monotonic() - t0},
+            res = analyse({"hosts": n, "rate_gbps": rate, "mtu": args.mtu, "seconds": time.monotonic() - t0,
+                           "calibration": out.get("calibration"), "calibration_s": out.get("calibration_s")},
                           out["rows"])
+            log.info("  auto picked: %s", ", ".join(f"{size_label(int(k))} {v['picked']}"
+                                                   for k, v in res["auto"].items()))
             results.append(res)
             for name, cs in res["crossovers"].items():
                 st = res["settles"][name]
@@ -298,7 +338,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     data = {"benchmark": "allreduce_sweep", "quick": quick, "machine": machine(),
             "settings": {"hosts": hosts, "rates_gbps": rates, "sizes": sizes, "size_step": step, "reps": reps,
                          "budget_s": budget, "mtu": args.mtu, "algorithms": args.algorithms.split(","),
-                         "auto_prices_with": f"cluster description: link rate, latency_us={args.latency_us:g}",
+                         "auto_prices_with": f"cluster description: link rate, latency_us={args.latency_us:g}"
+                         + (f"; calibration {args.calibration}" if args.calibration else "")
+                         + (f"; calibration measured first in each cluster ({CALIBRATION_SIZES})"
+                            if args.calibrate else ""),
                          "latency_emulation": "none (netem unavailable; tbf only)"},
             "duration_s": time.monotonic() - started, "load_average_before": load_before, "results": results}
     fig = plot(results, f"all-reduce busbw / link rate (gloo, emulated hosts, MTU {args.mtu})")

@@ -182,6 +182,40 @@ def calibrate(result: dict, level: str = "", notes: Sequence[str] = ()) -> Calib
                            notes=tuple(notes))
 
 
+def calibrate_group(algorithms: Sequence[str], sizes: Sequence[int], *, reps: int = 3, budget_s: float = 0.1,
+                    level: str = "", notes: Sequence[str] = ()) -> Calibration:
+    """Measure and fit on the default group, inside a running job: every rank calls it and every
+    rank gets the same Calibration (rank 0 fits, then broadcasts it).
+
+    For benchmarks and jobs that price ``auto`` or the hybrid policy from measurements of the
+    very cluster they run on, without a separate ``hybridpipe bench-allreduce`` run.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = BenchConfig(tuple(algorithms), tuple(sizes), reps=reps, max_reps=max(reps, 20), budget_s=budget_s,
+                      progress=False)
+    result = measure(rank, world, cfg)
+    box: list = [None]
+    if rank == 0:
+        if result["wrong"]:
+            box[0] = f"wrong sums from {', '.join(result['wrong'])}"
+        else:
+            box[0] = calibrate(result, level, notes)
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], str):
+        raise RuntimeError(f"calibration failed: {box[0]}; this is a bug, please report it")
+    return box[0]
+
+
+def fits_summary(cal: Calibration) -> dict[str, dict[str, float]]:
+    """Per fitted algorithm (and p2p): alpha in microseconds, 1/beta in Gbit/s, median error."""
+    out = {}
+    for name, fit in sorted(cal.algorithms.items()) + [("p2p", cal.p2p)]:
+        out[name] = {"alpha_us": fit.alpha_s * 1e6,
+                     "gbps": 8e-9 / fit.beta_s_per_byte if fit.beta_s_per_byte > 0 else float("inf"),
+                     "rel_error": fit.rel_error}
+    return out
+
+
 def table(samples: Sequence[Sample], world: int) -> str:
     """Latency and bus bandwidth per size (rows) and algorithm (columns); * marks the fastest."""
     algos = list(dict.fromkeys(s.algorithm for s in samples if s.algorithm != "p2p"))

@@ -58,6 +58,26 @@ class _Op:
         return self.done
 
 
+SERIAL_GRAIN = 32768     # elements: at::parallel_for's grain size; smaller ops run on the calling thread
+
+
+def apply_landed(target: torch.Tensor, landed: torch.Tensor, reduce: bool) -> None:
+    """``target += landed`` (or copy) on the calling thread alone.
+
+    A CPU op above the grain size wakes torch's OpenMP team; with several ranks per core the
+    team's spin-wait then starves gloo's I/O threads (our chunked sums made 1 MB all-reduces
+    10x slower under torchrun, where OMP_NUM_THREADS is not set to 1 for one process per host).
+    Slices at the grain size run inline, for a few microseconds of call overhead per slice.
+    """
+    n = target.numel()
+    if target.device.type != "cpu" or n <= SERIAL_GRAIN or torch.get_num_threads() == 1:
+        target.add_(landed) if reduce else target.copy_(landed)
+        return
+    for lo in range(0, n, SERIAL_GRAIN):
+        t, x = target[lo:lo + SERIAL_GRAIN], landed[lo:lo + SERIAL_GRAIN]
+        t.add_(x) if reduce else t.copy_(x)
+
+
 def _overlaps(a: _Op, lo: int, hi: int) -> bool:
     return a.lo < hi and lo < a.hi
 
@@ -155,8 +175,7 @@ def run_pipelined(rounds: Sequence[Round], space: FlatSpace, transport: GroupTra
                         raise RuntimeError("all-reduce executor: a send reading a range was not issued before "
                                            "the range's next write (a schedule bug)")
                     r.finish()
-                target, landed = space.view(op.lo, op.hi), op.buf[: op.hi - op.lo]
-                target.add_(landed) if op.reduce else target.copy_(landed)
+                apply_landed(space.view(op.lo, op.hi), op.buf[: op.hi - op.lo], op.reduce)
                 free.append(op.buf)
                 op.buf = None
             op.applied = True
@@ -197,8 +216,4 @@ def run_rounds(rounds: Sequence[Round], space: FlatSpace, transport: GroupTransp
             w.wait()
         for m, bufs in landed:
             for p, t in bufs:
-                target = space.view(p.lo, p.hi)
-                if m.reduce:
-                    target.add_(t)
-                else:
-                    target.copy_(t)
+                apply_landed(space.view(p.lo, p.hi), t, m.reduce)
