@@ -14,8 +14,9 @@ machine's cores, so each worker computes slower than the profile says. Measured,
 one full forward+loss+backward at the profile's batch (one thread) is timed alone, then while n
 copies run at once (n = hosts, started together, each timing its own iterations). The profile's
 node times are scaled by contended / per-node sum, which also corrects what timing nodes one
-by one misses. The plans are made from the scaled profile. With ``--allreduce-calibration``
-the partitioner also gets ``hybridpipe bench-allreduce`` run on the same emulated cluster.
+by one misses. The plans are made from the scaled profile. The partitioner also gets
+``--calibration`` from ``hybridpipe bench-allreduce`` run on the same emulated cluster just before
+(every algorithm, 64 KiB..64 MiB; ``--no-allreduce-calibration`` skips it).
 
 Sizes are reduced so that n workers on 2 cores stay in proportion to 1 Gbit/s (see MODELS):
 parameters (and so all-reduce and memory) are the full models' except where noted.
@@ -163,10 +164,19 @@ def allreduce_calibration(cluster, out: Path, timeout_s: float) -> Path:
     """``hybridpipe bench-allreduce`` on every host of the emulated cluster (level ``network``)."""
     from benchmarks.common import worker_env
     cluster.run([sys.executable, "-m", "hybridpipe.cli", "bench-allreduce", "-o", str(out), "--level", "network",
-                 "--sizes", "64K..64M", "--size-step", "4", "--reps", "3", "--budget", "0.2",
-                 "--algorithms", "ring,butterfly,hierarchical,torus2d,native", "--no-progress"],
+                 "--sizes", "64K..64M", "--size-step", "4", "--reps", "3", "--budget", "0.2", "--no-progress"],
                 timeout_s=timeout_s, env=lambda h: worker_env(cluster, h), cwd=REPO)
     return out
+
+
+def link_fits(calibration_file: Path) -> dict[str, dict[str, float]]:
+    """Per algorithm (and p2p) of a calibration: fitted per-step latency (us) and bandwidth (Gbit/s)."""
+    from hybridpipe.partitioner.calibration import load_calibration
+    cal = load_calibration(calibration_file)
+    fits = {"p2p": cal.p2p, **cal.algorithms} if cal.p2p else dict(cal.algorithms)
+    return {name: {"alpha_us": round(f.alpha_s * 1e6, 1), "gbps": round(8e-9 / f.beta_s_per_byte, 3)
+                   if f.beta_s_per_byte > 0 else None, "fit_error": round(f.rel_error, 3)}
+            for name, f in fits.items()}
 
 
 # ---- training a plan on the emulated hosts ---------------------------------------------------
@@ -238,9 +248,9 @@ def row_from(model: str, hosts: int, strategy: str, plan: dict, summary: dict | 
 
 # ---- the driver ------------------------------------------------------------------------------
 
-def run_model_hosts(name: str, hosts: int, strategies: list[str], args, work: Path, profile: Path,
-                    compute_alone: dict, calib: dict) -> list[dict]:
-    from tools.emucluster import EmulatedCluster
+def run_model_hosts(cluster, name: str, hosts: int, strategies: list[str], args, work: Path, profile: Path,
+                    compute_alone: dict, calibrations: list[Path], calib: dict, port_base: int) -> list[dict]:
+    """Calibrate ``name``'s profile for ``hosts`` emulated hosts, partition with every strategy, train."""
     spec, batch, _ = MODELS[name]
     raw = read_json(profile, "profile")
     node_sum = raw["totals"]["forward_ms"] + raw["totals"]["backward_ms"]
@@ -256,38 +266,33 @@ def run_model_hosts(name: str, hosts: int, strategies: list[str], args, work: Pa
                                      f"on this machine: measured by benchmarks/plans.py (contended/per-node sum)"))
     cluster_file = REPO / "examples" / "clusters" / f"{hosts}x1gbit.json"
     rows, done = [], {}
-    with EmulatedCluster(hosts, rate="1gbit") as cluster:
-        calibrations = []
-        if args.allreduce_calibration:
-            calibrations = [allreduce_calibration(cluster, work / f"allreduce{hosts}.json", args.timeout)]
-            calib["allreduce_calibration"] = str(calibrations[0].name)
-        for k, strategy in enumerate(strategies):
-            plan_file = work / f"{name}.{hosts}.{strategy}.plan.json"
-            plan = partition(scaled, cluster_file, strategy, plan_file, calibrations)
-            if "refused" in plan:
-                rows.append({"model": name, "hosts": hosts, "strategy": strategy, "status": "partition refused",
-                             "reason": plan["refused"]})
-                log.info("  %-9s partition refused: %s", strategy, plan["refused"].splitlines()[-1])
-                continue
-            key = plan_key(plan)
-            if key in done:
-                first = done[key]
-                row = {**first, "strategy": strategy, "same_plan_as": first["strategy"]}
-                rows.append(row)
-                log.info("  %-9s same plan as %s", strategy, first["strategy"])
-                continue
-            why = memory_refusal(plan)
-            summary = {"not_run": why} if why else train_plan(
-                cluster, plan_file, work / f"run-{name}-{hosts}-{strategy}", args.steps, 29400 + k, args.timeout)
-            row = row_from(name, hosts, strategy, plan, summary)
-            done[key] = row
+    for k, strategy in enumerate(strategies):
+        plan_file = work / f"{name}.{hosts}.{strategy}.plan.json"
+        plan = partition(scaled, cluster_file, strategy, plan_file, calibrations)
+        if "refused" in plan:
+            rows.append({"model": name, "hosts": hosts, "strategy": strategy, "status": "partition refused",
+                         "reason": plan["refused"]})
+            log.info("  %-9s partition refused: %s", strategy, plan["refused"].splitlines()[-1])
+            continue
+        key = plan_key(plan)
+        if key in done:
+            first = done[key]
+            row = {**first, "strategy": strategy, "same_plan_as": first["strategy"]}
             rows.append(row)
-            if row.get("status") == "ok":
-                log.info("  %-9s %-28s predicted %7.0f ms, measured %7.0f ms (%+.0f%%), %.1f samples/s, %.0f s",
-                         strategy, row["layout"][:28], row["predicted_step_ms"], row["measured_step_ms"],
-                         100 * row["error"], row["samples_per_s"], row["run_wall_s"])
-            else:
-                log.info("  %-9s %s: %s", strategy, row["status"], row["reason"])
+            log.info("  %-9s same plan as %s", strategy, first["strategy"])
+            continue
+        why = memory_refusal(plan)
+        summary = {"not_run": why} if why else train_plan(
+            cluster, plan_file, work / f"run-{name}-{hosts}-{strategy}", args.steps, port_base + k, args.timeout)
+        row = row_from(name, hosts, strategy, plan, summary)
+        done[key] = row
+        rows.append(row)
+        if row.get("status") == "ok":
+            log.info("  %-9s %-28s predicted %7.0f ms, measured %7.0f ms (%+.0f%%), %.1f samples/s, %.0f s",
+                     strategy, row["layout"][:28], row["predicted_step_ms"], row["measured_step_ms"],
+                     100 * row["error"], row["samples_per_s"], row["run_wall_s"])
+        else:
+            log.info("  %-9s %s: %s", strategy, row["status"], row["reason"])
     return rows
 
 
@@ -302,8 +307,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="profile repeats per node (default 3)")
     p.add_argument("--contention-seconds", type=float, default=None, help="seconds of each compute-only "
                    "contention measurement (default 8; quick 5)")
-    p.add_argument("--allreduce-calibration", action="store_true",
-                   help="run hybridpipe bench-allreduce on each emulated cluster and partition with it")
+    p.add_argument("--no-allreduce-calibration", dest="allreduce_calibration", action="store_false",
+                   help="partition with the cluster file's nominal link figures only (default: run hybridpipe "
+                   "bench-allreduce on each emulated cluster first and partition with its calibration)")
     p.add_argument("--timeout", type=float, default=420.0, help="seconds per training run (default 420)")
     p.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     p.add_argument("--tag", default="", help="suffix of the result files (plans_<tag>[_quick])")
@@ -335,16 +341,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     json_path, png_path = result_paths("plans" + (f"_{args.tag}" if args.tag else ""), quick, args.out)
     started = time.monotonic()
     load_before = [round(x, 2) for x in os.getloadavg()]
-    rows, calibration = [], []
+    rows, calibration, links = [], [], {}
+    from tools.emucluster import EmulatedCluster
     with tempfile.TemporaryDirectory(prefix="hp-plans-") as tmp:
         work = Path(tmp)
+        profiles, alone = {}, {}
         for name in models:
-            profile = profile_model(name, work, args.repeats)
-            alone = measure_compute(MODELS[name][0], MODELS[name][1], 1, args.contention_seconds)
-            for hosts in hosts_list:
-                calib = {"model": name}
-                rows += run_model_hosts(name, hosts, strategies, args, work, profile, alone, calib)
-                calibration.append(calib)
+            profiles[name] = profile_model(name, work, args.repeats)
+            alone[name] = measure_compute(MODELS[name][0], MODELS[name][1], 1, args.contention_seconds)
+        for hosts in hosts_list:
+            with EmulatedCluster(hosts, rate="1gbit") as cluster:
+                calibrations = []
+                if args.allreduce_calibration:
+                    calibrations = [allreduce_calibration(cluster, work / f"allreduce{hosts}.json", args.timeout)]
+                    links[str(hosts)] = link_fits(calibrations[0])
+                    log.info("all-reduce calibration on %d hosts: %s", hosts, ", ".join(
+                        f"{a} {f['gbps']:.2f} Gbit/s + {f['alpha_us']:.0f} us" for a, f in links[str(hosts)].items()))
+                for m, name in enumerate(models):
+                    calib = {"model": name}
+                    rows += run_model_hosts(cluster, name, hosts, strategies, args, work, profiles[name], alone[name],
+                                            calibrations, calib, port_base=29400 + 10 * m)
+                    calibration.append(calib)
     add_relative(rows)
     data = {"benchmark": "plans", "quick": quick, "machine": machine(), "load_average_before": load_before,
             "settings": {"models": {m: {"spec": MODELS[m][0], "batch_per_micro_batch": MODELS[m][1],
@@ -363,7 +380,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                "sum); every node's forward/backward multiplied by it; plans made from "
                                                "the scaled profile",
                          "allreduce_calibration": bool(args.allreduce_calibration)},
-            "compute_calibration": calibration, "rows": rows, "errors": error_summary(rows),
+            "compute_calibration": calibration, "allreduce_calibration_fits": links, "rows": rows, "errors": error_summary(rows),
             "duration_s": round(time.monotonic() - started, 1)}
     title = (f"partition strategies trained on emulated hosts at 1 Gbit/s ({', '.join(models)}; "
              f"{'/'.join(map(str, hosts_list))} hosts; 1 thread per worker, 2 shared cores)")

@@ -1,0 +1,94 @@
+"""benchmarks/plans.py's pure helpers: profile scaling, plan identity, rows and ratios (no processes)."""
+
+import pytest
+
+from benchmarks.plans import memory_refusal, row_from
+from benchmarks.plans_analysis import (add_relative, allreduce_choices, compute_scale, error_summary, plan_key,
+                                       prediction_error, scale_profile, stage_layout)
+from hybridpipe.profiles.format import Profile
+
+
+def _profile_dict() -> dict:
+    """A real (tiny) profile JSON, as `hybridpipe profile` writes it."""
+    from hybridpipe.profiles.profiler import profile_model
+    from hybridpipe.profiles.zoo import resolve_model
+    return profile_model(resolve_model("mlp[features=8,hidden=16,layers=2]"), batch_size=4, repeats=1, progress=False).to_dict()
+
+
+def _stage(first, last, replicas, ranks, algos=(), mem=1 << 30):
+    return {"first_node": first, "last_node": last, "replicas": replicas, "ranks": list(ranks), "memory_bytes": mem,
+            "layers": [{"layer": f"l{i}", "algorithm": a} for i, a in enumerate(algos)]}
+
+
+def _plan(stages, predicted_ms=1000.0, mb=8, bs=32):
+    return {"schedule": "1f1b", "micro_batches": mb, "batch_size": bs, "stages": stages,
+            "predicted_step_ms": predicted_ms, "predicted_samples_per_s": mb * bs / predicted_ms * 1e3}
+
+
+def test_scale_profile_multiplies_every_node_and_keeps_the_graph():
+    raw = _profile_dict()
+    scaled = scale_profile(raw, 2.5, "x2.5 by test")
+    for a, b in zip(raw["nodes"], scaled["nodes"]):
+        assert b["forward_ms"] == pytest.approx(2.5 * a["forward_ms"])
+        assert b["backward_ms"] == pytest.approx(2.5 * a["backward_ms"])
+        assert b["activation_bytes"] == a["activation_bytes"]
+    assert scaled["totals"]["forward_ms"] == pytest.approx(2.5 * raw["totals"]["forward_ms"])
+    assert scaled["notes"][-1] == "x2.5 by test"
+    assert raw["notes"] != scaled["notes"]                      # the input is not modified
+    prof = Profile.from_dict(scaled)                            # still a valid profile, same graph
+    assert prof.signature() == Profile.from_dict(raw).signature()
+    with pytest.raises(ValueError):
+        scale_profile(raw, 0.0, "")
+
+
+def test_compute_scale_is_isolation_times_contention():
+    s = compute_scale(node_sum_ms=100.0, alone_ms=120.0, contended_ms=240.0)
+    assert s == {"isolation": 1.2, "contention": 2.0, "scale": 2.4}
+    assert s["isolation"] * s["contention"] == pytest.approx(s["scale"])
+    with pytest.raises(ValueError):
+        compute_scale(0.0, 1.0, 1.0)
+
+
+def test_plan_key_tells_runtime_differences_apart():
+    dp = _plan([_stage(0, 9, 4, range(4), ["ring"] * 3)])
+    assert plan_key(dp) == plan_key(_plan([_stage(0, 9, 4, range(4), ["ring"] * 3)], predicted_ms=5.0))
+    assert plan_key(dp) != plan_key(_plan([_stage(0, 9, 4, range(4), ["ring", "ring", "butterfly"])]))
+    assert plan_key(dp) != plan_key(_plan([_stage(0, 9, 4, range(4), ["ring"] * 3)], mb=16))
+    pipe = _plan([_stage(0, 4, 1, [0]), _stage(5, 9, 3, [1, 2, 3], ["ring"])])
+    assert plan_key(pipe) != plan_key(dp)
+    assert stage_layout(pipe) == "0-4x1 | 5-9x3"
+    assert stage_layout(_plan([_stage(0, 0, 1, [0]), _stage(1, 9, 1, [1])])) == "0x1 | 1-9x1"
+    assert allreduce_choices(_plan([_stage(0, 4, 2, [0, 1], ["ring", "butterfly", "ring"]), _stage(5, 9, 1, [2])])) \
+        == [{"butterfly": 1, "ring": 2}, {}]
+
+
+def test_rows_errors_and_ratios_to_optimal():
+    assert prediction_error(1100.0, 1000.0) == pytest.approx(0.1)
+    assert prediction_error(None, 1000.0) is None
+    opt = _plan([_stage(0, 9, 4, range(4), ["ring"])], predicted_ms=1000.0)
+    slow = _plan([_stage(0, 4, 2, [0, 1]), _stage(5, 9, 2, [2, 3])], predicted_ms=2000.0)
+    rows = [row_from("m", 4, "optimal", opt, {"measured_step_ms": 1200.0, "samples_per_s": 256 / 1.2,
+                                              "job_step_ms": {"0": 2000.0, "1": 1200.0}, "warmup_steps": 1,
+                                              "replicas_identical": {"0": True}, "wall_s": 10.0}),
+            row_from("m", 4, "uniform", slow, {"measured_step_ms": 1800.0, "samples_per_s": 256 / 1.8,
+                                               "job_step_ms": {"0": 2000.0, "1": 1800.0}, "warmup_steps": 1,
+                                               "replicas_identical": {}, "wall_s": 10.0}),
+            row_from("m", 4, "params", slow, {"failed": "RuntimeError: boom"}),
+            row_from("m", 8, "dp", opt, None)]
+    add_relative(rows)
+    assert rows[0]["error"] == pytest.approx(0.2) and rows[0]["measured_vs_optimal"] == 1.0
+    assert rows[1]["measured_vs_optimal"] == pytest.approx(1.2 / 1.8)
+    assert rows[1]["predicted_vs_optimal"] == pytest.approx(0.5)
+    assert rows[1]["error"] == pytest.approx(-0.1)
+    assert rows[2]["status"] == "failed" and rows[2]["reason"] == "RuntimeError: boom"
+    assert rows[2]["measured_vs_optimal"] is None
+    assert rows[3]["measured_vs_optimal"] is None               # no optimal row for 8 hosts
+    summary = error_summary(rows + [{**rows[0], "strategy": "dp", "same_plan_as": "optimal"}])
+    assert summary["runs"] == 2 and summary["within_goal"] == 1      # a same-plan row is not counted twice
+    assert summary["median_abs_error"] == pytest.approx(0.15)
+
+
+def test_memory_refusal_names_the_need():
+    assert memory_refusal(_plan([_stage(0, 9, 1, [0], mem=1 << 20)])) is None
+    why = memory_refusal(_plan([_stage(0, 9, 8, range(8), mem=1 << 40)]))
+    assert why is not None and "GiB" in why and "8 workers" in why
