@@ -33,11 +33,26 @@ class SmallCNN(nn.Module):
         return self.head(x.flatten(1))
 
 
+class Wide(nn.Module):
+    """Small early layers, then a 2 MB one: the early ones sync on HDP's second (urgent) lane."""
+
+    def __init__(self, classes: int = 4):
+        super().__init__()
+        self.inp = nn.Linear(12, 64)
+        self.wide = nn.Linear(64, 8192)
+        self.head = nn.Linear(8192, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.wide(torch.relu(self.inp(x)))))
+
+
 def build(model: str) -> tuple[nn.Module, tuple[int, ...], int]:
     """(model, input sample shape, classes)."""
     torch.manual_seed(0)
     if model == "cnn":
         return SmallCNN(), (3, 8, 8), 5
+    if model == "wide":
+        return Wide(), (12,), 4
     spec = resolve_model("mlp[features=12,hidden=24,layers=2,classes=4]")
     return spec.build(), spec.sample_shape, spec.num_classes
 
@@ -93,6 +108,7 @@ def compare_with_ddp(rank: int, world: int, runs: list[tuple], steps: int = 3) -
                                                              hdp.module.state_dict().values())
                  if a.is_floating_point()]
         out[f"{model_name}/{opt_name}/{policy}/{mode}"] = max(diffs)
+        out[f"{model_name}/{opt_name}/{policy}/{mode}/lanes"] = sorted({u.lane for u in hdp.units})
         hdp.close()
     return out
 

@@ -10,6 +10,7 @@ from torch import nn
 
 from hybridpipe.comm.allreduce import Topology, group_costs
 from hybridpipe.comm.hybrid_dp import group_small, latency_bound_bytes, model_layers, plan_units
+from hybridpipe.comm.hybrid_dp.policy import URGENT_CANDIDATES, urgent_units
 
 
 class Tied(nn.Module):
@@ -68,3 +69,48 @@ def test_fixed_policy_uses_its_algorithm_everywhere() -> None:
     assert {u.algorithm for u in _mlp_units("torus2d")} == {"torus2d"}
     with pytest.raises(ValueError, match="unknown sync policy"):
         _mlp_units("fastest")
+
+
+ALEXNET_UNITS = [139_264, 2_458_624, 3_539_968, 5_309_440, 3_539_968, 151_011_328, 67_125_248, 16_388_000]
+
+
+def test_urgent_units_alexnet_convolutions_not_equal_layers() -> None:
+    assert urgent_units(ALEXNET_UNITS) == [0, 1, 2, 3, 4]          # every conv waits behind fc1..fc3
+    assert urgent_units([4 << 20] * 24) == []                       # a stack of equal layers: one lane
+    assert urgent_units([]) == [] and urgent_units([0, 0, 5]) == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(sizes=st.lists(st.integers(0, 10**9), max_size=12))
+def test_urgent_units_rule(sizes) -> None:
+    got = set(urgent_units(sizes))
+    for i, s in enumerate(sizes):
+        want = s > 0 and 8 * s <= sum(sizes[i + 1:]) and 8 * s <= max(sizes)
+        assert (i in got) == want
+
+
+class AlexLike(nn.Module):
+    """AlexNet's unit sizes in miniature order: small early layers, then big ones."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16)
+        self.big = nn.Linear(1024, 1024)
+        self.out = nn.Linear(1024, 16)
+
+
+@pytest.mark.parametrize("policy", ["hybrid", "ring", "native"])
+def test_plan_puts_urgent_units_on_the_second_lane(policy) -> None:
+    costs = group_costs(Topology(((0,), (1,), (2,), (3,))))
+    units = plan_units(model_layers(AlexLike()), policy, costs, fuse_small=False)
+    lanes = {u.name: u.lane for u in units}
+    if policy == "native":                       # gloo's collective: one lane only
+        assert set(lanes.values()) == {0}
+        return
+    assert lanes == {"a": 1, "b": 1, "big": 0, "out": 0}
+    for u in units:
+        if u.lane == 1:
+            assert u.algorithm in URGENT_CANDIDATES and (policy == "hybrid" or u.algorithm == policy)
+    single = plan_units(model_layers(AlexLike()), policy, costs, fuse_small=False, two_lanes=False)
+    assert {u.lane for u in single} == {0}

@@ -19,6 +19,9 @@ REPRESENTATIVE = [
     ("mlp", "sgd", "hybrid", "finish"), ("cnn", "adam", "hybrid", "layerwise"), ("cnn", "sgd", "ring", "attach"),
     ("mlp", "adam", "butterfly", "finish"), ("cnn", "sgd", "hierarchical", "accumulate"),
     ("mlp", "sgd", "torus2d", "layerwise"), ("cnn", "adam", "aggregator", "finish"), ("mlp", "adam", "native", "attach"),
+    ("wide", "sgd", "hybrid", "layerwise"), ("wide", "sgd", "ring", "finish"),      # two lanes at once
+    # (not Adam on "wide": its dead ReLU units' near-zero gradients turn DDP's and our summation
+    # order's rounding into 1e-5 steps, with one lane or two, ring or native alike)
 ]
 
 
@@ -28,10 +31,13 @@ def _suite(rank: int, world: int) -> tuple[dict, dict]:
 
 def test_same_weights_as_ddp_and_syncs_overlap() -> None:
     results = spawn(_suite, 3, timeout=180)
-    diffs = results[0][0]
+    diffs = {k: v for k, v in results[0][0].items() if not k.endswith("/lanes")}
+    lanes = {k[:-len("/lanes")]: v for k, v in results[0][0].items() if k.endswith("/lanes")}
     assert diffs.keys() == {"/".join(r) for r in REPRESENTATIVE}
     bad = {k: v for k, v in diffs.items() if not v <= TOLERANCE}
     assert not bad, bad
+    assert lanes["wide/sgd/hybrid/layerwise"] == lanes["wide/sgd/ring/finish"] == [0, 1]
+    assert lanes["mlp/adam/native/attach"] == [0]
     for _, r in results:
         assert r["started"] == r["units"] and len(r["units"]) == 3, r    # all launched by hooks in backward
         assert r["deferred"] and r["updated"] and r["zeroed"], r         # step deferred to the next forward
@@ -40,11 +46,11 @@ def test_same_weights_as_ddp_and_syncs_overlap() -> None:
 
 @pytest.mark.slow
 def test_same_weights_as_ddp_every_combination() -> None:
-    runs = [(m, o, p, mode) for m in ("mlp", "cnn") for o in ("sgd", "adam") for p in POLICIES
-            for mode in ("finish", "layerwise", "accumulate")]
+    runs = [(m, o, p, mode) for m in ("mlp", "cnn", "wide") for o in ("sgd", "adam") for p in POLICIES
+            for mode in ("finish", "layerwise", "accumulate") if (m, o) != ("wide", "adam")]
     for world in (2, 4):
         results = spawn(compare_with_ddp, world, runs, 4, timeout=900)
-        bad = {k: v for k, v in results[0].items() if not v <= TOLERANCE}
+        bad = {k: v for k, v in results[0].items() if not k.endswith("/lanes") and not v <= TOLERANCE}
         assert not bad, (world, bad)
 
 

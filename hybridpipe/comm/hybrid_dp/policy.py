@@ -6,6 +6,15 @@ forward; picking the cheapest algorithm for each layer's size minimises every fi
 small (latency-bound) layers get butterfly and large ones ring or hierarchical, with the
 crossover taken from the calibrated cost model. Runs of adjacent layers small enough that their
 all-reduce is mostly fixed cost are fused into one sync unit.
+
+Two lanes: on one FIFO lane a small layer needed early in the next forward (conv1) waits behind
+the big ones that backward produced before it (fc1's 151 MB in AlexNet), so the next forward
+cannot start until all communication is done. Such *urgent* units (:func:`urgent_units`) go on a
+second lane that runs beside the first (other message tags, same process group): they share the
+links with the big syncs for a short while, and the forward of the early layers overlaps the big
+syncs' remainder. Both lanes keep a fixed order, so every rank issues the same sequence on each.
+Urgent units use the scheduled algorithms only (``native`` is gloo's collective, which must not
+be issued from two threads on one group; the dedicated aggregator takes one connection per rank).
 """
 
 from __future__ import annotations
@@ -19,6 +28,8 @@ from hybridpipe.comm.hybrid_dp.units import Layer, group_small, latency_bound_by
 from hybridpipe.partitioner.layersync import choose_layer_algorithms
 
 POLICIES = ("hybrid",) + ALGORITHMS
+URGENT_CANDIDATES = ("ring", "butterfly", "hierarchical", "torus2d")
+URGENT_RATIO = 8          # a unit is urgent when later-needed units hold >= 8x its bytes (and the largest does)
 
 
 @dataclass(frozen=True)
@@ -29,6 +40,7 @@ class SyncUnit:
     layers: tuple[Layer, ...]
     algorithm: str
     predicted_ms: float
+    lane: int = 0                  # 0: the main lane; 1: the urgent lane (see the module docstring)
 
     @property
     def name(self) -> str:
@@ -48,14 +60,47 @@ def check_policy(policy: str) -> None:
         raise ValueError(f"unknown sync policy {policy!r}; choose hybrid or one algorithm: {', '.join(ALGORITHMS)}")
 
 
+def urgent_units(sizes: Sequence[float], ratio: float = URGENT_RATIO) -> list[int]:
+    """Indices (forward order) of units that a FIFO lane would queue behind much bigger later ones.
+
+    Unit i is urgent when the units after it in forward order (which backward produces, and a
+    FIFO lane syncs, before it) hold at least ``ratio`` times its bytes, and so does the largest
+    unit alone: a model of equal layers has none, AlexNet's convolutions are all urgent.
+    """
+    largest = max(sizes, default=0)
+    out, later = [], 0.0
+    for i in range(len(sizes) - 1, -1, -1):
+        if 0 < sizes[i] and sizes[i] * ratio <= later and sizes[i] * ratio <= largest:
+            out.append(i)
+        later += sizes[i]
+    return sorted(out)
+
+
 def plan_units(layers: Sequence[Layer], policy: str, costs: GroupCosts, *, fuse_small: bool = True,
-               forward_ms: Sequence[float] | None = None, backward_ms: Sequence[float] | None = None
-               ) -> list[SyncUnit]:
+               forward_ms: Sequence[float] | None = None, backward_ms: Sequence[float] | None = None,
+               two_lanes: bool = True) -> list[SyncUnit]:
     """Sync units in forward order for ``layers`` (forward order) on the group ``costs`` models.
 
     ``forward_ms`` / ``backward_ms`` per layer (from a profile) only refine the hybrid policy's
-    predicted exposure; the choice of algorithm depends on sizes alone.
+    predicted exposure; the choice of algorithm depends on sizes alone. ``two_lanes``: urgent
+    units (:func:`urgent_units`) go on lane 1 with a scheduled algorithm (not with a fixed
+    ``native`` or ``aggregator`` policy, which keep one lane).
     """
+    units = _plan_one_lane(layers, policy, costs, fuse_small, forward_ms, backward_ms)
+    if not two_lanes or policy in ("native", "aggregator"):
+        return units
+    urgent = set(urgent_units([u.nbytes for u in units]))
+    out = []
+    for u in units:
+        if u.index in urgent:
+            algo = costs.fastest(u.nbytes, URGENT_CANDIDATES) if policy == "hybrid" else policy
+            u = SyncUnit(u.index, u.layers, algo, costs.seconds(algo, u.nbytes) * 1e3, lane=1)
+        out.append(u)
+    return out
+
+
+def _plan_one_lane(layers: Sequence[Layer], policy: str, costs: GroupCosts, fuse_small: bool,
+                   forward_ms: Sequence[float] | None, backward_ms: Sequence[float] | None) -> list[SyncUnit]:
     check_policy(policy)
     if not layers:
         return []

@@ -6,6 +6,8 @@ lane, with the algorithm the policy chose for it; backward goes on meanwhile. No
 it until the unit is needed again: before its optimizer update (``finish()``, an attached
 optimizer's step, or a :class:`LayerwiseOptimizer` update) or before its next forward (a forward
 pre-hook on each of its modules). Gradients are reduced where they are: no fusion buffer.
+Small units needed early in the next forward run on a second lane beside the first (policy.py),
+so they do not wait behind the big syncs that backward started before them.
 """
 
 from __future__ import annotations
@@ -21,12 +23,14 @@ from torch import nn
 
 from hybridpipe.comm.allreduce import AllReducer, Topology
 from hybridpipe.comm.allreduce.costs import GroupCosts
+from hybridpipe.comm.allreduce.transport import MAX_LANES
 from hybridpipe.comm.engine import CommLane, Handle
 from hybridpipe.comm.hybrid_dp.policy import SyncUnit, check_policy, plan_units
 from hybridpipe.comm.hybrid_dp.units import model_layers
 from hybridpipe.partitioner.calibration import Calibration
 
 log = logging.getLogger(__name__)
+URGENT_LANE_OFFSET = MAX_LANES // 2
 
 
 class HybridDataParallel(nn.Module):
@@ -37,6 +41,7 @@ class HybridDataParallel(nn.Module):
     ``reduce``: ``"mean"`` (DDP's semantics) or ``"sum"`` of the replicas' gradients.
     ``broadcast_buffers``: like DDP, buffers (e.g. BatchNorm statistics) follow the group's
     first rank at every forward; parameters and buffers are broadcast from it at construction.
+    ``two_lanes``: urgent units on a second lane (message tags of lane ``lane + 128``).
 
     Every rank must run the same backward (the same parameters get gradients, as with DDP's
     default). A parameter is awaited before the forward of the module that owns it (the first
@@ -47,7 +52,7 @@ class HybridDataParallel(nn.Module):
     def __init__(self, module: nn.Module, group: dist.ProcessGroup | None = None, policy: str = "hybrid",
                  calibration: Calibration | str | os.PathLike | None = None, reduce: str = "mean", *,
                  topology: Topology | None = None, costs: GroupCosts | None = None, aggregator: str | None = None,
-                 lane: int = 1, broadcast_buffers: bool = True, fuse_small: bool = True):
+                 lane: int = 1, broadcast_buffers: bool = True, fuse_small: bool = True, two_lanes: bool = True):
         super().__init__()
         check_policy(policy)
         if reduce not in ("mean", "sum"):
@@ -62,7 +67,15 @@ class HybridDataParallel(nn.Module):
         self._lane = CommLane(f"hybridpipe-hdp-lane{lane}")
         self._src = dist.get_process_group_ranks(group or dist.group.WORLD)[0]
         self.units: list[SyncUnit] = plan_units(model_layers(module), policy, self._reducer.costs,
-                                                fuse_small=fuse_small)
+                                                fuse_small=fuse_small, two_lanes=two_lanes)
+        self._lanes = [(self._lane, self._reducer)]
+        if any(u.lane == 1 for u in self.units):
+            urgent = lane + URGENT_LANE_OFFSET
+            if urgent >= MAX_LANES:
+                raise ValueError(f"lane must be < {MAX_LANES - URGENT_LANE_OFFSET} with two lanes, got {lane}")
+            self._lanes.append((CommLane(f"hybridpipe-hdp-lane{urgent}"),
+                                AllReducer(group, topology=self._reducer.topology, costs=self._reducer.costs,
+                                           lane=urgent)))
         self._unit_of: dict[int, SyncUnit] = {id(p): u for u in self.units for p in u.params}
         self._ready: dict[int, int] = {}               # unit index -> params ready this backward
         self._pending: dict[int, Handle] = {}          # unit index -> all-reduce in flight
@@ -84,6 +97,12 @@ class HybridDataParallel(nn.Module):
     def choices(self) -> dict[str, str]:
         """Sync unit name -> algorithm."""
         return {u.name: u.algorithm for u in self.units}
+
+    @property
+    def plan(self) -> list[dict]:
+        """Per sync unit: name, bytes, algorithm, lane, predicted milliseconds (for reports)."""
+        return [{"unit": u.name, "bytes": u.nbytes, "algorithm": u.algorithm, "lane": u.lane,
+                 "predicted_ms": u.predicted_ms} for u in self.units]
 
     def in_flight(self) -> list[str]:
         """Names of the units whose all-reduce was started and not yet waited for."""
@@ -131,10 +150,12 @@ class HybridDataParallel(nn.Module):
             if grads[0].is_cuda:                   # the lane must not read before backward wrote
                 ready = torch.cuda.Event()
                 ready.record()
-            self._pending[unit.index] = self._lane.submit(self._reduce_grads, grads, unit.algorithm, ready,
-                                                          name=unit.name)
+            lane, reducer = self._lanes[unit.lane]
+            self._pending[unit.index] = lane.submit(self._reduce_grads, reducer, grads, unit.algorithm, ready,
+                                                    name=unit.name)
 
-    def _reduce_grads(self, grads: list[torch.Tensor], algorithm: str, ready: Any = None) -> None:
+    def _reduce_grads(self, reducer: AllReducer, grads: list[torch.Tensor], algorithm: str, ready: Any = None
+                      ) -> None:
         if ready is not None:
             ready.synchronize()
         by_kind: dict[tuple, list[torch.Tensor]] = {}
@@ -143,10 +164,10 @@ class HybridDataParallel(nn.Module):
                 raise ValueError("HybridDataParallel sums dense gradients only")
             by_kind.setdefault((g.dtype, g.device), []).append(g)
         for same in by_kind.values():
-            self._reducer(same, algorithm)
+            reducer(same, algorithm)
             if self.reduce == "mean":
                 for g in same:
-                    g.div_(self._reducer.size)
+                    g.div_(reducer.size)
         if ready is not None:                      # the waiter's stream then sees the sums
             torch.cuda.current_stream().synchronize()
 
@@ -203,8 +224,9 @@ class HybridDataParallel(nn.Module):
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
-        self._lane.close()
-        self._reducer.close()
+        for lane, reducer in self._lanes:
+            lane.close()
+            reducer.close()
 
     # ---- state -----------------------------------------------------------------------------
     def _broadcast(self, tensors: list[torch.Tensor]) -> None:
