@@ -40,7 +40,7 @@ CALIBRATION_SIZES = "4K..16M"
 
 # ---- the worker (one per emulated host) ------------------------------------------------------
 
-def make_reducers(group, cluster_file: str, aggregator: str | None, calibration=None) -> dict:
+def make_reducers(group, cluster_file: str, aggregator: str | None, calibration=None, downward=None) -> dict:
     """The algorithm name -> (reducer, algorithm) table of this run.
 
     ``auto`` prices the algorithms with the partitioner's cost model of the emulated cluster's
@@ -55,7 +55,7 @@ def make_reducers(group, cluster_file: str, aggregator: str | None, calibration=
     from hybridpipe.partitioner.costmodel import CostModel
     cluster = load_cluster(cluster_file)
     ranks = tuple(range(dist.get_world_size(group)))
-    plain = AllReducer(group, costs=GroupCosts(CostModel(cluster, calibration), ranks))
+    plain = AllReducer(group, costs=GroupCosts(CostModel(cluster, calibration), ranks), downward=downward)
     table = {name: (plain, name) for name in ALGORITHMS if name != DEDICATED}
     if aggregator:
         switch = AllReducer(group, costs=GroupCosts(CostModel(cluster, calibration, aggregator_dedicated=True),
@@ -85,10 +85,11 @@ def worker(args: argparse.Namespace) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     control = dist.new_group(backend="gloo")       # barriers and time reductions stay off the measured group
     group = dist.new_group(backend="gloo")
+    down = None if args.one_connection else dist.new_group(backend="gloo")   # a connection per direction
     t0 = time.perf_counter()
     calibration = worker_calibration(args)
     calibration_s = time.perf_counter() - t0
-    table = make_reducers(group, args.cluster_file, args.aggregator, calibration)
+    table = make_reducers(group, args.cluster_file, args.aggregator, calibration, down)
     sizes = parse_size_range(args.sizes, args.size_step)
     rows = []
     for algo in args.algorithms.split(","):
@@ -272,6 +273,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--calibrate", action="store_true",
                    help=f"auto prices with a calibration measured in each cluster first ({CALIBRATION_SIZES})")
     p.add_argument("--tag", default="", help="suffix of the result files' names")
+    p.add_argument("--one-connection", action="store_true",
+                   help="messages both ways on one gloo group (default: a group per direction, see transport.py)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--cluster-file", help=argparse.SUPPRESS)
     p.add_argument("--calibration-file", help=argparse.SUPPRESS)
@@ -319,6 +322,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     worker_args += ["--calibration-file", str(Path(args.calibration).resolve())]
                 elif args.calibrate:
                     worker_args.append("--calibrate")
+                if args.one_connection:
+                    worker_args.append("--one-connection")
                 if DEDICATED in args.algorithms.split(","):
                     cluster.start(cluster.switch, [sys.executable, __file__, "--aggregator-server", "--bind",
                                                    cluster.switch.addr, "--port", str(AGGREGATOR_PORT),
@@ -338,6 +343,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     data = {"benchmark": "allreduce_sweep", "quick": quick, "machine": machine(),
             "settings": {"hosts": hosts, "rates_gbps": rates, "sizes": sizes, "size_step": step, "reps": reps,
                          "budget_s": budget, "mtu": args.mtu, "algorithms": args.algorithms.split(","),
+                         "connections": "one gloo group" if args.one_connection else "a gloo group per direction",
                          "auto_prices_with": f"cluster description: link rate, latency_us={args.latency_us:g}"
                          + (f"; calibration {args.calibration}" if args.calibration else "")
                          + (f"; calibration measured first in each cluster ({CALIBRATION_SIZES})"

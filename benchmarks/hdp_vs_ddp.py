@@ -37,8 +37,10 @@ from benchmarks.common import (emit_result, log, machine, pyplot, require_emulat
                                setup_logging, summary, write_results)
 from hybridpipe.jsonfile import write_json
 
-SYSTEMS = ("ddp", "hdp", "hdp-step")
-DEFAULT_SYSTEMS = "ddp,hdp"
+SYSTEMS = ("ddp", "hdp", "hdp-1lane", "hdp-step")
+DEFAULT_SYSTEMS = "ddp,hdp,hdp-1lane"
+CALIBRATED = ("native", "ring", "butterfly", "hierarchical", "torus2d", "aggregator")   # the policy's candidates
+CALIBRATION_SIZES = "4K..16M"
 
 
 # ---- the worker (one per emulated host) ------------------------------------------------------
@@ -52,10 +54,13 @@ class System:
         self.steps = 0
 
 
-def build_systems(names: list[str], base, groups: dict, costs, lr: float, policy: str) -> tuple[dict, dict]:
+def build_systems(names: list[str], base, groups: dict, costs, lr: float, policy: str,
+                  downs: dict | None = None) -> tuple[dict, dict]:
     """``ddp``: torch DDP. ``hdp``: HybridDataParallel + LayerwiseOptimizer, each layer's sync may
-    run until its next forward (the paper's full window). ``hdp-step``: HybridDataParallel with
-    one SGD; every sync ends before ``step()``. Returns the systems and their setup seconds."""
+    run until its next forward (the paper's full window), urgent layers on a second lane.
+    ``hdp-1lane``: the same on one lane (every sync in backward's order). ``hdp-step``:
+    HybridDataParallel with one SGD; every sync ends before ``step()``. Returns the systems and
+    their setup seconds."""
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
@@ -72,11 +77,18 @@ def build_systems(names: list[str], base, groups: dict, costs, lr: float, policy
             ddp = DistributedDataParallel(model, process_group=groups[name])
             systems[name] = System(name, ddp, sgd(ddp.parameters()))
         elif name == "hdp":
-            hdp = HybridDataParallel(model, group=groups[name], policy=policy, reduce="mean", costs=costs)
+            hdp = HybridDataParallel(model, group=groups[name], policy=policy, reduce="mean", costs=costs,
+                                     downward=(downs or {}).get(name))
+            opt = LayerwiseOptimizer(hdp, sgd)
+            systems[name] = System(name, hdp, opt, flush=opt.flush)
+        elif name == "hdp-1lane":
+            hdp = HybridDataParallel(model, group=groups[name], policy=policy, reduce="mean", costs=costs, lane=3,
+                                     two_lanes=False, downward=(downs or {}).get(name))
             opt = LayerwiseOptimizer(hdp, sgd)
             systems[name] = System(name, hdp, opt, flush=opt.flush)
         elif name == "hdp-step":
-            hdp = HybridDataParallel(model, group=groups[name], policy=policy, reduce="mean", costs=costs, lane=2)
+            hdp = HybridDataParallel(model, group=groups[name], policy=policy, reduce="mean", costs=costs, lane=2,
+                                     downward=(downs or {}).get(name))
             opt = sgd(hdp.parameters())
             hdp.attach_optimizer(opt)                   # step() waits for every sync first
             systems[name] = System(name, hdp, opt)
@@ -100,12 +112,16 @@ def worker(args: argparse.Namespace) -> None:
     control = dist.new_group(backend="gloo")
     names = args.systems.split(",")
     groups = {name: dist.new_group(backend="gloo") for name in names}   # each system on its own group
-    costs = GroupCosts(CostModel(load_cluster(args.cluster_file)), tuple(range(world)))
+    downs = {name: dist.new_group(backend="gloo") for name in names if name != "ddp"}   # a connection per direction
+    t0 = time.perf_counter()
+    calibration = worker_calibration(args)
+    calibration_s = time.perf_counter() - t0
+    costs = GroupCosts(CostModel(load_cluster(args.cluster_file), calibration), tuple(range(world)))
     spec = resolve_model(args.model)
     torch.manual_seed(0)
     base = spec.build()
     params = sum(p.numel() for p in base.parameters())
-    systems, setup = build_systems(names, base, groups, costs, args.lr, args.policy)
+    systems, setup = build_systems(names, base, groups, costs, args.lr, args.policy, downs)
     del base
 
     def step(system: System, x, y) -> None:
@@ -162,14 +178,31 @@ def worker(args: argparse.Namespace) -> None:
     agree = {n: _same_weights(reference, getattr(s.model, "module", s.model)) for n, s in systems.items()
              if n != names[0]}
     choices = {n: s.model.choices for n, s in systems.items() if hasattr(s.model, "choices")}
+    plans = {n: s.model.plan for n, s in systems.items() if hasattr(s.model, "plan")}
     if rank == 0:
+        from hybridpipe.comm.allreduce.bench import fits_summary
         emit_result({"world": world, "parameters": params, "setup_s": setup, "rows": rows,
-                     "weights_agree_with_" + names[0]: agree, "hdp_choices": choices})
+                     "weights_agree_with_" + names[0]: agree, "hdp_choices": choices, "hdp_plans": plans,
+                     "calibration": fits_summary(calibration) if calibration else None,
+                     "calibration_s": calibration_s if calibration else None})
     for s in systems.values():
         if hasattr(s.model, "close"):
             s.model.close()
     dist.barrier(group=control)
     dist.destroy_process_group()
+
+
+def worker_calibration(args: argparse.Namespace):
+    """The calibration the hybrid policy prices with: a file, measured here first, or none."""
+    from hybridpipe.comm.allreduce.bench import calibrate_group
+    from hybridpipe.partitioner.calibration import load_calibration
+    if args.calibration_file:
+        return load_calibration(args.calibration_file)
+    if args.calibrate:
+        from benchmarks.common import parse_size_range
+        return calibrate_group(CALIBRATED, parse_size_range(CALIBRATION_SIZES, 4), reps=3, budget_s=0.1,
+                               notes=("measured by hdp_vs_ddp before training",))
+    return None
 
 
 def _same_weights(a, b) -> dict:
@@ -182,8 +215,8 @@ def _same_weights(a, b) -> dict:
 
 # ---- the driver ------------------------------------------------------------------------------
 
-LABELS = {"ddp": "torch DDP (gloo)", "hdp": "HDP hybrid, layer-wise updates (full window)",
-          "hdp-step": "HDP hybrid, all syncs before step()"}
+LABELS = {"ddp": "torch DDP (gloo)", "hdp": "HDP hybrid, layer-wise updates, two lanes",
+          "hdp-1lane": "HDP hybrid, layer-wise updates, one lane", "hdp-step": "HDP hybrid, all syncs before step()"}
 
 
 def plot(data: dict):
@@ -242,9 +275,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="skip the compute-alone reference step")
     p.add_argument("--timeout", type=float, default=3000.0)
     p.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
+    p.add_argument("--calibration", default=None,
+                   help="the policy prices with this calibration (hybridpipe bench-allreduce output)")
+    p.add_argument("--calibrate", action="store_true",
+                   help=f"the policy prices with a calibration measured on the cluster first ({CALIBRATION_SIZES})")
+    p.add_argument("--tag", default="", help="suffix of the result files' names")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", default=None, help=argparse.SUPPRESS)
     p.add_argument("--cluster-file", help=argparse.SUPPRESS)
+    p.add_argument("--calibration-file", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.model = args.model or f"alexnet[image={args.image}]"
     if args.worker:
@@ -261,7 +300,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging()
     require_emulation()
     from tools.emucluster import EmulatedCluster
-    json_path, png_path = result_paths("hdp_vs_ddp", quick, args.out)
+    if args.calibration and args.calibrate:
+        raise SystemExit("give --calibration FILE or --calibrate, not both")
+    if args.calibration:
+        from hybridpipe.partitioner.calibration import load_calibration
+        load_calibration(args.calibration)            # fail here, not in every worker
+    json_path, png_path = result_paths("hdp_vs_ddp" + (f"_{args.tag}" if args.tag else ""), quick, args.out)
     started = time.monotonic()
     load_before = [round(x, 2) for x in os.getloadavg()]
     log.info("%s, %d hosts at %g Gbit/s, batches %s, systems %s", args.model, args.hosts, args.rate, batches,
@@ -274,6 +318,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                        "--systems", args.systems, "--cluster-file", str(cluster_file)]
         if not args.compute_steps:
             worker_args.append("--no-compute")
+        if args.calibration:
+            worker_args += ["--calibration-file", str(Path(args.calibration).resolve())]
+        elif args.calibrate:
+            worker_args.append("--calibrate")
         out = run_workers(cluster, __file__, worker_args, timeout_s=args.timeout)
     grad_bytes = out["parameters"] * 4
     ring_bound = 2 * (args.hosts - 1) / args.hosts * grad_bytes * 8 / (args.rate * 1e9 * 1448 / 1514)
@@ -281,12 +329,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             "settings": {"model": args.model, "hosts": args.hosts, "rate_gbps": args.rate, "batches": batches,
                          "systems": names, "steps_per_block": steps, "blocks": reps, "warmup": args.warmup,
                          "policy": args.policy, "policy_prices_with": f"cluster description: link rate, "
-                         f"latency_us={args.latency_us:g}", "optimizer": f"SGD lr={args.lr} momentum=0.9",
+                         f"latency_us={args.latency_us:g}" + (f"; calibration {args.calibration}" if args.calibration
+                                                              else "; calibration measured first" if args.calibrate
+                                                              else ""), "optimizer": f"SGD lr={args.lr} momentum=0.9",
                          "threads_per_worker": 1, "input": f"3x{args.image}x{args.image} (paper: 3x224x224)"},
             "parameters": out["parameters"], "gradient_bytes": grad_bytes, "ring_bound_s": ring_bound,
-            "setup_s": out["setup_s"], "hdp_choices": out["hdp_choices"],
+            "setup_s": out["setup_s"], "hdp_choices": out["hdp_choices"], "hdp_plans": out.get("hdp_plans"),
+            "calibration": out.get("calibration"), "calibration_s": out.get("calibration_s"),
             **{k: v for k, v in out.items() if k.startswith("weights_agree_with_")},
             "rows": out["rows"], "duration_s": time.monotonic() - started, "load_average_before": load_before}
+    for n, plan in (data["hdp_plans"] or {}).items():
+        log.info("%s: %s", n, ", ".join(f"{u['unit']} {u['algorithm']}@lane{u['lane']}" for u in plan))
     for r in data["rows"]:
         log.info("batch %4d: %s; compute alone %s", r["batch_per_worker"],
                  ", ".join(f"{n} {r[f'{n}_s']['median']:.2f} s" for n in names)

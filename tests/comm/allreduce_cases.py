@@ -45,17 +45,21 @@ def check_cases(rank: int, world: int, cases: list[tuple], groups: list[list[int
 
     Returns failures as strings (empty when all pass). ``groups``: lists of global ranks
     (created collectively here, in order); ``options``: AllReducer keyword arguments, with
-    ``topology_block`` turned into ``Topology.blocks``.
+    ``topology_block`` turned into ``Topology.blocks`` and ``downward: True`` into a second group
+    of the same ranks (a connection per direction).
     """
     failures = []
     made = [(ranks, dist.new_group(ranks)) for ranks in groups]
-    for ranks, group in made:
+    downs = [dist.new_group(ranks) for ranks in groups] if options.get("downward") else [None] * len(groups)
+    for (ranks, group), down in zip(made, downs):
         if rank not in ranks:
             continue
         opts = dict(options)
         block = opts.pop("topology_block", None)
         if block:
             opts["topology"] = Topology.blocks(len(ranks), block)
+        if opts.pop("downward", False):
+            opts["downward"] = down
         reducer = AllReducer(group, **opts)
         for k, (algorithm, numel, dtype_name, exact) in enumerate(cases):
             dtype = DTYPES[dtype_name]

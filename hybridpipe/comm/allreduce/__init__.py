@@ -12,11 +12,11 @@ function of that name in ``hybridpipe.comm`` would shadow the package and break
 import sys
 import types
 
-from hybridpipe.comm.allreduce.api import ALGORITHMS, CHOICES, AllReducer, allreduce
+from hybridpipe.comm.allreduce.api import ALGORITHMS, CHOICES, AllReducer, allreduce, downward_group
 from hybridpipe.comm.allreduce.costs import GroupCosts, group_costs
 from hybridpipe.comm.allreduce.topology import Topology
 
-__all__ = ["ALGORITHMS", "CHOICES", "AllReducer", "allreduce", "GroupCosts", "group_costs", "Topology"]
+__all__ = ["ALGORITHMS", "CHOICES", "AllReducer", "allreduce", "downward_group", "GroupCosts", "group_costs", "Topology"]
 
 
 class _CallablePackage(types.ModuleType):

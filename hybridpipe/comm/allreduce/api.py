@@ -44,15 +44,18 @@ class AllReducer:
     messages (collectives issued concurrently from different threads need different lanes).
     ``chunk_bytes``: the pipelined executor's chunk (default: a quarter of a ring segment, within
     256 KiB .. 2 MiB); ``inflight``: receives posted ahead. ``pipelined``: chunked, pipelined
-    executor (default on CPU); False runs round by round.
+    executor (default on CPU); False runs round by round. ``downward``: a second group of the
+    same ranks for messages to lower positions (a connection per direction; butterfly and the
+    aggregator exchange both ways and run at about half speed on one; see transport.py). Make it
+    with :func:`downward_group` or ``dist.new_group(ranks)`` on every rank.
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, topology: Topology | None = None,
                  calibration: Calibration | str | os.PathLike | None = None, costs: GroupCosts | None = None,
                  aggregator: str | None = None, lane: int = 0, chunk_bytes: int | None = None,
                  inflight: int = DEFAULT_INFLIGHT, pipelined: bool | None = None,
-                 torus_shape: tuple[int, int] | None = None):
-        self.transport = GroupTransport(group)
+                 torus_shape: tuple[int, int] | None = None, downward: dist.ProcessGroup | None = None):
+        self.transport = GroupTransport(group, downward)
         self.group = group
         self.size = self.transport.size
         self.position = self.transport.position
@@ -174,6 +177,16 @@ class AllReducer:
             self._client.close()
             self._client = None
         self._pools.clear()
+
+
+def downward_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup:
+    """A new gloo group with ``group``'s ranks, for :class:`AllReducer`'s ``downward``.
+
+    A collective of the whole world (``torch.distributed.new_group``): every process calls it,
+    members of ``group`` or not, in the same order as its other ``new_group`` calls.
+    """
+    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+    return dist.new_group(ranks, backend=str(dist.get_backend(group)))
 
 
 def allreduce(tensor: torch.Tensor, algorithm: str = "auto", group: dist.ProcessGroup | None = None, *,

@@ -80,6 +80,7 @@ class BenchConfig:
     chunk_bytes: int | None = None
     progress: bool = True
     device: str = "cpu"              # "cuda": CUDA tensors on an NCCL group (one GPU per rank)
+    downward: bool = True            # gloo: a second group for messages to lower positions (transport.py)
 
 
 def _timed(run: Callable[[], None], control: dist.ProcessGroup) -> float:
@@ -113,12 +114,13 @@ def measure(rank: int, world: int, cfg: BenchConfig) -> dict | None:
     else:
         device = torch.device("cpu")
         group = dist.new_group(backend="gloo")
+    down = dist.new_group(backend="gloo") if cfg.device != "cuda" and cfg.downward else None
     names: list = [None] * world
     dist.all_gather_object(names, socket.gethostname(), group=control)
     topology = Topology.from_labels(names)
     dtype = getattr(torch, cfg.dtype)
     opts = {"chunk_bytes": cfg.chunk_bytes} if cfg.chunk_bytes else {}
-    reducer = AllReducer(group, topology=topology, aggregator=cfg.aggregator, **opts)
+    reducer = AllReducer(group, topology=topology, aggregator=cfg.aggregator, downward=down, **opts)
     cases = list(cfg.algorithms) + (["p2p"] if world > 1 else [])
     bar = None
     if rank == 0 and cfg.progress:

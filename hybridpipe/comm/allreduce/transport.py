@@ -25,9 +25,16 @@ def message_tag(lane: int, algorithm: str, phase: str) -> int:
 
 
 class GroupTransport:
-    """isend/irecv addressed by position in ``group`` (None: the default group)."""
+    """isend/irecv addressed by position in ``group`` (None: the default group).
 
-    def __init__(self, group: dist.ProcessGroup | None = None):
+    ``downward``: a second process group of the same ranks that carries every message sent to a
+    lower position. gloo posts a receive by sending a "ready" note to the sender over the one
+    connection of the pair, behind whatever data it is itself sending that peer; when two ranks
+    exchange (butterfly, aggregator) each side's notes wait behind its own data and the pair
+    runs at about half the link rate. With a connection per direction the notes never wait.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, downward: dist.ProcessGroup | None = None):
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised; call init_process_group first")
         self.group = group
@@ -38,9 +45,18 @@ class GroupTransport:
         self.position = self.ranks.index(me)
         self.size = len(self.ranks)
         self.backend = str(dist.get_backend(group))
+        if downward is not None:
+            down = tuple(dist.get_process_group_ranks(downward))
+            if down != self.ranks:
+                raise ValueError(f"the downward group must have the group's ranks {list(self.ranks)}, got {list(down)}")
+        self.downward = downward
+
+    def carrier(self, src: int, dst: int) -> dist.ProcessGroup | None:
+        """The group that carries a message from position ``src`` to position ``dst``."""
+        return self.downward if self.downward is not None and src > dst else self.group
 
     def isend(self, tensor: torch.Tensor, position: int, tag: int) -> dist.Work:
-        return dist.isend(tensor, dst=self.ranks[position], group=self.group, tag=tag)
+        return dist.isend(tensor, dst=self.ranks[position], group=self.carrier(self.position, position), tag=tag)
 
     def irecv(self, tensor: torch.Tensor, position: int, tag: int) -> dist.Work:
-        return dist.irecv(tensor, src=self.ranks[position], group=self.group, tag=tag)
+        return dist.irecv(tensor, src=self.ranks[position], group=self.carrier(position, self.position), tag=tag)

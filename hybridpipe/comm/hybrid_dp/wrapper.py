@@ -42,6 +42,7 @@ class HybridDataParallel(nn.Module):
     ``broadcast_buffers``: like DDP, buffers (e.g. BatchNorm statistics) follow the group's
     first rank at every forward; parameters and buffers are broadcast from it at construction.
     ``two_lanes``: urgent units on a second lane (message tags of lane ``lane + 128``).
+    ``downward``: a second group of the same ranks for messages to lower positions (AllReducer).
 
     Every rank must run the same backward (the same parameters get gradients, as with DDP's
     default). A parameter is awaited before the forward of the module that owns it (the first
@@ -52,7 +53,8 @@ class HybridDataParallel(nn.Module):
     def __init__(self, module: nn.Module, group: dist.ProcessGroup | None = None, policy: str = "hybrid",
                  calibration: Calibration | str | os.PathLike | None = None, reduce: str = "mean", *,
                  topology: Topology | None = None, costs: GroupCosts | None = None, aggregator: str | None = None,
-                 lane: int = 1, broadcast_buffers: bool = True, fuse_small: bool = True, two_lanes: bool = True):
+                 lane: int = 1, broadcast_buffers: bool = True, fuse_small: bool = True, two_lanes: bool = True,
+                 downward: dist.ProcessGroup | None = None):
         super().__init__()
         check_policy(policy)
         if reduce not in ("mean", "sum"):
@@ -63,7 +65,7 @@ class HybridDataParallel(nn.Module):
         self.reduce = reduce
         self.broadcast_buffers = broadcast_buffers
         self._reducer = AllReducer(group, topology=topology, calibration=calibration, costs=costs,
-                                   aggregator=aggregator, lane=lane)
+                                   aggregator=aggregator, lane=lane, downward=downward)
         self._lane = CommLane(f"hybridpipe-hdp-lane{lane}")
         self._src = dist.get_process_group_ranks(group or dist.group.WORLD)[0]
         self.units: list[SyncUnit] = plan_units(model_layers(module), policy, self._reducer.costs,
@@ -75,7 +77,7 @@ class HybridDataParallel(nn.Module):
                 raise ValueError(f"lane must be < {MAX_LANES - URGENT_LANE_OFFSET} with two lanes, got {lane}")
             self._lanes.append((CommLane(f"hybridpipe-hdp-lane{urgent}"),
                                 AllReducer(group, topology=self._reducer.topology, costs=self._reducer.costs,
-                                           lane=urgent)))
+                                           lane=urgent, downward=downward)))
         self._unit_of: dict[int, SyncUnit] = {id(p): u for u in self.units for p in u.params}
         self._ready: dict[int, int] = {}               # unit index -> params ready this backward
         self._pending: dict[int, Handle] = {}          # unit index -> all-reduce in flight
