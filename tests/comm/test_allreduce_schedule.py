@@ -104,3 +104,33 @@ def test_rounds_match_the_cost_model(n: int) -> None:
     ours = schedule.aggregator(n, NUMEL)
     theirs = co.aggregator_rounds(ranks, dedicated=False)
     assert len(theirs) == 1 and frozenset().union(*_ours(ours)) == _theirs(theirs)[0]
+
+
+def _bytes_per_rank(rounds: list[schedule.Round], n: int) -> tuple[list[int], list[int]]:
+    sent, received = [0] * n, [0] * n
+    for rnd in rounds:
+        for m in rnd.msgs:
+            sent[m.src] += m.hi - m.lo
+            received[m.dst] += m.hi - m.lo
+    return sent, received
+
+
+@pytest.mark.parametrize("n", [2, 4, 8, 16])
+def test_rabenseifner_moves_exactly_what_ring_moves(n: int) -> None:
+    """Power-of-two groups: every rank sends and receives 2(n-1)/n of the vector in both, so
+    butterfly's large-message bandwidth equals ring's (the cost model prices them alike)."""
+    numel = 64 * n
+    ring = _bytes_per_rank(schedule.ring(n, numel), n)
+    halving = _bytes_per_rank(schedule.butterfly(n, numel, True), n)
+    assert ring == halving == ([2 * (n - 1) * numel // n] * n,) * 2
+    assert len(schedule.butterfly(n, numel, True)) == 2 * (n.bit_length() - 1) < len(schedule.ring(n, numel)) or n == 2
+
+
+def test_butterfly_pairs_exchange_both_ways_ring_does_not() -> None:
+    """Why butterfly needs a connection per direction on gloo (transport.py): in each of its
+    rounds both ends of a pair send to each other; in a ring's, no pair does."""
+    def both_ways(rounds):
+        return all({(m.dst, m.src) for m in r.msgs} & {(m.src, m.dst) for m in r.msgs} for r in rounds)
+    assert both_ways(schedule.butterfly(8, 64, True))
+    assert not any({(m.dst, m.src) for m in r.msgs} & {(m.src, m.dst) for m in r.msgs}
+                   for r in schedule.ring(8, 64))
