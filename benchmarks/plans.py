@@ -44,17 +44,18 @@ if __package__ in (None, ""):                       # run as a script: make the 
 
 from benchmarks.common import (REPO, emit_result, log, machine, pyplot, read_result, require_emulation,
                                result_paths, setup_logging, write_results)
-from benchmarks.plans_analysis import (STRATEGIES, add_relative, allreduce_choices, compute_scale, error_summary,
-                                       plan_key, plot, prediction_error, scale_profile, stage_layout)
+from benchmarks.plans_analysis import (STRATEGIES, add_relative, allreduce_choices, compute_concurrency, compute_scale,
+                                       contention_at, error_summary, plan_key, plot, prediction_error,
+                                       scale_plan_compute, scale_profile, stage_layout)
 from hybridpipe.jsonfile import read_json, write_json
 
 # name -> (model spec, samples per micro-batch, what was reduced)
 MODELS = {
     "alexnet": ("alexnet[image=64]", 32, "input 3x64x64 (paper 224); the adaptive pool keeps fc1 at 9216 inputs, "
                 "so all 62.4M parameters are kept"),
-    "vgg16": ("vgg16[image=32]", 8, "input 3x32x32 (paper 224), batch 8; the adaptive pool keeps fc1 at 25088 "
+    "vgg16": ("vgg16[image=32]", 4, "input 3x32x32 (paper 224), batch 4; the adaptive pool keeps fc1 at 25088 "
               "inputs, so all 138.4M parameters are kept"),
-    "resnet50": ("resnet50[image=64]", 16, "input 3x64x64 (paper 224), batch 16; all 25.6M parameters kept"),
+    "resnet50": ("resnet50[image=64]", 8, "input 3x64x64 (paper 224), batch 8; all 25.6M parameters kept"),
     "gpt": ("gpt", 8, "the zoo's small GPT (4 layers, width 256, seq 128, vocab 2048; 4.2M parameters), batch 8"),
 }
 QUICK_MODELS, QUICK_HOSTS = "alexnet,gpt", "4"
@@ -179,6 +180,37 @@ def link_fits(calibration_file: Path) -> dict[str, dict[str, float]]:
             for name, f in fits.items()}
 
 
+def busy_aware_prediction(plan: dict, curve: dict[int, float], hosts: int, calibrations: Sequence[Path],
+                          iterations: int = 4) -> dict:
+    """The plan's step re-simulated with the contention of the workers that compute at once.
+
+    The plan's compute times assume all ``hosts`` workers compute at once (contention c(hosts)).
+    In a pipeline some stages wait, so fewer compete for the cores: simulate the plan, take B =
+    how many workers compute at once as the compute work sees it (compute_concurrency), rescale
+    compute by c(B) / c(hosts) (c measured, interpolated), and repeat a few times. Communication
+    is not counted as busy (gloo's copies and reductions do use the cores: see the report).
+    """
+    from hybridpipe.partitioner.calibration import load_calibration
+    from hybridpipe.partitioner.costmodel import CostModel
+    from hybridpipe.partitioner.plan import Plan
+    from hybridpipe.pipeline.simulator import simulate
+    base = Plan.from_dict(plan)
+    model = CostModel(base.cluster, load_calibration(calibrations[0]) if calibrations else None)
+    full = contention_at(curve, hosts)
+    def concurrency(result) -> float:
+        return compute_concurrency([(iv.t0, iv.t1) for iv in result.intervals if iv.kind in ("F", "B")])
+
+    first = simulate(base, cost_model=model)
+    busy, result = concurrency(first), first
+    for _ in range(iterations):
+        ratio = contention_at(curve, busy) / full
+        result = simulate(Plan.from_dict(scale_plan_compute(plan, ratio)), cost_model=model)
+        busy = concurrency(result)
+    return {"simulated_step_ms": first.step_ms, "busy_workers": round(busy, 2),
+            "contention_busy": round(contention_at(curve, busy), 3), "contention_all": round(full, 3),
+            "predicted_busy_step_ms": result.step_ms}
+
+
 # ---- training a plan on the emulated hosts ---------------------------------------------------
 
 def memory_refusal(plan: dict) -> str | None:
@@ -225,14 +257,17 @@ def _refusal_lines(text: str) -> str:
     return "\n".join(keep[-6:]) if keep else text[-1500:]
 
 
-def row_from(model: str, hosts: int, strategy: str, plan: dict, summary: dict | None) -> dict:
-    """One report row: the plan's prediction and layout, and what the run measured."""
+def row_from(model: str, hosts: int, strategy: str, plan: dict, summary: dict | None, busy: dict | None = None) -> dict:
+    """One report row: the plan's prediction (and ``busy``: busy_aware_prediction()), its layout, what the run measured."""
     row = {"model": model, "hosts": hosts, "strategy": strategy, "layout": stage_layout(plan),
            "stages": len(plan["stages"]), "schedule": plan["schedule"], "micro_batches": plan["micro_batches"],
            "batch_size": plan["batch_size"], "global_batch": plan["batch_size"] * plan["micro_batches"],
            "predicted_step_ms": plan["predicted_step_ms"], "predicted_samples_per_s": plan["predicted_samples_per_s"],
            "allreduce_per_stage": allreduce_choices(plan),
-           "predicted_memory_gib_per_stage": [round(s["memory_bytes"] / 2**30, 3) for s in plan["stages"]]}
+           "predicted_memory_gib_per_stage": [round(s["memory_bytes"] / 2**30, 3) for s in plan["stages"]],
+           **(busy or {})}
+    if busy:
+        row["predicted_busy_samples_per_s"] = row["global_batch"] / busy["predicted_busy_step_ms"] * 1e3
     if summary is None:
         return row
     if "failed" in summary or "not_run" in summary:
@@ -241,6 +276,7 @@ def row_from(model: str, hosts: int, strategy: str, plan: dict, summary: dict | 
         return row
     row.update(status="ok", measured_step_ms=summary["measured_step_ms"], samples_per_s=summary["samples_per_s"],
                error=prediction_error(summary["measured_step_ms"], plan["predicted_step_ms"]),
+               error_busy=prediction_error(summary["measured_step_ms"], row.get("predicted_busy_step_ms")),
                job_step_ms=[round(v, 1) for v in summary["job_step_ms"].values()], warmup_steps=summary["warmup_steps"],
                replicas_identical=summary["replicas_identical"], run_wall_s=round(summary["wall_s"], 1))
     return row
@@ -249,15 +285,21 @@ def row_from(model: str, hosts: int, strategy: str, plan: dict, summary: dict | 
 # ---- the driver ------------------------------------------------------------------------------
 
 def run_model_hosts(cluster, name: str, hosts: int, strategies: list[str], args, work: Path, profile: Path,
-                    compute_alone: dict, calibrations: list[Path], calib: dict, port_base: int) -> list[dict]:
-    """Calibrate ``name``'s profile for ``hosts`` emulated hosts, partition with every strategy, train."""
+                    compute: dict[int, dict], calibrations: list[Path], calib: dict, port_base: int) -> list[dict]:
+    """Calibrate ``name``'s profile for ``hosts`` emulated hosts, partition with every strategy, train.
+
+    ``compute``: copies -> measure_compute() result, filled here for 2, hosts/2 and hosts copies."""
     spec, batch, _ = MODELS[name]
     raw = read_json(profile, "profile")
     node_sum = raw["totals"]["forward_ms"] + raw["totals"]["backward_ms"]
-    contended = measure_compute(spec, batch, hosts, args.contention_seconds)
-    scale = compute_scale(node_sum, compute_alone["median_ms"], contended["median_ms"])
-    calib.update({"hosts": hosts, "node_sum_ms": node_sum, "alone_ms": compute_alone["median_ms"],
-                  "contended": contended, **scale})
+    for copies in sorted({2, hosts // 2, hosts} - set(compute)):
+        compute[copies] = measure_compute(spec, batch, copies, args.contention_seconds)
+    alone, contended = compute[1], compute[hosts]
+    curve = {k: v["median_ms"] / alone["median_ms"] for k, v in compute.items() if k <= hosts}
+    scale = compute_scale(node_sum, alone["median_ms"], contended["median_ms"])
+    calib.update({"hosts": hosts, "node_sum_ms": node_sum, "alone_ms": alone["median_ms"],
+                  "contended": contended, **scale, "contention_curve": {str(k): round(v, 3) for k, v in curve.items()},
+                  "measurements": {str(k): compute[k] for k in sorted(curve)}})
     log.info("%s on %d hosts: per-node sum %.0f ms, alone %.0f ms, %d at once %.0f ms -> scale %.2f "
              "(isolation %.2f x contention %.2f)", name, hosts, node_sum, compute_alone["median_ms"], hosts,
              contended["median_ms"], scale["scale"], scale["isolation"], scale["contention"])
@@ -284,13 +326,14 @@ def run_model_hosts(cluster, name: str, hosts: int, strategies: list[str], args,
         why = memory_refusal(plan)
         summary = {"not_run": why} if why else train_plan(
             cluster, plan_file, work / f"run-{name}-{hosts}-{strategy}", args.steps, port_base + k, args.timeout)
-        row = row_from(name, hosts, strategy, plan, summary)
+        row = row_from(name, hosts, strategy, plan, summary, busy_aware_prediction(plan, curve, hosts, calibrations))
         done[key] = row
         rows.append(row)
         if row.get("status") == "ok":
-            log.info("  %-9s %-28s predicted %7.0f ms, measured %7.0f ms (%+.0f%%), %.1f samples/s, %.0f s",
-                     strategy, row["layout"][:28], row["predicted_step_ms"], row["measured_step_ms"],
-                     100 * row["error"], row["samples_per_s"], row["run_wall_s"])
+            log.info("  %-9s %-28s predicted %6.0f ms (busy-aware %6.0f), measured %6.0f ms (%+.0f%%, %+.0f%%), "
+                     "%.1f samples/s, %.0f s", strategy, row["layout"][:28], row["predicted_step_ms"],
+                     row["predicted_busy_step_ms"], row["measured_step_ms"], 100 * row["error"],
+                     100 * row["error_busy"], row["samples_per_s"], row["run_wall_s"])
         else:
             log.info("  %-9s %s: %s", strategy, row["status"], row["reason"])
     return rows
@@ -298,12 +341,12 @@ def run_model_hosts(cluster, name: str, hosts: int, strategies: list[str], args,
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help=f"models {QUICK_MODELS} on {QUICK_HOSTS} hosts, 3 steps")
+    p.add_argument("--quick", action="store_true", help=f"models {QUICK_MODELS} on {QUICK_HOSTS} hosts")
     p.add_argument("--models", default=None, help=f"from {','.join(MODELS)} (default all; quick {QUICK_MODELS})")
     p.add_argument("--hosts", default=None, help="emulated host counts, from 4,8 (default 4,8; quick 4)")
     p.add_argument("--strategies", default=",".join(STRATEGIES), help=f"from {','.join(STRATEGIES)} (default all)")
     p.add_argument("--steps", type=int, default=None, help="training steps per plan, the first fifth (at least 1) "
-                   "is warm-up (default 4; quick 3)")
+                   "is warm-up (default 3: the median of the last 2)")
     p.add_argument("--repeats", type=int, default=3, help="profile repeats per node (default 3)")
     p.add_argument("--contention-seconds", type=float, default=None, help="seconds of each compute-only "
                    "contention measurement (default 8; quick 5)")
@@ -334,7 +377,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                          f"{','.join(STRATEGIES)}, hosts with a cluster file examples/clusters/<n>x1gbit.json")
     if "optimal" not in strategies:
         strategies.insert(0, "optimal")           # the reference of every ratio
-    args.steps = args.steps or (3 if quick else 4)
+    args.steps = args.steps or 3
     args.contention_seconds = args.contention_seconds or (5.0 if quick else 8.0)
     setup_logging()
     require_emulation()
@@ -345,10 +388,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from tools.emucluster import EmulatedCluster
     with tempfile.TemporaryDirectory(prefix="hp-plans-") as tmp:
         work = Path(tmp)
-        profiles, alone = {}, {}
+        profiles, compute = {}, {}
         for name in models:
             profiles[name] = profile_model(name, work, args.repeats)
-            alone[name] = measure_compute(MODELS[name][0], MODELS[name][1], 1, args.contention_seconds)
+            compute[name] = {1: measure_compute(MODELS[name][0], MODELS[name][1], 1, args.contention_seconds)}
         for hosts in hosts_list:
             with EmulatedCluster(hosts, rate="1gbit") as cluster:
                 calibrations = []
@@ -359,9 +402,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         f"{a} {f['gbps']:.2f} Gbit/s + {f['alpha_us']:.0f} us" for a, f in links[str(hosts)].items()))
                 for m, name in enumerate(models):
                     calib = {"model": name}
-                    rows += run_model_hosts(cluster, name, hosts, strategies, args, work, profiles[name], alone[name],
+                    rows += run_model_hosts(cluster, name, hosts, strategies, args, work, profiles[name], compute[name],
                                             calibrations, calib, port_base=29400 + 10 * m)
                     calibration.append(calib)
+                    write_json(json_path, {"benchmark": "plans", "partial": True, "rows": rows,
+                                           "compute_calibration": calibration, "allreduce_calibration_fits": links})
     add_relative(rows)
     data = {"benchmark": "plans", "quick": quick, "machine": machine(), "load_average_before": load_before,
             "settings": {"models": {m: {"spec": MODELS[m][0], "batch_per_micro_batch": MODELS[m][1],
@@ -380,15 +425,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                "sum); every node's forward/backward multiplied by it; plans made from "
                                                "the scaled profile",
                          "allreduce_calibration": bool(args.allreduce_calibration)},
-            "compute_calibration": calibration, "allreduce_calibration_fits": links, "rows": rows, "errors": error_summary(rows),
+            "compute_calibration": calibration, "allreduce_calibration_fits": links, "rows": rows,
+            "errors": {"plan": error_summary(rows), "busy_aware": error_summary(rows, key="error_busy")},
             "duration_s": round(time.monotonic() - started, 1)}
     title = (f"partition strategies trained on emulated hosts at 1 Gbit/s ({', '.join(models)}; "
              f"{'/'.join(map(str, hosts_list))} hosts; 1 thread per worker, 2 shared cores)")
     write_results(json_path, data, plot(pyplot(), rows, title), png_path)
-    e = data["errors"]
-    log.info("prediction within %.0f%% for %d of %d runs (median |error| %s); done in %.0f s", 100 * e["goal"],
-             e["within_goal"], e["runs"], f"{100 * e['median_abs_error']:.0f}%" if e["median_abs_error"] is not None
-             else "-", data["duration_s"])
+    for what, e in data["errors"].items():
+        log.info("%s prediction within %.0f%% for %d of %d runs (median |error| %s)", what, 100 * e["goal"],
+                 e["within_goal"], e["runs"], f"{100 * e['median_abs_error']:.0f}%"
+                 if e["median_abs_error"] is not None else "-")
+    log.info("done in %.0f s", data["duration_s"])
     return 0
 
 

@@ -47,6 +47,45 @@ def compute_scale(node_sum_ms: float, alone_ms: float, contended_ms: float) -> d
             "scale": contended_ms / node_sum_ms}
 
 
+def contention_at(curve: Mapping[int, float], busy: float) -> float:
+    """The measured contention factor (time with k copies at once / alone) at ``busy`` copies,
+    linear between the measured copy counts, clamped to the measured range (c(1) = 1)."""
+    points = sorted({1: 1.0, **{int(k): float(v) for k, v in curve.items()}}.items())
+    if busy <= points[0][0]:
+        return points[0][1]
+    for (k0, c0), (k1, c1) in zip(points, points[1:]):
+        if busy <= k1:
+            return c0 + (c1 - c0) * (busy - k0) / (k1 - k0)
+    return points[-1][1]
+
+
+def scale_plan_compute(plan: Mapping[str, Any], ratio: float) -> dict:
+    """A copy of a plan JSON with every stage's forward/backward/compute time multiplied by ``ratio``."""
+    out = copy.deepcopy(dict(plan))
+    for s in out["stages"]:
+        for key in ("forward_ms", "backward_ms", "compute_ms"):
+            s[key] = s.get(key, 0.0) * ratio
+    return out
+
+
+def compute_concurrency(intervals: Sequence[tuple[float, float]]) -> float:
+    """How many workers compute at once, as a unit of compute work sees it on average.
+
+    ``intervals``: (start, end) of every compute interval of every worker. With n(t) workers
+    computing at time t, this is integral n(t)^2 dt / integral n(t) dt: data parallelism, whose
+    replicas all compute together and then all communicate, gets N, not its time-average.
+    """
+    events = sorted([(t0, 1) for t0, t1 in intervals if t1 > t0] + [(t1, -1) for t0, t1 in intervals if t1 > t0])
+    work = weighted = 0.0
+    n, last = 0, None
+    for t, d in events:
+        if last is not None and n:
+            work += n * (t - last)
+            weighted += n * n * (t - last)
+        n, last = n + d, t
+    return weighted / work if work > 0 else 1.0
+
+
 def stage_layout(plan: Mapping[str, Any]) -> str:
     """``"0-16x2 | 17x1 | 18-23x1"``: node range x replicas of each stage."""
     parts = []
@@ -90,6 +129,8 @@ def add_relative(rows: list[dict]) -> list[dict]:
         ref = base.get((r["model"], r["hosts"]))
         r["measured_vs_optimal"] = _ratio(r.get("samples_per_s"), ref and ref.get("samples_per_s"))
         r["predicted_vs_optimal"] = _ratio(r.get("predicted_samples_per_s"), ref and ref.get("predicted_samples_per_s"))
+        r["predicted_busy_vs_optimal"] = _ratio(r.get("predicted_busy_samples_per_s"),
+                                                ref and ref.get("predicted_busy_samples_per_s"))
     return rows
 
 
@@ -97,9 +138,9 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a and b else None
 
 
-def error_summary(rows: Sequence[Mapping[str, Any]], goal: float = ERROR_GOAL) -> dict[str, Any]:
-    """How many measured runs were within ``goal`` of the prediction, and the median |error|."""
-    errs = [abs(r["error"]) for r in rows if r.get("error") is not None and not r.get("same_plan_as")]
+def error_summary(rows: Sequence[Mapping[str, Any]], goal: float = ERROR_GOAL, key: str = "error") -> dict[str, Any]:
+    """How many measured runs were within ``goal`` of the prediction (``key``: the row's error), the median |error|."""
+    errs = [abs(r[key]) for r in rows if r.get(key) is not None and not r.get("same_plan_as")]
     errs.sort()
     median = None
     if errs:
@@ -119,7 +160,7 @@ def plot(plt, rows: Sequence[Mapping[str, Any]], title: str):
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(14, 5), gridspec_kw={"width_ratios": [1.6, 1]})
     w = 0.8 / max(1, len(strategies))
     for k, strategy in enumerate(strategies):
-        xs, meas, pred = [], [], []
+        xs, meas, pred, busy = [], [], [], []
         for i, g in enumerate(groups):
             r = next((r for r in rows if (r["model"], r["hosts"]) == g and r["strategy"] == strategy), None)
             if r is None:
@@ -131,9 +172,12 @@ def plot(plt, rows: Sequence[Mapping[str, Any]], title: str):
             xs.append(x)
             meas.append(r["measured_vs_optimal"])
             pred.append(r.get("predicted_vs_optimal"))
+            busy.append(r.get("predicted_busy_vs_optimal"))
         ax.bar(xs, meas, w, label=strategy)
         ax.scatter([x for x, p in zip(xs, pred) if p], [p for p in pred if p], marker="_", s=120, color="k", zorder=3)
-    ax.scatter([], [], marker="_", s=120, color="k", label="predicted ratio")
+        ax.scatter([x for x, p in zip(xs, busy) if p], [p for p in busy if p], marker="_", s=120, color="m", zorder=3)
+    ax.scatter([], [], marker="_", s=120, color="k", label="predicted ratio (plan)")
+    ax.scatter([], [], marker="_", s=120, color="m", label="predicted ratio (busy-aware)")
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xticks(range(len(groups)), [f"{m}\n{h} hosts" for m, h in groups], fontsize=8)
     ax.set_ylabel("throughput / optimal's (measured)")
@@ -145,17 +189,21 @@ def plot(plt, rows: Sequence[Mapping[str, Any]], title: str):
         for hosts, marker in ((4, "o"), (8, "s")):
             sel = [r for r in pts if r["model"] == model and r["hosts"] == hosts]
             if sel:
+                dots = ax2.scatter([r.get("predicted_busy_step_ms", r["predicted_step_ms"]) / 1e3 for r in sel],
+                                   [r["measured_step_ms"] / 1e3 for r in sel], marker=marker,
+                                   label=f"{model}, {hosts} hosts")
                 ax2.scatter([r["predicted_step_ms"] / 1e3 for r in sel], [r["measured_step_ms"] / 1e3 for r in sel],
-                            marker=marker, label=f"{model}, {hosts} hosts")
+                            marker=marker, facecolors="none", edgecolors=dots.get_facecolor(), alpha=0.6)
     if pts:
-        lo = min(min(r["predicted_step_ms"], r["measured_step_ms"]) for r in pts) / 1e3 * 0.8
-        hi = max(max(r["predicted_step_ms"], r["measured_step_ms"]) for r in pts) / 1e3 * 1.2
+        vals = [v for r in pts for v in (r["predicted_step_ms"], r["measured_step_ms"], r.get("predicted_busy_step_ms"))
+                if v]
+        lo, hi = min(vals) / 1e3 * 0.8, max(vals) / 1e3 * 1.2
         ax2.plot([lo, hi], [lo, hi], "k-", lw=0.8, label="measured = predicted")
         ax2.fill_between([lo, hi], [lo * 0.9, hi * 0.9], [lo * 1.1, hi * 1.1], color="grey", alpha=0.2,
                          label="within 10%")
         ax2.set_xscale("log")
         ax2.set_yscale("log")
-    ax2.set_xlabel("predicted step (s)")
+    ax2.set_xlabel("predicted step (s): filled busy-aware, hollow the plan's (all workers busy)")
     ax2.set_ylabel("measured step (s, median)")
     ax2.legend(fontsize=7)
     fig.suptitle(title, fontsize=10)

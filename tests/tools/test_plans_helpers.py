@@ -3,7 +3,8 @@
 import pytest
 
 from benchmarks.plans import memory_refusal, row_from
-from benchmarks.plans_analysis import (add_relative, allreduce_choices, compute_scale, error_summary, plan_key,
+from benchmarks.plans_analysis import (add_relative, allreduce_choices, compute_concurrency, compute_scale,
+                                       contention_at, error_summary, plan_key, scale_plan_compute,
                                        prediction_error, scale_profile, stage_layout)
 from hybridpipe.profiles.format import Profile
 
@@ -92,3 +93,29 @@ def test_memory_refusal_names_the_need():
     assert memory_refusal(_plan([_stage(0, 9, 1, [0], mem=1 << 20)])) is None
     why = memory_refusal(_plan([_stage(0, 9, 8, range(8), mem=1 << 40)]))
     assert why is not None and "GiB" in why and "8 workers" in why
+
+
+def test_contention_curve_interpolates_between_measured_counts():
+    curve = {2: 1.2, 4: 2.6, 8: 5.0}
+    assert contention_at(curve, 0.5) == 1.0 and contention_at(curve, 1) == 1.0
+    assert contention_at(curve, 1.5) == pytest.approx(1.1)
+    assert contention_at(curve, 3) == pytest.approx(1.9)
+    assert contention_at(curve, 8) == 5.0 and contention_at(curve, 12) == 5.0      # clamped
+    assert contention_at({"4": 2.0}, 2.5) == pytest.approx(1.5)                     # keys from JSON
+
+
+def test_compute_concurrency_weights_by_work():
+    assert compute_concurrency([(0, 1), (0, 1), (0, 1), (0, 1)]) == pytest.approx(4)      # data parallel: all at once
+    assert compute_concurrency([(0, 1), (1, 2), (2, 3), (3, 4)]) == pytest.approx(1)      # one at a time
+    # two workers overlap for half of their work: n = 1, 2, 1 for 1 ms each -> (1 + 4 + 1) / (1 + 2 + 1)
+    assert compute_concurrency([(0, 2), (1, 3)]) == pytest.approx(1.5)
+    assert compute_concurrency([]) == 1.0
+
+
+def test_scale_plan_compute_leaves_communication_alone():
+    plan = _plan([dict(_stage(0, 9, 2, [0, 1], ["ring"]), forward_ms=10.0, backward_ms=20.0, compute_ms=30.0,
+                       send_ms=5.0, sync_ms=7.0)])
+    out = scale_plan_compute(plan, 0.5)
+    s = out["stages"][0]
+    assert (s["forward_ms"], s["backward_ms"], s["compute_ms"], s["send_ms"], s["sync_ms"]) == (5.0, 10.0, 15.0, 5.0, 7.0)
+    assert plan["stages"][0]["forward_ms"] == 10.0
