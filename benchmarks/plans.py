@@ -301,7 +301,7 @@ def run_model_hosts(cluster, name: str, hosts: int, strategies: list[str], args,
                   "contended": contended, **scale, "contention_curve": {str(k): round(v, 3) for k, v in curve.items()},
                   "measurements": {str(k): compute[k] for k in sorted(curve)}})
     log.info("%s on %d hosts: per-node sum %.0f ms, alone %.0f ms, %d at once %.0f ms -> scale %.2f "
-             "(isolation %.2f x contention %.2f)", name, hosts, node_sum, compute_alone["median_ms"], hosts,
+             "(isolation %.2f x contention %.2f)", name, hosts, node_sum, alone["median_ms"], hosts,
              contended["median_ms"], scale["scale"], scale["isolation"], scale["contention"])
     scaled = work / f"{name}.x{hosts}.profile.json"
     write_json(scaled, scale_profile(raw, scale["scale"], f"compute x{scale['scale']:.3f} for {hosts} emulated hosts "
@@ -339,6 +339,11 @@ def run_model_hosts(cluster, name: str, hosts: int, strategies: list[str], args,
     return rows
 
 
+def _title(models: Sequence[str], hosts: Sequence[int]) -> str:
+    return (f"partition strategies trained on emulated hosts at 1 Gbit/s ({', '.join(models)}; "
+            f"{'/'.join(map(str, hosts))} hosts; 1 thread per worker, 2 shared cores)")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help=f"models {QUICK_MODELS} on {QUICK_HOSTS} hosts")
@@ -356,6 +361,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=420.0, help="seconds per training run (default 420)")
     p.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     p.add_argument("--tag", default="", help="suffix of the result files (plans_<tag>[_quick])")
+    p.add_argument("--replot", metavar="JSON", help="only redraw the PNG of a results JSON (next to it)")
     p.add_argument("--compute-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model-spec", help=argparse.SUPPRESS)
     p.add_argument("--batch", type=int, help=argparse.SUPPRESS)
@@ -365,6 +371,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.compute_worker:
         args.model = args.model_spec
         compute_worker(args)
+        return 0
+    if args.replot:
+        data = read_json(args.replot, "results")
+        fig = plot(pyplot(), data["rows"], _title(list(data["settings"]["models"]), data["settings"]["hosts"]))
+        fig.savefig(Path(args.replot).with_suffix(".png"), dpi=110, bbox_inches="tight")
         return 0
     quick = args.quick
     models = (args.models or (QUICK_MODELS if quick else ",".join(MODELS))).split(",")
@@ -428,9 +439,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "compute_calibration": calibration, "allreduce_calibration_fits": links, "rows": rows,
             "errors": {"plan": error_summary(rows), "busy_aware": error_summary(rows, key="error_busy")},
             "duration_s": round(time.monotonic() - started, 1)}
-    title = (f"partition strategies trained on emulated hosts at 1 Gbit/s ({', '.join(models)}; "
-             f"{'/'.join(map(str, hosts_list))} hosts; 1 thread per worker, 2 shared cores)")
-    write_results(json_path, data, plot(pyplot(), rows, title), png_path)
+    write_results(json_path, data, plot(pyplot(), rows, _title(models, hosts_list)), png_path)
     for what, e in data["errors"].items():
         log.info("%s prediction within %.0f%% for %d of %d runs (median |error| %s)", what, 100 * e["goal"],
                  e["within_goal"], e["runs"], f"{100 * e['median_abs_error']:.0f}%"

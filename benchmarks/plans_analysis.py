@@ -203,6 +203,12 @@ def plot(plt, rows: Sequence[Mapping[str, Any]], title: str):
                          label="within 10%")
         ax2.set_xscale("log")
         ax2.set_yscale("log")
+        from matplotlib.ticker import LogLocator, ScalarFormatter
+        for axis in (ax2.xaxis, ax2.yaxis):
+            axis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+            axis.set_major_formatter(ScalarFormatter())
+            axis.set_minor_formatter(ScalarFormatter())
+            axis.set_minor_locator(LogLocator(subs=(1.0, 2.0, 3.0, 5.0, 7.0)))
     ax2.set_xlabel("predicted step (s): filled busy-aware, hollow the plan's (all workers busy)")
     ax2.set_ylabel("measured step (s, median)")
     ax2.legend(fontsize=7)
