@@ -22,7 +22,11 @@ Sizes are reduced so that n workers on 2 cores stay in proportion to 1 Gbit/s (s
 parameters (and so all-reduce and memory) are the full models' except where noted.
 
     sudo flock /tmp/hybridpipe-bench.lock .venv/bin/python benchmarks/plans.py --quick
-    sudo flock /tmp/hybridpipe-bench.lock .venv/bin/python benchmarks/plans.py
+    sudo .venv/bin/python benchmarks/plans.py --lock /tmp/hybridpipe-bench.lock   # the lock per model x hosts
+
+Each model x hosts group (its profile on first use, the all-reduce calibration on the first group
+of a cluster, the contention measurements and every plan's run) is measured side by side, under
+the lock when ``--lock`` is given; ratios are taken within a group only.
 
 Writes benchmarks/results/plans[_quick].{json,png}.
 """
@@ -30,6 +34,8 @@ Writes benchmarks/results/plans[_quick].{json,png}.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import os
 import statistics
 import subprocess
@@ -339,6 +345,24 @@ def run_model_hosts(cluster, name: str, hosts: int, strategies: list[str], args,
     return rows
 
 
+@contextlib.contextmanager
+def bench_lock(path: str | None):
+    """Hold the machine's benchmark lock (flock on ``path``) for one group; yields the seconds waited."""
+    if not path:
+        yield 0.0
+        return
+    t = time.monotonic()
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        waited = round(time.monotonic() - t, 1)
+        if waited > 1:
+            log.info("waited %.0f s for the benchmark lock %s", waited, path)
+        try:
+            yield waited
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def _title(models: Sequence[str], hosts: Sequence[int]) -> str:
     return (f"partition strategies trained on emulated hosts at 1 Gbit/s ({', '.join(models)}; "
             f"{'/'.join(map(str, hosts))} hosts; 1 thread per worker, 2 shared cores)")
@@ -359,6 +383,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="partition with the cluster file's nominal link figures only (default: run hybridpipe "
                    "bench-allreduce on each emulated cluster first and partition with its calibration)")
     p.add_argument("--timeout", type=float, default=420.0, help="seconds per training run (default 420)")
+    p.add_argument("--lock", default=None, metavar="PATH",
+                   help="take this flock around each model x hosts group (e.g. /tmp/hybridpipe-bench.lock), so "
+                   "other timing runs can go between groups; do not also wrap the command in flock on the same file")
     p.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     p.add_argument("--tag", default="", help="suffix of the result files (plans_<tag>[_quick])")
     p.add_argument("--replot", metavar="JSON", help="only redraw the PNG of a results JSON (next to it)")
@@ -399,22 +426,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     from tools.emucluster import EmulatedCluster
     with tempfile.TemporaryDirectory(prefix="hp-plans-") as tmp:
         work = Path(tmp)
-        profiles, compute = {}, {}
-        for name in models:
-            profiles[name] = profile_model(name, work, args.repeats)
-            compute[name] = {1: measure_compute(MODELS[name][0], MODELS[name][1], 1, args.contention_seconds)}
+        profiles: dict[str, Path] = {}
         for hosts in hosts_list:
             with EmulatedCluster(hosts, rate="1gbit") as cluster:
-                calibrations = []
-                if args.allreduce_calibration:
-                    calibrations = [allreduce_calibration(cluster, work / f"allreduce{hosts}.json", args.timeout)]
-                    links[str(hosts)] = link_fits(calibrations[0])
-                    log.info("all-reduce calibration on %d hosts: %s", hosts, ", ".join(
-                        f"{a} {f['gbps']:.2f} Gbit/s + {f['alpha_us']:.0f} us" for a, f in links[str(hosts)].items()))
+                calibrations: list[Path] = []
                 for m, name in enumerate(models):
-                    calib = {"model": name}
-                    rows += run_model_hosts(cluster, name, hosts, strategies, args, work, profiles[name], compute[name],
-                                            calibrations, calib, port_base=29400 + 10 * m)
+                    with bench_lock(args.lock) as waited:
+                        calib = {"model": name, "hosts": hosts, "lock_wait_s": waited,
+                                 "load_average_at_start": [round(x, 2) for x in os.getloadavg()]}
+                        if name not in profiles:
+                            profiles[name] = profile_model(name, work, args.repeats)
+                        if args.allreduce_calibration and not calibrations:
+                            calibrations = [allreduce_calibration(cluster, work / f"allreduce{hosts}.json",
+                                                                  args.timeout)]
+                            links[str(hosts)] = link_fits(calibrations[0])
+                            log.info("all-reduce calibration on %d hosts: %s", hosts, ", ".join(
+                                f"{a} {f['gbps']:.2f} Gbit/s + {f['alpha_us']:.0f} us"
+                                for a, f in links[str(hosts)].items()))
+                        compute = {1: measure_compute(MODELS[name][0], MODELS[name][1], 1, args.contention_seconds)}
+                        rows += run_model_hosts(cluster, name, hosts, strategies, args, work, profiles[name], compute,
+                                                calibrations, calib, port_base=29400 + 10 * m)
+                        calib["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
                     calibration.append(calib)
                     write_json(json_path, {"benchmark": "plans", "partial": True, "rows": rows,
                                            "compute_calibration": calibration, "allreduce_calibration_fits": links})
@@ -424,7 +456,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                         "reduced": MODELS[m][2]} for m in models},
                          "hosts": hosts_list, "rate": "1gbit (tools/emucluster, tc tbf, MTU 1500, no added latency)",
                          "cluster_files": [f"examples/clusters/{h}x1gbit.json" for h in hosts_list],
-                         "strategies": strategies, "steps": args.steps, "threads_per_worker": 1,
+                         "strategies": strategies, "steps": args.steps, "threads_per_worker": 1, "lock_per_group": args.lock,
                          "launch": "torchrun --nnodes N --nproc-per-node 1 (c10d) launch.py --plan P --steps S "
                                    f"--no-trace --timeout {LAUNCH_TIMEOUT_S}; schedule, micro-batches, all-reduce "
                                    "(hybrid, per layer from the plan) and p2p mode (sa) are the defaults",
