@@ -72,7 +72,7 @@ class Channels:
         self.device = groups.device
         self.timeout = float(timeout)
         idle = max(self.timeout, DEFAULT_IDLE_TIMEOUT_S) if idle_timeout is None else float(idle_timeout)
-        cfg = LinkConfig(idle, clock, on_transfer, dedicated_streams)
+        cfg = LinkConfig(idle, clock, on_transfer, dedicated_streams, transfer_timeout=self.timeout)
         orders = _check_orders(order, groups.peers)
         self._hello = {p: (f"hello/{mode}/{groups.lanes}/{order_digest(orders.get(p))}",
                            f"hello/{mode}/{groups.lanes}/{order_digest(_mirror(orders.get(p)))}")

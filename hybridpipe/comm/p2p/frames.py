@@ -1,9 +1,10 @@
 """Posting and completing frames (see wire.py) on one route with torch.distributed ops.
 
 :class:`FrameSender` and :class:`FrameReceiver` own one direction of one lane: its frame
-sequence numbers, its metadata cache and its side stream. They are used by exactly one thread
-each. Every wait has a deadline; backend failures become :class:`P2PError` naming the peer
-and what was awaited.
+sequence numbers, its metadata cache, its side stream and (CPU) the capacity of the flat
+message the receiver keeps posted (see wire.py). They are used by one thread at a time each
+(a sender's ``post`` and ``complete`` may run on different threads). Every wait has a
+deadline; backend failures become :class:`P2PError` naming the peer and what was awaited.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from hybridpipe.comm.p2p.wire import Flag, Header
 
 Clock = Callable[[], float]
 _MAX_WAIT_S = 7 * 24 * 3600.0
+_FILLER = torch.zeros(1, dtype=torch.uint8)     # satisfies a posted flat receive the frame does not use
+_FLAT_TAG = 1       # CPU: flat messages match among themselves, apart from headers and metadata (tag 0)
 
 
 @dataclass
@@ -60,7 +63,7 @@ def _wait_work(work, deadline: float) -> None:
 
 
 class _End:
-    def __init__(self, route: Route, peer: int, stream: SideStream, clock: Clock) -> None:
+    def __init__(self, route: Route, peer: int, stream: SideStream, clock: Clock, prepost: bool = True) -> None:
         self.route = route
         self.peer = peer
         self.stream = stream
@@ -69,6 +72,13 @@ class _End:
         self.cache = wire.MetaCache()
         self.meta_frames = 0        # frames that carried (re-)announced metadata
         self.cuda = stream.stream is not None
+        self.capacity = 0           # CPU: bytes of the flat receive posted ahead for the next frame
+        self.prepost = prepost and not self.cuda    # both ends of a lane must agree
+
+    def _grow(self, header: Header, flat: int) -> None:
+        """After a frame: the capacity both ends derive for the next one (never for HELLO/CLOSE)."""
+        if self.prepost and not header.flags & (Flag.CLOSE | Flag.HELLO):
+            self.capacity = max(self.capacity, flat)
 
     def _complete(self, control_works: list, data_works: list, deadline: float,
                   what: str) -> "torch.cuda.Event | None":
@@ -116,14 +126,31 @@ class FrameSender(_End):
                                   group=self.route.control)]
             if meta:
                 control.append(dist.isend(wire.to_bytes_tensor(meta), self.peer, group=self.route.control))
-            data = []
-            with self.stream.active(after=ready):
-                for _, t in items:
-                    if t.numel():
-                        data.append(dist.isend(t, self.peer, group=self.route.data))
+            if self.cuda:
+                data = []
+                with self.stream.active(after=ready):
+                    for _, t in items:
+                        if t.numel():
+                            data.append(dist.isend(t, self.peer, group=self.route.data))
+                keep = [t for _, t in items]
+            else:
+                data, keep = self._post_flat(header, items, metas)
         except Exception as e:          # noqa: BLE001
             raise classify_transport_error(e, self.peer, what) from e
-        return Posted(header, control, data, [t for _, t in items], t0)
+        return Posted(header, control, data, keep, t0)
+
+    def _post_flat(self, header: Header, items, metas) -> tuple[list, list]:
+        """CPU: the frame's flat message into the receive posted ahead (capacity), or a filler
+        for that receive and then the message alone (see wire.py)."""
+        flat = wire.flatten(items, metas)
+        size = 0 if flat is None else flat.numel()
+        sends = []
+        if self.capacity and not 0 < size <= self.capacity:
+            sends.append(_FILLER)
+        if flat is not None:
+            sends.append(flat)
+        self._grow(header, size)
+        return [dist.isend(t, self.peer, group=self.route.data, tag=_FLAT_TAG) for t in sends], sends
 
     def complete(self, posted: Posted, deadline: float) -> float:
         """Wait until the frame has left; return the completion time (clock)."""
@@ -135,19 +162,61 @@ class FrameSender(_End):
 class FrameReceiver(_End):
     """Receive side of one lane from one peer."""
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._ahead: tuple | None = None        # receives posted for the next frame
+
     def receive(self, deadline: float, what: str = "the next message") -> Frame:
         """Receive the next frame: header, metadata if announced, payloads."""
-        buf = torch.empty(wire.HEADER_BYTES, dtype=torch.uint8)
+        if self._ahead is None:
+            self._ahead = self._post_ahead(what)
+        buf, head_work, flat_buf, flat_work = self._ahead
         try:
-            _wait_work(dist.irecv(buf, self.peer, group=self.route.control), deadline)
+            _wait_work(head_work, deadline)
         except Exception as e:          # noqa: BLE001
             raise classify_transport_error(e, self.peer, what) from e
+        self._ahead = None
         t0 = self.clock()
         header = self._decode(wire.from_bytes_tensor(buf), what)
         if header.flags & (Flag.CLOSE | Flag.HELLO):
+            if flat_work is not None:           # the sender's filler for the posted receive
+                self._complete([], [flat_work], deadline, what)
+            if not header.flags & Flag.CLOSE:
+                self._ahead = self._post_ahead(what)
             return Frame(header, {}, None, t0, t0)
         metas = self._metas(header, deadline)
         what = f"recv {header.key!r}"
+        if self.cuda:
+            return self._receive_cuda(header, metas, deadline, what, t0)
+        _, size = wire.flat_layout(metas)
+        fits = flat_work is not None and 0 < size <= self.capacity
+        works = [] if flat_work is None else [flat_work]
+        if not fits and size:
+            flat_buf = torch.empty(size, dtype=torch.uint8)
+            try:
+                works.append(dist.irecv(flat_buf, self.peer, group=self.route.data, tag=_FLAT_TAG))
+            except Exception as e:      # noqa: BLE001
+                raise classify_transport_error(e, self.peer, what) from e
+        self._complete([], works, deadline, what)
+        self._grow(header, size)
+        self._ahead = self._post_ahead(what)    # the next frame may flow while this one is delivered
+        tensors = wire.unflatten(flat_buf if size else None, metas)
+        return Frame(header, tensors, None, t0, self.clock())
+
+    def _post_ahead(self, what: str) -> tuple:
+        """Post the next frame's header receive and, on CPU with a known capacity, its flat one."""
+        buf = torch.empty(wire.HEADER_BYTES, dtype=torch.uint8)
+        flat = flat_work = None
+        try:
+            work = dist.irecv(buf, self.peer, group=self.route.control)
+            if not self.cuda and self.capacity:
+                flat = torch.empty(self.capacity, dtype=torch.uint8)
+                flat_work = dist.irecv(flat, self.peer, group=self.route.data, tag=_FLAT_TAG)
+        except Exception as e:          # noqa: BLE001
+            raise classify_transport_error(e, self.peer, what) from e
+        return buf, work, flat, flat_work
+
+    def _receive_cuda(self, header: Header, metas, deadline: float, what: str, t0: float) -> Frame:
         tensors: dict[str, torch.Tensor] = {}
         works = []
         try:

@@ -3,14 +3,18 @@
 * :class:`PerTensorLink` (``per-tensor``, PipeDream's original): a thread per direction and
   tensor slot ("lane"); tensor i of every message travels on lane i with blocking operations.
 * :class:`SaLink` (``sa``, seed 003's impl-SA): one send and one receive thread; all tensors of
-  a message are posted non-blocking, then waited for in order.
+  a message are posted non-blocking, then waited for in order. On CPU the caller posts a
+  message itself (gloo's isend does not block) and the send thread only waits for it to
+  leave: the transfer starts without waiting for a thread to be scheduled.
 * :class:`SraLink` (``sra``, impl-SRA): one thread that performs the link's transfers in both
   directions in an order fixed in advance (see order.py), in lockstep with the peer's thread.
 
 Receive threads of ``per-tensor`` and ``sa`` always have the next receive posted (they prefetch
 without bound), so a send never waits for the receiving program: any program that would run
-with unbounded buffers runs here, whatever the stage graph (fan-in, skip edges). A link ends
-with a CLOSE frame in each direction (see Channels.close).
+with unbounded buffers runs here, whatever the stage graph (fan-in, skip edges). On CPU they
+also post the next frame's payload receive ahead of its header (see wire.py); ``sra`` receives
+only when its order says so, header first. A link ends with a CLOSE frame in each direction
+(see Channels.close).
 
 Background threads wait on the backend with ``idle_timeout`` (a liveness bound: a link with
 no progress for that long is dead); the caller's own waits use the channel's ``timeout``.
@@ -30,7 +34,7 @@ import torch
 
 from hybridpipe.comm.p2p.device import SideStream
 from hybridpipe.comm.p2p.errors import P2PError, PeerLost, ProtocolError, classify_transport_error
-from hybridpipe.comm.p2p.frames import Frame, FrameReceiver, FrameSender
+from hybridpipe.comm.p2p.frames import Frame, FrameReceiver, FrameSender, Posted
 from hybridpipe.comm.p2p.groups import PairGroups
 from hybridpipe.comm.p2p.mailbox import Counter, Mailbox, Outbox
 from hybridpipe.comm.p2p.order import RECV, SEND, Cursor, Op, keys_of
@@ -47,6 +51,7 @@ class LinkConfig:
     clock: Callable[[], float]
     on_transfer: TransferHook | None
     dedicated_streams: bool = True
+    transfer_timeout: float | None = None   # CPU sa/per-tensor sends: bound on one frame's completion
 
 
 @dataclass
@@ -56,6 +61,7 @@ class Submission:
     ready: "torch.cuda.Event | None"
     msg: int = 0
     parts: int = 0
+    posted: Posted | None = None    # already posted by the caller (CPU sa)
 
 
 @dataclass
@@ -92,7 +98,7 @@ class Link:
 
     def _end(self, cls, route, groups: PairGroups):
         stream = SideStream(groups.device, dedicated=self.cfg.dedicated_streams)
-        return cls(route, self.peer, stream, self.cfg.clock)
+        return cls(route, self.peer, stream, self.cfg.clock, prepost=self.mode != "sra")
 
     # ---- caller side -------------------------------------------------------------------
     def submit(self, key: str, items: list[tuple[str, torch.Tensor]], ready) -> None:
@@ -152,6 +158,15 @@ class Link:
     def _deadline(self) -> float:
         return time.monotonic() + self.cfg.idle_timeout
 
+    def _send_deadline(self) -> float:
+        """How long a send thread waits for a frame to leave. On CPU, a peer whose receive
+        threads always have receives posted (sa, per-tensor) takes a frame in network time;
+        waiting longer than the channel timeout means the peer is gone. That bound matters:
+        gloo never wakes the wait on a send that was half written when its peer died."""
+        if self.mode != "sra" and self.device.type != "cuda" and self.cfg.transfer_timeout is not None:
+            return time.monotonic() + self.cfg.transfer_timeout
+        return self._deadline()
+
     def _notify(self, key: str, nbytes: int, t0: float, t1: float) -> None:
         if self.cfg.on_transfer is None:
             return
@@ -161,8 +176,8 @@ class Link:
             log.exception("on_transfer callback failed")
 
     def _send(self, sender: FrameSender, sub: Submission) -> None:
-        posted = sender.post(sub.key, sub.msg, sub.parts, sub.items, ready=sub.ready)
-        t1 = sender.complete(posted, self._deadline())
+        posted = sub.posted or sender.post(sub.key, sub.msg, sub.parts, sub.items, ready=sub.ready)
+        t1 = sender.complete(posted, self._send_deadline())
         self.sent.complete()
         self._notify(sub.key, posted.header.payload_bytes, posted.t0, t1)
 
@@ -191,14 +206,22 @@ class SaLink(Link):
         super().__init__(peer, groups, cfg)
         self.outbox: Outbox = Outbox()
         self.msg_out = 0
+        self.direct = self.device.type != "cuda"    # the caller posts (see the module docstring)
         self._thread(self._send_loop, "send")
         self._thread(self._recv_loop, "recv")
 
     def submit(self, key, items, ready) -> None:
         self.check_usable(f"send {key!r}")
+        sub = Submission(key, items, ready, self.msg_out, len(items))
+        if self.direct:
+            try:
+                sub.posted = self.senders[0].post(key, sub.msg, sub.parts, items, ready=ready)
+            except P2PError as e:
+                self._fail(e)
+                raise
         self.sent.post()
         self.last_sent_key = key
-        self.outbox.put(Submission(key, items, ready, self.msg_out, len(items)))
+        self.outbox.put(sub)
         self.msg_out += 1
 
     def take(self, key: str, deadline: float) -> Message:

@@ -11,6 +11,15 @@ sent for the same *key kind* (``kind_of("act/3") == "act"``) on the same lane: b
 the same cache because the lane is FIFO, so a changed shape is re-announced by the very frame
 that carries it and can never be mis-received. Payloads with zero elements are not posted.
 
+On CPU lanes (gloo) a frame's tensors travel as one *flat* message (:func:`flat_layout`: each
+tensor's bytes at a 64-byte aligned offset; a single tensor is sent from its own memory, several
+are packed). The receiver keeps that message's receive posted before the header arrives, into a
+buffer of the lane's *capacity* (the largest flat message so far; gloo accepts a shorter message
+into a larger buffer), so header and payload move at once instead of one after the other. Both
+ends derive the capacity from the frames already on the lane (it stays 0 on ``sra`` lanes, which
+receive in order only); a frame that does not fit (or a
+CLOSE) first satisfies the posted receive with a one-byte filler, then sends its payload alone.
+
 Everything here is pure (bytes in, bytes out); the threads and process groups live elsewhere.
 """
 
@@ -26,7 +35,7 @@ from typing import Mapping, Sequence
 import torch
 
 MAGIC = b"HPp2"
-VERSION = 1
+VERSION = 2
 HEADER_BYTES = 128
 # magic, version, flags, frame seq, message number, tensors in message, tensors in frame,
 # metadata length, payload bytes, key length
@@ -147,6 +156,51 @@ def decode_meta(buf: bytes) -> tuple[TensorMeta, ...]:
 
 def payload_bytes(metas: Sequence[TensorMeta]) -> int:
     return sum(m.nbytes for m in metas)
+
+
+FLAT_ALIGN = 64
+
+
+def flat_layout(metas: Sequence[TensorMeta]) -> tuple[tuple[int, ...], int]:
+    """Byte offsets of each tensor in a frame's flat message, and its length (0: nothing to send)."""
+    offsets, end = [], 0
+    for m in metas:
+        start = -(-end // FLAT_ALIGN) * FLAT_ALIGN if m.nbytes else end
+        offsets.append(start)
+        end = start + m.nbytes
+    return tuple(offsets), end
+
+
+def flatten(items: Sequence[tuple[str, torch.Tensor]], metas: Sequence[TensorMeta]) -> torch.Tensor | None:
+    """The flat message of contiguous CPU ``items`` (uint8; None when empty). A lone non-empty
+    tensor at offset 0 is viewed, not copied."""
+    offsets, total = flat_layout(metas)
+    if total == 0:
+        return None
+    full = [(t, off) for (_, t), off in zip(items, offsets) if t.numel()]
+    if len(full) == 1:
+        return _bytes_of(full[0][0])
+    flat = torch.empty(total, dtype=torch.uint8)
+    for t, off in full:
+        b = _bytes_of(t)
+        flat[off:off + b.numel()].copy_(b)
+    return flat
+
+
+def unflatten(flat: torch.Tensor | None, metas: Sequence[TensorMeta]) -> dict[str, torch.Tensor]:
+    """Named tensors viewing a received flat message (no copies; they share its storage)."""
+    offsets, _ = flat_layout(metas)
+    out = {}
+    for m, off in zip(metas, offsets):
+        if m.nbytes == 0:
+            out[m.name] = torch.empty(m.shape, dtype=m.dtype)
+        else:
+            out[m.name] = flat[off:off + m.nbytes].view(m.dtype).view(m.shape)
+    return out
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
 
 
 def to_bytes_tensor(buf: bytes) -> torch.Tensor:

@@ -76,3 +76,32 @@ def test_meta_cache_announces_once_per_kind_and_again_on_change():
     assert cache.changed("act/4", wire.describe([("x", torch.zeros(4, 3, dtype=torch.float64))]))
     assert cache.get("act/9") != b and cache.get("grad/1") == a
     assert wire.kind_of("act/3") == "act" and wire.kind_of("labels") == "labels"
+
+
+small_metas = st.lists(st.builds(TensorMeta, st.text(max_size=12), st.sampled_from(DTYPES),
+                                 st.lists(st.integers(0, 12), max_size=3).map(tuple)), max_size=6).map(tuple)
+
+
+@settings(max_examples=50, deadline=None)
+@given(small_metas, st.integers(0, 256))
+def test_flat_message_round_trip_into_a_larger_buffer(ms, spare):
+    """A frame's tensors survive flatten -> (receive into a buffer with spare room) -> unflatten,
+    at aligned offsets; a lone tensor is sent from its own memory."""
+    items = [(m.name, torch.arange(m.numel).to(m.dtype).reshape(m.shape)) for m in ms]
+    items = list(dict(items).items())                       # unique names, as messages have
+    ms = wire.describe(items)
+    offsets, total = wire.flat_layout(ms)
+    assert all(o % wire.FLAT_ALIGN == 0 for o, m in zip(offsets, ms) if m.nbytes)
+    assert total >= wire.payload_bytes(ms)
+    flat = wire.flatten(items, ms)
+    assert (flat is None) == (total == 0)
+    received = torch.full((total + spare,), 255, dtype=torch.uint8)
+    if flat is not None:
+        assert flat.numel() == total
+        received[:total] = flat
+    got = wire.unflatten(received if total else None, ms)
+    for name, t in items:
+        assert got[name].dtype == t.dtype and got[name].shape == t.shape and torch.equal(got[name], t)
+    full = [t for _, t in items if t.numel()]
+    if len(full) == 1:
+        assert flat.data_ptr() == full[0].data_ptr()
