@@ -363,6 +363,20 @@ def bench_lock(path: str | None):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def replot(json_path: Path) -> None:
+    """Redraw the PNG of a results JSON; a partial one (a run stopped between groups) also gets its
+    ratios and error summary filled in, and keeps ``"partial": true``."""
+    data = read_json(json_path, "results")
+    rows = add_relative(data["rows"])
+    if data.get("partial"):
+        data["errors"] = {"plan": error_summary(rows), "busy_aware": error_summary(rows, key="error_busy")}
+        write_json(json_path, data)
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    hosts = sorted({r["hosts"] for r in rows})
+    fig = plot(pyplot(), rows, _title(models, hosts))
+    fig.savefig(json_path.with_suffix(".png"), dpi=110, bbox_inches="tight")
+
+
 def _title(models: Sequence[str], hosts: Sequence[int]) -> str:
     return (f"partition strategies trained on emulated hosts at 1 Gbit/s ({', '.join(models)}; "
             f"{'/'.join(map(str, hosts))} hosts; 1 thread per worker, 2 shared cores)")
@@ -400,9 +414,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         compute_worker(args)
         return 0
     if args.replot:
-        data = read_json(args.replot, "results")
-        fig = plot(pyplot(), data["rows"], _title(list(data["settings"]["models"]), data["settings"]["hosts"]))
-        fig.savefig(Path(args.replot).with_suffix(".png"), dpi=110, bbox_inches="tight")
+        replot(Path(args.replot))
         return 0
     quick = args.quick
     models = (args.models or (QUICK_MODELS if quick else ",".join(MODELS))).split(",")
