@@ -16,13 +16,21 @@ mode of ``--modes``; torch runs ``Schedule1F1B.step`` + ``optimizer.step``. Step
 its slowest rank's step; each run reports the median over the steps after ``--warmup``. The
 systems alternate, ``--rounds`` times, so drifting load on a shared machine hits both; the
 ratio is torch's median step over ours (> 1: hybridpipe is faster). Results:
-``benchmarks/results/vs_torch_pipelining[_TAG][_quick].json`` and ``.png``; the machine's load
-average is recorded with them (on 2 cores, other work changes the picture: see RESULTS.md).
+``benchmarks/results/vs_torch_pipelining[_emulated][_TAG][_quick].json`` and ``.png``; the
+machine's load average is recorded with them (on 2 cores, other work changes the picture).
+
+``--network emulated --rate 1gbit`` (root) runs both systems on ``--stages`` emulated hosts
+(``tools/emucluster``: a network namespace per process, ``tc tbf`` links of that rate to a
+switch) instead of local processes on loopback, one process per host, so every activation and
+gradient costs real transfer time and overlapping it with compute counts:
+
+    sudo .venv/bin/python benchmarks/vs_torch_pipelining.py --network emulated --rate 1gbit --quick
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import statistics
 import sys
@@ -35,7 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from benchmarks.common import machine, pyplot, result_paths, setup_logging, write_results  # noqa: E402
+from benchmarks.common import (REPO, RESULT_TAG, emit_result, machine, pyplot, require_emulation,  # noqa: E402
+                               result_paths, setup_logging, worker_env, write_results)
 from hybridpipe.comm.local import describe_failures, run_local  # noqa: E402
 from hybridpipe.partitioner.cluster import Cluster, Level  # noqa: E402
 from hybridpipe.partitioner.plan import load_plan, save_plan  # noqa: E402
@@ -103,6 +112,41 @@ def theirs(rank: int, world: int, plan_path: str, steps: int) -> dict | None:
     return {k: max(t[k] for t in everyone) for k in range(steps)} if rank == 0 else None
 
 
+def worker(a: argparse.Namespace) -> None:
+    """One emulated host's process (``--worker``): join the job (env://), run one system, and
+    print the job's step times (the rank holding them)."""
+    import os
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        if a.system == "torch-Schedule1F1B":
+            value = theirs(rank, world, a.plan, a.steps)
+        else:
+            value = ours(rank, world, a.plan, a.steps, a.system.split("-", 1)[1], a.run_dir)
+    finally:
+        dist.destroy_process_group()
+    if value is not None:
+        emit_result(value)
+    sys.stdout.flush()
+    os._exit(0)             # skip interpreter teardown (p2p threads are already closed)
+
+
+def run_emulated(cluster, name: str, plan_path: Path, steps: int, run_dir: Path, timeout_s: float) -> dict[int, float]:
+    """Run system ``name`` with one process per emulated host; the job's step times."""
+    import json
+
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--system", name, "--plan", str(plan_path),
+           "--steps", str(steps), "--run-dir", str(run_dir)]
+    results = cluster.run(cmd, timeout_s=timeout_s, env=lambda host: worker_env(cluster, host, 1), cwd=REPO)
+    for r in results:
+        lines = [line for line in r.stdout.splitlines() if line.startswith(RESULT_TAG)]
+        if lines:
+            return {int(k): float(v) for k, v in json.loads(lines[-1][len(RESULT_TAG):]).items()}
+    raise RuntimeError(f"no host printed the step times of {name}; host 0's output:\n{results[0].stdout[-2000:]}")
+
+
 def job_median(step_ms: dict[int, float], warmup: int) -> float:
     return statistics.median(v for k, v in sorted(step_ms.items()) if k >= warmup)
 
@@ -128,8 +172,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="10 steps, 2 rounds")
     p.add_argument("--out-dir", help="results directory (default benchmarks/results)")
     p.add_argument("--tag", default="", help="suffix of the result files' names (e.g. loaded)")
+    p.add_argument("--network", choices=("loopback", "emulated"), default="loopback",
+                   help="local processes on 127.0.0.1 (default), or one emulated host per stage (root)")
+    p.add_argument("--rate", default="1gbit", help="emulated link rate (tc tbf; default 1gbit)")
     p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--system", help=argparse.SUPPRESS)
+    p.add_argument("--plan", help=argparse.SUPPRESS)
+    p.add_argument("--run-dir", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.worker:
+        worker(a)
+        return 0
     setup_logging(a.verbose)
     if a.quick:
         a.steps, a.warmup, a.rounds = 10, 3, 2
@@ -142,17 +196,25 @@ def main(argv: list[str] | None = None) -> int:
     systems = [f"hybridpipe-{m}" for m in modes] + ["torch-Schedule1F1B"]
     runs: dict[str, list[float]] = {s: [] for s in systems}
     steps_ms: dict[str, list[dict]] = {s: [] for s in systems}
-    for r in range(a.rounds):
-        order = systems if r % 2 == 0 else systems[::-1]
-        for name in order:
-            if name.startswith("hybridpipe-"):
-                step_ms = run_job(ours, a.stages, str(plan_path), a.steps, name.split("-", 1)[1],
-                                  str(tmp / f"run-{name}-{r}"))
-            else:
-                step_ms = run_job(theirs, a.stages, str(plan_path), a.steps)
-            runs[name].append(job_median(step_ms, a.warmup))
-            steps_ms[name].append(step_ms)
-            log.info("round %d %s: %.1f ms/step", r, name, runs[name][-1])
+    with contextlib.ExitStack() as stack:
+        cluster = None
+        if a.network == "emulated":
+            require_emulation()
+            from tools.emucluster import EmulatedCluster
+            cluster = stack.enter_context(EmulatedCluster(a.stages, rate=a.rate))
+        for r in range(a.rounds):
+            order = systems if r % 2 == 0 else systems[::-1]
+            for name in order:
+                run_dir = tmp / f"run-{name}-{r}"
+                if cluster is not None:
+                    step_ms = run_emulated(cluster, name, plan_path, a.steps, run_dir, 900)
+                elif name.startswith("hybridpipe-"):
+                    step_ms = run_job(ours, a.stages, str(plan_path), a.steps, name.split("-", 1)[1], str(run_dir))
+                else:
+                    step_ms = run_job(theirs, a.stages, str(plan_path), a.steps)
+                runs[name].append(job_median(step_ms, a.warmup))
+                steps_ms[name].append(step_ms)
+                log.info("round %d %s: %.1f ms/step", r, name, runs[name][-1])
     global_batch = a.micro_batches * a.batch_size
     medians = {s: statistics.median(v) for s, v in runs.items()}
     torch_ms = medians["torch-Schedule1F1B"]
@@ -161,12 +223,14 @@ def main(argv: list[str] | None = None) -> int:
         "model": a.model, "stages": [[s.first_node, s.last_node] for s in plan.stages],
         "micro_batches": a.micro_batches, "batch_size": a.batch_size, "steps": a.steps, "warmup": a.warmup,
         "rounds": a.rounds, "backend": "gloo", "threads_per_process": 1,
+        "network": a.network if a.network == "loopback" else f"emulated {a.stages} hosts at {a.rate}",
         "step_ms_per_round": runs, "median_step_ms": medians,
         "samples_per_s": {s: global_batch / m * 1e3 for s, m in medians.items()},
         "throughput_vs_torch": {s: torch_ms / m for s, m in medians.items() if s.startswith("hybridpipe")},
         "job_step_ms": steps_ms,
     }
-    json_path, png_path = result_paths("vs_torch_pipelining" + (f"_{a.tag}" if a.tag else ""), a.quick, a.out_dir)
+    name = "vs_torch_pipelining" + ("_emulated" if a.network == "emulated" else "") + (f"_{a.tag}" if a.tag else "")
+    json_path, png_path = result_paths(name, a.quick, a.out_dir)
     write_results(json_path, result, _figure(result), png_path)
     for s, m in medians.items():
         ratio = f"  ({torch_ms / m:.2f}x torch's throughput)" if s.startswith("hybridpipe") else ""
@@ -189,7 +253,7 @@ def _figure(result: dict):
     ax.set_ylabel("samples/s (median of rounds)")
     ratios = ", ".join(f"{k}: {v:.2f}x" for k, v in result["throughput_vs_torch"].items())
     ax.set_title(f"{result['model']}, {len(result['stages'])} stages, {result['micro_batches']} x "
-                 f"{result['batch_size']}, 1F1B, gloo\n{ratios}", fontsize=9)
+                 f"{result['batch_size']}, 1F1B, gloo, {result.get('network', 'loopback')}\n{ratios}", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
