@@ -363,12 +363,41 @@ def bench_lock(path: str | None):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def settings_dict(models: Sequence[str], hosts: Sequence[int], strategies: Sequence[str], steps: int, repeats: int,
+                  lock: str | None, allreduce_calibration: bool) -> dict:
+    """What a run did, for the results JSON."""
+    return {"models": {m: {"spec": MODELS[m][0], "batch_per_micro_batch": MODELS[m][1], "reduced": MODELS[m][2]}
+                       for m in models},
+            "hosts": list(hosts), "rate": "1gbit (tools/emucluster, tc tbf, MTU 1500, no added latency)",
+            "cluster_files": [f"examples/clusters/{h}x1gbit.json" for h in hosts],
+            "strategies": list(strategies), "steps": steps, "threads_per_worker": 1, "lock_per_group": lock,
+            "launch": "torchrun --nnodes N --nproc-per-node 1 (c10d) launch.py --plan P --steps S "
+                      f"--no-trace --timeout {LAUNCH_TIMEOUT_S}; schedule (1f1b), micro-batches (2 per worker), "
+                      "all-reduce (hybrid: per layer as the plan says) and p2p mode (sa) are the defaults",
+            "measured_step": "launch.py summary.json: median of the slowest rank's step time over the steps after "
+                             "the warm-up (first fifth, at least 1)",
+            "calibration_method": f"profile: hybridpipe profile, 1 thread, --repeats {repeats}; compute scale = "
+                                  "(median forward+loss+backward of one copy while N copies run at once, 1 thread "
+                                  "each) / (profile's per-node sum); every node's forward/backward multiplied by it; "
+                                  "plans made from the scaled profile (predicted_step_ms). busy-aware: the plan "
+                                  "re-simulated with compute scaled by c(B)/c(N), c measured at 1, 2, N/2, N copies, "
+                                  "B = compute concurrency of the simulated schedule (predicted_busy_step_ms)",
+            "allreduce_calibration": "hybridpipe bench-allreduce on the emulated cluster (every algorithm, 64K..64M), "
+                                     "passed to partition --calibration" if allreduce_calibration else "none"}
+
+
 def replot(json_path: Path) -> None:
     """Redraw the PNG of a results JSON; a partial one (a run stopped between groups) also gets its
     ratios and error summary filled in, and keeps ``"partial": true``."""
     data = read_json(json_path, "results")
     rows = add_relative(data["rows"])
     if data.get("partial"):
+        models = list(dict.fromkeys(r["model"] for r in rows))
+        data.setdefault("settings", settings_dict(models, sorted({r["hosts"] for r in rows}), STRATEGIES, 3, 3,
+                                                  "/tmp/hybridpipe-bench.lock", True))
+        data.setdefault("machine", machine())
+        data["note"] = ("partial: the run was stopped after the groups in compute_calibration; settings are the "
+                        "defaults of `benchmarks/plans.py --lock /tmp/hybridpipe-bench.lock`; machine as at replot")
         data["errors"] = {"plan": error_summary(rows), "busy_aware": error_summary(rows, key="error_busy")}
         write_json(json_path, data)
     models = list(dict.fromkeys(r["model"] for r in rows))
@@ -464,22 +493,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                            "compute_calibration": calibration, "allreduce_calibration_fits": links})
     add_relative(rows)
     data = {"benchmark": "plans", "quick": quick, "machine": machine(), "load_average_before": load_before,
-            "settings": {"models": {m: {"spec": MODELS[m][0], "batch_per_micro_batch": MODELS[m][1],
-                                        "reduced": MODELS[m][2]} for m in models},
-                         "hosts": hosts_list, "rate": "1gbit (tools/emucluster, tc tbf, MTU 1500, no added latency)",
-                         "cluster_files": [f"examples/clusters/{h}x1gbit.json" for h in hosts_list],
-                         "strategies": strategies, "steps": args.steps, "threads_per_worker": 1, "lock_per_group": args.lock,
-                         "launch": "torchrun --nnodes N --nproc-per-node 1 (c10d) launch.py --plan P --steps S "
-                                   f"--no-trace --timeout {LAUNCH_TIMEOUT_S}; schedule, micro-batches, all-reduce "
-                                   "(hybrid, per layer from the plan) and p2p mode (sa) are the defaults",
-                         "measured_step": "launch.py summary.json: median of the slowest rank's step time over the "
-                                          "steps after the warm-up (first fifth, at least 1)",
-                         "calibration_method": "profile: hybridpipe profile, 1 thread, --repeats "
-                                               f"{args.repeats}; compute scale = (median forward+loss+backward of one "
-                                               "copy while N copies run at once, 1 thread each) / (profile's per-node "
-                                               "sum); every node's forward/backward multiplied by it; plans made from "
-                                               "the scaled profile",
-                         "allreduce_calibration": bool(args.allreduce_calibration)},
+            "settings": settings_dict(models, hosts_list, strategies, args.steps, args.repeats, args.lock,
+                                      args.allreduce_calibration),
             "compute_calibration": calibration, "allreduce_calibration_fits": links, "rows": rows,
             "errors": {"plan": error_summary(rows), "busy_aware": error_summary(rows, key="error_busy")},
             "duration_s": round(time.monotonic() - started, 1)}
