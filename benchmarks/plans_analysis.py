@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import copy
 from collections import Counter
+from pathlib import Path
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 STRATEGIES = ("optimal", "dp", "uniform", "params", "time", "pipedream")
 ERROR_GOAL = 0.10          # |measured / predicted - 1| the benchmark aims at
+MEMORY_MARGIN = 0.8          # a plan runs only if its predicted memory fits in this share of MemAvailable
+PROCESS_OVERHEAD = 350 << 20  # bytes per worker process beyond the plan's estimate (torch, gloo, python)
 
 
 def scale_profile(profile: Mapping[str, Any], factor: float, note: str) -> dict:
@@ -148,6 +151,61 @@ def error_summary(rows: Sequence[Mapping[str, Any]], goal: float = ERROR_GOAL, k
         median = errs[mid] if len(errs) % 2 else (errs[mid - 1] + errs[mid]) / 2
     return {"runs": len(errs), "within_goal": sum(e <= goal for e in errs), "goal": goal,
             "median_abs_error": median, "max_abs_error": errs[-1] if errs else None}
+
+
+# ---- rows of the report ---------------------------------------------------------------------
+
+def memory_refusal(plan: dict) -> str | None:
+    """Why this plan is not run on this machine (all its workers share its memory), or None."""
+    need = sum(s["memory_bytes"] * s["replicas"] for s in plan["stages"])
+    need += PROCESS_OVERHEAD * sum(s["replicas"] for s in plan["stages"])
+    avail = _mem_available()
+    if avail and need > MEMORY_MARGIN * avail:
+        return (f"not run: its {sum(s['replicas'] for s in plan['stages'])} workers need about {need / 2**30:.1f} GiB "
+                f"together (plan estimate + {PROCESS_OVERHEAD >> 20} MiB per process) but this machine has "
+                f"{avail / 2**30:.1f} GiB available; the emulated hosts share one machine's memory")
+    return None
+
+
+def _mem_available() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def refusal_lines(text: str) -> str:
+    """The lines of a failure that say why (UserError / Error lines), else its tail."""
+    keep = [ln for ln in text.splitlines() if "Error" in ln or "error:" in ln or "refus" in ln]
+    return "\n".join(keep[-6:]) if keep else text[-1500:]
+
+
+def row_from(model: str, hosts: int, strategy: str, plan: dict, summary: dict | None, busy: dict | None = None) -> dict:
+    """One report row: the plan's prediction (and ``busy``: busy_aware_prediction()), its layout, what the run measured."""
+    row = {"model": model, "hosts": hosts, "strategy": strategy, "layout": stage_layout(plan),
+           "stages": len(plan["stages"]), "schedule": plan["schedule"], "micro_batches": plan["micro_batches"],
+           "batch_size": plan["batch_size"], "global_batch": plan["batch_size"] * plan["micro_batches"],
+           "predicted_step_ms": plan["predicted_step_ms"], "predicted_samples_per_s": plan["predicted_samples_per_s"],
+           "allreduce_per_stage": allreduce_choices(plan),
+           "predicted_memory_gib_per_stage": [round(s["memory_bytes"] / 2**30, 3) for s in plan["stages"]],
+           **(busy or {})}
+    if busy:
+        row["predicted_busy_samples_per_s"] = row["global_batch"] / busy["predicted_busy_step_ms"] * 1e3
+    if summary is None:
+        return row
+    if "failed" in summary or "not_run" in summary:
+        row["status"] = "failed" if "failed" in summary else "not run"
+        row["reason"] = summary.get("failed") or summary.get("not_run")
+        return row
+    row.update(status="ok", measured_step_ms=summary["measured_step_ms"], samples_per_s=summary["samples_per_s"],
+               error=prediction_error(summary["measured_step_ms"], plan["predicted_step_ms"]),
+               error_busy=prediction_error(summary["measured_step_ms"], row.get("predicted_busy_step_ms")),
+               job_step_ms=[round(v, 1) for v in summary["job_step_ms"].values()], warmup_steps=summary["warmup_steps"],
+               replicas_identical=summary["replicas_identical"], run_wall_s=round(summary["wall_s"], 1))
+    return row
 
 
 # ---- the figure ------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 import pytest
 
-from benchmarks.plans import memory_refusal, row_from
+from benchmarks.plans_analysis import memory_refusal, row_from
 from benchmarks.plans_analysis import (add_relative, allreduce_choices, compute_concurrency, compute_scale,
                                        contention_at, error_summary, plan_key, scale_plan_compute,
                                        prediction_error, scale_profile, stage_layout)
