@@ -9,7 +9,7 @@ make the plan of every strategy (``hybridpipe partition --strategy S`` with
 from its ``summary.json`` next to the plan's prediction. Strategies whose plans are identical
 (same stages, replicas, ranks, schedule and per-layer all-reduce) are run once and say so.
 
-Calibration (``compute_scale`` in plans_analysis.py): the n emulated hosts share this
+Calibration (``compute_scale`` in plans_analysis.py, ``measure_compute`` in contention.py): the n emulated hosts share this
 machine's cores, so each worker computes slower than the profile says. Measured, not assumed:
 one full forward+loss+backward at the profile's batch (one thread) is timed alone, then while n
 copies run at once (n = hosts, started together, each timing its own iterations). The profile's
@@ -37,7 +37,6 @@ import argparse
 import contextlib
 import fcntl
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -48,11 +47,12 @@ from pathlib import Path
 if __package__ in (None, ""):                       # run as a script: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import (REPO, emit_result, log, machine, pyplot, read_result, require_emulation,
+from benchmarks.common import (REPO, log, machine, pyplot, require_emulation,
                                result_paths, setup_logging, write_results)
 from benchmarks.plans_analysis import (STRATEGIES, add_relative, compute_concurrency, compute_scale, contention_at,
                                        error_summary, memory_refusal, plan_key, plot, refusal_lines, row_from,
                                        scale_plan_compute, scale_profile)
+from benchmarks.contention import measure_compute
 from hybridpipe.jsonfile import read_json, write_json
 
 # name -> (model spec, samples per micro-batch, what was reduced)
@@ -66,73 +66,6 @@ MODELS = {
 }
 QUICK_MODELS, QUICK_HOSTS = "alexnet,gpt", "4"
 LAUNCH_TIMEOUT_S = 120       # launch.py --timeout: any receive / collective
-
-
-# ---- compute-only worker (contention measurement) ------------------------------------------
-
-def compute_worker(args: argparse.Namespace) -> None:
-    """Build the model, wait for the go file, time forward+loss+backward for ``--seconds``."""
-    import torch
-
-    from hybridpipe.profiles.zoo import resolve_model
-    torch.set_num_threads(1)
-    spec = resolve_model(args.model)
-    torch.manual_seed(0)
-    model = spec.build()
-    gen = torch.Generator().manual_seed(os.getpid())
-    x, y = spec.example_input(args.batch, gen), spec.example_target(args.batch, gen)
-
-    def once() -> float:
-        t = time.perf_counter()
-        spec.loss(model(x), y).backward()
-        model.zero_grad(set_to_none=False)
-        return time.perf_counter() - t
-
-    once()                                                     # warm-up (allocator, grads)
-    sync = Path(args.sync_dir)
-    (sync / f"ready-{os.getpid()}").touch()
-    while not (sync / "go").exists():
-        time.sleep(0.01)
-    times, end = [], time.perf_counter() + args.seconds
-    while time.perf_counter() < end or len(times) < 2:
-        times.append(once())
-    emit_result({"median_ms": statistics.median(times) * 1e3, "iterations": len(times)})
-
-
-def measure_compute(spec: str, batch: int, copies: int, seconds: float, timeout_s: float = 600) -> dict:
-    """Median ms of one forward+backward per copy while ``copies`` processes (1 thread each) run at once."""
-    with tempfile.TemporaryDirectory(prefix="hp-plans-") as sync:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))}
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--compute-worker", "--model-spec", spec,
-               "--batch", str(batch), "--seconds", str(seconds), "--sync-dir", sync]
-        procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                 for _ in range(copies)]
-        try:
-            deadline = time.monotonic() + timeout_s
-            while len(list(Path(sync).glob("ready-*"))) < copies:
-                if any(p.poll() not in (None, 0) for p in procs) or time.monotonic() > deadline:
-                    raise RuntimeError("a compute copy failed to start: " + _first_error(procs))
-                time.sleep(0.05)
-            (Path(sync) / "go").touch()
-            outs = [p.communicate(timeout=timeout_s) for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-    if any(p.returncode for p in procs):
-        raise RuntimeError("a compute copy failed: " + next(e for (o, e), p in zip(outs, procs) if p.returncode)[-2000:])
-    per_copy = [read_result(o)["median_ms"] for o, _ in outs]
-    return {"copies": copies, "median_ms": statistics.median(per_copy), "per_copy_ms": per_copy,
-            "iterations": [read_result(o)["iterations"] for o, _ in outs]}
-
-
-def _first_error(procs) -> str:
-    for p in procs:
-        if p.poll() not in (None, 0):
-            return p.stderr.read()[-2000:]
-    return "timed out"
 
 
 # ---- profile, calibrate, partition ---------------------------------------------------------
@@ -377,16 +310,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     p.add_argument("--tag", default="", help="suffix of the result files (plans_<tag>[_quick])")
     p.add_argument("--replot", metavar="JSON", help="only redraw the PNG of a results JSON (next to it)")
-    p.add_argument("--compute-worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--model-spec", help=argparse.SUPPRESS)
-    p.add_argument("--batch", type=int, help=argparse.SUPPRESS)
-    p.add_argument("--seconds", type=float, help=argparse.SUPPRESS)
-    p.add_argument("--sync-dir", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.compute_worker:
-        args.model = args.model_spec
-        compute_worker(args)
-        return 0
     if args.replot:
         replot(Path(args.replot))
         return 0
