@@ -1,16 +1,20 @@
-"""How much slower one forward+loss+backward gets when N copies share this machine's cores.
+"""How much slower one forward+loss+backward gets when N copies compute at once.
 
 Emulated hosts share the machine's cores, so a worker computes slower than its profile says.
-``measure_compute`` measures it: N processes (one thread each) build the model, wait for a
-common start, and each times its own iterations for a few seconds; the median per copy is the
-contended time. Used by ``plans.py`` to calibrate profiles for N emulated hosts.
+``measure_compute`` measures it: N processes (one thread each) build the model, wait until all
+are ready, and each times its own iterations for a few seconds; the median per copy is the
+contended time. The copies run on this machine (sharing its cores freely) or, given an
+emulated cluster, one per host (inside the hosts' CPU quotas, if it has them: then N copies
+should take as long as one). Used by ``plans.py`` to calibrate profiles for N emulated hosts.
 
     .venv/bin/python benchmarks/contention.py --model-spec 'alexnet[image=64]' --batch 32 --copies 4
+    sudo .venv/bin/python benchmarks/contention.py --model-spec 'alexnet[image=64]' --batch 32 --copies 4 --cpus 0.5
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import subprocess
@@ -22,11 +26,11 @@ from pathlib import Path
 if __package__ in (None, ""):                       # run as a script: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import REPO, emit_result, read_result
+from benchmarks.common import REPO, emit_result, read_result, worker_env
 
 
-def compute_worker(spec_name: str, batch: int, seconds: float, sync_dir: str) -> None:
-    """Build the model, wait for the go file, time forward+loss+backward for ``seconds``."""
+def compute_worker(spec_name: str, batch: int, seconds: float, sync_dir: str, copies: int) -> None:
+    """Build the model, wait until ``copies`` workers are ready, time forward+loss+backward for ``seconds``."""
     import torch
 
     from hybridpipe.profiles.zoo import resolve_model
@@ -45,8 +49,11 @@ def compute_worker(spec_name: str, batch: int, seconds: float, sync_dir: str) ->
 
     once()                                                     # warm-up (allocator, grads)
     sync = Path(sync_dir)
-    (sync / f"ready-{os.getpid()}").touch()
-    while not (sync / "go").exists():
+    (sync / f"ready-{os.getpid()}-{time.monotonic_ns()}").touch()
+    deadline = time.monotonic() + 600
+    while len(list(sync.glob("ready-*"))) < copies:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"only {len(list(sync.glob('ready-*')))} of {copies} copies got ready in 600 s")
         time.sleep(0.01)
     times, end = [], time.perf_counter() + seconds
     while time.perf_counter() < end or len(times) < 2:
@@ -54,40 +61,43 @@ def compute_worker(spec_name: str, batch: int, seconds: float, sync_dir: str) ->
     emit_result({"median_ms": statistics.median(times) * 1e3, "iterations": len(times)})
 
 
-def measure_compute(spec: str, batch: int, copies: int, seconds: float, timeout_s: float = 600) -> dict:
-    """Median ms of one forward+backward per copy while ``copies`` processes (1 thread each) run at once."""
+def measure_compute(spec: str, batch: int, copies: int, seconds: float, timeout_s: float = 600,
+                    cluster=None) -> dict:
+    """Median ms of one forward+backward per copy while ``copies`` processes (1 thread each) run at once;
+    with ``cluster`` (an EmulatedCluster), copy i runs on host i."""
     with tempfile.TemporaryDirectory(prefix="hp-contention-") as sync:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))}
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--model-spec", spec,
-               "--batch", str(batch), "--seconds", str(seconds), "--sync-dir", sync]
-        procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                 for _ in range(copies)]
-        try:
-            deadline = time.monotonic() + timeout_s
-            while len(list(Path(sync).glob("ready-*"))) < copies:
-                if any(p.poll() not in (None, 0) for p in procs) or time.monotonic() > deadline:
-                    raise RuntimeError("a compute copy failed to start: " + _first_error(procs))
-                time.sleep(0.05)
-            (Path(sync) / "go").touch()
-            outs = [p.communicate(timeout=timeout_s) for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-    if any(p.returncode for p in procs):
-        raise RuntimeError("a compute copy failed: " + next(e for (o, e), p in zip(outs, procs) if p.returncode)[-2000:])
-    per_copy = [read_result(o)["median_ms"] for o, _ in outs]
+        os.chmod(sync, 0o777)
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--model-spec", spec, "--batch", str(batch),
+               "--seconds", str(seconds), "--sync-dir", sync, "--copies", str(copies)]
+        if cluster is not None:
+            if copies > len(cluster.hosts):
+                raise ValueError(f"{copies} copies need {copies} emulated hosts, the cluster has {len(cluster.hosts)}")
+            results = cluster.run(cmd, hosts=cluster.hosts[:copies], timeout_s=timeout_s, cwd=REPO,
+                                  env=lambda host: worker_env(cluster, host))
+            outs = [r.stdout for r in results]
+        else:
+            outs = _run_local(cmd, copies, timeout_s)
+    per_copy = [read_result(o)["median_ms"] for o in outs]
     return {"copies": copies, "median_ms": statistics.median(per_copy), "per_copy_ms": per_copy,
-            "iterations": [read_result(o)["iterations"] for o, _ in outs]}
+            "iterations": [read_result(o)["iterations"] for o in outs]}
 
 
-def _first_error(procs) -> str:
-    for p in procs:
-        if p.poll() not in (None, 0):
-            return p.stderr.read()[-2000:]
-    return "timed out"
+def _run_local(cmd: list[str], copies: int, timeout_s: float) -> list[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))}
+    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(copies)]
+    try:
+        outs = [p.communicate(timeout=timeout_s) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    bad = next(((o, e) for (o, e), p in zip(outs, procs) if p.returncode), None)
+    if bad:
+        raise RuntimeError("a compute copy failed: " + bad[1][-2000:])
+    return [o for o, _ in outs]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,16 +106,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, required=True, help="samples per forward+backward")
     p.add_argument("--copies", type=int, default=1, help="processes computing at once (default 1)")
     p.add_argument("--seconds", type=float, default=5.0, help="seconds each copy times (default 5)")
+    p.add_argument("--cpus", type=float, default=None, help="run copy i on emulated host i of a cluster whose "
+                   "hosts each get this many cores (needs root; default: local processes, cores shared freely)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--sync-dir", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
-        compute_worker(args.model_spec, args.batch, args.seconds, args.sync_dir)
+        compute_worker(args.model_spec, args.batch, args.seconds, args.sync_dir, args.copies)
         return 0
-    alone = measure_compute(args.model_spec, args.batch, 1, args.seconds)
-    shared = measure_compute(args.model_spec, args.batch, args.copies, args.seconds) if args.copies > 1 else alone
-    print(f"{args.model_spec} batch {args.batch}: alone {alone['median_ms']:.1f} ms, {args.copies} copies "
-          f"{shared['median_ms']:.1f} ms per copy ({shared['median_ms'] / alone['median_ms']:.2f}x)")
+    with contextlib.ExitStack() as stack:
+        cluster = None
+        if args.cpus is not None:
+            from tools.emucluster import EmulatedCluster
+            cluster = stack.enter_context(EmulatedCluster(args.copies, rate=None, cpus=args.cpus))
+        alone = measure_compute(args.model_spec, args.batch, 1, args.seconds, cluster=cluster)
+        shared = measure_compute(args.model_spec, args.batch, args.copies, args.seconds,
+                                 cluster=cluster) if args.copies > 1 else alone
+    where = f"one per emulated host of {args.cpus:g} cores" if cluster else "local processes"
+    print(f"{args.model_spec} batch {args.batch} ({where}): alone {alone['median_ms']:.1f} ms, {args.copies} "
+          f"copies {shared['median_ms']:.1f} ms per copy ({shared['median_ms'] / alone['median_ms']:.2f}x)")
     return 0
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tools.emucluster import cpu
 from tools.emucluster import (SWITCH, EmulatedCluster, HostCommandFailed, cleanup_leftovers, list_clusters,
                               measure_goodput, netns)
 from tools.emucluster.topology import host_ns, switch_ns
@@ -133,6 +134,48 @@ def test_leftovers_of_a_killed_owner_are_cleaned_up_and_live_clusters_are_kept()
         assert set(removed) == {host_ns(tag, 0), host_ns(tag, 1), switch_ns(tag)}
         assert mine.tag in list_clusters()
     assert tag not in list_clusters()
+
+
+BUSY = ("import time; t = time.time(); c = time.process_time()\n"
+        "while time.time() - t < 1.5: pass\n"
+        "print((time.process_time() - c) / (time.time() - t), [l.strip() for l in open('/proc/self/cgroup') "
+        "if ':cpu:' in l or l.startswith('0::')])")
+
+
+def test_cpu_quota_holds_each_host_to_its_cores_and_goes_with_the_cluster():
+    """Two hosts of 0.5 cores busy-loop at once: each gets at most half a core, in its own group."""
+    ctl = cpu.find_controller()
+    with EmulatedCluster(2, None, cpus=0.5) as cluster:
+        assert cpu.list_tags(ctl).count(cluster.tag) == 1
+        limited = cluster.run([sys.executable, "-c", BUSY], timeout_s=60)
+        attached = EmulatedCluster.attach(cluster.tag)
+        assert attached.cpus == pytest.approx(0.5)
+        attached.detach()
+    for r in limited:
+        share, groups = r.stdout.rsplit(" [", 1)
+        assert float(share) <= 0.6, r.stdout                 # the quota: 5 ms of CPU per 10 ms
+        assert f"emucluster-{cluster.tag}/h{r.host}" in groups
+    assert cluster.tag not in cpu.list_tags(ctl)
+    with EmulatedCluster(1, None) as free:                  # no quota: one busy loop gets ~a core
+        (unlimited,) = free.run([sys.executable, "-c", BUSY], timeout_s=60)
+    assert float(unlimited.stdout.split()[0]) > float(limited[0].stdout.split()[0]) * 1.3
+
+
+def test_leftover_cpu_groups_of_a_killed_owner_are_cleaned_up():
+    code = ("import time; from tools.emucluster import EmulatedCluster; "
+            "c = EmulatedCluster(1, None, cpus=0.5).up(); c.start(c.hosts[0], ['sleep', '60']); "
+            "print(c.tag, flush=True); time.sleep(60)")
+    owner = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        tag = owner.stdout.readline().strip()
+    finally:
+        owner.kill()
+        owner.wait()
+    ctl = cpu.find_controller()
+    assert tag in cpu.list_tags(ctl)
+    removed = cleanup_leftovers()
+    assert str(ctl.cluster_dir(tag)) in removed
+    assert tag not in cpu.list_tags(ctl) and tag not in list_clusters()
 
 
 def test_cli_interrupt_tears_down_the_transient_cluster():

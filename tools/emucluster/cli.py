@@ -1,8 +1,8 @@
 """``python -m tools.emucluster``: build, use and remove emulated clusters from the shell.
 
-    up NAME --hosts 4 --rate 1gbit        a persistent cluster (until `down NAME`)
+    up NAME --hosts 4 --rate 1gbit [--cpus 0.5]   a persistent cluster (until `down NAME`)
     down NAME                             tear it down (processes first, then namespaces)
-    list                                  clusters on this machine, with rate, MTU and owner
+    list                                  clusters on this machine, with rate, MTU, CPU and owner
     cleanup [--all]                       remove clusters whose owner died (--all: every one)
     exec NAME HOST -- CMD...              one command on one host (or `switch`), stdio attached
     run [NAME | --hosts N ...] -- CMD...  a command on every host ({host} {addr} {hosts} {master} {switch})
@@ -10,7 +10,8 @@
     check [NAME | --hosts N ...]          measure TCP goodput through the shaped links
 
 Without NAME, run/torchrun/check build a transient cluster for the one command and remove it
-afterwards (also on failure, Ctrl-C or SIGTERM).
+afterwards (also on failure, Ctrl-C or SIGTERM). ``--cpus C`` gives every host its own C cores
+(a CFS quota per host) instead of letting the hosts share the machine's cores freely.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import sys
 from collections.abc import Iterator, Sequence
 
 from hybridpipe.errors import UserError
-from tools.emucluster import netns
+from tools.emucluster import cpu, netns
 from tools.emucluster.cluster import EmulatedCluster, Host, cleanup_leftovers, destroy, list_clusters
 from tools.emucluster.procs import HostResult, in_namespace
 from tools.emucluster.throughput import measure_goodput
@@ -40,6 +41,11 @@ def _add_shape(p: argparse.ArgumentParser, *, name_optional: bool) -> None:
     p.add_argument("--rate", default="1gbit", help="per-host link rate: 1gbit, 100mbit, 10g, none (default 1gbit)")
     p.add_argument("--mtu", type=int, default=1500, help="MTU of every link (default 1500)")
     p.add_argument("--subnet", default=DEFAULT_SUBNET, help=f"private /24 inside the namespaces ({DEFAULT_SUBNET})")
+    p.add_argument("--cpus", type=float, default=None,
+                   help="cores each host may use (a CPU quota per host, e.g. 0.5 for 4 hosts on 2 cores; "
+                   "default: no quota, the hosts share the machine's cores)")
+    p.add_argument("--cpu-period-us", type=int, default=cpu.DEFAULT_PERIOD_US,
+                   help=f"CFS period of the quota in us (default {cpu.DEFAULT_PERIOD_US})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -92,7 +98,8 @@ def _cluster(args: argparse.Namespace) -> Iterator[EmulatedCluster]:
         finally:
             cluster.detach()
     else:
-        with EmulatedCluster(args.hosts, args.rate, mtu=args.mtu, subnet=args.subnet) as cluster:
+        with EmulatedCluster(args.hosts, args.rate, mtu=args.mtu, subnet=args.subnet, cpus=args.cpus,
+                             cpu_period_us=args.cpu_period_us) as cluster:
             yield cluster
 
 
@@ -130,17 +137,21 @@ def _cmd_list() -> int:
     if not clusters:
         print("no emulated clusters")
         return 0
-    print(f"{'name':<16} {'hosts':>5} {'rate':>12} {'mtu':>6}  owner")
+    print(f"{'name':<16} {'hosts':>5} {'rate':>12} {'mtu':>6} {'cpu per host':>14}  owner")
     for tag in sorted(clusters):
         pid = owner_pid(tag)
         owner = "persistent" if pid is None else (f"pid {pid} (dead: leftover)" if is_leftover(tag) else f"pid {pid}")
         try:
             c = EmulatedCluster.attach(tag)
-            print(f"{tag:<16} {len(c.hosts):>5} {format_rate(c.rate_bits):>12} {c.mtu:>6}  {owner}")
+            print(f"{tag:<16} {len(c.hosts):>5} {format_rate(c.rate_bits):>12} {c.mtu:>6} {_cpus(c.cpus):>14}  {owner}")
             c.detach()
         except UserError as e:
-            print(f"{tag:<16} {'?':>5} {'?':>12} {'?':>6}  {owner}; {e}")
+            print(f"{tag:<16} {'?':>5} {'?':>12} {'?':>6} {'?':>14}  {owner}; {e}")
     return 0
+
+
+def _cpus(cpus: float | None) -> str:
+    return "shared" if cpus is None else f"{cpus:g} cores"
 
 
 def _cmd_exec(args: argparse.Namespace) -> int:
@@ -154,7 +165,8 @@ def _cmd_exec(args: argparse.Namespace) -> int:
             raise UserError(f"host {args.host!r} is not in cluster {args.name} "
                             f"(0..{len(cluster.hosts) - 1} or 'switch')")
         try:
-            return subprocess.run(in_namespace(host.ns, _command(args), host.name), env=cluster.env(host),
+            return subprocess.run(in_namespace(host.ns, _command(args), host.name, cluster.cgroup(host)),
+                                  env=cluster.env(host),
                                   timeout=args.timeout).returncode
         except subprocess.TimeoutExpired:
             log.error("command on %s ran past %g s and was killed", args.host, args.timeout)
@@ -181,8 +193,10 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     if args.command == "up":
-        cluster = EmulatedCluster(args.hosts, args.rate, mtu=args.mtu, subnet=args.subnet, name=args.name).up()
-        print(f"cluster {cluster.tag}: {len(cluster.hosts)} hosts at {format_rate(cluster.rate_bits)}, MTU {cluster.mtu}")
+        cluster = EmulatedCluster(args.hosts, args.rate, mtu=args.mtu, subnet=args.subnet, name=args.name,
+                                  cpus=args.cpus, cpu_period_us=args.cpu_period_us).up()
+        print(f"cluster {cluster.tag}: {len(cluster.hosts)} hosts at {format_rate(cluster.rate_bits)}, "
+              f"MTU {cluster.mtu}, {_cpus(cluster.cpus)}")
         for h in cluster.hosts + [cluster.switch]:
             print(f"  {'switch' if h.index < 0 else f'host {h.index}':<8} {h.addr:<15} netns {h.ns} dev {h.ifname}")
         cluster.detach()

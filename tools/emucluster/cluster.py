@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tools.emucluster import netns, procs
+from tools.emucluster import cpu, netns, procs
 from tools.emucluster.errors import EmuClusterError, HostCommandFailed
 from tools.emucluster.procs import HostProcess, HostResult
 from tools.emucluster.topology import (BRIDGE_IFNAME, DEFAULT_SUBNET, HOST_IFNAME, AddressPlan, bridge_port,
@@ -54,9 +54,12 @@ class EmulatedCluster:
     """N emulated hosts on one bridge; see the module docstring."""
 
     def __init__(self, hosts: int, rate: str | float | None = "1gbit", *, mtu: int = 1500,
-                 subnet: str = DEFAULT_SUBNET, name: str | None = None,
-                 log_dir: str | os.PathLike | None = None) -> None:
+                 subnet: str = DEFAULT_SUBNET, name: str | None = None, cpus: float | None = None,
+                 cpu_period_us: int = cpu.DEFAULT_PERIOD_US, log_dir: str | os.PathLike | None = None) -> None:
         """``rate``: per-host link rate (``"1gbit"``, ``10`` = 10 Gbit/s, ``None`` = unshaped).
+
+        ``cpus``: cores each host may use (a CFS quota per host, see ``cpu.py``; ``None``: the
+        hosts share the machine's cores freely).
 
         ``name`` makes a persistent cluster that outlives this process (the CLI's ``up``);
         without it the cluster gets a transient tag carrying this process's pid.
@@ -65,6 +68,11 @@ class EmulatedCluster:
             raise EmuClusterError(f"MTU {mtu} is out of range; use 68..65535 (1500 is Ethernet, 9000 jumbo)")
         self.rate_bits = parse_rate(rate)
         self.mtu = mtu
+        if cpus is not None:
+            cpu.quota_us(cpus, cpu_period_us)          # refuse a bad quota before building anything
+        self.cpus = cpus
+        self.cpu_period_us = cpu_period_us
+        self._cpu: cpu.Controller | None = None
         self.addresses = AddressPlan.parse(subnet, hosts)
         self.tag = new_tag(name)
         self.hosts = [Host(i, host_ns(self.tag, i), self.addresses.host(i), HOST_IFNAME) for i in range(hosts)]
@@ -84,7 +92,7 @@ class EmulatedCluster:
 
     def __repr__(self) -> str:
         return (f"EmulatedCluster(tag={self.tag!r}, hosts={len(self.hosts)}, "
-                f"rate={format_rate(self.rate_bits)!r}, mtu={self.mtu})")
+                f"rate={format_rate(self.rate_bits)!r}, mtu={self.mtu}, cpus={self.cpus})")
 
     @property
     def namespaces(self) -> list[str]:
@@ -93,6 +101,8 @@ class EmulatedCluster:
     def up(self) -> "EmulatedCluster":
         """Create the namespaces, bridge, veth pairs, addresses and shaping; undo all on failure."""
         netns.check_prerequisites()
+        if self.cpus is not None:
+            self._cpu = cpu.find_controller()
         taken = set(netns.list_namespaces()) & set(self.namespaces)
         if taken:
             raise EmuClusterError(f"a cluster named {self.tag!r} already exists ({sorted(taken)[0]}); "
@@ -105,8 +115,9 @@ class EmulatedCluster:
         except BaseException:
             self.down()
             raise
-        log.info("emulated cluster %s up: %d hosts at %s, MTU %d", self.tag, len(self.hosts),
-                 format_rate(self.rate_bits), self.mtu)
+        log.info("emulated cluster %s up: %d hosts at %s, MTU %d, %s", self.tag, len(self.hosts),
+                 format_rate(self.rate_bits), self.mtu, "unlimited CPU" if self.cpus is None else
+                 f"{self.cpus:g} cores per host")
         return self
 
     def _build(self) -> None:
@@ -136,6 +147,8 @@ class EmulatedCluster:
         netns.ip(sw, "link", "set", BRIDGE_IFNAME, "mtu", str(self.mtu))
         netns.ip(sw, "addr", "add", f"{self.switch.addr}/{self.addresses.prefixlen}", "dev", BRIDGE_IFNAME)
         netns.ip(sw, "link", "set", BRIDGE_IFNAME, "up")
+        if self._cpu is not None:
+            cpu.create_groups(self._cpu, self.tag, len(self.hosts), self.cpus, self.cpu_period_us)
 
     def down(self) -> None:
         """Stop our processes, kill everything left in each namespace, delete the namespaces."""
@@ -146,6 +159,8 @@ class EmulatedCluster:
         for ns in self.namespaces:            # hosts first, the switch last
             if ns in existing:
                 netns.delete_namespace(ns)
+        if self._cpu is not None:
+            cpu.remove_groups(self._cpu, self.tag)
         if self._own_log_dir and self.log_dir is not None:
             shutil.rmtree(self.log_dir, ignore_errors=True)
             self.log_dir = None
@@ -169,6 +184,8 @@ class EmulatedCluster:
         subnet = f"{inet['local'].rsplit('.', 1)[0]}.0/{inet['prefixlen']}"
         self = cls(len(indices), rate / 1e9 if rate else None, mtu=link["mtu"], subnet=subnet)
         self.tag = tag
+        self._cpu = _controller_if_any()
+        self.cpus = cpu.host_cpus(self._cpu, tag, 0) if self._cpu else None
         self.hosts = [Host(i, host_ns(tag, i), self.addresses.host(i), HOST_IFNAME) for i in indices]
         self.switch = Host(SWITCH, switch_ns(tag), self.addresses.switch, BRIDGE_IFNAME)
         self.log_dir = Path(tempfile.mkdtemp(prefix=f"emucluster-{tag}-"))
@@ -209,9 +226,15 @@ class EmulatedCluster:
         """Start ``argv`` on ``host`` (or ``cluster.switch``) in the background; stopped by down()."""
         self._require_up()
         proc = procs.start(host.index, host.ns, argv, env if env is not None else self.env(host),
-                           hostname=host.name, cwd=cwd, log_dir=self.log_dir)
+                           hostname=host.name, cgroup=self.cgroup(host), cwd=cwd, log_dir=self.log_dir)
         self._procs.append(proc)
         return proc
+
+    def cgroup(self, host: Host) -> Path | None:
+        """The cgroup holding ``host``'s processes (its CPU quota); None without quotas or for the switch."""
+        if self._cpu is None or self.cpus is None or host.index < 0:
+            return None
+        return self._cpu.host_group(self.tag, host.index)
 
     def run(self, command: Command, *, timeout_s: float, hosts: Sequence[Host] | None = None,
             env: Callable[[Host], Mapping[str, str]] | Mapping[str, str] | None = None,
@@ -322,6 +345,10 @@ def destroy(tag: str) -> list[str]:
     hosts_first = sorted(names, key=lambda n: (parse_ns(n)[1] is None, n))
     for ns in hosts_first:
         netns.delete_namespace(ns)
+    ctl = _controller_if_any()
+    if ctl is not None and tag in cpu.list_tags(ctl):
+        cpu.remove_groups(ctl, tag)
+        hosts_first.append(str(ctl.cluster_dir(tag)))
     return hosts_first
 
 
@@ -329,8 +356,16 @@ def cleanup_leftovers(*, include_live: bool = False) -> list[str]:
     """Remove clusters whose owning process died (or, with ``include_live``, every cluster)."""
     netns.check_prerequisites()
     removed = []
-    for tag in list_clusters():
+    ctl = _controller_if_any()
+    for tag in sorted(set(list_clusters()) | set(cpu.list_tags(ctl) if ctl else ())):
         if include_live or is_leftover(tag):
             removed += destroy(tag)
     return removed
+
+
+def _controller_if_any() -> cpu.Controller | None:
+    try:
+        return cpu.find_controller()
+    except EmuClusterError:
+        return None
 

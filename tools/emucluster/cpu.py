@@ -1,0 +1,157 @@
+"""Per-host CPU quotas: every emulated host computes on its own share of the machine's cores.
+
+Without a quota, N hosts on one machine share its cores as the scheduler pleases: a host
+computes faster while the others wait, which no real cluster does, so a pipeline (some hosts
+idle) looks better than it would be and data parallelism (all busy at once) worse. With
+``cpus=c`` every process started on a host joins a cgroup of the host's own whose CFS
+bandwidth is ``c`` cores (``c x period`` of CPU time per ``period``, all its threads together),
+so a host runs at the same speed whatever the other hosts do. Give ``c <= cores / hosts`` for
+hosts that never slow each other down.
+
+cgroup v1 (``/sys/fs/cgroup/cpu``: ``cpu.cfs_quota_us``, ``cpu.cfs_period_us``) and v2
+(``cpu.max``, with ``+cpu`` enabled in the parent's ``cgroup.subtree_control``) are supported.
+The groups are ``<controller root>/emucluster-<tag>/h<index>``; they go when the cluster goes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tools.emucluster.errors import EmuClusterError
+
+log = logging.getLogger(__name__)
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+GROUP_PREFIX = "emucluster-"
+DEFAULT_PERIOD_US = 10_000          # short periods: a throttled host waits at most this long
+MIN_QUOTA_US = 1_000                # the kernel refuses smaller quotas
+
+
+@dataclass(frozen=True)
+class Controller:
+    """Where the cpu controller lives: cgroup ``version`` 1 or 2, our groups under ``root``."""
+
+    version: int
+    root: Path
+
+    def cluster_dir(self, tag: str) -> Path:
+        return self.root / f"{GROUP_PREFIX}{tag}"
+
+    def host_group(self, tag: str, index: int) -> Path:
+        return self.cluster_dir(tag) / f"h{index}"
+
+
+def find_controller(base: Path = CGROUP_ROOT) -> Controller:
+    """The cpu controller of this machine (v1 preferred where both are mounted); refuse clearly if none."""
+    v1 = base / "cpu"
+    if (v1 / "cpu.cfs_quota_us").exists():
+        return Controller(1, v1)
+    if "cpu" in _read(base / "cgroup.controllers").split():
+        return Controller(2, base)
+    raise EmuClusterError(f"per-host CPU quotas need the cgroup cpu controller, found neither {v1}/cpu.cfs_quota_us "
+                          f"(cgroup v1) nor 'cpu' in {base}/cgroup.controllers (v2); mount it or run without --cpus")
+
+
+def quota_us(cpus: float, period_us: int = DEFAULT_PERIOD_US) -> int:
+    """CPU time per period (us) for ``cpus`` cores; refuses what the kernel would."""
+    if not cpus > 0:
+        raise EmuClusterError(f"--cpus must be a positive number of cores per host (e.g. 0.5), got {cpus!r}")
+    if not 1_000 <= period_us <= 1_000_000:
+        raise EmuClusterError(f"CPU period {period_us} us is out of range; use 1000..1000000 (default "
+                              f"{DEFAULT_PERIOD_US})")
+    quota = round(cpus * period_us)
+    if quota < MIN_QUOTA_US:
+        raise EmuClusterError(f"{cpus} cores per host is {quota} us of CPU per {period_us} us period, below the "
+                              f"kernel's {MIN_QUOTA_US} us minimum; use a longer period (--cpu-period-us "
+                              f"{-(-MIN_QUOTA_US * period_us // quota)}) or more cores")
+    return quota
+
+
+def create_groups(ctl: Controller, tag: str, hosts: int, cpus: float, period_us: int = DEFAULT_PERIOD_US) -> None:
+    """One group per host, each limited to ``cpus`` cores."""
+    quota = quota_us(cpus, period_us)
+    total = cpus * hosts
+    cores = os.cpu_count() or 1
+    if total > cores + 1e-9:
+        log.warning("%d hosts x %g cores = %g cores, more than this machine's %d: busy hosts will slow each other",
+                    hosts, cpus, total, cores)
+    top = ctl.cluster_dir(tag)
+    top.mkdir()
+    if ctl.version == 2:
+        _write(top / "cgroup.subtree_control", "+cpu")
+    for i in range(hosts):
+        group = ctl.host_group(tag, i)
+        group.mkdir()
+        if ctl.version == 1:
+            _write(group / "cpu.cfs_period_us", str(period_us))
+            _write(group / "cpu.cfs_quota_us", str(quota))
+        else:
+            _write(group / "cpu.max", f"{quota} {period_us}")
+
+
+def host_cpus(ctl: Controller, tag: str, index: int) -> float | None:
+    """The cores a host's group allows (None: no group or no limit), read back from the kernel."""
+    group = ctl.host_group(tag, index)
+    if not group.is_dir():
+        return None
+    if ctl.version == 1:
+        quota, period = int(_read(group / "cpu.cfs_quota_us")), int(_read(group / "cpu.cfs_period_us"))
+    else:
+        text = _read(group / "cpu.max").split()
+        if not text or text[0] == "max":
+            return None
+        quota, period = int(text[0]), int(text[1])
+    return quota / period if quota > 0 else None
+
+
+def remove_groups(ctl: Controller, tag: str, grace_s: float = 2.0) -> None:
+    """Kill whatever still runs in the cluster's groups, then remove them (no-op if absent)."""
+    top = ctl.cluster_dir(tag)
+    if not top.is_dir():
+        return
+    for group in sorted(p for p in top.iterdir() if p.is_dir()):
+        deadline = time.monotonic() + grace_s
+        while _pids(group):
+            for pid in _pids(group):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            if time.monotonic() > deadline:
+                raise EmuClusterError(f"processes {_pids(group)} in {group} survived SIGKILL; remove the group "
+                                      f"by hand (rmdir {group}) once they are gone")
+            time.sleep(0.05)
+        group.rmdir()
+    top.rmdir()
+
+
+def list_tags(ctl: Controller) -> list[str]:
+    """Tags of the clusters that have CPU groups on this machine."""
+    if not ctl.root.is_dir():
+        return []
+    return sorted(p.name[len(GROUP_PREFIX):] for p in ctl.root.iterdir()
+                  if p.is_dir() and p.name.startswith(GROUP_PREFIX))
+
+
+def _pids(group: Path) -> list[int]:
+    return [int(x) for x in _read(group / "cgroup.procs").split()]
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+def _write(path: Path, text: str) -> None:
+    try:
+        path.write_text(text)
+    except OSError as e:
+        raise EmuClusterError(f"cannot write {text!r} to {path}: {e.strerror}; per-host CPU quotas need root and a "
+                              "writable cgroup cpu controller (run without --cpus otherwise)") from e
