@@ -9,7 +9,9 @@ rank = host index). Rank 0 hands its result back as one ``RESULT {json}`` line o
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import fcntl
 import json
 import logging
 import os
@@ -19,6 +21,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -193,3 +196,21 @@ def setup_logging(verbose: bool = False) -> None:
 
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
+
+
+@contextlib.contextmanager
+def bench_lock(path: str | None):
+    """Hold the machine's benchmark lock (flock on ``path``) for one group; yields the seconds waited."""
+    if not path:
+        yield 0.0
+        return
+    t = time.monotonic()
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        waited = round(time.monotonic() - t, 1)
+        if waited > 1:
+            log.info("waited %.0f s for the benchmark lock %s", waited, path)
+        try:
+            yield waited
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

@@ -41,11 +41,18 @@ def compute_worker(spec_name: str, batch: int, seconds: float, sync_dir: str, co
     gen = torch.Generator().manual_seed(os.getpid())
     x, y = spec.example_input(batch, gen), spec.example_target(batch, gen)
 
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6, momentum=0.9)      # the runtime's default optimizer
+    steps: list[float] = []
+
     def once() -> float:
         t = time.perf_counter()
         spec.loss(model(x), y).backward()
+        took = time.perf_counter() - t
+        t = time.perf_counter()
+        opt.step()
+        steps.append(time.perf_counter() - t)
         model.zero_grad(set_to_none=False)
-        return time.perf_counter() - t
+        return took
 
     once()                                                     # warm-up (allocator, grads)
     sync = Path(sync_dir)
@@ -56,15 +63,17 @@ def compute_worker(spec_name: str, batch: int, seconds: float, sync_dir: str, co
             raise SystemExit(f"only {len(list(sync.glob('ready-*')))} of {copies} copies got ready in 600 s")
         time.sleep(0.01)
     times, end = [], time.perf_counter() + seconds
+    steps.clear()
     while time.perf_counter() < end or len(times) < 2:
         times.append(once())
-    emit_result({"median_ms": statistics.median(times) * 1e3, "iterations": len(times)})
+    emit_result({"median_ms": statistics.median(times) * 1e3, "iterations": len(times),
+                 "sgd_step_ms": statistics.median(steps) * 1e3})
 
 
 def measure_compute(spec: str, batch: int, copies: int, seconds: float, timeout_s: float = 600,
                     cluster=None) -> dict:
-    """Median ms of one forward+backward per copy while ``copies`` processes (1 thread each) run at once;
-    with ``cluster`` (an EmulatedCluster), copy i runs on host i."""
+    """Median ms of one forward+backward per copy while ``copies`` processes (1 thread each) run at once
+    (and of the sgd step after it); with ``cluster`` (an EmulatedCluster), copy i runs on host i."""
     with tempfile.TemporaryDirectory(prefix="hp-contention-") as sync:
         os.chmod(sync, 0o777)
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--model-spec", spec, "--batch", str(batch),
@@ -79,6 +88,7 @@ def measure_compute(spec: str, batch: int, copies: int, seconds: float, timeout_
             outs = _run_local(cmd, copies, timeout_s)
     per_copy = [read_result(o)["median_ms"] for o in outs]
     return {"copies": copies, "median_ms": statistics.median(per_copy), "per_copy_ms": per_copy,
+            "sgd_step_ms": statistics.median(read_result(o)["sgd_step_ms"] for o in outs),
             "iterations": [read_result(o)["iterations"] for o in outs]}
 
 

@@ -9,12 +9,21 @@ make the plan of every strategy (``hybridpipe partition --strategy S`` with
 from its ``summary.json`` next to the plan's prediction. Strategies whose plans are identical
 (same stages, replicas, ranks, schedule and per-layer all-reduce) are run once and say so.
 
-Calibration (``compute_scale`` in plans_analysis.py, ``measure_compute`` in contention.py): the n emulated hosts share this
-machine's cores, so each worker computes slower than the profile says. Measured, not assumed:
-one full forward+loss+backward at the profile's batch (one thread) is timed alone, then while n
-copies run at once (n = hosts, started together, each timing its own iterations). The profile's
-node times are scaled by contended / per-node sum, which also corrects what timing nodes one
-by one misses. The plans are made from the scaled profile. The partitioner also gets
+CPU: the n emulated hosts share this machine's cores. By default each host gets its own share,
+``cores / n`` (``--cpus-per-host``, a CPU quota per host: ``tools/emucluster/cpu.py``), so a host
+computes and communicates at the same speed whatever the others do, as on a real cluster;
+``--cpus-per-host none`` lets them share the cores freely (then a pipeline's idle hosts lend
+their cores to the busy ones, which the partitioner does not model).
+
+Calibration (``compute_scale`` in plans_analysis.py, ``measure_compute`` in contention.py): each
+worker computes slower than the profile says. Measured, not assumed: one full
+forward+loss+backward at the profile's batch (one thread) is timed alone on host 0, then on
+every host at once (with quotas the two agree within a few per cent; without, the contention
+curve at 2, n/2 and n copies is kept too). The profile's node times are scaled by all-at-once /
+per-node sum, which also corrects what timing nodes one by one misses; the profile's optimizer
+step times are scaled by the sgd step measured the same way. The plans are made from the scaled
+profile. Without quotas, each plan's prediction is also re-simulated "busy-aware" (compute
+slowed by the contention of the workers that compute at once, from the measured curve). The partitioner also gets
 ``--calibration`` from ``hybridpipe bench-allreduce`` run on the same emulated cluster just before
 (every algorithm, 64 KiB..64 MiB; ``--no-allreduce-calibration`` skips it).
 
@@ -22,6 +31,7 @@ Sizes are reduced so that n workers on 2 cores stay in proportion to 1 Gbit/s (s
 parameters (and so all-reduce and memory) are the full models' except where noted.
 
     sudo flock /tmp/hybridpipe-bench.lock .venv/bin/python benchmarks/plans.py --quick
+    sudo flock /tmp/hybridpipe-bench.lock .venv/bin/python benchmarks/plans.py --quick --cpus-per-host none
     sudo .venv/bin/python benchmarks/plans.py --lock /tmp/hybridpipe-bench.lock   # the lock per model x hosts
 
 Each model x hosts group (its profile on first use, the all-reduce calibration on the first group
@@ -34,8 +44,6 @@ Writes benchmarks/results/plans[_quick].{json,png}.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
 import os
 import subprocess
 import sys
@@ -47,7 +55,7 @@ from pathlib import Path
 if __package__ in (None, ""):                       # run as a script: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import (REPO, log, machine, pyplot, require_emulation,
+from benchmarks.common import (REPO, bench_lock, log, machine, pyplot, require_emulation,
                                result_paths, setup_logging, write_results)
 from benchmarks.plans_analysis import (STRATEGIES, add_relative, compute_concurrency, compute_scale, contention_at,
                                        error_summary, memory_refusal, plan_key, plot, refusal_lines, row_from,
@@ -112,9 +120,10 @@ def link_fits(calibration_file: Path) -> dict[str, dict[str, float]]:
     from hybridpipe.partitioner.calibration import load_calibration
     cal = load_calibration(calibration_file)
     fits = {"p2p": cal.p2p, **cal.algorithms} if cal.p2p else dict(cal.algorithms)
-    return {name: {"alpha_us": round(f.alpha_s * 1e6, 1), "gbps": round(8e-9 / f.beta_s_per_byte, 3)
-                   if f.beta_s_per_byte > 0 else None, "fit_error": round(f.rel_error, 3)}
-            for name, f in fits.items()}
+    out = {name: {"alpha_us": round(f.alpha_s * 1e6, 1), "gbps": round(8e-9 / f.beta_s_per_byte, 3)
+                  if f.beta_s_per_byte > 0 else None, "fit_error": round(f.rel_error, 3)}
+           for name, f in fits.items()}
+    return {**out, "interference_ms_per_mb": round(cal.interference_s_per_byte * 1e9, 3)}
 
 
 def busy_aware_prediction(plan: dict, curve: dict[int, float], hosts: int, calibrations: Sequence[Path],
@@ -172,14 +181,18 @@ def run_model_hosts(cluster, name: str, hosts: int, strategies: list[str], args,
                     compute: dict[int, dict], calibrations: list[Path], calib: dict, port_base: int) -> list[dict]:
     """Calibrate ``name``'s profile for ``hosts`` emulated hosts, partition with every strategy, train.
 
-    ``compute``: copies -> measure_compute() result, filled here for 2, hosts/2 and hosts copies."""
+    ``compute``: copies -> measure_compute() result, filled here for ``hosts`` copies (one per
+    host) and, without CPU quotas, 2 and hosts/2."""
     spec, batch, _ = MODELS[name]
     raw = read_json(profile, "profile")
     node_sum = raw["totals"]["forward_ms"] + raw["totals"]["backward_ms"]
-    for copies in sorted({2, hosts // 2, hosts} - set(compute)):
-        compute[copies] = measure_compute(spec, batch, copies, args.contention_seconds)
+    wanted = {hosts} if cluster.cpus else {2, hosts // 2, hosts}
+    for copies in sorted(wanted - set(compute)):
+        compute[copies] = measure_compute(spec, batch, copies, args.contention_seconds, cluster=cluster)
     alone, contended = compute[1], compute[hosts]
     curve = {k: v["median_ms"] / alone["median_ms"] for k, v in compute.items() if k <= hosts}
+    if cluster.cpus:            # quotas: alone and all at once measure the same speed; pool them
+        contended = {**contended, **{key: (alone[key] + contended[key]) / 2 for key in ("median_ms", "sgd_step_ms")}}
     scale = compute_scale(node_sum, alone["median_ms"], contended["median_ms"])
     calib.update({"hosts": hosts, "node_sum_ms": node_sum, "alone_ms": alone["median_ms"],
                   "contended": contended, **scale, "contention_curve": {str(k): round(v, 3) for k, v in curve.items()},
@@ -188,8 +201,12 @@ def run_model_hosts(cluster, name: str, hosts: int, strategies: list[str], args,
              "(isolation %.2f x contention %.2f)", name, hosts, node_sum, alone["median_ms"], hosts,
              contended["median_ms"], scale["scale"], scale["isolation"], scale["contention"])
     scaled = work / f"{name}.x{hosts}.profile.json"
-    write_json(scaled, scale_profile(raw, scale["scale"], f"compute x{scale['scale']:.3f} for {hosts} emulated hosts "
-                                     f"on this machine: measured by benchmarks/plans.py (contended/per-node sum)"))
+    step = raw["totals"].get("sgd_step_ms") or 0.0
+    opt_scale = contended["sgd_step_ms"] / step if step > 0 else None
+    calib["optimizer_scale"] = opt_scale
+    write_json(scaled, scale_profile(raw, scale["scale"], f"compute x{scale['scale']:.3f}, optimizer steps "
+                                     f"x{opt_scale or 0:.3f} for {hosts} emulated hosts on this machine: measured by "
+                                     "benchmarks/plans.py (all hosts at once / profile)", opt_scale))
     cluster_file = REPO / "examples" / "clusters" / f"{hosts}x1gbit.json"
     rows, done = [], {}
     for k, strategy in enumerate(strategies):
@@ -210,43 +227,26 @@ def run_model_hosts(cluster, name: str, hosts: int, strategies: list[str], args,
         why = memory_refusal(plan)
         summary = {"not_run": why} if why else train_plan(
             cluster, plan_file, work / f"run-{name}-{hosts}-{strategy}", args.steps, port_base + k, args.timeout)
-        row = row_from(name, hosts, strategy, plan, summary, busy_aware_prediction(plan, curve, hosts, calibrations))
+        busy = None if cluster.cpus else busy_aware_prediction(plan, curve, hosts, calibrations)
+        row = row_from(name, hosts, strategy, plan, summary, busy)
         done[key] = row
         rows.append(row)
         if row.get("status") == "ok":
-            log.info("  %-9s %-28s predicted %6.0f ms (busy-aware %6.0f), measured %6.0f ms (%+.0f%%, %+.0f%%), "
-                     "%.1f samples/s, %.0f s", strategy, row["layout"][:28], row["predicted_step_ms"],
-                     row["predicted_busy_step_ms"], row["measured_step_ms"], 100 * row["error"],
-                     100 * row["error_busy"], row["samples_per_s"], row["run_wall_s"])
+            log.info("  %-9s %-28s predicted %6.0f ms, measured %6.0f ms (%+.0f%%), %.1f samples/s, %.0f s",
+                     strategy, row["layout"][:28], row["predicted_step_ms"], row["measured_step_ms"],
+                     100 * row["error"], row["samples_per_s"], row["run_wall_s"])
         else:
             log.info("  %-9s %s: %s", strategy, row["status"], row["reason"])
     return rows
 
 
-@contextlib.contextmanager
-def bench_lock(path: str | None):
-    """Hold the machine's benchmark lock (flock on ``path``) for one group; yields the seconds waited."""
-    if not path:
-        yield 0.0
-        return
-    t = time.monotonic()
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        waited = round(time.monotonic() - t, 1)
-        if waited > 1:
-            log.info("waited %.0f s for the benchmark lock %s", waited, path)
-        try:
-            yield waited
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def settings_dict(models: Sequence[str], hosts: Sequence[int], strategies: Sequence[str], steps: int, repeats: int,
-                  lock: str | None, allreduce_calibration: bool) -> dict:
+                  lock: str | None, allreduce_calibration: bool, cpus: str = "auto") -> dict:
     """What a run did, for the results JSON."""
     return {"models": {m: {"spec": MODELS[m][0], "batch_per_micro_batch": MODELS[m][1], "reduced": MODELS[m][2]}
                        for m in models},
             "hosts": list(hosts), "rate": "1gbit (tools/emucluster, tc tbf, MTU 1500, no added latency)",
+            "cpus_per_host": {h: cpus_per_host(cpus, h) for h in hosts},
             "cluster_files": [f"examples/clusters/{h}x1gbit.json" for h in hosts],
             "strategies": list(strategies), "steps": steps, "threads_per_worker": 1, "lock_per_group": lock,
             "launch": "torchrun --nnodes N --nproc-per-node 1 (c10d) launch.py --plan P --steps S "
@@ -255,13 +255,22 @@ def settings_dict(models: Sequence[str], hosts: Sequence[int], strategies: Seque
             "measured_step": "launch.py summary.json: median of the slowest rank's step time over the steps after "
                              "the warm-up (first fifth, at least 1)",
             "calibration_method": f"profile: hybridpipe profile, 1 thread, --repeats {repeats}; compute scale = "
-                                  "(median forward+loss+backward of one copy while N copies run at once, 1 thread "
-                                  "each) / (profile's per-node sum); every node's forward/backward multiplied by it; "
-                                  "plans made from the scaled profile (predicted_step_ms). busy-aware: the plan "
+                                  "(median forward+loss+backward of one copy while N copies run at once, one per "
+                                  "emulated host, 1 thread each) / (profile's per-node sum); every node's "
+                                  "forward/backward multiplied by it (with CPU quotas: the mean of alone and all at "
+                                  "once); optimizer step times scaled by the sgd step measured alike; "
+                                  "plans made from the scaled profile (predicted_step_ms). busy-aware (no quotas): the plan "
                                   "re-simulated with compute scaled by c(B)/c(N), c measured at 1, 2, N/2, N copies, "
                                   "B = compute concurrency of the simulated schedule (predicted_busy_step_ms)",
             "allreduce_calibration": "hybridpipe bench-allreduce on the emulated cluster (every algorithm, 64K..64M), "
                                      "passed to partition --calibration" if allreduce_calibration else "none"}
+
+
+def cpus_per_host(option: str, hosts: int) -> float | None:
+    """``--cpus-per-host``: ``auto`` = this machine's cores / hosts, ``none`` = no quota, else a number."""
+    if option == "none":
+        return None
+    return (os.cpu_count() or 1) / hosts if option == "auto" else float(option)
 
 
 def replot(json_path: Path) -> None:
@@ -303,6 +312,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-allreduce-calibration", dest="allreduce_calibration", action="store_false",
                    help="partition with the cluster file's nominal link figures only (default: run hybridpipe "
                    "bench-allreduce on each emulated cluster first and partition with its calibration)")
+    p.add_argument("--cpus-per-host", default="auto", help="cores each emulated host may use: a number, auto "
+                   "(this machine's cores / hosts, the default) or none (no quota: hosts share the cores freely)")
     p.add_argument("--timeout", type=float, default=420.0, help="seconds per training run (default 420)")
     p.add_argument("--lock", default=None, metavar="PATH",
                    help="take this flock around each model x hosts group (e.g. /tmp/hybridpipe-bench.lock), so "
@@ -338,7 +349,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         work = Path(tmp)
         profiles: dict[str, Path] = {}
         for hosts in hosts_list:
-            with EmulatedCluster(hosts, rate="1gbit") as cluster:
+            with EmulatedCluster(hosts, rate="1gbit", cpus=cpus_per_host(args.cpus_per_host, hosts)) as cluster:
                 calibrations: list[Path] = []
                 for m, name in enumerate(models):
                     with bench_lock(args.lock) as waited:
@@ -350,10 +361,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                             calibrations = [allreduce_calibration(cluster, work / f"allreduce{hosts}.json",
                                                                   args.timeout)]
                             links[str(hosts)] = link_fits(calibrations[0])
-                            log.info("all-reduce calibration on %d hosts: %s", hosts, ", ".join(
-                                f"{a} {f['gbps']:.2f} Gbit/s + {f['alpha_us']:.0f} us"
-                                for a, f in links[str(hosts)].items()))
-                        compute = {1: measure_compute(MODELS[name][0], MODELS[name][1], 1, args.contention_seconds)}
+                            log.info("all-reduce calibration on %d hosts: %s; compute lost to communication "
+                                     "%.3f ms/MB", hosts, ", ".join(f"{a} {f['gbps']:.2f} Gbit/s + {f['alpha_us']:.0f} us"
+                                                                    for a, f in links[str(hosts)].items()
+                                                                    if isinstance(f, dict)),
+                                     links[str(hosts)]["interference_ms_per_mb"])
+                        compute = {1: measure_compute(MODELS[name][0], MODELS[name][1], 1, args.contention_seconds,
+                                                      cluster=cluster)}
                         rows += run_model_hosts(cluster, name, hosts, strategies, args, work, profiles[name], compute,
                                                 calibrations, calib, port_base=29400 + 10 * m)
                         calib["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
@@ -363,7 +377,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_relative(rows)
     data = {"benchmark": "plans", "quick": quick, "machine": machine(), "load_average_before": load_before,
             "settings": settings_dict(models, hosts_list, strategies, args.steps, args.repeats, args.lock,
-                                      args.allreduce_calibration),
+                                      args.allreduce_calibration, args.cpus_per_host),
             "compute_calibration": calibration, "allreduce_calibration_fits": links, "rows": rows,
             "errors": {"plan": error_summary(rows), "busy_aware": error_summary(rows, key="error_busy")},
             "duration_s": round(time.monotonic() - started, 1)}

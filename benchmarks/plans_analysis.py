@@ -16,8 +16,9 @@ MEMORY_MARGIN = 0.8          # a plan runs only if its predicted memory fits in 
 PROCESS_OVERHEAD = 350 << 20  # bytes per worker process beyond the plan's estimate (torch, gloo, python)
 
 
-def scale_profile(profile: Mapping[str, Any], factor: float, note: str) -> dict:
-    """A copy of a profile JSON with every node's forward/backward time multiplied by ``factor``.
+def scale_profile(profile: Mapping[str, Any], factor: float, note: str, optimizer_factor: float | None = None) -> dict:
+    """A copy of a profile JSON with every node's forward/backward time multiplied by ``factor``
+    (its optimizer step times by ``optimizer_factor``, default ``factor``).
 
     The graph (and so the signature) is unchanged; the totals are rescaled to match and
     ``note`` is appended to the profile's notes, so the file says how it was calibrated.
@@ -32,6 +33,9 @@ def scale_profile(profile: Mapping[str, Any], factor: float, note: str) -> dict:
     for key in ("forward_ms", "backward_ms", "measured_ms"):
         if key in totals:
             totals[key] = totals[key] * factor
+    for key in ("sgd_step_ms", "adam_step_ms"):
+        if key in totals:
+            totals[key] = totals[key] * (factor if optimizer_factor is None else optimizer_factor)
     out["notes"] = [*out.get("notes", []), note]
     return out
 
@@ -267,7 +271,7 @@ def plot(plt, rows: Sequence[Mapping[str, Any]], title: str):
             axis.set_major_formatter(ScalarFormatter())
             axis.set_minor_formatter(ScalarFormatter())
             axis.set_minor_locator(LogLocator(subs=(1.0, 2.0, 3.0, 5.0, 7.0)))
-    ax2.set_xlabel("predicted step (s): filled busy-aware, hollow the plan's (all workers busy)")
+    ax2.set_xlabel("predicted step (s): hollow the plan's; filled busy-aware (hosts without CPU quotas), else the plan's")
     ax2.set_ylabel("measured step (s, median)")
     ax2.legend(fontsize=7)
     fig.suptitle(title, fontsize=10)

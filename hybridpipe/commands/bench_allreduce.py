@@ -105,6 +105,9 @@ def run(args: argparse.Namespace) -> int:
               f"median error {fit.rel_error * 100:5.1f} %")
     png = Path(args.png) if args.png else out.with_suffix(".png")
     _plot(cal, png)
+    if cal.interference_s_per_byte:
+        print(f"compute lost to communication: {cal.interference_s_per_byte * 1e9:.3f} ms per MB of link traffic "
+              "(interference_s_per_byte, charged by the partitioner)")
     print(f"\nwrote {out} and {png}")
     return 0
 

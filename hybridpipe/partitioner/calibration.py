@@ -5,6 +5,10 @@ steps, puts ``b * S`` bytes on a rank's link and reduces ``c * S`` bytes costs
 ``a * alpha + b * S * beta + c * S * gamma``. ``gamma`` (seconds per byte summed) is measured
 locally; ``alpha`` and ``beta`` are fitted per algorithm from timed runs, with ``a, b, c``
 given by the algorithm's structure for the measured group (see costmodel.py).
+
+``interference_s_per_byte``: compute time a worker loses per byte its link carries while it
+computes (the CPU that sockets, copies and reductions take from a host with few cores),
+measured by running a compute loop with and without an all-reduce beside it; 0 if unmeasured.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ class Calibration:
     samples: tuple[Sample, ...] = ()
     created: str = ""
     notes: tuple[str, ...] = dc_field(default=())
+    interference_s_per_byte: float = 0.0
 
     def to_dict(self) -> dict:
         d = {"kind": CALIBRATION_KIND, "format": CALIBRATION_FORMAT}
@@ -80,6 +85,7 @@ class Calibration:
             samples=tuple(samples),
             created=field(d, "created", str, source, default=""),
             notes=tuple(str(x) for x in field(d, "notes", list, source, default=[])),
+            interference_s_per_byte=field(d, "interference_s_per_byte", float, source, minimum=0, default=0.0),
         )
 
 

@@ -78,6 +78,8 @@ class CostModel:
                                 "give one calibration per cluster level")
             self.calibrations[level] = cal
         self.gamma = (sum(c.gamma_s_per_byte for c in cals) / len(cals)) if cals else NOMINAL_GAMMA_S_PER_BYTE
+        # compute a worker loses per byte on its link (calibration.py); 0: communication takes no CPU from compute
+        self.interference_s_per_byte = max((c.interference_s_per_byte for c in cals), default=0.0)
         self._spans = [cluster.span(k) for k in range(len(cluster.levels))]
         self._structure: dict[tuple, tuple[RoundLoad, ...]] = {}
         self._lines: dict[tuple, Line] = {}

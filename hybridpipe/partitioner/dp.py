@@ -27,7 +27,7 @@ import numpy as np
 from hybridpipe.partitioner.calibration import LinkFit
 from hybridpipe.partitioner.costmodel import CostModel
 from hybridpipe.partitioner.modelcosts import ModelCosts
-from hybridpipe.partitioner.objective import OPTIMIZER_STATES, Options, StageSpec, busiest_share
+from hybridpipe.partitioner.objective import OPTIMIZER_STATES, Options, StageSpec, busiest_share, overhead_ms
 
 
 @dataclass(frozen=True)
@@ -100,6 +100,9 @@ class _Solver:
         self.has_in = (np.arange(n) > 0).astype(float)
         self.has_out = (np.arange(n) < n - 1).astype(float)
         self.param_nodes = costs.param_bytes > 0
+        po = costs.prefix(costs.optimizer_ms(opts.optimizer))
+        self.opt_ms = po[None, 1:] - po[:-1, None]
+        self.p2p_in, self.p2p_out = (self.a_in + self.g_out) / 2, (self.a_out + self.g_in) / 2
         levels = model.cluster.levels
         # translating a block by this many ranks changes nothing about how it sits in the cluster
         self.period = model.cluster.span(len(levels) - 2) if len(levels) > 1 else 1
@@ -178,7 +181,10 @@ class _Solver:
             mem = self.weights[rows, cols] * self.static_factor(inflight) + self.stash[rows, cols] * inflight
             fb = np.where(mem <= opts.memory_bytes, fb, np.inf)
         xfer = opts.micro_batches * self.transfer_table(blk, rows, cols)
-        work = base + _times(kk, fb)
+        extra = overhead_ms(self.opt_ms[rows, cols], self.weights[rows, cols],
+                            self.p2p_in[rows, None] + self.p2p_out[None, cols], r, k,
+                            k if opts.schedule == "pipedream" else 1, self.model.interference_s_per_byte)
+        work = base + _times(kk, fb) + extra
         lower = np.maximum(work, xfer)
         table = combine(prev, np.where(lower <= bound, lower, np.inf) if total else lower)
         if r > 1 and self.param_nodes[first:end + 1].any():
@@ -186,7 +192,7 @@ class _Solver:
                 return None
             exposed = self.exposure_table(blk)[rows, cols]
             if opts.schedule == "pipedream":
-                busy = k * (fb + exposed)
+                busy = k * (fb + exposed) + extra
             else:                                                          # the sync may also hide in the gap
                 busy = work + np.maximum(0.0, exposed - self.gap[rows, None])
             term = np.maximum(busy, xfer)

@@ -101,7 +101,7 @@ def fit_link(samples: Sequence[Sample], algorithm: str, world_size: int, gamma: 
 
 def fit_calibration(samples: Sequence[Sample], *, world_size: int, hosts: int, backend: str, device: str,
                     gamma_s_per_byte: float, level: str = "", created: str = "",
-                    notes: Sequence[str] = ()) -> Calibration:
+                    notes: Sequence[str] = (), interference_s_per_byte: float = 0.0) -> Calibration:
     """A Calibration from timed samples: a fit per algorithm and one for point-to-point."""
     names = sorted({s.algorithm for s in samples})
     unknown = [n for n in names if n != "p2p" and n not in ALGORITHMS]
@@ -118,14 +118,15 @@ def fit_calibration(samples: Sequence[Sample], *, world_size: int, hosts: int, b
     else:
         raise UserError("no samples to fit; benchmark at least one algorithm at two sizes")
     return Calibration(world_size, hosts, backend, device, level, gamma_s_per_byte, p2p, fits,
-                       tuple(samples), created, tuple(notes))
+                       tuple(samples), created, tuple(notes), interference_s_per_byte)
 
 
 def refit(cal: Calibration) -> Calibration:
     """The same calibration with every fit recomputed from its stored samples."""
     fresh = fit_calibration(cal.samples, world_size=cal.world_size, hosts=cal.hosts, backend=cal.backend,
                             device=cal.device, gamma_s_per_byte=cal.gamma_s_per_byte, level=cal.level,
-                            created=cal.created, notes=cal.notes)
+                            created=cal.created, notes=cal.notes,
+                            interference_s_per_byte=cal.interference_s_per_byte)
     return replace(fresh, notes=cal.notes)
 
 

@@ -29,6 +29,7 @@ class ModelCosts:
     activation_bytes: np.ndarray
     cut_bytes: np.ndarray                   # forward activations crossing the cut after each position
     cut_grad_bytes: np.ndarray              # their gradients coming back
+    step_ms: tuple[tuple[str, float], ...] = ()   # (optimizer, ms of one step over all parameters)
 
     @property
     def n(self) -> int:
@@ -41,6 +42,12 @@ class ModelCosts:
     def stash_bytes(self, i: int, j: int) -> float:
         """Activations one micro-batch leaves for the backward of stage i..j (its outputs and inputs)."""
         return float(self.activation_bytes[i:j + 1].sum() + (self.cut_bytes[i - 1] if i > 0 else 0))
+
+    def optimizer_ms(self, optimizer: str) -> np.ndarray:
+        """Each node's share of one optimizer step (by parameter bytes); zeros if the profile did not time it."""
+        total = float(self.param_bytes.sum())
+        step = dict(self.step_ms).get(optimizer, 0.0)
+        return self.param_bytes * (step / total) if total > 0 and step > 0 else np.zeros(self.n)
 
     def input_bytes(self, i: int) -> tuple[float, float]:
         """(activations in, gradients out) per micro-batch for a stage starting at ``i``."""
@@ -78,4 +85,5 @@ def model_costs(profile: Profile) -> ModelCosts:
         activation_bytes=act,
         cut_bytes=cut,
         cut_grad_bytes=cut - cut_ng,
+        step_ms=(("sgd", profile.totals.sgd_step_ms), ("adam", profile.totals.adam_step_ms)),
     )

@@ -18,6 +18,12 @@ ms per step, the larger of:
   each sub-unit at that level (``frac`` = the busiest sub-unit's share of the micro-batches);
   links are full duplex, so egress (activations out + gradients in) and ingress are separate.
 
+Both schedules add the stage's overhead per step (``overhead_ms``): its optimizer steps (one per
+sync) and the compute it loses to its own communication, ``interference_s_per_byte`` (measured
+by ``bench-allreduce``; 0 without a calibration) times the bytes its link carries: a ring's
+``2 (r - 1) / r`` of the stage's weights per sync and, per micro-batch, the mean of the bytes it
+sends and receives.
+
 The objective is the largest stage term; a stage that does not fit in a worker's memory, or
 has more replicas than micro-batches (or, for pipedream, a replica count that does not divide
 them: its replicas synchronise in rounds), makes the plan infeasible (infinite). Memory per worker: weights, gradients and optimizer state (sgd
@@ -94,6 +100,7 @@ class StageEval:
     send_bytes: float
     inflight: int
     memory_bytes: float
+    overhead_ms: float           # optimizer steps + compute lost to communication, per step
     busy_ms: float               # compute and sync per step (see the module docstring)
     term_ms: float               # max(busy, M * X) per step
     gap_ms: float                # drain + fill the stage's final sync may hide in (gpipe/1f1b)
@@ -121,6 +128,15 @@ def memory_bytes(costs: ModelCosts, i: int, j: int, inflight: int, opts: Options
     weights = float(costs.param_bytes[i:j + 1].sum())
     versions = inflight - 1 if opts.schedule == "pipedream" else 0
     return weights * (2 + OPTIMIZER_STATES[opts.optimizer] + versions) + costs.stash_bytes(i, j) * inflight
+
+
+def overhead_ms(optimizer_ms, weights, p2p_bytes, replicas: int, k: int, syncs: int, interference: float):
+    """Per step: ``syncs`` optimizer steps and the compute lost to communication (module docstring).
+
+    ``p2p_bytes``: mean of the bytes a replica sends and receives per micro-batch. Works on
+    numbers and elementwise on numpy tables (``dp.py``)."""
+    ring = 2 * (replicas - 1) / replicas * weights if replicas > 1 else 0.0 * weights
+    return syncs * (optimizer_ms + interference * 1e3 * ring) + k * interference * 1e3 * p2p_bytes
 
 
 def transfer_level(model: CostModel, ranks: Sequence[int], peers: Sequence[int]) -> int:
@@ -171,22 +187,25 @@ def evaluate(costs: ModelCosts, model: CostModel, stages: Sequence[StageSpec], o
                                        costs.forward_ms[i:j + 1], ranks, model, opts.algorithms,
                                        params=costs.params[i:j + 1], gap_ms=gap)
         cuts, send_ms, send_grad_ms, send_bytes = [], 0.0, 0.0, 0.0
+        a_in, g_out = costs.input_bytes(i)
+        a_out, g_in = costs.output_bytes(j) if idx < len(stages) - 1 else (0.0, 0.0)
+        extra = overhead_ms(float(costs.optimizer_ms(opts.optimizer)[i:j + 1].sum()),
+                            float(costs.param_bytes[i:j + 1].sum()), (a_in + g_out + a_out + g_in) / 2, r, k,
+                            k if pipedream else 1, model.interference_s_per_byte)
         if idx > 0:
-            a_in, g_out = costs.input_bytes(i)
             cuts.append((transfer_level(model, ranks, stages[idx - 1].ranks), g_out, a_in))
         if idx < len(stages) - 1:
-            a_out, g_in = costs.output_bytes(j)
             level = transfer_level(model, ranks, stages[idx + 1].ranks)
             cuts.append((level, a_out, g_in))
             send_ms = model.p2p_seconds(a_out, level) * 1e3
             send_grad_ms = model.p2p_seconds(g_in, level) * 1e3
             send_bytes = a_out
         x = transfer_ms(model, ranks, cuts)
-        busy = k * (f + b + sync.exposed_ms) if pipedream else trip + (k - 1) * (f + b) + sync.exposed_ms
+        busy = extra + (k * (f + b + sync.exposed_ms) if pipedream else trip + (k - 1) * (f + b) + sync.exposed_ms)
         inflight = inflight_micro_batches(opts.schedule, k, workers_after, r)
         mem = memory_bytes(costs, i, j, inflight, opts)
         evals.append(StageEval(f, b, k, sync, k if pipedream else 1, x, send_ms, send_grad_ms, send_bytes,
-                               inflight, mem, busy, max(busy, opts.micro_batches * x), gap))
+                               inflight, mem, extra, busy, max(busy, opts.micro_batches * x), gap))
         workers_after -= r
     fits = all(e.memory_bytes <= opts.memory_bytes for e in evals) and all(
         opts.replicas_ok(len(s.ranks)) for s in stages)
@@ -196,7 +215,7 @@ def evaluate(costs: ModelCosts, model: CostModel, stages: Sequence[StageSpec], o
 def predict_step_ms(ev: Evaluation, opts: Options) -> float:
     """The Plan's step time: the objective with transfer latencies in the trip and the gaps.
 
-    gpipe/1f1b: max over stages of (trip + (k - 1) (F + B) + sync beyond the gap), where the trip
+    gpipe/1f1b: max over stages of (trip + (k - 1) (F + B) + sync beyond the gap + overhead), where the trip
     and each stage's gap also count one micro-batch's activation and gradient transfers over
     the cuts they cross; never below a stage's transfer term. pipedream: the objective.
     """
@@ -208,7 +227,7 @@ def predict_step_ms(ev: Evaluation, opts: Options) -> float:
     worst, before = 0.0, 0.0
     for s, moved in zip(st, transfers):
         late = max(0.0, s.sync.exposed_ms - before)         # its gap grows by the transfers before it
-        worst = max(worst, trip + (s.micro_batches - 1) * (s.forward_ms + s.backward_ms) + late,
+        worst = max(worst, trip + (s.micro_batches - 1) * (s.forward_ms + s.backward_ms) + late + s.overhead_ms,
                     opts.micro_batches * s.transfer_ms)
         before += moved
     return worst

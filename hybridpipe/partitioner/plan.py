@@ -61,6 +61,7 @@ class Stage:
     send_bytes: int = 0           # bytes crossing the cut after this stage per micro-batch (one way)
     memory_bytes: int = 0         # predicted peak memory per worker
     layers: tuple[LayerSync, ...] = ()
+    overhead_ms: float = 0.0      # per step: optimizer steps + compute lost to communication (objective.py)
 
     @property
     def node_ids(self) -> range:
@@ -190,7 +191,8 @@ def _stage_from_dict(s: object, i: int, source: str) -> Stage:
                  send_ms=field(s, "send_ms", float, where, minimum=0, default=0.0),
                  send_bytes=field(s, "send_bytes", int, where, minimum=0, default=0),
                  memory_bytes=field(s, "memory_bytes", int, where, minimum=0, default=0),
-                 layers=tuple(layers))
+                 layers=tuple(layers),
+                 overhead_ms=field(s, "overhead_ms", float, where, minimum=0, default=0.0))
 
 
 def _check_stages(plan: Plan, source: str) -> None:

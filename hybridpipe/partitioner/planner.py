@@ -129,7 +129,8 @@ def build_plan(profile: Profile, costs: ModelCosts, cluster: Cluster, stages: Se
         out.append(Stage(index=idx, first_node=spec.first, last_node=spec.last, replicas=len(spec.ranks),
                          ranks=tuple(spec.ranks), compute_ms=e.forward_ms + e.backward_ms, forward_ms=e.forward_ms,
                          backward_ms=e.backward_ms, sync_ms=e.sync_ms_per_step, send_ms=e.send_ms,
-                         send_bytes=int(e.send_bytes), memory_bytes=int(e.memory_bytes), layers=e.sync.layers))
+                         send_bytes=int(e.send_bytes), memory_bytes=int(e.memory_bytes), layers=e.sync.layers,
+                         overhead_ms=e.overhead_ms))
     samples = opts.micro_batches * profile.batch_size / (step_ms / 1e3) if step_ms > 0 else 0.0
     return Plan(model=profile.model, batch_size=profile.batch_size, input_shape=tuple(profile.input_shape),
                 profile_signature=profile.signature(), cluster=cluster, strategy=strategy, schedule=opts.schedule,

@@ -75,12 +75,16 @@ class StageCosts:
 
 
 def stage_costs(plan: Plan) -> list[StageCosts]:
-    """Per-stage costs from the plan; a plan with only ``compute_ms`` splits it 1:2 (forward:backward)."""
+    """Per-stage costs from the plan; a plan with only ``compute_ms`` splits it 1:2 (forward:backward).
+
+    A stage's ``overhead_ms`` (optimizer steps, compute lost to communication) is spread over
+    the backwards of its replica's micro-batches."""
     out = []
     for s in plan.stages:
         f, b = s.forward_ms, s.backward_ms
         if f == 0 and b == 0 and s.compute_ms > 0:
             f, b = s.compute_ms / 3, 2 * s.compute_ms / 3
+        b += s.overhead_ms / -(-plan.micro_batches // s.replicas)
         if s.replicas > 1 and s.layers:
             ar = tuple(lv.predicted_ms for lv in s.layers)
         elif s.replicas > 1 and s.sync_ms > 0:

@@ -58,6 +58,8 @@ class ProfileTotals:
     param_count: int = 0
     param_bytes: int = 0
     activation_bytes: int = 0      # sum of node activation bytes
+    sgd_step_ms: float = 0.0       # one optimizer step over every parameter: sgd with momentum (median; 0: not measured)
+    adam_step_ms: float = 0.0      # the same with adam
 
 
 @dataclass(frozen=True)

@@ -134,6 +134,26 @@ def measure_loss(loss: Callable[[Any, Any], torch.Tensor], output: Any, target: 
     return fwd, bwd
 
 
+def measure_optimizer(module: torch.nn.Module, kind: str, *, device: torch.device | str, repeats: int,
+                       warmup: int) -> float:
+    """Milliseconds of one optimizer step over every trainable parameter (``sgd``: momentum 0.9, as
+    the runtime's default; ``adam``); the parameters are restored afterwards."""
+    params = [p for p in {id(p): p for p in module.parameters()}.values() if p.requires_grad]
+    if not params:
+        return 0.0
+    saved = [p.detach().clone() for p in params]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.SGD(params, lr=1e-3, momentum=0.9) if kind == "sgd" else torch.optim.Adam(params, lr=1e-3)
+    try:
+        return median_ms(lambda _: opt.step(), device=device, repeats=repeats, warmup=warmup)
+    finally:
+        with torch.no_grad():
+            for p, s in zip(params, saved):
+                p.copy_(s)
+                p.grad = None
+
+
 def measure_step(gm: fx.GraphModule, loss: Callable[[Any, Any], torch.Tensor], inputs: tuple[Any, ...],
                  target: Any, *, device: torch.device | str, repeats: int, warmup: int) -> float:
     """Milliseconds of one full forward + loss + backward of the whole graph (median)."""

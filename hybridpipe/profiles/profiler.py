@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from hybridpipe.errors import UserError
 from hybridpipe.profiles.format import Profile, ProfileNode, ProfileTotals
-from hybridpipe.profiles.measure import measure_loss, measure_node, measure_step, reference_pass
+from hybridpipe.profiles.measure import measure_loss, measure_node, measure_optimizer, measure_step, reference_pass
 from hybridpipe.profiles.trace import graph_edges, node_infos, trace_model
 from hybridpipe.profiles.zoo.registry import ModelSpec
 
@@ -80,17 +80,19 @@ def profile_model(model: ModelSpec, *, batch_size: int, device: str | torch.devi
             params=info.params))
     del env
     measured = measure_step(gm, model.loss, (x,), target, **timing)
+    steps = {kind: measure_optimizer(gm, kind, **timing) for kind in ("sgd", "adam")}
     return Profile(
         model=model.name, batch_size=batch_size, input_shape=tuple(x.shape),
         input_dtype=_dtype_name(x.dtype), dtype=_dtype_name(next(iter(params.values())).dtype) if params else "float32",
         device=device_description(device), torch_version=torch.__version__,
         nodes=tuple(nodes), edges=tuple(graph_edges(gm)),
-        totals=_totals(nodes, module, measured), repeats=repeats,
+        totals=_totals(nodes, module, measured, steps), repeats=repeats,
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         notes=_notes(nodes, module))
 
 
-def _totals(nodes: list[ProfileNode], module: torch.nn.Module, measured_ms: float) -> ProfileTotals:
+def _totals(nodes: list[ProfileNode], module: torch.nn.Module, measured_ms: float,
+            step_ms: dict[str, float]) -> ProfileTotals:
     fwd = sum(n.forward_ms for n in nodes)
     bwd = sum(n.backward_ms for n in nodes)
     unique = {id(p): p for p in module.parameters()}.values()
@@ -98,7 +100,8 @@ def _totals(nodes: list[ProfileNode], module: torch.nn.Module, measured_ms: floa
         forward_ms=round(fwd, 6), backward_ms=round(bwd, 6), measured_ms=round(measured_ms, 6),
         ratio=round((fwd + bwd) / measured_ms, 4) if measured_ms > 0 else 0.0,
         param_count=sum(p.numel() for p in unique), param_bytes=sum(p.numel() * p.element_size() for p in unique),
-        activation_bytes=sum(n.activation_bytes for n in nodes))
+        activation_bytes=sum(n.activation_bytes for n in nodes),
+        sgd_step_ms=round(step_ms.get("sgd", 0.0), 6), adam_step_ms=round(step_ms.get("adam", 0.0), 6))
 
 
 def _notes(nodes: list[ProfileNode], module: torch.nn.Module) -> tuple[str, ...]:

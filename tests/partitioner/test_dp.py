@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -28,10 +29,17 @@ def clusters(max_workers: int):
     return st.one_of(flat, hier.filter(lambda c: c.total_workers <= max_workers))
 
 
-def check_against_brute_force(layers, skip, cluster, opts):
+# (ms of one sgd step over all parameters, compute lost per byte of communication)
+OVERHEADS = st.tuples(st.sampled_from([0.0, 5.0, 40.0]), st.sampled_from([0.0, 1e-9, 2e-8]))
+
+
+def check_against_brute_force(layers, skip, cluster, opts, overheads=(0.0, 0.0)):
     skips = [(0, len(layers))] if skip and len(layers) > 1 else []
-    costs = model_costs(make_profile(layers, skips))
+    step_ms, interference = overheads
+    costs = dataclasses.replace(model_costs(make_profile(layers, skips)),
+                                step_ms=(("sgd", step_ms), ("adam", 2 * step_ms)))
     model = CostModel(cluster)
+    model.interference_s_per_byte = interference
     workers = cluster.total_workers
     bound = evaluate(costs, model, baseline_stages("dp", costs, workers), opts).objective_ms
     sol = dp.solve(costs, model, workers, opts, bound)
@@ -48,17 +56,18 @@ def check_against_brute_force(layers, skip, cluster, opts):
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(LAYER, min_size=1, max_size=5), st.booleans(), clusters(6), OPTIONS)
-def test_dp_equals_brute_force(layers, skip, cluster, opts):
-    """Up to 7 nodes (input, 5 layers, output), 6 workers, 1 or 2 levels, every schedule."""
-    check_against_brute_force(layers, skip, cluster, opts)
+@given(st.lists(LAYER, min_size=1, max_size=5), st.booleans(), clusters(6), OPTIONS, OVERHEADS)
+def test_dp_equals_brute_force(layers, skip, cluster, opts, overheads):
+    """Up to 7 nodes (input, 5 layers, output), 6 workers, 1 or 2 levels, every schedule, with and
+    without optimizer steps and compute lost to communication."""
+    check_against_brute_force(layers, skip, cluster, opts, overheads)
 
 
 @pytest.mark.slow
 @settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(LAYER, min_size=1, max_size=5), st.booleans(), clusters(6), OPTIONS)
-def test_dp_equals_brute_force_many(layers, skip, cluster, opts):
-    check_against_brute_force(layers, skip, cluster, opts)
+@given(st.lists(LAYER, min_size=1, max_size=5), st.booleans(), clusters(6), OPTIONS, OVERHEADS)
+def test_dp_equals_brute_force_many(layers, skip, cluster, opts, overheads):
+    check_against_brute_force(layers, skip, cluster, opts, overheads)
 
 
 # AlexNet's shape: convolutions with most of the compute and little of the weights, then fully

@@ -126,3 +126,15 @@ def test_median_ms_takes_the_median_after_warmup():
 
     ms = median_ms(run, repeats=3, warmup=1)
     assert len(calls) == 4 and ms < 15
+
+
+def test_optimizer_steps_are_timed_and_leave_the_parameters_as_they_were():
+    from hybridpipe.profiles.measure import measure_optimizer
+    model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 256))
+    before = [p.detach().clone() for p in model.parameters()]
+    sgd = measure_optimizer(model, "sgd", device="cpu", repeats=3, warmup=1)
+    adam = measure_optimizer(model, "adam", device="cpu", repeats=3, warmup=1)
+    assert sgd > 0 and adam > 0
+    assert all(torch.equal(a, b) and p.grad is None for a, b, p in zip(before, model.parameters(), model.parameters()))
+    p = profile_model(resolve_model("mlp"), batch_size=4, **FAST)
+    assert p.totals.sgd_step_ms > 0 and p.totals.adam_step_ms > 0

@@ -36,6 +36,15 @@ def test_finds_v1_then_v2_and_refuses_without_a_cpu_controller(tmp_path):
     assert cpu.find_controller(tmp_path) == cpu.Controller(1, tmp_path / "cpu")
 
 
+@pytest.mark.parametrize("hosts, cpus, ncpu, where", [
+    (4, 0.5, 2, [0, 0, 1, 1]), (8, 0.25, 2, [0, 0, 0, 0, 1, 1, 1, 1]), (2, 1.0, 2, [0, 1]), (2, 0.5, 4, [0, 2]),
+    (3, 0.66, 2, None),          # two hosts of 0.66 would share one CPU
+    (2, 1.5, 4, None),           # a host needs more than one CPU
+])
+def test_hosts_are_pinned_evenly_only_where_each_cpu_holds_its_quotas(hosts, cpus, ncpu, where):
+    assert cpu.pinning(hosts, cpus, ncpu) == where
+
+
 @pytest.mark.parametrize("version", [1, 2])
 def test_groups_get_the_quota_and_read_it_back(tmp_path, version):
     ctl = cpu.Controller(version, tmp_path)
@@ -63,11 +72,12 @@ def test_an_unwritable_controller_is_refused_with_the_way_out(tmp_path):
         cpu._write(ctl.cluster_dir("t") / "h0" / "cpu.cfs_period_us", "10000")
 
 
-def test_a_host_command_joins_its_cgroup_before_entering_the_namespace():
-    """`ip netns exec` mounts a fresh /sys, so the cgroup must be joined outside it."""
-    argv = in_namespace("ns1", ["python", "-c", "pass"], "host1", Path("/sys/fs/cgroup/cpu/g/h1"))
+def test_a_host_command_joins_its_cgroups_before_entering_the_namespace():
+    """`ip netns exec` mounts a fresh /sys, so the cgroups must be joined outside it."""
+    argv = in_namespace("ns1", ["python", "-c", "pass"], "host1",
+                        [Path("/sys/fs/cgroup/cpu/g/h1"), Path("/sys/fs/cgroup/cpuset/g/h1")])
     assert argv[:2] == ["sh", "-c"] and "cgroup.procs" in argv[2]
-    assert argv[3] == "/sys/fs/cgroup/cpu/g/h1"
+    assert argv[3] == "/sys/fs/cgroup/cpu/g/h1 /sys/fs/cgroup/cpuset/g/h1"
     assert argv[4:8] == ["ip", "netns", "exec", "ns1"]
     assert argv[-3:] == ["python", "-c", "pass"]
     assert in_namespace("ns1", ["true"]) == ["ip", "netns", "exec", "ns1", "true"]

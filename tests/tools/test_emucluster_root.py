@@ -139,7 +139,7 @@ def test_leftovers_of_a_killed_owner_are_cleaned_up_and_live_clusters_are_kept()
 BUSY = ("import time; t = time.time(); c = time.process_time()\n"
         "while time.time() - t < 1.5: pass\n"
         "print((time.process_time() - c) / (time.time() - t), [l.strip() for l in open('/proc/self/cgroup') "
-        "if ':cpu:' in l or l.startswith('0::')])")
+        "if ':cpu:' in l or ':cpuset:' in l or l.startswith('0::')])")
 
 
 def test_cpu_quota_holds_each_host_to_its_cores_and_goes_with_the_cluster():
@@ -155,6 +155,9 @@ def test_cpu_quota_holds_each_host_to_its_cores_and_goes_with_the_cluster():
         share, groups = r.stdout.rsplit(" [", 1)
         assert float(share) <= 0.6, r.stdout                 # the quota: 5 ms of CPU per 10 ms
         assert f"emucluster-{cluster.tag}/h{r.host}" in groups
+    pinned = cpu.pinning(2, 0.5, os.cpu_count() or 1)
+    if cpu.find_cpuset() is not None and pinned:                # each host on its own CPU share
+        assert all(f"cpuset:/emucluster-{cluster.tag}/h{r.host}" in r.stdout for r in limited)
     assert cluster.tag not in cpu.list_tags(ctl)
     with EmulatedCluster(1, None) as free:                  # no quota: one busy loop gets ~a core
         (unlimited,) = free.run([sys.executable, "-c", BUSY], timeout_s=60)

@@ -165,7 +165,7 @@ def _cmd_exec(args: argparse.Namespace) -> int:
             raise UserError(f"host {args.host!r} is not in cluster {args.name} "
                             f"(0..{len(cluster.hosts) - 1} or 'switch')")
         try:
-            return subprocess.run(in_namespace(host.ns, _command(args), host.name, cluster.cgroup(host)),
+            return subprocess.run(in_namespace(host.ns, _command(args), host.name, cluster.cgroups(host)),
                                   env=cluster.env(host),
                                   timeout=args.timeout).returncode
         except subprocess.TimeoutExpired:

@@ -73,6 +73,7 @@ class EmulatedCluster:
         self.cpus = cpus
         self.cpu_period_us = cpu_period_us
         self._cpu: cpu.Controller | None = None
+        self._cpuset: cpu.Controller | None = None
         self.addresses = AddressPlan.parse(subnet, hosts)
         self.tag = new_tag(name)
         self.hosts = [Host(i, host_ns(self.tag, i), self.addresses.host(i), HOST_IFNAME) for i in range(hosts)]
@@ -102,7 +103,7 @@ class EmulatedCluster:
         """Create the namespaces, bridge, veth pairs, addresses and shaping; undo all on failure."""
         netns.check_prerequisites()
         if self.cpus is not None:
-            self._cpu = cpu.find_controller()
+            self._cpu, self._cpuset = cpu.find_controller(), cpu.find_cpuset()
         taken = set(netns.list_namespaces()) & set(self.namespaces)
         if taken:
             raise EmuClusterError(f"a cluster named {self.tag!r} already exists ({sorted(taken)[0]}); "
@@ -148,7 +149,7 @@ class EmulatedCluster:
         netns.ip(sw, "addr", "add", f"{self.switch.addr}/{self.addresses.prefixlen}", "dev", BRIDGE_IFNAME)
         netns.ip(sw, "link", "set", BRIDGE_IFNAME, "up")
         if self._cpu is not None:
-            cpu.create_groups(self._cpu, self.tag, len(self.hosts), self.cpus, self.cpu_period_us)
+            cpu.create_groups(self._cpu, self.tag, len(self.hosts), self.cpus, self.cpu_period_us, self._cpuset)
 
     def down(self) -> None:
         """Stop our processes, kill everything left in each namespace, delete the namespaces."""
@@ -159,8 +160,9 @@ class EmulatedCluster:
         for ns in self.namespaces:            # hosts first, the switch last
             if ns in existing:
                 netns.delete_namespace(ns)
-        if self._cpu is not None:
-            cpu.remove_groups(self._cpu, self.tag)
+        for ctl in (self._cpu, self._cpuset):
+            if ctl is not None:
+                cpu.remove_groups(ctl, self.tag)
         if self._own_log_dir and self.log_dir is not None:
             shutil.rmtree(self.log_dir, ignore_errors=True)
             self.log_dir = None
@@ -184,7 +186,7 @@ class EmulatedCluster:
         subnet = f"{inet['local'].rsplit('.', 1)[0]}.0/{inet['prefixlen']}"
         self = cls(len(indices), rate / 1e9 if rate else None, mtu=link["mtu"], subnet=subnet)
         self.tag = tag
-        self._cpu = _controller_if_any()
+        self._cpu, self._cpuset = _controller_if_any(), cpu.find_cpuset()
         self.cpus = cpu.host_cpus(self._cpu, tag, 0) if self._cpu else None
         self.hosts = [Host(i, host_ns(tag, i), self.addresses.host(i), HOST_IFNAME) for i in indices]
         self.switch = Host(SWITCH, switch_ns(tag), self.addresses.switch, BRIDGE_IFNAME)
@@ -226,15 +228,19 @@ class EmulatedCluster:
         """Start ``argv`` on ``host`` (or ``cluster.switch``) in the background; stopped by down()."""
         self._require_up()
         proc = procs.start(host.index, host.ns, argv, env if env is not None else self.env(host),
-                           hostname=host.name, cgroup=self.cgroup(host), cwd=cwd, log_dir=self.log_dir)
+                           hostname=host.name, cgroups=self.cgroups(host), cwd=cwd, log_dir=self.log_dir)
         self._procs.append(proc)
         return proc
 
-    def cgroup(self, host: Host) -> Path | None:
-        """The cgroup holding ``host``'s processes (its CPU quota); None without quotas or for the switch."""
+    def cgroups(self, host: Host) -> list[Path]:
+        """The cgroups holding ``host``'s processes (its CPU quota, its CPU); none without quotas or for the switch."""
         if self._cpu is None or self.cpus is None or host.index < 0:
-            return None
-        return self._cpu.host_group(self.tag, host.index)
+            return []
+        groups = [self._cpu.host_group(self.tag, host.index)]
+        if self._cpuset is not None and self._cpuset != self._cpu:
+            pinned = self._cpuset.host_group(self.tag, host.index)
+            groups += [pinned] if pinned.is_dir() else []
+        return groups
 
     def run(self, command: Command, *, timeout_s: float, hosts: Sequence[Host] | None = None,
             env: Callable[[Host], Mapping[str, str]] | Mapping[str, str] | None = None,
@@ -345,10 +351,10 @@ def destroy(tag: str) -> list[str]:
     hosts_first = sorted(names, key=lambda n: (parse_ns(n)[1] is None, n))
     for ns in hosts_first:
         netns.delete_namespace(ns)
-    ctl = _controller_if_any()
-    if ctl is not None and tag in cpu.list_tags(ctl):
-        cpu.remove_groups(ctl, tag)
-        hosts_first.append(str(ctl.cluster_dir(tag)))
+    for ctl in (_controller_if_any(), cpu.find_cpuset()):
+        if ctl is not None and tag in cpu.list_tags(ctl):
+            cpu.remove_groups(ctl, tag)
+            hosts_first.append(str(ctl.cluster_dir(tag)))
     return hosts_first
 
 
@@ -356,8 +362,8 @@ def cleanup_leftovers(*, include_live: bool = False) -> list[str]:
     """Remove clusters whose owning process died (or, with ``include_live``, every cluster)."""
     netns.check_prerequisites()
     removed = []
-    ctl = _controller_if_any()
-    for tag in sorted(set(list_clusters()) | set(cpu.list_tags(ctl) if ctl else ())):
+    groups = {t for ctl in (_controller_if_any(), cpu.find_cpuset()) if ctl for t in cpu.list_tags(ctl)}
+    for tag in sorted(set(list_clusters()) | groups):
         if include_live or is_leftover(tag):
             removed += destroy(tag)
     return removed

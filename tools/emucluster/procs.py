@@ -95,31 +95,32 @@ class HostProcess:
 
 
 def in_namespace(ns: str, argv: Sequence[str], hostname: str | None = None,
-                 cgroup: str | os.PathLike | None = None) -> list[str]:
+                 cgroups: Sequence[str | os.PathLike] = ()) -> list[str]:
     """``argv`` run inside network namespace ``ns``; with ``hostname``, in a UTS namespace of its
     own that carries that name (so each emulated host has its own hostname, as real hosts do);
-    with ``cgroup``, inside that cgroup (the host's CPU quota), children included. The cgroup is
-    joined before ``ip netns exec``, which mounts a sysfs of the namespace's own over /sys."""
+    with ``cgroups``, inside those cgroups (the host's CPU quota and pinning), children included.
+    They are joined before ``ip netns exec``, which mounts a sysfs of the namespace's own over /sys."""
     inner = ["ip", "netns", "exec", ns]
     if hostname is not None:
         set_name = 'echo "$0" > /proc/sys/kernel/hostname && exec "$@"'
         inner += ["unshare", "--uts", "--", "sh", "-c", set_name, hostname]
-    if cgroup is None:
+    if not cgroups:
         return [*inner, *argv]
-    return ["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(cgroup), *inner, *argv]
+    join = 'for g in $0; do echo $$ > "$g/cgroup.procs" || exit 126; done; exec "$@"'
+    return ["sh", "-c", join, " ".join(str(g) for g in cgroups), *inner, *argv]
 
 
 def start(host: int, ns: str, argv: Sequence[str], env: Mapping[str, str], *, hostname: str | None = None,
-          cgroup: str | os.PathLike | None = None, cwd: str | os.PathLike | None = None,
+          cgroups: Sequence[str | os.PathLike] = (), cwd: str | os.PathLike | None = None,
           log_dir: str | os.PathLike | None = None) -> HostProcess:
-    """Start ``argv`` inside namespace ``ns`` (as ``hostname``, in ``cgroup``) with exactly the environment ``env``."""
+    """Start ``argv`` inside namespace ``ns`` (as ``hostname``, in ``cgroups``) with exactly the environment ``env``."""
     folder = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="emucluster-"))
     folder.mkdir(parents=True, exist_ok=True)
     label = "switch" if host < 0 else f"h{host}"
     out_path = Path(tempfile.mkstemp(prefix=f"{label}-", suffix=".out", dir=folder)[1])
     err_path = out_path.with_suffix(".err")
     with open(out_path, "wb") as out, open(err_path, "wb") as err:
-        popen = subprocess.Popen(in_namespace(ns, argv, hostname, cgroup), stdin=subprocess.DEVNULL,
+        popen = subprocess.Popen(in_namespace(ns, argv, hostname, cgroups), stdin=subprocess.DEVNULL,
                                  stdout=out, stderr=err, env=dict(env), cwd=cwd, start_new_session=True)
     return HostProcess(host, ns, list(argv), popen, out_path, err_path)
 

@@ -2,7 +2,8 @@
 
 :func:`measure` runs on every rank of the group; rank 0 gets back the median time of the
 slowest rank per (algorithm, size), one-way point-to-point times between the group's first
-two ranks, and gamma (seconds per byte summed locally). :func:`calibrate` fits those to the
+two ranks, gamma (seconds per byte summed locally) and, on CPU, the compute a rank loses per
+byte of all-reduce traffic beside it (``interference.py``). :func:`calibrate` fits those to the
 partitioner's Calibration format. Sizes, bandwidths and the table are plain functions.
 """
 
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from hybridpipe.comm.allreduce.api import AllReducer
+from hybridpipe.comm.allreduce.interference import measure_interference
 from hybridpipe.comm.allreduce.topology import Topology
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner.calibration import Calibration, Sample
@@ -81,6 +83,7 @@ class BenchConfig:
     progress: bool = True
     device: str = "cpu"              # "cuda": CUDA tensors on an NCCL group (one GPU per rank)
     downward: bool = True            # gloo: a second group for messages to lower positions (transport.py)
+    interference: bool = True        # also measure compute lost to communication (interference.py; CPU only)
 
 
 def _timed(run: Callable[[], None], control: dist.ProcessGroup) -> float:
@@ -157,10 +160,14 @@ def measure(rank: int, world: int, cfg: BenchConfig) -> dict | None:
     if bar is not None:
         bar.close()
     gamma = measure_gamma(dtype)
+    interference = 0.0
+    if cfg.device == "cpu" and cfg.interference and "ring" in cfg.algorithms:
+        interference = measure_interference(lambda t: reducer(t, "ring"), control)
     reducer.close()
     if rank != 0:
         return None
     return {"samples": samples, "world": world, "hosts": len(topology.units), "gamma": gamma, "wrong": wrong,
+            "interference": interference,
             "backend": str(dist.get_backend(group)), "device": device.type}
 
 
@@ -181,7 +188,7 @@ def calibrate(result: dict, level: str = "", notes: Sequence[str] = ()) -> Calib
     return fit_calibration(result["samples"], world_size=result["world"], hosts=result["hosts"],
                            backend=result["backend"], device=result["device"], gamma_s_per_byte=result["gamma"],
                            level=level, created=dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-                           notes=tuple(notes))
+                           notes=tuple(notes), interference_s_per_byte=result.get("interference", 0.0))
 
 
 def calibrate_group(algorithms: Sequence[str], sizes: Sequence[int], *, reps: int = 3, budget_s: float = 0.1,
@@ -194,7 +201,7 @@ def calibrate_group(algorithms: Sequence[str], sizes: Sequence[int], *, reps: in
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = BenchConfig(tuple(algorithms), tuple(sizes), reps=reps, max_reps=max(reps, 20), budget_s=budget_s,
-                      progress=False)
+                      progress=False, interference=False)
     result = measure(rank, world, cfg)
     box: list = [None]
     if rank == 0:

@@ -1,0 +1,62 @@
+"""Per-step overhead in the objective: optimizer steps and compute lost to communication."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from hybridpipe.partitioner.costmodel import CostModel
+from hybridpipe.partitioner.modelcosts import model_costs
+from hybridpipe.partitioner.objective import Options, StageSpec, evaluate, predict_step_ms
+from hybridpipe.partitioner.planner import build_plan
+from hybridpipe.pipeline.simulator import simulate
+from tests.partitioner.synth import flat_cluster, make_profile
+
+LAYERS = [(2.0, 4.0, 1_000_000, 4_000_000), (1.0, 2.0, 500_000, 12_000_000)]
+
+
+def setup(step_ms: float, interference: float):
+    profile = make_profile(LAYERS)
+    costs = dataclasses.replace(model_costs(profile), step_ms=(("sgd", step_ms), ("adam", 3 * step_ms)))
+    model = CostModel(flat_cluster(3, gbps=10.0))
+    model.interference_s_per_byte = interference
+    return profile, costs, model
+
+
+STAGES = (StageSpec(0, 1, (0, 1)), StageSpec(2, 3, (2,)))
+
+
+def test_optimizer_step_is_shared_by_parameter_bytes_and_charged_once_per_sync():
+    _, costs, model = setup(32.0, 0.0)
+    ev = evaluate(costs, model, STAGES, Options("1f1b", 4, "sgd"))
+    assert [s.overhead_ms for s in ev.stages] == pytest.approx([8.0, 24.0])     # 4 MB and 12 MB of 16 MB
+    adam = evaluate(costs, model, STAGES, Options("1f1b", 4, "adam"))
+    assert [s.overhead_ms for s in adam.stages] == pytest.approx([24.0, 72.0])
+    pipedream = evaluate(costs, model, STAGES, Options("pipedream", 4, "sgd"))
+    assert [s.overhead_ms for s in pipedream.stages] == pytest.approx([8.0 * 2, 24.0 * 4])  # a step per minibatch
+
+
+def test_compute_lost_to_communication_counts_the_ring_and_the_activations():
+    _, costs, model = setup(0.0, 1e-9)
+    ev = evaluate(costs, model, STAGES, Options("1f1b", 4, "sgd"))
+    a_out, g_in = costs.output_bytes(1)
+    ring = 2 * (2 - 1) / 2 * 4_000_000                 # stage 0: 2 replicas, 4 MB of weights
+    k0 = 2                                             # 4 micro-batches over 2 replicas
+    assert ev.stages[0].overhead_ms == pytest.approx(1e-9 * 1e3 * (ring + k0 * (a_out + g_in) / 2))
+    a_in, g_out = costs.input_bytes(2)
+    assert ev.stages[1].overhead_ms == pytest.approx(1e-9 * 1e3 * 4 * (a_in + g_out) / 2)
+
+
+def test_overhead_adds_to_the_busy_time_the_prediction_and_the_simulation():
+    profile, plain_costs, plain_model = setup(0.0, 0.0)
+    _, costs, model = setup(60.0, 5e-9)
+    opts = Options("gpipe", 4, "sgd")
+    before, after = evaluate(plain_costs, plain_model, STAGES, opts), evaluate(costs, model, STAGES, opts)
+    for b, a in zip(before.stages, after.stages):
+        assert a.busy_ms == pytest.approx(b.busy_ms + a.overhead_ms)
+    assert predict_step_ms(after, opts) > predict_step_ms(before, opts) + min(s.overhead_ms for s in after.stages)
+    plan = build_plan(profile, costs, model.cluster, STAGES, after, opts, "optimal")
+    plain = build_plan(profile, plain_costs, model.cluster, STAGES, before, opts, "optimal")
+    assert [s.overhead_ms for s in plan.stages] == pytest.approx([s.overhead_ms for s in after.stages])
+    assert simulate(plan).step_ms > simulate(plain).step_ms + min(s.overhead_ms for s in plan.stages) * 0.9
