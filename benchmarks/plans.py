@@ -123,7 +123,8 @@ def link_fits(calibration_file: Path) -> dict[str, dict[str, float]]:
     out = {name: {"alpha_us": round(f.alpha_s * 1e6, 1), "gbps": round(8e-9 / f.beta_s_per_byte, 3)
                   if f.beta_s_per_byte > 0 else None, "fit_error": round(f.rel_error, 3)}
            for name, f in fits.items()}
-    return {**out, "interference_ms_per_mb": round(cal.interference_s_per_byte * 1e9, 3)}
+    return {**out, "interference_ms_per_mb": round(cal.interference_s_per_byte * 1e9, 3),
+            "overlap_slowdown": round(cal.overlap_slowdown, 3)}
 
 
 def busy_aware_prediction(plan: dict, curve: dict[int, float], hosts: int, calibrations: Sequence[Path],
@@ -362,10 +363,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                                   args.timeout)]
                             links[str(hosts)] = link_fits(calibrations[0])
                             log.info("all-reduce calibration on %d hosts: %s; compute lost to communication "
-                                     "%.3f ms/MB", hosts, ", ".join(f"{a} {f['gbps']:.2f} Gbit/s + {f['alpha_us']:.0f} us"
-                                                                    for a, f in links[str(hosts)].items()
-                                                                    if isinstance(f, dict)),
-                                     links[str(hosts)]["interference_ms_per_mb"])
+                                     "%.3f ms/MB; all-reduce beside compute %.2fx", hosts, ", ".join(
+                                         f"{a} {f['gbps']:.2f} Gbit/s + {f['alpha_us']:.0f} us"
+                                         for a, f in links[str(hosts)].items() if isinstance(f, dict)),
+                                     links[str(hosts)]["interference_ms_per_mb"], links[str(hosts)]["overlap_slowdown"])
                         compute = {1: measure_compute(MODELS[name][0], MODELS[name][1], 1, args.contention_seconds,
                                                       cluster=cluster)}
                         rows += run_model_hosts(cluster, name, hosts, strategies, args, work, profiles[name], compute,

@@ -39,6 +39,7 @@ def test_profile_writes_a_loadable_profile_and_a_summary(mlp_profile, capsys, tm
     assert main(["profile", "mlp", *QUICK, "-o", str(tmp_path / "m.json")]) == 0
     out = capsys.readouterr().out
     assert "profiled mlp: 11 nodes" in out and "ratio" in out and str(tmp_path / "m.json") in out
+    assert "one optimizer step over all parameters: sgd" in out
 
 
 def test_show_profile_prints_every_node_and_the_totals(mlp_profile, capsys):

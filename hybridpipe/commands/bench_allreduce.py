@@ -106,8 +106,9 @@ def run(args: argparse.Namespace) -> int:
     png = Path(args.png) if args.png else out.with_suffix(".png")
     _plot(cal, png)
     if cal.interference_s_per_byte:
-        print(f"compute lost to communication: {cal.interference_s_per_byte * 1e9:.3f} ms per MB of link traffic "
-              "(interference_s_per_byte, charged by the partitioner)")
+        print(f"compute lost to communication: {cal.interference_s_per_byte * 1e9:.3f} ms per MB of link traffic; "
+              f"an all-reduce beside compute takes {cal.overlap_slowdown:.2f}x its time alone "
+              "(interference_s_per_byte, overlap_slowdown: charged by the partitioner)")
     print(f"\nwrote {out} and {png}")
     return 0
 

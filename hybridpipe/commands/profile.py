@@ -39,6 +39,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"per-node sums: forward {t.forward_ms:.2f} ms + backward {t.backward_ms:.2f} ms = "
           f"{t.forward_ms + t.backward_ms:.2f} ms; one full forward+backward {t.measured_ms:.2f} ms "
           f"(ratio {t.ratio:.2f})")
+    print(f"one optimizer step over all parameters: sgd {t.sgd_step_ms:.2f} ms, adam {t.adam_step_ms:.2f} ms")
     print(f"wrote {path}; `hybridpipe show {path}` prints every node")
     return 0
 

@@ -9,6 +9,8 @@ given by the algorithm's structure for the measured group (see costmodel.py).
 ``interference_s_per_byte``: compute time a worker loses per byte its link carries while it
 computes (the CPU that sockets, copies and reductions take from a host with few cores),
 measured by running a compute loop with and without an all-reduce beside it; 0 if unmeasured.
+``overlap_slowdown``: how much longer an all-reduce takes beside that compute than alone (>= 1;
+1 if unmeasured); the cost model stretches every all-reduce by it, since syncs overlap compute.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class Calibration:
     created: str = ""
     notes: tuple[str, ...] = dc_field(default=())
     interference_s_per_byte: float = 0.0
+    overlap_slowdown: float = 1.0
 
     def to_dict(self) -> dict:
         d = {"kind": CALIBRATION_KIND, "format": CALIBRATION_FORMAT}
@@ -86,6 +89,7 @@ class Calibration:
             created=field(d, "created", str, source, default=""),
             notes=tuple(str(x) for x in field(d, "notes", list, source, default=[])),
             interference_s_per_byte=field(d, "interference_s_per_byte", float, source, minimum=0, default=0.0),
+            overlap_slowdown=field(d, "overlap_slowdown", float, source, minimum=1, default=1.0),
         )
 
 

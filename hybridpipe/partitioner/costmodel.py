@@ -80,6 +80,8 @@ class CostModel:
         self.gamma = (sum(c.gamma_s_per_byte for c in cals) / len(cals)) if cals else NOMINAL_GAMMA_S_PER_BYTE
         # compute a worker loses per byte on its link (calibration.py); 0: communication takes no CPU from compute
         self.interference_s_per_byte = max((c.interference_s_per_byte for c in cals), default=0.0)
+        # an all-reduce beside compute takes this much longer than alone (calibration.py)
+        self.overlap_slowdown = max((c.overlap_slowdown for c in cals), default=1.0)
         self._spans = [cluster.span(k) for k in range(len(cluster.levels))]
         self._structure: dict[tuple, tuple[RoundLoad, ...]] = {}
         self._lines: dict[tuple, Line] = {}
@@ -210,7 +212,7 @@ class CostModel:
                 a, b = self.price(rl, algorithm, fits)
                 alpha += a
                 per_byte += b
-            hit = self._lines[key] = Line(alpha, per_byte)
+            hit = self._lines[key] = Line(alpha * self.overlap_slowdown, per_byte * self.overlap_slowdown)
         return hit
 
     def price(self, rl: RoundLoad, algorithm: str, fits: Sequence[LinkFit] | None = None) -> tuple[float, float]:

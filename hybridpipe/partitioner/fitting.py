@@ -101,7 +101,8 @@ def fit_link(samples: Sequence[Sample], algorithm: str, world_size: int, gamma: 
 
 def fit_calibration(samples: Sequence[Sample], *, world_size: int, hosts: int, backend: str, device: str,
                     gamma_s_per_byte: float, level: str = "", created: str = "",
-                    notes: Sequence[str] = (), interference_s_per_byte: float = 0.0) -> Calibration:
+                    notes: Sequence[str] = (), interference_s_per_byte: float = 0.0,
+                    overlap_slowdown: float = 1.0) -> Calibration:
     """A Calibration from timed samples: a fit per algorithm and one for point-to-point."""
     names = sorted({s.algorithm for s in samples})
     unknown = [n for n in names if n != "p2p" and n not in ALGORITHMS]
@@ -118,7 +119,7 @@ def fit_calibration(samples: Sequence[Sample], *, world_size: int, hosts: int, b
     else:
         raise UserError("no samples to fit; benchmark at least one algorithm at two sizes")
     return Calibration(world_size, hosts, backend, device, level, gamma_s_per_byte, p2p, fits,
-                       tuple(samples), created, tuple(notes), interference_s_per_byte)
+                       tuple(samples), created, tuple(notes), interference_s_per_byte, overlap_slowdown)
 
 
 def refit(cal: Calibration) -> Calibration:
@@ -126,7 +127,8 @@ def refit(cal: Calibration) -> Calibration:
     fresh = fit_calibration(cal.samples, world_size=cal.world_size, hosts=cal.hosts, backend=cal.backend,
                             device=cal.device, gamma_s_per_byte=cal.gamma_s_per_byte, level=cal.level,
                             created=cal.created, notes=cal.notes,
-                            interference_s_per_byte=cal.interference_s_per_byte)
+                            interference_s_per_byte=cal.interference_s_per_byte,
+                            overlap_slowdown=cal.overlap_slowdown)
     return replace(fresh, notes=cal.notes)
 
 

@@ -21,6 +21,7 @@ def test_writes_a_calibration_table_and_figure(tmp_path, capsys) -> None:
         (a, b) for a in ("ring", "butterfly", "native", "p2p") for b in (4096, 65536)}
     assert all(s.seconds > 0 for s in cal.samples) and cal.gamma_s_per_byte > 0
     assert 0 <= cal.interference_s_per_byte < 1e-6           # measured beside the ring (interference.py)
+    assert cal.overlap_slowdown >= 1.0
     printed = capsys.readouterr().out
     assert "busbw" in printed and "64K" in printed and "1/beta" in printed
     assert (tmp_path / "cal.png").stat().st_size > 1000

@@ -60,3 +60,18 @@ def test_overhead_adds_to_the_busy_time_the_prediction_and_the_simulation():
     plain = build_plan(profile, plain_costs, model.cluster, STAGES, before, opts, "optimal")
     assert [s.overhead_ms for s in plan.stages] == pytest.approx([s.overhead_ms for s in after.stages])
     assert simulate(plan).step_ms > simulate(plain).step_ms + min(s.overhead_ms for s in plan.stages) * 0.9
+
+
+def test_measured_overlap_slowdown_stretches_every_all_reduce_and_survives_a_round_trip(tmp_path):
+    from hybridpipe.partitioner.calibration import Calibration, LinkFit, load_calibration, save_calibration
+    fit = LinkFit(1e-4, 1e-8)
+    plain = Calibration(4, 4, "gloo", "cpu", "", 1e-10, fit, {"ring": fit, "butterfly": fit})
+    slowed = dataclasses.replace(plain, interference_s_per_byte=3e-9, overlap_slowdown=1.5)
+    assert load_calibration(save_calibration(slowed, tmp_path / "cal.json")) == slowed
+    cluster = flat_cluster(4, gbps=1.0)
+    base, stretched = CostModel(cluster, plain), CostModel(cluster, slowed)
+    for algorithm in ("ring", "butterfly", "native"):
+        assert stretched.allreduce_seconds(algorithm, 8e6, range(4)) == pytest.approx(
+            1.5 * base.allreduce_seconds(algorithm, 8e6, range(4)))
+    assert stretched.p2p_seconds(8e6, 0) == base.p2p_seconds(8e6, 0)      # transfers are priced as measured
+    assert CostModel(cluster).overlap_slowdown == 1.0 and CostModel(cluster).interference_s_per_byte == 0.0

@@ -160,14 +160,14 @@ def measure(rank: int, world: int, cfg: BenchConfig) -> dict | None:
     if bar is not None:
         bar.close()
     gamma = measure_gamma(dtype)
-    interference = 0.0
+    interference, slowdown = 0.0, 1.0
     if cfg.device == "cpu" and cfg.interference and "ring" in cfg.algorithms:
-        interference = measure_interference(lambda t: reducer(t, "ring"), control)
+        interference, slowdown = measure_interference(lambda t: reducer(t, "ring"), control)
     reducer.close()
     if rank != 0:
         return None
     return {"samples": samples, "world": world, "hosts": len(topology.units), "gamma": gamma, "wrong": wrong,
-            "interference": interference,
+            "interference": interference, "overlap_slowdown": slowdown,
             "backend": str(dist.get_backend(group)), "device": device.type}
 
 
@@ -188,7 +188,8 @@ def calibrate(result: dict, level: str = "", notes: Sequence[str] = ()) -> Calib
     return fit_calibration(result["samples"], world_size=result["world"], hosts=result["hosts"],
                            backend=result["backend"], device=result["device"], gamma_s_per_byte=result["gamma"],
                            level=level, created=dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-                           notes=tuple(notes), interference_s_per_byte=result.get("interference", 0.0))
+                           notes=tuple(notes), interference_s_per_byte=result.get("interference", 0.0),
+                           overlap_slowdown=result.get("overlap_slowdown", 1.0))
 
 
 def calibrate_group(algorithms: Sequence[str], sizes: Sequence[int], *, reps: int = 3, budget_s: float = 0.1,

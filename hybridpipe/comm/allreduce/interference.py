@@ -1,11 +1,12 @@
-"""How much compute a worker loses while its link carries an all-reduce.
+"""How much compute and communication slow each other down when they overlap.
 
 On a host with few cores, sockets, copies and reductions take CPU from the compute they are
-meant to overlap. :func:`measure_interference` measures it on every rank of a group: a matrix
-multiply loop alone, then the same loop while a thread runs ring all-reduces beside it; the
-compute lost, divided by the bytes the rank's link carried meanwhile, is the calibration's
-``interference_s_per_byte``, which the partitioner charges to a stage's busy time for every byte
-of its activation transfers and gradient syncs.
+meant to overlap, and compute takes it from them. :func:`measure_interference` measures both on
+every rank of a group: a matrix multiply loop alone, ring all-reduces alone, then both at once
+(the all-reduces on a thread, as the runtime's comm lanes run them). The compute lost, divided
+by the bytes the rank's link carried meanwhile, is the calibration's ``interference_s_per_byte``
+(charged to a stage's busy time for every byte of its transfers and syncs); the all-reduces'
+time beside compute over their time alone is its ``overlap_slowdown`` (applied to every sync).
 """
 
 from __future__ import annotations
@@ -44,11 +45,12 @@ def ring_traffic(nbytes: float, world: int) -> float:
 
 
 def measure_interference(reduce: Callable[[torch.Tensor], None], control: dist.ProcessGroup, *,
-                         nbytes: int = 16 << 20, seconds: float = 1.0) -> float:
-    """The group's mean compute seconds lost per byte of ring all-reduce traffic (every rank calls it).
+                         nbytes: int = 16 << 20, seconds: float = 1.0) -> tuple[float, float]:
+    """(compute seconds lost per byte of ring all-reduce traffic, all-reduce slowdown beside compute):
+    group means; every rank calls it.
 
     ``reduce(x)`` all-reduces ``x`` on the measured group; ``control`` is a separate group for
-    barriers. All ranks compute at once in both phases, as in training.
+    barriers. All ranks compute at once in both compute phases, as in training.
     """
     world = dist.get_world_size(control)
     dist.barrier(group=control)
@@ -61,6 +63,12 @@ def measure_interference(reduce: Callable[[torch.Tensor], None], control: dist.P
     one = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
     dist.all_reduce(one, op=dist.ReduceOp.MAX, group=control)
     count = max(2, math.ceil(seconds / max(one.item(), 1e-6)))
+    dist.barrier(group=control)
+    t = time.perf_counter()
+    for _ in range(count):
+        reduce(x)
+    alone = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
+    dist.all_reduce(alone, op=dist.ReduceOp.MAX, group=control)
     done = threading.Event()
 
     def communicate() -> None:
@@ -75,7 +83,8 @@ def measure_interference(reduce: Callable[[torch.Tensor], None], control: dist.P
     comm.start()
     n1, t1 = compute_loop(done.is_set)
     comm.join()
-    lost = torch.tensor([lost_per_byte(n0 / t0, n1 / t1, t1, count * ring_traffic(x.numel() * 4, world))],
-                        dtype=torch.float64)
-    dist.all_reduce(lost, group=control)
-    return lost.item() / world
+    figures = torch.tensor([lost_per_byte(n0 / t0, n1 / t1, t1, count * ring_traffic(x.numel() * 4, world)),
+                            max(1.0, t1 / max(alone.item(), 1e-9))], dtype=torch.float64)
+    dist.all_reduce(figures, group=control)
+    lost, slowdown = (figures / world).tolist()
+    return lost, slowdown
