@@ -103,6 +103,7 @@ class _Solver:
         po = costs.prefix(costs.optimizer_ms(opts.optimizer))
         self.opt_ms = po[None, 1:] - po[:-1, None]
         self.p2p_in, self.p2p_out = (self.a_in + self.g_out) / 2, (self.a_out + self.g_in) / 2
+        self._extra: dict[tuple[int, int], np.ndarray | None] = {}
         levels = model.cluster.levels
         # translating a block by this many ranks changes nothing about how it sits in the cluster
         self.period = model.cluster.span(len(levels) - 2) if len(levels) > 1 else 1
@@ -181,10 +182,11 @@ class _Solver:
             mem = self.weights[rows, cols] * self.static_factor(inflight) + self.stash[rows, cols] * inflight
             fb = np.where(mem <= opts.memory_bytes, fb, np.inf)
         xfer = opts.micro_batches * self.transfer_table(blk, rows, cols)
-        extra = overhead_ms(self.opt_ms[rows, cols], self.weights[rows, cols],
-                            self.p2p_in[rows, None] + self.p2p_out[None, cols], r, k,
-                            k if opts.schedule == "pipedream" else 1, self.model.interference_s_per_byte)
-        work = base + _times(kk, fb) + extra
+        extra = self.extra_table(r, k)
+        work = base + _times(kk, fb)
+        if extra is not None:
+            extra = extra[rows, cols]
+            work = work + extra
         lower = np.maximum(work, xfer)
         table = combine(prev, np.where(lower <= bound, lower, np.inf) if total else lower)
         if r > 1 and self.param_nodes[first:end + 1].any():
@@ -192,13 +194,22 @@ class _Solver:
                 return None
             exposed = self.exposure_table(blk)[rows, cols]
             if opts.schedule == "pipedream":
-                busy = k * (fb + exposed) + extra
+                busy = k * (fb + exposed) + (0.0 if extra is None else extra)
             else:                                                          # the sync may also hide in the gap
                 busy = work + np.maximum(0.0, exposed - self.gap[rows, None])
             term = np.maximum(busy, xfer)
             table = combine(prev, np.where(term <= bound, term, np.inf) if total else term)
         arg = table.argmin(axis=0)
         return np.arange(first, end + 1), arg + first, table[arg, np.arange(end + 1 - first)]
+
+    def extra_table(self, r: int, k: int) -> np.ndarray | None:
+        """overhead_ms(i, j) for every stage i..j with r replicas of k micro-batches each; None when all 0."""
+        key = (r, k)
+        if key not in self._extra:
+            table = overhead_ms(self.opt_ms, self.weights, self.p2p_in[:, None] + self.p2p_out[None, :], r, k,
+                                k if self.opts.schedule == "pipedream" else 1, self.model.interference_s_per_byte)
+            self._extra[key] = table if np.any(table[self.upper]) else None
+        return self._extra[key]
 
     def inflight(self, x: int, r: int, k: int) -> int:
         """Micro-batches a replica of a block starting at x (r ranks in all copies) holds at once."""
