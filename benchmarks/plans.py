@@ -290,13 +290,16 @@ def replot(json_path: Path) -> None:
         write_json(json_path, data)
     models = list(dict.fromkeys(r["model"] for r in rows))
     hosts = sorted({r["hosts"] for r in rows})
-    fig = plot(pyplot(), rows, _title(models, hosts))
+    fig = plot(pyplot(), rows, _title(models, hosts, data.get("settings", {}).get("cpus_per_host")))
     fig.savefig(json_path.with_suffix(".png"), dpi=110, bbox_inches="tight")
 
 
-def _title(models: Sequence[str], hosts: Sequence[int]) -> str:
+def _title(models: Sequence[str], hosts: Sequence[int], cpus: dict | None = None) -> str:
+    """``cpus``: hosts -> cores per host (None: no quota), as in the results' settings."""
+    quota = [f"{c:g}" for c in (cpus or {}).values() if c]
+    share = f"a CPU quota of {'/'.join(quota)} cores per host" if quota else "hosts sharing the cores freely"
     return (f"partition strategies trained on emulated hosts at 1 Gbit/s ({', '.join(models)}; "
-            f"{'/'.join(map(str, hosts))} hosts; 1 thread per worker, 2 shared cores)")
+            f"{'/'.join(map(str, hosts))} hosts; 1 thread per worker; {share})")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -382,7 +385,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "compute_calibration": calibration, "allreduce_calibration_fits": links, "rows": rows,
             "errors": {"plan": error_summary(rows), "busy_aware": error_summary(rows, key="error_busy")},
             "duration_s": round(time.monotonic() - started, 1)}
-    write_results(json_path, data, plot(pyplot(), rows, _title(models, hosts_list)), png_path)
+    write_results(json_path, data, plot(pyplot(), rows, _title(models, hosts_list, data["settings"]["cpus_per_host"])),
+                  png_path)
     for what, e in data["errors"].items():
         log.info("%s prediction within %.0f%% for %d of %d runs (median |error| %s)", what, 100 * e["goal"],
                  e["within_goal"], e["runs"], f"{100 * e['median_abs_error']:.0f}%"

@@ -271,7 +271,7 @@ def plot(plt, rows: Sequence[Mapping[str, Any]], title: str):
             axis.set_major_formatter(ScalarFormatter())
             axis.set_minor_formatter(ScalarFormatter())
             axis.set_minor_locator(LogLocator(subs=(1.0, 2.0, 3.0, 5.0, 7.0)))
-    ax2.set_xlabel("predicted step (s): hollow the plan's; filled busy-aware (hosts without CPU quotas), else the plan's")
+    ax2.set_xlabel("predicted step (s); without CPU quotas: filled busy-aware, hollow the plan's")
     ax2.set_ylabel("measured step (s, median)")
     ax2.legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
