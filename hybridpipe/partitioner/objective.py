@@ -135,7 +135,7 @@ def overhead_ms(optimizer_ms, weights, p2p_bytes, replicas: int, k: int, syncs: 
 
     ``p2p_bytes``: mean of the bytes a replica sends and receives per micro-batch. Works on
     numbers and elementwise on numpy tables (``dp.py``)."""
-    ring = 2 * (replicas - 1) / replicas * weights if replicas > 1 else 0.0 * weights
+    ring = 2 * (replicas - 1) / replicas * weights          # 0 for one replica
     return syncs * (optimizer_ms + interference * 1e3 * ring) + k * interference * 1e3 * p2p_bytes
 
 

@@ -118,16 +118,21 @@ def test_an_exception_inside_the_block_still_tears_everything_down():
     assert not set(cluster.namespaces) & set(netns.list_namespaces())
 
 
-def test_leftovers_of_a_killed_owner_are_cleaned_up_and_live_clusters_are_kept():
-    code = ("import os, time; from tools.emucluster import EmulatedCluster; "
-            "c = EmulatedCluster(2, '1gbit').up(); c.start(c.hosts[0], ['sleep', '60']); "
+def killed_owner_tag(cluster_args: str) -> str:
+    """Build ``EmulatedCluster(cluster_args)`` with a process on host 0 in a child, kill the child; its tag."""
+    code = ("import time; from tools.emucluster import EmulatedCluster; "
+            f"c = EmulatedCluster({cluster_args}).up(); c.start(c.hosts[0], ['sleep', '60']); "
             "print(c.tag, flush=True); time.sleep(60)")
     owner = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
-        tag = owner.stdout.readline().strip()
+        return owner.stdout.readline().strip()
     finally:
         owner.kill()
         owner.wait()
+
+
+def test_leftovers_of_a_killed_owner_are_cleaned_up_and_live_clusters_are_kept():
+    tag = killed_owner_tag("2, '1gbit'")
     assert tag in list_clusters()
     with EmulatedCluster(1, None) as mine:
         removed = cleanup_leftovers()
@@ -165,15 +170,7 @@ def test_cpu_quota_holds_each_host_to_its_cores_and_goes_with_the_cluster():
 
 
 def test_leftover_cpu_groups_of_a_killed_owner_are_cleaned_up():
-    code = ("import time; from tools.emucluster import EmulatedCluster; "
-            "c = EmulatedCluster(1, None, cpus=0.5).up(); c.start(c.hosts[0], ['sleep', '60']); "
-            "print(c.tag, flush=True); time.sleep(60)")
-    owner = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
-    try:
-        tag = owner.stdout.readline().strip()
-    finally:
-        owner.kill()
-        owner.wait()
+    tag = killed_owner_tag("1, None, cpus=0.5")
     ctl = cpu.find_controller()
     assert tag in cpu.list_tags(ctl)
     removed = cleanup_leftovers()

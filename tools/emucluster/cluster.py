@@ -351,8 +351,8 @@ def destroy(tag: str) -> list[str]:
     hosts_first = sorted(names, key=lambda n: (parse_ns(n)[1] is None, n))
     for ns in hosts_first:
         netns.delete_namespace(ns)
-    for ctl in (_controller_if_any(), cpu.find_cpuset()):
-        if ctl is not None and tag in cpu.list_tags(ctl):
+    for ctl in cpu.present():
+        if tag in cpu.list_tags(ctl):
             cpu.remove_groups(ctl, tag)
             hosts_first.append(str(ctl.cluster_dir(tag)))
     return hosts_first
@@ -362,7 +362,7 @@ def cleanup_leftovers(*, include_live: bool = False) -> list[str]:
     """Remove clusters whose owning process died (or, with ``include_live``, every cluster)."""
     netns.check_prerequisites()
     removed = []
-    groups = {t for ctl in (_controller_if_any(), cpu.find_cpuset()) if ctl for t in cpu.list_tags(ctl)}
+    groups = {t for ctl in cpu.present() for t in cpu.list_tags(ctl)}
     for tag in sorted(set(list_clusters()) | groups):
         if include_live or is_leftover(tag):
             removed += destroy(tag)

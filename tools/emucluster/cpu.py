@@ -52,14 +52,23 @@ class Controller:
         return self.cluster_dir(tag) / f"h{index}"
 
 
-def find_cpuset(base: Path = CGROUP_ROOT) -> Controller | None:
-    """The cpuset controller (v1 preferred), or None where there is none."""
-    v1 = base / "cpuset"
-    if (v1 / "cpuset.cpus").exists():
-        return Controller(1, v1)
-    if "cpuset" in _read(base / "cgroup.controllers").split():
+def _find(base: Path, name: str, v1_file: str) -> Controller | None:
+    """Controller ``name``: its v1 hierarchy (``base/name`` holding ``v1_file``), else v2 if it lists it, else None."""
+    if (base / name / v1_file).exists():
+        return Controller(1, base / name)
+    if name in _read(base / "cgroup.controllers").split():
         return Controller(2, base)
     return None
+
+
+def find_cpuset(base: Path = CGROUP_ROOT) -> Controller | None:
+    """The cpuset controller (v1 preferred), or None where there is none."""
+    return _find(base, "cpuset", "cpuset.cpus")
+
+
+def present(base: Path = CGROUP_ROOT) -> list[Controller]:
+    """The cpu and cpuset controllers that exist here (where our groups may be)."""
+    return [c for c in (_find(base, "cpu", "cpu.cfs_quota_us"), find_cpuset(base)) if c is not None]
 
 
 def pinning(hosts: int, cpus: float, ncpu: int) -> list[int] | None:
@@ -76,12 +85,10 @@ def pinning(hosts: int, cpus: float, ncpu: int) -> list[int] | None:
 
 def find_controller(base: Path = CGROUP_ROOT) -> Controller:
     """The cpu controller of this machine (v1 preferred where both are mounted); refuse clearly if none."""
-    v1 = base / "cpu"
-    if (v1 / "cpu.cfs_quota_us").exists():
-        return Controller(1, v1)
-    if "cpu" in _read(base / "cgroup.controllers").split():
-        return Controller(2, base)
-    raise EmuClusterError(f"per-host CPU quotas need the cgroup cpu controller, found neither {v1}/cpu.cfs_quota_us "
+    found = _find(base, "cpu", "cpu.cfs_quota_us")
+    if found is not None:
+        return found
+    raise EmuClusterError(f"per-host CPU quotas need the cgroup cpu controller, found neither {base}/cpu/cpu.cfs_quota_us "
                           f"(cgroup v1) nor 'cpu' in {base}/cgroup.controllers (v2); mount it or run without --cpus")
 
 
