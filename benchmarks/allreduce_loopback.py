@@ -27,8 +27,17 @@ from pathlib import Path
 if __package__ in (None, ""):                       # run as a script: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import (busbw_gbps, log, machine, parse_size_range, pyplot, result_paths, setup_logging,
-                               size_label, write_results)
+from benchmarks.common import (
+    busbw_gbps,
+    log,
+    machine,
+    parse_size_range,
+    pyplot,
+    result_paths,
+    setup_logging,
+    size_label,
+    write_results,
+)
 
 ALGORITHMS = ("native", "ring", "butterfly", "hierarchical", "torus2d", "aggregator", "aggregator-dedicated", "auto")
 

@@ -19,14 +19,28 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from itertools import pairwise
 from pathlib import Path
 
 if __package__ in (None, ""):                       # run as a script: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import (busbw_gbps, emit_result, log, machine, parse_size_range, pyplot, require_emulation,
-                               result_paths, run_workers, setup_logging, size_label, summary, worker_env,
-                               write_results)
+from benchmarks.common import (
+    busbw_gbps,
+    emit_result,
+    log,
+    machine,
+    parse_size_range,
+    pyplot,
+    require_emulation,
+    result_paths,
+    run_workers,
+    setup_logging,
+    size_label,
+    summary,
+    worker_env,
+    write_results,
+)
 from hybridpipe.jsonfile import write_json
 
 ALGORITHMS = ("ring", "butterfly", "hierarchical", "torus2d", "aggregator", "aggregator@switch", "native", "auto")
@@ -161,7 +175,7 @@ def crossovers(faster: dict[int, float], ring: dict[int, float]) -> list[dict]:
     """
     sizes = sorted(set(faster) & set(ring))
     out = []
-    for lo, hi in zip(sizes, sizes[1:]):
+    for lo, hi in pairwise(sizes):
         a, b = faster[lo] < ring[lo], faster[hi] < ring[hi]
         if a != b:
             out.append({"between": [lo, hi], "below": "algo" if a else "ring", "from": "ring" if a else "algo"})
@@ -234,7 +248,7 @@ def plot(results: list[dict], title: str):
             pts = [(r["bytes"], r["busbw_of_link"]) for r in res["rows"]
                    if r["algorithm"] == algo and r.get("busbw_of_link") is not None]
             if pts:
-                xs, ys = zip(*pts)
+                xs, ys = zip(*pts, strict=True)
                 ax.plot(xs, ys, marker="o", ms=3, lw=2.5 if algo == "auto" else 1.2,
                         ls="--" if algo == "auto" else "-", label=algo)
         ax.axhline(TCP_MAX, color="grey", ls=":", lw=1)

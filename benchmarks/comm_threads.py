@@ -41,8 +41,17 @@ from pathlib import Path
 if __package__ in (None, ""):                       # run as a script: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import REPO, log, machine, pyplot, require_emulation, result_paths, setup_logging, \
-    worker_env, write_results  # noqa: E402
+from benchmarks.common import (
+    REPO,
+    log,
+    machine,
+    pyplot,
+    require_emulation,
+    result_paths,
+    setup_logging,
+    worker_env,  # noqa: E402
+    write_results,
+)
 from hybridpipe.jsonfile import write_json  # noqa: E402
 
 MODES = ("per-tensor", "sa", "sra")

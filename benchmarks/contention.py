@@ -104,7 +104,7 @@ def _run_local(cmd: list[str], copies: int, timeout_s: float) -> list[str]:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    bad = next(((o, e) for (o, e), p in zip(outs, procs) if p.returncode), None)
+    bad = next(((o, e) for (o, e), p in zip(outs, procs, strict=True) if p.returncode), None)
     if bad:
         raise RuntimeError("a compute copy failed: " + bad[1][-2000:])
     return [o for o, _ in outs]

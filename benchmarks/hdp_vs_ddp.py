@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import os
 import sys
 import time
@@ -33,8 +34,18 @@ from pathlib import Path
 if __package__ in (None, ""):                       # run as a script: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import (emit_result, log, machine, pyplot, require_emulation, result_paths, run_workers,
-                               setup_logging, summary, write_results)
+from benchmarks.common import (
+    emit_result,
+    log,
+    machine,
+    pyplot,
+    require_emulation,
+    result_paths,
+    run_workers,
+    setup_logging,
+    summary,
+    write_results,
+)
 from hybridpipe.jsonfile import write_json
 
 SYSTEMS = ("ddp", "hdp", "hdp-1lane", "hdp-step")
@@ -163,10 +174,10 @@ def worker(args: argparse.Namespace) -> None:
             order = names[rep % len(names):] + names[:rep % len(names)]
             for name in order:
                 system = systems[name]
-                times[name].append(timed_block(lambda: step(system, x, y), args.steps, system.flush))
+                times[name].append(timed_block(functools.partial(step, system, x, y), args.steps, system.flush))
                 if rank == 0:
                     print(f"batch {bs} {name} rep {rep}: {times[name][-1]:.3f} s/step", file=sys.stderr, flush=True)
-        compute = timed_block(lambda: compute_only(x, y), 1) if args.compute_steps else None
+        compute = timed_block(functools.partial(compute_only, x, y), 1) if args.compute_steps else None
         row = {"batch_per_worker": bs, "global_batch": bs * world, "compute_s": compute,
                **{f"{n}_s": summary(times[n]) for n in names}}
         for n in names:
@@ -208,7 +219,7 @@ def worker_calibration(args: argparse.Namespace):
 def _same_weights(a, b) -> dict:
     """Both systems trained on the same data from the same start: their weights must agree."""
     import torch
-    pairs = list(zip(a.parameters(), b.parameters()))
+    pairs = list(zip(a.parameters(), b.parameters(), strict=True))
     diff = max(float((p - q).abs().max()) for p, q in pairs)
     return {"equal": all(torch.allclose(p, q, rtol=1e-3, atol=1e-5) for p, q in pairs), "max_abs_diff": diff}
 
@@ -244,7 +255,7 @@ def plot(data: dict):
             continue
         pos = [i + (k - (len(others) - 1) / 2) * w2 for i in xs]
         ax2.bar(pos, ratios, w2, label=LABELS.get(name, name))
-        for x, v in zip(pos, ratios):
+        for x, v in zip(pos, ratios, strict=True):
             ax2.text(x, v, f"{v:.3f}", ha="center", va="bottom", fontsize=8)
     ax2.axhline(1.0, color="k", lw=0.8)
     ax2.set_xticks(xs, [str(r["batch_per_worker"]) for r in rows])

@@ -41,8 +41,20 @@ from pathlib import Path
 if __package__ in (None, ""):                       # run as a script: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import (REPO, emit_result, log, machine, pyplot, read_result, require_emulation,
-                               result_paths, run_workers, setup_logging, summary, write_results)
+from benchmarks.common import (
+    REPO,
+    emit_result,
+    log,
+    machine,
+    pyplot,
+    read_result,
+    require_emulation,
+    result_paths,
+    run_workers,
+    setup_logging,
+    summary,
+    write_results,
+)
 
 MODES = ("per-tensor", "sa", "sra")
 CUTS = {"conv1": (96, 27, 27), "conv2": (256, 13, 13), "conv5": (256, 6, 6)}
@@ -62,36 +74,40 @@ def programs(stages: list[list[int]], micro: int) -> dict[int, list[tuple]]:
     many forwards as stages follow it, then alternates one forward and one backward.
     """
     progs: dict[int, list[tuple]] = {}
-    n = len(stages)
     for s, ranks in enumerate(stages):
         for i, rank in enumerate(ranks):
-            mine = [m for m in range(micro) if m % len(ranks) == i]
-            ops: list[tuple] = []
-
-            def fwd(m: int) -> None:
-                if s > 0:
-                    ops.append(("recv", stages[s - 1][m % len(stages[s - 1])], f"act{s - 1}/{m}"))
-                ops.append(("fwd", m))
-                if s < n - 1:
-                    ops.append(("send", stages[s + 1][m % len(stages[s + 1])], f"act{s}/{m}"))
-
-            def bwd(m: int) -> None:
-                if s < n - 1:
-                    ops.append(("recv", stages[s + 1][m % len(stages[s + 1])], f"grad{s}/{m}"))
-                ops.append(("bwd", m))
-                if s > 0:
-                    ops.append(("send", stages[s - 1][m % len(stages[s - 1])], f"grad{s - 1}/{m}"))
-
-            warm = min(n - s - 1, len(mine))
-            for m in mine[:warm]:
-                fwd(m)
-            for k, m in enumerate(mine[warm:]):
-                fwd(m)
-                bwd(mine[k])
-            for m in mine[len(mine) - warm:] if warm else []:
-                bwd(m)
-            progs[rank] = ops
+            progs[rank] = _rank_ops(stages, s, [m for m in range(micro) if m % len(ranks) == i])
     return progs
+
+
+def _rank_ops(stages: list[list[int]], s: int, mine: list[int]) -> list[tuple]:
+    """One rank of stage ``s``'s step, running micro-batches ``mine``."""
+    n = len(stages)
+    ops: list[tuple] = []
+
+    def fwd(m: int) -> None:
+        if s > 0:
+            ops.append(("recv", stages[s - 1][m % len(stages[s - 1])], f"act{s - 1}/{m}"))
+        ops.append(("fwd", m))
+        if s < n - 1:
+            ops.append(("send", stages[s + 1][m % len(stages[s + 1])], f"act{s}/{m}"))
+
+    def bwd(m: int) -> None:
+        if s < n - 1:
+            ops.append(("recv", stages[s + 1][m % len(stages[s + 1])], f"grad{s}/{m}"))
+        ops.append(("bwd", m))
+        if s > 0:
+            ops.append(("send", stages[s - 1][m % len(stages[s - 1])], f"grad{s - 1}/{m}"))
+
+    warm = min(n - s - 1, len(mine))
+    for m in mine[:warm]:
+        fwd(m)
+    for k, m in enumerate(mine[warm:]):
+        fwd(m)
+        bwd(mine[k])
+    for m in mine[len(mine) - warm:] if warm else []:
+        bwd(m)
+    return ops
 
 
 def comm_only(progs: dict[int, list[tuple]]) -> dict[int, list[tuple]]:
@@ -103,6 +119,7 @@ def comm_only(progs: dict[int, list[tuple]]) -> dict[int, list[tuple]]:
 def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
+
     from hybridpipe.comm.p2p import Channels, link_orders, pair_groups
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -215,7 +232,7 @@ def plot(results: list[dict], regimes: list[dict], rate: str):
     plt = pyplot()
     fig, axes = plt.subplots(1, len(regimes), figsize=(4.6 * len(regimes), 3.8), squeeze=False)
     width = 0.8 / len(MODES)
-    for ax, regime in zip(axes[0], regimes):
+    for ax, regime in zip(axes[0], regimes, strict=True):
         mine = [r for r in results if all(r[k] == regime[k] for k in regime)]
         for j, mode in enumerate(MODES):
             xs, ys, labels = [], [], []

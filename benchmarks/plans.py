@@ -55,12 +55,31 @@ from pathlib import Path
 if __package__ in (None, ""):                       # run as a script: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import (REPO, bench_lock, log, machine, pyplot, require_emulation,
-                               result_paths, setup_logging, write_results)
-from benchmarks.plans_analysis import (STRATEGIES, add_relative, compute_concurrency, compute_scale, contention_at,
-                                       error_summary, memory_refusal, plan_key, plot, refusal_lines, row_from,
-                                       scale_plan_compute, scale_profile)
+from benchmarks.common import (
+    REPO,
+    bench_lock,
+    log,
+    machine,
+    pyplot,
+    require_emulation,
+    result_paths,
+    setup_logging,
+    write_results,
+)
 from benchmarks.contention import measure_compute
+from benchmarks.plans_analysis import (
+    STRATEGIES,
+    add_relative,
+    busy_aware_prediction,
+    compute_scale,
+    error_summary,
+    memory_refusal,
+    plan_key,
+    plot,
+    refusal_lines,
+    row_from,
+    scale_profile,
+)
 from hybridpipe.jsonfile import read_json, write_json
 
 # name -> (model spec, samples per micro-batch, what was reduced)
@@ -78,7 +97,8 @@ LAUNCH_TIMEOUT_S = 120       # launch.py --timeout: any receive / collective
 
 # ---- profile, calibrate, partition ---------------------------------------------------------
 
-def hybridpipe_cli(args: Sequence[str], timeout_s: float = 600, threads: int | None = None) -> subprocess.CompletedProcess:
+def hybridpipe_cli(args: Sequence[str], timeout_s: float = 600,
+                   threads: int | None = None) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     if threads:
         env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
@@ -125,37 +145,6 @@ def link_fits(calibration_file: Path) -> dict[str, dict[str, float]]:
            for name, f in fits.items()}
     return {**out, "interference_ms_per_mb": round(cal.interference_s_per_byte * 1e9, 3),
             "overlap_slowdown": round(cal.overlap_slowdown, 3)}
-
-
-def busy_aware_prediction(plan: dict, curve: dict[int, float], hosts: int, calibrations: Sequence[Path],
-                          iterations: int = 4) -> dict:
-    """The plan's step re-simulated with the contention of the workers that compute at once.
-
-    The plan's compute times assume all ``hosts`` workers compute at once (contention c(hosts)).
-    In a pipeline some stages wait, so fewer compete for the cores: simulate the plan, take B =
-    how many workers compute at once as the compute work sees it (compute_concurrency), rescale
-    compute by c(B) / c(hosts) (c measured, interpolated), and repeat a few times. Communication
-    is not counted as busy (gloo's copies and reductions do use the cores: see the report).
-    """
-    from hybridpipe.partitioner.calibration import load_calibration
-    from hybridpipe.partitioner.costmodel import CostModel
-    from hybridpipe.partitioner.plan import Plan
-    from hybridpipe.pipeline.simulator import simulate
-    base = Plan.from_dict(plan)
-    model = CostModel(base.cluster, load_calibration(calibrations[0]) if calibrations else None)
-    full = contention_at(curve, hosts)
-    def concurrency(result) -> float:
-        return compute_concurrency([(iv.t0, iv.t1) for iv in result.intervals if iv.kind in ("F", "B")])
-
-    first = simulate(base, cost_model=model)
-    busy, result = concurrency(first), first
-    for _ in range(iterations):
-        ratio = contention_at(curve, busy) / full
-        result = simulate(Plan.from_dict(scale_plan_compute(plan, ratio)), cost_model=model)
-        busy = concurrency(result)
-    return {"simulated_step_ms": first.step_ms, "busy_workers": round(busy, 2),
-            "contention_busy": round(contention_at(curve, busy), 3), "contention_all": round(full, 3),
-            "predicted_busy_step_ms": result.step_ms}
 
 
 # ---- training a plan on the emulated hosts ---------------------------------------------------
@@ -260,7 +249,8 @@ def settings_dict(models: Sequence[str], hosts: Sequence[int], strategies: Seque
                                   "emulated host, 1 thread each) / (profile's per-node sum); every node's "
                                   "forward/backward multiplied by it (with CPU quotas: the mean of alone and all at "
                                   "once); optimizer step times scaled by the sgd step measured alike; "
-                                  "plans made from the scaled profile (predicted_step_ms). busy-aware (no quotas): the plan "
+                                  "plans made from the scaled profile (predicted_step_ms). "
+                                  "busy-aware (no quotas): the plan "
                                   "re-simulated with compute scaled by c(B)/c(N), c measured at 1, 2, N/2, N copies, "
                                   "B = compute concurrency of the simulated schedule (predicted_busy_step_ms)",
             "allreduce_calibration": "hybridpipe bench-allreduce on the emulated cluster (every algorithm, 64K..64M), "

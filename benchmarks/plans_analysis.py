@@ -1,13 +1,15 @@
-"""Pure helpers of ``benchmarks/plans.py``: scaling a profile, naming and comparing plans,
-the rows of the report and its figure. Plain data in, plain data out (tested without processes).
+"""Pure helpers of ``benchmarks/plans.py``: scaling a profile, the busy-aware re-simulation,
+naming and comparing plans, the rows of the report and its figure. Plain data in, plain data
+out (tested without processes).
 """
 
 from __future__ import annotations
 
 import copy
 from collections import Counter
-from pathlib import Path
 from collections.abc import Mapping, Sequence
+from itertools import pairwise
+from pathlib import Path
 from typing import Any
 
 STRATEGIES = ("optimal", "dp", "uniform", "params", "time", "pipedream")
@@ -60,7 +62,7 @@ def contention_at(curve: Mapping[int, float], busy: float) -> float:
     points = sorted({1: 1.0, **{int(k): float(v) for k, v in curve.items()}}.items())
     if busy <= points[0][0]:
         return points[0][1]
-    for (k0, c0), (k1, c1) in zip(points, points[1:]):
+    for (k0, c0), (k1, c1) in pairwise(points):
         if busy <= k1:
             return c0 + (c1 - c0) * (busy - k0) / (k1 - k0)
     return points[-1][1]
@@ -91,6 +93,37 @@ def compute_concurrency(intervals: Sequence[tuple[float, float]]) -> float:
             weighted += n * n * (t - last)
         n, last = n + d, t
     return weighted / work if work > 0 else 1.0
+
+
+def busy_aware_prediction(plan: dict, curve: dict[int, float], hosts: int, calibrations: Sequence[Path],
+                          iterations: int = 4) -> dict:
+    """The plan's step re-simulated with the contention of the workers that compute at once.
+
+    The plan's compute times assume all ``hosts`` workers compute at once (contention c(hosts)).
+    In a pipeline some stages wait, so fewer compete for the cores: simulate the plan, take B =
+    how many workers compute at once as the compute work sees it (compute_concurrency), rescale
+    compute by c(B) / c(hosts) (c measured, interpolated), and repeat a few times. Communication
+    is not counted as busy (gloo's copies and reductions do use the cores: see the report).
+    """
+    from hybridpipe.partitioner.calibration import load_calibration
+    from hybridpipe.partitioner.costmodel import CostModel
+    from hybridpipe.partitioner.plan import Plan
+    from hybridpipe.pipeline.simulator import simulate
+    base = Plan.from_dict(plan)
+    model = CostModel(base.cluster, load_calibration(calibrations[0]) if calibrations else None)
+    full = contention_at(curve, hosts)
+    def concurrency(result) -> float:
+        return compute_concurrency([(iv.t0, iv.t1) for iv in result.intervals if iv.kind in ("F", "B")])
+
+    first = simulate(base, cost_model=model)
+    busy, result = concurrency(first), first
+    for _ in range(iterations):
+        ratio = contention_at(curve, busy) / full
+        result = simulate(Plan.from_dict(scale_plan_compute(plan, ratio)), cost_model=model)
+        busy = concurrency(result)
+    return {"simulated_step_ms": first.step_ms, "busy_workers": round(busy, 2),
+            "contention_busy": round(contention_at(curve, busy), 3), "contention_all": round(full, 3),
+            "predicted_busy_step_ms": result.step_ms}
 
 
 def stage_layout(plan: Mapping[str, Any]) -> str:
@@ -188,7 +221,8 @@ def refusal_lines(text: str) -> str:
 
 
 def row_from(model: str, hosts: int, strategy: str, plan: dict, summary: dict | None, busy: dict | None = None) -> dict:
-    """One report row: the plan's prediction (and ``busy``: busy_aware_prediction()), its layout, what the run measured."""
+    """One report row: the plan's prediction (and ``busy``: busy_aware_prediction()), its layout,
+    what the run measured."""
     row = {"model": model, "hosts": hosts, "strategy": strategy, "layout": stage_layout(plan),
            "stages": len(plan["stages"]), "schedule": plan["schedule"], "micro_batches": plan["micro_batches"],
            "batch_size": plan["batch_size"], "global_batch": plan["batch_size"] * plan["micro_batches"],
@@ -236,8 +270,9 @@ def plot(plt, rows: Sequence[Mapping[str, Any]], title: str):
             pred.append(r.get("predicted_vs_optimal"))
             busy.append(r.get("predicted_busy_vs_optimal"))
         ax.bar(xs, meas, w, label=strategy)
-        ax.scatter([x for x, p in zip(xs, pred) if p], [p for p in pred if p], marker="_", s=120, color="k", zorder=3)
-        ax.scatter([x for x, p in zip(xs, busy) if p], [p for p in busy if p], marker="_", s=120, color="m", zorder=3)
+        for ys, colour in ((pred, "k"), (busy, "m")):
+            ax.scatter([x for x, y in zip(xs, ys, strict=True) if y], [y for y in ys if y], marker="_", s=120,
+                       color=colour, zorder=3)
     ax.scatter([], [], marker="_", s=120, color="k", label="predicted ratio (plan)")
     ax.scatter([], [], marker="_", s=120, color="m", label="predicted ratio (busy-aware)")
     ax.axhline(1.0, color="grey", lw=0.8)

@@ -43,8 +43,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from benchmarks.common import (REPO, RESULT_TAG, emit_result, machine, pyplot, require_emulation,  # noqa: E402
-                               result_paths, setup_logging, worker_env, write_results)
+from benchmarks.common import (  # noqa: E402
+    REPO,
+    RESULT_TAG,
+    emit_result,
+    machine,
+    pyplot,
+    require_emulation,
+    result_paths,
+    setup_logging,
+    worker_env,
+    write_results,
+)
 from hybridpipe.comm.local import describe_failures, run_local  # noqa: E402
 from hybridpipe.partitioner.cluster import Cluster, Level  # noqa: E402
 from hybridpipe.partitioner.plan import load_plan, save_plan  # noqa: E402

@@ -13,8 +13,9 @@ import os
 import queue
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch.distributed as dist
 import torch.multiprocessing as mp

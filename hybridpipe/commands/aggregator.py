@@ -28,7 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-bytes", type=int, default=256 << 10, help="bytes summed per chunk (default 256 KiB)")
     p.add_argument("--buffers", type=int, default=4, help="chunk buffers in flight per worker (default 4)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a silent worker is waited for (default 300)")
-    p.add_argument("--sessions", type=int, default=None, help="exit after this many sessions (default: run until stopped)")
+    p.add_argument("--sessions", type=int, default=None,
+                   help="exit after this many sessions (default: run until stopped)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads for the sums (default 1: the event loop is single-threaded, and idle "
                         "OpenMP workers spinning would take the CPU the sockets need)")

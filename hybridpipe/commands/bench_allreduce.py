@@ -30,7 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", required=True, help="calibration JSON to write")
     p.add_argument("--algorithms", default=",".join(ALGORITHMS),
                    help=f"comma-separated, from {','.join(ALGORITHMS)} (default: all)")
-    p.add_argument("--sizes", default="4K..64M", help="message sizes: a range 4K..64M or a list 4K,1M (default 4K..64M)")
+    p.add_argument("--sizes", default="4K..64M",
+                   help="message sizes: a range 4K..64M or a list 4K,1M (default 4K..64M)")
     p.add_argument("--size-step", type=int, default=4, help="factor between sizes of a range (default 4)")
     p.add_argument("--ranks", type=int, default=4, help="local processes to spawn when not under torchrun (default 4)")
     p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16", "int64"))
@@ -49,7 +50,8 @@ def _config(args: argparse.Namespace) -> BenchConfig:
     algorithms = tuple(a.strip() for a in args.algorithms.split(",") if a.strip())
     unknown = [a for a in algorithms if a not in ALGORITHMS]
     if unknown or not algorithms:
-        raise UserError(f"--algorithms: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(ALGORITHMS)}")
+        raise UserError(f"--algorithms: unknown {', '.join(unknown) or '(none given)'}; "
+                        f"choose from {', '.join(ALGORITHMS)}")
     sizes = parse_sizes(args.sizes, args.size_step)
     if len(sizes) < 2:
         raise UserError("--sizes: give at least two sizes (alpha and beta are fitted from them)")

@@ -73,13 +73,14 @@ def render(outcome: Outcome, nodes, *, layers: bool = False) -> str:
             f"schedule {plan.schedule}, strategy {plan.strategy}, optimizer {plan.optimizer}",
             f"cluster: {cluster_line(plan)}"]
     rows = []
-    for s, e in zip(plan.stages, ev.stages):
+    for s, e in zip(plan.stages, ev.stages, strict=True):
         algos = Counter(lv.algorithm for lv in s.layers)
         load = f"{100 * e.term_ms / ev.objective_ms:.0f}%" + (" *" if s.index == worst else "")
         rows.append([s.index, f"{s.first_node}-{s.last_node}", f"{nodes[s.first_node].name}..{nodes[s.last_node].name}",
                      s.replicas, rank_ranges(s.ranks), f"{s.forward_ms:.2f}", f"{s.backward_ms:.2f}",
                      f"{s.sync_ms:.2f}", f"{s.overhead_ms:.2f}", human_bytes(s.send_bytes) if s.send_bytes else "-",
-                     human_bytes(s.memory_bytes), load, ", ".join(f"{a} x{c}" for a, c in sorted(algos.items())) or "-"])
+                     human_bytes(s.memory_bytes), load,
+                     ", ".join(f"{a} x{c}" for a, c in sorted(algos.items())) or "-"])
     body = table(["stage", "nodes", "layers", "replicas", "ranks", "fwd ms", "bwd ms", "sync ms", "extra ms",
                   "sends", "memory", "load", "all-reduce"], rows)
     foot = [f"predicted step {plan.predicted_step_ms:.1f} ms = {plan.predicted_samples_per_s:.1f} samples/s "

@@ -61,7 +61,8 @@ def table(headers: list[str], rows: list[list[object]]) -> str:
                for i in range(len(headers))]
 
     def line(values: list[str]) -> str:
-        return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric)).rstrip()
+        cols = zip(values, widths, numeric, strict=True)
+        return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in cols).rstrip()
 
     return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in cells])
 
@@ -97,11 +98,12 @@ def render_profile(p: Profile, *, sort: str = "id", top: int = 0) -> str:
             f"{p.dtype} on {p.device}, torch {p.torch_version}, median of {p.repeats}",
             f"{len(p.nodes)} nodes, {len(p.edges)} edges, signature {p.signature()}"
             + (f", created {p.created}" if p.created else "")]
-    foot = [f"{'shown ' + str(len(shown)) + ' of ' + str(len(nodes)) + ' nodes (sorted by ' + sort + ')' if len(shown) < len(nodes) else ''}".strip(),
+    foot = [f"shown {len(shown)} of {len(nodes)} nodes (sorted by {sort})" if len(shown) < len(nodes) else "",
             f"total: forward {t.forward_ms:.2f} ms, backward {t.backward_ms:.2f} ms, "
             f"sum {t.forward_ms + t.backward_ms:.2f} ms; measured forward+backward {t.measured_ms:.2f} ms "
             f"(node sum / measured = {t.ratio:.2f})",
-            f"parameters {t.param_count:,} ({human_bytes(t.param_bytes)}), activations {human_bytes(t.activation_bytes)}"]
+            f"parameters {t.param_count:,} ({human_bytes(t.param_bytes)}), "
+            f"activations {human_bytes(t.activation_bytes)}"]
     foot += [f"note: {x}" for x in p.notes]
     return "\n".join(head + ["", table(["id", "name", "type", "fwd ms", "bwd ms", "activation", "params", "inputs"],
                                        rows), ""] + [x for x in foot if x])
@@ -118,7 +120,8 @@ def render_plan(plan: Plan, *, layers: bool = False) -> str:
     rows = [[s.index, f"{s.first_node}-{s.last_node}", s.replicas, ",".join(map(str, s.ranks)),
              f"{s.compute_ms:.2f}", f"{s.sync_ms:.2f}", f"{s.send_ms:.2f}", human_bytes(s.memory_bytes)]
             for s in plan.stages]
-    out = head + ["", table(["stage", "nodes", "replicas", "ranks", "compute ms", "sync ms", "send ms", "memory"], rows)]
+    out = head + ["", table(["stage", "nodes", "replicas", "ranks", "compute ms", "sync ms", "send ms", "memory"],
+                            rows)]
     if layers:
         lrows = [[s.index, lv.layer, human_bytes(lv.bytes), lv.algorithm, f"{lv.predicted_ms:.2f}",
                   f"{lv.exposed_ms:.2f}"] for s in plan.stages for lv in s.layers]

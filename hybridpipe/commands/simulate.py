@@ -65,7 +65,7 @@ def render(plan: Plan, topo: Topology, result: SimResult) -> str:
     costs = stage_costs(plan)
     rows = [[s.index, ",".join(map(str, s.ranks)), s.replicas, f"{c.forward_ms:.2f}", f"{c.backward_ms:.2f}",
              f"{c.send_ms:.2f}", f"{sum(c.allreduce_ms):.2f}", f"{100 * u:.1f}%"]
-            for s, c, u in zip(plan.stages, costs, result.utilisation)]
+            for s, c, u in zip(plan.stages, costs, result.utilisation, strict=True)]
     samples = topo.micro_batches * plan.batch_size
     lines = [f"{plan.model}: schedule {result.schedule}, {topo.micro_batches} micro-batches x {plan.batch_size} "
              f"samples, {topo.world_size} workers; simulated {result.steps} steps "

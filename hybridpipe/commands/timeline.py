@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 # one fixed colour per phase (matplotlib's tab10), so pictures of different runs compare
 PHASE_COLOURS = dict(zip(PHASES, ("#1f77b4", "#2ca02c", "#17becf", "#9467bd", "#d62728", "#ff7f0e",
-                                  "#e377c2", "#7f7f7f")))
+                                  "#e377c2", "#7f7f7f"), strict=True))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -16,7 +16,8 @@ measured by running a compute loop with and without an all-reduce beside it; 0 i
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field as dc_field
+from dataclasses import asdict, dataclass
+from dataclasses import field as dc_field
 from pathlib import Path
 
 from hybridpipe.errors import UserError
@@ -66,7 +67,7 @@ class Calibration:
         return d
 
     @classmethod
-    def from_dict(cls, data: object, source: str = "calibration") -> "Calibration":
+    def from_dict(cls, data: object, source: str = "calibration") -> Calibration:
         d = check_header(data, CALIBRATION_KIND, CALIBRATION_FORMAT, source)
         algos = field(d, "algorithms", dict, source)
         samples = []

@@ -60,7 +60,7 @@ class Cluster:
                 return k
         raise UserError(f"ranks {rank_a} and {rank_b} are outside a cluster of {self.total_workers} workers")
 
-    def with_workers(self, n: int) -> "Cluster":
+    def with_workers(self, n: int) -> Cluster:
         """The same cluster cut down (outermost fan-out first) to ``n`` workers; error if impossible."""
         if n == self.total_workers:
             return self
@@ -77,7 +77,7 @@ class Cluster:
                 "levels": [asdict(lv) for lv in self.levels], "memory_gb": self.memory_gb}
 
     @classmethod
-    def from_dict(cls, data: object, source: str = "cluster") -> "Cluster":
+    def from_dict(cls, data: object, source: str = "cluster") -> Cluster:
         """Validate a cluster description; ``kind``/``format`` are optional in hand-written files."""
         if not isinstance(data, dict):
             raise UserError(f"{source}: expected a JSON object with \"levels\" and \"memory_gb\"")

@@ -32,8 +32,8 @@ Conventions (the comm layer implements the same ones; group ranks are sorted, as
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 SWITCH = -1  # the dedicated aggregator process: an endpoint outside the workers
 

@@ -20,8 +20,8 @@ Pure computation; no torch.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -88,7 +88,7 @@ class CostModel:
 
     @classmethod
     def from_calibration(cls, cal: Calibration, memory_gb: float = 16.0,
-                         inner_bandwidth_gbps: float = 100.0) -> "CostModel":
+                         inner_bandwidth_gbps: float = 100.0) -> CostModel:
         """A model of the very group a calibration measured (for ``auto`` outside a plan).
 
         ``world_size`` ranks on ``hosts`` hosts, consecutive ranks per host; the measured level is
@@ -232,7 +232,7 @@ class CostModel:
             top = self.span_level(key) if len(key) > 1 else 0
             built = [self.rounds(a, key, halving=h) for a, h in missing]
             loads = self._loads([r for rounds in built for r in rounds], top)
-            for (a, h), rounds in zip(missing, built):
+            for (a, h), rounds in zip(missing, built, strict=True):
                 self._structure[("ring" if a == "native" else a, key, h, None)] = loads[:len(rounds)]
                 loads = loads[len(rounds):]
         return [(a, self.line(a, key, halving=h)) for a, h in variants]
@@ -295,7 +295,7 @@ class CostModel:
                                minlength=len(rounds) * n_levels * width)
         per_level = per_link.reshape(len(rounds), n_levels, width).max(axis=2)
         return tuple(RoundLoad(tuple((lv, float(v)) for lv, v in enumerate(row) if v > 0), r.steps, r.reduce,
-                               r.repeat) for r, row in zip(rounds, per_level.tolist()))
+                               r.repeat) for r, row in zip(rounds, per_level.tolist(), strict=True))
 
 
 def _with_level(cal: Calibration, level: str) -> Calibration:

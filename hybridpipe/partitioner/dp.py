@@ -221,7 +221,7 @@ class _Solver:
         versions = inflight - 1 if self.opts.schedule == "pipedream" else 0
         return 2 + OPTIMIZER_STATES[self.opts.optimizer] + versions
 
-    def block(self, x: int, y: int) -> "_Block":
+    def block(self, x: int, y: int) -> _Block:
         """Where block x..y-1 sits: its ranks, transfer levels and link shares (cached by shape)."""
         key = (x % self.period, y - x, x == 0, y == self.wc)
         hit = self._blocks.get(key)
@@ -236,7 +236,7 @@ class _Solver:
                                              lv_in == lv_out)
         return hit
 
-    def transfer_table(self, blk: "_Block", rows: slice, cols: slice) -> np.ndarray:
+    def transfer_table(self, blk: _Block, rows: slice, cols: slice) -> np.ndarray:
         """X(i, j) in ms: the stage's activation traffic per micro-batch (objective.transfer_ms)."""
         f_in, f_out, s_in, s_out = blk.fit_in, blk.fit_out, blk.share_in, blk.share_out
         a_in, g_out, has_in = self.a_in[rows], self.g_out[rows], self.has_in[rows]
@@ -250,7 +250,7 @@ class _Solver:
             x_s = np.maximum(t_in[:, None], t_out[None, :])
         return x_s * 1e3
 
-    def exposure_table(self, blk: "_Block") -> np.ndarray:
+    def exposure_table(self, blk: _Block) -> np.ndarray:
         """E(i, j) in ms: exposed sync of stage i..j on the block's ranks (0 without replicas)."""
         hit = self._exposure.get(blk.shape)
         if hit is None:

@@ -12,8 +12,8 @@ mixed round depends on the fit itself, so the fit is repeated a few times from n
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Sequence
 
 import numpy as np
 

@@ -17,8 +17,8 @@ the crossover taken from the (calibrated) cost model, not a fixed threshold.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from hybridpipe.partitioner.costmodel import CostModel
 from hybridpipe.partitioner.plan import ALGORITHMS, LayerSync

@@ -26,7 +26,8 @@ sends and receives.
 
 The objective is the largest stage term; a stage that does not fit in a worker's memory, or
 has more replicas than micro-batches (or, for pipedream, a replica count that does not divide
-them: its replicas synchronise in rounds), makes the plan infeasible (infinite). Memory per worker: weights, gradients and optimizer state (sgd
+them: its replicas synchronise in rounds), makes the plan infeasible (infinite). Memory per
+worker: weights, gradients and optimizer state (sgd
 momentum: 1 copy, adam: 2), plus the activations of the micro-batches in flight (gpipe: all k;
 1f1b: min(k, ceil(W_after / r)), W_after = workers in this and later stages; pipedream:
 ceil(W_after / r)), plus pipedream's stashed weight versions (one per in-flight minibatch
@@ -41,8 +42,8 @@ latencies added to the trip and to the gaps: the Plan's prediction.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner.costmodel import CostModel
@@ -225,7 +226,7 @@ def predict_step_ms(ev: Evaluation, opts: Options) -> float:
     transfers = [s.send_ms + s.send_grad_ms for s in st]
     trip = sum(s.forward_ms + s.backward_ms for s in st) + sum(transfers)
     worst, before = 0.0, 0.0
-    for s, moved in zip(st, transfers):
+    for s, moved in zip(st, transfers, strict=True):
         late = max(0.0, s.sync.exposed_ms - before)         # its gap grows by the transfers before it
         worst = max(worst, trip + (s.micro_batches - 1) * (s.forward_ms + s.backward_ms) + late + s.overhead_ms,
                     opts.micro_batches * s.transfer_ms)

@@ -107,7 +107,7 @@ class Plan:
         return d
 
     @classmethod
-    def from_dict(cls, data: object, source: str = "plan") -> "Plan":
+    def from_dict(cls, data: object, source: str = "plan") -> Plan:
         """Validate ``data`` and build a Plan; every defect is a one-line UserError."""
         d = check_header(data, PLAN_KIND, PLAN_FORMAT, source)
         raw_stages = field(d, "stages", list, source)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import datetime as dt
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner import dp
@@ -19,7 +19,13 @@ from hybridpipe.partitioner.cluster import Cluster
 from hybridpipe.partitioner.costmodel import CostModel
 from hybridpipe.partitioner.modelcosts import ModelCosts, model_costs
 from hybridpipe.partitioner.objective import (
-    Evaluation, Options, StageSpec, evaluate, inflight_micro_batches, memory_bytes, predict_step_ms,
+    Evaluation,
+    Options,
+    StageSpec,
+    evaluate,
+    inflight_micro_batches,
+    memory_bytes,
+    predict_step_ms,
 )
 from hybridpipe.partitioner.pipedream import pipedream_stages
 from hybridpipe.partitioner.plan import ALGORITHMS, OPTIMIZERS, SCHEDULES, STRATEGIES, Plan, Stage
@@ -125,7 +131,7 @@ def build_plan(profile: Profile, costs: ModelCosts, cluster: Cluster, stages: Se
     """The Plan: stages with their predicted figures, the step time and throughput."""
     step_ms = predict_step_ms(ev, opts)
     out = []
-    for idx, (spec, e) in enumerate(zip(stages, ev.stages)):
+    for idx, (spec, e) in enumerate(zip(stages, ev.stages, strict=True)):
         out.append(Stage(index=idx, first_node=spec.first, last_node=spec.last, replicas=len(spec.ranks),
                          ranks=tuple(spec.ranks), compute_ms=e.forward_ms + e.backward_ms, forward_ms=e.forward_ms,
                          backward_ms=e.backward_ms, sync_ms=e.sync_ms_per_step, send_ms=e.send_ms,
@@ -164,7 +170,8 @@ def memory_message(stages: Sequence[StageSpec], ev: Evaluation, opts: Options, s
         if not opts.replicas_ok(r):
             need = f"at least {r}" if opts.schedule != "pipedream" else f"a multiple of {r}"
             return (f"--strategy {strategy} gives stage {idx} {r} replicas but a step has {m} micro-batches; "
-                    f"use --micro-batches {need} (one per replica{' and round' if opts.schedule == 'pipedream' else ''})")
+                    f"use --micro-batches {need} "
+                    f"(one per replica{' and round' if opts.schedule == 'pipedream' else ''})")
     idx = next(k for k, e in enumerate(ev.stages) if e.memory_bytes > opts.memory_bytes)
     st, e = stages[idx], ev.stages[idx]
     return (f"--strategy {strategy} does not fit: stage {idx} (nodes {st.first}-{st.last}) needs "

@@ -25,7 +25,7 @@ BASELINES = ("dp", "uniform", "params", "time")
 def contiguous(sizes: list[int], replicas: list[int]) -> tuple[StageSpec, ...]:
     """Stages of ``sizes`` nodes each on consecutive blocks of ``replicas`` ranks."""
     out, node, rank = [], 0, 0
-    for size, r in zip(sizes, replicas):
+    for size, r in zip(sizes, replicas, strict=True):
         out.append(StageSpec(node, node + size - 1, tuple(range(rank, rank + r))))
         node, rank = node + size, rank + r
     return tuple(out)

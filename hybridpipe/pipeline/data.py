@@ -37,7 +37,7 @@ class MicroBatches:
 
     def global_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's M micro-batches concatenated (what single-process training would use)."""
-        xs, ys = zip(*(self.batch(step, m) for m in range(self.micro_batches)))
+        xs, ys = zip(*(self.batch(step, m) for m in range(self.micro_batches)), strict=True)
         return torch.cat(xs), torch.cat(ys)
 
     def input(self, step: int, micro_batch: int) -> torch.Tensor:

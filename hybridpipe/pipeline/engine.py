@@ -25,14 +25,27 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import torch
 
 from hybridpipe.pipeline.instructions import (
-    Backward, Forward, Instruction, LoadInput, LoadTarget, Loss, RecvActivations, RecvGradients, SendActivations,
-    SendGradients, Step, SyncStart, SyncWait, message_key,
+    Backward,
+    Forward,
+    Instruction,
+    LoadInput,
+    LoadTarget,
+    Loss,
+    RecvActivations,
+    RecvGradients,
+    SendActivations,
+    SendGradients,
+    Step,
+    SyncStart,
+    SyncWait,
+    message_key,
 )
 from hybridpipe.pipeline.schedules import Topology, check_schedulable, rank_program, settle_phase
 from hybridpipe.pipeline.stage import Activation, PipelineStage

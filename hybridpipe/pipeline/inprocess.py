@@ -15,7 +15,8 @@ import contextlib
 import threading
 import time
 from collections import deque
-from typing import Callable, Mapping, TypeVar
+from collections.abc import Callable, Mapping
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -34,7 +35,7 @@ class InProcessNetwork:
         self._queues: dict[tuple[int, int], deque[tuple[str, dict[str, torch.Tensor]]]] = {}
         self._failed: dict[int, str] = {}
 
-    def transport(self, rank: int) -> "InProcessTransport":
+    def transport(self, rank: int) -> InProcessTransport:
         return InProcessTransport(self, rank)
 
     def fail(self, rank: int, reason: str) -> None:

@@ -9,7 +9,6 @@ The engine (engine.py) executes a list; validate.py checks a set of lists withou
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
 
 
 @dataclass(frozen=True)
@@ -97,8 +96,8 @@ class Step:
     grad_scale: float
 
 
-Instruction = Union[LoadInput, RecvActivations, Forward, SendActivations, LoadTarget, Loss, RecvGradients,
-                    Backward, SendGradients, SyncStart, SyncWait, Step]
+Instruction = (LoadInput | RecvActivations | Forward | SendActivations | LoadTarget | Loss | RecvGradients
+               | Backward | SendGradients | SyncStart | SyncWait | Step)
 
 SENDS = (SendActivations, SendGradients)
 RECEIVES = (RecvActivations, RecvGradients)

@@ -24,14 +24,28 @@ all later ones (PipeDream's NOAM): enough to keep a balanced pipeline busy.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner.plan import SCHEDULES, Plan
 from hybridpipe.pipeline.instructions import (
-    RECEIVES, SENDS, Backward, Forward, Instruction, LoadInput, LoadTarget, Loss, RecvActivations, RecvGradients,
-    SendActivations, SendGradients, Step, SyncStart, SyncWait, message_key,
+    RECEIVES,
+    SENDS,
+    Backward,
+    Forward,
+    Instruction,
+    LoadInput,
+    LoadTarget,
+    Loss,
+    RecvActivations,
+    RecvGradients,
+    SendActivations,
+    SendGradients,
+    Step,
+    SyncStart,
+    SyncWait,
+    message_key,
 )
 
 
@@ -43,7 +57,7 @@ class Topology:
     micro_batches: int
 
     @classmethod
-    def from_plan(cls, plan: Plan) -> "Topology":
+    def from_plan(cls, plan: Plan) -> Topology:
         return cls(tuple(tuple(s.ranks) for s in plan.stages), plan.micro_batches)
 
     @property

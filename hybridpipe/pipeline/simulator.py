@@ -26,13 +26,20 @@ Utilisation is measured over the same window.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from hybridpipe.partitioner.costmodel import CostModel
 from hybridpipe.partitioner.plan import Plan
 from hybridpipe.pipeline.instructions import (
-    Backward, Forward, Instruction, RecvActivations, RecvGradients, SendActivations, SendGradients, SyncStart,
+    Backward,
+    Forward,
+    Instruction,
+    RecvActivations,
+    RecvGradients,
+    SendActivations,
+    SendGradients,
+    SyncStart,
     SyncWait,
 )
 from hybridpipe.pipeline.schedules import Topology, all_programs, settle_phase
@@ -138,7 +145,6 @@ def simulate_topology(topo: Topology, schedule: str, costs: Sequence[StageCosts]
     if steps < 1:
         raise ValueError(f"simulate at least one step, got {steps}")
     link_ms = link_ms or (lambda cut, src, dst: costs[cut].send_ms)
-    M = topo.micro_batches
     phase = 0
     programs: dict[int, list[tuple[int, Instruction]]] = {r: [] for rs in topo.stage_ranks for r in rs}
     for k in range(steps):
@@ -154,7 +160,7 @@ def simulate_topology(topo: Topology, schedule: str, costs: Sequence[StageCosts]
     t_b = ends[hi - 1]
     step_ms = (t_b - t_a) / (hi - lo)
     util = []
-    for s, ranks in enumerate(topo.stage_ranks):
+    for ranks in topo.stage_ranks:
         busy = sum(max(0.0, min(iv.t1, t_b) - max(iv.t0, t_a)) for iv in sim.intervals
                    if iv.kind in ("F", "B") and iv.where in {f"rank {r}" for r in ranks})
         util.append(busy / (len(ranks) * (t_b - t_a)) if t_b > t_a else 0.0)

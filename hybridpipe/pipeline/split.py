@@ -14,8 +14,8 @@ a stage's ``state_dict()`` keys are the model's keys.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from torch import fx
 

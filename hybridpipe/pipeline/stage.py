@@ -15,8 +15,9 @@ sync); its ``state_dict()`` keys are the original model's keys.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 from torch import fx, nn
@@ -88,11 +89,11 @@ class PipelineStage:
     def load_state_dict(self, state: Mapping[str, torch.Tensor], strict: bool = True):
         return self.module.load_state_dict(state, strict=strict)
 
-    def to(self, device: torch.device | str) -> "PipelineStage":
+    def to(self, device: torch.device | str) -> PipelineStage:
         self.module.to(device)
         return self
 
-    def train(self, mode: bool = True) -> "PipelineStage":
+    def train(self, mode: bool = True) -> PipelineStage:
         self.module.train(mode)
         return self
 
@@ -118,7 +119,7 @@ class PipelineStage:
             if target is not None:
                 act.loss = self.loss(result, target)
         else:
-            act.outputs = pack(dict(zip(self.output_names, result)),
+            act.outputs = pack(dict(zip(self.output_names, result, strict=True)),
                                f" (between stages {self.index} and {self.index + 1})")
         return act
 
@@ -128,7 +129,8 @@ class PipelineStage:
             raise RuntimeError(f"stage {self.index} has no loss function; pass loss= to build_stage")
         return self.loss_fn(output, target)
 
-    def backward(self, act: Activation, output_grads: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    def backward(self, act: Activation,
+                 output_grads: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """Backpropagate one micro-batch; accumulates parameter grads, returns the inputs' grads.
 
         On the last stage from ``act.loss``; elsewhere from ``output_grads`` (grads of

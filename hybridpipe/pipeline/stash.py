@@ -11,7 +11,7 @@ as many versions as micro-batches in flight, fewer when consecutive forwards sha
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 from torch import nn

@@ -12,12 +12,23 @@ follows its forward, messages go to the replica that owns the micro-batch, ...).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
 
 from hybridpipe.pipeline.instructions import (
-    Backward, Forward, Instruction, LoadInput, LoadTarget, Loss, RecvActivations, RecvGradients, SendActivations,
-    SendGradients, Step, SyncStart, SyncWait,
+    Backward,
+    Forward,
+    Instruction,
+    LoadInput,
+    LoadTarget,
+    Loss,
+    RecvActivations,
+    RecvGradients,
+    SendActivations,
+    SendGradients,
+    Step,
+    SyncStart,
+    SyncWait,
 )
 from hybridpipe.pipeline.schedules import Topology, all_programs, settle_phase
 

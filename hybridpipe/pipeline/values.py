@@ -9,7 +9,8 @@ a dot, so the keys cannot collide.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 

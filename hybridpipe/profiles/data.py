@@ -51,7 +51,7 @@ class SyntheticDataset(Dataset):
         self.permutation = torch.randperm(self.num_classes, generator=task)
 
     @classmethod
-    def for_model(cls, model: ModelSpec, *, size: int, seed: int = 0) -> "SyntheticDataset":
+    def for_model(cls, model: ModelSpec, *, size: int, seed: int = 0) -> SyntheticDataset:
         return cls(model.sample_shape, model.input_dtype, model.target_shape, model.num_classes,
                    size=size, seed=seed)
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import asdict, dataclass, field as dc_field
+from dataclasses import asdict, dataclass
+from dataclasses import field as dc_field
 from pathlib import Path
 
 from hybridpipe.errors import UserError
@@ -58,7 +59,8 @@ class ProfileTotals:
     param_count: int = 0
     param_bytes: int = 0
     activation_bytes: int = 0      # sum of node activation bytes
-    sgd_step_ms: float = 0.0       # one optimizer step over every parameter: sgd with momentum (median; 0: not measured)
+    # one optimizer step over every parameter: sgd with momentum (median; 0: not measured)
+    sgd_step_ms: float = 0.0
     adam_step_ms: float = 0.0      # the same with adam
 
 
@@ -107,7 +109,7 @@ class Profile:
         return d
 
     @classmethod
-    def from_dict(cls, data: object, source: str = "profile") -> "Profile":
+    def from_dict(cls, data: object, source: str = "profile") -> Profile:
         """Validate ``data`` (parsed JSON) and build a Profile; raise UserError on any defect."""
         d = check_header(data, PROFILE_KIND, PROFILE_FORMAT, source)
         shape = field(d, "input_shape", list, source)

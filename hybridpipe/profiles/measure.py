@@ -9,8 +9,9 @@ gradients into the node's inputs and parameters.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import fx
@@ -149,7 +150,7 @@ def measure_optimizer(module: torch.nn.Module, kind: str, *, device: torch.devic
         return median_ms(lambda _: opt.step(), device=device, repeats=repeats, warmup=warmup)
     finally:
         with torch.no_grad():
-            for p, s in zip(params, saved):
+            for p, s in zip(params, saved, strict=True):
                 p.copy_(s)
                 p.grad = None
 

@@ -63,8 +63,9 @@ def profile_model(model: ModelSpec, *, batch_size: int, device: str | torch.devi
     counted: set[int] = set()
     nodes = []
     timing = dict(device=device, repeats=repeats, warmup=warmup)
-    for i, (node, info) in enumerate(tqdm(list(zip(gm.graph.nodes, infos)), desc=f"profile {model.name}",
-                                          unit="node", disable=None if progress is None else not progress, leave=False)):
+    disable = None if progress is None else not progress
+    for i, (node, info) in enumerate(tqdm(list(zip(gm.graph.nodes, infos, strict=True)), desc=f"profile {model.name}",
+                                          unit="node", disable=disable, leave=False)):
         if node.op == "output":
             fwd, bwd = measure_loss(model.loss, env[node], target, **timing)
             cost_bytes = 0
@@ -106,7 +107,8 @@ def _totals(nodes: list[ProfileNode], module: torch.nn.Module, measured_ms: floa
 
 def _notes(nodes: list[ProfileNode], module: torch.nn.Module) -> tuple[str, ...]:
     notes = ["the output node's forward_ms/backward_ms are the loss's"]
-    unused = sum(p.numel() for p in {id(p): p for p in module.parameters()}.values()) - sum(n.param_count for n in nodes)
+    distinct = {id(p): p for p in module.parameters()}.values()
+    unused = sum(p.numel() for p in distinct) - sum(n.param_count for n in nodes)
     if unused:
         notes.append(f"{unused} parameters are not used by forward (no node owns them)")
     return tuple(notes)

@@ -15,8 +15,8 @@ from __future__ import annotations
 import logging
 import os
 import traceback
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from typing import Iterable
 
 import networkx as nx
 import torch

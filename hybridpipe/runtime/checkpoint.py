@@ -47,8 +47,17 @@ import torch.distributed as dist
 
 from hybridpipe.errors import UserError
 from hybridpipe.runtime.checkpoint_files import (
-    atomic_save, complete_steps, load_file, prune, rank_file, read_manifest, remove_newer_than, stage_file,
-    step_dir, write_manifest)
+    atomic_save,
+    complete_steps,
+    load_file,
+    prune,
+    rank_file,
+    read_manifest,
+    remove_newer_than,
+    stage_file,
+    step_dir,
+    write_manifest,
+)
 
 log = logging.getLogger(__name__)
 

@@ -41,8 +41,9 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
-from typing import Callable, Iterable, NoReturn
+from typing import NoReturn
 
 import torch.distributed as dist
 
@@ -76,7 +77,7 @@ class Failure:
         return json.dumps(asdict(self)).encode()
 
     @classmethod
-    def from_bytes(cls, raw: bytes) -> "Failure":
+    def from_bytes(cls, raw: bytes) -> Failure:
         return cls(**json.loads(raw.decode()))
 
 
@@ -128,7 +129,8 @@ class FailureGuard:
         self.describe = describe or (lambda r: f"rank {r}")
         self.on_exit = list(on_exit)
         self.hint = hint
-        ns = namespace if namespace is not None else f"hybridpipe/failure/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        ns = namespace if namespace is not None else f"hybridpipe/failure/{restart}"
         self._store = dist.PrefixStore(ns, store)
         self._watch_store = dist.PrefixStore(ns, store.clone() if hasattr(store, "clone") else store)
         self._stop = threading.Event()
@@ -140,7 +142,7 @@ class FailureGuard:
         self._store_error: BaseException | None = None
 
     # ---- lifecycle --------------------------------------------------------------------
-    def start(self) -> "FailureGuard":
+    def start(self) -> FailureGuard:
         me = {"host": host_identity(), "pid": os.getpid()}
         self._store.set(f"who/{self.rank}", json.dumps(me))
         self._store.add(f"hb/{self.rank}", 1)
@@ -158,7 +160,7 @@ class FailureGuard:
         if self._thread is not None:
             self._thread.join(timeout=self.interval * 3)
 
-    def __enter__(self) -> "FailureGuard":
+    def __enter__(self) -> FailureGuard:
         self.start()
         if threading.current_thread() is threading.main_thread():
             self._old_sigterm = signal.signal(signal.SIGTERM, _raise_terminated)

@@ -35,9 +35,9 @@ import tempfile
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
 
 from hybridpipe.errors import UserError
 

@@ -51,7 +51,7 @@ def check_cases(rank: int, world: int, cases: list[tuple], groups: list[list[int
     failures = []
     made = [(ranks, dist.new_group(ranks)) for ranks in groups]
     downs = [dist.new_group(ranks) for ranks in groups] if options.get("downward") else [None] * len(groups)
-    for (ranks, group), down in zip(made, downs):
+    for (ranks, group), down in zip(made, downs, strict=True):
         if rank not in ranks:
             continue
         opts = dict(options)

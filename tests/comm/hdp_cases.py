@@ -5,6 +5,7 @@ rank, and report how far their weights drifted apart."""
 from __future__ import annotations
 
 import copy
+import functools
 
 import torch
 import torch.distributed as dist
@@ -83,7 +84,7 @@ def compare_with_ddp(rank: int, world: int, runs: list[tuple], steps: int = 3) -
         hdp = HybridDataParallel(copy.deepcopy(base), group=g_hdp, policy=policy)
         opt_d = make_optimizer(opt_name, ddp.parameters())
         if mode == "layerwise":
-            opt_h = LayerwiseOptimizer(hdp, lambda ps: make_optimizer(opt_name, ps))
+            opt_h = LayerwiseOptimizer(hdp, functools.partial(make_optimizer, opt_name))
         else:
             opt_h = make_optimizer(opt_name, hdp.parameters())
             if mode == "attach":
@@ -105,7 +106,7 @@ def compare_with_ddp(rank: int, world: int, runs: list[tuple], steps: int = 3) -
             opt_h.flush()
         hdp.finish()
         diffs = [float((a - b).abs().max()) for a, b in zip(ddp.module.state_dict().values(),
-                                                             hdp.module.state_dict().values())
+                                                             hdp.module.state_dict().values(), strict=True)
                  if a.is_floating_point()]
         out[f"{model_name}/{opt_name}/{policy}/{mode}"] = max(diffs)
         out[f"{model_name}/{opt_name}/{policy}/{mode}/lanes"] = sorted({u.lane for u in hdp.units})

@@ -7,7 +7,8 @@ hung. ``fn`` must be a module-level function (spawn pickles it).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from hybridpipe.comm.local import describe_failures, run_local
 

@@ -65,14 +65,15 @@ def _hdp_nccl(rank: int, world: int) -> float:
     opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (ddp, hdp)]
     for step in range(3):
         x, y = (t.cuda() for t in batch(rank, step, 0, shape, classes))
-        for model, opt in zip((ddp, hdp), opts):
+        for model, opt in zip((ddp, hdp), opts, strict=True):
             nn.functional.cross_entropy(model(x), y).backward()
             if model is hdp:
                 hdp.finish()
             opt.step()
             opt.zero_grad()
     hdp.close()
-    return max(float((a - b).abs().max()) for a, b in zip(ddp.module.parameters(), hdp.module.parameters()))
+    pairs = zip(ddp.module.parameters(), hdp.module.parameters(), strict=True)
+    return max(float((a - b).abs().max()) for a, b in pairs)
 
 
 @two_gpus

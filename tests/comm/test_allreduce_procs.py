@@ -52,7 +52,8 @@ def _fast_suite(rank: int, world: int, address: str) -> list[str]:
     failures = check_cases(rank, world, cases, [[0, 1, 2, 3, 4], [0, 2, 4], [1, 3], [3]],
                            {"topology_block": 2, "chunk_bytes": 4096})
     rounds = [(a, 3001, "float32", True) for a in ALGOS[:5]]
-    failures += check_cases(rank, world, rounds, [[0, 1, 2, 3, 4], [1, 2, 4]], {"pipelined": False, "chunk_bytes": 4096})
+    failures += check_cases(rank, world, rounds, [[0, 1, 2, 3, 4], [1, 2, 4]],
+                            {"pipelined": False, "chunk_bytes": 4096})
     both_ways = [(a, n, d, e) for a in ALGOS for n, d, e in REPRESENTATIVE[3:]]     # a group per direction
     failures += check_cases(rank, world, both_ways, [[0, 1, 2, 3, 4], [0, 2, 4]],
                             {"downward": True, "chunk_bytes": 4096, "topology_block": 2})

@@ -5,6 +5,7 @@ rounds message for message (so its predictions describe what runs)."""
 from __future__ import annotations
 
 from fractions import Fraction
+from itertools import pairwise
 
 import pytest
 from hypothesis import given, settings
@@ -67,7 +68,7 @@ def test_split_is_balanced_and_covers() -> None:
         for parts in range(1, 9):
             segs = schedule.split(5, 5 + length, parts)
             assert segs[0][0] == 5 and segs[-1][1] == 5 + length
-            assert all(a[1] == b[0] for a, b in zip(segs, segs[1:]))
+            assert all(a[1] == b[0] for a, b in pairwise(segs))
             sizes = [b - a for a, b in segs]
             assert max(sizes) - min(sizes) <= 1
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -40,7 +42,7 @@ def test_group_small_keeps_order_and_bounds(sizes, small) -> None:
         assert len(g) == 1 or sum(sizes[i] for i in g) <= small
         assert len(g) == 1 or all(sizes[i] <= small for i in g)
     # greedy: a group could not have taken the next layer
-    for a, b in zip(groups, groups[1:]):
+    for a, b in pairwise(groups):
         if len(a) > 0 and all(sizes[i] <= small for i in a) and sizes[b[0]] <= small:
             assert sum(sizes[i] for i in a) + sizes[b[0]] > small
 

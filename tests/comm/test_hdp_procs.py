@@ -18,7 +18,8 @@ TOLERANCE = 1e-6
 REPRESENTATIVE = [
     ("mlp", "sgd", "hybrid", "finish"), ("cnn", "adam", "hybrid", "layerwise"), ("cnn", "sgd", "ring", "attach"),
     ("mlp", "adam", "butterfly", "finish"), ("cnn", "sgd", "hierarchical", "accumulate"),
-    ("mlp", "sgd", "torus2d", "layerwise"), ("cnn", "adam", "aggregator", "finish"), ("mlp", "adam", "native", "attach"),
+    ("mlp", "sgd", "torus2d", "layerwise"), ("cnn", "adam", "aggregator", "finish"),
+    ("mlp", "adam", "native", "attach"),
     ("wide", "sgd", "hybrid", "layerwise"), ("wide", "sgd", "ring", "finish"),      # two lanes at once
     # (not Adam on "wide": its dead ReLU units' near-zero gradients turn DDP's and our summation
     # order's rounding into 1e-5 steps, with one lane or two, ring or native alike)
@@ -65,10 +66,11 @@ def _overlap(rank: int, world: int) -> dict:
     before = [p.detach().clone() for p in hdp.parameters()]
     opt.step()
     opt.zero_grad()
-    deferred = all(torch.equal(a, p) for a, p in zip(before, hdp.parameters()))   # step() did not update yet
+    # step() did not update yet
+    deferred = all(torch.equal(a, p) for a, p in zip(before, hdp.parameters(), strict=True))
     hdp(x)                                             # each layer waits, updates, then runs
     after_forward = hdp.in_flight()
-    updated = all(not torch.equal(a, p) for a, p in zip(before, hdp.parameters()))
+    updated = all(not torch.equal(a, p) for a, p in zip(before, hdp.parameters(), strict=True))
     grads_zeroed = all(p.grad is None for p in hdp.parameters())
     with hdp.no_sync():
         nn.functional.cross_entropy(hdp(x), y).backward()

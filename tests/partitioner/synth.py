@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from typing import Sequence
+from collections.abc import Sequence
 
 from hybridpipe.partitioner.cluster import Cluster, Level
 from hybridpipe.partitioner.costmodel import CostModel
@@ -51,7 +51,7 @@ def all_layouts(n_nodes: int, model: CostModel, workers: int, copy_counts: Seque
             for sizes in compositions(n_nodes, s):
                 for blocks in compositions(wc, s):
                     stages, node, rank = [], 0, 0
-                    for size, block in zip(sizes, blocks):
+                    for size, block in zip(sizes, blocks, strict=True):
                         ranks = tuple(sorted(c * wc + q for c in range(copies) for q in range(rank, rank + block)))
                         stages.append(StageSpec(node, node + size - 1, ranks))
                         node, rank = node + size, rank + block

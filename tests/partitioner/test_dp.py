@@ -6,7 +6,8 @@ import dataclasses
 import math
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from hybridpipe.partitioner import dp
 from hybridpipe.partitioner.costmodel import CostModel

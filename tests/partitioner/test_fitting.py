@@ -6,7 +6,8 @@ import itertools
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner.calibration import LinkFit, Sample, load_calibration, save_calibration

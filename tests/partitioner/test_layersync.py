@@ -6,7 +6,8 @@ import itertools
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hybridpipe.partitioner.costmodel import CostModel
 from hybridpipe.partitioner.dp import exposure_table
@@ -27,7 +28,7 @@ def test_lane_by_hand():
 
 
 def lane_of_choice(choice, nbytes, ranks, model, b, f):
-    sync = [model.allreduce_seconds(a, n, ranks) * 1e3 if n else 0.0 for a, n in zip(choice, nbytes)]
+    sync = [model.allreduce_seconds(a, n, ranks) * 1e3 if n else 0.0 for a, n in zip(choice, nbytes, strict=True)]
     return simulate_lane(sync, b, f).total_exposed_ms
 
 
@@ -38,7 +39,7 @@ def lane_of_choice(choice, nbytes, ranks, model, b, f):
 def test_fastest_per_layer_minimises_exposure(layers, n):
     model = CostModel(two_level(4, 2))
     ranks = list(range(n))
-    nbytes, b, f = (list(x) for x in zip(*layers))
+    nbytes, b, f = (list(x) for x in zip(*layers, strict=True))
     sync = choose_layer_algorithms([f"l{k}" for k in range(len(layers))], nbytes, b, f, ranks, model)
     brute = min(lane_of_choice(c, nbytes, ranks, model, b, f)
                 for c in itertools.product(ALGORITHMS, repeat=len(layers)))
@@ -51,7 +52,7 @@ def test_fastest_per_layer_minimises_exposure(layers, n):
 @given(st.lists(st.tuples(st.sampled_from([0.0, 0.0, 1.0, 7.5, 40.0]), st.floats(0.0, 20.0), st.floats(0.0, 20.0)),
                 min_size=1, max_size=9))
 def test_closed_form_equals_the_lane_for_every_range(layers):
-    sync, b, f = (np.array(x) for x in zip(*layers))
+    sync, b, f = (np.array(x) for x in zip(*layers, strict=True))
     table = exposure_table(sync, b, f)
     n = len(layers)
     for i in range(n):

@@ -53,7 +53,7 @@ def test_overhead_adds_to_the_busy_time_the_prediction_and_the_simulation():
     _, costs, model = setup(60.0, 5e-9)
     opts = Options("gpipe", 4, "sgd")
     before, after = evaluate(plain_costs, plain_model, STAGES, opts), evaluate(costs, model, STAGES, opts)
-    for b, a in zip(before.stages, after.stages):
+    for b, a in zip(before.stages, after.stages, strict=True):
         assert a.busy_ms == pytest.approx(b.busy_ms + a.overhead_ms)
     assert predict_step_ms(after, opts) > predict_step_ms(before, opts) + min(s.overhead_ms for s in after.stages)
     plan = build_plan(profile, costs, model.cluster, STAGES, after, opts, "optimal")

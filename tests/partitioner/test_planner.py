@@ -34,7 +34,8 @@ def test_every_strategy_makes_a_valid_plan(strategy, schedule, tmp_path):
         owned = [n for n in PROFILE.nodes[stage.first_node:stage.last_node + 1] if n.param_bytes]
         if stage.replicas > 1:
             assert [lv.layer for lv in stage.layers] == [n.name for n in owned]
-            assert all(lv.params == n.params and lv.bytes == n.param_bytes for lv, n in zip(stage.layers, owned))
+            assert all(lv.params == n.params and lv.bytes == n.param_bytes
+                       for lv, n in zip(stage.layers, owned, strict=True))
         else:
             assert stage.layers == () and stage.sync_ms == 0
     back = load_plan(save_plan(plan, tmp_path / "plan.json"))

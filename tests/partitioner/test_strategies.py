@@ -6,7 +6,8 @@ import itertools
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner.modelcosts import model_costs
@@ -27,7 +28,7 @@ def test_balanced_sizes_minimise_the_largest_group(weights, parts):
 
     def worst(cuts):
         bounds = (0, *cuts, len(weights))
-        return max(sum(weights[a:b]) for a, b in zip(bounds, bounds[1:]))
+        return max(sum(weights[a:b]) for a, b in itertools.pairwise(bounds))
 
     best = min(worst(c) for c in itertools.combinations(range(1, len(weights)), parts - 1))
     assert worst(tuple(np.cumsum(sizes)[:-1])) == best
@@ -81,7 +82,7 @@ def test_pipedream_nests_levels_replica_major():
     assert stages[0].first == 0 and stages[-1].last == 5
     # light weights: one outer stage on both hosts running the inner plan (replicate) in each,
     # ranks ordered replica-major so that micro-batch m stays on host m % 2
-    light = model_costs(make_profile([(l[0], l[1], l[2], 1_000) for l in LAYERS]))
+    light = model_costs(make_profile([(layer[0], layer[1], layer[2], 1_000) for layer in LAYERS]))
     assert [s.ranks for s in pipedream_stages(light, two_level(2, 2, outer_gbps=10.0))] == [(0, 2, 1, 3)]
     # its memory check: stashes ceil((M - m) / m) minibatches, none when everything is replicated
     assert [len(s.ranks) for s in pipedream_stages(costs, flat_cluster(4), memory_bytes=1.0)] == [4]

@@ -56,7 +56,7 @@ def train_pipedream_reference(plan: Plan, data, steps: int, drains: set[int], *,
                 used.update({n: versions[s][v][n].clone().requires_grad_(True) for n in names[s]})
             x, y = data.batch(k, m)
             loss = spec.loss(torch.func.functional_call(model, used, (x,)), y)
-            grads = dict(zip(used, torch.autograd.grad(loss, list(used.values()))))
+            grads = dict(zip(used, torch.autograd.grad(loss, list(used.values())), strict=True))
             for s in range(S):
                 rnd = g // reps[s]
                 pending[s].setdefault(rnd, []).append({n: grads[n] for n in names[s]})

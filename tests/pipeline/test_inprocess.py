@@ -45,11 +45,11 @@ def test_replica_group_sums_like_a_plain_sum_on_every_member():
     outs = [[t.clone() for t in inp] for inp in inputs]
     for _ in range(2):                                           # reusable round after round
         outs = [[t.clone() for t in inp] for inp in inputs]
-        run_ranks({i: (lambda i=i: group.all_reduce_sum(i, outs[i])) for i in range(n)}, groups=[group])
+        run_ranks({i: (lambda i=i, out=outs[i]: group.all_reduce_sum(i, out)) for i in range(n)}, groups=[group])
     for out in outs:
-        for got, want in zip(out, expected):
+        for got, want in zip(out, expected, strict=True):
             torch.testing.assert_close(got, want)
-        assert all(torch.equal(x, y) for x, y in zip(out, outs[0]))   # bitwise identical replicas
+        assert all(torch.equal(x, y) for x, y in zip(out, outs[0], strict=True))   # bitwise identical replicas
 
 
 def test_grad_sync_sums_grads_and_counts_missing_ones_as_zero():

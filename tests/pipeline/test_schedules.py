@@ -11,7 +11,14 @@ from hypothesis import strategies as st
 
 from hybridpipe.errors import UserError
 from hybridpipe.pipeline.instructions import (
-    Backward, Forward, RecvActivations, RecvGradients, SendActivations, SendGradients, Step, SyncWait,
+    Backward,
+    Forward,
+    RecvActivations,
+    RecvGradients,
+    SendActivations,
+    SendGradients,
+    Step,
+    SyncWait,
 )
 from hybridpipe.pipeline.schedules import Topology, all_programs, check_schedulable, rank_program
 from hybridpipe.pipeline.validate import ScheduleError, in_transit, validate

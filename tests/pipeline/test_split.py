@@ -34,7 +34,7 @@ def composed_loss_and_grads(model, gm, ranges, loss_fn, x, y):
         acts.append(act)
         cur = {k: v.detach().clone() for k, v in act.outputs.items()}
     grads = None
-    for s, act in zip(reversed(stages), reversed(acts)):
+    for s, act in zip(reversed(stages), reversed(acts), strict=True):
         grads = s.backward(act, grads)
         grads = {k: g.clone() for k, g in grads.items()}
     assert grads == {}, "stage 0 returns no input gradients"

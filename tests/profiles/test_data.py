@@ -41,7 +41,7 @@ def test_targets_are_the_same_function_of_the_input_for_every_seed():
     pairs = [resolve_dataset("synthetic", ms, size=4, seed=s)[i] for s in (0, 5) for i in range(4)]
     mapping: dict[int, int] = {}
     for x, y in pairs:
-        for token, target in zip(x.tolist(), y.tolist()):
+        for token, target in zip(x.tolist(), y.tolist(), strict=True):
             assert mapping.setdefault(token, target) == target
     assert len(set(mapping.values())) == len(mapping)          # a permutation: every token its own target
 

@@ -13,9 +13,9 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -60,7 +60,7 @@ def _collect(procs: list[subprocess.Popen], files, timeout: float) -> list[Finis
                 p.kill()
             p.wait(10)
     out = []
-    for r, (p, (o, e)) in enumerate(zip(procs, files)):
+    for r, (p, (o, e)) in enumerate(zip(procs, files, strict=True)):
         o.seek(0)
         e.seek(0)
         out.append(Finished(r, p.returncode, o.read(), e.read()))

@@ -36,8 +36,9 @@ args = json.loads(sys.argv[7])
 spec = importlib.util.spec_from_file_location("rank_program", path)
 module = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(module)
-store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=datetime.timedelta(seconds=pg_timeout))
-dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=pg_timeout))
+timeout = datetime.timedelta(seconds=pg_timeout)
+store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
+dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
 value = getattr(module, fn_name)(rank, world, *args)
 print("RESULT " + json.dumps(value), flush=True)
 dist.destroy_process_group()
@@ -108,7 +109,7 @@ class Job:
         finally:
             self.reap()
         results = []
-        for r, (p, (out, err)) in enumerate(zip(self.procs, self._files)):
+        for r, (p, (out, err)) in enumerate(zip(self.procs, self._files, strict=True)):
             out.seek(0)
             err.seek(0)
             results.append(RankResult(r, p.returncode, out.read(), err.read(), self.ended.get(r, float("inf"))))
@@ -117,12 +118,12 @@ class Job:
         return results
 
     def reap(self) -> None:
-        for r, p in enumerate(self.procs):
+        for p in self.procs:
             if p.poll() is None:
                 p.kill()
             p.wait(10)
 
-    def __enter__(self) -> "Job":
+    def __enter__(self) -> Job:
         return self
 
     def __exit__(self, *exc) -> None:

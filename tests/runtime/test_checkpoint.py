@@ -10,16 +10,15 @@ unsplit model trained the same way in this process.
 from __future__ import annotations
 
 import json
-from collections import OrderedDict
 import signal
 import subprocess
 import sys
 import time
+from collections import OrderedDict
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from hybridpipe.cli import main
 from hybridpipe.errors import UserError
@@ -28,8 +27,17 @@ from hybridpipe.partitioner.plan import Plan, Stage
 from hybridpipe.profiles.zoo import resolve_model
 from hybridpipe.runtime.checkpoint import Checkpointer, capture_rng, restore_rng
 from hybridpipe.runtime.checkpoint_files import (
-    MANIFEST, atomic_save, complete_steps, is_complete, latest_complete, load_file, merge_stages, prune, stage_file,
-    step_dir)
+    MANIFEST,
+    atomic_save,
+    complete_steps,
+    is_complete,
+    latest_complete,
+    load_file,
+    merge_stages,
+    prune,
+    stage_file,
+    step_dir,
+)
 
 HERE = Path(__file__).resolve()
 MODEL = "mlp[layers=2]"       # Sequential: 0 Linear, 1 ReLU, 2 Linear, 3 ReLU, 4 Linear
@@ -42,7 +50,8 @@ def make_plan(stages: tuple[tuple[int, ...], ...] = ((0, 1), (2,)), model: str =
     bounds = [(0, 2), (3, 6)] if len(stages) == 2 else [(0, 6)]
     return Plan(model=model, batch_size=4, input_shape=(4, 64), profile_signature="t", cluster=cluster,
                 strategy="optimal", schedule="1f1b", micro_batches=2, optimizer="sgd",
-                stages=tuple(Stage(i, a, b, len(r), r) for i, ((a, b), r) in enumerate(zip(bounds, stages))))
+                stages=tuple(Stage(i, a, b, len(r), r)
+                             for i, ((a, b), r) in enumerate(zip(bounds, stages, strict=True))))
 
 
 def stage_module(stage: int) -> torch.nn.Module:
@@ -170,7 +179,7 @@ def test_rng_states_round_trip():
     a = (torch.rand(3), torch.randint(0, 100, (3,)))
     restore_rng(state)
     b = (torch.rand(3), torch.randint(0, 100, (3,)))
-    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 # ---- three ranks -------------------------------------------------------------------------------
@@ -206,7 +215,7 @@ def test_resume_restores_weights_optimizer_engine_state_and_rng(saved_run):
     with Job(HERE, "resume_and_report", 3, (str(root),)) as job:
         after = job.wait(timeout=120)
     assert all(r.returncode == 0 for r in after), after
-    for b, a in zip(before, after):
+    for b, a in zip(before, after, strict=True):
         step, stash, rand, digest = a.value
         assert step == 6 and stash == [float(a.rank)] * 2
         assert rand == b.stdout.split("RAND ")[1].split("\n")[0]       # RNG continues where it was saved

@@ -25,7 +25,14 @@ from hybridpipe.errors import UserError
 from hybridpipe.partitioner.cluster import Cluster, Level
 from hybridpipe.partitioner.plan import Plan, Stage
 from hybridpipe.runtime.failure import (
-    EXIT_ERROR, EXIT_PEER_LOST, Failure, FailureGuard, default_store, describe_ranks, suspect_of)
+    EXIT_ERROR,
+    EXIT_PEER_LOST,
+    Failure,
+    FailureGuard,
+    default_store,
+    describe_ranks,
+    suspect_of,
+)
 from hybridpipe.runtime.liveness import host_identity, process_alive
 
 HERE = Path(__file__).resolve()

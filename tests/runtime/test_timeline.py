@@ -7,6 +7,7 @@ alignment the merged trace must respect causality (a message is received after i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -18,7 +19,15 @@ import torch.distributed as dist
 from hybridpipe.cli import main
 from hybridpipe.errors import UserError
 from hybridpipe.runtime.timeline import (
-    PHASES, TID_PHASES, TID_STEPS, TimelineRecorder, find_rank_traces, load_rank_trace, trace_dir, trace_path)
+    PHASES,
+    TID_PHASES,
+    TID_STEPS,
+    TimelineRecorder,
+    find_rank_traces,
+    load_rank_trace,
+    trace_dir,
+    trace_path,
+)
 from hybridpipe.runtime.timeline_merge import merge_traces, phase_table, step_window
 
 HERE = Path(__file__).resolve()
@@ -186,8 +195,9 @@ def test_merged_trace_holds_every_rank_and_phase_and_respects_causality(three_ra
         for src, dst, sent, got in ((0, 1, "send_for", "receive_for"), (1, 2, "send_for", "receive_for"),
                                     (2, 1, "send_back", "receive_back"), (1, 0, "send_back", "receive_back")):
             for m in range(2):
-                s = next(e for e in _phase_events(merged, src) if e["name"] == sent and e["args"] == {"step": step, "micro_batch": m})
-                g = next(e for e in _phase_events(merged, dst) if e["name"] == got and e["args"] == {"step": step, "micro_batch": m})
+                where = {"step": step, "micro_batch": m}
+                s = next(e for e in _phase_events(merged, src) if e["name"] == sent and e["args"] == where)
+                g = next(e for e in _phase_events(merged, dst) if e["name"] == got and e["args"] == where)
                 assert g["ts"] + g["dur"] >= s["ts"] - 2e3, (s, g)   # barrier exits agree within ~2 ms
     assert max(e["ts"] for e in _phase_events(merged)) < 120e6     # 1000 s clock offsets were removed
     rows = phase_table(merged)
@@ -224,28 +234,43 @@ def chain_with_timeline(rank: int, world: int, run_dir: str, steps: int) -> None
     rec.align(dist.barrier)
     w = torch.randn(128, 128)
 
-    def timed(phase, m, fn):
+    @contextlib.contextmanager
+    def timed(phase, m):
         t0 = rec.clock()
-        out = fn()
+        yield
         rec.record(phase, m, t0, rec.clock())
-        return out
 
     for step in range(steps):
         rec.begin_step(step)
         acts = {}
         for m in range(2):
-            x = timed("receive_for", m, lambda: ch.recv(rank - 1, f"act/{m}")["x"]) if rank > 0 else torch.randn(16, 128)
-            acts[m] = timed("run_for", m, lambda: torch.tanh(x @ w))
-            if rank < world - 1:
-                timed("send_for", m, lambda: (ch.send(rank + 1, f"act/{m}", {"x": acts[m]}), ch.flush(rank + 1)))
-        for m in range(2):
-            g = timed("receive_back", m, lambda: ch.recv(rank + 1, f"grad/{m}")["x"]) if rank < world - 1 \
-                else torch.ones(16, 128)
-            g = timed("run_back", m, lambda: (g * (1 - acts[m] ** 2)) @ w.T)
             if rank > 0:
-                timed("send_back", m, lambda: (ch.send(rank - 1, f"grad/{m}", {"x": g}), ch.flush(rank - 1)))
-        timed("sync", 0, lambda: dist.all_reduce(w.sum().reshape(1)))
-        timed("step", 0, lambda: w.mul_(0.999))
+                with timed("receive_for", m):
+                    x = ch.recv(rank - 1, f"act/{m}")["x"]
+            else:
+                x = torch.randn(16, 128)
+            with timed("run_for", m):
+                acts[m] = torch.tanh(x @ w)
+            if rank < world - 1:
+                with timed("send_for", m):
+                    ch.send(rank + 1, f"act/{m}", {"x": acts[m]})
+                    ch.flush(rank + 1)
+        for m in range(2):
+            if rank < world - 1:
+                with timed("receive_back", m):
+                    g = ch.recv(rank + 1, f"grad/{m}")["x"]
+            else:
+                g = torch.ones(16, 128)
+            with timed("run_back", m):
+                g = (g * (1 - acts[m] ** 2)) @ w.T
+            if rank > 0:
+                with timed("send_back", m):
+                    ch.send(rank - 1, f"grad/{m}", {"x": g})
+                    ch.flush(rank - 1)
+        with timed("sync", 0):
+            dist.all_reduce(w.sum().reshape(1))
+        with timed("step", 0):
+            w.mul_(0.999)
         rec.end_step()
     ch.close()
     rec.close()

@@ -16,9 +16,16 @@ from pathlib import Path
 
 import pytest
 
-from tools.emucluster import cpu
-from tools.emucluster import (SWITCH, EmulatedCluster, HostCommandFailed, cleanup_leftovers, list_clusters,
-                              measure_goodput, netns)
+from tools.emucluster import (
+    SWITCH,
+    EmulatedCluster,
+    HostCommandFailed,
+    cleanup_leftovers,
+    cpu,
+    list_clusters,
+    measure_goodput,
+    netns,
+)
 from tools.emucluster.topology import host_ns, switch_ns
 
 REPO = Path(__file__).resolve().parents[2]

@@ -12,8 +12,18 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tools.emucluster.errors import EmuClusterError
-from tools.emucluster.topology import (AddressPlan, format_rate, host_ns, is_leftover, new_tag, owner_pid,
-                                       parse_ns, parse_rate, switch_ns, tbf_params)
+from tools.emucluster.topology import (
+    AddressPlan,
+    format_rate,
+    host_ns,
+    is_leftover,
+    new_tag,
+    owner_pid,
+    parse_ns,
+    parse_rate,
+    switch_ns,
+    tbf_params,
+)
 from tools.emucluster.torchrun import torchrun_argv
 
 
@@ -81,7 +91,7 @@ def test_torchrun_argv_names_the_store_host_and_each_local_address():
     for i, argv in enumerate(argvs):
         assert argv[:3] == ["py", "-m", "torch.distributed.run"]
         assert argv[-3:] == ["job.py", "--x", "1"]
-        opts = dict(zip(argv[3:-3:2], argv[4:-3:2]))
+        opts = dict(zip(argv[3:-3:2], argv[4:-3:2], strict=True))
         assert opts["--local-addr"] == f"10.0.0.{i + 1}"
         assert opts["--rdzv-endpoint"] == "10.0.0.1:29400" and opts["--rdzv-backend"] == "c10d"
         assert opts["--nnodes"] == "3"

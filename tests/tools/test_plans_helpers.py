@@ -2,10 +2,21 @@
 
 import pytest
 
-from benchmarks.plans_analysis import memory_refusal, row_from
-from benchmarks.plans_analysis import (add_relative, allreduce_choices, compute_concurrency, compute_scale,
-                                       contention_at, error_summary, plan_key, scale_plan_compute,
-                                       prediction_error, scale_profile, stage_layout)
+from benchmarks.plans_analysis import (
+    add_relative,
+    allreduce_choices,
+    compute_concurrency,
+    compute_scale,
+    contention_at,
+    error_summary,
+    memory_refusal,
+    plan_key,
+    prediction_error,
+    row_from,
+    scale_plan_compute,
+    scale_profile,
+    stage_layout,
+)
 from hybridpipe.profiles.format import Profile
 
 
@@ -13,7 +24,8 @@ def _profile_dict() -> dict:
     """A real (tiny) profile JSON, as `hybridpipe profile` writes it."""
     from hybridpipe.profiles.profiler import profile_model
     from hybridpipe.profiles.zoo import resolve_model
-    return profile_model(resolve_model("mlp[features=8,hidden=16,layers=2]"), batch_size=4, repeats=1, progress=False).to_dict()
+    model = resolve_model("mlp[features=8,hidden=16,layers=2]")
+    return profile_model(model, batch_size=4, repeats=1, progress=False).to_dict()
 
 
 def _stage(first, last, replicas, ranks, algos=(), mem=1 << 30):
@@ -29,7 +41,7 @@ def _plan(stages, predicted_ms=1000.0, mb=8, bs=32):
 def test_scale_profile_multiplies_every_node_and_keeps_the_graph():
     raw = _profile_dict()
     scaled = scale_profile(raw, 2.5, "x2.5 by test")
-    for a, b in zip(raw["nodes"], scaled["nodes"]):
+    for a, b in zip(raw["nodes"], scaled["nodes"], strict=True):
         assert b["forward_ms"] == pytest.approx(2.5 * a["forward_ms"])
         assert b["backward_ms"] == pytest.approx(2.5 * a["backward_ms"])
         assert b["activation_bytes"] == a["activation_bytes"]
@@ -117,5 +129,6 @@ def test_scale_plan_compute_leaves_communication_alone():
                        send_ms=5.0, sync_ms=7.0)])
     out = scale_plan_compute(plan, 0.5)
     s = out["stages"][0]
-    assert (s["forward_ms"], s["backward_ms"], s["compute_ms"], s["send_ms"], s["sync_ms"]) == (5.0, 10.0, 15.0, 5.0, 7.0)
+    got = (s["forward_ms"], s["backward_ms"], s["compute_ms"], s["send_ms"], s["sync_ms"])
+    assert got == (5.0, 10.0, 15.0, 5.0, 7.0)
     assert plan["stages"][0]["forward_ms"] == 10.0

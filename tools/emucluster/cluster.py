@@ -24,9 +24,22 @@ from pathlib import Path
 from tools.emucluster import cpu, netns, procs
 from tools.emucluster.errors import EmuClusterError, HostCommandFailed
 from tools.emucluster.procs import HostProcess, HostResult
-from tools.emucluster.topology import (BRIDGE_IFNAME, DEFAULT_SUBNET, HOST_IFNAME, AddressPlan, bridge_port,
-                                       format_rate, host_ns, hosts_file, is_leftover, new_tag, parse_ns, parse_rate,
-                                       switch_ns, tbf_params)
+from tools.emucluster.topology import (
+    BRIDGE_IFNAME,
+    DEFAULT_SUBNET,
+    HOST_IFNAME,
+    AddressPlan,
+    bridge_port,
+    format_rate,
+    host_ns,
+    hosts_file,
+    is_leftover,
+    new_tag,
+    parse_ns,
+    parse_rate,
+    switch_ns,
+    tbf_params,
+)
 from tools.emucluster.torchrun import torchrun_argv
 
 log = logging.getLogger(__name__)
@@ -85,7 +98,7 @@ class EmulatedCluster:
 
     # ---- lifecycle -------------------------------------------------------------------------
 
-    def __enter__(self) -> "EmulatedCluster":
+    def __enter__(self) -> EmulatedCluster:
         return self.up()
 
     def __exit__(self, *exc: object) -> None:
@@ -99,7 +112,7 @@ class EmulatedCluster:
     def namespaces(self) -> list[str]:
         return [h.ns for h in self.hosts] + [self.switch.ns]
 
-    def up(self) -> "EmulatedCluster":
+    def up(self) -> EmulatedCluster:
         """Create the namespaces, bridge, veth pairs, addresses and shaping; undo all on failure."""
         netns.check_prerequisites()
         if self.cpus is not None:
@@ -169,7 +182,7 @@ class EmulatedCluster:
         self._is_up = False
 
     @classmethod
-    def attach(cls, tag: str) -> "EmulatedCluster":
+    def attach(cls, tag: str) -> EmulatedCluster:
         """An object for an existing cluster (e.g. one made by ``up``), read back from the kernel."""
         netns.check_prerequisites()
         mine = [parse_ns(n) for n in netns.list_namespaces()]

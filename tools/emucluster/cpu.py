@@ -88,7 +88,8 @@ def find_controller(base: Path = CGROUP_ROOT) -> Controller:
     found = _find(base, "cpu", "cpu.cfs_quota_us")
     if found is not None:
         return found
-    raise EmuClusterError(f"per-host CPU quotas need the cgroup cpu controller, found neither {base}/cpu/cpu.cfs_quota_us "
+    raise EmuClusterError("per-host CPU quotas need the cgroup cpu controller, "
+                          f"found neither {base}/cpu/cpu.cfs_quota_us "
                           f"(cgroup v1) nor 'cpu' in {base}/cgroup.controllers (v2); mount it or run without --cpus")
 
 
@@ -109,7 +110,8 @@ def quota_us(cpus: float, period_us: int = DEFAULT_PERIOD_US) -> int:
 
 def create_groups(ctl: Controller, tag: str, hosts: int, cpus: float, period_us: int = DEFAULT_PERIOD_US,
                   cpuset: Controller | None = None) -> None:
-    """One group per host, each limited to ``cpus`` cores (and, with ``cpuset``, pinned where :func:`pinning` allows)."""
+    """One group per host, each limited to ``cpus`` cores (and, with ``cpuset``, pinned where
+    :func:`pinning` allows)."""
     quota = quota_us(cpus, period_us)
     total = cpus * hosts
     cores = os.cpu_count() or 1

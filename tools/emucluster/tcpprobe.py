@@ -4,7 +4,8 @@
     python tcpprobe.py send --to 10.213.0.2 --port 5201 --seconds 3
 
 The receiver counts payload bytes from the first to the last byte it reads, so connection
-setup is not charged (times are CLOCK_MONOTONIC, comparable across namespaces); the result is goodput (TCP payload), below the link's wire rate by
+setup is not charged (times are CLOCK_MONOTONIC, comparable across namespaces); the result is
+goodput (TCP payload), below the link's wire rate by
 the header overhead (1448 of 1514 bytes per frame at MTU 1500: at most 95.6%).
 Run as a script inside a namespace; it imports nothing from the project.
 """

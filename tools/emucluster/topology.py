@@ -173,11 +173,12 @@ class AddressPlan:
     network: ipaddress.IPv4Network
 
     @classmethod
-    def parse(cls, subnet: str, hosts: int) -> "AddressPlan":
+    def parse(cls, subnet: str, hosts: int) -> AddressPlan:
         try:
             net = ipaddress.IPv4Network(subnet, strict=True)
         except ValueError as e:
-            raise EmuClusterError(f"subnet {subnet!r} is not an IPv4 network ({e}); give one like 10.213.0.0/24") from None
+            raise EmuClusterError(f"subnet {subnet!r} is not an IPv4 network ({e}); "
+                                  "give one like 10.213.0.0/24") from None
         if net.prefixlen != 24:
             raise EmuClusterError(f"subnet {subnet} must be a /24 (hosts are .1..N, the switch .254)")
         if not net.is_private:

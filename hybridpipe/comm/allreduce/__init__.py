@@ -16,7 +16,8 @@ from hybridpipe.comm.allreduce.api import ALGORITHMS, CHOICES, AllReducer, allre
 from hybridpipe.comm.allreduce.costs import GroupCosts, group_costs
 from hybridpipe.comm.allreduce.topology import Topology
 
-__all__ = ["ALGORITHMS", "CHOICES", "AllReducer", "allreduce", "downward_group", "GroupCosts", "group_costs", "Topology"]
+__all__ = ["ALGORITHMS", "CHOICES", "AllReducer", "allreduce", "downward_group", "GroupCosts", "group_costs",
+           "Topology"]
 
 
 class _CallablePackage(types.ModuleType):

@@ -12,7 +12,7 @@ given (argument or ``HYBRIDPIPE_AGGREGATOR=host:port``).
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -38,7 +38,8 @@ class AllReducer:
     """In-place sum over one process group with any algorithm; keeps what calls can share.
 
     ``topology``: which positions share a host (default: the groups of ``costs`` when given,
-    else from torchrun's environment, else one host). ``calibration``: a Calibration or a path to one, for ``auto``. ``costs``: a ready
+    else from torchrun's environment, else one host). ``calibration``: a Calibration or a path to
+    one, for ``auto``. ``costs``: a ready
     :class:`GroupCosts` instead (e.g. the plan's cost model and the group's global ranks).
     ``aggregator``: ``host:port`` of a dedicated aggregator. ``lane``: tags of this reducer's
     messages (collectives issued concurrently from different threads need different lanes).
@@ -130,7 +131,7 @@ class AllReducer:
             self._dedicated(work)
         else:
             self._scheduled(work, algorithm, nbytes)
-        for t, w in zip(items, work):
+        for t, w in zip(items, work, strict=True):
             if w is not t:
                 t.copy_(w)
         return algorithm
@@ -148,7 +149,7 @@ class AllReducer:
         else:
             run_rounds(rounds, space, self.transport, lane=self.lane, algorithm=algorithm)
         if staged is not tensors:
-            for t, s in zip(tensors, staged):
+            for t, s in zip(tensors, staged, strict=True):
                 t.copy_(s)
 
     def _needs_cpu(self, t: torch.Tensor) -> bool:
@@ -168,7 +169,7 @@ class AllReducer:
         staged = [t.cpu() for t in tensors] if tensors[0].device.type != "cpu" else tensors
         self._client.allreduce(staged)
         if staged is not tensors:
-            for t, s in zip(tensors, staged):
+            for t, s in zip(tensors, staged, strict=True):
                 t.copy_(s)
 
     def close(self) -> None:

@@ -10,13 +10,14 @@ partitioner's Calibration format. Sizes, bandwidths and the table are plain func
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import os
 import re
 import socket
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -130,20 +131,20 @@ def measure(rank: int, world: int, cfg: BenchConfig) -> dict | None:
         from tqdm import tqdm
         bar = tqdm(total=len(cfg.sizes), desc="bench-allreduce", unit="size")
     samples, wrong = [], []
+
+    def run(x: torch.Tensor, case: str) -> None:
+        if case == "p2p":
+            _ping_pong(x, rank, group)
+        else:
+            reducer(x, case)
+
     for nbytes in cfg.sizes:
         numel = max(1, nbytes // dtype.itemsize)
         x = torch.full((numel,), float(rank + 1), dtype=dtype, device=device)
-
-        def run(case: str) -> None:
-            if case == "p2p":
-                _ping_pong(x, rank, group)
-            else:
-                reducer(x, case)
-
         first = {}
         for case in cases:                  # warm-up (buffers, connections), check, size the reps
             x.fill_(rank + 1)
-            first[case] = _timed(lambda: run(case), control)
+            first[case] = _timed(functools.partial(run, x, case), control)
             if case != "p2p" and not bool((x == world * (world + 1) // 2).all()):
                 wrong.append(f"{case} at {size_label(nbytes)}")
         reps = int(min(cfg.max_reps, max(cfg.reps, cfg.budget_s * len(cases) / max(sum(first.values()), 1e-6))))
@@ -151,7 +152,7 @@ def measure(rank: int, world: int, cfg: BenchConfig) -> dict | None:
         for rep in range(reps):             # side by side: every case in each repetition, rotating
             shift = rep % len(cases)
             for case in cases[shift:] + cases[:shift]:
-                times[case].append(_timed(lambda: run(case), control))
+                times[case].append(_timed(functools.partial(run, x, case), control))
         for case in cases:
             seconds = statistics.median(times[case]) / (2 if case == "p2p" else 1)   # p2p: a round trip
             samples.append(Sample(case, numel * dtype.itemsize, seconds))

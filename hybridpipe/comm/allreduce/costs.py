@@ -9,8 +9,8 @@ the nominal numbers of the level it measured. Alternatively a caller that has th
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from hybridpipe.comm.allreduce.topology import Topology
 from hybridpipe.partitioner.calibration import Calibration

@@ -19,9 +19,9 @@ ranks exchanging on one NCCL pair stream never both block in a send.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import zip_longest
-from typing import Sequence
 
 import torch
 import torch.distributed as dist

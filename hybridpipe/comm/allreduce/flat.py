@@ -9,8 +9,8 @@ the same way (the grid depends only on the shapes, which all ranks share).
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
 import torch
 

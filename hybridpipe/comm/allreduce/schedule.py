@@ -16,8 +16,9 @@ memory, for tests. Pure functions; no torch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
+from itertools import pairwise
 
 PHASES = ("fold", "unfold", "reduce_scatter", "all_gather", "exchange", "inner_reduce", "across",
           "inner_gather", "gather", "scatter", "to_root", "from_root")
@@ -256,7 +257,7 @@ def check(rounds: Sequence[Round], n: int, numel: int) -> None:
             writes.setdefault(m.dst, []).append(m)
         for dst, ms in writes.items():
             spans = sorted(ms, key=lambda m: m.lo)
-            for a, b in zip(spans, spans[1:]):
+            for a, b in pairwise(spans):
                 if b.lo < a.hi and not (a.reduce and b.reduce):
                     raise ValueError(f"round {i}: rank {dst} gets overlapping copies {a} and {b}")
 

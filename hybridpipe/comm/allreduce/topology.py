@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Hashable, Sequence
 
 import torch.distributed as dist
 
@@ -32,7 +32,7 @@ class Topology:
         return sizes.pop() if len(sizes) == 1 else None
 
     @classmethod
-    def from_labels(cls, labels: Sequence[Hashable]) -> "Topology":
+    def from_labels(cls, labels: Sequence[Hashable]) -> Topology:
         """Units = positions with equal labels (e.g. hostnames), in order of first appearance."""
         units: dict[Hashable, list[int]] = {}
         for pos, label in enumerate(labels):
@@ -40,19 +40,19 @@ class Topology:
         return cls(tuple(tuple(u) for u in units.values()))
 
     @classmethod
-    def flat(cls, n: int) -> "Topology":
+    def flat(cls, n: int) -> Topology:
         """All positions on one host."""
         return cls((tuple(range(n)),))
 
     @classmethod
-    def blocks(cls, n: int, size: int) -> "Topology":
+    def blocks(cls, n: int, size: int) -> Topology:
         """Consecutive blocks of ``size`` positions (the last may be shorter)."""
         if size < 1:
             raise ValueError(f"block size must be >= 1, got {size}")
         return cls(tuple(tuple(range(s, min(s + size, n))) for s in range(0, n, size)))
 
     @classmethod
-    def from_env(cls, global_ranks: Sequence[int]) -> "Topology":
+    def from_env(cls, global_ranks: Sequence[int]) -> Topology:
         """From torchrun's ``LOCAL_WORLD_SIZE`` (global rank r on node r // LOCAL_WORLD_SIZE);
         one host when it is unset (processes started on one machine). No communication."""
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
@@ -61,7 +61,7 @@ class Topology:
         return cls.from_labels([r // local for r in global_ranks])
 
     @classmethod
-    def discover(cls, group: dist.ProcessGroup | None = None) -> "Topology":
+    def discover(cls, group: dist.ProcessGroup | None = None) -> Topology:
         """Collective over ``group``: every member's hostname, gathered."""
         ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
         names: list = [None] * len(ranks)

@@ -9,7 +9,8 @@ after waiting for its own all-reduce, so a layer's sync may run until the forwar
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

@@ -19,8 +19,8 @@ be issued from two threads on one group; the dedicated aggregator takes one conn
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from hybridpipe.comm.allreduce.api import ALGORITHMS
 from hybridpipe.comm.allreduce.costs import AUTO_CANDIDATES, GroupCosts

@@ -3,8 +3,8 @@ grouping of small adjacent layers (pure functions; the grouping rule is a functi
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 from torch import nn
 

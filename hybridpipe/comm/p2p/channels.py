@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -165,7 +165,7 @@ class Channels:
                 log.warning("rank %d: %d message(s) from rank %d never received: %s",
                             self.rank, len(left), peer, ", ".join(left[:8]))
 
-    def __enter__(self) -> "Channels":
+    def __enter__(self) -> Channels:
         return self
 
     def __exit__(self, *exc) -> None:

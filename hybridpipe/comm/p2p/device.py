@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Iterator, Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -40,7 +40,7 @@ class SideStream:
             self.stream = torch.cuda.Stream(device=device) if dedicated else torch.cuda.default_stream(device)
 
     @contextlib.contextmanager
-    def active(self, after: "torch.cuda.Event | None" = None) -> Iterator[None]:
+    def active(self, after: torch.cuda.Event | None = None) -> Iterator[None]:
         """Make this the current stream (after ``after`` completed, if given)."""
         if self.stream is None:
             yield
@@ -50,7 +50,7 @@ class SideStream:
                 self.stream.wait_event(after)
             yield
 
-    def record(self) -> "torch.cuda.Event | None":
+    def record(self) -> torch.cuda.Event | None:
         """An event marking everything queued on this stream so far (None on CPU)."""
         if self.stream is None:
             return None
@@ -59,7 +59,7 @@ class SideStream:
         return ev
 
 
-def mark_ready(device: torch.device) -> "torch.cuda.Event | None":
+def mark_ready(device: torch.device) -> torch.cuda.Event | None:
     """On the caller's thread: an event after the kernels that produced the tensors to send."""
     if device.type != "cuda":
         return None
@@ -68,7 +68,7 @@ def mark_ready(device: torch.device) -> "torch.cuda.Event | None":
     return ev
 
 
-def wait_event(event: "torch.cuda.Event | None", deadline: float) -> bool:
+def wait_event(event: torch.cuda.Event | None, deadline: float) -> bool:
     """Poll ``event`` until it completes (True) or ``deadline`` (monotonic) passes (False)."""
     if event is None:
         return True

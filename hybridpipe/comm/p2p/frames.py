@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import datetime
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -44,7 +44,7 @@ class Posted:
 class Frame:
     header: Header
     tensors: dict[str, torch.Tensor]
-    event: "torch.cuda.Event | None"
+    event: torch.cuda.Event | None
     t0: float     # header arrived
     t1: float     # last payload arrived
 
@@ -81,7 +81,7 @@ class _End:
             self.capacity = max(self.capacity, flat)
 
     def _complete(self, control_works: list, data_works: list, deadline: float,
-                  what: str) -> "torch.cuda.Event | None":
+                  what: str) -> torch.cuda.Event | None:
         """Wait for control ops on the CPU and for data ops (on CUDA via an event on the side
         stream, which is returned: it marks the data as usable)."""
         try:
@@ -109,7 +109,7 @@ class FrameSender(_End):
     """Send side of one lane to one peer."""
 
     def post(self, key: str, msg: int, parts: int, items: Sequence[tuple[str, torch.Tensor]],
-             flags: Flag = Flag.NONE, ready: "torch.cuda.Event | None" = None) -> Posted:
+             flags: Flag = Flag.NONE, ready: torch.cuda.Event | None = None) -> Posted:
         """Post a frame's operations without waiting. ``items`` must be contiguous tensors."""
         metas = wire.describe(items)
         meta = b""

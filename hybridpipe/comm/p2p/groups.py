@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import datetime
 import logging
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Iterable, Mapping
 
 import torch
 import torch.distributed as dist

@@ -27,8 +27,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 
@@ -58,7 +58,7 @@ class LinkConfig:
 class Submission:
     key: str
     items: list[tuple[str, torch.Tensor]]
-    ready: "torch.cuda.Event | None"
+    ready: torch.cuda.Event | None
     msg: int = 0
     parts: int = 0
     posted: Posted | None = None    # already posted by the caller (CPU sa)

@@ -13,7 +13,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from typing import Callable, Generic, TypeVar
+from collections.abc import Callable
+from typing import Generic, TypeVar
 
 from hybridpipe.comm.p2p.errors import P2PError
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import deque
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 Op = tuple[str, str]                 # ("send" | "recv", key), seen from one side of a link
 ProgramOp = tuple[str, int, str]     # ("send" | "recv", peer, key), one rank's program

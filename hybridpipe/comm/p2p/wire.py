@@ -29,8 +29,8 @@ import enum
 import json
 import math
 import struct
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 import torch
 
@@ -177,7 +177,7 @@ def flatten(items: Sequence[tuple[str, torch.Tensor]], metas: Sequence[TensorMet
     offsets, total = flat_layout(metas)
     if total == 0:
         return None
-    full = [(t, off) for (_, t), off in zip(items, offsets) if t.numel()]
+    full = [(t, off) for (_, t), off in zip(items, offsets, strict=True) if t.numel()]
     if len(full) == 1:
         return _bytes_of(full[0][0])
     flat = torch.empty(total, dtype=torch.uint8)
@@ -191,7 +191,7 @@ def unflatten(flat: torch.Tensor | None, metas: Sequence[TensorMeta]) -> dict[st
     """Named tensors viewing a received flat message (no copies; they share its storage)."""
     offsets, _ = flat_layout(metas)
     out = {}
-    for m, off in zip(metas, offsets):
+    for m, off in zip(metas, offsets, strict=True):
         if m.nbytes == 0:
             out[m.name] = torch.empty(m.shape, dtype=m.dtype)
         else:

@@ -71,7 +71,7 @@ class ResNet50(nn.Module):
         self.pool = nn.MaxPool2d(kernel_size=3, stride=2, padding=1)
         blocks: list[nn.Module] = []
         cin = 64
-        for i, (width, count) in enumerate(zip((64, 128, 256, 512), (3, 4, 6, 3))):
+        for i, (width, count) in enumerate(zip((64, 128, 256, 512), (3, 4, 6, 3), strict=True)):
             for j in range(count):
                 blocks.append(Bottleneck(cin, width, stride=2 if j == 0 and i > 0 else 1, norm=norm))
                 cin = width * Bottleneck.expansion

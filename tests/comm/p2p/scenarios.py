@@ -67,7 +67,7 @@ def roundtrip(rank: int, world: int, modes: tuple[str, ...], n: int) -> dict:
     changes = [  # the 'shape' kind changes shape, dtype and names between messages
         {"y": ((2, 3), torch.float32)}, {"y": ((4, 3), torch.float32)}, {"y": ((4, 3), torch.float64)},
         {"y": ((2, 3), torch.float32), "z": ((0, 5), torch.float16)}, {"y": ((2, 3), torch.float32)},
-        {}, {name: ((3,), dt) for name, dt in zip("abcdef", DTYPES)},
+        {}, {name: ((3,), dt) for name, dt in zip("abcdef", DTYPES, strict=True)},
     ]
     report = {}
     for mode in modes:
@@ -87,7 +87,7 @@ def roundtrip(rank: int, world: int, modes: tuple[str, ...], n: int) -> dict:
         order = link_orders(prog)[rank] if mode == "sra" else None
         msgs["act/1"]["x"] = msgs["act/1"]["x"].t().contiguous().t()     # non-contiguous is fine
         ch = open_channels([(0, 1)], mode, timeout=30, order=order, max_tensors=6,
-                           on_transfer=lambda *a: transfers.append(a))
+                           on_transfer=lambda *a: transfers.append(a))  # noqa: B023 (closed in this iteration)
         problems = run_program(ch, prog[rank], msgs)
         stats = ch.stats()[peer]
         ch.close()
@@ -235,7 +235,7 @@ def mismatched_open(rank: int, world: int, timeout: float) -> dict:
                                  1: ("sra", {0: [("send", "b/0"), ("recv", "a/0")]})})):
         groups = pair_groups([(0, 1)])
         mode, order = cfg[rank]
-        out[case] = _attempt(lambda: Channels(groups, mode, timeout=timeout, order=order).close())
+        out[case] = _attempt(lambda: Channels(groups, mode, timeout=timeout, order=order).close())  # noqa: B023 (called now)
     dist.barrier()
     return out
 
@@ -244,7 +244,6 @@ def mismatched_open(rank: int, world: int, timeout: float) -> dict:
 def cuda_roundtrip(rank: int, world: int, modes: tuple[str, ...], n: int) -> dict:
     """Like ``roundtrip`` with CUDA tensors (NCCL payloads, gloo headers); one GPU per rank."""
     torch.cuda.set_device(rank)
-    peer = 1 - rank
     shapes = {"x": ((64, 128), torch.float32), "labels": ((64,), torch.int64), "h": ((3, 5), torch.bfloat16)}
     report = {}
     for mode in modes:

@@ -10,7 +10,8 @@ enabled, so running them to a fixpoint decides whether the system can deadlock.
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hybridpipe.comm.p2p.order import Cursor, check_order, keys_of, link_orders, mirror, order_digest
 from tests.comm.p2p.scenarios import random_programs
@@ -54,34 +55,35 @@ def lockstep_completes(programs: dict, orders: dict) -> bool:
 
 def one_f_one_b(stages: int, micro: int) -> dict:
     """Per-rank programs of a 1F1B schedule on a chain (rank = stage)."""
-    progs = {s: [] for s in range(stages)}
-    for s in range(stages):
-        warmup = min(stages - s - 1, micro)
-        fwd = bwd = 0
-        ops = []
-        def forward():
-            nonlocal fwd
-            if s > 0:
-                ops.append(("recv", s - 1, f"act/{fwd}"))
-            if s < stages - 1:
-                ops.append(("send", s + 1, f"act/{fwd}"))
-            fwd += 1
-        def backward():
-            nonlocal bwd
-            if s < stages - 1:
-                ops.append(("recv", s + 1, f"grad/{bwd}"))
-            if s > 0:
-                ops.append(("send", s - 1, f"grad/{bwd}"))
-            bwd += 1
-        for _ in range(warmup):
-            forward()
-        while fwd < micro:
-            forward()
-            backward()
-        while bwd < micro:
-            backward()
-        progs[s] = ops
-    return progs
+    return {s: _stage_ops(stages, micro, s) for s in range(stages)}
+
+
+def _stage_ops(stages: int, micro: int, s: int) -> list:
+    warmup = min(stages - s - 1, micro)
+    fwd = bwd = 0
+    ops = []
+    def forward():
+        nonlocal fwd
+        if s > 0:
+            ops.append(("recv", s - 1, f"act/{fwd}"))
+        if s < stages - 1:
+            ops.append(("send", s + 1, f"act/{fwd}"))
+        fwd += 1
+    def backward():
+        nonlocal bwd
+        if s < stages - 1:
+            ops.append(("recv", s + 1, f"grad/{bwd}"))
+        if s > 0:
+            ops.append(("send", s - 1, f"grad/{bwd}"))
+        bwd += 1
+    for _ in range(warmup):
+        forward()
+    while fwd < micro:
+        forward()
+        backward()
+    while bwd < micro:
+        backward()
+    return ops
 
 
 @st.composite

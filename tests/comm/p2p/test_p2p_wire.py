@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hybridpipe.comm.p2p import wire
 from hybridpipe.comm.p2p.wire import Flag, Header, TensorMeta
@@ -91,7 +92,7 @@ def test_flat_message_round_trip_into_a_larger_buffer(ms, spare):
     items = list(dict(items).items())                       # unique names, as messages have
     ms = wire.describe(items)
     offsets, total = wire.flat_layout(ms)
-    assert all(o % wire.FLAT_ALIGN == 0 for o, m in zip(offsets, ms) if m.nbytes)
+    assert all(o % wire.FLAT_ALIGN == 0 for o, m in zip(offsets, ms, strict=True) if m.nbytes)
     assert total >= wire.payload_bytes(ms)
     flat = wire.flatten(items, ms)
     assert (flat is None) == (total == 0)

@@ -4,12 +4,22 @@ from __future__ import annotations
 
 import selectors
 import socket
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
-from hybridpipe.comm.allreduce.dedicated.wire import (HELLO, MAGIC, OP, VERSION, AggregatorError, byte_view,
-                                                      dtype_code, parse_address, recv_status, wake_after)
+from hybridpipe.comm.allreduce.dedicated.wire import (
+    HELLO,
+    MAGIC,
+    OP,
+    VERSION,
+    AggregatorError,
+    byte_view,
+    dtype_code,
+    parse_address,
+    recv_status,
+    wake_after,
+)
 
 
 class AggregatorClient:

@@ -13,8 +13,16 @@ import socket
 import threading
 
 from hybridpipe.comm.allreduce.dedicated.stream import reduce_stream
-from hybridpipe.comm.allreduce.dedicated.wire import (DTYPES, HELLO, MAGIC, OP, VERSION, recv_struct, send_status,
-                                                      set_blocking_timeout)
+from hybridpipe.comm.allreduce.dedicated.wire import (
+    DTYPES,
+    HELLO,
+    MAGIC,
+    OP,
+    VERSION,
+    recv_struct,
+    send_status,
+    set_blocking_timeout,
+)
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +99,8 @@ class AggregatorServer:
                 if magic != MAGIC or version != VERSION:
                     error = f"protocol mismatch (expected version {VERSION})"
                 elif world != self.world:
-                    error = f"this aggregator serves a group of {self.world}, not {world}; start it with --world {world}"
+                    error = (f"this aggregator serves a group of {self.world}, not {world}; "
+                             f"start it with --world {world}")
                 elif not 0 <= pos < world or pos in slots:
                     error = f"position {pos} is invalid or already connected"
                 send_status(conn, error)

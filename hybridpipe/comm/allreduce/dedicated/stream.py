@@ -41,7 +41,7 @@ def reduce_stream(conns: list[socket.socket], dtype: torch.dtype, numel: int, ch
     done = [0] * n                                    # chunks fully sent back per worker
     selector = selectors.DefaultSelector()
     watching = [0] * n                                # events registered per connection
-    for c, state in zip(conns, receiving):
+    for c, state in zip(conns, receiving, strict=True):
         c.setblocking(False)
         state[3] = wake_after(c, (chunks[0][1] - chunks[0][0]) * item if chunks else 1, 0)
     try:
@@ -95,7 +95,7 @@ def reduce_stream(conns: list[socket.socket], dtype: torch.dtype, numel: int, ch
                 next_sum += 1
     finally:
         selector.close()
-        for c, state in zip(conns, receiving):
+        for c, state in zip(conns, receiving, strict=True):
             try:
                 wake_after(c, 1, state[3])
                 c.setblocking(True)
