@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime as dt
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner import dp
@@ -30,6 +30,7 @@ from hybridpipe.partitioner.objective import (
 from hybridpipe.partitioner.pipedream import pipedream_stages
 from hybridpipe.partitioner.plan import ALGORITHMS, OPTIMIZERS, SCHEDULES, STRATEGIES, Plan, Stage
 from hybridpipe.partitioner.strategies import baseline_stages
+from hybridpipe.partitioner.tied import tied_groups
 from hybridpipe.profiles.format import Profile
 
 MICRO_BATCHES_PER_WORKER = 2      # default micro-batches per step: enough to keep every stage busy
@@ -102,7 +103,7 @@ def partition(profile: Profile, cluster: Cluster, req: Request = Request(),
     ev = evaluate(costs, model, stages, opts)
     if not ev.fits:
         raise UserError(memory_message(stages, ev, opts, req.strategy))
-    return Outcome(build_plan(profile, costs, cluster, stages, ev, opts, req.strategy), ev, model, opts)
+    return Outcome(build_plan(profile, costs, cluster, stages, ev, opts, req.strategy, model), ev, model, opts)
 
 
 def choose_stages(strategy: str, costs: ModelCosts, model: CostModel, workers: int, opts: Options,
@@ -127,9 +128,18 @@ def choose_stages(strategy: str, costs: ModelCosts, model: CostModel, workers: i
 
 
 def build_plan(profile: Profile, costs: ModelCosts, cluster: Cluster, stages: Sequence[StageSpec],
-               ev: Evaluation, opts: Options, strategy: str) -> Plan:
-    """The Plan: stages with their predicted figures, the step time and throughput."""
-    step_ms = predict_step_ms(ev, opts)
+               ev: Evaluation, opts: Options, strategy: str, model: CostModel | None = None) -> Plan:
+    """The Plan: stages with their predicted figures, the step time and throughput.
+
+    Parameters read by several stages (tied weights) are summed across those stages' ranks once
+    per step, after the last backward (torch's own all-reduce): it is added to the predicted step."""
+    model = model or CostModel(cluster)
+    tied = []
+    for group in tied_groups(profile, [(s.first, s.last) for s in stages]):
+        ranks = sorted(r for i in group.stages for r in stages[i].ranks)
+        ms = model.allreduce_seconds("native", group.bytes, ranks) * 1e3
+        tied.append(replace(group, predicted_ms=round(ms, 6)))
+    step_ms = predict_step_ms(ev, opts) + sum(t.predicted_ms for t in tied)
     out = []
     for idx, (spec, e) in enumerate(zip(stages, ev.stages, strict=True)):
         out.append(Stage(index=idx, first_node=spec.first, last_node=spec.last, replicas=len(spec.ranks),
@@ -142,7 +152,8 @@ def build_plan(profile: Profile, costs: ModelCosts, cluster: Cluster, stages: Se
                 profile_signature=profile.signature(), cluster=cluster, strategy=strategy, schedule=opts.schedule,
                 micro_batches=opts.micro_batches, optimizer=opts.optimizer, stages=tuple(out),
                 predicted_step_ms=step_ms, predicted_samples_per_s=samples,
-                created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
+                created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                granularity=profile.granularity, tied=tuple(tied))
 
 
 def no_fit_message(costs: ModelCosts, workers: int, opts: Options) -> str:

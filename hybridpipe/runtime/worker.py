@@ -31,6 +31,7 @@ from hybridpipe.runtime.groups import Process, init_distributed, replica_groups,
 from hybridpipe.runtime.metrics import MetricsWriter, Progress, step_record
 from hybridpipe.runtime.parts import load_model, make_data, make_optimizer, make_sync, seed_rank, weights_digest
 from hybridpipe.runtime.summary import RankReport, format_summary, summarize
+from hybridpipe.runtime.tied import tied_process_groups, tied_sync
 from hybridpipe.runtime.timeline import TimelineRecorder, trace_dir
 
 log = logging.getLogger(__name__)
@@ -66,9 +67,11 @@ def _train(cfg: RunConfig, proc: Process, model, closers: list, print_fn) -> dic
     traces = None if cfg.trace_dir == "" else Path(cfg.trace_dir or trace_dir(run_dir))
 
     groups = replica_groups(plan, cfg.timeout)
-    stage = build_stage_index(model.graph, [(s.first_node, s.last_node) for s in plan.stages], stage_plan.index,
+    tied = tied_sync(plan, stage_plan.index, model.module, tied_process_groups(plan, cfg.timeout))
+    stage = build_stage_index(model.captured, [(s.first_node, s.last_node) for s in plan.stages], stage_plan.index,
                               loss=model.spec.loss).to(proc.device)
-    sync = make_sync(cfg, stage.module, stage_plan, groups.get(stage_plan.index))
+    sync = make_sync(cfg, stage.module, stage_plan, groups.get(stage_plan.index),
+                     exclude=tied.params if tied is not None else ())
     seed_rank(cfg.seed, rank)
     optimizer = make_optimizer(cfg.optimizer, stage.module.parameters(), lr=cfg.lr, momentum=cfg.momentum,
                                weight_decay=cfg.weight_decay)
@@ -83,7 +86,7 @@ def _train(cfg: RunConfig, proc: Process, model, closers: list, print_fn) -> dic
     if recorder is not None:
         recorder.align(dist.barrier)
     engine = PipelineEngine(stage, topo, rank, cfg.schedule, transport=channels, optimizer=optimizer,
-                            data=make_data(cfg, model.spec), sync=sync, recorder=recorder)
+                            data=make_data(cfg, model.spec), sync=sync, recorder=recorder, tied=tied)
 
     ckpt = None
     start = 0

@@ -10,22 +10,40 @@ from hybridpipe.pipeline.data import MicroBatches
 from hybridpipe.pipeline.engine import PipelineEngine
 from hybridpipe.pipeline.inprocess import InProcessGradSync, InProcessNetwork, ReplicaGroup, run_ranks
 from hybridpipe.pipeline.schedules import Topology
-from hybridpipe.pipeline.stage import build_stage
+from hybridpipe.partitioner.plan import TiedGroup
+from hybridpipe.partitioner.tied import shared_across
+from hybridpipe.pipeline.stage import build_stage, captured_signature
+from hybridpipe.pipeline.tied import TiedSync, complete_tied, stage_tied_params, tied_ranks
+from hybridpipe.profiles.capture import CapturedModel, call_args, capture_model, tied_parameters, training_switches
 from hybridpipe.profiles.data import resolve_dataset
-from hybridpipe.profiles.format import graph_signature
-from hybridpipe.profiles.trace import graph_edges, node_infos, trace_model
-from hybridpipe.profiles.zoo import resolve_model
+from hybridpipe.profiles.graphinfo import node_infos
+from hybridpipe.profiles.zoo import ModelSpec, resolve_model
+
+
+def capture(spec: ModelSpec, batch_size: int = 4, seed: int = 0, granularity: str = "blocks") -> CapturedModel:
+    """The spec's model built from ``seed`` and captured as every rank does it."""
+    torch.manual_seed(seed)
+    module = spec.build()
+    example = spec.example_input(batch_size, torch.Generator().manual_seed(seed))
+    return capture_model(module, example, granularity=granularity, leaf_modules=spec.leaf_modules)
+
+
+def plan_tied(captured: CapturedModel, ranges: list[tuple[int, int]]) -> tuple[TiedGroup, ...]:
+    """The tied groups a partitioner would write for these ranges."""
+    infos = node_infos(captured)
+    found = shared_across([i.params for i in infos], [i.shared for i in infos], tied_parameters(captured.module),
+                          ranges)
+    return tuple(TiedGroup(p, stages, 0) for p, stages in found)
 
 
 def make_plan(model: str, cuts: list[int], replicas: list[int], *, schedule: str = "1f1b", micro_batches: int = 4,
               batch_size: int = 4, times: list[tuple[float, float]] | None = None, send_ms: float = 0.0,
-              n_nodes: int | None = None, signature: str = "") -> Plan:
+              n_nodes: int | None = None, signature: str = "", granularity: str = "blocks") -> Plan:
     """A plan cutting ``model`` after the node ids in ``cuts`` (stage s ends at cuts[s])."""
     spec = resolve_model(model)
-    if n_nodes is None or not signature:
-        gm = trace_model(spec.build(), spec.leaf_modules)
-        n_nodes = len(gm.graph.nodes)
-        signature = graph_signature(node_infos(gm), graph_edges(gm))
+    captured = capture(spec, batch_size, granularity=granularity)
+    n_nodes = len(captured.blocks)
+    signature = captured_signature(captured)
     bounds = [-1, *cuts, n_nodes - 1]
     stages, rank = [], 0
     for s, r in enumerate(replicas):
@@ -35,15 +53,18 @@ def make_plan(model: str, cuts: list[int], replicas: list[int], *, schedule: str
                             send_ms=send_ms if s < len(replicas) - 1 else 0.0))
         rank += r
     cluster = Cluster((Level("node", rank, 100.0),), 16.0)
+    ranges = [(s.first_node, s.last_node) for s in stages]
     return Plan(model=model, batch_size=batch_size, input_shape=(batch_size, *spec.sample_shape),
                 profile_signature=signature, cluster=cluster, strategy="uniform", schedule=schedule,
-                micro_batches=micro_batches, optimizer="sgd", stages=tuple(stages))
+                micro_batches=micro_batches, optimizer="sgd", stages=tuple(stages), tied=plan_tied(captured, ranges),
+                granularity=granularity)
 
 
 def data_for(plan: Plan, steps: int, seed: int = 1) -> MicroBatches:
     spec = resolve_model(plan.model)
     size = steps * plan.micro_batches * plan.batch_size
-    return MicroBatches(resolve_dataset("synthetic", spec, size=size, seed=seed), plan.batch_size, plan.micro_batches)
+    return MicroBatches(resolve_dataset("synthetic", spec, size=size, seed=seed), plan.batch_size, plan.micro_batches,
+                        targets=spec.loss is not None)
 
 
 def make_optimizer(params, lr: float, kind: str = "sgd") -> torch.optim.Optimizer:
@@ -61,16 +82,18 @@ def train_pipeline(plan: Plan, steps: int, *, lr: float = 0.05, seed: int = 0, o
     topo = Topology.from_plan(plan)
     network = InProcessNetwork(timeout=60)
     groups = [ReplicaGroup(s.replicas) for s in plan.stages]
+    tied_groups = {ranks: ReplicaGroup(len(ranks)) for ranks in {tied_ranks(plan, g) for g in plan.tied}}
 
     def rank_fn(rank: int):
-        torch.manual_seed(seed)
-        model = spec.build()
-        stage = build_stage(model, plan, rank, loss=spec.loss, leaf_modules=spec.leaf_modules).to(device)
+        captured = capture(spec, plan.batch_size, seed, plan.granularity)
+        stage = build_stage(captured, plan, rank, loss=spec.loss).to(device)
         st, replica = plan.stage_of_rank(rank)
-        sync = InProcessGradSync(stage.module, groups[st.index], replica)
+        held = stage_tied_params(plan, st.index, captured.module)
+        tied = TiedSync([(params, _summer(tied_groups[ranks], ranks.index(rank))) for ranks, params in held.items()])
+        sync = InProcessGradSync(stage.module, groups[st.index], replica, exclude=tied.params)
         engine = PipelineEngine(stage, topo, rank, plan.schedule, transport=network.transport(rank),
                                 optimizer=make_optimizer(stage.module.parameters(), lr, optimizer),
-                                data=data_for(plan, steps), sync=sync)
+                                data=data_for(plan, steps), sync=sync, tied=tied if held else None)
 
         def run():
             losses = {}
@@ -81,7 +104,8 @@ def train_pipeline(plan: Plan, steps: int, *, lr: float = 0.05, seed: int = 0, o
             return {k: v.cpu() for k, v in stage.state_dict().items()}, losses, engine
         return run
 
-    results = run_ranks({r: rank_fn(r) for s in plan.stages for r in s.ranks}, network, groups)
+    results = run_ranks({r: rank_fn(r) for s in plan.stages for r in s.ranks}, network,
+                        groups + list(tied_groups.values()))
     assert not network.pending(), network.pending()
     merged: dict[str, torch.Tensor] = {}
     losses: dict[int, list[float]] = {}
@@ -91,6 +115,7 @@ def train_pipeline(plan: Plan, steps: int, *, lr: float = 0.05, seed: int = 0, o
             other = results[r][0]
             assert all(torch.equal(first[k], other[k]) for k in first), f"replicas of stage {s.index} differ"
         merged.update(first)
+    merged = complete_tied(merged, tied_parameters(spec.build()))
     for s in plan.stages[-1:]:
         for r in s.ranks:
             for k, v in results[r][1].items():
@@ -107,11 +132,24 @@ def train_reference(plan: Plan, steps: int, *, lr: float = 0.05, seed: int = 0,
     opt = make_optimizer(model.parameters(), lr, optimizer)
     data = data_for(plan, steps)
     for k in range(steps):
-        x, y = (t.to(device) for t in data.global_batch(k))
+        x, y = data.global_batch(k)
         opt.zero_grad()
-        spec.loss(model(x), y).backward()
+        model_loss(spec, model, x, y).backward()
         opt.step()
     return {k: v.cpu() for k, v in model.state_dict().items()}
+
+
+def model_loss(spec: ModelSpec, model: torch.nn.Module, x, y) -> torch.Tensor:
+    """The unsplit model's loss on one batch, as single-process training computes it."""
+    args, kwargs = call_args(x)
+    out = model(*args, **kwargs, **training_switches(model))
+    return spec.loss(out, y) if spec.loss is not None else out.loss
+
+
+def _summer(group: ReplicaGroup, index: int):
+    def sum_fn(flat: torch.Tensor) -> None:
+        group.all_reduce_sum(index, [flat])
+    return sum_fn
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

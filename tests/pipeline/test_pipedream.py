@@ -14,7 +14,7 @@ from hybridpipe.pipeline.schedules import Topology
 from hybridpipe.pipeline.stage import build_stage
 from hybridpipe.pipeline.stash import WeightStash
 from hybridpipe.profiles.zoo import resolve_model
-from tests.pipeline.harness import data_for, make_optimizer, make_plan, max_diff, train_pipeline, train_reference
+from tests.pipeline.harness import capture, data_for, make_optimizer, make_plan, max_diff, train_pipeline, train_reference
 from tests.pipeline.pipedream_reference import train_pipedream_reference
 
 GPT = "gpt[layers=2,width=32,heads=2,seq=8,vocab=64]"
@@ -66,7 +66,7 @@ def test_versions_kept_never_exceed_micro_batches_in_flight():
 
     def rank_fn(rank):
         torch.manual_seed(0)
-        stage = build_stage(spec.build(), plan, rank, loss=spec.loss)
+        stage = build_stage(capture(spec, plan.batch_size), plan, rank, loss=spec.loss)
         st, replica = plan.stage_of_rank(rank)
         engine = PipelineEngine(stage, topo, rank, "pipedream", transport=network.transport(rank),
                                 optimizer=make_optimizer(stage.module.parameters(), 0.05), data=data_for(plan, 4),
@@ -99,7 +99,7 @@ def test_pipedream_steps_must_be_consecutive_while_in_flight():
     network = InProcessNetwork(timeout=30)
 
     def rank_fn(rank):
-        stage = build_stage(spec.build(), plan, rank, loss=spec.loss)
+        stage = build_stage(capture(spec, plan.batch_size), plan, rank, loss=spec.loss)
         engine = PipelineEngine(stage, Topology.from_plan(plan), rank, "pipedream",
                                 transport=network.transport(rank),
                                 optimizer=torch.optim.SGD(stage.module.parameters(), lr=0.1), data=data_for(plan, 9))
@@ -123,7 +123,7 @@ def _pipedream_ranks(plan, network, groups, steps):
     for s in plan.stages:
         for replica, rank in enumerate(s.ranks):
             torch.manual_seed(0)
-            stage = build_stage(spec.build(), plan, rank, loss=spec.loss, leaf_modules=spec.leaf_modules)
+            stage = build_stage(capture(spec, plan.batch_size), plan, rank, loss=spec.loss)
             opt = make_optimizer(stage.module.parameters(), 0.05)
             engine = PipelineEngine(stage, topo, rank, "pipedream", transport=network.transport(rank), optimizer=opt,
                                     data=data_for(plan, steps),

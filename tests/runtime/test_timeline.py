@@ -144,7 +144,7 @@ def test_the_pipeline_engine_fills_every_phase_of_the_timeline(tmp_path):
     data = MicroBatches(resolve_dataset("synthetic", spec, size=64, seed=0), 2, 4)
 
     def rank_fn(rank):
-        stage = build_stage(spec.build(), plan, rank, loss=spec.loss)
+        stage = build_stage(capture(spec, plan.batch_size), plan, rank, loss=spec.loss)
         st, replica = plan.stage_of_rank(rank)
         rec = TimelineRecorder(tmp_path / "trace", rank=rank, stage=st.index, replica=replica, world_size=4)
         engine = PipelineEngine(stage, Topology.from_plan(plan), rank, "1f1b", transport=network.transport(rank),

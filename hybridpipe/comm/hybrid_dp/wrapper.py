@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any
 
 import torch
@@ -44,6 +44,7 @@ class HybridDataParallel(nn.Module):
     first rank at every forward; parameters and buffers are broadcast from it at construction.
     ``two_lanes``: urgent units on a second lane (message tags of lane ``lane + 128``).
     ``downward``: a second group of the same ranks for messages to lower positions (AllReducer).
+    ``exclude``: parameters this wrapper never syncs (the caller sums their gradients itself).
 
     Every rank must run the same backward (the same parameters get gradients, as with DDP's
     default). A parameter is awaited before the forward of the module that owns it (the first
@@ -55,7 +56,7 @@ class HybridDataParallel(nn.Module):
                  calibration: Calibration | str | os.PathLike | None = None, reduce: str = "mean", *,
                  topology: Topology | None = None, costs: GroupCosts | None = None, aggregator: str | None = None,
                  lane: int = 1, broadcast_buffers: bool = True, fuse_small: bool = True, two_lanes: bool = True,
-                 downward: dist.ProcessGroup | None = None):
+                 downward: dist.ProcessGroup | None = None, exclude: Collection[nn.Parameter] = ()):
         super().__init__()
         check_policy(policy)
         if reduce not in ("mean", "sum"):
@@ -69,7 +70,7 @@ class HybridDataParallel(nn.Module):
                                    aggregator=aggregator, lane=lane, downward=downward)
         self._lane = CommLane(f"hybridpipe-hdp-lane{lane}")
         self._src = dist.get_process_group_ranks(group or dist.group.WORLD)[0]
-        self.units: list[SyncUnit] = plan_units(model_layers(module), policy, self._reducer.costs,
+        self.units: list[SyncUnit] = plan_units(model_layers(module, exclude), policy, self._reducer.costs,
                                                 fuse_small=fuse_small, two_lanes=two_lanes)
         self._lanes = [(self._lane, self._reducer)]
         if any(u.lane == 1 for u in self.units):
