@@ -65,8 +65,11 @@ def model_costs(profile: Profile) -> ModelCosts:
     """Extract the arrays from a profile. Cut sizes are the profile's exact ``cut_bytes`` when it has
     them (hybridpipe's profiler), else derived from the edges (hand-made or imported profiles)."""
     exact = any(nd.cut_bytes for nd in profile.nodes)
-    cut, cut_grad = (np.array([nd.cut_bytes for nd in profile.nodes], dtype=float),
-                     np.array([nd.cut_grad_bytes for nd in profile.nodes], dtype=float)) if exact else _edge_cuts(profile)
+    if exact:
+        cut = np.array([nd.cut_bytes for nd in profile.nodes], dtype=float)
+        cut_grad = np.array([nd.cut_grad_bytes for nd in profile.nodes], dtype=float)
+    else:
+        cut, cut_grad = _edge_cuts(profile)
     saved = np.array([nd.saved_bytes for nd in profile.nodes], dtype=float)
     return ModelCosts(
         names=tuple(nd.name for nd in profile.nodes),

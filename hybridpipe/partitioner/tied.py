@@ -14,8 +14,8 @@ from hybridpipe.partitioner.plan import TiedGroup
 from hybridpipe.profiles.format import Profile
 
 
-def shared_across(params: Sequence[Sequence[str]], shared: Sequence[Sequence[str]],
-                  aliases: Sequence[Sequence[str]], ranges: Sequence[tuple[int, int]]) -> list[tuple[str, tuple[int, ...]]]:
+def shared_across(params: Sequence[Sequence[str]], shared: Sequence[Sequence[str]], aliases: Sequence[Sequence[str]],
+                  ranges: Sequence[tuple[int, int]]) -> list[tuple[str, tuple[int, ...]]]:
     """(parameter, stages) for every parameter read by more than one of the stages ``ranges``.
 
     ``params[i]``: the names node i owns (first names in the model); ``shared[i]``: the names it

@@ -155,7 +155,8 @@ class PipelineStage:
             raise RuntimeError(f"stage {self.index}'s loss function needs the micro-batch's target")
         return self.loss_fn(output, target)
 
-    def backward(self, act: Activation, output_grads: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    def backward(self, act: Activation,
+                 output_grads: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """Backpropagate one micro-batch; accumulates parameter grads, returns the inputs' grads.
 
         On the last stage from ``act.loss``; elsewhere from ``output_grads`` (grads of

@@ -67,9 +67,9 @@ class CapturedModel:
             elif path in leaves:
                 out[name] = leaves[path]
             else:
+                expected = [p for n, p in zip(self.inputs, self.input_paths, strict=True) if n not in self.constants]
                 raise UserError(f"the batch has no input at {path} (the model was captured with inputs at "
-                                f"{', '.join(p for n, p in zip(self.inputs, self.input_paths, strict=True) if n not in self.constants)}); "
-                                "feed batches shaped like the example input")
+                                f"{', '.join(expected)}); feed batches shaped like the example input")
         return out
 
     def rebuild_output(self, flat: Any) -> Any:
@@ -144,8 +144,9 @@ def _export(model: nn.Module, args: tuple, kwargs: dict) -> CapturedModel:
     def dynamic(x: Any) -> Any:
         return {i: Dim.AUTO for i in range(x.dim())} if isinstance(x, torch.Tensor) else None
 
-    dynamic_shapes = pytree.tree_map(dynamic, (args, kwargs), is_leaf=lambda x: x is None)
     try:
+        bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
+        dynamic_shapes: Any = {name: pytree.tree_map(dynamic, value) for name, value in bound.items()}
         ep = export(model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
     except Exception as e:
         log.info("torch.export with dynamic shapes failed (%s: %s); capturing with static shapes",
@@ -171,8 +172,10 @@ def _export(model: nn.Module, args: tuple, kwargs: dict) -> CapturedModel:
 
 
 def _strip_pytree_codegen(gm: fx.GraphModule) -> None:
-    """Make ``gm`` a plain graph: positional placeholders in, the flat output list out."""
+    """Make ``gm`` a plain graph: positional placeholders in, the flat output list out (and no
+    input-structure check: hybridpipe feeds it flattened inputs itself)."""
     gm.graph._codegen = fx.graph.CodeGen()
+    gm._forward_pre_hooks.clear()
     gm.recompile()
 
 
@@ -287,5 +290,5 @@ def _first_line(error: BaseException) -> str:
     return line[:300]
 
 
-__all__ = ["CapturedModel", "capture_model", "call_args", "own_loss", "training_switches", "unsendable", "tied_parameters",
-           "node_parameters", "export_failure_message"]
+__all__ = ["CapturedModel", "capture_model", "call_args", "own_loss", "training_switches", "unsendable",
+           "tied_parameters", "node_parameters", "export_failure_message"]

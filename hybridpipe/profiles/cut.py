@@ -104,7 +104,8 @@ def check_cuts(captured: CapturedModel, boundaries: Sequence[StageBoundary]) -> 
                 raise UserError(f"value {name!r} (computed in {block}) holds a {captured.blocked[name]}, which cannot "
                                 f"be sent between stages, and the plan cuts after node {b.last_node} "
                                 f"({captured.blocks[b.last_node].name}) while it is still needed; re-partition "
-                                "(a profile of this model marks that cut infeasible) or make the model return tensors there")
+                                "(a profile of this model marks that cut infeasible) or make the model return "
+                                "tensors there")
 
 
 def stage_graph_module(captured: CapturedModel, boundary: StageBoundary, last: bool) -> fx.GraphModule:

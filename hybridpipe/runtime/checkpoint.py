@@ -37,6 +37,7 @@ import logging
 import os
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -96,7 +97,7 @@ class Checkpointer:
     """Periodic, atomic, collective checkpoints of one rank's part (see the module docstring)."""
 
     def __init__(self, root: str | os.PathLike, *, plan, rank: int, every: int = 0, keep: int = 3,
-                 group: dist.ProcessGroup | None = None) -> None:
+                 group: dist.ProcessGroup | None = None, tied: Sequence[Sequence[str]] = ()) -> None:
         if every < 0:
             raise UserError(f"--checkpoint-every must be >= 0 (0: never), got {every}")
         self.root = Path(root)
@@ -105,6 +106,7 @@ class Checkpointer:
         self.every = every
         self.keep = keep
         self.group = group
+        self.tied = [list(names) for names in tied]      # names of one parameter (merge fills them all in)
         stage, replica = plan.stage_of_rank(rank)
         self.stage, self.replica = stage.index, replica
         self.n_stages = len(plan.stages)
@@ -173,6 +175,7 @@ class Checkpointer:
                 "batch_size": p.batch_size, "n_stages": self.n_stages, "world_size": p.world_size,
                 "stages": [{"first_node": s.first_node, "last_node": s.last_node, "ranks": list(s.ranks)}
                            for s in p.stages],
+                "tied": self.tied,
                 "created": datetime.datetime.now().isoformat(timespec="seconds"), "save_seconds": round(seconds, 3)}
 
     def _check_plan(self, step: int) -> None:

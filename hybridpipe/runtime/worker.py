@@ -24,6 +24,7 @@ import torch.distributed as dist
 from hybridpipe.errors import UserError
 from hybridpipe.jsonfile import write_json
 from hybridpipe.pipeline import PipelineEngine, Topology, build_stage_index
+from hybridpipe.profiles.capture import tied_parameters
 from hybridpipe.runtime.checkpoint import Checkpointer, restore_rng
 from hybridpipe.runtime.config import RunConfig
 from hybridpipe.runtime.failure import FailureGuard, default_store, describe_ranks
@@ -92,7 +93,7 @@ def _train(cfg: RunConfig, proc: Process, model, closers: list, print_fn) -> dic
     start = 0
     if cfg.checkpoint_dir:
         ckpt = Checkpointer(cfg.checkpoint_dir, plan=plan, rank=rank, every=cfg.checkpoint_every,
-                            keep=cfg.keep_checkpoints)
+                            keep=cfg.keep_checkpoints, tied=tied_parameters(model.module))
         if cfg.resume:
             start = _restore(ckpt, stage, optimizer, engine)
 

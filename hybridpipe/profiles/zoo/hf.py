@@ -8,7 +8,8 @@
 
 Reserved arguments (not passed to the config): ``seq`` (tokens per synthetic sample, default
 ``min(128, max positions)``), ``dropout`` (set every dropout probability of the config, e.g.
-``dropout=0`` for exact comparisons), ``labels`` (target length of a seq2seq task).
+``dropout=0`` for exact comparisons), ``labels`` (target length of a seq2seq task), ``leaf``
+(module classes never split into several nodes, ``leaf=A+B``).
 
 Synthetic data is the task's own: next-token prediction over the vocabulary for a causal LM
 (``{"input_ids", "labels"}``: labels = inputs, the model shifts them), masked-LM reconstruction,
@@ -30,7 +31,7 @@ from hybridpipe.profiles.zoo.registry import ModelSpec, parse_args
 
 HEADS = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForMaskedLM", "AutoModelForImageClassification",
          "AutoModelForSequenceClassification")
-RESERVED = ("seq", "dropout", "labels")
+RESERVED = ("seq", "dropout", "labels", "leaf")
 
 
 def _transformers() -> Any:
@@ -57,7 +58,8 @@ def hf_spec(spec: str) -> ModelSpec:
     if "dropout" in reserved:
         _set_dropout(config, float(reserved["dropout"]))
     sample = _task_sample(config, cls.__name__, int(reserved.get("seq", 0)), int(reserved.get("labels", 0)))
-    return ModelSpec(name=spec, build=lambda: build(config), loss=None, sample=sample)
+    leaves = tuple(x for x in str(reserved.get("leaf", "")).split("+") if x)
+    return ModelSpec(name=spec, build=lambda: build(config), loss=None, sample=sample, leaf_modules=leaves)
 
 
 Built = tuple[type, Callable[[Any], nn.Module], Any]

@@ -157,6 +157,12 @@ def with_leaves(spec: str, leaves: list[str]) -> str:
     """``spec`` with module class names added to its reserved ``leaf`` argument (see the docstring)."""
     if not leaves:
         return spec
+    if spec.startswith("hf:"):
+        name, _, rest = spec.partition("[")
+        kwargs = parse_args(f"[{rest}" if rest else "", spec)
+        names = [x for x in str(kwargs.pop("leaf", "")).split("+") if x]
+        names += [x for x in leaves if x not in names]
+        return f"{name}[{','.join([*(f'{k}={v}' for k, v in kwargs.items()), 'leaf=' + '+'.join(names)])}]"
     target, kwargs = parse_spec(spec)
     names = [x for x in str(kwargs.pop("leaf", "")).split("+") if x]
     names += [x for x in leaves if x not in names]
