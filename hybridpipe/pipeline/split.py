@@ -84,7 +84,7 @@ def _check_placement(nodes: list[fx.Node], stage_of: list[int], n_stages: int) -
     for i, node in enumerate(nodes):
         if node.op not in ("call_module", "get_attr"):
             continue
-        seen = where.setdefault(node.target, stage_of[i])
+        seen = where.setdefault(str(node.target), stage_of[i])     # a qualified name for these ops
         if seen != stage_of[i]:
             raise UserError(f"module or parameter {node.target!r} is used by stages {seen} and {stage_of[i]} "
                             "(weights shared across stages cannot be kept in sync); re-partition so that its "
