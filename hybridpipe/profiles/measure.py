@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 import torch.utils._pytree as pytree
@@ -25,6 +25,14 @@ from hybridpipe.profiles.cut import stage_boundaries, stage_graph_module
 from hybridpipe.profiles.timing import median_ms
 
 LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+class Timing(TypedDict):
+    """The keyword arguments every measurement below takes."""
+
+    device: torch.device | str
+    repeats: int
+    warmup: int
 
 
 @dataclass(frozen=True)

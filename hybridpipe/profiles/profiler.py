@@ -28,6 +28,7 @@ from hybridpipe.profiles.capture import (
 from hybridpipe.profiles.format import Profile, ProfileNode, ProfileTotals
 from hybridpipe.profiles.graphinfo import graph_edges, node_infos, unused_parameters
 from hybridpipe.profiles.measure import (
+    Timing,
     block_modules,
     measure_block,
     measure_optimizer,
@@ -79,7 +80,7 @@ def profile_model(model: ModelSpec, *, batch_size: int, device: str | torch.devi
     blocks = block_modules(captured)
     env = reference_pass(captured, blocks, batch)
     infos = node_infos(captured)
-    timing = dict(device=device, repeats=repeats, warmup=warmup)
+    timing = Timing(device=device, repeats=repeats, warmup=warmup)
     disable = None if progress is None else not progress
     nodes = []
     for i, (block, info) in enumerate(tqdm(list(zip(blocks, infos, strict=True)), desc=f"profile {model.name}",

@@ -60,10 +60,11 @@ def group_costs(topology: Topology, calibration: Calibration | None = None,
     """A cost model of the group described by ``topology`` (see the module docstring)."""
     n = topology.size
     g = topology.uniform
+    levels: tuple[Level, ...]
     cal_level = calibration.level if calibration else ""
     if g is not None and 1 < g < n:
         inner, outer = ("host", "network")
-        if cal_level:
+        if calibration is not None and cal_level:
             if calibration.hosts > 1:
                 outer = cal_level if cal_level != inner else outer
             else:

@@ -178,9 +178,9 @@ def hierarchical(groups: Sequence[Sequence[int]], numel: int) -> list[Round]:
                 + _rename(_lockstep(gather), "inner_gather"))
     reduce = _lockstep([_reduce_to_leader(grp, numel) for grp in groups])
     leaders = [grp[0] for grp in groups]
-    across = _rename(rings([leaders], 0, numel), "across")
+    leader_ring = _rename(rings([leaders], 0, numel), "across")
     bcast = _lockstep([_broadcast_from_leader(grp, numel) for grp in groups])
-    return reduce + across + bcast
+    return reduce + leader_ring + bcast
 
 
 def _rename(rounds: list[Round], phase: str) -> list[Round]:
