@@ -119,7 +119,7 @@ class PipelineEngine:
         self.phase = 0              # steps since the pipeline was (re)started (pipedream)
         self._last_step: int | None = None
         self._inputs: dict[int, dict[str, torch.Tensor]] = {}
-        self._targets: dict[int, torch.Tensor] = {}
+        self._targets: dict[int, Any] = {}
         self._acts: dict[int, Activation] = {}
         self._out_grads: dict[int, dict[str, torch.Tensor]] = {}   # received: grads of the stage's outputs
         self._in_grads: dict[int, dict[str, torch.Tensor]] = {}    # computed: grads of its inputs, to send

@@ -5,13 +5,12 @@ from __future__ import annotations
 import torch
 
 from hybridpipe.partitioner.cluster import Cluster, Level
-from hybridpipe.partitioner.plan import Plan, Stage
+from hybridpipe.partitioner.plan import Plan, Stage, TiedGroup
+from hybridpipe.partitioner.tied import shared_across
 from hybridpipe.pipeline.data import MicroBatches
 from hybridpipe.pipeline.engine import PipelineEngine
 from hybridpipe.pipeline.inprocess import InProcessGradSync, InProcessNetwork, ReplicaGroup, run_ranks
 from hybridpipe.pipeline.schedules import Topology
-from hybridpipe.partitioner.plan import TiedGroup
-from hybridpipe.partitioner.tied import shared_across
 from hybridpipe.pipeline.stage import build_stage, captured_signature
 from hybridpipe.pipeline.tied import TiedSync, complete_tied, stage_tied_params, tied_ranks
 from hybridpipe.profiles.capture import CapturedModel, call_args, capture_model, tied_parameters, training_switches

@@ -14,7 +14,15 @@ from hybridpipe.pipeline.inprocess import InProcessNetwork, run_ranks
 from hybridpipe.pipeline.schedules import Topology
 from hybridpipe.pipeline.stage import build_stage
 from hybridpipe.profiles.zoo import resolve_model
-from tests.pipeline.harness import capture, data_for, make_optimizer, make_plan, max_diff, train_pipeline, train_reference
+from tests.pipeline.harness import (
+    capture,
+    data_for,
+    make_optimizer,
+    make_plan,
+    max_diff,
+    train_pipeline,
+    train_reference,
+)
 
 GPT = "gpt[layers=2,width=32,heads=2,seq=8,vocab=64]"
 STEPS = 5

@@ -66,7 +66,7 @@ Built = tuple[type, Callable[[Any], nn.Module], Any]
 
 
 def _from_name(tf: Any, name: str, kwargs: dict) -> Built:
-    cls = getattr(tf, name, None)
+    cls: Any = getattr(tf, name, None)
     if isinstance(cls, type) and issubclass(cls, tf.PreTrainedModel):
         try:
             return cls, cls, cls.config_class(**kwargs)
