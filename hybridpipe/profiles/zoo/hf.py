@@ -69,7 +69,8 @@ def _from_name(tf: Any, name: str, kwargs: dict) -> Built:
     cls: Any = getattr(tf, name, None)
     if isinstance(cls, type) and issubclass(cls, tf.PreTrainedModel):
         try:
-            return cls, cls, cls.config_class(**kwargs)
+            config_class: Any = cls.config_class  # type: ignore[attr-defined]  # a PreTrainedModel subclass
+            return cls, cls, config_class(**kwargs)
         except (TypeError, ValueError) as e:
             raise UserError(f"bad arguments for hf:{name}: {e}") from None
     try:
