@@ -30,6 +30,7 @@ from hybridpipe.partitioner.plan import Plan, check_plan_fits
 from hybridpipe.pipeline.values import pack, unpack
 from hybridpipe.profiles.capture import CapturedModel, own_loss
 from hybridpipe.profiles.cut import StageBoundary, check_cuts, stage_boundaries, stage_graph_module
+from hybridpipe.profiles.evalmode import eval_graph
 from hybridpipe.profiles.format import graph_signature
 from hybridpipe.profiles.graphinfo import graph_edges, node_infos
 
@@ -68,6 +69,7 @@ class PipelineStage:
         self.n_stages = n_stages
         self.captured = captured
         self.loss_fn = loss
+        self._eval_module: fx.GraphModule | None = None
 
     # ---- identity ----------------------------------------------------------------------
     @property
@@ -145,6 +147,23 @@ class PipelineStage:
         else:
             act.outputs = pack(dict(zip(self.output_names, result, strict=True)),
                                f" (between stages {self.index} and {self.index + 1})")
+        return act
+
+    def forward_eval(self, inputs: Mapping[str, torch.Tensor], target: torch.Tensor | None = None) -> Activation:
+        """The forward of an evaluation step: evaluation mode (no dropout, batch norm on running
+        statistics), no autograd; the loss on the last stage as in :meth:`forward`."""
+        if self._eval_module is None:
+            self._eval_module = eval_graph(self.module)
+        with torch.no_grad():
+            values = unpack(inputs, self.input_names)
+            result = self._eval_module(*(values[name] for name in self.input_names))
+            act = Activation(inputs=dict(inputs))
+            if self.is_last:
+                act.output = self.captured.rebuild_output(result)
+                if target is not None or self.loss_fn is None:
+                    act.loss = self.loss(act.output, target)
+            else:
+                act.outputs = pack(dict(zip(self.output_names, result, strict=True)))
         return act
 
     def loss(self, output: Any, target: torch.Tensor | None) -> torch.Tensor:
