@@ -3,8 +3,8 @@
 ``profile_model(spec, batch_size=...)`` returns a ``Profile`` (see format.py). Node times come
 from replaying each block in isolation on its real inputs (measure.py); the last block carries
 the loss, which the last pipeline stage computes. The node sums are checked against a timed
-full forward + loss + backward of the model itself: ``totals.ratio`` near 1 means the per-node
-numbers add up to what training costs.
+full forward + loss + backward of the whole model: ``totals.ratio`` near 1 means the per-node
+numbers add up to what training costs (the whole captured graph, which is what the stages run).
 """
 
 from __future__ import annotations
@@ -19,11 +19,9 @@ from tqdm import tqdm
 from hybridpipe.errors import UserError
 from hybridpipe.profiles.capture import (
     CapturedModel,
-    call_args,
     capture_model,
     own_loss,
     tied_parameters,
-    training_switches,
 )
 from hybridpipe.profiles.format import Profile, ProfileNode, ProfileTotals
 from hybridpipe.profiles.graphinfo import graph_edges, node_infos, unused_parameters
@@ -99,11 +97,11 @@ def profile_model(model: ModelSpec, *, batch_size: int, device: str | torch.devi
             cut_grad_bytes=sum(t.numel() * t.element_size() for v in crossing for t in tensors(v) if t.requires_grad),
             cut_blocker=next((name for name in block.outputs if name in captured.blocked), None)))
     del env
-    args, kwargs = call_args(batch)
-    kwargs.update(training_switches(module))
+    flat = captured.flatten_input(batch)
+    graph_args = [flat[name] for name in captured.inputs]
 
-    def run_loss() -> torch.Tensor:
-        out = module(*args, **kwargs)
+    def run_loss() -> torch.Tensor:     # the captured graph, as the pipeline's stages run it
+        out = captured.rebuild_output(captured.graph(*graph_args))
         return model.loss(out, target) if model.loss is not None else own_loss_of(out)
 
     measured = measure_step(run_loss, module, **timing)
