@@ -17,6 +17,7 @@ from hybridpipe.profiles.capture import CapturedModel, call_args, capture_model,
 from hybridpipe.profiles.data import resolve_dataset
 from hybridpipe.profiles.graphinfo import node_infos
 from hybridpipe.profiles.zoo import ModelSpec, resolve_model
+from hybridpipe.runtime.parts import NoParameters
 
 
 def capture(spec: ModelSpec, batch_size: int = 4, seed: int = 0, granularity: str = "blocks") -> CapturedModel:
@@ -67,6 +68,9 @@ def data_for(plan: Plan, steps: int, seed: int = 1) -> MicroBatches:
 
 
 def make_optimizer(params, lr: float, kind: str = "sgd") -> torch.optim.Optimizer:
+    params = list(params)
+    if not params:                       # a stage of only parameterless operations
+        return NoParameters()            # type: ignore[return-value]
     if kind == "adam":
         return torch.optim.Adam(params, lr=lr)
     return torch.optim.SGD(params, lr=lr, momentum=0.5)
