@@ -25,13 +25,7 @@ def model_spec(depth: int, take: int, use: int, kind: str) -> str:
     return f"tests.pipeline.contract_models:reads_shape_early[depth={depth},take={take},use={use},kind={kind}]"
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(depth=st.integers(3, 7), data=st.data(), kind=st.sampled_from(["size", "shape"]),
-       granularity=st.sampled_from(["blocks", "ops"]))
-def test_every_strategy_writes_a_plan_that_runs_and_equals_one_process(depth, data, kind, granularity):
-    take = data.draw(st.integers(0, depth - 2))
-    use = data.draw(st.integers(take + 1, depth - 1))
-    spec = model_spec(depth, take, use, kind)
+def check_every_strategy(spec: str, granularity: str) -> None:
     profile = profile_model(resolve_model(spec), batch_size=4, repeats=1, warmup=0, progress=False,
                             granularity=granularity)
     for strategy in STRATEGIES:
@@ -41,6 +35,20 @@ def test_every_strategy_writes_a_plan_that_runs_and_equals_one_process(depth, da
         ours, _ = train_pipeline(plan, 2)
         assert max_diff(ours, train_reference(plan, 2)) <= 1e-5, (strategy, [(s.first_node, s.last_node)
                                                                                for s in plan.stages])
+
+
+def test_every_strategy_writes_a_plan_that_runs_with_a_shape_crossing_cuts():
+    check_every_strategy(model_spec(5, 0, 4, "shape"), "ops")
+
+
+@pytest.mark.slow
+@settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(depth=st.integers(3, 7), data=st.data(), kind=st.sampled_from(["size", "shape"]),
+       granularity=st.sampled_from(["blocks", "ops"]))
+def test_every_strategy_writes_a_plan_that_runs_and_equals_one_process(depth, data, kind, granularity):
+    take = data.draw(st.integers(0, depth - 2))
+    use = data.draw(st.integers(take + 1, depth - 1))
+    check_every_strategy(model_spec(depth, take, use, kind), granularity)
 
 
 @pytest.mark.parametrize("kind", ["size", "shape"])
