@@ -23,12 +23,13 @@ from pathlib import Path
 
 from hybridpipe.errors import UserError
 from hybridpipe.jsonfile import check_header, field, read_json, write_json
+from hybridpipe.partitioner import collectives as co
 from hybridpipe.partitioner.cluster import Cluster
 
 PLAN_KIND = "plan"
 PLAN_FORMAT = 1
 SCHEDULES = ("gpipe", "1f1b", "pipedream")
-ALGORITHMS = ("ring", "butterfly", "hierarchical", "torus2d", "aggregator", "native")
+ALGORITHMS = co.ALGORITHMS      # the all-reduce algorithms (collectives.py describes each)
 STRATEGIES = ("optimal", "pipedream", "dp", "uniform", "params", "time")
 OPTIMIZERS = ("sgd", "adam")
 
