@@ -2,11 +2,13 @@
 
 An algorithm on a group of ``n`` ranks (numbered by *position*: the index in the group's sorted
 global ranks, as ``torch.distributed.new_group`` numbers them) summing a vector of S bytes is a
-list of :class:`Round` s. In a round every :class:`Msg` moves the part ``[lo, hi)`` of its
-sender's vector (exact fractions of the vector, ``0 <= lo < hi <= 1``) to the same part of its
-receiver's, which adds it (``reduce``) or overwrites its own (copy). Messages of one round read
-the values the vector had when the round began. A round marked ``cut_through`` runs alongside
-the round before it, chunk by chunk (the aggregator's way back starts with the first summed chunk).
+:class:`Collective`: the vector cut into ``parts`` equal parts (as many as the algorithm's
+splits need to be exact) and a list of :class:`Round` s. In a round every message moves parts
+``[lo, hi)`` of its sender's vector to the same parts of its receiver's, which adds them
+(``reduce``) or overwrites its own (copy). Messages of one round read the values the vector had
+when the round began. A round marked ``cut_through`` runs alongside the round before it, chunk by
+chunk (the aggregator's way back starts with the first summed chunk). A round holds its messages
+as arrays (entry i = message i), so that rings of many ranks are built and priced quickly.
 
 This one description is what runs and what is priced: the executors (``comm/allreduce``) run it
 with the parts mapped to element ranges (:func:`element_bounds`), and the cost model
@@ -37,93 +39,138 @@ Conventions ("position" as above):
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from fractions import Fraction
+from typing import NamedTuple
+
+import numpy as np
 
 SWITCH = -1  # the dedicated aggregator process: an endpoint outside the group's positions
 PHASES = ("fold", "unfold", "reduce_scatter", "all_gather", "exchange", "inner_reduce", "across",
           "inner_gather", "gather", "scatter", "to_root", "from_root")
 ALGORITHMS = ("ring", "butterfly", "hierarchical", "torus2d", "aggregator", "native")
-ZERO, ONE = Fraction(0), Fraction(1)
 
 
-@dataclass(frozen=True)
-class Msg:
-    """Part ``[lo, hi)`` of the vector from position ``src`` to position ``dst``; summed there if ``reduce``."""
+class Msg(NamedTuple):
+    """Parts (or elements) ``[lo, hi)`` from position ``src`` to position ``dst``; summed there if ``reduce``."""
 
     src: int
     dst: int
-    lo: Fraction
-    hi: Fraction
+    lo: int
+    hi: int
     reduce: bool
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Round:
-    """Messages that travel at the same time; ``phase`` names the algorithm's stage (and its tag)."""
+    """Messages that travel at the same time, as parallel arrays (entry i = message i); ``phase``
+    names the algorithm's stage (and its tag)."""
 
     phase: str
-    msgs: tuple[Msg, ...]
+    src: np.ndarray
+    dst: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+    reduce: np.ndarray
     cut_through: bool = False       # overlaps the round before it, chunk by chunk
 
+    @classmethod
+    def of(cls, phase: str, msgs: Iterable[Msg], cut_through: bool = False) -> Round:
+        """A round from a list of messages."""
+        cols = list(zip(*msgs, strict=True)) or [()] * 5
+        return cls(phase, *(np.asarray(c, dtype=np.int64) for c in cols[:4]), np.asarray(cols[4], dtype=bool),
+                   cut_through)
 
-def split(lo: Fraction, hi: Fraction, parts: int) -> list[tuple[Fraction, Fraction]]:
-    """``[lo, hi)`` cut into ``parts`` equal contiguous parts."""
-    step = (hi - lo) / parts
-    cuts = [lo + step * i for i in range(parts)] + [hi]
-    return [(cuts[i], cuts[i + 1]) for i in range(parts)]
+    @property
+    def msgs(self) -> tuple[Msg, ...]:
+        """The messages one by one."""
+        return tuple(Msg(*m) for m in zip(self.src.tolist(), self.dst.tolist(), self.lo.tolist(), self.hi.tolist(),
+                                          self.reduce.tolist(), strict=True))
 
 
-def _lockstep(lists: Sequence[list[Round]]) -> list[Round]:
+@dataclass(frozen=True)
+class Collective:
+    """An algorithm's rounds on a vector cut into ``parts`` equal parts (messages count parts)."""
+
+    rounds: tuple[Round, ...]
+    parts: int = 1
+
+
+def split(lo: int, hi: int, parts: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` cut into ``parts`` equal contiguous ranges (``parts`` must divide its length)."""
+    step, rest = divmod(hi - lo, parts)
+    if rest:
+        raise ValueError(f"[{lo}, {hi}) does not split into {parts} equal parts")
+    return [(lo + step * i, lo + step * (i + 1)) for i in range(parts)]
+
+
+def _lockstep(lists: Sequence[Sequence[Round]]) -> list[Round]:
     """Several independent groups' rounds run at once: round i merges every list's i-th round."""
     out = []
     for i in range(max((len(x) for x in lists), default=0)):
         here = [x[i] for x in lists if i < len(x)]
-        out.append(Round(here[0].phase, tuple(m for r in here for m in r.msgs)))
+        out.append(Round(here[0].phase, *(np.concatenate([getattr(r, f) for r in here])
+                                          for f in ("src", "dst", "lo", "hi", "reduce"))))
     return out
 
 
-def _rename(rounds: list[Round], phase: str) -> list[Round]:
-    return [Round(phase, r.msgs, r.cut_through) for r in rounds]
+def _rename(rounds: Sequence[Round], phase: str) -> list[Round]:
+    return [Round(phase, r.src, r.dst, r.lo, r.hi, r.reduce, r.cut_through) for r in rounds]
 
 
-# ---- ring ------------------------------------------------------------------------------------
+# ---- rings -----------------------------------------------------------------------------------
 
-def ring_reduce_scatter(ring: Sequence[int], lo: Fraction = ZERO, hi: Fraction = ONE) -> list[Round]:
+def _ring_rounds(groups: Sequence[Sequence[int]], lo: Sequence[int], hi: Sequence[int], gather: bool) -> list[Round]:
+    """Equal-size rings (one per row of ``groups``), ring i over parts ``[lo[i], hi[i])``, all at once.
+
+    Reduce-scatter (``gather=False``): n-1 rounds; afterwards ``ring[k]`` holds the sum of segment
+    ``(k + 1) % n``. All-gather: ``ring[k]`` starts with segment ``(k + 1) % n``, all end with all.
+    """
+    g = np.asarray(groups, dtype=np.int64)
+    m, n = g.shape
+    if n <= 1:
+        return []
+    lo_a, hi_a = np.asarray(lo, dtype=np.int64), np.asarray(hi, dtype=np.int64)
+    step, rest = np.divmod(hi_a - lo_a, n)
+    if rest.any():
+        raise ValueError(f"ring ranges {list(zip(lo, hi, strict=True))} do not split into {n} equal parts")
+    k = np.arange(n)
+    src, dst = g.ravel(), g[:, (k + 1) % n].ravel()
+    shift = np.arange(n - 1)[:, None]
+    seg = (k[None, :] + 1 - shift) % n if gather else (k[None, :] - shift) % n             # [round, k]
+    start = (lo_a[None, :, None] + step[None, :, None] * seg[:, None, :]).reshape(n - 1, m * n)
+    end = start + np.repeat(step, n)[None, :]
+    flag = np.full(m * n, not gather)
+    phase = "all_gather" if gather else "reduce_scatter"
+    return [Round(phase, src, dst, start[s], end[s], flag) for s in range(n - 1)]
+
+
+def ring_reduce_scatter(ring: Sequence[int], lo: int, hi: int) -> list[Round]:
     """n-1 rounds; afterwards ``ring[k]`` holds the sum of segment ``(k + 1) % n`` of ``[lo, hi)``."""
-    n = len(ring)
-    segs = split(lo, hi, n)
-    return [Round("reduce_scatter", tuple(Msg(ring[k], ring[(k + 1) % n], *segs[(k - s) % n], True)
-                                          for k in range(n))) for s in range(n - 1)]
+    return _ring_rounds([ring], [lo], [hi], False)
 
 
-def ring_all_gather(ring: Sequence[int], lo: Fraction = ZERO, hi: Fraction = ONE) -> list[Round]:
+def ring_all_gather(ring: Sequence[int], lo: int, hi: int) -> list[Round]:
     """n-1 rounds; ``ring[k]`` starts with segment ``(k + 1) % n``, everyone ends with all."""
-    n = len(ring)
-    segs = split(lo, hi, n)
-    return [Round("all_gather", tuple(Msg(ring[k], ring[(k + 1) % n], *segs[(k + 1 - s) % n], False)
-                                      for k in range(n))) for s in range(n - 1)]
+    return _ring_rounds([ring], [lo], [hi], True)
 
 
-def owned_segment(ring: Sequence[int], member: int, lo: Fraction = ZERO,
-                  hi: Fraction = ONE) -> tuple[Fraction, Fraction]:
+def owned_segment(ring: Sequence[int], member: int, lo: int, hi: int) -> tuple[int, int]:
     """The segment ``member`` holds after :func:`ring_reduce_scatter` over ``ring``."""
     n = len(ring)
     return split(lo, hi, n)[(list(ring).index(member) + 1) % n]
 
 
-def rings(groups: Sequence[Sequence[int]], lo: Fraction = ZERO, hi: Fraction = ONE) -> list[Round]:
-    """Equal-size rings all-reducing ``[lo, hi)`` at once (one per group)."""
+def rings(groups: Sequence[Sequence[int]], lo: Sequence[int], hi: Sequence[int]) -> list[Round]:
+    """Equal-size rings all-reducing at once, ring i over parts ``[lo[i], hi[i])``."""
     if not groups or len(groups[0]) <= 1:
         return []
-    return (_lockstep([ring_reduce_scatter(g, lo, hi) for g in groups])
-            + _lockstep([ring_all_gather(g, lo, hi) for g in groups]))
+    return _ring_rounds(groups, lo, hi, False) + _ring_rounds(groups, lo, hi, True)
 
 
-def ring(n: int) -> list[Round]:
+def ring(n: int) -> Collective:
     """Ring all-reduce: reduce-scatter then all-gather, position k sending to k+1."""
-    return rings([list(range(n))])
+    return Collective(tuple(rings([list(range(n))], [0], [n])), max(n, 1))
 
 
 # ---- butterfly -------------------------------------------------------------------------------
@@ -135,89 +182,97 @@ def fold(n: int) -> tuple[list[int], list[tuple[int, int]]]:
     return [2 * k + 1 for k in range(e)] + list(range(2 * e, n)), [(2 * k, 2 * k + 1) for k in range(e)]
 
 
-def butterfly(n: int, halving: bool) -> list[Round]:
+def butterfly(n: int, halving: bool) -> Collective:
     """Recursive doubling (``halving=False``) or Rabenseifner's halving + doubling, with the fold."""
     if n <= 1:
-        return []
+        return Collective(())
     survivors, pairs = fold(n)
     p = len(survivors)
+    whole = p if halving else 1
     rounds = []
     if pairs:
-        rounds.append(Round("fold", tuple(Msg(a, b, ZERO, ONE, True) for a, b in pairs)))
+        rounds.append(Round.of("fold", (Msg(a, b, 0, whole, True) for a, b in pairs)))
     distances = [1 << k for k in range(p.bit_length() - 1)]
     if not halving:
         for d in distances:
-            rounds.append(Round("exchange", tuple(Msg(survivors[i], survivors[i ^ d], ZERO, ONE, True)
-                                                  for i in range(p))))
+            rounds.append(Round.of("exchange", (Msg(survivors[i], survivors[i ^ d], 0, whole, True)
+                                                for i in range(p))))
     else:
-        owned = [(ZERO, ONE)] * p
+        owned = [(0, whole)] * p
         history = []
         for d in distances:                       # reduce-scatter, nearest partner first
             msgs, nxt = [], []
             for i in range(p):
                 lo, hi = owned[i]
-                mid = (lo + hi) / 2
+                mid = (lo + hi) // 2
                 keep, give = ((lo, mid), (mid, hi)) if i & d == 0 else ((mid, hi), (lo, mid))
                 msgs.append(Msg(survivors[i], survivors[i ^ d], *give, True))
                 nxt.append(keep)
-            rounds.append(Round("reduce_scatter", tuple(msgs)))
+            rounds.append(Round.of("reduce_scatter", msgs))
             history.append(owned)
             owned = nxt
         for d in reversed(distances):             # all-gather, in reverse order
-            rounds.append(Round("all_gather", tuple(Msg(survivors[i], survivors[i ^ d], *owned[i], False)
-                                                    for i in range(p))))
+            rounds.append(Round.of("all_gather", (Msg(survivors[i], survivors[i ^ d], *owned[i], False)
+                                                  for i in range(p))))
             owned = history.pop()
     if pairs:
-        rounds.append(Round("unfold", tuple(Msg(b, a, ZERO, ONE, False) for a, b in pairs)))
-    return rounds
+        rounds.append(Round.of("unfold", (Msg(b, a, 0, whole, False) for a, b in pairs)))
+    return Collective(tuple(rounds), whole)
 
 
 # ---- hierarchical and 2-D torus --------------------------------------------------------------
 
-def hierarchical(units: Sequence[Sequence[int]]) -> list[Round]:
+def hierarchical(units: Sequence[Sequence[int]]) -> Collective:
     """Inside each unit, across units, inside again (see the module docstring)."""
     groups = [list(g) for g in units if g]
     if len(groups) <= 1:
-        return rings(groups)
+        whole = max(len(groups[0]), 1) if groups else 1
+        return Collective(tuple(rings(groups, [0], [whole])), whole)
     sizes = {len(g) for g in groups}
+    m = len(groups)
     if len(sizes) == 1:
         g = sizes.pop()
-        inner = [ring_reduce_scatter(grp) for grp in groups]
-        across = [rings([[grp[t] for grp in groups]], *owned_segment(groups[0], groups[0][t])) for t in range(g)]
-        gather = [ring_all_gather(grp) for grp in groups]
-        return (_rename(_lockstep(inner), "inner_reduce") + _rename(_lockstep(across), "across")
-                + _rename(_lockstep(gather), "inner_gather"))
-    reduce = _lockstep([_reduce_to_leader(grp) for grp in groups])
-    across = _rename(rings([[grp[0] for grp in groups]]), "across")
-    bcast = _lockstep([_broadcast_from_leader(grp) for grp in groups])
-    return reduce + across + bcast
+        whole = g * m
+        columns = [[grp[t] for grp in groups] for t in range(g)]
+        shards = [split(0, whole, g)[(t + 1) % g] for t in range(g)]       # what local index t owns
+        inner = [0] * m, [whole] * m
+        return Collective(tuple(_rename(_ring_rounds(groups, *inner, False), "inner_reduce")
+                                + _rename(rings(columns, [a for a, _ in shards], [b for _, b in shards]), "across")
+                                + _rename(_ring_rounds(groups, *inner, True), "inner_gather")), whole)
+    whole = math.lcm(m, *sizes)
+    reduce = _lockstep([_reduce_to_leader(grp, whole) for grp in groups])
+    across = _rename(rings([[grp[0] for grp in groups]], [0], [whole]), "across")
+    bcast = _lockstep([_broadcast_from_leader(grp, whole) for grp in groups])
+    return Collective(tuple(reduce + across + bcast), whole)
 
 
-def _reduce_to_leader(group: Sequence[int]) -> list[Round]:
+def _reduce_to_leader(group: Sequence[int], whole: int) -> list[Round]:
     if len(group) <= 1:
         return []
-    gather = Round("gather", tuple(Msg(r, group[0], *owned_segment(group, r), False) for r in group[1:]))
-    return _rename(ring_reduce_scatter(group), "inner_reduce") + [gather]
+    gather = Round.of("gather", (Msg(r, group[0], *owned_segment(group, r, 0, whole), False) for r in group[1:]))
+    return _rename(ring_reduce_scatter(group, 0, whole), "inner_reduce") + [gather]
 
 
-def _broadcast_from_leader(group: Sequence[int]) -> list[Round]:
+def _broadcast_from_leader(group: Sequence[int], whole: int) -> list[Round]:
     if len(group) <= 1:
         return []
-    scatter = Round("scatter", tuple(Msg(group[0], r, *owned_segment(group, r), False) for r in group[1:]))
-    return [scatter] + _rename(ring_all_gather(group), "inner_gather")
+    scatter = Round.of("scatter", (Msg(group[0], r, *owned_segment(group, r, 0, whole), False) for r in group[1:]))
+    return [scatter] + _rename(ring_all_gather(group, 0, whole), "inner_gather")
 
 
-def torus2d(n: int, rows: int, cols: int) -> list[Round]:
+def torus2d(n: int, rows: int, cols: int) -> Collective:
     """R x C grid, rows = C consecutive positions: rows reduce-scatter, columns all-reduce, rows all-gather."""
     if rows * cols != n or rows < 1:
         raise ValueError(f"a {rows}x{cols} torus does not hold {n} ranks")
     if cols == 1:
         return ring(n)
     row_groups = [list(range(r * cols, (r + 1) * cols)) for r in range(rows)]
-    rs = _lockstep([ring_reduce_scatter(g) for g in row_groups])
-    columns = [rings([[r * cols + c for r in range(rows)]], *owned_segment(row_groups[0], c)) for c in range(cols)]
-    ag = _lockstep([ring_all_gather(g) for g in row_groups])
-    return rs + _rename(_lockstep(columns), "across") + ag
+    columns = [[r * cols + c for r in range(rows)] for c in range(cols)]
+    shards = [owned_segment(row_groups[0], c, 0, n) for c in range(cols)]
+    whole = [0] * rows, [n] * rows
+    return Collective(tuple(_ring_rounds(row_groups, *whole, False)
+                            + _rename(rings(columns, [a for a, _ in shards], [b for _, b in shards]), "across")
+                            + _ring_rounds(row_groups, *whole, True)), n)
 
 
 def torus_shapes(n: int) -> list[tuple[int, int]]:
@@ -235,23 +290,23 @@ def torus_shape(n: int, inner: int) -> tuple[int, int]:
 
 # ---- aggregator ------------------------------------------------------------------------------
 
-def aggregator(n: int, root: int = 0) -> list[Round]:
+def aggregator(n: int, root: int = 0) -> Collective:
     """Everyone sends its vector to ``root``, which sums and sends the sum back (cut-through).
 
     ``root = SWITCH``: a dedicated process that holds no vector; the first arrival is copied, the
     others summed (n - 1 sums, as on a worker root).
     """
     if n <= 1:
-        return []
+        return Collective(())
     senders = [r for r in range(n) if r != root]
     first = senders[0] if root == SWITCH else None
-    return [Round("to_root", tuple(Msg(r, root, ZERO, ONE, r != first) for r in senders)),
-            Round("from_root", tuple(Msg(root, r, ZERO, ONE, False) for r in senders), cut_through=True)]
+    return Collective((Round.of("to_root", (Msg(r, root, 0, 1, r != first) for r in senders)),
+                       Round.of("from_root", (Msg(root, r, 0, 1, False) for r in senders), cut_through=True)))
 
 
 def rounds_for(algorithm: str, n: int, *, halving: bool = False, units: Sequence[Sequence[int]] | None = None,
-               shape: tuple[int, int] | None = None, root: int = 0) -> list[Round]:
-    """The rounds ``algorithm`` runs on ``n`` positions; the one dispatch executors and prices share.
+               shape: tuple[int, int] | None = None, root: int = 0) -> Collective:
+    """What ``algorithm`` runs on ``n`` positions; the one dispatch executors and prices share.
 
     ``halving``: butterfly's variant; ``units``: hierarchical's hosts (default: one); ``shape``:
     torus2d's rows x cols (default: the squarest); ``root``: the aggregator (SWITCH: dedicated).
@@ -273,48 +328,55 @@ def rounds_for(algorithm: str, n: int, *, halving: bool = False, units: Sequence
 
 # ---- what the executors and the cost model take from it ----------------------------------------
 
-def element_bounds(part: Fraction, numel: int) -> int:
-    """The element index where the part boundary ``part`` falls in a vector of ``numel`` elements.
+def element_bounds(bounds: np.ndarray, parts: int, numel: int) -> np.ndarray:
+    """The elements where part boundaries ``bounds`` (of ``parts``) fall in a vector of ``numel``.
 
     Monotone and the same for every message, so parts that tile a range tile its elements
     (some may be empty, and are left out by the executors).
     """
-    return part.numerator * numel // part.denominator
+    return bounds * numel // parts
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class PricedRound:
-    """A round as the cost model prices it: at most ``reduce * S`` bytes summed per rank, each
-    message ``(src, dst, part)`` moving ``part * S`` bytes; ``repeat`` times, ``steps`` latencies each."""
+    """A round as the cost model prices it: message i moves ``share[i] * S`` bytes from ``src[i]``
+    to ``dst[i]``; at most ``reduce * S`` bytes are summed per rank; ``repeat`` times, ``steps``
+    latencies each."""
 
-    messages: tuple[tuple[int, int, float], ...]
+    src: np.ndarray
+    dst: np.ndarray
+    share: np.ndarray
     reduce: float = 0.0
     repeat: int = 1
     steps: int = 1
 
+    @property
+    def messages(self) -> tuple[tuple[int, int, float], ...]:
+        """(src, dst, share) per message."""
+        return tuple(zip(self.src.tolist(), self.dst.tolist(), self.share.tolist(), strict=True))
 
-def priced(rounds: Sequence[Round]) -> list[PricedRound]:
+
+def priced(collective: Collective) -> list[PricedRound]:
     """The rounds as the cost model prices them (see the module docstring); endpoints unchanged."""
-    merged: list[tuple[list[tuple[int, int, Fraction]], Fraction, int]] = []
-    for rnd in rounds:
-        summed: dict[int, Fraction] = {}
-        for m in rnd.msgs:
-            if m.reduce:
-                summed[m.dst] = summed.get(m.dst, ZERO) + (m.hi - m.lo)
-        moves = [(m.src, m.dst, m.hi - m.lo) for m in rnd.msgs]
-        reduce = max(summed.values(), default=ZERO)
+    merged: list[list] = []                       # [src, dst, size, reduce, steps]
+    for rnd in collective.rounds:
+        size = rnd.hi - rnd.lo
+        summed = np.bincount(rnd.dst[rnd.reduce] - SWITCH, weights=size[rnd.reduce]) if rnd.reduce.any() else ()
+        reduce = int(max(summed, default=0))
         if rnd.cut_through and merged:
-            msgs, red, steps = merged[-1]
-            merged[-1] = (msgs + moves, red + reduce, steps + 1)
+            last = merged[-1]
+            merged[-1] = [np.concatenate([last[0], rnd.src]), np.concatenate([last[1], rnd.dst]),
+                          np.concatenate([last[2], size]), last[3] + reduce, last[4] + 1]
         else:
-            merged.append((moves, reduce, 1))
+            merged.append([rnd.src, rnd.dst, size, reduce, 1])
     out: list[PricedRound] = []
-    last = None
-    for moves, reduce, steps in merged:
-        key = (tuple(sorted(moves)), reduce, steps)
-        if key == last:
-            out[-1] = PricedRound(out[-1].messages, out[-1].reduce, out[-1].repeat + 1, steps)
+    prev: list | None = None
+    for src, dst, size, reduce, steps in merged:
+        if prev is not None and (prev[3], prev[4]) == (reduce, steps) and len(prev[0]) == len(src) and \
+                np.array_equal(prev[0], src) and np.array_equal(prev[1], dst) and np.array_equal(prev[2], size):
+            last = out[-1]
+            out[-1] = PricedRound(last.src, last.dst, last.share, last.reduce, last.repeat + 1, last.steps)
             continue
-        last = key
-        out.append(PricedRound(tuple((s, d, float(p)) for s, d, p in moves), float(reduce), 1, steps))
+        prev = [src, dst, size, reduce, steps]
+        out.append(PricedRound(src, dst, size / collective.parts, reduce / collective.parts, 1, steps))
     return out

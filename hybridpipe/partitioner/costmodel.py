@@ -19,7 +19,6 @@ Pure computation; no torch.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -83,7 +82,7 @@ class CostModel:
         # an all-reduce beside compute takes this much longer than alone (calibration.py)
         self.overlap_slowdown = max((c.overlap_slowdown for c in cals), default=1.0)
         self._spans = [cluster.span(k) for k in range(len(cluster.levels))]
-        self._collectives: dict[tuple, tuple[list[co.Round], list[co.PricedRound]]] = {}
+        self._collectives: dict[tuple, tuple[co.Collective, list[co.PricedRound]]] = {}
         self._structure: dict[tuple, tuple[RoundLoad, ...]] = {}
         self._lines: dict[tuple, Line] = {}
 
@@ -172,7 +171,7 @@ class CostModel:
         return co.torus_shape(len(ranks), sizes.pop() if len(sizes) == 1 else 1)
 
     def collective(self, algorithm: str, ranks: Sequence[int], *, halving: bool = False,
-                   shape: tuple[int, int] | None = None) -> list[co.Round]:
+                   shape: tuple[int, int] | None = None) -> co.Collective:
         """The rounds ``algorithm`` runs on ``ranks``, as the executors run them (``collectives.py``):
         endpoints are positions, position i being the i-th smallest rank (a process group's numbering)."""
         return self._described(algorithm, ranks, halving, shape)[0]
@@ -183,7 +182,7 @@ class CostModel:
         return self._described(algorithm, ranks, halving, shape)[1]
 
     def _described(self, algorithm: str, ranks: Sequence[int], halving: bool,
-                   shape: tuple[int, int] | None) -> tuple[list[co.Round], list[co.PricedRound]]:
+                   shape: tuple[int, int] | None) -> tuple[co.Collective, list[co.PricedRound]]:
         """(rounds, priced rounds), cached by what they depend on: the group's size and shape."""
         ranks = sorted(ranks)
         n = len(ranks)
@@ -210,10 +209,9 @@ class CostModel:
                shape: tuple[int, int] | None = None) -> list[co.PricedRound]:
         """The rounds the model prices for ``algorithm`` on ``ranks``: :meth:`collective` through
         ``collectives.priced``, with the ranks' own numbers as endpoints."""
-        ranks = sorted(ranks)
-        of = list(ranks) + [co.SWITCH]                # position -1 (SWITCH) stays SWITCH
-        return [co.PricedRound(tuple((of[s], of[d], part) for s, d, part in r.messages), r.reduce, r.repeat,
-                               r.steps) for r in self._priced(algorithm, ranks, halving, shape)]
+        of = np.asarray(sorted(ranks) + [co.SWITCH], dtype=np.int64)     # position -1 (SWITCH) stays SWITCH
+        return [co.PricedRound(of[r.src], of[r.dst], r.share, r.reduce, r.repeat, r.steps)
+                for r in self._priced(algorithm, ranks, halving, shape)]
 
     def structure(self, algorithm: str, ranks: Sequence[int], *, halving: bool = False,
                   shape: tuple[int, int] | None = None) -> tuple[RoundLoad, ...]:
@@ -300,12 +298,12 @@ class CostModel:
         """
         if not rounds:
             return ()
-        counts = [len(r.messages) for r in rounds]
-        flat = itertools.chain.from_iterable(itertools.chain.from_iterable(r.messages for r in rounds))
-        msgs = np.fromiter(flat, dtype=float, count=3 * sum(counts)).reshape(-1, 3)
+        counts = [len(r.src) for r in rounds]
         which = np.repeat(np.arange(len(rounds)), counts)
         of = np.asarray(list(ranks) + [co.SWITCH], dtype=np.int64)     # position -1 (SWITCH) stays SWITCH
-        src, dst, part = of[msgs[:, 0].astype(np.int64)], of[msgs[:, 1].astype(np.int64)], msgs[:, 2]
+        src = of[np.concatenate([r.src for r in rounds])]
+        dst = of[np.concatenate([r.dst for r in rounds])]
+        part = np.concatenate([r.share for r in rounds])
         spans = np.asarray(self._spans, dtype=np.int64)
         n_levels = len(spans)
         switch = (src == co.SWITCH) | (dst == co.SWITCH)

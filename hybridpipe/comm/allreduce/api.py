@@ -79,7 +79,7 @@ class AllReducer:
         self.pipelined = pipelined
         self.torus_shape = torus_shape
         self._pools: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-        self._described: dict[tuple, list[co.Round]] = {}
+        self._described: dict[tuple, co.Collective] = {}
         self._rounds: dict[tuple, list[schedule.Round]] = {}
         self._client: AggregatorClient | None = None
 
@@ -90,7 +90,7 @@ class AllReducer:
             return "native"
         return self.costs.fastest(nbytes, candidates)
 
-    def described(self, algorithm: str, nbytes: float) -> list[co.Round]:
+    def described(self, algorithm: str, nbytes: float) -> co.Collective:
         """The rounds ``algorithm`` runs here for ``nbytes``, as ``partitioner/collectives.py`` writes
         them and the cost model prices them (butterfly's variant and torus2d's shape as the model
         picks them; hierarchical over this reducer's topology)."""

@@ -21,15 +21,7 @@ from hybridpipe.partitioner import collectives as co
 PHASES = co.PHASES
 
 
-@dataclass(frozen=True)
-class Msg:
-    """Elements ``[lo, hi)`` from position ``src`` to position ``dst``; summed there if ``reduce``."""
-
-    src: int
-    dst: int
-    lo: int
-    hi: int
-    reduce: bool
+Msg = co.Msg          # here ``lo`` and ``hi`` count elements of the flat vector
 
 
 @dataclass(frozen=True)
@@ -40,16 +32,16 @@ class Round:
     msgs: tuple[Msg, ...]
 
 
-def elements(rounds: Sequence[co.Round], numel: int) -> list[Round]:
+def elements(collective: co.Collective, numel: int) -> list[Round]:
     """The described rounds on a vector of ``numel`` elements (empty messages left out)."""
     out = []
-    for rnd in rounds:
-        msgs = []
-        for m in rnd.msgs:
-            lo, hi = co.element_bounds(m.lo, numel), co.element_bounds(m.hi, numel)
-            if hi > lo:
-                msgs.append(Msg(m.src, m.dst, lo, hi, m.reduce))
-        out.append(Round(rnd.phase, tuple(msgs)))
+    for rnd in collective.rounds:
+        lo = co.element_bounds(rnd.lo, collective.parts, numel)
+        hi = co.element_bounds(rnd.hi, collective.parts, numel)
+        keep = hi > lo
+        out.append(Round(rnd.phase, tuple(Msg(*m) for m in zip(
+            rnd.src[keep].tolist(), rnd.dst[keep].tolist(), lo[keep].tolist(), hi[keep].tolist(),
+            rnd.reduce[keep].tolist(), strict=True))))
     return out
 
 
