@@ -61,8 +61,7 @@ class Msg(NamedTuple):
     reduce: bool
 
 
-@dataclass(frozen=True, eq=False)
-class Round:
+class Round(NamedTuple):
     """Messages that travel at the same time, as parallel arrays (entry i = message i); ``phase``
     names the algorithm's stage (and its tag)."""
 
@@ -109,13 +108,13 @@ def _lockstep(lists: Sequence[Sequence[Round]]) -> list[Round]:
     out = []
     for i in range(max((len(x) for x in lists), default=0)):
         here = [x[i] for x in lists if i < len(x)]
-        out.append(Round(here[0].phase, *(np.concatenate([getattr(r, f) for r in here])
-                                          for f in ("src", "dst", "lo", "hi", "reduce"))))
+        out.append(here[0] if len(here) == 1 else
+                   Round(here[0].phase, *(np.concatenate([r[f] for r in here]) for f in range(1, 6))))
     return out
 
 
 def _rename(rounds: Sequence[Round], phase: str) -> list[Round]:
-    return [Round(phase, r.src, r.dst, r.lo, r.hi, r.reduce, r.cut_through) for r in rounds]
+    return [r._replace(phase=phase) for r in rounds]
 
 
 # ---- rings -----------------------------------------------------------------------------------
@@ -240,24 +239,35 @@ def hierarchical(units: Sequence[Sequence[int]]) -> Collective:
                                 + _rename(rings(columns, [a for a, _ in shards], [b for _, b in shards]), "across")
                                 + _rename(_ring_rounds(groups, *inner, True), "inner_gather")), whole)
     whole = math.lcm(m, *sizes)
-    reduce = _lockstep([_reduce_to_leader(grp, whole) for grp in groups])
+    classes = [np.asarray([grp for grp in groups if len(grp) == g], dtype=np.int64) for g in sorted(sizes) if g > 1]
+    reduce = _lockstep([_reduce_to_leaders(c, whole) for c in classes])
     across = _rename(rings([[grp[0] for grp in groups]], [0], [whole]), "across")
-    bcast = _lockstep([_broadcast_from_leader(grp, whole) for grp in groups])
+    bcast = _lockstep([_broadcast_from_leaders(c, whole) for c in classes])
     return Collective(tuple(reduce + across + bcast), whole)
 
 
-def _reduce_to_leader(group: Sequence[int], whole: int) -> list[Round]:
-    if len(group) <= 1:
-        return []
-    gather = Round.of("gather", (Msg(r, group[0], *owned_segment(group, r, 0, whole), False) for r in group[1:]))
-    return _rename(ring_reduce_scatter(group, 0, whole), "inner_reduce") + [gather]
+def _owned_by_members(groups: np.ndarray, whole: int) -> tuple[np.ndarray, np.ndarray]:
+    """Parts ``[lo, hi)`` that members 1..g-1 of each equal-size group (rows) own after a ring
+    reduce-scatter over the group, flattened like ``groups[:, 1:]``."""
+    k, g = groups.shape
+    seg = (np.arange(1, g) + 1) % g * (whole // g)
+    return np.tile(seg, k), np.tile(seg + whole // g, k)
 
 
-def _broadcast_from_leader(group: Sequence[int], whole: int) -> list[Round]:
-    if len(group) <= 1:
-        return []
-    scatter = Round.of("scatter", (Msg(group[0], r, *owned_segment(group, r, 0, whole), False) for r in group[1:]))
-    return [scatter] + _rename(ring_all_gather(group, 0, whole), "inner_gather")
+def _reduce_to_leaders(groups: np.ndarray, whole: int) -> list[Round]:
+    """Reduce-scatter inside each group (rows of equal size), then gather every shard to its first rank."""
+    k, g = groups.shape
+    lo, hi = _owned_by_members(groups, whole)
+    gather = Round("gather", groups[:, 1:].ravel(), np.repeat(groups[:, 0], g - 1), lo, hi, np.zeros(len(lo), bool))
+    return _rename(_ring_rounds(groups, [0] * k, [whole] * k, False), "inner_reduce") + [gather]
+
+
+def _broadcast_from_leaders(groups: np.ndarray, whole: int) -> list[Round]:
+    """Scatter from each group's first rank, then all-gather inside each group."""
+    k, g = groups.shape
+    lo, hi = _owned_by_members(groups, whole)
+    scatter = Round("scatter", np.repeat(groups[:, 0], g - 1), groups[:, 1:].ravel(), lo, hi, np.zeros(len(lo), bool))
+    return [scatter] + _rename(_ring_rounds(groups, [0] * k, [whole] * k, True), "inner_gather")
 
 
 def torus2d(n: int, rows: int, cols: int) -> Collective:
@@ -358,25 +368,37 @@ class PricedRound:
 
 def priced(collective: Collective) -> list[PricedRound]:
     """The rounds as the cost model prices them (see the module docstring); endpoints unchanged."""
-    merged: list[list] = []                       # [src, dst, size, reduce, steps]
-    for rnd in collective.rounds:
-        size = rnd.hi - rnd.lo
-        summed = np.bincount(rnd.dst[rnd.reduce] - SWITCH, weights=size[rnd.reduce]) if rnd.reduce.any() else ()
-        reduce = int(max(summed, default=0))
+    rounds = collective.rounds
+    if not rounds:
+        return []
+    sizes = [r.hi - r.lo for r in rounds]
+    # the most any endpoint sums in each round, all rounds at once
+    rid = np.repeat(np.arange(len(rounds)), [len(r.src) for r in rounds])
+    dst, size = np.concatenate([r.dst for r in rounds]), np.concatenate(sizes)
+    flag = np.concatenate([r.reduce for r in rounds])
+    width = int(dst.max(initial=0)) + 1 - SWITCH
+    summed = np.bincount((rid * width + dst - SWITCH)[flag], weights=size[flag], minlength=len(rounds) * width)
+    most = summed.reshape(len(rounds), width).max(axis=1).astype(np.int64).tolist()
+    merged: list[list[int]] = []                   # indices of rounds priced as one (cut-through)
+    for i, rnd in enumerate(rounds):
         if rnd.cut_through and merged:
-            last = merged[-1]
-            merged[-1] = [np.concatenate([last[0], rnd.src]), np.concatenate([last[1], rnd.dst]),
-                          np.concatenate([last[2], size]), last[3] + reduce, last[4] + 1]
+            merged[-1].append(i)
         else:
-            merged.append([rnd.src, rnd.dst, size, reduce, 1])
+            merged.append([i])
     out: list[PricedRound] = []
-    prev: list | None = None
-    for src, dst, size, reduce, steps in merged:
-        if prev is not None and (prev[3], prev[4]) == (reduce, steps) and len(prev[0]) == len(src) and \
-                np.array_equal(prev[0], src) and np.array_equal(prev[1], dst) and np.array_equal(prev[2], size):
-            last = out[-1]
-            out[-1] = PricedRound(last.src, last.dst, last.share, last.reduce, last.repeat + 1, last.steps)
+    last = None
+    for idx in merged:
+        if len(idx) == 1:
+            src, dst, size = rounds[idx[0]].src, rounds[idx[0]].dst, sizes[idx[0]]
+        else:
+            src, dst = (np.concatenate([getattr(rounds[i], f) for i in idx]) for f in ("src", "dst"))
+            size = np.concatenate([sizes[i] for i in idx])
+        reduce = sum(most[i] for i in idx)
+        key = (src.tobytes(), dst.tobytes(), size.tobytes(), reduce, len(idx))
+        if key == last:
+            p = out[-1]
+            out[-1] = PricedRound(p.src, p.dst, p.share, p.reduce, p.repeat + 1, p.steps)
             continue
-        prev = [src, dst, size, reduce, steps]
-        out.append(PricedRound(src, dst, size / collective.parts, reduce / collective.parts, 1, steps))
+        last = key
+        out.append(PricedRound(src, dst, size / collective.parts, reduce / collective.parts, 1, len(idx)))
     return out

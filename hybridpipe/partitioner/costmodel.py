@@ -192,6 +192,8 @@ class CostModel:
         if algorithm == "hierarchical":
             position = {r: i for i, r in enumerate(ranks)}
             units = tuple(tuple(position[r] for r in g) for g in self.groups(ranks)) if n else ()
+            if len(units) <= 1:                      # one host: a ring
+                algorithm, units = "ring", None
         if algorithm == "torus2d":
             rows, cols = torus = shape or self.torus_shape(ranks)
             if rows * cols != n or rows < 1:
