@@ -100,7 +100,7 @@ def compare(profile, cluster, req: Request, calibrations, outcome: Outcome, *, e
     """One line against data parallelism, or (``every``) a table of all strategies."""
     mine = outcome.plan.predicted_step_ms
     names = [s for s in STRATEGIES if s != req.strategy] if every else (["dp"] if req.strategy != "dp" else [])
-    rows = []
+    rows: list[list[object]] = []
     for name in names:
         try:
             other = partition(profile, cluster, Request(**{**req.__dict__, "strategy": name, "stages": None}),
@@ -121,7 +121,8 @@ def compare(profile, cluster, req: Request, calibrations, outcome: Outcome, *, e
 
 def rank_ranges(ranks) -> str:
     """Sorted ranks as compact ranges: 0-3,8-11."""
-    out, run = [], []
+    out: list[str] = []
+    run: list[int] = []
     for r in sorted(ranks):
         if run and r == run[-1] + 1:
             run.append(r)

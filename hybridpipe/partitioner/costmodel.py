@@ -97,6 +97,7 @@ class CostModel:
         """
         gbps = 8e-9 / cal.p2p.beta_s_per_byte if cal.p2p.beta_s_per_byte > 0 else inner_bandwidth_gbps
         per_host = cal.world_size // cal.hosts if cal.world_size % cal.hosts == 0 else 1
+        levels: tuple[Level, ...]
         if cal.hosts in (1, cal.world_size) or per_host == 1:
             levels = (Level(cal.level or "measured", cal.world_size, gbps),)
         else:

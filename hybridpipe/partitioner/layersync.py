@@ -20,8 +20,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from hybridpipe.partitioner.costmodel import CostModel
 from hybridpipe.partitioner.plan import ALGORITHMS, LayerSync
+
+# per-layer numbers: a list, or a slice of the model costs' arrays
+Floats = Sequence[float] | np.ndarray
 
 
 @dataclass(frozen=True)
@@ -42,8 +47,7 @@ class StageSync:
     busy_ms: float                # sum of all-reduce times (the lane's busy time)
 
 
-def simulate_lane(sync_ms: Sequence[float], backward_ms: Sequence[float],
-                  forward_ms: Sequence[float], gap_ms: float = 0.0) -> LaneResult:
+def simulate_lane(sync_ms: Sequence[float], backward_ms: Floats, forward_ms: Floats, gap_ms: float = 0.0) -> LaneResult:
     """Queue the layers' all-reduces (``sync_ms``; 0 = nothing to sync) on one lane.
 
     All lists are in forward order. Time 0 is the start of the stage's backward; the next
@@ -72,8 +76,8 @@ def simulate_lane(sync_ms: Sequence[float], backward_ms: Sequence[float],
     return LaneResult(tuple(finish), tuple(exposed), delay)
 
 
-def choose_layer_algorithms(names: Sequence[str], nbytes: Sequence[float], backward_ms: Sequence[float],
-                            forward_ms: Sequence[float], ranks: Sequence[int], model: CostModel,
+def choose_layer_algorithms(names: Sequence[str], nbytes: Floats, backward_ms: Floats, forward_ms: Floats,
+                            ranks: Sequence[int], model: CostModel,
                             algorithms: Sequence[str] = ALGORITHMS,
                             params: Sequence[Sequence[str]] | None = None, gap_ms: float = 0.0) -> StageSync:
     """The hybrid policy for one replicated stage or data-parallel model (what HDP calls).

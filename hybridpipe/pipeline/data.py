@@ -22,7 +22,8 @@ class MicroBatches:
 
     def indices(self, step: int, micro_batch: int) -> list[int]:
         start = (step * self.micro_batches + micro_batch) * self.batch_size
-        n = len(self.dataset)
+        # torch's Dataset declares no __len__, map-style datasets have one (resolve_dataset checks)
+        n = len(self.dataset)  # type: ignore[arg-type]
         return [(start + i) % n for i in range(self.batch_size)]
 
     def batch(self, step: int, micro_batch: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -38,6 +38,7 @@ from hybridpipe.pipeline.instructions import (
     LoadInput,
     LoadTarget,
     Loss,
+    MicroBatchInstruction,
     RecvActivations,
     RecvGradients,
     SendActivations,
@@ -144,12 +145,16 @@ class PipelineEngine:
         frozen = {step * M + m for m in self._needs_frozen(program)} if self.stash else set()
         result = StepResult(step)
         for ins in program:
-            g = step * M + ins.micro_batch if hasattr(ins, "micro_batch") else None
             t0 = self.clock()
-            self._execute(ins, g, frozen, result)
+            if isinstance(ins, MicroBatchInstruction):
+                g = step * M + ins.micro_batch
+                self._execute(ins, g, frozen, result)
+            else:
+                g = -1                      # SyncWait and Step are about the step
+                self._execute_step_level(ins, result)
             phase = _PHASES.get(type(ins))
             if recorder is not None and phase is not None:
-                recorder.record(phase, g if g is not None else -1, t0, self.clock())
+                recorder.record(phase, g, t0, self.clock())
         self._last_step = step
         self.phase = 0 if drain else self.phase + 1     # the same on every rank
         return result
@@ -207,11 +212,17 @@ class PipelineEngine:
             g = base + m
             ins = RecvGradients(m, peer) if kind == "grad" else RecvActivations(m, peer)
             held = self._out_grads if kind == "grad" else self._inputs
-            held[g] = self.transport.recv(peer, message_key(ins, g, M))
+            held[g] = self._transport().recv(peer, message_key(ins, g, M))
         self._settled = self._last_step
 
+    def _transport(self) -> Transport:
+        if self.transport is None:
+            raise RuntimeError(f"rank {self.rank} sends or receives, but its engine was given no transport")
+        return self.transport
+
     # ---- instructions ------------------------------------------------------------------
-    def _execute(self, ins: Instruction, g: int | None, frozen: set[int], result: StepResult) -> None:
+    def _execute(self, ins: MicroBatchInstruction, g: int, frozen: set[int], result: StepResult) -> None:
+        """Run an instruction about micro-batch ``g`` (numbered over the run)."""
         M = self.topo.micro_batches
         stage = self.stage
         if isinstance(ins, LoadInput):
@@ -220,12 +231,12 @@ class PipelineEngine:
             self._inputs[g] = {k: v.to(self.device, non_blocking=True) for k, v in named.items()}
         elif isinstance(ins, RecvActivations):
             if g not in self._inputs:       # else received early, at a checkpoint
-                self._inputs[g] = self.transport.recv(ins.peer, message_key(ins, g, M))
+                self._inputs[g] = self._transport().recv(ins.peer, message_key(ins, g, M))
         elif isinstance(ins, Forward):
             params = self.stash.forward_params(g, g in frozen) if self.stash else None
             self._acts[g] = stage.forward(self._inputs.pop(g), params=params)
         elif isinstance(ins, SendActivations):
-            self.transport.send(ins.peer, message_key(ins, g, M), self._acts[g].outputs)
+            self._transport().send(ins.peer, message_key(ins, g, M), self._acts[g].outputs)
         elif isinstance(ins, LoadTarget):
             self._targets[g] = self.data.target(g // M, g % M).to(self.device, non_blocking=True)
         elif isinstance(ins, Loss):
@@ -235,7 +246,7 @@ class PipelineEngine:
                 result.losses[g % M] = act.loss.detach()
         elif isinstance(ins, RecvGradients):
             if g not in self._out_grads:    # else received early, at a checkpoint
-                self._out_grads[g] = self.transport.recv(ins.peer, message_key(ins, g, M))
+                self._out_grads[g] = self._transport().recv(ins.peer, message_key(ins, g, M))
         elif isinstance(ins, SyncStart):
             self._sync_next = g
         elif isinstance(ins, Backward):
@@ -248,8 +259,12 @@ class PipelineEngine:
             if not stage.is_first:
                 self._in_grads[g] = grads
         elif isinstance(ins, SendGradients):
-            self.transport.send(ins.peer, message_key(ins, g, M), self._in_grads.pop(g))
-        elif isinstance(ins, SyncWait):
+            self._transport().send(ins.peer, message_key(ins, g, M), self._in_grads.pop(g))
+        else:
+            raise TypeError(f"unknown instruction {ins!r}")
+
+    def _execute_step_level(self, ins: Instruction, result: StepResult) -> None:
+        if isinstance(ins, SyncWait):
             self.sync.finish()
         elif isinstance(ins, Step):
             self._optimizer_step(ins.grad_scale)

@@ -15,7 +15,7 @@ import contextlib
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
 import torch
@@ -98,7 +98,7 @@ class ReplicaGroup:
     def __init__(self, size: int, timeout: float = 60.0):
         self.size = size
         self._barrier = threading.Barrier(size, timeout=timeout)
-        self._slots: list[list[torch.Tensor] | None] = [None] * size
+        self._slots: list[list[torch.Tensor]] = [[] for _ in range(size)]
 
     def all_reduce_sum(self, index: int, tensors: list[torch.Tensor]) -> None:
         if self.size == 1:
@@ -111,7 +111,7 @@ class ReplicaGroup:
                 total += slot[i]
             t.copy_(total)
         self._wait()   # nobody refills a slot before everyone has read them all
-        self._slots[index] = None
+        self._slots[index] = []
 
     def abort(self) -> None:
         self._barrier.abort()
@@ -142,15 +142,17 @@ class InProcessGradSync:
             self._quiet -= 1
 
     def finish(self) -> None:
+        grads = []
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
         with torch.no_grad():
-            self.group.all_reduce_sum(self.index, [p.grad for p in self.params])
+            self.group.all_reduce_sum(self.index, grads)
 
 
 def run_ranks(fns: Mapping[int, Callable[[], T]], network: InProcessNetwork | None = None,
-              groups: list[ReplicaGroup] = (), timeout: float = 300.0) -> dict[int, T]:
+              groups: Sequence[ReplicaGroup] = (), timeout: float = 300.0) -> dict[int, T]:
     """Run ``fns[rank]()`` for every rank in its own thread; return their results.
 
     The first failure marks its rank dead on ``network`` and breaks ``groups``, so the others

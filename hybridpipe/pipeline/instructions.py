@@ -96,8 +96,10 @@ class Step:
     grad_scale: float
 
 
-Instruction = (LoadInput | RecvActivations | Forward | SendActivations | LoadTarget | Loss | RecvGradients
-               | Backward | SendGradients | SyncStart | SyncWait | Step)
+# the instructions about one micro-batch (all but SyncWait and Step, which are about the step)
+MicroBatchInstruction = (LoadInput | RecvActivations | Forward | SendActivations | LoadTarget | Loss | RecvGradients
+                         | Backward | SendGradients | SyncStart)
+Instruction = MicroBatchInstruction | SyncWait | Step
 
 SENDS = (SendActivations, SendGradients)
 RECEIVES = (RecvActivations, RecvGradients)

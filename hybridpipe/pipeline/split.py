@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from torch import fx
 
 from hybridpipe.errors import UserError
+from hybridpipe.profiles.trace import attr_target
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,7 @@ def _check_placement(nodes: list[fx.Node], stage_of: list[int], n_stages: int) -
     for i, node in enumerate(nodes):
         if node.op not in ("call_module", "get_attr"):
             continue
-        seen = where.setdefault(node.target, stage_of[i])
+        seen = where.setdefault(attr_target(node), stage_of[i])
         if seen != stage_of[i]:
             raise UserError(f"module or parameter {node.target!r} is used by stages {seen} and {stage_of[i]} "
                             "(weights shared across stages cannot be kept in sync); re-partition so that its "

@@ -136,6 +136,7 @@ class PipelineStage:
         On the last stage from ``act.loss``; elsewhere from ``output_grads`` (grads of
         ``act.outputs`` by name; outputs without a grad are treated as not influencing the loss).
         """
+        grads: list[torch.Tensor | None]
         if self.is_last:
             if act.loss is None:
                 raise RuntimeError("backward on the last stage needs a forward with a target (the loss)")

@@ -64,8 +64,8 @@ class WeightStash:
     def backward_done(self, micro_batch: int) -> None:
         """Release ``micro_batch``'s version (dropped when no micro-batch in flight uses it)."""
         v = self._version_of.pop(micro_batch, None)
-        users = self._users.get(v)
-        if users is not None:
+        users = self._users.get(v) if v is not None else None
+        if v is not None and users is not None:
             users.discard(micro_batch)
             if not users:
                 del self._users[v], self._frozen[v]

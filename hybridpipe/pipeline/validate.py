@@ -22,6 +22,7 @@ from hybridpipe.pipeline.instructions import (
     LoadInput,
     LoadTarget,
     Loss,
+    MicroBatchInstruction,
     RecvActivations,
     RecvGradients,
     SendActivations,
@@ -31,6 +32,9 @@ from hybridpipe.pipeline.instructions import (
     SyncWait,
 )
 from hybridpipe.pipeline.schedules import Topology, all_programs, settle_phase
+
+# messages posted and not yet received, per (sender, receiver): ("act"|"grad", global micro-batch)
+_Queues = dict[tuple[int, int], deque[tuple[str, int]]]
 
 
 class ScheduleError(ValueError):
@@ -81,7 +85,7 @@ def validate(topo: Topology, steps: Sequence[Mapping[int, Sequence[Instruction]]
     between steps: metrics, checkpoints); messages may still be received a step later.
     """
     ranks = _ranks(topo, steps)
-    queues: dict[tuple[int, int], deque[tuple[str, int]]] = {}
+    queues: _Queues = {}
     for limit in (range(len(steps)) if step_barrier else [len(steps) - 1]):
         _run_until(topo, ranks, queues, limit)
         stuck = [st for st in ranks.values() if st.pc < len(st.program) and st.program[st.pc][0] <= limit]
@@ -131,7 +135,8 @@ def in_transit(topo: Topology, schedule: str, phase: int) -> dict[int, list[tupl
     M = topo.micro_batches
     p = min(phase, settle_phase(topo, schedule) + 1)       # the lists repeat from there on
     steps = [all_programs(topo, schedule, phase=k, drain=False) for k in range(p + 1)]
-    ranks, queues = _ranks(topo, steps), {}
+    ranks = _ranks(topo, steps)
+    queues: _Queues = {}
     for limit in range(p + 1):
         _run_until(topo, ranks, queues, limit)
     out: dict[int, list[tuple[int, str, int]]] = {r: [] for r in ranks}
@@ -140,7 +145,7 @@ def in_transit(topo: Topology, schedule: str, phase: int) -> dict[int, list[tupl
     return out
 
 
-def _run_until(topo: Topology, ranks: dict[int, _Rank], queues, limit: int) -> None:
+def _run_until(topo: Topology, ranks: dict[int, _Rank], queues: _Queues, limit: int) -> None:
     """Advance every rank as far as it can without starting a step after ``limit``."""
     M = topo.micro_batches
     moved = True
@@ -149,8 +154,11 @@ def _run_until(topo: Topology, ranks: dict[int, _Rank], queues, limit: int) -> N
         for st in ranks.values():
             while st.pc < len(st.program) and st.program[st.pc][0] <= limit:
                 k, ins = st.program[st.pc]
-                m = getattr(ins, "micro_batch", None)
-                if not _execute(topo, ranks, queues, st, m, None if m is None else k * M + m, ins):
+                if isinstance(ins, MicroBatchInstruction):
+                    done = _execute(topo, ranks, queues, st, ins.micro_batch, k * M + ins.micro_batch, ins)
+                else:
+                    done = _execute_step_level(topo, ranks, st, ins)
+                if not done:
                     break
                 st.pc += 1
                 moved = True
@@ -160,11 +168,11 @@ def _fail(st: _Rank, ins: Instruction, why: str) -> ScheduleError:
     return ScheduleError(f"rank {st.rank} (stage {st.stage} replica {st.replica}): {ins}: {why}")
 
 
-def _execute(topo: Topology, ranks: dict[int, _Rank], queues, st: _Rank, m: int | None, g: int | None,
-             ins: Instruction) -> bool:
+def _execute(topo: Topology, ranks: dict[int, _Rank], queues: _Queues, st: _Rank, m: int, g: int,
+             ins: MicroBatchInstruction) -> bool:
     """Apply one instruction (micro-batch m of its step, g of the run); False if it must wait."""
     first, last = st.stage == 0, st.stage == topo.n_stages - 1
-    if m is not None and m % topo.replicas(st.stage) != st.replica:
+    if m % topo.replicas(st.stage) != st.replica:
         raise _fail(st, ins, f"micro-batch {m} of the step belongs to replica {m % topo.replicas(st.stage)}")
     if isinstance(ins, LoadInput):
         if not first:
@@ -221,7 +229,14 @@ def _execute(topo: Topology, ranks: dict[int, _Rank], queues, st: _Rank, m: int 
         if st.sync_pending is not None:
             raise _fail(st, ins, "two SyncStarts without a Backward between them")
         st.sync_pending = g
-    elif isinstance(ins, SyncWait):
+    else:
+        raise _fail(st, ins, "unknown instruction")
+    return True
+
+
+def _execute_step_level(topo: Topology, ranks: dict[int, _Rank], st: _Rank, ins: Instruction) -> bool:
+    """Apply a SyncWait or Step; False if it must wait."""
+    if isinstance(ins, SyncWait):
         if st.waited >= st.synced:
             raise _fail(st, ins, "no synced backward to wait for")
         need = st.waited + 1
@@ -237,7 +252,7 @@ def _execute(topo: Topology, ranks: dict[int, _Rank], queues, st: _Rank, m: int 
     return True
 
 
-def _take(queues, src: int, dst: int, want: tuple[str, int], st: _Rank, ins: Instruction) -> bool:
+def _take(queues: _Queues, src: int, dst: int, want: tuple[str, int], st: _Rank, ins: Instruction) -> bool:
     q = queues.get((src, dst))
     if not q:
         return False

@@ -11,12 +11,20 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 from torch import fx
 
 from hybridpipe.profiles.timing import median_ms
+
+
+class Timing(TypedDict):
+    """The keyword arguments every measurement below takes."""
+
+    device: torch.device | str
+    repeats: int
+    warmup: int
 
 
 @dataclass(frozen=True)

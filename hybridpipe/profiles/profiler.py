@@ -16,7 +16,14 @@ from tqdm import tqdm
 
 from hybridpipe.errors import UserError
 from hybridpipe.profiles.format import Profile, ProfileNode, ProfileTotals
-from hybridpipe.profiles.measure import measure_loss, measure_node, measure_optimizer, measure_step, reference_pass
+from hybridpipe.profiles.measure import (
+    Timing,
+    measure_loss,
+    measure_node,
+    measure_optimizer,
+    measure_step,
+    reference_pass,
+)
 from hybridpipe.profiles.trace import graph_edges, node_infos, trace_model
 from hybridpipe.profiles.zoo.registry import ModelSpec
 
@@ -62,7 +69,7 @@ def profile_model(model: ModelSpec, *, batch_size: int, device: str | torch.devi
     params = dict(gm.named_parameters(remove_duplicate=False))
     counted: set[int] = set()
     nodes = []
-    timing = dict(device=device, repeats=repeats, warmup=warmup)
+    timing = Timing(device=device, repeats=repeats, warmup=warmup)
     disable = None if progress is None else not progress
     for i, (node, info) in enumerate(tqdm(list(zip(gm.graph.nodes, infos, strict=True)), desc=f"profile {model.name}",
                                           unit="node", disable=disable, leave=False)):

@@ -46,7 +46,7 @@ class _LeafTracer(fx.Tracer):
         self.failed_in: list[tuple[str, str]] | None = None
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return (isinstance(m, self.leaf_types) or _class_names(type(m)) & self.leaf_names
+        return (isinstance(m, self.leaf_types) or bool(_class_names(type(m)) & self.leaf_names)
                 or qualname in self.leaf_paths or super().is_leaf_module(m, qualname))
 
     def call_module(self, m: nn.Module, forward, args, kwargs):
@@ -181,16 +181,24 @@ def to_digraph(gm: fx.GraphModule) -> nx.DiGraph:
     return g
 
 
+def attr_target(node: fx.Node) -> str:
+    """The qualified name a ``call_module`` or ``get_attr`` node refers to."""
+    if not isinstance(node.target, str):
+        raise TypeError(f"{node.op} node {node.name} has target {node.target!r}, not a qualified name")
+    return node.target
+
+
 def _node_params(gm: fx.GraphModule, node: fx.Node) -> list[str]:
     if node.op == "call_module":
-        mod = gm.get_submodule(node.target)
-        return [f"{node.target}.{name}" for name, _ in mod.named_parameters()]
+        target = attr_target(node)
+        return [f"{target}.{name}" for name, _ in gm.get_submodule(target).named_parameters()]
     if node.op == "get_attr":
-        obj = _get_attr(gm, node.target)
+        target = attr_target(node)
+        obj = _get_attr(gm, target)
         if isinstance(obj, nn.Parameter):
-            return [node.target]
+            return [target]
         if isinstance(obj, nn.Module):
-            return [f"{node.target}.{name}" for name, _ in obj.named_parameters()]
+            return [f"{target}.{name}" for name, _ in obj.named_parameters()]
     return []
 
 
@@ -210,12 +218,12 @@ def _target_name(node: fx.Node) -> str:
 
 def _type_name(gm: fx.GraphModule, node: fx.Node) -> str:
     if node.op == "call_module":
-        return type(gm.get_submodule(node.target)).__name__
+        return type(gm.get_submodule(attr_target(node))).__name__
     if node.op in ("call_function", "call_method"):
         t = node.target
         return t if isinstance(t, str) else getattr(t, "__name__", str(t))
     if node.op == "get_attr":
-        obj = _get_attr(gm, node.target)
+        obj = _get_attr(gm, attr_target(node))
         return "Parameter" if isinstance(obj, nn.Parameter) else type(obj).__name__
     return node.op
 

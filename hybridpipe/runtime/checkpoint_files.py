@@ -90,7 +90,7 @@ def atomic_save(obj: Any, path: Path) -> FileRecord:
     try:
         with os.fdopen(fd, "wb") as f:
             w = _HashingWriter(f)
-            torch.save(obj, w)
+            torch.save(obj, w)  # type: ignore[arg-type]  # any object with write() does (stub: IO[bytes])
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

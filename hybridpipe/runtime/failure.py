@@ -43,7 +43,8 @@ import time
 import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
-from typing import NoReturn
+from types import FrameType
+from typing import Any, NoReturn
 
 import torch.distributed as dist
 
@@ -136,7 +137,7 @@ class FailureGuard:
         self._stop = threading.Event()
         self._exiting = threading.Lock()
         self._thread: threading.Thread | None = None
-        self._old_sigterm = None
+        self._old_sigterm: Callable[[int, FrameType | None], Any] | int | None = None
         self._peers: dict[int, int] = {}          # local ranks -> pid (same host identity)
         self._done: set[int] = set()
         self._store_error: BaseException | None = None
@@ -153,7 +154,7 @@ class FailureGuard:
     def stop(self) -> None:
         """Normal end: this rank is done (never reported as lost) and the watchdog stops."""
         try:
-            self._store.set(f"done/{self.rank}", b"1")
+            self._store.set(f"done/{self.rank}", "1")
         except Exception:           # noqa: BLE001 - the store may be gone at the very end
             pass
         self._stop.set()
@@ -166,12 +167,12 @@ class FailureGuard:
             self._old_sigterm = signal.signal(signal.SIGTERM, _raise_terminated)
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def __exit__(self, exc_type, exc, tb) -> None:
         if self._old_sigterm is not None:
             signal.signal(signal.SIGTERM, self._old_sigterm)
         if exc is None or isinstance(exc, SystemExit) and exc.code in (0, None):
             self.stop()
-            return False
+            return
         self.handle(exc)
 
     # ---- failure path -----------------------------------------------------------------
@@ -341,7 +342,8 @@ def _read_first(store: dist.Store) -> Failure | None:
 
 
 def _report(store: dist.Store, failure: Failure) -> Failure:
-    return Failure.from_bytes(store.compare_set("first", "", failure.to_bytes()))
+    # torch's stub types the value as str; the binding takes bytes as well
+    return Failure.from_bytes(store.compare_set("first", "", failure.to_bytes()))  # type: ignore[arg-type]
 
 
 def _one_line(exc: BaseException) -> str:

@@ -112,8 +112,8 @@ def weights_digest(module: nn.Module) -> str:
     """SHA-256 of every parameter (names, dtypes, shapes and bytes). Buffers are left out: like
     BatchNorm's running statistics, they may differ between replicas that saw different data."""
     h = hashlib.sha256()
-    for name, t in module.named_parameters():
-        t = t.detach().cpu().contiguous()
+    for name, p in module.named_parameters():
+        t = p.detach().cpu().contiguous()
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()

@@ -158,7 +158,7 @@ def _restore(ckpt: Checkpointer, stage, optimizer, engine) -> int:
 
 def _agree_run_dir(cfg: RunConfig, rank: int) -> Path:
     """Rank 0 names the run directory (runs/<time> by default) and tells everyone."""
-    chosen = [None]
+    chosen = [""]                           # every rank gets rank 0's by the broadcast
     if rank == 0:
         chosen[0] = cfg.run_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     dist.broadcast_object_list(chosen, src=0)

@@ -146,7 +146,7 @@ class AllReducer:
             for t in work:
                 dist.all_reduce(t, group=self.group)
         elif algorithm == "aggregator" and self.aggregator_address:
-            self._dedicated(work)
+            self._dedicated(work, self.aggregator_address)
         else:
             self._scheduled(work, algorithm, nbytes)
         for t, w in zip(items, work, strict=True):
@@ -181,9 +181,9 @@ class AllReducer:
                                        for _ in range(self.inflight)]
         return pool
 
-    def _dedicated(self, tensors: list[torch.Tensor]) -> None:
+    def _dedicated(self, tensors: list[torch.Tensor], address: str) -> None:
         if self._client is None:
-            self._client = AggregatorClient(self.aggregator_address, self.position, self.size)
+            self._client = AggregatorClient(address, self.position, self.size)
         staged = [t.cpu() for t in tensors] if tensors[0].device.type != "cpu" else tensors
         self._client.allreduce(staged)
         if staged is not tensors:

@@ -61,10 +61,11 @@ def group_costs(topology: Topology, calibration: Calibration | None = None,
     """A cost model of the group described by ``topology`` (see the module docstring)."""
     n = topology.size
     g = max((len(u) for u in topology.units), default=1)
+    levels: tuple[Level, ...]
     cal_level = calibration.level if calibration else ""
     if 1 < g < n:
         inner, outer = ("host", "network")
-        if cal_level:
+        if calibration is not None and cal_level:
             if calibration.hosts > 1:
                 outer = cal_level if cal_level != inner else outer
             else:

@@ -4,6 +4,8 @@
 ``resolve_model(spec)`` to turn any model spec (zoo name or ``module:factory``) into a ModelSpec.
 """
 
+from collections.abc import Callable
+
 from hybridpipe.profiles.zoo.alexnet import alexnet_small_spec, alexnet_spec
 from hybridpipe.profiles.zoo.gpt import gpt_spec
 from hybridpipe.profiles.zoo.mlp import mlp_spec
@@ -11,7 +13,7 @@ from hybridpipe.profiles.zoo.registry import ModelSpec, parse_spec, resolve_mode
 from hybridpipe.profiles.zoo.resnet import resnet50_spec, resnet_small_spec
 from hybridpipe.profiles.zoo.vgg import vgg16_spec
 
-ZOO = {
+ZOO: dict[str, Callable[..., ModelSpec]] = {
     "mlp": mlp_spec,
     "alexnet": alexnet_spec,
     "alexnet-small": alexnet_small_spec,
