@@ -77,8 +77,8 @@ class Round(NamedTuple):
     def of(cls, phase: str, msgs: Iterable[Msg], cut_through: bool = False) -> Round:
         """A round from a list of messages."""
         cols = list(zip(*msgs, strict=True)) or [()] * 5
-        return cls(phase, *(np.asarray(c, dtype=np.int64) for c in cols[:4]), np.asarray(cols[4], dtype=bool),
-                   cut_through)
+        src, dst, lo, hi = (np.asarray(c, dtype=np.int64) for c in cols[:4])
+        return cls(phase, src, dst, lo, hi, np.asarray(cols[4], dtype=bool), cut_through)
 
     @property
     def msgs(self) -> tuple[Msg, ...]:
@@ -108,8 +108,11 @@ def _lockstep(lists: Sequence[Sequence[Round]]) -> list[Round]:
     out = []
     for i in range(max((len(x) for x in lists), default=0)):
         here = [x[i] for x in lists if i < len(x)]
-        out.append(here[0] if len(here) == 1 else
-                   Round(here[0].phase, *(np.concatenate([r[f] for r in here]) for f in range(1, 6))))
+        if len(here) == 1:
+            out.append(here[0])
+            continue
+        src, dst, lo, hi, reduce = (np.concatenate([r[f] for r in here]) for f in range(1, 6))
+        out.append(Round(here[0].phase, src, dst, lo, hi, reduce))
     return out
 
 
@@ -119,7 +122,10 @@ def _rename(rounds: Sequence[Round], phase: str) -> list[Round]:
 
 # ---- rings -----------------------------------------------------------------------------------
 
-def _ring_rounds(groups: Sequence[Sequence[int]], lo: Sequence[int], hi: Sequence[int], gather: bool) -> list[Round]:
+Groups = Sequence[Sequence[int]] | np.ndarray         # rows of positions
+
+
+def _ring_rounds(groups: Groups, lo: Sequence[int], hi: Sequence[int], gather: bool) -> list[Round]:
     """Equal-size rings (one per row of ``groups``), ring i over parts ``[lo[i], hi[i])``, all at once.
 
     Reduce-scatter (``gather=False``): n-1 rounds; afterwards ``ring[k]`` holds the sum of segment
