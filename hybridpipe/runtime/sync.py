@@ -72,15 +72,20 @@ def describe_override(stage: int, flags: str, before: Sequence[LayerSync], after
     """One line: what the override ``flags`` changed against the plan in ``stage``."""
     changed = [f"{a.layer} {b.algorithm}->{a.algorithm}" for b, a in zip(before, after, strict=True)
                if a.algorithm != b.algorithm]
-    regrouped = _units(before) != _units(after) or [b.lane for b in before] != [a.lane for a in after]
-    if not changed and not regrouped:
+    parts = []
+    if changed:
+        more = f" and {len(changed) - SHOWN_CHANGES} more" if len(changed) > SHOWN_CHANGES else ""
+        parts.append(f"{len(changed)} of {len(after)} layers change algorithm: "
+                     f"{', '.join(changed[:SHOWN_CHANGES])}{more}")
+    units = [len(_units(before)), len(_units(after))]
+    if units[0] != units[1] or _units(before) != _units(after):
+        parts.append(f"sync units {units[0]}->{units[1]}")
+    lanes = [sum(lv.lane for lv in before), sum(lv.lane for lv in after)]
+    if [lv.lane for lv in before] != [lv.lane for lv in after]:
+        parts.append(f"layers on the second lane {lanes[0]}->{lanes[1]}")
+    if not parts:
         return f"launch.py: stage {stage}: {flags} changes nothing against the plan ({len(after)} layers)"
-    what = ", ".join(changed[:SHOWN_CHANGES]) + (f" and {len(changed) - SHOWN_CHANGES} more"
-                                                 if len(changed) > SHOWN_CHANGES else "")
-    units = f"{len(_units(after))} sync units (plan: {len(_units(before))})" if regrouped else ""
-    return (f"launch.py: stage {stage}: {flags} overrides the plan: "
-            + "; ".join(x for x in (f"{len(changed)} of {len(after)} layers change algorithm: {what}"
-                                    if changed else "", units) if x))
+    return f"launch.py: stage {stage}: {flags} overrides the plan: {'; '.join(parts)}"
 
 
 def _units(layers: Sequence[LayerSync]) -> list[tuple[str, ...]]:
