@@ -9,6 +9,7 @@ import dataclasses
 import json
 
 import pytest
+
 from hybridpipe.partitioner.plan import LayerSync, Plan, load_plan, save_plan
 from hybridpipe.profiles.trace import node_infos, trace_model
 from hybridpipe.profiles.zoo import resolve_model
