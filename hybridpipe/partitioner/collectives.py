@@ -12,9 +12,9 @@ as arrays (entry i = message i), so that rings of many ranks are built and price
 
 This one description is what runs and what is priced: the executors (``comm/allreduce``) run it
 with the parts mapped to element ranges (:func:`element_bounds`), and the cost model
-(``costmodel.py``) prices :func:`priced` (the same rounds, cut-through rounds merged into the one
-they overlap, consecutive rounds that move the same amounts between the same ranks folded into a
-repeat count). Pure functions; no torch.
+(``costmodel.py``) prices them as ``priced.py`` reads them (the same rounds, cut-through rounds
+merged into the one they overlap, consecutive rounds that move the same amounts between the same
+ranks folded into a repeat count). Pure functions; no torch.
 
 Conventions ("position" as above):
 
@@ -351,60 +351,3 @@ def element_bounds(bounds: np.ndarray, parts: int, numel: int) -> np.ndarray:
     (some may be empty, and are left out by the executors).
     """
     return bounds * numel // parts
-
-
-@dataclass(frozen=True, eq=False)
-class PricedRound:
-    """A round as the cost model prices it: message i moves ``share[i] * S`` bytes from ``src[i]``
-    to ``dst[i]``; at most ``reduce * S`` bytes are summed per rank; ``repeat`` times, ``steps``
-    latencies each."""
-
-    src: np.ndarray
-    dst: np.ndarray
-    share: np.ndarray
-    reduce: float = 0.0
-    repeat: int = 1
-    steps: int = 1
-
-    @property
-    def messages(self) -> tuple[tuple[int, int, float], ...]:
-        """(src, dst, share) per message."""
-        return tuple(zip(self.src.tolist(), self.dst.tolist(), self.share.tolist(), strict=True))
-
-
-def priced(collective: Collective) -> list[PricedRound]:
-    """The rounds as the cost model prices them (see the module docstring); endpoints unchanged."""
-    rounds = collective.rounds
-    if not rounds:
-        return []
-    sizes = [r.hi - r.lo for r in rounds]
-    # the most any endpoint sums in each round, all rounds at once
-    rid = np.repeat(np.arange(len(rounds)), [len(r.src) for r in rounds])
-    dst, size = np.concatenate([r.dst for r in rounds]), np.concatenate(sizes)
-    flag = np.concatenate([r.reduce for r in rounds])
-    width = int(dst.max(initial=0)) + 1 - SWITCH
-    summed = np.bincount((rid * width + dst - SWITCH)[flag], weights=size[flag], minlength=len(rounds) * width)
-    most = summed.reshape(len(rounds), width).max(axis=1).astype(np.int64).tolist()
-    merged: list[list[int]] = []                   # indices of rounds priced as one (cut-through)
-    for i, rnd in enumerate(rounds):
-        if rnd.cut_through and merged:
-            merged[-1].append(i)
-        else:
-            merged.append([i])
-    out: list[PricedRound] = []
-    last = None
-    for idx in merged:
-        if len(idx) == 1:
-            src, dst, size = rounds[idx[0]].src, rounds[idx[0]].dst, sizes[idx[0]]
-        else:
-            src, dst = (np.concatenate([getattr(rounds[i], f) for i in idx]) for f in ("src", "dst"))
-            size = np.concatenate([sizes[i] for i in idx])
-        reduce = sum(most[i] for i in idx)
-        key = (src.tobytes(), dst.tobytes(), size.tobytes(), reduce, len(idx))
-        if key == last:
-            p = out[-1]
-            out[-1] = PricedRound(p.src, p.dst, p.share, p.reduce, p.repeat + 1, p.steps)
-            continue
-        last = key
-        out.append(PricedRound(src, dst, size / collective.parts, reduce / collective.parts, 1, len(idx)))
-    return out

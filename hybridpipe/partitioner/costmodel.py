@@ -29,6 +29,7 @@ from hybridpipe.partitioner import collectives as co
 from hybridpipe.partitioner.calibration import Calibration, LinkFit
 from hybridpipe.partitioner.cluster import Cluster, Level
 from hybridpipe.partitioner.plan import ALGORITHMS
+from hybridpipe.partitioner.priced import PricedRound, priced
 
 # Nominal costs used where no calibration measured a level.
 NOMINAL_SOFTWARE_ALPHA_S = 30e-6      # per message step, on top of the link's latency
@@ -82,7 +83,7 @@ class CostModel:
         # an all-reduce beside compute takes this much longer than alone (calibration.py)
         self.overlap_slowdown = max((c.overlap_slowdown for c in cals), default=1.0)
         self._spans = [cluster.span(k) for k in range(len(cluster.levels))]
-        self._collectives: dict[tuple, tuple[co.Collective, list[co.PricedRound]]] = {}
+        self._collectives: dict[tuple, tuple[co.Collective, list[PricedRound]]] = {}
         self._structure: dict[tuple, tuple[RoundLoad, ...]] = {}
         self._lines: dict[tuple, Line] = {}
 
@@ -178,12 +179,12 @@ class CostModel:
         return self._described(algorithm, ranks, halving, shape)[0]
 
     def _priced(self, algorithm: str, ranks: Sequence[int], halving: bool = False,
-                shape: tuple[int, int] | None = None) -> list[co.PricedRound]:
-        """:meth:`collective` priced (``collectives.priced``), endpoints still positions."""
+                shape: tuple[int, int] | None = None) -> list[PricedRound]:
+        """:meth:`collective` priced (``priced.py``), endpoints still positions."""
         return self._described(algorithm, ranks, halving, shape)[1]
 
     def _described(self, algorithm: str, ranks: Sequence[int], halving: bool,
-                   shape: tuple[int, int] | None) -> tuple[co.Collective, list[co.PricedRound]]:
+                   shape: tuple[int, int] | None) -> tuple[co.Collective, list[PricedRound]]:
         """(rounds, priced rounds), cached by what they depend on: the group's size and shape."""
         ranks = sorted(ranks)
         n = len(ranks)
@@ -205,15 +206,15 @@ class CostModel:
         hit = self._collectives.get(key)
         if hit is None:
             rounds = co.rounds_for(key[0], n, halving=key[2], units=units, shape=torus, root=root)
-            hit = self._collectives[key] = (rounds, co.priced(rounds))
+            hit = self._collectives[key] = (rounds, priced(rounds))
         return hit
 
     def rounds(self, algorithm: str, ranks: Sequence[int], *, halving: bool = False,
-               shape: tuple[int, int] | None = None) -> list[co.PricedRound]:
+               shape: tuple[int, int] | None = None) -> list[PricedRound]:
         """The rounds the model prices for ``algorithm`` on ``ranks``: :meth:`collective` through
-        ``collectives.priced``, with the ranks' own numbers as endpoints."""
+        ``priced.py``, with the ranks' own numbers as endpoints."""
         of = np.asarray(sorted(ranks) + [co.SWITCH], dtype=np.int64)     # position -1 (SWITCH) stays SWITCH
-        return [co.PricedRound(of[r.src], of[r.dst], r.share, r.reduce, r.repeat, r.steps)
+        return [PricedRound(of[r.src], of[r.dst], r.share, r.reduce, r.repeat, r.steps)
                 for r in self._priced(algorithm, ranks, halving, shape)]
 
     def structure(self, algorithm: str, ranks: Sequence[int], *, halving: bool = False,
@@ -293,7 +294,7 @@ class CostModel:
         return best, self.allreduce_seconds(best, nbytes, ranks)
 
     # ---- internals ---------------------------------------------------------------------
-    def _loads(self, rounds: Sequence[co.PricedRound], ranks: Sequence[int], top: int) -> tuple[RoundLoad, ...]:
+    def _loads(self, rounds: Sequence[PricedRound], ranks: Sequence[int], top: int) -> tuple[RoundLoad, ...]:
         """Sum each link's bytes per round (a message loads its sender's egress and receiver's ingress).
 
         ``rounds``' endpoints are positions in the sorted ``ranks`` (or SWITCH). All rounds at

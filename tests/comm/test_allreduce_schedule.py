@@ -18,6 +18,7 @@ from hybridpipe.comm.allreduce.topology import Topology
 from hybridpipe.partitioner import collectives as co
 from hybridpipe.partitioner.cluster import Cluster
 from hybridpipe.partitioner.costmodel import CostModel
+from hybridpipe.partitioner.priced import PricedRound
 from tests.partitioner.synth import flat_cluster, two_level
 
 
@@ -104,7 +105,7 @@ def _executed_elements(rounds: list[schedule.Round], n: int, algorithm: str) -> 
     return sent, received
 
 
-def _priced_elements(priced: list[co.PricedRound], n: int) -> tuple[list[float], list[float]]:
+def _priced_elements(priced: list[PricedRound], n: int) -> tuple[list[float], list[float]]:
     """Elements each rank sends and receives in the rounds the cost model prices."""
     sent, received = [0.0] * n, [0.0] * n
     for r in priced:
