@@ -132,6 +132,7 @@ def capture_model(model: nn.Module, example: Any, *, granularity: str | int = "b
         raise
     except Exception as export_error:  # torch.export raises many kinds; the fx tracer may still succeed
         captured = _fx_fallback(model, args, kwargs, export_error)
+    _canonical_names(captured.graph, model)
     blocks = group_blocks(captured.graph, model, granularity, leaf_modules)
     captured.blocks = tuple(blocks)
     captured.blocked = _unsendable_values(captured)
@@ -169,6 +170,29 @@ def _export(model: nn.Module, args: tuple, kwargs: dict) -> CapturedModel:
     return CapturedModel(module=model, graph=gm, blocks=(), inputs=tuple(placeholders),
                          input_paths=tuple(pytree.keystr(p) for p, _ in flat), constants=constants,
                          out_spec=info.out_spec if info is not None else None, front_end="export")
+
+
+def _canonical_names(gm: fx.GraphModule, model: nn.Module) -> None:
+    """Refer to every parameter and buffer by its first name in the model (``named_parameters``
+    order): torch.export picks any of a tied weight's names (GPT-2's embedding may read
+    ``lm_head.weight``), but plans, stages and checkpoints must agree on one."""
+    canonical: dict[int, str] = {}
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        canonical.setdefault(id(t), name)
+    changed = False
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        try:
+            name = canonical.get(id(_attr(gm, str(node.target))))
+            if name is not None and name != node.target:
+                _attr(gm, name)                       # the canonical name must exist on the graph module
+                node.target = name
+                changed = True
+        except AttributeError:
+            continue
+    if changed:
+        gm.recompile()
 
 
 def _strip_pytree_codegen(gm: fx.GraphModule) -> None:
