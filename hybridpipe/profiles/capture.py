@@ -184,10 +184,10 @@ def _canonical_names(gm: fx.GraphModule, model: nn.Module) -> None:
         if node.op != "get_attr":
             continue
         try:
-            name = canonical.get(id(_attr(gm, str(node.target))))
-            if name is not None and name != node.target:
-                _attr(gm, name)                       # the canonical name must exist on the graph module
-                node.target = name
+            first = canonical.get(id(_attr(gm, str(node.target))))
+            if first is not None and first != node.target:
+                _attr(gm, first)                      # the canonical name must exist on the graph module
+                node.target = first
                 changed = True
         except AttributeError:
             continue
