@@ -11,6 +11,7 @@ import argparse
 from collections import Counter
 from pathlib import Path
 
+from hybridpipe.argtypes import output_file, positive_float, positive_int
 from hybridpipe.commands.show import human_bytes, table
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner.calibration import load_calibration
@@ -24,20 +25,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("profile", help="profile JSON written by `hybridpipe profile`")
     parser.add_argument("--cluster", required=True, metavar="C.json",
                         help="cluster description: levels innermost first (see examples/clusters/)")
-    parser.add_argument("-o", "--output", metavar="PLAN.json", help="write the plan here (else only print it)")
-    parser.add_argument("--workers", type=int, metavar="N", help="use N workers (default: the whole cluster)")
+    parser.add_argument("-o", "--output", type=output_file, metavar="PLAN.json",
+                        help="write the plan here (else only print it)")
+    parser.add_argument("--workers", type=positive_int, metavar="N", help="use N workers (default: the whole cluster)")
     parser.add_argument("--strategy", choices=STRATEGIES, default="optimal",
                         help="optimal (default), pipedream (PipeDream's formula), dp (data parallel), "
                              "uniform (equal node counts), params (balanced parameters), time (balanced compute)")
     parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule (default 1f1b)")
-    parser.add_argument("--micro-batches", type=int, metavar="M",
+    parser.add_argument("--micro-batches", type=positive_int, metavar="M",
                         help="micro-batches per step (default: 2 per worker)")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
                         help="optimizer state kept per weight: sgd momentum 1x, adam 2x (default sgd)")
-    parser.add_argument("--memory-gb", type=float, metavar="X", help="memory per worker (default: the cluster's)")
+    parser.add_argument("--memory-gb", type=positive_float, metavar="X",
+                        help="memory per worker (default: the cluster's)")
     parser.add_argument("--calibration", action="append", default=[], metavar="CAL.json",
                         help="measured costs from `hybridpipe bench-allreduce` (one per cluster level; repeatable)")
-    parser.add_argument("--stages", type=int, metavar="S", help="uniform/params: S stages of workers/S replicas")
+    parser.add_argument("--stages", type=positive_int, metavar="S",
+                        help="uniform/params: S stages of workers/S replicas")
     parser.add_argument("--algorithms", default=",".join(ALGORITHMS), metavar="A,B",
                         help=f"all-reduce algorithms the hybrid policy may pick (default {','.join(ALGORITHMS)})")
     parser.add_argument("--aggregator", choices=("worker", "dedicated"), default="worker",

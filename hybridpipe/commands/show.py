@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import re
 
+from hybridpipe.argtypes import nonneg_int
 from hybridpipe.errors import UserError
 from hybridpipe.jsonfile import read_json
 from hybridpipe.partitioner.calibration import CALIBRATION_KIND, Calibration
@@ -30,7 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", help="a profile, plan, calibration or cluster JSON file")
     parser.add_argument("--sort", choices=sorted(SORT_KEYS), default="id",
                         help="profile: order nodes by this column, largest first (default: graph order)")
-    parser.add_argument("--top", type=int, default=0, metavar="N", help="profile: show only the first N nodes")
+    parser.add_argument("--top", type=nonneg_int, default=0, metavar="N",
+                        help="profile: show only the first N nodes (0, the default: all)")
     parser.add_argument("--layers", action="store_true", help="plan: also list every layer's all-reduce choice")
 
 

@@ -18,6 +18,9 @@ on dead connections cannot hang the exit). Exit codes:
   the job (``torchrun --max-restarts``) with ``--resume`` continues from the newest checkpoint.
 * 1 - this rank failed (a bug or an error of its own: traceback printed), 2 - a UserError of
   its own (one line), 143 - SIGTERM, 130 - Ctrl-C.
+* 2 too for an :class:`~hybridpipe.errors.AgreedError`: every rank raised it together (they
+  agreed on it through a collective: a non-finite loss, no usable checkpoint); nobody is blamed,
+  the first local rank of each host prints it, and every rank is marked done, not lost.
 
 How the failed rank is named: ranks share facts through the c10d store (a prefix per torchrun
 restart). The first rank to know publishes ``first`` (compare-and-set: the first report wins):
@@ -28,7 +31,13 @@ the processes of the ranks on its own host every ``interval`` (a killed rank is 
 and (d) watches the next rank in a ring through its heartbeat (a rank on another host whose
 heartbeat stalls for ``timeout`` s is lost: host or network gone). A gloo collective that fails
 ("connection reset") names no rank: the guard then waits (at most ``timeout`` + 2 intervals)
-for the watchdogs to publish the culprit.
+for the watchdogs to publish the culprit. The worker passes the shorter of ``--peer-timeout``
+and ``--timeout`` as ``timeout``, so no wait outlasts either.
+
+The first failure in time, not in rank order: a rank that leaves through the guard records its
+exit (``exit/<rank>``) first, so when several local processes are found gone at one check
+(torchrun's agent stops the others right after one dies), the one that died without a word is
+named; among several of those, the one whose heartbeat stopped first.
 """
 
 from __future__ import annotations
@@ -48,7 +57,7 @@ from typing import NoReturn
 import torch.distributed as dist
 
 from hybridpipe.comm.p2p.errors import P2PError, P2PTimeout
-from hybridpipe.errors import UserError
+from hybridpipe.errors import AgreedError, UserError, one_line
 from hybridpipe.runtime.liveness import host_identity, process_alive
 
 EXIT_PEER_LOST = 75       # os.EX_TEMPFAIL: another rank failed, retry (restart + --resume)
@@ -116,19 +125,20 @@ class FailureGuard:
     """See the module docstring. ``timeout``: seconds without a heartbeat before a rank on another
     host counts as lost (and the longest wait to name a culprit); ``interval``: heartbeat and
     check period (default ``min(1, timeout / 10)``); ``describe(rank)`` names ranks in messages;
-    ``namespace``: store prefix (default: per torchrun restart)."""
+    ``namespace``: store prefix (default: per torchrun restart); ``program`` starts the line of an
+    AgreedError."""
 
     def __init__(self, store: dist.Store, *, rank: int, world_size: int, timeout: float = 30.0,
                  interval: float | None = None, describe: Callable[[int], str] | None = None,
                  on_exit: Iterable[Callable[[], object]] = (), namespace: str | None = None,
-                 hint: str = "") -> None:
+                 hint: str = "", program: str = "hybridpipe") -> None:
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
         self.rank, self.world_size, self.timeout = rank, world_size, float(timeout)
         self.interval = float(interval) if interval else min(1.0, self.timeout / 10)
         self.describe = describe or (lambda r: f"rank {r}")
         self.on_exit = list(on_exit)
-        self.hint = hint
+        self.hint, self.program = hint, program
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         ns = namespace if namespace is not None else f"hybridpipe/failure/{restart}"
         self._store = dist.PrefixStore(ns, store)
@@ -138,6 +148,7 @@ class FailureGuard:
         self._thread: threading.Thread | None = None
         self._old_sigterm = None
         self._peers: dict[int, int] = {}          # local ranks -> pid (same host identity)
+        self._beats: dict[int, tuple[int, float]] = {}   # local ranks -> (heartbeat, when it last changed)
         self._done: set[int] = set()
         self._store_error: BaseException | None = None
 
@@ -195,6 +206,9 @@ class FailureGuard:
         """Name the first failed rank for ``exc``, print one line, exit (see the module docstring)."""
         peer, how = suspect_of(exc)
         own_text = _one_line(exc)
+        if isinstance(exc, AgreedError):
+            self.stop()                 # done, not lost: every rank leaves the same way
+            self._exit(EXIT_USER_ERROR, one_line(exc), quiet=os.environ.get("LOCAL_RANK", "0") != "0", bare=True)
         if isinstance(exc, (Terminated, KeyboardInterrupt)):
             first = self._wait_published(2 * self.interval)
             code = EXIT_SIGTERM if isinstance(exc, Terminated) else EXIT_INTERRUPT
@@ -251,10 +265,11 @@ class FailureGuard:
                 return first
             time.sleep(min(self.interval / 2, 0.1))
 
-    def _exit(self, code: int, message: str) -> NoReturn:
+    def _exit(self, code: int, message: str, *, quiet: bool = False, bare: bool = False) -> NoReturn:
         with self._exiting:         # the watchdog and the main thread never both exit
             self._stop.set()
-            text = f"hybridpipe {self.describe(self.rank)}: {message}"
+            self._record_exit(code)
+            text = f"{self.program}: error: {message}" if bare else f"hybridpipe {self.describe(self.rank)}: {message}"
             if code == EXIT_PEER_LOST and self.hint:
                 text += f". {self.hint}"
             for fn in self.on_exit:
@@ -262,9 +277,20 @@ class FailureGuard:
                     fn()
                 except Exception as e:      # noqa: BLE001 - exiting anyway
                     print(f"hybridpipe rank {self.rank}: on-exit callback failed: {_one_line(e)}", file=sys.stderr)
-            print(text, file=sys.stderr, flush=True)
+            if not quiet:
+                print(text, file=sys.stderr, flush=True)
             sys.stdout.flush()
             os._exit(code)
+
+    def _record_exit(self, code: int) -> None:
+        """Tell the others this rank leaves through the guard (so it is never taken for the rank
+        that died first); best effort, bounded: a store that hangs cannot hold the exit up."""
+        if self._store_error is not None:
+            return
+        record = json.dumps({"code": code, "time": time.time()})
+        t = threading.Thread(target=lambda: _try(lambda: self._store.set(f"exit/{self.rank}", record)), daemon=True)
+        t.start()
+        t.join(timeout=min(0.5, self.interval * 2))
 
     # ---- watchdog thread --------------------------------------------------------------
     def _watch(self) -> None:
@@ -299,15 +325,32 @@ class FailureGuard:
                 self._peers[r] = info["pid"] if info["host"] == me else -1
 
     def _check_local(self, store: dist.Store) -> Failure | None:
+        """The local peer that died first, if any died: one that left no exit record (killed, or
+        crashed without a word) before one that left through its guard (e.g. stopped by
+        torchrun's agent because of the first); among equals, the stalest heartbeat."""
         if len(self._peers) < self.world_size - 1:
             self._learn_peers(store)
+        now = time.monotonic()
+        dead = []
         for r, pid in self._peers.items():
-            if pid > 0 and r not in self._done and not process_alive(pid):
-                if _is_set(store, f"done/{r}"):
-                    self._done.add(r)
-                    continue
-                return Failure(r, f"its process {pid} is gone (killed or crashed without a word)", self.rank)
-        return None
+            if pid <= 0 or r in self._done:
+                continue
+            beat = store.add(f"hb/{r}", 0)
+            if self._beats.get(r, (None, 0.0))[0] != beat:
+                self._beats[r] = (beat, now)
+            if process_alive(pid):
+                continue
+            if _is_set(store, f"done/{r}"):
+                self._done.add(r)
+                continue
+            exited = json.loads(store.get(f"exit/{r}"))["time"] if _is_set(store, f"exit/{r}") else None
+            dead.append((exited is not None, exited or 0.0, self._beats[r][1], r, pid))
+        if not dead:
+            return None
+        recorded, _, _, r, pid = min(dead)
+        if recorded:
+            return Failure(r, f"its process {pid} exited", self.rank)
+        return Failure(r, f"its process {pid} is gone (killed or crashed without a word)", self.rank)
 
     def _check_successor(self, store: dist.Store, last_value: dict, last_change: dict) -> Failure | None:
         now = time.monotonic()
@@ -326,6 +369,13 @@ class FailureGuard:
                                   "or it is frozen)", self.rank)
             return None
         return None
+
+
+def _try(fn: Callable[[], object]) -> None:
+    try:
+        fn()
+    except Exception:           # noqa: BLE001 - best effort on the way out
+        pass
 
 
 def _raise_terminated(signum, frame) -> None:

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hybridpipe.errors import UserError
+from hybridpipe.jsonfile import read_json, replace_into
 
 PHASES = ("receive_for", "run_for", "send_for", "receive_back", "run_back", "sync", "send_back", "step")
 TRACE_KIND = "rank-trace"
@@ -210,7 +211,7 @@ def _write_atomic(path: Path, text: str) -> Path:
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
-        os.replace(tmp, path)
+        replace_into(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -233,14 +234,9 @@ class RankTrace:
 def load_rank_trace(path: str | os.PathLike) -> RankTrace:
     """Read a file written by :class:`TimelineRecorder`; a foreign or broken file is a UserError."""
     p = Path(path)
-    try:
-        data = json.loads(p.read_text())
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"cannot read trace file {p}: {e}") from None
-    except json.JSONDecodeError as e:
-        raise UserError(f"trace file {p} is not valid JSON (line {e.lineno}: {e.msg}); "
-                        "was it copied while being written?") from None
-    meta = data.get("otherData", {}).get("hybridpipe") if isinstance(data, dict) else None
+    data = read_json(p, "trace")
+    other = data.get("otherData") if isinstance(data, dict) else None
+    meta = other.get("hybridpipe") if isinstance(other, dict) else None
     if not isinstance(meta, dict) or meta.get("kind") != TRACE_KIND:
         raise UserError(f"{p} is not a hybridpipe rank trace (no otherData.hybridpipe of kind {TRACE_KIND!r})")
     if meta.get("format") != TRACE_FORMAT:

@@ -15,9 +15,15 @@ A user's factory returns an ``nn.Module``, or a tuple ``(module, example_input)`
 from __future__ import annotations
 
 import importlib
+import inspect
+import math
+import os
 import re
+import sys
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 from torch import nn
@@ -90,7 +96,11 @@ def zoo_names() -> list[str]:
 
 
 def resolve_model(spec: str) -> ModelSpec:
-    """The ModelSpec for a zoo name or ``package.module:factory`` (see the module docstring)."""
+    """The ModelSpec for a zoo name or ``package.module:factory`` (see the module docstring).
+
+    A zoo model's options are checked against its function's defaults (type; sizes >= 1) and
+    the model is built once on the meta device (no memory), so a bad option is a UserError here;
+    a user's factory is called inside :func:`call_user`."""
     from hybridpipe.profiles.zoo import ZOO
 
     target, kwargs = parse_spec(spec)
@@ -99,13 +109,75 @@ def resolve_model(spec: str) -> ModelSpec:
         if target not in ZOO:
             raise UserError(f"unknown model {target!r}: the zoo has {', '.join(zoo_names())}; "
                             "for your own model pass package.module:factory")
-        try:
-            model = ZOO[target](spec, **kwargs)
-        except TypeError as e:
-            raise UserError(f"bad arguments for zoo model {target!r}: {e}") from None
+        check_zoo_options(target, ZOO[target], kwargs)
+        model = call_user(f"zoo model {spec!r}", ZOO[target], spec, **kwargs)
+        meta_build(model, f"zoo model {spec!r}")
     else:
         model = _user_model(spec, target, kwargs)
     return replace(model, leaf_modules=model.leaf_modules + leaves) if leaves else model
+
+
+def check_zoo_options(name: str, fn: Callable, kwargs: dict) -> None:
+    """Each option of a zoo model must be one of its function's keywords, of its default's type;
+    whole-number options (sizes, counts) must be >= 1 and numbers finite."""
+    params = {k: v for k, v in inspect.signature(fn).parameters.items() if k != "spec"}
+    for key, value in kwargs.items():
+        if key not in params:
+            raise UserError(f"zoo model {name!r} has no option {key!r}; its options are {', '.join(params)}")
+        default = params[key].default
+        if isinstance(default, bool):
+            ok, want = isinstance(value, bool), "true or false"
+        elif isinstance(default, int):
+            ok, want = isinstance(value, int) and not isinstance(value, bool) and value >= 1, "a whole number >= 1"
+        elif isinstance(default, float):
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            want = "a finite number"
+        else:
+            ok, want = True, ""
+        if not ok:
+            raise UserError(f"zoo model option {key}={value} of {name!r} must be {want} "
+                            f"(default {default}); e.g. {name}[{key}={default}]")
+
+
+def meta_build(model: ModelSpec, who: str) -> None:
+    """Build ``model`` on the meta device (shapes only, no memory): a constructor that cannot
+    build with these options fails here, as ``who``'s error, before any real work."""
+    with torch.device("meta"):
+        call_user(who, model.build)
+
+
+def call_user(who: str, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+    """Call ``fn`` (a model or dataset factory, or a model it returned); its exception becomes a
+    one-line UserError: "``who`` raised RuntimeError: ... (at file:line)", ``who`` being e.g.
+    "your factory `pkg.mod:f`"."""
+    try:
+        return fn(*args, **kwargs)
+    except UserError:
+        raise
+    except Exception as e:      # noqa: BLE001 - the user's code: any exception is theirs to fix
+        raise UserError(f"{who} raised {type(e).__name__}: {_message(e)}{_location(e)}") from None
+
+
+def _message(e: BaseException) -> str:
+    if isinstance(e, SyntaxError):
+        return e.msg or "invalid syntax"
+    lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+    text = lines[0] if lines else ""
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _location(e: BaseException) -> str:
+    """`` (at file:line)``: where in the user's code ``e`` was raised (the innermost frame outside
+    torch, hybridpipe and the standard library; else the innermost frame)."""
+    if isinstance(e, SyntaxError) and e.filename:
+        return f" (at {e.filename}:{e.lineno})"
+    frames = traceback.extract_tb(e.__traceback__)
+    if not frames:
+        return ""
+    skip = tuple(os.path.dirname(m.__file__) + os.sep for m in (os, torch, sys.modules["hybridpipe"]) if m.__file__)
+    own = [f for f in frames if not f.filename.startswith(skip) and not f.filename.startswith("<")]
+    frame = (own or frames)[-1]
+    return f" (at {frame.filename}:{frame.lineno})"
 
 
 def with_leaves(spec: str, leaves: list[str]) -> str:
@@ -123,12 +195,18 @@ def with_leaves(spec: str, leaves: list[str]) -> str:
 
 
 def import_factory(target: str, what: str) -> Callable:
-    """Import ``package.module:attr``; errors name the module or attribute that is missing."""
+    """Import ``package.module:attr``; errors name the module or attribute that is missing, or
+    the user's error (a SyntaxError, an exception at import) with its location."""
     module_name, _, attr = target.partition(":")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise UserError(f"cannot import {what} module {module_name!r} ({e}); is it on PYTHONPATH?") from None
+    except ModuleNotFoundError as e:
+        if e.name is not None and (module_name == e.name or module_name.startswith(e.name + ".")):
+            raise UserError(f"cannot import {what} module {module_name!r} ({e}); is it on PYTHONPATH?") from None
+        raise UserError(f"your {what} module {module_name!r} raised ModuleNotFoundError: {e}{_location(e)}") from None
+    except Exception as e:      # noqa: BLE001 - a SyntaxError or any error while the user's module runs
+        raise UserError(f"your {what} module {module_name!r} raised {type(e).__name__}: "
+                        f"{_message(e)}{_location(e)}") from None
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise UserError(f"{module_name!r} has no callable {attr!r} to build the {what}")
@@ -139,7 +217,7 @@ def _user_model(spec: str, target: str, kwargs: dict) -> ModelSpec:
     factory = import_factory(target, "model")
 
     def call():
-        out = factory(**kwargs)
+        out = call_user(f"your factory `{target}`", factory, **kwargs)
         items = out if isinstance(out, tuple) else (out,)
         if not items or not isinstance(items[0], nn.Module) or len(items) > 3:
             raise UserError(f"{target} must return an nn.Module, or (module, example_input[, loss]); "
@@ -153,9 +231,16 @@ def _user_model(spec: str, target: str, kwargs: dict) -> ModelSpec:
     if example is None:
         raise UserError(f"{target} returned only a module; return (module, example_input) so hybridpipe "
                         "knows the input shape (the example's first dimension is the batch)")
+    if example.dim() < 1 or example.shape[0] < 1:
+        raise UserError(f"{target}: the example input must have a batch dimension of at least 1, "
+                        f"got shape {list(example.shape)}")
     loss = rest[1] if len(rest) > 1 else nn.functional.cross_entropy
+    if not callable(loss):
+        raise UserError(f"{target}: the third item returned must be a loss function (output, target) -> loss")
     with torch.no_grad():
-        out = module(example)
+        out = call_user(f"your model from `{target}` (on its example input)", module, example)
+    if not isinstance(out, torch.Tensor):
+        raise UserError(f"{target}: the model must return a tensor for its example input, got {type(out).__name__}")
     num_classes = int(out.shape[-1]) if out.dim() >= 2 else 0
     return ModelSpec(name=spec, build=lambda: call()[0], sample_shape=tuple(example.shape[1:]),
                      input_dtype=example.dtype, loss=loss, target_shape=tuple(out.shape[1:-1]),
