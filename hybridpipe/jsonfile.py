@@ -148,7 +148,12 @@ def _is(value: Any, kind: type) -> bool:
 
 def _as_float(value: int | float) -> float:
     """``float(value)``, with integers too large for a float as infinities (not OverflowError)."""
-    return float(value) if abs(value) < 2.0 ** 1023 else math.copysign(math.inf, value)
+    if isinstance(value, float):
+        return value
+    try:
+        return float(value)
+    except OverflowError:
+        return math.copysign(math.inf, value)
 
 
 def field(obj: dict, key: str, kind: type, where: str, *, minimum: float | None = None,

@@ -14,6 +14,7 @@ from pathlib import Path
 from hybridpipe.argtypes import output_file, positive_float, positive_int
 from hybridpipe.commands.show import human_bytes, table
 from hybridpipe.errors import UserError
+from hybridpipe.limits import require_memory
 from hybridpipe.partitioner.calibration import load_calibration
 from hybridpipe.partitioner.cluster import load_cluster
 from hybridpipe.partitioner.plan import ALGORITHMS, OPTIMIZERS, SCHEDULES, STRATEGIES, Plan, save_plan
@@ -54,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
     profile = load_profile(args.profile)
     cluster = load_cluster(args.cluster)
     calibrations = [load_calibration(p) for p in args.calibration]
+    check_search_size(len(profile.nodes), args.workers or cluster.total_workers)
     req = Request(workers=args.workers, strategy=args.strategy, schedule=args.schedule,
                   micro_batches=args.micro_batches, optimizer=args.optimizer, memory_gb=args.memory_gb,
                   stages=args.stages, algorithms=tuple(a.strip() for a in args.algorithms.split(",") if a.strip()),
@@ -69,11 +71,24 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+# issue 16's measurements of the optimal strategy: 4.5 GB for 178 nodes on 1024 workers, 830 MB
+# for 178 on 256: about 140 bytes per (node pair x worker); rounded up
+DP_BYTES_PER_STATE = 160
+
+
+def check_search_size(nodes: int, workers: int) -> None:
+    """UserError before any work unless the partitioner's tables for ``nodes`` x ``workers`` fit."""
+    require_memory(DP_BYTES_PER_STATE * nodes * nodes * workers,
+                   f"partitioning {nodes} nodes over {workers:,} workers",
+                   "plan for fewer workers (--workers N) or profile the model at a coarser granularity")
+
+
 def render(outcome: Outcome, nodes, *, layers: bool = False) -> str:
     """The plan for people: header, one row per stage (bottleneck marked), prediction."""
     plan, ev = outcome.plan, outcome.evaluation
     worst = max(range(len(ev.stages)), key=lambda k: ev.stages[k].term_ms)
-    head = [f"plan for {plan.model}: {plan.micro_batches} micro-batches of {plan.batch_size} per step, "
+    head = [f"plan for {plan.model}: global batch {plan.micro_batches * plan.batch_size} = {plan.micro_batches} "
+            f"micro-batches x {plan.batch_size} samples per step, "
             f"schedule {plan.schedule}, strategy {plan.strategy}, optimizer {plan.optimizer}",
             f"cluster: {cluster_line(plan)}"]
     rows = []

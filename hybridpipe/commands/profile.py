@@ -16,7 +16,14 @@ from hybridpipe.argtypes import check_output_file, nonneg_int, output_file, posi
 from hybridpipe.limits import available_memory_bytes, require_memory
 from hybridpipe.profiles.format import save_profile
 from hybridpipe.profiles.profiler import profile_model, resolve_device
-from hybridpipe.profiles.zoo.registry import ModelSpec, call_user, resolve_model, with_leaves, zoo_names
+from hybridpipe.profiles.zoo.registry import (
+    ModelSpec,
+    call_user,
+    describe_model,
+    resolve_model,
+    with_leaves,
+    zoo_names,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,7 +77,7 @@ def footprint(model: ModelSpec) -> tuple[int, int, int]:
     Parameters are counted on the meta device (nothing allocated); activations are the outputs
     of every leaf module in one forward of one real sample (eval mode, no gradients), which
     also proves that the model takes its input."""
-    who = f"model {model.name!r}"
+    who = describe_model(model.name)
     with torch.device("meta"):
         meta = call_user(who, model.build)
     params = sum(p.numel() * p.element_size() for p in meta.parameters())

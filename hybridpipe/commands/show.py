@@ -113,7 +113,8 @@ def render_profile(p: Profile, *, sort: str = "id", top: int = 0) -> str:
 
 def render_plan(plan: Plan, *, layers: bool = False) -> str:
     """A plan's header and one row per stage (and optionally per layer's all-reduce choice)."""
-    head = [f"plan for {plan.model}: batch {plan.batch_size} x {plan.micro_batches} micro-batches, "
+    head = [f"plan for {plan.model}: global batch {plan.batch_size * plan.micro_batches} = {plan.micro_batches} "
+            f"micro-batches x {plan.batch_size} samples, "
             f"schedule {plan.schedule}, strategy {plan.strategy}, optimizer {plan.optimizer}, "
             f"{plan.world_size} workers",
             f"cluster: {_cluster_line(plan.cluster)}",

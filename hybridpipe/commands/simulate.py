@@ -84,8 +84,8 @@ def render(plan: Plan, topo: Topology, result: SimResult) -> str:
              f"{c.send_ms:.2f}", f"{sum(c.allreduce_ms):.2f}", f"{100 * u:.1f}%"]
             for s, c, u in zip(plan.stages, costs, result.utilisation, strict=True)]
     samples = topo.micro_batches * plan.batch_size
-    lines = [f"{plan.model}: schedule {result.schedule}, {topo.micro_batches} micro-batches x {plan.batch_size} "
-             f"samples, {topo.world_size} workers; simulated {result.steps} steps "
+    lines = [f"{plan.model}: schedule {result.schedule}, global batch {samples} = {topo.micro_batches} micro-batches "
+             f"x {plan.batch_size} samples, {topo.world_size} workers; simulated {result.steps} steps "
              f"(steady state measured over {result.window[1] - result.window[0]:.2f} ms)", "",
              table(["stage", "ranks", "replicas", "fwd ms", "bwd ms", "send ms", "allreduce ms", "utilisation"], rows),
              "",

@@ -116,7 +116,7 @@ class Plan:
         plan = cls(
             model=field(d, "model", str, source),
             batch_size=field(d, "batch_size", int, source, minimum=1),
-            input_shape=tuple(field(d, "input_shape", list, source)),
+            input_shape=tuple(field(d, "input_shape", list, source, items=int)),
             profile_signature=field(d, "profile_signature", str, source),
             cluster=Cluster.from_dict(field(d, "cluster", dict, source), f"{source}: cluster"),
             strategy=field(d, "strategy", str, source, choices=STRATEGIES),
@@ -174,7 +174,7 @@ def _stage_from_dict(s: object, i: int, source: str) -> Stage:
         if not isinstance(lv, dict):
             raise UserError(f"{lw}: expected an object")
         layers.append(LayerSync(layer=field(lv, "layer", str, lw),
-                                params=tuple(field(lv, "params", list, lw)),
+                                params=tuple(field(lv, "params", list, lw, items=str)),
                                 bytes=field(lv, "bytes", int, lw, minimum=0),
                                 algorithm=field(lv, "algorithm", str, lw, choices=ALGORITHMS),
                                 predicted_ms=field(lv, "predicted_ms", float, lw, minimum=0, default=0.0),

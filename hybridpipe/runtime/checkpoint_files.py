@@ -32,6 +32,7 @@ import os
 import re
 import shutil
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -284,7 +285,9 @@ def load_data(path: Path) -> dict:
     """``torch.load(path, weights_only=True)`` to the CPU; anything else than a dict of plain data
     (a foreign pickle, a truncated or garbled file) is a one-line UserError."""
     try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():             # torch warns about foreign pickles: the error says it
+            warnings.simplefilter("ignore")
+            data = torch.load(path, map_location="cpu", weights_only=True)
     except OSError as e:
         raise UserError(f"cannot read checkpoint file {path}: {e.strerror or e}") from None
     except Exception as e:      # noqa: BLE001 - UnpicklingError, RuntimeError, EOFError, ...: not our data

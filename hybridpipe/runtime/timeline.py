@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hybridpipe.errors import UserError
+from hybridpipe.jsonfile import field as json_field
 from hybridpipe.jsonfile import read_json, replace_into
 
 PHASES = ("receive_for", "run_for", "send_for", "receive_back", "run_back", "sync", "send_back", "step")
@@ -242,10 +243,38 @@ def load_rank_trace(path: str | os.PathLike) -> RankTrace:
     if meta.get("format") != TRACE_FORMAT:
         raise UserError(f"{p}: trace format {meta.get('format')!r} is not supported (this hybridpipe "
                         f"reads format {TRACE_FORMAT})")
+    where = f"{p}: otherData.hybridpipe"
+    json_field(meta, "rank", int, where, minimum=0)
+    json_field(meta, "stage", int, where, minimum=0)
+    json_field(meta, "replica", int, where, minimum=0)
+    json_field(meta, "world_size", int, where, minimum=1, default=1)
+    json_field(meta, "anchor_wall_s", float, where)
+    json_field(meta, "clock", str, where, default="")
     events = data.get("traceEvents")
     if not isinstance(events, list):
         raise UserError(f"{p}: \"traceEvents\" must be a list")
+    for i, e in enumerate(events):
+        _check_event(e, f"{p}: event {i}")
     return RankTrace(p, meta, events)
+
+
+def _check_event(e: object, where: str) -> None:
+    """The fields the merge and the table read: every event an object; a complete ("X") event
+    with a pid, tid, name, finite ts and dur >= 0, and args whose step is an integer or null."""
+    if not isinstance(e, dict):
+        raise UserError(f"{where}: expected an object")
+    json_field(e, "pid", int, where, default=0)
+    if e.get("ph") != "X":
+        return
+    for key in ("pid", "tid"):
+        json_field(e, key, int, where)
+    json_field(e, "name", str, where)
+    json_field(e, "ts", float, where)
+    json_field(e, "dur", float, where, minimum=0)
+    args = e.setdefault("args", {})
+    json_field(e, "args", dict, where)
+    if args.get("step") is not None:
+        json_field(args, "step", int, f"{where}: args")
 
 
 def find_rank_traces(run_dir: str | os.PathLike) -> list[Path]:

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from hybridpipe.partitioner.plan import save_plan
 from hybridpipe.launch import main
+from hybridpipe.partitioner.plan import save_plan
 from hybridpipe.runtime.metrics import read_metrics
 from tests.pipeline.harness import make_plan
 from tests.runtime.jobs import final_weights, max_diff, torchrun, train_reference

@@ -174,10 +174,17 @@ def _location(e: BaseException) -> str:
     frames = traceback.extract_tb(e.__traceback__)
     if not frames:
         return ""
-    skip = tuple(os.path.dirname(m.__file__) + os.sep for m in (os, torch, sys.modules["hybridpipe"]) if m.__file__)
-    own = [f for f in frames if not f.filename.startswith(skip) and not f.filename.startswith("<")]
-    frame = (own or frames)[-1]
+    libraries = tuple(os.path.dirname(m.__file__) + os.sep for m in (os, torch) if m.__file__)
+    ours = os.path.dirname(sys.modules["hybridpipe"].__file__ or "") + os.sep
+    code = [f for f in frames if not f.filename.startswith(libraries) and not f.filename.startswith("<")]
+    users = [f for f in code if not f.filename.startswith(ours)]
+    frame = (users or code or frames)[-1]           # the user's line; else a zoo model's; else where it broke
     return f" (at {frame.filename}:{frame.lineno})"
+
+
+def describe_model(spec: str) -> str:
+    """How errors name a model: "your model `pkg.mod:f[...]`" or "zoo model 'alexnet[...]'"."""
+    return f"your model `{spec}`" if ":" in spec.split("[")[0] else f"zoo model {spec!r}"
 
 
 def with_leaves(spec: str, leaves: list[str]) -> str:
