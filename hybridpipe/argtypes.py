@@ -32,9 +32,15 @@ MIN_TIMEOUT_S = 1.0         # below this, joining a job or one transfer cannot f
 
 
 class Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one line (``prog: error: ... (see prog --help)``), exit 2."""
+    """An ArgumentParser whose errors are one line (``prog: error: ... (see prog --help)``), exit 2;
+    with ``raise_errors`` set, a UserError with that text instead (launch shares it with every
+    rank before anyone exits)."""
+
+    raise_errors = False
 
     def error(self, message: str):      # type: ignore[override]
+        if self.raise_errors:
+            raise UserError(f"{message} (see {self.prog} --help)")
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 

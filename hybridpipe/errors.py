@@ -26,4 +26,4 @@ def one_line(exc: BaseException) -> str:
     """An exception's message on one line (a UserError is one line by contract; this keeps a
     stray newline, e.g. from a library's text quoted inside it, off the terminal)."""
     text = "; ".join(x.strip() for x in str(exc).splitlines() if x.strip()) or type(exc).__name__
-    return text if len(text) <= 600 else text[:597] + "..."
+    return text if len(text) <= 2000 else text[:1997] + "..."

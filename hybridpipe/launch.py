@@ -35,26 +35,29 @@ PROG = "hybridpipe.launch"
 
 def main(argv: list[str] | None = None) -> int:
     """One torchrun worker (or a job of one without torchrun); returns the exit code."""
-    try:
-        args = build_parser().parse_args(argv)
-    except SystemExit as e:                 # --help (0), or a bad argument: one line printed
-        return e.code if isinstance(e.code, int) else EXIT_USER_ERROR
-    rank = os.environ.get("RANK", "0")
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
+    parser = build_parser()
+    parser.raise_errors = True
     problem: str | None = None
     cfg: RunConfig | None = None
+    args = None
     try:
+        args = parser.parse_args(argv)
         cfg = resolve(args, env_world_size())
+    except SystemExit as e:                 # --help
+        return e.code if isinstance(e.code, int) else EXIT_USER_ERROR
     except UserError as e:
         problem = one_line(e)
+    rank = os.environ.get("RANK", "0")
+    logging.basicConfig(level=logging.INFO if args is not None and args.verbose else logging.WARNING,
+                        format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
     made = False
     try:
         if _under_torchrun():
             made = not dist.is_initialized()
-            init_distributed(args.backend or default_backend(), args.timeout)
+            backend = args.backend if args is not None and args.backend else default_backend()
+            init_distributed(backend, args.timeout if args is not None else 300.0)
             problem = agree_on_problem(problem)
-        if problem is not None or cfg is None:
+        if problem is not None or cfg is None or args is None:
             _say(f"{PROG}: error: {problem}")
             return EXIT_USER_ERROR
         for line in deprecations(args):

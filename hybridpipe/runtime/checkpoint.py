@@ -29,8 +29,9 @@ own lineage (this training and the runs it was resumed from): never anyone else'
 
 ``restore`` never starts over silently. It walks the checkpoints from the newest: one that is
 incomplete (killed while saving), corrupt (SHA-256), or not plain data on some rank is skipped
-for the previous one, and named in ``Restored.skipped``; one written with another plan stops
-the run (``AgreedError``, every rank the same line: resume with that plan); when every one is
+for the previous one, and named in ``Restored.skipped``; one written with another plan, or one
+whose file matches its manifest yet is not plain data (replaced: possibly hostile), stops the
+run (``AgreedError``, every rank the same line); when every one is
 skipped the run stops too, naming each and why. Only a directory holding no checkpoint at all
 starts from step 0 (``restore`` returns None). Nothing is deleted on the way.
 
@@ -56,6 +57,8 @@ import torch.distributed as dist
 
 from hybridpipe.errors import AgreedError, UserError
 from hybridpipe.runtime.checkpoint_files import (
+    MANIFEST,
+    NotPlainData,
     atomic_save,
     commit,
     load_file,
@@ -181,13 +184,18 @@ class Checkpointer:
                     raise RuntimeError(f"rank {self.rank} loaded nothing from {name} yet reported no problem")
                 self.lineage = str(read_manifest(step_dir(self.root, step)).get("lineage", ""))
                 return dataclasses.replace(loaded, skipped=tuple(skipped))
+            unsafe = next((p for p in problems if p.startswith("unsafe:")), None)
+            if unsafe is not None:
+                raise AgreedError(f"--resume: {unsafe[7:]} (its manifest vouches for it, so it was replaced after "
+                                  "the save); nothing was loaded or changed")
             plan = next((p for p in problems if p.startswith("plan:")), None)
             if plan is not None:
                 raise AgreedError(f"--resume: {step_dir(self.root, step)} was written with another plan "
                                   f"({plan[5:]}); resume with the plan it was made with, or start afresh with "
                                   "another --checkpoint-dir (nothing was changed)"
                                   + (f"; newer ones skipped: {'; '.join(skipped)}" if skipped else ""))
-            skipped.append(f"{name}: {problems[0]}")
+            here = str(step_dir(self.root, step))         # name its files relative to it
+            skipped.append(f"{name}: {problems[0].replace(here + os.sep, '').replace(here, name)}")
         raise AgreedError(f"--resume: no usable checkpoint in {self.root} ({'; '.join(skipped)}); repair or "
                           "move them away, or start afresh with another --checkpoint-dir (nothing was changed)")
 
@@ -198,6 +206,8 @@ class Checkpointer:
         d = step_dir(self.root, step)
         if step not in visible:
             return None, f"rank {self.rank} cannot see it"
+        if not (d / MANIFEST).exists():
+            return None, f"incomplete (no {MANIFEST}: its save was cut short)"
         problem = why_incomplete(d, None)
         if problem:
             return None, f"incomplete ({problem})"
@@ -207,6 +217,8 @@ class Checkpointer:
         try:
             own = load_file(self.root, step, rank_file(self.rank))
             part = load_file(self.root, step, stage_file(self.stage))
+        except NotPlainData as e:
+            return None, f"unsafe:{e}"
         except UserError as e:
             return None, f"rank {self.rank}: {e}"
         missing = [k for k, src in (("model", part), ("optimizer", part), ("engine", own), ("rng", own))

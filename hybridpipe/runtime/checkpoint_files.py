@@ -66,6 +66,11 @@ def rank_file(rank: int) -> str:
     return f"rank-{rank:05d}.pt"
 
 
+class NotPlainData(UserError):
+    """A checkpoint file whose bytes match its manifest but which is not plain tensor data: it
+    was replaced (or written by something else); never loaded, never resumed from."""
+
+
 @dataclass(frozen=True)
 class FileRecord:
     """A written file: its name inside the step directory, size and SHA-256."""
@@ -292,7 +297,7 @@ def load_data(path: Path) -> dict:
         raise UserError(f"cannot read checkpoint file {path}: {e.strerror or e}") from None
     except Exception as e:      # noqa: BLE001 - UnpicklingError, RuntimeError, EOFError, ...: not our data
         first = next((x.strip() for x in str(e).splitlines() if x.strip()), type(e).__name__)
-        raise UserError(f"checkpoint file {path} is not plain tensor data and was not loaded "
+        raise NotPlainData(f"checkpoint file {path} is not plain tensor data and was not loaded "
                         f"({type(e).__name__}: {first[:200]}); it is damaged or was replaced: "
                         "use a checkpoint you trust") from None
     if not isinstance(data, dict):
