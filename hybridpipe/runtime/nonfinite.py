@@ -19,7 +19,10 @@ at start).
         watch.after_step(step, result.losses)    # AgreedError (stop), or counts a skipped step
 
 The flag stays on the device between micro-batches (no host sync per loss); the all-reduce
-reads it once per step.
+reads it once per step. Only the last stage raises it, so when that stage has one replica its
+rank already knows the verdict (``decides_alone``): it joins the all-reduce without waiting for
+it (the other ranks reach their optimizer step later) and goes on, so the check costs it nothing
+and costs the others one scalar all-reduce.
 """
 
 from __future__ import annotations
@@ -42,10 +45,11 @@ class NonFiniteWatch:
     ``stage``: this rank's stage (named in the message); ``hint``: appended to the stop line."""
 
     def __init__(self, device: torch.device, *, skip: bool, flushing: bool, stage: int = 0,
-                 group: dist.ProcessGroup | None = None, hint: str = "") -> None:
+                 decides_alone: bool = False, group: dist.ProcessGroup | None = None, hint: str = "") -> None:
         self.device, self.skip, self.flushing, self.stage = device, skip, flushing, stage
-        self.group, self.hint = group, hint
+        self.decides_alone, self.group, self.hint = decides_alone, group, hint
         self.skipped: list[int] = []
+        self._pending: list[Any] = []           # async all-reduces of a rank that decides alone
         self._flag = torch.zeros((), dtype=torch.float32, device=device)
         self._verdict: bool | None = None
 
@@ -66,9 +70,16 @@ class NonFiniteWatch:
     def agree(self) -> bool:
         """Collective: whether any rank saw a non-finite loss since the last call (then clears)."""
         flag = self._flag.clone()
-        if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         self._flag = torch.zeros_like(self._flag)
+        if not dist.is_initialized():
+            return bool(flag.item() > 0)
+        if self.decides_alone:
+            mine = bool(flag.item() > 0)          # read before the all-reduce works on it in place
+            for work in self._pending:            # the previous step's: long complete
+                work.wait()
+            self._pending = [dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)]
+            return mine
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         return bool(flag.item() > 0)
 
     def before_update(self) -> bool:

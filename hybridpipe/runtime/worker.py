@@ -68,9 +68,7 @@ def _train(cfg: RunConfig, proc: Process, model, closers: list, print_fn) -> dic
     traces = None if cfg.trace_dir == "" else Path(cfg.trace_dir or trace_dir(run_dir))
 
     groups = replica_groups(plan, cfg.timeout)
-    watch = NonFiniteWatch(proc.device, skip=cfg.skip_nonfinite, flushing=flushes(plan), stage=stage_plan.index,
-                           hint=f"the newest checkpoint in {cfg.checkpoint_dir} is the last good one"
-                           if cfg.checkpoint_dir else "")
+    watch = _nonfinite_watch(cfg, proc, stage_plan)
     stage = build_stage_index(model.graph, [(s.first_node, s.last_node) for s in plan.stages], stage_plan.index,
                               loss=watch.wrap_loss(model.spec.loss)).to(proc.device)
     sync = make_sync(cfg, stage.module, stage_plan, groups.get(stage_plan.index))
@@ -148,6 +146,14 @@ def _train(cfg: RunConfig, proc: Process, model, closers: list, print_fn) -> dic
     write_json(Path(run_dir) / "summary.json", summary)
     print_fn(format_summary(summary))
     return summary
+
+
+def _nonfinite_watch(cfg: RunConfig, proc: Process, stage_plan) -> NonFiniteWatch:
+    """The NaN/inf check of this rank (see nonfinite.py); the last stage decides alone when unreplicated."""
+    last = stage_plan.index == len(cfg.plan.stages) - 1
+    hint = f"the newest checkpoint in {cfg.checkpoint_dir} is the last good one" if cfg.checkpoint_dir else ""
+    return NonFiniteWatch(proc.device, skip=cfg.skip_nonfinite, flushing=flushes(cfg.plan), stage=stage_plan.index,
+                          decides_alone=last and stage_plan.replicas == 1, hint=hint)
 
 
 def _restore(ckpt: Checkpointer, stage, optimizer, engine, say: Callable[[str], None] | None) -> int:
