@@ -38,7 +38,7 @@ class Parser(argparse.ArgumentParser):
 
     raise_errors = False
 
-    def error(self, message: str):      # type: ignore[override]
+    def error(self, message: str):
         if self.raise_errors:
             raise UserError(f"{message} (see {self.prog} --help)")
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")

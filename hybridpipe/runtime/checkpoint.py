@@ -81,8 +81,8 @@ def capture_rng() -> dict:
     Python's and NumPy's Mersenne Twisters as lists of ints and floats."""
     version, internal, gauss = random.getstate()
     name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
-    state = {"torch": torch.get_rng_state(), "python": [version, list(internal), gauss],
-             "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]}
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": [version, list(internal), gauss],
+                             "numpy": [name, np.asarray(keys).tolist(), int(pos), int(has_gauss), float(cached)]}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state

@@ -91,7 +91,7 @@ class RunConfig:
         return self.plan.batch_size * self.plan.micro_batches
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> Parser:
     """The argument parser of ``hybridpipe.launch`` (every number checked by its type: a bad one
     is one line, exit 2, before anything starts)."""
     p = Parser(

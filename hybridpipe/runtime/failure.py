@@ -52,7 +52,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
-from typing import NoReturn
+from typing import Any, Literal, NoReturn
 
 import torch.distributed as dist
 
@@ -146,7 +146,7 @@ class FailureGuard:
         self._stop = threading.Event()
         self._exiting = threading.Lock()
         self._thread: threading.Thread | None = None
-        self._old_sigterm = None
+        self._old_sigterm: Any = None
         self._peers: dict[int, int] = {}          # local ranks -> pid (same host identity)
         self._beats: dict[int, tuple[int, float]] = {}   # local ranks -> (heartbeat, when it last changed)
         self._done: set[int] = set()
@@ -164,7 +164,7 @@ class FailureGuard:
     def stop(self) -> None:
         """Normal end: this rank is done (never reported as lost) and the watchdog stops."""
         try:
-            self._store.set(f"done/{self.rank}", b"1")
+            self._store.set(f"done/{self.rank}", "1")
         except Exception:           # noqa: BLE001 - the store may be gone at the very end
             pass
         self._stop.set()
@@ -177,7 +177,7 @@ class FailureGuard:
             self._old_sigterm = signal.signal(signal.SIGTERM, _raise_terminated)
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def __exit__(self, exc_type, exc, tb) -> Literal[False]:
         if self._old_sigterm is not None:
             signal.signal(signal.SIGTERM, self._old_sigterm)
         if exc is None or isinstance(exc, SystemExit) and exc.code in (0, None):
@@ -391,7 +391,7 @@ def _read_first(store: dist.Store) -> Failure | None:
 
 
 def _report(store: dist.Store, failure: Failure) -> Failure:
-    return Failure.from_bytes(store.compare_set("first", "", failure.to_bytes()))
+    return Failure.from_bytes(store.compare_set("first", "", failure.to_bytes().decode()))
 
 
 def _one_line(exc: BaseException) -> str:

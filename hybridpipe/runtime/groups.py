@@ -115,9 +115,10 @@ def stage_channels(topo: Topology, rank: int, schedule: str, mode: str, device: 
     order = None
     if mode == "sra":
         programs = {r: transfer_program(topo, r, schedule) for ranks in topo.stage_ranks for r in ranks}
-        if any(p is None for p in programs.values()):
+        fixed = {r: p for r, p in programs.items() if p is not None}
+        if len(fixed) < len(programs):
             log.info("schedule %s has no fixed per-step order: sra channels behave like sa", schedule)
         else:
-            order = link_orders(programs).get(rank, {})
+            order = link_orders(fixed).get(rank, {})
     return open_channels(channel_edges(topo), mode, device=device, timeout=timeout_s, order=order,
                          on_transfer=on_transfer)

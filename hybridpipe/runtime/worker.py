@@ -85,7 +85,7 @@ def _train(cfg: RunConfig, proc: Process, model, closers: list, print_fn) -> dic
                               on_transfer=recorder.on_transfer if recorder else None)
     if recorder is not None:
         recorder.align(dist.barrier)
-    engine = PipelineEngine(stage, topo, rank, cfg.schedule, transport=channels, optimizer=optimizer,
+    engine = PipelineEngine(stage, topo, rank, cfg.schedule, transport=channels, optimizer=optimizer,  # type: ignore[arg-type]
                             data=make_data(cfg, model.spec), sync=sync, recorder=recorder)
 
     ckpt = None
@@ -176,11 +176,11 @@ def _restore(ckpt: Checkpointer, stage, optimizer, engine, say: Callable[[str], 
 
 def _agree_run_dir(cfg: RunConfig, rank: int) -> Path:
     """Rank 0 names the run directory (runs/<time> by default) and tells everyone."""
-    chosen = [None]
+    chosen: list[str | None] = [None]
     if rank == 0:
         chosen[0] = cfg.run_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     dist.broadcast_object_list(chosen, src=0)
-    run_dir = Path(chosen[0])
+    run_dir = Path(str(chosen[0]))
     run_dir.mkdir(parents=True, exist_ok=True)
     if rank == 0 and cfg.run_dir is None:
         _point_latest(run_dir)
