@@ -35,7 +35,7 @@ import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, cast
+from typing import Any
 
 import torch
 
@@ -116,7 +116,7 @@ def atomic_save(obj: Any, path: Path) -> FileRecord:
     try:
         with os.fdopen(fd, "wb") as f:
             w = _HashingWriter(f)
-            torch.save(obj, cast(IO[bytes], w))
+            torch.save(obj, w)  # type: ignore[arg-type]  # any object with write() does (stub: IO[bytes])
             f.flush()
             os.fsync(f.fileno())
         replace_into(tmp, path)

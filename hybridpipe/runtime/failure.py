@@ -52,7 +52,8 @@ import time
 import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
-from typing import Any, Literal, NoReturn
+from types import FrameType
+from typing import Any, NoReturn
 
 import torch.distributed as dist
 
@@ -146,7 +147,7 @@ class FailureGuard:
         self._stop = threading.Event()
         self._exiting = threading.Lock()
         self._thread: threading.Thread | None = None
-        self._old_sigterm: Any = None
+        self._old_sigterm: Callable[[int, FrameType | None], Any] | int | None = None
         self._peers: dict[int, int] = {}          # local ranks -> pid (same host identity)
         self._beats: dict[int, tuple[int, float]] = {}   # local ranks -> (heartbeat, when it last changed)
         self._done: set[int] = set()
@@ -177,12 +178,12 @@ class FailureGuard:
             self._old_sigterm = signal.signal(signal.SIGTERM, _raise_terminated)
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> Literal[False]:
+    def __exit__(self, exc_type, exc, tb) -> None:
         if self._old_sigterm is not None:
             signal.signal(signal.SIGTERM, self._old_sigterm)
         if exc is None or isinstance(exc, SystemExit) and exc.code in (0, None):
             self.stop()
-            return False
+            return
         self.handle(exc)
 
     # ---- failure path -----------------------------------------------------------------
@@ -391,7 +392,8 @@ def _read_first(store: dist.Store) -> Failure | None:
 
 
 def _report(store: dist.Store, failure: Failure) -> Failure:
-    return Failure.from_bytes(store.compare_set("first", "", failure.to_bytes().decode()))
+    # torch's stub types the value as str; the binding takes bytes as well
+    return Failure.from_bytes(store.compare_set("first", "", failure.to_bytes()))  # type: ignore[arg-type]
 
 
 def _one_line(exc: BaseException) -> str:

@@ -17,6 +17,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,7 @@ from hybridpipe.runtime.metrics import MetricsWriter, Progress, step_record
 from hybridpipe.runtime.nonfinite import NonFiniteWatch
 from hybridpipe.runtime.parts import load_model, make_data, make_optimizer, make_sync, seed_rank, weights_digest
 from hybridpipe.runtime.summary import RankReport, format_summary, summarize
+from hybridpipe.runtime.sync import sync_report
 from hybridpipe.runtime.timeline import TimelineRecorder, trace_dir
 
 log = logging.getLogger(__name__)
@@ -73,7 +75,7 @@ def _train(cfg: RunConfig, proc: Process, model, closers: list, print_fn) -> dic
                               loss=watch.wrap_loss(model.spec.loss)).to(proc.device)
     sync = make_sync(cfg, stage.module, stage_plan, groups.get(stage_plan.index))
     seed_rank(cfg.seed, rank)
-    optimizer = watch.wrap_optimizer(make_optimizer(cfg.optimizer, stage.module.parameters(), lr=cfg.lr,
+    optimizer: Any = watch.wrap_optimizer(make_optimizer(cfg.optimizer, stage.module.parameters(), lr=cfg.lr,
                                                     momentum=cfg.momentum, weight_decay=cfg.weight_decay))
     recorder = None
     if traces is not None:
@@ -85,7 +87,7 @@ def _train(cfg: RunConfig, proc: Process, model, closers: list, print_fn) -> dic
                               on_transfer=recorder.on_transfer if recorder else None)
     if recorder is not None:
         recorder.align(dist.barrier)
-    engine = PipelineEngine(stage, topo, rank, cfg.schedule, transport=channels, optimizer=optimizer,  # type: ignore[arg-type]
+    engine = PipelineEngine(stage, topo, rank, cfg.schedule, transport=channels, optimizer=optimizer,
                             data=make_data(cfg, model.spec), sync=sync, recorder=recorder)
 
     ckpt = None
@@ -136,6 +138,7 @@ def _train(cfg: RunConfig, proc: Process, model, closers: list, print_fn) -> dic
     _close_all(closers)
     if stage_plan.replicas > 1:
         report.digest = weights_digest(stage.module)
+        report.sync = sync_report(sync, stage_plan)
     reports: list = [None] * proc.world_size
     dist.all_gather_object(reports, report)
     if not reporter:
@@ -176,7 +179,7 @@ def _restore(ckpt: Checkpointer, stage, optimizer, engine, say: Callable[[str], 
 
 def _agree_run_dir(cfg: RunConfig, rank: int) -> Path:
     """Rank 0 names the run directory (runs/<time> by default) and tells everyone."""
-    chosen: list[str | None] = [None]
+    chosen = [""]                           # every rank gets rank 0's by the broadcast
     if rank == 0:
         chosen[0] = cfg.run_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     dist.broadcast_object_list(chosen, src=0)

@@ -161,7 +161,7 @@ class EmulatedCluster:
         netns.ip(sw, "link", "set", BRIDGE_IFNAME, "mtu", str(self.mtu))
         netns.ip(sw, "addr", "add", f"{self.switch.addr}/{self.addresses.prefixlen}", "dev", BRIDGE_IFNAME)
         netns.ip(sw, "link", "set", BRIDGE_IFNAME, "up")
-        if self._cpu is not None:
+        if self._cpu is not None and self.cpus is not None:
             cpu.create_groups(self._cpu, self.tag, len(self.hosts), self.cpus, self.cpu_period_us, self._cpuset)
 
     def down(self) -> None:
@@ -185,7 +185,7 @@ class EmulatedCluster:
     def attach(cls, tag: str) -> EmulatedCluster:
         """An object for an existing cluster (e.g. one made by ``up``), read back from the kernel."""
         netns.check_prerequisites()
-        mine = [parse_ns(n) for n in netns.list_namespaces()]
+        mine = [p for p in map(parse_ns, netns.list_namespaces()) if p is not None]
         indices = sorted(i for t, i in mine if t == tag and i is not None)
         if not indices or (tag, None) not in mine:
             raise EmuClusterError(f"no emulated cluster named {tag!r}; see python -m tools.emucluster list")
@@ -358,10 +358,15 @@ def list_clusters() -> dict[str, list[str]]:
     return clusters
 
 
+def _is_switch(ns: str) -> bool:
+    parsed = parse_ns(ns)
+    return parsed is not None and parsed[1] is None
+
+
 def destroy(tag: str) -> list[str]:
     """Tear down cluster ``tag`` by name (processes first, then namespaces); return what was removed."""
     names = list_clusters().get(tag, [])
-    hosts_first = sorted(names, key=lambda n: (parse_ns(n)[1] is None, n))
+    hosts_first = sorted(names, key=lambda n: (_is_switch(n), n))
     for ns in hosts_first:
         netns.delete_namespace(ns)
     for ctl in cpu.present():

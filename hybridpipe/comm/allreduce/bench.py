@@ -123,8 +123,8 @@ def measure(rank: int, world: int, cfg: BenchConfig) -> dict | None:
     dist.all_gather_object(names, socket.gethostname(), group=control)
     topology = Topology.from_labels(names)
     dtype = getattr(torch, cfg.dtype)
-    opts = {"chunk_bytes": cfg.chunk_bytes} if cfg.chunk_bytes else {}
-    reducer = AllReducer(group, topology=topology, aggregator=cfg.aggregator, downward=down, **opts)
+    reducer = AllReducer(group, topology=topology, aggregator=cfg.aggregator, downward=down,
+                         chunk_bytes=cfg.chunk_bytes or None)
     cases = list(cfg.algorithms) + (["p2p"] if world > 1 else [])
     bar = None
     if rank == 0 and cfg.progress:
@@ -206,7 +206,7 @@ def calibrate_group(algorithms: Sequence[str], sizes: Sequence[int], *, reps: in
                       progress=False, interference=False)
     result = measure(rank, world, cfg)
     box: list = [None]
-    if rank == 0:
+    if result is not None:                  # rank 0
         if result["wrong"]:
             box[0] = f"wrong sums from {', '.join(result['wrong'])}"
         else:
@@ -237,7 +237,7 @@ def table(samples: Sequence[Sample], world: int) -> str:
     lines = [head, f"{'':>6} " + "".join(f"{'ms    busbw Gbit/s':>22}" for _ in algos)]
     for size in sizes:
         row = {a: at[(a, size)] for a in algos if (a, size) in at}
-        best = min(row, key=row.get) if row else None
+        best = min(row, key=row.__getitem__) if row else None
         cells = "".join(f"{'-':>22}" if a not in row else
                         f"{row[a] * 1e3:>10.3f} {busbw_gbps(size, row[a], world):>9.2f}{'*' if a == best else ' '}"
                         for a in algos)

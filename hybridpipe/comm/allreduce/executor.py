@@ -49,6 +49,8 @@ class _Op:
 
     def finish(self) -> None:
         if not self.done:
+            if self.work is None:
+                raise RuntimeError("all-reduce executor: an op was waited for before it was posted (a schedule bug)")
             self.work.wait()
             self.done = True
 

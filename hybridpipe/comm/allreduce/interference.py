@@ -44,7 +44,7 @@ def ring_traffic(nbytes: float, world: int) -> float:
     return 2 * (world - 1) / world * nbytes if world > 1 else 0.0
 
 
-def measure_interference(reduce: Callable[[torch.Tensor], None], control: dist.ProcessGroup, *,
+def measure_interference(reduce: Callable[[torch.Tensor], object], control: dist.ProcessGroup, *,
                          nbytes: int = 16 << 20, seconds: float = 1.0) -> tuple[float, float]:
     """(compute seconds lost per byte of ring all-reduce traffic, all-reduce slowdown beside compute):
     group means; every rank calls it.

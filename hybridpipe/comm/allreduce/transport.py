@@ -56,7 +56,16 @@ class GroupTransport:
         return self.downward if self.downward is not None and src > dst else self.group
 
     def isend(self, tensor: torch.Tensor, position: int, tag: int) -> dist.Work:
-        return dist.isend(tensor, dst=self.ranks[position], group=self.carrier(self.position, position), tag=tag)
+        return _posted(dist.isend(tensor, dst=self.ranks[position], group=self.carrier(self.position, position),
+                                  tag=tag))
 
     def irecv(self, tensor: torch.Tensor, position: int, tag: int) -> dist.Work:
-        return dist.irecv(tensor, src=self.ranks[position], group=self.carrier(position, self.position), tag=tag)
+        return _posted(dist.irecv(tensor, src=self.ranks[position], group=self.carrier(position, self.position),
+                                  tag=tag))
+
+
+def _posted(work: dist.Work | None) -> dist.Work:
+    """torch returns no work for a rank outside the group (this transport's rank is in it)."""
+    if work is None:
+        raise RuntimeError("point-to-point op of a rank outside the all-reduce's group")
+    return work

@@ -84,11 +84,11 @@ def wait_event(event: torch.cuda.Event | None, deadline: float) -> bool:
 def hand_over(tensors: Mapping[str, torch.Tensor], events: tuple) -> None:
     """On the caller's thread: order its current stream after a receive's events and record
     the buffers' use on it (so the caching allocator does not recycle them early)."""
-    events = [e for e in events if e is not None]
-    if not events or not tensors:
+    pending = [e for e in events if e is not None]
+    if not pending or not tensors:
         return
     stream = torch.cuda.current_stream(next(iter(tensors.values())).device)
-    for e in events:
+    for e in pending:
         stream.wait_event(e)
     for t in tensors.values():
         t.record_stream(stream)

@@ -257,10 +257,11 @@ class FrameReceiver(_End):
             self.cache.update(header.key, metas)
             self.meta_frames += 1
         else:
-            metas = self.cache.get(header.key)
-            if metas is None:
+            cached = self.cache.get(header.key)
+            if cached is None:
                 raise ProtocolError(self.peer, what, f"no tensor metadata was announced for key kind "
                                     f"{wire.kind_of(header.key)!r}")
+            metas = cached
         if len(metas) != header.n_tensors or wire.payload_bytes(metas) != header.payload_bytes:
             raise ProtocolError(self.peer, what, f"header announces {header.n_tensors} tensors / "
                                 f"{header.payload_bytes} bytes, metadata {len(metas)} / "

@@ -24,6 +24,7 @@ that peer, after the messages that arrived before it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -255,8 +256,8 @@ class PerTensorLink(Link):
         self.msg_out = 0
         self.msg_in = 0
         for lane in range(self.lanes):
-            self._thread(lambda lane=lane: self._send_loop(lane), f"send{lane}")
-            self._thread(lambda lane=lane: self._recv_loop(lane), f"recv{lane}")
+            self._thread(functools.partial(self._send_loop, lane), f"send{lane}")
+            self._thread(functools.partial(self._recv_loop, lane), f"recv{lane}")
 
     def submit(self, key, items, ready) -> None:
         if len(items) > self.lanes:

@@ -194,6 +194,8 @@ def unflatten(flat: torch.Tensor | None, metas: Sequence[TensorMeta]) -> dict[st
     for m, off in zip(metas, offsets, strict=True):
         if m.nbytes == 0:
             out[m.name] = torch.empty(m.shape, dtype=m.dtype)
+        elif flat is None:
+            raise WireError(f"tensor {m.name!r} has {m.nbytes} bytes but the message has none")
         else:
             out[m.name] = flat[off:off + m.nbytes].view(m.dtype).view(m.shape)
     return out

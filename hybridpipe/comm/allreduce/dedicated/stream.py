@@ -13,6 +13,7 @@ from __future__ import annotations
 import selectors
 import socket
 from collections import deque
+from dataclasses import dataclass
 
 import torch
 
@@ -23,6 +24,17 @@ class StreamError(ConnectionError):
     """A worker left or went silent during an all-reduce."""
 
 
+@dataclass(slots=True)
+class _Receiving:
+    """Where one worker's stream is: its chunk, the buffer being filled (None: none taken yet),
+    the bytes in it, the socket's wake-up level."""
+
+    index: int = 0
+    buf: torch.Tensor | None = None
+    got: int = 0
+    level: int = 0
+
+
 def reduce_stream(conns: list[socket.socket], dtype: torch.dtype, numel: int, chunk_elems: int, buffers: int,
                   timeout_s: float) -> None:
     """Receive ``numel`` elements from every connection, send their sum back to every one."""
@@ -31,7 +43,7 @@ def reduce_stream(conns: list[socket.socket], dtype: torch.dtype, numel: int, ch
     chunks = [(lo, min(lo + chunk_elems, numel)) for lo in range(0, numel, chunk_elems)]
     free = [[torch.empty(chunk_elems, dtype=dtype) for _ in range(buffers)] for _ in conns]
     ready: list[deque] = [deque() for _ in conns]
-    receiving = [[0, None, 0, 0] for _ in conns]      # chunk index, buffer, bytes in it, wake-up level
+    receiving = [_Receiving() for _ in conns]
     sending: list[deque] = [deque() for _ in conns]   # [sum index, bytes sent]
     sums = [torch.empty(chunk_elems, dtype=dtype) for _ in range(buffers)]
     sum_free = list(range(buffers))
@@ -43,12 +55,12 @@ def reduce_stream(conns: list[socket.socket], dtype: torch.dtype, numel: int, ch
     watching = [0] * n                                # events registered per connection
     for c, state in zip(conns, receiving, strict=True):
         c.setblocking(False)
-        state[3] = wake_after(c, (chunks[0][1] - chunks[0][0]) * item if chunks else 1, 0)
+        state.level = wake_after(c, (chunks[0][1] - chunks[0][0]) * item if chunks else 1, 0)
     try:
         while min(done) < len(chunks):
             for i, c in enumerate(conns):
                 want = 0
-                if receiving[i][0] < len(chunks) and (receiving[i][1] is not None or free[i]):
+                if receiving[i].index < len(chunks) and (receiving[i].buf is not None or free[i]):
                     want |= selectors.EVENT_READ      # (a worker that left is seen when read again)
                 if sending[i]:
                     want |= selectors.EVENT_WRITE
@@ -97,14 +109,14 @@ def reduce_stream(conns: list[socket.socket], dtype: torch.dtype, numel: int, ch
         selector.close()
         for c, state in zip(conns, receiving, strict=True):
             try:
-                wake_after(c, 1, state[3])
+                wake_after(c, 1, state.level)
                 c.setblocking(True)
             except OSError:
                 pass
 
 
-def _receive(conn: socket.socket, state: list, free: list, ready: deque, chunks: list, item: int) -> None:
-    index, buf, got, level = state
+def _receive(conn: socket.socket, state: _Receiving, free: list, ready: deque, chunks: list, item: int) -> None:
+    index, buf, got, level = state.index, state.buf, state.got, state.level
     if buf is None:
         buf = free.pop()
     lo, hi = chunks[index]
@@ -112,7 +124,7 @@ def _receive(conn: socket.socket, state: list, free: list, ready: deque, chunks:
     try:
         n = conn.recv_into(view[got:])
     except BlockingIOError:
-        state[1] = buf
+        state.buf = buf
         return
     if n == 0:
         raise StreamError("a worker left mid-operation")
@@ -121,4 +133,4 @@ def _receive(conn: socket.socket, state: list, free: list, ready: deque, chunks:
         ready.append(buf)
         index, buf, got = index + 1, None, 0
     left = (chunks[index][1] - chunks[index][0]) * item - got if index < len(chunks) else 1
-    state[:] = [index, buf, got, wake_after(conn, left, level)]
+    state.index, state.buf, state.got, state.level = index, buf, got, wake_after(conn, left, level)

@@ -107,4 +107,5 @@ def parse_address(text: str) -> tuple[str, int]:
 
 def byte_view(t: torch.Tensor) -> memoryview:
     """A contiguous CPU tensor's bytes, without a copy."""
-    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")
+    # numpy's stubs declare the buffer protocol (__buffer__) only for Python >= 3.12
+    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
