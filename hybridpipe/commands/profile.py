@@ -13,6 +13,7 @@ import re
 import torch
 
 from hybridpipe.argtypes import check_output_file, nonneg_int, output_file, positive_int, seed
+from hybridpipe.errors import UserError
 from hybridpipe.limits import available_memory_bytes, require_memory
 from hybridpipe.profiles.format import save_profile
 from hybridpipe.profiles.profiler import profile_model, resolve_device
@@ -78,13 +79,18 @@ def footprint(model: ModelSpec) -> tuple[int, int, int]:
     of every leaf module in one forward of one real sample (eval mode, no gradients), which
     also proves that the model takes its input."""
     who = describe_model(model.name)
-    with torch.device("meta"):
-        meta = call_user(who, model.build)
-    params = sum(p.numel() * p.element_size() for p in meta.parameters())
-    count_params = sum(p.numel() for p in meta.parameters())
+    try:
+        with torch.device("meta"):
+            meta = call_user(who, model.build)
+    except UserError:
+        if who.startswith("zoo"):
+            raise
+        meta = None             # a user's factory that cannot build on the meta device: built for real below
     per_sample = int(torch.Size(model.sample_shape).numel()) * torch.empty((), dtype=model.input_dtype).element_size()
-    require_memory(params, f"building {model.name} ({count_params:,} parameters)",
-                   "choose smaller model options")
+    if meta is not None:
+        params = sum(p.numel() * p.element_size() for p in meta.parameters())
+        n_params = sum(p.numel() for p in meta.parameters())
+        require_memory(params, f"building {model.name} ({n_params:,} parameters)", "choose smaller model options")
     torch.manual_seed(0)
     module = call_user(who, model.build).eval()
     total = [0]
@@ -103,6 +109,7 @@ def footprint(model: ModelSpec) -> tuple[int, int, int]:
     finally:
         for h in hooks:
             h.remove()
+    params = sum(p.numel() * p.element_size() for p in module.parameters())
     return params, total[0], per_sample
 
 
