@@ -179,6 +179,28 @@ def test_resume_refuses_a_checkpoint_of_another_plan(tmp_path):
         Checkpointer(tmp_path, plan=other, rank=0).restore()
 
 
+def test_what_the_runtime_saves_loads_as_plain_data(tmp_path):
+    """RNG states (torch, Python, NumPy) and Adam's state go through torch.load(weights_only=True)."""
+    import random
+
+    import numpy as np
+
+    from hybridpipe.runtime.checkpoint_files import load_data
+
+    module = torch.nn.Linear(3, 2)
+    adam = torch.optim.Adam(module.parameters(), lr=0.1)
+    module(torch.randn(4, 3)).sum().backward()
+    adam.step()
+    atomic_save({"rng": capture_rng(), "optimizer": adam.state_dict()}, tmp_path / "r.pt")
+    draws = (torch.rand(2).tolist(), random.random(), np.random.rand())
+    loaded = load_data(tmp_path / "r.pt")
+    restore_rng(loaded["rng"])
+    assert (torch.rand(2).tolist(), random.random(), np.random.rand()) == draws
+    fresh = torch.optim.Adam(module.parameters(), lr=0.1)
+    fresh.load_state_dict(loaded["optimizer"])
+    assert torch.equal(fresh.state_dict()["state"][0]["exp_avg"], adam.state_dict()["state"][0]["exp_avg"])
+
+
 def test_rng_states_round_trip():
     state = capture_rng()
     a = (torch.rand(3), torch.randint(0, 100, (3,)))
