@@ -20,7 +20,7 @@ import os
 import re
 from pathlib import Path
 
-from hybridpipe.argtypes import int_range, nonneg_float, output_file, positive_float, positive_int
+from hybridpipe.argtypes import float_range, int_range, output_file, positive_float
 from hybridpipe.comm.allreduce.api import ALGORITHMS
 from hybridpipe.comm.allreduce.bench import BenchConfig, busbw_gbps, calibrate, measure, parse_sizes, size_label, table
 from hybridpipe.errors import UserError
@@ -40,8 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16", "int64"))
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="cuda: CUDA tensors on NCCL, one GPU per rank (under torchrun)")
-    p.add_argument("--reps", type=positive_int, default=5, help="minimum timed repetitions per case (default 5)")
-    p.add_argument("--budget", type=nonneg_float, default=0.3,
+    p.add_argument("--reps", type=int_range(1, 100_000), default=5,
+                   help="minimum timed repetitions per case (default 5)")
+    p.add_argument("--budget", type=float_range(0.0, 3600.0), default=0.3,
                    help="seconds of timed repetitions per case (default 0.3)")
     p.add_argument("--level", type=level_name, default="",
                    help="the cluster level the ranks span (a name in your cluster file)")

@@ -12,7 +12,7 @@ import re
 
 import torch
 
-from hybridpipe.argtypes import check_output_file, nonneg_int, output_file, positive_int, seed
+from hybridpipe.argtypes import check_output_file, int_range, output_file, positive_int, seed
 from hybridpipe.errors import UserError
 from hybridpipe.limits import available_memory_bytes, require_memory
 from hybridpipe.profiles.format import save_profile
@@ -26,6 +26,8 @@ from hybridpipe.profiles.zoo.registry import (
     zoo_names,
 )
 
+MAX_RUNS = 10_000           # runs of every node: more measures nothing new and takes hours
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help=f"a zoo model ({', '.join(zoo_names())}), optionally with "
@@ -33,9 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-b", "--batch-size", type=positive_int, default=32,
                         help="samples per (micro-)batch (default 32)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:i] (default cpu)")
-    parser.add_argument("--repeats", type=positive_int, default=5,
-                        help="timed runs per node; the median is kept (default 5)")
-    parser.add_argument("--warmup", type=nonneg_int, default=1, help="untimed runs before the timed ones (default 1)")
+    parser.add_argument("--repeats", type=int_range(1, MAX_RUNS), default=5,
+                        help=f"timed runs per node; the median is kept (default 5, at most {MAX_RUNS})")
+    parser.add_argument("--warmup", type=int_range(0, MAX_RUNS), default=1,
+                        help=f"untimed runs before the timed ones (default 1, at most {MAX_RUNS})")
     parser.add_argument("--leaf", action="append", default=[], metavar="CLASS",
                         help="keep modules of this class as one node (for code torch.fx cannot trace); "
                         "repeat or separate with commas; recorded in the profile's model spec")
