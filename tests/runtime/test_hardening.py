@@ -316,3 +316,4 @@ def test_a_frozen_replica_is_named_within_the_shorter_timeout(tmp_path):
         assert r.returncode == 75, ranks
         assert "rank 1 (stage 0 replica 1) failed first" in r.stderr, ranks
     assert stopped["took"] < 20, stopped
+    print(f"a frozen replica was named {stopped['took']:.1f} s after SIGSTOP (--timeout 4, --peer-timeout 1000)")
