@@ -44,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="minimum timed repetitions per case (default 5)")
     p.add_argument("--budget", type=float_range(0.0, 3600.0), default=0.3,
                    help="seconds of timed repetitions per case (default 0.3)")
-    p.add_argument("--level", type=level_name, default="",
+    p.add_argument("--level", type=level_name, default=None,
                    help="the cluster level the ranks span (a name in your cluster file)")
     p.add_argument("--aggregator", default=None, help="HOST:PORT of a dedicated aggregator (hybridpipe aggregator)")
     p.add_argument("--png", type=output_file, default=None,
@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     notes = [f"dtype {cfg.dtype}", f"{result['world']} ranks on {result['hosts']} host(s)"]
     if cfg.aggregator:
         notes.append(f"aggregator measured on a dedicated process at {cfg.aggregator}")
-    cal = calibrate(result, args.level, notes)
+    cal = calibrate(result, args.level or "", notes)
     from hybridpipe.partitioner.calibration import save_calibration
     out = save_calibration(cal, args.output)
     print(table(cal.samples, cal.world_size))
