@@ -116,7 +116,7 @@ def test_malformed_profile_exits_2_with_one_line_and_no_traceback(mlp_profile, t
     (["profile", "nosuchmodel"], "unknown model"),
     (["profile", "tests.profiles.user_models:gated"], "--leaf Gate"),
     (["profile", "mlp", "--leaf", "Gate"], "'Gate' is not a module class of MLP"),
-    (["profile", "mlp", "--batch-size", "0"], "batch size >= 1"),
+    (["profile", "mlp", "--batch-size", "0"], "--batch-size: must be >= 1, got 0"),
     (["show", "/nonexistent/p.json"], "does not exist"),
 ])
 def test_user_errors_exit_2_with_one_line(args, message, capsys, tmp_path):

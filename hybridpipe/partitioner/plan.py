@@ -155,7 +155,7 @@ class Plan:
         plan = cls(
             model=field(d, "model", str, source),
             batch_size=field(d, "batch_size", int, source, minimum=1),
-            input_shape=tuple(field(d, "input_shape", list, source)),
+            input_shape=tuple(field(d, "input_shape", list, source, items=int)),
             profile_signature=field(d, "profile_signature", str, source),
             cluster=Cluster.from_dict(field(d, "cluster", dict, source), f"{source}: cluster"),
             strategy=field(d, "strategy", str, source, choices=STRATEGIES),

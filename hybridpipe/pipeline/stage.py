@@ -34,7 +34,7 @@ from hybridpipe.profiles.evalmode import eval_graph
 from hybridpipe.profiles.format import graph_signature
 from hybridpipe.profiles.graphinfo import graph_edges, node_infos
 
-LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
+LossFn = Callable[[Any, Any], torch.Tensor]
 
 
 @dataclass
@@ -45,6 +45,14 @@ class Activation:
     outputs: dict[str, torch.Tensor] = field(default_factory=dict)   # named tensors for the next stage
     output: Any = None                            # the model's output (last stage)
     loss: torch.Tensor | None = None              # the micro-batch's mean loss (last stage)
+
+
+def loss_of(spec_loss: LossFn | None) -> LossFn:
+    """``(output, target) -> loss`` for a model spec's loss: its function, or (None) the loss the
+    model computed itself (the target is then unused)."""
+    if spec_loss is not None:
+        return spec_loss
+    return lambda output, _target: model_loss(output)
 
 
 def model_loss(output: Any) -> torch.Tensor:
@@ -170,8 +178,6 @@ class PipelineStage:
         """The model's mean loss of one micro-batch (last stage)."""
         if self.loss_fn is None:
             return model_loss(output)
-        if target is None:
-            raise RuntimeError(f"stage {self.index}'s loss function needs the micro-batch's target")
         return self.loss_fn(output, target)
 
     def backward(self, act: Activation,

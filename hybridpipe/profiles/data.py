@@ -28,7 +28,7 @@ from torch.nn import functional as F
 from torch.utils.data import Dataset
 
 from hybridpipe.errors import UserError
-from hybridpipe.profiles.zoo.registry import ModelSpec, batch_rows, import_factory, parse_spec
+from hybridpipe.profiles.zoo.registry import ModelSpec, batch_rows, call_user, import_factory, parse_spec
 
 FEATURES = 64          # pooled input features the class-id projection reads
 _TASK_SEED = 0x5EED    # the target function is the same for every data seed
@@ -112,13 +112,15 @@ def resolve_dataset(spec: str, model: ModelSpec, *, size: int, seed: int = 0) ->
     if ":" not in target:
         raise UserError(f"unknown dataset {spec!r}: use \"synthetic\" or package.module:factory")
     factory = import_factory(target, "dataset")
-    dataset = factory(**kwargs)
+    who = f"your dataset factory `{target}`"
+    dataset = call_user(who, factory, **kwargs)
     if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
         raise UserError(f"{target} must return a map-style Dataset (with __getitem__ and __len__), "
                         f"got {type(dataset).__name__}")
-    if len(dataset) < 1:
+    n = call_user(f"len() of your dataset from `{target}`", len, dataset)
+    if n < 1:
         raise UserError(f"the dataset from {target} is empty")
-    check_sample(dataset[0], model, target)
+    check_sample(call_user(f"your dataset from `{target}` (reading sample 0)", dataset.__getitem__, 0), model, target)
     return dataset
 
 

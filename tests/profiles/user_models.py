@@ -109,3 +109,39 @@ def pairs(n: int = 10, features: int = 12) -> Pairs:
 
 def not_a_dataset():
     return 42
+
+
+# ---- a user's code that goes wrong (tests/test_bad_inputs.py) ------------------------------------
+def raising(width: int = 4):
+    """A model factory that raises (the line below is named in the error)."""
+    raise RuntimeError(f"cannot build a model of width {width}")
+
+
+def misfit():
+    """A model whose example input does not fit its first layer."""
+    return nn.Sequential(nn.Linear(8, 3)), torch.randn(2, 5)
+
+
+def raising_dataset():
+    raise ValueError("the data directory is empty")
+
+
+class NaNAfter(Dataset):
+    """Samples of the zoo ``mlp``'s shape (64 features, 10 classes) whose inputs are NaN for
+    indices in ``[start, stop)`` (a corrupt stretch of a data set)."""
+
+    def __init__(self, n: int, start: int, stop: int):
+        g = torch.Generator().manual_seed(5)
+        self.x = torch.randn(n, 64, generator=g)
+        self.x[start:stop] = float("nan")
+        self.y = torch.randint(0, 10, (n,), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return self.x[i], self.y[i]
+
+
+def nan_after(n: int = 64, start: int = 16, stop: int = 24) -> NaNAfter:
+    return NaNAfter(n, start, stop)

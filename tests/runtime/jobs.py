@@ -42,8 +42,14 @@ class Finished:
 
 
 def _env(extra: dict | None = None) -> dict:
+    """The environment of a job: the repository on PYTHONPATH (``extra`` may set or, with None
+    values, remove variables)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
-    env.update(extra or {})
+    for key, value in (extra or {}).items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
     return env
 
 
@@ -70,9 +76,11 @@ def _collect(procs: list[subprocess.Popen], files, timeout: float) -> list[Finis
 
 
 def launch(args: list[str], world: int, *, timeout: float = 120.0, env: dict | None = None,
-           on_start: Callable[[list[subprocess.Popen]], None] | None = None) -> list[Finished]:
+           on_start: Callable[[list[subprocess.Popen]], None] | None = None,
+           rank_args: Callable[[int], list[str]] | None = None) -> list[Finished]:
     """Run launch.py on ``world`` local ranks like torchrun would (see the module docstring);
-    ``on_start(processes)`` runs once they are started (e.g. to kill one)."""
+    ``on_start(processes)`` runs once they are started (e.g. to kill one); ``rank_args(rank)``
+    adds arguments for one rank only."""
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=timeout))
     base = _env(env)
@@ -82,7 +90,8 @@ def launch(args: list[str], world: int, *, timeout: float = 120.0, env: dict | N
     for r in range(world):
         o, e = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
         files.append((o, e))
-        procs.append(subprocess.Popen([sys.executable, str(LAUNCH), *args], cwd=ROOT, stdout=o, stderr=e,
+        extra = rank_args(r) if rank_args is not None else []
+        procs.append(subprocess.Popen([sys.executable, str(LAUNCH), *args, *extra], cwd=ROOT, stdout=o, stderr=e,
                                       env=dict(base, RANK=str(r), LOCAL_RANK=str(r))))
     if on_start is not None:
         try:
@@ -93,12 +102,14 @@ def launch(args: list[str], world: int, *, timeout: float = 120.0, env: dict | N
     return _collect(procs, files, timeout)      # the store lives until every rank is done
 
 
-def torchrun(args: list[str], nproc: int, *, timeout: float = 180.0, env: dict | None = None) -> Finished:
-    """``torchrun --standalone --nproc-per-node nproc launch.py args`` (its combined output)."""
+def torchrun(args: list[str], nproc: int, *, timeout: float = 180.0, env: dict | None = None,
+             entry: list[str] | None = None, cwd: Path = ROOT) -> Finished:
+    """``torchrun --standalone --nproc-per-node nproc launch.py args`` (its combined output);
+    ``entry`` replaces ``launch.py`` (e.g. ``["-m", "hybridpipe.launch"]``), ``cwd`` the directory."""
     o, e = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(LAUNCH), *args]
-    p = subprocess.Popen(cmd, cwd=ROOT, stdout=o, stderr=e, env=_env(env), start_new_session=True)
+           *(entry or [str(LAUNCH)]), *args]
+    p = subprocess.Popen(cmd, cwd=cwd, stdout=o, stderr=e, env=_env(env), start_new_session=True)
     try:
         p.wait(timeout)
     except subprocess.TimeoutExpired:

@@ -10,10 +10,10 @@ import json
 
 import pytest
 
+from hybridpipe.launch import main
 from hybridpipe.partitioner.plan import LayerSync, Plan, load_plan, save_plan
 from hybridpipe.profiles.graphinfo import node_infos
 from hybridpipe.profiles.zoo import resolve_model
-from hybridpipe.runtime.main import main
 from tests.pipeline.harness import capture, make_plan
 from tests.runtime.jobs import final_weights, launch, max_diff, train_reference
 

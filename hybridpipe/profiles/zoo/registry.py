@@ -19,7 +19,12 @@ model on cross-entropy.
 from __future__ import annotations
 
 import importlib
+import inspect
+import math
+import os
 import re
+import sys
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -131,7 +136,11 @@ def zoo_names() -> list[str]:
 
 
 def resolve_model(spec: str) -> ModelSpec:
-    """The ModelSpec for a zoo name or ``package.module:factory`` (see the module docstring)."""
+    """The ModelSpec for a zoo name or ``package.module:factory`` (see the module docstring).
+
+    A zoo model's options are checked against its function's defaults (type; sizes >= 1) and
+    the model is built once on the meta device (no memory), so a bad option is a UserError here;
+    a user's factory is called inside :func:`call_user`."""
     from hybridpipe.profiles.zoo import ZOO
 
     if spec.strip().startswith("hf:"):
@@ -144,13 +153,82 @@ def resolve_model(spec: str) -> ModelSpec:
         if target not in ZOO:
             raise UserError(f"unknown model {target!r}: the zoo has {', '.join(zoo_names())}; "
                             "for your own model pass package.module:factory")
-        try:
-            model = ZOO[target](spec, **kwargs)
-        except TypeError as e:
-            raise UserError(f"bad arguments for zoo model {target!r}: {e}") from None
+        check_zoo_options(target, ZOO[target], kwargs)
+        model = call_user(f"zoo model {spec!r}", ZOO[target], spec, **kwargs)
+        meta_build(model, f"zoo model {spec!r}")
     else:
         model = _user_model(spec, target, kwargs)
     return replace(model, leaf_modules=model.leaf_modules + leaves) if leaves else model
+
+
+def check_zoo_options(name: str, fn: Callable, kwargs: dict) -> None:
+    """Each option of a zoo model must be one of its function's keywords, of its default's type;
+    whole-number options (sizes, counts) must be >= 1 and numbers finite."""
+    params = {k: v for k, v in inspect.signature(fn).parameters.items() if k != "spec"}
+    for key, value in kwargs.items():
+        if key not in params:
+            raise UserError(f"zoo model {name!r} has no option {key!r}; its options are {', '.join(params)}")
+        default = params[key].default
+        if isinstance(default, bool):
+            ok, want = isinstance(value, bool), "true or false"
+        elif isinstance(default, int):
+            ok, want = isinstance(value, int) and not isinstance(value, bool) and value >= 1, "a whole number >= 1"
+        elif isinstance(default, float):
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            want = "a finite number"
+        else:
+            ok, want = True, ""
+        if not ok:
+            raise UserError(f"zoo model option {key}={value} of {name!r} must be {want} "
+                            f"(default {default}); e.g. {name}[{key}={default}]")
+
+
+def meta_build(model: ModelSpec, who: str) -> None:
+    """Build ``model`` on the meta device (shapes only, no memory): a constructor that cannot
+    build with these options fails here, as ``who``'s error, before any real work."""
+    with torch.device("meta"):
+        call_user(who, model.build)
+
+
+def call_user(who: str, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+    """Call ``fn`` (a model or dataset factory, or a model it returned); its exception becomes a
+    one-line UserError: "``who`` raised RuntimeError: ... (at file:line)", ``who`` being e.g.
+    "your factory `pkg.mod:f`"."""
+    try:
+        return fn(*args, **kwargs)
+    except UserError:
+        raise
+    except Exception as e:      # noqa: BLE001 - the user's code: any exception is theirs to fix
+        raise UserError(f"{who} raised {type(e).__name__}: {_message(e)}{_location(e)}") from None
+
+
+def _message(e: BaseException) -> str:
+    if isinstance(e, SyntaxError):
+        return e.msg or "invalid syntax"
+    lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+    text = lines[0] if lines else ""
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _location(e: BaseException) -> str:
+    """`` (at file:line)``: where in the user's code ``e`` was raised (the innermost frame outside
+    torch, hybridpipe and the standard library; else the innermost frame)."""
+    if isinstance(e, SyntaxError) and e.filename:
+        return f" (at {e.filename}:{e.lineno})"
+    frames = traceback.extract_tb(e.__traceback__)
+    if not frames:
+        return ""
+    libraries = tuple(os.path.dirname(m.__file__) + os.sep for m in (os, torch) if m.__file__)
+    ours = os.path.dirname(sys.modules["hybridpipe"].__file__ or "") + os.sep
+    code = [f for f in frames if not f.filename.startswith(libraries) and not f.filename.startswith("<")]
+    users = [f for f in code if not f.filename.startswith(ours)]
+    frame = (users or code or frames)[-1]           # the user's line; else a zoo model's; else where it broke
+    return f" (at {frame.filename}:{frame.lineno})"
+
+
+def describe_model(spec: str) -> str:
+    """How errors name a model: "your model `pkg.mod:f[...]`" or "zoo model 'alexnet[...]'"."""
+    return f"your model `{spec}`" if ":" in spec.split("[")[0] else f"zoo model {spec!r}"
 
 
 def with_leaves(spec: str, leaves: list[str]) -> str:
@@ -174,12 +252,18 @@ def with_leaves(spec: str, leaves: list[str]) -> str:
 
 
 def import_factory(target: str, what: str) -> Callable:
-    """Import ``package.module:attr``; errors name the module or attribute that is missing."""
+    """Import ``package.module:attr``; errors name the module or attribute that is missing, or
+    the user's error (a SyntaxError, an exception at import) with its location."""
     module_name, _, attr = target.partition(":")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise UserError(f"cannot import {what} module {module_name!r} ({e}); is it on PYTHONPATH?") from None
+    except ModuleNotFoundError as e:
+        if e.name is not None and (module_name == e.name or module_name.startswith(e.name + ".")):
+            raise UserError(f"cannot import {what} module {module_name!r} ({e}); is it on PYTHONPATH?") from None
+        raise UserError(f"your {what} module {module_name!r} raised ModuleNotFoundError: {e}{_location(e)}") from None
+    except Exception as e:      # noqa: BLE001 - a SyntaxError or any error while the user's module runs
+        raise UserError(f"your {what} module {module_name!r} raised {type(e).__name__}: "
+                        f"{_message(e)}{_location(e)}") from None
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise UserError(f"{module_name!r} has no callable {attr!r} to build the {what}")
@@ -190,7 +274,7 @@ def _user_model(spec: str, target: str, kwargs: dict) -> ModelSpec:
     factory = import_factory(target, "model")
 
     def call() -> tuple:
-        out = factory(**kwargs)
+        out = call_user(f"your factory `{target}`", factory, **kwargs)
         items = out if isinstance(out, tuple) else (out,)
         if not items or not isinstance(items[0], nn.Module) or len(items) > 3:
             raise UserError(f"{target} must return an nn.Module, or (module, example_input[, loss]); "
@@ -207,8 +291,11 @@ def _user_model(spec: str, target: str, kwargs: dict) -> ModelSpec:
                         f"batch dimension; got {type(example).__name__}")
     args, kw = call_args(example)
     with torch.no_grad():
-        out = module(*args, **kw, **training_switches(module))
+        out = call_user(f"your model from `{target}` (on its example input)", module, *args, **kw,
+                        **training_switches(module))
     loss = rest[1] if len(rest) > 1 else (None if own_loss(out) is not None else nn.functional.cross_entropy)
+    if loss is not None and not callable(loss):
+        raise UserError(f"{target}: the third item returned must be a loss function (output, target) -> loss")
     if isinstance(example, torch.Tensor) and isinstance(out, torch.Tensor):
         num_classes = int(out.shape[-1]) if out.dim() >= 2 else 0
         return ModelSpec(name=spec, build=lambda: call()[0], sample_shape=tuple(example.shape[1:]),
