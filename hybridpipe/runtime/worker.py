@@ -76,7 +76,7 @@ def _train(cfg: RunConfig, proc: Process, model, closers: list, print_fn) -> dic
     tied = tied_sync(plan, stage_plan.index, model.module, tied_process_groups(plan, cfg.timeout))
     watch = _nonfinite_watch(cfg, proc, stage_plan)
     stage = build_stage_index(model.captured, [(s.first_node, s.last_node) for s in plan.stages], stage_plan.index,
-                              loss=watch.wrap_loss(loss_of(model.spec))).to(proc.device)
+                              loss=watch.wrap_loss(loss_of(model.spec.loss))).to(proc.device)
     sync = make_sync(cfg, stage.module, stage_plan, groups.get(stage_plan.index),
                      exclude=tied.params if tied is not None else ())
     seed_rank(cfg.seed, rank)
