@@ -5,8 +5,13 @@ training mode, with every input dimension dynamic where the model allows it (so 
 another size or sequence length runs through the same graph), and groups the graph's operations
 into blocks (blocks.py). The graph's parameters and buffers are the model's own objects under
 their ``state_dict`` names. If torch.export cannot capture the model, torch.fx's symbolic tracer
-is tried (profiles/trace.py); if both fail, the user gets one line naming the construct, the
-source line and what to do.
+is tried (profiles/trace.py), with the ``leaf_modules`` as single calls that run as written; if
+both fail, the user gets one line naming the construct, the source line and what to do.
+
+A custom ``torch.autograd.Function`` is a case of its own: torch.export records the operations of
+its ``forward`` and differentiates those, so its own ``backward`` would silently be lost (a
+gradient reversal layer would train the wrong way). Such a model is captured by torch.fx with the
+modules that call the Function as leaves (``--leaf CLASS``), or refused with one line.
 
 The example input is what one batch of the dataset holds: a tensor (called as ``model(x)``), a
 tuple or list (``model(*x)``) or a dict (``model(**x)``), nested structures allowed. What training
@@ -19,11 +24,12 @@ profile's block ids and names mean the same blocks on every rank.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import os
 import traceback
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +38,7 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 
 from hybridpipe.errors import UserError
-from hybridpipe.profiles.blocks import Block, group_blocks, is_operation
+from hybridpipe.profiles.blocks import Block, check_leaf_modules, group_blocks, is_operation
 
 log = logging.getLogger(__name__)
 
@@ -124,34 +130,48 @@ def capture_model(model: nn.Module, example: Any, *, granularity: str | int = "b
                   leaf_modules: Iterable[type | str] = ()) -> CapturedModel:
     """Capture ``model`` (in training mode) on ``example`` and group it into blocks."""
     model.train()
+    leaf_modules = tuple(leaf_modules)
+    check_leaf_modules(model, leaf_modules)
     args, kwargs = call_args(example)
     kwargs = {**kwargs, **training_switches(model)}
+    functions: list[str] = []
     try:
-        captured = _export(model, args, kwargs)
+        captured = _export(model, args, kwargs, functions)
     except UserError:
         raise
     except Exception as export_error:  # torch.export raises many kinds; the fx tracer may still succeed
-        captured = _fx_fallback(model, args, kwargs, export_error)
+        captured = _fx_fallback(model, args, kwargs, export_error, leaf_modules)
+    if functions:
+        captured = _keeping_functions(model, args, kwargs, functions, leaf_modules)
     blocks = group_blocks(captured.graph, model, granularity, leaf_modules)
     captured.blocks = tuple(blocks)
     captured.blocked = _unsendable_values(captured)
     return captured
 
 
-def _export(model: nn.Module, args: tuple, kwargs: dict) -> CapturedModel:
+def _export(model: nn.Module, args: tuple, kwargs: dict, functions: list[str]) -> CapturedModel:
+    """torch.export's graph of ``model``; the custom autograd Functions its forward calls are added
+    to ``functions`` (seen on the autograd graph of the traced output, which export records)."""
     from torch.export import Dim, export
 
     def dynamic(x: Any) -> Any:
         return {i: Dim.AUTO for i in range(x.dim())} if isinstance(x, torch.Tensor) else None
 
+    def seen(module: nn.Module, inputs: Any, output: Any) -> None:
+        functions.extend(f for f in custom_functions(output) if f not in functions)
+
+    hook = model.register_forward_hook(seen)
     try:
-        bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
-        dynamic_shapes: Any = {name: pytree.tree_map(dynamic, value) for name, value in bound.items()}
-        ep = export(model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
-    except Exception as e:
-        log.info("torch.export with dynamic shapes failed (%s: %s); capturing with static shapes",
-                 type(e).__name__, _first_line(e))
-        ep = export(model, args, kwargs, strict=False)
+        try:
+            bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
+            dynamic_shapes: Any = {name: pytree.tree_map(dynamic, value) for name, value in bound.items()}
+            ep = export(model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
+        except Exception as e:
+            log.info("torch.export with dynamic shapes failed (%s: %s); capturing with static shapes",
+                     type(e).__name__, _first_line(e))
+            ep = export(model, args, kwargs, strict=False)
+    finally:
+        hook.remove()
     gm = ep.module()
     for node in list(gm.graph.nodes):
         if node.op == "call_module" and not is_operation(node) and not node.users:
@@ -179,7 +199,67 @@ def _strip_pytree_codegen(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
-def _fx_fallback(model: nn.Module, args: tuple, kwargs: dict, export_error: BaseException) -> CapturedModel:
+def custom_functions(output: Any) -> list[str]:
+    """Names of the custom ``torch.autograd.Function``s on the autograd graph behind ``output``."""
+    stack: list[Any] = [t.grad_fn for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
+    seen: set[Any] = set()
+    found: list[str] = []
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        if isinstance(fn, torch.autograd.function.BackwardCFunction):
+            name = type(fn).__name__.removesuffix("Backward")
+            if name not in found:
+                found.append(name)
+        stack.extend(next_fn for next_fn, _ in fn.next_functions)
+    return found
+
+
+def _keeping_functions(model: nn.Module, args: tuple, kwargs: dict, functions: list[str],
+                       leaf_modules: tuple[type | str, ...]) -> CapturedModel:
+    """The fx capture of a model that calls custom autograd Functions, if every one of them runs
+    inside a leaf module (checked on one forward of the graph); else a UserError."""
+    problem = (f"{type(model).__name__} calls the custom torch.autograd.Function {', '.join(functions)}, whose own "
+               "backward torch.export would replace by the derivative of its forward")
+    fix = "keep the module that calls it whole with --leaf CLASS (it then runs as written, traced by torch.fx)"
+    if not leaf_modules:
+        raise UserError(f"{problem}; {fix}")
+    captured = _fx_fallback(model, args, kwargs, RuntimeError(problem), leaf_modules)
+    with side_effect_free(model), torch.enable_grad():
+        kept = custom_functions(captured.graph(*args, *captured.constants.values()))
+    lost = [f for f in functions if f not in kept]
+    if lost:
+        raise UserError(f"{type(model).__name__} calls the custom torch.autograd.Function {', '.join(lost)} outside "
+                        f"the leaf modules ({', '.join(map(_leaf_name, leaf_modules))}), and torch.export would "
+                        f"replace its own backward by the derivative of its forward; {fix}")
+    log.warning("%s calls custom autograd Functions (%s): captured with torch.fx, the leaf modules run as written",
+                type(model).__name__, ", ".join(functions))
+    return captured
+
+
+@contextlib.contextmanager
+def side_effect_free(model: nn.Module) -> Iterator[None]:
+    """Run a forward of ``model`` that leaves no trace: its buffers (batch norm statistics) and the
+    random number generators are as they were afterwards."""
+    saved = {name: b.detach().clone() for name, b in model.named_buffers()}
+    devices = sorted({t.device.index or 0 for t in (*model.parameters(), *model.buffers()) if t.is_cuda})
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                b.copy_(saved[name])
+
+
+def _leaf_name(leaf: type | str) -> str:
+    return leaf.__name__ if isinstance(leaf, type) else leaf
+
+
+def _fx_fallback(model: nn.Module, args: tuple, kwargs: dict, export_error: BaseException,
+                 leaf_modules: tuple[type | str, ...] = ()) -> CapturedModel:
     from hybridpipe.profiles.trace import trace_model
 
     tensors_only = all(isinstance(a, torch.Tensor) for a in args) and not [
@@ -187,7 +267,7 @@ def _fx_fallback(model: nn.Module, args: tuple, kwargs: dict, export_error: Base
     if not tensors_only:
         raise UserError(export_failure_message(model, export_error)) from None
     try:
-        gm = trace_model(model)
+        gm = trace_model(model, leaf_modules)
     except UserError:
         raise UserError(export_failure_message(model, export_error)) from None
     log.warning("torch.export cannot capture %s (%s); using torch.fx's symbolic tracer instead",
@@ -211,7 +291,7 @@ def _fx_values(gm: fx.GraphModule, args: tuple, constants: dict[str, Any]) -> di
             values[n.name] = out
             return out
 
-    with torch.no_grad():
+    with torch.no_grad(), side_effect_free(gm):
         Recorder(gm).run(*args, *constants.values())
     return values
 
@@ -273,9 +353,26 @@ def export_failure_message(model: nn.Module, error: BaseException) -> str:
     """One line: what torch.export could not capture, where in the user's code, and what to do."""
     frame = _user_frame(error)
     at = f" at {os.path.basename(frame.filename)}:{frame.lineno} `{(frame.line or '').strip()}`" if frame else ""
-    return (f"torch.export cannot capture {type(model).__name__}{at}: {type(error).__name__}: {_first_line(error)}; "
-            "make that code traceable (no Python branching on tensor values: use torch.where/torch.cond, "
-            "or compute it outside forward), or pass an example input the model accepts")
+    owner = _module_of_error(error)
+    inside = f" (in {owner}.forward)" if owner and owner != type(model).__name__ else ""
+    leaf = (f", or keep {owner} whole with --leaf {owner} (then traced by torch.fx and run as written)"
+            if inside else "")
+    return (f"torch.export cannot capture {type(model).__name__}{at}{inside}: {type(error).__name__}: "
+            f"{_first_line(error)}; make that code traceable (no Python branching on tensor values: use "
+            f"torch.where/torch.cond, or compute it outside forward){leaf}, or pass an example input the model accepts")
+
+
+def _module_of_error(error: BaseException) -> str | None:
+    """The class of the innermost module (outside torch) whose ``forward`` was running when ``error`` rose."""
+    owner = None
+    tb = error.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        this = frame.f_locals.get("self")
+        if isinstance(this, nn.Module) and not frame.f_code.co_filename.startswith(_TORCH_DIR):
+            owner = type(this).__name__
+        tb = tb.tb_next
+    return owner
 
 
 def _user_frame(error: BaseException) -> traceback.FrameSummary | None:
@@ -291,4 +388,4 @@ def _first_line(error: BaseException) -> str:
 
 
 __all__ = ["CapturedModel", "capture_model", "call_args", "own_loss", "training_switches", "unsendable",
-           "tied_parameters", "node_parameters", "export_failure_message"]
+           "tied_parameters", "node_parameters", "export_failure_message", "custom_functions", "check_leaf_modules"]
