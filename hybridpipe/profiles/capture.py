@@ -26,8 +26,11 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import io
 import logging
 import os
+import sys
+import threading
 import traceback
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -165,11 +168,13 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, functions: list[str]) -
         try:
             bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
             dynamic_shapes: Any = {name: pytree.tree_map(dynamic, value) for name, value in bound.items()}
-            ep = export(model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
+            with _quiet_failures():
+                ep = export(model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
         except Exception as e:
-            log.info("torch.export with dynamic shapes failed (%s: %s); capturing with static shapes",
-                     type(e).__name__, _first_line(e))
-            ep = export(model, args, kwargs, strict=False)
+            with _quiet_failures():
+                ep = export(model, args, kwargs, strict=False)
+            log.info("captured %s with static shapes: every batch must have the example's shapes "
+                     "(dynamic shapes failed: %s: %s)", type(model).__name__, type(e).__name__, _first_line(e))
     finally:
         hook.remove()
     gm = ep.module()
@@ -189,6 +194,30 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, functions: list[str]) -
     return CapturedModel(module=model, graph=gm, blocks=(), inputs=tuple(placeholders),
                          input_paths=tuple(pytree.keystr(p) for p, _ in flat), constants=constants,
                          out_spec=info.out_spec if info is not None else None, front_end="export")
+
+
+@contextlib.contextmanager
+def _quiet_failures() -> Iterator[None]:
+    """Keep a failed export's partial graph (torch prints it to stderr: dozens of lines ahead of the
+    one-line error the user gets) and its "Unable to find user code" warnings off stderr; pass on
+    everything else written there. In the main thread only: sys.stderr is the whole process's."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    shapes = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    level, real, buffer = shapes.level, sys.stderr, io.StringIO()
+    shapes.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stderr(buffer):
+            yield
+    except BaseException as e:
+        partial = str(getattr(e, "partial_fx_graph", "") or "")
+        real.write(buffer.getvalue().replace(partial + "\n", "") if partial else buffer.getvalue())
+        raise
+    else:
+        real.write(buffer.getvalue())
+    finally:
+        shapes.setLevel(level)
 
 
 def _strip_pytree_codegen(gm: fx.GraphModule) -> None:
