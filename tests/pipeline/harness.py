@@ -39,11 +39,12 @@ def plan_tied(captured: CapturedModel, ranges: list[tuple[int, int]]) -> tuple[T
 def make_plan(model: str, cuts: list[int], replicas: list[int], *, schedule: str = "1f1b", micro_batches: int = 4,
               batch_size: int = 4, times: list[tuple[float, float]] | None = None, send_ms: float = 0.0,
               n_nodes: int | None = None, signature: str = "", granularity: str = "blocks") -> Plan:
-    """A plan cutting ``model`` after the node ids in ``cuts`` (stage s ends at cuts[s])."""
+    """A plan cutting ``model`` after the node ids in ``cuts`` (stage s ends at cuts[s]); ``n_nodes``
+    and ``signature`` default to the captured model's (give others for a plan made for another graph)."""
     spec = resolve_model(model)
     captured = capture(spec, batch_size, granularity=granularity)
-    n_nodes = len(captured.blocks)
-    signature = captured_signature(captured)
+    n_nodes = n_nodes or len(captured.blocks)
+    signature = signature or captured_signature(captured)
     bounds = [-1, *cuts, n_nodes - 1]
     stages, rank = [], 0
     for s, r in enumerate(replicas):
