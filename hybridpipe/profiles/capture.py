@@ -169,10 +169,10 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, functions: list[str]) -
             bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
             dynamic_shapes: Any = {name: pytree.tree_map(dynamic, value) for name, value in bound.items()}
             with _quiet_failures():
-                ep = export(model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
+                ep = export(model, *_unmarked(args, kwargs), strict=False, dynamic_shapes=dynamic_shapes)
         except Exception as e:
-            with _quiet_failures():
-                ep = export(model, args, kwargs, strict=False)
+            with _quiet_failures():       # fresh tensor objects: export marks its inputs' dynamic dimensions
+                ep = export(model, *_unmarked(args, kwargs), strict=False)
             log.info("captured %s with static shapes: every batch must have the example's shapes "
                      "(dynamic shapes failed: %s: %s)", type(model).__name__, type(e).__name__, _first_line(e))
     finally:
@@ -194,6 +194,15 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, functions: list[str]) -
     return CapturedModel(module=model, graph=gm, blocks=(), inputs=tuple(placeholders),
                          input_paths=tuple(pytree.keystr(p) for p, _ in flat), constants=constants,
                          out_spec=info.out_spec if info is not None else None, front_end="export")
+
+
+def _unmarked(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The inputs as new tensor objects (same data): torch.export records the dynamic dimensions it
+    was asked for on the tensors it is given, and a retry with static shapes on them would fail."""
+    def fresh(v: Any) -> Any:
+        return v.detach().requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) else v
+
+    return pytree.tree_map(fresh, args), pytree.tree_map(fresh, kwargs)
 
 
 @contextlib.contextmanager
