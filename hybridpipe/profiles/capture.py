@@ -144,8 +144,10 @@ def capture_model(model: nn.Module, example: Any, *, granularity: str | int = "b
         raise
     except Exception as export_error:  # torch.export raises many kinds; the fx tracer may still succeed
         captured = _fx_fallback(model, args, kwargs, export_error, leaf_modules)
+        with side_effect_free(model), torch.enable_grad():   # export stopped short of seeing them all
+            functions = custom_functions(model(*args, **kwargs))
     if functions:
-        captured = _keeping_functions(model, args, kwargs, functions, leaf_modules)
+        captured = _keeping_functions(model, args, kwargs, functions, leaf_modules, captured)
     blocks = group_blocks(captured.graph, model, granularity, leaf_modules)
     captured.blocks = tuple(blocks)
     captured.blocked = _unsendable_values(captured)
@@ -256,7 +258,7 @@ def custom_functions(output: Any) -> list[str]:
 
 
 def _keeping_functions(model: nn.Module, args: tuple, kwargs: dict, functions: list[str],
-                       leaf_modules: tuple[type | str, ...]) -> CapturedModel:
+                       leaf_modules: tuple[type | str, ...], captured: CapturedModel) -> CapturedModel:
     """The fx capture of a model that calls custom autograd Functions, if every one of them runs
     inside a leaf module (checked on one forward of the graph); else a UserError."""
     problem = (f"{type(model).__name__} calls the custom torch.autograd.Function {', '.join(functions)}, whose own "
@@ -264,7 +266,8 @@ def _keeping_functions(model: nn.Module, args: tuple, kwargs: dict, functions: l
     fix = "keep the module that calls it whole with --leaf CLASS (it then runs as written, traced by torch.fx)"
     if not leaf_modules:
         raise UserError(f"{problem}; {fix}")
-    captured = _fx_fallback(model, args, kwargs, RuntimeError(problem), leaf_modules)
+    if captured.front_end != "fx":
+        captured = _fx_fallback(model, args, kwargs, RuntimeError(problem), leaf_modules)
     with side_effect_free(model), torch.enable_grad():
         kept = custom_functions(captured.graph(*args, *captured.constants.values()))
     lost = [f for f in functions if f not in kept]
