@@ -24,15 +24,9 @@ profile's block ids and names mean the same blocks on every rank.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-import io
 import logging
-import os
-import sys
-import threading
-import traceback
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,10 +36,16 @@ from torch import fx, nn
 
 from hybridpipe.errors import UserError
 from hybridpipe.profiles.blocks import Block, check_leaf_modules, group_blocks, is_operation
+from hybridpipe.profiles.export_support import (
+    custom_functions,
+    export_failure_message,
+    first_line,
+    quiet_failures,
+    side_effect_free,
+)
 
 log = logging.getLogger(__name__)
 
-_TORCH_DIR = os.path.dirname(torch.__file__)
 _META = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.SymInt, torch.SymFloat, torch.SymBool)
 
 
@@ -170,13 +170,13 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, functions: list[str]) -
         try:
             bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
             dynamic_shapes: Any = {name: pytree.tree_map(dynamic, value) for name, value in bound.items()}
-            with _quiet_failures():
+            with quiet_failures():
                 ep = export(model, *_unmarked(args, kwargs), strict=False, dynamic_shapes=dynamic_shapes)
         except Exception as e:
-            with _quiet_failures():       # fresh tensor objects: export marks its inputs' dynamic dimensions
+            with quiet_failures():       # fresh tensor objects: export marks its inputs' dynamic dimensions
                 ep = export(model, *_unmarked(args, kwargs), strict=False)
             log.info("captured %s with static shapes: every batch must have the example's shapes "
-                     "(dynamic shapes failed: %s: %s)", type(model).__name__, type(e).__name__, _first_line(e))
+                     "(dynamic shapes failed: %s: %s)", type(model).__name__, type(e).__name__, first_line(e))
     finally:
         hook.remove()
     gm = ep.module()
@@ -207,54 +207,12 @@ def _unmarked(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return pytree.tree_map(fresh, args), pytree.tree_map(fresh, kwargs)
 
 
-@contextlib.contextmanager
-def _quiet_failures() -> Iterator[None]:
-    """Keep a failed export's partial graph (torch prints it to stderr: dozens of lines ahead of the
-    one-line error the user gets) and its "Unable to find user code" warnings off stderr; pass on
-    everything else written there. In the main thread only: sys.stderr is the whole process's."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    shapes = logging.getLogger("torch.fx.experimental.symbolic_shapes")
-    level, real, buffer = shapes.level, sys.stderr, io.StringIO()
-    shapes.setLevel(logging.ERROR)
-    try:
-        with contextlib.redirect_stderr(buffer):
-            yield
-    except BaseException as e:
-        partial = str(getattr(e, "partial_fx_graph", "") or "")
-        real.write(buffer.getvalue().replace(partial + "\n", "") if partial else buffer.getvalue())
-        raise
-    else:
-        real.write(buffer.getvalue())
-    finally:
-        shapes.setLevel(level)
-
-
 def _strip_pytree_codegen(gm: fx.GraphModule) -> None:
     """Make ``gm`` a plain graph: positional placeholders in, the flat output list out (and no
     input-structure check: hybridpipe feeds it flattened inputs itself)."""
     gm.graph._codegen = fx.graph.CodeGen()
     gm._forward_pre_hooks.clear()
     gm.recompile()
-
-
-def custom_functions(output: Any) -> list[str]:
-    """Names of the custom ``torch.autograd.Function``s on the autograd graph behind ``output``."""
-    stack: list[Any] = [t.grad_fn for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
-    seen: set[Any] = set()
-    found: list[str] = []
-    while stack:
-        fn = stack.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        if isinstance(fn, torch.autograd.function.BackwardCFunction):
-            name = type(fn).__name__.removesuffix("Backward")
-            if name not in found:
-                found.append(name)
-        stack.extend(next_fn for next_fn, _ in fn.next_functions)
-    return found
 
 
 def _keeping_functions(model: nn.Module, args: tuple, kwargs: dict, functions: list[str],
@@ -280,21 +238,6 @@ def _keeping_functions(model: nn.Module, args: tuple, kwargs: dict, functions: l
     return captured
 
 
-@contextlib.contextmanager
-def side_effect_free(model: nn.Module) -> Iterator[None]:
-    """Run a forward of ``model`` that leaves no trace: its buffers (batch norm statistics) and the
-    random number generators are as they were afterwards."""
-    saved = {name: b.detach().clone() for name, b in model.named_buffers()}
-    devices = sorted({t.device.index or 0 for t in (*model.parameters(), *model.buffers()) if t.is_cuda})
-    try:
-        with torch.random.fork_rng(devices=devices):
-            yield
-    finally:
-        with torch.no_grad():
-            for name, b in model.named_buffers():
-                b.copy_(saved[name])
-
-
 def _leaf_name(leaf: type | str) -> str:
     return leaf.__name__ if isinstance(leaf, type) else leaf
 
@@ -312,7 +255,7 @@ def _fx_fallback(model: nn.Module, args: tuple, kwargs: dict, export_error: Base
     except UserError:
         raise UserError(export_failure_message(model, export_error)) from None
     log.warning("torch.export cannot capture %s (%s); using torch.fx's symbolic tracer instead",
-                type(model).__name__, _first_line(export_error))
+                type(model).__name__, first_line(export_error))
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     names = tuple(n.name for n in placeholders)
     paths = tuple(pytree.keystr(p) for p, _ in pytree.tree_flatten_with_path((args, {}))[0])
@@ -389,43 +332,6 @@ def tied_parameters(model: nn.Module) -> list[tuple[str, ...]]:
         names.setdefault(id(p), []).append(name)
     return [tuple(v) for v in names.values() if len(v) > 1]
 
-
-def export_failure_message(model: nn.Module, error: BaseException) -> str:
-    """One line: what torch.export could not capture, where in the user's code, and what to do."""
-    frame = _user_frame(error)
-    at = f" at {os.path.basename(frame.filename)}:{frame.lineno} `{(frame.line or '').strip()}`" if frame else ""
-    owner = _module_of_error(error)
-    inside = f" (in {owner}.forward)" if owner and owner != type(model).__name__ else ""
-    leaf = (f", or keep {owner} whole with --leaf {owner} (then traced by torch.fx and run as written)"
-            if inside else "")
-    return (f"torch.export cannot capture {type(model).__name__}{at}{inside}: {type(error).__name__}: "
-            f"{_first_line(error)}; make that code traceable (no Python branching on tensor values: use "
-            f"torch.where/torch.cond, or compute it outside forward){leaf}, or pass an example input the model accepts")
-
-
-def _module_of_error(error: BaseException) -> str | None:
-    """The class of the innermost module (outside torch) whose ``forward`` was running when ``error`` rose."""
-    owner = None
-    tb = error.__traceback__
-    while tb is not None:
-        frame = tb.tb_frame
-        this = frame.f_locals.get("self")
-        if isinstance(this, nn.Module) and not frame.f_code.co_filename.startswith(_TORCH_DIR):
-            owner = type(this).__name__
-        tb = tb.tb_next
-    return owner
-
-
-def _user_frame(error: BaseException) -> traceback.FrameSummary | None:
-    frames = traceback.extract_tb(error.__traceback__)
-    user = [f for f in frames if not f.filename.startswith(_TORCH_DIR) and f.filename != __file__]
-    return user[-1] if user else None
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    line = text.splitlines()[0] if text else "(no message)"
-    return line[:300]
 
 
 __all__ = ["CapturedModel", "capture_model", "call_args", "own_loss", "training_switches", "unsendable",
