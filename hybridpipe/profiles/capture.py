@@ -35,7 +35,7 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 
 from hybridpipe.errors import UserError
-from hybridpipe.profiles.blocks import Block, check_leaf_modules, group_blocks, is_operation
+from hybridpipe.profiles.blocks import Block, check_leaf_modules, group_blocks, is_operation, parse_granularity
 from hybridpipe.profiles.export_support import (
     custom_functions,
     export_failure_message,
@@ -133,6 +133,7 @@ def capture_model(model: nn.Module, example: Any, *, granularity: str | int = "b
                   leaf_modules: Iterable[type | str] = ()) -> CapturedModel:
     """Capture ``model`` (in training mode) on ``example`` and group it into blocks."""
     model.train()
+    parse_granularity(granularity)          # refuse a bad granularity or leaf name before the slow export
     leaf_modules = tuple(leaf_modules)
     check_leaf_modules(model, leaf_modules)
     args, kwargs = call_args(example)
