@@ -48,6 +48,7 @@ def test_pipeline_equals_one_process(case, layout, schedule):
     assert max_diff(ours, train_reference(plan, STEPS)) <= 1e-5
 
 
+@pytest.mark.slow
 def test_qwen2_with_its_default_kv_cache_trains_through_the_pipeline():
     """Qwen2's forward returns a DynamicCache unless told otherwise; the capture switches it off."""
     plan = plan_for(BY_NAME["llama"], "4", "1f1b", spec=QWEN2)
@@ -68,7 +69,7 @@ def tied_copies(plan, steps: int, *, tied_sync: bool = True):
     return group, copies, merged
 
 
-@pytest.mark.parametrize("name,layout", [("gpt2", "4"), ("llama", "2x2"),
+@pytest.mark.parametrize("name,layout", [("gpt2", "4"), pytest.param("llama", "2x2", marks=pytest.mark.slow),
                                          pytest.param("t5", "4", marks=pytest.mark.slow)])
 def test_tied_copies_are_bit_identical_after_every_step_and_equal_one_process(name, layout):
     plan = plan_for(BY_NAME[name], layout, "1f1b")
@@ -99,7 +100,7 @@ def test_without_the_tied_gradient_sum_the_copies_drift_apart():
         assert float((copies[(STEPS - 1, rank)] - reference).abs().max()) > 1e-4
 
 
-@pytest.mark.parametrize("layout,schedule", [("2x2", "1f1b"), ("4", "gpipe")])
+@pytest.mark.parametrize("layout,schedule", [("2x2", "1f1b"), pytest.param("4", "gpipe", marks=pytest.mark.slow)])
 def test_batches_padded_to_different_lengths_train_and_equal_one_process(layout, schedule):
     """A dataset of 16..64-token sequences whose collate_fn pads each batch to its longest: every
     micro-batch has its own length; the pipeline equals one process accumulating the micro-batches."""

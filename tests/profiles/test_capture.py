@@ -5,6 +5,8 @@ own backward (or the capture is refused)."""
 
 from __future__ import annotations
 
+import functools
+
 import networkx as nx
 import pytest
 import torch
@@ -24,7 +26,13 @@ ALEXNET_PAPER = {"conv1": 34_944, "conv2": 614_656, "conv3": 885_120, "conv4": 1
                  "fc1": 37_752_832, "fc2": 16_781_312, "fc3": 4_097_000}
 
 
+@functools.cache
 def captured(spec: str, granularity: str | int = "blocks", batch: int = 2, leaves=None):
+    """The capture of a zoo model built from seed 0 (one per arguments: the tests only read it)."""
+    return fresh_capture(spec, granularity, batch, leaves)
+
+
+def fresh_capture(spec: str, granularity: str | int = "blocks", batch: int = 2, leaves=None):
     ms = resolve_model(spec)
     torch.manual_seed(0)
     model = ms.build()
@@ -114,19 +122,30 @@ def test_edges_follow_the_values_and_go_forward():
     assert graph_edges(c) == expected and all(s < d for s, d in expected)
 
 
-def test_resnet50_has_a_skip_connection_into_every_residual_add():
-    c = captured("resnet50[image=32,classes=10]", "ops")
+def check_residual_adds(spec: str, adds_expected: int, identity: int, long_branch: int) -> None:
+    """Every residual add joins a short branch (the shortcut) and a long one (the convolutions);
+    ``identity`` of them take the block's input itself: a skip edge of the graph."""
+    c = captured(spec, "ops")
     g = digraph(c)
     adds = [i for i in g.nodes if first_op(c, i) == "aten.add.Tensor"]
-    assert len(adds) == 16                         # 3 + 4 + 6 + 3 bottleneck blocks
-    assert all(g.in_degree(n) == 2 for n in adds)
-    assert len(skip_edges(g)) == 12                # identity shortcuts: all blocks but the 4 projecting ones
-    for v in adds:                                 # every add joins a short branch and the residual branch
+    assert len(adds) == adds_expected and all(g.in_degree(n) == 2 for n in adds)
+    assert len(skip_edges(g)) == identity
+    for v in adds:
         a, b = g.predecessors(v)
         fork = nx.lowest_common_ancestor(g, a, b)
         branches = sorted(nx.shortest_path_length(g, fork, p) for p in (a, b))
-        assert branches[0] <= 3 and branches[1] >= 8, (v, branches)
+        assert branches[0] <= 3 and branches[1] >= long_branch, (v, branches)
     assert nx.is_directed_acyclic_graph(g)
+
+
+def test_resnet_has_a_skip_connection_into_every_residual_add():
+    check_residual_adds("resnet-small[norm=none]", 3, 1, 3)      # blocks 1 and 2 project their shortcut
+
+
+@pytest.mark.slow
+def test_resnet50_has_a_skip_connection_into_every_residual_add():
+    # 3 + 4 + 6 + 3 bottleneck blocks; identity shortcuts: all blocks but the 4 projecting ones
+    check_residual_adds("resnet50[image=32,classes=10]", 16, 12, 8)
 
 
 def test_plain_chain_has_no_skip_edges():
@@ -145,7 +164,7 @@ def test_gpt_graph_has_residuals_and_multi_input_attention():
 
 def test_capture_is_deterministic_across_fresh_models():
     for spec in ("resnet-small", GPT):
-        a, b = captured(spec, "modules"), captured(spec, "modules")
+        a, b = fresh_capture(spec, "modules"), fresh_capture(spec, "modules")
         assert node_infos(a) == node_infos(b) and graph_edges(a) == graph_edges(b)
         assert [blk.nodes for blk in a.blocks] == [blk.nodes for blk in b.blocks]
 
