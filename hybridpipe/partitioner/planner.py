@@ -28,7 +28,7 @@ from hybridpipe.partitioner.objective import (
     predict_step_ms,
 )
 from hybridpipe.partitioner.pipedream import pipedream_stages
-from hybridpipe.partitioner.plan import ALGORITHMS, OPTIMIZERS, SCHEDULES, STRATEGIES, Plan, Stage
+from hybridpipe.partitioner.plan import ALGORITHMS, OPTIMIZERS, SCHEDULES, STRATEGIES, LayerSync, Plan, Stage
 from hybridpipe.partitioner.strategies import baseline_stages
 from hybridpipe.partitioner.tied import tied_groups
 from hybridpipe.profiles.format import Profile
@@ -145,7 +145,8 @@ def build_plan(profile: Profile, costs: ModelCosts, cluster: Cluster, stages: Se
         out.append(Stage(index=idx, first_node=spec.first, last_node=spec.last, replicas=len(spec.ranks),
                          ranks=tuple(spec.ranks), compute_ms=e.forward_ms + e.backward_ms, forward_ms=e.forward_ms,
                          backward_ms=e.backward_ms, sync_ms=e.sync_ms_per_step, send_ms=e.send_ms,
-                         send_bytes=int(e.send_bytes), memory_bytes=int(e.memory_bytes), layers=e.sync.layers,
+                         send_bytes=int(e.send_bytes), memory_bytes=int(e.memory_bytes),
+                         layers=without_tied(e.sync.layers, {t.param: t.bytes for t in tied if idx in t.stages}),
                          overhead_ms=e.overhead_ms))
     samples = opts.micro_batches * profile.batch_size / (step_ms / 1e3) if step_ms > 0 else 0.0
     return Plan(model=profile.model, batch_size=profile.batch_size, input_shape=tuple(profile.input_shape),
@@ -154,6 +155,16 @@ def build_plan(profile: Profile, costs: ModelCosts, cluster: Cluster, stages: Se
                 predicted_step_ms=step_ms, predicted_samples_per_s=samples,
                 created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                 granularity=profile.granularity, tied=tuple(tied))
+
+
+def without_tied(layers: Sequence[LayerSync], tied: dict[str, int]) -> tuple[LayerSync, ...]:
+    """A stage's layers without the parameters the stages' tied sync sums instead (``tied``: name -> bytes)."""
+    out = []
+    for lv in layers:
+        kept = tuple(p for p in lv.params if p not in tied)
+        if kept:
+            out.append(replace(lv, params=kept, bytes=lv.bytes - sum(tied[p] for p in lv.params if p in tied)))
+    return tuple(out)
 
 
 def no_fit_message(costs: ModelCosts, workers: int, opts: Options) -> str:

@@ -149,6 +149,7 @@ def capture_model(model: nn.Module, example: Any, *, granularity: str | int = "b
             functions = custom_functions(model(*args, **kwargs))
     if functions:
         captured = _keeping_functions(model, args, kwargs, functions, leaf_modules, captured)
+    _canonical_names(captured.graph, model)
     blocks = group_blocks(captured.graph, model, granularity, leaf_modules)
     captured.blocks = tuple(blocks)
     captured.blocked = _unsendable_values(captured)
@@ -206,6 +207,29 @@ def _unmarked(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         return v.detach().requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) else v
 
     return pytree.tree_map(fresh, args), pytree.tree_map(fresh, kwargs)
+
+
+def _canonical_names(gm: fx.GraphModule, model: nn.Module) -> None:
+    """Refer to every parameter and buffer by its first name in the model (``named_parameters``
+    order): torch.export picks any of a tied weight's names (GPT-2's embedding may read
+    ``lm_head.weight``), but plans, stages and checkpoints must agree on one."""
+    canonical: dict[int, str] = {}
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        canonical.setdefault(id(t), name)
+    changed = False
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        try:
+            first = canonical.get(id(_attr(gm, str(node.target))))
+            if first is not None and first != node.target:
+                _attr(gm, first)                      # the canonical name must exist on the graph module
+                node.target = first
+                changed = True
+        except AttributeError:
+            continue
+    if changed:
+        gm.recompile()
 
 
 def _strip_pytree_codegen(gm: fx.GraphModule) -> None:
