@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"timed runs per node; the median is kept (default 5, at most {MAX_RUNS})")
     parser.add_argument("--warmup", type=int_range(0, MAX_RUNS), default=1,
                         help=f"untimed runs before the timed ones (default 1, at most {MAX_RUNS})")
-    parser.add_argument("--granularity", default="blocks", type=parse_granularity, metavar="G",
+    parser.add_argument("--granularity", default="blocks", metavar="G",
                         help="what a node is: blocks (default: the model's repeated layers and what sits between "
                         "them), modules (every leaf module), ops (every operation) or a module depth 1, 2, ...")
     parser.add_argument("--leaf", action="append", default=[], metavar="CLASS",
@@ -55,6 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    granularity = parse_granularity(args.granularity)      # a UserError (one line, exit 2) if unknown
     leaves = [x.strip() for item in args.leaf for x in item.split(",") if x.strip()]
     spec = with_leaves(args.model, leaves)
     output = check_output_file(args.output or default_output(args.model), "profile")
@@ -63,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     check_fits(model, args.batch_size, device)
     profile = profile_model(model, batch_size=args.batch_size, device=device, repeats=args.repeats,
                             warmup=args.warmup, seed=args.seed, progress=False if args.quiet else None,
-                            granularity=args.granularity)
+                            granularity=granularity)
     path = save_profile(profile, output)
     t = profile.totals
     print(f"profiled {profile.model}: {len(profile.nodes)} nodes ({profile.granularity}), {len(profile.edges)} edges, "

@@ -146,6 +146,19 @@ def _outer_containers(model: nn.Module) -> list[list[str]]:
     return found
 
 
+def check_leaf_modules(model: nn.Module, leaf_modules: Iterable[type | str]) -> None:
+    """A UserError naming a leaf module class name that no module of ``model`` has (a typo)."""
+    present: set[str] = set()
+    for m in model.modules():
+        cls = type(m)
+        present |= {cls.__name__, cls.__qualname__, f"{cls.__module__}.{cls.__qualname__}"}
+    unknown = [x for x in leaf_modules if isinstance(x, str) and x not in present]
+    if unknown:
+        classes = sorted({type(m).__name__ for m in model.modules()})
+        raise UserError(f"leaf module {unknown[0]!r} is not a module class of {type(model).__name__}; "
+                        f"its classes are: {', '.join(classes)}")
+
+
 def _leaf_prefixes(model: nn.Module, leaf_modules: tuple[type | str, ...]) -> list[list[str]]:
     if not leaf_modules:
         return []

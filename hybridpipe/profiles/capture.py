@@ -5,8 +5,13 @@ training mode, with every input dimension dynamic where the model allows it (so 
 another size or sequence length runs through the same graph), and groups the graph's operations
 into blocks (blocks.py). The graph's parameters and buffers are the model's own objects under
 their ``state_dict`` names. If torch.export cannot capture the model, torch.fx's symbolic tracer
-is tried (profiles/trace.py); if both fail, the user gets one line naming the construct, the
-source line and what to do.
+is tried (profiles/trace.py), with the ``leaf_modules`` as single calls that run as written; if
+both fail, the user gets one line naming the construct, the source line and what to do.
+
+A custom ``torch.autograd.Function`` is a case of its own: torch.export records the operations of
+its ``forward`` and differentiates those, so its own ``backward`` would silently be lost (a
+gradient reversal layer would train the wrong way). Such a model is captured by torch.fx with the
+modules that call the Function as leaves (``--leaf CLASS``), or refused with one line.
 
 The example input is what one batch of the dataset holds: a tensor (called as ``model(x)``), a
 tuple or list (``model(*x)``) or a dict (``model(**x)``), nested structures allowed. What training
@@ -21,8 +26,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import os
-import traceback
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,11 +35,17 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 
 from hybridpipe.errors import UserError
-from hybridpipe.profiles.blocks import Block, group_blocks, is_operation
+from hybridpipe.profiles.blocks import Block, check_leaf_modules, group_blocks, is_operation, parse_granularity
+from hybridpipe.profiles.export_support import (
+    custom_functions,
+    export_failure_message,
+    first_line,
+    quiet_failures,
+    side_effect_free,
+)
 
 log = logging.getLogger(__name__)
 
-_TORCH_DIR = os.path.dirname(torch.__file__)
 _META = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.SymInt, torch.SymFloat, torch.SymBool)
 
 
@@ -124,14 +133,22 @@ def capture_model(model: nn.Module, example: Any, *, granularity: str | int = "b
                   leaf_modules: Iterable[type | str] = ()) -> CapturedModel:
     """Capture ``model`` (in training mode) on ``example`` and group it into blocks."""
     model.train()
+    parse_granularity(granularity)          # refuse a bad granularity or leaf name before the slow export
+    leaf_modules = tuple(leaf_modules)
+    check_leaf_modules(model, leaf_modules)
     args, kwargs = call_args(example)
     kwargs = {**kwargs, **training_switches(model)}
+    functions: list[str] = []
     try:
-        captured = _export(model, args, kwargs)
+        captured = _export(model, args, kwargs, functions)
     except UserError:
         raise
     except Exception as export_error:  # torch.export raises many kinds; the fx tracer may still succeed
-        captured = _fx_fallback(model, args, kwargs, export_error)
+        captured = _fx_fallback(model, args, kwargs, export_error, leaf_modules)
+        with side_effect_free(model), torch.enable_grad():   # export stopped short of seeing them all
+            functions = custom_functions(model(*args, **kwargs))
+    if functions:
+        captured = _keeping_functions(model, args, kwargs, functions, leaf_modules, captured)
     _canonical_names(captured.graph, model)
     blocks = group_blocks(captured.graph, model, granularity, leaf_modules)
     captured.blocks = tuple(blocks)
@@ -139,20 +156,31 @@ def capture_model(model: nn.Module, example: Any, *, granularity: str | int = "b
     return captured
 
 
-def _export(model: nn.Module, args: tuple, kwargs: dict) -> CapturedModel:
+def _export(model: nn.Module, args: tuple, kwargs: dict, functions: list[str]) -> CapturedModel:
+    """torch.export's graph of ``model``; the custom autograd Functions its forward calls are added
+    to ``functions`` (seen on the autograd graph of the traced output, which export records)."""
     from torch.export import Dim, export
 
     def dynamic(x: Any) -> Any:
         return {i: Dim.AUTO for i in range(x.dim())} if isinstance(x, torch.Tensor) else None
 
+    def seen(module: nn.Module, inputs: Any, output: Any) -> None:
+        functions.extend(f for f in custom_functions(output) if f not in functions)
+
+    hook = model.register_forward_hook(seen)
     try:
-        bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
-        dynamic_shapes: Any = {name: pytree.tree_map(dynamic, value) for name, value in bound.items()}
-        ep = export(model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
-    except Exception as e:
-        log.info("torch.export with dynamic shapes failed (%s: %s); capturing with static shapes",
-                 type(e).__name__, _first_line(e))
-        ep = export(model, args, kwargs, strict=False)
+        try:
+            bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
+            dynamic_shapes: Any = {name: pytree.tree_map(dynamic, value) for name, value in bound.items()}
+            with quiet_failures():
+                ep = export(model, *_unmarked(args, kwargs), strict=False, dynamic_shapes=dynamic_shapes)
+        except Exception as e:
+            with quiet_failures():       # fresh tensor objects: export marks its inputs' dynamic dimensions
+                ep = export(model, *_unmarked(args, kwargs), strict=False)
+            log.info("captured %s with static shapes: every batch must have the example's shapes "
+                     "(dynamic shapes failed: %s: %s)", type(model).__name__, type(e).__name__, first_line(e))
+    finally:
+        hook.remove()
     gm = ep.module()
     for node in list(gm.graph.nodes):
         if node.op == "call_module" and not is_operation(node) and not node.users:
@@ -170,6 +198,15 @@ def _export(model: nn.Module, args: tuple, kwargs: dict) -> CapturedModel:
     return CapturedModel(module=model, graph=gm, blocks=(), inputs=tuple(placeholders),
                          input_paths=tuple(pytree.keystr(p) for p, _ in flat), constants=constants,
                          out_spec=info.out_spec if info is not None else None, front_end="export")
+
+
+def _unmarked(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The inputs as new tensor objects (same data): torch.export records the dynamic dimensions it
+    was asked for on the tensors it is given, and a retry with static shapes on them would fail."""
+    def fresh(v: Any) -> Any:
+        return v.detach().requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) else v
+
+    return pytree.tree_map(fresh, args), pytree.tree_map(fresh, kwargs)
 
 
 def _canonical_names(gm: fx.GraphModule, model: nn.Module) -> None:
@@ -203,7 +240,35 @@ def _strip_pytree_codegen(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
-def _fx_fallback(model: nn.Module, args: tuple, kwargs: dict, export_error: BaseException) -> CapturedModel:
+def _keeping_functions(model: nn.Module, args: tuple, kwargs: dict, functions: list[str],
+                       leaf_modules: tuple[type | str, ...], captured: CapturedModel) -> CapturedModel:
+    """The fx capture of a model that calls custom autograd Functions, if every one of them runs
+    inside a leaf module (checked on one forward of the graph); else a UserError."""
+    problem = (f"{type(model).__name__} calls the custom torch.autograd.Function {', '.join(functions)}, whose own "
+               "backward torch.export would replace by the derivative of its forward")
+    fix = "keep the module that calls it whole with --leaf CLASS (it then runs as written, traced by torch.fx)"
+    if not leaf_modules:
+        raise UserError(f"{problem}; {fix}")
+    if captured.front_end != "fx":
+        captured = _fx_fallback(model, args, kwargs, RuntimeError(problem), leaf_modules)
+    with side_effect_free(model), torch.enable_grad():
+        kept = custom_functions(captured.graph(*args, *captured.constants.values()))
+    lost = [f for f in functions if f not in kept]
+    if lost:
+        raise UserError(f"{type(model).__name__} calls the custom torch.autograd.Function {', '.join(lost)} outside "
+                        f"the leaf modules ({', '.join(map(_leaf_name, leaf_modules))}), and torch.export would "
+                        f"replace its own backward by the derivative of its forward; {fix}")
+    log.warning("%s calls custom autograd Functions (%s): captured with torch.fx, the leaf modules run as written",
+                type(model).__name__, ", ".join(functions))
+    return captured
+
+
+def _leaf_name(leaf: type | str) -> str:
+    return leaf.__name__ if isinstance(leaf, type) else leaf
+
+
+def _fx_fallback(model: nn.Module, args: tuple, kwargs: dict, export_error: BaseException,
+                 leaf_modules: tuple[type | str, ...] = ()) -> CapturedModel:
     from hybridpipe.profiles.trace import trace_model
 
     tensors_only = all(isinstance(a, torch.Tensor) for a in args) and not [
@@ -211,11 +276,11 @@ def _fx_fallback(model: nn.Module, args: tuple, kwargs: dict, export_error: Base
     if not tensors_only:
         raise UserError(export_failure_message(model, export_error)) from None
     try:
-        gm = trace_model(model)
+        gm = trace_model(model, leaf_modules)
     except UserError:
         raise UserError(export_failure_message(model, export_error)) from None
     log.warning("torch.export cannot capture %s (%s); using torch.fx's symbolic tracer instead",
-                type(model).__name__, _first_line(export_error))
+                type(model).__name__, first_line(export_error))
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     names = tuple(n.name for n in placeholders)
     paths = tuple(pytree.keystr(p) for p, _ in pytree.tree_flatten_with_path((args, {}))[0])
@@ -235,7 +300,7 @@ def _fx_values(gm: fx.GraphModule, args: tuple, constants: dict[str, Any]) -> di
             values[n.name] = out
             return out
 
-    with torch.no_grad():
+    with torch.no_grad(), side_effect_free(gm):
         Recorder(gm).run(*args, *constants.values())
     return values
 
@@ -293,26 +358,6 @@ def tied_parameters(model: nn.Module) -> list[tuple[str, ...]]:
     return [tuple(v) for v in names.values() if len(v) > 1]
 
 
-def export_failure_message(model: nn.Module, error: BaseException) -> str:
-    """One line: what torch.export could not capture, where in the user's code, and what to do."""
-    frame = _user_frame(error)
-    at = f" at {os.path.basename(frame.filename)}:{frame.lineno} `{(frame.line or '').strip()}`" if frame else ""
-    return (f"torch.export cannot capture {type(model).__name__}{at}: {type(error).__name__}: {_first_line(error)}; "
-            "make that code traceable (no Python branching on tensor values: use torch.where/torch.cond, "
-            "or compute it outside forward), or pass an example input the model accepts")
-
-
-def _user_frame(error: BaseException) -> traceback.FrameSummary | None:
-    frames = traceback.extract_tb(error.__traceback__)
-    user = [f for f in frames if not f.filename.startswith(_TORCH_DIR) and f.filename != __file__]
-    return user[-1] if user else None
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    line = text.splitlines()[0] if text else "(no message)"
-    return line[:300]
-
 
 __all__ = ["CapturedModel", "capture_model", "call_args", "own_loss", "training_switches", "unsendable",
-           "tied_parameters", "node_parameters", "export_failure_message"]
+           "tied_parameters", "node_parameters", "export_failure_message", "custom_functions", "check_leaf_modules"]

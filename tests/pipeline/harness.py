@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable
+
 import torch
+from torch.utils.data import Dataset
 
 from hybridpipe.partitioner.cluster import Cluster, Level
 from hybridpipe.partitioner.plan import Plan, Stage, TiedGroup
@@ -11,13 +15,15 @@ from hybridpipe.pipeline.data import MicroBatches
 from hybridpipe.pipeline.engine import PipelineEngine
 from hybridpipe.pipeline.inprocess import InProcessGradSync, InProcessNetwork, ReplicaGroup, run_ranks
 from hybridpipe.pipeline.schedules import Topology
-from hybridpipe.pipeline.stage import build_stage, captured_signature
+from hybridpipe.pipeline.stage import PipelineStage, build_stage, captured_signature
 from hybridpipe.pipeline.tied import TiedSync, complete_tied, stage_tied_params, tied_ranks
 from hybridpipe.profiles.capture import CapturedModel, call_args, capture_model, tied_parameters, training_switches
 from hybridpipe.profiles.data import resolve_dataset
 from hybridpipe.profiles.graphinfo import node_infos
 from hybridpipe.profiles.zoo import ModelSpec, resolve_model
 from hybridpipe.runtime.parts import NoParameters
+
+Observer = Callable[[int, int, PipelineStage], None]     # (rank, step, stage) after every step
 
 
 def capture(spec: ModelSpec, batch_size: int = 4, seed: int = 0, granularity: str = "blocks") -> CapturedModel:
@@ -26,6 +32,19 @@ def capture(spec: ModelSpec, batch_size: int = 4, seed: int = 0, granularity: st
     module = spec.build()
     example = spec.example_input(batch_size, torch.Generator().manual_seed(seed))
     return capture_model(module, example, granularity=granularity, leaf_modules=spec.leaf_modules)
+
+
+_CAPTURES: dict[tuple, CapturedModel] = {}
+
+
+def capture_copy(spec: ModelSpec, batch_size: int = 4, seed: int = 0, granularity: str = "blocks") -> CapturedModel:
+    """A deep copy of one capture per (model, batch size, seed, granularity), for tests that run
+    many pipelines of one model (capturing a Hugging Face model takes seconds): every copy is the
+    same fresh model, as separate captures on every rank are (tests/runtime runs those)."""
+    key = (spec.name, batch_size, seed, str(granularity))
+    if key not in _CAPTURES:
+        _CAPTURES[key] = capture(spec, batch_size, seed, granularity)
+    return copy.deepcopy(_CAPTURES[key])
 
 
 def plan_tied(captured: CapturedModel, ranges: list[tuple[int, int]]) -> tuple[TiedGroup, ...]:
@@ -38,12 +57,14 @@ def plan_tied(captured: CapturedModel, ranges: list[tuple[int, int]]) -> tuple[T
 
 def make_plan(model: str, cuts: list[int], replicas: list[int], *, schedule: str = "1f1b", micro_batches: int = 4,
               batch_size: int = 4, times: list[tuple[float, float]] | None = None, send_ms: float = 0.0,
-              n_nodes: int | None = None, signature: str = "", granularity: str = "blocks") -> Plan:
-    """A plan cutting ``model`` after the node ids in ``cuts`` (stage s ends at cuts[s])."""
+              n_nodes: int | None = None, signature: str = "", granularity: str = "blocks",
+              shared_capture: bool = False) -> Plan:
+    """A plan cutting ``model`` after the node ids in ``cuts`` (stage s ends at cuts[s]); ``n_nodes``
+    and ``signature`` default to the captured model's (give others for a plan made for another graph)."""
     spec = resolve_model(model)
-    captured = capture(spec, batch_size, granularity=granularity)
-    n_nodes = len(captured.blocks)
-    signature = captured_signature(captured)
+    captured = (capture_copy if shared_capture else capture)(spec, batch_size, granularity=granularity)
+    n_nodes = n_nodes or len(captured.blocks)
+    signature = signature or captured_signature(captured)
     bounds = [-1, *cuts, n_nodes - 1]
     stages, rank = [], 0
     for s, r in enumerate(replicas):
@@ -60,11 +81,13 @@ def make_plan(model: str, cuts: list[int], replicas: list[int], *, schedule: str
                 granularity=granularity)
 
 
-def data_for(plan: Plan, steps: int, seed: int = 1) -> MicroBatches:
+def data_for(plan: Plan, steps: int, seed: int = 1, dataset: Dataset | None = None) -> MicroBatches:
+    """The plan's micro-batches: synthetic data, or ``dataset``'s samples."""
     spec = resolve_model(plan.model)
     size = steps * plan.micro_batches * plan.batch_size
-    return MicroBatches(resolve_dataset("synthetic", spec, size=size, seed=seed), plan.batch_size, plan.micro_batches,
-                        targets=spec.loss is not None)
+    if dataset is None:
+        dataset = resolve_dataset("synthetic", spec, size=size, seed=seed)
+    return MicroBatches(dataset, plan.batch_size, plan.micro_batches, targets=spec.loss is not None)
 
 
 def make_optimizer(params, lr: float, kind: str = "sgd") -> torch.optim.Optimizer:
@@ -77,10 +100,15 @@ def make_optimizer(params, lr: float, kind: str = "sgd") -> torch.optim.Optimize
 
 
 def train_pipeline(plan: Plan, steps: int, *, lr: float = 0.05, seed: int = 0, optimizer: str = "sgd",
-                   drain_every: int | None = None, device: str = "cpu",
+                   drain_every: int | None = None, device: str = "cpu", dataset: Dataset | None = None,
+                   shared_capture: bool = False, observe: Observer | None = None, tied_sync: bool = True,
                    ) -> tuple[dict[str, torch.Tensor], dict[int, list[float]]]:
     """Train ``plan`` with one thread per rank; returns the merged state dict (replica 0 of every
-    stage, after checking the replicas agree bitwise) and the losses per step."""
+    stage, after checking the replicas agree bitwise) and the losses per step.
+
+    ``dataset``: the samples (default: synthetic); ``shared_capture``: every rank gets a copy of one
+    capture (see capture_copy); ``observe(rank, step, stage)`` runs on every rank after every step;
+    ``tied_sync=False`` sums nothing across the copies of tied weights (to see them drift apart)."""
     spec = resolve_model(plan.model)
     topo = Topology.from_plan(plan)
     network = InProcessNetwork(timeout=60)
@@ -88,15 +116,16 @@ def train_pipeline(plan: Plan, steps: int, *, lr: float = 0.05, seed: int = 0, o
     tied_groups = {ranks: ReplicaGroup(len(ranks)) for ranks in {tied_ranks(plan, g) for g in plan.tied}}
 
     def rank_fn(rank: int):
-        captured = capture(spec, plan.batch_size, seed, plan.granularity)
+        captured = (capture_copy if shared_capture else capture)(spec, plan.batch_size, seed, plan.granularity)
         stage = build_stage(captured, plan, rank, loss=spec.loss).to(device)
         st, replica = plan.stage_of_rank(rank)
         held = stage_tied_params(plan, st.index, captured.module)
-        tied = TiedSync([(params, _summer(tied_groups[ranks], ranks.index(rank))) for ranks, params in held.items()])
+        tied = TiedSync([(params, _summer(tied_groups[ranks], ranks.index(rank)) if tied_sync else _no_sum)
+                         for ranks, params in held.items()])
         sync = InProcessGradSync(stage.module, groups[st.index], replica, exclude=tied.params)
         engine = PipelineEngine(stage, topo, rank, plan.schedule, transport=network.transport(rank),
                                 optimizer=make_optimizer(stage.module.parameters(), lr, optimizer),
-                                data=data_for(plan, steps), sync=sync, tied=tied if held else None)
+                                data=data_for(plan, steps, dataset=dataset), sync=sync, tied=tied if held else None)
 
         def run():
             losses = {}
@@ -104,6 +133,8 @@ def train_pipeline(plan: Plan, steps: int, *, lr: float = 0.05, seed: int = 0, o
                 last = k == steps - 1 or (drain_every is not None and (k + 1) % drain_every == 0)
                 res = engine.run_step(k, drain=last)
                 losses[k] = [float(v) for _, v in sorted(res.losses.items())]
+                if observe is not None:
+                    observe(rank, k, stage)
             return {k: v.cpu() for k, v in stage.state_dict().items()}, losses, engine
         return run
 
@@ -118,7 +149,7 @@ def train_pipeline(plan: Plan, steps: int, *, lr: float = 0.05, seed: int = 0, o
             other = results[r][0]
             assert all(torch.equal(first[k], other[k]) for k in first), f"replicas of stage {s.index} differ"
         merged.update(first)
-    merged = complete_tied(merged, tied_parameters(spec.build()))
+    merged = complete_tied(merged, tied_parameters(spec.build())) if tied_sync else merged
     for s in plan.stages[-1:]:
         for r in s.ranks:
             for k, v in results[r][1].items():
@@ -126,19 +157,31 @@ def train_pipeline(plan: Plan, steps: int, *, lr: float = 0.05, seed: int = 0, o
     return merged, losses
 
 
-def train_reference(plan: Plan, steps: int, *, lr: float = 0.05, seed: int = 0,
-                    optimizer: str = "sgd", device: str = "cpu") -> dict[str, torch.Tensor]:
-    """Plain single-process training on each step's concatenated global batch (mean loss)."""
+def train_reference(plan: Plan, steps: int, *, lr: float = 0.05, seed: int = 0, optimizer: str = "sgd",
+                    device: str = "cpu", dataset: Dataset | None = None, accumulate: bool = False,
+                    observe: Callable[[int, torch.nn.Module], None] | None = None) -> dict[str, torch.Tensor]:
+    """Plain single-process training on each step's concatenated global batch (mean loss), or with
+    ``accumulate`` micro-batch by micro-batch, each one's mean loss / M (gradient accumulation: the
+    same thing when micro-batches are alike; micro-batches padded to different lengths cannot be
+    concatenated, and a token-mean loss weighs their tokens per micro-batch). ``observe(step,
+    model)`` runs after every step."""
     spec = resolve_model(plan.model)
     torch.manual_seed(seed)
     model = spec.build().to(device)
     opt = make_optimizer(model.parameters(), lr, optimizer)
-    data = data_for(plan, steps)
+    data = data_for(plan, steps, dataset=dataset)
     for k in range(steps):
-        x, y = data.global_batch(k)
         opt.zero_grad()
-        model_loss(spec, model, x, y).backward()
+        if accumulate:
+            for m in range(plan.micro_batches):
+                x, y = data.batch(k, m)
+                (model_loss(spec, model, x, y) / plan.micro_batches).backward()
+        else:
+            x, y = data.global_batch(k)
+            model_loss(spec, model, x, y).backward()
         opt.step()
+        if observe is not None:
+            observe(k, model)
     return {k: v.cpu() for k, v in model.state_dict().items()}
 
 
@@ -147,6 +190,10 @@ def model_loss(spec: ModelSpec, model: torch.nn.Module, x, y) -> torch.Tensor:
     args, kwargs = call_args(x)
     out = model(*args, **kwargs, **training_switches(model))
     return spec.loss(out, y) if spec.loss is not None else out.loss
+
+
+def _no_sum(flat: torch.Tensor) -> None:
+    """A tied-gradient sum that sums nothing: each copy keeps its own stage's gradient."""
 
 
 def _summer(group: ReplicaGroup, index: int):
