@@ -6,8 +6,8 @@
 
 The model is profiled in this process (one thread, as the workers run) and split into
 ``--stages`` stages with balanced compute (``hybridpipe partition --strategy time``); both
-systems run exactly those stages (hybridpipe's fx split, the same GraphModules handed to torch's
-``PipelineStage``), ``--micro-batches`` micro-batches of ``--batch-size`` samples per step, SGD
+systems run exactly those stages (hybridpipe's cut of the captured graph, the same GraphModules
+handed to torch's ``PipelineStage``), ``--micro-batches`` micro-batches of ``--batch-size`` samples per step, SGD
 after each step, synthetic data fetched inside the timed step on both sides, gloo on loopback,
 one process per stage and one thread per process.
 
@@ -60,9 +60,9 @@ from hybridpipe.partitioner.cluster import Cluster, Level  # noqa: E402
 from hybridpipe.partitioner.plan import load_plan, save_plan  # noqa: E402
 from hybridpipe.partitioner.planner import Request, partition  # noqa: E402
 from hybridpipe.pipeline import MicroBatches, build_stage_index  # noqa: E402
+from hybridpipe.profiles.capture import capture_model  # noqa: E402
 from hybridpipe.profiles.data import resolve_dataset  # noqa: E402
 from hybridpipe.profiles.profiler import profile_model  # noqa: E402
-from hybridpipe.profiles.trace import trace_model  # noqa: E402
 from hybridpipe.profiles.zoo import resolve_model  # noqa: E402
 from hybridpipe.runtime.config import build_parser, resolve  # noqa: E402
 from hybridpipe.runtime.worker import run_worker  # noqa: E402
@@ -89,6 +89,19 @@ def ours(rank: int, world: int, plan_path: str, steps: int, mode: str, run_dir: 
     return None if summary is None else {int(k): v for k, v in summary["job_step_ms"].items()}
 
 
+class _TorchStage(torch.nn.Module):
+    """hybridpipe's stage graph as torch's PipelineStage takes it: the last stage returns the
+    model's output as the model does (the graph returns its flat outputs), the others their tuple."""
+
+    def __init__(self, stage):
+        super().__init__()
+        self.graph, self.captured, self.last = stage.module, stage.captured, stage.is_last
+
+    def forward(self, *args):
+        out = self.graph(*args)
+        return self.captured.rebuild_output(out) if self.last else tuple(out)
+
+
 def theirs(rank: int, world: int, plan_path: str, steps: int) -> dict | None:
     """torch.distributed.pipelining's Schedule1F1B on the same stages; rank 0 returns the job's step times."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
@@ -96,9 +109,10 @@ def theirs(rank: int, world: int, plan_path: str, steps: int) -> dict | None:
     plan = load_plan(plan_path)
     spec = resolve_model(plan.model)
     torch.manual_seed(SEED)
-    gm = trace_model(spec.build(), spec.leaf_modules)
-    stage = build_stage_index(gm, [(s.first_node, s.last_node) for s in plan.stages], rank, loss=spec.loss)
-    pipe = PipelineStage(stage.module, rank, world, torch.device("cpu"))
+    example = spec.example_input(plan.batch_size, torch.Generator().manual_seed(SEED))
+    captured = capture_model(spec.build(), example, granularity=plan.granularity, leaf_modules=spec.leaf_modules)
+    stage = build_stage_index(captured, [(s.first_node, s.last_node) for s in plan.stages], rank, loss=spec.loss)
+    pipe = PipelineStage(_TorchStage(stage), rank, world, torch.device("cpu"))
     schedule = Schedule1F1B(pipe, n_microbatches=plan.micro_batches, loss_fn=spec.loss)
     params = list(stage.module.parameters())
     optimizer = torch.optim.SGD(params, lr=LR, momentum=MOMENTUM) if params else None

@@ -30,6 +30,7 @@ class ModelCosts:
     cut_bytes: np.ndarray                   # forward activations crossing the cut after each position
     cut_grad_bytes: np.ndarray              # their gradients coming back
     step_ms: tuple[tuple[str, float], ...] = ()   # (optimizer, ms of one step over all parameters)
+    saved_bytes: np.ndarray | None = None   # what autograd keeps per node for the backward (None: unknown)
 
     @property
     def n(self) -> int:
@@ -40,8 +41,10 @@ class ModelCosts:
         return np.concatenate([[0.0], np.cumsum(values, dtype=float)])
 
     def stash_bytes(self, i: int, j: int) -> float:
-        """Activations one micro-batch leaves for the backward of stage i..j (its outputs and inputs)."""
-        return float(self.activation_bytes[i:j + 1].sum() + (self.cut_bytes[i - 1] if i > 0 else 0))
+        """Activations one micro-batch leaves for the backward of stage i..j: what autograd saves in
+        its nodes (the profile's ``saved_bytes``; their outputs where it has none) and its inputs."""
+        kept = self.saved_bytes if self.saved_bytes is not None else self.activation_bytes
+        return float(kept[i:j + 1].sum() + (self.cut_bytes[i - 1] if i > 0 else 0))
 
     def optimizer_ms(self, optimizer: str) -> np.ndarray:
         """Each node's share of one optimizer step (by parameter bytes); zeros if the profile did not time it."""
@@ -59,7 +62,32 @@ class ModelCosts:
 
 
 def model_costs(profile: Profile) -> ModelCosts:
-    """Extract the arrays from a profile (one pass over nodes and edges)."""
+    """Extract the arrays from a profile. Cut sizes are the profile's exact ``cut_bytes`` when it has
+    them (hybridpipe's profiler), else derived from the edges (hand-made or imported profiles)."""
+    exact = any(nd.cut_bytes for nd in profile.nodes)
+    if exact:
+        cut = np.array([nd.cut_bytes for nd in profile.nodes], dtype=float)
+        cut_grad = np.array([nd.cut_grad_bytes for nd in profile.nodes], dtype=float)
+    else:
+        cut, cut_grad = _edge_cuts(profile)
+    saved = np.array([nd.saved_bytes for nd in profile.nodes], dtype=float)
+    return ModelCosts(
+        names=tuple(nd.name for nd in profile.nodes),
+        params=tuple(nd.params for nd in profile.nodes),
+        forward_ms=np.array([nd.forward_ms for nd in profile.nodes], dtype=float),
+        backward_ms=np.array([nd.backward_ms for nd in profile.nodes], dtype=float),
+        param_bytes=np.array([nd.param_bytes for nd in profile.nodes], dtype=float),
+        activation_bytes=np.array([nd.activation_bytes for nd in profile.nodes], dtype=float),
+        cut_bytes=cut,
+        cut_grad_bytes=cut_grad,
+        step_ms=(("sgd", profile.totals.sgd_step_ms), ("adam", profile.totals.adam_step_ms)),
+        saved_bytes=saved if saved.any() else None,
+    )
+
+
+def _edge_cuts(profile: Profile) -> tuple[np.ndarray, np.ndarray]:
+    """(cut bytes, their gradients) from the edges: every node output live across a cut is charged
+    there; the first node's output (the input batch, when it is a node) needs no gradient."""
     n = len(profile.nodes)
     last_use = list(range(n))
     for src, dst in profile.edges:
@@ -76,14 +104,4 @@ def model_costs(profile: Profile) -> ModelCosts:
             diff_ng[last_use[u]] -= no_grad[u]
     cut = np.cumsum(diff)[:n]
     cut_ng = np.cumsum(diff_ng)[:n]
-    return ModelCosts(
-        names=tuple(nd.name for nd in profile.nodes),
-        params=tuple(nd.params for nd in profile.nodes),
-        forward_ms=np.array([nd.forward_ms for nd in profile.nodes], dtype=float),
-        backward_ms=np.array([nd.backward_ms for nd in profile.nodes], dtype=float),
-        param_bytes=np.array([nd.param_bytes for nd in profile.nodes], dtype=float),
-        activation_bytes=act,
-        cut_bytes=cut,
-        cut_grad_bytes=cut - cut_ng,
-        step_ms=(("sgd", profile.totals.sgd_step_ms), ("adam", profile.totals.adam_step_ms)),
-    )
+    return cut, cut - cut_ng

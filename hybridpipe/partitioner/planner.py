@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime as dt
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner import dp
@@ -28,8 +28,9 @@ from hybridpipe.partitioner.objective import (
     predict_step_ms,
 )
 from hybridpipe.partitioner.pipedream import pipedream_stages
-from hybridpipe.partitioner.plan import ALGORITHMS, OPTIMIZERS, SCHEDULES, STRATEGIES, Plan, Stage
+from hybridpipe.partitioner.plan import ALGORITHMS, OPTIMIZERS, SCHEDULES, STRATEGIES, LayerSync, Plan, Stage
 from hybridpipe.partitioner.strategies import baseline_stages
+from hybridpipe.partitioner.tied import tied_groups
 from hybridpipe.profiles.format import Profile
 
 MICRO_BATCHES_PER_WORKER = 2      # default micro-batches per step: enough to keep every stage busy
@@ -102,7 +103,7 @@ def partition(profile: Profile, cluster: Cluster, req: Request = Request(),
     ev = evaluate(costs, model, stages, opts)
     if not ev.fits:
         raise UserError(memory_message(stages, ev, opts, req.strategy))
-    return Outcome(build_plan(profile, costs, cluster, stages, ev, opts, req.strategy), ev, model, opts)
+    return Outcome(build_plan(profile, costs, cluster, stages, ev, opts, req.strategy, model), ev, model, opts)
 
 
 def choose_stages(strategy: str, costs: ModelCosts, model: CostModel, workers: int, opts: Options,
@@ -127,22 +128,43 @@ def choose_stages(strategy: str, costs: ModelCosts, model: CostModel, workers: i
 
 
 def build_plan(profile: Profile, costs: ModelCosts, cluster: Cluster, stages: Sequence[StageSpec],
-               ev: Evaluation, opts: Options, strategy: str) -> Plan:
-    """The Plan: stages with their predicted figures, the step time and throughput."""
-    step_ms = predict_step_ms(ev, opts)
+               ev: Evaluation, opts: Options, strategy: str, model: CostModel | None = None) -> Plan:
+    """The Plan: stages with their predicted figures, the step time and throughput.
+
+    Parameters read by several stages (tied weights) are summed across those stages' ranks once
+    per step, after the last backward (torch's own all-reduce): it is added to the predicted step."""
+    model = model or CostModel(cluster)
+    tied = []
+    for group in tied_groups(profile, [(s.first, s.last) for s in stages]):
+        ranks = sorted(r for i in group.stages for r in stages[i].ranks)
+        ms = model.allreduce_seconds("native", group.bytes, ranks) * 1e3
+        tied.append(replace(group, predicted_ms=round(ms, 6)))
+    step_ms = predict_step_ms(ev, opts) + sum(t.predicted_ms for t in tied)
     out = []
     for idx, (spec, e) in enumerate(zip(stages, ev.stages, strict=True)):
         out.append(Stage(index=idx, first_node=spec.first, last_node=spec.last, replicas=len(spec.ranks),
                          ranks=tuple(spec.ranks), compute_ms=e.forward_ms + e.backward_ms, forward_ms=e.forward_ms,
                          backward_ms=e.backward_ms, sync_ms=e.sync_ms_per_step, send_ms=e.send_ms,
-                         send_bytes=int(e.send_bytes), memory_bytes=int(e.memory_bytes), layers=e.sync.layers,
+                         send_bytes=int(e.send_bytes), memory_bytes=int(e.memory_bytes),
+                         layers=without_tied(e.sync.layers, {t.param: t.bytes for t in tied if idx in t.stages}),
                          overhead_ms=e.overhead_ms))
     samples = opts.micro_batches * profile.batch_size / (step_ms / 1e3) if step_ms > 0 else 0.0
     return Plan(model=profile.model, batch_size=profile.batch_size, input_shape=tuple(profile.input_shape),
                 profile_signature=profile.signature(), cluster=cluster, strategy=strategy, schedule=opts.schedule,
                 micro_batches=opts.micro_batches, optimizer=opts.optimizer, stages=tuple(out),
                 predicted_step_ms=step_ms, predicted_samples_per_s=samples,
-                created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
+                created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                granularity=profile.granularity, tied=tuple(tied))
+
+
+def without_tied(layers: Sequence[LayerSync], tied: dict[str, int]) -> tuple[LayerSync, ...]:
+    """A stage's layers without the parameters the stages' tied sync sums instead (``tied``: name -> bytes)."""
+    out = []
+    for lv in layers:
+        kept = tuple(p for p in lv.params if p not in tied)
+        if kept:
+            out.append(replace(lv, params=kept, bytes=lv.bytes - sum(tied[p] for p in lv.params if p in tied)))
+    return tuple(out)
 
 
 def no_fit_message(costs: ModelCosts, workers: int, opts: Options) -> str:

@@ -48,6 +48,7 @@ import os
 import random
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -117,7 +118,7 @@ class Checkpointer:
     """Periodic, atomic, collective checkpoints of one rank's part (see the module docstring)."""
 
     def __init__(self, root: str | os.PathLike, *, plan, rank: int, every: int = 0, keep: int = 3,
-                 group: dist.ProcessGroup | None = None) -> None:
+                 group: dist.ProcessGroup | None = None, tied: Sequence[Sequence[str]] = ()) -> None:
         if every < 0:
             raise UserError(f"--checkpoint-every must be >= 0 (0: never), got {every}")
         self.root = Path(root)
@@ -126,6 +127,7 @@ class Checkpointer:
         self.every = every
         self.keep = keep
         self.group = group
+        self.tied = [list(names) for names in tied]      # names of one parameter (merge fills them all in)
         stage, replica = plan.stage_of_rank(rank)
         self.stage, self.replica = stage.index, replica
         self.n_stages = len(plan.stages)
@@ -234,6 +236,7 @@ class Checkpointer:
                 "batch_size": p.batch_size, "n_stages": self.n_stages, "world_size": p.world_size,
                 "stages": [{"first_node": s.first_node, "last_node": s.last_node, "ranks": list(s.ranks)}
                            for s in p.stages],
+                "tied": self.tied,
                 "lineage": self.lineage,
                 "created": datetime.datetime.now().isoformat(timespec="seconds"), "save_seconds": round(seconds, 3)}
 

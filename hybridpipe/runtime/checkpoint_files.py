@@ -41,6 +41,7 @@ import torch
 
 from hybridpipe.errors import UserError
 from hybridpipe.jsonfile import field, parse_json, replace_into
+from hybridpipe.pipeline.tied import complete_tied
 
 CHECKPOINT_KIND = "checkpoint"
 CHECKPOINT_FORMAT = 1
@@ -355,7 +356,9 @@ def merge_stages(root: str | os.PathLike, step: int) -> tuple[dict[str, torch.Te
     """One state_dict of the whole model from every stage file of ``step`` (and the manifest).
 
     Keys must be disjoint across stages unless they hold equal tensors (a weight shared by two
-    stages); anything else is an error naming the key.
+    stages); anything else is an error naming the key. A tied parameter (the manifest's ``tied``
+    names) appears under every one of its names, as in the unsplit model's ``state_dict``, once
+    its stages' copies are checked to be bit-identical.
     """
     manifest = read_manifest(step_dir(root, step))
     merged: dict[str, torch.Tensor] = {}
@@ -370,4 +373,4 @@ def merge_stages(root: str | os.PathLike, step: int) -> tuple[dict[str, torch.Te
                                 "this checkpoint cannot be merged into one state_dict")
             merged.setdefault(key, value)
             owner.setdefault(key, k)
-    return merged, manifest
+    return complete_tied(merged, manifest.get("tied", [])), manifest

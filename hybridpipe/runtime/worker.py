@@ -25,6 +25,8 @@ import torch.distributed as dist
 from hybridpipe.errors import UserError
 from hybridpipe.jsonfile import write_json
 from hybridpipe.pipeline import PipelineEngine, Topology, build_stage_index
+from hybridpipe.pipeline.stage import loss_of
+from hybridpipe.profiles.capture import tied_parameters
 from hybridpipe.runtime.checkpoint import Checkpointer, restore_rng
 from hybridpipe.runtime.config import RunConfig, flushes
 from hybridpipe.runtime.failure import FailureGuard, default_store, describe_ranks
@@ -34,6 +36,7 @@ from hybridpipe.runtime.nonfinite import NonFiniteWatch
 from hybridpipe.runtime.parts import load_model, make_data, make_optimizer, make_sync, seed_rank, weights_digest
 from hybridpipe.runtime.summary import RankReport, format_summary, summarize
 from hybridpipe.runtime.sync import sync_report
+from hybridpipe.runtime.tied import tied_process_groups, tied_sync
 from hybridpipe.runtime.timeline import TimelineRecorder, trace_dir
 
 log = logging.getLogger(__name__)
@@ -70,10 +73,12 @@ def _train(cfg: RunConfig, proc: Process, model, closers: list, print_fn) -> dic
     traces = None if cfg.trace_dir == "" else Path(cfg.trace_dir or trace_dir(run_dir))
 
     groups = replica_groups(plan, cfg.timeout)
+    tied = tied_sync(plan, stage_plan.index, model.module, tied_process_groups(plan, cfg.timeout))
     watch = _nonfinite_watch(cfg, proc, stage_plan)
-    stage = build_stage_index(model.graph, [(s.first_node, s.last_node) for s in plan.stages], stage_plan.index,
-                              loss=watch.wrap_loss(model.spec.loss)).to(proc.device)
-    sync = make_sync(cfg, stage.module, stage_plan, groups.get(stage_plan.index))
+    stage = build_stage_index(model.captured, [(s.first_node, s.last_node) for s in plan.stages], stage_plan.index,
+                              loss=watch.wrap_loss(loss_of(model.spec.loss))).to(proc.device)
+    sync = make_sync(cfg, stage.module, stage_plan, groups.get(stage_plan.index),
+                     exclude=tied.params if tied is not None else ())
     seed_rank(cfg.seed, rank)
     optimizer: Any = watch.wrap_optimizer(make_optimizer(cfg.optimizer, stage.module.parameters(), lr=cfg.lr,
                                                     momentum=cfg.momentum, weight_decay=cfg.weight_decay))
@@ -88,13 +93,13 @@ def _train(cfg: RunConfig, proc: Process, model, closers: list, print_fn) -> dic
     if recorder is not None:
         recorder.align(dist.barrier)
     engine = PipelineEngine(stage, topo, rank, cfg.schedule, transport=channels, optimizer=optimizer,
-                            data=make_data(cfg, model.spec), sync=sync, recorder=recorder)
+                            data=make_data(cfg, model.spec), sync=sync, recorder=recorder, tied=tied)
 
     ckpt = None
     start = 0
     if cfg.checkpoint_dir:
         ckpt = Checkpointer(cfg.checkpoint_dir, plan=plan, rank=rank, every=cfg.checkpoint_every,
-                            keep=cfg.keep_checkpoints)
+                            keep=cfg.keep_checkpoints, tied=tied_parameters(model.module))
         if cfg.resume:
             start = _restore(ckpt, stage, optimizer, engine, print_fn if rank == ckpt.committer else None)
 

@@ -25,6 +25,7 @@ from hybridpipe.pipeline.data import MicroBatches
 from hybridpipe.profiles.data import resolve_dataset
 from hybridpipe.profiles.zoo import resolve_model
 from hybridpipe.runtime.checkpoint_files import merge_stages
+from tests.pipeline.harness import model_loss
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCH = ROOT / "launch.py"
@@ -126,28 +127,36 @@ def torchrun(args: list[str], nproc: int, *, timeout: float = 180.0, env: dict |
     return done
 
 
-def data_for(plan: Plan, steps: int, seed: int) -> MicroBatches:
-    """The data the runtime feeds (default dataset size: one pass of ``steps`` global batches)."""
+def data_for(plan: Plan, steps: int, seed: int, dataset: str = "synthetic") -> MicroBatches:
+    """The data the runtime feeds (``--dataset``; synthetic: one pass of ``steps`` global batches)."""
     spec = resolve_model(plan.model)
     size = steps * plan.micro_batches * plan.batch_size
-    return MicroBatches(resolve_dataset("synthetic", spec, size=size, seed=seed), plan.batch_size, plan.micro_batches)
+    return MicroBatches(resolve_dataset(dataset, spec, size=size, seed=seed), plan.batch_size, plan.micro_batches,
+                        targets=spec.loss is not None)
 
 
 def sgd(params, lr: float, momentum: float) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=lr, momentum=momentum)
 
 
-def train_reference(plan: Plan, steps: int, *, lr: float, momentum: float, seed: int) -> dict[str, torch.Tensor]:
-    """Plain single-process SGD on each step's concatenated global batch (mean loss)."""
+def train_reference(plan: Plan, steps: int, *, lr: float, momentum: float, seed: int, dataset: str = "synthetic",
+                    accumulate: bool = False) -> dict[str, torch.Tensor]:
+    """Plain single-process SGD on each step's concatenated global batch (mean loss), or with
+    ``accumulate`` micro-batch by micro-batch (each one's mean loss / M: batches padded to
+    different lengths). A model without a loss function trains on its own (a Hugging Face model's
+    ``output.loss``)."""
     spec = resolve_model(plan.model)
     torch.manual_seed(seed)
     model = spec.build()
     opt = sgd(model.parameters(), lr, momentum)
-    data = data_for(plan, steps, seed)
+    data = data_for(plan, steps, seed, dataset)
     for k in range(steps):
-        x, y = data.global_batch(k)
         opt.zero_grad()
-        spec.loss(model(x), y).backward()
+        if accumulate:
+            for m in range(plan.micro_batches):
+                (model_loss(spec, model, *data.batch(k, m)) / plan.micro_batches).backward()
+        else:
+            model_loss(spec, model, *data.global_batch(k)).backward()
         opt.step()
     return model.state_dict()
 

@@ -95,12 +95,17 @@ def test_plan_for_another_world_size_is_refused(plan_file, capsys, monkeypatch):
     assert "the plan needs 3 workers but the job has 4" in capsys.readouterr().err
 
 
-def test_plan_for_another_graph_is_refused(tmp_path, capsys, monkeypatch):
-    plan = make_plan("mlp", [3], [1, 1], signature="0123456789abcdef", n_nodes=11)
+@pytest.mark.parametrize("other,expected", [
+    ({"signature": "0123456789abcdef"}, "the model's traced graph differs from the one the plan was made for"),
+    ({"n_nodes": 11}, "the plan covers 11 graph nodes but the model has 9"),     # mlp: 9 blocks
+])
+def test_plan_for_another_graph_is_refused(tmp_path, capsys, monkeypatch, other, expected):
+    plan = make_plan("mlp", [3], [1, 1], **other)
     save_plan(plan, tmp_path / "plan.json")
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert main(["--plan", str(tmp_path / "plan.json")]) == 2
-    assert "traced graph differs from the one the plan was made for" in capsys.readouterr().err
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and expected in err[0], err
 
 
 def test_missing_or_broken_plan(tmp_path, capsys):
