@@ -54,7 +54,7 @@ def captured_model(model, x, granularity="blocks"):
     return capture_model(model, x, granularity=granularity)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(model_name=st.sampled_from(["resnet-small[norm=none]", GPT, "mlp[layers=3]"]),
        granularity=st.sampled_from(["ops", "modules", "blocks"]), data=st.data())
 def test_any_cut_computes_the_model(model_name, granularity, data):
