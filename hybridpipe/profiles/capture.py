@@ -130,8 +130,11 @@ def training_switches(model: nn.Module) -> dict[str, Any]:
 
 
 def capture_model(model: nn.Module, example: Any, *, granularity: str | int = "blocks",
-                  leaf_modules: Iterable[type | str] = ()) -> CapturedModel:
-    """Capture ``model`` (in training mode) on ``example`` and group it into blocks."""
+                  leaf_modules: Iterable[type | str] = (), dynamic: bool = True) -> CapturedModel:
+    """Capture ``model`` (in training mode) on ``example`` and group it into blocks.
+
+    ``dynamic=False`` fixes every shape to the example's (no ints cross cuts then: a graph for
+    runtimes that carry tensors only, such as torch.distributed.pipelining's stages)."""
     model.train()
     parse_granularity(granularity)          # refuse a bad granularity or leaf name before the slow export
     leaf_modules = tuple(leaf_modules)
@@ -140,7 +143,7 @@ def capture_model(model: nn.Module, example: Any, *, granularity: str | int = "b
     kwargs = {**kwargs, **training_switches(model)}
     functions: list[str] = []
     try:
-        captured = _export(model, args, kwargs, functions)
+        captured = _export(model, args, kwargs, functions, dynamic)
     except UserError:
         raise
     except Exception as export_error:  # torch.export raises many kinds; the fx tracer may still succeed
@@ -156,7 +159,8 @@ def capture_model(model: nn.Module, example: Any, *, granularity: str | int = "b
     return captured
 
 
-def _export(model: nn.Module, args: tuple, kwargs: dict, functions: list[str]) -> CapturedModel:
+def _export(model: nn.Module, args: tuple, kwargs: dict, functions: list[str], dynamic_shapes_wanted: bool = True,
+            ) -> CapturedModel:
     """torch.export's graph of ``model``; the custom autograd Functions its forward calls are added
     to ``functions`` (seen on the autograd graph of the traced output, which export records)."""
     from torch.export import Dim, export
@@ -170,6 +174,8 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, functions: list[str]) -
     hook = model.register_forward_hook(seen)
     try:
         try:
+            if not dynamic_shapes_wanted:
+                raise ValueError("static shapes asked for")
             bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
             dynamic_shapes: Any = {name: pytree.tree_map(dynamic, value) for name, value in bound.items()}
             with quiet_failures():
@@ -177,8 +183,9 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, functions: list[str]) -
         except Exception as e:
             with quiet_failures():       # fresh tensor objects: export marks its inputs' dynamic dimensions
                 ep = export(model, *_unmarked(args, kwargs), strict=False)
-            log.info("captured %s with static shapes: every batch must have the example's shapes "
-                     "(dynamic shapes failed: %s: %s)", type(model).__name__, type(e).__name__, first_line(e))
+            if dynamic_shapes_wanted:
+                log.info("captured %s with static shapes: every batch must have the example's shapes "
+                         "(dynamic shapes failed: %s: %s)", type(model).__name__, type(e).__name__, first_line(e))
     finally:
         hook.remove()
     gm = ep.module()
