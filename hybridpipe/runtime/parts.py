@@ -30,7 +30,7 @@ from hybridpipe.partitioner.costmodel import CostModel
 from hybridpipe.partitioner.plan import Plan, Stage
 from hybridpipe.partitioner.tied import shared_across
 from hybridpipe.pipeline import LocalSync, MicroBatches
-from hybridpipe.pipeline.stage import check_captured_plan
+from hybridpipe.pipeline.stage import build_stage_index, check_captured_plan
 from hybridpipe.profiles.capture import CapturedModel, capture_model, tied_parameters
 from hybridpipe.profiles.data import resolve_dataset
 from hybridpipe.profiles.graphinfo import node_infos
@@ -50,7 +50,8 @@ class Model:
 
 def load_model(cfg: RunConfig) -> Model:
     """Build and capture the plan's model (seeded by ``cfg.seed``) and check the whole plan against
-    it before any process group exists: graph signature, every cut's values, tied parameters."""
+    it before any process group exists: graph signature, every cut's values, tied parameters,
+    every replicated stage's sync layers."""
     spec = resolve_model(cfg.model)
     torch.manual_seed(cfg.seed)
     module = spec.build()
@@ -58,7 +59,20 @@ def load_model(cfg: RunConfig) -> Model:
     captured = capture_model(module, example, granularity=cfg.plan.granularity, leaf_modules=spec.leaf_modules)
     check_captured_plan(captured, cfg.plan)
     check_tied(captured, cfg.plan)
+    check_sync_layers(captured, cfg.plan)
     return Model(spec, module, captured)
+
+
+def check_sync_layers(captured: CapturedModel, plan: Plan) -> None:
+    """Every replicated stage's sync layers must cover exactly its parameters (but the tied ones):
+    checked for every stage on every rank, so a bad plan stops the job before it forms."""
+    ranges = [(s.first_node, s.last_node) for s in plan.stages]
+    model = CostModel(plan.cluster)
+    for stage in plan.stages:
+        if stage.replicas > 1 and stage.layers:
+            module = build_stage_index(captured, ranges, stage.index).module
+            tied = [captured.module.get_parameter(t.param) for t in plan.tied if stage.index in t.stages]
+            stage_layers(stage, module, model, tied)
 
 
 def check_tied(captured: CapturedModel, plan: Plan) -> None:
