@@ -1,6 +1,7 @@
 """``hybridpipe schedule PLAN``: print (or draw) the instruction lists every rank runs in a step.
 
-One line per rank in a compact notation (``F3`` forward of micro-batch 3, ``B3`` its backward,
+One line per rank in a compact notation (``F3`` forward of micro-batch 3, ``B3`` its backward
+(``Bi3`` / ``W3`` the input and weight halves of a split backward, zb-h1),
 ``<a3@1`` receive its activations from rank 1, ``>g3@0`` send its gradients to rank 0, ``sync3``
 the backward that starts the all-reduce, ``wait`` its end, ``step(x0.25)`` the optimizer step
 with the gradient scale); ``--rank R`` lists one rank's instructions in full. pipedream's lists
@@ -18,6 +19,7 @@ from hybridpipe.argtypes import nonneg_int, output_file, positive_int
 from hybridpipe.commands.simulate import check_simulation_size
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner.plan import SCHEDULES, load_plan
+from hybridpipe.partitioner.schedule_registry import get_schedule
 from hybridpipe.pipeline.instructions import short
 from hybridpipe.pipeline.schedules import Topology, check_schedulable, rank_program, settle_phase
 from hybridpipe.pipeline.simtrace import draw_timeline
@@ -36,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def steps_to_show(topo: Topology, schedule: str) -> list[tuple[str, int, bool]]:
     """(title, phase, drain) of the distinct lists a schedule uses."""
-    if schedule != "pipedream":
+    if get_schedule(schedule).flushed:
         return [("every step", 0, True)]
     settle = settle_phase(topo, schedule)
     shown = [("first step after a start (the pipeline fills)", 0, False)]

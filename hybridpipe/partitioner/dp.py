@@ -83,13 +83,17 @@ class _Solver:
         self.copies, self.wc = copies, workers // copies
         n = self.n = costs.n
         self.pf, self.pb = costs.prefix(costs.forward_ms), costs.prefix(costs.backward_ms)
-        flushed = opts.schedule != "pipedream"
-        self.trip = float(self.pf[-1] + self.pb[-1]) if flushed else 0.0     # fill + drain every stage waits
+        kind = self.kind = opts.kind
+        flushed, share = kind.flushed, kind.drain_backward_share
+        self.trip = float(self.pf[-1] + share * self.pb[-1]) if flushed else 0.0   # fill + drain every stage waits
         self.gap = (self.pf[:-1] + self.pb[:-1]) if flushed else np.zeros(n)  # drain + fill before node i
         upper = np.triu(np.ones((n, n), dtype=bool))
         self.upper = upper
         fb = (self.pf[None, 1:] - self.pf[:-1, None]) + (self.pb[None, 1:] - self.pb[:-1, None])
         self.fb = np.where(upper, fb, np.inf)
+        # a split schedule's trip leaves out the backwards (share 0) but the stage's own: added back
+        own_back = (1 - share) * (self.pb[None, 1:] - self.pb[:-1, None]) if flushed and share < 1 else None
+        self.own_back = None if own_back is None else np.where(upper, own_back, 0.0)
         pp, pa = costs.prefix(costs.param_bytes), costs.prefix(costs.activation_bytes)
         self.weights = pp[None, 1:] - pp[:-1, None]
         a_in = np.concatenate([[0.0], costs.cut_bytes[:-1]])
@@ -170,7 +174,7 @@ class _Solver:
         if not opts.replicas_ok(r):
             return None
         k = -(-opts.micro_batches // r)
-        kk, base = (k, 0.0) if opts.schedule == "pipedream" else (k - 1, self.trip)
+        kk, base = (k, 0.0) if self.kind.asynchronous else (k - 1, self.trip)
         first, last = int(live[0]), int(live[-1])
         reach = np.nonzero(base + _times(kk, self.fb[last]) <= bound)[0]   # busy >= base + kk (F+B), grows in j
         end = max(int(reach[-1]) if reach.size else last, last)
@@ -184,6 +188,8 @@ class _Solver:
         xfer = opts.micro_batches * self.transfer_table(blk, rows, cols)
         extra = self.extra_table(r, k)
         work = base + _times(kk, fb)
+        if self.own_back is not None:
+            work = work + self.own_back[rows, cols]
         if extra is not None:
             extra = extra[rows, cols]
             work = work + extra
@@ -193,7 +199,7 @@ class _Solver:
             if not (table.min(axis=0) < best[first + 1:end + 2, y]).any():   # the sync only adds
                 return None
             exposed = self.exposure_table(blk)[rows, cols]
-            if opts.schedule == "pipedream":
+            if self.kind.asynchronous:
                 busy = k * (fb + exposed) + (0.0 if extra is None else extra)
             else:                                                          # the sync may also hide in the gap
                 busy = work + np.maximum(0.0, exposed - self.gap[rows, None])
@@ -207,18 +213,18 @@ class _Solver:
         key = (r, k)
         if key not in self._extra:
             table = overhead_ms(self.opt_ms, self.weights, self.p2p_in[:, None] + self.p2p_out[None, :], r, k,
-                                k if self.opts.schedule == "pipedream" else 1, self.model.interference_s_per_byte)
+                                self.kind.syncs_per_step(k), self.model.interference_s_per_byte)
             self._extra[key] = table if np.any(table[self.upper]) else None
         return self._extra[key]
 
     def inflight(self, x: int, r: int, k: int) -> int:
         """Micro-batches a replica of a block starting at x (r ranks in all copies) holds at once."""
         depth = -(-self.copies * (self.wc - x) // r)
-        return {"gpipe": k, "1f1b": min(k, depth), "pipedream": depth}[self.opts.schedule]
+        return self.kind.inflight(k, depth, -(-self.copies * self.wc // r))
 
     def static_factor(self, inflight: int) -> int:
         """Copies of the weights a worker keeps: weights, gradients, optimizer state, stashed versions."""
-        versions = inflight - 1 if self.opts.schedule == "pipedream" else 0
+        versions = self.kind.weight_versions(inflight)
         return 2 + OPTIMIZER_STATES[self.opts.optimizer] + versions
 
     def block(self, x: int, y: int) -> _Block:

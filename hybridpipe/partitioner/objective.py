@@ -9,8 +9,11 @@ ms per step, the larger of:
   plus the stage's other ``k - 1`` micro-batches, plus its gradient sync where it outlasts the
   gap it has to hide in: the rest of its own backward and next forward (the per-layer lane of
   ``layersync.py``) and the drain and fill of the stages before it (``F + B`` of all earlier
-  nodes). pipedream (no flush, a sync after every minibatch): ``k * (F + B + E)``, ``E`` the
-  exposed sync with no extra gap.
+  nodes). zb-h1 (backward split into input and weight gradients, the weight part filling the
+  drain): the trip counts only the other stages' forwards (the paper's (p - 1)(F + B - W)
+  bubble with B = W), plus the stage's own backward. pipedream (no flush, a sync after every
+  minibatch): ``k * (F + B + E)``, ``E`` the exposed sync with no extra gap. What tells the
+  schedules apart is read from their ``schedule_registry.Schedule`` objects, never their names.
 * transfers: ``M * X`` where ``X`` is the stage's share of its activation traffic per
   micro-batch: forward activations out and gradients in leave/enter through the stage's links
   at level l = max over its ranks p of min over the neighbour's ranks q of level(p, q) (the
@@ -29,7 +32,8 @@ has more replicas than micro-batches (or, for pipedream, a replica count that do
 them: its replicas synchronise in rounds), makes the plan infeasible (infinite). Memory per
 worker: weights, gradients and optimizer state (sgd
 momentum: 1 copy, adam: 2), plus the activations of the micro-batches in flight (gpipe: all k;
-1f1b: min(k, ceil(W_after / r)), W_after = workers in this and later stages; pipedream:
+1f1b: min(k, ceil(W_after / r)), W_after = workers in this and later stages; zb-h1:
+min(k, ceil(W / r)), W all workers (a later stage holds back weight gradients); pipedream:
 ceil(W_after / r)), plus pipedream's stashed weight versions (one per in-flight minibatch
 beyond the live weights).
 
@@ -49,7 +53,8 @@ from hybridpipe.errors import UserError
 from hybridpipe.partitioner.costmodel import CostModel
 from hybridpipe.partitioner.layersync import StageSync, choose_layer_algorithms
 from hybridpipe.partitioner.modelcosts import ModelCosts
-from hybridpipe.partitioner.plan import ALGORITHMS, OPTIMIZERS, SCHEDULES
+from hybridpipe.partitioner.plan import ALGORITHMS, OPTIMIZERS
+from hybridpipe.partitioner.schedule_registry import Schedule, get_schedule
 
 OPTIMIZER_STATES = {"sgd": 1, "adam": 2}   # extra copies of the weights an optimizer keeps
 
@@ -65,8 +70,7 @@ class Options:
     algorithms: tuple[str, ...] = ALGORITHMS
 
     def __post_init__(self):
-        if self.schedule not in SCHEDULES:
-            raise UserError(f"unknown schedule {self.schedule!r}; choose from {', '.join(SCHEDULES)}")
+        get_schedule(self.schedule)
         if self.optimizer not in OPTIMIZERS:
             raise UserError(f"unknown optimizer {self.optimizer!r}; choose from {', '.join(OPTIMIZERS)}")
         if self.micro_batches < 1:
@@ -74,9 +78,14 @@ class Options:
         if not self.algorithms or any(a not in ALGORITHMS for a in self.algorithms):
             raise UserError(f"all-reduce algorithms must be among {', '.join(ALGORITHMS)}, got {self.algorithms}")
 
+    @property
+    def kind(self) -> Schedule:
+        """The schedule's meaning (schedule_registry.py)."""
+        return get_schedule(self.schedule)
+
     def replicas_ok(self, replicas: int) -> bool:
-        """Every replica gets micro-batches (r <= M); pipedream's rounds need r to divide M."""
-        return replicas <= self.micro_batches and (self.schedule != "pipedream" or self.micro_batches % replicas == 0)
+        """Every replica gets micro-batches (r <= M); asynchronous rounds need r to divide M."""
+        return self.kind.replicas_ok(replicas, self.micro_batches)
 
 
 @dataclass(frozen=True)
@@ -118,16 +127,18 @@ class Evaluation:
     fits: bool                   # every stage fits in memory and gives each replica micro-batches
 
 
-def inflight_micro_batches(schedule: str, k: int, workers_after: int, replicas: int) -> int:
-    """Micro-batches whose activations a replica holds at once."""
+def inflight_micro_batches(schedule: str, k: int, workers_after: int, replicas: int, workers: int | None = None) -> int:
+    """Micro-batches whose activations a replica holds at once (``workers``: all of the pipeline's,
+    default ``workers_after``)."""
     depth = -(-workers_after // replicas)
-    return {"gpipe": k, "1f1b": min(k, depth), "pipedream": depth}[schedule]
+    depth_all = -(-(workers if workers is not None else workers_after) // replicas)
+    return get_schedule(schedule).inflight(k, depth, depth_all)
 
 
 def memory_bytes(costs: ModelCosts, i: int, j: int, inflight: int, opts: Options) -> float:
     """Peak bytes per worker of stage i..j (see the module docstring)."""
     weights = float(costs.param_bytes[i:j + 1].sum())
-    versions = inflight - 1 if opts.schedule == "pipedream" else 0
+    versions = opts.kind.weight_versions(inflight)
     return weights * (2 + OPTIMIZER_STATES[opts.optimizer] + versions) + costs.stash_bytes(i, j) * inflight
 
 
@@ -175,8 +186,11 @@ def evaluate(costs: ModelCosts, model: CostModel, stages: Sequence[StageSpec], o
     """Every stage's figures and the objective for a stage list covering all nodes."""
     evals = []
     workers_after = sum(len(s.ranks) for s in stages)
-    pipedream = opts.schedule == "pipedream"
-    trip = float(costs.forward_ms.sum() + costs.backward_ms.sum())
+    kind = opts.kind
+    workers = workers_after
+    pipedream = kind.asynchronous
+    share = kind.drain_backward_share
+    trip = float(costs.forward_ms.sum() + share * costs.backward_ms.sum())     # fill + drain (flushed)
     for idx, st in enumerate(stages):
         i, j, ranks = st.first, st.last, st.ranks
         r = len(ranks)
@@ -192,7 +206,7 @@ def evaluate(costs: ModelCosts, model: CostModel, stages: Sequence[StageSpec], o
         a_out, g_in = costs.output_bytes(j) if idx < len(stages) - 1 else (0.0, 0.0)
         extra = overhead_ms(float(costs.optimizer_ms(opts.optimizer)[i:j + 1].sum()),
                             float(costs.param_bytes[i:j + 1].sum()), (a_in + g_out + a_out + g_in) / 2, r, k,
-                            k if pipedream else 1, model.interference_s_per_byte)
+                            kind.syncs_per_step(k), model.interference_s_per_byte)
         if idx > 0:
             cuts.append((transfer_level(model, ranks, stages[idx - 1].ranks), g_out, a_in))
         if idx < len(stages) - 1:
@@ -202,10 +216,11 @@ def evaluate(costs: ModelCosts, model: CostModel, stages: Sequence[StageSpec], o
             send_grad_ms = model.p2p_seconds(g_in, level) * 1e3
             send_bytes = a_out
         x = transfer_ms(model, ranks, cuts)
-        busy = extra + (k * (f + b + sync.exposed_ms) if pipedream else trip + (k - 1) * (f + b) + sync.exposed_ms)
-        inflight = inflight_micro_batches(opts.schedule, k, workers_after, r)
+        busy = extra + (k * (f + b + sync.exposed_ms) if pipedream
+                        else trip + (1 - share) * b + (k - 1) * (f + b) + sync.exposed_ms)
+        inflight = inflight_micro_batches(opts.schedule, k, workers_after, r, workers)
         mem = memory_bytes(costs, i, j, inflight, opts)
-        evals.append(StageEval(f, b, k, sync, k if pipedream else 1, x, send_ms, send_grad_ms, send_bytes,
+        evals.append(StageEval(f, b, k, sync, kind.syncs_per_step(k), x, send_ms, send_grad_ms, send_bytes,
                                inflight, mem, extra, busy, max(busy, opts.micro_batches * x), gap))
         workers_after -= r
     fits = all(e.memory_bytes <= opts.memory_bytes for e in evals) and all(
@@ -220,15 +235,17 @@ def predict_step_ms(ev: Evaluation, opts: Options) -> float:
     and each stage's gap also count one micro-batch's activation and gradient transfers over
     the cuts they cross; never below a stage's transfer term. pipedream: the objective.
     """
-    if opts.schedule == "pipedream" or not ev.fits:
+    if opts.kind.asynchronous or not ev.fits:
         return ev.objective_ms
     st = ev.stages
+    share = opts.kind.drain_backward_share
     transfers = [s.send_ms + s.send_grad_ms for s in st]
-    trip = sum(s.forward_ms + s.backward_ms for s in st) + sum(transfers)
+    trip = sum(s.forward_ms + share * s.backward_ms for s in st) + sum(transfers)
     worst, before = 0.0, 0.0
     for s, moved in zip(st, transfers, strict=True):
         late = max(0.0, s.sync.exposed_ms - before)         # its gap grows by the transfers before it
-        worst = max(worst, trip + (s.micro_batches - 1) * (s.forward_ms + s.backward_ms) + late + s.overhead_ms,
+        own = (1 - share) * s.backward_ms
+        worst = max(worst, trip + own + (s.micro_batches - 1) * (s.forward_ms + s.backward_ms) + late + s.overhead_ms,
                     opts.micro_batches * s.transfer_ms)
         before += moved
     return worst

@@ -32,10 +32,11 @@ from hybridpipe.errors import UserError
 from hybridpipe.jsonfile import check_header, field, read_json, write_json
 from hybridpipe.partitioner import collectives as co
 from hybridpipe.partitioner.cluster import Cluster
+from hybridpipe.partitioner.schedule_registry import REGISTRY
 
 PLAN_KIND = "plan"
 PLAN_FORMAT = 1
-SCHEDULES = ("gpipe", "1f1b", "pipedream")
+SCHEDULES = tuple(REGISTRY)     # the schedules by name (schedule_registry.py describes each)
 ALGORITHMS = co.ALGORITHMS      # the all-reduce algorithms (collectives.py describes each)
 SECOND_LANE_ALGORITHMS = ("ring", "butterfly", "hierarchical", "torus2d")   # may run on sync lane 1
 STRATEGIES = ("optimal", "pipedream", "dp", "uniform", "params", "time")

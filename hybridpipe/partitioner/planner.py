@@ -28,7 +28,8 @@ from hybridpipe.partitioner.objective import (
     predict_step_ms,
 )
 from hybridpipe.partitioner.pipedream import pipedream_stages
-from hybridpipe.partitioner.plan import ALGORITHMS, OPTIMIZERS, SCHEDULES, STRATEGIES, LayerSync, Plan, Stage
+from hybridpipe.partitioner.plan import ALGORITHMS, OPTIMIZERS, STRATEGIES, LayerSync, Plan, Stage
+from hybridpipe.partitioner.schedule_registry import get_schedule
 from hybridpipe.partitioner.strategies import baseline_stages
 from hybridpipe.partitioner.tied import tied_groups
 from hybridpipe.profiles.format import Profile
@@ -63,8 +64,7 @@ def resolve(cluster: Cluster, req: Request) -> tuple[Cluster, int, Options]:
     """Check the request against the cluster; (cluster cut to the workers, workers, options)."""
     if req.strategy not in STRATEGIES:
         raise UserError(f"unknown strategy {req.strategy!r}; choose from {', '.join(STRATEGIES)}")
-    if req.schedule not in SCHEDULES:
-        raise UserError(f"unknown schedule {req.schedule!r}; choose from {', '.join(SCHEDULES)}")
+    get_schedule(req.schedule)
     if req.optimizer not in OPTIMIZERS:
         raise UserError(f"unknown optimizer {req.optimizer!r}; choose from {', '.join(OPTIMIZERS)}")
     workers = cluster.total_workers if req.workers is None else req.workers
@@ -190,10 +190,9 @@ def memory_message(stages: Sequence[StageSpec], ev: Evaluation, opts: Options, s
     for idx, st in enumerate(stages):
         r, m = len(st.ranks), opts.micro_batches
         if not opts.replicas_ok(r):
-            need = f"at least {r}" if opts.schedule != "pipedream" else f"a multiple of {r}"
             return (f"--strategy {strategy} gives stage {idx} {r} replicas but a step has {m} micro-batches; "
-                    f"use --micro-batches {need} "
-                    f"(one per replica{' and round' if opts.schedule == 'pipedream' else ''})")
+                    f"use --micro-batches {opts.kind.replicas_need(r)} "
+                    f"(one per replica{' and round' if opts.kind.asynchronous else ''})")
     idx = next(k for k, e in enumerate(ev.stages) if e.memory_bytes > opts.memory_bytes)
     st, e = stages[idx], ev.stages[idx]
     return (f"--strategy {strategy} does not fit: stage {idx} (nodes {st.first}-{st.last}) needs "

@@ -32,8 +32,11 @@ from typing import Any, Protocol
 import torch
 
 from hybridpipe.errors import UserError
+from hybridpipe.partitioner.schedule_registry import get_schedule
 from hybridpipe.pipeline.instructions import (
     Backward,
+    BackwardInput,
+    BackwardWeight,
     Forward,
     Instruction,
     LoadInput,
@@ -50,6 +53,7 @@ from hybridpipe.pipeline.instructions import (
     message_key,
 )
 from hybridpipe.pipeline.schedules import Topology, check_schedulable, rank_program, settle_phase
+from hybridpipe.pipeline.splitback import WeightWork
 from hybridpipe.pipeline.stage import Activation, PipelineStage
 from hybridpipe.pipeline.stash import WeightStash
 from hybridpipe.pipeline.validate import in_transit
@@ -92,7 +96,8 @@ class StepResult:
 
 _PHASES = {LoadInput: "receive_for", RecvActivations: "receive_for", Forward: "run_for", LoadTarget: "run_for",
            Loss: "run_for", SendActivations: "send_for", RecvGradients: "receive_back", Backward: "run_back",
-           SendGradients: "send_back", SyncWait: "sync", Step: "step"}
+           BackwardInput: "run_back", BackwardWeight: "run_back", SendGradients: "send_back", SyncWait: "sync",
+           Step: "step"}
 
 
 class PipelineEngine:
@@ -109,12 +114,13 @@ class PipelineEngine:
         self.transport, self.optimizer, self.data = transport, optimizer, data
         self.sync = sync if sync is not None else LocalSync()
         self.tied = tied
-        if tied is not None and schedule == "pipedream":
-            raise UserError("pipedream's asynchronous updates cannot keep a weight that several stages share (tied "
+        self.kind = get_schedule(schedule)
+        if tied is not None and not self.kind.keeps_tied_weights:
+            raise UserError(f"{schedule}'s asynchronous updates cannot keep a weight that several stages share (tied "
                             "embeddings) identical; use --schedule 1f1b or gpipe, or a plan that keeps its uses "
                             "in one stage")
         self.recorder, self.clock = recorder, clock
-        self.stash = WeightStash(stage.module) if schedule == "pipedream" else None
+        self.stash = WeightStash(stage.module) if self.kind.asynchronous else None
         self.device = stage.device     # where inputs and targets go (place the stage before the engine)
         self.phase = 0              # steps since the pipeline was (re)started (pipedream)
         self._last_step: int | None = None
@@ -123,6 +129,7 @@ class PipelineEngine:
         self._acts: dict[int, Activation] = {}
         self._out_grads: dict[int, dict[str, torch.Tensor]] = {}   # received: grads of the stage's outputs
         self._in_grads: dict[int, dict[str, torch.Tensor]] = {}    # computed: grads of its inputs, to send
+        self._weight_work: dict[int, tuple[Activation, WeightWork]] = {}   # split backward: the weight half owed
         self._sync_next: int | None = None
         self._settled: int | None = None    # step after which messages in transit were received early
         self._settle = settle_phase(topo, schedule)
@@ -132,7 +139,7 @@ class PipelineEngine:
     @property
     def in_flight(self) -> list[int]:
         """Micro-batches (numbered over the run) forwarded here but not yet backwarded."""
-        return sorted(self._acts)
+        return sorted(set(self._acts) | set(self._weight_work))
 
     def program(self, drain: bool = False) -> list[Instruction]:
         """The instruction list the next ``run_step`` executes (lists repeat once settled: cached)."""
@@ -261,18 +268,34 @@ class PipelineEngine:
         elif isinstance(ins, SyncStart):
             self._sync_next = g
         elif isinstance(ins, Backward):
-            synced = self._sync_next == g
-            self._sync_next = None
-            with contextlib.nullcontext() if synced else self.sync.no_sync():
+            with self._sync_if(g):
                 grads = stage.backward(self._acts.pop(g), self._out_grads.pop(g, None))
             if self.stash:
                 self.stash.backward_done(g)
             if not stage.is_first:
                 self._in_grads[g] = grads
+        elif isinstance(ins, BackwardInput):
+            act = self._acts.pop(g)
+            with self.sync.no_sync():       # no parameter gradient here; nothing may start a sync
+                grads, work = stage.backward_input(act, self._out_grads.pop(g, None))
+            self._weight_work[g] = (act, work)
+            if not stage.is_first:
+                self._in_grads[g] = grads
+        elif isinstance(ins, BackwardWeight):
+            _, work = self._weight_work.pop(g)
+            with self._sync_if(g):
+                stage.backward_weight(work)
         elif isinstance(ins, SendGradients):
             self._transport().send(ins.peer, message_key(ins, g, M), self._in_grads.pop(g))
         else:
             raise TypeError(f"unknown instruction {ins!r}")
+
+    def _sync_if(self, g: int):
+        """The context of the backward that completes micro-batch g's parameter gradients: it
+        starts the replicas' sync when a SyncStart named g, else accumulates (``no_sync``)."""
+        synced = self._sync_next == g
+        self._sync_next = None
+        return contextlib.nullcontext() if synced else self.sync.no_sync()
 
     def _execute_step_level(self, ins: Instruction, result: StepResult) -> None:
         if isinstance(ins, SyncWait):

@@ -70,6 +70,22 @@ class Backward:
 
 
 @dataclass(frozen=True)
+class BackwardInput:
+    """The first half of a split backward (zero-bubble schedules): only the gradients of the
+    stage's inputs (to send on); the graph stays alive for :class:`BackwardWeight`."""
+
+    micro_batch: int
+
+
+@dataclass(frozen=True)
+class BackwardWeight:
+    """The second half of a split backward: the parameters' gradients of ``micro_batch``, from
+    what :class:`BackwardInput` left (accumulates; starts the sync when a SyncStart precedes it)."""
+
+    micro_batch: int
+
+
+@dataclass(frozen=True)
 class SendGradients:
     """Post the gradients of this stage's inputs for ``micro_batch`` to ``peer``."""
 
@@ -79,7 +95,7 @@ class SendGradients:
 
 @dataclass(frozen=True)
 class SyncStart:
-    """The next Backward (of ``micro_batch``) starts the replicas' gradient all-reduce."""
+    """The next Backward or BackwardWeight (of ``micro_batch``) starts the replicas' gradient all-reduce."""
 
     micro_batch: int
 
@@ -98,7 +114,7 @@ class Step:
 
 # the instructions about one micro-batch (all but SyncWait and Step, which are about the step)
 MicroBatchInstruction = (LoadInput | RecvActivations | Forward | SendActivations | LoadTarget | Loss | RecvGradients
-                         | Backward | SendGradients | SyncStart)
+                         | Backward | BackwardInput | BackwardWeight | SendGradients | SyncStart)
 Instruction = MicroBatchInstruction | SyncWait | Step
 
 SENDS = (SendActivations, SendGradients)
@@ -118,7 +134,8 @@ def short(instr: Instruction) -> str:
     """A compact name for printing lists: ``F3``, ``B3``, ``>a3@2`` (send act to rank 2), ``<g3@2``, ..."""
     m = getattr(instr, "micro_batch", None)
     peer = getattr(instr, "peer", None)
-    names = {LoadInput: "in", Forward: "F", LoadTarget: "tgt", Loss: "L", Backward: "B",
+    names = {LoadInput: "in", Forward: "F", LoadTarget: "tgt", Loss: "L", Backward: "B", BackwardInput: "Bi",
+             BackwardWeight: "W",
              RecvActivations: "<a", SendActivations: ">a", RecvGradients: "<g", SendGradients: ">g",
              SyncStart: "sync", SyncWait: "wait"}
     if isinstance(instr, Step):

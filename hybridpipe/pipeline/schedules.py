@@ -9,6 +9,10 @@ instructions (receive, compute, send; sync and optimizer step where the schedule
 * ``1f1b``: ``warm`` forwards, then one backward and one forward alternately, then the
   remaining backwards (drain); one step at the end, as in gpipe: the same update as SGD on the
   step's M micro-batches, with at most ``warm`` micro-batches' activations alive at once.
+* ``zb-h1``: 1F1B's order with every backward split into ``BackwardInput`` (the gradients the
+  previous stage waits for) and ``BackwardWeight`` (the parameters' gradients), a later stage
+  holding back its first ``defer`` weight halves into the drain, where 1F1B's stages wait (see
+  ``partitioner/schedule_registry.py``); one step at the end, as 1f1b.
 * ``pipedream``: PipeDream's asynchronous 1F1B. No flush: every backward is followed by an
   optimizer step (replicas sum their grads, x 1/r, so each update is a round of r micro-batches),
   and the stream of micro-batches runs on from one step into the next. Weight stashing (in the
@@ -19,20 +23,27 @@ instructions (receive, compute, send; sync and optimizer step where the schedule
 
 ``warm`` = ceil(W / r) forwards before the first backward, with W the workers of this stage and
 all later ones (PipeDream's NOAM): enough to keep a balanced pipeline busy.
+
+What a schedule means (its op order, whether it flushes, splits the backward, ...) comes from its
+``Schedule`` object (``partitioner/schedule_registry.py``); this module only expands ops into
+instructions and cuts pipedream's endless stream into steps.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hybridpipe.errors import UserError
-from hybridpipe.partitioner.plan import SCHEDULES, Plan
+from hybridpipe.partitioner.plan import Plan
+from hybridpipe.partitioner.schedule_registry import Op, Schedule, get_schedule, one_f_one_b_ops
 from hybridpipe.pipeline.instructions import (
     RECEIVES,
     SENDS,
     Backward,
+    BackwardInput,
+    BackwardWeight,
     Forward,
     Instruction,
     LoadInput,
@@ -88,22 +99,25 @@ class Topology:
         later = sum(len(r) for r in self.stage_ranks[stage:])
         return math.ceil(later / self.replicas(stage))
 
+    def defer(self, stage: int) -> int:
+        """Weight-gradient halves a replica of a split schedule holds back for the drain: as many
+        as lift its micro-batches in flight to the whole pipeline's depth (the first stage's)."""
+        return math.ceil(self.world_size / self.replicas(stage)) - self.warm(stage)
+
 
 def check_schedulable(topo: Topology, schedule: str) -> None:
     """Refuse (one line) a schedule the topology cannot run."""
-    if schedule not in SCHEDULES:
-        raise UserError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    kind = get_schedule(schedule)
     if topo.micro_batches < 1:
         raise UserError(f"a step needs at least one micro-batch, got {topo.micro_batches}")
     r_max = max(topo.replicas(s) for s in range(topo.n_stages))
     if topo.micro_batches < r_max:
         raise UserError(f"{topo.micro_batches} micro-batches per step leave replicas of a {r_max}-replica stage "
                         f"idle; use --micro-batches >= {r_max}")
-    if schedule == "pipedream":
-        bad = [s for s in range(topo.n_stages) if topo.micro_batches % topo.replicas(s)]
-        if bad:
-            s = bad[0]
-            raise UserError(f"pipedream updates each stage once per round of its replicas, so micro-batches per step "
+    bad = [s for s in range(topo.n_stages) if not kind.replicas_ok(topo.replicas(s), topo.micro_batches)]
+    if bad:
+        s = bad[0]
+        raise UserError(f"{schedule} updates each stage once per round of its replicas, so micro-batches per step "
                             f"({topo.micro_batches}) must be a multiple of every stage's replica count (stage {s} "
                             f"has {topo.replicas(s)}); choose --micro-batches accordingly")
 
@@ -116,17 +130,19 @@ def rank_program(topo: Topology, rank: int, schedule: str, *, phase: int = 0, dr
     ``drain`` = finish every micro-batch in flight at the end of this step.
     """
     check_schedulable(topo, schedule)
+    kind = get_schedule(schedule)
     stage, replica = topo.locate(rank)
-    if schedule == "pipedream":
+    r = topo.replicas(stage)
+    if kind.asynchronous:
         ops = _pipedream_chunk(topo, stage, replica, phase, drain)
-        r = topo.replicas(stage)
-        return _expand(topo, stage, ops, sync_on=lambda i: r > 1, step_after=lambda i: 1.0 / r)
-    mine = [m for m in range(topo.micro_batches) if m % topo.replicas(stage) == replica]
-    ops = list(_gpipe(mine) if schedule == "gpipe" else _one_f_one_b(mine, topo.warm(stage)))
-    last_b = max(i for i, (kind, _) in enumerate(ops) if kind == "B")
+        return _expand(topo, stage, kind, ops, sync_on=lambda i: r > 1, step_after=lambda i: 1.0 / r)
+    mine = [m for m in range(topo.micro_batches) if m % r == replica]
+    ops = list(kind.replica_ops(mine, topo.warm(stage), topo.defer(stage)))
+    weights_done = "W" if kind.split_backward else "B"      # the op after which the weight gradients are whole
+    last = max(i for i, (op, _) in enumerate(ops) if op == weights_done)
     scale = 1.0 / topo.micro_batches
-    return _expand(topo, stage, ops, sync_on=lambda i: i == last_b and topo.replicas(stage) > 1,
-                   step_after=lambda i: scale if i == last_b else None)
+    return _expand(topo, stage, kind, ops, sync_on=lambda i: i == last and r > 1,
+                   step_after=lambda i: scale if i == last else None)
 
 
 def all_programs(topo: Topology, schedule: str, *, phase: int = 0, drain: bool = True) -> dict[int, list[Instruction]]:
@@ -135,36 +151,19 @@ def all_programs(topo: Topology, schedule: str, *, phase: int = 0, drain: bool =
             for ranks in topo.stage_ranks for rank in ranks}
 
 
-# ---- per-replica op sequences ("F"/"B", micro-batch) ----------------------------------------
-Op = tuple[str, int]
-
-
-def _gpipe(mine: Sequence[int]) -> Iterator[Op]:
-    yield from (("F", m) for m in mine)
-    yield from (("B", m) for m in mine)
-
-
-def _one_f_one_b(mine: Sequence[int], warm: int) -> Iterator[Op]:
-    warm = min(warm, len(mine))
-    yield from (("F", m) for m in mine[:warm])
-    for i, m in enumerate(mine):
-        yield ("B", m)
-        if i + warm < len(mine):
-            yield ("F", mine[i + warm])
-
-
+# ---- pipedream: one endless 1F1B stream cut into steps ----------------------------------------
 def _pipedream_stream(topo: Topology, stage: int, replica: int, steps: int) -> list[Op]:
     """The replica's uncut 1F1B stream over ``steps`` steps; micro-batches numbered from the restart."""
     r = topo.replicas(stage)
     mine = [g for g in range(steps * topo.micro_batches) if g % r == replica]
-    return list(_one_f_one_b(mine, topo.warm(stage)))
+    return list(one_f_one_b_ops(mine, topo.warm(stage)))
 
 
 def settle_phase(topo: Topology, schedule: str) -> int:
     """The first step (counted from a (re)start) from which every rank's list repeats unchanged
     (micro-batches counted from each step's start): 0 for gpipe/1f1b; for pipedream, once the
     warm-up (which may span several steps) is over."""
-    if schedule != "pipedream":
+    if not get_schedule(schedule).asynchronous:
         return 0
     return max(_stage_settle(topo, s) for s in range(topo.n_stages))
 
@@ -195,23 +194,31 @@ def _pipedream_chunk(topo: Topology, stage: int, replica: int, phase: int, drain
 
 
 # ---- expansion into instructions ------------------------------------------------------------
-def _expand(topo: Topology, stage: int, ops: Sequence[Op], sync_on, step_after) -> list[Instruction]:
+def _expand(topo: Topology, stage: int, kind: Schedule, ops: Sequence[Op], sync_on, step_after) -> list[Instruction]:
+    """Ops -> instructions. ``sync_on(i)``: op i (the one that completes the weight gradients)
+    starts the replicas' all-reduce; ``step_after(i)``: the grad scale of an optimizer step after
+    op i, or None."""
     first, last = stage == 0, stage == topo.n_stages - 1
     out: list[Instruction] = []
-    for i, (kind, m) in enumerate(ops):
-        if kind == "F":
+    for i, (op, m) in enumerate(ops):
+        if op == "F":
             out.append(LoadInput(m) if first else RecvActivations(m, topo.rank_for(stage - 1, m)))
             out.append(Forward(m))
             out += [LoadTarget(m), Loss(m)] if last else [SendActivations(m, topo.rank_for(stage + 1, m))]
             continue
         sync = sync_on(i)
-        if not last:
-            out.append(RecvGradients(m, topo.rank_for(stage + 1, m)))
-        if sync:
-            out.append(SyncStart(m))
-        out.append(Backward(m))
-        if not first:
-            out.append(SendGradients(m, topo.rank_for(stage - 1, m)))
+        if op == "B":
+            if not last:
+                out.append(RecvGradients(m, topo.rank_for(stage + 1, m)))
+            if sync and not kind.split_backward:
+                out.append(SyncStart(m))
+            out.append(BackwardInput(m) if kind.split_backward else Backward(m))
+            if not first:
+                out.append(SendGradients(m, topo.rank_for(stage - 1, m)))
+        else:       # "W"
+            if sync:
+                out.append(SyncStart(m))
+            out.append(BackwardWeight(m))
         if sync:
             out.append(SyncWait())
         scale = step_after(i)
@@ -236,7 +243,7 @@ def transfer_program(topo: Topology, rank: int, schedule: str) -> list[tuple[str
     ``hybridpipe.comm.p2p.link_orders`` for the ``sra`` channel mode (keys as the engine uses
     them). None for pipedream, whose messages cross step boundaries: use ``sa`` there (``sra``
     without an order behaves like ``sa``)."""
-    if schedule == "pipedream":
+    if get_schedule(schedule).asynchronous:
         return None
     out = []
     for ins in rank_program(topo, rank, schedule):

@@ -12,11 +12,11 @@ import os
 from pathlib import Path
 
 from hybridpipe.pipeline.schedules import Topology
-from hybridpipe.pipeline.simulator import SimResult
+from hybridpipe.pipeline.simulator import COMPUTE, SimResult
 
-_THREADS = {"F": 0, "B": 0, "act": 1, "grad": 1, "allreduce": 2}
+_THREADS = {"F": 0, "B": 0, "W": 0, "act": 1, "grad": 1, "allreduce": 2}
 _THREAD_NAMES = {0: "compute", 1: "send", 2: "all-reduce"}
-COLOURS = {"F": "#4C72B0", "B": "#55A868", "act": "#C0C0C0", "grad": "#A0A0A0", "allreduce": "#DD8452"}
+COLOURS = {"F": "#4C72B0", "B": "#55A868", "W": "#8172B3", "act": "#C0C0C0", "grad": "#A0A0A0", "allreduce": "#DD8452"}
 
 
 def chrome_trace(result: SimResult, topo: Topology) -> dict:
@@ -74,7 +74,7 @@ def draw_timeline(result: SimResult, topo: Topology, path: str | os.PathLike, ti
             continue
         for pid in _pids(iv.where, topo):
             y = row[pid]
-            if iv.kind in ("F", "B"):
+            if iv.kind in COMPUTE:
                 ax.broken_barh([(iv.t0, iv.t1 - iv.t0)], (y - 0.4, 0.8), facecolors=COLOURS[iv.kind],
                                edgecolors="white", linewidth=0.5)
                 if (iv.t1 - iv.t0) > end / 150:
@@ -91,8 +91,9 @@ def draw_timeline(result: SimResult, topo: Topology, path: str | os.PathLike, ti
         if t <= end:
             ax.axvline(t, color="black", linewidth=0.6, linestyle=":")
     ax.legend(handles=[Patch(color=COLOURS[k], label=n) for k, n in
-                       (("F", "forward"), ("B", "backward"), ("allreduce", "all-reduce"))],
-              loc="upper right", fontsize=7, ncol=3)
+                       (("F", "forward"), ("B", "backward (input)"), ("W", "weight gradients"),
+                        ("allreduce", "all-reduce"))],
+              loc="upper right", fontsize=7, ncol=4)
     ax.set_title(title or f"{result.schedule}: {result.step_ms:.3g} ms per step (simulated)")
     fig.tight_layout()
     p = Path(path)

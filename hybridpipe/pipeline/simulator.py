@@ -4,7 +4,9 @@ runs, timed with the plan's per-stage costs and the partitioner's cost model.
 Discrete-event model, per rank, in instruction order:
 
 * Forward / Backward occupy the rank for the stage's ``forward_ms`` / ``backward_ms`` (one
-  micro-batch on one replica; the last stage's include the loss).
+  micro-batch on one replica; the last stage's include the loss). A split backward's halves
+  take ``input_share`` and the rest of it (stage 0 computes no input gradients: all of it is
+  BackwardWeight's).
 * Sends are posted and the rank moves on; each directed link (sender, receiver) carries one
   message at a time, in posting order, for the stage's ``send_ms`` (activations, and gradients
   back over the same cut), or, when only ``send_bytes`` is known, the cost model's transfer time
@@ -31,8 +33,11 @@ from dataclasses import dataclass, field
 
 from hybridpipe.partitioner.costmodel import CostModel
 from hybridpipe.partitioner.plan import Plan
+from hybridpipe.partitioner.schedule_registry import get_schedule
 from hybridpipe.pipeline.instructions import (
     Backward,
+    BackwardInput,
+    BackwardWeight,
     Forward,
     Instruction,
     RecvActivations,
@@ -43,6 +48,8 @@ from hybridpipe.pipeline.instructions import (
     SyncWait,
 )
 from hybridpipe.pipeline.schedules import Topology, all_programs, settle_phase
+
+COMPUTE = ("F", "B", "W")       # the intervals that occupy a rank
 
 
 @dataclass(frozen=True)
@@ -79,6 +86,7 @@ class StageCosts:
     send_ms: float                          # per message over the cut after this stage (each way)
     send_bytes: int
     allreduce_ms: tuple[float, ...]         # per layer, in forward order (empty: no sync)
+    input_share: float = 0.5                # of backward_ms, the input-gradient half's (split schedules)
 
 
 def stage_costs(plan: Plan) -> list[StageCosts]:
@@ -98,7 +106,7 @@ def stage_costs(plan: Plan) -> list[StageCosts]:
             ar = (s.sync_ms,)
         else:
             ar = ()
-        out.append(StageCosts(f, b, s.send_ms, s.send_bytes, ar))
+        out.append(StageCosts(f, b, s.send_ms, s.send_bytes, ar, 0.0 if s.index == 0 else 0.5))
     return out
 
 
@@ -123,8 +131,8 @@ def _link_ms(costs: Sequence[StageCosts], topo: Topology, model: CostModel):
 
 
 def settle_steps(topo: Topology, schedule: str) -> int:
-    """Steps to leave out of the steady-state measurement: the first (gpipe/1f1b), or pipedream's
-    warm-up, which may span several steps."""
+    """Steps to leave out of the steady-state measurement: the first (flushed schedules), or
+    pipedream's warm-up, which may span several steps."""
     return max(1, settle_phase(topo, schedule) - 1)
 
 
@@ -132,7 +140,7 @@ def default_steps(topo: Topology, schedule: str) -> int:
     """gpipe/1f1b: 3 (a flush makes every step after the first alike). pipedream: its lists
     repeat after the warm-up, but a slow stage's backlog takes up to about two steps per stage
     to reach its steady rhythm, so twice that, plus the draining step."""
-    if schedule != "pipedream":
+    if not get_schedule(schedule).asynchronous:
         return 3
     return 2 * (settle_steps(topo, schedule) + 2 * topo.n_stages) + 1
 
@@ -155,22 +163,22 @@ def simulate_topology(topo: Topology, schedule: str, costs: Sequence[StageCosts]
     sim = _Sim(topo, costs, link_ms, programs)
     sim.run()
     ends = [max(sim.step_end[r].get(k, 0.0) for r in programs) for k in range(steps)]
-    lo, hi = _window(schedule, steps, settle_steps(topo, schedule))
+    lo, hi = _window(get_schedule(schedule).asynchronous, steps, settle_steps(topo, schedule))
     t_a = ends[lo - 1] if lo > 0 else 0.0
     t_b = ends[hi - 1]
     step_ms = (t_b - t_a) / (hi - lo)
     util = []
     for ranks in topo.stage_ranks:
         busy = sum(max(0.0, min(iv.t1, t_b) - max(iv.t0, t_a)) for iv in sim.intervals
-                   if iv.kind in ("F", "B") and iv.where in {f"rank {r}" for r in ranks})
+                   if iv.kind in COMPUTE and iv.where in {f"rank {r}" for r in ranks})
         util.append(busy / (len(ranks) * (t_b - t_a)) if t_b > t_a else 0.0)
     return SimResult(schedule, steps, step_ms, ends, util, (t_a, t_b), sim.intervals)
 
 
-def _window(schedule: str, steps: int, settle: int) -> tuple[int, int]:
+def _window(asynchronous: bool, steps: int, settle: int) -> tuple[int, int]:
     """Steps [lo, hi) whose durations give the steady-state step time: the later half of the
     steps after the warm-up, without pipedream's draining last step (as far as ``steps`` allows)."""
-    hi = steps - 1 if schedule == "pipedream" and steps >= 2 else steps
+    hi = steps - 1 if asynchronous and steps >= 2 else steps
     lo = min(max(settle, hi // 2), hi - 1)
     return lo, hi
 
@@ -229,13 +237,18 @@ class _Sim:
             self._busy(r, "F", g, c.forward_ms)
         elif isinstance(ins, SyncStart):
             self.sync_next[r] = g
-        elif isinstance(ins, Backward):
+        elif isinstance(ins, BackwardInput):
+            self._busy(r, "B", g, c.backward_ms * (c.input_share if stage > 0 else 0.0))
+        elif isinstance(ins, (Backward, BackwardWeight)):
             t0 = now
-            self._busy(r, "B", g, c.backward_ms)
+            ms = c.backward_ms
+            if isinstance(ins, BackwardWeight):
+                ms *= 1.0 - (c.input_share if stage > 0 else 0.0)
+            self._busy(r, "B" if isinstance(ins, Backward) else "W", g, ms)
             if self.sync_next[r] == g:
                 self.sync_next[r] = None
                 n = len(c.allreduce_ms)
-                times = [t0 + c.backward_ms * (i + 1) / n for i in range(n)]   # i-th gradient ready
+                times = [t0 + ms * (i + 1) / n for i in range(n)]   # i-th gradient ready
                 slot = self.ready.setdefault((stage, self.synced[r]), [])
                 slot.append(times)
                 self.synced[r] += 1
@@ -279,4 +292,10 @@ def closed_form_ms(micro_batches: int, n_stages: int, forward_ms: float, backwar
 
 def stage_busy_ms(result: SimResult, ranks: Sequence[int]) -> float:
     names = {f"rank {r}" for r in ranks}
-    return math.fsum(iv.t1 - iv.t0 for iv in result.intervals if iv.where in names and iv.kind in ("F", "B"))
+    return math.fsum(iv.t1 - iv.t0 for iv in result.intervals if iv.where in names and iv.kind in COMPUTE)
+
+
+def bubble_fraction(result: SimResult) -> float:
+    """The idle share of the stages' time in the steady-state window: 1 - their mean utilisation
+    (for a flushed schedule of p balanced stages and M micro-batches, 1F1B's (p - 1) / (M + p - 1))."""
+    return 1.0 - sum(result.utilisation) / len(result.utilisation) if result.utilisation else 0.0

@@ -27,6 +27,7 @@ from torch import fx, nn
 
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner.plan import Plan, check_plan_fits
+from hybridpipe.pipeline.splitback import WeightWork, backward_input, backward_weight
 from hybridpipe.pipeline.values import pack, unpack
 from hybridpipe.profiles.capture import CapturedModel, own_loss
 from hybridpipe.profiles.cut import StageBoundary, check_cuts, stage_boundaries, stage_graph_module
@@ -187,20 +188,36 @@ class PipelineStage:
         On the last stage from ``act.loss``; elsewhere from ``output_grads`` (grads of
         ``act.outputs`` by name; outputs without a grad are treated as not influencing the loss).
         """
-        grads: list[torch.Tensor | None]
-        if self.is_last:
-            if act.loss is None:
-                raise RuntimeError("backward on the last stage needs a forward with a target (the loss)")
-            tensors, grads = [act.loss], [None]
-        else:
-            unknown = set(output_grads or {}) - set(act.outputs)
-            if unknown:
-                raise KeyError(f"stage {self.index} got gradients for {sorted(unknown)}, which it did not send")
-            pairs = [(act.outputs[k], g) for k, g in (output_grads or {}).items() if act.outputs[k].requires_grad]
-            tensors, grads = [t for t, _ in pairs], [g for _, g in pairs]
+        tensors, grads = self._roots(act, output_grads)
         if tensors:
             torch.autograd.backward(tensors, grads)
         return {k: t.grad for k, t in act.inputs.items() if t.requires_grad and t.grad is not None}
+
+    def backward_input(self, act: Activation, output_grads: Mapping[str, torch.Tensor] | None = None
+                       ) -> tuple[dict[str, torch.Tensor], WeightWork]:
+        """The first half of a split backward: the inputs' grads (as :meth:`backward` returns
+        them), and what :meth:`backward_weight` needs to accumulate the parameters' grads later."""
+        tensors, grads = self._roots(act, output_grads)
+        work = backward_input(tensors, grads, list(act.inputs.values()), list(self.module.parameters()))
+        return {k: t.grad for k, t in act.inputs.items() if t.requires_grad and t.grad is not None}, work
+
+    @staticmethod
+    def backward_weight(work: WeightWork) -> None:
+        """The second half of a split backward: accumulate the parameters' grads."""
+        backward_weight(work)
+
+    def _roots(self, act: Activation, output_grads: Mapping[str, torch.Tensor] | None
+               ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """Where a backward starts: the loss (last stage), else the outputs that got gradients."""
+        if self.is_last:
+            if act.loss is None:
+                raise RuntimeError("backward on the last stage needs a forward with a target (the loss)")
+            return [act.loss], [None]
+        unknown = set(output_grads or {}) - set(act.outputs)
+        if unknown:
+            raise KeyError(f"stage {self.index} got gradients for {sorted(unknown)}, which it did not send")
+        pairs = [(act.outputs[k], g) for k, g in (output_grads or {}).items() if act.outputs[k].requires_grad]
+        return [t for t, _ in pairs], [g for _, g in pairs]
 
 
 def _leaf(t: torch.Tensor, grad: bool) -> torch.Tensor:

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 from hybridpipe.pipeline.instructions import (
     Backward,
+    BackwardInput,
+    BackwardWeight,
     Forward,
     Instruction,
     LoadInput,
@@ -53,7 +55,8 @@ class _Rank:
     have_target: set[int] = field(default_factory=set)
     lossed: set[int] = field(default_factory=set)
     have_grad: set[int] = field(default_factory=set)
-    backwarded: set[int] = field(default_factory=set)
+    backwarded: set[int] = field(default_factory=set)          # whole backward, or its weight half, done
+    input_grads: set[int] = field(default_factory=set)         # input gradients computed (Backward or BackwardInput)
     in_flight: int = 0
     max_in_flight: int = 0
     sync_pending: int | None = None
@@ -209,20 +212,19 @@ def _execute(topo: Topology, ranks: dict[int, _Rank], queues: _Queues, st: _Rank
         if not _take(queues, ins.peer, st.rank, ("grad", g), st, ins):
             return False
         st.have_grad.add(g)
-    elif isinstance(ins, Backward):
+    elif isinstance(ins, (Backward, BackwardInput)):
         ready = g in (st.lossed if last else st.have_grad)
-        if g not in st.forwarded or g in st.backwarded or not ready:
+        if g not in st.forwarded or g in st.input_grads or not ready:
             raise _fail(st, ins, "backward needs its forward and its loss / output gradients, once")
-        if st.sync_pending is not None:
-            if st.sync_pending != g:
-                raise _fail(st, ins, f"SyncStart was for micro-batch {st.sync_pending}")
-            st.sync_pending = None
-            st.synced += 1
-        st.backwarded.add(g)
-        st.backward_order.append(g)
-        st.in_flight -= 1
+        st.input_grads.add(g)
+        if isinstance(ins, Backward):
+            _weights_done(st, ins, g)
+    elif isinstance(ins, BackwardWeight):
+        if g not in st.input_grads or g in st.backwarded:
+            raise _fail(st, ins, "the weight half of a backward follows its input half, once")
+        _weights_done(st, ins, g)
     elif isinstance(ins, SendGradients):
-        if first or g not in st.backwarded or ins.peer != topo.rank_for(st.stage - 1, m):
+        if first or g not in st.input_grads or ins.peer != topo.rank_for(st.stage - 1, m):
             raise _fail(st, ins, "send gradients after the backward, to the previous stage's replica")
         queues.setdefault((st.rank, ins.peer), deque()).append(("grad", g))
     elif isinstance(ins, SyncStart):
@@ -232,6 +234,19 @@ def _execute(topo: Topology, ranks: dict[int, _Rank], queues: _Queues, st: _Rank
     else:
         raise _fail(st, ins, "unknown instruction")
     return True
+
+
+def _weights_done(st: _Rank, ins: Instruction, g: int) -> None:
+    """Micro-batch g's parameter gradients are in (a Backward or BackwardWeight): its activations
+    are released, and a pending SyncStart must have been for it."""
+    if st.sync_pending is not None:
+        if st.sync_pending != g:
+            raise _fail(st, ins, f"SyncStart was for micro-batch {st.sync_pending}")
+        st.sync_pending = None
+        st.synced += 1
+    st.backwarded.add(g)
+    st.backward_order.append(g)
+    st.in_flight -= 1
 
 
 def _execute_step_level(topo: Topology, ranks: dict[int, _Rank], st: _Rank, ins: Instruction) -> bool:
@@ -246,6 +261,9 @@ def _execute_step_level(topo: Topology, ranks: dict[int, _Rank], st: _Rank, ins:
     elif isinstance(ins, Step):
         if st.waited != st.synced or st.sync_pending is not None:
             raise _fail(st, ins, "optimizer step before the gradient sync finished")
+        if st.input_grads - st.backwarded:
+            raise _fail(st, ins, f"optimizer step before the weight gradients of micro-batches "
+                                 f"{sorted(st.input_grads - st.backwarded)}")
         st.steps.append(ins.grad_scale)
     else:
         raise _fail(st, ins, "unknown instruction")

@@ -1,0 +1,127 @@
+"""One object per pipeline schedule: everything the partitioner, the simulator, the engine, the
+validator and the CLI ask of a schedule, found by name in :data:`REGISTRY`.
+
+A schedule is data plus one pure function: ``replica_ops(mine, warm, defer)`` gives the order in
+which one replica runs its micro-batches' computations, as ``("F" | "B" | "W", micro-batch)``:
+
+* ``F`` forward; ``B`` backward (the whole backward, or only the input gradients when the
+  schedule ``split_backward``s); ``W`` the weight gradients of a split backward.
+* ``mine`` the replica's micro-batches of a step in order, ``warm`` forwards before the first
+  backward (PipeDream's NOAM, ``pipeline.schedules.Topology.warm``), ``defer`` how many weight
+  gradients a split schedule may hold back to fill the drain's bubbles (``Topology.defer``).
+
+``pipeline/schedules.py`` expands the ops into the instruction lists (receives, sends, syncs,
+optimizer steps) that the engine runs, the validator checks and the simulator times. Adding a
+schedule = adding an entry here (and, for a new kind of computation, an instruction).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+from hybridpipe.errors import UserError
+
+Op = tuple[str, int]      # ("F" | "B" | "W", micro-batch)
+OpsFn = Callable[[Sequence[int], int, int], Iterator[Op]]
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """What a schedule means (see the module docstring)."""
+
+    name: str
+    summary: str                    # one line for help texts
+    replica_ops: OpsFn              # (mine, warm, defer) -> ops of one replica in one step
+    asynchronous: bool = False      # no flush: an optimizer step after every backward, weights stashed
+    split_backward: bool = False    # B = input gradients, W = weight gradients, scheduled apart
+    drain_backward_share: float = 1.0   # of the other stages' backward, the part the fill + drain costs
+    forwards_first: bool = False    # every forward of the step before any backward (holds all k)
+
+    @property
+    def flushed(self) -> bool:
+        """Every step ends with one optimizer step on the step's summed gradients (= sequential SGD)."""
+        return not self.asynchronous
+
+    @property
+    def keeps_tied_weights(self) -> bool:
+        """Copies of a weight that several stages share stay identical (needs a flush)."""
+        return self.flushed
+
+    def inflight(self, k: int, depth: int, depth_all: int) -> int:
+        """Micro-batches whose activations a replica holds at once: ``k`` its micro-batches per
+        step, ``depth`` its warm-up forwards (workers of its stage and later ones over its
+        replicas), ``depth_all`` that of the whole pipeline (all workers over its replicas)."""
+        if self.forwards_first:
+            return k
+        if self.asynchronous:
+            return depth
+        return min(k, depth_all if self.split_backward else depth)
+
+    def weight_versions(self, inflight: int) -> int:
+        """Extra copies of the weights kept (weight stashing): one per in-flight micro-batch beyond the live one."""
+        return inflight - 1 if self.asynchronous else 0
+
+    def syncs_per_step(self, k: int) -> int:
+        """Gradient all-reduces (and optimizer steps) per step for a replica of ``k`` micro-batches."""
+        return k if self.asynchronous else 1
+
+    def replicas_ok(self, replicas: int, micro_batches: int) -> bool:
+        """Every replica gets micro-batches (r <= M); asynchronous rounds need r to divide M."""
+        return replicas <= micro_batches and (not self.asynchronous or micro_batches % replicas == 0)
+
+    def replicas_need(self, replicas: int) -> str:
+        """What :meth:`replicas_ok` asks of the micro-batches, in words."""
+        return f"a multiple of {replicas}" if self.asynchronous else f"at least {replicas}"
+
+
+def gpipe_ops(mine: Sequence[int], warm: int, defer: int) -> Iterator[Op]:  # noqa: ARG001
+    """All forwards, then all backwards."""
+    yield from (("F", m) for m in mine)
+    yield from (("B", m) for m in mine)
+
+
+def one_f_one_b_ops(mine: Sequence[int], warm: int, defer: int = 0) -> Iterator[Op]:  # noqa: ARG001
+    """``warm`` forwards, then one backward and one forward alternately, then the drain."""
+    warm = min(warm, len(mine))
+    yield from (("F", m) for m in mine[:warm])
+    for i, m in enumerate(mine):
+        yield ("B", m)
+        if i + warm < len(mine):
+            yield ("F", mine[i + warm])
+
+
+def zb_h1_ops(mine: Sequence[int], warm: int, defer: int) -> Iterator[Op]:
+    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", 2023): 1F1B's order with each
+    backward split in B and W; a stage holds back its first ``defer`` W's (later stages more,
+    so all hold as many micro-batches as the first stage's 1F1B) and runs them in the drain,
+    where 1F1B waits for the next gradient. Order per micro-batch in the steady state: B, W, F."""
+    warm = min(warm, len(mine))
+    yield from (("F", m) for m in mine[:warm])
+    done_w = 0
+    for i, m in enumerate(mine):
+        yield ("B", m)
+        if i >= defer:
+            yield ("W", mine[done_w])
+            done_w += 1
+        if i + warm < len(mine):
+            yield ("F", mine[i + warm])
+    yield from (("W", m) for m in mine[done_w:])
+
+
+REGISTRY: dict[str, Schedule] = {s.name: s for s in (
+    Schedule("gpipe", "all forwards, all backwards, one optimizer step (flush)", gpipe_ops, forwards_first=True),
+    Schedule("1f1b", "one forward one backward, flush at the end of the step", one_f_one_b_ops),
+    Schedule("pipedream", "PipeDream's asynchronous 1F1B with weight stashing, no flush", one_f_one_b_ops,
+             asynchronous=True),
+    Schedule("zb-h1", "zero-bubble H1: backward split in input (B) and weight (W) gradients, W fills the "
+             "drain's bubbles; 1F1B memory, flush", zb_h1_ops, split_backward=True, drain_backward_share=0.0),
+)}
+
+
+def get_schedule(name: str) -> Schedule:
+    """The schedule called ``name``; a one-line UserError for an unknown one."""
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise UserError(f"unknown schedule {name!r}; choose one of {', '.join(REGISTRY)}") from None

@@ -1,0 +1,106 @@
+"""A backward split in two (zero-bubble schedules): input gradients now, weight gradients later.
+
+``backward_input`` computes only the gradients of the stage's inputs (what the previous stage
+waits for) and keeps the autograd graph. On the way it records, at every autograd node where a
+parameter's gradient path meets the input-gradient path (the "intermediates" of torch's own
+``torch.distributed.pipelining._backward``, whose graph walk this reuses), the gradient that
+flowed through it. ``backward_weight`` then runs autograd from those recorded gradients to the
+parameters only: the weight half is real autograd on the saved graph, not a second backward
+from the outputs. Parameters whose gradient path never meets the inputs' (a bias or position
+embedding that does not depend on the stage's inputs; every parameter of stage 0, whose inputs
+need no gradient) are differentiated from the outputs in the weight half.
+
+Unlike torch's helpers, the weight half accumulates through autograd (``torch.autograd.backward``
+with ``inputs=``), so parameters' post-accumulate-grad hooks fire as in a plain backward: the
+replicas' per-layer gradient sync (comm/hybrid_dp) starts from them as usual.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.graph import GradientEdge
+from torch.distributed.pipelining._backward import (
+    _get_grad_fn_or_grad_acc,
+    construct_reverse_graph,
+    get_param_groups,
+)
+
+
+@dataclass
+class WeightWork:
+    """What the weight half of one micro-batch's backward needs (see the module docstring)."""
+
+    groups: list[dict[str, Any]] = field(default_factory=list)   # params, intermediates, recorded grads
+    outputs: list[torch.Tensor] = field(default_factory=list)      # roots for the parameters left over
+    output_grads: list[torch.Tensor | None] = field(default_factory=list)
+    leftover: list[nn.Parameter] = field(default_factory=list)     # parameters differentiated from the roots
+
+
+def backward_input(outputs: Sequence[torch.Tensor], output_grads: Sequence[torch.Tensor | None],
+                   inputs: Sequence[torch.Tensor], params: Sequence[nn.Parameter]) -> WeightWork:
+    """Accumulate the gradients of ``inputs`` (leaves) from ``outputs`` (with ``output_grads``;
+    None = ones for a scalar loss); return what :func:`backward_weight` needs for ``params``."""
+    params = [p for p in params if p.requires_grad]
+    wanted = [t for t in inputs if t.requires_grad]
+    if not outputs:
+        return WeightWork()
+    if not wanted:
+        return WeightWork(outputs=list(outputs), output_grads=list(output_grads), leftover=params)
+    reverse = construct_reverse_graph([_get_grad_fn_or_grad_acc(t) for t in outputs])
+    acc_of = {_get_grad_fn_or_grad_acc(p): p for p in params}
+    groups = get_param_groups([_get_grad_fn_or_grad_acc(t) for t in wanted], list(acc_of), reverse)
+    handles = []
+    for group in groups:
+        group["intermediates"] = list(group["intermediates"])
+        group["grads"] = [None] * len(group["intermediates"])
+        for i, node in enumerate(group["intermediates"]):
+            def record(grad_outputs, group=group, i=i):
+                group["grads"][i] = grad_outputs
+            handles.append(node.register_prehook(record))
+    try:
+        grads = torch.autograd.grad(list(outputs), wanted, list(output_grads), retain_graph=True, allow_unused=True)
+    finally:
+        for h in handles:
+            h.remove()
+    for t, g in zip(wanted, grads, strict=True):
+        if g is not None:
+            t.grad = g if t.grad is None else t.grad + g
+    reached = {id(acc_of[a]) for group in groups if group["intermediates"] for a in group["params"]}
+    leftover = [p for p in params if id(p) not in reached]
+    groups = [g for g in groups if g["intermediates"]]
+    for g in groups:
+        g["params"] = [acc_of[a] for a in g["params"]]
+    return WeightWork(groups, list(outputs) if leftover else [], list(output_grads) if leftover else [], leftover)
+
+
+def backward_weight(work: WeightWork) -> None:
+    """Accumulate the parameters' gradients of one micro-batch from :func:`backward_input`'s record
+    (through autograd, so gradient hooks fire), and release the graph."""
+    if work.leftover:
+        torch.autograd.backward(work.outputs, work.output_grads, inputs=work.leftover, retain_graph=bool(work.groups))
+    for group in work.groups:
+        edges, grads = [], []
+        for recorded, node in zip(group["grads"], group["intermediates"], strict=True):
+            for i, g in enumerate(recorded or ()):
+                if g is not None:
+                    edges.append(GradientEdge(node, i))
+                    grads.append(g)
+        if not edges:
+            continue
+        handles = []
+        if len(group["intermediates"]) > 1:    # an intermediate below another: its recorded grad is already whole
+            handles = [node.register_prehook(lambda _grads, saved=recorded: saved)
+                       for recorded, node in zip(group["grads"], group["intermediates"], strict=True)]
+        try:
+            torch.autograd.backward(edges, grads, inputs=list(group["params"]), retain_graph=True)
+        finally:
+            for h in handles:
+                h.remove()
+    work.groups.clear()
+    work.outputs.clear()
+    work.output_grads.clear()
