@@ -19,6 +19,7 @@ from hybridpipe.partitioner.calibration import load_calibration
 from hybridpipe.partitioner.cluster import load_cluster
 from hybridpipe.partitioner.plan import ALGORITHMS, OPTIMIZERS, SCHEDULES, STRATEGIES, Plan, save_plan
 from hybridpipe.partitioner.planner import Outcome, Request, partition
+from hybridpipe.partitioner.schedule_registry import AUTO, auto_candidates
 from hybridpipe.profiles.format import load_profile
 
 
@@ -32,7 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strategy", choices=STRATEGIES, default="optimal",
                         help="optimal (default), pipedream (PipeDream's formula), dp (data parallel), "
                              "uniform (equal node counts), params (balanced parameters), time (balanced compute)")
-    parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule (default 1f1b)")
+    parser.add_argument("--schedule", choices=(*SCHEDULES, AUTO), default="1f1b",
+                        help="pipeline schedule (default 1f1b); auto: the fastest predicted of "
+                             f"{', '.join(auto_candidates())} (same updates as sequential SGD)")
     parser.add_argument("--micro-batches", type=positive_int, metavar="M",
                         help="micro-batches per step (default: 2 per worker)")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",

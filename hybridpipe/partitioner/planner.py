@@ -29,7 +29,7 @@ from hybridpipe.partitioner.objective import (
 )
 from hybridpipe.partitioner.pipedream import pipedream_stages
 from hybridpipe.partitioner.plan import ALGORITHMS, OPTIMIZERS, STRATEGIES, LayerSync, Plan, Stage
-from hybridpipe.partitioner.schedule_registry import get_schedule
+from hybridpipe.partitioner.schedule_registry import AUTO, auto_candidates, get_schedule
 from hybridpipe.partitioner.strategies import baseline_stages
 from hybridpipe.partitioner.tied import tied_groups
 from hybridpipe.profiles.format import Profile
@@ -64,7 +64,8 @@ def resolve(cluster: Cluster, req: Request) -> tuple[Cluster, int, Options]:
     """Check the request against the cluster; (cluster cut to the workers, workers, options)."""
     if req.strategy not in STRATEGIES:
         raise UserError(f"unknown strategy {req.strategy!r}; choose from {', '.join(STRATEGIES)}")
-    get_schedule(req.schedule)
+    if req.schedule != AUTO:
+        get_schedule(req.schedule)
     if req.optimizer not in OPTIMIZERS:
         raise UserError(f"unknown optimizer {req.optimizer!r}; choose from {', '.join(OPTIMIZERS)}")
     workers = cluster.total_workers if req.workers is None else req.workers
@@ -95,7 +96,19 @@ def resolve(cluster: Cluster, req: Request) -> tuple[Cluster, int, Options]:
 
 def partition(profile: Profile, cluster: Cluster, req: Request = Request(),
               calibrations: Sequence[Calibration] = ()) -> Outcome:
-    """Plan ``profile`` on ``cluster`` as ``req`` asks; UserError when no plan is possible."""
+    """Plan ``profile`` on ``cluster`` as ``req`` asks; UserError when no plan is possible.
+    ``schedule="auto"``: the plan of the flushed schedule with the smallest predicted step
+    (ties to the earlier one in the registry: less memory)."""
+    if req.schedule == AUTO:
+        found, errors = [], []
+        for name in auto_candidates():
+            try:
+                found.append(partition(profile, cluster, replace(req, schedule=name), calibrations))
+            except UserError as e:
+                errors.append(e)
+        if not found:
+            raise errors[0]
+        return min(found, key=lambda o: o.plan.predicted_step_ms)
     cluster, workers, opts = resolve(cluster, req)
     model = CostModel(cluster, list(calibrations), aggregator_dedicated=req.dedicated_aggregator)
     costs = model_costs(profile)

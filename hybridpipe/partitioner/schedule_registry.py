@@ -119,6 +119,15 @@ REGISTRY: dict[str, Schedule] = {s.name: s for s in (
 )}
 
 
+AUTO = "auto"       # the partitioner picks the fastest schedule of the same training semantics
+
+
+def auto_candidates() -> tuple[str, ...]:
+    """What ``--schedule auto`` chooses from: every flushed schedule (each gives the update of
+    sequential SGD on the step's micro-batches; asynchronous ones change the training)."""
+    return tuple(name for name, s in REGISTRY.items() if s.flushed)
+
+
 def get_schedule(name: str) -> Schedule:
     """The schedule called ``name``; a one-line UserError for an unknown one."""
     try:

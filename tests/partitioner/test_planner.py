@@ -20,7 +20,7 @@ CLUSTER = two_level(1, 4, outer_gbps=1.0, memory_gb=4.0)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "pipedream"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "pipedream", "zb-h1"])
 def test_every_strategy_makes_a_valid_plan(strategy, schedule, tmp_path):
     out = partition(PROFILE, CLUSTER, Request(strategy=strategy, schedule=schedule))
     plan = out.plan
@@ -162,3 +162,11 @@ def test_every_replica_gets_micro_batches(schedule, micro):
     for stage in plan.stages:
         assert stage.replicas <= micro
         assert schedule != "pipedream" or micro % stage.replicas == 0
+
+
+def test_auto_picks_the_fastest_flushed_schedule():
+    out = partition(PROFILE, CLUSTER, Request(schedule="auto"))
+    times = {name: partition(PROFILE, CLUSTER, Request(schedule=name)).plan.predicted_step_ms
+             for name in ("gpipe", "1f1b", "zb-h1")}
+    assert out.plan.schedule in times and out.plan.predicted_step_ms == min(times.values())
+    assert times["zb-h1"] < times["1f1b"]          # the split backward shortens the fill and drain

@@ -12,6 +12,11 @@ stage's work per step. On compute-bound pipelines (fast links) the simulator mus
 * 1f1b: never below the simulation by more than 2 %, and at most 25 % above it: the formula is
   exact for balanced stages, while on unbalanced ones 1F1B's interleaving hides part of the
   slowest stage's bubble that the formula charges.
+* zb-h1: within 25 % either way. The formula charges the paper's (p - 1)(F + B - W) fill and
+  drain, exact for balanced stages with at least as many micro-batches per replica as stages;
+  with fewer (e.g. two stages of 4 replicas, one micro-batch each) the drain has no weight
+  halves to fill it with and the formula is optimistic (up to -20 % seen), on unbalanced
+  stages the fixed order leaves gaps the formula also misses (up to +12 %).
 """
 
 from __future__ import annotations
@@ -27,8 +32,8 @@ from hybridpipe.pipeline.simulator import simulate
 from hybridpipe.profiles.format import Profile
 from tests.partitioner.synth import make_profile
 
-SEEDS = {"gpipe": 1, "1f1b": 2, "pipedream": 3}
-TOLERANCE = {"gpipe": (-0.02, 0.02), "pipedream": (-0.02, 0.02), "1f1b": (-0.02, 0.25)}
+SEEDS = {"gpipe": 1, "1f1b": 2, "pipedream": 3, "zb-h1": 4}
+TOLERANCE = {"gpipe": (-0.02, 0.02), "pipedream": (-0.02, 0.02), "1f1b": (-0.02, 0.25), "zb-h1": (-0.25, 0.25)}
 
 
 def chain_profile(rng: random.Random, n: int) -> Profile:
@@ -46,11 +51,11 @@ def fast_cluster(rng: random.Random) -> Cluster:
                        Cluster((Level("host", 2, 100.0, 1.0), Level("net", 2, 100.0, 5.0)), 16.0)])
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "pipedream"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "pipedream", "zb-h1"])
 def test_prediction_agrees_with_simulation_on_compute_bound_pipelines(schedule):
     rng = random.Random(SEEDS[schedule])
     low, high = TOLERANCE[schedule]
-    checked = 0
+    checked, errors = 0, []
     for _ in range(40):
         strategy = rng.choice(["optimal", "uniform", "time", "params", "dp"])
         M = rng.choice([4, 8, 16])
@@ -70,6 +75,8 @@ def test_prediction_agrees_with_simulation_on_compute_bound_pipelines(schedule):
             continue        # the round lock-step the formula leaves out (see the module docstring)
         sim = simulate(plan).step_ms
         err = (plan.predicted_step_ms - sim) / sim
+        errors.append(err)
         assert low <= err <= high, (strategy, reps, M, plan.predicted_step_ms, sim)
         checked += 1
     assert checked >= 15
+    print(schedule, f"prediction - simulation: {min(errors):+.1%} .. {max(errors):+.1%}")
