@@ -85,6 +85,7 @@ class Stage:
     memory_bytes: int = 0         # predicted peak memory per worker
     layers: tuple[LayerSync, ...] = ()
     overhead_ms: float = 0.0      # per step: optimizer steps + compute lost to communication (objective.py)
+    recompute: bool = False       # drop inner activations after forward, recompute them in backward
 
     @property
     def node_ids(self) -> range:
@@ -249,7 +250,8 @@ def _stage_from_dict(s: object, i: int, source: str) -> Stage:
                  send_bytes=field(s, "send_bytes", int, where, minimum=0, default=0),
                  memory_bytes=field(s, "memory_bytes", int, where, minimum=0, default=0),
                  layers=tuple(layers),
-                 overhead_ms=field(s, "overhead_ms", float, where, minimum=0, default=0.0))
+                 overhead_ms=field(s, "overhead_ms", float, where, minimum=0, default=0.0),
+                 recompute=field(s, "recompute", bool, where, default=False))
 
 
 def _layer_from_dict(lv: dict, where: str) -> LayerSync:

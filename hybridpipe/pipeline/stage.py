@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch import fx, nn
 
 from hybridpipe.errors import UserError
@@ -71,8 +72,9 @@ class PipelineStage:
     """A stage of a pipeline: the model's blocks ``first_node..last_node`` as an fx GraphModule."""
 
     def __init__(self, module: fx.GraphModule, boundary: StageBoundary, n_stages: int, captured: CapturedModel,
-                 loss: LossFn | None = None):
+                 loss: LossFn | None = None, recompute: bool = False):
         self.module = module
+        self.recompute = recompute      # keep only the inputs; rerun the forward inside backward
         self.boundary = boundary
         self.index = boundary.index
         self.n_stages = n_stages
@@ -139,15 +141,22 @@ class PipelineStage:
         Float inputs of stages after the first become leaves that require grad, so ``backward``
         can return their gradients. ``params`` (name -> tensor) replaces parameters for this
         call only (weight stashing). On the last stage the loss is computed when a ``target`` is
-        given or the model computes its own loss.
+        given or the model computes its own loss. With ``recompute`` the stage's graph runs under
+        ``torch.utils.checkpoint`` (non-reentrant, random state preserved): autograd keeps only
+        the stage's inputs and reruns the forward when the backward first needs its activations.
         """
         leaves = {k: _leaf(t, grad=not self.is_first) for k, t in inputs.items()}
         values = unpack(leaves, self.input_names)
         args = tuple(values[name] for name in self.input_names)
-        if params is None:
-            result = self.module(*args)
+
+        def run(*xs: Any) -> Any:
+            if params is None:
+                return self.module(*xs)
+            return torch.func.functional_call(self.module, dict(params), xs, strict=False)
+        if self.recompute and torch.is_grad_enabled():
+            result = torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False)
         else:
-            result = torch.func.functional_call(self.module, dict(params), args, strict=False)
+            result = run(*args)
         act = Activation(inputs=leaves)
         if self.is_last:
             act.output = self.captured.rebuild_output(result)
@@ -248,12 +257,13 @@ def build_stage(captured: CapturedModel, plan: Plan, rank: int, *, loss: LossFn 
     """This rank's stage of ``captured`` under ``plan`` (refuses a plan made for another model)."""
     check_captured_plan(captured, plan, model_name=model_name, batch_size=batch_size, world_size=world_size)
     stage, _ = plan.stage_of_rank(rank)
-    return build_stage_index(captured, [(s.first_node, s.last_node) for s in plan.stages], stage.index, loss=loss)
+    return build_stage_index(captured, [(s.first_node, s.last_node) for s in plan.stages], stage.index, loss=loss,
+                             recompute=stage.recompute)
 
 
 def build_stage_index(captured: CapturedModel, ranges: list[tuple[int, int]], index: int, *,
-                      loss: LossFn | None = None) -> PipelineStage:
+                      loss: LossFn | None = None, recompute: bool = False) -> PipelineStage:
     """Stage ``index`` of ``captured`` cut at inclusive block ``ranges`` (no plan needed)."""
     boundary = stage_boundaries(captured, ranges)[index]
     module = stage_graph_module(captured, boundary, last=index == len(ranges) - 1)
-    return PipelineStage(module, boundary, len(ranges), captured, loss)
+    return PipelineStage(module, boundary, len(ranges), captured, loss, recompute)
