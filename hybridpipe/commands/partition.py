@@ -17,6 +17,7 @@ from hybridpipe.errors import UserError
 from hybridpipe.limits import require_memory
 from hybridpipe.partitioner.calibration import load_calibration
 from hybridpipe.partitioner.cluster import load_cluster
+from hybridpipe.partitioner.objective import RECOMPUTE
 from hybridpipe.partitioner.plan import ALGORITHMS, OPTIMIZERS, SCHEDULES, STRATEGIES, Plan, save_plan
 from hybridpipe.partitioner.planner import Outcome, Request, partition
 from hybridpipe.partitioner.schedule_registry import AUTO, auto_candidates
@@ -36,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--schedule", choices=(*SCHEDULES, AUTO), default="1f1b",
                         help="pipeline schedule (default 1f1b); auto: the fastest predicted of "
                              f"{', '.join(auto_candidates())} (same updates as sequential SGD)")
+    parser.add_argument("--recompute", choices=RECOMPUTE, default="none",
+                        help="activation recomputation: none (default), all stages, or auto (the stages that "
+                             "would not fit in --memory-gb otherwise; the extra forward is charged)")
     parser.add_argument("--micro-batches", type=positive_int, metavar="M",
                         help="micro-batches per step (default: 2 per worker)")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
@@ -62,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     req = Request(workers=args.workers, strategy=args.strategy, schedule=args.schedule,
                   micro_batches=args.micro_batches, optimizer=args.optimizer, memory_gb=args.memory_gb,
                   stages=args.stages, algorithms=tuple(a.strip() for a in args.algorithms.split(",") if a.strip()),
-                  dedicated_aggregator=args.aggregator == "dedicated")
+                  dedicated_aggregator=args.aggregator == "dedicated", recompute=args.recompute)
     outcome = partition(profile, cluster, req, calibrations)
     print(render(outcome, profile.nodes, layers=args.layers))
     print(compare(profile, cluster, req, calibrations, outcome, every=args.compare))
@@ -101,7 +105,7 @@ def render(outcome: Outcome, nodes, *, layers: bool = False) -> str:
         rows.append([s.index, f"{s.first_node}-{s.last_node}", f"{nodes[s.first_node].name}..{nodes[s.last_node].name}",
                      s.replicas, rank_ranges(s.ranks), f"{s.forward_ms:.2f}", f"{s.backward_ms:.2f}",
                      f"{s.sync_ms:.2f}", f"{s.overhead_ms:.2f}", human_bytes(s.send_bytes) if s.send_bytes else "-",
-                     human_bytes(s.memory_bytes), load,
+                     human_bytes(s.memory_bytes) + (" rc" if s.recompute else ""), load,
                      ", ".join(f"{a} x{c}" for a, c in sorted(algos.items())) or "-"])
     body = table(["stage", "nodes", "layers", "replicas", "ranks", "fwd ms", "bwd ms", "sync ms", "extra ms",
                   "sends", "memory", "load", "all-reduce"], rows)

@@ -91,6 +91,8 @@ class _Solver:
         self.upper = upper
         fb = (self.pf[None, 1:] - self.pf[:-1, None]) + (self.pb[None, 1:] - self.pb[:-1, None])
         self.fb = np.where(upper, fb, np.inf)
+        self.fwd = np.where(upper, self.pf[None, 1:] - self.pf[:-1, None], 0.0)     # a recomputing stage's extra
+        self.share = share
         # a split schedule's trip leaves out the backwards (share 0) but the stage's own: added back
         own_back = (1 - share) * (self.pb[None, 1:] - self.pb[:-1, None]) if flushed and share < 1 else None
         self.own_back = None if own_back is None else np.where(upper, own_back, 0.0)
@@ -180,16 +182,31 @@ class _Solver:
         end = max(int(reach[-1]) if reach.size else last, last)
         rows, cols = slice(first, last + 1), slice(first, end + 1)      # contiguous: views, not copies
         prev = np.where(keep[rows], best[rows, x], np.inf)[:, None]
-        fb = self.fb[rows, cols]
+        fb, rc = self.fb[rows, cols], None
         inflight = self.inflight(x, r, k)
+        if opts.recompute == "all":
+            rc = np.ones(fb.shape, dtype=bool)
         if self.static_factor(inflight) * self.most_weights + self.most_stash * inflight > opts.memory_bytes:
-            mem = self.weights[rows, cols] * self.static_factor(inflight) + self.stash[rows, cols] * inflight
-            fb = np.where(mem <= opts.memory_bytes, fb, np.inf)
+            weights = self.weights[rows, cols] * self.static_factor(inflight)
+            a_in = self.a_in[rows, None]
+            fits_rc = weights + a_in * inflight + (self.stash[rows, cols] - a_in) <= opts.memory_bytes
+            fits = weights + self.stash[rows, cols] * inflight <= opts.memory_bytes
+            if opts.recompute == "all":
+                ok = fits_rc
+            elif opts.recompute == "auto":          # recompute only where keeping everything does not fit
+                rc, ok = ~fits, fits | fits_rc
+            else:
+                ok = fits
+            fb = np.where(ok, fb, np.inf)
+        if rc is not None:                                  # recomputation reruns the forward in backward
+            fb = fb + np.where(rc, self.fwd[rows, cols], 0.0)
         xfer = opts.micro_batches * self.transfer_table(blk, rows, cols)
         extra = self.extra_table(r, k)
         work = base + _times(kk, fb)
         if self.own_back is not None:
             work = work + self.own_back[rows, cols]
+            if rc is not None:
+                work = work + (1 - self.share) * np.where(rc, self.fwd[rows, cols], 0.0)
         if extra is not None:
             extra = extra[rows, cols]
             work = work + extra

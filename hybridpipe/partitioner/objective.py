@@ -57,6 +57,7 @@ from hybridpipe.partitioner.plan import ALGORITHMS, OPTIMIZERS
 from hybridpipe.partitioner.schedule_registry import Schedule, get_schedule
 
 OPTIMIZER_STATES = {"sgd": 1, "adam": 2}   # extra copies of the weights an optimizer keeps
+RECOMPUTE = ("none", "all", "auto")
 
 
 @dataclass(frozen=True)
@@ -68,9 +69,12 @@ class Options:
     optimizer: str = "sgd"
     memory_bytes: float = math.inf
     algorithms: tuple[str, ...] = ALGORITHMS
+    recompute: str = "none"     # none | all | auto (a stage recomputes only when it would not fit otherwise)
 
     def __post_init__(self):
         get_schedule(self.schedule)
+        if self.recompute not in RECOMPUTE:
+            raise UserError(f"unknown --recompute {self.recompute!r}; choose from {', '.join(RECOMPUTE)}")
         if self.optimizer not in OPTIMIZERS:
             raise UserError(f"unknown optimizer {self.optimizer!r}; choose from {', '.join(OPTIMIZERS)}")
         if self.micro_batches < 1:
@@ -114,6 +118,7 @@ class StageEval:
     busy_ms: float               # compute and sync per step (see the module docstring)
     term_ms: float               # max(busy, M * X) per step
     gap_ms: float                # drain + fill the stage's final sync may hide in (gpipe/1f1b)
+    recompute: bool = False      # the stage reruns its forward in backward (backward_ms includes it)
 
     @property
     def sync_ms_per_step(self) -> float:
@@ -135,11 +140,18 @@ def inflight_micro_batches(schedule: str, k: int, workers_after: int, replicas: 
     return get_schedule(schedule).inflight(k, depth, depth_all)
 
 
-def memory_bytes(costs: ModelCosts, i: int, j: int, inflight: int, opts: Options) -> float:
-    """Peak bytes per worker of stage i..j (see the module docstring)."""
+def memory_bytes(costs: ModelCosts, i: int, j: int, inflight: int, opts: Options, recompute: bool = False) -> float:
+    """Peak bytes per worker of stage i..j (see the module docstring). A recomputing stage keeps
+    only each in-flight micro-batch's inputs, plus one micro-batch's activations while it reruns."""
     weights = float(costs.param_bytes[i:j + 1].sum())
     versions = opts.kind.weight_versions(inflight)
-    return weights * (2 + OPTIMIZER_STATES[opts.optimizer] + versions) + costs.stash_bytes(i, j) * inflight
+    stash = costs.stash_bytes(i, j)
+    if recompute:
+        a_in = float(costs.cut_bytes[i - 1]) if i > 0 else 0.0
+        held = a_in * inflight + (stash - a_in)
+    else:
+        held = stash * inflight
+    return weights * (2 + OPTIMIZER_STATES[opts.optimizer] + versions) + held
 
 
 def overhead_ms(optimizer_ms, weights, p2p_bytes, replicas: int, k: int, syncs: int, interference: float):
@@ -197,6 +209,12 @@ def evaluate(costs: ModelCosts, model: CostModel, stages: Sequence[StageSpec], o
         k = -(-opts.micro_batches // r)
         f = float(costs.forward_ms[i:j + 1].sum())
         b = float(costs.backward_ms[i:j + 1].sum())
+        inflight = inflight_micro_batches(opts.schedule, k, workers_after, r, workers)
+        mem = memory_bytes(costs, i, j, inflight, opts)
+        rc = opts.recompute == "all" or (opts.recompute == "auto" and mem > opts.memory_bytes)
+        if rc:          # charged as part of the backward: the simulator then times it there too
+            mem = memory_bytes(costs, i, j, inflight, opts, recompute=True)
+            b += f
         gap = 0.0 if pipedream else float(costs.forward_ms[:i].sum() + costs.backward_ms[:i].sum())
         sync = choose_layer_algorithms(costs.names[i:j + 1], costs.param_bytes[i:j + 1], costs.backward_ms[i:j + 1],
                                        costs.forward_ms[i:j + 1], ranks, model, opts.algorithms,
@@ -218,10 +236,8 @@ def evaluate(costs: ModelCosts, model: CostModel, stages: Sequence[StageSpec], o
         x = transfer_ms(model, ranks, cuts)
         busy = extra + (k * (f + b + sync.exposed_ms) if pipedream
                         else trip + (1 - share) * b + (k - 1) * (f + b) + sync.exposed_ms)
-        inflight = inflight_micro_batches(opts.schedule, k, workers_after, r, workers)
-        mem = memory_bytes(costs, i, j, inflight, opts)
         evals.append(StageEval(f, b, k, sync, kind.syncs_per_step(k), x, send_ms, send_grad_ms, send_bytes,
-                               inflight, mem, extra, busy, max(busy, opts.micro_batches * x), gap))
+                               inflight, mem, extra, busy, max(busy, opts.micro_batches * x), gap, rc))
         workers_after -= r
     fits = all(e.memory_bytes <= opts.memory_bytes for e in evals) and all(
         opts.replicas_ok(len(s.ranks)) for s in stages)

@@ -50,6 +50,7 @@ class Request:
     stages: int | None = None
     algorithms: tuple[str, ...] = ALGORITHMS
     dedicated_aggregator: bool = False
+    recompute: str = "none"
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ def resolve(cluster: Cluster, req: Request) -> tuple[Cluster, int, Options]:
                         f"got {', '.join(req.algorithms) or 'none'}")
     memory = (req.memory_gb if req.memory_gb is not None else cluster.memory_gb) * 1e9
     micro = req.micro_batches or MICRO_BATCHES_PER_WORKER * workers
-    opts = Options(req.schedule, micro, req.optimizer, memory, tuple(req.algorithms))
+    opts = Options(req.schedule, micro, req.optimizer, memory, tuple(req.algorithms), req.recompute)
     return cluster, workers, opts
 
 
@@ -160,7 +161,7 @@ def build_plan(profile: Profile, costs: ModelCosts, cluster: Cluster, stages: Se
                          backward_ms=e.backward_ms, sync_ms=e.sync_ms_per_step, send_ms=e.send_ms,
                          send_bytes=int(e.send_bytes), memory_bytes=int(e.memory_bytes),
                          layers=without_tied(e.sync.layers, {t.param: t.bytes for t in tied if idx in t.stages}),
-                         overhead_ms=e.overhead_ms))
+                         overhead_ms=e.overhead_ms, recompute=e.recompute))
     samples = opts.micro_batches * profile.batch_size / (step_ms / 1e3) if step_ms > 0 else 0.0
     return Plan(model=profile.model, batch_size=profile.batch_size, input_shape=tuple(profile.input_shape),
                 profile_signature=profile.signature(), cluster=cluster, strategy=strategy, schedule=opts.schedule,
@@ -195,7 +196,7 @@ def no_fit_message(costs: ModelCosts, workers: int, opts: Options) -> str:
                 "per step; raise --micro-batches or use fewer --workers")
     return (f"no partition onto {workers} workers fits in {gb:g} GB per worker with {opts.micro_batches} "
             f"micro-batches ({opts.schedule}) and a replica count per stage that divides into them; raise "
-            "--memory-gb or --micro-batches, add workers, or use --schedule 1f1b")
+            "--memory-gb or --micro-batches, add workers, use --schedule 1f1b or --recompute auto")
 
 
 def memory_message(stages: Sequence[StageSpec], ev: Evaluation, opts: Options, strategy: str) -> str:
@@ -210,4 +211,4 @@ def memory_message(stages: Sequence[StageSpec], ev: Evaluation, opts: Options, s
     st, e = stages[idx], ev.stages[idx]
     return (f"--strategy {strategy} does not fit: stage {idx} (nodes {st.first}-{st.last}) needs "
             f"{e.memory_bytes / 1e9:.2f} GB per worker, more than {opts.memory_bytes / 1e9:g} GB; raise --memory-gb, "
-            "add workers or try --strategy optimal")
+            "add workers, try --strategy optimal or --recompute auto")

@@ -20,7 +20,8 @@ LAYER = st.tuples(st.sampled_from([0.0, 0.3, 2.0, 9.0]), st.sampled_from([0.0, 0
                   st.sampled_from([0, 2_000, 300_000, 4_000_000]), st.sampled_from([0, 8_000, 900_000, 60_000_000]))
 OPTIONS = st.builds(Options, schedule=st.sampled_from(["gpipe", "1f1b", "pipedream", "zb-h1"]),
                     micro_batches=st.integers(1, 8), optimizer=st.sampled_from(["sgd", "adam"]),
-                    memory_bytes=st.sampled_from([math.inf, 1e9, 4e8, 1.5e8]))
+                    memory_bytes=st.sampled_from([math.inf, 1e9, 4e8, 1.5e8]),
+                    recompute=st.sampled_from(["none", "all", "auto"]))
 
 
 def clusters(max_workers: int):

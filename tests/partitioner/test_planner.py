@@ -170,3 +170,20 @@ def test_auto_picks_the_fastest_flushed_schedule():
              for name in ("gpipe", "1f1b", "zb-h1")}
     assert out.plan.schedule in times and out.plan.predicted_step_ms == min(times.values())
     assert times["zb-h1"] < times["1f1b"]          # the split backward shortens the fill and drain
+
+
+def test_recompute_auto_fits_where_keeping_activations_does_not_and_pays_a_forward():
+    big = make_profile([(2.0, 4.0, 40_000_000, 1_000)] * 4, model="activation-heavy")
+    cluster = two_level(1, 2, outer_gbps=100.0, memory_gb=4.0)
+    req = Request(strategy="uniform", stages=2, micro_batches=8, schedule="gpipe", memory_gb=0.45)
+    with pytest.raises(UserError, match="--recompute auto"):
+        partition(big, cluster, req)
+    free = partition(big, cluster, Request(**{**req.__dict__, "memory_gb": None})).plan
+    plan = partition(big, cluster, Request(**{**req.__dict__, "recompute": "auto"})).plan
+    assert all(s.recompute for s in plan.stages)
+    for s, f in zip(plan.stages, free.stages, strict=True):
+        assert s.memory_bytes <= 0.45e9 < f.memory_bytes
+        assert s.backward_ms == pytest.approx(f.backward_ms + f.forward_ms)      # the forward, run again
+    assert plan.predicted_step_ms > free.predicted_step_ms
+    roomy = partition(big, cluster, Request(**{**req.__dict__, "recompute": "auto", "memory_gb": None})).plan
+    assert not any(s.recompute for s in roomy.stages)                          # auto: only where memory binds
