@@ -204,6 +204,17 @@ def check_plan_fits(plan: Plan, *, model: str | None, signature: str | None, bat
                         f"(signature {signature} vs {plan.profile_signature}); re-profile and re-partition")
 
 
+def check_plan_memory(plan: Plan) -> None:
+    """Refuse (one line) a plan with a stage predicted to need more memory per worker than the
+    plan's cluster has (``memory_gb``: the cluster's, or ``partition --memory-gb``)."""
+    budget = plan.cluster.memory_gb * 1e9
+    for s in plan.stages:
+        if s.memory_bytes > budget:
+            raise UserError(f"stage {s.index} is predicted to need {s.memory_bytes / 1e9:.2f} GB per worker, more "
+                            f"than the plan's {plan.cluster.memory_gb:g} GB; re-partition (--recompute auto, more "
+                            "workers or fewer --micro-batches) or give the cluster more memory_gb")
+
+
 def _tied_from_dict(t: object, i: int, source: str) -> TiedGroup:
     where = f"{source}: tied group {i}"
     if not isinstance(t, dict):

@@ -89,7 +89,9 @@ def resolve(cluster: Cluster, req: Request) -> tuple[Cluster, int, Options]:
     if unknown or not req.algorithms:
         raise UserError(f"--algorithms must name some of {', '.join(ALGORITHMS)}; "
                         f"got {', '.join(req.algorithms) or 'none'}")
-    memory = (req.memory_gb if req.memory_gb is not None else cluster.memory_gb) * 1e9
+    if req.memory_gb is not None:           # the plan records the budget it was made for
+        cluster = replace(cluster, memory_gb=req.memory_gb)
+    memory = cluster.memory_gb * 1e9
     micro = req.micro_batches or MICRO_BATCHES_PER_WORKER * workers
     opts = Options(req.schedule, micro, req.optimizer, memory, tuple(req.algorithms), req.recompute)
     return cluster, workers, opts

@@ -52,6 +52,7 @@ from hybridpipe.pipeline.instructions import (
     SyncWait,
     message_key,
 )
+from hybridpipe.pipeline.memory import MemoryMeter, optimizer_tensors, tensors_bytes
 from hybridpipe.pipeline.schedules import Topology, check_schedulable, rank_program, settle_phase
 from hybridpipe.pipeline.splitback import WeightWork
 from hybridpipe.pipeline.stage import Activation, PipelineStage
@@ -88,6 +89,7 @@ class StepResult:
     step: int
     losses: dict[int, torch.Tensor] = field(default_factory=dict)   # last stage: micro-batch of this step -> loss
     optimizer_steps: int = 0
+    peak_memory_bytes: int = 0      # what the stage held at its peak this step (memory.py)
 
     @property
     def mean_loss(self) -> float | None:
@@ -122,6 +124,7 @@ class PipelineEngine:
         self.recorder, self.clock = recorder, clock
         self.stash = WeightStash(stage.module) if self.kind.asynchronous else None
         self.device = stage.device     # where inputs and targets go (place the stage before the engine)
+        self.meter = MemoryMeter(self._held, self._grad_bytes, self.device)
         self.phase = 0              # steps since the pipeline was (re)started (pipedream)
         self._last_step: int | None = None
         self._inputs: dict[int, dict[str, torch.Tensor]] = {}
@@ -161,6 +164,7 @@ class PipelineEngine:
         M = self.topo.micro_batches
         frozen = {step * M + m for m in self._needs_frozen(program)} if self.stash else set()
         result = StepResult(step)
+        self.meter.begin_step()
         for ins in program:
             t0 = self.clock()
             if isinstance(ins, MicroBatchInstruction):
@@ -172,6 +176,7 @@ class PipelineEngine:
             phase = _PHASES.get(type(ins))
             if recorder is not None and phase is not None:
                 recorder.record(phase, g, t0, self.clock())
+        result.peak_memory_bytes = self.meter.end_step()
         self._last_step = step
         self.phase = 0 if drain else self.phase + 1     # the same on every rank
         return result
@@ -251,7 +256,8 @@ class PipelineEngine:
                 self._inputs[g] = self._transport().recv(ins.peer, message_key(ins, g, M))
         elif isinstance(ins, Forward):
             params = self.stash.forward_params(g, g in frozen) if self.stash else None
-            self._acts[g] = stage.forward(self._inputs.pop(g), params=params)
+            with self.meter.forward():
+                self._acts[g] = stage.forward(self._inputs.pop(g), params=params)
         elif isinstance(ins, SendActivations):
             self._transport().send(ins.peer, message_key(ins, g, M), self._acts[g].outputs)
         elif isinstance(ins, LoadTarget):
@@ -318,6 +324,14 @@ class PipelineEngine:
         self.optimizer.zero_grad(set_to_none=True)
         if self.stash:
             self.stash.stepped()
+
+    def _held(self) -> list[torch.Tensor]:
+        """Tensors the stage holds outside autograd's graph: weights, optimizer state, stashed versions."""
+        out = list(self.stage.parameters()) + optimizer_tensors(self.optimizer)
+        return out + (self.stash.tensors() if self.stash else [])
+
+    def _grad_bytes(self) -> int:
+        return tensors_bytes(p for p in self.stage.parameters() if p.requires_grad)
 
     @staticmethod
     def _needs_frozen(program: list[Instruction]) -> set[int]:

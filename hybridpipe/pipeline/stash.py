@@ -74,6 +74,10 @@ class WeightStash:
         """The optimizer updated the live parameters: a new version begins."""
         self.version += 1
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every stashed copy kept now."""
+        return [t for ps in self._frozen.values() for t in ps.values()]
+
     def versions_kept(self) -> int:
         return len(self._frozen)
 

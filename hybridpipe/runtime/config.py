@@ -31,7 +31,7 @@ from hybridpipe.comm.p2p import MODES
 from hybridpipe.errors import UserError
 from hybridpipe.limits import require_memory
 from hybridpipe.partitioner.calibration import load_calibration
-from hybridpipe.partitioner.plan import OPTIMIZERS, SCHEDULES, Plan, check_plan_fits, load_plan
+from hybridpipe.partitioner.plan import OPTIMIZERS, SCHEDULES, Plan, check_plan_fits, check_plan_memory, load_plan
 from hybridpipe.pipeline.instructions import Step
 from hybridpipe.pipeline.schedules import Topology, check_schedulable, rank_program
 from hybridpipe.runtime.checkpoint_files import step_dirs
@@ -200,6 +200,7 @@ def resolve(args: argparse.Namespace, world_size: int | None = None) -> RunConfi
     require_memory(plan.micro_batches * 6 * 400 * 2, f"the instruction lists of {plan.micro_batches} micro-batches",
                    "use fewer --micro-batches")
     check_schedulable(Topology.from_plan(plan), plan.schedule)
+    check_plan_memory(plan)
     if args.skip_nonfinite and not flushes(plan):
         raise UserError(f"--skip-nonfinite needs a schedule that flushes every step (gpipe, 1f1b); "
                         f"{plan.schedule} updates weights per micro-batch, so a step cannot be skipped as a whole")

@@ -5,7 +5,8 @@
     {"step": 7, "step_ms": 412.5, "samples_per_s": 310.3, "loss": 2.291, "micro_batches": 2, "time": 1730000000.1}
 
 ``loss`` (the mean of this rank's micro-batch losses) and ``micro_batches`` appear on ranks of
-the last stage only; ``samples_per_s`` is the job's global batch over this rank's step time.
+the last stage only; ``samples_per_s`` is the job's global batch over this rank's step time;
+``peak_memory_bytes`` is what the rank's stage held at its peak in the step (pipeline/memory.py).
 The file is appended to and flushed every line, so a crashed or resumed run keeps its history.
 """
 
@@ -57,10 +58,12 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
     return out
 
 
-def step_record(step: int, seconds: float, global_batch: int, losses: list[float]) -> dict:
+def step_record(step: int, seconds: float, global_batch: int, losses: list[float], peak_memory_bytes: int = 0) -> dict:
     """One metrics line (see the module docstring)."""
     rec = {"step": step, "step_ms": round(seconds * 1e3, 3),
            "samples_per_s": round(global_batch / seconds, 2) if seconds > 0 else None}
+    if peak_memory_bytes:
+        rec["peak_memory_bytes"] = peak_memory_bytes
     if losses:
         rec["loss"] = sum(losses) / len(losses)
         rec["micro_batches"] = len(losses)

@@ -13,6 +13,8 @@ Each rank hands a :class:`RankReport` to one gather; :func:`summarize` turns the
 * Gradient sync: per replicated stage, each of the plan's layers with the algorithm its
   all-reduce actually ran (as the stage's HybridDataParallel recorded it on its first replica)
   and the plan's (``runtime/sync.py``); ``sync_as_planned`` says whether they all agree.
+* Memory: per rank the peak bytes its stage held in any step (``pipeline/memory.py``: CUDA's max
+  allocated, or on the CPU the tensors it holds), next to the plan's ``memory_bytes`` prediction.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class RankReport:
     losses: dict[int, dict[int, float]] = field(default_factory=dict)   # step -> micro-batch -> loss
     digest: str | None = None                                             # weights, replicated stages only
     sync: list[dict] | None = None       # replicated stages: per layer {"layer", "algorithm", "planned"}
+    peak_memory_bytes: int = 0           # the most the rank's stage held in any step (pipeline/memory.py)
 
 
 def warmup_steps(n: int) -> int:
@@ -94,6 +97,8 @@ def summarize(reports: list[RankReport], plan: Plan, *, steps: int, first_step: 
         "replicas_identical": replicas,
         "skipped_nonfinite_steps": sorted(skipped or []),
         "sync": sync, "sync_as_planned": as_planned,
+        "memory": [{"rank": r.rank, "stage": r.stage, "peak_bytes": r.peak_memory_bytes,
+                    "predicted_bytes": plan.stages[r.stage].memory_bytes} for r in reports],
         "run_dir": run_dir, "metrics_dir": f"{run_dir}/metrics", "trace_dir": trace_dir,
     }
 
@@ -122,6 +127,15 @@ def loss_rows(losses: dict[str, float], rows: int = 6) -> list[tuple[int, float]
     return [items[i] for i in picks]
 
 
+def memory_line(memory: list[dict]) -> str:
+    """The peak memory of the hungriest rank, against the plan's prediction for its stage."""
+    top = max(memory, key=lambda m: m["peak_bytes"])
+    line = f"  memory: peak {top['peak_bytes'] / 2**20:.1f} MiB on rank {top['rank']} (stage {top['stage']})"
+    if top["predicted_bytes"]:
+        line += f", plan predicted {top['predicted_bytes'] / 2**20:.1f} MiB"
+    return line
+
+
 def format_summary(summary: dict) -> str:
     """The lines printed at the end of a run."""
     s = summary
@@ -144,6 +158,8 @@ def format_summary(summary: dict) -> str:
                                      else f"WEIGHTS DIFFER between the replicas of stage(s) {', '.join(diverged)}"))
     if s.get("sync"):
         out.append(sync_line(s["sync"], s["sync_as_planned"]))
+    if s.get("memory"):
+        out.append(memory_line(s["memory"]))
     skipped = s.get("skipped_nonfinite_steps") or []
     if skipped:
         shown = ", ".join(map(str, skipped[:10])) + (" ..." if len(skipped) > 10 else "")

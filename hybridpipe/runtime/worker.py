@@ -76,7 +76,8 @@ def _train(cfg: RunConfig, proc: Process, model, closers: list, print_fn) -> dic
     tied = tied_sync(plan, stage_plan.index, model.module, tied_process_groups(plan, cfg.timeout))
     watch = _nonfinite_watch(cfg, proc, stage_plan)
     stage = build_stage_index(model.captured, [(s.first_node, s.last_node) for s in plan.stages], stage_plan.index,
-                              loss=watch.wrap_loss(loss_of(model.spec.loss))).to(proc.device)
+                              loss=watch.wrap_loss(loss_of(model.spec.loss)),
+                              recompute=stage_plan.recompute).to(proc.device)
     sync = make_sync(cfg, stage.module, stage_plan, groups.get(stage_plan.index),
                      exclude=tied.params if tied is not None else ())
     seed_rank(cfg.seed, rank)
@@ -122,7 +123,8 @@ def _train(cfg: RunConfig, proc: Process, model, closers: list, print_fn) -> dic
             if recorder is not None:
                 recorder.end_step()
             losses = {m: float(v) for m, v in sorted(result.losses.items())}
-            record = step_record(step, seconds, cfg.global_batch, list(losses.values()))
+            record = step_record(step, seconds, cfg.global_batch, list(losses.values()), result.peak_memory_bytes)
+            report.peak_memory_bytes = max(report.peak_memory_bytes, result.peak_memory_bytes)
             metrics.write(record)
             bar.update(record)
             report.step_ms[step] = record["step_ms"]

@@ -102,13 +102,14 @@ def make_optimizer(params, lr: float, kind: str = "sgd") -> torch.optim.Optimize
 def train_pipeline(plan: Plan, steps: int, *, lr: float = 0.05, seed: int = 0, optimizer: str = "sgd",
                    drain_every: int | None = None, device: str = "cpu", dataset: Dataset | None = None,
                    shared_capture: bool = False, observe: Observer | None = None, tied_sync: bool = True,
-                   ) -> tuple[dict[str, torch.Tensor], dict[int, list[float]]]:
+                   step_results: dict | None = None) -> tuple[dict[str, torch.Tensor], dict[int, list[float]]]:
     """Train ``plan`` with one thread per rank; returns the merged state dict (replica 0 of every
     stage, after checking the replicas agree bitwise) and the losses per step.
 
     ``dataset``: the samples (default: synthetic); ``shared_capture``: every rank gets a copy of one
     capture (see capture_copy); ``observe(rank, step, stage)`` runs on every rank after every step;
-    ``tied_sync=False`` sums nothing across the copies of tied weights (to see them drift apart)."""
+    ``tied_sync=False`` sums nothing across the copies of tied weights (to see them drift apart);
+    ``step_results`` (a dict) receives every rank's list of StepResults."""
     spec = resolve_model(plan.model)
     topo = Topology.from_plan(plan)
     network = InProcessNetwork(timeout=60)
@@ -132,6 +133,8 @@ def train_pipeline(plan: Plan, steps: int, *, lr: float = 0.05, seed: int = 0, o
             for k in range(steps):
                 last = k == steps - 1 or (drain_every is not None and (k + 1) % drain_every == 0)
                 res = engine.run_step(k, drain=last)
+                if step_results is not None:
+                    step_results.setdefault(rank, []).append(res)
                 losses[k] = [float(v) for _, v in sorted(res.losses.items())]
                 if observe is not None:
                     observe(rank, k, stage)

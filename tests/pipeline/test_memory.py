@@ -1,0 +1,62 @@
+"""Memory measured: the bytes a stage holds, against what autograd provably keeps, and the
+refusal of a plan that needs more than its workers have."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from hybridpipe.errors import UserError
+from hybridpipe.partitioner.plan import check_plan_memory
+from hybridpipe.pipeline.memory import MemoryMeter, tensors_bytes
+from tests.pipeline.harness import make_plan, train_pipeline
+
+
+def _chain() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+
+
+def test_meter_counts_each_saved_storage_once_until_the_graph_is_freed():
+    model = _chain()
+    params = list(model.parameters())
+    meter = MemoryMeter(lambda: params, lambda: tensors_bytes(params), torch.device("cpu"))
+    x = torch.randn(16, 8, requires_grad=True)
+    meter.begin_step()
+    with meter.forward():
+        out = model(x)
+    # Linear 1 saves x; tanh saves its output, which Linear 2 saves too (one storage); weights are not counted
+    assert meter.held == 16 * 8 * 4 + 16 * 32 * 4
+    out.sum().backward()
+    del out
+    assert meter.held == 0
+    assert meter.end_step() == 16 * 8 * 4 + 16 * 32 * 4 + 2 * tensors_bytes(params)
+
+
+def peaks(schedule: str, recompute: bool, micro_batches: int = 8) -> dict[int, int]:
+    plan = make_plan("mlp", [2, 5], [1, 1, 1], schedule=schedule, micro_batches=micro_batches, batch_size=32)
+    plan = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, recompute=recompute) for s in plan.stages))
+    results: dict = {}
+    train_pipeline(plan, 2, step_results=results)
+    return {r: max(x.peak_memory_bytes for x in v) for r, v in results.items()}
+
+
+def test_engine_reports_peaks_that_follow_the_schedules_and_recomputation():
+    gpipe, one = peaks("gpipe", False), peaks("1f1b", False)
+    assert all(gpipe[r] > one[r] > 0 for r in gpipe)              # gpipe holds all 8 micro-batches
+    fewer, more = peaks("gpipe", False, micro_batches=4), peaks("gpipe", False, micro_batches=16)
+    for r in gpipe:                         # activations grow with the micro-batches held, the rest stays
+        assert more[r] - gpipe[r] == 2 * (gpipe[r] - fewer[r]) > 0
+    recomputed = peaks("gpipe", True)
+    assert all(recomputed[r] < gpipe[r] for r in gpipe)           # only the stage inputs are kept
+
+
+def test_a_plan_that_needs_more_memory_than_its_workers_have_is_refused():
+    plan = make_plan("mlp", [2, 5], [1, 1, 1])
+    stages = list(plan.stages)
+    stages[1] = dataclasses.replace(stages[1], memory_bytes=int(plan.cluster.memory_gb * 1e9) + 1)
+    check_plan_memory(plan)
+    with pytest.raises(UserError, match=r"stage 1 is predicted to need .*\(--recompute auto"):
+        check_plan_memory(dataclasses.replace(plan, stages=tuple(stages)))
