@@ -7,6 +7,7 @@ model of weight-stashed asynchronous SGD (tests/pipeline/pipedream_reference.py)
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -78,3 +79,16 @@ def test_pipedream_matches_weight_stashed_async_sgd(tmp_path):
 @pytest.mark.parametrize("algorithm", ["ring", "butterfly", "hierarchical", "torus2d", "aggregator", "native"])
 def test_every_allreduce_matches_single_process(tmp_path, algorithm):
     check_sgd_equivalence(tmp_path, "mlp", [3], [3, 1], "1f1b", 6, 4, "--allreduce", algorithm)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_zb_h1_with_replicas_and_recomputation_matches_single_process(tmp_path, recompute):
+    """The weight halves start the replicas' per-layer all-reduce from their gradient hooks."""
+    plan = make_plan("mlp", [2, 5], [1, 2, 1], schedule="zb-h1", micro_batches=4, batch_size=4)
+    plan = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, recompute=recompute) for s in plan.stages))
+    weights, summary = run_plan(tmp_path, plan)
+    assert max_diff(weights, train_reference(plan, STEPS, lr=LR, momentum=MOMENTUM, seed=SEED)) <= 1e-5
+    assert summary["replicas_identical"] == {"1": True}
+    assert all(lv["algorithm"] for lv in summary["sync"]["1"])     # the all-reduce ran, started by the hooks
+    assert sorted(m["rank"] for m in summary["memory"]) == [0, 1, 2, 3]
+    assert all(m["peak_bytes"] > 0 for m in summary["memory"])
