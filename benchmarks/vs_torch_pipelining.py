@@ -1,8 +1,10 @@
-"""hybridpipe's 1f1b vs ``torch.distributed.pipelining.Schedule1F1B``: same model, split, micro-batches.
+"""hybridpipe's schedules vs ``torch.distributed.pipelining``'s: same model, split, micro-batches.
 
     python benchmarks/vs_torch_pipelining.py                       # alexnet-small, 4 stages, 8 x 16
     python benchmarks/vs_torch_pipelining.py --quick               # fewer steps and rounds
     python benchmarks/vs_torch_pipelining.py --model mlp[hidden=1024] --stages 2 --modes sa,sra
+    python benchmarks/vs_torch_pipelining.py --schedules gpipe,1f1b,zb-h1 \
+        --torch-schedules ScheduleGPipe,Schedule1F1B,ScheduleInterleaved1F1B,ScheduleInterleavedZeroBubble
 
 The model is profiled in this process (one thread, as the workers run) and split into
 ``--stages`` stages with balanced compute (``hybridpipe partition --strategy time``); both
@@ -12,7 +14,10 @@ after each step, synthetic data fetched inside the timed step on both sides, glo
 one process per stage and one thread per process.
 
 hybridpipe runs through its worker (``run_worker``: channels, engine, metrics) with each p2p
-mode of ``--modes``; torch runs ``Schedule1F1B.step`` + ``optimizer.step``. Step time of a job =
+mode of ``--modes`` and each schedule of ``--schedules`` (system ``hybridpipe-MODE`` for 1f1b,
+``hybridpipe-SCHEDULE-MODE`` otherwise); torch runs each class of ``--torch-schedules``
+(``SCHEDULE.step`` + ``optimizer.step``; the multi-stage classes get this rank's one stage, the
+same split: ZBV and DualPipeV need two stages per rank and are left out). Step time of a job =
 its slowest rank's step; each run reports the median over the steps after ``--warmup``. The
 systems alternate, ``--rounds`` times, so drifting load on a shared machine hits both; the
 ratio is torch's median step over ours (> 1: hybridpipe is faster). Results:
@@ -86,10 +91,12 @@ def make_plan(model: str, stages: int, micro_batches: int, batch_size: int, path
         save_plan(partition(profile, hosts, Request(workers=stages, micro_batches=micro_batches)).plan, best_path)
 
 
-def ours(rank: int, world: int, plan_path: str, steps: int, mode: str, run_dir: str) -> dict | None:
+def ours(rank: int, world: int, plan_path: str, steps: int, mode: str, run_dir: str,
+         schedule: str = "1f1b") -> dict | None:
     """hybridpipe's worker on this rank; the reporting rank returns the job's step times."""
     args = build_parser().parse_args(["--plan", plan_path, "--steps", str(steps), "--lr", str(LR),
                                       "--momentum", str(MOMENTUM), "--seed", str(SEED), "--comm-mode", mode,
+                                      "--schedule", schedule,
                                       "--run-dir", run_dir, "--no-trace", "--no-progress", "--timeout", "120"])
     summary = run_worker(resolve(args, world), print_fn=lambda _: None)
     return None if summary is None else {int(k): v for k, v in summary["job_step_ms"].items()}
@@ -131,9 +138,9 @@ def torch_side(spec, batch_size: int):
             lambda x, y: x["labels"])
 
 
-def theirs(rank: int, world: int, plan_path: str, steps: int) -> dict | None:
-    """torch.distributed.pipelining's Schedule1F1B on the same stages; rank 0 returns the job's step times."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+def theirs(rank: int, world: int, plan_path: str, steps: int, kind: str = "Schedule1F1B") -> dict | None:
+    """torch.distributed.pipelining's schedule ``kind`` on the same stages; rank 0 returns the job's step times."""
+    from torch.distributed.pipelining import PipelineStage, schedules
 
     plan = load_plan(plan_path)
     spec = resolve_model(plan.model)
@@ -144,7 +151,9 @@ def theirs(rank: int, world: int, plan_path: str, steps: int) -> dict | None:
                              dynamic=False)
     stage = build_stage_index(captured, [(s.first_node, s.last_node) for s in plan.stages], rank, loss=spec.loss)
     pipe = PipelineStage(_TorchStage(stage, spec.loss is None), rank, world, torch.device("cpu"))
-    schedule = Schedule1F1B(pipe, n_microbatches=plan.micro_batches, loss_fn=loss_fn)
+    cls = getattr(schedules, kind)
+    multi = issubclass(cls, schedules.PipelineScheduleMulti)
+    schedule = cls([pipe] if multi else pipe, n_microbatches=plan.micro_batches, loss_fn=loss_fn)
     params = list(stage.module.parameters())
     optimizer = torch.optim.SGD(params, lr=LR, momentum=MOMENTUM) if params else None
     size = steps * plan.micro_batches * plan.batch_size
@@ -179,11 +188,11 @@ def worker(a: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
-        if a.system == "torch-Schedule1F1B":
-            value = theirs(rank, world, a.plan, a.steps)
+        if a.system.startswith("torch-"):
+            value = theirs(rank, world, a.plan, a.steps, a.system.split("-", 1)[1])
         else:
-            mode = "sa" if a.system == "hybridpipe-best" else a.system.split("-", 1)[1]
-            value = ours(rank, world, a.plan, a.steps, mode, a.run_dir)
+            schedule, mode = system_schedule(a.system)
+            value = ours(rank, world, a.plan, a.steps, mode, a.run_dir, schedule)
     finally:
         dist.destroy_process_group()
     if value is not None:
@@ -204,6 +213,16 @@ def run_emulated(cluster, name: str, plan_path: Path, steps: int, run_dir: Path,
         if lines:
             return {int(k): float(v) for k, v in json.loads(lines[-1][len(RESULT_TAG):]).items()}
     raise RuntimeError(f"no host printed the step times of {name}; host 0's output:\n{results[0].stdout[-2000:]}")
+
+
+def system_schedule(name: str) -> tuple[str, str]:
+    """(schedule, p2p mode) of a hybridpipe system name: ``hybridpipe-sa`` (1f1b),
+    ``hybridpipe-zb-h1-sa``, ``hybridpipe-best`` (its own plan, made for 1f1b; mode sa)."""
+    rest = name.removeprefix("hybridpipe-")
+    if rest == "best":
+        return "1f1b", "sa"
+    schedule, _, mode = rest.rpartition("-")
+    return schedule or "1f1b", mode
 
 
 def _gbps(rate: str) -> float:
@@ -235,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=4, help="steps left out of each run's median")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds of every system")
     p.add_argument("--modes", default="sa", help="hybridpipe p2p modes to run (comma-separated)")
+    p.add_argument("--schedules", default="1f1b", help="hybridpipe schedules to run (comma-separated)")
+    p.add_argument("--torch-schedules", default="Schedule1F1B",
+                   help="torch.distributed.pipelining schedule classes to run (comma-separated)")
     p.add_argument("--quick", action="store_true", help="10 steps, 2 rounds")
     p.add_argument("--out-dir", help="results directory (default benchmarks/results)")
     p.add_argument("--tag", default="", help="suffix of the result files' names (e.g. loaded)")
@@ -263,7 +285,10 @@ def main(argv: list[str] | None = None) -> int:
               _gbps(a.rate))
     plan = load_plan(plan_path)
     log.info("stages (node ranges): %s", [(s.first_node, s.last_node) for s in plan.stages])
-    systems = [f"hybridpipe-{m}" for m in modes] + ["torch-Schedule1F1B"] + (["hybridpipe-best"] if a.best else [])
+    ours_names = [f"hybridpipe-{m}" if s == "1f1b" else f"hybridpipe-{s}-{m}"
+                  for s in a.schedules.split(",") for m in modes]
+    torch_names = [f"torch-{t.strip()}" for t in a.torch_schedules.split(",") if t.strip()]
+    systems = ours_names + torch_names + (["hybridpipe-best"] if a.best else [])
     runs: dict[str, list[float]] = {s: [] for s in systems}
     steps_ms: dict[str, list[dict]] = {s: [] for s in systems}
     with contextlib.ExitStack() as stack:
@@ -280,16 +305,16 @@ def main(argv: list[str] | None = None) -> int:
                 if cluster is not None:
                     step_ms = run_emulated(cluster, name, path, a.steps, run_dir, 900)
                 elif name.startswith("hybridpipe-"):
-                    mode = "sa" if name == "hybridpipe-best" else name.split("-", 1)[1]
-                    step_ms = run_job(ours, a.stages, str(path), a.steps, mode, str(run_dir))
+                    schedule, mode = system_schedule(name)
+                    step_ms = run_job(ours, a.stages, str(path), a.steps, mode, str(run_dir), schedule)
                 else:
-                    step_ms = run_job(theirs, a.stages, str(plan_path), a.steps)
+                    step_ms = run_job(theirs, a.stages, str(plan_path), a.steps, name.split("-", 1)[1])
                 runs[name].append(job_median(step_ms, a.warmup))
                 steps_ms[name].append(step_ms)
                 log.info("round %d %s: %.1f ms/step", r, name, runs[name][-1])
     global_batch = a.micro_batches * a.batch_size
     medians = {s: statistics.median(v) for s, v in runs.items()}
-    torch_ms = medians["torch-Schedule1F1B"]
+    torch_ms = min(medians[t] for t in torch_names)          # torch's best schedule
     result = {
         "benchmark": "vs_torch_pipelining", "machine": machine(), "command": " ".join(sys.argv),
         "model": a.model, "stages": [[s.first_node, s.last_node] for s in plan.stages],
@@ -301,13 +326,14 @@ def main(argv: list[str] | None = None) -> int:
         "step_ms_per_round": runs, "median_step_ms": medians,
         "samples_per_s": {s: global_batch / m * 1e3 for s, m in medians.items()},
         "throughput_vs_torch": {s: torch_ms / m for s, m in medians.items() if s.startswith("hybridpipe")},
+        "torch_best": min(torch_names, key=medians.__getitem__),
         "job_step_ms": steps_ms,
     }
     name = "vs_torch_pipelining" + ("_emulated" if a.network == "emulated" else "") + (f"_{a.tag}" if a.tag else "")
     json_path, png_path = result_paths(name, a.quick, a.out_dir)
     write_results(json_path, result, _figure(result), png_path)
     for s, m in medians.items():
-        ratio = f"  ({torch_ms / m:.2f}x torch's throughput)" if s.startswith("hybridpipe") else ""
+        ratio = f"  ({torch_ms / m:.2f}x torch's best throughput)" if s.startswith("hybridpipe") else ""
         print(f"{s:>22}: {m:8.1f} ms/step  {global_batch / m * 1e3:8.1f} samples/s{ratio}")
     print(f"wrote {json_path} and {png_path}")
     return 0
@@ -327,7 +353,8 @@ def _figure(result: dict):
     ax.set_ylabel("samples/s (median of rounds)")
     ratios = ", ".join(f"{k}: {v:.2f}x" for k, v in result["throughput_vs_torch"].items())
     ax.set_title(f"{result['model']}, {len(result['stages'])} stages, {result['micro_batches']} x "
-                 f"{result['batch_size']}, 1F1B, gloo, {result.get('network', 'loopback')}\n{ratios}", fontsize=9)
+                 f"{result['batch_size']}, gloo, {result.get('network', 'loopback')}; vs torch's best\n{ratios}",
+                 fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
