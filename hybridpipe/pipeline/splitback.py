@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd.graph import GradientEdge
+from torch.autograd.graph import GradientEdge, Node
 from torch.distributed.pipelining._backward import (
     _get_grad_fn_or_grad_acc,
     construct_reverse_graph,
@@ -51,9 +51,9 @@ def backward_input(outputs: Sequence[torch.Tensor], output_grads: Sequence[torch
         return WeightWork()
     if not wanted:
         return WeightWork(outputs=list(outputs), output_grads=list(output_grads), leftover=params)
-    reverse = construct_reverse_graph([_get_grad_fn_or_grad_acc(t) for t in outputs])
+    reverse = construct_reverse_graph(_nodes(outputs))
     acc_of = {_get_grad_fn_or_grad_acc(p): p for p in params}
-    groups = get_param_groups([_get_grad_fn_or_grad_acc(t) for t in wanted], list(acc_of), reverse)
+    groups = get_param_groups(_nodes(wanted), [a for a in acc_of if a is not None], reverse)
     handles = []
     for group in groups:
         group["intermediates"] = list(group["intermediates"])
@@ -72,10 +72,15 @@ def backward_input(outputs: Sequence[torch.Tensor], output_grads: Sequence[torch
             t.grad = g if t.grad is None else t.grad + g
     reached = {id(acc_of[a]) for group in groups if group["intermediates"] for a in group["params"]}
     leftover = [p for p in params if id(p) not in reached]
-    groups = [g for g in groups if g["intermediates"]]
-    for g in groups:
-        g["params"] = [acc_of[a] for a in g["params"]]
-    return WeightWork(groups, list(outputs) if leftover else [], list(output_grads) if leftover else [], leftover)
+    kept = [group for group in groups if group["intermediates"]]
+    for group in kept:
+        group["params"] = [acc_of[a] for a in group["params"]]
+    return WeightWork(kept, list(outputs) if leftover else [], list(output_grads) if leftover else [], leftover)
+
+
+def _nodes(tensors: Sequence[torch.Tensor]) -> list[Node]:
+    """The autograd nodes that produced ``tensors`` (a leaf's gradient accumulator)."""
+    return [n for n in map(_get_grad_fn_or_grad_acc, tensors) if n is not None]
 
 
 def backward_weight(work: WeightWork) -> None:

@@ -42,6 +42,15 @@ def test_schedule_prints_every_rank_and_one_rank_in_full(plan_file, tmp_path, ca
     assert (tmp_path / "s.png").stat().st_size > 1000
 
 
+def test_zb_h1_is_listed_drawn_and_simulated(plan_file, tmp_path, capsys):
+    assert main(["schedule", str(plan_file), "--schedule", "zb-h1", "--png", str(tmp_path / "zb.png")]) == 0
+    out = capsys.readouterr().out
+    assert "Bi0" in out and "W0" in out and "every step" in out       # the split backward's halves
+    assert (tmp_path / "zb.png").stat().st_size > 1000
+    assert main(["simulate", str(plan_file), "--schedule", "zb-h1"]) == 0
+    assert "schedule zb-h1" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv,message", [
     (["simulate", "{plan}", "--steps", "0"], "--steps: must be >= 1, got 0"),
     (["simulate", "{plan}", "--micro-batches", "1"], "use --micro-batches >= 2"),
