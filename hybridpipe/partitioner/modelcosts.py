@@ -30,6 +30,19 @@ class ModelCosts:
     cut_bytes: np.ndarray                   # forward activations crossing the cut after each position
     cut_grad_bytes: np.ndarray              # their gradients coming back
     step_ms: tuple[tuple[str, float], ...] = ()   # (optimizer, ms of one step over all parameters)
+    # per position: the value that makes a cut right after it infeasible ("" where the cut is free)
+    cut_blockers: tuple[str, ...] = ()
+
+    @property
+    def cut_ok(self) -> np.ndarray:
+        """Bool per position: may a stage end here? (always at the last node)"""
+        ok = np.array([not b for b in self.cut_blockers], dtype=bool) if self.cut_blockers else np.ones(self.n, bool)
+        ok[-1:] = True
+        return ok
+
+    def blocked_cut(self, j: int) -> str | None:
+        """The value that blocks the cut after position ``j`` (None where it is free or j is the last)."""
+        return (self.cut_blockers[j] or None) if self.cut_blockers and j < self.n - 1 else None
 
     @property
     def n(self) -> int:
@@ -86,4 +99,5 @@ def model_costs(profile: Profile) -> ModelCosts:
         cut_bytes=cut,
         cut_grad_bytes=cut - cut_ng,
         step_ms=(("sgd", profile.totals.sgd_step_ms), ("adam", profile.totals.adam_step_ms)),
+        cut_blockers=tuple(nd.cut_blocker or "" for nd in profile.nodes),
     )

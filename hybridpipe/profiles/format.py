@@ -42,6 +42,9 @@ class ProfileNode:
     param_count: int = 0
     param_bytes: int = 0
     params: tuple[str, ...] = ()  # qualified names of the parameters this node owns
+    # the name of a graph value computed at or before this node and read after it that cannot cross a
+    # stage boundary (an int, None, a shape tuple...): a cut right after this node is infeasible
+    cut_blocker: str | None = None
 
     @property
     def compute_ms(self) -> float:
@@ -185,10 +188,19 @@ def _node_from_dict(n: object, index: int, source: str) -> ProfileNode:
         param_count=field(n, "param_count", int, where, minimum=0, default=0),
         param_bytes=field(n, "param_bytes", int, where, minimum=0, default=0),
         params=tuple(params),
+        cut_blocker=_cut_blocker(n, where),
     )
     if node.param_count and not node.param_bytes:
         raise UserError(f"{where}: param_count is {node.param_count} but param_bytes is 0")
     return node
+
+
+def _cut_blocker(n: dict, where: str) -> str | None:
+    """The optional "cut_blocker" key (absent or null in older profiles: no blocker)."""
+    value = n.get("cut_blocker")
+    if value is not None and (not isinstance(value, str) or not value):
+        raise UserError(f"{where}: \"cut_blocker\" must be the name of a graph value or null, got {json.dumps(value)[:60]}")
+    return value
 
 
 def _edge_from_list(e: object, n_nodes: int, source: str) -> tuple[int, int]:
