@@ -136,7 +136,7 @@ class _Search:
                 if res.stages and res.value < self.found.get(copies, _NONE).value:
                     self.found[copies] = res
                     self.best = min(self.best, res.value)
-            if self.best <= limit:
+            if math.isfinite(self.best) and self.best <= limit:
                 break
             if limit >= self.bound:
                 return Solution((), math.inf, 1, self.bound)

@@ -215,23 +215,13 @@ class StageTerms:
         return hit
 
     def exposure_row(self, offset: int, size: int, i: int) -> np.ndarray:
-        """E(i, j) for j = i..n-1 on the block shape: ``exposure_table``'s row i, same arithmetic.
-
-        With h_k = Pc[k+1] - Pb[k] and d_l = Pc[l] + Pf[l] (l with a sync), the table's
-        max over i <= l <= k <= j of (h_k - d_l) is max over k <= j of (h_k - min over i <= l <= k
-        of d_l): rounding is monotone, so both give the same floating-point number.
-        """
+        """E(i, j) for j = i..n-1 on the block shape (``lane_row``)."""
         key = (offset, size)
         lane = self._lane.get(key)
         if lane is None:
-            sync = self.sync_ms(offset, size)
-            pc = np.concatenate([[0.0], np.cumsum(sync)])
-            pb = np.concatenate([[0.0], np.cumsum(self.costs.backward_ms)])
-            pf = np.concatenate([[0.0], np.cumsum(self.costs.forward_ms)])
-            lane = self._lane[key] = (pc[1:] - pb[:-1], np.where(sync > 0, pc[:-1] + pf[:-1], np.inf))
-        h, d = lane
-        worst = np.maximum.accumulate(h[i:] - np.minimum.accumulate(d[i:]))
-        return np.maximum(0.0, (self.pb[i] + self.pf[i]) + worst)
+            lane = self._lane[key] = lane_terms(self.sync_ms(offset, size), self.costs.backward_ms,
+                                                self.costs.forward_ms)
+        return lane_row(lane, self.pb[i] + self.pf[i], i)
 
     def _ring_bounds(self) -> tuple[np.ndarray, np.ndarray]:
         """Upper bound of every node's sync for each block size and outermost level spanned.
@@ -258,3 +248,25 @@ class StageTerms:
                 per_byte[:, top] = np.minimum(per_byte[:, top],
                                               model.overlap_slowdown * (n - 1) / n * (2 * be + model.gamma))
         return a, per_byte
+
+
+def lane_terms(sync_ms: np.ndarray, backward_ms: np.ndarray, forward_ms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(h, d) of ``lane_row``: h_k = Pc[k+1] - Pb[k]; d_l = Pc[l] + Pf[l] for layers with a sync, else inf."""
+    pc = np.concatenate([[0.0], np.cumsum(sync_ms)])
+    pb = np.concatenate([[0.0], np.cumsum(backward_ms)])
+    pf = np.concatenate([[0.0], np.cumsum(forward_ms)])
+    return pc[1:] - pb[:-1], np.where(sync_ms > 0, pc[:-1] + pf[:-1], np.inf)
+
+
+def lane_row(lane: tuple[np.ndarray, np.ndarray], start: float, i: int) -> np.ndarray:
+    """Exposed sync E(i, j) of every stage i..j (j = i..n-1): the closed form of ``layersync.simulate_lane``.
+
+    With prefix sums Pc (sync), Pb, Pf and ``start`` = Pb[i] + Pf[i], the sync of layer l finishes at
+    ``Pb[j+1] - Pc[l] + max over l <= k <= j of (Pc[k+1] - Pb[k])`` and is needed at
+    ``Pb[j+1] - Pb[i] + Pf[l] - Pf[i]``; E is the largest lateness (or 0):
+    ``max over i <= l <= k <= j of (h_k - d_l) + start``, computed as the running maximum over k of
+    ``h_k - min over i <= l <= k of d_l``. Rounding is monotone, so this is the same floating-point
+    number as the full table's max over (l, j) of running maxima (``reference_dp.exposure_table``).
+    """
+    h, d = lane
+    return np.maximum(0.0, start + np.maximum.accumulate(h[i:] - np.minimum.accumulate(d[i:])))
