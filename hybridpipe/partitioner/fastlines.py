@@ -59,6 +59,13 @@ class _Group:
         self.top = int(self.level(np.array([0]), np.array([n - 1]))[0]) if n > 1 else 0
         self._seq: dict[float, np.ndarray] = {}
         self._sets: list[tuple[np.ndarray, np.ndarray, float]] = []
+        self._memo: dict[str, object] = {}
+
+    def memo(self, key: str, make):
+        """``make()``, computed once per group (shared by the algorithms that need it)."""
+        if key not in self._memo:
+            self._memo[key] = make()
+        return self._memo[key]
 
     def level(self, p: np.ndarray, q: np.ndarray) -> np.ndarray:
         """Innermost level whose units hold both positions (elementwise)."""
@@ -119,8 +126,7 @@ def _butterfly(grp: _Group, halving: bool) -> list[_Round]:
     survivors = np.concatenate([pos[1:2 * e:2], pos[2 * e:]])
     log_p = p.bit_length() - 1
     fold = grp.explicit(pos[0:2 * e:2], pos[1:2 * e:2], 1.0) if e else None
-    dist = [1 << k for k in range(log_p)]
-    counts = _exchange_counts(grp, survivors, dist)                        # [round, level]
+    counts = grp.memo("exchange", lambda: _exchange_counts(grp, survivors, [1 << k for k in range(log_p)]))
     rounds = [_Round(fold, 1.0)] if fold is not None else []
     if halving:
         halves = [1.0 / (2 << k) for k in range(log_p)]
@@ -190,19 +196,20 @@ def _hierarchical(grp: _Group, starts: np.ndarray, sizes: np.ndarray) -> list[_R
         inner = _ring(grp, stacked)
         across = _ring(grp, stacked.T.copy(), 1.0 / g)
         return inner[:1] + across + inner[1:]
-    return (_lockstep(grp, starts, sizes, gather=True) + _ring(grp, starts)
-            + _lockstep(grp, starts, sizes, gather=False))
+    reduce, broadcast = _lockstep(grp, starts, sizes)
+    return reduce + _ring(grp, starts) + broadcast
 
 
-def _lockstep(grp: _Group, starts: np.ndarray, sizes: np.ndarray, gather: bool) -> list[_Round]:
-    """collectives._lockstep of every group's reduce-to-leader (``gather``) or broadcast-from-leader rounds.
+def _lockstep(grp: _Group, starts: np.ndarray, sizes: np.ndarray) -> tuple[list[_Round], list[_Round]]:
+    """collectives._lockstep of every group's reduce-to-leader rounds, and of its broadcast-from-leader rounds.
 
     Group k (size s >= 2) unrolls to s rounds: reduce: s - 1 ring reduce-scatter rounds, then the
     gather to its first rank; broadcast: the scatter, then s - 1 ring all-gather rounds. Round i merges
     the groups still running; consecutive merged rounds with the same groups in the same phases are
     equal and fold into one. A link belongs to one group, so a merged round's busiest link per level is
     the largest of its groups' own: the ring puts one message (1/s) on a link; the gather (scatter) puts
-    every message of a level on the leader's link.
+    every message of a level on the leader's link. Groups of one size run in step, so only the largest
+    load per size matters.
     """
     m, levels = len(sizes), grp.levels
     pos = np.arange(grp.n)
@@ -215,28 +222,27 @@ def _lockstep(grp: _Group, starts: np.ndarray, sizes: np.ndarray, gather: bool) 
     others = pos != lead
     edge = np.bincount(member[others] * levels + grp.level(lead[others], pos[others]),
                        minlength=m * levels).reshape(m, levels)
-    ring_load = np.zeros((m, levels))
-    edge_load = np.zeros((m, levels))
-    for size in np.unique(sizes):
-        mine = sizes == size
-        part = 1.0 / int(size)
-        ring_load[mine] = np.where(ring_on[mine], part, 0.0)
-        edge_load[mine] = np.where(edge[mine] > 0, grp.seqsum(part, edge[mine]), 0.0)
-    merged: list[_Round] = []
-    last = None
-    for i in range(int(sizes.max())):
-        running = (sizes >= 2) & (i < sizes)
-        in_ring = running & ((i < sizes - 1) if gather else np.full(m, i >= 1))
-        sig = (running.tobytes(), in_ring.tobytes())
-        if sig == last:
-            prev = merged[-1]
-            merged[-1] = _Round(prev.loads, prev.reduce, prev.repeat + 1)
-            continue
-        last = sig
-        loads = np.max(np.where(in_ring[:, None], ring_load, np.where(running[:, None], edge_load, 0.0)), axis=0)
-        reduce = max((1.0 / int(s) for s in np.unique(sizes[in_ring])), default=0.0) if gather else 0.0
-        merged.append(_Round(loads, reduce))
-    return merged
+    kinds = [int(x) for x in np.unique(sizes) if x >= 2]
+    ring_max = {s: np.where(ring_on[sizes == s].any(axis=0), 1.0 / s, 0.0) for s in kinds}
+    edge_max = {s: np.where(edge[sizes == s].max(axis=0) > 0, grp.seqsum(1.0 / s, edge[sizes == s].max(axis=0)), 0.0)
+                for s in kinds}
+    out = []
+    for gather in (True, False):
+        merged: list[_Round] = []
+        last = None
+        for i in range(max(kinds, default=0)):
+            running = [s for s in kinds if i < s]
+            in_ring = [s for s in running if (i < s - 1 if gather else i >= 1)]
+            sig = (tuple(running), tuple(in_ring))
+            if sig == last:
+                prev = merged[-1]
+                merged[-1] = _Round(prev.loads, prev.reduce, prev.repeat + 1)
+                continue
+            last = sig
+            loads = np.max([ring_max[s] if s in in_ring else edge_max[s] for s in running], axis=0)
+            merged.append(_Round(loads, max((1.0 / s for s in in_ring), default=0.0) if gather else 0.0))
+        out.append(merged)
+    return out[0], out[1]
 
 
 def _torus(grp: _Group, rows: int, cols: int) -> list[_Round]:
