@@ -9,7 +9,9 @@ flags (activation transfers not charged, every worker used) and its memory const
 * levels are solved innermost first; a level's best time for i..j on all its machines becomes
   the compute time of i..j for the next level, where a "machine" is a whole inner unit;
 * memory: ``ceil((M - r) / r) * (activations + params)`` (single stage) or
-  ``ceil((M - m) / r') * (activations + params)`` (split) against the worker's memory.
+  ``ceil((M - m) / r') * (activations + params)`` (split) against the worker's memory;
+* splits only where no value that cannot cross a stage boundary would (``cuts.py``; PipeDream has
+  no such notion: its profiles never say).
 
 Its plan nests: an outer stage on U units runs the inner level's pipeline for its nodes inside
 every one of its units (replicas of an inner stage sit in different units). hybridpipe then
@@ -31,7 +33,7 @@ class _Level:
     """A[i][j][m-1] (best time of nodes i..j on m machines of one level) with the chosen split."""
 
     def __init__(self, compute: np.ndarray, acts: np.ndarray, params: np.ndarray, machines: int,
-                 bytes_per_ms: float, per_machine: int, memory: float, final: bool):
+                 bytes_per_ms: float, per_machine: int, memory: float, final: bool, cut_ok: np.ndarray):
         n = compute.shape[0]
         self.time = np.full((n, n, machines), np.inf)
         self.split = np.full((n, n, machines), -1, dtype=np.int64)       # k: last node of the prefix
@@ -47,6 +49,9 @@ class _Level:
             for m in range(2, machines + 1):
                 for j in range(i + 1, n):
                     ks = np.arange(i, j)                                  # prefix i..k, last stage k+1..j
+                    ks = ks[cut_ok[ks]]                                   # never where a value cannot cross
+                    if ks.size == 0:
+                        continue
                     rp = np.arange(1, m)                                  # machines of the last stage
                     last = compute[ks + 1, j][:, None]
                     lp = params[ks + 1, j][:, None]
@@ -89,7 +94,7 @@ def pipedream_stages(costs: ModelCosts, cluster: Cluster, memory_bytes: float | 
     levels, per_machine = [], 1
     for idx, lv in enumerate(cluster.levels):
         level = _Level(compute, acts, params, lv.workers, lv.bytes_per_s / 1e3, per_machine, memory,
-                       final=idx == len(cluster.levels) - 1)
+                       final=idx == len(cluster.levels) - 1, cut_ok=costs.cut_ok)
         levels.append(level)
         compute = level.time[:, :, -1].copy()
         per_machine = lv.workers

@@ -17,6 +17,7 @@ from hybridpipe.partitioner import dp
 from hybridpipe.partitioner.calibration import Calibration
 from hybridpipe.partitioner.cluster import Cluster
 from hybridpipe.partitioner.costmodel import CostModel
+from hybridpipe.partitioner.cuts import blocked_message
 from hybridpipe.partitioner.modelcosts import ModelCosts, model_costs
 from hybridpipe.partitioner.objective import (
     Evaluation,
@@ -99,6 +100,9 @@ def partition(profile: Profile, cluster: Cluster, req: Request = Request(),
     model = CostModel(cluster, list(calibrations), aggregator_dedicated=req.dedicated_aggregator)
     costs = model_costs(profile)
     stages = choose_stages(req.strategy, costs, model, workers, opts, req.stages)
+    blocked = blocked_message(costs, stages, req.strategy)
+    if blocked:
+        raise UserError(blocked)
     ev = evaluate(costs, model, stages, opts)
     if not ev.fits:
         raise UserError(memory_message(stages, ev, opts, req.strategy))

@@ -199,7 +199,8 @@ def _cut_blocker(n: dict, where: str) -> str | None:
     """The optional "cut_blocker" key (absent or null in older profiles: no blocker)."""
     value = n.get("cut_blocker")
     if value is not None and (not isinstance(value, str) or not value):
-        raise UserError(f"{where}: \"cut_blocker\" must be the name of a graph value or null, got {json.dumps(value)[:60]}")
+        raise UserError(f"{where}: \"cut_blocker\" must be the name of a graph value or null, "
+                        f"got {json.dumps(value)[:60]}")
     return value
 
 

@@ -13,13 +13,17 @@ from hybridpipe.profiles.format import Profile, ProfileNode
 
 
 def make_profile(layers: Sequence[tuple[float, float, int, int]], skips: Sequence[tuple[int, int]] = (),
-                 model: str = "synthetic", batch_size: int = 8, input_bytes: int = 4096) -> Profile:
+                 model: str = "synthetic", batch_size: int = 8, input_bytes: int = 4096,
+                 blockers: Sequence[int] = ()) -> Profile:
     """A chain input -> layer 1 .. layer k -> output; ``layers`` = (fwd ms, bwd ms, activation bytes,
-    param bytes) per layer; ``skips`` = extra edges (src, dst) between node ids (skip connections)."""
-    nodes = [ProfileNode(0, "x", "placeholder", "x", "placeholder", activation_bytes=input_bytes)]
+    param bytes) per layer; ``skips`` = extra edges (src, dst) between node ids (skip connections);
+    ``blockers``: node ids after which a value that cannot cross a stage boundary is live."""
+    nodes = [ProfileNode(0, "x", "placeholder", "x", "placeholder", activation_bytes=input_bytes,
+                         cut_blocker="n" if 0 in blockers else None)]
     for k, (f, b, act, par) in enumerate(layers, start=1):
         params = (f"l{k}.weight",) if par else ()
-        nodes.append(ProfileNode(k, f"l{k}", "call_module", f"l{k}", "Linear", f, b, act, par // 4, par, params))
+        nodes.append(ProfileNode(k, f"l{k}", "call_module", f"l{k}", "Linear", f, b, act, par // 4, par, params,
+                                 f"size{k}" if k in blockers else None))
     n = len(nodes)
     nodes.append(ProfileNode(n, "output", "output", "output", "output", 0.01, 0.01))
     edges = [(k, k + 1) for k in range(n)] + [e for e in skips if e[1] != e[0] + 1]
