@@ -106,6 +106,11 @@ class _Search:
         if self.deadline is not None and time.monotonic() > self.deadline:
             raise OutOfTime
 
+    def proven(self, lower: float) -> None:
+        """No plan is below ``lower``."""
+        self.lower = lower
+        self.report()
+
     def region(self, copies: int, limit: float, total: bool = False) -> RegionResult:
         """The best plan of one copy count within ``limit`` (inf: none)."""
         t = self.terms[copies]
@@ -121,7 +126,7 @@ class _Search:
     def run(self) -> Solution:
         self.report()
         # a copy count's relaxation is at least as tight as one pipeline's: R = 1 bounds them all
-        self.lower = lower_bound(self.terms[1], self.bound)
+        self.lower = lower_bound(self.terms[1], self.bound, on_lower=self.proven)
         if not math.isfinite(self.lower):
             return Solution((), math.inf, 1, math.inf)
         self.phase = "search"

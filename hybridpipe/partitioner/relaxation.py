@@ -23,6 +23,7 @@ exact terms of ``stageterms.py`` would accept.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 
@@ -152,10 +153,12 @@ def feasible(t: StageTerms, limit: float) -> bool:
     return bool(lo[-1] <= t.wc <= hi[-1])
 
 
-def lower_bound(t: StageTerms, ceiling: float, rel: float = 1e-4) -> float:
+def lower_bound(t: StageTerms, ceiling: float, rel: float = 1e-4,
+                on_lower: Callable[[float], None] | None = None) -> float:
     """Largest U found with no relaxed plan <= U (a lower bound of this copy count's optimum); inf if none at all.
 
     ``ceiling``: a value known to be enough (a feasible plan's objective), or inf to search upward.
+    ``on_lower`` is told every bound proven on the way.
     """
     if not math.isfinite(ceiling):
         ceiling = max(t.trip, 1.0)
@@ -174,4 +177,6 @@ def lower_bound(t: StageTerms, ceiling: float, rel: float = 1e-4) -> float:
             hi = mid
         else:
             lo = mid
+            if on_lower is not None:
+                on_lower(lo)
     return lo
