@@ -164,8 +164,11 @@ class _Search:
             if res is not None and res.stages and res.value <= min(cap, bound):
                 tied.append(copies)
                 bound = min(bound, res.value)
-        sums = [(self.region(copies, cap, total=True), copies) for copies in tied]
-        best, copies = min(((res, c) for res, c in sums if res.stages), key=lambda rc: (rc[0].value, rc[1]))
+        sums = [(res, c) for c in tied if (res := self.region(c, cap, total=True)).stages]
+        if not sums:          # cannot happen (a tied plan has every term within cap); keep an optimal plan anyway
+            copies, res = min(self.found.items(), key=lambda kv: (kv[1].value, kv[0]))
+            return Solution(res.stages, optimum, copies, optimum)
+        best, copies = min(sums, key=lambda rc: (rc[0].value, rc[1]))
         return Solution(best.stages, optimum, copies, optimum)
 
     def interrupted(self) -> Solution:
