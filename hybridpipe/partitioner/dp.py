@@ -39,7 +39,7 @@ from hybridpipe.partitioner.stageterms import StageTerms
 
 _NONE = RegionResult(math.inf, (), 0)
 TIE = 1e-9          # relative slack when re-solving for plans that reach the optimal objective
-FIRST_STEP = 1e-4   # the first threshold above the lower bound (relative); each failed one doubles the step
+FIRST_STEP = 1e-4   # the first threshold above the lower bound (relative); each failed one grows the step 25%
 HUGE_MS = 1e15
 
 
@@ -146,7 +146,7 @@ class _Search:
             if limit >= self.bound:
                 return Solution((), math.inf, 1, self.bound)
             self.lower = limit
-            step *= 2
+            step *= 1.25
             # the best plan found is within reach: at its objective the next search must succeed
             limit = min(self.best, self.lower * (1 + step) + step)
         return self.tie_break(self.best)
