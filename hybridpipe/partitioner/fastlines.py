@@ -223,9 +223,12 @@ def _lockstep(grp: _Group, starts: np.ndarray, sizes: np.ndarray) -> tuple[list[
     edge = np.bincount(member[others] * levels + grp.level(lead[others], pos[others]),
                        minlength=m * levels).reshape(m, levels)
     kinds = [int(x) for x in np.unique(sizes) if x >= 2]
-    ring_max = {s: np.where(ring_on[sizes == s].any(axis=0), 1.0 / s, 0.0) for s in kinds}
-    edge_max = {s: np.where(edge[sizes == s].max(axis=0) > 0, grp.seqsum(1.0 / s, edge[sizes == s].max(axis=0)), 0.0)
-                for s in kinds}
+    ring_max, edge_max = {}, {}
+    for s in kinds:
+        mine = sizes == s
+        ring_max[s] = np.where(ring_on[mine].any(axis=0), 1.0 / s, 0.0).tolist()
+        most = edge[mine].max(axis=0)
+        edge_max[s] = np.where(most > 0, grp.seqsum(1.0 / s, most), 0.0).tolist()
     out = []
     for gather in (True, False):
         merged: list[_Round] = []
@@ -239,8 +242,9 @@ def _lockstep(grp: _Group, starts: np.ndarray, sizes: np.ndarray) -> tuple[list[
                 merged[-1] = _Round(prev.loads, prev.reduce, prev.repeat + 1)
                 continue
             last = sig
-            loads = np.max([ring_max[s] if s in in_ring else edge_max[s] for s in running], axis=0)
-            merged.append(_Round(loads, max((1.0 / s for s in in_ring), default=0.0) if gather else 0.0))
+            loads = [max(col) for col in zip(*(ring_max[s] if s in in_ring else edge_max[s] for s in running),
+                                             strict=True)]
+            merged.append(_Round(np.array(loads), max((1.0 / s for s in in_ring), default=0.0) if gather else 0.0))
         out.append(merged)
     return out[0], out[1]
 
