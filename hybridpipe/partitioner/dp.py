@@ -91,7 +91,8 @@ class _Search:
     def __init__(self, costs: ModelCosts, model: CostModel, workers: int, opts: Options, upper_bound: float,
                  deadline: float | None, progress: Callable[[Progress], None] | None):
         self.counts = sorted(copy_counts(model, workers), reverse=True)
-        self.terms = {r: StageTerms(costs, model, workers, r, opts) for r in self.counts}
+        shared: dict = {}
+        self.terms = {r: StageTerms(costs, model, workers, r, opts, shared) for r in self.counts}
         self.bound = upper_bound * (1 + TIE) + TIE
         self.deadline, self.progress = deadline, progress
         self.lower, self.best = 0.0, math.inf

@@ -37,7 +37,7 @@ def max_block(t: StageTerms) -> int:
 
 
 class _Tables:
-    """The parts of ``min_block`` that do not depend on the limit, for one copy count."""
+    """The parts of ``min_block`` that depend neither on the limit nor on the copy count (shared by all)."""
 
     def __init__(self, t: StageTerms):
         opts, n, m_b = t.opts, t.n, t.opts.micro_batches
@@ -45,9 +45,12 @@ class _Tables:
         opt_ms = t.po[None, 1:] - t.po[:-1, None]
         p2p = t.interference * 1e3 * (t.p2p_in[:, None] + t.p2p_out[None, :])
         if t.flushed:                                   # trip + (k-1) fb + opt + k p2p <= u
-            self.per_k, self.fixed = fb + p2p, t.trip + opt_ms - fb
+            per_k, self.fixed = fb + p2p, t.trip + opt_ms - fb
         else:                                           # k (fb + opt + p2p) <= u
-            self.per_k, self.fixed = fb + opt_ms + p2p, np.zeros((n, n))
+            per_k, self.fixed = fb + opt_ms + p2p, np.zeros((n, n))
+        self.free = np.nonzero(per_k <= 0)                # the term does not grow with k there
+        with np.errstate(divide="ignore"):
+            self.inv = np.where(per_k > 0, (1 + SAFETY) / per_k, 0.0)
         weights = t.pp[None, 1:] - t.pp[:-1, None]
         stash = (t.pa[None, 1:] - t.pa[:-1, None]) + t.a_in[:, None]
         room = opts.memory_bytes * (1 + SAFETY) + SAFETY - weights * (2 + OPTIMIZER_STATES[opts.optimizer])
@@ -61,14 +64,28 @@ class _Tables:
         self.sides = [(m_b * 1e3 * alpha * has * (1 - SAFETY), m_b * 1e3 * nbytes * beta * (1 - SAFETY))
                       for has, nbytes in ((t.has_in, np.maximum(t.g_out, t.a_in)),
                                           (t.has_out, np.maximum(t.a_out, t.g_in)))]
-        self.allowed = np.array([b for b in range(1, max_block(t) + 1) if m_b % (b * t.copies) == 0] + [np.inf])
+        self.last: tuple[float, np.ndarray] | None = None
+
+    def replicas(self, u: float, m_b: int) -> np.ndarray:
+        """[i, j]: fewest replicas (all copies) a stage needs for a term <= u (inf: impossible)."""
+        if self.last is not None and self.last[0] == u:
+            return self.last[1]
+        with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+            kmax = np.floor((u - self.fixed) * self.inv)
+            np.minimum(kmax, self.kcap, out=kmax)
+            kmax[self.free] = np.where(self.fixed[self.free] <= u, self.kcap[self.free], 0.0)
+            rmin = np.where(kmax >= 1, np.ceil(m_b / kmax), np.inf)
+            need = [np.where(nbytes > 0, np.ceil(np.where(u > a, nbytes / (u - a), np.inf) - SAFETY),
+                             np.where(u > a, 0.0, np.inf)) for a, nbytes in self.sides]   # M X <= u: replicas
+            np.maximum(rmin, np.maximum.outer(need[0], need[1]), out=rmin)
+        self.last = (u, rmin)
+        return rmin
 
 
 def _tables(t: StageTerms) -> _Tables:
-    hit = getattr(t, "_relaxation", None)
+    hit = t.shared.get("relaxation")
     if hit is None:
-        hit = _Tables(t)
-        t._relaxation = hit
+        hit = t.shared["relaxation"] = _Tables(t)
     return hit
 
 
@@ -76,20 +93,14 @@ def min_block(t: StageTerms, limit: float) -> np.ndarray:
     """[i, j]: fewest ranks per copy stage i..j needs for a term <= ``limit`` (inf: impossible)."""
     tab, n, m_b = _tables(t), t.n, t.opts.micro_batches
     u = limit * (1 + SAFETY) + SAFETY
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        kmax = np.where(tab.per_k > 0, np.floor((u - tab.fixed) / tab.per_k * (1 + SAFETY)),
-                        np.where(tab.fixed <= u, m_b, 0))
-        kmax = np.minimum(np.nan_to_num(kmax, nan=0.0, posinf=m_b, neginf=0.0), tab.kcap)
-        rmin = np.where(kmax >= 1, np.ceil(m_b / np.maximum(kmax, 1)), np.inf)
-        need = [np.where(nbytes > 0, np.ceil(np.where(u > a, nbytes / (u - a), np.inf) - SAFETY),
-                         np.where(u > a, 0.0, np.inf)) for a, nbytes in tab.sides]   # M X <= u: replicas
-        rmin = np.maximum(rmin, np.maximum.outer(need[0], need[1]))
-    bmin = np.maximum(np.ceil(rmin / t.copies - SAFETY), 1)
+    rmin = tab.replicas(u, m_b)
+    bmin = np.maximum(np.ceil(rmin / t.copies - SAFETY), 1) if t.copies > 1 else np.maximum(rmin, 1)
     bmin = np.where(tab.ok & (bmin <= max_block(t)), bmin, np.inf)
     bmin[0, n - 1] = t.wc if t.whole_term() <= u and t.wc <= max_block(t) else np.inf   # its only block
     if t.opts.schedule == "pipedream":                  # r = b R must divide M
+        allowed = np.array([b for b in range(1, max_block(t) + 1) if m_b % (b * t.copies) == 0] + [np.inf])
         finite = np.isfinite(bmin)
-        bmin[finite] = tab.allowed[np.searchsorted(tab.allowed, bmin[finite])]
+        bmin[finite] = allowed[np.searchsorted(allowed, bmin[finite])]
     return bmin
 
 
@@ -118,29 +129,39 @@ def _sweep(bmin: np.ndarray, usable: np.ndarray, most: int, wc: int, block: int 
 
     ``lo[p] = min over usable i < p of lo[i] + bmin[i, p-1]``, ``hi[p] = min(wc, max hi[i] + most)``:
     per block of targets, the sources before the block at once, the ones inside it one by one.
+    When one stage may hold every rank (``most >= wc``), ``hi`` is ``wc`` wherever a plan exists.
     """
     n = bmin.shape[0]
     lo = np.full(n + 1, np.inf)
     hi = np.full(n + 1, -np.inf)
     lo[0] = hi[0] = 0
     cost = np.where(usable, bmin, np.inf)
+    track_hi = most < wc
     for p0 in range(1, n + 1, block):
         p1 = min(p0 + block, n + 1)
         live = lo[:p0] <= hi[:p0]
         c = cost[:p0, p0 - 1:p1 - 1]
-        c_lo = np.where(live[:, None], lo[:p0, None] + c, np.inf).min(axis=0).tolist()
-        c_hi = np.where(live[:, None] & np.isfinite(c), hi[:p0, None], -np.inf).max(axis=0).tolist()
+        c_lo = (np.where(live, lo[:p0], np.inf)[:, None] + c).min(axis=0).tolist()
+        c_hi = (np.where(np.isfinite(c), np.where(live, hi[:p0], -np.inf)[:, None], -np.inf).max(axis=0).tolist()
+                if track_hi else None)
         inner = cost[p0:p1 - 1, p0 - 1:p1 - 1].tolist()
-        los, his = [], []
+        los: list[float] = []
+        his: list[float] = []
         for k in range(p1 - p0):
-            best_lo, best_hi = c_lo[k], c_hi[k]
+            best_lo = c_lo[k]
+            best_hi = c_hi[k] if c_hi is not None else -np.inf
             for i in range(k):                          # source p0 + i, target p0 + k
                 w = inner[i][k]
                 if w != np.inf and los[i] <= his[i]:
-                    best_lo = min(best_lo, los[i] + w)
-                    best_hi = max(best_hi, his[i])
+                    if los[i] + w < best_lo:
+                        best_lo = los[i] + w
+                    if his[i] > best_hi:
+                        best_hi = his[i]
             los.append(best_lo)
-            his.append(min(wc, best_hi + most) if best_hi > -np.inf else -np.inf)
+            if not track_hi:
+                his.append(wc if best_lo < np.inf else -np.inf)
+            else:
+                his.append(min(wc, best_hi + most) if best_hi > -np.inf else -np.inf)
         lo[p0:p1] = los
         hi[p0:p1] = his
     return lo, hi

@@ -50,8 +50,10 @@ class Candidates:
 class StageTerms:
     """Per copy count: node prefix sums, the cluster's link table, sync vectors per block shape."""
 
-    def __init__(self, costs: ModelCosts, model: CostModel, workers: int, copies: int, opts: Options):
+    def __init__(self, costs: ModelCosts, model: CostModel, workers: int, copies: int, opts: Options,
+                 shared: dict | None = None):
         self.costs, self.model, self.opts = costs, model, opts
+        self.shared = {} if shared is None else shared        # what every copy count of one solve can reuse
         self.copies, self.wc = copies, workers // copies
         self.n = n = costs.n
         self.pf, self.pb = costs.prefix(costs.forward_ms), costs.prefix(costs.backward_ms)
