@@ -14,7 +14,8 @@ per host, from a cold cost model, each case in its own process (wall and CPU sec
 With ``--pipedream-src DIR`` (a checkout of msr-fiddle/pipedream: ``DIR/optimizer/
 optimizer_graph_hierarchical.py``, ``DIR/graph/graph.py``) it also times PipeDream's own optimizer on
 PipeDream's ResNet-50 profile (``tests/partitioner/data/pipedream/resnet50.graph.txt``) next to
-hybridpipe's ``optimal`` and ``pipedream`` strategies on the imported profile, on the same clusters.
+hybridpipe's ``optimal`` and ``pipedream`` strategies on the imported profile, on the same clusters
+(memory unchecked, as PipeDream's optimizer by default).
 
     .venv/bin/python benchmarks/partitioner_speed.py                 # JSON + PNG in benchmarks/results/
     .venv/bin/python benchmarks/partitioner_speed.py --quick
@@ -90,8 +91,9 @@ def run_case(nodes: int, workers: int, solver: str, strategy: str = "optimal", p
         dp.solve = before
     prof = profile_from_graph(Path(profile).read_text(), "pipedream-resnet50") if profile else synthetic_profile(nodes)
     wall, cpu = time.perf_counter(), time.process_time()
+    # ResNet-50 next to PipeDream's optimizer, which checks no memory by default: neither does this run
     out = partition(prof, cluster(PER_HOST if workers >= PER_HOST else workers, max(1, workers // PER_HOST)),
-                    Request(strategy=strategy))
+                    Request(strategy=strategy, memory_gb=1e6 if profile else None))
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     plan = out.plan
     return {"nodes": len(prof.nodes), "workers": workers, "solver": solver, "strategy": strategy, "wall_s": wall,
@@ -117,14 +119,17 @@ def run_pipedream(src: str, per_host: int, hosts: int) -> dict:
 
 
 def in_process(args: list[str], timeout: float) -> dict | None:
-    """Run one case in a fresh process; None when it ran out of time."""
+    """Run one case in a fresh process; None when it ran out of time, {"skipped": why} when it died."""
     cmd = [sys.executable, str(Path(__file__).resolve()), *args]
+    start = time.perf_counter()
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, check=True)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
     except subprocess.TimeoutExpired:
         return None
-    except subprocess.CalledProcessError as e:
-        raise RuntimeError(f"{' '.join(args)} failed:\n{e.stderr[-2000:]}") from None
+    if done.returncode != 0:
+        why = f"killed by signal {-done.returncode} (out of memory?)" if done.returncode < 0 else \
+            (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+        return {"skipped": f"failed after {time.perf_counter() - start:.0f} s: {why}"}
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -154,12 +159,12 @@ def main(argv: list[str] | None = None) -> int:
     nodes = [int(x) for x in args.nodes.split(",")] if args.nodes else QUICK_NODES if args.quick else FULL_NODES
     workers = [int(x) for x in args.workers.split(",")] if args.workers else \
         QUICK_WORKERS if args.quick else FULL_WORKERS
-    rows = speed_grid(nodes, workers, args.before_limit)
-    resnet = resnet_rows(args.pipedream_src, args.before_limit) if args.pipedream_src else []
     json_path, png_path = result_paths("partitioner_speed", args.quick, args.out_dir)
-    write_results(json_path, {"benchmark": "partitioner_speed", "machine": machine(), "load_avg": os.getloadavg(),
-                              "before_limit_s": args.before_limit, "synthetic": rows, "resnet50": resnet},
-                  figure(rows), png_path)
+    head = {"benchmark": "partitioner_speed", "machine": machine(), "before_limit_s": args.before_limit}
+    rows = speed_grid(nodes, workers, args.before_limit)
+    write_results(json_path, {**head, "load_avg": os.getloadavg(), "synthetic": rows}, figure(rows), png_path)
+    resnet = resnet_rows(args.pipedream_src, args.before_limit) if args.pipedream_src else []
+    write_results(json_path, {**head, "load_avg": os.getloadavg(), "synthetic": rows, "resnet50": resnet})
     print(table(rows))
     print(f"wrote {json_path} and {png_path}")
     return 0
@@ -178,10 +183,12 @@ def speed_grid(nodes: list[int], workers: list[int], limit: float) -> list[dict]
             else:
                 before = in_process(["--case", str(n), str(w), "--solver", "before"], timeout=1.5 * limit)
                 row["before"] = before or {"skipped": f"stopped after {1.5 * limit:.0f} s"}
-                if before and n * n * w * w >= largest:       # extrapolate from the biggest case run
-                    scale, largest = before["wall_s"] / (n * n * w * w), n * n * w * w
+                before = before if before and "skipped" not in before else None
+                if before:
                     row["same_plan"] = (before["stages"], before["objective_ms"]) == \
                         (after["stages"], after["objective_ms"])
+                if before and n * n * w * w >= largest:       # extrapolate from the biggest case run
+                    scale, largest = before["wall_s"] / (n * n * w * w), n * n * w * w
             rows.append(row)
             print(line(row), flush=True)
     return rows
@@ -193,6 +200,7 @@ def resnet_rows(src: str, limit: float) -> list[dict]:
     for per_host, hosts in PIPEDREAM_HOSTS:
         w = per_host * hosts
         theirs = in_process(["--pipedream-case", str(per_host), str(hosts), "--pipedream-src", src], timeout=limit)
+        theirs = theirs if theirs and "skipped" not in theirs else None
         mine = in_process(["--case", "0", str(w), "--resnet"], timeout=3600)
         strategy = in_process(["--case", "0", str(w), "--resnet", "--strategy", "pipedream"], timeout=3600)
         row = {"workers": w, "hosts": [per_host, hosts], "pipedream_optimizer": theirs or {"stopped_after_s": limit},
