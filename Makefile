@@ -1,11 +1,12 @@
-# hybridpipe: `make test` installs into .venv (if needed) and runs the test suite.
+# hybridpipe: `make test` installs into .venv (if needed) and runs the test suite; `make lint`
+# runs the linter and the type checker (configured in pyproject.toml).
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-slow test-cuda demo clean
+.PHONY: install lint test test-slow test-cuda demo clean
 
 install: $(STAMP)
 
@@ -14,6 +15,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
+
+lint: install
+	$(PY) -m ruff check hybridpipe launch.py tools tests benchmarks
+	$(PY) -m mypy
 
 test: install
 	$(PY) -m pytest
@@ -28,4 +33,4 @@ demo: install
 	PY=$(PY) examples/demo.sh
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis out
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis .ruff_cache .mypy_cache out

@@ -7,7 +7,7 @@ sync (``comm/hybrid_dp``); ``p2p``: the pipeline's point-to-point channels (``co
 
 from hybridpipe.comm import allreduce
 from hybridpipe.comm.allreduce import ALGORITHMS, CHOICES, AllReducer, Topology
-from hybridpipe.comm.hybrid_dp import HybridDataParallel, LayerwiseOptimizer
+from hybridpipe.comm.hybrid_dp import HybridDataParallel, LayerwiseOptimizer, UnitChoice
 
 __all__ = ["ALGORITHMS", "CHOICES", "AllReducer", "Topology", "allreduce", "HybridDataParallel",
-           "LayerwiseOptimizer"]
+           "LayerwiseOptimizer", "UnitChoice"]

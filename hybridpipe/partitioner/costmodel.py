@@ -19,7 +19,6 @@ Pure computation; no torch.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -30,6 +29,7 @@ from hybridpipe.partitioner import collectives as co
 from hybridpipe.partitioner.calibration import Calibration, LinkFit
 from hybridpipe.partitioner.cluster import Cluster, Level
 from hybridpipe.partitioner.plan import ALGORITHMS
+from hybridpipe.partitioner.priced import PricedRound, priced
 
 # Nominal costs used where no calibration measured a level.
 NOMINAL_SOFTWARE_ALPHA_S = 30e-6      # per message step, on top of the link's latency
@@ -83,6 +83,7 @@ class CostModel:
         # an all-reduce beside compute takes this much longer than alone (calibration.py)
         self.overlap_slowdown = max((c.overlap_slowdown for c in cals), default=1.0)
         self._spans = [cluster.span(k) for k in range(len(cluster.levels))]
+        self._collectives: dict[tuple, tuple[co.Collective, list[PricedRound]]] = {}
         self._structure: dict[tuple, tuple[RoundLoad, ...]] = {}
         self._lines: dict[tuple, Line] = {}
 
@@ -171,25 +172,50 @@ class CostModel:
         sizes = {len(g) for g in self.groups(ranks)}
         return co.torus_shape(len(ranks), sizes.pop() if len(sizes) == 1 else 1)
 
-    def rounds(self, algorithm: str, ranks: Sequence[int], *, halving: bool = False,
-               shape: tuple[int, int] | None = None) -> list[co.Round]:
-        """The algorithm's rounds on ``ranks`` (sorted first, as a process group numbers them)."""
+    def collective(self, algorithm: str, ranks: Sequence[int], *, halving: bool = False,
+                   shape: tuple[int, int] | None = None) -> co.Collective:
+        """The rounds ``algorithm`` runs on ``ranks``, as the executors run them (``collectives.py``):
+        endpoints are positions, position i being the i-th smallest rank (a process group's numbering)."""
+        return self._described(algorithm, ranks, halving, shape)[0]
+
+    def _priced(self, algorithm: str, ranks: Sequence[int], halving: bool = False,
+                shape: tuple[int, int] | None = None) -> list[PricedRound]:
+        """:meth:`collective` priced (``priced.py``), endpoints still positions."""
+        return self._described(algorithm, ranks, halving, shape)[1]
+
+    def _described(self, algorithm: str, ranks: Sequence[int], halving: bool,
+                   shape: tuple[int, int] | None) -> tuple[co.Collective, list[PricedRound]]:
+        """(rounds, priced rounds), cached by what they depend on: the group's size and shape."""
         ranks = sorted(ranks)
-        if algorithm in ("ring", "native"):
-            return co.ring_rounds(ranks)
-        if algorithm == "butterfly":
-            return co.butterfly_rounds(ranks, halving)
+        n = len(ranks)
+        if algorithm not in ALGORITHMS:
+            raise UserError(f"unknown all-reduce algorithm {algorithm!r}; choose from {', '.join(ALGORITHMS)}")
+        units = torus = None
         if algorithm == "hierarchical":
-            return co.hierarchical_rounds(self.groups(ranks))
+            position = {r: i for i, r in enumerate(ranks)}
+            units = tuple(tuple(position[r] for r in g) for g in self.groups(ranks)) if n else ()
+            if len(units) <= 1:                      # one host: a ring
+                algorithm, units = "ring", None
         if algorithm == "torus2d":
-            rows, cols = shape or self.torus_shape(ranks)
-            if rows * cols != len(ranks) or rows < 1:
-                raise UserError(f"torus2d shape {rows}x{cols} does not hold {len(ranks)} ranks; "
-                                f"choose rows x cols = {len(ranks)}")
-            return co.torus_rounds(ranks, rows, cols)
-        if algorithm == "aggregator":
-            return co.aggregator_rounds(ranks, self.aggregator_dedicated)
-        raise UserError(f"unknown all-reduce algorithm {algorithm!r}; choose from {', '.join(ALGORITHMS)}")
+            rows, cols = torus = shape or self.torus_shape(ranks)
+            if rows * cols != n or rows < 1:
+                raise UserError(f"torus2d shape {rows}x{cols} does not hold {n} ranks; choose rows x cols = {n}")
+        root = co.SWITCH if algorithm == "aggregator" and self.aggregator_dedicated else 0
+        key = ("ring" if algorithm == "native" else algorithm, n, halving and algorithm == "butterfly", units,
+               torus, root)
+        hit = self._collectives.get(key)
+        if hit is None:
+            rounds = co.rounds_for(key[0], n, halving=key[2], units=units, shape=torus, root=root)
+            hit = self._collectives[key] = (rounds, priced(rounds))
+        return hit
+
+    def rounds(self, algorithm: str, ranks: Sequence[int], *, halving: bool = False,
+               shape: tuple[int, int] | None = None) -> list[PricedRound]:
+        """The rounds the model prices for ``algorithm`` on ``ranks``: :meth:`collective` through
+        ``priced.py``, with the ranks' own numbers as endpoints."""
+        of = np.asarray(sorted(ranks) + [co.SWITCH], dtype=np.int64)     # position -1 (SWITCH) stays SWITCH
+        return [PricedRound(of[r.src], of[r.dst], r.share, r.reduce, r.repeat, r.steps)
+                for r in self._priced(algorithm, ranks, halving, shape)]
 
     def structure(self, algorithm: str, ranks: Sequence[int], *, halving: bool = False,
                   shape: tuple[int, int] | None = None) -> tuple[RoundLoad, ...]:
@@ -198,7 +224,7 @@ class CostModel:
         hit = self._structure.get(key)
         if hit is None:
             top = self.span_level(key[1]) if len(key[1]) > 1 else 0
-            hit = self._structure[key] = self._loads(self.rounds(algorithm, ranks, halving=halving, shape=shape), top)
+            hit = self._structure[key] = self._loads(self._priced(algorithm, key[1], halving, shape), key[1], top)
         return hit
 
     def line(self, algorithm: str, ranks: Sequence[int], *, halving: bool = False,
@@ -231,8 +257,8 @@ class CostModel:
                    if ("ring" if a == "native" else a, key, h, None) not in self._structure]
         if missing:                                   # price every missing structure in one pass
             top = self.span_level(key) if len(key) > 1 else 0
-            built = [self.rounds(a, key, halving=h) for a, h in missing]
-            loads = self._loads([r for rounds in built for r in rounds], top)
+            built = [self._priced(a, key, h) for a, h in missing]
+            loads = self._loads([r for rounds in built for r in rounds], key, top)
             for (a, h), rounds in zip(missing, built, strict=True):
                 self._structure[("ring" if a == "native" else a, key, h, None)] = loads[:len(rounds)]
                 loads = loads[len(rounds):]
@@ -268,18 +294,20 @@ class CostModel:
         return best, self.allreduce_seconds(best, nbytes, ranks)
 
     # ---- internals ---------------------------------------------------------------------
-    def _loads(self, rounds: Sequence[co.Round], top: int) -> tuple[RoundLoad, ...]:
+    def _loads(self, rounds: Sequence[PricedRound], ranks: Sequence[int], top: int) -> tuple[RoundLoad, ...]:
         """Sum each link's bytes per round (a message loads its sender's egress and receiver's ingress).
 
-        All rounds at once: link key = (round, level, unit one level below, direction).
+        ``rounds``' endpoints are positions in the sorted ``ranks`` (or SWITCH). All rounds at
+        once: link key = (round, level, unit one level below, direction).
         """
         if not rounds:
             return ()
-        counts = [len(r.messages) for r in rounds]
-        flat = itertools.chain.from_iterable(itertools.chain.from_iterable(r.messages for r in rounds))
-        msgs = np.fromiter(flat, dtype=float, count=3 * sum(counts)).reshape(-1, 3)
+        counts = [len(r.src) for r in rounds]
         which = np.repeat(np.arange(len(rounds)), counts)
-        src, dst, part = msgs[:, 0].astype(np.int64), msgs[:, 1].astype(np.int64), msgs[:, 2]
+        of = np.asarray(list(ranks) + [co.SWITCH], dtype=np.int64)     # position -1 (SWITCH) stays SWITCH
+        src = of[np.concatenate([r.src for r in rounds])]
+        dst = of[np.concatenate([r.dst for r in rounds])]
+        part = np.concatenate([r.share for r in rounds])
         spans = np.asarray(self._spans, dtype=np.int64)
         n_levels = len(spans)
         switch = (src == co.SWITCH) | (dst == co.SWITCH)

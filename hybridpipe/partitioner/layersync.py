@@ -24,6 +24,7 @@ import numpy as np
 
 from hybridpipe.partitioner.costmodel import CostModel
 from hybridpipe.partitioner.plan import ALGORITHMS, LayerSync
+from hybridpipe.partitioner.syncunits import assign_units
 
 # per-layer numbers: a list, or a slice of the model costs' arrays
 Floats = Sequence[float] | np.ndarray
@@ -79,14 +80,18 @@ def simulate_lane(sync_ms: Sequence[float], backward_ms: Floats, forward_ms: Flo
 def choose_layer_algorithms(names: Sequence[str], nbytes: Floats, backward_ms: Floats, forward_ms: Floats,
                             ranks: Sequence[int], model: CostModel,
                             algorithms: Sequence[str] = ALGORITHMS,
-                            params: Sequence[Sequence[str]] | None = None, gap_ms: float = 0.0) -> StageSync:
+                            params: Sequence[Sequence[str]] | None = None, gap_ms: float = 0.0, *,
+                            fuse_small: bool = True, two_lanes: bool = True,
+                            lane_algorithms: Sequence[str] = ()) -> StageSync:
     """The hybrid policy for one replicated stage or data-parallel model (what HDP calls).
 
     ``names``, ``nbytes`` (gradient bytes, 0 for layers without parameters), ``backward_ms`` and
     ``forward_ms`` are per layer in forward order; ``ranks`` the global ranks that sum them;
     ``gap_ms`` idle time between the end of the backward and the next forward (0 for plain data
-    parallelism). Returns a LayerSync (algorithm, predicted and exposed ms) for every layer with
-    bytes to sync.
+    parallelism). Returns a LayerSync (algorithm, predicted and exposed ms, sync unit and lane:
+    ``syncunits.assign_units`` with the keyword arguments) for every layer with bytes to sync.
+    The exposed times are those of the single lane, layer by layer: fused units and the second
+    lane only shorten what the layers wait.
     """
     if len(ranks) <= 1:
         return StageSync((), 0.0, 0.0)
@@ -103,6 +108,8 @@ def choose_layer_algorithms(names: Sequence[str], nbytes: Floats, backward_ms: F
     params = params or [()] * len(names)
     layers = tuple(LayerSync(names[k], tuple(params[k]), int(nbytes[k]), algos[k], sync[k], lane.exposed_ms[k])
                    for k in range(len(names)) if nbytes[k] > 0)
+    layers = assign_units(layers, ranks, model, fuse_small=fuse_small, two_lanes=two_lanes,
+                          lane_algorithms=lane_algorithms)
     return StageSync(layers, lane.total_exposed_ms, sum(sync))
 
 

@@ -9,7 +9,13 @@ Semantics every package relies on:
 * One training step = ``micro_batches`` micro-batches of the profile's ``batch_size`` samples
   each. ``gpipe`` and ``1f1b`` flush at the end of the step and give the same update as one
   SGD step on the concatenated global batch; ``pipedream`` never flushes (weight stashing).
-* Replicas of a stage sum their gradients with the per-layer algorithm in ``layers``.
+* Replicas of a stage sum their gradients as ``layers`` says, and the runtime does exactly that:
+  each layer (a profile node; ``params`` are its parameters' state_dict names) has an
+  ``algorithm``; adjacent layers with the same ``unit`` number share one all-reduce (they must
+  have the same algorithm and lane); ``lane`` 1 is the second sync lane (``syncunits.py``), for
+  :data:`SECOND_LANE_ALGORITHMS` only. A layer without ``unit`` is a unit of its own. A
+  replicated stage whose plan lists no layers gets, at launch, the partitioner's own choice on
+  the plan's cluster.
 * Predicted figures (``hybridpipe partition``) come from ``objective.py``; ``sync_ms`` is what
   the stage's syncs add to a step after overlapping its backward, next forward and (gpipe,
   1f1b) the pipeline's drain and fill.
@@ -18,17 +24,20 @@ Semantics every package relies on:
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from hybridpipe.errors import UserError
 from hybridpipe.jsonfile import check_header, field, read_json, write_json
+from hybridpipe.partitioner import collectives as co
 from hybridpipe.partitioner.cluster import Cluster
 
 PLAN_KIND = "plan"
 PLAN_FORMAT = 1
 SCHEDULES = ("gpipe", "1f1b", "pipedream")
-ALGORITHMS = ("ring", "butterfly", "hierarchical", "torus2d", "aggregator", "native")
+ALGORITHMS = co.ALGORITHMS      # the all-reduce algorithms (collectives.py describes each)
+SECOND_LANE_ALGORITHMS = ("ring", "butterfly", "hierarchical", "torus2d")   # may run on sync lane 1
 STRATEGIES = ("optimal", "pipedream", "dp", "uniform", "params", "time")
 OPTIMIZERS = ("sgd", "adam")
 
@@ -43,6 +52,8 @@ class LayerSync:
     algorithm: str                # one of ALGORITHMS
     predicted_ms: float = 0.0     # all-reduce time by the cost model
     exposed_ms: float = 0.0       # how much it delays the stage's next forward (layersync.py's FIFO lane)
+    unit: int | None = None       # adjacent layers with one unit number share an all-reduce (None: alone)
+    lane: int = 0                 # 0: the main sync lane; 1: the second (syncunits.py)
 
 
 @dataclass(frozen=True)
@@ -66,6 +77,21 @@ class Stage:
     @property
     def node_ids(self) -> range:
         return range(self.first_node, self.last_node + 1)
+
+    def sync_units(self) -> list[tuple[LayerSync, ...]]:
+        """The layers grouped into sync units (one all-reduce each), in order."""
+        return sync_units(self.layers)
+
+
+def sync_units(layers: Sequence[LayerSync]) -> list[tuple[LayerSync, ...]]:
+    """``layers`` grouped into sync units: runs of adjacent layers with one ``unit`` number (None: alone)."""
+    units: list[list[LayerSync]] = []
+    for lv in layers:
+        if units and lv.unit is not None and units[-1][-1].unit == lv.unit:
+            units[-1].append(lv)
+        else:
+            units.append([lv])
+    return [tuple(u) for u in units]
 
 
 @dataclass(frozen=True)
@@ -101,8 +127,7 @@ class Plan:
         d.update(asdict(self))
         d["cluster"] = self.cluster.to_dict()
         d["input_shape"] = list(self.input_shape)
-        d["stages"] = [dict(asdict(s), ranks=list(s.ranks),
-                            layers=[dict(asdict(lv), params=list(lv.params)) for lv in s.layers])
+        d["stages"] = [dict(asdict(s), ranks=list(s.ranks), layers=[_layer_dict(lv) for lv in s.layers])
                        for s in self.stages]
         return d
 
@@ -161,6 +186,13 @@ def check_plan_fits(plan: Plan, *, model: str | None, signature: str | None, bat
                         f"(signature {signature} vs {plan.profile_signature}); re-profile and re-partition")
 
 
+def _layer_dict(lv: LayerSync) -> dict:
+    d = dict(asdict(lv), params=list(lv.params))
+    if lv.unit is None:
+        del d["unit"]
+    return d
+
+
 def _stage_from_dict(s: object, i: int, source: str) -> Stage:
     where = f"{source}: stage {i}"
     if not isinstance(s, dict):
@@ -173,12 +205,8 @@ def _stage_from_dict(s: object, i: int, source: str) -> Stage:
         lw = f"{where}: layer {j}"
         if not isinstance(lv, dict):
             raise UserError(f"{lw}: expected an object")
-        layers.append(LayerSync(layer=field(lv, "layer", str, lw),
-                                params=tuple(field(lv, "params", list, lw)),
-                                bytes=field(lv, "bytes", int, lw, minimum=0),
-                                algorithm=field(lv, "algorithm", str, lw, choices=ALGORITHMS),
-                                predicted_ms=field(lv, "predicted_ms", float, lw, minimum=0, default=0.0),
-                                exposed_ms=field(lv, "exposed_ms", float, lw, minimum=0, default=0.0)))
+        layers.append(_layer_from_dict(lv, lw))
+    _check_layers(layers, where)
     return Stage(index=field(s, "index", int, where, minimum=0),
                  first_node=field(s, "first_node", int, where, minimum=0),
                  last_node=field(s, "last_node", int, where, minimum=0),
@@ -193,6 +221,49 @@ def _stage_from_dict(s: object, i: int, source: str) -> Stage:
                  memory_bytes=field(s, "memory_bytes", int, where, minimum=0, default=0),
                  layers=tuple(layers),
                  overhead_ms=field(s, "overhead_ms", float, where, minimum=0, default=0.0))
+
+
+def _layer_from_dict(lv: dict, where: str) -> LayerSync:
+    name = field(lv, "layer", str, where)
+    where = f"{where} ({name!r})"
+    params = field(lv, "params", list, where)
+    if not all(isinstance(p, str) for p in params):
+        raise UserError(f"{where}: \"params\" must be a list of parameter names")
+    algorithm = field(lv, "algorithm", str, where)
+    if algorithm not in ALGORITHMS:
+        raise UserError(f"{where}: unknown all-reduce algorithm {algorithm!r}; use one of {', '.join(ALGORITHMS)}")
+    lane = field(lv, "lane", int, where, default=0, choices=(0, 1))
+    if lane == 1 and algorithm not in SECOND_LANE_ALGORITHMS:
+        raise UserError(f"{where}: {algorithm} cannot run on sync lane 1 (only {', '.join(SECOND_LANE_ALGORITHMS)} "
+                        "can); set \"lane\": 0")
+    return LayerSync(layer=name, params=tuple(params), bytes=field(lv, "bytes", int, where, minimum=0),
+                     algorithm=algorithm,
+                     predicted_ms=field(lv, "predicted_ms", float, where, minimum=0, default=0.0),
+                     exposed_ms=field(lv, "exposed_ms", float, where, minimum=0, default=0.0),
+                     unit=field(lv, "unit", int, where, minimum=0, default=None), lane=lane)
+
+
+def _check_layers(layers: list[LayerSync], where: str) -> None:
+    """Each parameter synced once; a unit is a run of adjacent layers with one algorithm and lane."""
+    owner: dict[str, str] = {}
+    for lv in layers:
+        for p in lv.params:
+            if p in owner:
+                raise UserError(f"{where}: parameter {p!r} is synced by two layers, {owner[p]!r} and {lv.layer!r}; "
+                                "keep it in one")
+            owner[p] = lv.layer
+    seen: dict[int, LayerSync] = {}
+    for k, lv in enumerate(layers):
+        if lv.unit is None:
+            continue
+        first = seen.setdefault(lv.unit, lv)
+        if first is not lv and layers[k - 1].unit != lv.unit:
+            raise UserError(f"{where}: sync unit {lv.unit} holds {first.layer!r} and {lv.layer!r}, which are not "
+                            "adjacent; a unit is a run of adjacent layers (renumber the units)")
+        if (first.algorithm, first.lane) != (lv.algorithm, lv.lane):
+            raise UserError(f"{where}: layers {first.layer!r} and {lv.layer!r} share sync unit {lv.unit} but not their "
+                            f"algorithm and lane ({first.algorithm}/{first.lane} vs {lv.algorithm}/{lv.lane}); give "
+                            "them the same, or different units")
 
 
 def _check_stages(plan: Plan, source: str) -> None:

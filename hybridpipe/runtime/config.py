@@ -37,7 +37,7 @@ class RunConfig:
     momentum: float
     weight_decay: float
     comm_mode: str
-    allreduce: str
+    allreduce: str | None             # None: each layer as the plan says; else an override
     calibrations: tuple[str, ...]
     aggregator: str | None
     checkpoint_dir: str | None
@@ -105,11 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--comm-mode", choices=MODES, default="sa",
                    help="p2p channels: per-tensor (PipeDream's threads), sa (default: one send + one receive "
                         "thread per peer), sra (one thread per peer following the schedule's order)")
-    g.add_argument("--allreduce", choices=POLICIES, default="hybrid",
-                   help="gradient sync of replicated stages: hybrid (default; per layer, by the cost model) or "
-                        "one algorithm")
+    g.add_argument("--allreduce", choices=POLICIES,
+                   help="override the plan's per-layer gradient sync: one algorithm for every layer, or hybrid "
+                        "(re-decide per layer by the cost model); default: as the plan says")
     g.add_argument("--calibration", action="append", default=[], metavar="CAL.json",
-                   help="`hybridpipe bench-allreduce` output for the hybrid policy's cost model (repeatable)")
+                   help="`hybridpipe bench-allreduce` output: re-decide the plan's per-layer sync with these "
+                        "measured costs (an override; repeatable)")
     g.add_argument("--aggregator", metavar="HOST:PORT", help="address of a dedicated `hybridpipe aggregator`")
     g.add_argument("--backend", choices=BACKENDS, help="torch.distributed backend (default: nccl on GPU, else gloo)")
     g.add_argument("--timeout", type=float, default=300.0, metavar="S",

@@ -3,7 +3,8 @@
 * :func:`load_model`: the model spec, the full model (same seed on every rank, so every rank
   starts from the weights single-process training would) and its traced graph, checked against
   the plan before any process group exists.
-* :func:`make_sync`: HybridDataParallel (summing) for a replicated stage, else nothing to sync.
+* :func:`make_sync`: HybridDataParallel (summing) for a replicated stage, running the plan's sync
+  choices (or launch's overrides), else nothing to sync.
 * :func:`make_optimizer`: SGD (momentum) or Adam over the stage's parameters.
 * :func:`make_data`: the (step, micro-batch) -> samples source both ends of the pipeline read.
 * :func:`seed_rank`: each rank's own random stream once the model is built.
@@ -32,6 +33,7 @@ from hybridpipe.profiles.format import graph_signature
 from hybridpipe.profiles.trace import graph_edges, node_infos, trace_model
 from hybridpipe.profiles.zoo import ModelSpec, resolve_model
 from hybridpipe.runtime.config import RunConfig
+from hybridpipe.runtime.sync import describe_override, override_layers, stage_layers, unit_choices
 
 log = logging.getLogger(__name__)
 
@@ -57,16 +59,25 @@ def load_model(cfg: RunConfig) -> Model:
 
 
 def make_sync(cfg: RunConfig, stage_module: nn.Module, stage: Stage, group: dist.ProcessGroup | None):
-    """The stage's gradient sync: replicas sum their gradients (the schedule scales them)."""
+    """The stage's gradient sync: replicas sum their gradients (the schedule scales them), each
+    layer with the plan's algorithm, sync unit and lane, unless ``--allreduce`` / ``--calibration``
+    override it (then the stage's first rank prints what changed; ``runtime/sync.py``)."""
     if stage.replicas == 1:
         return LocalSync()
     calibrations = [load_calibration(p) for p in cfg.calibrations]
-    costs = GroupCosts(CostModel(cfg.plan.cluster, calibrations or None,
-                                 aggregator_dedicated=cfg.aggregator is not None), tuple(stage.ranks))
-    hdp = HybridDataParallel(stage_module, group, policy=cfg.allreduce, costs=costs, aggregator=cfg.aggregator,
-                             reduce="sum")
-    log.info("stage %d: gradient sync %s: %s", stage.index, cfg.allreduce,
-             ", ".join(f"{k}:{v}" for k, v in hdp.choices.items()))
+    model = CostModel(cfg.plan.cluster, calibrations or None, aggregator_dedicated=cfg.aggregator is not None)
+    planned = stage_layers(stage, stage_module, model)
+    layers = planned
+    if cfg.allreduce is not None or calibrations:
+        layers = override_layers(planned, cfg.allreduce or "hybrid", stage.ranks, model)
+        if dist.get_rank() == stage.ranks[0]:
+            flags = " ".join(([f"--allreduce {cfg.allreduce}"] if cfg.allreduce else [])
+                             + [f"--calibration {p}" for p in cfg.calibrations])
+            print(describe_override(stage.index, flags, planned, layers), flush=True)
+    hdp = HybridDataParallel(stage_module, group, units=unit_choices(layers), costs=GroupCosts(model, stage.ranks),
+                             aggregator=cfg.aggregator, reduce="sum")
+    log.info("stage %d: gradient sync: %s", stage.index,
+             ", ".join(f"{u.name}:{u.algorithm}{'/lane 1' if u.lane else ''}" for u in hdp.units))
     return hdp
 
 

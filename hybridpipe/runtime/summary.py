@@ -10,6 +10,9 @@ Each rank hands a :class:`RankReport` to one gather; :func:`summarize` turns the
 * Loss of step k = the mean of the step's micro-batch losses, gathered from every replica of
   the last stage: the mean loss of the global batch, as single-process training reports it.
 * Replicas of a stage must hold bitwise identical weights at the end (a digest per rank).
+* Gradient sync: per replicated stage, each of the plan's layers with the algorithm its
+  all-reduce actually ran (as the stage's HybridDataParallel recorded it on its first replica)
+  and the plan's (``runtime/sync.py``); ``sync_as_planned`` says whether they all agree.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ class RankReport:
     step_ms: dict[int, float] = field(default_factory=dict)
     losses: dict[int, dict[int, float]] = field(default_factory=dict)   # step -> micro-batch -> loss
     digest: str | None = None                                             # weights, replicated stages only
+    sync: list[dict] | None = None       # replicated stages: per layer {"layer", "algorithm", "planned"}
 
 
 def warmup_steps(n: int) -> int:
@@ -46,8 +50,20 @@ def step_losses(reports: list[RankReport], micro_batches: int) -> dict[int, floa
     return {k: sum(v.values()) / len(v) for k, v in sorted(merged.items()) if len(v) == micro_batches}
 
 
+def sync_summary(reports: list[RankReport]) -> tuple[dict[str, list[dict]], bool | None]:
+    """Per replicated stage (first replica's record), each layer and the algorithm that ran; and
+    whether every layer ran what the plan says (None without replicated stages; False where the
+    plan lists no layers for a replicated stage)."""
+    sync = {str(r.stage): r.sync for r in sorted(reports, key=lambda r: (r.stage, r.replica))
+            if r.sync is not None and r.replica == 0}
+    entries = [e for layers in sync.values() for e in layers]
+    if not sync:
+        return {}, None
+    return sync, all(e["planned"] is not None and e["algorithm"] == e["planned"] for e in entries)
+
+
 def summarize(reports: list[RankReport], plan: Plan, *, steps: int, first_step: int, run_dir: str,
-              trace_dir: str | None, schedule: str, comm_mode: str, allreduce: str) -> dict:
+              trace_dir: str | None, schedule: str, comm_mode: str, allreduce: str | None) -> dict:
     """The run's summary (what ``summary.json`` holds)."""
     reports = sorted(reports, key=lambda r: r.rank)
     ran = sorted(set().union(*(r.step_ms for r in reports)))
@@ -62,8 +78,9 @@ def summarize(reports: list[RankReport], plan: Plan, *, steps: int, first_step: 
         digests = {r.digest for r in reports if r.stage == s.index}
         if s.replicas > 1:
             replicas[str(s.index)] = len(digests) == 1 and None not in digests
+    sync, as_planned = sync_summary(reports)
     return {
-        "model": plan.model, "schedule": schedule, "comm_mode": comm_mode, "allreduce": allreduce,
+        "model": plan.model, "schedule": schedule, "comm_mode": comm_mode, "allreduce": allreduce or "as planned",
         "micro_batches": plan.micro_batches, "batch_size": plan.batch_size, "global_batch": global_batch,
         "world_size": plan.world_size, "stages": [[s.first_node, s.last_node, s.replicas] for s in plan.stages],
         "steps": steps, "first_step": first_step, "steps_run": len(ran), "warmup_steps": skip,
@@ -74,8 +91,24 @@ def summarize(reports: list[RankReport], plan: Plan, *, steps: int, first_step: 
         "job_step_ms": {str(k): v for k, v in job_ms.items()},
         "loss": {str(k): v for k, v in step_losses(reports, plan.micro_batches).items()},
         "replicas_identical": replicas,
+        "sync": sync, "sync_as_planned": as_planned,
         "run_dir": run_dir, "metrics_dir": f"{run_dir}/metrics", "trace_dir": trace_dir,
     }
+
+
+def sync_line(sync: dict[str, list[dict]], as_planned: bool | None, shown: int = 4) -> str:
+    """The summary's gradient-sync line: as planned, or which layers ran something else."""
+    entries = [(k, e) for k, layers in sync.items() for e in layers]
+    counts: dict[str, int] = {}
+    for _, e in entries:
+        counts[str(e["algorithm"])] = counts.get(str(e["algorithm"]), 0) + 1
+    ran = ", ".join(f"{n} {a}" for a, n in sorted(counts.items(), key=lambda x: (-x[1], x[0])))
+    if as_planned:
+        return f"  all-reduce: as the plan says ({len(entries)} layers in {len(sync)} replicated stage(s): {ran})"
+    other = [f"stage {k} {e['layer']} {e['algorithm']} (plan: {e['planned'] or 'none'})" for k, e in entries
+             if e["algorithm"] != e["planned"]]
+    more = f" and {len(other) - shown} more" if len(other) > shown else ""
+    return f"  all-reduce: NOT as the plan says: {', '.join(other[:shown])}{more}"
 
 
 def loss_rows(losses: dict[str, float], rows: int = 6) -> list[tuple[int, float]]:
@@ -107,6 +140,8 @@ def format_summary(summary: dict) -> str:
     if s["replicas_identical"]:
         out.append("  replicas: " + ("identical weights in every replicated stage" if not diverged
                                      else f"WEIGHTS DIFFER between the replicas of stage(s) {', '.join(diverged)}"))
+    if s.get("sync"):
+        out.append(sync_line(s["sync"], s["sync_as_planned"]))
     out.append(f"  metrics: {s['metrics_dir']}/   summary: {s['run_dir']}/summary.json")
     if s["trace_dir"]:
         out.append(f"  timeline: {s['trace_dir']}/ (merge: `hybridpipe timeline {s['trace_dir']} --png timeline.png`)")

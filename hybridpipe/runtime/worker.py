@@ -31,6 +31,7 @@ from hybridpipe.runtime.groups import Process, init_distributed, replica_groups,
 from hybridpipe.runtime.metrics import MetricsWriter, Progress, step_record
 from hybridpipe.runtime.parts import load_model, make_data, make_optimizer, make_sync, seed_rank, weights_digest
 from hybridpipe.runtime.summary import RankReport, format_summary, summarize
+from hybridpipe.runtime.sync import sync_report
 from hybridpipe.runtime.timeline import TimelineRecorder, trace_dir
 
 log = logging.getLogger(__name__)
@@ -132,6 +133,7 @@ def _train(cfg: RunConfig, proc: Process, model, closers: list, print_fn) -> dic
     _close_all(closers)
     if stage_plan.replicas > 1:
         report.digest = weights_digest(stage.module)
+        report.sync = sync_report(sync, stage_plan)
     reports: list = [None] * proc.world_size
     dist.all_gather_object(reports, report)
     if not reporter:

@@ -73,3 +73,48 @@ def check_cases(rank: int, world: int, cases: list[tuple], groups: list[list[int
                                 f"exact={exact}: {problem}")
         reducer.close()
     return failures
+
+
+def count_cases(rank: int, world: int, algorithms: list[str], numels: list[int], groups: list[list[int]],
+                block: int) -> list[str]:
+    """Count the elements this rank's executor really sends and receives per all-reduce and compare
+    them with the rounds the reducer's cost model prices for the same call. Failures as strings."""
+    failures = []
+    made = [(ranks, dist.new_group(ranks)) for ranks in groups]
+    for ranks, group in made:
+        if rank not in ranks:
+            continue
+        reducer = AllReducer(group, topology=Topology.blocks(len(ranks), block), chunk_bytes=4096)
+        counted = {"send": 0, "recv": 0}
+        transport = reducer.transport
+        real_isend, real_irecv = transport.isend, transport.irecv
+
+        def isend(t, peer, tag, _real=real_isend, _counted=counted):
+            _counted["send"] += t.numel()
+            return _real(t, peer, tag)
+
+        def irecv(t, peer, tag, _real=real_irecv, _counted=counted):
+            _counted["recv"] += t.numel()
+            return _real(t, peer, tag)
+
+        transport.isend, transport.irecv = isend, irecv      # the real sends, counted on the way
+        me = reducer.costs.ranks[reducer.position]           # this rank in the cost model's numbering
+        for algorithm in algorithms:
+            for numel in numels:
+                counted.update(send=0, recv=0)
+                x = torch.ones(numel)
+                reducer(x, algorithm)
+                nbytes = numel * 4
+                variant = {"halving": reducer.costs.halving(nbytes)} if algorithm == "butterfly" else {}
+                if algorithm == "torus2d":
+                    variant = {"shape": reducer.costs.torus_shape()}
+                priced = {"send": 0.0, "recv": 0.0}
+                for r in reducer.costs.model.rounds(algorithm, reducer.costs.ranks, **variant):
+                    for src, dst, part in r.messages:
+                        priced["send"] += r.repeat * part * numel * (src == me)
+                        priced["recv"] += r.repeat * part * numel * (dst == me)
+                if any(abs(counted[k] - priced[k]) > 1e-6 for k in counted) or not bool((x == len(ranks)).all()):
+                    failures.append(f"group {ranks} {algorithm} {variant} numel={numel}: moved {counted}, "
+                                    f"priced {priced}")
+        reducer.close()
+    return failures

@@ -83,6 +83,10 @@ def test_group_costs_shape_the_cluster_like_the_topology() -> None:
     assert [(lv.name, lv.workers) for lv in two.model.cluster.levels] == [("host", 2), ("network", 2)]
     assert sorted(map(sorted, two.model.groups(two.ranks))) == [[0, 1], [2, 3]]   # positions 0,2 share a host
     assert two.torus_shape() == (2, 2)
+    # unequal hosts: the model's groups are still the hosts (hierarchical runs over them)
+    uneven = group_costs(Topology.blocks(5, 2))
+    assert [(lv.name, lv.workers) for lv in uneven.model.cluster.levels] == [("host", 2), ("network", 3)]
+    assert uneven.topology().units == Topology.blocks(5, 2).units
 
 
 def test_a_plans_cost_model_gives_the_groups_hierarchical_uses() -> None:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from hybridpipe.comm.allreduce import AllReducer
 from hybridpipe.comm.allreduce.dedicated import AggregatorServer
-from tests.comm.allreduce_cases import check_cases, make_input, mismatch
+from tests.comm.allreduce_cases import check_cases, count_cases, make_input, mismatch
 from tests.comm.spawn import spawn
 
 ALGOS = ["ring", "butterfly", "hierarchical", "torus2d", "aggregator", "native", "auto"]
@@ -97,6 +97,17 @@ def test_bad_calls_fail_clearly_and_noncontiguous_tensors_work() -> None:
         "unknown all-reduce algorithm 'fastest'",
         "tensors of one all-reduce must share dtype and device",
         "all-reduce sums numbers", "True"]
+
+
+def test_each_rank_moves_the_bytes_the_cost_model_prices() -> None:
+    """Real gloo processes, groups of 6, 5, 4 and 3 ranks (hosts of 2): the elements each rank's
+    executor sends and receives equal those of the rounds the cost model prices for that call.
+    Sizes divide evenly into every algorithm's parts (2520 * 8 elements), small and large (butterfly
+    switches variant)."""
+    scheduled = ["ring", "butterfly", "hierarchical", "torus2d", "aggregator"]
+    groups = [[0, 1, 2, 3, 4, 5], [0, 1, 2, 4, 5], [0, 1, 2, 3], [1, 3, 5]]
+    results = spawn(count_cases, 6, scheduled, [2520 * 8, 2520 * 8 * 4], groups, 2, timeout=180)
+    assert results == [[]] * 6, "\n".join(f for r in results for f in r)
 
 
 # ---- the whole matrix ------------------------------------------------------------------------

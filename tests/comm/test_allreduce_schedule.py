@@ -1,19 +1,25 @@
 """The all-reduce schedules as data: every rank ends with the sum (in-memory simulation), the
-structural rules the executors rely on hold, and the rounds are the partitioner's cost-model
-rounds message for message (so its predictions describe what runs)."""
+structural rules the executors rely on hold, and what the executor sends is what the partitioner's
+cost model prices (one description, ``partitioner/collectives.py``, for both)."""
 
 from __future__ import annotations
 
-from fractions import Fraction
 from itertools import pairwise
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridpipe.comm.allreduce import schedule
+from hybridpipe.comm.allreduce.executor import _expand
+from hybridpipe.comm.allreduce.flat import FlatSpace
 from hybridpipe.comm.allreduce.topology import Topology
 from hybridpipe.partitioner import collectives as co
+from hybridpipe.partitioner.cluster import Cluster
+from hybridpipe.partitioner.costmodel import CostModel
+from hybridpipe.partitioner.priced import PricedRound
+from tests.partitioner.synth import flat_cluster, two_level
 
 
 def _all_schedules(n: int, numel: int, topology: Topology) -> dict[str, list[schedule.Round]]:
@@ -73,38 +79,85 @@ def test_split_is_balanced_and_covers() -> None:
             assert max(sizes) - min(sizes) <= 1
 
 
-# ---- the same rounds as the partitioner's cost model -----------------------------------------
+# ---- the rounds that run are the rounds that are priced ----------------------------------------
 
-NUMEL = 2520 * 8      # divisible by every split of up to 9 ranks, so fractions are exact
-
-
-def _ours(rounds: list[schedule.Round]) -> list[frozenset]:
-    return [frozenset((m.src, m.dst, Fraction(m.hi - m.lo, NUMEL)) for m in r.msgs) for r in rounds]
+NUMEL = 2520 * 8      # divisible by every split of up to 9 ranks, so element counts are exact
 
 
-def _theirs(rounds: list[co.Round]) -> list[frozenset]:
-    out = []
-    for r in rounds:
-        msgs = frozenset((s, d, Fraction(f).limit_denominator(10000)) for s, d, f in r.messages)
-        out += [msgs] * r.repeat
+def _variants(n: int) -> list[tuple[str, dict, Cluster]]:
+    """(algorithm, cost-model keywords, cluster) for every algorithm and variant on n ranks."""
+    flat = flat_cluster(n)
+    out = [("ring", {}, flat), ("butterfly", {"halving": False}, flat), ("butterfly", {"halving": True}, flat),
+           ("aggregator", {}, flat)]
+    out += [("torus2d", {"shape": shape}, flat) for shape in co.torus_shapes(n)]
+    out += [("hierarchical", {}, two_level(size, -(-n // size))) for size in range(1, n + 1)]
     return out
 
 
+def _executed_elements(rounds: list[schedule.Round], n: int, algorithm: str) -> tuple[list[int], list[int]]:
+    """Elements each position sends and receives: the ops the pipelined executor issues (its own expansion)."""
+    space = FlatSpace([torch.zeros(NUMEL // 3), torch.zeros(NUMEL - NUMEL // 3)], NUMEL // 7)
+    sent, received = [0] * n, [0] * n
+    for me in range(n):
+        sends, recvs = _expand(rounds, me, space, 0, algorithm)
+        sent[me] = sum(op.hi - op.lo for queue in sends.values() for op in queue)
+        received[me] = sum(op.hi - op.lo for op in recvs)
+    return sent, received
+
+
+def _priced_elements(priced: list[PricedRound], n: int) -> tuple[list[float], list[float]]:
+    """Elements each rank sends and receives in the rounds the cost model prices."""
+    sent, received = [0.0] * n, [0.0] * n
+    for r in priced:
+        for src, dst, part in r.messages:
+            sent[src] += r.repeat * part * NUMEL
+            received[dst] += r.repeat * part * NUMEL
+    return sent, received
+
+
 @pytest.mark.parametrize("n", range(2, 10))
-def test_rounds_match_the_cost_model(n: int) -> None:
+def test_the_executor_sends_what_the_cost_model_prices(n: int) -> None:
+    """Every algorithm and variant on 2..9 ranks: per rank, the elements the executor's ops move
+    equal those of the rounds the cost model prices (both come from collectives.py)."""
     ranks = list(range(n))
-    assert _ours(schedule.ring(n, NUMEL)) == _theirs(co.ring_rounds(ranks))
-    for halving in (False, True):
-        assert _ours(schedule.butterfly(n, NUMEL, halving)) == _theirs(co.butterfly_rounds(ranks, halving))
-    for rows, cols in co.torus_shapes(n):
-        assert _ours(schedule.torus2d(n, NUMEL, rows, cols)) == _theirs(co.torus_rounds(ranks, rows, cols))
-    for size in range(1, n + 1):
-        units = Topology.blocks(n, size).units
-        assert _ours(schedule.hierarchical(units, NUMEL)) == _theirs(co.hierarchical_rounds(units)), units
-    # the aggregator's two rounds are one cut-through round in the model
-    ours = schedule.aggregator(n, NUMEL)
-    theirs = co.aggregator_rounds(ranks, dedicated=False)
-    assert len(theirs) == 1 and frozenset().union(*_ours(ours)) == _theirs(theirs)[0]
+    for algorithm, variant, cluster in _variants(n):
+        model = CostModel(cluster)
+        if algorithm == "hierarchical":         # the executor's hosts are the model's groups
+            assert model.groups(ranks) == [list(u) for u in Topology.blocks(n, cluster.levels[0].workers).units]
+        rounds = schedule.elements(model.collective(algorithm, ranks, **variant), NUMEL)
+        schedule.check(rounds, n, NUMEL)
+        executed = _executed_elements(rounds, n, algorithm)
+        priced = _priced_elements(model.rounds(algorithm, ranks, **variant), n)
+        assert executed == tuple([pytest.approx(x, abs=1e-6) for x in side] for side in priced), \
+            (algorithm, variant)
+
+
+@pytest.mark.parametrize("n", [2, 3, 5, 6, 8])
+def test_the_prediction_is_priced_from_those_rounds(n: int) -> None:
+    """On one flat level every rank has its own link: a round costs its latencies, its busiest
+    rank's bytes in or out, and its largest sum; the model's line is that, summed over the rounds."""
+    ranks = list(range(n))
+    for algorithm, variant, cluster in _variants(n):
+        if algorithm == "hierarchical":
+            continue
+        model = CostModel(cluster)
+        fit = model.link(0, algorithm)
+        alpha = per_byte = 0.0
+        for r in model.rounds(algorithm, ranks, **variant):
+            out, inn = [0.0] * n, [0.0] * n
+            for src, dst, part in r.messages:
+                out[src] += part
+                inn[dst] += part
+            alpha += r.repeat * r.steps * fit.alpha_s
+            per_byte += r.repeat * (max(out + inn) * fit.beta_s_per_byte + r.reduce * model.gamma)
+        line = model.line(algorithm, ranks, **variant)
+        assert (line.alpha_s, line.s_per_byte) == (pytest.approx(alpha), pytest.approx(per_byte)), (algorithm, variant)
+
+
+def test_native_is_priced_as_gloos_ring_and_has_no_schedule_of_ours() -> None:
+    model = CostModel(flat_cluster(4))
+    assert model.collective("native", range(4)) == model.collective("ring", range(4))
+    assert model.line("native", range(4)) == model.line("ring", range(4))
 
 
 def _bytes_per_rank(rounds: list[schedule.Round], n: int) -> tuple[list[int], list[int]]:

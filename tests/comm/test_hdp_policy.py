@@ -11,7 +11,14 @@ from hypothesis import strategies as st
 from torch import nn
 
 from hybridpipe.comm.allreduce import Topology, group_costs
-from hybridpipe.comm.hybrid_dp import group_small, latency_bound_bytes, model_layers, plan_units
+from hybridpipe.comm.hybrid_dp import (
+    UnitChoice,
+    group_small,
+    latency_bound_bytes,
+    model_layers,
+    plan_units,
+    units_from_choices,
+)
 from hybridpipe.comm.hybrid_dp.policy import URGENT_CANDIDATES, urgent_units
 
 
@@ -116,3 +123,27 @@ def test_plan_puts_urgent_units_on_the_second_lane(policy) -> None:
             assert u.algorithm in URGENT_CANDIDATES and (policy == "hybrid" or u.algorithm == policy)
     single = plan_units(model_layers(AlexLike()), policy, costs, fuse_small=False, two_lanes=False)
     assert {u.lane for u in single} == {0}
+
+
+# ---- explicit choices (a plan's units, run as given) -----------------------------------------
+
+def test_explicit_choices_become_the_units_as_given() -> None:
+    layers = model_layers(Tied())
+    units = units_from_choices(layers, [UnitChoice(("head.bias", "scale"), "native", 0, "mine"),
+                                        UnitChoice(("emb.weight",), "torus2d", 1)])
+    assert [(u.name, u.algorithm, u.lane) for u in units] == [("mine", "native", 0), ("emb", "torus2d", 1)]
+    assert [u.param_names for u in units] == [("scale", "head.bias"), ("emb.weight",)]   # module order inside
+    assert {id(p) for u in units for p in u.params} == {id(p) for layer in layers for p in layer.params}
+
+
+@pytest.mark.parametrize("choices,expected", [
+    ([UnitChoice(("scale", "emb.weight", "head.bias"), "telepathy")], "unknown all-reduce algorithm 'telepathy'"),
+    ([UnitChoice(("scale", "emb.weight", "head.bias"), "native", 1)], "lane 1 cannot run native"),
+    ([UnitChoice(("scale", "emb.weight"), "ring")], "parameter 'head.bias' is in no sync unit"),
+    ([UnitChoice(("scale", "emb.weight", "head.bias"), "ring"), UnitChoice(("scale",), "ring")],
+     "parameter 'scale' is in sync units 0 and 1"),
+    ([UnitChoice(("scale", "emb.weight", "head.bias", "frozen.weight"), "ring")], "'frozen.weight', which the module"),
+])
+def test_explicit_choices_that_cannot_run_fail_in_one_line(choices, expected) -> None:
+    with pytest.raises(ValueError, match=expected.replace("(", r"\(")):
+        units_from_choices(model_layers(Tied()), choices)

@@ -56,8 +56,8 @@ def test_butterfly_folds_non_powers_of_two():
     # fold (S, summed) + 2 doubling rounds + unfold (S)
     line = m.line("butterfly", range(6))
     assert line.alpha_s == pytest.approx(4 * a) and line.s_per_byte == pytest.approx(4 * b + 3 * GAMMA)
-    survivors, pairs = co._fold(list(range(6)))
-    assert pairs == ((0, 1), (2, 3)) and survivors == [1, 3, 4, 5]
+    survivors, pairs = co.fold(6)
+    assert pairs == [(0, 1), (2, 3)] and survivors == [1, 3, 4, 5]
 
 
 def test_aggregator_on_a_worker_carries_everyone_through_its_link():

@@ -1,8 +1,9 @@
 """The all-reduce family: ring, butterfly, hierarchical, torus2d, aggregator, native and auto.
 
 ``hybridpipe.comm.allreduce(tensor, algorithm="auto", group=None)`` sums in place; keep an
-:class:`AllReducer` for repeated calls. ``schedule.py`` holds the algorithms as data,
-``executor.py`` runs them over isend/irecv, ``dedicated/`` is the aggregator process.
+:class:`AllReducer` for repeated calls. The algorithms are written once, as data, in
+``partitioner/collectives.py`` (what the cost model prices); ``schedule.py`` maps them onto
+element ranges, ``executor.py`` runs them over isend/irecv, ``dedicated/`` is the aggregator process.
 
 This package is callable: ``hybridpipe.comm.allreduce(...)`` is :func:`allreduce`. (A plain
 function of that name in ``hybridpipe.comm`` would shadow the package and break

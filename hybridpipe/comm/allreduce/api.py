@@ -24,14 +24,16 @@ from hybridpipe.comm.allreduce.executor import run_pipelined, run_rounds
 from hybridpipe.comm.allreduce.flat import FlatSpace
 from hybridpipe.comm.allreduce.topology import Topology
 from hybridpipe.comm.allreduce.transport import GroupTransport
+from hybridpipe.partitioner import collectives as co
 from hybridpipe.partitioner.calibration import Calibration, load_calibration
 
-ALGORITHMS = ("ring", "butterfly", "hierarchical", "torus2d", "aggregator", "native")
+ALGORITHMS = co.ALGORITHMS
 CHOICES = ALGORITHMS + ("auto",)
 AGGREGATOR_ENV = "HYBRIDPIPE_AGGREGATOR"
 MIN_CHUNK_BYTES = 256 << 10          # adaptive chunks: at least this (per-message overhead) ...
 MAX_CHUNK_BYTES = 2 << 20            # ... at most this, and about a quarter of a ring segment
 DEFAULT_INFLIGHT = 6
+ROUND_CACHE = 256                    # schedules kept per reducer (one per algorithm, variant and size)
 
 
 class AllReducer:
@@ -77,6 +79,8 @@ class AllReducer:
         self.pipelined = pipelined
         self.torus_shape = torus_shape
         self._pools: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        self._described: dict[tuple, co.Collective] = {}
+        self._rounds: dict[tuple, list[schedule.Round]] = {}
         self._client: AggregatorClient | None = None
 
     # ---- choosing --------------------------------------------------------------------------
@@ -86,21 +90,35 @@ class AllReducer:
             return "native"
         return self.costs.fastest(nbytes, candidates)
 
+    def described(self, algorithm: str, nbytes: float) -> co.Collective:
+        """The rounds ``algorithm`` runs here for ``nbytes``, as ``partitioner/collectives.py`` writes
+        them and the cost model prices them (butterfly's variant and torus2d's shape as the model
+        picks them; hierarchical over this reducer's topology)."""
+        key = self._variant(algorithm, nbytes)
+        hit = self._described.get(key)
+        if hit is None:
+            hit = self._described[key] = co.rounds_for(algorithm, self.size, halving=key[1],
+                                                        units=self.topology.units, shape=key[2])
+        return hit
+
     def rounds(self, algorithm: str, numel: int, nbytes: float) -> list[schedule.Round]:
-        """The schedule ``algorithm`` runs on this group for ``numel`` elements (``nbytes`` bytes)."""
-        n = self.size
-        if algorithm == "ring":
-            return schedule.ring(n, numel)
-        if algorithm == "butterfly":
-            return schedule.butterfly(n, numel, self.costs.halving(nbytes))
-        if algorithm == "hierarchical":
-            return schedule.hierarchical(self.topology.units, numel)
-        if algorithm == "torus2d":
-            rows, cols = self.torus_shape or self.costs.torus_shape()
-            return schedule.torus2d(n, numel, rows, cols)
-        if algorithm == "aggregator":
-            return schedule.aggregator(n, numel)
-        raise ValueError(f"unknown all-reduce algorithm {algorithm!r}; choose from {', '.join(CHOICES)}")
+        """The schedule ``algorithm`` runs on this group for ``numel`` elements (``nbytes`` bytes):
+        :meth:`described` over element ranges."""
+        key = self._variant(algorithm, nbytes) + (numel,)
+        hit = self._rounds.get(key)
+        if hit is None:
+            if len(self._rounds) >= ROUND_CACHE:
+                self._rounds.clear()
+            hit = self._rounds[key] = schedule.elements(self.described(algorithm, nbytes), numel)
+        return hit
+
+    def _variant(self, algorithm: str, nbytes: float) -> tuple[str, bool, tuple[int, int] | None]:
+        if algorithm not in ALGORITHMS or algorithm == "native":
+            raise ValueError(f"no schedule for all-reduce algorithm {algorithm!r}; "
+                             f"choose from {', '.join(a for a in ALGORITHMS if a != 'native')}")
+        halving = algorithm == "butterfly" and self.costs.halving(nbytes)
+        shape = (self.torus_shape or self.costs.torus_shape()) if algorithm == "torus2d" else None
+        return algorithm, halving, shape
 
     # ---- running ---------------------------------------------------------------------------
     def __call__(self, tensors: torch.Tensor | Sequence[torch.Tensor], algorithm: str = "auto") -> str:

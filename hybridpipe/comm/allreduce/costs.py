@@ -2,7 +2,8 @@
 
 A group's positions are mapped onto a small cluster that has the group's shape: one level when
 all positions share a host (or each has its own), two levels (``host`` inside, ``network``
-across) when the topology has equal hosts. A calibration (``hybridpipe bench-allreduce``) replaces
+across) otherwise, a host's level as wide as the largest host (so the model's groups are the
+topology's hosts, which ``hierarchical`` runs over). A calibration (``hybridpipe bench-allreduce``) replaces
 the nominal numbers of the level it measured. Alternatively a caller that has the real cluster
 (the runtime, with the plan's cost model) passes that model and the group's global ranks.
 """
@@ -59,10 +60,10 @@ def group_costs(topology: Topology, calibration: Calibration | None = None,
                 dedicated_aggregator: bool = False) -> GroupCosts:
     """A cost model of the group described by ``topology`` (see the module docstring)."""
     n = topology.size
-    g = topology.uniform
+    g = max((len(u) for u in topology.units), default=1)
     levels: tuple[Level, ...]
     cal_level = calibration.level if calibration else ""
-    if g is not None and 1 < g < n:
+    if 1 < g < n:
         inner, outer = ("host", "network")
         if calibration is not None and cal_level:
             if calibration.hosts > 1:
@@ -70,7 +71,7 @@ def group_costs(topology: Topology, calibration: Calibration | None = None,
             else:
                 inner = cal_level if cal_level != outer else inner
         levels = (Level(inner, g, NOMINAL_HOST_GBPS),
-                  Level(outer, n // g, NOMINAL_NETWORK_GBPS, NOMINAL_NETWORK_LATENCY_US))
+                  Level(outer, len(topology.units), NOMINAL_NETWORK_GBPS, NOMINAL_NETWORK_LATENCY_US))
         rank_of = {p: k * g + i for k, unit in enumerate(topology.units) for i, p in enumerate(unit)}
         ranks = tuple(rank_of[p] for p in range(n))
     else:

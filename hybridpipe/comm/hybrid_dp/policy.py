@@ -1,20 +1,21 @@
-"""Which algorithm syncs each layer (the hybrid policy of seed 000, or one fixed algorithm).
+"""Which algorithm syncs each layer, which layers share an all-reduce, on which lane.
 
-``hybrid`` asks the partitioner's per-layer policy (``partitioner/layersync.py``): every layer's
-all-reduce queues behind the earlier ones on one lane and must finish before the layer's next
-forward; picking the cheapest algorithm for each layer's size minimises every finish time, so
-small (latency-bound) layers get butterfly and large ones ring or hierarchical, with the
-crossover taken from the calibrated cost model. Runs of adjacent layers small enough that their
-all-reduce is mostly fixed cost are fused into one sync unit.
-
-Two lanes: on one FIFO lane a small layer needed early in the next forward (conv1) waits behind
-the big ones that backward produced before it (fc1's 151 MB in AlexNet), so the next forward
-cannot start until all communication is done. Such *urgent* units (:func:`urgent_units`) go on a
-second lane that runs beside the first (other message tags, same process group): they share the
-links with the big syncs for a short while, and the forward of the early layers overlaps the big
-syncs' remainder. Both lanes keep a fixed order, so every rank issues the same sequence on each.
-Urgent units use the scheduled algorithms only (``native`` is gloo's collective, which must not
-be issued from two threads on one group; the dedicated aggregator takes one connection per rank).
+Explicit choices (:class:`UnitChoice`, e.g. a plan's, which the runtime passes as written) are
+checked and mapped onto the module's parameters (:func:`units_from_choices`). Otherwise a
+policy decides, with the partitioner's rules, so a plan and HybridDataParallel alone decide
+alike: ``hybrid`` asks the partitioner's per-layer policy (``partitioner/layersync.py``): every
+layer's all-reduce queues behind the earlier ones on one lane and must finish before the layer's
+next forward; picking the cheapest algorithm for each layer's size minimises every finish time, so
+small (latency-bound) layers get butterfly and large ones ring or hierarchical, with the crossover
+taken from the calibrated cost model. A fixed policy gives every layer one algorithm. Then
+``partitioner/syncunits.py`` fuses runs of adjacent small layers with one algorithm into one sync
+unit and puts *urgent* units (small ones a FIFO lane would queue behind much bigger ones that
+backward produced before them, like AlexNet's convolutions behind fc1) on a second lane that runs
+beside the first (other message tags, same process group). Both lanes keep a fixed order, so every
+rank issues the same sequence on each. The second lane runs the scheduled algorithms only
+(``native`` is gloo's collective, which must not be issued from two threads on one group; the
+dedicated aggregator takes one connection per rank): under ``hybrid`` an urgent unit takes the
+cheapest of those, under a fixed ``native`` or ``aggregator`` policy units keep one lane.
 """
 
 from __future__ import annotations
@@ -24,12 +25,16 @@ from dataclasses import dataclass
 
 from hybridpipe.comm.allreduce.api import ALGORITHMS
 from hybridpipe.comm.allreduce.costs import AUTO_CANDIDATES, GroupCosts
-from hybridpipe.comm.hybrid_dp.units import Layer, group_small, latency_bound_bytes
+from hybridpipe.comm.hybrid_dp.units import Layer
 from hybridpipe.partitioner.layersync import choose_layer_algorithms
+from hybridpipe.partitioner.plan import SECOND_LANE_ALGORITHMS, LayerSync
+from hybridpipe.partitioner.syncunits import URGENT_RATIO, urgent_units, with_algorithm
 
 POLICIES = ("hybrid",) + ALGORITHMS
-URGENT_CANDIDATES = ("ring", "butterfly", "hierarchical", "torus2d")
-URGENT_RATIO = 8          # a unit is urgent when later-needed units hold >= 8x its bytes (and the largest does)
+URGENT_CANDIDATES = SECOND_LANE_ALGORITHMS
+
+__all__ = ["POLICIES", "URGENT_CANDIDATES", "URGENT_RATIO", "SyncUnit", "UnitChoice", "check_policy", "plan_units",
+           "units_from_choices", "urgent_units"]
 
 
 @dataclass(frozen=True)
@@ -41,18 +46,35 @@ class SyncUnit:
     algorithm: str
     predicted_ms: float
     lane: int = 0                  # 0: the main lane; 1: the urgent lane (see the module docstring)
+    label: str = ""                # the caller's name for it (e.g. the plan's layers); default: the modules'
 
     @property
     def name(self) -> str:
-        return "+".join(layer.name or "<root>" for layer in self.layers)
+        return self.label or "+".join(layer.name or "<root>" for layer in self.layers)
 
     @property
     def params(self) -> tuple:
         return tuple(p for layer in self.layers for p in layer.params)
 
     @property
+    def param_names(self) -> tuple[str, ...]:
+        return tuple(n for layer in self.layers for n in layer.param_names)
+
+    @property
     def nbytes(self) -> int:
         return sum(layer.nbytes for layer in self.layers)
+
+
+@dataclass(frozen=True)
+class UnitChoice:
+    """One all-reduce as the caller wants it: the parameters it sums (qualified names, as the
+    wrapped module's ``named_parameters()`` gives them), the algorithm and the lane."""
+
+    params: tuple[str, ...]
+    algorithm: str
+    lane: int = 0
+    name: str = ""
+    predicted_ms: float = 0.0
 
 
 def check_policy(policy: str) -> None:
@@ -60,20 +82,43 @@ def check_policy(policy: str) -> None:
         raise ValueError(f"unknown sync policy {policy!r}; choose hybrid or one algorithm: {', '.join(ALGORITHMS)}")
 
 
-def urgent_units(sizes: Sequence[float], ratio: float = URGENT_RATIO) -> list[int]:
-    """Indices (forward order) of units that a FIFO lane would queue behind much bigger later ones.
+def units_from_choices(layers: Sequence[Layer], choices: Sequence[UnitChoice]) -> list[SyncUnit]:
+    """Sync units that run ``choices`` as given (in order) on ``layers`` (``model_layers``).
 
-    Unit i is urgent when the units after it in forward order (which backward produces, and a
-    FIFO lane syncs, before it) hold at least ``ratio`` times its bytes, and so does the largest
-    unit alone: a model of equal layers has none, AlexNet's convolutions are all urgent.
+    Every trainable parameter (but empty ones) must be in exactly one choice; ValueError (one line) otherwise, or
+    for an unknown algorithm or lane, or a second-lane unit with an algorithm that cannot run there.
     """
-    largest = max(sizes, default=0)
-    out, later = [], 0.0
-    for i in range(len(sizes) - 1, -1, -1):
-        if 0 < sizes[i] and sizes[i] * ratio <= later and sizes[i] * ratio <= largest:
-            out.append(i)
-        later += sizes[i]
-    return sorted(out)
+    owner: dict[str, int] = {}
+    for i, c in enumerate(choices):
+        if c.algorithm not in ALGORITHMS:
+            raise ValueError(f"sync unit {c.name or i}: unknown all-reduce algorithm {c.algorithm!r}; "
+                             f"choose from {', '.join(ALGORITHMS)}")
+        if c.lane not in (0, 1) or (c.lane == 1 and c.algorithm not in URGENT_CANDIDATES):
+            raise ValueError(f"sync unit {c.name or i}: lane {c.lane} cannot run {c.algorithm} "
+                             f"(lane 1 runs {', '.join(URGENT_CANDIDATES)}; lane 0 any)")
+        for p in c.params:
+            if p in owner:
+                raise ValueError(f"parameter {p!r} is in sync units {owner[p]} and {i}; give it one")
+            owner[p] = i
+    pieces: list[list[Layer]] = [[] for _ in choices]
+    known = set()
+    for layer in layers:
+        by_unit: dict[int, list[int]] = {}
+        for k, name in enumerate(layer.param_names):
+            known.add(name)
+            if name not in owner:
+                if layer.params[k].numel() == 0:          # nothing to sum
+                    continue
+                raise ValueError(f"parameter {name!r} is in no sync unit; every trainable parameter needs one")
+            by_unit.setdefault(owner[name], []).append(k)
+        for unit, ks in by_unit.items():
+            pieces[unit].append(Layer(layer.name, layer.module, tuple(layer.params[k] for k in ks),
+                                      tuple(layer.param_names[k] for k in ks)))
+    unknown = sorted(set(owner) - known)
+    if unknown:
+        raise ValueError(f"sync units name parameter {unknown[0]!r}, which the module has not (or not trainable)")
+    return [SyncUnit(i, tuple(pieces[i]), c.algorithm, c.predicted_ms, c.lane, c.name)
+            for i, c in enumerate(choices) if pieces[i]]
 
 
 def plan_units(layers: Sequence[Layer], policy: str, costs: GroupCosts, *, fuse_small: bool = True,
@@ -83,47 +128,29 @@ def plan_units(layers: Sequence[Layer], policy: str, costs: GroupCosts, *, fuse_
 
     ``forward_ms`` / ``backward_ms`` per layer (from a profile) only refine the hybrid policy's
     predicted exposure; the choice of algorithm depends on sizes alone. ``two_lanes``: urgent
-    units (:func:`urgent_units`) go on lane 1 with a scheduled algorithm (not with a fixed
-    ``native`` or ``aggregator`` policy, which keep one lane).
+    units may go on lane 1 (see the module docstring).
     """
-    units = _plan_one_lane(layers, policy, costs, fuse_small, forward_ms, backward_ms)
-    if not two_lanes or policy in ("native", "aggregator"):
-        return units
-    urgent = set(urgent_units([u.nbytes for u in units]))
-    out = []
-    for u in units:
-        if u.index in urgent:
-            algo = costs.fastest(u.nbytes, URGENT_CANDIDATES) if policy == "hybrid" else policy
-            u = SyncUnit(u.index, u.layers, algo, costs.seconds(algo, u.nbytes) * 1e3, lane=1)
-        out.append(u)
-    return out
-
-
-def _plan_one_lane(layers: Sequence[Layer], policy: str, costs: GroupCosts, fuse_small: bool,
-                   forward_ms: Sequence[float] | None, backward_ms: Sequence[float] | None) -> list[SyncUnit]:
     check_policy(policy)
     if not layers:
         return []
+    names = [layer.name for layer in layers]
+    sizes = [layer.nbytes for layer in layers]
+    params = [layer.param_names for layer in layers]
+    zeros = [0.0] * len(layers)
     if policy == "hybrid":
-        best = lambda nbytes: costs.seconds(costs.fastest(nbytes), nbytes)   # noqa: E731
+        chosen = choose_layer_algorithms(names, sizes, backward_ms or zeros, forward_ms or zeros, costs.ranks,
+                                         costs.model, AUTO_CANDIDATES, params=params, fuse_small=fuse_small,
+                                         two_lanes=two_lanes, lane_algorithms=URGENT_CANDIDATES).layers
     else:
-        best = lambda nbytes: costs.seconds(policy, nbytes)                    # noqa: E731
-    small = latency_bound_bytes(best) if fuse_small else 0.0
-    groups = group_small([layer.nbytes for layer in layers], small)
-    members = [tuple(layers[i] for i in g) for g in groups]
-    sizes = [sum(layer.nbytes for layer in m) for m in members]
-    if policy == "hybrid":
-        zeros = [0.0] * len(members)
-        fwd = _per_group(groups, forward_ms) if forward_ms is not None else zeros
-        bwd = _per_group(groups, backward_ms) if backward_ms is not None else zeros
-        names = ["+".join(layer.name for layer in m) for m in members]
-        chosen = choose_layer_algorithms(names, sizes, bwd, fwd, costs.ranks, costs.model, AUTO_CANDIDATES).layers
-        by_name = {c.layer: c for c in chosen}
-        return [SyncUnit(i, m, by_name[names[i]].algorithm if names[i] in by_name else costs.fastest(sizes[i]),
-                         by_name[names[i]].predicted_ms if names[i] in by_name else 0.0)
-                for i, m in enumerate(members)]
-    return [SyncUnit(i, m, policy, costs.seconds(policy, sizes[i]) * 1e3) for i, m in enumerate(members)]
-
-
-def _per_group(groups: list[list[int]], values: Sequence[float]) -> list[float]:
-    return [sum(values[i] for i in g) for g in groups]
+        chosen = with_algorithm([LayerSync(n, tuple(p), b, policy) for n, p, b in zip(names, params, sizes,
+                                                                                      strict=True) if b > 0],
+                                policy, costs.ranks, costs.model, fuse_small=fuse_small, two_lanes=two_lanes)
+    choices: list[tuple[int | None, list[LayerSync]]] = []
+    for lv in chosen:
+        if choices and lv.unit == choices[-1][0]:
+            choices[-1][1].append(lv)
+        else:
+            choices.append((lv.unit, [lv]))
+    return units_from_choices(layers, [
+        UnitChoice(tuple(p for lv in grp for p in lv.params), grp[0].algorithm, grp[0].lane, "",
+                   costs.seconds(grp[0].algorithm, sum(lv.bytes for lv in grp)) * 1e3) for _, grp in choices])

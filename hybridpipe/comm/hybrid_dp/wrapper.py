@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -26,7 +26,7 @@ from hybridpipe.comm.allreduce import AllReducer, Topology
 from hybridpipe.comm.allreduce.costs import GroupCosts
 from hybridpipe.comm.allreduce.transport import MAX_LANES
 from hybridpipe.comm.engine import CommLane, Handle
-from hybridpipe.comm.hybrid_dp.policy import SyncUnit, check_policy, plan_units
+from hybridpipe.comm.hybrid_dp.policy import SyncUnit, UnitChoice, check_policy, plan_units, units_from_choices
 from hybridpipe.comm.hybrid_dp.units import model_layers
 from hybridpipe.partitioner.calibration import Calibration
 
@@ -44,6 +44,10 @@ class HybridDataParallel(nn.Module):
     first rank at every forward; parameters and buffers are broadcast from it at construction.
     ``two_lanes``: urgent units on a second lane (message tags of lane ``lane + 128``).
     ``downward``: a second group of the same ranks for messages to lower positions (AllReducer).
+    ``units``: explicit choices instead of a policy (:class:`UnitChoice`: which parameters one
+    all-reduce sums, with which algorithm, on which lane; e.g. a plan's), run exactly as given;
+    ``policy``, ``fuse_small`` and ``two_lanes`` are then unused. :attr:`algorithms_run` tells
+    what each parameter's all-reduce last ran.
 
     Every rank must run the same backward (the same parameters get gradients, as with DDP's
     default). A parameter is awaited before the forward of the module that owns it (the first
@@ -55,7 +59,7 @@ class HybridDataParallel(nn.Module):
                  calibration: Calibration | str | os.PathLike | None = None, reduce: str = "mean", *,
                  topology: Topology | None = None, costs: GroupCosts | None = None, aggregator: str | None = None,
                  lane: int = 1, broadcast_buffers: bool = True, fuse_small: bool = True, two_lanes: bool = True,
-                 downward: dist.ProcessGroup | None = None):
+                 downward: dist.ProcessGroup | None = None, units: Sequence[UnitChoice] | None = None):
         super().__init__()
         check_policy(policy)
         if reduce not in ("mean", "sum"):
@@ -69,8 +73,12 @@ class HybridDataParallel(nn.Module):
                                    aggregator=aggregator, lane=lane, downward=downward)
         self._lane = CommLane(f"hybridpipe-hdp-lane{lane}")
         self._src = dist.get_process_group_ranks(group or dist.group.WORLD)[0]
-        self.units: list[SyncUnit] = plan_units(model_layers(module), policy, self._reducer.costs,
-                                                fuse_small=fuse_small, two_lanes=two_lanes)
+        if units is not None:
+            self.units: list[SyncUnit] = units_from_choices(model_layers(module), units)
+        else:
+            self.units = plan_units(model_layers(module), policy, self._reducer.costs, fuse_small=fuse_small,
+                                    two_lanes=two_lanes)
+        self._ran: dict[int, str] = {}                 # unit index -> the algorithm its last all-reduce ran
         self._lanes = [(self._lane, self._reducer)]
         if any(u.lane == 1 for u in self.units):
             urgent = lane + URGENT_LANE_OFFSET
@@ -106,6 +114,12 @@ class HybridDataParallel(nn.Module):
         """Per sync unit: name, bytes, algorithm, lane, predicted milliseconds (for reports)."""
         return [{"unit": u.name, "bytes": u.nbytes, "algorithm": u.algorithm, "lane": u.lane,
                  "predicted_ms": u.predicted_ms} for u in self.units]
+
+    @property
+    def algorithms_run(self) -> dict[str, str]:
+        """Qualified parameter name -> the algorithm its unit's last all-reduce ran (as the reducer
+        reported it); parameters whose unit has not run yet are left out."""
+        return {name: self._ran[u.index] for u in self.units if u.index in self._ran for name in u.param_names}
 
     def in_flight(self) -> list[str]:
         """Names of the units whose all-reduce was started and not yet waited for."""
@@ -154,11 +168,11 @@ class HybridDataParallel(nn.Module):
                 ready = torch.cuda.Event()
                 ready.record()
             lane, reducer = self._lanes[unit.lane]
-            self._pending[unit.index] = lane.submit(self._reduce_grads, reducer, grads, unit.algorithm, ready,
-                                                    name=unit.name)
+            self._pending[unit.index] = lane.submit(self._reduce_grads, unit.index, reducer, grads, unit.algorithm,
+                                                    ready, name=unit.name)
 
-    def _reduce_grads(self, reducer: AllReducer, grads: list[torch.Tensor], algorithm: str, ready: Any = None
-                      ) -> None:
+    def _reduce_grads(self, index: int, reducer: AllReducer, grads: list[torch.Tensor], algorithm: str,
+                      ready: Any = None) -> None:
         if ready is not None:
             ready.synchronize()
         by_kind: dict[tuple, list[torch.Tensor]] = {}
@@ -167,7 +181,7 @@ class HybridDataParallel(nn.Module):
                 raise ValueError("HybridDataParallel sums dense gradients only")
             by_kind.setdefault((g.dtype, g.device), []).append(g)
         for same in by_kind.values():
-            reducer(same, algorithm)
+            self._ran[index] = reducer(same, algorithm)
             if self.reduce == "mean":
                 for g in same:
                     g.div_(reducer.size)

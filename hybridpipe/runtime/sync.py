@@ -1,0 +1,119 @@
+"""A replicated stage's gradient sync as the plan writes it, the launch overrides, and what ran.
+
+* :func:`stage_layers`: the plan's layers for the stage (each layer's algorithm, sync unit and
+  lane), checked against the stage's parameters; or, for a plan that lists none for a replicated
+  stage (one written by hand), what ``partition`` would have written: the partitioner's policy on
+  the plan's cluster, over the stage's modules.
+* :func:`override_layers`: ``--allreduce`` / ``--calibration`` at launch are deliberate overrides:
+  the same layers re-decided (one algorithm for all, or the partitioner's policy on a cost model
+  with the calibrations), with the same unit and lane rules. :func:`describe_override` is the
+  line the stage's first rank prints.
+* :func:`unit_choices`: the layers as HybridDataParallel's explicit units (run as given).
+* :func:`sync_report`: per layer (the plan's names), the algorithm the all-reduce actually ran,
+  as the HybridDataParallel object recorded it, next to the plan's (``summary.json``).
+
+Pure functions but for reading the module's parameters and the HybridDataParallel's record.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+from hybridpipe.comm.hybrid_dp import HybridDataParallel, UnitChoice, model_layers
+from hybridpipe.errors import UserError
+from hybridpipe.partitioner.costmodel import CostModel
+from hybridpipe.partitioner.layersync import choose_layer_algorithms
+from hybridpipe.partitioner.plan import ALGORITHMS, LayerSync, Stage, sync_units
+from hybridpipe.partitioner.syncunits import with_algorithm
+
+SHOWN_CHANGES = 6        # layers named in an override's line before "and N more"
+
+
+def derived_layers(module: nn.Module, ranks: Sequence[int], model: CostModel) -> tuple[LayerSync, ...]:
+    """What ``partition`` writes for a stage, over ``module``'s own layers (named by module path)."""
+    layers = model_layers(module)
+    zeros = [0.0] * len(layers)
+    return choose_layer_algorithms([lv.name for lv in layers], [lv.nbytes for lv in layers], zeros, zeros,
+                                   ranks, model, ALGORITHMS, params=[lv.param_names for lv in layers]).layers
+
+
+def stage_layers(stage: Stage, module: nn.Module, model: CostModel) -> tuple[LayerSync, ...]:
+    """The plan's layers for ``stage`` (see the module docstring); UserError when they do not
+    cover exactly the stage's trainable parameters."""
+    if not stage.layers:
+        return derived_layers(module, stage.ranks, model)
+    have = {name for name, p in module.named_parameters() if p.requires_grad and p.numel() > 0}
+    planned = {p for lv in stage.layers for p in lv.params}
+    if planned - have:
+        extra = sorted(planned - have)
+        raise UserError(f"stage {stage.index}: the plan syncs parameter {extra[0]!r}, which the stage does not have "
+                        f"({len(extra)} such); the plan was made for another model: re-partition")
+    if have - planned:
+        missing = sorted(have - planned)
+        raise UserError(f"stage {stage.index}: the plan's layers do not sync parameter {missing[0]!r} "
+                        f"({len(missing)} such); add it to a layer of the plan's stage or re-partition")
+    return stage.layers
+
+
+def override_layers(layers: Sequence[LayerSync], policy: str, ranks: Sequence[int],
+                    model: CostModel) -> tuple[LayerSync, ...]:
+    """``layers`` re-decided at launch: ``policy`` one algorithm for every layer, or ``hybrid``
+    (the partitioner's per-layer policy on ``model``, e.g. with launch's calibrations)."""
+    if policy != "hybrid":
+        return with_algorithm(layers, policy, ranks, model)
+    zeros = [0.0] * len(layers)
+    return choose_layer_algorithms([lv.layer for lv in layers], [lv.bytes for lv in layers], zeros, zeros, ranks,
+                                   model, ALGORITHMS, params=[lv.params for lv in layers]).layers
+
+
+def describe_override(stage: int, flags: str, before: Sequence[LayerSync], after: Sequence[LayerSync]) -> str:
+    """One line: what the override ``flags`` changed against the plan in ``stage``."""
+    changed = [f"{a.layer} {b.algorithm}->{a.algorithm}" for b, a in zip(before, after, strict=True)
+               if a.algorithm != b.algorithm]
+    parts = []
+    if changed:
+        more = f" and {len(changed) - SHOWN_CHANGES} more" if len(changed) > SHOWN_CHANGES else ""
+        parts.append(f"{len(changed)} of {len(after)} layers change algorithm: "
+                     f"{', '.join(changed[:SHOWN_CHANGES])}{more}")
+    units = [len(_units(before)), len(_units(after))]
+    if units[0] != units[1] or _units(before) != _units(after):
+        parts.append(f"sync units {units[0]}->{units[1]}")
+    lanes = [sum(lv.lane for lv in before), sum(lv.lane for lv in after)]
+    if [lv.lane for lv in before] != [lv.lane for lv in after]:
+        parts.append(f"layers on the second lane {lanes[0]}->{lanes[1]}")
+    if not parts:
+        return f"launch.py: stage {stage}: {flags} changes nothing against the plan ({len(after)} layers)"
+    return f"launch.py: stage {stage}: {flags} overrides the plan: {'; '.join(parts)}"
+
+
+def _units(layers: Sequence[LayerSync]) -> list[tuple[str, ...]]:
+    return [tuple(lv.layer for lv in u) for u in sync_units(layers)]
+
+
+def unit_choices(layers: Sequence[LayerSync]) -> list[UnitChoice]:
+    """The layers' sync units as HybridDataParallel's explicit choices."""
+    return [UnitChoice(tuple(p for lv in u for p in lv.params), u[0].algorithm, u[0].lane,
+                       "+".join(lv.layer for lv in u), sum(lv.predicted_ms for lv in u))
+            for u in sync_units(layers)]
+
+
+def sync_report(sync: object, stage: Stage) -> list[dict] | None:
+    """Per layer of the plan's stage: ``{"layer", "algorithm", "planned"}``, the algorithm its
+    all-reduce last ran (from ``sync``, the HybridDataParallel that ran; several joined by '+'
+    where a layer's parameters ran different ones, None where none ran) and the plan's (None when
+    the plan lists no layers: then the layers are the stage's modules). None for an unreplicated stage."""
+    if not isinstance(sync, HybridDataParallel):
+        return None
+    ran = sync.algorithms_run
+    layers: list[tuple[str, tuple[str, ...], str | None]]
+    if stage.layers:
+        layers = [(lv.layer, lv.params, lv.algorithm) for lv in stage.layers]
+    else:
+        layers = [(layer.name, layer.param_names, None) for u in sync.units for layer in u.layers]
+    out = []
+    for name, params, planned in layers:
+        algorithms = sorted({ran[p] for p in params if p in ran})
+        out.append({"layer": name, "algorithm": "+".join(algorithms) or None, "planned": planned})
+    return out
