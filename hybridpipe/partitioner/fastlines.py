@@ -1,23 +1,26 @@
 """``CostModel.lines`` for one group without building its messages one by one: the same numbers, faster.
 
 The scalable DP prices the all-reduces of thousands of rank blocks, some of thousands of ranks;
-``collectives.py`` lists every message as a tuple and ``CostModel._loads`` sums them per link, which
-costs milliseconds per block. A round's price only needs, per level, the busiest link's bytes. Here:
+describing each algorithm's rounds (``collectives.py``), pricing them (``priced.py``) and loading
+every message onto the links (``CostModel._loads``) costs milliseconds to a tenth of a second per
+block. A round's price only needs, per level, the busiest link's share of the vector. Here:
 
-* rounds whose messages are O(n) (ring, torus rows and columns, hierarchical's rings, the fold of
-  butterfly, aggregator) are loaded as arrays of group positions, exactly as ``_loads`` does;
+* rounds whose messages are O(n) (ring, torus rows and columns, hierarchical's rings, butterfly's
+  fold, aggregator) are loaded as arrays of group positions, as ``_loads`` does, all at once;
 * butterfly's exchange rounds (O(n log n) messages) are counted in closed form: a link of level l
   belongs to a unit U of level l-1, whose members are a range of survivor indices; the messages it
   carries are those i in U whose partner ``i ^ d`` lies in U's level-l unit but not in U, counted
   with bit arithmetic over ranges;
-* hierarchical's lock-stepped reduce / broadcast rounds (unequal groups) are combined per group: a
-  group's ring loads each link with one message of 1/g, its gather puts all of the group's messages
-  at one level on the leader's link, and ``_lockstep``'s merged rounds take the largest per level.
+* hierarchical's lock-stepped reduce / broadcast rounds (unequal units) are combined per unit size:
+  a unit's ring loads each link with one message of 1/g, its gather puts all of the unit's messages
+  at one level on the leader's link, and a merged round takes the largest per level.
 
-Every busiest-link load is the same sum of the same parts (parts within a link are all equal, so the
-order of addition does not matter; ``seqsum`` adds them one at a time as ``np.bincount`` does), each
-round is priced as ``CostModel.price`` and the rounds are summed in order as ``CostModel.line``.
-``tests/partitioner/test_fastlines.py`` checks equality with ``CostModel.lines`` on random groups.
+Shares are the ones ``priced.py`` derives from the collective's parts (a ring over a unit's shard
+moves 1/n of the vector, not (1/g)/m); every busiest-link load is the same sum of the same shares
+(the shares on one link are all equal, so the order of addition does not matter; ``seqsum`` adds
+them one at a time as ``np.bincount`` does); rounds fold as ``priced.py`` folds them, are priced as
+``CostModel.price`` and summed in order as ``CostModel.line``. ``tests/partitioner/test_dp_scale.py``
+checks equality with ``CostModel.lines`` on random groups and clusters.
 """
 
 from __future__ import annotations
@@ -105,13 +108,14 @@ class _Group:
         return per_link.reshape(len(self._sets), self.levels, width).max(axis=2)
 
 
-def _ring(grp: _Group, pos: np.ndarray, scale: float = 1.0) -> list[_Round]:
-    """rings_rounds([pos], scale) / rings over the rows of a 2-D ``pos`` (equal sizes)."""
+def _ring(grp: _Group, pos: np.ndarray, chunk: float | None = None) -> list[_Round]:
+    """collectives.rings over ``pos`` (or the rows of a 2-D ``pos``, equal sizes), each message moving
+    ``chunk`` of the vector (default 1/n: a ring over the whole vector)."""
     rows = pos if pos.ndim == 2 else pos[None, :]
     n = rows.shape[1]
     if n <= 1:
         return []
-    chunk = scale / n
+    chunk = 1 / n if chunk is None else chunk
     loads = grp.explicit(rows.ravel(), np.roll(rows, -1, axis=1).ravel(), chunk)
     return [_Round(loads, chunk, n - 1), _Round(loads, 0.0, n - 1)]
 
@@ -186,7 +190,7 @@ def _pairs(lo: np.ndarray, hi: np.ndarray, jlo: np.ndarray, jhi: np.ndarray, d: 
 
 
 def _hierarchical(grp: _Group, starts: np.ndarray, sizes: np.ndarray) -> list[_Round]:
-    """collectives.hierarchical_rounds on the groups of consecutive positions ``starts`` / ``sizes``."""
+    """collectives.hierarchical on the units of consecutive positions ``starts`` / ``sizes``."""
     m = len(sizes)
     if m <= 1:
         return _ring(grp, np.arange(grp.n))
@@ -194,14 +198,14 @@ def _hierarchical(grp: _Group, starts: np.ndarray, sizes: np.ndarray) -> list[_R
         g = int(sizes[0])
         stacked = np.arange(grp.n).reshape(m, g)
         inner = _ring(grp, stacked)
-        across = _ring(grp, stacked.T.copy(), 1.0 / g)
+        across = _ring(grp, stacked.T.copy(), 1 / grp.n)          # ring t over the shard local index t owns
         return inner[:1] + across + inner[1:]
     reduce, broadcast = _lockstep(grp, starts, sizes)
     return reduce + _ring(grp, starts) + broadcast
 
 
 def _lockstep(grp: _Group, starts: np.ndarray, sizes: np.ndarray) -> tuple[list[_Round], list[_Round]]:
-    """collectives._lockstep of every group's reduce-to-leader rounds, and of its broadcast-from-leader rounds.
+    """collectives.hierarchical's lock-stepped reduce-to-leader rounds, and its broadcast-from-leader rounds.
 
     Group k (size s >= 2) unrolls to s rounds: reduce: s - 1 ring reduce-scatter rounds, then the
     gather to its first rank; broadcast: the scatter, then s - 1 ring all-gather rounds. Round i merges
@@ -252,7 +256,7 @@ def _lockstep(grp: _Group, starts: np.ndarray, sizes: np.ndarray) -> tuple[list[
 def _torus(grp: _Group, rows: int, cols: int) -> list[_Round]:
     grid = np.arange(grp.n).reshape(rows, cols)
     row = _ring(grp, grid)
-    return row[:1] + _ring(grp, grid.T.copy(), 1.0 / cols) + row[1:]
+    return row[:1] + _ring(grp, grid.T.copy(), 1 / grp.n) + row[1:]    # one part of n per message
 
 
 def _aggregator(grp: _Group, dedicated: bool) -> list[_Round]:
