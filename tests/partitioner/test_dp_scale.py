@@ -22,6 +22,7 @@ from hybridpipe.partitioner.cluster import Cluster, Level
 from hybridpipe.partitioner.costmodel import CostModel
 from hybridpipe.partitioner.modelcosts import model_costs
 from hybridpipe.partitioner.objective import Options, evaluate, predict_step_ms
+from hybridpipe.partitioner.plan import ALGORITHMS
 from hybridpipe.partitioner.stageterms import StageTerms
 from hybridpipe.partitioner.strategies import baseline_stages
 from tests.partitioner import reference_dp
@@ -108,7 +109,9 @@ def test_closed_form_pricing_equals_the_cost_model(cluster, data, dedicated):
     else:
         x = data.draw(st.integers(0, workers - 1))
         ranks = list(range(x, data.draw(st.integers(x + 1, workers))))
-    assert fastlines.lines(model, ranks) == model.lines(ranks)
+    variants = [(a, h) for a in ALGORITHMS for h in ((False, True) if a == "butterfly" else (False,))]
+    assert fastlines.lines(model, ranks) == [(a, model.priced_line(a, ranks, halving=h)) for a, h in variants]
+    assert model.lines(ranks) == fastlines.lines(model, ranks)
 
 
 def test_closed_form_pricing_is_faster_on_big_blocks():
@@ -116,7 +119,8 @@ def test_closed_form_pricing_is_faster_on_big_blocks():
     ranks = list(range(3, 3 + 683))
     slow, fast = CostModel(bench_cluster(8, 128)), CostModel(bench_cluster(8, 128))
     t0 = time.process_time()
-    want = slow.lines(ranks)
+    want = [(a, slow.priced_line(a, ranks, halving=h)) for a in ALGORITHMS
+            for h in ((False, True) if a == "butterfly" else (False,))]
     t1 = time.process_time()
     got = fastlines.lines(fast, ranks)
     t2 = time.process_time()
