@@ -1,7 +1,7 @@
 """Reproduction 3 (seed 003): the p2p threading modes in real training, AlexNet 3+1 on 4 hosts at 1 Gbit/s.
 
 The paper's AlexNet (``alexnet``: 96/256/384/384/256 filters, fc 9216-4096-4096-1000) split
-after its feature extractor (conv1..conv5, pool, adaptive pool: node 14): stage 0 replicated on
+after its feature extractor (conv1..conv5, pool, adaptive pool: the profile node ``avgpool``): stage 0 replicated on
 hosts 0-2 (micro-batches round-robin, the conv gradients all-reduced among the three), stage 1
 (fc1..fc3) on host 3, so every activation and gradient (256 x 6 x 6 floats per sample, the
 paper's cut) crosses a 1 Gbit/s link into or out of host 3. Four emulated hosts
@@ -55,11 +55,11 @@ from benchmarks.common import (
 from hybridpipe.jsonfile import write_json  # noqa: E402
 
 MODES = ("per-tensor", "sa", "sra")
-CUT_NODE = 14           # alexnet: ... pool5 (13), avgpool (14) | flatten (15), fc1 ...
+CUT_AFTER = "avgpool"   # alexnet's blocks: conv1 ... pool5, avgpool | flatten, drop1, fc1 ...
 
 
 def make_plan(model: str, batch_size: int, micro_batches: int, cluster_file: Path, path: Path) -> dict:
-    """Profile ``model`` (one thread) and write the 3+1 plan: nodes ..CUT_NODE on ranks 0-2, the rest on rank 3.
+    """Profile ``model`` (one thread) and write the 3+1 plan: nodes ..CUT_AFTER on ranks 0-2, the rest on rank 3.
 
     The partitioner's own split (4 workers, balanced compute) supplies every field of a valid plan; the stages are then
     replaced by the paper's fixed cut (the plan keeps the base's strategy field, which has no value for
@@ -78,11 +78,12 @@ def make_plan(model: str, batch_size: int, micro_batches: int, cluster_file: Pat
     base = partition(profile, cluster, Request(workers=4, strategy="time", micro_batches=micro_batches,
                                                schedule="1f1b")).plan
     last = base.stages[-1].last_node
-    stages = (Stage(0, base.stages[0].first_node, CUT_NODE, 3, (0, 1, 2)), Stage(1, CUT_NODE + 1, last, 1, (3,)))
+    cut = next(n.id for n in profile.nodes if n.name == CUT_AFTER)
+    stages = (Stage(0, base.stages[0].first_node, cut, 3, (0, 1, 2)), Stage(1, cut + 1, last, 1, (3,)))
     save_plan(dataclasses.replace(base, stages=stages, predicted_step_ms=0.0,
                                   predicted_samples_per_s=0.0), path)
     plan = load_plan(path)
-    return {"stages": [[s.first_node, s.last_node, list(s.ranks)] for s in plan.stages],
+    return {"stages": [[s.first_node, s.last_node, list(s.ranks)] for s in plan.stages], "cut_after_node": cut,
             "micro_batches": plan.micro_batches, "batch_size": plan.batch_size}
 
 
@@ -147,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_average_before": load_before, "seconds": round(time.monotonic() - started, 1),
         "settings": {"model": model, "hosts": 4, "rate": a.rate, "schedule": "1f1b", "backend": "gloo",
                      "threads_per_process": 1, "steps": a.steps, "warmup": a.warmup, "rounds": a.rounds,
-                     "cut_after_node": CUT_NODE, **plan_info},
+                     "cut_after": CUT_AFTER, **plan_info},
         "step_ms_per_round": runs, "median_step_ms": medians,
         "relative_to_per_tensor": {m: v / base for m, v in medians.items()} if base else {},
         "paper_relative_range": [0.834, 0.932],

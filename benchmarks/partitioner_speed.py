@@ -57,16 +57,16 @@ def synthetic_profile(n_nodes: int, seed: int = 0) -> Profile:
     """A chain of ``n_nodes`` (input and output included) with a skip edge every 7 nodes."""
     rng = random.Random(seed)
     layers = n_nodes - 2
-    nodes = [ProfileNode(0, "x", "placeholder", "x", "placeholder", activation_bytes=64 * 3 * 224 * 224 * 4)]
+    nodes = [ProfileNode(0, "x", "ops", "x", "ops", activation_bytes=64 * 3 * 224 * 224 * 4)]
     for k in range(1, layers + 1):
         front = k < 0.8 * layers                              # conv-like front, FC-like tail
         act = int(rng.uniform(0.5, 8.0) * 2**20) if front else int(rng.uniform(4, 64) * 2**10)
         par = int(rng.choice([0, 0, rng.uniform(0.01, 4.0)]) * 2**20) if front else int(rng.uniform(4, 64) * 2**20)
         fwd = rng.uniform(0.5, 12.0) if front else rng.uniform(0.1, 2.0)
         params = (f"layer{k}.weight",) if par else ()
-        nodes.append(ProfileNode(k, f"layer{k}", "call_module", f"layer{k}", "Conv2d" if front else "Linear",
+        nodes.append(ProfileNode(k, f"layer{k}", "module", f"layer{k}", "Conv2d" if front else "Linear",
                                  fwd, 2 * fwd, act, par // 4, par, params))
-    nodes.append(ProfileNode(layers + 1, "output", "output", "output", "output", 0.05, 0.05))
+    nodes.append(ProfileNode(layers + 1, "output", "ops", "output", "ops", 0.05, 0.05))
     edges = {(k, k + 1) for k in range(layers + 1)} | {(k, k + 3) for k in range(1, layers - 2, 7)}
     return Profile(f"synthetic-{n_nodes}", 64, (64, 3, 224, 224), "float32", "float32", "cpu", "synthetic",
                    tuple(nodes), tuple(sorted(edges)))

@@ -6,8 +6,8 @@
 
 The model is profiled in this process (one thread, as the workers run) and split into
 ``--stages`` stages with balanced compute (``hybridpipe partition --strategy time``); both
-systems run exactly those stages (hybridpipe's fx split, the same GraphModules handed to torch's
-``PipelineStage``), ``--micro-batches`` micro-batches of ``--batch-size`` samples per step, SGD
+systems run exactly those stages (hybridpipe's cut of the captured graph, the same GraphModules
+handed to torch's ``PipelineStage``), ``--micro-batches`` micro-batches of ``--batch-size`` samples per step, SGD
 after each step, synthetic data fetched inside the timed step on both sides, gloo on loopback,
 one process per stage and one thread per process.
 
@@ -60,9 +60,9 @@ from hybridpipe.partitioner.cluster import Cluster, Level  # noqa: E402
 from hybridpipe.partitioner.plan import load_plan, save_plan  # noqa: E402
 from hybridpipe.partitioner.planner import Request, partition  # noqa: E402
 from hybridpipe.pipeline import MicroBatches, build_stage_index  # noqa: E402
+from hybridpipe.profiles.capture import capture_model  # noqa: E402
 from hybridpipe.profiles.data import resolve_dataset  # noqa: E402
 from hybridpipe.profiles.profiler import profile_model  # noqa: E402
-from hybridpipe.profiles.trace import trace_model  # noqa: E402
 from hybridpipe.profiles.zoo import resolve_model  # noqa: E402
 from hybridpipe.runtime.config import build_parser, resolve  # noqa: E402
 from hybridpipe.runtime.worker import run_worker  # noqa: E402
@@ -71,13 +71,19 @@ log = logging.getLogger("benchmarks.vs_torch_pipelining")
 LR, MOMENTUM, SEED = 0.01, 0.9, 0
 
 
-def make_plan(model: str, stages: int, micro_batches: int, batch_size: int, path: Path) -> None:
-    """Profile ``model`` here and split it into ``stages`` compute-balanced, unreplicated stages."""
+def make_plan(model: str, stages: int, micro_batches: int, batch_size: int, path: Path,
+              best_path: Path | None = None, rate_gbps: float = 1.0) -> None:
+    """Profile ``model`` here and split it into ``stages`` compute-balanced, unreplicated stages;
+    with ``best_path``, also hybridpipe's own choice (strategy optimal) for ``stages`` hosts linked
+    at ``rate_gbps``."""
     torch.set_num_threads(1)
     profile = profile_model(resolve_model(model), batch_size=batch_size, repeats=3, progress=False)
     cluster = Cluster((Level("local", stages, 8.0, 500.0),), 4.0)
     plan = partition(profile, cluster, Request(workers=stages, strategy="time", micro_batches=micro_batches)).plan
     save_plan(plan, path)
+    if best_path is not None:
+        hosts = Cluster((Level("node", 1, 1000.0), Level("network", stages, rate_gbps, 50.0)), 16.0)
+        save_plan(partition(profile, hosts, Request(workers=stages, micro_batches=micro_batches)).plan, best_path)
 
 
 def ours(rank: int, world: int, plan_path: str, steps: int, mode: str, run_dir: str) -> dict | None:
@@ -89,6 +95,42 @@ def ours(rank: int, world: int, plan_path: str, steps: int, mode: str, run_dir: 
     return None if summary is None else {int(k): v for k, v in summary["job_step_ms"].items()}
 
 
+class _TorchStage(torch.nn.Module):
+    """hybridpipe's stage graph as torch's PipelineStage takes it (tensors only): the last stage
+    returns the model's output as the model does, or a Hugging Face model's logits (torch carries
+    no ModelOutput); the others the tuple of what they send."""
+
+    def __init__(self, stage, logits: bool):
+        super().__init__()
+        self.graph, self.captured, self.last, self.logits = stage.module, stage.captured, stage.is_last, logits
+
+    def forward(self, *args):
+        out = self.graph(*args)
+        if not self.last:
+            return tuple(out)
+        output = self.captured.rebuild_output(out)
+        return output.logits if self.logits else output
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """A Hugging Face causal LM's own loss: next-token cross-entropy, labels shifted by one."""
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
+                                             ignore_index=-100)
+
+
+def torch_side(spec, batch_size: int):
+    """(example input, loss_fn, targets from a batch) as a torch.distributed.pipelining user
+    writes them: a causal LM that computes its own loss gets its labels as the schedule's target
+    (the model returns logits), the rest as the model spec says."""
+    example = spec.example_input(batch_size, torch.Generator().manual_seed(SEED))
+    if spec.loss is not None:
+        return example, spec.loss, lambda x, y: y
+    if not (isinstance(example, dict) and "labels" in example and "input_ids" in example):
+        raise SystemExit("the torch side of this benchmark supports zoo models and Hugging Face causal LMs")
+    return ({k: v for k, v in example.items() if k != "labels"}, causal_lm_loss,
+            lambda x, y: x["labels"])
+
+
 def theirs(rank: int, world: int, plan_path: str, steps: int) -> dict | None:
     """torch.distributed.pipelining's Schedule1F1B on the same stages; rank 0 returns the job's step times."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
@@ -96,21 +138,27 @@ def theirs(rank: int, world: int, plan_path: str, steps: int) -> dict | None:
     plan = load_plan(plan_path)
     spec = resolve_model(plan.model)
     torch.manual_seed(SEED)
-    gm = trace_model(spec.build(), spec.leaf_modules)
-    stage = build_stage_index(gm, [(s.first_node, s.last_node) for s in plan.stages], rank, loss=spec.loss)
-    pipe = PipelineStage(stage.module, rank, world, torch.device("cpu"))
-    schedule = Schedule1F1B(pipe, n_microbatches=plan.micro_batches, loss_fn=spec.loss)
+    example, loss_fn, target_of = torch_side(spec, plan.batch_size)
+    # torch's stages carry tensors only: a static-shape capture (no ints cross the cuts), same blocks
+    captured = capture_model(spec.build(), example, granularity=plan.granularity, leaf_modules=spec.leaf_modules,
+                             dynamic=False)
+    stage = build_stage_index(captured, [(s.first_node, s.last_node) for s in plan.stages], rank, loss=spec.loss)
+    pipe = PipelineStage(_TorchStage(stage, spec.loss is None), rank, world, torch.device("cpu"))
+    schedule = Schedule1F1B(pipe, n_microbatches=plan.micro_batches, loss_fn=loss_fn)
     params = list(stage.module.parameters())
     optimizer = torch.optim.SGD(params, lr=LR, momentum=MOMENTUM) if params else None
     size = steps * plan.micro_batches * plan.batch_size
-    data = MicroBatches(resolve_dataset("synthetic", spec, size=size, seed=SEED), plan.batch_size, plan.micro_batches)
+    data = MicroBatches(resolve_dataset("synthetic", spec, size=size, seed=SEED), plan.batch_size, plan.micro_batches,
+                        targets=spec.loss is not None)
     times = {}
     for k in range(steps):
         t0 = time.perf_counter()
+        x, y = data.global_batch(k)
         if rank == 0:
-            schedule.step(data.global_batch(k)[0])
+            inputs = captured.flatten_input({k: v for k, v in x.items() if k in example} if isinstance(x, dict) else x)
+            schedule.step(*(inputs[name] for name in stage.input_names))
         elif rank == world - 1:
-            schedule.step(target=data.global_batch(k)[1], losses=[])
+            schedule.step(target=target_of(x, y), losses=[])
         else:
             schedule.step()
         if optimizer is not None:
@@ -134,7 +182,8 @@ def worker(a: argparse.Namespace) -> None:
         if a.system == "torch-Schedule1F1B":
             value = theirs(rank, world, a.plan, a.steps)
         else:
-            value = ours(rank, world, a.plan, a.steps, a.system.split("-", 1)[1], a.run_dir)
+            mode = "sa" if a.system == "hybridpipe-best" else a.system.split("-", 1)[1]
+            value = ours(rank, world, a.plan, a.steps, mode, a.run_dir)
     finally:
         dist.destroy_process_group()
     if value is not None:
@@ -155,6 +204,13 @@ def run_emulated(cluster, name: str, plan_path: Path, steps: int, run_dir: Path,
         if lines:
             return {int(k): float(v) for k, v in json.loads(lines[-1][len(RESULT_TAG):]).items()}
     raise RuntimeError(f"no host printed the step times of {name}; host 0's output:\n{results[0].stdout[-2000:]}")
+
+
+def _gbps(rate: str) -> float:
+    """``1gbit`` / ``100mbit`` -> Gbit/s."""
+    text = rate.lower().removesuffix("bit").removesuffix("bps")
+    scale = {"g": 1.0, "m": 1e-3, "k": 1e-6}.get(text[-1:], 1e-9)
+    return float(text[:-1] if text[-1:] in "gmk" else text) * scale
 
 
 def job_median(step_ms: dict[int, float], warmup: int) -> float:
@@ -185,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--network", choices=("loopback", "emulated"), default="loopback",
                    help="local processes on 127.0.0.1 (default), or one emulated host per stage (root)")
     p.add_argument("--rate", default="1gbit", help="emulated link rate (tc tbf; default 1gbit)")
+    p.add_argument("--best", action="store_true",
+                   help="also run hybridpipe's own plan for these hosts (partition --strategy optimal, replicas "
+                        "allowed) as system hybridpipe-best")
     p.add_argument("-v", "--verbose", action="store_true")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--system", help=argparse.SUPPRESS)
@@ -199,11 +258,12 @@ def main(argv: list[str] | None = None) -> int:
         a.steps, a.warmup, a.rounds = 10, 3, 2
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     tmp = Path(tempfile.mkdtemp(prefix="vs_torch_pp."))
-    plan_path = tmp / "plan.json"
-    make_plan(a.model, a.stages, a.micro_batches, a.batch_size, plan_path)
+    plan_path, best_path = tmp / "plan.json", tmp / "best.json"
+    make_plan(a.model, a.stages, a.micro_batches, a.batch_size, plan_path, best_path if a.best else None,
+              _gbps(a.rate))
     plan = load_plan(plan_path)
     log.info("stages (node ranges): %s", [(s.first_node, s.last_node) for s in plan.stages])
-    systems = [f"hybridpipe-{m}" for m in modes] + ["torch-Schedule1F1B"]
+    systems = [f"hybridpipe-{m}" for m in modes] + ["torch-Schedule1F1B"] + (["hybridpipe-best"] if a.best else [])
     runs: dict[str, list[float]] = {s: [] for s in systems}
     steps_ms: dict[str, list[dict]] = {s: [] for s in systems}
     with contextlib.ExitStack() as stack:
@@ -216,10 +276,12 @@ def main(argv: list[str] | None = None) -> int:
             order = systems if r % 2 == 0 else systems[::-1]
             for name in order:
                 run_dir = tmp / f"run-{name}-{r}"
+                path = best_path if name == "hybridpipe-best" else plan_path
                 if cluster is not None:
-                    step_ms = run_emulated(cluster, name, plan_path, a.steps, run_dir, 900)
+                    step_ms = run_emulated(cluster, name, path, a.steps, run_dir, 900)
                 elif name.startswith("hybridpipe-"):
-                    step_ms = run_job(ours, a.stages, str(plan_path), a.steps, name.split("-", 1)[1], str(run_dir))
+                    mode = "sa" if name == "hybridpipe-best" else name.split("-", 1)[1]
+                    step_ms = run_job(ours, a.stages, str(path), a.steps, mode, str(run_dir))
                 else:
                     step_ms = run_job(theirs, a.stages, str(plan_path), a.steps)
                 runs[name].append(job_median(step_ms, a.warmup))
@@ -231,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "benchmark": "vs_torch_pipelining", "machine": machine(), "command": " ".join(sys.argv),
         "model": a.model, "stages": [[s.first_node, s.last_node] for s in plan.stages],
+        "best_plan": ([[s.first_node, s.last_node, s.replicas] for s in load_plan(best_path).stages]
+                      if a.best else None),
         "micro_batches": a.micro_batches, "batch_size": a.batch_size, "steps": a.steps, "warmup": a.warmup,
         "rounds": a.rounds, "backend": "gloo", "threads_per_process": 1,
         "network": a.network if a.network == "loopback" else f"emulated {a.stages} hosts at {a.rate}",

@@ -7,7 +7,7 @@
 #      2.2 MiB of gradients sync in about a millisecond over loopback. The demo asks for
 #      `--strategy params --stages 2` so that it shows both pipelining and replica sync; the
 #      partitioner prints how data parallelism would compare.)
-#   3. train 60 steps (over 256 synthetic samples) with `torchrun --standalone --nproc-per-node 4 launch.py`, then merge the
+#   3. train 60 steps (over 256 synthetic samples) with `torchrun --standalone --nproc-per-node 4 -m hybridpipe.launch`, then merge the
 #      ranks' timelines.
 #
 # Environment: PY (python with hybridpipe installed, default .venv/bin/python), OUT (default
@@ -31,9 +31,9 @@ echo "== 2/4 partition for 4 local workers (examples/clusters/local4.json): 2 st
     --strategy params --stages 2 --micro-batches 4 -o "$OUT/plan.json"
 
 echo
-echo "== 3/4 train: torchrun --standalone --nproc-per-node 4 launch.py --plan $OUT/plan.json --steps $STEPS"
+echo "== 3/4 train: torchrun --standalone --nproc-per-node 4 -m hybridpipe.launch --plan $OUT/plan.json --steps $STEPS"
 rm -rf "$OUT/run" "$OUT/checkpoints"
-OMP_NUM_THREADS=1 "$PY" -m torch.distributed.run --standalone --nproc-per-node 4 launch.py \
+OMP_NUM_THREADS=1 "$PY" -m torch.distributed.run --standalone --nproc-per-node 4 -m hybridpipe.launch \
     --plan "$OUT/plan.json" --steps "$STEPS" --lr 0.05 --dataset-size 256 \
     --run-dir "$OUT/run" --checkpoint-dir "$OUT/checkpoints" --timeout 120
 echo "  final checkpoint: $OUT/checkpoints/ (one state_dict: \`hybridpipe merge-checkpoint $OUT/checkpoints -o model.pt\`)"

@@ -14,3 +14,16 @@ def require(condition: bool, message: str) -> None:
     """Raise ``UserError(message)`` unless ``condition`` holds."""
     if not condition:
         raise UserError(message)
+
+
+class AgreedError(UserError):
+    """A UserError that every rank of a job raises at the same point with the same message,
+    agreed through a collective (no usable checkpoint, a non-finite loss): the failure guard
+    prints it once per host and every rank exits 2, without blaming one of them."""
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception's message on one line (a UserError is one line by contract; this keeps a
+    stray newline, e.g. from a library's text quoted inside it, off the terminal)."""
+    text = "; ".join(x.strip() for x in str(exc).splitlines() if x.strip()) or type(exc).__name__
+    return text if len(text) <= 2000 else text[:1997] + "..."

@@ -1,8 +1,15 @@
-"""Reading and writing the project's versioned JSON files (profile, cluster, plan, calibration)."""
+"""Reading and writing the project's JSON files (profile, cluster, plan, calibration, manifests).
+
+One loader for every file a user hands in (:func:`read_json`: missing, unreadable, a symlink
+loop, not JSON, nested absurdly deep -> one-line UserError), typed field access that names the
+field (:func:`field`), and one atomic writer (:func:`write_json`) whose files get the user's
+umask like any other program's (``0644`` by default), not ``mkstemp``'s ``0600``.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -10,47 +17,105 @@ from typing import Any
 
 from hybridpipe.errors import UserError
 
+MAX_DEPTH = 64          # our formats nest 6 deep; anything past this is not one of them
 
-def read_json(path: str | os.PathLike, what: str) -> Any:
-    """Load ``path`` as JSON; a missing or unparsable file becomes a one-line UserError."""
+
+def read_json(path: str | os.PathLike, what: str, *, max_depth: int = MAX_DEPTH) -> Any:
+    """Load ``path`` as JSON; a missing, unreadable or unparsable file becomes a one-line UserError."""
     p = Path(path)
     try:
         text = p.read_text()
     except FileNotFoundError:
         raise UserError(f"{what} file {p} does not exist") from None
-    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as e:
-        raise UserError(f"cannot read {what} file {p}: {e.__class__.__name__}: {e}") from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"{what} file {p} is not text (UTF-8): {e.reason} at byte {e.start}") from None
+    except OSError as e:        # a directory, no permission, a symlink loop, an I/O error
+        raise UserError(f"cannot read {what} file {p}: {e.strerror or e}") from None
+    return parse_json(text, f"{what} file {p}", max_depth=max_depth)
+
+
+def parse_json(text: str, source: str, *, max_depth: int = MAX_DEPTH) -> Any:
+    """``json.loads`` with the defects a user can hand in turned into one-line UserErrors."""
     try:
-        return json.loads(text)
+        data = json.loads(text)
     except json.JSONDecodeError as e:
-        raise UserError(f"{what} file {p} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+        raise UserError(f"{source} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+    except RecursionError:
+        raise UserError(f"{source} is nested too deeply to be a hybridpipe file") from None
+    except ValueError as e:     # e.g. an integer of more digits than Python converts
+        raise UserError(f"{source} is not valid JSON ({e})") from None
+    depth = json_depth(data, max_depth + 1)
+    if depth > max_depth:
+        raise UserError(f"{source} is nested more than {max_depth} levels deep: not a hybridpipe file")
+    return data
 
 
-def write_json(path: str | os.PathLike, data: Any) -> Path:
-    """Write ``data`` as indented JSON atomically (temp file + rename); creates parent folders."""
+def json_depth(data: Any, stop: int) -> int:
+    """Nesting depth of lists and objects in ``data`` (a scalar is 0), counted up to ``stop``."""
+    deepest, todo = 0, [(data, 1)]
+    while todo:
+        item, level = todo.pop()
+        if isinstance(item, (list, dict)):
+            deepest = max(deepest, level)
+            if level >= stop:
+                return deepest
+            todo.extend((x, level + 1) for x in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+def file_mode() -> int:
+    """The mode a new file gets under this process's umask (``0o666 & ~umask``)."""
+    try:
+        with open("/proc/self/status") as f:
+            umask = next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        umask = os.umask(0o022)     # no /proc: read it the old way (and put it back)
+        os.umask(umask)
+    return 0o666 & ~umask
+
+
+def replace_into(tmp: str | os.PathLike, path: str | os.PathLike) -> None:
+    """Give a finished temporary file the user's mode and rename it onto ``path`` (atomic)."""
+    os.chmod(tmp, file_mode())
+    os.replace(tmp, path)
+
+
+def write_text(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` to ``path`` atomically (temp file + rename; parent folders created), with
+    the user's umask; a path that cannot be written is a one-line UserError."""
     p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", dir=p.parent)
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    except OSError as e:
+        raise UserError(f"cannot write {p}: {e.strerror or e}") from None
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1)
-            f.write("\n")
-        os.replace(tmp, p)
+            f.write(text)
+        replace_into(tmp, p)
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        raise UserError(f"cannot write {p}: {e.strerror or e}") from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return p
 
 
+def write_json(path: str | os.PathLike, data: Any) -> Path:
+    """Write ``data`` as indented JSON atomically (see :func:`write_text`)."""
+    return write_text(path, json.dumps(data, indent=1) + "\n")
+
+
 def check_header(data: Any, kind: str, version: int, source: str) -> dict:
     """Check that ``data`` is a JSON object of ``kind`` at format ``version``; return it."""
     if not isinstance(data, dict):
-        raise UserError(f"{source}: expected a JSON object holding a {kind}, got {type(data).__name__}")
+        raise UserError(f"{source}: expected a JSON object holding a {kind}, got {_json_type(data)}")
     if data.get("kind") != kind:
-        raise UserError(f"{source}: not a {kind} file (its \"kind\" is {data.get('kind')!r}); "
+        raise UserError(f"{source}: not a {kind} file (its \"kind\" is {_short(data.get('kind'))}); "
                         f"pass a file written by the hybridpipe command that makes {kind}s")
     if data.get("format") != version:
-        raise UserError(f"{source}: {kind} format {data.get('format')!r} is not supported "
+        raise UserError(f"{source}: {kind} format {_short(data.get('format'))} is not supported "
                         f"(this hybridpipe reads format {version}); regenerate the file")
     return data
 
@@ -59,28 +124,75 @@ _TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "tru
                list: "a list", dict: "an object"}
 
 
+def _json_type(value: Any) -> str:
+    names = {bool: "true/false", int: "an integer", float: "a number", str: "a string", list: "a list",
+             dict: "an object", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
+
+
+def _short(value: Any) -> str:
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _is(value: Any, kind: type) -> bool:
+    if kind in (int, float) and isinstance(value, bool):
+        return False
+    if kind is float:
+        return isinstance(value, (int, float))
+    return isinstance(value, kind)
+
+
+def _as_float(value: int | float) -> float:
+    """``float(value)``, with integers too large for a float as infinities (not OverflowError)."""
+    if isinstance(value, float):
+        return value
+    try:
+        return float(value)
+    except OverflowError:
+        return math.copysign(math.inf, value)
+
+
 def field(obj: dict, key: str, kind: type, where: str, *, minimum: float | None = None,
-          default: Any = ..., choices: tuple | None = None) -> Any:
-    """Fetch ``obj[key]`` checked against ``kind`` (int accepted for float; bool never for numbers).
+          maximum: float | None = None, default: Any = ..., choices: tuple | None = None,
+          items: type | None = None) -> Any:
+    """Fetch ``obj[key]`` checked against ``kind`` (int accepted for float; bool never for numbers;
+    floats must be finite). ``items``: the type every element of a list must have.
 
     ``where`` names the place for the error message (e.g. "plan.json: stage 2").
     Without ``default`` the key is required.
     """
+    if not isinstance(obj, dict):
+        raise UserError(f"{where}: expected an object, got {_json_type(obj)}")
     if key not in obj:
         if default is ...:
             raise UserError(f"{where}: missing required field \"{key}\"")
         return default
     value = obj[key]
-    ok = isinstance(value, kind) and not (kind in (int, float) and isinstance(value, bool))
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        ok, value = True, float(value)
-    if not ok:
+    if not _is(value, kind):
         raise UserError(f"{where}: field \"{key}\" must be {_TYPE_NAMES.get(kind, kind.__name__)}, "
-                        f"got {json.dumps(value)[:60]}")
-    if kind is float and value != value or kind is float and value in (float("inf"), float("-inf")):
-        raise UserError(f"{where}: field \"{key}\" must be a finite number, got {value}")
+                        f"got {_short(value)}")
+    if kind is float:
+        value = _as_float(value)
+        if not math.isfinite(value):
+            raise UserError(f"{where}: field \"{key}\" must be a finite number, got {value}")
     if minimum is not None and value < minimum:
-        raise UserError(f"{where}: field \"{key}\" must be >= {minimum}, got {value}")
+        raise UserError(f"{where}: field \"{key}\" must be >= {minimum}, got {_short(value)}")
+    if maximum is not None and value > maximum:
+        raise UserError(f"{where}: field \"{key}\" must be <= {maximum}, got {_short(value)}")
     if choices is not None and value not in choices:
-        raise UserError(f"{where}: field \"{key}\" must be one of {', '.join(map(str, choices))}; got {value!r}")
+        raise UserError(f"{where}: field \"{key}\" must be one of {', '.join(map(str, choices))}; "
+                        f"got {_short(value)}")
+    if items is not None:
+        bad = next((x for x in value if not _is(x, items)), ...)
+        if bad is not ...:
+            raise UserError(f"{where}: every element of \"{key}\" must be {_TYPE_NAMES.get(items, items.__name__)}, "
+                            f"got {_short(bad)}")
+        if items is float:
+            value = [_as_float(x) for x in value]
+            if not all(math.isfinite(x) for x in value):
+                raise UserError(f"{where}: every element of \"{key}\" must be a finite number")
     return value

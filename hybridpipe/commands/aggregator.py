@@ -15,6 +15,7 @@ import argparse
 import logging
 import signal
 
+from hybridpipe.argtypes import int_range, port, positive_float, positive_int
 from hybridpipe.comm.allreduce.dedicated import AggregatorServer
 from hybridpipe.errors import UserError
 
@@ -22,26 +23,23 @@ log = logging.getLogger(__name__)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--port", type=int, required=True, help="TCP port to listen on (0: any free port, printed)")
-    p.add_argument("--world", type=int, required=True, help="workers in the group it serves")
+    p.add_argument("--port", type=port, required=True, help="TCP port to listen on (0: any free port, printed)")
+    p.add_argument("--world", type=positive_int, required=True, help="workers in the group it serves")
     p.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all)")
-    p.add_argument("--chunk-bytes", type=int, default=256 << 10, help="bytes summed per chunk (default 256 KiB)")
-    p.add_argument("--buffers", type=int, default=4, help="chunk buffers in flight per worker (default 4)")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds a silent worker is waited for (default 300)")
-    p.add_argument("--sessions", type=int, default=None,
+    p.add_argument("--chunk-bytes", type=int_range(64, 1 << 30), default=256 << 10,
+                   help="bytes summed per chunk (default 256 KiB)")
+    p.add_argument("--buffers", type=int_range(1, 1024), default=4,
+                   help="chunk buffers in flight per worker (default 4)")
+    p.add_argument("--timeout", type=positive_float, default=300.0,
+                   help="seconds a silent worker is waited for (default 300)")
+    p.add_argument("--sessions", type=positive_int, default=None,
                    help="exit after this many sessions (default: run until stopped)")
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--threads", type=int_range(1, 1024), default=1,
                    help="torch threads for the sums (default 1: the event loop is single-threaded, and idle "
                         "OpenMP workers spinning would take the CPU the sockets need)")
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.world < 1:
-        raise UserError(f"--world must be >= 1, got {args.world}")
-    if not 0 <= args.port < 65536:
-        raise UserError(f"--port must be in 0..65535, got {args.port}")
-    if args.buffers < 1 or args.chunk_bytes < 64 or args.threads < 1:
-        raise UserError("--buffers and --threads must be >= 1 and --chunk-bytes >= 64")
     import torch
     torch.set_num_threads(args.threads)
     try:

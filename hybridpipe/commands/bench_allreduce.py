@@ -17,8 +17,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 from pathlib import Path
 
+from hybridpipe.argtypes import float_range, int_range, output_file, positive_float
 from hybridpipe.comm.allreduce.api import ALGORITHMS
 from hybridpipe.comm.allreduce.bench import BenchConfig, busbw_gbps, calibrate, measure, parse_sizes, size_label, table
 from hybridpipe.errors import UserError
@@ -27,23 +29,36 @@ log = logging.getLogger(__name__)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-o", "--output", required=True, help="calibration JSON to write")
+    p.add_argument("-o", "--output", type=output_file, required=True, help="calibration JSON to write")
     p.add_argument("--algorithms", default=",".join(ALGORITHMS),
                    help=f"comma-separated, from {','.join(ALGORITHMS)} (default: all)")
     p.add_argument("--sizes", default="4K..64M",
                    help="message sizes: a range 4K..64M or a list 4K,1M (default 4K..64M)")
-    p.add_argument("--size-step", type=int, default=4, help="factor between sizes of a range (default 4)")
-    p.add_argument("--ranks", type=int, default=4, help="local processes to spawn when not under torchrun (default 4)")
+    p.add_argument("--size-step", type=int_range(2), default=4, help="factor between sizes of a range (default 4)")
+    p.add_argument("--ranks", type=int_range(2, 1024), default=4,
+                   help="local processes to spawn when not under torchrun (default 4)")
     p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16", "int64"))
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="cuda: CUDA tensors on NCCL, one GPU per rank (under torchrun)")
-    p.add_argument("--reps", type=int, default=5, help="minimum timed repetitions per case (default 5)")
-    p.add_argument("--budget", type=float, default=0.3, help="seconds of timed repetitions per case (default 0.3)")
-    p.add_argument("--level", default="", help="the cluster level the ranks span (a name in your cluster file)")
+    p.add_argument("--reps", type=int_range(1, 100_000), default=5,
+                   help="minimum timed repetitions per case (default 5)")
+    p.add_argument("--budget", type=float_range(0.0, 3600.0), default=0.3,
+                   help="seconds of timed repetitions per case (default 0.3)")
+    p.add_argument("--level", type=level_name, default=None,
+                   help="the cluster level the ranks span (a name in your cluster file)")
     p.add_argument("--aggregator", default=None, help="HOST:PORT of a dedicated aggregator (hybridpipe aggregator)")
-    p.add_argument("--png", default=None, help="figure of busbw against size (default: OUTPUT with .png)")
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds before local ranks are stopped")
+    p.add_argument("--png", type=output_file, default=None,
+                   help="figure of busbw against size (default: OUTPUT with .png)")
+    p.add_argument("--timeout", type=positive_float, default=1800.0, help="seconds before local ranks are stopped")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def level_name(text: str) -> str:
+    """An argparse type: a cluster level's name as cluster files spell them (e.g. node, network)."""
+    if not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", text):
+        raise argparse.ArgumentTypeError(f"must be the name of a level in your cluster file (letters, digits, "
+                                         f"_ . -; e.g. network), got {text!r}")
+    return text
 
 
 def _config(args: argparse.Namespace) -> BenchConfig:
@@ -55,8 +70,6 @@ def _config(args: argparse.Namespace) -> BenchConfig:
     sizes = parse_sizes(args.sizes, args.size_step)
     if len(sizes) < 2:
         raise UserError("--sizes: give at least two sizes (alpha and beta are fitted from them)")
-    if args.reps < 1 or args.budget < 0:
-        raise UserError("--reps must be >= 1 and --budget >= 0")
     if args.device == "cuda":
         import torch
         if not torch.cuda.is_available():
@@ -77,8 +90,6 @@ def run(args: argparse.Namespace) -> int:
         if result is None:
             return 0
     else:
-        if args.ranks < 2:
-            raise UserError("--ranks must be >= 2 (an all-reduce needs peers)")
         if cfg.device == "cuda":
             import torch
             if torch.cuda.device_count() < args.ranks:
@@ -96,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     notes = [f"dtype {cfg.dtype}", f"{result['world']} ranks on {result['hosts']} host(s)"]
     if cfg.aggregator:
         notes.append(f"aggregator measured on a dedicated process at {cfg.aggregator}")
-    cal = calibrate(result, args.level, notes)
+    cal = calibrate(result, args.level or "", notes)
     from hybridpipe.partitioner.calibration import save_calibration
     out = save_calibration(cal, args.output)
     print(table(cal.samples, cal.world_size))

@@ -7,7 +7,7 @@ parameter_size=P`` (ms and bytes; ``activation_size`` may be a ``[a; b]`` list, 
 `` -- stage_id=S`` after a partition), then one line per edge, ``<tab>nodeA -- nodeB``.
 
 The nodes become a hybridpipe profile in a topological order (PipeDream numbers nodes as it
-records them, so ties go to the lower number): the ``Input`` node becomes the placeholder (its
+records them, so ties go to the lower number): the ``Input`` node becomes the input block (its
 time, which PipeDream's optimizer ignores too, is dropped; its bytes stay, they are the batch), every
 other node a module node, and an ``output`` node (no cost) follows the graph's sinks. Parameter
 bytes are kept; the parameter count assumes float32.
@@ -120,12 +120,12 @@ def profile_from_graph(text: str, model: str, sample_shape: tuple[int, ...] = IM
         desc, (fwd, bwd, act, par) = nodes[v]
         kind = desc.split("(")[0].strip() or "node"
         if k == 0:
-            out.append(ProfileNode(0, v, "placeholder", v, "placeholder", activation_bytes=int(act)))
+            out.append(ProfileNode(0, v, "ops", v, "Input", activation_bytes=int(act)))
             continue
-        out.append(ProfileNode(k, v, "call_module", desc, kind, fwd, bwd, int(act), int(par) // 4, int(par),
+        out.append(ProfileNode(k, v, "module", desc, kind, fwd, bwd, int(act), int(par) // 4, int(par),
                                (f"{v}.parameters",) if par > 0 else ()))
     index = {v: k for k, v in enumerate(order)}
-    out.append(ProfileNode(len(out), "output", "output", "output", "output"))
+    out.append(ProfileNode(len(out), "output", "ops", "output", "output"))
     sinks = [index[v] for v in order if g.out_degree(v) == 0]
     pairs = sorted({(index[a], index[b]) for a, b in edges} | {(s, len(out) - 1) for s in sinks})
     fwd_total = sum(n.forward_ms for n in out)

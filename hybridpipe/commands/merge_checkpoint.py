@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from hybridpipe.argtypes import nonneg_int, output_file
 from hybridpipe.commands.show import human_bytes
 from hybridpipe.errors import UserError
 from hybridpipe.runtime.checkpoint_files import atomic_save, merge_stages, resolve_step
@@ -22,8 +23,9 @@ from hybridpipe.runtime.checkpoint_files import atomic_save, merge_stages, resol
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint_dir", help="the run's --checkpoint-dir, or one of its step-N directories")
-    parser.add_argument("--step", type=int, default=None, help="which step (default: the newest complete one)")
-    parser.add_argument("-o", "--output", required=True, help="the merged state_dict to write (e.g. model.pt)")
+    parser.add_argument("--step", type=nonneg_int, default=None, help="which step (default: the newest complete one)")
+    parser.add_argument("-o", "--output", type=output_file, required=True,
+                        help="the merged state_dict to write (e.g. model.pt)")
     parser.add_argument("--no-check", action="store_true",
                         help="do not check the keys and shapes against the model named in the checkpoint")
 

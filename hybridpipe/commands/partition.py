@@ -18,8 +18,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from hybridpipe.argtypes import output_file, positive_float, positive_int
 from hybridpipe.commands.show import human_bytes, table
 from hybridpipe.errors import UserError
+from hybridpipe.limits import require_memory
 from hybridpipe.partitioner.calibration import load_calibration
 from hybridpipe.partitioner.cluster import load_cluster
 from hybridpipe.partitioner.dp import Progress
@@ -34,20 +36,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("profile", help="profile JSON written by `hybridpipe profile`")
     parser.add_argument("--cluster", required=True, metavar="C.json",
                         help="cluster description: levels innermost first (see examples/clusters/)")
-    parser.add_argument("-o", "--output", metavar="PLAN.json", help="write the plan here (else only print it)")
-    parser.add_argument("--workers", type=int, metavar="N", help="use N workers (default: the whole cluster)")
+    parser.add_argument("-o", "--output", type=output_file, metavar="PLAN.json",
+                        help="write the plan here (else only print it)")
+    parser.add_argument("--workers", type=positive_int, metavar="N", help="use N workers (default: the whole cluster)")
     parser.add_argument("--strategy", choices=STRATEGIES, default="optimal",
                         help="optimal (default), pipedream (PipeDream's formula), dp (data parallel), "
                              "uniform (equal node counts), params (balanced parameters), time (balanced compute)")
     parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule (default 1f1b)")
-    parser.add_argument("--micro-batches", type=int, metavar="M",
+    parser.add_argument("--micro-batches", type=positive_int, metavar="M",
                         help="micro-batches per step (default: 2 per worker)")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
                         help="optimizer state kept per weight: sgd momentum 1x, adam 2x (default sgd)")
-    parser.add_argument("--memory-gb", type=float, metavar="X", help="memory per worker (default: the cluster's)")
+    parser.add_argument("--memory-gb", type=positive_float, metavar="X",
+                        help="memory per worker (default: the cluster's)")
     parser.add_argument("--calibration", action="append", default=[], metavar="CAL.json",
                         help="measured costs from `hybridpipe bench-allreduce` (one per cluster level; repeatable)")
-    parser.add_argument("--stages", type=int, metavar="S", help="uniform/params: S stages of workers/S replicas")
+    parser.add_argument("--stages", type=positive_int, metavar="S",
+                        help="uniform/params: S stages of workers/S replicas")
     parser.add_argument("--algorithms", default=",".join(ALGORITHMS), metavar="A,B",
                         help=f"all-reduce algorithms the hybrid policy may pick (default {','.join(ALGORITHMS)})")
     parser.add_argument("--aggregator", choices=("worker", "dedicated"), default="worker",
@@ -64,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
     profile = load_profile(args.profile)
     cluster = load_cluster(args.cluster)
     calibrations = [load_calibration(p) for p in args.calibration]
+    check_search_size(len(profile.nodes), args.workers or cluster.total_workers)
     req = Request(workers=args.workers, strategy=args.strategy, schedule=args.schedule,
                   micro_batches=args.micro_batches, optimizer=args.optimizer, memory_gb=args.memory_gb,
                   stages=args.stages, algorithms=tuple(a.strip() for a in args.algorithms.split(",") if a.strip()),
@@ -80,6 +86,19 @@ def run(args: argparse.Namespace) -> int:
     else:
         print("(not saved: pass -o plan.json to write the plan)")
     return 0
+
+
+# the optimal strategy's peak memory, measured by benchmarks/partitioner_speed.py (RESULTS.md): its
+# all-reduce price tables grow with workers squared (2.1 GB at 4096), its stage tables with nodes
+# squared (150 MB at 1000 nodes); about 128 bytes per entry of either, rounded up
+DP_BYTES_PER_ENTRY = 160
+
+
+def check_search_size(nodes: int, workers: int) -> None:
+    """UserError before any work unless the partitioner's tables for ``nodes`` x ``workers`` fit."""
+    require_memory(DP_BYTES_PER_ENTRY * (nodes * nodes + workers * workers),
+                   f"partitioning {nodes} nodes over {workers:,} workers",
+                   "plan for fewer workers (--workers N) or profile the model at a coarser granularity")
 
 
 @contextlib.contextmanager
@@ -113,9 +132,10 @@ def render(outcome: Outcome, nodes, *, layers: bool = False) -> str:
     """The plan for people: header, one row per stage (bottleneck marked), prediction."""
     plan, ev = outcome.plan, outcome.evaluation
     worst = max(range(len(ev.stages)), key=lambda k: ev.stages[k].term_ms)
-    head = [f"plan for {plan.model}: {plan.micro_batches} micro-batches of {plan.batch_size} per step, "
+    head = [f"plan for {plan.model}: global batch {plan.micro_batches * plan.batch_size} = {plan.micro_batches} "
+            f"micro-batches x {plan.batch_size} samples per step, "
             f"schedule {plan.schedule}, strategy {plan.strategy}, optimizer {plan.optimizer}",
-            f"cluster: {cluster_line(plan)}"]
+            f"cluster: {cluster_line(plan, outcome.options.memory_bytes / 1e9)}"]
     rows = []
     for s, e in zip(plan.stages, ev.stages, strict=True):
         algos = Counter(lv.algorithm for lv in s.layers)
@@ -183,6 +203,7 @@ def rank_ranges(ranks) -> str:
     return ",".join(out)
 
 
-def cluster_line(plan: Plan) -> str:
+def cluster_line(plan: Plan, memory_gb: float) -> str:
+    """The cluster the plan is for, with the memory per worker it was planned against (--memory-gb)."""
     lv = ", ".join(f"{x.name} x{x.workers} @ {x.bandwidth_gbps:g} Gbit/s" for x in plan.cluster.levels)
-    return f"{lv}; {plan.cluster.memory_gb:g} GB per worker; {plan.world_size} workers"
+    return f"{lv}; {memory_gb:g} GB per worker; {plan.world_size} workers"

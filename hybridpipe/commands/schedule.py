@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import textwrap
 
+from hybridpipe.argtypes import nonneg_int, output_file, positive_int
+from hybridpipe.commands.simulate import check_simulation_size
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner.plan import SCHEDULES, load_plan
 from hybridpipe.pipeline.instructions import short
@@ -24,11 +26,12 @@ from hybridpipe.pipeline.simulator import StageCosts, simulate_topology, stage_c
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("plan", help="a plan file written by `hybridpipe partition`")
-    parser.add_argument("--rank", type=int, metavar="R", help="list only this rank's instructions, one per line")
+    parser.add_argument("--rank", type=nonneg_int, metavar="R", help="list only this rank's instructions, one per line")
     parser.add_argument("--schedule", choices=SCHEDULES, help="show another schedule than the plan's")
-    parser.add_argument("--micro-batches", type=int, metavar="M", help="micro-batches per step (default: the plan's)")
-    parser.add_argument("--png", metavar="FILE", help="draw the schedule (simulated timeline)")
-    parser.add_argument("--steps", type=int, default=None, metavar="N", help="steps to draw with --png")
+    parser.add_argument("--micro-batches", type=positive_int, metavar="M",
+                        help="micro-batches per step (default: the plan's)")
+    parser.add_argument("--png", type=output_file, metavar="FILE", help="draw the schedule (simulated timeline)")
+    parser.add_argument("--steps", type=positive_int, default=None, metavar="N", help="steps to draw with --png")
 
 
 def steps_to_show(topo: Topology, schedule: str) -> list[tuple[str, int, bool]]:
@@ -45,9 +48,8 @@ def steps_to_show(topo: Topology, schedule: str) -> list[tuple[str, int, bool]]:
 def run(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan)
     schedule = args.schedule or plan.schedule
-    if args.micro_batches is not None and args.micro_batches < 1:
-        raise UserError(f"--micro-batches must be >= 1, got {args.micro_batches}")
     topo = Topology(tuple(tuple(s.ranks) for s in plan.stages), args.micro_batches or plan.micro_batches)
+    check_simulation_size(topo, args.steps if args.png else 1, "listing" if not args.png else "drawing")
     check_schedulable(topo, schedule)
     ranks = [r for rs in topo.stage_ranks for r in rs]
     if args.rank is not None and args.rank not in ranks:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import re
 
+from hybridpipe.argtypes import nonneg_int
 from hybridpipe.errors import UserError
 from hybridpipe.jsonfile import read_json
 from hybridpipe.partitioner.calibration import CALIBRATION_KIND, Calibration
@@ -30,7 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", help="a profile, plan, calibration or cluster JSON file")
     parser.add_argument("--sort", choices=sorted(SORT_KEYS), default="id",
                         help="profile: order nodes by this column, largest first (default: graph order)")
-    parser.add_argument("--top", type=int, default=0, metavar="N", help="profile: show only the first N nodes")
+    parser.add_argument("--top", type=nonneg_int, default=0, metavar="N",
+                        help="profile: show only the first N nodes (0, the default: all)")
     parser.add_argument("--layers", action="store_true", help="plan: also list every layer's all-reduce choice")
 
 
@@ -111,7 +113,8 @@ def render_profile(p: Profile, *, sort: str = "id", top: int = 0) -> str:
 
 def render_plan(plan: Plan, *, layers: bool = False) -> str:
     """A plan's header and one row per stage (and optionally per layer's all-reduce choice)."""
-    head = [f"plan for {plan.model}: batch {plan.batch_size} x {plan.micro_batches} micro-batches, "
+    head = [f"plan for {plan.model}: global batch {plan.batch_size * plan.micro_batches} = {plan.micro_batches} "
+            f"micro-batches x {plan.batch_size} samples, "
             f"schedule {plan.schedule}, strategy {plan.strategy}, optimizer {plan.optimizer}, "
             f"{plan.world_size} workers",
             f"cluster: {_cluster_line(plan.cluster)}",

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 
+from hybridpipe.argtypes import output_file, positive_int
 from hybridpipe.commands.show import table
 from hybridpipe.errors import UserError
+from hybridpipe.limits import require_memory
 from hybridpipe.partitioner.calibration import load_calibration
 from hybridpipe.partitioner.costmodel import CostModel
 from hybridpipe.partitioner.plan import SCHEDULES, Plan, load_plan
@@ -23,24 +25,23 @@ from hybridpipe.pipeline.simulator import SimResult, simulate, stage_costs
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("plan", help="a plan file written by `hybridpipe partition`")
-    parser.add_argument("--trace", metavar="FILE", help="write the simulated timeline as a Chrome trace (JSON)")
-    parser.add_argument("--png", metavar="FILE", help="draw the simulated timeline")
-    parser.add_argument("--steps", type=int, default=None, metavar="N",
+    parser.add_argument("--trace", type=output_file, metavar="FILE",
+                        help="write the simulated timeline as a Chrome trace (JSON)")
+    parser.add_argument("--png", type=output_file, metavar="FILE", help="draw the simulated timeline")
+    parser.add_argument("--steps", type=positive_int, default=None, metavar="N",
                         help="steps to simulate (default: 3; pipedream: enough to reach its steady state)")
     parser.add_argument("--schedule", choices=SCHEDULES, help="simulate another schedule than the plan's")
-    parser.add_argument("--micro-batches", type=int, metavar="M", help="micro-batches per step (default: the plan's)")
+    parser.add_argument("--micro-batches", type=positive_int, metavar="M",
+                        help="micro-batches per step (default: the plan's)")
     parser.add_argument("--calibration", metavar="FILE",
                         help="measured link costs (bench-allreduce output) for transfers the plan gives only in bytes")
 
 
 def run(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan)
-    if args.steps is not None and args.steps < 1:
-        raise UserError(f"--steps must be >= 1, got {args.steps}")
-    if args.micro_batches is not None and args.micro_batches < 1:
-        raise UserError(f"--micro-batches must be >= 1, got {args.micro_batches}")
     schedule = args.schedule or plan.schedule
     topo = Topology(tuple(tuple(s.ranks) for s in plan.stages), args.micro_batches or plan.micro_batches)
+    check_simulation_size(topo, args.steps)
     check_schedulable(topo, schedule)
     if all(c.forward_ms == 0 and c.backward_ms == 0 for c in stage_costs(plan)):
         raise UserError(f"{args.plan} has no per-stage times (forward_ms/backward_ms/compute_ms are 0); "
@@ -56,6 +57,22 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+# measured on `simulate` (4 ranks, 16-512 micro-batches, gpipe/1f1b/pipedream): ~300 bytes kept per
+# simulated instruction, 4.3-5.5 instructions per micro-batch and rank; rounded up
+BYTES_PER_INSTRUCTION = 400
+INSTRUCTIONS_PER_MICRO_BATCH = 6
+
+
+def check_simulation_size(topo: Topology, steps: int | None, what: str = "simulating") -> None:
+    """UserError before any work unless simulating ``steps`` steps of ``topo`` fits in memory
+    (arithmetic only: the instruction lists of a huge request are never built)."""
+    n_steps = steps if steps is not None else 8 * topo.n_stages + 1        # default_steps' upper bound
+    count = n_steps * topo.world_size * topo.micro_batches * INSTRUCTIONS_PER_MICRO_BATCH
+    require_memory(count * BYTES_PER_INSTRUCTION,
+                   f"{what} {n_steps} steps of {topo.micro_batches} micro-batches on {topo.world_size} ranks "
+                   f"(about {count:,} instructions)", "ask for fewer --steps or --micro-batches")
+
+
 def _headline(result: SimResult) -> str:
     return f"{result.schedule}, {result.step_ms:.2f} ms per step (simulated)"
 
@@ -67,8 +84,8 @@ def render(plan: Plan, topo: Topology, result: SimResult) -> str:
              f"{c.send_ms:.2f}", f"{sum(c.allreduce_ms):.2f}", f"{100 * u:.1f}%"]
             for s, c, u in zip(plan.stages, costs, result.utilisation, strict=True)]
     samples = topo.micro_batches * plan.batch_size
-    lines = [f"{plan.model}: schedule {result.schedule}, {topo.micro_batches} micro-batches x {plan.batch_size} "
-             f"samples, {topo.world_size} workers; simulated {result.steps} steps "
+    lines = [f"{plan.model}: schedule {result.schedule}, global batch {samples} = {topo.micro_batches} micro-batches "
+             f"x {plan.batch_size} samples, {topo.world_size} workers; simulated {result.steps} steps "
              f"(steady state measured over {result.window[1] - result.window[0]:.2f} ms)", "",
              table(["stage", "ranks", "replicas", "fwd ms", "bwd ms", "send ms", "allreduce ms", "utilisation"], rows),
              "",

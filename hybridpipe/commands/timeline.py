@@ -13,8 +13,9 @@ import json
 import logging
 from pathlib import Path
 
+from hybridpipe.argtypes import check_output_file, nonneg_int, output_file
 from hybridpipe.commands.show import table
-from hybridpipe.errors import UserError
+from hybridpipe.jsonfile import write_text
 from hybridpipe.runtime.timeline import PHASES, TID_PHASES, TID_TRANSFERS, find_rank_traces, load_rank_trace
 from hybridpipe.runtime.timeline_merge import merge_traces, phase_table, step_window
 
@@ -27,28 +28,26 @@ PHASE_COLOURS = dict(zip(PHASES, ("#1f77b4", "#2ca02c", "#17becf", "#9467bd", "#
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", help="the run's directory (holding trace/rank-*.json) or the trace directory")
-    parser.add_argument("-o", "--output", default=None,
+    parser.add_argument("-o", "--output", type=output_file, default=None,
                         help="merged Chrome trace to write (default RUN_DIR/timeline.json)")
-    parser.add_argument("--png", default=None, metavar="FILE", help="also draw a Gantt picture of the newest steps")
-    parser.add_argument("--png-steps", type=int, default=4, metavar="N",
+    parser.add_argument("--png", type=output_file, default=None, metavar="FILE",
+                        help="also draw a Gantt picture of the newest steps")
+    parser.add_argument("--png-steps", type=nonneg_int, default=4, metavar="N",
                         help="how many of the newest steps the picture shows (0: all kept steps; default 4)")
 
 
 def run(args: argparse.Namespace) -> int:
+    out = check_output_file(args.output or Path(args.run_dir) / "timeline.json", "timeline")
     traces = [load_rank_trace(p) for p in find_rank_traces(args.run_dir)]
     merged = merge_traces(traces)
     info = merged["otherData"]["hybridpipe"]
-    out = Path(args.output) if args.output else Path(args.run_dir) / "timeline.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(merged, separators=(",", ":")))
+    write_text(out, json.dumps(merged, separators=(",", ":")))
     print(f"merged {len(traces)} ranks ({info['clock']} aligned) into {out}")
     if info["missing_ranks"]:
         print(f"warning: no trace from rank(s) {', '.join(map(str, info['missing_ranks']))} "
               "(a rank that was killed writes none)")
     print(render_phase_table(merged))
     if args.png:
-        if args.png_steps < 0:
-            raise UserError(f"--png-steps must be >= 0, got {args.png_steps}")
         draw_gantt(merged, Path(args.png), last_steps=args.png_steps)
         print(f"wrote {args.png}")
     return 0

@@ -237,6 +237,7 @@ class CostModel:
         key = (algorithm, tuple(sorted(ranks)), halving, shape)
         hit = self._lines.get(key)
         if hit is None and shape is None and algorithm in ALGORITHMS:
+            self.span_level(key[1])                   # ranks outside the cluster: a clear error first
             self._fill_lines(key[1])
             hit = self._lines.get(key)
         if hit is None:

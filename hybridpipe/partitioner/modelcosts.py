@@ -5,7 +5,7 @@ positions; the cut after position ``s`` separates ``0..s`` from ``s+1..``. Every
 at or before ``s`` and used after ``s`` crosses that cut (skip connections included), whichever
 stage uses it, so a tensor that jumps several stages is charged at every cut it passes, as the
 pipeline relays it. Its gradient comes back the same way, except for the input batch (the
-placeholder's outputs), which needs none.
+first node's outputs), which needs none.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ class ModelCosts:
     cut_bytes: np.ndarray                   # forward activations crossing the cut after each position
     cut_grad_bytes: np.ndarray              # their gradients coming back
     step_ms: tuple[tuple[str, float], ...] = ()   # (optimizer, ms of one step over all parameters)
+    saved_bytes: np.ndarray | None = None   # what autograd keeps per node for the backward (None: unknown)
     # per position: the value that makes a cut right after it infeasible ("" where the cut is free)
     cut_blockers: tuple[str, ...] = ()
 
@@ -53,8 +54,10 @@ class ModelCosts:
         return np.concatenate([[0.0], np.cumsum(values, dtype=float)])
 
     def stash_bytes(self, i: int, j: int) -> float:
-        """Activations one micro-batch leaves for the backward of stage i..j (its outputs and inputs)."""
-        return float(self.activation_bytes[i:j + 1].sum() + (self.cut_bytes[i - 1] if i > 0 else 0))
+        """Activations one micro-batch leaves for the backward of stage i..j: what autograd saves in
+        its nodes (the profile's ``saved_bytes``; their outputs where it has none) and its inputs."""
+        kept = self.saved_bytes if self.saved_bytes is not None else self.activation_bytes
+        return float(kept[i:j + 1].sum() + (self.cut_bytes[i - 1] if i > 0 else 0))
 
     def optimizer_ms(self, optimizer: str) -> np.ndarray:
         """Each node's share of one optimizer step (by parameter bytes); zeros if the profile did not time it."""
@@ -72,13 +75,41 @@ class ModelCosts:
 
 
 def model_costs(profile: Profile) -> ModelCosts:
-    """Extract the arrays from a profile (one pass over nodes and edges)."""
+    """Extract the arrays from a profile. Cut sizes are the profile's exact ``cut_bytes`` when it has
+    them (hybridpipe's profiler), else derived from the edges (hand-made or imported profiles)."""
+    exact = any(nd.cut_bytes for nd in profile.nodes)
+    if exact:
+        cut = np.array([nd.cut_bytes for nd in profile.nodes], dtype=float)
+        cut_grad = np.array([nd.cut_grad_bytes for nd in profile.nodes], dtype=float)
+    else:
+        cut, cut_grad = _edge_cuts(profile)
+    saved = np.array([nd.saved_bytes for nd in profile.nodes], dtype=float)
+    return ModelCosts(
+        names=tuple(nd.name for nd in profile.nodes),
+        params=tuple(nd.params for nd in profile.nodes),
+        forward_ms=np.array([nd.forward_ms for nd in profile.nodes], dtype=float),
+        backward_ms=np.array([nd.backward_ms for nd in profile.nodes], dtype=float),
+        param_bytes=np.array([nd.param_bytes for nd in profile.nodes], dtype=float),
+        activation_bytes=np.array([nd.activation_bytes for nd in profile.nodes], dtype=float),
+        cut_bytes=cut,
+        cut_grad_bytes=cut_grad,
+        step_ms=(("sgd", profile.totals.sgd_step_ms), ("adam", profile.totals.adam_step_ms)),
+        saved_bytes=saved if saved.any() else None,
+        cut_blockers=tuple(nd.cut_blocker or "" for nd in profile.nodes),
+    )
+
+
+def _edge_cuts(profile: Profile) -> tuple[np.ndarray, np.ndarray]:
+    """(cut bytes, their gradients) from the edges: every node output live across a cut is charged
+    there; the first node's output, when it is code without parameters (the input batch), needs no gradient."""
     n = len(profile.nodes)
     last_use = list(range(n))
     for src, dst in profile.edges:
         last_use[src] = max(last_use[src], dst)
     act = np.array([nd.activation_bytes for nd in profile.nodes], dtype=float)
-    no_grad = np.array([nd.activation_bytes if nd.op == "placeholder" else 0 for nd in profile.nodes], dtype=float)
+    no_grad = np.zeros(n)
+    if n and profile.nodes[0].op == "ops" and not profile.nodes[0].params:
+        no_grad[0] = act[0]            # the input batch
     diff = np.zeros(n + 1)
     diff_ng = np.zeros(n + 1)
     for u in range(n):
@@ -89,15 +120,4 @@ def model_costs(profile: Profile) -> ModelCosts:
             diff_ng[last_use[u]] -= no_grad[u]
     cut = np.cumsum(diff)[:n]
     cut_ng = np.cumsum(diff_ng)[:n]
-    return ModelCosts(
-        names=tuple(nd.name for nd in profile.nodes),
-        params=tuple(nd.params for nd in profile.nodes),
-        forward_ms=np.array([nd.forward_ms for nd in profile.nodes], dtype=float),
-        backward_ms=np.array([nd.backward_ms for nd in profile.nodes], dtype=float),
-        param_bytes=np.array([nd.param_bytes for nd in profile.nodes], dtype=float),
-        activation_bytes=act,
-        cut_bytes=cut,
-        cut_grad_bytes=cut - cut_ng,
-        step_ms=(("sgd", profile.totals.sgd_step_ms), ("adam", profile.totals.adam_step_ms)),
-        cut_blockers=tuple(nd.cut_blocker or "" for nd in profile.nodes),
-    )
+    return cut, cut - cut_ng

@@ -57,6 +57,17 @@ class LayerSync:
 
 
 @dataclass(frozen=True)
+class TiedGroup:
+    """A parameter read by several stages (tied weights): each holds a copy, and every step the
+    copies' gradients are summed over all ranks of those stages, so the copies stay identical."""
+
+    param: str                    # the parameter's name in the model (its first name in named_parameters)
+    stages: tuple[int, ...]       # the stages that read it (ascending)
+    bytes: int                    # its gradient's bytes
+    predicted_ms: float = 0.0     # the all-reduce over those stages' ranks, by the cost model
+
+
+@dataclass(frozen=True)
 class Stage:
     index: int
     first_node: int
@@ -109,6 +120,8 @@ class Plan:
     predicted_step_ms: float = 0.0         # one step (micro_batches micro-batches)
     predicted_samples_per_s: float = 0.0
     created: str = ""
+    granularity: str = "blocks"            # the profile's grouping of operations into nodes (to re-capture alike)
+    tied: tuple[TiedGroup, ...] = ()       # parameters read by several stages
 
     @property
     def world_size(self) -> int:
@@ -127,6 +140,7 @@ class Plan:
         d.update(asdict(self))
         d["cluster"] = self.cluster.to_dict()
         d["input_shape"] = list(self.input_shape)
+        d["tied"] = [dict(asdict(t), stages=list(t.stages)) for t in self.tied]
         d["stages"] = [dict(asdict(s), ranks=list(s.ranks), layers=[_layer_dict(lv) for lv in s.layers])
                        for s in self.stages]
         return d
@@ -141,7 +155,7 @@ class Plan:
         plan = cls(
             model=field(d, "model", str, source),
             batch_size=field(d, "batch_size", int, source, minimum=1),
-            input_shape=tuple(field(d, "input_shape", list, source)),
+            input_shape=tuple(field(d, "input_shape", list, source, items=int)),
             profile_signature=field(d, "profile_signature", str, source),
             cluster=Cluster.from_dict(field(d, "cluster", dict, source), f"{source}: cluster"),
             strategy=field(d, "strategy", str, source, choices=STRATEGIES),
@@ -152,6 +166,8 @@ class Plan:
             predicted_step_ms=field(d, "predicted_step_ms", float, source, minimum=0, default=0.0),
             predicted_samples_per_s=field(d, "predicted_samples_per_s", float, source, minimum=0, default=0.0),
             created=field(d, "created", str, source, default=""),
+            granularity=field(d, "granularity", str, source, default="blocks"),
+            tied=tuple(_tied_from_dict(t, i, source) for i, t in enumerate(field(d, "tied", list, source, default=[]))),
         )
         _check_stages(plan, source)
         return plan
@@ -184,6 +200,18 @@ def check_plan_fits(plan: Plan, *, model: str | None, signature: str | None, bat
     if signature is not None and signature != plan.profile_signature:
         raise UserError("the model's traced graph differs from the one the plan was made for "
                         f"(signature {signature} vs {plan.profile_signature}); re-profile and re-partition")
+
+
+def _tied_from_dict(t: object, i: int, source: str) -> TiedGroup:
+    where = f"{source}: tied group {i}"
+    if not isinstance(t, dict):
+        raise UserError(f"{where}: expected an object")
+    stages = field(t, "stages", list, where)
+    if len(stages) < 2 or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in stages):
+        raise UserError(f"{where}: \"stages\" must list at least two stage indices")
+    return TiedGroup(param=field(t, "param", str, where), stages=tuple(sorted(stages)),
+                     bytes=field(t, "bytes", int, where, minimum=0),
+                     predicted_ms=field(t, "predicted_ms", float, where, minimum=0, default=0.0))
 
 
 def _layer_dict(lv: LayerSync) -> dict:
@@ -287,5 +315,9 @@ def _check_stages(plan: Plan, source: str) -> None:
         expected_first = s.last_node + 1
     if seen != set(range(plan.world_size)):
         raise UserError(f"{source}: stage ranks must be exactly 0..{plan.world_size - 1}, got {sorted(seen)}")
+    for t in plan.tied:
+        if t.stages[-1] >= len(plan.stages):
+            raise UserError(f"{source}: tied parameter {t.param!r} names stage {t.stages[-1]}, but the plan has "
+                            f"{len(plan.stages)} stages")
     if plan.world_size > plan.cluster.total_workers:
         raise UserError(f"{source}: {plan.world_size} workers planned but the cluster has {plan.cluster.total_workers}")

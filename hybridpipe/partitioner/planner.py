@@ -7,12 +7,11 @@ predicted with the same objective (``objective.py``), so strategies compare like
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as dt
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner import dp
@@ -31,8 +30,9 @@ from hybridpipe.partitioner.objective import (
     predict_step_ms,
 )
 from hybridpipe.partitioner.pipedream import pipedream_stages
-from hybridpipe.partitioner.plan import ALGORITHMS, OPTIMIZERS, SCHEDULES, STRATEGIES, Plan, Stage
+from hybridpipe.partitioner.plan import ALGORITHMS, OPTIMIZERS, SCHEDULES, STRATEGIES, LayerSync, Plan, Stage
 from hybridpipe.partitioner.strategies import baseline_stages
+from hybridpipe.partitioner.tied import tied_groups
 from hybridpipe.profiles.format import Profile
 
 MICRO_BATCHES_PER_WORKER = 2      # default micro-batches per step: enough to keep every stage busy
@@ -120,7 +120,8 @@ def partition(profile: Profile, cluster: Cluster, req: Request = Request(),
     ev = evaluate(costs, model, stages, opts)
     if not ev.fits:
         raise UserError(memory_message(stages, ev, opts, req.strategy))
-    return Outcome(build_plan(profile, costs, cluster, stages, ev, opts, req.strategy), ev, model, opts, notes)
+    return Outcome(build_plan(profile, costs, cluster, stages, ev, opts, req.strategy, model), ev, model, opts,
+                   notes)
 
 
 def choose_stages(strategy: str, costs: ModelCosts, model: CostModel, workers: int, opts: Options,
@@ -165,28 +166,49 @@ def divisible_micro_batches(stages: Sequence[StageSpec], opts: Options) -> tuple
     step = math.lcm(*(len(s.ranks) for s in stages))
     micro = step * -(-opts.micro_batches // step)
     counts = ", ".join(str(len(s.ranks)) for s in stages)
-    return (dataclasses.replace(opts, micro_batches=micro),
+    return (replace(opts, micro_batches=micro),
             f"--strategy pipedream: {micro} micro-batches per step, a multiple of every stage's replicas ({counts}); "
             "give --micro-batches to choose another")
 
 
 def build_plan(profile: Profile, costs: ModelCosts, cluster: Cluster, stages: Sequence[StageSpec],
-               ev: Evaluation, opts: Options, strategy: str) -> Plan:
-    """The Plan: stages with their predicted figures, the step time and throughput."""
-    step_ms = predict_step_ms(ev, opts)
+               ev: Evaluation, opts: Options, strategy: str, model: CostModel | None = None) -> Plan:
+    """The Plan: stages with their predicted figures, the step time and throughput.
+
+    Parameters read by several stages (tied weights) are summed across those stages' ranks once
+    per step, after the last backward (torch's own all-reduce): it is added to the predicted step."""
+    model = model or CostModel(cluster)
+    tied = []
+    for group in tied_groups(profile, [(s.first, s.last) for s in stages]):
+        ranks = sorted(r for i in group.stages for r in stages[i].ranks)
+        ms = model.allreduce_seconds("native", group.bytes, ranks) * 1e3
+        tied.append(replace(group, predicted_ms=round(ms, 6)))
+    step_ms = predict_step_ms(ev, opts) + sum(t.predicted_ms for t in tied)
     out = []
     for idx, (spec, e) in enumerate(zip(stages, ev.stages, strict=True)):
         out.append(Stage(index=idx, first_node=spec.first, last_node=spec.last, replicas=len(spec.ranks),
                          ranks=tuple(spec.ranks), compute_ms=e.forward_ms + e.backward_ms, forward_ms=e.forward_ms,
                          backward_ms=e.backward_ms, sync_ms=e.sync_ms_per_step, send_ms=e.send_ms,
-                         send_bytes=int(e.send_bytes), memory_bytes=int(e.memory_bytes), layers=e.sync.layers,
+                         send_bytes=int(e.send_bytes), memory_bytes=int(e.memory_bytes),
+                         layers=without_tied(e.sync.layers, {t.param: t.bytes for t in tied if idx in t.stages}),
                          overhead_ms=e.overhead_ms))
     samples = opts.micro_batches * profile.batch_size / (step_ms / 1e3) if step_ms > 0 else 0.0
     return Plan(model=profile.model, batch_size=profile.batch_size, input_shape=tuple(profile.input_shape),
                 profile_signature=profile.signature(), cluster=cluster, strategy=strategy, schedule=opts.schedule,
                 micro_batches=opts.micro_batches, optimizer=opts.optimizer, stages=tuple(out),
                 predicted_step_ms=step_ms, predicted_samples_per_s=samples,
-                created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
+                created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                granularity=profile.granularity, tied=tuple(tied))
+
+
+def without_tied(layers: Sequence[LayerSync], tied: dict[str, int]) -> tuple[LayerSync, ...]:
+    """A stage's layers without the parameters the stages' tied sync sums instead (``tied``: name -> bytes)."""
+    out = []
+    for lv in layers:
+        kept = tuple(p for p in lv.params if p not in tied)
+        if kept:
+            out.append(replace(lv, params=kept, bytes=lv.bytes - sum(tied[p] for p in lv.params if p in tied)))
+    return tuple(out)
 
 
 def no_fit_message(costs: ModelCosts, workers: int, opts: Options) -> str:
@@ -202,9 +224,10 @@ def no_fit_message(costs: ModelCosts, workers: int, opts: Options) -> str:
     if not opts.replicas_ok(1) or costs.n * opts.micro_batches < workers:
         return (f"{workers} workers cannot all get micro-batches: {costs.n} nodes x {opts.micro_batches} micro-batches "
                 "per step; raise --micro-batches or use fewer --workers")
+    other = "" if opts.schedule == "1f1b" else ", or use --schedule 1f1b (it keeps fewer micro-batches in flight)"
     return (f"no partition onto {workers} workers fits in {gb:g} GB per worker with {opts.micro_batches} "
             f"micro-batches ({opts.schedule}) and a replica count per stage that divides into them; raise "
-            "--memory-gb or --micro-batches, add workers, or use --schedule 1f1b")
+            f"--memory-gb or --micro-batches, or add workers{other}")
 
 
 def memory_message(stages: Sequence[StageSpec], ev: Evaluation, opts: Options, strategy: str) -> str:

@@ -208,7 +208,7 @@ class StageTerms:
         key = (offset, size)
         hit = self._sync.get(key)
         if hit is None:
-            ranks = np.add.outer(np.arange(self.copies) * self.wc, np.arange(offset, offset + size)).ravel()
+            ranks = np.add.outer(np.arange(self.copies) * self.wc, np.arange(offset, offset + size)).ravel().tolist()
             lines = fastlines.lines(self.model, ranks, self.opts.algorithms)
             nbytes = self.costs.param_bytes
             best = np.min([ln.alpha_s + ln.s_per_byte * nbytes for _, ln in lines], axis=0)

@@ -2,23 +2,31 @@
 
 Micro-batch m of step k holds samples ``(k * M + m) * B ... + B - 1`` (modulo the dataset's
 length, so a run may go over it several times): every rank computes the same indices, so stage 0
-and the last stage see the inputs and targets of the same samples without talking.
+and the last stage see the inputs and targets of the same samples without talking. Samples are
+collated by the dataset's own ``collate_fn`` attribute when it has one (e.g. padding each batch
+to its longest sequence), else by torch's ``default_collate``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
+import torch.utils._pytree as pytree
 from torch.utils.data import Dataset, default_collate
 
 
 class MicroBatches:
-    """``input(step, m)`` / ``target(step, m)`` over ``dataset`` of (input, target) samples."""
+    """``input(step, m)`` / ``target(step, m)`` over ``dataset`` of (input, target) samples, or of
+    inputs alone (``targets=False``: a model that computes its own loss; ``target`` is None)."""
 
-    def __init__(self, dataset: Dataset, batch_size: int, micro_batches: int):
+    def __init__(self, dataset: Dataset, batch_size: int, micro_batches: int, *, targets: bool = True):
         if batch_size < 1 or micro_batches < 1:
             raise ValueError(f"need batch_size >= 1 and micro_batches >= 1, got {batch_size}, {micro_batches}")
         self.dataset, self.batch_size, self.micro_batches = dataset, batch_size, micro_batches
-        self._cached: tuple[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.targets = targets
+        self._cached: tuple[tuple[int, int], tuple[Any, Any]] | None = None
 
     def indices(self, step: int, micro_batch: int) -> list[int]:
         start = (step * self.micro_batches + micro_batch) * self.batch_size
@@ -26,23 +34,35 @@ class MicroBatches:
         n = len(self.dataset)  # type: ignore[arg-type]
         return [(start + i) % n for i in range(self.batch_size)]
 
-    def batch(self, step: int, micro_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, step: int, micro_batch: int) -> tuple[Any, Any]:
         """(inputs, targets) of one micro-batch (the last one fetched is cached; safe to share
         between threads: the cache entry is replaced whole)."""
         key = (step, micro_batch)
         cached = self._cached
         if cached is None or cached[0] != key:
-            cached = (key, tuple(default_collate([self.dataset[i] for i in self.indices(step, micro_batch)])))
+            samples = [self.dataset[i] for i in self.indices(step, micro_batch)]
+            collate = getattr(self.dataset, "collate_fn", None) or default_collate
+            pair = tuple(collate(samples)) if self.targets else (collate(samples), None)
+            cached = (key, pair)
             self._cached = cached
         return cached[1]
 
-    def global_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def global_batch(self, step: int) -> tuple[Any, Any]:
         """The step's M micro-batches concatenated (what single-process training would use)."""
         xs, ys = zip(*(self.batch(step, m) for m in range(self.micro_batches)), strict=True)
-        return torch.cat(xs), torch.cat(ys)
+        return concat(xs), (concat(ys) if self.targets else None)
 
-    def input(self, step: int, micro_batch: int) -> torch.Tensor:
+    def input(self, step: int, micro_batch: int) -> Any:
         return self.batch(step, micro_batch)[0]
 
-    def target(self, step: int, micro_batch: int) -> torch.Tensor:
+    def target(self, step: int, micro_batch: int) -> Any:
         return self.batch(step, micro_batch)[1]
+
+
+def concat(batches: Sequence[Any]) -> Any:
+    """Batches (tensors, or tuples/dicts of them) concatenated along the batch dimension."""
+    leaves = [pytree.tree_flatten(b) for b in batches]
+    spec = leaves[0][1]
+    joined = [torch.cat(parts) if isinstance(parts[0], torch.Tensor) else parts[0]
+              for parts in zip(*(flat for flat, _ in leaves), strict=True)]
+    return pytree.tree_unflatten(joined, spec)

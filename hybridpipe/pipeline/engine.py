@@ -31,6 +31,7 @@ from typing import Any, Protocol
 
 import torch
 
+from hybridpipe.errors import UserError
 from hybridpipe.pipeline.instructions import (
     Backward,
     Forward,
@@ -61,7 +62,11 @@ class Transport(Protocol):
 
 class DataSource(Protocol):
     def input(self, step: int, micro_batch: int) -> Any: ...
-    def target(self, step: int, micro_batch: int) -> torch.Tensor: ...
+    def target(self, step: int, micro_batch: int) -> Any: ...
+
+
+class TiedReduce(Protocol):
+    def reduce(self) -> None: ...
 
 
 class LocalSync:
@@ -95,7 +100,7 @@ class PipelineEngine:
 
     def __init__(self, stage: PipelineStage, topo: Topology, rank: int, schedule: str, *, transport: Transport | None,
                  optimizer: torch.optim.Optimizer, data: DataSource, sync=None, recorder=None,
-                 clock: Callable[[], float] = time.perf_counter):
+                 tied: TiedReduce | None = None, clock: Callable[[], float] = time.perf_counter):
         check_schedulable(topo, schedule)
         s, _ = topo.locate(rank)
         if s != stage.index:
@@ -103,13 +108,18 @@ class PipelineEngine:
         self.stage, self.topo, self.rank, self.schedule = stage, topo, rank, schedule
         self.transport, self.optimizer, self.data = transport, optimizer, data
         self.sync = sync if sync is not None else LocalSync()
+        self.tied = tied
+        if tied is not None and schedule == "pipedream":
+            raise UserError("pipedream's asynchronous updates cannot keep a weight that several stages share (tied "
+                            "embeddings) identical; use --schedule 1f1b or gpipe, or a plan that keeps its uses "
+                            "in one stage")
         self.recorder, self.clock = recorder, clock
         self.stash = WeightStash(stage.module) if schedule == "pipedream" else None
         self.device = stage.device     # where inputs and targets go (place the stage before the engine)
         self.phase = 0              # steps since the pipeline was (re)started (pipedream)
         self._last_step: int | None = None
         self._inputs: dict[int, dict[str, torch.Tensor]] = {}
-        self._targets: dict[int, torch.Tensor] = {}
+        self._targets: dict[int, Any] = {}
         self._acts: dict[int, Activation] = {}
         self._out_grads: dict[int, dict[str, torch.Tensor]] = {}   # received: grads of the stage's outputs
         self._in_grads: dict[int, dict[str, torch.Tensor]] = {}    # computed: grads of its inputs, to send
@@ -197,7 +207,8 @@ class PipelineEngine:
             inputs = {k: t.to(device) for k, t in saved["inputs"].items()}
             act = self.stage.forward(inputs, params=self.stash.replay_params(g) if self.stash else None)
             if self.stage.is_last:
-                act.loss = self.stage.loss(act.output, self.data.target(g // M, g % M).to(device))
+                target = self.data.target(g // M, g % M)
+                act.loss = self.stage.loss(act.output, target.to(device) if target is not None else None)
             self._acts[g] = act
             if saved["grads"] is not None:
                 self._out_grads[g] = {k: t.to(device) for k, t in saved["grads"].items()}
@@ -226,8 +237,7 @@ class PipelineEngine:
         M = self.topo.micro_batches
         stage = self.stage
         if isinstance(ins, LoadInput):
-            x = self.data.input(g // M, g % M)
-            named = x if isinstance(x, dict) else {stage.input_names[0]: x}
+            named = stage.data_inputs(self.data.input(g // M, g % M))
             self._inputs[g] = {k: v.to(self.device, non_blocking=True) for k, v in named.items()}
         elif isinstance(ins, RecvActivations):
             if g not in self._inputs:       # else received early, at a checkpoint
@@ -238,7 +248,8 @@ class PipelineEngine:
         elif isinstance(ins, SendActivations):
             self._transport().send(ins.peer, message_key(ins, g, M), self._acts[g].outputs)
         elif isinstance(ins, LoadTarget):
-            self._targets[g] = self.data.target(g // M, g % M).to(self.device, non_blocking=True)
+            target = self.data.target(g // M, g % M)
+            self._targets[g] = target.to(self.device, non_blocking=True) if target is not None else None
         elif isinstance(ins, Loss):
             act = self._acts[g]
             act.loss = stage.loss(act.output, self._targets.pop(g))
@@ -273,6 +284,8 @@ class PipelineEngine:
             raise TypeError(f"unknown instruction {ins!r}")
 
     def _optimizer_step(self, scale: float) -> None:
+        if self.tied is not None:
+            self.tied.reduce()
         if scale != 1.0:
             with torch.no_grad():
                 for p in self.stage.parameters():

@@ -15,7 +15,7 @@ import contextlib
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TypeVar
 
 import torch
@@ -127,8 +127,9 @@ class InProcessGradSync:
     """``no_sync()`` / ``finish()`` for one replica: ``finish`` sums every parameter's grad across
     the group (a missing grad counts as zeros). Backward inside ``no_sync`` only accumulates."""
 
-    def __init__(self, module: nn.Module, group: ReplicaGroup, index: int):
-        self.params = [p for p in module.parameters() if p.requires_grad]
+    def __init__(self, module: nn.Module, group: ReplicaGroup, index: int, exclude: Collection[nn.Parameter] = ()):
+        skip = {id(p) for p in exclude}
+        self.params = [p for p in module.parameters() if p.requires_grad and id(p) not in skip]
         self.group, self.index = group, index
         self._started = False
         self._quiet = 0

@@ -1,16 +1,19 @@
-"""One rank's part of the model: forward named tensors in, named tensors (or the loss) out, and back.
+"""One rank's part of the model: forward named values in, named tensors (or the loss) out, and back.
 
-    stage = build_stage(model, plan, rank, loss=spec.loss, leaf_modules=spec.leaf_modules)
-    act = stage.forward({"x": x})                 # stage 0: the model's inputs by placeholder name
-    send(act.outputs)                             # named tensors for the next stage
+    captured = capture_model(model, example)           # profiles/capture.py (every rank, same graph)
+    stage = build_stage(captured, plan, rank, loss=spec.loss)
+    act = stage.forward(stage.data_inputs(batch))      # stage 0: the batch as the model takes it
+    send(act.outputs)                                  # named tensors for the next stage
     ...
-    act = stage.forward(received, target=y)       # last stage: act.loss
-    grads = stage.backward(act)                   # last stage: from the loss
-    grads = stage.backward(act, received_grads)   # other stages: grads of act.outputs
-    send(grads)                                   # grads of the stage's inputs (none on stage 0)
+    act = stage.forward(received, target=y)            # last stage: act.loss
+    grads = stage.backward(act)                        # last stage: from the loss
+    grads = stage.backward(act, received_grads)        # other stages: grads of act.outputs
+    send(grads)                                        # grads of the stage's inputs (none on stage 0)
 
 ``stage.module`` is the stage's ``nn.Module`` (hand it to the optimizer and to the gradient
-sync); its ``state_dict()`` keys are the original model's keys.
+sync); its ``state_dict()`` keys are the original model's keys. The loss is ``loss(output,
+target)`` when the model spec has a loss function, else the one the model computes itself (a
+Hugging Face model given ``labels``: ``output.loss``).
 """
 
 from __future__ import annotations
@@ -22,13 +25,16 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from hybridpipe.errors import UserError
 from hybridpipe.partitioner.plan import Plan, check_plan_fits
-from hybridpipe.pipeline.split import StageBoundary, stage_boundaries, stage_graph_module
 from hybridpipe.pipeline.values import pack, unpack
+from hybridpipe.profiles.capture import CapturedModel, own_loss
+from hybridpipe.profiles.cut import StageBoundary, check_cuts, stage_boundaries, stage_graph_module
+from hybridpipe.profiles.evalmode import eval_graph
 from hybridpipe.profiles.format import graph_signature
-from hybridpipe.profiles.trace import graph_edges, node_infos, trace_model
+from hybridpipe.profiles.graphinfo import graph_edges, node_infos
 
-LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
+LossFn = Callable[[Any, Any], torch.Tensor]
 
 
 @dataclass
@@ -38,18 +44,40 @@ class Activation:
     inputs: dict[str, torch.Tensor]               # the stage's inputs (leaves; float ones require grad)
     outputs: dict[str, torch.Tensor] = field(default_factory=dict)   # named tensors for the next stage
     output: Any = None                            # the model's output (last stage)
-    loss: torch.Tensor | None = None              # the micro-batch's mean loss (last stage, with a target)
+    loss: torch.Tensor | None = None              # the micro-batch's mean loss (last stage)
+
+
+def loss_of(spec_loss: LossFn | None) -> LossFn:
+    """``(output, target) -> loss`` for a model spec's loss: its function, or (None) the loss the
+    model computed itself (the target is then unused)."""
+    if spec_loss is not None:
+        return spec_loss
+    return lambda output, _target: model_loss(output)
+
+
+def model_loss(output: Any) -> torch.Tensor:
+    """The loss a model computed itself: ``output.loss`` / ``output["loss"]``, or a scalar output."""
+    loss = own_loss(output)
+    if loss is None and isinstance(output, torch.Tensor) and output.dim() == 0:
+        loss = output
+    if loss is None:
+        raise UserError(f"the model returned a {type(output).__name__} without a loss: give the model's factory a "
+                        "loss function, (module, example_input, loss_fn), or include the labels in its inputs")
+    return loss
 
 
 class PipelineStage:
-    """A stage of a pipeline: the model's nodes ``first_node..last_node`` as an fx GraphModule."""
+    """A stage of a pipeline: the model's blocks ``first_node..last_node`` as an fx GraphModule."""
 
-    def __init__(self, module: fx.GraphModule, boundary: StageBoundary, n_stages: int, loss: LossFn | None = None):
+    def __init__(self, module: fx.GraphModule, boundary: StageBoundary, n_stages: int, captured: CapturedModel,
+                 loss: LossFn | None = None):
         self.module = module
         self.boundary = boundary
         self.index = boundary.index
         self.n_stages = n_stages
+        self.captured = captured
         self.loss_fn = loss
+        self._eval_module: fx.GraphModule | None = None
 
     # ---- identity ----------------------------------------------------------------------
     @property
@@ -62,7 +90,7 @@ class PipelineStage:
 
     @property
     def input_names(self) -> tuple[str, ...]:
-        """Graph values this stage receives (stage 0: the model's input placeholders)."""
+        """Graph values this stage receives (stage 0: the model's inputs)."""
         return self.boundary.inputs
 
     @property
@@ -75,6 +103,11 @@ class PipelineStage:
         for t in (*self.module.parameters(), *self.module.buffers()):
             return t.device
         return torch.device("cpu")
+
+    def data_inputs(self, batch: Any) -> dict[str, torch.Tensor]:
+        """Stage 0: one batch as the data gives it (tensor, tuple or dict) -> its named input tensors."""
+        values = self.captured.flatten_input(batch)
+        return pack({name: values[name] for name in self.input_names})
 
     # ---- module delegation -------------------------------------------------------------
     def parameters(self) -> Iterable[nn.Parameter]:
@@ -104,7 +137,8 @@ class PipelineStage:
 
         Float inputs of stages after the first become leaves that require grad, so ``backward``
         can return their gradients. ``params`` (name -> tensor) replaces parameters for this
-        call only (weight stashing). On the last stage a ``target`` gives ``Activation.loss``.
+        call only (weight stashing). On the last stage the loss is computed when a ``target`` is
+        given or the model computes its own loss.
         """
         leaves = {k: _leaf(t, grad=not self.is_first) for k, t in inputs.items()}
         values = unpack(leaves, self.input_names)
@@ -115,18 +149,35 @@ class PipelineStage:
             result = torch.func.functional_call(self.module, dict(params), args, strict=False)
         act = Activation(inputs=leaves)
         if self.is_last:
-            act.output = result
-            if target is not None:
-                act.loss = self.loss(result, target)
+            act.output = self.captured.rebuild_output(result)
+            if target is not None or self.loss_fn is None:
+                act.loss = self.loss(act.output, target)
         else:
             act.outputs = pack(dict(zip(self.output_names, result, strict=True)),
                                f" (between stages {self.index} and {self.index + 1})")
         return act
 
-    def loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+    def forward_eval(self, inputs: Mapping[str, torch.Tensor], target: torch.Tensor | None = None) -> Activation:
+        """The forward of an evaluation step: evaluation mode (no dropout, batch norm on running
+        statistics), no autograd; the loss on the last stage as in :meth:`forward`."""
+        if self._eval_module is None:
+            self._eval_module = eval_graph(self.module)
+        with torch.no_grad():
+            values = unpack(inputs, self.input_names)
+            result = self._eval_module(*(values[name] for name in self.input_names))
+            act = Activation(inputs=dict(inputs))
+            if self.is_last:
+                act.output = self.captured.rebuild_output(result)
+                if target is not None or self.loss_fn is None:
+                    act.loss = self.loss(act.output, target)
+            else:
+                act.outputs = pack(dict(zip(self.output_names, result, strict=True)))
+        return act
+
+    def loss(self, output: Any, target: torch.Tensor | None) -> torch.Tensor:
         """The model's mean loss of one micro-batch (last stage)."""
         if self.loss_fn is None:
-            raise RuntimeError(f"stage {self.index} has no loss function; pass loss= to build_stage")
+            return model_loss(output)
         return self.loss_fn(output, target)
 
     def backward(self, act: Activation,
@@ -158,28 +209,34 @@ def _leaf(t: torch.Tensor, grad: bool) -> torch.Tensor:
     return t.detach()
 
 
-def build_stage(model: nn.Module, plan: Plan, rank: int, *, loss: LossFn | None = None,
-                leaf_modules: Iterable[type | str] = (), gm: fx.GraphModule | None = None,
+def captured_signature(captured: CapturedModel) -> str:
+    """The profile signature of a capture (what a plan's ``profile_signature`` must equal)."""
+    return graph_signature(node_infos(captured), graph_edges(captured))
+
+
+def check_captured_plan(captured: CapturedModel, plan: Plan, *, model_name: str | None = None,
+                        batch_size: int | None = None, world_size: int | None = None) -> list[StageBoundary]:
+    """Refuse (one line) a plan made for another graph, or one whose cuts cannot run; the boundaries."""
+    check_plan_fits(plan, model=model_name, signature=None, batch_size=batch_size, world_size=world_size,
+                    n_nodes=len(captured.blocks))
+    check_plan_fits(plan, model=None, signature=captured_signature(captured), batch_size=None, world_size=None)
+    boundaries = stage_boundaries(captured, [(s.first_node, s.last_node) for s in plan.stages])
+    check_cuts(captured, boundaries)
+    return boundaries
+
+
+def build_stage(captured: CapturedModel, plan: Plan, rank: int, *, loss: LossFn | None = None,
                 model_name: str | None = None, batch_size: int | None = None,
                 world_size: int | None = None) -> PipelineStage:
-    """This rank's stage of ``model`` under ``plan`` (refuses a plan made for another model).
-
-    ``gm`` is ``trace_model(model, leaf_modules)`` when the caller already has it. The traced
-    graph must be the one the plan was made for (same node count and signature); ``model_name``,
-    ``batch_size`` and ``world_size``, when given, must match the plan too (one-line UserError).
-    """
-    gm = gm if gm is not None else trace_model(model, leaf_modules)
-    signature = graph_signature(node_infos(gm), graph_edges(gm))
-    check_plan_fits(plan, model=model_name, signature=None, batch_size=batch_size, world_size=world_size,
-                    n_nodes=len(gm.graph.nodes))
-    check_plan_fits(plan, model=None, signature=signature, batch_size=None, world_size=None)
+    """This rank's stage of ``captured`` under ``plan`` (refuses a plan made for another model)."""
+    check_captured_plan(captured, plan, model_name=model_name, batch_size=batch_size, world_size=world_size)
     stage, _ = plan.stage_of_rank(rank)
-    return build_stage_index(gm, [(s.first_node, s.last_node) for s in plan.stages], stage.index, loss=loss)
+    return build_stage_index(captured, [(s.first_node, s.last_node) for s in plan.stages], stage.index, loss=loss)
 
 
-def build_stage_index(gm: fx.GraphModule, ranges: list[tuple[int, int]], index: int, *,
+def build_stage_index(captured: CapturedModel, ranges: list[tuple[int, int]], index: int, *,
                       loss: LossFn | None = None) -> PipelineStage:
-    """Stage ``index`` of ``gm`` cut at inclusive node ``ranges`` (no plan needed)."""
-    boundary = stage_boundaries(gm, ranges)[index]
-    module = stage_graph_module(gm, boundary, last=index == len(ranges) - 1)
-    return PipelineStage(module, boundary, len(ranges), loss)
+    """Stage ``index`` of ``captured`` cut at inclusive block ``ranges`` (no plan needed)."""
+    boundary = stage_boundaries(captured, ranges)[index]
+    module = stage_graph_module(captured, boundary, last=index == len(ranges) - 1)
+    return PipelineStage(module, boundary, len(ranges), captured, loss)

@@ -18,13 +18,17 @@ whose input matches the model.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 import torch
+import torch.utils._pytree as pytree
 from torch.nn import functional as F
 from torch.utils.data import Dataset
 
 from hybridpipe.errors import UserError
-from hybridpipe.profiles.zoo.registry import ModelSpec, import_factory, parse_spec
+from hybridpipe.profiles.zoo.registry import ModelSpec, batch_rows, call_user, import_factory, parse_spec
 
 FEATURES = 64          # pooled input features the class-id projection reads
 _TASK_SEED = 0x5EED    # the target function is the same for every data seed
@@ -51,7 +55,10 @@ class SyntheticDataset(Dataset):
         self.permutation = torch.randperm(self.num_classes, generator=task)
 
     @classmethod
-    def for_model(cls, model: ModelSpec, *, size: int, seed: int = 0) -> SyntheticDataset:
+    def for_model(cls, model: ModelSpec, *, size: int, seed: int = 0) -> Dataset:
+        """The model's own synthetic samples (``ModelSpec.sample``) if it has them, else this class's."""
+        if model.sample is not None:
+            return SampledDataset(model.sample, size=size, seed=seed)
         return cls(model.sample_shape, model.input_dtype, model.target_shape, model.num_classes,
                    size=size, seed=seed)
 
@@ -77,6 +84,23 @@ class SyntheticDataset(Dataset):
         return torch.randint(0, self.num_classes, self.target_shape, generator=g)
 
 
+class SampledDataset(Dataset):
+    """``size`` samples drawn by a model's sample function; sample i depends only on (seed, i)."""
+
+    def __init__(self, sample: Callable[[torch.Generator], Any], *, size: int, seed: int = 0):
+        if size < 1:
+            raise UserError(f"a synthetic dataset needs size >= 1, got {size}")
+        self.sample, self.size, self.seed = sample, size, seed
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> Any:
+        if not 0 <= index < self.size:
+            raise IndexError(f"sample {index} outside 0..{self.size - 1}")
+        return self.sample(sample_generator(self.seed, index))
+
+
 def resolve_dataset(spec: str, model: ModelSpec, *, size: int, seed: int = 0) -> Dataset:
     """``"synthetic"`` or ``"package.module:factory[k=v,...]"`` -> a map-style Dataset of (input, target).
 
@@ -88,21 +112,40 @@ def resolve_dataset(spec: str, model: ModelSpec, *, size: int, seed: int = 0) ->
     if ":" not in target:
         raise UserError(f"unknown dataset {spec!r}: use \"synthetic\" or package.module:factory")
     factory = import_factory(target, "dataset")
-    dataset = factory(**kwargs)
+    who = f"your dataset factory `{target}`"
+    dataset = call_user(who, factory, **kwargs)
     if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
         raise UserError(f"{target} must return a map-style Dataset (with __getitem__ and __len__), "
                         f"got {type(dataset).__name__}")
-    if len(dataset) < 1:
+    n = call_user(f"len() of your dataset from `{target}`", len, dataset)
+    if n < 1:
         raise UserError(f"the dataset from {target} is empty")
-    check_sample(dataset[0], model, target)
+    check_sample(call_user(f"your dataset from `{target}` (reading sample 0)", dataset.__getitem__, 0), model, target)
     return dataset
 
 
 def check_sample(sample: object, model: ModelSpec, source: str) -> None:
-    """Refuse a dataset whose first sample is not ``(input, target)`` with the model's input shape."""
+    """Refuse a dataset whose first sample is not ``(input, target)`` with the model's input shape
+    (or, for a model that computes its own loss, not an input shaped like its example)."""
+    if model.loss is None:
+        if batch_rows(model.example_input(1)) is not None and not _same_structure(sample, model):
+            raise UserError(f"{source}: a sample must be one input of {model.name} (its keys/structure: "
+                            f"{_describe(model.example_input(1))}), got {_describe(sample)}")
+        return
     if not (isinstance(sample, (tuple, list)) and len(sample) == 2 and isinstance(sample[0], torch.Tensor)):
         raise UserError(f"{source}: a sample must be a pair (input tensor, target), got {type(sample).__name__}")
     shape = tuple(sample[0].shape)
     if shape != tuple(model.sample_shape):
         raise UserError(f"{source}: a sample's input has shape {list(shape)} but {model.name} takes "
                         f"{list(model.sample_shape)} (without the batch dimension)")
+
+
+def _same_structure(sample: object, model: ModelSpec) -> bool:
+    example = model.example_input(1)
+    return pytree.tree_structure(sample) == pytree.tree_structure(pytree.tree_map(lambda t: t, example))
+
+
+def _describe(obj: object) -> str:
+    if isinstance(obj, dict):
+        return "{" + ", ".join(map(str, obj)) + "}"
+    return type(obj).__name__

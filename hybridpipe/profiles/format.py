@@ -1,13 +1,18 @@
-"""The Profile: a model's layer graph with measured costs (JSON, ``"format": 1``).
+"""The Profile: a model's block graph with measured costs (JSON, ``"format": 2``).
 
 A profile is a value: ``Profile.from_dict`` validates, ``to_dict`` serialises, ``load`` /
-``save`` touch files. Nodes are exactly the torch.fx graph's nodes in graph order (which is
-a topological order): the input placeholder(s) first and the ``output`` node last, so
-``node.id`` is a position in topological order and edges always go forward.
+``save`` touch files. Nodes are the captured model's blocks (profiles/blocks.py: a transformer
+layer, an embedding, a head, a CNN layer) in graph order, a topological order, so ``node.id``
+is a position in topological order and edges always go forward. Names are the model's module
+paths (``transformer.h.3``, ``features.0``), as in its ``state_dict``.
 
-Costs are for one batch of ``batch_size`` samples, measured per node in isolation
-(``hybridpipe.profiles.profiler``). The ``output`` node carries the loss: its forward_ms and
-backward_ms are the loss's, and its activation_bytes are 0 (it creates no tensor).
+Costs are for one batch of ``batch_size`` samples, measured per block in isolation
+(``hybridpipe.profiles.profiler``). The last node carries the loss. ``cut_bytes`` /
+``cut_grad_bytes`` of node i are exactly what crosses a cut right after it (every value computed
+at or before i and read after it, skip connections and relayed inputs included), and
+``cut_blocker`` names a value that cannot cross such a cut (then no plan may cut there).
+
+Format 1 (one node per torch.fx node) is refused with a request to re-profile.
 """
 
 from __future__ import annotations
@@ -23,28 +28,31 @@ from hybridpipe.errors import UserError
 from hybridpipe.jsonfile import check_header, field, read_json, write_json
 
 PROFILE_KIND = "profile"
-PROFILE_FORMAT = 1
-FX_OPS = ("placeholder", "get_attr", "call_module", "call_function", "call_method", "output")
+PROFILE_FORMAT = 2
+NODE_OPS = ("module", "ops")
 
 
 @dataclass(frozen=True)
 class ProfileNode:
-    """One node of the traced graph and what it costs for one (micro-)batch."""
+    """One block of the captured graph and what it costs for one (micro-)batch."""
 
     id: int
-    name: str                     # fx node name, unique in the graph
-    op: str                       # fx op (see FX_OPS)
-    target: str                   # module qualified name, function or method name
-    type: str                     # module class name ("Conv2d") or function name ("add")
+    name: str                     # module path, unique ("name#2" for a module's second run)
+    op: str                       # "module" (a block named after a module) or "ops" (code outside modules)
+    target: str                   # the module path
+    type: str                     # the module's class name ("GPT2Block", "Conv2d")
     forward_ms: float = 0.0
     backward_ms: float = 0.0
-    activation_bytes: int = 0     # bytes of all tensors this node outputs
+    activation_bytes: int = 0     # bytes of the tensors it computes that later nodes read (its outputs)
     param_count: int = 0
     param_bytes: int = 0
-    params: tuple[str, ...] = ()  # qualified names of the parameters this node owns
-    # the name of a graph value computed at or before this node and read after it that cannot cross a
-    # stage boundary (an int, None, a shape tuple...): a cut right after this node is infeasible
-    cut_blocker: str | None = None
+    params: tuple[str, ...] = ()  # qualified names of the parameters this node owns (first reader)
+    shared: tuple[str, ...] = ()  # parameters it reads that an earlier node owns (tied weights)
+    shared_bytes: tuple[int, ...] = ()   # the bytes of each of ``shared``
+    saved_bytes: int = 0          # bytes autograd keeps from its forward for its backward
+    cut_bytes: int = 0            # bytes crossing a cut right after this node, forward
+    cut_grad_bytes: int = 0       # their gradients coming back
+    cut_blocker: str | None = None   # a value that cannot cross a cut right after this node
 
     @property
     def compute_ms(self) -> float:
@@ -84,6 +92,9 @@ class Profile:
     repeats: int = 0
     created: str = ""
     notes: tuple[str, ...] = dc_field(default=())
+    granularity: str = "blocks"   # how operations were grouped into nodes (profiles/blocks.py)
+    front_end: str = "export"     # "export" (torch.export) or "fx" (torch.fx's tracer, the fallback)
+    tied: tuple[tuple[str, ...], ...] = ()   # names under which one parameter is registered (tied weights)
 
     # ---- derived views -------------------------------------------------------------
     def signature(self) -> str:
@@ -106,8 +117,10 @@ class Profile:
         d.update(asdict(self))
         d["input_shape"] = list(self.input_shape)
         d["edges"] = [list(e) for e in self.edges]
-        d["nodes"] = [dict(asdict(n), params=list(n.params)) for n in self.nodes]
+        d["nodes"] = [dict(asdict(n), params=list(n.params), shared=list(n.shared), shared_bytes=list(n.shared_bytes))
+                      for n in self.nodes]
         d["notes"] = list(self.notes)
+        d["tied"] = [list(t) for t in self.tied]
         d["signature"] = self.signature()
         return d
 
@@ -139,6 +152,9 @@ class Profile:
             repeats=field(d, "repeats", int, source, minimum=0, default=0),
             created=field(d, "created", str, source, default=""),
             notes=tuple(str(x) for x in field(d, "notes", list, source, default=[])),
+            granularity=field(d, "granularity", str, source, default="blocks"),
+            front_end=field(d, "front_end", str, source, default="export", choices=("export", "fx")),
+            tied=tuple(_name_list(t, f"{source}: tied", minimum=2) for t in field(d, "tied", list, source, default=[])),
         )
         if shape[0] != prof.batch_size:
             raise UserError(f"{source}: input_shape {shape} does not start with batch_size {prof.batch_size}")
@@ -150,8 +166,8 @@ class Profile:
 
 
 def graph_signature(nodes, edges) -> str:
-    """sha256 over the nodes' (name, op, target, params) and the edges: the graph's identity."""
-    payload = json.dumps([[[n.name, n.op, n.target, list(n.params)] for n in nodes],
+    """sha256 over the nodes' (name, op, target, params, shared) and the edges: the graph's identity."""
+    payload = json.dumps([[[n.name, n.op, n.target, list(n.params), list(n.shared)] for n in nodes],
                           [list(e) for e in edges]], separators=(",", ":"))
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
@@ -173,13 +189,13 @@ def _node_from_dict(n: object, index: int, source: str) -> ProfileNode:
     node_id = field(n, "id", int, where)
     if node_id != index:
         raise UserError(f"{where}: id is {node_id} but nodes must be listed in order with id == position")
-    params = field(n, "params", list, where, default=[])
-    if not all(isinstance(p, str) for p in params):
-        raise UserError(f"{where}: \"params\" must be a list of parameter names")
+    blocker = n.get("cut_blocker")
+    if blocker is not None and not isinstance(blocker, str):
+        raise UserError(f"{where}: \"cut_blocker\" must be a value name or null, got {json.dumps(blocker)[:60]}")
     node = ProfileNode(
         id=node_id,
         name=field(n, "name", str, where),
-        op=field(n, "op", str, where, choices=FX_OPS),
+        op=field(n, "op", str, where, choices=NODE_OPS),
         target=field(n, "target", str, where),
         type=field(n, "type", str, where),
         forward_ms=field(n, "forward_ms", float, where, minimum=0, default=0.0),
@@ -187,21 +203,20 @@ def _node_from_dict(n: object, index: int, source: str) -> ProfileNode:
         activation_bytes=field(n, "activation_bytes", int, where, minimum=0, default=0),
         param_count=field(n, "param_count", int, where, minimum=0, default=0),
         param_bytes=field(n, "param_bytes", int, where, minimum=0, default=0),
-        params=tuple(params),
-        cut_blocker=_cut_blocker(n, where),
+        params=_name_list(field(n, "params", list, where, default=[]), f"{where}: params"),
+        shared=_name_list(field(n, "shared", list, where, default=[]), f"{where}: shared"),
+        shared_bytes=tuple(field(n, "shared_bytes", list, where, default=[])),
+        saved_bytes=field(n, "saved_bytes", int, where, minimum=0, default=0),
+        cut_bytes=field(n, "cut_bytes", int, where, minimum=0, default=0),
+        cut_grad_bytes=field(n, "cut_grad_bytes", int, where, minimum=0, default=0),
+        cut_blocker=blocker,
     )
+    if len(node.shared_bytes) != len(node.shared) or not all(
+            isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in node.shared_bytes):
+        raise UserError(f"{where}: \"shared_bytes\" must list one byte count per entry of \"shared\"")
     if node.param_count and not node.param_bytes:
         raise UserError(f"{where}: param_count is {node.param_count} but param_bytes is 0")
     return node
-
-
-def _cut_blocker(n: dict, where: str) -> str | None:
-    """The optional "cut_blocker" key (absent or null in older profiles: no blocker)."""
-    value = n.get("cut_blocker")
-    if value is not None and (not isinstance(value, str) or not value):
-        raise UserError(f"{where}: \"cut_blocker\" must be the name of a graph value or null, "
-                        f"got {json.dumps(value)[:60]}")
-    return value
 
 
 def _edge_from_list(e: object, n_nodes: int, source: str) -> tuple[int, int]:
@@ -220,10 +235,6 @@ def _check_graph(nodes: tuple[ProfileNode, ...], edges, source: str) -> None:
     if len(set(names)) != len(names):
         dup = next(x for x in names if names.count(x) > 1)
         raise UserError(f"{source}: node name {dup!r} appears more than once; node names must be unique")
-    if nodes[0].op != "placeholder":
-        raise UserError(f"{source}: the first node must be the input placeholder, got op {nodes[0].op!r}")
-    if nodes[-1].op != "output" or sum(n.op == "output" for n in nodes) != 1:
-        raise UserError(f"{source}: the graph must end with exactly one \"output\" node")
     if len(set(edges)) != len(edges):
         raise UserError(f"{source}: duplicate edges")
     owners: dict[str, str] = {}
@@ -232,3 +243,10 @@ def _check_graph(nodes: tuple[ProfileNode, ...], edges, source: str) -> None:
             if p in owners:
                 raise UserError(f"{source}: parameter {p!r} is owned by both {owners[p]!r} and {n.name!r}")
             owners[p] = n.name
+
+
+def _name_list(value: object, where: str, minimum: int = 0) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(x, str) for x in value) or len(value) < minimum:
+        raise UserError(f"{where}: must be a list of{f' at least {minimum}' if minimum else ''} parameter names, "
+                        f"got {json.dumps(value)[:60]}")
+    return tuple(value)

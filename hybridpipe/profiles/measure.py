@@ -1,22 +1,30 @@
-"""Measuring one fx node in isolation: forward ms, backward ms and output bytes.
+"""Measuring each block of a captured model in isolation: forward ms, backward ms, bytes.
 
-``reference_pass`` runs the graph once, node by node, and keeps every node's output detached,
-with ``requires_grad`` set exactly as in the real model (true where the value depends on a
-parameter). ``measure_node`` then replays one node on fresh copies of its real inputs: the
-forward is timed with autograd recording (as in training), the backward from random output
-gradients into the node's inputs and parameters.
+Every block is cut out as its own one-block stage (cut.py: the same graph surgery the pipeline
+uses for its stages). ``reference_pass`` runs the blocks in order on the example batch and keeps every value that
+crosses a block boundary, detached, with ``requires_grad`` exactly as in the real model (true
+where the value depends on a parameter). ``measure_block`` then replays one block on fresh
+copies of its real inputs: the forward timed with autograd recording (as in training) while
+counting what autograd saves for the backward, the backward from random output gradients (the
+last block: from the loss) into the block's inputs and parameters.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
 import torch
+import torch.utils._pytree as pytree
 from torch import fx
 
+from hybridpipe.errors import UserError
+from hybridpipe.profiles.capture import CapturedModel, own_loss
+from hybridpipe.profiles.cut import stage_boundaries, stage_graph_module
 from hybridpipe.profiles.timing import median_ms
+
+LossFn = Callable[[Any, Any], torch.Tensor]
 
 
 class Timing(TypedDict):
@@ -28,21 +36,29 @@ class Timing(TypedDict):
 
 
 @dataclass(frozen=True)
-class NodeCost:
+class BlockModule:
+    """One block as a callable graph (a one-block stage): ``inputs`` in, ``outputs`` out (the last
+    block returns the model's flat output). ``produced`` are the outputs the block computes itself
+    (the rest it only relays)."""
+
+    module: fx.GraphModule
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    produced: tuple[str, ...]
+    last: bool
+
+
+@dataclass(frozen=True)
+class BlockCost:
     forward_ms: float
     backward_ms: float
-    activation_bytes: int
+    output_bytes: int             # tensors the block hands to later blocks (or the model's output)
+    saved_bytes: int              # tensors autograd keeps from its forward for its backward
 
 
 def tensors(obj: Any) -> list[torch.Tensor]:
-    """Every tensor inside ``obj`` (nested tuples, lists and dicts), in order."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (tuple, list)):
-        return [t for x in obj for t in tensors(x)]
-    if isinstance(obj, dict):
-        return [t for x in obj.values() for t in tensors(x)]
-    return []
+    """Every tensor inside ``obj`` (nested tuples, lists, dicts, model outputs), in order."""
+    return [t for t in pytree.tree_leaves(obj) if isinstance(t, torch.Tensor)]
 
 
 def nbytes(obj: Any) -> int:
@@ -50,101 +66,102 @@ def nbytes(obj: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors(obj))
 
 
-def map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
-    """``obj`` with every tensor inside replaced by ``fn(tensor)``."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):   # named tuple
-        return type(obj)(*(map_tensors(fn, x) for x in obj))
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(map_tensors(fn, x) for x in obj)
-    if isinstance(obj, dict):
-        return {k: map_tensors(fn, v) for k, v in obj.items()}
-    return obj
+def block_modules(captured: CapturedModel) -> list[BlockModule]:
+    """Every block of ``captured`` cut out as a one-block stage (profiles/cut.py)."""
+    n = len(captured.blocks)
+    out = []
+    for b in stage_boundaries(captured, [(i, i) for i in range(n)]):
+        last = b.index == n - 1
+        produced = tuple(v for v in b.outputs if v not in b.relayed)
+        out.append(BlockModule(stage_graph_module(captured, b, last), b.inputs, b.outputs, produced, last))
+    return out
 
 
-def _leaf(t: torch.Tensor) -> torch.Tensor:
-    """A detached copy-free leaf that requires grad iff ``t`` did (and can: floating point)."""
-    return t.detach().requires_grad_(t.requires_grad and (t.is_floating_point() or t.is_complex()))
+def _leaf(value: Any) -> Any:
+    """A detached copy-free leaf that requires grad iff ``value`` did (and can: floating point)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().requires_grad_(value.requires_grad and (value.is_floating_point() or value.is_complex()))
+    return value
 
 
-def _fresh(t: torch.Tensor) -> torch.Tensor:
+def _fresh(value: Any) -> Any:
     """A clone, so in-place ops never touch the stored value; autograd still reaches the leaf."""
-    return t.clone()
+    return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, value)
 
 
-def execute(interp: fx.Interpreter, node: fx.Node, env: dict[fx.Node, Any]) -> Any:
-    """Run a non-placeholder ``node`` on fresh copies of its input values in ``env``."""
-    args = fx.node.map_arg(node.args, lambda n: map_tensors(_fresh, env[n]))
-    kwargs = fx.node.map_arg(node.kwargs, lambda n: map_tensors(_fresh, env[n]))
-    if node.op == "output":
-        return args[0]
-    return getattr(interp, node.op)(node.target, args, kwargs)
-
-
-def reference_pass(gm: fx.GraphModule, *inputs: Any) -> dict[fx.Node, Any]:
-    """Every node's output for ``inputs``, detached, with the real model's ``requires_grad``."""
-    interp = fx.Interpreter(gm)
-    env: dict[fx.Node, Any] = {}
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    if len(inputs) > len(placeholders):
-        raise ValueError(f"the graph takes {len(placeholders)} inputs, got {len(inputs)}")
+def reference_pass(captured: CapturedModel, blocks: Sequence[BlockModule], batch: Any) -> dict[str, Any]:
+    """Every value that crosses a block boundary for ``batch``, detached, with the real ``requires_grad``;
+    the model's output under ``"__output__"``."""
+    env: dict[str, Any] = {k: _leaf(v) for k, v in captured.flatten_input(batch).items()}
     with torch.enable_grad():
-        for node in gm.graph.nodes:
-            if node.op == "placeholder":
-                i = placeholders.index(node)
-                value = inputs[i] if i < len(inputs) else node.args[0]   # a default argument
+        for b in blocks:
+            result = b.module(*(env[name] for name in b.inputs))
+            if b.last:
+                env["__output__"] = pytree.tree_map(_leaf, captured.rebuild_output(result))
             else:
-                value = execute(interp, node, env)
-            env[node] = map_tensors(_leaf, value)
+                env.update({name: pytree.tree_map(_leaf, v) for name, v in zip(b.outputs, result, strict=True)})
     return env
 
 
-def measure_node(gm: fx.GraphModule, node: fx.Node, env: dict[fx.Node, Any], *, device: torch.device | str,
-                 repeats: int, warmup: int) -> NodeCost:
-    """Time ``node``'s forward and backward on its recorded inputs; bytes of what it outputs."""
-    if node.op in ("placeholder", "output", "get_attr"):
-        size = 0 if node.op == "output" else nbytes(env[node])
-        return NodeCost(0.0, 0.0, size)
-    interp = fx.Interpreter(gm)
-
+def measure_block(captured: CapturedModel, block: BlockModule, env: dict[str, Any], *, loss: LossFn | None,
+                  target: Any, device: torch.device | str, repeats: int, warmup: int) -> BlockCost:
+    """Time ``block``'s forward and backward on its recorded inputs (the last block: with the loss)."""
     def forward(_: Any = None) -> Any:
         with torch.enable_grad():
-            return execute(interp, node, env)
+            result = block.module(*(_fresh(env[name]) for name in block.inputs))
+            if block.last:
+                output = captured.rebuild_output(result)
+                return loss(output, target) if loss is not None else _own_loss(output)
+            return result
 
     fwd = median_ms(forward, device=device, repeats=repeats, warmup=warmup)
-    differentiable = [t for t in tensors(env[node]) if t.requires_grad]
+    saved = _saved_bytes(forward, block)
+    outs = [t for t in tensors(forward()) if t.requires_grad]
     bwd = 0.0
-    if differentiable:
-        grads = [torch.randn_like(t) for t in differentiable]
+    if outs:
+        grads = [torch.ones_like(t) if t.dim() == 0 else torch.randn_like(t) for t in outs]
 
         def prepare() -> list[torch.Tensor]:
-            gm.zero_grad(set_to_none=True)
+            block.module.zero_grad(set_to_none=True)
             return [t for t in tensors(forward()) if t.requires_grad]
 
-        def backward(outs: list[torch.Tensor]) -> None:
-            torch.autograd.backward(outs, grads)
+        bwd = median_ms(lambda o: torch.autograd.backward(o, grads), prepare=prepare, device=device,
+                        repeats=repeats, warmup=warmup)
+        block.module.zero_grad(set_to_none=True)
+    size = nbytes(env["__output__"]) if block.last else sum(nbytes(env[name]) for name in block.produced)
+    return BlockCost(fwd, bwd, size, saved)
 
-        bwd = median_ms(backward, prepare=prepare, device=device, repeats=repeats, warmup=warmup)
-    return NodeCost(fwd, bwd, nbytes(env[node]))
+
+def _own_loss(output: Any) -> torch.Tensor:
+    loss = own_loss(output)
+    if loss is None:
+        raise UserError(f"the model returned a {type(output).__name__} without a loss and has no loss function")
+    return loss
 
 
-def measure_loss(loss: Callable[[Any, Any], torch.Tensor], output: Any, target: Any, *,
-                 device: torch.device | str, repeats: int, warmup: int) -> tuple[float, float]:
-    """(forward ms, backward ms) of the loss on the model's recorded output."""
-    def forward(_: Any = None) -> torch.Tensor:
-        with torch.enable_grad():
-            return loss(map_tensors(_fresh, output), target)
+def _saved_bytes(forward: Callable[[], Any], block: BlockModule) -> int:
+    """Bytes of the distinct non-parameter tensors autograd saves during one forward of the block."""
+    params = {p.data_ptr() for p in block.module.parameters()} | {b.data_ptr() for b in block.module.buffers()}
+    seen: dict[int, int] = {}
 
-    fwd = median_ms(forward, device=device, repeats=repeats, warmup=warmup)
-    if not forward().requires_grad:
-        return fwd, 0.0
-    bwd = median_ms(lambda value: value.backward(), prepare=forward, device=device, repeats=repeats, warmup=warmup)
-    return fwd, bwd
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        try:
+            ptr = t.untyped_storage().data_ptr()
+            size = t.untyped_storage().nbytes()
+        except (RuntimeError, NotImplementedError):
+            ptr, size = id(t), t.numel() * t.element_size()
+        if ptr not in params:
+            seen[ptr] = max(seen.get(ptr, 0), size)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = forward()
+    del out
+    return sum(seen.values())
 
 
 def measure_optimizer(module: torch.nn.Module, kind: str, *, device: torch.device | str, repeats: int,
-                       warmup: int) -> float:
+                      warmup: int) -> float:
     """Milliseconds of one optimizer step over every trainable parameter (``sgd``: momentum 0.9, as
     the runtime's default; ``adam``); the parameters are restored afterwards."""
     params = [p for p in {id(p): p for p in module.parameters()}.values() if p.requires_grad]
@@ -163,11 +180,8 @@ def measure_optimizer(module: torch.nn.Module, kind: str, *, device: torch.devic
                 p.grad = None
 
 
-def measure_step(gm: fx.GraphModule, loss: Callable[[Any, Any], torch.Tensor], inputs: tuple[Any, ...],
-                 target: Any, *, device: torch.device | str, repeats: int, warmup: int) -> float:
-    """Milliseconds of one full forward + loss + backward of the whole graph (median)."""
-    def step(_: Any) -> None:
-        loss(gm(*inputs), target).backward()
-
-    return median_ms(step, prepare=lambda: gm.zero_grad(set_to_none=True), device=device,
-                     repeats=repeats, warmup=warmup)
+def measure_step(run_loss: Callable[[], torch.Tensor], module: torch.nn.Module, *, device: torch.device | str,
+                 repeats: int, warmup: int) -> float:
+    """Milliseconds of one full forward + loss + backward of the whole model (median)."""
+    return median_ms(lambda _: run_loss().backward(), prepare=lambda: module.zero_grad(set_to_none=True),
+                     device=device, repeats=repeats, warmup=warmup)

@@ -1,30 +1,40 @@
-"""Profiling a model: trace it, time every node's forward and backward, count its bytes.
+"""Profiling a model: capture it, time every block's forward and backward, count its bytes.
 
 ``profile_model(spec, batch_size=...)`` returns a ``Profile`` (see format.py). Node times come
-from replaying each node in isolation on its real inputs (measure.py); the ``output`` node
-carries the loss (its forward and backward), which the last pipeline stage computes. The
-node sums are checked against a timed full forward + loss + backward of the whole graph:
-``totals.ratio`` near 1 means the per-node numbers add up to what training costs.
+from replaying each block in isolation on its real inputs (measure.py); the last block carries
+the loss, which the last pipeline stage computes. The node sums are checked against a timed
+full forward + loss + backward of the whole model: ``totals.ratio`` near 1 means the per-node
+numbers add up to what training costs (the whole captured graph, which is what the stages run).
 """
 
 from __future__ import annotations
 
 import datetime
+from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from tqdm import tqdm
 
 from hybridpipe.errors import UserError
+from hybridpipe.profiles.capture import (
+    CapturedModel,
+    capture_model,
+    own_loss,
+    tied_parameters,
+)
 from hybridpipe.profiles.format import Profile, ProfileNode, ProfileTotals
+from hybridpipe.profiles.graphinfo import graph_edges, node_infos, unused_parameters
 from hybridpipe.profiles.measure import (
     Timing,
-    measure_loss,
-    measure_node,
+    block_modules,
+    measure_block,
     measure_optimizer,
     measure_step,
+    nbytes,
     reference_pass,
+    tensors,
 )
-from hybridpipe.profiles.trace import graph_edges, node_infos, trace_model
 from hybridpipe.profiles.zoo.registry import ModelSpec
 
 
@@ -49,54 +59,80 @@ def device_description(device: torch.device) -> str:
 
 
 def profile_model(model: ModelSpec, *, batch_size: int, device: str | torch.device = "cpu", repeats: int = 5,
-                  warmup: int = 1, seed: int = 0, progress: bool | None = True) -> Profile:
-    """Trace and measure ``model`` at ``batch_size`` samples per (micro-)batch on ``device``.
+                  warmup: int = 1, seed: int = 0, progress: bool | None = True,
+                  granularity: str | int = "blocks") -> Profile:
+    """Capture and measure ``model`` at ``batch_size`` samples per (micro-)batch on ``device``.
 
-    ``progress``: a tqdm bar on stderr (None: only when stderr is a terminal).
+    ``granularity``: how operations group into nodes (profiles/blocks.py). ``progress``: a tqdm
+    bar on stderr (None: only when stderr is a terminal).
     """
     if batch_size < 1 or repeats < 1 or warmup < 0:
         raise UserError(f"need batch size >= 1, repeats >= 1 and warmup >= 0; got {batch_size}, {repeats}, {warmup}")
     device = resolve_device(str(device))
     torch.manual_seed(seed)
     module = model.build().to(device).train()
-    gm = trace_model(module, model.leaf_modules)
-    infos = node_infos(gm)
     generator = torch.Generator().manual_seed(seed)
-    x = model.example_input(batch_size, generator).to(device)
-    target = model.example_target(batch_size, generator).to(device)
-
-    env = reference_pass(gm, x)
-    params = dict(gm.named_parameters(remove_duplicate=False))
-    counted: set[int] = set()
-    nodes = []
+    batch = to_device(model.example_input(batch_size, generator), device)
+    target = to_device(model.example_target(batch_size, generator), device)
+    captured = capture_model(module, batch, granularity=granularity, leaf_modules=model.leaf_modules)
+    blocks = block_modules(captured)
+    env = reference_pass(captured, blocks, batch)
+    infos = node_infos(captured)
     timing = Timing(device=device, repeats=repeats, warmup=warmup)
     disable = None if progress is None else not progress
-    for i, (node, info) in enumerate(tqdm(list(zip(gm.graph.nodes, infos, strict=True)), desc=f"profile {model.name}",
-                                          unit="node", disable=disable, leave=False)):
-        if node.op == "output":
-            fwd, bwd = measure_loss(model.loss, env[node], target, **timing)
-            cost_bytes = 0
-        else:
-            cost = measure_node(gm, node, env, **timing)
-            fwd, bwd, cost_bytes = cost.forward_ms, cost.backward_ms, cost.activation_bytes
-        own = [params[p] for p in info.params if id(params[p]) not in counted]
-        counted.update(id(p) for p in own)
+    nodes = []
+    for i, (block, info) in enumerate(tqdm(list(zip(blocks, infos, strict=True)), desc=f"profile {model.name}",
+                                           unit="node", disable=disable, leave=False)):
+        cost = measure_block(captured, block, env, loss=model.loss, target=target, **timing)
+        own = [module.get_parameter(p) for p in info.params]
+        crossing = [env[name] for name in block.outputs] if not block.last else []
         nodes.append(ProfileNode(
             id=i, name=info.name, op=info.op, target=info.target, type=info.type,
-            forward_ms=round(fwd, 6), backward_ms=round(bwd, 6), activation_bytes=cost_bytes,
+            forward_ms=round(cost.forward_ms, 6), backward_ms=round(cost.backward_ms, 6),
+            activation_bytes=cost.output_bytes, saved_bytes=cost.saved_bytes,
             param_count=sum(p.numel() for p in own), param_bytes=sum(p.numel() * p.element_size() for p in own),
-            params=info.params))
+            params=info.params, shared=info.shared,
+            shared_bytes=tuple(_nbytes(module.get_parameter(p)) for p in info.shared),
+            cut_bytes=sum(nbytes(v) for v in crossing),
+            cut_grad_bytes=sum(t.numel() * t.element_size() for v in crossing for t in tensors(v) if t.requires_grad),
+            cut_blocker=next((name for name in block.outputs if name in captured.blocked), None)))
     del env
-    measured = measure_step(gm, model.loss, (x,), target, **timing)
-    steps = {kind: measure_optimizer(gm, kind, **timing) for kind in ("sgd", "adam")}
+    flat = captured.flatten_input(batch)
+    graph_args = [flat[name] for name in captured.inputs]
+
+    def run_loss() -> torch.Tensor:     # the captured graph, as the pipeline's stages run it
+        out = captured.rebuild_output(captured.graph(*graph_args))
+        return model.loss(out, target) if model.loss is not None else own_loss_of(out)
+
+    measured = measure_step(run_loss, module, **timing)
+    steps = {kind: measure_optimizer(module, kind, **timing) for kind in ("sgd", "adam")}
+    first = next(t for t in tensors(batch))
+    params = list(module.parameters())
     return Profile(
-        model=model.name, batch_size=batch_size, input_shape=tuple(x.shape),
-        input_dtype=_dtype_name(x.dtype), dtype=_dtype_name(next(iter(params.values())).dtype) if params else "float32",
+        model=model.name, batch_size=batch_size, input_shape=tuple(first.shape),
+        input_dtype=_dtype_name(first.dtype), dtype=_dtype_name(params[0].dtype) if params else "float32",
         device=device_description(device), torch_version=torch.__version__,
-        nodes=tuple(nodes), edges=tuple(graph_edges(gm)),
+        nodes=tuple(nodes), edges=tuple(graph_edges(captured)),
         totals=_totals(nodes, module, measured, steps), repeats=repeats,
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        notes=_notes(nodes, module))
+        notes=_notes(captured), granularity=str(granularity), front_end=captured.front_end,
+        tied=tuple(tied_parameters(module)))
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` (tensor, tuple or dict, nested) with every tensor moved to ``device``."""
+    return pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, batch)
+
+
+def own_loss_of(output: Any) -> torch.Tensor:
+    loss = own_loss(output)
+    if loss is None:
+        raise UserError(f"the model returned a {type(output).__name__} without a loss and has no loss function")
+    return loss
 
 
 def _totals(nodes: list[ProfileNode], module: torch.nn.Module, measured_ms: float,
@@ -112,12 +148,14 @@ def _totals(nodes: list[ProfileNode], module: torch.nn.Module, measured_ms: floa
         sgd_step_ms=round(step_ms.get("sgd", 0.0), 6), adam_step_ms=round(step_ms.get("adam", 0.0), 6))
 
 
-def _notes(nodes: list[ProfileNode], module: torch.nn.Module) -> tuple[str, ...]:
-    notes = ["the output node's forward_ms/backward_ms are the loss's"]
-    distinct = {id(p): p for p in module.parameters()}.values()
-    unused = sum(p.numel() for p in distinct) - sum(n.param_count for n in nodes)
+def _notes(captured: CapturedModel) -> tuple[str, ...]:
+    notes = ["the last node's forward_ms/backward_ms include the loss's"]
+    if captured.front_end == "fx":
+        notes.append("captured with torch.fx's tracer (torch.export could not capture the model)")
+    unused = unused_parameters(captured)
     if unused:
-        notes.append(f"{unused} parameters are not used by forward (no node owns them)")
+        notes.append(f"{len(unused)} parameter tensors are not used by forward (no node owns them): "
+                     f"{', '.join(unused[:5])}{' ...' if len(unused) > 5 else ''}")
     return tuple(notes)
 
 

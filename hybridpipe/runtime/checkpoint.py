@@ -1,4 +1,4 @@
-"""Checkpoints of a pipelined run: save every K steps, resume from the newest complete one.
+"""Checkpoints of a pipelined run: save every K steps, resume from the newest usable one.
 
 How the worker uses it (every rank, after the process group and the stage are built)::
 
@@ -6,7 +6,7 @@ How the worker uses it (every rank, after the process group and the stage are bu
                         keep=args.keep_checkpoints)
     start = 0
     if args.resume:
-        restored = ckpt.restore()               # collective; None when there is none yet
+        restored = ckpt.restore()               # collective; None when the directory holds none
         if restored is not None:
             stage_module.load_state_dict(restored.model)
             optimizer.load_state_dict(restored.optimizer)
@@ -23,21 +23,32 @@ How the worker uses it (every rank, after the process group and the stage are bu
 calls them at the same step. Replica 0 of each stage writes the stage's weights and optimizer
 state (replicas hold identical ones); every rank writes its own file with the engine state
 (PipeDream's stashed weight versions differ between replicas) and its RNG states. After all
-ranks reported their files, the stage-0 replica-0 rank writes the manifest (the commit point)
-and deletes all but the ``keep`` newest checkpoints. See checkpoint_files.py for the layout.
+ranks reported their files, the stage-0 replica-0 rank writes the manifest, commits the
+directory (checkpoint_files.commit) and deletes all but the ``keep`` newest checkpoints of its
+own lineage (this training and the runs it was resumed from): never anyone else's.
 
-``restore`` picks the newest step that every rank sees complete; a checkpoint whose files
-fail their SHA-256 check on any rank is skipped for the previous one (with a warning).
+``restore`` never starts over silently. It walks the checkpoints from the newest: one that is
+incomplete (killed while saving), corrupt (SHA-256), or not plain data on some rank is skipped
+for the previous one, and named in ``Restored.skipped``; one written with another plan, or one
+whose file matches its manifest yet is not plain data (replaced: possibly hostile), stops the
+run (``AgreedError``, every rank the same line); when every one is
+skipped the run stops too, naming each and why. Only a directory holding no checkpoint at all
+starts from step 0 (``restore`` returns None). Nothing is deleted on the way.
+
+Everything saved is plain data for ``torch.load(weights_only=True)``: tensors, numbers,
+strings, lists and dicts; the Python and NumPy RNG states are stored as lists of ints.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import os
 import random
 import time
-from dataclasses import dataclass
+import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,17 +56,21 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hybridpipe.errors import UserError
+from hybridpipe.errors import AgreedError, UserError
 from hybridpipe.runtime.checkpoint_files import (
+    MANIFEST,
+    NotPlainData,
     atomic_save,
-    complete_steps,
+    commit,
     load_file,
     prune,
     rank_file,
     read_manifest,
-    remove_newer_than,
     stage_file,
+    staging_dir,
     step_dir,
+    step_dirs,
+    why_incomplete,
     write_manifest,
 )
 
@@ -63,8 +78,12 @@ log = logging.getLogger(__name__)
 
 
 def capture_rng() -> dict:
-    """This process's RNG states: torch CPU (and CUDA when present), Python, NumPy."""
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    """This process's RNG states as plain data: torch CPU (and CUDA when present) as tensors,
+    Python's and NumPy's Mersenne Twisters as lists of ints and floats."""
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": [version, list(internal), gauss],
+                             "numpy": [name, np.asarray(keys).tolist(), int(pos), int(has_gauss), float(cached)]}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -73,13 +92,15 @@ def capture_rng() -> dict:
 def restore_rng(state: dict) -> None:
     """Put back the RNG states of :func:`capture_rng`."""
     torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Restored:
     """What this rank gets back from a checkpoint."""
 
@@ -90,13 +111,14 @@ class Restored:
     rng: dict                   # this rank's RNG states (restore_rng)
     extra: dict                 # what the worker passed to save(extra=...)
     path: Path
+    skipped: tuple[str, ...] = ()   # newer checkpoints passed over: "step-000009: why"
 
 
 class Checkpointer:
     """Periodic, atomic, collective checkpoints of one rank's part (see the module docstring)."""
 
     def __init__(self, root: str | os.PathLike, *, plan, rank: int, every: int = 0, keep: int = 3,
-                 group: dist.ProcessGroup | None = None) -> None:
+                 group: dist.ProcessGroup | None = None, tied: Sequence[Sequence[str]] = ()) -> None:
         if every < 0:
             raise UserError(f"--checkpoint-every must be >= 0 (0: never), got {every}")
         self.root = Path(root)
@@ -105,10 +127,12 @@ class Checkpointer:
         self.every = every
         self.keep = keep
         self.group = group
+        self.tied = [list(names) for names in tied]      # names of one parameter (merge fills them all in)
         stage, replica = plan.stage_of_rank(rank)
         self.stage, self.replica = stage.index, replica
         self.n_stages = len(plan.stages)
         self.committer = plan.stages[0].ranks[0]
+        self.lineage = ""           # set by restore (the checkpoint's) or by the first save (new)
 
     def due(self, steps_done: int) -> bool:
         """Whether a checkpoint is taken after ``steps_done`` completed steps."""
@@ -118,7 +142,7 @@ class Checkpointer:
              extra: dict | None = None) -> Path:
         """Write this rank's files for ``steps_done``; the committer writes the manifest last."""
         t0 = time.perf_counter()
-        d = step_dir(self.root, steps_done)
+        d = staging_dir(self.root, steps_done)
         records = []
         if self.replica == 0:
             records.append(atomic_save({"step": steps_done, "stage": self.stage, "model": model,
@@ -127,45 +151,84 @@ class Checkpointer:
                                     "rng": capture_rng(), "extra": extra or {}}, d / rank_file(self.rank)))
         everyone = self._gather(records)
         if self.rank == self.committer:
+            self.lineage = self.lineage or uuid.uuid4().hex[:16]
             files = [r for recs in everyone for r in recs]
-            write_manifest(self.root, steps_done, files, self._meta(time.perf_counter() - t0))
-            for old in prune(self.root, self.keep):
+            write_manifest(d, steps_done, files, self._meta(time.perf_counter() - t0))
+            final, aside = commit(self.root, steps_done, {f.name for f in files})
+            if aside is not None:
+                log.warning("an unusable checkpoint was in the way: moved %s aside to %s", final, aside)
+            for old in prune(self.root, self.keep, self.lineage):
                 log.info("deleted old checkpoint %s", old)
         log.info("checkpoint of step %d written in %.2f s", steps_done, time.perf_counter() - t0)
-        return d
+        return step_dir(self.root, steps_done)
 
     def restore(self) -> Restored | None:
-        """Load this rank's part of the newest checkpoint complete on every rank (collective)."""
-        seen = self._gather(complete_steps(self.root, self.n_stages))
-        common = sorted(set.intersection(*map(set, seen)))
-        if not common and any(seen):
+        """This rank's part of the newest checkpoint usable on every rank (collective; see the
+        module docstring): None when the directory holds no checkpoint at all, else Restored,
+        else AgreedError naming every checkpoint and why it cannot be resumed from."""
+        seen = self._gather(sorted(step_dirs(self.root)))
+        steps = sorted(set().union(*map(set, seen)), reverse=True)
+        if not steps:
+            return None
+        blind = [r for r, s in enumerate(seen) if not s]
+        if blind:
             newest = max((max(s), r) for r, s in enumerate(seen) if s)
-            blind = [r for r, s in enumerate(seen) if not s]
-            raise UserError(f"rank {newest[1]} sees checkpoint step {newest[0]} in {self.root} but rank(s) "
-                            f"{', '.join(map(str, blind[:8]))} see none: --checkpoint-dir must be one directory "
-                            "shared by every node")
-        for step in reversed(common):
-            self._check_plan(step)
-            loaded, problem = self._load(step)
-            problems = self._gather(problem)
-            if not any(problems):
-                if self.rank == self.committer:
-                    remove_newer_than(self.root, step)
-                log.info("resuming from checkpoint %s", step_dir(self.root, step))
-                return loaded
-            bad = next(p for p in problems if p)
-            log.warning("checkpoint of step %d is unusable (%s); trying the previous one", step, bad)
-        return None
+            raise AgreedError(f"rank {newest[1]} sees checkpoint step {newest[0]} in {self.root} but rank(s) "
+                              f"{', '.join(map(str, blind[:8]))} see none: --checkpoint-dir must be one "
+                              "directory shared by every node")
+        skipped: list[str] = []
+        for step in steps:
+            name = step_dir(self.root, step).name
+            loaded, problem = self._try_step(step, seen[self.rank])
+            problems = [p for p in self._gather(problem) if p]
+            if not problems:
+                if loaded is None:
+                    raise RuntimeError(f"rank {self.rank} loaded nothing from {name} yet reported no problem")
+                self.lineage = str(read_manifest(step_dir(self.root, step)).get("lineage", ""))
+                return dataclasses.replace(loaded, skipped=tuple(skipped))
+            unsafe = next((p for p in problems if p.startswith("unsafe:")), None)
+            if unsafe is not None:
+                raise AgreedError(f"--resume: {unsafe[7:]} (its manifest vouches for it, so it was replaced after "
+                                  "the save); nothing was loaded or changed")
+            plan = next((p for p in problems if p.startswith("plan:")), None)
+            if plan is not None:
+                raise AgreedError(f"--resume: {step_dir(self.root, step)} was written with another plan "
+                                  f"({plan[5:]}); resume with the plan it was made with, or start afresh with "
+                                  "another --checkpoint-dir (nothing was changed)"
+                                  + (f"; newer ones skipped: {'; '.join(skipped)}" if skipped else ""))
+            here = str(step_dir(self.root, step))         # name its files relative to it
+            skipped.append(f"{name}: {problems[0].replace(here + os.sep, '').replace(here, name)}")
+        raise AgreedError(f"--resume: no usable checkpoint in {self.root} ({'; '.join(skipped)}); repair or "
+                          "move them away, or start afresh with another --checkpoint-dir (nothing was changed)")
 
     # ---- helpers ----------------------------------------------------------------------
-    def _load(self, step: int) -> tuple[Restored | None, str]:
+    def _try_step(self, step: int, visible: list[int]) -> tuple[Restored | None, str]:
+        """Load this rank's part of ``step``: (Restored, "") or (None, why not); a reason that
+        starts with "plan:" means another plan wrote it."""
+        d = step_dir(self.root, step)
+        if step not in visible:
+            return None, f"rank {self.rank} cannot see it"
+        if not (d / MANIFEST).exists():
+            return None, f"incomplete (no {MANIFEST}: its save was cut short)"
+        problem = why_incomplete(d, None)
+        if problem:
+            return None, f"incomplete ({problem})"
+        mismatch = self._plan_mismatch(step)
+        if mismatch:
+            return None, f"plan:{mismatch}"
         try:
             own = load_file(self.root, step, rank_file(self.rank))
             part = load_file(self.root, step, stage_file(self.stage))
-        except (UserError, OSError, RuntimeError) as e:
+        except NotPlainData as e:
+            return None, f"unsafe:{e}"
+        except UserError as e:
             return None, f"rank {self.rank}: {e}"
+        missing = [k for k, src in (("model", part), ("optimizer", part), ("engine", own), ("rng", own))
+                   if not isinstance(src.get(k), dict)]
+        if missing:
+            return None, f"rank {self.rank}: its files hold no {missing[0]} state"
         return Restored(step=step, model=part["model"], optimizer=part["optimizer"], engine=own["engine"],
-                        rng=own["rng"], extra=own["extra"], path=step_dir(self.root, step)), ""
+                        rng=own["rng"], extra=own.get("extra") or {}, path=d), ""
 
     def _meta(self, seconds: float) -> dict:
         p = self.plan
@@ -173,16 +236,18 @@ class Checkpointer:
                 "batch_size": p.batch_size, "n_stages": self.n_stages, "world_size": p.world_size,
                 "stages": [{"first_node": s.first_node, "last_node": s.last_node, "ranks": list(s.ranks)}
                            for s in p.stages],
+                "tied": self.tied,
+                "lineage": self.lineage,
                 "created": datetime.datetime.now().isoformat(timespec="seconds"), "save_seconds": round(seconds, 3)}
 
-    def _check_plan(self, step: int) -> None:
+    def _plan_mismatch(self, step: int) -> str:
+        """How the plan that wrote ``step`` differs from this one ("" when it is the same)."""
         m = read_manifest(step_dir(self.root, step))
         mine = self._meta(0.0)
         for key in ("model", "schedule", "micro_batches", "batch_size", "n_stages", "world_size", "stages"):
             if m.get(key) != mine[key]:
-                raise UserError(f"checkpoint {step_dir(self.root, step)} was written with another plan "
-                                f"({key}: {m.get(key)!r} vs {mine[key]!r}); resume with the plan it was made "
-                                "with, or merge it (hybridpipe merge-checkpoint) and start a new run from it")
+                return f"{key}: {_short(m.get(key))} there, {_short(mine[key])} here"
+        return ""
 
     def _gather(self, obj: Any) -> list[Any]:
         if not dist.is_initialized():
@@ -192,3 +257,8 @@ class Checkpointer:
         out: list[Any] = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(out, obj, group=self.group)
         return out
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

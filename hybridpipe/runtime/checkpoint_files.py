@@ -7,12 +7,21 @@ Layout of a checkpoint directory (``--checkpoint-dir DIR``)::
     DIR/step-000120/rank-00003.pt   rank 3's own state: engine state (stashed weights), RNG states
     DIR/step-000120/manifest.json   written LAST, after every rank reported its files
 
-``step-N`` holds the state after N completed steps (resume runs step N next). Every file is
-written to a temporary name, fsynced, then renamed, and the manifest records each file's size
-and SHA-256. A checkpoint is *complete* when its manifest exists and every file it lists exists
-with the recorded size; a save killed half way leaves no manifest (or only temporary files), so
-it is never picked. Stage files hold ordinary state_dicts whose keys are the model's own names
-(the stage builder keeps them), so merging is a union of the stages' dicts.
+``step-N`` holds the state after N completed steps (resume runs step N next). A save writes
+into ``DIR/.step-N.tmp/`` (every file to a temporary name, fsynced, renamed), the manifest
+records each file's size and SHA-256, and the whole directory is renamed to ``step-N`` at the
+end (:func:`commit`): a save killed half way leaves only the ``.tmp`` directory, never a
+``step-N``. A checkpoint is *complete* when its manifest exists and every file it lists exists
+with the recorded size. Stage files hold ordinary state_dicts whose keys are the model's own
+names (the stage builder keeps them), so merging is a union of the stages' dicts.
+
+Checkpoints are data, not code: every file is read with ``torch.load(weights_only=True)``
+(tensors, numbers, strings, lists, dicts only), so a shard replaced by a pickle that would run a
+command is refused with one line and never executed. The manifest is read with the project's
+JSON loader and every field it uses is type-checked.
+
+Each manifest names its *lineage* (a training run and the runs resumed from it); pruning only
+ever deletes complete checkpoints of the lineage that is writing, never anyone else's.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import os
 import re
 import shutil
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,15 +40,23 @@ from typing import Any
 import torch
 
 from hybridpipe.errors import UserError
+from hybridpipe.jsonfile import field, parse_json, replace_into
+from hybridpipe.pipeline.tied import complete_tied
 
 CHECKPOINT_KIND = "checkpoint"
 CHECKPOINT_FORMAT = 1
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+_STAGING = re.compile(r"^\.step-(\d+)\.tmp$")
 
 
 def step_dir(root: str | os.PathLike, step: int) -> Path:
     return Path(root) / f"step-{step:06d}"
+
+
+def staging_dir(root: str | os.PathLike, step: int) -> Path:
+    """Where a save of ``step`` writes until :func:`commit` renames it to :func:`step_dir`."""
+    return Path(root) / f".step-{step:06d}.tmp"
 
 
 def stage_file(stage: int) -> str:
@@ -47,6 +65,11 @@ def stage_file(stage: int) -> str:
 
 def rank_file(rank: int) -> str:
     return f"rank-{rank:05d}.pt"
+
+
+class NotPlainData(UserError):
+    """A checkpoint file whose bytes match its manifest but which is not plain tensor data: it
+    was replaced (or written by something else); never loaded, never resumed from."""
 
 
 @dataclass(frozen=True)
@@ -84,16 +107,23 @@ def _fsync_dir(path: Path) -> None:
 
 
 def atomic_save(obj: Any, path: Path) -> FileRecord:
-    """``torch.save`` to ``path`` atomically: temp file in the same directory, fsync, rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    """``torch.save`` to ``path`` atomically: temp file in the same directory, fsync, the user's
+    umask, rename. A path that cannot be written is a one-line UserError."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as e:
+        raise UserError(f"cannot write {path}: {e.strerror or e}") from None
     try:
         with os.fdopen(fd, "wb") as f:
             w = _HashingWriter(f)
             torch.save(obj, w)  # type: ignore[arg-type]  # any object with write() does (stub: IO[bytes])
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        replace_into(tmp, path)
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        raise UserError(f"cannot write {path}: {e.strerror or e}") from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -101,21 +131,25 @@ def atomic_save(obj: Any, path: Path) -> FileRecord:
     return FileRecord(path.name, w.count, w.hash.hexdigest())
 
 
-def write_manifest(root: str | os.PathLike, step: int, files: list[FileRecord], meta: dict) -> Path:
-    """Write ``step``'s manifest (atomically, last): what makes the checkpoint complete."""
+def write_manifest(directory: str | os.PathLike, step: int, files: list[FileRecord], meta: dict) -> Path:
+    """Write ``step``'s manifest into ``directory`` (atomically, last): what makes the checkpoint
+    complete once the directory is committed."""
     names = [f.name for f in files]
     if len(set(names)) != len(names):
         raise ValueError(f"a file is listed twice in checkpoint step {step}: {sorted(names)}")
     data = {"kind": CHECKPOINT_KIND, "format": CHECKPOINT_FORMAT, "step": step, **meta,
             "files": {f.name: {"bytes": f.bytes, "sha256": f.sha256} for f in sorted(files, key=lambda f: f.name)}}
-    d = step_dir(root, step)
-    fd, tmp = tempfile.mkstemp(prefix=f".{MANIFEST}.", suffix=".tmp", dir=d)
+    d = Path(directory)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{MANIFEST}.", suffix=".tmp", dir=d)
+    except OSError as e:
+        raise UserError(f"cannot write {d / MANIFEST}: {e.strerror or e}") from None
     try:
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, d / MANIFEST)
+        replace_into(tmp, d / MANIFEST)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -123,44 +157,88 @@ def write_manifest(root: str | os.PathLike, step: int, files: list[FileRecord], 
     return d / MANIFEST
 
 
+def commit(root: str | os.PathLike, step: int, keep_files: set[str]) -> tuple[Path, Path | None]:
+    """Rename the staging directory of ``step`` to ``step-N`` (the checkpoint appears whole).
+
+    Files in the staging directory that the manifest does not list (left by an earlier save of
+    the same step that was killed) are removed first. A ``step-N`` that already exists (an
+    unusable checkpoint a resumed run skipped) is never overwritten: it is renamed aside to
+    ``step-N.skipped-K``, which is returned second."""
+    staging, final = staging_dir(root, step), step_dir(root, step)
+    for p in staging.iterdir():
+        if p.name not in keep_files and p.name != MANIFEST and p.is_file():
+            p.unlink(missing_ok=True)
+    aside = None
+    if final.exists() or final.is_symlink():
+        k = 1
+        while (final.parent / f"{final.name}.skipped-{k}").exists():
+            k += 1
+        aside = final.parent / f"{final.name}.skipped-{k}"
+        os.rename(final, aside)
+    os.rename(staging, final)
+    _fsync_dir(final.parent)
+    return final, aside
+
+
 def read_manifest(directory: str | os.PathLike) -> dict:
-    """The manifest of one step directory; UserError if missing or not a checkpoint manifest."""
+    """The manifest of one step directory, its fields type-checked (``files`` maps each name to
+    ``{"bytes": int, "sha256": str}``); UserError if missing, unreadable or malformed."""
     p = Path(directory) / MANIFEST
     try:
-        data = json.loads(p.read_text())
+        text = p.read_text()
     except FileNotFoundError:
         raise UserError(f"{p.parent} is not a complete checkpoint (no {MANIFEST}): it was interrupted "
                         "while saving; use an older step") from None
-    except (OSError, ValueError) as e:
-        raise UserError(f"cannot read checkpoint manifest {p}: {e}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read checkpoint manifest {p}: {getattr(e, 'strerror', None) or e}") from None
+    data = parse_json(text, f"checkpoint manifest {p}")
     if not isinstance(data, dict) or data.get("kind") != CHECKPOINT_KIND:
         raise UserError(f"{p} is not a hybridpipe checkpoint manifest")
     if data.get("format") != CHECKPOINT_FORMAT:
         raise UserError(f"{p}: checkpoint format {data.get('format')!r} is not supported (this hybridpipe "
                         f"reads format {CHECKPOINT_FORMAT})")
+    where = f"checkpoint manifest {p}"
+    field(data, "step", int, where, minimum=0)
+    field(data, "n_stages", int, where, minimum=1)
+    field(data, "model", str, where)
+    field(data, "lineage", str, where, default="")
+    for name, rec in field(data, "files", dict, where).items():
+        if "/" in name or name in ("", ".", ".."):
+            raise UserError(f"{where}: file name {name!r} is not a plain name inside the checkpoint")
+        field(rec, "bytes", int, f"{where}: file {name}", minimum=0)
+        field(rec, "sha256", str, f"{where}: file {name}")
     return data
 
 
-def is_complete(directory: Path, n_stages: int | None = None, *, verify: bool = False) -> bool:
-    """Manifest present and valid, every listed file present with its size (and SHA-256 if
-    ``verify``), and one stage file per stage (``n_stages`` checked when given)."""
+def why_incomplete(directory: Path, n_stages: int | None = None, *, verify: bool = False) -> str:
+    """Why ``directory`` is not a complete checkpoint ("" when it is): manifest present and
+    valid, every listed file present with its size (and SHA-256 if ``verify``), one stage file
+    per stage (``n_stages`` checked when given)."""
     try:
         m = read_manifest(directory)
-    except UserError:
-        return False
-    files = m.get("files", {})
-    stages = m.get("n_stages")
-    if not isinstance(stages, int) or n_stages is not None and stages != n_stages:
-        return False
-    if any(stage_file(k) not in files for k in range(stages)):
-        return False
+    except UserError as e:
+        return str(e)
+    files = m["files"]
+    stages = m["n_stages"]
+    if n_stages is not None and stages != n_stages:
+        return f"it holds {stages} stages, not {n_stages}"
+    missing = [stage_file(k) for k in range(stages) if stage_file(k) not in files]
+    if missing:
+        return f"its manifest lists no {missing[0]}"
     for name, rec in files.items():
         p = directory / name
-        if not p.is_file() or p.stat().st_size != rec["bytes"]:
-            return False
+        if not p.is_file():
+            return f"{name} is missing"
+        if p.stat().st_size != rec["bytes"]:
+            return f"{name} has {p.stat().st_size} bytes, not the {rec['bytes']} its manifest records"
         if verify and sha256_of(p) != rec["sha256"]:
-            return False
-    return True
+            return f"{name} is corrupt (its SHA-256 differs from the manifest's)"
+    return ""
+
+
+def is_complete(directory: Path, n_stages: int | None = None, *, verify: bool = False) -> bool:
+    """Whether ``directory`` is a complete checkpoint (see :func:`why_incomplete`)."""
+    return not why_incomplete(directory, n_stages, verify=verify)
 
 
 def sha256_of(path: Path) -> str:
@@ -196,41 +274,60 @@ def latest_complete(root: str | os.PathLike, n_stages: int | None = None, *, ver
 
 
 def load_file(root: str | os.PathLike, step: int, name: str, *, verify: bool = True) -> dict:
-    """Load one file of a complete checkpoint, checking its SHA-256 against the manifest."""
+    """Load one file of a complete checkpoint, checking its SHA-256 against the manifest, as
+    data only (``weights_only=True``): a file that is not plain tensors and containers is a
+    one-line UserError, and nothing in it runs."""
     d = step_dir(root, step)
     rec = read_manifest(d)["files"].get(name)
     if rec is None:
         raise UserError(f"checkpoint {d} has no {name}: it was written by a run with another plan "
                         "(other stages or world size); resume with that plan or start afresh")
     if verify and sha256_of(d / name) != rec["sha256"]:
-        raise UserError(f"checkpoint file {d / name} is corrupt (SHA-256 differs from the manifest); "
-                        f"delete {d} to resume from the previous checkpoint")
-    return torch.load(d / name, map_location="cpu", weights_only=False)
+        raise UserError(f"checkpoint file {d / name} is corrupt (its SHA-256 differs from the manifest's)")
+    return load_data(d / name)
 
 
-def prune(root: str | os.PathLike, keep: int) -> list[Path]:
-    """Delete all but the ``keep`` newest complete checkpoints, incomplete ones older than the
-    newest complete one, and stray temporary files. ``keep`` <= 0 keeps every complete one."""
+def load_data(path: Path) -> dict:
+    """``torch.load(path, weights_only=True)`` to the CPU; anything else than a dict of plain data
+    (a foreign pickle, a truncated or garbled file) is a one-line UserError."""
+    try:
+        with warnings.catch_warnings():             # torch warns about foreign pickles: the error says it
+            warnings.simplefilter("ignore")
+            data = torch.load(path, map_location="cpu", weights_only=True)
+    except OSError as e:
+        raise UserError(f"cannot read checkpoint file {path}: {e.strerror or e}") from None
+    except Exception as e:      # noqa: BLE001 - UnpicklingError, RuntimeError, EOFError, ...: not our data
+        first = next((x.strip() for x in str(e).splitlines() if x.strip()), type(e).__name__)
+        raise NotPlainData(f"checkpoint file {path} is not plain tensor data and was not loaded "
+                        f"({type(e).__name__}: {first[:200]}); it is damaged or was replaced: "
+                        "use a checkpoint you trust") from None
+    if not isinstance(data, dict):
+        raise UserError(f"checkpoint file {path} holds a {type(data).__name__}, not a hybridpipe checkpoint part")
+    return data
+
+
+def lineage_of(directory: Path) -> str:
+    """The lineage recorded in a checkpoint's manifest ("" when none or unreadable)."""
+    try:
+        return str(read_manifest(directory).get("lineage", ""))
+    except UserError:
+        return ""
+
+
+def prune(root: str | os.PathLike, keep: int, lineage: str) -> list[Path]:
+    """Delete all but the ``keep`` newest complete checkpoints of ``lineage`` (``keep`` <= 0
+    keeps them all) and staging directories of saves older than its newest checkpoint (left by
+    a save that was killed). Checkpoints of any other lineage, and anything incomplete or
+    unreadable, are never touched."""
     dirs = step_dirs(root)
-    complete = [s for s in sorted(dirs) if is_complete(dirs[s])]
-    newest = complete[-1] if complete else None
-    doomed = [s for s in complete[:-keep]] if keep > 0 else []
-    doomed += [s for s in dirs if s not in complete and newest is not None and s < newest]
-    removed = []
-    for s in sorted(set(doomed)):
-        shutil.rmtree(dirs[s], ignore_errors=True)
-        removed.append(dirs[s])
-    return removed
-
-
-def remove_newer_than(root: str | os.PathLike, step: int) -> list[Path]:
-    """Delete checkpoint directories after ``step`` (leftovers of an interrupted run's saves)."""
-    removed = []
-    for s, d in sorted(step_dirs(root).items()):
-        if s > step:
-            shutil.rmtree(d, ignore_errors=True)
-            removed.append(d)
-    return removed
+    ours = [s for s in sorted(dirs) if lineage and lineage_of(dirs[s]) == lineage and is_complete(dirs[s])]
+    doomed = [dirs[s] for s in ours[:-keep]] if keep > 0 else []
+    if ours:
+        doomed += [p for p in Path(root).iterdir()
+                   if (m := _STAGING.match(p.name)) and int(m.group(1)) < ours[-1] and p.is_dir()]
+    for d in doomed:
+        shutil.rmtree(d, ignore_errors=True)
+    return doomed
 
 
 def resolve_step(path: str | os.PathLike, step: int | None = None) -> tuple[Path, int]:
@@ -259,17 +356,21 @@ def merge_stages(root: str | os.PathLike, step: int) -> tuple[dict[str, torch.Te
     """One state_dict of the whole model from every stage file of ``step`` (and the manifest).
 
     Keys must be disjoint across stages unless they hold equal tensors (a weight shared by two
-    stages); anything else is an error naming the key.
+    stages); anything else is an error naming the key. A tied parameter (the manifest's ``tied``
+    names) appears under every one of its names, as in the unsplit model's ``state_dict``, once
+    its stages' copies are checked to be bit-identical.
     """
     manifest = read_manifest(step_dir(root, step))
     merged: dict[str, torch.Tensor] = {}
     owner: dict[str, int] = {}
     for k in range(manifest["n_stages"]):
-        state = load_file(root, step, stage_file(k))["model"]
+        state = load_file(root, step, stage_file(k)).get("model")
+        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+            raise UserError(f"{step_dir(root, step) / stage_file(k)} holds no state_dict of tensors under \"model\"")
         for key, value in state.items():
             if key in merged and not torch.equal(merged[key], value):
                 raise UserError(f"stages {owner[key]} and {k} both hold {key!r} with different values; "
                                 "this checkpoint cannot be merged into one state_dict")
             merged.setdefault(key, value)
             owner.setdefault(key, k)
-    return merged, manifest
+    return complete_tied(merged, manifest.get("tied", [])), manifest

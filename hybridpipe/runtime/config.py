@@ -1,4 +1,5 @@
-"""launch.py's arguments and the run configuration they resolve to (pure: no processes, no I/O but the plan).
+"""launch's arguments and the run configuration they resolve to (no processes; reads the plan and
+calibrations, and checks the output directories without creating anything).
 
 The plan supplies the defaults (model, batch size, micro-batches, schedule, optimizer); an
 argument may override what the plan leaves open (micro-batches, schedule, optimizer) and must
@@ -14,11 +15,26 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from hybridpipe.argtypes import (
+    Parser,
+    check_output_dir,
+    nonneg_float,
+    nonneg_int,
+    output_dir,
+    positive_float,
+    positive_int,
+    seed,
+    timeout_s,
+)
 from hybridpipe.comm.hybrid_dp import POLICIES
 from hybridpipe.comm.p2p import MODES
 from hybridpipe.errors import UserError
+from hybridpipe.limits import require_memory
+from hybridpipe.partitioner.calibration import load_calibration
 from hybridpipe.partitioner.plan import OPTIMIZERS, SCHEDULES, Plan, check_plan_fits, load_plan
-from hybridpipe.pipeline.schedules import Topology, check_schedulable
+from hybridpipe.pipeline.instructions import Step
+from hybridpipe.pipeline.schedules import Topology, check_schedulable, rank_program
+from hybridpipe.runtime.checkpoint_files import step_dirs
 
 BACKENDS = ("gloo", "nccl")
 
@@ -52,6 +68,7 @@ class RunConfig:
     run_dir: str | None               # None: runs/<timestamp>, chosen by rank 0
     progress: bool
     verbose: bool
+    skip_nonfinite: bool = False      # a non-finite step is skipped (else the run stops there)
 
     @property
     def schedule(self) -> str:
@@ -74,12 +91,14 @@ class RunConfig:
         return self.plan.batch_size * self.plan.micro_batches
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of launch.py."""
-    p = argparse.ArgumentParser(
-        prog="launch.py",
+def build_parser() -> Parser:
+    """The argument parser of ``hybridpipe.launch`` (every number checked by its type: a bad one
+    is one line, exit 2, before anything starts)."""
+    p = Parser(
+        prog="hybridpipe.launch",
         description="Train with a hybridpipe plan: one process per worker, started by torchrun "
-                    "(e.g. torchrun --standalone --nproc-per-node 4 launch.py --plan plan.json --steps 100).")
+                    "(e.g. torchrun --standalone --nproc-per-node 4 -m hybridpipe.launch --plan plan.json "
+                    "--steps 100).")
     p.add_argument("--plan", required=True, metavar="PLAN.json", help="plan written by `hybridpipe partition`")
     g = p.add_argument_group("model and data")
     g.add_argument("--model", metavar="SPEC", help="zoo name or package.module:factory (default: the plan's; "
@@ -87,20 +106,26 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dataset", default="synthetic", metavar="SPEC",
                    help="synthetic (default) or package.module:factory returning a map-style Dataset of "
                         "(input, target)")
-    g.add_argument("--dataset-size", type=int, metavar="N",
+    g.add_argument("--dataset-size", type=positive_int, metavar="N",
                    help="samples in the synthetic dataset (default: steps x global batch, no sample repeats)")
-    g.add_argument("--seed", type=int, default=0, help="seed of the weights and the synthetic data (default 0)")
+    g.add_argument("--seed", type=seed, default=0, help="seed of the weights and the synthetic data (default 0)")
     g = p.add_argument_group("training")
-    g.add_argument("--steps", type=int, default=50,
-                   help="training steps, one step = micro-batches x batch size (default 50)")
-    g.add_argument("--batch-size", type=int, metavar="B", help="samples per micro-batch (default: the plan's; "
-                   "must match it)")
-    g.add_argument("--micro-batches", type=int, metavar="M", help="micro-batches per step (default: the plan's)")
+    g.add_argument("--steps", type=positive_int, default=50,
+                   help="training steps, one step = micro-batches x micro-batch size samples (default 50)")
+    g.add_argument("--micro-batch-size", type=positive_int, metavar="B",
+                   help="samples per micro-batch (default: the plan's; must match it)")
+    g.add_argument("--batch-size", type=positive_int, metavar="B",
+                   help="deprecated: the old name of --micro-batch-size")
+    g.add_argument("--micro-batches", type=positive_int, metavar="M",
+                   help="micro-batches per step (default: the plan's)")
     g.add_argument("--schedule", choices=SCHEDULES, help="pipeline schedule (default: the plan's)")
     g.add_argument("--optimizer", choices=OPTIMIZERS, help="optimizer (default: the plan's)")
-    g.add_argument("--lr", type=float, default=0.01, help="learning rate (default 0.01)")
-    g.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9; sgd only)")
-    g.add_argument("--weight-decay", type=float, default=0.0, help="weight decay (default 0)")
+    g.add_argument("--lr", type=positive_float, default=0.01, help="learning rate (default 0.01)")
+    g.add_argument("--momentum", type=nonneg_float, default=0.9, help="SGD momentum (default 0.9; sgd only)")
+    g.add_argument("--weight-decay", type=nonneg_float, default=0.0, help="weight decay (default 0)")
+    g.add_argument("--skip-nonfinite", action="store_true",
+                   help="a step whose loss is NaN or infinite is skipped (no rank updates its weights; counted in "
+                        "the summary) instead of stopping the run")
     g = p.add_argument_group("communication")
     g.add_argument("--comm-mode", choices=MODES, default="sa",
                    help="p2p channels: per-tensor (PipeDream's threads), sa (default: one send + one receive "
@@ -111,56 +136,77 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--calibration", action="append", default=[], metavar="CAL.json",
                    help="`hybridpipe bench-allreduce` output: re-decide the plan's per-layer sync with these "
                         "measured costs (an override; repeatable)")
-    g.add_argument("--aggregator", metavar="HOST:PORT", help="address of a dedicated `hybridpipe aggregator`")
+    g.add_argument("--aggregator", type=host_port, metavar="HOST:PORT",
+                   help="address of a dedicated `hybridpipe aggregator`")
     g.add_argument("--backend", choices=BACKENDS, help="torch.distributed backend (default: nccl on GPU, else gloo)")
-    g.add_argument("--timeout", type=float, default=300.0, metavar="S",
+    g.add_argument("--timeout", type=timeout_s, default=300.0, metavar="S",
                    help="seconds any receive, send or collective may wait before the run fails (default 300)")
-    g.add_argument("--peer-timeout", type=float, default=30.0, metavar="S",
-                   help="seconds without a heartbeat before a rank on another host counts as lost (default 30)")
+    g.add_argument("--peer-timeout", type=timeout_s, default=30.0, metavar="S",
+                   help="seconds without a heartbeat before a rank on another host counts as lost (default 30; "
+                        "every wait is bounded by the shorter of --timeout and --peer-timeout)")
     g = p.add_argument_group("checkpoints and output")
-    g.add_argument("--checkpoint-dir", metavar="D", help="write checkpoints here (shared by every node)")
-    g.add_argument("--checkpoint-every", type=int, default=0, metavar="K", help="checkpoint every K steps (0: never)")
-    g.add_argument("--keep-checkpoints", type=int, default=3, metavar="N",
-                   help="keep the N newest checkpoints (default 3)")
-    g.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
-    g.add_argument("--run-dir", metavar="R", help="metrics, timeline and summary go here (default runs/<time>)")
-    g.add_argument("--trace-dir", metavar="T", help="per-rank timeline traces (default RUN_DIR/trace)")
+    g.add_argument("--checkpoint-dir", type=output_dir, metavar="D",
+                   help="write checkpoints here (shared by every node)")
+    g.add_argument("--checkpoint-every", type=nonneg_int, default=0, metavar="K",
+                   help="checkpoint every K steps (0: never)")
+    g.add_argument("--keep-checkpoints", type=positive_int, default=3, metavar="N",
+                   help="keep the N newest checkpoints this training wrote (default 3; others are never deleted)")
+    g.add_argument("--resume", action="store_true",
+                   help="continue from the newest usable checkpoint (an empty --checkpoint-dir starts afresh)")
+    g.add_argument("--run-dir", type=output_dir, metavar="R",
+                   help="metrics, timeline and summary go here (default runs/<time>)")
+    g.add_argument("--trace-dir", type=output_dir, metavar="T", help="per-rank timeline traces (default RUN_DIR/trace)")
     g.add_argument("--no-trace", action="store_true", help="record no timeline")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument("-v", "--verbose", action="store_true", help="log what every rank does")
     return p
 
 
+def host_port(text: str) -> str:
+    """An argparse type: ``HOST:PORT`` with a port in 1..65535."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT (port 1..65535), got {text!r}")
+    return text
+
+
+def deprecations(args: argparse.Namespace) -> list[str]:
+    """One line per deprecated option the user gave (printed as warnings by launch)."""
+    if args.batch_size is not None:
+        return ["--batch-size is deprecated (it always meant samples per micro-batch); use --micro-batch-size"]
+    return []
+
+
 def resolve(args: argparse.Namespace, world_size: int | None = None) -> RunConfig:
-    """Check ``args`` against the plan and each other; the effective plan carries the overrides.
+    """Check ``args`` against the plan, each other and the file system; the effective plan
+    carries the overrides. Fast (no model, no processes): every rank runs it before the job forms.
 
     ``world_size`` (the job's, from torchrun's environment) must be the plan's.
     """
-    _positive(args.steps, "--steps")
-    _positive(args.timeout, "--timeout")
-    _positive(args.peer_timeout, "--peer-timeout")
-    if args.lr <= 0:
-        raise UserError(f"--lr must be positive, got {args.lr}")
-    if args.dataset_size is not None:
-        _positive(args.dataset_size, "--dataset-size")
-    if args.checkpoint_every < 0:
-        raise UserError(f"--checkpoint-every must be >= 0 (0: never), got {args.checkpoint_every}")
-    if args.keep_checkpoints < 1:
-        raise UserError(f"--keep-checkpoints must be >= 1, got {args.keep_checkpoints}")
     if (args.checkpoint_every or args.resume) and not args.checkpoint_dir:
         raise UserError("--checkpoint-every and --resume need --checkpoint-dir D (a directory every node can reach)")
+    micro_batch_size = args.micro_batch_size if args.micro_batch_size is not None else args.batch_size
+    if None not in (args.micro_batch_size, args.batch_size) and args.micro_batch_size != args.batch_size:
+        raise UserError(f"--micro-batch-size {args.micro_batch_size} and (deprecated) --batch-size {args.batch_size} "
+                        "differ; give only --micro-batch-size")
     for path in args.calibration:
         if not Path(path).is_file():
             raise UserError(f"calibration file {path} does not exist; run `hybridpipe bench-allreduce -o {path}`")
+        load_calibration(path)
     plan = load_plan(args.plan)
-    check_plan_fits(plan, model=args.model, signature=None, batch_size=args.batch_size, world_size=world_size)
-    if args.micro_batches is not None:
-        _positive(args.micro_batches, "--micro-batches")
+    check_plan_fits(plan, model=args.model, signature=None, batch_size=micro_batch_size, world_size=world_size)
     plan = dataclasses.replace(plan, micro_batches=args.micro_batches or plan.micro_batches,
                                schedule=args.schedule or plan.schedule, optimizer=args.optimizer or plan.optimizer)
+    require_memory(plan.micro_batches * 6 * 400 * 2, f"the instruction lists of {plan.micro_batches} micro-batches",
+                   "use fewer --micro-batches")
     check_schedulable(Topology.from_plan(plan), plan.schedule)
-    if args.momentum < 0 or args.weight_decay < 0:
-        raise UserError("--momentum and --weight-decay must be >= 0")
+    if args.skip_nonfinite and not flushes(plan):
+        raise UserError(f"--skip-nonfinite needs a schedule that flushes every step (gpipe, 1f1b); "
+                        f"{plan.schedule} updates weights per micro-batch, so a step cannot be skipped as a whole")
+    if args.run_dir is None:
+        check_output_dir("runs", "run directory")
+    if args.checkpoint_dir:
+        check_checkpoint_dir(args.checkpoint_dir, resume=args.resume)
     return RunConfig(
         plan=plan, plan_path=str(args.plan), model=plan.model, dataset=args.dataset, dataset_size=args.dataset_size,
         steps=args.steps, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay,
@@ -169,7 +215,26 @@ def resolve(args: argparse.Namespace, world_size: int | None = None) -> RunConfi
         keep_checkpoints=args.keep_checkpoints, resume=args.resume,
         trace_dir="" if args.no_trace else args.trace_dir, timeout=args.timeout, peer_timeout=args.peer_timeout,
         seed=args.seed, backend=args.backend, run_dir=args.run_dir, progress=not args.no_progress,
-        verbose=args.verbose)
+        verbose=args.verbose, skip_nonfinite=args.skip_nonfinite)
+
+
+def flushes(plan: Plan) -> bool:
+    """Whether every rank of the plan's schedule takes exactly one optimizer step per step, after
+    all its micro-batches (so a step can be checked, and skipped, before any weight changes)."""
+    topo = Topology.from_plan(plan)
+    return all(sum(isinstance(ins, Step) for ins in rank_program(topo, r, plan.schedule)) == 1
+               for ranks in topo.stage_ranks for r in ranks)
+
+
+def check_checkpoint_dir(path: str, *, resume: bool) -> None:
+    """A fresh run never writes into checkpoints it did not make: without --resume the directory
+    must hold none (a resumed run continues them)."""
+    found = sorted(step_dirs(path).values())
+    if found and not resume:
+        names = ", ".join(p.name for p in found[-3:])
+        more = " ..." if len(found) > 3 else ""
+        raise UserError(f"--checkpoint-dir {path} already holds checkpoints ({names}{more}); "
+                        "continue them with --resume, or pass an empty --checkpoint-dir to start afresh")
 
 
 def env_world_size() -> int:
@@ -181,6 +246,3 @@ def env_world_size() -> int:
         raise UserError(f"WORLD_SIZE={raw!r} is not a number; start launch.py with torchrun") from None
 
 
-def _positive(value: float, name: str) -> None:
-    if value <= 0:
-        raise UserError(f"{name} must be positive, got {value}")

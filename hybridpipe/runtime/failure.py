@@ -18,6 +18,9 @@ on dead connections cannot hang the exit). Exit codes:
   the job (``torchrun --max-restarts``) with ``--resume`` continues from the newest checkpoint.
 * 1 - this rank failed (a bug or an error of its own: traceback printed), 2 - a UserError of
   its own (one line), 143 - SIGTERM, 130 - Ctrl-C.
+* 2 too for an :class:`~hybridpipe.errors.AgreedError`: every rank raised it together (they
+  agreed on it through a collective: a non-finite loss, no usable checkpoint); nobody is blamed,
+  the first local rank of each host prints it, and every rank is marked done, not lost.
 
 How the failed rank is named: ranks share facts through the c10d store (a prefix per torchrun
 restart). The first rank to know publishes ``first`` (compare-and-set: the first report wins):
@@ -28,28 +31,43 @@ the processes of the ranks on its own host every ``interval`` (a killed rank is 
 and (d) watches the next rank in a ring through its heartbeat (a rank on another host whose
 heartbeat stalls for ``timeout`` s is lost: host or network gone). A gloo collective that fails
 ("connection reset") names no rank: the guard then waits (at most ``timeout`` + 2 intervals)
-for the watchdogs to publish the culprit.
+for the watchdogs to publish the culprit. The worker passes the shorter of ``--peer-timeout``
+and ``--timeout`` as ``timeout``, so no wait outlasts either.
+
+A p2p timeout names the silent peer, unless that peer's heartbeat still moves: then it is alive
+and waiting on a third rank, and the guard waits (bounded as above) for the watchdogs to name
+that one. The first failure in time, not in rank order: a rank that leaves through the guard records its
+exit (``exit/<rank>``) first, so when several local processes are found gone at one check
+(torchrun's agent stops the others right after one dies), the one that died without a word is
+named; among several of those, the one whose heartbeat stopped first.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import sys
 import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
 from types import FrameType
 from typing import Any, NoReturn
 
 import torch.distributed as dist
 
-from hybridpipe.comm.p2p.errors import P2PError, P2PTimeout
-from hybridpipe.errors import UserError
+from hybridpipe.errors import AgreedError, UserError, one_line
+from hybridpipe.runtime.failure_facts import (
+    Failure,
+    describe_ranks,
+    is_set,
+    one_line_of,
+    read_first,
+    report_first,
+    suspect_of,
+    try_quietly,
+)
 from hybridpipe.runtime.liveness import host_identity, process_alive
 
 EXIT_PEER_LOST = 75       # os.EX_TEMPFAIL: another rank failed, retry (restart + --resume)
@@ -58,50 +76,8 @@ EXIT_USER_ERROR = 2
 EXIT_SIGTERM = 128 + signal.SIGTERM
 EXIT_INTERRUPT = 130
 
-_COLLECTIVE_MARKERS = ("connection reset", "connection closed", "read error", "write error", "broken pipe",
-                       "timed out", "timeout", "socket closed", "end of file")
-
-
 class Terminated(BaseException):
     """SIGTERM arrived (the launcher stops the job); raised in the main thread by the guard."""
-
-
-@dataclass(frozen=True)
-class Failure:
-    """Who failed first, why, and which rank found out."""
-
-    rank: int
-    reason: str
-    reporter: int
-
-    def to_bytes(self) -> bytes:
-        return json.dumps(asdict(self)).encode()
-
-    @classmethod
-    def from_bytes(cls, raw: bytes) -> Failure:
-        return cls(**json.loads(raw.decode()))
-
-
-def suspect_of(exc: BaseException) -> tuple[int | None, str]:
-    """Which rank ``exc`` points at and how: ``(peer, "lost"|"stalled")`` for p2p errors,
-    ``(None, "collective")`` for a failed collective that names no rank, ``(None, "own")``
-    when this rank failed by itself."""
-    if isinstance(exc, P2PError):
-        return exc.peer, "stalled" if isinstance(exc, P2PTimeout) else "lost"
-    if isinstance(exc, RuntimeError) and not isinstance(exc, UserError):
-        text = str(exc).lower()
-        if isinstance(exc, dist.DistError) or any(m in text for m in _COLLECTIVE_MARKERS):
-            return None, "collective"
-    return None, "own"
-
-
-def describe_ranks(plan) -> Callable[[int], str]:
-    """``rank -> "rank 3 (stage 1 replica 0)"`` for a ``hybridpipe.partitioner.plan.Plan``."""
-    where = {r: (s.index, i) for s in plan.stages for i, r in enumerate(s.ranks)}
-
-    def describe(rank: int) -> str:
-        return f"rank {rank} (stage {where[rank][0]} replica {where[rank][1]})" if rank in where else f"rank {rank}"
-    return describe
 
 
 def default_store() -> dist.Store:
@@ -117,19 +93,20 @@ class FailureGuard:
     """See the module docstring. ``timeout``: seconds without a heartbeat before a rank on another
     host counts as lost (and the longest wait to name a culprit); ``interval``: heartbeat and
     check period (default ``min(1, timeout / 10)``); ``describe(rank)`` names ranks in messages;
-    ``namespace``: store prefix (default: per torchrun restart)."""
+    ``namespace``: store prefix (default: per torchrun restart); ``program`` starts the line of an
+    AgreedError."""
 
     def __init__(self, store: dist.Store, *, rank: int, world_size: int, timeout: float = 30.0,
                  interval: float | None = None, describe: Callable[[int], str] | None = None,
                  on_exit: Iterable[Callable[[], object]] = (), namespace: str | None = None,
-                 hint: str = "") -> None:
+                 hint: str = "", program: str = "hybridpipe") -> None:
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
         self.rank, self.world_size, self.timeout = rank, world_size, float(timeout)
         self.interval = float(interval) if interval else min(1.0, self.timeout / 10)
         self.describe = describe or (lambda r: f"rank {r}")
         self.on_exit = list(on_exit)
-        self.hint = hint
+        self.hint, self.program = hint, program
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         ns = namespace if namespace is not None else f"hybridpipe/failure/{restart}"
         self._store = dist.PrefixStore(ns, store)
@@ -139,6 +116,7 @@ class FailureGuard:
         self._thread: threading.Thread | None = None
         self._old_sigterm: Callable[[int, FrameType | None], Any] | int | None = None
         self._peers: dict[int, int] = {}          # local ranks -> pid (same host identity)
+        self._beats: dict[int, tuple[int, float]] = {}   # local ranks -> (heartbeat, when it last changed)
         self._done: set[int] = set()
         self._store_error: BaseException | None = None
 
@@ -179,7 +157,7 @@ class FailureGuard:
     def published(self) -> Failure | None:
         """The first failure anyone reported, if any (None too when the store is gone)."""
         try:
-            return _read_first(self._store)
+            return read_first(self._store)
         except Exception as e:      # noqa: BLE001 - the store's host died: decide locally
             self._store_error = self._store_error or e
             return None
@@ -187,7 +165,7 @@ class FailureGuard:
     def report(self, failure: Failure) -> Failure:
         """Publish ``failure`` unless one was published before; return the first one."""
         try:
-            return _report(self._store, failure)
+            return report_first(self._store, failure)
         except Exception as e:      # noqa: BLE001
             self._store_error = self._store_error or e
             return failure
@@ -195,7 +173,10 @@ class FailureGuard:
     def handle(self, exc: BaseException) -> NoReturn:
         """Name the first failed rank for ``exc``, print one line, exit (see the module docstring)."""
         peer, how = suspect_of(exc)
-        own_text = _one_line(exc)
+        own_text = one_line_of(exc)
+        if isinstance(exc, AgreedError):
+            self.stop()                 # done, not lost: every rank leaves the same way
+            self._exit(EXIT_USER_ERROR, one_line(exc), quiet=os.environ.get("LOCAL_RANK", "0") != "0", bare=True)
         if isinstance(exc, (Terminated, KeyboardInterrupt)):
             first = self._wait_published(2 * self.interval)
             code = EXIT_SIGTERM if isinstance(exc, Terminated) else EXIT_INTERRUPT
@@ -214,6 +195,9 @@ class FailureGuard:
                 self._exit(EXIT_USER_ERROR if isinstance(exc, UserError) else EXIT_ERROR, f"failed: {own_text}")
             self._exit(EXIT_PEER_LOST, f"{self._blame(first)}; then this rank failed: {own_text}")
         first = self.published()
+        if first is None and peer is not None and how == "stalled" and self._beating(peer):
+            # the peer is alive and silent: it waits on someone else, whom the watchdogs will name
+            first = self._wait_published(self.timeout + 2 * self.interval)
         if first is None and peer is not None:
             first = self.report(Failure(peer, self._peer_reason(peer, how, own_text), self.rank))
         if first is None:
@@ -227,12 +211,12 @@ class FailureGuard:
                                                           else ""))
 
     def _store_gone(self, e: BaseException) -> Failure:
-        return Failure(0, f"the c10d store is unreachable ({_one_line(e)}): the process hosting it is gone "
+        return Failure(0, f"the c10d store is unreachable ({one_line_of(e)}): the process hosting it is gone "
                           "(rank 0, or torchrun's agent)", self.rank)
 
     def _peer_reason(self, peer: int, how: str, text: str) -> str:
         try:
-            finished = _is_set(self._store, f"done/{peer}")
+            finished = is_set(self._store, f"done/{peer}")
         except Exception as e:      # noqa: BLE001
             self._store_error, finished = self._store_error or e, False
         if finished:
@@ -244,6 +228,20 @@ class FailureGuard:
         by = "" if f.reporter == f.rank else f", found by {self.describe(f.reporter)}"
         return f"{who} failed first{by}: {f.reason}"
 
+    def _beating(self, peer: int) -> bool:
+        """Whether ``peer``'s heartbeat moves within a few intervals (its process runs: if it sent
+        nothing, it is itself waiting on another rank)."""
+        try:
+            start = self._store.add(f"hb/{peer}", 0)
+            end = time.monotonic() + 2.5 * self.interval
+            while time.monotonic() < end:
+                time.sleep(min(self.interval / 4, 0.05))
+                if self._store.add(f"hb/{peer}", 0) != start or is_set(self._store, "first"):
+                    return True
+        except Exception as e:      # noqa: BLE001 - the store is gone: decide without it
+            self._store_error = self._store_error or e
+        return False
+
     def _wait_published(self, seconds: float) -> Failure | None:
         end = time.monotonic() + seconds
         while True:
@@ -252,20 +250,33 @@ class FailureGuard:
                 return first
             time.sleep(min(self.interval / 2, 0.1))
 
-    def _exit(self, code: int, message: str) -> NoReturn:
+    def _exit(self, code: int, message: str, *, quiet: bool = False, bare: bool = False) -> NoReturn:
         with self._exiting:         # the watchdog and the main thread never both exit
             self._stop.set()
-            text = f"hybridpipe {self.describe(self.rank)}: {message}"
+            self._record_exit(code)
+            text = f"{self.program}: error: {message}" if bare else f"hybridpipe {self.describe(self.rank)}: {message}"
             if code == EXIT_PEER_LOST and self.hint:
                 text += f". {self.hint}"
             for fn in self.on_exit:
                 try:
                     fn()
                 except Exception as e:      # noqa: BLE001 - exiting anyway
-                    print(f"hybridpipe rank {self.rank}: on-exit callback failed: {_one_line(e)}", file=sys.stderr)
-            print(text, file=sys.stderr, flush=True)
+                    print(f"hybridpipe rank {self.rank}: on-exit callback failed: {one_line_of(e)}", file=sys.stderr)
+            if not quiet:
+                print(text, file=sys.stderr, flush=True)
             sys.stdout.flush()
             os._exit(code)
+
+    def _record_exit(self, code: int) -> None:
+        """Tell the others this rank leaves through the guard (so it is never taken for the rank
+        that died first); best effort, bounded: a store that hangs cannot hold the exit up."""
+        if self._store_error is not None:
+            return
+        record = json.dumps({"code": code, "time": time.time()})
+        t = threading.Thread(target=try_quietly, args=(lambda: self._store.set(f"exit/{self.rank}", record),),
+                             daemon=True)
+        t.start()
+        t.join(timeout=min(0.5, self.interval * 2))
 
     # ---- watchdog thread --------------------------------------------------------------
     def _watch(self) -> None:
@@ -275,11 +286,11 @@ class FailureGuard:
         while not self._stop.wait(self.interval):
             try:
                 store.add(f"hb/{self.rank}", 1)
-                first = _read_first(store)
+                first = read_first(store)
                 if first is None:
                     lost = self._check_local(store) or self._check_successor(store, last_value, last_change)
                     if lost is not None:
-                        first = _report(store, lost)
+                        first = report_first(store, lost)
             except Exception as e:  # noqa: BLE001 - the store itself is gone
                 if self._stop.is_set():
                     return
@@ -295,20 +306,37 @@ class FailureGuard:
         """Remember the pids of the ranks on this host (once each has registered)."""
         me = host_identity()
         for r in range(self.world_size):
-            if r != self.rank and r not in self._peers and _is_set(store, f"who/{r}"):
+            if r != self.rank and r not in self._peers and is_set(store, f"who/{r}"):
                 info = json.loads(store.get(f"who/{r}"))
                 self._peers[r] = info["pid"] if info["host"] == me else -1
 
     def _check_local(self, store: dist.Store) -> Failure | None:
+        """The local peer that died first, if any died: one that left no exit record (killed, or
+        crashed without a word) before one that left through its guard (e.g. stopped by
+        torchrun's agent because of the first); among equals, the stalest heartbeat."""
         if len(self._peers) < self.world_size - 1:
             self._learn_peers(store)
+        now = time.monotonic()
+        dead = []
         for r, pid in self._peers.items():
-            if pid > 0 and r not in self._done and not process_alive(pid):
-                if _is_set(store, f"done/{r}"):
-                    self._done.add(r)
-                    continue
-                return Failure(r, f"its process {pid} is gone (killed or crashed without a word)", self.rank)
-        return None
+            if pid <= 0 or r in self._done:
+                continue
+            beat = store.add(f"hb/{r}", 0)
+            if self._beats.get(r, (None, 0.0))[0] != beat:
+                self._beats[r] = (beat, now)
+            if process_alive(pid):
+                continue
+            if is_set(store, f"done/{r}"):
+                self._done.add(r)
+                continue
+            exited = json.loads(store.get(f"exit/{r}"))["time"] if is_set(store, f"exit/{r}") else None
+            dead.append((exited is not None, exited or 0.0, self._beats[r][1], r, pid))
+        if not dead:
+            return None
+        recorded, _, _, r, pid = min(dead)
+        if recorded:
+            return Failure(r, f"its process {pid} exited", self.rank)
+        return Failure(r, f"its process {pid} is gone (killed or crashed without a word)", self.rank)
 
     def _check_successor(self, store: dist.Store, last_value: dict, last_change: dict) -> Failure | None:
         now = time.monotonic()
@@ -316,7 +344,7 @@ class FailureGuard:
             r = (self.rank + step) % self.world_size
             if r in self._done:
                 continue
-            if _is_set(store, f"done/{r}"):
+            if is_set(store, f"done/{r}"):
                 self._done.add(r)
                 continue
             value = store.add(f"hb/{r}", 0)
@@ -331,26 +359,6 @@ class FailureGuard:
 
 def _raise_terminated(signum, frame) -> None:
     raise Terminated()
-
-
-def _is_set(store: dist.Store, key: str) -> bool:
-    return store.check([key])
-
-
-def _read_first(store: dist.Store) -> Failure | None:
-    return Failure.from_bytes(store.get("first")) if _is_set(store, "first") else None
-
-
-def _report(store: dist.Store, failure: Failure) -> Failure:
-    # torch's stub types the value as str; the binding takes bytes as well
-    return Failure.from_bytes(store.compare_set("first", "", failure.to_bytes()))  # type: ignore[arg-type]
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    text = re.sub(r"^\[[^\]]*\]\s*", "", text)                # gloo's "[/path/pair.cc:553] "
-    text = text.split(". This is typically caused")[0]      # and its boilerplate advice
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 __all__ = ["EXIT_PEER_LOST", "EXIT_ERROR", "EXIT_USER_ERROR", "EXIT_SIGTERM", "EXIT_INTERRUPT", "Failure",

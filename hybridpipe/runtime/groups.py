@@ -64,12 +64,29 @@ def init_distributed(backend: str | None, timeout_s: float) -> tuple[Process, bo
     else:
         device = torch.device("cpu")
     timeout = datetime.timedelta(seconds=timeout_s)
-    if "RANK" in os.environ:
-        dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
-    else:
-        store = dist.TCPStore("127.0.0.1", _free_port(), 1, is_master=True, timeout=timeout)
-        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+    try:
+        if "RANK" in os.environ:
+            dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
+        else:
+            store = dist.TCPStore("127.0.0.1", _free_port(), 1, is_master=True, timeout=timeout)
+            dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+    except dist.DistNetworkError as e:
+        raise UserError(store_problem(e, os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                                      os.environ.get("MASTER_PORT", "?"))) from None
     return Process(dist.get_rank(), dist.get_world_size(), local_rank, backend, device), True
+
+
+def store_problem(e: BaseException, addr: str, port: str) -> str:
+    """One line for a failure to host or reach the job's c10d store (``DistNetworkError``)."""
+    text = str(e)
+    if "EADDRINUSE" in text or "address already in use" in text.lower():
+        return (f"port {port} on {addr} (the job's rendezvous store) is already in use by another program or job; "
+                f"pick a free one with torchrun --master-port P (or --rdzv-endpoint HOST:P), or use "
+                "torchrun --standalone, which picks one itself")
+    first = next((x.strip() for x in text.splitlines() if x.strip()), type(e).__name__)
+    return (f"cannot reach the job's rendezvous store at {addr}:{port} ({first[:200]}); check that rank 0's "
+            "host is up and reachable and that every host was given the same --master-addr/--master-port "
+            "(or --rdzv-endpoint)")
 
 
 def _free_port() -> int:

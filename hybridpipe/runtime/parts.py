@@ -1,8 +1,8 @@
 """The pieces of one worker, each built from the run configuration (no training loop here).
 
 * :func:`load_model`: the model spec, the full model (same seed on every rank, so every rank
-  starts from the weights single-process training would) and its traced graph, checked against
-  the plan before any process group exists.
+  starts from the weights single-process training would) and its captured graph, the whole plan
+  checked against it before any process group exists.
 * :func:`make_sync`: HybridDataParallel (summing) for a replicated stage, running the plan's sync
   choices (or launch's overrides), else nothing to sync.
 * :func:`make_optimizer`: SGD (momentum) or Adam over the stage's parameters.
@@ -14,23 +14,26 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import fx, nn
+from torch import nn
 
 from hybridpipe.comm.allreduce import GroupCosts
 from hybridpipe.comm.hybrid_dp import HybridDataParallel
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner.calibration import load_calibration
 from hybridpipe.partitioner.costmodel import CostModel
-from hybridpipe.partitioner.plan import Stage, check_plan_fits
+from hybridpipe.partitioner.plan import Plan, Stage
+from hybridpipe.partitioner.tied import shared_across
 from hybridpipe.pipeline import LocalSync, MicroBatches
+from hybridpipe.pipeline.stage import build_stage_index, check_captured_plan
+from hybridpipe.profiles.capture import CapturedModel, capture_model, tied_parameters
 from hybridpipe.profiles.data import resolve_dataset
-from hybridpipe.profiles.format import graph_signature
-from hybridpipe.profiles.trace import graph_edges, node_infos, trace_model
+from hybridpipe.profiles.graphinfo import node_infos
 from hybridpipe.profiles.zoo import ModelSpec, resolve_model
 from hybridpipe.runtime.config import RunConfig
 from hybridpipe.runtime.sync import describe_override, override_layers, stage_layers, unit_choices
@@ -42,31 +45,62 @@ log = logging.getLogger(__name__)
 class Model:
     spec: ModelSpec
     module: nn.Module
-    graph: fx.GraphModule
+    captured: CapturedModel
 
 
 def load_model(cfg: RunConfig) -> Model:
-    """Build and trace the plan's model (seeded by ``cfg.seed``); refuse a plan made for another graph."""
+    """Build and capture the plan's model (seeded by ``cfg.seed``) and check the whole plan against
+    it before any process group exists: graph signature, every cut's values, tied parameters,
+    every replicated stage's sync layers."""
     spec = resolve_model(cfg.model)
     torch.manual_seed(cfg.seed)
     module = spec.build()
-    gm = trace_model(module, spec.leaf_modules)
-    signature = graph_signature(node_infos(gm), graph_edges(gm))
-    check_plan_fits(cfg.plan, model=None, signature=None, batch_size=None, world_size=None,
-                    n_nodes=len(gm.graph.nodes))
-    check_plan_fits(cfg.plan, model=None, signature=signature, batch_size=None, world_size=None)
-    return Model(spec, module, gm)
+    example = spec.example_input(cfg.batch_size, torch.Generator().manual_seed(cfg.seed))
+    captured = capture_model(module, example, granularity=cfg.plan.granularity, leaf_modules=spec.leaf_modules)
+    check_captured_plan(captured, cfg.plan)
+    check_tied(captured, cfg.plan)
+    check_sync_layers(captured, cfg.plan)
+    return Model(spec, module, captured)
 
 
-def make_sync(cfg: RunConfig, stage_module: nn.Module, stage: Stage, group: dist.ProcessGroup | None):
+def check_sync_layers(captured: CapturedModel, plan: Plan) -> None:
+    """Every replicated stage's sync layers must cover exactly its parameters (but the tied ones):
+    checked for every stage on every rank, so a bad plan stops the job before it forms."""
+    ranges = [(s.first_node, s.last_node) for s in plan.stages]
+    model = CostModel(plan.cluster)
+    for stage in plan.stages:
+        if stage.replicas > 1 and stage.layers:
+            module = build_stage_index(captured, ranges, stage.index).module
+            tied = [captured.module.get_parameter(t.param) for t in plan.tied if stage.index in t.stages]
+            stage_layers(stage, module, model, tied)
+
+
+def check_tied(captured: CapturedModel, plan: Plan) -> None:
+    """The plan's tied groups must be exactly the parameters its stages share in this model."""
+    ranges = [(s.first_node, s.last_node) for s in plan.stages]
+    infos = node_infos(captured)
+    found = {(p, stages) for p, stages in shared_across(
+        [i.params for i in infos], [i.shared for i in infos], tied_parameters(captured.module), ranges)}
+    planned = {(t.param, t.stages) for t in plan.tied}
+    if found != planned:
+        missing = sorted(found - planned)
+        what = (f"parameter {missing[0][0]!r} is read by stages {list(missing[0][1])}" if missing
+                else f"the plan ties {sorted(planned - found)[0][0]!r}, which its stages do not share")
+        raise UserError(f"the plan's tied parameters do not match the model ({what}); the plan was made by an "
+                        "older hybridpipe or for another model: re-profile and re-partition")
+
+
+def make_sync(cfg: RunConfig, stage_module: nn.Module, stage: Stage, group: dist.ProcessGroup | None,
+              exclude: Collection[nn.Parameter] = ()):
     """The stage's gradient sync: replicas sum their gradients (the schedule scales them), each
     layer with the plan's algorithm, sync unit and lane, unless ``--allreduce`` / ``--calibration``
-    override it (then the stage's first rank prints what changed; ``runtime/sync.py``)."""
+    override it (then the stage's first rank prints what changed; ``runtime/sync.py``).
+    ``exclude``d parameters (tied across stages) are summed by the TiedSync instead."""
     if stage.replicas == 1:
         return LocalSync()
     calibrations = [load_calibration(p) for p in cfg.calibrations]
     model = CostModel(cfg.plan.cluster, calibrations or None, aggregator_dedicated=cfg.aggregator is not None)
-    planned = stage_layers(stage, stage_module, model)
+    planned = stage_layers(stage, stage_module, model, exclude)
     layers = planned
     if cfg.allreduce is not None or calibrations:
         layers = override_layers(planned, cfg.allreduce or "hybrid", stage.ranks, model)
@@ -75,7 +109,7 @@ def make_sync(cfg: RunConfig, stage_module: nn.Module, stage: Stage, group: dist
                              + [f"--calibration {p}" for p in cfg.calibrations])
             print(describe_override(stage.index, flags, planned, layers), flush=True)
     hdp = HybridDataParallel(stage_module, group, units=unit_choices(layers), costs=GroupCosts(model, stage.ranks),
-                             aggregator=cfg.aggregator, reduce="sum")
+                             aggregator=cfg.aggregator, reduce="sum", exclude=exclude)
     log.info("stage %d: gradient sync: %s", stage.index,
              ", ".join(f"{u.name}:{u.algorithm}{'/lane 1' if u.lane else ''}" for u in hdp.units))
     return hdp
@@ -116,7 +150,7 @@ def make_data(cfg: RunConfig, spec: ModelSpec) -> MicroBatches:
     as every rank and the single-process reference compute it."""
     size = cfg.dataset_size or cfg.steps * cfg.global_batch
     dataset = resolve_dataset(cfg.dataset, spec, size=size, seed=cfg.seed)
-    return MicroBatches(dataset, cfg.batch_size, cfg.micro_batches)
+    return MicroBatches(dataset, cfg.batch_size, cfg.micro_batches, targets=spec.loss is not None)
 
 
 def weights_digest(module: nn.Module) -> str:

@@ -63,7 +63,8 @@ def sync_summary(reports: list[RankReport]) -> tuple[dict[str, list[dict]], bool
 
 
 def summarize(reports: list[RankReport], plan: Plan, *, steps: int, first_step: int, run_dir: str,
-              trace_dir: str | None, schedule: str, comm_mode: str, allreduce: str | None) -> dict:
+              trace_dir: str | None, schedule: str, comm_mode: str, allreduce: str | None,
+              skipped: list[int] | None = None) -> dict:
     """The run's summary (what ``summary.json`` holds)."""
     reports = sorted(reports, key=lambda r: r.rank)
     ran = sorted(set().union(*(r.step_ms for r in reports)))
@@ -91,6 +92,7 @@ def summarize(reports: list[RankReport], plan: Plan, *, steps: int, first_step: 
         "job_step_ms": {str(k): v for k, v in job_ms.items()},
         "loss": {str(k): v for k, v in step_losses(reports, plan.micro_batches).items()},
         "replicas_identical": replicas,
+        "skipped_nonfinite_steps": sorted(skipped or []),
         "sync": sync, "sync_as_planned": as_planned,
         "run_dir": run_dir, "metrics_dir": f"{run_dir}/metrics", "trace_dir": trace_dir,
     }
@@ -123,9 +125,9 @@ def loss_rows(losses: dict[str, float], rows: int = 6) -> list[tuple[int, float]
 def format_summary(summary: dict) -> str:
     """The lines printed at the end of a run."""
     s = summary
-    out = [f"hybridpipe: {s['steps_run']} steps of {s['model']} ({s['schedule']}, {s['micro_batches']} x "
-           f"{s['batch_size']} samples per step, {s['world_size']} workers, p2p {s['comm_mode']}, "
-           f"all-reduce {s['allreduce']})"]
+    out = [f"hybridpipe: {s['steps_run']} steps of {s['model']} ({s['schedule']}, global batch {s['global_batch']} = "
+           f"{s['micro_batches']} micro-batches x {s['batch_size']} samples, {s['world_size']} workers, "
+           f"p2p {s['comm_mode']}, all-reduce {s['allreduce']})"]
     rows = loss_rows(s["loss"])
     if rows:
         out.append("  loss: " + ", ".join(f"step {k}: {v:.4f}" for k, v in rows))
@@ -142,6 +144,10 @@ def format_summary(summary: dict) -> str:
                                      else f"WEIGHTS DIFFER between the replicas of stage(s) {', '.join(diverged)}"))
     if s.get("sync"):
         out.append(sync_line(s["sync"], s["sync_as_planned"]))
+    skipped = s.get("skipped_nonfinite_steps") or []
+    if skipped:
+        shown = ", ".join(map(str, skipped[:10])) + (" ..." if len(skipped) > 10 else "")
+        out.append(f"  skipped {len(skipped)} step(s) whose loss was not finite (no weights changed): {shown}")
     out.append(f"  metrics: {s['metrics_dir']}/   summary: {s['run_dir']}/summary.json")
     if s["trace_dir"]:
         out.append(f"  timeline: {s['trace_dir']}/ (merge: `hybridpipe timeline {s['trace_dir']} --png timeline.png`)")

@@ -17,7 +17,7 @@ Pure functions but for reading the module's parameters and the HybridDataParalle
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from torch import nn
 
@@ -31,20 +31,24 @@ from hybridpipe.partitioner.syncunits import with_algorithm
 SHOWN_CHANGES = 6        # layers named in an override's line before "and N more"
 
 
-def derived_layers(module: nn.Module, ranks: Sequence[int], model: CostModel) -> tuple[LayerSync, ...]:
+def derived_layers(module: nn.Module, ranks: Sequence[int], model: CostModel,
+                   exclude: Collection[nn.Parameter] = ()) -> tuple[LayerSync, ...]:
     """What ``partition`` writes for a stage, over ``module``'s own layers (named by module path)."""
-    layers = model_layers(module)
+    layers = model_layers(module, exclude)
     zeros = [0.0] * len(layers)
     return choose_layer_algorithms([lv.name for lv in layers], [lv.nbytes for lv in layers], zeros, zeros,
                                    ranks, model, ALGORITHMS, params=[lv.param_names for lv in layers]).layers
 
 
-def stage_layers(stage: Stage, module: nn.Module, model: CostModel) -> tuple[LayerSync, ...]:
+def stage_layers(stage: Stage, module: nn.Module, model: CostModel,
+                 exclude: Collection[nn.Parameter] = ()) -> tuple[LayerSync, ...]:
     """The plan's layers for ``stage`` (see the module docstring); UserError when they do not
-    cover exactly the stage's trainable parameters."""
+    cover exactly the stage's trainable parameters (but the ``exclude``d: tied across stages)."""
     if not stage.layers:
-        return derived_layers(module, stage.ranks, model)
-    have = {name for name, p in module.named_parameters() if p.requires_grad and p.numel() > 0}
+        return derived_layers(module, stage.ranks, model, exclude)
+    skip = {id(p) for p in exclude}
+    have = {name for name, p in module.named_parameters()
+            if p.requires_grad and p.numel() > 0 and id(p) not in skip}
     planned = {p for lv in stage.layers for p in lv.params}
     if planned - have:
         extra = sorted(planned - have)

@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hybridpipe.errors import UserError
+from hybridpipe.jsonfile import field as json_field
+from hybridpipe.jsonfile import read_json, replace_into
 
 PHASES = ("receive_for", "run_for", "send_for", "receive_back", "run_back", "sync", "send_back", "step")
 TRACE_KIND = "rank-trace"
@@ -210,7 +212,7 @@ def _write_atomic(path: Path, text: str) -> Path:
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
-        os.replace(tmp, path)
+        replace_into(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -233,23 +235,46 @@ class RankTrace:
 def load_rank_trace(path: str | os.PathLike) -> RankTrace:
     """Read a file written by :class:`TimelineRecorder`; a foreign or broken file is a UserError."""
     p = Path(path)
-    try:
-        data = json.loads(p.read_text())
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"cannot read trace file {p}: {e}") from None
-    except json.JSONDecodeError as e:
-        raise UserError(f"trace file {p} is not valid JSON (line {e.lineno}: {e.msg}); "
-                        "was it copied while being written?") from None
-    meta = data.get("otherData", {}).get("hybridpipe") if isinstance(data, dict) else None
+    data = read_json(p, "trace")
+    other = data.get("otherData") if isinstance(data, dict) else None
+    meta = other.get("hybridpipe") if isinstance(other, dict) else None
     if not isinstance(meta, dict) or meta.get("kind") != TRACE_KIND:
         raise UserError(f"{p} is not a hybridpipe rank trace (no otherData.hybridpipe of kind {TRACE_KIND!r})")
     if meta.get("format") != TRACE_FORMAT:
         raise UserError(f"{p}: trace format {meta.get('format')!r} is not supported (this hybridpipe "
                         f"reads format {TRACE_FORMAT})")
+    where = f"{p}: otherData.hybridpipe"
+    json_field(meta, "rank", int, where, minimum=0)
+    json_field(meta, "stage", int, where, minimum=0)
+    json_field(meta, "replica", int, where, minimum=0)
+    json_field(meta, "world_size", int, where, minimum=1, default=1)
+    json_field(meta, "anchor_wall_s", float, where)
+    json_field(meta, "clock", str, where, default="")
     events = data.get("traceEvents")
     if not isinstance(events, list):
         raise UserError(f"{p}: \"traceEvents\" must be a list")
+    for i, e in enumerate(events):
+        _check_event(e, f"{p}: event {i}")
     return RankTrace(p, meta, events)
+
+
+def _check_event(e: object, where: str) -> None:
+    """The fields the merge and the table read: every event an object; a complete ("X") event
+    with a pid, tid, name, finite ts and dur >= 0, and args whose step is an integer or null."""
+    if not isinstance(e, dict):
+        raise UserError(f"{where}: expected an object")
+    json_field(e, "pid", int, where, default=0)
+    if e.get("ph") != "X":
+        return
+    for key in ("pid", "tid"):
+        json_field(e, key, int, where)
+    json_field(e, "name", str, where)
+    json_field(e, "ts", float, where)
+    json_field(e, "dur", float, where, minimum=0)
+    args = e.setdefault("args", {})
+    json_field(e, "args", dict, where)
+    if args.get("step") is not None:
+        json_field(args, "step", int, f"{where}: args")
 
 
 def find_rank_traces(run_dir: str | os.PathLike) -> list[Path]:

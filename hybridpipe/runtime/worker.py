@@ -17,6 +17,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,14 +25,18 @@ import torch.distributed as dist
 from hybridpipe.errors import UserError
 from hybridpipe.jsonfile import write_json
 from hybridpipe.pipeline import PipelineEngine, Topology, build_stage_index
+from hybridpipe.pipeline.stage import loss_of
+from hybridpipe.profiles.capture import tied_parameters
 from hybridpipe.runtime.checkpoint import Checkpointer, restore_rng
-from hybridpipe.runtime.config import RunConfig
+from hybridpipe.runtime.config import RunConfig, flushes
 from hybridpipe.runtime.failure import FailureGuard, default_store, describe_ranks
 from hybridpipe.runtime.groups import Process, init_distributed, replica_groups, stage_channels
 from hybridpipe.runtime.metrics import MetricsWriter, Progress, step_record
+from hybridpipe.runtime.nonfinite import NonFiniteWatch
 from hybridpipe.runtime.parts import load_model, make_data, make_optimizer, make_sync, seed_rank, weights_digest
 from hybridpipe.runtime.summary import RankReport, format_summary, summarize
 from hybridpipe.runtime.sync import sync_report
+from hybridpipe.runtime.tied import tied_process_groups, tied_sync
 from hybridpipe.runtime.timeline import TimelineRecorder, trace_dir
 
 log = logging.getLogger(__name__)
@@ -47,7 +52,8 @@ def run_worker(cfg: RunConfig, *, print_fn: Callable[[str], None] = print) -> di
         if proc.world_size != cfg.plan.world_size:
             raise UserError(f"the plan needs {cfg.plan.world_size} workers but the job has {proc.world_size}")
         closers: list[Callable[[], object]] = []
-        guard = FailureGuard(default_store(), rank=proc.rank, world_size=proc.world_size, timeout=cfg.peer_timeout,
+        guard = FailureGuard(default_store(), rank=proc.rank, world_size=proc.world_size,
+                             timeout=min(cfg.peer_timeout, cfg.timeout), program="hybridpipe.launch",
                              describe=describe_ranks(cfg.plan), on_exit=[lambda: _close_all(closers)],
                              hint="restart with --resume to continue from the newest checkpoint"
                              if cfg.checkpoint_dir else "")
@@ -67,12 +73,15 @@ def _train(cfg: RunConfig, proc: Process, model, closers: list, print_fn) -> dic
     traces = None if cfg.trace_dir == "" else Path(cfg.trace_dir or trace_dir(run_dir))
 
     groups = replica_groups(plan, cfg.timeout)
-    stage = build_stage_index(model.graph, [(s.first_node, s.last_node) for s in plan.stages], stage_plan.index,
-                              loss=model.spec.loss).to(proc.device)
-    sync = make_sync(cfg, stage.module, stage_plan, groups.get(stage_plan.index))
+    tied = tied_sync(plan, stage_plan.index, model.module, tied_process_groups(plan, cfg.timeout))
+    watch = _nonfinite_watch(cfg, proc, stage_plan)
+    stage = build_stage_index(model.captured, [(s.first_node, s.last_node) for s in plan.stages], stage_plan.index,
+                              loss=watch.wrap_loss(loss_of(model.spec.loss))).to(proc.device)
+    sync = make_sync(cfg, stage.module, stage_plan, groups.get(stage_plan.index),
+                     exclude=tied.params if tied is not None else ())
     seed_rank(cfg.seed, rank)
-    optimizer = make_optimizer(cfg.optimizer, stage.module.parameters(), lr=cfg.lr, momentum=cfg.momentum,
-                               weight_decay=cfg.weight_decay)
+    optimizer: Any = watch.wrap_optimizer(make_optimizer(cfg.optimizer, stage.module.parameters(), lr=cfg.lr,
+                                                    momentum=cfg.momentum, weight_decay=cfg.weight_decay))
     recorder = None
     if traces is not None:
         recorder = TimelineRecorder(traces, rank=rank, stage=stage_plan.index, replica=replica,
@@ -84,15 +93,15 @@ def _train(cfg: RunConfig, proc: Process, model, closers: list, print_fn) -> dic
     if recorder is not None:
         recorder.align(dist.barrier)
     engine = PipelineEngine(stage, topo, rank, cfg.schedule, transport=channels, optimizer=optimizer,
-                            data=make_data(cfg, model.spec), sync=sync, recorder=recorder)
+                            data=make_data(cfg, model.spec), sync=sync, recorder=recorder, tied=tied)
 
     ckpt = None
     start = 0
     if cfg.checkpoint_dir:
         ckpt = Checkpointer(cfg.checkpoint_dir, plan=plan, rank=rank, every=cfg.checkpoint_every,
-                            keep=cfg.keep_checkpoints)
+                            keep=cfg.keep_checkpoints, tied=tied_parameters(model.module))
         if cfg.resume:
-            start = _restore(ckpt, stage, optimizer, engine)
+            start = _restore(ckpt, stage, optimizer, engine, print_fn if rank == ckpt.committer else None)
 
     metrics = MetricsWriter(run_dir, rank)
     closers.append(metrics.close)
@@ -106,6 +115,7 @@ def _train(cfg: RunConfig, proc: Process, model, closers: list, print_fn) -> dic
                 recorder.begin_step(step)
             t0 = time.perf_counter()
             result = engine.run_step(step, drain=step == cfg.steps - 1)
+            watch.after_step(step, result.losses)       # every rank: stops here on a non-finite loss
             if proc.device.type == "cuda":
                 torch.cuda.synchronize(proc.device)
             seconds = time.perf_counter() - t0
@@ -140,17 +150,31 @@ def _train(cfg: RunConfig, proc: Process, model, closers: list, print_fn) -> dic
         return None
     summary = summarize(reports, plan, steps=cfg.steps, first_step=start, run_dir=str(run_dir),
                         trace_dir=str(traces) if traces is not None else None, schedule=cfg.schedule,
-                        comm_mode=cfg.comm_mode, allreduce=cfg.allreduce)
+                        comm_mode=cfg.comm_mode, allreduce=cfg.allreduce, skipped=watch.skipped)
     write_json(Path(run_dir) / "summary.json", summary)
     print_fn(format_summary(summary))
     return summary
 
 
-def _restore(ckpt: Checkpointer, stage, optimizer, engine) -> int:
+def _nonfinite_watch(cfg: RunConfig, proc: Process, stage_plan) -> NonFiniteWatch:
+    """The NaN/inf check of this rank (see nonfinite.py); the last stage decides alone when unreplicated."""
+    last = stage_plan.index == len(cfg.plan.stages) - 1
+    hint = f"the newest checkpoint in {cfg.checkpoint_dir} is the last good one" if cfg.checkpoint_dir else ""
+    return NonFiniteWatch(proc.device, skip=cfg.skip_nonfinite, flushing=flushes(cfg.plan), stage=stage_plan.index,
+                          decides_alone=last and stage_plan.replicas == 1, hint=hint)
+
+
+def _restore(ckpt: Checkpointer, stage, optimizer, engine, say: Callable[[str], None] | None) -> int:
+    """Load the newest usable checkpoint (or stop: see Checkpointer.restore); ``say`` (one rank's
+    print) tells the user where the run continues from."""
     restored = ckpt.restore()
     if restored is None:
-        log.info("no checkpoint in %s yet: starting from step 0", ckpt.root)
+        if say is not None:
+            say(f"hybridpipe: --resume: no checkpoint in {ckpt.root} yet; starting from step 0")
         return 0
+    if say is not None:
+        skipped = f" (skipped: {'; '.join(restored.skipped)})" if restored.skipped else ""
+        say(f"hybridpipe: --resume: continuing from {restored.path} (step {restored.step}){skipped}")
     stage.load_state_dict(restored.model)
     optimizer.load_state_dict(restored.optimizer)
     engine.load_state_dict(restored.engine)
@@ -164,7 +188,7 @@ def _agree_run_dir(cfg: RunConfig, rank: int) -> Path:
     if rank == 0:
         chosen[0] = cfg.run_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     dist.broadcast_object_list(chosen, src=0)
-    run_dir = Path(chosen[0])
+    run_dir = Path(str(chosen[0]))
     run_dir.mkdir(parents=True, exist_ok=True)
     if rank == 0 and cfg.run_dir is None:
         _point_latest(run_dir)

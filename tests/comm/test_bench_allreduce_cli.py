@@ -30,7 +30,7 @@ def test_writes_a_calibration_table_and_figure(tmp_path, capsys) -> None:
 @pytest.mark.parametrize("argv, message", [
     (["--algorithms", "ring,fastest"], "unknown fastest"),
     (["--sizes", "4K"], "at least two sizes"),
-    (["--ranks", "1"], "--ranks must be >= 2"),
+    (["--ranks", "1"], "--ranks: must be between 2 and 1024, got 1"),
     (["--sizes", "4Q..8K"], "cannot read size"),
 ])
 def test_bad_arguments_fail_with_one_line(tmp_path, capsys, argv, message) -> None:

@@ -151,4 +151,4 @@ def test_the_aggregator_command_serves_real_workers() -> None:
 def test_the_aggregator_command_rejects_bad_arguments(capsys) -> None:
     from hybridpipe.cli import main
     assert main(["aggregator", "--port", "0", "--world", "0"]) == 2
-    assert "--world must be >= 1" in capsys.readouterr().err
+    assert "--world: must be >= 1, got 0" in capsys.readouterr().err

@@ -15,20 +15,30 @@ from hybridpipe.profiles.format import Profile, ProfileNode
 def make_profile(layers: Sequence[tuple[float, float, int, int]], skips: Sequence[tuple[int, int]] = (),
                  model: str = "synthetic", batch_size: int = 8, input_bytes: int = 4096,
                  blockers: Sequence[int] = ()) -> Profile:
-    """A chain input -> layer 1 .. layer k -> output; ``layers`` = (fwd ms, bwd ms, activation bytes,
-    param bytes) per layer; ``skips`` = extra edges (src, dst) between node ids (skip connections);
-    ``blockers``: node ids after which a value that cannot cross a stage boundary is live."""
-    nodes = [ProfileNode(0, "x", "placeholder", "x", "placeholder", activation_bytes=input_bytes,
-                         cut_blocker="n" if 0 in blockers else None)]
-    for k, (f, b, act, par) in enumerate(layers, start=1):
-        params = (f"l{k}.weight",) if par else ()
-        nodes.append(ProfileNode(k, f"l{k}", "call_module", f"l{k}", "Linear", f, b, act, par // 4, par, params,
-                                 f"size{k}" if k in blockers else None))
-    n = len(nodes)
-    nodes.append(ProfileNode(n, "output", "output", "output", "output", 0.01, 0.01))
-    edges = [(k, k + 1) for k in range(n)] + [e for e in skips if e[1] != e[0] + 1]
+    """A chain x -> layer 1 .. layer k -> output in the profile format the profiler writes: ``x`` a
+    block of input code (its output, ``input_bytes``, needs no gradient), ``output`` the loss block;
+    ``layers`` = (fwd ms, bwd ms, activation bytes, param bytes) per layer; ``skips`` = extra edges
+    (src, dst) between node ids (skip connections). Each node's ``cut_bytes`` / ``cut_grad_bytes``
+    are exactly what crosses a cut right after it (every output still read later); ``blockers``: node
+    ids after which a value that cannot cross a stage boundary is live."""
+    specs = [("x", "ops", "ops", 0.0, 0.0, input_bytes, 0)]
+    specs += [(f"l{k}", "module", "Linear", f, b, act, par) for k, (f, b, act, par) in enumerate(layers, start=1)]
+    specs.append(("output", "ops", "ops", 0.01, 0.01, 0, 0))
+    n = len(specs)
+    edges = sorted({(k, k + 1) for k in range(n - 1)} | {e for e in skips if e[1] != e[0] + 1})
+    last_use = list(range(n))
+    for src, dst in edges:
+        last_use[src] = max(last_use[src], dst)
+    nodes = []
+    for i, (name, op, kind, f, b, act, par) in enumerate(specs):
+        live = [u for u in range(i + 1) if last_use[u] > i]
+        cut = sum(specs[u][5] for u in live)
+        grad = sum(specs[u][5] for u in live if u > 0)
+        nodes.append(ProfileNode(i, name, op, name, kind, f, b, act, par // 4, par, (f"{name}.weight",) if par else (),
+                                 cut_bytes=cut, cut_grad_bytes=grad,
+                                 cut_blocker=(f"size{i}" if i else "n") if i in blockers else None))
     return Profile(model, batch_size, (batch_size, 16), "float32", "float32", "cpu", "test", tuple(nodes),
-                   tuple(sorted(set(edges))))
+                   tuple(edges))
 
 
 def flat_cluster(n: int, gbps: float = 1.0, latency_us: float = 0.0, memory_gb: float = 16.0) -> Cluster:

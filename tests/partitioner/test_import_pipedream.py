@@ -79,7 +79,7 @@ def flat_time(costs: ModelCosts, cuts: list[tuple[str, int]], bytes_per_s: float
 def test_import_keeps_pipedream_numbers():
     text = (DATA / "alexnet.graph.txt").read_text()
     prof = profile_from_graph(text, "pipedream-alexnet")
-    assert [n.name for n in prof.nodes[:3]] == ["node1", "node2", "node3"] and prof.nodes[-1].op == "output"
+    assert [n.name for n in prof.nodes[:3]] == ["node1", "node2", "node3"] and prof.nodes[-1].name == "output"
     assert prof.batch_size == 256 and prof.input_shape == (256, 3, 224, 224)     # 154140672 bytes of float32
     conv = prof.nodes[1]
     assert (conv.type, conv.forward_ms, conv.backward_ms, conv.activation_bytes, conv.param_bytes) == \

@@ -66,11 +66,11 @@ def test_calibration_and_algorithm_choice(profile, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--workers", "0"], "--workers must be at least 1"),
+    (["--workers", "0"], "--workers: must be >= 1, got 0"),
     (["--workers", "9"], "more than the cluster's 4 workers"),
     (["--memory-gb", "0.001"], "no plan fits in 0.001 GB per worker"),
     (["--strategy", "time", "--workers", "4", "--stages", "2"], "replicates nothing"),
-    (["--micro-batches", "0"], "--micro-batches must be at least 1"),
+    (["--micro-batches", "0"], "--micro-batches: must be >= 1, got 0"),
     (["--algorithms", "smoke-signals"], "--algorithms must name some of"),
 ])
 def test_errors_are_one_line_and_exit_2(profile, args, message, capsys):

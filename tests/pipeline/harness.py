@@ -2,30 +2,69 @@
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable
+
 import torch
+from torch.utils.data import Dataset
 
 from hybridpipe.partitioner.cluster import Cluster, Level
-from hybridpipe.partitioner.plan import Plan, Stage
+from hybridpipe.partitioner.plan import Plan, Stage, TiedGroup
+from hybridpipe.partitioner.tied import shared_across
 from hybridpipe.pipeline.data import MicroBatches
 from hybridpipe.pipeline.engine import PipelineEngine
 from hybridpipe.pipeline.inprocess import InProcessGradSync, InProcessNetwork, ReplicaGroup, run_ranks
 from hybridpipe.pipeline.schedules import Topology
-from hybridpipe.pipeline.stage import build_stage
+from hybridpipe.pipeline.stage import PipelineStage, build_stage, captured_signature
+from hybridpipe.pipeline.tied import TiedSync, complete_tied, stage_tied_params, tied_ranks
+from hybridpipe.profiles.capture import CapturedModel, call_args, capture_model, tied_parameters, training_switches
 from hybridpipe.profiles.data import resolve_dataset
-from hybridpipe.profiles.format import graph_signature
-from hybridpipe.profiles.trace import graph_edges, node_infos, trace_model
-from hybridpipe.profiles.zoo import resolve_model
+from hybridpipe.profiles.graphinfo import node_infos
+from hybridpipe.profiles.zoo import ModelSpec, resolve_model
+from hybridpipe.runtime.parts import NoParameters
+
+Observer = Callable[[int, int, PipelineStage], None]     # (rank, step, stage) after every step
+
+
+def capture(spec: ModelSpec, batch_size: int = 4, seed: int = 0, granularity: str = "blocks") -> CapturedModel:
+    """The spec's model built from ``seed`` and captured as every rank does it."""
+    torch.manual_seed(seed)
+    module = spec.build()
+    example = spec.example_input(batch_size, torch.Generator().manual_seed(seed))
+    return capture_model(module, example, granularity=granularity, leaf_modules=spec.leaf_modules)
+
+
+_CAPTURES: dict[tuple, CapturedModel] = {}
+
+
+def capture_copy(spec: ModelSpec, batch_size: int = 4, seed: int = 0, granularity: str = "blocks") -> CapturedModel:
+    """A deep copy of one capture per (model, batch size, seed, granularity), for tests that run
+    many pipelines of one model (capturing a Hugging Face model takes seconds): every copy is the
+    same fresh model, as separate captures on every rank are (tests/runtime runs those)."""
+    key = (spec.name, batch_size, seed, str(granularity))
+    if key not in _CAPTURES:
+        _CAPTURES[key] = capture(spec, batch_size, seed, granularity)
+    return copy.deepcopy(_CAPTURES[key])
+
+
+def plan_tied(captured: CapturedModel, ranges: list[tuple[int, int]]) -> tuple[TiedGroup, ...]:
+    """The tied groups a partitioner would write for these ranges."""
+    infos = node_infos(captured)
+    found = shared_across([i.params for i in infos], [i.shared for i in infos], tied_parameters(captured.module),
+                          ranges)
+    return tuple(TiedGroup(p, stages, 0) for p, stages in found)
 
 
 def make_plan(model: str, cuts: list[int], replicas: list[int], *, schedule: str = "1f1b", micro_batches: int = 4,
               batch_size: int = 4, times: list[tuple[float, float]] | None = None, send_ms: float = 0.0,
-              n_nodes: int | None = None, signature: str = "") -> Plan:
-    """A plan cutting ``model`` after the node ids in ``cuts`` (stage s ends at cuts[s])."""
+              n_nodes: int | None = None, signature: str = "", granularity: str = "blocks",
+              shared_capture: bool = False) -> Plan:
+    """A plan cutting ``model`` after the node ids in ``cuts`` (stage s ends at cuts[s]); ``n_nodes``
+    and ``signature`` default to the captured model's (give others for a plan made for another graph)."""
     spec = resolve_model(model)
-    if n_nodes is None or not signature:
-        gm = trace_model(spec.build(), spec.leaf_modules)
-        n_nodes = len(gm.graph.nodes)
-        signature = graph_signature(node_infos(gm), graph_edges(gm))
+    captured = (capture_copy if shared_capture else capture)(spec, batch_size, granularity=granularity)
+    n_nodes = n_nodes or len(captured.blocks)
+    signature = signature or captured_signature(captured)
     bounds = [-1, *cuts, n_nodes - 1]
     stages, rank = [], 0
     for s, r in enumerate(replicas):
@@ -35,42 +74,58 @@ def make_plan(model: str, cuts: list[int], replicas: list[int], *, schedule: str
                             send_ms=send_ms if s < len(replicas) - 1 else 0.0))
         rank += r
     cluster = Cluster((Level("node", rank, 100.0),), 16.0)
+    ranges = [(s.first_node, s.last_node) for s in stages]
     return Plan(model=model, batch_size=batch_size, input_shape=(batch_size, *spec.sample_shape),
                 profile_signature=signature, cluster=cluster, strategy="uniform", schedule=schedule,
-                micro_batches=micro_batches, optimizer="sgd", stages=tuple(stages))
+                micro_batches=micro_batches, optimizer="sgd", stages=tuple(stages), tied=plan_tied(captured, ranges),
+                granularity=granularity)
 
 
-def data_for(plan: Plan, steps: int, seed: int = 1) -> MicroBatches:
+def data_for(plan: Plan, steps: int, seed: int = 1, dataset: Dataset | None = None) -> MicroBatches:
+    """The plan's micro-batches: synthetic data, or ``dataset``'s samples."""
     spec = resolve_model(plan.model)
     size = steps * plan.micro_batches * plan.batch_size
-    return MicroBatches(resolve_dataset("synthetic", spec, size=size, seed=seed), plan.batch_size, plan.micro_batches)
+    if dataset is None:
+        dataset = resolve_dataset("synthetic", spec, size=size, seed=seed)
+    return MicroBatches(dataset, plan.batch_size, plan.micro_batches, targets=spec.loss is not None)
 
 
 def make_optimizer(params, lr: float, kind: str = "sgd") -> torch.optim.Optimizer:
+    params = list(params)
+    if not params:                       # a stage of only parameterless operations
+        return NoParameters()            # type: ignore[return-value]
     if kind == "adam":
         return torch.optim.Adam(params, lr=lr)
     return torch.optim.SGD(params, lr=lr, momentum=0.5)
 
 
 def train_pipeline(plan: Plan, steps: int, *, lr: float = 0.05, seed: int = 0, optimizer: str = "sgd",
-                   drain_every: int | None = None, device: str = "cpu",
+                   drain_every: int | None = None, device: str = "cpu", dataset: Dataset | None = None,
+                   shared_capture: bool = False, observe: Observer | None = None, tied_sync: bool = True,
                    ) -> tuple[dict[str, torch.Tensor], dict[int, list[float]]]:
     """Train ``plan`` with one thread per rank; returns the merged state dict (replica 0 of every
-    stage, after checking the replicas agree bitwise) and the losses per step."""
+    stage, after checking the replicas agree bitwise) and the losses per step.
+
+    ``dataset``: the samples (default: synthetic); ``shared_capture``: every rank gets a copy of one
+    capture (see capture_copy); ``observe(rank, step, stage)`` runs on every rank after every step;
+    ``tied_sync=False`` sums nothing across the copies of tied weights (to see them drift apart)."""
     spec = resolve_model(plan.model)
     topo = Topology.from_plan(plan)
     network = InProcessNetwork(timeout=60)
     groups = [ReplicaGroup(s.replicas) for s in plan.stages]
+    tied_groups = {ranks: ReplicaGroup(len(ranks)) for ranks in {tied_ranks(plan, g) for g in plan.tied}}
 
     def rank_fn(rank: int):
-        torch.manual_seed(seed)
-        model = spec.build()
-        stage = build_stage(model, plan, rank, loss=spec.loss, leaf_modules=spec.leaf_modules).to(device)
+        captured = (capture_copy if shared_capture else capture)(spec, plan.batch_size, seed, plan.granularity)
+        stage = build_stage(captured, plan, rank, loss=spec.loss).to(device)
         st, replica = plan.stage_of_rank(rank)
-        sync = InProcessGradSync(stage.module, groups[st.index], replica)
+        held = stage_tied_params(plan, st.index, captured.module)
+        tied = TiedSync([(params, _summer(tied_groups[ranks], ranks.index(rank)) if tied_sync else _no_sum)
+                         for ranks, params in held.items()])
+        sync = InProcessGradSync(stage.module, groups[st.index], replica, exclude=tied.params)
         engine = PipelineEngine(stage, topo, rank, plan.schedule, transport=network.transport(rank),
                                 optimizer=make_optimizer(stage.module.parameters(), lr, optimizer),
-                                data=data_for(plan, steps), sync=sync)
+                                data=data_for(plan, steps, dataset=dataset), sync=sync, tied=tied if held else None)
 
         def run():
             losses = {}
@@ -78,10 +133,13 @@ def train_pipeline(plan: Plan, steps: int, *, lr: float = 0.05, seed: int = 0, o
                 last = k == steps - 1 or (drain_every is not None and (k + 1) % drain_every == 0)
                 res = engine.run_step(k, drain=last)
                 losses[k] = [float(v) for _, v in sorted(res.losses.items())]
+                if observe is not None:
+                    observe(rank, k, stage)
             return {k: v.cpu() for k, v in stage.state_dict().items()}, losses, engine
         return run
 
-    results = run_ranks({r: rank_fn(r) for s in plan.stages for r in s.ranks}, network, groups)
+    results = run_ranks({r: rank_fn(r) for s in plan.stages for r in s.ranks}, network,
+                        groups + list(tied_groups.values()))
     assert not network.pending(), network.pending()
     merged: dict[str, torch.Tensor] = {}
     losses: dict[int, list[float]] = {}
@@ -91,6 +149,7 @@ def train_pipeline(plan: Plan, steps: int, *, lr: float = 0.05, seed: int = 0, o
             other = results[r][0]
             assert all(torch.equal(first[k], other[k]) for k in first), f"replicas of stage {s.index} differ"
         merged.update(first)
+    merged = complete_tied(merged, tied_parameters(spec.build())) if tied_sync else merged
     for s in plan.stages[-1:]:
         for r in s.ranks:
             for k, v in results[r][1].items():
@@ -98,20 +157,49 @@ def train_pipeline(plan: Plan, steps: int, *, lr: float = 0.05, seed: int = 0, o
     return merged, losses
 
 
-def train_reference(plan: Plan, steps: int, *, lr: float = 0.05, seed: int = 0,
-                    optimizer: str = "sgd", device: str = "cpu") -> dict[str, torch.Tensor]:
-    """Plain single-process training on each step's concatenated global batch (mean loss)."""
+def train_reference(plan: Plan, steps: int, *, lr: float = 0.05, seed: int = 0, optimizer: str = "sgd",
+                    device: str = "cpu", dataset: Dataset | None = None, accumulate: bool = False,
+                    observe: Callable[[int, torch.nn.Module], None] | None = None) -> dict[str, torch.Tensor]:
+    """Plain single-process training on each step's concatenated global batch (mean loss), or with
+    ``accumulate`` micro-batch by micro-batch, each one's mean loss / M (gradient accumulation: the
+    same thing when micro-batches are alike; micro-batches padded to different lengths cannot be
+    concatenated, and a token-mean loss weighs their tokens per micro-batch). ``observe(step,
+    model)`` runs after every step."""
     spec = resolve_model(plan.model)
     torch.manual_seed(seed)
     model = spec.build().to(device)
     opt = make_optimizer(model.parameters(), lr, optimizer)
-    data = data_for(plan, steps)
+    data = data_for(plan, steps, dataset=dataset)
     for k in range(steps):
-        x, y = (t.to(device) for t in data.global_batch(k))
         opt.zero_grad()
-        spec.loss(model(x), y).backward()
+        if accumulate:
+            for m in range(plan.micro_batches):
+                x, y = data.batch(k, m)
+                (model_loss(spec, model, x, y) / plan.micro_batches).backward()
+        else:
+            x, y = data.global_batch(k)
+            model_loss(spec, model, x, y).backward()
         opt.step()
+        if observe is not None:
+            observe(k, model)
     return {k: v.cpu() for k, v in model.state_dict().items()}
+
+
+def model_loss(spec: ModelSpec, model: torch.nn.Module, x, y) -> torch.Tensor:
+    """The unsplit model's loss on one batch, as single-process training computes it."""
+    args, kwargs = call_args(x)
+    out = model(*args, **kwargs, **training_switches(model))
+    return spec.loss(out, y) if spec.loss is not None else out.loss
+
+
+def _no_sum(flat: torch.Tensor) -> None:
+    """A tied-gradient sum that sums nothing: each copy keeps its own stage's gradient."""
+
+
+def _summer(group: ReplicaGroup, index: int):
+    def sum_fn(flat: torch.Tensor) -> None:
+        group.all_reduce_sum(index, [flat])
+    return sum_fn
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

@@ -16,14 +16,16 @@ import math
 import torch
 
 from hybridpipe.partitioner.plan import Plan
-from hybridpipe.profiles.trace import node_infos, trace_model
+from hybridpipe.profiles.capture import capture_model
+from hybridpipe.profiles.graphinfo import node_infos
 from hybridpipe.profiles.zoo import resolve_model
 
 
-def param_stages(model: torch.nn.Module, plan: Plan, leaf_modules) -> dict[str, int]:
-    """Which stage owns each parameter (by the plan's node ranges over the traced graph)."""
+def param_stages(model: torch.nn.Module, plan: Plan, spec, example) -> dict[str, int]:
+    """Which stage owns each parameter (by the plan's node ranges over the captured blocks)."""
     out = {}
-    for i, info in enumerate(node_infos(trace_model(model, leaf_modules))):
+    captured = capture_model(model, example, granularity=plan.granularity, leaf_modules=spec.leaf_modules)
+    for i, info in enumerate(node_infos(captured)):
         stage = next(s.index for s in plan.stages if s.first_node <= i <= s.last_node)
         for p in info.params:
             out[p] = stage
@@ -36,7 +38,7 @@ def train_pipedream_reference(plan: Plan, data, steps: int, drains: set[int], *,
     spec = resolve_model(plan.model)
     torch.manual_seed(seed)
     model = spec.build()
-    owner = param_stages(model, plan, spec.leaf_modules)
+    owner = param_stages(model, plan, spec, data.batch(0, 0)[0])
     S, M = len(plan.stages), plan.micro_batches
     reps = [s.replicas for s in plan.stages]
     warm = [math.ceil(sum(reps[s:]) / reps[s]) for s in range(S)]

@@ -43,13 +43,13 @@ def test_schedule_prints_every_rank_and_one_rank_in_full(plan_file, tmp_path, ca
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["simulate", "{plan}", "--steps", "0"], "--steps must be >= 1"),
+    (["simulate", "{plan}", "--steps", "0"], "--steps: must be >= 1, got 0"),
     (["simulate", "{plan}", "--micro-batches", "1"], "use --micro-batches >= 2"),
     (["simulate", "{plan}", "--schedule", "pipedream", "--micro-batches", "3"], "multiple of every stage's replica"),
     (["simulate", "{untimed}"], "has no per-stage times"),
     (["simulate", "{missing}"], "does not exist"),
     (["schedule", "{plan}", "--rank", "7"], "rank 7 is not in the plan"),
-    (["schedule", "{plan}", "--micro-batches", "0"], "--micro-batches must be >= 1"),
+    (["schedule", "{plan}", "--micro-batches", "0"], "--micro-batches: must be >= 1, got 0"),
 ])
 def test_bad_requests_end_with_one_line(argv, message, plan_file, tmp_path, capsys):
     untimed = save_plan(make_plan("mlp", [2], [1, 1]), tmp_path / "untimed.json")

@@ -14,25 +14,33 @@ from hybridpipe.pipeline.inprocess import InProcessNetwork, run_ranks
 from hybridpipe.pipeline.schedules import Topology
 from hybridpipe.pipeline.stage import build_stage
 from hybridpipe.profiles.zoo import resolve_model
-from tests.pipeline.harness import data_for, make_optimizer, make_plan, max_diff, train_pipeline, train_reference
+from tests.pipeline.harness import (
+    capture,
+    data_for,
+    make_optimizer,
+    make_plan,
+    max_diff,
+    train_pipeline,
+    train_reference,
+)
 
 GPT = "gpt[layers=2,width=32,heads=2,seq=8,vocab=64]"
 STEPS = 5
 TOL = 1e-5
 
 CASES = {
-    # model, cut after these node ids, replicas per stage, micro-batches, batch size
-    "mlp": ("mlp", [2, 5], [1, 2, 1], 4, 4),
-    "mlp-4-stages": ("mlp", [1, 3, 5], [2, 1, 3, 1], 6, 3),
-    "alexnet-small": ("alexnet-small[dropout=0]", [6, 14], [2, 1, 1], 4, 2),
-    "resnet-small": ("resnet-small[norm=none]", [4, 9, 15], [1, 2, 1, 1], 4, 2),   # skips cross every cut
-    "gpt": (GPT, [5, 20], [1, 2, 1], 4, 2),                                        # cuts inside attention
+    # model, cut after these node ids, replicas per stage, micro-batches, batch size, granularity
+    "mlp": ("mlp", [2, 5], [1, 2, 1], 4, 4, "blocks"),
+    "mlp-4-stages": ("mlp", [1, 3, 5], [2, 1, 3, 1], 6, 3, "blocks"),
+    "alexnet-small": ("alexnet-small[dropout=0]", [6, 14], [2, 1, 1], 4, 2, "blocks"),
+    "resnet-small": ("resnet-small[norm=none]", [3, 7, 13], [1, 2, 1, 1], 4, 2, "modules"),  # skips cross every cut
+    "gpt": (GPT, [3, 11], [1, 2, 1], 4, 2, "modules"),                                      # cuts inside attention
 }
 
 
 def equivalence(case: str, schedule: str, optimizer: str = "sgd") -> float:
-    model, cuts, reps, M, B = CASES[case]
-    plan = make_plan(model, cuts, reps, schedule=schedule, micro_batches=M, batch_size=B)
+    model, cuts, reps, M, B, granularity = CASES[case]
+    plan = make_plan(model, cuts, reps, schedule=schedule, micro_batches=M, batch_size=B, granularity=granularity)
     lr = 0.01 if optimizer == "adam" else 0.05
     ours, losses = train_pipeline(plan, STEPS, lr=lr, optimizer=optimizer)
     assert len(losses) == STEPS and all(len(v) == M for v in losses.values())
@@ -55,15 +63,14 @@ def test_1f1b_with_adam_equals_single_process():
 
 def test_the_comparison_can_fail():
     """A pipeline that skips the gradient all-reduce (each replica keeps its own sum) must differ."""
-    model, cuts, reps, M, B = CASES["mlp"]
+    model, cuts, reps, M, B, _ = CASES["mlp"]
     plan = make_plan(model, cuts, reps, schedule="1f1b", micro_batches=M, batch_size=B)
     spec = resolve_model(model)
     topo = Topology.from_plan(plan)
     network = InProcessNetwork(timeout=30)
 
     def rank_fn(rank):
-        torch.manual_seed(0)
-        stage = build_stage(spec.build(), plan, rank, loss=spec.loss)
+        stage = build_stage(capture(spec, plan.batch_size), plan, rank, loss=spec.loss)
         engine = PipelineEngine(stage, topo, rank, "1f1b", transport=network.transport(rank),
                                 optimizer=make_optimizer(stage.module.parameters(), 0.05), data=data_for(plan, 2))
         return lambda: [engine.run_step(k) for k in range(2)] and stage.state_dict()
@@ -88,7 +95,7 @@ def test_recorder_sees_every_phase_in_order():
             records[self.rank].append((phase, micro_batch))
 
     def rank_fn(rank):
-        stage = build_stage(spec.build(), plan, rank, loss=spec.loss)
+        stage = build_stage(capture(spec, plan.batch_size), plan, rank, loss=spec.loss)
         engine = PipelineEngine(stage, Topology.from_plan(plan), rank, "1f1b", transport=network.transport(rank),
                                 optimizer=torch.optim.SGD(stage.module.parameters(), lr=0.1),
                                 data=data_for(plan, 2), recorder=Recorder(rank))
@@ -108,7 +115,7 @@ def test_a_dead_peer_stops_the_pipeline_with_a_clear_error():
     network = InProcessNetwork(timeout=30)
 
     def rank_fn(rank):
-        stage = build_stage(spec.build(), plan, rank, loss=spec.loss)
+        stage = build_stage(capture(spec, plan.batch_size), plan, rank, loss=spec.loss)
         engine = PipelineEngine(stage, Topology.from_plan(plan), rank, "1f1b", transport=network.transport(rank),
                                 optimizer=torch.optim.SGD(stage.module.parameters(), lr=0.1), data=data_for(plan, 1))
         if rank == 0:
@@ -124,7 +131,7 @@ def test_a_dead_peer_stops_the_pipeline_with_a_clear_error():
 def test_engine_refuses_a_stage_of_another_rank():
     plan = make_plan("mlp", [2], [1, 1])
     spec = resolve_model("mlp")
-    stage = build_stage(spec.build(), plan, 0, loss=spec.loss)
+    stage = build_stage(capture(spec, plan.batch_size), plan, 0, loss=spec.loss)
     with pytest.raises(ValueError, match="rank 1 runs stage 1"):
         PipelineEngine(stage, Topology.from_plan(plan), 1, "1f1b", transport=None,
                        optimizer=torch.optim.SGD(stage.module.parameters(), lr=0.1), data=None)

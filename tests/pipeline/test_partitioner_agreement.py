@@ -24,7 +24,8 @@ from hybridpipe.errors import UserError
 from hybridpipe.partitioner.cluster import Cluster, Level
 from hybridpipe.partitioner.planner import Request, partition
 from hybridpipe.pipeline.simulator import simulate
-from hybridpipe.profiles.format import Profile, ProfileNode
+from hybridpipe.profiles.format import Profile
+from tests.partitioner.synth import make_profile
 
 SEEDS = {"gpipe": 1, "1f1b": 2, "pipedream": 3}
 TOLERANCE = {"gpipe": (-0.02, 0.02), "pipedream": (-0.02, 0.02), "1f1b": (-0.02, 0.25)}
@@ -32,15 +33,12 @@ TOLERANCE = {"gpipe": (-0.02, 0.02), "pipedream": (-0.02, 0.02), "1f1b": (-0.02,
 
 def chain_profile(rng: random.Random, n: int) -> Profile:
     """input -> n layers (backward = 2 x forward, small activations) -> output."""
-    nodes = [ProfileNode(0, "x", "placeholder", "x", "placeholder", activation_bytes=1024)]
-    for k in range(1, n + 1):
+    layers = []
+    for _ in range(n):
         f = rng.uniform(0.5, 5.0)
         par = rng.choice([0, 1 << 12, 1 << 16])
-        nodes.append(ProfileNode(k, f"l{k}", "call_module", f"l{k}", "Linear", f, 2 * f, rng.choice([1 << 10, 1 << 14]),
-                                 par // 4, par, (f"l{k}.weight",) if par else ()))
-    nodes.append(ProfileNode(n + 1, "output", "output", "output", "output", 0.01, 0.01))
-    return Profile("synthetic", 8, (8, 16), "float32", "float32", "cpu", "test", tuple(nodes),
-                   tuple((k, k + 1) for k in range(n + 1)))
+        layers.append((f, 2 * f, rng.choice([1 << 10, 1 << 14]), par))
+    return make_profile(layers, input_bytes=1024)
 
 
 def fast_cluster(rng: random.Random) -> Cluster:

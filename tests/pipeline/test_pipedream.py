@@ -14,21 +14,31 @@ from hybridpipe.pipeline.schedules import Topology
 from hybridpipe.pipeline.stage import build_stage
 from hybridpipe.pipeline.stash import WeightStash
 from hybridpipe.profiles.zoo import resolve_model
-from tests.pipeline.harness import data_for, make_optimizer, make_plan, max_diff, train_pipeline, train_reference
+from tests.pipeline.harness import (
+    capture,
+    data_for,
+    make_optimizer,
+    make_plan,
+    max_diff,
+    train_pipeline,
+    train_reference,
+)
 from tests.pipeline.pipedream_reference import train_pipedream_reference
 
 GPT = "gpt[layers=2,width=32,heads=2,seq=8,vocab=64]"
+GRANULARITY = {GPT: "modules"}     # 20 nodes: embed, drop, 8 modules per block, ln, head
 
 
 @pytest.mark.parametrize("model,cuts,replicas,M,drain_every", [
     ("mlp", [2, 5], [1, 1, 1], 3, None),
     ("mlp", [2, 5], [1, 2, 1], 4, None),
     ("mlp", [1, 3, 5], [2, 1, 2, 1], 4, 2),        # drained (and restarted) in the middle
-    (GPT, [5, 20], [1, 2, 1], 2, None),
+    (GPT, [4, 12], [1, 2, 1], 2, None),            # cuts inside both transformer blocks: the residual crosses
 ])
 def test_pipedream_matches_weight_stashed_async_sgd(model, cuts, replicas, M, drain_every):
     steps = 5
-    plan = make_plan(model, cuts, replicas, schedule="pipedream", micro_batches=M, batch_size=2)
+    plan = make_plan(model, cuts, replicas, schedule="pipedream", micro_batches=M, batch_size=2,
+                     granularity=GRANULARITY.get(model, "blocks"))
     ours, _ = train_pipeline(plan, steps, drain_every=drain_every)
     drains = {k for k in range(steps) if k == steps - 1 or (drain_every and (k + 1) % drain_every == 0)}
     ref = train_pipedream_reference(plan, data_for(plan, steps), steps, drains, lr=0.05,
@@ -66,7 +76,7 @@ def test_versions_kept_never_exceed_micro_batches_in_flight():
 
     def rank_fn(rank):
         torch.manual_seed(0)
-        stage = build_stage(spec.build(), plan, rank, loss=spec.loss)
+        stage = build_stage(capture(spec, plan.batch_size, granularity=plan.granularity), plan, rank, loss=spec.loss)
         st, replica = plan.stage_of_rank(rank)
         engine = PipelineEngine(stage, topo, rank, "pipedream", transport=network.transport(rank),
                                 optimizer=make_optimizer(stage.module.parameters(), 0.05), data=data_for(plan, 4),
@@ -99,7 +109,7 @@ def test_pipedream_steps_must_be_consecutive_while_in_flight():
     network = InProcessNetwork(timeout=30)
 
     def rank_fn(rank):
-        stage = build_stage(spec.build(), plan, rank, loss=spec.loss)
+        stage = build_stage(capture(spec, plan.batch_size, granularity=plan.granularity), plan, rank, loss=spec.loss)
         engine = PipelineEngine(stage, Topology.from_plan(plan), rank, "pipedream",
                                 transport=network.transport(rank),
                                 optimizer=torch.optim.SGD(stage.module.parameters(), lr=0.1), data=data_for(plan, 9))
@@ -123,7 +133,8 @@ def _pipedream_ranks(plan, network, groups, steps):
     for s in plan.stages:
         for replica, rank in enumerate(s.ranks):
             torch.manual_seed(0)
-            stage = build_stage(spec.build(), plan, rank, loss=spec.loss, leaf_modules=spec.leaf_modules)
+            captured = capture(spec, plan.batch_size, granularity=plan.granularity)
+            stage = build_stage(captured, plan, rank, loss=spec.loss)
             opt = make_optimizer(stage.module.parameters(), 0.05)
             engine = PipelineEngine(stage, topo, rank, "pipedream", transport=network.transport(rank), optimizer=opt,
                                     data=data_for(plan, steps),
@@ -134,11 +145,12 @@ def _pipedream_ranks(plan, network, groups, steps):
 
 @pytest.mark.parametrize("model,cuts,replicas,M", [
     ("mlp", [1, 3, 5], [1, 2, 1, 1], 2),
-    (GPT, [5, 20], [1, 2, 1], 2),
+    (GPT, [4, 12], [1, 2, 1], 2),
 ])
 def test_pipedream_checkpoint_without_drain_resumes_exactly(model, cuts, replicas, M):
     steps, at = 5, 2
-    plan = make_plan(model, cuts, replicas, schedule="pipedream", micro_batches=M, batch_size=2)
+    plan = make_plan(model, cuts, replicas, schedule="pipedream", micro_batches=M, batch_size=2,
+                     granularity=GRANULARITY.get(model, "blocks"))
     reference, _ = train_pipeline(plan, steps)
     world = range(plan.world_size)
 

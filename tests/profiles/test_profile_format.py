@@ -35,12 +35,13 @@ def test_digraph_view_matches_edges(profile):
 
 def _mutate(d: dict, how: str) -> object:
     n = d["nodes"]
+    owners = [i for i, node in enumerate(n) if node["params"]]     # nodes that own parameters
     if how == "list":
         return [d]
     if how == "kind":
         d["kind"] = "plan"
     elif how == "format":
-        d["format"] = 2
+        d["format"] = 1                 # one node per torch.fx node: refused, re-profile
     elif how == "no_nodes":
         del d["nodes"]
     elif how == "empty_nodes":
@@ -63,12 +64,18 @@ def _mutate(d: dict, how: str) -> object:
         d["edges"].append([1, 2, 3])
     elif how == "duplicate_name":
         n[2]["name"] = n[1]["name"]
-    elif how == "first_not_input":
-        n[0]["op"] = "call_module"
-    elif how == "no_output":
-        n[-1]["op"] = "call_function"
+    elif how == "fx_op":
+        n[0]["op"] = "placeholder"      # a format-1 node kind
+    elif how == "shared_bytes":
+        n[owners[1]]["shared"] = list(n[owners[0]]["params"][:1])
+    elif how == "blocker":
+        n[1]["cut_blocker"] = 7
+    elif how == "front_end":
+        d["front_end"] = "jit"
+    elif how == "tied_single":
+        d["tied"] = [["stem.0.weight"]]
     elif how == "param_twice":
-        n[2]["params"] = list(n[1]["params"])
+        n[owners[1]]["params"] = list(n[owners[0]]["params"])
     elif how == "batch_mismatch":
         d["input_shape"][0] = 3
     elif how == "batch_zero":
@@ -78,7 +85,7 @@ def _mutate(d: dict, how: str) -> object:
     elif how == "signature":
         n[1]["target"] = "other"
     elif how == "param_bytes":
-        n[1]["param_bytes"] = 0
+        n[owners[0]]["param_bytes"] = 0
     elif how == "node_not_object":
         n[3] = "conv"
     elif how == "totals_negative":
@@ -87,12 +94,16 @@ def _mutate(d: dict, how: str) -> object:
 
 
 MALFORMED = [
-    ("list", "expected a JSON object"), ("kind", "not a profile file"), ("format", "format 2 is not supported"),
+    ("list", "expected a JSON object"), ("kind", "not a profile file"),
+    ("format", "profile format 1 is not supported (this hybridpipe reads format 2); regenerate"),
     ("no_nodes", 'missing required field "nodes"'), ("empty_nodes", '"nodes" is empty'),
     ("id_order", "id is 5"), ("bad_op", "must be one of"), ("negative_time", "must be >= 0"),
     ("string_time", "must be a number"), ("nan_time", "finite"), ("edge_backward", "goes backward"),
     ("edge_range", "outside 0.."), ("edge_shape", "pair of node ids"), ("duplicate_name", "more than once"),
-    ("first_not_input", "input placeholder"), ("no_output", '"output" node'), ("param_twice", "owned by both"),
+    ("fx_op", 'field "op" must be one of module, ops'), ("param_twice", "owned by both"),
+    ("shared_bytes", '"shared_bytes" must list one byte count per entry of "shared"'),
+    ("blocker", '"cut_blocker" must be a value name or null'), ("front_end", '"front_end" must be one of export, fx'),
+    ("tied_single", "tied: must be a list of at least 2 parameter names"),
     ("batch_mismatch", "does not start with batch_size"), ("batch_zero", "must be >= 1"),
     ("bool_int", "must be an integer"), ("signature", "signature"), ("param_bytes", "param_bytes is 0"),
     ("node_not_object", "node 3: expected an object"), ("totals_negative", "totals"),

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
 
 from hybridpipe.errors import UserError
-from hybridpipe.profiles.measure import nbytes, reference_pass
+from hybridpipe.profiles.capture import capture_model
+from hybridpipe.profiles.measure import block_modules, nbytes, reference_pass
 from hybridpipe.profiles.profiler import profile_model
 from hybridpipe.profiles.timing import median_ms
-from hybridpipe.profiles.trace import trace_model
 from hybridpipe.profiles.zoo import resolve_model
 
 FAST = dict(repeats=2, warmup=1, progress=False)
@@ -23,8 +25,9 @@ def by_name(profile):
 def test_deliberately_slow_backward_layer_has_the_largest_backward_time():
     p = profile_model(resolve_model("tests.profiles.user_models:slow_backward[leaf=Sleepy]"), batch_size=4, **FAST)
     slow = max(p.nodes, key=lambda n: n.backward_ms)
-    assert slow.type == "Sleepy" and slow.backward_ms >= 30
+    assert slow.type == "Sleepy" and slow.name == "3" and slow.backward_ms >= 30
     assert slow.forward_ms < 10                              # the time is attributed to backward only
+    assert p.front_end == "fx"                               # its custom backward is kept: traced by fx, run as written
 
 
 def test_deliberately_slow_forward_layer_has_the_largest_forward_time():
@@ -47,16 +50,24 @@ def test_bytes_and_parameters_of_every_node():
     ms = resolve_model("mlp[features=6,hidden=5,layers=2,classes=3]")
     p = profile_model(ms, batch_size=7, **FAST)
     nodes = p.nodes
-    assert [n.type for n in nodes] == ["placeholder", "Linear", "ReLU", "Linear", "ReLU", "Linear", "output"]
-    assert [n.activation_bytes for n in nodes] == [7 * 6 * 4, 7 * 5 * 4, 7 * 5 * 4, 7 * 5 * 4, 7 * 5 * 4, 7 * 3 * 4, 0]
-    assert [n.param_count for n in nodes] == [0, 6 * 5 + 5, 0, 5 * 5 + 5, 0, 5 * 3 + 3, 0]
+    assert [(n.name, n.type, n.op) for n in nodes] == [("0", "Linear", "module"), ("1", "ReLU", "module"),
+                                                       ("2", "Linear", "module"), ("3", "ReLU", "module"),
+                                                       ("4", "Linear", "module")]
+    hidden = 7 * 5 * 4
+    assert [n.activation_bytes for n in nodes] == [hidden] * 4 + [7 * 3 * 4]     # the last: the model's output
+    assert [n.cut_bytes for n in nodes] == [hidden] * 4 + [0]
+    assert [n.cut_grad_bytes for n in nodes] == [hidden] * 4 + [0]
+    assert [n.param_count for n in nodes] == [6 * 5 + 5, 0, 5 * 5 + 5, 0, 5 * 3 + 3]
     assert all(n.param_bytes == 4 * n.param_count for n in nodes)
-    assert nodes[1].params == ("0.weight", "0.bias")
+    assert nodes[0].params == ("0.weight", "0.bias") and all(not n.shared for n in nodes)
+    # what autograd keeps: a Linear its input (the batch: 7 x 6 floats), a ReLU its output
+    assert [n.saved_bytes for n in nodes[:4]] == [7 * 6 * 4, hidden, hidden, hidden]
+    assert nodes[-1].saved_bytes > hidden                    # its input and the loss's own tensors
     assert p.totals.param_count == sum(q.numel() for q in ms.build().parameters())
     assert p.input_shape == (7, 6) and p.input_dtype == "float32" and p.dtype == "float32"
-    assert p.edges == tuple((i, i + 1) for i in range(6))
-    assert nodes[0].backward_ms == 0                        # the input needs no gradient
-    assert nodes[-1].backward_ms > 0                        # the output node carries the loss
+    assert p.edges == tuple((i, i + 1) for i in range(4))
+    assert p.front_end == "export" and p.granularity == "blocks" and p.tied == ()
+    assert nodes[-1].backward_ms > 0                        # the last node carries the loss
 
 
 def test_activation_bytes_use_the_real_dtype_and_all_outputs():
@@ -69,34 +80,44 @@ def test_activation_bytes_use_the_real_dtype_and_all_outputs():
             a, b = self.lin(x.double()).chunk(2, dim=1)
             return (a * b).float()
 
-    gm = trace_model(Split())
-    env = reference_pass(gm, torch.randn(3, 8))
-    by = {n.name: env[n] for n in gm.graph.nodes}
-    assert nbytes(by["chunk"]) == 2 * 3 * 4 * 8             # both float64 halves
-    assert nbytes(by["lin"]) == 3 * 8 * 8 and nbytes(by["float_1"]) == 3 * 4 * 4
-    assert by["lin"].requires_grad and not by["x"].requires_grad and not by["double"].requires_grad
+    x = torch.randn(3, 8)
+    captured = capture_model(Split(), x, granularity="ops")
+    env = reference_pass(captured, block_modules(captured), x)
+    assert nbytes(env["chunk"]) == 2 * 3 * 4 * 8             # both float64 halves
+    assert nbytes(env["linear"]) == 3 * 8 * 8 and nbytes(env["__output__"]) == 3 * 4 * 4
+    to_double = next(b.nodes[0] for b in captured.blocks if b.nodes[0] in env and env[b.nodes[0]].dtype == torch.float64
+                     and not env[b.nodes[0]].requires_grad)
+    assert env["linear"].requires_grad and not env["x"].requires_grad and not env[to_double].requires_grad
 
 
 def test_profile_of_a_resnet_keeps_the_skip_edges_and_integer_gpt_inputs():
-    p = profile_model(resolve_model("resnet-small[norm=none]"), batch_size=2, **FAST)
-    assert len(p.edges) > len(p.nodes) - 1                  # more edges than a chain
+    p = profile_model(resolve_model("resnet-small[norm=none]"), batch_size=2, granularity="modules", **FAST)
+    assert len(p.edges) > len(p.nodes) - 1                  # more edges than a chain: the shortcuts
+    skip = next(n for n in p.nodes if n.name == "blocks.1.conv1.0")
+    assert skip.cut_bytes > skip.activation_bytes            # the shortcut's output waits across the cut
     g = profile_model(resolve_model("gpt[layers=1,width=16,heads=2,seq=8,vocab=11]"), batch_size=2, **FAST)
     assert g.input_dtype == "int64" and g.input_shape == (2, 8)
+    assert [n.name for n in g.nodes] == ["embed", "drop", "blocks.0", "ln", "head"]
     assert by_name(g)["embed"].param_count == 11 * 16 + 8 * 16
 
 
 def test_sequential_fallback_profiles_child_by_child():
     p = profile_model(resolve_model("tests.profiles.user_models:gated_sequential"), batch_size=2, **FAST)
-    assert [n.type for n in p.nodes[1:-1]] == ["Linear", "Gate", "Gate", "Linear"]
-    assert by_name(p)["_1"].param_count == 8 * 8 + 8 and by_name(p)["_1"].backward_ms > 0
+    assert p.front_end == "fx" and any("torch.fx" in note for note in p.notes)
+    assert [(n.name, n.type) for n in p.nodes] == [("0", "Linear"), ("1", "Gate"), ("2", "Gate"), ("3", "Linear")]
+    assert by_name(p)["1"].param_count == 8 * 8 + 8 and by_name(p)["1"].backward_ms > 0
 
 
-def test_untraceable_user_model_is_a_user_error_and_leaf_fixes_it():
-    with pytest.raises(UserError, match="--leaf Gate"):
+def test_model_export_cannot_capture_is_one_line_naming_the_construct_and_leaf_keeps_it_whole():
+    with pytest.raises(UserError) as err:
         profile_model(resolve_model("tests.profiles.user_models:gated"), batch_size=2, **FAST)
+    message = str(err.value)
+    assert re.search(r"torch.export cannot capture Gated at user_models.py:\d+ `if x.sum\(\) > 0:` "
+                     r"\(in Gate.forward\)", message), message
+    assert "--leaf Gate" in message and "\n" not in message
     p = profile_model(resolve_model("tests.profiles.user_models:gated[leaf=Gate]"), batch_size=2, **FAST)
-    assert [n.type for n in p.nodes] == ["placeholder", "Linear", "relu", "Gate", "Linear", "output"]
-    assert p.model == "tests.profiles.user_models:gated[leaf=Gate]"
+    assert [(n.name, n.type) for n in p.nodes] == [("inp", "Linear"), ("gate", "Gate"), ("head", "Linear")]
+    assert p.model == "tests.profiles.user_models:gated[leaf=Gate]" and p.front_end == "fx"
 
 
 def test_cuda_requested_without_a_gpu_is_a_user_error():
@@ -112,7 +133,7 @@ def test_profile_on_cuda():
         pytest.skip("needs a CUDA device")
     p = profile_model(resolve_model("resnet-small"), batch_size=8, device="cuda", **FAST)
     assert p.device.startswith("cuda (") and p.totals.measured_ms > 0
-    assert all(n.forward_ms > 0 for n in p.nodes if n.op == "call_module")
+    assert all(n.forward_ms > 0 for n in p.nodes if n.op == "module")
 
 
 def test_median_ms_takes_the_median_after_warmup():

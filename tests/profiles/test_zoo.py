@@ -100,7 +100,7 @@ def test_alexnet_small_dropout_zero_is_deterministic_in_training_mode():
 
 
 @pytest.mark.parametrize("spec, message", [
-    ("alexnet[bogus=1]", "bad arguments"),
+    ("alexnet[bogus=1]", "zoo model 'alexnet' has no option 'bogus'"),
     ("nosuchmodel", "unknown model"),
     ("gpt[width=30,heads=4]", "divisible"),
     ("alexnet[image=", "cannot read model"),

@@ -109,3 +109,93 @@ def pairs(n: int = 10, features: int = 12) -> Pairs:
 
 def not_a_dataset():
     return 42
+
+
+# ---- a user's code that goes wrong (tests/test_bad_inputs.py) ------------------------------------
+def raising(width: int = 4):
+    """A model factory that raises (the line below is named in the error)."""
+    raise RuntimeError(f"cannot build a model of width {width}")
+
+
+def misfit():
+    """A model whose example input does not fit its first layer."""
+    return nn.Sequential(nn.Linear(8, 3)), torch.randn(2, 5)
+
+
+def raising_dataset():
+    raise ValueError("the data directory is empty")
+
+
+class NaNAfter(Dataset):
+    """Samples of the zoo ``mlp``'s shape (64 features, 10 classes) whose inputs are NaN for
+    indices in ``[start, stop)`` (a corrupt stretch of a data set)."""
+
+    def __init__(self, n: int, start: int, stop: int):
+        g = torch.Generator().manual_seed(5)
+        self.x = torch.randn(n, 64, generator=g)
+        self.x[start:stop] = float("nan")
+        self.y = torch.randint(0, 10, (n,), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return self.x[i], self.y[i]
+
+
+def nan_after(n: int = 64, start: int = 16, stop: int = 24) -> NaNAfter:
+    return NaNAfter(n, start, stop)
+
+
+# ---- transformers: nn.TransformerEncoder, a Hugging Face GPT-2 fed padded batches ---------------
+
+def token_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of every position's vector (as class scores) against a class id per position."""
+    return nn.functional.cross_entropy(output.flatten(0, 1), target.flatten())
+
+
+def transformer_encoder(layers: int = 4, width: int = 32, heads: int = 2, seq: int = 16, batch: int = 2):
+    """torch's own nn.TransformerEncoder (its layers are an nn.ModuleList: one block each), token loss."""
+    layer = nn.TransformerEncoderLayer(width, heads, dim_feedforward=2 * width, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+    return model, torch.randn(batch, seq, width), token_loss
+
+
+def gpt2_padded(layers: int = 2, width: int = 32, heads: int = 2, vocab: int = 128, seq: int = 16, batch: int = 2):
+    """A Hugging Face GPT2LMHeadModel (head tied to the input embedding, no dropout) taking
+    ``input_ids``, ``attention_mask`` and ``labels`` (-100: padding), as ``ragged_tokens`` gives them."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=layers, n_embd=width, n_head=heads, vocab_size=vocab, n_positions=128,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    ids = torch.randint(1, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
+    return GPT2LMHeadModel(config), {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+
+class RaggedTokens(Dataset):
+    """Token sequences of ``low``..``high`` tokens; ``collate_fn`` pads a batch to its longest one
+    (input ids 0, attention mask 0, labels -100), so batches differ in length from step to step."""
+
+    def __init__(self, n: int = 64, vocab: int = 128, low: int = 16, high: int = 64, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        lengths = torch.randint(low, high + 1, (n,), generator=g)
+        self.items = [torch.randint(1, vocab, (int(length),), generator=g) for length in lengths]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids = self.items[i]
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+    @staticmethod
+    def collate_fn(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        def pad(key: str, value: int) -> torch.Tensor:
+            return nn.utils.rnn.pad_sequence([s[key] for s in samples], batch_first=True, padding_value=value)
+
+        return {"input_ids": pad("input_ids", 0), "attention_mask": pad("attention_mask", 0),
+                "labels": pad("labels", -100)}
+
+
+def ragged_tokens(n: int = 64, vocab: int = 128, low: int = 16, high: int = 64, seed: int = 0) -> RaggedTokens:
+    return RaggedTokens(n, vocab, low, high, seed)

@@ -25,6 +25,7 @@ from hybridpipe.pipeline.data import MicroBatches
 from hybridpipe.profiles.data import resolve_dataset
 from hybridpipe.profiles.zoo import resolve_model
 from hybridpipe.runtime.checkpoint_files import merge_stages
+from tests.pipeline.harness import model_loss
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCH = ROOT / "launch.py"
@@ -42,8 +43,14 @@ class Finished:
 
 
 def _env(extra: dict | None = None) -> dict:
+    """The environment of a job: the repository on PYTHONPATH (``extra`` may set or, with None
+    values, remove variables)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
-    env.update(extra or {})
+    for key, value in (extra or {}).items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
     return env
 
 
@@ -70,9 +77,11 @@ def _collect(procs: list[subprocess.Popen], files, timeout: float) -> list[Finis
 
 
 def launch(args: list[str], world: int, *, timeout: float = 120.0, env: dict | None = None,
-           on_start: Callable[[list[subprocess.Popen]], None] | None = None) -> list[Finished]:
+           on_start: Callable[[list[subprocess.Popen]], None] | None = None,
+           rank_args: Callable[[int], list[str]] | None = None) -> list[Finished]:
     """Run launch.py on ``world`` local ranks like torchrun would (see the module docstring);
-    ``on_start(processes)`` runs once they are started (e.g. to kill one)."""
+    ``on_start(processes)`` runs once they are started (e.g. to kill one); ``rank_args(rank)``
+    adds arguments for one rank only."""
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=timeout))
     base = _env(env)
@@ -82,7 +91,8 @@ def launch(args: list[str], world: int, *, timeout: float = 120.0, env: dict | N
     for r in range(world):
         o, e = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
         files.append((o, e))
-        procs.append(subprocess.Popen([sys.executable, str(LAUNCH), *args], cwd=ROOT, stdout=o, stderr=e,
+        extra = rank_args(r) if rank_args is not None else []
+        procs.append(subprocess.Popen([sys.executable, str(LAUNCH), *args, *extra], cwd=ROOT, stdout=o, stderr=e,
                                       env=dict(base, RANK=str(r), LOCAL_RANK=str(r))))
     if on_start is not None:
         try:
@@ -93,12 +103,14 @@ def launch(args: list[str], world: int, *, timeout: float = 120.0, env: dict | N
     return _collect(procs, files, timeout)      # the store lives until every rank is done
 
 
-def torchrun(args: list[str], nproc: int, *, timeout: float = 180.0, env: dict | None = None) -> Finished:
-    """``torchrun --standalone --nproc-per-node nproc launch.py args`` (its combined output)."""
+def torchrun(args: list[str], nproc: int, *, timeout: float = 180.0, env: dict | None = None,
+             entry: list[str] | None = None, cwd: Path = ROOT) -> Finished:
+    """``torchrun --standalone --nproc-per-node nproc launch.py args`` (its combined output);
+    ``entry`` replaces ``launch.py`` (e.g. ``["-m", "hybridpipe.launch"]``), ``cwd`` the directory."""
     o, e = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(LAUNCH), *args]
-    p = subprocess.Popen(cmd, cwd=ROOT, stdout=o, stderr=e, env=_env(env), start_new_session=True)
+           *(entry or [str(LAUNCH)]), *args]
+    p = subprocess.Popen(cmd, cwd=cwd, stdout=o, stderr=e, env=_env(env), start_new_session=True)
     try:
         p.wait(timeout)
     except subprocess.TimeoutExpired:
@@ -115,28 +127,36 @@ def torchrun(args: list[str], nproc: int, *, timeout: float = 180.0, env: dict |
     return done
 
 
-def data_for(plan: Plan, steps: int, seed: int) -> MicroBatches:
-    """The data the runtime feeds (default dataset size: one pass of ``steps`` global batches)."""
+def data_for(plan: Plan, steps: int, seed: int, dataset: str = "synthetic") -> MicroBatches:
+    """The data the runtime feeds (``--dataset``; synthetic: one pass of ``steps`` global batches)."""
     spec = resolve_model(plan.model)
     size = steps * plan.micro_batches * plan.batch_size
-    return MicroBatches(resolve_dataset("synthetic", spec, size=size, seed=seed), plan.batch_size, plan.micro_batches)
+    return MicroBatches(resolve_dataset(dataset, spec, size=size, seed=seed), plan.batch_size, plan.micro_batches,
+                        targets=spec.loss is not None)
 
 
 def sgd(params, lr: float, momentum: float) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=lr, momentum=momentum)
 
 
-def train_reference(plan: Plan, steps: int, *, lr: float, momentum: float, seed: int) -> dict[str, torch.Tensor]:
-    """Plain single-process SGD on each step's concatenated global batch (mean loss)."""
+def train_reference(plan: Plan, steps: int, *, lr: float, momentum: float, seed: int, dataset: str = "synthetic",
+                    accumulate: bool = False) -> dict[str, torch.Tensor]:
+    """Plain single-process SGD on each step's concatenated global batch (mean loss), or with
+    ``accumulate`` micro-batch by micro-batch (each one's mean loss / M: batches padded to
+    different lengths). A model without a loss function trains on its own (a Hugging Face model's
+    ``output.loss``)."""
     spec = resolve_model(plan.model)
     torch.manual_seed(seed)
     model = spec.build()
     opt = sgd(model.parameters(), lr, momentum)
-    data = data_for(plan, steps, seed)
+    data = data_for(plan, steps, seed, dataset)
     for k in range(steps):
-        x, y = data.global_batch(k)
         opt.zero_grad()
-        spec.loss(model(x), y).backward()
+        if accumulate:
+            for m in range(plan.micro_batches):
+                (model_loss(spec, model, *data.batch(k, m)) / plan.micro_batches).backward()
+        else:
+            model_loss(spec, model, *data.global_batch(k)).backward()
         opt.step()
     return model.state_dict()
 

@@ -36,6 +36,7 @@ from hybridpipe.runtime.checkpoint_files import (
     merge_stages,
     prune,
     stage_file,
+    staging_dir,
     step_dir,
 )
 
@@ -115,10 +116,9 @@ def test_a_writer_killed_mid_save_leaves_the_previous_file_whole(tmp_path):
     assert latest_complete(tmp_path) is None and complete_steps(tmp_path) == []   # temp files are never steps
 
 
-def _complete_checkpoint(root: Path, step: int) -> Path:
-    plan = make_plan(((0,),))
+def _complete_checkpoint(root: Path, step: int, ck: Checkpointer | None = None) -> Path:
     module = stage_module(0)
-    ck = Checkpointer(root, plan=plan, rank=0, every=1, keep=0)
+    ck = ck or Checkpointer(root, plan=make_plan(((0,),)), rank=0, every=1, keep=0)
     return ck.save(step, model=module.state_dict(), optimizer=make_opt(module).state_dict())
 
 
@@ -144,7 +144,7 @@ def test_damaged_checkpoints_are_never_complete(tmp_path, damage):
                                                                                    "other stage count" else 1)
 
 
-def test_a_flipped_byte_is_caught_by_the_hash_and_resume_falls_back(tmp_path, caplog):
+def test_a_flipped_byte_is_caught_by_the_hash_and_resume_falls_back(tmp_path):
     _complete_checkpoint(tmp_path, 1)
     d = _complete_checkpoint(tmp_path, 2)
     data = bytearray((d / stage_file(0)).read_bytes())
@@ -154,17 +154,22 @@ def test_a_flipped_byte_is_caught_by_the_hash_and_resume_falls_back(tmp_path, ca
     with pytest.raises(UserError, match="corrupt"):
         load_file(tmp_path, 2, stage_file(0))
     restored = Checkpointer(tmp_path, plan=make_plan(((0,),)), rank=0).restore()
-    assert restored.step == 1 and "unusable" in caplog.text
+    assert restored.step == 1 and len(restored.skipped) == 1
+    assert restored.skipped[0].startswith("step-000002: rank 0: ") and "is corrupt" in restored.skipped[0]
+    assert is_complete(d, 1)                            # skipped, never deleted
 
 
-def test_prune_keeps_the_newest_and_removes_older_leftovers(tmp_path):
-    for s in (1, 2, 3, 4):
-        _complete_checkpoint(tmp_path, s)
-    (step_dir(tmp_path, 2) / MANIFEST).unlink()        # an old interrupted save
-    step_dir(tmp_path, 9).mkdir()                       # a save in progress (newer): kept
-    prune(tmp_path, keep=2)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000003", "step-000004", "step-000009"]
-    assert complete_steps(tmp_path) == [3, 4]
+def test_prune_deletes_only_older_checkpoints_of_its_own_lineage(tmp_path):
+    _complete_checkpoint(tmp_path, 1)                   # another training's checkpoint: never touched
+    step_dir(tmp_path, 2).mkdir()                       # an old interrupted save of an older version: kept
+    ours = Checkpointer(tmp_path, plan=make_plan(((0,),)), rank=0, every=1, keep=2)
+    for s in (3, 4, 5, 6):
+        _complete_checkpoint(tmp_path, s, ours)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000001", "step-000002", "step-000005",
+                                                          "step-000006"]
+    assert complete_steps(tmp_path) == [1, 5, 6]
+    assert prune(tmp_path, keep=1, lineage=ours.lineage) == [step_dir(tmp_path, 5)]
+    assert prune(tmp_path, keep=1, lineage="") == [] and complete_steps(tmp_path) == [1, 6]
 
 
 def test_resume_refuses_a_checkpoint_of_another_plan(tmp_path):
@@ -172,6 +177,28 @@ def test_resume_refuses_a_checkpoint_of_another_plan(tmp_path):
     other = make_plan(((0,),), model="mlp[layers=3]")
     with pytest.raises(UserError, match="another plan"):
         Checkpointer(tmp_path, plan=other, rank=0).restore()
+
+
+def test_what_the_runtime_saves_loads_as_plain_data(tmp_path):
+    """RNG states (torch, Python, NumPy) and Adam's state go through torch.load(weights_only=True)."""
+    import random
+
+    import numpy as np
+
+    from hybridpipe.runtime.checkpoint_files import load_data
+
+    module = torch.nn.Linear(3, 2)
+    adam = torch.optim.Adam(module.parameters(), lr=0.1)
+    module(torch.randn(4, 3)).sum().backward()
+    adam.step()
+    atomic_save({"rng": capture_rng(), "optimizer": adam.state_dict()}, tmp_path / "r.pt")
+    draws = (torch.rand(2).tolist(), random.random(), np.random.rand())
+    loaded = load_data(tmp_path / "r.pt")
+    restore_rng(loaded["rng"])
+    assert (torch.rand(2).tolist(), random.random(), np.random.rand()) == draws
+    fresh = torch.optim.Adam(module.parameters(), lr=0.1)
+    fresh.load_state_dict(loaded["optimizer"])
+    assert torch.equal(fresh.state_dict()["state"][0]["exp_avg"], adam.state_dict()["state"][0]["exp_avg"])
 
 
 def test_rng_states_round_trip():
@@ -199,8 +226,8 @@ def test_ranks_save_complete_checkpoints_and_a_save_cut_short_is_ignored(saved_r
     assert results[2].returncode == 17, results            # died in the middle of the step-8 save
     assert [r.value for r in results[:2]] == ["the step-8 save failed", "the step-8 save failed"], results
     assert complete_steps(root, 2) == [4, 6]                # keep=2 pruned step 2; step 8 has no manifest
-    d8 = step_dir(root, 8)
-    assert (d8 / "rank-00002.pt").exists() and not (d8 / MANIFEST).exists()
+    d8 = staging_dir(root, 8)                               # the save in progress, never a step-N
+    assert (d8 / "rank-00002.pt").exists() and not (d8 / MANIFEST).exists() and not step_dir(root, 8).exists()
     files = sorted(p.name for p in step_dir(root, 6).iterdir())
     assert files == ["manifest.json", "rank-00000.pt", "rank-00001.pt", "rank-00002.pt", "stage-0.pt", "stage-1.pt"]
     manifest = json.loads((step_dir(root, 6) / MANIFEST).read_text())

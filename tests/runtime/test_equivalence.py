@@ -32,8 +32,10 @@ def run_plan(tmp_path, plan, *extra: str, timeout: float = 150.0):
     return final_weights(ckpt, STEPS), summary
 
 
-def check_sgd_equivalence(tmp_path, model, cuts, replicas, schedule, micro_batches=4, batch_size=4, *extra):
-    plan = make_plan(model, cuts, replicas, schedule=schedule, micro_batches=micro_batches, batch_size=batch_size)
+def check_sgd_equivalence(tmp_path, model, cuts, replicas, schedule, micro_batches=4, batch_size=4, *extra,
+                          granularity="blocks"):
+    plan = make_plan(model, cuts, replicas, schedule=schedule, micro_batches=micro_batches, batch_size=batch_size,
+                     granularity=granularity)
     weights, summary = run_plan(tmp_path, plan, *extra)
     reference = train_reference(plan, STEPS, lr=LR, momentum=MOMENTUM, seed=SEED)
     assert max_diff(weights, reference) <= 1e-5
@@ -48,13 +50,13 @@ def test_gpipe_replicated_last_stage_matches_single_process(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-@pytest.mark.parametrize("model,cuts,replicas", [
-    ("alexnet-small[dropout=0]", [8], [2, 1]),
-    ("resnet-small[norm=none]", [10], [1, 2]),       # the shortcut crosses the cut
-    ("gpt[layers=2,width=32,heads=2,seq=16,vocab=64]", [21], [2, 1]),   # the residual crosses the cut
+@pytest.mark.parametrize("model,cuts,replicas,granularity", [
+    ("alexnet-small[dropout=0]", [8], [2, 1], "blocks"),
+    ("resnet-small[norm=none]", [7], [1, 2], "modules"),                # the shortcut crosses the cut
+    ("gpt[layers=2,width=32,heads=2,seq=16,vocab=64]", [4], [2, 1], "modules"),   # the residual crosses the cut
 ])
-def test_zoo_models_match_single_process(tmp_path, schedule, model, cuts, replicas):
-    check_sgd_equivalence(tmp_path, model, cuts, replicas, schedule, 4, 4)
+def test_zoo_models_match_single_process(tmp_path, schedule, model, cuts, replicas, granularity):
+    check_sgd_equivalence(tmp_path, model, cuts, replicas, schedule, 4, 4, granularity=granularity)
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""launch.py end to end through the real torchrun, and its refusals of bad arguments and plans."""
+"""hybridpipe.launch end to end through the real torchrun, and its refusals of bad arguments and plans."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from hybridpipe.launch import main
 from hybridpipe.partitioner.plan import save_plan
-from hybridpipe.runtime.main import main
 from hybridpipe.runtime.metrics import read_metrics
 from tests.pipeline.harness import make_plan
 from tests.runtime.jobs import final_weights, max_diff, torchrun, train_reference
@@ -48,17 +48,45 @@ def plan_file(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("extra,expected", [
     (["--model", "alexnet-small"], "the plan was made for model 'mlp', not 'alexnet-small'"),
-    (["--batch-size", "16"], "the plan was made for batch size 8, not 16"),
+    (["--micro-batch-size", "16"], "the plan was made for batch size 8, not 16"),
     (["--micro-batches", "1"], "use --micro-batches >= 2"),
     (["--schedule", "pipedream", "--micro-batches", "3"], "must be a multiple of every stage's replica count"),
     (["--resume"], "need --checkpoint-dir"),
-    (["--steps", "0"], "--steps must be positive"),
+    (["--steps", "0"], "--steps: must be >= 1, got 0"),
     (["--calibration", "/nonexistent/cal.json"], "calibration file /nonexistent/cal.json does not exist"),
+    (["--lr", "nan"], "--lr: must be a finite number"),
+    (["--lr", "inf"], "--lr: must be a finite number"),
+    (["--lr", "0"], "--lr: must be greater than 0"),
+    (["--timeout", "nan"], "--timeout: must be a finite number"),
+    (["--timeout", "0.001"], "--timeout: must be between 1 and 1e+06"),
+    (["--peer-timeout", "nan"], "--peer-timeout: must be a finite number"),
+    (["--peer-timeout", "-1"], "--peer-timeout: must be between 1 and 1e+06"),
+    (["--peer-timeout", "inf"], "--peer-timeout: must be a finite number"),
+    (["--seed", "-1"], "--seed: must be between 0 and"),
+    (["--momentum", "nan"], "--momentum: must be a finite number"),
+    (["--aggregator", "host"], "--aggregator: expected HOST:PORT"),
+    (["--skip-nonfinite", "--schedule", "pipedream", "--micro-batches", "4"], "--skip-nonfinite needs a schedule"),
+    (["--batch-size", "8", "--micro-batch-size", "4"], "give only --micro-batch-size"),
 ])
 def test_bad_arguments_end_with_one_line(plan_file, capsys, extra, expected):
     assert main(["--plan", str(plan_file), *extra]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("launch.py: error: ") and expected in err[0], err
+    assert len(err) == 1 and err[0].startswith("hybridpipe.launch: error: ") and expected in err[0], err
+
+
+def test_batch_size_is_a_deprecated_alias_of_micro_batch_size(tmp_path, capsys, monkeypatch):
+    """A job of one in this process: the old option still works, with one warning line."""
+    save_plan(make_plan("mlp", [], [1], micro_batches=2, batch_size=4), tmp_path / "one.json")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    args = ["--plan", str(tmp_path / "one.json"), "--steps", "2", "--run-dir", str(tmp_path / "run"), "--no-progress"]
+    assert main([*args, "--batch-size", "4"]) == 0
+    out, err = capsys.readouterr()
+    assert err.strip().splitlines() == ["hybridpipe.launch: warning: --batch-size is deprecated (it always meant "
+                                        "samples per micro-batch); use --micro-batch-size"]
+    assert "global batch 8 = 2 micro-batches x 4 samples" in out
+    assert main([*args, "--batch-size", "16"]) == 2
+    assert "the plan was made for batch size 4, not 16" in capsys.readouterr().err
 
 
 def test_plan_for_another_world_size_is_refused(plan_file, capsys, monkeypatch):
@@ -67,12 +95,17 @@ def test_plan_for_another_world_size_is_refused(plan_file, capsys, monkeypatch):
     assert "the plan needs 3 workers but the job has 4" in capsys.readouterr().err
 
 
-def test_plan_for_another_graph_is_refused(tmp_path, capsys, monkeypatch):
-    plan = make_plan("mlp", [3], [1, 1], signature="0123456789abcdef", n_nodes=11)
+@pytest.mark.parametrize("other,expected", [
+    ({"signature": "0123456789abcdef"}, "the model's traced graph differs from the one the plan was made for"),
+    ({"n_nodes": 11}, "the plan covers 11 graph nodes but the model has 9"),     # mlp: 9 blocks
+])
+def test_plan_for_another_graph_is_refused(tmp_path, capsys, monkeypatch, other, expected):
+    plan = make_plan("mlp", [3], [1, 1], **other)
     save_plan(plan, tmp_path / "plan.json")
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert main(["--plan", str(tmp_path / "plan.json")]) == 2
-    assert "traced graph differs from the one the plan was made for" in capsys.readouterr().err
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and expected in err[0], err
 
 
 def test_missing_or_broken_plan(tmp_path, capsys):
@@ -81,3 +114,4 @@ def test_missing_or_broken_plan(tmp_path, capsys):
     assert main(["--plan", str(tmp_path / "bad.json")]) == 2
     err = capsys.readouterr().err.splitlines()
     assert "does not exist" in err[0] and "not valid JSON" in err[1]
+    assert all(line.startswith("hybridpipe.launch: error: ") for line in err)

@@ -10,26 +10,25 @@ import json
 
 import pytest
 
+from hybridpipe.launch import main
 from hybridpipe.partitioner.plan import LayerSync, Plan, load_plan, save_plan
-from hybridpipe.profiles.trace import node_infos, trace_model
+from hybridpipe.profiles.graphinfo import node_infos
 from hybridpipe.profiles.zoo import resolve_model
-from hybridpipe.runtime.main import main
-from tests.pipeline.harness import make_plan
+from tests.pipeline.harness import capture, make_plan
 from tests.runtime.jobs import final_weights, launch, max_diff, train_reference
 
 STEPS, LR, MOMENTUM, SEED = 4, 0.05, 0.5, 3
-# stage 0 holds _0 and _2, stage 1 _4, _6 and _8 (the MLP's five Linear layers)
-HAND = {"_0": ("ring", None, 0), "_2": ("native", None, 0),
-        "_4": ("butterfly", 7, 0), "_6": ("butterfly", 7, 0), "_8": ("ring", None, 1)}   # _4+_6 one all-reduce
+# stage 0 holds nodes 0 and 2, stage 1 nodes 4, 6 and 8 (the MLP's five Linear layers)
+HAND = {"0": ("ring", None, 0), "2": ("native", None, 0),
+        "4": ("butterfly", 7, 0), "6": ("butterfly", 7, 0), "8": ("ring", None, 1)}   # 4+6 one all-reduce
 
 
 def hand_edited_plan() -> Plan:
-    """The MLP cut after node 4 on 2 x 2 ranks, every layer's sync written by hand (HAND)."""
-    plan = make_plan("mlp", [4], [2, 2], micro_batches=4, batch_size=4)
-    spec = resolve_model("mlp")
-    module = spec.build()
-    sizes = {n: p.numel() * p.element_size() for n, p in module.named_parameters()}
-    nodes = node_infos(trace_model(module, spec.leaf_modules))
+    """The MLP cut after node 2 on 2 x 2 ranks, every layer's sync written by hand (HAND)."""
+    plan = make_plan("mlp", [2], [2, 2], micro_batches=4, batch_size=4)
+    captured = capture(resolve_model("mlp"), 4)
+    sizes = {n: p.numel() * p.element_size() for n, p in captured.module.named_parameters()}
+    nodes = node_infos(captured)
     stages = []
     for s in plan.stages:
         layers = []
@@ -75,12 +74,12 @@ def test_an_override_prints_what_it_changes_and_the_summary_says_so(tmp_path):
     lines = {d.rank: [ln for ln in d.stdout.splitlines() if "--allreduce ring" in ln] for d in done}
     assert lines[1] == lines[3] == []                                           # the stages' first ranks only
     assert lines[0] == ["launch.py: stage 0: --allreduce ring overrides the plan: 1 of 2 layers change algorithm: "
-                        "_2 native->ring; sync units 2->1"], lines            # small layers fused for ring
+                        "2 native->ring; sync units 2->1"], lines            # small layers fused for ring
     assert lines[2] == ["launch.py: stage 1: --allreduce ring overrides the plan: 2 of 3 layers change algorithm: "
-                        "_4 butterfly->ring, _6 butterfly->ring; sync units 2->1; layers on the second lane 1->0"]
+                        "4 butterfly->ring, 6 butterfly->ring; sync units 2->1; layers on the second lane 1->0"]
     assert all(e["algorithm"] == "ring" for layers in summary["sync"].values() for e in layers)
     assert summary["sync_as_planned"] is False and summary["allreduce"] == "ring"
-    assert "all-reduce: NOT as the plan says: stage 0 _2 ring (plan: native)" in done[2].stdout
+    assert "all-reduce: NOT as the plan says: stage 0 2 ring (plan: native)" in done[2].stdout
 
 
 @pytest.mark.parametrize("edit,expected", [
@@ -95,11 +94,12 @@ def test_what_launch_cannot_run_is_one_line_and_exit_2(tmp_path, monkeypatch, ca
     data = json.loads(path.read_text())
     data["stages"][0]["layers"][0].update(edit)
     path.write_text(json.dumps(data))
-    if "params" in edit:      # found when stage 0 is built: its ranks exit 2, the others name the first (75)
+    if "params" in edit:      # found when every rank checks the model against the plan, before the job forms
         done = launch(["--plan", str(path), "--steps", "1", "--timeout", "60", "--no-progress", "--no-trace",
                        "--run-dir", str(tmp_path / "run")], 4, timeout=120)
-        assert 2 in {d.returncode for d in done} and {d.returncode for d in done} <= {2, 75}, done
-        assert all(len(d.stderr.strip().splitlines()) == 1 and expected in d.stderr for d in done), done
+        assert {d.returncode for d in done} == {2}, done                # every rank, before the job forms
+        lines = [ln for d in done for ln in d.stderr.strip().splitlines()]
+        assert len(lines) == 1 and expected in lines[0], done              # once per host
         return
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.delenv("LOCAL_RANK", raising=False)

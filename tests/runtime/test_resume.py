@@ -10,6 +10,7 @@ pipelined run's loss) and its traces feed ``hybridpipe timeline``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -213,8 +214,9 @@ def test_torchrun_restarts_the_job_after_a_kill_and_it_ends_like_an_uninterrupte
 # ---- killed in the middle of a checkpoint ---------------------------------------------------------
 @pytest.mark.slow
 def test_a_checkpoint_cut_by_a_kill_is_never_resumed_from(tmp_path):
-    """Checkpoints every step; a rank is killed while one is being written (temp files or no
-    manifest yet): resume takes the newest complete one and still ends like the reference."""
+    """Checkpoints every step; a rank is killed while one is being written (its staging directory
+    .step-N.tmp exists): no step-N directory is ever torn, and resume takes the newest complete one
+    and still ends like the reference."""
     plan = make_plan("mlp", [3], [2, 1], schedule="1f1b", micro_batches=4, batch_size=4)
     plan_file = tmp_path / "plan.json"
     save_plan(plan, plan_file)
@@ -228,16 +230,18 @@ def test_a_checkpoint_cut_by_a_kill_is_never_resumed_from(tmp_path):
         torn = None
         while torn is None:
             assert time.monotonic() < deadline and not job.poll(), job.wait(1)
-            for d in sorted(ckpt.glob("step-*"))[1:]:
-                if any(p.suffix == ".tmp" for p in d.iterdir()) or not (d / MANIFEST).exists():
-                    torn = d
-                    break
+            if not complete_steps(ckpt, 2):
+                continue
+            for d in sorted(ckpt.glob(".step-*.tmp")):
+                with contextlib.suppress(FileNotFoundError):      # committed (renamed) meanwhile
+                    if any(d.iterdir()):
+                        torn = d
+                        break
         job.kill(0)                                    # rank 0 also writes the manifests
         results = job.wait(timeout=3 * PEER_TIMEOUT)
     assert all(r.returncode == EXIT_PEER_LOST for r in results[1:]), results
     steps = complete_steps(ckpt, 2)
-    newest_dir = max(ckpt.glob("step-*"))
-    assert not (newest_dir / MANIFEST).exists() or int(newest_dir.name[5:]) == steps[-1]
+    assert sorted(int(d.name[5:]) for d in ckpt.glob("step-*")) == steps       # never a torn step-N
     resumed, _ = run_job(plan_file, out, 3, *every, "--resume")
     assert all(r.returncode == 0 for r in resumed), resumed
     summary = json.loads((out / "run" / "summary.json").read_text())

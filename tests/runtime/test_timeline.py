@@ -128,14 +128,14 @@ def test_the_pipeline_engine_fills_every_phase_of_the_timeline(tmp_path):
     from hybridpipe.partitioner.plan import Plan, Stage
     from hybridpipe.pipeline import MicroBatches, PipelineEngine, Topology, build_stage
     from hybridpipe.pipeline.inprocess import InProcessGradSync, InProcessNetwork, ReplicaGroup, run_ranks
+    from hybridpipe.pipeline.stage import captured_signature
     from hybridpipe.profiles.data import resolve_dataset
-    from hybridpipe.profiles.format import graph_signature
-    from hybridpipe.profiles.trace import graph_edges, node_infos, trace_model
     from hybridpipe.profiles.zoo import resolve_model
+    from tests.pipeline.harness import capture
 
     spec = resolve_model("mlp")
-    gm = trace_model(spec.build(), spec.leaf_modules)
-    n_nodes, signature = len(gm.graph.nodes), graph_signature(node_infos(gm), graph_edges(gm))
+    captured = capture(spec, 2)
+    n_nodes, signature = len(captured.blocks), captured_signature(captured)
     stages = (Stage(0, 0, 2, 1, (0,)), Stage(1, 3, 5, 2, (1, 2)), Stage(2, 6, n_nodes - 1, 1, (3,)))
     plan = Plan(model="mlp", batch_size=2, input_shape=(2, 64), profile_signature=signature, strategy="uniform",
                 cluster=Cluster((Level("node", 4, 100.0),), 16.0), schedule="1f1b", micro_batches=4,
@@ -144,7 +144,7 @@ def test_the_pipeline_engine_fills_every_phase_of_the_timeline(tmp_path):
     data = MicroBatches(resolve_dataset("synthetic", spec, size=64, seed=0), 2, 4)
 
     def rank_fn(rank):
-        stage = build_stage(spec.build(), plan, rank, loss=spec.loss)
+        stage = build_stage(capture(spec, 2), plan, rank, loss=spec.loss)
         st, replica = plan.stage_of_rank(rank)
         rec = TimelineRecorder(tmp_path / "trace", rank=rank, stage=st.index, replica=replica, world_size=4)
         engine = PipelineEngine(stage, Topology.from_plan(plan), rank, "1f1b", transport=network.transport(rank),

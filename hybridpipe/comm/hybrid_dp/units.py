@@ -7,6 +7,7 @@ same rules decide a plan's units and HybridDataParallel's own); ``group_small`` 
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from torch import nn
@@ -30,12 +31,13 @@ class Layer:
         return sum(p.numel() * p.element_size() for p in self.params)
 
 
-def model_layers(module: nn.Module) -> list[Layer]:
+def model_layers(module: nn.Module, exclude: Collection[nn.Parameter] = ()) -> list[Layer]:
     """Every module with its own trainable parameters, in registration (forward) order.
 
-    A parameter shared by several modules belongs to the first that registers it.
+    A parameter shared by several modules belongs to the first that registers it; ``exclude``d
+    parameters belong to none (they are synced elsewhere, e.g. tied weights across stages).
     """
-    seen: set[int] = set()
+    seen: set[int] = {id(p) for p in exclude}
     layers = []
     for name, mod in module.named_modules():
         own = [(n, p) for n, p in mod.named_parameters(recurse=False) if p.requires_grad and id(p) not in seen]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -44,6 +44,7 @@ class HybridDataParallel(nn.Module):
     first rank at every forward; parameters and buffers are broadcast from it at construction.
     ``two_lanes``: urgent units on a second lane (message tags of lane ``lane + 128``).
     ``downward``: a second group of the same ranks for messages to lower positions (AllReducer).
+    ``exclude``: parameters this wrapper never syncs (the caller sums their gradients itself).
     ``units``: explicit choices instead of a policy (:class:`UnitChoice`: which parameters one
     all-reduce sums, with which algorithm, on which lane; e.g. a plan's), run exactly as given;
     ``policy``, ``fuse_small`` and ``two_lanes`` are then unused. :attr:`algorithms_run` tells
@@ -59,7 +60,8 @@ class HybridDataParallel(nn.Module):
                  calibration: Calibration | str | os.PathLike | None = None, reduce: str = "mean", *,
                  topology: Topology | None = None, costs: GroupCosts | None = None, aggregator: str | None = None,
                  lane: int = 1, broadcast_buffers: bool = True, fuse_small: bool = True, two_lanes: bool = True,
-                 downward: dist.ProcessGroup | None = None, units: Sequence[UnitChoice] | None = None):
+                 downward: dist.ProcessGroup | None = None, units: Sequence[UnitChoice] | None = None,
+                 exclude: Collection[nn.Parameter] = ()):
         super().__init__()
         check_policy(policy)
         if reduce not in ("mean", "sum"):
@@ -74,9 +76,9 @@ class HybridDataParallel(nn.Module):
         self._lane = CommLane(f"hybridpipe-hdp-lane{lane}")
         self._src = dist.get_process_group_ranks(group or dist.group.WORLD)[0]
         if units is not None:
-            self.units: list[SyncUnit] = units_from_choices(model_layers(module), units)
+            self.units: list[SyncUnit] = units_from_choices(model_layers(module, exclude), units)
         else:
-            self.units = plan_units(model_layers(module), policy, self._reducer.costs, fuse_small=fuse_small,
+            self.units = plan_units(model_layers(module, exclude), policy, self._reducer.costs, fuse_small=fuse_small,
                                     two_lanes=two_lanes)
         self._ran: dict[int, str] = {}                 # unit index -> the algorithm its last all-reduce ran
         self._lanes = [(self._lane, self._reducer)]

@@ -1,75 +1,121 @@
-"""Naming a model: a zoo name or the user's ``package.module:factory``, with optional ``[key=value,...]``.
+"""Naming a model: a zoo name, ``hf:MODEL`` or the user's ``package.module:factory``, with ``[key=value,...]``.
 
-Examples: ``alexnet``, ``gpt[layers=4,width=256,seq=128]``, ``mypkg.models:build``,
-``mypkg.models:build[hidden=64]``. The spec string is recorded verbatim in profiles and
-plans, so every rank rebuilds exactly the same model.
+Examples: ``alexnet``, ``gpt[layers=4,width=256,seq=128]``, ``hf:gpt2[n_layer=4,n_embd=64]``
+(zoo/hf.py), ``mypkg.models:build``, ``mypkg.models:build[hidden=64]``. The spec string is
+recorded verbatim in profiles and plans, so every rank rebuilds exactly the same model.
 
 The argument ``leaf`` is reserved: ``[leaf=Gate+Router]`` adds module class names to the
-ModelSpec's ``leaf_modules`` (kept whole by the tracer) instead of being passed to the factory,
-so the tracing choice travels with the spec string to every rank.
+ModelSpec's ``leaf_modules`` (never split into several profile nodes) instead of being passed to
+the factory, so the choice travels with the spec string to every rank.
 
-A user's factory returns an ``nn.Module``, or a tuple ``(module, example_input)`` or
-``(module, example_input, loss_fn)``; ``example_input`` carries a batch dimension.
+A user's factory returns ``(module, example_input)`` or ``(module, example_input, loss_fn)``.
+``example_input`` is one batch as the model takes it -- a tensor, a tuple (``model(*x)``) or a
+dict (``model(**x)``) of tensors whose first dimension is the batch; ``loss_fn(output, target)``
+receives the output as the model returns it. Without a loss_fn, a model whose output carries a
+loss (a Hugging Face model given ``labels``) trains on that loss, and a tensor-in, tensor-out
+model on cross-entropy.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
+import math
+import os
 import re
+import sys
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
+from torch.utils.data import default_collate
 
 from hybridpipe.errors import UserError
+from hybridpipe.profiles.capture import call_args, own_loss, training_switches
 
 _SPEC = re.compile(r"^(?P<target>[A-Za-z_][\w.\-]*(?::[A-Za-z_]\w*)?)(?:\[(?P<args>[^\]]*)\])?$")
 
 
+LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
+
+
 @dataclass(frozen=True)
 class ModelSpec:
-    """Everything needed to build, feed and train a model."""
+    """Everything needed to build, feed and train a model.
+
+    A batch is what the model's forward takes: a tensor (``model(x)``), a tuple (``model(*x)``) or
+    a dict (``model(**x)``), every tensor with the batch as its first dimension. ``loss(output,
+    target)`` gives the mean loss; ``loss=None`` means the model computes its own (a Hugging Face
+    model given ``labels`` returns ``output.loss``) and the data has no separate targets.
+    """
 
     name: str                                   # the spec string as the user gave it
     build: Callable[[], nn.Module]              # a fresh model (initialised from torch's RNG)
-    sample_shape: tuple[int, ...]               # one input sample (no batch dimension)
-    input_dtype: torch.dtype
-    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]   # (output, target) -> mean loss
+    sample_shape: tuple[int, ...] = ()          # tensor-input models: one input sample (no batch dimension)
+    input_dtype: torch.dtype = torch.float32
+    loss: LossFn | None = nn.functional.cross_entropy
     target_shape: tuple[int, ...] = ()          # one target sample: () for a class id, (T,) for tokens
     num_classes: int = 0                        # targets are int64 in [0, num_classes)
-    leaf_modules: tuple[type | str, ...] = ()   # module types / class names the tracer keeps whole
-    example: torch.Tensor | None = None         # the user's example input, if the factory gave one
+    leaf_modules: tuple[type | str, ...] = ()   # module types / class names never split into several nodes
+    example: Any = None                         # the user's example batch, if the factory gave one
+    sample: Callable[[torch.Generator], Any] | None = None   # one synthetic sample: input, or (input, target)
 
-    def example_input(self, batch_size: int, generator: torch.Generator | None = None) -> torch.Tensor:
-        """A random input batch of the model's shape and dtype."""
-        if self.example is not None and self.example.shape[0] == batch_size:
+    def example_input(self, batch_size: int, generator: torch.Generator | None = None) -> Any:
+        """A random input batch of the model's shape and dtype (the user's example when it fits)."""
+        if self.example is not None and batch_rows(self.example) == batch_size:
             return self.example
+        if self.sample is not None:
+            g = generator if generator is not None else torch.Generator().manual_seed(0)
+            items = [self.sample(g) for _ in range(batch_size)]
+            return default_collate([x[0] for x in items] if self.loss is not None else items)
         shape = (batch_size, *self.sample_shape)
         if self.input_dtype.is_floating_point:
             return torch.randn(shape, dtype=self.input_dtype, generator=generator)
         high = self.num_classes or 2
         return torch.randint(0, high, shape, dtype=self.input_dtype, generator=generator)
 
-    def example_target(self, batch_size: int, generator: torch.Generator | None = None) -> torch.Tensor:
-        """A random target batch (class ids) matching ``loss``."""
+    def example_target(self, batch_size: int, generator: torch.Generator | None = None) -> torch.Tensor | None:
+        """A random target batch (class ids) matching ``loss``; None when the model computes its own loss."""
+        if self.loss is None:
+            return None
         return torch.randint(0, max(self.num_classes, 1), (batch_size, *self.target_shape), generator=generator)
+
+
+def batch_rows(batch: Any) -> int | None:
+    """The batch size of a batch (the first dimension of its first tensor)."""
+    for leaf in pytree.tree_leaves(batch):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return int(leaf.shape[0])
+    return None
 
 
 def parse_spec(spec: str, what: str = "model") -> tuple[str, dict]:
     """Split ``name[k=v,...]`` into the name and keyword arguments (ints, floats, bools, strings)."""
     m = _SPEC.match(spec.strip())
     if not m:
-        choices = f"a zoo name ({', '.join(zoo_names())}) or " if what == "model" else ""
+        choices = f"a zoo name ({', '.join(zoo_names())}), hf:MODEL or " if what == "model" else ""
         raise UserError(f"cannot read {what} {spec!r}: use {choices}package.module:factory, "
                         "optionally followed by [key=value,...]")
+    args = m.group("args")
+    return m.group("target"), parse_args(f"[{args}]" if args is not None else "", spec, what)
+
+
+def parse_args(bracket: str, spec: str, what: str = "model") -> dict:
+    """``[k=v,...]`` (or "") -> keyword arguments (ints, floats, bools, strings)."""
+    text = bracket.strip()
+    if text and not (text.startswith("[") and text.endswith("]")):
+        raise UserError(f"cannot read the arguments of {what} {spec!r}: write them as [key=value,...]")
     kwargs: dict = {}
-    for item in filter(None, (x.strip() for x in (m.group("args") or "").split(","))):
+    for item in filter(None, (x.strip() for x in text[1:-1].split(","))):
         key, eq, value = item.partition("=")
         if not eq or not key.strip().isidentifier():
             raise UserError(f"{what} argument {item!r} in {spec!r} is not key=value")
         kwargs[key.strip()] = _literal(value.strip())
-    return m.group("target"), kwargs
+    return kwargs
 
 
 def _literal(text: str):
@@ -90,28 +136,111 @@ def zoo_names() -> list[str]:
 
 
 def resolve_model(spec: str) -> ModelSpec:
-    """The ModelSpec for a zoo name or ``package.module:factory`` (see the module docstring)."""
+    """The ModelSpec for a zoo name or ``package.module:factory`` (see the module docstring).
+
+    A zoo model's options are checked against its function's defaults (type; sizes >= 1) and
+    the model is built once on the meta device (no memory), so a bad option is a UserError here;
+    a user's factory is called inside :func:`call_user`."""
     from hybridpipe.profiles.zoo import ZOO
 
+    if spec.strip().startswith("hf:"):
+        from hybridpipe.profiles.zoo.hf import hf_spec
+
+        return hf_spec(spec.strip())
     target, kwargs = parse_spec(spec)
     leaves = tuple(x for x in str(kwargs.pop("leaf", "")).split("+") if x)
     if ":" not in target:
         if target not in ZOO:
             raise UserError(f"unknown model {target!r}: the zoo has {', '.join(zoo_names())}; "
                             "for your own model pass package.module:factory")
-        try:
-            model = ZOO[target](spec, **kwargs)
-        except TypeError as e:
-            raise UserError(f"bad arguments for zoo model {target!r}: {e}") from None
+        check_zoo_options(target, ZOO[target], kwargs)
+        model = call_user(f"zoo model {spec!r}", ZOO[target], spec, **kwargs)
+        meta_build(model, f"zoo model {spec!r}")
     else:
         model = _user_model(spec, target, kwargs)
     return replace(model, leaf_modules=model.leaf_modules + leaves) if leaves else model
+
+
+def check_zoo_options(name: str, fn: Callable, kwargs: dict) -> None:
+    """Each option of a zoo model must be one of its function's keywords, of its default's type;
+    whole-number options (sizes, counts) must be >= 1 and numbers finite."""
+    params = {k: v for k, v in inspect.signature(fn).parameters.items() if k != "spec"}
+    for key, value in kwargs.items():
+        if key not in params:
+            raise UserError(f"zoo model {name!r} has no option {key!r}; its options are {', '.join(params)}")
+        default = params[key].default
+        if isinstance(default, bool):
+            ok, want = isinstance(value, bool), "true or false"
+        elif isinstance(default, int):
+            ok, want = isinstance(value, int) and not isinstance(value, bool) and value >= 1, "a whole number >= 1"
+        elif isinstance(default, float):
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            want = "a finite number"
+        else:
+            ok, want = True, ""
+        if not ok:
+            raise UserError(f"zoo model option {key}={value} of {name!r} must be {want} "
+                            f"(default {default}); e.g. {name}[{key}={default}]")
+
+
+def meta_build(model: ModelSpec, who: str) -> None:
+    """Build ``model`` on the meta device (shapes only, no memory): a constructor that cannot
+    build with these options fails here, as ``who``'s error, before any real work."""
+    with torch.device("meta"):
+        call_user(who, model.build)
+
+
+def call_user(who: str, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+    """Call ``fn`` (a model or dataset factory, or a model it returned); its exception becomes a
+    one-line UserError: "``who`` raised RuntimeError: ... (at file:line)", ``who`` being e.g.
+    "your factory `pkg.mod:f`"."""
+    try:
+        return fn(*args, **kwargs)
+    except UserError:
+        raise
+    except Exception as e:      # noqa: BLE001 - the user's code: any exception is theirs to fix
+        raise UserError(f"{who} raised {type(e).__name__}: {_message(e)}{_location(e)}") from None
+
+
+def _message(e: BaseException) -> str:
+    if isinstance(e, SyntaxError):
+        return e.msg or "invalid syntax"
+    lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+    text = lines[0] if lines else ""
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _location(e: BaseException) -> str:
+    """`` (at file:line)``: where in the user's code ``e`` was raised (the innermost frame outside
+    torch, hybridpipe and the standard library; else the innermost frame)."""
+    if isinstance(e, SyntaxError) and e.filename:
+        return f" (at {e.filename}:{e.lineno})"
+    frames = traceback.extract_tb(e.__traceback__)
+    if not frames:
+        return ""
+    libraries = tuple(os.path.dirname(m.__file__) + os.sep for m in (os, torch) if m.__file__)
+    ours = os.path.dirname(sys.modules["hybridpipe"].__file__ or "") + os.sep
+    code = [f for f in frames if not f.filename.startswith(libraries) and not f.filename.startswith("<")]
+    users = [f for f in code if not f.filename.startswith(ours)]
+    frame = (users or code or frames)[-1]           # the user's line; else a zoo model's; else where it broke
+    return f" (at {frame.filename}:{frame.lineno})"
+
+
+def describe_model(spec: str) -> str:
+    """How errors name a model: "your model `pkg.mod:f[...]`" or "zoo model 'alexnet[...]'"."""
+    return f"your model `{spec}`" if ":" in spec.split("[")[0] else f"zoo model {spec!r}"
 
 
 def with_leaves(spec: str, leaves: list[str]) -> str:
     """``spec`` with module class names added to its reserved ``leaf`` argument (see the docstring)."""
     if not leaves:
         return spec
+    if spec.startswith("hf:"):
+        name, _, rest = spec.partition("[")
+        kwargs = parse_args(f"[{rest}" if rest else "", spec)
+        names = [x for x in str(kwargs.pop("leaf", "")).split("+") if x]
+        names += [x for x in leaves if x not in names]
+        return f"{name}[{','.join([*(f'{k}={v}' for k, v in kwargs.items()), 'leaf=' + '+'.join(names)])}]"
     target, kwargs = parse_spec(spec)
     names = [x for x in str(kwargs.pop("leaf", "")).split("+") if x]
     names += [x for x in leaves if x not in names]
@@ -123,12 +252,18 @@ def with_leaves(spec: str, leaves: list[str]) -> str:
 
 
 def import_factory(target: str, what: str) -> Callable:
-    """Import ``package.module:attr``; errors name the module or attribute that is missing."""
+    """Import ``package.module:attr``; errors name the module or attribute that is missing, or
+    the user's error (a SyntaxError, an exception at import) with its location."""
     module_name, _, attr = target.partition(":")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise UserError(f"cannot import {what} module {module_name!r} ({e}); is it on PYTHONPATH?") from None
+    except ModuleNotFoundError as e:
+        if e.name is not None and (module_name == e.name or module_name.startswith(e.name + ".")):
+            raise UserError(f"cannot import {what} module {module_name!r} ({e}); is it on PYTHONPATH?") from None
+        raise UserError(f"your {what} module {module_name!r} raised ModuleNotFoundError: {e}{_location(e)}") from None
+    except Exception as e:      # noqa: BLE001 - a SyntaxError or any error while the user's module runs
+        raise UserError(f"your {what} module {module_name!r} raised {type(e).__name__}: "
+                        f"{_message(e)}{_location(e)}") from None
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise UserError(f"{module_name!r} has no callable {attr!r} to build the {what}")
@@ -138,8 +273,8 @@ def import_factory(target: str, what: str) -> Callable:
 def _user_model(spec: str, target: str, kwargs: dict) -> ModelSpec:
     factory = import_factory(target, "model")
 
-    def call():
-        out = factory(**kwargs)
+    def call() -> tuple:
+        out = call_user(f"your factory `{target}`", factory, **kwargs)
         items = out if isinstance(out, tuple) else (out,)
         if not items or not isinstance(items[0], nn.Module) or len(items) > 3:
             raise UserError(f"{target} must return an nn.Module, or (module, example_input[, loss]); "
@@ -147,16 +282,43 @@ def _user_model(spec: str, target: str, kwargs: dict) -> ModelSpec:
         return items
 
     module, *rest = call()
-    example = rest[0] if rest else None
-    if example is not None and not isinstance(example, torch.Tensor):
-        raise UserError(f"{target}: the example input must be a tensor with a batch dimension")
-    if example is None:
+    if not rest:
         raise UserError(f"{target} returned only a module; return (module, example_input) so hybridpipe "
-                        "knows the input shape (the example's first dimension is the batch)")
-    loss = rest[1] if len(rest) > 1 else nn.functional.cross_entropy
+                        "knows the input (a tensor, tuple or dict of tensors whose first dimension is the batch)")
+    example = rest[0]
+    if batch_rows(example) is None:
+        raise UserError(f"{target}: the example input must be a tensor, or a tuple or dict of tensors, with a "
+                        f"batch dimension; got {type(example).__name__}")
+    args, kw = call_args(example)
     with torch.no_grad():
-        out = module(example)
-    num_classes = int(out.shape[-1]) if out.dim() >= 2 else 0
-    return ModelSpec(name=spec, build=lambda: call()[0], sample_shape=tuple(example.shape[1:]),
-                     input_dtype=example.dtype, loss=loss, target_shape=tuple(out.shape[1:-1]),
-                     num_classes=num_classes, example=example)
+        out = call_user(f"your model from `{target}` (on its example input)", module, *args, **kw,
+                        **training_switches(module))
+    loss = rest[1] if len(rest) > 1 else (None if own_loss(out) is not None else nn.functional.cross_entropy)
+    if loss is not None and not callable(loss):
+        raise UserError(f"{target}: the third item returned must be a loss function (output, target) -> loss")
+    if isinstance(example, torch.Tensor) and isinstance(out, torch.Tensor):
+        num_classes = int(out.shape[-1]) if out.dim() >= 2 else 0
+        return ModelSpec(name=spec, build=lambda: call()[0], sample_shape=tuple(example.shape[1:]),
+                         input_dtype=example.dtype, loss=loss, target_shape=tuple(out.shape[1:-1]),
+                         num_classes=num_classes, example=example)
+    if loss is not None:
+        raise UserError(f"{target}: with a {type(example).__name__} example input the model must compute its own "
+                        "loss (return it as output.loss, e.g. pass labels) or be a tensor-in, tensor-out model")
+    return ModelSpec(name=spec, build=lambda: call()[0], loss=None, example=example,
+                     sample=shaped_like(example))
+
+
+def shaped_like(example: Any) -> Callable[[torch.Generator], Any]:
+    """Synthetic samples shaped like one row of ``example``: floats from N(0, 1), integers in the
+    example's own range, booleans fair coin flips."""
+    def draw(t: Any, g: torch.Generator) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        shape = tuple(t.shape[1:])
+        if t.dtype == torch.bool:
+            return torch.randint(0, 2, shape, generator=g).bool()
+        if t.is_floating_point():
+            return torch.randn(shape, generator=g).to(t.dtype)
+        return torch.randint(0, int(t.max()) + 1 if t.numel() else 1, shape, generator=g, dtype=t.dtype)
+
+    return lambda g: pytree.tree_map(lambda t: draw(t, g), example)

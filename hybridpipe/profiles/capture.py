@@ -1,0 +1,370 @@
+"""Capturing a model into the one graph that profiling, partitioning and stage building share.
+
+``capture_model(model, example)`` runs ``torch.export.export(..., strict=False)`` on the model in
+training mode, with every input dimension dynamic where the model allows it (so a batch of
+another size or sequence length runs through the same graph), and groups the graph's operations
+into blocks (blocks.py). The graph's parameters and buffers are the model's own objects under
+their ``state_dict`` names. If torch.export cannot capture the model, torch.fx's symbolic tracer
+is tried (profiles/trace.py), with the ``leaf_modules`` as single calls that run as written; if
+both fail, the user gets one line naming the construct, the source line and what to do.
+
+A custom ``torch.autograd.Function`` is a case of its own: torch.export records the operations of
+its ``forward`` and differentiates those, so its own ``backward`` would silently be lost (a
+gradient reversal layer would train the wrong way). Such a model is captured by torch.fx with the
+modules that call the Function as leaves (``--leaf CLASS``), or refused with one line.
+
+The example input is what one batch of the dataset holds: a tensor (called as ``model(x)``), a
+tuple or list (``model(*x)``) or a dict (``model(**x)``), nested structures allowed. What training
+does not need is switched off: a forward that takes ``use_cache`` gets ``use_cache=False`` (a
+Hugging Face model would otherwise return a key/value cache that nothing can carry).
+
+The capture must be deterministic: every rank captures the same model the same way, and the
+profile's block ids and names mean the same blocks on every rank.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import fx, nn
+
+from hybridpipe.errors import UserError
+from hybridpipe.profiles.blocks import Block, check_leaf_modules, group_blocks, is_operation, parse_granularity
+from hybridpipe.profiles.export_support import (
+    custom_functions,
+    export_failure_message,
+    first_line,
+    quiet_failures,
+    side_effect_free,
+)
+
+log = logging.getLogger(__name__)
+
+_META = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+@dataclass
+class CapturedModel:
+    """A model's captured graph, its blocks, and how to feed it (see the module docstring)."""
+
+    module: nn.Module                       # the user's model (its parameters are the graph's)
+    graph: fx.GraphModule
+    blocks: tuple[Block, ...]
+    inputs: tuple[str, ...]                 # placeholder names, in the order of the flattened input
+    input_paths: tuple[str, ...]            # each placeholder's place in the input (pytree key path)
+    constants: dict[str, Any]               # placeholders fed a constant (use_cache=False, defaults)
+    out_spec: pytree.TreeSpec | None        # rebuilds the model's output from the graph's flat output
+    blocked: dict[str, str] = field(default_factory=dict)   # value -> type that cannot cross a cut
+    front_end: str = "export"
+    example_values: dict[str, Any] | None = None            # fx only: every value for the example
+
+    # ---- inputs and outputs ------------------------------------------------------------
+    def flatten_input(self, batch: Any) -> dict[str, Any]:
+        """Placeholder name -> value for one batch shaped like the example (tensor, tuple or dict)."""
+        args, kwargs = call_args(batch)
+        leaves = {pytree.keystr(path): v for path, v in pytree.tree_flatten_with_path((args, kwargs))[0]}
+        out = {}
+        for name, path in zip(self.inputs, self.input_paths, strict=True):
+            if name in self.constants:
+                out[name] = self.constants[name]
+            elif path in leaves:
+                out[name] = leaves[path]
+            else:
+                expected = [p for n, p in zip(self.inputs, self.input_paths, strict=True) if n not in self.constants]
+                raise UserError(f"the batch has no input at {path} (the model was captured with inputs at "
+                                f"{', '.join(expected)}); feed batches shaped like the example input")
+        return out
+
+    def rebuild_output(self, flat: Any) -> Any:
+        """The model's output as its forward returns it, from the graph's flat output."""
+        if self.out_spec is None:
+            return flat
+        leaves = list(flat) if isinstance(flat, (tuple, list)) else [flat]
+        return pytree.tree_unflatten(leaves, self.out_spec)
+
+    # ---- parameters ----------------------------------------------------------------------
+    def block_params(self) -> list[tuple[str, ...]]:
+        """For every block, the parameter names (as the graph refers to them) its operations read."""
+        nodes = {n.name: n for n in self.graph.graph.nodes}
+        out = []
+        for block in self.blocks:
+            names: list[str] = []
+            for node_name in block.nodes:
+                for p in node_parameters(self.graph, nodes[node_name]):
+                    if p not in names:
+                        names.append(p)
+            out.append(tuple(names))
+        return out
+
+
+def call_args(batch: Any) -> tuple[tuple, dict]:
+    """How a batch is passed to ``forward``: a tensor as ``(x,)``, a tuple/list as ``*x``, a dict as ``**x``."""
+    if isinstance(batch, Mapping):
+        return (), dict(batch)
+    if isinstance(batch, (tuple, list)) and not hasattr(batch, "_fields"):
+        return tuple(batch), {}
+    return (batch,), {}
+
+
+def own_loss(output: Any) -> torch.Tensor | None:
+    """The loss a model computed itself (``output.loss`` or ``output["loss"]``), else None."""
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, Mapping):
+        loss = output.get("loss")
+    return loss if isinstance(loss, torch.Tensor) else None
+
+
+def training_switches(model: nn.Module) -> dict[str, Any]:
+    """Keyword arguments that switch off what training does not need (a Hugging Face KV cache)."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {"use_cache": False} if "use_cache" in params else {}
+
+
+def capture_model(model: nn.Module, example: Any, *, granularity: str | int = "blocks",
+                  leaf_modules: Iterable[type | str] = (), dynamic: bool = True) -> CapturedModel:
+    """Capture ``model`` (in training mode) on ``example`` and group it into blocks.
+
+    ``dynamic=False`` fixes every shape to the example's (no ints cross cuts then: a graph for
+    runtimes that carry tensors only, such as torch.distributed.pipelining's stages)."""
+    model.train()
+    parse_granularity(granularity)          # refuse a bad granularity or leaf name before the slow export
+    leaf_modules = tuple(leaf_modules)
+    check_leaf_modules(model, leaf_modules)
+    args, kwargs = call_args(example)
+    kwargs = {**kwargs, **training_switches(model)}
+    functions: list[str] = []
+    try:
+        captured = _export(model, args, kwargs, functions, dynamic)
+    except UserError:
+        raise
+    except Exception as export_error:  # torch.export raises many kinds; the fx tracer may still succeed
+        captured = _fx_fallback(model, args, kwargs, export_error, leaf_modules)
+        with side_effect_free(model), torch.enable_grad():   # export stopped short of seeing them all
+            functions = custom_functions(model(*args, **kwargs))
+    if functions:
+        captured = _keeping_functions(model, args, kwargs, functions, leaf_modules, captured)
+    _canonical_names(captured.graph, model)
+    blocks = group_blocks(captured.graph, model, granularity, leaf_modules)
+    captured.blocks = tuple(blocks)
+    captured.blocked = _unsendable_values(captured)
+    return captured
+
+
+def _export(model: nn.Module, args: tuple, kwargs: dict, functions: list[str], dynamic_shapes_wanted: bool = True,
+            ) -> CapturedModel:
+    """torch.export's graph of ``model``; the custom autograd Functions its forward calls are added
+    to ``functions`` (seen on the autograd graph of the traced output, which export records)."""
+    from torch.export import Dim, export
+
+    def dynamic(x: Any) -> Any:
+        return {i: Dim.AUTO for i in range(x.dim())} if isinstance(x, torch.Tensor) else None
+
+    def seen(module: nn.Module, inputs: Any, output: Any) -> None:
+        functions.extend(f for f in custom_functions(output) if f not in functions)
+
+    hook = model.register_forward_hook(seen)
+    try:
+        try:
+            if not dynamic_shapes_wanted:
+                raise ValueError("static shapes asked for")
+            bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
+            dynamic_shapes: Any = {name: pytree.tree_map(dynamic, value) for name, value in bound.items()}
+            with quiet_failures():
+                ep = export(model, *_unmarked(args, kwargs), strict=False, dynamic_shapes=dynamic_shapes)
+        except Exception as e:
+            with quiet_failures():       # fresh tensor objects: export marks its inputs' dynamic dimensions
+                ep = export(model, *_unmarked(args, kwargs), strict=False)
+            if dynamic_shapes_wanted:
+                log.info("captured %s with static shapes: every batch must have the example's shapes "
+                         "(dynamic shapes failed: %s: %s)", type(model).__name__, type(e).__name__, first_line(e))
+    finally:
+        hook.remove()
+    gm = ep.module()
+    for node in list(gm.graph.nodes):
+        if node.op == "call_module" and not is_operation(node) and not node.users:
+            gm.graph.erase_node(node)
+    gm.recompile()
+    placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    flat = pytree.tree_flatten_with_path((args, kwargs))[0]
+    if len(flat) != len(placeholders):
+        raise UserError(f"torch.export gave {len(placeholders)} graph inputs for {len(flat)} input values of "
+                        f"{type(model).__name__}; pass plain tensors (or tuples/dicts of them) as the example input")
+    constants = {name: v for name, (_, v) in zip(placeholders, flat, strict=True) if not isinstance(v, torch.Tensor)}
+    codegen = getattr(gm.graph, "_codegen", None)
+    info = getattr(codegen, "pytree_info", None)
+    _strip_pytree_codegen(gm)
+    return CapturedModel(module=model, graph=gm, blocks=(), inputs=tuple(placeholders),
+                         input_paths=tuple(pytree.keystr(p) for p, _ in flat), constants=constants,
+                         out_spec=info.out_spec if info is not None else None, front_end="export")
+
+
+def _unmarked(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The inputs as new tensor objects (same data): torch.export records the dynamic dimensions it
+    was asked for on the tensors it is given, and a retry with static shapes on them would fail."""
+    def fresh(v: Any) -> Any:
+        return v.detach().requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) else v
+
+    return pytree.tree_map(fresh, args), pytree.tree_map(fresh, kwargs)
+
+
+def _canonical_names(gm: fx.GraphModule, model: nn.Module) -> None:
+    """Refer to every parameter and buffer by its first name in the model (``named_parameters``
+    order): torch.export picks any of a tied weight's names (GPT-2's embedding may read
+    ``lm_head.weight``), but plans, stages and checkpoints must agree on one."""
+    canonical: dict[int, str] = {}
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        canonical.setdefault(id(t), name)
+    changed = False
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        try:
+            first = canonical.get(id(_attr(gm, str(node.target))))
+            if first is not None and first != node.target:
+                _attr(gm, first)                      # the canonical name must exist on the graph module
+                node.target = first
+                changed = True
+        except AttributeError:
+            continue
+    if changed:
+        gm.recompile()
+
+
+def _strip_pytree_codegen(gm: fx.GraphModule) -> None:
+    """Make ``gm`` a plain graph: positional placeholders in, the flat output list out (and no
+    input-structure check: hybridpipe feeds it flattened inputs itself)."""
+    gm.graph._codegen = fx.graph.CodeGen()
+    gm._forward_pre_hooks.clear()
+    gm.recompile()
+
+
+def _keeping_functions(model: nn.Module, args: tuple, kwargs: dict, functions: list[str],
+                       leaf_modules: tuple[type | str, ...], captured: CapturedModel) -> CapturedModel:
+    """The fx capture of a model that calls custom autograd Functions, if every one of them runs
+    inside a leaf module (checked on one forward of the graph); else a UserError."""
+    problem = (f"{type(model).__name__} calls the custom torch.autograd.Function {', '.join(functions)}, whose own "
+               "backward torch.export would replace by the derivative of its forward")
+    fix = "keep the module that calls it whole with --leaf CLASS (it then runs as written, traced by torch.fx)"
+    if not leaf_modules:
+        raise UserError(f"{problem}; {fix}")
+    if captured.front_end != "fx":
+        captured = _fx_fallback(model, args, kwargs, RuntimeError(problem), leaf_modules)
+    with side_effect_free(model), torch.enable_grad():
+        kept = custom_functions(captured.graph(*args, *captured.constants.values()))
+    lost = [f for f in functions if f not in kept]
+    if lost:
+        raise UserError(f"{type(model).__name__} calls the custom torch.autograd.Function {', '.join(lost)} outside "
+                        f"the leaf modules ({', '.join(map(_leaf_name, leaf_modules))}), and torch.export would "
+                        f"replace its own backward by the derivative of its forward; {fix}")
+    log.warning("%s calls custom autograd Functions (%s): captured with torch.fx, the leaf modules run as written",
+                type(model).__name__, ", ".join(functions))
+    return captured
+
+
+def _leaf_name(leaf: type | str) -> str:
+    return leaf.__name__ if isinstance(leaf, type) else leaf
+
+
+def _fx_fallback(model: nn.Module, args: tuple, kwargs: dict, export_error: BaseException,
+                 leaf_modules: tuple[type | str, ...] = ()) -> CapturedModel:
+    from hybridpipe.profiles.trace import trace_model
+
+    tensors_only = all(isinstance(a, torch.Tensor) for a in args) and not [
+        k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+    if not tensors_only:
+        raise UserError(export_failure_message(model, export_error)) from None
+    try:
+        gm = trace_model(model, leaf_modules)
+    except UserError:
+        raise UserError(export_failure_message(model, export_error)) from None
+    log.warning("torch.export cannot capture %s (%s); using torch.fx's symbolic tracer instead",
+                type(model).__name__, first_line(export_error))
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    names = tuple(n.name for n in placeholders)
+    paths = tuple(pytree.keystr(p) for p, _ in pytree.tree_flatten_with_path((args, {}))[0])
+    constants = {n.name: n.args[0] for n in placeholders[len(args):] if n.args}
+    return CapturedModel(module=model, graph=gm, blocks=(), inputs=names[:len(args)] + tuple(constants),
+                         input_paths=paths + tuple(f"default:{k}" for k in constants), constants=constants,
+                         out_spec=None, front_end="fx", example_values=_fx_values(gm, args, constants))
+
+
+def _fx_values(gm: fx.GraphModule, args: tuple, constants: dict[str, Any]) -> dict[str, Any]:
+    """Every fx node's value for the example (fx graphs carry no value metadata)."""
+    values: dict[str, Any] = {}
+
+    class Recorder(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            out = super().run_node(n)
+            values[n.name] = out
+            return out
+
+    with torch.no_grad(), side_effect_free(gm):
+        Recorder(gm).run(*args, *constants.values())
+    return values
+
+
+def _unsendable_values(captured: CapturedModel) -> dict[str, str]:
+    """Values (fx node names) whose type cannot travel between stages, with that type's name."""
+    recorded = captured.example_values
+    out = {}
+    for node in captured.graph.graph.nodes:
+        if not is_operation(node):
+            continue
+        value = recorded.get(node.name) if recorded is not None else node.meta.get("val")
+        bad = unsendable(value)
+        if bad is not None:
+            out[node.name] = bad
+    return out
+
+
+def unsendable(value: Any) -> str | None:
+    """None if ``value`` can cross a stage boundary (tensors and small Python constants, nested in
+    tuples, lists and dicts), else the name of the type that cannot."""
+    for leaf in pytree.tree_leaves(value):
+        if isinstance(leaf, torch.Tensor) or isinstance(leaf, _META):
+            continue
+        if isinstance(leaf, torch.Size):
+            continue
+        return type(leaf).__name__
+    return None
+
+
+def node_parameters(gm: fx.GraphModule, node: fx.Node) -> list[str]:
+    """Qualified names of the parameters ``node`` reads (get_attr inputs, or a called module's)."""
+    out = []
+    if node.op == "call_module":
+        mod = gm.get_submodule(str(node.target))
+        out += [f"{node.target}.{name}" for name, _ in mod.named_parameters(remove_duplicate=False)]
+    for arg in node.all_input_nodes:
+        if arg.op == "get_attr" and isinstance(_attr(gm, str(arg.target)), nn.Parameter):
+            out.append(str(arg.target))
+    return out
+
+
+def _attr(gm: nn.Module, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def tied_parameters(model: nn.Module) -> list[tuple[str, ...]]:
+    """Groups of names under which one parameter object is registered (tied weights), model order."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return [tuple(v) for v in names.values() if len(v) > 1]
+
+
+
+__all__ = ["CapturedModel", "capture_model", "call_args", "own_loss", "training_switches", "unsendable",
+           "tied_parameters", "node_parameters", "export_failure_message", "custom_functions", "check_leaf_modules"]

@@ -1,0 +1,142 @@
+"""A NaN or infinite loss stops the run (or, with ``--skip-nonfinite``, skips the step) on every
+rank at once, before any weight of that step is applied or saved.
+
+The loss lives on the last stage only; every rank must learn of it before it updates its
+weights or writes a checkpoint. So each rank's optimizer is wrapped: its ``step()`` first joins
+one tiny all-reduce (MAX over the world) of a flag that the last stage's loss function raised
+when a micro-batch's loss was not finite, and applies the update only when the flag is clear.
+On the schedules that flush every step (gpipe, 1f1b) every rank takes exactly one optimizer step
+per step, after all its micro-batches, so this is one scalar all-reduce per step and a bad step
+changes no weight anywhere. ``pipedream`` updates per micro-batch: there the flag is exchanged
+after each step instead (the run stops before the step's weights are saved; skipping is refused
+at start).
+
+    watch = NonFiniteWatch(device, skip=cfg.skip_nonfinite, flushing=flushes(plan))
+    stage = build_stage_index(..., loss=watch.wrap_loss(spec.loss))
+    optimizer = watch.wrap_optimizer(make_optimizer(...))
+    for step in ...:
+        result = engine.run_step(step)
+        watch.after_step(step, result.losses)    # AgreedError (stop), or counts a skipped step
+
+The flag stays on the device between micro-batches (no host sync per loss); the all-reduce
+reads it once per step. Only the last stage raises it, so when that stage has one replica its
+rank already knows the verdict (``decides_alone``): it joins the all-reduce without waiting for
+it (the other ranks reach their optimizer step later) and goes on, so the check costs it nothing
+and costs the others one scalar all-reduce.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hybridpipe.errors import AgreedError
+
+log = logging.getLogger(__name__)
+
+
+class NonFiniteWatch:
+    """See the module docstring. ``group``: the ranks that agree (default: the world);
+    ``stage``: this rank's stage (named in the message); ``hint``: appended to the stop line."""
+
+    def __init__(self, device: torch.device, *, skip: bool, flushing: bool, stage: int = 0,
+                 decides_alone: bool = False, group: dist.ProcessGroup | None = None, hint: str = "") -> None:
+        self.device, self.skip, self.flushing, self.stage = device, skip, flushing, stage
+        self.decides_alone, self.group, self.hint = decides_alone, group, hint
+        self.skipped: list[int] = []
+        self._pending: list[Any] = []           # async all-reduces of a rank that decides alone
+        self._flag = torch.zeros((), dtype=torch.float32, device=device)
+        self._verdict: bool | None = None
+
+    # ---- wrapping ----------------------------------------------------------------------
+    def wrap_loss(self, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        """``fn`` that also raises the flag when its loss is NaN or infinite."""
+        def loss(*args: Any, **kwargs: Any) -> torch.Tensor:
+            value = fn(*args, **kwargs)
+            bad = (~torch.isfinite(value.detach())).any().to(self._flag.dtype)
+            self._flag = torch.maximum(self._flag, bad.to(self._flag.device))
+            return value
+        return loss
+
+    def wrap_optimizer(self, optimizer: Any) -> GuardedOptimizer:
+        return GuardedOptimizer(optimizer, self)
+
+    # ---- agreeing ----------------------------------------------------------------------
+    def agree(self) -> bool:
+        """Collective: whether any rank saw a non-finite loss since the last call (then clears)."""
+        flag = self._flag.clone()
+        self._flag = torch.zeros_like(self._flag)
+        if not dist.is_initialized():
+            return bool(flag.item() > 0)
+        if self.decides_alone:
+            mine = bool(flag.item() > 0)          # read before the all-reduce works on it in place
+            for work in self._pending:            # the previous step's: long complete
+                work.wait()
+            self._pending = [dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)]
+            return mine
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(flag.item() > 0)
+
+    def before_update(self) -> bool:
+        """The optimizer's check (flushing schedules): True when the update may be applied."""
+        if not self.flushing:
+            return True
+        self._verdict = self.agree()
+        return not self._verdict
+
+    def after_step(self, step: int, losses: dict[int, torch.Tensor]) -> bool:
+        """Collective, once per step on every rank: False when the step was skipped; stops the run
+        (AgreedError, the same line on every rank) when a loss was not finite and ``skip`` is off."""
+        bad = self._verdict if self._verdict is not None else self.agree()
+        self._verdict = None
+        if not bad:
+            return True
+        where = self._describe(step, losses)
+        if self.skip:
+            self.skipped.append(step)
+            log.warning("skipped step %d: %s", step, where)
+            return False
+        applied = "no weight of that step was applied, and none saved" if self.flushing else \
+            "the weights of that step were not saved"
+        raise AgreedError(f"training stopped: {where}; {applied}"
+                          + (f"; {self.hint}" if self.hint else "")
+                          + "; lower --lr, check the data, or pass --skip-nonfinite to skip such steps")
+
+    def _describe(self, step: int, losses: dict[int, torch.Tensor]) -> str:
+        """"the loss is nan at step 5 (stage 2, micro-batch 3)", agreed from the last stage's ranks."""
+        mine = None
+        for m in sorted(losses):
+            value = float(losses[m])
+            if not math.isfinite(value):
+                mine = (m, value, self.stage)
+                break
+        found = [mine]
+        if dist.is_initialized():
+            found = [None] * dist.get_world_size(self.group)
+            dist.all_gather_object(found, mine, group=self.group)
+        hits = sorted(x for x in found if x is not None)
+        if not hits:
+            return f"a loss was not finite at step {step}"
+        m, value, stage = hits[0]
+        return f"the loss is {value} at step {step} (stage {stage}, micro-batch {m})"
+
+
+class GuardedOptimizer:
+    """An optimizer whose ``step()`` asks the watch first (see the module docstring); everything
+    else (``zero_grad``, ``state_dict``, ``param_groups``...) is the wrapped optimizer's."""
+
+    def __init__(self, optimizer: Any, watch: NonFiniteWatch) -> None:
+        self.optimizer, self.watch = optimizer, watch
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        if not self.watch.before_update():
+            return None
+        return self.optimizer.step() if closure is None else self.optimizer.step(closure)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.optimizer, name)

@@ -1,0 +1,35 @@
+"""The process groups and the all-reduce behind pipeline/tied.py's TiedSync in a torchrun job."""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hybridpipe.partitioner.plan import Plan
+from hybridpipe.pipeline.tied import TiedSync, stage_tied_params, tied_ranks
+
+
+def tied_process_groups(plan: Plan, timeout_s: float) -> dict[tuple[int, ...], dist.ProcessGroup]:
+    """One process group per distinct rank set of the plan's tied groups (collective: every rank
+    calls it, in the same order, members or not)."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    return {ranks: dist.new_group(list(ranks), timeout=timeout)
+            for ranks in sorted({tied_ranks(plan, g) for g in plan.tied})}
+
+
+def tied_sync(plan: Plan, stage_index: int, model: nn.Module,
+              groups: dict[tuple[int, ...], dist.ProcessGroup]) -> TiedSync | None:
+    """This rank's TiedSync (None when its stage shares no parameter with another stage)."""
+    held = stage_tied_params(plan, stage_index, model)
+    if not held:
+        return None
+
+    def summer(group: dist.ProcessGroup):
+        def sum_fn(flat: torch.Tensor) -> None:
+            dist.all_reduce(flat, group=group)
+        return sum_fn
+
+    return TiedSync([(params, summer(groups[ranks])) for ranks, params in held.items()])

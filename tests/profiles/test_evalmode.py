@@ -1,0 +1,57 @@
+"""The evaluation-mode twin of a captured graph equals the model in eval mode (no dropout, running stats)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from hybridpipe.pipeline.stage import build_stage_index
+from hybridpipe.profiles.capture import call_args
+from hybridpipe.profiles.zoo import resolve_model
+from tests.pipeline.harness import capture
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+MODELS = ["alexnet-small", "resnet-small", "hf:gpt2[n_layer=2,n_embd=32,n_head=2,vocab_size=128,seq=8]"]
+
+
+def two_stages(name: str):
+    spec = resolve_model(name)
+    captured = capture(spec, 4)
+    n = len(captured.blocks)
+    ranges = [(0, n // 2), (n // 2 + 1, n - 1)]
+    return spec, captured, [build_stage_index(captured, ranges, i, loss=spec.loss) for i in range(2)]
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_eval_stages_equal_the_model_in_eval_mode(name):
+    spec, captured, stages = two_stages(name)
+    x, y = spec.example_input(4), spec.example_target(4)
+    front = stages[0].forward_eval(stages[0].data_inputs(x))
+    back = stages[1].forward_eval(front.outputs, target=y)
+    model = captured.module.eval()
+    with torch.no_grad():
+        args, kwargs = call_args(x)
+        out = model(*args, **kwargs)
+        reference = spec.loss(out, y) if spec.loss is not None else out.loss
+    assert torch.equal(back.loss, reference)
+    assert not back.loss.requires_grad
+
+
+def test_the_training_graph_differs_where_eval_mode_matters():
+    """Dropout is active in the training graph, so the check above can fail."""
+    spec, captured, stages = two_stages(MODELS[2])
+    x = spec.example_input(4)
+    with torch.no_grad():
+        train = stages[1].forward(stages[0].forward(stages[0].data_inputs(x)).outputs).loss
+        evaluated = stages[1].forward_eval(stages[0].forward_eval(stages[0].data_inputs(x)).outputs).loss
+    assert not torch.equal(train, evaluated)
+
+
+def test_batch_norm_statistics_are_not_updated_by_evaluation():
+    spec, captured, stages = two_stages("resnet-small")
+    before = {k: v.clone() for k, v in captured.module.state_dict().items() if "running" in k}
+    stages[0].forward_eval(stages[0].data_inputs(spec.example_input(4)))
+    after = {k: v for k, v in captured.module.state_dict().items() if "running" in k}
+    assert before and all(torch.equal(before[k], after[k]) for k in before)

@@ -1,0 +1,99 @@
+"""Hugging Face models under real processes (launch.py on 4 ranks, gloo): the merged checkpoint
+equals single-process training within 1e-5 and loads into the unsplit model with strict=True;
+`hybridpipe merge-checkpoint` refuses a checkpoint whose tied copies differ. One case runs by
+default (GPT-2, its tied embedding cut apart, 2 stages x 2 replicas, 1f1b); the rest: make test-slow."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hybridpipe.cli import main
+from hybridpipe.partitioner.plan import save_plan
+from hybridpipe.profiles.zoo import resolve_model
+from hybridpipe.runtime.checkpoint_files import MANIFEST, merge_stages, sha256_of, stage_file, step_dir
+from tests.pipeline.harness import make_plan
+from tests.pipeline.hf_models import BY_NAME, GPT2_PADDED, RAGGED, Case
+from tests.runtime.jobs import launch, max_diff, train_reference
+
+pytest.importorskip("transformers")
+
+STEPS, LR, MOMENTUM, SEED = 3, 0.05, 0.5, 3
+LAYOUTS = {"2x2": [2, 2], "4": [1, 1, 1, 1]}
+
+
+def train(tmp_path, case: Case, layout: str, schedule: str, *, spec: str | None = None, dataset: str = "synthetic"):
+    """Launch the plan on 4 ranks for STEPS steps; (plan, checkpoint dir), after checking the merged
+    weights against one process and loading them into the unsplit model."""
+    plan = make_plan(spec or case.spec, case.two if layout == "2x2" else case.four, LAYOUTS[layout],
+                     schedule=schedule, micro_batches=4, batch_size=2, shared_capture=True)
+    path, ckpt, run = tmp_path / "plan.json", tmp_path / "ckpt", tmp_path / "run"
+    save_plan(plan, path)
+    done = launch(["--plan", str(path), "--steps", str(STEPS), "--lr", str(LR), "--momentum", str(MOMENTUM),
+                   "--seed", str(SEED), "--checkpoint-dir", str(ckpt), "--run-dir", str(run), "--dataset", dataset,
+                   "--timeout", "120", "--no-progress", "--no-trace"], plan.world_size, timeout=300)
+    assert all(d.returncode == 0 for d in done), done
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps_run"] == STEPS and all(summary["replicas_identical"].values()), summary
+    merged, manifest = merge_stages(ckpt, STEPS)
+    reference = train_reference(plan, STEPS, lr=LR, momentum=MOMENTUM, seed=SEED, dataset=dataset,
+                                accumulate=dataset != "synthetic")
+    assert max_diff(merged, reference) <= 1e-5
+    resolve_model(plan.model).build().load_state_dict(merged, strict=True)
+    if case.tied:                                  # the manifest names every alias of the tied weight
+        assert any(case.tied in names for names in manifest["tied"]), manifest["tied"]
+    return plan, ckpt
+
+
+def test_gpt2_tied_two_by_two_under_launch_and_merge_refuses_differing_copies(tmp_path, capsys):
+    case = BY_NAME["gpt2"]
+    plan, ckpt = train(tmp_path, case, "2x2", "1f1b")
+    assert [(t.param, t.stages) for t in plan.tied] == [(case.tied, (0, 1))]
+    out = tmp_path / "model.pt"
+    assert main(["merge-checkpoint", str(ckpt), "-o", str(out)]) == 0
+    model = resolve_model(plan.model).build()
+    model.load_state_dict(torch.load(out), strict=True)
+    assert model.lm_head.weight is model.transformer.wte.weight           # still tied after loading
+    capsys.readouterr()
+
+    # the last stage's copy of the tied weight edited (the manifest kept consistent): refused
+    directory = step_dir(ckpt, STEPS)
+    last = directory / stage_file(len(plan.stages) - 1)
+    state = torch.load(last, weights_only=False)
+    key = next(k for k in state["model"] if k in ("lm_head.weight", case.tied))
+    state["model"][key][0, 0] += 1e-3
+    torch.save(state, last)
+    manifest = json.loads((directory / MANIFEST).read_text())
+    manifest["files"][last.name] = {"bytes": last.stat().st_size, "sha256": sha256_of(last)}
+    (directory / MANIFEST).write_text(json.dumps(manifest))
+    assert main(["merge-checkpoint", str(ckpt), "-o", str(tmp_path / "bad.pt")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("hybridpipe merge-checkpoint: error:"), err
+    assert "differ" in err[0] and ("tied" in err[0] or "both hold" in err[0]), err
+    assert not (tmp_path / "bad.pt").exists()
+
+
+def matrix():
+    for name in ("gpt2", "llama"):
+        for layout in LAYOUTS:
+            for schedule in ("gpipe", "1f1b"):
+                if (name, layout, schedule) != ("gpt2", "2x2", "1f1b"):        # the default case above
+                    yield pytest.param(name, layout, schedule, id=f"{name}-{layout}-{schedule}")
+    for name in ("bert", "t5", "vit", "encoder"):
+        yield pytest.param(name, "2x2", "1f1b", id=f"{name}-2x2-1f1b")
+        yield pytest.param(name, "4", "gpipe", id=f"{name}-4-gpipe")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,layout,schedule", list(matrix()))
+def test_hf_models_under_launch_equal_one_process(tmp_path, name, layout, schedule):
+    plan, _ = train(tmp_path, BY_NAME[name], layout, schedule)
+    case = BY_NAME[name]
+    assert [t.param for t in plan.tied] == ([case.tied] if case.tied else [])
+
+
+@pytest.mark.slow
+def test_batches_padded_to_different_lengths_under_launch(tmp_path):
+    train(tmp_path, BY_NAME["gpt2"], "2x2", "1f1b", spec=GPT2_PADDED, dataset=f"{RAGGED}[n=24]")

@@ -1,0 +1,183 @@
+"""Property: whatever file or argument values a user hands a command, it ends with exit 0, or with
+exit 2 and ONE line on stderr, never a traceback (issue 22).
+
+Each command's main() runs in this process on random JSON (a valid file with one place, at any
+depth, replaced by random JSON or removed, or random JSON outright) and random argument values
+(numbers at and past their limits, nan, inf, text). Commands whose valid run does not end by
+itself (aggregator) or spawns processes (bench-allreduce) have their parsers checked instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from hybridpipe.cli import command_parser, main
+from hybridpipe.runtime.checkpoint_files import MANIFEST, step_dir
+from tests.badinput import JSON, NUMBER_TEXT, Outcome, dumps, mutated, run, save_files, write_checkpoint
+from tests.pipeline.harness import make_plan
+
+EXAMPLES = int(os.environ.get("HYBRIDPIPE_BAD_INPUT_EXAMPLES", "40"))     # more for a long search
+SETTINGS = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("valid")
+    profile = base / "profile.json"
+    assert main(["profile", "mlp[layers=1,hidden=8]", "-b", "2", "--repeats", "1", "--warmup", "0", "-q",
+                 "-o", str(profile)]) == 0
+    plan = make_plan("mlp[layers=1,hidden=8]", [2], [1, 1], micro_batches=2, batch_size=2,
+                     times=[(1.0, 2.0), (0.5, 1.0)])
+    paths = save_files(base, profile, plan)
+    one = make_plan("mlp[layers=1,hidden=8]", [], [1], micro_batches=1, batch_size=2)
+    write_checkpoint(base / "ckpt", one)
+    paths["checkpoint"] = base / "ckpt"
+    return paths
+
+
+def _scratch(tmp_path_factory) -> Path:
+    return Path(tmp_path_factory.mktemp("case"))
+
+
+def _check(outcome: Outcome) -> None:
+    event(f"exit {outcome.code}: {(outcome.err_lines or [''])[0].split(':')[-1][:40]}")
+    outcome.check_one_line_or_ok()
+
+
+def _write(path: Path, value) -> Path:
+    path.write_text(dumps(value))
+    return path
+
+
+def _document(files, kind: str):
+    return json.loads(files[kind].read_text())
+
+
+def _numbers(options: list[str]):
+    """Half the time no option (the file is what is tested), else up to 3 options with random values."""
+    some = st.lists(st.tuples(st.sampled_from(options), NUMBER_TEXT), min_size=1, max_size=3).map(
+        lambda pairs: [x for option, value in pairs for x in (option, value)])
+    return st.just([]) | some
+
+
+@SETTINGS
+@given(data=st.data())
+def test_show(files, tmp_path_factory, data):
+    kind = data.draw(st.sampled_from(["profile", "plan", "calibration", "cluster", "trace"]))
+    doc = data.draw(mutated(_document(files, kind)) | JSON)
+    path = _write(_scratch(tmp_path_factory) / "x.json", doc)
+    extra = data.draw(_numbers(["--top"])) + data.draw(st.lists(st.sampled_from(["--layers", "-v"]), max_size=1))
+    _check(run(["show", str(path), *extra]))
+
+
+@SETTINGS
+@given(data=st.data())
+def test_partition(files, tmp_path_factory, data):
+    d = _scratch(tmp_path_factory)
+    paths = {k: shutil.copy(files[k], d / f"{k}.json") for k in ("profile", "cluster", "calibration")}
+    kind = data.draw(st.sampled_from(sorted(paths)))
+    _write(Path(paths[kind]), data.draw(mutated(_document(files, kind))))
+    extra = data.draw(_numbers(["--workers", "--micro-batches", "--memory-gb", "--stages"]))
+    extra += data.draw(st.sampled_from([[], ["--strategy", "uniform"], ["--schedule", "gpipe"], ["--compare"]]))
+    outcome = run(["partition", str(paths["profile"]), "--cluster", str(paths["cluster"]), "--calibration",
+                   str(paths["calibration"]), "-o", str(d / "plan.json"), *extra])
+    _check(outcome)
+
+
+@SETTINGS
+@given(data=st.data())
+def test_simulate_and_schedule(files, tmp_path_factory, data):
+    d = _scratch(tmp_path_factory)
+    plan = _write(d / "plan.json", data.draw(mutated(_document(files, "plan"))))
+    command = data.draw(st.sampled_from(["simulate", "schedule"]))
+    options = ["--steps", "--micro-batches"] + (["--rank"] if command == "schedule" else [])
+    extra = data.draw(_numbers(options)) + data.draw(st.sampled_from([[], ["--schedule", "gpipe"],
+                                                                      ["--schedule", "pipedream"]]))
+    _check(run([command, str(plan), *extra]))
+
+
+@SETTINGS
+@given(data=st.data())
+def test_timeline(files, tmp_path_factory, data):
+    d = _scratch(tmp_path_factory)
+    shutil.copytree(files["trace"].parents[1], d / "run")
+    _write(d / "run" / "trace" / "rank-00000.json", data.draw(mutated(_document(files, "trace"))))
+    extra = data.draw(_numbers(["--png-steps"]))
+    _check(run(["timeline", str(d / "run"), "-o", str(d / "t.json"), *extra]))
+
+
+@SETTINGS
+@given(data=st.data())
+def test_merge_checkpoint(files, tmp_path_factory, data):
+    d = _scratch(tmp_path_factory)
+    shutil.copytree(files["checkpoint"], d / "ckpt")
+    manifest = step_dir(d / "ckpt", 1) / MANIFEST
+    _write(manifest, data.draw(mutated(json.loads(manifest.read_text()))))
+    extra = data.draw(_numbers(["--step"]))
+    _check(run(["merge-checkpoint", str(d / "ckpt"), "--no-check", "-o", str(d / "m.pt"), *extra]))
+
+
+SPECS = st.one_of(
+    st.sampled_from(["mlp", "nosuch", "mlp[", "mlp[hidden=]", "tests.profiles.user_models:nothere", ":x",
+                     "os:getcwd", "tests.profiles.user_models:tiny[hidden=-1]"]),
+    st.tuples(st.sampled_from(["hidden", "layers", "features", "classes", "bogus"]), NUMBER_TEXT).map(
+        lambda kv: f"mlp[layers=1,{kv[0]}={kv[1]}]"),
+)
+
+
+@settings(max_examples=max(EXAMPLES // 2, 1), deadline=None, suppress_health_check=list(HealthCheck))
+@given(spec=SPECS, data=st.data())
+def test_profile(tmp_path_factory, spec, data):
+    d = _scratch(tmp_path_factory)
+    extra = data.draw(_numbers(["--batch-size", "--repeats", "--warmup", "--seed"]))
+    _check(run(["profile", spec, "--repeats", "1", "--warmup", "0", "-q", "-o", str(d / "p.json"), *extra]))
+
+
+@SETTINGS
+@given(data=st.data())
+def test_launch(files, tmp_path_factory, data, monkeypatch_module):
+    d = _scratch(tmp_path_factory)
+    plan = _write(d / "plan.json", data.draw(mutated(_document(files, "plan"))))
+    extra = data.draw(_numbers(["--steps", "--micro-batch-size", "--micro-batches", "--lr", "--momentum",
+                                "--timeout", "--peer-timeout", "--seed", "--dataset-size", "--checkpoint-every",
+                                "--keep-checkpoints"]))
+    # the plan has 2 ranks; this "job" has 3, so a fully valid input also ends at the world-size check
+    outcome = run(["--plan", str(plan), "--run-dir", str(d / "run"), *extra], launch=True)
+    _check(outcome)
+    assert outcome.code == 2
+
+
+@SETTINGS
+@given(name=st.sampled_from(["bench-allreduce", "aggregator"]), data=st.data())
+def test_parsers_of_commands_that_run_forever(name, data):
+    module, parser = command_parser(name)
+    options = {"bench-allreduce": ["--size-step", "--ranks", "--reps", "--budget", "--timeout", "--level"],
+               "aggregator": ["--port", "--world", "--chunk-bytes", "--buffers", "--timeout", "--sessions",
+                              "--threads"]}[name]
+    base = ["-o", "/tmp/cal.json"] if name == "bench-allreduce" else ["--port", "0", "--world", "2"]
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            parser.parse_args([*base, *data.draw(_numbers(options))])
+            code = 0
+        except SystemExit as e:
+            code = e.code
+    _check(Outcome(code, "", err.getvalue()))
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("WORLD_SIZE", "3")
+        mp.delenv("RANK", raising=False)
+        mp.delenv("LOCAL_RANK", raising=False)
+        yield mp
