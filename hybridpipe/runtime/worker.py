@@ -31,7 +31,7 @@ from hybridpipe.profiles.capture import tied_parameters
 from hybridpipe.runtime.checkpoint import Checkpointer, reseed, restore_rng
 from hybridpipe.runtime.checkpoint_files import load_initial
 from hybridpipe.runtime.config import RunConfig, flushes
-from hybridpipe.runtime.failure import FailureGuard, default_store, describe_ranks
+from hybridpipe.runtime.failure import EXIT_PEER_LOST, FailureGuard, default_store, describe_ranks
 from hybridpipe.runtime.groups import Process, init_distributed, replica_groups, stage_channels
 from hybridpipe.runtime.metrics import MetricsWriter, Progress, step_record
 from hybridpipe.runtime.nonfinite import NonFiniteWatch
@@ -66,13 +66,14 @@ def run_worker(cfg: RunConfig, *, print_fn: Callable[[str], None] = print) -> di
             raise UserError(f"the plan needs {cfg.plan.world_size} workers but the job has {proc.world_size}")
         closers: list[Callable[[], object]] = []
         progress = {"done": 0}                  # steps completed, for the exit note (restarts.py)
-        notes = [lambda: note_exit(cfg.checkpoint_dir, proc.rank, proc.world_size, progress["done"])
-                 ] if cfg.checkpoint_dir else []
         guard = FailureGuard(default_store(), rank=proc.rank, world_size=proc.world_size,
                              timeout=min(cfg.peer_timeout, cfg.timeout), program="hybridpipe.launch",
-                             describe=describe_ranks(cfg.plan), on_exit=[lambda: _close_all(closers), *notes],
+                             describe=describe_ranks(cfg.plan), on_exit=[lambda: _close_all(closers)],
                              hint="restart with --resume to continue from the newest checkpoint"
                              if cfg.checkpoint_dir else "")
+        if cfg.checkpoint_dir:              # a peer died: leave a note for the restart (restarts.py)
+            guard.on_exit.append(lambda: guard.exit_code == EXIT_PEER_LOST and note_exit(
+                str(cfg.checkpoint_dir), proc.rank, proc.world_size, progress["done"]))
         with guard:
             summary = _train(cfg, proc, model, closers, print_fn, init_optimizer, progress)
     finally:
