@@ -42,7 +42,7 @@ def canonical_state(state: Mapping[str, torch.Tensor], canon: Mapping[str, str])
 
 def optimizer_names(optimizer: Any, module: nn.Module, canon: Mapping[str, str]) -> list[str]:
     """The canonical name of each parameter the optimizer holds, in its state_dict's index order."""
-    name_of = {}
+    name_of: dict[int, str] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         name_of.setdefault(id(p), canon.get(name, name))
     names = []

@@ -72,8 +72,12 @@ def run_worker(cfg: RunConfig, *, print_fn: Callable[[str], None] = print) -> di
                              hint="restart with --resume to continue from the newest checkpoint"
                              if cfg.checkpoint_dir else "")
         if cfg.checkpoint_dir:              # a peer died: leave a note for the restart (restarts.py)
-            guard.on_exit.append(lambda: guard.exit_code == EXIT_PEER_LOST and note_exit(
-                str(cfg.checkpoint_dir), proc.rank, proc.world_size, progress["done"]))
+            root = cfg.checkpoint_dir
+
+            def leave_note() -> None:
+                if guard.exit_code == EXIT_PEER_LOST:
+                    note_exit(root, proc.rank, proc.world_size, progress["done"])
+            guard.on_exit.append(leave_note)
         with guard:
             summary = _train(cfg, proc, model, closers, print_fn, init_optimizer, progress)
     finally:
