@@ -255,10 +255,14 @@ class Checkpointer:
             return None, f"incomplete ({problem})"
         m = read_manifest(d)
         mine = self._meta(0.0)
-        for key, what in (("model", "model"), ("global_batch", "global batch (micro-batches x micro-batch size)")):
-            if m.get(key) != mine[key]:
-                return None, (f"other:was written for {what} {m.get(key)!r}, not {mine[key]!r}: resume only the same "
-                              "model with the same global batch")
+        if m.get("model") != mine["model"]:
+            return None, (f"other:was written for model {m.get('model')!r}, not {mine['model']!r}: resume only the "
+                          "same model (or pass another --checkpoint-dir)")
+        if m.get("global_batch") != mine["global_batch"]:
+            there = f"{m.get('global_batch')} ({m.get('micro_batches')} micro-batches x {m.get('batch_size')})"
+            here = f"{mine['global_batch']} ({mine['micro_batches']} x {mine['batch_size']})"
+            return None, (f"other:was written with global batch {there}, not {here}: a checkpoint resumes at its "
+                          "own global batch (keep micro-batches x micro-batch size)")
         index = m.get("index")
         if not isinstance(index, dict):
             return None, "other:has no name index (written by an older hybridpipe); resume with that version"
