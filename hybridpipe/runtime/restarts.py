@@ -63,10 +63,12 @@ def restart_entry(notes: list[dict], *, world_size: int, resumed_from: int, star
             "checkpoint_load_s": round(load_s, 3)}
 
 
-def first_step_done(entry: dict, now: float | None = None) -> dict:
-    """``entry`` with the seconds from the failure to the end of the first step after it."""
+def first_step_done(entry: dict, step_s: float, now: float | None = None) -> dict:
+    """``entry`` with the seconds from the failure to the end of the first step after it (and
+    that step's own duration, ``step_s``)."""
     now = time.time() if now is None else now
-    return {**entry, "seconds_to_first_step": round(now - entry["failure_detected_at"], 3)}
+    return {**entry, "first_step_s": round(step_s, 3),
+            "seconds_to_first_step": round(now - entry["failure_detected_at"], 3)}
 
 
 def append_log(root: str | os.PathLike, entry: dict) -> list[dict]:

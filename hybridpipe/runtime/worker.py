@@ -168,7 +168,7 @@ def _train(cfg: RunConfig, proc: Process, model, closers: list, print_fn, init_o
                 report.losses[step] = losses
             progress["done"] = step + 1
             if restart is not None and ckpt is not None:
-                append_log(ckpt.root, first_step_done(restart))
+                append_log(ckpt.root, first_step_done(restart, seconds))
                 restart = None
             if ckpt is not None and due:
                 ckpt.save(step + 1, module=stage.module, optimizer=optimizer, engine=engine.state_dict())
