@@ -14,7 +14,8 @@ kill time (one clock: every host is this machine):
 * detection: SIGKILL -> the survivors' exit (their exit notes);
 * rendezvous: -> the restarted worker process starts (agent notices, keep-alive expiry,
   re-rendezvous as 3, process spawn);
-* start-up: imports, model build and capture, process groups (the rest);
+* start-up: imports and the process group, model build and capture (torch.export), replica
+  groups and p2p channels (the rest; split by the worker's milestones);
 * re-planning (rank 0's partitioner) and checkpoint load (resharding included);
 * first step: the step itself.
 
@@ -74,7 +75,8 @@ def one_restart(args: argparse.Namespace, prof: Path, every: int, kill_step: int
     with EmulatedCluster(4, rate=args.rate, cpus=args.cpus) as cluster:
         (work / "cluster.json").write_text(json.dumps(cluster.cluster_json(memory_gb=4.0)))
         job = [str(ROOT / "launch.py"), "--profile", str(prof), "--cluster", str(work / "cluster.json"),
-               "--micro-batches", str(args.micro_batches), "--steps", str(args.steps), "--checkpoint-dir", str(ckpt),
+               "--micro-batches", str(args.micro_batches), "--steps", str(3 * every + args.steps_after),
+               "--checkpoint-dir", str(ckpt),
                "--checkpoint-every", str(every), "--resume", "--run-dir", str(run), "--timeout", "60",
                "--peer-timeout", str(args.peer_timeout), "--no-progress", "--no-trace", "--lr", "0.01"]
         endpoint = f"{cluster.hosts[0].addr}:{free_port()}"
@@ -100,10 +102,13 @@ def one_restart(args: argparse.Namespace, prof: Path, every: int, kill_step: int
     rendezvous = entry["seconds_to_worker_start"]
     total = entry["seconds_to_first_step"] + detect
     startup = total - detect - rendezvous - entry["planning_s"] - entry["checkpoint_load_s"] - entry["first_step_s"]
+    # the worker's milestones (restarts.restart_entry): imports + process group + planning, model, job
+    split = {"imports_and_process_group_s": round(entry.get("imports_s", 0.0) - entry["planning_s"], 2),
+             "model_capture_s": entry.get("model_s"), "groups_and_channels_s": entry.get("job_s")}
     return {"every": every, "kill_step": kill_step, "resumed_from": entry["resumed_from_step"],
             "steps_redone": entry["steps_redone"], "world": [entry["world_size_before"], entry["world_size_after"]],
             "plans": summary["stages"], "kill_to_first_step_s": round(total, 2), "detection_s": round(detect, 2),
-            "rendezvous_s": round(rendezvous, 2), "startup_s": round(startup, 2),
+            "rendezvous_s": round(rendezvous, 2), "startup_s": round(startup, 2), **split,
             "replanning_s": entry["planning_s"], "checkpoint_load_s": entry["checkpoint_load_s"],
             "first_step_s": entry["first_step_s"]}
 
@@ -139,15 +144,16 @@ def main() -> int:
     p.add_argument("--model", default=MODEL)
     p.add_argument("--batch", type=int, default=4, help="micro-batch size (the profile's)")
     p.add_argument("--micro-batches", type=int, default=12, help="fixed, so the global batch survives a re-plan")
-    p.add_argument("--steps", type=int, default=120)
+    p.add_argument("--steps-after", type=int, default=10, help="each restart run has 3K + this many steps")
     p.add_argument("--every", type=int, nargs="+", default=[5, 10, 20], help="checkpoint intervals K to restart with")
     p.add_argument("--cost-every", type=int, nargs="+", default=[1, 10, 50])
-    p.add_argument("--cost-steps", type=int, default=100)
-    p.add_argument("--peer-timeout", type=float, default=5.0)
+    p.add_argument("--cost-steps", type=int, default=60)
+    p.add_argument("--peer-timeout", type=float, default=3.0)
     p.add_argument("--rate", default="1gbit")
     p.add_argument("--cpus", type=float, default=None, help="CPU quota per emulated host (default none)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-restarts", action="store_true")
+    p.add_argument("--skip-cost", action="store_true")
     p.add_argument("--profile", type=Path, help="an existing profile of --model (else one is made)")
     p.add_argument("-o", "--output", type=Path)
     args = p.parse_args()
@@ -163,7 +169,7 @@ def main() -> int:
                 row = one_restart(args, prof, every, kill_step, work / f"restart-{every}")
                 print(json.dumps(row), flush=True)
                 out["restarts"].append(row)
-        for row in checkpoint_cost(args, prof, work):
+        for row in [] if args.skip_cost else checkpoint_cost(args, prof, work):
             print(json.dumps(row), flush=True)
             out["checkpoint_cost"].append(row)
     if args.output:

@@ -1,42 +1,48 @@
-"""Checkpoints of a pipelined run: save every K steps, resume from the newest usable one.
+"""Checkpoints of a pipelined run: save every K steps, resume from the newest usable one, in any
+plan of the same model.
 
 How the worker uses it (every rank, after the process group and the stage are built)::
 
     ckpt = Checkpointer(args.checkpoint_dir, plan=plan, rank=rank, every=args.checkpoint_every,
-                        keep=args.keep_checkpoints)
+                        keep=args.keep_checkpoints, tied=tied_parameters(model))
     start = 0
     if args.resume:
-        restored = ckpt.restore()               # collective; None when the directory holds none
+        restored = ckpt.restore(stage.module)   # collective; None when the directory holds none
         if restored is not None:
-            stage_module.load_state_dict(restored.model)
-            optimizer.load_state_dict(restored.optimizer)
-            engine.load_state_dict(restored.engine)
-            restore_rng(restored.rng)           # after everything that draws random numbers
+            ckpt.load_into(restored, stage.module, optimizer)     # weights + optimizer state by name
+            if restored.engine:                 # written by this very plan
+                engine.load_state_dict(restored.engine)
+            restore_rng(restored.rng) if restored.rng else reseed(seed, rank, restored.step)
             start = restored.step               # the next step to run
     for step in range(start, steps):
-        engine.run_step(step, ...)
+        engine.run_step(step, drain=ckpt.due(step + 1))     # pipedream: nothing in flight at a save
         if ckpt.due(step + 1):                  # step + 1 steps are done
-            ckpt.save(step + 1, model=stage_module.state_dict(), optimizer=optimizer.state_dict(),
-                      engine=engine.state_dict())   # collective: every rank calls it
+            ckpt.save(step + 1, module=stage.module, optimizer=optimizer, engine=engine.state_dict())
 
 ``save`` and ``restore`` are collectives over ``group`` (default: the whole world): every rank
 calls them at the same step. Replica 0 of each stage writes the stage's weights and optimizer
-state (replicas hold identical ones); every rank writes its own file with the engine state
-(PipeDream's stashed weight versions differ between replicas) and its RNG states. After all
-ranks reported their files, the stage-0 replica-0 rank writes the manifest, commits the
-directory (checkpoint_files.commit) and deletes all but the ``keep`` newest checkpoints of its
-own lineage (this training and the runs it was resumed from): never anyone else's.
+state under the model's names (runtime/reshard.py: a tied parameter once, by the lowest stage
+that reads it, after every rank compared its copy's digest; optimizer state keyed by parameter
+name); every rank writes its own file with the engine state and its RNG states. After all ranks
+reported their files and names, the stage-0 replica-0 rank writes the manifest (the plan, and
+an index name -> stage file), commits the directory (checkpoint_files.commit) and deletes all
+but the ``keep`` newest checkpoints of its own lineage (this training and the runs it was
+resumed from): never anyone else's.
 
-``restore`` never starts over silently. It walks the checkpoints from the newest: one that is
-incomplete (killed while saving), corrupt (SHA-256), or not plain data on some rank is skipped
-for the previous one, and named in ``Restored.skipped``; one written with another plan, or one
-whose file matches its manifest yet is not plain data (replaced: possibly hostile), stops the
-run (``AgreedError``, every rank the same line); when every one is
+``restore`` reads, for this rank's stage, the names it needs from whichever stage files hold
+them (resharding), whatever plan wrote them; when that plan is this one it also gives back the
+rank's engine and RNG states, else ``resharded`` says how the plans differ (engine state empty,
+RNG to be re-seeded). It never starts over silently. It walks the checkpoints from the newest:
+one that is incomplete (killed while saving), corrupt (SHA-256), or not plain data on some rank
+is skipped for the previous one, and named in ``Restored.skipped``; one of another model or
+another global batch, or one whose file matches its manifest yet is not plain data (replaced:
+possibly hostile), stops the run (``AgreedError``, every rank the same line); when every one is
 skipped the run stops too, naming each and why. Only a directory holding no checkpoint at all
 starts from step 0 (``restore`` returns None). Nothing is deleted on the way.
 
 Everything saved is plain data for ``torch.load(weights_only=True)``: tensors, numbers,
-strings, lists and dicts; the Python and NumPy RNG states are stored as lists of ints.
+strings, lists and dicts; the Python and NumPy RNG states are stored as lists of ints. (No
+torch.distributed.checkpoint: its metadata file is a pickle.)
 """
 
 from __future__ import annotations

@@ -49,14 +49,21 @@ def read_notes(root: str | os.PathLike) -> list[dict]:
 
 
 def restart_entry(notes: list[dict], *, world_size: int, resumed_from: int, started: float,
-                  planning_s: float, load_s: float) -> dict | None:
+                  planning_s: float, load_s: float, stages: dict[str, float] | None = None) -> dict | None:
     """The restart record of this attempt (None when the previous one left no note); the
-    first step's fields are filled in by :func:`first_step_done`."""
+    first step's fields are filled in by :func:`first_step_done`. ``stages`` maps the worker's
+    milestones to their times (``imports_s``: hybridpipe's worker entered, ``model_s``: model
+    built and captured, ``job_s``: process groups and channels up, the checkpoint load next):
+    each becomes the seconds since the previous one, from the process start."""
     if not notes:
         return None
     failed = min(n["time"] for n in notes)
     done = max(int(n["steps_done"]) for n in notes)
-    return {"world_size_before": int(max(n["world_size"] for n in notes)), "world_size_after": world_size,
+    parts, last = {}, started
+    for name, when in (stages or {}).items():
+        parts[name] = round(when - last, 3)
+        last = when
+    return {**parts, "world_size_before": int(max(n["world_size"] for n in notes)), "world_size_after": world_size,
             "failure_detected_at": round(failed, 3), "resumed_from_step": resumed_from,
             "steps_redone": max(0, done - resumed_from),
             "seconds_to_worker_start": round(started - failed, 3), "planning_s": round(planning_s, 3),

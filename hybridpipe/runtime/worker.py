@@ -58,14 +58,17 @@ def run_worker(cfg: RunConfig, *, print_fn: Callable[[str], None] = print) -> di
     """Train ``cfg`` on this process's rank (see the module docstring); returns the summary on the
     reporting rank (the last stage's first replica), None elsewhere. Joins the job torchrun
     started, or uses the default process group when the caller already made one."""
+    entered = time.time()
     model = load_model(cfg)                    # before any process group: a wrong plan fails alone
     init_optimizer = load_initial(cfg.init_from, model.module) if cfg.init_from else None
+    captured = time.time()
     proc, owned = init_distributed(cfg.backend, cfg.timeout)
     try:
         if proc.world_size != cfg.plan.world_size:
             raise UserError(f"the plan needs {cfg.plan.world_size} workers but the job has {proc.world_size}")
         closers: list[Callable[[], object]] = []
-        progress = {"done": 0}                  # steps completed, for the exit note (restarts.py)
+        # steps completed (for the exit note) and when this worker got how far (the restart record)
+        progress = {"done": 0, "entered": entered, "captured": captured}
         guard = FailureGuard(default_store(), rank=proc.rank, world_size=proc.world_size,
                              timeout=min(cfg.peer_timeout, cfg.timeout), program="hybridpipe.launch",
                              describe=describe_ranks(cfg.plan), on_exit=[lambda: _close_all(closers)],
@@ -76,7 +79,7 @@ def run_worker(cfg: RunConfig, *, print_fn: Callable[[str], None] = print) -> di
 
             def leave_note() -> None:
                 if guard.exit_code == EXIT_PEER_LOST:
-                    note_exit(root, proc.rank, proc.world_size, progress["done"])
+                    note_exit(root, proc.rank, proc.world_size, int(progress["done"]))
             guard.on_exit.append(leave_note)
         with guard:
             summary = _train(cfg, proc, model, closers, print_fn, init_optimizer, progress)
@@ -137,7 +140,9 @@ def _train(cfg: RunConfig, proc: Process, model, closers: list, print_fn, init_o
             if reporter:
                 restart = restart_entry(read_notes(ckpt.root), world_size=proc.world_size, resumed_from=start,
                                         started=process_start_time(), planning_s=cfg.planned_s or 0.0,
-                                        load_s=time.perf_counter() - t_load)
+                                        load_s=time.perf_counter() - t_load, stages={
+                                            "imports_s": progress["entered"], "model_s": progress["captured"],
+                                            "job_s": time.time() - (time.perf_counter() - t_load)})
     progress["done"] = start
 
     metrics = MetricsWriter(run_dir, rank)
