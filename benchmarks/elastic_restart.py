@@ -158,7 +158,10 @@ def main() -> int:
     p.add_argument("-o", "--output", type=Path)
     args = p.parse_args()
     rng = random.Random(args.seed)
-    out: dict = {"model": args.model, "micro_batches": args.micro_batches, "batch": args.batch, "restarts": [],
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    out: dict = {"command": " ".join(["benchmarks/elastic_restart.py", *sys.argv[1:]]), "commit": commit.stdout.strip(),
+                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load": os.getloadavg()[0],
+                 "model": args.model, "micro_batches": args.micro_batches, "batch": args.batch, "restarts": [],
                  "checkpoint_cost": []}
     with tempfile.TemporaryDirectory(prefix="elastic-") as tmp:
         work = Path(tmp)

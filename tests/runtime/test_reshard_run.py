@@ -84,3 +84,30 @@ def test_a_checkpoint_of_another_model_stops_with_one_line_and_changes_nothing(t
     last = done[0].stderr.strip().splitlines()[-1]
     assert "was written for model 'mlp', not 'mlp[hidden=48]'" in last and "nothing was loaded" in last, done
     assert {p: p.stat().st_mtime_ns for p in ckpt.rglob("*")} == before
+
+
+@pytest.mark.slow
+def test_gpt2_tied_embedding_moves_from_two_by_two_to_four_stages(tmp_path):
+    """The tied embedding/head weight (written once, by stage 0) reaches both stages that read it
+    in the new plan, and training goes on as one process would."""
+    pytest.importorskip("transformers")
+    from tests.pipeline.hf_models import BY_NAME
+    from tests.runtime.jobs import train_reference
+
+    case = BY_NAME["gpt2"]
+    plans = {}
+    for name, cuts, replicas in (("two", case.two, [2, 2]), ("four", case.four, [1, 1, 1, 1])):
+        plans[name] = make_plan(case.spec, cuts, replicas, micro_batches=4, batch_size=2, shared_capture=True)
+        save_plan(plans[name], tmp_path / f"{name}.json")
+    assert {t.stages for t in plans["four"].tied} == {(0, 3)}
+    ckpt = tmp_path / "ckpt"
+    base = ["--checkpoint-dir", str(ckpt), "--lr", "0.05", "--momentum", "0.5", "--seed", "3", "--dataset-size",
+            str(6 * 8), "--timeout", "120", "--no-progress", "--no-trace"]
+    done = launch(["--plan", str(tmp_path / "two.json"), *base, "--steps", "3", "--run-dir", str(tmp_path / "a")], 4,
+                  timeout=300)
+    assert all(d.returncode == 0 for d in done), done
+    done = launch(["--plan", str(tmp_path / "four.json"), *base, "--steps", "6", "--resume", "--run-dir",
+                   str(tmp_path / "b")], 4, timeout=300)
+    assert all(d.returncode == 0 for d in done), done
+    reference = train_reference(plans["four"], 6, lr=0.05, momentum=0.5, seed=3)
+    assert max_diff(final_weights(ckpt, 6), reference) <= 1e-5
