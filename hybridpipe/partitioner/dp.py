@@ -267,6 +267,7 @@ class _Solver:
         lines = self.model.lines(ranks, self.opts.algorithms)
         nbytes = self.costs.param_bytes
         best = np.min([ln.alpha_s + ln.s_per_byte * nbytes for _, ln in lines], axis=0)
+        best = best * self.model.allreduce_factor(nbytes)        # refined calibrations (refine.py); 1 otherwise
         return np.where(self.param_nodes, best * 1e3, 0.0)
 
 

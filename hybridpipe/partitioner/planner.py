@@ -98,7 +98,7 @@ def partition(profile: Profile, cluster: Cluster, req: Request = Request(),
     """Plan ``profile`` on ``cluster`` as ``req`` asks; UserError when no plan is possible."""
     cluster, workers, opts = resolve(cluster, req)
     model = CostModel(cluster, list(calibrations), aggregator_dedicated=req.dedicated_aggregator)
-    costs = model_costs(profile)
+    costs = model_costs(profile).slowed(model.compute_slowdown)
     stages = choose_stages(req.strategy, costs, model, workers, opts, req.stages)
     ev = evaluate(costs, model, stages, opts)
     if not ev.fits:
