@@ -20,6 +20,8 @@ cluster (``partitioner/refine.py``); a calibration without it is still written a
   the model's prediction (interpolated in log-log between points, constant beyond the ends).
 * ``compute_slowdown``: every node's compute in a run took this many times the profile's (the
   cluster's contention; a refined profile's per-node corrections come on top of it).
+* ``step_overhead_ms``: what the runs' steps took beyond everything the model prices (per-step
+  runtime costs, waits of busy ranks); added to every plan's predicted step (no ranking changes).
 * ``refined_from``: the run directories the corrections were learnt from.
 """
 
@@ -71,11 +73,13 @@ class Calibration:
     overlap_slowdown: float = 1.0
     allreduce_slowdown: tuple[tuple[float, float], ...] = ()   # (bytes, factor) per size class, by bytes
     compute_slowdown: float = 1.0
+    step_overhead_ms: float = 0.0
     refined_from: tuple[str, ...] = ()
 
     @property
     def refined(self) -> bool:
-        return bool(self.allreduce_slowdown or self.refined_from) or self.compute_slowdown != 1.0
+        return (bool(self.allreduce_slowdown or self.refined_from or self.step_overhead_ms)
+                or self.compute_slowdown != 1.0)
 
     def to_dict(self) -> dict:
         d = {"kind": CALIBRATION_KIND, "format": CALIBRATION_FORMAT if self.refined else 1}
@@ -86,7 +90,7 @@ class Calibration:
             d["allreduce_slowdown"] = [list(p) for p in self.allreduce_slowdown]
             d["refined_from"] = list(self.refined_from)
         else:
-            for key in ("allreduce_slowdown", "compute_slowdown", "refined_from"):
+            for key in ("allreduce_slowdown", "compute_slowdown", "step_overhead_ms", "refined_from"):
                 del d[key]
         return d
 
@@ -134,6 +138,7 @@ def _refinement_from_dict(d: dict, source: str) -> dict:
         raise UserError(f"{source}: allreduce_slowdown must be sorted by bytes, each size once")
     return {"allreduce_slowdown": tuple(points),
             "compute_slowdown": field(d, "compute_slowdown", float, source, minimum=1e-6, default=1.0),
+            "step_overhead_ms": field(d, "step_overhead_ms", float, source, minimum=0, default=0.0),
             "refined_from": tuple(field(d, "refined_from", list, source, default=[], items=str))}
 
 

@@ -7,8 +7,9 @@ with ``args.peer`` / ``args.bytes``, durations in microseconds) and the run's ``
 The commands read the files (``commands/refine_io.py``); nothing here touches a process group.
 
 Per stage, over the steady steps (the summary's warm-up steps left out) and its replicas: the
-median forward and backward of one micro-batch, and the median wait per step at the end of the
-backward for the gradient all-reduce (the ``sync`` phase: what the all-reduces did not hide).
+median forward (the first stage's with loading the batch) and backward of one micro-batch, and
+the median wait per step at the end of the backward for the gradient all-reduce (the ``sync``
+phase: what the all-reduces did not hide).
 Per rank: every p2p transfer (peer, bytes, seconds).
 """
 
@@ -77,23 +78,30 @@ def steady_steps(ranks: Sequence[RankEvents], warmup: int) -> set[int]:
     return set(common[warmup:] if len(common) > warmup else common[-1:])
 
 
-def rank_medians(events: Sequence[dict], steps: set[int]) -> tuple[float | None, float | None, float | None]:
-    """(forward ms, backward ms, sync wait ms per step) medians of one rank over ``steps``."""
-    fwd: list[float] = []
-    bwd: list[float] = []
+def rank_medians(events: Sequence[dict], steps: set[int], *, loads_input: bool = False,
+                 ) -> tuple[float | None, float | None, float | None]:
+    """(forward ms, backward ms, sync wait ms per step) medians of one rank over ``steps``.
+
+    A micro-batch's forward is every ``run_for`` record of it (the last stage records its
+    target's loading apart) and, where the rank ``loads_input`` (the first stage), its
+    ``receive_for``: loading the batch is compute on that rank, which every plan pays there."""
+    fwd: dict[tuple[int, int], float] = {}
+    bwd: dict[tuple[int, int], float] = {}
     sync_per_step: dict[int, float] = {}
+    forward_phases = ("run_for", "receive_for") if loads_input else ("run_for",)
     for e in events:
-        step = e.get("args", {}).get("step")
+        args = e.get("args", {})
+        step = args.get("step")
         if e.get("cat") != "phase" or step not in steps:
             continue
-        ms = float(e["dur"]) / 1e3
-        if e["name"] == "run_for":
-            fwd.append(ms)
+        ms, key = float(e["dur"]) / 1e3, (int(step), int(args.get("micro_batch", -1)))
+        if e["name"] in forward_phases:
+            fwd[key] = fwd.get(key, 0.0) + ms
         elif e["name"] == "run_back":
-            bwd.append(ms)
+            bwd[key] = bwd.get(key, 0.0) + ms
         elif e["name"] == "sync":
             sync_per_step[step] = sync_per_step.get(step, 0.0) + ms
-    return _median(fwd), _median(bwd), _median(list(sync_per_step.values()))
+    return _median(list(fwd.values())), _median(list(bwd.values())), _median(list(sync_per_step.values()))
 
 
 def rank_transfers(rank: int, events: Sequence[dict], steps: set[int]) -> list[Transfer]:
@@ -127,7 +135,7 @@ def observe_run(name: str, summary: dict, ranks: Sequence[RankEvents]) -> RunObs
         if len(mine) != entry[2]:
             raise UserError(f"{name}: stage {k} has {entry[2]} replicas in summary.json but {len(mine)} rank traces; "
                             "pass the run directory of one complete run")
-        med = [rank_medians(r.events, steps) for r in mine]
+        med = [rank_medians(r.events, steps, loads_input=k == 0) for r in mine]
         algos = {str(e.get("layer")): str(e.get("algorithm")) for e in sync.get(str(k), []) or []
                  if isinstance(e, dict)}
         stages.append(StageObservation(entry[0], entry[1], tuple(r.rank for r in mine),

@@ -20,6 +20,10 @@ observations are plain numbers (``observed.py``), so no process group is needed.
   layers' bytes (weighted by their all-reduce time); a class's factor is the weighted geometric
   mean of its estimates. So a 400 MB layer that crawls beside compute does not slow the model's
   small all-reduces, as one overlap_slowdown number would.
+* What is left: after the above, each run's measured step minus the refined model's prediction
+  for its stages; their median (at least 0) is ``step_overhead_ms``, a cost per step the model
+  does not price (Python and launch costs per step, waits of ranks that share cores), added to
+  every prediction (it changes no ranking, only the absolute step).
 * p2p, per level: each transfer's seconds over the model's for its bytes at the level between
   its ranks; the factor is the lower quartile of those ratios (a send that waited for its
   receiver reads long; the quickest quarter did not wait).
@@ -37,6 +41,7 @@ the same runs would count the corrections twice.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -82,6 +87,7 @@ class Refinement:
     p2p_factor: tuple[tuple[int, float], ...]              # (cluster level, factor)
     runs: tuple[str, ...]
     sync: tuple[SyncEvidence, ...]
+    step_overhead_ms: float = 0.0                          # added per step (see the module docstring)
 
     def node_factor(self, i: int) -> tuple[float, float]:
         return self.forward_factor[i], self.backward_factor[i]
@@ -221,8 +227,12 @@ def refine(profile: Profile, cluster: Cluster, calibrations: Sequence[Calibratio
     slowdown = float(math.exp(logs.sum() / weight.sum())) if weight.sum() > 0 else 1.0
     evidence = [e for run in runs for k, st in enumerate(run.stages)
                 if (e := stage_sync_evidence(run.name, k, st, costs, model, f_fwd, f_bwd, algorithms)) is not None]
-    return Refinement(tuple(float(x) for x in f_fwd), tuple(float(x) for x in f_bwd), slowdown,
-                      size_classes(evidence), p2p_factors(runs, model), tuple(r.name for r in runs), tuple(evidence))
+    ref = Refinement(tuple(float(x) for x in f_fwd), tuple(float(x) for x in f_bwd), slowdown,
+                     size_classes(evidence), p2p_factors(runs, model), tuple(r.name for r in runs), tuple(evidence))
+    prof, cals = refined_profile(profile, ref), refined_calibrations(cluster, calibrations, ref)
+    left = [run.measured_step_ms - predict_run(prof, cluster, cals, run, algorithms=algorithms) for run in runs
+            if run.measured_step_ms is not None]
+    return replace(ref, step_overhead_ms=max(0.0, statistics.median(left))) if left else ref
 
 
 def refined_profile(profile: Profile, ref: Refinement) -> Profile:
@@ -263,7 +273,7 @@ def refined_calibrations(cluster: Cluster, calibrations: Sequence[Calibration],
             algos = {a: cal.algorithms.get(a, cal.p2p) for a in ALGORITHMS}       # all-reduces stay as they were
             cal = replace(cal, algorithms=algos, p2p=LinkFit(cal.p2p.alpha_s * factor,
                                                               cal.p2p.beta_s_per_byte * factor, cal.p2p.rel_error))
-        out[lv] = replace(cal, allreduce_slowdown=(), compute_slowdown=1.0)
+        out[lv] = replace(cal, allreduce_slowdown=(), compute_slowdown=1.0, step_overhead_ms=0.0)
     carrier = out[top]
     old = model.allreduce_points
     new_classes = {math.floor(math.log(b, SIZE_CLASS_BASE)) for b, _ in ref.allreduce_slowdown}
@@ -272,6 +282,7 @@ def refined_calibrations(cluster: Cluster, calibrations: Sequence[Calibration],
     merged: dict[float, float] = dict(sorted(points))
     out[top] = replace(carrier, allreduce_slowdown=tuple(sorted(merged.items())),
                        compute_slowdown=model.compute_slowdown * ref.compute_slowdown,
+                       step_overhead_ms=max(0.0, model.step_overhead_ms + ref.step_overhead_ms),
                        refined_from=tuple(dict.fromkeys((*carrier.refined_from, *ref.runs))))
     return tuple(out[lv] for lv in sorted(out))
 
@@ -282,4 +293,5 @@ def predict_run(profile: Profile, cluster: Cluster, calibrations: Sequence[Calib
     model = CostModel(cluster, list(calibrations))
     stages = [StageSpec(s.first, s.last, s.ranks) for s in run.stages]
     opts = Options(run.schedule, run.micro_batches, optimizer, math.inf, tuple(algorithms))
-    return predict_step_ms(evaluate(base_costs(profile, model), model, stages, opts), opts)
+    ev = evaluate(base_costs(profile, model), model, stages, opts)
+    return predict_step_ms(ev, opts) + model.step_overhead_ms
