@@ -88,8 +88,10 @@ def describe(refined: Refined, profile: Profile, cluster: Cluster, calibrations:
             f"{profile.nodes[i].name} {r:.2f}x" for r, i in odd if abs(r - 1) > 0.05))
     for nbytes, factor in ref.allreduce_slowdown:
         out.append(f"  all-reduce of ~{human_bytes(nbytes)}: {factor:.2f}x the model")
+    extra = dict(ref.p2p_extra_alpha_s)
     for level, factor in ref.p2p_factor:
-        out.append(f"  p2p at level {cluster.levels[level].name!r}: {factor:.2f}x the model")
+        more = f", plus {extra[level] * 1e3:.2f} ms per message handed over" if extra.get(level) else ""
+        out.append(f"  p2p at level {cluster.levels[level].name!r}: {factor:.2f}x the model's wire time{more}")
     if ref.step_overhead_ms:
         out.append(f"  per step beyond what the model prices: {ref.step_overhead_ms:.1f} ms")
     rows: list[list[object]] = []

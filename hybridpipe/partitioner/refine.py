@@ -20,10 +20,14 @@ observations are plain numbers (``observed.py``), so no process group is needed.
   layers' bytes (weighted by their all-reduce time); a class's factor is the weighted geometric
   mean of its estimates. So a 400 MB layer that crawls beside compute does not slow the model's
   small all-reduces, as one overlap_slowdown number would.
-* What is left: after the above, each run's measured step minus the refined model's prediction
-  for its stages; their median (at least 0) is ``step_overhead_ms``, a cost per step the model
-  does not price (Python and launch costs per step, waits of ranks that share cores), added to
-  every prediction (it changes no ranking, only the absolute step).
+* What is left: each run's measured step against the refined model's prediction for its stages.
+  Two terms explain the rest: a latency per p2p message beyond the wire time (``p2p_extra_alpha``:
+  handing a message over between busy ranks; the model charges it wherever it charges a
+  message, so it moves plans) and a cost per step the model does not price (``step_overhead_ms``:
+  Python and launch costs per step; added to every prediction, it changes no ranking). The
+  latency is searched (a log grid, then a ternary search) for the least squared relative error
+  over the runs, the overhead being the median of what is left (at least 0) at each candidate;
+  with one run, or runs that cannot tell them apart, the smaller latency wins.
 * p2p, per level: each transfer's seconds over the model's for its bytes at the level between
   its ranks; the factor is the lower quartile of those ratios (a send that waited for its
   receiver reads long; the quickest quarter did not wait).
@@ -88,6 +92,7 @@ class Refinement:
     runs: tuple[str, ...]
     sync: tuple[SyncEvidence, ...]
     step_overhead_ms: float = 0.0                          # added per step (see the module docstring)
+    p2p_extra_alpha_s: tuple[tuple[int, float], ...] = ()  # (cluster level, seconds added per message)
 
     def node_factor(self, i: int) -> tuple[float, float]:
         return self.forward_factor[i], self.backward_factor[i]
@@ -229,10 +234,44 @@ def refine(profile: Profile, cluster: Cluster, calibrations: Sequence[Calibratio
                 if (e := stage_sync_evidence(run.name, k, st, costs, model, f_fwd, f_bwd, algorithms)) is not None]
     ref = Refinement(tuple(float(x) for x in f_fwd), tuple(float(x) for x in f_bwd), slowdown,
                      size_classes(evidence), p2p_factors(runs, model), tuple(r.name for r in runs), tuple(evidence))
-    prof, cals = refined_profile(profile, ref), refined_calibrations(cluster, calibrations, ref)
-    left = [run.measured_step_ms - predict_run(prof, cluster, cals, run, algorithms=algorithms) for run in runs
-            if run.measured_step_ms is not None]
-    return replace(ref, step_overhead_ms=max(0.0, statistics.median(left))) if left else ref
+    return fit_leftover(profile, cluster, calibrations, ref, runs, algorithms)
+
+
+def fit_leftover(profile: Profile, cluster: Cluster, calibrations: Sequence[Calibration], ref: Refinement,
+                 runs: Sequence[RunObservation], algorithms: Sequence[str]) -> Refinement:
+    """``ref`` with the p2p message latency and step overhead that best explain the measured steps."""
+    measured = [r for r in runs if r.measured_step_ms]
+    if not measured:
+        return ref
+    prof = refined_profile(profile, ref)
+    levels = sorted({lv for lv, _ in ref.p2p_factor})
+
+    def scored(delta: float) -> tuple[float, float]:
+        trial = replace(ref, p2p_extra_alpha_s=tuple((lv, delta) for lv in levels))
+        cals = refined_calibrations(cluster, calibrations, trial)
+        pred = [predict_run(prof, cluster, cals, r, algorithms=algorithms) for r in measured]
+        left = max(0.0, statistics.median([r.measured_step_ms - p for r, p in zip(measured, pred, strict=True)
+                                           if r.measured_step_ms]))
+        err = sum(((p + left - (r.measured_step_ms or 0)) / (r.measured_step_ms or 1)) ** 2
+                  for r, p in zip(measured, pred, strict=True))
+        return err, left
+
+    grid = [0.0, *np.geomspace(1e-6, 0.2, 40).tolist()] if levels else [0.0]
+    errors = [scored(d)[0] for d in grid]
+    k = min(range(len(grid)), key=lambda i: (round(errors[i], 12), grid[i]))
+    best = grid[k]
+    if levels and k > 0:
+        lo, hi = math.log(grid[k - 1] or grid[1] / 10), math.log(grid[min(k + 1, len(grid) - 1)])
+        for _ in range(30):
+            a, b = lo + (hi - lo) / 3, hi - (hi - lo) / 3
+            if scored(math.exp(a))[0] <= scored(math.exp(b))[0]:
+                hi = b
+            else:
+                lo = a
+        if scored(math.exp((lo + hi) / 2))[0] < errors[k]:
+            best = math.exp((lo + hi) / 2)
+    return replace(ref, p2p_extra_alpha_s=tuple((lv, best) for lv in levels) if best else (),
+                   step_overhead_ms=scored(best)[1])
 
 
 def refined_profile(profile: Profile, ref: Refinement) -> Profile:
@@ -264,14 +303,15 @@ def refined_calibrations(cluster: Cluster, calibrations: Sequence[Calibration],
     model = CostModel(cluster, list(calibrations))
     by_level = dict(model.calibrations)
     top = len(cluster.levels) - 1
-    for lv in {top, *(lv for lv, _ in ref.p2p_factor)}:
+    for lv in {top, *(lv for lv, _ in ref.p2p_factor), *(lv for lv, _ in ref.p2p_extra_alpha_s)}:
         by_level.setdefault(lv, nominal_calibration(model, lv))
     out = {}
     for lv, cal in by_level.items():
-        factor = dict(ref.p2p_factor).get(lv)
-        if factor is not None:
+        factor, extra = dict(ref.p2p_factor).get(lv), dict(ref.p2p_extra_alpha_s).get(lv, 0.0)
+        if factor is not None or extra:
+            factor = 1.0 if factor is None else factor
             algos = {a: cal.algorithms.get(a, cal.p2p) for a in ALGORITHMS}       # all-reduces stay as they were
-            cal = replace(cal, algorithms=algos, p2p=LinkFit(cal.p2p.alpha_s * factor,
+            cal = replace(cal, algorithms=algos, p2p=LinkFit(cal.p2p.alpha_s * factor + extra,
                                                               cal.p2p.beta_s_per_byte * factor, cal.p2p.rel_error))
         out[lv] = replace(cal, allreduce_slowdown=(), compute_slowdown=1.0, step_overhead_ms=0.0)
     carrier = out[top]
