@@ -24,7 +24,7 @@ def _x(name: str, cat: str, ts: float, ms: float, **args) -> dict:
 def synthetic_run(profile: Profile, cluster: Cluster, stages: Sequence[StageSpec], *, micro_batches: int = 8,
                   steps: int = 6, node_factor: Callable[[int], float] = lambda i: 1.0,
                   allreduce_factor: Callable[[float], float] = lambda b: 1.0, p2p_factor: float = 1.0,
-                  name: str = "run", calibrations=()) -> RunObservation:
+                  name: str = "run", calibrations=(), measured_step_ms: float | None = None) -> RunObservation:
     """The observation of a synthetic run (see the module docstring); 1f1b, one sync per step."""
     model = CostModel(cluster, list(calibrations))
     nodes = profile.nodes
@@ -54,5 +54,5 @@ def synthetic_run(profile: Profile, cluster: Cluster, stages: Sequence[StageSpec
                     events.append(_x("sync", "phase", t, wait, step=step, micro_batch=0))
             ranks_events.append(RankEvents(rank, k, replica, events))
     summary = {"stages": [[s.first, s.last, len(s.ranks)] for s in stages], "micro_batches": micro_batches,
-               "schedule": "1f1b", "warmup_steps": 1, "measured_step_ms": None, "predicted_step_ms": None, "sync": {}}
+               "schedule": "1f1b", "warmup_steps": 1, "measured_step_ms": measured_step_ms, "predicted_step_ms": None, "sync": {}}
     return observe_run(name, summary, ranks_events)

@@ -11,6 +11,7 @@ from hybridpipe.errors import UserError
 from hybridpipe.partitioner.calibration import Calibration, load_calibration, save_calibration
 from hybridpipe.partitioner.costmodel import CostModel
 from hybridpipe.partitioner.objective import StageSpec
+from hybridpipe.partitioner.plan import ALGORITHMS
 from hybridpipe.partitioner.planner import Request, partition
 from hybridpipe.partitioner.refine import (
     nominal_calibration,
@@ -183,3 +184,25 @@ def test_refine_refuses_runs_that_do_not_belong_to_the_profile_or_cluster():
         refine(EVEN, EVEN_CLUSTER, (), [run])
     with pytest.raises(UserError, match="outside the cluster"):
         refine(CONVFC, flat_cluster(2), (), [run])
+
+
+def test_message_latency_and_step_overhead_are_fitted_to_the_measured_steps():
+    cluster = flat_cluster(4, gbps=10.0, latency_us=20)
+    fit = CostModel(cluster).link(0)
+    truth_ref = dataclasses.replace(nominal_calibration(CostModel(cluster), 0), step_overhead_ms=3.0,
+                                    p2p=dataclasses.replace(fit, alpha_s=fit.alpha_s + 0.002),
+                                    algorithms={a: fit for a in ALGORITHMS})     # all-reduces as nominal
+    layouts = [[StageSpec(0, 5, (0, 1, 2, 3))], [StageSpec(0, 2, (0, 1)), StageSpec(3, 5, (2, 3))],
+               [StageSpec(0, 1, (0,)), StageSpec(2, 2, (1,)), StageSpec(3, 3, (2,)), StageSpec(4, 5, (3,))]]
+    runs = []
+    for k, stages in enumerate(layouts):
+        probe = synthetic_run(EVEN, cluster, stages, name=f"r{k}")
+        measured = predict_run(EVEN, cluster, [truth_ref], probe)
+        runs.append(synthetic_run(EVEN, cluster, stages, name=f"r{k}", measured_step_ms=measured))
+    ref = refine(EVEN, cluster, (), runs)
+    assert dict(ref.p2p_extra_alpha_s)[0] == pytest.approx(0.002, rel=0.05)
+    assert ref.step_overhead_ms == pytest.approx(3.0, rel=0.05)
+    cals = refined_calibrations(cluster, (), ref)
+    for run in runs:
+        assert predict_run(refined_profile(EVEN, ref), cluster, cals, run) == pytest.approx(run.measured_step_ms,
+                                                                                            rel=0.01)
