@@ -54,5 +54,6 @@ def synthetic_run(profile: Profile, cluster: Cluster, stages: Sequence[StageSpec
                     events.append(_x("sync", "phase", t, wait, step=step, micro_batch=0))
             ranks_events.append(RankEvents(rank, k, replica, events))
     summary = {"stages": [[s.first, s.last, len(s.ranks)] for s in stages], "micro_batches": micro_batches,
-               "schedule": "1f1b", "warmup_steps": 1, "measured_step_ms": measured_step_ms, "predicted_step_ms": None, "sync": {}}
+               "schedule": "1f1b", "warmup_steps": 1, "measured_step_ms": measured_step_ms,
+               "predicted_step_ms": None, "sync": {}}
     return observe_run(name, summary, ranks_events)
