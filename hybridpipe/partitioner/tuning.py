@@ -3,6 +3,7 @@
 Each round, every strategy's plan is made with the model refined by all runs so far, the
 distinct plans are ranked by predicted step, and:
 
+* plans whose run failed (no measured step) are out;
 * the best predicted plan runs, unless it already ran;
 * it already ran: if it is also the fastest measured plan and its prediction *made before it
   ran* was within ``tolerance`` of its measurement (the model earned trust), stop: converged;
@@ -80,12 +81,15 @@ def relative_error(predicted: float, measured: float) -> float:
 def decide(candidates: Sequence[Candidate], trials: Sequence[Trial], *, tolerance: float = 0.05,
            close: float = 0.10) -> Decision:
     """The next plan to run, or None with the reason to stop (module docstring)."""
+    failed = {t.key for t in trials if t.measured_ms is None}
+    candidates = [c for c in candidates if c.key not in failed]
     if not candidates:
-        return Decision(None, "no strategy makes a plan")
+        return Decision(None, "no strategy makes a plan" if not failed else "every plan left failed to run")
     ran = {t.key: t for t in trials}
     best = candidates[0]
     if best.key not in ran:
-        why = "the model's best plan" if not trials else "best predicted after refinement"
+        why = ("the model's best plan" if not trials else "best predicted after refinement" if len(failed) < len(trials)
+               else "best predicted of the plans that have not failed")
         return Decision(best, why)
     top = fastest_measured(trials)
     mine = ran[best.key]

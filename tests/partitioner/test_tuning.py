@@ -55,5 +55,12 @@ def test_it_converges_when_the_best_predicted_is_the_fastest_measured_and_was_pr
     assert not_best.candidate is None and "no untried plan" in not_best.reason
 
 
+def test_a_plan_whose_run_failed_is_passed_over_for_the_next():
+    found = distinct(plans({"uniform": 20.0, "params": 40.0}))
+    after = decide(found, [Trial(found[0].key, 20.0, None)])
+    assert after.candidate is found[1] and "not failed" in after.reason
+    assert decide(found, [Trial(c.key, 1.0, None) for c in found]).candidate is None
+
+
 def test_no_plan_means_stop():
     assert decide([], []).candidate is None
