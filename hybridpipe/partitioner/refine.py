@@ -291,9 +291,9 @@ def nominal_calibration(model: CostModel, level: int) -> Calibration:
     """A calibration holding the cluster file's nominal numbers for ``level`` (to carry refinements)."""
     cluster = model.cluster
     below = cluster.span(level - 1) if level > 0 else 1
-    return Calibration(world_size=cluster.total_workers, hosts=max(1, cluster.total_workers // below), backend="",
-                       device="", level=cluster.levels[level].name, gamma_s_per_byte=model.gamma,
-                       p2p=model.link(level), algorithms={},
+    return Calibration(world_size=cluster.total_workers, hosts=max(1, cluster.total_workers // below),
+                       backend="nominal", device="nominal", level=cluster.levels[level].name,
+                       gamma_s_per_byte=model.gamma, p2p=model.link(level), algorithms={},
                        notes=("the cluster file's nominal costs (no bench-allreduce), carrying refinements",))
 
 
