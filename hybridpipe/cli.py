@@ -19,6 +19,7 @@ COMMANDS = (
     ("show", "show", "print a profile, plan or calibration file as a table"),
     ("partition", "partition", "split a profiled model into stages x replicas for a cluster"),
     ("autotune", "autotune", "plan, run briefly, refine the model from the run, re-plan; keep the fastest"),
+    ("import-pipedream", "import_pipedream", "convert a PipeDream profile (graph.txt) to a hybridpipe profile"),
     ("simulate", "simulate", "predict a plan's step time with an event-driven simulation"),
     ("schedule", "schedule", "print or draw a plan's per-rank instruction lists"),
     ("bench-allreduce", "bench_allreduce", "measure every all-reduce algorithm; write a calibration"),
