@@ -206,3 +206,26 @@ def test_message_latency_and_step_overhead_are_fitted_to_the_measured_steps():
     for run in runs:
         assert predict_run(refined_profile(EVEN, ref), cluster, cals, run) == pytest.approx(run.measured_step_ms,
                                                                                             rel=0.01)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "pipedream"])
+def test_the_optimal_search_with_a_refined_calibration_equals_brute_force(schedule):
+    """The all-reduce size factors reach the DP's vectorised sync tables as they reach evaluate()."""
+    from hybridpipe.partitioner import dp
+    from hybridpipe.partitioner.modelcosts import model_costs
+    from hybridpipe.partitioner.objective import Options, evaluate
+    from hybridpipe.partitioner.strategies import baseline_stages
+    from tests.partitioner.synth import brute_force
+
+    prof = make_profile([(2.0, 4.0, 300_000, 60_000_000), (1.0, 2.0, 200_000, 50_000), (3.0, 6.0, 100_000, 4_000_000)])
+    cluster = flat_cluster(4, gbps=10.0, latency_us=50)
+    cal = dataclasses.replace(nominal_calibration(CostModel(cluster), 0),
+                              allreduce_slowdown=((1e5, 1.0), (5e6, 2.0), (6e7, 4.0)), compute_slowdown=1.2)
+    model = CostModel(cluster, [cal])
+    opts = Options(schedule, 4)
+    costs = model_costs(prof).slowed(model.compute_slowdown)
+    bound = evaluate(costs, model, baseline_stages("dp", costs, 4), opts).objective_ms
+    sol = dp.solve(costs, model, 4, opts, bound)
+    best, _ = brute_force(costs, model, 4, opts, dp.copy_counts(model, 4))
+    assert sol.objective_ms == pytest.approx(best, rel=1e-9)
+    assert evaluate(costs, model, sol.stages, opts).objective_ms == pytest.approx(best, rel=1e-9)
