@@ -66,8 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="kill a run after S seconds (default 600)")
     parser.add_argument("--tolerance", type=positive_float, default=0.05, metavar="X",
                         help="converged when the best plan was predicted within X before it ran (default 0.05)")
-    parser.add_argument("--close", type=positive_float, default=0.10, metavar="X",
-                        help="also run untried plans predicted within X of the best (default 0.10)")
+    parser.add_argument("--close", type=positive_float, default=0.5, metavar="X",
+                        help="until converged, run untried plans predicted within X of the best (default 0.5)")
     parser.add_argument("--strategies", default=",".join(STRATEGIES), metavar="A,B",
                         help=f"strategies whose plans compete (default {','.join(STRATEGIES)})")
     parser.add_argument("--workers", type=positive_int, metavar="N", help="use N workers (default: the cluster)")

@@ -7,9 +7,10 @@ distinct plans are ranked by predicted step, and:
 * the best predicted plan runs, unless it already ran;
 * it already ran: if it is also the fastest measured plan and its prediction *made before it
   ran* was within ``tolerance`` of its measurement (the model earned trust), stop: converged;
-* else the next untried plan predicted within ``close`` of the best runs (a runner-up: the
-  ranking is close enough that only a measurement can settle it);
-* else stop: nothing untried is close to the best prediction.
+* else the next untried plan predicted within ``close`` of the best runs (a runner-up: until
+  the model has earned trust, a measurement settles what its ranking cannot; the default 50%
+  spends the budget on the plans the model does not rule out by far);
+* else stop: nothing untried is predicted within ``close`` of the best.
 
 The caller stops too when the budget of runs is spent. The chosen plan is always the fastest
 measured one, whatever the predictions say.
@@ -79,7 +80,7 @@ def relative_error(predicted: float, measured: float) -> float:
 
 
 def decide(candidates: Sequence[Candidate], trials: Sequence[Trial], *, tolerance: float = 0.05,
-           close: float = 0.10) -> Decision:
+           close: float = 0.5) -> Decision:
     """The next plan to run, or None with the reason to stop (module docstring)."""
     failed = {t.key for t in trials if t.measured_ms is None}
     candidates = [c for c in candidates if c.key not in failed]
