@@ -19,6 +19,11 @@ Interfaces (duck-typed, see the project's contracts):
 * ``data``: ``input(step, micro_batch)`` and ``target(step, micro_batch)`` (see data.py).
 * ``recorder`` (optional): ``record(phase, micro_batch, t0, t1)``, phase one of
   receive_for, run_for, send_for, receive_back, run_back, sync, send_back, step.
+* ``before_step`` (optional): called right before each optimizer step, once the gradients are
+  final (replicas summed, tied copies summed, scaled by the Step's factor): e.g. clipping.
+
+``run_eval(data)`` runs the forward-only evaluation list (``schedules.eval_program``) in
+evaluation mode without autograd: no gradient, no weight or optimizer change.
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ from hybridpipe.pipeline.instructions import (
     SyncWait,
     message_key,
 )
-from hybridpipe.pipeline.schedules import Topology, check_schedulable, rank_program, settle_phase
+from hybridpipe.pipeline.schedules import Topology, check_schedulable, eval_program, rank_program, settle_phase
 from hybridpipe.pipeline.stage import Activation, PipelineStage
 from hybridpipe.pipeline.stash import WeightStash
 from hybridpipe.pipeline.validate import in_transit
@@ -100,7 +105,8 @@ class PipelineEngine:
 
     def __init__(self, stage: PipelineStage, topo: Topology, rank: int, schedule: str, *, transport: Transport | None,
                  optimizer: torch.optim.Optimizer, data: DataSource, sync=None, recorder=None,
-                 tied: TiedReduce | None = None, clock: Callable[[], float] = time.perf_counter):
+                 tied: TiedReduce | None = None, clock: Callable[[], float] = time.perf_counter,
+                 before_step: Callable[[], None] | None = None):
         check_schedulable(topo, schedule)
         s, _ = topo.locate(rank)
         if s != stage.index:
@@ -108,7 +114,7 @@ class PipelineEngine:
         self.stage, self.topo, self.rank, self.schedule = stage, topo, rank, schedule
         self.transport, self.optimizer, self.data = transport, optimizer, data
         self.sync = sync if sync is not None else LocalSync()
-        self.tied = tied
+        self.tied, self.before_step = tied, before_step
         if tied is not None and schedule == "pipedream":
             raise UserError("pipedream's asynchronous updates cannot keep a weight that several stages share (tied "
                             "embeddings) identical; use --schedule 1f1b or gpipe, or a plan that keeps its uses "
@@ -168,6 +174,46 @@ class PipelineEngine:
         self._last_step = step
         self.phase = 0 if drain else self.phase + 1     # the same on every rank
         return result
+
+    def run_eval(self, data: DataSource, *, recorder=None) -> dict[int, torch.Tensor]:
+        """One forward-only evaluation step over ``data`` (micro-batches addressed as step 0):
+        evaluation mode, no autograd, nothing in flight afterwards. Returns the last stage's
+        losses by micro-batch (empty elsewhere). Under pipedream, call it only after a drained step
+        (messages of the training stream would otherwise be in transit)."""
+        if self._acts or self._inputs or self._out_grads:
+            raise RuntimeError(f"rank {self.rank}: an evaluation step needs an empty pipeline, but micro-batches "
+                               f"{self.in_flight} are in flight; drain first")
+        recorder = recorder if recorder is not None else self.recorder
+        M, stage = self.topo.micro_batches, self.stage
+        inputs: dict[int, dict[str, torch.Tensor]] = {}
+        acts: dict[int, Activation] = {}
+        targets: dict[int, Any] = {}
+        losses: dict[int, torch.Tensor] = {}
+        for ins in eval_program(self.topo, self.rank):
+            if not isinstance(ins, MicroBatchInstruction):
+                raise TypeError(f"{ins!r} has no place in an evaluation step")
+            t0, m = self.clock(), ins.micro_batch
+            if isinstance(ins, LoadInput):
+                named = stage.data_inputs(data.input(0, m))
+                inputs[m] = {k: v.to(self.device, non_blocking=True) for k, v in named.items()}
+            elif isinstance(ins, RecvActivations):
+                inputs[m] = self._transport().recv(ins.peer, message_key(ins, m, M))
+            elif isinstance(ins, Forward):
+                acts[m] = stage.forward_eval(inputs.pop(m))
+            elif isinstance(ins, SendActivations):
+                self._transport().send(ins.peer, message_key(ins, m, M), acts.pop(m).outputs)
+            elif isinstance(ins, LoadTarget):
+                target = data.target(0, m)
+                targets[m] = target.to(self.device, non_blocking=True) if target is not None else None
+            elif isinstance(ins, Loss):
+                with torch.no_grad():
+                    losses[m] = stage.loss(acts.pop(m).output, targets.pop(m)).detach()
+            else:
+                raise TypeError(f"{ins!r} has no place in an evaluation step")
+            phase = _PHASES.get(type(ins))
+            if recorder is not None and phase is not None:
+                recorder.record(phase, m, t0, self.clock())
+        return losses
 
     def state_dict(self) -> dict:
         """The engine's own state for checkpoints, taken between steps (every rank after the same step).
@@ -291,6 +337,8 @@ class PipelineEngine:
                 for p in self.stage.parameters():
                     if p.grad is not None:
                         p.grad.mul_(scale)
+        if self.before_step is not None:
+            self.before_step()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.stash:

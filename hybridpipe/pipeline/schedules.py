@@ -129,6 +129,15 @@ def rank_program(topo: Topology, rank: int, schedule: str, *, phase: int = 0, dr
                    step_after=lambda i: scale if i == last_b else None)
 
 
+def eval_program(topo: Topology, rank: int) -> list[Instruction]:
+    """This rank's list for one forward-only evaluation step: each of its micro-batches (round-robin
+    over the stage's replicas, as in training) received or loaded, forwarded, and sent on or scored
+    (last stage); no backward, no sync, no optimizer step. The same list for every schedule."""
+    stage, replica = topo.locate(rank)
+    mine = [("F", m) for m in range(topo.micro_batches) if m % topo.replicas(stage) == replica]
+    return _expand(topo, stage, mine, sync_on=lambda i: False, step_after=lambda i: None)
+
+
 def all_programs(topo: Topology, schedule: str, *, phase: int = 0, drain: bool = True) -> dict[int, list[Instruction]]:
     """Every rank's list for one step."""
     return {rank: rank_program(topo, rank, schedule, phase=phase, drain=drain)

@@ -35,6 +35,7 @@ from hybridpipe.partitioner.plan import OPTIMIZERS, SCHEDULES, Plan, check_plan_
 from hybridpipe.pipeline.instructions import Step
 from hybridpipe.pipeline.schedules import Topology, check_schedulable, rank_program
 from hybridpipe.runtime.checkpoint_files import step_dirs
+from hybridpipe.runtime.lr import SCHEDULES as LR_SCHEDULES
 
 BACKENDS = ("gloo", "nccl")
 
@@ -69,6 +70,9 @@ class RunConfig:
     progress: bool
     verbose: bool
     skip_nonfinite: bool = False      # a non-finite step is skipped (else the run stops there)
+    lr_schedule: str = "constant"     # runtime/lr.py: constant, linear or cosine (after the warm-up)
+    warmup_steps: int = 0
+    clip_grad_norm: float | None = None   # clip by the whole model's gradient norm (None: no clipping)
 
     @property
     def schedule(self) -> str:
@@ -123,6 +127,14 @@ def build_parser() -> Parser:
     g.add_argument("--lr", type=positive_float, default=0.01, help="learning rate (default 0.01)")
     g.add_argument("--momentum", type=nonneg_float, default=0.9, help="SGD momentum (default 0.9; sgd only)")
     g.add_argument("--weight-decay", type=nonneg_float, default=0.0, help="weight decay (default 0)")
+    g.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="constant",
+                   help="learning rate after the warm-up: constant (default), linear or cosine decay to 0 at "
+                        "--steps (stepped once per training step on every stage)")
+    g.add_argument("--warmup-steps", type=nonneg_int, default=0, metavar="N",
+                   help="raise the learning rate linearly over the first N steps (default 0)")
+    g.add_argument("--clip-grad-norm", type=positive_float, metavar="X",
+                   help="clip the gradients by the global norm over the whole model (across stages, after the "
+                        "replicas' sync; as torch.nn.utils.clip_grad_norm_ on the unsplit model); gpipe, 1f1b")
     g.add_argument("--skip-nonfinite", action="store_true",
                    help="a step whose loss is NaN or infinite is skipped (no rank updates its weights; counted in "
                         "the summary) instead of stopping the run")
@@ -203,6 +215,9 @@ def resolve(args: argparse.Namespace, world_size: int | None = None) -> RunConfi
     if args.skip_nonfinite and not flushes(plan):
         raise UserError(f"--skip-nonfinite needs a schedule that flushes every step (gpipe, 1f1b); "
                         f"{plan.schedule} updates weights per micro-batch, so a step cannot be skipped as a whole")
+    if args.clip_grad_norm is not None and plan.schedule == "pipedream":
+        raise UserError("--clip-grad-norm needs a global step, and pipedream updates each stage on its own; use "
+                        "--schedule 1f1b or gpipe, or drop --clip-grad-norm")
     if args.run_dir is None:
         check_output_dir("runs", "run directory")
     if args.checkpoint_dir:
@@ -215,7 +230,8 @@ def resolve(args: argparse.Namespace, world_size: int | None = None) -> RunConfi
         keep_checkpoints=args.keep_checkpoints, resume=args.resume,
         trace_dir="" if args.no_trace else args.trace_dir, timeout=args.timeout, peer_timeout=args.peer_timeout,
         seed=args.seed, backend=args.backend, run_dir=args.run_dir, progress=not args.no_progress,
-        verbose=args.verbose, skip_nonfinite=args.skip_nonfinite)
+        verbose=args.verbose, skip_nonfinite=args.skip_nonfinite, lr_schedule=args.lr_schedule,
+        warmup_steps=args.warmup_steps, clip_grad_norm=args.clip_grad_norm)
 
 
 def flushes(plan: Plan) -> bool:

@@ -3,7 +3,8 @@
     cfg = resolve(build_parser().parse_args(argv), env_world_size())
     summary = run_worker(cfg)          # every rank; the summary on the reporting rank, else None
 
-The order of collective calls is the same on every rank: the run directory (broadcast), the
+The training itself runs through the Python API (runtime/trainer.py). The order of collective
+calls is the same on every rank: the run directory (broadcast), the
 replica groups, the HybridDataParallel broadcast of a replicated stage's initial weights (its
 group only), the p2p channels, the timeline's clock alignment, the checkpoint restore, the
 steps, the final checkpoint and the summary gather. Any failure inside is handed to the
@@ -17,27 +18,22 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from hybridpipe.errors import UserError
 from hybridpipe.jsonfile import write_json
-from hybridpipe.pipeline import PipelineEngine, Topology, build_stage_index
-from hybridpipe.pipeline.stage import loss_of
-from hybridpipe.profiles.capture import tied_parameters
-from hybridpipe.runtime.checkpoint import Checkpointer, restore_rng
-from hybridpipe.runtime.config import RunConfig, flushes
+from hybridpipe.runtime.config import RunConfig
 from hybridpipe.runtime.failure import FailureGuard, default_store, describe_ranks
-from hybridpipe.runtime.groups import Process, init_distributed, replica_groups, stage_channels
+from hybridpipe.runtime.groups import Process, init_distributed
+from hybridpipe.runtime.lr import lr_schedule
 from hybridpipe.runtime.metrics import MetricsWriter, Progress, step_record
-from hybridpipe.runtime.nonfinite import NonFiniteWatch
-from hybridpipe.runtime.parts import load_model, make_data, make_optimizer, make_sync, seed_rank, weights_digest
+from hybridpipe.runtime.parts import Model, load_model, make_data, weights_digest
 from hybridpipe.runtime.summary import RankReport, format_summary, summarize
 from hybridpipe.runtime.sync import sync_report
-from hybridpipe.runtime.tied import tied_process_groups, tied_sync
 from hybridpipe.runtime.timeline import TimelineRecorder, trace_dir
+from hybridpipe.runtime.trainer import Trainer
 
 log = logging.getLogger(__name__)
 
@@ -65,43 +61,29 @@ def run_worker(cfg: RunConfig, *, print_fn: Callable[[str], None] = print) -> di
     return summary
 
 
-def _train(cfg: RunConfig, proc: Process, model, closers: list, print_fn) -> dict | None:
+def _train(cfg: RunConfig, proc: Process, model: Model, closers: list, print_fn) -> dict | None:
+    """launch's loop around the Python API (runtime/trainer.py): metrics, progress bar, timeline,
+    checkpoints every K steps, the summary."""
     plan, rank = cfg.plan, proc.rank
     stage_plan, replica = plan.stage_of_rank(rank)
     reporter = rank == plan.stages[-1].ranks[0]
     run_dir = _agree_run_dir(cfg, rank)
     traces = None if cfg.trace_dir == "" else Path(cfg.trace_dir or trace_dir(run_dir))
-
-    groups = replica_groups(plan, cfg.timeout)
-    tied = tied_sync(plan, stage_plan.index, model.module, tied_process_groups(plan, cfg.timeout))
-    watch = _nonfinite_watch(cfg, proc, stage_plan)
-    stage = build_stage_index(model.captured, [(s.first_node, s.last_node) for s in plan.stages], stage_plan.index,
-                              loss=watch.wrap_loss(loss_of(model.spec.loss))).to(proc.device)
-    sync = make_sync(cfg, stage.module, stage_plan, groups.get(stage_plan.index),
-                     exclude=tied.params if tied is not None else ())
-    seed_rank(cfg.seed, rank)
-    optimizer: Any = watch.wrap_optimizer(make_optimizer(cfg.optimizer, stage.module.parameters(), lr=cfg.lr,
-                                                    momentum=cfg.momentum, weight_decay=cfg.weight_decay))
     recorder = None
     if traces is not None:
         recorder = TimelineRecorder(traces, rank=rank, stage=stage_plan.index, replica=replica,
                                     world_size=proc.world_size, label=f"{plan.model} {cfg.schedule}")
         closers.append(recorder.close)
-    topo = Topology.from_plan(plan)
-    channels = stage_channels(topo, rank, cfg.schedule, cfg.comm_mode, proc.device, cfg.timeout,
-                              on_transfer=recorder.on_transfer if recorder else None)
-    if recorder is not None:
-        recorder.align(dist.barrier)
-    engine = PipelineEngine(stage, topo, rank, cfg.schedule, transport=channels, optimizer=optimizer,
-                            data=make_data(cfg, model.spec), sync=sync, recorder=recorder, tied=tied)
-
-    ckpt = None
+    hint = f"the newest checkpoint in {cfg.checkpoint_dir} is the last good one" if cfg.checkpoint_dir else ""
+    trainer = Trainer(model, plan, optimizer=cfg.optimizer, lr=cfg.lr, momentum=cfg.momentum,
+                      weight_decay=cfg.weight_decay, clip_grad_norm=cfg.clip_grad_norm, seed=cfg.seed,
+                      lr_scheduler=lr_schedule(cfg.lr_schedule, warmup=cfg.warmup_steps, total=cfg.steps),
+                      data=make_data(cfg, model.spec), comm_mode=cfg.comm_mode, allreduce=cfg.allreduce,
+                      calibrations=cfg.calibrations, aggregator=cfg.aggregator, skip_nonfinite=cfg.skip_nonfinite,
+                      timeout=cfg.timeout, recorder=recorder, nonfinite_hint=hint)
     start = 0
-    if cfg.checkpoint_dir:
-        ckpt = Checkpointer(cfg.checkpoint_dir, plan=plan, rank=rank, every=cfg.checkpoint_every,
-                            keep=cfg.keep_checkpoints, tied=tied_parameters(model.module))
-        if cfg.resume:
-            start = _restore(ckpt, stage, optimizer, engine, print_fn if rank == ckpt.committer else None)
+    if cfg.checkpoint_dir and cfg.resume:
+        start = _restore(trainer, cfg.checkpoint_dir, print_fn if rank == plan.stages[0].ranks[0] else None)
 
     metrics = MetricsWriter(run_dir, rank)
     closers.append(metrics.close)
@@ -114,71 +96,60 @@ def _train(cfg: RunConfig, proc: Process, model, closers: list, print_fn) -> dic
             if recorder is not None:
                 recorder.begin_step(step)
             t0 = time.perf_counter()
-            result = engine.run_step(step, drain=step == cfg.steps - 1)
-            watch.after_step(step, result.losses)       # every rank: stops here on a non-finite loss
+            lr = trainer.lr
+            trainer.train_step(drain=step == cfg.steps - 1)      # every rank: stops on a non-finite loss
             if proc.device.type == "cuda":
                 torch.cuda.synchronize(proc.device)
             seconds = time.perf_counter() - t0
             if recorder is not None:
                 recorder.end_step()
-            losses = {m: float(v) for m, v in sorted(result.losses.items())}
+            losses = trainer.last_losses
             record = step_record(step, seconds, cfg.global_batch, list(losses.values()))
+            if lr is not None:
+                record["lr"] = lr
+            if trainer.last_grad_norm is not None:
+                record["grad_norm"] = round(trainer.last_grad_norm, 6)
             metrics.write(record)
             bar.update(record)
             report.step_ms[step] = record["step_ms"]
             if losses:
                 report.losses[step] = losses
-            if ckpt is not None and ckpt.due(step + 1):
-                ckpt.save(step + 1, model=stage.state_dict(), optimizer=optimizer.state_dict(),
-                          engine=engine.state_dict())
+            if cfg.checkpoint_dir and cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
+                trainer.save(cfg.checkpoint_dir, keep=cfg.keep_checkpoints)
                 saved_at = step + 1
     finally:
         bar.close()
-    if ckpt is not None and saved_at < cfg.steps:          # the final weights, always
-        ckpt.save(cfg.steps, model=stage.state_dict(), optimizer=optimizer.state_dict(), engine=engine.state_dict())
+    if cfg.checkpoint_dir and saved_at < cfg.steps:          # the final weights, always
+        trainer.save(cfg.checkpoint_dir, keep=cfg.keep_checkpoints)
 
-    channels.close()
-    if hasattr(sync, "close"):
-        sync.close()
+    trainer.close()
     _close_all(closers)
     if stage_plan.replicas > 1:
-        report.digest = weights_digest(stage.module)
-        report.sync = sync_report(sync, stage_plan)
+        report.digest = weights_digest(trainer.stage.module)
+        report.sync = sync_report(trainer.sync, stage_plan)
     reports: list = [None] * proc.world_size
     dist.all_gather_object(reports, report)
     if not reporter:
         return None
     summary = summarize(reports, plan, steps=cfg.steps, first_step=start, run_dir=str(run_dir),
                         trace_dir=str(traces) if traces is not None else None, schedule=cfg.schedule,
-                        comm_mode=cfg.comm_mode, allreduce=cfg.allreduce, skipped=watch.skipped)
+                        comm_mode=cfg.comm_mode, allreduce=cfg.allreduce, skipped=trainer.watch.skipped)
     write_json(Path(run_dir) / "summary.json", summary)
     print_fn(format_summary(summary))
     return summary
 
 
-def _nonfinite_watch(cfg: RunConfig, proc: Process, stage_plan) -> NonFiniteWatch:
-    """The NaN/inf check of this rank (see nonfinite.py); the last stage decides alone when unreplicated."""
-    last = stage_plan.index == len(cfg.plan.stages) - 1
-    hint = f"the newest checkpoint in {cfg.checkpoint_dir} is the last good one" if cfg.checkpoint_dir else ""
-    return NonFiniteWatch(proc.device, skip=cfg.skip_nonfinite, flushing=flushes(cfg.plan), stage=stage_plan.index,
-                          decides_alone=last and stage_plan.replicas == 1, hint=hint)
-
-
-def _restore(ckpt: Checkpointer, stage, optimizer, engine, say: Callable[[str], None] | None) -> int:
+def _restore(trainer: Trainer, directory: str, say: Callable[[str], None] | None) -> int:
     """Load the newest usable checkpoint (or stop: see Checkpointer.restore); ``say`` (one rank's
     print) tells the user where the run continues from."""
-    restored = ckpt.restore()
+    restored = trainer.load(directory)
     if restored is None:
         if say is not None:
-            say(f"hybridpipe: --resume: no checkpoint in {ckpt.root} yet; starting from step 0")
+            say(f"hybridpipe: --resume: no checkpoint in {directory} yet; starting from step 0")
         return 0
     if say is not None:
         skipped = f" (skipped: {'; '.join(restored.skipped)})" if restored.skipped else ""
         say(f"hybridpipe: --resume: continuing from {restored.path} (step {restored.step}){skipped}")
-    stage.load_state_dict(restored.model)
-    optimizer.load_state_dict(restored.optimizer)
-    engine.load_state_dict(restored.engine)
-    restore_rng(restored.rng)               # after everything that draws random numbers
     return restored.step
 
 
