@@ -58,10 +58,11 @@ class GivenBatches:
     """The engine's data source over the micro-batches given to the steps (see ``Trainer``):
     ``put(step, inputs, targets)``; steps older than ``keep`` are forgotten (pipedream reads a
     step's targets in the next step's list). ``fallback`` serves steps given nothing (launch's
-    synthetic or dataset micro-batches)."""
+    synthetic or dataset micro-batches). ``targets=False``: the model computes its own loss (every
+    target is None)."""
 
-    def __init__(self, keep: int = 1, fallback: Any = None, rank: int = 0) -> None:
-        self.keep, self.fallback, self.rank = keep, fallback, rank
+    def __init__(self, keep: int = 1, fallback: Any = None, rank: int = 0, targets: bool = True) -> None:
+        self.keep, self.fallback, self.rank, self.targets = keep, fallback, rank, targets
         self._given: dict[int, tuple[list[Any] | None, list[Any] | None]] = {}
 
     def put(self, step: int, inputs: list[Any] | None, targets: list[Any] | None) -> None:
@@ -73,7 +74,7 @@ class GivenBatches:
         return self._get(step, micro_batch, 0, "inputs")
 
     def target(self, step: int, micro_batch: int) -> Any:
-        return self._get(step, micro_batch, 1, "targets")
+        return self._get(step, micro_batch, 1, "targets") if self.targets else None
 
     def _get(self, step: int, micro_batch: int, which: int, what: str) -> Any:
         given = self._given.get(step)

@@ -115,7 +115,8 @@ class Trainer:
                                        on_transfer=recorder.on_transfer if recorder is not None else None)
         if recorder is not None:
             recorder.align(dist.barrier)
-        self._feed = GivenBatches(keep=settle_phase(topo, plan.schedule) + 2, fallback=data, rank=rank)
+        self._feed = GivenBatches(keep=settle_phase(topo, plan.schedule) + 2, fallback=data, rank=rank,
+                                  targets=self.takes_targets)
         guarded: Any = self.watch.wrap_optimizer(self.optimizer)     # an optimizer that checks the loss first
         self.engine = PipelineEngine(self.stage, topo, rank, plan.schedule, transport=self.channels,
                                      optimizer=guarded, data=self._feed,
@@ -152,7 +153,7 @@ class Trainer:
         if self.plan.schedule == "pipedream" and self.engine.phase != 0:
             raise UserError("under pipedream, micro-batches of the training stream are in flight: call "
                             "train_step(..., drain=True) before eval_step")
-        given = GivenBatches(keep=1, rank=self.proc.rank)
+        given = GivenBatches(keep=1, rank=self.proc.rank, targets=self.takes_targets)
         if batch is not None or target is not None:
             given.put(0, *self._micro_batches(batch, target))
         return self._mean(self.engine.run_eval(given))
