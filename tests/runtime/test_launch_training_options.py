@@ -1,0 +1,63 @@
+"""launch's --lr-schedule / --warmup-steps / --clip-grad-norm: the run equals a plain PyTorch loop
+with the same LambdaLR, weight decay and clip_grad_norm_; pipedream refuses clipping in one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridpipe.errors import UserError
+from hybridpipe.partitioner.plan import save_plan
+from hybridpipe.profiles.zoo import resolve_model
+from hybridpipe.runtime.config import build_parser, resolve
+from hybridpipe.runtime.lr import lr_schedule
+from hybridpipe.runtime.metrics import metrics_path, read_metrics
+from tests.pipeline.harness import make_plan, model_loss
+from tests.runtime.jobs import data_for, final_weights, launch, max_diff
+
+STEPS, LR, MOMENTUM, WD, SEED, CLIP, WARMUP = 5, 0.05, 0.5, 0.01, 3, 0.1, 2
+
+
+def reference(plan):
+    spec = resolve_model(plan.model)
+    torch.manual_seed(SEED)
+    model = spec.build()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=WD)
+    sched = lr_schedule("cosine", warmup=WARMUP, total=STEPS)(opt)
+    data = data_for(plan, STEPS, SEED)
+    lrs, norms = [], []
+    for k in range(STEPS):
+        opt.zero_grad()
+        model_loss(spec, model, *data.global_batch(k)).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return model.state_dict(), lrs, norms
+
+
+def test_launch_with_cosine_warmup_clipping_and_weight_decay_matches_plain_pytorch(tmp_path):
+    plan = make_plan("mlp", [3], [2, 2], schedule="gpipe", micro_batches=4, batch_size=4)
+    path = tmp_path / "plan.json"
+    save_plan(plan, path)
+    done = launch(["--plan", str(path), "--steps", str(STEPS), "--lr", str(LR), "--momentum", str(MOMENTUM),
+                   "--weight-decay", str(WD), "--lr-schedule", "cosine", "--warmup-steps", str(WARMUP),
+                   "--clip-grad-norm", str(CLIP), "--seed", str(SEED), "--checkpoint-dir", str(tmp_path / "ckpt"),
+                   "--run-dir", str(tmp_path / "run"), "--timeout", "60", "--no-progress", "--no-trace"],
+                  plan.world_size, timeout=150)
+    assert all(d.returncode == 0 for d in done), done
+    weights, lrs, norms = reference(plan)
+    assert min(norms) > CLIP
+    assert max_diff(final_weights(tmp_path / "ckpt", STEPS), weights) <= 1e-5
+    records = read_metrics(metrics_path(tmp_path / "run", 3))
+    assert [r["lr"] for r in records] == pytest.approx(lrs)
+    assert [r["grad_norm"] for r in records] == pytest.approx(norms, rel=1e-5)
+
+
+def test_clipping_is_refused_for_pipedream(tmp_path):
+    plan = make_plan("mlp", [3], [1, 1], schedule="pipedream", micro_batches=2, batch_size=4)
+    save_plan(plan, tmp_path / "plan.json")
+    args = build_parser().parse_args(["--plan", str(tmp_path / "plan.json"), "--clip-grad-norm", "1",
+                                      "--run-dir", str(tmp_path / "run")])
+    with pytest.raises(UserError, match="--clip-grad-norm needs a global step"):
+        resolve(args, 2)
