@@ -9,7 +9,7 @@ Non-tensor leaves (flags, ints) are given to every micro-batch unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -63,9 +63,11 @@ class GivenBatches:
 
     def __init__(self, keep: int = 1, fallback: Any = None, rank: int = 0, targets: bool = True) -> None:
         self.keep, self.fallback, self.rank, self.targets = keep, fallback, rank, targets
-        self._given: dict[int, tuple[list[Any] | None, list[Any] | None]] = {}
+        self._given: dict[int, tuple[Any, Any]] = {}
 
-    def put(self, step: int, inputs: list[Any] | None, targets: list[Any] | None) -> None:
+    def put(self, step: int, inputs: Sequence[Any] | Mapping[int, Any] | None,
+            targets: Sequence[Any] | Mapping[int, Any] | None) -> None:
+        """The step's micro-batches (by index in the step: a list, or a dict of this rank's own)."""
         self._given[step] = (inputs, targets)
         for old in [s for s in self._given if s <= step - self.keep]:
             del self._given[old]
@@ -81,7 +83,7 @@ class GivenBatches:
         if given is None and self.fallback is not None:
             return self.fallback.input(step, micro_batch) if which == 0 else self.fallback.target(step, micro_batch)
         values = given[which] if given is not None else None
-        if values is None:
+        if values is None or (isinstance(values, Mapping) and micro_batch not in values):
             stage = "first" if which == 0 else "last"
             raise UserError(f"rank {self.rank} runs the {stage} stage, which reads the step's {what}, but it was "
                             f"given none: pass {'the batch' if which == 0 else 'target='} on this rank too")

@@ -73,6 +73,9 @@ class RunConfig:
     lr_schedule: str = "constant"     # runtime/lr.py: constant, linear or cosine (after the warm-up)
     warmup_steps: int = 0
     clip_grad_norm: float | None = None   # clip by the whole model's gradient norm (None: no clipping)
+    eval_every: int = 0               # held-out evaluation every K steps (0: never)
+    eval_batches: int = 1             # global batches per evaluation
+    eval_dataset: str | None = None   # None: synthetic held-out samples (another seed)
 
     @property
     def schedule(self) -> str:
@@ -135,6 +138,14 @@ def build_parser() -> Parser:
     g.add_argument("--clip-grad-norm", type=positive_float, metavar="X",
                    help="clip the gradients by the global norm over the whole model (across stages, after the "
                         "replicas' sync; as torch.nn.utils.clip_grad_norm_ on the unsplit model); gpipe, 1f1b")
+    g.add_argument("--eval-every", type=nonneg_int, default=0, metavar="K",
+                   help="evaluate on held-out data every K steps and after the last (forward only, evaluation "
+                        "mode; in the metrics and the progress bar; default 0: never)")
+    g.add_argument("--eval-batches", type=positive_int, default=1, metavar="N",
+                   help="global batches per evaluation (default 1)")
+    g.add_argument("--eval-dataset", metavar="SPEC",
+                   help="held-out data, as --dataset (default: synthetic samples of another seed; required "
+                        "with a --dataset of your own)")
     g.add_argument("--skip-nonfinite", action="store_true",
                    help="a step whose loss is NaN or infinite is skipped (no rank updates its weights; counted in "
                         "the summary) instead of stopping the run")
@@ -218,6 +229,11 @@ def resolve(args: argparse.Namespace, world_size: int | None = None) -> RunConfi
     if args.clip_grad_norm is not None and plan.schedule == "pipedream":
         raise UserError("--clip-grad-norm needs a global step, and pipedream updates each stage on its own; use "
                         "--schedule 1f1b or gpipe, or drop --clip-grad-norm")
+    if args.eval_every and args.dataset != "synthetic" and not args.eval_dataset:
+        raise UserError("--eval-every with your own --dataset needs --eval-dataset SPEC (the held-out samples)")
+    if args.eval_every and args.comm_mode == "sra":
+        raise UserError("--eval-every needs --comm-mode sa or per-tensor: sra channels follow the training "
+                        "step's fixed order of transfers")
     if args.run_dir is None:
         check_output_dir("runs", "run directory")
     if args.checkpoint_dir:
@@ -231,7 +247,8 @@ def resolve(args: argparse.Namespace, world_size: int | None = None) -> RunConfi
         trace_dir="" if args.no_trace else args.trace_dir, timeout=args.timeout, peer_timeout=args.peer_timeout,
         seed=args.seed, backend=args.backend, run_dir=args.run_dir, progress=not args.no_progress,
         verbose=args.verbose, skip_nonfinite=args.skip_nonfinite, lr_schedule=args.lr_schedule,
-        warmup_steps=args.warmup_steps, clip_grad_norm=args.clip_grad_norm)
+        warmup_steps=args.warmup_steps, clip_grad_norm=args.clip_grad_norm, eval_every=args.eval_every,
+        eval_batches=args.eval_batches, eval_dataset=args.eval_dataset)
 
 
 def flushes(plan: Plan) -> bool:

@@ -161,6 +161,19 @@ def make_data(cfg: RunConfig, spec: ModelSpec) -> MicroBatches:
     return MicroBatches(dataset, cfg.batch_size, cfg.micro_batches, targets=spec.loss is not None)
 
 
+def held_out_seed(seed: int) -> int:
+    """The seed of the synthetic held-out samples (never one a training run of a nearby seed uses)."""
+    return seed + 1_000_003
+
+
+def make_eval_data(cfg: RunConfig, spec: ModelSpec) -> MicroBatches:
+    """The held-out micro-batches of ``--eval-every`` (evaluation j reads step j of this source):
+    ``--eval-dataset``, or synthetic samples of another seed (the same task, other samples)."""
+    size = cfg.eval_batches * cfg.global_batch
+    dataset = resolve_dataset(cfg.eval_dataset or "synthetic", spec, size=size, seed=held_out_seed(cfg.seed))
+    return MicroBatches(dataset, cfg.batch_size, cfg.micro_batches, targets=spec.loss is not None)
+
+
 def weights_digest(module: nn.Module) -> str:
     """SHA-256 of every parameter (names, dtypes, shapes and bytes). Buffers are left out: like
     BatchNorm's running statistics, they may differ between replicas that saw different data."""

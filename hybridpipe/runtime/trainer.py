@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.data import Dataset
 
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner.plan import Plan, load_plan
@@ -41,6 +42,7 @@ from hybridpipe.runtime.batches import GivenBatches, is_micro_batch_stream, spli
 from hybridpipe.runtime.checkpoint import Checkpointer, Restored, restore_rng
 from hybridpipe.runtime.config import flushes
 from hybridpipe.runtime.groups import init_distributed, replica_groups, stage_channels
+from hybridpipe.runtime.loader import MicroBatchSlice, StepLoader
 from hybridpipe.runtime.lr import SchedulerFactory
 from hybridpipe.runtime.nonfinite import NonFiniteWatch
 from hybridpipe.runtime.parts import Model, build_model, make_optimizer, make_sync, seed_rank
@@ -91,6 +93,7 @@ class Trainer:
         self.clip_grad_norm = clip_grad_norm
         self.last_grad_norm: float | None = None     # the global norm before clipping, of the last step
         self.step = 0                                # training steps done
+        self.seed = seed
         self.comm_mode = comm_mode
         # collectives below: the same order on every rank
         groups = replica_groups(plan, timeout)
@@ -127,10 +130,11 @@ class Trainer:
 
     # ---- steps ---------------------------------------------------------------------------
     def train_step(self, batch: Any = None, target: Any = None, *, drain: bool = False) -> float:
-        """One training step of the plan's schedule on the global ``batch`` (and ``target``), or on
-        an iterator of micro-batches; ranks whose stage reads neither may pass nothing. Returns the
-        step's mean loss over its micro-batches, on every rank. ``drain``: pipedream only, finish
-        every micro-batch in flight (before an ``eval_step`` or the end)."""
+        """One training step of the plan's schedule on the global ``batch`` (and ``target``), on
+        an iterator of micro-batches, or on what :meth:`loader` yields; ranks whose stage reads
+        neither may pass nothing. Returns the step's mean loss over its micro-batches, on every
+        rank. ``drain``: pipedream only, finish every micro-batch in flight (before an
+        ``eval_step`` or the end)."""
         step = self.step
         if batch is not None or target is not None:
             self._feed.put(step, *self._micro_batches(batch, target))
@@ -157,6 +161,20 @@ class Trainer:
         if batch is not None or target is not None:
             given.put(0, *self._micro_batches(batch, target))
         return self._mean(self.engine.run_eval(given))
+
+    def loader(self, dataset: Dataset, *, epoch: int = 0, shuffle: bool = True, seed: int | None = None,
+               num_workers: int = 0, collate_fn: Any = None) -> StepLoader:
+        """One epoch of ``dataset`` for this rank, a step at a time (pass each item to train_step or
+        eval_step): the first stage's replicas load only their own micro-batches, the last stage's
+        their targets, the others nothing (runtime/loader.py). ``seed`` (default: the trainer's)
+        and ``epoch`` fix the shuffle, the same on every rank; pinned memory on GPU."""
+        M = self.plan.micro_batches
+        mine = [m for m in range(M) if m % self.stage_plan.replicas == self.replica]
+        return StepLoader(dataset, batch_size=self.plan.batch_size, micro_batches=M, mine=mine,
+                          inputs=self.stage_plan.index == 0, targets=self.is_last, pairs=self.takes_targets,
+                          seed=self.seed if seed is None else seed, epoch=epoch, shuffle=shuffle,
+                          num_workers=num_workers, pin_memory=self.proc.device.type == "cuda",
+                          collate_fn=collate_fn)
 
     @property
     def lr(self) -> float | None:
@@ -206,8 +224,10 @@ class Trainer:
         self.close()
 
     # ---- helpers -------------------------------------------------------------------------
-    def _micro_batches(self, batch: Any, target: Any) -> tuple[list[Any] | None, list[Any] | None]:
+    def _micro_batches(self, batch: Any, target: Any) -> tuple[Any, Any]:
         M, B = self.plan.micro_batches, self.plan.batch_size
+        if isinstance(batch, MicroBatchSlice):
+            return batch.inputs, batch.targets
         if is_micro_batch_stream(batch):
             return take_micro_batches(batch, M, targets=self.takes_targets)
         inputs = split_batch(batch, M, B) if batch is not None else None

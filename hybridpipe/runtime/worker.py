@@ -24,12 +24,13 @@ import torch.distributed as dist
 
 from hybridpipe.errors import UserError
 from hybridpipe.jsonfile import write_json
+from hybridpipe.pipeline import MicroBatches
 from hybridpipe.runtime.config import RunConfig
 from hybridpipe.runtime.failure import FailureGuard, default_store, describe_ranks
 from hybridpipe.runtime.groups import Process, init_distributed
 from hybridpipe.runtime.lr import lr_schedule
 from hybridpipe.runtime.metrics import MetricsWriter, Progress, step_record
-from hybridpipe.runtime.parts import Model, load_model, make_data, weights_digest
+from hybridpipe.runtime.parts import Model, load_model, make_data, make_eval_data, weights_digest
 from hybridpipe.runtime.summary import RankReport, format_summary, summarize
 from hybridpipe.runtime.sync import sync_report
 from hybridpipe.runtime.timeline import TimelineRecorder, trace_dir
@@ -81,6 +82,7 @@ def _train(cfg: RunConfig, proc: Process, model: Model, closers: list, print_fn)
                       data=make_data(cfg, model.spec), comm_mode=cfg.comm_mode, allreduce=cfg.allreduce,
                       calibrations=cfg.calibrations, aggregator=cfg.aggregator, skip_nonfinite=cfg.skip_nonfinite,
                       timeout=cfg.timeout, recorder=recorder, nonfinite_hint=hint)
+    held_out = make_eval_data(cfg, model.spec) if cfg.eval_every else None
     start = 0
     if cfg.checkpoint_dir and cfg.resume:
         start = _restore(trainer, cfg.checkpoint_dir, print_fn if rank == plan.stages[0].ranks[0] else None)
@@ -97,7 +99,8 @@ def _train(cfg: RunConfig, proc: Process, model: Model, closers: list, print_fn)
                 recorder.begin_step(step)
             t0 = time.perf_counter()
             lr = trainer.lr
-            trainer.train_step(drain=step == cfg.steps - 1)      # every rank: stops on a non-finite loss
+            evaluate = cfg.eval_every > 0 and ((step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1)
+            trainer.train_step(drain=step == cfg.steps - 1 or evaluate)   # every rank: stops on a non-finite loss
             if proc.device.type == "cuda":
                 torch.cuda.synchronize(proc.device)
             seconds = time.perf_counter() - t0
@@ -109,6 +112,8 @@ def _train(cfg: RunConfig, proc: Process, model: Model, closers: list, print_fn)
                 record["lr"] = lr
             if trainer.last_grad_norm is not None:
                 record["grad_norm"] = round(trainer.last_grad_norm, 6)
+            if evaluate:
+                record["eval_loss"] = _evaluate(trainer, held_out, cfg.eval_batches)
             metrics.write(record)
             bar.update(record)
             report.step_ms[step] = record["step_ms"]
@@ -137,6 +142,18 @@ def _train(cfg: RunConfig, proc: Process, model: Model, closers: list, print_fn)
     write_json(Path(run_dir) / "summary.json", summary)
     print_fn(format_summary(summary))
     return summary
+
+
+def _evaluate(trainer: Trainer, held_out: MicroBatches | None, batches: int) -> float:
+    """The mean loss of ``batches`` held-out global batches (forward only, every rank)."""
+    if held_out is None:
+        raise RuntimeError("evaluation without held-out data")
+    M = held_out.micro_batches
+    losses = []
+    for j in range(batches):
+        parts = [held_out.batch(j, m) if held_out.targets else held_out.input(j, m) for m in range(M)]
+        losses.append(trainer.eval_step(iter(parts)))
+    return sum(losses) / len(losses)
 
 
 def _restore(trainer: Trainer, directory: str, say: Callable[[str], None] | None) -> int:

@@ -8,14 +8,27 @@ import torch
 
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner.plan import save_plan
+from hybridpipe.pipeline.data import MicroBatches
+from hybridpipe.profiles.data import resolve_dataset
 from hybridpipe.profiles.zoo import resolve_model
 from hybridpipe.runtime.config import build_parser, resolve
 from hybridpipe.runtime.lr import lr_schedule
 from hybridpipe.runtime.metrics import metrics_path, read_metrics
+from hybridpipe.runtime.parts import held_out_seed
 from tests.pipeline.harness import make_plan, model_loss
 from tests.runtime.jobs import data_for, final_weights, launch, max_diff
 
 STEPS, LR, MOMENTUM, WD, SEED, CLIP, WARMUP = 5, 0.05, 0.5, 0.01, 3, 0.1, 2
+
+
+def held_out_losses(model, spec, plan, batches: int) -> float:
+    data = MicroBatches(resolve_dataset("synthetic", spec, size=batches * plan.micro_batches * plan.batch_size,
+                                        seed=held_out_seed(SEED)), plan.batch_size, plan.micro_batches)
+    model.eval()
+    with torch.no_grad():
+        loss = sum(float(model_loss(spec, model, *data.global_batch(j))) for j in range(batches)) / batches
+    model.train()
+    return loss
 
 
 def reference(plan):
@@ -25,7 +38,7 @@ def reference(plan):
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=WD)
     sched = lr_schedule("cosine", warmup=WARMUP, total=STEPS)(opt)
     data = data_for(plan, STEPS, SEED)
-    lrs, norms = [], []
+    lrs, norms, evals = [], [], {}
     for k in range(STEPS):
         opt.zero_grad()
         model_loss(spec, model, *data.global_batch(k)).backward()
@@ -33,7 +46,9 @@ def reference(plan):
         lrs.append(opt.param_groups[0]["lr"])
         opt.step()
         sched.step()
-    return model.state_dict(), lrs, norms
+        if (k + 1) % 2 == 0 or k == STEPS - 1:
+            evals[k] = held_out_losses(model, spec, plan, 2)
+    return model.state_dict(), lrs, norms, evals
 
 
 def test_launch_with_cosine_warmup_clipping_and_weight_decay_matches_plain_pytorch(tmp_path):
@@ -42,16 +57,21 @@ def test_launch_with_cosine_warmup_clipping_and_weight_decay_matches_plain_pytor
     save_plan(plan, path)
     done = launch(["--plan", str(path), "--steps", str(STEPS), "--lr", str(LR), "--momentum", str(MOMENTUM),
                    "--weight-decay", str(WD), "--lr-schedule", "cosine", "--warmup-steps", str(WARMUP),
-                   "--clip-grad-norm", str(CLIP), "--seed", str(SEED), "--checkpoint-dir", str(tmp_path / "ckpt"),
+                   "--clip-grad-norm", str(CLIP), "--eval-every", "2", "--eval-batches", "2",
+                   "--seed", str(SEED), "--checkpoint-dir", str(tmp_path / "ckpt"),
                    "--run-dir", str(tmp_path / "run"), "--timeout", "60", "--no-progress", "--no-trace"],
                   plan.world_size, timeout=150)
     assert all(d.returncode == 0 for d in done), done
-    weights, lrs, norms = reference(plan)
+    weights, lrs, norms, evals = reference(plan)
     assert min(norms) > CLIP
     assert max_diff(final_weights(tmp_path / "ckpt", STEPS), weights) <= 1e-5
     records = read_metrics(metrics_path(tmp_path / "run", 3))
     assert [r["lr"] for r in records] == pytest.approx(lrs)
     assert [r["grad_norm"] for r in records] == pytest.approx(norms, rel=1e-5)
+    for rank in range(plan.world_size):                     # held-out loss on every rank, steps 2, 4 and 5
+        lines = read_metrics(metrics_path(tmp_path / "run", rank))
+        got = {r["step"]: r["eval_loss"] for r in lines if "eval_loss" in r}
+        assert got == pytest.approx(evals, abs=1e-5)
 
 
 def test_clipping_is_refused_for_pipedream(tmp_path):
