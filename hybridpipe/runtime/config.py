@@ -73,6 +73,7 @@ class RunConfig:
     lr_schedule: str = "constant"     # runtime/lr.py: constant, linear or cosine (after the warm-up)
     warmup_steps: int = 0
     clip_grad_norm: float | None = None   # clip by the whole model's gradient norm (None: no clipping)
+    shuffle: bool = False             # a seeded permutation of the dataset every epoch
     eval_every: int = 0               # held-out evaluation every K steps (0: never)
     eval_batches: int = 1             # global batches per evaluation
     eval_dataset: str | None = None   # None: synthetic held-out samples (another seed)
@@ -113,6 +114,9 @@ def build_parser() -> Parser:
     g.add_argument("--dataset", default="synthetic", metavar="SPEC",
                    help="synthetic (default) or package.module:factory returning a map-style Dataset of "
                         "(input, target)")
+    g.add_argument("--shuffle", action="store_true",
+                   help="take the samples in a new seeded permutation every epoch (as DistributedSampler with "
+                        "--seed), the same on every rank (default: in order)")
     g.add_argument("--dataset-size", type=positive_int, metavar="N",
                    help="samples in the synthetic dataset (default: steps x global batch, no sample repeats)")
     g.add_argument("--seed", type=seed, default=0, help="seed of the weights and the synthetic data (default 0)")
@@ -248,7 +252,7 @@ def resolve(args: argparse.Namespace, world_size: int | None = None) -> RunConfi
         seed=args.seed, backend=args.backend, run_dir=args.run_dir, progress=not args.no_progress,
         verbose=args.verbose, skip_nonfinite=args.skip_nonfinite, lr_schedule=args.lr_schedule,
         warmup_steps=args.warmup_steps, clip_grad_norm=args.clip_grad_norm, eval_every=args.eval_every,
-        eval_batches=args.eval_batches, eval_dataset=args.eval_dataset)
+        eval_batches=args.eval_batches, eval_dataset=args.eval_dataset, shuffle=args.shuffle)
 
 
 def flushes(plan: Plan) -> bool:

@@ -158,7 +158,8 @@ def make_data(cfg: RunConfig, spec: ModelSpec) -> MicroBatches:
     as every rank and the single-process reference compute it."""
     size = cfg.dataset_size or cfg.steps * cfg.global_batch
     dataset = resolve_dataset(cfg.dataset, spec, size=size, seed=cfg.seed)
-    return MicroBatches(dataset, cfg.batch_size, cfg.micro_batches, targets=spec.loss is not None)
+    return MicroBatches(dataset, cfg.batch_size, cfg.micro_batches, targets=spec.loss is not None,
+                        shuffle_seed=cfg.seed if cfg.shuffle else None)
 
 
 def held_out_seed(seed: int) -> int:

@@ -93,6 +93,8 @@ def _train(cfg: RunConfig, proc: Process, model: Model, closers: list, print_fn)
     bar = Progress(cfg.steps, initial=start, enabled=cfg.progress and reporter,
                    desc=f"{plan.model} {cfg.schedule}")
     saved_at = start
+    if held_out is not None and start < cfg.steps:        # the held-out loss before training
+        metrics.write({"step": start - 1, "eval_loss": _evaluate(trainer, held_out, cfg.eval_batches)})
     try:
         for step in range(start, cfg.steps):
             if recorder is not None:

@@ -38,7 +38,7 @@ def reference(plan):
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=WD)
     sched = lr_schedule("cosine", warmup=WARMUP, total=STEPS)(opt)
     data = data_for(plan, STEPS, SEED)
-    lrs, norms, evals = [], [], {}
+    lrs, norms, evals = [], [], {-1: held_out_losses(model, spec, plan, 2)}
     for k in range(STEPS):
         opt.zero_grad()
         model_loss(spec, model, *data.global_batch(k)).backward()
@@ -65,10 +65,10 @@ def test_launch_with_cosine_warmup_clipping_and_weight_decay_matches_plain_pytor
     weights, lrs, norms, evals = reference(plan)
     assert min(norms) > CLIP
     assert max_diff(final_weights(tmp_path / "ckpt", STEPS), weights) <= 1e-5
-    records = read_metrics(metrics_path(tmp_path / "run", 3))
+    records = [r for r in read_metrics(metrics_path(tmp_path / "run", 3)) if r["step"] >= 0]
     assert [r["lr"] for r in records] == pytest.approx(lrs)
     assert [r["grad_norm"] for r in records] == pytest.approx(norms, rel=1e-5)
-    for rank in range(plan.world_size):                     # held-out loss on every rank, steps 2, 4 and 5
+    for rank in range(plan.world_size):                     # held-out loss on every rank: before, after 2, 4, 5 steps
         lines = read_metrics(metrics_path(tmp_path / "run", rank))
         got = {r["step"]: r["eval_loss"] for r in lines if "eval_loss" in r}
         assert got == pytest.approx(evals, abs=1e-5)
