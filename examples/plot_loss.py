@@ -1,4 +1,6 @@
-"""Plot a run's training and held-out loss (launch's metrics) as a PNG: ``python examples/plot_loss.py RUN_DIR -o loss.png``.
+"""Plot a run's training and held-out loss (launch's metrics) as a PNG.
+
+    python examples/plot_loss.py RUN_DIR -o loss.png
 
 Reads ``RUN_DIR/metrics/rank-*.jsonl``: the training loss of the last stage's ranks (mean over
 them per step) and the held-out ``eval_loss`` (every rank has it; rank 0's is used).
