@@ -21,6 +21,10 @@ Interfaces (duck-typed, see the project's contracts):
   receive_for, run_for, send_for, receive_back, run_back, sync, send_back, step.
 * ``before_step`` (optional): called right before each optimizer step, once the gradients are
   final (replicas summed, tied copies summed, scaled by the Step's factor): e.g. clipping.
+* ``autocast`` (optional dtype, e.g. ``torch.bfloat16``): forwards and losses run under
+  ``torch.autocast`` (weights, gradients and optimizer state stay float32); ``wire_dtype``
+  (optional): floating-point activations and gradients are sent in that dtype (half the bytes
+  for bfloat16); a received gradient is cast back to its output's dtype before the backward.
 
 ``run_eval(data)`` runs the forward-only evaluation list (``schedules.eval_program``) in
 evaluation mode without autograd: no gradient, no weight or optimizer change.
@@ -106,7 +110,8 @@ class PipelineEngine:
     def __init__(self, stage: PipelineStage, topo: Topology, rank: int, schedule: str, *, transport: Transport | None,
                  optimizer: torch.optim.Optimizer, data: DataSource, sync=None, recorder=None,
                  tied: TiedReduce | None = None, clock: Callable[[], float] = time.perf_counter,
-                 before_step: Callable[[], None] | None = None):
+                 before_step: Callable[[], None] | None = None, autocast: torch.dtype | None = None,
+                 wire_dtype: torch.dtype | None = None):
         check_schedulable(topo, schedule)
         s, _ = topo.locate(rank)
         if s != stage.index:
@@ -115,6 +120,7 @@ class PipelineEngine:
         self.transport, self.optimizer, self.data = transport, optimizer, data
         self.sync = sync if sync is not None else LocalSync()
         self.tied, self.before_step = tied, before_step
+        self.autocast, self.wire_dtype = autocast, wire_dtype
         if tied is not None and schedule == "pipedream":
             raise UserError("pipedream's asynchronous updates cannot keep a weight that several stages share (tied "
                             "embeddings) identical; use --schedule 1f1b or gpipe, or a plan that keeps its uses "
@@ -199,14 +205,15 @@ class PipelineEngine:
             elif isinstance(ins, RecvActivations):
                 inputs[m] = self._transport().recv(ins.peer, message_key(ins, m, M))
             elif isinstance(ins, Forward):
-                acts[m] = stage.forward_eval(inputs.pop(m))
+                with self._autocast():
+                    acts[m] = stage.forward_eval(inputs.pop(m))
             elif isinstance(ins, SendActivations):
-                self._transport().send(ins.peer, message_key(ins, m, M), acts.pop(m).outputs)
+                self._transport().send(ins.peer, message_key(ins, m, M), self._wire(acts.pop(m).outputs))
             elif isinstance(ins, LoadTarget):
                 target = data.target(0, m)
                 targets[m] = target.to(self.device, non_blocking=True) if target is not None else None
             elif isinstance(ins, Loss):
-                with torch.no_grad():
+                with torch.no_grad(), self._autocast():
                     losses[m] = stage.loss(acts.pop(m).output, targets.pop(m)).detach()
             else:
                 raise TypeError(f"{ins!r} has no place in an evaluation step")
@@ -272,6 +279,17 @@ class PipelineEngine:
             held[g] = self._transport().recv(peer, message_key(ins, g, M))
         self._settled = self._last_step
 
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast)
+
+    def _wire(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``tensors`` as they travel: floating-point ones in ``wire_dtype`` (when set)."""
+        if self.wire_dtype is None:
+            return tensors
+        return {k: t.detach().to(self.wire_dtype) if t.is_floating_point() else t for k, t in tensors.items()}
+
     def _transport(self) -> Transport:
         if self.transport is None:
             raise RuntimeError(f"rank {self.rank} sends or receives, but its engine was given no transport")
@@ -290,15 +308,17 @@ class PipelineEngine:
                 self._inputs[g] = self._transport().recv(ins.peer, message_key(ins, g, M))
         elif isinstance(ins, Forward):
             params = self.stash.forward_params(g, g in frozen) if self.stash else None
-            self._acts[g] = stage.forward(self._inputs.pop(g), params=params)
+            with self._autocast():
+                self._acts[g] = stage.forward(self._inputs.pop(g), params=params)
         elif isinstance(ins, SendActivations):
-            self._transport().send(ins.peer, message_key(ins, g, M), self._acts[g].outputs)
+            self._transport().send(ins.peer, message_key(ins, g, M), self._wire(self._acts[g].outputs))
         elif isinstance(ins, LoadTarget):
             target = self.data.target(g // M, g % M)
             self._targets[g] = target.to(self.device, non_blocking=True) if target is not None else None
         elif isinstance(ins, Loss):
             act = self._acts[g]
-            act.loss = stage.loss(act.output, self._targets.pop(g))
+            with self._autocast():
+                act.loss = stage.loss(act.output, self._targets.pop(g))
             if g // M == result.step:
                 result.losses[g % M] = act.loss.detach()
         elif isinstance(ins, RecvGradients):
@@ -316,7 +336,7 @@ class PipelineEngine:
             if not stage.is_first:
                 self._in_grads[g] = grads
         elif isinstance(ins, SendGradients):
-            self._transport().send(ins.peer, message_key(ins, g, M), self._in_grads.pop(g))
+            self._transport().send(ins.peer, message_key(ins, g, M), self._wire(self._in_grads.pop(g)))
         else:
             raise TypeError(f"unknown instruction {ins!r}")
 

@@ -196,7 +196,8 @@ class PipelineStage:
             unknown = set(output_grads or {}) - set(act.outputs)
             if unknown:
                 raise KeyError(f"stage {self.index} got gradients for {sorted(unknown)}, which it did not send")
-            pairs = [(act.outputs[k], g) for k, g in (output_grads or {}).items() if act.outputs[k].requires_grad]
+            pairs = [(act.outputs[k], g if g.dtype == act.outputs[k].dtype else g.to(act.outputs[k].dtype))
+                     for k, g in (output_grads or {}).items() if act.outputs[k].requires_grad]
             tensors, grads = [t for t, _ in pairs], [g for _, g in pairs]
         if tensors:
             torch.autograd.backward(tensors, grads)

@@ -73,6 +73,7 @@ class RunConfig:
     lr_schedule: str = "constant"     # runtime/lr.py: constant, linear or cosine (after the warm-up)
     warmup_steps: int = 0
     clip_grad_norm: float | None = None   # clip by the whole model's gradient norm (None: no clipping)
+    precision: str = "fp32"           # fp32 or bf16 (runtime/trainer.py's PRECISIONS)
     shuffle: bool = False             # a seeded permutation of the dataset every epoch
     eval_every: int = 0               # held-out evaluation every K steps (0: never)
     eval_batches: int = 1             # global batches per evaluation
@@ -150,6 +151,10 @@ def build_parser() -> Parser:
     g.add_argument("--eval-dataset", metavar="SPEC",
                    help="held-out data, as --dataset (default: synthetic samples of another seed; required "
                         "with a --dataset of your own)")
+    g.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                   help="bf16: compute under torch.autocast(bfloat16) and send activations and gradients between "
+                        "stages as bfloat16 (half the p2p bytes); weights and optimizer state stay float32 "
+                        "(default fp32)")
     g.add_argument("--skip-nonfinite", action="store_true",
                    help="a step whose loss is NaN or infinite is skipped (no rank updates its weights; counted in "
                         "the summary) instead of stopping the run")
@@ -252,7 +257,8 @@ def resolve(args: argparse.Namespace, world_size: int | None = None) -> RunConfi
         seed=args.seed, backend=args.backend, run_dir=args.run_dir, progress=not args.no_progress,
         verbose=args.verbose, skip_nonfinite=args.skip_nonfinite, lr_schedule=args.lr_schedule,
         warmup_steps=args.warmup_steps, clip_grad_norm=args.clip_grad_norm, eval_every=args.eval_every,
-        eval_batches=args.eval_batches, eval_dataset=args.eval_dataset, shuffle=args.shuffle)
+        eval_batches=args.eval_batches, eval_dataset=args.eval_dataset, shuffle=args.shuffle,
+        precision=args.precision)
 
 
 def flushes(plan: Plan) -> bool:

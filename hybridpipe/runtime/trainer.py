@@ -48,6 +48,7 @@ from hybridpipe.runtime.nonfinite import NonFiniteWatch
 from hybridpipe.runtime.parts import Model, build_model, make_optimizer, make_sync, seed_rank
 from hybridpipe.runtime.tied import tied_process_groups, tied_sync
 
+PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}   # compute and wire dtype
 ModelArg = str | ModelSpec | Model | nn.Module | Callable[[], nn.Module]
 OptimizerArg = str | Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None
 
@@ -63,8 +64,11 @@ class Trainer:
     ``lr_scheduler``: ``optimizer -> torch.optim.lr_scheduler.*`` (stepped once per training step
     on every rank; see runtime/lr.py for launch's schedules). ``clip_grad_norm``: clip by the norm
     of the whole model's gradient (what ``torch.nn.utils.clip_grad_norm_`` on the unsplit model
-    does). ``data``: a source of micro-batches by (step, micro-batch) for steps given no batch
-    (launch's ``MicroBatches``). ``recorder``: a timeline recorder (launch's).
+    does). ``precision="bf16"``: forwards under ``torch.autocast(bfloat16)`` and activations and
+    gradients sent between stages as bfloat16 (half the p2p bytes); weights, gradients, the
+    replicas' all-reduce and the optimizer state stay float32. ``data``: a source of micro-batches
+    by (step, micro-batch) for steps given no batch (launch's ``MicroBatches``). ``recorder``: a
+    timeline recorder (launch's).
     """
 
     def __init__(self, model: ModelArg, plan: Plan | str | Path, *, example: Any = None,
@@ -73,8 +77,10 @@ class Trainer:
                  clip_grad_norm: float | None = None, seed: int = 0, data: Any = None, comm_mode: str = "sa",
                  allreduce: str | None = None, calibrations: Iterable[str] = (), aggregator: str | None = None,
                  skip_nonfinite: bool = False, backend: str | None = None, timeout: float = 300.0,
-                 recorder: Any = None, nonfinite_hint: str = "") -> None:
+                 precision: str = "fp32", recorder: Any = None, nonfinite_hint: str = "") -> None:
         self.plan = plan if isinstance(plan, Plan) else load_plan(str(plan))
+        if precision not in PRECISIONS:
+            raise UserError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
         if clip_grad_norm is not None and (not clip_grad_norm > 0 or not math.isfinite(clip_grad_norm)):
             raise UserError(f"clip_grad_norm must be a positive number, got {clip_grad_norm}")
         if clip_grad_norm is not None and self.plan.schedule == "pipedream":
@@ -124,7 +130,8 @@ class Trainer:
         self.engine = PipelineEngine(self.stage, topo, rank, plan.schedule, transport=self.channels,
                                      optimizer=guarded, data=self._feed,
                                      sync=self.sync, recorder=recorder, tied=tied,
-                                     before_step=self._clip if clip_grad_norm is not None else None)
+                                     before_step=self._clip if clip_grad_norm is not None else None,
+                                     autocast=PRECISIONS[precision], wire_dtype=PRECISIONS[precision])
         self.last_losses: dict[int, float] = {}      # this rank's micro-batch losses of the last step (last stage)
         self._checkpointers: dict[str, Checkpointer] = {}
 

@@ -81,7 +81,7 @@ def _train(cfg: RunConfig, proc: Process, model: Model, closers: list, print_fn)
                       lr_scheduler=lr_schedule(cfg.lr_schedule, warmup=cfg.warmup_steps, total=cfg.steps),
                       data=make_data(cfg, model.spec), comm_mode=cfg.comm_mode, allreduce=cfg.allreduce,
                       calibrations=cfg.calibrations, aggregator=cfg.aggregator, skip_nonfinite=cfg.skip_nonfinite,
-                      timeout=cfg.timeout, recorder=recorder, nonfinite_hint=hint)
+                      timeout=cfg.timeout, precision=cfg.precision, recorder=recorder, nonfinite_hint=hint)
     held_out = make_eval_data(cfg, model.spec) if cfg.eval_every else None
     start = 0
     if cfg.checkpoint_dir and cfg.resume:

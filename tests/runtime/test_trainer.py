@@ -86,3 +86,25 @@ def test_trainer_matches_plain_pytorch_loop_with_schedule_clipping_and_weight_de
     end, again = final_weights(tmp_path / "end", STEPS), final_weights(tmp_path / "resumed", STEPS)
     assert all(torch.equal(end[k], again[k]) for k in end)     # bit-identical continuation
     assert all(v["lrs"] == {k: first[k] for k in v["lrs"]} for v in resumed)   # the scheduler restored
+
+
+def test_bf16_follows_fp32_and_halves_the_bytes_between_stages(tmp_path):
+    """bf16 autocast on CPU: the loss curve stays within 0.01 nats of fp32's over 8 Adam steps (measured:
+    < 1e-3 while the loss falls 4.25 -> 1.55), weights stay float32, and the p2p channels move half the
+    bytes (measured: exactly 524288 of 1048576)."""
+    plan = make_plan("gpt[layers=2,width=32,heads=2,seq=16,vocab=64]", [2], [2, 2], schedule="1f1b",
+                     micro_batches=4, batch_size=4)
+    path = tmp_path / "plan.json"
+    save_plan(plan, path)
+    runs = {}
+    for precision in ("fp32", "bf16"):
+        with Job(RANKS, "train_precision", plan.world_size, (str(path), precision, 8)) as job:
+            results = job.wait(timeout=180)
+        assert all(r.returncode == 0 for r in results), results
+        runs[precision] = [r.value for r in results]
+    fp32, bf16 = runs["fp32"][0]["losses"], runs["bf16"][0]["losses"]
+    assert fp32[0] - fp32[-1] > 1.0                                     # it learns
+    assert max(abs(a - b) for a, b in zip(fp32, bf16, strict=True)) < 0.01, (fp32, bf16)
+    assert all(v["param_dtypes"] == ["torch.float32"] for v in runs["bf16"])
+    sent = {p: sum(v["bytes"] for v in runs[p]) for p in runs}
+    assert sent["fp32"] > 0 and abs(sent["bf16"] / sent["fp32"] - 0.5) < 0.02, sent

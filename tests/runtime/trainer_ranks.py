@@ -70,3 +70,34 @@ def train_api(rank: int, world: int, plan_path: str, out: str, clip: float, eval
     trainer.save(f"{out}/{'resumed' if resume else 'end'}")
     trainer.close()
     return out_value
+
+
+class ByteCounter:
+    """A stand-in timeline recorder that counts the bytes this rank's p2p channels move."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+        self.lock = __import__("threading").Lock()
+
+    def on_transfer(self, peer: int, key: str, nbytes: int, t0: float, t1: float) -> None:
+        with self.lock:
+            self.sent += nbytes
+
+    def align(self, barrier) -> None:
+        barrier()
+
+    def record(self, phase: str, micro_batch: int, t0: float, t1: float) -> None:
+        pass
+
+
+def train_precision(rank: int, world: int, plan_path: str, precision: str, steps: int) -> dict:
+    """``steps`` Adam steps of the plan's model in ``precision``: the losses and the p2p bytes."""
+    plan = load_plan(plan_path)
+    counter = ByteCounter()
+    trainer = Trainer(plan.model, plan, optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2), seed=SEED,
+                      precision=precision, recorder=counter, timeout=60)
+    data = data_for(plan, steps, SEED)
+    losses = [trainer.train_step(*_batch(trainer, data, k)) for k in range(steps)]
+    dtypes = sorted({str(p.dtype) for p in trainer.stage.parameters()})
+    trainer.close()
+    return {"losses": losses, "bytes": counter.sent, "param_dtypes": dtypes}
