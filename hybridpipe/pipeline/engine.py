@@ -20,7 +20,10 @@ Interfaces (duck-typed, see the project's contracts):
 * ``recorder`` (optional): ``record(phase, micro_batch, t0, t1)``, phase one of
   receive_for, run_for, send_for, receive_back, run_back, sync, send_back, step.
 * ``before_step`` (optional): called right before each optimizer step, once the gradients are
-  final (replicas summed, tied copies summed, scaled by the Step's factor): e.g. clipping.
+  final (replicas summed, tied copies summed, scaled by the Step's factor): e.g. clipping; when
+  it returns False the step is skipped (gradients zeroed, no update).
+* ``loss_scale`` (optional): the last stage multiplies each loss by ``loss_scale()`` before its
+  backward (fp16 loss scaling; ``before_step`` divides the gradients back).
 * ``autocast`` (optional dtype, e.g. ``torch.bfloat16``): forwards and losses run under
   ``torch.autocast`` (weights, gradients and optimizer state stay float32); ``wire_dtype``
   (optional): floating-point activations and gradients are sent in that dtype (half the bytes
@@ -110,8 +113,8 @@ class PipelineEngine:
     def __init__(self, stage: PipelineStage, topo: Topology, rank: int, schedule: str, *, transport: Transport | None,
                  optimizer: torch.optim.Optimizer, data: DataSource, sync=None, recorder=None,
                  tied: TiedReduce | None = None, clock: Callable[[], float] = time.perf_counter,
-                 before_step: Callable[[], None] | None = None, autocast: torch.dtype | None = None,
-                 wire_dtype: torch.dtype | None = None):
+                 before_step: Callable[[], bool | None] | None = None, autocast: torch.dtype | None = None,
+                 wire_dtype: torch.dtype | None = None, loss_scale: Callable[[], float] | None = None):
         check_schedulable(topo, schedule)
         s, _ = topo.locate(rank)
         if s != stage.index:
@@ -120,7 +123,7 @@ class PipelineEngine:
         self.transport, self.optimizer, self.data = transport, optimizer, data
         self.sync = sync if sync is not None else LocalSync()
         self.tied, self.before_step = tied, before_step
-        self.autocast, self.wire_dtype = autocast, wire_dtype
+        self.autocast, self.wire_dtype, self.loss_scale = autocast, wire_dtype, loss_scale
         if tied is not None and schedule == "pipedream":
             raise UserError("pipedream's asynchronous updates cannot keep a weight that several stages share (tied "
                             "embeddings) identical; use --schedule 1f1b or gpipe, or a plan that keeps its uses "
@@ -329,8 +332,11 @@ class PipelineEngine:
         elif isinstance(ins, Backward):
             synced = self._sync_next == g
             self._sync_next = None
+            act = self._acts.pop(g)
+            if self.loss_scale is not None and stage.is_last and act.loss is not None:
+                act.loss = act.loss * self.loss_scale()
             with contextlib.nullcontext() if synced else self.sync.no_sync():
-                grads = stage.backward(self._acts.pop(g), self._out_grads.pop(g, None))
+                grads = stage.backward(act, self._out_grads.pop(g, None))
             if self.stash:
                 self.stash.backward_done(g)
             if not stage.is_first:
@@ -357,8 +363,9 @@ class PipelineEngine:
                 for p in self.stage.parameters():
                     if p.grad is not None:
                         p.grad.mul_(scale)
-        if self.before_step is not None:
-            self.before_step()
+        if self.before_step is not None and self.before_step() is False:
+            self.optimizer.zero_grad(set_to_none=True)
+            return
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.stash:

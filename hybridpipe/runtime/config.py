@@ -73,7 +73,7 @@ class RunConfig:
     lr_schedule: str = "constant"     # runtime/lr.py: constant, linear or cosine (after the warm-up)
     warmup_steps: int = 0
     clip_grad_norm: float | None = None   # clip by the whole model's gradient norm (None: no clipping)
-    precision: str = "fp32"           # fp32 or bf16 (runtime/trainer.py's PRECISIONS)
+    precision: str = "fp32"           # fp32, bf16 or fp16 (runtime/trainer.py's PRECISIONS)
     shuffle: bool = False             # a seeded permutation of the dataset every epoch
     eval_every: int = 0               # held-out evaluation every K steps (0: never)
     eval_batches: int = 1             # global batches per evaluation
@@ -151,10 +151,11 @@ def build_parser() -> Parser:
     g.add_argument("--eval-dataset", metavar="SPEC",
                    help="held-out data, as --dataset (default: synthetic samples of another seed; required "
                         "with a --dataset of your own)")
-    g.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
-                   help="bf16: compute under torch.autocast(bfloat16) and send activations and gradients between "
-                        "stages as bfloat16 (half the p2p bytes); weights and optimizer state stay float32 "
-                        "(default fp32)")
+    g.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
+                   help="bf16/fp16: compute under torch.autocast and send activations and gradients between "
+                        "stages in 16 bits (half the p2p bytes); weights and optimizer state stay float32; fp16 "
+                        "adds a dynamic loss scale whose overflowing steps every rank skips (gpipe, 1f1b; "
+                        "default fp32)")
     g.add_argument("--skip-nonfinite", action="store_true",
                    help="a step whose loss is NaN or infinite is skipped (no rank updates its weights; counted in "
                         "the summary) instead of stopping the run")
@@ -235,6 +236,9 @@ def resolve(args: argparse.Namespace, world_size: int | None = None) -> RunConfi
     if args.skip_nonfinite and not flushes(plan):
         raise UserError(f"--skip-nonfinite needs a schedule that flushes every step (gpipe, 1f1b); "
                         f"{plan.schedule} updates weights per micro-batch, so a step cannot be skipped as a whole")
+    if args.precision == "fp16" and plan.schedule == "pipedream":
+        raise UserError("--precision fp16's loss scaler skips overflowing steps on every stage at once, and "
+                        "pipedream has no global step; use --precision bf16, or --schedule 1f1b or gpipe")
     if args.clip_grad_norm is not None and plan.schedule == "pipedream":
         raise UserError("--clip-grad-norm needs a global step, and pipedream updates each stage on its own; use "
                         "--schedule 1f1b or gpipe, or drop --clip-grad-norm")

@@ -6,9 +6,10 @@
 
 ``loss`` (the mean of this rank's micro-batch losses) and ``micro_batches`` appear on ranks of
 the last stage only; ``lr`` (the step's learning rate, ranks with parameters), ``grad_norm``
-(``--clip-grad-norm``: the global norm before clipping) and ``eval_loss`` (``--eval-every``:
-the held-out mean loss) on every rank; with ``--eval-every`` a line ``{"step": S - 1,
-"eval_loss": ...}`` before the first step S (0 unless resumed) holds the loss before training.
+(``--clip-grad-norm``: the global norm before clipping), ``loss_scale`` (``--precision fp16``)
+and ``eval_loss`` (``--eval-every``: the held-out mean loss) on every rank; with
+``--eval-every`` a line ``{"step": S - 1, "eval_loss": ...}`` before the first step S (0 unless
+resumed) holds the loss before training.
 ``samples_per_s`` is the job's global batch over this rank's step time.
 The file is appended to and flushed every line, so a crashed or resumed run keeps its history.
 """

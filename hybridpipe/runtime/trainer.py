@@ -46,9 +46,10 @@ from hybridpipe.runtime.loader import MicroBatchSlice, StepLoader
 from hybridpipe.runtime.lr import SchedulerFactory
 from hybridpipe.runtime.nonfinite import NonFiniteWatch
 from hybridpipe.runtime.parts import Model, build_model, make_optimizer, make_sync, seed_rank
+from hybridpipe.runtime.scaler import LossScaler
 from hybridpipe.runtime.tied import tied_process_groups, tied_sync
 
-PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}   # compute and wire dtype
+PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 ModelArg = str | ModelSpec | Model | nn.Module | Callable[[], nn.Module]
 OptimizerArg = str | Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None
 
@@ -66,7 +67,9 @@ class Trainer:
     of the whole model's gradient (what ``torch.nn.utils.clip_grad_norm_`` on the unsplit model
     does). ``precision="bf16"``: forwards under ``torch.autocast(bfloat16)`` and activations and
     gradients sent between stages as bfloat16 (half the p2p bytes); weights, gradients, the
-    replicas' all-reduce and the optimizer state stay float32. ``data``: a source of micro-batches
+    replicas' all-reduce and the optimizer state stay float32. ``"fp16"`` likewise in float16,
+    with a dynamic loss scale (``loss_scale``: the initial one; runtime/scaler.py) whose overflow
+    check all ranks agree on: an overflowing step is skipped everywhere. ``data``: a source of micro-batches
     by (step, micro-batch) for steps given no batch (launch's ``MicroBatches``). ``recorder``: a
     timeline recorder (launch's).
     """
@@ -77,7 +80,8 @@ class Trainer:
                  clip_grad_norm: float | None = None, seed: int = 0, data: Any = None, comm_mode: str = "sa",
                  allreduce: str | None = None, calibrations: Iterable[str] = (), aggregator: str | None = None,
                  skip_nonfinite: bool = False, backend: str | None = None, timeout: float = 300.0,
-                 precision: str = "fp32", recorder: Any = None, nonfinite_hint: str = "") -> None:
+                 precision: str = "fp32", loss_scale: float = 2.0**16, recorder: Any = None,
+                 nonfinite_hint: str = "") -> None:
         self.plan = plan if isinstance(plan, Plan) else load_plan(str(plan))
         if precision not in PRECISIONS:
             raise UserError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
@@ -86,6 +90,9 @@ class Trainer:
         if clip_grad_norm is not None and self.plan.schedule == "pipedream":
             raise UserError("gradient clipping by the global norm needs a global step, and pipedream updates each "
                             "stage on its own; use the 1f1b or gpipe schedule, or drop the clipping")
+        if precision == "fp16" and self.plan.schedule == "pipedream":
+            raise UserError("fp16's loss scaler skips overflowing steps on every stage at once, and pipedream has "
+                            "no global step; use bf16, or the 1f1b or gpipe schedule")
         self.model = model if isinstance(model, Model) else build_model(_spec(model, self.plan, example, loss),
                                                                         self.plan, seed=seed)
         self.proc, self._owned = init_distributed(backend, timeout)
@@ -97,6 +104,7 @@ class Trainer:
         self.is_last = self.stage_plan.index == len(plan.stages) - 1
         self.takes_targets = self.model.spec.loss is not None
         self.clip_grad_norm = clip_grad_norm
+        self.scaler = LossScaler(loss_scale) if precision == "fp16" else None
         self.last_grad_norm: float | None = None     # the global norm before clipping, of the last step
         self.step = 0                                # training steps done
         self.seed = seed
@@ -130,8 +138,9 @@ class Trainer:
         self.engine = PipelineEngine(self.stage, topo, rank, plan.schedule, transport=self.channels,
                                      optimizer=guarded, data=self._feed,
                                      sync=self.sync, recorder=recorder, tied=tied,
-                                     before_step=self._clip if clip_grad_norm is not None else None,
-                                     autocast=PRECISIONS[precision], wire_dtype=PRECISIONS[precision])
+                                     before_step=self._before_step if clip_grad_norm is not None or self.scaler
+                                     else None, autocast=PRECISIONS[precision], wire_dtype=PRECISIONS[precision],
+                                     loss_scale=self._loss_scale if self.scaler is not None else None)
         self.last_losses: dict[int, float] = {}      # this rank's micro-batch losses of the last step (last stage)
         self._checkpointers: dict[str, Checkpointer] = {}
 
@@ -194,7 +203,8 @@ class Trainer:
         """Checkpoint the steps done so far into ``directory`` (collective; runtime/checkpoint.py's
         format, keeping the ``keep`` newest): weights, optimizer, scheduler, engine and RNG states."""
         ckpt = self._checkpointer(directory, keep)
-        extra = {"scheduler": self.scheduler.state_dict() if self.scheduler is not None else None}
+        extra = {"scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+                 "scaler": self.scaler.state_dict() if self.scaler is not None else None}
         return ckpt.save(self.step, model=self.stage.state_dict(), optimizer=self.optimizer.state_dict(),
                          engine=self.engine.state_dict(), extra=extra)
 
@@ -211,6 +221,9 @@ class Trainer:
         sched = restored.extra.get("scheduler")
         if self.scheduler is not None and sched is not None:
             self.scheduler.load_state_dict(sched)
+        scaler = restored.extra.get("scaler")
+        if self.scaler is not None and scaler is not None:
+            self.scaler.load_state_dict(scaler)
         restore_rng(restored.rng)               # after everything that draws random numbers
         return restored
 
@@ -249,6 +262,29 @@ class Trainer:
             t[1] = len(losses)
         dist.all_reduce(t, group=self._stats)
         return float(t[0] / t[1]) if t[1] > 0 else math.nan
+
+    def _loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    def _before_step(self) -> bool:
+        """The engine's hook before the optimizer step: fp16's unscale and agreed overflow check
+        (False: every rank skips this step), then the clipping."""
+        if self.scaler is not None:
+            inv = 1.0 / self.scaler.scale
+            bad = torch.zeros(1, device=self.proc.device)
+            with torch.no_grad():
+                for p in self.stage.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(inv)
+                        bad = torch.maximum(bad, (~torch.isfinite(p.grad)).any().float())
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self._stats)
+            found = bool(bad.item() > 0)
+            self.scaler.update(found)
+            if found:
+                return False
+        if self.clip_grad_norm is not None:
+            self._clip()
+        return True
 
     def _clip(self) -> None:
         """The engine's hook before the optimizer step: scale every gradient by max_norm / norm when

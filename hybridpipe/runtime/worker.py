@@ -114,6 +114,8 @@ def _train(cfg: RunConfig, proc: Process, model: Model, closers: list, print_fn)
                 record["lr"] = lr
             if trainer.last_grad_norm is not None:
                 record["grad_norm"] = round(trainer.last_grad_norm, 6)
+            if trainer.scaler is not None:
+                record["loss_scale"] = trainer.scaler.scale
             if evaluate:
                 record["eval_loss"] = _evaluate(trainer, held_out, cfg.eval_batches)
             metrics.write(record)

@@ -64,3 +64,15 @@ def test_given_batches_serve_recent_steps_and_say_which_rank_lacks_what():
     with pytest.raises(UserError, match="pass target= on this rank too"):
         given.target(1, 0)
     assert GivenBatches(targets=False).target(0, 0) is None
+
+
+def test_the_loss_scale_backs_off_on_overflow_and_grows_after_good_steps():
+    from hybridpipe.runtime.scaler import LossScaler
+
+    s = LossScaler(8.0, growth_interval=2)
+    for found in (True, False, False, False, True):
+        s.update(found)
+    assert (s.scale, s.good_steps, s.skipped) == (4.0, 0, 2)      # 8 -> 4 -> (2 good) 8 -> (1 good) -> 4
+    t = LossScaler()
+    t.load_state_dict(s.state_dict())
+    assert t.state_dict() == s.state_dict()

@@ -88,23 +88,50 @@ def test_trainer_matches_plain_pytorch_loop_with_schedule_clipping_and_weight_de
     assert all(v["lrs"] == {k: first[k] for k in v["lrs"]} for v in resumed)   # the scheduler restored
 
 
-def test_bf16_follows_fp32_and_halves_the_bytes_between_stages(tmp_path):
-    """bf16 autocast on CPU: the loss curve stays within 0.01 nats of fp32's over 8 Adam steps (measured:
-    < 1e-3 while the loss falls 4.25 -> 1.55), weights stay float32, and the p2p channels move half the
-    bytes (measured: exactly 524288 of 1048576)."""
+def test_bf16_and_fp16_follow_fp32_and_halve_the_bytes_between_stages(tmp_path):
+    """bf16 and fp16 autocast on CPU: the loss curve stays within 0.01 nats of fp32's over 8 Adam steps
+    (measured bf16: < 1e-3 while the loss falls 4.25 -> 1.55), weights stay float32, and the p2p channels
+    move half the bytes (measured: exactly 524288 of 1048576)."""
     plan = make_plan("gpt[layers=2,width=32,heads=2,seq=16,vocab=64]", [2], [2, 2], schedule="1f1b",
                      micro_batches=4, batch_size=4)
     path = tmp_path / "plan.json"
     save_plan(plan, path)
     runs = {}
-    for precision in ("fp32", "bf16"):
+    for precision in ("fp32", "bf16", "fp16"):
         with Job(RANKS, "train_precision", plan.world_size, (str(path), precision, 8)) as job:
             results = job.wait(timeout=180)
         assert all(r.returncode == 0 for r in results), results
         runs[precision] = [r.value for r in results]
-    fp32, bf16 = runs["fp32"][0]["losses"], runs["bf16"][0]["losses"]
+    fp32 = runs["fp32"][0]["losses"]
     assert fp32[0] - fp32[-1] > 1.0                                     # it learns
-    assert max(abs(a - b) for a, b in zip(fp32, bf16, strict=True)) < 0.01, (fp32, bf16)
-    assert all(v["param_dtypes"] == ["torch.float32"] for v in runs["bf16"])
     sent = {p: sum(v["bytes"] for v in runs[p]) for p in runs}
-    assert sent["fp32"] > 0 and abs(sent["bf16"] / sent["fp32"] - 0.5) < 0.02, sent
+    for half in ("bf16", "fp16"):
+        losses = runs[half][0]["losses"]
+        assert max(abs(a - b) for a, b in zip(fp32, losses, strict=True)) < 0.01, (fp32, half, losses)
+        assert all(v["param_dtypes"] == ["torch.float32"] for v in runs[half])
+        assert sent["fp32"] > 0 and abs(sent[half] / sent["fp32"] - 0.5) < 0.02, sent
+
+
+def test_fp16_overflow_skips_the_step_on_every_rank_and_resume_restores_the_scale(tmp_path):
+    """A loss scale too large for float16: the first steps overflow, every rank skips them (no weight
+    changes) and halves the scale, then training goes on; resuming from step 5 continues bit for bit
+    with the scaler's state restored."""
+    plan = make_plan("gpt[layers=2,width=32,heads=2,seq=16,vocab=64]", [2], [2, 2], schedule="1f1b",
+                     micro_batches=4, batch_size=4)
+    path = tmp_path / "plan.json"
+    save_plan(plan, path)
+    values = {}
+    for resume in (False, True):
+        with Job(RANKS, "train_fp16", plan.world_size, (str(path), str(tmp_path), resume)) as job:
+            results = job.wait(timeout=180)
+        assert all(r.returncode == 0 for r in results), results
+        values[resume] = [r.value for r in results]
+    first = values[False]
+    scales = first[0]["scales"]
+    assert all(v["scales"] == scales for v in first)                 # every rank agrees
+    skipped = [k for k in range(10) if first[0]["changed"][k] is False]
+    assert skipped and skipped == list(range(len(skipped))) and len(skipped) < 10, first[0]
+    assert all(v["changed"] == first[0]["changed"] for v in first if v["has_params"])
+    assert scales[len(skipped) - 1] == 2.0 ** 24 / 2 ** len(skipped)
+    for a, b in zip(first, values[True], strict=True):
+        assert b["scales"] == a["scales"][5:] and b["digest"] == a["digest"]     # bit-identical continuation

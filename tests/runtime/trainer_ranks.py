@@ -101,3 +101,26 @@ def train_precision(rank: int, world: int, plan_path: str, precision: str, steps
     dtypes = sorted({str(p.dtype) for p in trainer.stage.parameters()})
     trainer.close()
     return {"losses": losses, "bytes": counter.sent, "param_dtypes": dtypes}
+
+
+def train_fp16(rank: int, world: int, plan_path: str, out: str, resume: bool) -> dict:
+    """10 fp16 steps from a loss scale of 2**24 (or resumed from OUT/fp16 after 5): the scale after
+    each step, whether this rank's weights changed, the final digest."""
+    plan = load_plan(plan_path)
+    trainer = Trainer(plan.model, plan, optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2), seed=SEED,
+                      precision="fp16", loss_scale=2.0**24, timeout=60)
+    data = data_for(plan, 10, SEED)
+    if resume:
+        assert trainer.load(f"{out}/fp16") is not None and trainer.step == 5
+    scales, changed = [], []
+    for k in range(trainer.step, 10):
+        before = state_digest(trainer)
+        trainer.train_step(*_batch(trainer, data, k))
+        scales.append(trainer.scaler.scale)
+        changed.append(state_digest(trainer) != before)
+        if k + 1 == 5 and not resume:
+            trainer.save(f"{out}/fp16")
+    digest = state_digest(trainer)
+    has_params = any(True for _ in trainer.stage.parameters())
+    trainer.close()
+    return {"scales": scales, "changed": changed, "digest": digest, "has_params": has_params}
