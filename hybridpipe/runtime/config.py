@@ -152,8 +152,9 @@ def build_parser() -> Parser:
                    help="held-out data, as --dataset (default: synthetic samples of another seed; required "
                         "with a --dataset of your own)")
     g.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
-                   help="bf16/fp16: compute under torch.autocast and send activations and gradients between "
-                        "stages in 16 bits (half the p2p bytes); weights and optimizer state stay float32; fp16 "
+                   help="bf16/fp16: compute under torch.autocast; activations and gradients between stages and "
+                        "the replicas' all-reduce in 16 bits (half the bytes); weights and optimizer state stay "
+                        "float32; fp16 "
                         "adds a dynamic loss scale whose overflowing steps every rank skips (gpipe, 1f1b; "
                         "default fp32)")
     g.add_argument("--skip-nonfinite", action="store_true",

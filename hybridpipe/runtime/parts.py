@@ -98,12 +98,12 @@ def check_tied(captured: CapturedModel, plan: Plan) -> None:
 
 def make_sync(plan: Plan, stage_module: nn.Module, stage: Stage, group: dist.ProcessGroup | None,
               exclude: Collection[nn.Parameter] = (), *, allreduce: str | None = None,
-              calibrations: Sequence[str] = (), aggregator: str | None = None):
+              calibrations: Sequence[str] = (), aggregator: str | None = None, wire_dtype: torch.dtype | None = None):
     """The stage's gradient sync: replicas sum their gradients (the schedule scales them), each
     layer with the plan's algorithm, sync unit and lane, unless ``allreduce`` / ``calibrations``
     (launch's ``--allreduce`` / ``--calibration``) override it (then the stage's first rank prints
     what changed; ``runtime/sync.py``). ``exclude``d parameters (tied across stages) are summed by
-    the TiedSync instead."""
+    the TiedSync instead. ``wire_dtype``: gradients all-reduced in that dtype (mixed precision)."""
     if stage.replicas == 1:
         return LocalSync()
     measured = [load_calibration(p) for p in calibrations]
@@ -117,7 +117,7 @@ def make_sync(plan: Plan, stage_module: nn.Module, stage: Stage, group: dist.Pro
                              + [f"--calibration {p}" for p in calibrations])
             print(describe_override(stage.index, flags, planned, layers), flush=True)
     hdp = HybridDataParallel(stage_module, group, units=unit_choices(layers), costs=GroupCosts(model, stage.ranks),
-                             aggregator=aggregator, reduce="sum", exclude=exclude)
+                             aggregator=aggregator, reduce="sum", exclude=exclude, wire_dtype=wire_dtype)
     log.info("stage %d: gradient sync: %s", stage.index,
              ", ".join(f"{u.name}:{u.algorithm}{'/lane 1' if u.lane else ''}" for u in hdp.units))
     return hdp

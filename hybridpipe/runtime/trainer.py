@@ -66,8 +66,8 @@ class Trainer:
     on every rank; see runtime/lr.py for launch's schedules). ``clip_grad_norm``: clip by the norm
     of the whole model's gradient (what ``torch.nn.utils.clip_grad_norm_`` on the unsplit model
     does). ``precision="bf16"``: forwards under ``torch.autocast(bfloat16)`` and activations and
-    gradients sent between stages as bfloat16 (half the p2p bytes); weights, gradients, the
-    replicas' all-reduce and the optimizer state stay float32. ``"fp16"`` likewise in float16,
+    gradients sent between stages and all-reduced between replicas as bfloat16 (half the bytes);
+    weights, their gradients and the optimizer state stay float32. ``"fp16"`` likewise in float16,
     with a dynamic loss scale (``loss_scale``: the initial one; runtime/scaler.py) whose overflow
     check all ranks agree on: an overflowing step is skipped everywhere. ``data``: a source of micro-batches
     by (step, micro-batch) for steps given no batch (launch's ``MicroBatches``). ``recorder``: a
@@ -122,7 +122,8 @@ class Trainer:
         self._uncounted = _repeated_tied(plan, self.stage_plan.index, self.model.module)
         self.sync = make_sync(plan, self.stage.module, self.stage_plan, groups.get(self.stage_plan.index),
                               exclude=tied.params if tied is not None else (), allreduce=allreduce,
-                              calibrations=tuple(calibrations), aggregator=aggregator)
+                              calibrations=tuple(calibrations), aggregator=aggregator,
+                              wire_dtype=PRECISIONS[precision])
         seed_rank(seed, rank)
         self.optimizer = _optimizer(optimizer or plan.optimizer, self.stage.module, lr, momentum, weight_decay)
         self.scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None and \
