@@ -1,37 +1,56 @@
-"""How long ``hybridpipe partition --strategy optimal`` takes as the graph and the cluster grow.
+"""How long ``hybridpipe partition --strategy optimal`` takes as the graph and the cluster grow, before and after.
 
-Times the whole optimal strategy (the data-parallel bound, the DP over every copy count, the
-tie pass) on seeded synthetic profiles (a conv-like front with big activations and small
-weights, an FC-like tail with big weights, skip connections every few nodes) for growing node
-counts, on 2-level clusters (hosts x workers per host) of growing size, from a cold cost model
-each time, as a user's run starts. Reports wall and CPU seconds (the median of ``--repeats``);
-on a shared machine CPU seconds are the fairer number. Optionally also times a real profile.
+Times the whole optimal strategy (the data-parallel bound, the DP over every copy count, the tie
+pass) on seeded synthetic profiles (a conv-like front with big activations and small weights, an
+FC-like tail with big weights, skip connections every few nodes) on 2-level clusters of 8 workers
+per host, from a cold cost model, each case in its own process (wall and CPU seconds, peak memory):
+
+* ``after``: the solver in ``hybridpipe/partitioner/dp.py``;
+* ``before``: the exhaustive solver it replaced (``tests/partitioner/reference_dp.py``), run only
+  where its O(N^2 W^2) cost, extrapolated from the biggest case run so far, stays under ``--before-limit``
+  seconds (the others are listed as skipped, with the estimate); where both finish, the JSON says
+  whether they returned the same plan.
+
+With ``--pipedream-src DIR`` (a checkout of msr-fiddle/pipedream: ``DIR/optimizer/
+optimizer_graph_hierarchical.py``, ``DIR/graph/graph.py``) it also times PipeDream's own optimizer on
+PipeDream's ResNet-50 profile (``tests/partitioner/data/pipedream/resnet50.graph.txt``) next to
+hybridpipe's ``optimal`` and ``pipedream`` strategies on the imported profile, on the same clusters
+(memory unchecked, as PipeDream's optimizer by default).
 
     .venv/bin/python benchmarks/partitioner_speed.py                 # JSON + PNG in benchmarks/results/
     .venv/bin/python benchmarks/partitioner_speed.py --quick
-    .venv/bin/python benchmarks/partitioner_speed.py --profile profiles/resnet50.json
+    .venv/bin/python benchmarks/partitioner_speed.py --pipedream-src /path/to/pipedream
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
+import json
+import math
+import os
 import random
-import statistics
+import resource
+import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import machine, pyplot, result_paths, setup_logging, write_results  # noqa: E402
 from hybridpipe.partitioner.cluster import Cluster, Level  # noqa: E402
-from hybridpipe.partitioner.planner import Request, partition  # noqa: E402
-from hybridpipe.profiles.format import Profile, ProfileNode, load_profile  # noqa: E402
+from hybridpipe.profiles.format import Profile, ProfileNode  # noqa: E402
 
-FULL_NODES = (25, 50, 100, 200)
-FULL_CLUSTERS = ((4, 2), (4, 4), (8, 4), (8, 8))         # (workers per host, hosts)
-QUICK_NODES = (25, 50)
-QUICK_CLUSTERS = ((4, 2), (4, 4))
+REPO = Path(__file__).resolve().parents[1]
+RESNET = REPO / "tests" / "partitioner" / "data" / "pipedream" / "resnet50.graph.txt"
+PER_HOST = 8
+FULL_NODES, FULL_WORKERS = (50, 200, 500, 1000), (64, 256, 1024, 4096)
+QUICK_NODES, QUICK_WORKERS = (50, 200), (64, 256)
+PIPEDREAM_HOSTS = ((4, 4), (8, 4), (8, 8), (8, 16))           # (workers per host, hosts)
+INNER_GBPS, NETWORK_GBPS = 100.0, 1.0
 
 
 def synthetic_profile(n_nodes: int, seed: int = 0) -> Profile:
@@ -54,65 +73,199 @@ def synthetic_profile(n_nodes: int, seed: int = 0) -> Profile:
 
 
 def cluster(per_host: int, hosts: int) -> Cluster:
-    return Cluster((Level("node", per_host, 100.0, 5.0), Level("network", hosts, 1.0, 50.0)), 32.0)
+    return Cluster((Level("node", per_host, INNER_GBPS, 5.0), Level("network", hosts, NETWORK_GBPS, 50.0)), 32.0)
 
 
-def time_once(profile: Profile, clu: Cluster) -> tuple[float, float, int]:
+# ---- one case, in its own process --------------------------------------------------------------
+def run_case(nodes: int, workers: int, solver: str, strategy: str = "optimal", profile: str | None = None) -> dict:
+    """Partition once; wall and CPU seconds, peak memory, the plan's figures."""
+    from hybridpipe.commands.import_pipedream import profile_from_graph
+    from hybridpipe.partitioner import dp
+    from hybridpipe.partitioner.planner import Request, partition
+    if solver == "before":
+        from tests.partitioner import reference_dp
+
+        def before(costs, model, w, opts, bound=math.inf, **_):
+            old = reference_dp.solve(costs, model, w, opts, bound)
+            return dp.Solution(old.stages, old.objective_ms, old.copies)
+        dp.solve = before
+    prof = profile_from_graph(Path(profile).read_text(), "pipedream-resnet50") if profile else synthetic_profile(nodes)
     wall, cpu = time.perf_counter(), time.process_time()
-    plan = partition(profile, clu, Request()).plan
-    return time.perf_counter() - wall, time.process_time() - cpu, len(plan.stages)
+    # ResNet-50 next to PipeDream's optimizer, which checks no memory by default: neither does this run
+    out = partition(prof, cluster(PER_HOST if workers >= PER_HOST else workers, max(1, workers // PER_HOST)),
+                    Request(strategy=strategy, memory_gb=1e6 if profile else None))
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    plan = out.plan
+    return {"nodes": len(prof.nodes), "workers": workers, "solver": solver, "strategy": strategy, "wall_s": wall,
+            "cpu_s": cpu, "peak_rss_mb": peak_rss_mb(),
+            "objective_ms": out.evaluation.objective_ms, "predicted_step_ms": plan.predicted_step_ms,
+            "stages": [[s.first_node, s.last_node, s.replicas] for s in plan.stages]}
 
 
-def measure(profile: Profile, clu: Cluster, repeats: int) -> dict:
-    runs = [time_once(profile, clu) for _ in range(repeats)]
-    return {"nodes": len(profile.nodes), "workers": clu.total_workers,
-            "levels": [[lv.name, lv.workers] for lv in clu.levels],
-            "wall_s": statistics.median(r[0] for r in runs), "cpu_s": statistics.median(r[1] for r in runs),
-            "wall_all_s": [r[0] for r in runs], "stages": runs[0][2]}
+def peak_rss_mb() -> float:
+    """This process's peak resident memory since it started (``VmHWM``; ``ru_maxrss`` would also count the
+    parent's pages at fork)."""
+    with contextlib.suppress(OSError, StopIteration):
+        with open("/proc/self/status") as f:
+            return int(next(x for x in f if x.startswith("VmHWM:")).split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def run_pipedream(src: str, per_host: int, hosts: int) -> dict:
+    """PipeDream's optimizer (its own code, imported from ``src``) on its ResNet-50 profile: wall seconds."""
+    sys.modules.setdefault("graphviz", types.ModuleType("graphviz"))   # only its plotting needs graphviz
+    sys.path[:0] = [str(Path(src) / "optimizer"), src]
+    import optimizer_graph_hierarchical as pd
+    flags = {"straight_pipeline": False, "use_memory_constraint": False, "use_fewer_machines": False,
+             "activation_compression_ratio": None, "memory_size": 16e9}
+    for name, value in flags.items():
+        setattr(pd, name, value)                                # its __main__ block sets these as globals
+    wall = time.perf_counter()
+    with contextlib.redirect_stdout(io.StringIO()):
+        pd.main([per_host, hosts], str(RESNET), [INNER_GBPS * 1e9 / 8, NETWORK_GBPS * 1e9 / 8], 16e9, False, False,
+                False, None, None, print_configuration=False)
+    return {"workers": per_host * hosts, "wall_s": time.perf_counter() - wall}
+
+
+def in_process(args: list[str], timeout: float) -> dict | None:
+    """Run one case in a fresh process; None when it ran out of time, {"skipped": why} when it died."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), *args]
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    except subprocess.TimeoutExpired:
+        return None
+    if done.returncode != 0:
+        why = f"killed by signal {-done.returncode} (out of memory?)" if done.returncode < 0 else \
+            (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+        return {"skipped": f"failed after {time.perf_counter() - start:.0f} s: {why}"}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# ---- the driver ----------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small sizes only (a smoke test)")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--profile", action="append", default=[], help="also time this real profile (repeatable)")
+    ap.add_argument("--nodes", help="comma-separated node counts (default 50,200,500,1000)")
+    ap.add_argument("--workers", help="comma-separated worker counts, multiples of 8 (default 64,256,1024,4096)")
+    ap.add_argument("--before-limit", type=float, default=300.0,
+                    help="skip 'before' cases estimated to take longer than this many seconds (default 300)")
+    ap.add_argument("--pipedream-src", metavar="DIR", help="also time PipeDream's optimizer from this checkout")
     ap.add_argument("--out-dir", help="where to write the JSON and PNG (default benchmarks/results/)")
+    ap.add_argument("--case", nargs=2, type=int, metavar=("NODES", "WORKERS"), help=argparse.SUPPRESS)
+    ap.add_argument("--solver", default="after", help=argparse.SUPPRESS)
+    ap.add_argument("--strategy", default="optimal", help=argparse.SUPPRESS)
+    ap.add_argument("--resnet", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--pipedream-case", nargs=2, type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.case:
+        print(json.dumps(run_case(*args.case, args.solver, args.strategy, str(RESNET) if args.resnet else None)))
+        return 0
+    if args.pipedream_case:
+        print(json.dumps(run_pipedream(args.pipedream_src, *args.pipedream_case)))
+        return 0
     setup_logging()
-    nodes, clusters = (QUICK_NODES, QUICK_CLUSTERS) if args.quick else (FULL_NODES, FULL_CLUSTERS)
-    rows = []
-    for per_host, hosts in clusters:
-        for n in nodes:
-            row = measure(synthetic_profile(n), cluster(per_host, hosts), args.repeats)
-            rows.append(row)
-            print(f"{row['nodes']:4d} nodes  {row['workers']:3d} workers ({per_host} x {hosts})  "
-                  f"wall {row['wall_s']:7.3f} s  cpu {row['cpu_s']:7.3f} s  {row['stages']} stages", flush=True)
-    real = []
-    for path in args.profile:
-        prof = load_profile(path)
-        for per_host, hosts in clusters:
-            row = measure(prof, cluster(per_host, hosts), args.repeats)
-            row["profile"] = str(path)
-            real.append(row)
-            print(f"{path}: {row['nodes']} nodes, {row['workers']} workers: wall {row['wall_s']:.3f} s, "
-                  f"cpu {row['cpu_s']:.3f} s", flush=True)
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    for workers in sorted({r["workers"] for r in rows}):
-        mine = [r for r in rows if r["workers"] == workers]
-        ax.plot([r["nodes"] for r in mine], [r["cpu_s"] for r in mine], marker="o", label=f"{workers} workers")
-    ax.axhline(1.0, color="grey", linestyle=":", linewidth=1)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("profile nodes")
-    ax.set_ylabel("CPU seconds (median)")
-    ax.set_title("hybridpipe partition --strategy optimal (2-level clusters)")
-    ax.legend()
+    nodes = [int(x) for x in args.nodes.split(",")] if args.nodes else QUICK_NODES if args.quick else FULL_NODES
+    workers = [int(x) for x in args.workers.split(",")] if args.workers else \
+        QUICK_WORKERS if args.quick else FULL_WORKERS
     json_path, png_path = result_paths("partitioner_speed", args.quick, args.out_dir)
-    write_results(json_path, {"benchmark": "partitioner_speed", "machine": machine(), "repeats": args.repeats,
-                              "synthetic": rows, "profiles": real}, fig, png_path)
+    head = {"benchmark": "partitioner_speed", "machine": machine(), "before_limit_s": args.before_limit}
+    rows = speed_grid(nodes, workers, args.before_limit)
+    write_results(json_path, {**head, "load_avg": os.getloadavg(), "synthetic": rows}, figure(rows), png_path)
+    resnet = resnet_rows(args.pipedream_src, args.before_limit) if args.pipedream_src else []
+    write_results(json_path, {**head, "load_avg": os.getloadavg(), "synthetic": rows, "resnet50": resnet})
+    print(table(rows))
     print(f"wrote {json_path} and {png_path}")
     return 0
+
+
+def speed_grid(nodes: list[int], workers: list[int], limit: float) -> list[dict]:
+    """Every (nodes, workers) case after, and before where its estimated cost is under ``limit``."""
+    rows, scale, largest = [], None, 0
+    for w in workers:
+        for n in nodes:
+            after = in_process(["--case", str(n), str(w)], timeout=3600)
+            row = {"nodes": n, "workers": w, "after": after}
+            estimate = None if scale is None else scale * n * n * w * w
+            if estimate is not None and estimate > limit:
+                row["before"] = {"skipped": f"estimated {estimate:.0f} s (> {limit:g} s)"}
+            else:
+                before = in_process(["--case", str(n), str(w), "--solver", "before"], timeout=1.5 * limit)
+                row["before"] = before or {"skipped": f"stopped after {1.5 * limit:.0f} s"}
+                before = before if before and "skipped" not in before else None
+                if before:
+                    row["same_plan"] = (before["stages"], before["objective_ms"]) == \
+                        (after["stages"], after["objective_ms"])
+                if before and n * n * w * w >= largest:       # extrapolate from the biggest case run
+                    scale, largest = before["wall_s"] / (n * n * w * w), n * n * w * w
+            rows.append(row)
+            print(line(row), flush=True)
+    return rows
+
+
+def resnet_rows(src: str, limit: float) -> list[dict]:
+    """PipeDream's optimizer vs hybridpipe's optimal and pipedream strategies on ResNet-50."""
+    out = []
+    for per_host, hosts in PIPEDREAM_HOSTS:
+        w = per_host * hosts
+        theirs = in_process(["--pipedream-case", str(per_host), str(hosts), "--pipedream-src", src], timeout=limit)
+        theirs = theirs if theirs and "skipped" not in theirs else None
+        mine = in_process(["--case", "0", str(w), "--resnet"], timeout=3600)
+        strategy = in_process(["--case", "0", str(w), "--resnet", "--strategy", "pipedream"], timeout=3600)
+        row = {"workers": w, "hosts": [per_host, hosts], "pipedream_optimizer": theirs or {"stopped_after_s": limit},
+               "optimal": mine, "pipedream_strategy": strategy}
+        out.append(row)
+        theirs_s = f"{theirs['wall_s']:.2f} s" if theirs else f"> {limit:g} s"
+        print(f"ResNet-50 on {w} workers ({per_host} x {hosts}): PipeDream's optimizer {theirs_s} | hybridpipe "
+              f"optimal {mine['wall_s']:.2f} s | --strategy pipedream {strategy['wall_s']:.2f} s", flush=True)
+    return out
+
+
+def line(row: dict) -> str:
+    a, b = row["after"], row["before"]
+    before = f"{b['wall_s']:8.2f} s" if "wall_s" in b else f"skipped ({b['skipped']})"
+    return (f"{row['nodes']:5d} nodes {row['workers']:5d} workers: after {a['wall_s']:7.2f} s "
+            f"(cpu {a['cpu_s']:6.2f}, {a['peak_rss_mb']:5.0f} MB)  before {before}"
+            + (f"  same plan: {row['same_plan']}" if "same_plan" in row else ""))
+
+
+def table(rows: list[dict]) -> str:
+    out = ["| nodes | workers | before: wall s | after: wall s | after: CPU s | after: peak MB | same plan |",
+           "|---:|---:|---:|---:|---:|---:|:---:|"]
+    for r in rows:
+        b = r["before"]
+        before = f"{b['wall_s']:.2f}" if "wall_s" in b else f"skipped: {b['skipped']}"
+        a = r["after"]
+        same = "-" if "same_plan" not in r else "yes" if r["same_plan"] else "NO"
+        out.append(f"| {r['nodes']} | {r['workers']} | {before} | {a['wall_s']:.2f} | {a['cpu_s']:.2f} | "
+                   f"{a['peak_rss_mb']:.0f} | {same} |")
+    return "\n".join(out)
+
+
+def figure(rows: list[dict]):
+    plt = pyplot()
+    fig, (ax, mem) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for k, n in enumerate(sorted({r["nodes"] for r in rows})):
+        mine = [r for r in rows if r["nodes"] == n]
+        color = f"C{k}"
+        ax.plot([r["workers"] for r in mine], [r["after"]["wall_s"] for r in mine], marker="o", color=color,
+                label=f"{n} nodes, after")
+        done = [r for r in mine if "wall_s" in r["before"]]
+        ax.plot([r["workers"] for r in done], [r["before"]["wall_s"] for r in done], marker="x", linestyle="--",
+                color=color, label=f"{n} nodes, before")
+        mem.plot([r["workers"] for r in mine], [r["after"]["peak_rss_mb"] for r in mine], marker="o", color=color,
+                 label=f"{n} nodes")
+    for a, label in ((ax, "wall seconds"), (mem, "peak memory, MB (after)")):
+        a.set_xscale("log", base=2)
+        a.set_yscale("log")
+        a.set_xlabel("workers (8 per host)")
+        a.set_ylabel(label)
+    ax.axhline(5, color="grey", linestyle=":", linewidth=1)
+    ax.axhline(30, color="grey", linestyle=":", linewidth=1)
+    ax.set_title("partition --strategy optimal: before (dashed) and after")
+    ax.legend(fontsize=7, ncol=2)
+    mem.legend(fontsize=7)
+    return fig
 
 
 if __name__ == "__main__":

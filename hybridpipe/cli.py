@@ -18,6 +18,7 @@ COMMANDS = (
     ("profile", "profile", "trace a model and measure every node (forward, backward, bytes)"),
     ("show", "show", "print a profile, plan or calibration file as a table"),
     ("partition", "partition", "split a profiled model into stages x replicas for a cluster"),
+    ("import-pipedream", "import_pipedream", "convert a PipeDream profile (graph.txt) to a hybridpipe profile"),
     ("simulate", "simulate", "predict a plan's step time with an event-driven simulation"),
     ("schedule", "schedule", "print or draw a plan's per-rank instruction lists"),
     ("bench-allreduce", "bench_allreduce", "measure every all-reduce algorithm; write a calibration"),

@@ -8,8 +8,15 @@ adds every strategy side by side, ``--layers`` every layer's all-reduce choice.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import math
+import sys
+import time
 from collections import Counter
+from collections.abc import Callable, Iterator
 from pathlib import Path
+
+from tqdm import tqdm
 
 from hybridpipe.argtypes import output_file, positive_float, positive_int
 from hybridpipe.commands.show import human_bytes, table
@@ -17,9 +24,12 @@ from hybridpipe.errors import UserError
 from hybridpipe.limits import require_memory
 from hybridpipe.partitioner.calibration import load_calibration
 from hybridpipe.partitioner.cluster import load_cluster
+from hybridpipe.partitioner.dp import Progress
 from hybridpipe.partitioner.plan import ALGORITHMS, OPTIMIZERS, SCHEDULES, STRATEGIES, Plan, save_plan
 from hybridpipe.partitioner.planner import Outcome, Request, partition
 from hybridpipe.profiles.format import load_profile
+
+SHOW_AFTER_S = 1.0        # the progress bar appears only on partitions that take longer
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,6 +59,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="aggregator all-reduce on a worker rank or a dedicated process (default worker)")
     parser.add_argument("--layers", action="store_true", help="also print every layer's all-reduce choice")
     parser.add_argument("--compare", action="store_true", help="also predict every other strategy")
+    parser.add_argument("--time-limit", type=float, metavar="S",
+                        help="optimal: stop after S seconds with the best plan found so far and say how far from the "
+                             "optimum it can be (default: search to the optimum)")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -59,9 +73,12 @@ def run(args: argparse.Namespace) -> int:
     req = Request(workers=args.workers, strategy=args.strategy, schedule=args.schedule,
                   micro_batches=args.micro_batches, optimizer=args.optimizer, memory_gb=args.memory_gb,
                   stages=args.stages, algorithms=tuple(a.strip() for a in args.algorithms.split(",") if a.strip()),
-                  dedicated_aggregator=args.aggregator == "dedicated")
-    outcome = partition(profile, cluster, req, calibrations)
+                  dedicated_aggregator=args.aggregator == "dedicated", time_limit_s=args.time_limit)
+    with search_bar(args.strategy, disable=args.quiet) as progress:
+        outcome = partition(profile, cluster, req, calibrations, progress=progress)
     print(render(outcome, profile.nodes, layers=args.layers))
+    for note in outcome.notes:
+        print(f"note: {note}")
     print(compare(profile, cluster, req, calibrations, outcome, every=args.compare))
     if args.output:
         save_plan(outcome.plan, Path(args.output))
@@ -71,16 +88,44 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-# issue 16's measurements of the optimal strategy: 4.5 GB for 178 nodes on 1024 workers, 830 MB
-# for 178 on 256: about 140 bytes per (node pair x worker); rounded up
-DP_BYTES_PER_STATE = 160
+# the optimal strategy's peak memory, measured by benchmarks/partitioner_speed.py (RESULTS.md): its
+# all-reduce price tables grow with workers squared (2.1 GB at 4096), its stage tables with nodes
+# squared (150 MB at 1000 nodes); about 128 bytes per entry of either, rounded up
+DP_BYTES_PER_ENTRY = 160
 
 
 def check_search_size(nodes: int, workers: int) -> None:
     """UserError before any work unless the partitioner's tables for ``nodes`` x ``workers`` fit."""
-    require_memory(DP_BYTES_PER_STATE * nodes * nodes * workers,
+    require_memory(DP_BYTES_PER_ENTRY * (nodes * nodes + workers * workers),
                    f"partitioning {nodes} nodes over {workers:,} workers",
                    "plan for fewer workers (--workers N) or profile the model at a coarser granularity")
+
+
+@contextlib.contextmanager
+def search_bar(strategy: str, disable: bool = False) -> Iterator[Callable[[Progress], None] | None]:
+    """A tqdm bar on stderr for a search that takes more than a second: its bounds on the optimum as it goes."""
+    if disable or strategy != "optimal":
+        yield None
+        return
+    bar = tqdm(desc="optimal", unit=" stages", unit_scale=True, delay=SHOW_AFTER_S, file=sys.stderr, leave=False)
+    start = time.monotonic()
+    shown = start - 1.0
+
+    def update(p: Progress) -> None:
+        nonlocal shown
+        now = time.monotonic()
+        if now - start < SHOW_AFTER_S or now - shown < 0.2:       # quick partitions show nothing
+            return
+        shown = now
+        bar.n = p.candidates
+        best = f"{p.best_ms:.1f}" if math.isfinite(p.best_ms) else "-"
+        bar.set_postfix_str(f"{p.phase}: optimum in [{p.lower_ms:.1f}, {best}] ms/step", refresh=False)
+        bar.refresh()
+
+    try:
+        yield update
+    finally:
+        bar.close()
 
 
 def render(outcome: Outcome, nodes, *, layers: bool = False) -> str:
@@ -90,7 +135,7 @@ def render(outcome: Outcome, nodes, *, layers: bool = False) -> str:
     head = [f"plan for {plan.model}: global batch {plan.micro_batches * plan.batch_size} = {plan.micro_batches} "
             f"micro-batches x {plan.batch_size} samples per step, "
             f"schedule {plan.schedule}, strategy {plan.strategy}, optimizer {plan.optimizer}",
-            f"cluster: {cluster_line(plan)}"]
+            f"cluster: {cluster_line(plan, outcome.options.memory_bytes / 1e9)}"]
     rows = []
     for s, e in zip(plan.stages, ev.stages, strict=True):
         algos = Counter(lv.algorithm for lv in s.layers)
@@ -120,12 +165,14 @@ def compare(profile, cluster, req: Request, calibrations, outcome: Outcome, *, e
     mine = outcome.plan.predicted_step_ms
     names = [s for s in STRATEGIES if s != req.strategy] if every else (["dp"] if req.strategy != "dp" else [])
     rows: list[list[object]] = []
+    reasons: list[str] = []
     for name in names:
         try:
             other = partition(profile, cluster, Request(**{**req.__dict__, "strategy": name, "stages": None}),
                               calibrations).plan
         except UserError as e:
-            rows.append([name, "-", "-", "-", str(e)[:70]])
+            rows.append([name, "-", "-", "-", "infeasible (why: below)"])
+            reasons.append(f"{name} is infeasible: {e}")
             continue
         rows.append([name, len(other.stages), f"{other.predicted_step_ms:.1f}", f"{other.predicted_samples_per_s:.1f}",
                      f"{other.predicted_step_ms / mine:.2f}x the step of {req.strategy}"])
@@ -134,8 +181,10 @@ def compare(profile, cluster, req: Request, calibrations, outcome: Outcome, *, e
     if not every:
         r = rows[0]
         return (f"data parallel on the same workers: {r[2]} ms/step ({r[4]})" if r[1] != "-"
-                else f"data parallel on the same workers: infeasible ({r[4]})")
-    return "\n" + table(["strategy", "stages", "step ms", "samples/s", "vs this plan"], rows)
+                else f"data parallel on the same workers: infeasible: {reasons[0].split(': ', 1)[1]}")
+
+    out = "\n" + table(["strategy", "stages", "step ms", "samples/s", "vs this plan"], rows)
+    return out + "".join(f"\n{reason}" for reason in reasons)
 
 
 def rank_ranges(ranks) -> str:
@@ -154,6 +203,7 @@ def rank_ranges(ranks) -> str:
     return ",".join(out)
 
 
-def cluster_line(plan: Plan) -> str:
+def cluster_line(plan: Plan, memory_gb: float) -> str:
+    """The cluster the plan is for, with the memory per worker it was planned against (--memory-gb)."""
     lv = ", ".join(f"{x.name} x{x.workers} @ {x.bandwidth_gbps:g} Gbit/s" for x in plan.cluster.levels)
-    return f"{lv}; {plan.cluster.memory_gb:g} GB per worker; {plan.world_size} workers"
+    return f"{lv}; {memory_gb:g} GB per worker; {plan.world_size} workers"

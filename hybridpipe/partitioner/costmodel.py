@@ -229,18 +229,38 @@ class CostModel:
 
     def line(self, algorithm: str, ranks: Sequence[int], *, halving: bool = False,
              shape: tuple[int, int] | None = None) -> Line:
-        """``seconds = A + B * nbytes`` for one all-reduce with this algorithm (and variant) on ranks."""
+        """``seconds = A + B * nbytes`` for one all-reduce with this algorithm (and variant) on ranks.
+
+        With the default torus shape every algorithm's line on the group is computed at once by
+        ``fastlines.py`` (the same numbers as :meth:`priced_line`, without building every message:
+        a ring over thousands of ranks would otherwise hold millions of them)."""
         key = (algorithm, tuple(sorted(ranks)), halving, shape)
         hit = self._lines.get(key)
+        if hit is None and shape is None and algorithm in ALGORITHMS:
+            self.span_level(key[1])                   # ranks outside the cluster: a clear error first
+            self._fill_lines(key[1])
+            hit = self._lines.get(key)
         if hit is None:
-            alpha = per_byte = 0.0
-            fits = self._fits(algorithm)
-            for rl in self.structure(algorithm, ranks, halving=halving, shape=shape):
-                a, b = self.price(rl, algorithm, fits)
-                alpha += a
-                per_byte += b
-            hit = self._lines[key] = Line(alpha * self.overlap_slowdown, per_byte * self.overlap_slowdown)
+            hit = self._lines[key] = self.priced_line(algorithm, key[1], halving=halving, shape=shape)
         return hit
+
+    def priced_line(self, algorithm: str, ranks: Sequence[int], *, halving: bool = False,
+                    shape: tuple[int, int] | None = None) -> Line:
+        """:meth:`line` from the collective's priced rounds, message by message (the reference)."""
+        alpha = per_byte = 0.0
+        fits = self._fits(algorithm)
+        for rl in self.structure(algorithm, ranks, halving=halving, shape=shape):
+            a, b = self.price(rl, algorithm, fits)
+            alpha += a
+            per_byte += b
+        return Line(alpha * self.overlap_slowdown, per_byte * self.overlap_slowdown)
+
+    def _fill_lines(self, key: tuple[int, ...]) -> None:
+        from hybridpipe.partitioner import fastlines  # it builds on this module
+
+        variants = [(a, h) for a in ALGORITHMS for h in ((False, True) if a == "butterfly" else (False,))]
+        for (a, h), (_, ln) in zip(variants, fastlines.lines(self, key, ALGORITHMS), strict=True):
+            self._lines.setdefault((a, key, h, None), ln)
 
     def price(self, rl: RoundLoad, algorithm: str, fits: Sequence[LinkFit] | None = None) -> tuple[float, float]:
         """(seconds, seconds per byte of S) of one priced-out round, all its repeats."""
@@ -253,15 +273,6 @@ class CostModel:
         """Every candidate's line(s) on ``ranks``; butterfly contributes both of its variants."""
         variants = [(a, h) for a in algorithms for h in ((False, True) if a == "butterfly" else (False,))]
         key = tuple(sorted(ranks))
-        missing = [(a, h) for a, h in variants
-                   if ("ring" if a == "native" else a, key, h, None) not in self._structure]
-        if missing:                                   # price every missing structure in one pass
-            top = self.span_level(key) if len(key) > 1 else 0
-            built = [self._priced(a, key, h) for a, h in missing]
-            loads = self._loads([r for rounds in built for r in rounds], key, top)
-            for (a, h), rounds in zip(missing, built, strict=True):
-                self._structure[("ring" if a == "native" else a, key, h, None)] = loads[:len(rounds)]
-                loads = loads[len(rounds):]
         return [(a, self.line(a, key, halving=h)) for a, h in variants]
 
     def butterfly_halving(self, nbytes: float, ranks: Sequence[int]) -> bool:

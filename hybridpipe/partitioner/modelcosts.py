@@ -5,7 +5,7 @@ positions; the cut after position ``s`` separates ``0..s`` from ``s+1..``. Every
 at or before ``s`` and used after ``s`` crosses that cut (skip connections included), whichever
 stage uses it, so a tensor that jumps several stages is charged at every cut it passes, as the
 pipeline relays it. Its gradient comes back the same way, except for the input batch (the
-placeholder's outputs), which needs none.
+first node's outputs), which needs none.
 """
 
 from __future__ import annotations
@@ -31,6 +31,19 @@ class ModelCosts:
     cut_grad_bytes: np.ndarray              # their gradients coming back
     step_ms: tuple[tuple[str, float], ...] = ()   # (optimizer, ms of one step over all parameters)
     saved_bytes: np.ndarray | None = None   # what autograd keeps per node for the backward (None: unknown)
+    # per position: the value that makes a cut right after it infeasible ("" where the cut is free)
+    cut_blockers: tuple[str, ...] = ()
+
+    @property
+    def cut_ok(self) -> np.ndarray:
+        """Bool per position: may a stage end here? (always at the last node)"""
+        ok = np.array([not b for b in self.cut_blockers], dtype=bool) if self.cut_blockers else np.ones(self.n, bool)
+        ok[-1:] = True
+        return ok
+
+    def blocked_cut(self, j: int) -> str | None:
+        """The value that blocks the cut after position ``j`` (None where it is free or j is the last)."""
+        return (self.cut_blockers[j] or None) if self.cut_blockers and j < self.n - 1 else None
 
     @property
     def n(self) -> int:
@@ -82,18 +95,21 @@ def model_costs(profile: Profile) -> ModelCosts:
         cut_grad_bytes=cut_grad,
         step_ms=(("sgd", profile.totals.sgd_step_ms), ("adam", profile.totals.adam_step_ms)),
         saved_bytes=saved if saved.any() else None,
+        cut_blockers=tuple(nd.cut_blocker or "" for nd in profile.nodes),
     )
 
 
 def _edge_cuts(profile: Profile) -> tuple[np.ndarray, np.ndarray]:
     """(cut bytes, their gradients) from the edges: every node output live across a cut is charged
-    there; the first node's output (the input batch, when it is a node) needs no gradient."""
+    there; the first node's output, when it is code without parameters (the input batch), needs no gradient."""
     n = len(profile.nodes)
     last_use = list(range(n))
     for src, dst in profile.edges:
         last_use[src] = max(last_use[src], dst)
     act = np.array([nd.activation_bytes for nd in profile.nodes], dtype=float)
-    no_grad = np.array([nd.activation_bytes if nd.op == "placeholder" else 0 for nd in profile.nodes], dtype=float)
+    no_grad = np.zeros(n)
+    if n and profile.nodes[0].op == "ops" and not profile.nodes[0].params:
+        no_grad[0] = act[0]            # the input batch
     diff = np.zeros(n + 1)
     diff_ng = np.zeros(n + 1)
     for u in range(n):

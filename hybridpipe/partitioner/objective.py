@@ -24,8 +24,9 @@ by ``bench-allreduce``; 0 without a calibration) times the bytes its link carrie
 ``2 (r - 1) / r`` of the stage's weights per sync and, per micro-batch, the mean of the bytes it
 sends and receives.
 
-The objective is the largest stage term; a stage that does not fit in a worker's memory, or
-has more replicas than micro-batches (or, for pipedream, a replica count that does not divide
+The objective is the largest stage term; a stage that does not fit in a worker's memory, that ends
+where a value that cannot cross a stage boundary would have to (``cuts.py``), or has more replicas
+than micro-batches (or, for pipedream, a replica count that does not divide
 them: its replicas synchronise in rounds), makes the plan infeasible (infinite). Memory per
 worker: weights, gradients and optimizer state (sgd
 momentum: 1 copy, adam: 2), plus the activations of the micro-batches in flight (gpipe: all k;
@@ -209,7 +210,7 @@ def evaluate(costs: ModelCosts, model: CostModel, stages: Sequence[StageSpec], o
                                inflight, mem, extra, busy, max(busy, opts.micro_batches * x), gap))
         workers_after -= r
     fits = all(e.memory_bytes <= opts.memory_bytes for e in evals) and all(
-        opts.replicas_ok(len(s.ranks)) for s in stages)
+        opts.replicas_ok(len(s.ranks)) for s in stages) and all(costs.blocked_cut(s.last) is None for s in stages)
     return Evaluation(tuple(evals), max(e.term_ms for e in evals) if fits else math.inf, fits)
 
 

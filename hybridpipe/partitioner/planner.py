@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import datetime as dt
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from hybridpipe.errors import UserError
@@ -17,6 +18,7 @@ from hybridpipe.partitioner import dp
 from hybridpipe.partitioner.calibration import Calibration
 from hybridpipe.partitioner.cluster import Cluster
 from hybridpipe.partitioner.costmodel import CostModel
+from hybridpipe.partitioner.cuts import blocked_message
 from hybridpipe.partitioner.modelcosts import ModelCosts, model_costs
 from hybridpipe.partitioner.objective import (
     Evaluation,
@@ -49,6 +51,7 @@ class Request:
     stages: int | None = None
     algorithms: tuple[str, ...] = ALGORITHMS
     dedicated_aggregator: bool = False
+    time_limit_s: float | None = None          # optimal: stop searching then, keep the best plan found
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,7 @@ class Outcome:
     evaluation: Evaluation
     model: CostModel
     options: Options
+    notes: tuple[str, ...] = ()                # what the user should know about how the plan was chosen
 
 
 def resolve(cluster: Cluster, req: Request) -> tuple[Cluster, int, Options]:
@@ -78,6 +82,8 @@ def resolve(cluster: Cluster, req: Request) -> tuple[Cluster, int, Options]:
         raise UserError(f"--memory-gb must be > 0, got {req.memory_gb}")
     if req.micro_batches is not None and req.micro_batches < 1:
         raise UserError(f"--micro-batches must be at least 1, got {req.micro_batches}")
+    if req.time_limit_s is not None and not req.time_limit_s > 0:
+        raise UserError(f"--time-limit must be > 0 seconds, got {req.time_limit_s:g}")
     if req.stages is not None and req.stages < 1:
         raise UserError(f"--stages must be at least 1, got {req.stages}")
     if req.stages is not None and req.strategy in ("optimal", "pipedream"):
@@ -94,37 +100,75 @@ def resolve(cluster: Cluster, req: Request) -> tuple[Cluster, int, Options]:
 
 
 def partition(profile: Profile, cluster: Cluster, req: Request = Request(),
-              calibrations: Sequence[Calibration] = ()) -> Outcome:
-    """Plan ``profile`` on ``cluster`` as ``req`` asks; UserError when no plan is possible."""
+              calibrations: Sequence[Calibration] = (),
+              progress: Callable[[dp.Progress], None] | None = None) -> Outcome:
+    """Plan ``profile`` on ``cluster`` as ``req`` asks; UserError when no plan is possible.
+
+    ``progress`` is called as the optimal strategy's search goes (for a progress bar).
+    """
+    deadline = None if req.time_limit_s is None else time.monotonic() + req.time_limit_s
     cluster, workers, opts = resolve(cluster, req)
     model = CostModel(cluster, list(calibrations), aggregator_dedicated=req.dedicated_aggregator)
     costs = model_costs(profile)
-    stages = choose_stages(req.strategy, costs, model, workers, opts, req.stages)
+    stages, notes = choose_stages(req.strategy, costs, model, workers, opts, req.stages, deadline, progress)
+    blocked = blocked_message(costs, stages, req.strategy)
+    if blocked:
+        raise UserError(blocked)
+    if req.strategy == "pipedream" and req.micro_batches is None:
+        opts, note = divisible_micro_batches(stages, opts)
+        notes += (note,)
     ev = evaluate(costs, model, stages, opts)
     if not ev.fits:
         raise UserError(memory_message(stages, ev, opts, req.strategy))
-    return Outcome(build_plan(profile, costs, cluster, stages, ev, opts, req.strategy, model), ev, model, opts)
+    return Outcome(build_plan(profile, costs, cluster, stages, ev, opts, req.strategy, model), ev, model, opts,
+                   notes)
 
 
 def choose_stages(strategy: str, costs: ModelCosts, model: CostModel, workers: int, opts: Options,
-                  stages: int | None = None) -> tuple[StageSpec, ...]:
-    """The stage list a strategy picks."""
+                  stages: int | None = None, deadline: float | None = None,
+                  progress: Callable[[dp.Progress], None] | None = None
+                  ) -> tuple[tuple[StageSpec, ...], tuple[str, ...]]:
+    """The stage list a strategy picks, and notes on how (a search stopped by its time limit)."""
     if strategy == "optimal":
         data_parallel = baseline_stages("dp", costs, workers)
         bound = evaluate(costs, model, data_parallel, opts).objective_ms
-        sol = dp.solve(costs, model, workers, opts, bound)
-        if sol.stages:
-            return sol.stages
-        if math.isfinite(bound):
-            return data_parallel
-        raise UserError(no_fit_message(costs, workers, opts))
+        sol = dp.solve(costs, model, workers, opts, bound, deadline=deadline, progress=progress)
+        chosen = sol.stages if sol.stages else data_parallel if math.isfinite(bound) else None
+        if chosen is None:
+            raise UserError(no_fit_message(costs, workers, opts) if sol.complete else
+                            "no plan found within --time-limit (not even data parallelism fits); "
+                            "raise --time-limit or --memory-gb")
+        if sol.complete:
+            return chosen, ()
+        return chosen, (gap_note(sol.objective_ms if sol.stages else bound, sol.lower_bound_ms),)
     if strategy == "pipedream":
         found = pipedream_stages(costs, model.cluster.with_workers(workers), opts.memory_bytes)
         if found is None:
             raise UserError("PipeDream's partitioner finds no plan within its memory check "
                             f"({opts.memory_bytes / 1e9:g} GB per worker); raise --memory-gb or add workers")
-        return found
-    return baseline_stages(strategy, costs, workers, stages)
+        return found, ()
+    return baseline_stages(strategy, costs, workers, stages), ()
+
+
+def gap_note(objective_ms: float, lower_ms: float) -> str:
+    """What a search stopped by --time-limit can promise about the plan it returns."""
+    head = f"--time-limit reached: the best plan found so far ({objective_ms:.1f} ms/step in steady state)"
+    if lower_ms <= 0:
+        return head + "; no lower bound on the optimum was proven yet: raise --time-limit for one"
+    gap = max(0.0, objective_ms / lower_ms - 1)
+    return (head + f" is at most {100 * gap:.2f}% slower than the optimum (no plan is below {lower_ms:.1f} ms/step); "
+            "raise --time-limit to close the gap")
+
+
+def divisible_micro_batches(stages: Sequence[StageSpec], opts: Options) -> tuple[Options, str]:
+    """PipeDream's replicas take micro-batches in rounds: the default count rounded up to a multiple of every
+    stage's replica count."""
+    step = math.lcm(*(len(s.ranks) for s in stages))
+    micro = step * -(-opts.micro_batches // step)
+    counts = ", ".join(str(len(s.ranks)) for s in stages)
+    return (replace(opts, micro_batches=micro),
+            f"--strategy pipedream: {micro} micro-batches per step, a multiple of every stage's replicas ({counts}); "
+            "give --micro-batches to choose another")
 
 
 def build_plan(profile: Profile, costs: ModelCosts, cluster: Cluster, stages: Sequence[StageSpec],
@@ -180,9 +224,10 @@ def no_fit_message(costs: ModelCosts, workers: int, opts: Options) -> str:
     if not opts.replicas_ok(1) or costs.n * opts.micro_batches < workers:
         return (f"{workers} workers cannot all get micro-batches: {costs.n} nodes x {opts.micro_batches} micro-batches "
                 "per step; raise --micro-batches or use fewer --workers")
+    other = "" if opts.schedule == "1f1b" else ", or use --schedule 1f1b (it keeps fewer micro-batches in flight)"
     return (f"no partition onto {workers} workers fits in {gb:g} GB per worker with {opts.micro_batches} "
             f"micro-batches ({opts.schedule}) and a replica count per stage that divides into them; raise "
-            "--memory-gb or --micro-batches, add workers, or use --schedule 1f1b")
+            f"--memory-gb or --micro-batches, or add workers{other}")
 
 
 def memory_message(stages: Sequence[StageSpec], ev: Evaluation, opts: Options, strategy: str) -> str:

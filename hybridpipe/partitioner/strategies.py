@@ -9,6 +9,9 @@
 ``uniform`` and ``params`` make one stage per worker by default; with ``stages`` S (dividing the
 worker count) each stage gets W / S replicas, as DeepSpeed's pipeline x data parallel grid
 does. Ranks are contiguous blocks in stage order.
+
+None of them cuts where a value that cannot cross a stage boundary would have to (``cuts.py``):
+uniform moves such a boundary to the nearest free cut, params and time balance over free cuts only.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from hybridpipe.errors import UserError
+from hybridpipe.partitioner.cuts import free_ends_mask, nearest_free_ends
 from hybridpipe.partitioner.modelcosts import ModelCosts
 from hybridpipe.partitioner.objective import StageSpec
 
@@ -36,11 +40,12 @@ def uniform_sizes(n: int, parts: int) -> list[int]:
     return [n // parts + (1 if k < n % parts else 0) for k in range(parts)]
 
 
-def balanced_sizes(weights: np.ndarray, parts: int) -> list[int]:
+def balanced_sizes(weights: np.ndarray, parts: int, ends_ok: np.ndarray | None = None) -> list[int] | None:
     """Contiguous groups (each non-empty) minimising the largest group's total weight.
 
     The classic linear-partition recurrence ``best[k, j] = min_s max(best[k-1, s], W(s..j))``,
-    vectorised over s; ties go to the earliest cut.
+    vectorised over s; ties go to the earliest cut. ``ends_ok[p]``: may a group end after the first
+    p items (default: anywhere); None when no grouping ends only there.
     """
     n = len(weights)
     prefix = np.concatenate([[0.0], np.cumsum(weights, dtype=float)])
@@ -53,6 +58,10 @@ def balanced_sizes(weights: np.ndarray, parts: int) -> list[int]:
         cand = np.where(valid, np.maximum(best[k - 1][:, None], span), np.inf)
         cut[k] = cand.argmin(axis=0)
         best[k] = cand[cut[k], np.arange(n + 1)]
+        if ends_ok is not None:
+            best[k][~ends_ok] = np.inf
+    if not np.isfinite(best[parts, n]):
+        return None
     sizes, j = [], n
     for k in range(parts, 0, -1):
         s = int(cut[k, j])
@@ -78,11 +87,14 @@ def baseline_stages(strategy: str, costs: ModelCosts, workers: int, stages: int 
         raise UserError(f"--strategy {strategy} needs {parts} stages but the profile has only {n} nodes; "
                         "use fewer --workers or --stages, or --strategy optimal")
     if strategy == "uniform":
-        sizes = uniform_sizes(n, parts)
-    elif strategy == "params":
-        sizes = balanced_sizes(costs.param_bytes, parts)
-    elif strategy == "time":
-        sizes = balanced_sizes(costs.forward_ms + costs.backward_ms, parts)
+        ends = list(np.cumsum(uniform_sizes(n, parts))[:-1] - 1)
+        found: list[int] | None = np.diff([-1, *nearest_free_ends(costs, ends, strategy), n - 1]).tolist()
+    elif strategy in ("params", "time"):
+        weights = costs.param_bytes if strategy == "params" else costs.forward_ms + costs.backward_ms
+        found = balanced_sizes(weights, parts, free_ends_mask(costs))
     else:
         raise UserError(f"unknown baseline strategy {strategy!r}; choose from {', '.join(BASELINES)}")
-    return contiguous(sizes, [workers // parts] * parts)
+    if found is None:
+        raise UserError(f"--strategy {strategy} cannot make {parts} stages without splitting a value that cannot "
+                        f"cross a stage boundary; use fewer --stages or --strategy optimal")
+    return contiguous(found, [workers // parts] * parts)

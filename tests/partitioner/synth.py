@@ -13,12 +13,14 @@ from hybridpipe.profiles.format import Profile, ProfileNode
 
 
 def make_profile(layers: Sequence[tuple[float, float, int, int]], skips: Sequence[tuple[int, int]] = (),
-                 model: str = "synthetic", batch_size: int = 8, input_bytes: int = 4096) -> Profile:
+                 model: str = "synthetic", batch_size: int = 8, input_bytes: int = 4096,
+                 blockers: Sequence[int] = ()) -> Profile:
     """A chain x -> layer 1 .. layer k -> output in the profile format the profiler writes: ``x`` a
     block of input code (its output, ``input_bytes``, needs no gradient), ``output`` the loss block;
     ``layers`` = (fwd ms, bwd ms, activation bytes, param bytes) per layer; ``skips`` = extra edges
     (src, dst) between node ids (skip connections). Each node's ``cut_bytes`` / ``cut_grad_bytes``
-    are exactly what crosses a cut right after it (every output still read later)."""
+    are exactly what crosses a cut right after it (every output still read later); ``blockers``: node
+    ids after which a value that cannot cross a stage boundary is live."""
     specs = [("x", "ops", "ops", 0.0, 0.0, input_bytes, 0)]
     specs += [(f"l{k}", "module", "Linear", f, b, act, par) for k, (f, b, act, par) in enumerate(layers, start=1)]
     specs.append(("output", "ops", "ops", 0.01, 0.01, 0, 0))
@@ -33,7 +35,8 @@ def make_profile(layers: Sequence[tuple[float, float, int, int]], skips: Sequenc
         cut = sum(specs[u][5] for u in live)
         grad = sum(specs[u][5] for u in live if u > 0)
         nodes.append(ProfileNode(i, name, op, name, kind, f, b, act, par // 4, par, (f"{name}.weight",) if par else (),
-                                 cut_bytes=cut, cut_grad_bytes=grad))
+                                 cut_bytes=cut, cut_grad_bytes=grad,
+                                 cut_blocker=(f"size{i}" if i else "n") if i in blockers else None))
     return Profile(model, batch_size, (batch_size, 16), "float32", "float32", "cpu", "test", tuple(nodes),
                    tuple(edges))
 

@@ -34,10 +34,10 @@ def clusters(max_workers: int):
 OVERHEADS = st.tuples(st.sampled_from([0.0, 5.0, 40.0]), st.sampled_from([0.0, 1e-9, 2e-8]))
 
 
-def check_against_brute_force(layers, skip, cluster, opts, overheads=(0.0, 0.0)):
+def check_against_brute_force(layers, skip, cluster, opts, overheads=(0.0, 0.0), blockers=()):
     skips = [(0, len(layers))] if skip and len(layers) > 1 else []
     step_ms, interference = overheads
-    costs = dataclasses.replace(model_costs(make_profile(layers, skips)),
+    costs = dataclasses.replace(model_costs(make_profile(layers, skips, blockers=blockers)),
                                 step_ms=(("sgd", step_ms), ("adam", 2 * step_ms)))
     model = CostModel(cluster)
     model.interference_s_per_byte = interference
@@ -54,6 +54,7 @@ def check_against_brute_force(layers, skip, cluster, opts, overheads=(0.0, 0.0))
     assert sum(e.term_ms for e in ev.stages) == pytest.approx(least_total, rel=1e-9)
     assert sorted(r for s in sol.stages for r in s.ranks) == list(range(workers))
     assert all(e.memory_bytes <= opts.memory_bytes for e in ev.stages)
+    assert all(costs.blocked_cut(s.last) is None for s in sol.stages)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -62,6 +63,14 @@ def test_dp_equals_brute_force(layers, skip, cluster, opts, overheads):
     """Up to 7 nodes (input, 5 layers, output), 6 workers, 1 or 2 levels, every schedule, with and
     without optimizer steps and compute lost to communication."""
     check_against_brute_force(layers, skip, cluster, opts, overheads)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(LAYER, min_size=1, max_size=5), st.booleans(), clusters(6), OPTIONS, st.sets(st.integers(0, 5)))
+def test_dp_equals_brute_force_with_blocked_cuts(layers, skip, cluster, opts, blockers):
+    """Some cuts split a value that cannot cross a stage boundary: no plan may cut there (brute force
+    enumerates every layout and ``evaluate`` rejects those that do)."""
+    check_against_brute_force(layers, skip, cluster, opts, blockers=sorted(blockers))
 
 
 @pytest.mark.slow

@@ -84,3 +84,47 @@ def test_as_a_subprocess(profile, tmp_path):
     done = subprocess.run([sys.executable, "-m", "hybridpipe.cli", "partition", str(profile), "--cluster",
                            str(tmp_path / "nope.json")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "cluster file" in done.stderr and "does not exist" in done.stderr
+
+
+def test_compare_prints_every_infeasible_reason_in_full(profile, tmp_path, capsys):
+    assert main(["partition", str(profile), "--cluster", str(CLUSTERS / "8x1gbit.json"), "--compare"]) == 0
+    text = capsys.readouterr().out
+    # 6 nodes cannot make 8 one-worker stages: uniform, params and time are infeasible, each with its whole reason
+    for name in ("uniform", "params", "time"):
+        line = next(x for x in text.splitlines() if x.startswith(f"{name} is infeasible: "))
+        assert line.endswith("use fewer --workers or --stages, or --strategy optimal")
+    assert text.count("infeasible (why: below)") == 3
+
+
+def test_pipedream_picks_micro_batches_its_replicas_divide(profile, tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["partition", str(profile), "--cluster", str(CLUSTERS / "8x1gbit.json"), "--strategy", "pipedream",
+                 "--schedule", "pipedream", "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    plan = load_plan(out)
+    assert all(plan.micro_batches % s.replicas == 0 for s in plan.stages) and plan.micro_batches >= 16
+    assert f"note: --strategy pipedream: {plan.micro_batches} micro-batches per step" in text
+    assert main(["partition", str(profile), "--cluster", str(CLUSTERS / "8x1gbit.json"), "--strategy", "pipedream",
+                 "--micro-batches", "16", "-o", str(out)]) == 0
+    assert load_plan(out).micro_batches == 16
+
+
+def test_time_limit_keeps_the_best_plan_and_says_how_far_it_may_be(profile, tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["partition", str(profile), "--cluster", str(CLUSTERS / "8x1gbit.json"), "--time-limit", "1e-9",
+                 "-q", "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "note: --time-limit reached: the best plan found so far" in text and load_plan(out).stages
+    assert main(["partition", str(profile), "--cluster", str(CLUSTERS / "8x1gbit.json"), "--time-limit", "0"]) == 2
+    assert "--time-limit must be > 0" in capsys.readouterr().err
+
+
+def test_progress_bar_on_stderr_unless_quiet(profile, capsys, monkeypatch):
+    from hybridpipe.commands import partition as command
+    monkeypatch.setattr(command, "SHOW_AFTER_S", 0.0)          # as if the search took more than a second
+    args = ["partition", str(profile), "--cluster", str(CLUSTERS / "8x1gbit.json")]
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    assert "optimal:" in captured.err and "ms/step]" in captured.err and "optimal:" not in captured.out
+    assert main([*args, "-q"]) == 0
+    assert capsys.readouterr().err == ""

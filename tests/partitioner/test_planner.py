@@ -24,10 +24,15 @@ CLUSTER = two_level(1, 4, outer_gbps=1.0, memory_gb=4.0)
 def test_every_strategy_makes_a_valid_plan(strategy, schedule, tmp_path):
     out = partition(PROFILE, CLUSTER, Request(strategy=strategy, schedule=schedule))
     plan = out.plan
-    assert plan.world_size == 4 and plan.micro_batches == 8 and plan.strategy == strategy
+    assert plan.world_size == 4 and plan.strategy == strategy
+    if strategy == "pipedream":         # the default rounded up to a count its replicas divide
+        assert plan.micro_batches >= 8 and all(plan.micro_batches % s.replicas == 0 for s in plan.stages)
+    else:
+        assert plan.micro_batches == 8
     assert plan.stages[0].first_node == 0 and plan.stages[-1].last_node == len(PROFILE.nodes) - 1
     assert plan.predicted_step_ms >= out.evaluation.objective_ms > 0
-    assert plan.predicted_samples_per_s == pytest.approx(8 * PROFILE.batch_size / plan.predicted_step_ms * 1e3)
+    assert plan.predicted_samples_per_s == pytest.approx(plan.micro_batches * PROFILE.batch_size
+                                                         / plan.predicted_step_ms * 1e3)
     for stage in plan.stages:
         assert stage.compute_ms == pytest.approx(stage.forward_ms + stage.backward_ms)
         assert stage.memory_bytes <= 4e9

@@ -1,0 +1,274 @@
+"""Stage terms of ``objective.py`` for arbitrary (nodes, ranks) candidates, vectorised: what ``dp.py`` minimises.
+
+For one copy count R (``dp.py``'s layout: R copies of a pipeline on ``wc = W / R`` ranks each) a
+candidate is a stage of nodes ``i..j`` on the block of copy ranks ``x..y-1`` (its replicas: that
+block in every copy, ``r = (y - x) R``). ``StageTerms.evaluate`` returns the objective's stage term
+for many candidates of one start node ``i`` at once, with the same floating-point operations, in
+the same order, as the exhaustive solver kept in ``tests/partitioner/reference_dp.py`` (so the
+values, and therefore the ties between plans, are bit for bit the same):
+
+* ``work = base + kk (F + B) + overhead``: gpipe / 1f1b ``base`` = the trip of one micro-batch
+  through all nodes and ``kk = k - 1``; pipedream ``base = 0``, ``kk = k`` (``k = ceil(M / r)``);
+  infinite where the stage does not fit in memory (``memory_bytes``, in-flight micro-batches from
+  the block's position) or ends at a blocked cut.
+* ``xfer = M X``: the activation traffic through the links of the block's level and position.
+* the exposed sync ``E`` of the block's all-reduces (``exposure_row``: the closed form of
+  ``layersync.simulate_lane``), priced per distinct block shape (offset in the cluster's period,
+  size). gpipe / 1f1b: ``busy = work + max(0, E - gap_i)``; the sync is never priced where an
+  upper bound of its whole lane (``sync_upper_bound``: the ring's cost, closed form) already fits
+  in the gap, since then ``max(0, E - gap_i) = 0`` exactly. pipedream: ``busy = k (F + B + E) +
+  overhead``.
+* the term is ``max(busy, xfer)``; infinite where the replica count is not allowed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from hybridpipe.partitioner import fastlines
+from hybridpipe.partitioner.costmodel import CostModel
+from hybridpipe.partitioner.modelcosts import ModelCosts
+from hybridpipe.partitioner.objective import OPTIMIZER_STATES, Options
+
+Useful = Callable[[np.ndarray, np.ndarray], np.ndarray]
+SAFETY = 1e-9     # relative slack of every bound used to skip exact work (floating-point rounding)
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """Stages ``i..J[k]`` on copy ranks ``X[k]..Y[k]-1`` for one start node ``i``."""
+
+    i: int
+    j: np.ndarray
+    x: np.ndarray
+    y: np.ndarray
+
+
+class StageTerms:
+    """Per copy count: node prefix sums, the cluster's link table, sync vectors per block shape."""
+
+    def __init__(self, costs: ModelCosts, model: CostModel, workers: int, copies: int, opts: Options,
+                 shared: dict | None = None):
+        self.costs, self.model, self.opts = costs, model, opts
+        self.shared = {} if shared is None else shared        # what every copy count of one solve can reuse
+        self.copies, self.wc = copies, workers // copies
+        self.n = n = costs.n
+        self.pf, self.pb = costs.prefix(costs.forward_ms), costs.prefix(costs.backward_ms)
+        self.flushed = opts.schedule != "pipedream"
+        self.trip = float(self.pf[-1] + self.pb[-1]) if self.flushed else 0.0
+        self.gap = (self.pf[:-1] + self.pb[:-1]) if self.flushed else np.zeros(n)
+        self.pp, self.pa = costs.prefix(costs.param_bytes), costs.prefix(costs.activation_bytes)
+        self.po = costs.prefix(costs.optimizer_ms(opts.optimizer))
+        self.pcount = costs.prefix((costs.param_bytes > 0).astype(float))
+        a_in = np.concatenate([[0.0], costs.cut_bytes[:-1]])
+        self.a_in, self.g_out = a_in, np.concatenate([[0.0], costs.cut_grad_bytes[:-1]])
+        self.a_out, self.g_in = costs.cut_bytes.copy(), costs.cut_grad_bytes.copy()
+        self.a_out[-1] = self.g_in[-1] = 0.0
+        self.has_in = (np.arange(n) > 0).astype(float)
+        self.has_out = (np.arange(n) < n - 1).astype(float)
+        self.p2p_in, self.p2p_out = (self.a_in + self.g_out) / 2, (self.a_out + self.g_in) / 2
+        self.cut_ok = costs.cut_ok
+        self.param_nodes = costs.param_bytes > 0
+        self.most_weights = float(costs.param_bytes.sum())
+        self.most_stash = float(costs.activation_bytes.sum() + costs.cut_bytes.max(initial=0.0))
+        self.interference = model.interference_s_per_byte
+        levels = model.cluster.levels
+        self.period = model.cluster.span(len(levels) - 2) if len(levels) > 1 else 1
+        self.spans = np.array([model.cluster.span(k) for k in range(len(levels))], dtype=np.int64)
+        self.alpha = np.array([model.link(k).alpha_s for k in range(len(levels))])
+        self.beta = np.array([model.link(k).beta_s_per_byte for k in range(len(levels))])
+        self._sync_ub = self._ring_bounds()
+        self._sync: dict[tuple[int, int], np.ndarray] = {}
+        self._lane: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+        self.priced = 0                   # block shapes whose all-reduces were priced (for the benchmark)
+
+    # ---- the term --------------------------------------------------------------------------
+    def whole_term(self) -> float:
+        """The term of the one-stage layout (every node on every rank): its block is fixed, so exact."""
+        if not hasattr(self, "_whole"):
+            one = np.array([self.n - 1])
+            self._whole = float(self.evaluate(Candidates(0, one, np.array([0]), np.array([self.wc])))[0])
+        return self._whole
+
+    def evaluate(self, c: Candidates, useful: Useful | None = None) -> np.ndarray:
+        """The stage term of every candidate (inf where infeasible).
+
+        ``useful(index, lower)``: which of the candidates ``index`` (with these lower bounds of their
+        terms) could still matter to the caller; those whose sync would need pricing and cannot
+        matter are returned as inf instead of their term.
+        """
+        opts, m_b, i = self.opts, self.opts.micro_batches, c.i
+        j, x, y = c.j, c.x, c.y
+        b = y - x
+        r = b * self.copies
+        ok = (r <= m_b) & (b >= 1) & self.cut_ok[j]
+        if opts.schedule == "pipedream":
+            ok &= m_b % np.maximum(r, 1) == 0
+        r = np.maximum(r, 1)
+        k = -(-m_b // r)
+        kk = k if not self.flushed else k - 1
+        depth = -(-(self.copies * (self.wc - x)) // r)
+        inflight = {"gpipe": k, "1f1b": np.minimum(k, depth), "pipedream": depth}[opts.schedule]
+        static = 2 + OPTIMIZER_STATES[opts.optimizer] + (inflight - 1 if not self.flushed else 0)
+        fb = (self.pf[j + 1] - self.pf[i]) + (self.pb[j + 1] - self.pb[i])
+        weights = self.pp[j + 1] - self.pp[i]
+        stash = (self.pa[j + 1] - self.pa[i]) + self.a_in[i]
+        overflow = static * self.most_weights + self.most_stash * inflight > opts.memory_bytes
+        mem = weights * static + stash * inflight
+        fb = np.where(overflow & ~(mem <= opts.memory_bytes), np.inf, fb)
+        fb = np.where(ok, fb, np.inf)
+        times = np.where(kk == 0, np.where(np.isfinite(fb), 0.0, np.inf), kk * np.where(kk == 0, 0.0, fb))
+        extra = self._overhead(i, j, r, k, weights)
+        work = (self.trip + times) + extra
+        xfer = m_b * self._transfer(i, j, x, y)
+        exposed = self._exposed(c, r, work, xfer, useful)
+        if self.flushed:
+            busy = work + np.maximum(0.0, exposed - self.gap[i])
+        else:
+            busy = k * (fb + exposed) + extra
+        return np.where(ok & ~np.isnan(exposed), np.maximum(busy, xfer), np.inf)
+
+    def _overhead(self, i: int, j: np.ndarray, r: np.ndarray, k: np.ndarray, weights: np.ndarray) -> np.ndarray:
+        """objective.overhead_ms per candidate (optimizer steps, compute lost to communication)."""
+        syncs = k if not self.flushed else 1
+        ring = 2 * (r - 1) / r * weights
+        p2p = self.p2p_in[i] + self.p2p_out[j]
+        opt_ms = self.po[j + 1] - self.po[i]
+        return syncs * (opt_ms + self.interference * 1e3 * ring) + k * self.interference * 1e3 * p2p
+
+    # ---- where a block sits ------------------------------------------------------------------
+    def level_between(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """Innermost level whose units hold both copy-0 ranks (elementwise)."""
+        same = (a[:, None] // self.spans[None, :]) == (b[:, None] // self.spans[None, :])
+        return np.argmax(same, axis=1)
+
+    def busiest_share(self, x: np.ndarray, y: np.ndarray, level: np.ndarray) -> np.ndarray:
+        """objective.busiest_share of the block's ranks (all copies) behind one link of ``level``."""
+        b = y - x
+        s = np.concatenate([[1], self.spans])[level]              # ranks behind one link of the level
+        first, last = x // s, (y - 1) // s
+        head = np.minimum((first + 1) * s, y) - x
+        tail = y - last * s
+        most = np.where(first == last, b, np.maximum(np.maximum(head, tail), np.where(last - first >= 2, s, 0)))
+        most = np.where(level == 0, 1, most)
+        return most / (b * self.copies)
+
+    def _transfer(self, i: int, j: np.ndarray, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+        """X in ms (objective.transfer_ms): the stage's activation traffic per micro-batch."""
+        span = self.level_between(x, y - 1)
+        lv_in = np.where(x > 0, np.maximum(span, self.level_between(np.maximum(x - 1, 0), x)), span)
+        lv_out = np.where(y < self.wc, np.maximum(span, self.level_between(y - 1, np.minimum(y, self.wc - 1))), span)
+        s_in, s_out = self.busiest_share(x, y, lv_in), self.busiest_share(x, y, lv_out)
+        a_in, g_out, has_in = self.a_in[i], self.g_out[i], self.has_in[i]
+        a_out, g_in, has_out = self.a_out[j], self.g_in[j], self.has_out[j]
+        al_in, be_in, al_out, be_out = self.alpha[lv_in], self.beta[lv_in], self.alpha[lv_out], self.beta[lv_out]
+        load = np.maximum(g_out + a_out, a_in + g_in)
+        same = al_in * (has_in + has_out) + load * s_in * be_in
+        t_in = al_in * has_in + max(g_out, a_in) * s_in * be_in
+        t_out = al_out * has_out + np.maximum(a_out, g_in) * s_out * be_out
+        return np.where(lv_in == lv_out, same, np.maximum(t_in, t_out)) * 1e3
+
+    # ---- the sync ----------------------------------------------------------------------------
+    def _exposed(self, c: Candidates, r: np.ndarray, work: np.ndarray, xfer: np.ndarray,
+                 useful: Useful | None) -> np.ndarray:
+        """E per candidate: 0 without replicas or parameters, and where it provably hides in the gap;
+        nan where it would need pricing but ``useful`` says the candidate cannot matter."""
+        i, j = c.i, c.j
+        exposed = np.zeros(len(j))
+        count = self.pcount[j + 1] - self.pcount[i]
+        need = (r > 1) & (count > 0) & np.isfinite(work)
+        if self.flushed and need.any():
+            a, per_byte = self._sync_ub[0][c.y - c.x], self._sync_ub[1][c.y - c.x]
+            top = self.level_between(c.x, (self.copies - 1) * self.wc + c.y - 1)
+            bound = (a[np.arange(len(j)), top] * count + per_byte[np.arange(len(j)), top]
+                     * (self.pp[j + 1] - self.pp[i])) * 1e3
+            need &= bound * (1 + SAFETY) + 1e-6 + SAFETY * self.gap[i] > self.gap[i]
+        if need.any() and useful is not None:
+            index = np.nonzero(need)[0]
+            idle = index[~useful(index, np.maximum(work[index], xfer[index]))]
+            exposed[idle] = np.nan
+            need[idle] = False
+        if not need.any():
+            return exposed
+        where = np.nonzero(need)[0]
+        offset = c.x[where] % self.period
+        size = (c.y - c.x)[where]
+        keys = offset * (self.wc + 1) + size
+        for key in np.unique(keys):
+            sel = where[keys == key]
+            o, b = divmod(int(key), self.wc + 1)
+            exposed[sel] = self.exposure_row(o, b, i)[j[sel] - i]
+        return exposed
+
+    def sync_ms(self, offset: int, size: int) -> np.ndarray:
+        """Each node's all-reduce time (fastest allowed algorithm) on the block shape's ranks."""
+        key = (offset, size)
+        hit = self._sync.get(key)
+        if hit is None:
+            ranks = np.add.outer(np.arange(self.copies) * self.wc, np.arange(offset, offset + size)).ravel().tolist()
+            lines = fastlines.lines(self.model, ranks, self.opts.algorithms)
+            nbytes = self.costs.param_bytes
+            best = np.min([ln.alpha_s + ln.s_per_byte * nbytes for _, ln in lines], axis=0)
+            hit = self._sync[key] = np.where(self.param_nodes, best * 1e3, 0.0)
+            self.priced += 1
+        return hit
+
+    def exposure_row(self, offset: int, size: int, i: int) -> np.ndarray:
+        """E(i, j) for j = i..n-1 on the block shape (``lane_row``)."""
+        key = (offset, size)
+        lane = self._lane.get(key)
+        if lane is None:
+            lane = self._lane[key] = lane_terms(self.sync_ms(offset, size), self.costs.backward_ms,
+                                                self.costs.forward_ms)
+        return lane_row(lane, self.pb[i] + self.pf[i], i)
+
+    def _ring_bounds(self) -> tuple[np.ndarray, np.ndarray]:
+        """Upper bound of every node's sync for each block size and outermost level spanned.
+
+        The fastest allowed algorithm is at most the ring's (or native's) cost; on sorted ranks a
+        ring sends one chunk of S/n out of (and into) every link per round, so with the largest
+        alpha and beta up to the level the group spans, n ranks cost at most
+        ``2 (n - 1) alpha + (n - 1) / n (2 beta + gamma) S``, times the overlap slowdown.
+        Tables [size, level] of (alpha part, per-byte part) in seconds; inf without ring/native.
+        """
+        model, levels = self.model, len(self.spans)
+        sizes = np.arange(self.wc + 1) * self.copies
+        a = np.full((self.wc + 1, levels), np.inf)
+        per_byte = np.full((self.wc + 1, levels), np.inf)
+        for algo in ("ring", "native"):
+            if algo not in self.opts.algorithms:
+                continue
+            fits = [model.link(lv, algo) for lv in range(levels)]
+            for top in range(levels):
+                al = max(f.alpha_s for f in fits[:top + 1])
+                be = max(f.beta_s_per_byte for f in fits[:top + 1])
+                n = np.maximum(sizes, 1)
+                a[:, top] = np.minimum(a[:, top], model.overlap_slowdown * 2 * (n - 1) * al)
+                per_byte[:, top] = np.minimum(per_byte[:, top],
+                                              model.overlap_slowdown * (n - 1) / n * (2 * be + model.gamma))
+        return a, per_byte
+
+
+def lane_terms(sync_ms: np.ndarray, backward_ms: np.ndarray, forward_ms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(h, d) of ``lane_row``: h_k = Pc[k+1] - Pb[k]; d_l = Pc[l] + Pf[l] for layers with a sync, else inf."""
+    pc = np.concatenate([[0.0], np.cumsum(sync_ms)])
+    pb = np.concatenate([[0.0], np.cumsum(backward_ms)])
+    pf = np.concatenate([[0.0], np.cumsum(forward_ms)])
+    return pc[1:] - pb[:-1], np.where(sync_ms > 0, pc[:-1] + pf[:-1], np.inf)
+
+
+def lane_row(lane: tuple[np.ndarray, np.ndarray], start: float, i: int) -> np.ndarray:
+    """Exposed sync E(i, j) of every stage i..j (j = i..n-1): the closed form of ``layersync.simulate_lane``.
+
+    With prefix sums Pc (sync), Pb, Pf and ``start`` = Pb[i] + Pf[i], the sync of layer l finishes at
+    ``Pb[j+1] - Pc[l] + max over l <= k <= j of (Pc[k+1] - Pb[k])`` and is needed at
+    ``Pb[j+1] - Pb[i] + Pf[l] - Pf[i]``; E is the largest lateness (or 0):
+    ``max over i <= l <= k <= j of (h_k - d_l) + start``, computed as the running maximum over k of
+    ``h_k - min over i <= l <= k of d_l``. Rounding is monotone, so this is the same floating-point
+    number as the full table's max over (l, j) of running maxima (``reference_dp.exposure_table``).
+    """
+    h, d = lane
+    return np.maximum(0.0, start + np.maximum.accumulate(h[i:] - np.minimum.accumulate(d[i:])))
