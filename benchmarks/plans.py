@@ -38,6 +38,14 @@ Each model x hosts group (its profile on first use, the all-reduce calibration o
 of a cluster, the contention measurements and every plan's run) is measured side by side, under
 the lock when ``--lock`` is given; ratios are taken within a group only.
 
+Autotune (issue 18): after the strategies, each group runs ``hybridpipe autotune`` on the same
+scaled profile, cluster file and calibration, its job command being ``python -m tools.emucluster
+torchrun --name <this cluster> -- launch.py --plan {plan} --steps {steps} --run-dir {run_dir}``
+(with the timeline on: refinement reads it); at most ``--autotune-budget`` runs. Its row
+(strategy ``autotune``) is the plan it chose, measured in its own run, with the prediction of
+the final refined model (``autotune.error_final``), the runs it took and why it stopped;
+``--no-autotune`` leaves it out.
+
 Writes benchmarks/results/plans[_quick].{json,png}.
 """
 
@@ -165,6 +173,57 @@ def train_plan(cluster, plan_file: Path, run_dir: Path, steps: int, port: int, t
     return summary
 
 
+def autotune_row(cluster, name: str, hosts: int, args, work: Path, scaled: Path, cluster_file: Path,
+                 calibrations: Sequence[Path], port: int) -> dict:
+    """``hybridpipe autotune`` on the emulated cluster; the row of the plan it chose (see the docstring)."""
+    out = work / f"autotune-{name}-{hosts}"
+    job = [sys.executable, "-m", "tools.emucluster", "torchrun", "--name", cluster.tag, "--timeout",
+           str(args.timeout), "--port", str(port), "--", "launch.py", "--plan", "{plan}", "--steps", "{steps}",
+           "--run-dir", "{run_dir}", "--no-progress", "--timeout", str(LAUNCH_TIMEOUT_S)]
+    cmd = ["autotune", str(scaled), "--cluster", str(cluster_file), "--steps", str(args.steps), "--budget",
+           str(args.autotune_budget), "--out", str(out), "--run-timeout", str(args.timeout)]
+    for c in calibrations:
+        cmd += ["--calibration", str(c)]
+    t = time.monotonic()
+    r = hybridpipe_cli([*cmd, "--", *job], timeout_s=args.timeout * (args.autotune_budget + 1), threads=1)
+    wall = time.monotonic() - t
+    report_path = out / "autotune.json"
+    if r.returncode or not report_path.exists():
+        return {"model": name, "hosts": hosts, "strategy": "autotune", "status": "failed",
+                "reason": refusal_lines((r.stderr or r.stdout)[-2000:]), "autotune": {"wall_s": round(wall, 1)}}
+    report = read_json(report_path, "autotune report")
+    chosen = next(t for t in report["trials"] if t["run"] == report["chosen"])
+    summary = read_json(Path(chosen["run_dir"]) / "summary.json", "summary")
+    summary["wall_s"] = chosen["seconds"]
+    row = row_from(name, hosts, "autotune", read_json(out / "plan.json", "plan"), summary)
+    row["autotune"] = {"runs": report["runs"], "stop_reason": report["stop_reason"], "wall_s": round(wall, 1),
+                       "chosen_run": report["chosen"], "error_final": chosen["error_final"],
+                       "trials": [{k: t[k] for k in ("run", "strategies", "stages", "why", "predicted_ms",
+                                                     "predicted_final_ms", "measured_ms", "error_final")}
+                                  for t in report["trials"]]}
+    return row
+
+
+def autotune_summary(rows: Sequence[dict], within: float = 0.03) -> dict:
+    """Per group: autotune's measured step against the fastest strategy's; the final model's median |error|."""
+    groups = []
+    for model, hosts in dict.fromkeys((r["model"], r["hosts"]) for r in rows):
+        mine = [r for r in rows if (r["model"], r["hosts"]) == (model, hosts)]
+        tuned = next((r for r in mine if r["strategy"] == "autotune" and r.get("measured_step_ms")), None)
+        others = [r["measured_step_ms"] for r in mine if r["strategy"] != "autotune" and r.get("measured_step_ms")]
+        if tuned is None or not others:
+            continue
+        ratio = tuned["measured_step_ms"] / min(others)
+        groups.append({"model": model, "hosts": hosts, "autotune_ms": tuned["measured_step_ms"],
+                       "fastest_strategy_ms": min(others), "vs_fastest": round(ratio, 3),
+                       "fastest_or_within": ratio <= 1 + within, "runs": tuned["autotune"]["runs"],
+                       "error_final": tuned["autotune"]["error_final"],
+                       "stop_reason": tuned["autotune"]["stop_reason"]})
+    errors = sorted(abs(g["error_final"]) for g in groups if g["error_final"] is not None)
+    return {"groups": groups, "within": within, "groups_fastest_or_within": sum(g["fastest_or_within"] for g in groups),
+            "median_abs_error_final": errors[len(errors) // 2] if errors else None}
+
+
 # ---- the driver ------------------------------------------------------------------------------
 
 def run_model_hosts(cluster, name: str, hosts: int, strategies: list[str], args, work: Path, profile: Path,
@@ -227,6 +286,16 @@ def run_model_hosts(cluster, name: str, hosts: int, strategies: list[str], args,
                      100 * row["error"], row["samples_per_s"], row["run_wall_s"])
         else:
             log.info("  %-9s %s: %s", strategy, row["status"], row["reason"])
+    if args.autotune:
+        row = autotune_row(cluster, name, hosts, args, work, scaled, cluster_file, calibrations, port_base + 9)
+        rows.append(row)
+        tuned = row.get("autotune", {})
+        if row.get("status") == "ok":
+            log.info("  %-9s %-28s measured %6.0f ms after %d run(s) (%s); final model's error %+.1f%%",
+                     "autotune", row["layout"][:28], row["measured_step_ms"], tuned["runs"], tuned["stop_reason"],
+                     100 * (tuned["error_final"] or 0))
+        else:
+            log.info("  autotune  %s: %s", row.get("status"), row.get("reason"))
     return rows
 
 
@@ -312,6 +381,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--lock", default=None, metavar="PATH",
                    help="take this flock around each model x hosts group (e.g. /tmp/hybridpipe-bench.lock), so "
                    "other timing runs can go between groups; do not also wrap the command in flock on the same file")
+    p.add_argument("--no-autotune", dest="autotune", action="store_false",
+                   help="leave out the autotune row of each group (hybridpipe autotune on the same cluster)")
+    p.add_argument("--autotune-budget", type=int, default=4, help="autotune's runs per group (default 4)")
     p.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     p.add_argument("--tag", default="", help="suffix of the result files (plans_<tag>[_quick])")
     p.add_argument("--replot", metavar="JSON", help="only redraw the PNG of a results JSON (next to it)")
@@ -374,13 +446,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                                       args.allreduce_calibration, args.cpus_per_host),
             "compute_calibration": calibration, "allreduce_calibration_fits": links, "rows": rows,
             "errors": {"plan": error_summary(rows), "busy_aware": error_summary(rows, key="error_busy")},
-            "duration_s": round(time.monotonic() - started, 1)}
+            "autotune": autotune_summary(rows), "duration_s": round(time.monotonic() - started, 1)}
     write_results(json_path, data, plot(pyplot(), rows, _title(models, hosts_list, data["settings"]["cpus_per_host"])),
                   png_path)
     for what, e in data["errors"].items():
         log.info("%s prediction within %.0f%% for %d of %d runs (median |error| %s)", what, 100 * e["goal"],
                  e["within_goal"], e["runs"], f"{100 * e['median_abs_error']:.0f}%"
                  if e["median_abs_error"] is not None else "-")
+    for g in data["autotune"]["groups"]:
+        log.info("autotune %s on %d hosts: %.0f ms, %.3fx the fastest strategy (%.0f ms), %d run(s), final model's "
+                 "error %s", g["model"], g["hosts"], g["autotune_ms"], g["vs_fastest"], g["fastest_strategy_ms"],
+                 g["runs"], f"{100 * g['error_final']:+.1f}%" if g["error_final"] is not None else "-")
     log.info("done in %.0f s", data["duration_s"])
     return 0
 

@@ -252,7 +252,7 @@ def plot(plt, rows: Sequence[Mapping[str, Any]], title: str):
     """Left: measured throughput relative to optimal per model x hosts, one bar per strategy
     (predicted ratio as a black tick). Right: predicted vs measured step time."""
     groups = list(dict.fromkeys((r["model"], r["hosts"]) for r in rows))
-    strategies = [s for s in STRATEGIES if any(r["strategy"] == s for r in rows)]
+    strategies = [s for s in (*STRATEGIES, "autotune") if any(r["strategy"] == s for r in rows)]
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(14, 5), gridspec_kw={"width_ratios": [1.6, 1]})
     w = 0.8 / max(1, len(strategies))
     for k, strategy in enumerate(strategies):

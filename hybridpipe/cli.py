@@ -18,6 +18,7 @@ COMMANDS = (
     ("profile", "profile", "trace a model and measure every node (forward, backward, bytes)"),
     ("show", "show", "print a profile, plan or calibration file as a table"),
     ("partition", "partition", "split a profiled model into stages x replicas for a cluster"),
+    ("autotune", "autotune", "plan, run briefly, refine the model from the run, re-plan; keep the fastest"),
     ("import-pipedream", "import_pipedream", "convert a PipeDream profile (graph.txt) to a hybridpipe profile"),
     ("simulate", "simulate", "predict a plan's step time with an event-driven simulation"),
     ("schedule", "schedule", "print or draw a plan's per-rank instruction lists"),
@@ -76,7 +77,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"hybridpipe {name}: not available in this build", file=sys.stderr)
             return 2
         module, parser = found
+        rest: list[str] = []
+        if getattr(module, "TAKES_COMMAND", False) and "--" in argv:    # autotune ... -- the job's own command
+            cut = argv.index("--")
+            argv, rest = argv[:cut], argv[cut + 1:]
         args = parser.parse_args(argv[1:])
+        if getattr(module, "TAKES_COMMAND", False):
+            args.command = rest
     except SystemExit as e:         # --help (0) or a bad argument (2, one line already printed)
         return e.code if isinstance(e.code, int) else 2
     verbose = verbose or args.verbose

@@ -8,12 +8,14 @@ Across hosts: ``torchrun --nnodes N --nproc-per-node G --rdzv-backend c10d --rdz
 HOST:29500 -m hybridpipe.launch --plan plan.json ...``; ``python -m hybridpipe.launch --help``
 lists the options. (In a checkout, ``launch.py`` at the root does the same.)
 
-Before the job starts, every rank checks what it was given (numbers, the plan, the run and
-checkpoint directories: runtime/config.py's ``resolve``, well under a second). Under torchrun
-the ranks then join the job and agree: if any rank found a problem, every rank exits 2 with the
-same line (the first problem by rank), printed once per host by its first local rank, and no
-rank starts training. Errors after that are the FailureGuard's (one line naming the rank that
-failed first) or agreed stops (a non-finite loss, no usable checkpoint).
+With ``--profile PROFILE.json --cluster C.json`` instead of ``--plan``, rank 0 plans for the
+job's actual world size once the ranks joined (runtime/replan.py) and broadcasts the plan.
+Every rank then checks what it was given (numbers, the plan, the run and checkpoint
+directories: runtime/config.py's ``resolve``, well under a second) and the ranks agree: if
+any rank found a problem, every rank exits 2 with the same line (the first problem by rank),
+printed once per host by its first local rank, and no rank starts training. Errors after that
+are the FailureGuard's (one line naming the rank that failed first) or agreed stops (a
+non-finite loss, no usable checkpoint).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from hybridpipe.errors import UserError, one_line
 from hybridpipe.runtime.config import RunConfig, build_parser, deprecations, env_world_size, resolve
 from hybridpipe.runtime.failure import EXIT_USER_ERROR
 from hybridpipe.runtime.groups import default_backend, init_distributed
+from hybridpipe.runtime.replan import agree_plan
 from hybridpipe.runtime.worker import run_worker
 
 PROG = "hybridpipe.launch"
@@ -42,7 +45,6 @@ def main(argv: list[str] | None = None) -> int:
     args = None
     try:
         args = parser.parse_args(argv)
-        cfg = resolve(args, env_world_size())
     except SystemExit as e:                 # --help
         return e.code if isinstance(e.code, int) else EXIT_USER_ERROR
     except UserError as e:
@@ -56,6 +58,15 @@ def main(argv: list[str] | None = None) -> int:
             made = not dist.is_initialized()
             backend = args.backend if args is not None and args.backend else default_backend()
             init_distributed(backend, args.timeout if args is not None else 300.0)
+        planned, planned_s = None, None
+        if problem is None and args is not None and args.profile is not None and args.plan is None:
+            planned, problem, planned_s = agree_plan(args, env_world_size())    # same on every rank
+        if problem is None and args is not None:
+            try:
+                cfg = resolve(args, env_world_size(), planned, planned_s)
+            except UserError as e:
+                problem = one_line(e)
+        if _under_torchrun():
             problem = agree_on_problem(problem)
         if problem is not None or cfg is None or args is None:
             _say(f"{PROG}: error: {problem}")

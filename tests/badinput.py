@@ -81,7 +81,7 @@ def write_checkpoint(root: Path, plan) -> Path:
     """One complete checkpoint of a one-rank plan of ``mlp[layers=1]``-like shape."""
     module = torch.nn.Sequential(torch.nn.Linear(4, 3))
     ck = Checkpointer(root, plan=plan, rank=0, every=1, keep=0)
-    return ck.save(1, model=module.state_dict(), optimizer=torch.optim.SGD(module.parameters(), lr=0.1).state_dict())
+    return ck.save(1, module=module, optimizer=torch.optim.SGD(module.parameters(), lr=0.1))
 
 
 def save_files(base: Path, profile_path: Path, plan) -> dict[str, Path]:

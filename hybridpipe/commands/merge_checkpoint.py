@@ -6,6 +6,10 @@ model's own keys: ``model.load_state_dict(torch.load("model.pt"), strict=True)``
 unsplit model. Before writing, the keys and shapes are checked against the model the run
 trained (built on the meta device, so no memory is spent); ``--no-check`` skips that for a
 model that cannot be rebuilt here.
+
+``--with-optimizer`` writes ``{"model": state_dict, "optimizer": {"state": {name: ...},
+"param_groups": [...]}, "step": N}`` instead: the optimizer state keyed by parameter names
+(SGD momentum, Adam moments and step counts), which ``launch --init-from`` puts into any plan.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import torch
 from hybridpipe.argtypes import nonneg_int, output_file
 from hybridpipe.commands.show import human_bytes
 from hybridpipe.errors import UserError
-from hybridpipe.runtime.checkpoint_files import atomic_save, merge_stages, resolve_step
+from hybridpipe.runtime.checkpoint_files import atomic_save, merge_optimizer, merge_stages, resolve_step
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,6 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step", type=nonneg_int, default=None, help="which step (default: the newest complete one)")
     parser.add_argument("-o", "--output", type=output_file, required=True,
                         help="the merged state_dict to write (e.g. model.pt)")
+    parser.add_argument("--with-optimizer", action="store_true",
+                        help="also write the optimizer state, keyed by parameter names: the file is then "
+                             "{\"model\": state_dict, \"optimizer\": ..., \"step\": N} (for launch --init-from)")
     parser.add_argument("--no-check", action="store_true",
                         help="do not check the keys and shapes against the model named in the checkpoint")
 
@@ -36,11 +43,15 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_check:
         check_against_model(state, manifest["model"])
     out = Path(args.output)
-    atomic_save(state, out)
+    atomic_save({"model": state, "optimizer": merge_optimizer(root, step), "step": step}
+                if args.with_optimizer else state, out)
     size = sum(t.numel() * t.element_size() for t in state.values())
     print(f"merged step {step} of {manifest['model']} ({manifest['n_stages']} stages, {len(state)} tensors, "
           f"{human_bytes(size)}) into {out}")
-    if not args.no_check:
+    if args.with_optimizer:
+        print("  with the optimizer state (by parameter name) under \"optimizer\", the weights under \"model\"; "
+              "start a run from it with launch --init-from")
+    elif not args.no_check:
         print(f"  its keys and shapes match {manifest['model']}: load it with "
               "model.load_state_dict(torch.load(path), strict=True)")
     return 0

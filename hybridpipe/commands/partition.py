@@ -3,6 +3,8 @@
 Prints the plan as a table (one row per stage, the bottleneck marked), the predicted step time
 and throughput, and how plain data parallelism on the same workers compares; ``--compare``
 adds every strategy side by side, ``--layers`` every layer's all-reduce choice.
+``--refine RUN_DIR ...`` first corrects the profile and calibration with what those runs measured
+(``partitioner/refine.py``; ``--save-refined DIR`` keeps the corrected files for later plans).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from hybridpipe.argtypes import output_file, positive_float, positive_int
+from hybridpipe.argtypes import output_dir, output_file, positive_float, positive_int
+from hybridpipe.commands.refining import describe, load_run, refine_from_runs, save_refined
 from hybridpipe.commands.show import human_bytes, table
 from hybridpipe.errors import UserError
 from hybridpipe.limits import require_memory
@@ -59,6 +62,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="aggregator all-reduce on a worker rank or a dedicated process (default worker)")
     parser.add_argument("--layers", action="store_true", help="also print every layer's all-reduce choice")
     parser.add_argument("--compare", action="store_true", help="also predict every other strategy")
+    parser.add_argument("--refine", nargs="+", default=[], metavar="RUN_DIR",
+                        help="correct the profile and calibration with what these runs (--run-dir of launch, "
+                             "with their timelines) measured before planning; every strategy uses the corrections")
+    parser.add_argument("--save-refined", type=output_dir, metavar="DIR",
+                        help="with --refine: write the refined profile.json and calibration.json here (a later "
+                             "partition of any model on this cluster can take the calibration)")
     parser.add_argument("--time-limit", type=float, metavar="S",
                         help="optimal: stop after S seconds with the best plan found so far and say how far from the "
                              "optimum it can be (default: search to the optimum)")
@@ -70,6 +79,15 @@ def run(args: argparse.Namespace) -> int:
     cluster = load_cluster(args.cluster)
     calibrations = [load_calibration(p) for p in args.calibration]
     check_search_size(len(profile.nodes), args.workers or cluster.total_workers)
+    if args.save_refined and not args.refine:
+        raise UserError("--save-refined writes what --refine learnt; add --refine RUN_DIR")
+    if args.refine:
+        runs = [load_run(d) for d in args.refine]
+        refined = refine_from_runs(profile, cluster, calibrations, runs)
+        print(describe(refined, profile, cluster, calibrations, runs) + "\n")
+        profile, calibrations = refined.profile, list(refined.calibrations)
+        if args.save_refined:
+            print("wrote " + ", ".join(map(str, save_refined(refined, args.save_refined))) + "\n")
     req = Request(workers=args.workers, strategy=args.strategy, schedule=args.schedule,
                   micro_batches=args.micro_batches, optimizer=args.optimizer, memory_gb=args.memory_gb,
                   stages=args.stages, algorithms=tuple(a.strip() for a in args.algorithms.split(",") if a.strip()),

@@ -144,8 +144,13 @@ def render_calibration(cal: Calibration) -> str:
             f"reduction: {cal.gamma_s_per_byte * 1e9:.3f} ns/byte; {len(cal.samples)} samples"
             + (f", created {cal.created}" if cal.created else "")]
     rows = [fit_row("p2p", cal.p2p)] + [fit_row(k, v) for k, v in sorted(cal.algorithms.items())]
+    learnt = []
+    if cal.refined:
+        learnt.append(f"refined from {len(cal.refined_from)} run(s): compute {cal.compute_slowdown:.2f}x the "
+                      f"profile, {cal.step_overhead_ms:.1f} ms per step beyond the model")
+        learnt += [f"  all-reduce of ~{human_bytes(b)}: {f:.2f}x the model" for b, f in cal.allreduce_slowdown]
     return "\n".join(head + ["", table(["algorithm", "alpha us", "Gbit/s (1/beta)", "fit error"], rows)]
-                     + [f"note: {x}" for x in cal.notes])
+                     + learnt + [f"note: {x}" for x in cal.notes])
 
 
 def render_cluster(cluster: Cluster) -> str:

@@ -11,6 +11,18 @@ computes (the CPU that sockets, copies and reductions take from a host with few 
 measured by running a compute loop with and without an all-reduce beside it; 0 if unmeasured.
 ``overlap_slowdown``: how much longer an all-reduce takes beside that compute than alone (>= 1;
 1 if unmeasured); the cost model stretches every all-reduce by it, since syncs overlap compute.
+
+Format 2 adds what ``hybridpipe partition --refine`` / ``autotune`` learnt from runs on the
+cluster (``partitioner/refine.py``); a calibration without it is still written as format 1:
+
+* ``allreduce_slowdown``: ``[[bytes, factor], ...]`` sorted by bytes, one point per size class:
+  a measured all-reduce of that size, beside what ran with it in the run, took ``factor`` times
+  the model's prediction (interpolated in log-log between points, constant beyond the ends).
+* ``compute_slowdown``: every node's compute in a run took this many times the profile's (the
+  cluster's contention; a refined profile's per-node corrections come on top of it).
+* ``step_overhead_ms``: what the runs' steps took beyond everything the model prices (per-step
+  runtime costs, waits of busy ranks); added to every plan's predicted step (no ranking changes).
+* ``refined_from``: the run directories the corrections were learnt from.
 """
 
 from __future__ import annotations
@@ -24,7 +36,8 @@ from hybridpipe.errors import UserError
 from hybridpipe.jsonfile import check_header, field, read_json, write_json
 
 CALIBRATION_KIND = "calibration"
-CALIBRATION_FORMAT = 1
+CALIBRATION_FORMAT = 2
+FORMATS_READ = (1, 2)
 
 
 @dataclass(frozen=True)
@@ -58,17 +71,33 @@ class Calibration:
     notes: tuple[str, ...] = dc_field(default=())
     interference_s_per_byte: float = 0.0
     overlap_slowdown: float = 1.0
+    allreduce_slowdown: tuple[tuple[float, float], ...] = ()   # (bytes, factor) per size class, by bytes
+    compute_slowdown: float = 1.0
+    step_overhead_ms: float = 0.0
+    refined_from: tuple[str, ...] = ()
+
+    @property
+    def refined(self) -> bool:
+        return (bool(self.allreduce_slowdown or self.refined_from or self.step_overhead_ms)
+                or self.compute_slowdown != 1.0)
 
     def to_dict(self) -> dict:
-        d = {"kind": CALIBRATION_KIND, "format": CALIBRATION_FORMAT}
+        d = {"kind": CALIBRATION_KIND, "format": CALIBRATION_FORMAT if self.refined else 1}
         d.update(asdict(self))
         d["samples"] = [asdict(s) for s in self.samples]
         d["notes"] = list(self.notes)
+        if self.refined:
+            d["allreduce_slowdown"] = [list(p) for p in self.allreduce_slowdown]
+            d["refined_from"] = list(self.refined_from)
+        else:
+            for key in ("allreduce_slowdown", "compute_slowdown", "step_overhead_ms", "refined_from"):
+                del d[key]
         return d
 
     @classmethod
     def from_dict(cls, data: object, source: str = "calibration") -> Calibration:
-        d = check_header(data, CALIBRATION_KIND, CALIBRATION_FORMAT, source)
+        version = data.get("format") if isinstance(data, dict) else None
+        d = check_header(data, CALIBRATION_KIND, version if version in FORMATS_READ else CALIBRATION_FORMAT, source)
         algos = field(d, "algorithms", dict, source)
         samples = []
         for i, s in enumerate(field(d, "samples", list, source, default=[])):
@@ -91,7 +120,26 @@ class Calibration:
             notes=tuple(str(x) for x in field(d, "notes", list, source, default=[])),
             interference_s_per_byte=field(d, "interference_s_per_byte", float, source, minimum=0, default=0.0),
             overlap_slowdown=field(d, "overlap_slowdown", float, source, minimum=1, default=1.0),
+            **(_refinement_from_dict(d, source) if version == 2 else {}),
         )
+
+
+def _refinement_from_dict(d: dict, source: str) -> dict:
+    """Format 2's fields (see the module docstring), validated."""
+    points = []
+    for i, p in enumerate(field(d, "allreduce_slowdown", list, source, default=[])):
+        if not (isinstance(p, list) and len(p) == 2):
+            raise UserError(f"{source}: allreduce_slowdown[{i}] must be a [bytes, factor] pair, got {p!r}")
+        pair = {"bytes": p[0], "factor": p[1]}
+        where = f"{source}: allreduce_slowdown[{i}]"
+        points.append((field(pair, "bytes", float, where, minimum=1),
+                       field(pair, "factor", float, where, minimum=1e-6)))
+    if [b for b, _ in points] != sorted({b for b, _ in points}):
+        raise UserError(f"{source}: allreduce_slowdown must be sorted by bytes, each size once")
+    return {"allreduce_slowdown": tuple(points),
+            "compute_slowdown": field(d, "compute_slowdown", float, source, minimum=1e-6, default=1.0),
+            "step_overhead_ms": field(d, "step_overhead_ms", float, source, minimum=0, default=0.0),
+            "refined_from": tuple(field(d, "refined_from", list, source, default=[], items=str))}
 
 
 def _fit_from_dict(d: object, where: str) -> LinkFit:

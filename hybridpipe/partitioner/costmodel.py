@@ -14,6 +14,8 @@ per message, 1/bandwidth) unless a calibration (``hybridpipe bench-allreduce``) 
 level: then every algorithm it timed uses its own fitted alpha/beta there, and untimed ones use
 the measured point-to-point fit. Costs are linear in the message size S for a fixed algorithm
 and group, so each (algorithm, group) is reduced once to ``seconds = A + B * S`` and cached.
+A refined calibration (``refine.py``) adds a measured slowdown per all-reduce size class on top
+(:meth:`CostModel.allreduce_factor`) and a compute slowdown the planner applies to the profile.
 Pure computation; no torch.
 """
 
@@ -82,6 +84,10 @@ class CostModel:
         self.interference_s_per_byte = max((c.interference_s_per_byte for c in cals), default=0.0)
         # an all-reduce beside compute takes this much longer than alone (calibration.py)
         self.overlap_slowdown = max((c.overlap_slowdown for c in cals), default=1.0)
+        # what runs on the cluster taught (refine.py): all-reduce slowdown by size, compute slowdown
+        self.allreduce_points = tuple(sorted(p for c in cals for p in c.allreduce_slowdown))
+        self.compute_slowdown = max((c.compute_slowdown for c in cals if c.refined), default=1.0)
+        self.step_overhead_ms = max((c.step_overhead_ms for c in cals), default=0.0)
         self._spans = [cluster.span(k) for k in range(len(cluster.levels))]
         self._collectives: dict[tuple, tuple[co.Collective, list[PricedRound]]] = {}
         self._structure: dict[tuple, tuple[RoundLoad, ...]] = {}
@@ -294,7 +300,11 @@ class CostModel:
         t = self.line(algorithm, ranks, shape=shape).seconds(nbytes)
         if algorithm == "butterfly":
             t = min(t, self.line(algorithm, ranks, halving=True).seconds(nbytes))
-        return t
+        return t * float(self.allreduce_factor(nbytes)) if self.allreduce_points else t
+
+    def allreduce_factor(self, nbytes):
+        """The measured slowdown of an all-reduce of ``nbytes`` (a number or a numpy array; 1 unrefined)."""
+        return size_factor(self.allreduce_points, nbytes)
 
     def fastest_allreduce(self, nbytes: float, ranks: Sequence[int],
                           algorithms: Sequence[str] = ALGORITHMS) -> tuple[str, float]:
@@ -336,6 +346,16 @@ class CostModel:
         per_level = per_link.reshape(len(rounds), n_levels, width).max(axis=2)
         return tuple(RoundLoad(tuple((lv, float(v)) for lv, v in enumerate(row) if v > 0), r.steps, r.reduce,
                                r.repeat) for r, row in zip(rounds, per_level.tolist(), strict=True))
+
+
+def size_factor(points: Sequence[tuple[float, float]], nbytes):
+    """Factor at ``nbytes`` from (bytes, factor) points: log-log interpolation, constant beyond the ends."""
+    if not points:
+        return np.ones_like(nbytes, dtype=float) if isinstance(nbytes, np.ndarray) else 1.0
+    xs = np.log([b for b, _ in points])
+    ys = np.log([f for _, f in points])
+    out = np.exp(np.interp(np.log(np.maximum(nbytes, 1.0)), xs, ys))
+    return out if isinstance(nbytes, np.ndarray) else float(out)
 
 
 def _with_level(cal: Calibration, level: str) -> Calibration:

@@ -10,7 +10,7 @@ first node's outputs), which needs none.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -48,6 +48,12 @@ class ModelCosts:
     @property
     def n(self) -> int:
         return len(self.names)
+
+    def slowed(self, factor: float) -> ModelCosts:
+        """The same model computing ``factor`` times slower (a refined calibration's compute_slowdown)."""
+        if factor == 1.0:
+            return self
+        return replace(self, forward_ms=self.forward_ms * factor, backward_ms=self.backward_ms * factor)
 
     def prefix(self, values: np.ndarray) -> np.ndarray:
         """P with P[k] = sum of values[:k] (length N+1)."""

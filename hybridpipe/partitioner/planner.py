@@ -109,7 +109,7 @@ def partition(profile: Profile, cluster: Cluster, req: Request = Request(),
     deadline = None if req.time_limit_s is None else time.monotonic() + req.time_limit_s
     cluster, workers, opts = resolve(cluster, req)
     model = CostModel(cluster, list(calibrations), aggregator_dedicated=req.dedicated_aggregator)
-    costs = model_costs(profile)
+    costs = model_costs(profile).slowed(model.compute_slowdown)
     stages, notes = choose_stages(req.strategy, costs, model, workers, opts, req.stages, deadline, progress)
     blocked = blocked_message(costs, stages, req.strategy)
     if blocked:
@@ -183,7 +183,7 @@ def build_plan(profile: Profile, costs: ModelCosts, cluster: Cluster, stages: Se
         ranks = sorted(r for i in group.stages for r in stages[i].ranks)
         ms = model.allreduce_seconds("native", group.bytes, ranks) * 1e3
         tied.append(replace(group, predicted_ms=round(ms, 6)))
-    step_ms = predict_step_ms(ev, opts) + sum(t.predicted_ms for t in tied)
+    step_ms = predict_step_ms(ev, opts) + sum(t.predicted_ms for t in tied) + model.step_overhead_ms
     out = []
     for idx, (spec, e) in enumerate(zip(stages, ev.stages, strict=True)):
         out.append(Stage(index=idx, first_node=spec.first, last_node=spec.last, replicas=len(spec.ranks),

@@ -212,6 +212,7 @@ class StageTerms:
             lines = fastlines.lines(self.model, ranks, self.opts.algorithms)
             nbytes = self.costs.param_bytes
             best = np.min([ln.alpha_s + ln.s_per_byte * nbytes for _, ln in lines], axis=0)
+            best = best * self.model.allreduce_factor(nbytes)    # refined calibrations (refine.py); 1 otherwise
             hit = self._sync[key] = np.where(self.param_nodes, best * 1e3, 0.0)
             self.priced += 1
         return hit

@@ -1,42 +1,48 @@
-"""Checkpoints of a pipelined run: save every K steps, resume from the newest usable one.
+"""Checkpoints of a pipelined run: save every K steps, resume from the newest usable one, in any
+plan of the same model.
 
 How the worker uses it (every rank, after the process group and the stage are built)::
 
     ckpt = Checkpointer(args.checkpoint_dir, plan=plan, rank=rank, every=args.checkpoint_every,
-                        keep=args.keep_checkpoints)
+                        keep=args.keep_checkpoints, tied=tied_parameters(model))
     start = 0
     if args.resume:
-        restored = ckpt.restore()               # collective; None when the directory holds none
+        restored = ckpt.restore(stage.module)   # collective; None when the directory holds none
         if restored is not None:
-            stage_module.load_state_dict(restored.model)
-            optimizer.load_state_dict(restored.optimizer)
-            engine.load_state_dict(restored.engine)
-            restore_rng(restored.rng)           # after everything that draws random numbers
+            ckpt.load_into(restored, stage.module, optimizer)     # weights + optimizer state by name
+            if restored.engine:                 # written by this very plan
+                engine.load_state_dict(restored.engine)
+            restore_rng(restored.rng) if restored.rng else reseed(seed, rank, restored.step)
             start = restored.step               # the next step to run
     for step in range(start, steps):
-        engine.run_step(step, ...)
+        engine.run_step(step, drain=ckpt.due(step + 1))     # pipedream: nothing in flight at a save
         if ckpt.due(step + 1):                  # step + 1 steps are done
-            ckpt.save(step + 1, model=stage_module.state_dict(), optimizer=optimizer.state_dict(),
-                      engine=engine.state_dict())   # collective: every rank calls it
+            ckpt.save(step + 1, module=stage.module, optimizer=optimizer, engine=engine.state_dict())
 
 ``save`` and ``restore`` are collectives over ``group`` (default: the whole world): every rank
 calls them at the same step. Replica 0 of each stage writes the stage's weights and optimizer
-state (replicas hold identical ones); every rank writes its own file with the engine state
-(PipeDream's stashed weight versions differ between replicas) and its RNG states. After all
-ranks reported their files, the stage-0 replica-0 rank writes the manifest, commits the
-directory (checkpoint_files.commit) and deletes all but the ``keep`` newest checkpoints of its
-own lineage (this training and the runs it was resumed from): never anyone else's.
+state under the model's names (runtime/reshard.py: a tied parameter once, by the lowest stage
+that reads it, after every rank compared its copy's digest; optimizer state keyed by parameter
+name); every rank writes its own file with the engine state and its RNG states. After all ranks
+reported their files and names, the stage-0 replica-0 rank writes the manifest (the plan, and
+an index name -> stage file), commits the directory (checkpoint_files.commit) and deletes all
+but the ``keep`` newest checkpoints of its own lineage (this training and the runs it was
+resumed from): never anyone else's.
 
-``restore`` never starts over silently. It walks the checkpoints from the newest: one that is
-incomplete (killed while saving), corrupt (SHA-256), or not plain data on some rank is skipped
-for the previous one, and named in ``Restored.skipped``; one written with another plan, or one
-whose file matches its manifest yet is not plain data (replaced: possibly hostile), stops the
-run (``AgreedError``, every rank the same line); when every one is
+``restore`` reads, for this rank's stage, the names it needs from whichever stage files hold
+them (resharding), whatever plan wrote them; when that plan is this one it also gives back the
+rank's engine and RNG states, else ``resharded`` says how the plans differ (engine state empty,
+RNG to be re-seeded). It never starts over silently. It walks the checkpoints from the newest:
+one that is incomplete (killed while saving), corrupt (SHA-256), or not plain data on some rank
+is skipped for the previous one, and named in ``Restored.skipped``; one of another model or
+another global batch, or one whose file matches its manifest yet is not plain data (replaced:
+possibly hostile), stops the run (``AgreedError``, every rank the same line); when every one is
 skipped the run stops too, naming each and why. Only a directory holding no checkpoint at all
 starts from step 0 (``restore`` returns None). Nothing is deleted on the way.
 
 Everything saved is plain data for ``torch.load(weights_only=True)``: tensors, numbers,
-strings, lists and dicts; the Python and NumPy RNG states are stored as lists of ints.
+strings, lists and dicts; the Python and NumPy RNG states are stored as lists of ints. (No
+torch.distributed.checkpoint: its metadata file is a pickle.)
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from hybridpipe.errors import AgreedError, UserError
 from hybridpipe.runtime.checkpoint_files import (
@@ -72,6 +79,17 @@ from hybridpipe.runtime.checkpoint_files import (
     step_dirs,
     why_incomplete,
     write_manifest,
+)
+from hybridpipe.runtime.reshard import (
+    canonical_names,
+    canonical_state,
+    indexed_optimizer_state,
+    merge_named,
+    named_optimizer_state,
+    optimizer_names,
+    pick,
+    restrict_named,
+    tensor_digest,
 )
 
 log = logging.getLogger(__name__)
@@ -100,18 +118,25 @@ def restore_rng(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def reseed(seed: int, rank: int, step: int) -> None:
+    """A rank's torch RNG after a reshard (its saved stream belonged to another rank's part):
+    seeded from (seed, rank, step), so a rerun of the same restart draws the same numbers."""
+    torch.manual_seed(int(np.random.SeedSequence((seed, rank, step)).generate_state(1, np.uint64)[0]))
+
+
 @dataclasses.dataclass(frozen=True)
 class Restored:
     """What this rank gets back from a checkpoint."""
 
     step: int                   # steps completed; run this step next
-    model: dict                 # the stage module's state_dict
-    optimizer: dict             # the stage optimizer's state_dict
-    engine: dict                # the engine's state_dict (stashed weight versions)
-    rng: dict                   # this rank's RNG states (restore_rng)
+    model: dict                 # the stage module's state_dict (its own keys)
+    optimizer: dict             # the stage's optimizer state, name-keyed (reshard.named_optimizer_state)
+    engine: dict                # the engine's state_dict (stashed weight versions); {} after a reshard
+    rng: dict | None            # this rank's RNG states (restore_rng); None after a reshard
     extra: dict                 # what the worker passed to save(extra=...)
     path: Path
     skipped: tuple[str, ...] = ()   # newer checkpoints passed over: "step-000009: why"
+    resharded: str = ""         # "" when written by this very plan, else how that plan differs
 
 
 class Checkpointer:
@@ -128,32 +153,49 @@ class Checkpointer:
         self.keep = keep
         self.group = group
         self.tied = [list(names) for names in tied]      # names of one parameter (merge fills them all in)
+        self.canon = canonical_names(self.tied)
         stage, replica = plan.stage_of_rank(rank)
         self.stage, self.replica = stage.index, replica
         self.n_stages = len(plan.stages)
         self.committer = plan.stages[0].ranks[0]
         self.lineage = ""           # set by restore (the checkpoint's) or by the first save (new)
+        # tied parameters another stage writes (the lowest stage that reads one writes it)
+        self.not_mine = {self.canon.get(t.param, t.param) for t in getattr(plan, "tied", ())
+                         if min(t.stages) != self.stage}
 
     def due(self, steps_done: int) -> bool:
         """Whether a checkpoint is taken after ``steps_done`` completed steps."""
         return self.every > 0 and steps_done > 0 and steps_done % self.every == 0
 
-    def save(self, steps_done: int, *, model: dict, optimizer: dict, engine: dict | None = None,
+    def save(self, steps_done: int, *, module: nn.Module, optimizer: Any, engine: dict | None = None,
              extra: dict | None = None) -> Path:
-        """Write this rank's files for ``steps_done``; the committer writes the manifest last."""
+        """Write this rank's files for ``steps_done`` (weights and optimizer state under the model's
+        names); the committer writes the manifest last."""
         t0 = time.perf_counter()
         d = staging_dir(self.root, steps_done)
-        records = []
+        records, held, digests = [], [], {}
         if self.replica == 0:
-            records.append(atomic_save({"step": steps_done, "stage": self.stage, "model": model,
-                                        "optimizer": optimizer}, d / stage_file(self.stage)))
+            model = canonical_state(module.state_dict(), self.canon)
+            named = named_optimizer_state(optimizer.state_dict(), optimizer_names(optimizer, module, self.canon))
+            tied_here = sorted(set(self.canon.values()) & set(model))
+            digests = {n: tensor_digest([model[n], named["state"].get(n)]) for n in tied_here}
+            held = [n for n in model if n not in self.not_mine]
+            named = restrict_named(named, held)
+            records.append(atomic_save({"step": steps_done, "stage": self.stage,
+                                        "model": {n: model[n] for n in held}, "optimizer": named},
+                                       d / stage_file(self.stage)))
         records.append(atomic_save({"step": steps_done, "rank": self.rank, "engine": engine or {},
                                     "rng": capture_rng(), "extra": extra or {}}, d / rank_file(self.rank)))
-        everyone = self._gather(records)
+        everyone = self._gather((records, held, digests))
+        _check_tied_copies([dg for _, _, dg in everyone], steps_done)
         if self.rank == self.committer:
             self.lineage = self.lineage or uuid.uuid4().hex[:16]
-            files = [r for recs in everyone for r in recs]
-            write_manifest(d, steps_done, files, self._meta(time.perf_counter() - t0))
+            files = [r for recs, _, _ in everyone for r in recs]
+            index: dict[str, str] = {}
+            for r, (_, names, _) in enumerate(everyone):
+                for n in names:
+                    index.setdefault(n, stage_file(self.plan.stage_of_rank(r)[0].index))
+            write_manifest(d, steps_done, files, {**self._meta(time.perf_counter() - t0), "index": index})
             final, aside = commit(self.root, steps_done, {f.name for f in files})
             if aside is not None:
                 log.warning("an unusable checkpoint was in the way: moved %s aside to %s", final, aside)
@@ -162,10 +204,10 @@ class Checkpointer:
         log.info("checkpoint of step %d written in %.2f s", steps_done, time.perf_counter() - t0)
         return step_dir(self.root, steps_done)
 
-    def restore(self) -> Restored | None:
-        """This rank's part of the newest checkpoint usable on every rank (collective; see the
-        module docstring): None when the directory holds no checkpoint at all, else Restored,
-        else AgreedError naming every checkpoint and why it cannot be resumed from."""
+    def restore(self, module: nn.Module) -> Restored | None:
+        """This rank's part of the newest checkpoint usable on every rank, resharded for this plan
+        (collective; see the module docstring): None when the directory holds no checkpoint at
+        all, else Restored, else AgreedError naming every checkpoint and why it cannot be resumed from."""
         seen = self._gather(sorted(step_dirs(self.root)))
         steps = sorted(set().union(*map(set, seen)), reverse=True)
         if not steps:
@@ -179,7 +221,7 @@ class Checkpointer:
         skipped: list[str] = []
         for step in steps:
             name = step_dir(self.root, step).name
-            loaded, problem = self._try_step(step, seen[self.rank])
+            loaded, problem = self._try_step(step, seen[self.rank], module)
             problems = [p for p in self._gather(problem) if p]
             if not problems:
                 if loaded is None:
@@ -190,21 +232,25 @@ class Checkpointer:
             if unsafe is not None:
                 raise AgreedError(f"--resume: {unsafe[7:]} (its manifest vouches for it, so it was replaced after "
                                   "the save); nothing was loaded or changed")
-            plan = next((p for p in problems if p.startswith("plan:")), None)
-            if plan is not None:
-                raise AgreedError(f"--resume: {step_dir(self.root, step)} was written with another plan "
-                                  f"({plan[5:]}); resume with the plan it was made with, or start afresh with "
-                                  "another --checkpoint-dir (nothing was changed)"
-                                  + (f"; newer ones skipped: {'; '.join(skipped)}" if skipped else ""))
+            other = next((p for p in problems if p.startswith("other:")), None)
+            if other is not None:
+                raise AgreedError(f"--resume: {step_dir(self.root, step)} {other[6:]}; nothing was loaded or "
+                                  "changed" + (f" (newer ones skipped: {'; '.join(skipped)})" if skipped else ""))
             here = str(step_dir(self.root, step))         # name its files relative to it
             skipped.append(f"{name}: {problems[0].replace(here + os.sep, '').replace(here, name)}")
         raise AgreedError(f"--resume: no usable checkpoint in {self.root} ({'; '.join(skipped)}); repair or "
                           "move them away, or start afresh with another --checkpoint-dir (nothing was changed)")
 
+    def load_into(self, restored: Restored, module: nn.Module, optimizer: Any) -> None:
+        """Put ``restored``'s weights and optimizer state into this rank's module and optimizer."""
+        module.load_state_dict(restored.model)
+        names = optimizer_names(optimizer, module, self.canon)
+        optimizer.load_state_dict(indexed_optimizer_state(restored.optimizer, names, optimizer.state_dict()))
+
     # ---- helpers ----------------------------------------------------------------------
-    def _try_step(self, step: int, visible: list[int]) -> tuple[Restored | None, str]:
+    def _try_step(self, step: int, visible: list[int], module: nn.Module) -> tuple[Restored | None, str]:
         """Load this rank's part of ``step``: (Restored, "") or (None, why not); a reason that
-        starts with "plan:" means another plan wrote it."""
+        starts with "other:" stops the resume (another model or global batch), "unsafe:" too."""
         d = step_dir(self.root, step)
         if step not in visible:
             return None, f"rank {self.rank} cannot see it"
@@ -213,38 +259,58 @@ class Checkpointer:
         problem = why_incomplete(d, None)
         if problem:
             return None, f"incomplete ({problem})"
-        mismatch = self._plan_mismatch(step)
-        if mismatch:
-            return None, f"plan:{mismatch}"
+        m = read_manifest(d)
+        mine = self._meta(0.0)
+        if m.get("model") != mine["model"]:
+            return None, (f"other:was written for model {m.get('model')!r}, not {mine['model']!r}: resume only the "
+                          "same model (or pass another --checkpoint-dir)")
+        if m.get("global_batch") != mine["global_batch"]:
+            there = f"{m.get('global_batch')} ({m.get('micro_batches')} micro-batches x {m.get('batch_size')})"
+            here = f"{mine['global_batch']} ({mine['micro_batches']} x {mine['batch_size']})"
+            return None, (f"other:was written with global batch {there}, not {here}: a checkpoint resumes at its "
+                          "own global batch (keep micro-batches x micro-batch size)")
+        index = m.get("index")
+        if not isinstance(index, dict):
+            return None, "other:has no name index (written by an older hybridpipe); resume with that version"
+        state_keys = list(module.state_dict())
         try:
-            own = load_file(self.root, step, rank_file(self.rank))
-            part = load_file(self.root, step, stage_file(self.stage))
+            wanted = pick(index, {self.canon.get(k, k) for k in state_keys})
+            parts = {f: load_file(self.root, step, f) for f in sorted(wanted)}
+            own = load_file(self.root, step, rank_file(self.rank)) if self._same_plan(m) else None
         except NotPlainData as e:
             return None, f"unsafe:{e}"
         except UserError as e:
-            return None, f"rank {self.rank}: {e}"
-        missing = [k for k, src in (("model", part), ("optimizer", part), ("engine", own), ("rng", own))
-                   if not isinstance(src.get(k), dict)]
-        if missing:
-            return None, f"rank {self.rank}: its files hold no {missing[0]} state"
-        return Restored(step=step, model=part["model"], optimizer=part["optimizer"], engine=own["engine"],
-                        rng=own["rng"], extra=own.get("extra") or {}, path=d), ""
+            return (None, f"other:{e}") if "another model" in str(e) else (None, f"rank {self.rank}: {e}")
+        if any(not isinstance(p.get(k), dict) for p in parts.values() for k in ("model", "optimizer")):
+            return None, f"rank {self.rank}: a stage file holds no model or optimizer state"
+        held = {n: parts[f]["model"][n] for f, names in wanted.items() for n in names}
+        model = {k: held[self.canon.get(k, k)] for k in state_keys}
+        named = merge_named(restrict_named(parts[f]["optimizer"], names) for f, names in wanted.items())
+        if own is not None and not (isinstance(own.get("engine"), dict) and isinstance(own.get("rng"), dict)):
+            return None, f"rank {self.rank}: its file holds no engine or RNG state"
+        return Restored(step=step, model=model, optimizer=named, engine=own["engine"] if own else {},
+                        rng=own["rng"] if own else None, extra=(own or {}).get("extra") or {}, path=d,
+                        resharded="" if own is not None else self._plan_change(m)), ""
 
     def _meta(self, seconds: float) -> dict:
         p = self.plan
         return {"model": p.model, "schedule": p.schedule, "micro_batches": p.micro_batches,
-                "batch_size": p.batch_size, "n_stages": self.n_stages, "world_size": p.world_size,
+                "batch_size": p.batch_size, "global_batch": p.batch_size * p.micro_batches,
+                "n_stages": self.n_stages, "world_size": p.world_size,
                 "stages": [{"first_node": s.first_node, "last_node": s.last_node, "ranks": list(s.ranks)}
                            for s in p.stages],
                 "tied": self.tied,
                 "lineage": self.lineage,
+                "plan": p.to_dict() if hasattr(p, "to_dict") else {},
                 "created": datetime.datetime.now().isoformat(timespec="seconds"), "save_seconds": round(seconds, 3)}
 
-    def _plan_mismatch(self, step: int) -> str:
-        """How the plan that wrote ``step`` differs from this one ("" when it is the same)."""
-        m = read_manifest(step_dir(self.root, step))
+    def _same_plan(self, m: dict) -> bool:
+        return not self._plan_change(m)
+
+    def _plan_change(self, m: dict) -> str:
+        """How the plan that wrote manifest ``m`` differs from this one ("" when it is the same)."""
         mine = self._meta(0.0)
-        for key in ("model", "schedule", "micro_batches", "batch_size", "n_stages", "world_size", "stages"):
+        for key in ("schedule", "micro_batches", "batch_size", "n_stages", "world_size", "stages"):
             if m.get(key) != mine[key]:
                 return f"{key}: {_short(m.get(key))} there, {_short(mine[key])} here"
         return ""
@@ -257,6 +323,16 @@ class Checkpointer:
         out: list[Any] = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(out, obj, group=self.group)
         return out
+
+
+def _check_tied_copies(digests: list[dict[str, str]], step: int) -> None:
+    """Every stage's copy of a tied parameter (weights and optimizer state) must be bit-identical."""
+    first: dict[str, str] = {}
+    for dg in digests:
+        for name, h in dg.items():
+            if first.setdefault(name, h) != h:
+                raise AgreedError(f"checkpoint of step {step}: the stages' copies of tied parameter {name!r} differ; "
+                                  "their gradients were not summed across stages (a bug: please report it)")
 
 
 def _short(value: Any) -> str:

@@ -2,10 +2,12 @@
 
 Layout of a checkpoint directory (``--checkpoint-dir DIR``)::
 
-    DIR/step-000120/stage-0.pt      stage 0's weights + optimizer state (written by its replica 0)
+    DIR/step-000120/stage-0.pt      stage 0's weights + optimizer state, under the model's names
+                                    (written by its replica 0; runtime/reshard.py)
     DIR/step-000120/stage-1.pt
     DIR/step-000120/rank-00003.pt   rank 3's own state: engine state (stashed weights), RNG states
-    DIR/step-000120/manifest.json   written LAST, after every rank reported its files
+    DIR/step-000120/manifest.json   written LAST, after every rank reported its files; holds the
+                                    plan (for information) and an index: name -> stage file
 
 ``step-N`` holds the state after N completed steps (resume runs step N next). A save writes
 into ``DIR/.step-N.tmp/`` (every file to a temporary name, fsynced, renamed), the manifest
@@ -13,7 +15,9 @@ records each file's size and SHA-256, and the whole directory is renamed to ``st
 end (:func:`commit`): a save killed half way leaves only the ``.tmp`` directory, never a
 ``step-N``. A checkpoint is *complete* when its manifest exists and every file it lists exists
 with the recorded size. Stage files hold ordinary state_dicts whose keys are the model's own
-names (the stage builder keeps them), so merging is a union of the stages' dicts.
+names (the stage builder keeps them; a tied parameter once, under its first name, by the lowest
+stage that reads it) and the optimizer state keyed by the same names, so merging is a union of
+the stages' dicts, and any other plan of the model picks the names it needs (resharding).
 
 Checkpoints are data, not code: every file is read with ``torch.load(weights_only=True)``
 (tensors, numbers, strings, lists, dicts only), so a shard replaced by a pickle that would run a
@@ -44,7 +48,7 @@ from hybridpipe.jsonfile import field, parse_json, replace_into
 from hybridpipe.pipeline.tied import complete_tied
 
 CHECKPOINT_KIND = "checkpoint"
-CHECKPOINT_FORMAT = 1
+CHECKPOINT_FORMAT = 2          # 2: name-keyed optimizer state, tied parameters once, an "index"
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _STAGING = re.compile(r"^\.step-(\d+)\.tmp$")
@@ -196,7 +200,8 @@ def read_manifest(directory: str | os.PathLike) -> dict:
         raise UserError(f"{p} is not a hybridpipe checkpoint manifest")
     if data.get("format") != CHECKPOINT_FORMAT:
         raise UserError(f"{p}: checkpoint format {data.get('format')!r} is not supported (this hybridpipe "
-                        f"reads format {CHECKPOINT_FORMAT})")
+                        f"reads format {CHECKPOINT_FORMAT}; format 1 was keyed by stage: resume or merge it with "
+                        "the hybridpipe that wrote it)")
     where = f"checkpoint manifest {p}"
     field(data, "step", int, where, minimum=0)
     field(data, "n_stages", int, where, minimum=1)
@@ -374,3 +379,45 @@ def merge_stages(root: str | os.PathLike, step: int) -> tuple[dict[str, torch.Te
             merged.setdefault(key, value)
             owner.setdefault(key, k)
     return complete_tied(merged, manifest.get("tied", [])), manifest
+
+
+def merge_optimizer(root: str | os.PathLike, step: int) -> dict:
+    """The whole model's optimizer state of ``step``, keyed by parameter names (the union of the
+    stages' name-keyed states; see runtime/reshard.py)."""
+    manifest = read_manifest(step_dir(root, step))
+    out: dict[str, Any] = {"state": {}, "param_groups": []}
+    for k in range(manifest["n_stages"]):
+        part = load_file(root, step, stage_file(k)).get("optimizer")
+        if not isinstance(part, dict):
+            raise UserError(f"{step_dir(root, step) / stage_file(k)} holds no optimizer state")
+        out["state"].update(part.get("state", {}))
+        out["param_groups"].extend(part.get("param_groups", []))
+    return out
+
+
+def load_initial(path: str | os.PathLike, module: torch.nn.Module) -> dict | None:
+    """``launch --init-from``: load a state_dict (``torch.save(model.state_dict())``) or a merged
+    checkpoint (``{"model": ..., "optimizer": ...}`` from ``merge-checkpoint --with-optimizer``)
+    into ``module`` (strictly, as data only); returns the name-keyed optimizer state, if any."""
+    data = load_data(Path(path))
+    state, optimizer = (data.get("model"), data.get("optimizer")) if "model" in data else (data, None)
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise UserError(f"--init-from {path} holds no state_dict of tensors (expected torch.save(model.state_dict()) "
+                        "or the output of `hybridpipe merge-checkpoint`)")
+    if optimizer is not None and not isinstance(optimizer, dict):
+        raise UserError(f"--init-from {path}: its \"optimizer\" entry is not an optimizer state")
+    aliases: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+    state = complete_tied(state, [v for v in aliases.values() if len(v) > 1])
+    expected = module.state_dict()
+    missing = [k for k in expected if k not in state]
+    unexpected = [k for k in state if k not in expected]
+    shapes = [k for k in expected if k in state and tuple(state[k].shape) != tuple(expected[k].shape)]
+    if missing or unexpected or shapes:
+        what = (f"missing {missing[0]!r}" if missing else f"unexpected {unexpected[0]!r}" if unexpected
+                else f"{shapes[0]!r} has shape {tuple(state[shapes[0]].shape)}, not {tuple(expected[shapes[0]].shape)}")
+        raise UserError(f"--init-from {path} does not fit the model ({what}; {len(missing)} missing, "
+                        f"{len(unexpected)} unexpected, {len(shapes)} of another shape): it holds another model")
+    module.load_state_dict(state, strict=True)
+    return optimizer

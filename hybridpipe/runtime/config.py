@@ -31,7 +31,7 @@ from hybridpipe.comm.p2p import MODES
 from hybridpipe.errors import UserError
 from hybridpipe.limits import require_memory
 from hybridpipe.partitioner.calibration import load_calibration
-from hybridpipe.partitioner.plan import OPTIMIZERS, SCHEDULES, Plan, check_plan_fits, load_plan
+from hybridpipe.partitioner.plan import OPTIMIZERS, SCHEDULES, STRATEGIES, Plan, check_plan_fits, load_plan
 from hybridpipe.pipeline.instructions import Step
 from hybridpipe.pipeline.schedules import Topology, check_schedulable, rank_program
 from hybridpipe.runtime.checkpoint_files import step_dirs
@@ -78,6 +78,8 @@ class RunConfig:
     eval_every: int = 0               # held-out evaluation every K steps (0: never)
     eval_batches: int = 1             # global batches per evaluation
     eval_dataset: str | None = None   # None: synthetic held-out samples (another seed)
+    init_from: str | None = None      # a state_dict (or merged checkpoint) to start a new run from
+    planned_s: float | None = None    # seconds rank 0 spent planning (--profile), None with --plan
 
     @property
     def schedule(self) -> str:
@@ -108,7 +110,15 @@ def build_parser() -> Parser:
         description="Train with a hybridpipe plan: one process per worker, started by torchrun "
                     "(e.g. torchrun --standalone --nproc-per-node 4 -m hybridpipe.launch --plan plan.json "
                     "--steps 100).")
-    p.add_argument("--plan", required=True, metavar="PLAN.json", help="plan written by `hybridpipe partition`")
+    p.add_argument("--plan", metavar="PLAN.json", help="plan written by `hybridpipe partition` (or --profile)")
+    g = p.add_argument_group("planning at start (instead of --plan; elastic restarts re-plan)")
+    g.add_argument("--profile", metavar="PROFILE.json",
+                   help="rank 0 partitions this profile for the job's actual WORLD_SIZE, broadcasts the plan and "
+                        "writes it to RUN_DIR/plan.json (needs --cluster)")
+    g.add_argument("--cluster", metavar="C.json", help="the cluster whose first WORLD_SIZE workers run the job")
+    g.add_argument("--strategy", choices=STRATEGIES, default="optimal", help="partitioning strategy (default optimal)")
+    g.add_argument("--memory-gb", type=positive_float, metavar="X", help="memory per worker (default: the cluster's)")
+    g.add_argument("--stages", type=positive_int, metavar="S", help="uniform/params strategies: S stages")
     g = p.add_argument_group("model and data")
     g.add_argument("--model", metavar="SPEC", help="zoo name or package.module:factory (default: the plan's; "
                    "must match it)")
@@ -186,7 +196,12 @@ def build_parser() -> Parser:
     g.add_argument("--keep-checkpoints", type=positive_int, default=3, metavar="N",
                    help="keep the N newest checkpoints this training wrote (default 3; others are never deleted)")
     g.add_argument("--resume", action="store_true",
-                   help="continue from the newest usable checkpoint (an empty --checkpoint-dir starts afresh)")
+                   help="continue from the newest usable checkpoint, resharded for this plan if another plan "
+                        "wrote it (an empty --checkpoint-dir starts afresh)")
+    g.add_argument("--init-from", metavar="MODEL.pt",
+                   help="start a new run from these weights: a state_dict of the model or the output of "
+                        "`hybridpipe merge-checkpoint` (with --with-optimizer: its optimizer state too); with "
+                        "--resume, only when there is no checkpoint yet")
     g.add_argument("--run-dir", type=output_dir, metavar="R",
                    help="metrics, timeline and summary go here (default runs/<time>)")
     g.add_argument("--trace-dir", type=output_dir, metavar="T", help="per-rank timeline traces (default RUN_DIR/trace)")
@@ -211,12 +226,18 @@ def deprecations(args: argparse.Namespace) -> list[str]:
     return []
 
 
-def resolve(args: argparse.Namespace, world_size: int | None = None) -> RunConfig:
+def resolve(args: argparse.Namespace, world_size: int | None = None, planned: Plan | None = None,
+            planned_s: float | None = None) -> RunConfig:
     """Check ``args`` against the plan, each other and the file system; the effective plan
-    carries the overrides. Fast (no model, no processes): every rank runs it before the job forms.
+    carries the overrides. Fast (no model, no processes).
 
-    ``world_size`` (the job's, from torchrun's environment) must be the plan's.
+    ``world_size`` (the job's, from torchrun's environment) must be the plan's. ``planned`` is
+    the plan made at start from ``--profile`` (runtime/replan.py), used instead of ``--plan``.
     """
+    check_plan_source(args)
+    if args.init_from is not None and not Path(args.init_from).is_file():
+        raise UserError(f"--init-from {args.init_from}: no such file; pass a state_dict saved with torch.save or "
+                        "the output of `hybridpipe merge-checkpoint`")
     if (args.checkpoint_every or args.resume) and not args.checkpoint_dir:
         raise UserError("--checkpoint-every and --resume need --checkpoint-dir D (a directory every node can reach)")
     micro_batch_size = args.micro_batch_size if args.micro_batch_size is not None else args.batch_size
@@ -227,7 +248,7 @@ def resolve(args: argparse.Namespace, world_size: int | None = None) -> RunConfi
         if not Path(path).is_file():
             raise UserError(f"calibration file {path} does not exist; run `hybridpipe bench-allreduce -o {path}`")
         load_calibration(path)
-    plan = load_plan(args.plan)
+    plan = planned if planned is not None else load_plan(args.plan)
     check_plan_fits(plan, model=args.model, signature=None, batch_size=micro_batch_size, world_size=world_size)
     plan = dataclasses.replace(plan, micro_batches=args.micro_batches or plan.micro_batches,
                                schedule=args.schedule or plan.schedule, optimizer=args.optimizer or plan.optimizer)
@@ -253,7 +274,8 @@ def resolve(args: argparse.Namespace, world_size: int | None = None) -> RunConfi
     if args.checkpoint_dir:
         check_checkpoint_dir(args.checkpoint_dir, resume=args.resume)
     return RunConfig(
-        plan=plan, plan_path=str(args.plan), model=plan.model, dataset=args.dataset, dataset_size=args.dataset_size,
+        plan=plan, plan_path=str(args.plan or ""), model=plan.model, dataset=args.dataset,
+        dataset_size=args.dataset_size,
         steps=args.steps, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay,
         comm_mode=args.comm_mode, allreduce=args.allreduce, calibrations=tuple(args.calibration),
         aggregator=args.aggregator, checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
@@ -263,7 +285,17 @@ def resolve(args: argparse.Namespace, world_size: int | None = None) -> RunConfi
         verbose=args.verbose, skip_nonfinite=args.skip_nonfinite, lr_schedule=args.lr_schedule,
         warmup_steps=args.warmup_steps, clip_grad_norm=args.clip_grad_norm, eval_every=args.eval_every,
         eval_batches=args.eval_batches, eval_dataset=args.eval_dataset, shuffle=args.shuffle,
-        precision=args.precision)
+        precision=args.precision, init_from=args.init_from, planned_s=planned_s)
+
+
+def check_plan_source(args: argparse.Namespace) -> None:
+    """Exactly one of --plan and --profile (with --cluster)."""
+    if (args.plan is None) == (args.profile is None):
+        raise UserError("give either --plan PLAN.json or --profile PROFILE.json --cluster C.json (plan at start), "
+                        "not both" if args.plan else "no plan: give --plan PLAN.json, or --profile PROFILE.json "
+                        "--cluster C.json to plan for the job's workers at start")
+    if args.profile is not None and args.cluster is None:
+        raise UserError("--profile needs --cluster C.json (the cluster whose first WORLD_SIZE workers run the job)")
 
 
 def flushes(plan: Plan) -> bool:

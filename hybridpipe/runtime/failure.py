@@ -119,6 +119,7 @@ class FailureGuard:
         self._beats: dict[int, tuple[int, float]] = {}   # local ranks -> (heartbeat, when it last changed)
         self._done: set[int] = set()
         self._store_error: BaseException | None = None
+        self.exit_code: int | None = None         # set when the guard ends the process (for on_exit)
 
     # ---- lifecycle --------------------------------------------------------------------
     def start(self) -> FailureGuard:
@@ -253,6 +254,7 @@ class FailureGuard:
     def _exit(self, code: int, message: str, *, quiet: bool = False, bare: bool = False) -> NoReturn:
         with self._exiting:         # the watchdog and the main thread never both exit
             self._stop.set()
+            self.exit_code = code
             self._record_exit(code)
             text = f"{self.program}: error: {message}" if bare else f"hybridpipe {self.describe(self.rank)}: {message}"
             if code == EXIT_PEER_LOST and self.hint:

@@ -39,7 +39,7 @@ from hybridpipe.pipeline.stage import loss_of
 from hybridpipe.profiles.capture import tied_parameters
 from hybridpipe.profiles.zoo import ModelSpec, resolve_model
 from hybridpipe.runtime.batches import GivenBatches, is_micro_batch_stream, split_batch, take_micro_batches
-from hybridpipe.runtime.checkpoint import Checkpointer, Restored, restore_rng
+from hybridpipe.runtime.checkpoint import Checkpointer, Restored, reseed, restore_rng
 from hybridpipe.runtime.config import flushes
 from hybridpipe.runtime.groups import init_distributed, replica_groups, stage_channels
 from hybridpipe.runtime.loader import MicroBatchSlice, StepLoader
@@ -206,26 +206,31 @@ class Trainer:
         ckpt = self._checkpointer(directory, keep)
         extra = {"scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
                  "scaler": self.scaler.state_dict() if self.scaler is not None else None}
-        return ckpt.save(self.step, model=self.stage.state_dict(), optimizer=self.optimizer.state_dict(),
+        return ckpt.save(self.step, module=self.stage.module, optimizer=self.optimizer,
                          engine=self.engine.state_dict(), extra=extra)
 
     def load(self, directory: str | Path) -> Restored | None:
         """Resume from the newest usable checkpoint in ``directory`` (collective): None when it holds
-        none; else what was restored (``.step`` steps done). Training continues bit-identically."""
-        restored = self._checkpointer(directory, 3).restore()
+        none; else what was restored (``.step`` steps done). Training continues bit-identically
+        (a checkpoint of another plan is resharded; then each rank's RNG is re-seeded)."""
+        ckpt = self._checkpointer(directory, 3)
+        restored = ckpt.restore(self.stage.module)
         if restored is None:
             return None
-        self.stage.load_state_dict(restored.model)
-        self.optimizer.load_state_dict(restored.optimizer)
+        ckpt.load_into(restored, self.stage.module, self.optimizer)
         self.step = restored.step
-        self.engine.load_state_dict(restored.engine)
+        if restored.engine:
+            self.engine.load_state_dict(restored.engine)
         sched = restored.extra.get("scheduler")
         if self.scheduler is not None and sched is not None:
             self.scheduler.load_state_dict(sched)
         scaler = restored.extra.get("scaler")
         if self.scaler is not None and scaler is not None:
             self.scaler.load_state_dict(scaler)
-        restore_rng(restored.rng)               # after everything that draws random numbers
+        if restored.rng is not None:
+            restore_rng(restored.rng)           # after everything that draws random numbers
+        else:                                   # resharded from another plan
+            reseed(self.seed, self.proc.rank, restored.step)
         return restored
 
     def close(self) -> None:

@@ -24,13 +24,26 @@ import torch.distributed as dist
 
 from hybridpipe.errors import UserError
 from hybridpipe.jsonfile import write_json
+from hybridpipe.partitioner.plan import save_plan
 from hybridpipe.pipeline import MicroBatches
+from hybridpipe.profiles.capture import tied_parameters
+from hybridpipe.runtime.checkpoint_files import load_initial
 from hybridpipe.runtime.config import RunConfig
-from hybridpipe.runtime.failure import FailureGuard, default_store, describe_ranks
+from hybridpipe.runtime.failure import EXIT_PEER_LOST, FailureGuard, default_store, describe_ranks
 from hybridpipe.runtime.groups import Process, init_distributed
 from hybridpipe.runtime.lr import lr_schedule
 from hybridpipe.runtime.metrics import MetricsWriter, Progress, step_record
 from hybridpipe.runtime.parts import Model, load_model, make_data, make_eval_data, weights_digest
+from hybridpipe.runtime.reshard import canonical_names, indexed_optimizer_state, optimizer_names
+from hybridpipe.runtime.restarts import (
+    append_log,
+    first_step_done,
+    note_exit,
+    process_start_time,
+    read_log,
+    read_notes,
+    restart_entry,
+)
 from hybridpipe.runtime.summary import RankReport, format_summary, summarize
 from hybridpipe.runtime.sync import sync_report
 from hybridpipe.runtime.timeline import TimelineRecorder, trace_dir
@@ -43,32 +56,50 @@ def run_worker(cfg: RunConfig, *, print_fn: Callable[[str], None] = print) -> di
     """Train ``cfg`` on this process's rank (see the module docstring); returns the summary on the
     reporting rank (the last stage's first replica), None elsewhere. Joins the job torchrun
     started, or uses the default process group when the caller already made one."""
+    entered = time.time()
     model = load_model(cfg)                    # before any process group: a wrong plan fails alone
+    init_optimizer = load_initial(cfg.init_from, model.module) if cfg.init_from else None
+    captured = time.time()
     proc, owned = init_distributed(cfg.backend, cfg.timeout)
     try:
         if proc.world_size != cfg.plan.world_size:
             raise UserError(f"the plan needs {cfg.plan.world_size} workers but the job has {proc.world_size}")
         closers: list[Callable[[], object]] = []
+        # steps completed (for the exit note) and when this worker got how far (the restart record)
+        progress = {"done": 0, "entered": entered, "captured": captured}
         guard = FailureGuard(default_store(), rank=proc.rank, world_size=proc.world_size,
                              timeout=min(cfg.peer_timeout, cfg.timeout), program="hybridpipe.launch",
                              describe=describe_ranks(cfg.plan), on_exit=[lambda: _close_all(closers)],
                              hint="restart with --resume to continue from the newest checkpoint"
                              if cfg.checkpoint_dir else "")
+        if cfg.checkpoint_dir:              # a peer died: leave a note for the restart (restarts.py)
+            root = cfg.checkpoint_dir
+
+            def leave_note() -> None:
+                if guard.exit_code == EXIT_PEER_LOST:
+                    note_exit(root, proc.rank, proc.world_size, int(progress["done"]))
+            guard.on_exit.append(leave_note)
         with guard:
-            summary = _train(cfg, proc, model, closers, print_fn)
+            summary = _train(cfg, proc, model, closers, print_fn, init_optimizer, progress)
     finally:
         if owned and dist.is_initialized():
             dist.destroy_process_group()
     return summary
 
 
-def _train(cfg: RunConfig, proc: Process, model: Model, closers: list, print_fn) -> dict | None:
+def _train(cfg: RunConfig, proc: Process, model: Model, closers: list, print_fn, init_optimizer: dict | None,
+           progress: dict) -> dict | None:
     """launch's loop around the Python API (runtime/trainer.py): metrics, progress bar, timeline,
     checkpoints every K steps, the summary."""
     plan, rank = cfg.plan, proc.rank
     stage_plan, replica = plan.stage_of_rank(rank)
     reporter = rank == plan.stages[-1].ranks[0]
     run_dir = _agree_run_dir(cfg, rank)
+    if cfg.planned_s is not None and rank == 0:
+        save_plan(plan, run_dir / "plan.json")
+        print_fn(f"hybridpipe: planned {len(plan.stages)} stage(s) x replicas "
+                 f"{[s.replicas for s in plan.stages]} for {plan.world_size} workers in {cfg.planned_s:.2f} s; "
+                 f"wrote {run_dir / 'plan.json'}")
     traces = None if cfg.trace_dir == "" else Path(cfg.trace_dir or trace_dir(run_dir))
     recorder = None
     if traces is not None:
@@ -83,9 +114,22 @@ def _train(cfg: RunConfig, proc: Process, model: Model, closers: list, print_fn)
                       calibrations=cfg.calibrations, aggregator=cfg.aggregator, skip_nonfinite=cfg.skip_nonfinite,
                       timeout=cfg.timeout, precision=cfg.precision, recorder=recorder, nonfinite_hint=hint)
     held_out = make_eval_data(cfg, model.spec) if cfg.eval_every else None
-    start = 0
+    start, restart = 0, None
+    if init_optimizer is not None:
+        canon = canonical_names(tied_parameters(model.module))
+        names = optimizer_names(trainer.optimizer, trainer.stage.module, canon)
+        trainer.optimizer.load_state_dict(indexed_optimizer_state(init_optimizer, names,
+                                                                  trainer.optimizer.state_dict()))
     if cfg.checkpoint_dir and cfg.resume:
+        t_load = time.perf_counter()
         start = _restore(trainer, cfg.checkpoint_dir, print_fn if rank == plan.stages[0].ranks[0] else None)
+        if reporter:
+            restart = restart_entry(read_notes(Path(cfg.checkpoint_dir)), world_size=proc.world_size,
+                                    resumed_from=start, started=process_start_time(),
+                                    planning_s=cfg.planned_s or 0.0, load_s=time.perf_counter() - t_load, stages={
+                                        "imports_s": progress["entered"], "model_s": progress["captured"],
+                                        "job_s": time.time() - (time.perf_counter() - t_load)})
+    progress["done"] = start
 
     metrics = MetricsWriter(run_dir, rank)
     closers.append(metrics.close)
@@ -102,7 +146,9 @@ def _train(cfg: RunConfig, proc: Process, model: Model, closers: list, print_fn)
             t0 = time.perf_counter()
             lr = trainer.lr
             evaluate = cfg.eval_every > 0 and ((step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1)
-            trainer.train_step(drain=step == cfg.steps - 1 or evaluate)   # every rank: stops on a non-finite loss
+            due = bool(cfg.checkpoint_dir) and cfg.checkpoint_every > 0 and (step + 1) % cfg.checkpoint_every == 0
+            # every rank: stops on a non-finite loss; pipedream drains before an evaluation or a checkpoint
+            trainer.train_step(drain=step == cfg.steps - 1 or evaluate or due)
             if proc.device.type == "cuda":
                 torch.cuda.synchronize(proc.device)
             seconds = time.perf_counter() - t0
@@ -123,7 +169,11 @@ def _train(cfg: RunConfig, proc: Process, model: Model, closers: list, print_fn)
             report.step_ms[step] = record["step_ms"]
             if losses:
                 report.losses[step] = losses
-            if cfg.checkpoint_dir and cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
+            progress["done"] = step + 1
+            if restart is not None and cfg.checkpoint_dir:
+                append_log(Path(cfg.checkpoint_dir), first_step_done(restart, seconds))
+                restart = None
+            if due and cfg.checkpoint_dir:
                 trainer.save(cfg.checkpoint_dir, keep=cfg.keep_checkpoints)
                 saved_at = step + 1
     finally:
@@ -143,6 +193,8 @@ def _train(cfg: RunConfig, proc: Process, model: Model, closers: list, print_fn)
     summary = summarize(reports, plan, steps=cfg.steps, first_step=start, run_dir=str(run_dir),
                         trace_dir=str(traces) if traces is not None else None, schedule=cfg.schedule,
                         comm_mode=cfg.comm_mode, allreduce=cfg.allreduce, skipped=trainer.watch.skipped)
+    if cfg.checkpoint_dir:
+        summary["restarts"] = read_log(Path(cfg.checkpoint_dir))
     write_json(Path(run_dir) / "summary.json", summary)
     print_fn(format_summary(summary))
     return summary
@@ -170,7 +222,9 @@ def _restore(trainer: Trainer, directory: str, say: Callable[[str], None] | None
         return 0
     if say is not None:
         skipped = f" (skipped: {'; '.join(restored.skipped)})" if restored.skipped else ""
-        say(f"hybridpipe: --resume: continuing from {restored.path} (step {restored.step}){skipped}")
+        moved = (f"; resharded from the plan that wrote it ({restored.resharded}); each rank's RNG re-seeded from "
+                 "(--seed, rank, step)") if restored.resharded else ""
+        say(f"hybridpipe: --resume: continuing from {restored.path} (step {restored.step}){skipped}{moved}")
     return restored.step
 
 

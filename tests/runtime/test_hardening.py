@@ -115,15 +115,16 @@ def test_a_fresh_run_never_writes_into_checkpoints_it_did_not_make(trained, tmp_
     assert snapshot(ckpt) == before
 
 
-def test_resume_with_another_plan_is_refused_and_nothing_changes(trained, tmp_path):
+def test_resume_with_another_global_batch_is_refused_and_nothing_changes(trained, tmp_path):
     base, ckpt = trained
     ckpt = _copy(ckpt, tmp_path / "ckpt")
     before = snapshot(ckpt)
     done = _resume(base, ckpt, "other.json")
     assert done.returncode == 2, done
-    assert _lines(done.stderr) == [f"hybridpipe.launch: error: --resume: {step_dir(ckpt, 2)} was written with another "
-                                   "plan (micro_batches: 2 there, 4 here); resume with the plan it was made with, or "
-                                   "start afresh with another --checkpoint-dir (nothing was changed)"], done
+    assert _lines(done.stderr) == [f"hybridpipe.launch: error: --resume: {step_dir(ckpt, 2)} was written with global "
+                                   "batch 8 (2 micro-batches x 4), not 16 (4 x 4): a checkpoint resumes at its own "
+                                   "global batch (keep micro-batches x micro-batch size); nothing was loaded or "
+                                   "changed"], done
     assert snapshot(ckpt) == before
 
 

@@ -58,12 +58,15 @@ def test_gpt2_tied_two_by_two_under_launch_and_merge_refuses_differing_copies(tm
     assert model.lm_head.weight is model.transformer.wte.weight           # still tied after loading
     capsys.readouterr()
 
-    # the last stage's copy of the tied weight edited (the manifest kept consistent): refused
+    # the tied weight is written once, by the lowest stage that reads it; a differing copy put into
+    # the last stage's file by hand (the manifest kept consistent) is refused
     directory = step_dir(ckpt, STEPS)
+    first = torch.load(directory / stage_file(0), weights_only=True)
     last = directory / stage_file(len(plan.stages) - 1)
-    state = torch.load(last, weights_only=False)
-    key = next(k for k in state["model"] if k in ("lm_head.weight", case.tied))
-    state["model"][key][0, 0] += 1e-3
+    state = torch.load(last, weights_only=True)
+    assert case.tied in first["model"] and not {"lm_head.weight", case.tied} & set(state["model"])
+    state["model"][case.tied] = first["model"][case.tied].clone()
+    state["model"][case.tied][0, 0] += 1e-3
     torch.save(state, last)
     manifest = json.loads((directory / MANIFEST).read_text())
     manifest["files"][last.name] = {"bytes": last.stat().st_size, "sha256": sha256_of(last)}

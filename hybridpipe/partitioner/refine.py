@@ -1,0 +1,337 @@
+"""Refinement: correct the cost model where training runs disagreed with it (issue 18).
+
+A pure function of (profile, cluster, calibrations, observed runs) -> :class:`Refinement`; the
+observations are plain numbers (``observed.py``), so no process group is needed. What it learns:
+
+* Compute, per node. A stage's measured forward (backward) of one micro-batch, over the
+  profile's prediction for its nodes, is that stage's factor; it is spread back to its nodes in
+  proportion to the profile. With several runs (different stage boundaries) the node factors
+  are fitted to every stage at once by iterative proportional scaling (each node's factor times
+  the geometric mean of measured / predicted over the stages that hold it; exact for one run).
+  The factors split into a cluster-wide ``compute_slowdown`` (their time-weighted geometric
+  mean: contention, the emulated hosts' CPU quota) and per-node residuals (the profile's errors).
+* All-reduce, per size class. A replicated stage's measured wait for its gradients after its
+  last backward is compared with the per-layer lane of ``layersync.py``: each layer's
+  all-reduce (the algorithm it ran, priced by the model) queued as the measured backward frees
+  it; the lane's wait after the backward grows with a common factor ``f`` on the all-reduce
+  times, and ``f`` is solved so that the lane's wait equals the measured one (bisection; the
+  wait is monotone in ``f``). A stage whose syncs were fully hidden and predicted so teaches
+  nothing and is left out. Each estimate belongs to the size class (powers of 4 bytes) of its
+  layers' bytes (weighted by their all-reduce time); a class's factor is the weighted geometric
+  mean of its estimates. So a 400 MB layer that crawls beside compute does not slow the model's
+  small all-reduces, as one overlap_slowdown number would.
+* What is left: each run's measured step against the refined model's prediction for its stages.
+  Two terms explain the rest: a latency per p2p message beyond the wire time (``p2p_extra_alpha``:
+  handing a message over between busy ranks; the model charges it wherever it charges a
+  message, so it moves plans) and a cost per step the model does not price (``step_overhead_ms``:
+  Python and launch costs per step; added to every prediction, it changes no ranking). The
+  latency is searched (a log grid, then a ternary search) for the least squared relative error
+  over the runs, the overhead being the median of what is left (at least 0) at each candidate;
+  with one run, or runs that cannot tell them apart, the smaller latency wins.
+* p2p, per level: each transfer's seconds over the model's for its bytes at the level between
+  its ranks; the factor is the lower quartile of those ratios (a send that waited for its
+  receiver reads long; the quickest quarter did not wait).
+
+The corrections are relative to the model the run is compared with (the calibrations given,
+themselves possibly refined before), and apply as data: :func:`refined_profile` (the profile's
+node times with the residuals) and :func:`refined_calibrations` (the calibration of the
+cluster's outermost level carries ``compute_slowdown`` and ``allreduce_slowdown``; each level's
+p2p fit is scaled). Together they reproduce the measured compute; the calibration alone is
+what another model on the same cluster reuses. Always refine from the original profile and
+calibrations with all the runs: the function is pure, and refining a refined model again with
+the same runs would count the corrections twice.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from hybridpipe.errors import UserError
+from hybridpipe.partitioner.calibration import Calibration, LinkFit
+from hybridpipe.partitioner.cluster import Cluster
+from hybridpipe.partitioner.costmodel import CostModel, size_factor
+from hybridpipe.partitioner.layersync import Floats, simulate_lane
+from hybridpipe.partitioner.modelcosts import ModelCosts, model_costs
+from hybridpipe.partitioner.objective import Options, StageSpec, evaluate, predict_step_ms
+from hybridpipe.partitioner.observed import RunObservation, StageObservation
+from hybridpipe.partitioner.plan import ALGORITHMS
+from hybridpipe.profiles.format import Profile
+
+SIZE_CLASS_BASE = 4.0          # all-reduce size classes: [4^k, 4^(k+1)) bytes
+FACTOR_RANGE = (1 / 64, 64.0)  # the all-reduce factor is solved within this range
+FIT_ROUNDS = 50                # iterative proportional scaling rounds (one run: exact after one)
+
+
+@dataclass(frozen=True)
+class SyncEvidence:
+    """One replicated stage of one run: what its sync wait says about its all-reduces."""
+
+    run: str
+    stage: int
+    nbytes: float                # the stage's layers' bytes (geometric mean weighted by all-reduce time)
+    allreduce_ms: float          # the model's all-reduce time of its layers per step (the lane's busy time)
+    predicted_wait_ms: float     # the lane's wait with the model's all-reduce times
+    measured_wait_ms: float
+    factor: float
+
+
+@dataclass(frozen=True)
+class Refinement:
+    """What runs taught, relative to the model they were compared with (see the module docstring)."""
+
+    forward_factor: tuple[float, ...]      # per node: measured / predicted (1 where no run saw it)
+    backward_factor: tuple[float, ...]
+    compute_slowdown: float                # the nodes' common part (time-weighted geometric mean)
+    allreduce_slowdown: tuple[tuple[float, float], ...]    # (bytes, factor) per size class
+    p2p_factor: tuple[tuple[int, float], ...]              # (cluster level, factor)
+    runs: tuple[str, ...]
+    sync: tuple[SyncEvidence, ...]
+    step_overhead_ms: float = 0.0                          # added per step (see the module docstring)
+    p2p_extra_alpha_s: tuple[tuple[int, float], ...] = ()  # (cluster level, seconds added per message)
+
+    def node_factor(self, i: int) -> tuple[float, float]:
+        return self.forward_factor[i], self.backward_factor[i]
+
+
+def base_costs(profile: Profile, model: CostModel) -> ModelCosts:
+    """The profile's costs as the model prices them (compute_slowdown of refined calibrations applied)."""
+    return model_costs(profile).slowed(model.compute_slowdown)
+
+
+def fit_node_factors(times: np.ndarray, stages: Sequence[tuple[int, int, float]]) -> np.ndarray:
+    """Per-node factors f with ``sum(f[i..j] * times[i..j]) ~ measured`` for every (i, j, measured)."""
+    f = np.ones(len(times))
+    usable = [(i, j, m) for i, j, m in stages if m > 0 and times[i:j + 1].sum() > 0]
+    for _ in range(FIT_ROUNDS if len(usable) > 1 else 1):
+        logs = np.zeros(len(times))
+        counts = np.zeros(len(times))
+        for i, j, m in usable:
+            predicted = float((f[i:j + 1] * times[i:j + 1]).sum())
+            logs[i:j + 1] += math.log(m / predicted)
+            counts[i:j + 1] += 1
+        seen = counts > 0
+        step = np.exp(np.divide(logs, counts, out=np.zeros_like(logs), where=seen))
+        f = f * step
+        if np.all(np.abs(step[seen] - 1) < 1e-9):
+            break
+    return f
+
+
+def lane_wait_ms(sync_ms: Sequence[float], backward_ms: Floats, forward_ms: Floats) -> float:
+    """How long the stage waits after its backward for the last all-reduce on the lane (0: all hidden)."""
+    if not any(s > 0 for s in sync_ms):
+        return 0.0
+    lane = simulate_lane(sync_ms, backward_ms, forward_ms, 0.0)
+    return max(0.0, max(lane.finish_ms) - float(sum(backward_ms)))
+
+
+def solve_factor(wait_of, measured_ms: float, lo: float = FACTOR_RANGE[0], hi: float = FACTOR_RANGE[1]) -> float:
+    """The factor f (within [lo, hi]) whose lane wait ``wait_of(f)`` (nondecreasing) equals ``measured_ms``.
+
+    Where the measured wait is 0, the largest f whose wait is still 0 (within a microsecond)."""
+    if wait_of(hi) <= measured_ms:
+        return hi
+    if wait_of(lo) > max(measured_ms, 1e-3):
+        return lo
+    a, b = math.log(lo), math.log(hi)
+    for _ in range(80):
+        mid = (a + b) / 2
+        if wait_of(math.exp(mid)) <= max(measured_ms, 1e-3):
+            a = mid
+        else:
+            b = mid
+    return math.exp((a + b) / 2)
+
+
+def stage_sync_evidence(run: str, index: int, st: StageObservation, costs: ModelCosts, model: CostModel,
+                        f_fwd: np.ndarray, f_bwd: np.ndarray, algorithms: Sequence[str]) -> SyncEvidence | None:
+    """The all-reduce factor one replicated stage's measured wait implies (None: it says nothing)."""
+    if len(st.ranks) < 2 or st.sync_wait_ms is None or st.backward_ms is None:
+        return None
+    nodes = range(st.first, st.last + 1)
+    sync_ms = []
+    for i in nodes:
+        nbytes = float(costs.param_bytes[i])
+        if nbytes <= 0:
+            sync_ms.append(0.0)
+            continue
+        algo = st.algorithms.get(costs.names[i])
+        if algo not in ALGORITHMS:
+            algo = model.fastest_allreduce(nbytes, st.ranks, algorithms)[0]
+        sync_ms.append(model.allreduce_seconds(algo, nbytes, st.ranks) * 1e3)
+    busy = sum(sync_ms)
+    if busy <= 0:
+        return None
+    bwd = np.array([costs.backward_ms[i] * f_bwd[i] for i in nodes])
+    fwd = np.array([costs.forward_ms[i] * f_fwd[i] for i in nodes])
+    bwd = bwd * (st.backward_ms / bwd.sum()) if bwd.sum() > 0 else np.full(len(bwd), st.backward_ms / len(bwd))
+    predicted = lane_wait_ms(sync_ms, bwd, fwd)
+    noise = max(0.2, 0.01 * busy)                  # waits this short are the call's own cost, not the lane's
+    if st.sync_wait_ms <= noise and predicted <= noise:
+        return None
+    factor = solve_factor(lambda f: lane_wait_ms([s * f for s in sync_ms], bwd, fwd), st.sync_wait_ms)
+    weights = [s for s in sync_ms if s > 0]
+    sizes = [float(costs.param_bytes[i]) for i, s in zip(nodes, sync_ms, strict=True) if s > 0]
+    nbytes = math.exp(sum(w * math.log(b) for w, b in zip(weights, sizes, strict=True)) / busy)
+    return SyncEvidence(run, index, nbytes, busy, float(predicted), st.sync_wait_ms, factor)
+
+
+def size_classes(evidence: Sequence[SyncEvidence]) -> tuple[tuple[float, float], ...]:
+    """(bytes, factor) per size class: weighted geometric means of the estimates in each class."""
+    classes: dict[int, list[SyncEvidence]] = {}
+    for e in evidence:
+        classes.setdefault(math.floor(math.log(max(e.nbytes, 1.0), SIZE_CLASS_BASE)), []).append(e)
+    out = []
+    for k in sorted(classes):
+        group = classes[k]
+        total = sum(e.allreduce_ms for e in group)
+        nbytes = math.exp(sum(e.allreduce_ms * math.log(e.nbytes) for e in group) / total)
+        factor = math.exp(sum(e.allreduce_ms * math.log(e.factor) for e in group) / total)
+        out.append((nbytes, factor))
+    return tuple(out)
+
+
+def p2p_factors(runs: Sequence[RunObservation], model: CostModel) -> tuple[tuple[int, float], ...]:
+    """Per level, the lower quartile of measured / predicted over the runs' transfers."""
+    ratios: dict[int, list[float]] = {}
+    for run in runs:
+        for t in run.transfers:
+            level = model.level_between(t.rank, t.peer)
+            predicted = model.p2p_seconds(t.nbytes, level)
+            if predicted > 0 and t.seconds > 0:
+                ratios.setdefault(level, []).append(t.seconds / predicted)
+    return tuple((lv, sorted(r)[len(r) // 4]) for lv, r in sorted(ratios.items()))
+
+
+def refine(profile: Profile, cluster: Cluster, calibrations: Sequence[Calibration], runs: Sequence[RunObservation],
+           algorithms: Sequence[str] = ALGORITHMS) -> Refinement:
+    """What ``runs`` of ``profile``'s model on ``cluster`` say about the cost model (module docstring)."""
+    if not runs:
+        raise UserError("nothing to refine from: pass at least one run directory")
+    model = CostModel(cluster, list(calibrations))
+    costs = base_costs(profile, model)
+    for run in runs:
+        for st in run.stages:
+            if not 0 <= st.first <= st.last < costs.n:
+                raise UserError(f"{run.name}: stage nodes {st.first}-{st.last} are not nodes of {profile.model}'s "
+                                f"profile ({costs.n} nodes); refine with the profile the run's plan was made from")
+            if st.ranks and max(st.ranks) >= cluster.total_workers:
+                raise UserError(f"{run.name}: rank {max(st.ranks)} is outside the cluster's "
+                                f"{cluster.total_workers} workers; refine with the cluster the run ran on")
+    f_fwd = fit_node_factors(costs.forward_ms, [(s.first, s.last, s.forward_ms) for r in runs for s in r.stages
+                                                if s.forward_ms is not None])
+    f_bwd = fit_node_factors(costs.backward_ms, [(s.first, s.last, s.backward_ms) for r in runs for s in r.stages
+                                                 if s.backward_ms is not None])
+    weight = costs.forward_ms + costs.backward_ms
+    logs = costs.forward_ms * np.log(f_fwd) + costs.backward_ms * np.log(f_bwd)
+    slowdown = float(math.exp(logs.sum() / weight.sum())) if weight.sum() > 0 else 1.0
+    evidence = [e for run in runs for k, st in enumerate(run.stages)
+                if (e := stage_sync_evidence(run.name, k, st, costs, model, f_fwd, f_bwd, algorithms)) is not None]
+    ref = Refinement(tuple(float(x) for x in f_fwd), tuple(float(x) for x in f_bwd), slowdown,
+                     size_classes(evidence), p2p_factors(runs, model), tuple(r.name for r in runs), tuple(evidence))
+    return fit_leftover(profile, cluster, calibrations, ref, runs, algorithms)
+
+
+def fit_leftover(profile: Profile, cluster: Cluster, calibrations: Sequence[Calibration], ref: Refinement,
+                 runs: Sequence[RunObservation], algorithms: Sequence[str]) -> Refinement:
+    """``ref`` with the p2p message latency and step overhead that best explain the measured steps."""
+    measured = [r for r in runs if r.measured_step_ms]
+    if not measured:
+        return ref
+    prof = refined_profile(profile, ref)
+    levels = sorted({lv for lv, _ in ref.p2p_factor})
+
+    def scored(delta: float) -> tuple[float, float]:
+        trial = replace(ref, p2p_extra_alpha_s=tuple((lv, delta) for lv in levels))
+        cals = refined_calibrations(cluster, calibrations, trial)
+        pred = [predict_run(prof, cluster, cals, r, algorithms=algorithms) for r in measured]
+        left = max(0.0, statistics.median([r.measured_step_ms - p for r, p in zip(measured, pred, strict=True)
+                                           if r.measured_step_ms]))
+        err = sum(((p + left - (r.measured_step_ms or 0)) / (r.measured_step_ms or 1)) ** 2
+                  for r, p in zip(measured, pred, strict=True))
+        return err, left
+
+    grid = [0.0, *np.geomspace(1e-6, 0.2, 40).tolist()] if levels else [0.0]
+    errors = [scored(d)[0] for d in grid]
+    k = min(range(len(grid)), key=lambda i: (round(errors[i], 12), grid[i]))
+    best = grid[k]
+    if levels and k > 0:
+        lo, hi = math.log(grid[k - 1] or grid[1] / 10), math.log(grid[min(k + 1, len(grid) - 1)])
+        for _ in range(30):
+            a, b = lo + (hi - lo) / 3, hi - (hi - lo) / 3
+            if scored(math.exp(a))[0] <= scored(math.exp(b))[0]:
+                hi = b
+            else:
+                lo = a
+        if scored(math.exp((lo + hi) / 2))[0] < errors[k]:
+            best = math.exp((lo + hi) / 2)
+    return replace(ref, p2p_extra_alpha_s=tuple((lv, best) for lv in levels) if best else (),
+                   step_overhead_ms=scored(best)[1])
+
+
+def refined_profile(profile: Profile, ref: Refinement) -> Profile:
+    """The profile with each node's residual factor (its factor over compute_slowdown) applied.
+
+    Its graph (and signature) is unchanged, so plans made from it launch as the original's."""
+    c = ref.compute_slowdown
+    nodes = tuple(replace(n, forward_ms=n.forward_ms * ref.forward_factor[n.id] / c,
+                          backward_ms=n.backward_ms * ref.backward_factor[n.id] / c) for n in profile.nodes)
+    totals = replace(profile.totals, forward_ms=sum(n.forward_ms for n in nodes),
+                     backward_ms=sum(n.backward_ms for n in nodes))
+    note = f"refined from {len(ref.runs)} run(s) (hybridpipe partition --refine); use with the refined calibration"
+    return replace(profile, nodes=nodes, totals=totals, notes=(*profile.notes, note))
+
+
+def nominal_calibration(model: CostModel, level: int) -> Calibration:
+    """A calibration holding the cluster file's nominal numbers for ``level`` (to carry refinements)."""
+    cluster = model.cluster
+    below = cluster.span(level - 1) if level > 0 else 1
+    return Calibration(world_size=cluster.total_workers, hosts=max(1, cluster.total_workers // below),
+                       backend="nominal", device="nominal", level=cluster.levels[level].name,
+                       gamma_s_per_byte=model.gamma, p2p=model.link(level), algorithms={},
+                       notes=("the cluster file's nominal costs (no bench-allreduce), carrying refinements",))
+
+
+def refined_calibrations(cluster: Cluster, calibrations: Sequence[Calibration],
+                         ref: Refinement) -> tuple[Calibration, ...]:
+    """The calibrations with ``ref`` applied (module docstring); levels without one get a nominal one."""
+    model = CostModel(cluster, list(calibrations))
+    by_level = dict(model.calibrations)
+    top = len(cluster.levels) - 1
+    for lv in {top, *(lv for lv, _ in ref.p2p_factor), *(lv for lv, _ in ref.p2p_extra_alpha_s)}:
+        by_level.setdefault(lv, nominal_calibration(model, lv))
+    out = {}
+    for lv, cal in by_level.items():
+        factor, extra = dict(ref.p2p_factor).get(lv), dict(ref.p2p_extra_alpha_s).get(lv, 0.0)
+        if factor is not None or extra:
+            factor = 1.0 if factor is None else factor
+            algos = {a: cal.algorithms.get(a, cal.p2p) for a in ALGORITHMS}       # all-reduces stay as they were
+            cal = replace(cal, algorithms=algos, p2p=LinkFit(cal.p2p.alpha_s * factor + extra,
+                                                              cal.p2p.beta_s_per_byte * factor, cal.p2p.rel_error))
+        out[lv] = replace(cal, allreduce_slowdown=(), compute_slowdown=1.0, step_overhead_ms=0.0)
+    carrier = out[top]
+    old = model.allreduce_points
+    new_classes = {math.floor(math.log(b, SIZE_CLASS_BASE)) for b, _ in ref.allreduce_slowdown}
+    points = [(b, f * float(size_factor(old, b))) for b, f in ref.allreduce_slowdown]
+    points += [(b, f) for b, f in old if math.floor(math.log(b, SIZE_CLASS_BASE)) not in new_classes]
+    merged: dict[float, float] = dict(sorted(points))
+    out[top] = replace(carrier, allreduce_slowdown=tuple(sorted(merged.items())),
+                       compute_slowdown=model.compute_slowdown * ref.compute_slowdown,
+                       step_overhead_ms=max(0.0, model.step_overhead_ms + ref.step_overhead_ms),
+                       refined_from=tuple(dict.fromkeys((*carrier.refined_from, *ref.runs))))
+    return tuple(out[lv] for lv in sorted(out))
+
+
+def predict_run(profile: Profile, cluster: Cluster, calibrations: Sequence[Calibration], run: RunObservation,
+                optimizer: str = "sgd", algorithms: Sequence[str] = ALGORITHMS) -> float:
+    """The step time the model predicts for the stages a run ran (its ranks, schedule, micro-batches)."""
+    model = CostModel(cluster, list(calibrations))
+    stages = [StageSpec(s.first, s.last, s.ranks) for s in run.stages]
+    opts = Options(run.schedule, run.micro_batches, optimizer, math.inf, tuple(algorithms))
+    ev = evaluate(base_costs(profile, model), model, stages, opts)
+    return predict_step_ms(ev, opts) + model.step_overhead_ms

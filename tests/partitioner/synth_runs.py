@@ -1,0 +1,59 @@
+"""Synthetic runs for the refinement tests: the timelines and summary a run of given stages would
+write if its nodes computed ``node_factor`` times the profile, its all-reduces took
+``allreduce_factor(bytes)`` times the model and its p2p transfers ``p2p_factor`` times.
+
+The truth is built from the cost model's own parts (the lane of layersync.py for the sync wait),
+so recovering the factors checks the inversion in refine.py, not the model."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from hybridpipe.partitioner.cluster import Cluster
+from hybridpipe.partitioner.costmodel import CostModel
+from hybridpipe.partitioner.objective import StageSpec
+from hybridpipe.partitioner.observed import RankEvents, RunObservation, observe_run
+from hybridpipe.partitioner.refine import lane_wait_ms
+from hybridpipe.profiles.format import Profile
+
+
+def _x(name: str, cat: str, ts: float, ms: float, **args) -> dict:
+    return {"ph": "X", "name": name, "cat": cat, "pid": 0, "tid": 0, "ts": ts, "dur": ms * 1e3, "args": args}
+
+
+def synthetic_run(profile: Profile, cluster: Cluster, stages: Sequence[StageSpec], *, micro_batches: int = 8,
+                  steps: int = 6, node_factor: Callable[[int], float] = lambda i: 1.0,
+                  allreduce_factor: Callable[[float], float] = lambda b: 1.0, p2p_factor: float = 1.0,
+                  name: str = "run", calibrations=(), measured_step_ms: float | None = None) -> RunObservation:
+    """The observation of a synthetic run (see the module docstring); 1f1b, one sync per step."""
+    model = CostModel(cluster, list(calibrations))
+    nodes = profile.nodes
+    ranks_events: list[RankEvents] = []
+    for k, st in enumerate(stages):
+        ids = range(st.first, st.last + 1)
+        fwd = [nodes[i].forward_ms * node_factor(i) for i in ids]
+        bwd = [nodes[i].backward_ms * node_factor(i) for i in ids]
+        sync = [0.0 if nodes[i].param_bytes == 0 or len(st.ranks) < 2 else
+                model.fastest_allreduce(nodes[i].param_bytes, st.ranks)[1] * 1e3
+                * allreduce_factor(nodes[i].param_bytes) for i in ids]
+        wait = lane_wait_ms(sync, bwd, fwd)
+        out_bytes = nodes[st.last].cut_bytes if k < len(stages) - 1 else 0
+        for replica, rank in enumerate(st.ranks):
+            events, t = [], 0.0
+            for step in range(steps):
+                for mb in range(micro_batches // len(st.ranks)):
+                    events.append(_x("run_for", "phase", t, sum(fwd), step=step, micro_batch=mb))
+                    events.append(_x("run_back", "phase", t, sum(bwd), step=step, micro_batch=mb))
+                    if out_bytes:
+                        peer = stages[k + 1].ranks[0]
+                        seconds = model.p2p_seconds(out_bytes, model.level_between(rank, peer)) * p2p_factor
+                        events.append(_x("activations", "transfer", t, seconds * 1e3, step=step, peer=peer,
+                                         bytes=out_bytes))
+                    t += 1e4
+                if len(st.ranks) > 1:
+                    events.append(_x("sync", "phase", t, wait, step=step, micro_batch=0))
+            ranks_events.append(RankEvents(rank, k, replica, events))
+    summary = {"stages": [[s.first, s.last, len(s.ranks)] for s in stages], "micro_batches": micro_batches,
+               "schedule": "1f1b", "warmup_steps": 1, "measured_step_ms": measured_step_ms,
+               "predicted_step_ms": None, "sync": {}}
+    return observe_run(name, summary, ranks_events)

@@ -1,0 +1,92 @@
+"""`hybridpipe autotune` and `partition --refine` on real runs (loopback torchrun), and autotune's
+handling of jobs that fail or hang."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hybridpipe.cli import main
+from hybridpipe.partitioner.calibration import load_calibration
+from hybridpipe.partitioner.plan import load_plan
+from hybridpipe.profiles.format import save_profile
+from tests.partitioner.synth import make_profile
+
+ROOT = Path(__file__).resolve().parents[2]
+LOCAL2 = {"kind": "cluster", "format": 1, "memory_gb": 4,
+          "levels": [{"name": "local", "workers": 2, "bandwidth_gbps": 8, "latency_us": 500}]}
+
+
+@pytest.fixture
+def cluster(tmp_path) -> Path:
+    path = tmp_path / "local2.json"
+    path.write_text(json.dumps(LOCAL2))
+    return path
+
+
+def torchrun_job(steps_placeholder: bool = True) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+            "hybridpipe.launch", "--plan", "{plan}", "--steps", "{steps}" if steps_placeholder else "8",
+            "--run-dir", "{run_dir}", "--timeout", "60", "--no-progress"]
+
+
+def test_autotune_needs_a_command_with_the_placeholders(tmp_path, cluster, capsys):
+    profile = save_profile(make_profile([(1.0, 2.0, 1000, 1000)] * 3), tmp_path / "p.json")
+    base = ["autotune", str(profile), "--cluster", str(cluster), "--steps", "4", "--out", str(tmp_path / "o")]
+    assert main(base) == 2
+    assert "no job command" in capsys.readouterr().err
+    assert main([*base, "--", "torchrun", "--plan", "{plan}"]) == 2
+    assert "{run_dir}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("job, code", [("import sys; sys.exit(3)", 3), ("import time; time.sleep(60)", 124)])
+def test_autotune_reports_jobs_that_fail_or_hang_and_stops_at_its_budget(tmp_path, cluster, capsys, job, code):
+    profile = save_profile(make_profile([(1.0, 2.0, 1000, 1000)] * 3), tmp_path / "p.json")
+    out = tmp_path / "o"
+    rc = main(["autotune", str(profile), "--cluster", str(cluster), "--steps", "4", "--budget", "2", "--out", str(out),
+               "--run-timeout", "2", "--", sys.executable, "-c", job, "{plan}", "{run_dir}"])
+    assert rc == 1
+    report = json.loads((out / "autotune.json").read_text())
+    assert report["kind"] == "autotune-report" and report["runs"] == 2 and report["chosen"] is None
+    assert [t["exit_code"] for t in report["trials"]] == [code, code]
+    assert all(t["measured_ms"] is None and "summary.json" in t["note"] for t in report["trials"])
+    assert not (out / "plan.json").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["mlp", "alexnet-small"])
+def test_autotune_end_to_end_on_loopback_keeps_the_fastest_measured_plan(tmp_path, cluster, model):
+    profile = tmp_path / "profile.json"
+    subprocess.run([sys.executable, "-m", "hybridpipe.cli", "profile", model, "--batch-size", "16", "--repeats", "2",
+                    "--quiet", "-o", str(profile)], check=True, cwd=ROOT, timeout=300,
+                   env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    out = tmp_path / "tune"
+    done = subprocess.run([sys.executable, "-m", "hybridpipe.cli", "autotune", str(profile), "--cluster", str(cluster),
+                           "--steps", "8", "--budget", "3", "--out", str(out), "--run-timeout", "150", "--",
+                           *torchrun_job()], cwd=ROOT, timeout=600, capture_output=True, text=True,
+                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((out / "autotune.json").read_text())
+    trials = report["trials"]
+    assert 1 <= report["runs"] == len(trials) <= 3 and report["stop_reason"]
+    measured = {t["run"]: t["measured_ms"] for t in trials if t["measured_ms"] is not None}
+    assert measured and report["chosen"] == min(measured, key=measured.__getitem__)
+    chosen = next(t for t in trials if t["run"] == report["chosen"])
+    assert load_plan(out / "plan.json").stages == load_plan(chosen["plan"]).stages
+    assert all(t["why"] and t["predicted_ms"] > 0 for t in trials)
+    assert len({t["stages"] + str(t["plan"]) for t in trials}) == len(trials)
+    # what it learnt is data: the refined calibration loads, and partition --refine repeats the refinement
+    cal = load_calibration(out / "refined" / "calibration.json")
+    assert cal.refined and cal.compute_slowdown > 0 and len(cal.refined_from) == len(measured)
+    again = subprocess.run([sys.executable, "-m", "hybridpipe.cli", "partition", str(profile), "--cluster",
+                            str(cluster), "--refine", *[t["run_dir"] for t in trials if t["measured_ms"]],
+                            "--save-refined", str(tmp_path / "again"), "--compare"], cwd=ROOT, timeout=120,
+                           capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr
+    assert "refined from" in again.stdout and "error after" in again.stdout
+    assert load_calibration(tmp_path / "again" / "calibration.json").compute_slowdown == pytest.approx(
+        cal.compute_slowdown, rel=1e-6)
