@@ -224,6 +224,10 @@ class Trainer:
         sched = restored.extra.get("scheduler")
         if self.scheduler is not None and sched is not None:
             self.scheduler.load_state_dict(sched)
+            # the checkpoint keeps the optimizer's state, not its hyperparameters: the schedule's
+            # learning rate of the next step comes back from the scheduler
+            for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr(), strict=True):
+                group["lr"] = lr
         scaler = restored.extra.get("scaler")
         if self.scaler is not None and scaler is not None:
             self.scaler.load_state_dict(scaler)
