@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install lint test test-slow test-cuda demo clean
+.PHONY: install lint test test-slow test-cuda demo demo-alexnet clean
 
 install: $(STAMP)
 
@@ -31,6 +31,9 @@ test-cuda: install
 
 demo: install
 	PY=$(PY) examples/demo.sh
+
+demo-alexnet: install
+	PY=$(PY) examples/demo_alexnet.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis .ruff_cache .mypy_cache out

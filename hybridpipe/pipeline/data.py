@@ -21,18 +21,31 @@ class MicroBatches:
     """``input(step, m)`` / ``target(step, m)`` over ``dataset`` of (input, target) samples, or of
     inputs alone (``targets=False``: a model that computes its own loss; ``target`` is None)."""
 
-    def __init__(self, dataset: Dataset, batch_size: int, micro_batches: int, *, targets: bool = True):
+    def __init__(self, dataset: Dataset, batch_size: int, micro_batches: int, *, targets: bool = True,
+                 shuffle_seed: int | None = None):
         if batch_size < 1 or micro_batches < 1:
             raise ValueError(f"need batch_size >= 1 and micro_batches >= 1, got {batch_size}, {micro_batches}")
         self.dataset, self.batch_size, self.micro_batches = dataset, batch_size, micro_batches
-        self.targets = targets
+        self.targets, self.shuffle_seed = targets, shuffle_seed
         self._cached: tuple[tuple[int, int], tuple[Any, Any]] | None = None
+        self._order: tuple[int, list[int]] | None = None        # (epoch, its permutation)
 
     def indices(self, step: int, micro_batch: int) -> list[int]:
         start = (step * self.micro_batches + micro_batch) * self.batch_size
         # torch's Dataset declares no __len__, map-style datasets have one (resolve_dataset checks)
         n = len(self.dataset)  # type: ignore[arg-type]
-        return [(start + i) % n for i in range(self.batch_size)]
+        if self.shuffle_seed is None:
+            return [(start + i) % n for i in range(self.batch_size)]
+        return [self._permutation((start + i) // n)[(start + i) % n] for i in range(self.batch_size)]
+
+    def _permutation(self, epoch: int) -> list[int]:
+        """Epoch ``epoch``'s order (randperm seeded by shuffle_seed + epoch, as DistributedSampler)."""
+        order = self._order
+        if order is None or order[0] != epoch:
+            g = torch.Generator().manual_seed(int(self.shuffle_seed or 0) + epoch)
+            order = (epoch, torch.randperm(len(self.dataset), generator=g).tolist())  # type: ignore[arg-type]
+            self._order = order
+        return order[1]
 
     def batch(self, step: int, micro_batch: int) -> tuple[Any, Any]:
         """(inputs, targets) of one micro-batch (the last one fetched is cached; safe to share

@@ -19,6 +19,18 @@ Interfaces (duck-typed, see the project's contracts):
 * ``data``: ``input(step, micro_batch)`` and ``target(step, micro_batch)`` (see data.py).
 * ``recorder`` (optional): ``record(phase, micro_batch, t0, t1)``, phase one of
   receive_for, run_for, send_for, receive_back, run_back, sync, send_back, step.
+* ``before_step`` (optional): called right before each optimizer step, once the gradients are
+  final (replicas summed, tied copies summed, scaled by the Step's factor): e.g. clipping; when
+  it returns False the step is skipped (gradients zeroed, no update).
+* ``loss_scale`` (optional): the last stage multiplies each loss by ``loss_scale()`` before its
+  backward (fp16 loss scaling; ``before_step`` divides the gradients back).
+* ``autocast`` (optional dtype, e.g. ``torch.bfloat16``): forwards and losses run under
+  ``torch.autocast`` (weights, gradients and optimizer state stay float32); ``wire_dtype``
+  (optional): floating-point activations and gradients are sent in that dtype (half the bytes
+  for bfloat16); a received gradient is cast back to its output's dtype before the backward.
+
+``run_eval(data)`` runs the forward-only evaluation list (``schedules.eval_program``) in
+evaluation mode without autograd: no gradient, no weight or optimizer change.
 """
 
 from __future__ import annotations
@@ -33,6 +45,7 @@ import torch
 
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner.schedule_registry import get_schedule
+from hybridpipe.pipeline import evaluation
 from hybridpipe.pipeline.instructions import (
     Backward,
     BackwardInput,
@@ -107,7 +120,9 @@ class PipelineEngine:
 
     def __init__(self, stage: PipelineStage, topo: Topology, rank: int, schedule: str, *, transport: Transport | None,
                  optimizer: torch.optim.Optimizer, data: DataSource, sync=None, recorder=None,
-                 tied: TiedReduce | None = None, clock: Callable[[], float] = time.perf_counter):
+                 tied: TiedReduce | None = None, clock: Callable[[], float] = time.perf_counter,
+                 before_step: Callable[[], bool | None] | None = None, autocast: torch.dtype | None = None,
+                 wire_dtype: torch.dtype | None = None, loss_scale: Callable[[], float] | None = None):
         check_schedulable(topo, schedule)
         s, _ = topo.locate(rank)
         if s != stage.index:
@@ -115,7 +130,8 @@ class PipelineEngine:
         self.stage, self.topo, self.rank, self.schedule = stage, topo, rank, schedule
         self.transport, self.optimizer, self.data = transport, optimizer, data
         self.sync = sync if sync is not None else LocalSync()
-        self.tied = tied
+        self.tied, self.before_step = tied, before_step
+        self.autocast, self.wire_dtype, self.loss_scale = autocast, wire_dtype, loss_scale
         self.kind = get_schedule(schedule)
         if tied is not None and not self.kind.keeps_tied_weights:
             raise UserError(f"{schedule}'s asynchronous updates cannot keep a weight that several stages share (tied "
@@ -181,6 +197,10 @@ class PipelineEngine:
         self.phase = 0 if drain else self.phase + 1     # the same on every rank
         return result
 
+    def run_eval(self, data: DataSource, *, recorder=None) -> dict[int, torch.Tensor]:
+        """One forward-only evaluation step over ``data`` (see ``evaluation.run_eval``)."""
+        return evaluation.run_eval(self, data, recorder=recorder)
+
     def state_dict(self) -> dict:
         """The engine's own state for checkpoints, taken between steps (every rank after the same step).
 
@@ -238,6 +258,17 @@ class PipelineEngine:
             held[g] = self._transport().recv(peer, message_key(ins, g, M))
         self._settled = self._last_step
 
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast)
+
+    def _wire(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``tensors`` as they travel: floating-point ones in ``wire_dtype`` (when set)."""
+        if self.wire_dtype is None:
+            return tensors
+        return {k: t.detach().to(self.wire_dtype) if t.is_floating_point() else t for k, t in tensors.items()}
+
     def _transport(self) -> Transport:
         if self.transport is None:
             raise RuntimeError(f"rank {self.rank} sends or receives, but its engine was given no transport")
@@ -256,16 +287,17 @@ class PipelineEngine:
                 self._inputs[g] = self._transport().recv(ins.peer, message_key(ins, g, M))
         elif isinstance(ins, Forward):
             params = self.stash.forward_params(g, g in frozen) if self.stash else None
-            with self.meter.forward():
+            with self.meter.forward(), self._autocast():
                 self._acts[g] = stage.forward(self._inputs.pop(g), params=params)
         elif isinstance(ins, SendActivations):
-            self._transport().send(ins.peer, message_key(ins, g, M), self._acts[g].outputs)
+            self._transport().send(ins.peer, message_key(ins, g, M), self._wire(self._acts[g].outputs))
         elif isinstance(ins, LoadTarget):
             target = self.data.target(g // M, g % M)
             self._targets[g] = target.to(self.device, non_blocking=True) if target is not None else None
         elif isinstance(ins, Loss):
             act = self._acts[g]
-            act.loss = stage.loss(act.output, self._targets.pop(g))
+            with self._autocast():
+                act.loss = stage.loss(act.output, self._targets.pop(g))
             if g // M == result.step:
                 result.losses[g % M] = act.loss.detach()
         elif isinstance(ins, RecvGradients):
@@ -274,14 +306,15 @@ class PipelineEngine:
         elif isinstance(ins, SyncStart):
             self._sync_next = g
         elif isinstance(ins, Backward):
+            act = self._scaled(self._acts.pop(g))
             with self._sync_if(g):
-                grads = stage.backward(self._acts.pop(g), self._out_grads.pop(g, None))
+                grads = stage.backward(act, self._out_grads.pop(g, None))
             if self.stash:
                 self.stash.backward_done(g)
             if not stage.is_first:
                 self._in_grads[g] = grads
         elif isinstance(ins, BackwardInput):
-            act = self._acts.pop(g)
+            act = self._scaled(self._acts.pop(g))
             with self.sync.no_sync():       # no parameter gradient here; nothing may start a sync
                 grads, work = stage.backward_input(act, self._out_grads.pop(g, None))
             self._weight_work[g] = (act, work)
@@ -292,9 +325,15 @@ class PipelineEngine:
             with self._sync_if(g):
                 stage.backward_weight(work)
         elif isinstance(ins, SendGradients):
-            self._transport().send(ins.peer, message_key(ins, g, M), self._in_grads.pop(g))
+            self._transport().send(ins.peer, message_key(ins, g, M), self._wire(self._in_grads.pop(g)))
         else:
             raise TypeError(f"unknown instruction {ins!r}")
+
+    def _scaled(self, act: Activation) -> Activation:
+        """The last stage's activation with its loss multiplied by the fp16 loss scale (if any)."""
+        if self.loss_scale is not None and self.stage.is_last and act.loss is not None:
+            act.loss = act.loss * self.loss_scale()
+        return act
 
     def _sync_if(self, g: int):
         """The context of the backward that completes micro-batch g's parameter gradients: it
@@ -320,6 +359,9 @@ class PipelineEngine:
                 for p in self.stage.parameters():
                     if p.grad is not None:
                         p.grad.mul_(scale)
+        if self.before_step is not None and self.before_step() is False:
+            self.optimizer.zero_grad(set_to_none=True)
+            return
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.stash:

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner.plan import Plan
-from hybridpipe.partitioner.schedule_registry import Op, Schedule, get_schedule, one_f_one_b_ops
+from hybridpipe.partitioner.schedule_registry import Op, get_schedule, one_f_one_b_ops
 from hybridpipe.pipeline.instructions import (
     RECEIVES,
     SENDS,
@@ -135,14 +135,23 @@ def rank_program(topo: Topology, rank: int, schedule: str, *, phase: int = 0, dr
     r = topo.replicas(stage)
     if kind.asynchronous:
         ops = _pipedream_chunk(topo, stage, replica, phase, drain)
-        return _expand(topo, stage, kind, ops, sync_on=lambda i: r > 1, step_after=lambda i: 1.0 / r)
+        return _expand(topo, stage, ops, sync_on=lambda i: r > 1, step_after=lambda i: 1.0 / r)
     mine = [m for m in range(topo.micro_batches) if m % r == replica]
     ops = list(kind.replica_ops(mine, topo.warm(stage), topo.defer(stage)))
     weights_done = "W" if kind.split_backward else "B"      # the op after which the weight gradients are whole
     last = max(i for i, (op, _) in enumerate(ops) if op == weights_done)
     scale = 1.0 / topo.micro_batches
-    return _expand(topo, stage, kind, ops, sync_on=lambda i: i == last and r > 1,
+    return _expand(topo, stage, ops, split_backward=kind.split_backward, sync_on=lambda i: i == last and r > 1,
                    step_after=lambda i: scale if i == last else None)
+
+
+def eval_program(topo: Topology, rank: int) -> list[Instruction]:
+    """This rank's list for one forward-only evaluation step: each of its micro-batches (round-robin
+    over the stage's replicas, as in training) received or loaded, forwarded, and sent on or scored
+    (last stage); no backward, no sync, no optimizer step. The same list for every schedule."""
+    stage, replica = topo.locate(rank)
+    mine = [("F", m) for m in range(topo.micro_batches) if m % topo.replicas(stage) == replica]
+    return _expand(topo, stage, mine, sync_on=lambda i: False, step_after=lambda i: None)
 
 
 def all_programs(topo: Topology, schedule: str, *, phase: int = 0, drain: bool = True) -> dict[int, list[Instruction]]:
@@ -194,10 +203,11 @@ def _pipedream_chunk(topo: Topology, stage: int, replica: int, phase: int, drain
 
 
 # ---- expansion into instructions ------------------------------------------------------------
-def _expand(topo: Topology, stage: int, kind: Schedule, ops: Sequence[Op], sync_on, step_after) -> list[Instruction]:
+def _expand(topo: Topology, stage: int, ops: Sequence[Op], sync_on, step_after, *,
+            split_backward: bool = False) -> list[Instruction]:
     """Ops -> instructions. ``sync_on(i)``: op i (the one that completes the weight gradients)
     starts the replicas' all-reduce; ``step_after(i)``: the grad scale of an optimizer step after
-    op i, or None."""
+    op i, or None; ``split_backward``: "B" computes input gradients only, "W" the weights'."""
     first, last = stage == 0, stage == topo.n_stages - 1
     out: list[Instruction] = []
     for i, (op, m) in enumerate(ops):
@@ -210,9 +220,9 @@ def _expand(topo: Topology, stage: int, kind: Schedule, ops: Sequence[Op], sync_
         if op == "B":
             if not last:
                 out.append(RecvGradients(m, topo.rank_for(stage + 1, m)))
-            if sync and not kind.split_backward:
+            if sync and not split_backward:
                 out.append(SyncStart(m))
-            out.append(BackwardInput(m) if kind.split_backward else Backward(m))
+            out.append(BackwardInput(m) if split_backward else Backward(m))
             if not first:
                 out.append(SendGradients(m, topo.rank_for(stage - 1, m)))
         else:       # "W"

@@ -225,7 +225,8 @@ class PipelineStage:
         unknown = set(output_grads or {}) - set(act.outputs)
         if unknown:
             raise KeyError(f"stage {self.index} got gradients for {sorted(unknown)}, which it did not send")
-        pairs = [(act.outputs[k], g) for k, g in (output_grads or {}).items() if act.outputs[k].requires_grad]
+        pairs = [(act.outputs[k], g if g.dtype == act.outputs[k].dtype else g.to(act.outputs[k].dtype))
+                 for k, g in (output_grads or {}).items() if act.outputs[k].requires_grad]   # 16-bit on the wire
         return [t for t, _ in pairs], [g for _, g in pairs]
 
 

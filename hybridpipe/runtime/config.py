@@ -43,6 +43,7 @@ from hybridpipe.partitioner.plan import (
 from hybridpipe.pipeline.instructions import Step
 from hybridpipe.pipeline.schedules import Topology, check_schedulable, rank_program
 from hybridpipe.runtime.checkpoint_files import step_dirs
+from hybridpipe.runtime.lr import SCHEDULES as LR_SCHEDULES
 
 BACKENDS = ("gloo", "nccl")
 
@@ -77,6 +78,14 @@ class RunConfig:
     progress: bool
     verbose: bool
     skip_nonfinite: bool = False      # a non-finite step is skipped (else the run stops there)
+    lr_schedule: str = "constant"     # runtime/lr.py: constant, linear or cosine (after the warm-up)
+    warmup_steps: int = 0
+    clip_grad_norm: float | None = None   # clip by the whole model's gradient norm (None: no clipping)
+    precision: str = "fp32"           # fp32, bf16 or fp16 (runtime/trainer.py's PRECISIONS)
+    shuffle: bool = False             # a seeded permutation of the dataset every epoch
+    eval_every: int = 0               # held-out evaluation every K steps (0: never)
+    eval_batches: int = 1             # global batches per evaluation
+    eval_dataset: str | None = None   # None: synthetic held-out samples (another seed)
     init_from: str | None = None      # a state_dict (or merged checkpoint) to start a new run from
     planned_s: float | None = None    # seconds rank 0 spent planning (--profile), None with --plan
 
@@ -124,6 +133,9 @@ def build_parser() -> Parser:
     g.add_argument("--dataset", default="synthetic", metavar="SPEC",
                    help="synthetic (default) or package.module:factory returning a map-style Dataset of "
                         "(input, target)")
+    g.add_argument("--shuffle", action="store_true",
+                   help="take the samples in a new seeded permutation every epoch (as DistributedSampler with "
+                        "--seed), the same on every rank (default: in order)")
     g.add_argument("--dataset-size", type=positive_int, metavar="N",
                    help="samples in the synthetic dataset (default: steps x global batch, no sample repeats)")
     g.add_argument("--seed", type=seed, default=0, help="seed of the weights and the synthetic data (default 0)")
@@ -141,6 +153,28 @@ def build_parser() -> Parser:
     g.add_argument("--lr", type=positive_float, default=0.01, help="learning rate (default 0.01)")
     g.add_argument("--momentum", type=nonneg_float, default=0.9, help="SGD momentum (default 0.9; sgd only)")
     g.add_argument("--weight-decay", type=nonneg_float, default=0.0, help="weight decay (default 0)")
+    g.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="constant",
+                   help="learning rate after the warm-up: constant (default), linear or cosine decay to 0 at "
+                        "--steps (stepped once per training step on every stage)")
+    g.add_argument("--warmup-steps", type=nonneg_int, default=0, metavar="N",
+                   help="raise the learning rate linearly over the first N steps (default 0)")
+    g.add_argument("--clip-grad-norm", type=positive_float, metavar="X",
+                   help="clip the gradients by the global norm over the whole model (across stages, after the "
+                        "replicas' sync; as torch.nn.utils.clip_grad_norm_ on the unsplit model); gpipe, 1f1b")
+    g.add_argument("--eval-every", type=nonneg_int, default=0, metavar="K",
+                   help="evaluate on held-out data every K steps and after the last (forward only, evaluation "
+                        "mode; in the metrics and the progress bar; default 0: never)")
+    g.add_argument("--eval-batches", type=positive_int, default=1, metavar="N",
+                   help="global batches per evaluation (default 1)")
+    g.add_argument("--eval-dataset", metavar="SPEC",
+                   help="held-out data, as --dataset (default: synthetic samples of another seed; required "
+                        "with a --dataset of your own)")
+    g.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
+                   help="bf16/fp16: compute under torch.autocast; activations and gradients between stages and "
+                        "the replicas' all-reduce in 16 bits (half the bytes); weights and optimizer state stay "
+                        "float32; fp16 "
+                        "adds a dynamic loss scale whose overflowing steps every rank skips (gpipe, 1f1b; "
+                        "default fp32)")
     g.add_argument("--skip-nonfinite", action="store_true",
                    help="a step whose loss is NaN or infinite is skipped (no rank updates its weights; counted in "
                         "the summary) instead of stopping the run")
@@ -233,6 +267,17 @@ def resolve(args: argparse.Namespace, world_size: int | None = None, planned: Pl
     if args.skip_nonfinite and not flushes(plan):
         raise UserError(f"--skip-nonfinite needs a schedule that flushes every step (gpipe, 1f1b); "
                         f"{plan.schedule} updates weights per micro-batch, so a step cannot be skipped as a whole")
+    if args.precision == "fp16" and not flushes(plan):
+        raise UserError(f"--precision fp16's loss scaler skips overflowing steps on every stage at once, and "
+                        f"{plan.schedule} has no global step; use --precision bf16, or --schedule 1f1b or gpipe")
+    if args.clip_grad_norm is not None and not flushes(plan):
+        raise UserError(f"--clip-grad-norm needs a global step, and {plan.schedule} updates each stage on its own; "
+                        "use --schedule 1f1b or gpipe, or drop --clip-grad-norm")
+    if args.eval_every and args.dataset != "synthetic" and not args.eval_dataset:
+        raise UserError("--eval-every with your own --dataset needs --eval-dataset SPEC (the held-out samples)")
+    if args.eval_every and args.comm_mode == "sra":
+        raise UserError("--eval-every needs --comm-mode sa or per-tensor: sra channels follow the training "
+                        "step's fixed order of transfers")
     if args.run_dir is None:
         check_output_dir("runs", "run directory")
     if args.checkpoint_dir:
@@ -246,7 +291,10 @@ def resolve(args: argparse.Namespace, world_size: int | None = None, planned: Pl
         keep_checkpoints=args.keep_checkpoints, resume=args.resume,
         trace_dir="" if args.no_trace else args.trace_dir, timeout=args.timeout, peer_timeout=args.peer_timeout,
         seed=args.seed, backend=args.backend, run_dir=args.run_dir, progress=not args.no_progress,
-        verbose=args.verbose, skip_nonfinite=args.skip_nonfinite, init_from=args.init_from, planned_s=planned_s)
+        verbose=args.verbose, skip_nonfinite=args.skip_nonfinite, lr_schedule=args.lr_schedule,
+        warmup_steps=args.warmup_steps, clip_grad_norm=args.clip_grad_norm, eval_every=args.eval_every,
+        eval_batches=args.eval_batches, eval_dataset=args.eval_dataset, shuffle=args.shuffle,
+        precision=args.precision, init_from=args.init_from, planned_s=planned_s)
 
 
 def check_plan_source(args: argparse.Namespace) -> None:

@@ -5,7 +5,12 @@
     {"step": 7, "step_ms": 412.5, "samples_per_s": 310.3, "loss": 2.291, "micro_batches": 2, "time": 1730000000.1}
 
 ``loss`` (the mean of this rank's micro-batch losses) and ``micro_batches`` appear on ranks of
-the last stage only; ``samples_per_s`` is the job's global batch over this rank's step time;
+the last stage only; ``lr`` (the step's learning rate, ranks with parameters), ``grad_norm``
+(``--clip-grad-norm``: the global norm before clipping), ``loss_scale`` (``--precision fp16``)
+and ``eval_loss`` (``--eval-every``: the held-out mean loss) on every rank; with
+``--eval-every`` a line ``{"step": S - 1, "eval_loss": ...}`` before the first step S (0 unless
+resumed) holds the loss before training.
+``samples_per_s`` is the job's global batch over this rank's step time;
 ``peak_memory_bytes`` is what the rank's stage held at its peak in the step (pipeline/memory.py).
 The file is appended to and flushed every line, so a crashed or resumed run keeps its history.
 """
@@ -76,6 +81,7 @@ class Progress:
     def __init__(self, total: int, initial: int = 0, enabled: bool = True, desc: str = "train"):
         self._bar = tqdm(total=total, initial=initial, desc=desc, unit="step", mininterval=1.0,
                          dynamic_ncols=True) if enabled else None
+        self._eval: str | None = None       # the latest held-out loss, shown until the next one
 
     def update(self, record: dict) -> None:
         if self._bar is None:
@@ -83,6 +89,10 @@ class Progress:
         post = {}
         if "loss" in record:
             post["loss"] = f"{record['loss']:.4f}"
+        if "eval_loss" in record:
+            self._eval = f"{record['eval_loss']:.4f}"
+        if self._eval is not None:
+            post["eval"] = self._eval
         if record.get("samples_per_s"):
             post["samples/s"] = f"{record['samples_per_s']:.1f}"
         self._bar.set_postfix(post, refresh=False)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,14 +52,20 @@ def load_model(cfg: RunConfig) -> Model:
     """Build and capture the plan's model (seeded by ``cfg.seed``) and check the whole plan against
     it before any process group exists: graph signature, every cut's values, tied parameters,
     every replicated stage's sync layers."""
-    spec = resolve_model(cfg.model)
-    torch.manual_seed(cfg.seed)
+    return build_model(resolve_model(cfg.model), cfg.plan, seed=cfg.seed)
+
+
+def build_model(spec: ModelSpec, plan: Plan, *, seed: int) -> Model:
+    """:func:`load_model` for a resolved spec: the model built after ``torch.manual_seed(seed)``
+    (the same weights on every rank), captured with the plan's batch size and granularity, and
+    the whole plan checked against it."""
+    torch.manual_seed(seed)
     module = spec.build()
-    example = spec.example_input(cfg.batch_size, torch.Generator().manual_seed(cfg.seed))
-    captured = capture_model(module, example, granularity=cfg.plan.granularity, leaf_modules=spec.leaf_modules)
-    check_captured_plan(captured, cfg.plan)
-    check_tied(captured, cfg.plan)
-    check_sync_layers(captured, cfg.plan)
+    example = spec.example_input(plan.batch_size, torch.Generator().manual_seed(seed))
+    captured = capture_model(module, example, granularity=plan.granularity, leaf_modules=spec.leaf_modules)
+    check_captured_plan(captured, plan)
+    check_tied(captured, plan)
+    check_sync_layers(captured, plan)
     return Model(spec, module, captured)
 
 
@@ -90,26 +96,28 @@ def check_tied(captured: CapturedModel, plan: Plan) -> None:
                         "older hybridpipe or for another model: re-profile and re-partition")
 
 
-def make_sync(cfg: RunConfig, stage_module: nn.Module, stage: Stage, group: dist.ProcessGroup | None,
-              exclude: Collection[nn.Parameter] = ()):
+def make_sync(plan: Plan, stage_module: nn.Module, stage: Stage, group: dist.ProcessGroup | None,
+              exclude: Collection[nn.Parameter] = (), *, allreduce: str | None = None,
+              calibrations: Sequence[str] = (), aggregator: str | None = None, wire_dtype: torch.dtype | None = None):
     """The stage's gradient sync: replicas sum their gradients (the schedule scales them), each
-    layer with the plan's algorithm, sync unit and lane, unless ``--allreduce`` / ``--calibration``
-    override it (then the stage's first rank prints what changed; ``runtime/sync.py``).
-    ``exclude``d parameters (tied across stages) are summed by the TiedSync instead."""
+    layer with the plan's algorithm, sync unit and lane, unless ``allreduce`` / ``calibrations``
+    (launch's ``--allreduce`` / ``--calibration``) override it (then the stage's first rank prints
+    what changed; ``runtime/sync.py``). ``exclude``d parameters (tied across stages) are summed by
+    the TiedSync instead. ``wire_dtype``: gradients all-reduced in that dtype (mixed precision)."""
     if stage.replicas == 1:
         return LocalSync()
-    calibrations = [load_calibration(p) for p in cfg.calibrations]
-    model = CostModel(cfg.plan.cluster, calibrations or None, aggregator_dedicated=cfg.aggregator is not None)
+    measured = [load_calibration(p) for p in calibrations]
+    model = CostModel(plan.cluster, measured or None, aggregator_dedicated=aggregator is not None)
     planned = stage_layers(stage, stage_module, model, exclude)
     layers = planned
-    if cfg.allreduce is not None or calibrations:
-        layers = override_layers(planned, cfg.allreduce or "hybrid", stage.ranks, model)
+    if allreduce is not None or measured:
+        layers = override_layers(planned, allreduce or "hybrid", stage.ranks, model)
         if dist.get_rank() == stage.ranks[0]:
-            flags = " ".join(([f"--allreduce {cfg.allreduce}"] if cfg.allreduce else [])
-                             + [f"--calibration {p}" for p in cfg.calibrations])
+            flags = " ".join(([f"--allreduce {allreduce}"] if allreduce else [])
+                             + [f"--calibration {p}" for p in calibrations])
             print(describe_override(stage.index, flags, planned, layers), flush=True)
     hdp = HybridDataParallel(stage_module, group, units=unit_choices(layers), costs=GroupCosts(model, stage.ranks),
-                             aggregator=cfg.aggregator, reduce="sum", exclude=exclude)
+                             aggregator=aggregator, reduce="sum", exclude=exclude, wire_dtype=wire_dtype)
     log.info("stage %d: gradient sync: %s", stage.index,
              ", ".join(f"{u.name}:{u.algorithm}{'/lane 1' if u.lane else ''}" for u in hdp.units))
     return hdp
@@ -150,6 +158,20 @@ def make_data(cfg: RunConfig, spec: ModelSpec) -> MicroBatches:
     as every rank and the single-process reference compute it."""
     size = cfg.dataset_size or cfg.steps * cfg.global_batch
     dataset = resolve_dataset(cfg.dataset, spec, size=size, seed=cfg.seed)
+    return MicroBatches(dataset, cfg.batch_size, cfg.micro_batches, targets=spec.loss is not None,
+                        shuffle_seed=cfg.seed if cfg.shuffle else None)
+
+
+def held_out_seed(seed: int) -> int:
+    """The seed of the synthetic held-out samples (never one a training run of a nearby seed uses)."""
+    return seed + 1_000_003
+
+
+def make_eval_data(cfg: RunConfig, spec: ModelSpec) -> MicroBatches:
+    """The held-out micro-batches of ``--eval-every`` (evaluation j reads step j of this source):
+    ``--eval-dataset``, or synthetic samples of another seed (the same task, other samples)."""
+    size = cfg.eval_batches * cfg.global_batch
+    dataset = resolve_dataset(cfg.eval_dataset or "synthetic", spec, size=size, seed=held_out_seed(cfg.seed))
     return MicroBatches(dataset, cfg.batch_size, cfg.micro_batches, targets=spec.loss is not None)
 
 

@@ -3,7 +3,8 @@
     cfg = resolve(build_parser().parse_args(argv), env_world_size())
     summary = run_worker(cfg)          # every rank; the summary on the reporting rank, else None
 
-The order of collective calls is the same on every rank: the run directory (broadcast), the
+The training itself runs through the Python API (runtime/trainer.py). The order of collective
+calls is the same on every rank: the run directory (broadcast), the
 replica groups, the HybridDataParallel broadcast of a replicated stage's initial weights (its
 group only), the p2p channels, the timeline's clock alignment, the checkpoint restore, the
 steps, the final checkpoint and the summary gather. Any failure inside is handed to the
@@ -17,7 +18,6 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,17 +25,15 @@ import torch.distributed as dist
 from hybridpipe.errors import UserError
 from hybridpipe.jsonfile import write_json
 from hybridpipe.partitioner.plan import save_plan
-from hybridpipe.pipeline import PipelineEngine, Topology, build_stage_index
-from hybridpipe.pipeline.stage import loss_of
+from hybridpipe.pipeline import MicroBatches
 from hybridpipe.profiles.capture import tied_parameters
-from hybridpipe.runtime.checkpoint import Checkpointer, reseed, restore_rng
 from hybridpipe.runtime.checkpoint_files import load_initial
-from hybridpipe.runtime.config import RunConfig, flushes
+from hybridpipe.runtime.config import RunConfig
 from hybridpipe.runtime.failure import EXIT_PEER_LOST, FailureGuard, default_store, describe_ranks
-from hybridpipe.runtime.groups import Process, init_distributed, replica_groups, stage_channels
+from hybridpipe.runtime.groups import Process, init_distributed
+from hybridpipe.runtime.lr import lr_schedule
 from hybridpipe.runtime.metrics import MetricsWriter, Progress, step_record
-from hybridpipe.runtime.nonfinite import NonFiniteWatch
-from hybridpipe.runtime.parts import load_model, make_data, make_optimizer, make_sync, seed_rank, weights_digest
+from hybridpipe.runtime.parts import Model, load_model, make_data, make_eval_data, weights_digest
 from hybridpipe.runtime.reshard import canonical_names, indexed_optimizer_state, optimizer_names
 from hybridpipe.runtime.restarts import (
     append_log,
@@ -48,8 +46,8 @@ from hybridpipe.runtime.restarts import (
 )
 from hybridpipe.runtime.summary import RankReport, format_summary, summarize
 from hybridpipe.runtime.sync import sync_report
-from hybridpipe.runtime.tied import tied_process_groups, tied_sync
 from hybridpipe.runtime.timeline import TimelineRecorder, trace_dir
+from hybridpipe.runtime.trainer import Trainer
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +87,10 @@ def run_worker(cfg: RunConfig, *, print_fn: Callable[[str], None] = print) -> di
     return summary
 
 
-def _train(cfg: RunConfig, proc: Process, model, closers: list, print_fn, init_optimizer: dict | None,
+def _train(cfg: RunConfig, proc: Process, model: Model, closers: list, print_fn, init_optimizer: dict | None,
            progress: dict) -> dict | None:
+    """launch's loop around the Python API (runtime/trainer.py): metrics, progress bar, timeline,
+    checkpoints every K steps, the summary."""
     plan, rank = cfg.plan, proc.rank
     stage_plan, replica = plan.stage_of_rank(rank)
     reporter = rank == plan.stages[-1].ranks[0]
@@ -101,49 +101,34 @@ def _train(cfg: RunConfig, proc: Process, model, closers: list, print_fn, init_o
                  f"{[s.replicas for s in plan.stages]} for {plan.world_size} workers in {cfg.planned_s:.2f} s; "
                  f"wrote {run_dir / 'plan.json'}")
     traces = None if cfg.trace_dir == "" else Path(cfg.trace_dir or trace_dir(run_dir))
-
-    groups = replica_groups(plan, cfg.timeout)
-    tied = tied_sync(plan, stage_plan.index, model.module, tied_process_groups(plan, cfg.timeout))
-    watch = _nonfinite_watch(cfg, proc, stage_plan)
-    stage = build_stage_index(model.captured, [(s.first_node, s.last_node) for s in plan.stages], stage_plan.index,
-                              loss=watch.wrap_loss(loss_of(model.spec.loss)),
-                              recompute=stage_plan.recompute).to(proc.device)
-    sync = make_sync(cfg, stage.module, stage_plan, groups.get(stage_plan.index),
-                     exclude=tied.params if tied is not None else ())
-    seed_rank(cfg.seed, rank)
-    optimizer: Any = watch.wrap_optimizer(make_optimizer(cfg.optimizer, stage.module.parameters(), lr=cfg.lr,
-                                                    momentum=cfg.momentum, weight_decay=cfg.weight_decay))
     recorder = None
     if traces is not None:
         recorder = TimelineRecorder(traces, rank=rank, stage=stage_plan.index, replica=replica,
                                     world_size=proc.world_size, label=f"{plan.model} {cfg.schedule}")
         closers.append(recorder.close)
-    topo = Topology.from_plan(plan)
-    channels = stage_channels(topo, rank, cfg.schedule, cfg.comm_mode, proc.device, cfg.timeout,
-                              on_transfer=recorder.on_transfer if recorder else None)
-    if recorder is not None:
-        recorder.align(dist.barrier)
-    engine = PipelineEngine(stage, topo, rank, cfg.schedule, transport=channels, optimizer=optimizer,
-                            data=make_data(cfg, model.spec), sync=sync, recorder=recorder, tied=tied)
-
-    ckpt = None
+    hint = f"the newest checkpoint in {cfg.checkpoint_dir} is the last good one" if cfg.checkpoint_dir else ""
+    trainer = Trainer(model, plan, optimizer=cfg.optimizer, lr=cfg.lr, momentum=cfg.momentum,
+                      weight_decay=cfg.weight_decay, clip_grad_norm=cfg.clip_grad_norm, seed=cfg.seed,
+                      lr_scheduler=lr_schedule(cfg.lr_schedule, warmup=cfg.warmup_steps, total=cfg.steps),
+                      data=make_data(cfg, model.spec), comm_mode=cfg.comm_mode, allreduce=cfg.allreduce,
+                      calibrations=cfg.calibrations, aggregator=cfg.aggregator, skip_nonfinite=cfg.skip_nonfinite,
+                      timeout=cfg.timeout, precision=cfg.precision, recorder=recorder, nonfinite_hint=hint)
+    held_out = make_eval_data(cfg, model.spec) if cfg.eval_every else None
     start, restart = 0, None
-    canon = canonical_names(tied_parameters(model.module))
     if init_optimizer is not None:
-        names = optimizer_names(optimizer, stage.module, canon)
-        optimizer.load_state_dict(indexed_optimizer_state(init_optimizer, names, optimizer.state_dict()))
-    if cfg.checkpoint_dir:
-        ckpt = Checkpointer(cfg.checkpoint_dir, plan=plan, rank=rank, every=cfg.checkpoint_every,
-                            keep=cfg.keep_checkpoints, tied=tied_parameters(model.module))
-        if cfg.resume:
-            t_load = time.perf_counter()
-            start = _restore(ckpt, stage, optimizer, engine, cfg.seed, print_fn if rank == ckpt.committer else None)
-            if reporter:
-                restart = restart_entry(read_notes(ckpt.root), world_size=proc.world_size, resumed_from=start,
-                                        started=process_start_time(), planning_s=cfg.planned_s or 0.0,
-                                        load_s=time.perf_counter() - t_load, stages={
-                                            "imports_s": progress["entered"], "model_s": progress["captured"],
-                                            "job_s": time.time() - (time.perf_counter() - t_load)})
+        canon = canonical_names(tied_parameters(model.module))
+        names = optimizer_names(trainer.optimizer, trainer.stage.module, canon)
+        trainer.optimizer.load_state_dict(indexed_optimizer_state(init_optimizer, names,
+                                                                  trainer.optimizer.state_dict()))
+    if cfg.checkpoint_dir and cfg.resume:
+        t_load = time.perf_counter()
+        start = _restore(trainer, cfg.checkpoint_dir, print_fn if rank == plan.stages[0].ranks[0] else None)
+        if reporter:
+            restart = restart_entry(read_notes(Path(cfg.checkpoint_dir)), world_size=proc.world_size,
+                                    resumed_from=start, started=process_start_time(),
+                                    planning_s=cfg.planned_s or 0.0, load_s=time.perf_counter() - t_load, stages={
+                                        "imports_s": progress["entered"], "model_s": progress["captured"],
+                                        "job_s": time.time() - (time.perf_counter() - t_load)})
     progress["done"] = start
 
     metrics = MetricsWriter(run_dir, rank)
@@ -152,88 +137,95 @@ def _train(cfg: RunConfig, proc: Process, model, closers: list, print_fn, init_o
     bar = Progress(cfg.steps, initial=start, enabled=cfg.progress and reporter,
                    desc=f"{plan.model} {cfg.schedule}")
     saved_at = start
+    if held_out is not None and start < cfg.steps:        # the held-out loss before training
+        metrics.write({"step": start - 1, "eval_loss": _evaluate(trainer, held_out, cfg.eval_batches)})
     try:
         for step in range(start, cfg.steps):
             if recorder is not None:
                 recorder.begin_step(step)
             t0 = time.perf_counter()
-            due = ckpt is not None and ckpt.due(step + 1)     # pipedream drains before a checkpoint
-            result = engine.run_step(step, drain=step == cfg.steps - 1 or due)
-            watch.after_step(step, result.losses)       # every rank: stops here on a non-finite loss
+            lr = trainer.lr
+            evaluate = cfg.eval_every > 0 and ((step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1)
+            due = bool(cfg.checkpoint_dir) and cfg.checkpoint_every > 0 and (step + 1) % cfg.checkpoint_every == 0
+            # every rank: stops on a non-finite loss; pipedream drains before an evaluation or a checkpoint
+            trainer.train_step(drain=step == cfg.steps - 1 or evaluate or due)
             if proc.device.type == "cuda":
                 torch.cuda.synchronize(proc.device)
             seconds = time.perf_counter() - t0
             if recorder is not None:
                 recorder.end_step()
-            losses = {m: float(v) for m, v in sorted(result.losses.items())}
-            record = step_record(step, seconds, cfg.global_batch, list(losses.values()), result.peak_memory_bytes)
-            report.peak_memory_bytes = max(report.peak_memory_bytes, result.peak_memory_bytes)
+            losses = trainer.last_losses
+            record = step_record(step, seconds, cfg.global_batch, list(losses.values()), trainer.last_peak_memory_bytes)
+            report.peak_memory_bytes = max(report.peak_memory_bytes, trainer.last_peak_memory_bytes)
+            if lr is not None:
+                record["lr"] = lr
+            if trainer.last_grad_norm is not None:
+                record["grad_norm"] = round(trainer.last_grad_norm, 6)
+            if trainer.scaler is not None:
+                record["loss_scale"] = trainer.scaler.scale
+            if evaluate:
+                record["eval_loss"] = _evaluate(trainer, held_out, cfg.eval_batches)
             metrics.write(record)
             bar.update(record)
             report.step_ms[step] = record["step_ms"]
             if losses:
                 report.losses[step] = losses
             progress["done"] = step + 1
-            if restart is not None and ckpt is not None:
-                append_log(ckpt.root, first_step_done(restart, seconds))
+            if restart is not None and cfg.checkpoint_dir:
+                append_log(Path(cfg.checkpoint_dir), first_step_done(restart, seconds))
                 restart = None
-            if ckpt is not None and due:
-                ckpt.save(step + 1, module=stage.module, optimizer=optimizer, engine=engine.state_dict())
+            if due and cfg.checkpoint_dir:
+                trainer.save(cfg.checkpoint_dir, keep=cfg.keep_checkpoints)
                 saved_at = step + 1
     finally:
         bar.close()
-    if ckpt is not None and saved_at < cfg.steps:          # the final weights, always
-        ckpt.save(cfg.steps, module=stage.module, optimizer=optimizer, engine=engine.state_dict())
+    if cfg.checkpoint_dir and saved_at < cfg.steps:          # the final weights, always
+        trainer.save(cfg.checkpoint_dir, keep=cfg.keep_checkpoints)
 
-    channels.close()
-    if hasattr(sync, "close"):
-        sync.close()
+    trainer.close()
     _close_all(closers)
     if stage_plan.replicas > 1:
-        report.digest = weights_digest(stage.module)
-        report.sync = sync_report(sync, stage_plan)
+        report.digest = weights_digest(trainer.stage.module)
+        report.sync = sync_report(trainer.sync, stage_plan)
     reports: list = [None] * proc.world_size
     dist.all_gather_object(reports, report)
     if not reporter:
         return None
     summary = summarize(reports, plan, steps=cfg.steps, first_step=start, run_dir=str(run_dir),
                         trace_dir=str(traces) if traces is not None else None, schedule=cfg.schedule,
-                        comm_mode=cfg.comm_mode, allreduce=cfg.allreduce, skipped=watch.skipped)
-    if ckpt is not None:
-        summary["restarts"] = read_log(ckpt.root)
+                        comm_mode=cfg.comm_mode, allreduce=cfg.allreduce, skipped=trainer.watch.skipped)
+    if cfg.checkpoint_dir:
+        summary["restarts"] = read_log(Path(cfg.checkpoint_dir))
     write_json(Path(run_dir) / "summary.json", summary)
     print_fn(format_summary(summary))
     return summary
 
 
-def _nonfinite_watch(cfg: RunConfig, proc: Process, stage_plan) -> NonFiniteWatch:
-    """The NaN/inf check of this rank (see nonfinite.py); the last stage decides alone when unreplicated."""
-    last = stage_plan.index == len(cfg.plan.stages) - 1
-    hint = f"the newest checkpoint in {cfg.checkpoint_dir} is the last good one" if cfg.checkpoint_dir else ""
-    return NonFiniteWatch(proc.device, skip=cfg.skip_nonfinite, flushing=flushes(cfg.plan), stage=stage_plan.index,
-                          decides_alone=last and stage_plan.replicas == 1, hint=hint)
+def _evaluate(trainer: Trainer, held_out: MicroBatches | None, batches: int) -> float:
+    """The mean loss of ``batches`` held-out global batches (forward only, every rank)."""
+    if held_out is None:
+        raise RuntimeError("evaluation without held-out data")
+    M = held_out.micro_batches
+    losses = []
+    for j in range(batches):
+        parts = [held_out.batch(j, m) if held_out.targets else held_out.input(j, m) for m in range(M)]
+        losses.append(trainer.eval_step(iter(parts)))
+    return sum(losses) / len(losses)
 
 
-def _restore(ckpt: Checkpointer, stage, optimizer, engine, seed: int, say: Callable[[str], None] | None) -> int:
-    """Load the newest usable checkpoint, resharded for this plan when another wrote it (or stop:
-    see Checkpointer.restore); ``say`` (one rank's print) tells the user where the run continues from."""
-    restored = ckpt.restore(stage.module)
+def _restore(trainer: Trainer, directory: str, say: Callable[[str], None] | None) -> int:
+    """Load the newest usable checkpoint (or stop: see Checkpointer.restore); ``say`` (one rank's
+    print) tells the user where the run continues from."""
+    restored = trainer.load(directory)
     if restored is None:
         if say is not None:
-            say(f"hybridpipe: --resume: no checkpoint in {ckpt.root} yet; starting from step 0")
+            say(f"hybridpipe: --resume: no checkpoint in {directory} yet; starting from step 0")
         return 0
     if say is not None:
         skipped = f" (skipped: {'; '.join(restored.skipped)})" if restored.skipped else ""
         moved = (f"; resharded from the plan that wrote it ({restored.resharded}); each rank's RNG re-seeded from "
                  "(--seed, rank, step)") if restored.resharded else ""
         say(f"hybridpipe: --resume: continuing from {restored.path} (step {restored.step}){skipped}{moved}")
-    ckpt.load_into(restored, stage.module, optimizer)
-    if restored.engine:
-        engine.load_state_dict(restored.engine)
-    if restored.rng is not None:
-        restore_rng(restored.rng)           # after everything that draws random numbers
-    else:
-        reseed(seed, ckpt.rank, restored.step)
     return restored.step
 
 

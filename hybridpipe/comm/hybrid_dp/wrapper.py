@@ -45,6 +45,8 @@ class HybridDataParallel(nn.Module):
     ``two_lanes``: urgent units on a second lane (message tags of lane ``lane + 128``).
     ``downward``: a second group of the same ranks for messages to lower positions (AllReducer).
     ``exclude``: parameters this wrapper never syncs (the caller sums their gradients itself).
+    ``wire_dtype`` (e.g. ``torch.bfloat16``): floating gradients are cast to it for the
+    all-reduce (half the bytes, the sum in that precision) and back into their own dtype after.
     ``units``: explicit choices instead of a policy (:class:`UnitChoice`: which parameters one
     all-reduce sums, with which algorithm, on which lane; e.g. a plan's), run exactly as given;
     ``policy``, ``fuse_small`` and ``two_lanes`` are then unused. :attr:`algorithms_run` tells
@@ -61,8 +63,9 @@ class HybridDataParallel(nn.Module):
                  topology: Topology | None = None, costs: GroupCosts | None = None, aggregator: str | None = None,
                  lane: int = 1, broadcast_buffers: bool = True, fuse_small: bool = True, two_lanes: bool = True,
                  downward: dist.ProcessGroup | None = None, units: Sequence[UnitChoice] | None = None,
-                 exclude: Collection[nn.Parameter] = ()):
+                 exclude: Collection[nn.Parameter] = (), wire_dtype: torch.dtype | None = None):
         super().__init__()
+        self.wire_dtype = wire_dtype          # floating gradients travel in this dtype (bf16: half the bytes)
         check_policy(policy)
         if reduce not in ("mean", "sum"):
             raise ValueError(f"reduce must be 'mean' or 'sum', got {reduce!r}")
@@ -183,7 +186,13 @@ class HybridDataParallel(nn.Module):
                 raise ValueError("HybridDataParallel sums dense gradients only")
             by_kind.setdefault((g.dtype, g.device), []).append(g)
         for same in by_kind.values():
-            self._ran[index] = reducer(same, algorithm)
+            if self.wire_dtype is not None and same[0].is_floating_point() and same[0].dtype != self.wire_dtype:
+                low = [g.to(self.wire_dtype) for g in same]
+                self._ran[index] = reducer(low, algorithm)
+                for g, w in zip(same, low, strict=True):
+                    g.copy_(w)
+            else:
+                self._ran[index] = reducer(same, algorithm)
             if self.reduce == "mean":
                 for g in same:
                     g.div_(reducer.size)

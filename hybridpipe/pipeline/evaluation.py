@@ -1,0 +1,73 @@
+"""The forward-only evaluation step: ``schedules.eval_program`` run on an engine's stage and channels.
+
+Evaluation mode (no dropout, batch norm on running statistics), no autograd, nothing left in flight;
+the same list for every schedule. Kept apart from the training engine, whose state it does not touch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hybridpipe.pipeline.instructions import (
+    Forward,
+    LoadInput,
+    LoadTarget,
+    Loss,
+    MicroBatchInstruction,
+    RecvActivations,
+    SendActivations,
+    message_key,
+)
+from hybridpipe.pipeline.schedules import eval_program
+from hybridpipe.pipeline.stage import Activation
+
+if TYPE_CHECKING:
+    from hybridpipe.pipeline.engine import DataSource, PipelineEngine
+
+_PHASES = {LoadInput: "receive_for", RecvActivations: "receive_for", Forward: "run_for", LoadTarget: "run_for",
+           Loss: "run_for", SendActivations: "send_for"}
+
+
+def run_eval(engine: PipelineEngine, data: DataSource, *, recorder=None) -> dict[int, torch.Tensor]:
+    """One forward-only evaluation step over ``data`` (micro-batches addressed as step 0):
+    evaluation mode, no autograd, nothing in flight afterwards. Returns the last stage's
+    losses by micro-batch (empty elsewhere). Under pipedream, call it only after a drained step
+    (messages of the training stream would otherwise be in transit)."""
+    if engine._acts or engine._inputs or engine._out_grads:
+        raise RuntimeError(f"rank {engine.rank}: an evaluation step needs an empty pipeline, but micro-batches "
+                           f"{engine.in_flight} are in flight; drain first")
+    recorder = recorder if recorder is not None else engine.recorder
+    M, stage = engine.topo.micro_batches, engine.stage
+    inputs: dict[int, dict[str, torch.Tensor]] = {}
+    acts: dict[int, Activation] = {}
+    targets: dict[int, Any] = {}
+    losses: dict[int, torch.Tensor] = {}
+    for ins in eval_program(engine.topo, engine.rank):
+        if not isinstance(ins, MicroBatchInstruction):
+            raise TypeError(f"{ins!r} has no place in an evaluation step")
+        t0, m = engine.clock(), ins.micro_batch
+        if isinstance(ins, LoadInput):
+            named = stage.data_inputs(data.input(0, m))
+            inputs[m] = {k: v.to(engine.device, non_blocking=True) for k, v in named.items()}
+        elif isinstance(ins, RecvActivations):
+            inputs[m] = engine._transport().recv(ins.peer, message_key(ins, m, M))
+        elif isinstance(ins, Forward):
+            with engine._autocast():
+                acts[m] = stage.forward_eval(inputs.pop(m))
+        elif isinstance(ins, SendActivations):
+            engine._transport().send(ins.peer, message_key(ins, m, M), engine._wire(acts.pop(m).outputs))
+        elif isinstance(ins, LoadTarget):
+            target = data.target(0, m)
+            targets[m] = target.to(engine.device, non_blocking=True) if target is not None else None
+        elif isinstance(ins, Loss):
+            with torch.no_grad(), engine._autocast():
+                losses[m] = stage.loss(acts.pop(m).output, targets.pop(m)).detach()
+        else:
+            raise TypeError(f"{ins!r} has no place in an evaluation step")
+        phase = _PHASES.get(type(ins))
+        if recorder is not None and phase is not None:
+            recorder.record(phase, m, t0, engine.clock())
+    return losses
+

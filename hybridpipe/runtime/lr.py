@@ -1,0 +1,46 @@
+"""Learning-rate schedules of launch's ``--lr-schedule`` (pure), and the scheduler factory the API takes.
+
+    factor = lr_factor("cosine", step, warmup=100, total=1000)   # multiplies the base learning rate
+    make = lr_schedule("cosine", warmup=100, total=1000)       # optimizer -> torch LambdaLR
+
+``step`` counts the training steps done before the one the factor applies to (a scheduler is
+stepped once after every training step). Warm-up rises linearly to the full rate:
+``(step + 1) / warmup`` for the first ``warmup`` steps, so the first step already learns. After
+it: ``constant`` stays at 1, ``linear`` falls linearly to 0 at ``total``, ``cosine`` follows
+half a cosine from 1 to 0 at ``total``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+SCHEDULES = ("constant", "linear", "cosine")
+
+SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
+
+
+def lr_factor(kind: str, step: int, *, warmup: int, total: int) -> float:
+    """The factor on the base learning rate for the step after ``step`` completed steps."""
+    if kind not in SCHEDULES:
+        raise ValueError(f"unknown learning-rate schedule {kind!r}; choose one of {', '.join(SCHEDULES)}")
+    if step < warmup:
+        return (step + 1) / warmup
+    if kind == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    if kind == "linear":
+        return 1.0 - progress
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def lr_schedule(kind: str, *, warmup: int, total: int) -> SchedulerFactory:
+    """A factory of torch ``LambdaLR`` schedulers following :func:`lr_factor` (for ``Trainer``)."""
+    lr_factor(kind, 0, warmup=warmup, total=total)          # refuse an unknown kind now
+
+    def make(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+        return torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: lr_factor(kind, step, warmup=warmup, total=total))
+    return make

@@ -1,0 +1,356 @@
+"""hybridpipe's Python API for the user's own training loop, run under torchrun (one process per rank).
+
+    trainer = hybridpipe.Trainer("gpt[layers=4]", "plan.json", lr=3e-4, optimizer="adam",
+                                 lr_scheduler=lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, 100),
+                                 clip_grad_norm=1.0)
+    for step in range(100):
+        loss = trainer.train_step(x, y)         # the global batch: micro-batch size x micro-batches rows
+        held_out = trainer.eval_step(xv, yv)    # forward only, evaluation mode, nothing changes
+    trainer.save("ckpt")                        # collective; trainer.load("ckpt") resumes
+    trainer.close()
+
+The trainer builds this rank's part of the plan: the model (built after ``torch.manual_seed(seed)``
+so every rank starts from the same weights), its capture and the plan's checks, the process
+groups, the stage, the replicas' gradient sync, the tied-weight sync, the p2p channels, the
+optimizer (and scheduler) and the engine. Every call is collective: every rank makes it, in the
+same order. ``train_step`` returns the step's mean loss on every rank: the last stage's ranks
+hold it and one 16-byte all-reduce per step hands it to all (``clip_grad_norm`` adds one 8-byte
+all-reduce per step for the global norm).
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import Dataset
+
+from hybridpipe.errors import UserError
+from hybridpipe.partitioner.plan import Plan, load_plan
+from hybridpipe.partitioner.schedule_registry import get_schedule
+from hybridpipe.pipeline import PipelineEngine, Topology, build_stage_index
+from hybridpipe.pipeline.schedules import settle_phase
+from hybridpipe.pipeline.stage import loss_of
+from hybridpipe.profiles.capture import tied_parameters
+from hybridpipe.profiles.zoo import ModelSpec, resolve_model
+from hybridpipe.runtime.batches import GivenBatches, is_micro_batch_stream, split_batch, take_micro_batches
+from hybridpipe.runtime.checkpoint import Checkpointer, Restored, reseed, restore_rng
+from hybridpipe.runtime.config import flushes
+from hybridpipe.runtime.groups import init_distributed, replica_groups, stage_channels
+from hybridpipe.runtime.loader import MicroBatchSlice, StepLoader
+from hybridpipe.runtime.lr import SchedulerFactory
+from hybridpipe.runtime.nonfinite import NonFiniteWatch
+from hybridpipe.runtime.parts import Model, build_model, make_optimizer, make_sync, seed_rank
+from hybridpipe.runtime.scaler import LossScaler
+from hybridpipe.runtime.tied import tied_process_groups, tied_sync
+
+PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+ModelArg = str | ModelSpec | Model | nn.Module | Callable[[], nn.Module]
+OptimizerArg = str | Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None
+
+
+class Trainer:
+    """This rank's part of a pipelined hybrid-parallel job (see the module docstring).
+
+    ``model``: a zoo / ``hf:`` / ``package.module:factory`` spec string, an ``nn.Module`` (built the
+    same on every rank), or a factory called after ``torch.manual_seed(seed)``; with the last two
+    give ``example`` (one micro-batch of input) and ``loss(output, target)`` (None: the model
+    returns its own loss, e.g. a Hugging Face model given ``labels``). ``plan``: a Plan or a path.
+    ``optimizer``: "sgd", "adam" or ``params -> torch.optim.Optimizer`` (default: the plan's).
+    ``lr_scheduler``: ``optimizer -> torch.optim.lr_scheduler.*`` (stepped once per training step
+    on every rank; see runtime/lr.py for launch's schedules). ``clip_grad_norm``: clip by the norm
+    of the whole model's gradient (what ``torch.nn.utils.clip_grad_norm_`` on the unsplit model
+    does). ``precision="bf16"``: forwards under ``torch.autocast(bfloat16)`` and activations and
+    gradients sent between stages and all-reduced between replicas as bfloat16 (half the bytes);
+    weights, their gradients and the optimizer state stay float32. ``"fp16"`` likewise in float16,
+    with a dynamic loss scale (``loss_scale``: the initial one; runtime/scaler.py) whose overflow
+    check all ranks agree on: an overflowing step is skipped everywhere. ``data``: a source of micro-batches
+    by (step, micro-batch) for steps given no batch (launch's ``MicroBatches``). ``recorder``: a
+    timeline recorder (launch's).
+    """
+
+    def __init__(self, model: ModelArg, plan: Plan | str | Path, *, example: Any = None,
+                 loss: Callable[..., torch.Tensor] | None = None, optimizer: OptimizerArg = None, lr: float = 0.01,
+                 momentum: float = 0.0, weight_decay: float = 0.0, lr_scheduler: SchedulerFactory | None = None,
+                 clip_grad_norm: float | None = None, seed: int = 0, data: Any = None, comm_mode: str = "sa",
+                 allreduce: str | None = None, calibrations: Iterable[str] = (), aggregator: str | None = None,
+                 skip_nonfinite: bool = False, backend: str | None = None, timeout: float = 300.0,
+                 precision: str = "fp32", loss_scale: float = 2.0**16, recorder: Any = None,
+                 nonfinite_hint: str = "") -> None:
+        self.plan = plan if isinstance(plan, Plan) else load_plan(str(plan))
+        if precision not in PRECISIONS:
+            raise UserError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
+        if clip_grad_norm is not None and (not clip_grad_norm > 0 or not math.isfinite(clip_grad_norm)):
+            raise UserError(f"clip_grad_norm must be a positive number, got {clip_grad_norm}")
+        kind = get_schedule(self.plan.schedule)
+        if clip_grad_norm is not None and not kind.flushed:
+            raise UserError(f"gradient clipping by the global norm needs a global step, and {kind.name} updates each "
+                            "stage on its own; use the 1f1b or gpipe schedule, or drop the clipping")
+        if precision == "fp16" and not kind.flushed:
+            raise UserError(f"fp16's loss scaler skips overflowing steps on every stage at once, and {kind.name} has "
+                            "no global step; use bf16, or the 1f1b or gpipe schedule")
+        self.model = model if isinstance(model, Model) else build_model(_spec(model, self.plan, example, loss),
+                                                                        self.plan, seed=seed)
+        self.proc, self._owned = init_distributed(backend, timeout)
+        if self.proc.world_size != self.plan.world_size:
+            raise UserError(f"the plan needs {self.plan.world_size} workers but the job has {self.proc.world_size}; "
+                            f"start it with torchrun --nproc-per-node {self.plan.world_size} (or on as many hosts)")
+        plan, rank = self.plan, self.proc.rank
+        self.stage_plan, self.replica = plan.stage_of_rank(rank)
+        self.is_last = self.stage_plan.index == len(plan.stages) - 1
+        self.takes_targets = self.model.spec.loss is not None
+        self.clip_grad_norm = clip_grad_norm
+        self.scaler = LossScaler(loss_scale) if precision == "fp16" else None
+        self.last_grad_norm: float | None = None     # the global norm before clipping, of the last step
+        self.step = 0                                # training steps done
+        self.seed = seed
+        self.comm_mode = comm_mode
+        # collectives below: the same order on every rank
+        groups = replica_groups(plan, timeout)
+        tied = tied_sync(plan, self.stage_plan.index, self.model.module, tied_process_groups(plan, timeout))
+        self._stats = dist.new_group(list(range(self.proc.world_size)), timeout=datetime.timedelta(seconds=timeout))
+        self.watch = NonFiniteWatch(self.proc.device, skip=skip_nonfinite, flushing=flushes(plan),
+                                    stage=self.stage_plan.index,
+                                    decides_alone=self.is_last and self.stage_plan.replicas == 1, hint=nonfinite_hint)
+        ranges = [(s.first_node, s.last_node) for s in plan.stages]
+        self.stage = build_stage_index(self.model.captured, ranges, self.stage_plan.index,
+                                       loss=self.watch.wrap_loss(loss_of(self.model.spec.loss)),
+                                       recompute=self.stage_plan.recompute).to(self.proc.device)
+        self._uncounted = _repeated_tied(plan, self.stage_plan.index, self.model.module)
+        self.sync = make_sync(plan, self.stage.module, self.stage_plan, groups.get(self.stage_plan.index),
+                              exclude=tied.params if tied is not None else (), allreduce=allreduce,
+                              calibrations=tuple(calibrations), aggregator=aggregator,
+                              wire_dtype=PRECISIONS[precision])
+        seed_rank(seed, rank)
+        self.optimizer = _optimizer(optimizer or plan.optimizer, self.stage.module, lr, momentum, weight_decay)
+        self.scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None and \
+            isinstance(self.optimizer, torch.optim.Optimizer) else None
+        topo = Topology.from_plan(plan)
+        self.channels = stage_channels(topo, rank, plan.schedule, comm_mode, self.proc.device, timeout,
+                                       on_transfer=recorder.on_transfer if recorder is not None else None)
+        if recorder is not None:
+            recorder.align(dist.barrier)
+        self._feed = GivenBatches(keep=settle_phase(topo, plan.schedule) + 2, fallback=data, rank=rank,
+                                  targets=self.takes_targets)
+        guarded: Any = self.watch.wrap_optimizer(self.optimizer)     # an optimizer that checks the loss first
+        self.engine = PipelineEngine(self.stage, topo, rank, plan.schedule, transport=self.channels,
+                                     optimizer=guarded, data=self._feed,
+                                     sync=self.sync, recorder=recorder, tied=tied,
+                                     before_step=self._before_step if clip_grad_norm is not None or self.scaler
+                                     else None, autocast=PRECISIONS[precision], wire_dtype=PRECISIONS[precision],
+                                     loss_scale=self._loss_scale if self.scaler is not None else None)
+        self.last_losses: dict[int, float] = {}      # this rank's micro-batch losses of the last step (last stage)
+        self.last_peak_memory_bytes = 0               # what this rank's stage held at its peak in the last step
+        self._checkpointers: dict[str, Checkpointer] = {}
+
+    # ---- steps ---------------------------------------------------------------------------
+    def train_step(self, batch: Any = None, target: Any = None, *, drain: bool = False) -> float:
+        """One training step of the plan's schedule on the global ``batch`` (and ``target``), on
+        an iterator of micro-batches, or on what :meth:`loader` yields; ranks whose stage reads
+        neither may pass nothing. Returns the step's mean loss over its micro-batches, on every
+        rank. ``drain``: pipedream only, finish every micro-batch in flight (before an
+        ``eval_step`` or the end)."""
+        step = self.step
+        if batch is not None or target is not None:
+            self._feed.put(step, *self._micro_batches(batch, target))
+        result = self.engine.run_step(step, drain=drain)
+        self.watch.after_step(step, result.losses)
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.step += 1
+        self.last_losses = {m: float(v) for m, v in sorted(result.losses.items())}
+        self.last_peak_memory_bytes = result.peak_memory_bytes
+        return self._mean(result.losses)
+
+    def eval_step(self, batch: Any = None, target: Any = None) -> float:
+        """Forward-only evaluation of one global batch (or iterator of micro-batches), pipelined
+        like a training step, in evaluation mode (no dropout, batch norm on running statistics),
+        without gradients: no weight, optimizer or scheduler state changes. The mean loss on every
+        rank."""
+        if self.comm_mode == "sra":
+            raise UserError("eval_step needs comm_mode 'sa' or 'per-tensor': the 'sra' channels follow the "
+                            "training step's fixed order of transfers")
+        if get_schedule(self.plan.schedule).asynchronous and self.engine.phase != 0:
+            raise UserError(f"under {self.plan.schedule}, micro-batches of the training stream are in flight: call "
+                            "train_step(..., drain=True) before eval_step")
+        given = GivenBatches(keep=1, rank=self.proc.rank, targets=self.takes_targets)
+        if batch is not None or target is not None:
+            given.put(0, *self._micro_batches(batch, target))
+        return self._mean(self.engine.run_eval(given))
+
+    def loader(self, dataset: Dataset, *, epoch: int = 0, shuffle: bool = True, seed: int | None = None,
+               num_workers: int = 0, collate_fn: Any = None) -> StepLoader:
+        """One epoch of ``dataset`` for this rank, a step at a time (pass each item to train_step or
+        eval_step): the first stage's replicas load only their own micro-batches, the last stage's
+        their targets, the others nothing (runtime/loader.py). ``seed`` (default: the trainer's)
+        and ``epoch`` fix the shuffle, the same on every rank; pinned memory on GPU."""
+        M = self.plan.micro_batches
+        mine = [m for m in range(M) if m % self.stage_plan.replicas == self.replica]
+        return StepLoader(dataset, batch_size=self.plan.batch_size, micro_batches=M, mine=mine,
+                          inputs=self.stage_plan.index == 0, targets=self.is_last, pairs=self.takes_targets,
+                          seed=self.seed if seed is None else seed, epoch=epoch, shuffle=shuffle,
+                          num_workers=num_workers, pin_memory=self.proc.device.type == "cuda",
+                          collate_fn=collate_fn)
+
+    @property
+    def lr(self) -> float | None:
+        """The learning rate of the next step (None on a stage without parameters)."""
+        groups = getattr(self.optimizer, "param_groups", [])
+        return float(groups[0]["lr"]) if groups else None
+
+    # ---- checkpoints ---------------------------------------------------------------------
+    def save(self, directory: str | Path, *, keep: int = 3) -> Path:
+        """Checkpoint the steps done so far into ``directory`` (collective; runtime/checkpoint.py's
+        format, keeping the ``keep`` newest): weights, optimizer, scheduler, engine and RNG states."""
+        ckpt = self._checkpointer(directory, keep)
+        extra = {"scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+                 "scaler": self.scaler.state_dict() if self.scaler is not None else None}
+        return ckpt.save(self.step, module=self.stage.module, optimizer=self.optimizer,
+                         engine=self.engine.state_dict(), extra=extra)
+
+    def load(self, directory: str | Path) -> Restored | None:
+        """Resume from the newest usable checkpoint in ``directory`` (collective): None when it holds
+        none; else what was restored (``.step`` steps done). Training continues bit-identically
+        (a checkpoint of another plan is resharded; then each rank's RNG is re-seeded)."""
+        ckpt = self._checkpointer(directory, 3)
+        restored = ckpt.restore(self.stage.module)
+        if restored is None:
+            return None
+        ckpt.load_into(restored, self.stage.module, self.optimizer)
+        self.step = restored.step
+        if restored.engine:
+            self.engine.load_state_dict(restored.engine)
+        sched = restored.extra.get("scheduler")
+        if self.scheduler is not None and sched is not None:
+            self.scheduler.load_state_dict(sched)
+            # the checkpoint keeps the optimizer's state, not its hyperparameters: the schedule's
+            # learning rate of the next step comes back from the scheduler
+            for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr(), strict=True):
+                group["lr"] = lr
+        scaler = restored.extra.get("scaler")
+        if self.scaler is not None and scaler is not None:
+            self.scaler.load_state_dict(scaler)
+        if restored.rng is not None:
+            restore_rng(restored.rng)           # after everything that draws random numbers
+        else:                                   # resharded from another plan
+            reseed(self.seed, self.proc.rank, restored.step)
+        return restored
+
+    def close(self) -> None:
+        """Close the channels and the sync's threads; leave the job if the trainer joined it."""
+        self.channels.close()
+        close = getattr(self.sync, "close", None)
+        if close is not None:
+            close()
+        if self._owned and dist.is_initialized():
+            dist.destroy_process_group()
+            self._owned = False
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- helpers -------------------------------------------------------------------------
+    def _micro_batches(self, batch: Any, target: Any) -> tuple[Any, Any]:
+        M, B = self.plan.micro_batches, self.plan.batch_size
+        if isinstance(batch, MicroBatchSlice):
+            return batch.inputs, batch.targets
+        if is_micro_batch_stream(batch):
+            return take_micro_batches(batch, M, targets=self.takes_targets)
+        inputs = split_batch(batch, M, B) if batch is not None else None
+        targets = split_batch(target, M, B, "target") if target is not None else None
+        return inputs, targets
+
+    def _mean(self, losses: dict[int, torch.Tensor]) -> float:
+        """The mean of the step's micro-batch losses, on every rank (one all-reduce of two numbers)."""
+        t = torch.zeros(2, dtype=torch.float64, device=self.proc.device)
+        if losses:
+            t[0] = torch.stack([v.detach().double() for v in losses.values()]).sum()
+            t[1] = len(losses)
+        dist.all_reduce(t, group=self._stats)
+        return float(t[0] / t[1]) if t[1] > 0 else math.nan
+
+    def _loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    def _before_step(self) -> bool:
+        """The engine's hook before the optimizer step: fp16's unscale and agreed overflow check
+        (False: every rank skips this step), then the clipping."""
+        if self.scaler is not None:
+            inv = 1.0 / self.scaler.scale
+            bad = torch.zeros(1, device=self.proc.device)
+            with torch.no_grad():
+                for p in self.stage.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(inv)
+                        bad = torch.maximum(bad, (~torch.isfinite(p.grad)).any().float())
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self._stats)
+            found = bool(bad.item() > 0)
+            self.scaler.update(found)
+            if found:
+                return False
+        if self.clip_grad_norm is not None:
+            self._clip()
+        return True
+
+    def _clip(self) -> None:
+        """The engine's hook before the optimizer step: scale every gradient by max_norm / norm when
+        the global norm exceeds ``clip_grad_norm`` (replica 0 of each stage contributes its squared
+        norm, a tied parameter only in the first stage that holds it)."""
+        sq = torch.zeros(1, dtype=torch.float64, device=self.proc.device)
+        grads = [p.grad for p in self.stage.parameters() if p.grad is not None]
+        if self.replica == 0:
+            for p in self.stage.parameters():
+                if p.grad is not None and id(p) not in self._uncounted:
+                    sq += p.grad.detach().double().pow(2).sum()
+        dist.all_reduce(sq, group=self._stats)
+        norm = float(sq.sqrt())
+        self.last_grad_norm = norm
+        coef = float(self.clip_grad_norm or 0.0) / (norm + 1e-6)
+        if coef < 1.0:
+            with torch.no_grad():
+                for g in grads:
+                    g.mul_(coef)
+
+    def _checkpointer(self, directory: str | Path, keep: int) -> Checkpointer:
+        key = str(Path(directory).resolve())
+        if key not in self._checkpointers:
+            self._checkpointers[key] = Checkpointer(directory, plan=self.plan, rank=self.proc.rank, keep=keep,
+                                                    tied=tied_parameters(self.model.module))
+        self._checkpointers[key].keep = keep
+        return self._checkpointers[key]
+
+
+def _spec(model: ModelArg, plan: Plan, example: Any, loss: Callable[..., torch.Tensor] | None) -> ModelSpec:
+    """The ModelSpec of the ``model`` argument (see Trainer)."""
+    if isinstance(model, str):
+        return resolve_model(model)
+    if isinstance(model, ModelSpec):
+        return model
+    if isinstance(model, Model):
+        return model.spec
+    if example is None:
+        raise UserError("a model given as an nn.Module or a factory needs example= (one micro-batch of its input)")
+    build = (lambda: model) if isinstance(model, nn.Module) else model
+    return ModelSpec(name=plan.model, build=build, example=example, loss=loss)
+
+
+def _optimizer(kind: OptimizerArg, module: nn.Module, lr: float, momentum: float, weight_decay: float) -> Any:
+    if callable(kind):
+        params = [p for p in module.parameters() if p.requires_grad]
+        return kind(params) if params else make_optimizer("sgd", [], lr=lr)
+    return make_optimizer(str(kind), module.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+
+
+def _repeated_tied(plan: Plan, stage_index: int, module: nn.Module) -> set[int]:
+    """ids of the tied parameters this stage holds that an earlier stage also holds (counted there)."""
+    return {id(module.get_parameter(g.param)) for g in plan.tied
+            if stage_index in g.stages and min(g.stages) != stage_index}

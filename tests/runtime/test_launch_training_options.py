@@ -1,0 +1,83 @@
+"""launch's --lr-schedule / --warmup-steps / --clip-grad-norm: the run equals a plain PyTorch loop
+with the same LambdaLR, weight decay and clip_grad_norm_; pipedream refuses clipping in one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridpipe.errors import UserError
+from hybridpipe.partitioner.plan import save_plan
+from hybridpipe.pipeline.data import MicroBatches
+from hybridpipe.profiles.data import resolve_dataset
+from hybridpipe.profiles.zoo import resolve_model
+from hybridpipe.runtime.config import build_parser, resolve
+from hybridpipe.runtime.lr import lr_schedule
+from hybridpipe.runtime.metrics import metrics_path, read_metrics
+from hybridpipe.runtime.parts import held_out_seed
+from tests.pipeline.harness import make_plan, model_loss
+from tests.runtime.jobs import data_for, final_weights, launch, max_diff
+
+STEPS, LR, MOMENTUM, WD, SEED, CLIP, WARMUP = 5, 0.05, 0.5, 0.01, 3, 0.1, 2
+
+
+def held_out_losses(model, spec, plan, batches: int) -> float:
+    data = MicroBatches(resolve_dataset("synthetic", spec, size=batches * plan.micro_batches * plan.batch_size,
+                                        seed=held_out_seed(SEED)), plan.batch_size, plan.micro_batches)
+    model.eval()
+    with torch.no_grad():
+        loss = sum(float(model_loss(spec, model, *data.global_batch(j))) for j in range(batches)) / batches
+    model.train()
+    return loss
+
+
+def reference(plan):
+    spec = resolve_model(plan.model)
+    torch.manual_seed(SEED)
+    model = spec.build()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=WD)
+    sched = lr_schedule("cosine", warmup=WARMUP, total=STEPS)(opt)
+    data = data_for(plan, STEPS, SEED)
+    lrs, norms, evals = [], [], {-1: held_out_losses(model, spec, plan, 2)}
+    for k in range(STEPS):
+        opt.zero_grad()
+        model_loss(spec, model, *data.global_batch(k)).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+        if (k + 1) % 2 == 0 or k == STEPS - 1:
+            evals[k] = held_out_losses(model, spec, plan, 2)
+    return model.state_dict(), lrs, norms, evals
+
+
+def test_launch_with_cosine_warmup_clipping_and_weight_decay_matches_plain_pytorch(tmp_path):
+    plan = make_plan("mlp", [3], [2, 2], schedule="gpipe", micro_batches=4, batch_size=4)
+    path = tmp_path / "plan.json"
+    save_plan(plan, path)
+    done = launch(["--plan", str(path), "--steps", str(STEPS), "--lr", str(LR), "--momentum", str(MOMENTUM),
+                   "--weight-decay", str(WD), "--lr-schedule", "cosine", "--warmup-steps", str(WARMUP),
+                   "--clip-grad-norm", str(CLIP), "--eval-every", "2", "--eval-batches", "2",
+                   "--seed", str(SEED), "--checkpoint-dir", str(tmp_path / "ckpt"),
+                   "--run-dir", str(tmp_path / "run"), "--timeout", "60", "--no-progress", "--no-trace"],
+                  plan.world_size, timeout=150)
+    assert all(d.returncode == 0 for d in done), done
+    weights, lrs, norms, evals = reference(plan)
+    assert min(norms) > CLIP
+    assert max_diff(final_weights(tmp_path / "ckpt", STEPS), weights) <= 1e-5
+    records = [r for r in read_metrics(metrics_path(tmp_path / "run", 3)) if r["step"] >= 0]
+    assert [r["lr"] for r in records] == pytest.approx(lrs)
+    assert [r["grad_norm"] for r in records] == pytest.approx(norms, rel=1e-5)
+    for rank in range(plan.world_size):                     # held-out loss on every rank: before, after 2, 4, 5 steps
+        lines = read_metrics(metrics_path(tmp_path / "run", rank))
+        got = {r["step"]: r["eval_loss"] for r in lines if "eval_loss" in r}
+        assert got == pytest.approx(evals, abs=1e-5)
+
+
+def test_clipping_is_refused_for_pipedream(tmp_path):
+    plan = make_plan("mlp", [3], [1, 1], schedule="pipedream", micro_batches=2, batch_size=4)
+    save_plan(plan, tmp_path / "plan.json")
+    args = build_parser().parse_args(["--plan", str(tmp_path / "plan.json"), "--clip-grad-norm", "1",
+                                      "--run-dir", str(tmp_path / "run")])
+    with pytest.raises(UserError, match="--clip-grad-norm needs a global step"):
+        resolve(args, 2)
