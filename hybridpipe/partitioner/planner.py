@@ -30,7 +30,7 @@ from hybridpipe.partitioner.objective import (
     predict_step_ms,
 )
 from hybridpipe.partitioner.pipedream import pipedream_stages
-from hybridpipe.partitioner.plan import ALGORITHMS, OPTIMIZERS, STRATEGIES, LayerSync, Plan, Stage
+from hybridpipe.partitioner.plan import ALGORITHMS, OPTIMIZERS, STRATEGIES, LayerSync, Plan, Stage, TiedGroup
 from hybridpipe.partitioner.schedule_registry import AUTO, auto_candidates, get_schedule
 from hybridpipe.partitioner.strategies import baseline_stages
 from hybridpipe.partitioner.tied import tied_groups
@@ -127,6 +127,8 @@ def partition(profile: Profile, cluster: Cluster, req: Request = Request(),
     model = CostModel(cluster, list(calibrations), aggregator_dedicated=req.dedicated_aggregator)
     costs = model_costs(profile).slowed(model.compute_slowdown)
     stages, notes = choose_stages(req.strategy, costs, model, workers, opts, req.stages, deadline, progress)
+    if req.strategy == "optimal":
+        stages, notes = prefer_data_parallel(profile, costs, model, workers, opts, stages, notes)
     blocked = blocked_message(costs, stages, req.strategy)
     if blocked:
         raise UserError(blocked)
@@ -166,6 +168,44 @@ def choose_stages(strategy: str, costs: ModelCosts, model: CostModel, workers: i
     return baseline_stages(strategy, costs, workers, stages), ()
 
 
+def prefer_data_parallel(profile: Profile, costs: ModelCosts, model: CostModel, workers: int, opts: Options,
+                         chosen: tuple[StageSpec, ...], notes: tuple[str, ...]
+                         ) -> tuple[tuple[StageSpec, ...], tuple[str, ...]]:
+    """The DP minimises the objective, which leaves out the transfer latencies of a flushed step's
+    fill and drain and the tied weights' sum across stages; where those make the pipeline's
+    predicted step slower than data parallelism's, keep data parallelism and say so, so that
+    ``optimal`` is never predicted slower than ``dp``."""
+    data_parallel = baseline_stages("dp", costs, workers)
+    if tuple(chosen) == tuple(data_parallel):
+        return chosen, notes
+    ev_dp = evaluate(costs, model, data_parallel, opts)
+    if not ev_dp.fits:
+        return chosen, notes
+    ours = predict_step_ms(evaluate(costs, model, chosen, opts), opts) + tied_ms(profile, chosen, model)
+    theirs = predict_step_ms(ev_dp, opts) + tied_ms(profile, data_parallel, model)
+    if theirs >= ours:
+        return chosen, notes
+    return data_parallel, notes + (
+        f"the best pipeline found ({len(chosen)} stages, {ours:.1f} ms/step predicted) is slower than data "
+        f"parallelism ({theirs:.1f} ms/step) once its fill and drain transfers and tied-weight sums are counted; "
+        "using data parallelism",)
+
+
+def priced_tied(profile: Profile, stages: Sequence[StageSpec], model: CostModel) -> list[TiedGroup]:
+    """The tied groups of these stages, each priced as one all-reduce over its stages' ranks per step."""
+    out = []
+    for group in tied_groups(profile, [(s.first, s.last) for s in stages]):
+        ranks = sorted(r for i in group.stages for r in stages[i].ranks)
+        ms = model.allreduce_seconds("native", group.bytes, ranks) * 1e3
+        out.append(replace(group, predicted_ms=round(ms, 6)))
+    return out
+
+
+def tied_ms(profile: Profile, stages: Sequence[StageSpec], model: CostModel) -> float:
+    """Milliseconds per step the tied weights' sums across stages add."""
+    return sum(t.predicted_ms for t in priced_tied(profile, stages, model))
+
+
 def gap_note(objective_ms: float, lower_ms: float) -> str:
     """What a search stopped by --time-limit can promise about the plan it returns."""
     head = f"--time-limit reached: the best plan found so far ({objective_ms:.1f} ms/step in steady state)"
@@ -194,11 +234,7 @@ def build_plan(profile: Profile, costs: ModelCosts, cluster: Cluster, stages: Se
     Parameters read by several stages (tied weights) are summed across those stages' ranks once
     per step, after the last backward (torch's own all-reduce): it is added to the predicted step."""
     model = model or CostModel(cluster)
-    tied = []
-    for group in tied_groups(profile, [(s.first, s.last) for s in stages]):
-        ranks = sorted(r for i in group.stages for r in stages[i].ranks)
-        ms = model.allreduce_seconds("native", group.bytes, ranks) * 1e3
-        tied.append(replace(group, predicted_ms=round(ms, 6)))
+    tied = priced_tied(profile, stages, model)
     step_ms = predict_step_ms(ev, opts) + sum(t.predicted_ms for t in tied) + model.step_overhead_ms
     out = []
     for idx, (spec, e) in enumerate(zip(stages, ev.stages, strict=True)):

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner.calibration import Calibration, LinkFit
@@ -192,3 +195,22 @@ def test_recompute_auto_fits_where_keeping_activations_does_not_and_pays_a_forwa
     assert plan.predicted_step_ms > free.predicted_step_ms
     roomy = partition(big, cluster, Request(**{**req.__dict__, "recompute": "auto", "memory_gb": None})).plan
     assert not any(s.recompute for s in roomy.stages)                          # auto: only where memory binds
+
+
+@settings(max_examples=40, deadline=None)
+@given(layers=st.lists(st.tuples(st.floats(0.01, 2.0), st.floats(0.01, 4.0), st.integers(1, 1 << 20),
+                                 st.integers(0, 1 << 20)), min_size=2, max_size=8),
+       embedding=st.integers(1 << 16, 1 << 24), outer_gbps=st.sampled_from([0.05, 1.0, 10.0]),
+       per_host=st.sampled_from([1, 2]))
+def test_optimal_is_never_predicted_slower_than_data_parallelism(layers, embedding, outer_gbps, per_host):
+    """The DP's objective leaves out the fill's transfer latencies and the sum of a weight tied across
+    stages (here the first layer's, read again by the last node); the planner then keeps data
+    parallelism wherever the pipeline's full predicted step is slower."""
+    chain = make_profile([(1.0, 2.0, 4096, embedding)] + layers)
+    last = chain.nodes[-1]
+    tied = dataclasses.replace(last, shared=("l1.weight",), shared_bytes=(embedding,))
+    profile = dataclasses.replace(chain, nodes=chain.nodes[:-1] + (tied,))
+    cluster = two_level(per_host, 4 // per_host, outer_gbps=outer_gbps)
+    best = partition(profile, cluster, Request(strategy="optimal")).plan.predicted_step_ms
+    dp = partition(profile, cluster, Request(strategy="dp")).plan.predicted_step_ms
+    assert best <= dp * (1 + 1e-9)
