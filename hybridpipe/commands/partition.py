@@ -29,7 +29,7 @@ from hybridpipe.partitioner.calibration import load_calibration
 from hybridpipe.partitioner.cluster import load_cluster
 from hybridpipe.partitioner.dp import Progress
 from hybridpipe.partitioner.objective import RECOMPUTE
-from hybridpipe.partitioner.plan import ALGORITHMS, OPTIMIZERS, SCHEDULES, STRATEGIES, Plan, save_plan
+from hybridpipe.partitioner.plan import ALGORITHMS, OPTIMIZERS, PRECISIONS, SCHEDULES, STRATEGIES, Plan, save_plan
 from hybridpipe.partitioner.planner import Outcome, Request, partition
 from hybridpipe.partitioner.schedule_registry import AUTO, auto_candidates
 from hybridpipe.profiles.format import load_profile
@@ -53,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recompute", choices=RECOMPUTE, default="none",
                         help="activation recomputation: none (default), all stages, or auto (the stages that "
                              "would not fit in --memory-gb otherwise; the extra forward is charged)")
+    parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                        help="what the job will run in (launch --precision): bf16/fp16 send activations, gradients "
+                             "and all-reduces at half the bytes, and the plan is priced so (default fp32)")
     parser.add_argument("--micro-batches", type=positive_int, metavar="M",
                         help="micro-batches per step (default: 2 per worker)")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
@@ -99,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
                   micro_batches=args.micro_batches, optimizer=args.optimizer, memory_gb=args.memory_gb,
                   stages=args.stages, algorithms=tuple(a.strip() for a in args.algorithms.split(",") if a.strip()),
                   dedicated_aggregator=args.aggregator == "dedicated", time_limit_s=args.time_limit,
-                  recompute=args.recompute)
+                  recompute=args.recompute, precision=args.precision)
     with search_bar(args.strategy, disable=args.quiet) as progress:
         outcome = partition(profile, cluster, req, calibrations, progress=progress)
     print(render(outcome, profile.nodes, layers=args.layers))

@@ -17,7 +17,7 @@ from hybridpipe.errors import UserError
 from hybridpipe.limits import require_memory
 from hybridpipe.partitioner.calibration import load_calibration
 from hybridpipe.partitioner.costmodel import CostModel
-from hybridpipe.partitioner.plan import SCHEDULES, Plan, load_plan
+from hybridpipe.partitioner.plan import SCHEDULES, WIRE_BYTES, Plan, load_plan
 from hybridpipe.pipeline.schedules import Topology, check_schedulable
 from hybridpipe.pipeline.simtrace import draw_timeline, write_chrome_trace
 from hybridpipe.pipeline.simulator import SimResult, simulate, stage_costs
@@ -46,7 +46,8 @@ def run(args: argparse.Namespace) -> int:
     if all(c.forward_ms == 0 and c.backward_ms == 0 for c in stage_costs(plan)):
         raise UserError(f"{args.plan} has no per-stage times (forward_ms/backward_ms/compute_ms are 0); "
                         "partition a measured profile to get them")
-    model = CostModel(plan.cluster, load_calibration(args.calibration) if args.calibration else None)
+    model = CostModel(plan.cluster, load_calibration(args.calibration) if args.calibration else None,
+                      wire_bytes=WIRE_BYTES[plan.precision])
     result = simulate(plan, schedule=schedule, steps=args.steps, micro_batches=topo.micro_batches, cost_model=model)
     print(render(plan, topo, result))
     if args.trace:

@@ -22,7 +22,7 @@ Pure computation; no torch.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -64,11 +64,14 @@ class CostModel:
 
     ``aggregator_dedicated`` prices the ``aggregator`` algorithm with a dedicated aggregator
     process on a spare port (seed 001's switch) instead of on the group's lowest rank.
+    ``wire_bytes``: what one profiled (float32) byte costs on the wire (0.5 when activations,
+    gradients and all-reduces travel in bf16 or fp16): every per-byte cost is scaled by it.
     """
 
     def __init__(self, cluster: Cluster, calibration: Calibration | Sequence[Calibration] | None = None,
-                 aggregator_dedicated: bool = False):
+                 aggregator_dedicated: bool = False, wire_bytes: float = 1.0):
         self.cluster = cluster
+        self.wire_bytes = wire_bytes
         self.aggregator_dedicated = aggregator_dedicated
         cals = [] if calibration is None else [calibration] if isinstance(calibration, Calibration) \
             else list(calibration)
@@ -79,9 +82,10 @@ class CostModel:
                 raise UserError(f"two calibrations measure level {cluster.levels[level].name!r}; "
                                 "give one calibration per cluster level")
             self.calibrations[level] = cal
-        self.gamma = (sum(c.gamma_s_per_byte for c in cals) / len(cals)) if cals else NOMINAL_GAMMA_S_PER_BYTE
+        gamma = (sum(c.gamma_s_per_byte for c in cals) / len(cals)) if cals else NOMINAL_GAMMA_S_PER_BYTE
+        self.gamma = gamma * wire_bytes
         # compute a worker loses per byte on its link (calibration.py); 0: communication takes no CPU from compute
-        self.interference_s_per_byte = max((c.interference_s_per_byte for c in cals), default=0.0)
+        self.interference_s_per_byte = max((c.interference_s_per_byte for c in cals), default=0.0) * wire_bytes
         # an all-reduce beside compute takes this much longer than alone (calibration.py)
         self.overlap_slowdown = max((c.overlap_slowdown for c in cals), default=1.0)
         # what runs on the cluster taught (refine.py): all-reduce slowdown by size, compute slowdown
@@ -143,12 +147,14 @@ class CostModel:
         return rank // self._spans[level - 1] if level > 0 else rank
 
     def link(self, level: int, algorithm: str = "p2p") -> LinkFit:
-        """alpha/beta for messages at ``level``: calibrated where measured, else nominal."""
+        """alpha/beta for messages at ``level``, per profiled byte: calibrated where measured, else nominal."""
         cal = self.calibrations.get(level)
         if cal is not None:
-            return cal.algorithms.get(algorithm, cal.p2p) if algorithm != "p2p" else cal.p2p
-        lv = self.cluster.levels[level]
-        return LinkFit(lv.latency_us * 1e-6 + NOMINAL_SOFTWARE_ALPHA_S, 1 / lv.bytes_per_s)
+            fit = cal.algorithms.get(algorithm, cal.p2p) if algorithm != "p2p" else cal.p2p
+        else:
+            lv = self.cluster.levels[level]
+            fit = LinkFit(lv.latency_us * 1e-6 + NOMINAL_SOFTWARE_ALPHA_S, 1 / lv.bytes_per_s)
+        return fit if self.wire_bytes == 1.0 else replace(fit, beta_s_per_byte=fit.beta_s_per_byte * self.wire_bytes)
 
     def _fits(self, algorithm: str) -> list[LinkFit]:
         """``link(level, algorithm)`` for every level (the pricing loop's lookup)."""

@@ -41,6 +41,9 @@ ALGORITHMS = co.ALGORITHMS      # the all-reduce algorithms (collectives.py desc
 SECOND_LANE_ALGORITHMS = ("ring", "butterfly", "hierarchical", "torus2d")   # may run on sync lane 1
 STRATEGIES = ("optimal", "pipedream", "dp", "uniform", "params", "time")
 OPTIMIZERS = ("sgd", "adam")
+# what one profiled (float32) byte of activations, gradients or weights costs on the wire in each precision
+WIRE_BYTES = {"fp32": 1.0, "bf16": 0.5, "fp16": 0.5}
+PRECISIONS = tuple(WIRE_BYTES)
 
 
 @dataclass(frozen=True)
@@ -123,6 +126,7 @@ class Plan:
     predicted_samples_per_s: float = 0.0
     created: str = ""
     granularity: str = "blocks"            # the profile's grouping of operations into nodes (to re-capture alike)
+    precision: str = "fp32"                # what the transfers were priced in (launch runs it unless told otherwise)
     tied: tuple[TiedGroup, ...] = ()       # parameters read by several stages
 
     @property
@@ -169,6 +173,7 @@ class Plan:
             predicted_samples_per_s=field(d, "predicted_samples_per_s", float, source, minimum=0, default=0.0),
             created=field(d, "created", str, source, default=""),
             granularity=field(d, "granularity", str, source, default="blocks"),
+            precision=field(d, "precision", str, source, default="fp32", choices=PRECISIONS),
             tied=tuple(_tied_from_dict(t, i, source) for i, t in enumerate(field(d, "tied", list, source, default=[]))),
         )
         _check_stages(plan, source)

@@ -30,7 +30,16 @@ from hybridpipe.partitioner.objective import (
     predict_step_ms,
 )
 from hybridpipe.partitioner.pipedream import pipedream_stages
-from hybridpipe.partitioner.plan import ALGORITHMS, OPTIMIZERS, STRATEGIES, LayerSync, Plan, Stage, TiedGroup
+from hybridpipe.partitioner.plan import (
+    ALGORITHMS,
+    OPTIMIZERS,
+    STRATEGIES,
+    WIRE_BYTES,
+    LayerSync,
+    Plan,
+    Stage,
+    TiedGroup,
+)
 from hybridpipe.partitioner.schedule_registry import AUTO, auto_candidates, get_schedule
 from hybridpipe.partitioner.strategies import baseline_stages
 from hybridpipe.partitioner.tied import tied_groups
@@ -54,6 +63,7 @@ class Request:
     dedicated_aggregator: bool = False
     recompute: str = "none"
     time_limit_s: float | None = None          # optimal: stop searching then, keep the best plan found
+    precision: str = "fp32"                    # bf16/fp16: activations, gradients and all-reduces at half the bytes
 
 
 @dataclass(frozen=True)
@@ -124,7 +134,10 @@ def partition(profile: Profile, cluster: Cluster, req: Request = Request(),
         return min(found, key=lambda o: o.plan.predicted_step_ms)
     deadline = None if req.time_limit_s is None else time.monotonic() + req.time_limit_s
     cluster, workers, opts = resolve(cluster, req)
-    model = CostModel(cluster, list(calibrations), aggregator_dedicated=req.dedicated_aggregator)
+    if req.precision not in WIRE_BYTES:
+        raise UserError(f"unknown precision {req.precision!r}; choose one of {', '.join(WIRE_BYTES)}")
+    model = CostModel(cluster, list(calibrations), aggregator_dedicated=req.dedicated_aggregator,
+                      wire_bytes=WIRE_BYTES[req.precision])
     costs = model_costs(profile).slowed(model.compute_slowdown)
     stages, notes = choose_stages(req.strategy, costs, model, workers, opts, req.stages, deadline, progress)
     if req.strategy == "optimal":
@@ -138,8 +151,8 @@ def partition(profile: Profile, cluster: Cluster, req: Request = Request(),
     ev = evaluate(costs, model, stages, opts)
     if not ev.fits:
         raise UserError(memory_message(stages, ev, opts, req.strategy))
-    return Outcome(build_plan(profile, costs, cluster, stages, ev, opts, req.strategy, model), ev, model, opts,
-                   notes)
+    plan = build_plan(profile, costs, cluster, stages, ev, opts, req.strategy, model, precision=req.precision)
+    return Outcome(plan, ev, model, opts, notes)
 
 
 def choose_stages(strategy: str, costs: ModelCosts, model: CostModel, workers: int, opts: Options,
@@ -192,11 +205,12 @@ def prefer_data_parallel(profile: Profile, costs: ModelCosts, model: CostModel, 
 
 
 def priced_tied(profile: Profile, stages: Sequence[StageSpec], model: CostModel) -> list[TiedGroup]:
-    """The tied groups of these stages, each priced as one all-reduce over its stages' ranks per step."""
+    """The tied groups of these stages, each priced as one float32 all-reduce over its stages' ranks per step."""
     out = []
     for group in tied_groups(profile, [(s.first, s.last) for s in stages]):
         ranks = sorted(r for i in group.stages for r in stages[i].ranks)
-        ms = model.allreduce_seconds("native", group.bytes, ranks) * 1e3
+        # the runtime sums tied weights in float32 whatever the precision: undo the wire's scaling
+        ms = model.allreduce_seconds("native", group.bytes / model.wire_bytes, ranks) * 1e3
         out.append(replace(group, predicted_ms=round(ms, 6)))
     return out
 
@@ -228,7 +242,8 @@ def divisible_micro_batches(stages: Sequence[StageSpec], opts: Options) -> tuple
 
 
 def build_plan(profile: Profile, costs: ModelCosts, cluster: Cluster, stages: Sequence[StageSpec],
-               ev: Evaluation, opts: Options, strategy: str, model: CostModel | None = None) -> Plan:
+               ev: Evaluation, opts: Options, strategy: str, model: CostModel | None = None,
+               precision: str = "fp32") -> Plan:
     """The Plan: stages with their predicted figures, the step time and throughput.
 
     Parameters read by several stages (tied weights) are summed across those stages' ranks once
@@ -250,7 +265,7 @@ def build_plan(profile: Profile, costs: ModelCosts, cluster: Cluster, stages: Se
                 micro_batches=opts.micro_batches, optimizer=opts.optimizer, stages=tuple(out),
                 predicted_step_ms=step_ms, predicted_samples_per_s=samples,
                 created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-                granularity=profile.granularity, tied=tuple(tied))
+                granularity=profile.granularity, tied=tuple(tied), precision=precision)
 
 
 def without_tied(layers: Sequence[LayerSync], tied: dict[str, int]) -> tuple[LayerSync, ...]:

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from hybridpipe.partitioner.costmodel import CostModel
-from hybridpipe.partitioner.plan import Plan
+from hybridpipe.partitioner.plan import WIRE_BYTES, Plan
 from hybridpipe.partitioner.schedule_registry import get_schedule
 from hybridpipe.pipeline.instructions import (
     Backward,
@@ -117,7 +117,7 @@ def simulate(plan: Plan, *, schedule: str | None = None, steps: int | None = Non
     schedule = schedule or plan.schedule
     topo = Topology(tuple(tuple(s.ranks) for s in plan.stages), micro_batches or plan.micro_batches)
     costs = stage_costs(plan)
-    model = cost_model or CostModel(plan.cluster)
+    model = cost_model or CostModel(plan.cluster, wire_bytes=WIRE_BYTES[plan.precision])
     return simulate_topology(topo, schedule, costs, steps=steps, link_ms=_link_ms(costs, topo, model))
 
 

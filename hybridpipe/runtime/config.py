@@ -169,12 +169,12 @@ def build_parser() -> Parser:
     g.add_argument("--eval-dataset", metavar="SPEC",
                    help="held-out data, as --dataset (default: synthetic samples of another seed; required "
                         "with a --dataset of your own)")
-    g.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
+    g.add_argument("--precision", choices=("fp32", "bf16", "fp16"),
                    help="bf16/fp16: compute under torch.autocast; activations and gradients between stages and "
                         "the replicas' all-reduce in 16 bits (half the bytes); weights and optimizer state stay "
                         "float32; fp16 "
                         "adds a dynamic loss scale whose overflowing steps every rank skips (gpipe, 1f1b; "
-                        "default fp32)")
+                        "default: the plan's precision, as `partition --precision` priced it)")
     g.add_argument("--skip-nonfinite", action="store_true",
                    help="a step whose loss is NaN or infinite is skipped (no rank updates its weights; counted in "
                         "the summary) instead of stopping the run")
@@ -259,7 +259,8 @@ def resolve(args: argparse.Namespace, world_size: int | None = None, planned: Pl
     plan = planned if planned is not None else load_plan(args.plan)
     check_plan_fits(plan, model=args.model, signature=None, batch_size=micro_batch_size, world_size=world_size)
     plan = dataclasses.replace(plan, micro_batches=args.micro_batches or plan.micro_batches,
-                               schedule=args.schedule or plan.schedule, optimizer=args.optimizer or plan.optimizer)
+                               schedule=args.schedule or plan.schedule, optimizer=args.optimizer or plan.optimizer,
+                               precision=args.precision or plan.precision)
     require_memory(plan.micro_batches * 6 * 400 * 2, f"the instruction lists of {plan.micro_batches} micro-batches",
                    "use fewer --micro-batches")
     check_schedulable(Topology.from_plan(plan), plan.schedule)
@@ -267,7 +268,7 @@ def resolve(args: argparse.Namespace, world_size: int | None = None, planned: Pl
     if args.skip_nonfinite and not flushes(plan):
         raise UserError(f"--skip-nonfinite needs a schedule that flushes every step (gpipe, 1f1b); "
                         f"{plan.schedule} updates weights per micro-batch, so a step cannot be skipped as a whole")
-    if args.precision == "fp16" and not flushes(plan):
+    if plan.precision == "fp16" and not flushes(plan):
         raise UserError(f"--precision fp16's loss scaler skips overflowing steps on every stage at once, and "
                         f"{plan.schedule} has no global step; use --precision bf16, or --schedule 1f1b or gpipe")
     if args.clip_grad_norm is not None and not flushes(plan):
@@ -294,7 +295,7 @@ def resolve(args: argparse.Namespace, world_size: int | None = None, planned: Pl
         verbose=args.verbose, skip_nonfinite=args.skip_nonfinite, lr_schedule=args.lr_schedule,
         warmup_steps=args.warmup_steps, clip_grad_norm=args.clip_grad_norm, eval_every=args.eval_every,
         eval_batches=args.eval_batches, eval_dataset=args.eval_dataset, shuffle=args.shuffle,
-        precision=args.precision, init_from=args.init_from, planned_s=planned_s)
+        precision=plan.precision, init_from=args.init_from, planned_s=planned_s)
 
 
 def check_plan_source(args: argparse.Namespace) -> None:

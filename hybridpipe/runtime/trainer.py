@@ -66,9 +66,10 @@ class Trainer:
     ``lr_scheduler``: ``optimizer -> torch.optim.lr_scheduler.*`` (stepped once per training step
     on every rank; see runtime/lr.py for launch's schedules). ``clip_grad_norm``: clip by the norm
     of the whole model's gradient (what ``torch.nn.utils.clip_grad_norm_`` on the unsplit model
-    does). ``precision="bf16"``: forwards under ``torch.autocast(bfloat16)`` and activations and
-    gradients sent between stages and all-reduced between replicas as bfloat16 (half the bytes);
-    weights, their gradients and the optimizer state stay float32. ``"fp16"`` likewise in float16,
+    does). ``precision`` (default: the plan's, as ``partition --precision`` priced it)
+    ``"bf16"``: forwards under ``torch.autocast(bfloat16)`` and activations and gradients sent
+    between stages and all-reduced between replicas as bfloat16 (half the bytes); weights, their
+    gradients and the optimizer state stay float32. ``"fp16"`` likewise in float16,
     with a dynamic loss scale (``loss_scale``: the initial one; runtime/scaler.py) whose overflow
     check all ranks agree on: an overflowing step is skipped everywhere. ``data``: a source of micro-batches
     by (step, micro-batch) for steps given no batch (launch's ``MicroBatches``). ``recorder``: a
@@ -81,9 +82,10 @@ class Trainer:
                  clip_grad_norm: float | None = None, seed: int = 0, data: Any = None, comm_mode: str = "sa",
                  allreduce: str | None = None, calibrations: Iterable[str] = (), aggregator: str | None = None,
                  skip_nonfinite: bool = False, backend: str | None = None, timeout: float = 300.0,
-                 precision: str = "fp32", loss_scale: float = 2.0**16, recorder: Any = None,
+                 precision: str | None = None, loss_scale: float = 2.0**16, recorder: Any = None,
                  nonfinite_hint: str = "") -> None:
         self.plan = plan if isinstance(plan, Plan) else load_plan(str(plan))
+        precision = precision or self.plan.precision          # what the plan was priced for, unless told
         if precision not in PRECISIONS:
             raise UserError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
         if clip_grad_norm is not None and (not clip_grad_norm > 0 or not math.isfinite(clip_grad_norm)):

@@ -214,3 +214,25 @@ def test_optimal_is_never_predicted_slower_than_data_parallelism(layers, embeddi
     best = partition(profile, cluster, Request(strategy="optimal")).plan.predicted_step_ms
     dp = partition(profile, cluster, Request(strategy="dp")).plan.predicted_step_ms
     assert best <= dp * (1 + 1e-9)
+
+
+def test_bf16_plans_price_transfers_and_all_reduces_at_half_the_bytes(tmp_path):
+    """partition --precision bf16: every per-byte cost halves (latencies stay); the plan records it
+    and the simulator prices the same way."""
+    from hybridpipe.pipeline.simulator import simulate
+
+    profile = make_profile([(1.0, 2.0, 1 << 22, 1 << 22)] * 4)
+    cluster = two_level(2, 2, outer_gbps=1.0)
+    stages = Request(strategy="uniform", stages=2, micro_batches=4)
+    fp32 = partition(profile, cluster, stages).plan
+    bf16 = partition(profile, cluster, dataclasses.replace(stages, precision="bf16")).plan
+    assert (fp32.precision, bf16.precision) == ("fp32", "bf16")
+    assert bf16.stages[0].send_bytes == fp32.stages[0].send_bytes          # profiled bytes, priced at half
+    assert 0.45 < bf16.stages[0].send_ms / fp32.stages[0].send_ms < 0.55
+    assert 0.45 < bf16.stages[0].sync_ms / fp32.stages[0].sync_ms < 0.55
+    assert bf16.predicted_step_ms < fp32.predicted_step_ms
+    save_plan(bf16, tmp_path / "p.json")
+    assert load_plan(tmp_path / "p.json").precision == "bf16"
+    assert simulate(bf16).step_ms < simulate(fp32).step_ms
+    with pytest.raises(UserError, match="unknown precision"):
+        partition(profile, cluster, dataclasses.replace(stages, precision="fp8"))

@@ -3,6 +3,8 @@ with the same LambdaLR, weight decay and clip_grad_norm_; pipedream refuses clip
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -81,3 +83,12 @@ def test_clipping_is_refused_for_pipedream(tmp_path):
                                       "--run-dir", str(tmp_path / "run")])
     with pytest.raises(UserError, match="--clip-grad-norm needs a global step"):
         resolve(args, 2)
+
+
+def test_launch_runs_the_plans_precision_unless_told_otherwise(tmp_path):
+    """A plan priced for bf16 (`partition --precision bf16`) runs in bf16; --precision overrides it."""
+    plan = dataclasses.replace(make_plan("mlp", [3], [1, 1], micro_batches=2, batch_size=4), precision="bf16")
+    save_plan(plan, tmp_path / "plan.json")
+    base = ["--plan", str(tmp_path / "plan.json"), "--run-dir", str(tmp_path / "run")]
+    assert resolve(build_parser().parse_args(base), 2).precision == "bf16"
+    assert resolve(build_parser().parse_args(base + ["--precision", "fp32"]), 2).precision == "fp32"
