@@ -47,6 +47,7 @@ from hybridpipe.errors import UserError
 from hybridpipe.partitioner.schedule_registry import get_schedule
 from hybridpipe.pipeline import evaluation
 from hybridpipe.pipeline.instructions import (
+    PHASES,
     Backward,
     BackwardInput,
     BackwardWeight,
@@ -107,12 +108,6 @@ class StepResult:
     @property
     def mean_loss(self) -> float | None:
         return float(torch.stack(list(self.losses.values())).mean()) if self.losses else None
-
-
-_PHASES = {LoadInput: "receive_for", RecvActivations: "receive_for", Forward: "run_for", LoadTarget: "run_for",
-           Loss: "run_for", SendActivations: "send_for", RecvGradients: "receive_back", Backward: "run_back",
-           BackwardInput: "run_back", BackwardWeight: "run_back", SendGradients: "send_back", SyncWait: "sync",
-           Step: "step"}
 
 
 class PipelineEngine:
@@ -189,7 +184,7 @@ class PipelineEngine:
             else:
                 g = -1                      # SyncWait and Step are about the step
                 self._execute_step_level(ins, result)
-            phase = _PHASES.get(type(ins))
+            phase = PHASES.get(type(ins))
             if recorder is not None and phase is not None:
                 recorder.record(phase, g, t0, self.clock())
         result.peak_memory_bytes = self.meter.end_step()
@@ -255,21 +250,23 @@ class PipelineEngine:
             g = base + m
             ins = RecvGradients(m, peer) if kind == "grad" else RecvActivations(m, peer)
             held = self._out_grads if kind == "grad" else self._inputs
-            held[g] = self._transport().recv(peer, message_key(ins, g, M))
+            held[g] = self.channel().recv(peer, message_key(ins, g, M))
         self._settled = self._last_step
 
-    def _autocast(self) -> contextlib.AbstractContextManager:
+    def compute_context(self) -> contextlib.AbstractContextManager:
+        """Where forwards and losses run: ``torch.autocast`` to the mixed-precision dtype, if any."""
         if self.autocast is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast)
 
-    def _wire(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def on_wire(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``tensors`` as they travel: floating-point ones in ``wire_dtype`` (when set)."""
         if self.wire_dtype is None:
             return tensors
         return {k: t.detach().to(self.wire_dtype) if t.is_floating_point() else t for k, t in tensors.items()}
 
-    def _transport(self) -> Transport:
+    def channel(self) -> Transport:
+        """The transport; an error naming the rank when the engine was built without one."""
         if self.transport is None:
             raise RuntimeError(f"rank {self.rank} sends or receives, but its engine was given no transport")
         return self.transport
@@ -284,25 +281,25 @@ class PipelineEngine:
             self._inputs[g] = {k: v.to(self.device, non_blocking=True) for k, v in named.items()}
         elif isinstance(ins, RecvActivations):
             if g not in self._inputs:       # else received early, at a checkpoint
-                self._inputs[g] = self._transport().recv(ins.peer, message_key(ins, g, M))
+                self._inputs[g] = self.channel().recv(ins.peer, message_key(ins, g, M))
         elif isinstance(ins, Forward):
             params = self.stash.forward_params(g, g in frozen) if self.stash else None
-            with self.meter.forward(), self._autocast():
+            with self.meter.forward(), self.compute_context():
                 self._acts[g] = stage.forward(self._inputs.pop(g), params=params)
         elif isinstance(ins, SendActivations):
-            self._transport().send(ins.peer, message_key(ins, g, M), self._wire(self._acts[g].outputs))
+            self.channel().send(ins.peer, message_key(ins, g, M), self.on_wire(self._acts[g].outputs))
         elif isinstance(ins, LoadTarget):
             target = self.data.target(g // M, g % M)
             self._targets[g] = target.to(self.device, non_blocking=True) if target is not None else None
         elif isinstance(ins, Loss):
             act = self._acts[g]
-            with self._autocast():
+            with self.compute_context():
                 act.loss = stage.loss(act.output, self._targets.pop(g))
             if g // M == result.step:
                 result.losses[g % M] = act.loss.detach()
         elif isinstance(ins, RecvGradients):
             if g not in self._out_grads:    # else received early, at a checkpoint
-                self._out_grads[g] = self._transport().recv(ins.peer, message_key(ins, g, M))
+                self._out_grads[g] = self.channel().recv(ins.peer, message_key(ins, g, M))
         elif isinstance(ins, SyncStart):
             self._sync_next = g
         elif isinstance(ins, Backward):
@@ -325,7 +322,7 @@ class PipelineEngine:
             with self._sync_if(g):
                 stage.backward_weight(work)
         elif isinstance(ins, SendGradients):
-            self._transport().send(ins.peer, message_key(ins, g, M), self._wire(self._in_grads.pop(g)))
+            self.channel().send(ins.peer, message_key(ins, g, M), self.on_wire(self._in_grads.pop(g)))
         else:
             raise TypeError(f"unknown instruction {ins!r}")
 

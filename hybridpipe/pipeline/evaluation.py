@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hybridpipe.pipeline.instructions import (
+    PHASES,
     Forward,
     LoadInput,
     LoadTarget,
@@ -25,9 +26,6 @@ from hybridpipe.pipeline.stage import Activation
 
 if TYPE_CHECKING:
     from hybridpipe.pipeline.engine import DataSource, PipelineEngine
-
-_PHASES = {LoadInput: "receive_for", RecvActivations: "receive_for", Forward: "run_for", LoadTarget: "run_for",
-           Loss: "run_for", SendActivations: "send_for"}
 
 
 def run_eval(engine: PipelineEngine, data: DataSource, *, recorder=None) -> dict[int, torch.Tensor]:
@@ -52,21 +50,21 @@ def run_eval(engine: PipelineEngine, data: DataSource, *, recorder=None) -> dict
             named = stage.data_inputs(data.input(0, m))
             inputs[m] = {k: v.to(engine.device, non_blocking=True) for k, v in named.items()}
         elif isinstance(ins, RecvActivations):
-            inputs[m] = engine._transport().recv(ins.peer, message_key(ins, m, M))
+            inputs[m] = engine.channel().recv(ins.peer, message_key(ins, m, M))
         elif isinstance(ins, Forward):
-            with engine._autocast():
+            with engine.compute_context():
                 acts[m] = stage.forward_eval(inputs.pop(m))
         elif isinstance(ins, SendActivations):
-            engine._transport().send(ins.peer, message_key(ins, m, M), engine._wire(acts.pop(m).outputs))
+            engine.channel().send(ins.peer, message_key(ins, m, M), engine.on_wire(acts.pop(m).outputs))
         elif isinstance(ins, LoadTarget):
             target = data.target(0, m)
             targets[m] = target.to(engine.device, non_blocking=True) if target is not None else None
         elif isinstance(ins, Loss):
-            with torch.no_grad(), engine._autocast():
+            with torch.no_grad(), engine.compute_context():
                 losses[m] = stage.loss(acts.pop(m).output, targets.pop(m)).detach()
         else:
             raise TypeError(f"{ins!r} has no place in an evaluation step")
-        phase = _PHASES.get(type(ins))
+        phase = PHASES.get(type(ins))
         if recorder is not None and phase is not None:
             recorder.record(phase, m, t0, engine.clock())
     return losses

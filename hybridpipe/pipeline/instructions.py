@@ -142,3 +142,11 @@ def short(instr: Instruction) -> str:
         return f"step(x{instr.grad_scale:.3g})"
     text = f"{names[type(instr)]}{'' if m is None else m}"
     return f"{text}@{peer}" if peer is not None else text
+
+
+# the timeline phase each instruction's time counts to (runtime/timeline.py's PHASES); SyncStart has none
+PHASES: dict[type, str] = {
+    LoadInput: "receive_for", RecvActivations: "receive_for", Forward: "run_for", LoadTarget: "run_for",
+    Loss: "run_for", SendActivations: "send_for", RecvGradients: "receive_back", Backward: "run_back",
+    BackwardInput: "run_back", BackwardWeight: "run_back", SendGradients: "send_back", SyncWait: "sync",
+    Step: "step"}
