@@ -22,7 +22,8 @@ import torch
 from hybridpipe.argtypes import nonneg_int, output_file
 from hybridpipe.commands.show import human_bytes
 from hybridpipe.errors import UserError
-from hybridpipe.runtime.checkpoint_files import atomic_save, merge_optimizer, merge_stages, resolve_step
+from hybridpipe.runtime.checkpoint_files import atomic_save, resolve_step
+from hybridpipe.runtime.merged import merge_optimizer, merge_stages
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

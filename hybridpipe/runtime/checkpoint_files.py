@@ -1,4 +1,4 @@
-"""Checkpoint files on disk: layout, atomic writes, the manifest, completeness, pruning, merging.
+"""Checkpoint files on disk: layout, atomic writes, the manifest, completeness, pruning (merging: merged.py).
 
 Layout of a checkpoint directory (``--checkpoint-dir DIR``)::
 
@@ -45,7 +45,6 @@ import torch
 
 from hybridpipe.errors import UserError
 from hybridpipe.jsonfile import field, parse_json, replace_into
-from hybridpipe.pipeline.tied import complete_tied
 
 CHECKPOINT_KIND = "checkpoint"
 CHECKPOINT_FORMAT = 2          # 2: name-keyed optimizer state, tied parameters once, an "index"
@@ -355,69 +354,3 @@ def resolve_step(path: str | os.PathLike, step: int | None = None) -> tuple[Path
         raise UserError(f"{p} has no complete checkpoint for step {step}; complete steps: "
                         f"{', '.join(map(str, steps))}")
     return p, step
-
-
-def merge_stages(root: str | os.PathLike, step: int) -> tuple[dict[str, torch.Tensor], dict]:
-    """One state_dict of the whole model from every stage file of ``step`` (and the manifest).
-
-    Keys must be disjoint across stages unless they hold equal tensors (a weight shared by two
-    stages); anything else is an error naming the key. A tied parameter (the manifest's ``tied``
-    names) appears under every one of its names, as in the unsplit model's ``state_dict``, once
-    its stages' copies are checked to be bit-identical.
-    """
-    manifest = read_manifest(step_dir(root, step))
-    merged: dict[str, torch.Tensor] = {}
-    owner: dict[str, int] = {}
-    for k in range(manifest["n_stages"]):
-        state = load_file(root, step, stage_file(k)).get("model")
-        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-            raise UserError(f"{step_dir(root, step) / stage_file(k)} holds no state_dict of tensors under \"model\"")
-        for key, value in state.items():
-            if key in merged and not torch.equal(merged[key], value):
-                raise UserError(f"stages {owner[key]} and {k} both hold {key!r} with different values; "
-                                "this checkpoint cannot be merged into one state_dict")
-            merged.setdefault(key, value)
-            owner.setdefault(key, k)
-    return complete_tied(merged, manifest.get("tied", [])), manifest
-
-
-def merge_optimizer(root: str | os.PathLike, step: int) -> dict:
-    """The whole model's optimizer state of ``step``, keyed by parameter names (the union of the
-    stages' name-keyed states; see runtime/reshard.py)."""
-    manifest = read_manifest(step_dir(root, step))
-    out: dict[str, Any] = {"state": {}, "param_groups": []}
-    for k in range(manifest["n_stages"]):
-        part = load_file(root, step, stage_file(k)).get("optimizer")
-        if not isinstance(part, dict):
-            raise UserError(f"{step_dir(root, step) / stage_file(k)} holds no optimizer state")
-        out["state"].update(part.get("state", {}))
-        out["param_groups"].extend(part.get("param_groups", []))
-    return out
-
-
-def load_initial(path: str | os.PathLike, module: torch.nn.Module) -> dict | None:
-    """``launch --init-from``: load a state_dict (``torch.save(model.state_dict())``) or a merged
-    checkpoint (``{"model": ..., "optimizer": ...}`` from ``merge-checkpoint --with-optimizer``)
-    into ``module`` (strictly, as data only); returns the name-keyed optimizer state, if any."""
-    data = load_data(Path(path))
-    state, optimizer = (data.get("model"), data.get("optimizer")) if "model" in data else (data, None)
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise UserError(f"--init-from {path} holds no state_dict of tensors (expected torch.save(model.state_dict()) "
-                        "or the output of `hybridpipe merge-checkpoint`)")
-    if optimizer is not None and not isinstance(optimizer, dict):
-        raise UserError(f"--init-from {path}: its \"optimizer\" entry is not an optimizer state")
-    aliases: dict[int, list[str]] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        aliases.setdefault(id(p), []).append(name)
-    state = complete_tied(state, [v for v in aliases.values() if len(v) > 1])
-    expected = module.state_dict()
-    missing = [k for k in expected if k not in state]
-    unexpected = [k for k in state if k not in expected]
-    shapes = [k for k in expected if k in state and tuple(state[k].shape) != tuple(expected[k].shape)]
-    if missing or unexpected or shapes:
-        what = (f"missing {missing[0]!r}" if missing else f"unexpected {unexpected[0]!r}" if unexpected
-                else f"{shapes[0]!r} has shape {tuple(state[shapes[0]].shape)}, not {tuple(expected[shapes[0]].shape)}")
-        raise UserError(f"--init-from {path} does not fit the model ({what}; {len(missing)} missing, "
-                        f"{len(unexpected)} unexpected, {len(shapes)} of another shape): it holds another model")
-    module.load_state_dict(state, strict=True)
-    return optimizer

@@ -27,11 +27,11 @@ from hybridpipe.jsonfile import write_json
 from hybridpipe.partitioner.plan import save_plan
 from hybridpipe.pipeline import MicroBatches
 from hybridpipe.profiles.capture import tied_parameters
-from hybridpipe.runtime.checkpoint_files import load_initial
 from hybridpipe.runtime.config import RunConfig
 from hybridpipe.runtime.failure import EXIT_PEER_LOST, FailureGuard, default_store, describe_ranks
 from hybridpipe.runtime.groups import Process, init_distributed
 from hybridpipe.runtime.lr import lr_schedule
+from hybridpipe.runtime.merged import load_initial
 from hybridpipe.runtime.metrics import MetricsWriter, Progress, step_record
 from hybridpipe.runtime.parts import Model, load_model, make_data, make_eval_data, weights_digest
 from hybridpipe.runtime.reshard import canonical_names, indexed_optimizer_state, optimizer_names

@@ -24,7 +24,7 @@ from hybridpipe.partitioner.plan import Plan
 from hybridpipe.pipeline.data import MicroBatches
 from hybridpipe.profiles.data import resolve_dataset
 from hybridpipe.profiles.zoo import resolve_model
-from hybridpipe.runtime.checkpoint_files import merge_stages
+from hybridpipe.runtime.merged import merge_stages
 from tests.pipeline.harness import model_loss
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -33,12 +33,12 @@ from hybridpipe.runtime.checkpoint_files import (
     is_complete,
     latest_complete,
     load_file,
-    merge_stages,
     prune,
     stage_file,
     staging_dir,
     step_dir,
 )
+from hybridpipe.runtime.merged import merge_stages
 
 HERE = Path(__file__).resolve()
 MODEL = "mlp[layers=2]"       # Sequential: 0 Linear, 1 ReLU, 2 Linear, 3 ReLU, 4 Linear

@@ -13,7 +13,8 @@ import torch
 from hybridpipe.cli import main
 from hybridpipe.partitioner.plan import save_plan
 from hybridpipe.profiles.zoo import resolve_model
-from hybridpipe.runtime.checkpoint_files import MANIFEST, merge_stages, sha256_of, stage_file, step_dir
+from hybridpipe.runtime.checkpoint_files import MANIFEST, sha256_of, stage_file, step_dir
+from hybridpipe.runtime.merged import merge_stages
 from tests.pipeline.harness import make_plan
 from tests.pipeline.hf_models import BY_NAME, GPT2_PADDED, RAGGED, Case
 from tests.runtime.jobs import launch, max_diff, train_reference
