@@ -248,7 +248,8 @@ class PipelineEngine:
         base = (self._last_step + 1) * M
         for peer, kind, m in in_transit(self.topo, self.schedule, self.phase - 1)[self.rank]:
             g = base + m
-            ins = RecvGradients(m, peer) if kind == "grad" else RecvActivations(m, peer)
+            s = self.stage.index
+            ins = RecvGradients(m, peer, s) if kind == "grad" else RecvActivations(m, peer, s)
             held = self._out_grads if kind == "grad" else self._inputs
             held[g] = self.channel().recv(peer, message_key(ins, g, M))
         self._settled = self._last_step
