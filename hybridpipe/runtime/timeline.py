@@ -66,7 +66,7 @@ class _Step:
     step: int | None                      # None: events recorded before the first begin_step
     t_begin: float | None = None
     t_end: float | None = None
-    phases: list[tuple[str, int, float, float]] = field(default_factory=list)
+    phases: list[tuple[str, int, float, float, int | None]] = field(default_factory=list)
     transfers: list[tuple[int, str, int, float, float]] = field(default_factory=list)
     cache: tuple[float, str] | None = None    # (time origin, events as JSON) once serialised
 
@@ -126,12 +126,13 @@ class TimelineRecorder:
         if due:
             self.flush()
 
-    def record(self, phase: str, micro_batch: int, t0: float, t1: float) -> None:
-        """One phase of one micro-batch (the pipeline engine's recorder interface)."""
+    def record(self, phase: str, micro_batch: int, t0: float, t1: float, stage: int | None = None) -> None:
+        """One phase of one micro-batch (the pipeline engine's recorder interface); ``stage``: the
+        model chunk it ran on (a rank with virtual stages holds several; None: about the rank)."""
         if phase not in PHASES:
             raise ValueError(f"unknown timeline phase {phase!r}; phases are {', '.join(PHASES)}")
         with self._lock:
-            self._current.phases.append((phase, int(micro_batch), t0, t1))
+            self._current.phases.append((phase, int(micro_batch), t0, t1, stage))
             self._current.cache = None
 
     def on_transfer(self, peer: int, key: str, nbytes: int, t0: float, t1: float) -> None:
@@ -189,8 +190,9 @@ class TimelineRecorder:
             return round((t - anchor) * 1e6, 3)
 
         out = [{"ph": "X", "name": ph, "cat": "phase", "pid": pid, "tid": TID_PHASES, "ts": us(t0),
-                "dur": round(max(t1 - t0, 0.0) * 1e6, 3), "args": {"step": s.step, "micro_batch": mb}}
-               for ph, mb, t0, t1 in s.phases]
+                "dur": round(max(t1 - t0, 0.0) * 1e6, 3),
+                "args": {"step": s.step, "micro_batch": mb, **({} if st is None else {"stage": st})}}
+               for ph, mb, t0, t1, st in s.phases]
         out += [{"ph": "X", "name": key, "cat": "transfer", "pid": pid, "tid": TID_TRANSFERS, "ts": us(t0),
                  "dur": round(max(t1 - t0, 0.0) * 1e6, 3), "args": {"step": s.step, "peer": peer, "bytes": n}}
                 for peer, key, n, t0, t1 in s.transfers]
