@@ -81,11 +81,13 @@ class TimelineRecorder:
 
     def __init__(self, directory: str | os.PathLike, *, rank: int, stage: int, replica: int = 0,
                  world_size: int = 1, keep_steps: int = 200, flush_every: int = 50,
-                 clock: Callable[[], float] = time.perf_counter, label: str = "") -> None:
+                 clock: Callable[[], float] = time.perf_counter, label: str = "",
+                 stages: Iterable[int] = ()) -> None:
         if keep_steps < 1:
             raise ValueError(f"keep_steps must be >= 1, got {keep_steps}")
         self.path = trace_path(directory, rank)
         self.rank, self.stage, self.replica, self.world_size = rank, stage, replica, world_size
+        self.stages = list(stages) or [stage]        # a rank's model chunks (virtual stages), in model order
         self.keep_steps, self.flush_every, self.clock, self.label = keep_steps, flush_every, clock, label
         self._lock = threading.Lock()
         self._setup = _Step(None)
@@ -147,13 +149,14 @@ class TimelineRecorder:
         return json.loads(f"[{self._events_json()}]")
 
     def describe(self) -> str:
-        text = f"rank {self.rank}: stage {self.stage} replica {self.replica}"
+        text = f"rank {self.rank}: stage {','.join(map(str, self.stages))} replica {self.replica}"
         return f"{text} ({self.label})" if self.label else text
 
     def metadata(self) -> dict:
         with self._lock:
             kept = [s.step for s in self._steps if s.step is not None]
             return {"kind": TRACE_KIND, "format": TRACE_FORMAT, "rank": self.rank, "stage": self.stage,
+                    "stages": self.stages,
                     "replica": self.replica, "world_size": self.world_size, "clock": self._aligned_by,
                     "anchor_wall_s": self._anchor_wall, "keep_steps": self.keep_steps,
                     "steps_dropped": self._dropped, "first_step": min(kept, default=None),
@@ -248,6 +251,7 @@ def load_rank_trace(path: str | os.PathLike) -> RankTrace:
     where = f"{p}: otherData.hybridpipe"
     json_field(meta, "rank", int, where, minimum=0)
     json_field(meta, "stage", int, where, minimum=0)
+    json_field(meta, "stages", list, where, default=[])
     json_field(meta, "replica", int, where, minimum=0)
     json_field(meta, "world_size", int, where, minimum=1, default=1)
     json_field(meta, "anchor_wall_s", float, where)

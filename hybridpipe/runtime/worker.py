@@ -105,8 +105,8 @@ def _train(cfg: RunConfig, proc: Process, model: Model, closers: list, print_fn,
     recorder = None
     if traces is not None:
         recorder = TimelineRecorder(traces, rank=rank, stage=stage_plan.index, replica=replica,
-                                    world_size=proc.world_size, label=f"{plan.model} {cfg.schedule}" + (
-                                        f" chunks {[s.index for s in stage_plans]}" if len(stage_plans) > 1 else ""))
+                                    world_size=proc.world_size, label=f"{plan.model} {cfg.schedule}",
+                                    stages=[s.index for s in stage_plans])
         closers.append(recorder.close)
     hint = f"the newest checkpoint in {cfg.checkpoint_dir} is the last good one" if cfg.checkpoint_dir else ""
     trainer = Trainer(model, plan, optimizer=cfg.optimizer, lr=cfg.lr, momentum=cfg.momentum,
