@@ -15,6 +15,7 @@ import torch
 from hybridpipe.errors import UserError
 from hybridpipe.pipeline.chunks import rank_module
 from hybridpipe.pipeline.engine import PipelineEngine
+from hybridpipe.pipeline.inprocess import InProcessNetwork, run_ranks
 from hybridpipe.pipeline.instructions import (
     Backward,
     Forward,
@@ -35,8 +36,11 @@ from hybridpipe.pipeline.stage import build_stages
 from hybridpipe.profiles.zoo import resolve_model
 from tests.pipeline.harness import (
     capture,
+    data_for,
+    make_optimizer,
     make_plan,
     max_diff,
+    model_loss,
     train_pipeline,
     train_reference,
 )
@@ -186,3 +190,30 @@ def test_engine_refuses_the_wrong_chunks_and_pipedream():
                        data=None)
     with pytest.raises(UserError):
         PipelineEngine(stages, Topology.from_plan(plan), 0, "pipedream", transport=None, optimizer=opt, data=None)
+
+
+@pytest.mark.parametrize("case,schedule", [("mlp", "zbv"), ("gpt2-tied", "interleaved-1f1b")])
+def test_evaluation_on_chunks_equals_the_unsplit_model(case, schedule):
+    """run_eval on a rank with several chunks: each micro-batch's loss as the unsplit model gives it."""
+    plan = virtual_plan(case, schedule, replicas=(1, 2))
+    spec = resolve_model(plan.model)
+    topo = Topology.from_plan(plan)
+    network = InProcessNetwork(timeout=30)
+    data = data_for(plan, 1)
+
+    def rank_fn(rank):
+        stages = build_stages(capture(spec, plan.batch_size, granularity=plan.granularity), plan, rank, loss=spec.loss)
+        module = rank_module([st.module for st in stages])
+        engine = PipelineEngine(stages, topo, rank, schedule, transport=network.transport(rank),
+                                optimizer=make_optimizer(module.parameters(), 0.1), data=data)
+        return lambda: engine.run_eval(data)
+
+    results = run_ranks({r: rank_fn(r) for r in range(plan.world_size)}, network)
+    assert not network.pending()
+    losses = {m: float(v) for res in results.values() for m, v in res.items()}
+    torch.manual_seed(0)
+    model = spec.build().eval()
+    with torch.no_grad():
+        expected = {m: float(model_loss(spec, model, *data.batch(0, m))) for m in range(plan.micro_batches)}
+    assert losses.keys() == expected.keys()
+    assert max(abs(losses[m] - expected[m]) for m in expected) <= 1e-5
