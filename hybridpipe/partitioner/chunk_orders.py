@@ -30,7 +30,7 @@ gradients of a split backward.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 ChunkOp = tuple[str, int, int]      # ("F" | "B" | "W", micro-batch, local chunk 0..V-1)
@@ -63,6 +63,24 @@ class Place:
     def depth(self) -> int:
         """This group's and later groups' workers in units of its replicas (p-g without replicas)."""
         return math.ceil(sum(self.replicas[self.group:]) / self.replicas[self.group])
+
+
+def replicated(ops: Callable[[Sequence[int], Place, int], Iterator[ChunkOp]],
+               mine: Sequence[int], place: Place, virtual: int) -> Iterator[ChunkOp]:
+    """``ops``' order for a replica when groups may have several replicas.
+
+    Equal replica counts: replica j of every group takes the same micro-batches (m % r == j), so
+    the replicas of index j form a pipeline of their own, and ``ops`` orders it as given.
+    Unequal counts: the order the group's rank has in the pipeline with ONE replica per group and
+    all M micro-batches, restricted to this replica's micro-batches. That is deadlock-free
+    whenever the one-replica pipeline is: a run of it orders all ops of all ranks in one sequence
+    that respects every dependency, and each replica's list is a subsequence of it."""
+    if len(set(place.replicas)) == 1:
+        yield from ops(mine, place, virtual)
+        return
+    alone = Place(place.group, (1,) * len(place.replicas), place.micro_batches)
+    own = set(mine)
+    yield from (op for op in ops(range(place.micro_batches), alone, virtual) if op[1] in own)
 
 
 def rounds(micro_batches: int, workers: int) -> list[range]:

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from hybridpipe.errors import UserError
-from hybridpipe.partitioner.chunk_orders import ChunkOp, Place, interleaved_ops, zbv_ops
+from hybridpipe.partitioner.chunk_orders import ChunkOp, Place, interleaved_ops, replicated, zbv_ops
 
 Op = tuple[str, int]      # ("F" | "B" | "W", micro-batch)
 
@@ -164,10 +164,10 @@ REGISTRY: dict[str, Schedule] = {s.name: s for s in (
              "drain's bubbles; 1F1B memory, flush", zb_h1_ops, split_backward=True, drain_backward_share=0.0),
     Schedule("interleaved-1f1b", "Megatron's interleaved 1F1B: V model chunks per rank (--virtual-stages V), "
              "the fill and drain shrink by V; flush", None, layout="looped",
-             chunk_ops=lambda mine, place, virtual: interleaved_ops(mine, place, virtual)),
+             chunk_ops=lambda mine, place, virtual: replicated(interleaved_ops, mine, place, virtual)),
     Schedule("zbv", "zero-bubble V: two chunks per rank in a V, backward split in B and W; flush", None,
              split_backward=True, drain_backward_share=0.0, layout="v",
-             chunk_ops=lambda mine, place, virtual: zbv_ops(mine, place)),
+             chunk_ops=lambda mine, place, virtual: replicated(lambda m, pl, v: zbv_ops(m, pl), mine, place, virtual)),
 )}
 
 
