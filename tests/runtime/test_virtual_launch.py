@@ -57,3 +57,11 @@ def test_interleaved_resume_from_mid_run_checkpoint(tmp_path):
     done = launch([*args, "--resume", "--run-dir", str(tmp_path / "b")], 3, timeout=180)
     assert all(d.returncode == 0 for d in done), done
     assert max_diff(final_weights(ckpt, 6), straight) <= 1e-6
+    # the chunks' stage files reshard into a plan without virtual stages: one more step of 1f1b
+    other = make_plan("mlp", [3], [1, 1], schedule="1f1b", micro_batches=4, batch_size=4)
+    save_plan(other, tmp_path / "other.json")
+    args[1] = str(tmp_path / "other.json")
+    args[3] = "7"
+    done = launch([*args, "--resume", "--run-dir", str(tmp_path / "c")], 2, timeout=180)
+    assert all(d.returncode == 0 for d in done), done
+    assert max_diff(final_weights(ckpt, 7), train_reference(plan, 7, lr=0.05, momentum=0.5, seed=0)) <= 1e-5
