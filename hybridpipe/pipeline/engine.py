@@ -16,8 +16,9 @@ memory meter.
 Interfaces (duck-typed, see the project's contracts):
 
 * ``transport``: ``send(peer, key, tensors)`` (posts), ``recv(peer, key) -> tensors`` (blocks);
-  keys are ``act/<m>`` and ``grad/<m>`` (m = the micro-batch's index in its step; see
-  ``schedules.transfer_program`` for the ``sra`` mode's orders).
+  keys are ``act/<s>/<m>`` and ``grad/<s>/<m>`` (``instructions.message_key``: s the producing
+  stage, m the micro-batch's index in its step; see ``schedules.transfer_program`` for the ``sra``
+  mode's orders). A message from one chunk of this rank to another never reaches the transport.
 * ``sync``: ``no_sync()`` (context: backward inside it starts no all-reduce) and ``finish()``
   (wait for the started all-reduces). Gradients must be *summed* across replicas
   (``HybridDataParallel(..., reduce="sum")``): the schedule's Step applies 1/M (or 1/r).
