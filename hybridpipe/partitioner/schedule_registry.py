@@ -104,6 +104,21 @@ class Schedule:
             return depth
         return min(k, depth_all if self.split_backward else depth)
 
+    def chunk_inflight(self, place: Place, virtual: int) -> tuple[int, ...]:
+        """Per local chunk (0..V-1), the most micro-batches whose activations a replica of the
+        group at ``place`` holds at once (forwarded, weight gradients not yet computed), counted
+        on the schedule's own op order for its busiest replica (replica 0: ceil(M / r) of them).
+        Megatron's interleaved order holds more on earlier chunks: its first rank runs
+        (V-1) q + 2 (p-1) + 1 forwards (q micro-batches per round) before its first backward."""
+        assert self.chunk_ops is not None
+        r = place.replicas[place.group]
+        held, most = [0] * virtual, [0] * virtual
+        done = "W" if self.split_backward else "B"
+        for op, _, v in self.chunk_ops(range(0, place.micro_batches, r), place, virtual):
+            held[v] += 1 if op == "F" else -1 if op == done else 0
+            most[v] = max(most[v], held[v])
+        return tuple(most)
+
     def weight_versions(self, inflight: int) -> int:
         """Extra copies of the weights kept (weight stashing): one per in-flight micro-batch beyond the live one."""
         return inflight - 1 if self.asynchronous else 0

@@ -353,12 +353,14 @@ def _receive(msg: Message, peer: int) -> Instruction:
 # ---- what the transport needs to know ahead of time -----------------------------------------
 def channel_edges(topo: Topology) -> list[tuple[int, int]]:
     """Every pair of ranks that exchange messages (for ``pair_groups`` / ``open_channels``):
-    each replica of a stage with each replica of the next stage that shares a micro-batch."""
+    each replica of a stage with each replica of the next stage that shares a micro-batch. Two
+    consecutive stages on one rank (zbv's stages p-1 and p) hand over in the rank itself: their
+    SendActivations / RecvActivations name the rank as its own peer and need no channel."""
     edges = set()
     for s in range(topo.n_stages - 1):
         for m in range(topo.micro_batches):
             edges.add((topo.rank_for(s, m), topo.rank_for(s + 1, m)))
-    return sorted(edges)
+    return sorted((a, b) for a, b in edges if a != b)
 
 
 def transfer_program(topo: Topology, rank: int, schedule: str) -> list[tuple[str, int, str]] | None:
@@ -370,7 +372,7 @@ def transfer_program(topo: Topology, rank: int, schedule: str) -> list[tuple[str
         return None
     out = []
     for ins in rank_program(topo, rank, schedule):
-        if isinstance(ins, SENDS + RECEIVES):
+        if isinstance(ins, SENDS + RECEIVES) and ins.peer != rank:       # to itself: no channel (channel_edges)
             op = "send" if isinstance(ins, SENDS) else "recv"
             out.append((op, ins.peer, message_key(ins, ins.micro_batch, topo.micro_batches)))
     return out

@@ -11,6 +11,7 @@ Discrete-event model, per rank, in instruction order:
   message at a time, in posting order, for the stage's ``send_ms`` (activations, and gradients
   back over the same cut), or, when only ``send_bytes`` is known, the cost model's transfer time
   at the level of the link between the two ranks. A receive waits for the message's arrival.
+  A message to the rank itself (zbv's stages p-1 and p share a rank) takes no time.
 * A synced Backward makes the stage's layer gradients ready one after another across the
   backward (last layer first, evenly spaced); each layer's all-reduce starts when every replica
   has it ready and the replica group's previous all-reduce is done, and lasts the layer's
@@ -232,7 +233,7 @@ class _Sim:
             kind = "act" if isinstance(ins, SendActivations) else "grad"
             cut = stage if kind == "act" else stage - 1         # the producing stage: the cut after it
             start = max(now, self.link_free.get((r, ins.peer), 0.0))
-            end = start + self.link_ms(cut, r, ins.peer)
+            end = start + (self.link_ms(cut, r, ins.peer) if ins.peer != r else 0.0)     # to itself: a hand-over
             self.link_free[(r, ins.peer)] = end
             self.arrivals[(r, ins.peer, kind, cut, g)] = end
             if end > start:

@@ -60,6 +60,8 @@ class _Chunk:
     sync_pending: int | None = None
     synced: int = 0
     waited: int = 0
+    in_flight: int = 0
+    max_in_flight: int = 0
 
 
 @dataclass
@@ -81,6 +83,7 @@ class Report:
     """What a valid run of the lists did, per rank."""
 
     max_in_flight: dict[int, int]       # most micro-batches forwarded but not yet backwarded at once
+    max_in_flight_stage: dict[tuple[int, int], int]     # the same per (rank, stage): one model chunk's
     forwards: dict[int, list[int]]      # global micro-batch ids, in order
     backwards: dict[int, list[int]]
     steps: dict[int, list[float]]       # grad_scale of every optimizer step, in order
@@ -125,6 +128,7 @@ def validate(topo: Topology, steps: Sequence[Mapping[int, Sequence[Instruction]]
         if len(counts) > 1:
             raise ScheduleError(f"replicas of stage {s} disagree on (syncs, optimizer steps): {sorted(counts)}")
     return Report({r: st.max_in_flight for r, st in ranks.items()},
+                  {(r, s): c.max_in_flight for r, st in ranks.items() for s, c in st.chunks.items()},
                   {r: st.forward_order for r, st in ranks.items()},
                   {r: st.backward_order for r, st in ranks.items()},
                   {r: st.steps for r, st in ranks.items()})
@@ -210,6 +214,8 @@ def _execute(topo: Topology, ranks: dict[int, _Rank], queues: _Queues, st: _Rank
         st.forward_order.append(g)
         st.in_flight += 1
         st.max_in_flight = max(st.max_in_flight, st.in_flight)
+        c.in_flight += 1
+        c.max_in_flight = max(c.max_in_flight, c.in_flight)
     elif isinstance(ins, SendActivations):
         if last or g not in c.forwarded or ins.peer != topo.rank_for(s + 1, m):
             raise _fail(st, ins, "send activations after the forward, to the next stage's replica")
@@ -263,6 +269,7 @@ def _weights_done(st: _Rank, c: _Chunk, ins: Instruction, g: int) -> None:
     c.backwarded.add(g)
     st.backward_order.append(g)
     st.in_flight -= 1
+    c.in_flight -= 1
 
 
 def _execute_step_level(topo: Topology, ranks: dict[int, _Rank], st: _Rank, ins: Instruction) -> bool:
