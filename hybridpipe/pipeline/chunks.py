@@ -15,9 +15,6 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from hybridpipe.errors import UserError
-from hybridpipe.partitioner.plan import Plan
-
 
 def rank_module(modules: Sequence[nn.Module]) -> nn.Module:
     """One module over the chunks' ``modules``: their parameters and buffers under their own
@@ -55,19 +52,3 @@ def _put(root: nn.Module, name: str, tensor, persistent: bool | None) -> None:
     else:
         owner.register_buffer(leaf, tensor, persistent=persistent)
 
-
-def check_rank_memory(plan: Plan) -> None:
-    """Refuse (one line) a plan with virtual stages whose rank group holds chunks predicted to need,
-    together, more memory per worker than the plan's cluster has (each chunk's ``memory_bytes``
-    alone is checked by ``partitioner.plan.check_plan_memory``)."""
-    budget = plan.cluster.memory_gb * 1e9
-    held: dict[tuple[int, ...], list[int]] = {}
-    for s in plan.stages:
-        held.setdefault(tuple(s.ranks), []).append(s.index)
-    for ranks, stages in held.items():
-        need = sum(plan.stages[i].memory_bytes for i in stages)
-        if len(stages) > 1 and need > budget:
-            raise UserError(f"ranks {list(ranks)} hold stages {','.join(map(str, stages))}, predicted to need "
-                            f"{need / 1e9:.2f} GB per worker together, more than the plan's "
-                            f"{plan.cluster.memory_gb:g} GB; re-partition (--recompute auto, fewer --virtual-stages, "
-                            "more workers or fewer --micro-batches) or give the cluster more memory_gb")

@@ -107,7 +107,8 @@ def summarize(reports: list[RankReport], plan: Plan, *, steps: int, first_step: 
         "skipped_nonfinite_steps": sorted(skipped or []),
         "sync": sync, "sync_as_planned": as_planned,
         "memory": [{"rank": r.rank, "stage": r.stage, "peak_bytes": r.peak_memory_bytes,
-                    "predicted_bytes": sum(plan.stages[s].memory_bytes for s in r.stages)} for r in reports],
+                    # per worker: with virtual stages every chunk of a rank carries the worker's total
+                    "predicted_bytes": max(plan.stages[s].memory_bytes for s in r.stages)} for r in reports],
         "run_dir": run_dir, "metrics_dir": f"{run_dir}/metrics", "trace_dir": trace_dir,
     }
 

@@ -9,14 +9,11 @@ lm_head; the zoo's gpt has an untied head) through another; a tie between two ch
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
 from hybridpipe.errors import UserError
-from hybridpipe.partitioner.plan import check_plan_memory
-from hybridpipe.pipeline.chunks import check_rank_memory, rank_module
+from hybridpipe.pipeline.chunks import rank_module
 from hybridpipe.pipeline.engine import PipelineEngine
 from hybridpipe.pipeline.inprocess import InProcessNetwork, run_ranks
 from hybridpipe.pipeline.instructions import (
@@ -221,12 +218,3 @@ def test_evaluation_on_chunks_equals_the_unsplit_model(case, schedule):
     assert losses.keys() == expected.keys()
     assert max(abs(losses[m] - expected[m]) for m in expected) <= 1e-5
 
-
-def test_a_rank_whose_chunks_together_exceed_its_memory_is_refused():
-    plan = virtual_plan("mlp", "zbv")
-    budget = int(plan.cluster.memory_gb * 1e9)
-    half = [dataclasses.replace(s, memory_bytes=budget // 2 + 1 if s.index in (0, 3) else 0) for s in plan.stages]
-    check_plan_memory(dataclasses.replace(plan, stages=tuple(half)))      # each chunk alone fits
-    with pytest.raises(UserError, match=r"ranks \[0\] hold stages 0,3, predicted to need .* together"):
-        check_rank_memory(dataclasses.replace(plan, stages=tuple(half)))
-    check_rank_memory(virtual_plan("mlp", "interleaved-1f1b"))
