@@ -157,13 +157,14 @@ def link_fits(calibration_file: Path) -> dict[str, dict[str, float]]:
 
 # ---- training a plan on the emulated hosts ---------------------------------------------------
 
-def train_plan(cluster, plan_file: Path, run_dir: Path, steps: int, port: int, timeout_s: float) -> dict:
+def train_plan(cluster, plan_file: Path, run_dir: Path, steps: int, port: int, timeout_s: float,
+               trace: bool = False) -> dict:
     """Run launch.py on every emulated host; the summary.json, or {"failed": message}."""
     from tools.emucluster.errors import HostCommandFailed
     t = time.monotonic()
     try:
         cluster.torchrun(["launch.py", "--plan", str(plan_file), "--steps", str(steps), "--run-dir", str(run_dir),
-                          "--no-trace", "--no-progress", "--timeout", str(LAUNCH_TIMEOUT_S)],
+                          *([] if trace else ["--no-trace"]), "--no-progress", "--timeout", str(LAUNCH_TIMEOUT_S)],
                          timeout_s=timeout_s, port=port, cwd=REPO,
                          env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
     except HostCommandFailed as e:
@@ -275,7 +276,8 @@ def run_model_hosts(cluster, name: str, hosts: int, strategies: list[str], args,
             continue
         why = memory_refusal(plan)
         summary = {"not_run": why} if why else train_plan(
-            cluster, plan_file, work / f"run-{name}-{hosts}-{strategy}", args.steps, port_base + k, args.timeout)
+            cluster, plan_file, work / f"run-{name}-{hosts}-{strategy}", args.steps, port_base + k, args.timeout,
+            args.trace)
         busy = None if cluster.cpus else busy_aware_prediction(plan, curve, hosts, calibrations)
         row = row_from(name, hosts, strategy, plan, summary, busy)
         done[key] = row
@@ -386,6 +388,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--autotune-budget", type=int, default=4, help="autotune's runs per group (default 4)")
     p.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     p.add_argument("--tag", default="", help="suffix of the result files (plans_<tag>[_quick])")
+    p.add_argument("--trace", action="store_true", help="record the strategies' runs' timelines too (for "
+                   "hybridpipe partition --refine; default --no-trace: autotune's runs always record theirs)")
+    p.add_argument("--work", default=None, metavar="DIR", help="keep profiles, plans and run directories "
+                   "(autotune's with their timelines) in DIR (default: a temporary folder, removed)")
     p.add_argument("--replot", metavar="JSON", help="only redraw the PNG of a results JSON (next to it)")
     args = p.parse_args(argv)
     if args.replot:
@@ -412,7 +418,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows, calibration, links = [], [], {}
     from tools.emucluster import EmulatedCluster
     with tempfile.TemporaryDirectory(prefix="hp-plans-") as tmp:
-        work = Path(tmp)
+        work = Path(args.work or tmp)
+        work.mkdir(parents=True, exist_ok=True)
         profiles: dict[str, Path] = {}
         for hosts in hosts_list:
             with EmulatedCluster(hosts, rate="1gbit", cpus=cpus_per_host(args.cpus_per_host, hosts)) as cluster:

@@ -28,9 +28,14 @@ observations are plain numbers (``observed.py``), so no process group is needed.
   latency is searched (a log grid, then a ternary search) for the least squared relative error
   over the runs, the overhead being the median of what is left (at least 0) at each candidate;
   with one run, or runs that cannot tell them apart, the smaller latency wins.
+* The end of a step (``refine_step.py``): each stage's ``step`` phase against the model's
+  optimizer step for its parameter bytes and the tied weights' sums it takes part in; the
+  optimizer factor scales the profile's step times, the tied factor the sums' prices
+  (``tied_slowdown``). The run's prediction counts the tied sums as the plan's does.
 * p2p, per level: each transfer's seconds over the model's for its bytes at the level between
-  its ranks; the factor is the lower quartile of those ratios (a send that waited for its
-  receiver reads long; the quickest quarter did not wait).
+  its ranks. Receivers' records (header to last byte: the wire time, no wait for the sender)
+  give the median of their ratios; without them (older traces), the lower quartile of the
+  senders' ratios (a send that waited for its receiver reads long; the quickest quarter did not).
 
 The corrections are relative to the model the run is compared with (the calibrations given,
 themselves possibly refined before), and apply as data: :func:`refined_profile` (the profile's
@@ -60,6 +65,9 @@ from hybridpipe.partitioner.modelcosts import ModelCosts, model_costs
 from hybridpipe.partitioner.objective import Options, StageSpec, evaluate, predict_step_ms
 from hybridpipe.partitioner.observed import RunObservation, StageObservation
 from hybridpipe.partitioner.plan import ALGORITHMS
+from hybridpipe.partitioner.planner import priced_tied
+from hybridpipe.partitioner.refine_step import StepStage, TiedEvidence, fit_step
+from hybridpipe.partitioner.schedule_registry import get_schedule
 from hybridpipe.profiles.format import Profile
 
 SIZE_CLASS_BASE = 4.0          # all-reduce size classes: [4^k, 4^(k+1)) bytes
@@ -93,6 +101,8 @@ class Refinement:
     sync: tuple[SyncEvidence, ...]
     step_overhead_ms: float = 0.0                          # added per step (see the module docstring)
     p2p_extra_alpha_s: tuple[tuple[int, float], ...] = ()  # (cluster level, seconds added per message)
+    optimizer_factor: float = 1.0                          # the optimizer step: measured / profiled
+    tied_factor: float = 1.0                               # the tied weights' sums: measured / priced
 
     def node_factor(self, i: int) -> tuple[float, float]:
         return self.forward_factor[i], self.backward_factor[i]
@@ -197,15 +207,52 @@ def size_classes(evidence: Sequence[SyncEvidence]) -> tuple[tuple[float, float],
 
 
 def p2p_factors(runs: Sequence[RunObservation], model: CostModel) -> tuple[tuple[int, float], ...]:
-    """Per level, the lower quartile of measured / predicted over the runs' transfers."""
-    ratios: dict[int, list[float]] = {}
+    """Per level, measured / predicted over the runs' transfers: the median of the receivers'
+    ratios, or without any, the lower quartile of the others' (module docstring)."""
+    received: dict[int, list[float]] = {}
+    other: dict[int, list[float]] = {}
     for run in runs:
         for t in run.transfers:
             level = model.level_between(t.rank, t.peer)
             predicted = model.p2p_seconds(t.nbytes, level)
             if predicted > 0 and t.seconds > 0:
-                ratios.setdefault(level, []).append(t.seconds / predicted)
-    return tuple((lv, sorted(r)[len(r) // 4]) for lv, r in sorted(ratios.items()))
+                (received if t.sent is False else other).setdefault(level, []).append(t.seconds / predicted)
+    out = []
+    for lv in sorted({*received, *other}):
+        mine = received.get(lv)
+        out.append((lv, statistics.median(mine) if mine else sorted(other[lv])[len(other[lv]) // 4]))
+    return tuple(out)
+
+
+def stage_tied_ms(profile: Profile, run: RunObservation, model: CostModel) -> tuple[list[float], list[TiedEvidence]]:
+    """Per stage of ``run``: the model's tied sums it takes part in (ms per step); and each group."""
+    stages = [StageSpec(s.first, s.last, s.ranks) for s in run.stages]
+    per_stage = [0.0] * len(stages)
+    groups = []
+    for g in priced_tied(profile, stages, model):
+        for k in g.stages:
+            per_stage[k] += g.predicted_ms
+        groups.append(TiedEvidence(tuple(g.stages), g.predicted_ms))
+    return per_stage, groups
+
+
+def step_evidence(profile: Profile, costs: ModelCosts, model: CostModel, run: RunObservation,
+                  optimizer: str = "sgd") -> tuple[list[StepStage], list[TiedEvidence]]:
+    """The stages of ``run`` that measured their ``step`` phase, against the model (refine_step.py)."""
+    tied, groups = stage_tied_ms(profile, run, model)
+    opt = costs.optimizer_ms(optimizer)
+    kind = get_schedule(run.schedule)
+    index: dict[int, int] = {}
+    out: list[StepStage] = []
+    for k, st in enumerate(run.stages):
+        if st.step_ms is None:
+            continue
+        syncs = kind.syncs_per_step(-(-run.micro_batches // max(1, len(st.ranks))))
+        index[k] = len(out)
+        out.append(StepStage(float(opt[st.first:st.last + 1].sum()) * syncs, tied[k], st.step_ms))
+    kept = [TiedEvidence(tuple(index[k] for k in g.stages), g.predicted_ms) for g in groups
+            if all(k in index for k in g.stages)]
+    return out, kept
 
 
 def refine(profile: Profile, cluster: Cluster, calibrations: Sequence[Calibration], runs: Sequence[RunObservation],
@@ -232,8 +279,12 @@ def refine(profile: Profile, cluster: Cluster, calibrations: Sequence[Calibratio
     slowdown = float(math.exp(logs.sum() / weight.sum())) if weight.sum() > 0 else 1.0
     evidence = [e for run in runs for k, st in enumerate(run.stages)
                 if (e := stage_sync_evidence(run.name, k, st, costs, model, f_fwd, f_bwd, algorithms)) is not None]
+    steps = [step_evidence(profile, costs, model, run) for run in runs]
+    ends = fit_step([s for s, _ in steps], [g for _, g in steps])
     ref = Refinement(tuple(float(x) for x in f_fwd), tuple(float(x) for x in f_bwd), slowdown,
-                     size_classes(evidence), p2p_factors(runs, model), tuple(r.name for r in runs), tuple(evidence))
+                     size_classes(evidence), p2p_factors(runs, model), tuple(r.name for r in runs), tuple(evidence),
+                     optimizer_factor=1.0 if ends.optimizer is None else ends.optimizer,
+                     tied_factor=1.0 if ends.tied is None else max(ends.tied, 1e-3))
     return fit_leftover(profile, cluster, calibrations, ref, runs, algorithms)
 
 
@@ -275,14 +326,17 @@ def fit_leftover(profile: Profile, cluster: Cluster, calibrations: Sequence[Cali
 
 
 def refined_profile(profile: Profile, ref: Refinement) -> Profile:
-    """The profile with each node's residual factor (its factor over compute_slowdown) applied.
+    """The profile with each node's residual factor (its factor over compute_slowdown) and the
+    optimizer factor (on its optimizer step times) applied.
 
     Its graph (and signature) is unchanged, so plans made from it launch as the original's."""
     c = ref.compute_slowdown
     nodes = tuple(replace(n, forward_ms=n.forward_ms * ref.forward_factor[n.id] / c,
                           backward_ms=n.backward_ms * ref.backward_factor[n.id] / c) for n in profile.nodes)
+    o = ref.optimizer_factor
     totals = replace(profile.totals, forward_ms=sum(n.forward_ms for n in nodes),
-                     backward_ms=sum(n.backward_ms for n in nodes))
+                     backward_ms=sum(n.backward_ms for n in nodes),
+                     sgd_step_ms=profile.totals.sgd_step_ms * o, adam_step_ms=profile.totals.adam_step_ms * o)
     note = f"refined from {len(ref.runs)} run(s) (hybridpipe partition --refine); use with the refined calibration"
     return replace(profile, nodes=nodes, totals=totals, notes=(*profile.notes, note))
 
@@ -313,7 +367,7 @@ def refined_calibrations(cluster: Cluster, calibrations: Sequence[Calibration],
             algos = {a: cal.algorithms.get(a, cal.p2p) for a in ALGORITHMS}       # all-reduces stay as they were
             cal = replace(cal, algorithms=algos, p2p=LinkFit(cal.p2p.alpha_s * factor + extra,
                                                               cal.p2p.beta_s_per_byte * factor, cal.p2p.rel_error))
-        out[lv] = replace(cal, allreduce_slowdown=(), compute_slowdown=1.0, step_overhead_ms=0.0)
+        out[lv] = replace(cal, allreduce_slowdown=(), compute_slowdown=1.0, step_overhead_ms=0.0, tied_slowdown=1.0)
     carrier = out[top]
     old = model.allreduce_points
     new_classes = {math.floor(math.log(b, SIZE_CLASS_BASE)) for b, _ in ref.allreduce_slowdown}
@@ -322,6 +376,7 @@ def refined_calibrations(cluster: Cluster, calibrations: Sequence[Calibration],
     merged: dict[float, float] = dict(sorted(points))
     out[top] = replace(carrier, allreduce_slowdown=tuple(sorted(merged.items())),
                        compute_slowdown=model.compute_slowdown * ref.compute_slowdown,
+                       tied_slowdown=model.tied_slowdown * ref.tied_factor,
                        step_overhead_ms=max(0.0, model.step_overhead_ms + ref.step_overhead_ms),
                        refined_from=tuple(dict.fromkeys((*carrier.refined_from, *ref.runs))))
     return tuple(out[lv] for lv in sorted(out))
@@ -329,9 +384,11 @@ def refined_calibrations(cluster: Cluster, calibrations: Sequence[Calibration],
 
 def predict_run(profile: Profile, cluster: Cluster, calibrations: Sequence[Calibration], run: RunObservation,
                 optimizer: str = "sgd", algorithms: Sequence[str] = ALGORITHMS) -> float:
-    """The step time the model predicts for the stages a run ran (its ranks, schedule, micro-batches)."""
+    """The step time the model predicts for the stages a run ran (its ranks, schedule, micro-batches),
+    tied weights' sums included, as a plan's prediction counts them."""
     model = CostModel(cluster, list(calibrations))
     stages = [StageSpec(s.first, s.last, s.ranks) for s in run.stages]
     opts = Options(run.schedule, run.micro_batches, optimizer, math.inf, tuple(algorithms))
     ev = evaluate(base_costs(profile, model), model, stages, opts)
-    return predict_step_ms(ev, opts) + model.step_overhead_ms
+    tied = sum(t.predicted_ms for t in priced_tied(profile, stages, model))
+    return predict_step_ms(ev, opts) + tied + model.step_overhead_ms

@@ -1,0 +1,109 @@
+"""Refinement of a step's end (optimizer step, tied weights' sum), p2p from receivers, warm-up:
+synthetic runs in which one of them is off the model, and the refinement recovers it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from hybridpipe.partitioner.calibration import Calibration
+from hybridpipe.partitioner.costmodel import CostModel
+from hybridpipe.partitioner.objective import StageSpec
+from hybridpipe.partitioner.planner import priced_tied
+from hybridpipe.partitioner.refine import (
+    nominal_calibration,
+    predict_run,
+    refine,
+    refined_calibrations,
+    refined_profile,
+)
+from hybridpipe.partitioner.refine_step import StepFactors, StepStage, TiedEvidence, fit_step
+from tests.partitioner.synth import flat_cluster, make_profile
+from tests.partitioner.synth_runs import synthetic_run
+
+LAYERS = [(4.0, 8.0, 2_000_000, 100_000), (3.0, 6.0, 1_000_000, 8_000_000), (2.0, 4.0, 400_000, 3_000_000),
+          (0.5, 1.0, 16_000, 60_000_000), (0.2, 0.4, 4_000, 4_000_000)]
+CLUSTER = flat_cluster(4, gbps=1.0, latency_us=50)
+STAGES = [StageSpec(0, 1, (0,)), StageSpec(2, 3, (1,)), StageSpec(4, 4, (2,)), StageSpec(5, 6, (3,))]
+
+
+def with_step(profile, sgd_ms: float):
+    return dataclasses.replace(profile, totals=dataclasses.replace(profile.totals, sgd_step_ms=sgd_ms))
+
+
+def tied_profile():
+    """LAYERS with layer 5 (node 5) reading layer 2's weight (8 MB) too (a tied embedding and head)."""
+    prof = with_step(make_profile(LAYERS, model="tied"), 40.0)
+    nodes = list(prof.nodes)
+    nodes[5] = dataclasses.replace(nodes[5], shared=("l2.weight",), shared_bytes=(nodes[2].param_bytes,))
+    return dataclasses.replace(prof, nodes=tuple(nodes))
+
+
+def test_an_optimizer_step_slower_than_profiled_is_recovered_per_parameter_byte():
+    prof = with_step(make_profile(LAYERS, model="opt"), 40.0)
+    run = synthetic_run(prof, CLUSTER, STAGES, optimizer_factor=2.5)
+    ref = refine(prof, CLUSTER, (), [run])
+    assert ref.optimizer_factor == pytest.approx(2.5, rel=0.02)
+    refined = refined_profile(prof, ref)
+    assert refined.totals.sgd_step_ms == pytest.approx(100.0, rel=0.02)
+    truth = with_step(prof, 100.0)
+    cals = refined_calibrations(CLUSTER, (), ref)
+    assert predict_run(refined, CLUSTER, cals, run) == pytest.approx(predict_run(truth, CLUSTER, (), run), rel=0.01)
+
+
+def test_a_tied_sum_slower_than_priced_is_recovered_apart_from_the_optimizer_and_the_drain_wait():
+    prof = tied_profile()
+    groups = priced_tied(prof, STAGES, CostModel(CLUSTER))
+    assert [g.stages for g in groups] == [(1, 3)] and groups[0].predicted_ms > 10
+    run = synthetic_run(prof, CLUSTER, STAGES, optimizer_factor=1.5, tied_factor=3.0, drain_ms=80.0)
+    ref = refine(prof, CLUSTER, (), [run])
+    assert ref.tied_factor == pytest.approx(3.0, rel=0.02)
+    assert ref.optimizer_factor == pytest.approx(1.5, rel=0.02)
+    cal = refined_calibrations(CLUSTER, (), ref)[-1]
+    assert cal.tied_slowdown == pytest.approx(3.0, rel=0.02)
+    again = priced_tied(prof, STAGES, CostModel(CLUSTER, [cal]))
+    assert again[0].predicted_ms == pytest.approx(3.0 * groups[0].predicted_ms, rel=0.02)
+    back = Calibration.from_dict(cal.to_dict())
+    assert back.tied_slowdown == pytest.approx(cal.tied_slowdown)
+
+
+def test_the_run_prediction_counts_tied_sums_so_they_do_not_land_in_the_step_overhead():
+    prof = tied_profile()
+    nominal = nominal_calibration(CostModel(CLUSTER), 0)
+    truth = dataclasses.replace(nominal, tied_slowdown=2.0, step_overhead_ms=5.0)
+    probe = synthetic_run(prof, CLUSTER, STAGES, tied_factor=2.0)
+    measured = predict_run(prof, CLUSTER, [truth], probe)
+    assert measured > predict_run(prof, CLUSTER, [dataclasses.replace(truth, tied_slowdown=1.0)], probe)
+    run = synthetic_run(prof, CLUSTER, STAGES, tied_factor=2.0, measured_step_ms=measured)
+    ref = refine(prof, CLUSTER, (), [run])
+    assert ref.step_overhead_ms == pytest.approx(5.0, abs=0.5)
+    cals = refined_calibrations(CLUSTER, (), ref)
+    assert predict_run(refined_profile(prof, ref), CLUSTER, cals, run) == pytest.approx(measured, rel=0.01)
+
+
+def test_p2p_is_read_from_receivers_when_sends_return_before_their_bytes_leave():
+    prof = make_profile(LAYERS, model="p2p")
+    run = synthetic_run(prof, CLUSTER, STAGES, p2p_factor=2.0, sender_ratio=0.2)
+    assert {t.sent for t in run.transfers} == {True, False}
+    ref = refine(prof, CLUSTER, (), [run])
+    assert dict(ref.p2p_factor)[0] == pytest.approx(2.0, rel=0.02)
+
+
+def test_the_first_step_is_left_out_even_when_the_summary_counts_no_warm_up():
+    prof = make_profile(LAYERS, model="warm")
+    run = synthetic_run(prof, CLUSTER, STAGES, steps=2, first_step_factor=4.0, warmup_steps=0)
+    ref = refine(prof, CLUSTER, (), [run])
+    assert all(f == pytest.approx(1.0, rel=0.01) for f in ref.forward_factor[1:6])
+
+
+def test_fit_step_pure():
+    # two plain stages fix the optimizer factor; the tied group's real sum is its least stage's
+    runs = [[StepStage(10.0, 0.0, 20.0), StepStage(30.0, 0.0, 60.0), StepStage(5.0, 4.0, 10.0 + 12.0),
+             StepStage(1.0, 4.0, 2.0 + 12.0 + 100.0)]]
+    fit = fit_step(runs, [[TiedEvidence((2, 3), 4.0)]])
+    assert fit.optimizer == pytest.approx(2.0) and fit.tied == pytest.approx(3.0)
+    # every stage in a tied group: the step phases cannot tell the optimizer from the sum
+    runs = [[StepStage(10.0, 4.0, 20.0 + 12.0), StepStage(30.0, 4.0, 60.0 + 12.0 + 50.0)]]
+    assert fit_step(runs, [[TiedEvidence((0, 1), 4.0)]]) == StepFactors(None, None)
+    assert fit_step([[StepStage(0.0, 0.0, 0.3)]], [[]]) == StepFactors(None, None)
