@@ -66,6 +66,7 @@ from hybridpipe.partitioner.objective import Options, StageSpec, evaluate, predi
 from hybridpipe.partitioner.observed import RunObservation, StageObservation
 from hybridpipe.partitioner.plan import ALGORITHMS
 from hybridpipe.partitioner.planner import priced_tied
+from hybridpipe.partitioner.refine_interference import StageLoad, fit_interference, link_bytes
 from hybridpipe.partitioner.refine_step import StepStage, TiedEvidence, fit_step
 from hybridpipe.partitioner.schedule_registry import get_schedule
 from hybridpipe.profiles.format import Profile
@@ -102,6 +103,7 @@ class Refinement:
     step_overhead_ms: float = 0.0                          # added per step (see the module docstring)
     p2p_extra_alpha_s: tuple[tuple[int, float], ...] = ()  # (cluster level, seconds added per message)
     optimizer_factor: float = 1.0                          # the optimizer step: measured / profiled
+    interference_s_per_byte: float | None = None           # compute lost per link byte (None: as calibrated)
     tied_factor: float = 1.0                               # the tied weights' sums: measured / priced
 
     def node_factor(self, i: int) -> tuple[float, float]:
@@ -224,6 +226,34 @@ def p2p_factors(runs: Sequence[RunObservation], model: CostModel) -> tuple[tuple
     return tuple(out)
 
 
+def stage_load(costs: ModelCosts, run: RunObservation, index: int) -> tuple[StageLoad, int]:
+    """A stage's profiled and measured compute per step and its link bytes (refine_interference.py); and k."""
+    st = run.stages[index]
+    r = max(1, len(st.ranks))
+    k = -(-run.micro_batches // r)
+    syncs = get_schedule(run.schedule).syncs_per_step(k)
+    a_in, g_out = costs.input_bytes(st.first)
+    a_out, g_in = costs.output_bytes(st.last) if index < len(run.stages) - 1 else (0.0, 0.0)
+    nbytes, ring = link_bytes(r, float(costs.param_bytes[st.first:st.last + 1].sum()),
+                              (a_in + g_out + a_out + g_in) / 2, k, syncs)
+    profiled = k * float(costs.forward_ms[st.first:st.last + 1].sum() + costs.backward_ms[st.first:st.last + 1].sum())
+    return StageLoad(profiled, k * ((st.forward_ms or 0.0) + (st.backward_ms or 0.0)), nbytes, ring), k
+
+
+def without_interference(costs: ModelCosts, run: RunObservation, lost_ms_per_byte: float) -> RunObservation:
+    """``run`` with each stage's forward and backward less what its link bytes cost it (shared by their times)."""
+    stages = []
+    for k, st in enumerate(run.stages):
+        if st.forward_ms is None or st.backward_ms is None or lost_ms_per_byte <= 0:
+            stages.append(st)
+            continue
+        load, per_step = stage_load(costs, run, k)
+        cut = lost_ms_per_byte * load.nbytes / per_step / (st.forward_ms + st.backward_ms)    # share per micro-batch
+        stages.append(replace(st, forward_ms=st.forward_ms * max(1 - cut, 0.01),
+                              backward_ms=st.backward_ms * max(1 - cut, 0.01)))
+    return replace(run, stages=tuple(stages))
+
+
 def stage_tied_ms(profile: Profile, run: RunObservation, model: CostModel) -> tuple[list[float], list[TiedEvidence]]:
     """Per stage of ``run``: the model's tied sums it takes part in (ms per step); and each group."""
     stages = [StageSpec(s.first, s.last, s.ranks) for s in run.stages]
@@ -270,20 +300,23 @@ def refine(profile: Profile, cluster: Cluster, calibrations: Sequence[Calibratio
             if st.ranks and max(st.ranks) >= cluster.total_workers:
                 raise UserError(f"{run.name}: rank {max(st.ranks)} is outside the cluster's "
                                 f"{cluster.total_workers} workers; refine with the cluster the run ran on")
-    f_fwd = fit_node_factors(costs.forward_ms, [(s.first, s.last, s.forward_ms) for r in runs for s in r.stages
+    lost = fit_interference([stage_load(costs, run, k)[0] for run in runs for k in range(len(run.stages))])
+    seen = [without_interference(costs, run, lost) for run in runs]     # ms per link byte taken out
+    f_fwd = fit_node_factors(costs.forward_ms, [(s.first, s.last, s.forward_ms) for r in seen for s in r.stages
                                                 if s.forward_ms is not None])
-    f_bwd = fit_node_factors(costs.backward_ms, [(s.first, s.last, s.backward_ms) for r in runs for s in r.stages
+    f_bwd = fit_node_factors(costs.backward_ms, [(s.first, s.last, s.backward_ms) for r in seen for s in r.stages
                                                  if s.backward_ms is not None])
     weight = costs.forward_ms + costs.backward_ms
     logs = costs.forward_ms * np.log(f_fwd) + costs.backward_ms * np.log(f_bwd)
     slowdown = float(math.exp(logs.sum() / weight.sum())) if weight.sum() > 0 else 1.0
-    evidence = [e for run in runs for k, st in enumerate(run.stages)
+    evidence = [e for run in seen for k, st in enumerate(run.stages)
                 if (e := stage_sync_evidence(run.name, k, st, costs, model, f_fwd, f_bwd, algorithms)) is not None]
     steps = [step_evidence(profile, costs, model, run) for run in runs]
     ends = fit_step([s for s, _ in steps], [g for _, g in steps])
     ref = Refinement(tuple(float(x) for x in f_fwd), tuple(float(x) for x in f_bwd), slowdown,
                      size_classes(evidence), p2p_factors(runs, model), tuple(r.name for r in runs), tuple(evidence),
                      optimizer_factor=1.0 if ends.optimizer is None else ends.optimizer,
+                     interference_s_per_byte=lost * 1e-3 / model.wire_bytes,
                      tied_factor=1.0 if ends.tied is None else max(ends.tied, 1e-3))
     return fit_leftover(profile, cluster, calibrations, ref, runs, algorithms)
 
@@ -367,6 +400,8 @@ def refined_calibrations(cluster: Cluster, calibrations: Sequence[Calibration],
             algos = {a: cal.algorithms.get(a, cal.p2p) for a in ALGORITHMS}       # all-reduces stay as they were
             cal = replace(cal, algorithms=algos, p2p=LinkFit(cal.p2p.alpha_s * factor + extra,
                                                               cal.p2p.beta_s_per_byte * factor, cal.p2p.rel_error))
+        if ref.interference_s_per_byte is not None:
+            cal = replace(cal, interference_s_per_byte=ref.interference_s_per_byte)
         out[lv] = replace(cal, allreduce_slowdown=(), compute_slowdown=1.0, step_overhead_ms=0.0, tied_slowdown=1.0)
     carrier = out[top]
     old = model.allreduce_points

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from hybridpipe.partitioner.cluster import Cluster
 from hybridpipe.partitioner.costmodel import CostModel
 from hybridpipe.partitioner.modelcosts import model_costs
-from hybridpipe.partitioner.objective import StageSpec
+from hybridpipe.partitioner.objective import StageSpec, overhead_ms
 from hybridpipe.partitioner.observed import RankEvents, RunObservation, observe_run
 from hybridpipe.partitioner.planner import priced_tied
 from hybridpipe.partitioner.refine import lane_wait_ms
@@ -29,7 +29,7 @@ def synthetic_run(profile: Profile, cluster: Cluster, stages: Sequence[StageSpec
                   name: str = "run", calibrations=(), measured_step_ms: float | None = None,
                   optimizer_factor: float = 1.0, tied_factor: float = 1.0, drain_ms: float = 0.0,
                   sender_ratio: float | None = None, first_step_factor: float = 1.0,
-                  warmup_steps: int = 1) -> RunObservation:
+                  warmup_steps: int = 1, interference_s_per_byte: float = 0.0) -> RunObservation:
     """The observation of a synthetic run (see the module docstring); 1f1b, one sync per step.
 
     Each stage's ``step`` phase is ``optimizer_factor`` times the model's optimizer step for its
@@ -37,7 +37,9 @@ def synthetic_run(profile: Profile, cluster: Cluster, stages: Sequence[StageSpec
     and, on all but the group's first stage (the last to arrive in 1f1b), ``drain_ms`` of wait.
     Each message is recorded by its receiver at ``p2p_factor`` times the model's wire time and by
     its sender at ``sender_ratio`` times (a send that returns once the socket took it) or, when
-    None, at ``p2p_factor`` too. Step 0 computes ``first_step_factor`` times slower (warm-up)."""
+    None, at ``p2p_factor`` too. Step 0 computes ``first_step_factor`` times slower (warm-up).
+    Each stage's compute also loses what the model's ``overhead_ms`` charges for its link bytes
+    at ``interference_s_per_byte`` (spread over its micro-batches, forward and backward alike)."""
     model = CostModel(cluster, list(calibrations))
     nodes = profile.nodes
     costs = model_costs(profile)
@@ -54,6 +56,13 @@ def synthetic_run(profile: Profile, cluster: Cluster, stages: Sequence[StageSpec
         sync = [0.0 if nodes[i].param_bytes == 0 or len(st.ranks) < 2 else
                 model.fastest_allreduce(nodes[i].param_bytes, st.ranks)[1] * 1e3
                 * allreduce_factor(nodes[i].param_bytes) for i in ids]
+        k_mb = micro_batches // len(st.ranks)
+        a_in, g_out = costs.input_bytes(st.first)
+        a_out, g_in = costs.output_bytes(st.last) if k < len(stages) - 1 else (0.0, 0.0)
+        lost = overhead_ms(0.0, float(costs.param_bytes[st.first:st.last + 1].sum()), (a_in + g_out + a_out + g_in) / 2,
+                           len(st.ranks), k_mb, 1, interference_s_per_byte) / k_mb
+        grow = 1 + lost / (sum(fwd) + sum(bwd))
+        fwd, bwd = [x * grow for x in fwd], [x * grow for x in bwd]
         wait = lane_wait_ms(sync, bwd, fwd)
         out_bytes = nodes[st.last].cut_bytes if k < len(stages) - 1 else 0
         step_ms = optimizer_factor * float(opt[st.first:st.last + 1].sum()) + tied[k]

@@ -9,7 +9,8 @@ import pytest
 
 from hybridpipe.partitioner.calibration import Calibration
 from hybridpipe.partitioner.costmodel import CostModel
-from hybridpipe.partitioner.objective import StageSpec
+from hybridpipe.partitioner.modelcosts import model_costs
+from hybridpipe.partitioner.objective import Options, StageSpec, evaluate
 from hybridpipe.partitioner.planner import priced_tied
 from hybridpipe.partitioner.refine import (
     nominal_calibration,
@@ -107,3 +108,38 @@ def test_fit_step_pure():
     runs = [[StepStage(10.0, 4.0, 20.0 + 12.0), StepStage(30.0, 4.0, 60.0 + 12.0 + 50.0)]]
     assert fit_step(runs, [[TiedEvidence((0, 1), 4.0)]]) == StepFactors(None, None)
     assert fit_step([[StepStage(0.0, 0.0, 0.3)]], [[]]) == StepFactors(None, None)
+
+
+def test_compute_lost_to_the_link_is_fitted_apart_from_the_nodes_and_not_counted_twice():
+    """A dp run (big ring) and a pipeline run (small p2p) whose compute both lose 4 ns per link
+    byte: the refinement finds the 4 ns, leaves the nodes at 1x, and re-predicts both runs as
+    the truth (the calibrated interference is replaced, not added to what the compute saw)."""
+    prof = make_profile(LAYERS, model="lost")
+    cluster = flat_cluster(4, gbps=10.0, latency_us=50)
+    calibrated = dataclasses.replace(nominal_calibration(CostModel(cluster), 0), interference_s_per_byte=9e-9)
+    truth = dataclasses.replace(calibrated, interference_s_per_byte=4e-9)
+    layouts = [[StageSpec(0, 6, (0, 1, 2, 3))], STAGES]
+    runs = [synthetic_run(prof, cluster, st, name=f"r{k}", interference_s_per_byte=4e-9)
+            for k, st in enumerate(layouts)]
+    ref = refine(prof, cluster, [calibrated], runs)
+    assert ref.interference_s_per_byte == pytest.approx(4e-9, rel=0.05)
+    assert all(f == pytest.approx(1.0, rel=0.05) for f in ref.backward_factor[1:6])
+    cals = refined_calibrations(cluster, [calibrated], ref)
+    # the pipeline (no all-reduce) re-predicted as the truth; the dp stage's compute and overhead too
+    assert predict_run(refined_profile(prof, ref), cluster, cals, runs[1]) == pytest.approx(
+        predict_run(prof, cluster, [truth], runs[1]), rel=0.02)
+    opts = Options("1f1b", 8)
+    got = evaluate(model_costs(refined_profile(prof, ref)), CostModel(cluster, list(cals)), layouts[0], opts).stages[0]
+    want = evaluate(model_costs(prof), CostModel(cluster, [truth]), layouts[0], opts).stages[0]
+    assert got.overhead_ms + 2 * (got.forward_ms + got.backward_ms) == pytest.approx(
+        want.overhead_ms + 2 * (want.forward_ms + want.backward_ms), rel=0.02)
+
+
+def test_fit_interference_pure():
+    from hybridpipe.partitioner.refine_interference import StageLoad, fit_interference
+    loads = [StageLoad(100.0, 1.3 * 100 + 2e-6 * 50e6, 50e6, 49e6), StageLoad(200.0, 1.3 * 200 + 2e-6 * 1e6, 1e6)]
+    assert fit_interference(loads) == pytest.approx(2e-6, rel=1e-6)
+    assert fit_interference(loads[:1]) == 0.0                                   # one stage: cannot tell
+    assert fit_interference([StageLoad(100.0, 150.0, 1e6, 1e6), StageLoad(200.0, 300.0, 2e6)]) == 0.0   # same density
+    no_ring = [StageLoad(s.profiled_ms, s.measured_ms, s.nbytes) for s in loads]
+    assert fit_interference(no_ring) == 0.0                   # p2p alone: a slow node could pass for it
