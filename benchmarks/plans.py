@@ -181,7 +181,7 @@ def autotune_row(cluster, name: str, hosts: int, args, work: Path, scaled: Path,
     job = [sys.executable, "-m", "tools.emucluster", "torchrun", "--name", cluster.tag, "--timeout",
            str(args.timeout), "--port", str(port), "--", "launch.py", "--plan", "{plan}", "--steps", "{steps}",
            "--run-dir", "{run_dir}", "--no-progress", "--timeout", str(LAUNCH_TIMEOUT_S)]
-    cmd = ["autotune", str(scaled), "--cluster", str(cluster_file), "--steps", str(args.steps), "--budget",
+    cmd = ["autotune", str(scaled), "--cluster", str(cluster_file), "--steps", str(args.autotune_steps), "--budget",
            str(args.autotune_budget), "--out", str(out), "--run-timeout", str(args.timeout)]
     for c in calibrations:
         cmd += ["--calibration", str(c)]
@@ -197,8 +197,12 @@ def autotune_row(cluster, name: str, hosts: int, args, work: Path, scaled: Path,
     summary = read_json(Path(chosen["run_dir"]) / "summary.json", "summary")
     summary["wall_s"] = chosen["seconds"]
     row = row_from(name, hosts, "autotune", read_json(out / "plan.json", "plan"), summary)
+    if report.get("chosen_measured_ms"):         # every steady step of the chosen plan's runs, pooled
+        row["measured_step_ms"] = report["chosen_measured_ms"]
     row["autotune"] = {"runs": report["runs"], "stop_reason": report["stop_reason"], "wall_s": round(wall, 1),
                        "chosen_run": report["chosen"], "error_final": chosen["error_final"],
+                       "chosen_runs": report.get("chosen_runs"), "chosen_noise": report.get("chosen_noise"),
+                       "steps_per_run": args.autotune_steps,
                        "trials": [{k: t[k] for k in ("run", "strategies", "stages", "why", "predicted_ms",
                                                      "predicted_final_ms", "measured_ms", "error_final")}
                                   for t in report["trials"]]}
@@ -386,6 +390,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-autotune", dest="autotune", action="store_false",
                    help="leave out the autotune row of each group (hybridpipe autotune on the same cluster)")
     p.add_argument("--autotune-budget", type=int, default=4, help="autotune's runs per group (default 4)")
+    p.add_argument("--autotune-steps", type=int, default=6, help="steps of each autotune run (default 6: the "
+                   "first is warm-up, its median and noise from the other 5; re-measures pool their steps)")
     p.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     p.add_argument("--tag", default="", help="suffix of the result files (plans_<tag>[_quick])")
     p.add_argument("--trace", action="store_true", help="record the strategies' runs' timelines too (for "
