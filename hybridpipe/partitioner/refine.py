@@ -60,33 +60,18 @@ from hybridpipe.errors import UserError
 from hybridpipe.partitioner.calibration import Calibration, LinkFit
 from hybridpipe.partitioner.cluster import Cluster
 from hybridpipe.partitioner.costmodel import CostModel, size_factor
-from hybridpipe.partitioner.layersync import Floats, simulate_lane
 from hybridpipe.partitioner.modelcosts import ModelCosts, model_costs
 from hybridpipe.partitioner.objective import Options, StageSpec, evaluate, predict_step_ms
-from hybridpipe.partitioner.observed import RunObservation, StageObservation
+from hybridpipe.partitioner.observed import RunObservation
 from hybridpipe.partitioner.plan import ALGORITHMS
 from hybridpipe.partitioner.planner import priced_tied
 from hybridpipe.partitioner.refine_interference import StageLoad, fit_interference, link_bytes
 from hybridpipe.partitioner.refine_step import StepStage, TiedEvidence, fit_step
+from hybridpipe.partitioner.refine_sync import SIZE_CLASS_BASE, SyncEvidence, fit_classes, stage_sync_evidence
 from hybridpipe.partitioner.schedule_registry import get_schedule
 from hybridpipe.profiles.format import Profile
 
-SIZE_CLASS_BASE = 4.0          # all-reduce size classes: [4^k, 4^(k+1)) bytes
-FACTOR_RANGE = (1 / 64, 64.0)  # the all-reduce factor is solved within this range
 FIT_ROUNDS = 50                # iterative proportional scaling rounds (one run: exact after one)
-
-
-@dataclass(frozen=True)
-class SyncEvidence:
-    """One replicated stage of one run: what its sync wait says about its all-reduces."""
-
-    run: str
-    stage: int
-    nbytes: float                # the stage's layers' bytes (geometric mean weighted by all-reduce time)
-    allreduce_ms: float          # the model's all-reduce time of its layers per step (the lane's busy time)
-    predicted_wait_ms: float     # the lane's wait with the model's all-reduce times
-    measured_wait_ms: float
-    factor: float
 
 
 @dataclass(frozen=True)
@@ -132,80 +117,6 @@ def fit_node_factors(times: np.ndarray, stages: Sequence[tuple[int, int, float]]
         if np.all(np.abs(step[seen] - 1) < 1e-9):
             break
     return f
-
-
-def lane_wait_ms(sync_ms: Sequence[float], backward_ms: Floats, forward_ms: Floats) -> float:
-    """How long the stage waits after its backward for the last all-reduce on the lane (0: all hidden)."""
-    if not any(s > 0 for s in sync_ms):
-        return 0.0
-    lane = simulate_lane(sync_ms, backward_ms, forward_ms, 0.0)
-    return max(0.0, max(lane.finish_ms) - float(sum(backward_ms)))
-
-
-def solve_factor(wait_of, measured_ms: float, lo: float = FACTOR_RANGE[0], hi: float = FACTOR_RANGE[1]) -> float:
-    """The factor f (within [lo, hi]) whose lane wait ``wait_of(f)`` (nondecreasing) equals ``measured_ms``.
-
-    Where the measured wait is 0, the largest f whose wait is still 0 (within a microsecond)."""
-    if wait_of(hi) <= measured_ms:
-        return hi
-    if wait_of(lo) > max(measured_ms, 1e-3):
-        return lo
-    a, b = math.log(lo), math.log(hi)
-    for _ in range(80):
-        mid = (a + b) / 2
-        if wait_of(math.exp(mid)) <= max(measured_ms, 1e-3):
-            a = mid
-        else:
-            b = mid
-    return math.exp((a + b) / 2)
-
-
-def stage_sync_evidence(run: str, index: int, st: StageObservation, costs: ModelCosts, model: CostModel,
-                        f_fwd: np.ndarray, f_bwd: np.ndarray, algorithms: Sequence[str]) -> SyncEvidence | None:
-    """The all-reduce factor one replicated stage's measured wait implies (None: it says nothing)."""
-    if len(st.ranks) < 2 or st.sync_wait_ms is None or st.backward_ms is None:
-        return None
-    nodes = range(st.first, st.last + 1)
-    sync_ms = []
-    for i in nodes:
-        nbytes = float(costs.param_bytes[i])
-        if nbytes <= 0:
-            sync_ms.append(0.0)
-            continue
-        algo = st.algorithms.get(costs.names[i])
-        if algo not in ALGORITHMS:
-            algo = model.fastest_allreduce(nbytes, st.ranks, algorithms)[0]
-        sync_ms.append(model.allreduce_seconds(algo, nbytes, st.ranks) * 1e3)
-    busy = sum(sync_ms)
-    if busy <= 0:
-        return None
-    bwd = np.array([costs.backward_ms[i] * f_bwd[i] for i in nodes])
-    fwd = np.array([costs.forward_ms[i] * f_fwd[i] for i in nodes])
-    bwd = bwd * (st.backward_ms / bwd.sum()) if bwd.sum() > 0 else np.full(len(bwd), st.backward_ms / len(bwd))
-    predicted = lane_wait_ms(sync_ms, bwd, fwd)
-    noise = max(0.2, 0.01 * busy)                  # waits this short are the call's own cost, not the lane's
-    if st.sync_wait_ms <= noise and predicted <= noise:
-        return None
-    factor = solve_factor(lambda f: lane_wait_ms([s * f for s in sync_ms], bwd, fwd), st.sync_wait_ms)
-    weights = [s for s in sync_ms if s > 0]
-    sizes = [float(costs.param_bytes[i]) for i, s in zip(nodes, sync_ms, strict=True) if s > 0]
-    nbytes = math.exp(sum(w * math.log(b) for w, b in zip(weights, sizes, strict=True)) / busy)
-    return SyncEvidence(run, index, nbytes, busy, float(predicted), st.sync_wait_ms, factor)
-
-
-def size_classes(evidence: Sequence[SyncEvidence]) -> tuple[tuple[float, float], ...]:
-    """(bytes, factor) per size class: weighted geometric means of the estimates in each class."""
-    classes: dict[int, list[SyncEvidence]] = {}
-    for e in evidence:
-        classes.setdefault(math.floor(math.log(max(e.nbytes, 1.0), SIZE_CLASS_BASE)), []).append(e)
-    out = []
-    for k in sorted(classes):
-        group = classes[k]
-        total = sum(e.allreduce_ms for e in group)
-        nbytes = math.exp(sum(e.allreduce_ms * math.log(e.nbytes) for e in group) / total)
-        factor = math.exp(sum(e.allreduce_ms * math.log(e.factor) for e in group) / total)
-        out.append((nbytes, factor))
-    return tuple(out)
 
 
 def p2p_factors(runs: Sequence[RunObservation], model: CostModel) -> tuple[tuple[int, float], ...]:
@@ -314,7 +225,7 @@ def refine(profile: Profile, cluster: Cluster, calibrations: Sequence[Calibratio
     steps = [step_evidence(profile, costs, model, run) for run in runs]
     ends = fit_step([s for s, _ in steps], [g for _, g in steps])
     ref = Refinement(tuple(float(x) for x in f_fwd), tuple(float(x) for x in f_bwd), slowdown,
-                     size_classes(evidence), p2p_factors(runs, model), tuple(r.name for r in runs), tuple(evidence),
+                     fit_classes(evidence), p2p_factors(runs, model), tuple(r.name for r in runs), tuple(evidence),
                      optimizer_factor=1.0 if ends.optimizer is None else ends.optimizer,
                      interference_s_per_byte=lost * 1e-3 / model.wire_bytes,
                      tied_factor=1.0 if ends.tied is None else max(ends.tied, 1e-3))

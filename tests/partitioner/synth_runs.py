@@ -15,7 +15,7 @@ from hybridpipe.partitioner.modelcosts import model_costs
 from hybridpipe.partitioner.objective import StageSpec, overhead_ms
 from hybridpipe.partitioner.observed import RankEvents, RunObservation, observe_run
 from hybridpipe.partitioner.planner import priced_tied
-from hybridpipe.partitioner.refine import lane_wait_ms
+from hybridpipe.partitioner.refine_sync import lane_wait_ms
 from hybridpipe.profiles.format import Profile
 
 

@@ -143,3 +143,26 @@ def test_fit_interference_pure():
     assert fit_interference([StageLoad(100.0, 150.0, 1e6, 1e6), StageLoad(200.0, 300.0, 2e6)]) == 0.0   # same density
     no_ring = [StageLoad(s.profiled_ms, s.measured_ms, s.nbytes) for s in loads]
     assert fit_interference(no_ring) == 0.0                   # p2p alone: a slow node could pass for it
+
+
+def test_size_class_factors_are_refitted_until_every_stage_waits_what_it_measured():
+    """A dp stage with small and big layers and a replicated stage of small layers only: the
+    classes' factors, applied per layer by its size, reproduce both stages' measured waits."""
+    from hybridpipe.partitioner.costmodel import size_factor
+    from hybridpipe.partitioner.refine_sync import lane_wait_ms
+
+    prof = make_profile([(5.0, 10.0, 100_000, 4_000_000), (5.0, 10.0, 100_000, 50_000),
+                         (5.0, 10.0, 100_000, 4_000_000), (5.0, 10.0, 100_000, 50_000),
+                         (5.0, 10.0, 100_000, 50_000)], model="mixed")
+    cluster = flat_cluster(4, gbps=1.0, latency_us=2000)
+    slow = lambda b: 4.0 if b > 1e6 else 1.2                                       # noqa: E731
+    runs = [synthetic_run(prof, cluster, [StageSpec(0, 6, (0, 1, 2, 3))], name="dp", allreduce_factor=slow),
+            synthetic_run(prof, cluster, [StageSpec(0, 3, (0,)), StageSpec(4, 6, (1, 2, 3))], name="hybrid",
+                          allreduce_factor=slow)]
+    ref = refine(prof, cluster, (), runs)
+    assert len(ref.allreduce_slowdown) >= 2
+    for e in ref.sync:
+        base = [s * size_factor(ref.allreduce_slowdown, b) for s, b in zip(e.sync_ms, e.sizes, strict=True)]
+        import numpy as np
+        got = lane_wait_ms(base, np.array(e.backward_ms), np.array(e.forward_ms))
+        assert got == pytest.approx(e.measured_wait_ms, rel=0.03, abs=0.05)
