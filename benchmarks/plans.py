@@ -88,6 +88,7 @@ from benchmarks.plans_analysis import (
     row_from,
     scale_profile,
 )
+from benchmarks.plans_autotune import autotune_row, autotune_summary, fastest_strategy, paired_comparison
 from hybridpipe.jsonfile import read_json, write_json
 
 # name -> (model spec, samples per micro-batch, what was reduced)
@@ -174,61 +175,6 @@ def train_plan(cluster, plan_file: Path, run_dir: Path, steps: int, port: int, t
     return summary
 
 
-def autotune_row(cluster, name: str, hosts: int, args, work: Path, scaled: Path, cluster_file: Path,
-                 calibrations: Sequence[Path], port: int) -> dict:
-    """``hybridpipe autotune`` on the emulated cluster; the row of the plan it chose (see the docstring)."""
-    out = work / f"autotune-{name}-{hosts}"
-    job = [sys.executable, "-m", "tools.emucluster", "torchrun", "--name", cluster.tag, "--timeout",
-           str(args.timeout), "--port", str(port), "--", "launch.py", "--plan", "{plan}", "--steps", "{steps}",
-           "--run-dir", "{run_dir}", "--no-progress", "--timeout", str(LAUNCH_TIMEOUT_S)]
-    cmd = ["autotune", str(scaled), "--cluster", str(cluster_file), "--steps", str(args.autotune_steps), "--budget",
-           str(args.autotune_budget), "--out", str(out), "--run-timeout", str(args.timeout)]
-    for c in calibrations:
-        cmd += ["--calibration", str(c)]
-    t = time.monotonic()
-    r = hybridpipe_cli([*cmd, "--", *job], timeout_s=args.timeout * (args.autotune_budget + 1), threads=1)
-    wall = time.monotonic() - t
-    report_path = out / "autotune.json"
-    if r.returncode or not report_path.exists():
-        return {"model": name, "hosts": hosts, "strategy": "autotune", "status": "failed",
-                "reason": refusal_lines((r.stderr or r.stdout)[-2000:]), "autotune": {"wall_s": round(wall, 1)}}
-    report = read_json(report_path, "autotune report")
-    chosen = next(t for t in report["trials"] if t["run"] == report["chosen"])
-    summary = read_json(Path(chosen["run_dir"]) / "summary.json", "summary")
-    summary["wall_s"] = chosen["seconds"]
-    row = row_from(name, hosts, "autotune", read_json(out / "plan.json", "plan"), summary)
-    if report.get("chosen_measured_ms"):         # every steady step of the chosen plan's runs, pooled
-        row["measured_step_ms"] = report["chosen_measured_ms"]
-    row["autotune"] = {"runs": report["runs"], "stop_reason": report["stop_reason"], "wall_s": round(wall, 1),
-                       "chosen_run": report["chosen"], "error_final": chosen["error_final"],
-                       "chosen_runs": report.get("chosen_runs"), "chosen_noise": report.get("chosen_noise"),
-                       "steps_per_run": args.autotune_steps,
-                       "trials": [{k: t[k] for k in ("run", "strategies", "stages", "why", "predicted_ms",
-                                                     "predicted_final_ms", "measured_ms", "error_final")}
-                                  for t in report["trials"]]}
-    return row
-
-
-def autotune_summary(rows: Sequence[dict], within: float = 0.03) -> dict:
-    """Per group: autotune's measured step against the fastest strategy's; the final model's median |error|."""
-    groups = []
-    for model, hosts in dict.fromkeys((r["model"], r["hosts"]) for r in rows):
-        mine = [r for r in rows if (r["model"], r["hosts"]) == (model, hosts)]
-        tuned = next((r for r in mine if r["strategy"] == "autotune" and r.get("measured_step_ms")), None)
-        others = [r["measured_step_ms"] for r in mine if r["strategy"] != "autotune" and r.get("measured_step_ms")]
-        if tuned is None or not others:
-            continue
-        ratio = tuned["measured_step_ms"] / min(others)
-        groups.append({"model": model, "hosts": hosts, "autotune_ms": tuned["measured_step_ms"],
-                       "fastest_strategy_ms": min(others), "vs_fastest": round(ratio, 3),
-                       "fastest_or_within": ratio <= 1 + within, "runs": tuned["autotune"]["runs"],
-                       "error_final": tuned["autotune"]["error_final"],
-                       "stop_reason": tuned["autotune"]["stop_reason"]})
-    errors = sorted(abs(g["error_final"]) for g in groups if g["error_final"] is not None)
-    return {"groups": groups, "within": within, "groups_fastest_or_within": sum(g["fastest_or_within"] for g in groups),
-            "median_abs_error_final": errors[len(errors) // 2] if errors else None}
-
-
 # ---- the driver ------------------------------------------------------------------------------
 
 def run_model_hosts(cluster, name: str, hosts: int, strategies: list[str], args, work: Path, profile: Path,
@@ -293,7 +239,17 @@ def run_model_hosts(cluster, name: str, hosts: int, strategies: list[str], args,
         else:
             log.info("  %-9s %s: %s", strategy, row["status"], row["reason"])
     if args.autotune:
-        row = autotune_row(cluster, name, hosts, args, work, scaled, cluster_file, calibrations, port_base + 9)
+        row = autotune_row(hybridpipe_cli, cluster, name, hosts, args, work, scaled, cluster_file, calibrations,
+                           port_base + 9, LAUNCH_TIMEOUT_S)
+        best = fastest_strategy(rows)
+        if args.pair_rounds and row.get("status") == "ok" and best is not None:
+            row["autotune"]["paired"] = paired_comparison(
+                lambda plan, run_dir: train_plan(cluster, plan, run_dir, args.autotune_steps, port_base + 8,
+                                                 args.timeout),
+                work / f"autotune-{name}-{hosts}" / "plan.json", work / f"{name}.{hosts}.{best['strategy']}.plan.json",
+                work / f"pairs-{name}-{hosts}", args.pair_rounds)
+            log.info("  autotune vs %s, alternately %d x each: %s", best["strategy"], args.pair_rounds,
+                     row["autotune"]["paired"].get("ratio"))
         rows.append(row)
         tuned = row.get("autotune", {})
         if row.get("status") == "ok":
@@ -390,6 +346,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-autotune", dest="autotune", action="store_false",
                    help="leave out the autotune row of each group (hybridpipe autotune on the same cluster)")
     p.add_argument("--autotune-budget", type=int, default=4, help="autotune's runs per group (default 4)")
+    p.add_argument("--pair-rounds", type=int, default=2, help="after autotune, run its plan and the fastest "
+                   "strategy's alternately N times each (default 2; 0: no paired comparison)")
     p.add_argument("--autotune-steps", type=int, default=6, help="steps of each autotune run (default 6: the "
                    "first is warm-up, its median and noise from the other 5; re-measures pool their steps)")
     p.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
