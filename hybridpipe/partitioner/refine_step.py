@@ -9,9 +9,12 @@ which is the tied weights' sum across stages, then the optimizer step). Per stag
 ``optimizer_s`` is the model's optimizer time of the stage's nodes (the profile's step time over
 all parameters, shared by parameter bytes, times the steps a step takes), so ``o`` (the optimizer
 factor) scales with the stage's parameter bytes. It is fitted on the stages that take part in
-no tied sum, as the ratio of sums (big stages weigh most: a step phase also holds a constant
-few hundred microseconds of bookkeeping that would swamp the ratio of a stage with few
-weights).
+no tied sum, as the median of their ratios weighted by their predicted times (big stages weigh
+most: a step phase also holds a constant few hundred microseconds of bookkeeping that would
+swamp the ratio of a stage with few weights). A median, not a ratio of sums: on a shared
+machine one stage's step can crawl while the others' all-reduce takes the CPU (measured
+2026-11-25, AlexNet on 4 emulated hosts: a 10 MB stage's step took 1.2 s, 45x its price, beside
+fc1's 151 MB all-reduce; a ratio of sums put every optimizer step at 3x).
 
 A tied group's sum ends when its last stage arrives: the others wait in it for that stage's
 drain, which is time the pipeline's critical path already holds. So a group's real sum is the
@@ -49,12 +52,24 @@ class StepFactors:
     tied: float | None             # None: no tied group ran
 
 
+def weighted_median(values: Sequence[float], weights: Sequence[float]) -> float:
+    """The value at half the total weight (values sorted; the lower one on a tie)."""
+    pairs = sorted(zip(values, weights, strict=True))
+    half, acc = sum(weights) / 2, 0.0
+    for v, w in pairs:
+        acc += w
+        if acc >= half:
+            return v
+    return pairs[-1][0]
+
+
 def optimizer_factor(runs: Sequence[Sequence[StepStage]]) -> float | None:
-    """``o``: measured over predicted optimizer time on the stages in no tied group, ratio of sums."""
+    """``o``: the median of measured over predicted optimizer time on the stages in no tied group,
+    each weighted by its predicted time (module docstring)."""
     plain = [s for run in runs for s in run if s.tied_ms <= 0 and s.optimizer_ms > 0]
     if not plain:
         return None
-    return sum(s.measured_ms for s in plain) / sum(s.optimizer_ms for s in plain)
+    return weighted_median([s.measured_ms / s.optimizer_ms for s in plain], [s.optimizer_ms for s in plain])
 
 
 def tied_factor(runs: Sequence[Sequence[StepStage]], groups: Sequence[Sequence[TiedEvidence]],

@@ -19,7 +19,7 @@ from hybridpipe.partitioner.refine import (
     refined_calibrations,
     refined_profile,
 )
-from hybridpipe.partitioner.refine_step import StepFactors, StepStage, TiedEvidence, fit_step
+from hybridpipe.partitioner.refine_step import StepFactors, StepStage, TiedEvidence, fit_step, weighted_median
 from tests.partitioner.synth import flat_cluster, make_profile
 from tests.partitioner.synth_runs import synthetic_run
 
@@ -166,3 +166,12 @@ def test_size_class_factors_are_refitted_until_every_stage_waits_what_it_measure
         import numpy as np
         got = lane_wait_ms(base, np.array(e.backward_ms), np.array(e.forward_ms))
         assert got == pytest.approx(e.measured_wait_ms, rel=0.03, abs=0.05)
+
+
+def test_one_stage_whose_step_crawled_does_not_set_the_optimizer_factor():
+    # the small stage waited 45x its price (the machine's CPU went to another stage's all-reduce)
+    runs = [[StepStage(29.0, 0.0, 1294.0), StepStage(292.0, 0.0, 147.0 * 292 / 292), StepStage(162.0, 0.0, 91.0)],
+            [StepStage(145.0, 0.0, 270.0 * 145 / 292), StepStage(162.0, 0.0, 87.0)]]
+    o = fit_step(runs, [[], []]).optimizer
+    assert o is not None and 0.45 < o < 0.65          # the big stages' ratios (0.50-0.56), not 3.2x
+    assert weighted_median([1.0, 5.0, 2.0], [1.0, 1.0, 3.0]) == 2.0
