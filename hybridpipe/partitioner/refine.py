@@ -21,7 +21,11 @@ observations are plain numbers (``observed.py``), so no process group is needed.
   mean of its estimates. So a 400 MB layer that crawls beside compute does not slow the model's
   small all-reduces, as one overlap_slowdown number would.
 * What is left: each run's measured step against the refined model's prediction for its stages.
-  Two terms explain the rest: a latency per p2p message beyond the wire time (``p2p_extra_alpha``:
+  Three terms explain the rest. Compute lost beside all-reduces that the stages' own compute
+  did not show (on hosts that share CPUs a big all-reduce slows the other stages: it shows in
+  the steps only), added to the interference per link byte (``refine_interference.py``), is
+  searched like the latency below, after it, and the latency again after that (only where a
+  run had an all-reduce). A latency per p2p message beyond the wire time (``p2p_extra_alpha``:
   handing a message over between busy ranks; the model charges it wherever it charges a
   message, so it moves plans) and a cost per step the model does not price (``step_overhead_ms``:
   Python and launch costs per step; added to every prediction, it changes no ranking). The
@@ -51,7 +55,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -232,17 +236,39 @@ def refine(profile: Profile, cluster: Cluster, calibrations: Sequence[Calibratio
     return fit_leftover(profile, cluster, calibrations, ref, runs, algorithms)
 
 
+def search_log(score: Callable[[float], float], grid: Sequence[float]) -> float:
+    """The x of ``grid`` (0 first, then increasing) with the least score, refined by a ternary search in
+    log space between its neighbours; ties go to the smaller x."""
+    errors = [score(x) for x in grid]
+    k = min(range(len(grid)), key=lambda i: (round(errors[i], 12), grid[i]))
+    if len(grid) < 3 or k == 0:
+        return grid[k]
+    lo, hi = math.log(grid[k - 1] or grid[1] / 10), math.log(grid[min(k + 1, len(grid) - 1)])
+    for _ in range(30):
+        a, b = lo + (hi - lo) / 3, hi - (hi - lo) / 3
+        if score(math.exp(a)) <= score(math.exp(b)):
+            hi = b
+        else:
+            lo = a
+    mid = math.exp((lo + hi) / 2)
+    return mid if score(mid) < errors[k] else grid[k]
+
+
 def fit_leftover(profile: Profile, cluster: Cluster, calibrations: Sequence[Calibration], ref: Refinement,
                  runs: Sequence[RunObservation], algorithms: Sequence[str]) -> Refinement:
-    """``ref`` with the p2p message latency and step overhead that best explain the measured steps."""
+    """``ref`` with the p2p message latency, the compute lost to all-reduces beyond what the stages'
+    own compute showed, and the step overhead that best explain the measured steps (coordinate
+    search: latency, then the loss, then the latency again)."""
     measured = [r for r in runs if r.measured_step_ms]
     if not measured:
         return ref
     prof = refined_profile(profile, ref)
     levels = sorted({lv for lv, _ in ref.p2p_factor})
+    seen = ref.interference_s_per_byte or 0.0
 
-    def scored(delta: float) -> tuple[float, float]:
-        trial = replace(ref, p2p_extra_alpha_s=tuple((lv, delta) for lv in levels))
+    def scored(delta: float, lost: float) -> tuple[float, float]:
+        trial = replace(ref, p2p_extra_alpha_s=tuple((lv, delta) for lv in levels),
+                        interference_s_per_byte=seen + lost)
         cals = refined_calibrations(cluster, calibrations, trial)
         pred = [predict_run(prof, cluster, cals, r, algorithms=algorithms) for r in measured]
         left = max(0.0, statistics.median([r.measured_step_ms - p for r, p in zip(measured, pred, strict=True)
@@ -251,22 +277,15 @@ def fit_leftover(profile: Profile, cluster: Cluster, calibrations: Sequence[Cali
                   for r, p in zip(measured, pred, strict=True))
         return err, left
 
-    grid = [0.0, *np.geomspace(1e-6, 0.2, 40).tolist()] if levels else [0.0]
-    errors = [scored(d)[0] for d in grid]
-    k = min(range(len(grid)), key=lambda i: (round(errors[i], 12), grid[i]))
-    best = grid[k]
-    if levels and k > 0:
-        lo, hi = math.log(grid[k - 1] or grid[1] / 10), math.log(grid[min(k + 1, len(grid) - 1)])
-        for _ in range(30):
-            a, b = lo + (hi - lo) / 3, hi - (hi - lo) / 3
-            if scored(math.exp(a))[0] <= scored(math.exp(b))[0]:
-                hi = b
-            else:
-                lo = a
-        if scored(math.exp((lo + hi) / 2))[0] < errors[k]:
-            best = math.exp((lo + hi) / 2)
-    return replace(ref, p2p_extra_alpha_s=tuple((lv, best) for lv in levels) if best else (),
-                   step_overhead_ms=scored(best)[1])
+    alphas = [0.0, *np.geomspace(1e-6, 0.2, 40).tolist()] if levels else [0.0]
+    losses = [0.0, *np.geomspace(1e-11, 3e-8, 25).tolist()] if any(len(s.ranks) > 1 for r in measured
+                                                                      for s in r.stages) else [0.0]
+    delta = search_log(lambda d: scored(d, 0.0)[0], alphas)
+    lost = search_log(lambda g: scored(delta, g)[0], losses)
+    if lost:
+        delta = search_log(lambda d: scored(d, lost)[0], alphas)
+    return replace(ref, p2p_extra_alpha_s=tuple((lv, delta) for lv in levels) if delta else (),
+                   interference_s_per_byte=seen + lost, step_overhead_ms=scored(delta, lost)[1])
 
 
 def refined_profile(profile: Profile, ref: Refinement) -> Profile:

@@ -175,3 +175,26 @@ def test_one_stage_whose_step_crawled_does_not_set_the_optimizer_factor():
     o = fit_step(runs, [[], []]).optimizer
     assert o is not None and 0.45 < o < 0.65          # the big stages' ratios (0.50-0.56), not 3.2x
     assert weighted_median([1.0, 5.0, 2.0], [1.0, 1.0, 3.0]) == 2.0
+
+
+def test_compute_lost_beside_all_reduces_that_only_the_step_times_show_is_fitted_there():
+    """On hosts that share CPUs, a big all-reduce slows the other stages, not its own compute
+    phases: the stages' compute says nothing, the measured steps do. The loss is fitted to the
+    steps (beside the message latency and the overhead) and re-predicts every run."""
+    prof = make_profile([(5.0, 10.0, 100_000, 10_000_000)] * 4, model="even")
+    cluster = flat_cluster(4, gbps=10.0, latency_us=20)
+    truth = dataclasses.replace(nominal_calibration(CostModel(cluster), 0), interference_s_per_byte=5e-9,
+                                step_overhead_ms=2.0)
+    layouts = [[StageSpec(0, 5, (0, 1, 2, 3))], [StageSpec(0, 2, (0, 1)), StageSpec(3, 5, (2, 3))],
+               [StageSpec(0, 1, (0,)), StageSpec(2, 2, (1,)), StageSpec(3, 3, (2,)), StageSpec(4, 5, (3,))]]
+    runs = []
+    for k, stages in enumerate(layouts):
+        probe = synthetic_run(prof, cluster, stages, name=f"r{k}")
+        runs.append(synthetic_run(prof, cluster, stages, name=f"r{k}",
+                                  measured_step_ms=predict_run(prof, cluster, [truth], probe)))
+    ref = refine(prof, cluster, (), runs)
+    assert ref.interference_s_per_byte == pytest.approx(5e-9, rel=0.05)
+    cals = refined_calibrations(cluster, (), ref)
+    for run in runs:
+        assert predict_run(refined_profile(prof, ref), cluster, cals, run) == pytest.approx(run.measured_step_ms,
+                                                                                            rel=0.01)
