@@ -22,6 +22,8 @@ cluster (``partitioner/refine.py``); a calibration without it is still written a
   cluster's contention; a refined profile's per-node corrections come on top of it).
 * ``step_overhead_ms``: what the runs' steps took beyond everything the model prices (per-step
   runtime costs, waits of busy ranks); added to every plan's predicted step (no ranking changes).
+* ``interference_s_per_byte`` (a format-1 field) is replaced by what the runs showed: the
+  measured compute already holds the loss, so the calibrated figure would count it twice.
 * ``tied_slowdown``: the tied weights' sums across stages (one float32 all-reduce each, at the
   step's end) took this many times their price (1 if unmeasured).
 * ``refined_from``: the run directories the corrections were learnt from.
