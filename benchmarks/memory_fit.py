@@ -3,8 +3,9 @@
     python benchmarks/memory_fit.py --memory-gb 0.1                 # gpt and resnet-small, 2 stages
     python benchmarks/memory_fit.py --models gpt --memory-gb 0.2 --schedules gpipe --quick
 
-For each model, schedule and ``--recompute`` mode, the partitioner (``--strategy optimal``, 2
-stages, ``--micro-batches M``) is asked for a plan at growing micro-batch sizes, each profiled
+For each model, schedule and ``--recompute`` mode, the partitioner (``--strategy optimal`` on
+``--workers`` 2, ``--micro-batches M``; it picks stages and replicas) is asked for a plan at
+growing micro-batch sizes, each profiled
 at that size: doubling until no plan fits in ``--memory-gb`` per worker, then bisecting. The
 largest batch is that micro-batch size x M. The plan found for it is then run for a few steps
 on local processes (gloo, one thread each) and every rank's measured peak (``summary.json``: on
@@ -41,9 +42,9 @@ from hybridpipe.profiles.zoo import resolve_model  # noqa: E402
 class Search:
     """Plans for one model at growing micro-batch sizes (profiles cached per size)."""
 
-    def __init__(self, model: str, stages: int, memory_gb: float, micro_batches: int):
-        self.model, self.stages, self.micro_batches = model, stages, micro_batches
-        self.cluster = Cluster((Level("local", stages, 8.0, 500.0),), memory_gb)
+    def __init__(self, model: str, workers: int, memory_gb: float, micro_batches: int):
+        self.model, self.workers, self.micro_batches = model, workers, micro_batches
+        self.cluster = Cluster((Level("local", workers, 8.0, 500.0),), memory_gb)
         self.profiles: dict[int, Profile] = {}
 
     def profile(self, size: int) -> Profile:
@@ -54,11 +55,12 @@ class Search:
 
     def plan(self, size: int, schedule: str, recompute: str) -> Plan | None:
         """The partitioner's plan at this micro-batch size, None where none fits."""
-        req = Request(workers=self.stages, stages=self.stages, schedule=schedule, micro_batches=self.micro_batches,
-                      recompute=recompute)
+        req = Request(workers=self.workers, schedule=schedule, micro_batches=self.micro_batches, recompute=recompute)
         try:
             return partition(self.profile(size), self.cluster, req).plan
-        except UserError:
+        except UserError as e:
+            if "fits in" not in str(e):         # not a memory refusal: a mistake in this script
+                raise
             return None
 
     def largest(self, schedule: str, recompute: str, most: int) -> tuple[int, Plan | None, list[int]]:
@@ -88,7 +90,8 @@ def verify(plan: Plan, steps: int, workdir: Path, name: str) -> list[dict]:
     path = workdir / f"{name}.json"
     save_plan(plan, path)
     run_dir = workdir / f"run-{name}"
-    outcomes = run_local(run_plan, len(plan.stages), str(path), steps, str(run_dir), timeout_s=900, pg_timeout_s=600)
+    world = sum(s.replicas for s in plan.stages)
+    outcomes = run_local(run_plan, world, str(path), steps, str(run_dir), timeout_s=900, pg_timeout_s=600)
     problems = describe_failures(outcomes)
     if problems:
         raise RuntimeError(problems)
@@ -99,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="gpt,resnet-small")
     p.add_argument("--memory-gb", type=float, default=0.1, help="memory per worker (default 0.1)")
-    p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--workers", type=int, default=2)
     p.add_argument("--micro-batches", type=int, default=4)
     p.add_argument("--schedules", default="gpipe,1f1b")
     p.add_argument("--recompute", default="none,all,auto")
@@ -118,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with bench_lock(a.lock):
         for model in a.models.split(","):
-            search = Search(model, a.stages, a.memory_gb, a.micro_batches)
+            search = Search(model, a.workers, a.memory_gb, a.micro_batches)
             for schedule in a.schedules.split(","):
                 for recompute in a.recompute.split(","):
                     size, plan, tried = search.largest(schedule, recompute, a.max_micro_batch)
@@ -126,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
                            "micro_batches": a.micro_batches, "batch": size * a.micro_batches, "tried": tried,
                            "capped": size >= a.max_micro_batch, "memory": []}
                     if plan is not None:
+                        row["stages"] = [[s.first_node, s.last_node, s.replicas] for s in plan.stages]
                         row["stages_recomputing"] = [s.recompute for s in plan.stages]
                         row["memory"] = verify(plan, steps, workdir, f"{model}-{schedule}-{recompute}")
                     rows.append(row)
@@ -135,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"({size} x {a.micro_batches}); measured/predicted peak {mem} (limit {limit / 1e6:.0f} MB)",
                           flush=True)
     result = {"benchmark": "memory_fit", "machine": machine(), "command": " ".join(sys.argv),
-              "memory_gb": a.memory_gb, "stages": a.stages, "micro_batches": a.micro_batches, "steps": steps,
+              "memory_gb": a.memory_gb, "workers": a.workers, "micro_batches": a.micro_batches, "steps": steps,
               "rows": rows}
     json_path, png_path = result_paths("memory_fit", a.quick, a.out_dir)
     write_results(json_path, result, _figure(rows, limit), png_path)
