@@ -149,12 +149,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _figure(rows: list[dict], limit: float):
     plt = pyplot()
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8))
-    names = [f"{r['model']}\n{r['schedule']} {r['recompute']}" for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 5))
+    names = [f"{r['model']} {r['schedule']} {r['recompute']}" for r in rows]
     x = list(range(len(rows)))
     left.bar(x, [r["batch"] for r in rows], color=[{"none": "C0", "all": "C1", "auto": "C2"}[r["recompute"]]
                                                    for r in rows])
-    left.set_xticks(x, names, fontsize=6)
+    left.set_xticks(x, names, fontsize=7, rotation=60, ha="right")
     left.set_ylabel("largest batch that fits (samples)")
     left.set_yscale("log")
     peak = [max((m["peak_bytes"] for m in r["memory"]), default=0) / 1e6 for r in rows]
@@ -162,9 +162,9 @@ def _figure(rows: list[dict], limit: float):
     right.bar([i - 0.2 for i in x], peak, 0.4, label="measured peak (hungriest rank)")
     right.bar([i + 0.2 for i in x], pred, 0.4, label="predicted")
     right.axhline(limit / 1e6, color="k", linestyle="--", linewidth=1, label="--memory-gb")
-    right.set_xticks(x, names, fontsize=6)
+    right.set_xticks(x, names, fontsize=7, rotation=60, ha="right")
     right.set_ylabel("MB")
-    right.legend(fontsize=7)
+    right.legend(fontsize=7, loc="lower left")
     fig.tight_layout()
     return fig
 
