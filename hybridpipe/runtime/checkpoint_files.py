@@ -211,6 +211,9 @@ def read_manifest(directory: str | os.PathLike) -> dict:
             raise UserError(f"{where}: file name {name!r} is not a plain name inside the checkpoint")
         field(rec, "bytes", int, f"{where}: file {name}", minimum=0)
         field(rec, "sha256", str, f"{where}: file {name}")
+    for i, names in enumerate(field(data, "tied", list, where, default=[])):
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise UserError(f"{where}: tied group {i} must be a list of parameter names, got {names!r}")
     return data
 
 
