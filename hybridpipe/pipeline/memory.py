@@ -11,7 +11,8 @@ keeps no such count, the bytes of the tensors the stage holds at its peak, every
   the backward has used it (``backward``: torch.utils.checkpoint's own saved-tensor hooks are
   wrapped for the rerun);
 * the weights, their gradients, the optimizer's state and the stashed weight versions
-  (pipedream), counted at the end of the step, when all of them exist.
+  (pipedream), counted at the end of the step, when all of them exist. Buffers (batch norm's
+  running statistics) are neither activations nor counted, as in the partitioner's prediction.
 
 The peak is the most activation bytes alive at once during the step plus those. Temporaries an
 operation frees before it returns (and gradients flowing through a backward) are not counted.
@@ -94,7 +95,9 @@ class MemoryMeter:
         if self.on_cuda:
             yield
             return
-        self._skip = {storage_key(t) for t in self.static() if isinstance(t, torch.Tensor) and t.numel() > 0}
+        buffers = self.module.buffers() if self.module is not None else ()
+        self._skip = {storage_key(t) for t in (*self.static(), *buffers)
+                      if isinstance(t, torch.Tensor) and t.numel() > 0}
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             yield
 
@@ -140,8 +143,9 @@ class MemoryMeter:
         pack, unpack = current
 
         def counted(x: torch.Tensor) -> Any:
-            # detached here, so that checkpoint keeps this very object and its end is seen
-            y = x.detach() if x.requires_grad else x
+            # a new tensor object of our own (detach), so that checkpoint keeps this very object and
+            # its end is seen (the op's own output object may outlive the storage's use elsewhere)
+            y = x.detach()
             if y.numel() > 0 and storage_key(y) not in self._skip:
                 key = storage_key(y)
                 self._add(key, y.untyped_storage().nbytes())
