@@ -135,7 +135,7 @@ class PipelineEngine:
         self.recorder, self.clock = recorder, clock
         self.stash = WeightStash(stage.module) if self.kind.asynchronous else None
         self.device = stage.device     # where inputs and targets go (place the stage before the engine)
-        self.meter = MemoryMeter(self._held, self._grad_bytes, self.device)
+        self.meter = MemoryMeter(self._held, self._grad_bytes, self.device, stage.module)
         self.phase = 0              # steps since the pipeline was (re)started (pipedream)
         self._last_step: int | None = None
         self._inputs: dict[int, dict[str, torch.Tensor]] = {}
@@ -285,7 +285,8 @@ class PipelineEngine:
         elif isinstance(ins, Forward):
             params = self.stash.forward_params(g, g in frozen) if self.stash else None
             with self.meter.forward(), self.compute_context():
-                self._acts[g] = stage.forward(self._inputs.pop(g), params=params)
+                act = self._acts[g] = stage.forward(self._inputs.pop(g), params=params)
+            self.meter.hold(g, act.inputs, act.outputs, act.output)
         elif isinstance(ins, SendActivations):
             self.channel().send(ins.peer, message_key(ins, g, M), self.on_wire(self._acts[g].outputs))
         elif isinstance(ins, LoadTarget):
@@ -293,8 +294,9 @@ class PipelineEngine:
             self._targets[g] = target.to(self.device, non_blocking=True) if target is not None else None
         elif isinstance(ins, Loss):
             act = self._acts[g]
-            with self.compute_context():
+            with self.meter.forward(), self.compute_context():
                 act.loss = stage.loss(act.output, self._targets.pop(g))
+            self.meter.hold(g, act.loss)
             if g // M == result.step:
                 result.losses[g % M] = act.loss.detach()
         elif isinstance(ins, RecvGradients):
@@ -304,23 +306,25 @@ class PipelineEngine:
             self._sync_next = g
         elif isinstance(ins, Backward):
             act = self._scaled(self._acts.pop(g))
-            with self._sync_if(g):
+            with self._sync_if(g), self.meter.backward(stage.recompute):
                 grads = stage.backward(act, self._out_grads.pop(g, None))
+            self.meter.drop(g)
             if self.stash:
                 self.stash.backward_done(g)
             if not stage.is_first:
                 self._in_grads[g] = grads
         elif isinstance(ins, BackwardInput):
             act = self._scaled(self._acts.pop(g))
-            with self.sync.no_sync():       # no parameter gradient here; nothing may start a sync
+            with self.sync.no_sync(), self.meter.backward(stage.recompute):   # no parameter gradient: no sync
                 grads, work = stage.backward_input(act, self._out_grads.pop(g, None))
             self._weight_work[g] = (act, work)
             if not stage.is_first:
                 self._in_grads[g] = grads
         elif isinstance(ins, BackwardWeight):
             _, work = self._weight_work.pop(g)
-            with self._sync_if(g):
+            with self._sync_if(g), self.meter.backward(stage.recompute):
                 stage.backward_weight(work)
+            self.meter.drop(g)
         elif isinstance(ins, SendGradients):
             self.channel().send(ins.peer, message_key(ins, g, M), self.on_wire(self._in_grads.pop(g)))
         else:
