@@ -5,6 +5,8 @@
     python benchmarks/vs_torch_pipelining.py --model mlp[hidden=1024] --stages 2 --modes sa,sra
     python benchmarks/vs_torch_pipelining.py --schedules gpipe,1f1b,zb-h1 \
         --torch-schedules ScheduleGPipe,Schedule1F1B,ScheduleInterleaved1F1B,ScheduleInterleavedZeroBubble
+    python benchmarks/vs_torch_pipelining.py --stages 2 --virtual-stages 2 --schedules interleaved-1f1b,zbv \
+        --torch-schedules ScheduleInterleaved1F1B,ScheduleZBVZeroBubble
 
 The model is profiled in this process (one thread, as the workers run) and split into
 ``--stages`` stages with balanced compute (``hybridpipe partition --strategy time``); both
@@ -16,8 +18,14 @@ one process per stage and one thread per process.
 hybridpipe runs through its worker (``run_worker``: channels, engine, metrics) with each p2p
 mode of ``--modes`` and each schedule of ``--schedules`` (system ``hybridpipe-MODE`` for 1f1b,
 ``hybridpipe-SCHEDULE-MODE`` otherwise); torch runs each class of ``--torch-schedules``
-(``SCHEDULE.step`` + ``optimizer.step``; the multi-stage classes get this rank's one stage, the
-same split: ZBV and DualPipeV need two stages per rank and are left out). Step time of a job =
+(``SCHEDULE.step`` + ``optimizer.step``). With ``--virtual-stages V`` the model is split into
+``--stages`` x V chunks instead, balanced by compute, and the schedules that hold several chunks
+per rank -- ours ``interleaved-1f1b`` and ``zbv``, torch's multi-stage classes -- run exactly those
+chunks, each placed as the schedule places them (looped: chunk s on rank s mod p for
+interleaved-1f1b, Interleaved1F1B, InterleavedZeroBubble, LoopedBFS; the V: rank r holds chunks r
+and 2p-1-r for zbv, ZBVZeroBubble, DualPipeV); the one-stage-per-rank schedules run a split into
+``--stages`` stages. Without it the multi-stage classes get this rank's one stage (ZBV and
+DualPipeV need two and cannot run). Step time of a job =
 its slowest rank's step; each run reports the median over the steps after ``--warmup``. The
 systems alternate, ``--rounds`` times, so drifting load on a shared machine hits both; the
 ratio is torch's median step over ours (> 1: hybridpipe is faster). Results:
@@ -36,11 +44,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -60,35 +68,69 @@ from benchmarks.common import (  # noqa: E402
     worker_env,
     write_results,
 )
+from benchmarks.torch_side import LR, MOMENTUM, SEED, TORCH_LOOPED, TORCH_V, theirs  # noqa: E402
 from hybridpipe.comm.local import describe_failures, run_local  # noqa: E402
 from hybridpipe.partitioner.cluster import Cluster, Level  # noqa: E402
-from hybridpipe.partitioner.plan import load_plan, save_plan  # noqa: E402
+from hybridpipe.partitioner.plan import Plan, load_plan, save_plan  # noqa: E402
 from hybridpipe.partitioner.planner import Request, partition  # noqa: E402
-from hybridpipe.pipeline import MicroBatches, build_stage_index  # noqa: E402
-from hybridpipe.profiles.capture import capture_model  # noqa: E402
-from hybridpipe.profiles.data import resolve_dataset  # noqa: E402
+from hybridpipe.partitioner.schedule_registry import get_schedule  # noqa: E402
 from hybridpipe.profiles.profiler import profile_model  # noqa: E402
 from hybridpipe.profiles.zoo import resolve_model  # noqa: E402
 from hybridpipe.runtime.config import build_parser, resolve  # noqa: E402
 from hybridpipe.runtime.worker import run_worker  # noqa: E402
 
 log = logging.getLogger("benchmarks.vs_torch_pipelining")
-LR, MOMENTUM, SEED = 0.01, 0.9, 0
+
+
+def chunk_layout(system: str) -> str | None:
+    """``looped`` or ``v`` for a system that holds several model chunks per rank, else None."""
+    kind = system.split("-", 1)[1] if system.startswith("torch-") else system_schedule(system)[0]
+    if kind in TORCH_LOOPED:
+        return "looped"
+    if kind in TORCH_V:
+        return "v"
+    if system.startswith("torch-") or system == "hybridpipe-best":
+        return None
+    layout = get_schedule(kind).layout
+    return None if layout == "single" else layout
+
+
+def placed(chunks: Plan, ranks: int, layout: str) -> Plan:
+    """``chunks`` (p*V unreplicated stages, one per rank) placed on ``ranks`` rank groups as
+    ``layout`` says (the stages, their nodes and tied groups unchanged)."""
+    kind = get_schedule("zbv" if layout == "v" else "interleaved-1f1b")
+    stages = tuple(dataclasses.replace(s, ranks=(kind.group_of(s.index, ranks),)) for s in chunks.stages)
+    return dataclasses.replace(chunks, stages=stages, virtual_stages=len(stages) // ranks,
+                               schedule="zbv" if layout == "v" else "interleaved-1f1b")
 
 
 def make_plan(model: str, stages: int, micro_batches: int, batch_size: int, path: Path,
-              best_path: Path | None = None, rate_gbps: float = 1.0) -> None:
+              best_path: Path | None = None, rate_gbps: float = 1.0, virtual: int = 1) -> None:
     """Profile ``model`` here and split it into ``stages`` compute-balanced, unreplicated stages;
-    with ``best_path``, also hybridpipe's own choice (strategy optimal) for ``stages`` hosts linked
-    at ``rate_gbps``."""
+    with ``virtual`` V > 1 also into ``stages`` x V chunks, placed looped (``path`` + ``.looped``)
+    and as a V (``.v``); with ``best_path``, also hybridpipe's own choice (strategy optimal) for
+    ``stages`` hosts linked at ``rate_gbps``."""
     torch.set_num_threads(1)
     profile = profile_model(resolve_model(model), batch_size=batch_size, repeats=3, progress=False)
     cluster = Cluster((Level("local", stages, 8.0, 500.0),), 4.0)
     plan = partition(profile, cluster, Request(workers=stages, strategy="time", micro_batches=micro_batches)).plan
     save_plan(plan, path)
+    if virtual > 1:
+        many = Cluster((Level("local", stages * virtual, 8.0, 500.0),), 4.0)
+        chunks = partition(profile, many, Request(workers=stages * virtual, strategy="time",
+                                                  micro_batches=micro_batches)).plan
+        if len(chunks.stages) != stages * virtual:
+            raise SystemExit(f"the model splits into {len(chunks.stages)} balanced chunks, not {stages * virtual}")
+        for layout in ("looped", "v"):
+            save_plan(placed(chunks, stages, layout), layout_path(path, layout))
     if best_path is not None:
         hosts = Cluster((Level("node", 1, 1000.0), Level("network", stages, rate_gbps, 50.0)), 16.0)
         save_plan(partition(profile, hosts, Request(workers=stages, micro_batches=micro_batches)).plan, best_path)
+
+
+def layout_path(path: Path, layout: str | None) -> Path:
+    """The plan file of a chunk layout (None: the one-stage-per-rank plan ``path``)."""
+    return path if layout is None else path.with_suffix(f".{layout}.json")
 
 
 def ours(rank: int, world: int, plan_path: str, steps: int, mode: str, run_dir: str,
@@ -100,83 +142,6 @@ def ours(rank: int, world: int, plan_path: str, steps: int, mode: str, run_dir: 
                                       "--run-dir", run_dir, "--no-trace", "--no-progress", "--timeout", "120"])
     summary = run_worker(resolve(args, world), print_fn=lambda _: None)
     return None if summary is None else {int(k): v for k, v in summary["job_step_ms"].items()}
-
-
-class _TorchStage(torch.nn.Module):
-    """hybridpipe's stage graph as torch's PipelineStage takes it (tensors only): the last stage
-    returns the model's output as the model does, or a Hugging Face model's logits (torch carries
-    no ModelOutput); the others the tuple of what they send."""
-
-    def __init__(self, stage, logits: bool):
-        super().__init__()
-        self.graph, self.captured, self.last, self.logits = stage.module, stage.captured, stage.is_last, logits
-
-    def forward(self, *args):
-        out = self.graph(*args)
-        if not self.last:
-            return tuple(out)
-        output = self.captured.rebuild_output(out)
-        return output.logits if self.logits else output
-
-
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """A Hugging Face causal LM's own loss: next-token cross-entropy, labels shifted by one."""
-    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
-                                             ignore_index=-100)
-
-
-def torch_side(spec, batch_size: int):
-    """(example input, loss_fn, targets from a batch) as a torch.distributed.pipelining user
-    writes them: a causal LM that computes its own loss gets its labels as the schedule's target
-    (the model returns logits), the rest as the model spec says."""
-    example = spec.example_input(batch_size, torch.Generator().manual_seed(SEED))
-    if spec.loss is not None:
-        return example, spec.loss, lambda x, y: y
-    if not (isinstance(example, dict) and "labels" in example and "input_ids" in example):
-        raise SystemExit("the torch side of this benchmark supports zoo models and Hugging Face causal LMs")
-    return ({k: v for k, v in example.items() if k != "labels"}, causal_lm_loss,
-            lambda x, y: x["labels"])
-
-
-def theirs(rank: int, world: int, plan_path: str, steps: int, kind: str = "Schedule1F1B") -> dict | None:
-    """torch.distributed.pipelining's schedule ``kind`` on the same stages; rank 0 returns the job's step times."""
-    from torch.distributed.pipelining import PipelineStage, schedules
-
-    plan = load_plan(plan_path)
-    spec = resolve_model(plan.model)
-    torch.manual_seed(SEED)
-    example, loss_fn, target_of = torch_side(spec, plan.batch_size)
-    # torch's stages carry tensors only: a static-shape capture (no ints cross the cuts), same blocks
-    captured = capture_model(spec.build(), example, granularity=plan.granularity, leaf_modules=spec.leaf_modules,
-                             dynamic=False)
-    stage = build_stage_index(captured, [(s.first_node, s.last_node) for s in plan.stages], rank, loss=spec.loss)
-    pipe = PipelineStage(_TorchStage(stage, spec.loss is None), rank, world, torch.device("cpu"))
-    cls = getattr(schedules, kind)
-    multi = issubclass(cls, schedules.PipelineScheduleMulti)
-    schedule = cls([pipe] if multi else pipe, n_microbatches=plan.micro_batches, loss_fn=loss_fn)
-    params = list(stage.module.parameters())
-    optimizer = torch.optim.SGD(params, lr=LR, momentum=MOMENTUM) if params else None
-    size = steps * plan.micro_batches * plan.batch_size
-    data = MicroBatches(resolve_dataset("synthetic", spec, size=size, seed=SEED), plan.batch_size, plan.micro_batches,
-                        targets=spec.loss is not None)
-    times = {}
-    for k in range(steps):
-        t0 = time.perf_counter()
-        x, y = data.global_batch(k)
-        if rank == 0:
-            inputs = captured.flatten_input({k: v for k, v in x.items() if k in example} if isinstance(x, dict) else x)
-            schedule.step(*(inputs[name] for name in stage.input_names))
-        elif rank == world - 1:
-            schedule.step(target=target_of(x, y), losses=[])
-        else:
-            schedule.step()
-        if optimizer is not None:
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        times[k] = (time.perf_counter() - t0) * 1e3
-    everyone: list = [None] * world
-    dist.all_gather_object(everyone, times)
-    return {k: max(t[k] for t in everyone) for k in range(steps)} if rank == 0 else None
 
 
 def worker(a: argparse.Namespace) -> None:
@@ -248,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="alexnet-small")
     p.add_argument("--stages", type=int, default=4, help="pipeline stages = processes (2-4 on this machine)")
+    p.add_argument("--virtual-stages", type=int, default=1,
+                   help="model chunks per process for the schedules that hold several (interleaved-1f1b, zbv, "
+                        "torch's multi-stage classes); default 1")
     p.add_argument("--micro-batches", type=int, default=8)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--steps", type=int, default=20)
@@ -282,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="vs_torch_pp."))
     plan_path, best_path = tmp / "plan.json", tmp / "best.json"
     make_plan(a.model, a.stages, a.micro_batches, a.batch_size, plan_path, best_path if a.best else None,
-              _gbps(a.rate))
+              _gbps(a.rate), a.virtual_stages)
     plan = load_plan(plan_path)
     log.info("stages (node ranges): %s", [(s.first_node, s.last_node) for s in plan.stages])
     ours_names = [f"hybridpipe-{m}" if s == "1f1b" else f"hybridpipe-{s}-{m}"
@@ -301,14 +269,15 @@ def main(argv: list[str] | None = None) -> int:
             order = systems if r % 2 == 0 else systems[::-1]
             for name in order:
                 run_dir = tmp / f"run-{name}-{r}"
-                path = best_path if name == "hybridpipe-best" else plan_path
+                layout = chunk_layout(name) if a.virtual_stages > 1 else None
+                path = best_path if name == "hybridpipe-best" else layout_path(plan_path, layout)
                 if cluster is not None:
                     step_ms = run_emulated(cluster, name, path, a.steps, run_dir, 900)
                 elif name.startswith("hybridpipe-"):
                     schedule, mode = system_schedule(name)
                     step_ms = run_job(ours, a.stages, str(path), a.steps, mode, str(run_dir), schedule)
                 else:
-                    step_ms = run_job(theirs, a.stages, str(plan_path), a.steps, name.split("-", 1)[1])
+                    step_ms = run_job(theirs, a.stages, str(path), a.steps, name.split("-", 1)[1])
                 runs[name].append(job_median(step_ms, a.warmup))
                 steps_ms[name].append(step_ms)
                 log.info("round %d %s: %.1f ms/step", r, name, runs[name][-1])
@@ -318,6 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "benchmark": "vs_torch_pipelining", "machine": machine(), "command": " ".join(sys.argv),
         "model": a.model, "stages": [[s.first_node, s.last_node] for s in plan.stages],
+        "virtual_stages": a.virtual_stages,
+        "chunks": ([[s.first_node, s.last_node, s.ranks[0]] for s in load_plan(layout_path(plan_path, "v")).stages]
+                   if a.virtual_stages > 1 else None),
         "best_plan": ([[s.first_node, s.last_node, s.replicas] for s in load_plan(best_path).stages]
                       if a.best else None),
         "micro_batches": a.micro_batches, "batch_size": a.batch_size, "steps": a.steps, "warmup": a.warmup,

@@ -32,6 +32,7 @@ from hybridpipe.partitioner.objective import RECOMPUTE
 from hybridpipe.partitioner.plan import ALGORITHMS, OPTIMIZERS, PRECISIONS, SCHEDULES, STRATEGIES, Plan, save_plan
 from hybridpipe.partitioner.planner import Outcome, Request, partition
 from hybridpipe.partitioner.schedule_registry import AUTO, auto_candidates
+from hybridpipe.pipeline.simulator import simulate
 from hybridpipe.profiles.format import load_profile
 
 SHOW_AFTER_S = 1.0        # the progress bar appears only on partitions that take longer
@@ -49,7 +50,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "uniform (equal node counts), params (balanced parameters), time (balanced compute)")
     parser.add_argument("--schedule", choices=(*SCHEDULES, AUTO), default="1f1b",
                         help="pipeline schedule (default 1f1b); auto: the fastest predicted of "
-                             f"{', '.join(auto_candidates())} (same updates as sequential SGD)")
+                             f"{', '.join(auto_candidates())} (same updates as sequential SGD), and only with "
+                             "--virtual-stages V also interleaved-1f1b and zbv (V = 2), compared by simulation")
+    parser.add_argument("--virtual-stages", type=positive_int, default=1, metavar="V",
+                        help="model chunks per worker (default 1): V > 1 with --schedule interleaved-1f1b, zbv (V = 2) "
+                             "or auto; the strategy's stage groups and replicas each hold V chunks, which shrinks "
+                             "the pipeline's fill and drain by V")
     parser.add_argument("--recompute", choices=RECOMPUTE, default="none",
                         help="activation recomputation: none (default), all stages, or auto (the stages that "
                              "would not fit in --memory-gb otherwise; the extra forward is charged)")
@@ -102,9 +108,9 @@ def run(args: argparse.Namespace) -> int:
                   micro_batches=args.micro_batches, optimizer=args.optimizer, memory_gb=args.memory_gb,
                   stages=args.stages, algorithms=tuple(a.strip() for a in args.algorithms.split(",") if a.strip()),
                   dedicated_aggregator=args.aggregator == "dedicated", time_limit_s=args.time_limit,
-                  recompute=args.recompute, precision=args.precision)
+                  recompute=args.recompute, precision=args.precision, virtual_stages=args.virtual_stages)
     with search_bar(args.strategy, disable=args.quiet) as progress:
-        outcome = partition(profile, cluster, req, calibrations, progress=progress)
+        outcome = partition(profile, cluster, req, calibrations, progress=progress, simulate=simulated_step)
     print(render(outcome, profile.nodes, layers=args.layers))
     for note in outcome.notes:
         print(f"note: {note}")
@@ -121,6 +127,11 @@ def run(args: argparse.Namespace) -> int:
 # all-reduce price tables grow with workers squared (2.1 GB at 4096), its stage tables with nodes
 # squared (150 MB at 1000 nodes); about 128 bytes per entry of either, rounded up
 DP_BYTES_PER_ENTRY = 160
+
+
+def simulated_step(plan: Plan) -> float:
+    """The plan's step as the schedule simulator predicts it (ms): plans with virtual stages."""
+    return simulate(plan).step_ms
 
 
 def check_search_size(nodes: int, workers: int) -> None:
@@ -163,7 +174,8 @@ def render(outcome: Outcome, nodes, *, layers: bool = False) -> str:
     worst = max(range(len(ev.stages)), key=lambda k: ev.stages[k].term_ms)
     head = [f"plan for {plan.model}: global batch {plan.micro_batches * plan.batch_size} = {plan.micro_batches} "
             f"micro-batches x {plan.batch_size} samples per step, "
-            f"schedule {plan.schedule}, strategy {plan.strategy}, optimizer {plan.optimizer}",
+            f"schedule {plan.schedule}" + (f" ({plan.virtual_stages} chunks per worker)" if plan.virtual_stages > 1
+                                           else "") + f", strategy {plan.strategy}, optimizer {plan.optimizer}",
             f"cluster: {cluster_line(plan, outcome.options.memory_bytes / 1e9)}"]
     rows = []
     for s, e in zip(plan.stages, ev.stages, strict=True):
@@ -198,7 +210,7 @@ def compare(profile, cluster, req: Request, calibrations, outcome: Outcome, *, e
     for name in names:
         try:
             other = partition(profile, cluster, Request(**{**req.__dict__, "strategy": name, "stages": None}),
-                              calibrations).plan
+                              calibrations, simulate=simulated_step).plan
         except UserError as e:
             rows.append([name, "-", "-", "-", "infeasible (why: below)"])
             reasons.append(f"{name} is infeasible: {e}")

@@ -53,22 +53,25 @@ def run(args: argparse.Namespace) -> int:
     topo = Topology(tuple(tuple(s.ranks) for s in plan.stages), args.micro_batches or plan.micro_batches)
     check_simulation_size(topo, args.steps if args.png else 1, "listing" if not args.png else "drawing")
     check_schedulable(topo, schedule)
-    ranks = [r for rs in topo.stage_ranks for r in rs]
+    ranks = [r for rs in topo.groups for r in rs]
     if args.rank is not None and args.rank not in ranks:
         raise UserError(f"rank {args.rank} is not in the plan (ranks 0..{topo.world_size - 1})")
+    chunks = f" ({topo.virtual_stages} model chunks per rank)" if topo.virtual_stages > 1 else ""
     print(f"{plan.model}: schedule {schedule}, {topo.micro_batches} micro-batches per step, "
-          f"{topo.n_stages} stages, {topo.world_size} ranks")
+          f"{topo.n_stages} stages{chunks}, {topo.world_size} ranks")
     for title, phase, drain in steps_to_show(topo, schedule):
         print(f"\n{title}:")
         for r in ([args.rank] if args.rank is not None else ranks):
-            stage, replica = topo.locate(r)
+            stages = topo.stages_of(r)
             prog = rank_program(topo, r, schedule, phase=phase, drain=drain)
-            head = f"rank {r} (stage {stage}, replica {replica})"
+            where = f"stage {stages[0]}" if len(stages) == 1 else f"stages {', '.join(map(str, stages))}"
+            head = f"rank {r} ({where}, replica {topo.replica_of(r)})"
             if args.rank is not None:
                 print(head + ":")
                 print("\n".join(f"  {i:3d}  {ins}" for i, ins in enumerate(prog)))
             else:
-                print(textwrap.fill(" ".join(short(x) for x in prog), width=120, initial_indent=f"{head}: ",
+                text = " ".join(short(x, stages=len(stages) > 1) for x in prog)
+                print(textwrap.fill(text, width=120, initial_indent=f"{head}: ",
                                     subsequent_indent=" " * 4))
     if args.png:
         costs = stage_costs(plan)

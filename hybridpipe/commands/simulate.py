@@ -68,7 +68,7 @@ def check_simulation_size(topo: Topology, steps: int | None, what: str = "simula
     """UserError before any work unless simulating ``steps`` steps of ``topo`` fits in memory
     (arithmetic only: the instruction lists of a huge request are never built)."""
     n_steps = steps if steps is not None else 8 * topo.n_stages + 1        # default_steps' upper bound
-    count = n_steps * topo.world_size * topo.micro_batches * INSTRUCTIONS_PER_MICRO_BATCH
+    count = n_steps * topo.world_size * topo.micro_batches * topo.virtual_stages * INSTRUCTIONS_PER_MICRO_BATCH
     require_memory(count * BYTES_PER_INSTRUCTION,
                    f"{what} {n_steps} steps of {topo.micro_batches} micro-batches on {topo.world_size} ranks "
                    f"(about {count:,} instructions)", "ask for fewer --steps or --micro-batches")

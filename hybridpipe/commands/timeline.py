@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
 def render_phase_table(merged: dict) -> str:
     """Per rank: mean step time and mean time per step of every phase (ms)."""
     rows = phase_table(merged)
-    body = [[r.rank, r.stage, r.replica, r.steps, f"{r.step_ms:.2f}", *(f"{r.phase_ms[p]:.2f}" for p in PHASES),
+    body = [[r.rank, r.stage_label, r.replica, r.steps, f"{r.step_ms:.2f}", *(f"{r.phase_ms[p]:.2f}" for p in PHASES),
              f"{100 * r.compute_share:.0f}%"] for r in rows]
     return "mean ms per step\n" + table(["rank", "stage", "replica", "steps", "step", *PHASES, "compute"], body)
 
@@ -71,7 +71,8 @@ def draw_gantt(merged: dict, path: Path, *, last_steps: int = 4) -> Path:
 
     window = step_window(merged, last_steps)
     ranks = [int(m["rank"]) for m in merged["otherData"]["hybridpipe"]["ranks"]]
-    labels = {int(m["rank"]): f"rank {m['rank']}\nstage {m['stage']} replica {m['replica']}"
+    labels = {int(m["rank"]): f"rank {m['rank']}\nstage {','.join(map(str, m.get('stages') or [m['stage']]))} "
+                              f"replica {m['replica']}"
               for m in merged["otherData"]["hybridpipe"]["ranks"]}
     row = {r: i for i, r in enumerate(ranks)}
     bars: dict[tuple[int, str], list[tuple[float, float]]] = {}

@@ -6,6 +6,11 @@ Semantics every package relies on:
   topological order. Stage 0 holds the input placeholder, the last stage the ``output`` node.
 * A stage with ``replicas`` r runs on ``ranks`` (r global ranks); micro-batch m goes to
   replica ``m % r`` of every stage (round-robin).
+* Virtual stages (``virtual_stages`` V > 1, schedules interleaved-1f1b and zbv): ``stages`` lists
+  all p*V model chunks in model order, and the same rank tuple (a rank group) runs V of them, laid
+  out as the schedule says (``schedule_registry.LAYOUTS``: interleaved-1f1b puts stage s on group
+  s % p; zbv (V = 2) on group s for s < p, on group 2p-1-s after). Groups are disjoint; a rank's
+  replica index is the same in each of its stages. Plans without the field have V = 1.
 * One training step = ``micro_batches`` micro-batches of the profile's ``batch_size`` samples
   each. ``gpipe`` and ``1f1b`` flush at the end of the step and give the same update as one
   SGD step on the concatenated global batch; ``pipedream`` never flushes (weight stashing).
@@ -128,18 +133,27 @@ class Plan:
     granularity: str = "blocks"            # the profile's grouping of operations into nodes (to re-capture alike)
     precision: str = "fp32"                # what the transfers were priced in (launch runs it unless told otherwise)
     tied: tuple[TiedGroup, ...] = ()       # parameters read by several stages
+    virtual_stages: int = 1                # model chunks (stages) per rank: interleaved-1f1b, zbv (see above)
 
     @property
     def world_size(self) -> int:
-        return sum(s.replicas for s in self.stages)
+        return len({r for s in self.stages for r in s.ranks})
+
+    def stages_of_rank(self, rank: int) -> tuple[tuple[Stage, ...], int]:
+        """(the stages ``rank`` runs in model order, its replica index); UserError if none."""
+        mine = tuple(s for s in self.stages if rank in s.ranks)
+        if not mine:
+            raise UserError(f"rank {rank} has no stage in the plan (it uses ranks 0..{self.world_size - 1}); "
+                            f"launch with --nproc-per-node x --nnodes = {self.world_size}")
+        return mine, mine[0].ranks.index(rank)
 
     def stage_of_rank(self, rank: int) -> tuple[Stage, int]:
-        """(stage, replica index) that ``rank`` runs; UserError if the plan has no such rank."""
-        for s in self.stages:
-            if rank in s.ranks:
-                return s, s.ranks.index(rank)
-        raise UserError(f"rank {rank} has no stage in the plan (it uses ranks 0..{self.world_size - 1}); "
-                        f"launch with --nproc-per-node x --nnodes = {self.world_size}")
+        """(stage, replica index) that ``rank`` runs; UserError if the plan has no such rank;
+        ValueError for a rank with several stages (virtual stages: use :meth:`stages_of_rank`)."""
+        mine, replica = self.stages_of_rank(rank)
+        if len(mine) > 1:
+            raise ValueError(f"rank {rank} runs {len(mine)} stages (virtual stages); use Plan.stages_of_rank")
+        return mine[0], replica
 
     def to_dict(self) -> dict:
         d = {"kind": PLAN_KIND, "format": PLAN_FORMAT}
@@ -175,6 +189,7 @@ class Plan:
             granularity=field(d, "granularity", str, source, default="blocks"),
             precision=field(d, "precision", str, source, default="fp32", choices=PRECISIONS),
             tied=tuple(_tied_from_dict(t, i, source) for i, t in enumerate(field(d, "tied", list, source, default=[]))),
+            virtual_stages=field(d, "virtual_stages", int, source, minimum=1, default=1),
         )
         _check_stages(plan, source)
         return plan
@@ -327,11 +342,14 @@ def _check_stages(plan: Plan, source: str) -> None:
             raise UserError(f"{where}: last_node {s.last_node} is before first_node {s.first_node}")
         if len(s.ranks) != s.replicas:
             raise UserError(f"{where}: {s.replicas} replicas but {len(s.ranks)} ranks {list(s.ranks)}")
-        dup = seen.intersection(s.ranks)
+        dup = seen.intersection(s.ranks) if plan.virtual_stages == 1 else set()
         if dup or len(set(s.ranks)) != len(s.ranks):
             raise UserError(f"{where}: rank {sorted(dup or s.ranks)[0]} is given to more than one stage/replica")
         seen.update(s.ranks)
         expected_first = s.last_node + 1
+    layout = REGISTRY[plan.schedule].layout_error([s.ranks for s in plan.stages], plan.virtual_stages)
+    if layout:
+        raise UserError(f"{source}: {layout}; re-partition (hybridpipe partition --schedule {plan.schedule})")
     if seen != set(range(plan.world_size)):
         raise UserError(f"{source}: stage ranks must be exactly 0..{plan.world_size - 1}, got {sorted(seen)}")
     for t in plan.tied:

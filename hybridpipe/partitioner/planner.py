@@ -40,9 +40,10 @@ from hybridpipe.partitioner.plan import (
     Stage,
     TiedGroup,
 )
-from hybridpipe.partitioner.schedule_registry import AUTO, auto_candidates, get_schedule
+from hybridpipe.partitioner.schedule_registry import AUTO, REGISTRY, auto_candidates, get_schedule
 from hybridpipe.partitioner.strategies import baseline_stages
 from hybridpipe.partitioner.tied import tied_groups
+from hybridpipe.partitioner.virtual import Simulate, check_virtual, virtual_plan
 from hybridpipe.profiles.format import Profile
 
 MICRO_BATCHES_PER_WORKER = 2      # default micro-batches per step: enough to keep every stage busy
@@ -64,6 +65,7 @@ class Request:
     recompute: str = "none"
     time_limit_s: float | None = None          # optimal: stop searching then, keep the best plan found
     precision: str = "fp32"                    # bf16/fp16: activations, gradients and all-reduces at half the bytes
+    virtual_stages: int = 1                    # model chunks per rank (interleaved-1f1b, zbv: virtual.py)
 
 
 @dataclass(frozen=True)
@@ -115,13 +117,17 @@ def resolve(cluster: Cluster, req: Request) -> tuple[Cluster, int, Options]:
 
 def partition(profile: Profile, cluster: Cluster, req: Request = Request(),
               calibrations: Sequence[Calibration] = (),
-              progress: Callable[[dp.Progress], None] | None = None) -> Outcome:
+              progress: Callable[[dp.Progress], None] | None = None, simulate: Simulate | None = None) -> Outcome:
     """Plan ``profile`` on ``cluster`` as ``req`` asks; UserError when no plan is possible.
 
     ``progress`` is called as the optimal strategy's search goes (for a progress bar).
     ``schedule="auto"``: the plan of the flushed schedule with the smallest predicted step
-    (ties to the earlier one in the registry: less memory).
+    (ties to the earlier one in the registry: less memory); the schedules with several chunks per
+    rank only with ``virtual_stages`` > 1 (:func:`partition_virtual`). ``simulate`` (a plan -> its
+    simulated step, ms) is needed for virtual stages, whose step the simulator predicts.
     """
+    if req.virtual_stages != 1 or (req.schedule != AUTO and get_schedule(req.schedule).layout != "single"):
+        return partition_virtual(profile, cluster, req, calibrations, progress, simulate)
     if req.schedule == AUTO:
         found, errors = [], []
         for name in auto_candidates():
@@ -153,6 +159,56 @@ def partition(profile: Profile, cluster: Cluster, req: Request = Request(),
         raise UserError(memory_message(stages, ev, opts, req.strategy))
     plan = build_plan(profile, costs, cluster, stages, ev, opts, req.strategy, model, precision=req.precision)
     return Outcome(plan, ev, model, opts, notes)
+
+
+def partition_virtual(profile: Profile, cluster: Cluster, req: Request, calibrations: Sequence[Calibration] = (),
+                      progress: Callable[[dp.Progress], None] | None = None,
+                      simulate: Simulate | None = None) -> Outcome:
+    """A plan with ``req.virtual_stages`` chunks per rank (virtual.py): the groups and replicas of
+    the 1F1B plan the strategy finds, the model cut into p*V chunks on them. ``auto``: the fastest
+    simulated of the one-chunk schedules' best plan and each schedule that runs V chunks."""
+    if simulate is None:
+        raise ValueError("plans with virtual stages are predicted by simulation: pass simulate=")
+    virtual = req.virtual_stages
+    if virtual < 1:
+        raise UserError(f"--virtual-stages must be at least 1, got {virtual}")
+    if req.schedule == AUTO:
+        names = [n for n, s in REGISTRY.items() if s.flushed and s.layout != "single" and s.virtual_ok(virtual)]
+        found, errors = [], []
+        for name in names:
+            try:
+                found.append(partition_virtual(profile, cluster, replace(req, schedule=name), calibrations, progress,
+                                               simulate))
+            except UserError as e:
+                errors.append(e)
+        try:
+            plain = partition(profile, cluster, replace(req, virtual_stages=1), calibrations, progress)
+            step = simulated_ms(plain, simulate)
+            found.append(replace(plain, evaluation=replace(plain.evaluation, objective_ms=step)))
+        except UserError as e:
+            errors.append(e)
+        if not found:
+            raise errors[0]
+        return min(found, key=lambda o: o.evaluation.objective_ms)
+    check_virtual(req.schedule, virtual)
+    base = partition(profile, cluster, replace(req, schedule="1f1b", virtual_stages=1), calibrations, progress)
+    opts = replace(base.options, schedule=req.schedule)
+    costs = model_costs(profile).slowed(base.model.compute_slowdown)
+
+    def build(specs: Sequence[StageSpec], ev: Evaluation, o: Options) -> Plan:
+        return build_plan(profile, costs, base.plan.cluster, specs, ev, o, req.strategy, base.model,
+                          precision=req.precision)
+    plan, ev = virtual_plan(base.plan, costs, base.model, opts, virtual, build, simulate)
+    note = (f"{req.schedule}: the {req.strategy} strategy's {len(base.plan.stages)} stage groups and replicas, each "
+            f"holding {virtual} of the model's {len(plan.stages)} chunks; step predicted by simulation")
+    return Outcome(plan, ev, base.model, opts, base.notes + (note,))
+
+
+def simulated_ms(outcome: Outcome, simulate: Simulate) -> float:
+    """A one-chunk plan's step as the simulator predicts it, with the tied sums and per-step
+    overhead its prediction adds (to compare with plans whose step only the simulator predicts)."""
+    plan = outcome.plan
+    return simulate(plan) + sum(t.predicted_ms for t in plan.tied) + outcome.model.step_overhead_ms
 
 
 def choose_stages(strategy: str, costs: ModelCosts, model: CostModel, workers: int, opts: Options,
@@ -208,7 +264,7 @@ def priced_tied(profile: Profile, stages: Sequence[StageSpec], model: CostModel)
     """The tied groups of these stages, each priced as one float32 all-reduce over its stages' ranks per step."""
     out = []
     for group in tied_groups(profile, [(s.first, s.last) for s in stages]):
-        ranks = sorted(r for i in group.stages for r in stages[i].ranks)
+        ranks = sorted({r for i in group.stages for r in stages[i].ranks})     # zbv: stages 0 and 2p-1 share ranks
         # the runtime sums tied weights in float32 whatever the precision: undo the wire's scaling
         ms = model.allreduce_seconds("native", group.bytes / model.wire_bytes, ranks) * 1e3 * model.tied_slowdown
         out.append(replace(group, predicted_ms=round(ms, 6)))

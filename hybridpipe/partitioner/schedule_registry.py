@@ -21,9 +21,19 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from hybridpipe.errors import UserError
+from hybridpipe.partitioner.chunk_orders import ChunkOp, Place, interleaved_ops, replicated, zbv_ops
 
 Op = tuple[str, int]      # ("F" | "B" | "W", micro-batch)
+
+# where a schedule puts the p*V model chunks (stages, in model order) on the p rank groups
+LAYOUTS = {
+    "single": "one stage per group (V = 1): stage s on group s",
+    "looped": "interleaved (Megatron): stage s on group s % p, so each group holds every p-th chunk",
+    "v": "V shape (V = 2): stage s on group s for s < p and on group 2p-1-s after, so group 0 holds the first "
+         "and the last chunk",
+}
 OpsFn = Callable[[Sequence[int], int, int], Iterator[Op]]
+ChunkOpsFn = Callable[[Sequence[int], Place, int], Iterator[ChunkOp]]    # (mine, place, V) -> (op, m, local chunk)
 
 
 @dataclass(frozen=True)
@@ -32,11 +42,47 @@ class Schedule:
 
     name: str
     summary: str                    # one line for help texts
-    replica_ops: OpsFn              # (mine, warm, defer) -> ops of one replica in one step
+    replica_ops: OpsFn | None       # (mine, warm, defer) -> ops of one replica in one step (one chunk per rank)
     asynchronous: bool = False      # no flush: an optimizer step after every backward, weights stashed
     split_backward: bool = False    # B = input gradients, W = weight gradients, scheduled apart
     drain_backward_share: float = 1.0   # of the other stages' backward, the part the fill + drain costs
     forwards_first: bool = False    # every forward of the step before any backward (holds all k)
+    layout: str = "single"          # where model chunks live (see :data:`LAYOUTS`, :meth:`group_of`)
+    chunk_ops: ChunkOpsFn | None = None     # the ops of a replica of a group holding V chunks (chunk_orders.py)
+
+    def virtual_ok(self, virtual: int) -> bool:
+        """Whether the schedule runs ``virtual`` model chunks per rank."""
+        return {"single": virtual == 1, "looped": virtual >= 1, "v": virtual == 2}[self.layout]
+
+    def virtual_need(self) -> str:
+        """What :meth:`virtual_ok` asks of the chunks per rank, in words."""
+        return {"single": "1 (no virtual stages)", "looped": "1 or more", "v": "2 (the V shape)"}[self.layout]
+
+    def group_of(self, stage: int, groups: int) -> int:
+        """The rank group (0..p-1, p = ``groups``) that holds global stage ``stage`` (see :data:`LAYOUTS`)."""
+        if self.layout == "v" and stage >= groups:
+            return 2 * groups - 1 - stage
+        return stage % groups
+
+    def layout_error(self, stage_ranks: Sequence[Sequence[int]], virtual: int) -> str | None:
+        """What is wrong (a phrase) with the stages' ranks (model order) for ``virtual`` chunks per
+        rank under this schedule, or None: groups disjoint, every rank in exactly ``virtual``
+        stages, stage s on group :meth:`group_of` (s, p)."""
+        if not self.virtual_ok(virtual):
+            return f"schedule {self.name} runs {self.virtual_need()} model chunks per rank, not {virtual}"
+        if len(stage_ranks) % virtual:
+            return f"{len(stage_ranks)} stages cannot be {virtual} chunks on each rank group"
+        p = len(stage_ranks) // virtual
+        groups = [tuple(r) for r in stage_ranks[:p]]
+        seen = [r for g in groups for r in g]
+        if len(set(seen)) != len(seen):
+            return "the first p stages must run on disjoint rank groups (each rank in one group)"
+        for s, ranks in enumerate(stage_ranks):
+            want = groups[self.group_of(s, p)]
+            if tuple(ranks) != want:
+                return (f"stage {s} runs on ranks {list(ranks)} but {self.name} with {virtual} chunks per rank puts it "
+                        f"on group {self.group_of(s, p)} (ranks {list(want)})")
+        return None
 
     @property
     def flushed(self) -> bool:
@@ -57,6 +103,21 @@ class Schedule:
         if self.asynchronous:
             return depth
         return min(k, depth_all if self.split_backward else depth)
+
+    def chunk_inflight(self, place: Place, virtual: int) -> tuple[int, ...]:
+        """Per local chunk (0..V-1), the most micro-batches whose activations a replica of the
+        group at ``place`` holds at once (forwarded, weight gradients not yet computed), counted
+        on the schedule's own op order for its busiest replica (replica 0: ceil(M / r) of them).
+        Megatron's interleaved order holds more on earlier chunks: its first rank runs
+        (V-1) q + 2 (p-1) + 1 forwards (q micro-batches per round) before its first backward."""
+        assert self.chunk_ops is not None
+        r = place.replicas[place.group]
+        held, most = [0] * virtual, [0] * virtual
+        done = "W" if self.split_backward else "B"
+        for op, _, v in self.chunk_ops(range(0, place.micro_batches, r), place, virtual):
+            held[v] += 1 if op == "F" else -1 if op == done else 0
+            most[v] = max(most[v], held[v])
+        return tuple(most)
 
     def weight_versions(self, inflight: int) -> int:
         """Extra copies of the weights kept (weight stashing): one per in-flight micro-batch beyond the live one."""
@@ -116,6 +177,12 @@ REGISTRY: dict[str, Schedule] = {s.name: s for s in (
              asynchronous=True),
     Schedule("zb-h1", "zero-bubble H1: backward split in input (B) and weight (W) gradients, W fills the "
              "drain's bubbles; 1F1B memory, flush", zb_h1_ops, split_backward=True, drain_backward_share=0.0),
+    Schedule("interleaved-1f1b", "Megatron's interleaved 1F1B: V model chunks per rank (--virtual-stages V), "
+             "the fill and drain shrink by V; flush", None, layout="looped",
+             chunk_ops=lambda mine, place, virtual: replicated(interleaved_ops, mine, place, virtual)),
+    Schedule("zbv", "zero-bubble V: two chunks per rank in a V, backward split in B and W; flush", None,
+             split_backward=True, drain_backward_share=0.0, layout="v",
+             chunk_ops=lambda mine, place, virtual: replicated(lambda m, pl, v: zbv_ops(m, pl), mine, place, virtual)),
 )}
 
 
@@ -125,7 +192,7 @@ AUTO = "auto"       # the partitioner picks the fastest schedule of the same tra
 def auto_candidates() -> tuple[str, ...]:
     """What ``--schedule auto`` chooses from: every flushed schedule (each gives the update of
     sequential SGD on the step's micro-batches; asynchronous ones change the training)."""
-    return tuple(name for name, s in REGISTRY.items() if s.flushed)
+    return tuple(name for name, s in REGISTRY.items() if s.flushed and s.layout == "single")
 
 
 def get_schedule(name: str) -> Schedule:

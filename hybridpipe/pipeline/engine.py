@@ -1,24 +1,34 @@
 """Executing one rank's instruction list for one training step.
 
-    engine = PipelineEngine(stage, topo, rank, "1f1b", transport=channels, sync=hdp,
+    engine = PipelineEngine(stages, topo, rank, "1f1b", transport=channels, sync=hdp,
                             optimizer=opt, data=data, recorder=recorder)
     for step in range(steps):
         result = engine.run_step(step, drain=step == steps - 1)   # drain matters for pipedream only
         result.losses                                            # last stage: {micro-batch: loss}
 
+``stages``: the rank's stage, or with virtual stages (interleaved-1f1b, zbv) its chunks, one
+PipelineStage per entry of ``topo.stages_of(rank)``: every micro-batch instruction runs on its
+``stage``'s chunk, and activations, gradients and split-backward weight work are kept per chunk.
+What is per rank works on :attr:`PipelineEngine.module` (chunks.rank_module: every chunk's
+parameters, a weight two chunks share once): the optimizer, the Step's gradient scaling, the
+memory meter.
+
 Interfaces (duck-typed, see the project's contracts):
 
 * ``transport``: ``send(peer, key, tensors)`` (posts), ``recv(peer, key) -> tensors`` (blocks);
-  keys are ``act/<m>`` and ``grad/<m>`` (m = the micro-batch's index in its step; see
-  ``schedules.transfer_program`` for the ``sra`` mode's orders).
+  keys are ``act/<s>/<m>`` and ``grad/<s>/<m>`` (``instructions.message_key``: s the producing
+  stage, m the micro-batch's index in its step; see ``schedules.transfer_program`` for the ``sra``
+  mode's orders). A message from one chunk of this rank to another never reaches the transport.
 * ``sync``: ``no_sync()`` (context: backward inside it starts no all-reduce) and ``finish()``
   (wait for the started all-reduces). Gradients must be *summed* across replicas
   (``HybridDataParallel(..., reduce="sum")``): the schedule's Step applies 1/M (or 1/r).
-  ``None`` for an unreplicated stage.
-* ``optimizer``: a ``torch.optim.Optimizer`` over ``stage.module``'s parameters.
+  ``None`` for an unreplicated stage. With several chunks, a mapping stage index -> sync (each
+  chunk's replicas sync its own parameters: ``SyncStart(m, s)`` / ``SyncWait(s)`` name the chunk).
+* ``optimizer``: a ``torch.optim.Optimizer`` over :attr:`PipelineEngine.module`'s parameters.
 * ``data``: ``input(step, micro_batch)`` and ``target(step, micro_batch)`` (see data.py).
-* ``recorder`` (optional): ``record(phase, micro_batch, t0, t1)``, phase one of
-  receive_for, run_for, send_for, receive_back, run_back, sync, send_back, step.
+* ``recorder`` (optional): ``record(phase, micro_batch, t0, t1, stage)``, phase one of
+  receive_for, run_for, send_for, receive_back, run_back, sync, send_back, step; ``stage`` the
+  chunk's global stage index (None for Step, which is about the rank).
 * ``before_step`` (optional): called right before each optimizer step, once the gradients are
   final (replicas summed, tied copies summed, scaled by the Step's factor): e.g. clipping; when
   it returns False the step is skipped (gradients zeroed, no update).
@@ -37,7 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -45,7 +55,8 @@ import torch
 
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner.schedule_registry import get_schedule
-from hybridpipe.pipeline import evaluation
+from hybridpipe.pipeline import engine_state, evaluation
+from hybridpipe.pipeline.chunks import rank_module
 from hybridpipe.pipeline.instructions import (
     PHASES,
     Backward,
@@ -71,7 +82,6 @@ from hybridpipe.pipeline.schedules import Topology, check_schedulable, rank_prog
 from hybridpipe.pipeline.splitback import WeightWork
 from hybridpipe.pipeline.stage import Activation, PipelineStage
 from hybridpipe.pipeline.stash import WeightStash
-from hybridpipe.pipeline.validate import in_transit
 
 
 class Transport(Protocol):
@@ -113,18 +123,23 @@ class StepResult:
 class PipelineEngine:
     """Runs a rank's schedule step by step (see the module docstring)."""
 
-    def __init__(self, stage: PipelineStage, topo: Topology, rank: int, schedule: str, *, transport: Transport | None,
-                 optimizer: torch.optim.Optimizer, data: DataSource, sync=None, recorder=None,
-                 tied: TiedReduce | None = None, clock: Callable[[], float] = time.perf_counter,
+    def __init__(self, stages: PipelineStage | Sequence[PipelineStage], topo: Topology, rank: int, schedule: str, *,
+                 transport: Transport | None, optimizer: torch.optim.Optimizer, data: DataSource,
+                 sync: Any = None, recorder=None, tied: TiedReduce | None = None,
+                 clock: Callable[[], float] = time.perf_counter,
                  before_step: Callable[[], bool | None] | None = None, autocast: torch.dtype | None = None,
                  wire_dtype: torch.dtype | None = None, loss_scale: Callable[[], float] | None = None):
         check_schedulable(topo, schedule)
-        s, _ = topo.locate(rank)
-        if s != stage.index:
-            raise ValueError(f"rank {rank} runs stage {s} of the plan, but the engine got stage {stage.index}")
-        self.stage, self.topo, self.rank, self.schedule = stage, topo, rank, schedule
+        chunks = [stages] if isinstance(stages, PipelineStage) else list(stages)
+        expected = list(topo.stages_of(rank))
+        if [s.index for s in chunks] != expected:
+            raise ValueError(f"rank {rank} runs stage {','.join(map(str, expected))} of the plan, but the engine got "
+                             f"stage {','.join(str(s.index) for s in chunks)}")
+        self.stages: dict[int, PipelineStage] = {s.index: s for s in chunks}
+        self.module = rank_module([s.module for s in chunks])
+        self.topo, self.rank, self.schedule = topo, rank, schedule
         self.transport, self.optimizer, self.data = transport, optimizer, data
-        self.sync = sync if sync is not None else LocalSync()
+        self.syncs = _syncs(sync, expected)
         self.tied, self.before_step = tied, before_step
         self.autocast, self.wire_dtype, self.loss_scale = autocast, wire_dtype, loss_scale
         self.kind = get_schedule(schedule)
@@ -132,28 +147,40 @@ class PipelineEngine:
             raise UserError(f"{schedule}'s asynchronous updates cannot keep a weight that several stages share (tied "
                             "embeddings) identical; use --schedule 1f1b or gpipe, or a plan that keeps its uses "
                             "in one stage")
+        if self.kind.asynchronous and len(chunks) > 1:
+            raise UserError(f"{schedule} runs one stage per rank, but rank {rank} holds stages {expected}; "
+                            "use --schedule interleaved-1f1b or zbv for virtual stages")
         self.recorder, self.clock = recorder, clock
-        self.stash = WeightStash(stage.module) if self.kind.asynchronous else None
-        self.device = stage.device     # where inputs and targets go (place the stage before the engine)
-        self.meter = MemoryMeter(self._held, self._grad_bytes, self.device, stage.module)
+        self.stash = WeightStash(chunks[0].module) if self.kind.asynchronous else None
+        self.device = chunks[0].device     # where inputs and targets go (place the stages before the engine)
+        self.meter = MemoryMeter(self._held, self._grad_bytes, self.device, [c.module for c in chunks])
         self.phase = 0              # steps since the pipeline was (re)started (pipedream)
         self._last_step: int | None = None
-        self._inputs: dict[int, dict[str, torch.Tensor]] = {}
-        self._targets: dict[int, Any] = {}
-        self._acts: dict[int, Activation] = {}
-        self._out_grads: dict[int, dict[str, torch.Tensor]] = {}   # received: grads of the stage's outputs
-        self._in_grads: dict[int, dict[str, torch.Tensor]] = {}    # computed: grads of its inputs, to send
-        self._weight_work: dict[int, tuple[Activation, WeightWork]] = {}   # split backward: the weight half owed
-        self._sync_next: int | None = None
+        # per (stage, micro-batch numbered over the run):
+        self._inputs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self._targets: dict[tuple[int, int], Any] = {}
+        self._acts: dict[tuple[int, int], Activation] = {}
+        self._out_grads: dict[tuple[int, int], dict[str, torch.Tensor]] = {}   # received: grads of the outputs
+        self._in_grads: dict[tuple[int, int], dict[str, torch.Tensor]] = {}    # computed: grads of the inputs
+        self._weight_work: dict[tuple[int, int], tuple[Activation, WeightWork]] = {}   # split backward's W owed
+        self._sync_next: set[tuple[int, int]] = set()    # (stage, micro-batch) whose backward starts a sync
         self._settled: int | None = None    # step after which messages in transit were received early
         self._settle = settle_phase(topo, schedule)
         self._programs: dict[tuple[int, bool], list[Instruction]] = {}
+        self._local: dict[str, dict[str, torch.Tensor]] = {}    # messages from one chunk of this rank to another
 
     # ---- public ------------------------------------------------------------------------
     @property
+    def stage(self) -> PipelineStage:
+        """The rank's stage (a rank with several chunks has :attr:`stages`)."""
+        if len(self.stages) > 1:
+            raise RuntimeError(f"rank {self.rank} holds stages {list(self.stages)}; use engine.stages")
+        return next(iter(self.stages.values()))
+
+    @property
     def in_flight(self) -> list[int]:
         """Micro-batches (numbered over the run) forwarded here but not yet backwarded."""
-        return sorted(set(self._acts) | set(self._weight_work))
+        return sorted({g for _, g in (*self._acts, *self._weight_work)})
 
     def program(self, drain: bool = False) -> list[Instruction]:
         """The instruction list the next ``run_step`` executes (lists repeat once settled: cached)."""
@@ -180,13 +207,13 @@ class PipelineEngine:
             t0 = self.clock()
             if isinstance(ins, MicroBatchInstruction):
                 g = step * M + ins.micro_batch
-                self._execute(ins, g, frozen, result)
+                self._execute(ins, ins.stage, g, frozen, result)
             else:
                 g = -1                      # SyncWait and Step are about the step
                 self._execute_step_level(ins, result)
             phase = PHASES.get(type(ins))
             if recorder is not None and phase is not None:
-                recorder.record(phase, g, t0, self.clock())
+                recorder.record(phase, g, t0, self.clock(), getattr(ins, "stage", None))
         result.peak_memory_bytes = self.meter.end_step()
         self._last_step = step
         self.phase = 0 if drain else self.phase + 1     # the same on every rank
@@ -197,61 +224,12 @@ class PipelineEngine:
         return evaluation.run_eval(self, data, recorder=recorder)
 
     def state_dict(self) -> dict:
-        """The engine's own state for checkpoints, taken between steps (every rank after the same step).
-
-        pipedream keeps micro-batches in flight across steps. Their activations are not saved;
-        instead each one's inputs, weight version (the stash) and, when already here, output
-        gradients are, and :meth:`load_state_dict` recomputes their forwards with the stashed
-        weights: training resumes exactly (up to random ops such as dropout). To make that
-        possible the gradients already on their way to this rank are received now (their
-        senders have sent them, so this never waits on a peer's next step).
-        """
-        state = {"schedule": self.schedule, "step": self._last_step, "phase": self.phase,
-                 "stash": self.stash.state_dict() if self.stash else None, "in_flight": {}}
-        if self._acts:
-            self._receive_in_transit()
-            state["in_flight"] = {g: {"inputs": {k: t.detach().clone() for k, t in act.inputs.items()},
-                                      "grads": _clone(self._out_grads.get(g))} for g, act in self._acts.items()}
-        return state
+        """The engine's own state for checkpoints (see ``engine_state.engine_state``)."""
+        return engine_state.engine_state(self)
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`'s state into a fresh engine (same plan and rank), after the
-        stage's weights and the optimizer's state have been loaded; recomputes the forwards of
-        the micro-batches that were in flight."""
-        if state.get("schedule") != self.schedule:
-            raise ValueError(f"the engine state was saved by schedule {state.get('schedule')!r}, "
-                             f"not {self.schedule!r}")
-        if self._acts:
-            raise RuntimeError("load_state_dict needs a fresh engine (this one has micro-batches in flight)")
-        if self.stash is not None and state.get("stash") is not None:
-            self.stash.load_state_dict(state["stash"])
-        self._last_step, self.phase = state.get("step"), state.get("phase", 0)
-        self._settled = self._last_step
-        device = self.device
-        M = self.topo.micro_batches
-        for g in sorted(state.get("in_flight", {})):
-            saved = state["in_flight"][g]
-            inputs = {k: t.to(device) for k, t in saved["inputs"].items()}
-            act = self.stage.forward(inputs, params=self.stash.replay_params(g) if self.stash else None)
-            if self.stage.is_last:
-                target = self.data.target(g // M, g % M)
-                act.loss = self.stage.loss(act.output, target.to(device) if target is not None else None)
-            self._acts[g] = act
-            if saved["grads"] is not None:
-                self._out_grads[g] = {k: t.to(device) for k, t in saved["grads"].items()}
-
-    def _receive_in_transit(self) -> None:
-        """Receive now the messages sent to this rank that its next step's list would receive."""
-        if self._settled == self._last_step or self._last_step is None:
-            return
-        M = self.topo.micro_batches
-        base = (self._last_step + 1) * M
-        for peer, kind, m in in_transit(self.topo, self.schedule, self.phase - 1)[self.rank]:
-            g = base + m
-            ins = RecvGradients(m, peer) if kind == "grad" else RecvActivations(m, peer)
-            held = self._out_grads if kind == "grad" else self._inputs
-            held[g] = self.channel().recv(peer, message_key(ins, g, M))
-        self._settled = self._last_step
+        """Restore :meth:`state_dict`'s state into a fresh engine (see ``engine_state.load_engine_state``)."""
+        engine_state.load_engine_state(self, state)
 
     def compute_context(self) -> contextlib.AbstractContextManager:
         """Where forwards and losses run: ``torch.autocast`` to the mixed-precision dtype, if any."""
@@ -265,6 +243,22 @@ class PipelineEngine:
             return tensors
         return {k: t.detach().to(self.wire_dtype) if t.is_floating_point() else t for k, t in tensors.items()}
 
+    def send(self, peer: int, key: str, tensors: dict[str, torch.Tensor]) -> None:
+        """Post ``tensors`` (as they travel, :meth:`on_wire`) to ``peer``; to this very rank (two
+        neighbouring model chunks of one rank, e.g. zbv's turn of the V) they stay here."""
+        if peer == self.rank:
+            self._local[key] = {k: t.detach() for k, t in self.on_wire(tensors).items()}
+        else:
+            self.channel().send(peer, key, self.on_wire(tensors))
+
+    def recv(self, peer: int, key: str) -> dict[str, torch.Tensor]:
+        """The tensors ``peer`` sent under ``key`` (blocks until they arrive)."""
+        if peer == self.rank:
+            if key not in self._local:
+                raise RuntimeError(f"rank {self.rank} receives {key!r} from itself before sending it")
+            return self._local.pop(key)
+        return self.channel().recv(peer, key)
+
     def channel(self) -> Transport:
         """The transport; an error naming the rank when the engine was built without one."""
         if self.transport is None:
@@ -272,80 +266,81 @@ class PipelineEngine:
         return self.transport
 
     # ---- instructions ------------------------------------------------------------------
-    def _execute(self, ins: MicroBatchInstruction, g: int, frozen: set[int], result: StepResult) -> None:
-        """Run an instruction about micro-batch ``g`` (numbered over the run)."""
+    def _execute(self, ins: MicroBatchInstruction, s: int, g: int, frozen: set[int], result: StepResult) -> None:
+        """Run an instruction about micro-batch ``g`` (numbered over the run) on chunk ``s``."""
         M = self.topo.micro_batches
-        stage = self.stage
+        stage, key = self.stages[s], (s, g)
         if isinstance(ins, LoadInput):
             named = stage.data_inputs(self.data.input(g // M, g % M))
-            self._inputs[g] = {k: v.to(self.device, non_blocking=True) for k, v in named.items()}
+            self._inputs[key] = {k: v.to(self.device, non_blocking=True) for k, v in named.items()}
         elif isinstance(ins, RecvActivations):
-            if g not in self._inputs:       # else received early, at a checkpoint
-                self._inputs[g] = self.channel().recv(ins.peer, message_key(ins, g, M))
+            if key not in self._inputs:       # else received early, at a checkpoint
+                self._inputs[key] = self.recv(ins.peer, message_key(ins, g, M))
         elif isinstance(ins, Forward):
             params = self.stash.forward_params(g, g in frozen) if self.stash else None
             with self.meter.forward(), self.compute_context():
-                act = self._acts[g] = stage.forward(self._inputs.pop(g), params=params)
-            self.meter.hold(g, act.inputs, act.outputs, act.output)
+                act = self._acts[key] = stage.forward(self._inputs.pop(key), params=params)
+            self.meter.hold(key, act.inputs, act.outputs, act.output)
         elif isinstance(ins, SendActivations):
-            self.channel().send(ins.peer, message_key(ins, g, M), self.on_wire(self._acts[g].outputs))
+            self.send(ins.peer, message_key(ins, g, M), self._acts[key].outputs)
         elif isinstance(ins, LoadTarget):
             target = self.data.target(g // M, g % M)
-            self._targets[g] = target.to(self.device, non_blocking=True) if target is not None else None
+            self._targets[key] = target.to(self.device, non_blocking=True) if target is not None else None
         elif isinstance(ins, Loss):
-            act = self._acts[g]
+            act = self._acts[key]
             with self.meter.forward(), self.compute_context():
-                act.loss = stage.loss(act.output, self._targets.pop(g))
-            self.meter.hold(g, act.loss)
+                act.loss = stage.loss(act.output, self._targets.pop(key))
+            self.meter.hold(key, act.loss)
             if g // M == result.step:
                 result.losses[g % M] = act.loss.detach()
         elif isinstance(ins, RecvGradients):
-            if g not in self._out_grads:    # else received early, at a checkpoint
-                self._out_grads[g] = self.channel().recv(ins.peer, message_key(ins, g, M))
+            if key not in self._out_grads:    # else received early, at a checkpoint
+                self._out_grads[key] = self.recv(ins.peer, message_key(ins, g, M))
         elif isinstance(ins, SyncStart):
-            self._sync_next = g
+            self._sync_next.add(key)
         elif isinstance(ins, Backward):
-            act = self._scaled(self._acts.pop(g))
-            with self._sync_if(g), self.meter.backward(stage.recompute):
-                grads = stage.backward(act, self._out_grads.pop(g, None))
-            self.meter.drop(g)
+            act = self._scaled(stage, self._acts.pop(key))
+            with self._sync_if(s, g), self.meter.backward(stage.recompute, stage.module):
+                grads = stage.backward(act, self._out_grads.pop(key, None))
+            self.meter.drop(key)
             if self.stash:
                 self.stash.backward_done(g)
             if not stage.is_first:
-                self._in_grads[g] = grads
+                self._in_grads[key] = grads
         elif isinstance(ins, BackwardInput):
-            act = self._scaled(self._acts.pop(g))
-            with self.sync.no_sync(), self.meter.backward(stage.recompute):   # no parameter gradient: no sync
-                grads, work = stage.backward_input(act, self._out_grads.pop(g, None))
-            self._weight_work[g] = (act, work)
+            act = self._scaled(stage, self._acts.pop(key))
+            with self.syncs[s].no_sync(), self.meter.backward(stage.recompute, stage.module):   # no param grads here
+                grads, work = stage.backward_input(act, self._out_grads.pop(key, None))
+            self._weight_work[key] = (act, work)
             if not stage.is_first:
-                self._in_grads[g] = grads
+                self._in_grads[key] = grads
         elif isinstance(ins, BackwardWeight):
-            _, work = self._weight_work.pop(g)
-            with self._sync_if(g), self.meter.backward(stage.recompute):
+            _, work = self._weight_work.pop(key)
+            with self._sync_if(s, g), self.meter.backward(stage.recompute, stage.module):
                 stage.backward_weight(work)
-            self.meter.drop(g)
+            self.meter.drop(key)
         elif isinstance(ins, SendGradients):
-            self.channel().send(ins.peer, message_key(ins, g, M), self.on_wire(self._in_grads.pop(g)))
+            self.send(ins.peer, message_key(ins, g, M), self._in_grads.pop(key))
         else:
             raise TypeError(f"unknown instruction {ins!r}")
 
-    def _scaled(self, act: Activation) -> Activation:
+    def _scaled(self, stage: PipelineStage, act: Activation) -> Activation:
         """The last stage's activation with its loss multiplied by the fp16 loss scale (if any)."""
-        if self.loss_scale is not None and self.stage.is_last and act.loss is not None:
+        if self.loss_scale is not None and stage.is_last and act.loss is not None:
             act.loss = act.loss * self.loss_scale()
         return act
 
-    def _sync_if(self, g: int):
-        """The context of the backward that completes micro-batch g's parameter gradients: it
-        starts the replicas' sync when a SyncStart named g, else accumulates (``no_sync``)."""
-        synced = self._sync_next == g
-        self._sync_next = None
-        return contextlib.nullcontext() if synced else self.sync.no_sync()
+    def _sync_if(self, s: int, g: int):
+        """The context of the backward (on chunk ``s``) that completes micro-batch g's parameter
+        gradients: it starts the chunk's replicas' sync when a SyncStart named g, else
+        accumulates (``no_sync``)."""
+        synced = (s, g) in self._sync_next
+        self._sync_next.discard((s, g))
+        return contextlib.nullcontext() if synced else self.syncs[s].no_sync()
 
     def _execute_step_level(self, ins: Instruction, result: StepResult) -> None:
         if isinstance(ins, SyncWait):
-            self.sync.finish()
+            self.syncs[ins.stage].finish()
         elif isinstance(ins, Step):
             self._optimizer_step(ins.grad_scale)
             result.optimizer_steps += 1
@@ -357,7 +352,7 @@ class PipelineEngine:
             self.tied.reduce()
         if scale != 1.0:
             with torch.no_grad():
-                for p in self.stage.parameters():
+                for p in self.module.parameters():
                     if p.grad is not None:
                         p.grad.mul_(scale)
         if self.before_step is not None and self.before_step() is False:
@@ -369,12 +364,12 @@ class PipelineEngine:
             self.stash.stepped()
 
     def _held(self) -> list[torch.Tensor]:
-        """Tensors the stage holds outside autograd's graph: weights, optimizer state, stashed versions."""
-        out = list(self.stage.parameters()) + optimizer_tensors(self.optimizer)
+        """Tensors the rank holds outside autograd's graph: weights, optimizer state, stashed versions."""
+        out = list(self.module.parameters()) + optimizer_tensors(self.optimizer)
         return out + (self.stash.tensors() if self.stash else [])
 
     def _grad_bytes(self) -> int:
-        return tensors_bytes(p for p in self.stage.parameters() if p.requires_grad)
+        return tensors_bytes(p for p in self.module.parameters() if p.requires_grad)
 
     @staticmethod
     def _needs_frozen(program: list[Instruction]) -> set[int]:
@@ -394,5 +389,13 @@ class PipelineEngine:
         return out | set(open_)
 
 
-def _clone(tensors: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
-    return None if tensors is None else {k: t.detach().clone() for k, t in tensors.items()}
+def _syncs(sync: Any, stages: Sequence[int]) -> dict[int, Any]:
+    """Each chunk's gradient sync: one given for the rank's only stage, or a mapping per stage."""
+    if isinstance(sync, Mapping):
+        missing = [s for s in stages if s not in sync]
+        if missing:
+            raise ValueError(f"no gradient sync for stage(s) {missing}")
+        return {s: sync[s] if sync[s] is not None else LocalSync() for s in stages}
+    if len(stages) > 1 and sync is not None:
+        raise ValueError(f"a rank with stages {list(stages)} needs one gradient sync per stage (a mapping)")
+    return {s: sync if sync is not None else LocalSync() for s in stages}

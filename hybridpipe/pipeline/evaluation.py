@@ -37,35 +37,36 @@ def run_eval(engine: PipelineEngine, data: DataSource, *, recorder=None) -> dict
         raise RuntimeError(f"rank {engine.rank}: an evaluation step needs an empty pipeline, but micro-batches "
                            f"{engine.in_flight} are in flight; drain first")
     recorder = recorder if recorder is not None else engine.recorder
-    M, stage = engine.topo.micro_batches, engine.stage
-    inputs: dict[int, dict[str, torch.Tensor]] = {}
-    acts: dict[int, Activation] = {}
-    targets: dict[int, Any] = {}
+    M = engine.topo.micro_batches
+    inputs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}     # per (stage, micro-batch)
+    acts: dict[tuple[int, int], Activation] = {}
+    targets: dict[tuple[int, int], Any] = {}
     losses: dict[int, torch.Tensor] = {}
     for ins in eval_program(engine.topo, engine.rank):
         if not isinstance(ins, MicroBatchInstruction):
             raise TypeError(f"{ins!r} has no place in an evaluation step")
         t0, m = engine.clock(), ins.micro_batch
+        stage, key = engine.stages[ins.stage], (ins.stage, ins.micro_batch)
         if isinstance(ins, LoadInput):
             named = stage.data_inputs(data.input(0, m))
-            inputs[m] = {k: v.to(engine.device, non_blocking=True) for k, v in named.items()}
+            inputs[key] = {k: v.to(engine.device, non_blocking=True) for k, v in named.items()}
         elif isinstance(ins, RecvActivations):
-            inputs[m] = engine.channel().recv(ins.peer, message_key(ins, m, M))
+            inputs[key] = engine.recv(ins.peer, message_key(ins, m, M))
         elif isinstance(ins, Forward):
             with engine.compute_context():
-                acts[m] = stage.forward_eval(inputs.pop(m))
+                acts[key] = stage.forward_eval(inputs.pop(key))
         elif isinstance(ins, SendActivations):
-            engine.channel().send(ins.peer, message_key(ins, m, M), engine.on_wire(acts.pop(m).outputs))
+            engine.send(ins.peer, message_key(ins, m, M), acts.pop(key).outputs)
         elif isinstance(ins, LoadTarget):
             target = data.target(0, m)
-            targets[m] = target.to(engine.device, non_blocking=True) if target is not None else None
+            targets[key] = target.to(engine.device, non_blocking=True) if target is not None else None
         elif isinstance(ins, Loss):
             with torch.no_grad(), engine.compute_context():
-                losses[m] = stage.loss(acts.pop(m).output, targets.pop(m)).detach()
+                losses[m] = stage.loss(acts.pop(key).output, targets.pop(key)).detach()
         else:
             raise TypeError(f"{ins!r} has no place in an evaluation step")
         phase = PHASES.get(type(ins))
         if recorder is not None and phase is not None:
-            recorder.record(phase, m, t0, engine.clock())
+            recorder.record(phase, m, t0, engine.clock(), ins.stage)
     return losses
 

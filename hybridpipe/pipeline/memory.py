@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -61,15 +61,16 @@ class MemoryMeter:
     ``static()`` returns the tensors held outside the graph (weights, optimizer state, stashed
     versions); their storages are never counted as activations. ``grad_bytes()``: the bytes of
     the weights' gradients at the step's peak (they are freed after each optimizer step).
-    ``module``: the stage's module, whose forward a recomputing stage reruns in its backward."""
+    ``modules``: the stage's modules (one per model chunk the rank holds), whose buffers are not
+    activations; :meth:`backward` names the one whose forward a recomputing stage reruns."""
 
     def __init__(self, static: Callable[[], Iterable[torch.Tensor]], grad_bytes: Callable[[], int],
-                 device: torch.device, module: torch.nn.Module | None = None):
-        self.static, self.grad_bytes, self.device, self.module = static, grad_bytes, device, module
+                 device: torch.device, modules: Sequence[torch.nn.Module] = ()):
+        self.static, self.grad_bytes, self.device, self.modules = static, grad_bytes, device, tuple(modules)
         self._counts: dict[tuple[str, int], int] = {}
         self._bytes: dict[tuple[str, int], int] = {}
         self._skip: set[tuple[str, int]] = set()
-        self._held: dict[int, set[tuple[str, int]]] = {}
+        self._held: dict[Hashable, set[tuple[str, int]]] = {}
         self._rerun: list[bool] = []
         self.held = 0               # activation bytes alive now
         self.peak = 0               # most activation bytes alive at once this step
@@ -95,13 +96,13 @@ class MemoryMeter:
         if self.on_cuda:
             yield
             return
-        buffers = self.module.buffers() if self.module is not None else ()
+        buffers = [b for m in self.modules for b in m.buffers()]
         self._skip = {storage_key(t) for t in (*self.static(), *buffers)
                       if isinstance(t, torch.Tensor) and t.numel() > 0}
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             yield
 
-    def hold(self, owner: int, *values: Any) -> None:
+    def hold(self, owner: Hashable, *values: Any) -> None:
         """Count the tensors in ``values`` (nested) as held for micro-batch ``owner`` until ``drop(owner)``."""
         if self.on_cuda:
             return
@@ -113,20 +114,21 @@ class MemoryMeter:
                     keys.add(key)
                     self._add(key, t.untyped_storage().nbytes())
 
-    def drop(self, owner: int) -> None:
+    def drop(self, owner: Hashable) -> None:
         """Micro-batch ``owner``'s backward is done: what ``hold`` counted for it is released."""
         for key in self._held.pop(owner, ()):
             self._release(key)
 
     @contextlib.contextmanager
-    def backward(self, recompute: bool) -> Iterator[None]:
-        """Wrap a backward; on a recomputing stage, count what the rerun of its forward saves."""
+    def backward(self, recompute: bool, module: torch.nn.Module | None = None) -> Iterator[None]:
+        """Wrap a backward; on a recomputing stage (``module``: its chunk's), count what the rerun
+        of its forward saves."""
         hooks = _top_hooks()
-        if self.on_cuda or not recompute or self.module is None or hooks is None:
+        if self.on_cuda or not recompute or module is None or hooks is None:
             yield
             return
-        pre = self.module.register_forward_pre_hook(lambda *_: self._begin_rerun())
-        post = self.module.register_forward_hook(lambda *_: self._end_rerun(), always_call=True)
+        pre = module.register_forward_pre_hook(lambda *_: self._begin_rerun())
+        post = module.register_forward_hook(lambda *_: self._end_rerun(), always_call=True)
         try:
             yield
         finally:

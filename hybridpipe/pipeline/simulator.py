@@ -11,6 +11,7 @@ Discrete-event model, per rank, in instruction order:
   message at a time, in posting order, for the stage's ``send_ms`` (activations, and gradients
   back over the same cut), or, when only ``send_bytes`` is known, the cost model's transfer time
   at the level of the link between the two ranks. A receive waits for the message's arrival.
+  A message to the rank itself (zbv's stages p-1 and p share a rank) takes no time.
 * A synced Backward makes the stage's layer gradients ready one after another across the
   backward (last layer first, evenly spaced); each layer's all-reduce starts when every replica
   has it ready and the replica group's previous all-reduce is done, and lasts the layer's
@@ -62,6 +63,7 @@ class Interval:
     t1: float
     where: str              # "rank 3", "link 1->2", "stage 2 group"
     label: str = ""
+    stage: int = -1         # the stage (model chunk) it belongs to (-1: none)
 
 
 @dataclass
@@ -71,6 +73,7 @@ class SimResult:
     step_ms: float                          # predicted time per step (steady state)
     step_ends: list[float]                  # t_k
     utilisation: list[float]                # per stage: busy fraction of its replicas in the measured window
+    #                                         (a rank group holding several chunks: the group's, for each chunk)
     window: tuple[float, float]             # the measured window (ms)
     intervals: list[Interval] = field(default_factory=list)
 
@@ -154,7 +157,7 @@ def simulate_topology(topo: Topology, schedule: str, costs: Sequence[StageCosts]
         raise ValueError(f"simulate at least one step, got {steps}")
     link_ms = link_ms or (lambda cut, src, dst: costs[cut].send_ms)
     phase = 0
-    programs: dict[int, list[tuple[int, Instruction]]] = {r: [] for rs in topo.stage_ranks for r in rs}
+    programs: dict[int, list[tuple[int, Instruction]]] = {r: [] for rs in topo.groups for r in rs}
     for k in range(steps):
         progs = all_programs(topo, schedule, phase=phase, drain=k == steps - 1)
         phase += 1
@@ -190,13 +193,14 @@ class _Sim:
         self.pc = {r: 0 for r in programs}
         self.step_end: dict[int, dict[int, float]] = {r: {} for r in programs}
         self.link_free: dict[tuple[int, int], float] = {}
-        self.arrivals: dict[tuple[int, int, str, int], float] = {}      # (src, dst, kind, g) -> arrival
-        self.sync_next: dict[int, int | None] = {r: None for r in programs}
+        # (src, dst, kind, producing stage, g) -> arrival
+        self.arrivals: dict[tuple[int, int, str, int, int], float] = {}
+        self.sync_next: dict[tuple[int, int], int] = {}                 # (rank, stage) -> micro-batch of its SyncStart
         self.ready: dict[tuple[int, int], list[list[float]]] = {}       # (stage, n-th sync) -> per replica ready times
-        self.synced: dict[int, int] = {r: 0 for r in programs}
-        self.waited: dict[int, int] = {r: 0 for r in programs}
+        self.synced: dict[tuple[int, int], int] = {}                    # (rank, stage) -> syncs started
+        self.waited: dict[tuple[int, int], int] = {}
         self.sync_done: dict[tuple[int, int], float] = {}
-        self.group_free: dict[int, float] = {}
+        self.group_free: dict[tuple[int, ...], float] = {}      # a replica group's all-reduces run one at a time
         self.intervals: list[Interval] = []
 
     def run(self) -> None:
@@ -213,59 +217,60 @@ class _Sim:
 
     def _advance(self, r: int) -> bool:
         k, ins = self.programs[r][self.pc[r]]
-        stage, replica = self.topo.locate(r)
+        stage = getattr(ins, "stage", -1)           # every instruction but Step names its stage
         c = self.costs[stage]
         M = self.topo.micro_batches
         g = k * M + ins.micro_batch if hasattr(ins, "micro_batch") else -1
         now = self.clock[r]
         if isinstance(ins, (RecvActivations, RecvGradients)):
             kind = "act" if isinstance(ins, RecvActivations) else "grad"
-            t = self.arrivals.pop((ins.peer, r, kind, g), None)
+            producer = stage - 1 if kind == "act" else stage
+            t = self.arrivals.pop((ins.peer, r, kind, producer, g), None)
             if t is None:
                 return False
             self.clock[r] = max(now, t)
         elif isinstance(ins, (SendActivations, SendGradients)):
             kind = "act" if isinstance(ins, SendActivations) else "grad"
-            cut = stage if kind == "act" else stage - 1
+            cut = stage if kind == "act" else stage - 1         # the producing stage: the cut after it
             start = max(now, self.link_free.get((r, ins.peer), 0.0))
-            end = start + self.link_ms(cut, r, ins.peer)
+            end = start + (self.link_ms(cut, r, ins.peer) if ins.peer != r else 0.0)     # to itself: a hand-over
             self.link_free[(r, ins.peer)] = end
-            self.arrivals[(r, ins.peer, kind, g)] = end
+            self.arrivals[(r, ins.peer, kind, cut, g)] = end
             if end > start:
-                self.intervals.append(Interval(kind, g, start, end, f"link {r}->{ins.peer}", f"{kind} {g}"))
+                self.intervals.append(Interval(kind, g, start, end, f"link {r}->{ins.peer}", f"{kind} {g}", stage))
         elif isinstance(ins, Forward):
-            self._busy(r, "F", g, c.forward_ms)
+            self._busy(r, "F", g, c.forward_ms, stage)
         elif isinstance(ins, SyncStart):
-            self.sync_next[r] = g
+            self.sync_next[(r, stage)] = g
         elif isinstance(ins, BackwardInput):
-            self._busy(r, "B", g, c.backward_ms * (c.input_share if stage > 0 else 0.0))
+            self._busy(r, "B", g, c.backward_ms * (c.input_share if stage > 0 else 0.0), stage)
         elif isinstance(ins, (Backward, BackwardWeight)):
             t0 = now
             ms = c.backward_ms
             if isinstance(ins, BackwardWeight):
                 ms *= 1.0 - (c.input_share if stage > 0 else 0.0)
-            self._busy(r, "B" if isinstance(ins, Backward) else "W", g, ms)
-            if self.sync_next[r] == g:
-                self.sync_next[r] = None
+            self._busy(r, "B" if isinstance(ins, Backward) else "W", g, ms, stage)
+            if self.sync_next.get((r, stage)) == g:
+                del self.sync_next[(r, stage)]
                 n = len(c.allreduce_ms)
                 times = [t0 + ms * (i + 1) / n for i in range(n)]   # i-th gradient ready
-                slot = self.ready.setdefault((stage, self.synced[r]), [])
-                slot.append(times)
-                self.synced[r] += 1
+                nth = self.synced.get((r, stage), 0)
+                self.ready.setdefault((stage, nth), []).append(times)
+                self.synced[(r, stage)] = nth + 1
         elif isinstance(ins, SyncWait):
-            key = (stage, self.waited[r])
+            key = (stage, self.waited.get((r, stage), 0))
             done = self._sync_end(stage, key)
             if done is None:
                 return False
             self.clock[r] = max(now, done)
-            self.waited[r] += 1
+            self.waited[(r, stage)] = key[1] + 1
         self.step_end[r][k] = self.clock[r]
         return True
 
-    def _busy(self, r: int, kind: str, g: int, ms: float) -> None:
+    def _busy(self, r: int, kind: str, g: int, ms: float, stage: int) -> None:
         t0 = self.clock[r]
         self.clock[r] = t0 + ms
-        self.intervals.append(Interval(kind, g, t0, t0 + ms, f"rank {r}", f"{kind}{g}"))
+        self.intervals.append(Interval(kind, g, t0, t0 + ms, f"rank {r}", f"{kind}{g}", stage))
 
     def _sync_end(self, stage: int, key: tuple[int, int]) -> float | None:
         """When the replica group's key-th all-reduce round ends (None: not every replica is ready)."""
@@ -274,13 +279,15 @@ class _Sim:
         slots = self.ready.get(key, [])
         if len(slots) < self.topo.replicas(stage):
             return None
-        t = self.group_free.get(stage, 0.0)
+        group = self.topo.stage_ranks[stage]
+        t = self.group_free.get(group, 0.0)
         layers = self.costs[stage].allreduce_ms[::-1]          # gradients arrive last layer first
         for i, ms in enumerate(layers):
             start = max(t, max(times[i] for times in slots))
             t = start + ms
-            self.intervals.append(Interval("allreduce", -1, start, t, f"stage {stage} group", f"allreduce {i}"))
-        self.group_free[stage] = t
+            self.intervals.append(Interval("allreduce", -1, start, t, f"stage {stage} group", f"allreduce {i}",
+                                           stage))
+        self.group_free[group] = t
         self.sync_done[key] = t
         return t
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd.graph import GradientEdge, Node
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 from torch.distributed.pipelining._backward import (
     _get_grad_fn_or_grad_acc,
     construct_reverse_graph,
@@ -101,11 +101,13 @@ def backward_weight(work: WeightWork) -> None:
                     grads.append(g)
             handles.append(node.register_prehook(lambda _grads, saved=recorded: saved))
     params = [p for group in work.groups for p in group["params"]]
-    roots = list(work.outputs) if work.leftover else []
+    if work.leftover:      # the roots too, as edges (a scalar loss's gradient: ones)
+        for out, g in zip(work.outputs, work.output_grads, strict=True):
+            edges.append(get_gradient_edge(out))
+            grads.append(torch.ones_like(out) if g is None else g)
     try:
-        if edges or roots:
-            torch.autograd.backward([*roots, *edges], [*work.output_grads[:len(roots)], *grads],
-                                    inputs=[*work.leftover, *params] if edges else work.leftover)
+        if edges:
+            torch.autograd.backward(edges, grads, inputs=[*work.leftover, *params])
     finally:
         for h in handles:
             h.remove()

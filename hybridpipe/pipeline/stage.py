@@ -1,7 +1,7 @@
 """One rank's part of the model: forward named values in, named tensors (or the loss) out, and back.
 
     captured = capture_model(model, example)           # profiles/capture.py (every rank, same graph)
-    stage = build_stage(captured, plan, rank, loss=spec.loss)
+    stage = build_stage(captured, plan, rank, loss=spec.loss)   # build_stages: a rank's chunks (virtual stages)
     act = stage.forward(stage.data_inputs(batch))      # stage 0: the batch as the model takes it
     send(act.outputs)                                  # named tensors for the next stage
     ...
@@ -260,6 +260,17 @@ def build_stage(captured: CapturedModel, plan: Plan, rank: int, *, loss: LossFn 
     stage, _ = plan.stage_of_rank(rank)
     return build_stage_index(captured, [(s.first_node, s.last_node) for s in plan.stages], stage.index, loss=loss,
                              recompute=stage.recompute)
+
+
+def build_stages(captured: CapturedModel, plan: Plan, rank: int, *, loss: LossFn | None = None,
+                 model_name: str | None = None, batch_size: int | None = None,
+                 world_size: int | None = None) -> list[PipelineStage]:
+    """This rank's stages of ``captured`` under ``plan``, in model order: one, or with virtual
+    stages its V model chunks (refuses a plan made for another model)."""
+    check_captured_plan(captured, plan, model_name=model_name, batch_size=batch_size, world_size=world_size)
+    ranges = [(s.first_node, s.last_node) for s in plan.stages]
+    mine, _ = plan.stages_of_rank(rank)
+    return [build_stage_index(captured, ranges, s.index, loss=loss, recompute=s.recompute) for s in mine]
 
 
 def build_stage_index(captured: CapturedModel, ranges: list[tuple[int, int]], index: int, *,

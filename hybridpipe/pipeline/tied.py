@@ -1,17 +1,20 @@
 """Tied weights across stages: the copies' gradients summed every step, so the copies stay identical.
 
 A parameter read by several stages (GPT-2's ``wte`` = ``lm_head``: the plan's ``tied`` groups)
-lives on every rank of those stages. The replicas of a stage do not sync it (their gradient sync
-leaves it out); instead, right before the optimizer step, every rank of those stages contributes
-its own accumulated gradient to one sum over all of them. Every copy then holds the gradient of
-the whole model's parameter, the same bits on every rank, and identical optimizer steps keep the
-copies bit-identical. How the sum is done is the caller's (torch.distributed's all-reduce over a
-group of those ranks in a job, runtime/tied.py; a thread barrier in tests, inprocess.py).
+lives on every rank of those stages, once per rank: two model chunks of one rank (virtual stages,
+e.g. zbv's first and last stage) share the model's Parameter object, so its gradient accumulates
+both chunks' parts before the sum, which counts each rank once. The replicas of a stage do not
+sync it (their gradient sync leaves it out); instead, right before the optimizer step, every rank
+of those stages contributes its own accumulated gradient to one sum over all of them. Every copy
+then holds the gradient of the whole model's parameter, the same bits on every rank, and
+identical optimizer steps keep the copies bit-identical. How the sum is done is the caller's
+(torch.distributed's all-reduce over a group of those ranks in a job, runtime/tied.py; a thread
+barrier in tests, inprocess.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -23,15 +26,19 @@ SumFn = Callable[[torch.Tensor], None]      # sums a flat tensor in place across
 
 
 def tied_ranks(plan: Plan, group: TiedGroup) -> tuple[int, ...]:
-    """Every rank that holds a copy of ``group``'s parameter."""
-    return tuple(sorted(r for s in group.stages for r in plan.stages[s].ranks))
+    """Every rank that holds a copy of ``group``'s parameter, once (with virtual stages two stages
+    of one rank may read it: the rank's chunks share one copy)."""
+    return tuple(sorted({r for s in group.stages for r in plan.stages[s].ranks}))
 
 
-def stage_tied_params(plan: Plan, stage_index: int, model: nn.Module) -> dict[tuple[int, ...], list[nn.Parameter]]:
-    """The tied parameters stage ``stage_index`` holds (objects of ``model``), by the ranks that share them."""
+def stage_tied_params(plan: Plan, stages: int | Iterable[int], model: nn.Module
+                      ) -> dict[tuple[int, ...], list[nn.Parameter]]:
+    """The tied parameters a rank's stage (or its chunks ``stages``) holds (objects of ``model``,
+    each once), by the ranks that share them."""
+    mine = {stages} if isinstance(stages, int) else set(stages)
     out: dict[tuple[int, ...], list[nn.Parameter]] = {}
     for g in plan.tied:
-        if stage_index in g.stages:
+        if mine & set(g.stages):
             try:
                 p = model.get_parameter(g.param)
             except AttributeError:

@@ -1,10 +1,12 @@
 """Checking a schedule without running it: execute every rank's instruction lists symbolically.
 
 Sends are posted (they never block); a receive blocks until the next message from that peer
-arrives and must name the micro-batch and kind it expects (FIFO per peer, as the transport
-is); ``SyncWait`` blocks until every replica of the stage has run as many synced backwards (an
-all-reduce is a collective). Ranks are advanced until all finish or none can move; the latter is
-a cycle of waits and is reported with what each stuck rank waits for. Along the way each
+arrives and must name the micro-batch, kind and producing stage it expects (FIFO per peer, as
+the transport is); ``SyncWait(stage)`` blocks until every replica of the stage has run as many
+synced backwards of it (an all-reduce is a collective). A rank may hold several stages (virtual
+stages): each instruction acts on its ``stage``'s state, which must be one of the rank's. Ranks
+are advanced until all finish or none can move; the latter is a cycle of waits and is reported
+with what each stuck rank waits for. Along the way each
 instruction is checked against what the stage may do (only stage 0 loads inputs, a backward
 follows its forward, messages go to the replica that owns the micro-batch, ...).
 """
@@ -35,8 +37,8 @@ from hybridpipe.pipeline.instructions import (
 )
 from hybridpipe.pipeline.schedules import Topology, all_programs, settle_phase
 
-# messages posted and not yet received, per (sender, receiver): ("act"|"grad", global micro-batch)
-_Queues = dict[tuple[int, int], deque[tuple[str, int]]]
+# messages posted and not yet received, per (sender, receiver): ("act"|"grad", producing stage, global micro-batch)
+_Queues = dict[tuple[int, int], deque[tuple[str, int, int]]]
 
 
 class ScheduleError(ValueError):
@@ -44,12 +46,10 @@ class ScheduleError(ValueError):
 
 
 @dataclass
-class _Rank:
-    rank: int
+class _Chunk:
+    """What one stage of a rank holds."""
+
     stage: int
-    replica: int
-    program: list[tuple[int, Instruction]]      # (step, instruction)
-    pc: int = 0
     have_input: set[int] = field(default_factory=set)
     forwarded: set[int] = field(default_factory=set)
     have_target: set[int] = field(default_factory=set)
@@ -57,11 +57,22 @@ class _Rank:
     have_grad: set[int] = field(default_factory=set)
     backwarded: set[int] = field(default_factory=set)          # whole backward, or its weight half, done
     input_grads: set[int] = field(default_factory=set)         # input gradients computed (Backward or BackwardInput)
-    in_flight: int = 0
-    max_in_flight: int = 0
     sync_pending: int | None = None
     synced: int = 0
     waited: int = 0
+    in_flight: int = 0
+    max_in_flight: int = 0
+
+
+@dataclass
+class _Rank:
+    rank: int
+    chunks: dict[int, _Chunk]                   # by global stage
+    replica: int
+    program: list[tuple[int, Instruction]]      # (step, instruction)
+    pc: int = 0
+    in_flight: int = 0
+    max_in_flight: int = 0
     steps: list[float] = field(default_factory=list)
     forward_order: list[int] = field(default_factory=list)
     backward_order: list[int] = field(default_factory=list)
@@ -72,6 +83,7 @@ class Report:
     """What a valid run of the lists did, per rank."""
 
     max_in_flight: dict[int, int]       # most micro-batches forwarded but not yet backwarded at once
+    max_in_flight_stage: dict[tuple[int, int], int]     # the same per (rank, stage): one model chunk's
     forwards: dict[int, list[int]]      # global micro-batch ids, in order
     backwards: dict[int, list[int]]
     steps: dict[int, list[float]]       # grad_scale of every optimizer step, in order
@@ -101,18 +113,22 @@ def validate(topo: Topology, steps: Sequence[Mapping[int, Sequence[Instruction]]
     if left:
         raise ScheduleError(f"messages never received: {'; '.join(left)}")
     for st in ranks.values():
-        if st.forwarded != st.backwarded:
-            raise ScheduleError(f"rank {st.rank} never ran the backward of micro-batches "
-                                f"{sorted(st.forwarded - st.backwarded)}")
-        if st.sync_pending is not None:
-            raise ScheduleError(f"rank {st.rank}: SyncStart({st.sync_pending}) without its Backward")
-        if st.waited != st.synced:
-            raise ScheduleError(f"rank {st.rank} started {st.synced} syncs but waited for {st.waited}")
+        for c in st.chunks.values():
+            if c.forwarded != c.backwarded:
+                raise ScheduleError(f"rank {st.rank} never ran the backward of micro-batches "
+                                    f"{sorted(c.forwarded - c.backwarded)} on stage {c.stage}")
+            if c.sync_pending is not None:
+                raise ScheduleError(f"rank {st.rank}: SyncStart({c.sync_pending}) of stage {c.stage} without its "
+                                    "Backward")
+            if c.waited != c.synced:
+                raise ScheduleError(f"rank {st.rank} started {c.synced} syncs of stage {c.stage} but waited for "
+                                    f"{c.waited}")
     for s, stage_ranks in enumerate(topo.stage_ranks):
-        counts = {(ranks[r].synced, len(ranks[r].steps)) for r in stage_ranks}
+        counts = {(ranks[r].chunks[s].synced, len(ranks[r].steps)) for r in stage_ranks}
         if len(counts) > 1:
             raise ScheduleError(f"replicas of stage {s} disagree on (syncs, optimizer steps): {sorted(counts)}")
     return Report({r: st.max_in_flight for r, st in ranks.items()},
+                  {(r, s): c.max_in_flight for r, st in ranks.items() for s, c in st.chunks.items()},
                   {r: st.forward_order for r, st in ranks.items()},
                   {r: st.backward_order for r, st in ranks.items()},
                   {r: st.steps for r, st in ranks.items()})
@@ -120,10 +136,10 @@ def validate(topo: Topology, steps: Sequence[Mapping[int, Sequence[Instruction]]
 
 def _ranks(topo: Topology, steps: Sequence[Mapping[int, Sequence[Instruction]]]) -> dict[int, _Rank]:
     ranks: dict[int, _Rank] = {}
-    for s, stage_ranks in enumerate(topo.stage_ranks):
+    for stage_ranks in topo.groups:
         for j, r in enumerate(stage_ranks):
             prog = [(k, ins) for k, step in enumerate(steps) for ins in step.get(r, ())]
-            ranks[r] = _Rank(r, s, j, prog)
+            ranks[r] = _Rank(r, {s: _Chunk(s) for s in topo.stages_of(r)}, j, prog)
     extra = {r for step in steps for r in step} - set(ranks)
     if extra:
         raise ScheduleError(f"lists given for ranks {sorted(extra)} that have no stage")
@@ -144,7 +160,7 @@ def in_transit(topo: Topology, schedule: str, phase: int) -> dict[int, list[tupl
         _run_until(topo, ranks, queues, limit)
     out: dict[int, list[tuple[int, str, int]]] = {r: [] for r in ranks}
     for (src, dst), q in sorted(queues.items()):
-        out[dst] += [(src, kind, g - (p + 1) * M) for kind, g in q]
+        out[dst] += [(src, kind, g - (p + 1) * M) for kind, _, g in q]
     return out
 
 
@@ -168,113 +184,125 @@ def _run_until(topo: Topology, ranks: dict[int, _Rank], queues: _Queues, limit: 
 
 
 def _fail(st: _Rank, ins: Instruction, why: str) -> ScheduleError:
-    return ScheduleError(f"rank {st.rank} (stage {st.stage} replica {st.replica}): {ins}: {why}")
+    return ScheduleError(f"rank {st.rank} (stages {sorted(st.chunks)} replica {st.replica}): {ins}: {why}")
 
 
 def _execute(topo: Topology, ranks: dict[int, _Rank], queues: _Queues, st: _Rank, m: int, g: int,
              ins: MicroBatchInstruction) -> bool:
     """Apply one instruction (micro-batch m of its step, g of the run); False if it must wait."""
-    first, last = st.stage == 0, st.stage == topo.n_stages - 1
-    if m % topo.replicas(st.stage) != st.replica:
-        raise _fail(st, ins, f"micro-batch {m} of the step belongs to replica {m % topo.replicas(st.stage)}")
+    c = st.chunks.get(ins.stage)
+    if c is None:
+        raise _fail(st, ins, f"stage {ins.stage} is not one of the rank's")
+    s = c.stage
+    first, last = s == 0, s == topo.n_stages - 1
+    if m % topo.replicas(s) != st.replica:
+        raise _fail(st, ins, f"micro-batch {m} of the step belongs to replica {m % topo.replicas(s)}")
     if isinstance(ins, LoadInput):
         if not first:
             raise _fail(st, ins, "only stage 0 loads inputs")
-        st.have_input.add(g)
+        c.have_input.add(g)
     elif isinstance(ins, RecvActivations):
-        if first or ins.peer != topo.rank_for(st.stage - 1, m):
+        if first or ins.peer != topo.rank_for(s - 1, m):
             raise _fail(st, ins, "activations come from the previous stage's replica of the micro-batch")
-        if not _take(queues, ins.peer, st.rank, ("act", g), st, ins):
+        if not _take(queues, ins.peer, st.rank, ("act", s - 1, g), st, ins):
             return False
-        st.have_input.add(g)
+        c.have_input.add(g)
     elif isinstance(ins, Forward):
-        if g not in st.have_input or g in st.forwarded:
+        if g not in c.have_input or g in c.forwarded:
             raise _fail(st, ins, "forward without its input, or twice")
-        st.forwarded.add(g)
+        c.forwarded.add(g)
         st.forward_order.append(g)
         st.in_flight += 1
         st.max_in_flight = max(st.max_in_flight, st.in_flight)
+        c.in_flight += 1
+        c.max_in_flight = max(c.max_in_flight, c.in_flight)
     elif isinstance(ins, SendActivations):
-        if last or g not in st.forwarded or ins.peer != topo.rank_for(st.stage + 1, m):
+        if last or g not in c.forwarded or ins.peer != topo.rank_for(s + 1, m):
             raise _fail(st, ins, "send activations after the forward, to the next stage's replica")
-        queues.setdefault((st.rank, ins.peer), deque()).append(("act", g))
+        queues.setdefault((st.rank, ins.peer), deque()).append(("act", s, g))
     elif isinstance(ins, LoadTarget):
         if not last:
             raise _fail(st, ins, "only the last stage loads targets")
-        st.have_target.add(g)
+        c.have_target.add(g)
     elif isinstance(ins, Loss):
-        if not last or g not in st.forwarded or g not in st.have_target:
+        if not last or g not in c.forwarded or g not in c.have_target:
             raise _fail(st, ins, "the loss needs the last stage's forward and the target")
-        st.lossed.add(g)
+        c.lossed.add(g)
     elif isinstance(ins, RecvGradients):
-        if last or ins.peer != topo.rank_for(st.stage + 1, m):
+        if last or ins.peer != topo.rank_for(s + 1, m):
             raise _fail(st, ins, "gradients come from the next stage's replica of the micro-batch")
-        if not _take(queues, ins.peer, st.rank, ("grad", g), st, ins):
+        if not _take(queues, ins.peer, st.rank, ("grad", s, g), st, ins):
             return False
-        st.have_grad.add(g)
+        c.have_grad.add(g)
     elif isinstance(ins, (Backward, BackwardInput)):
-        ready = g in (st.lossed if last else st.have_grad)
-        if g not in st.forwarded or g in st.input_grads or not ready:
+        ready = g in (c.lossed if last else c.have_grad)
+        if g not in c.forwarded or g in c.input_grads or not ready:
             raise _fail(st, ins, "backward needs its forward and its loss / output gradients, once")
-        st.input_grads.add(g)
+        c.input_grads.add(g)
         if isinstance(ins, Backward):
-            _weights_done(st, ins, g)
+            _weights_done(st, c, ins, g)
     elif isinstance(ins, BackwardWeight):
-        if g not in st.input_grads or g in st.backwarded:
+        if g not in c.input_grads or g in c.backwarded:
             raise _fail(st, ins, "the weight half of a backward follows its input half, once")
-        _weights_done(st, ins, g)
+        _weights_done(st, c, ins, g)
     elif isinstance(ins, SendGradients):
-        if first or g not in st.input_grads or ins.peer != topo.rank_for(st.stage - 1, m):
+        if first or g not in c.input_grads or ins.peer != topo.rank_for(s - 1, m):
             raise _fail(st, ins, "send gradients after the backward, to the previous stage's replica")
-        queues.setdefault((st.rank, ins.peer), deque()).append(("grad", g))
+        queues.setdefault((st.rank, ins.peer), deque()).append(("grad", s - 1, g))
     elif isinstance(ins, SyncStart):
-        if st.sync_pending is not None:
+        if c.sync_pending is not None:
             raise _fail(st, ins, "two SyncStarts without a Backward between them")
-        st.sync_pending = g
+        c.sync_pending = g
     else:
         raise _fail(st, ins, "unknown instruction")
     return True
 
 
-def _weights_done(st: _Rank, ins: Instruction, g: int) -> None:
-    """Micro-batch g's parameter gradients are in (a Backward or BackwardWeight): its activations
-    are released, and a pending SyncStart must have been for it."""
-    if st.sync_pending is not None:
-        if st.sync_pending != g:
-            raise _fail(st, ins, f"SyncStart was for micro-batch {st.sync_pending}")
-        st.sync_pending = None
-        st.synced += 1
-    st.backwarded.add(g)
+def _weights_done(st: _Rank, c: _Chunk, ins: Instruction, g: int) -> None:
+    """Micro-batch g's parameter gradients of chunk c are in (a Backward or BackwardWeight): its
+    activations are released, and a pending SyncStart of the chunk must have been for it."""
+    if c.sync_pending is not None:
+        if c.sync_pending != g:
+            raise _fail(st, ins, f"SyncStart was for micro-batch {c.sync_pending}")
+        c.sync_pending = None
+        c.synced += 1
+    c.backwarded.add(g)
     st.backward_order.append(g)
     st.in_flight -= 1
+    c.in_flight -= 1
 
 
 def _execute_step_level(topo: Topology, ranks: dict[int, _Rank], st: _Rank, ins: Instruction) -> bool:
     """Apply a SyncWait or Step; False if it must wait."""
     if isinstance(ins, SyncWait):
-        if st.waited >= st.synced:
+        c = st.chunks.get(ins.stage)
+        if c is None:
+            raise _fail(st, ins, f"stage {ins.stage} is not one of the rank's")
+        if c.waited >= c.synced:
             raise _fail(st, ins, "no synced backward to wait for")
-        need = st.waited + 1
-        if any(ranks[r].synced < need for r in topo.stage_ranks[st.stage]):
+        need = c.waited + 1
+        if any(ranks[r].chunks[c.stage].synced < need for r in topo.stage_ranks[c.stage]):
             return False
-        st.waited += 1
+        c.waited += 1
     elif isinstance(ins, Step):
-        if st.waited != st.synced or st.sync_pending is not None:
-            raise _fail(st, ins, "optimizer step before the gradient sync finished")
-        if st.input_grads - st.backwarded:
-            raise _fail(st, ins, f"optimizer step before the weight gradients of micro-batches "
-                                 f"{sorted(st.input_grads - st.backwarded)}")
+        for c in st.chunks.values():
+            if c.waited != c.synced or c.sync_pending is not None:
+                raise _fail(st, ins, f"optimizer step before the gradient sync of stage {c.stage} finished")
+            if c.input_grads - c.backwarded:
+                raise _fail(st, ins, f"optimizer step before the weight gradients of micro-batches "
+                                     f"{sorted(c.input_grads - c.backwarded)} of stage {c.stage}")
         st.steps.append(ins.grad_scale)
     else:
         raise _fail(st, ins, "unknown instruction")
     return True
 
 
-def _take(queues: _Queues, src: int, dst: int, want: tuple[str, int], st: _Rank, ins: Instruction) -> bool:
+def _take(queues: _Queues, src: int, dst: int, want: tuple[str, int, int], st: _Rank, ins: Instruction) -> bool:
     q = queues.get((src, dst))
     if not q:
         return False
     if q[0] != want:
-        raise _fail(st, ins, f"the next message from rank {src} is {q[0][0]}/{q[0][1]}, not {want[0]}/{want[1]}")
+        have = "/".join(map(str, q[0]))
+        raise _fail(st, ins, f"the next message from rank {src} is {have}, not {'/'.join(map(str, want))}")
     q.popleft()
     return True

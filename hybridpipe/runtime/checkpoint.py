@@ -21,7 +21,8 @@ How the worker uses it (every rank, after the process group and the stage are bu
 
 ``save`` and ``restore`` are collectives over ``group`` (default: the whole world): every rank
 calls them at the same step. Replica 0 of each stage writes the stage's weights and optimizer
-state under the model's names (runtime/reshard.py: a tied parameter once, by the lowest stage
+state under the model's names (a rank with several model chunks -- virtual stages -- writes each
+chunk's stage file) (runtime/reshard.py: a tied parameter once, by the lowest stage
 that reads it, after every rank compared its copy's digest; optimizer state keyed by parameter
 name); every rank writes its own file with the engine state and its RNG states. After all ranks
 reported their files and names, the stage-0 replica-0 rank writes the manifest (the plan, and
@@ -54,7 +55,7 @@ import os
 import random
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -154,36 +155,42 @@ class Checkpointer:
         self.group = group
         self.tied = [list(names) for names in tied]      # names of one parameter (merge fills them all in)
         self.canon = canonical_names(self.tied)
-        stage, replica = plan.stage_of_rank(rank)
-        self.stage, self.replica = stage.index, replica
+        stages, replica = plan.stages_of_rank(rank)
+        self.stages = [s.index for s in stages]      # one, or the rank's model chunks (virtual stages)
+        self.stage, self.replica = self.stages[0], replica
         self.n_stages = len(plan.stages)
         self.committer = plan.stages[0].ranks[0]
         self.lineage = ""           # set by restore (the checkpoint's) or by the first save (new)
-        # tied parameters another stage writes (the lowest stage that reads one writes it)
-        self.not_mine = {self.canon.get(t.param, t.param) for t in getattr(plan, "tied", ())
-                         if min(t.stages) != self.stage}
+
+    def not_mine(self, stage: int) -> set[str]:
+        """Tied parameters another stage writes than ``stage`` (the lowest stage that reads one writes it)."""
+        return {self.canon.get(t.param, t.param) for t in getattr(self.plan, "tied", ()) if min(t.stages) != stage}
 
     def due(self, steps_done: int) -> bool:
         """Whether a checkpoint is taken after ``steps_done`` completed steps."""
         return self.every > 0 and steps_done > 0 and steps_done % self.every == 0
 
     def save(self, steps_done: int, *, module: nn.Module, optimizer: Any, engine: dict | None = None,
-             extra: dict | None = None) -> Path:
+             extra: dict | None = None, chunks: Mapping[int, nn.Module] | None = None) -> Path:
         """Write this rank's files for ``steps_done`` (weights and optimizer state under the model's
-        names); the committer writes the manifest last."""
+        names); the committer writes the manifest last. ``module``: the rank's module (with
+        virtual stages every chunk's, pipeline/chunks.rank_module) and ``chunks`` its model chunks
+        by stage: each chunk's names go to that stage's file."""
         t0 = time.perf_counter()
         d = staging_dir(self.root, steps_done)
-        records, held, digests = [], [], {}
+        records: list = []
+        held: dict[int, list[str]] = {}
+        digests: dict[str, str] = {}
         if self.replica == 0:
             model = canonical_state(module.state_dict(), self.canon)
             named = named_optimizer_state(optimizer.state_dict(), optimizer_names(optimizer, module, self.canon))
             tied_here = sorted(set(self.canon.values()) & set(model))
             digests = {n: tensor_digest([model[n], named["state"].get(n)]) for n in tied_here}
-            held = [n for n in model if n not in self.not_mine]
-            named = restrict_named(named, held)
-            records.append(atomic_save({"step": steps_done, "stage": self.stage,
-                                        "model": {n: model[n] for n in held}, "optimizer": named},
-                                       d / stage_file(self.stage)))
+            for s in self.stages:
+                keys = model if chunks is None else {self.canon.get(k, k) for k in chunks[s].state_dict()}
+                held[s] = [n for n in model if n in keys and n not in self.not_mine(s)]
+                records.append(atomic_save({"step": steps_done, "stage": s, "model": {n: model[n] for n in held[s]},
+                                            "optimizer": restrict_named(named, held[s])}, d / stage_file(s)))
         records.append(atomic_save({"step": steps_done, "rank": self.rank, "engine": engine or {},
                                     "rng": capture_rng(), "extra": extra or {}}, d / rank_file(self.rank)))
         everyone = self._gather((records, held, digests))
@@ -192,9 +199,10 @@ class Checkpointer:
             self.lineage = self.lineage or uuid.uuid4().hex[:16]
             files = [r for recs, _, _ in everyone for r in recs]
             index: dict[str, str] = {}
-            for r, (_, names, _) in enumerate(everyone):
-                for n in names:
-                    index.setdefault(n, stage_file(self.plan.stage_of_rank(r)[0].index))
+            for _, by_stage, _ in everyone:
+                for s, names in by_stage.items():
+                    for n in names:
+                        index.setdefault(n, stage_file(s))
             write_manifest(d, steps_done, files, {**self._meta(time.perf_counter() - t0), "index": index})
             final, aside = commit(self.root, steps_done, {f.name for f in files})
             if aside is not None:

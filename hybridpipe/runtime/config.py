@@ -40,6 +40,7 @@ from hybridpipe.partitioner.plan import (
     check_plan_memory,
     load_plan,
 )
+from hybridpipe.pipeline.chunks import check_rank_memory
 from hybridpipe.pipeline.instructions import Step
 from hybridpipe.pipeline.schedules import Topology, check_schedulable, rank_program
 from hybridpipe.runtime.checkpoint_files import step_dirs
@@ -265,6 +266,7 @@ def resolve(args: argparse.Namespace, world_size: int | None = None, planned: Pl
                    "use fewer --micro-batches")
     check_schedulable(Topology.from_plan(plan), plan.schedule)
     check_plan_memory(plan)
+    check_rank_memory(plan)             # a rank's model chunks together (virtual stages)
     if args.skip_nonfinite and not flushes(plan):
         raise UserError(f"--skip-nonfinite needs a schedule that flushes every step (gpipe, 1f1b); "
                         f"{plan.schedule} updates weights per micro-batch, so a step cannot be skipped as a whole")

@@ -53,10 +53,18 @@ def suspect_of(exc: BaseException) -> tuple[int | None, str]:
 
 def describe_ranks(plan) -> Callable[[int], str]:
     """``rank -> "rank 3 (stage 1 replica 0)"`` for a ``hybridpipe.partitioner.plan.Plan``."""
-    where = {r: (s.index, i) for s in plan.stages for i, r in enumerate(s.ranks)}
+    stages: dict[int, list[str]] = {}          # a rank of a plan with virtual stages runs several
+    replica: dict[int, int] = {}
+    for s in plan.stages:
+        for i, r in enumerate(s.ranks):
+            stages.setdefault(r, []).append(str(s.index))
+            replica[r] = i
 
     def describe(rank: int) -> str:
-        return f"rank {rank} (stage {where[rank][0]} replica {where[rank][1]})" if rank in where else f"rank {rank}"
+        if rank not in stages:
+            return f"rank {rank}"
+        which = f"stage{'s' if len(stages[rank]) > 1 else ''} {','.join(stages[rank])}"
+        return f"rank {rank} ({which} replica {replica[rank]})"
     return describe
 
 

@@ -111,14 +111,16 @@ def stage_channels(topo: Topology, rank: int, schedule: str, mode: str, device: 
 
     In ``sra`` mode each link follows the order of one step's transfers derived from every
     rank's schedule; pipedream's messages cross step boundaries, so ``sra`` runs as ``sa`` there.
+    A rank's messages to itself (between its model chunks) need no channel: the engine keeps them.
     """
     order = None
     if mode == "sra":
-        programs = {r: transfer_program(topo, r, schedule) for ranks in topo.stage_ranks for r in ranks}
-        fixed = {r: p for r, p in programs.items() if p is not None}
+        programs = {r: transfer_program(topo, r, schedule) for ranks in topo.groups for r in ranks}
+        fixed = {r: [op for op in p if op[1] != r] for r, p in programs.items() if p is not None}
         if len(fixed) < len(programs):
             log.info("schedule %s has no fixed per-step order: sra channels behave like sa", schedule)
         else:
             order = link_orders(fixed).get(rank, {})
-    return open_channels(channel_edges(topo), mode, device=device, timeout=timeout_s, order=order,
-                         on_transfer=on_transfer)
+    # two model chunks of one rank (virtual stages) pass their messages inside the engine
+    edges = [(a, b) for a, b in channel_edges(topo) if a != b]
+    return open_channels(edges, mode, device=device, timeout=timeout_s, order=order, on_transfer=on_transfer)

@@ -37,6 +37,13 @@ class RankReport:
     digest: str | None = None                                             # weights, replicated stages only
     sync: list[dict] | None = None       # replicated stages: per layer {"layer", "algorithm", "planned"}
     peak_memory_bytes: int = 0           # the most the rank's stage held in any step (pipeline/memory.py)
+    more_stages: tuple[int, ...] = ()    # virtual stages: the rank's other model chunks (``stage`` is the first)
+    more_sync: dict[int, list[dict]] = field(default_factory=dict)    # ``sync`` of those chunks, by stage
+
+    @property
+    def stages(self) -> tuple[int, ...]:
+        """Every stage (model chunk) the rank ran."""
+        return (self.stage, *self.more_stages)
 
 
 def warmup_steps(n: int) -> int:
@@ -59,6 +66,8 @@ def sync_summary(reports: list[RankReport]) -> tuple[dict[str, list[dict]], bool
     plan lists no layers for a replicated stage)."""
     sync = {str(r.stage): r.sync for r in sorted(reports, key=lambda r: (r.stage, r.replica))
             if r.sync is not None and r.replica == 0}
+    sync.update({str(s): layers for r in reports if r.replica == 0 for s, layers in r.more_sync.items()})
+    sync = dict(sorted(sync.items(), key=lambda kv: int(kv[0])))
     entries = [e for layers in sync.values() for e in layers]
     if not sync:
         return {}, None
@@ -79,7 +88,7 @@ def summarize(reports: list[RankReport], plan: Plan, *, steps: int, first_step: 
     predicted = plan.predicted_step_ms or None
     replicas = {}
     for s in plan.stages:
-        digests = {r.digest for r in reports if r.stage == s.index}
+        digests = {r.digest for r in reports if s.index in r.stages}
         if s.replicas > 1:
             replicas[str(s.index)] = len(digests) == 1 and None not in digests
     sync, as_planned = sync_summary(reports)
@@ -98,7 +107,7 @@ def summarize(reports: list[RankReport], plan: Plan, *, steps: int, first_step: 
         "skipped_nonfinite_steps": sorted(skipped or []),
         "sync": sync, "sync_as_planned": as_planned,
         "memory": [{"rank": r.rank, "stage": r.stage, "peak_bytes": r.peak_memory_bytes,
-                    "predicted_bytes": plan.stages[r.stage].memory_bytes} for r in reports],
+                    "predicted_bytes": sum(plan.stages[s].memory_bytes for s in r.stages)} for r in reports],
         "run_dir": run_dir, "metrics_dir": f"{run_dir}/metrics", "trace_dir": trace_dir,
     }
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -20,10 +21,11 @@ def tied_process_groups(plan: Plan, timeout_s: float) -> dict[tuple[int, ...], d
             for ranks in sorted({tied_ranks(plan, g) for g in plan.tied})}
 
 
-def tied_sync(plan: Plan, stage_index: int, model: nn.Module,
+def tied_sync(plan: Plan, stages: int | Iterable[int], model: nn.Module,
               groups: dict[tuple[int, ...], dist.ProcessGroup]) -> TiedSync | None:
-    """This rank's TiedSync (None when its stage shares no parameter with another stage)."""
-    held = stage_tied_params(plan, stage_index, model)
+    """This rank's TiedSync over its stage (or chunks ``stages``); None when they share no parameter
+    with another stage."""
+    held = stage_tied_params(plan, stages, model)
     if not held:
         return None
 

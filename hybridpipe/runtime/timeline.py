@@ -66,7 +66,7 @@ class _Step:
     step: int | None                      # None: events recorded before the first begin_step
     t_begin: float | None = None
     t_end: float | None = None
-    phases: list[tuple[str, int, float, float]] = field(default_factory=list)
+    phases: list[tuple[str, int, float, float, int | None]] = field(default_factory=list)
     transfers: list[tuple[int, str, int, float, float]] = field(default_factory=list)
     cache: tuple[float, str] | None = None    # (time origin, events as JSON) once serialised
 
@@ -81,11 +81,13 @@ class TimelineRecorder:
 
     def __init__(self, directory: str | os.PathLike, *, rank: int, stage: int, replica: int = 0,
                  world_size: int = 1, keep_steps: int = 200, flush_every: int = 50,
-                 clock: Callable[[], float] = time.perf_counter, label: str = "") -> None:
+                 clock: Callable[[], float] = time.perf_counter, label: str = "",
+                 stages: Iterable[int] = ()) -> None:
         if keep_steps < 1:
             raise ValueError(f"keep_steps must be >= 1, got {keep_steps}")
         self.path = trace_path(directory, rank)
         self.rank, self.stage, self.replica, self.world_size = rank, stage, replica, world_size
+        self.stages = list(stages) or [stage]        # a rank's model chunks (virtual stages), in model order
         self.keep_steps, self.flush_every, self.clock, self.label = keep_steps, flush_every, clock, label
         self._lock = threading.Lock()
         self._setup = _Step(None)
@@ -126,12 +128,13 @@ class TimelineRecorder:
         if due:
             self.flush()
 
-    def record(self, phase: str, micro_batch: int, t0: float, t1: float) -> None:
-        """One phase of one micro-batch (the pipeline engine's recorder interface)."""
+    def record(self, phase: str, micro_batch: int, t0: float, t1: float, stage: int | None = None) -> None:
+        """One phase of one micro-batch (the pipeline engine's recorder interface); ``stage``: the
+        model chunk it ran on (a rank with virtual stages holds several; None: about the rank)."""
         if phase not in PHASES:
             raise ValueError(f"unknown timeline phase {phase!r}; phases are {', '.join(PHASES)}")
         with self._lock:
-            self._current.phases.append((phase, int(micro_batch), t0, t1))
+            self._current.phases.append((phase, int(micro_batch), t0, t1, stage))
             self._current.cache = None
 
     def on_transfer(self, peer: int, key: str, nbytes: int, t0: float, t1: float) -> None:
@@ -146,13 +149,14 @@ class TimelineRecorder:
         return json.loads(f"[{self._events_json()}]")
 
     def describe(self) -> str:
-        text = f"rank {self.rank}: stage {self.stage} replica {self.replica}"
+        text = f"rank {self.rank}: stage {','.join(map(str, self.stages))} replica {self.replica}"
         return f"{text} ({self.label})" if self.label else text
 
     def metadata(self) -> dict:
         with self._lock:
             kept = [s.step for s in self._steps if s.step is not None]
             return {"kind": TRACE_KIND, "format": TRACE_FORMAT, "rank": self.rank, "stage": self.stage,
+                    "stages": self.stages,
                     "replica": self.replica, "world_size": self.world_size, "clock": self._aligned_by,
                     "anchor_wall_s": self._anchor_wall, "keep_steps": self.keep_steps,
                     "steps_dropped": self._dropped, "first_step": min(kept, default=None),
@@ -189,8 +193,9 @@ class TimelineRecorder:
             return round((t - anchor) * 1e6, 3)
 
         out = [{"ph": "X", "name": ph, "cat": "phase", "pid": pid, "tid": TID_PHASES, "ts": us(t0),
-                "dur": round(max(t1 - t0, 0.0) * 1e6, 3), "args": {"step": s.step, "micro_batch": mb}}
-               for ph, mb, t0, t1 in s.phases]
+                "dur": round(max(t1 - t0, 0.0) * 1e6, 3),
+                "args": {"step": s.step, "micro_batch": mb, **({} if st is None else {"stage": st})}}
+               for ph, mb, t0, t1, st in s.phases]
         out += [{"ph": "X", "name": key, "cat": "transfer", "pid": pid, "tid": TID_TRANSFERS, "ts": us(t0),
                  "dur": round(max(t1 - t0, 0.0) * 1e6, 3), "args": {"step": s.step, "peer": peer, "bytes": n}}
                 for peer, key, n, t0, t1 in s.transfers]
@@ -246,6 +251,7 @@ def load_rank_trace(path: str | os.PathLike) -> RankTrace:
     where = f"{p}: otherData.hybridpipe"
     json_field(meta, "rank", int, where, minimum=0)
     json_field(meta, "stage", int, where, minimum=0)
+    json_field(meta, "stages", list, where, default=[])
     json_field(meta, "replica", int, where, minimum=0)
     json_field(meta, "world_size", int, where, minimum=1, default=1)
     json_field(meta, "anchor_wall_s", float, where)

@@ -61,6 +61,12 @@ class PhaseRow:
     steps: int
     step_ms: float
     phase_ms: dict[str, float]
+    stages: tuple[int, ...] = ()        # every model chunk of the rank (virtual stages); () = (stage,)
+
+    @property
+    def stage_label(self) -> str:
+        """``3``, or a rank's chunks ``0,3``."""
+        return ",".join(map(str, self.stages or (self.stage,)))
 
     @property
     def compute_share(self) -> float:
@@ -90,7 +96,8 @@ def phase_table(merged: dict) -> list[PhaseRow]:
         n = max(len(steps[r]), 1)
         rows.append(PhaseRow(rank=r, stage=int(meta["stage"]), replica=int(meta["replica"]), steps=len(steps[r]),
                              step_ms=sum(step_us[r]) / len(step_us[r]) / 1e3 if step_us[r] else 0.0,
-                             phase_ms={p: totals[r].get(p, 0.0) / n / 1e3 for p in PHASES}))
+                             phase_ms={p: totals[r].get(p, 0.0) / n / 1e3 for p in PHASES},
+                             stages=tuple(int(s) for s in meta.get("stages", ()))))
     return rows
 
 

@@ -35,6 +35,7 @@ from hybridpipe.errors import UserError
 from hybridpipe.partitioner.plan import Plan, load_plan
 from hybridpipe.partitioner.schedule_registry import get_schedule
 from hybridpipe.pipeline import PipelineEngine, Topology, build_stage_index
+from hybridpipe.pipeline.chunks import rank_module
 from hybridpipe.pipeline.schedules import settle_phase
 from hybridpipe.pipeline.stage import loss_of
 from hybridpipe.profiles.capture import tied_parameters
@@ -104,8 +105,10 @@ class Trainer:
             raise UserError(f"the plan needs {self.plan.world_size} workers but the job has {self.proc.world_size}; "
                             f"start it with torchrun --nproc-per-node {self.plan.world_size} (or on as many hosts)")
         plan, rank = self.plan, self.proc.rank
-        self.stage_plan, self.replica = plan.stage_of_rank(rank)
-        self.is_last = self.stage_plan.index == len(plan.stages) - 1
+        self.stage_plans, self.replica = plan.stages_of_rank(rank)    # one, or V model chunks (virtual stages)
+        self.stage_plan = self.stage_plans[0]
+        mine = [s.index for s in self.stage_plans]
+        self.is_last = len(plan.stages) - 1 in mine
         self.takes_targets = self.model.spec.loss is not None
         self.clip_grad_norm = clip_grad_norm
         self.scaler = LossScaler(loss_scale) if precision == "fp16" else None
@@ -115,22 +118,24 @@ class Trainer:
         self.comm_mode = comm_mode
         # collectives below: the same order on every rank
         groups = replica_groups(plan, timeout)
-        tied = tied_sync(plan, self.stage_plan.index, self.model.module, tied_process_groups(plan, timeout))
+        tied = tied_sync(plan, mine, self.model.module, tied_process_groups(plan, timeout))
         self._stats = dist.new_group(list(range(self.proc.world_size)), timeout=datetime.timedelta(seconds=timeout))
         self.watch = NonFiniteWatch(self.proc.device, skip=skip_nonfinite, flushing=flushes(plan),
                                     stage=self.stage_plan.index,
                                     decides_alone=self.is_last and self.stage_plan.replicas == 1, hint=nonfinite_hint)
         ranges = [(s.first_node, s.last_node) for s in plan.stages]
-        self.stage = build_stage_index(self.model.captured, ranges, self.stage_plan.index,
-                                       loss=self.watch.wrap_loss(loss_of(self.model.spec.loss)),
-                                       recompute=self.stage_plan.recompute).to(self.proc.device)
-        self._uncounted = _repeated_tied(plan, self.stage_plan.index, self.model.module)
-        self.sync = make_sync(plan, self.stage.module, self.stage_plan, groups.get(self.stage_plan.index),
-                              exclude=tied.params if tied is not None else (), allreduce=allreduce,
-                              calibrations=tuple(calibrations), aggregator=aggregator,
-                              wire_dtype=PRECISIONS[precision])
+        loss_fn = self.watch.wrap_loss(loss_of(self.model.spec.loss))
+        self.stages = [build_stage_index(self.model.captured, ranges, s.index, loss=loss_fn,
+                                         recompute=s.recompute).to(self.proc.device) for s in self.stage_plans]
+        self.module = rank_module([st.module for st in self.stages])     # every chunk's parameters, each once
+        self._uncounted = _repeated_tied(plan, mine, self.model.module)
+        self.syncs = {s.index: make_sync(plan, st.module, s, groups.get(s.index),
+                                         exclude=tied.params if tied is not None else (), allreduce=allreduce,
+                                         calibrations=tuple(calibrations), aggregator=aggregator,
+                                         wire_dtype=PRECISIONS[precision])
+                      for s, st in zip(self.stage_plans, self.stages, strict=True)}
         seed_rank(seed, rank)
-        self.optimizer = _optimizer(optimizer or plan.optimizer, self.stage.module, lr, momentum, weight_decay)
+        self.optimizer = _optimizer(optimizer or plan.optimizer, self.module, lr, momentum, weight_decay)
         self.scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None and \
             isinstance(self.optimizer, torch.optim.Optimizer) else None
         topo = Topology.from_plan(plan)
@@ -141,15 +146,29 @@ class Trainer:
         self._feed = GivenBatches(keep=settle_phase(topo, plan.schedule) + 2, fallback=data, rank=rank,
                                   targets=self.takes_targets)
         guarded: Any = self.watch.wrap_optimizer(self.optimizer)     # an optimizer that checks the loss first
-        self.engine = PipelineEngine(self.stage, topo, rank, plan.schedule, transport=self.channels,
+        self.engine = PipelineEngine(self.stages, topo, rank, plan.schedule, transport=self.channels,
                                      optimizer=guarded, data=self._feed,
-                                     sync=self.sync, recorder=recorder, tied=tied,
+                                     sync=self.syncs, recorder=recorder, tied=tied,
                                      before_step=self._before_step if clip_grad_norm is not None or self.scaler
                                      else None, autocast=PRECISIONS[precision], wire_dtype=PRECISIONS[precision],
                                      loss_scale=self._loss_scale if self.scaler is not None else None)
         self.last_losses: dict[int, float] = {}      # this rank's micro-batch losses of the last step (last stage)
         self.last_peak_memory_bytes = 0               # what this rank's stage held at its peak in the last step
         self._checkpointers: dict[str, Checkpointer] = {}
+
+    @property
+    def stage(self):
+        """This rank's stage (a rank with several model chunks has :attr:`stages`; :attr:`module`
+        holds every chunk's parameters)."""
+        if len(self.stages) > 1:
+            raise UserError(f"rank {self.proc.rank} holds stages {[st.index for st in self.stages]} (virtual "
+                            "stages): use trainer.stages, or trainer.module for all their parameters")
+        return self.stages[0]
+
+    @property
+    def sync(self):
+        """The gradient sync of this rank's stage (see :attr:`syncs` for one per model chunk)."""
+        return self.syncs[self.stage_plan.index]
 
     # ---- steps ---------------------------------------------------------------------------
     def train_step(self, batch: Any = None, target: Any = None, *, drain: bool = False) -> float:
@@ -213,18 +232,19 @@ class Trainer:
         ckpt = self._checkpointer(directory, keep)
         extra = {"scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
                  "scaler": self.scaler.state_dict() if self.scaler is not None else None}
-        return ckpt.save(self.step, module=self.stage.module, optimizer=self.optimizer,
-                         engine=self.engine.state_dict(), extra=extra)
+        return ckpt.save(self.step, module=self.module, optimizer=self.optimizer,
+                         engine=self.engine.state_dict(), extra=extra,
+                         chunks={st.index: st.module for st in self.stages})
 
     def load(self, directory: str | Path) -> Restored | None:
         """Resume from the newest usable checkpoint in ``directory`` (collective): None when it holds
         none; else what was restored (``.step`` steps done). Training continues bit-identically
         (a checkpoint of another plan is resharded; then each rank's RNG is re-seeded)."""
         ckpt = self._checkpointer(directory, 3)
-        restored = ckpt.restore(self.stage.module)
+        restored = ckpt.restore(self.module)
         if restored is None:
             return None
-        ckpt.load_into(restored, self.stage.module, self.optimizer)
+        ckpt.load_into(restored, self.module, self.optimizer)
         self.step = restored.step
         if restored.engine:
             self.engine.load_state_dict(restored.engine)
@@ -247,9 +267,10 @@ class Trainer:
     def close(self) -> None:
         """Close the channels and the sync's threads; leave the job if the trainer joined it."""
         self.channels.close()
-        close = getattr(self.sync, "close", None)
-        if close is not None:
-            close()
+        for sync in self.syncs.values():
+            close = getattr(sync, "close", None)
+            if close is not None:
+                close()
         if self._owned and dist.is_initialized():
             dist.destroy_process_group()
             self._owned = False
@@ -290,7 +311,7 @@ class Trainer:
             inv = 1.0 / self.scaler.scale
             bad = torch.zeros(1, device=self.proc.device)
             with torch.no_grad():
-                for p in self.stage.parameters():
+                for p in self.module.parameters():
                     if p.grad is not None:
                         p.grad.mul_(inv)
                         bad = torch.maximum(bad, (~torch.isfinite(p.grad)).any().float())
@@ -308,9 +329,9 @@ class Trainer:
         the global norm exceeds ``clip_grad_norm`` (replica 0 of each stage contributes its squared
         norm, a tied parameter only in the first stage that holds it)."""
         sq = torch.zeros(1, dtype=torch.float64, device=self.proc.device)
-        grads = [p.grad for p in self.stage.parameters() if p.grad is not None]
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
         if self.replica == 0:
-            for p in self.stage.parameters():
+            for p in self.module.parameters():
                 if p.grad is not None and id(p) not in self._uncounted:
                     sq += p.grad.detach().double().pow(2).sum()
         dist.all_reduce(sq, group=self._stats)
@@ -352,7 +373,8 @@ def _optimizer(kind: OptimizerArg, module: nn.Module, lr: float, momentum: float
     return make_optimizer(str(kind), module.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
 
 
-def _repeated_tied(plan: Plan, stage_index: int, module: nn.Module) -> set[int]:
-    """ids of the tied parameters this stage holds that an earlier stage also holds (counted there)."""
+def _repeated_tied(plan: Plan, stages: list[int], module: nn.Module) -> set[int]:
+    """ids of the tied parameters this rank's stages hold that are counted on another rank (the
+    one of the lowest stage that holds them)."""
     return {id(module.get_parameter(g.param)) for g in plan.tied
-            if stage_index in g.stages and min(g.stages) != stage_index}
+            if set(stages) & set(g.stages) and min(g.stages) not in stages}

@@ -92,7 +92,8 @@ def _train(cfg: RunConfig, proc: Process, model: Model, closers: list, print_fn,
     """launch's loop around the Python API (runtime/trainer.py): metrics, progress bar, timeline,
     checkpoints every K steps, the summary."""
     plan, rank = cfg.plan, proc.rank
-    stage_plan, replica = plan.stage_of_rank(rank)
+    stage_plans, replica = plan.stages_of_rank(rank)      # one, or the rank's model chunks (virtual stages)
+    stage_plan = stage_plans[0]
     reporter = rank == plan.stages[-1].ranks[0]
     run_dir = _agree_run_dir(cfg, rank)
     if cfg.planned_s is not None and rank == 0:
@@ -104,7 +105,8 @@ def _train(cfg: RunConfig, proc: Process, model: Model, closers: list, print_fn,
     recorder = None
     if traces is not None:
         recorder = TimelineRecorder(traces, rank=rank, stage=stage_plan.index, replica=replica,
-                                    world_size=proc.world_size, label=f"{plan.model} {cfg.schedule}")
+                                    world_size=proc.world_size, label=f"{plan.model} {cfg.schedule}",
+                                    stages=[s.index for s in stage_plans])
         closers.append(recorder.close)
     hint = f"the newest checkpoint in {cfg.checkpoint_dir} is the last good one" if cfg.checkpoint_dir else ""
     trainer = Trainer(model, plan, optimizer=cfg.optimizer, lr=cfg.lr, momentum=cfg.momentum,
@@ -117,7 +119,7 @@ def _train(cfg: RunConfig, proc: Process, model: Model, closers: list, print_fn,
     start, restart = 0, None
     if init_optimizer is not None:
         canon = canonical_names(tied_parameters(model.module))
-        names = optimizer_names(trainer.optimizer, trainer.stage.module, canon)
+        names = optimizer_names(trainer.optimizer, trainer.module, canon)
         trainer.optimizer.load_state_dict(indexed_optimizer_state(init_optimizer, names,
                                                                   trainer.optimizer.state_dict()))
     if cfg.checkpoint_dir and cfg.resume:
@@ -133,7 +135,7 @@ def _train(cfg: RunConfig, proc: Process, model: Model, closers: list, print_fn,
 
     metrics = MetricsWriter(run_dir, rank)
     closers.append(metrics.close)
-    report = RankReport(rank, stage_plan.index, replica)
+    report = RankReport(rank, stage_plan.index, replica, more_stages=tuple(s.index for s in stage_plans[1:]))
     bar = Progress(cfg.steps, initial=start, enabled=cfg.progress and reporter,
                    desc=f"{plan.model} {cfg.schedule}")
     saved_at = start
@@ -185,8 +187,10 @@ def _train(cfg: RunConfig, proc: Process, model: Model, closers: list, print_fn,
     trainer.close()
     _close_all(closers)
     if stage_plan.replicas > 1:
-        report.digest = weights_digest(trainer.stage.module)
-        report.sync = sync_report(trainer.sync, stage_plan)
+        report.digest = weights_digest(trainer.module)
+        report.sync = sync_report(trainer.syncs[stage_plan.index], stage_plan)
+        report.more_sync = {s.index: ran for s in stage_plans[1:]
+                            if (ran := sync_report(trainer.syncs[s.index], s)) is not None}
     reports: list = [None] * proc.world_size
     dist.all_gather_object(reports, report)
     if not reporter:

@@ -10,12 +10,14 @@ from torch.utils.data import Dataset
 
 from hybridpipe.partitioner.cluster import Cluster, Level
 from hybridpipe.partitioner.plan import Plan, Stage, TiedGroup
+from hybridpipe.partitioner.schedule_registry import get_schedule
 from hybridpipe.partitioner.tied import shared_across
+from hybridpipe.pipeline.chunks import rank_module
 from hybridpipe.pipeline.data import MicroBatches
 from hybridpipe.pipeline.engine import PipelineEngine
 from hybridpipe.pipeline.inprocess import InProcessGradSync, InProcessNetwork, ReplicaGroup, run_ranks
 from hybridpipe.pipeline.schedules import Topology
-from hybridpipe.pipeline.stage import PipelineStage, build_stage, captured_signature
+from hybridpipe.pipeline.stage import PipelineStage, build_stages, captured_signature
 from hybridpipe.pipeline.tied import TiedSync, complete_tied, stage_tied_params, tied_ranks
 from hybridpipe.profiles.capture import CapturedModel, call_args, capture_model, tied_parameters, training_switches
 from hybridpipe.profiles.data import resolve_dataset
@@ -58,27 +60,35 @@ def plan_tied(captured: CapturedModel, ranges: list[tuple[int, int]]) -> tuple[T
 def make_plan(model: str, cuts: list[int], replicas: list[int], *, schedule: str = "1f1b", micro_batches: int = 4,
               batch_size: int = 4, times: list[tuple[float, float]] | None = None, send_ms: float = 0.0,
               n_nodes: int | None = None, signature: str = "", granularity: str = "blocks",
-              shared_capture: bool = False) -> Plan:
+              shared_capture: bool = False, virtual_stages: int = 1, recompute: bool = False) -> Plan:
     """A plan cutting ``model`` after the node ids in ``cuts`` (stage s ends at cuts[s]); ``n_nodes``
-    and ``signature`` default to the captured model's (give others for a plan made for another graph)."""
+    and ``signature`` default to the captured model's (give others for a plan made for another graph).
+    With ``virtual_stages`` V the cuts make p*V stages and ``replicas`` lists the p rank groups'
+    replicas; the schedule's layout (schedule_registry) puts each stage on its group.
+    ``recompute``: every stage recomputes its activations in the backward."""
     spec = resolve_model(model)
     captured = (capture_copy if shared_capture else capture)(spec, batch_size, granularity=granularity)
     n_nodes = n_nodes or len(captured.blocks)
     signature = signature or captured_signature(captured)
     bounds = [-1, *cuts, n_nodes - 1]
-    stages, rank = [], 0
-    for s, r in enumerate(replicas):
+    p = len(replicas)
+    group_ranks = [tuple(range(sum(replicas[:i]), sum(replicas[:i + 1]))) for i in range(p)]
+    kind = get_schedule(schedule)
+    stages = []
+    for s in range(len(bounds) - 1):
+        ranks = group_ranks[kind.group_of(s, p)]
         f, b = times[s] if times else (0.0, 0.0)
-        stages.append(Stage(index=s, first_node=bounds[s] + 1, last_node=bounds[s + 1], replicas=r,
-                            ranks=tuple(range(rank, rank + r)), compute_ms=f + b, forward_ms=f, backward_ms=b,
-                            send_ms=send_ms if s < len(replicas) - 1 else 0.0))
-        rank += r
+        stages.append(Stage(index=s, first_node=bounds[s] + 1, last_node=bounds[s + 1], replicas=len(ranks),
+                            ranks=ranks, compute_ms=f + b, forward_ms=f, backward_ms=b,
+                            send_ms=send_ms if s < len(bounds) - 2 else 0.0, recompute=recompute))
+    assert len(stages) == p * virtual_stages, f"{len(cuts)} cuts make {len(stages)} stages, not {p} x {virtual_stages}"
+    rank = sum(replicas)
     cluster = Cluster((Level("node", rank, 100.0),), 16.0)
     ranges = [(s.first_node, s.last_node) for s in stages]
     return Plan(model=model, batch_size=batch_size, input_shape=(batch_size, *spec.sample_shape),
                 profile_signature=signature, cluster=cluster, strategy="uniform", schedule=schedule,
                 micro_batches=micro_batches, optimizer="sgd", stages=tuple(stages), tied=plan_tied(captured, ranges),
-                granularity=granularity)
+                granularity=granularity, virtual_stages=virtual_stages)
 
 
 def data_for(plan: Plan, steps: int, seed: int = 1, dataset: Dataset | None = None) -> MicroBatches:
@@ -102,14 +112,17 @@ def make_optimizer(params, lr: float, kind: str = "sgd") -> torch.optim.Optimize
 def train_pipeline(plan: Plan, steps: int, *, lr: float = 0.05, seed: int = 0, optimizer: str = "sgd",
                    drain_every: int | None = None, device: str = "cpu", dataset: Dataset | None = None,
                    shared_capture: bool = False, observe: Observer | None = None, tied_sync: bool = True,
-                   step_results: dict | None = None) -> tuple[dict[str, torch.Tensor], dict[int, list[float]]]:
-    """Train ``plan`` with one thread per rank; returns the merged state dict (replica 0 of every
-    stage, after checking the replicas agree bitwise) and the losses per step.
+                   step_results: dict | None = None, engine_class: type[PipelineEngine] = PipelineEngine
+                   ) -> tuple[dict[str, torch.Tensor], dict[int, list[float]]]:
+    """Train ``plan`` with one thread per rank (a rank of a plan with virtual stages runs all its
+    chunks); returns the merged state dict (replica 0 of every stage, after checking the replicas
+    agree bitwise) and the losses per step.
 
     ``dataset``: the samples (default: synthetic); ``shared_capture``: every rank gets a copy of one
     capture (see capture_copy); ``observe(rank, step, stage)`` runs on every rank after every step;
     ``tied_sync=False`` sums nothing across the copies of tied weights (to see them drift apart);
-    ``step_results`` (a dict) receives every rank's list of StepResults."""
+    ``step_results`` (a dict) receives every rank's list of StepResults; ``observe`` runs once per
+    chunk of a rank; ``engine_class``: a PipelineEngine subclass (e.g. with hand-written lists)."""
     spec = resolve_model(plan.model)
     topo = Topology.from_plan(plan)
     network = InProcessNetwork(timeout=60)
@@ -118,15 +131,17 @@ def train_pipeline(plan: Plan, steps: int, *, lr: float = 0.05, seed: int = 0, o
 
     def rank_fn(rank: int):
         captured = (capture_copy if shared_capture else capture)(spec, plan.batch_size, seed, plan.granularity)
-        stage = build_stage(captured, plan, rank, loss=spec.loss).to(device)
-        st, replica = plan.stage_of_rank(rank)
-        held = stage_tied_params(plan, st.index, captured.module)
+        stages = [st.to(device) for st in build_stages(captured, plan, rank, loss=spec.loss)]
+        module = rank_module([st.module for st in stages])      # every chunk's parameters (virtual stages)
+        replica = plan.stages_of_rank(rank)[1]
+        held = stage_tied_params(plan, [st.index for st in stages], captured.module)
         tied = TiedSync([(params, _summer(tied_groups[ranks], ranks.index(rank)) if tied_sync else _no_sum)
                          for ranks, params in held.items()])
-        sync = InProcessGradSync(stage.module, groups[st.index], replica, exclude=tied.params)
-        engine = PipelineEngine(stage, topo, rank, plan.schedule, transport=network.transport(rank),
-                                optimizer=make_optimizer(stage.module.parameters(), lr, optimizer),
-                                data=data_for(plan, steps, dataset=dataset), sync=sync, tied=tied if held else None)
+        syncs = {st.index: InProcessGradSync(st.module, groups[st.index], replica, exclude=tied.params)
+                 for st in stages}
+        engine = engine_class(stages, topo, rank, plan.schedule, transport=network.transport(rank),
+                                optimizer=make_optimizer(module.parameters(), lr, optimizer),
+                                data=data_for(plan, steps, dataset=dataset), sync=syncs, tied=tied if held else None)
 
         def run():
             losses = {}
@@ -137,11 +152,12 @@ def train_pipeline(plan: Plan, steps: int, *, lr: float = 0.05, seed: int = 0, o
                     step_results.setdefault(rank, []).append(res)
                 losses[k] = [float(v) for _, v in sorted(res.losses.items())]
                 if observe is not None:
-                    observe(rank, k, stage)
-            return {k: v.cpu() for k, v in stage.state_dict().items()}, losses, engine
+                    for st in stages:
+                        observe(rank, k, st)
+            return {k: v.cpu() for k, v in module.state_dict().items()}, losses, engine
         return run
 
-    results = run_ranks({r: rank_fn(r) for s in plan.stages for r in s.ranks}, network,
+    results = run_ranks({r: rank_fn(r) for r in sorted({r for s in plan.stages for r in s.ranks})}, network,
                         groups + list(tied_groups.values()))
     assert not network.pending(), network.pending()
     merged: dict[str, torch.Tensor] = {}

@@ -38,7 +38,7 @@ def test_schedule_prints_every_rank_and_one_rank_in_full(plan_file, tmp_path, ca
     assert main(["schedule", str(plan_file), "--rank", "2", "--schedule", "pipedream",
                  "--png", str(tmp_path / "s.png")]) == 0
     out = capsys.readouterr().out
-    assert "SyncStart(micro_batch=1)" in out and "steady step" in out and "draining step" in out
+    assert "SyncStart(micro_batch=1, stage=1)" in out and "steady step" in out and "draining step" in out
     assert (tmp_path / "s.png").stat().st_size > 1000
 
 

@@ -90,7 +90,7 @@ def test_recorder_sees_every_phase_in_order():
         def __init__(self, rank):
             self.rank = rank
 
-        def record(self, phase, micro_batch, t0, t1):
+        def record(self, phase, micro_batch, t0, t1, stage=None):
             assert t1 >= t0
             records[self.rank].append((phase, micro_batch))
 

@@ -67,7 +67,7 @@ def test_meter_counts_a_recomputing_forwards_rerun_and_releases_all_of_it():
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.BatchNorm1d(32), torch.nn.Tanh(),
                                 torch.nn.Linear(32, 4))
     params = list(model.parameters())
-    meter = MemoryMeter(lambda: params, lambda: 0, torch.device("cpu"), model)
+    meter = MemoryMeter(lambda: params, lambda: 0, torch.device("cpu"), [model])
     x = torch.randn(16, 8, requires_grad=True)
     meter.begin_step()
     for _ in range(3):                       # the same storages come back step after step: counts must not creep
@@ -75,7 +75,7 @@ def test_meter_counts_a_recomputing_forwards_rerun_and_releases_all_of_it():
             out = torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False)
         kept = meter.held                    # checkpoint saves only the input
         assert kept == 16 * 8 * 4
-        with meter.backward(True):
+        with meter.backward(True, model):
             out.sum().backward()
         del out
         assert meter.held == 0

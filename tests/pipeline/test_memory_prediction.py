@@ -75,7 +75,7 @@ def test_one_micro_batch_leaves_what_the_profile_predicts_and_the_meter_counts(m
     sources = [stages[0].data_inputs(batch), {k: v.detach() for k, v in first.outputs.items()}]
     for s, stage in enumerate(stages):
         params = list(stage.parameters())
-        meter = MemoryMeter(lambda params=params: params, lambda: 0, torch.device("cpu"), stage.module)
+        meter = MemoryMeter(lambda params=params: params, lambda: 0, torch.device("cpu"), [stage.module])
         kept = []
 
         def run(mark, stage=stage, source=sources[s], meter=meter, kept=kept) -> None:

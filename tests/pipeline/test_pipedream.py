@@ -83,7 +83,7 @@ def test_versions_kept_never_exceed_micro_batches_in_flight():
                                 sync=InProcessGradSync(stage.module, groups[st.index], replica))
 
         class Probe:
-            def record(self, phase, micro_batch, t0, t1):
+            def record(self, phase, micro_batch, t0, t1, stage=None):
                 seen.setdefault(rank, []).append((engine.stash.versions_kept(), len(engine.in_flight)))
 
         def run():

@@ -66,6 +66,22 @@ def test_recorder_writes_a_chrome_trace_with_its_rank_and_phases(tmp_path):
     assert sum(e.get("tid") == TID_STEPS and e["ph"] == "X" for e in data["traceEvents"]) == 2
 
 
+def test_a_rank_with_several_chunks_records_each_phase_s_stage(tmp_path):
+    """Virtual stages: the rank's chunks in its metadata and table row, each phase's chunk in its args."""
+    rec = TimelineRecorder(tmp_path, rank=0, stage=0, stages=[0, 3], flush_every=0)
+    rec.begin_step(0)
+    for stage, phase in ((0, "run_for"), (3, "run_for"), (3, "run_back"), (None, "step")):
+        t0 = rec.clock()
+        rec.record(phase, 0 if stage is not None else -1, t0, rec.clock(), stage)
+    rec.end_step()
+    trace = load_rank_trace(rec.close())
+    assert trace.meta["stages"] == [0, 3]
+    assert [e["args"].get("stage") for e in _phase_events(json.loads(trace_path(tmp_path, 0).read_text()))] == \
+        [0, 3, 3, None]
+    (row,) = phase_table(merge_traces([trace]))
+    assert row.stage_label == "0,3"
+
+
 def test_unknown_phase_is_refused(tmp_path):
     rec = TimelineRecorder(tmp_path, rank=0, stage=0)
     with pytest.raises(ValueError, match="receive_for"):

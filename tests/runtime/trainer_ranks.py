@@ -86,7 +86,7 @@ class ByteCounter:
     def align(self, barrier) -> None:
         barrier()
 
-    def record(self, phase: str, micro_batch: int, t0: float, t1: float) -> None:
+    def record(self, phase: str, micro_batch: int, t0: float, t1: float, stage: int | None = None) -> None:
         pass
 
 

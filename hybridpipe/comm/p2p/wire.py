@@ -7,7 +7,7 @@ A *frame* is the unit a lane carries in FIFO order::
 The header names the message (its key, e.g. ``"act/3"``, and its number on this link
 direction), says how many tensors the frame and the whole message carry, and how many payload
 bytes follow. Metadata (names, dtypes, shapes) travels only when it differs from what was last
-sent for the same *key kind* (``kind_of("act/3") == "act"``) on the same lane: both ends keep
+sent for the same *key kind* (``kind_of("act/0/3") == "act/0"``) on the same lane: both ends keep
 the same cache because the lane is FIFO, so a changed shape is re-announced by the very frame
 that carries it and can never be mis-received. Payloads with zero elements are not posted.
 
@@ -86,8 +86,10 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 
 def kind_of(key: str) -> str:
-    """The metadata cache class of a key: the part before the first ``/`` (``"act/3"`` -> ``"act"``)."""
-    return key.split("/", 1)[0]
+    """The metadata cache class of a key: the part before the last ``/`` (``"act/3"`` -> ``"act"``,
+    ``"act/2/3"`` -> ``"act/2"``: the pipeline's keys name the producing stage, so two model chunks
+    sharing a link keep a cache each)."""
+    return key.rsplit("/", 1)[0]
 
 
 def check_key(key: str) -> bytes:

@@ -77,6 +77,7 @@ def test_meta_cache_announces_once_per_kind_and_again_on_change():
     assert cache.changed("act/4", wire.describe([("x", torch.zeros(4, 3, dtype=torch.float64))]))
     assert cache.get("act/9") != b and cache.get("grad/1") == a
     assert wire.kind_of("act/3") == "act" and wire.kind_of("labels") == "labels"
+    assert wire.kind_of("act/2/3") == "act/2" != wire.kind_of("act/5/3")
 
 
 small_metas = st.lists(st.builds(TensorMeta, st.text(max_size=12), st.sampled_from(DTYPES),
