@@ -88,6 +88,7 @@ from benchmarks.plans_analysis import (
     row_from,
     scale_profile,
 )
+from benchmarks.plans_autotune import autotune_row, autotune_summary, fastest_strategy, paired_comparison
 from hybridpipe.jsonfile import read_json, write_json
 
 # name -> (model spec, samples per micro-batch, what was reduced)
@@ -157,13 +158,14 @@ def link_fits(calibration_file: Path) -> dict[str, dict[str, float]]:
 
 # ---- training a plan on the emulated hosts ---------------------------------------------------
 
-def train_plan(cluster, plan_file: Path, run_dir: Path, steps: int, port: int, timeout_s: float) -> dict:
+def train_plan(cluster, plan_file: Path, run_dir: Path, steps: int, port: int, timeout_s: float,
+               trace: bool = False) -> dict:
     """Run launch.py on every emulated host; the summary.json, or {"failed": message}."""
     from tools.emucluster.errors import HostCommandFailed
     t = time.monotonic()
     try:
         cluster.torchrun(["launch.py", "--plan", str(plan_file), "--steps", str(steps), "--run-dir", str(run_dir),
-                          "--no-trace", "--no-progress", "--timeout", str(LAUNCH_TIMEOUT_S)],
+                          *([] if trace else ["--no-trace"]), "--no-progress", "--timeout", str(LAUNCH_TIMEOUT_S)],
                          timeout_s=timeout_s, port=port, cwd=REPO,
                          env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
     except HostCommandFailed as e:
@@ -171,57 +173,6 @@ def train_plan(cluster, plan_file: Path, run_dir: Path, steps: int, port: int, t
     summary = read_json(run_dir / "summary.json", "summary")
     summary["wall_s"] = time.monotonic() - t
     return summary
-
-
-def autotune_row(cluster, name: str, hosts: int, args, work: Path, scaled: Path, cluster_file: Path,
-                 calibrations: Sequence[Path], port: int) -> dict:
-    """``hybridpipe autotune`` on the emulated cluster; the row of the plan it chose (see the docstring)."""
-    out = work / f"autotune-{name}-{hosts}"
-    job = [sys.executable, "-m", "tools.emucluster", "torchrun", "--name", cluster.tag, "--timeout",
-           str(args.timeout), "--port", str(port), "--", "launch.py", "--plan", "{plan}", "--steps", "{steps}",
-           "--run-dir", "{run_dir}", "--no-progress", "--timeout", str(LAUNCH_TIMEOUT_S)]
-    cmd = ["autotune", str(scaled), "--cluster", str(cluster_file), "--steps", str(args.steps), "--budget",
-           str(args.autotune_budget), "--out", str(out), "--run-timeout", str(args.timeout)]
-    for c in calibrations:
-        cmd += ["--calibration", str(c)]
-    t = time.monotonic()
-    r = hybridpipe_cli([*cmd, "--", *job], timeout_s=args.timeout * (args.autotune_budget + 1), threads=1)
-    wall = time.monotonic() - t
-    report_path = out / "autotune.json"
-    if r.returncode or not report_path.exists():
-        return {"model": name, "hosts": hosts, "strategy": "autotune", "status": "failed",
-                "reason": refusal_lines((r.stderr or r.stdout)[-2000:]), "autotune": {"wall_s": round(wall, 1)}}
-    report = read_json(report_path, "autotune report")
-    chosen = next(t for t in report["trials"] if t["run"] == report["chosen"])
-    summary = read_json(Path(chosen["run_dir"]) / "summary.json", "summary")
-    summary["wall_s"] = chosen["seconds"]
-    row = row_from(name, hosts, "autotune", read_json(out / "plan.json", "plan"), summary)
-    row["autotune"] = {"runs": report["runs"], "stop_reason": report["stop_reason"], "wall_s": round(wall, 1),
-                       "chosen_run": report["chosen"], "error_final": chosen["error_final"],
-                       "trials": [{k: t[k] for k in ("run", "strategies", "stages", "why", "predicted_ms",
-                                                     "predicted_final_ms", "measured_ms", "error_final")}
-                                  for t in report["trials"]]}
-    return row
-
-
-def autotune_summary(rows: Sequence[dict], within: float = 0.03) -> dict:
-    """Per group: autotune's measured step against the fastest strategy's; the final model's median |error|."""
-    groups = []
-    for model, hosts in dict.fromkeys((r["model"], r["hosts"]) for r in rows):
-        mine = [r for r in rows if (r["model"], r["hosts"]) == (model, hosts)]
-        tuned = next((r for r in mine if r["strategy"] == "autotune" and r.get("measured_step_ms")), None)
-        others = [r["measured_step_ms"] for r in mine if r["strategy"] != "autotune" and r.get("measured_step_ms")]
-        if tuned is None or not others:
-            continue
-        ratio = tuned["measured_step_ms"] / min(others)
-        groups.append({"model": model, "hosts": hosts, "autotune_ms": tuned["measured_step_ms"],
-                       "fastest_strategy_ms": min(others), "vs_fastest": round(ratio, 3),
-                       "fastest_or_within": ratio <= 1 + within, "runs": tuned["autotune"]["runs"],
-                       "error_final": tuned["autotune"]["error_final"],
-                       "stop_reason": tuned["autotune"]["stop_reason"]})
-    errors = sorted(abs(g["error_final"]) for g in groups if g["error_final"] is not None)
-    return {"groups": groups, "within": within, "groups_fastest_or_within": sum(g["fastest_or_within"] for g in groups),
-            "median_abs_error_final": errors[len(errors) // 2] if errors else None}
 
 
 # ---- the driver ------------------------------------------------------------------------------
@@ -275,7 +226,8 @@ def run_model_hosts(cluster, name: str, hosts: int, strategies: list[str], args,
             continue
         why = memory_refusal(plan)
         summary = {"not_run": why} if why else train_plan(
-            cluster, plan_file, work / f"run-{name}-{hosts}-{strategy}", args.steps, port_base + k, args.timeout)
+            cluster, plan_file, work / f"run-{name}-{hosts}-{strategy}", args.steps, port_base + k, args.timeout,
+            args.trace)
         busy = None if cluster.cpus else busy_aware_prediction(plan, curve, hosts, calibrations)
         row = row_from(name, hosts, strategy, plan, summary, busy)
         done[key] = row
@@ -287,7 +239,17 @@ def run_model_hosts(cluster, name: str, hosts: int, strategies: list[str], args,
         else:
             log.info("  %-9s %s: %s", strategy, row["status"], row["reason"])
     if args.autotune:
-        row = autotune_row(cluster, name, hosts, args, work, scaled, cluster_file, calibrations, port_base + 9)
+        row = autotune_row(hybridpipe_cli, cluster, name, hosts, args, work, scaled, cluster_file, calibrations,
+                           port_base + 9, LAUNCH_TIMEOUT_S)
+        best = fastest_strategy(rows)
+        if args.pair_rounds and row.get("status") == "ok" and best is not None:
+            row["autotune"]["paired"] = paired_comparison(
+                lambda plan, run_dir: train_plan(cluster, plan, run_dir, args.autotune_steps, port_base + 8,
+                                                 args.timeout),
+                work / f"autotune-{name}-{hosts}" / "plan.json", work / f"{name}.{hosts}.{best['strategy']}.plan.json",
+                work / f"pairs-{name}-{hosts}", args.pair_rounds)
+            log.info("  autotune vs %s, alternately %d x each: %s", best["strategy"], args.pair_rounds,
+                     row["autotune"]["paired"].get("ratio"))
         rows.append(row)
         tuned = row.get("autotune", {})
         if row.get("status") == "ok":
@@ -384,8 +346,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-autotune", dest="autotune", action="store_false",
                    help="leave out the autotune row of each group (hybridpipe autotune on the same cluster)")
     p.add_argument("--autotune-budget", type=int, default=4, help="autotune's runs per group (default 4)")
+    p.add_argument("--pair-rounds", type=int, default=2, help="after autotune, run its plan and the fastest "
+                   "strategy's alternately N times each (default 2; 0: no paired comparison)")
+    p.add_argument("--autotune-steps", type=int, default=6, help="steps of each autotune run (default 6: the "
+                   "first is warm-up, its median and noise from the other 5; re-measures pool their steps)")
     p.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     p.add_argument("--tag", default="", help="suffix of the result files (plans_<tag>[_quick])")
+    p.add_argument("--trace", action="store_true", help="record the strategies' runs' timelines too (for "
+                   "hybridpipe partition --refine; default --no-trace: autotune's runs always record theirs)")
+    p.add_argument("--work", default=None, metavar="DIR", help="keep profiles, plans and run directories "
+                   "(autotune's with their timelines) in DIR (default: a temporary folder, removed)")
     p.add_argument("--replot", metavar="JSON", help="only redraw the PNG of a results JSON (next to it)")
     args = p.parse_args(argv)
     if args.replot:
@@ -412,7 +382,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows, calibration, links = [], [], {}
     from tools.emucluster import EmulatedCluster
     with tempfile.TemporaryDirectory(prefix="hp-plans-") as tmp:
-        work = Path(tmp)
+        work = Path(args.work or tmp)
+        work.mkdir(parents=True, exist_ok=True)
         profiles: dict[str, Path] = {}
         for hosts in hosts_list:
             with EmulatedCluster(hosts, rate="1gbit", cpus=cpus_per_host(args.cpus_per_host, hosts)) as cluster:

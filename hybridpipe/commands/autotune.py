@@ -43,7 +43,15 @@ from hybridpipe.partitioner.observed import RunObservation
 from hybridpipe.partitioner.plan import ALGORITHMS, OPTIMIZERS, SCHEDULES, STRATEGIES, save_plan
 from hybridpipe.partitioner.planner import Request, partition
 from hybridpipe.partitioner.refine import predict_run
-from hybridpipe.partitioner.tuning import Candidate, Trial, decide, distinct, fastest_measured, relative_error
+from hybridpipe.partitioner.tuning import (
+    Candidate,
+    Trial,
+    decide,
+    distinct,
+    fastest_measured,
+    pooled,
+    relative_error,
+)
 from hybridpipe.profiles.format import Profile, load_profile
 
 REPORT_KIND = "autotune-report"
@@ -142,6 +150,7 @@ class Tried:
     seconds: float
     measured_ms: float | None
     error: str = ""
+    steps_ms: tuple[float, ...] = ()
 
 
 def candidates(profile: Profile, cluster: Cluster, calibrations: Sequence[Calibration], req: Request,
@@ -176,8 +185,10 @@ def run(args: argparse.Namespace) -> int:
     for k in range(args.budget):
         prof, cals = (refined.profile, list(refined.calibrations)) if refined else (profile, calibrations)
         found = candidates(prof, cluster, cals, req, strategies)
-        trials = [Trial(t.candidate.key, t.candidate.predicted_ms, t.measured_ms) for t in tried]
-        decision = decide(found, trials, tolerance=args.tolerance, close=args.close)
+        for t in tried:                            # a plan tried before stays runnable again (re-measuring)
+            if all(c.key != t.candidate.key for c in found):
+                found.append(t.candidate)
+        decision = decide(found, trials_of(tried), tolerance=args.tolerance, close=args.close)
         if decision.candidate is None:
             reason = decision.reason
             break
@@ -193,6 +204,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             obs = load_run(run_dir)
             t.measured_ms = obs.measured_step_ms
+            t.steps_ms = obs.step_times_ms
         except UserError as e:
             t.error = one_line(e)
             print(f"  run {k} gave nothing to learn from (exit {code}; log {out / 'runs' / f'run-{k}.log'}): "
@@ -207,6 +219,12 @@ def run(args: argparse.Namespace) -> int:
     return finish(out, args, profile, cluster, calibrations, tried, runs, refined, reason)
 
 
+def trials_of(tried: Sequence[Tried]) -> list[Trial]:
+    """What tuning.py reads of the runs so far (a run that exited non-zero counts as failed)."""
+    return [Trial(t.candidate.key, t.candidate.predicted_ms, t.measured_ms if t.exit_code == 0 else None, t.steps_ms)
+            for t in tried]
+
+
 def layout(c: Candidate) -> str:
     return " | ".join(f"{s.first_node}-{s.last_node}x{s.replicas}" for s in c.plan.stages)
 
@@ -214,9 +232,10 @@ def layout(c: Candidate) -> str:
 def finish(out: Path, args, profile: Profile, cluster: Cluster, calibrations: Sequence[Calibration],
            tried: list[Tried], runs: list[RunObservation], refined: Refined | None, reason: str) -> int:
     """Write the chosen plan, the refined model and the report; print the table. Exit 1 if no run measured."""
-    best = fastest_measured([Trial(t.candidate.key, t.candidate.predicted_ms, t.measured_ms) for t in tried
-                             if t.exit_code == 0])
+    ranked = pooled(trials_of(tried))
+    best = fastest_measured(trials_of(tried))
     chosen = next((t for t in tried if best is not None and t.candidate.key == best.key), None)
+    chosen_pooled = ranked[0] if ranked else None
     final: dict[int, float] = {}
     if refined is not None:
         for t, obs in zip([t for t in tried if t.exit_code == 0 and t.measured_ms is not None], runs, strict=True):
@@ -232,6 +251,7 @@ def finish(out: Path, args, profile: Profile, cluster: Cluster, calibrations: Se
                         "why": t.reason, "plan": str(t.plan_path), "run_dir": str(t.run_dir),
                         "exit_code": t.exit_code, "seconds": round(t.seconds, 1),
                         "predicted_ms": t.candidate.predicted_ms, "measured_ms": t.measured_ms,
+                        "steps_ms": list(t.steps_ms),
                         "error_before_run": err, "predicted_final_ms": after,
                         "error_final": relative_error(after, t.measured_ms) if after and t.measured_ms else None,
                         "note": t.error})
@@ -246,6 +266,9 @@ def finish(out: Path, args, profile: Profile, cluster: Cluster, calibrations: Se
               "calibrations": list(args.calibration), "steps": args.steps, "budget": args.budget,
               "tolerance": args.tolerance, "close": args.close, "stop_reason": reason, "runs": len(tried),
               "chosen": chosen.index if chosen else None, "trials": entries,
+              "chosen_measured_ms": chosen_pooled.median_ms if chosen_pooled else None,
+              "chosen_runs": chosen_pooled.runs if chosen_pooled else 0,
+              "chosen_noise": chosen_pooled.noise if chosen_pooled else None,
               "refined": {"profile": str(out / "refined" / "profile.json"),
                           "calibration_dir": str(out / "refined")} if refined else None}
     write_json(out / "autotune.json", report)
@@ -253,6 +276,8 @@ def finish(out: Path, args, profile: Profile, cluster: Cluster, calibrations: Se
         print(f"no run measured a step: see the logs under {out / 'runs'}; report {out / 'autotune.json'}")
         return 1
     save_plan(chosen.candidate.plan, out / "plan.json")
-    print(f"wrote {out / 'plan.json'} (run {chosen.index}, measured {chosen.measured_ms:.1f} ms/step), "
+    assert chosen_pooled is not None
+    print(f"wrote {out / 'plan.json'} (run {chosen.index}, measured {chosen_pooled.median_ms:.1f} ms/step over "
+          f"{chosen_pooled.runs} run(s)), "
           f"report {out / 'autotune.json'}")
     return 0

@@ -92,6 +92,14 @@ def describe(refined: Refined, profile: Profile, cluster: Cluster, calibrations:
     for level, factor in ref.p2p_factor:
         more = f", plus {extra[level] * 1e3:.2f} ms per message handed over" if extra.get(level) else ""
         out.append(f"  p2p at level {cluster.levels[level].name!r}: {factor:.2f}x the model's wire time{more}")
+    if ref.interference_s_per_byte is not None:
+        out.append(f"  compute lost to the link: {ref.interference_s_per_byte * 1e9:.2f} ms per MB it carries"
+                   + (" (could not be told apart from compute: left in the nodes' times)"
+                      if not ref.interference_s_per_byte else ""))
+    if ref.optimizer_factor != 1.0:
+        out.append(f"  optimizer step: {ref.optimizer_factor:.2f}x the profile's (per parameter byte)")
+    if ref.tied_factor != 1.0:
+        out.append(f"  tied weights' sums across stages: {ref.tied_factor:.2f}x the model")
     if ref.step_overhead_ms:
         out.append(f"  per step beyond what the model prices: {ref.step_overhead_ms:.1f} ms")
     rows: list[list[object]] = []

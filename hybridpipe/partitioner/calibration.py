@@ -22,6 +22,10 @@ cluster (``partitioner/refine.py``); a calibration without it is still written a
   cluster's contention; a refined profile's per-node corrections come on top of it).
 * ``step_overhead_ms``: what the runs' steps took beyond everything the model prices (per-step
   runtime costs, waits of busy ranks); added to every plan's predicted step (no ranking changes).
+* ``interference_s_per_byte`` (a format-1 field) is replaced by what the runs showed: the
+  measured compute already holds the loss, so the calibrated figure would count it twice.
+* ``tied_slowdown``: the tied weights' sums across stages (one float32 all-reduce each, at the
+  step's end) took this many times their price (1 if unmeasured).
 * ``refined_from``: the run directories the corrections were learnt from.
 """
 
@@ -75,11 +79,12 @@ class Calibration:
     compute_slowdown: float = 1.0
     step_overhead_ms: float = 0.0
     refined_from: tuple[str, ...] = ()
+    tied_slowdown: float = 1.0
 
     @property
     def refined(self) -> bool:
         return (bool(self.allreduce_slowdown or self.refined_from or self.step_overhead_ms)
-                or self.compute_slowdown != 1.0)
+                or self.compute_slowdown != 1.0 or self.tied_slowdown != 1.0)
 
     def to_dict(self) -> dict:
         d = {"kind": CALIBRATION_KIND, "format": CALIBRATION_FORMAT if self.refined else 1}
@@ -90,7 +95,7 @@ class Calibration:
             d["allreduce_slowdown"] = [list(p) for p in self.allreduce_slowdown]
             d["refined_from"] = list(self.refined_from)
         else:
-            for key in ("allreduce_slowdown", "compute_slowdown", "step_overhead_ms", "refined_from"):
+            for key in ("allreduce_slowdown", "compute_slowdown", "step_overhead_ms", "refined_from", "tied_slowdown"):
                 del d[key]
         return d
 
@@ -139,6 +144,7 @@ def _refinement_from_dict(d: dict, source: str) -> dict:
     return {"allreduce_slowdown": tuple(points),
             "compute_slowdown": field(d, "compute_slowdown", float, source, minimum=1e-6, default=1.0),
             "step_overhead_ms": field(d, "step_overhead_ms", float, source, minimum=0, default=0.0),
+            "tied_slowdown": field(d, "tied_slowdown", float, source, minimum=1e-6, default=1.0),
             "refined_from": tuple(field(d, "refined_from", list, source, default=[], items=str))}
 
 

@@ -92,6 +92,7 @@ class CostModel:
         self.allreduce_points = tuple(sorted(p for c in cals for p in c.allreduce_slowdown))
         self.compute_slowdown = max((c.compute_slowdown for c in cals if c.refined), default=1.0)
         self.step_overhead_ms = max((c.step_overhead_ms for c in cals), default=0.0)
+        self.tied_slowdown = max((c.tied_slowdown for c in cals if c.refined), default=1.0)
         self._spans = [cluster.span(k) for k in range(len(cluster.levels))]
         self._collectives: dict[tuple, tuple[co.Collective, list[PricedRound]]] = {}
         self._structure: dict[tuple, tuple[RoundLoad, ...]] = {}

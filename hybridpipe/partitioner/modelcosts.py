@@ -6,6 +6,17 @@ at or before ``s`` and used after ``s`` crosses that cut (skip connections inclu
 stage uses it, so a tensor that jumps several stages is charged at every cut it passes, as the
 pipeline relays it. Its gradient comes back the same way, except for the input batch (the
 first node's outputs), which needs none.
+
+Activation memory of a stage i..j, per micro-batch in flight (``stash_bytes``): every storage it
+keeps alive between the forward and the backward, counted once: what its nodes save besides the
+values they exchange (the profile's ``saved_bytes``), its inputs (the pipeline keeps them for the
+backward), its outputs (the roots of the backward), the values made inside it that some node of
+it saves, and on the last stage the model's output and what the loss keeps. A value several nodes
+save, or a view of another value, is one storage. With recomputation the stage keeps only its
+inputs, its outputs and the loss's (``kept_bytes``), and rebuilds the rest of one micro-batch at a
+time in the backward (``rerun_bytes``: the rest, plus the outputs its nodes save, which the rerun
+makes anew beside the ones kept, less the loss's, which the loss's backward has freed by then).
+All three are n x n tables (``stash_table``): what the partitioner's solvers read.
 """
 
 from __future__ import annotations
@@ -33,6 +44,11 @@ class ModelCosts:
     saved_bytes: np.ndarray | None = None   # what autograd keeps per node for the backward (None: unknown)
     # per position: the value that makes a cut right after it infeasible ("" where the cut is free)
     cut_blockers: tuple[str, ...] = ()
+    # [i, j]: activation bytes stage i..j keeps per micro-batch, without / with recomputation (None:
+    # the profile lists no values; then the nodes' saved (or output) bytes plus the stage's inputs)
+    stash: np.ndarray | None = None
+    kept: np.ndarray | None = None
+    rerun: np.ndarray | None = None
 
     @property
     def cut_ok(self) -> np.ndarray:
@@ -60,10 +76,34 @@ class ModelCosts:
         return np.concatenate([[0.0], np.cumsum(values, dtype=float)])
 
     def stash_bytes(self, i: int, j: int) -> float:
-        """Activations one micro-batch leaves for the backward of stage i..j: what autograd saves in
-        its nodes (the profile's ``saved_bytes``; their outputs where it has none) and its inputs."""
-        kept = self.saved_bytes if self.saved_bytes is not None else self.activation_bytes
-        return float(kept[i:j + 1].sum() + (self.cut_bytes[i - 1] if i > 0 else 0))
+        """Activation bytes one micro-batch leaves on stage i..j for its backward (module docstring)."""
+        if self.stash is not None:
+            return float(self.stash[i, j])
+        per_node = self.saved_bytes if self.saved_bytes is not None else self.activation_bytes
+        return float(per_node[i:j + 1].sum() + (self.cut_bytes[i - 1] if i > 0 else 0))
+
+    def kept_bytes(self, i: int, j: int) -> float:
+        """The same for a recomputing stage: its inputs, outputs and the loss's (module docstring)."""
+        if self.kept is not None:
+            return float(self.kept[i, j])
+        return float(self.cut_bytes[i - 1]) if i > 0 else 0.0
+
+    def rerun_bytes(self, i: int, j: int) -> float:
+        """What a recomputing stage i..j rebuilds for one micro-batch beside what it keeps (module docstring)."""
+        if self.rerun is not None:
+            return float(self.rerun[i, j])
+        return self.stash_bytes(i, j) - self.kept_bytes(i, j)
+
+    def stash_table(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(stash, kept, rerun) as n x n tables, [i, j] for stage i..j (upper triangle; module docstring).
+        Without the profile's values: the nodes' saved bytes (their outputs where unknown) plus the inputs."""
+        if self.stash is not None and self.kept is not None and self.rerun is not None:
+            return self.stash, self.kept, self.rerun
+        per_node = self.saved_bytes if self.saved_bytes is not None else self.activation_bytes
+        a_in = np.concatenate([[0.0], self.cut_bytes[:-1]])
+        p = self.prefix(per_node)
+        stash, kept = (p[None, 1:] - p[:-1, None]) + a_in[:, None], np.repeat(a_in[:, None], self.n, axis=1)
+        return stash, kept, stash - kept
 
     def optimizer_ms(self, optimizer: str) -> np.ndarray:
         """Each node's share of one optimizer step (by parameter bytes); zeros if the profile did not time it."""
@@ -90,6 +130,7 @@ def model_costs(profile: Profile) -> ModelCosts:
     else:
         cut, cut_grad = _edge_cuts(profile)
     saved = np.array([nd.saved_bytes for nd in profile.nodes], dtype=float)
+    tables = stash_tables(profile, saved) if profile.values else (None, None, None)
     return ModelCosts(
         names=tuple(nd.name for nd in profile.nodes),
         params=tuple(nd.params for nd in profile.nodes),
@@ -102,7 +143,56 @@ def model_costs(profile: Profile) -> ModelCosts:
         step_ms=(("sgd", profile.totals.sgd_step_ms), ("adam", profile.totals.adam_step_ms)),
         saved_bytes=saved if saved.any() else None,
         cut_blockers=tuple(nd.cut_blocker or "" for nd in profile.nodes),
+        stash=tables[0], kept=tables[1], rerun=tables[2],
     )
+
+
+def stash_tables(profile: Profile, saved: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(stash, kept, rerun) n x n tables from the profile's values (module docstring).
+
+    A value made by node p and read up to node q (views of one storage merged into one value over
+    their joint span) is kept by a stage i..j that starts after p and no later than q (an input),
+    and by one with i <= p <= j that either sends it on (j < q) or has a node that saves it (any
+    j >= p: savers lie in p..q). Each such region is a rectangle of (i, j), summed with a 2-D
+    difference table."""
+    n = len(profile.nodes)
+    span: dict[int, list] = {}          # alias -> [producer, last_use, bytes, first saver or None]
+    savers: dict[str, int] = {}
+    for node in profile.nodes:
+        for name in node.saves:
+            savers.setdefault(name, node.id)
+    for v in profile.values:
+        s = span.setdefault(v.alias, [v.producer, v.last_use, v.bytes, None])
+        s[0], s[1] = min(s[0], v.producer), max(s[1], v.last_use)
+        if v.name in savers:
+            s[3] = savers[v.name] if s[3] is None else min(s[3], savers[v.name])
+    stash, kept, anew = np.zeros((n + 1, n + 1)), np.zeros((n + 1, n + 1)), np.zeros((n + 1, n + 1))
+
+    def add(table: np.ndarray, rows: tuple[int, int], cols: tuple[int, int], value: float) -> None:
+        (r0, r1), (c0, c1) = rows, cols             # inclusive ranges
+        if r0 <= r1 and c0 <= c1:
+            table[r0, c0] += value
+            table[r0, c1 + 1] -= value
+            table[r1 + 1, c0] -= value
+            table[r1 + 1, c1 + 1] += value
+
+    for p, q, size, saver in span.values():
+        for table in (stash, kept):
+            add(table, (p + 1, q), (0, n - 1), size)                 # an input of the stage
+        add(kept, (0, p), (p, q - 1), size)                          # an output
+        add(stash, (0, p), (p, n - 1) if saver is not None else (p, q - 1), size)
+        if saver is not None:                                        # an output the rerun makes again
+            add(anew, (0, p), (saver, q - 1), size)
+    last = float(profile.nodes[-1].activation_bytes + profile.loss_saved_bytes)   # the model's output, the loss's
+    for table in (stash, kept):
+        add(table, (0, n - 1), (n - 1, n - 1), last)
+    add(anew, (0, n - 1), (n - 1, n - 1), -float(profile.loss_saved_bytes))
+    stash, kept, anew = (t.cumsum(0).cumsum(1)[:n, :n] for t in (stash, kept, anew))
+    p_saved = np.concatenate([[0.0], np.cumsum(saved)])
+    stash += p_saved[None, 1:] - p_saved[:-1, None]
+    upper = np.triu(np.ones((n, n), dtype=bool))
+    rerun = np.maximum(stash - kept + anew, 0.0)
+    return np.where(upper, stash, 0.0), np.where(upper, kept, 0.0), np.where(upper, rerun, 0.0)
 
 
 def _edge_cuts(profile: Profile) -> tuple[np.ndarray, np.ndarray]:

@@ -142,14 +142,14 @@ def inflight_micro_batches(schedule: str, k: int, workers_after: int, replicas: 
 
 
 def memory_bytes(costs: ModelCosts, i: int, j: int, inflight: int, opts: Options, recompute: bool = False) -> float:
-    """Peak bytes per worker of stage i..j (see the module docstring). A recomputing stage keeps
-    only each in-flight micro-batch's inputs, plus one micro-batch's activations while it reruns."""
+    """Peak bytes per worker of stage i..j (see the module docstring; activations: ``modelcosts.py``).
+    A recomputing stage keeps only each in-flight micro-batch's inputs and outputs (and the loss's),
+    plus what one micro-batch's rerun of its forward rebuilds (``ModelCosts.rerun_bytes``)."""
     weights = float(costs.param_bytes[i:j + 1].sum())
     versions = opts.kind.weight_versions(inflight)
     stash = costs.stash_bytes(i, j)
     if recompute:
-        a_in = float(costs.cut_bytes[i - 1]) if i > 0 else 0.0
-        held = a_in * inflight + (stash - a_in)
+        held = costs.kept_bytes(i, j) * inflight + costs.rerun_bytes(i, j)
     else:
         held = stash * inflight
     return weights * (2 + OPTIMIZER_STATES[opts.optimizer] + versions) + held

@@ -6,11 +6,17 @@ with ``args.peer`` / ``args.bytes``, durations in microseconds) and the run's ``
 (stage node ranges, micro-batches, schedule, the all-reduce each layer ran, the measured step).
 The commands read the files (``commands/refine_io.py``); nothing here touches a process group.
 
-Per stage, over the steady steps (the summary's warm-up steps left out) and its replicas: the
-median forward (the first stage's with loading the batch) and backward of one micro-batch, and
-the median wait per step at the end of the backward for the gradient all-reduce (the ``sync``
-phase: what the all-reduces did not hide).
-Per rank: every p2p transfer (peer, bytes, seconds).
+Per stage, over the steady steps (the summary's warm-up steps left out, and always the run's
+first step: it builds buffers, warms caches and waits for every rank to arrive) and its
+replicas: the median forward (the first stage's with loading the batch) and backward of one
+micro-batch, the median wait per step at the end of the backward for the gradient all-reduce
+(the ``sync`` phase: what the all-reduces did not hide), and the median ``step`` phase per step
+(the tied weights' sum across stages, then the optimizer step).
+Per rank: every p2p transfer (peer, bytes, seconds, and whether the rank sent or received it:
+a message ``act/<m>`` goes to a later stage, ``grad/<m>`` to an earlier one). A sender's time
+runs from posting the message to its last byte leaving; a receiver's from the header's
+arrival to the last byte's, the wire time without the wait for the sender.
+Per run: the job's step times over the steady steps (how noisy its median is).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ class StageObservation:
     backward_ms: float | None
     sync_wait_ms: float | None        # median per step (None: not replicated / never seen)
     algorithms: dict[str, str]        # layer name -> all-reduce algorithm that ran (the summary's)
+    step_ms: float | None = None      # median per step of the ``step`` phase: tied sum + optimizer step
 
 
 @dataclass(frozen=True)
@@ -42,6 +49,7 @@ class Transfer:
     peer: int
     nbytes: int
     seconds: float
+    sent: bool | None = None          # True: the rank sent it, False: received it, None: unknown
 
 
 @dataclass(frozen=True)
@@ -55,6 +63,7 @@ class RunObservation:
     micro_batches: int
     measured_step_ms: float | None
     predicted_step_ms: float | None   # what the plan said when it ran
+    step_times_ms: tuple[float, ...] = ()   # the job's steady steps (the summary's job_step_ms)
 
 
 @dataclass(frozen=True)
@@ -72,15 +81,26 @@ def _median(values: Sequence[float]) -> float | None:
 
 
 def steady_steps(ranks: Sequence[RankEvents], warmup: int) -> set[int]:
-    """The steps every rank recorded, without the first ``warmup`` of them."""
+    """The steps every rank recorded, without the first ``max(warmup, 1)`` of them (the first is
+    a warm-up whatever the summary says; a run of one step keeps it, having nothing else)."""
     seen = [{int(e["args"]["step"]) for e in r.events if e.get("args", {}).get("step") is not None} for r in ranks]
     common = sorted(set.intersection(*seen)) if seen else []
-    return set(common[warmup:] if len(common) > warmup else common[-1:])
+    skip = max(warmup, 1)
+    return set(common[skip:] if len(common) > skip else common[-1:])
 
 
-def rank_medians(events: Sequence[dict], steps: set[int], *, loads_input: bool = False,
-                 ) -> tuple[float | None, float | None, float | None]:
-    """(forward ms, backward ms, sync wait ms per step) medians of one rank over ``steps``.
+@dataclass(frozen=True)
+class RankMedians:
+    """One rank's medians over the steady steps (ms; None where never seen)."""
+
+    forward_ms: float | None          # one micro-batch
+    backward_ms: float | None
+    sync_wait_ms: float | None        # per step
+    step_ms: float | None             # per step
+
+
+def rank_medians(events: Sequence[dict], steps: set[int], *, loads_input: bool = False) -> RankMedians:
+    """Forward, backward (per micro-batch), sync wait and ``step`` phase (per step) medians of one rank.
 
     A micro-batch's forward is every ``run_for`` record of it (the last stage records its
     target's loading apart) and, where the rank ``loads_input`` (the first stage), its
@@ -88,6 +108,7 @@ def rank_medians(events: Sequence[dict], steps: set[int], *, loads_input: bool =
     fwd: dict[tuple[int, int], float] = {}
     bwd: dict[tuple[int, int], float] = {}
     sync_per_step: dict[int, float] = {}
+    step_per_step: dict[int, float] = {}
     forward_phases = ("run_for", "receive_for") if loads_input else ("run_for",)
     for e in events:
         args = e.get("args", {})
@@ -101,17 +122,41 @@ def rank_medians(events: Sequence[dict], steps: set[int], *, loads_input: bool =
             bwd[key] = bwd.get(key, 0.0) + ms
         elif e["name"] == "sync":
             sync_per_step[step] = sync_per_step.get(step, 0.0) + ms
-    return _median(list(fwd.values())), _median(list(bwd.values())), _median(list(sync_per_step.values()))
+        elif e["name"] == "step":
+            step_per_step[step] = step_per_step.get(step, 0.0) + ms
+    return RankMedians(_median(list(fwd.values())), _median(list(bwd.values())),
+                       _median(list(sync_per_step.values())), _median(list(step_per_step.values())))
 
 
-def rank_transfers(rank: int, events: Sequence[dict], steps: set[int]) -> list[Transfer]:
-    """The p2p transfers of one rank over ``steps`` (empty messages left out)."""
+def direction(key: str, stage: int, peer_stage: int | None) -> bool | None:
+    """Whether a rank of ``stage`` sent (True) or received (False) message ``key`` with a rank of ``peer_stage``."""
+    kind = key.split("/", 1)[0]
+    if peer_stage is None or peer_stage == stage or kind not in ("act", "grad"):
+        return None
+    return (peer_stage > stage) == (kind == "act")
+
+
+def rank_transfers(rank: int, events: Sequence[dict], steps: set[int], stage: int = 0,
+                   stage_of: dict[int, int] | None = None) -> list[Transfer]:
+    """The p2p transfers of one rank over ``steps`` (empty messages left out); ``stage_of``: rank -> stage."""
     out = []
     for e in events:
         args = e.get("args", {})
         if e.get("cat") == "transfer" and args.get("step") in steps and int(args.get("bytes", 0)) > 0:
-            out.append(Transfer(rank, int(args["peer"]), int(args["bytes"]), float(e["dur"]) / 1e6))
+            peer = int(args["peer"])
+            sent = direction(str(e.get("name", "")), stage, (stage_of or {}).get(peer))
+            out.append(Transfer(rank, peer, int(args["bytes"]), float(e["dur"]) / 1e6, sent))
     return out
+
+
+def job_steps(summary: dict, warmup: int) -> tuple[float, ...]:
+    """The job's step times after the warm-up (and the first step), from the summary's ``job_step_ms``."""
+    raw = summary.get("job_step_ms") or {}
+    if not isinstance(raw, dict):
+        return ()
+    steps = sorted((int(k), float(v)) for k, v in raw.items() if isinstance(v, (int, float)) and str(k).isdigit())
+    skip = max(warmup, 1)
+    return tuple(v for _, v in (steps[skip:] if len(steps) > skip else steps[-1:]))
 
 
 def observe_run(name: str, summary: dict, ranks: Sequence[RankEvents]) -> RunObservation:
@@ -139,11 +184,14 @@ def observe_run(name: str, summary: dict, ranks: Sequence[RankEvents]) -> RunObs
         algos = {str(e.get("layer")): str(e.get("algorithm")) for e in sync.get(str(k), []) or []
                  if isinstance(e, dict)}
         stages.append(StageObservation(entry[0], entry[1], tuple(r.rank for r in mine),
-                                       _median([m[0] for m in med if m[0] is not None]),
-                                       _median([m[1] for m in med if m[1] is not None]),
-                                       _median([m[2] for m in med if m[2] is not None]) if entry[2] > 1 else None,
-                                       algos))
-    transfers = [t for r in ranks for t in rank_transfers(r.rank, r.events, steps)]
+                                       _median([m.forward_ms for m in med if m.forward_ms is not None]),
+                                       _median([m.backward_ms for m in med if m.backward_ms is not None]),
+                                       _median([m.sync_wait_ms for m in med if m.sync_wait_ms is not None])
+                                       if entry[2] > 1 else None,
+                                       algos, _median([m.step_ms for m in med if m.step_ms is not None])))
+    stage_of = {r.rank: r.stage for r in ranks}
+    transfers = [t for r in ranks for t in rank_transfers(r.rank, r.events, steps, r.stage, stage_of)]
     return RunObservation(name, tuple(stages), tuple(transfers), schedule, micro,
                           float(measured) if isinstance(measured, (int, float)) else None,
-                          float(predicted) if isinstance(predicted, (int, float)) else None)
+                          float(predicted) if isinstance(predicted, (int, float)) else None,
+                          job_steps(summary, warmup))

@@ -266,7 +266,7 @@ def priced_tied(profile: Profile, stages: Sequence[StageSpec], model: CostModel)
     for group in tied_groups(profile, [(s.first, s.last) for s in stages]):
         ranks = sorted({r for i in group.stages for r in stages[i].ranks})     # zbv: stages 0 and 2p-1 share ranks
         # the runtime sums tied weights in float32 whatever the precision: undo the wire's scaling
-        ms = model.allreduce_seconds("native", group.bytes / model.wire_bytes, ranks) * 1e3
+        ms = model.allreduce_seconds("native", group.bytes / model.wire_bytes, ranks) * 1e3 * model.tied_slowdown
         out.append(replace(group, predicted_ms=round(ms, 6)))
     return out
 

@@ -21,16 +21,25 @@ observations are plain numbers (``observed.py``), so no process group is needed.
   mean of its estimates. So a 400 MB layer that crawls beside compute does not slow the model's
   small all-reduces, as one overlap_slowdown number would.
 * What is left: each run's measured step against the refined model's prediction for its stages.
-  Two terms explain the rest: a latency per p2p message beyond the wire time (``p2p_extra_alpha``:
+  Three terms explain the rest. Compute lost beside all-reduces that the stages' own compute
+  did not show (on hosts that share CPUs a big all-reduce slows the other stages: it shows in
+  the steps only), added to the interference per link byte (``refine_interference.py``), is
+  searched like the latency below, after it, and the latency again after that (only where a
+  run had an all-reduce). A latency per p2p message beyond the wire time (``p2p_extra_alpha``:
   handing a message over between busy ranks; the model charges it wherever it charges a
   message, so it moves plans) and a cost per step the model does not price (``step_overhead_ms``:
   Python and launch costs per step; added to every prediction, it changes no ranking). The
   latency is searched (a log grid, then a ternary search) for the least squared relative error
   over the runs, the overhead being the median of what is left (at least 0) at each candidate;
   with one run, or runs that cannot tell them apart, the smaller latency wins.
+* The end of a step (``refine_step.py``): each stage's ``step`` phase against the model's
+  optimizer step for its parameter bytes and the tied weights' sums it takes part in; the
+  optimizer factor scales the profile's step times, the tied factor the sums' prices
+  (``tied_slowdown``). The run's prediction counts the tied sums as the plan's does.
 * p2p, per level: each transfer's seconds over the model's for its bytes at the level between
-  its ranks; the factor is the lower quartile of those ratios (a send that waited for its
-  receiver reads long; the quickest quarter did not wait).
+  its ranks. Receivers' records (header to last byte: the wire time, no wait for the sender)
+  give the median of their ratios; without them (older traces), the lower quartile of the
+  senders' ratios (a send that waited for its receiver reads long; the quickest quarter did not).
 
 The corrections are relative to the model the run is compared with (the calibrations given,
 themselves possibly refined before), and apply as data: :func:`refined_profile` (the profile's
@@ -46,7 +55,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -55,29 +64,18 @@ from hybridpipe.errors import UserError
 from hybridpipe.partitioner.calibration import Calibration, LinkFit
 from hybridpipe.partitioner.cluster import Cluster
 from hybridpipe.partitioner.costmodel import CostModel, size_factor
-from hybridpipe.partitioner.layersync import Floats, simulate_lane
 from hybridpipe.partitioner.modelcosts import ModelCosts, model_costs
 from hybridpipe.partitioner.objective import Options, StageSpec, evaluate, predict_step_ms
-from hybridpipe.partitioner.observed import RunObservation, StageObservation
+from hybridpipe.partitioner.observed import RunObservation
 from hybridpipe.partitioner.plan import ALGORITHMS
+from hybridpipe.partitioner.planner import priced_tied
+from hybridpipe.partitioner.refine_interference import StageLoad, fit_interference, link_bytes
+from hybridpipe.partitioner.refine_step import StepStage, TiedEvidence, fit_step
+from hybridpipe.partitioner.refine_sync import SIZE_CLASS_BASE, SyncEvidence, fit_classes, stage_sync_evidence
+from hybridpipe.partitioner.schedule_registry import get_schedule
 from hybridpipe.profiles.format import Profile
 
-SIZE_CLASS_BASE = 4.0          # all-reduce size classes: [4^k, 4^(k+1)) bytes
-FACTOR_RANGE = (1 / 64, 64.0)  # the all-reduce factor is solved within this range
 FIT_ROUNDS = 50                # iterative proportional scaling rounds (one run: exact after one)
-
-
-@dataclass(frozen=True)
-class SyncEvidence:
-    """One replicated stage of one run: what its sync wait says about its all-reduces."""
-
-    run: str
-    stage: int
-    nbytes: float                # the stage's layers' bytes (geometric mean weighted by all-reduce time)
-    allreduce_ms: float          # the model's all-reduce time of its layers per step (the lane's busy time)
-    predicted_wait_ms: float     # the lane's wait with the model's all-reduce times
-    measured_wait_ms: float
-    factor: float
 
 
 @dataclass(frozen=True)
@@ -93,6 +91,9 @@ class Refinement:
     sync: tuple[SyncEvidence, ...]
     step_overhead_ms: float = 0.0                          # added per step (see the module docstring)
     p2p_extra_alpha_s: tuple[tuple[int, float], ...] = ()  # (cluster level, seconds added per message)
+    optimizer_factor: float = 1.0                          # the optimizer step: measured / profiled
+    interference_s_per_byte: float | None = None           # compute lost per link byte (None: as calibrated)
+    tied_factor: float = 1.0                               # the tied weights' sums: measured / priced
 
     def node_factor(self, i: int) -> tuple[float, float]:
         return self.forward_factor[i], self.backward_factor[i]
@@ -122,90 +123,81 @@ def fit_node_factors(times: np.ndarray, stages: Sequence[tuple[int, int, float]]
     return f
 
 
-def lane_wait_ms(sync_ms: Sequence[float], backward_ms: Floats, forward_ms: Floats) -> float:
-    """How long the stage waits after its backward for the last all-reduce on the lane (0: all hidden)."""
-    if not any(s > 0 for s in sync_ms):
-        return 0.0
-    lane = simulate_lane(sync_ms, backward_ms, forward_ms, 0.0)
-    return max(0.0, max(lane.finish_ms) - float(sum(backward_ms)))
-
-
-def solve_factor(wait_of, measured_ms: float, lo: float = FACTOR_RANGE[0], hi: float = FACTOR_RANGE[1]) -> float:
-    """The factor f (within [lo, hi]) whose lane wait ``wait_of(f)`` (nondecreasing) equals ``measured_ms``.
-
-    Where the measured wait is 0, the largest f whose wait is still 0 (within a microsecond)."""
-    if wait_of(hi) <= measured_ms:
-        return hi
-    if wait_of(lo) > max(measured_ms, 1e-3):
-        return lo
-    a, b = math.log(lo), math.log(hi)
-    for _ in range(80):
-        mid = (a + b) / 2
-        if wait_of(math.exp(mid)) <= max(measured_ms, 1e-3):
-            a = mid
-        else:
-            b = mid
-    return math.exp((a + b) / 2)
-
-
-def stage_sync_evidence(run: str, index: int, st: StageObservation, costs: ModelCosts, model: CostModel,
-                        f_fwd: np.ndarray, f_bwd: np.ndarray, algorithms: Sequence[str]) -> SyncEvidence | None:
-    """The all-reduce factor one replicated stage's measured wait implies (None: it says nothing)."""
-    if len(st.ranks) < 2 or st.sync_wait_ms is None or st.backward_ms is None:
-        return None
-    nodes = range(st.first, st.last + 1)
-    sync_ms = []
-    for i in nodes:
-        nbytes = float(costs.param_bytes[i])
-        if nbytes <= 0:
-            sync_ms.append(0.0)
-            continue
-        algo = st.algorithms.get(costs.names[i])
-        if algo not in ALGORITHMS:
-            algo = model.fastest_allreduce(nbytes, st.ranks, algorithms)[0]
-        sync_ms.append(model.allreduce_seconds(algo, nbytes, st.ranks) * 1e3)
-    busy = sum(sync_ms)
-    if busy <= 0:
-        return None
-    bwd = np.array([costs.backward_ms[i] * f_bwd[i] for i in nodes])
-    fwd = np.array([costs.forward_ms[i] * f_fwd[i] for i in nodes])
-    bwd = bwd * (st.backward_ms / bwd.sum()) if bwd.sum() > 0 else np.full(len(bwd), st.backward_ms / len(bwd))
-    predicted = lane_wait_ms(sync_ms, bwd, fwd)
-    noise = max(0.2, 0.01 * busy)                  # waits this short are the call's own cost, not the lane's
-    if st.sync_wait_ms <= noise and predicted <= noise:
-        return None
-    factor = solve_factor(lambda f: lane_wait_ms([s * f for s in sync_ms], bwd, fwd), st.sync_wait_ms)
-    weights = [s for s in sync_ms if s > 0]
-    sizes = [float(costs.param_bytes[i]) for i, s in zip(nodes, sync_ms, strict=True) if s > 0]
-    nbytes = math.exp(sum(w * math.log(b) for w, b in zip(weights, sizes, strict=True)) / busy)
-    return SyncEvidence(run, index, nbytes, busy, float(predicted), st.sync_wait_ms, factor)
-
-
-def size_classes(evidence: Sequence[SyncEvidence]) -> tuple[tuple[float, float], ...]:
-    """(bytes, factor) per size class: weighted geometric means of the estimates in each class."""
-    classes: dict[int, list[SyncEvidence]] = {}
-    for e in evidence:
-        classes.setdefault(math.floor(math.log(max(e.nbytes, 1.0), SIZE_CLASS_BASE)), []).append(e)
-    out = []
-    for k in sorted(classes):
-        group = classes[k]
-        total = sum(e.allreduce_ms for e in group)
-        nbytes = math.exp(sum(e.allreduce_ms * math.log(e.nbytes) for e in group) / total)
-        factor = math.exp(sum(e.allreduce_ms * math.log(e.factor) for e in group) / total)
-        out.append((nbytes, factor))
-    return tuple(out)
-
-
 def p2p_factors(runs: Sequence[RunObservation], model: CostModel) -> tuple[tuple[int, float], ...]:
-    """Per level, the lower quartile of measured / predicted over the runs' transfers."""
-    ratios: dict[int, list[float]] = {}
+    """Per level, measured / predicted over the runs' transfers: the median of the receivers'
+    ratios, or without any, the lower quartile of the others' (module docstring)."""
+    received: dict[int, list[float]] = {}
+    other: dict[int, list[float]] = {}
     for run in runs:
         for t in run.transfers:
             level = model.level_between(t.rank, t.peer)
             predicted = model.p2p_seconds(t.nbytes, level)
             if predicted > 0 and t.seconds > 0:
-                ratios.setdefault(level, []).append(t.seconds / predicted)
-    return tuple((lv, sorted(r)[len(r) // 4]) for lv, r in sorted(ratios.items()))
+                (received if t.sent is False else other).setdefault(level, []).append(t.seconds / predicted)
+    out = []
+    for lv in sorted({*received, *other}):
+        mine = received.get(lv)
+        out.append((lv, statistics.median(mine) if mine else sorted(other[lv])[len(other[lv]) // 4]))
+    return tuple(out)
+
+
+def stage_load(costs: ModelCosts, run: RunObservation, index: int) -> tuple[StageLoad, int]:
+    """A stage's profiled and measured compute per step and its link bytes (refine_interference.py); and k."""
+    st = run.stages[index]
+    r = max(1, len(st.ranks))
+    k = -(-run.micro_batches // r)
+    syncs = get_schedule(run.schedule).syncs_per_step(k)
+    a_in, g_out = costs.input_bytes(st.first)
+    a_out, g_in = costs.output_bytes(st.last) if index < len(run.stages) - 1 else (0.0, 0.0)
+    nbytes, ring = link_bytes(r, float(costs.param_bytes[st.first:st.last + 1].sum()),
+                              (a_in + g_out + a_out + g_in) / 2, k, syncs)
+    profiled = k * float(costs.forward_ms[st.first:st.last + 1].sum() + costs.backward_ms[st.first:st.last + 1].sum())
+    return StageLoad(profiled, k * ((st.forward_ms or 0.0) + (st.backward_ms or 0.0)), nbytes, ring), k
+
+
+def without_interference(costs: ModelCosts, run: RunObservation, lost_ms_per_byte: float) -> RunObservation:
+    """``run`` with each stage's forward and backward less what its link bytes cost it (shared by their times)."""
+    stages = []
+    for k, st in enumerate(run.stages):
+        if st.forward_ms is None or st.backward_ms is None or lost_ms_per_byte <= 0:
+            stages.append(st)
+            continue
+        load, per_step = stage_load(costs, run, k)
+        cut = lost_ms_per_byte * load.nbytes / per_step / (st.forward_ms + st.backward_ms)    # share per micro-batch
+        stages.append(replace(st, forward_ms=st.forward_ms * max(1 - cut, 0.01),
+                              backward_ms=st.backward_ms * max(1 - cut, 0.01)))
+    return replace(run, stages=tuple(stages))
+
+
+def stage_tied_ms(profile: Profile, run: RunObservation, model: CostModel) -> tuple[list[float], list[TiedEvidence]]:
+    """Per stage of ``run``: the model's tied sums it takes part in (ms per step); and each group."""
+    stages = [StageSpec(s.first, s.last, s.ranks) for s in run.stages]
+    per_stage = [0.0] * len(stages)
+    groups = []
+    for g in priced_tied(profile, stages, model):
+        for k in g.stages:
+            per_stage[k] += g.predicted_ms
+        groups.append(TiedEvidence(tuple(g.stages), g.predicted_ms))
+    return per_stage, groups
+
+
+def step_evidence(profile: Profile, costs: ModelCosts, model: CostModel, run: RunObservation,
+                  optimizer: str = "sgd") -> tuple[list[StepStage], list[TiedEvidence]]:
+    """The stages of ``run`` that measured their ``step`` phase, against the model (refine_step.py)."""
+    tied, groups = stage_tied_ms(profile, run, model)
+    opt = costs.optimizer_ms(optimizer)
+    kind = get_schedule(run.schedule)
+    index: dict[int, int] = {}
+    out: list[StepStage] = []
+    for k, st in enumerate(run.stages):
+        if st.step_ms is None:
+            continue
+        syncs = kind.syncs_per_step(-(-run.micro_batches // max(1, len(st.ranks))))
+        index[k] = len(out)
+        out.append(StepStage(float(opt[st.first:st.last + 1].sum()) * syncs, tied[k], st.step_ms))
+    kept = [TiedEvidence(tuple(index[k] for k in g.stages), g.predicted_ms) for g in groups
+            if all(k in index for k in g.stages)]
+    return out, kept
 
 
 def refine(profile: Profile, cluster: Cluster, calibrations: Sequence[Calibration], runs: Sequence[RunObservation],
@@ -223,31 +215,60 @@ def refine(profile: Profile, cluster: Cluster, calibrations: Sequence[Calibratio
             if st.ranks and max(st.ranks) >= cluster.total_workers:
                 raise UserError(f"{run.name}: rank {max(st.ranks)} is outside the cluster's "
                                 f"{cluster.total_workers} workers; refine with the cluster the run ran on")
-    f_fwd = fit_node_factors(costs.forward_ms, [(s.first, s.last, s.forward_ms) for r in runs for s in r.stages
+    lost = fit_interference([stage_load(costs, run, k)[0] for run in runs for k in range(len(run.stages))])
+    seen = [without_interference(costs, run, lost) for run in runs]     # ms per link byte taken out
+    f_fwd = fit_node_factors(costs.forward_ms, [(s.first, s.last, s.forward_ms) for r in seen for s in r.stages
                                                 if s.forward_ms is not None])
-    f_bwd = fit_node_factors(costs.backward_ms, [(s.first, s.last, s.backward_ms) for r in runs for s in r.stages
+    f_bwd = fit_node_factors(costs.backward_ms, [(s.first, s.last, s.backward_ms) for r in seen for s in r.stages
                                                  if s.backward_ms is not None])
     weight = costs.forward_ms + costs.backward_ms
     logs = costs.forward_ms * np.log(f_fwd) + costs.backward_ms * np.log(f_bwd)
     slowdown = float(math.exp(logs.sum() / weight.sum())) if weight.sum() > 0 else 1.0
-    evidence = [e for run in runs for k, st in enumerate(run.stages)
+    evidence = [e for run in seen for k, st in enumerate(run.stages)
                 if (e := stage_sync_evidence(run.name, k, st, costs, model, f_fwd, f_bwd, algorithms)) is not None]
+    steps = [step_evidence(profile, costs, model, run) for run in runs]
+    ends = fit_step([s for s, _ in steps], [g for _, g in steps])
     ref = Refinement(tuple(float(x) for x in f_fwd), tuple(float(x) for x in f_bwd), slowdown,
-                     size_classes(evidence), p2p_factors(runs, model), tuple(r.name for r in runs), tuple(evidence))
+                     fit_classes(evidence), p2p_factors(runs, model), tuple(r.name for r in runs), tuple(evidence),
+                     optimizer_factor=1.0 if ends.optimizer is None else ends.optimizer,
+                     interference_s_per_byte=lost * 1e-3 / model.wire_bytes,
+                     tied_factor=1.0 if ends.tied is None else max(ends.tied, 1e-3))
     return fit_leftover(profile, cluster, calibrations, ref, runs, algorithms)
+
+
+def search_log(score: Callable[[float], float], grid: Sequence[float]) -> float:
+    """The x of ``grid`` (0 first, then increasing) with the least score, refined by a ternary search in
+    log space between its neighbours; ties go to the smaller x."""
+    errors = [score(x) for x in grid]
+    k = min(range(len(grid)), key=lambda i: (round(errors[i], 12), grid[i]))
+    if len(grid) < 3 or k == 0:
+        return grid[k]
+    lo, hi = math.log(grid[k - 1] or grid[1] / 10), math.log(grid[min(k + 1, len(grid) - 1)])
+    for _ in range(30):
+        a, b = lo + (hi - lo) / 3, hi - (hi - lo) / 3
+        if score(math.exp(a)) <= score(math.exp(b)):
+            hi = b
+        else:
+            lo = a
+    mid = math.exp((lo + hi) / 2)
+    return mid if score(mid) < errors[k] else grid[k]
 
 
 def fit_leftover(profile: Profile, cluster: Cluster, calibrations: Sequence[Calibration], ref: Refinement,
                  runs: Sequence[RunObservation], algorithms: Sequence[str]) -> Refinement:
-    """``ref`` with the p2p message latency and step overhead that best explain the measured steps."""
+    """``ref`` with the p2p message latency, the compute lost to all-reduces beyond what the stages'
+    own compute showed, and the step overhead that best explain the measured steps (coordinate
+    search: latency, then the loss, then the latency again)."""
     measured = [r for r in runs if r.measured_step_ms]
     if not measured:
         return ref
     prof = refined_profile(profile, ref)
     levels = sorted({lv for lv, _ in ref.p2p_factor})
+    seen = ref.interference_s_per_byte or 0.0
 
-    def scored(delta: float) -> tuple[float, float]:
-        trial = replace(ref, p2p_extra_alpha_s=tuple((lv, delta) for lv in levels))
+    def scored(delta: float, lost: float) -> tuple[float, float]:
+        trial = replace(ref, p2p_extra_alpha_s=tuple((lv, delta) for lv in levels),
+                        interference_s_per_byte=seen + lost)
         cals = refined_calibrations(cluster, calibrations, trial)
         pred = [predict_run(prof, cluster, cals, r, algorithms=algorithms) for r in measured]
         left = max(0.0, statistics.median([r.measured_step_ms - p for r, p in zip(measured, pred, strict=True)
@@ -256,33 +277,29 @@ def fit_leftover(profile: Profile, cluster: Cluster, calibrations: Sequence[Cali
                   for r, p in zip(measured, pred, strict=True))
         return err, left
 
-    grid = [0.0, *np.geomspace(1e-6, 0.2, 40).tolist()] if levels else [0.0]
-    errors = [scored(d)[0] for d in grid]
-    k = min(range(len(grid)), key=lambda i: (round(errors[i], 12), grid[i]))
-    best = grid[k]
-    if levels and k > 0:
-        lo, hi = math.log(grid[k - 1] or grid[1] / 10), math.log(grid[min(k + 1, len(grid) - 1)])
-        for _ in range(30):
-            a, b = lo + (hi - lo) / 3, hi - (hi - lo) / 3
-            if scored(math.exp(a))[0] <= scored(math.exp(b))[0]:
-                hi = b
-            else:
-                lo = a
-        if scored(math.exp((lo + hi) / 2))[0] < errors[k]:
-            best = math.exp((lo + hi) / 2)
-    return replace(ref, p2p_extra_alpha_s=tuple((lv, best) for lv in levels) if best else (),
-                   step_overhead_ms=scored(best)[1])
+    alphas = [0.0, *np.geomspace(1e-6, 0.2, 40).tolist()] if levels else [0.0]
+    losses = [0.0, *np.geomspace(1e-11, 3e-8, 25).tolist()] if any(len(s.ranks) > 1 for r in measured
+                                                                      for s in r.stages) else [0.0]
+    delta = search_log(lambda d: scored(d, 0.0)[0], alphas)
+    lost = search_log(lambda g: scored(delta, g)[0], losses)
+    if lost:
+        delta = search_log(lambda d: scored(d, lost)[0], alphas)
+    return replace(ref, p2p_extra_alpha_s=tuple((lv, delta) for lv in levels) if delta else (),
+                   interference_s_per_byte=seen + lost, step_overhead_ms=scored(delta, lost)[1])
 
 
 def refined_profile(profile: Profile, ref: Refinement) -> Profile:
-    """The profile with each node's residual factor (its factor over compute_slowdown) applied.
+    """The profile with each node's residual factor (its factor over compute_slowdown) and the
+    optimizer factor (on its optimizer step times) applied.
 
     Its graph (and signature) is unchanged, so plans made from it launch as the original's."""
     c = ref.compute_slowdown
     nodes = tuple(replace(n, forward_ms=n.forward_ms * ref.forward_factor[n.id] / c,
                           backward_ms=n.backward_ms * ref.backward_factor[n.id] / c) for n in profile.nodes)
+    o = ref.optimizer_factor
     totals = replace(profile.totals, forward_ms=sum(n.forward_ms for n in nodes),
-                     backward_ms=sum(n.backward_ms for n in nodes))
+                     backward_ms=sum(n.backward_ms for n in nodes),
+                     sgd_step_ms=profile.totals.sgd_step_ms * o, adam_step_ms=profile.totals.adam_step_ms * o)
     note = f"refined from {len(ref.runs)} run(s) (hybridpipe partition --refine); use with the refined calibration"
     return replace(profile, nodes=nodes, totals=totals, notes=(*profile.notes, note))
 
@@ -313,7 +330,9 @@ def refined_calibrations(cluster: Cluster, calibrations: Sequence[Calibration],
             algos = {a: cal.algorithms.get(a, cal.p2p) for a in ALGORITHMS}       # all-reduces stay as they were
             cal = replace(cal, algorithms=algos, p2p=LinkFit(cal.p2p.alpha_s * factor + extra,
                                                               cal.p2p.beta_s_per_byte * factor, cal.p2p.rel_error))
-        out[lv] = replace(cal, allreduce_slowdown=(), compute_slowdown=1.0, step_overhead_ms=0.0)
+        if ref.interference_s_per_byte is not None:
+            cal = replace(cal, interference_s_per_byte=ref.interference_s_per_byte)
+        out[lv] = replace(cal, allreduce_slowdown=(), compute_slowdown=1.0, step_overhead_ms=0.0, tied_slowdown=1.0)
     carrier = out[top]
     old = model.allreduce_points
     new_classes = {math.floor(math.log(b, SIZE_CLASS_BASE)) for b, _ in ref.allreduce_slowdown}
@@ -322,6 +341,7 @@ def refined_calibrations(cluster: Cluster, calibrations: Sequence[Calibration],
     merged: dict[float, float] = dict(sorted(points))
     out[top] = replace(carrier, allreduce_slowdown=tuple(sorted(merged.items())),
                        compute_slowdown=model.compute_slowdown * ref.compute_slowdown,
+                       tied_slowdown=model.tied_slowdown * ref.tied_factor,
                        step_overhead_ms=max(0.0, model.step_overhead_ms + ref.step_overhead_ms),
                        refined_from=tuple(dict.fromkeys((*carrier.refined_from, *ref.runs))))
     return tuple(out[lv] for lv in sorted(out))
@@ -329,9 +349,11 @@ def refined_calibrations(cluster: Cluster, calibrations: Sequence[Calibration],
 
 def predict_run(profile: Profile, cluster: Cluster, calibrations: Sequence[Calibration], run: RunObservation,
                 optimizer: str = "sgd", algorithms: Sequence[str] = ALGORITHMS) -> float:
-    """The step time the model predicts for the stages a run ran (its ranks, schedule, micro-batches)."""
+    """The step time the model predicts for the stages a run ran (its ranks, schedule, micro-batches),
+    tied weights' sums included, as a plan's prediction counts them."""
     model = CostModel(cluster, list(calibrations))
     stages = [StageSpec(s.first, s.last, s.ranks) for s in run.stages]
     opts = Options(run.schedule, run.micro_batches, optimizer, math.inf, tuple(algorithms))
     ev = evaluate(base_costs(profile, model), model, stages, opts)
-    return predict_step_ms(ev, opts) + model.step_overhead_ms
+    tied = sum(t.predicted_ms for t in priced_tied(profile, stages, model))
+    return predict_step_ms(ev, opts) + tied + model.step_overhead_ms

@@ -52,7 +52,7 @@ class _Tables:
         with np.errstate(divide="ignore"):
             self.inv = np.where(per_k > 0, (1 + SAFETY) / per_k, 0.0)
         weights = t.pp[None, 1:] - t.pp[:-1, None]
-        stash = (t.pa[None, 1:] - t.pa[:-1, None]) + t.a_in[:, None]
+        stash = t.stash
         room = opts.memory_bytes * (1 + SAFETY) + SAFETY - weights * (2 + OPTIMIZER_STATES[opts.optimizer])
         self.ok = np.triu(np.ones((n, n), dtype=bool)) & t.cut_ok[None, :] & ~(room < stash)
         self.kcap = np.full((n, n), float(m_b))

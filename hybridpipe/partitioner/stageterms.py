@@ -62,7 +62,7 @@ class StageTerms:
         # a split schedule's fill + drain leaves out the backwards (share 0), its own is added per stage
         self.trip = float(self.pf[-1] + self.share * self.pb[-1]) if self.flushed else 0.0
         self.gap = (self.pf[:-1] + self.pb[:-1]) if self.flushed else np.zeros(n)
-        self.pp, self.pa = costs.prefix(costs.param_bytes), costs.prefix(costs.activation_bytes)
+        self.pp = costs.prefix(costs.param_bytes)
         self.po = costs.prefix(costs.optimizer_ms(opts.optimizer))
         self.pcount = costs.prefix((costs.param_bytes > 0).astype(float))
         a_in = np.concatenate([[0.0], costs.cut_bytes[:-1]])
@@ -75,7 +75,9 @@ class StageTerms:
         self.cut_ok = costs.cut_ok
         self.param_nodes = costs.param_bytes > 0
         self.most_weights = float(costs.param_bytes.sum())
-        self.most_stash = float(costs.activation_bytes.sum() + costs.cut_bytes.max(initial=0.0))
+        self.stash, self.kept, self.rerun = costs.stash_table()      # [i, j] per micro-batch (modelcosts.py)
+        # the most one micro-batch can add to a stage, with or without recomputation
+        self.most_stash = float(np.maximum(self.stash, self.kept + self.rerun).max(initial=0.0))
         self.interference = model.interference_s_per_byte
         levels = model.cluster.levels
         self.period = model.cluster.span(len(levels) - 2) if len(levels) > 1 else 1
@@ -126,12 +128,12 @@ class StageTerms:
         back = self.pb[j + 1] - self.pb[i]
         fb = fwd + back
         weights = self.pp[j + 1] - self.pp[i]
-        stash = (self.pa[j + 1] - self.pa[i]) + self.a_in[i]
+        stash, kept, rerun = self.stash[i, j], self.kept[i, j], self.rerun[i, j]
         rc = np.full(len(j), opts.recompute == "all")       # the stage reruns its forward in backward
         overflow = static * self.most_weights + self.most_stash * inflight > opts.memory_bytes
         if np.any(overflow):
             fits = weights * static + stash * inflight <= opts.memory_bytes
-            fits_rc = weights * static + self.a_in[i] * inflight + (stash - self.a_in[i]) <= opts.memory_bytes
+            fits_rc = weights * static + kept * inflight + rerun <= opts.memory_bytes
             if opts.recompute == "all":
                 feasible = fits_rc
             elif opts.recompute == "auto":                   # recompute only where keeping everything does not fit

@@ -7,17 +7,26 @@ distinct plans are ranked by predicted step, and:
 * the best predicted plan runs, unless it already ran;
 * it already ran: if it is also the fastest measured plan and its prediction *made before it
   ran* was within ``tolerance`` of its measurement (the model earned trust), stop: converged;
+* else, if the two fastest measured plans are within the noise of their measurements (see
+  below) and one of them ran only once, it runs again (the one with fewer runs): a step time
+  measured on a busy machine spreads by several per cent, more than the gaps that matter;
 * else the next untried plan predicted within ``close`` of the best runs (a runner-up: until
   the model has earned trust, a measurement settles what its ranking cannot; the default 50%
   spends the budget on the plans the model does not rule out by far);
 * else stop: nothing untried is predicted within ``close`` of the best.
 
-The caller stops too when the budget of runs is spent. The chosen plan is always the fastest
-measured one, whatever the predictions say.
+A plan's measurement is the median of every steady step of all its runs (pooled). Its noise is
+the relative standard error of that median, ``1.25 * 1.4826 * MAD / median / sqrt(n)``; two
+plans whose medians differ by less than twice the root sum of squares of their noises (about
+95% for a difference) are within noise; a plan whose steps are unknown (or one steady step)
+counts as noiseless: nothing says it should run again. The caller stops too when the budget of runs is spent.
+The chosen plan is always the fastest measured one, whatever the predictions say.
 """
 
 from __future__ import annotations
 
+import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -44,6 +53,7 @@ class Trial:
     key: tuple
     predicted_ms: float
     measured_ms: float | None
+    steps_ms: tuple[float, ...] = ()     # the run's steady step times (empty: only the median is known)
 
 
 @dataclass(frozen=True)
@@ -70,9 +80,51 @@ def distinct(plans: Sequence[tuple[str, Plan]]) -> list[Candidate]:
     return sorted(merged.values(), key=lambda c: c.predicted_ms)
 
 
+@dataclass(frozen=True)
+class Measured:
+    """A plan's runs pooled: median of their steady steps, relative noise of it, number of runs."""
+
+    key: tuple
+    median_ms: float
+    noise: float
+    runs: int
+
+
+def median_noise(steps: Sequence[float]) -> float:
+    """Relative standard error of the median of ``steps`` (module docstring); 0 (unknown) for fewer than 2."""
+    if len(steps) < 2:
+        return 0.0
+    med = statistics.median(steps)
+    mad = statistics.median(abs(x - med) for x in steps)
+    return 1.25 * 1.4826 * mad / med / math.sqrt(len(steps)) if med > 0 else 0.0
+
+
+def pooled(trials: Sequence[Trial]) -> list[Measured]:
+    """Every plan that measured, its runs pooled, fastest first."""
+    out: dict[tuple, list[Trial]] = {}
+    for t in trials:
+        if t.measured_ms is not None:
+            out.setdefault(t.key, []).append(t)
+    found = []
+    for key, mine in out.items():
+        steps = [x for t in mine for x in t.steps_ms]
+        if len(steps) >= len(mine):
+            found.append(Measured(key, statistics.median(steps), median_noise(steps), len(mine)))
+        else:                                      # medians only
+            found.append(Measured(key, statistics.median(t.measured_ms or 0.0 for t in mine), 0.0, len(mine)))
+    return sorted(found, key=lambda m: m.median_ms)
+
+
+def within_noise(a: Measured, b: Measured) -> bool:
+    """Whether the two medians differ by less than twice their combined noise."""
+    gap = abs(a.median_ms - b.median_ms) / min(a.median_ms, b.median_ms)
+    return gap < 2 * math.hypot(a.noise, b.noise)
+
+
 def fastest_measured(trials: Sequence[Trial]) -> Trial | None:
-    done = [t for t in trials if t.measured_ms is not None]
-    return min(done, key=lambda t: t.measured_ms or 0.0) if done else None
+    """A trial of the plan with the fastest pooled measurement (its first run)."""
+    ranked = pooled(trials)
+    return next(t for t in trials if t.key == ranked[0].key) if ranked else None
 
 
 def relative_error(predicted: float, measured: float) -> float:
@@ -98,6 +150,14 @@ def decide(candidates: Sequence[Candidate], trials: Sequence[Trial], *, toleranc
             and relative_error(mine.predicted_ms, mine.measured_ms) <= tolerance:
         return Decision(None, f"converged: the best predicted plan is the fastest measured, and it was predicted "
                               f"within {100 * tolerance:g}% before it ran")
+    ranked = pooled(trials)
+    if len(ranked) >= 2 and within_noise(ranked[0], ranked[1]) and min(ranked[0].runs, ranked[1].runs) < 2:
+        again = min(ranked[:2], key=lambda m: m.runs)
+        pick = next((c for c in candidates if c.key == again.key), None)
+        if pick is not None:
+            gap = 100 * (ranked[1].median_ms / ranked[0].median_ms - 1)
+            return Decision(pick, f"re-measured: the two fastest measured plans are {gap:.1f}% apart, within the "
+                                  "noise of their steps")
     for c in candidates[1:]:
         if c.key not in ran and c.predicted_ms <= best.predicted_ms * (1 + close):
             gap = 100 * (c.predicted_ms / best.predicted_ms - 1)

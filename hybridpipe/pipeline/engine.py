@@ -153,7 +153,7 @@ class PipelineEngine:
         self.recorder, self.clock = recorder, clock
         self.stash = WeightStash(chunks[0].module) if self.kind.asynchronous else None
         self.device = chunks[0].device     # where inputs and targets go (place the stages before the engine)
-        self.meter = MemoryMeter(self._held, self._grad_bytes, self.device)
+        self.meter = MemoryMeter(self._held, self._grad_bytes, self.device, [c.module for c in chunks])
         self.phase = 0              # steps since the pipeline was (re)started (pipedream)
         self._last_step: int | None = None
         # per (stage, micro-batch numbered over the run):
@@ -279,7 +279,8 @@ class PipelineEngine:
         elif isinstance(ins, Forward):
             params = self.stash.forward_params(g, g in frozen) if self.stash else None
             with self.meter.forward(), self.compute_context():
-                self._acts[key] = stage.forward(self._inputs.pop(key), params=params)
+                act = self._acts[key] = stage.forward(self._inputs.pop(key), params=params)
+            self.meter.hold(key, act.inputs, act.outputs, act.output)
         elif isinstance(ins, SendActivations):
             self.send(ins.peer, message_key(ins, g, M), self._acts[key].outputs)
         elif isinstance(ins, LoadTarget):
@@ -287,8 +288,9 @@ class PipelineEngine:
             self._targets[key] = target.to(self.device, non_blocking=True) if target is not None else None
         elif isinstance(ins, Loss):
             act = self._acts[key]
-            with self.compute_context():
+            with self.meter.forward(), self.compute_context():
                 act.loss = stage.loss(act.output, self._targets.pop(key))
+            self.meter.hold(key, act.loss)
             if g // M == result.step:
                 result.losses[g % M] = act.loss.detach()
         elif isinstance(ins, RecvGradients):
@@ -298,23 +300,25 @@ class PipelineEngine:
             self._sync_next.add(key)
         elif isinstance(ins, Backward):
             act = self._scaled(stage, self._acts.pop(key))
-            with self._sync_if(s, g):
+            with self._sync_if(s, g), self.meter.backward(stage.recompute, stage.module):
                 grads = stage.backward(act, self._out_grads.pop(key, None))
+            self.meter.drop(key)
             if self.stash:
                 self.stash.backward_done(g)
             if not stage.is_first:
                 self._in_grads[key] = grads
         elif isinstance(ins, BackwardInput):
             act = self._scaled(stage, self._acts.pop(key))
-            with self.syncs[s].no_sync():       # no parameter gradient here; nothing may start a sync
+            with self.syncs[s].no_sync(), self.meter.backward(stage.recompute, stage.module):   # no param grads here
                 grads, work = stage.backward_input(act, self._out_grads.pop(key, None))
             self._weight_work[key] = (act, work)
             if not stage.is_first:
                 self._in_grads[key] = grads
         elif isinstance(ins, BackwardWeight):
             _, work = self._weight_work.pop(key)
-            with self._sync_if(s, g):
+            with self._sync_if(s, g), self.meter.backward(stage.recompute, stage.module):
                 stage.backward_weight(work)
+            self.meter.drop(key)
         elif isinstance(ins, SendGradients):
             self.send(ins.peer, message_key(ins, g, M), self._in_grads.pop(key))
         else:

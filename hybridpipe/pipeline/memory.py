@@ -1,24 +1,32 @@
 """What a stage holds in memory, measured per step (next to the partitioner's prediction).
 
 On a GPU: ``torch.cuda.max_memory_allocated`` over the step. On the CPU, where the allocator
-keeps no such count, the bytes of the tensors the stage holds at its peak:
+keeps no such count, the bytes of the tensors the stage holds at its peak, every storage once:
 
-* the activations autograd keeps for the backward: every tensor saved during the stage's
-  forwards, seen through ``torch.autograd.graph.saved_tensors_hooks`` and counted once per
-  storage until the graph that saved it is freed (a recomputing stage keeps only its inputs;
-  what it recomputes inside the backward is transient and not counted);
+* each micro-batch's activations from its forward until its backward is done: every tensor
+  autograd saves (seen through ``torch.autograd.graph.saved_tensors_hooks``, the loss's included)
+  until the graph that saved it is freed, and the tensors the engine keeps for the backward (the
+  stage's inputs, the outputs it sent, the model's output and loss: ``hold`` / ``drop``);
+* on a recomputing stage, what its forward's rerun inside the backward saves, from the rerun until
+  the backward has used it (``backward``: torch.utils.checkpoint's own saved-tensor hooks are
+  wrapped for the rerun);
 * the weights, their gradients, the optimizer's state and the stashed weight versions
-  (pipedream), counted at the end of the step, when all of them exist.
+  (pipedream), counted at the end of the step, when all of them exist. Buffers (batch norm's
+  running statistics) are neither activations nor counted, as in the partitioner's prediction.
 
-The peak is the most activation bytes alive at once during the step plus those.
+The peak is the most activation bytes alive at once during the step plus those. Temporaries an
+operation frees before it returns (and gradients flowing through a backward) are not counted.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator
+import weakref
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 
 def storage_key(t: torch.Tensor) -> tuple[str, int]:
@@ -52,14 +60,18 @@ class MemoryMeter:
 
     ``static()`` returns the tensors held outside the graph (weights, optimizer state, stashed
     versions); their storages are never counted as activations. ``grad_bytes()``: the bytes of
-    the weights' gradients at the step's peak (they are freed after each optimizer step)."""
+    the weights' gradients at the step's peak (they are freed after each optimizer step).
+    ``modules``: the stage's modules (one per model chunk the rank holds), whose buffers are not
+    activations; :meth:`backward` names the one whose forward a recomputing stage reruns."""
 
     def __init__(self, static: Callable[[], Iterable[torch.Tensor]], grad_bytes: Callable[[], int],
-                 device: torch.device):
-        self.static, self.grad_bytes, self.device = static, grad_bytes, device
+                 device: torch.device, modules: Sequence[torch.nn.Module] = ()):
+        self.static, self.grad_bytes, self.device, self.modules = static, grad_bytes, device, tuple(modules)
         self._counts: dict[tuple[str, int], int] = {}
         self._bytes: dict[tuple[str, int], int] = {}
         self._skip: set[tuple[str, int]] = set()
+        self._held: dict[Hashable, set[tuple[str, int]]] = {}
+        self._rerun: list[bool] = []
         self.held = 0               # activation bytes alive now
         self.peak = 0               # most activation bytes alive at once this step
 
@@ -80,13 +92,82 @@ class MemoryMeter:
 
     @contextlib.contextmanager
     def forward(self) -> Iterator[None]:
-        """Count what autograd saves inside (wrap a stage's forward)."""
+        """Count what autograd saves inside (wrap a stage's forward and the loss)."""
         if self.on_cuda:
             yield
             return
-        self._skip = {storage_key(t) for t in self.static() if isinstance(t, torch.Tensor) and t.numel() > 0}
+        buffers = [b for m in self.modules for b in m.buffers()]
+        self._skip = {storage_key(t) for t in (*self.static(), *buffers)
+                      if isinstance(t, torch.Tensor) and t.numel() > 0}
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             yield
+
+    def hold(self, owner: Hashable, *values: Any) -> None:
+        """Count the tensors in ``values`` (nested) as held for micro-batch ``owner`` until ``drop(owner)``."""
+        if self.on_cuda:
+            return
+        keys = self._held.setdefault(owner, set())
+        for t in pytree.tree_leaves(values):
+            if isinstance(t, torch.Tensor) and t.numel() > 0:
+                key = storage_key(t)
+                if key not in keys and key not in self._skip:
+                    keys.add(key)
+                    self._add(key, t.untyped_storage().nbytes())
+
+    def drop(self, owner: Hashable) -> None:
+        """Micro-batch ``owner``'s backward is done: what ``hold`` counted for it is released."""
+        for key in self._held.pop(owner, ()):
+            self._release(key)
+
+    @contextlib.contextmanager
+    def backward(self, recompute: bool, module: torch.nn.Module | None = None) -> Iterator[None]:
+        """Wrap a backward; on a recomputing stage (``module``: its chunk's), count what the rerun
+        of its forward saves."""
+        hooks = _top_hooks()
+        if self.on_cuda or not recompute or module is None or hooks is None:
+            yield
+            return
+        pre = module.register_forward_pre_hook(lambda *_: self._begin_rerun())
+        post = module.register_forward_hook(lambda *_: self._end_rerun(), always_call=True)
+        try:
+            yield
+        finally:
+            pre.remove()
+            post.remove()
+
+    def _begin_rerun(self) -> None:
+        """The module's forward starts inside a backward: checkpoint's rerun; wrap its saved-tensor hooks."""
+        top = _top_hooks()
+        current = top() if top is not None else None
+        if current is None:
+            self._rerun.append(False)
+            return
+        pack, unpack = current
+
+        def counted(x: torch.Tensor) -> Any:
+            # a new tensor object of our own (detach), so that checkpoint keeps this very object and
+            # its end is seen (the op's own output object may outlive the storage's use elsewhere)
+            y = x.detach()
+            if y.numel() > 0 and storage_key(y) not in self._skip:
+                key = storage_key(y)
+                self._add(key, y.untyped_storage().nbytes())
+                weakref.finalize(y, self._release, key)
+            return pack(y)
+
+        torch._C._autograd._push_saved_tensors_default_hooks(counted, unpack)
+        self._rerun.append(True)
+
+    def _end_rerun(self) -> None:
+        if self._rerun and self._rerun.pop():
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+
+    def _add(self, key: tuple[str, int], size: int) -> None:
+        n = self._counts.get(key, 0)
+        self._counts[key] = n + 1
+        if n == 0:
+            self._bytes[key] = size
+            self.held += size
+            self.peak = max(self.peak, self.held)
 
     def _pack(self, t: torch.Tensor):
         if t.numel() == 0:
@@ -94,13 +175,7 @@ class MemoryMeter:
         key = storage_key(t)
         if key in self._skip:
             return t
-        n = self._counts.get(key, 0)
-        self._counts[key] = n + 1
-        if n == 0:
-            size = t.untyped_storage().nbytes()
-            self._bytes[key] = size
-            self.held += size
-            self.peak = max(self.peak, self.held)
+        self._add(key, t.untyped_storage().nbytes())
         return _Saved(t.detach(), key, self)     # detached: no cycle through a saved output's grad_fn
 
     @staticmethod
@@ -114,6 +189,14 @@ class MemoryMeter:
             return
         self._counts.pop(key, None)
         self.held -= self._bytes.pop(key, 0)
+
+
+def _top_hooks() -> Callable[[], Any] | None:
+    """torch's accessor of the innermost saved-tensor hooks (None where this torch has none)."""
+    autograd = torch._C._autograd
+    if not all(hasattr(autograd, f"_{op}_saved_tensors_default_hooks") for op in ("top", "push", "pop")):
+        return None
+    return lambda: autograd._top_saved_tensors_default_hooks(False)
 
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

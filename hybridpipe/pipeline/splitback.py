@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd.graph import GradientEdge, Node
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 from torch.distributed.pipelining._backward import (
     _get_grad_fn_or_grad_acc,
     construct_reverse_graph,
@@ -85,27 +85,32 @@ def _nodes(tensors: Sequence[torch.Tensor]) -> list[Node]:
 
 def backward_weight(work: WeightWork) -> None:
     """Accumulate the parameters' gradients of one micro-batch from :func:`backward_input`'s record
-    (through autograd, so gradient hooks fire), and release the graph."""
-    if work.leftover:
-        torch.autograd.backward(work.outputs, work.output_grads, inputs=work.leftover, retain_graph=bool(work.groups))
+    (through autograd, so gradient hooks fire), and release the graph.
+
+    One autograd pass for every parameter group: each intermediate gets the gradient it received
+    in the input half (a prehook replaces what flows into it in this pass: for an intermediate
+    below another, that recorded gradient is already whole). One pass matters under activation
+    recomputation: every graph task reruns the checkpointed forward, so one task per group would
+    rerun it (and keep what it saved) once per group."""
+    edges, grads, handles = [], [], []
     for group in work.groups:
-        edges, grads = [], []
         for recorded, node in zip(group["grads"], group["intermediates"], strict=True):
             for i, g in enumerate(recorded or ()):
                 if g is not None:
                     edges.append(GradientEdge(node, i))
                     grads.append(g)
-        if not edges:
-            continue
-        handles = []
-        if len(group["intermediates"]) > 1:    # an intermediate below another: its recorded grad is already whole
-            handles = [node.register_prehook(lambda _grads, saved=recorded: saved)
-                       for recorded, node in zip(group["grads"], group["intermediates"], strict=True)]
-        try:
-            torch.autograd.backward(edges, grads, inputs=list(group["params"]), retain_graph=True)
-        finally:
-            for h in handles:
-                h.remove()
+            handles.append(node.register_prehook(lambda _grads, saved=recorded: saved))
+    params = [p for group in work.groups for p in group["params"]]
+    if work.leftover:      # the roots too, as edges (a scalar loss's gradient: ones)
+        for out, g in zip(work.outputs, work.output_grads, strict=True):
+            edges.append(get_gradient_edge(out))
+            grads.append(torch.ones_like(out) if g is None else g)
+    try:
+        if edges:
+            torch.autograd.backward(edges, grads, inputs=[*work.leftover, *params])
+    finally:
+        for h in handles:
+            h.remove()
     work.groups.clear()
     work.outputs.clear()
     work.output_grads.clear()

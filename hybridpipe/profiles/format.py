@@ -1,4 +1,4 @@
-"""The Profile: a model's block graph with measured costs (JSON, ``"format": 2``).
+"""The Profile: a model's block graph with measured costs (JSON, ``"format": 3``).
 
 A profile is a value: ``Profile.from_dict`` validates, ``to_dict`` serialises, ``load`` /
 ``save`` touch files. Nodes are the captured model's blocks (profiles/blocks.py: a transformer
@@ -12,7 +12,16 @@ Costs are for one batch of ``batch_size`` samples, measured per block in isolati
 at or before i and read after it, skip connections and relayed inputs included), and
 ``cut_blocker`` names a value that cannot cross such a cut (then no plan may cut there).
 
-Format 1 (one node per torch.fx node) is refused with a request to re-profile.
+Memory (format 3): ``values`` lists every value that crosses from one block to another (or enters
+as a model input: producer -1), with the last block that reads it and its bytes; ``alias`` is the
+first value sharing its storage (a view), itself otherwise. A node's ``saved_bytes`` is what
+autograd keeps for its backward apart from those values and the parameters; ``saves`` names the
+values among its inputs and outputs it keeps. ``loss_saved_bytes`` is what the loss function
+keeps beside the model's output. From these ``partitioner/modelcosts.py`` counts every tensor a
+stage holds once, however many of its blocks save it.
+
+Formats 1 (one node per torch.fx node) and 2 (per-node saved bytes that count a tensor two blocks
+save twice) are refused with a request to re-profile.
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ from hybridpipe.errors import UserError
 from hybridpipe.jsonfile import check_header, field, read_json, write_json
 
 PROFILE_KIND = "profile"
-PROFILE_FORMAT = 2
+PROFILE_FORMAT = 3
 NODE_OPS = ("module", "ops")
 
 
@@ -49,7 +58,8 @@ class ProfileNode:
     params: tuple[str, ...] = ()  # qualified names of the parameters this node owns (first reader)
     shared: tuple[str, ...] = ()  # parameters it reads that an earlier node owns (tied weights)
     shared_bytes: tuple[int, ...] = ()   # the bytes of each of ``shared``
-    saved_bytes: int = 0          # bytes autograd keeps from its forward for its backward
+    saved_bytes: int = 0          # bytes autograd keeps for its backward besides parameters and ``saves``
+    saves: tuple[str, ...] = ()   # boundary values (its inputs and outputs) autograd keeps for its backward
     cut_bytes: int = 0            # bytes crossing a cut right after this node, forward
     cut_grad_bytes: int = 0       # their gradients coming back
     cut_blocker: str | None = None   # a value that cannot cross a cut right after this node
@@ -57,6 +67,17 @@ class ProfileNode:
     @property
     def compute_ms(self) -> float:
         return self.forward_ms + self.backward_ms
+
+
+@dataclass(frozen=True)
+class ProfileValue:
+    """A value that crosses from one block to another, or a model input (``producer`` -1)."""
+
+    name: str
+    producer: int                 # the node that computes it (-1: the model's input)
+    last_use: int                 # the last node that reads it
+    bytes: int
+    alias: int                    # index of the first value in ``values`` sharing its storage (itself if none)
 
 
 @dataclass(frozen=True)
@@ -95,6 +116,8 @@ class Profile:
     granularity: str = "blocks"   # how operations were grouped into nodes (profiles/blocks.py)
     front_end: str = "export"     # "export" (torch.export) or "fx" (torch.fx's tracer, the fallback)
     tied: tuple[tuple[str, ...], ...] = ()   # names under which one parameter is registered (tied weights)
+    values: tuple[ProfileValue, ...] = ()   # the values blocks exchange (module docstring)
+    loss_saved_bytes: int = 0     # what the loss function keeps for its backward beside the model's output
 
     # ---- derived views -------------------------------------------------------------
     def signature(self) -> str:
@@ -117,8 +140,9 @@ class Profile:
         d.update(asdict(self))
         d["input_shape"] = list(self.input_shape)
         d["edges"] = [list(e) for e in self.edges]
-        d["nodes"] = [dict(asdict(n), params=list(n.params), shared=list(n.shared), shared_bytes=list(n.shared_bytes))
-                      for n in self.nodes]
+        d["nodes"] = [dict(asdict(n), params=list(n.params), shared=list(n.shared), shared_bytes=list(n.shared_bytes),
+                           saves=list(n.saves)) for n in self.nodes]
+        d["values"] = [asdict(v) for v in self.values]
         d["notes"] = list(self.notes)
         d["tied"] = [list(t) for t in self.tied]
         d["signature"] = self.signature()
@@ -155,6 +179,8 @@ class Profile:
             granularity=field(d, "granularity", str, source, default="blocks"),
             front_end=field(d, "front_end", str, source, default="export", choices=("export", "fx")),
             tied=tuple(_name_list(t, f"{source}: tied", minimum=2) for t in field(d, "tied", list, source, default=[])),
+            values=_values(field(d, "values", list, source, default=[]), nodes, source),
+            loss_saved_bytes=field(d, "loss_saved_bytes", int, source, minimum=0, default=0),
         )
         if shape[0] != prof.batch_size:
             raise UserError(f"{source}: input_shape {shape} does not start with batch_size {prof.batch_size}")
@@ -207,6 +233,7 @@ def _node_from_dict(n: object, index: int, source: str) -> ProfileNode:
         shared=_name_list(field(n, "shared", list, where, default=[]), f"{where}: shared"),
         shared_bytes=tuple(field(n, "shared_bytes", list, where, default=[])),
         saved_bytes=field(n, "saved_bytes", int, where, minimum=0, default=0),
+        saves=_name_list(field(n, "saves", list, where, default=[]), f"{where}: saves", what="value names"),
         cut_bytes=field(n, "cut_bytes", int, where, minimum=0, default=0),
         cut_grad_bytes=field(n, "cut_grad_bytes", int, where, minimum=0, default=0),
         cut_blocker=blocker,
@@ -245,8 +272,36 @@ def _check_graph(nodes: tuple[ProfileNode, ...], edges, source: str) -> None:
             owners[p] = n.name
 
 
-def _name_list(value: object, where: str, minimum: int = 0) -> tuple[str, ...]:
+def _name_list(value: object, where: str, minimum: int = 0, what: str = "parameter names") -> tuple[str, ...]:
     if not isinstance(value, list) or not all(isinstance(x, str) for x in value) or len(value) < minimum:
-        raise UserError(f"{where}: must be a list of{f' at least {minimum}' if minimum else ''} parameter names, "
+        raise UserError(f"{where}: must be a list of{f' at least {minimum}' if minimum else ''} {what}, "
                         f"got {json.dumps(value)[:60]}")
     return tuple(value)
+
+
+def _values(raw: list, nodes: tuple[ProfileNode, ...], source: str) -> tuple[ProfileValue, ...]:
+    """The ``values`` table, checked against the nodes (positions in range, names known, aliases earlier)."""
+    out: list[ProfileValue] = []
+    n = len(nodes)
+    for k, v in enumerate(raw):
+        where = f"{source}: value {k}"
+        if not isinstance(v, dict):
+            raise UserError(f"{where}: expected an object, got {type(v).__name__}")
+        value = ProfileValue(name=field(v, "name", str, where), producer=field(v, "producer", int, where, minimum=-1),
+                             last_use=field(v, "last_use", int, where, minimum=0), bytes=field(v, "bytes", int, where,
+                                                                                                minimum=0),
+                             alias=field(v, "alias", int, where, minimum=0))
+        if not value.producer < value.last_use < n:
+            raise UserError(f"{where}: needs producer < last_use < {n} (node ids), got {value.producer} and "
+                            f"{value.last_use}; re-run `hybridpipe profile`")
+        if value.alias > k:
+            raise UserError(f"{where}: alias {value.alias} must name this value or an earlier one")
+        out.append(value)
+    names = {v.name for v in out}
+    if len(names) != len(out):
+        raise UserError(f"{source}: a value name appears more than once in \"values\"")
+    for node in nodes:
+        unknown = [x for x in node.saves if x not in names]
+        if unknown:
+            raise UserError(f"{source}: node {node.id} saves {unknown[0]!r}, which \"values\" does not list")
+    return tuple(out)

@@ -4,9 +4,15 @@ Every block is cut out as its own one-block stage (cut.py: the same graph surger
 uses for its stages). ``reference_pass`` runs the blocks in order on the example batch and keeps every value that
 crosses a block boundary, detached, with ``requires_grad`` exactly as in the real model (true
 where the value depends on a parameter). ``measure_block`` then replays one block on fresh
-copies of its real inputs: the forward timed with autograd recording (as in training) while
-counting what autograd saves for the backward, the backward from random output gradients (the
-last block: from the loss) into the block's inputs and parameters.
+copies of its real inputs: the forward timed with autograd recording (as in training), the
+backward from random output gradients (the last block: from the loss) into the block's inputs and
+parameters.
+
+What a block keeps for its backward (``saved_tensors``) is split by where it lives: tensors of
+the block's own (inner), the boundary values among its inputs and outputs that it saves (by name:
+a value two blocks save is one tensor, which ``partitioner/modelcosts.py`` counts once per
+stage), and, on the last block, what the loss function keeps beside the model's output. Storages
+are what count (a view shares its base's bytes); parameters and buffers are not activations.
 """
 
 from __future__ import annotations
@@ -53,7 +59,16 @@ class BlockCost:
     forward_ms: float
     backward_ms: float
     output_bytes: int             # tensors the block hands to later blocks (or the model's output)
-    saved_bytes: int              # tensors autograd keeps from its forward for its backward
+    saved: SavedSplit             # what autograd keeps from its forward for its backward
+
+
+@dataclass(frozen=True)
+class SavedSplit:
+    """What one forward of a block leaves for its backward (module docstring)."""
+
+    inner_bytes: int              # distinct storages that are neither its inputs, its outputs nor parameters
+    saves: tuple[str, ...]        # its inputs and produced outputs (value names) whose storage it saves
+    loss_bytes: int = 0           # last block: what the loss function keeps besides the model's output
 
 
 def tensors(obj: Any) -> list[torch.Tensor]:
@@ -115,7 +130,7 @@ def measure_block(captured: CapturedModel, block: BlockModule, env: dict[str, An
             return result
 
     fwd = median_ms(forward, device=device, repeats=repeats, warmup=warmup)
-    saved = _saved_bytes(forward, block)
+    saved = saved_split(captured, block, env, loss=loss, target=target)
     outs = [t for t in tensors(forward()) if t.requires_grad]
     bwd = 0.0
     if outs:
@@ -139,25 +154,63 @@ def _own_loss(output: Any) -> torch.Tensor:
     return loss
 
 
-def _saved_bytes(forward: Callable[[], Any], block: BlockModule) -> int:
-    """Bytes of the distinct non-parameter tensors autograd saves during one forward of the block."""
-    params = {p.data_ptr() for p in block.module.parameters()} | {b.data_ptr() for b in block.module.buffers()}
-    seen: dict[int, int] = {}
+def storage_keys(obj: Any) -> set[int]:
+    """The storages behind every tensor in ``obj``."""
+    return {_storage(t)[0] for t in tensors(obj)}
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        try:
-            ptr = t.untyped_storage().data_ptr()
-            size = t.untyped_storage().nbytes()
-        except (RuntimeError, NotImplementedError):
-            ptr, size = id(t), t.numel() * t.element_size()
-        if ptr not in params:
-            seen[ptr] = max(seen.get(ptr, 0), size)
+
+def _storage(t: torch.Tensor) -> tuple[int, int]:
+    try:
+        return t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError):      # tensors without storage (subclasses, fakes)
+        return id(t), t.numel() * t.element_size()
+
+
+class _SavedStorages:
+    """Storages autograd saves inside the context (their pointers stay valid while the graph lives)."""
+
+    def __init__(self) -> None:
+        self.sizes: dict[int, int] = {}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        ptr, size = _storage(t)
+        self.sizes[ptr] = max(self.sizes.get(ptr, 0), size)
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = forward()
-    del out
-    return sum(seen.values())
+    def __enter__(self) -> _SavedStorages:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks.__exit__(*exc)
+
+
+def saved_split(captured: CapturedModel, block: BlockModule, env: dict[str, Any], *, loss: LossFn | None,
+                target: Any) -> SavedSplit:
+    """What one forward of ``block`` on fresh copies of its recorded inputs keeps for the backward."""
+    fixed = {t.untyped_storage().data_ptr() for t in (*block.module.parameters(), *block.module.buffers())}
+    inputs = {name: _fresh(env[name]) for name in block.inputs}
+    with torch.enable_grad(), _SavedStorages() as in_block:
+        result = block.module(*inputs.values())
+    if block.last:
+        output = captured.rebuild_output(result)
+        values = {}
+        with torch.enable_grad(), _SavedStorages() as in_loss:
+            kept = loss(output, target) if loss is not None else None
+        skip = fixed | storage_keys(output) | set(in_block.sizes)
+        loss_bytes = sum(size for ptr, size in in_loss.sizes.items() if ptr not in skip)
+        del kept
+        outside = storage_keys(output)
+    else:
+        values = {name: v for name, v in zip(block.outputs, result, strict=True) if name in block.produced}
+        loss_bytes, outside = 0, set()
+    named = {**{n: storage_keys(v) for n, v in inputs.items()}, **{n: storage_keys(v) for n, v in values.items()}}
+    boundary = set().union(outside, *named.values())
+    inner = sum(size for ptr, size in in_block.sizes.items() if ptr not in fixed and ptr not in boundary)
+    saves = tuple(name for name, keys in named.items() if keys & set(in_block.sizes))
+    del result
+    return SavedSplit(inner, saves, loss_bytes)
 
 
 def measure_optimizer(module: torch.nn.Module, kind: str, *, device: torch.device | str, repeats: int,

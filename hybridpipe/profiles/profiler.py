@@ -23,9 +23,10 @@ from hybridpipe.profiles.capture import (
     own_loss,
     tied_parameters,
 )
-from hybridpipe.profiles.format import Profile, ProfileNode, ProfileTotals
+from hybridpipe.profiles.format import Profile, ProfileNode, ProfileTotals, ProfileValue
 from hybridpipe.profiles.graphinfo import graph_edges, node_infos, unused_parameters
 from hybridpipe.profiles.measure import (
+    BlockModule,
     Timing,
     block_modules,
     measure_block,
@@ -33,6 +34,7 @@ from hybridpipe.profiles.measure import (
     measure_step,
     nbytes,
     reference_pass,
+    storage_keys,
     tensors,
 )
 from hybridpipe.profiles.zoo.registry import ModelSpec
@@ -89,13 +91,14 @@ def profile_model(model: ModelSpec, *, batch_size: int, device: str | torch.devi
         nodes.append(ProfileNode(
             id=i, name=info.name, op=info.op, target=info.target, type=info.type,
             forward_ms=round(cost.forward_ms, 6), backward_ms=round(cost.backward_ms, 6),
-            activation_bytes=cost.output_bytes, saved_bytes=cost.saved_bytes,
+            activation_bytes=cost.output_bytes, saved_bytes=cost.saved.inner_bytes, saves=cost.saved.saves,
             param_count=sum(p.numel() for p in own), param_bytes=sum(p.numel() * p.element_size() for p in own),
             params=info.params, shared=info.shared,
             shared_bytes=tuple(_nbytes(module.get_parameter(p)) for p in info.shared),
             cut_bytes=sum(nbytes(v) for v in crossing),
             cut_grad_bytes=sum(t.numel() * t.element_size() for v in crossing for t in tensors(v) if t.requires_grad),
             cut_blocker=next((name for name in block.outputs if name in captured.blocked), None)))
+    values = boundary_values(captured, blocks, env)
     del env
     flat = captured.flatten_input(batch)
     graph_args = [flat[name] for name in captured.inputs]
@@ -116,7 +119,28 @@ def profile_model(model: ModelSpec, *, batch_size: int, device: str | torch.devi
         totals=_totals(nodes, module, measured, steps), repeats=repeats,
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         notes=_notes(captured), granularity=str(granularity), front_end=captured.front_end,
-        tied=tuple(tied_parameters(module)))
+        tied=tuple(tied_parameters(module)), values=values, loss_saved_bytes=cost.saved.loss_bytes)
+
+
+def boundary_values(captured: CapturedModel, blocks: list[BlockModule],
+                    env: dict[str, Any]) -> tuple[ProfileValue, ...]:
+    """Every value that enters a block from outside it: the model's inputs and the outputs blocks hand
+    on, with the block that makes it (-1: a model input), the last block that reads it, its bytes and
+    the first value sharing its storage (a view of another)."""
+    producer = {name: -1 for name in captured.inputs}
+    last_use: dict[str, int] = {}
+    for b, block in enumerate(blocks):
+        producer.update({name: b for name in block.produced})
+        last_use.update({name: b for name in block.inputs})
+    out: list[ProfileValue] = []
+    first_of: dict[int, int] = {}
+    for name, b in producer.items():
+        if name not in last_use or name not in env:
+            continue                # a model input no block reads
+        keys = sorted(storage_keys(env[name]))
+        alias = first_of.setdefault(keys[0], len(out)) if keys else len(out)
+        out.append(ProfileValue(name, b, last_use[name], nbytes(env[name]), alias))
+    return tuple(out)
 
 
 def _nbytes(t: torch.Tensor) -> int:

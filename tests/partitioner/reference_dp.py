@@ -100,10 +100,10 @@ class _Solver:
         self.own_back = None if own_back is None else np.where(upper, own_back, 0.0)
         self.fwd = np.where(upper, self.pf[None, 1:] - self.pf[:-1, None], 0.0)     # a recomputing stage's extra
         self.share = share
-        pp, pa = costs.prefix(costs.param_bytes), costs.prefix(costs.activation_bytes)
+        pp = costs.prefix(costs.param_bytes)
         self.weights = pp[None, 1:] - pp[:-1, None]
         a_in = np.concatenate([[0.0], costs.cut_bytes[:-1]])
-        self.stash = (pa[None, 1:] - pa[:-1, None]) + a_in[:, None]
+        self.stash, self.kept, self.rerun = costs.stash_table()
         self.a_in, self.g_out = a_in, np.concatenate([[0.0], costs.cut_grad_bytes[:-1]])
         self.a_out, self.g_in = costs.cut_bytes.copy(), costs.cut_grad_bytes.copy()
         self.a_out[-1] = self.g_in[-1] = 0.0
@@ -118,7 +118,8 @@ class _Solver:
         # translating a block by this many ranks changes nothing about how it sits in the cluster
         self.period = model.cluster.span(len(levels) - 2) if len(levels) > 1 else 1
         self.most_weights = float(costs.param_bytes.sum())
-        self.most_stash = float(costs.activation_bytes.sum() + costs.cut_bytes.max(initial=0.0))
+        # the most one micro-batch can add to a stage, with or without recomputation
+        self.most_stash = float(np.maximum(self.stash, self.kept + self.rerun).max(initial=0.0))
         self._exposure: dict[object, np.ndarray] = {}
         self._blocks: dict[tuple, _Block] = {}
 
@@ -192,8 +193,8 @@ class _Solver:
             rc = np.ones(fb.shape, dtype=bool)
         if self.static_factor(inflight) * self.most_weights + self.most_stash * inflight > opts.memory_bytes:
             weights = self.weights[rows, cols] * self.static_factor(inflight)
-            a_in = self.a_in[rows, None]
-            fits_rc = weights + a_in * inflight + (self.stash[rows, cols] - a_in) <= opts.memory_bytes
+            kept = self.kept[rows, cols]
+            fits_rc = weights + kept * inflight + self.rerun[rows, cols] <= opts.memory_bytes
             fits = weights + self.stash[rows, cols] * inflight <= opts.memory_bytes
             if opts.recompute == "all":
                 ok = fits_rc

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import statistics
+
+import pytest
 
 from hybridpipe.partitioner.planner import Request, partition
-from hybridpipe.partitioner.tuning import Trial, decide, distinct, plan_key
+from hybridpipe.partitioner.tuning import Trial, decide, distinct, fastest_measured, median_noise, plan_key, pooled
 from tests.partitioner.synth import make_profile, two_level
 
 PROFILE = make_profile([(4.0, 8.0, 2_000_000, 100_000), (3.0, 6.0, 1_000_000, 2_000_000),
@@ -64,3 +68,34 @@ def test_a_plan_whose_run_failed_is_passed_over_for_the_next():
 
 def test_no_plan_means_stop():
     assert decide([], []).candidate is None
+
+
+def test_runs_of_one_plan_are_pooled_and_the_noise_is_the_median_standard_error():
+    a = Trial(("a",), 10.0, 100.0, (100.0, 90.0, 110.0, 100.0))
+    b = Trial(("a",), 10.0, 104.0, (104.0, 104.0))
+    (m,) = pooled([a, b])
+    assert m.median_ms == 102.0 and m.runs == 2
+    steps = (100.0, 90.0, 110.0, 100.0, 104.0, 104.0)
+    mad = statistics.median(abs(x - 102.0) for x in steps)
+    assert m.noise == pytest.approx(1.25 * 1.4826 * mad / 102.0 / math.sqrt(6))
+    assert median_noise([5.0]) == 0.0
+
+
+def test_the_two_fastest_within_noise_are_measured_again_and_then_it_goes_on():
+    found = distinct(plans({"uniform": 20.0, "params": 21.0, "dp": 40.0}))
+    best, runner = found[0], found[1]
+    noisy = (20.0, 26.0, 17.0, 23.0, 20.0)          # +-15%: the 5% gap below is within noise
+    first = [Trial(best.key, 15.0, 20.0, noisy), Trial(runner.key, 21.0, 21.0, tuple(x * 1.05 for x in noisy))]
+    again = decide(found, first)
+    assert again.candidate is not None and again.candidate.key == best.key and "re-measured" in again.reason
+    # measured twice: no more re-measuring, the next untried runner-up (dp is predicted 90% behind: stop)
+    after = decide(found, [*first, Trial(best.key, 15.0, 20.0, noisy)])
+    assert after.candidate is not None and after.candidate.key == runner.key and "re-measured" in after.reason
+    done = decide(found, [*first, Trial(best.key, 15.0, 20.0, noisy), Trial(runner.key, 21.0, 21.0, noisy)])
+    assert done.candidate is None
+    # quiet steps: a 5% gap is real, no re-measure
+    quiet = (20.0, 20.1, 19.9, 20.0, 20.05)
+    sure = [Trial(best.key, 15.0, 20.0, quiet), Trial(runner.key, 21.0, 21.0, tuple(x * 1.05 for x in quiet))]
+    assert decide(found, sure).candidate is None
+    # the chosen plan is the fastest pooled one
+    assert fastest_measured([*first, Trial(best.key, 15.0, 30.0, (30.0, 31.0, 29.0))]).key == runner.key

@@ -60,3 +60,25 @@ def test_a_plan_that_needs_more_memory_than_its_workers_have_is_refused():
     check_plan_memory(plan)
     with pytest.raises(UserError, match=r"stage 1 is predicted to need .*\(--recompute auto"):
         check_plan_memory(dataclasses.replace(plan, stages=tuple(stages)))
+
+
+def test_meter_counts_a_recomputing_forwards_rerun_and_releases_all_of_it():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.BatchNorm1d(32), torch.nn.Tanh(),
+                                torch.nn.Linear(32, 4))
+    params = list(model.parameters())
+    meter = MemoryMeter(lambda: params, lambda: 0, torch.device("cpu"), [model])
+    x = torch.randn(16, 8, requires_grad=True)
+    meter.begin_step()
+    for _ in range(3):                       # the same storages come back step after step: counts must not creep
+        with meter.forward():
+            out = torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False)
+        kept = meter.held                    # checkpoint saves only the input
+        assert kept == 16 * 8 * 4
+        with meter.backward(True, model):
+            out.sum().backward()
+        del out
+        assert meter.held == 0
+    # the rerun: x, the Linear's output (BatchNorm's input), its mean and inverse std (not requiring
+    # grad), tanh's output (saved by tanh and the last Linear: one storage)
+    assert meter.peak == 16 * 8 * 4 + 16 * 32 * 4 + 2 * 32 * 4 + 16 * 32 * 4

@@ -42,6 +42,14 @@ def _mutate(d: dict, how: str) -> object:
         d["kind"] = "plan"
     elif how == "format":
         d["format"] = 1                 # one node per torch.fx node: refused, re-profile
+    elif how == "format2":
+        d["format"] = 2                 # per-node saved bytes counting shared tensors twice: refused
+    elif how == "value_span":
+        d["values"][1]["last_use"] = d["values"][1]["producer"]
+    elif how == "value_alias":
+        d["values"][0]["alias"] = 3
+    elif how == "saves_unknown":
+        n[1]["saves"] = ["nowhere"]
     elif how == "no_nodes":
         del d["nodes"]
     elif how == "empty_nodes":
@@ -95,7 +103,10 @@ def _mutate(d: dict, how: str) -> object:
 
 MALFORMED = [
     ("list", "expected a JSON object"), ("kind", "not a profile file"),
-    ("format", "profile format 1 is not supported (this hybridpipe reads format 2); regenerate"),
+    ("format", "profile format 1 is not supported (this hybridpipe reads format 3); regenerate"),
+    ("format2", "profile format 2 is not supported (this hybridpipe reads format 3); regenerate"),
+    ("value_span", "value 1: needs producer < last_use"), ("value_alias", "alias 3 must name this value"),
+    ("saves_unknown", "saves 'nowhere', which \"values\" does not list"),
     ("no_nodes", 'missing required field "nodes"'), ("empty_nodes", '"nodes" is empty'),
     ("id_order", "id is 5"), ("bad_op", "must be one of"), ("negative_time", "must be >= 0"),
     ("string_time", "must be a number"), ("nan_time", "finite"), ("edge_backward", "goes backward"),

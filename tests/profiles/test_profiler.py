@@ -60,9 +60,15 @@ def test_bytes_and_parameters_of_every_node():
     assert [n.param_count for n in nodes] == [6 * 5 + 5, 0, 5 * 5 + 5, 0, 5 * 3 + 3]
     assert all(n.param_bytes == 4 * n.param_count for n in nodes)
     assert nodes[0].params == ("0.weight", "0.bias") and all(not n.shared for n in nodes)
-    # what autograd keeps: a Linear its input (the batch: 7 x 6 floats), a ReLU its output
-    assert [n.saved_bytes for n in nodes[:4]] == [7 * 6 * 4, hidden, hidden, hidden]
-    assert nodes[-1].saved_bytes > hidden                    # its input and the loss's own tensors
+    # what autograd keeps: a Linear its input (the batch: 7 x 6 floats), a ReLU its output, which the
+    # next Linear keeps too (one tensor, named by both); nothing else of their own
+    made = {v.producer: v for v in p.values}
+    assert [(v.producer, v.last_use, v.bytes) for v in p.values] == [(-1, 0, 7 * 6 * 4)] + [
+        (k, k + 1, hidden) for k in range(4)]
+    assert [n.saves for n in nodes] == [(made[-1].name,), (made[1].name,), (made[1].name,), (made[3].name,),
+                                        (made[3].name,)]
+    assert [n.saved_bytes for n in nodes] == [0, 0, 0, 0, 0]
+    assert p.loss_saved_bytes == 7 * 3 * 4 + 7 * 8 + 4      # cross-entropy: its log-softmax, the targets, their weight
     assert p.totals.param_count == sum(q.numel() for q in ms.build().parameters())
     assert p.input_shape == (7, 6) and p.input_dtype == "float32" and p.dtype == "float32"
     assert p.edges == tuple((i, i + 1) for i in range(4))
