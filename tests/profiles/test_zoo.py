@@ -103,6 +103,7 @@ def test_alexnet_small_dropout_zero_is_deterministic_in_training_mode():
     ("alexnet[bogus=1]", "zoo model 'alexnet' has no option 'bogus'"),
     ("nosuchmodel", "unknown model"),
     ("gpt[width=30,heads=4]", "divisible"),
+    ("mlp[layers=1,layers=1000000000]", "given twice"),
     ("alexnet[image=", "cannot read model"),
     ("tests.profiles.user_models:module_only", "example_input"),
     ("tests.profiles.user_models:missing", "no callable"),

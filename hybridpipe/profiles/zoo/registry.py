@@ -114,6 +114,8 @@ def parse_args(bracket: str, spec: str, what: str = "model") -> dict:
         key, eq, value = item.partition("=")
         if not eq or not key.strip().isidentifier():
             raise UserError(f"{what} argument {item!r} in {spec!r} is not key=value")
+        if key.strip() in kwargs:
+            raise UserError(f"{what} argument {key.strip()!r} is given twice in {spec!r}; give it once")
         kwargs[key.strip()] = _literal(value.strip())
     return kwargs
 
