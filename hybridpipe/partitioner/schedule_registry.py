@@ -119,6 +119,21 @@ class Schedule:
             most[v] = max(most[v], held[v])
         return tuple(most)
 
+    def held_peak(self, place: Place, virtual: int, per_micro_batch: Sequence[float]) -> float:
+        """The most bytes of activations a replica at ``place`` holds at once over its local chunks,
+        chunk v's micro-batch weighing ``per_micro_batch[v]``: the chunks' own peaks
+        (:meth:`chunk_inflight`) do not all come at one time, so their sum over-counts."""
+        assert self.chunk_ops is not None
+        r = place.replicas[place.group]
+        held, now, most = [0] * virtual, 0.0, 0.0
+        done = "W" if self.split_backward else "B"
+        for op, _, v in self.chunk_ops(range(0, place.micro_batches, r), place, virtual):
+            step = 1 if op == "F" else -1 if op == done else 0
+            held[v] += step
+            now += step * per_micro_batch[v]
+            most = max(most, now)
+        return most
+
     def weight_versions(self, inflight: int) -> int:
         """Extra copies of the weights kept (weight stashing): one per in-flight micro-batch beyond the live one."""
         return inflight - 1 if self.asynchronous else 0

@@ -7,9 +7,10 @@ out on the groups as the schedule says (``schedule_registry.LAYOUTS``):
 * boundaries: :func:`balanced_chunks`, an exact linear-partition DP minimising the largest
   chunk's forward + backward time over its group's replicas (a group of r replicas does 1/r of
   every chunk's micro-batches), cutting only where a value may cross (``cuts.py``);
-* memory per worker: the sum over its chunks of weights, gradients, optimizer state and the
-  activations of that chunk's micro-batches in flight, counted by the Schedule object on its own
-  op order (``Schedule.chunk_inflight``: Megatron's order keeps more of the earlier chunks);
+* memory per worker: its chunks' weights, gradients and optimizer state, plus the most activation
+  bytes its chunks hold at one time, counted by the Schedule object on its own op order
+  (``Schedule.held_peak``; the chunks' own peaks, ``chunk_inflight``, come at different times, so
+  their sum over-counts: 19% on a zbv GPT-2 worker), plus one chunk's rerun when recomputing;
   ``--recompute all`` recomputes every chunk, ``auto`` the chunks of workers that would not fit
   otherwise;
 * per-chunk figures (forward, backward, transfers, per-layer all-reduce choice, overhead) come
@@ -115,11 +116,16 @@ def chunk_memory(costs: ModelCosts, specs: Sequence[StageSpec], kind: Schedule, 
     recompute = [opts.recompute == "all"] * len(specs)
     for g in groups:
         mine = [c for c, s in enumerate(specs) if s.ranks == g]       # model order = local chunk order
-        held = kind.chunk_inflight(place_of[g], virtual)
+        place = place_of[g]
 
-        def total(rc: bool, mine: list[int] = mine, held: tuple[int, ...] = held) -> float:
-            return sum(memory_bytes(costs, specs[c].first, specs[c].last, held[v], opts, recompute=rc)
-                       for v, c in enumerate(mine))
+        def total(rc: bool, mine: list[int] = mine, place: Place = place) -> float:
+            """Weights and optimizer state of every chunk, the activations at the worker's peak over
+            its chunks together, and (recomputing) the largest one rerun: one backward at a time."""
+            ranges = [(specs[c].first, specs[c].last) for c in mine]
+            static = sum(memory_bytes(costs, i, j, 0, opts) for i, j in ranges)
+            per_mb = [costs.kept_bytes(i, j) if rc else costs.stash_bytes(i, j) for i, j in ranges]
+            rerun = max(costs.rerun_bytes(i, j) for i, j in ranges) if rc else 0.0
+            return static + kind.held_peak(place, virtual, per_mb) + rerun
         rc = opts.recompute == "all" or (opts.recompute == "auto" and total(False) > opts.memory_bytes)
         for c in mine:
             worker[c], recompute[c] = total(rc), rc

@@ -23,6 +23,7 @@ from hybridpipe.partitioner.plan import Plan
 from hybridpipe.partitioner.planner import Request, partition
 from hybridpipe.partitioner.schedule_registry import get_schedule
 from hybridpipe.partitioner.virtual import balanced_chunks
+from hybridpipe.pipeline.instructions import Backward, BackwardWeight, Forward
 from hybridpipe.pipeline.schedules import Topology, all_programs
 from hybridpipe.pipeline.simulator import simulate
 from hybridpipe.pipeline.validate import validate
@@ -69,6 +70,25 @@ def test_the_schedule_counts_what_each_chunk_holds_as_the_lists_do(schedule, vir
         assert held == tuple(report.max_in_flight_stage[(ranks[0], s)] for s in topo.stages_of(ranks[0]))
 
 
+def peak_held(program, per_micro_batch: dict[int, float], split: bool) -> float:
+    """The most activation bytes a rank's instruction list holds at once: a forward adds its chunk's
+    micro-batch, the backward that ends it (the weight half of a split one) releases it."""
+    done = BackwardWeight if split else Backward
+    now = most = 0.0
+    for ins in program:
+        if isinstance(ins, (Forward, done)):
+            now += per_micro_batch[ins.stage] * (1 if isinstance(ins, Forward) else -1)
+            most = max(most, now)
+    return most
+
+
+def test_a_workers_peak_is_below_the_sum_of_its_chunks_peaks():
+    """The chunks' own peaks come at different times (zbv: the first chunk's in the warm-up, the
+    second's in the steady state), so the worker's peak is lower than their sum."""
+    kind, place, per_mb = get_schedule("zbv"), Place(0, (1, 1), 4), [1.0, 1.0]
+    assert kind.held_peak(place, 2, per_mb) < sum(kind.chunk_inflight(place, 2))
+
+
 LAYERS = [(1.0 + (k % 3), 2.0 + (k % 2), 4096, 40_000) for k in range(16)]
 
 
@@ -86,13 +106,17 @@ def test_a_virtual_plan_keeps_the_strategys_groups_and_is_simulated(schedule, vi
     assert [s.ranks for s in plan.stages] == [groups[kind.group_of(c, 2)] for c in range(2 * virtual)]
     assert plan.stages[0].first_node == 0 and plan.stages[-1].last_node == len(profile.nodes) - 1
     assert all(a.last_node + 1 == b.first_node for a, b in zip(plan.stages, plan.stages[1:], strict=False))
-    # memory per worker: the sum over its chunks, each with the micro-batches the schedule keeps of it
+    # memory per worker: every chunk's weights and state, plus the activations at the worker's peak over
+    # its chunks together, counted on the rank's own instruction list
     costs, opts = model_costs(profile), Options(schedule, 8)
-    for g, ranks in enumerate(groups):
-        mine = [s for s in plan.stages if s.ranks == ranks]
-        held = kind.chunk_inflight(Place(g, tuple(len(x) for x in groups), 8), virtual)
-        want = sum(memory_bytes(costs, s.first_node, s.last_node, h, opts) for s, h in zip(mine, held, strict=True))
-        assert all(s.memory_bytes == int(want) for s in mine)
+    topo = Topology.from_plan(plan)
+    programs = all_programs(topo, schedule)
+    for ranks in groups:
+        mine = {i: s for i, s in enumerate(plan.stages) if s.ranks == ranks}
+        static = sum(memory_bytes(costs, s.first_node, s.last_node, 0, opts) for s in mine.values())
+        want = static + peak_held(programs[ranks[0]], {i: costs.stash_bytes(s.first_node, s.last_node)
+                                                       for i, s in mine.items()}, kind.split_backward)
+        assert all(s.memory_bytes == int(want) for s in mine.values())
     assert plan.predicted_step_ms == pytest.approx(simulate(plan).step_ms + sum(t.predicted_ms for t in plan.tied))
     assert plan.predicted_samples_per_s == pytest.approx(8 * plan.batch_size / plan.predicted_step_ms * 1e3)
 
