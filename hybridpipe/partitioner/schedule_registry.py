@@ -110,29 +110,27 @@ class Schedule:
         on the schedule's own op order for its busiest replica (replica 0: ceil(M / r) of them).
         Megatron's interleaved order holds more on earlier chunks: its first rank runs
         (V-1) q + 2 (p-1) + 1 forwards (q micro-batches per round) before its first backward."""
-        assert self.chunk_ops is not None
-        r = place.replicas[place.group]
-        held, most = [0] * virtual, [0] * virtual
-        done = "W" if self.split_backward else "B"
-        for op, _, v in self.chunk_ops(range(0, place.micro_batches, r), place, virtual):
-            held[v] += 1 if op == "F" else -1 if op == done else 0
-            most[v] = max(most[v], held[v])
+        most = [0] * virtual
+        for held in self._holding(place, virtual):
+            most = [max(a, b) for a, b in zip(most, held, strict=True)]
         return tuple(most)
 
     def held_peak(self, place: Place, virtual: int, per_micro_batch: Sequence[float]) -> float:
         """The most bytes of activations a replica at ``place`` holds at once over its local chunks,
         chunk v's micro-batch weighing ``per_micro_batch[v]``: the chunks' own peaks
         (:meth:`chunk_inflight`) do not all come at one time, so their sum over-counts."""
+        return max((sum(n * b for n, b in zip(held, per_micro_batch, strict=True))
+                    for held in self._holding(place, virtual)), default=0.0)
+
+    def _holding(self, place: Place, virtual: int) -> Iterator[list[int]]:
+        """After each op of the busiest replica at ``place``: the micro-batches each local chunk holds."""
         assert self.chunk_ops is not None
         r = place.replicas[place.group]
-        held, now, most = [0] * virtual, 0.0, 0.0
+        held = [0] * virtual
         done = "W" if self.split_backward else "B"
         for op, _, v in self.chunk_ops(range(0, place.micro_batches, r), place, virtual):
-            step = 1 if op == "F" else -1 if op == done else 0
-            held[v] += step
-            now += step * per_micro_batch[v]
-            most = max(most, now)
-        return most
+            held[v] += 1 if op == "F" else -1 if op == done else 0
+            yield held
 
     def weight_versions(self, inflight: int) -> int:
         """Extra copies of the weights kept (weight stashing): one per in-flight micro-batch beyond the live one."""
