@@ -37,7 +37,7 @@ def test_kill_any_rank_mid_run(plan_file, tmp_path, attempt):
     delay = random.Random(attempt).uniform(0.0, 0.3)
     args = worker_args(plan_file, tmp_path, "--checkpoint-every", "0")
     args[args.index("--steps") + 1] = "400"            # long enough to be killed mid-run
-    with Job(None, None, 4, command=args) as job:
+    with Job(None, None, 4, launch=args) as job:
         metrics = tmp_path / "run" / "metrics" / "rank-00003.jsonl"
         deadline = time.monotonic() + 300
         while not (metrics.exists() and metrics.stat().st_size > 0):
