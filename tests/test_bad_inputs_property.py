@@ -20,8 +20,10 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from hybridpipe.cli import command_parser, main
+from hybridpipe.argtypes import output_dir, output_file
+from hybridpipe.cli import COMMANDS, command_parser, main
 from hybridpipe.runtime.checkpoint_files import MANIFEST, step_dir
+from hybridpipe.runtime.config import build_parser
 from tests.badinput import JSON, NUMBER_TEXT, Outcome, dumps, mutated, run, save_files, write_checkpoint
 from tests.pipeline.harness import make_plan
 
@@ -181,3 +183,63 @@ def monkeypatch_module():
         mp.delenv("RANK", raising=False)
         mp.delenv("LOCAL_RANK", raising=False)
         yield mp
+
+
+# ---- output paths (issue 31) ---------------------------------------------------------------------
+def _output_options() -> tuple[list[tuple[str, str, bool]], list[str]]:
+    """(command, option, is a directory) for every option of every command (and launch) whose
+    value is checked as an output path; and the options named like outputs that are not."""
+    parsers = [(name, command_parser(name)[1]) for name, _, _ in COMMANDS] + [("launch", build_parser())]
+    found, unchecked = [], []
+    for name, parser in parsers:
+        for action in parser._actions:
+            names = " ".join(action.option_strings)
+            looks = any(o in ("-o", "--output", "--out", "--png", "--trace") or o.endswith("-dir")
+                        or o.startswith("--save-") for o in action.option_strings)
+            if action.type in (output_file, output_dir):
+                found.append((name, action.option_strings[-1], action.type is output_dir))
+            elif looks and action.nargs != 0:
+                unchecked.append(f"{name} {names}")
+    return found, unchecked
+
+
+OUTPUT_OPTIONS = _output_options()[0]
+
+
+def test_every_output_option_is_checked_where_it_enters():
+    assert _output_options()[1] == []
+    assert {("simulate", "--trace"), ("schedule", "--png"), ("timeline", "--png"), ("launch", "--run-dir"),
+            ("bench-allreduce", "--png"), ("merge-checkpoint", "--output")} <= {(c, o) for c, o, _ in OUTPUT_OPTIONS}
+
+
+@st.composite
+def unwritable(draw, a_file: Path, a_dir: Path, is_dir: bool) -> str:
+    """A path no file or folder can be written at, whoever runs the test (root included)."""
+    name = draw(st.text("abcxyz_-.0", min_size=1, max_size=8).filter(lambda s: s not in (".", "..")))
+    kind = draw(st.sampled_from(["under a file", "the other kind", "under /proc", "under /sys", "name too long",
+                                 "a broken link"]))
+    if kind == "under a file":
+        return str(a_file / name / "out")
+    if kind == "the other kind":
+        return str(a_file if is_dir else a_dir)
+    if kind in ("under /proc", "under /sys"):
+        return f"/{kind.split('/')[1]}/hybridpipe-{name}/out"
+    if kind == "name too long":
+        return str(a_dir / (name * 300)[:300] / "out")
+    link = a_dir / f"link-{name}"
+    if not link.is_symlink():
+        os.symlink(a_dir / "nowhere" / name, link)
+    return str(link / "out")
+
+
+@SETTINGS
+@given(data=st.data())
+def test_every_output_option_refuses_a_path_it_cannot_write_in_one_line(files, tmp_path_factory, data):
+    command, option, is_dir = data.draw(st.sampled_from(OUTPUT_OPTIONS))
+    base = files["profile"].parent
+    a_file = base / "a_file"
+    a_file.write_text("a file")
+    path = data.draw(unwritable(a_file, base, is_dir))
+    outcome = run([option, path], launch=True) if command == "launch" else run([command, option, path])
+    _check(outcome)
+    assert outcome.code == 2 and "cannot write" in outcome.err, (command, option, path, outcome.err)
