@@ -159,6 +159,22 @@ def test_launch(files, tmp_path_factory, data, monkeypatch_module):
 
 
 @SETTINGS
+@given(data=st.data())
+def test_launch_plan_sources(files, tmp_path_factory, data, monkeypatch_module):
+    """Any combination of --plan, --profile and --cluster (one of them possibly broken): one line."""
+    d = _scratch(tmp_path_factory)
+    given_ = data.draw(st.lists(st.sampled_from(["plan", "profile", "cluster"]), unique=True))
+    paths = {k: shutil.copy(files[k], d / f"{k}.json") for k in given_}
+    if given_ and data.draw(st.booleans()):
+        kind = data.draw(st.sampled_from(given_))
+        _write(Path(paths[kind]), data.draw(mutated(_document(files, kind))))
+    argv = [x for k in given_ for x in (f"--{k}", str(paths[k]))]
+    outcome = run([*argv, "--run-dir", str(d / "run"), "--micro-batches", "4"], launch=True)
+    _check(outcome)
+    assert outcome.code == 2            # 3 ranks: neither the plan nor the 2-worker cluster fits them
+
+
+@SETTINGS
 @given(name=st.sampled_from(["bench-allreduce", "aggregator"]), data=st.data())
 def test_parsers_of_commands_that_run_forever(name, data):
     module, parser = command_parser(name)
