@@ -17,6 +17,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -142,6 +143,31 @@ def test_profile(tmp_path_factory, spec, data):
     d = _scratch(tmp_path_factory)
     extra = data.draw(_numbers(["--batch-size", "--repeats", "--warmup", "--seed"]))
     _check(run(["profile", spec, "--repeats", "1", "--warmup", "0", "-q", "-o", str(d / "p.json"), *extra]))
+
+
+HF_BASE = {"n_layer": "1", "n_embd": "8", "n_head": "2", "vocab_size": "16", "n_positions": "8", "seq": "4"}
+HF_KEYS = ["n_layer", "n_embd", "n_head", "vocab_size", "layer_norm_epsilon", "use_cache", "activation_function",
+           "bos_token_id", "seq", "dropout", "labels", "bogus", "n_layers"]
+
+
+@settings(max_examples=max(EXAMPLES // 2, 1), deadline=None, suppress_health_check=list(HealthCheck))
+@given(key=st.sampled_from(HF_KEYS), value=NUMBER_TEXT | st.sampled_from(["true", "relu", "gelu_new"]))
+def test_hf_model_options(key, value):
+    """What ``profile`` does before any timing (the spec, then the model built once on one sample)
+    with one Hugging Face config field set to anything: one line, never a traceback; a field the
+    config does not have is refused, not stored unused."""
+    from hybridpipe.commands.profile import check_fits
+    from hybridpipe.errors import UserError, one_line
+    from hybridpipe.profiles.zoo import resolve_model
+
+    spec = "hf:gpt2[" + ",".join(f"{k}={v}" for k, v in {**HF_BASE, key: value}.items()) + "]"
+    try:
+        check_fits(resolve_model(spec), 1, torch.device("cpu"))
+    except UserError as e:
+        event(f"refused: {one_line(e).split(':')[0][:40]}")
+        assert one_line(e) == str(e), str(e)
+        return
+    assert key not in ("bogus", "n_layers"), f"{spec} accepted a field GPT2Config does not have"
 
 
 @SETTINGS
