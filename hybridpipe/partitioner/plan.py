@@ -3,7 +3,9 @@
 Semantics every package relies on:
 
 * A stage is a contiguous range ``first_node..last_node`` (inclusive) of the profile's nodes in
-  topological order. Stage 0 holds the input placeholder, the last stage the ``output`` node.
+  topological order. Stage 0 holds the input placeholder, the last stage the ``output`` node:
+  it ends at node ``graph_nodes - 1`` (the profile's node count; plans without the field: not
+  checked until launch captures the model).
 * A stage with ``replicas`` r runs on ``ranks`` (r global ranks); micro-batch m goes to
   replica ``m % r`` of every stage (round-robin).
 * Virtual stages (``virtual_stages`` V > 1, schedules interleaved-1f1b and zbv): ``stages`` lists
@@ -134,6 +136,7 @@ class Plan:
     precision: str = "fp32"                # what the transfers were priced in (launch runs it unless told otherwise)
     tied: tuple[TiedGroup, ...] = ()       # parameters read by several stages
     virtual_stages: int = 1                # model chunks (stages) per rank: interleaved-1f1b, zbv (see above)
+    graph_nodes: int = 0                   # the profile's node count (0: not recorded)
 
     @property
     def world_size(self) -> int:
@@ -190,6 +193,7 @@ class Plan:
             precision=field(d, "precision", str, source, default="fp32", choices=PRECISIONS),
             tied=tuple(_tied_from_dict(t, i, source) for i, t in enumerate(field(d, "tied", list, source, default=[]))),
             virtual_stages=field(d, "virtual_stages", int, source, minimum=1, default=1),
+            graph_nodes=field(d, "graph_nodes", int, source, minimum=0, default=0),
         )
         _check_stages(plan, source)
         return plan
@@ -347,6 +351,10 @@ def _check_stages(plan: Plan, source: str) -> None:
             raise UserError(f"{where}: rank {sorted(dup or s.ranks)[0]} is given to more than one stage/replica")
         seen.update(s.ranks)
         expected_first = s.last_node + 1
+    if plan.graph_nodes and expected_first != plan.graph_nodes:
+        raise UserError(f"{source}: the last stage ends at node {expected_first - 1} but the graph's last node is "
+                        f"{plan.graph_nodes - 1} (\"graph_nodes\": {plan.graph_nodes}); stages must cover the graph "
+                        "exactly: re-partition")
     layout = REGISTRY[plan.schedule].layout_error([s.ranks for s in plan.stages], plan.virtual_stages)
     if layout:
         raise UserError(f"{source}: {layout}; re-partition (hybridpipe partition --schedule {plan.schedule})")

@@ -321,7 +321,7 @@ def build_plan(profile: Profile, costs: ModelCosts, cluster: Cluster, stages: Se
                 micro_batches=opts.micro_batches, optimizer=opts.optimizer, stages=tuple(out),
                 predicted_step_ms=step_ms, predicted_samples_per_s=samples,
                 created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-                granularity=profile.granularity, tied=tuple(tied), precision=precision)
+                granularity=profile.granularity, tied=tuple(tied), precision=precision, graph_nodes=len(profile.nodes))
 
 
 def without_tied(layers: Sequence[LayerSync], tied: dict[str, int]) -> tuple[LayerSync, ...]:
