@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hybridpipe.errors import UserError
+from hybridpipe.jsonfile import MAX_FIGURE
 
 MAX_SEED = 2 ** 63 - 1
 MAX_TIMEOUT_S = 1e6         # about 11.5 days; datetime.timedelta overflows far above
@@ -96,6 +97,7 @@ finite_float = float_range()
 seed = int_range(0, MAX_SEED)
 port = int_range(0, 65535)
 timeout_s = float_range(MIN_TIMEOUT_S, MAX_TIMEOUT_S)
+memory_gb = float_range(above=0.0, high=MAX_FIGURE)     # as a cluster file's memory_gb
 
 
 def check_output_file(path: str | os.PathLike, what: str = "") -> Path:

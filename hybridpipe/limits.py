@@ -69,6 +69,7 @@ def available_memory_bytes() -> int:
 
 
 def gib(n: float) -> str:
+    n = min(n, 2.0 ** 1000)         # a Python int past a float's range (a count of 10**400 workers)
     return f"{n / 2 ** 30:.1f} GiB" if n < 2 ** 50 else f"{n / 2 ** 40:.3g} TiB"
 
 

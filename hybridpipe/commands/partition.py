@@ -20,7 +20,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from hybridpipe.argtypes import output_dir, output_file, positive_float, positive_int
+from hybridpipe.argtypes import memory_gb, output_dir, output_file, positive_int
 from hybridpipe.commands.refining import describe, load_run, refine_from_runs, save_refined
 from hybridpipe.commands.show import human_bytes, table
 from hybridpipe.errors import UserError
@@ -66,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="micro-batches per step (default: 2 per worker)")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
                         help="optimizer state kept per weight: sgd momentum 1x, adam 2x (default sgd)")
-    parser.add_argument("--memory-gb", type=positive_float, metavar="X",
+    parser.add_argument("--memory-gb", type=memory_gb, metavar="X",
                         help="memory per worker (default: the cluster's)")
     parser.add_argument("--calibration", action="append", default=[], metavar="CAL.json",
                         help="measured costs from `hybridpipe bench-allreduce` (one per cluster level; repeatable)")

@@ -34,9 +34,10 @@ import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from hybridpipe.errors import UserError
-from hybridpipe.jsonfile import check_header, field, read_json, write_json
+from hybridpipe.jsonfile import MAX_PLAN_FIGURE, check_header, field, figure, read_json, write_json
 from hybridpipe.partitioner import collectives as co
 from hybridpipe.partitioner.cluster import Cluster
 from hybridpipe.partitioner.schedule_registry import REGISTRY
@@ -186,8 +187,8 @@ class Plan:
             micro_batches=field(d, "micro_batches", int, source, minimum=1),
             optimizer=field(d, "optimizer", str, source, choices=OPTIMIZERS),
             stages=tuple(_stage_from_dict(s, i, source) for i, s in enumerate(raw_stages)),
-            predicted_step_ms=field(d, "predicted_step_ms", float, source, minimum=0, default=0.0),
-            predicted_samples_per_s=field(d, "predicted_samples_per_s", float, source, minimum=0, default=0.0),
+            predicted_step_ms=_figure(d, "predicted_step_ms", float, source, default=0.0),
+            predicted_samples_per_s=_figure(d, "predicted_samples_per_s", float, source, default=0.0),
             created=field(d, "created", str, source, default=""),
             granularity=field(d, "granularity", str, source, default="blocks"),
             precision=field(d, "precision", str, source, default="fp32", choices=PRECISIONS),
@@ -239,6 +240,11 @@ def check_plan_memory(plan: Plan) -> None:
                             "workers or fewer --micro-batches) or give the cluster more memory_gb")
 
 
+def _figure(obj: dict, key: str, kind: type, where: str, default: Any = ...) -> Any:
+    """A predicted figure of the plan: a number from 0 to MAX_PLAN_FIGURE."""
+    return figure(obj, key, kind, where, maximum=MAX_PLAN_FIGURE, default=default)
+
+
 def _tied_from_dict(t: object, i: int, source: str) -> TiedGroup:
     where = f"{source}: tied group {i}"
     if not isinstance(t, dict):
@@ -247,8 +253,8 @@ def _tied_from_dict(t: object, i: int, source: str) -> TiedGroup:
     if len(stages) < 2 or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in stages):
         raise UserError(f"{where}: \"stages\" must list at least two stage indices")
     return TiedGroup(param=field(t, "param", str, where), stages=tuple(sorted(stages)),
-                     bytes=field(t, "bytes", int, where, minimum=0),
-                     predicted_ms=field(t, "predicted_ms", float, where, minimum=0, default=0.0))
+                     bytes=_figure(t, "bytes", int, where),
+                     predicted_ms=_figure(t, "predicted_ms", float, where, default=0.0))
 
 
 def _layer_dict(lv: LayerSync) -> dict:
@@ -277,15 +283,15 @@ def _stage_from_dict(s: object, i: int, source: str) -> Stage:
                  last_node=field(s, "last_node", int, where, minimum=0),
                  replicas=field(s, "replicas", int, where, minimum=1),
                  ranks=tuple(ranks),
-                 compute_ms=field(s, "compute_ms", float, where, minimum=0, default=0.0),
-                 forward_ms=field(s, "forward_ms", float, where, minimum=0, default=0.0),
-                 backward_ms=field(s, "backward_ms", float, where, minimum=0, default=0.0),
-                 sync_ms=field(s, "sync_ms", float, where, minimum=0, default=0.0),
-                 send_ms=field(s, "send_ms", float, where, minimum=0, default=0.0),
-                 send_bytes=field(s, "send_bytes", int, where, minimum=0, default=0),
-                 memory_bytes=field(s, "memory_bytes", int, where, minimum=0, default=0),
+                 compute_ms=_figure(s, "compute_ms", float, where, default=0.0),
+                 forward_ms=_figure(s, "forward_ms", float, where, default=0.0),
+                 backward_ms=_figure(s, "backward_ms", float, where, default=0.0),
+                 sync_ms=_figure(s, "sync_ms", float, where, default=0.0),
+                 send_ms=_figure(s, "send_ms", float, where, default=0.0),
+                 send_bytes=_figure(s, "send_bytes", int, where, default=0),
+                 memory_bytes=_figure(s, "memory_bytes", int, where, default=0),
                  layers=tuple(layers),
-                 overhead_ms=field(s, "overhead_ms", float, where, minimum=0, default=0.0),
+                 overhead_ms=_figure(s, "overhead_ms", float, where, default=0.0),
                  recompute=field(s, "recompute", bool, where, default=False))
 
 
@@ -302,10 +308,10 @@ def _layer_from_dict(lv: dict, where: str) -> LayerSync:
     if lane == 1 and algorithm not in SECOND_LANE_ALGORITHMS:
         raise UserError(f"{where}: {algorithm} cannot run on sync lane 1 (only {', '.join(SECOND_LANE_ALGORITHMS)} "
                         "can); set \"lane\": 0")
-    return LayerSync(layer=name, params=tuple(params), bytes=field(lv, "bytes", int, where, minimum=0),
+    return LayerSync(layer=name, params=tuple(params), bytes=_figure(lv, "bytes", int, where),
                      algorithm=algorithm,
-                     predicted_ms=field(lv, "predicted_ms", float, where, minimum=0, default=0.0),
-                     exposed_ms=field(lv, "exposed_ms", float, where, minimum=0, default=0.0),
+                     predicted_ms=_figure(lv, "predicted_ms", float, where, default=0.0),
+                     exposed_ms=_figure(lv, "exposed_ms", float, where, default=0.0),
                      unit=field(lv, "unit", int, where, minimum=0, default=None), lane=lane)
 
 
