@@ -119,6 +119,21 @@ def sync_units(layers: Sequence[LayerSync]) -> list[tuple[LayerSync, ...]]:
 
 
 @dataclass(frozen=True)
+class SearchRecord:
+    """How the optimal strategy found the stages: searched to the optimum (``complete``), or stopped
+    by its time budget with the best plan found so far. ``objective_ms``: that plan's steady-state
+    step; ``lower_bound_ms``: no plan's is below it; ``gap``: objective / lower bound - 1, the most
+    the plan can be slower than the optimum (0 when complete; None: no bound proven yet)."""
+
+    complete: bool
+    seconds: float                      # the search's wall-clock time
+    budget_s: float | None              # --time-budget (None: none)
+    objective_ms: float
+    lower_bound_ms: float
+    gap: float | None
+
+
+@dataclass(frozen=True)
 class Plan:
     model: str                    # the profile's model spec (zoo name or module:factory)
     batch_size: int               # samples per micro-batch (the profile's batch size)
@@ -138,6 +153,7 @@ class Plan:
     tied: tuple[TiedGroup, ...] = ()       # parameters read by several stages
     virtual_stages: int = 1                # model chunks (stages) per rank: interleaved-1f1b, zbv (see above)
     graph_nodes: int = 0                   # the profile's node count (0: not recorded)
+    search: SearchRecord | None = None     # strategy optimal: how far from the optimum the plan can be
 
     @property
     def world_size(self) -> int:
@@ -195,6 +211,7 @@ class Plan:
             tied=tuple(_tied_from_dict(t, i, source) for i, t in enumerate(field(d, "tied", list, source, default=[]))),
             virtual_stages=field(d, "virtual_stages", int, source, minimum=1, default=1),
             graph_nodes=field(d, "graph_nodes", int, source, minimum=0, default=0),
+            search=_search_from_dict(d.get("search"), f"{source}: search"),
         )
         _check_stages(plan, source)
         return plan
@@ -243,6 +260,18 @@ def check_plan_memory(plan: Plan) -> None:
 def _figure(obj: dict, key: str, kind: type, where: str, default: Any = ...) -> Any:
     """A predicted figure of the plan: a number from 0 to MAX_PLAN_FIGURE."""
     return figure(obj, key, kind, where, maximum=MAX_PLAN_FIGURE, default=default)
+
+
+def _search_from_dict(d: object, where: str) -> SearchRecord | None:
+    if d is None:
+        return None
+    if not isinstance(d, dict):
+        raise UserError(f"{where}: expected an object or null")
+    gap = None if d.get("gap") is None else _figure(d, "gap", float, where)
+    return SearchRecord(complete=field(d, "complete", bool, where), seconds=_figure(d, "seconds", float, where),
+                        budget_s=None if d.get("budget_s") is None else _figure(d, "budget_s", float, where),
+                        objective_ms=_figure(d, "objective_ms", float, where),
+                        lower_bound_ms=_figure(d, "lower_bound_ms", float, where), gap=gap)
 
 
 def _tied_from_dict(t: object, i: int, source: str) -> TiedGroup:
