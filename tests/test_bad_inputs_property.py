@@ -89,7 +89,7 @@ def test_partition(files, tmp_path_factory, data):
     paths = {k: shutil.copy(files[k], d / f"{k}.json") for k in ("profile", "cluster", "calibration")}
     kind = data.draw(st.sampled_from(sorted(paths)))
     _write(Path(paths[kind]), data.draw(mutated(_document(files, kind))))
-    extra = data.draw(_numbers(["--workers", "--micro-batches", "--memory-gb", "--stages"]))
+    extra = data.draw(_numbers(["--workers", "--micro-batches", "--memory-gb", "--stages", "--time-budget"]))
     extra += data.draw(st.sampled_from([[], ["--strategy", "uniform"], ["--schedule", "gpipe"], ["--compare"]]))
     outcome = run(["partition", str(paths["profile"]), "--cluster", str(paths["cluster"]), "--calibration",
                    str(paths["calibration"]), "-o", str(d / "plan.json"), *extra])
