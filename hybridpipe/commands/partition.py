@@ -20,9 +20,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from hybridpipe.argtypes import output_dir, output_file, positive_float, positive_int
+from hybridpipe.argtypes import MAX_TIMEOUT_S, float_range, memory_gb, output_dir, output_file, positive_int
 from hybridpipe.commands.refining import describe, load_run, refine_from_runs, save_refined
-from hybridpipe.commands.show import human_bytes, table
+from hybridpipe.commands.show import human_bytes, search_line, table
 from hybridpipe.errors import UserError
 from hybridpipe.limits import require_memory
 from hybridpipe.partitioner.calibration import load_calibration
@@ -30,12 +30,13 @@ from hybridpipe.partitioner.cluster import load_cluster
 from hybridpipe.partitioner.dp import Progress
 from hybridpipe.partitioner.objective import RECOMPUTE
 from hybridpipe.partitioner.plan import ALGORITHMS, OPTIMIZERS, PRECISIONS, SCHEDULES, STRATEGIES, Plan, save_plan
-from hybridpipe.partitioner.planner import Outcome, Request, partition
+from hybridpipe.partitioner.planner import DEFAULT_TIME_BUDGET_S, Outcome, Request, partition
 from hybridpipe.partitioner.schedule_registry import AUTO, auto_candidates
 from hybridpipe.pipeline.simulator import simulate
 from hybridpipe.profiles.format import load_profile
 
 SHOW_AFTER_S = 1.0        # the progress bar appears only on partitions that take longer
+time_budget = float_range(above=0.0, high=MAX_TIMEOUT_S)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="micro-batches per step (default: 2 per worker)")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
                         help="optimizer state kept per weight: sgd momentum 1x, adam 2x (default sgd)")
-    parser.add_argument("--memory-gb", type=positive_float, metavar="X",
+    parser.add_argument("--memory-gb", type=memory_gb, metavar="X",
                         help="memory per worker (default: the cluster's)")
     parser.add_argument("--calibration", action="append", default=[], metavar="CAL.json",
                         help="measured costs from `hybridpipe bench-allreduce` (one per cluster level; repeatable)")
@@ -84,9 +85,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--save-refined", type=output_dir, metavar="DIR",
                         help="with --refine: write the refined profile.json and calibration.json here (a later "
                              "partition of any model on this cluster can take the calibration)")
-    parser.add_argument("--time-limit", type=float, metavar="S",
-                        help="optimal: stop after S seconds with the best plan found so far and say how far from the "
-                             "optimum it can be (default: search to the optimum)")
+    parser.add_argument("--time-budget", "--time-limit", type=time_budget, default=DEFAULT_TIME_BUDGET_S, metavar="S",
+                        help=f"stop searching after S seconds (default {DEFAULT_TIME_BUDGET_S:g}): optimal keeps the "
+                             "best plan found so far and prints (and records in the plan) how far from the optimum it "
+                             "can be; the other strategies stop with one line")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
 
 
@@ -107,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     req = Request(workers=args.workers, strategy=args.strategy, schedule=args.schedule,
                   micro_batches=args.micro_batches, optimizer=args.optimizer, memory_gb=args.memory_gb,
                   stages=args.stages, algorithms=tuple(a.strip() for a in args.algorithms.split(",") if a.strip()),
-                  dedicated_aggregator=args.aggregator == "dedicated", time_limit_s=args.time_limit,
+                  dedicated_aggregator=args.aggregator == "dedicated", time_budget_s=args.time_budget,
                   recompute=args.recompute, precision=args.precision, virtual_stages=args.virtual_stages)
     with search_bar(args.strategy, disable=args.quiet) as progress:
         outcome = partition(profile, cluster, req, calibrations, progress=progress, simulate=simulated_step)
@@ -191,7 +193,7 @@ def render(outcome: Outcome, nodes, *, layers: bool = False) -> str:
     foot = [f"predicted step {plan.predicted_step_ms:.1f} ms = {plan.predicted_samples_per_s:.1f} samples/s "
             f"(steady state {ev.objective_ms:.1f} ms/step, bound by stage {worst}, marked *)",
             "fwd/bwd: one micro-batch; sync: exposed all-reduce per step; extra: optimizer steps and compute lost "
-            "to communication per step"]
+            "to communication per step"] + ([search_line(plan.search)] if plan.search else [])
     out = head + ["", body, ""] + foot
     if layers:
         lrows = [[s.index, lv.layer, human_bytes(lv.bytes), lv.algorithm, f"{lv.predicted_ms:.3f}",

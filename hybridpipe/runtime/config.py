@@ -18,6 +18,7 @@ from pathlib import Path
 from hybridpipe.argtypes import (
     Parser,
     check_output_dir,
+    memory_gb,
     nonneg_float,
     nonneg_int,
     output_dir,
@@ -125,7 +126,7 @@ def build_parser() -> Parser:
                         "writes it to RUN_DIR/plan.json (needs --cluster)")
     g.add_argument("--cluster", metavar="C.json", help="the cluster whose first WORLD_SIZE workers run the job")
     g.add_argument("--strategy", choices=STRATEGIES, default="optimal", help="partitioning strategy (default optimal)")
-    g.add_argument("--memory-gb", type=positive_float, metavar="X", help="memory per worker (default: the cluster's)")
+    g.add_argument("--memory-gb", type=memory_gb, metavar="X", help="memory per worker (default: the cluster's)")
     g.add_argument("--stages", type=positive_int, metavar="S", help="uniform/params strategies: S stages")
     g = p.add_argument_group("model and data")
     g.add_argument("--model", metavar="SPEC", help="zoo name or package.module:factory (default: the plan's; "

@@ -88,7 +88,7 @@ def make_plan(model: str, cuts: list[int], replicas: list[int], *, schedule: str
     return Plan(model=model, batch_size=batch_size, input_shape=(batch_size, *spec.sample_shape),
                 profile_signature=signature, cluster=cluster, strategy="uniform", schedule=schedule,
                 micro_batches=micro_batches, optimizer="sgd", stages=tuple(stages), tied=plan_tied(captured, ranges),
-                granularity=granularity, virtual_stages=virtual_stages)
+                granularity=granularity, virtual_stages=virtual_stages, graph_nodes=n_nodes)
 
 
 def data_for(plan: Plan, steps: int, seed: int = 1, dataset: Dataset | None = None) -> MicroBatches:

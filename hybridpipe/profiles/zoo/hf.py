@@ -19,7 +19,10 @@ loss from ``labels`` (``ModelSpec.loss = None``). ``use_cache`` is switched off 
 
 from __future__ import annotations
 
+import inspect
 import os
+import re
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -27,11 +30,11 @@ import torch
 from torch import nn
 
 from hybridpipe.errors import UserError
-from hybridpipe.profiles.zoo.registry import ModelSpec, parse_args
+from hybridpipe.profiles.zoo.registry import ModelSpec, call_user, check_options, parse_args
 
 HEADS = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForMaskedLM", "AutoModelForImageClassification",
          "AutoModelForSequenceClassification")
-RESERVED = ("seq", "dropout", "labels", "leaf")
+RESERVED = {"seq": 128, "dropout": 0.0, "labels": 64, "leaf": ""}     # taken by hybridpipe (with examples)
 
 
 def _transformers() -> Any:
@@ -50,6 +53,9 @@ def hf_spec(spec: str) -> ModelSpec:
     name, _, rest = body.partition("[")
     kwargs = parse_args(f"[{rest}" if rest else "", spec)
     reserved = {k: kwargs.pop(k) for k in RESERVED if k in kwargs}
+    check_options("hf model", spec.split("[")[0], RESERVED, reserved)
+    if not 0 <= float(reserved.get("dropout", 0.0)) <= 1:
+        raise UserError(f"hf model option dropout={reserved['dropout']} of {spec!r} must be between 0 and 1")
     tf = _transformers()
     if os.path.sep in name or os.path.isdir(name):
         cls, build, config = _from_directory(tf, name, kwargs)
@@ -68,43 +74,66 @@ Built = tuple[type, Callable[[Any], nn.Module], Any]
 def _from_name(tf: Any, name: str, kwargs: dict) -> Built:
     cls: Any = getattr(tf, name, None)
     if isinstance(cls, type) and issubclass(cls, tf.PreTrainedModel):
+        make: Any = cls.config_class  # type: ignore[attr-defined]  # a PreTrainedModel subclass
+    else:
         try:
-            config_class: Any = cls.config_class  # type: ignore[attr-defined]  # a PreTrainedModel subclass
-            return cls, cls, config_class(**kwargs)
-        except (TypeError, ValueError) as e:
-            raise UserError(f"bad arguments for hf:{name}: {e}") from None
+            default = tf.AutoConfig.for_model(name)
+        except ValueError:
+            raise UserError(f"hf:{name} is neither a transformers model class (like GPT2LMHeadModel) nor a model "
+                            "type (like gpt2, llama, bert, t5, vit)") from None
+        cls = next((getattr(tf, head)._model_mapping[type(default)] for head in HEADS
+                    if type(default) in getattr(tf, head)._model_mapping), None)
+        if cls is None:
+            raise UserError(f"hf:{name} has no training head hybridpipe knows ({', '.join(HEADS)}); name the model "
+                            f"class, e.g. hf:{type(default).__name__.removesuffix('Config')}For...")
+
+        def make(**kw: Any) -> Any:
+            return tf.AutoConfig.for_model(name, **kw)
+    return cls, cls, _config(f"hf:{name}", make, kwargs, cls)
+
+
+def _config(name: str, make: Callable[..., Any], kwargs: dict, cls: type) -> Any:
+    """The config ``make(**kwargs)`` builds, each key checked first against the default config's
+    fields and the names the model's code reads (a key neither has is refused, not stored unused; a
+    value of another type than the field's default, or a negative whole number, is refused), and
+    any error building it one line."""
+    default = call_user(f"{name}'s config", make)
+    fields = {k: v for k, v in vars(default).items() if not k.startswith("_")}
+    fields.update({k: getattr(default, k) for k in kwargs if k not in fields and hasattr(default, k)})
+    read = _names_read_by(cls)
+    check_options("hf model", name, {**fields, **{k: None for k in kwargs if k not in fields and k in read}}, kwargs,
+                  least=0)
+    return call_user(f"{name}'s config", make, **kwargs)
+
+
+def _names_read_by(cls: type) -> set[str]:
+    """Every identifier in the source of the module defining ``cls`` (fields a model reads from its
+    config without the config declaring them, like T5's ``decoder_start_token_id``)."""
     try:
-        config = tf.AutoConfig.for_model(name, **kwargs)
-    except ValueError:
-        raise UserError(f"hf:{name} is neither a transformers model class (like GPT2LMHeadModel) nor a model type "
-                        "(like gpt2, llama, bert, t5, vit)") from None
-    except TypeError as e:
-        raise UserError(f"bad arguments for hf:{name}: {e}") from None
-    for head in HEADS:
-        mapping = getattr(tf, head)._model_mapping
-        if type(config) in mapping:
-            cls = mapping[type(config)]
-            return cls, cls, config
-    raise UserError(f"hf:{name} has no training head hybridpipe knows ({', '.join(HEADS)}); name the model class, "
-                    f"e.g. hf:{type(config).__name__.removesuffix('Config')}For...")
+        return set(re.findall(r"[A-Za-z_]\w*", inspect.getsource(sys.modules[cls.__module__])))
+    except (OSError, TypeError, KeyError):
+        return set()
 
 
 def _from_directory(tf: Any, path: str, kwargs: dict) -> Built:
     if not os.path.isdir(path):
         raise UserError(f"hf:{path} is not a directory saved with save_pretrained")
     try:
-        config = tf.AutoConfig.from_pretrained(path, local_files_only=True, **kwargs)
+        saved = tf.AutoConfig.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as e:
         raise UserError(f"cannot read the config in {path}: {e}") from None
-    arch = (config.architectures or [None])[0]
+    arch = (saved.architectures or [None])[0]
     cls = getattr(tf, arch, None) if arch else None
     if cls is None:
         raise UserError(f"{path}/config.json names no model class (\"architectures\"); save it with save_pretrained")
 
+    def make(**kw: Any) -> Any:
+        return tf.AutoConfig.from_pretrained(path, local_files_only=True, **kw)
+
     def build(cfg: Any) -> nn.Module:
         return cls.from_pretrained(path, config=cfg, local_files_only=True)
 
-    return cls, build, config
+    return cls, build, _config(f"hf:{path}", make, kwargs, cls)
 
 
 def _set_dropout(config: Any, p: float) -> None:

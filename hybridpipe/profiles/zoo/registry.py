@@ -166,22 +166,31 @@ def resolve_model(spec: str) -> ModelSpec:
 def check_zoo_options(name: str, fn: Callable, kwargs: dict) -> None:
     """Each option of a zoo model must be one of its function's keywords, of its default's type;
     whole-number options (sizes, counts) must be >= 1 and numbers finite."""
-    params = {k: v for k, v in inspect.signature(fn).parameters.items() if k != "spec"}
+    params = {k: v.default for k, v in inspect.signature(fn).parameters.items() if k != "spec"}
+    check_options("zoo model", name, params, kwargs)
+
+
+def check_options(what: str, name: str, defaults: dict[str, Any], kwargs: dict, *, least: int = 1) -> None:
+    """Each of ``kwargs`` must be a key of ``defaults`` and of its default's type: true/false for a
+    bool, a whole number >= ``least`` for an int, a finite number for a float (a default of another
+    type, None included, takes any value). ``what`` ("zoo model") and ``name`` name the model in
+    the one-line UserError."""
     for key, value in kwargs.items():
-        if key not in params:
-            raise UserError(f"zoo model {name!r} has no option {key!r}; its options are {', '.join(params)}")
-        default = params[key].default
+        if key not in defaults:
+            raise UserError(f"{what} {name!r} has no option {key!r}; its options are {', '.join(defaults)}")
+        default = defaults[key]
         if isinstance(default, bool):
             ok, want = isinstance(value, bool), "true or false"
         elif isinstance(default, int):
-            ok, want = isinstance(value, int) and not isinstance(value, bool) and value >= 1, "a whole number >= 1"
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= least
+            want = f"a whole number >= {least}"
         elif isinstance(default, float):
             ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
             want = "a finite number"
         else:
             ok, want = True, ""
         if not ok:
-            raise UserError(f"zoo model option {key}={value} of {name!r} must be {want} "
+            raise UserError(f"{what} option {key}={value} of {name!r} must be {want} "
                             f"(default {default}); e.g. {name}[{key}={default}]")
 
 
