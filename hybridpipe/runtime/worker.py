@@ -18,6 +18,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import torch
@@ -86,7 +87,7 @@ def run_worker(cfg: RunConfig, *, print_fn: Callable[[str], None] = print) -> di
         if lock is not None:
             guard.on_exit.append(lock.release)
         with guard:
-            summary = _train(cfg, proc, model, closers, print_fn, init_optimizer, progress)
+            summary = _train(cfg, proc, model, closers, print_fn, init_optimizer, progress, guard.critical)
     finally:
         if lock is not None:
             lock.release()
@@ -117,9 +118,9 @@ def _lock_checkpoint_dir(cfg: RunConfig, rank: int) -> DirLock | None:
 
 
 def _train(cfg: RunConfig, proc: Process, model: Model, closers: list, print_fn, init_optimizer: dict | None,
-           progress: dict) -> dict | None:
+           progress: dict, critical: AbstractContextManager) -> dict | None:
     """launch's loop around the Python API (runtime/trainer.py): metrics, progress bar, timeline,
-    checkpoints every K steps, the summary."""
+    checkpoints every K steps (each inside ``critical``: a stop signal lets it finish), the summary."""
     plan, rank = cfg.plan, proc.rank
     stage_plans, replica = plan.stages_of_rank(rank)      # one, or the rank's model chunks (virtual stages)
     stage_plan = stage_plans[0]
@@ -206,12 +207,14 @@ def _train(cfg: RunConfig, proc: Process, model: Model, closers: list, print_fn,
                 append_log(Path(cfg.checkpoint_dir), first_step_done(restart, seconds))
                 restart = None
             if due and cfg.checkpoint_dir:
-                trainer.save(cfg.checkpoint_dir, keep=cfg.keep_checkpoints)
+                with critical:
+                    trainer.save(cfg.checkpoint_dir, keep=cfg.keep_checkpoints)
                 saved_at = step + 1
     finally:
         bar.close()
     if cfg.checkpoint_dir and saved_at < cfg.steps:          # the final weights, always
-        trainer.save(cfg.checkpoint_dir, keep=cfg.keep_checkpoints)
+        with critical:
+            trainer.save(cfg.checkpoint_dir, keep=cfg.keep_checkpoints)
 
     trainer.close()
     _close_all(closers)
