@@ -161,7 +161,10 @@ class DirLock:
             raise UserError(f"--checkpoint-dir {path.parent} is {line}: two jobs must never write one checkpoint "
                             f"directory; pass another --checkpoint-dir, or stop that job first{hint}")
         lock = cls(fd, path, me)
-        lock._write()
+        try:
+            lock._write()
+        except OSError as e:
+            raise UserError(f"cannot lock --checkpoint-dir {path.parent}: writing {path}: {e.strerror or e}") from None
         if not held:
             lock.claimed.set()
         if held and supported:          # a stale holder: claim the flock once it lets go
