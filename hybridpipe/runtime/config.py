@@ -203,7 +203,8 @@ def build_parser() -> Parser:
     g.add_argument("--checkpoint-every", type=nonneg_int, default=0, metavar="K",
                    help="checkpoint every K steps (0: never)")
     g.add_argument("--keep-checkpoints", type=positive_int, default=3, metavar="N",
-                   help="keep the N newest checkpoints this training wrote (default 3; others are never deleted)")
+                   help="keep the N newest good (SHA-256 verified) checkpoints of this training (default 3; "
+                        "corrupt ones are moved aside, others' are never deleted)")
     g.add_argument("--resume", action="store_true",
                    help="continue from the newest usable checkpoint, resharded for this plan if another plan "
                         "wrote it (an empty --checkpoint-dir starts afresh)")
