@@ -21,6 +21,9 @@ Semantics every package relies on:
   :data:`SECOND_LANE_ALGORITHMS` only. A layer without ``unit`` is a unit of its own. A
   replicated stage whose plan lists no layers gets, at launch, the partitioner's own choice on
   the plan's cluster.
+* ``loss_normalization`` (profiles/losses.py): ``micro-batch`` (plans without the field) makes a
+  step's loss the mean of its micro-batches' mean losses; ``tokens`` divides the step's summed
+  per-token loss by its valid tokens over all micro-batches and replicas (flushed schedules only).
 * Predicted figures (``hybridpipe partition``) come from ``objective.py``; ``sync_ms`` is what
   the stage's syncs add to a step after overlapping its backward, next forward and (gpipe,
   1f1b) the pipeline's drain and fill.
@@ -38,6 +41,7 @@ from hybridpipe.jsonfile import check_header, field, read_json, write_json
 from hybridpipe.partitioner import collectives as co
 from hybridpipe.partitioner.cluster import Cluster
 from hybridpipe.partitioner.schedule_registry import REGISTRY
+from hybridpipe.profiles.losses import LOSS_NORMALIZATIONS
 
 PLAN_KIND = "plan"
 PLAN_FORMAT = 1
@@ -134,6 +138,7 @@ class Plan:
     precision: str = "fp32"                # what the transfers were priced in (launch runs it unless told otherwise)
     tied: tuple[TiedGroup, ...] = ()       # parameters read by several stages
     virtual_stages: int = 1                # model chunks (stages) per rank: interleaved-1f1b, zbv (see above)
+    loss_normalization: str = "micro-batch"    # or "tokens" (see above; launch runs it unless told otherwise)
 
     @property
     def world_size(self) -> int:
@@ -190,6 +195,8 @@ class Plan:
             precision=field(d, "precision", str, source, default="fp32", choices=PRECISIONS),
             tied=tuple(_tied_from_dict(t, i, source) for i, t in enumerate(field(d, "tied", list, source, default=[]))),
             virtual_stages=field(d, "virtual_stages", int, source, minimum=1, default=1),
+            loss_normalization=field(d, "loss_normalization", str, source, default="micro-batch",
+                                     choices=LOSS_NORMALIZATIONS),
         )
         _check_stages(plan, source)
         return plan

@@ -84,7 +84,7 @@ from hybridpipe.pipeline.schedules import Topology, check_schedulable, rank_prog
 from hybridpipe.pipeline.splitback import WeightWork
 from hybridpipe.pipeline.stage import Activation, PipelineStage
 from hybridpipe.pipeline.stash import WeightStash, needs_frozen
-from hybridpipe.pipeline.tokens import TokenCounts, step_scale
+from hybridpipe.pipeline.tokens import TokenCounts
 from hybridpipe.pipeline.values import moved
 from hybridpipe.profiles.losses import loss_mean
 
@@ -229,9 +229,10 @@ class PipelineEngine:
         self.phase = 0 if drain else self.phase + 1     # the same on every rank
         return result
 
-    def run_eval(self, data: DataSource, *, recorder=None) -> dict[int, torch.Tensor]:
+    def run_eval(self, data: DataSource, *, recorder=None, counts: dict[int, torch.Tensor] | None = None
+                 ) -> dict[int, torch.Tensor]:
         """One forward-only evaluation step over ``data`` (see ``evaluation.run_eval``)."""
-        return evaluation.run_eval(self, data, recorder=recorder)
+        return evaluation.run_eval(self, data, recorder=recorder, counts=counts)
 
     def state_dict(self) -> dict:
         """The engine's own state for checkpoints (see ``engine_state.engine_state``)."""
@@ -304,11 +305,11 @@ class PipelineEngine:
             act = self._acts[key]
             with self.meter.forward(), self.compute_context():
                 value = stage.loss(act.output, self._targets.pop(key))
-                act.loss, count = self.tokens.split(key, value) if self.tokens else (loss_mean(value), None)
+                act.loss, total, count = self.tokens.split(key, value) if self.tokens else (loss_mean(value),) * 3
             self.meter.hold(key, act.loss)
             if g // M == result.step:
-                result.losses[g % M] = act.loss.detach() if count is None else act.loss.detach() / count.clamp(min=1)
-                if count is not None:
+                result.losses[g % M] = total.detach() if self.tokens is None else total.detach() / count.clamp(min=1)
+                if self.tokens is not None:
                     result.counts[g % M] = count
         elif isinstance(ins, RecvGradients):
             if key not in self._out_grads:    # else received early, at a checkpoint
@@ -359,9 +360,11 @@ class PipelineEngine:
         if isinstance(ins, SyncWait):
             self.syncs[ins.stage].finish()
         elif isinstance(ins, Step):
+            scale = ins.grad_scale
             if self.tokens is not None:         # the step's summed gradients over its tokens (tokens.py)
-                result.total = self.tokens.step_total()
-            self._optimizer_step(ins.grad_scale if result.total is None else step_scale(result.total))
+                loss_sum, tokens, scale = self.tokens.step_total()
+                result.total = (loss_sum, tokens)
+            self._optimizer_step(scale)
             result.optimizer_steps += 1
         else:
             raise TypeError(f"unknown instruction {ins!r}")

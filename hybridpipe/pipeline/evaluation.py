@@ -76,7 +76,7 @@ def run_eval(engine: PipelineEngine, data: DataSource, *, recorder=None,
             if tokens is None:
                 losses[m] = loss_mean(value).detach()
             else:
-                total, count = tokens.split(key, value)
+                _, total, count = tokens.split(key, value)
                 losses[m] = total.detach() if counts is not None else total.detach() / count.clamp(min=1)
                 if counts is not None:
                     counts[m] = count

@@ -9,11 +9,14 @@ loss *sum*, the gradients add up over micro-batches, replicas (their all-reduce 
 copies as always, and at the optimizer step, instead of the schedule's 1/M, they are multiplied
 by 1/N, which one collective of two numbers (the step's loss sum and token count, nonzero only
 on the last stage's ranks) gives every rank. What runs after that factor sees final gradients:
-clipping by the global norm and fp16's unscale and overflow check (the scaler multiplies the
-summed loss like a mean one; gradients are larger by the tokens per micro-batch, so the dynamic
-scale settles lower). zb-h1's and zbv's split backward only move when the weight gradients are
-computed, before the step. pipedream updates each stage after each micro-batch, with no global
-step at which N is known: refused where the run is configured (runtime).
+clipping by the global norm and fp16's unscale and overflow check. So that a sum's gradients are
+no larger than a mean's (fp16 activations and the fp16 loss scale overflow at 65504), the
+backward starts from the sum divided by D, a power of two near the previous step's tokens per
+micro-batch (on a run's first step, of the tokens a micro-batch may hold: ``divisor``), and the
+step's factor is D / N: dividing by a power of two
+is exact, so the result is the same as from the plain sum. zb-h1's and zbv's split backward only
+move when the weight gradients are computed, before the step. pipedream updates each stage after
+each micro-batch, with no global step at which N is known: refused where the run is configured.
 
 Counting: a loss function returning ``(loss_sum, count)`` counts on the last stage. A model that
 computes its own mean loss (a Hugging Face model given ``labels``) is counted from each
@@ -26,6 +29,7 @@ with the micro-batch's activations, under :data:`COUNT_KEY`, and the sum is mean
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -45,14 +49,15 @@ class TokenCounts:
     function returns (loss_sum, count)); ``note``: shown every loss sum (the non-finite check)."""
 
     def __init__(self, total: Total, count_input: Callable[[Any], torch.Tensor] | None = None,
-                 note: Callable[[torch.Tensor], None] | None = None) -> None:
+                 note: Callable[[torch.Tensor], None] | None = None, divisor: float = 1.0) -> None:
         self.total, self.count_input, self.note = total, count_input, note
         self._counts: dict[tuple[int, int], torch.Tensor] = {}     # (stage, micro-batch) -> own-loss count
-        self._sum: torch.Tensor | None = None       # this rank's part of the step's [loss sum, count]
+        self._sum: torch.Tensor | None = None       # this rank's part of the step's [loss sum, count, micro-batches]
+        self.divisor = power_of_two(divisor)        # D: a backward starts from loss sum / D
 
     def fresh(self) -> TokenCounts:
         """A new bookkeeping with the same functions (an evaluation step's)."""
-        return TokenCounts(self.total, self.count_input, self.note)
+        return TokenCounts(self.total, self.count_input, self.note, self.divisor)
 
     # ---- counts travelling with a micro-batch -------------------------------------------
     def loaded(self, key: tuple[int, int], batch: Any, device: torch.device) -> None:
@@ -74,10 +79,10 @@ class TokenCounts:
         return rest
 
     # ---- the loss ------------------------------------------------------------------------
-    def split(self, key: tuple[int, int], value: LossValue) -> tuple[torch.Tensor, torch.Tensor]:
-        """(loss sum, count) of one micro-batch's loss value: the loss function's pair, or the
-        model's own mean times the count that came with the micro-batch. The sum is the root of
-        the micro-batch's backward; both are added to this rank's part of the step."""
+    def split(self, key: tuple[int, int], value: LossValue) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(root of the backward, loss sum, count) of one micro-batch's loss value: the sum and
+        count of the loss function's pair, or the model's own mean times the count that came with
+        the micro-batch; the root is sum / D. Sum and count are added to this rank's part of the step."""
         if is_pair(value) or self.count_input is None:
             total, count = loss_pair(value)
         else:
@@ -89,23 +94,28 @@ class TokenCounts:
             total = torch.where(count > 0, mean * count.to(mean.dtype), torch.zeros_like(mean))
         if self.note is not None:
             self.note(total)
-        part = torch.stack([total.detach().double(), count.to(total.device)])
+        count = count.to(total.device)
+        part = torch.stack([total.detach().double(), count, torch.ones_like(count)])
         self._sum = part if self._sum is None else self._sum + part
-        return total, count
+        return total / self.divisor, total, count
 
-    def step_total(self) -> tuple[float, float]:
-        """Collective: the step's (loss sum, token count) over every rank; resets this rank's part."""
-        part = self._sum if self._sum is not None else torch.zeros(2, dtype=torch.float64)
+    def step_total(self) -> tuple[float, float, float]:
+        """Collective: the step's (loss sum, tokens) over every rank and the factor its gradients
+        take, D / tokens (0 with no token); resets this rank's part and sets the next step's D."""
+        part = self._sum if self._sum is not None else torch.zeros(3, dtype=torch.float64)
         self._sum = None
         if self._counts:
             raise RuntimeError(f"token counts of micro-batches {sorted(self._counts)} were never used")
-        summed = self.total(part)
-        return float(summed[0]), float(summed[1])
+        loss_sum, tokens, micro_batches = (float(x) for x in self.total(part))
+        scale = self.divisor / tokens if tokens > 0 else 0.0
+        if tokens > 0 and micro_batches > 0:
+            self.divisor = power_of_two(tokens / micro_batches)
+        return loss_sum, tokens, scale
 
 
-def step_scale(total: tuple[float, float]) -> float:
-    """The factor the step's summed gradients are multiplied by: 1 / tokens (0 with none)."""
-    return 1.0 / total[1] if total[1] > 0 else 0.0
+def power_of_two(x: float) -> float:
+    """The power of two nearest to ``x`` (at least 1)."""
+    return 2.0 ** round(math.log2(max(x, 1.0)))
 
 
 def check_normalization(normalization: str, schedule_flushed: bool, schedule: str) -> None:

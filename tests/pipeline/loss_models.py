@@ -148,3 +148,28 @@ class Ragged(Dataset):
 
 def ragged(kind: str = "lm", n: int = 64, vocab: int = 96, low: int = 3, high: int = 14, seed: int = 0) -> Ragged:
     return Ragged(kind, n, vocab, low, high, seed)
+
+
+class TinyTagger(nn.Module):
+    """Token ids -> per-token scores over ``tags`` classes (tensor in, tensor out)."""
+
+    def __init__(self, vocab: int = 32, width: int = 16, tags: int = 8):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.hidden = nn.Linear(width, width)
+        self.head = nn.Linear(width, tags)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.hidden(self.embed(ids))))
+
+
+def token_pair_loss(scores: torch.Tensor, tags: torch.Tensor):
+    """Per-token cross-entropy as (sum, count) over the tags that are not -100."""
+    total = F.cross_entropy(scores.flatten(0, 1).float(), tags.flatten(), ignore_index=IGNORE, reduction="sum")
+    return total, (tags != IGNORE).sum()
+
+
+def tiny_tagger(seq: int = 6, batch: int = 4):
+    """A small non-Hugging Face model with a (loss_sum, count) loss (fp16 runs on the CPU too)."""
+    ids = torch.randint(0, 32, (batch, seq), generator=torch.Generator().manual_seed(0))
+    return TinyTagger(), ids, token_pair_loss
