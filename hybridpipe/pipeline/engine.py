@@ -84,7 +84,7 @@ from hybridpipe.pipeline.schedules import Topology, check_schedulable, rank_prog
 from hybridpipe.pipeline.splitback import WeightWork
 from hybridpipe.pipeline.stage import Activation, PipelineStage
 from hybridpipe.pipeline.stash import WeightStash, needs_frozen
-from hybridpipe.pipeline.tokens import TokenCounts
+from hybridpipe.pipeline.tokens import TokenCounts, check_normalization
 from hybridpipe.pipeline.values import moved
 from hybridpipe.profiles.losses import loss_mean
 
@@ -153,6 +153,8 @@ class PipelineEngine:
         self.tied, self.before_step = tied, before_step
         self.autocast, self.wire_dtype, self.loss_scale, self.tokens = autocast, wire_dtype, loss_scale, tokens
         self.kind = get_schedule(schedule)
+        if tokens is not None:
+            check_normalization("tokens", self.kind.flushed, schedule)
         if tied is not None and not self.kind.keeps_tied_weights:
             raise UserError(f"{schedule}'s asynchronous updates cannot keep a weight that several stages share (tied "
                             "embeddings) identical; use --schedule 1f1b or gpipe, or a plan that keeps its uses "

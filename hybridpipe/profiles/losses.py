@@ -57,7 +57,6 @@ def as_mean(fn: Callable[..., LossValue]) -> Callable[..., torch.Tensor]:
     """``fn`` returning the micro-batch's mean loss whichever form it returns (see the module docstring)."""
     def mean(*args: Any, **kwargs: Any) -> torch.Tensor:
         return loss_mean(fn(*args, **kwargs))
-    mean.__wrapped__ = fn       # type: ignore[attr-defined]  # functools.wraps would copy a lambda's name
     return mean
 
 

@@ -47,7 +47,7 @@ from hybridpipe.profiles.losses import is_pair
 _SPEC = re.compile(r"^(?P<target>[A-Za-z_][\w.\-]*(?::[A-Za-z_]\w*)?)(?:\[(?P<args>[^\]]*)\])?$")
 
 
-LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
+LossFn = Callable[[Any, Any], Any]      # (output, target) -> mean loss, or (loss_sum, count) (profiles/losses.py)
 
 
 @dataclass(frozen=True)
