@@ -99,7 +99,8 @@ def test_tokens_equals_one_full_batch_step(name, layout):
 
 
 @pytest.mark.parametrize("name,layout,pair", [
-    ("gpt2_own", "4", False), ("gpt2_smoothed", "4", False), ("distilbert_tagger", "4", True),
+    ("gpt2_own", "4", False), ("distilbert_tagger", "4", True),
+    pytest.param("gpt2_smoothed", "4", False, marks=pytest.mark.slow),
     pytest.param("distilbert_mlm", "2x2", False, marks=pytest.mark.slow),
     pytest.param("distilbert_tagger", "2x2", False, marks=pytest.mark.slow),
     pytest.param("gpt2_smoothed", "2x2", True, marks=pytest.mark.slow)])
