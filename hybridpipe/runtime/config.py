@@ -43,6 +43,8 @@ from hybridpipe.partitioner.plan import (
 )
 from hybridpipe.pipeline.instructions import Step
 from hybridpipe.pipeline.schedules import Topology, check_schedulable, rank_program
+from hybridpipe.pipeline.tokens import check_normalization
+from hybridpipe.profiles.losses import LOSS_NORMALIZATIONS
 from hybridpipe.runtime.checkpoint_files import step_dirs
 from hybridpipe.runtime.lr import SCHEDULES as LR_SCHEDULES
 
@@ -89,6 +91,7 @@ class RunConfig:
     eval_dataset: str | None = None   # None: synthetic held-out samples (another seed)
     init_from: str | None = None      # a state_dict (or merged checkpoint) to start a new run from
     planned_s: float | None = None    # seconds rank 0 spent planning (--profile), None with --plan
+    loss_normalization: str = "micro-batch"   # or "tokens" (profiles/losses.py); the plan's unless overridden
 
     @property
     def schedule(self) -> str:
@@ -176,6 +179,11 @@ def build_parser() -> Parser:
                         "float32; fp16 "
                         "adds a dynamic loss scale whose overflowing steps every rank skips (gpipe, 1f1b; "
                         "default: the plan's precision, as `partition --precision` priced it)")
+    g.add_argument("--loss-normalization", choices=LOSS_NORMALIZATIONS,
+                   help="micro-batch: a step's loss is the mean of its micro-batches' mean losses; tokens: the "
+                        "step's summed per-token loss over its valid tokens in all micro-batches and replicas, as "
+                        "one process on the whole global batch (the loss function returns (loss_sum, count), or a "
+                        "Hugging Face model counts its labels; flushed schedules; default: the plan's)")
     g.add_argument("--skip-nonfinite", action="store_true",
                    help="a step whose loss is NaN or infinite is skipped (no rank updates its weights; counted in "
                         "the summary) instead of stopping the run")
@@ -262,7 +270,8 @@ def resolve(args: argparse.Namespace, world_size: int | None = None, planned: Pl
     check_plan_fits(plan, model=args.model, signature=None, batch_size=micro_batch_size, world_size=world_size)
     plan = dataclasses.replace(plan, micro_batches=args.micro_batches or plan.micro_batches,
                                schedule=args.schedule or plan.schedule, optimizer=args.optimizer or plan.optimizer,
-                               precision=args.precision or plan.precision)
+                               precision=args.precision or plan.precision,
+                               loss_normalization=args.loss_normalization or plan.loss_normalization)
     require_memory(plan.micro_batches * 6 * 400 * 2, f"the instruction lists of {plan.micro_batches} micro-batches",
                    "use fewer --micro-batches")
     check_schedulable(Topology.from_plan(plan), plan.schedule)
@@ -273,6 +282,7 @@ def resolve(args: argparse.Namespace, world_size: int | None = None, planned: Pl
     if plan.precision == "fp16" and not flushes(plan):
         raise UserError(f"--precision fp16's loss scaler skips overflowing steps on every stage at once, and "
                         f"{plan.schedule} has no global step; use --precision bf16, or --schedule 1f1b or gpipe")
+    check_normalization(plan.loss_normalization, flushes(plan), plan.schedule)
     if args.clip_grad_norm is not None and not flushes(plan):
         raise UserError(f"--clip-grad-norm needs a global step, and {plan.schedule} updates each stage on its own; "
                         "use --schedule 1f1b or gpipe, or drop --clip-grad-norm")
@@ -297,7 +307,8 @@ def resolve(args: argparse.Namespace, world_size: int | None = None, planned: Pl
         verbose=args.verbose, skip_nonfinite=args.skip_nonfinite, lr_schedule=args.lr_schedule,
         warmup_steps=args.warmup_steps, clip_grad_norm=args.clip_grad_norm, eval_every=args.eval_every,
         eval_batches=args.eval_batches, eval_dataset=args.eval_dataset, shuffle=args.shuffle,
-        precision=plan.precision, init_from=args.init_from, planned_s=planned_s)
+        precision=plan.precision, init_from=args.init_from, planned_s=planned_s,
+        loss_normalization=plan.loss_normalization)
 
 
 def check_plan_source(args: argparse.Namespace) -> None:

@@ -8,18 +8,20 @@
 * :func:`make_optimizer`: SGD (momentum) or Adam over the stage's parameters.
 * :func:`make_data`: the (step, micro-batch) -> samples source both ends of the pipeline read.
 * :func:`seed_rank`: each rank's own random stream once the model is built.
+* :func:`token_counts`: the bookkeeping of ``--loss-normalization tokens`` (pipeline/tokens.py).
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 from torch import nn
 
 from hybridpipe.comm.allreduce import GroupCosts
@@ -31,10 +33,13 @@ from hybridpipe.partitioner.plan import Plan, Stage
 from hybridpipe.partitioner.tied import shared_across
 from hybridpipe.pipeline import LocalSync, MicroBatches
 from hybridpipe.pipeline.stage import build_stage_index, check_captured_plan
+from hybridpipe.pipeline.tokens import TokenCounts
 from hybridpipe.profiles.capture import CapturedModel, capture_model, tied_parameters
 from hybridpipe.profiles.data import resolve_dataset
 from hybridpipe.profiles.graphinfo import node_infos
+from hybridpipe.profiles.losses import label_counter
 from hybridpipe.profiles.zoo import ModelSpec, resolve_model
+from hybridpipe.profiles.zoo.registry import batch_rows
 from hybridpipe.runtime.config import RunConfig
 from hybridpipe.runtime.sync import describe_override, override_layers, stage_layers, unit_choices
 
@@ -189,3 +194,31 @@ def weights_digest(module: nn.Module) -> str:
 def seed_rank(seed: int, rank: int) -> None:
     """Give this rank its own random stream (dropout etc.) after the common one built the model."""
     torch.manual_seed(int(np.random.SeedSequence((seed, rank)).generate_state(1, np.uint64)[0]))
+
+
+def token_counts(model: Model, device: torch.device, group: dist.ProcessGroup | None, batch_size: int,
+                 note: Callable[[torch.Tensor], None] | None = None) -> TokenCounts:
+    """Token-weighted loss's bookkeeping (pipeline/tokens.py): the step's [loss sum, tokens,
+    micro-batches] summed over ``group`` (every rank) by one all-reduce; a Hugging Face model's
+    own-loss labels counted on the first stage; the first step's divisor from the tokens a
+    micro-batch of ``batch_size`` rows of the example holds. Refuses an own-loss model it cannot
+    count, or an example without labels."""
+    spec = model.spec
+    count = label_counter(model.module) if spec.loss is None else None
+    if spec.loss is None and count is None:
+        raise UserError(f"--loss-normalization tokens: {spec.name} computes its own loss and hybridpipe cannot "
+                        "count the tokens it averages over; give its factory a loss function returning "
+                        "(loss_sum, count), or use --loss-normalization micro-batch")
+    example = spec.example if spec.example is not None else spec.example_input(1)
+    rows = batch_rows(example) or 1
+    if count is not None:                   # an example without labels: refused here, in one line
+        per_row = float(count(example)) / rows
+    else:
+        target = spec.example_target(1)
+        per_row = float(sum(t.numel() for t in pytree.tree_leaves(target) if isinstance(t, torch.Tensor)) or 1)
+
+    def total(part: torch.Tensor) -> torch.Tensor:
+        t = part.to(device=device, dtype=torch.float64).clone()
+        dist.all_reduce(t, group=group)
+        return t
+    return TokenCounts(total, count_input=count, note=note, divisor=per_row * batch_size)

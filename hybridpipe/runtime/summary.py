@@ -8,7 +8,9 @@ Each rank hands a :class:`RankReport` to one gather; :func:`summarize` turns the
   warm-up (the first fifth of the steps, at least one when more than one step ran), next to
   the plan's ``predicted_step_ms``.
 * Loss of step k = the mean of the step's micro-batch losses, gathered from every replica of
-  the last stage: the mean loss of the global batch, as single-process training reports it.
+  the last stage: the mean loss of the global batch, as single-process training reports it
+  (``--loss-normalization tokens``: weighted by the micro-batches' valid tokens, i.e. the global
+  batch's summed loss over its tokens; ``loss_normalization`` says which).
 * Replicas of a stage must hold bitwise identical weights at the end (a digest per rank).
 * Gradient sync: per replicated stage, each of the plan's layers with the algorithm its
   all-reduce actually ran (as the stage's HybridDataParallel recorded it on its first replica)
@@ -23,6 +25,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from hybridpipe.partitioner.plan import Plan
+from hybridpipe.runtime.metrics import weighted_mean
 
 
 @dataclass
@@ -34,6 +37,7 @@ class RankReport:
     replica: int
     step_ms: dict[int, float] = field(default_factory=dict)
     losses: dict[int, dict[int, float]] = field(default_factory=dict)   # step -> micro-batch -> loss
+    tokens: dict[int, dict[int, float]] = field(default_factory=dict)   # the same micro-batches' valid tokens
     digest: str | None = None                                             # weights, replicated stages only
     sync: list[dict] | None = None       # replicated stages: per layer {"layer", "algorithm", "planned"}
     peak_memory_bytes: int = 0           # the most the rank's stage held in any step (pipeline/memory.py)
@@ -52,12 +56,21 @@ def warmup_steps(n: int) -> int:
 
 
 def step_losses(reports: list[RankReport], micro_batches: int) -> dict[int, float]:
-    """Mean loss per step over all its micro-batches (steps missing a micro-batch are left out)."""
+    """Mean loss per step over all its micro-batches, weighted by their tokens where the reports
+    carry them (steps missing a micro-batch are left out)."""
     merged: dict[int, dict[int, float]] = {}
+    tokens: dict[int, dict[int, float]] = {}
     for r in reports:
         for step, per_mb in r.losses.items():
             merged.setdefault(step, {}).update(per_mb)
-    return {k: sum(v.values()) / len(v) for k, v in sorted(merged.items()) if len(v) == micro_batches}
+        for step, per_mb in r.tokens.items():
+            tokens.setdefault(step, {}).update(per_mb)
+    out = {}
+    for k, v in sorted(merged.items()):
+        if len(v) == micro_batches:
+            w = tokens.get(k)
+            out[k] = weighted_mean([v[m] for m in sorted(v)], [w[m] for m in sorted(v)] if w else None)
+    return out
 
 
 def sync_summary(reports: list[RankReport]) -> tuple[dict[str, list[dict]], bool | None]:
@@ -103,6 +116,7 @@ def summarize(reports: list[RankReport], plan: Plan, *, steps: int, first_step: 
         "predicted_samples_per_s": plan.predicted_samples_per_s or None,
         "job_step_ms": {str(k): v for k, v in job_ms.items()},
         "loss": {str(k): v for k, v in step_losses(reports, plan.micro_batches).items()},
+        "loss_normalization": plan.loss_normalization,
         "replicas_identical": replicas,
         "skipped_nonfinite_steps": sorted(skipped or []),
         "sync": sync, "sync_as_planned": as_planned,
@@ -154,7 +168,9 @@ def format_summary(summary: dict) -> str:
            f"p2p {s['comm_mode']}, all-reduce {s['allreduce']})"]
     rows = loss_rows(s["loss"])
     if rows:
-        out.append("  loss: " + ", ".join(f"step {k}: {v:.4f}" for k, v in rows))
+        tokens = s.get("loss_normalization") == "tokens"
+        per = "over the global batch's tokens" if tokens else "mean of micro-batch means"
+        out.append("  loss: " + ", ".join(f"step {k}: {v:.4f}" for k, v in rows) + f" ({per})")
     if s["measured_step_ms"] is not None:
         line = (f"  step time: measured {s['measured_step_ms']:.1f} ms (median after {s['warmup_steps']} "
                 f"warm-up steps, {s['samples_per_s']:.1f} samples/s)")

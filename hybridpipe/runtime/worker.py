@@ -144,7 +144,8 @@ def _train(cfg: RunConfig, proc: Process, model: Model, closers: list, print_fn,
                       lr_scheduler=lr_schedule(cfg.lr_schedule, warmup=cfg.warmup_steps, total=cfg.steps),
                       data=make_data(cfg, model.spec), comm_mode=cfg.comm_mode, allreduce=cfg.allreduce,
                       calibrations=cfg.calibrations, aggregator=cfg.aggregator, skip_nonfinite=cfg.skip_nonfinite,
-                      timeout=cfg.timeout, precision=cfg.precision, recorder=recorder, nonfinite_hint=hint)
+                      timeout=cfg.timeout, precision=cfg.precision, recorder=recorder, nonfinite_hint=hint,
+                      loss_normalization=cfg.loss_normalization)
     held_out = make_eval_data(cfg, model.spec) if cfg.eval_every else None
     start, restart = 0, None
     if init_optimizer is not None:
@@ -186,8 +187,9 @@ def _train(cfg: RunConfig, proc: Process, model: Model, closers: list, print_fn,
             seconds = time.perf_counter() - t0
             if recorder is not None:
                 recorder.end_step()
-            losses = trainer.last_losses
-            record = step_record(step, seconds, cfg.global_batch, list(losses.values()), trainer.last_peak_memory_bytes)
+            losses, tokens = trainer.last_losses, trainer.last_tokens
+            record = step_record(step, seconds, cfg.global_batch, list(losses.values()), trainer.last_peak_memory_bytes,
+                                 weights=list(tokens.values()) if tokens else None)
             report.peak_memory_bytes = max(report.peak_memory_bytes, trainer.last_peak_memory_bytes)
             if lr is not None:
                 record["lr"] = lr
@@ -202,6 +204,8 @@ def _train(cfg: RunConfig, proc: Process, model: Model, closers: list, print_fn,
             report.step_ms[step] = record["step_ms"]
             if losses:
                 report.losses[step] = losses
+            if tokens:
+                report.tokens[step] = tokens
             progress["done"] = step + 1
             if restart is not None and cfg.checkpoint_dir:
                 append_log(Path(cfg.checkpoint_dir), first_step_done(restart, seconds))
