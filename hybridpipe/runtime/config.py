@@ -32,6 +32,7 @@ from hybridpipe.errors import UserError
 from hybridpipe.limits import require_memory
 from hybridpipe.partitioner.calibration import load_calibration
 from hybridpipe.partitioner.plan import (
+    OPTIMIZER_HELP,
     OPTIMIZERS,
     SCHEDULES,
     STRATEGIES,
@@ -149,7 +150,7 @@ def build_parser() -> Parser:
     g.add_argument("--micro-batches", type=positive_int, metavar="M",
                    help="micro-batches per step (default: the plan's)")
     g.add_argument("--schedule", choices=SCHEDULES, help="pipeline schedule (default: the plan's)")
-    g.add_argument("--optimizer", choices=OPTIMIZERS, help="optimizer (default: the plan's)")
+    g.add_argument("--optimizer", choices=OPTIMIZERS, help=f"optimizer (default: the plan's); {OPTIMIZER_HELP}")
     g.add_argument("--lr", type=positive_float, default=0.01, help="learning rate (default 0.01)")
     g.add_argument("--momentum", type=nonneg_float, default=0.9, help="SGD momentum (default 0.9; sgd only)")
     g.add_argument("--weight-decay", type=nonneg_float, default=0.0, help="weight decay (default 0)")

@@ -5,7 +5,7 @@
   checked against it before any process group exists.
 * :func:`make_sync`: HybridDataParallel (summing) for a replicated stage, running the plan's sync
   choices (or launch's overrides), else nothing to sync.
-* :func:`make_optimizer`: SGD (momentum) or Adam over the stage's parameters.
+* :func:`make_optimizer`: SGD (momentum), Adam or AdamW over the stage's parameters.
 * :func:`make_data`: the (step, micro-batch) -> samples source both ends of the pipeline read.
 * :func:`seed_rank`: each rank's own random stream once the model is built.
 """
@@ -142,7 +142,8 @@ class NoParameters:
 
 
 def make_optimizer(kind: str, params, *, lr: float, momentum: float = 0.0, weight_decay: float = 0.0):
-    """``sgd`` (with momentum) or ``adam`` over ``params``."""
+    """``sgd`` (with momentum), ``adam`` (L2 weight decay, added to the gradient) or ``adamw``
+    (decoupled weight decay) over ``params`` (partitioner/plan.py OPTIMIZER_HELP)."""
     params = [p for p in params if p.requires_grad]
     if not params:
         return NoParameters()
@@ -150,7 +151,9 @@ def make_optimizer(kind: str, params, *, lr: float, momentum: float = 0.0, weigh
         return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
     if kind == "adam":
         return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
-    raise UserError(f"unknown optimizer {kind!r}; choose sgd or adam")
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    raise UserError(f"unknown optimizer {kind!r}; choose sgd, adam or adamw")
 
 
 def make_data(cfg: RunConfig, spec: ModelSpec) -> MicroBatches:

@@ -63,7 +63,8 @@ class Trainer:
     same on every rank), or a factory called after ``torch.manual_seed(seed)``; with the last two
     give ``example`` (one micro-batch of input) and ``loss(output, target)`` (None: the model
     returns its own loss, e.g. a Hugging Face model given ``labels``). ``plan``: a Plan or a path.
-    ``optimizer``: "sgd", "adam" or ``params -> torch.optim.Optimizer`` (default: the plan's).
+    ``optimizer``: "sgd", "adam" (L2 weight decay), "adamw" (decoupled weight decay) or ``params ->
+    torch.optim.Optimizer`` (default: the plan's).
     ``lr_scheduler``: ``optimizer -> torch.optim.lr_scheduler.*`` (stepped once per training step
     on every rank; see runtime/lr.py for launch's schedules). ``clip_grad_norm``: clip by the norm
     of the whole model's gradient (what ``torch.nn.utils.clip_grad_norm_`` on the unsplit model
