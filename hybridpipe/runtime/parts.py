@@ -2,7 +2,9 @@
 
 * :func:`load_model`: the model spec, the full model (same seed on every rank, so every rank
   starts from the weights single-process training would) and its captured graph, the whole plan
-  checked against it before any process group exists.
+  checked against it before any process group exists. A model whose weights all come from files
+  (``hf:DIR``) is built with its parameters on the meta device, and each rank reads only its own
+  stages' tensors (:meth:`Model.materialize`; runtime/lazy.py).
 * :func:`make_sync`: HybridDataParallel (summing) for a replicated stage, running the plan's sync
   choices (or launch's overrides), else nothing to sync.
 * :func:`make_optimizer`: SGD (momentum), Adam or AdamW over the stage's parameters.
@@ -36,7 +38,9 @@ from hybridpipe.profiles.data import resolve_dataset
 from hybridpipe.profiles.graphinfo import node_infos
 from hybridpipe.profiles.zoo import ModelSpec, resolve_model
 from hybridpipe.runtime.config import RunConfig
+from hybridpipe.runtime.lazy import capture_lazily, load_initial, load_whole, materialize
 from hybridpipe.runtime.sync import describe_override, override_layers, stage_layers, unit_choices
+from hybridpipe.runtime.tensor_files import Weights, open_weights
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +50,25 @@ class Model:
     spec: ModelSpec
     module: nn.Module
     captured: CapturedModel
+    weights: Weights | None = None      # the files the meta parameters are read from (None: all in memory)
+
+    def materialize(self, plan: Plan, stages: Sequence[int]) -> None:
+        """Read the weights of ``stages`` (this rank's) from :attr:`weights`, before building them;
+        nothing to do for a model built whole."""
+        if self.weights is not None:
+            materialize(self.module, self.captured, self.weights, plan, stages)
+            self.weights = None
+
+    def start_from(self, path: str) -> dict | None:
+        """``launch --init-from PATH``: the model's weights from PATH instead (read per stage by
+        :meth:`materialize` when the model was built without them); the name-keyed optimizer state
+        PATH holds, if any (runtime/lazy.py load_initial)."""
+        weights, optimizer = load_initial(path, self.module)
+        if self.weights is not None:
+            self.weights = weights
+        else:
+            load_whole(self.module, weights)
+        return optimizer
 
 
 def load_model(cfg: RunConfig) -> Model:
@@ -58,15 +81,22 @@ def load_model(cfg: RunConfig) -> Model:
 def build_model(spec: ModelSpec, plan: Plan, *, seed: int) -> Model:
     """:func:`load_model` for a resolved spec: the model built after ``torch.manual_seed(seed)``
     (the same weights on every rank), captured with the plan's batch size and granularity, and
-    the whole plan checked against it."""
+    the whole plan checked against it; a spec naming its weights' files is built and captured
+    with its parameters on the meta device when the files cover it (runtime/lazy.py)."""
     torch.manual_seed(seed)
-    module = spec.build()
     example = spec.example_input(plan.batch_size, torch.Generator().manual_seed(seed))
-    captured = capture_model(module, example, granularity=plan.granularity, leaf_modules=spec.leaf_modules)
-    check_captured_plan(captured, plan)
+    weights = open_weights(spec.weights) if spec.weights is not None else None
+    lazy = capture_lazily(spec, example, plan, weights) if weights is not None else None
+    if lazy is not None:
+        module, captured = lazy
+    else:
+        weights = None
+        module = spec.build()
+        captured = capture_model(module, example, granularity=plan.granularity, leaf_modules=spec.leaf_modules)
+        check_captured_plan(captured, plan)
     check_tied(captured, plan)
     check_sync_layers(captured, plan)
-    return Model(spec, module, captured)
+    return Model(spec, module, captured, weights)
 
 
 def check_sync_layers(captured: CapturedModel, plan: Plan) -> None:

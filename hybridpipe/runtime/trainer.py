@@ -109,6 +109,7 @@ class Trainer:
         self.stage_plans, self.replica = plan.stages_of_rank(rank)    # one, or V model chunks (virtual stages)
         self.stage_plan = self.stage_plans[0]
         mine = [s.index for s in self.stage_plans]
+        self.model.materialize(plan, mine)       # hf:DIR built without weights: read this rank's stages only
         self.is_last = len(plan.stages) - 1 in mine
         self.takes_targets = self.model.spec.loss is not None
         self.clip_grad_norm = clip_grad_norm
