@@ -33,6 +33,7 @@ from torch import nn
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner.plan import Plan
 from hybridpipe.pipeline.stage import build_stage_index, check_captured_plan
+from hybridpipe.pipeline.tied import complete_tied
 from hybridpipe.profiles.capture import CapturedModel, tied_parameters
 from hybridpipe.profiles.meta import capture_on_meta, parameters_on_meta, replace_tensors
 from hybridpipe.profiles.zoo import ModelSpec
@@ -116,6 +117,7 @@ def load_initial(path: str | os.PathLike, module: nn.Module) -> tuple[Weights, d
         from hybridpipe.runtime.tensor_files import StateDictWeights
 
         state, optimizer = read_torch_file(path)        # type: ignore[arg-type]
+        complete_tied(state, tied_parameters(module))    # a tied weight's copies must be identical
         weights: Weights = StateDictWeights(state, p)
     else:
         weights = open_weights(path)
