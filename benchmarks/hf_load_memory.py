@@ -6,9 +6,12 @@ read lazily (each rank its own stage's tensors) vs whole (every rank loads the w
 
 The driver saves a GPT-2 with random weights (``save_pretrained``, fp32) into ``--dir`` (kept for
 reuse), cuts it into ``--stages`` stages of about equal parameter bytes (a plan written directly,
-without profiling), and runs ``torchrun --nproc-per-node STAGES`` of this script twice: ``lazy``
-(``Trainer("hf:DIR", plan)``, hybridpipe's path) and ``whole`` (the same spec with its weights
-loaded by ``from_pretrained`` on every rank, as before issue 28). Each rank reports its resident
+without profiling), and runs ``torchrun --nproc-per-node STAGES`` of this script three times:
+``lazy`` (``Trainer("hf:DIR", plan)``, hybridpipe's path), ``whole`` (the same spec with its
+weights loaded by ``from_pretrained`` on every rank, as before issue 28: transformers 5 memory-maps
+the file, so a rank holds the pages it touches) and ``whole-read`` (``from_pretrained(...,
+disable_mmap=True)``: the file read into memory, as transformers does on FUSE mounts such as
+hf-mount and as transformers 4 did). Each rank reports its resident
 memory after its imports (``baseline``: torch, transformers, hybridpipe), its peak (``VmHWM`` of
 /proc/self/status) once the Trainer is built (model loaded, stage built, process groups, p2p
 channels), the bytes of its stage's tensors, and the peak after one SGD step (micro-batch 1, 32
@@ -27,6 +30,9 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+MODES = ("lazy", "whole", "whole-read")
 
 
 def status_kib(field: str) -> int:
@@ -52,8 +58,17 @@ def rank_main(mode: str, plan_path: str, out: str) -> None:
     plan = load_plan(plan_path)
     spec = resolve_model(plan.model)
     imported = status_kib("VmRSS")
-    if mode == "whole":
-        spec = dataclasses.replace(spec, weights=None)          # from_pretrained on every rank
+    if mode != "lazy":                                          # from_pretrained on every rank
+        build = spec.build
+        if mode == "whole-read":
+            import transformers
+
+            directory = plan.model[len("hf:"):].partition("[")[0]
+
+            def build() -> torch.nn.Module:
+                return transformers.AutoModelForCausalLM.from_pretrained(directory, local_files_only=True,
+                                                                          disable_mmap=True)
+        spec = dataclasses.replace(spec, weights=None, build=build)
     data = MicroBatches(resolve_dataset("synthetic", spec, size=plan.micro_batches * plan.batch_size, seed=0),
                         plan.batch_size, plan.micro_batches, targets=spec.loss is not None)
     trainer = Trainer(spec, plan, optimizer="sgd", lr=1e-3, momentum=0.0, backend="gloo", timeout=600, data=data)
@@ -135,6 +150,28 @@ def run_mode(mode: str, plan_path: Path, stages: int, work: Path, timeout: float
     return sorted((json.loads(p.read_text()) for p in out.glob("*.json")), key=lambda r: r["rank"])
 
 
+def plot(rows: list[dict], model: dict, stages: int):
+    """Per rank, each mode's peak once loaded and after one step, with its stage's bytes above the imports."""
+    from benchmarks.common import pyplot
+
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.4), sharey=True)
+    xs = range(len(rows))
+    for ax, key, title in zip(axes, ("peak", "step_peak"), ("once loaded", "after one training step"), strict=True):
+        for k, mode in enumerate(MODES):
+            ax.bar([x + (k - 1) * 0.27 for x in xs], [r[f"{mode}_{key}_mib"] for r in rows], 0.27, label=mode)
+        ax.plot([x - 0.27 for x in xs], [r["baseline_mib"] + r["stage_mib"] for r in rows], "k_", markersize=14,
+                label="after imports + the stage's bytes")
+        ax.set_xticks(list(xs), [f"rank {r['rank']}" for r in rows])
+        ax.set_title(title)
+    axes[0].set_ylabel("peak resident memory (MiB)")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=9)
+    fig.suptitle(f"hf:DIR, {model['file_bytes'] / 1e9:.2f} GB of safetensors, {stages} stages")
+    fig.subplots_adjust(bottom=0.2)
+    return fig
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=16)
@@ -145,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="write the _quick result files")
     ap.add_argument("--out-dir", default=None, help="where the results go (default benchmarks/results)")
     ap.add_argument("--timeout", type=float, default=1200.0)
-    ap.add_argument("--rank-mode", choices=("lazy", "whole"), help=argparse.SUPPRESS)
+    ap.add_argument("--rank-mode", choices=MODES, help=argparse.SUPPRESS)
     ap.add_argument("--plan", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -153,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
         rank_main(args.rank_mode, args.plan, args.out)
         return
 
-    from benchmarks.common import machine, pyplot, result_paths, write_results
+    from benchmarks.common import machine, result_paths, write_results
     from hybridpipe.partitioner.plan import save_plan
 
     directory = Path(args.dir or f"/tmp/hybridpipe-hf-{args.layers}x{args.width}")
@@ -163,43 +200,32 @@ def main(argv: list[str] | None = None) -> None:
         work = Path(tmp)
         plan = balanced_plan(spec, args.stages, micro_batches=4)
         save_plan(plan, work / "plan.json")
-        runs = {mode: run_mode(mode, work / "plan.json", args.stages, work, args.timeout) for mode in ("lazy", "whole")}
+        runs = {mode: run_mode(mode, work / "plan.json", args.stages, work, args.timeout) for mode in MODES}
     mib = 1 / 1024
     rows = []
-    for lazy, whole in zip(runs["lazy"], runs["whole"], strict=True):
-        rows.append({"rank": lazy["rank"], "stage_mib": lazy["stage_bytes"] / 2**20,
-                     "baseline_mib": lazy["rss_after_imports_kib"] * mib,
-                     "lazy_peak_mib": lazy["peak_after_load_kib"] * mib,
-                     "whole_peak_mib": whole["peak_after_load_kib"] * mib,
-                     "lazy_over_baseline_mib": (lazy["peak_after_load_kib"] - lazy["rss_after_imports_kib"]) * mib,
-                     "whole_over_baseline_mib": (whole["peak_after_load_kib"] - whole["rss_after_imports_kib"]) * mib,
-                     "lazy_step_peak_mib": lazy["peak_after_step_kib"] * mib,
-                     "whole_step_peak_mib": whole["peak_after_step_kib"] * mib,
-                     "lazy_virtual_mib": lazy["virtual_after_load_kib"] * mib,
-                     "whole_virtual_mib": whole["virtual_after_load_kib"] * mib})
+    for per_mode in zip(*(runs[m] for m in MODES), strict=True):
+        first = per_mode[0]
+        row = {"rank": first["rank"], "stage_mib": first["stage_bytes"] / 2**20,
+               "baseline_mib": first["rss_after_imports_kib"] * mib}
+        for mode, r in zip(MODES, per_mode, strict=True):
+            row[f"{mode}_peak_mib"] = r["peak_after_load_kib"] * mib
+            row[f"{mode}_over_baseline_mib"] = (r["peak_after_load_kib"] - r["rss_after_imports_kib"]) * mib
+            row[f"{mode}_step_peak_mib"] = r["peak_after_step_kib"] * mib
+            row[f"{mode}_virtual_mib"] = r["virtual_after_load_kib"] * mib
+        rows.append(row)
     data = {"model": {**model, "spec": spec, "file_mib": model["file_bytes"] / 2**20}, "stages": args.stages,
             "plan": [(s.first_node, s.last_node) for s in plan.stages], "ranks": rows, "raw": runs,
             "machine": machine(),
             "command": "python benchmarks/hf_load_memory.py " + " ".join(argv if argv is not None else sys.argv[1:])}
-    print(f"{spec}: {model['file_bytes'] / 2**20:.0f} MiB of safetensors, {args.stages} stages")
-    print("rank  stage MiB  after imports  peak lazy (+over)   peak whole (+over)   after 1 step lazy / whole"
-          "   mapped lazy / whole")
+    print(f"{spec}: {model['file_bytes'] / 2**20:.0f} MiB of safetensors, {args.stages} stages; MiB per rank:")
+    print("rank  stage  after imports  | peak after load: lazy  whole  whole-read | after 1 step: lazy  whole  "
+          "whole-read | mapped: lazy  whole")
     for r in rows:
-        print(f"{r['rank']:4d}  {r['stage_mib']:9.0f}  {r['baseline_mib']:13.0f}  {r['lazy_peak_mib']:9.0f} "
-              f"(+{r['lazy_over_baseline_mib']:5.0f})  {r['whole_peak_mib']:9.0f} "
-              f"(+{r['whole_over_baseline_mib']:5.0f})   {r['lazy_step_peak_mib']:7.0f} / "
-              f"{r['whole_step_peak_mib']:5.0f}   {r['lazy_virtual_mib']:7.0f} / {r['whole_virtual_mib']:.0f}")
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4))
-    xs = range(len(rows))
-    ax.bar([x - 0.2 for x in xs], [r["lazy_peak_mib"] for r in rows], 0.4, label="lazy: its stage's tensors")
-    ax.bar([x + 0.2 for x in xs], [r["whole_peak_mib"] for r in rows], 0.4, label="whole: from_pretrained")
-    ax.plot([x - 0.2 for x in xs], [r["baseline_mib"] + r["stage_mib"] for r in rows], "k_", markersize=20,
-            label="after imports + stage bytes")
-    ax.set_xticks(list(xs), [f"rank {r['rank']}" for r in rows])
-    ax.set_ylabel("peak resident memory after loading (MiB)")
-    ax.set_title(f"hf:DIR, {model['file_bytes'] / 2**30:.2f} GiB, {args.stages} stages")
-    ax.legend()
+        print(f"{r['rank']:4d}  {r['stage_mib']:5.0f}  {r['baseline_mib']:13.0f}  | "
+              + "".join(f"{r[f'{m}_peak_mib']:{w}.0f}" for m, w in zip(MODES, (22, 7, 12), strict=True))
+              + " | " + "".join(f"{r[f'{m}_step_peak_mib']:{w}.0f}" for m, w in zip(MODES, (18, 7, 12), strict=True))
+              + f" | {r['lazy_virtual_mib']:12.0f} {r['whole_virtual_mib']:6.0f}")
+    fig = plot(rows, model, args.stages)
     json_path, png_path = result_paths("hf_load_memory", args.quick, args.out_dir)
     write_results(json_path, data, fig, png_path)
     print(f"wrote {json_path} and {png_path}")

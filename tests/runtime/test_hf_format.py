@@ -24,8 +24,9 @@ from hybridpipe.cli import main
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner.plan import save_plan
 from hybridpipe.profiles.zoo import resolve_model
+from hybridpipe.profiles.zoo.registry import build_skeleton
 from hybridpipe.runtime.hf_export import save_safetensors
-from hybridpipe.runtime.lazy import load_initial
+from hybridpipe.runtime.lazy import capture_lazily, load_initial, uncovered
 from hybridpipe.runtime.merged import merge_stages
 from hybridpipe.runtime.parts import build_model
 from hybridpipe.runtime.tensor_files import open_weights
@@ -229,11 +230,12 @@ def test_an_hf_directory_the_files_do_not_cover_is_loaded_whole(tmp_path, caplog
     held.pop("transformer.ln_f.bias")                           # from_pretrained initialises what is missing
     save_file(held, tmp_path / "pretrained" / "model.safetensors", metadata={"format": "pt"})
     spec = resolve_model(f"hf:{tmp_path / 'pretrained'}[seq=8]")
-    plan = make_plan(spec.name, [3], [1, 1], batch_size=2)
-    model = build_model(spec, plan, seed=0)
-    assert model.weights is None and all(p.device.type == "cpu" for p in model.module.parameters())
+    weights = open_weights(tmp_path / "pretrained")
+    assert weights.shape("transformer.wte.weight") == (128, 32)
+    assert "transformer.ln_f.bias" in uncovered(build_skeleton(spec.name), weights)
+    # build_model then loads it whole (from_pretrained), saying why; the plan is not needed to decide
+    assert capture_lazily(spec, spec.example_input(2), None, weights) is None      # type: ignore[arg-type]
     assert "loads the whole of" in caplog.text and "transformer.ln_f.bias" in caplog.text
-    assert open_weights(tmp_path / "pretrained").shape("transformer.wte.weight") == (128, 32)
 
 
 # ---- under launch ----------------------------------------------------------------------------------
