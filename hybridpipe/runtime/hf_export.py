@@ -33,7 +33,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 def save_safetensors(state: dict[str, torch.Tensor], path: Path) -> int:
     """Write ``state`` to ``path`` as safetensors (tensors that share storage once, under their
     first name); the number of tensors written."""
-    from safetensors.torch import save_file
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        raise UserError("--format safetensors needs the safetensors package (pip install safetensors)") from None
 
     seen: dict[tuple[int, int, tuple[int, ...]], str] = {}
     unique: dict[str, torch.Tensor] = {}

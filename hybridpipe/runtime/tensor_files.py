@@ -63,7 +63,10 @@ class SafetensorsWeights:
     """One or more safetensors files (a shard per name from an HF index), read a tensor at a time."""
 
     def __init__(self, files: Mapping[str, Path], where: str) -> None:
-        from safetensors import SafetensorError, safe_open
+        try:
+            from safetensors import SafetensorError, safe_open
+        except ImportError:
+            raise UserError(f"reading {where} needs the safetensors package (pip install safetensors)") from None
 
         self.where = where
         self.file: dict[str, Path] = {}
@@ -97,7 +100,12 @@ class SafetensorsWeights:
     def get(self, name: str) -> torch.Tensor:
         from safetensors import safe_open
 
-        with safe_open(str(self.file[name]), framework="pt", backend="pread") as f:
+        try:
+            opened = safe_open(str(self.file[name]), framework="pt", backend="pread")
+        except TypeError:                   # a safetensors before the pread backend: its memory map, copied
+            with safe_open(str(self.file[name]), framework="pt") as f:
+                return f.get_tensor(name).clone()
+        with opened as f:
             return f.get_tensor(name)
 
 
