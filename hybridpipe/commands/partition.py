@@ -30,7 +30,16 @@ from hybridpipe.partitioner.calibration import load_calibration
 from hybridpipe.partitioner.cluster import load_cluster
 from hybridpipe.partitioner.dp import Progress
 from hybridpipe.partitioner.objective import RECOMPUTE
-from hybridpipe.partitioner.plan import ALGORITHMS, OPTIMIZERS, PRECISIONS, SCHEDULES, STRATEGIES, Plan, save_plan
+from hybridpipe.partitioner.plan import (
+    ALGORITHMS,
+    OPTIMIZER_HELP,
+    OPTIMIZERS,
+    PRECISIONS,
+    SCHEDULES,
+    STRATEGIES,
+    Plan,
+    save_plan,
+)
 from hybridpipe.partitioner.planner import DEFAULT_TIME_BUDGET_S, Outcome, Request, partition
 from hybridpipe.partitioner.schedule_registry import AUTO, auto_candidates, get_schedule
 from hybridpipe.pipeline.simulator import simulate
@@ -74,7 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--micro-batches", type=positive_int, metavar="M",
                         help="micro-batches per step (default: 2 per worker)")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
-                        help="optimizer state kept per weight: sgd momentum 1x, adam 2x (default sgd)")
+                        help="optimizer state kept per weight: sgd momentum 1x, adam and adamw 2x (default sgd; "
+                             f"{OPTIMIZER_HELP})")
     parser.add_argument("--memory-gb", type=memory_gb, metavar="X",
                         help="memory per worker (default: the cluster's)")
     parser.add_argument("--calibration", action="append", default=[], metavar="CAL.json",

@@ -52,7 +52,11 @@ SCHEDULES = tuple(REGISTRY)     # the schedules by name (schedule_registry.py de
 ALGORITHMS = co.ALGORITHMS      # the all-reduce algorithms (collectives.py describes each)
 SECOND_LANE_ALGORITHMS = ("ring", "butterfly", "hierarchical", "torus2d")   # may run on sync lane 1
 STRATEGIES = ("optimal", "pipedream", "dp", "uniform", "params", "time")
-OPTIMIZERS = ("sgd", "adam")
+OPTIMIZERS = ("sgd", "adam", "adamw")
+# what each optimizer name runs (runtime/parts.py make_optimizer), for every --optimizer's help
+OPTIMIZER_HELP = ("sgd: torch.optim.SGD with --momentum; adam: torch.optim.Adam, whose weight decay is L2 (added to "
+                  "the gradient, so scaled by the moments); adamw: torch.optim.AdamW, weight decay decoupled from "
+                  "the moments (what transformer recipes mean by weight decay)")
 # what one profiled (float32) byte of activations, gradients or weights costs on the wire in each precision
 WIRE_BYTES = {"fp32": 1.0, "bf16": 0.5, "fp16": 0.5}
 PRECISIONS = tuple(WIRE_BYTES)

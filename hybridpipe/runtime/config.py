@@ -33,6 +33,7 @@ from hybridpipe.errors import UserError
 from hybridpipe.limits import require_memory
 from hybridpipe.partitioner.calibration import load_calibration
 from hybridpipe.partitioner.plan import (
+    OPTIMIZER_HELP,
     OPTIMIZERS,
     SCHEDULES,
     STRATEGIES,
@@ -89,7 +90,7 @@ class RunConfig:
     eval_every: int = 0               # held-out evaluation every K steps (0: never)
     eval_batches: int = 1             # global batches per evaluation
     eval_dataset: str | None = None   # None: synthetic held-out samples (another seed)
-    init_from: str | None = None      # a state_dict (or merged checkpoint) to start a new run from
+    init_from: str | None = None      # a state_dict, merged checkpoint, .safetensors or HF directory to start from
     planned_s: float | None = None    # seconds rank 0 spent planning (--profile), None with --plan
     loss_normalization: str = "micro-batch"   # or "tokens" (profiles/losses.py); the plan's unless overridden
 
@@ -153,7 +154,7 @@ def build_parser() -> Parser:
     g.add_argument("--micro-batches", type=positive_int, metavar="M",
                    help="micro-batches per step (default: the plan's)")
     g.add_argument("--schedule", choices=SCHEDULES, help="pipeline schedule (default: the plan's)")
-    g.add_argument("--optimizer", choices=OPTIMIZERS, help="optimizer (default: the plan's)")
+    g.add_argument("--optimizer", choices=OPTIMIZERS, help=f"optimizer (default: the plan's); {OPTIMIZER_HELP}")
     g.add_argument("--lr", type=positive_float, default=0.01, help="learning rate (default 0.01)")
     g.add_argument("--momentum", type=nonneg_float, default=0.9, help="SGD momentum (default 0.9; sgd only)")
     g.add_argument("--weight-decay", type=nonneg_float, default=0.0, help="weight decay (default 0)")
@@ -217,9 +218,10 @@ def build_parser() -> Parser:
                    help="continue from the newest usable checkpoint, resharded for this plan if another plan "
                         "wrote it (an empty --checkpoint-dir starts afresh)")
     g.add_argument("--init-from", metavar="MODEL.pt",
-                   help="start a new run from these weights: a state_dict of the model or the output of "
-                        "`hybridpipe merge-checkpoint` (with --with-optimizer: its optimizer state too); with "
-                        "--resume, only when there is no checkpoint yet")
+                   help="start a new run from these weights: a state_dict of the model, the output of "
+                        "`hybridpipe merge-checkpoint` (with --with-optimizer: its optimizer state too), a "
+                        ".safetensors file or a save_pretrained directory; with --resume, only when there is no "
+                        "checkpoint yet")
     g.add_argument("--run-dir", type=output_dir, metavar="R",
                    help="metrics, timeline and summary go here (default runs/<time>)")
     g.add_argument("--trace-dir", type=output_dir, metavar="T", help="per-rank timeline traces (default RUN_DIR/trace)")
@@ -253,9 +255,10 @@ def resolve(args: argparse.Namespace, world_size: int | None = None, planned: Pl
     the plan made at start from ``--profile`` (runtime/replan.py), used instead of ``--plan``.
     """
     check_plan_source(args)
-    if args.init_from is not None and not Path(args.init_from).is_file():
-        raise UserError(f"--init-from {args.init_from}: no such file; pass a state_dict saved with torch.save or "
-                        "the output of `hybridpipe merge-checkpoint`")
+    if args.init_from is not None and not (Path(args.init_from).is_file() or Path(args.init_from).is_dir()):
+        raise UserError(f"--init-from {args.init_from}: no such file; pass a state_dict saved with torch.save, "
+                        "the output of `hybridpipe merge-checkpoint`, a .safetensors file or a save_pretrained "
+                        "directory")
     if (args.checkpoint_every or args.resume) and not args.checkpoint_dir:
         raise UserError("--checkpoint-every and --resume need --checkpoint-dir D (a directory every node can reach)")
     micro_batch_size = args.micro_batch_size if args.micro_batch_size is not None else args.batch_size

@@ -2,10 +2,12 @@
 
 * :func:`load_model`: the model spec, the full model (same seed on every rank, so every rank
   starts from the weights single-process training would) and its captured graph, the whole plan
-  checked against it before any process group exists.
+  checked against it before any process group exists. A model whose weights all come from files
+  (``hf:DIR``) is built with its parameters on the meta device, and each rank reads only its own
+  stages' tensors (:meth:`Model.materialize`; runtime/lazy.py).
 * :func:`make_sync`: HybridDataParallel (summing) for a replicated stage, running the plan's sync
   choices (or launch's overrides), else nothing to sync.
-* :func:`make_optimizer`: SGD (momentum) or Adam over the stage's parameters.
+* :func:`make_optimizer`: SGD (momentum), Adam or AdamW over the stage's parameters.
 * :func:`make_data`: the (step, micro-batch) -> samples source both ends of the pipeline read.
 * :func:`seed_rank`: each rank's own random stream once the model is built.
 * :func:`token_counts`: the bookkeeping of ``--loss-normalization tokens`` (pipeline/tokens.py).
@@ -41,7 +43,9 @@ from hybridpipe.profiles.losses import label_counter
 from hybridpipe.profiles.zoo import ModelSpec, resolve_model
 from hybridpipe.profiles.zoo.registry import batch_rows
 from hybridpipe.runtime.config import RunConfig
+from hybridpipe.runtime.lazy import capture_lazily, load_initial, load_whole, materialize
 from hybridpipe.runtime.sync import describe_override, override_layers, stage_layers, unit_choices
+from hybridpipe.runtime.tensor_files import Weights, open_weights
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +55,25 @@ class Model:
     spec: ModelSpec
     module: nn.Module
     captured: CapturedModel
+    weights: Weights | None = None      # the files the meta parameters are read from (None: all in memory)
+
+    def materialize(self, plan: Plan, stages: Sequence[int]) -> None:
+        """Read the weights of ``stages`` (this rank's) from :attr:`weights`, before building them;
+        nothing to do for a model built whole."""
+        if self.weights is not None:
+            materialize(self.module, self.captured, self.weights, plan, stages)
+            self.weights = None
+
+    def start_from(self, path: str) -> dict | None:
+        """``launch --init-from PATH``: the model's weights from PATH instead (read per stage by
+        :meth:`materialize` when the model was built without them); the name-keyed optimizer state
+        PATH holds, if any (runtime/lazy.py load_initial)."""
+        weights, optimizer = load_initial(path, self.module)
+        if self.weights is not None:
+            self.weights = weights
+        else:
+            load_whole(self.module, weights)
+        return optimizer
 
 
 def load_model(cfg: RunConfig) -> Model:
@@ -63,15 +86,22 @@ def load_model(cfg: RunConfig) -> Model:
 def build_model(spec: ModelSpec, plan: Plan, *, seed: int) -> Model:
     """:func:`load_model` for a resolved spec: the model built after ``torch.manual_seed(seed)``
     (the same weights on every rank), captured with the plan's batch size and granularity, and
-    the whole plan checked against it."""
+    the whole plan checked against it; a spec naming its weights' files is built and captured
+    with its parameters on the meta device when the files cover it (runtime/lazy.py)."""
     torch.manual_seed(seed)
-    module = spec.build()
     example = spec.example_input(plan.batch_size, torch.Generator().manual_seed(seed))
-    captured = capture_model(module, example, granularity=plan.granularity, leaf_modules=spec.leaf_modules)
-    check_captured_plan(captured, plan)
+    weights = open_weights(spec.weights) if spec.weights is not None else None
+    lazy = capture_lazily(spec, example, plan, weights) if weights is not None else None
+    if lazy is not None:
+        module, captured = lazy
+    else:
+        weights = None
+        module = spec.build()
+        captured = capture_model(module, example, granularity=plan.granularity, leaf_modules=spec.leaf_modules)
+        check_captured_plan(captured, plan)
     check_tied(captured, plan)
     check_sync_layers(captured, plan)
-    return Model(spec, module, captured)
+    return Model(spec, module, captured, weights)
 
 
 def check_sync_layers(captured: CapturedModel, plan: Plan) -> None:
@@ -147,7 +177,8 @@ class NoParameters:
 
 
 def make_optimizer(kind: str, params, *, lr: float, momentum: float = 0.0, weight_decay: float = 0.0):
-    """``sgd`` (with momentum) or ``adam`` over ``params``."""
+    """``sgd`` (with momentum), ``adam`` (L2 weight decay, added to the gradient) or ``adamw``
+    (decoupled weight decay) over ``params`` (partitioner/plan.py OPTIMIZER_HELP)."""
     params = [p for p in params if p.requires_grad]
     if not params:
         return NoParameters()
@@ -155,7 +186,9 @@ def make_optimizer(kind: str, params, *, lr: float, momentum: float = 0.0, weigh
         return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
     if kind == "adam":
         return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
-    raise UserError(f"unknown optimizer {kind!r}; choose sgd or adam")
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    raise UserError(f"unknown optimizer {kind!r}; choose sgd, adam or adamw")
 
 
 def make_data(cfg: RunConfig, spec: ModelSpec) -> MicroBatches:

@@ -65,7 +65,8 @@ class Trainer:
     same on every rank), or a factory called after ``torch.manual_seed(seed)``; with the last two
     give ``example`` (one micro-batch of input) and ``loss(output, target)`` (None: the model
     returns its own loss, e.g. a Hugging Face model given ``labels``). ``plan``: a Plan or a path.
-    ``optimizer``: "sgd", "adam" or ``params -> torch.optim.Optimizer`` (default: the plan's).
+    ``optimizer``: "sgd", "adam" (L2 weight decay), "adamw" (decoupled weight decay) or ``params ->
+    torch.optim.Optimizer`` (default: the plan's).
     ``lr_scheduler``: ``optimizer -> torch.optim.lr_scheduler.*`` (stepped once per training step
     on every rank; see runtime/lr.py for launch's schedules). ``clip_grad_norm``: clip by the norm
     of the whole model's gradient (what ``torch.nn.utils.clip_grad_norm_`` on the unsplit model
@@ -116,6 +117,7 @@ class Trainer:
         self.stage_plans, self.replica = plan.stages_of_rank(rank)    # one, or V model chunks (virtual stages)
         self.stage_plan = self.stage_plans[0]
         mine = [s.index for s in self.stage_plans]
+        self.model.materialize(plan, mine)       # hf:DIR built without weights: read this rank's stages only
         self.is_last = len(plan.stages) - 1 in mine
         self.takes_targets = self.model.spec.loss is not None
         self.clip_grad_norm = clip_grad_norm

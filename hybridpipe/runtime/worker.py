@@ -34,7 +34,6 @@ from hybridpipe.runtime.dirlock import DirLock, Holder
 from hybridpipe.runtime.failure import EXIT_PEER_LOST, FailureGuard, default_store, describe_ranks
 from hybridpipe.runtime.groups import Process, init_distributed
 from hybridpipe.runtime.lr import lr_schedule
-from hybridpipe.runtime.merged import load_initial
 from hybridpipe.runtime.metrics import MetricsWriter, Progress, step_record
 from hybridpipe.runtime.parts import Model, load_model, make_data, make_eval_data, weights_digest
 from hybridpipe.runtime.reshard import canonical_names, indexed_optimizer_state, optimizer_names
@@ -61,7 +60,7 @@ def run_worker(cfg: RunConfig, *, print_fn: Callable[[str], None] = print) -> di
     started, or uses the default process group when the caller already made one."""
     entered = time.time()
     model = load_model(cfg)                    # before any process group: a wrong plan fails alone
-    init_optimizer = load_initial(cfg.init_from, model.module) if cfg.init_from else None
+    init_optimizer = model.start_from(cfg.init_from) if cfg.init_from else None
     captured = time.time()
     proc, owned = init_distributed(cfg.backend, cfg.timeout)
     lock = None

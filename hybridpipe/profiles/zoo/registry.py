@@ -72,6 +72,8 @@ class ModelSpec:
     leaf_modules: tuple[type | str, ...] = ()   # module types / class names never split into several nodes
     example: Any = None                         # the user's example batch, if the factory gave one
     sample: Callable[[torch.Generator], Any] | None = None   # one synthetic sample: input, or (input, target)
+    skeleton: Callable[[], nn.Module] | None = None   # the model, loading and running nothing (None: build)
+    weights: str | None = None                  # a safetensors file or directory holding every weight (hf:DIR)
 
     def example_input(self, batch_size: int, generator: torch.Generator | None = None) -> Any:
         """A random input batch of the model's shape and dtype (the user's example when it fits)."""
@@ -204,6 +206,59 @@ def check_options(what: str, name: str, defaults: dict[str, Any], kwargs: dict, 
         if not ok:
             raise UserError(f"{what} option {key}={value} of {name!r} must be {want} "
                             f"(default {default}); e.g. {name}[{key}={default}]")
+
+
+def build_skeleton(spec: str) -> nn.Module:
+    """The model ``spec`` names, built without loading its weights or running it: parameters on the
+    meta device (no memory), buffers as its constructor computes them. What its ``state_dict`` keys
+    and shapes are, and a frame to write a merged state_dict out in the model's own format. A user's
+    factory is only called (its example is not run); one that cannot build with its parameters on
+    the meta device (it loads weights itself, say) is built on the CPU instead."""
+    from hybridpipe.profiles.meta import parameters_on_meta
+
+    text = spec.strip()
+    if text.startswith("hf:"):
+        from hybridpipe.profiles.zoo.hf import hf_spec
+
+        model = hf_spec(text)
+        build, who = model.skeleton or model.build, f"model {text!r}"
+    else:
+        target, kwargs = parse_spec(text)
+        kwargs.pop("leaf", None)
+        if ":" in target:
+            return _factory_skeleton(target, kwargs)
+        model = resolve_model(text)
+        build, who = model.build, f"zoo model {text!r}"
+    try:
+        with parameters_on_meta():
+            return build()
+    except UserError:
+        raise
+    except Exception as e:      # noqa: BLE001 - ours to name: the zoo and hf: models build on the meta device
+        raise UserError(f"cannot build {who} with its parameters on the meta device ({type(e).__name__}: "
+                        f"{_message(e)})") from None
+
+
+def _factory_skeleton(target: str, kwargs: dict) -> nn.Module:
+    """The module a user's factory returns, built with its parameters on the meta device, else on
+    the CPU (as every rank builds it); only a factory that fails on the CPU too is the user's error."""
+    from hybridpipe.profiles.meta import parameters_on_meta
+
+    factory = import_factory(target, "model")
+
+    def module() -> nn.Module:
+        out = call_user(f"your factory `{target}`", factory, **kwargs)
+        first = out[0] if isinstance(out, tuple) and out else out
+        if not isinstance(first, nn.Module):
+            raise UserError(f"{target} must return an nn.Module, or (module, example_input[, loss]); "
+                            f"got {type(out).__name__}")
+        return first
+
+    try:
+        with parameters_on_meta():
+            return module()
+    except UserError:
+        return module()
 
 
 def meta_build(model: ModelSpec, who: str) -> None:
