@@ -193,17 +193,22 @@ class Checkpointer:
                                             "optimizer": restrict_named(named, held[s])}, d / stage_file(s)))
         records.append(atomic_save({"step": steps_done, "rank": self.rank, "engine": engine or {},
                                     "rng": capture_rng(), "extra": extra or {}}, d / rank_file(self.rank)))
-        everyone = self._gather((records, held, digests))
-        _check_tied_copies([dg for _, _, dg in everyone], steps_done)
+        everyone = self._gather((records, held, digests, self._copies(module, chunks)))
+        _check_tied_copies([dg for _, _, dg, _ in everyone], steps_done)
         if self.rank == self.committer:
             self.lineage = self.lineage or uuid.uuid4().hex[:16]
-            files = [r for recs, _, _ in everyone for r in recs]
+            files = [r for recs, _, _, _ in everyone for r in recs]
             index: dict[str, str] = {}
-            for _, by_stage, _ in everyone:
+            for _, by_stage, _, _ in everyone:
                 for s, names in by_stage.items():
                     for n in names:
                         index.setdefault(n, stage_file(s))
-            write_manifest(d, steps_done, files, {**self._meta(time.perf_counter() - t0), "index": index})
+            replicas: dict[str, dict[str, dict[str, str]]] = {}
+            for rank, (_, _, _, copies) in enumerate(everyone):
+                for s, named in copies.items():
+                    replicas.setdefault(str(s), {})[str(rank)] = named
+            write_manifest(d, steps_done, files, {**self._meta(time.perf_counter() - t0), "index": index,
+                                                  "replicas": replicas})
             final, aside = commit(self.root, steps_done, {f.name for f in files})
             if aside is not None:
                 log.warning("an unusable checkpoint was in the way: moved %s aside to %s", final, aside)
@@ -211,6 +216,16 @@ class Checkpointer:
                 log.info("deleted old checkpoint %s", old)
         log.info("checkpoint of step %d written in %.2f s", steps_done, time.perf_counter() - t0)
         return step_dir(self.root, steps_done)
+
+    def _copies(self, module: nn.Module, chunks: Mapping[int, nn.Module] | None) -> dict[int, dict[str, str]]:
+        """This rank's copy of each of its replicated stages: name -> digest of every weight and saved
+        buffer (merge-checkpoint checks that the replicas' agree; runtime/merged.py)."""
+        out = {}
+        for s in self.stages:
+            if self.plan.stages[s].replicas > 1:
+                state = canonical_state((chunks[s] if chunks is not None else module).state_dict(), self.canon)
+                out[s] = {n: tensor_digest([t]) for n, t in state.items() if n not in self.not_mine(s)}
+        return out
 
     def restore(self, module: nn.Module) -> Restored | None:
         """This rank's part of the newest checkpoint usable on every rank, resharded for this plan
