@@ -115,18 +115,15 @@ class RunningStats:
         if extra:
             raise RuntimeError(f"batch statistics of micro-batches {extra} are not among this step's {list(keys)}")
         device = next((b.device for b in self.module.buffers()), torch.device("cpu"))
-        out = torch.zeros(len(keys), self.width, dtype=self.dtype, device=device)
-        norms = [u for u in self.updates if isinstance(u, NormUpdate)]
-        for row, key in enumerate(keys):
+        zeros = torch.zeros(self.width, dtype=self.dtype, device=device)
+        one = torch.ones(1, dtype=self.dtype, device=device)
+        n_norms = sum(isinstance(u, NormUpdate) for u in self.updates)
+        rows = []
+        for key in keys:
             got = self.recorded.get(key)
-            if got is None:
-                continue
-            out[row, 0] = 1
-            for i, u in enumerate(norms):
-                mean, var = got[i]
-                out[row, u.offset:u.offset + u.channels] = mean.reshape(-1)
-                out[row, u.offset + u.channels:u.offset + 2 * u.channels] = var.reshape(-1)
-        return out
+            rows.append(zeros if got is None else torch.cat(
+                [one, *(t.reshape(-1).to(self.dtype) for i in range(n_norms) for t in got[i])]))
+        return torch.stack(rows) if rows else zeros.new_zeros(0, self.width)
 
     def combine(self, keys: Sequence[int], sum_replicas: Callable[[torch.Tensor], None]) -> None:
         """Every replica's statistics of the step's micro-batches ``keys`` (numbered over the run,
@@ -147,16 +144,23 @@ class RunningStats:
         graph order, to the stage's buffers (batch norms of one momentum whose buffers differ
         in one fused step)."""
         n = table.shape[0]
+        buffers = dict(self.module.named_buffers())
         with torch.no_grad():
-            for u in self.updates:                    # integer counters: nobody reads them meanwhile
-                if isinstance(u, CountUpdate) and not self.module.get_buffer(u.buffer).is_floating_point():
-                    self.module.get_buffer(u.buffer).add_(u.amount * n)
+            counters = [buffers[u.buffer] for u in self.updates if isinstance(u, CountUpdate)
+                        and not buffers[u.buffer].is_floating_point()]     # integers: nobody reads them meanwhile
+            amounts = [u.amount * n for u in self.updates if isinstance(u, CountUpdate)
+                       and not buffers[u.buffer].is_floating_point()]
+            for buf, amount in zip(counters, amounts, strict=True):
+                buf.add_(amount)
+            groups = self._groups()
             for row in table:
-                for group in self._groups():
-                    self._apply(group, row)
+                for group in groups:
+                    self._apply(group, row, buffers)
 
     def _groups(self) -> list[list[NormUpdate | CountUpdate]]:
-        """The updates in order, consecutive batch norms of one fixed momentum on distinct buffers together."""
+        """The updates in an order that gives the same result: batch norms in graph order, those
+        of one fixed momentum in one fused step until one repeats a buffer (a layer called twice);
+        counters (nothing reads them, they read nothing) after them."""
         out: list[list[NormUpdate | CountUpdate]] = []
         for u in self.updates:
             last = out[-1] if out else None
@@ -165,26 +169,26 @@ class RunningStats:
                     and last[0].counter is None
                     and u.running_mean not in {v.running_mean for v in last if isinstance(v, NormUpdate)}):
                 last.append(u)
-            else:
+            elif isinstance(u, NormUpdate):
                 out.append([u])
-        return out
+        return out + [[u] for u in self.updates if isinstance(u, CountUpdate)]
 
-    def _apply(self, group: list[NormUpdate | CountUpdate], row: torch.Tensor) -> None:
+    def _apply(self, group: list[NormUpdate | CountUpdate], row: torch.Tensor, buffers: dict[str, torch.Tensor]
+               ) -> None:
         first = group[0]
         if isinstance(first, CountUpdate):
-            buf = self.module.get_buffer(first.buffer)
-            if buf.is_floating_point():
-                buf.add_(first.amount)
+            if buffers[first.buffer].is_floating_point():
+                buffers[first.buffer].add_(first.amount)
             return
         norms = [u for u in group if isinstance(u, NormUpdate)]
         m = first.momentum
         if first.counter is not None:
-            counter = self.module.get_buffer(first.counter)
+            counter = buffers[first.counter]
             counter.add_(1)
             if m is None:
                 m = 1.0 / float(counter)
-        means = [self.module.get_buffer(u.running_mean) for u in norms]
-        variances = [self.module.get_buffer(u.running_var) for u in norms]
+        means = [buffers[u.running_mean] for u in norms]
+        variances = [buffers[u.running_var] for u in norms]
         _mix(means, [_slice(row, u, 0, t) for u, t in zip(norms, means, strict=True)], float(m or 0.0),
              variances, [_slice(row, u, 1, t) for u, t in zip(norms, variances, strict=True)])
 

@@ -112,3 +112,12 @@ class SharedNorm(nn.Module):
 
 def shared_norm(features: int = 12):
     return SharedNorm(features), torch.randn(4, features)
+
+
+def hf_resnet(labels: int = 5):
+    """A tiny Hugging Face ResNet (BatchNorm after every convolution), computing its own loss from ``labels``."""
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    config = ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_labels=labels)
+    example = {"pixel_values": torch.randn(4, 3, 32, 32), "labels": torch.arange(4) % labels}
+    return ResNetForImageClassification(config), example

@@ -29,6 +29,7 @@ CASES = {   # model, cuts, replicas, micro-batches, batch size
     "bn-mlp-cumulative": ("tests.pipeline.bn_models:bn_mlp_cumulative", [4], [2, 2], 4, 4),
     "counted": ("tests.pipeline.bn_models:counted", [0], [2, 2], 4, 4),
     "shared-norm": ("tests.pipeline.bn_models:shared_norm", [0], [1, 2], 4, 4),
+    "hf-resnet": ("tests.pipeline.bn_models:hf_resnet", [1], [2, 2], 4, 2),
 }
 
 
@@ -46,8 +47,13 @@ def plain_loop(model: str, steps: int, micro_batches: int, batch_size: int, *, s
         opt.zero_grad()
         for m in range(micro_batches):
             first = (k * micro_batches + m) * batch_size
-            x, y = default_collate([samples[i] for i in range(first, first + batch_size)])
-            (F.cross_entropy(net(x), y) / micro_batches).backward()
+            batch = default_collate([samples[i] for i in range(first, first + batch_size)])
+            if spec.loss is None:                    # a Hugging Face model computes its own from the labels
+                loss = net(**batch).loss
+            else:
+                x, y = batch
+                loss = F.cross_entropy(net(x), y)
+            (loss / micro_batches).backward()
         opt.step()
         states.append({name: t.detach().clone() for name, t in net.state_dict().items()})
     return states
@@ -97,6 +103,12 @@ def test_replicated_batch_norm_equals_one_process(case, schedule):
     process's (before: each replica counted only its own micro-batches, num_batches_tracked 6
     instead of 12, running_var off)."""
     check(case, schedule)
+
+
+@pytest.mark.slow
+def test_hugging_face_resnet_on_two_by_two_equals_one_process():
+    """transformers' ResNetForImageClassification (BatchNorm2d everywhere, its own loss from ``labels``)."""
+    check("hf-resnet", "1f1b")
 
 
 @pytest.mark.slow
