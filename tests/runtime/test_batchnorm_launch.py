@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch.utils.data import default_collate
 
 from hybridpipe.cli import main
+from hybridpipe.launch import main as launch_main
 from hybridpipe.partitioner.plan import save_plan
 from hybridpipe.profiles.data import resolve_dataset
 from hybridpipe.profiles.zoo import resolve_model
@@ -78,3 +79,17 @@ def test_resnet_small_two_by_two_under_torchrun_merges_into_one_process_state(tm
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "the replicas of stage 0 saved different values of 'stem.1.running_var'" in err[0], err
     assert not (tmp_path / "bad.pt").exists()
+
+
+def test_launch_refuses_an_uncombinable_buffer_on_a_replicated_stage_before_starting(tmp_path, capsys, monkeypatch):
+    """An exponential moving average kept in a buffer by stage 1's forward, stage 1 replicated:
+    one line naming the buffer and what to do, exit 2, before any process group exists."""
+    plan = make_plan("tests.pipeline.bn_models:smoothed", [0], [1, 2], micro_batches=4, batch_size=4)
+    save_plan(plan, tmp_path / "plan.json")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert launch_main(["--plan", str(tmp_path / "plan.json"), "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("hybridpipe.launch: error: stage 1 has 2 replicas and its training "
+                                               "forward changes buffer 'ema'"), err
+    assert "give that layer a stage without replicas" in err[0]
