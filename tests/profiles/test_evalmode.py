@@ -71,6 +71,7 @@ def test_evaluating_an_fx_graph_leaves_its_modules_training(replicas):
     x, y = spec.example_input(4), spec.example_target(4)
     evaluated = stage.forward_eval(stage.data_inputs(x), target=y).loss
     assert all(m.training for m in stage.module.modules())
+    assert int(stage.module.get_buffer("1.num_batches_tracked")) == 0          # evaluation updates nothing
     with torch.no_grad():
         reference = spec.loss(captured.module.eval()(x), y)
     captured.module.train()
