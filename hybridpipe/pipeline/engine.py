@@ -19,8 +19,10 @@ Interfaces (duck-typed, see the project's contracts):
   keys are ``act/<s>/<m>`` and ``grad/<s>/<m>`` (``instructions.message_key``: s the producing
   stage, m the micro-batch's index in its step; see ``schedules.transfer_program`` for the ``sra``
   mode's orders). A message from one chunk of this rank to another never reaches the transport.
-* ``sync``: ``no_sync()`` (context: backward inside it starts no all-reduce) and ``finish()``
-  (wait for the started all-reduces). Gradients must be *summed* across replicas
+* ``sync``: ``no_sync()`` (context: backward inside it starts no all-reduce), ``finish()``
+  (wait for the started all-reduces) and ``sum_replicas(tensor)`` (sum in place across the
+  replicas, blocking: after each step, a replicated chunk's batch-norm statistics;
+  batch_stats.py). Gradients must be *summed* across replicas
   (``HybridDataParallel(..., reduce="sum")``): the schedule's Step applies 1/M (or 1/r).
   ``None`` for an unreplicated stage. With several chunks, a mapping stage index -> sync (each
   chunk's replicas sync its own parameters: ``SyncStart(m, s)`` / ``SyncWait(s)`` name the chunk).
@@ -80,7 +82,7 @@ from hybridpipe.pipeline.instructions import (
     message_key,
 )
 from hybridpipe.pipeline.memory import MemoryMeter, optimizer_tensors, tensors_bytes
-from hybridpipe.pipeline.schedules import Topology, check_schedulable, rank_program, settle_phase
+from hybridpipe.pipeline.schedules import Topology, check_schedulable, forwarded, rank_program, settle_phase
 from hybridpipe.pipeline.splitback import WeightWork
 from hybridpipe.pipeline.stage import Activation, PipelineStage
 from hybridpipe.pipeline.stash import WeightStash, needs_frozen
@@ -111,6 +113,9 @@ class LocalSync:
 
     def finish(self) -> None:
         pass
+
+    def sum_replicas(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` in place across the stage's replicas: one replica, nothing to add."""
 
 
 @dataclass
@@ -179,6 +184,7 @@ class PipelineEngine:
         self._settled: int | None = None    # step after which messages in transit were received early
         self._settle = settle_phase(topo, schedule)
         self._programs: dict[tuple[int, bool], list[Instruction]] = {}
+        self._forwarded: dict[tuple[int, int, bool], tuple[int, ...]] = {}    # (stage, phase, drain): all replicas
         self._local: dict[str, dict[str, torch.Tensor]] = {}    # messages from one chunk of this rank to another
 
     # ---- public ------------------------------------------------------------------------
@@ -227,6 +233,7 @@ class PipelineEngine:
             if recorder is not None and phase is not None:
                 recorder.record(phase, g, t0, self.clock(), getattr(ins, "stage", None))
         result.peak_memory_bytes = self.meter.end_step()
+        self._combine_stats(step, drain)
         self._last_step = step
         self.phase = 0 if drain else self.phase + 1     # the same on every rank
         return result
@@ -295,7 +302,7 @@ class PipelineEngine:
         elif isinstance(ins, Forward):
             params = self.stash.forward_params(g, g in frozen) if self.stash else None
             with self.meter.forward(), self.compute_context():
-                act = self._acts[key] = stage.forward(self._inputs.pop(key), params=params)
+                act = self._acts[key] = stage.forward(self._inputs.pop(key), params=params, micro_batch=g)
             self.meter.hold(key, act.inputs, act.outputs, act.output)
         elif isinstance(ins, SendActivations):
             out = self._acts[key].outputs
@@ -357,6 +364,17 @@ class PipelineEngine:
         synced = (s, g) in self._sync_next
         self._sync_next.discard((s, g))
         return contextlib.nullcontext() if synced else self.syncs[s].no_sync()
+
+    def _combine_stats(self, step: int, drain: bool) -> None:
+        """Replicated chunks: every replica's running statistics of the step's micro-batches,
+        replayed in micro-batch order (batch_stats.py: one sum over the chunk's replicas)."""
+        M = self.topo.micro_batches
+        for s, stage in sorted(self.stages.items()):
+            if stage.stats is not None and stage.stats.combines:
+                key = (s, min(self.phase, self._settle), drain)
+                if key not in self._forwarded:
+                    self._forwarded[key] = forwarded(self.topo, self.schedule, s, phase=key[1], drain=drain)
+                stage.stats.combine([step * M + m for m in self._forwarded[key]], self.syncs[s].sum_replicas)
 
     def _execute_step_level(self, ins: Instruction, result: StepResult) -> None:
         if isinstance(ins, SyncWait):

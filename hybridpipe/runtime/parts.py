@@ -214,10 +214,19 @@ def make_eval_data(cfg: RunConfig, spec: ModelSpec) -> MicroBatches:
 
 
 def weights_digest(module: nn.Module) -> str:
-    """SHA-256 of every parameter (names, dtypes, shapes and bytes). Buffers are left out: like
-    BatchNorm's running statistics, they may differ between replicas that saw different data."""
+    """SHA-256 of every parameter (names, dtypes, shapes and bytes)."""
+    return _digest(module.named_parameters())
+
+
+def buffers_digest(module: nn.Module) -> str:
+    """SHA-256 of every buffer, saved or not (BatchNorm's running statistics, which replicas combine
+    exactly, and constants such as rotary frequencies)."""
+    return _digest(module.named_buffers())
+
+
+def _digest(named) -> str:
     h = hashlib.sha256()
-    for name, p in module.named_parameters():
+    for name, p in named:
         t = p.detach().cpu().contiguous()
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())

@@ -138,8 +138,8 @@ class Trainer:
             if self.loss_normalization == "tokens" else None
         loss_fn = loss_of(self.model.spec.loss) if self.tokens else self.watch.wrap_loss(as_mean(loss_of(
             self.model.spec.loss)))
-        self.stages = [build_stage_index(self.model.captured, ranges, s.index, loss=loss_fn,
-                                         recompute=s.recompute).to(self.proc.device) for s in self.stage_plans]
+        self.stages = [build_stage_index(self.model.captured, ranges, s.index, loss=loss_fn, recompute=s.recompute,
+                                         replicas=s.replicas).to(self.proc.device) for s in self.stage_plans]
         self.module = rank_module([st.module for st in self.stages])     # every chunk's parameters, each once
         self._uncounted = _repeated_tied(plan, mine, self.model.module)
         self.syncs = {s.index: make_sync(plan, st.module, s, groups.get(s.index),

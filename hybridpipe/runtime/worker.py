@@ -35,7 +35,7 @@ from hybridpipe.runtime.failure import EXIT_PEER_LOST, FailureGuard, default_sto
 from hybridpipe.runtime.groups import Process, init_distributed
 from hybridpipe.runtime.lr import lr_schedule
 from hybridpipe.runtime.metrics import MetricsWriter, Progress, step_record
-from hybridpipe.runtime.parts import Model, load_model, make_data, make_eval_data, weights_digest
+from hybridpipe.runtime.parts import Model, buffers_digest, load_model, make_data, make_eval_data, weights_digest
 from hybridpipe.runtime.reshard import canonical_names, indexed_optimizer_state, optimizer_names
 from hybridpipe.runtime.restarts import (
     append_log,
@@ -223,6 +223,8 @@ def _train(cfg: RunConfig, proc: Process, model: Model, closers: list, print_fn,
     _close_all(closers)
     if stage_plan.replicas > 1:
         report.digest = weights_digest(trainer.module)
+        report.buffers = buffers_digest(trainer.module)
+        report.combined = {st.index: st.stats.buffers for st in trainer.stages if st.stats and st.stats.combines}
         report.sync = sync_report(trainer.syncs[stage_plan.index], stage_plan)
         report.more_sync = {s.index: ran for s in stage_plans[1:]
                             if (ran := sync_report(trainer.syncs[s.index], s)) is not None}
