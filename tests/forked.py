@@ -9,7 +9,8 @@ process on request.
 
 A forked process is a real process: its own memory, sockets, signals, exit code and stdout and
 stderr, gloo over 127.0.0.1. It starts as a new one would after its imports: with the
-environment, working directory and command line it is given, Python's and numpy's random
+environment, working directory and command line it is given (PYTHONPATH's folders put first on
+sys.path), Python's and numpy's random
 generators seeded from the OS and torch's at its default seed (as the server had it); it ends as
 the interpreter would (the function's exit code, 1 with the traceback on an uncaught exception,
 -N when killed by signal N; non-daemon threads joined, atexit handlers run).
@@ -104,6 +105,9 @@ def _enter(fn: Callable[..., Any], args: tuple, env: dict[str, str], argv: list[
         os.dup2(opened, fd)
         os.close(opened)
     sys.argv = argv
+    for entry in reversed(env.get("PYTHONPATH", "").split(os.pathsep)):    # as a new interpreter's sys.path
+        if entry and entry not in sys.path:
+            sys.path.insert(0, entry)
     random.seed()
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()

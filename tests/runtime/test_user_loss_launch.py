@@ -1,9 +1,9 @@
 """The user's own loss on a Hugging Face model, token-weighted, under real processes: a factory
 module written here (GPT-2 with a label-smoothing loss returning (loss_sum, count), a dataset of
 token sequences padded per batch with -100 labels) goes through ``hybridpipe profile``,
-``partition --loss-normalization tokens`` and torchrun + ``hybridpipe.launch`` on 2 stages x 2
-replicas; every step's reported loss and the merged weights equal a plain single-process loop that
-takes each step's 8 samples as ONE batch (within 1e-6)."""
+``partition --loss-normalization tokens`` and ``hybridpipe.launch`` on 2 stages x 2 replicas (4
+rank processes; torchrun itself: test_launch.py); every step's reported loss and the merged
+weights equal a plain single-process loop that takes each step's 8 samples as ONE batch (within 1e-6)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hybridpipe.cli import main
-from tests.runtime.jobs import ROOT, max_diff, torchrun
+from tests.runtime.jobs import ROOT, launch, max_diff
 
 pytest.importorskip("transformers")
 
@@ -96,11 +96,11 @@ def test_user_loss_on_hf_model_token_weighted_through_profile_partition_launch(t
     written = json.loads(plan.read_text())
     assert written["loss_normalization"] == "tokens" and [s["replicas"] for s in written["stages"]] == [2, 2]
 
-    done = torchrun(["--plan", str(plan), "--steps", str(STEPS), "--dataset", "myloss:ragged", "--lr", str(LR),
-                     "--momentum", str(MOMENTUM), "--checkpoint-dir", str(ckpt), "--run-dir", str(run),
-                     "--no-progress", "--no-trace", "--timeout", "120"], 4, timeout=300,
-                    env={"PYTHONPATH": f"{ROOT}:{tmp_path}"}, entry=["-m", "hybridpipe.launch"])
-    assert done.returncode == 0, done
+    done = launch(["--plan", str(plan), "--steps", str(STEPS), "--dataset", "myloss:ragged", "--lr", str(LR),
+                   "--momentum", str(MOMENTUM), "--checkpoint-dir", str(ckpt), "--run-dir", str(run),
+                   "--no-progress", "--no-trace", "--timeout", "120"], 4, timeout=300,
+                  env={"PYTHONPATH": f"{ROOT}:{tmp_path}"})
+    assert all(r.returncode == 0 for r in done), done
     summary = json.loads((run / "summary.json").read_text())
     assert summary["loss_normalization"] == "tokens" and all(summary["replicas_identical"].values()), summary
 
