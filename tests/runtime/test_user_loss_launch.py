@@ -15,7 +15,9 @@ import pytest
 import torch
 
 from hybridpipe.cli import main
+from hybridpipe.partitioner.plan import load_plan
 from tests.runtime.jobs import ROOT, launch, max_diff
+from tests.runtime.test_hf_launch import merge_keeps_the_tie_and_refuses_differing_copies
 
 pytest.importorskip("transformers")
 
@@ -83,7 +85,7 @@ def one_process(module) -> tuple[dict[str, torch.Tensor], list[float]]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
 
 
-def test_user_loss_on_hf_model_token_weighted_through_profile_partition_launch(tmp_path, monkeypatch):
+def test_user_loss_on_hf_model_token_weighted_through_profile_partition_launch(tmp_path, monkeypatch, capsys):
     (tmp_path / "myloss.py").write_text(FACTORY)
     monkeypatch.syspath_prepend(str(tmp_path))
     profile, plan, ckpt, run = (tmp_path / n for n in ("profile.json", "plan.json", "ckpt", "run"))
@@ -112,3 +114,8 @@ def test_user_loss_on_hf_model_token_weighted_through_profile_partition_launch(t
     assert main(["merge-checkpoint", str(ckpt), "-o", str(merged)]) == 0
     state = torch.load(merged, weights_only=True)
     assert max_diff(state, weights) <= 1e-6
+
+    # the embedding tied to the head, cut apart: merged still tied; a differing copy is refused
+    cut = load_plan(plan)
+    assert [(t.param, t.stages) for t in cut.tied] == [("transformer.wte.weight", (0, 1))]
+    merge_keeps_the_tie_and_refuses_differing_copies(tmp_path, cut, ckpt, STEPS, "transformer.wte.weight", capsys)
