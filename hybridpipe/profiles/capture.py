@@ -46,7 +46,7 @@ from hybridpipe.profiles.export_support import (
     custom_functions,
     export_failure_message,
     first_line,
-    function_callers,
+    function_refusal,
     quiet_failures,
     side_effect_free,
 )
@@ -275,31 +275,11 @@ def _keeping_functions(model: nn.Module, args: tuple, kwargs: dict, functions: l
             kept = custom_functions(captured.graph(*args, *captured.constants.values()))
         lost = [f for f in functions if f not in kept]
     if lost:
-        raise UserError(_function_refusal(model, args, kwargs, lost, leaf_modules))
+        raise UserError(function_refusal(model, args, kwargs, lost, [_leaf_name(x) for x in leaf_modules]))
     if captured.front_end == "fx":
         log.warning("%s calls custom autograd Functions (%s): captured with torch.fx, the leaf modules run as "
                     "written", type(model).__name__, ", ".join(functions))
     return captured
-
-
-def _function_refusal(model: nn.Module, args: tuple, kwargs: dict, functions: list[str],
-                      leaf_modules: tuple[type | str, ...]) -> str:
-    """One line: which Functions, called in which module's forward, and which --leaf keeps them."""
-    root = type(model).__name__
-    callers = function_callers(model, args, kwargs)
-    owners = list(dict.fromkeys(callers.get(f, "") for f in functions))
-    outside = f" outside the leaf modules ({', '.join(map(_leaf_name, leaf_modules))})" if leaf_modules else ""
-    where = ", ".join(f"{o}.forward" for o in owners if o)
-    classes = [o for o in owners if o and o != root]
-    fixes = [f"keep {' and '.join(classes)} whole with {' '.join(f'--leaf {c}' for c in classes)} (then it runs as "
-             "written, as one call inside the graph, its own backward kept)"] if classes else []
-    if root in owners:
-        fixes.append(f"move the call out of {root}.forward into a submodule and keep that whole with --leaf CLASS")
-    if "" in owners:
-        fixes.append("keep the module that calls it whole with --leaf CLASS")
-    return (f"{root} calls the custom torch.autograd.Function {', '.join(functions)}{outside}"
-            f"{f' (in {where})' if where else ''}, whose own backward torch.export would replace by the derivative "
-            f"of its forward; {'; '.join(fixes)}")
 
 
 def _leaf_name(leaf: type | str) -> str:

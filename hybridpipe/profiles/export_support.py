@@ -138,6 +138,27 @@ def side_effect_free(model: nn.Module) -> Iterator[None]:
                 b.copy_(saved[name])
 
 
+def function_refusal(model: nn.Module, args: tuple, kwargs: dict, functions: list[str],
+                     leaves: list[str]) -> str:
+    """One line: which custom autograd Functions (outside the ``leaves``), called in which module's
+    forward, and which --leaf keeps them."""
+    root = type(model).__name__
+    callers = function_callers(model, args, kwargs)
+    owners = list(dict.fromkeys(callers.get(f, "") for f in functions))
+    outside = f" outside the leaf modules ({', '.join(leaves)})" if leaves else ""
+    where = ", ".join(f"{o}.forward" for o in owners if o)
+    classes = [o for o in owners if o and o != root]
+    fixes = [f"keep {' and '.join(classes)} whole with {' '.join(f'--leaf {c}' for c in classes)} (then it runs as "
+             "written, as one call inside the graph, its own backward kept)"] if classes else []
+    if root in owners:
+        fixes.append(f"move the call out of {root}.forward into a submodule and keep that whole with --leaf CLASS")
+    if "" in owners:
+        fixes.append("keep the module that calls it whole with --leaf CLASS")
+    return (f"{root} calls the custom torch.autograd.Function {', '.join(functions)}{outside}"
+            f"{f' (in {where})' if where else ''}, whose own backward torch.export would replace by the derivative "
+            f"of its forward; {'; '.join(fixes)}")
+
+
 def export_failure_message(model: nn.Module, error: BaseException) -> str:
     """One line: what torch.export could not capture, where in the user's code, and what to do."""
     frame = user_frame(error)
