@@ -65,8 +65,8 @@ def make_reducers(group, cluster_file: str, aggregator: str | None, calibration=
     import torch.distributed as dist
 
     from hybridpipe.comm.allreduce import AllReducer, GroupCosts
-    from hybridpipe.partitioner.cluster import load_cluster
-    from hybridpipe.partitioner.costmodel import CostModel
+    from hybridpipe.partitioner.cost.cluster import load_cluster
+    from hybridpipe.partitioner.cost.costmodel import CostModel
     cluster = load_cluster(cluster_file)
     ranks = tuple(range(dist.get_world_size(group)))
     plain = AllReducer(group, costs=GroupCosts(CostModel(cluster, calibration), ranks), downward=downward)
@@ -82,7 +82,7 @@ def make_reducers(group, cluster_file: str, aggregator: str | None, calibration=
 def worker_calibration(args: argparse.Namespace):
     """The calibration ``auto`` prices with: a file, measured here first (``--calibrate``), or none."""
     from hybridpipe.comm.allreduce.bench import calibrate_group
-    from hybridpipe.partitioner.calibration import load_calibration
+    from hybridpipe.partitioner.cost.calibration import load_calibration
     if args.calibration_file:
         return load_calibration(args.calibration_file)
     if args.calibrate:
@@ -318,7 +318,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit("give --calibration FILE or --calibrate, not both")
     json_path, png_path = result_paths("allreduce_sweep" + (f"_{args.tag}" if args.tag else ""), quick, args.out)
     if args.calibration:
-        from hybridpipe.partitioner.calibration import load_calibration
+        from hybridpipe.partitioner.cost.calibration import load_calibration
         load_calibration(args.calibration)            # fail here, not in every worker
     started = time.monotonic()
     load_before = [round(x, 2) for x in os.getloadavg()]

@@ -70,7 +70,7 @@ from benchmarks.common import (  # noqa: E402
 )
 from benchmarks.torch_side import LR, MOMENTUM, SEED, TORCH_LOOPED, TORCH_V, theirs  # noqa: E402
 from hybridpipe.comm.local import describe_failures, run_local  # noqa: E402
-from hybridpipe.partitioner.cluster import Cluster, Level  # noqa: E402
+from hybridpipe.partitioner.cost.cluster import Cluster, Level  # noqa: E402
 from hybridpipe.partitioner.plan import Plan, load_plan, save_plan  # noqa: E402
 from hybridpipe.partitioner.planner import Request, partition  # noqa: E402
 from hybridpipe.partitioner.schedule_registry import get_schedule  # noqa: E402

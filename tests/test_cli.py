@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from hybridpipe.cli import main
-from hybridpipe.partitioner.calibration import Calibration, LinkFit, save_calibration
-from hybridpipe.partitioner.cluster import Cluster, Level
+from hybridpipe.partitioner.cost.calibration import Calibration, LinkFit, save_calibration
+from hybridpipe.partitioner.cost.cluster import Cluster, Level
 from hybridpipe.partitioner.plan import LayerSync, Plan, Stage, save_plan
 from hybridpipe.profiles.format import load_profile
 

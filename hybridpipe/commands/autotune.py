@@ -1,7 +1,7 @@
 """``hybridpipe autotune PROFILE --cluster C --steps N -- COMMAND ...``: plan, run, refine, re-plan.
 
 Each round makes every strategy's plan with the model refined by all runs so far
-(``partitioner/refine.py``), picks the next plan to run (``partitioner/tuning.py``: the best
+(``partitioner/refine/refinement.py``), picks the next plan to run (``partitioner/refine/tuning.py``: the best
 predicted, or a runner-up when the ranking is close), writes it to ``OUT/plans/plan-K.json``
 and runs the user's own command line for N steps: ``{plan}``, ``{run_dir}`` and ``{steps}`` in
 its arguments are replaced by the plan's path, ``OUT/runs/run-K`` and N. The command is run as
@@ -37,13 +37,13 @@ from hybridpipe.commands.refining import Refined, describe, load_run, refine_fro
 from hybridpipe.commands.show import table
 from hybridpipe.errors import UserError, one_line
 from hybridpipe.jsonfile import write_json
-from hybridpipe.partitioner.calibration import Calibration, load_calibration
-from hybridpipe.partitioner.cluster import Cluster, load_cluster
-from hybridpipe.partitioner.observed import RunObservation
+from hybridpipe.partitioner.cost.calibration import Calibration, load_calibration
+from hybridpipe.partitioner.cost.cluster import Cluster, load_cluster
 from hybridpipe.partitioner.plan import ALGORITHMS, OPTIMIZERS, SCHEDULES, STRATEGIES, save_plan
 from hybridpipe.partitioner.planner import Request, partition
-from hybridpipe.partitioner.refine import predict_run
-from hybridpipe.partitioner.tuning import (
+from hybridpipe.partitioner.refine.observed import RunObservation
+from hybridpipe.partitioner.refine.refinement import predict_run
+from hybridpipe.partitioner.refine.tuning import (
     Candidate,
     Trial,
     decide,

@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     if cfg.aggregator:
         notes.append(f"aggregator measured on a dedicated process at {cfg.aggregator}")
     cal = calibrate(result, args.level or "", notes)
-    from hybridpipe.partitioner.calibration import save_calibration
+    from hybridpipe.partitioner.cost.calibration import save_calibration
     out = save_calibration(cal, args.output)
     print(table(cal.samples, cal.world_size))
     print()

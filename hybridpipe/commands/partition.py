@@ -4,7 +4,7 @@ Prints the plan as a table (one row per stage, the bottleneck marked), the predi
 and throughput, and how plain data parallelism on the same workers compares; ``--compare``
 adds every strategy side by side, ``--layers`` every layer's all-reduce choice.
 ``--refine RUN_DIR ...`` first corrects the profile and calibration with what those runs measured
-(``partitioner/refine.py``; ``--save-refined DIR`` keeps the corrected files for later plans).
+(``partitioner/refine/refinement.py``; ``--save-refined DIR`` keeps the corrected files for later plans).
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ from hybridpipe.commands.refining import describe, load_run, refine_from_runs, s
 from hybridpipe.commands.show import human_bytes, table
 from hybridpipe.errors import UserError
 from hybridpipe.limits import require_memory
-from hybridpipe.partitioner.calibration import load_calibration
-from hybridpipe.partitioner.cluster import load_cluster
-from hybridpipe.partitioner.dp import Progress
-from hybridpipe.partitioner.objective import RECOMPUTE
+from hybridpipe.partitioner.cost.calibration import load_calibration
+from hybridpipe.partitioner.cost.cluster import load_cluster
 from hybridpipe.partitioner.plan import ALGORITHMS, OPTIMIZERS, PRECISIONS, SCHEDULES, STRATEGIES, Plan, save_plan
 from hybridpipe.partitioner.planner import Outcome, Request, partition
 from hybridpipe.partitioner.schedule_registry import AUTO, auto_candidates
+from hybridpipe.partitioner.search.dp import Progress
+from hybridpipe.partitioner.search.objective import RECOMPUTE
 from hybridpipe.pipeline.simulator import simulate
 from hybridpipe.profiles.format import load_profile
 

@@ -12,8 +12,8 @@ import re
 from hybridpipe.argtypes import nonneg_int
 from hybridpipe.errors import UserError
 from hybridpipe.jsonfile import read_json
-from hybridpipe.partitioner.calibration import CALIBRATION_KIND, Calibration
-from hybridpipe.partitioner.cluster import CLUSTER_KIND, Cluster
+from hybridpipe.partitioner.cost.calibration import CALIBRATION_KIND, Calibration
+from hybridpipe.partitioner.cost.cluster import CLUSTER_KIND, Cluster
 from hybridpipe.partitioner.plan import PLAN_KIND, Plan
 from hybridpipe.profiles.format import PROFILE_KIND, Profile, ProfileNode
 

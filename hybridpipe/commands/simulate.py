@@ -15,8 +15,8 @@ from hybridpipe.argtypes import output_file, positive_int
 from hybridpipe.commands.show import table
 from hybridpipe.errors import UserError
 from hybridpipe.limits import require_memory
-from hybridpipe.partitioner.calibration import load_calibration
-from hybridpipe.partitioner.costmodel import CostModel
+from hybridpipe.partitioner.cost.calibration import load_calibration
+from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.plan import SCHEDULES, WIRE_BYTES, Plan, load_plan
 from hybridpipe.pipeline.schedules import Topology, check_schedulable
 from hybridpipe.pipeline.simtrace import draw_timeline, write_chrome_trace

@@ -35,8 +35,8 @@ from pathlib import Path
 
 from hybridpipe.errors import UserError
 from hybridpipe.jsonfile import check_header, field, read_json, write_json
-from hybridpipe.partitioner import collectives as co
-from hybridpipe.partitioner.cluster import Cluster
+from hybridpipe.partitioner.cost import collectives as co
+from hybridpipe.partitioner.cost.cluster import Cluster
 from hybridpipe.partitioner.schedule_registry import REGISTRY
 
 PLAN_KIND = "plan"

@@ -14,22 +14,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from hybridpipe.errors import UserError
-from hybridpipe.partitioner import dp
-from hybridpipe.partitioner.calibration import Calibration
-from hybridpipe.partitioner.cluster import Cluster
-from hybridpipe.partitioner.costmodel import CostModel
-from hybridpipe.partitioner.cuts import blocked_message
-from hybridpipe.partitioner.modelcosts import ModelCosts, model_costs
-from hybridpipe.partitioner.objective import (
-    Evaluation,
-    Options,
-    StageSpec,
-    evaluate,
-    inflight_micro_batches,
-    memory_bytes,
-    predict_step_ms,
-)
-from hybridpipe.partitioner.pipedream import pipedream_stages
+from hybridpipe.partitioner.cost.calibration import Calibration
+from hybridpipe.partitioner.cost.cluster import Cluster
+from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.plan import (
     ALGORITHMS,
     OPTIMIZERS,
@@ -41,9 +28,22 @@ from hybridpipe.partitioner.plan import (
     TiedGroup,
 )
 from hybridpipe.partitioner.schedule_registry import AUTO, REGISTRY, auto_candidates, get_schedule
-from hybridpipe.partitioner.strategies import baseline_stages
+from hybridpipe.partitioner.search import dp
+from hybridpipe.partitioner.search.cuts import blocked_message
+from hybridpipe.partitioner.search.modelcosts import ModelCosts, model_costs
+from hybridpipe.partitioner.search.objective import (
+    Evaluation,
+    Options,
+    StageSpec,
+    evaluate,
+    inflight_micro_batches,
+    memory_bytes,
+    predict_step_ms,
+)
+from hybridpipe.partitioner.search.pipedream import pipedream_stages
+from hybridpipe.partitioner.search.strategies import baseline_stages
+from hybridpipe.partitioner.search.virtual import Simulate, check_virtual, virtual_plan
 from hybridpipe.partitioner.tied import tied_groups
-from hybridpipe.partitioner.virtual import Simulate, check_virtual, virtual_plan
 from hybridpipe.profiles.format import Profile
 
 MICRO_BATCHES_PER_WORKER = 2      # default micro-batches per step: enough to keep every stage busy

@@ -32,7 +32,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from hybridpipe.partitioner.costmodel import CostModel
+from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.plan import WIRE_BYTES, Plan
 from hybridpipe.partitioner.schedule_registry import get_schedule
 from hybridpipe.pipeline.instructions import (

@@ -30,7 +30,7 @@ from hybridpipe.comm.hybrid_dp import POLICIES
 from hybridpipe.comm.p2p import MODES
 from hybridpipe.errors import UserError
 from hybridpipe.limits import require_memory
-from hybridpipe.partitioner.calibration import load_calibration
+from hybridpipe.partitioner.cost.calibration import load_calibration
 from hybridpipe.partitioner.plan import (
     OPTIMIZERS,
     SCHEDULES,

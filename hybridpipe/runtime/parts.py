@@ -25,8 +25,8 @@ from torch import nn
 from hybridpipe.comm.allreduce import GroupCosts
 from hybridpipe.comm.hybrid_dp import HybridDataParallel
 from hybridpipe.errors import UserError
-from hybridpipe.partitioner.calibration import load_calibration
-from hybridpipe.partitioner.costmodel import CostModel
+from hybridpipe.partitioner.cost.calibration import load_calibration
+from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.plan import Plan, Stage
 from hybridpipe.partitioner.tied import shared_across
 from hybridpipe.pipeline import LocalSync, MicroBatches

@@ -18,7 +18,7 @@ import time
 import torch.distributed as dist
 
 from hybridpipe.errors import UserError, one_line
-from hybridpipe.partitioner.cluster import load_cluster
+from hybridpipe.partitioner.cost.cluster import load_cluster
 from hybridpipe.partitioner.plan import Plan
 from hybridpipe.partitioner.planner import Request, partition
 from hybridpipe.profiles.format import load_profile

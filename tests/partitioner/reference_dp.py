@@ -28,10 +28,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hybridpipe.partitioner.calibration import LinkFit
-from hybridpipe.partitioner.costmodel import CostModel
-from hybridpipe.partitioner.modelcosts import ModelCosts
-from hybridpipe.partitioner.objective import OPTIMIZER_STATES, Options, StageSpec, busiest_share, overhead_ms
+from hybridpipe.partitioner.cost.calibration import LinkFit
+from hybridpipe.partitioner.cost.costmodel import CostModel
+from hybridpipe.partitioner.search.modelcosts import ModelCosts
+from hybridpipe.partitioner.search.objective import OPTIMIZER_STATES, Options, StageSpec, busiest_share, overhead_ms
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridpipe.errors import UserError
-from hybridpipe.partitioner.modelcosts import model_costs
-from hybridpipe.partitioner.pipedream import pipedream_stages
 from hybridpipe.partitioner.planner import Request, partition
-from hybridpipe.partitioner.strategies import balanced_sizes, baseline_stages
+from hybridpipe.partitioner.search.modelcosts import model_costs
+from hybridpipe.partitioner.search.pipedream import pipedream_stages
+from hybridpipe.partitioner.search.strategies import balanced_sizes, baseline_stages
 from hybridpipe.profiles.format import Profile
 from tests.partitioner.synth import flat_cluster, make_profile, two_level
 

@@ -9,11 +9,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hybridpipe.partitioner import dp
-from hybridpipe.partitioner.costmodel import CostModel
-from hybridpipe.partitioner.modelcosts import model_costs
-from hybridpipe.partitioner.objective import Options, StageSpec, evaluate
-from hybridpipe.partitioner.strategies import baseline_stages
+from hybridpipe.partitioner.cost.costmodel import CostModel
+from hybridpipe.partitioner.search import dp
+from hybridpipe.partitioner.search.modelcosts import model_costs
+from hybridpipe.partitioner.search.objective import Options, StageSpec, evaluate
+from hybridpipe.partitioner.search.strategies import baseline_stages
 from tests.partitioner.synth import brute_force, flat_cluster, make_profile, two_level
 
 LAYER = st.tuples(st.sampled_from([0.0, 0.3, 2.0, 9.0]), st.sampled_from([0.0, 0.5, 4.0, 20.0]),

@@ -17,14 +17,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hybridpipe.partitioner import dp, fastlines
-from hybridpipe.partitioner.cluster import Cluster, Level
-from hybridpipe.partitioner.costmodel import CostModel
-from hybridpipe.partitioner.modelcosts import model_costs
-from hybridpipe.partitioner.objective import Options, evaluate, predict_step_ms
+from hybridpipe.partitioner.cost import fastlines
+from hybridpipe.partitioner.cost.cluster import Cluster, Level
+from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.plan import ALGORITHMS
-from hybridpipe.partitioner.stageterms import StageTerms
-from hybridpipe.partitioner.strategies import baseline_stages
+from hybridpipe.partitioner.search import dp
+from hybridpipe.partitioner.search.modelcosts import model_costs
+from hybridpipe.partitioner.search.objective import Options, evaluate, predict_step_ms
+from hybridpipe.partitioner.search.stageterms import StageTerms
+from hybridpipe.partitioner.search.strategies import baseline_stages
 from tests.partitioner import reference_dp
 from tests.partitioner.synth import make_profile
 

@@ -6,10 +6,10 @@ import dataclasses
 
 import pytest
 
-from hybridpipe.partitioner.costmodel import CostModel
-from hybridpipe.partitioner.modelcosts import model_costs
-from hybridpipe.partitioner.objective import Options, StageSpec, evaluate, predict_step_ms
+from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.planner import build_plan
+from hybridpipe.partitioner.search.modelcosts import model_costs
+from hybridpipe.partitioner.search.objective import Options, StageSpec, evaluate, predict_step_ms
 from hybridpipe.pipeline.simulator import simulate
 from tests.partitioner.synth import flat_cluster, make_profile
 
@@ -63,7 +63,7 @@ def test_overhead_adds_to_the_busy_time_the_prediction_and_the_simulation():
 
 
 def test_measured_overlap_slowdown_stretches_every_all_reduce_and_survives_a_round_trip(tmp_path):
-    from hybridpipe.partitioner.calibration import Calibration, LinkFit, load_calibration, save_calibration
+    from hybridpipe.partitioner.cost.calibration import Calibration, LinkFit, load_calibration, save_calibration
     fit = LinkFit(1e-4, 1e-8)
     plain = Calibration(4, 4, "gloo", "cpu", "", 1e-10, fit, {"ring": fit, "butterfly": fit})
     slowed = dataclasses.replace(plain, interference_s_per_byte=3e-9, overlap_slowdown=1.5)

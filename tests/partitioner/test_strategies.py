@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridpipe.errors import UserError
-from hybridpipe.partitioner.modelcosts import model_costs
-from hybridpipe.partitioner.pipedream import pipedream_stages
-from hybridpipe.partitioner.strategies import balanced_sizes, baseline_stages, uniform_sizes
+from hybridpipe.partitioner.search.modelcosts import model_costs
+from hybridpipe.partitioner.search.pipedream import pipedream_stages
+from hybridpipe.partitioner.search.strategies import balanced_sizes, baseline_stages, uniform_sizes
 from tests.partitioner.synth import flat_cluster, make_profile, two_level
 
 LAYERS = [(2.0, 4.0, 1_000_000, 100_000), (3.0, 6.0, 500_000, 2_000_000), (1.0, 2.0, 100_000, 50_000_000),

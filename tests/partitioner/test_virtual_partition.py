@@ -17,12 +17,12 @@ from hypothesis import strategies as st
 from hybridpipe.cli import main
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner.chunk_orders import Place
-from hybridpipe.partitioner.modelcosts import model_costs
-from hybridpipe.partitioner.objective import Options, memory_bytes
 from hybridpipe.partitioner.plan import Plan
 from hybridpipe.partitioner.planner import Request, partition
 from hybridpipe.partitioner.schedule_registry import get_schedule
-from hybridpipe.partitioner.virtual import balanced_chunks
+from hybridpipe.partitioner.search.modelcosts import model_costs
+from hybridpipe.partitioner.search.objective import Options, memory_bytes
+from hybridpipe.partitioner.search.virtual import balanced_chunks
 from hybridpipe.pipeline.instructions import Backward, BackwardWeight, Forward
 from hybridpipe.pipeline.schedules import Topology, all_programs
 from hybridpipe.pipeline.simulator import simulate

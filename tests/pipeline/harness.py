@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 from torch.utils.data import Dataset
 
-from hybridpipe.partitioner.cluster import Cluster, Level
+from hybridpipe.partitioner.cost.cluster import Cluster, Level
 from hybridpipe.partitioner.plan import Plan, Stage, TiedGroup
 from hybridpipe.partitioner.schedule_registry import get_schedule
 from hybridpipe.partitioner.tied import shared_across

@@ -17,8 +17,8 @@ import torch
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
-from hybridpipe.partitioner.modelcosts import ModelCosts, model_costs
-from hybridpipe.partitioner.objective import OPTIMIZER_STATES, Options, inflight_micro_batches, memory_bytes
+from hybridpipe.partitioner.search.modelcosts import ModelCosts, model_costs
+from hybridpipe.partitioner.search.objective import OPTIMIZER_STATES, Options, inflight_micro_batches, memory_bytes
 from hybridpipe.pipeline.memory import MemoryMeter
 from hybridpipe.pipeline.stage import build_stage_index
 from hybridpipe.profiles.profiler import profile_model

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from hybridpipe.errors import UserError
-from hybridpipe.partitioner.cluster import Cluster, Level
+from hybridpipe.partitioner.cost.cluster import Cluster, Level
 from hybridpipe.partitioner.plan import Plan, Stage
 from hybridpipe.partitioner.schedule_registry import REGISTRY, get_schedule
 from hybridpipe.pipeline.instructions import RECEIVES, SENDS, SyncWait, message_key

@@ -140,7 +140,7 @@ def test_timeline_command_errors_are_one_line(tmp_path, capsys):
 
 def test_the_pipeline_engine_fills_every_phase_of_the_timeline(tmp_path):
     """The real engine (threads, in-process transport) drives the recorders; a replicated stage syncs."""
-    from hybridpipe.partitioner.cluster import Cluster, Level
+    from hybridpipe.partitioner.cost.cluster import Cluster, Level
     from hybridpipe.partitioner.plan import Plan, Stage
     from hybridpipe.pipeline import MicroBatches, PipelineEngine, Topology, build_stage
     from hybridpipe.pipeline.inprocess import InProcessGradSync, InProcessNetwork, ReplicaGroup, run_ranks

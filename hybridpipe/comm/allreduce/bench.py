@@ -26,8 +26,8 @@ from hybridpipe.comm.allreduce.api import AllReducer
 from hybridpipe.comm.allreduce.interference import measure_interference
 from hybridpipe.comm.allreduce.topology import Topology
 from hybridpipe.errors import UserError
-from hybridpipe.partitioner.calibration import Calibration, Sample
-from hybridpipe.partitioner.fitting import fit_calibration
+from hybridpipe.partitioner.cost.calibration import Calibration, Sample
+from hybridpipe.partitioner.cost.fitting import fit_calibration
 
 _SIZE = re.compile(r"^(\d+)\s*([KMG]?)B?$", re.IGNORECASE)
 _SCALE = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}

@@ -27,7 +27,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from functools import partial
 
-from hybridpipe.partitioner.costmodel import CostModel
+from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.plan import SECOND_LANE_ALGORITHMS, LayerSync
 
 URGENT_RATIO = 8     # a unit is urgent when later-needed units hold >= 8x its bytes (and the largest does)

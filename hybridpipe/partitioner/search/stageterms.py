@@ -28,10 +28,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hybridpipe.partitioner import fastlines
-from hybridpipe.partitioner.costmodel import CostModel
-from hybridpipe.partitioner.modelcosts import ModelCosts
-from hybridpipe.partitioner.objective import OPTIMIZER_STATES, Options
+from hybridpipe.partitioner.cost import fastlines
+from hybridpipe.partitioner.cost.costmodel import CostModel
+from hybridpipe.partitioner.search.modelcosts import ModelCosts
+from hybridpipe.partitioner.search.objective import OPTIMIZER_STATES, Options
 
 Useful = Callable[[np.ndarray, np.ndarray], np.ndarray]
 SAFETY = 1e-9     # relative slack of every bound used to skip exact work (floating-point rounding)
@@ -240,7 +240,7 @@ class StageTerms:
             lines = fastlines.lines(self.model, ranks, self.opts.algorithms)
             nbytes = self.costs.param_bytes
             best = np.min([ln.alpha_s + ln.s_per_byte * nbytes for _, ln in lines], axis=0)
-            best = best * self.model.allreduce_factor(nbytes)    # refined calibrations (refine.py); 1 otherwise
+            best = best * self.model.allreduce_factor(nbytes)    # refined calibrations (refine/); 1 otherwise
             hit = self._sync[key] = np.where(self.param_nodes, best * 1e3, 0.0)
             self.priced += 1
         return hit

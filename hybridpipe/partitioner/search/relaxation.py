@@ -27,8 +27,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from hybridpipe.partitioner.objective import OPTIMIZER_STATES
-from hybridpipe.partitioner.stageterms import SAFETY, StageTerms
+from hybridpipe.partitioner.search.objective import OPTIMIZER_STATES
+from hybridpipe.partitioner.search.stageterms import SAFETY, StageTerms
 
 
 def max_block(t: StageTerms) -> int:

@@ -31,11 +31,11 @@ import numpy as np
 
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner.chunk_orders import Place
-from hybridpipe.partitioner.costmodel import CostModel
-from hybridpipe.partitioner.modelcosts import ModelCosts
-from hybridpipe.partitioner.objective import Evaluation, Options, StageSpec, evaluate, memory_bytes
+from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.plan import Plan
 from hybridpipe.partitioner.schedule_registry import Schedule, get_schedule
+from hybridpipe.partitioner.search.modelcosts import ModelCosts
+from hybridpipe.partitioner.search.objective import Evaluation, Options, StageSpec, evaluate, memory_bytes
 
 Simulate = Callable[[Plan], float]      # a plan -> its simulated step in ms
 

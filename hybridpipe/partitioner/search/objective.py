@@ -51,11 +51,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hybridpipe.errors import UserError
-from hybridpipe.partitioner.costmodel import CostModel
-from hybridpipe.partitioner.layersync import StageSync, choose_layer_algorithms
-from hybridpipe.partitioner.modelcosts import ModelCosts
+from hybridpipe.partitioner.cost.costmodel import CostModel
+from hybridpipe.partitioner.cost.layersync import StageSync, choose_layer_algorithms
 from hybridpipe.partitioner.plan import ALGORITHMS, OPTIMIZERS
 from hybridpipe.partitioner.schedule_registry import Schedule, get_schedule
+from hybridpipe.partitioner.search.modelcosts import ModelCosts
 
 OPTIMIZER_STATES = {"sgd": 1, "adam": 2}   # extra copies of the weights an optimizer keeps
 RECOMPUTE = ("none", "all", "auto")

@@ -18,8 +18,8 @@ from dataclasses import replace
 import numpy as np
 
 from hybridpipe.errors import UserError
-from hybridpipe.partitioner.calibration import Calibration, LinkFit, Sample
-from hybridpipe.partitioner.costmodel import NOMINAL_SOFTWARE_ALPHA_S, CostModel
+from hybridpipe.partitioner.cost.calibration import Calibration, LinkFit, Sample
+from hybridpipe.partitioner.cost.costmodel import NOMINAL_SOFTWARE_ALPHA_S, CostModel
 from hybridpipe.partitioner.plan import ALGORITHMS
 
 _PASSES = 4

@@ -19,9 +19,9 @@ from __future__ import annotations
 import numpy as np
 
 from hybridpipe.errors import UserError
-from hybridpipe.partitioner.cuts import free_ends_mask, nearest_free_ends
-from hybridpipe.partitioner.modelcosts import ModelCosts
-from hybridpipe.partitioner.objective import StageSpec
+from hybridpipe.partitioner.search.cuts import free_ends_mask, nearest_free_ends
+from hybridpipe.partitioner.search.modelcosts import ModelCosts
+from hybridpipe.partitioner.search.objective import StageSpec
 
 BASELINES = ("dp", "uniform", "params", "time")
 

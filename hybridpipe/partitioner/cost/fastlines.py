@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hybridpipe.partitioner import collectives as co
-from hybridpipe.partitioner.costmodel import CostModel, Line
+from hybridpipe.partitioner.cost import collectives as co
+from hybridpipe.partitioner.cost.costmodel import CostModel, Line
 from hybridpipe.partitioner.plan import ALGORITHMS
 
 SW = -1                      # position of the dedicated aggregator (collectives.SWITCH)

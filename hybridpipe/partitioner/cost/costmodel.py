@@ -14,7 +14,7 @@ per message, 1/bandwidth) unless a calibration (``hybridpipe bench-allreduce``) 
 level: then every algorithm it timed uses its own fitted alpha/beta there, and untimed ones use
 the measured point-to-point fit. Costs are linear in the message size S for a fixed algorithm
 and group, so each (algorithm, group) is reduced once to ``seconds = A + B * S`` and cached.
-A refined calibration (``refine.py``) adds a measured slowdown per all-reduce size class on top
+A refined calibration (``refine/refinement.py``) adds a measured slowdown per all-reduce size class on top
 (:meth:`CostModel.allreduce_factor`) and a compute slowdown the planner applies to the profile.
 Pure computation; no torch.
 """
@@ -27,11 +27,11 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from hybridpipe.errors import UserError
-from hybridpipe.partitioner import collectives as co
-from hybridpipe.partitioner.calibration import Calibration, LinkFit
-from hybridpipe.partitioner.cluster import Cluster, Level
+from hybridpipe.partitioner.cost import collectives as co
+from hybridpipe.partitioner.cost.calibration import Calibration, LinkFit
+from hybridpipe.partitioner.cost.cluster import Cluster, Level
+from hybridpipe.partitioner.cost.priced import PricedRound, priced
 from hybridpipe.partitioner.plan import ALGORITHMS
-from hybridpipe.partitioner.priced import PricedRound, priced
 
 # Nominal costs used where no calibration measured a level.
 NOMINAL_SOFTWARE_ALPHA_S = 30e-6      # per message step, on top of the link's latency
@@ -88,7 +88,7 @@ class CostModel:
         self.interference_s_per_byte = max((c.interference_s_per_byte for c in cals), default=0.0) * wire_bytes
         # an all-reduce beside compute takes this much longer than alone (calibration.py)
         self.overlap_slowdown = max((c.overlap_slowdown for c in cals), default=1.0)
-        # what runs on the cluster taught (refine.py): all-reduce slowdown by size, compute slowdown
+        # what runs on the cluster taught (refine/refinement.py): all-reduce slowdown by size, compute slowdown
         self.allreduce_points = tuple(sorted(p for c in cals for p in c.allreduce_slowdown))
         self.compute_slowdown = max((c.compute_slowdown for c in cals if c.refined), default=1.0)
         self.step_overhead_ms = max((c.step_overhead_ms for c in cals), default=0.0)
@@ -269,7 +269,7 @@ class CostModel:
         return Line(alpha * self.overlap_slowdown, per_byte * self.overlap_slowdown)
 
     def _fill_lines(self, key: tuple[int, ...]) -> None:
-        from hybridpipe.partitioner import fastlines  # it builds on this module
+        from hybridpipe.partitioner.cost import fastlines  # it builds on this module
 
         variants = [(a, h) for a in ALGORITHMS for h in ((False, True) if a == "butterfly" else (False,))]
         for (a, h), (_, ln) in zip(variants, fastlines.lines(self, key, ALGORITHMS), strict=True):
