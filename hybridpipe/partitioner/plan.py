@@ -29,7 +29,6 @@ Semantics every package relies on:
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -37,32 +36,18 @@ from hybridpipe.errors import UserError
 from hybridpipe.jsonfile import check_header, field, read_json, write_json
 from hybridpipe.partitioner.cost import collectives as co
 from hybridpipe.partitioner.cost.cluster import Cluster
+from hybridpipe.partitioner.cost.syncunits import SECOND_LANE_ALGORITHMS, LayerSync, sync_units
 from hybridpipe.partitioner.schedule_registry import REGISTRY
 
 PLAN_KIND = "plan"
 PLAN_FORMAT = 1
 SCHEDULES = tuple(REGISTRY)     # the schedules by name (schedule_registry.py describes each)
 ALGORITHMS = co.ALGORITHMS      # the all-reduce algorithms (collectives.py describes each)
-SECOND_LANE_ALGORITHMS = ("ring", "butterfly", "hierarchical", "torus2d")   # may run on sync lane 1
 STRATEGIES = ("optimal", "pipedream", "dp", "uniform", "params", "time")
 OPTIMIZERS = ("sgd", "adam")
 # what one profiled (float32) byte of activations, gradients or weights costs on the wire in each precision
 WIRE_BYTES = {"fp32": 1.0, "bf16": 0.5, "fp16": 0.5}
 PRECISIONS = tuple(WIRE_BYTES)
-
-
-@dataclass(frozen=True)
-class LayerSync:
-    """How one layer's gradients are summed across a stage's replicas."""
-
-    layer: str                    # the owning node's name in the profile
-    params: tuple[str, ...]       # qualified parameter names (the model's state_dict keys)
-    bytes: int                    # gradient bytes
-    algorithm: str                # one of ALGORITHMS
-    predicted_ms: float = 0.0     # all-reduce time by the cost model
-    exposed_ms: float = 0.0       # how much it delays the stage's next forward (layersync.py's FIFO lane)
-    unit: int | None = None       # adjacent layers with one unit number share an all-reduce (None: alone)
-    lane: int = 0                 # 0: the main sync lane; 1: the second (syncunits.py)
 
 
 @dataclass(frozen=True)
@@ -102,17 +87,6 @@ class Stage:
     def sync_units(self) -> list[tuple[LayerSync, ...]]:
         """The layers grouped into sync units (one all-reduce each), in order."""
         return sync_units(self.layers)
-
-
-def sync_units(layers: Sequence[LayerSync]) -> list[tuple[LayerSync, ...]]:
-    """``layers`` grouped into sync units: runs of adjacent layers with one ``unit`` number (None: alone)."""
-    units: list[list[LayerSync]] = []
-    for lv in layers:
-        if units and lv.unit is not None and units[-1][-1].unit == lv.unit:
-            units[-1].append(lv)
-        else:
-            units.append([lv])
-    return [tuple(u) for u in units]
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,13 @@ from hybridpipe.comm.allreduce.api import ALGORITHMS
 from hybridpipe.comm.allreduce.costs import AUTO_CANDIDATES, GroupCosts
 from hybridpipe.comm.hybrid_dp.units import Layer
 from hybridpipe.partitioner.cost.layersync import choose_layer_algorithms
-from hybridpipe.partitioner.cost.syncunits import URGENT_RATIO, urgent_units, with_algorithm
-from hybridpipe.partitioner.plan import SECOND_LANE_ALGORITHMS, LayerSync
+from hybridpipe.partitioner.cost.syncunits import (
+    SECOND_LANE_ALGORITHMS,
+    URGENT_RATIO,
+    LayerSync,
+    urgent_units,
+    with_algorithm,
+)
 
 POLICIES = ("hybrid",) + ALGORITHMS
 URGENT_CANDIDATES = SECOND_LANE_ALGORITHMS

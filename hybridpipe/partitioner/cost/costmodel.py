@@ -30,8 +30,8 @@ from hybridpipe.errors import UserError
 from hybridpipe.partitioner.cost import collectives as co
 from hybridpipe.partitioner.cost.calibration import Calibration, LinkFit
 from hybridpipe.partitioner.cost.cluster import Cluster, Level
+from hybridpipe.partitioner.cost.collectives import ALGORITHMS
 from hybridpipe.partitioner.cost.priced import PricedRound, priced
-from hybridpipe.partitioner.plan import ALGORITHMS
 
 # Nominal costs used where no calibration measured a level.
 NOMINAL_SOFTWARE_ALPHA_S = 30e-6      # per message step, on top of the link's latency

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from hybridpipe.partitioner.cost import collectives as co
+from hybridpipe.partitioner.cost.collectives import ALGORITHMS
 from hybridpipe.partitioner.cost.costmodel import CostModel, Line
-from hybridpipe.partitioner.plan import ALGORITHMS
 
 SW = -1                      # position of the dedicated aggregator (collectives.SWITCH)
 

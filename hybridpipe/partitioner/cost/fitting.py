@@ -19,8 +19,8 @@ import numpy as np
 
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner.cost.calibration import Calibration, LinkFit, Sample
+from hybridpipe.partitioner.cost.collectives import ALGORITHMS
 from hybridpipe.partitioner.cost.costmodel import NOMINAL_SOFTWARE_ALPHA_S, CostModel
-from hybridpipe.partitioner.plan import ALGORITHMS
 
 _PASSES = 4
 
