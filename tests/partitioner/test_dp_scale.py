@@ -17,7 +17,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hybridpipe.partitioner.cost import fastlines
 from hybridpipe.partitioner.cost.cluster import Cluster, Level
 from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.plan import ALGORITHMS
@@ -103,7 +102,7 @@ def test_synthetic_profiles_on_two_level_clusters_equal_the_exhaustive_dp():
 @settings(max_examples=150, deadline=None)
 @given(clusters(max_workers=48), st.data(), st.booleans())
 def test_closed_form_pricing_equals_the_cost_model(cluster, data, dedicated):
-    """fastlines.lines gives CostModel.lines' numbers bit for bit, on blocks of copies and on any group."""
+    """CostModel.fast_lines gives CostModel.lines' numbers bit for bit, on blocks of copies and on any group."""
     model = CostModel(cluster, aggregator_dedicated=dedicated)
     workers = cluster.total_workers
     if data.draw(st.booleans()):
@@ -112,8 +111,8 @@ def test_closed_form_pricing_equals_the_cost_model(cluster, data, dedicated):
         x = data.draw(st.integers(0, workers - 1))
         ranks = list(range(x, data.draw(st.integers(x + 1, workers))))
     variants = [(a, h) for a in ALGORITHMS for h in ((False, True) if a == "butterfly" else (False,))]
-    assert fastlines.lines(model, ranks) == [(a, model.priced_line(a, ranks, halving=h)) for a, h in variants]
-    assert model.lines(ranks) == fastlines.lines(model, ranks)
+    assert model.fast_lines(ranks) == [(a, model.priced_line(a, ranks, halving=h)) for a, h in variants]
+    assert model.lines(ranks) == model.fast_lines(ranks)
 
 
 def test_closed_form_pricing_is_faster_on_big_blocks():
@@ -124,7 +123,7 @@ def test_closed_form_pricing_is_faster_on_big_blocks():
     want = [(a, slow.priced_line(a, ranks, halving=h)) for a in ALGORITHMS
             for h in ((False, True) if a == "butterfly" else (False,))]
     t1 = time.process_time()
-    got = fastlines.lines(fast, ranks)
+    got = fast.fast_lines(ranks)
     t2 = time.process_time()
     assert got == want and (t2 - t1) < (t1 - t0)
 

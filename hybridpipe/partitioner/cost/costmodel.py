@@ -28,6 +28,7 @@ import numpy as np
 
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner.cost import collectives as co
+from hybridpipe.partitioner.cost import fastlines
 from hybridpipe.partitioner.cost.calibration import Calibration, LinkFit
 from hybridpipe.partitioner.cost.cluster import Cluster, Level
 from hybridpipe.partitioner.cost.collectives import ALGORITHMS
@@ -269,11 +270,31 @@ class CostModel:
         return Line(alpha * self.overlap_slowdown, per_byte * self.overlap_slowdown)
 
     def _fill_lines(self, key: tuple[int, ...]) -> None:
-        from hybridpipe.partitioner.cost import fastlines  # it builds on this module
-
         variants = [(a, h) for a in ALGORITHMS for h in ((False, True) if a == "butterfly" else (False,))]
-        for (a, h), (_, ln) in zip(variants, fastlines.lines(self, key, ALGORITHMS), strict=True):
+        for (a, h), (_, ln) in zip(variants, self.fast_lines(key, ALGORITHMS), strict=True):
             self._lines.setdefault((a, key, h, None), ln)
+
+    def fast_lines(self, ranks: Sequence[int], algorithms: Sequence[str] = ALGORITHMS) -> list[tuple[str, Line]]:
+        """The same list as :meth:`lines`, every variant at once from ``fastlines.link_loads`` (not cached):
+        its rounds priced as :meth:`price` and summed in order as :meth:`priced_line`."""
+        ll = fastlines.link_loads(self.cluster, ranks, algorithms, self.aggregator_dedicated)
+        count, levels = len(ll.algorithms), len(self.cluster.levels)
+        alpha_l = np.zeros((count, 1, levels))
+        beta_l = np.zeros((count, 1, levels))
+        for v, algo in enumerate(ll.algorithms):
+            fits = self._fits(algo)
+            alpha_l[v, 0] = [f.alpha_s for f in fits]
+            beta_l[v, 0] = [f.beta_s_per_byte for f in fits]
+        present = ll.loads > 0
+        some = present.any(axis=2)
+        a = np.where(some, np.where(present, alpha_l, -np.inf).max(axis=2, initial=-np.inf), 0.0)
+        b = np.where(some, np.where(present, ll.loads * beta_l, -np.inf).max(axis=2, initial=-np.inf), 0.0)
+        # padding rounds repeat 0 times and add exactly 0.0 after the real ones
+        alpha = np.cumsum(np.concatenate([np.zeros((count, 1)), ll.repeat * (a * ll.steps)], axis=1), axis=1)[:, -1]
+        per_byte = np.cumsum(np.concatenate([np.zeros((count, 1)), ll.repeat * (b + ll.reduce * self.gamma)],
+                                            axis=1), axis=1)[:, -1]
+        return [(algo, Line(float(x) * self.overlap_slowdown, float(y) * self.overlap_slowdown))
+                for algo, x, y in zip(ll.algorithms, alpha, per_byte, strict=True)]
 
     def price(self, rl: RoundLoad, algorithm: str, fits: Sequence[LinkFit] | None = None) -> tuple[float, float]:
         """(seconds, seconds per byte of S) of one priced-out round, all its repeats."""

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hybridpipe.partitioner.cost import fastlines
 from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.search.modelcosts import ModelCosts
 from hybridpipe.partitioner.search.objective import OPTIMIZER_STATES, Options
@@ -237,7 +236,7 @@ class StageTerms:
         hit = self._sync.get(key)
         if hit is None:
             ranks = np.add.outer(np.arange(self.copies) * self.wc, np.arange(offset, offset + size)).ravel().tolist()
-            lines = fastlines.lines(self.model, ranks, self.opts.algorithms)
+            lines = self.model.fast_lines(ranks, self.opts.algorithms)
             nbytes = self.costs.param_bytes
             best = np.min([ln.alpha_s + ln.s_per_byte * nbytes for _, ln in lines], axis=0)
             best = best * self.model.allreduce_factor(nbytes)    # refined calibrations (refine/); 1 otherwise
