@@ -57,6 +57,8 @@ from hybridpipe.errors import UserError
 from hybridpipe.partitioner.schedule_registry import get_schedule
 from hybridpipe.pipeline import engine_state, evaluation
 from hybridpipe.pipeline.chunks import rank_module
+from hybridpipe.pipeline.data import DataSource
+from hybridpipe.pipeline.inflight import InFlight
 from hybridpipe.pipeline.instructions import (
     PHASES,
     Backward,
@@ -79,7 +81,6 @@ from hybridpipe.pipeline.instructions import (
 )
 from hybridpipe.pipeline.memory import MemoryMeter, optimizer_tensors, tensors_bytes
 from hybridpipe.pipeline.schedules import Topology, check_schedulable, rank_program, settle_phase
-from hybridpipe.pipeline.splitback import WeightWork
 from hybridpipe.pipeline.stage import Activation, PipelineStage
 from hybridpipe.pipeline.stash import WeightStash
 
@@ -87,11 +88,6 @@ from hybridpipe.pipeline.stash import WeightStash
 class Transport(Protocol):
     def send(self, peer: int, key: str, tensors: dict[str, torch.Tensor]) -> None: ...
     def recv(self, peer: int, key: str) -> dict[str, torch.Tensor]: ...
-
-
-class DataSource(Protocol):
-    def input(self, step: int, micro_batch: int) -> Any: ...
-    def target(self, step: int, micro_batch: int) -> Any: ...
 
 
 class TiedReduce(Protocol):
@@ -155,16 +151,8 @@ class PipelineEngine:
         self.device = chunks[0].device     # where inputs and targets go (place the stages before the engine)
         self.meter = MemoryMeter(self._held, self._grad_bytes, self.device, [c.module for c in chunks])
         self.phase = 0              # steps since the pipeline was (re)started (pipedream)
-        self._last_step: int | None = None
-        # per (stage, micro-batch numbered over the run):
-        self._inputs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
-        self._targets: dict[tuple[int, int], Any] = {}
-        self._acts: dict[tuple[int, int], Activation] = {}
-        self._out_grads: dict[tuple[int, int], dict[str, torch.Tensor]] = {}   # received: grads of the outputs
-        self._in_grads: dict[tuple[int, int], dict[str, torch.Tensor]] = {}    # computed: grads of the inputs
-        self._weight_work: dict[tuple[int, int], tuple[Activation, WeightWork]] = {}   # split backward's W owed
-        self._sync_next: set[tuple[int, int]] = set()    # (stage, micro-batch) whose backward starts a sync
-        self._settled: int | None = None    # step after which messages in transit were received early
+        self.last_step: int | None = None   # the step run last
+        self.flight = InFlight()            # per (stage, micro-batch): what the rank holds between instructions
         self._settle = settle_phase(topo, schedule)
         self._programs: dict[tuple[int, bool], list[Instruction]] = {}
         self._local: dict[str, dict[str, torch.Tensor]] = {}    # messages from one chunk of this rank to another
@@ -180,7 +168,7 @@ class PipelineEngine:
     @property
     def in_flight(self) -> list[int]:
         """Micro-batches (numbered over the run) forwarded here but not yet backwarded."""
-        return sorted({g for _, g in (*self._acts, *self._weight_work)})
+        return self.flight.micro_batches()
 
     def program(self, drain: bool = False) -> list[Instruction]:
         """The instruction list the next ``run_step`` executes (lists repeat once settled: cached)."""
@@ -195,8 +183,8 @@ class PipelineEngine:
         consecutive (a checkpoint needs no drain, see :meth:`state_dict`). ``recorder``
         replaces the engine's recorder for this step."""
         recorder = recorder if recorder is not None else self.recorder
-        if self._acts and self._last_step is not None and step != self._last_step + 1:
-            raise RuntimeError(f"step {step} follows step {self._last_step} while micro-batches "
+        if self.flight.acts and self.last_step is not None and step != self.last_step + 1:
+            raise RuntimeError(f"step {step} follows step {self.last_step} while micro-batches "
                                f"{self.in_flight} are in flight; run consecutive steps or drain first")
         program = self.program(drain)
         M = self.topo.micro_batches
@@ -215,7 +203,7 @@ class PipelineEngine:
             if recorder is not None and phase is not None:
                 recorder.record(phase, g, t0, self.clock(), getattr(ins, "stage", None))
         result.peak_memory_bytes = self.meter.end_step()
-        self._last_step = step
+        self.last_step = step
         self.phase = 0 if drain else self.phase + 1     # the same on every rank
         return result
 
@@ -272,55 +260,55 @@ class PipelineEngine:
         stage, key = self.stages[s], (s, g)
         if isinstance(ins, LoadInput):
             named = stage.data_inputs(self.data.input(g // M, g % M))
-            self._inputs[key] = {k: v.to(self.device, non_blocking=True) for k, v in named.items()}
+            self.flight.inputs[key] = {k: v.to(self.device, non_blocking=True) for k, v in named.items()}
         elif isinstance(ins, RecvActivations):
-            if key not in self._inputs:       # else received early, at a checkpoint
-                self._inputs[key] = self.recv(ins.peer, message_key(ins, g, M))
+            if key not in self.flight.inputs:       # else received early, at a checkpoint
+                self.flight.inputs[key] = self.recv(ins.peer, message_key(ins, g, M))
         elif isinstance(ins, Forward):
             params = self.stash.forward_params(g, g in frozen) if self.stash else None
             with self.meter.forward(), self.compute_context():
-                act = self._acts[key] = stage.forward(self._inputs.pop(key), params=params)
+                act = self.flight.acts[key] = stage.forward(self.flight.inputs.pop(key), params=params)
             self.meter.hold(key, act.inputs, act.outputs, act.output)
         elif isinstance(ins, SendActivations):
-            self.send(ins.peer, message_key(ins, g, M), self._acts[key].outputs)
+            self.send(ins.peer, message_key(ins, g, M), self.flight.acts[key].outputs)
         elif isinstance(ins, LoadTarget):
             target = self.data.target(g // M, g % M)
-            self._targets[key] = target.to(self.device, non_blocking=True) if target is not None else None
+            self.flight.targets[key] = target.to(self.device, non_blocking=True) if target is not None else None
         elif isinstance(ins, Loss):
-            act = self._acts[key]
+            act = self.flight.acts[key]
             with self.meter.forward(), self.compute_context():
-                act.loss = stage.loss(act.output, self._targets.pop(key))
+                act.loss = stage.loss(act.output, self.flight.targets.pop(key))
             self.meter.hold(key, act.loss)
             if g // M == result.step:
                 result.losses[g % M] = act.loss.detach()
         elif isinstance(ins, RecvGradients):
-            if key not in self._out_grads:    # else received early, at a checkpoint
-                self._out_grads[key] = self.recv(ins.peer, message_key(ins, g, M))
+            if key not in self.flight.out_grads:    # else received early, at a checkpoint
+                self.flight.out_grads[key] = self.recv(ins.peer, message_key(ins, g, M))
         elif isinstance(ins, SyncStart):
-            self._sync_next.add(key)
+            self.flight.sync_next.add(key)
         elif isinstance(ins, Backward):
-            act = self._scaled(stage, self._acts.pop(key))
+            act = self._scaled(stage, self.flight.acts.pop(key))
             with self._sync_if(s, g), self.meter.backward(stage.recompute, stage.module):
-                grads = stage.backward(act, self._out_grads.pop(key, None))
+                grads = stage.backward(act, self.flight.out_grads.pop(key, None))
             self.meter.drop(key)
             if self.stash:
                 self.stash.backward_done(g)
             if not stage.is_first:
-                self._in_grads[key] = grads
+                self.flight.in_grads[key] = grads
         elif isinstance(ins, BackwardInput):
-            act = self._scaled(stage, self._acts.pop(key))
+            act = self._scaled(stage, self.flight.acts.pop(key))
             with self.syncs[s].no_sync(), self.meter.backward(stage.recompute, stage.module):   # no param grads here
-                grads, work = stage.backward_input(act, self._out_grads.pop(key, None))
-            self._weight_work[key] = (act, work)
+                grads, work = stage.backward_input(act, self.flight.out_grads.pop(key, None))
+            self.flight.weight_work[key] = (act, work)
             if not stage.is_first:
-                self._in_grads[key] = grads
+                self.flight.in_grads[key] = grads
         elif isinstance(ins, BackwardWeight):
-            _, work = self._weight_work.pop(key)
+            _, work = self.flight.weight_work.pop(key)
             with self._sync_if(s, g), self.meter.backward(stage.recompute, stage.module):
                 stage.backward_weight(work)
             self.meter.drop(key)
         elif isinstance(ins, SendGradients):
-            self.send(ins.peer, message_key(ins, g, M), self._in_grads.pop(key))
+            self.send(ins.peer, message_key(ins, g, M), self.flight.in_grads.pop(key))
         else:
             raise TypeError(f"unknown instruction {ins!r}")
 
@@ -334,8 +322,8 @@ class PipelineEngine:
         """The context of the backward (on chunk ``s``) that completes micro-batch g's parameter
         gradients: it starts the chunk's replicas' sync when a SyncStart named g, else
         accumulates (``no_sync``)."""
-        synced = (s, g) in self._sync_next
-        self._sync_next.discard((s, g))
+        synced = (s, g) in self.flight.sync_next
+        self.flight.sync_next.discard((s, g))
         return contextlib.nullcontext() if synced else self.syncs[s].no_sync()
 
     def _execute_step_level(self, ins: Instruction, result: StepResult) -> None:

@@ -6,10 +6,14 @@ the same list for every schedule. Kept apart from the training engine, whose sta
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import contextlib
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 
+from hybridpipe.pipeline.data import DataSource
+from hybridpipe.pipeline.inflight import InFlight
 from hybridpipe.pipeline.instructions import (
     PHASES,
     Forward,
@@ -21,21 +25,34 @@ from hybridpipe.pipeline.instructions import (
     SendActivations,
     message_key,
 )
-from hybridpipe.pipeline.schedules import eval_program
-from hybridpipe.pipeline.stage import Activation
-
-if TYPE_CHECKING:
-    from hybridpipe.pipeline.engine import DataSource, PipelineEngine
+from hybridpipe.pipeline.schedules import Topology, eval_program
+from hybridpipe.pipeline.stage import Activation, PipelineStage
 
 
-def run_eval(engine: PipelineEngine, data: DataSource, *, recorder=None) -> dict[int, torch.Tensor]:
+class Evaluating(Protocol):
+    """What the evaluation step uses of an engine (``PipelineEngine`` is one)."""
+
+    topo: Topology
+    rank: int
+    stages: dict[int, PipelineStage]
+    device: torch.device
+    flight: InFlight
+    recorder: Any
+    clock: Callable[[], float]
+
+    def compute_context(self) -> contextlib.AbstractContextManager: ...
+    def send(self, peer: int, key: str, tensors: dict[str, torch.Tensor]) -> None: ...
+    def recv(self, peer: int, key: str) -> dict[str, torch.Tensor]: ...
+
+
+def run_eval(engine: Evaluating, data: DataSource, *, recorder=None) -> dict[int, torch.Tensor]:
     """One forward-only evaluation step over ``data`` (micro-batches addressed as step 0):
     evaluation mode, no autograd, nothing in flight afterwards. Returns the last stage's
     losses by micro-batch (empty elsewhere). Under pipedream, call it only after a drained step
     (messages of the training stream would otherwise be in transit)."""
-    if engine._acts or engine._inputs or engine._out_grads:
+    if not engine.flight.empty():
         raise RuntimeError(f"rank {engine.rank}: an evaluation step needs an empty pipeline, but micro-batches "
-                           f"{engine.in_flight} are in flight; drain first")
+                           f"{engine.flight.micro_batches()} are in flight; drain first")
     recorder = recorder if recorder is not None else engine.recorder
     M = engine.topo.micro_batches
     inputs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}     # per (stage, micro-batch)
