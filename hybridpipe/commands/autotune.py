@@ -52,6 +52,7 @@ from hybridpipe.partitioner.refine.tuning import (
     pooled,
     relative_error,
 )
+from hybridpipe.partitioner.schedule_registry import DEFAULT_SCHEDULE
 from hybridpipe.profiles.format import Profile, load_profile
 
 REPORT_KIND = "autotune-report"
@@ -79,7 +80,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strategies", default=",".join(STRATEGIES), metavar="A,B",
                         help=f"strategies whose plans compete (default {','.join(STRATEGIES)})")
     parser.add_argument("--workers", type=positive_int, metavar="N", help="use N workers (default: the cluster)")
-    parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule (default 1f1b)")
+    parser.add_argument("--schedule", choices=SCHEDULES, default=DEFAULT_SCHEDULE,
+                        help=f"pipeline schedule (default {DEFAULT_SCHEDULE})")
     parser.add_argument("--micro-batches", type=positive_int, metavar="M", help="micro-batches per step")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd", help="optimizer (default sgd)")
     parser.add_argument("--memory-gb", type=positive_float, metavar="X", help="memory per worker")

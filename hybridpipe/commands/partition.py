@@ -29,7 +29,7 @@ from hybridpipe.partitioner.cost.calibration import load_calibration
 from hybridpipe.partitioner.cost.cluster import load_cluster
 from hybridpipe.partitioner.plan import ALGORITHMS, OPTIMIZERS, PRECISIONS, SCHEDULES, STRATEGIES, Plan, save_plan
 from hybridpipe.partitioner.planner import Outcome, Request, partition
-from hybridpipe.partitioner.schedule_registry import AUTO, auto_candidates
+from hybridpipe.partitioner.schedule_registry import AUTO, DEFAULT_SCHEDULE, auto_candidates
 from hybridpipe.partitioner.search.dp import Progress
 from hybridpipe.partitioner.search.objective import RECOMPUTE
 from hybridpipe.pipeline.simulator import simulate
@@ -48,8 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strategy", choices=STRATEGIES, default="optimal",
                         help="optimal (default), pipedream (PipeDream's formula), dp (data parallel), "
                              "uniform (equal node counts), params (balanced parameters), time (balanced compute)")
-    parser.add_argument("--schedule", choices=(*SCHEDULES, AUTO), default="1f1b",
-                        help="pipeline schedule (default 1f1b); auto: the fastest predicted of "
+    parser.add_argument("--schedule", choices=(*SCHEDULES, AUTO), default=DEFAULT_SCHEDULE,
+                        help=f"pipeline schedule (default {DEFAULT_SCHEDULE}); auto: the fastest predicted of "
                              f"{', '.join(auto_candidates())} (same updates as sequential SGD), and only with "
                              "--virtual-stages V also interleaved-1f1b and zbv (V = 2), compared by simulation")
     parser.add_argument("--virtual-stages", type=positive_int, default=1, metavar="V",

@@ -8,7 +8,7 @@ Semantics every package relies on:
   replica ``m % r`` of every stage (round-robin).
 * Virtual stages (``virtual_stages`` V > 1, schedules interleaved-1f1b and zbv): ``stages`` lists
   all p*V model chunks in model order, and the same rank tuple (a rank group) runs V of them, laid
-  out as the schedule says (``schedule_registry.LAYOUTS``: interleaved-1f1b puts stage s on group
+  out as the schedule says (``schedule_registry.Layout``: interleaved-1f1b puts stage s on group
   s % p; zbv (V = 2) on group s for s < p, on group 2p-1-s after). Groups are disjoint; a rank's
   replica index is the same in each of its stages. Plans without the field have V = 1.
 * One training step = ``micro_batches`` micro-batches of the profile's ``batch_size`` samples

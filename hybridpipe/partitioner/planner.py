@@ -27,7 +27,7 @@ from hybridpipe.partitioner.plan import (
     Stage,
     TiedGroup,
 )
-from hybridpipe.partitioner.schedule_registry import AUTO, REGISTRY, auto_candidates, get_schedule
+from hybridpipe.partitioner.schedule_registry import AUTO, DEFAULT_SCHEDULE, REGISTRY, auto_candidates, get_schedule
 from hybridpipe.partitioner.search import dp
 from hybridpipe.partitioner.search.cuts import blocked_message
 from hybridpipe.partitioner.search.modelcosts import ModelCosts, model_costs
@@ -42,7 +42,7 @@ from hybridpipe.partitioner.search.objective import (
 )
 from hybridpipe.partitioner.search.pipedream import pipedream_stages
 from hybridpipe.partitioner.search.strategies import baseline_stages
-from hybridpipe.partitioner.search.virtual import Simulate, check_virtual, virtual_plan
+from hybridpipe.partitioner.search.virtual import BASE_SCHEDULE, Simulate, check_virtual, virtual_plan
 from hybridpipe.partitioner.tied import tied_groups
 from hybridpipe.profiles.format import Profile
 
@@ -55,7 +55,7 @@ class Request:
 
     workers: int | None = None
     strategy: str = "optimal"
-    schedule: str = "1f1b"
+    schedule: str = DEFAULT_SCHEDULE            # a schedule's name, or AUTO
     micro_batches: int | None = None
     optimizer: str = "sgd"
     memory_gb: float | None = None
@@ -126,7 +126,7 @@ def partition(profile: Profile, cluster: Cluster, req: Request = Request(),
     rank only with ``virtual_stages`` > 1 (:func:`partition_virtual`). ``simulate`` (a plan -> its
     simulated step, ms) is needed for virtual stages, whose step the simulator predicts.
     """
-    if req.virtual_stages != 1 or (req.schedule != AUTO and get_schedule(req.schedule).layout != "single"):
+    if req.virtual_stages != 1 or (req.schedule != AUTO and get_schedule(req.schedule).chunked):
         return partition_virtual(profile, cluster, req, calibrations, progress, simulate)
     if req.schedule == AUTO:
         found, errors = [], []
@@ -173,7 +173,7 @@ def partition_virtual(profile: Profile, cluster: Cluster, req: Request, calibrat
     if virtual < 1:
         raise UserError(f"--virtual-stages must be at least 1, got {virtual}")
     if req.schedule == AUTO:
-        names = [n for n, s in REGISTRY.items() if s.flushed and s.layout != "single" and s.virtual_ok(virtual)]
+        names = [n for n, s in REGISTRY.items() if s.flushed and s.chunked and s.virtual_ok(virtual)]
         found, errors = [], []
         for name in names:
             try:
@@ -191,7 +191,7 @@ def partition_virtual(profile: Profile, cluster: Cluster, req: Request, calibrat
             raise errors[0]
         return min(found, key=lambda o: o.evaluation.objective_ms)
     check_virtual(req.schedule, virtual)
-    base = partition(profile, cluster, replace(req, schedule="1f1b", virtual_stages=1), calibrations, progress)
+    base = partition(profile, cluster, replace(req, schedule=BASE_SCHEDULE, virtual_stages=1), calibrations, progress)
     opts = replace(base.options, schedule=req.schedule)
     costs = model_costs(profile).slowed(base.model.compute_slowdown)
 

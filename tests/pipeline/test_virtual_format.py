@@ -75,7 +75,7 @@ def test_topology_knows_each_ranks_chunks():
     assert Topology(((0,), (1, 2)), 4).locate(2) == (1, 1)
 
 
-@pytest.mark.parametrize("schedule", [s for s in REGISTRY if REGISTRY[s].layout == "single"])
+@pytest.mark.parametrize("schedule", [s for s in REGISTRY if not REGISTRY[s].chunked])
 def test_every_instruction_of_the_one_chunk_schedules_names_the_ranks_stage(schedule):
     topo = Topology(((0,), (1, 2), (3,)), 4)
     for rank in range(4):

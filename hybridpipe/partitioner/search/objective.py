@@ -54,7 +54,7 @@ from hybridpipe.errors import UserError
 from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.cost.layersync import StageSync, choose_layer_algorithms
 from hybridpipe.partitioner.plan import ALGORITHMS, OPTIMIZERS
-from hybridpipe.partitioner.schedule_registry import Schedule, get_schedule
+from hybridpipe.partitioner.schedule_registry import DEFAULT_SCHEDULE, Schedule, get_schedule
 from hybridpipe.partitioner.search.modelcosts import ModelCosts
 
 OPTIMIZER_STATES = {"sgd": 1, "adam": 2}   # extra copies of the weights an optimizer keeps
@@ -65,7 +65,7 @@ RECOMPUTE = ("none", "all", "auto")
 class Options:
     """What the plan is for: schedule, micro-batches per step, optimizer, memory per worker."""
 
-    schedule: str = "1f1b"
+    schedule: str = DEFAULT_SCHEDULE
     micro_batches: int = 1
     optimizer: str = "sgd"
     memory_bytes: float = math.inf
@@ -90,7 +90,7 @@ class Options:
 
     def replicas_ok(self, replicas: int) -> bool:
         """Every replica gets micro-batches (r <= M); asynchronous rounds need r to divide M."""
-        return self.kind.replicas_ok(replicas, self.micro_batches)
+        return bool(self.kind.replicas_ok(replicas, self.micro_batches))
 
 
 @dataclass(frozen=True)

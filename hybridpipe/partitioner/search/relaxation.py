@@ -98,7 +98,8 @@ def min_block(t: StageTerms, limit: float) -> np.ndarray:
     bmin = np.where(tab.ok & (bmin <= max_block(t)), bmin, np.inf)
     bmin[0, n - 1] = t.wc if t.whole_term() <= u and t.wc <= max_block(t) else np.inf   # its only block
     if t.opts.kind.asynchronous:                        # r = b R must divide M
-        allowed = np.array([b for b in range(1, max_block(t) + 1) if m_b % (b * t.copies) == 0] + [np.inf])
+        allowed = np.array([b for b in range(1, max_block(t) + 1) if t.kind.replicas_ok(b * t.copies, m_b)]
+                           + [np.inf])
         finite = np.isfinite(bmin)
         bmin[finite] = allowed[np.searchsorted(allowed, bmin[finite])]
     return bmin

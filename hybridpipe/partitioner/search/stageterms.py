@@ -107,22 +107,15 @@ class StageTerms:
         j, x, y = c.j, c.x, c.y
         b = y - x
         r = b * self.copies
-        ok = (r <= m_b) & (b >= 1) & self.cut_ok[j]
         kind = self.kind
-        if kind.asynchronous:
-            ok &= m_b % np.maximum(r, 1) == 0
+        ok = kind.replicas_ok(r, m_b) & (b >= 1) & self.cut_ok[j]
         r = np.maximum(r, 1)
         k = -(-m_b // r)
         kk = k if not self.flushed else k - 1
         depth = -(-(self.copies * (self.wc - x)) // r)
         depth_all = -(-(self.copies * self.wc) // r)
-        if kind.forwards_first:
-            inflight = k
-        elif kind.asynchronous:
-            inflight = depth
-        else:
-            inflight = np.minimum(k, depth_all if kind.split_backward else depth)
-        static = 2 + OPTIMIZER_STATES[opts.optimizer] + (inflight - 1 if kind.asynchronous else 0)
+        inflight = kind.inflight(k, depth, depth_all)
+        static = 2 + OPTIMIZER_STATES[opts.optimizer] + kind.weight_versions(inflight)
         fwd = self.pf[j + 1] - self.pf[i]
         back = self.pb[j + 1] - self.pb[i]
         fb = fwd + back
@@ -160,7 +153,7 @@ class StageTerms:
 
     def _overhead(self, i: int, j: np.ndarray, r: np.ndarray, k: np.ndarray, weights: np.ndarray) -> np.ndarray:
         """objective.overhead_ms per candidate (optimizer steps, compute lost to communication)."""
-        syncs = k if not self.flushed else 1
+        syncs = self.kind.syncs_per_step(k)
         ring = 2 * (r - 1) / r * weights
         p2p = self.p2p_in[i] + self.p2p_out[j]
         opt_ms = self.po[j + 1] - self.po[i]

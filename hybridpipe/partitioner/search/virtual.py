@@ -2,7 +2,7 @@
 
 The partitioner's own search (``planner.partition`` with 1F1B) chooses the p rank groups and
 their replicas as for any plan; this module then cuts the model into p*V contiguous chunks laid
-out on the groups as the schedule says (``schedule_registry.LAYOUTS``):
+out on the groups as the schedule says (``schedule_registry.Layout``):
 
 * boundaries: :func:`balanced_chunks`, an exact linear-partition DP minimising the largest
   chunk's forward + backward time over its group's replicas (a group of r replicas does 1/r of
@@ -39,14 +39,16 @@ from hybridpipe.partitioner.search.objective import Evaluation, Options, StageSp
 
 Simulate = Callable[[Plan], float]      # a plan -> its simulated step in ms
 
+BASE_SCHEDULE = "1f1b"     # the one-chunk schedule whose plan gives a virtual plan its groups and replicas
+
 
 def check_virtual(schedule: str, virtual: int) -> Schedule:
     """The schedule's object, or a one-line UserError for a schedule / chunk count that do not go together."""
     kind = get_schedule(schedule)
-    if kind.layout == "single" and virtual > 1:
+    if not kind.chunked and virtual > 1:
         raise UserError(f"--virtual-stages {virtual} needs a schedule with several model chunks per rank: "
                         "--schedule interleaved-1f1b, zbv (--virtual-stages 2) or auto")
-    if kind.layout != "single" and virtual == 1:
+    if kind.chunked and virtual == 1:
         raise UserError(f"--schedule {schedule} runs several model chunks per rank; give --virtual-stages V "
                         f"({kind.virtual_need()}), or use --schedule 1f1b for one")
     if not kind.virtual_ok(virtual):
@@ -142,7 +144,7 @@ def virtual_plan(base: Plan, costs: ModelCosts, model: CostModel, opts: Options,
     kind = check_virtual(opts.schedule, virtual)
     groups = [tuple(s.ranks) for s in base.stages]
     specs = chunk_specs(costs, groups, kind, virtual)
-    plain = replace(opts, schedule="1f1b", memory_bytes=math.inf, recompute="none")
+    plain = replace(opts, schedule=BASE_SCHEDULE, memory_bytes=math.inf, recompute="none")
     worker, recompute = chunk_memory(costs, specs, kind, opts, virtual)
     ev = evaluate(costs, model, specs, plain)
     stages = []
