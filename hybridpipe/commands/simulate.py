@@ -18,6 +18,7 @@ from hybridpipe.limits import require_memory
 from hybridpipe.partitioner.cost.calibration import load_calibration
 from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.plan import SCHEDULES, WIRE_BYTES, Plan, load_plan
+from hybridpipe.partitioner.schedule_registry import get_schedule
 from hybridpipe.pipeline.schedules import Topology, check_schedulable
 from hybridpipe.pipeline.simtrace import draw_timeline, write_chrome_trace
 from hybridpipe.pipeline.simulator import SimResult, simulate, stage_costs
@@ -39,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan)
-    schedule = args.schedule or plan.schedule
+    schedule = get_schedule(args.schedule or plan.schedule)
     topo = Topology(tuple(tuple(s.ranks) for s in plan.stages), args.micro_batches or plan.micro_batches)
     check_simulation_size(topo, args.steps)
     check_schedulable(topo, schedule)

@@ -37,7 +37,7 @@ from hybridpipe.jsonfile import check_header, field, read_json, write_json
 from hybridpipe.partitioner.cost import collectives as co
 from hybridpipe.partitioner.cost.cluster import Cluster
 from hybridpipe.partitioner.cost.syncunits import SECOND_LANE_ALGORITHMS, LayerSync, sync_units
-from hybridpipe.partitioner.schedule_registry import REGISTRY
+from hybridpipe.partitioner.schedule_registry import REGISTRY, Schedule, get_schedule
 
 PLAN_KIND = "plan"
 PLAN_FORMAT = 1
@@ -97,7 +97,7 @@ class Plan:
     profile_signature: str        # Profile.signature(): the traced graph's identity
     cluster: Cluster
     strategy: str
-    schedule: str
+    schedule: str                 # a name in the schedule registry (the object: :attr:`kind`)
     micro_batches: int
     optimizer: str
     stages: tuple[Stage, ...]
@@ -112,6 +112,11 @@ class Plan:
     @property
     def world_size(self) -> int:
         return len({r for s in self.stages for r in s.ranks})
+
+    @property
+    def kind(self) -> Schedule:
+        """The plan's schedule, the object (what it means: schedule_registry.py)."""
+        return get_schedule(self.schedule)
 
     def stages_of_rank(self, rank: int) -> tuple[tuple[Stage, ...], int]:
         """(the stages ``rank`` runs in model order, its replica index); UserError if none."""
@@ -321,7 +326,7 @@ def _check_stages(plan: Plan, source: str) -> None:
             raise UserError(f"{where}: rank {sorted(dup or s.ranks)[0]} is given to more than one stage/replica")
         seen.update(s.ranks)
         expected_first = s.last_node + 1
-    layout = REGISTRY[plan.schedule].layout_error([s.ranks for s in plan.stages], plan.virtual_stages)
+    layout = plan.kind.layout_error([s.ranks for s in plan.stages], plan.virtual_stages)
     if layout:
         raise UserError(f"{source}: {layout}; re-partition (hybridpipe partition --schedule {plan.schedule})")
     if seen != set(range(plan.world_size)):

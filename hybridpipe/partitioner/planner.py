@@ -111,7 +111,7 @@ def resolve(cluster: Cluster, req: Request) -> tuple[Cluster, int, Options]:
         cluster = replace(cluster, memory_gb=req.memory_gb)
     memory = cluster.memory_gb * 1e9
     micro = req.micro_batches or MICRO_BATCHES_PER_WORKER * workers
-    opts = Options(req.schedule, micro, req.optimizer, memory, tuple(req.algorithms), req.recompute)
+    opts = Options(get_schedule(req.schedule), micro, req.optimizer, memory, tuple(req.algorithms), req.recompute)
     return cluster, workers, opts
 
 
@@ -190,9 +190,10 @@ def partition_virtual(profile: Profile, cluster: Cluster, req: Request, calibrat
         if not found:
             raise errors[0]
         return min(found, key=lambda o: o.evaluation.objective_ms)
-    check_virtual(req.schedule, virtual)
+    kind = get_schedule(req.schedule)
+    check_virtual(kind, virtual)
     base = partition(profile, cluster, replace(req, schedule=BASE_SCHEDULE, virtual_stages=1), calibrations, progress)
-    opts = replace(base.options, schedule=req.schedule)
+    opts = replace(base.options, schedule=kind)
     costs = model_costs(profile).slowed(base.model.compute_slowdown)
 
     def build(specs: Sequence[StageSpec], ev: Evaluation, o: Options) -> Plan:
@@ -317,7 +318,7 @@ def build_plan(profile: Profile, costs: ModelCosts, cluster: Cluster, stages: Se
                          overhead_ms=e.overhead_ms, recompute=e.recompute))
     samples = opts.micro_batches * profile.batch_size / (step_ms / 1e3) if step_ms > 0 else 0.0
     return Plan(model=profile.model, batch_size=profile.batch_size, input_shape=tuple(profile.input_shape),
-                profile_signature=profile.signature(), cluster=cluster, strategy=strategy, schedule=opts.schedule,
+                profile_signature=profile.signature(), cluster=cluster, strategy=strategy, schedule=opts.schedule.name,
                 micro_batches=opts.micro_batches, optimizer=opts.optimizer, stages=tuple(out),
                 predicted_step_ms=step_ms, predicted_samples_per_s=samples,
                 created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -347,9 +348,10 @@ def no_fit_message(costs: ModelCosts, workers: int, opts: Options) -> str:
     if not opts.replicas_ok(1) or costs.n * opts.micro_batches < workers:
         return (f"{workers} workers cannot all get micro-batches: {costs.n} nodes x {opts.micro_batches} micro-batches "
                 "per step; raise --micro-batches or use fewer --workers")
-    other = "" if opts.schedule == "1f1b" else ", or use --schedule 1f1b (it keeps fewer micro-batches in flight)"
+    other = ("" if opts.schedule.name == "1f1b"
+             else ", or use --schedule 1f1b (it keeps fewer micro-batches in flight)")
     return (f"no partition onto {workers} workers fits in {gb:g} GB per worker with {opts.micro_batches} "
-            f"micro-batches ({opts.schedule}) and a replica count per stage that divides into them; raise "
+            f"micro-batches ({opts.schedule.name}) and a replica count per stage that divides into them; raise "
             f"--memory-gb or --micro-batches, add workers or use --recompute auto{other}")
 
 
@@ -359,8 +361,8 @@ def memory_message(stages: Sequence[StageSpec], ev: Evaluation, opts: Options, s
         r, m = len(st.ranks), opts.micro_batches
         if not opts.replicas_ok(r):
             return (f"--strategy {strategy} gives stage {idx} {r} replicas but a step has {m} micro-batches; "
-                    f"use --micro-batches {opts.kind.replicas_need(r)} "
-                    f"(one per replica{' and round' if opts.kind.asynchronous else ''})")
+                    f"use --micro-batches {opts.schedule.replicas_need(r)} "
+                    f"(one per replica{' and round' if opts.schedule.asynchronous else ''})")
     idx = next(k for k, e in enumerate(ev.stages) if e.memory_bytes > opts.memory_bytes)
     st, e = stages[idx], ev.stages[idx]
     return (f"--strategy {strategy} does not fit: stage {idx} (nodes {st.first}-{st.last}) needs "

@@ -3,7 +3,7 @@
     stage = build_stage(model, plan, rank, loss=spec.loss, leaf_modules=spec.leaf_modules)
     # or, with virtual stages (interleaved-1f1b, zbv): stages = build_stages(...), one per model chunk
     topo = Topology.from_plan(plan)
-    engine = PipelineEngine(stage, topo, rank, plan.schedule, transport=channels, sync=hdp,
+    engine = PipelineEngine(stage, topo, rank, plan.kind, transport=channels, sync=hdp,
                             optimizer=opt, data=MicroBatches(dataset, plan.batch_size, plan.micro_batches))
     engine.run_step(step, drain=is_last_step)
 

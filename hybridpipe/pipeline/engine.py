@@ -1,6 +1,6 @@
 """Executing one rank's instruction list for one training step.
 
-    engine = PipelineEngine(stages, topo, rank, "1f1b", transport=channels, sync=hdp,
+    engine = PipelineEngine(stages, topo, rank, plan.kind, transport=channels, sync=hdp,
                             optimizer=opt, data=data, recorder=recorder)
     for step in range(steps):
         result = engine.run_step(step, drain=step == steps - 1)   # drain matters for pipedream only
@@ -54,7 +54,7 @@ from typing import Any, Protocol
 import torch
 
 from hybridpipe.errors import UserError
-from hybridpipe.partitioner.schedule_registry import get_schedule
+from hybridpipe.partitioner.schedule_registry import Schedule
 from hybridpipe.pipeline import engine_state, evaluation
 from hybridpipe.pipeline.chunks import rank_module
 from hybridpipe.pipeline.data import DataSource
@@ -119,7 +119,8 @@ class StepResult:
 class PipelineEngine:
     """Runs a rank's schedule step by step (see the module docstring)."""
 
-    def __init__(self, stages: PipelineStage | Sequence[PipelineStage], topo: Topology, rank: int, schedule: str, *,
+    def __init__(self, stages: PipelineStage | Sequence[PipelineStage], topo: Topology, rank: int,
+                 schedule: Schedule, *,
                  transport: Transport | None, optimizer: torch.optim.Optimizer, data: DataSource,
                  sync: Any = None, recorder=None, tied: TiedReduce | None = None,
                  clock: Callable[[], float] = time.perf_counter,
@@ -138,16 +139,15 @@ class PipelineEngine:
         self.syncs = _syncs(sync, expected)
         self.tied, self.before_step = tied, before_step
         self.autocast, self.wire_dtype, self.loss_scale = autocast, wire_dtype, loss_scale
-        self.kind = get_schedule(schedule)
-        if tied is not None and not self.kind.keeps_tied_weights:
-            raise UserError(f"{schedule}'s asynchronous updates cannot keep a weight that several stages share (tied "
-                            "embeddings) identical; use --schedule 1f1b or gpipe, or a plan that keeps its uses "
+        if tied is not None and not schedule.keeps_tied_weights:
+            raise UserError(f"{schedule.name}'s asynchronous updates cannot keep a weight that several stages share "
+                            "(tied embeddings) identical; use --schedule 1f1b or gpipe, or a plan that keeps its uses "
                             "in one stage")
-        if self.kind.asynchronous and len(chunks) > 1:
-            raise UserError(f"{schedule} runs one stage per rank, but rank {rank} holds stages {expected}; "
+        if schedule.asynchronous and len(chunks) > 1:
+            raise UserError(f"{schedule.name} runs one stage per rank, but rank {rank} holds stages {expected}; "
                             "use --schedule interleaved-1f1b or zbv for virtual stages")
         self.recorder, self.clock = recorder, clock
-        self.stash = WeightStash(chunks[0].module) if self.kind.asynchronous else None
+        self.stash = WeightStash(chunks[0].module) if schedule.asynchronous else None
         self.device = chunks[0].device     # where inputs and targets go (place the stages before the engine)
         self.meter = MemoryMeter(self._held, self._grad_bytes, self.device, [c.module for c in chunks])
         self.phase = 0              # steps since the pipeline was (re)started (pipedream)

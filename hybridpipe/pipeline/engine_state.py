@@ -15,6 +15,7 @@ from typing import Protocol
 
 import torch
 
+from hybridpipe.partitioner.schedule_registry import Schedule
 from hybridpipe.pipeline.data import DataSource
 from hybridpipe.pipeline.inflight import InFlight
 from hybridpipe.pipeline.instructions import RecvActivations, RecvGradients, message_key
@@ -27,7 +28,7 @@ from hybridpipe.pipeline.validate import in_transit
 class Resumable(Protocol):
     """What a checkpoint reads and restores of an engine (``PipelineEngine`` is one)."""
 
-    schedule: str
+    schedule: Schedule
     topo: Topology
     rank: int
     phase: int                      # steps since the pipeline was (re)started
@@ -44,7 +45,7 @@ class Resumable(Protocol):
 
 def engine_state(engine: Resumable) -> dict:
     """The engine's state, taken between steps (every rank after the same step)."""
-    state = {"schedule": engine.schedule, "step": engine.last_step, "phase": engine.phase,
+    state = {"schedule": engine.schedule.name, "step": engine.last_step, "phase": engine.phase,
              "stash": engine.stash.state_dict() if engine.stash else None, "in_flight": {}}
     if engine.flight.acts:
         _receive_in_transit(engine)
@@ -56,9 +57,9 @@ def load_engine_state(engine: Resumable, state: dict) -> None:
     """Restore :func:`engine_state`'s state into a fresh engine (same plan and rank), after the
     stage's weights and the optimizer's state have been loaded; recomputes the forwards of the
     micro-batches that were in flight."""
-    if state.get("schedule") != engine.schedule:
+    if state.get("schedule") != engine.schedule.name:
         raise ValueError(f"the engine state was saved by schedule {state.get('schedule')!r}, "
-                         f"not {engine.schedule!r}")
+                         f"not {engine.schedule.name!r}")
     if engine.flight.acts:
         raise RuntimeError("load_state_dict needs a fresh engine (this one has micro-batches in flight)")
     if engine.stash is not None and state.get("stash") is not None:

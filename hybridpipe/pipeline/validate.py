@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from hybridpipe.partitioner.schedule_registry import Schedule
 from hybridpipe.pipeline.instructions import (
     Backward,
     BackwardInput,
@@ -146,7 +147,7 @@ def _ranks(topo: Topology, steps: Sequence[Mapping[int, Sequence[Instruction]]])
     return ranks
 
 
-def in_transit(topo: Topology, schedule: str, phase: int) -> dict[int, list[tuple[int, str, int]]]:
+def in_transit(topo: Topology, schedule: Schedule, phase: int) -> dict[int, list[tuple[int, str, int]]]:
     """Messages sent but not yet received when every rank has finished step ``phase`` after a
     (re)start: per receiver, ``(sender, "act"|"grad", micro-batch)`` in arrival order, the
     micro-batch numbered from the start of the *next* step (so negative). Empty for gpipe/1f1b.

@@ -263,7 +263,7 @@ def resolve(args: argparse.Namespace, world_size: int | None = None, planned: Pl
                                precision=args.precision or plan.precision)
     require_memory(plan.micro_batches * 6 * 400 * 2, f"the instruction lists of {plan.micro_batches} micro-batches",
                    "use fewer --micro-batches")
-    check_schedulable(Topology.from_plan(plan), plan.schedule)
+    check_schedulable(Topology.from_plan(plan), plan.kind)
     check_plan_memory(plan)
     if args.skip_nonfinite and not flushes(plan):
         raise UserError(f"--skip-nonfinite needs a schedule that flushes every step (gpipe, 1f1b); "
@@ -312,7 +312,7 @@ def flushes(plan: Plan) -> bool:
     """Whether every rank of the plan's schedule takes exactly one optimizer step per step, after
     all its micro-batches (so a step can be checked, and skipped, before any weight changes)."""
     topo = Topology.from_plan(plan)
-    return all(sum(isinstance(ins, Step) for ins in rank_program(topo, r, plan.schedule)) == 1
+    return all(sum(isinstance(ins, Step) for ins in rank_program(topo, r, plan.kind)) == 1
                for ranks in topo.stage_ranks for r in ranks)
 
 

@@ -87,7 +87,7 @@ class _Solver:
         self.copies, self.wc = copies, workers // copies
         n = self.n = costs.n
         self.pf, self.pb = costs.prefix(costs.forward_ms), costs.prefix(costs.backward_ms)
-        kind = self.kind = opts.kind
+        kind = self.kind = opts.schedule
         flushed, share = kind.flushed, kind.drain_backward_share
         self.trip = float(self.pf[-1] + share * self.pb[-1]) if flushed else 0.0   # fill + drain every stage waits
         self.gap = (self.pf[:-1] + self.pb[:-1]) if flushed else np.zeros(n)  # drain + fill before node i

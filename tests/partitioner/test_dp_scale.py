@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from hybridpipe.partitioner.cost.cluster import Cluster, Level
 from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.plan import ALGORITHMS
+from hybridpipe.partitioner.schedule_registry import get_schedule
 from hybridpipe.partitioner.search import dp
 from hybridpipe.partitioner.search.modelcosts import model_costs
 from hybridpipe.partitioner.search.objective import Options, evaluate, predict_step_ms
@@ -44,7 +45,7 @@ def clusters(draw, max_workers: int = 64) -> Cluster:
 
 
 def options(workers: int):
-    return st.builds(Options, schedule=st.sampled_from(["gpipe", "1f1b", "pipedream", "zb-h1"]),
+    return st.builds(Options, schedule=st.sampled_from(["gpipe", "1f1b", "pipedream", "zb-h1"]).map(get_schedule),
                      micro_batches=st.sampled_from(sorted({1, 2, 4, 8, workers, 2 * workers, 3 * workers})),
                      optimizer=st.sampled_from(["sgd", "adam"]),
                      memory_bytes=st.sampled_from([math.inf, math.inf, 1e9, 4e8, 1.5e8]),
@@ -96,7 +97,8 @@ def test_synthetic_profiles_on_two_level_clusters_equal_the_exhaustive_dp():
     for nodes, per_host, hosts, schedule in ((40, 8, 4, "1f1b"), (30, 4, 4, "pipedream"), (30, 8, 8, "gpipe")):
         clu = bench_cluster(per_host, hosts)
         workers = clu.total_workers
-        same_plan(model_costs(synthetic_profile(nodes, seed=nodes)), clu, Options(schedule, 2 * workers, "adam", 8e9))
+        same_plan(model_costs(synthetic_profile(nodes, seed=nodes)), clu,
+                  Options(get_schedule(schedule), 2 * workers, "adam", 8e9))
 
 
 @settings(max_examples=150, deadline=None)
@@ -134,7 +136,7 @@ def test_exposure_row_and_sync_bound(layers, cluster, data):
     """The row formula equals the exposure table bit for bit; the ring bound is above every node's sync."""
     costs = model_costs(make_profile(layers))
     workers = cluster.total_workers
-    t = StageTerms(costs, CostModel(cluster), workers, 1, Options("1f1b", 2 * workers))
+    t = StageTerms(costs, CostModel(cluster), workers, 1, Options(get_schedule("1f1b"), 2 * workers))
     x = data.draw(st.integers(0, workers - 1))
     b = data.draw(st.integers(1, workers - x))
     table = reference_dp.exposure_table(t.sync_ms(x % t.period, b), costs.backward_ms, costs.forward_ms)
@@ -150,7 +152,7 @@ def test_time_limit_returns_a_lower_bound_and_the_best_plan_so_far():
     from benchmarks.partitioner_speed import synthetic_profile
     clu = bench_cluster(8, 8)
     costs, model = model_costs(synthetic_profile(60)), CostModel(clu)
-    opts = Options("1f1b", 128, "sgd", 32e9)
+    opts = Options(get_schedule("1f1b"), 128, "sgd", 32e9)
     bound = evaluate(costs, model, baseline_stages("dp", costs, 64), opts).objective_ms
     full = dp.solve(costs, model, 64, opts, bound)
     cut = dp.solve(costs, CostModel(clu), 64, opts, bound, deadline=time.monotonic())

@@ -19,6 +19,7 @@ from hybridpipe.partitioner.refine.refinement import (
     refined_calibrations,
     refined_profile,
 )
+from hybridpipe.partitioner.schedule_registry import get_schedule
 from hybridpipe.partitioner.search.objective import StageSpec
 from tests.partitioner.synth import flat_cluster, make_profile, two_level
 from tests.partitioner.synth_runs import synthetic_run
@@ -222,7 +223,7 @@ def test_the_optimal_search_with_a_refined_calibration_equals_brute_force(schedu
     cal = dataclasses.replace(nominal_calibration(CostModel(cluster), 0),
                               allreduce_slowdown=((1e5, 1.0), (5e6, 2.0), (6e7, 4.0)), compute_slowdown=1.2)
     model = CostModel(cluster, [cal])
-    opts = Options(schedule, 4)
+    opts = Options(get_schedule(schedule), 4)
     costs = model_costs(prof).slowed(model.compute_slowdown)
     bound = evaluate(costs, model, baseline_stages("dp", costs, 4), opts).objective_ms
     sol = dp.solve(costs, model, 4, opts, bound)

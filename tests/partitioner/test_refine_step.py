@@ -18,6 +18,7 @@ from hybridpipe.partitioner.refine.refinement import (
     refined_profile,
 )
 from hybridpipe.partitioner.refine.step import StepFactors, StepStage, TiedEvidence, fit_step, weighted_median
+from hybridpipe.partitioner.schedule_registry import get_schedule
 from hybridpipe.partitioner.search.modelcosts import model_costs
 from hybridpipe.partitioner.search.objective import Options, StageSpec, evaluate
 from tests.partitioner.synth import flat_cluster, make_profile
@@ -128,7 +129,7 @@ def test_compute_lost_to_the_link_is_fitted_apart_from_the_nodes_and_not_counted
     # the pipeline (no all-reduce) re-predicted as the truth; the dp stage's compute and overhead too
     assert predict_run(refined_profile(prof, ref), cluster, cals, runs[1]) == pytest.approx(
         predict_run(prof, cluster, [truth], runs[1]), rel=0.02)
-    opts = Options("1f1b", 8)
+    opts = Options(get_schedule("1f1b"), 8)
     got = evaluate(model_costs(refined_profile(prof, ref)), CostModel(cluster, list(cals)), layouts[0], opts).stages[0]
     want = evaluate(model_costs(prof), CostModel(cluster, [truth]), layouts[0], opts).stages[0]
     assert got.overhead_ms + 2 * (got.forward_ms + got.backward_ms) == pytest.approx(

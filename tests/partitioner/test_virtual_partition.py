@@ -64,7 +64,7 @@ def test_the_schedule_counts_what_each_chunk_holds_as_the_lists_do(schedule, vir
     """Schedule.chunk_inflight (ops) equals the validator's count on the expanded instruction lists."""
     kind, M = get_schedule(schedule), 8
     topo = virtual_topology(schedule, replicas, virtual, M)
-    report = validate(topo, [all_programs(topo, schedule)])
+    report = validate(topo, [all_programs(topo, get_schedule(schedule))])
     for g, ranks in enumerate(topo.groups):
         held = kind.chunk_inflight(Place(g, tuple(replicas), M), virtual)
         assert held == tuple(report.max_in_flight_stage[(ranks[0], s)] for s in topo.stages_of(ranks[0]))
@@ -108,9 +108,9 @@ def test_a_virtual_plan_keeps_the_strategys_groups_and_is_simulated(schedule, vi
     assert all(a.last_node + 1 == b.first_node for a, b in zip(plan.stages, plan.stages[1:], strict=False))
     # memory per worker: every chunk's weights and state, plus the activations at the worker's peak over
     # its chunks together, counted on the rank's own instruction list
-    costs, opts = model_costs(profile), Options(schedule, 8)
+    costs, opts = model_costs(profile), Options(get_schedule(schedule), 8)
     topo = Topology.from_plan(plan)
-    programs = all_programs(topo, schedule)
+    programs = all_programs(topo, get_schedule(schedule))
     for ranks in groups:
         mine = {i: s for i, s in enumerate(plan.stages) if s.ranks == ranks}
         static = sum(memory_bytes(costs, s.first_node, s.last_node, 0, opts) for s in mine.values())

@@ -139,7 +139,7 @@ def train_pipeline(plan: Plan, steps: int, *, lr: float = 0.05, seed: int = 0, o
                          for ranks, params in held.items()])
         syncs = {st.index: InProcessGradSync(st.module, groups[st.index], replica, exclude=tied.params)
                  for st in stages}
-        engine = engine_class(stages, topo, rank, plan.schedule, transport=network.transport(rank),
+        engine = engine_class(stages, topo, rank, plan.kind, transport=network.transport(rank),
                                 optimizer=make_optimizer(module.parameters(), lr, optimizer),
                                 data=data_for(plan, steps, dataset=dataset), sync=syncs, tied=tied if held else None)
 

@@ -353,7 +353,7 @@ def predict_run(profile: Profile, cluster: Cluster, calibrations: Sequence[Calib
     tied weights' sums included, as a plan's prediction counts them."""
     model = CostModel(cluster, list(calibrations))
     stages = [StageSpec(s.first, s.last, s.ranks) for s in run.stages]
-    opts = Options(run.schedule, run.micro_batches, optimizer, math.inf, tuple(algorithms))
+    opts = Options(get_schedule(run.schedule), run.micro_batches, optimizer, math.inf, tuple(algorithms))
     ev = evaluate(base_costs(profile, model), model, stages, opts)
     tied = sum(t.predicted_ms for t in priced_tied(profile, stages, model))
     return predict_step_ms(ev, opts) + tied + model.step_overhead_ms

@@ -56,7 +56,7 @@ class StageTerms:
         self.copies, self.wc = copies, workers // copies
         self.n = n = costs.n
         self.pf, self.pb = costs.prefix(costs.forward_ms), costs.prefix(costs.backward_ms)
-        self.kind = kind = opts.kind
+        self.kind = kind = opts.schedule
         self.flushed, self.share = kind.flushed, kind.drain_backward_share
         # a split schedule's fill + drain leaves out the backwards (share 0), its own is added per stage
         self.trip = float(self.pf[-1] + self.share * self.pb[-1]) if self.flushed else 0.0

@@ -33,7 +33,7 @@ from hybridpipe.errors import UserError
 from hybridpipe.partitioner.chunk_orders import Place
 from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.plan import Plan
-from hybridpipe.partitioner.schedule_registry import Schedule, get_schedule
+from hybridpipe.partitioner.schedule_registry import REGISTRY, Schedule
 from hybridpipe.partitioner.search.modelcosts import ModelCosts
 from hybridpipe.partitioner.search.objective import Evaluation, Options, StageSpec, evaluate, memory_bytes
 
@@ -42,19 +42,17 @@ Simulate = Callable[[Plan], float]      # a plan -> its simulated step in ms
 BASE_SCHEDULE = "1f1b"     # the one-chunk schedule whose plan gives a virtual plan its groups and replicas
 
 
-def check_virtual(schedule: str, virtual: int) -> Schedule:
-    """The schedule's object, or a one-line UserError for a schedule / chunk count that do not go together."""
-    kind = get_schedule(schedule)
+def check_virtual(kind: Schedule, virtual: int) -> None:
+    """A one-line UserError for a schedule and a chunk count that do not go together."""
     if not kind.chunked and virtual > 1:
         raise UserError(f"--virtual-stages {virtual} needs a schedule with several model chunks per rank: "
                         "--schedule interleaved-1f1b, zbv (--virtual-stages 2) or auto")
     if kind.chunked and virtual == 1:
-        raise UserError(f"--schedule {schedule} runs several model chunks per rank; give --virtual-stages V "
+        raise UserError(f"--schedule {kind.name} runs several model chunks per rank; give --virtual-stages V "
                         f"({kind.virtual_need()}), or use --schedule 1f1b for one")
     if not kind.virtual_ok(virtual):
-        raise UserError(f"--schedule {schedule} runs {kind.virtual_need()} model chunks per rank, not "
+        raise UserError(f"--schedule {kind.name} runs {kind.virtual_need()} model chunks per rank, not "
                         f"--virtual-stages {virtual}")
-    return kind
 
 
 def balanced_chunks(weights: np.ndarray, divisors: Sequence[float], ends_ok: np.ndarray | None = None
@@ -141,10 +139,11 @@ def virtual_plan(base: Plan, costs: ModelCosts, model: CostModel, opts: Options,
 
     ``build(specs, evaluation, options)`` makes a Plan as ``planner.build_plan`` does (tied
     weights priced, per-step overhead added); ``simulate`` predicts its step."""
-    kind = check_virtual(opts.schedule, virtual)
+    kind = opts.schedule
+    check_virtual(kind, virtual)
     groups = [tuple(s.ranks) for s in base.stages]
     specs = chunk_specs(costs, groups, kind, virtual)
-    plain = replace(opts, schedule=BASE_SCHEDULE, memory_bytes=math.inf, recompute="none")
+    plain = replace(opts, schedule=REGISTRY[BASE_SCHEDULE], memory_bytes=math.inf, recompute="none")
     worker, recompute = chunk_memory(costs, specs, kind, opts, virtual)
     ev = evaluate(costs, model, specs, plain)
     stages = []
@@ -158,12 +157,12 @@ def virtual_plan(base: Plan, costs: ModelCosts, model: CostModel, opts: Options,
     ev = Evaluation(tuple(stages), ev.objective_ms, all(w <= opts.memory_bytes for w in worker))
     if not ev.fits:
         c = max(range(len(specs)), key=worker.__getitem__)
-        raise UserError(f"{opts.schedule} with {virtual} virtual stages does not fit: the workers of stage {c} "
+        raise UserError(f"{kind.name} with {virtual} virtual stages does not fit: the workers of stage {c} "
                         f"(ranks {list(specs[c].ranks)}) need {worker[c] / 1e9:.2f} GB for their {virtual} chunks, "
                         "more "
                         f"than {opts.memory_bytes / 1e9:g} GB; raise --memory-gb, use --recompute auto, fewer "
                         "--virtual-stages or more workers")
-    plan = replace(build(specs, ev, plain), schedule=opts.schedule, virtual_stages=virtual)
+    plan = replace(build(specs, ev, plain), schedule=kind.name, virtual_stages=virtual)
     step = simulate(plan) + sum(t.predicted_ms for t in plan.tied) + model.step_overhead_ms
     samples = opts.micro_batches * plan.batch_size / (step / 1e3) if step > 0 else 0.0
     return replace(plan, predicted_step_ms=step, predicted_samples_per_s=samples), replace(ev, objective_ms=step)
