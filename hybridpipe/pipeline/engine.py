@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+from typing_extensions import assert_never
 
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner.schedule_registry import Schedule
@@ -75,6 +76,7 @@ from hybridpipe.pipeline.instructions import (
     SendActivations,
     SendGradients,
     Step,
+    StepInstruction,
     SyncStart,
     SyncWait,
     message_key,
@@ -257,60 +259,61 @@ class PipelineEngine:
     def _execute(self, ins: MicroBatchInstruction, s: int, g: int, frozen: set[int], result: StepResult) -> None:
         """Run an instruction about micro-batch ``g`` (numbered over the run) on chunk ``s``."""
         M = self.topo.micro_batches
-        stage, key = self.stages[s], (s, g)
-        if isinstance(ins, LoadInput):
-            named = stage.data_inputs(self.data.input(g // M, g % M))
-            self.flight.inputs[key] = {k: v.to(self.device, non_blocking=True) for k, v in named.items()}
-        elif isinstance(ins, RecvActivations):
-            if key not in self.flight.inputs:       # else received early, at a checkpoint
-                self.flight.inputs[key] = self.recv(ins.peer, message_key(ins, g, M))
-        elif isinstance(ins, Forward):
-            params = self.stash.forward_params(g, g in frozen) if self.stash else None
-            with self.meter.forward(), self.compute_context():
-                act = self.flight.acts[key] = stage.forward(self.flight.inputs.pop(key), params=params)
-            self.meter.hold(key, act.inputs, act.outputs, act.output)
-        elif isinstance(ins, SendActivations):
-            self.send(ins.peer, message_key(ins, g, M), self.flight.acts[key].outputs)
-        elif isinstance(ins, LoadTarget):
-            target = self.data.target(g // M, g % M)
-            self.flight.targets[key] = target.to(self.device, non_blocking=True) if target is not None else None
-        elif isinstance(ins, Loss):
-            act = self.flight.acts[key]
-            with self.meter.forward(), self.compute_context():
-                act.loss = stage.loss(act.output, self.flight.targets.pop(key))
-            self.meter.hold(key, act.loss)
-            if g // M == result.step:
-                result.losses[g % M] = act.loss.detach()
-        elif isinstance(ins, RecvGradients):
-            if key not in self.flight.out_grads:    # else received early, at a checkpoint
-                self.flight.out_grads[key] = self.recv(ins.peer, message_key(ins, g, M))
-        elif isinstance(ins, SyncStart):
-            self.flight.sync_next.add(key)
-        elif isinstance(ins, Backward):
-            act = self._scaled(stage, self.flight.acts.pop(key))
-            with self._sync_if(s, g), self.meter.backward(stage.recompute, stage.module):
-                grads = stage.backward(act, self.flight.out_grads.pop(key, None))
-            self.meter.drop(key)
-            if self.stash:
-                self.stash.backward_done(g)
-            if not stage.is_first:
-                self.flight.in_grads[key] = grads
-        elif isinstance(ins, BackwardInput):
-            act = self._scaled(stage, self.flight.acts.pop(key))
-            with self.syncs[s].no_sync(), self.meter.backward(stage.recompute, stage.module):   # no param grads here
-                grads, work = stage.backward_input(act, self.flight.out_grads.pop(key, None))
-            self.flight.weight_work[key] = (act, work)
-            if not stage.is_first:
-                self.flight.in_grads[key] = grads
-        elif isinstance(ins, BackwardWeight):
-            _, work = self.flight.weight_work.pop(key)
-            with self._sync_if(s, g), self.meter.backward(stage.recompute, stage.module):
-                stage.backward_weight(work)
-            self.meter.drop(key)
-        elif isinstance(ins, SendGradients):
-            self.send(ins.peer, message_key(ins, g, M), self.flight.in_grads.pop(key))
-        else:
-            raise TypeError(f"unknown instruction {ins!r}")
+        stage, key, flight = self.stages[s], (s, g), self.flight
+        match ins:
+            case LoadInput():
+                named = stage.data_inputs(self.data.input(g // M, g % M))
+                flight.inputs[key] = {k: v.to(self.device, non_blocking=True) for k, v in named.items()}
+            case RecvActivations():
+                if key not in flight.inputs:       # else received early, at a checkpoint
+                    flight.inputs[key] = self.recv(ins.peer, message_key(ins, g, M))
+            case Forward():
+                params = self.stash.forward_params(g, g in frozen) if self.stash else None
+                with self.meter.forward(), self.compute_context():
+                    act = flight.acts[key] = stage.forward(flight.inputs.pop(key), params=params)
+                self.meter.hold(key, act.inputs, act.outputs, act.output)
+            case SendActivations():
+                self.send(ins.peer, message_key(ins, g, M), flight.acts[key].outputs)
+            case LoadTarget():
+                target = self.data.target(g // M, g % M)
+                flight.targets[key] = target.to(self.device, non_blocking=True) if target is not None else None
+            case Loss():
+                act = flight.acts[key]
+                with self.meter.forward(), self.compute_context():
+                    act.loss = stage.loss(act.output, flight.targets.pop(key))
+                self.meter.hold(key, act.loss)
+                if g // M == result.step:
+                    result.losses[g % M] = act.loss.detach()
+            case RecvGradients():
+                if key not in flight.out_grads:    # else received early, at a checkpoint
+                    flight.out_grads[key] = self.recv(ins.peer, message_key(ins, g, M))
+            case SyncStart():
+                flight.sync_next.add(key)
+            case Backward():
+                act = self._scaled(stage, flight.acts.pop(key))
+                with self._sync_if(s, g), self.meter.backward(stage.recompute, stage.module):
+                    grads = stage.backward(act, flight.out_grads.pop(key, None))
+                self.meter.drop(key)
+                if self.stash:
+                    self.stash.backward_done(g)
+                if not stage.is_first:
+                    flight.in_grads[key] = grads
+            case BackwardInput():
+                act = self._scaled(stage, flight.acts.pop(key))
+                with self.syncs[s].no_sync(), self.meter.backward(stage.recompute, stage.module):   # no param grads
+                    grads, work = stage.backward_input(act, flight.out_grads.pop(key, None))
+                flight.weight_work[key] = (act, work)
+                if not stage.is_first:
+                    flight.in_grads[key] = grads
+            case BackwardWeight():
+                _, work = flight.weight_work.pop(key)
+                with self._sync_if(s, g), self.meter.backward(stage.recompute, stage.module):
+                    stage.backward_weight(work)
+                self.meter.drop(key)
+            case SendGradients():
+                self.send(ins.peer, message_key(ins, g, M), flight.in_grads.pop(key))
+            case _:
+                assert_never(ins)
 
     def _scaled(self, stage: PipelineStage, act: Activation) -> Activation:
         """The last stage's activation with its loss multiplied by the fp16 loss scale (if any)."""
@@ -326,14 +329,15 @@ class PipelineEngine:
         self.flight.sync_next.discard((s, g))
         return contextlib.nullcontext() if synced else self.syncs[s].no_sync()
 
-    def _execute_step_level(self, ins: Instruction, result: StepResult) -> None:
-        if isinstance(ins, SyncWait):
-            self.syncs[ins.stage].finish()
-        elif isinstance(ins, Step):
-            self._optimizer_step(ins.grad_scale)
-            result.optimizer_steps += 1
-        else:
-            raise TypeError(f"unknown instruction {ins!r}")
+    def _execute_step_level(self, ins: StepInstruction, result: StepResult) -> None:
+        match ins:
+            case SyncWait():
+                self.syncs[ins.stage].finish()
+            case Step():
+                self._optimizer_step(ins.grad_scale)
+                result.optimizer_steps += 1
+            case _:
+                assert_never(ins)
 
     def _optimizer_step(self, scale: float) -> None:
         if self.tied is not None:

@@ -11,18 +11,25 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
+from typing_extensions import assert_never
 
 from hybridpipe.pipeline.data import DataSource
 from hybridpipe.pipeline.inflight import InFlight
 from hybridpipe.pipeline.instructions import (
     PHASES,
+    Backward,
+    BackwardInput,
+    BackwardWeight,
     Forward,
     LoadInput,
     LoadTarget,
     Loss,
     MicroBatchInstruction,
     RecvActivations,
+    RecvGradients,
     SendActivations,
+    SendGradients,
+    SyncStart,
     message_key,
 )
 from hybridpipe.pipeline.schedules import Topology, eval_program
@@ -64,24 +71,27 @@ def run_eval(engine: Evaluating, data: DataSource, *, recorder=None) -> dict[int
             raise TypeError(f"{ins!r} has no place in an evaluation step")
         t0, m = engine.clock(), ins.micro_batch
         stage, key = engine.stages[ins.stage], (ins.stage, ins.micro_batch)
-        if isinstance(ins, LoadInput):
-            named = stage.data_inputs(data.input(0, m))
-            inputs[key] = {k: v.to(engine.device, non_blocking=True) for k, v in named.items()}
-        elif isinstance(ins, RecvActivations):
-            inputs[key] = engine.recv(ins.peer, message_key(ins, m, M))
-        elif isinstance(ins, Forward):
-            with engine.compute_context():
-                acts[key] = stage.forward_eval(inputs.pop(key))
-        elif isinstance(ins, SendActivations):
-            engine.send(ins.peer, message_key(ins, m, M), acts.pop(key).outputs)
-        elif isinstance(ins, LoadTarget):
-            target = data.target(0, m)
-            targets[key] = target.to(engine.device, non_blocking=True) if target is not None else None
-        elif isinstance(ins, Loss):
-            with torch.no_grad(), engine.compute_context():
-                losses[m] = stage.loss(acts.pop(key).output, targets.pop(key)).detach()
-        else:
-            raise TypeError(f"{ins!r} has no place in an evaluation step")
+        match ins:
+            case LoadInput():
+                named = stage.data_inputs(data.input(0, m))
+                inputs[key] = {k: v.to(engine.device, non_blocking=True) for k, v in named.items()}
+            case RecvActivations():
+                inputs[key] = engine.recv(ins.peer, message_key(ins, m, M))
+            case Forward():
+                with engine.compute_context():
+                    acts[key] = stage.forward_eval(inputs.pop(key))
+            case SendActivations():
+                engine.send(ins.peer, message_key(ins, m, M), acts.pop(key).outputs)
+            case LoadTarget():
+                target = data.target(0, m)
+                targets[key] = target.to(engine.device, non_blocking=True) if target is not None else None
+            case Loss():
+                with torch.no_grad(), engine.compute_context():
+                    losses[m] = stage.loss(acts.pop(key).output, targets.pop(key)).detach()
+            case RecvGradients() | Backward() | BackwardInput() | BackwardWeight() | SendGradients() | SyncStart():
+                raise TypeError(f"{ins!r} has no place in an evaluation step")
+            case _:
+                assert_never(ins)
         phase = PHASES.get(type(ins))
         if recorder is not None and phase is not None:
             recorder.record(phase, m, t0, engine.clock(), ins.stage)

@@ -32,6 +32,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from typing_extensions import assert_never
+
 from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.plan import WIRE_BYTES, Plan
 from hybridpipe.partitioner.schedule_registry import Schedule
@@ -41,10 +43,14 @@ from hybridpipe.pipeline.instructions import (
     BackwardWeight,
     Forward,
     Instruction,
+    LoadInput,
+    LoadTarget,
+    Loss,
     RecvActivations,
     RecvGradients,
     SendActivations,
     SendGradients,
+    Step,
     SyncStart,
     SyncWait,
 )
@@ -222,48 +228,53 @@ class _Sim:
         M = self.topo.micro_batches
         g = k * M + ins.micro_batch if hasattr(ins, "micro_batch") else -1
         now = self.clock[r]
-        if isinstance(ins, (RecvActivations, RecvGradients)):
-            kind = "act" if isinstance(ins, RecvActivations) else "grad"
-            producer = stage - 1 if kind == "act" else stage
-            t = self.arrivals.pop((ins.peer, r, kind, producer, g), None)
-            if t is None:
-                return False
-            self.clock[r] = max(now, t)
-        elif isinstance(ins, (SendActivations, SendGradients)):
-            kind = "act" if isinstance(ins, SendActivations) else "grad"
-            cut = stage if kind == "act" else stage - 1         # the producing stage: the cut after it
-            start = max(now, self.link_free.get((r, ins.peer), 0.0))
-            end = start + (self.link_ms(cut, r, ins.peer) if ins.peer != r else 0.0)     # to itself: a hand-over
-            self.link_free[(r, ins.peer)] = end
-            self.arrivals[(r, ins.peer, kind, cut, g)] = end
-            if end > start:
-                self.intervals.append(Interval(kind, g, start, end, f"link {r}->{ins.peer}", f"{kind} {g}", stage))
-        elif isinstance(ins, Forward):
-            self._busy(r, "F", g, c.forward_ms, stage)
-        elif isinstance(ins, SyncStart):
-            self.sync_next[(r, stage)] = g
-        elif isinstance(ins, BackwardInput):
-            self._busy(r, "B", g, c.backward_ms * (c.input_share if stage > 0 else 0.0), stage)
-        elif isinstance(ins, (Backward, BackwardWeight)):
-            t0 = now
-            ms = c.backward_ms
-            if isinstance(ins, BackwardWeight):
-                ms *= 1.0 - (c.input_share if stage > 0 else 0.0)
-            self._busy(r, "B" if isinstance(ins, Backward) else "W", g, ms, stage)
-            if self.sync_next.get((r, stage)) == g:
-                del self.sync_next[(r, stage)]
-                n = len(c.allreduce_ms)
-                times = [t0 + ms * (i + 1) / n for i in range(n)]   # i-th gradient ready
-                nth = self.synced.get((r, stage), 0)
-                self.ready.setdefault((stage, nth), []).append(times)
-                self.synced[(r, stage)] = nth + 1
-        elif isinstance(ins, SyncWait):
-            key = (stage, self.waited.get((r, stage), 0))
-            done = self._sync_end(stage, key)
-            if done is None:
-                return False
-            self.clock[r] = max(now, done)
-            self.waited[(r, stage)] = key[1] + 1
+        match ins:
+            case RecvActivations() | RecvGradients():
+                kind = "act" if isinstance(ins, RecvActivations) else "grad"
+                producer = stage - 1 if kind == "act" else stage
+                t = self.arrivals.pop((ins.peer, r, kind, producer, g), None)
+                if t is None:
+                    return False
+                self.clock[r] = max(now, t)
+            case SendActivations() | SendGradients():
+                kind = "act" if isinstance(ins, SendActivations) else "grad"
+                cut = stage if kind == "act" else stage - 1         # the producing stage: the cut after it
+                start = max(now, self.link_free.get((r, ins.peer), 0.0))
+                end = start + (self.link_ms(cut, r, ins.peer) if ins.peer != r else 0.0)    # to itself: a hand-over
+                self.link_free[(r, ins.peer)] = end
+                self.arrivals[(r, ins.peer, kind, cut, g)] = end
+                if end > start:
+                    self.intervals.append(Interval(kind, g, start, end, f"link {r}->{ins.peer}", f"{kind} {g}", stage))
+            case Forward():
+                self._busy(r, "F", g, c.forward_ms, stage)
+            case SyncStart():
+                self.sync_next[(r, stage)] = g
+            case BackwardInput():
+                self._busy(r, "B", g, c.backward_ms * (c.input_share if stage > 0 else 0.0), stage)
+            case Backward() | BackwardWeight():
+                t0 = now
+                ms = c.backward_ms
+                if isinstance(ins, BackwardWeight):
+                    ms *= 1.0 - (c.input_share if stage > 0 else 0.0)
+                self._busy(r, "B" if isinstance(ins, Backward) else "W", g, ms, stage)
+                if self.sync_next.get((r, stage)) == g:
+                    del self.sync_next[(r, stage)]
+                    n = len(c.allreduce_ms)
+                    times = [t0 + ms * (i + 1) / n for i in range(n)]   # i-th gradient ready
+                    nth = self.synced.get((r, stage), 0)
+                    self.ready.setdefault((stage, nth), []).append(times)
+                    self.synced[(r, stage)] = nth + 1
+            case SyncWait():
+                key = (stage, self.waited.get((r, stage), 0))
+                done = self._sync_end(stage, key)
+                if done is None:
+                    return False
+                self.clock[r] = max(now, done)
+                self.waited[(r, stage)] = key[1] + 1
+            case LoadInput() | LoadTarget() | Loss() | Step():
+                pass                # no time of their own: in the stage's forward / backward and the step's sync
+            case _:
+                assert_never(ins)
         self.step_end[r][k] = self.clock[r]
         return True
 
