@@ -26,22 +26,21 @@ if __package__ in (None, ""):                       # run as a script: make the 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (
-    busbw_gbps,
     emit_result,
     log,
     machine,
-    parse_size_range,
     pyplot,
     require_emulation,
     result_paths,
     run_workers,
     setup_logging,
-    size_label,
     summary,
     worker_env,
     write_results,
 )
+from hybridpipe.comm.allreduce.bench import busbw_gbps
 from hybridpipe.jsonfile import write_json
+from hybridpipe.units import parse_sizes, size_label
 
 ALGORITHMS = ("ring", "butterfly", "hierarchical", "torus2d", "aggregator", "aggregator@switch", "native", "auto")
 PAIRS = (("butterfly", "ring"), ("torus2d", "ring"), ("aggregator", "ring"), ("aggregator@switch", "ring"))
@@ -87,7 +86,7 @@ def worker_calibration(args: argparse.Namespace):
         return load_calibration(args.calibration_file)
     if args.calibrate:
         algos = [a for a in CALIBRATED if a in args.algorithms.split(",") or a == "native"]
-        return calibrate_group(algos, parse_size_range(CALIBRATION_SIZES, 4), reps=3, budget_s=0.1,
+        return calibrate_group(algos, parse_sizes(CALIBRATION_SIZES, 4), reps=3, budget_s=0.1,
                                notes=("measured by allreduce_sweep before its sweep",))
     return None
 
@@ -104,7 +103,7 @@ def worker(args: argparse.Namespace) -> None:
     calibration = worker_calibration(args)
     calibration_s = time.perf_counter() - t0
     table = make_reducers(group, args.cluster_file, args.aggregator, calibration, down)
-    sizes = parse_size_range(args.sizes, args.size_step)
+    sizes = parse_sizes(args.sizes, args.size_step)
     rows = []
     for algo in args.algorithms.split(","):
         if algo not in table:

@@ -210,8 +210,8 @@ def worker_calibration(args: argparse.Namespace):
     if args.calibration_file:
         return load_calibration(args.calibration_file)
     if args.calibrate:
-        from benchmarks.common import parse_size_range
-        return calibrate_group(CALIBRATED, parse_size_range(CALIBRATION_SIZES, 4), reps=3, budget_s=0.1,
+        from hybridpipe.units import parse_sizes
+        return calibrate_group(CALIBRATED, parse_sizes(CALIBRATION_SIZES, 4), reps=3, budget_s=0.1,
                                notes=("measured by hdp_vs_ddp before training",))
     return None
 

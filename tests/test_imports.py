@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # lowest first: a module may import modules of its own layer or of a lower one, never of a higher one
 PACKAGE_ORDER: tuple[tuple[str, ...], ...] = (
-    ("hybridpipe.errors", "hybridpipe.jsonfile", "hybridpipe.limits", "hybridpipe.argtypes"),   # shared leaves
+    ("hybridpipe.errors", "hybridpipe.jsonfile", "hybridpipe.limits", "hybridpipe.argtypes", "hybridpipe.units"),
     ("hybridpipe.profiles",),
     ("hybridpipe.partitioner",),
     ("hybridpipe.comm",),                 # its auto choice reads the partitioner's cost model

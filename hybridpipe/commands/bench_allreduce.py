@@ -22,8 +22,9 @@ from pathlib import Path
 
 from hybridpipe.argtypes import float_range, int_range, output_file, positive_float
 from hybridpipe.comm.allreduce.api import ALGORITHMS
-from hybridpipe.comm.allreduce.bench import BenchConfig, busbw_gbps, calibrate, measure, parse_sizes, size_label, table
+from hybridpipe.comm.allreduce.bench import BenchConfig, busbw_gbps, calibrate, measure, table
 from hybridpipe.errors import UserError
+from hybridpipe.units import parse_sizes, size_label
 
 log = logging.getLogger(__name__)
 

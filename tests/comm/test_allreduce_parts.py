@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridpipe.comm.allreduce.bench import busbw_gbps, parse_sizes, size_label, table
+from hybridpipe.comm.allreduce.bench import busbw_gbps, table
 from hybridpipe.comm.allreduce.costs import group_costs
 from hybridpipe.comm.allreduce.flat import FlatSpace
 from hybridpipe.comm.allreduce.schedule import PHASES
@@ -16,6 +16,7 @@ from hybridpipe.comm.allreduce.topology import Topology
 from hybridpipe.comm.allreduce.transport import ALGORITHM_IDS, MAX_LANES, message_tag
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner.cost.calibration import Calibration, LinkFit, Sample
+from hybridpipe.units import parse_sizes, size_label
 
 
 @settings(max_examples=80, deadline=None)
