@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from hybridpipe.argtypes import output_dir, output_file, positive_float, positive_int
 from hybridpipe.commands.refining import describe, load_run, refine_from_runs, save_refined
-from hybridpipe.commands.show import human_bytes, table
+from hybridpipe.commands.show import human_bytes, layer_table, table
 from hybridpipe.errors import UserError
 from hybridpipe.limits import require_memory
 from hybridpipe.partitioner.cost.calibration import load_calibration
@@ -194,10 +194,7 @@ def render(outcome: Outcome, nodes, *, layers: bool = False) -> str:
             "to communication per step"]
     out = head + ["", body, ""] + foot
     if layers:
-        lrows = [[s.index, lv.layer, human_bytes(lv.bytes), lv.algorithm, f"{lv.predicted_ms:.3f}",
-                  f"{lv.exposed_ms:.3f}"] for s in plan.stages for lv in s.layers]
-        out += ["", table(["stage", "layer", "gradient", "all-reduce", "predicted ms", "exposed ms"], lrows)
-                if lrows else "no stage is replicated: nothing to all-reduce"]
+        out += ["", layer_table(plan)]
     return "\n".join(out)
 
 
