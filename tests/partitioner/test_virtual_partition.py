@@ -20,9 +20,9 @@ from hybridpipe.partitioner.chunk_orders import Place
 from hybridpipe.partitioner.plan import Plan
 from hybridpipe.partitioner.planner import Request, partition
 from hybridpipe.partitioner.schedule_registry import get_schedule
+from hybridpipe.partitioner.search.balance import balanced_sizes
 from hybridpipe.partitioner.search.modelcosts import model_costs
 from hybridpipe.partitioner.search.objective import Options, memory_bytes
-from hybridpipe.partitioner.search.virtual import balanced_chunks
 from hybridpipe.pipeline.instructions import Backward, BackwardWeight, Forward
 from hybridpipe.pipeline.schedules import Topology, all_programs
 from hybridpipe.pipeline.simulator import simulate
@@ -49,7 +49,7 @@ def test_the_chunk_dp_is_optimal_by_brute_force(weights, data):
         bounds = np.cumsum([0, *sizes])
         return max(w[bounds[c]:bounds[c + 1]].sum() / divisors[c] for c in range(parts))
     feasible = [s for s in compositions(len(w), parts) if all(ends_ok[b] for b in np.cumsum(s))]
-    got = balanced_chunks(w, divisors, ends_ok)
+    got = balanced_sizes(w, divisors, ends_ok)
     if not feasible:
         assert got is None
         return

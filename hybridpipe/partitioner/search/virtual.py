@@ -4,7 +4,7 @@ The partitioner's own search (``planner.partition`` with 1F1B) chooses the p ran
 their replicas as for any plan; this module then cuts the model into p*V contiguous chunks laid
 out on the groups as the schedule says (``schedule_registry.Layout``):
 
-* boundaries: :func:`balanced_chunks`, an exact linear-partition DP minimising the largest
+* boundaries: ``balance.balanced_sizes``, an exact linear-partition DP minimising the largest
   chunk's forward + backward time over its group's replicas (a group of r replicas does 1/r of
   every chunk's micro-batches), cutting only where a value may cross (``cuts.py``);
 * memory per worker: its chunks' weights, gradients and optimizer state, plus the most activation
@@ -34,6 +34,7 @@ from hybridpipe.partitioner.chunk_orders import Place
 from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.plan import Plan
 from hybridpipe.partitioner.schedule_registry import REGISTRY, Schedule
+from hybridpipe.partitioner.search.balance import balanced_sizes
 from hybridpipe.partitioner.search.modelcosts import ModelCosts
 from hybridpipe.partitioner.search.objective import Evaluation, Options, StageSpec, evaluate, memory_bytes
 
@@ -55,48 +56,16 @@ def check_virtual(kind: Schedule, virtual: int) -> None:
                         f"--virtual-stages {virtual}")
 
 
-def balanced_chunks(weights: np.ndarray, divisors: Sequence[float], ends_ok: np.ndarray | None = None
-                    ) -> list[int] | None:
-    """Sizes of ``len(divisors)`` contiguous non-empty chunks of ``weights`` minimising
-    max over chunks c of (weight of c) / divisors[c]; ``ends_ok[q]``: may a chunk end after the
-    first q items. None when no chunking ends only there.
-
-    ``best[c, j]`` = the smallest such maximum for the first j items in c chunks:
-    ``min over s < j of max(best[c-1, s], W(s..j-1) / divisors[c-1])``; ties to the earliest cut.
-    """
-    n, parts = len(weights), len(divisors)
-    prefix = np.concatenate([[0.0], np.cumsum(weights, dtype=float)])
-    span = prefix[None, :] - prefix[:, None]                     # span[s, j] = weight of s..j-1
-    valid = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)
-    best = np.full((parts + 1, n + 1), np.inf)
-    best[0, 0] = 0.0
-    cut = np.zeros((parts + 1, n + 1), dtype=np.int64)
-    for c in range(1, parts + 1):
-        cand = np.where(valid, np.maximum(best[c - 1][:, None], span / divisors[c - 1]), np.inf)
-        cut[c] = cand.argmin(axis=0)
-        best[c] = cand[cut[c], np.arange(n + 1)]
-        if ends_ok is not None:
-            best[c][~ends_ok] = np.inf
-    if not np.isfinite(best[parts, n]):
-        return None
-    sizes, j = [], n
-    for c in range(parts, 0, -1):
-        s = int(cut[c, j])
-        sizes.append(j - s)
-        j = s
-    return sizes[::-1]
-
-
 def chunk_specs(costs: ModelCosts, groups: Sequence[tuple[int, ...]], kind: Schedule, virtual: int
                 ) -> tuple[StageSpec, ...]:
-    """The p*V chunks (model order) on the groups as ``kind`` lays them out, balanced by :func:`balanced_chunks`."""
+    """The p*V chunks (model order) on the groups as ``kind`` lays them out, balanced by ``balance.balanced_sizes``."""
     p = len(groups)
     ranks = [groups[kind.group_of(c, p)] for c in range(p * virtual)]
     if costs.n < len(ranks):
         raise UserError(f"the model has {costs.n} nodes, too few for {p} stages x {virtual} virtual stages; lower "
                         "--virtual-stages or profile at a finer --granularity")
     ends_ok = np.concatenate([[True], costs.cut_ok])            # ends_ok[q]: a chunk may end after q nodes
-    sizes = balanced_chunks(costs.forward_ms + costs.backward_ms, [len(r) for r in ranks], ends_ok)
+    sizes = balanced_sizes(costs.forward_ms + costs.backward_ms, [len(r) for r in ranks], ends_ok)
     if sizes is None:
         raise UserError(f"the model cannot be cut into {len(ranks)} chunks where values may cross stage boundaries "
                         "(see `hybridpipe profile` cut notes); lower --virtual-stages")
