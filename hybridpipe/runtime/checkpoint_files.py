@@ -35,7 +35,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +43,7 @@ from typing import Any
 import torch
 
 from hybridpipe.errors import UserError
-from hybridpipe.jsonfile import field, parse_json, replace_into
+from hybridpipe.jsonfile import atomic_file, field, fsync_dir, parse_json
 
 CHECKPOINT_KIND = "checkpoint"
 CHECKPOINT_FORMAT = 2          # 2: name-keyed optimizer state, tied parameters once, an "index"
@@ -99,38 +98,12 @@ class _HashingWriter:
         self.f.flush()
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError:         # some filesystems refuse fsync on directories; the rename is still atomic
-        pass
-    finally:
-        os.close(fd)
-
-
 def atomic_save(obj: Any, path: Path) -> FileRecord:
-    """``torch.save`` to ``path`` atomically: temp file in the same directory, fsync, the user's
-    umask, rename. A path that cannot be written is a one-line UserError."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    except OSError as e:
-        raise UserError(f"cannot write {path}: {e.strerror or e}") from None
-    try:
-        with os.fdopen(fd, "wb") as f:
-            w = _HashingWriter(f)
-            torch.save(obj, w)  # type: ignore[arg-type]  # any object with write() does (stub: IO[bytes])
-            f.flush()
-            os.fsync(f.fileno())
-        replace_into(tmp, path)
-    except OSError as e:
-        Path(tmp).unlink(missing_ok=True)
-        raise UserError(f"cannot write {path}: {e.strerror or e}") from None
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
+    """``torch.save`` to ``path`` atomically and durably (``jsonfile.atomic_file``); its size and hash.
+    A path that cannot be written is a one-line UserError."""
+    with atomic_file(path, "wb", durable=True) as f:
+        w = _HashingWriter(f)
+        torch.save(obj, w)  # type: ignore[arg-type]  # any object with write() does (stub: IO[bytes])
     return FileRecord(path.name, w.count, w.hash.hexdigest())
 
 
@@ -143,20 +116,8 @@ def write_manifest(directory: str | os.PathLike, step: int, files: list[FileReco
     data = {"kind": CHECKPOINT_KIND, "format": CHECKPOINT_FORMAT, "step": step, **meta,
             "files": {f.name: {"bytes": f.bytes, "sha256": f.sha256} for f in sorted(files, key=lambda f: f.name)}}
     d = Path(directory)
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{MANIFEST}.", suffix=".tmp", dir=d)
-    except OSError as e:
-        raise UserError(f"cannot write {d / MANIFEST}: {e.strerror or e}") from None
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        replace_into(tmp, d / MANIFEST)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(d)
+    with atomic_file(d / MANIFEST, durable=True) as f:
+        json.dump(data, f, indent=1)
     return d / MANIFEST
 
 
@@ -179,7 +140,7 @@ def commit(root: str | os.PathLike, step: int, keep_files: set[str]) -> tuple[Pa
         aside = final.parent / f"{final.name}.skipped-{k}"
         os.rename(final, aside)
     os.rename(staging, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
     return final, aside
 
 
