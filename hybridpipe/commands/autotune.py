@@ -39,7 +39,8 @@ from hybridpipe.errors import UserError, one_line
 from hybridpipe.jsonfile import write_json
 from hybridpipe.partitioner.cost.calibration import Calibration, load_calibration
 from hybridpipe.partitioner.cost.cluster import Cluster, load_cluster
-from hybridpipe.partitioner.plan import ALGORITHMS, OPTIMIZERS, SCHEDULES, STRATEGIES, save_plan
+from hybridpipe.partitioner.plan import ALGORITHMS, OPTIMIZERS, STRATEGIES, save_plan
+from hybridpipe.partitioner.plan_options import add_micro_batches_option, add_schedule_option
 from hybridpipe.partitioner.planner import Request, partition
 from hybridpipe.partitioner.refine.observed import RunObservation
 from hybridpipe.partitioner.refine.refinement import predict_run
@@ -80,9 +81,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strategies", default=",".join(STRATEGIES), metavar="A,B",
                         help=f"strategies whose plans compete (default {','.join(STRATEGIES)})")
     parser.add_argument("--workers", type=positive_int, metavar="N", help="use N workers (default: the cluster)")
-    parser.add_argument("--schedule", choices=SCHEDULES, default=DEFAULT_SCHEDULE,
-                        help=f"pipeline schedule (default {DEFAULT_SCHEDULE})")
-    parser.add_argument("--micro-batches", type=positive_int, metavar="M", help="micro-batches per step")
+    add_schedule_option(parser, default=DEFAULT_SCHEDULE)
+    add_micro_batches_option(parser, default="2 per worker")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd", help="optimizer (default sgd)")
     parser.add_argument("--memory-gb", type=positive_float, metavar="X", help="memory per worker")
     parser.usage = "hybridpipe autotune PROFILE --cluster C --steps N [options] -- COMMAND ..."

@@ -27,9 +27,10 @@ from hybridpipe.errors import UserError
 from hybridpipe.limits import require_memory
 from hybridpipe.partitioner.cost.calibration import load_calibration
 from hybridpipe.partitioner.cost.cluster import load_cluster
-from hybridpipe.partitioner.plan import ALGORITHMS, OPTIMIZERS, PRECISIONS, SCHEDULES, STRATEGIES, Plan, save_plan
+from hybridpipe.partitioner.plan import ALGORITHMS, OPTIMIZERS, PRECISIONS, STRATEGIES, Plan, save_plan
+from hybridpipe.partitioner.plan_options import add_micro_batches_option, add_schedule_option
 from hybridpipe.partitioner.planner import Outcome, Request, partition
-from hybridpipe.partitioner.schedule_registry import AUTO, DEFAULT_SCHEDULE, auto_candidates
+from hybridpipe.partitioner.schedule_registry import DEFAULT_SCHEDULE
 from hybridpipe.partitioner.search.dp import Progress
 from hybridpipe.partitioner.search.objective import RECOMPUTE
 from hybridpipe.pipeline.simulator import simulate
@@ -48,10 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strategy", choices=STRATEGIES, default="optimal",
                         help="optimal (default), pipedream (PipeDream's formula), dp (data parallel), "
                              "uniform (equal node counts), params (balanced parameters), time (balanced compute)")
-    parser.add_argument("--schedule", choices=(*SCHEDULES, AUTO), default=DEFAULT_SCHEDULE,
-                        help=f"pipeline schedule (default {DEFAULT_SCHEDULE}); auto: the fastest predicted of "
-                             f"{', '.join(auto_candidates())} (same updates as sequential SGD), and only with "
-                             "--virtual-stages V also interleaved-1f1b and zbv (V = 2), compared by simulation")
+    add_schedule_option(parser, default=DEFAULT_SCHEDULE, auto=True)
     parser.add_argument("--virtual-stages", type=positive_int, default=1, metavar="V",
                         help="model chunks per worker (default 1): V > 1 with --schedule interleaved-1f1b, zbv (V = 2) "
                              "or auto; the strategy's stage groups and replicas each hold V chunks, which shrinks "
@@ -62,8 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
                         help="what the job will run in (launch --precision): bf16/fp16 send activations, gradients "
                              "and all-reduces at half the bytes, and the plan is priced so (default fp32)")
-    parser.add_argument("--micro-batches", type=positive_int, metavar="M",
-                        help="micro-batches per step (default: 2 per worker)")
+    add_micro_batches_option(parser, default="2 per worker")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
                         help="optimizer state kept per weight: sgd momentum 1x, adam 2x (default sgd)")
     parser.add_argument("--memory-gb", type=positive_float, metavar="X",

@@ -18,7 +18,8 @@ import textwrap
 from hybridpipe.argtypes import nonneg_int, output_file, positive_int
 from hybridpipe.commands.simulate import check_simulation_size
 from hybridpipe.errors import UserError
-from hybridpipe.partitioner.plan import SCHEDULES, load_plan
+from hybridpipe.partitioner.plan import load_plan
+from hybridpipe.partitioner.plan_options import add_micro_batches_option, add_schedule_option
 from hybridpipe.partitioner.schedule_registry import Schedule, get_schedule
 from hybridpipe.pipeline.instructions import short
 from hybridpipe.pipeline.schedules import Topology, check_schedulable, rank_program, settle_phase
@@ -29,9 +30,8 @@ from hybridpipe.pipeline.simulator import StageCosts, simulate_topology, stage_c
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("plan", help="a plan file written by `hybridpipe partition`")
     parser.add_argument("--rank", type=nonneg_int, metavar="R", help="list only this rank's instructions, one per line")
-    parser.add_argument("--schedule", choices=SCHEDULES, help="show another schedule than the plan's")
-    parser.add_argument("--micro-batches", type=positive_int, metavar="M",
-                        help="micro-batches per step (default: the plan's)")
+    add_schedule_option(parser)
+    add_micro_batches_option(parser)
     parser.add_argument("--png", type=output_file, metavar="FILE", help="draw the schedule (simulated timeline)")
     parser.add_argument("--steps", type=positive_int, default=None, metavar="N", help="steps to draw with --png")
 

@@ -33,13 +33,13 @@ from hybridpipe.limits import require_memory
 from hybridpipe.partitioner.cost.calibration import load_calibration
 from hybridpipe.partitioner.plan import (
     OPTIMIZERS,
-    SCHEDULES,
     STRATEGIES,
     Plan,
     check_plan_fits,
     check_plan_memory,
     load_plan,
 )
+from hybridpipe.partitioner.plan_options import add_micro_batches_option, add_schedule_option
 from hybridpipe.pipeline.instructions import Step
 from hybridpipe.pipeline.schedules import Topology, check_schedulable, rank_program
 from hybridpipe.runtime.checkpoint_files import step_dirs
@@ -146,9 +146,8 @@ def build_parser() -> Parser:
                    help="samples per micro-batch (default: the plan's; must match it)")
     g.add_argument("--batch-size", type=positive_int, metavar="B",
                    help="deprecated: the old name of --micro-batch-size")
-    g.add_argument("--micro-batches", type=positive_int, metavar="M",
-                   help="micro-batches per step (default: the plan's)")
-    g.add_argument("--schedule", choices=SCHEDULES, help="pipeline schedule (default: the plan's)")
+    add_micro_batches_option(g)
+    add_schedule_option(g)
     g.add_argument("--optimizer", choices=OPTIMIZERS, help="optimizer (default: the plan's)")
     g.add_argument("--lr", type=positive_float, default=0.01, help="learning rate (default 0.01)")
     g.add_argument("--momentum", type=nonneg_float, default=0.9, help="SGD momentum (default 0.9; sgd only)")
