@@ -5,7 +5,7 @@ pass) on seeded synthetic profiles (a conv-like front with big activations and s
 FC-like tail with big weights, skip connections every few nodes) on 2-level clusters of 8 workers
 per host, from a cold cost model, each case in its own process (wall and CPU seconds, peak memory):
 
-* ``after``: the solver in ``hybridpipe/partitioner/dp.py``;
+* ``after``: the solver in ``hybridpipe/partitioner/search/dp.py``;
 * ``before``: the exhaustive solver it replaced (``tests/partitioner/reference_dp.py``), run only
   where its O(N^2 W^2) cost, extrapolated from the biggest case run so far, stays under ``--before-limit``
   seconds (the others are listed as skipped, with the estimate); where both finish, the JSON says

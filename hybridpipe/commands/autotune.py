@@ -39,7 +39,7 @@ from hybridpipe.errors import UserError, one_line
 from hybridpipe.jsonfile import write_json
 from hybridpipe.partitioner.cost.calibration import Calibration, load_calibration
 from hybridpipe.partitioner.cost.cluster import Cluster, load_cluster
-from hybridpipe.partitioner.plan import ALGORITHMS, OPTIMIZERS, STRATEGIES, save_plan
+from hybridpipe.partitioner.plan import ALGORITHMS, OPTIMIZER_HELP, OPTIMIZERS, STRATEGIES, save_plan
 from hybridpipe.partitioner.plan_options import add_micro_batches_option, add_schedule_option
 from hybridpipe.partitioner.planner import Request, partition
 from hybridpipe.partitioner.refine.observed import RunObservation
@@ -83,7 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=positive_int, metavar="N", help="use N workers (default: the cluster)")
     add_schedule_option(parser, default=DEFAULT_SCHEDULE)
     add_micro_batches_option(parser, default="2 per worker")
-    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd", help="optimizer (default sgd)")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
+                        help=f"optimizer (default sgd; {OPTIMIZER_HELP})")
     parser.add_argument("--memory-gb", type=positive_float, metavar="X", help="memory per worker")
     parser.usage = "hybridpipe autotune PROFILE --cluster C --steps N [options] -- COMMAND ..."
     parser.epilog = ("COMMAND (after --): how to start a job, as an argument list with {plan}, {run_dir} and "

@@ -12,7 +12,9 @@ Pure parts (no processes):
 * the stage: ``stage.py`` (the plan's node range cut out of the captured graph, ``profiles/cut.py``),
   ``values.py`` (what crosses a boundary), ``chunks.py`` (a rank's model chunks as one module),
   ``splitback.py`` (a backward split in input and weight gradients), ``stash.py`` (pipedream's
-  weight versions), ``tied.py`` (tied weights' copies summed);
+  weight versions), ``tied.py`` (tied weights' copies summed), ``buffer_writes.py`` (which buffers
+  a forward changes), ``batch_stats.py`` (running statistics that replicas combine exactly and
+  recomputation does not count twice), ``tokens.py`` (the token-weighted loss's bookkeeping);
 * the schedules: ``instructions.py`` (the instruction set), ``schedules.py`` (every schedule of
   ``partitioner/schedule_registry.py`` expanded into per-rank lists), ``validate.py`` (a symbolic
   run of all ranks' lists), ``simulator.py`` / ``simtrace.py`` (a timed run, its trace and picture);

@@ -23,6 +23,8 @@ from hybridpipe.pipeline.schedules import Topology
 from hybridpipe.pipeline.stage import PipelineStage
 from hybridpipe.pipeline.stash import WeightStash
 from hybridpipe.pipeline.validate import in_transit
+from hybridpipe.pipeline.values import moved
+from hybridpipe.profiles.losses import loss_mean
 
 
 class Resumable(Protocol):
@@ -74,7 +76,7 @@ def load_engine_state(engine: Resumable, state: dict) -> None:
         act = stage.forward(inputs, params=engine.stash.replay_params(g) if engine.stash else None)
         if stage.is_last:
             target = engine.data.target(g // M, g % M)
-            act.loss = stage.loss(act.output, target.to(device) if target is not None else None)
+            act.loss = loss_mean(stage.loss(act.output, moved(target, device)))
         engine.flight.acts[stage.index, g] = act
         if saved["grads"] is not None:
             engine.flight.out_grads[stage.index, g] = {k: t.to(device) for k, t in saved["grads"].items()}

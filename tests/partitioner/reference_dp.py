@@ -1,4 +1,4 @@
-"""Test reference: the exhaustive DP exactly as ``hybridpipe/partitioner/dp.py`` was before the
+"""Test reference: the exhaustive DP exactly as ``hybridpipe/partitioner/search/dp.py`` was before the
 scalable solver (main at 887659e). The new solver must return the same optimum and the same
 tie-broken plan (so the same predicted step) wherever this one finishes. Do not optimise it.
 

@@ -10,12 +10,15 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from hybridpipe.limits import check_deadline
 
-def balanced_sizes(weights: np.ndarray, divisors: Sequence[float], ends_ok: np.ndarray | None = None
-                   ) -> list[int] | None:
+
+def balanced_sizes(weights: np.ndarray, divisors: Sequence[float], ends_ok: np.ndarray | None = None,
+                   deadline: float | None = None) -> list[int] | None:
     """Sizes of ``len(divisors)`` contiguous non-empty groups of ``weights`` minimising
     max over groups c of (weight of c) / divisors[c]; ``ends_ok[q]``: may a group end after the
-    first q items (default: anywhere). None when no grouping ends only there.
+    first q items (default: anywhere). None when no grouping ends only there. OutOfTime once
+    ``deadline`` (``time.monotonic()``) has passed.
 
     ``best[c, j]`` = the smallest such maximum for the first j items in c groups:
     ``min over s < j of max(best[c-1, s], W(s..j-1) / divisors[c-1])``, vectorised over s; ties to
@@ -29,6 +32,7 @@ def balanced_sizes(weights: np.ndarray, divisors: Sequence[float], ends_ok: np.n
     best[0, 0] = 0.0
     cut = np.zeros((parts + 1, n + 1), dtype=np.int64)
     for c in range(1, parts + 1):
+        check_deadline(deadline)
         cand = np.where(valid, np.maximum(best[c - 1][:, None], span / divisors[c - 1]), np.inf)
         cut[c] = cand.argmin(axis=0)
         best[c] = cand[cut[c], np.arange(n + 1)]

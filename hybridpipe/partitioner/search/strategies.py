@@ -41,8 +41,9 @@ def uniform_sizes(n: int, parts: int) -> list[int]:
     return [n // parts + (1 if k < n % parts else 0) for k in range(parts)]
 
 
-def baseline_stages(strategy: str, costs: ModelCosts, workers: int, stages: int | None = None) -> tuple[StageSpec, ...]:
-    """The stage list of a baseline strategy (see the module docstring)."""
+def baseline_stages(strategy: str, costs: ModelCosts, workers: int, stages: int | None = None, *,
+                    deadline: float | None = None) -> tuple[StageSpec, ...]:
+    """The stage list of a baseline strategy (see the module docstring); OutOfTime past ``deadline``."""
     n = costs.n
     if strategy == "dp":
         if stages not in (None, 1):
@@ -62,7 +63,7 @@ def baseline_stages(strategy: str, costs: ModelCosts, workers: int, stages: int 
         found: list[int] | None = np.diff([-1, *nearest_free_ends(costs, ends, strategy), n - 1]).tolist()
     elif strategy in ("params", "time"):
         weights = costs.param_bytes if strategy == "params" else costs.forward_ms + costs.backward_ms
-        found = balanced_sizes(weights, [1.0] * parts, free_ends_mask(costs))
+        found = balanced_sizes(weights, [1.0] * parts, free_ends_mask(costs), deadline)
     else:
         raise UserError(f"unknown baseline strategy {strategy!r}; choose from {', '.join(BASELINES)}")
     if found is None:

@@ -1,17 +1,24 @@
 """A model spec's base: the ``ModelSpec`` a model is built, fed and trained from, the ``name[k=v,...]``
 syntax, and calling the user's code with one-line errors. Resolving a name to a spec is ``registry.py``.
 
-A user's factory returns ``(module, example_input)`` or ``(module, example_input, loss_fn)``.
-``example_input`` is one batch as the model takes it -- a tensor, a tuple (``model(*x)``) or a
-dict (``model(**x)``) of tensors whose first dimension is the batch; ``loss_fn(output, target)``
-receives the output as the model returns it. Without a loss_fn, a model whose output carries a
-loss (a Hugging Face model given ``labels``) trains on that loss, and a tensor-in, tensor-out
-model on cross-entropy.
+A user's factory returns ``(module, example_input)``, ``(module, example_input, loss_fn)`` or
+``(module, example_input, loss_fn, example_target)``. ``example_input`` is one batch as the model
+takes it -- a tensor, a tuple (``model(*x)``) or a dict (``model(**x)``) of tensors whose first
+dimension is the batch; ``loss_fn(output, target)`` receives the output as the model returns it
+(tensor, tuple, dict, ``ModelOutput``) and the target as the dataset's (input, target) pairs give
+it, and returns the mean loss or ``(loss_sum, count)`` (profiles/losses.py). ``example_target``
+(any tensor, tuple or dict of tensors with the batch first) shapes the synthetic targets; without
+it they are class ids for the output's first tensor: shaped like it without its last dimension,
+below its last dimension's size (token ids for logits). The loss function is tried once on the
+example's output and target. Without a loss_fn, a model whose output carries a loss (a Hugging
+Face model given ``labels``) trains on that loss, and any other model on cross-entropy with such
+class-id targets.
 """
 
 from __future__ import annotations
 
 import importlib
+import math
 import os
 import re
 import sys
@@ -30,7 +37,7 @@ from hybridpipe.errors import UserError
 _SPEC = re.compile(r"^(?P<target>[A-Za-z_][\w.\-]*(?::[A-Za-z_]\w*)?)(?:\[(?P<args>[^\]]*)\])?$")
 
 
-LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
+LossFn = Callable[[Any, Any], Any]      # (output, target) -> mean loss, or (loss_sum, count) (profiles/losses.py)
 
 
 @dataclass(frozen=True)
@@ -39,8 +46,10 @@ class ModelSpec:
 
     A batch is what the model's forward takes: a tensor (``model(x)``), a tuple (``model(*x)``) or
     a dict (``model(**x)``), every tensor with the batch as its first dimension. ``loss(output,
-    target)`` gives the mean loss; ``loss=None`` means the model computes its own (a Hugging Face
-    model given ``labels`` returns ``output.loss``) and the data has no separate targets.
+    target)`` gives the mean loss or ``(loss_sum, count)`` (profiles/losses.py); ``loss=None`` means
+    the model computes its own (a Hugging Face model given ``labels`` returns ``output.loss``) and
+    the data has no separate targets. ``sample`` draws one synthetic sample: the input, or with a
+    loss function the pair (input, target).
     """
 
     name: str                                   # the spec string as the user gave it
@@ -53,6 +62,8 @@ class ModelSpec:
     leaf_modules: tuple[type | str, ...] = ()   # module types / class names never split into several nodes
     example: Any = None                         # the user's example batch, if the factory gave one
     sample: Callable[[torch.Generator], Any] | None = None   # one synthetic sample: input, or (input, target)
+    skeleton: Callable[[], nn.Module] | None = None   # the model, loading and running nothing (None: build)
+    weights: str | None = None                  # a safetensors file or directory holding every weight (hf:DIR)
 
     def example_input(self, batch_size: int, generator: torch.Generator | None = None) -> Any:
         """A random input batch of the model's shape and dtype (the user's example when it fits)."""
@@ -72,6 +83,9 @@ class ModelSpec:
         """A random target batch (class ids) matching ``loss``; None when the model computes its own loss."""
         if self.loss is None:
             return None
+        if self.sample is not None:
+            g = generator if generator is not None else torch.Generator().manual_seed(0)
+            return default_collate([self.sample(g)[1] for _ in range(batch_size)])
         return torch.randint(0, max(self.num_classes, 1), (batch_size, *self.target_shape), generator=generator)
 
 
@@ -121,6 +135,30 @@ def _literal(text: str):
     return text
 
 
+def check_options(what: str, name: str, defaults: dict[str, Any], kwargs: dict, *, least: int = 1) -> None:
+    """Each of ``kwargs`` must be a key of ``defaults`` and of its default's type: true/false for a
+    bool, a whole number >= ``least`` for an int, a finite number for a float (a default of another
+    type, None included, takes any value). ``what`` ("zoo model") and ``name`` name the model in
+    the one-line UserError."""
+    for key, value in kwargs.items():
+        if key not in defaults:
+            raise UserError(f"{what} {name!r} has no option {key!r}; its options are {', '.join(defaults)}")
+        default = defaults[key]
+        if isinstance(default, bool):
+            ok, want = isinstance(value, bool), "true or false"
+        elif isinstance(default, int):
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= least
+            want = f"a whole number >= {least}"
+        elif isinstance(default, float):
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            want = "a finite number"
+        else:
+            ok, want = True, ""
+        if not ok:
+            raise UserError(f"{what} option {key}={value} of {name!r} must be {want} "
+                            f"(default {default}); e.g. {name}[{key}={default}]")
+
+
 def meta_build(model: ModelSpec, who: str) -> None:
     """Build ``model`` on the meta device (shapes only, no memory): a constructor that cannot
     build with these options fails here, as ``who``'s error, before any real work."""
@@ -137,10 +175,11 @@ def call_user(who: str, fn: Callable, *args: Any, **kwargs: Any) -> Any:
     except UserError:
         raise
     except Exception as e:      # noqa: BLE001 - the user's code: any exception is theirs to fix
-        raise UserError(f"{who} raised {type(e).__name__}: {_message(e)}{_location(e)}") from None
+        raise UserError(f"{who} raised {type(e).__name__}: {error_text(e)}{_location(e)}") from None
 
 
-def _message(e: BaseException) -> str:
+def error_text(e: BaseException) -> str:
+    """An exception's message in one line (its first, at most 300 characters)."""
     if isinstance(e, SyntaxError):
         return e.msg or "invalid syntax"
     lines = [x.strip() for x in str(e).splitlines() if x.strip()]
@@ -181,7 +220,7 @@ def import_factory(target: str, what: str) -> Callable:
         raise UserError(f"your {what} module {module_name!r} raised ModuleNotFoundError: {e}{_location(e)}") from None
     except Exception as e:      # noqa: BLE001 - a SyntaxError or any error while the user's module runs
         raise UserError(f"your {what} module {module_name!r} raised {type(e).__name__}: "
-                        f"{_message(e)}{_location(e)}") from None
+                        f"{error_text(e)}{_location(e)}") from None
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise UserError(f"{module_name!r} has no callable {attr!r} to build the {what}")
