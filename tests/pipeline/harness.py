@@ -28,24 +28,27 @@ from hybridpipe.runtime.parts import NoParameters
 Observer = Callable[[int, int, PipelineStage], None]     # (rank, step, stage) after every step
 
 
-def capture(spec: ModelSpec, batch_size: int = 4, seed: int = 0, granularity: str = "blocks") -> CapturedModel:
-    """The spec's model built from ``seed`` and captured as every rank does it."""
+def capture(spec: ModelSpec, batch_size: int = 4, seed: int = 0, granularity: str = "blocks",
+            autocast: torch.dtype | None = None) -> CapturedModel:
+    """The spec's model built from ``seed`` and captured as every rank does it (under autocast to
+    ``autocast``, if given)."""
     torch.manual_seed(seed)
     module = spec.build()
     example = spec.example_input(batch_size, torch.Generator().manual_seed(seed))
-    return capture_model(module, example, granularity=granularity, leaf_modules=spec.leaf_modules)
+    return capture_model(module, example, granularity=granularity, leaf_modules=spec.leaf_modules, autocast=autocast)
 
 
 _CAPTURES: dict[tuple, CapturedModel] = {}
 
 
-def capture_copy(spec: ModelSpec, batch_size: int = 4, seed: int = 0, granularity: str = "blocks") -> CapturedModel:
-    """A deep copy of one capture per (model, batch size, seed, granularity), for tests that run
-    many pipelines of one model (capturing a Hugging Face model takes seconds): every copy is the
-    same fresh model, as separate captures on every rank are (tests/runtime runs those)."""
-    key = (spec.name, batch_size, seed, str(granularity))
+def capture_copy(spec: ModelSpec, batch_size: int = 4, seed: int = 0, granularity: str = "blocks",
+                 autocast: torch.dtype | None = None) -> CapturedModel:
+    """A deep copy of one capture per (model, batch size, seed, granularity, autocast), for tests
+    that run many pipelines of one model (capturing a Hugging Face model takes seconds): every copy
+    is the same fresh model, as separate captures on every rank are (tests/runtime runs those)."""
+    key = (spec.name, batch_size, seed, str(granularity), str(autocast))
     if key not in _CAPTURES:
-        _CAPTURES[key] = capture(spec, batch_size, seed, granularity)
+        _CAPTURES[key] = capture(spec, batch_size, seed, granularity, autocast)
     return copy.deepcopy(_CAPTURES[key])
 
 
@@ -60,14 +63,18 @@ def plan_tied(captured: CapturedModel, ranges: list[tuple[int, int]]) -> tuple[T
 def make_plan(model: str, cuts: list[int], replicas: list[int], *, schedule: str = "1f1b", micro_batches: int = 4,
               batch_size: int = 4, times: list[tuple[float, float]] | None = None, send_ms: float = 0.0,
               n_nodes: int | None = None, signature: str = "", granularity: str = "blocks",
-              shared_capture: bool = False, virtual_stages: int = 1, recompute: bool = False) -> Plan:
+              shared_capture: bool = False, virtual_stages: int = 1, recompute: bool = False,
+              autocast: torch.dtype | None = None) -> Plan:
     """A plan cutting ``model`` after the node ids in ``cuts`` (stage s ends at cuts[s]); ``n_nodes``
     and ``signature`` default to the captured model's (give others for a plan made for another graph).
     With ``virtual_stages`` V the cuts make p*V stages and ``replicas`` lists the p rank groups'
     replicas; the schedule's layout (schedule_registry) puts each stage on its group.
-    ``recompute``: every stage recomputes its activations in the backward."""
+    ``recompute``: every stage recomputes its activations in the backward. ``autocast``: plan on the
+    capture under autocast (the same blocks and signature as float32's; one capture for a test that
+    runs the plan in it with ``shared_capture``)."""
     spec = resolve_model(model)
-    captured = (capture_copy if shared_capture else capture)(spec, batch_size, granularity=granularity)
+    captured = (capture_copy if shared_capture else capture)(spec, batch_size, granularity=granularity,
+                                                             autocast=autocast)
     n_nodes = n_nodes or len(captured.blocks)
     signature = signature or captured_signature(captured)
     bounds = [-1, *cuts, n_nodes - 1]
@@ -112,7 +119,8 @@ def make_optimizer(params, lr: float, kind: str = "sgd") -> torch.optim.Optimize
 def train_pipeline(plan: Plan, steps: int, *, lr: float = 0.05, seed: int = 0, optimizer: str = "sgd",
                    drain_every: int | None = None, device: str = "cpu", dataset: Dataset | None = None,
                    shared_capture: bool = False, observe: Observer | None = None, tied_sync: bool = True,
-                   step_results: dict | None = None, engine_class: type[PipelineEngine] = PipelineEngine
+                   step_results: dict | None = None, engine_class: type[PipelineEngine] = PipelineEngine,
+                   autocast: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None
                    ) -> tuple[dict[str, torch.Tensor], dict[int, list[float]]]:
     """Train ``plan`` with one thread per rank (a rank of a plan with virtual stages runs all its
     chunks); returns the merged state dict (replica 0 of every stage, after checking the replicas
@@ -122,7 +130,9 @@ def train_pipeline(plan: Plan, steps: int, *, lr: float = 0.05, seed: int = 0, o
     capture (see capture_copy); ``observe(rank, step, stage)`` runs on every rank after every step;
     ``tied_sync=False`` sums nothing across the copies of tied weights (to see them drift apart);
     ``step_results`` (a dict) receives every rank's list of StepResults; ``observe`` runs once per
-    chunk of a rank; ``engine_class``: a PipelineEngine subclass (e.g. with hand-written lists)."""
+    chunk of a rank; ``engine_class``: a PipelineEngine subclass (e.g. with hand-written lists).
+    ``autocast``: capture and compute under ``torch.autocast`` to that dtype (as the Trainer's
+    ``precision``); ``reduce_dtype``: the replicas sum their gradients in that dtype."""
     spec = resolve_model(plan.model)
     topo = Topology.from_plan(plan)
     network = InProcessNetwork(timeout=60)
@@ -130,18 +140,20 @@ def train_pipeline(plan: Plan, steps: int, *, lr: float = 0.05, seed: int = 0, o
     tied_groups = {ranks: ReplicaGroup(len(ranks)) for ranks in {tied_ranks(plan, g) for g in plan.tied}}
 
     def rank_fn(rank: int):
-        captured = (capture_copy if shared_capture else capture)(spec, plan.batch_size, seed, plan.granularity)
+        captured = (capture_copy if shared_capture else capture)(spec, plan.batch_size, seed, plan.granularity,
+                                                                 autocast)
         stages = [st.to(device) for st in build_stages(captured, plan, rank, loss=spec.loss)]
         module = rank_module([st.module for st in stages])      # every chunk's parameters (virtual stages)
         replica = plan.stages_of_rank(rank)[1]
         held = stage_tied_params(plan, [st.index for st in stages], captured.module)
         tied = TiedSync([(params, _summer(tied_groups[ranks], ranks.index(rank)) if tied_sync else _no_sum)
                          for ranks, params in held.items()])
-        syncs = {st.index: InProcessGradSync(st.module, groups[st.index], replica, exclude=tied.params)
-                 for st in stages}
+        syncs = {st.index: InProcessGradSync(st.module, groups[st.index], replica, exclude=tied.params,
+                                             wire_dtype=reduce_dtype) for st in stages}
         engine = engine_class(stages, topo, rank, plan.schedule, transport=network.transport(rank),
-                                optimizer=make_optimizer(module.parameters(), lr, optimizer),
-                                data=data_for(plan, steps, dataset=dataset), sync=syncs, tied=tied if held else None)
+                              optimizer=make_optimizer(module.parameters(), lr, optimizer),
+                              data=data_for(plan, steps, dataset=dataset), sync=syncs, tied=tied if held else None,
+                              autocast=autocast)
 
         def run():
             losses = {}
