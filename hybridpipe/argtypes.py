@@ -10,9 +10,9 @@ a limit is checked once, before any work::
     p.add_argument("-o", "--output", type=output_file)      # "cannot write X: reason" at once
 
 :func:`check_output_file` / :func:`check_output_dir` are the same checks for paths that are
-not arguments (a default output name, a run directory chosen at run time). They create
-nothing: a probe file in the target's directory (removed at once) or, when the directory does
-not exist yet, the permissions of its nearest existing ancestor.
+not arguments (a default output name, a run directory chosen at run time). They leave
+nothing behind: a probe file in the target's directory or, when the directory does not exist
+yet, a probe folder in its nearest existing ancestor (each removed at once).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hybridpipe.errors import UserError
+from hybridpipe.jsonfile import MAX_FIGURE
 
 MAX_SEED = 2 ** 63 - 1
 MAX_TIMEOUT_S = 1e6         # about 11.5 days; datetime.timedelta overflows far above
@@ -96,6 +97,7 @@ finite_float = float_range()
 seed = int_range(0, MAX_SEED)
 port = int_range(0, 65535)
 timeout_s = float_range(MIN_TIMEOUT_S, MAX_TIMEOUT_S)
+memory_gb = float_range(above=0.0, high=MAX_FIGURE)     # as a cluster file's memory_gb
 
 
 def check_output_file(path: str | os.PathLike, what: str = "") -> Path:
@@ -144,6 +146,13 @@ def _check_parent(directory: Path, label: str) -> None:
         raise UserError(f"cannot write {label}: {ancestor} is a file, not a directory")
     if not os.access(ancestor, os.W_OK | os.X_OK):
         raise UserError(f"cannot write {label}: no permission to create folders in {ancestor}")
+    # permissions are not the whole story: /proc, /sys, a read-only mount refuse even root
+    try:
+        probe = Path(tempfile.mkdtemp(prefix=".hybridpipe-probe-", dir=ancestor))
+    except OSError as e:
+        raise UserError(f"cannot write {label}: cannot create folders in {ancestor} "
+                        f"({e.strerror or e})") from None
+    probe.rmdir()
 
 
 def _probe(directory: Path, label: str) -> None:
@@ -168,6 +177,17 @@ def output_dir(text: str) -> str:
     """An argparse type: a directory that can be written into (see :func:`check_output_dir`)."""
     try:
         check_output_dir(text)
+    except UserError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def output_path(text: str) -> str:
+    """An argparse type: a file or a directory (which one is decided later, e.g. by ``--format``)
+    that can be created: its parent can be written into."""
+    p = Path(text)
+    try:
+        check_output_dir(p.parent if str(p.parent) else Path("."), str(p))
     except UserError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return text

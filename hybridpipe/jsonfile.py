@@ -18,6 +18,15 @@ from typing import Any
 from hybridpipe.errors import UserError
 
 MAX_DEPTH = 64          # our formats nest 6 deep; anything past this is not one of them
+# the largest figure (ms, bytes, Gbit/s, us, GB, a slowdown factor) a profile, cluster, calibration
+# or plan may hold: 1e15 ms is 31,000 years, 1e15 bytes a petabyte. Sums and products of such
+# figures over a million nodes, workers and micro-batches stay far inside a float (1e308), so the
+# partitioner's searches compare real numbers and end; 1e308 in a profile made them overflow to
+# inf and nan and search for ever.
+MAX_FIGURE = 1e15
+# the largest figure a plan may hold: the partitioner's sums of input figures (a stage's time over
+# its nodes and micro-batches) reach past MAX_FIGURE, and a plan it writes must read back
+MAX_PLAN_FIGURE = 1e100
 
 
 def read_json(path: str | os.PathLike, what: str, *, max_depth: int = MAX_DEPTH) -> Any:
@@ -153,7 +162,7 @@ def _as_float(value: int | float) -> float:
     try:
         return float(value)
     except OverflowError:
-        return math.copysign(math.inf, value)
+        return math.inf if value > 0 else -math.inf
 
 
 def field(obj: dict, key: str, kind: type, where: str, *, minimum: float | None = None,
@@ -180,9 +189,9 @@ def field(obj: dict, key: str, kind: type, where: str, *, minimum: float | None 
         if not math.isfinite(value):
             raise UserError(f"{where}: field \"{key}\" must be a finite number, got {value}")
     if minimum is not None and value < minimum:
-        raise UserError(f"{where}: field \"{key}\" must be >= {minimum}, got {_short(value)}")
+        raise UserError(f"{where}: field \"{key}\" must be >= {minimum:g}, got {_short(value)}")
     if maximum is not None and value > maximum:
-        raise UserError(f"{where}: field \"{key}\" must be <= {maximum}, got {_short(value)}")
+        raise UserError(f"{where}: field \"{key}\" must be <= {maximum:g}, got {_short(value)}")
     if choices is not None and value not in choices:
         raise UserError(f"{where}: field \"{key}\" must be one of {', '.join(map(str, choices))}; "
                         f"got {_short(value)}")
@@ -196,3 +205,10 @@ def field(obj: dict, key: str, kind: type, where: str, *, minimum: float | None 
             if not all(math.isfinite(x) for x in value):
                 raise UserError(f"{where}: every element of \"{key}\" must be a finite number")
     return value
+
+
+def figure(obj: dict, key: str, kind: type, where: str, *, minimum: float = 0, maximum: float = MAX_FIGURE,
+           default: Any = ...) -> Any:
+    """:func:`field` for a measured or predicted figure: a number from ``minimum`` to ``maximum``
+    (:data:`MAX_FIGURE`; a plan's: :data:`MAX_PLAN_FIGURE`)."""
+    return field(obj, key, kind, where, minimum=minimum, maximum=maximum, default=default)

@@ -6,11 +6,15 @@
 ``available_memory_bytes()`` is the smaller of the kernel's ``MemAvailable`` and what the
 process's cgroup still allows (containers, Slurm jobs). A request may use at most
 ``SHARE`` of it: the rest is for the interpreter, torch and everything else on the machine.
+
+Time the other way: a search given a ``deadline`` (a ``time.monotonic()`` value) calls
+``check_deadline(deadline)`` as it goes, which raises :class:`OutOfTime` once it has passed.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 from hybridpipe.errors import UserError
@@ -69,6 +73,7 @@ def available_memory_bytes() -> int:
 
 
 def gib(n: float) -> str:
+    n = min(n, 2.0 ** 1000)         # a Python int past a float's range (a count of 10**400 workers)
     return f"{n / 2 ** 30:.1f} GiB" if n < 2 ** 50 else f"{n / 2 ** 40:.3g} TiB"
 
 
@@ -79,3 +84,13 @@ def require_memory(need_bytes: float, what: str, fix: str, *, available: int | N
     if need_bytes > SHARE * room:
         raise UserError(f"{what} needs about {gib(need_bytes)} of memory but this machine has "
                         f"{gib(room)} available; {fix}")
+
+
+class OutOfTime(Exception):
+    """A search's deadline passed (its caller returns the best found so far, or says so in one line)."""
+
+
+def check_deadline(deadline: float | None) -> None:
+    """Raise OutOfTime if ``deadline`` (``time.monotonic()``; None: none) has passed."""
+    if deadline is not None and time.monotonic() > deadline:
+        raise OutOfTime

@@ -258,6 +258,7 @@ def test_a_dataset_factory_that_raises():
     (["schedule", "{plan}", "--micro-batches", "100000000"], "listing 1 steps of 100000000 micro-batches"),
     (["partition", "{profile}", "--cluster", "{big}"], "partitioning 3 nodes over 10,000,000,000 workers needs about"),
     (["partition", "{profile}", "--cluster", "{cluster}", "--memory-gb", "nan"], "--memory-gb: must be a finite"),
+    (["partition", "{profile}", "--cluster", "{cluster}", "--memory-gb", "1e308"], "--memory-gb: must be <= 1e+15"),
     (["timeline", "{run}", "--png-steps", "-2"], "--png-steps: must be >= 0"),
     (["bench-allreduce", "-o", "{tmp}/c.json", "--level", ""], "--level: must be the name of a level"),
     (["bench-allreduce", "-o", "{tmp}/c.json", "--ranks", "1"], "--ranks: must be between 2 and 1024"),

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import networkx as nx
 
+from hybridpipe.argtypes import output_file, positive_int
 from hybridpipe.errors import UserError
 from hybridpipe.profiles.format import Profile, ProfileNode, ProfileTotals, save_profile
 
@@ -30,12 +31,14 @@ FIELDS = ("forward_compute_time", "backward_compute_time", "activation_size", "p
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("graph", help="PipeDream's profile: profiler/.../profiles/<model>/graph.txt")
-    parser.add_argument("-o", "--output", required=True, metavar="PROFILE.json", help="write the profile here")
+    parser.add_argument("-o", "--output", type=output_file, required=True, metavar="PROFILE.json",
+                        help="write the profile here")
     parser.add_argument("--model", help="model name in the profile (default: pipedream-<directory name>)")
     parser.add_argument("--input-shape", default=",".join(map(str, IMAGE)), metavar="C,H,W",
                         help="one sample's input shape (default 3,224,224); the batch size follows from the input "
                              "node's bytes (float32)")
-    parser.add_argument("--batch-size", type=int, metavar="N", help="the profile's batch size (default: inferred)")
+    parser.add_argument("--batch-size", type=positive_int, metavar="N",
+                        help="the profile's batch size (default: inferred)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import math
 import sys
 import time
@@ -20,22 +21,34 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from hybridpipe.argtypes import output_dir, output_file, positive_float, positive_int
+from hybridpipe.argtypes import MAX_TIMEOUT_S, float_range, memory_gb, output_dir, output_file, positive_int
 from hybridpipe.commands.refining import describe, load_run, refine_from_runs, save_refined
-from hybridpipe.commands.show import human_bytes, table
+from hybridpipe.commands.show import human_bytes, search_line, table
 from hybridpipe.errors import UserError
 from hybridpipe.limits import require_memory
 from hybridpipe.partitioner.calibration import load_calibration
 from hybridpipe.partitioner.cluster import load_cluster
 from hybridpipe.partitioner.dp import Progress
 from hybridpipe.partitioner.objective import RECOMPUTE
-from hybridpipe.partitioner.plan import ALGORITHMS, OPTIMIZERS, PRECISIONS, SCHEDULES, STRATEGIES, Plan, save_plan
-from hybridpipe.partitioner.planner import Outcome, Request, partition
-from hybridpipe.partitioner.schedule_registry import AUTO, auto_candidates
+from hybridpipe.partitioner.plan import (
+    ALGORITHMS,
+    OPTIMIZER_HELP,
+    OPTIMIZERS,
+    PRECISIONS,
+    SCHEDULES,
+    STRATEGIES,
+    Plan,
+    save_plan,
+)
+from hybridpipe.partitioner.planner import DEFAULT_TIME_BUDGET_S, Outcome, Request, partition
+from hybridpipe.partitioner.schedule_registry import AUTO, auto_candidates, get_schedule
 from hybridpipe.pipeline.simulator import simulate
+from hybridpipe.pipeline.tokens import check_normalization
 from hybridpipe.profiles.format import load_profile
+from hybridpipe.profiles.losses import LOSS_NORMALIZATIONS
 
 SHOW_AFTER_S = 1.0        # the progress bar appears only on partitions that take longer
+time_budget = float_range(above=0.0, high=MAX_TIMEOUT_S)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,11 +77,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "activations, gradients and all-reduces at half the profiled bytes (optimistic: a value "
                              "autocast keeps in float32 crosses in float32, and launch --reduce-dtype is fp32 by "
                              "default)")
+    parser.add_argument("--loss-normalization", choices=LOSS_NORMALIZATIONS, default="micro-batch",
+                        help="recorded for launch (which may override it): micro-batch (default), a step's loss is "
+                             "the mean of its micro-batches' mean losses; tokens, the step's summed per-token loss "
+                             "over its valid tokens in all micro-batches and replicas, as one process on the whole "
+                             "global batch (flushed schedules only)")
     parser.add_argument("--micro-batches", type=positive_int, metavar="M",
                         help="micro-batches per step (default: 2 per worker)")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
-                        help="optimizer state kept per weight: sgd momentum 1x, adam 2x (default sgd)")
-    parser.add_argument("--memory-gb", type=positive_float, metavar="X",
+                        help="optimizer state kept per weight: sgd momentum 1x, adam and adamw 2x (default sgd; "
+                             f"{OPTIMIZER_HELP})")
+    parser.add_argument("--memory-gb", type=memory_gb, metavar="X",
                         help="memory per worker (default: the cluster's)")
     parser.add_argument("--calibration", action="append", default=[], metavar="CAL.json",
                         help="measured costs from `hybridpipe bench-allreduce` (one per cluster level; repeatable)")
@@ -86,13 +105,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--save-refined", type=output_dir, metavar="DIR",
                         help="with --refine: write the refined profile.json and calibration.json here (a later "
                              "partition of any model on this cluster can take the calibration)")
-    parser.add_argument("--time-limit", type=float, metavar="S",
-                        help="optimal: stop after S seconds with the best plan found so far and say how far from the "
-                             "optimum it can be (default: search to the optimum)")
+    parser.add_argument("--time-budget", "--time-limit", type=time_budget, default=DEFAULT_TIME_BUDGET_S, metavar="S",
+                        help=f"stop searching after S seconds (default {DEFAULT_TIME_BUDGET_S:g}): optimal keeps the "
+                             "best plan found so far and prints (and records in the plan) how far from the optimum it "
+                             "can be; the other strategies stop with one line")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.schedule != AUTO:           # auto picks among flushed schedules only
+        check_normalization(args.loss_normalization, get_schedule(args.schedule).flushed, args.schedule)
     profile = load_profile(args.profile)
     cluster = load_cluster(args.cluster)
     calibrations = [load_calibration(p) for p in args.calibration]
@@ -109,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
     req = Request(workers=args.workers, strategy=args.strategy, schedule=args.schedule,
                   micro_batches=args.micro_batches, optimizer=args.optimizer, memory_gb=args.memory_gb,
                   stages=args.stages, algorithms=tuple(a.strip() for a in args.algorithms.split(",") if a.strip()),
-                  dedicated_aggregator=args.aggregator == "dedicated", time_limit_s=args.time_limit,
+                  dedicated_aggregator=args.aggregator == "dedicated", time_budget_s=args.time_budget,
                   recompute=args.recompute, precision=args.precision, virtual_stages=args.virtual_stages)
     with search_bar(args.strategy, disable=args.quiet) as progress:
         outcome = partition(profile, cluster, req, calibrations, progress=progress, simulate=simulated_step)
@@ -118,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"note: {note}")
     print(compare(profile, cluster, req, calibrations, outcome, every=args.compare))
     if args.output:
-        save_plan(outcome.plan, Path(args.output))
+        save_plan(dataclasses.replace(outcome.plan, loss_normalization=args.loss_normalization), Path(args.output))
         print(f"wrote {args.output}")
     else:
         print("(not saved: pass -o plan.json to write the plan)")
@@ -193,7 +215,7 @@ def render(outcome: Outcome, nodes, *, layers: bool = False) -> str:
     foot = [f"predicted step {plan.predicted_step_ms:.1f} ms = {plan.predicted_samples_per_s:.1f} samples/s "
             f"(steady state {ev.objective_ms:.1f} ms/step, bound by stage {worst}, marked *)",
             "fwd/bwd: one micro-batch; sync: exposed all-reduce per step; extra: optimizer steps and compute lost "
-            "to communication per step"]
+            "to communication per step"] + ([search_line(plan.search)] if plan.search else [])
     out = head + ["", body, ""] + foot
     if layers:
         lrows = [[s.index, lv.layer, human_bytes(lv.bytes), lv.algorithm, f"{lv.predicted_ms:.3f}",

@@ -14,7 +14,7 @@ from hybridpipe.errors import UserError
 from hybridpipe.jsonfile import read_json
 from hybridpipe.partitioner.calibration import CALIBRATION_KIND, Calibration
 from hybridpipe.partitioner.cluster import CLUSTER_KIND, Cluster
-from hybridpipe.partitioner.plan import PLAN_KIND, Plan
+from hybridpipe.partitioner.plan import PLAN_KIND, Plan, SearchRecord
 from hybridpipe.profiles.format import PROFILE_KIND, Profile, ProfileNode
 
 SORT_KEYS = {
@@ -120,6 +120,7 @@ def render_plan(plan: Plan, *, layers: bool = False) -> str:
             f"cluster: {_cluster_line(plan.cluster)}",
             f"predicted step {plan.predicted_step_ms:.2f} ms, {plan.predicted_samples_per_s:.1f} samples/s"
             + (f", created {plan.created}" if plan.created else "")]
+    head += [search_line(plan.search)] if plan.search else []
     rows = [[s.index, f"{s.first_node}-{s.last_node}", s.replicas, ",".join(map(str, s.ranks)),
              f"{s.compute_ms:.2f}", f"{s.sync_ms:.2f}", f"{s.send_ms:.2f}", human_bytes(s.memory_bytes)]
             for s in plan.stages]
@@ -131,6 +132,18 @@ def render_plan(plan: Plan, *, layers: bool = False) -> str:
         out += ["", table(["stage", "layer", "gradient", "all-reduce", "predicted ms", "exposed ms"], lrows)
                 if lrows else "no layer synchronises (no stage is replicated)"]
     return "\n".join(out)
+
+
+def search_line(search: SearchRecord) -> str:
+    """How the optimal strategy's search ended, and what it proves about the plan."""
+    budget = f" of the {search.budget_s:g} s --time-budget" if search.budget_s is not None else ""
+    if search.complete:
+        return f"search: the optimum (searched to the end in {search.seconds:.2f} s{budget})"
+    proof = (f" is at most {100 * search.gap:.2f}% slower than the optimum (no plan is below "
+             f"{search.lower_bound_ms:.1f} ms/step)" if search.gap is not None else
+             "; no lower bound on the optimum was proven yet")
+    return (f"search: stopped after {search.seconds:.1f} s{budget}: the best plan found ({search.objective_ms:.1f} "
+            f"ms/step in steady state){proof}; raise --time-budget to close the gap")
 
 
 def render_calibration(cal: Calibration) -> str:

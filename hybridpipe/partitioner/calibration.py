@@ -37,7 +37,7 @@ from dataclasses import field as dc_field
 from pathlib import Path
 
 from hybridpipe.errors import UserError
-from hybridpipe.jsonfile import check_header, field, read_json, write_json
+from hybridpipe.jsonfile import check_header, field, figure, read_json, write_json
 
 CALIBRATION_KIND = "calibration"
 CALIBRATION_FORMAT = 2
@@ -109,22 +109,22 @@ class Calibration:
             where = f"{source}: sample {i}"
             if not isinstance(s, dict):
                 raise UserError(f"{where}: expected an object")
-            samples.append(Sample(field(s, "algorithm", str, where), field(s, "bytes", int, where, minimum=0),
-                                  field(s, "seconds", float, where, minimum=0)))
+            samples.append(Sample(field(s, "algorithm", str, where), figure(s, "bytes", int, where),
+                                  figure(s, "seconds", float, where)))
         return cls(
             world_size=field(d, "world_size", int, source, minimum=1),
             hosts=field(d, "hosts", int, source, minimum=1),
             backend=field(d, "backend", str, source),
             device=field(d, "device", str, source),
             level=field(d, "level", str, source, default=""),
-            gamma_s_per_byte=field(d, "gamma_s_per_byte", float, source, minimum=0),
+            gamma_s_per_byte=figure(d, "gamma_s_per_byte", float, source),
             p2p=_fit_from_dict(field(d, "p2p", dict, source), f"{source}: p2p"),
             algorithms={k: _fit_from_dict(v, f"{source}: algorithms.{k}") for k, v in algos.items()},
             samples=tuple(samples),
             created=field(d, "created", str, source, default=""),
             notes=tuple(str(x) for x in field(d, "notes", list, source, default=[])),
-            interference_s_per_byte=field(d, "interference_s_per_byte", float, source, minimum=0, default=0.0),
-            overlap_slowdown=field(d, "overlap_slowdown", float, source, minimum=1, default=1.0),
+            interference_s_per_byte=figure(d, "interference_s_per_byte", float, source, default=0.0),
+            overlap_slowdown=figure(d, "overlap_slowdown", float, source, minimum=1, default=1.0),
             **(_refinement_from_dict(d, source) if version == 2 else {}),
         )
 
@@ -137,22 +137,22 @@ def _refinement_from_dict(d: dict, source: str) -> dict:
             raise UserError(f"{source}: allreduce_slowdown[{i}] must be a [bytes, factor] pair, got {p!r}")
         pair = {"bytes": p[0], "factor": p[1]}
         where = f"{source}: allreduce_slowdown[{i}]"
-        points.append((field(pair, "bytes", float, where, minimum=1),
-                       field(pair, "factor", float, where, minimum=1e-6)))
+        points.append((figure(pair, "bytes", float, where, minimum=1),
+                       figure(pair, "factor", float, where, minimum=1e-6)))
     if [b for b, _ in points] != sorted({b for b, _ in points}):
         raise UserError(f"{source}: allreduce_slowdown must be sorted by bytes, each size once")
     return {"allreduce_slowdown": tuple(points),
-            "compute_slowdown": field(d, "compute_slowdown", float, source, minimum=1e-6, default=1.0),
-            "step_overhead_ms": field(d, "step_overhead_ms", float, source, minimum=0, default=0.0),
-            "tied_slowdown": field(d, "tied_slowdown", float, source, minimum=1e-6, default=1.0),
+            "compute_slowdown": figure(d, "compute_slowdown", float, source, minimum=1e-6, default=1.0),
+            "step_overhead_ms": figure(d, "step_overhead_ms", float, source, default=0.0),
+            "tied_slowdown": figure(d, "tied_slowdown", float, source, minimum=1e-6, default=1.0),
             "refined_from": tuple(field(d, "refined_from", list, source, default=[], items=str))}
 
 
 def _fit_from_dict(d: object, where: str) -> LinkFit:
     if not isinstance(d, dict):
         raise UserError(f"{where}: expected an object with alpha_s and beta_s_per_byte")
-    return LinkFit(field(d, "alpha_s", float, where, minimum=0), field(d, "beta_s_per_byte", float, where, minimum=0),
-                   field(d, "rel_error", float, where, minimum=0, default=0.0))
+    return LinkFit(figure(d, "alpha_s", float, where), figure(d, "beta_s_per_byte", float, where),
+                   figure(d, "rel_error", float, where, default=0.0))
 
 
 def load_calibration(path: str | os.PathLike) -> Calibration:

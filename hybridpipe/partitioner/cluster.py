@@ -20,10 +20,11 @@ import os
 from dataclasses import asdict, dataclass
 
 from hybridpipe.errors import UserError
-from hybridpipe.jsonfile import field, read_json
+from hybridpipe.jsonfile import MAX_FIGURE, field, figure, read_json
 
 CLUSTER_KIND = "cluster"
 CLUSTER_FORMAT = 1
+MIN_BANDWIDTH_GBPS = 1e-6       # 1 kbit/s: below it a transfer's seconds are no longer a figure (1e-300 was accepted)
 
 
 @dataclass(frozen=True)
@@ -93,17 +94,19 @@ class Cluster:
             where = f"{source}: level {i}"
             if not isinstance(lv, dict):
                 raise UserError(f"{where}: expected an object with workers and bandwidth_gbps")
-            bw = field(lv, "bandwidth_gbps", float, where)
-            if bw <= 0:
-                raise UserError(f"{where}: bandwidth_gbps must be > 0, got {bw}")
+            bw = figure(lv, "bandwidth_gbps", float, where, minimum=MIN_BANDWIDTH_GBPS)
             levels.append(Level(name=field(lv, "name", str, where, default=f"level{i}"),
-                                workers=field(lv, "workers", int, where, minimum=1),
+                                workers=figure(lv, "workers", int, where, minimum=1),
                                 bandwidth_gbps=bw,
-                                latency_us=field(lv, "latency_us", float, where, minimum=0, default=0.0)))
+                                latency_us=figure(lv, "latency_us", float, where, default=0.0)))
+        total = math.prod(lv.workers for lv in levels)
+        if total > MAX_FIGURE:
+            raise UserError(f"{source}: the levels' workers multiply to more than {MAX_FIGURE:g} workers; describe the "
+                            "cluster you have")
         names = [lv.name for lv in levels]
         if len(set(names)) != len(names):
             raise UserError(f"{source}: level names must be unique, got {names}")
-        mem = field(data, "memory_gb", float, source)
+        mem = figure(data, "memory_gb", float, source)
         if mem <= 0:
             raise UserError(f"{source}: memory_gb must be > 0, got {mem}")
         return cls(tuple(levels), mem)

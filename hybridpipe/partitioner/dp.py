@@ -20,7 +20,7 @@ every stage and every prefix of a plan with all terms <= U can have; ``region.py
 recurrence over the states and stages inside those bounds, which contain every such plan. U starts
 at the relaxation's own optimum (no plan is cheaper) and grows until some copy count has a plan
 within it: that plan's objective is then the optimum, since every plan within U was searched. Each
-failed U is a proven lower bound, which ``--time-limit`` reports as the optimality gap.
+failed U is a proven lower bound, which ``--time-budget`` reports as the optimality gap.
 """
 
 from __future__ import annotations
@@ -30,10 +30,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from hybridpipe.limits import OutOfTime
 from hybridpipe.partitioner.costmodel import CostModel
 from hybridpipe.partitioner.modelcosts import ModelCosts
 from hybridpipe.partitioner.objective import Options, StageSpec
-from hybridpipe.partitioner.region import OutOfTime, RegionResult, solve_region
+from hybridpipe.partitioner.region import RegionResult, solve_region
 from hybridpipe.partitioner.relaxation import lower_bound, min_block, windows
 from hybridpipe.partitioner.stageterms import StageTerms
 
@@ -93,7 +94,7 @@ class _Search:
         self.counts = sorted(copy_counts(model, workers), reverse=True)
         shared: dict = {}
         self.terms = {r: StageTerms(costs, model, workers, r, opts, shared) for r in self.counts}
-        self.bound = upper_bound * (1 + TIE) + TIE
+        self.bound = math.inf if math.isnan(upper_bound) else upper_bound * (1 + TIE) + TIE     # nan: no bound
         self.deadline, self.progress = deadline, progress
         self.lower, self.best = 0.0, math.inf
         self.found: dict[int, RegionResult] = {}
@@ -144,7 +145,7 @@ class _Search:
                     self.best = min(self.best, res.value)
             if math.isfinite(self.best) and self.best <= limit:
                 break
-            if limit >= self.bound:
+            if limit >= self.bound or not math.isfinite(limit):     # every plan was searched: there is none
                 return Solution((), math.inf, 1, self.bound)
             self.lower = limit
             step *= 1.25

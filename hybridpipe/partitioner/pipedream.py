@@ -27,6 +27,7 @@ import math
 
 import numpy as np
 
+from hybridpipe.limits import check_deadline
 from hybridpipe.partitioner.cluster import Cluster
 from hybridpipe.partitioner.modelcosts import ModelCosts
 from hybridpipe.partitioner.objective import StageSpec
@@ -37,7 +38,7 @@ class _Level:
 
     def __init__(self, compute: np.ndarray, acts: np.ndarray, params: np.ndarray, machines: int,
                  bytes_per_ms: float, per_machine: int, memory: float, final: bool, cut_ok: np.ndarray,
-                 sent: np.ndarray, compression: float | None):
+                 sent: np.ndarray, compression: float | None, deadline: float | None = None):
         n = compute.shape[0]
         self.time = np.full((n, n, machines), np.inf)
         self.split = np.full((n, n, machines), -1, dtype=np.int64)       # k: last node of the prefix
@@ -50,6 +51,7 @@ class _Level:
         self.time[np.tril(np.ones((n, n), dtype=bool), k=-1)] = np.inf
         starts = [0] if final else range(n)
         for i in starts:
+            check_deadline(deadline)            # OutOfTime: its caller says so in one line
             for m in range(2, machines + 1):
                 for j in range(i + 1, n):
                     ks = np.arange(i, j)                                  # prefix i..k, last stage k+1..j
@@ -99,14 +101,15 @@ def pipedream_time(costs: ModelCosts, cluster: Cluster, memory_bytes: float | No
 
 
 def pipedream_stages(costs: ModelCosts, cluster: Cluster, memory_bytes: float | None = None,
-                     compression: float | None = 1.0) -> tuple[StageSpec, ...] | None:
+                     compression: float | None = 1.0, *, deadline: float | None = None
+                     ) -> tuple[StageSpec, ...] | None:
     """PipeDream's plan for the whole cluster (None when no plan passes its memory check).
 
     ``compression``: PipeDream's ``--activation_compression_ratio`` (None: transfers not charged).
     Like PipeDream, the input's bytes do not count (it zeroes the input node) and the activation
-    into the loss is not sent.
+    into the loss is not sent. OutOfTime once ``deadline`` (``time.monotonic()``) has passed.
     """
-    levels = _levels(costs, cluster, memory_bytes, compression)
+    levels = _levels(costs, cluster, memory_bytes, compression, deadline)
     if not math.isfinite(levels[-1].time[0, costs.n - 1, -1]):
         return None
     out: list[StageSpec] = []
@@ -114,8 +117,8 @@ def pipedream_stages(costs: ModelCosts, cluster: Cluster, memory_bytes: float | 
     return tuple(out)
 
 
-def _levels(costs: ModelCosts, cluster: Cluster, memory_bytes: float | None, compression: float | None
-            ) -> list[_Level]:
+def _levels(costs: ModelCosts, cluster: Cluster, memory_bytes: float | None, compression: float | None,
+            deadline: float | None = None) -> list[_Level]:
     """The recurrence solved level by level, innermost first."""
     n = costs.n
     pc = costs.prefix(costs.forward_ms + costs.backward_ms)
@@ -132,7 +135,7 @@ def _levels(costs: ModelCosts, cluster: Cluster, memory_bytes: float | None, com
     for idx, lv in enumerate(cluster.levels):
         level = _Level(compute, acts, params, lv.workers, lv.bytes_per_s / 1e3, per_machine, memory,
                        final=idx == len(cluster.levels) - 1, cut_ok=costs.cut_ok, sent=sent,
-                       compression=compression)
+                       compression=compression, deadline=deadline)
         levels.append(level)
         compute = level.time[:, :, -1].copy()
         per_machine = lv.workers

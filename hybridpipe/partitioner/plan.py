@@ -3,7 +3,9 @@
 Semantics every package relies on:
 
 * A stage is a contiguous range ``first_node..last_node`` (inclusive) of the profile's nodes in
-  topological order. Stage 0 holds the input placeholder, the last stage the ``output`` node.
+  topological order. Stage 0 holds the input placeholder, the last stage the ``output`` node:
+  it ends at node ``graph_nodes - 1`` (the profile's node count; plans without the field: not
+  checked until launch captures the model).
 * A stage with ``replicas`` r runs on ``ranks`` (r global ranks); micro-batch m goes to
   replica ``m % r`` of every stage (round-robin).
 * Virtual stages (``virtual_stages`` V > 1, schedules interleaved-1f1b and zbv): ``stages`` lists
@@ -21,6 +23,9 @@ Semantics every package relies on:
   :data:`SECOND_LANE_ALGORITHMS` only. A layer without ``unit`` is a unit of its own. A
   replicated stage whose plan lists no layers gets, at launch, the partitioner's own choice on
   the plan's cluster.
+* ``loss_normalization`` (profiles/losses.py): ``micro-batch`` (plans without the field) makes a
+  step's loss the mean of its micro-batches' mean losses; ``tokens`` divides the step's summed
+  per-token loss by its valid tokens over all micro-batches and replicas (flushed schedules only).
 * Predicted figures (``hybridpipe partition``) come from ``objective.py``; ``sync_ms`` is what
   the stage's syncs add to a step after overlapping its backward, next forward and (gpipe,
   1f1b) the pipeline's drain and fill.
@@ -32,12 +37,14 @@ import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from hybridpipe.errors import UserError
-from hybridpipe.jsonfile import check_header, field, read_json, write_json
+from hybridpipe.jsonfile import MAX_PLAN_FIGURE, check_header, field, figure, read_json, write_json
 from hybridpipe.partitioner import collectives as co
 from hybridpipe.partitioner.cluster import Cluster
 from hybridpipe.partitioner.schedule_registry import REGISTRY
+from hybridpipe.profiles.losses import LOSS_NORMALIZATIONS
 
 PLAN_KIND = "plan"
 PLAN_FORMAT = 1
@@ -45,7 +52,11 @@ SCHEDULES = tuple(REGISTRY)     # the schedules by name (schedule_registry.py de
 ALGORITHMS = co.ALGORITHMS      # the all-reduce algorithms (collectives.py describes each)
 SECOND_LANE_ALGORITHMS = ("ring", "butterfly", "hierarchical", "torus2d")   # may run on sync lane 1
 STRATEGIES = ("optimal", "pipedream", "dp", "uniform", "params", "time")
-OPTIMIZERS = ("sgd", "adam")
+OPTIMIZERS = ("sgd", "adam", "adamw")
+# what each optimizer name runs (runtime/parts.py make_optimizer), for every --optimizer's help
+OPTIMIZER_HELP = ("sgd: torch.optim.SGD with --momentum; adam: torch.optim.Adam, whose weight decay is L2 (added to "
+                  "the gradient, so scaled by the moments); adamw: torch.optim.AdamW, weight decay decoupled from "
+                  "the moments (what transformer recipes mean by weight decay)")
 # what one profiled (float32) byte of activations, gradients or weights costs on the wire in each precision
 WIRE_BYTES = {"fp32": 1.0, "bf16": 0.5, "fp16": 0.5}
 PRECISIONS = tuple(WIRE_BYTES)
@@ -116,6 +127,21 @@ def sync_units(layers: Sequence[LayerSync]) -> list[tuple[LayerSync, ...]]:
 
 
 @dataclass(frozen=True)
+class SearchRecord:
+    """How the optimal strategy found the stages: searched to the optimum (``complete``), or stopped
+    by its time budget with the best plan found so far. ``objective_ms``: that plan's steady-state
+    step; ``lower_bound_ms``: no plan's is below it; ``gap``: objective / lower bound - 1, the most
+    the plan can be slower than the optimum (0 when complete; None: no bound proven yet)."""
+
+    complete: bool
+    seconds: float                      # the search's wall-clock time
+    budget_s: float | None              # --time-budget (None: none)
+    objective_ms: float
+    lower_bound_ms: float
+    gap: float | None
+
+
+@dataclass(frozen=True)
 class Plan:
     model: str                    # the profile's model spec (zoo name or module:factory)
     batch_size: int               # samples per micro-batch (the profile's batch size)
@@ -134,6 +160,9 @@ class Plan:
     precision: str = "fp32"                # what the transfers were priced in (launch runs it unless told otherwise)
     tied: tuple[TiedGroup, ...] = ()       # parameters read by several stages
     virtual_stages: int = 1                # model chunks (stages) per rank: interleaved-1f1b, zbv (see above)
+    graph_nodes: int = 0                   # the profile's node count (0: not recorded)
+    search: SearchRecord | None = None     # strategy optimal: how far from the optimum the plan can be
+    loss_normalization: str = "micro-batch"    # or "tokens" (see above; launch runs it unless told otherwise)
 
     @property
     def world_size(self) -> int:
@@ -183,13 +212,17 @@ class Plan:
             micro_batches=field(d, "micro_batches", int, source, minimum=1),
             optimizer=field(d, "optimizer", str, source, choices=OPTIMIZERS),
             stages=tuple(_stage_from_dict(s, i, source) for i, s in enumerate(raw_stages)),
-            predicted_step_ms=field(d, "predicted_step_ms", float, source, minimum=0, default=0.0),
-            predicted_samples_per_s=field(d, "predicted_samples_per_s", float, source, minimum=0, default=0.0),
+            predicted_step_ms=_figure(d, "predicted_step_ms", float, source, default=0.0),
+            predicted_samples_per_s=_figure(d, "predicted_samples_per_s", float, source, default=0.0),
             created=field(d, "created", str, source, default=""),
             granularity=field(d, "granularity", str, source, default="blocks"),
             precision=field(d, "precision", str, source, default="fp32", choices=PRECISIONS),
             tied=tuple(_tied_from_dict(t, i, source) for i, t in enumerate(field(d, "tied", list, source, default=[]))),
             virtual_stages=field(d, "virtual_stages", int, source, minimum=1, default=1),
+            graph_nodes=field(d, "graph_nodes", int, source, minimum=0, default=0),
+            search=_search_from_dict(d.get("search"), f"{source}: search"),
+            loss_normalization=field(d, "loss_normalization", str, source, default="micro-batch",
+                                     choices=LOSS_NORMALIZATIONS),
         )
         _check_stages(plan, source)
         return plan
@@ -235,6 +268,23 @@ def check_plan_memory(plan: Plan) -> None:
                             "workers or fewer --micro-batches) or give the cluster more memory_gb")
 
 
+def _figure(obj: dict, key: str, kind: type, where: str, default: Any = ...) -> Any:
+    """A predicted figure of the plan: a number from 0 to MAX_PLAN_FIGURE."""
+    return figure(obj, key, kind, where, maximum=MAX_PLAN_FIGURE, default=default)
+
+
+def _search_from_dict(d: object, where: str) -> SearchRecord | None:
+    if d is None:
+        return None
+    if not isinstance(d, dict):
+        raise UserError(f"{where}: expected an object or null")
+    gap = None if d.get("gap") is None else _figure(d, "gap", float, where)
+    return SearchRecord(complete=field(d, "complete", bool, where), seconds=_figure(d, "seconds", float, where),
+                        budget_s=None if d.get("budget_s") is None else _figure(d, "budget_s", float, where),
+                        objective_ms=_figure(d, "objective_ms", float, where),
+                        lower_bound_ms=_figure(d, "lower_bound_ms", float, where), gap=gap)
+
+
 def _tied_from_dict(t: object, i: int, source: str) -> TiedGroup:
     where = f"{source}: tied group {i}"
     if not isinstance(t, dict):
@@ -243,8 +293,8 @@ def _tied_from_dict(t: object, i: int, source: str) -> TiedGroup:
     if len(stages) < 2 or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in stages):
         raise UserError(f"{where}: \"stages\" must list at least two stage indices")
     return TiedGroup(param=field(t, "param", str, where), stages=tuple(sorted(stages)),
-                     bytes=field(t, "bytes", int, where, minimum=0),
-                     predicted_ms=field(t, "predicted_ms", float, where, minimum=0, default=0.0))
+                     bytes=_figure(t, "bytes", int, where),
+                     predicted_ms=_figure(t, "predicted_ms", float, where, default=0.0))
 
 
 def _layer_dict(lv: LayerSync) -> dict:
@@ -273,15 +323,15 @@ def _stage_from_dict(s: object, i: int, source: str) -> Stage:
                  last_node=field(s, "last_node", int, where, minimum=0),
                  replicas=field(s, "replicas", int, where, minimum=1),
                  ranks=tuple(ranks),
-                 compute_ms=field(s, "compute_ms", float, where, minimum=0, default=0.0),
-                 forward_ms=field(s, "forward_ms", float, where, minimum=0, default=0.0),
-                 backward_ms=field(s, "backward_ms", float, where, minimum=0, default=0.0),
-                 sync_ms=field(s, "sync_ms", float, where, minimum=0, default=0.0),
-                 send_ms=field(s, "send_ms", float, where, minimum=0, default=0.0),
-                 send_bytes=field(s, "send_bytes", int, where, minimum=0, default=0),
-                 memory_bytes=field(s, "memory_bytes", int, where, minimum=0, default=0),
+                 compute_ms=_figure(s, "compute_ms", float, where, default=0.0),
+                 forward_ms=_figure(s, "forward_ms", float, where, default=0.0),
+                 backward_ms=_figure(s, "backward_ms", float, where, default=0.0),
+                 sync_ms=_figure(s, "sync_ms", float, where, default=0.0),
+                 send_ms=_figure(s, "send_ms", float, where, default=0.0),
+                 send_bytes=_figure(s, "send_bytes", int, where, default=0),
+                 memory_bytes=_figure(s, "memory_bytes", int, where, default=0),
                  layers=tuple(layers),
-                 overhead_ms=field(s, "overhead_ms", float, where, minimum=0, default=0.0),
+                 overhead_ms=_figure(s, "overhead_ms", float, where, default=0.0),
                  recompute=field(s, "recompute", bool, where, default=False))
 
 
@@ -298,10 +348,10 @@ def _layer_from_dict(lv: dict, where: str) -> LayerSync:
     if lane == 1 and algorithm not in SECOND_LANE_ALGORITHMS:
         raise UserError(f"{where}: {algorithm} cannot run on sync lane 1 (only {', '.join(SECOND_LANE_ALGORITHMS)} "
                         "can); set \"lane\": 0")
-    return LayerSync(layer=name, params=tuple(params), bytes=field(lv, "bytes", int, where, minimum=0),
+    return LayerSync(layer=name, params=tuple(params), bytes=_figure(lv, "bytes", int, where),
                      algorithm=algorithm,
-                     predicted_ms=field(lv, "predicted_ms", float, where, minimum=0, default=0.0),
-                     exposed_ms=field(lv, "exposed_ms", float, where, minimum=0, default=0.0),
+                     predicted_ms=_figure(lv, "predicted_ms", float, where, default=0.0),
+                     exposed_ms=_figure(lv, "exposed_ms", float, where, default=0.0),
                      unit=field(lv, "unit", int, where, minimum=0, default=None), lane=lane)
 
 
@@ -347,6 +397,10 @@ def _check_stages(plan: Plan, source: str) -> None:
             raise UserError(f"{where}: rank {sorted(dup or s.ranks)[0]} is given to more than one stage/replica")
         seen.update(s.ranks)
         expected_first = s.last_node + 1
+    if plan.graph_nodes and expected_first != plan.graph_nodes:
+        raise UserError(f"{source}: the last stage ends at node {expected_first - 1} but the graph's last node is "
+                        f"{plan.graph_nodes - 1} (\"graph_nodes\": {plan.graph_nodes}); stages must cover the graph "
+                        "exactly: re-partition")
     layout = REGISTRY[plan.schedule].layout_error([s.ranks for s in plan.stages], plan.virtual_stages)
     if layout:
         raise UserError(f"{source}: {layout}; re-partition (hybridpipe partition --schedule {plan.schedule})")

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from hybridpipe.errors import UserError
+from hybridpipe.limits import OutOfTime
 from hybridpipe.partitioner import dp
 from hybridpipe.partitioner.calibration import Calibration
 from hybridpipe.partitioner.cluster import Cluster
@@ -37,6 +38,7 @@ from hybridpipe.partitioner.plan import (
     WIRE_BYTES,
     LayerSync,
     Plan,
+    SearchRecord,
     Stage,
     TiedGroup,
 )
@@ -47,6 +49,9 @@ from hybridpipe.partitioner.virtual import Simulate, check_virtual, virtual_plan
 from hybridpipe.profiles.format import Profile
 
 MICRO_BATCHES_PER_WORKER = 2      # default micro-batches per step: enough to keep every stage busy
+# every search stops after this long (partition --time-budget): above the slowest optimal search measured
+# (50 nodes on 4096 workers, 85 s: benchmarks/RESULTS.md), so it cuts only what would run on and on
+DEFAULT_TIME_BUDGET_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -63,7 +68,8 @@ class Request:
     algorithms: tuple[str, ...] = ALGORITHMS
     dedicated_aggregator: bool = False
     recompute: str = "none"
-    time_limit_s: float | None = None          # optimal: stop searching then, keep the best plan found
+    time_budget_s: float | None = DEFAULT_TIME_BUDGET_S   # stop every search then (None: never); optimal keeps
+    #                                                      the best plan found and its proven gap
     precision: str = "fp32"                    # bf16/fp16: activations, gradients and all-reduces at half the bytes
     virtual_stages: int = 1                    # model chunks per rank (interleaved-1f1b, zbv: virtual.py)
 
@@ -96,8 +102,8 @@ def resolve(cluster: Cluster, req: Request) -> tuple[Cluster, int, Options]:
         raise UserError(f"--memory-gb must be > 0, got {req.memory_gb}")
     if req.micro_batches is not None and req.micro_batches < 1:
         raise UserError(f"--micro-batches must be at least 1, got {req.micro_batches}")
-    if req.time_limit_s is not None and not req.time_limit_s > 0:
-        raise UserError(f"--time-limit must be > 0 seconds, got {req.time_limit_s:g}")
+    if req.time_budget_s is not None and not req.time_budget_s > 0:
+        raise UserError(f"--time-budget must be > 0 seconds, got {req.time_budget_s:g}")
     if req.stages is not None and req.stages < 1:
         raise UserError(f"--stages must be at least 1, got {req.stages}")
     if req.stages is not None and req.strategy in ("optimal", "pipedream"):
@@ -117,35 +123,41 @@ def resolve(cluster: Cluster, req: Request) -> tuple[Cluster, int, Options]:
 
 def partition(profile: Profile, cluster: Cluster, req: Request = Request(),
               calibrations: Sequence[Calibration] = (),
-              progress: Callable[[dp.Progress], None] | None = None, simulate: Simulate | None = None) -> Outcome:
+              progress: Callable[[dp.Progress], None] | None = None, simulate: Simulate | None = None,
+              deadline: float | None = None) -> Outcome:
     """Plan ``profile`` on ``cluster`` as ``req`` asks; UserError when no plan is possible.
 
-    ``progress`` is called as the optimal strategy's search goes (for a progress bar).
+    ``progress`` is called as the optimal strategy's search goes (for a progress bar). Every search
+    ends by ``deadline`` (``time.monotonic()``; default ``req.time_budget_s`` from now), shared by
+    the plans ``auto`` and virtual stages compare.
     ``schedule="auto"``: the plan of the flushed schedule with the smallest predicted step
     (ties to the earlier one in the registry: less memory); the schedules with several chunks per
     rank only with ``virtual_stages`` > 1 (:func:`partition_virtual`). ``simulate`` (a plan -> its
     simulated step, ms) is needed for virtual stages, whose step the simulator predicts.
     """
+    if deadline is None and req.time_budget_s is not None:
+        deadline = time.monotonic() + req.time_budget_s
     if req.virtual_stages != 1 or (req.schedule != AUTO and get_schedule(req.schedule).layout != "single"):
-        return partition_virtual(profile, cluster, req, calibrations, progress, simulate)
+        return partition_virtual(profile, cluster, req, calibrations, progress, simulate, deadline)
     if req.schedule == AUTO:
         found, errors = [], []
         for name in auto_candidates():
             try:
-                found.append(partition(profile, cluster, replace(req, schedule=name), calibrations, progress))
+                found.append(partition(profile, cluster, replace(req, schedule=name), calibrations, progress,
+                                       deadline=deadline))
             except UserError as e:
                 errors.append(e)
         if not found:
             raise errors[0]
         return min(found, key=lambda o: o.plan.predicted_step_ms)
-    deadline = None if req.time_limit_s is None else time.monotonic() + req.time_limit_s
     cluster, workers, opts = resolve(cluster, req)
     if req.precision not in WIRE_BYTES:
         raise UserError(f"unknown precision {req.precision!r}; choose one of {', '.join(WIRE_BYTES)}")
     model = CostModel(cluster, list(calibrations), aggregator_dedicated=req.dedicated_aggregator,
                       wire_bytes=WIRE_BYTES[req.precision])
     costs = model_costs(profile).slowed(model.compute_slowdown)
-    stages, notes = choose_stages(req.strategy, costs, model, workers, opts, req.stages, deadline, progress)
+    stages, notes, search = choose_stages(req.strategy, costs, model, workers, opts, req.stages, deadline, progress,
+                                          req.time_budget_s)
     if req.strategy == "optimal":
         stages, notes = prefer_data_parallel(profile, costs, model, workers, opts, stages, notes)
     blocked = blocked_message(costs, stages, req.strategy)
@@ -158,12 +170,12 @@ def partition(profile: Profile, cluster: Cluster, req: Request = Request(),
     if not ev.fits:
         raise UserError(memory_message(stages, ev, opts, req.strategy))
     plan = build_plan(profile, costs, cluster, stages, ev, opts, req.strategy, model, precision=req.precision)
-    return Outcome(plan, ev, model, opts, notes)
+    return Outcome(replace(plan, search=search), ev, model, opts, notes)
 
 
 def partition_virtual(profile: Profile, cluster: Cluster, req: Request, calibrations: Sequence[Calibration] = (),
                       progress: Callable[[dp.Progress], None] | None = None,
-                      simulate: Simulate | None = None) -> Outcome:
+                      simulate: Simulate | None = None, deadline: float | None = None) -> Outcome:
     """A plan with ``req.virtual_stages`` chunks per rank (virtual.py): the groups and replicas of
     the 1F1B plan the strategy finds, the model cut into p*V chunks on them. ``auto``: the fastest
     simulated of the one-chunk schedules' best plan and each schedule that runs V chunks."""
@@ -178,11 +190,12 @@ def partition_virtual(profile: Profile, cluster: Cluster, req: Request, calibrat
         for name in names:
             try:
                 found.append(partition_virtual(profile, cluster, replace(req, schedule=name), calibrations, progress,
-                                               simulate))
+                                               simulate, deadline))
             except UserError as e:
                 errors.append(e)
         try:
-            plain = partition(profile, cluster, replace(req, virtual_stages=1), calibrations, progress)
+            plain = partition(profile, cluster, replace(req, virtual_stages=1), calibrations, progress,
+                              deadline=deadline)
             step = simulated_ms(plain, simulate)
             found.append(replace(plain, evaluation=replace(plain.evaluation, objective_ms=step)))
         except UserError as e:
@@ -191,7 +204,8 @@ def partition_virtual(profile: Profile, cluster: Cluster, req: Request, calibrat
             raise errors[0]
         return min(found, key=lambda o: o.evaluation.objective_ms)
     check_virtual(req.schedule, virtual)
-    base = partition(profile, cluster, replace(req, schedule="1f1b", virtual_stages=1), calibrations, progress)
+    base = partition(profile, cluster, replace(req, schedule="1f1b", virtual_stages=1), calibrations, progress,
+                     deadline=deadline)
     opts = replace(base.options, schedule=req.schedule)
     costs = model_costs(profile).slowed(base.model.compute_slowdown)
 
@@ -201,7 +215,7 @@ def partition_virtual(profile: Profile, cluster: Cluster, req: Request, calibrat
     plan, ev = virtual_plan(base.plan, costs, base.model, opts, virtual, build, simulate)
     note = (f"{req.schedule}: the {req.strategy} strategy's {len(base.plan.stages)} stage groups and replicas, each "
             f"holding {virtual} of the model's {len(plan.stages)} chunks; step predicted by simulation")
-    return Outcome(plan, ev, base.model, opts, base.notes + (note,))
+    return Outcome(replace(plan, search=base.plan.search), ev, base.model, opts, base.notes + (note,))
 
 
 def simulated_ms(outcome: Outcome, simulate: Simulate) -> float:
@@ -213,28 +227,38 @@ def simulated_ms(outcome: Outcome, simulate: Simulate) -> float:
 
 def choose_stages(strategy: str, costs: ModelCosts, model: CostModel, workers: int, opts: Options,
                   stages: int | None = None, deadline: float | None = None,
-                  progress: Callable[[dp.Progress], None] | None = None
-                  ) -> tuple[tuple[StageSpec, ...], tuple[str, ...]]:
-    """The stage list a strategy picks, and notes on how (a search stopped by its time limit)."""
+                  progress: Callable[[dp.Progress], None] | None = None, budget_s: float | None = None
+                  ) -> tuple[tuple[StageSpec, ...], tuple[str, ...], SearchRecord | None]:
+    """The stage list a strategy picks, notes on how, and the optimal strategy's search record (stopped
+    by ``deadline``: the best plan found and its proven gap to the optimum)."""
     if strategy == "optimal":
+        start = time.monotonic()
         data_parallel = baseline_stages("dp", costs, workers)
         bound = evaluate(costs, model, data_parallel, opts).objective_ms
         sol = dp.solve(costs, model, workers, opts, bound, deadline=deadline, progress=progress)
         chosen = sol.stages if sol.stages else data_parallel if math.isfinite(bound) else None
         if chosen is None:
             raise UserError(no_fit_message(costs, workers, opts) if sol.complete else
-                            "no plan found within --time-limit (not even data parallelism fits); "
-                            "raise --time-limit or --memory-gb")
-        if sol.complete:
-            return chosen, ()
-        return chosen, (gap_note(sol.objective_ms if sol.stages else bound, sol.lower_bound_ms),)
-    if strategy == "pipedream":
-        found = pipedream_stages(costs, model.cluster.with_workers(workers), opts.memory_bytes)
-        if found is None:
-            raise UserError("PipeDream's partitioner finds no plan within its memory check "
-                            f"({opts.memory_bytes / 1e9:g} GB per worker); raise --memory-gb or add workers")
-        return found, ()
-    return baseline_stages(strategy, costs, workers, stages), ()
+                            "no plan found within --time-budget (not even data parallelism fits); "
+                            "raise --time-budget or --memory-gb")
+        objective = float(sol.objective_ms if sol.stages else bound)
+        lower = objective if sol.complete else float(sol.lower_bound_ms)
+        gap = max(0.0, objective / lower - 1) if lower > 0 else 0.0 if objective == 0 else None
+        record = SearchRecord(sol.complete, round(time.monotonic() - start, 3), budget_s, objective, lower,
+                              None if gap is None else round(gap, 6))
+        return chosen, (), record
+    try:
+        if strategy == "pipedream":
+            found = pipedream_stages(costs, model.cluster.with_workers(workers), opts.memory_bytes, deadline=deadline)
+            if found is None:
+                raise UserError("PipeDream's partitioner finds no plan within its memory check "
+                                f"({opts.memory_bytes / 1e9:g} GB per worker); raise --memory-gb or add workers")
+            return found, (), None
+        return baseline_stages(strategy, costs, workers, stages, deadline=deadline), (), None
+    except OutOfTime:
+        raise UserError(f"--strategy {strategy} did not finish within --time-budget {budget_s or 0:g} s ({costs.n} "
+                        f"nodes on {workers} workers); raise --time-budget, or use --strategy optimal (it keeps "
+                        "the best plan found when stopped)") from None
 
 
 def prefer_data_parallel(profile: Profile, costs: ModelCosts, model: CostModel, workers: int, opts: Options,
@@ -276,16 +300,6 @@ def tied_ms(profile: Profile, stages: Sequence[StageSpec], model: CostModel) -> 
     return sum(t.predicted_ms for t in priced_tied(profile, stages, model))
 
 
-def gap_note(objective_ms: float, lower_ms: float) -> str:
-    """What a search stopped by --time-limit can promise about the plan it returns."""
-    head = f"--time-limit reached: the best plan found so far ({objective_ms:.1f} ms/step in steady state)"
-    if lower_ms <= 0:
-        return head + "; no lower bound on the optimum was proven yet: raise --time-limit for one"
-    gap = max(0.0, objective_ms / lower_ms - 1)
-    return (head + f" is at most {100 * gap:.2f}% slower than the optimum (no plan is below {lower_ms:.1f} ms/step); "
-            "raise --time-limit to close the gap")
-
-
 def divisible_micro_batches(stages: Sequence[StageSpec], opts: Options) -> tuple[Options, str]:
     """PipeDream's replicas take micro-batches in rounds: the default count rounded up to a multiple of every
     stage's replica count."""
@@ -321,7 +335,7 @@ def build_plan(profile: Profile, costs: ModelCosts, cluster: Cluster, stages: Se
                 micro_batches=opts.micro_batches, optimizer=opts.optimizer, stages=tuple(out),
                 predicted_step_ms=step_ms, predicted_samples_per_s=samples,
                 created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-                granularity=profile.granularity, tied=tuple(tied), precision=precision)
+                granularity=profile.granularity, tied=tuple(tied), precision=precision, graph_nodes=len(profile.nodes))
 
 
 def without_tied(layers: Sequence[LayerSync], tied: dict[str, int]) -> tuple[LayerSync, ...]:

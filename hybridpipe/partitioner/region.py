@@ -12,18 +12,14 @@ smaller than ``relaxation.min_block`` are visited: the plans left out all have a
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
+from hybridpipe.limits import check_deadline
 from hybridpipe.partitioner.objective import StageSpec
 from hybridpipe.partitioner.stageterms import Candidates, StageTerms
-
-
-class OutOfTime(Exception):
-    """The deadline passed during a search."""
 
 
 @dataclass(frozen=True)
@@ -83,8 +79,7 @@ def solve_region(t: StageTerms, bmin: np.ndarray, lo: np.ndarray, hi: np.ndarray
         c = candidates(i, xs, bmin[i], lo, hi, most)
         if c.j.size == 0:
             continue
-        if deadline is not None and time.monotonic() > deadline:
-            raise OutOfTime
+        check_deadline(deadline)
         prefix, ceiling = value[i, c.x], value[c.j + 1, c.y]
         if total:                              # a term over the bound, or a sum over the target's: no use
             def useful(k, lower, prefix=prefix, ceiling=ceiling):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from hybridpipe.errors import UserError
+from hybridpipe.limits import check_deadline
 from hybridpipe.partitioner.cuts import free_ends_mask, nearest_free_ends
 from hybridpipe.partitioner.modelcosts import ModelCosts
 from hybridpipe.partitioner.objective import StageSpec
@@ -40,12 +41,14 @@ def uniform_sizes(n: int, parts: int) -> list[int]:
     return [n // parts + (1 if k < n % parts else 0) for k in range(parts)]
 
 
-def balanced_sizes(weights: np.ndarray, parts: int, ends_ok: np.ndarray | None = None) -> list[int] | None:
+def balanced_sizes(weights: np.ndarray, parts: int, ends_ok: np.ndarray | None = None,
+                   deadline: float | None = None) -> list[int] | None:
     """Contiguous groups (each non-empty) minimising the largest group's total weight.
 
     The classic linear-partition recurrence ``best[k, j] = min_s max(best[k-1, s], W(s..j))``,
     vectorised over s; ties go to the earliest cut. ``ends_ok[p]``: may a group end after the first
-    p items (default: anywhere); None when no grouping ends only there.
+    p items (default: anywhere); None when no grouping ends only there. OutOfTime once ``deadline``
+    (``time.monotonic()``) has passed.
     """
     n = len(weights)
     prefix = np.concatenate([[0.0], np.cumsum(weights, dtype=float)])
@@ -55,6 +58,7 @@ def balanced_sizes(weights: np.ndarray, parts: int, ends_ok: np.ndarray | None =
     cut = np.zeros((parts + 1, n + 1), dtype=np.int64)
     valid = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)     # s < j: the group is non-empty
     for k in range(1, parts + 1):
+        check_deadline(deadline)
         cand = np.where(valid, np.maximum(best[k - 1][:, None], span), np.inf)
         cut[k] = cand.argmin(axis=0)
         best[k] = cand[cut[k], np.arange(n + 1)]
@@ -70,8 +74,9 @@ def balanced_sizes(weights: np.ndarray, parts: int, ends_ok: np.ndarray | None =
     return sizes[::-1]
 
 
-def baseline_stages(strategy: str, costs: ModelCosts, workers: int, stages: int | None = None) -> tuple[StageSpec, ...]:
-    """The stage list of a baseline strategy (see the module docstring)."""
+def baseline_stages(strategy: str, costs: ModelCosts, workers: int, stages: int | None = None, *,
+                    deadline: float | None = None) -> tuple[StageSpec, ...]:
+    """The stage list of a baseline strategy (see the module docstring); OutOfTime past ``deadline``."""
     n = costs.n
     if strategy == "dp":
         if stages not in (None, 1):
@@ -91,7 +96,7 @@ def baseline_stages(strategy: str, costs: ModelCosts, workers: int, stages: int 
         found: list[int] | None = np.diff([-1, *nearest_free_ends(costs, ends, strategy), n - 1]).tolist()
     elif strategy in ("params", "time"):
         weights = costs.param_bytes if strategy == "params" else costs.forward_ms + costs.backward_ms
-        found = balanced_sizes(weights, parts, free_ends_mask(costs))
+        found = balanced_sizes(weights, parts, free_ends_mask(costs), deadline)
     else:
         raise UserError(f"unknown baseline strategy {strategy!r}; choose from {', '.join(BASELINES)}")
     if found is None:

@@ -34,7 +34,7 @@ from dataclasses import field as dc_field
 from pathlib import Path
 
 from hybridpipe.errors import UserError
-from hybridpipe.jsonfile import check_header, field, read_json, write_json
+from hybridpipe.jsonfile import MAX_FIGURE, check_header, field, figure, read_json, write_json
 
 PROFILE_KIND = "profile"
 PROFILE_FORMAT = 3
@@ -162,7 +162,7 @@ class Profile:
         edges = tuple(_edge_from_list(e, len(nodes), source) for e in field(d, "edges", list, source))
         _check_graph(nodes, edges, source)
         totals_raw = field(d, "totals", dict, source, default={})
-        totals = ProfileTotals(**{k: field(totals_raw, k, type(v), f"{source}: totals", minimum=0, default=v)
+        totals = ProfileTotals(**{k: figure(totals_raw, k, type(v), f"{source}: totals", default=v)
                                   for k, v in asdict(ProfileTotals()).items()})
         prof = cls(
             model=field(d, "model", str, source),
@@ -180,7 +180,7 @@ class Profile:
             front_end=field(d, "front_end", str, source, default="export", choices=("export", "fx")),
             tied=tuple(_name_list(t, f"{source}: tied", minimum=2) for t in field(d, "tied", list, source, default=[])),
             values=_values(field(d, "values", list, source, default=[]), nodes, source),
-            loss_saved_bytes=field(d, "loss_saved_bytes", int, source, minimum=0, default=0),
+            loss_saved_bytes=figure(d, "loss_saved_bytes", int, source, default=0),
         )
         if shape[0] != prof.batch_size:
             raise UserError(f"{source}: input_shape {shape} does not start with batch_size {prof.batch_size}")
@@ -224,23 +224,24 @@ def _node_from_dict(n: object, index: int, source: str) -> ProfileNode:
         op=field(n, "op", str, where, choices=NODE_OPS),
         target=field(n, "target", str, where),
         type=field(n, "type", str, where),
-        forward_ms=field(n, "forward_ms", float, where, minimum=0, default=0.0),
-        backward_ms=field(n, "backward_ms", float, where, minimum=0, default=0.0),
-        activation_bytes=field(n, "activation_bytes", int, where, minimum=0, default=0),
-        param_count=field(n, "param_count", int, where, minimum=0, default=0),
-        param_bytes=field(n, "param_bytes", int, where, minimum=0, default=0),
+        forward_ms=figure(n, "forward_ms", float, where, default=0.0),
+        backward_ms=figure(n, "backward_ms", float, where, default=0.0),
+        activation_bytes=figure(n, "activation_bytes", int, where, default=0),
+        param_count=figure(n, "param_count", int, where, default=0),
+        param_bytes=figure(n, "param_bytes", int, where, default=0),
         params=_name_list(field(n, "params", list, where, default=[]), f"{where}: params"),
         shared=_name_list(field(n, "shared", list, where, default=[]), f"{where}: shared"),
         shared_bytes=tuple(field(n, "shared_bytes", list, where, default=[])),
-        saved_bytes=field(n, "saved_bytes", int, where, minimum=0, default=0),
+        saved_bytes=figure(n, "saved_bytes", int, where, default=0),
         saves=_name_list(field(n, "saves", list, where, default=[]), f"{where}: saves", what="value names"),
-        cut_bytes=field(n, "cut_bytes", int, where, minimum=0, default=0),
-        cut_grad_bytes=field(n, "cut_grad_bytes", int, where, minimum=0, default=0),
+        cut_bytes=figure(n, "cut_bytes", int, where, default=0),
+        cut_grad_bytes=figure(n, "cut_grad_bytes", int, where, default=0),
         cut_blocker=blocker,
     )
     if len(node.shared_bytes) != len(node.shared) or not all(
-            isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in node.shared_bytes):
-        raise UserError(f"{where}: \"shared_bytes\" must list one byte count per entry of \"shared\"")
+            isinstance(b, int) and not isinstance(b, bool) and 0 <= b <= MAX_FIGURE for b in node.shared_bytes):
+        raise UserError(f"{where}: \"shared_bytes\" must list one byte count per entry of \"shared\" (each 0 to "
+                        f"{MAX_FIGURE:g})")
     if node.param_count and not node.param_bytes:
         raise UserError(f"{where}: param_count is {node.param_count} but param_bytes is 0")
     return node
@@ -288,8 +289,7 @@ def _values(raw: list, nodes: tuple[ProfileNode, ...], source: str) -> tuple[Pro
         if not isinstance(v, dict):
             raise UserError(f"{where}: expected an object, got {type(v).__name__}")
         value = ProfileValue(name=field(v, "name", str, where), producer=field(v, "producer", int, where, minimum=-1),
-                             last_use=field(v, "last_use", int, where, minimum=0), bytes=field(v, "bytes", int, where,
-                                                                                                minimum=0),
+                             last_use=field(v, "last_use", int, where, minimum=0), bytes=figure(v, "bytes", int, where),
                              alias=field(v, "alias", int, where, minimum=0))
         if not value.producer < value.last_use < n:
             raise UserError(f"{where}: needs producer < last_use < {n} (node ids), got {value.producer} and "

@@ -26,9 +26,13 @@ chunk's stage file) (runtime/reshard.py: a tied parameter once, by the lowest st
 that reads it, after every rank compared its copy's digest; optimizer state keyed by parameter
 name); every rank writes its own file with the engine state and its RNG states. After all ranks
 reported their files and names, the stage-0 replica-0 rank writes the manifest (the plan, and
-an index name -> stage file), commits the directory (checkpoint_files.commit) and deletes all
-but the ``keep`` newest checkpoints of its own lineage (this training and the runs it was
-resumed from): never anyone else's.
+an index name -> stage file), commits the directory (checkpoint_files.commit) and keeps the
+``keep`` newest *verified-good* checkpoints of its own lineage (this training and the runs it
+was resumed from; checkpoint_prune.py: a corrupt one is moved aside, never counted, never
+deleted), never touching anyone else's; every rank returns once the step is committed. The
+files go to a staging directory named by the job (``.step-N.TAG.tmp``: two jobs never share
+one). A file that cannot be written on any rank (a full disk) stops every rank with one line
+naming it and the cause (AgreedError); the step is not committed and older ones stay as they were.
 
 ``restore`` reads, for this rank's stage, the names it needs from whichever stage files hold
 them (resharding), whatever plan wrote them; when that plan is this one it also gives back the
@@ -52,26 +56,23 @@ import dataclasses
 import datetime
 import logging
 import os
-import random
+import shutil
 import time
 import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
 import torch.distributed as dist
 from torch import nn
 
-from hybridpipe.errors import AgreedError, UserError
+from hybridpipe.errors import AgreedError, UserError, one_line
 from hybridpipe.runtime.checkpoint_files import (
     MANIFEST,
     NotPlainData,
     atomic_save,
     commit,
     load_file,
-    prune,
     rank_file,
     read_manifest,
     stage_file,
@@ -81,6 +82,7 @@ from hybridpipe.runtime.checkpoint_files import (
     why_incomplete,
     write_manifest,
 )
+from hybridpipe.runtime.checkpoint_prune import describe_aside, prune
 from hybridpipe.runtime.reshard import (
     canonical_names,
     canonical_state,
@@ -92,37 +94,11 @@ from hybridpipe.runtime.reshard import (
     restrict_named,
     tensor_digest,
 )
+from hybridpipe.runtime.rng_state import capture_rng
+from hybridpipe.runtime.rng_state import reseed as reseed
+from hybridpipe.runtime.rng_state import restore_rng as restore_rng
 
 log = logging.getLogger(__name__)
-
-
-def capture_rng() -> dict:
-    """This process's RNG states as plain data: torch CPU (and CUDA when present) as tensors,
-    Python's and NumPy's Mersenne Twisters as lists of ints and floats."""
-    version, internal, gauss = random.getstate()
-    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": [version, list(internal), gauss],
-                             "numpy": [name, np.asarray(keys).tolist(), int(pos), int(has_gauss), float(cached)]}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def restore_rng(state: dict) -> None:
-    """Put back the RNG states of :func:`capture_rng`."""
-    torch.set_rng_state(state["torch"])
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def reseed(seed: int, rank: int, step: int) -> None:
-    """A rank's torch RNG after a reshard (its saved stream belonged to another rank's part):
-    seeded from (seed, rank, step), so a rerun of the same restart draws the same numbers."""
-    torch.manual_seed(int(np.random.SeedSequence((seed, rank, step)).generate_state(1, np.uint64)[0]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +120,7 @@ class Checkpointer:
     """Periodic, atomic, collective checkpoints of one rank's part (see the module docstring)."""
 
     def __init__(self, root: str | os.PathLike, *, plan, rank: int, every: int = 0, keep: int = 3,
-                 group: dist.ProcessGroup | None = None, tied: Sequence[Sequence[str]] = ()) -> None:
+                 group: dist.ProcessGroup | None = None, tied: Sequence[Sequence[str]] = (), tag: str = "") -> None:
         if every < 0:
             raise UserError(f"--checkpoint-every must be >= 0 (0: never), got {every}")
         self.root = Path(root)
@@ -161,6 +137,8 @@ class Checkpointer:
         self.n_stages = len(plan.stages)
         self.committer = plan.stages[0].ranks[0]
         self.lineage = ""           # set by restore (the checkpoint's) or by the first save (new)
+        self.tag = tag              # the job's staging name (staging_dir); "": agreed at the first save
+        self.trusted: set[int] = set()  # steps known good: written by this job, or verified by every rank's load
 
     def not_mine(self, stage: int) -> set[str]:
         """Tied parameters another stage writes than ``stage`` (the lowest stage that reads one writes it)."""
@@ -175,17 +153,46 @@ class Checkpointer:
         """Write this rank's files for ``steps_done`` (weights and optimizer state under the model's
         names); the committer writes the manifest last. ``module``: the rank's module (with
         virtual stages every chunk's, pipeline/chunks.rank_module) and ``chunks`` its model chunks
-        by stage: each chunk's names go to that stage's file."""
+        by stage: each chunk's names go to that stage's file. A file that cannot be written (a
+        full disk) on any rank stops every rank with the same line (AgreedError): the step is not
+        committed, its staging directory is removed, older checkpoints are left as they were."""
         t0 = time.perf_counter()
-        d = staging_dir(self.root, steps_done)
+        if not self.tag:                    # one staging name per job: rank 0's pick
+            self.tag = str(self._gather(uuid.uuid4().hex[:12])[0])
+        d = staging_dir(self.root, steps_done, self.tag)
         records: list = []
         held: dict[int, list[str]] = {}
         digests: dict[str, str] = {}
+        try:
+            self._write(steps_done, d, module, optimizer, engine, extra, chunks, records, held, digests)
+            problem = ""
+        except UserError as e:
+            problem = f"rank {self.rank}: {one_line(e)}"
+        everyone = self._gather((problem, records, held, digests, self._copies(module, chunks)))
+        self._agree_saved(steps_done, d, [p for p, _, _, _, _ in everyone])
+        _check_tied_copies([dg for _, _, _, dg, _ in everyone], steps_done)
+        problem = ""
+        if self.rank == self.committer:
+            try:
+                self._commit(steps_done, d, [(recs, by_stage) for _, recs, by_stage, _, _ in everyone],
+                             [copies for *_, copies in everyone], t0)
+            except UserError as e:
+                problem = f"rank {self.rank}: {one_line(e)}"
+        self._agree_saved(steps_done, d, self._gather(problem))     # every rank returns once it is committed
+        self.trusted.add(steps_done)
+        log.info("checkpoint of step %d written in %.2f s", steps_done, time.perf_counter() - t0)
+        return step_dir(self.root, steps_done)
+
+    def _write(self, steps_done: int, d: Path, module: nn.Module, optimizer: Any, engine: dict | None,
+               extra: dict | None, chunks: Mapping[int, nn.Module] | None, records: list,
+               held: dict[int, list[str]], digests: dict[str, str]) -> None:
+        """This rank's files of a save (its stages' files on replica 0, its own rank file), filling
+        ``records``, ``held`` (names by stage) and ``digests`` (of tied parameters)."""
         if self.replica == 0:
             model = canonical_state(module.state_dict(), self.canon)
             named = named_optimizer_state(optimizer.state_dict(), optimizer_names(optimizer, module, self.canon))
             tied_here = sorted(set(self.canon.values()) & set(model))
-            digests = {n: tensor_digest([model[n], named["state"].get(n)]) for n in tied_here}
+            digests.update({n: tensor_digest([model[n], named["state"].get(n)]) for n in tied_here})
             for s in self.stages:
                 keys = model if chunks is None else {self.canon.get(k, k) for k in chunks[s].state_dict()}
                 held[s] = [n for n in model if n in keys and n not in self.not_mine(s)]
@@ -193,24 +200,63 @@ class Checkpointer:
                                             "optimizer": restrict_named(named, held[s])}, d / stage_file(s)))
         records.append(atomic_save({"step": steps_done, "rank": self.rank, "engine": engine or {},
                                     "rng": capture_rng(), "extra": extra or {}}, d / rank_file(self.rank)))
-        everyone = self._gather((records, held, digests))
-        _check_tied_copies([dg for _, _, dg in everyone], steps_done)
+
+    def _commit(self, steps_done: int, d: Path, parts: list[tuple[list, dict[int, list[str]]]],
+                copies: list[dict[int, dict[str, str]]], t0: float) -> None:
+        """The committer's part: the manifest (with every rank's replica ``copies``: their digests by
+        stage), the rename to step-N, pruning."""
+        self.lineage = self.lineage or uuid.uuid4().hex[:16]
+        files = [r for recs, _ in parts for r in recs]
+        index: dict[str, str] = {}
+        for _, by_stage in parts:
+            for s, names in by_stage.items():
+                for n in names:
+                    index.setdefault(n, stage_file(s))
+        replicas: dict[str, dict[str, dict[str, str]]] = {}
+        for rank, mine in enumerate(copies):
+            for s, named in mine.items():
+                replicas.setdefault(str(s), {})[str(rank)] = named
+        write_manifest(d, steps_done, files, {**self._meta(time.perf_counter() - t0), "index": index,
+                                              "replicas": replicas})
+        try:
+            final, aside = commit(self.root, steps_done, {f.name for f in files}, self.tag)
+        except OSError as e:
+            raise UserError(f"cannot commit {d} as {step_dir(self.root, steps_done).name}: {e.strerror or e}") from None
+        if aside is not None:
+            log.warning("an unusable checkpoint was in the way: moved %s aside to %s", final, aside)
+        self.trusted.add(steps_done)
+        pruned = prune(self.root, self.keep, self.lineage, self.trusted)
+        self.trusted.update(pruned.kept)
+        if pruned.aside:
+            log.warning("failed verification, moved aside (never deleted, not one of the %d kept): %s", self.keep,
+                        describe_aside(pruned.aside))
+        for old in pruned.deleted:
+            log.info("deleted old checkpoint %s", old)
+
+    def _agree_saved(self, steps_done: int, d: Path, problems: list[str]) -> None:
+        """Stop every rank with the first problem any rank had saving ``steps_done`` (the
+        committer removes the staging directory: it never becomes a step)."""
+        problem = next((p for p in problems if p), "")
+        if not problem:
+            return
         if self.rank == self.committer:
-            self.lineage = self.lineage or uuid.uuid4().hex[:16]
-            files = [r for recs, _, _ in everyone for r in recs]
-            index: dict[str, str] = {}
-            for _, by_stage, _ in everyone:
-                for s, names in by_stage.items():
-                    for n in names:
-                        index.setdefault(n, stage_file(s))
-            write_manifest(d, steps_done, files, {**self._meta(time.perf_counter() - t0), "index": index})
-            final, aside = commit(self.root, steps_done, {f.name for f in files})
-            if aside is not None:
-                log.warning("an unusable checkpoint was in the way: moved %s aside to %s", final, aside)
-            for old in prune(self.root, self.keep, self.lineage):
-                log.info("deleted old checkpoint %s", old)
-        log.info("checkpoint of step %d written in %.2f s", steps_done, time.perf_counter() - t0)
-        return step_dir(self.root, steps_done)
+            shutil.rmtree(d, ignore_errors=True)
+        older = [s for s in step_dirs(self.root) if s < steps_done]
+        newest = f" (newest: {step_dir(self.root, max(older)).name})" if older else ""
+        fix = ("free space there or pass another --checkpoint-dir" if "No space left" in problem
+               else "fix that")
+        raise AgreedError(f"checkpoint of step {steps_done} not saved: {problem}; nothing of it was committed and "
+                          f"the older checkpoints{newest} are as they were; {fix}, then restart with --resume")
+
+    def _copies(self, module: nn.Module, chunks: Mapping[int, nn.Module] | None) -> dict[int, dict[str, str]]:
+        """This rank's copy of each of its replicated stages: name -> digest of every weight and saved
+        buffer (merge-checkpoint checks that the replicas' agree; runtime/merged.py)."""
+        out = {}
+        for s in self.stages:
+            if self.plan.stages[s].replicas > 1:
+                state = canonical_state((chunks[s] if chunks is not None else module).state_dict(), self.canon)
+                out[s] = {n: tensor_digest([t]) for n, t in state.items() if n not in self.not_mine(s)}
+        return out
 
     def restore(self, module: nn.Module) -> Restored | None:
         """This rank's part of the newest checkpoint usable on every rank, resharded for this plan
@@ -235,6 +281,8 @@ class Checkpointer:
                 if loaded is None:
                     raise RuntimeError(f"rank {self.rank} loaded nothing from {name} yet reported no problem")
                 self.lineage = str(read_manifest(step_dir(self.root, step)).get("lineage", ""))
+                if not loaded.resharded:        # every file of it was read and its SHA-256 checked
+                    self.trusted.add(step)
                 return dataclasses.replace(loaded, skipped=tuple(skipped))
             unsafe = next((p for p in problems if p.startswith("unsafe:")), None)
             if unsafe is not None:

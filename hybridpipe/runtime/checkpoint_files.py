@@ -7,10 +7,11 @@ Layout of a checkpoint directory (``--checkpoint-dir DIR``)::
     DIR/step-000120/stage-1.pt
     DIR/step-000120/rank-00003.pt   rank 3's own state: engine state (stashed weights), RNG states
     DIR/step-000120/manifest.json   written LAST, after every rank reported its files; holds the
-                                    plan (for information) and an index: name -> stage file
+                                    plan (for information), an index: name -> stage file, and each
+                                    replica's digests of its copy (name -> SHA-256; replicated stages)
 
 ``step-N`` holds the state after N completed steps (resume runs step N next). A save writes
-into ``DIR/.step-N.tmp/`` (every file to a temporary name, fsynced, renamed), the manifest
+into ``DIR/.step-N.TAG.tmp/`` (TAG: the job's; every file to a temporary name, fsynced, renamed), the manifest
 records each file's size and SHA-256, and the whole directory is renamed to ``step-N`` at the
 end (:func:`commit`): a save killed half way leaves only the ``.tmp`` directory, never a
 ``step-N``. A checkpoint is *complete* when its manifest exists and every file it lists exists
@@ -24,8 +25,8 @@ Checkpoints are data, not code: every file is read with ``torch.load(weights_onl
 command is refused with one line and never executed. The manifest is read with the project's
 JSON loader and every field it uses is type-checked.
 
-Each manifest names its *lineage* (a training run and the runs resumed from it); pruning only
-ever deletes complete checkpoints of the lineage that is writing, never anyone else's.
+Each manifest names its *lineage* (a training run and the runs resumed from it); pruning
+(checkpoint_prune.py) only ever deletes checkpoints of the lineage that is writing, never anyone else's.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import tempfile
 import warnings
 from dataclasses import dataclass
@@ -50,16 +50,38 @@ CHECKPOINT_KIND = "checkpoint"
 CHECKPOINT_FORMAT = 2          # 2: name-keyed optimizer state, tied parameters once, an "index"
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
-_STAGING = re.compile(r"^\.step-(\d+)\.tmp$")
+_STAGING = re.compile(r"^\.step-(\d+)(?:\.[A-Za-z0-9_-]+)?\.tmp$")
+_TAG = re.compile(r"^[A-Za-z0-9_-]*$")
 
 
 def step_dir(root: str | os.PathLike, step: int) -> Path:
     return Path(root) / f"step-{step:06d}"
 
 
-def staging_dir(root: str | os.PathLike, step: int) -> Path:
-    """Where a save of ``step`` writes until :func:`commit` renames it to :func:`step_dir`."""
-    return Path(root) / f".step-{step:06d}.tmp"
+def staging_dir(root: str | os.PathLike, step: int, tag: str = "") -> Path:
+    """Where a save of ``step`` writes until :func:`commit` renames it to :func:`step_dir`:
+    ``.step-N.TAG.tmp``, ``tag`` naming the job (unique per job, so two jobs never share one)."""
+    if not _TAG.match(tag):
+        raise ValueError(f"a staging tag is letters, digits, '_' and '-' only, got {tag!r}")
+    return Path(root) / (f".step-{step:06d}.{tag}.tmp" if tag else f".step-{step:06d}.tmp")
+
+
+def staging_dirs(root: str | os.PathLike) -> dict[Path, int]:
+    """Every staging directory under ``root`` (a save or a deletion cut short, or in progress), with its step."""
+    base = Path(root)
+    if not base.is_dir():
+        return {}
+    return {p: int(m.group(1)) for p in base.iterdir() if (m := _STAGING.match(p.name)) and p.is_dir()}
+
+
+def set_aside(path: Path, kind: str) -> Path:
+    """Rename ``path`` (a ``step-N`` directory) to ``step-N.KIND-K`` (the first K free); the new path."""
+    k = 1
+    while (path.parent / f"{path.name}.{kind}-{k}").exists():
+        k += 1
+    aside = path.parent / f"{path.name}.{kind}-{k}"
+    os.rename(path, aside)
+    return aside
 
 
 def stage_file(stage: int) -> str:
@@ -85,15 +107,22 @@ class FileRecord:
 
 
 class _HashingWriter:
-    """File wrapper that hashes and counts what torch.save writes through it."""
+    """File wrapper that hashes and counts what torch.save writes through it; keeps the first
+    OSError (torch's zip writer hides it behind its own "unexpected pos" error)."""
 
     def __init__(self, f) -> None:
         self.f, self.hash, self.count = f, hashlib.sha256(), 0
+        self.error: OSError | None = None
 
     def write(self, data) -> int:
+        try:
+            written = self.f.write(data)
+        except OSError as e:
+            self.error = self.error or e
+            raise
         self.hash.update(data)
         self.count += len(data)
-        return self.f.write(data)
+        return written
 
     def flush(self) -> None:
         self.f.flush()
@@ -117,18 +146,19 @@ def atomic_save(obj: Any, path: Path) -> FileRecord:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     except OSError as e:
         raise UserError(f"cannot write {path}: {e.strerror or e}") from None
+    f = os.fdopen(fd, "wb")
+    w = _HashingWriter(f)
     try:
-        with os.fdopen(fd, "wb") as f:
-            w = _HashingWriter(f)
+        with f:
             torch.save(obj, w)  # type: ignore[arg-type]  # any object with write() does (stub: IO[bytes])
             f.flush()
             os.fsync(f.fileno())
         replace_into(tmp, path)
-    except OSError as e:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
-        raise UserError(f"cannot write {path}: {e.strerror or e}") from None
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        cause = w.error or (e if isinstance(e, OSError) else None)
+        if cause is not None:           # e.g. ENOSPC: torch.save ends with "unexpected pos N vs M" instead
+            raise UserError(f"cannot write {path}: {cause.strerror or cause}") from None
         raise
     _fsync_dir(path.parent)
     return FileRecord(path.name, w.count, w.hash.hexdigest())
@@ -153,6 +183,9 @@ def write_manifest(directory: str | os.PathLike, step: int, files: list[FileReco
             f.flush()
             os.fsync(f.fileno())
         replace_into(tmp, d / MANIFEST)
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        raise UserError(f"cannot write {d / MANIFEST}: {e.strerror or e}") from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -160,24 +193,19 @@ def write_manifest(directory: str | os.PathLike, step: int, files: list[FileReco
     return d / MANIFEST
 
 
-def commit(root: str | os.PathLike, step: int, keep_files: set[str]) -> tuple[Path, Path | None]:
-    """Rename the staging directory of ``step`` to ``step-N`` (the checkpoint appears whole).
+def commit(root: str | os.PathLike, step: int, keep_files: set[str], tag: str = "") -> tuple[Path, Path | None]:
+    """Rename the staging directory of ``step`` (``tag``: :func:`staging_dir`) to ``step-N`` (the
+    checkpoint appears whole).
 
     Files in the staging directory that the manifest does not list (left by an earlier save of
     the same step that was killed) are removed first. A ``step-N`` that already exists (an
     unusable checkpoint a resumed run skipped) is never overwritten: it is renamed aside to
     ``step-N.skipped-K``, which is returned second."""
-    staging, final = staging_dir(root, step), step_dir(root, step)
+    staging, final = staging_dir(root, step, tag), step_dir(root, step)
     for p in staging.iterdir():
         if p.name not in keep_files and p.name != MANIFEST and p.is_file():
             p.unlink(missing_ok=True)
-    aside = None
-    if final.exists() or final.is_symlink():
-        k = 1
-        while (final.parent / f"{final.name}.skipped-{k}").exists():
-            k += 1
-        aside = final.parent / f"{final.name}.skipped-{k}"
-        os.rename(final, aside)
+    aside = set_aside(final, "skipped") if final.exists() or final.is_symlink() else None
     os.rename(staging, final)
     _fsync_dir(final.parent)
     return final, aside
@@ -214,6 +242,10 @@ def read_manifest(directory: str | os.PathLike) -> dict:
     for i, names in enumerate(field(data, "tied", list, where, default=[])):
         if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
             raise UserError(f"{where}: tied group {i} must be a list of parameter names, got {names!r}")
+    for stage, copies in field(data, "replicas", dict, where, default={}).items():
+        if not isinstance(copies, dict) or not all(isinstance(named, dict) and all(
+                isinstance(v, str) for v in named.values()) for named in copies.values()):
+            raise UserError(f"{where}: \"replicas\" of stage {stage} must map each rank to {{name: digest}}")
     return data
 
 
@@ -319,22 +351,6 @@ def lineage_of(directory: Path) -> str:
         return str(read_manifest(directory).get("lineage", ""))
     except UserError:
         return ""
-
-
-def prune(root: str | os.PathLike, keep: int, lineage: str) -> list[Path]:
-    """Delete all but the ``keep`` newest complete checkpoints of ``lineage`` (``keep`` <= 0
-    keeps them all) and staging directories of saves older than its newest checkpoint (left by
-    a save that was killed). Checkpoints of any other lineage, and anything incomplete or
-    unreadable, are never touched."""
-    dirs = step_dirs(root)
-    ours = [s for s in sorted(dirs) if lineage and lineage_of(dirs[s]) == lineage and is_complete(dirs[s])]
-    doomed = [dirs[s] for s in ours[:-keep]] if keep > 0 else []
-    if ours:
-        doomed += [p for p in Path(root).iterdir()
-                   if (m := _STAGING.match(p.name)) and int(m.group(1)) < ours[-1] and p.is_dir()]
-    for d in doomed:
-        shutil.rmtree(d, ignore_errors=True)
-    return doomed
 
 
 def resolve_step(path: str | os.PathLike, step: int | None = None) -> tuple[Path, int]:

@@ -2,25 +2,21 @@
 
 How the worker uses it (right after ``init_process_group``, around everything else)::
 
-    store = default_store()                     # the c10d store of the default process group
-    guard = FailureGuard(store, rank=rank, world_size=world, timeout=args.peer_timeout,
+    guard = FailureGuard(default_store(), rank=rank, world_size=world, timeout=args.peer_timeout,
                          describe=describe_ranks(plan), on_exit=[recorder.close])
-    with guard:                                 # starts the watchdog, installs a SIGTERM handler
-        train()                                 # any exception ends here: see below
+    with guard:                     # starts the watchdog and the stop-signal watch (stop_signals.py)
+        train()                     # any exception ends here; ``with guard.critical:`` around a save
     # leaving normally marks this rank done (no longer watched), stops the watchdog
 
 An exception leaving the ``with`` block never returns: the guard finds out which rank failed
 first, prints ONE line on stderr naming it, runs ``on_exit`` (quick, local things only: flush
 the trace; no collectives, no channels) and ends the process with ``os._exit`` (threads blocked
-on dead connections cannot hang the exit). Exit codes:
-
-* :data:`EXIT_PEER_LOST` (75, EX_TEMPFAIL) - another rank failed; this one is fine. Restarting
-  the job (``torchrun --max-restarts``) with ``--resume`` continues from the newest checkpoint.
-* 1 - this rank failed (a bug or an error of its own: traceback printed), 2 - a UserError of
-  its own (one line), 143 - SIGTERM, 130 - Ctrl-C.
-* 2 too for an :class:`~hybridpipe.errors.AgreedError`: every rank raised it together (they
-  agreed on it through a collective: a non-finite loss, no usable checkpoint); nobody is blamed,
-  the first local rank of each host prints it, and every rank is marked done, not lost.
+on dead connections cannot hang the exit). Exit codes: :data:`EXIT_PEER_LOST` (75, EX_TEMPFAIL)
+- another rank failed, this one is fine (``torchrun --max-restarts`` with ``--resume`` goes on);
+1 - this rank failed (traceback printed); 2 - a UserError of its own (one line), or an
+:class:`~hybridpipe.errors.AgreedError` every rank raised together (a non-finite loss, no usable
+checkpoint, a full disk: nobody blamed, printed by the first local rank of each host, every rank
+marked done); 143 / 130 - the job was stopped by SIGTERM / SIGINT (every rank, the same line).
 
 How the failed rank is named: ranks share facts through the c10d store (a prefix per torchrun
 restart). The first rank to know publishes ``first`` (compare-and-set: the first report wins):
@@ -32,14 +28,17 @@ and (d) watches the next rank in a ring through its heartbeat (a rank on another
 heartbeat stalls for ``timeout`` s is lost: host or network gone). A gloo collective that fails
 ("connection reset") names no rank: the guard then waits (at most ``timeout`` + 2 intervals)
 for the watchdogs to publish the culprit. The worker passes the shorter of ``--peer-timeout``
-and ``--timeout`` as ``timeout``, so no wait outlasts either.
+and ``--timeout`` as ``timeout``, so no wait outlasts either. A p2p timeout names the silent
+peer, unless its heartbeat still moves (it waits on a third rank, whom the watchdogs name).
+The first failure in time, not in rank order: a rank that leaves through the guard records its
+exit (``exit/<rank>``) first, so of several local processes found gone at one check, the one
+that died without a word is named; among several of those, the one whose heartbeat stopped first.
 
-A p2p timeout names the silent peer, unless that peer's heartbeat still moves: then it is alive
-and waiting on a third rank, and the guard waits (bounded as above) for the watchdogs to name
-that one. The first failure in time, not in rank order: a rank that leaves through the guard records its
-exit (``exit/<rank>``) first, so when several local processes are found gone at one check
-(torchrun's agent stops the others right after one dies), the one that died without a word is
-named; among several of those, the one whose heartbeat stopped first.
+SIGTERM / SIGINT (stop_signals.py): a rank that receives one publishes the cause before it
+exits -- a failure already published, a local peer gone without a word (torchrun's agent stops
+the survivors of a killed rank), or else a *stop* of the job (every rank on its host received
+it; ``Failure.stop``) -- so no rank that was stopped is ever named as failed. Before exiting it
+waits (at most :data:`GRACE_S`) for ``critical``: a checkpoint being written finishes whole.
 """
 
 from __future__ import annotations
@@ -52,8 +51,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable
-from types import FrameType
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import torch.distributed as dist
 
@@ -69,15 +67,17 @@ from hybridpipe.runtime.failure_facts import (
     try_quietly,
 )
 from hybridpipe.runtime.liveness import host_identity, process_alive
+from hybridpipe.runtime.stop_signals import SignalWatch, exit_code, stop_cause, stop_line
 
 EXIT_PEER_LOST = 75       # os.EX_TEMPFAIL: another rank failed, retry (restart + --resume)
 EXIT_ERROR = 1
 EXIT_USER_ERROR = 2
 EXIT_SIGTERM = 128 + signal.SIGTERM
 EXIT_INTERRUPT = 130
+GRACE_S = 20.0            # a stopped rank lets a checkpoint being written finish for this long (torchrun: 30 s)
 
 class Terminated(BaseException):
-    """SIGTERM arrived (the launcher stops the job); raised in the main thread by the guard."""
+    """SIGTERM arrived (the launcher stops the job): handled like the signal itself (stop_signals.py)."""
 
 
 def default_store() -> dist.Store:
@@ -111,10 +111,13 @@ class FailureGuard:
         ns = namespace if namespace is not None else f"hybridpipe/failure/{restart}"
         self._store = dist.PrefixStore(ns, store)
         self._watch_store = dist.PrefixStore(ns, store.clone() if hasattr(store, "clone") else store)
+        self._signal_store = dist.PrefixStore(ns, store.clone() if hasattr(store, "clone") else store)
         self._stop = threading.Event()
         self._exiting = threading.Lock()
+        self._local = threading.Lock()            # the watchdog and the signal thread both check local peers
+        self.critical = threading.RLock()         # held while a checkpoint is written: a stop waits for it
         self._thread: threading.Thread | None = None
-        self._old_sigterm: Callable[[int, FrameType | None], Any] | int | None = None
+        self._signals: SignalWatch | None = None
         self._peers: dict[int, int] = {}          # local ranks -> pid (same host identity)
         self._beats: dict[int, tuple[int, float]] = {}   # local ranks -> (heartbeat, when it last changed)
         self._done: set[int] = set()
@@ -142,14 +145,14 @@ class FailureGuard:
 
     def __enter__(self) -> FailureGuard:
         self.start()
-        if threading.current_thread() is threading.main_thread():
-            self._old_sigterm = signal.signal(signal.SIGTERM, _raise_terminated)
+        watch = SignalWatch(self._on_signal)
+        self._signals = watch if watch.start() else None
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if self._old_sigterm is not None:
-            signal.signal(signal.SIGTERM, self._old_sigterm)
         if exc is None or isinstance(exc, SystemExit) and exc.code in (0, None):
+            if self._signals is not None:
+                self._signals.stop()
             self.stop()
             return
         self.handle(exc)
@@ -179,22 +182,19 @@ class FailureGuard:
             self.stop()                 # done, not lost: every rank leaves the same way
             self._exit(EXIT_USER_ERROR, one_line(exc), quiet=os.environ.get("LOCAL_RANK", "0") != "0", bare=True)
         if isinstance(exc, (Terminated, KeyboardInterrupt)):
-            first = self._wait_published(2 * self.interval)
-            code = EXIT_SIGTERM if isinstance(exc, Terminated) else EXIT_INTERRUPT
-            what = "terminated by SIGTERM" if isinstance(exc, Terminated) else "interrupted"
-            self._exit(code, f"{what}" + (f"; {self._blame(first)}" if first else ""))
+            self._on_signal(signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT)
         if isinstance(exc, SystemExit):
             code = exc.code if isinstance(exc.code, int) else EXIT_ERROR
             self.report(Failure(self.rank, f"exited with code {code}" + (f" ({exc.code})" if code != exc.code else ""),
                                 self.rank))
             self._exit(code, f"exited with code {code}")
         if how == "own":
-            first = self.report(Failure(self.rank, own_text, self.rank))
-            if first.rank == self.rank:
+            earlier = self.report(Failure(self.rank, own_text, self.rank))
+            if earlier.rank == self.rank and not earlier.stop:
                 if not isinstance(exc, UserError):
                     traceback.print_exception(exc, file=sys.stderr)
                 self._exit(EXIT_USER_ERROR if isinstance(exc, UserError) else EXIT_ERROR, f"failed: {own_text}")
-            self._exit(EXIT_PEER_LOST, f"{self._blame(first)}; then this rank failed: {own_text}")
+            self._leave(earlier, f"; then this rank failed: {own_text}")
         first = self.published()
         if first is None and peer is not None and how == "stalled" and self._beating(peer):
             # the peer is alive and silent: it waits on someone else, whom the watchdogs will name
@@ -208,8 +208,38 @@ class FailureGuard:
         if first is None:
             first = self.report(Failure(self.rank, f"a collective failed and no rank was named: {own_text}",
                                         self.rank))
-        self._exit(EXIT_PEER_LOST, self._blame(first) + (f" (this rank saw: {own_text})" if first.reporter != self.rank
-                                                          else ""))
+        self._leave(first, f" (this rank saw: {own_text})" if first.reporter != self.rank else "")
+
+    def _leave(self, first: Failure, seen: str = "") -> NoReturn:
+        """Exit for ``first``: a stop of the job ends every rank with the signal's exit code and the
+        same line (after a checkpoint being written, if any); a failure with EXIT_PEER_LOST naming it."""
+        if first.stop:
+            self.critical.acquire(timeout=GRACE_S)
+            self._exit(exit_code(signal.Signals[first.stop]), first.reason)
+        self._exit(EXIT_PEER_LOST, self._blame(first) + seen)
+
+    def _on_signal(self, signum: int) -> NoReturn:
+        """SIGTERM or SIGINT arrived (stop_signals.py's thread, or the main thread): name the cause,
+        let a checkpoint being written finish (at most GRACE_S), exit."""
+        def killed() -> Failure | None:
+            with self._local:
+                return self._check_local(self._signal_store, silent_only=True)
+
+        def local_peers() -> list[int]:
+            with self._local:
+                self._learn_peers(self._signal_store)
+                return [r for r, pid in self._peers.items() if pid > 0 and r not in self._done]
+
+        try:
+            first = stop_cause(self._signal_store, self.rank, signum, killed, local_peers, max(1.0, 2 * self.interval))
+        except Exception as e:      # noqa: BLE001 - the store is gone: decide alone
+            self._store_error = self._store_error or e
+            name = signal.Signals(signum).name
+            first = Failure(self.rank, stop_line(name), self.rank, stop=name)
+        if first.rank == self.rank and not first.stop:     # this rank alone was told to stop
+            self.critical.acquire(timeout=GRACE_S)
+            self._exit(exit_code(signum), first.reason)
+        self._leave(first)
 
     def _store_gone(self, e: BaseException) -> Failure:
         return Failure(0, f"the c10d store is unreachable ({one_line_of(e)}): the process hosting it is gone "
@@ -290,7 +320,9 @@ class FailureGuard:
                 store.add(f"hb/{self.rank}", 1)
                 first = read_first(store)
                 if first is None:
-                    lost = self._check_local(store) or self._check_successor(store, last_value, last_change)
+                    with self._local:
+                        lost = self._check_local(store)
+                    lost = lost or self._check_successor(store, last_value, last_change)
                     if lost is not None:
                         first = report_first(store, lost)
             except Exception as e:  # noqa: BLE001 - the store itself is gone
@@ -298,11 +330,11 @@ class FailureGuard:
                     return
                 first = self._store_gone(e)
             if first is None or self._stop.is_set() or first.rank == first.reporter == self.rank:
-                continue            # (this rank's own failure is handled by its main thread)
-            if first.rank == self.rank:
+                continue            # (this rank's own failure is handled by its main or signal thread)
+            if first.rank == self.rank and not first.stop:
                 self._exit(EXIT_PEER_LOST, f"stopped because {self.describe(first.reporter)} reported this "
                                            f"rank as failed: {first.reason}")
-            self._exit(EXIT_PEER_LOST, self._blame(first))
+            self._leave(first)
 
     def _learn_peers(self, store: dist.Store) -> None:
         """Remember the pids of the ranks on this host (once each has registered)."""
@@ -312,10 +344,11 @@ class FailureGuard:
                 info = json.loads(store.get(f"who/{r}"))
                 self._peers[r] = info["pid"] if info["host"] == me else -1
 
-    def _check_local(self, store: dist.Store) -> Failure | None:
+    def _check_local(self, store: dist.Store, *, silent_only: bool = False) -> Failure | None:
         """The local peer that died first, if any died: one that left no exit record (killed, or
         crashed without a word) before one that left through its guard (e.g. stopped by
-        torchrun's agent because of the first); among equals, the stalest heartbeat."""
+        torchrun's agent because of the first); among equals, the stalest heartbeat. With
+        ``silent_only``, only one that left no exit record."""
         if len(self._peers) < self.world_size - 1:
             self._learn_peers(store)
         now = time.monotonic()
@@ -333,6 +366,8 @@ class FailureGuard:
                 continue
             exited = json.loads(store.get(f"exit/{r}"))["time"] if is_set(store, f"exit/{r}") else None
             dead.append((exited is not None, exited or 0.0, self._beats[r][1], r, pid))
+        if silent_only:
+            dead = [d for d in dead if not d[0]]
         if not dead:
             return None
         recorded, _, _, r, pid = min(dead)
@@ -357,10 +392,6 @@ class FailureGuard:
                                   "or it is frozen)", self.rank)
             return None
         return None
-
-
-def _raise_terminated(signum, frame) -> None:
-    raise Terminated()
 
 
 __all__ = ["EXIT_PEER_LOST", "EXIT_ERROR", "EXIT_USER_ERROR", "EXIT_SIGTERM", "EXIT_INTERRUPT", "Failure",

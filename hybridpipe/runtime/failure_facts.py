@@ -1,7 +1,8 @@
 """What the failure guard's ranks tell each other, as plain values (failure.py drives them).
 
-* :class:`Failure`: who failed first, why, and which rank found out; it travels through the c10d
-  store as JSON under ``first`` (compare-and-set: the first report wins).
+* :class:`Failure`: who failed first, why, and which rank found out (or that a signal stopped the
+  job); it travels through the c10d store as JSON under ``first`` (compare-and-set: the first
+  report wins). A rank that received a signal records ``sig/<rank>``.
 * :func:`suspect_of`: the rank an exception points at (a p2p error names its peer).
 * :func:`describe_ranks`: ``rank 3 (stage 1 replica 0)`` for messages.
 """
@@ -24,11 +25,13 @@ _COLLECTIVE_MARKERS = ("connection reset", "connection closed", "read error", "w
 
 @dataclass(frozen=True)
 class Failure:
-    """Who failed first, why, and which rank found out."""
+    """Who failed first, why, and which rank found out; ``stop`` (a signal's name) when no rank
+    failed but the job was stopped by that signal (``rank``: the first to report it)."""
 
     rank: int
     reason: str
     reporter: int
+    stop: str = ""
 
     def to_bytes(self) -> bytes:
         return json.dumps(asdict(self)).encode()

@@ -22,10 +22,12 @@ from hybridpipe.partitioner.cluster import load_cluster
 from hybridpipe.partitioner.plan import Plan
 from hybridpipe.partitioner.planner import Request, partition
 from hybridpipe.profiles.format import load_profile
+from hybridpipe.runtime.config import check_plan_source
 
 
 def plan_for_world(args: argparse.Namespace, world_size: int) -> Plan:
     """The partitioner's plan of ``args.profile`` for ``world_size`` workers of ``args.cluster``."""
+    check_plan_source(args)                     # --profile without --cluster: one line, before any file
     profile = load_profile(args.profile)
     if args.model is not None and args.model != profile.model:
         raise UserError(f"--profile {args.profile} is a profile of {profile.model!r}, not {args.model!r}; "

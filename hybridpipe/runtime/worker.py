@@ -15,25 +15,27 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from hybridpipe.errors import UserError
+from hybridpipe.errors import UserError, one_line
 from hybridpipe.jsonfile import write_json
 from hybridpipe.partitioner.plan import save_plan
 from hybridpipe.pipeline import MicroBatches
 from hybridpipe.profiles.capture import tied_parameters
 from hybridpipe.runtime.config import RunConfig
+from hybridpipe.runtime.dirlock import DirLock, Holder
 from hybridpipe.runtime.failure import EXIT_PEER_LOST, FailureGuard, default_store, describe_ranks
 from hybridpipe.runtime.groups import Process, init_distributed
 from hybridpipe.runtime.lr import lr_schedule
-from hybridpipe.runtime.merged import load_initial
 from hybridpipe.runtime.metrics import MetricsWriter, Progress, step_record
-from hybridpipe.runtime.parts import Model, load_model, make_data, make_eval_data, weights_digest
+from hybridpipe.runtime.parts import Model, buffers_digest, load_model, make_data, make_eval_data, weights_digest
 from hybridpipe.runtime.reshard import canonical_names, indexed_optimizer_state, optimizer_names
 from hybridpipe.runtime.restarts import (
     append_log,
@@ -58,12 +60,14 @@ def run_worker(cfg: RunConfig, *, print_fn: Callable[[str], None] = print) -> di
     started, or uses the default process group when the caller already made one."""
     entered = time.time()
     model = load_model(cfg)                    # before any process group: a wrong plan fails alone
-    init_optimizer = load_initial(cfg.init_from, model.module) if cfg.init_from else None
+    init_optimizer = model.start_from(cfg.init_from) if cfg.init_from else None
     captured = time.time()
     proc, owned = init_distributed(cfg.backend, cfg.timeout)
+    lock = None
     try:
         if proc.world_size != cfg.plan.world_size:
             raise UserError(f"the plan needs {cfg.plan.world_size} workers but the job has {proc.world_size}")
+        lock = _lock_checkpoint_dir(cfg, proc.rank)     # before anything is written there
         closers: list[Callable[[], object]] = []
         # steps completed (for the exit note) and when this worker got how far (the restart record)
         progress = {"done": 0, "entered": entered, "captured": captured}
@@ -79,18 +83,43 @@ def run_worker(cfg: RunConfig, *, print_fn: Callable[[str], None] = print) -> di
                 if guard.exit_code == EXIT_PEER_LOST:
                     note_exit(root, proc.rank, proc.world_size, int(progress["done"]))
             guard.on_exit.append(leave_note)
+        if lock is not None:
+            guard.on_exit.append(lock.release)
         with guard:
-            summary = _train(cfg, proc, model, closers, print_fn, init_optimizer, progress)
+            summary = _train(cfg, proc, model, closers, print_fn, init_optimizer, progress, guard.critical)
     finally:
+        if lock is not None:
+            lock.release()
         if owned and dist.is_initialized():
             dist.destroy_process_group()
     return summary
 
 
+def _lock_checkpoint_dir(cfg: RunConfig, rank: int) -> DirLock | None:
+    """Rank 0 locks ``--checkpoint-dir`` for the job's life (runtime/dirlock.py); every rank learns
+    the outcome (collective): UserError on every rank when another job has it, nothing written."""
+    if not cfg.checkpoint_dir:
+        return None
+    lock, said = None, [None, ""]
+    if rank == 0:
+        try:
+            lock, note = DirLock.acquire(cfg.checkpoint_dir, Holder.here())
+            said = [None, note]
+        except UserError as e:
+            said = [one_line(e), ""]
+    if dist.is_initialized():
+        dist.broadcast_object_list(said, src=0)
+    if said[0] is not None:
+        raise UserError(str(said[0]))
+    if said[1] and rank == 0:
+        print(f"hybridpipe: {said[1]}", file=sys.stderr, flush=True)
+    return lock
+
+
 def _train(cfg: RunConfig, proc: Process, model: Model, closers: list, print_fn, init_optimizer: dict | None,
-           progress: dict) -> dict | None:
+           progress: dict, critical: AbstractContextManager) -> dict | None:
     """launch's loop around the Python API (runtime/trainer.py): metrics, progress bar, timeline,
-    checkpoints every K steps, the summary."""
+    checkpoints every K steps (each inside ``critical``: a stop signal lets it finish), the summary."""
     plan, rank = cfg.plan, proc.rank
     stage_plans, replica = plan.stages_of_rank(rank)      # one, or the rank's model chunks (virtual stages)
     stage_plan = stage_plans[0]
@@ -115,7 +144,7 @@ def _train(cfg: RunConfig, proc: Process, model: Model, closers: list, print_fn,
                       data=make_data(cfg, model.spec), comm_mode=cfg.comm_mode, allreduce=cfg.allreduce,
                       calibrations=cfg.calibrations, aggregator=cfg.aggregator, skip_nonfinite=cfg.skip_nonfinite,
                       timeout=cfg.timeout, precision=cfg.precision, recorder=recorder, nonfinite_hint=hint,
-                      reduce_dtype=cfg.reduce_dtype)
+                      reduce_dtype=cfg.reduce_dtype, loss_normalization=cfg.loss_normalization)
     held_out = make_eval_data(cfg, model.spec) if cfg.eval_every else None
     start, restart = 0, None
     if init_optimizer is not None:
@@ -157,8 +186,9 @@ def _train(cfg: RunConfig, proc: Process, model: Model, closers: list, print_fn,
             seconds = time.perf_counter() - t0
             if recorder is not None:
                 recorder.end_step()
-            losses = trainer.last_losses
-            record = step_record(step, seconds, cfg.global_batch, list(losses.values()), trainer.last_peak_memory_bytes)
+            losses, tokens = trainer.last_losses, trainer.last_tokens
+            record = step_record(step, seconds, cfg.global_batch, list(losses.values()), trainer.last_peak_memory_bytes,
+                                 weights=list(tokens.values()) if tokens else None)
             report.peak_memory_bytes = max(report.peak_memory_bytes, trainer.last_peak_memory_bytes)
             if lr is not None:
                 record["lr"] = lr
@@ -173,22 +203,28 @@ def _train(cfg: RunConfig, proc: Process, model: Model, closers: list, print_fn,
             report.step_ms[step] = record["step_ms"]
             if losses:
                 report.losses[step] = losses
+            if tokens:
+                report.tokens[step] = tokens
             progress["done"] = step + 1
             if restart is not None and cfg.checkpoint_dir:
                 append_log(Path(cfg.checkpoint_dir), first_step_done(restart, seconds))
                 restart = None
             if due and cfg.checkpoint_dir:
-                trainer.save(cfg.checkpoint_dir, keep=cfg.keep_checkpoints)
+                with critical:
+                    trainer.save(cfg.checkpoint_dir, keep=cfg.keep_checkpoints)
                 saved_at = step + 1
     finally:
         bar.close()
     if cfg.checkpoint_dir and saved_at < cfg.steps:          # the final weights, always
-        trainer.save(cfg.checkpoint_dir, keep=cfg.keep_checkpoints)
+        with critical:
+            trainer.save(cfg.checkpoint_dir, keep=cfg.keep_checkpoints)
 
     trainer.close()
     _close_all(closers)
     if stage_plan.replicas > 1:
         report.digest = weights_digest(trainer.module)
+        report.buffers = buffers_digest(trainer.module)
+        report.combined = {st.index: st.stats.buffers for st in trainer.stages if st.stats and st.stats.combines}
         report.sync = sync_report(trainer.syncs[stage_plan.index], stage_plan)
         report.more_sync = {s.index: ran for s in stage_plans[1:]
                             if (ran := sync_report(trainer.syncs[s.index], s)) is not None}

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from hybridpipe.comm.allreduce.dedicated import AggregatorClient, AggregatorError, AggregatorServer, parse_address
+from hybridpipe.errors import UserError
 
 
 def _serve(world: int, sessions: int = 1, **kw) -> tuple[AggregatorServer, threading.Thread, str]:
@@ -112,11 +113,42 @@ def test_a_worker_leaving_midway_fails_the_others() -> None:
 
 
 def test_unreachable_aggregator_names_the_command_to_start_it() -> None:
+    """Nobody listens: the worker dials for a bounded time, then one line (a UserError, so launch
+    exits 2 without a traceback) naming the address and the command that starts one."""
     server, thread, address = _serve(1)
     server.close()
     thread.join(5)
-    with pytest.raises(AggregatorError, match="hybridpipe aggregator --port"):
-        AggregatorClient(address, 0, 1).allreduce([torch.ones(2)])
+    t0 = time.monotonic()
+    with pytest.raises(AggregatorError, match="hybridpipe aggregator --port") as e:
+        AggregatorClient(address, 0, 1, connect_s=0.5).allreduce([torch.ones(2)])
+    assert isinstance(e.value, UserError) and "\n" not in str(e.value)
+    assert "Connection refused" in str(e.value) and " tries in " in str(e.value)
+    assert 0.2 < time.monotonic() - t0 < 5
+    with pytest.raises(UserError, match="cannot reach the aggregator at no-such-host.invalid:1 .*1 try in"):
+        AggregatorClient("no-such-host.invalid:1", 0, 1).allreduce([torch.ones(2)])
+
+
+def test_an_aggregator_that_starts_after_the_worker_is_reached() -> None:
+    server, thread, address = _serve(1)
+    port = server.address[1]
+    server.close()
+    thread.join(5)
+    late: list[AggregatorServer] = []
+
+    def start_late() -> None:
+        time.sleep(0.4)
+        late.append(AggregatorServer("127.0.0.1", port, 1))
+        late[0].serve(1)
+
+    starter = threading.Thread(target=start_late, daemon=True)
+    starter.start()
+    x = torch.ones(3)
+    client = AggregatorClient(address, 0, 1, connect_s=10)
+    client.allreduce([x])
+    client.close()
+    assert x.tolist() == [1.0, 1.0, 1.0]
+    starter.join(5)
+    late[0].close()
 
 
 def test_parse_address() -> None:

@@ -158,6 +158,36 @@ def test_time_limit_returns_a_lower_bound_and_the_best_plan_so_far():
     assert full.complete and full.lower_bound_ms == full.objective_ms
 
 
+def test_the_time_budget_bounds_a_long_search_and_records_its_gap():
+    """50 nodes on 1024 workers searches for ~5 s; a budget of 0.3 s returns the best plan found
+    then, with the bound proven so far, in about that time."""
+    from benchmarks.partitioner_speed import cluster as bench_cluster
+    from benchmarks.partitioner_speed import synthetic_profile
+    from hybridpipe.partitioner.planner import Request, partition
+    t0 = time.monotonic()
+    out = partition(synthetic_profile(50), bench_cluster(128, 8), Request(time_budget_s=0.3))
+    wall = time.monotonic() - t0
+    search = out.plan.search
+    assert search is not None and not search.complete and search.budget_s == 0.3, search
+    assert wall < 0.3 + 5 and search.seconds < wall, (wall, search)
+    assert 0 < search.lower_bound_ms <= search.objective_ms and search.gap == pytest.approx(
+        search.objective_ms / search.lower_bound_ms - 1, abs=1e-6)
+
+
+def test_a_search_over_sums_that_overflow_ends():
+    """Node times of 1e308 ms (refused at load since issue 31, built here directly) made every sum
+    inf and data parallelism's objective nan; the search raised its threshold for ever. A search at
+    an infinite threshold has seen every plan: it ends, with none."""
+    clu = Cluster((Level("node", 1, 1000.0), Level("net", 4, 1.0)), 16.0)
+    costs = model_costs(make_profile([(1e308, 1e308, 4096, 4096)] * 3))
+    opts = Options("1f1b", 8, "sgd", 16e9)
+    bound = evaluate(costs, CostModel(clu), baseline_stages("dp", costs, 4), opts).objective_ms
+    t0 = time.monotonic()
+    with np.errstate(all="ignore"):
+        sol = dp.solve(costs, CostModel(clu), 4, opts, bound, deadline=time.monotonic() + 60)
+    assert sol.complete and not sol.stages and time.monotonic() - t0 < 30
+
+
 @pytest.mark.slow
 @settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(st.data())

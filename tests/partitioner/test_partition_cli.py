@@ -109,14 +109,37 @@ def test_pipedream_picks_micro_batches_its_replicas_divide(profile, tmp_path, ca
     assert load_plan(out).micro_batches == 16
 
 
-def test_time_limit_keeps_the_best_plan_and_says_how_far_it_may_be(profile, tmp_path, capsys):
+def test_time_budget_keeps_the_best_plan_and_records_how_far_it_may_be(profile, tmp_path, capsys):
     out = tmp_path / "plan.json"
-    assert main(["partition", str(profile), "--cluster", str(CLUSTERS / "8x1gbit.json"), "--time-limit", "1e-9",
+    assert main(["partition", str(profile), "--cluster", str(CLUSTERS / "8x1gbit.json"), "--time-budget", "1e-9",
                  "-q", "-o", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "note: --time-limit reached: the best plan found so far" in text and load_plan(out).stages
-    assert main(["partition", str(profile), "--cluster", str(CLUSTERS / "8x1gbit.json"), "--time-limit", "0"]) == 2
-    assert "--time-limit must be > 0" in capsys.readouterr().err
+    plan = load_plan(out)
+    assert "search: stopped after" in text and "raise --time-budget to close the gap" in text and plan.stages
+    assert plan.search is not None and not plan.search.complete and plan.search.budget_s == 1e-9
+    assert plan.search.lower_bound_ms <= plan.search.objective_ms
+    assert (plan.search.gap is None) == (plan.search.lower_bound_ms == 0)
+    assert main(["partition", str(profile), "--cluster", str(CLUSTERS / "8x1gbit.json"), "--time-limit", "1e-9",
+                 "-q"]) == 0                                        # the old name of the option
+    assert "search: stopped after" in capsys.readouterr().out
+    assert main(["partition", str(profile), "--cluster", str(CLUSTERS / "8x1gbit.json"), "--time-budget", "0"]) == 2
+    assert "--time-budget/--time-limit: must be greater than 0" in capsys.readouterr().err
+
+
+def test_every_search_has_a_default_budget_and_the_plan_records_its_end(profile, tmp_path, capsys):
+    from hybridpipe.partitioner.planner import DEFAULT_TIME_BUDGET_S
+    out = tmp_path / "plan.json"
+    assert main(["partition", str(profile), "--cluster", str(CLUSTERS / "8x1gbit.json"), "-q", "-o", str(out)]) == 0
+    search = load_plan(out).search
+    assert search is not None and search.complete and search.budget_s == DEFAULT_TIME_BUDGET_S
+    assert search.gap == 0 and search.lower_bound_ms == search.objective_ms
+    assert f"search: the optimum (searched to the end in {search.seconds:.2f} s of the 120 s" in capsys.readouterr().out
+    assert main(["show", str(out)]) == 0 and "search: the optimum" in capsys.readouterr().out
+    for strategy, extra in (("pipedream", []), ("params", ["--stages", "2"])):   # their searches stop too
+        assert main(["partition", str(profile), "--cluster", str(CLUSTERS / "8x1gbit.json"), "--strategy", strategy,
+                     "--time-budget", "1e-9", *extra]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"--strategy {strategy} did not finish within --time-budget 1e-09 s" in err[0], err
 
 
 def test_progress_bar_on_stderr_unless_quiet(profile, capsys, monkeypatch):

@@ -82,7 +82,7 @@ BAD_CLUSTERS = [
     ({"levels": [], "memory_gb": 1}, '"levels" is empty'),
     ({"levels": [3], "memory_gb": 1}, "level 0: expected an object"),
     ({"levels": [{"workers": 2}], "memory_gb": 1}, 'missing required field "bandwidth_gbps"'),
-    ({"levels": [{"workers": 2, "bandwidth_gbps": 0}], "memory_gb": 1}, "bandwidth_gbps must be > 0"),
+    ({"levels": [{"workers": 2, "bandwidth_gbps": 0}], "memory_gb": 1}, "\"bandwidth_gbps\" must be >= 1e-06"),
     ({"levels": [{"workers": 2, "bandwidth_gbps": "fast"}], "memory_gb": 1}, '"bandwidth_gbps" must be a number'),
     ({"levels": [{"workers": 0, "bandwidth_gbps": 1}], "memory_gb": 1}, '"workers" must be >= 1'),
     ({"levels": [{"workers": 2.5, "bandwidth_gbps": 1}], "memory_gb": 1}, '"workers" must be an integer'),

@@ -19,9 +19,11 @@ from hybridpipe.pipeline.inprocess import InProcessGradSync, InProcessNetwork, R
 from hybridpipe.pipeline.schedules import Topology
 from hybridpipe.pipeline.stage import PipelineStage, build_stages, captured_signature
 from hybridpipe.pipeline.tied import TiedSync, complete_tied, stage_tied_params, tied_ranks
+from hybridpipe.pipeline.tokens import TokenCounts
 from hybridpipe.profiles.capture import CapturedModel, call_args, capture_model, tied_parameters, training_switches
 from hybridpipe.profiles.data import resolve_dataset
 from hybridpipe.profiles.graphinfo import node_infos
+from hybridpipe.profiles.losses import label_counter
 from hybridpipe.profiles.zoo import ModelSpec, resolve_model
 from hybridpipe.runtime.parts import NoParameters
 
@@ -95,7 +97,7 @@ def make_plan(model: str, cuts: list[int], replicas: list[int], *, schedule: str
     return Plan(model=model, batch_size=batch_size, input_shape=(batch_size, *spec.sample_shape),
                 profile_signature=signature, cluster=cluster, strategy="uniform", schedule=schedule,
                 micro_batches=micro_batches, optimizer="sgd", stages=tuple(stages), tied=plan_tied(captured, ranges),
-                granularity=granularity, virtual_stages=virtual_stages)
+                granularity=granularity, virtual_stages=virtual_stages, graph_nodes=n_nodes)
 
 
 def data_for(plan: Plan, steps: int, seed: int = 1, dataset: Dataset | None = None) -> MicroBatches:
@@ -120,7 +122,7 @@ def train_pipeline(plan: Plan, steps: int, *, lr: float = 0.05, seed: int = 0, o
                    drain_every: int | None = None, device: str = "cpu", dataset: Dataset | None = None,
                    shared_capture: bool = False, observe: Observer | None = None, tied_sync: bool = True,
                    step_results: dict | None = None, engine_class: type[PipelineEngine] = PipelineEngine,
-                   autocast: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None
+                   tokens: bool = False, autocast: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None
                    ) -> tuple[dict[str, torch.Tensor], dict[int, list[float]]]:
     """Train ``plan`` with one thread per rank (a rank of a plan with virtual stages runs all its
     chunks); returns the merged state dict (replica 0 of every stage, after checking the replicas
@@ -130,7 +132,8 @@ def train_pipeline(plan: Plan, steps: int, *, lr: float = 0.05, seed: int = 0, o
     capture (see capture_copy); ``observe(rank, step, stage)`` runs on every rank after every step;
     ``tied_sync=False`` sums nothing across the copies of tied weights (to see them drift apart);
     ``step_results`` (a dict) receives every rank's list of StepResults; ``observe`` runs once per
-    chunk of a rank; ``engine_class``: a PipelineEngine subclass (e.g. with hand-written lists).
+    chunk of a rank; ``engine_class``: a PipelineEngine subclass (e.g. with hand-written lists);
+    ``tokens``: token-weighted loss (pipeline/tokens.py; the step totals summed over the threads).
     ``autocast``: capture and compute under ``torch.autocast`` to that dtype (as the Trainer's
     ``precision``); ``reduce_dtype``: the replicas sum their gradients in that dtype."""
     spec = resolve_model(plan.model)
@@ -138,6 +141,7 @@ def train_pipeline(plan: Plan, steps: int, *, lr: float = 0.05, seed: int = 0, o
     network = InProcessNetwork(timeout=60)
     groups = [ReplicaGroup(s.replicas) for s in plan.stages]
     tied_groups = {ranks: ReplicaGroup(len(ranks)) for ranks in {tied_ranks(plan, g) for g in plan.tied}}
+    world = ReplicaGroup(plan.world_size)           # the token totals' all-reduce
 
     def rank_fn(rank: int):
         captured = (capture_copy if shared_capture else capture)(spec, plan.batch_size, seed, plan.granularity,
@@ -150,10 +154,16 @@ def train_pipeline(plan: Plan, steps: int, *, lr: float = 0.05, seed: int = 0, o
                          for ranks, params in held.items()])
         syncs = {st.index: InProcessGradSync(st.module, groups[st.index], replica, exclude=tied.params,
                                              wire_dtype=reduce_dtype) for st in stages}
+        counts = None
+        if tokens:
+            def total(part: torch.Tensor) -> torch.Tensor:
+                world.all_reduce_sum(rank, [part])
+                return part
+            counts = TokenCounts(total, count_input=label_counter(captured.module) if spec.loss is None else None)
         engine = engine_class(stages, topo, rank, plan.schedule, transport=network.transport(rank),
                               optimizer=make_optimizer(module.parameters(), lr, optimizer),
                               data=data_for(plan, steps, dataset=dataset), sync=syncs, tied=tied if held else None,
-                              autocast=autocast)
+                              tokens=counts, autocast=autocast)
 
         def run():
             losses = {}
@@ -170,7 +180,7 @@ def train_pipeline(plan: Plan, steps: int, *, lr: float = 0.05, seed: int = 0, o
         return run
 
     results = run_ranks({r: rank_fn(r) for r in sorted({r for s in plan.stages for r in s.ranks})}, network,
-                        groups + list(tied_groups.values()))
+                        [*groups, *tied_groups.values(), world])
     assert not network.pending(), network.pending()
     merged: dict[str, torch.Tensor] = {}
     losses: dict[int, list[float]] = {}

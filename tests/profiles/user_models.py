@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.data import Dataset
 
 
@@ -87,6 +90,62 @@ def slow_backward():
 def slow_forward():
     model = nn.Sequential(nn.Linear(8, 8), Sleepy(0.03, 0.0), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
     return model, torch.randn(4, 8)
+
+
+class _DieInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx, grad):
+        os.kill(os.getpid(), signal.SIGKILL)
+        return grad
+
+
+class Fault(nn.Module):
+    """Identity that SIGKILLs the process whose RANK is ``victim`` on its ``at``-th forward
+    (``phase="forward"``) or in that call's backward (``"backward"``), and makes the rank ``slow``
+    sleep ``slow_ms`` in every forward or backward (``slow_in``: its peers wait in p2p or all-reduce)."""
+
+    def __init__(self, victim: int, phase: str, at: int, slow: int, slow_ms: float, slow_in: str):
+        super().__init__()
+        self.victim, self.phase, self.at, self.calls = victim, phase, at, 0
+        self.slow, self.slow_s, self.slow_in = slow, slow_ms / 1000, slow_in
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rank = int(os.environ.get("RANK", "-1"))
+        if rank == self.victim and self.phase in ("forward", "backward"):
+            self.calls += 1
+            if self.calls == self.at and self.phase == "forward":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if self.calls == self.at:
+                return _DieInBackward.apply(x)
+        slow = self.slow_s if rank == self.slow else 0.0       # a custom Function either way: captured by
+        return _Sleep.apply(x, slow if self.slow_in == "forward" else 0.0,    # torch.fx, this code runs as written
+                            slow if self.slow_in == "backward" else 0.0)
+
+
+_OPTIMIZER_HOOKS: list = []
+
+
+def faulty(victim: int = -1, phase: str = "forward", at: int = 20, slow: int = -1, slow_ms: float = 0.0,
+           slow_in: str = "forward"):
+    """Three blocks [Linear, Fault, ReLU] and a head (nodes 0-2, 3-5, 6-9 with ``[leaf=Fault]``);
+    ``phase="optimizer"``: rank ``victim`` SIGKILLs itself before its ``at``-th optimizer step."""
+    if phase == "optimizer" and not _OPTIMIZER_HOOKS:
+        steps = [0]
+
+        def hook(optimizer, args, kwargs) -> None:
+            if int(os.environ.get("RANK", "-1")) == victim:
+                steps[0] += 1
+                if steps[0] == at:
+                    os.kill(os.getpid(), signal.SIGKILL)
+        _OPTIMIZER_HOOKS.append(register_optimizer_step_pre_hook(hook))
+    blocks: list[nn.Module] = []
+    for _ in range(3):
+        blocks += [nn.Linear(16, 16), Fault(victim, phase, at, slow, slow_ms, slow_in), nn.ReLU()]
+    return nn.Sequential(*blocks, nn.Linear(16, 4)), torch.randn(4, 16)
 
 
 class Pairs(Dataset):

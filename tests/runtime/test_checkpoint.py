@@ -33,11 +33,11 @@ from hybridpipe.runtime.checkpoint_files import (
     is_complete,
     latest_complete,
     load_file,
-    prune,
     stage_file,
     staging_dir,
     step_dir,
 )
+from hybridpipe.runtime.checkpoint_prune import prune
 from hybridpipe.runtime.merged import merge_stages
 
 HERE = Path(__file__).resolve()
@@ -168,8 +168,8 @@ def test_prune_deletes_only_older_checkpoints_of_its_own_lineage(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000001", "step-000002", "step-000005",
                                                           "step-000006"]
     assert complete_steps(tmp_path) == [1, 5, 6]
-    assert prune(tmp_path, keep=1, lineage=ours.lineage) == [step_dir(tmp_path, 5)]
-    assert prune(tmp_path, keep=1, lineage="") == [] and complete_steps(tmp_path) == [1, 6]
+    assert prune(tmp_path, keep=1, lineage=ours.lineage).deleted == (step_dir(tmp_path, 5),)
+    assert prune(tmp_path, keep=1, lineage="").deleted == () and complete_steps(tmp_path) == [1, 6]
 
 
 def test_resume_refuses_a_checkpoint_of_another_model_with_one_line(tmp_path):
@@ -227,7 +227,8 @@ def test_ranks_save_complete_checkpoints_and_a_save_cut_short_is_ignored(saved_r
     assert results[2].returncode == 17, results            # died in the middle of the step-8 save
     assert [r.value for r in results[:2]] == ["the step-8 save failed", "the step-8 save failed"], results
     assert complete_steps(root, 2) == [4, 6]                # keep=2 pruned step 2; step 8 has no manifest
-    d8 = staging_dir(root, 8)                               # the save in progress, never a step-N
+    [d8] = root.glob(".step-000008.*.tmp")                 # the save in progress (named by the job), never a step-N
+    assert d8.name == staging_dir(root, 8, d8.name.split(".")[2]).name
     assert (d8 / "rank-00002.pt").exists() and not (d8 / MANIFEST).exists() and not step_dir(root, 8).exists()
     files = sorted(p.name for p in step_dir(root, 6).iterdir())
     assert files == ["manifest.json", "rank-00000.pt", "rank-00001.pt", "rank-00002.pt", "stage-0.pt", "stage-1.pt"]

@@ -24,6 +24,7 @@ from hybridpipe.pipeline.data import MicroBatches
 from hybridpipe.profiles.data import resolve_dataset
 from hybridpipe.profiles.zoo import resolve_model
 from hybridpipe.runtime.checkpoint_files import MANIFEST, complete_steps, rank_file, sha256_of, stage_file, step_dir
+from hybridpipe.runtime.dirlock import LOCK_NAME
 from hybridpipe.runtime.failure import FailureGuard
 from hybridpipe.runtime.liveness import host_identity
 from tests.pipeline.harness import make_plan
@@ -43,10 +44,11 @@ def one_rank(args: list[str], *, timeout: float = 120, env: dict | None = None) 
     return Finished(0, p.returncode, p.stdout, p.stderr)
 
 
-def snapshot(root: Path) -> dict[str, tuple[int, int]]:
-    """Every file under ``root`` with its size and modification time (to prove nothing changed)."""
+def snapshot(root: Path, *, lock: bool = False) -> dict[str, tuple[int, int]]:
+    """Every file under ``root`` with its size and modification time (to prove nothing changed);
+    the job's lock (runtime/dirlock.py: who runs there) only with ``lock``."""
     return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(root.rglob("*"))
-            if p.is_file()}
+            if p.is_file() and (lock or p.name != LOCK_NAME)}
 
 
 # ---- launch ships with the package ---------------------------------------------------------------
@@ -142,7 +144,7 @@ def test_resume_skips_a_corrupt_checkpoint_names_it_and_never_deletes_it(trained
     assert done.returncode == 0, done
     assert (f"hybridpipe: --resume: continuing from {step_dir(ckpt, 1)} (step 1) (skipped: step-000002: rank 0: "
             f"checkpoint file {stage_file(0)} is corrupt") in done.stdout, done
-    names = sorted(p.name for p in ckpt.iterdir())
+    names = sorted(p.name for p in ckpt.iterdir() if p.name != LOCK_NAME)
     # keep 1 of this training's own: step-4; the corrupt step-2 was moved aside (never deleted, never reused)
     assert names == ["step-000002.skipped-1", "step-000004"], names
     assert json.loads((base / "run2" / "summary.json").read_text())["first_step"] == 1
@@ -237,7 +239,8 @@ def test_a_nan_loss_stops_every_rank_at_that_step_and_saves_none_of_it(two_stage
         f"of that step was applied, and none saved; the newest checkpoint in {two_stages / 'ckpt'} is the last good "
         "one; lower --lr, check the data, or pass --skip-nonfinite to skip such steps"], ranks
     assert ranks[1].stderr == "", ranks
-    assert sorted(p.name for p in (two_stages / "ckpt").iterdir()) == ["step-000001", "step-000002"]
+    assert sorted(p.name for p in (two_stages / "ckpt").iterdir() if p.name != LOCK_NAME) == ["step-000001",
+                                                                                              "step-000002"]
     assert max_diff(final_weights(two_stages / "ckpt", 2), reference(2, set())) <= 1e-5
 
 

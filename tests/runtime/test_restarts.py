@@ -15,6 +15,7 @@ from hybridpipe.profiles.format import save_profile
 from hybridpipe.runtime.config import build_parser, resolve
 from hybridpipe.runtime.replan import agree_plan, plan_for_world
 from hybridpipe.runtime.restarts import append_log, first_step_done, note_exit, read_log, read_notes, restart_entry
+from tests.badinput import run
 from tests.partitioner.synth import make_profile
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,6 +62,17 @@ def test_plan_or_profile_exactly_one(profile, tmp_path):
         resolve(build_parser().parse_args([]), 1)
     with pytest.raises(UserError, match="--profile needs --cluster"):
         resolve(build_parser().parse_args(["--profile", str(profile)]), 1)
+
+
+def test_launch_with_a_profile_and_no_cluster_is_one_line_on_every_rank(profile, monkeypatch):
+    """Rank 0 plans before the arguments are checked together: the missing --cluster must be its
+    one-line problem (shared with every rank), not a TypeError on each."""
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    outcome = run(["--profile", str(profile), "--micro-batches", "4"], launch=True)
+    outcome.check_one_line_or_ok()
+    assert outcome.code == 2 and "--profile needs --cluster C.json" in outcome.err, outcome.err
 
 
 def test_exit_notes_become_one_restart_record(tmp_path):

@@ -4,7 +4,10 @@
   fields, random weights (nothing is downloaded), and the model type's default training head:
   causal LM, else seq2seq LM, else masked LM, else image classification.
 * ``hf:BertForSequenceClassification[num_hidden_layers=2,num_labels=3]``: a model class by name.
-* ``hf:/path/to/checkpoint``: a model saved with ``save_pretrained`` (its config and weights).
+* ``hf:/path/to/checkpoint``: a model saved with ``save_pretrained`` (its config and weights). Its
+  ModelSpec names the directory as its ``weights``: the runtime builds the model with its
+  parameters on the meta device and each rank reads only its own stages' tensors from the
+  safetensors files (runtime/lazy.py); ``build`` is ``from_pretrained`` (the whole model).
 
 Reserved arguments (not passed to the config): ``seq`` (tokens per synthetic sample, default
 ``min(128, max positions)``), ``dropout`` (set every dropout probability of the config, e.g.
@@ -19,7 +22,10 @@ loss from ``labels`` (``ModelSpec.loss = None``). ``use_cache`` is switched off 
 
 from __future__ import annotations
 
+import inspect
 import os
+import re
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -27,11 +33,11 @@ import torch
 from torch import nn
 
 from hybridpipe.errors import UserError
-from hybridpipe.profiles.zoo.registry import ModelSpec, parse_args
+from hybridpipe.profiles.zoo.registry import ModelSpec, call_user, check_options, parse_args
 
 HEADS = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForMaskedLM", "AutoModelForImageClassification",
          "AutoModelForSequenceClassification")
-RESERVED = ("seq", "dropout", "labels", "leaf")
+RESERVED = {"seq": 128, "dropout": 0.0, "labels": 64, "leaf": ""}     # taken by hybridpipe (with examples)
 
 
 def _transformers() -> Any:
@@ -50,8 +56,12 @@ def hf_spec(spec: str) -> ModelSpec:
     name, _, rest = body.partition("[")
     kwargs = parse_args(f"[{rest}" if rest else "", spec)
     reserved = {k: kwargs.pop(k) for k in RESERVED if k in kwargs}
+    check_options("hf model", spec.split("[")[0], RESERVED, reserved)
+    if not 0 <= float(reserved.get("dropout", 0.0)) <= 1:
+        raise UserError(f"hf model option dropout={reserved['dropout']} of {spec!r} must be between 0 and 1")
     tf = _transformers()
-    if os.path.sep in name or os.path.isdir(name):
+    directory = os.path.sep in name or os.path.isdir(name)
+    if directory:
         cls, build, config = _from_directory(tf, name, kwargs)
     else:
         cls, build, config = _from_name(tf, name, kwargs)
@@ -59,7 +69,9 @@ def hf_spec(spec: str) -> ModelSpec:
         _set_dropout(config, float(reserved["dropout"]))
     sample = _task_sample(config, cls.__name__, int(reserved.get("seq", 0)), int(reserved.get("labels", 0)))
     leaves = tuple(x for x in str(reserved.get("leaf", "")).split("+") if x)
-    return ModelSpec(name=spec, build=lambda: build(config), loss=None, sample=sample, leaf_modules=leaves)
+    return ModelSpec(name=spec, build=lambda: build(config), loss=None, sample=sample, leaf_modules=leaves,
+                     skeleton=lambda: _skeleton(tf, cls, config, name if directory else None),
+                     weights=name if directory else None)
 
 
 Built = tuple[type, Callable[[Any], nn.Module], Any]
@@ -68,43 +80,84 @@ Built = tuple[type, Callable[[Any], nn.Module], Any]
 def _from_name(tf: Any, name: str, kwargs: dict) -> Built:
     cls: Any = getattr(tf, name, None)
     if isinstance(cls, type) and issubclass(cls, tf.PreTrainedModel):
+        make: Any = cls.config_class  # type: ignore[attr-defined]  # a PreTrainedModel subclass
+    else:
         try:
-            config_class: Any = cls.config_class  # type: ignore[attr-defined]  # a PreTrainedModel subclass
-            return cls, cls, config_class(**kwargs)
-        except (TypeError, ValueError) as e:
-            raise UserError(f"bad arguments for hf:{name}: {e}") from None
+            default = tf.AutoConfig.for_model(name)
+        except ValueError:
+            raise UserError(f"hf:{name} is neither a transformers model class (like GPT2LMHeadModel) nor a model "
+                            "type (like gpt2, llama, bert, t5, vit)") from None
+        cls = next((getattr(tf, head)._model_mapping[type(default)] for head in HEADS
+                    if type(default) in getattr(tf, head)._model_mapping), None)
+        if cls is None:
+            raise UserError(f"hf:{name} has no training head hybridpipe knows ({', '.join(HEADS)}); name the model "
+                            f"class, e.g. hf:{type(default).__name__.removesuffix('Config')}For...")
+
+        def make(**kw: Any) -> Any:
+            return tf.AutoConfig.for_model(name, **kw)
+    return cls, cls, _config(f"hf:{name}", make, kwargs, cls)
+
+
+def _config(name: str, make: Callable[..., Any], kwargs: dict, cls: type) -> Any:
+    """The config ``make(**kwargs)`` builds, each key checked first against the default config's
+    fields and the names the model's code reads (a key neither has is refused, not stored unused; a
+    value of another type than the field's default, or a negative whole number, is refused), and
+    any error building it one line."""
+    default = call_user(f"{name}'s config", make)
+    fields = {k: v for k, v in vars(default).items() if not k.startswith("_")}
+    fields.update({k: getattr(default, k) for k in kwargs if k not in fields and hasattr(default, k)})
+    read = _names_read_by(cls)
+    check_options("hf model", name, {**fields, **{k: None for k in kwargs if k not in fields and k in read}}, kwargs,
+                  least=0)
+    return call_user(f"{name}'s config", make, **kwargs)
+
+
+def _names_read_by(cls: type) -> set[str]:
+    """Every identifier in the source of the module defining ``cls`` (fields a model reads from its
+    config without the config declaring them, like T5's ``decoder_start_token_id``)."""
     try:
-        config = tf.AutoConfig.for_model(name, **kwargs)
-    except ValueError:
-        raise UserError(f"hf:{name} is neither a transformers model class (like GPT2LMHeadModel) nor a model type "
-                        "(like gpt2, llama, bert, t5, vit)") from None
-    except TypeError as e:
-        raise UserError(f"bad arguments for hf:{name}: {e}") from None
-    for head in HEADS:
-        mapping = getattr(tf, head)._model_mapping
-        if type(config) in mapping:
-            cls = mapping[type(config)]
-            return cls, cls, config
-    raise UserError(f"hf:{name} has no training head hybridpipe knows ({', '.join(HEADS)}); name the model class, "
-                    f"e.g. hf:{type(config).__name__.removesuffix('Config')}For...")
+        return set(re.findall(r"[A-Za-z_]\w*", inspect.getsource(sys.modules[cls.__module__])))
+    except (OSError, TypeError, KeyError):
+        return set()
 
 
 def _from_directory(tf: Any, path: str, kwargs: dict) -> Built:
     if not os.path.isdir(path):
         raise UserError(f"hf:{path} is not a directory saved with save_pretrained")
     try:
-        config = tf.AutoConfig.from_pretrained(path, local_files_only=True, **kwargs)
+        saved = tf.AutoConfig.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as e:
         raise UserError(f"cannot read the config in {path}: {e}") from None
-    arch = (config.architectures or [None])[0]
+    arch = (saved.architectures or [None])[0]
     cls = getattr(tf, arch, None) if arch else None
     if cls is None:
         raise UserError(f"{path}/config.json names no model class (\"architectures\"); save it with save_pretrained")
 
+    def make(**kw: Any) -> Any:
+        return tf.AutoConfig.from_pretrained(path, local_files_only=True, **kw)
+
     def build(cfg: Any) -> nn.Module:
         return cls.from_pretrained(path, config=cfg, local_files_only=True)
 
-    return cls, build, config
+    return cls, build, _config(f"hf:{path}", make, kwargs, cls)
+
+
+def _skeleton(tf: Any, cls: Any, config: Any, path: str | None) -> nn.Module:
+    """``cls(config)`` in the dtype ``from_pretrained`` would load it in (the config's, like its
+    ``dtype="auto"``), with the directory's generation config: a model to load a state_dict into
+    or to save, nothing read."""
+    dtype = getattr(config, "dtype", None) if path is not None else None
+    dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    before = torch.get_default_dtype()
+    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+        torch.set_default_dtype(dtype)
+    try:
+        model = cls(config)
+    finally:
+        torch.set_default_dtype(before)
+    if path is not None and os.path.isfile(os.path.join(path, "generation_config.json")):
+        model.generation_config = tf.GenerationConfig.from_pretrained(path, local_files_only=True)
+    return model
 
 
 def _set_dropout(config: Any, p: float) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import selectors
 import socket
+import time
 from collections.abc import Sequence
 
 import torch
@@ -14,12 +15,15 @@ from hybridpipe.comm.allreduce.dedicated.wire import (
     OP,
     VERSION,
     AggregatorError,
+    AggregatorUnreachable,
     byte_view,
     dtype_code,
     parse_address,
     recv_status,
     wake_after,
 )
+
+CONNECT_S = 10.0        # how long a worker keeps dialling an aggregator that does not answer (it may start late)
 
 
 class AggregatorClient:
@@ -29,21 +33,19 @@ class AggregatorClient:
     :meth:`allreduce` with the same shapes in the same order.
     """
 
-    def __init__(self, address: str, position: int, world: int, *, timeout_s: float = 300.0):
+    def __init__(self, address: str, position: int, world: int, *, timeout_s: float = 300.0,
+                 connect_s: float = CONNECT_S):
         self.host, self.port = parse_address(address)
         self.position = position
         self.world = world
         self.timeout_s = timeout_s
+        self.connect_s = connect_s
         self._sock: socket.socket | None = None
         self._seq = 0
 
     def _connect(self) -> socket.socket:
         if self._sock is None:
-            try:
-                sock = socket.create_connection((self.host, self.port), timeout=self.timeout_s)
-            except OSError as e:
-                raise AggregatorError(f"cannot reach the aggregator at {self.host}:{self.port} ({e}); start it "
-                                      f"with `hybridpipe aggregator --port {self.port} --world {self.world}`") from None
+            sock = self._dial()
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.sendall(HELLO.pack(MAGIC, VERSION, self.position, self.world))
             error = self._status(sock)
@@ -53,6 +55,32 @@ class AggregatorClient:
                                       f"{self.position}: {error}")
             self._sock = sock
         return self._sock
+
+    def _dial(self) -> socket.socket:
+        """A TCP connection to the aggregator, retried (it may start just after the job) for at most
+        ``connect_s`` seconds; AggregatorUnreachable (a UserError: one line) when nobody answers."""
+        start = time.monotonic()
+        tries, wait = 0, 0.1
+        while True:
+            tries += 1
+            try:
+                left = max(self.connect_s - (time.monotonic() - start), 0.1)
+                sock = socket.create_connection((self.host, self.port), timeout=min(left, self.timeout_s))
+                sock.settimeout(self.timeout_s)
+                return sock
+            except socket.gaierror as e:              # no such host: waiting will not make one
+                error: OSError = e
+                break
+            except OSError as e:
+                error = e
+                if time.monotonic() - start + wait > self.connect_s:
+                    break
+                time.sleep(wait)
+                wait = min(2 * wait, 1.0)
+        raise AggregatorUnreachable(
+            f"cannot reach the aggregator at {self.host}:{self.port} ({error.strerror or error}; {tries} "
+            f"tr{'y' if tries == 1 else 'ies'} in {time.monotonic() - start:.1f} s): start it with `hybridpipe "
+            f"aggregator --port {self.port} --world {self.world}` before the job, or fix --aggregator HOST:PORT")
 
     def _status(self, sock: socket.socket) -> str:
         try:

@@ -15,6 +15,8 @@ import struct
 
 import torch
 
+from hybridpipe.errors import UserError
+
 MAGIC = b"HPAG"
 VERSION = 1
 HELLO = struct.Struct("!4sHII")     # magic, version, position, world
@@ -27,6 +29,11 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int
 
 class AggregatorError(RuntimeError):
     """The aggregator refused an operation or a connection of the session broke."""
+
+
+class AggregatorUnreachable(AggregatorError, UserError):
+    """Nobody answered at the aggregator's address, however long a worker tried: the user's
+    ``--aggregator`` is wrong or its process is not running (one line, exit 2 on every rank)."""
 
 
 def dtype_code(dtype: torch.dtype) -> int:
