@@ -26,6 +26,7 @@ from hybridpipe.profiles.graphinfo import node_infos
 from hybridpipe.profiles.losses import label_counter
 from hybridpipe.profiles.zoo import ModelSpec, resolve_model
 from hybridpipe.runtime.parts import NoParameters
+from hybridpipe.runtime.scaler import LossScaler
 
 Observer = Callable[[int, int, PipelineStage], None]     # (rank, step, stage) after every step
 
@@ -122,8 +123,8 @@ def train_pipeline(plan: Plan, steps: int, *, lr: float = 0.05, seed: int = 0, o
                    drain_every: int | None = None, device: str = "cpu", dataset: Dataset | None = None,
                    shared_capture: bool = False, observe: Observer | None = None, tied_sync: bool = True,
                    step_results: dict | None = None, engine_class: type[PipelineEngine] = PipelineEngine,
-                   tokens: bool = False, autocast: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None
-                   ) -> tuple[dict[str, torch.Tensor], dict[int, list[float]]]:
+                   tokens: bool = False, autocast: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
+                   loss_scale: float | None = None) -> tuple[dict[str, torch.Tensor], dict[int, list[float]]]:
     """Train ``plan`` with one thread per rank (a rank of a plan with virtual stages runs all its
     chunks); returns the merged state dict (replica 0 of every stage, after checking the replicas
     agree bitwise) and the losses per step.
@@ -135,13 +136,16 @@ def train_pipeline(plan: Plan, steps: int, *, lr: float = 0.05, seed: int = 0, o
     chunk of a rank; ``engine_class``: a PipelineEngine subclass (e.g. with hand-written lists);
     ``tokens``: token-weighted loss (pipeline/tokens.py; the step totals summed over the threads).
     ``autocast``: capture and compute under ``torch.autocast`` to that dtype (as the Trainer's
-    ``precision``); ``reduce_dtype``: the replicas sum their gradients in that dtype."""
+    ``precision``); ``reduce_dtype``: the replicas sum their gradients in that dtype; ``loss_scale``:
+    fp16's dynamic loss scale from that initial scale (runtime/scaler.py, the Trainer's hooks: the
+    last stage scales each loss, each rank unscales its gradients, every rank agrees on overflow
+    and an overflowing step is skipped everywhere)."""
     spec = resolve_model(plan.model)
     topo = Topology.from_plan(plan)
     network = InProcessNetwork(timeout=60)
     groups = [ReplicaGroup(s.replicas) for s in plan.stages]
     tied_groups = {ranks: ReplicaGroup(len(ranks)) for ranks in {tied_ranks(plan, g) for g in plan.tied}}
-    world = ReplicaGroup(plan.world_size)           # the token totals' all-reduce
+    world = ReplicaGroup(plan.world_size)           # the token totals' and the loss scale's all-reduces
 
     def rank_fn(rank: int):
         captured = (capture_copy if shared_capture else capture)(spec, plan.batch_size, seed, plan.granularity,
@@ -163,7 +167,8 @@ def train_pipeline(plan: Plan, steps: int, *, lr: float = 0.05, seed: int = 0, o
         engine = engine_class(stages, topo, rank, plan.schedule, transport=network.transport(rank),
                               optimizer=make_optimizer(module.parameters(), lr, optimizer),
                               data=data_for(plan, steps, dataset=dataset), sync=syncs, tied=tied if held else None,
-                              tokens=counts, autocast=autocast)
+                              tokens=counts, autocast=autocast,
+                              **_scaling(loss_scale, module, lambda t: world.all_reduce_sum(rank, [t])))
 
         def run():
             losses = {}
@@ -231,6 +236,27 @@ def model_loss(spec: ModelSpec, model: torch.nn.Module, x, y) -> torch.Tensor:
     args, kwargs = call_args(x)
     out = model(*args, **kwargs, **training_switches(model))
     return spec.loss(out, y) if spec.loss is not None else out.loss
+
+
+def _scaling(init_scale: float | None, module: torch.nn.Module,
+             total: Callable[[torch.Tensor], None]) -> dict[str, Callable]:
+    """The engine's ``loss_scale`` and ``before_step`` for fp16 as the Trainer's (a LossScaler whose
+    verdict is the sum of every rank's overflow flag); nothing for None."""
+    if init_scale is None:
+        return {}
+    scaler = LossScaler(init_scale)
+
+    def before_step() -> bool:
+        bad = torch.zeros(1)
+        with torch.no_grad():
+            for p in module.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(1.0 / scaler.scale)
+                    bad = torch.maximum(bad, (~torch.isfinite(p.grad)).any().float())
+        total(bad)
+        scaler.update(bool(bad.item() > 0))
+        return not bad.item() > 0
+    return {"loss_scale": lambda: scaler.scale, "before_step": before_step}
 
 
 def _no_sum(flat: torch.Tensor) -> None:
