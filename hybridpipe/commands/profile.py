@@ -19,14 +19,8 @@ from hybridpipe.profiles.blocks import parse_granularity
 from hybridpipe.profiles.capture import call_args, training_switches
 from hybridpipe.profiles.format import save_profile
 from hybridpipe.profiles.profiler import profile_model, resolve_device
-from hybridpipe.profiles.zoo.registry import (
-    ModelSpec,
-    call_user,
-    describe_model,
-    resolve_model,
-    with_leaves,
-    zoo_names,
-)
+from hybridpipe.profiles.zoo.registry import resolve_model, with_leaves, zoo_names
+from hybridpipe.profiles.zoo.spec import ModelSpec, call_user, describe_model
 
 MAX_RUNS = 10_000           # runs of every node: more measures nothing new and takes hours
 
@@ -46,8 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="what a node is: blocks (default: the model's repeated layers and what sits between "
                         "them), modules (every leaf module), ops (every operation) or a module depth 1, 2, ...")
     parser.add_argument("--leaf", action="append", default=[], metavar="CLASS",
-                        help="never split modules of this class into several nodes; repeat or separate with "
-                        "commas; recorded in the profile's model spec")
+                        help="keep modules of this class whole: each call is one opaque node that runs the "
+                        "module as written (data-dependent routing, .item(), loops, custom autograd Functions); "
+                        "repeat or separate with commas; recorded in the profile's model spec")
     parser.add_argument("--seed", type=seed, default=0, help="seed for the weights and the example batch")
     parser.add_argument("-o", "--output", type=output_file,
                         help="profile file to write (default: MODEL.json in the current folder)")
