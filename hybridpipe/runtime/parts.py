@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -46,6 +47,21 @@ class Model:
     spec: ModelSpec
     module: nn.Module
     captured: CapturedModel
+
+
+def spec_of(model: Any, name: str, example: Any, loss: Callable[..., torch.Tensor] | None) -> ModelSpec:
+    """The ModelSpec of the Trainer's ``model`` argument: a spec string, a ModelSpec, a Model, or
+    an ``nn.Module`` / factory with ``example`` (one micro-batch of its input) and ``loss``."""
+    if isinstance(model, str):
+        return resolve_model(model)
+    if isinstance(model, ModelSpec):
+        return model
+    if isinstance(model, Model):
+        return model.spec
+    if example is None:
+        raise UserError("a model given as an nn.Module or a factory needs example= (one micro-batch of its input)")
+    build = (lambda: model) if isinstance(model, nn.Module) else model
+    return ModelSpec(name=name, build=build, example=example, loss=loss)
 
 
 def load_model(cfg: RunConfig) -> Model:
@@ -151,6 +167,15 @@ def make_optimizer(kind: str, params, *, lr: float, momentum: float = 0.0, weigh
     if kind == "adam":
         return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
     raise UserError(f"unknown optimizer {kind!r}; choose sgd or adam")
+
+
+def build_optimizer(kind: Any, module: nn.Module, lr: float, momentum: float, weight_decay: float) -> Any:
+    """The Trainer's optimizer: ``kind`` "sgd"/"adam" (:func:`make_optimizer`) or a callable
+    ``params -> torch.optim.Optimizer`` given the module's trainable parameters."""
+    if callable(kind):
+        params = [p for p in module.parameters() if p.requires_grad]
+        return kind(params) if params else make_optimizer("sgd", [], lr=lr)
+    return make_optimizer(str(kind), module.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
 
 
 def make_data(cfg: RunConfig, spec: ModelSpec) -> MicroBatches:
