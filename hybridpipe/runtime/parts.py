@@ -16,6 +16,7 @@ import hashlib
 import logging
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -32,7 +33,8 @@ from hybridpipe.partitioner.plan import Plan, Stage
 from hybridpipe.partitioner.tied import shared_across
 from hybridpipe.pipeline import LocalSync, MicroBatches
 from hybridpipe.pipeline.stage import build_stage_index, check_captured_plan
-from hybridpipe.profiles.capture import CapturedModel, capture_model, tied_parameters
+from hybridpipe.profiles.capture import CapturedModel, tied_parameters
+from hybridpipe.profiles.capture_cache import cached_capture
 from hybridpipe.profiles.data import resolve_dataset
 from hybridpipe.profiles.graphinfo import node_infos
 from hybridpipe.profiles.zoo import ModelSpec, resolve_model
@@ -40,6 +42,7 @@ from hybridpipe.runtime.config import RunConfig
 from hybridpipe.runtime.sync import describe_override, override_layers, stage_layers, unit_choices
 
 log = logging.getLogger(__name__)
+CAPTURE_CACHE = "capture"        # RUN_DIR/capture/: the capture cache (profiles/capture_cache.py)
 
 
 @dataclass
@@ -68,17 +71,20 @@ def load_model(cfg: RunConfig) -> Model:
     """Build and capture the plan's model (seeded by ``cfg.seed``) and check the whole plan against
     it before any process group exists: graph signature, every cut's values, tied parameters,
     every replicated stage's sync layers."""
-    return build_model(resolve_model(cfg.model), cfg.plan, seed=cfg.seed)
+    cache = Path(cfg.run_dir) / CAPTURE_CACHE if cfg.run_dir else None
+    return build_model(resolve_model(cfg.model), cfg.plan, seed=cfg.seed, cache=cache)
 
 
-def build_model(spec: ModelSpec, plan: Plan, *, seed: int) -> Model:
+def build_model(spec: ModelSpec, plan: Plan, *, seed: int, cache: Path | None = None) -> Model:
     """:func:`load_model` for a resolved spec: the model built after ``torch.manual_seed(seed)``
-    (the same weights on every rank), captured with the plan's batch size and granularity, and
-    the whole plan checked against it."""
+    (the same weights on every rank), captured with the plan's batch size and granularity
+    (through the capture cache in ``cache``: a restarted worker reads it, profiles/capture_cache.py),
+    and the whole plan checked against it."""
     torch.manual_seed(seed)
     module = spec.build()
     example = spec.example_input(plan.batch_size, torch.Generator().manual_seed(seed))
-    captured = capture_model(module, example, granularity=plan.granularity, leaf_modules=spec.leaf_modules)
+    captured = cached_capture(module, example, directory=cache, granularity=plan.granularity,
+                              leaf_modules=spec.leaf_modules)
     check_captured_plan(captured, plan)
     check_tied(captured, plan)
     check_sync_layers(captured, plan)
