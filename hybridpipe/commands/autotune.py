@@ -40,7 +40,7 @@ from hybridpipe.jsonfile import write_json
 from hybridpipe.partitioner.calibration import Calibration, load_calibration
 from hybridpipe.partitioner.cluster import Cluster, load_cluster
 from hybridpipe.partitioner.observed import RunObservation
-from hybridpipe.partitioner.plan import ALGORITHMS, OPTIMIZERS, SCHEDULES, STRATEGIES, save_plan
+from hybridpipe.partitioner.plan import ALGORITHMS, OPTIMIZER_HELP, OPTIMIZERS, SCHEDULES, STRATEGIES, save_plan
 from hybridpipe.partitioner.planner import Request, partition
 from hybridpipe.partitioner.refine import predict_run
 from hybridpipe.partitioner.tuning import (
@@ -81,7 +81,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=positive_int, metavar="N", help="use N workers (default: the cluster)")
     parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule (default 1f1b)")
     parser.add_argument("--micro-batches", type=positive_int, metavar="M", help="micro-batches per step")
-    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd", help="optimizer (default sgd)")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
+                        help=f"optimizer (default sgd; {OPTIMIZER_HELP})")
     parser.add_argument("--memory-gb", type=positive_float, metavar="X", help="memory per worker")
     parser.usage = "hybridpipe autotune PROFILE --cluster C --steps N [options] -- COMMAND ..."
     parser.epilog = ("COMMAND (after --): how to start a job, as an argument list with {plan}, {run_dir} and "

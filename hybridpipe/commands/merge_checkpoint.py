@@ -4,8 +4,12 @@ DIR is the run's ``--checkpoint-dir`` (the newest complete checkpoint is used, o
 or one ``step-N`` directory. The output is an ordinary ``torch.save``d state_dict with the
 model's own keys: ``model.load_state_dict(torch.load("model.pt"), strict=True)`` works on the
 unsplit model. Before writing, the keys and shapes are checked against the model the run
-trained (built on the meta device, so no memory is spent); ``--no-check`` skips that for a
-model that cannot be rebuilt here.
+trained (built with its parameters on the meta device and never run, so no memory is spent);
+``--no-check`` skips that for a model that cannot be rebuilt here.
+
+``--format safetensors`` (or an output named ``*.safetensors``) writes the state_dict as one
+safetensors file; ``--format hf -o DIR`` writes the directory the model's own ``save_pretrained``
+writes (a Hugging Face model: ``AutoModelFor....from_pretrained(DIR)`` loads it; runtime/hf_export.py).
 
 ``--with-optimizer`` writes ``{"model": state_dict, "optimizer": {"state": {name: ...},
 "param_groups": [...]}, "step": N}`` instead: the optimizer state keyed by parameter names
@@ -15,22 +19,35 @@ model that cannot be rebuilt here.
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
+import re
 
 import torch
 
-from hybridpipe.argtypes import nonneg_int, output_file
+from hybridpipe.argtypes import check_output_dir, check_output_file, nonneg_int, output_path
 from hybridpipe.commands.show import human_bytes
 from hybridpipe.errors import UserError
 from hybridpipe.runtime.checkpoint_files import atomic_save, resolve_step
+from hybridpipe.runtime.hf_export import save_hf, save_safetensors
 from hybridpipe.runtime.merged import merge_optimizer, merge_stages
+
+FORMATS = ("torch", "safetensors", "hf")
+_SIZE = re.compile(r"^[0-9]+(?:[KMG]i?B)?$", re.IGNORECASE)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint_dir", help="the run's --checkpoint-dir, or one of its step-N directories")
     parser.add_argument("--step", type=nonneg_int, default=None, help="which step (default: the newest complete one)")
-    parser.add_argument("-o", "--output", type=output_file, required=True,
-                        help="the merged state_dict to write (e.g. model.pt)")
+    parser.add_argument("-o", "--output", required=True, type=output_path,
+                        help="the merged state_dict to write (e.g. model.pt, model.safetensors), or with --format hf "
+                             "the directory")
+    parser.add_argument("--format", choices=FORMATS, default=None,
+                        help="torch: a torch.save'd state_dict (the default, unless the output ends in .safetensors); "
+                             "safetensors: one .safetensors file (a tied weight once); hf: a directory as the model's "
+                             "save_pretrained writes it (config.json, model.safetensors or shards with their index, "
+                             "generation_config.json), which AutoModelFor...from_pretrained(DIR) loads")
+    parser.add_argument("--max-shard-size", type=shard_size, default="5GB", metavar="SIZE",
+                        help="--format hf: shard the weights above SIZE (e.g. 500MB; default 5GB), as "
+                             "save_pretrained's max_shard_size")
     parser.add_argument("--with-optimizer", action="store_true",
                         help="also write the optimizer state, keyed by parameter names: the file is then "
                              "{\"model\": state_dict, \"optimizer\": ..., \"step\": N} (for launch --init-from)")
@@ -39,17 +56,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    fmt = args.format or ("safetensors" if str(args.output).endswith(".safetensors") else "torch")
+    if args.with_optimizer and fmt != "torch":
+        raise UserError(f"--with-optimizer writes a torch file (weights and optimizer state), not --format {fmt}")
+    out = check_output_dir(args.output) if fmt == "hf" else check_output_file(args.output)
     root, step = resolve_step(args.checkpoint_dir, args.step)
     state, manifest = merge_stages(root, step)
     if not args.no_check:
         check_against_model(state, manifest["model"])
-    out = Path(args.output)
-    atomic_save({"model": state, "optimizer": merge_optimizer(root, step), "step": step}
-                if args.with_optimizer else state, out)
+    if fmt == "hf":
+        written = save_hf(state, manifest["model"], out, max_shard_size=args.max_shard_size)
+    elif fmt == "safetensors":
+        save_safetensors(state, out)
+    else:
+        atomic_save({"model": state, "optimizer": merge_optimizer(root, step), "step": step}
+                    if args.with_optimizer else state, out)
     size = sum(t.numel() * t.element_size() for t in state.values())
     print(f"merged step {step} of {manifest['model']} ({manifest['n_stages']} stages, {len(state)} tensors, "
           f"{human_bytes(size)}) into {out}")
-    if args.with_optimizer:
+    if fmt == "hf":
+        shards = [f for f in written if f.startswith("model-") and f.endswith(".safetensors")]
+        files = [f for f in written if f not in shards] + ([f"{len(shards)} shards"] if shards else [])
+        print(f"  as save_pretrained writes it ({', '.join(files)}): load it with "
+              f"AutoModelFor....from_pretrained({str(out)!r})")
+    elif fmt == "safetensors":
+        print("  as safetensors (a tied weight once, under its first name): load it with "
+              "safetensors.torch.load_model(model, path), or start a run from it with launch --init-from")
+    elif args.with_optimizer:
         print("  with the optimizer state (by parameter name) under \"optimizer\", the weights under \"model\"; "
               "start a run from it with launch --init-from")
     elif not args.no_check:
@@ -58,18 +91,23 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def shard_size(text: str) -> str:
+    """An argparse type: a size as save_pretrained's max_shard_size takes it (500MB, 5GB, 2GiB, bytes)."""
+    if not _SIZE.match(text.strip()):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 500MB, 5GB or 2GiB")
+    return text.strip()
+
+
 def check_against_model(state: dict[str, torch.Tensor], spec: str) -> None:
-    """UserError unless ``state`` has exactly the keys and shapes of the model ``spec`` builds."""
-    from hybridpipe.profiles.zoo import resolve_model
+    """UserError unless ``state`` has exactly the keys and shapes of the model ``spec`` builds (built
+    with its parameters on the meta device, never run: profiles/zoo/registry.py build_skeleton)."""
+    from hybridpipe.profiles.zoo.registry import build_skeleton
 
     try:
-        with torch.device("meta"):
-            expected = {k: tuple(v.shape) for k, v in resolve_model(spec).build().state_dict().items()}
-    except UserError:
-        raise
-    except Exception as e:      # noqa: BLE001 - a user's factory that cannot build on the meta device
-        raise UserError(f"cannot rebuild {spec} here to check the merged keys ({type(e).__name__}: {e}); "
-                        "pass --no-check to write the merged state_dict without the check") from None
+        expected = {k: tuple(v.shape) for k, v in build_skeleton(spec).state_dict().items()}
+    except UserError as e:
+        raise UserError(f"{e} -- while rebuilding {spec} to check the merged keys and shapes; pass --no-check "
+                        "to write the merged state_dict without the check") from None
     missing = [k for k in expected if k not in state]
     unexpected = [k for k in state if k not in expected]
     shapes = [f"{k} {tuple(state[k].shape)} vs {expected[k]}" for k in expected

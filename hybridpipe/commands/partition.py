@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import math
 import sys
 import time
@@ -29,11 +30,22 @@ from hybridpipe.partitioner.calibration import load_calibration
 from hybridpipe.partitioner.cluster import load_cluster
 from hybridpipe.partitioner.dp import Progress
 from hybridpipe.partitioner.objective import RECOMPUTE
-from hybridpipe.partitioner.plan import ALGORITHMS, OPTIMIZERS, PRECISIONS, SCHEDULES, STRATEGIES, Plan, save_plan
+from hybridpipe.partitioner.plan import (
+    ALGORITHMS,
+    OPTIMIZER_HELP,
+    OPTIMIZERS,
+    PRECISIONS,
+    SCHEDULES,
+    STRATEGIES,
+    Plan,
+    save_plan,
+)
 from hybridpipe.partitioner.planner import DEFAULT_TIME_BUDGET_S, Outcome, Request, partition
-from hybridpipe.partitioner.schedule_registry import AUTO, auto_candidates
+from hybridpipe.partitioner.schedule_registry import AUTO, auto_candidates, get_schedule
 from hybridpipe.pipeline.simulator import simulate
+from hybridpipe.pipeline.tokens import check_normalization
 from hybridpipe.profiles.format import load_profile
+from hybridpipe.profiles.losses import LOSS_NORMALIZATIONS
 
 SHOW_AFTER_S = 1.0        # the progress bar appears only on partitions that take longer
 time_budget = float_range(above=0.0, high=MAX_TIMEOUT_S)
@@ -63,10 +75,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
                         help="what the job will run in (launch --precision): bf16/fp16 send activations, gradients "
                              "and all-reduces at half the bytes, and the plan is priced so (default fp32)")
+    parser.add_argument("--loss-normalization", choices=LOSS_NORMALIZATIONS, default="micro-batch",
+                        help="recorded for launch (which may override it): micro-batch (default), a step's loss is "
+                             "the mean of its micro-batches' mean losses; tokens, the step's summed per-token loss "
+                             "over its valid tokens in all micro-batches and replicas, as one process on the whole "
+                             "global batch (flushed schedules only)")
     parser.add_argument("--micro-batches", type=positive_int, metavar="M",
                         help="micro-batches per step (default: 2 per worker)")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
-                        help="optimizer state kept per weight: sgd momentum 1x, adam 2x (default sgd)")
+                        help="optimizer state kept per weight: sgd momentum 1x, adam and adamw 2x (default sgd; "
+                             f"{OPTIMIZER_HELP})")
     parser.add_argument("--memory-gb", type=memory_gb, metavar="X",
                         help="memory per worker (default: the cluster's)")
     parser.add_argument("--calibration", action="append", default=[], metavar="CAL.json",
@@ -93,6 +111,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.schedule != AUTO:           # auto picks among flushed schedules only
+        check_normalization(args.loss_normalization, get_schedule(args.schedule).flushed, args.schedule)
     profile = load_profile(args.profile)
     cluster = load_cluster(args.cluster)
     calibrations = [load_calibration(p) for p in args.calibration]
@@ -118,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"note: {note}")
     print(compare(profile, cluster, req, calibrations, outcome, every=args.compare))
     if args.output:
-        save_plan(outcome.plan, Path(args.output))
+        save_plan(dataclasses.replace(outcome.plan, loss_normalization=args.loss_normalization), Path(args.output))
         print(f"wrote {args.output}")
     else:
         print("(not saved: pass -o plan.json to write the plan)")

@@ -140,7 +140,8 @@ def model_costs(profile: Profile) -> ModelCosts:
         activation_bytes=np.array([nd.activation_bytes for nd in profile.nodes], dtype=float),
         cut_bytes=cut,
         cut_grad_bytes=cut_grad,
-        step_ms=(("sgd", profile.totals.sgd_step_ms), ("adam", profile.totals.adam_step_ms)),
+        step_ms=(("sgd", profile.totals.sgd_step_ms), ("adam", profile.totals.adam_step_ms),
+                 ("adamw", profile.totals.adam_step_ms)),        # the same element-wise work as adam
         saved_bytes=saved if saved.any() else None,
         cut_blockers=tuple(nd.cut_blocker or "" for nd in profile.nodes),
         stash=tables[0], kept=tables[1], rerun=tables[2],

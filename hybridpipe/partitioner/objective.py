@@ -57,7 +57,7 @@ from hybridpipe.partitioner.modelcosts import ModelCosts
 from hybridpipe.partitioner.plan import ALGORITHMS, OPTIMIZERS
 from hybridpipe.partitioner.schedule_registry import Schedule, get_schedule
 
-OPTIMIZER_STATES = {"sgd": 1, "adam": 2}   # extra copies of the weights an optimizer keeps
+OPTIMIZER_STATES = {"sgd": 1, "adam": 2, "adamw": 2}   # extra copies of the weights an optimizer keeps
 RECOMPUTE = ("none", "all", "auto")
 
 

@@ -23,6 +23,9 @@ Semantics every package relies on:
   :data:`SECOND_LANE_ALGORITHMS` only. A layer without ``unit`` is a unit of its own. A
   replicated stage whose plan lists no layers gets, at launch, the partitioner's own choice on
   the plan's cluster.
+* ``loss_normalization`` (profiles/losses.py): ``micro-batch`` (plans without the field) makes a
+  step's loss the mean of its micro-batches' mean losses; ``tokens`` divides the step's summed
+  per-token loss by its valid tokens over all micro-batches and replicas (flushed schedules only).
 * Predicted figures (``hybridpipe partition``) come from ``objective.py``; ``sync_ms`` is what
   the stage's syncs add to a step after overlapping its backward, next forward and (gpipe,
   1f1b) the pipeline's drain and fill.
@@ -41,6 +44,7 @@ from hybridpipe.jsonfile import MAX_PLAN_FIGURE, check_header, field, figure, re
 from hybridpipe.partitioner import collectives as co
 from hybridpipe.partitioner.cluster import Cluster
 from hybridpipe.partitioner.schedule_registry import REGISTRY
+from hybridpipe.profiles.losses import LOSS_NORMALIZATIONS
 
 PLAN_KIND = "plan"
 PLAN_FORMAT = 1
@@ -48,7 +52,11 @@ SCHEDULES = tuple(REGISTRY)     # the schedules by name (schedule_registry.py de
 ALGORITHMS = co.ALGORITHMS      # the all-reduce algorithms (collectives.py describes each)
 SECOND_LANE_ALGORITHMS = ("ring", "butterfly", "hierarchical", "torus2d")   # may run on sync lane 1
 STRATEGIES = ("optimal", "pipedream", "dp", "uniform", "params", "time")
-OPTIMIZERS = ("sgd", "adam")
+OPTIMIZERS = ("sgd", "adam", "adamw")
+# what each optimizer name runs (runtime/parts.py make_optimizer), for every --optimizer's help
+OPTIMIZER_HELP = ("sgd: torch.optim.SGD with --momentum; adam: torch.optim.Adam, whose weight decay is L2 (added to "
+                  "the gradient, so scaled by the moments); adamw: torch.optim.AdamW, weight decay decoupled from "
+                  "the moments (what transformer recipes mean by weight decay)")
 # what one profiled (float32) byte of activations, gradients or weights costs on the wire in each precision
 WIRE_BYTES = {"fp32": 1.0, "bf16": 0.5, "fp16": 0.5}
 PRECISIONS = tuple(WIRE_BYTES)
@@ -154,6 +162,7 @@ class Plan:
     virtual_stages: int = 1                # model chunks (stages) per rank: interleaved-1f1b, zbv (see above)
     graph_nodes: int = 0                   # the profile's node count (0: not recorded)
     search: SearchRecord | None = None     # strategy optimal: how far from the optimum the plan can be
+    loss_normalization: str = "micro-batch"    # or "tokens" (see above; launch runs it unless told otherwise)
 
     @property
     def world_size(self) -> int:
@@ -212,6 +221,8 @@ class Plan:
             virtual_stages=field(d, "virtual_stages", int, source, minimum=1, default=1),
             graph_nodes=field(d, "graph_nodes", int, source, minimum=0, default=0),
             search=_search_from_dict(d.get("search"), f"{source}: search"),
+            loss_normalization=field(d, "loss_normalization", str, source, default="micro-batch",
+                                     choices=LOSS_NORMALIZATIONS),
         )
         _check_stages(plan, source)
         return plan

@@ -8,7 +8,9 @@
     engine.run_step(step, drain=is_last_step)
 
 Pure parts (no processes): split.py / stage.py (graph cutting), schedules.py (gpipe, 1f1b,
-pipedream), validate.py (symbolic check of all ranks' lists), simulator.py (timed simulation).
+pipedream), validate.py (symbolic check of all ranks' lists), simulator.py (timed simulation),
+buffer_writes.py (which buffers a forward changes), batch_stats.py (running statistics that
+replicas combine exactly and recomputation does not count twice).
 inprocess.py runs a whole pipeline on threads (tests, debugging).
 """
 

@@ -19,8 +19,10 @@ Interfaces (duck-typed, see the project's contracts):
   keys are ``act/<s>/<m>`` and ``grad/<s>/<m>`` (``instructions.message_key``: s the producing
   stage, m the micro-batch's index in its step; see ``schedules.transfer_program`` for the ``sra``
   mode's orders). A message from one chunk of this rank to another never reaches the transport.
-* ``sync``: ``no_sync()`` (context: backward inside it starts no all-reduce) and ``finish()``
-  (wait for the started all-reduces). Gradients must be *summed* across replicas
+* ``sync``: ``no_sync()`` (context: backward inside it starts no all-reduce), ``finish()``
+  (wait for the started all-reduces) and ``sum_replicas(tensor)`` (sum in place across the
+  replicas, blocking: after each step, a replicated chunk's batch-norm statistics;
+  batch_stats.py). Gradients must be *summed* across replicas
   (``HybridDataParallel(..., reduce="sum")``): the schedule's Step applies 1/M (or 1/r).
   ``None`` for an unreplicated stage. With several chunks, a mapping stage index -> sync (each
   chunk's replicas sync its own parameters: ``SyncStart(m, s)`` / ``SyncWait(s)`` name the chunk).
@@ -34,6 +36,8 @@ Interfaces (duck-typed, see the project's contracts):
   it returns False the step is skipped (gradients zeroed, no update).
 * ``loss_scale`` (optional): the last stage multiplies each loss by ``loss_scale()`` before its
   backward (fp16 loss scaling; ``before_step`` divides the gradients back).
+* ``tokens`` (optional, pipeline/tokens.py): token-weighted loss; each backward starts from the
+  micro-batch's loss sum and the Step multiplies by 1 / (the step's valid tokens) instead of 1/M.
 * ``autocast`` (optional dtype, e.g. ``torch.bfloat16``): forwards and losses run under
   ``torch.autocast`` (weights, gradients and optimizer state stay float32); ``wire_dtype``
   (optional): floating-point activations and gradients are sent in that dtype (half the bytes
@@ -78,10 +82,13 @@ from hybridpipe.pipeline.instructions import (
     message_key,
 )
 from hybridpipe.pipeline.memory import MemoryMeter, optimizer_tensors, tensors_bytes
-from hybridpipe.pipeline.schedules import Topology, check_schedulable, rank_program, settle_phase
+from hybridpipe.pipeline.schedules import Topology, check_schedulable, forwarded, rank_program, settle_phase
 from hybridpipe.pipeline.splitback import WeightWork
 from hybridpipe.pipeline.stage import Activation, PipelineStage
-from hybridpipe.pipeline.stash import WeightStash
+from hybridpipe.pipeline.stash import WeightStash, needs_frozen
+from hybridpipe.pipeline.tokens import TokenCounts, check_normalization
+from hybridpipe.pipeline.values import moved
+from hybridpipe.profiles.losses import loss_mean
 
 
 class Transport(Protocol):
@@ -107,16 +114,23 @@ class LocalSync:
     def finish(self) -> None:
         pass
 
+    def sum_replicas(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` in place across the stage's replicas: one replica, nothing to add."""
+
 
 @dataclass
 class StepResult:
     step: int
     losses: dict[int, torch.Tensor] = field(default_factory=dict)   # last stage: micro-batch of this step -> loss
+    counts: dict[int, torch.Tensor] = field(default_factory=dict)   # with tokens: micro-batch -> its tokens
+    total: tuple[float, float] | None = None     # with tokens: the step's (loss sum, tokens) over every rank
     optimizer_steps: int = 0
     peak_memory_bytes: int = 0      # what the stage held at its peak this step (memory.py)
 
     @property
     def mean_loss(self) -> float | None:
+        if self.total is not None:
+            return self.total[0] / self.total[1] if self.total[1] > 0 else float("nan")
         return float(torch.stack(list(self.losses.values())).mean()) if self.losses else None
 
 
@@ -128,7 +142,8 @@ class PipelineEngine:
                  sync: Any = None, recorder=None, tied: TiedReduce | None = None,
                  clock: Callable[[], float] = time.perf_counter,
                  before_step: Callable[[], bool | None] | None = None, autocast: torch.dtype | None = None,
-                 wire_dtype: torch.dtype | None = None, loss_scale: Callable[[], float] | None = None):
+                 wire_dtype: torch.dtype | None = None, loss_scale: Callable[[], float] | None = None,
+                 tokens: TokenCounts | None = None):
         check_schedulable(topo, schedule)
         chunks = [stages] if isinstance(stages, PipelineStage) else list(stages)
         expected = list(topo.stages_of(rank))
@@ -141,8 +156,10 @@ class PipelineEngine:
         self.transport, self.optimizer, self.data = transport, optimizer, data
         self.syncs = _syncs(sync, expected)
         self.tied, self.before_step = tied, before_step
-        self.autocast, self.wire_dtype, self.loss_scale = autocast, wire_dtype, loss_scale
+        self.autocast, self.wire_dtype, self.loss_scale, self.tokens = autocast, wire_dtype, loss_scale, tokens
         self.kind = get_schedule(schedule)
+        if tokens is not None:
+            check_normalization("tokens", self.kind.flushed, schedule)
         if tied is not None and not self.kind.keeps_tied_weights:
             raise UserError(f"{schedule}'s asynchronous updates cannot keep a weight that several stages share (tied "
                             "embeddings) identical; use --schedule 1f1b or gpipe, or a plan that keeps its uses "
@@ -167,6 +184,7 @@ class PipelineEngine:
         self._settled: int | None = None    # step after which messages in transit were received early
         self._settle = settle_phase(topo, schedule)
         self._programs: dict[tuple[int, bool], list[Instruction]] = {}
+        self._forwarded: dict[tuple[int, int, bool], tuple[int, ...]] = {}    # (stage, phase, drain): all replicas
         self._local: dict[str, dict[str, torch.Tensor]] = {}    # messages from one chunk of this rank to another
 
     # ---- public ------------------------------------------------------------------------
@@ -200,7 +218,7 @@ class PipelineEngine:
                                f"{self.in_flight} are in flight; run consecutive steps or drain first")
         program = self.program(drain)
         M = self.topo.micro_batches
-        frozen = {step * M + m for m in self._needs_frozen(program)} if self.stash else set()
+        frozen = {step * M + m for m in needs_frozen(program)} if self.stash else set()
         result = StepResult(step)
         self.meter.begin_step()
         for ins in program:
@@ -215,13 +233,15 @@ class PipelineEngine:
             if recorder is not None and phase is not None:
                 recorder.record(phase, g, t0, self.clock(), getattr(ins, "stage", None))
         result.peak_memory_bytes = self.meter.end_step()
+        self._combine_stats(step, drain)
         self._last_step = step
         self.phase = 0 if drain else self.phase + 1     # the same on every rank
         return result
 
-    def run_eval(self, data: DataSource, *, recorder=None) -> dict[int, torch.Tensor]:
+    def run_eval(self, data: DataSource, *, recorder=None, counts: dict[int, torch.Tensor] | None = None
+                 ) -> dict[int, torch.Tensor]:
         """One forward-only evaluation step over ``data`` (see ``evaluation.run_eval``)."""
-        return evaluation.run_eval(self, data, recorder=recorder)
+        return evaluation.run_eval(self, data, recorder=recorder, counts=counts)
 
     def state_dict(self) -> dict:
         """The engine's own state for checkpoints (see ``engine_state.engine_state``)."""
@@ -271,28 +291,35 @@ class PipelineEngine:
         M = self.topo.micro_batches
         stage, key = self.stages[s], (s, g)
         if isinstance(ins, LoadInput):
-            named = stage.data_inputs(self.data.input(g // M, g % M))
-            self._inputs[key] = {k: v.to(self.device, non_blocking=True) for k, v in named.items()}
+            batch = self.data.input(g // M, g % M)
+            self._inputs[key] = {k: v.to(self.device, non_blocking=True) for k, v in stage.data_inputs(batch).items()}
+            if self.tokens is not None:
+                self.tokens.loaded(key, batch, self.device)
         elif isinstance(ins, RecvActivations):
             if key not in self._inputs:       # else received early, at a checkpoint
-                self._inputs[key] = self.recv(ins.peer, message_key(ins, g, M))
+                got = self.recv(ins.peer, message_key(ins, g, M))
+                self._inputs[key] = self.tokens.incoming(key, got) if self.tokens is not None else got
         elif isinstance(ins, Forward):
             params = self.stash.forward_params(g, g in frozen) if self.stash else None
             with self.meter.forward(), self.compute_context():
-                act = self._acts[key] = stage.forward(self._inputs.pop(key), params=params)
+                act = self._acts[key] = stage.forward(self._inputs.pop(key), params=params, micro_batch=g)
             self.meter.hold(key, act.inputs, act.outputs, act.output)
         elif isinstance(ins, SendActivations):
-            self.send(ins.peer, message_key(ins, g, M), self._acts[key].outputs)
+            out = self._acts[key].outputs
+            self.send(ins.peer, message_key(ins, g, M), self.tokens.outgoing(key, out) if self.tokens else out)
         elif isinstance(ins, LoadTarget):
             target = self.data.target(g // M, g % M)
-            self._targets[key] = target.to(self.device, non_blocking=True) if target is not None else None
+            self._targets[key] = moved(target, self.device)
         elif isinstance(ins, Loss):
             act = self._acts[key]
             with self.meter.forward(), self.compute_context():
-                act.loss = stage.loss(act.output, self._targets.pop(key))
+                value = stage.loss(act.output, self._targets.pop(key))
+                act.loss, total, count = self.tokens.split(key, value) if self.tokens else (loss_mean(value),) * 3
             self.meter.hold(key, act.loss)
             if g // M == result.step:
-                result.losses[g % M] = act.loss.detach()
+                result.losses[g % M] = total.detach() if self.tokens is None else total.detach() / count.clamp(min=1)
+                if self.tokens is not None:
+                    result.counts[g % M] = count
         elif isinstance(ins, RecvGradients):
             if key not in self._out_grads:    # else received early, at a checkpoint
                 self._out_grads[key] = self.recv(ins.peer, message_key(ins, g, M))
@@ -338,11 +365,26 @@ class PipelineEngine:
         self._sync_next.discard((s, g))
         return contextlib.nullcontext() if synced else self.syncs[s].no_sync()
 
+    def _combine_stats(self, step: int, drain: bool) -> None:
+        """Replicated chunks: every replica's running statistics of the step's micro-batches,
+        replayed in micro-batch order (batch_stats.py: one sum over the chunk's replicas)."""
+        M = self.topo.micro_batches
+        for s, stage in sorted(self.stages.items()):
+            if stage.stats is not None and stage.stats.combines:
+                key = (s, min(self.phase, self._settle), drain)
+                if key not in self._forwarded:
+                    self._forwarded[key] = forwarded(self.topo, self.schedule, s, phase=key[1], drain=drain)
+                stage.stats.combine([step * M + m for m in self._forwarded[key]], self.syncs[s].sum_replicas)
+
     def _execute_step_level(self, ins: Instruction, result: StepResult) -> None:
         if isinstance(ins, SyncWait):
             self.syncs[ins.stage].finish()
         elif isinstance(ins, Step):
-            self._optimizer_step(ins.grad_scale)
+            scale = ins.grad_scale
+            if self.tokens is not None:         # the step's summed gradients over its tokens (tokens.py)
+                loss_sum, tokens, scale = self.tokens.step_total()
+                result.total = (loss_sum, tokens)
+            self._optimizer_step(scale)
             result.optimizer_steps += 1
         else:
             raise TypeError(f"unknown instruction {ins!r}")
@@ -370,23 +412,6 @@ class PipelineEngine:
 
     def _grad_bytes(self) -> int:
         return tensors_bytes(p for p in self.module.parameters() if p.requires_grad)
-
-    @staticmethod
-    def _needs_frozen(program: list[Instruction]) -> set[int]:
-        """Micro-batches (relative) whose forward is followed by an optimizer step before their
-        backward, in this list or because the backward is in a later step's list."""
-        out: set[int] = set()
-        open_: dict[int, bool] = {}
-        for ins in program:
-            if isinstance(ins, Forward):
-                open_[ins.micro_batch] = False
-            elif isinstance(ins, Step):
-                for m in open_:
-                    open_[m] = True
-            elif isinstance(ins, Backward) and ins.micro_batch in open_:
-                if open_.pop(ins.micro_batch):
-                    out.add(ins.micro_batch)
-        return out | set(open_)
 
 
 def _syncs(sync: Any, stages: Sequence[int]) -> dict[int, Any]:

@@ -17,6 +17,8 @@ import torch
 
 from hybridpipe.pipeline.instructions import RecvActivations, RecvGradients, message_key
 from hybridpipe.pipeline.validate import in_transit
+from hybridpipe.pipeline.values import moved
+from hybridpipe.profiles.losses import loss_mean
 
 if TYPE_CHECKING:
     from hybridpipe.pipeline.engine import PipelineEngine
@@ -55,7 +57,7 @@ def load_engine_state(engine: PipelineEngine, state: dict) -> None:
         act = stage.forward(inputs, params=engine.stash.replay_params(g) if engine.stash else None)
         if stage.is_last:
             target = engine.data.target(g // M, g % M)
-            act.loss = stage.loss(act.output, target.to(device) if target is not None else None)
+            act.loss = loss_mean(stage.loss(act.output, moved(target, device)))
         engine._acts[stage.index, g] = act
         if saved["grads"] is not None:
             engine._out_grads[stage.index, g] = {k: t.to(device) for k, t in saved["grads"].items()}

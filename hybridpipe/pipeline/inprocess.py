@@ -151,6 +151,10 @@ class InProcessGradSync:
         with torch.no_grad():
             self.group.all_reduce_sum(self.index, grads)
 
+    def sum_replicas(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` in place across the group (a replicated stage's batch statistics)."""
+        self.group.all_reduce_sum(self.index, [tensor])
+
 
 def run_ranks(fns: Mapping[int, Callable[[], T]], network: InProcessNetwork | None = None,
               groups: Sequence[ReplicaGroup] = (), timeout: float = 300.0) -> dict[int, T]:

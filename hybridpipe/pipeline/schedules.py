@@ -222,6 +222,14 @@ def _flushed(topo: Topology, ops: Sequence[StageOp], replicas: int, split_backwa
                    step_after=lambda i: scale if i == last else None, incoming=incoming)
 
 
+def forwarded(topo: Topology, schedule: str, stage: int, *, phase: int = 0, drain: bool = True) -> tuple[int, ...]:
+    """The micro-batches (relative to the step, as in the lists) whose forward on ``stage`` one
+    step's lists run, on any of its replicas, in order."""
+    return tuple(sorted({ins.micro_batch for r in topo.stage_ranks[stage]
+                         for ins in rank_program(topo, r, schedule, phase=phase, drain=drain)
+                         if isinstance(ins, Forward) and ins.stage == stage}))
+
+
 def eval_program(topo: Topology, rank: int) -> list[Instruction]:
     """This rank's list for one forward-only evaluation step: each of its micro-batches (round-robin
     over the stage's replicas, as in training) received or loaded, forwarded, and sent on or scored

@@ -18,6 +18,7 @@ Hugging Face model given ``labels``: ``output.loss``).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +29,8 @@ from torch import fx, nn
 
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner.plan import Plan, check_plan_fits
+from hybridpipe.pipeline.batch_stats import COMBINE, DIRECT, RunningStats, install
+from hybridpipe.pipeline.buffer_writes import buffer_writes, check_plan_writes, check_stage_writes
 from hybridpipe.pipeline.splitback import WeightWork, backward_input, backward_weight
 from hybridpipe.pipeline.values import pack, unpack
 from hybridpipe.profiles.capture import CapturedModel, own_loss
@@ -72,15 +75,23 @@ class PipelineStage:
     """A stage of a pipeline: the model's blocks ``first_node..last_node`` as an fx GraphModule."""
 
     def __init__(self, module: fx.GraphModule, boundary: StageBoundary, n_stages: int, captured: CapturedModel,
-                 loss: LossFn | None = None, recompute: bool = False):
-        self.module = module
+                 loss: LossFn | None = None, recompute: bool = False, replicas: int = 1):
         self.recompute = recompute      # keep only the inputs; rerun the forward inside backward
+        self.replicas = replicas        # > 1: running statistics are combined across them (batch_stats.py)
         self.boundary = boundary
         self.index = boundary.index
         self.n_stages = n_stages
         self.captured = captured
         self.loss_fn = loss
         self._eval_module: fx.GraphModule | None = None
+        self._plain_graph: fx.Graph | None = None       # the model's own calls, for evaluation
+        self.stats: RunningStats | None = None
+        writes = buffer_writes(module) if replicas > 1 or recompute else []
+        if writes:
+            check_stage_writes(writes, self.index, replicas, recompute)
+            self._plain_graph = copy.deepcopy(module.graph)
+            self.stats = install(module, writes, COMBINE if replicas > 1 else DIRECT)
+        self.module = module
 
     # ---- identity ----------------------------------------------------------------------
     @property
@@ -127,6 +138,7 @@ class PipelineStage:
 
     def to(self, device: torch.device | str) -> PipelineStage:
         self.module.to(device)
+        self._eval_module = None            # it would hold the buffers' old tensors
         return self
 
     def train(self, mode: bool = True) -> PipelineStage:
@@ -135,7 +147,7 @@ class PipelineStage:
 
     # ---- compute -----------------------------------------------------------------------
     def forward(self, inputs: Mapping[str, torch.Tensor], target: torch.Tensor | None = None,
-                params: Mapping[str, torch.Tensor] | None = None) -> Activation:
+                params: Mapping[str, torch.Tensor] | None = None, micro_batch: int | None = None) -> Activation:
         """Run the stage on named input tensors (as made by ``values.pack``).
 
         Float inputs of stages after the first become leaves that require grad, so ``backward``
@@ -143,7 +155,9 @@ class PipelineStage:
         call only (weight stashing). On the last stage the loss is computed when a ``target`` is
         given or the model computes its own loss. With ``recompute`` the stage's graph runs under
         ``torch.utils.checkpoint`` (non-reentrant, random state preserved): autograd keeps only
-        the stage's inputs and reruns the forward when the backward first needs its activations.
+        the stage's inputs and reruns the forward when the backward first needs its activations
+        (running statistics are updated once, by this call: batch_stats.py). ``micro_batch``: its
+        number over the run, which orders a replicated stage's statistics (default: calls so far).
         """
         leaves = {k: _leaf(t, grad=not self.is_first) for k, t in inputs.items()}
         values = unpack(leaves, self.input_names)
@@ -153,10 +167,19 @@ class PipelineStage:
             if params is None:
                 return self.module(*xs)
             return torch.func.functional_call(self.module, dict(params), xs, strict=False)
-        if self.recompute and torch.is_grad_enabled():
-            result = torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False)
-        else:
-            result = run(*args)
+        versions = _versions(self.module) if self.replicas > 1 else None
+        if self.stats is not None:
+            self.stats.begin(micro_batch)
+        try:
+            if self.recompute and torch.is_grad_enabled():
+                result = torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False)
+            else:
+                result = run(*args)
+        finally:
+            if self.stats is not None:
+                self.stats.end()
+        if versions is not None:
+            _check_versions(self.module, versions, self.index, self.replicas)
         act = Activation(inputs=leaves)
         if self.is_last:
             act.output = self.captured.rebuild_output(result)
@@ -171,7 +194,9 @@ class PipelineStage:
         """The forward of an evaluation step: evaluation mode (no dropout, batch norm on running
         statistics), no autograd; the loss on the last stage as in :meth:`forward`."""
         if self._eval_module is None:
-            self._eval_module = eval_graph(self.module)
+            plain = self._plain_graph
+            self._eval_module = eval_graph(self.module if plain is None
+                                           else fx.GraphModule(self.module, copy.deepcopy(plain)))
         with torch.no_grad():
             values = unpack(inputs, self.input_names)
             result = self._eval_module(*(values[name] for name in self.input_names))
@@ -230,6 +255,19 @@ class PipelineStage:
         return [t for t, _ in pairs], [g for _, g in pairs]
 
 
+def _versions(module: nn.Module) -> list[int]:
+    return [b._version for b in module.buffers()]
+
+
+def _check_versions(module: nn.Module, before: list[int], index: int, replicas: int) -> None:
+    """UserError when a forward of a replicated stage changed a buffer (one the graph hides: a leaf module's)."""
+    for (name, b), v in zip(module.named_buffers(), before, strict=True):
+        if b._version != v:
+            raise UserError(f"stage {index} has {replicas} replicas and its training forward changed buffer {name!r} "
+                            "(inside a leaf module), which hybridpipe cannot combine across replicas: give that "
+                            "layer a stage without replicas (re-partition) or stop changing the buffer in forward")
+
+
 def _leaf(t: torch.Tensor, grad: bool) -> torch.Tensor:
     if grad and (t.is_floating_point() or t.is_complex()):
         return t.detach().requires_grad_(True)
@@ -249,6 +287,7 @@ def check_captured_plan(captured: CapturedModel, plan: Plan, *, model_name: str 
     check_plan_fits(plan, model=None, signature=captured_signature(captured), batch_size=None, world_size=None)
     boundaries = stage_boundaries(captured, [(s.first_node, s.last_node) for s in plan.stages])
     check_cuts(captured, boundaries)
+    check_plan_writes(captured, plan)
     return boundaries
 
 
@@ -259,7 +298,7 @@ def build_stage(captured: CapturedModel, plan: Plan, rank: int, *, loss: LossFn 
     check_captured_plan(captured, plan, model_name=model_name, batch_size=batch_size, world_size=world_size)
     stage, _ = plan.stage_of_rank(rank)
     return build_stage_index(captured, [(s.first_node, s.last_node) for s in plan.stages], stage.index, loss=loss,
-                             recompute=stage.recompute)
+                             recompute=stage.recompute, replicas=stage.replicas)
 
 
 def build_stages(captured: CapturedModel, plan: Plan, rank: int, *, loss: LossFn | None = None,
@@ -270,12 +309,14 @@ def build_stages(captured: CapturedModel, plan: Plan, rank: int, *, loss: LossFn
     check_captured_plan(captured, plan, model_name=model_name, batch_size=batch_size, world_size=world_size)
     ranges = [(s.first_node, s.last_node) for s in plan.stages]
     mine, _ = plan.stages_of_rank(rank)
-    return [build_stage_index(captured, ranges, s.index, loss=loss, recompute=s.recompute) for s in mine]
+    return [build_stage_index(captured, ranges, s.index, loss=loss, recompute=s.recompute, replicas=s.replicas)
+            for s in mine]
 
 
 def build_stage_index(captured: CapturedModel, ranges: list[tuple[int, int]], index: int, *,
-                      loss: LossFn | None = None, recompute: bool = False) -> PipelineStage:
-    """Stage ``index`` of ``captured`` cut at inclusive block ``ranges`` (no plan needed)."""
+                      loss: LossFn | None = None, recompute: bool = False, replicas: int = 1) -> PipelineStage:
+    """Stage ``index`` of ``captured`` cut at inclusive block ``ranges`` (no plan needed);
+    ``replicas`` > 1 combines running statistics across them (pipeline/batch_stats.py)."""
     boundary = stage_boundaries(captured, ranges)[index]
     module = stage_graph_module(captured, boundary, last=index == len(ranges) - 1)
-    return PipelineStage(module, boundary, len(ranges), captured, loss, recompute)
+    return PipelineStage(module, boundary, len(ranges), captured, loss, recompute, replicas)

@@ -11,10 +11,12 @@ as many versions as micro-batches in flight, fewer when consecutive forwards sha
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
+
+from hybridpipe.pipeline.instructions import Backward, Forward, Instruction, Step
 
 
 class _StashedWeight(torch.autograd.Function):
@@ -99,3 +101,20 @@ class WeightStash:
         for m, v in self._version_of.items():
             if v in self._frozen:
                 self._users.setdefault(v, set()).add(m)
+
+
+def needs_frozen(program: Sequence[Instruction]) -> set[int]:
+    """Micro-batches (relative) of a rank's list whose forward is followed by an optimizer step
+    before their backward, in this list or because the backward is in a later step's list."""
+    out: set[int] = set()
+    open_: dict[int, bool] = {}
+    for ins in program:
+        if isinstance(ins, Forward):
+            open_[ins.micro_batch] = False
+        elif isinstance(ins, Step):
+            for m in open_:
+                open_[m] = True
+        elif isinstance(ins, Backward) and ins.micro_batch in open_:
+            if open_.pop(ins.micro_batch):
+                out.add(ins.micro_batch)
+    return out | set(open_)

@@ -87,3 +87,9 @@ def _decode(item: dict[str, Any]) -> Any:
     if "device" in item:
         return torch.device(item["device"])
     return item["v"]
+
+
+def moved(tree: Any, device: torch.device) -> Any:
+    """``tree`` (a tensor, or tuples, lists and dicts of them, nested; None) with every tensor on
+    ``device`` (a target as the data gives it)."""
+    return pytree.tree_map(lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t, tree)

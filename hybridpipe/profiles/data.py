@@ -126,11 +126,17 @@ def resolve_dataset(spec: str, model: ModelSpec, *, size: int, seed: int = 0) ->
 
 def check_sample(sample: object, model: ModelSpec, source: str) -> None:
     """Refuse a dataset whose first sample is not ``(input, target)`` with the model's input shape
-    (or, for a model that computes its own loss, not an input shaped like its example)."""
+    (a tuple or dict input: its example's structure), or, for a model that computes its own loss,
+    not an input shaped like its example."""
     if model.loss is None:
         if batch_rows(model.example_input(1)) is not None and not _same_structure(sample, model):
             raise UserError(f"{source}: a sample must be one input of {model.name} (its keys/structure: "
                             f"{_describe(model.example_input(1))}), got {_describe(sample)}")
+        return
+    if model.example is not None and not isinstance(model.example, torch.Tensor):     # a tuple or dict input
+        if not (isinstance(sample, (tuple, list)) and len(sample) == 2 and _same_structure(sample[0], model)):
+            raise UserError(f"{source}: a sample must be a pair (input, target), the input one input of {model.name} "
+                            f"(its keys/structure: {_describe(model.example_input(1))}), got {_describe(sample)}")
         return
     if not (isinstance(sample, (tuple, list)) and len(sample) == 2 and isinstance(sample[0], torch.Tensor)):
         raise UserError(f"{source}: a sample must be a pair (input tensor, target), got {type(sample).__name__}")

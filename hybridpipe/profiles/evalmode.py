@@ -5,16 +5,19 @@ call, batch norm an ``aten.batch_norm(..., training=True, ...)`` call, and atten
 probability a constant argument -- ``model.eval()`` cannot reach them any more. ``eval_graph``
 returns a copy of a graph module (same parameters and buffers, the same objects) whose calls are
 their evaluation forms: no dropout, batch norm on its running statistics (which it then no longer
-updates). Graphs from torch.fx's tracer call modules, whose own ``eval()`` does this, so for them
-the copy also has its modules switched to eval mode.
+updates). Graphs from torch.fx's tracer call modules, whose own ``eval()`` does this, so the copy
+calls evaluation-mode twins of them: shallow copies that share their parameters, buffers and
+submodules' tensors but not their ``training`` flag (the training graph's modules stay in
+training mode).
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
-from torch import fx
+from torch import fx, nn
 
 aten = torch.ops.aten
 
@@ -45,5 +48,19 @@ def eval_graph(gm: fx.GraphModule) -> fx.GraphModule:
                 new.kwargs = {**new.kwargs, keyword: value}
         env[node] = new
     out = fx.GraphModule(gm, graph, class_name=f"{type(gm).__name__}Eval")
+    for node in graph.nodes:
+        if node.op == "call_module":
+            out.set_submodule(str(node.target), _eval_twin(gm.get_submodule(str(node.target))))
     out.eval()
     return out
+
+
+def _eval_twin(module: nn.Module) -> nn.Module:
+    """A shallow copy of ``module`` and its submodules (the same parameter and buffer tensors) in
+    evaluation mode, leaving ``module`` as it is."""
+    twin = copy.copy(module)
+    twin.__dict__["_parameters"] = dict(module._parameters)
+    twin.__dict__["_buffers"] = dict(module._buffers)
+    twin.__dict__["_modules"] = {k: _eval_twin(m) if m is not None else None for k, m in module._modules.items()}
+    twin.training = False
+    return twin

@@ -25,6 +25,7 @@ from hybridpipe.profiles.capture import (
 )
 from hybridpipe.profiles.format import Profile, ProfileNode, ProfileTotals, ProfileValue
 from hybridpipe.profiles.graphinfo import graph_edges, node_infos, unused_parameters
+from hybridpipe.profiles.losses import as_mean
 from hybridpipe.profiles.measure import (
     BlockModule,
     Timing,
@@ -76,6 +77,7 @@ def profile_model(model: ModelSpec, *, batch_size: int, device: str | torch.devi
     generator = torch.Generator().manual_seed(seed)
     batch = to_device(model.example_input(batch_size, generator), device)
     target = to_device(model.example_target(batch_size, generator), device)
+    loss = as_mean(model.loss) if model.loss is not None else None      # a (loss_sum, count) pair as its mean
     captured = capture_model(module, batch, granularity=granularity, leaf_modules=model.leaf_modules)
     blocks = block_modules(captured)
     env = reference_pass(captured, blocks, batch)
@@ -85,7 +87,7 @@ def profile_model(model: ModelSpec, *, batch_size: int, device: str | torch.devi
     nodes = []
     for i, (block, info) in enumerate(tqdm(list(zip(blocks, infos, strict=True)), desc=f"profile {model.name}",
                                            unit="node", disable=disable, leave=False)):
-        cost = measure_block(captured, block, env, loss=model.loss, target=target, **timing)
+        cost = measure_block(captured, block, env, loss=loss, target=target, **timing)
         own = [module.get_parameter(p) for p in info.params]
         crossing = [env[name] for name in block.outputs] if not block.last else []
         nodes.append(ProfileNode(
@@ -105,7 +107,7 @@ def profile_model(model: ModelSpec, *, batch_size: int, device: str | torch.devi
 
     def run_loss() -> torch.Tensor:     # the captured graph, as the pipeline's stages run it
         out = captured.rebuild_output(captured.graph(*graph_args))
-        return model.loss(out, target) if model.loss is not None else own_loss_of(out)
+        return loss(out, target) if loss is not None else own_loss_of(out)
 
     measured = measure_step(run_loss, module, **timing)
     steps = {kind: measure_optimizer(module, kind, **timing) for kind in ("sgd", "adam")}

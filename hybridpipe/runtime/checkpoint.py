@@ -168,13 +168,14 @@ class Checkpointer:
             problem = ""
         except UserError as e:
             problem = f"rank {self.rank}: {one_line(e)}"
-        everyone = self._gather((problem, records, held, digests))
-        self._agree_saved(steps_done, d, [p for p, _, _, _ in everyone])
-        _check_tied_copies([dg for _, _, _, dg in everyone], steps_done)
+        everyone = self._gather((problem, records, held, digests, self._copies(module, chunks)))
+        self._agree_saved(steps_done, d, [p for p, _, _, _, _ in everyone])
+        _check_tied_copies([dg for _, _, _, dg, _ in everyone], steps_done)
         problem = ""
         if self.rank == self.committer:
             try:
-                self._commit(steps_done, d, [(recs, by_stage) for _, recs, by_stage, _ in everyone], t0)
+                self._commit(steps_done, d, [(recs, by_stage) for _, recs, by_stage, _, _ in everyone],
+                             [copies for *_, copies in everyone], t0)
             except UserError as e:
                 problem = f"rank {self.rank}: {one_line(e)}"
         self._agree_saved(steps_done, d, self._gather(problem))     # every rank returns once it is committed
@@ -200,8 +201,10 @@ class Checkpointer:
         records.append(atomic_save({"step": steps_done, "rank": self.rank, "engine": engine or {},
                                     "rng": capture_rng(), "extra": extra or {}}, d / rank_file(self.rank)))
 
-    def _commit(self, steps_done: int, d: Path, parts: list[tuple[list, dict[int, list[str]]]], t0: float) -> None:
-        """The committer's part: the manifest, the rename to step-N, pruning."""
+    def _commit(self, steps_done: int, d: Path, parts: list[tuple[list, dict[int, list[str]]]],
+                copies: list[dict[int, dict[str, str]]], t0: float) -> None:
+        """The committer's part: the manifest (with every rank's replica ``copies``: their digests by
+        stage), the rename to step-N, pruning."""
         self.lineage = self.lineage or uuid.uuid4().hex[:16]
         files = [r for recs, _ in parts for r in recs]
         index: dict[str, str] = {}
@@ -209,7 +212,12 @@ class Checkpointer:
             for s, names in by_stage.items():
                 for n in names:
                     index.setdefault(n, stage_file(s))
-        write_manifest(d, steps_done, files, {**self._meta(time.perf_counter() - t0), "index": index})
+        replicas: dict[str, dict[str, dict[str, str]]] = {}
+        for rank, mine in enumerate(copies):
+            for s, named in mine.items():
+                replicas.setdefault(str(s), {})[str(rank)] = named
+        write_manifest(d, steps_done, files, {**self._meta(time.perf_counter() - t0), "index": index,
+                                              "replicas": replicas})
         try:
             final, aside = commit(self.root, steps_done, {f.name for f in files}, self.tag)
         except OSError as e:
@@ -239,6 +247,16 @@ class Checkpointer:
                else "fix that")
         raise AgreedError(f"checkpoint of step {steps_done} not saved: {problem}; nothing of it was committed and "
                           f"the older checkpoints{newest} are as they were; {fix}, then restart with --resume")
+
+    def _copies(self, module: nn.Module, chunks: Mapping[int, nn.Module] | None) -> dict[int, dict[str, str]]:
+        """This rank's copy of each of its replicated stages: name -> digest of every weight and saved
+        buffer (merge-checkpoint checks that the replicas' agree; runtime/merged.py)."""
+        out = {}
+        for s in self.stages:
+            if self.plan.stages[s].replicas > 1:
+                state = canonical_state((chunks[s] if chunks is not None else module).state_dict(), self.canon)
+                out[s] = {n: tensor_digest([t]) for n, t in state.items() if n not in self.not_mine(s)}
+        return out
 
     def restore(self, module: nn.Module) -> Restored | None:
         """This rank's part of the newest checkpoint usable on every rank, resharded for this plan

@@ -7,7 +7,8 @@ Layout of a checkpoint directory (``--checkpoint-dir DIR``)::
     DIR/step-000120/stage-1.pt
     DIR/step-000120/rank-00003.pt   rank 3's own state: engine state (stashed weights), RNG states
     DIR/step-000120/manifest.json   written LAST, after every rank reported its files; holds the
-                                    plan (for information) and an index: name -> stage file
+                                    plan (for information), an index: name -> stage file, and each
+                                    replica's digests of its copy (name -> SHA-256; replicated stages)
 
 ``step-N`` holds the state after N completed steps (resume runs step N next). A save writes
 into ``DIR/.step-N.TAG.tmp/`` (TAG: the job's; every file to a temporary name, fsynced, renamed), the manifest
@@ -241,6 +242,10 @@ def read_manifest(directory: str | os.PathLike) -> dict:
     for i, names in enumerate(field(data, "tied", list, where, default=[])):
         if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
             raise UserError(f"{where}: tied group {i} must be a list of parameter names, got {names!r}")
+    for stage, copies in field(data, "replicas", dict, where, default={}).items():
+        if not isinstance(copies, dict) or not all(isinstance(named, dict) and all(
+                isinstance(v, str) for v in named.values()) for named in copies.values()):
+            raise UserError(f"{where}: \"replicas\" of stage {stage} must map each rank to {{name: digest}}")
     return data
 
 

@@ -33,6 +33,7 @@ from hybridpipe.errors import UserError
 from hybridpipe.limits import require_memory
 from hybridpipe.partitioner.calibration import load_calibration
 from hybridpipe.partitioner.plan import (
+    OPTIMIZER_HELP,
     OPTIMIZERS,
     SCHEDULES,
     STRATEGIES,
@@ -43,6 +44,8 @@ from hybridpipe.partitioner.plan import (
 )
 from hybridpipe.pipeline.instructions import Step
 from hybridpipe.pipeline.schedules import Topology, check_schedulable, rank_program
+from hybridpipe.pipeline.tokens import check_normalization
+from hybridpipe.profiles.losses import LOSS_NORMALIZATIONS
 from hybridpipe.runtime.checkpoint_files import step_dirs
 from hybridpipe.runtime.lr import SCHEDULES as LR_SCHEDULES
 
@@ -87,9 +90,10 @@ class RunConfig:
     eval_every: int = 0               # held-out evaluation every K steps (0: never)
     eval_batches: int = 1             # global batches per evaluation
     eval_dataset: str | None = None   # None: synthetic held-out samples (another seed)
-    init_from: str | None = None      # a state_dict (or merged checkpoint) to start a new run from
+    init_from: str | None = None      # a state_dict, merged checkpoint, .safetensors or HF directory to start from
     planned_s: float | None = None    # seconds rank 0 spent planning (--profile), None with --plan
     in_place: bool = False            # a lost replica's survivors go on in the same processes (runtime/recovery.py)
+    loss_normalization: str = "micro-batch"   # or "tokens" (profiles/losses.py); the plan's unless overridden
 
     @property
     def schedule(self) -> str:
@@ -151,7 +155,7 @@ def build_parser() -> Parser:
     g.add_argument("--micro-batches", type=positive_int, metavar="M",
                    help="micro-batches per step (default: the plan's)")
     g.add_argument("--schedule", choices=SCHEDULES, help="pipeline schedule (default: the plan's)")
-    g.add_argument("--optimizer", choices=OPTIMIZERS, help="optimizer (default: the plan's)")
+    g.add_argument("--optimizer", choices=OPTIMIZERS, help=f"optimizer (default: the plan's); {OPTIMIZER_HELP}")
     g.add_argument("--lr", type=positive_float, default=0.01, help="learning rate (default 0.01)")
     g.add_argument("--momentum", type=nonneg_float, default=0.9, help="SGD momentum (default 0.9; sgd only)")
     g.add_argument("--weight-decay", type=nonneg_float, default=0.0, help="weight decay (default 0)")
@@ -177,6 +181,11 @@ def build_parser() -> Parser:
                         "float32; fp16 "
                         "adds a dynamic loss scale whose overflowing steps every rank skips (gpipe, 1f1b; "
                         "default: the plan's precision, as `partition --precision` priced it)")
+    g.add_argument("--loss-normalization", choices=LOSS_NORMALIZATIONS,
+                   help="micro-batch: a step's loss is the mean of its micro-batches' mean losses; tokens: the "
+                        "step's summed per-token loss over its valid tokens in all micro-batches and replicas, as "
+                        "one process on the whole global batch (the loss function returns (loss_sum, count), or a "
+                        "Hugging Face model counts its labels; flushed schedules; default: the plan's)")
     g.add_argument("--skip-nonfinite", action="store_true",
                    help="a step whose loss is NaN or infinite is skipped (no rank updates its weights; counted in "
                         "the summary) instead of stopping the run")
@@ -214,9 +223,10 @@ def build_parser() -> Parser:
                    help="continue from the newest usable checkpoint, resharded for this plan if another plan "
                         "wrote it (an empty --checkpoint-dir starts afresh)")
     g.add_argument("--init-from", metavar="MODEL.pt",
-                   help="start a new run from these weights: a state_dict of the model or the output of "
-                        "`hybridpipe merge-checkpoint` (with --with-optimizer: its optimizer state too); with "
-                        "--resume, only when there is no checkpoint yet")
+                   help="start a new run from these weights: a state_dict of the model, the output of "
+                        "`hybridpipe merge-checkpoint` (with --with-optimizer: its optimizer state too), a "
+                        ".safetensors file or a save_pretrained directory; with --resume, only when there is no "
+                        "checkpoint yet")
     g.add_argument("--run-dir", type=output_dir, metavar="R",
                    help="metrics, timeline and summary go here (default runs/<time>)")
     g.add_argument("--trace-dir", type=output_dir, metavar="T", help="per-rank timeline traces (default RUN_DIR/trace)")
@@ -250,9 +260,10 @@ def resolve(args: argparse.Namespace, world_size: int | None = None, planned: Pl
     the plan made at start from ``--profile`` (runtime/replan.py), used instead of ``--plan``.
     """
     check_plan_source(args)
-    if args.init_from is not None and not Path(args.init_from).is_file():
-        raise UserError(f"--init-from {args.init_from}: no such file; pass a state_dict saved with torch.save or "
-                        "the output of `hybridpipe merge-checkpoint`")
+    if args.init_from is not None and not (Path(args.init_from).is_file() or Path(args.init_from).is_dir()):
+        raise UserError(f"--init-from {args.init_from}: no such file; pass a state_dict saved with torch.save, "
+                        "the output of `hybridpipe merge-checkpoint`, a .safetensors file or a save_pretrained "
+                        "directory")
     if (args.checkpoint_every or args.resume) and not args.checkpoint_dir:
         raise UserError("--checkpoint-every and --resume need --checkpoint-dir D (a directory every node can reach)")
     micro_batch_size = args.micro_batch_size if args.micro_batch_size is not None else args.batch_size
@@ -267,7 +278,8 @@ def resolve(args: argparse.Namespace, world_size: int | None = None, planned: Pl
     check_plan_fits(plan, model=args.model, signature=None, batch_size=micro_batch_size, world_size=world_size)
     plan = dataclasses.replace(plan, micro_batches=args.micro_batches or plan.micro_batches,
                                schedule=args.schedule or plan.schedule, optimizer=args.optimizer or plan.optimizer,
-                               precision=args.precision or plan.precision)
+                               precision=args.precision or plan.precision,
+                               loss_normalization=args.loss_normalization or plan.loss_normalization)
     require_memory(plan.micro_batches * 6 * 400 * 2, f"the instruction lists of {plan.micro_batches} micro-batches",
                    "use fewer --micro-batches")
     check_schedulable(Topology.from_plan(plan), plan.schedule)
@@ -278,6 +290,7 @@ def resolve(args: argparse.Namespace, world_size: int | None = None, planned: Pl
     if plan.precision == "fp16" and not flushes(plan):
         raise UserError(f"--precision fp16's loss scaler skips overflowing steps on every stage at once, and "
                         f"{plan.schedule} has no global step; use --precision bf16, or --schedule 1f1b or gpipe")
+    check_normalization(plan.loss_normalization, flushes(plan), plan.schedule)
     if args.clip_grad_norm is not None and not flushes(plan):
         raise UserError(f"--clip-grad-norm needs a global step, and {plan.schedule} updates each stage on its own; "
                         "use --schedule 1f1b or gpipe, or drop --clip-grad-norm")
@@ -286,6 +299,9 @@ def resolve(args: argparse.Namespace, world_size: int | None = None, planned: Pl
                         f"zb-h1) and no --aggregator; got {plan.schedule}"
                         + (f" with {plan.virtual_stages} virtual stages" if plan.virtual_stages > 1 else "")
                         + (f" and --aggregator {args.aggregator}" if args.aggregator else ""))
+    if args.in_place and plan.loss_normalization == "tokens":
+        raise UserError("--in-place cannot re-form token-weighted loss normalization's counts yet; use "
+                        "--loss-normalization micro-batch, or drop --in-place (a lost replica then restarts the job)")
     if args.eval_every and args.dataset != "synthetic" and not args.eval_dataset:
         raise UserError("--eval-every with your own --dataset needs --eval-dataset SPEC (the held-out samples)")
     if args.eval_every and args.comm_mode == "sra":
@@ -307,7 +323,8 @@ def resolve(args: argparse.Namespace, world_size: int | None = None, planned: Pl
         verbose=args.verbose, skip_nonfinite=args.skip_nonfinite, lr_schedule=args.lr_schedule,
         warmup_steps=args.warmup_steps, clip_grad_norm=args.clip_grad_norm, eval_every=args.eval_every,
         eval_batches=args.eval_batches, eval_dataset=args.eval_dataset, shuffle=args.shuffle,
-        precision=plan.precision, init_from=args.init_from, planned_s=planned_s, in_place=args.in_place)
+        precision=plan.precision, init_from=args.init_from, planned_s=planned_s,
+        loss_normalization=plan.loss_normalization, in_place=args.in_place)
 
 
 def check_plan_source(args: argparse.Namespace) -> None:

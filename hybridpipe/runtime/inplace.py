@@ -8,8 +8,10 @@ identical. :func:`shrink_plan` is the plan of that smaller world; :func:`decide`
 survivors' reports allow it or the job must restart (torchrun, resume from the newest checkpoint).
 
 A survivor's report says how many steps it completed (``steps``: the trainer's step count, which
-counts a step only once its optimizer update was applied) and what it was doing (``phase``:
-``step`` inside a training step, anything else outside one). The step's global all-reduce before
+counts a step only once its optimizer update was applied), what it was doing (``phase``:
+``step`` inside a training step, anything else outside one) and whether a stage of it combines
+running statistics across replicas (``stats``: batch norm, pipeline/batch_stats.py; not re-formed
+in place, so such a job restarts). The step's global all-reduce before
 the optimizer update (the non-finite check, runtime/nonfinite.py) is the commit point: a rank
 reaches it only once every rank's gradients of the step are complete, so either no survivor
 applied the step (redo it), or all did (go on with the next), or -- when the lost rank died
@@ -100,6 +102,10 @@ def decide(plan: Plan, world_size: int, reports: Mapping[int, Mapping], lost: Co
     if not flushing or plan.virtual_stages > 1:
         return restart(f"schedule {plan.schedule}{' with virtual stages' if plan.virtual_stages > 1 else ''} "
                        "has no step that every rank completes together")
+    stats = sorted(r for r, rep in reports.items() if rep.get("stats"))
+    if stats:
+        return restart(f"rank {stats[0]}'s stage combines running statistics (batch norm) across its replicas, "
+                       "which in-place recovery does not re-form")
     outside = sorted(r for r, rep in reports.items() if rep.get("phase") != STEP)
     if outside:
         return restart(f"rank {outside[0]} was outside a training step ({reports[outside[0]].get('phase')})")

@@ -1,29 +1,30 @@
 """The whole model's state from a checkpoint: the stages' files merged into one state_dict and one
-name-keyed optimizer state (``merge-checkpoint``), and such a file loaded into a model (``--init-from``).
+name-keyed optimizer state (``merge-checkpoint``; ``--init-from`` reads such a file: runtime/lazy.py).
 """
 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from hybridpipe.errors import UserError
 from hybridpipe.pipeline.tied import complete_tied
-from hybridpipe.runtime.checkpoint_files import load_data, load_file, read_manifest, stage_file, step_dir
+from hybridpipe.runtime.checkpoint_files import load_file, read_manifest, stage_file, step_dir
 
 
 def merge_stages(root: str | os.PathLike, step: int) -> tuple[dict[str, torch.Tensor], dict]:
     """One state_dict of the whole model from every stage file of ``step`` (and the manifest).
 
     Keys must be disjoint across stages unless they hold equal tensors (a weight shared by two
-    stages); anything else is an error naming the key. A tied parameter (the manifest's ``tied``
-    names) appears under every one of its names, as in the unsplit model's ``state_dict``, once
-    its stages' copies are checked to be bit-identical.
+    stages); anything else is an error naming the key. The replicas of a stage must have saved
+    the same weights and buffers (:func:`check_replica_copies`): the file holds replica 0's. A
+    tied parameter (the manifest's ``tied`` names) appears under every one of its names, as in
+    the unsplit model's ``state_dict``, once its stages' copies are checked to be bit-identical.
     """
     manifest = read_manifest(step_dir(root, step))
+    check_replica_copies(manifest, step_dir(root, step))
     merged: dict[str, torch.Tensor] = {}
     owner: dict[str, int] = {}
     for k in range(manifest["n_stages"]):
@@ -39,6 +40,22 @@ def merge_stages(root: str | os.PathLike, step: int) -> tuple[dict[str, torch.Te
     return complete_tied(merged, manifest.get("tied", [])), manifest
 
 
+def check_replica_copies(manifest: dict, where: str | os.PathLike) -> None:
+    """UserError unless every replica of each replicated stage reported the same digest for every
+    weight and buffer at the save (the manifest's ``replicas``; an older checkpoint has none)."""
+    for stage, copies in sorted(manifest.get("replicas", {}).items(), key=lambda kv: int(kv[0])):
+        ranks = sorted(copies, key=int)
+        first = copies[ranks[0]]
+        for rank in ranks[1:]:
+            other = copies[rank]
+            differ = sorted(n for n in set(first) | set(other) if first.get(n) != other.get(n))
+            if differ:
+                raise UserError(f"{where}: the replicas of stage {stage} saved different values of {differ[0]!r} "
+                                f"(ranks {ranks[0]} and {rank}; {len(differ)} tensor(s) differ), and the checkpoint "
+                                "holds only the first one's: it does not hold what the run trained; merge another "
+                                "step (and please report this)")
+
+
 def merge_optimizer(root: str | os.PathLike, step: int) -> dict:
     """The whole model's optimizer state of ``step``, keyed by parameter names (the union of the
     stages' name-keyed states; see runtime/reshard.py)."""
@@ -51,31 +68,3 @@ def merge_optimizer(root: str | os.PathLike, step: int) -> dict:
         out["state"].update(part.get("state", {}))
         out["param_groups"].extend(part.get("param_groups", []))
     return out
-
-
-def load_initial(path: str | os.PathLike, module: torch.nn.Module) -> dict | None:
-    """``launch --init-from``: load a state_dict (``torch.save(model.state_dict())``) or a merged
-    checkpoint (``{"model": ..., "optimizer": ...}`` from ``merge-checkpoint --with-optimizer``)
-    into ``module`` (strictly, as data only); returns the name-keyed optimizer state, if any."""
-    data = load_data(Path(path))
-    state, optimizer = (data.get("model"), data.get("optimizer")) if "model" in data else (data, None)
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise UserError(f"--init-from {path} holds no state_dict of tensors (expected torch.save(model.state_dict()) "
-                        "or the output of `hybridpipe merge-checkpoint`)")
-    if optimizer is not None and not isinstance(optimizer, dict):
-        raise UserError(f"--init-from {path}: its \"optimizer\" entry is not an optimizer state")
-    aliases: dict[int, list[str]] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        aliases.setdefault(id(p), []).append(name)
-    state = complete_tied(state, [v for v in aliases.values() if len(v) > 1])
-    expected = module.state_dict()
-    missing = [k for k in expected if k not in state]
-    unexpected = [k for k in state if k not in expected]
-    shapes = [k for k in expected if k in state and tuple(state[k].shape) != tuple(expected[k].shape)]
-    if missing or unexpected or shapes:
-        what = (f"missing {missing[0]!r}" if missing else f"unexpected {unexpected[0]!r}" if unexpected
-                else f"{shapes[0]!r} has shape {tuple(state[shapes[0]].shape)}, not {tuple(expected[shapes[0]].shape)}")
-        raise UserError(f"--init-from {path} does not fit the model ({what}; {len(missing)} missing, "
-                        f"{len(unexpected)} unexpected, {len(shapes)} of another shape): it holds another model")
-    module.load_state_dict(state, strict=True)
-    return optimizer

@@ -4,7 +4,8 @@
 
     {"step": 7, "step_ms": 412.5, "samples_per_s": 310.3, "loss": 2.291, "micro_batches": 2, "time": 1730000000.1}
 
-``loss`` (the mean of this rank's micro-batch losses) and ``micro_batches`` appear on ranks of
+``loss`` (the mean of this rank's micro-batch losses, weighted by their tokens under
+``--loss-normalization tokens``) and ``micro_batches`` appear on ranks of
 the last stage only; ``lr`` (the step's learning rate, ranks with parameters), ``grad_norm``
 (``--clip-grad-norm``: the global norm before clipping), ``loss_scale`` (``--precision fp16``)
 and ``eval_loss`` (``--eval-every``: the held-out mean loss) on every rank; with
@@ -18,6 +19,7 @@ The file is appended to and flushed every line, so a crashed or resumed run keep
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -63,14 +65,16 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
     return out
 
 
-def step_record(step: int, seconds: float, global_batch: int, losses: list[float], peak_memory_bytes: int = 0) -> dict:
-    """One metrics line (see the module docstring)."""
+def step_record(step: int, seconds: float, global_batch: int, losses: list[float], peak_memory_bytes: int = 0,
+                weights: list[float] | None = None) -> dict:
+    """One metrics line (see the module docstring); ``weights``: the micro-batches' valid tokens
+    (``--loss-normalization tokens``: the loss is their token-weighted mean)."""
     rec = {"step": step, "step_ms": round(seconds * 1e3, 3),
            "samples_per_s": round(global_batch / seconds, 2) if seconds > 0 else None}
     if peak_memory_bytes:
         rec["peak_memory_bytes"] = peak_memory_bytes
     if losses:
-        rec["loss"] = sum(losses) / len(losses)
+        rec["loss"] = weighted_mean(losses, weights)
         rec["micro_batches"] = len(losses)
     return rec
 
@@ -102,3 +106,11 @@ class Progress:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+
+def weighted_mean(values: list[float], weights: list[float] | None = None) -> float:
+    """The mean of ``values`` (micro-batch losses), weighted by ``weights`` (their tokens) if given."""
+    if weights is None:
+        return sum(values) / len(values)
+    total = sum(weights)
+    return sum(v * w for v, w in zip(values, weights, strict=True)) / total if total > 0 else math.nan

@@ -58,10 +58,15 @@ class NonFiniteWatch:
         """``fn`` that also raises the flag when its loss is NaN or infinite."""
         def loss(*args: Any, **kwargs: Any) -> torch.Tensor:
             value = fn(*args, **kwargs)
-            bad = (~torch.isfinite(value.detach())).any().to(self._flag.dtype)
-            self._flag = torch.maximum(self._flag, bad.to(self._flag.device))
+            self.note(value)
             return value
         return loss
+
+    def note(self, value: torch.Tensor) -> None:
+        """Raise the flag when ``value`` (a loss) is NaN or infinite (token-weighted losses are
+        checked as sums, pipeline/tokens.py)."""
+        bad = (~torch.isfinite(value.detach())).any().to(self._flag.dtype)
+        self._flag = torch.maximum(self._flag, bad.to(self._flag.device))
 
     def wrap_optimizer(self, optimizer: Any) -> GuardedOptimizer:
         return GuardedOptimizer(optimizer, self)

@@ -2,12 +2,15 @@
 
 * :func:`load_model`: the model spec, the full model (same seed on every rank, so every rank
   starts from the weights single-process training would) and its captured graph, the whole plan
-  checked against it before any process group exists.
+  checked against it before any process group exists. A model whose weights all come from files
+  (``hf:DIR``) is built with its parameters on the meta device, and each rank reads only its own
+  stages' tensors (:meth:`Model.materialize`; runtime/lazy.py).
 * :func:`make_sync`: HybridDataParallel (summing) for a replicated stage, running the plan's sync
   choices (or launch's overrides), else nothing to sync.
-* :func:`make_optimizer`: SGD (momentum) or Adam over the stage's parameters.
+* :func:`make_optimizer`: SGD (momentum), Adam or AdamW over the stage's parameters.
 * :func:`make_data`: the (step, micro-batch) -> samples source both ends of the pipeline read.
 * :func:`seed_rank`: each rank's own random stream once the model is built.
+* :func:`token_counts`: the bookkeeping of ``--loss-normalization tokens`` (pipeline/tokens.py).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 from torch import nn
 
 from hybridpipe.comm.allreduce import GroupCosts
@@ -33,13 +37,18 @@ from hybridpipe.partitioner.plan import Plan, Stage
 from hybridpipe.partitioner.tied import shared_across
 from hybridpipe.pipeline import LocalSync, MicroBatches
 from hybridpipe.pipeline.stage import build_stage_index, check_captured_plan
+from hybridpipe.pipeline.tokens import TokenCounts
 from hybridpipe.profiles.capture import CapturedModel, tied_parameters
 from hybridpipe.profiles.capture_cache import cached_capture
 from hybridpipe.profiles.data import resolve_dataset
 from hybridpipe.profiles.graphinfo import node_infos
+from hybridpipe.profiles.losses import label_counter
 from hybridpipe.profiles.zoo import ModelSpec, resolve_model
+from hybridpipe.profiles.zoo.registry import batch_rows
 from hybridpipe.runtime.config import RunConfig
+from hybridpipe.runtime.lazy import capture_lazily, load_initial, load_whole, materialize
 from hybridpipe.runtime.sync import describe_override, override_layers, stage_layers, unit_choices
+from hybridpipe.runtime.tensor_files import Weights, open_weights
 
 log = logging.getLogger(__name__)
 CAPTURE_CACHE = "capture"        # RUN_DIR/capture/: the capture cache (profiles/capture_cache.py)
@@ -50,6 +59,25 @@ class Model:
     spec: ModelSpec
     module: nn.Module
     captured: CapturedModel
+    weights: Weights | None = None      # the files the meta parameters are read from (None: all in memory)
+
+    def materialize(self, plan: Plan, stages: Sequence[int]) -> None:
+        """Read the weights of ``stages`` (this rank's) from :attr:`weights`, before building them;
+        nothing to do for a model built whole."""
+        if self.weights is not None:
+            materialize(self.module, self.captured, self.weights, plan, stages)
+            self.weights = None
+
+    def start_from(self, path: str) -> dict | None:
+        """``launch --init-from PATH``: the model's weights from PATH instead (read per stage by
+        :meth:`materialize` when the model was built without them); the name-keyed optimizer state
+        PATH holds, if any (runtime/lazy.py load_initial)."""
+        weights, optimizer = load_initial(path, self.module)
+        if self.weights is not None:
+            self.weights = weights
+        else:
+            load_whole(self.module, weights)
+        return optimizer
 
 
 def spec_of(model: Any, name: str, example: Any, loss: Callable[..., torch.Tensor] | None) -> ModelSpec:
@@ -79,16 +107,23 @@ def build_model(spec: ModelSpec, plan: Plan, *, seed: int, cache: Path | None = 
     """:func:`load_model` for a resolved spec: the model built after ``torch.manual_seed(seed)``
     (the same weights on every rank), captured with the plan's batch size and granularity
     (through the capture cache in ``cache``: a restarted worker reads it, profiles/capture_cache.py),
-    and the whole plan checked against it."""
+    and the whole plan checked against it; a spec naming its weights' files is built and captured
+    with its parameters on the meta device when the files cover it (runtime/lazy.py)."""
     torch.manual_seed(seed)
-    module = spec.build()
     example = spec.example_input(plan.batch_size, torch.Generator().manual_seed(seed))
-    captured = cached_capture(module, example, directory=cache, granularity=plan.granularity,
-                              leaf_modules=spec.leaf_modules)
-    check_captured_plan(captured, plan)
+    weights = open_weights(spec.weights) if spec.weights is not None else None
+    lazy = capture_lazily(spec, example, plan, weights) if weights is not None else None
+    if lazy is not None:
+        module, captured = lazy
+    else:
+        weights = None
+        module = spec.build()
+        captured = cached_capture(module, example, directory=cache, granularity=plan.granularity,
+                                  leaf_modules=spec.leaf_modules)
+        check_captured_plan(captured, plan)
     check_tied(captured, plan)
     check_sync_layers(captured, plan)
-    return Model(spec, module, captured)
+    return Model(spec, module, captured, weights)
 
 
 def check_sync_layers(captured: CapturedModel, plan: Plan) -> None:
@@ -164,7 +199,8 @@ class NoParameters:
 
 
 def make_optimizer(kind: str, params, *, lr: float, momentum: float = 0.0, weight_decay: float = 0.0):
-    """``sgd`` (with momentum) or ``adam`` over ``params``."""
+    """``sgd`` (with momentum), ``adam`` (L2 weight decay, added to the gradient) or ``adamw``
+    (decoupled weight decay) over ``params`` (partitioner/plan.py OPTIMIZER_HELP)."""
     params = [p for p in params if p.requires_grad]
     if not params:
         return NoParameters()
@@ -172,7 +208,9 @@ def make_optimizer(kind: str, params, *, lr: float, momentum: float = 0.0, weigh
         return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
     if kind == "adam":
         return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
-    raise UserError(f"unknown optimizer {kind!r}; choose sgd or adam")
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    raise UserError(f"unknown optimizer {kind!r}; choose sgd, adam or adamw")
 
 
 def build_optimizer(kind: Any, module: nn.Module, lr: float, momentum: float, weight_decay: float) -> Any:
@@ -207,10 +245,19 @@ def make_eval_data(cfg: RunConfig, spec: ModelSpec) -> MicroBatches:
 
 
 def weights_digest(module: nn.Module) -> str:
-    """SHA-256 of every parameter (names, dtypes, shapes and bytes). Buffers are left out: like
-    BatchNorm's running statistics, they may differ between replicas that saw different data."""
+    """SHA-256 of every parameter (names, dtypes, shapes and bytes)."""
+    return _digest(module.named_parameters())
+
+
+def buffers_digest(module: nn.Module) -> str:
+    """SHA-256 of every buffer, saved or not (BatchNorm's running statistics, which replicas combine
+    exactly, and constants such as rotary frequencies)."""
+    return _digest(module.named_buffers())
+
+
+def _digest(named) -> str:
     h = hashlib.sha256()
-    for name, p in module.named_parameters():
+    for name, p in named:
         t = p.detach().cpu().contiguous()
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
@@ -220,3 +267,31 @@ def weights_digest(module: nn.Module) -> str:
 def seed_rank(seed: int, rank: int) -> None:
     """Give this rank its own random stream (dropout etc.) after the common one built the model."""
     torch.manual_seed(int(np.random.SeedSequence((seed, rank)).generate_state(1, np.uint64)[0]))
+
+
+def token_counts(model: Model, device: torch.device, group: dist.ProcessGroup | None, batch_size: int,
+                 note: Callable[[torch.Tensor], None] | None = None) -> TokenCounts:
+    """Token-weighted loss's bookkeeping (pipeline/tokens.py): the step's [loss sum, tokens,
+    micro-batches] summed over ``group`` (every rank) by one all-reduce; a Hugging Face model's
+    own-loss labels counted on the first stage; the first step's divisor from the tokens a
+    micro-batch of ``batch_size`` rows of the example holds. Refuses an own-loss model it cannot
+    count, or an example without labels."""
+    spec = model.spec
+    count = label_counter(model.module) if spec.loss is None else None
+    if spec.loss is None and count is None:
+        raise UserError(f"--loss-normalization tokens: {spec.name} computes its own loss and hybridpipe cannot "
+                        "count the tokens it averages over; give its factory a loss function returning "
+                        "(loss_sum, count), or use --loss-normalization micro-batch")
+    example = spec.example if spec.example is not None else spec.example_input(1)
+    rows = batch_rows(example) or 1
+    if count is not None:                   # an example without labels: refused here, in one line
+        per_row = float(count(example)) / rows
+    else:
+        target = spec.example_target(1)
+        per_row = float(sum(t.numel() for t in pytree.tree_leaves(target) if isinstance(t, torch.Tensor)) or 1)
+
+    def total(part: torch.Tensor) -> torch.Tensor:
+        t = part.to(device=device, dtype=torch.float64).clone()
+        dist.all_reduce(t, group=group)
+        return t
+    return TokenCounts(total, count_input=count, note=note, divisor=per_row * batch_size)

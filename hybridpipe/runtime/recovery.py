@@ -150,7 +150,8 @@ def recover_in_place(trainer: Any, recovery: Recovery, guard: FailureGuard, *, p
     recovery.request(f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300], None,
                      main=True)
     detected = float(recovery.requested()["time"])
-    decision = recovery.agree({"steps": trainer.step, "phase": phase}, guard.gone_here, decide)
+    stats = any(getattr(st, "stats", None) is not None for st in trainer.stages)    # replicas' batch norm
+    decision = recovery.agree({"steps": trainer.step, "phase": phase, "stats": stats}, guard.gone_here, decide)
     before = recovery.world_size
     if decision.kind != IN_PLACE:
         lost = decision.lost[0] if decision.lost else recovery.rank

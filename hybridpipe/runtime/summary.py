@@ -8,8 +8,11 @@ Each rank hands a :class:`RankReport` to one gather; :func:`summarize` turns the
   warm-up (the first fifth of the steps, at least one when more than one step ran), next to
   the plan's ``predicted_step_ms``.
 * Loss of step k = the mean of the step's micro-batch losses, gathered from every replica of
-  the last stage: the mean loss of the global batch, as single-process training reports it.
-* Replicas of a stage must hold bitwise identical weights at the end (a digest per rank).
+  the last stage: the mean loss of the global batch, as single-process training reports it
+  (``--loss-normalization tokens``: weighted by the micro-batches' valid tokens, i.e. the global
+  batch's summed loss over its tokens; ``loss_normalization`` says which).
+* Replicas of a stage must hold bitwise identical weights and buffers at the end (two digests per
+  rank); the buffers their running statistics were combined into (pipeline/batch_stats.py) are named.
 * Gradient sync: per replicated stage, each of the plan's layers with the algorithm its
   all-reduce actually ran (as the stage's HybridDataParallel recorded it on its first replica)
   and the plan's (``runtime/sync.py``); ``sync_as_planned`` says whether they all agree.
@@ -23,6 +26,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from hybridpipe.partitioner.plan import Plan
+from hybridpipe.runtime.metrics import weighted_mean
 
 
 @dataclass
@@ -34,7 +38,10 @@ class RankReport:
     replica: int
     step_ms: dict[int, float] = field(default_factory=dict)
     losses: dict[int, dict[int, float]] = field(default_factory=dict)   # step -> micro-batch -> loss
+    tokens: dict[int, dict[int, float]] = field(default_factory=dict)   # the same micro-batches' valid tokens
     digest: str | None = None                                             # weights, replicated stages only
+    buffers: str | None = None                                            # buffers' digest, likewise
+    combined: dict[int, list[str]] = field(default_factory=dict)  # stage -> buffers combined across replicas
     sync: list[dict] | None = None       # replicated stages: per layer {"layer", "algorithm", "planned"}
     peak_memory_bytes: int = 0           # the most the rank's stage held in any step (pipeline/memory.py)
     more_stages: tuple[int, ...] = ()    # virtual stages: the rank's other model chunks (``stage`` is the first)
@@ -52,12 +59,21 @@ def warmup_steps(n: int) -> int:
 
 
 def step_losses(reports: list[RankReport], micro_batches: int) -> dict[int, float]:
-    """Mean loss per step over all its micro-batches (steps missing a micro-batch are left out)."""
+    """Mean loss per step over all its micro-batches, weighted by their tokens where the reports
+    carry them (steps missing a micro-batch are left out)."""
     merged: dict[int, dict[int, float]] = {}
+    tokens: dict[int, dict[int, float]] = {}
     for r in reports:
         for step, per_mb in r.losses.items():
             merged.setdefault(step, {}).update(per_mb)
-    return {k: sum(v.values()) / len(v) for k, v in sorted(merged.items()) if len(v) == micro_batches}
+        for step, per_mb in r.tokens.items():
+            tokens.setdefault(step, {}).update(per_mb)
+    out = {}
+    for k, v in sorted(merged.items()):
+        if len(v) == micro_batches:
+            w = tokens.get(k)
+            out[k] = weighted_mean([v[m] for m in sorted(v)], [w[m] for m in sorted(v)] if w else None)
+    return out
 
 
 def sync_summary(reports: list[RankReport]) -> tuple[dict[str, list[dict]], bool | None]:
@@ -86,11 +102,18 @@ def summarize(reports: list[RankReport], plan: Plan, *, steps: int, first_step: 
     measured = statistics.median(steady) if steady else None
     global_batch = plan.batch_size * plan.micro_batches
     predicted = plan.predicted_step_ms or None
-    replicas = {}
+    replicas, differ = {}, {}
     for s in plan.stages:
-        digests = {r.digest for r in reports if s.index in r.stages}
         if s.replicas > 1:
-            replicas[str(s.index)] = len(digests) == 1 and None not in digests
+            mine = [r for r in reports if s.index in r.stages]
+            what = [kind for kind, digests in (("weights", {r.digest for r in mine}),
+                                               ("buffers", {r.buffers for r in mine}))
+                    if len(digests) != 1 or None in digests]
+            replicas[str(s.index)] = not what
+            if what:
+                differ[str(s.index)] = " and ".join(what)
+    combined = {str(k): v for r in sorted(reports, key=lambda r: r.rank) if r.replica == 0
+                for k, v in sorted(r.combined.items())}
     sync, as_planned = sync_summary(reports)
     return {
         "model": plan.model, "schedule": schedule, "comm_mode": comm_mode, "allreduce": allreduce or "as planned",
@@ -103,7 +126,8 @@ def summarize(reports: list[RankReport], plan: Plan, *, steps: int, first_step: 
         "predicted_samples_per_s": plan.predicted_samples_per_s or None,
         "job_step_ms": {str(k): v for k, v in job_ms.items()},
         "loss": {str(k): v for k, v in step_losses(reports, plan.micro_batches).items()},
-        "replicas_identical": replicas,
+        "loss_normalization": plan.loss_normalization,
+        "replicas_identical": replicas, "replicas_differ": differ, "buffers_combined": combined,
         "skipped_nonfinite_steps": sorted(skipped or []),
         "sync": sync, "sync_as_planned": as_planned,
         "memory": [{"rank": r.rank, "stage": r.stage, "peak_bytes": r.peak_memory_bytes,
@@ -126,6 +150,25 @@ def sync_line(sync: dict[str, list[dict]], as_planned: bool | None, shown: int =
              if e["algorithm"] != e["planned"]]
     more = f" and {len(other) - shown} more" if len(other) > shown else ""
     return f"  all-reduce: NOT as the plan says: {', '.join(other[:shown])}{more}"
+
+
+def replicas_line(identical: dict[str, bool], differ: dict[str, str], combined: dict[str, list[str]],
+                  shown: int = 3) -> str:
+    """The summary's replicas line: identical weights and buffers (and which running statistics
+    were combined across replicas), or what differs where."""
+    diverged = [k for k, same in identical.items() if not same]
+    if diverged:
+        return "  replicas: " + "; ".join(f"{differ.get(k, 'weights').upper()} DIFFER between the replicas of "
+                                          f"stage {k}" for k in diverged)
+    line = "  replicas: identical weights and buffers in every replicated stage"
+    if combined:
+        parts = []
+        for k, names in combined.items():
+            owners = list(dict.fromkeys(n.rpartition(".")[0] or n for n in names))
+            more = f" and {len(owners) - shown} more" if len(owners) > shown else ""
+            parts.append(f"stage {k}: {', '.join(owners[:shown])}{more}")
+        line += f" (running statistics combined across replicas: {'; '.join(parts)})"
+    return line
 
 
 def loss_rows(losses: dict[str, float], rows: int = 6) -> list[tuple[int, float]]:
@@ -154,7 +197,9 @@ def format_summary(summary: dict) -> str:
            f"p2p {s['comm_mode']}, all-reduce {s['allreduce']})"]
     rows = loss_rows(s["loss"])
     if rows:
-        out.append("  loss: " + ", ".join(f"step {k}: {v:.4f}" for k, v in rows))
+        tokens = s.get("loss_normalization") == "tokens"
+        per = "over the global batch's tokens" if tokens else "mean of micro-batch means"
+        out.append("  loss: " + ", ".join(f"step {k}: {v:.4f}" for k, v in rows) + f" ({per})")
     if s["measured_step_ms"] is not None:
         line = (f"  step time: measured {s['measured_step_ms']:.1f} ms (median after {s['warmup_steps']} "
                 f"warm-up steps, {s['samples_per_s']:.1f} samples/s)")
@@ -162,10 +207,8 @@ def format_summary(summary: dict) -> str:
             line += (f", plan predicted {s['predicted_step_ms']:.1f} ms "
                      f"(measured/predicted {s['measured_over_predicted']:.2f})")
         out.append(line)
-    diverged = [k for k, same in s["replicas_identical"].items() if not same]
     if s["replicas_identical"]:
-        out.append("  replicas: " + ("identical weights in every replicated stage" if not diverged
-                                     else f"WEIGHTS DIFFER between the replicas of stage(s) {', '.join(diverged)}"))
+        out.append(replicas_line(s["replicas_identical"], s.get("replicas_differ", {}), s.get("buffers_combined", {})))
     if s.get("sync"):
         out.append(sync_line(s["sync"], s["sync_as_planned"]))
     if s.get("memory"):

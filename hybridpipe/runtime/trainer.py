@@ -39,7 +39,9 @@ from hybridpipe.pipeline import PipelineEngine, Topology, build_stage_index
 from hybridpipe.pipeline.chunks import rank_module
 from hybridpipe.pipeline.schedules import settle_phase
 from hybridpipe.pipeline.stage import loss_of
+from hybridpipe.pipeline.tokens import check_normalization
 from hybridpipe.profiles.capture import tied_parameters
+from hybridpipe.profiles.losses import as_mean
 from hybridpipe.profiles.zoo import ModelSpec
 from hybridpipe.runtime.batches import GivenBatches, is_micro_batch_stream, split_batch, take_micro_batches
 from hybridpipe.runtime.checkpoint import Checkpointer, Restored, reseed, restore_rng
@@ -48,7 +50,7 @@ from hybridpipe.runtime.groups import init_distributed, replica_groups, stage_ch
 from hybridpipe.runtime.loader import MicroBatchSlice, StepLoader
 from hybridpipe.runtime.lr import SchedulerFactory
 from hybridpipe.runtime.nonfinite import NonFiniteWatch
-from hybridpipe.runtime.parts import Model, build_model, build_optimizer, make_sync, seed_rank, spec_of
+from hybridpipe.runtime.parts import Model, build_model, build_optimizer, make_sync, seed_rank, spec_of, token_counts
 from hybridpipe.runtime.scaler import LossScaler
 from hybridpipe.runtime.tied import repeated_tied, tied_process_groups, tied_sync
 
@@ -64,7 +66,8 @@ class Trainer:
     same on every rank), or a factory called after ``torch.manual_seed(seed)``; with the last two
     give ``example`` (one micro-batch of input) and ``loss(output, target)`` (None: the model
     returns its own loss, e.g. a Hugging Face model given ``labels``). ``plan``: a Plan or a path.
-    ``optimizer``: "sgd", "adam" or ``params -> torch.optim.Optimizer`` (default: the plan's).
+    ``optimizer``: "sgd", "adam" (L2 weight decay), "adamw" (decoupled weight decay) or ``params ->
+    torch.optim.Optimizer`` (default: the plan's).
     ``lr_scheduler``: ``optimizer -> torch.optim.lr_scheduler.*`` (stepped once per training step
     on every rank; see runtime/lr.py for launch's schedules). ``clip_grad_norm``: clip by the norm
     of the whole model's gradient (what ``torch.nn.utils.clip_grad_norm_`` on the unsplit model
@@ -73,7 +76,11 @@ class Trainer:
     between stages and all-reduced between replicas as bfloat16 (half the bytes); weights, their
     gradients and the optimizer state stay float32. ``"fp16"`` likewise in float16,
     with a dynamic loss scale (``loss_scale``: the initial one; runtime/scaler.py) whose overflow
-    check all ranks agree on: an overflowing step is skipped everywhere. ``data``: a source of micro-batches
+    check all ranks agree on: an overflowing step is skipped everywhere. ``loss_normalization`` (default:
+    the plan's) ``"micro-batch"``: a step's loss is the mean of its micro-batches' mean losses;
+    ``"tokens"``: its summed per-token loss over the valid tokens of the whole global batch, as one
+    process computes it (profiles/losses.py: ``loss`` then returns (loss_sum, count), or the model
+    is a Hugging Face model computing its own loss from ``labels``). ``data``: a source of micro-batches
     by (step, micro-batch) for steps given no batch (launch's ``MicroBatches``). ``recorder``: a
     timeline recorder (launch's).
     """
@@ -85,7 +92,7 @@ class Trainer:
                  allreduce: str | None = None, calibrations: Iterable[str] = (), aggregator: str | None = None,
                  skip_nonfinite: bool = False, backend: str | None = None, timeout: float = 300.0,
                  precision: str | None = None, loss_scale: float = 2.0**16, recorder: Any = None,
-                 nonfinite_hint: str = "", in_place: bool = False) -> None:
+                 nonfinite_hint: str = "", loss_normalization: str | None = None, in_place: bool = False) -> None:
         self.plan = plan if isinstance(plan, Plan) else load_plan(str(plan))
         precision = precision or self.plan.precision          # what the plan was priced for, unless told
         if precision not in PRECISIONS:
@@ -96,6 +103,8 @@ class Trainer:
         if clip_grad_norm is not None and not kind.flushed:
             raise UserError(f"gradient clipping by the global norm needs a global step, and {kind.name} updates each "
                             "stage on its own; use the 1f1b or gpipe schedule, or drop the clipping")
+        self.loss_normalization = loss_normalization or self.plan.loss_normalization
+        check_normalization(self.loss_normalization, kind.flushed, kind.name)
         if precision == "fp16" and not kind.flushed:
             raise UserError(f"fp16's loss scaler skips overflowing steps on every stage at once, and {kind.name} has "
                             "no global step; use bf16, or the 1f1b or gpipe schedule")
@@ -109,6 +118,7 @@ class Trainer:
         self.stage_plans, self.replica = plan.stages_of_rank(rank)    # one, or V model chunks (virtual stages)
         self.stage_plan = self.stage_plans[0]
         mine = [s.index for s in self.stage_plans]
+        self.model.materialize(plan, mine)       # hf:DIR built without weights: read this rank's stages only
         self.is_last = len(plan.stages) - 1 in mine
         self.takes_targets = self.model.spec.loss is not None
         self.clip_grad_norm = clip_grad_norm
@@ -125,9 +135,13 @@ class Trainer:
         self.watch = NonFiniteWatch(self.proc.device, skip=skip_nonfinite, flushing=flushes(plan),
                                     stage=self.stage_plan.index, hint=nonfinite_hint)
         ranges = [(s.first_node, s.last_node) for s in plan.stages]
-        loss_fn = self.watch.wrap_loss(loss_of(self.model.spec.loss))
-        self.stages = [build_stage_index(self.model.captured, ranges, s.index, loss=loss_fn,
-                                         recompute=s.recompute).to(self.proc.device) for s in self.stage_plans]
+        if in_place and self.loss_normalization == "tokens":
+            raise UserError("in-place recovery cannot re-form token-weighted loss normalization's counts; use "
+                            "loss_normalization='micro-batch' or no in-place recovery")
+        loss_fn = loss_of(self.model.spec.loss) if self.loss_normalization == "tokens" else \
+            self.watch.wrap_loss(as_mean(loss_of(self.model.spec.loss)))
+        self.stages = [build_stage_index(self.model.captured, ranges, s.index, loss=loss_fn, recompute=s.recompute,
+                                         replicas=s.replicas).to(self.proc.device) for s in self.stage_plans]
         self.module = rank_module([st.module for st in self.stages])     # every chunk's parameters, each once
         self._uncounted = repeated_tied(plan, mine, self.model.module)
         seed_rank(seed, rank)
@@ -140,6 +154,7 @@ class Trainer:
         if recorder is not None:
             recorder.align(dist.barrier)
         self.last_losses: dict[int, float] = {}      # this rank's micro-batch losses of the last step (last stage)
+        self.last_tokens: dict[int, float] = {}      # with tokens: their valid tokens
         self.last_peak_memory_bytes = 0               # what this rank's stage held at its peak in the last step
         self._checkpointers: dict[str, Checkpointer] = {}
 
@@ -153,6 +168,8 @@ class Trainer:
         tied = tied_sync(plan, [s.index for s in self.stage_plans], self.model.module,
                          tied_process_groups(plan, timeout))
         self._stats = dist.new_group(list(range(self.proc.world_size)), timeout=datetime.timedelta(seconds=timeout))
+        self.tokens = token_counts(self.model, self.proc.device, self._stats, plan.batch_size, self.watch.note) \
+            if self.loss_normalization == "tokens" else None
         # the last stage alone knows a loss was bad: unreplicated, it need not wait for the others,
         # unless a recovery in place needs every rank to pass the check before any update
         self.watch.decides_alone = self.is_last and self.stage_plan.replicas == 1 and not self._in_place
@@ -169,7 +186,8 @@ class Trainer:
                                      sync=self.syncs, recorder=recorder, tied=tied,
                                      before_step=self._before_step if self.clip_grad_norm is not None or self.scaler
                                      else None, autocast=self._dtype, wire_dtype=self._dtype,
-                                     loss_scale=self._loss_scale if self.scaler is not None else None)
+                                     loss_scale=self._loss_scale if self.scaler is not None else None,
+                                     tokens=self.tokens)
 
     def reform(self, plan: Plan) -> None:
         """Go on in a re-formed world (in-place recovery, runtime/recovery.py: the default group is
@@ -211,9 +229,9 @@ class Trainer:
     def train_step(self, batch: Any = None, target: Any = None, *, drain: bool = False) -> float:
         """One training step of the plan's schedule on the global ``batch`` (and ``target``), on
         an iterator of micro-batches, or on what :meth:`loader` yields; ranks whose stage reads
-        neither may pass nothing. Returns the step's mean loss over its micro-batches, on every
-        rank. ``drain``: pipedream only, finish every micro-batch in flight (before an
-        ``eval_step`` or the end)."""
+        neither may pass nothing. Returns the step's mean loss over its micro-batches (with
+        ``tokens``: over the global batch's tokens), on every rank. ``drain``: pipedream only, finish
+        every micro-batch in flight (before an ``eval_step`` or the end)."""
         step = self.step
         if self.scaler is not None:
             self._scaler_at = (step, self.scaler.state_dict())
@@ -225,7 +243,10 @@ class Trainer:
             self.scheduler.step()
         self.step += 1
         self.last_losses = {m: float(v) for m, v in sorted(result.losses.items())}
+        self.last_tokens = {m: float(v) for m, v in sorted(result.counts.items())}
         self.last_peak_memory_bytes = result.peak_memory_bytes
+        if result.total is not None:            # tokens: summed over every rank at the step already
+            return float(result.mean_loss or 0.0)
         return self._mean(result.losses)
 
     def eval_step(self, batch: Any = None, target: Any = None) -> float:
@@ -242,7 +263,8 @@ class Trainer:
         given = GivenBatches(keep=1, rank=self.proc.rank, targets=self.takes_targets)
         if batch is not None or target is not None:
             given.put(0, *self._micro_batches(batch, target))
-        return self._mean(self.engine.run_eval(given))
+        counts: dict[int, torch.Tensor] | None = {} if self.tokens is not None else None
+        return self._mean(self.engine.run_eval(given, counts=counts), counts)
 
     def loader(self, dataset: Dataset, *, epoch: int = 0, shuffle: bool = True, seed: int | None = None,
                num_workers: int = 0, collate_fn: Any = None) -> StepLoader:
@@ -331,12 +353,13 @@ class Trainer:
         targets = split_batch(target, M, B, "target") if target is not None else None
         return inputs, targets
 
-    def _mean(self, losses: dict[int, torch.Tensor]) -> float:
-        """The mean of the step's micro-batch losses, on every rank (one all-reduce of two numbers)."""
+    def _mean(self, losses: dict[int, torch.Tensor], counts: dict[int, torch.Tensor] | None = None) -> float:
+        """The mean of the step's micro-batch losses, on every rank (one all-reduce of two numbers);
+        with ``counts`` the losses are sums and the mean is over the counted tokens."""
         t = torch.zeros(2, dtype=torch.float64, device=self.proc.device)
         if losses:
             t[0] = torch.stack([v.detach().double() for v in losses.values()]).sum()
-            t[1] = len(losses)
+            t[1] = len(losses) if counts is None else torch.stack([c.double() for c in counts.values()]).sum()
         dist.all_reduce(t, group=self._stats)
         return float(t[0] / t[1]) if t[1] > 0 else math.nan
 

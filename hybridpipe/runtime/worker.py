@@ -36,9 +36,8 @@ from hybridpipe.runtime.failure import EXIT_PEER_LOST, FailureGuard, default_sto
 from hybridpipe.runtime.groups import Process, init_distributed
 from hybridpipe.runtime.inplace import STEP, Decision, decide
 from hybridpipe.runtime.lr import lr_schedule
-from hybridpipe.runtime.merged import load_initial
 from hybridpipe.runtime.metrics import MetricsWriter, Progress, step_record
-from hybridpipe.runtime.parts import Model, load_model, make_data, make_eval_data, weights_digest
+from hybridpipe.runtime.parts import Model, buffers_digest, load_model, make_data, make_eval_data, weights_digest
 from hybridpipe.runtime.recovery import Recovery, recover_in_place
 from hybridpipe.runtime.reshard import canonical_names, indexed_optimizer_state, optimizer_names
 from hybridpipe.runtime.restarts import (
@@ -64,7 +63,7 @@ def run_worker(cfg: RunConfig, *, print_fn: Callable[[str], None] = print) -> di
     started, or uses the default process group when the caller already made one."""
     entered = time.time()
     model = load_model(cfg)                    # before any process group: a wrong plan fails alone
-    init_optimizer = load_initial(cfg.init_from, model.module) if cfg.init_from else None
+    init_optimizer = model.start_from(cfg.init_from) if cfg.init_from else None
     captured = time.time()
     proc, owned = init_distributed(cfg.backend, cfg.timeout)
     lock = None
@@ -149,7 +148,7 @@ def _train(cfg: RunConfig, proc: Process, model: Model, closers: list, print_fn,
                       data=make_data(cfg, model.spec), comm_mode=cfg.comm_mode, allreduce=cfg.allreduce,
                       calibrations=cfg.calibrations, aggregator=cfg.aggregator, skip_nonfinite=cfg.skip_nonfinite,
                       timeout=cfg.timeout, precision=cfg.precision, recorder=recorder, nonfinite_hint=hint,
-                      in_place=cfg.in_place)
+                      loss_normalization=cfg.loss_normalization, in_place=cfg.in_place)
     recover = _recoverer(cfg, proc, trainer, guard) if cfg.in_place else None
     held_out = make_eval_data(cfg, model.spec) if cfg.eval_every else None
     start, restart = 0, None
@@ -193,8 +192,9 @@ def _train(cfg: RunConfig, proc: Process, model: Model, closers: list, print_fn,
             seconds = time.perf_counter() - t0
             if recorder is not None:
                 recorder.end_step()
-            losses = trainer.last_losses
-            record = step_record(step, seconds, cfg.global_batch, list(losses.values()), trainer.last_peak_memory_bytes)
+            losses, tokens = trainer.last_losses, trainer.last_tokens
+            record = step_record(step, seconds, cfg.global_batch, list(losses.values()), trainer.last_peak_memory_bytes,
+                                 weights=list(tokens.values()) if tokens else None)
             report.peak_memory_bytes = max(report.peak_memory_bytes, trainer.last_peak_memory_bytes)
             if lr is not None:
                 record["lr"] = lr
@@ -209,6 +209,8 @@ def _train(cfg: RunConfig, proc: Process, model: Model, closers: list, print_fn,
             report.step_ms[step] = record["step_ms"]
             if losses:
                 report.losses[step] = losses
+            if tokens:
+                report.tokens[step] = tokens
             progress["done"] = step + 1
             if restart is not None and cfg.checkpoint_dir:
                 append_log(Path(cfg.checkpoint_dir), first_step_done(restart, seconds))
@@ -241,6 +243,8 @@ def _train(cfg: RunConfig, proc: Process, model: Model, closers: list, print_fn,
     stage_plans = trainer.stage_plans
     if stage_plan.replicas > 1:
         report.digest = weights_digest(trainer.module)
+        report.buffers = buffers_digest(trainer.module)
+        report.combined = {st.index: st.stats.buffers for st in trainer.stages if st.stats and st.stats.combines}
         report.sync = sync_report(trainer.syncs[stage_plan.index], stage_plan)
         report.more_sync = {s.index: ran for s in stage_plans[1:]
                             if (ran := sync_report(trainer.syncs[s.index], s)) is not None}

@@ -19,9 +19,11 @@ from hybridpipe.pipeline.inprocess import InProcessGradSync, InProcessNetwork, R
 from hybridpipe.pipeline.schedules import Topology
 from hybridpipe.pipeline.stage import PipelineStage, build_stages, captured_signature
 from hybridpipe.pipeline.tied import TiedSync, complete_tied, stage_tied_params, tied_ranks
+from hybridpipe.pipeline.tokens import TokenCounts
 from hybridpipe.profiles.capture import CapturedModel, call_args, capture_model, tied_parameters, training_switches
 from hybridpipe.profiles.data import resolve_dataset
 from hybridpipe.profiles.graphinfo import node_infos
+from hybridpipe.profiles.losses import label_counter
 from hybridpipe.profiles.zoo import ModelSpec, resolve_model
 from hybridpipe.runtime.parts import NoParameters
 
@@ -112,8 +114,8 @@ def make_optimizer(params, lr: float, kind: str = "sgd") -> torch.optim.Optimize
 def train_pipeline(plan: Plan, steps: int, *, lr: float = 0.05, seed: int = 0, optimizer: str = "sgd",
                    drain_every: int | None = None, device: str = "cpu", dataset: Dataset | None = None,
                    shared_capture: bool = False, observe: Observer | None = None, tied_sync: bool = True,
-                   step_results: dict | None = None, engine_class: type[PipelineEngine] = PipelineEngine
-                   ) -> tuple[dict[str, torch.Tensor], dict[int, list[float]]]:
+                   step_results: dict | None = None, engine_class: type[PipelineEngine] = PipelineEngine,
+                   tokens: bool = False) -> tuple[dict[str, torch.Tensor], dict[int, list[float]]]:
     """Train ``plan`` with one thread per rank (a rank of a plan with virtual stages runs all its
     chunks); returns the merged state dict (replica 0 of every stage, after checking the replicas
     agree bitwise) and the losses per step.
@@ -122,12 +124,14 @@ def train_pipeline(plan: Plan, steps: int, *, lr: float = 0.05, seed: int = 0, o
     capture (see capture_copy); ``observe(rank, step, stage)`` runs on every rank after every step;
     ``tied_sync=False`` sums nothing across the copies of tied weights (to see them drift apart);
     ``step_results`` (a dict) receives every rank's list of StepResults; ``observe`` runs once per
-    chunk of a rank; ``engine_class``: a PipelineEngine subclass (e.g. with hand-written lists)."""
+    chunk of a rank; ``engine_class``: a PipelineEngine subclass (e.g. with hand-written lists);
+    ``tokens``: token-weighted loss (pipeline/tokens.py; the step totals summed over the threads)."""
     spec = resolve_model(plan.model)
     topo = Topology.from_plan(plan)
     network = InProcessNetwork(timeout=60)
     groups = [ReplicaGroup(s.replicas) for s in plan.stages]
     tied_groups = {ranks: ReplicaGroup(len(ranks)) for ranks in {tied_ranks(plan, g) for g in plan.tied}}
+    world = ReplicaGroup(plan.world_size)           # the token totals' all-reduce
 
     def rank_fn(rank: int):
         captured = (capture_copy if shared_capture else capture)(spec, plan.batch_size, seed, plan.granularity)
@@ -139,9 +143,16 @@ def train_pipeline(plan: Plan, steps: int, *, lr: float = 0.05, seed: int = 0, o
                          for ranks, params in held.items()])
         syncs = {st.index: InProcessGradSync(st.module, groups[st.index], replica, exclude=tied.params)
                  for st in stages}
+        counts = None
+        if tokens:
+            def total(part: torch.Tensor) -> torch.Tensor:
+                world.all_reduce_sum(rank, [part])
+                return part
+            counts = TokenCounts(total, count_input=label_counter(captured.module) if spec.loss is None else None)
         engine = engine_class(stages, topo, rank, plan.schedule, transport=network.transport(rank),
                                 optimizer=make_optimizer(module.parameters(), lr, optimizer),
-                                data=data_for(plan, steps, dataset=dataset), sync=syncs, tied=tied if held else None)
+                                data=data_for(plan, steps, dataset=dataset), sync=syncs, tied=tied if held else None,
+                                tokens=counts)
 
         def run():
             losses = {}
@@ -158,7 +169,7 @@ def train_pipeline(plan: Plan, steps: int, *, lr: float = 0.05, seed: int = 0, o
         return run
 
     results = run_ranks({r: rank_fn(r) for r in sorted({r for s in plan.stages for r in s.ranks})}, network,
-                        groups + list(tied_groups.values()))
+                        [*groups, *tied_groups.values(), world])
     assert not network.pending(), network.pending()
     merged: dict[str, torch.Tensor] = {}
     losses: dict[int, list[float]] = {}

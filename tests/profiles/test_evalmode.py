@@ -55,3 +55,29 @@ def test_batch_norm_statistics_are_not_updated_by_evaluation():
     stages[0].forward_eval(stages[0].data_inputs(spec.example_input(4)))
     after = {k: v for k, v in captured.module.state_dict().items() if "running" in k}
     assert before and all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_evaluating_an_fx_graph_leaves_its_modules_training(replicas):
+    """torch.fx graphs call the model's BatchNorm modules (momentum=None cannot be exported): the
+    evaluation twin calls eval-mode copies of them; before, it switched the training graph's own
+    modules to eval mode for good (training on running statistics, no updates). With replicas
+    the training graph calls batch_stats' replacements and evaluation the model's modules."""
+    spec = resolve_model("tests.pipeline.bn_models:bn_mlp_cumulative")
+    captured = capture(spec, 4)
+    assert captured.front_end == "fx"
+    n = len(captured.blocks)
+    stage = build_stage_index(captured, [(0, n - 1)], 0, loss=spec.loss, replicas=replicas)
+    x, y = spec.example_input(4), spec.example_target(4)
+    evaluated = stage.forward_eval(stage.data_inputs(x), target=y).loss
+    assert all(m.training for m in stage.module.modules())
+    assert int(stage.module.get_buffer("1.num_batches_tracked")) == 0          # evaluation updates nothing
+    with torch.no_grad():
+        reference = spec.loss(captured.module.eval()(x), y)
+    captured.module.train()
+    assert torch.equal(evaluated, reference)
+    before = stage.module.get_buffer("1.num_batches_tracked").clone()
+    stage.forward(stage.data_inputs(x), target=y)
+    if stage.stats is not None:                      # replicas: the step's statistics replayed (one replica here)
+        stage.stats.combine([0], lambda table: None)
+    assert int(stage.module.get_buffer("1.num_batches_tracked")) == int(before) + 1     # still training

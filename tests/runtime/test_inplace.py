@@ -62,6 +62,9 @@ def test_survivors_that_disagree_on_the_step_or_were_outside_one_restart(plan):
     mixed = {**reports([0, 2]), 3: {"steps": 6, "phase": STEP}}
     d = decide(plan, 4, mixed, {1}, flushing=True)
     assert d.kind == RESTART and "different numbers of steps (5 and 6)" in d.reason
+    stats = {**reports([0, 2]), 3: {"steps": 5, "phase": STEP, "stats": True}}
+    d = decide(plan, 4, stats, {1}, flushing=True)
+    assert d.kind == RESTART and "rank 3's stage combines running statistics" in d.reason
     saving = {**reports([0, 2]), 3: {"steps": 5, "phase": "outside a step"}}
     d = decide(plan, 4, saving, {1}, flushing=True)
     assert d.kind == RESTART and "rank 3 was outside a training step" in d.reason

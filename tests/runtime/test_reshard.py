@@ -27,6 +27,8 @@ def model() -> torch.nn.Sequential:
 
 
 def make(kind: str, params):
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
     return (torch.optim.Adam(params, lr=0.01) if kind == "adam"
             else torch.optim.SGD(params, lr=0.05, momentum=0.9))
 
@@ -42,7 +44,7 @@ def step(modules, optimizers, x: torch.Tensor) -> None:
         opt.step()
 
 
-@pytest.mark.parametrize("kind", ["sgd", "adam"])
+@pytest.mark.parametrize("kind", ["sgd", "adam", "adamw"])
 def test_optimizer_state_moves_by_name_into_another_split_and_continues_exactly(kind, tmp_path):
     xs = [torch.randn(8, 6, generator=torch.Generator().manual_seed(k)) for k in range(6)]
     whole = model()

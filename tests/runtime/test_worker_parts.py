@@ -11,7 +11,7 @@ from hybridpipe.errors import UserError
 from hybridpipe.partitioner.plan import save_plan
 from hybridpipe.runtime.config import build_parser, resolve
 from hybridpipe.runtime.metrics import MetricsWriter, read_metrics, step_record
-from hybridpipe.runtime.parts import NoParameters, make_optimizer, seed_rank, weights_digest
+from hybridpipe.runtime.parts import NoParameters, buffers_digest, make_optimizer, seed_rank, weights_digest
 from hybridpipe.runtime.summary import RankReport, format_summary, loss_rows, step_losses, summarize, warmup_steps
 from tests.pipeline.harness import make_plan
 
@@ -61,8 +61,9 @@ def test_weights_digest_sees_every_bit_of_the_parameters():
     b = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
     b.load_state_dict(a.state_dict())
     assert weights_digest(a) == weights_digest(b)
-    b[1].running_mean += 1                       # statistics may differ between replicas
-    assert weights_digest(a) == weights_digest(b)
+    assert buffers_digest(a) == buffers_digest(b)
+    b[1].running_mean[1] = torch.nextafter(b[1].running_mean[1], torch.tensor(1.0))   # the buffers' own digest
+    assert weights_digest(a) == weights_digest(b) and buffers_digest(a) != buffers_digest(b)
     with torch.no_grad():
         b[0].bias[0] = torch.nextafter(b[0].bias[0], torch.tensor(1.0))
     assert weights_digest(a) != weights_digest(b)
@@ -101,8 +102,11 @@ def test_step_losses_join_the_replicas_of_the_last_stage():
 
 def test_summary(plan, tmp_path):
     plan = type(plan)(**{**plan.__dict__, "predicted_step_ms": 100.0})
-    reports = [RankReport(0, 0, 0, step_ms={0: 900, 1: 110, 2: 120, 3: 100, 4: 90}, digest="x"),
-               RankReport(1, 0, 1, step_ms={0: 800, 1: 100, 2: 130, 3: 95, 4: 95}, digest="x"),
+    combined = {0: [f"bn{i}.{b}" for i in range(5) for b in ("running_mean", "running_var", "num_batches_tracked")]}
+    reports = [RankReport(0, 0, 0, step_ms={0: 900, 1: 110, 2: 120, 3: 100, 4: 90}, digest="x", buffers="b",
+                          combined=combined),
+               RankReport(1, 0, 1, step_ms={0: 800, 1: 100, 2: 130, 3: 95, 4: 95}, digest="x", buffers="b",
+                          combined=combined),
                RankReport(2, 1, 0, step_ms={0: 700, 1: 105, 2: 125, 3: 99, 4: 80},
                           losses={k: {m: 3.0 - k * 0.1 for m in range(4)} for k in range(5)})]
     s = summarize(reports, plan, steps=5, first_step=0, run_dir=str(tmp_path), trace_dir=None, schedule="1f1b",
@@ -116,11 +120,18 @@ def test_summary(plan, tmp_path):
     json.dumps(s)
     text = format_summary(s)
     assert "measured 105.0 ms" in text and "plan predicted 100.0 ms" in text and "step 0: 3.0000" in text
-    assert "identical weights" in text
+    assert "identical weights and buffers in every replicated stage (running statistics combined across replicas: " \
+        "stage 0: bn0, bn1, bn2 and 2 more)" in text
+    assert s["buffers_combined"] == {"0": combined[0]}
+    reports[1].buffers = "c"
+    s = summarize(reports, plan, steps=5, first_step=0, run_dir="r", trace_dir="r/trace", schedule="1f1b",
+                  comm_mode="sa", allreduce="ring")
+    assert s["replicas_identical"] == {"0": False} and "BUFFERS DIFFER between the replicas of stage 0" in \
+        format_summary(s)
     reports[1].digest = "y"
     s = summarize(reports, plan, steps=5, first_step=0, run_dir="r", trace_dir="r/trace", schedule="1f1b",
                   comm_mode="sa", allreduce="ring")
-    assert s["replicas_identical"] == {"0": False} and "WEIGHTS DIFFER" in format_summary(s)
+    assert s["replicas_differ"] == {"0": "weights and buffers"} and "WEIGHTS AND BUFFERS DIFFER" in format_summary(s)
 
 
 def test_loss_rows_spread_over_the_run():

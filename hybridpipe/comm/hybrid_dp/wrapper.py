@@ -269,6 +269,16 @@ class HybridDataParallel(nn.Module):
         for lane, _ in self._lanes:
             lane.close(timeout=0)
 
+    def sum_replicas(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` in place across the group, as it is (no wire dtype), after what is in
+        flight (on the lane, in order with the gradient all-reduces; e.g. batch statistics)."""
+        self.finish()
+        if self._reducer.size > 1:
+            self._lane.submit(self._sum, tensor, name="sum_replicas").wait()
+
+    def _sum(self, tensor: torch.Tensor) -> None:
+        dist.all_reduce(tensor, group=self.group)
+
     # ---- state -----------------------------------------------------------------------------
     def _broadcast(self, tensors: list[torch.Tensor]) -> None:
         for t in tensors:

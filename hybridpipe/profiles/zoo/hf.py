@@ -4,7 +4,10 @@
   fields, random weights (nothing is downloaded), and the model type's default training head:
   causal LM, else seq2seq LM, else masked LM, else image classification.
 * ``hf:BertForSequenceClassification[num_hidden_layers=2,num_labels=3]``: a model class by name.
-* ``hf:/path/to/checkpoint``: a model saved with ``save_pretrained`` (its config and weights).
+* ``hf:/path/to/checkpoint``: a model saved with ``save_pretrained`` (its config and weights). Its
+  ModelSpec names the directory as its ``weights``: the runtime builds the model with its
+  parameters on the meta device and each rank reads only its own stages' tensors from the
+  safetensors files (runtime/lazy.py); ``build`` is ``from_pretrained`` (the whole model).
 
 Reserved arguments (not passed to the config): ``seq`` (tokens per synthetic sample, default
 ``min(128, max positions)``), ``dropout`` (set every dropout probability of the config, e.g.
@@ -57,7 +60,8 @@ def hf_spec(spec: str) -> ModelSpec:
     if not 0 <= float(reserved.get("dropout", 0.0)) <= 1:
         raise UserError(f"hf model option dropout={reserved['dropout']} of {spec!r} must be between 0 and 1")
     tf = _transformers()
-    if os.path.sep in name or os.path.isdir(name):
+    directory = os.path.sep in name or os.path.isdir(name)
+    if directory:
         cls, build, config = _from_directory(tf, name, kwargs)
     else:
         cls, build, config = _from_name(tf, name, kwargs)
@@ -65,7 +69,9 @@ def hf_spec(spec: str) -> ModelSpec:
         _set_dropout(config, float(reserved["dropout"]))
     sample = _task_sample(config, cls.__name__, int(reserved.get("seq", 0)), int(reserved.get("labels", 0)))
     leaves = tuple(x for x in str(reserved.get("leaf", "")).split("+") if x)
-    return ModelSpec(name=spec, build=lambda: build(config), loss=None, sample=sample, leaf_modules=leaves)
+    return ModelSpec(name=spec, build=lambda: build(config), loss=None, sample=sample, leaf_modules=leaves,
+                     skeleton=lambda: _skeleton(tf, cls, config, name if directory else None),
+                     weights=name if directory else None)
 
 
 Built = tuple[type, Callable[[Any], nn.Module], Any]
@@ -134,6 +140,24 @@ def _from_directory(tf: Any, path: str, kwargs: dict) -> Built:
         return cls.from_pretrained(path, config=cfg, local_files_only=True)
 
     return cls, build, _config(f"hf:{path}", make, kwargs, cls)
+
+
+def _skeleton(tf: Any, cls: Any, config: Any, path: str | None) -> nn.Module:
+    """``cls(config)`` in the dtype ``from_pretrained`` would load it in (the config's, like its
+    ``dtype="auto"``), with the directory's generation config: a model to load a state_dict into
+    or to save, nothing read."""
+    dtype = getattr(config, "dtype", None) if path is not None else None
+    dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    before = torch.get_default_dtype()
+    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+        torch.set_default_dtype(dtype)
+    try:
+        model = cls(config)
+    finally:
+        torch.set_default_dtype(before)
+    if path is not None and os.path.isfile(os.path.join(path, "generation_config.json")):
+        model.generation_config = tf.GenerationConfig.from_pretrained(path, local_files_only=True)
+    return model
 
 
 def _set_dropout(config: Any, p: float) -> None:

@@ -8,12 +8,18 @@ The argument ``leaf`` is reserved: ``[leaf=Gate+Router]`` adds module class name
 ModelSpec's ``leaf_modules`` (never split into several profile nodes) instead of being passed to
 the factory, so the choice travels with the spec string to every rank.
 
-A user's factory returns ``(module, example_input)`` or ``(module, example_input, loss_fn)``.
-``example_input`` is one batch as the model takes it -- a tensor, a tuple (``model(*x)``) or a
-dict (``model(**x)``) of tensors whose first dimension is the batch; ``loss_fn(output, target)``
-receives the output as the model returns it. Without a loss_fn, a model whose output carries a
-loss (a Hugging Face model given ``labels``) trains on that loss, and a tensor-in, tensor-out
-model on cross-entropy.
+A user's factory returns ``(module, example_input)``, ``(module, example_input, loss_fn)`` or
+``(module, example_input, loss_fn, example_target)``. ``example_input`` is one batch as the model
+takes it -- a tensor, a tuple (``model(*x)``) or a dict (``model(**x)``) of tensors whose first
+dimension is the batch; ``loss_fn(output, target)`` receives the output as the model returns it
+(tensor, tuple, dict, ``ModelOutput``) and the target as the dataset's (input, target) pairs give
+it, and returns the mean loss or ``(loss_sum, count)`` (profiles/losses.py). ``example_target``
+(any tensor, tuple or dict of tensors with the batch first) shapes the synthetic targets; without
+it they are class ids for the output's first tensor: shaped like it without its last dimension,
+below its last dimension's size (token ids for logits). The loss function is tried once on the
+example's output and target. Without a loss_fn, a model whose output carries a loss (a Hugging
+Face model given ``labels``) trains on that loss, and any other model on cross-entropy with such
+class-id targets.
 """
 
 from __future__ import annotations
@@ -36,11 +42,12 @@ from torch.utils.data import default_collate
 
 from hybridpipe.errors import UserError
 from hybridpipe.profiles.capture import call_args, own_loss, training_switches
+from hybridpipe.profiles.losses import is_pair
 
 _SPEC = re.compile(r"^(?P<target>[A-Za-z_][\w.\-]*(?::[A-Za-z_]\w*)?)(?:\[(?P<args>[^\]]*)\])?$")
 
 
-LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
+LossFn = Callable[[Any, Any], Any]      # (output, target) -> mean loss, or (loss_sum, count) (profiles/losses.py)
 
 
 @dataclass(frozen=True)
@@ -49,8 +56,10 @@ class ModelSpec:
 
     A batch is what the model's forward takes: a tensor (``model(x)``), a tuple (``model(*x)``) or
     a dict (``model(**x)``), every tensor with the batch as its first dimension. ``loss(output,
-    target)`` gives the mean loss; ``loss=None`` means the model computes its own (a Hugging Face
-    model given ``labels`` returns ``output.loss``) and the data has no separate targets.
+    target)`` gives the mean loss or ``(loss_sum, count)`` (profiles/losses.py); ``loss=None`` means
+    the model computes its own (a Hugging Face model given ``labels`` returns ``output.loss``) and
+    the data has no separate targets. ``sample`` draws one synthetic sample: the input, or with a
+    loss function the pair (input, target).
     """
 
     name: str                                   # the spec string as the user gave it
@@ -63,6 +72,8 @@ class ModelSpec:
     leaf_modules: tuple[type | str, ...] = ()   # module types / class names never split into several nodes
     example: Any = None                         # the user's example batch, if the factory gave one
     sample: Callable[[torch.Generator], Any] | None = None   # one synthetic sample: input, or (input, target)
+    skeleton: Callable[[], nn.Module] | None = None   # the model, loading and running nothing (None: build)
+    weights: str | None = None                  # a safetensors file or directory holding every weight (hf:DIR)
 
     def example_input(self, batch_size: int, generator: torch.Generator | None = None) -> Any:
         """A random input batch of the model's shape and dtype (the user's example when it fits)."""
@@ -82,6 +93,9 @@ class ModelSpec:
         """A random target batch (class ids) matching ``loss``; None when the model computes its own loss."""
         if self.loss is None:
             return None
+        if self.sample is not None:
+            g = generator if generator is not None else torch.Generator().manual_seed(0)
+            return default_collate([self.sample(g)[1] for _ in range(batch_size)])
         return torch.randint(0, max(self.num_classes, 1), (batch_size, *self.target_shape), generator=generator)
 
 
@@ -194,6 +208,59 @@ def check_options(what: str, name: str, defaults: dict[str, Any], kwargs: dict, 
                             f"(default {default}); e.g. {name}[{key}={default}]")
 
 
+def build_skeleton(spec: str) -> nn.Module:
+    """The model ``spec`` names, built without loading its weights or running it: parameters on the
+    meta device (no memory), buffers as its constructor computes them. What its ``state_dict`` keys
+    and shapes are, and a frame to write a merged state_dict out in the model's own format. A user's
+    factory is only called (its example is not run); one that cannot build with its parameters on
+    the meta device (it loads weights itself, say) is built on the CPU instead."""
+    from hybridpipe.profiles.meta import parameters_on_meta
+
+    text = spec.strip()
+    if text.startswith("hf:"):
+        from hybridpipe.profiles.zoo.hf import hf_spec
+
+        model = hf_spec(text)
+        build, who = model.skeleton or model.build, f"model {text!r}"
+    else:
+        target, kwargs = parse_spec(text)
+        kwargs.pop("leaf", None)
+        if ":" in target:
+            return _factory_skeleton(target, kwargs)
+        model = resolve_model(text)
+        build, who = model.build, f"zoo model {text!r}"
+    try:
+        with parameters_on_meta():
+            return build()
+    except UserError:
+        raise
+    except Exception as e:      # noqa: BLE001 - ours to name: the zoo and hf: models build on the meta device
+        raise UserError(f"cannot build {who} with its parameters on the meta device ({type(e).__name__}: "
+                        f"{_message(e)})") from None
+
+
+def _factory_skeleton(target: str, kwargs: dict) -> nn.Module:
+    """The module a user's factory returns, built with its parameters on the meta device, else on
+    the CPU (as every rank builds it); only a factory that fails on the CPU too is the user's error."""
+    from hybridpipe.profiles.meta import parameters_on_meta
+
+    factory = import_factory(target, "model")
+
+    def module() -> nn.Module:
+        out = call_user(f"your factory `{target}`", factory, **kwargs)
+        first = out[0] if isinstance(out, tuple) and out else out
+        if not isinstance(first, nn.Module):
+            raise UserError(f"{target} must return an nn.Module, or (module, example_input[, loss]); "
+                            f"got {type(out).__name__}")
+        return first
+
+    try:
+        with parameters_on_meta():
+            return module()
+    except UserError:
+        return module()
+
+
 def meta_build(model: ModelSpec, who: str) -> None:
     """Build ``model`` on the meta device (shapes only, no memory): a constructor that cannot
     build with these options fails here, as ``who``'s error, before any real work."""
@@ -287,8 +354,8 @@ def _user_model(spec: str, target: str, kwargs: dict) -> ModelSpec:
     def call() -> tuple:
         out = call_user(f"your factory `{target}`", factory, **kwargs)
         items = out if isinstance(out, tuple) else (out,)
-        if not items or not isinstance(items[0], nn.Module) or len(items) > 3:
-            raise UserError(f"{target} must return an nn.Module, or (module, example_input[, loss]); "
+        if not items or not isinstance(items[0], nn.Module) or len(items) > 4:
+            raise UserError(f"{target} must return an nn.Module, or (module, example_input[, loss[, example_target]]); "
                             f"got {type(out).__name__}")
         return items
 
@@ -297,26 +364,67 @@ def _user_model(spec: str, target: str, kwargs: dict) -> ModelSpec:
         raise UserError(f"{target} returned only a module; return (module, example_input) so hybridpipe "
                         "knows the input (a tensor, tuple or dict of tensors whose first dimension is the batch)")
     example = rest[0]
-    if batch_rows(example) is None:
+    rows = batch_rows(example)
+    if rows is None:
         raise UserError(f"{target}: the example input must be a tensor, or a tuple or dict of tensors, with a "
                         f"batch dimension; got {type(example).__name__}")
     args, kw = call_args(example)
     with torch.no_grad():
         out = call_user(f"your model from `{target}` (on its example input)", module, *args, **kw,
                         **training_switches(module))
-    loss = rest[1] if len(rest) > 1 else (None if own_loss(out) is not None else nn.functional.cross_entropy)
-    if loss is not None and not callable(loss):
+    given = rest[1] if len(rest) > 1 else None
+    if given is not None and not callable(given):
         raise UserError(f"{target}: the third item returned must be a loss function (output, target) -> loss")
+    example_target = rest[2] if len(rest) > 2 else None
+    if example_target is not None and given is None:
+        raise UserError(f"{target}: an example target (the fourth item) needs a loss function as the third")
+    loss = given if given is not None else (None if own_loss(out) is not None else nn.functional.cross_entropy)
+    if loss is None:
+        return ModelSpec(name=spec, build=lambda: call()[0], loss=None, example=example,
+                         sample=shaped_like(example))
+    if example_target is not None:           # the user's own targets: synthetic ones are shaped like them
+        if batch_rows(example_target) != rows:
+            raise UserError(f"{target}: the example target has {batch_rows(example_target)} rows but the example "
+                            f"input {rows}; give one target per input row")
+        _check_loss(target, loss, out, example_target)
+        inputs, targets = shaped_like(example), shaped_like(example_target)
+        return ModelSpec(name=spec, build=lambda: call()[0], loss=loss, example=example,
+                         sample=lambda g: (inputs(g), targets(g)))
+    main = _first_tensor(out)                 # class ids for the output's (first) tensor of scores
+    if main is None or main.dim() < 2:
+        raise UserError(f"{target}: cannot tell what targets the loss takes (the model's output has no tensor of "
+                        "class scores); return (module, example_input, loss_fn, example_target)")
+    num_classes, target_shape = int(main.shape[-1]), tuple(main.shape[1:-1])
+    if given is not None:
+        _check_loss(target, loss, out, torch.randint(0, num_classes, (rows, *target_shape),
+                                                     generator=torch.Generator().manual_seed(0)))
     if isinstance(example, torch.Tensor) and isinstance(out, torch.Tensor):
-        num_classes = int(out.shape[-1]) if out.dim() >= 2 else 0
         return ModelSpec(name=spec, build=lambda: call()[0], sample_shape=tuple(example.shape[1:]),
-                         input_dtype=example.dtype, loss=loss, target_shape=tuple(out.shape[1:-1]),
+                         input_dtype=example.dtype, loss=loss, target_shape=target_shape,
                          num_classes=num_classes, example=example)
-    if loss is not None:
-        raise UserError(f"{target}: with a {type(example).__name__} example input the model must compute its own "
-                        "loss (return it as output.loss, e.g. pass labels) or be a tensor-in, tensor-out model")
-    return ModelSpec(name=spec, build=lambda: call()[0], loss=None, example=example,
-                     sample=shaped_like(example))
+    inputs = shaped_like(example)
+    return ModelSpec(name=spec, build=lambda: call()[0], loss=loss, example=example, target_shape=target_shape,
+                     num_classes=num_classes,
+                     sample=lambda g: (inputs(g), torch.randint(0, num_classes, target_shape, generator=g)))
+
+
+def _first_tensor(output: Any) -> torch.Tensor | None:
+    """The output itself if it is a tensor, else its first tensor (a ModelOutput's logits)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    return next((x for x in pytree.tree_leaves(output) if isinstance(x, torch.Tensor)), None)
+
+
+def _check_loss(target: str, loss: Callable, output: Any, example_target: Any) -> None:
+    """Run the loss function once on the example: it must give a scalar or (loss_sum, count)."""
+    with torch.no_grad():
+        value = call_user(f"your loss function from `{target}` (on the example's output and target)", loss,
+                          output, example_target)
+    ok = is_pair(value) or (isinstance(value, torch.Tensor) and value.dim() == 0)
+    if not ok:
+        got = f"a tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+        raise UserError(f"{target}: the loss function must return a scalar tensor (the mean loss) or (loss_sum, "
+                        f"count); it returned {got}")
 
 
 def shaped_like(example: Any) -> Callable[[torch.Generator], Any]:

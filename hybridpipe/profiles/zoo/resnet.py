@@ -2,8 +2,9 @@
 1000 classes) and a small CIFAR-style ResNet (basic blocks, 16/32/64 channels) for quick runs.
 
 ``norm="none"`` builds the networks without BatchNorm (convolutions get biases instead): with
-BatchNorm, statistics are taken per micro-batch, so a pipelined run only matches single-process
-training exactly without it.
+BatchNorm, statistics are taken per micro-batch, so a pipelined run matches single-process
+training that accumulates gradients micro-batch by micro-batch (running statistics included,
+replicas or not: pipeline/batch_stats.py), not one pass over the concatenated global batch.
 """
 
 from __future__ import annotations

@@ -1,0 +1,263 @@
+"""Hugging Face format in and out (issue 28 items 5 and 6).
+
+* merge-checkpoint checks keys and shapes of any model the launcher trains without running it:
+  a Hugging Face model from the user's own factory, and ``hf:DIR``;
+* ``--format hf`` writes what ``save_pretrained`` writes: ``from_pretrained`` loads it strictly
+  (no missing, unexpected or mismatched keys) and computes the same logits, sharded or not;
+  ``--format safetensors`` and ``--init-from`` of a ``.safetensors`` file or an HF directory;
+* ``hf:DIR`` is built without its weights and each rank reads only its own stages' tensors, the
+  values ``from_pretrained`` gives; under launch it trains what one process trains.
+
+Checkpoints are written by hand in the runtime's format (tests/runtime/hf_checkpoints.py) except
+in the launch test.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from hybridpipe.cli import main
+from hybridpipe.errors import UserError
+from hybridpipe.partitioner.plan import save_plan
+from hybridpipe.profiles.zoo import resolve_model
+from hybridpipe.profiles.zoo.registry import build_skeleton
+from hybridpipe.runtime.hf_export import save_safetensors
+from hybridpipe.runtime.lazy import capture_lazily, load_initial, uncovered
+from hybridpipe.runtime.merged import merge_stages
+from hybridpipe.runtime.parts import build_model
+from hybridpipe.runtime.tensor_files import open_weights
+from tests.pipeline.harness import make_plan
+from tests.profiles.user_models import gpt2_padded
+from tests.runtime.hf_checkpoints import perturbed, write_checkpoint
+from tests.runtime.jobs import launch, max_diff, train_reference
+
+transformers = pytest.importorskip("transformers")
+
+FACTORY = "tests.profiles.user_models:gpt2_padded"
+LLAMA = dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
+             vocab_size=128, max_position_embeddings=64, tie_word_embeddings=True)
+
+
+def saved_gpt2(directory, seed: int = 0):
+    """A tiny GPT-2 (no dropout) with random weights, saved with save_pretrained as a pretrained one would be."""
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=128, n_positions=64,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(seed)
+    model = perturbed(transformers.GPT2LMHeadModel(config), seed)
+    model.save_pretrained(directory)
+    return model
+
+
+def saved_llama(directory, seed: int = 0):
+    """A tiny Llama (tied embeddings, rotary frequencies as a buffer no file holds), saved."""
+    torch.manual_seed(seed)
+    model = perturbed(transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA)), seed)
+    model.save_pretrained(directory)
+    return model
+
+
+def loaded_strictly(directory):
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(directory, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")), info
+    return model.eval()
+
+
+def ids(batch: int = 2, seq: int = 12):
+    return torch.randint(0, 128, (batch, seq), generator=torch.Generator().manual_seed(7))
+
+
+# ---- item 5: merge-checkpoint checks any model without running it ----------------------------------
+def test_merge_checks_a_user_factory_hf_model_and_an_hf_directory(tmp_path, capsys):
+    model = perturbed(gpt2_padded()[0])
+    write_checkpoint(tmp_path / "factory", FACTORY, model)
+    assert main(["merge-checkpoint", str(tmp_path / "factory"), "-o", str(tmp_path / "a.pt")]) == 0
+    assert "its keys and shapes match" in capsys.readouterr().out
+    merged = torch.load(tmp_path / "a.pt", weights_only=True)
+    assert max_diff(merged, model.state_dict()) == 0
+
+    saved_gpt2(tmp_path / "pretrained")
+    spec = f"hf:{tmp_path / 'pretrained'}[seq=8]"
+    trained = perturbed(resolve_model(spec).build(), seed=2)
+    write_checkpoint(tmp_path / "dir", spec, trained)
+    assert main(["merge-checkpoint", str(tmp_path / "dir"), "-o", str(tmp_path / "b.pt")]) == 0
+    capsys.readouterr()
+
+    # a checkpoint that lost a tensor is refused for what it is, not blamed on the model
+    write_checkpoint(tmp_path / "lost", FACTORY, torch.nn.ModuleDict({"transformer": model.transformer}))
+    assert main(["merge-checkpoint", str(tmp_path / "lost"), "-o", str(tmp_path / "c.pt")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "does not fit" in err[0] and "lm_head.weight" in err[0], err
+    assert "raised" not in err[0] and "meta" not in err[0], err
+
+
+# ---- item 6: out ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("shard", [None, "40KB"])
+def test_hf_export_is_what_save_pretrained_writes_and_loads_strictly_to_equal_logits(tmp_path, capsys, shard):
+    saved_gpt2(tmp_path / "pretrained")
+    (tmp_path / "pretrained" / "tokenizer_config.json").write_text("{}")      # carried along
+    spec = f"hf:{tmp_path / 'pretrained'}[seq=8]"
+    trained = perturbed(resolve_model(spec).build(), seed=3).eval()
+    write_checkpoint(tmp_path / "ckpt", spec, trained)
+    out = tmp_path / "export"
+    assert main(["merge-checkpoint", str(tmp_path / "ckpt"), "--format", "hf", "-o", str(out),
+                 *(["--max-shard-size", shard] if shard else [])]) == 0
+    assert "from_pretrained" in capsys.readouterr().out
+    files = {p.name for p in out.iterdir()}
+    assert {"config.json", "generation_config.json", "tokenizer_config.json"} <= files
+    if shard:
+        index = json.loads((out / "model.safetensors.index.json").read_text())
+        shards = set(index["weight_map"].values())
+        assert len(shards) > 1 and shards <= files and "model.safetensors" not in files
+    else:
+        assert "model.safetensors" in files
+    loaded = loaded_strictly(out)
+    assert loaded.lm_head.weight is loaded.transformer.wte.weight           # tied as Hugging Face ties it
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids()).logits, trained(input_ids=ids()).logits)
+
+    # exactly what save_pretrained writes for the same weights
+    trained.save_pretrained(tmp_path / "theirs", **({"max_shard_size": shard} if shard else {}))
+    theirs = {p.name for p in (tmp_path / "theirs").iterdir()}
+    assert theirs == files - {"tokenizer_config.json"}
+    config = json.loads((out / "config.json").read_text())
+    assert config == json.loads((tmp_path / "theirs" / "config.json").read_text())
+
+
+def test_hf_export_of_a_user_factory_model_and_refusals(tmp_path, capsys):
+    model = perturbed(gpt2_padded()[0]).eval()
+    write_checkpoint(tmp_path / "ckpt", FACTORY, model)
+    assert main(["merge-checkpoint", str(tmp_path / "ckpt"), "--format", "hf", "-o", str(tmp_path / "out")]) == 0
+    with torch.no_grad():
+        assert torch.equal(loaded_strictly(tmp_path / "out")(input_ids=ids()).logits, model(input_ids=ids()).logits)
+    capsys.readouterr()
+    write_checkpoint(tmp_path / "mlp", "mlp[layers=1]", resolve_model("mlp[layers=1]").build())
+    assert main(["merge-checkpoint", str(tmp_path / "mlp"), "--format", "hf", "-o", str(tmp_path / "x")]) == 2
+    assert "--format hf writes Hugging Face models" in capsys.readouterr().err
+    assert main(["merge-checkpoint", str(tmp_path / "ckpt"), "--format", "hf", "--with-optimizer",
+                 "-o", str(tmp_path / "y")]) == 2
+    assert "--with-optimizer writes a torch file" in capsys.readouterr().err
+
+
+# ---- item 6: in ----------------------------------------------------------------------------------
+def test_safetensors_export_and_init_from_safetensors_or_an_hf_directory(tmp_path, capsys):
+    model = perturbed(gpt2_padded()[0])
+    write_checkpoint(tmp_path / "ckpt", FACTORY, model)
+    assert main(["merge-checkpoint", str(tmp_path / "ckpt"), "-o", str(tmp_path / "m.safetensors")]) == 0
+    assert "as safetensors" in capsys.readouterr().out
+    from safetensors.torch import load_file
+    held = load_file(tmp_path / "m.safetensors")
+    assert "lm_head.weight" not in held and "transformer.wte.weight" in held      # a tied weight once
+    model.save_pretrained(tmp_path / "hf")
+    for source in (tmp_path / "m.safetensors", tmp_path / "hf"):
+        fresh = gpt2_padded()[0]
+        weights, optimizer = load_initial(source, fresh)
+        assert optimizer is None
+        state = {k: weights.get(k if k in weights.keys() else "transformer.wte.weight") for k in fresh.state_dict()}
+        fresh.load_state_dict(state, strict=True)
+        assert max_diff(fresh.state_dict(), model.state_dict()) == 0
+    small = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=128))
+    with pytest.raises(UserError, match="does not fit the model .*unexpected 'transformer.h.1"):
+        load_initial(tmp_path / "m.safetensors", small)
+    (tmp_path / "bad.safetensors").write_bytes(b"not safetensors at all")
+    with pytest.raises(UserError, match="is not a safetensors file"):
+        load_initial(tmp_path / "bad.safetensors", small)
+
+
+def test_hf_directory_is_read_a_stage_at_a_time_with_from_pretrained_values(tmp_path):
+    """Llama: a tied embedding cut apart from its head, rotary frequencies in a buffer no file holds
+    (GPT-2 runs the same path under launch below)."""
+    saved_llama(tmp_path / "pretrained")
+    spec = resolve_model(f"hf:{tmp_path / 'pretrained'}[seq=8]")
+    whole = spec.build().eval()                                 # from_pretrained: the reference values
+    plan = make_plan(spec.name, [1, 2, 3], [1, 1, 1, 1], batch_size=2)
+    expected = whole.state_dict()
+    built = build_model(spec, plan, seed=0)                     # as every rank builds it: nothing read
+    assert built.weights is not None and all(p.device.type == "meta" for p in built.module.parameters())
+    assert plan.tied and all(b.device.type == "cpu" for b in built.module.buffers())
+    stages, read = [], set()
+    for rank in range(4):                                       # each rank reads its stage
+        model = copy.deepcopy(built)
+        model.materialize(plan, [rank])
+        stage = build_stage_index_of(model, plan, rank)
+        real = {n for n, p in model.module.named_parameters() if p.device.type != "meta"}
+        assert real == {n for n, _ in stage.module.named_parameters()}         # its stage's, nothing else
+        read |= real
+        for name, t in stage.module.state_dict().items():
+            assert torch.equal(t, expected[name]), name
+        stages.append(stage)
+    assert read == {n for n, _ in whole.named_parameters()}
+    batch = {"input_ids": ids(2, 8), "labels": ids(2, 8)}
+    with torch.no_grad():
+        act = stages[0].forward(stages[0].data_inputs(batch))
+        for stage in stages[1:]:
+            act = stage.forward(act.outputs)
+        assert torch.equal(act.loss, whole(**batch).loss)
+
+    # --init-from a .safetensors file: the ranks read their stages from it instead
+    other = perturbed(spec.build(), seed=9)
+    save_safetensors(other.state_dict(), tmp_path / "start.safetensors")
+    model = copy.deepcopy(built)
+    assert model.start_from(str(tmp_path / "start.safetensors")) is None
+    model.materialize(plan, [3])
+    for name, t in build_stage_index_of(model, plan, 3).module.state_dict().items():
+        assert torch.equal(t, other.state_dict()[name]), name
+
+
+def test_init_from_safetensors_into_a_model_built_whole(tmp_path):
+    plan = make_plan("mlp", [3], [1, 1], batch_size=4)
+    model = build_model(resolve_model("mlp"), plan, seed=0)
+    assert model.weights is None
+    other = perturbed(resolve_model("mlp").build(), seed=4)
+    save_safetensors(other.state_dict(), tmp_path / "start.safetensors")
+    model.start_from(str(tmp_path / "start.safetensors"))
+    assert max_diff(model.module.state_dict(), other.state_dict()) == 0
+
+
+def build_stage_index_of(model, plan, index):
+    from hybridpipe.pipeline import build_stage_index
+
+    return build_stage_index(model.captured, [(s.first_node, s.last_node) for s in plan.stages], index)
+
+
+def test_an_hf_directory_the_files_do_not_cover_is_loaded_whole(tmp_path, caplog):
+    saved_gpt2(tmp_path / "pretrained")
+    from safetensors.torch import load_file, save_file
+    held = load_file(tmp_path / "pretrained" / "model.safetensors")
+    held.pop("transformer.ln_f.bias")                           # from_pretrained initialises what is missing
+    save_file(held, tmp_path / "pretrained" / "model.safetensors", metadata={"format": "pt"})
+    spec = resolve_model(f"hf:{tmp_path / 'pretrained'}[seq=8]")
+    weights = open_weights(tmp_path / "pretrained")
+    assert weights.shape("transformer.wte.weight") == (128, 32)
+    assert "transformer.ln_f.bias" in uncovered(build_skeleton(spec.name), weights)
+    # build_model then loads it whole (from_pretrained), saying why; the plan is not needed to decide
+    assert capture_lazily(spec, spec.example_input(2), None, weights) is None      # type: ignore[arg-type]
+    assert "loads the whole of" in caplog.text and "transformer.ln_f.bias" in caplog.text
+
+
+# ---- under launch ----------------------------------------------------------------------------------
+def test_hf_directory_under_launch_exports_to_from_pretrained(tmp_path):
+    """hf:DIR read lazily on 2 ranks (the tied embedding and the head in different stages), 3 SGD
+    steps: equal to one process training from_pretrained's model; exported with --format hf,
+    from_pretrained loads it strictly and computes its logits."""
+    saved_gpt2(tmp_path / "pretrained")
+    plan = make_plan(f"hf:{tmp_path / 'pretrained'}[seq=8]", [3], [1, 1], micro_batches=2, batch_size=2)
+    save_plan(plan, tmp_path / "plan.json")
+    ckpt = tmp_path / "ckpt"
+    done = launch(["--plan", str(tmp_path / "plan.json"), "--steps", "3", "--lr", "0.05", "--momentum", "0.5",
+                   "--checkpoint-dir", str(ckpt), "--run-dir", str(tmp_path / "run"), "--timeout", "120",
+                   "--no-progress", "--no-trace"], plan.world_size, timeout=300)
+    assert all(d.returncode == 0 for d in done), done
+    assert not any("loads the whole of" in d.stderr for d in done), done
+    reference = train_reference(plan, 3, lr=0.05, momentum=0.5, seed=0)
+    merged, _ = merge_stages(ckpt, 3)
+    assert max_diff(merged, reference) <= 1e-5
+    assert main(["merge-checkpoint", str(ckpt), "--format", "hf", "-o", str(tmp_path / "out")]) == 0
+    model = resolve_model(plan.model).build().eval()
+    model.load_state_dict(reference, strict=True)
+    with torch.no_grad():
+        logits = loaded_strictly(tmp_path / "out")(input_ids=ids()).logits
+        assert float((logits - model(input_ids=ids()).logits).abs().max()) <= 1e-4
