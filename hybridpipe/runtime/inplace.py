@@ -25,7 +25,7 @@ import json
 from collections.abc import Collection, Mapping
 from dataclasses import asdict, dataclass, replace
 
-from hybridpipe.partitioner.costmodel import CostModel
+from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.plan import Plan, Stage
 from hybridpipe.runtime.sync import override_layers
 
