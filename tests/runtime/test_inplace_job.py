@@ -20,13 +20,15 @@ import pytest
 import torch
 
 from hybridpipe.partitioner.plan import Plan, save_plan
+from hybridpipe.profiles.zoo import resolve_model
 from hybridpipe.runtime.failure import EXIT_PEER_LOST
+from hybridpipe.runtime.parts import CAPTURE_CACHE, build_model
 from tests.pipeline.harness import make_plan
 from tests.runtime.elastic import ElasticJob
 from tests.runtime.rank_procs import Job
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS, LR, MOMENTUM, SEED = 24, 0.05, 0.9, 3
+STEPS, LR, MOMENTUM, SEED = 16, 0.05, 0.9, 3
 
 
 def plan_of(replicas: list[int]) -> Plan:
@@ -91,6 +93,8 @@ def check_in_place(out: Path, plan: Plan, killed_at: float, victim: int) -> dict
 def test_a_killed_replica_is_taken_over_in_place_and_training_ends_as_one_process(tmp_path):
     plan = plan_of([2, 2])
     save_plan(plan, tmp_path / "plan.json")
+    # the ranks read the capture from RUN_DIR/capture/ (as a restarted job does) instead of four exports at once
+    build_model(resolve_model(plan.model), plan, seed=SEED, cache=tmp_path / "run" / CAPTURE_CACHE)
     victim = 2                              # stage 1's first replica: the rank that reports
     with Job(None, None, 4, command=[sys.executable, *args(tmp_path / "plan.json", tmp_path)]) as job:
         deadline = time.monotonic() + 300
