@@ -20,15 +20,15 @@ import pytest
 import torch
 
 from hybridpipe.partitioner.plan import Plan, save_plan
-from hybridpipe.profiles.zoo import resolve_model
 from hybridpipe.runtime.failure import EXIT_PEER_LOST
-from hybridpipe.runtime.parts import CAPTURE_CACHE, build_model
 from tests.pipeline.harness import make_plan
 from tests.runtime.elastic import ElasticJob
+from tests.runtime.jobs import train_reference
 from tests.runtime.rank_procs import Job
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS, LR, MOMENTUM, SEED = 16, 0.05, 0.9, 3
+FAULTY = "tests.profiles.user_models:faulty[{},leaf=Fault]"     # nodes 0-2 | 3-5 | 6-9, a Fault in each
 
 
 def plan_of(replicas: list[int]) -> Plan:
@@ -77,7 +77,8 @@ def training(out: Path, rank: int, steps: int = 2) -> bool:
     return metrics.exists() and len(metrics.read_text().splitlines()) >= steps
 
 
-def check_in_place(out: Path, plan: Plan, killed_at: float, victim: int) -> dict:
+def check_in_place(out: Path, plan: Plan, killed_at: float, victim: int,
+                   expected: dict[str, torch.Tensor] | None = None) -> dict:
     summary = json.loads((out / "run" / "summary.json").read_text())
     assert summary["steps"] == STEPS and summary["world_size"] == 3, summary
     (event,) = summary["restarts"]
@@ -86,27 +87,27 @@ def check_in_place(out: Path, plan: Plan, killed_at: float, victim: int) -> dict
     assert json.loads((out / "ckpt" / "restarts.json").read_text())["restarts"] == summary["restarts"]
     lost = event["failure_detected_at"] + event["seconds_to_first_step"] - killed_at
     assert lost <= 3.0 + event["first_step_s"], event            # seconds lost: <= 3 s + the redone step
-    assert max_diff(final_state(out / "ckpt"), reference(plan)) <= 1e-5
+    assert max_diff(final_state(out / "ckpt"), reference(plan) if expected is None else expected) <= 1e-5
     return event
 
 
 def test_a_killed_replica_is_taken_over_in_place_and_training_ends_as_one_process(tmp_path):
-    plan = plan_of([2, 2])
+    # rank 2 (stage 1's first replica: the rank that reports) SIGKILLs itself in its 5th forward
+    # (step 2), never inside the step's final all-reduce (the commit point, where a kill may leave
+    # the survivors a step apart: then the job restarts, test_inplace.py)
+    plan = make_plan(FAULTY.format("victim=2,phase=forward,at=5"), [5], [2, 2], micro_batches=4, batch_size=4)
     save_plan(plan, tmp_path / "plan.json")
-    # the ranks read the capture from RUN_DIR/capture/ (as a restarted job does) instead of four exports at once
-    build_model(resolve_model(plan.model), plan, seed=SEED, cache=tmp_path / "run" / CAPTURE_CACHE)
-    victim = 2                              # stage 1's first replica: the rank that reports
     with Job(None, None, 4, command=[sys.executable, *args(tmp_path / "plan.json", tmp_path)]) as job:
         deadline = time.monotonic() + 300
-        while not training(tmp_path, 3):
-            assert time.monotonic() < deadline and not job.poll(), job.wait(1)
-            time.sleep(0.01)
-        job.kill(victim)
+        while 2 not in job.poll():
+            assert time.monotonic() < deadline and len(job.poll()) == 0, job.wait(1)
+            time.sleep(0.005)
         killed_at = time.time()
         results = job.wait(timeout=240)
-    assert results[victim].returncode == -9
-    assert [r.returncode for r in results if r.rank != victim] == [0, 0, 0], results
-    event = check_in_place(tmp_path, plan, killed_at, victim)
+    assert results[2].returncode == -9
+    assert [r.returncode for r in results if r.rank != 2] == [0, 0, 0], results
+    event = check_in_place(tmp_path, plan, killed_at, 2, train_reference(plan, STEPS, lr=LR, momentum=MOMENTUM,
+                                                                          seed=SEED))
     print(f"in place: {event}")
 
 
