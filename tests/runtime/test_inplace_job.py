@@ -5,8 +5,11 @@ falls back to the restart (exit 75).
 
 Plan: stage 0 on ranks 0 and 1, stage 1 on ranks 2 and 3 (rank 2 reports the summary: killing it
 moves the report to rank 3). The default test runs the ranks as torchrun's agent would (the test
-hosts the store, tests/runtime/rank_procs.py); the slow one goes through real torchrun agents, one
-per emulated host (tests/runtime/elastic.py), killing a host's agent and worker.
+hosts the store, tests/runtime/rank_procs.py) and rank 2 SIGKILLs itself in a forward; the slow
+one goes through real torchrun agents, one per host on loopback (tests/runtime/elastic.py),
+killing a host's agent and worker from outside at any moment: a kill that lands inside a step's
+final all-reduce may leave the survivors a step apart, and the job then restarts instead (by
+design; seen once in a few runs of that test).
 """
 
 from __future__ import annotations
