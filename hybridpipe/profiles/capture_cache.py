@@ -6,7 +6,7 @@ The first capture of a model writes ``DIR/capture-<key>.json``: the graph's node
 name, target, arguments), its blocks, inputs and output structure. The key is a digest of all
 the capture depends on: torch's version, the model's class and the source file that defines
 it, every parameter's and buffer's name, shape and dtype, the example's structure, shapes and
-dtypes, the granularity and leaf modules. A later capture with the same key rebuilds the graph
+dtypes, the granularity, leaf modules and autocast dtype. A later capture with the same key rebuilds the graph
 from the file on the model's own parameters (no torch.export, no tracing). The file is plain
 JSON: operator targets are looked up by name among torch's operators and a fixed list of Python
 functions, never executed from the file. A graph with anything else (a module call, a Python
@@ -54,19 +54,20 @@ class Uncacheable(Exception):
 
 
 def cached_capture(model: nn.Module, example: Any, *, directory: str | os.PathLike | None,
-                   granularity: str | int = "blocks", leaf_modules: Iterable[type | str] = ()) -> CapturedModel:
+                   granularity: str | int = "blocks", leaf_modules: Iterable[type | str] = (),
+                   autocast: torch.dtype | None = None) -> CapturedModel:
     """:func:`capture_model`, through the cache in ``directory`` (None: no cache); see the module
     docstring."""
     leaf_modules = tuple(leaf_modules)
     if directory is None:
-        return capture_model(model, example, granularity=granularity, leaf_modules=leaf_modules)
-    path = Path(directory) / f"capture-{capture_key(model, example, granularity, leaf_modules)}.json"
+        return capture_model(model, example, granularity=granularity, leaf_modules=leaf_modules, autocast=autocast)
+    path = Path(directory) / f"capture-{capture_key(model, example, granularity, leaf_modules, autocast)}.json"
     if path.exists():
         try:
-            return load_capture(json.loads(path.read_text()), model)
+            return load_capture(json.loads(path.read_text()), model, autocast)
         except Exception as e:      # noqa: BLE001 - a damaged or foreign file: capture anew
             log.warning("ignoring the cached capture %s (%s: %s)", path, type(e).__name__, e)
-    captured = capture_model(model, example, granularity=granularity, leaf_modules=leaf_modules)
+    captured = capture_model(model, example, granularity=granularity, leaf_modules=leaf_modules, autocast=autocast)
     try:
         record = dump_capture(captured)
     except Uncacheable as e:
@@ -82,7 +83,8 @@ def cached_capture(model: nn.Module, example: Any, *, directory: str | os.PathLi
     return captured
 
 
-def capture_key(model: nn.Module, example: Any, granularity: str | int, leaf_modules: tuple) -> str:
+def capture_key(model: nn.Module, example: Any, granularity: str | int, leaf_modules: tuple,
+                autocast: torch.dtype | None = None) -> str:
     """The digest of everything a capture of ``model`` on ``example`` depends on (see the module docstring)."""
     cls = type(model)
     try:
@@ -98,6 +100,7 @@ def capture_key(model: nn.Module, example: Any, granularity: str | int, leaf_mod
              "source": source, "state": [[n, str(t.dtype), list(t.shape)] for n, t in
                                          [*model.named_parameters(), *model.named_buffers()]],
              "example": [str(spec), [shape(v) for v in leaves]], "granularity": str(granularity),
+             "autocast": str(autocast),
              "leaves": [x if isinstance(x, str) else f"{x.__module__}.{x.__qualname__}" for x in leaf_modules]}
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:24]
 
@@ -119,7 +122,7 @@ def dump_capture(captured: CapturedModel) -> dict:
             "blocked": captured.blocked}
 
 
-def load_capture(record: dict, model: nn.Module) -> CapturedModel:
+def load_capture(record: dict, model: nn.Module, autocast: torch.dtype | None = None) -> CapturedModel:
     """The capture a :func:`dump_capture` record describes, on ``model``'s own parameters."""
     if record.get("format") != FORMAT:
         raise ValueError(f"format {record.get('format')!r}, expected {FORMAT}")
@@ -137,7 +140,7 @@ def load_capture(record: dict, model: nn.Module) -> CapturedModel:
     return CapturedModel(module=model, graph=gm, blocks=tuple(Block(n, t, tuple(ns)) for n, t, ns in record["blocks"]),
                          inputs=tuple(record["inputs"]), input_paths=tuple(record["input_paths"]),
                          constants={k: _load(v, env) for k, v in record["constants"].items()}, out_spec=out_spec,
-                         blocked=dict(record["blocked"]), front_end="export")
+                         blocked=dict(record["blocked"]), front_end="export", autocast=autocast)
 
 
 def _target(fn: Any) -> Any:

@@ -53,6 +53,9 @@ from hybridpipe.runtime.tensor_files import Weights, open_weights
 log = logging.getLogger(__name__)
 CAPTURE_CACHE = "capture"        # RUN_DIR/capture/: the capture cache (profiles/capture_cache.py)
 
+# launch's --precision (and the Trainer's precision / reduce_dtype) -> the autocast dtype (None: float32)
+PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
 
 @dataclass
 class Model:
@@ -98,28 +101,35 @@ def spec_of(model: Any, name: str, example: Any, loss: Callable[..., torch.Tenso
 def load_model(cfg: RunConfig) -> Model:
     """Build and capture the plan's model (seeded by ``cfg.seed``) and check the whole plan against
     it before any process group exists: graph signature, every cut's values, tied parameters,
-    every replicated stage's sync layers."""
+    every replicated stage's sync layers. Captured under autocast for a 16-bit ``cfg.precision``."""
     cache = Path(cfg.run_dir) / CAPTURE_CACHE if cfg.run_dir else None
-    return build_model(resolve_model(cfg.model), cfg.plan, seed=cfg.seed, cache=cache)
+    return build_model(resolve_model(cfg.model), cfg.plan, seed=cfg.seed, autocast=PRECISIONS[cfg.precision],
+                       cache=cache)
 
 
-def build_model(spec: ModelSpec, plan: Plan, *, seed: int, cache: Path | None = None) -> Model:
+def build_model(spec: ModelSpec, plan: Plan, *, seed: int, autocast: torch.dtype | None = None,
+                cache: Path | None = None) -> Model:
     """:func:`load_model` for a resolved spec: the model built after ``torch.manual_seed(seed)``
-    (the same weights on every rank), captured with the plan's batch size and granularity
-    (through the capture cache in ``cache``: a restarted worker reads it, profiles/capture_cache.py),
-    and the whole plan checked against it; a spec naming its weights' files is built and captured
-    with its parameters on the meta device when the files cover it (runtime/lazy.py)."""
+    (the same weights on every rank), captured with the plan's batch size and granularity (under
+    ``torch.autocast`` to ``autocast``, for a job that computes in it; through the capture cache in
+    ``cache``: a restarted worker reads it, profiles/capture_cache.py), and the whole plan checked
+    against it; a spec naming its weights' files is built and captured with its parameters on the
+    meta device when the files cover it (runtime/lazy.py) and the job computes in float32 (autocast
+    has no meta device: a 16-bit job loads the whole model on every rank)."""
     torch.manual_seed(seed)
     example = spec.example_input(plan.batch_size, torch.Generator().manual_seed(seed))
     weights = open_weights(spec.weights) if spec.weights is not None else None
-    lazy = capture_lazily(spec, example, plan, weights) if weights is not None else None
+    if weights is not None and autocast is not None:
+        log.warning("hybridpipe: every rank loads the whole of %s: a %s capture cannot run on the meta device",
+                    spec.name, autocast)
+    lazy = capture_lazily(spec, example, plan, weights) if weights is not None and autocast is None else None
     if lazy is not None:
         module, captured = lazy
     else:
         weights = None
         module = spec.build()
         captured = cached_capture(module, example, directory=cache, granularity=plan.granularity,
-                                  leaf_modules=spec.leaf_modules)
+                                  leaf_modules=spec.leaf_modules, autocast=autocast)
         check_captured_plan(captured, plan)
     check_tied(captured, plan)
     check_sync_layers(captured, plan)

@@ -49,11 +49,19 @@ from hybridpipe.runtime.groups import init_distributed, replica_groups, stage_ch
 from hybridpipe.runtime.loader import MicroBatchSlice, StepLoader
 from hybridpipe.runtime.lr import SchedulerFactory
 from hybridpipe.runtime.nonfinite import NonFiniteWatch
-from hybridpipe.runtime.parts import Model, build_model, build_optimizer, make_sync, seed_rank, spec_of, token_counts
+from hybridpipe.runtime.parts import (
+    PRECISIONS,
+    Model,
+    build_model,
+    build_optimizer,
+    make_sync,
+    seed_rank,
+    spec_of,
+    token_counts,
+)
 from hybridpipe.runtime.scaler import LossScaler
 from hybridpipe.runtime.tied import repeated_tied, tied_process_groups, tied_sync
 
-PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 ModelArg = str | ModelSpec | Model | nn.Module | Callable[[], nn.Module]
 OptimizerArg = str | Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None
 
@@ -71,15 +79,19 @@ class Trainer:
     on every rank; see runtime/lr.py for launch's schedules). ``clip_grad_norm``: clip by the norm
     of the whole model's gradient (what ``torch.nn.utils.clip_grad_norm_`` on the unsplit model
     does). ``precision`` (default: the plan's, as ``partition --precision`` priced it)
-    ``"bf16"``: forwards under ``torch.autocast(bfloat16)`` and activations and gradients sent
-    between stages and all-reduced between replicas as bfloat16 (half the bytes); weights, their
-    gradients and the optimizer state stay float32. ``"fp16"`` likewise in float16,
-    with a dynamic loss scale (``loss_scale``: the initial one; runtime/scaler.py) whose overflow
-    check all ranks agree on: an overflowing step is skipped everywhere. ``loss_normalization`` (default:
-    the plan's) ``"micro-batch"``: a step's loss is the mean of its micro-batches' mean losses;
-    ``"tokens"``: its summed per-token loss over the valid tokens of the whole global batch, as one
-    process computes it (profiles/losses.py: ``loss`` then returns (loss_sum, count), or the model
-    is a Hugging Face model computing its own loss from ``labels``). ``data``: a source of micro-batches
+    ``"bf16"``: the model captured and its forwards run under ``torch.autocast(bfloat16)``, so each
+    stage computes what the unsplit model under autocast computes; activations and gradients cross
+    between stages in the dtype they were computed in; weights, their gradients and the optimizer
+    state stay float32. ``"fp16"`` likewise in float16, with a dynamic loss scale (``loss_scale``:
+    the initial one; runtime/scaler.py) whose overflow check all ranks agree on: an overflowing step
+    is skipped everywhere. ``reduce_dtype`` (``"fp32"``, default, ``"bf16"`` or ``"fp16"``): the dtype
+    the replicas sum their gradients in (16 bits: half the bytes, each gradient rounded to it).
+    A ``Model`` given must have been captured for the precision (``build_model(autocast=)``).
+    ``loss_normalization`` (default: the plan's) ``"micro-batch"``: a step's loss is the mean of its
+    micro-batches' mean losses; ``"tokens"``: its summed per-token loss over the valid tokens of the
+    whole global batch, as one process computes it (profiles/losses.py: ``loss`` then returns
+    (loss_sum, count), or the model is a Hugging Face model computing its own loss from ``labels``).
+    ``data``: a source of micro-batches
     by (step, micro-batch) for steps given no batch (launch's ``MicroBatches``). ``recorder``: a
     timeline recorder (launch's).
     """
@@ -91,11 +103,14 @@ class Trainer:
                  allreduce: str | None = None, calibrations: Iterable[str] = (), aggregator: str | None = None,
                  skip_nonfinite: bool = False, backend: str | None = None, timeout: float = 300.0,
                  precision: str | None = None, loss_scale: float = 2.0**16, recorder: Any = None,
-                 nonfinite_hint: str = "", loss_normalization: str | None = None, in_place: bool = False) -> None:
+                 nonfinite_hint: str = "", reduce_dtype: str = "fp32", loss_normalization: str | None = None,
+                 in_place: bool = False) -> None:
         self.plan = plan if isinstance(plan, Plan) else load_plan(str(plan))
         precision = precision or self.plan.precision          # what the plan was priced for, unless told
         if precision not in PRECISIONS:
             raise UserError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
+        if reduce_dtype not in PRECISIONS:
+            raise UserError(f"unknown reduce_dtype {reduce_dtype!r}; choose one of {', '.join(PRECISIONS)}")
         if clip_grad_norm is not None and (not clip_grad_norm > 0 or not math.isfinite(clip_grad_norm)):
             raise UserError(f"clip_grad_norm must be a positive number, got {clip_grad_norm}")
         kind = self.plan.kind
@@ -108,7 +123,13 @@ class Trainer:
             raise UserError(f"fp16's loss scaler skips overflowing steps on every stage at once, and {kind.name} has "
                             "no global step; use bf16, or the 1f1b or gpipe schedule")
         self.model = model if isinstance(model, Model) else build_model(spec_of(model, self.plan.model, example, loss),
-                                                                        self.plan, seed=seed)
+                                                                        self.plan, seed=seed,
+                                                                        autocast=PRECISIONS[precision])
+        if self.model.captured.autocast != PRECISIONS[precision]:
+            raise UserError(f"the model was captured for {_precision_of(self.model.captured.autocast)} but the "
+                            f"trainer runs {precision}: build it with build_model(..., autocast=PRECISIONS"
+                            f"[{precision!r}]), or pass the model spec and let the trainer build it")
+        self.precision, self.reduce_dtype = precision, reduce_dtype
         self.proc, self._owned = init_distributed(backend, timeout)
         if self.proc.world_size != self.plan.world_size:
             raise UserError(f"the plan needs {self.plan.world_size} workers but the job has {self.proc.world_size}; "
@@ -130,7 +151,7 @@ class Trainer:
         self._timeout, self._in_place, self._recorder = timeout, in_place, recorder
         self._dtype = PRECISIONS[precision]
         self._sync_options: dict[str, Any] = {"allreduce": allreduce, "calibrations": tuple(calibrations),
-                                              "aggregator": aggregator, "wire_dtype": self._dtype}
+                                              "aggregator": aggregator, "wire_dtype": PRECISIONS[reduce_dtype]}
         self.watch = NonFiniteWatch(self.proc.device, skip=skip_nonfinite, flushing=flushes(plan),
                                     stage=self.stage_plan.index, hint=nonfinite_hint)
         ranges = [(s.first_node, s.last_node) for s in plan.stages]
@@ -184,7 +205,7 @@ class Trainer:
                                      optimizer=guarded, data=self._feed,
                                      sync=self.syncs, recorder=recorder, tied=tied,
                                      before_step=self._before_step if self.clip_grad_norm is not None or self.scaler
-                                     else None, autocast=self._dtype, wire_dtype=self._dtype,
+                                     else None, autocast=self._dtype,
                                      loss_scale=self._loss_scale if self.scaler is not None else None,
                                      tokens=self.tokens)
 
@@ -411,3 +432,7 @@ class Trainer:
                                                     tied=tied_parameters(self.model.module))
         self._checkpointers[key].keep = keep
         return self._checkpointers[key]
+
+
+def _precision_of(dtype: torch.dtype | None) -> str:
+    return next(name for name, d in PRECISIONS.items() if d == dtype)
