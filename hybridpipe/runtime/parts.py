@@ -19,6 +19,8 @@ import hashlib
 import logging
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -36,7 +38,8 @@ from hybridpipe.partitioner.tied import shared_across
 from hybridpipe.pipeline import LocalSync, MicroBatches
 from hybridpipe.pipeline.stage import build_stage_index, check_captured_plan
 from hybridpipe.pipeline.tokens import TokenCounts
-from hybridpipe.profiles.capture import CapturedModel, capture_model, tied_parameters
+from hybridpipe.profiles.capture import CapturedModel, tied_parameters
+from hybridpipe.profiles.capture_cache import cached_capture
 from hybridpipe.profiles.data import resolve_dataset
 from hybridpipe.profiles.graphinfo import node_infos
 from hybridpipe.profiles.losses import label_counter
@@ -48,6 +51,7 @@ from hybridpipe.runtime.sync import describe_override, override_layers, stage_la
 from hybridpipe.runtime.tensor_files import Weights, open_weights
 
 log = logging.getLogger(__name__)
+CAPTURE_CACHE = "capture"        # RUN_DIR/capture/: the capture cache (profiles/capture_cache.py)
 
 # launch's --precision (and the Trainer's precision / reduce_dtype) -> the autocast dtype (None: float32)
 PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -79,17 +83,36 @@ class Model:
         return optimizer
 
 
+def spec_of(model: Any, name: str, example: Any, loss: Callable[..., torch.Tensor] | None) -> ModelSpec:
+    """The ModelSpec of the Trainer's ``model`` argument: a spec string, a ModelSpec, a Model, or
+    an ``nn.Module`` / factory with ``example`` (one micro-batch of its input) and ``loss``."""
+    if isinstance(model, str):
+        return resolve_model(model)
+    if isinstance(model, ModelSpec):
+        return model
+    if isinstance(model, Model):
+        return model.spec
+    if example is None:
+        raise UserError("a model given as an nn.Module or a factory needs example= (one micro-batch of its input)")
+    build = (lambda: model) if isinstance(model, nn.Module) else model
+    return ModelSpec(name=name, build=build, example=example, loss=loss)
+
+
 def load_model(cfg: RunConfig) -> Model:
     """Build and capture the plan's model (seeded by ``cfg.seed``) and check the whole plan against
     it before any process group exists: graph signature, every cut's values, tied parameters,
     every replicated stage's sync layers. Captured under autocast for a 16-bit ``cfg.precision``."""
-    return build_model(resolve_model(cfg.model), cfg.plan, seed=cfg.seed, autocast=PRECISIONS[cfg.precision])
+    cache = Path(cfg.run_dir) / CAPTURE_CACHE if cfg.run_dir else None
+    return build_model(resolve_model(cfg.model), cfg.plan, seed=cfg.seed, autocast=PRECISIONS[cfg.precision],
+                       cache=cache)
 
 
-def build_model(spec: ModelSpec, plan: Plan, *, seed: int, autocast: torch.dtype | None = None) -> Model:
+def build_model(spec: ModelSpec, plan: Plan, *, seed: int, autocast: torch.dtype | None = None,
+                cache: Path | None = None) -> Model:
     """:func:`load_model` for a resolved spec: the model built after ``torch.manual_seed(seed)``
     (the same weights on every rank), captured with the plan's batch size and granularity (under
-    ``torch.autocast`` to ``autocast``, for a job that computes in it), and the whole plan checked
+    ``torch.autocast`` to ``autocast``, for a job that computes in it; through the capture cache in
+    ``cache``: a restarted worker reads it, profiles/capture_cache.py), and the whole plan checked
     against it; a spec naming its weights' files is built and captured with its parameters on the
     meta device when the files cover it (runtime/lazy.py) and the job computes in float32 (autocast
     has no meta device: a 16-bit job loads the whole model on every rank)."""
@@ -105,8 +128,8 @@ def build_model(spec: ModelSpec, plan: Plan, *, seed: int, autocast: torch.dtype
     else:
         weights = None
         module = spec.build()
-        captured = capture_model(module, example, granularity=plan.granularity, leaf_modules=spec.leaf_modules,
-                                 autocast=autocast)
+        captured = cached_capture(module, example, directory=cache, granularity=plan.granularity,
+                                  leaf_modules=spec.leaf_modules, autocast=autocast)
         check_captured_plan(captured, plan)
     check_tied(captured, plan)
     check_sync_layers(captured, plan)
@@ -198,6 +221,15 @@ def make_optimizer(kind: str, params, *, lr: float, momentum: float = 0.0, weigh
     if kind == "adamw":
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     raise UserError(f"unknown optimizer {kind!r}; choose sgd, adam or adamw")
+
+
+def build_optimizer(kind: Any, module: nn.Module, lr: float, momentum: float, weight_decay: float) -> Any:
+    """The Trainer's optimizer: ``kind`` "sgd"/"adam" (:func:`make_optimizer`) or a callable
+    ``params -> torch.optim.Optimizer`` given the module's trainable parameters."""
+    if callable(kind):
+        params = [p for p in module.parameters() if p.requires_grad]
+        return kind(params) if params else make_optimizer("sgd", [], lr=lr)
+    return make_optimizer(str(kind), module.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
 
 
 def make_data(cfg: RunConfig, spec: ModelSpec) -> MicroBatches:

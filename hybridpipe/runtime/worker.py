@@ -18,7 +18,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -29,13 +29,16 @@ from hybridpipe.jsonfile import write_json
 from hybridpipe.partitioner.plan import save_plan
 from hybridpipe.pipeline import MicroBatches
 from hybridpipe.profiles.capture import tied_parameters
-from hybridpipe.runtime.config import RunConfig
+from hybridpipe.runtime.agents import release_exit_barrier
+from hybridpipe.runtime.config import RunConfig, flushes
 from hybridpipe.runtime.dirlock import DirLock, Holder
-from hybridpipe.runtime.failure import EXIT_PEER_LOST, FailureGuard, default_store, describe_ranks
+from hybridpipe.runtime.failure import EXIT_PEER_LOST, FailureGuard, default_store, describe_ranks, suspect_of
 from hybridpipe.runtime.groups import Process, init_distributed
+from hybridpipe.runtime.inplace import STEP, Decision, decide
 from hybridpipe.runtime.lr import lr_schedule
 from hybridpipe.runtime.metrics import MetricsWriter, Progress, step_record
 from hybridpipe.runtime.parts import Model, buffers_digest, load_model, make_data, make_eval_data, weights_digest
+from hybridpipe.runtime.recovery import Recovery, recover_in_place
 from hybridpipe.runtime.reshard import canonical_names, indexed_optimizer_state, optimizer_names
 from hybridpipe.runtime.restarts import (
     append_log,
@@ -81,12 +84,12 @@ def run_worker(cfg: RunConfig, *, print_fn: Callable[[str], None] = print) -> di
 
             def leave_note() -> None:
                 if guard.exit_code == EXIT_PEER_LOST:
-                    note_exit(root, proc.rank, proc.world_size, int(progress["done"]))
+                    note_exit(root, guard.rank, guard.world_size, int(progress["done"]))
             guard.on_exit.append(leave_note)
         if lock is not None:
             guard.on_exit.append(lock.release)
         with guard:
-            summary = _train(cfg, proc, model, closers, print_fn, init_optimizer, progress, guard.critical)
+            summary = _train(cfg, proc, model, closers, print_fn, init_optimizer, progress, guard)
     finally:
         if lock is not None:
             lock.release()
@@ -117,10 +120,11 @@ def _lock_checkpoint_dir(cfg: RunConfig, rank: int) -> DirLock | None:
 
 
 def _train(cfg: RunConfig, proc: Process, model: Model, closers: list, print_fn, init_optimizer: dict | None,
-           progress: dict, critical: AbstractContextManager) -> dict | None:
+           progress: dict, guard: FailureGuard) -> dict | None:
     """launch's loop around the Python API (runtime/trainer.py): metrics, progress bar, timeline,
-    checkpoints every K steps (each inside ``critical``: a stop signal lets it finish), the summary."""
-    plan, rank = cfg.plan, proc.rank
+    checkpoints every K steps (each inside ``guard.critical``: a stop signal lets it finish), with
+    ``--in-place`` the recovery of a lost replica (runtime/recovery.py), the summary."""
+    plan, rank, critical = cfg.plan, proc.rank, guard.critical
     stage_plans, replica = plan.stages_of_rank(rank)      # one, or the rank's model chunks (virtual stages)
     stage_plan = stage_plans[0]
     reporter = rank == plan.stages[-1].ranks[0]
@@ -144,7 +148,8 @@ def _train(cfg: RunConfig, proc: Process, model: Model, closers: list, print_fn,
                       data=make_data(cfg, model.spec), comm_mode=cfg.comm_mode, allreduce=cfg.allreduce,
                       calibrations=cfg.calibrations, aggregator=cfg.aggregator, skip_nonfinite=cfg.skip_nonfinite,
                       timeout=cfg.timeout, precision=cfg.precision, recorder=recorder, nonfinite_hint=hint,
-                      reduce_dtype=cfg.reduce_dtype, loss_normalization=cfg.loss_normalization)
+                      reduce_dtype=cfg.reduce_dtype, loss_normalization=cfg.loss_normalization, in_place=cfg.in_place)
+    recover = _recoverer(cfg, proc, trainer, guard) if cfg.in_place else None
     held_out = make_eval_data(cfg, model.spec) if cfg.eval_every else None
     start, restart = 0, None
     if init_optimizer is not None:
@@ -171,6 +176,7 @@ def _train(cfg: RunConfig, proc: Process, model: Model, closers: list, print_fn,
     saved_at = start
     if held_out is not None and start < cfg.steps:        # the held-out loss before training
         metrics.write({"step": start - 1, "eval_loss": _evaluate(trainer, held_out, cfg.eval_batches)})
+    events: list[dict] = []                  # in-place recoveries, for the summary without a checkpoint dir
     try:
         for step in range(start, cfg.steps):
             if recorder is not None:
@@ -180,7 +186,7 @@ def _train(cfg: RunConfig, proc: Process, model: Model, closers: list, print_fn,
             evaluate = cfg.eval_every > 0 and ((step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1)
             due = bool(cfg.checkpoint_dir) and cfg.checkpoint_every > 0 and (step + 1) % cfg.checkpoint_every == 0
             # every rank: stops on a non-finite loss; pipedream drains before an evaluation or a checkpoint
-            trainer.train_step(drain=step == cfg.steps - 1 or evaluate or due)
+            event = _train_step(trainer, step == cfg.steps - 1 or evaluate or due, recover)
             if proc.device.type == "cuda":
                 torch.cuda.synchronize(proc.device)
             seconds = time.perf_counter() - t0
@@ -209,10 +215,22 @@ def _train(cfg: RunConfig, proc: Process, model: Model, closers: list, print_fn,
             if restart is not None and cfg.checkpoint_dir:
                 append_log(Path(cfg.checkpoint_dir), first_step_done(restart, seconds))
                 restart = None
+            if event is not None:           # re-formed in place during this step: the new reporter records it
+                report = _renamed(report, trainer)
+                reporter = trainer.proc.rank == trainer.plan.stages[-1].ranks[0]
+                before = event.pop("before_s")
+                events.append(first_step_done(event, seconds - before))
+                if reporter and cfg.checkpoint_dir:
+                    append_log(Path(cfg.checkpoint_dir), events[-1])
             if due and cfg.checkpoint_dir:
                 with critical:
                     trainer.save(cfg.checkpoint_dir, keep=cfg.keep_checkpoints)
                 saved_at = step + 1
+    except Exception as e:
+        if recover is None or suspect_of(e)[1] == "own":
+            raise
+        recover(e, "outside a step")        # a failure outside a training step: the job restarts
+        raise
     finally:
         bar.close()
     if cfg.checkpoint_dir and saved_at < cfg.steps:          # the final weights, always
@@ -221,6 +239,8 @@ def _train(cfg: RunConfig, proc: Process, model: Model, closers: list, print_fn,
 
     trainer.close()
     _close_all(closers)
+    plan, proc, stage_plan = trainer.plan, trainer.proc, trainer.stage_plan    # the survivors' after a recovery
+    stage_plans = trainer.stage_plans
     if stage_plan.replicas > 1:
         report.digest = weights_digest(trainer.module)
         report.buffers = buffers_digest(trainer.module)
@@ -230,17 +250,65 @@ def _train(cfg: RunConfig, proc: Process, model: Model, closers: list, print_fn,
                             if (ran := sync_report(trainer.syncs[s.index], s)) is not None}
     reports: list = [None] * proc.world_size
     dist.all_gather_object(reports, report)
+    if events:              # the agents of the lost hosts never reach torchrun's exit barrier
+        hosts: list = [None] * proc.world_size
+        dist.all_gather_object(hosts, os.environ.get("GROUP_RANK"))
+        if proc.rank == 0:
+            log.info(release_exit_barrier(int(os.environ.get("GROUP_WORLD_SIZE", "0")) - len(set(hosts))))
     if not reporter:
         return None
     summary = summarize(reports, plan, steps=cfg.steps, first_step=start, run_dir=str(run_dir),
                         trace_dir=str(traces) if traces is not None else None, schedule=cfg.schedule,
                         comm_mode=cfg.comm_mode, allreduce=cfg.allreduce, skipped=trainer.watch.skipped,
                         precision=cfg.precision, reduce_dtype=cfg.reduce_dtype)
-    if cfg.checkpoint_dir:
-        summary["restarts"] = read_log(Path(cfg.checkpoint_dir))
+    if cfg.checkpoint_dir or events:
+        summary["restarts"] = read_log(Path(cfg.checkpoint_dir)) if cfg.checkpoint_dir else events
     write_json(Path(run_dir) / "summary.json", summary)
     print_fn(format_summary(summary))
     return summary
+
+
+def _recoverer(cfg: RunConfig, proc: Process, trainer: Trainer, guard: FailureGuard) -> Callable[..., dict]:
+    """``recover(error, phase)``: the in-place recovery of this rank after ``error`` (runtime/recovery.py)."""
+    recovery = Recovery(default_store(), namespace=guard.namespace, rank=proc.rank, world_size=proc.world_size,
+                        grace_s=min(guard.timeout, max(1.0, 3 * guard.interval)), wait_s=guard.timeout)
+    guard.recovery = recovery
+
+    def decide_here(reports: dict, lost: set, unreported: set) -> Decision:
+        return decide(trainer.plan, recovery.world_size, reports, lost, flushing=flushes(trainer.plan),
+                      unreported=unreported)
+
+    def recover(error: BaseException, phase: str) -> dict:
+        return recover_in_place(trainer, recovery, guard, phase=phase, error=error, decide=decide_here,
+                                backend=proc.backend, timeout_s=cfg.timeout)
+    return recover
+
+
+def _train_step(trainer: Trainer, drain: bool, recover: Callable[..., dict] | None) -> dict | None:
+    """One training step; with ``recover`` (--in-place), a peer's failure re-forms the job in place
+    and the step is redone (or, when every survivor had applied it, counted done). Returns the
+    recovery's event (with ``before_s``: seconds of the step before the recovery finished), if any."""
+    step, t0, event = trainer.step, time.perf_counter(), None
+    while True:
+        try:
+            trainer.train_step(drain=drain)
+            return event
+        except Exception as e:
+            if recover is None or suspect_of(e)[1] == "own":
+                raise
+            event = {**recover(e, STEP), "step": step, "before_s": time.perf_counter() - t0}
+            if trainer.step > step:
+                event["steps_redone"] = 0
+                return event
+            event["steps_redone"] = 1
+            t0 = time.perf_counter()
+
+
+def _renamed(report: RankReport, trainer: Trainer) -> RankReport:
+    """This rank's report under its rank, stage and replica in the re-formed world."""
+    stages = trainer.stage_plans
+    return replace(report, rank=trainer.proc.rank, stage=stages[0].index, replica=trainer.replica,
+                   more_stages=tuple(s.index for s in stages[1:]))
 
 
 def _evaluate(trainer: Trainer, held_out: MicroBatches | None, batches: int) -> float:
