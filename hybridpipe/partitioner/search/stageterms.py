@@ -270,7 +270,12 @@ class StageTerms:
             lane = self._floor_lanes.get((lv, m))
             if lane is None:
                 sync = sync_floor(self.model, lv, m, self.opts.algorithms, self.costs.param_bytes)
-                scale = SAFETY * (sync.sum() + self.pb[-1] + self.pf[-1])
+                # rounding slack: the exact lane's prefix sums reach at most the ring bound's total
+                most = (self._sync_ub[0][self.wc, lv] * self.pcount[-1] + self._sync_ub[1][self.wc, lv]
+                        * self.pp[-1]) * 1e3
+                if not np.isfinite(most):                     # no ring bound to scale by: no floor
+                    sync, most = np.zeros(len(sync)), 0.0
+                scale = SAFETY * (most + sync.sum() + self.pb[-1] + self.pf[-1])
                 lane = self._floor_lanes[lv, m] = (lane_terms(sync, self.costs.backward_ms,
                                                               self.costs.forward_ms), scale)
             sel = keys == key
