@@ -33,7 +33,7 @@ from torch.utils.data import Dataset
 
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner.plan import Plan, load_plan
-from hybridpipe.pipeline import PipelineEngine, Topology, build_stage_index
+from hybridpipe.pipeline import PipelineEngine, Topology, check_plan
 from hybridpipe.pipeline.chunks import rank_module
 from hybridpipe.pipeline.schedules import settle_phase
 from hybridpipe.pipeline.stage import loss_of
@@ -132,13 +132,12 @@ class Trainer:
         self.watch = NonFiniteWatch(self.proc.device, skip=skip_nonfinite, flushing=flushes(plan),
                                     stage=self.stage_plan.index,
                                     decides_alone=self.is_last and self.stage_plan.replicas == 1, hint=nonfinite_hint)
-        ranges = [(s.first_node, s.last_node) for s in plan.stages]
         self.tokens = token_counts(self.model, self.proc.device, self._stats, plan.batch_size, self.watch.note) \
             if self.loss_normalization == "tokens" else None
         loss_fn = loss_of(self.model.spec.loss) if self.tokens else self.watch.wrap_loss(as_mean(loss_of(
             self.model.spec.loss)))
-        self.stages = [build_stage_index(self.model.captured, ranges, s.index, loss=loss_fn, recompute=s.recompute,
-                                         replicas=s.replicas).to(self.proc.device) for s in self.stage_plans]
+        checked = self.model.checked if self.model.checked.plan == plan else check_plan(self.model.captured, plan)
+        self.stages = [st.to(self.proc.device) for st in checked.stages_of_rank(rank, loss=loss_fn)]
         self.module = rank_module([st.module for st in self.stages])     # every chunk's parameters, each once
         self._uncounted = _repeated_tied(plan, mine, self.model.module)
         self.syncs = {s.index: make_sync(plan, st.module, s, groups.get(s.index),
