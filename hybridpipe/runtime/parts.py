@@ -47,6 +47,9 @@ from hybridpipe.runtime.tensor_files import Weights, open_weights
 
 log = logging.getLogger(__name__)
 
+# launch's --precision (and the Trainer's precision / reduce_dtype) -> the autocast dtype (None: float32)
+PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
 
 @dataclass
 class Model:
@@ -78,26 +81,33 @@ class Model:
 def load_model(cfg: RunConfig) -> Model:
     """Build and capture the plan's model (seeded by ``cfg.seed``) and check the whole plan against
     it before any process group exists (pipeline/plancheck.py: graph signature, every cut's values,
-    buffers, tied parameters, every replicated stage's sync layers)."""
-    return build_model(resolve_model(cfg.model), cfg.plan, seed=cfg.seed)
+    buffers, tied parameters, every replicated stage's sync layers). Captured under autocast for a
+    16-bit ``cfg.precision``."""
+    return build_model(resolve_model(cfg.model), cfg.plan, seed=cfg.seed, autocast=PRECISIONS[cfg.precision])
 
 
-def build_model(spec: ModelSpec, plan: Plan, *, seed: int) -> Model:
+def build_model(spec: ModelSpec, plan: Plan, *, seed: int, autocast: torch.dtype | None = None) -> Model:
     """:func:`load_model` for a resolved spec: the model built after ``torch.manual_seed(seed)``
-    (the same weights on every rank), captured with the plan's batch size and granularity, and
-    the whole plan checked against it once (pipeline/plancheck.py); a spec naming its weights'
-    files is built and captured with its parameters on the meta device when the files cover it
-    (runtime/lazy.py)."""
+    (the same weights on every rank), captured with the plan's batch size and granularity (under
+    ``torch.autocast`` to ``autocast``, for a job that computes in it), and the whole plan checked
+    against it once (pipeline/plancheck.py); a spec naming its weights' files is built and captured
+    with its parameters on the meta device when the files cover it (runtime/lazy.py) and the job
+    computes in float32 (autocast has no meta device: a 16-bit job loads the whole model on every
+    rank)."""
     torch.manual_seed(seed)
     example = spec.example_input(plan.batch_size, torch.Generator().manual_seed(seed))
     weights = open_weights(spec.weights) if spec.weights is not None else None
-    lazy = capture_lazily(spec, example, plan, weights) if weights is not None else None
+    if weights is not None and autocast is not None:
+        log.warning("hybridpipe: every rank loads the whole of %s: a %s capture cannot run on the meta device",
+                    spec.name, autocast)
+    lazy = capture_lazily(spec, example, plan, weights) if weights is not None and autocast is None else None
     if lazy is not None:
         module, captured, checked = lazy
     else:
         weights = None
         module = spec.build()
-        captured = capture_model(module, example, granularity=plan.granularity, leaf_modules=spec.leaf_modules)
+        captured = capture_model(module, example, granularity=plan.granularity, leaf_modules=spec.leaf_modules,
+                                 autocast=autocast)
         checked = check_plan(captured, plan)
     return Model(spec, module, captured, checked, weights)
 

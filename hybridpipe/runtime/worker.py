@@ -190,7 +190,7 @@ def _make_trainer(run: _Run, model: Model) -> Trainer:
                    data=make_data(cfg, model.spec), comm_mode=cfg.comm_mode, allreduce=cfg.allreduce,
                    calibrations=cfg.calibrations, aggregator=cfg.aggregator, skip_nonfinite=cfg.skip_nonfinite,
                    timeout=cfg.timeout, precision=cfg.precision, recorder=run.recorder, nonfinite_hint=hint,
-                   loss_normalization=cfg.loss_normalization)
+                   reduce_dtype=cfg.reduce_dtype, loss_normalization=cfg.loss_normalization)
 
 
 def _load_optimizer(trainer: Trainer, model: Model, state: dict) -> None:
@@ -301,7 +301,8 @@ def _summary(run: _Run, trainer: Trainer, reports: list, start: int, print_fn) -
     cfg = run.cfg
     summary = summarize(reports, cfg.plan, steps=cfg.steps, first_step=start, run_dir=str(run.run_dir),
                         trace_dir=str(run.traces) if run.traces is not None else None, schedule=cfg.schedule,
-                        comm_mode=cfg.comm_mode, allreduce=cfg.allreduce, skipped=trainer.watch.skipped)
+                        comm_mode=cfg.comm_mode, allreduce=cfg.allreduce, skipped=trainer.watch.skipped,
+                        precision=cfg.precision, reduce_dtype=cfg.reduce_dtype)
     if cfg.checkpoint_dir:
         summary["restarts"] = read_log(Path(cfg.checkpoint_dir))
     write_json(Path(run.run_dir) / "summary.json", summary)
