@@ -278,7 +278,7 @@ def resolve(args: argparse.Namespace, world_size: int | None = None, planned: Pl
             raise UserError(f"calibration file {path} does not exist; run `hybridpipe bench-allreduce -o {path}`")
         load_calibration(path)
     plan = planned if planned is not None else load_plan(args.plan)
-    check_plan_fits(plan, model=args.model, signature=None, batch_size=micro_batch_size, world_size=world_size)
+    check_plan_fits(plan, model=args.model, batch_size=micro_batch_size, world_size=world_size)
     plan = dataclasses.replace(plan, micro_batches=args.micro_batches or plan.micro_batches,
                                schedule=args.schedule or plan.schedule, optimizer=args.optimizer or plan.optimizer,
                                precision=args.precision or plan.precision,

@@ -2,9 +2,9 @@
 
 * :func:`load_model`: the model spec, the full model (same seed on every rank, so every rank
   starts from the weights single-process training would) and its captured graph, the whole plan
-  checked against it before any process group exists. A model whose weights all come from files
-  (``hf:DIR``) is built with its parameters on the meta device, and each rank reads only its own
-  stages' tensors (:meth:`Model.materialize`; runtime/lazy.py).
+  checked against it once before any process group exists (pipeline/plancheck.py). A model whose
+  weights all come from files (``hf:DIR``) is built with its parameters on the meta device, and
+  each rank reads only its own stages' tensors (:meth:`Model.materialize`; runtime/lazy.py).
 * :func:`make_sync`: HybridDataParallel (summing) for a replicated stage, running the plan's sync
   choices (or launch's overrides), else nothing to sync.
 * :func:`make_optimizer`: SGD (momentum), Adam or AdamW over the stage's parameters.
@@ -34,14 +34,12 @@ from hybridpipe.errors import UserError
 from hybridpipe.partitioner.cost.calibration import load_calibration
 from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.plan import Plan, Stage
-from hybridpipe.partitioner.tied import shared_across
 from hybridpipe.pipeline import LocalSync, MicroBatches
-from hybridpipe.pipeline.stage import build_stage_index, check_captured_plan
+from hybridpipe.pipeline.plancheck import CheckedPlan, check_plan
 from hybridpipe.pipeline.tokens import TokenCounts
-from hybridpipe.profiles.capture import CapturedModel, tied_parameters
+from hybridpipe.profiles.capture import CapturedModel
 from hybridpipe.profiles.capture_cache import cached_capture
 from hybridpipe.profiles.data import resolve_dataset
-from hybridpipe.profiles.graphinfo import node_infos
 from hybridpipe.profiles.losses import label_counter
 from hybridpipe.profiles.zoo import ModelSpec, resolve_model
 from hybridpipe.profiles.zoo.spec import batch_rows
@@ -62,6 +60,7 @@ class Model:
     spec: ModelSpec
     module: nn.Module
     captured: CapturedModel
+    checked: CheckedPlan                # the plan checked against ``captured``: the stages are built from it
     weights: Weights | None = None      # the files the meta parameters are read from (None: all in memory)
 
     def materialize(self, plan: Plan, stages: Sequence[int]) -> None:
@@ -100,8 +99,9 @@ def spec_of(model: Any, name: str, example: Any, loss: Callable[..., torch.Tenso
 
 def load_model(cfg: RunConfig) -> Model:
     """Build and capture the plan's model (seeded by ``cfg.seed``) and check the whole plan against
-    it before any process group exists: graph signature, every cut's values, tied parameters,
-    every replicated stage's sync layers. Captured under autocast for a 16-bit ``cfg.precision``."""
+    it before any process group exists (pipeline/plancheck.py: graph signature, every cut's values,
+    buffers, tied parameters, every replicated stage's sync layers). Captured under autocast for a
+    16-bit ``cfg.precision``."""
     cache = Path(cfg.run_dir) / CAPTURE_CACHE if cfg.run_dir else None
     return build_model(resolve_model(cfg.model), cfg.plan, seed=cfg.seed, autocast=PRECISIONS[cfg.precision],
                        cache=cache)
@@ -113,9 +113,10 @@ def build_model(spec: ModelSpec, plan: Plan, *, seed: int, autocast: torch.dtype
     (the same weights on every rank), captured with the plan's batch size and granularity (under
     ``torch.autocast`` to ``autocast``, for a job that computes in it; through the capture cache in
     ``cache``: a restarted worker reads it, profiles/capture_cache.py), and the whole plan checked
-    against it; a spec naming its weights' files is built and captured with its parameters on the
-    meta device when the files cover it (runtime/lazy.py) and the job computes in float32 (autocast
-    has no meta device: a 16-bit job loads the whole model on every rank)."""
+    against it once (pipeline/plancheck.py); a spec naming its weights' files is built and captured
+    with its parameters on the meta device when the files cover it (runtime/lazy.py) and the job
+    computes in float32 (autocast has no meta device: a 16-bit job loads the whole model on every
+    rank)."""
     torch.manual_seed(seed)
     example = spec.example_input(plan.batch_size, torch.Generator().manual_seed(seed))
     weights = open_weights(spec.weights) if spec.weights is not None else None
@@ -124,43 +125,14 @@ def build_model(spec: ModelSpec, plan: Plan, *, seed: int, autocast: torch.dtype
                     spec.name, autocast)
     lazy = capture_lazily(spec, example, plan, weights) if weights is not None and autocast is None else None
     if lazy is not None:
-        module, captured = lazy
+        module, captured, checked = lazy
     else:
         weights = None
         module = spec.build()
         captured = cached_capture(module, example, directory=cache, granularity=plan.granularity,
                                   leaf_modules=spec.leaf_modules, autocast=autocast)
-        check_captured_plan(captured, plan)
-    check_tied(captured, plan)
-    check_sync_layers(captured, plan)
-    return Model(spec, module, captured, weights)
-
-
-def check_sync_layers(captured: CapturedModel, plan: Plan) -> None:
-    """Every replicated stage's sync layers must cover exactly its parameters (but the tied ones):
-    checked for every stage on every rank, so a bad plan stops the job before it forms."""
-    ranges = [(s.first_node, s.last_node) for s in plan.stages]
-    model = CostModel(plan.cluster)
-    for stage in plan.stages:
-        if stage.replicas > 1 and stage.layers:
-            module = build_stage_index(captured, ranges, stage.index).module
-            tied = [captured.module.get_parameter(t.param) for t in plan.tied if stage.index in t.stages]
-            stage_layers(stage, module, model, tied)
-
-
-def check_tied(captured: CapturedModel, plan: Plan) -> None:
-    """The plan's tied groups must be exactly the parameters its stages share in this model."""
-    ranges = [(s.first_node, s.last_node) for s in plan.stages]
-    infos = node_infos(captured)
-    found = {(p, stages) for p, stages in shared_across(
-        [i.params for i in infos], [i.shared for i in infos], tied_parameters(captured.module), ranges)}
-    planned = {(t.param, t.stages) for t in plan.tied}
-    if found != planned:
-        missing = sorted(found - planned)
-        what = (f"parameter {missing[0][0]!r} is read by stages {list(missing[0][1])}" if missing
-                else f"the plan ties {sorted(planned - found)[0][0]!r}, which its stages do not share")
-        raise UserError(f"the plan's tied parameters do not match the model ({what}); the plan was made by an "
-                        "older hybridpipe or for another model: re-profile and re-partition")
+        checked = check_plan(captured, plan)
+    return Model(spec, module, captured, checked, weights)
 
 
 def make_sync(plan: Plan, stage_module: nn.Module, stage: Stage, group: dist.ProcessGroup | None,

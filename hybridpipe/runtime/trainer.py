@@ -34,7 +34,7 @@ from torch.utils.data import Dataset
 
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner.plan import Plan, load_plan
-from hybridpipe.pipeline import PipelineEngine, Topology, build_stage_index
+from hybridpipe.pipeline import PipelineEngine, Topology, check_plan
 from hybridpipe.pipeline.chunks import rank_module
 from hybridpipe.pipeline.schedules import settle_phase
 from hybridpipe.pipeline.stage import loss_of
@@ -154,14 +154,13 @@ class Trainer:
                                               "aggregator": aggregator, "wire_dtype": PRECISIONS[reduce_dtype]}
         self.watch = NonFiniteWatch(self.proc.device, skip=skip_nonfinite, flushing=flushes(plan),
                                     stage=self.stage_plan.index, hint=nonfinite_hint)
-        ranges = [(s.first_node, s.last_node) for s in plan.stages]
         if in_place and self.loss_normalization == "tokens":
             raise UserError("in-place recovery cannot re-form token-weighted loss normalization's counts; use "
                             "loss_normalization='micro-batch' or no in-place recovery")
         loss_fn = loss_of(self.model.spec.loss) if self.loss_normalization == "tokens" else \
             self.watch.wrap_loss(as_mean(loss_of(self.model.spec.loss)))
-        self.stages = [build_stage_index(self.model.captured, ranges, s.index, loss=loss_fn, recompute=s.recompute,
-                                         replicas=s.replicas).to(self.proc.device) for s in self.stage_plans]
+        checked = self.model.checked if self.model.checked.plan == plan else check_plan(self.model.captured, plan)
+        self.stages = [st.to(self.proc.device) for st in checked.stages_of_rank(rank, loss=loss_fn)]
         self.module = rank_module([st.module for st in self.stages])     # every chunk's parameters, each once
         self._uncounted = repeated_tied(plan, mine, self.model.module)
         seed_rank(seed, rank)
