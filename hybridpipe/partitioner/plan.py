@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridpipe.errors import UserError
-from hybridpipe.jsonfile import MAX_PLAN_FIGURE, check_header, field, figure, read_json, write_json
+from hybridpipe.jsonfile import MAX_FIGURE, MAX_PLAN_FIGURE, check_header, field, figure, read_json, write_json
 from hybridpipe.partitioner.cost import collectives as co
 from hybridpipe.partitioner.cost.cluster import Cluster
 from hybridpipe.partitioner.cost.syncunits import SECOND_LANE_ALGORITHMS, LayerSync, sync_units
@@ -182,13 +182,13 @@ class Plan:
             raise UserError(f"{source}: \"stages\" is empty")
         plan = cls(
             model=field(d, "model", str, source),
-            batch_size=field(d, "batch_size", int, source, minimum=1),
+            batch_size=field(d, "batch_size", int, source, minimum=1, maximum=MAX_FIGURE),
             input_shape=tuple(field(d, "input_shape", list, source, items=int)),
             profile_signature=field(d, "profile_signature", str, source),
             cluster=Cluster.from_dict(field(d, "cluster", dict, source), f"{source}: cluster"),
             strategy=field(d, "strategy", str, source, choices=STRATEGIES),
             schedule=field(d, "schedule", str, source, choices=SCHEDULES),
-            micro_batches=field(d, "micro_batches", int, source, minimum=1),
+            micro_batches=field(d, "micro_batches", int, source, minimum=1, maximum=MAX_FIGURE),
             optimizer=field(d, "optimizer", str, source, choices=OPTIMIZERS),
             stages=tuple(_stage_from_dict(s, i, source) for i, s in enumerate(raw_stages)),
             predicted_step_ms=_figure(d, "predicted_step_ms", float, source, default=0.0),
