@@ -180,3 +180,14 @@ def output_dir(text: str) -> str:
     except UserError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return text
+
+
+def output_path(text: str) -> str:
+    """An argparse type: a file or a directory (which one is decided later, e.g. by ``--format``)
+    that can be created: its parent can be written into."""
+    p = Path(text)
+    try:
+        check_output_dir(p.parent if str(p.parent) else Path("."), str(p))
+    except UserError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text

@@ -21,7 +21,7 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from hybridpipe.argtypes import output_dir, output_file
+from hybridpipe.argtypes import output_dir, output_file, output_path
 from hybridpipe.cli import COMMANDS, command_parser, main
 from hybridpipe.runtime.checkpoint_files import MANIFEST, step_dir
 from hybridpipe.runtime.config import build_parser
@@ -251,7 +251,7 @@ def _output_options() -> tuple[list[tuple[str, str, bool]], list[str]]:
             names = " ".join(action.option_strings)
             looks = any(o in ("-o", "--output", "--out", "--png", "--trace") or o.endswith("-dir")
                         or o.startswith("--save-") for o in action.option_strings)
-            if action.type in (output_file, output_dir):
+            if action.type in (output_file, output_dir, output_path):
                 found.append((name, action.option_strings[-1], action.type is output_dir))
             elif looks and action.nargs != 0:
                 unchecked.append(f"{name} {names}")
@@ -295,6 +295,7 @@ def test_every_output_option_refuses_a_path_it_cannot_write_in_one_line(files, t
     a_file = base / "a_file"
     a_file.write_text("a file")
     path = data.draw(unwritable(a_file, base, is_dir))
-    outcome = run([option, path], launch=True) if command == "launch" else run([command, option, path])
+    positional = [str(base)] if command == "merge-checkpoint" else []      # its -o is a file or a folder by --format
+    outcome = run([option, path], launch=True) if command == "launch" else run([command, *positional, option, path])
     _check(outcome)
     assert outcome.code == 2 and "cannot write" in outcome.err, (command, option, path, outcome.err)

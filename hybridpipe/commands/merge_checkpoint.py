@@ -23,7 +23,7 @@ import re
 
 import torch
 
-from hybridpipe.argtypes import check_output_dir, check_output_file, nonneg_int
+from hybridpipe.argtypes import check_output_dir, check_output_file, nonneg_int, output_path
 from hybridpipe.commands.show import human_bytes
 from hybridpipe.errors import UserError
 from hybridpipe.runtime.checkpoint_files import atomic_save, resolve_step
@@ -37,7 +37,7 @@ _SIZE = re.compile(r"^[0-9]+(?:[KMG]i?B)?$", re.IGNORECASE)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint_dir", help="the run's --checkpoint-dir, or one of its step-N directories")
     parser.add_argument("--step", type=nonneg_int, default=None, help="which step (default: the newest complete one)")
-    parser.add_argument("-o", "--output", required=True,
+    parser.add_argument("-o", "--output", required=True, type=output_path,
                         help="the merged state_dict to write (e.g. model.pt, model.safetensors), or with --format hf "
                              "the directory")
     parser.add_argument("--format", choices=FORMATS, default=None,
