@@ -60,6 +60,7 @@ def capture_unbuilt(spec: ModelSpec, example: Any, plan: Plan,
     plan, and the recipe :func:`build_stages` replays; None when the build leaves no parameter on
     the meta device (a module given already built), or (logged) when it cannot be built or captured
     that way. The global random state is left as ``torch.manual_seed(seed)`` leaves it."""
+    why = "it cannot be built and captured with its parameters on the meta device"
     try:
         torch.manual_seed(seed)
         with parameters_on_meta() as registered:
@@ -69,13 +70,14 @@ def capture_unbuilt(spec: ModelSpec, example: Any, plan: Plan,
         recipe = Recipe(spec.name, spec.build, seed, registration_names(module, registered),
                         [(tuple(p.shape), p.dtype) for p in registered])
         captured = capture_on_meta(module, example, granularity=plan.granularity, leaf_modules=spec.leaf_modules)
+        why = "captured with its parameters on the meta device it does not fit the plan"
+        check_captured_plan(captured, plan)     # (a plan for another model fails again when built whole)
     except Exception as e:      # noqa: BLE001 - any failure here is retried the whole way, which reports it
-        log.warning("hybridpipe: every rank builds the whole of %s: it cannot be built and captured with its "
-                    "parameters on the meta device (%s: %s)", spec.name, type(e).__name__, _first_line(e))
+        log.warning("hybridpipe: every rank builds the whole of %s: %s (%s: %s)", spec.name, why, type(e).__name__,
+                    _first_line(e))
         return None
     finally:
         torch.manual_seed(seed)
-    check_captured_plan(captured, plan)         # a plan for another model: the user's error, as when built whole
     return module, captured, recipe
 
 

@@ -58,3 +58,11 @@ def device_dependent(width: int = 8, layers: int = 4, classes: int = 3):
             torch.randn(3)
         nn.init.normal_(layer.linear.weight, std=0.1)
     return model, torch.randn(4, width)
+
+
+def reading(width: int = 8, layers: int = 4, classes: int = 3):
+    """A constructor that reads a parameter's value: it cannot be built on the meta device at all."""
+    model = Stack(width, layers, classes)
+    with torch.no_grad():
+        model.head.bias.fill_(float(model.head.weight.sum()))
+    return model, torch.randn(4, width)

@@ -122,3 +122,16 @@ def test_init_from_replaces_the_seeded_initialisation(tmp_path):
     assert [n for n, _ in stage.named_parameters()]
     for n, p in stage.named_parameters():
         assert torch.equal(p, other.get_parameter(n)), n
+
+
+def test_a_model_that_cannot_be_built_on_the_meta_device_is_built_whole_on_every_rank(caplog):
+    name = "tests.runtime.seeded_models:reading"
+    plan = make_plan(name, [0, 1, 2], [1, 1, 1, 1], batch_size=2)
+    with caplog.at_level(logging.WARNING):
+        model = build_model(resolve_model(name), plan, seed=SEED)
+    assert model.recipe is None and not any(p.is_meta for p in model.module.parameters())
+    assert caplog.text.count("every rank builds the whole of") == 1
+    assert "cannot be built and captured with its parameters on the meta device" in caplog.text
+    expected = whole(name)
+    for n, p in model.module.named_parameters():
+        assert torch.equal(p, expected.get_parameter(n)), n
