@@ -28,16 +28,15 @@ if __package__ in (None, ""):                       # run as a script: make the 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (
-    busbw_gbps,
     log,
     machine,
-    parse_size_range,
     pyplot,
     result_paths,
     setup_logging,
-    size_label,
     write_results,
 )
+from hybridpipe.comm.allreduce.bench import busbw_gbps
+from hybridpipe.units import parse_sizes, size_label
 
 ALGORITHMS = ("native", "ring", "butterfly", "hierarchical", "torus2d", "aggregator", "aggregator-dedicated", "auto")
 
@@ -142,7 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from hybridpipe.comm.local import describe_failures, run_local
 
     reps = args.reps or (5 if args.quick else 15)
-    sizes = parse_size_range(args.sizes, args.size_step)
+    sizes = parse_sizes(args.sizes, args.size_step)
     algorithms = args.algorithms.split(",")
     server, address = None, None
     if "aggregator-dedicated" in algorithms:

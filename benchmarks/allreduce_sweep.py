@@ -26,22 +26,21 @@ if __package__ in (None, ""):                       # run as a script: make the 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (
-    busbw_gbps,
     emit_result,
     log,
     machine,
-    parse_size_range,
     pyplot,
     require_emulation,
     result_paths,
     run_workers,
     setup_logging,
-    size_label,
     summary,
     worker_env,
     write_results,
 )
+from hybridpipe.comm.allreduce.bench import busbw_gbps
 from hybridpipe.jsonfile import write_json
+from hybridpipe.units import parse_sizes, size_label
 
 ALGORITHMS = ("ring", "butterfly", "hierarchical", "torus2d", "aggregator", "aggregator@switch", "native", "auto")
 PAIRS = (("butterfly", "ring"), ("torus2d", "ring"), ("aggregator", "ring"), ("aggregator@switch", "ring"))
@@ -65,8 +64,8 @@ def make_reducers(group, cluster_file: str, aggregator: str | None, calibration=
     import torch.distributed as dist
 
     from hybridpipe.comm.allreduce import AllReducer, GroupCosts
-    from hybridpipe.partitioner.cluster import load_cluster
-    from hybridpipe.partitioner.costmodel import CostModel
+    from hybridpipe.partitioner.cost.cluster import load_cluster
+    from hybridpipe.partitioner.cost.costmodel import CostModel
     cluster = load_cluster(cluster_file)
     ranks = tuple(range(dist.get_world_size(group)))
     plain = AllReducer(group, costs=GroupCosts(CostModel(cluster, calibration), ranks), downward=downward)
@@ -82,12 +81,12 @@ def make_reducers(group, cluster_file: str, aggregator: str | None, calibration=
 def worker_calibration(args: argparse.Namespace):
     """The calibration ``auto`` prices with: a file, measured here first (``--calibrate``), or none."""
     from hybridpipe.comm.allreduce.bench import calibrate_group
-    from hybridpipe.partitioner.calibration import load_calibration
+    from hybridpipe.partitioner.cost.calibration import load_calibration
     if args.calibration_file:
         return load_calibration(args.calibration_file)
     if args.calibrate:
         algos = [a for a in CALIBRATED if a in args.algorithms.split(",") or a == "native"]
-        return calibrate_group(algos, parse_size_range(CALIBRATION_SIZES, 4), reps=3, budget_s=0.1,
+        return calibrate_group(algos, parse_sizes(CALIBRATION_SIZES, 4), reps=3, budget_s=0.1,
                                notes=("measured by allreduce_sweep before its sweep",))
     return None
 
@@ -104,7 +103,7 @@ def worker(args: argparse.Namespace) -> None:
     calibration = worker_calibration(args)
     calibration_s = time.perf_counter() - t0
     table = make_reducers(group, args.cluster_file, args.aggregator, calibration, down)
-    sizes = parse_size_range(args.sizes, args.size_step)
+    sizes = parse_sizes(args.sizes, args.size_step)
     rows = []
     for algo in args.algorithms.split(","):
         if algo not in table:
@@ -318,7 +317,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit("give --calibration FILE or --calibrate, not both")
     json_path, png_path = result_paths("allreduce_sweep" + (f"_{args.tag}" if args.tag else ""), quick, args.out)
     if args.calibration:
-        from hybridpipe.partitioner.calibration import load_calibration
+        from hybridpipe.partitioner.cost.calibration import load_calibration
         load_calibration(args.calibration)            # fail here, not in every worker
     started = time.monotonic()
     load_before = [round(x, 2) for x in os.getloadavg()]

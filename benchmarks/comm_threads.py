@@ -66,7 +66,7 @@ def make_plan(model: str, batch_size: int, micro_batches: int, cluster_file: Pat
     "by hand"; it is checked again when loaded)."""
     import torch
 
-    from hybridpipe.partitioner.cluster import load_cluster
+    from hybridpipe.partitioner.cost.cluster import load_cluster
     from hybridpipe.partitioner.plan import Stage, load_plan, save_plan
     from hybridpipe.partitioner.planner import Request, partition
     from hybridpipe.profiles.profiler import profile_model

@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import platform
-import re
 import signal
 import statistics
 import subprocess
@@ -26,7 +25,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from hybridpipe.errors import UserError
 from hybridpipe.jsonfile import write_json
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,43 +32,6 @@ RESULTS = REPO / "benchmarks" / "results"
 RESULT_TAG = "RESULT "
 
 log = logging.getLogger("benchmarks")
-
-_SIZE = re.compile(r"^(\d+)\s*([KMG]?)B?$", re.IGNORECASE)
-_SCALE = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-
-
-# ---- sizes ---------------------------------------------------------------------------------
-
-def parse_size(text: str) -> int:
-    """Bytes from ``4K``, ``64M``, ``1G`` or a plain number (binary units, as in the papers' plots)."""
-    m = _SIZE.match(text.strip())
-    if not m:
-        raise UserError(f"cannot read size {text!r}; write it like 4K, 64M or 1048576")
-    return int(m[1]) * _SCALE[m[2].upper()]
-
-
-def parse_size_range(text: str, step: int = 2) -> list[int]:
-    """``"4K..64M"`` -> every size from 4 KiB to 64 MiB, multiplying by ``step``; or ``"4K,1M"``."""
-    if ".." in text:
-        lo, hi = (parse_size(t) for t in text.split("..", 1))
-        if lo <= 0 or hi < lo or step < 2:
-            raise UserError(f"size range {text!r} must go from a positive size up (and --size-step >= 2)")
-        sizes = []
-        s = lo
-        while s <= hi:
-            sizes.append(s)
-            s *= step
-        return sizes
-    return [parse_size(t) for t in text.split(",") if t.strip()]
-
-
-def size_label(nbytes: float) -> str:
-    """``4096`` -> ``4K``; ``67108864`` -> ``64M``."""
-    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if nbytes >= scale and nbytes % scale == 0:
-            return f"{int(nbytes // scale)}{unit}"
-    return f"{nbytes:g}"
-
 
 # ---- statistics ----------------------------------------------------------------------------
 
@@ -81,17 +42,6 @@ def summary(samples: Sequence[float]) -> dict[str, float]:
     lo, hi = min(samples), max(samples)
     return {"median": statistics.median(samples), "min": lo, "max": hi, "n": len(samples),
             "spread": (hi / lo - 1.0) if lo > 0 else float("inf")}
-
-
-def busbw_gbps(nbytes: int, seconds: float, world: int) -> float:
-    """NCCL-tests' bus bandwidth of an all-reduce: algbw x 2(n-1)/n, in Gbit/s.
-
-    It is the rate at which each rank's link must carry data for a bandwidth-optimal
-    (ring) all-reduce to take ``seconds``, so it compares directly with the link rate.
-    """
-    if seconds <= 0 or world < 2:
-        return 0.0
-    return nbytes * 8 / seconds / 1e9 * 2 * (world - 1) / world
 
 
 # ---- the machine ---------------------------------------------------------------------------

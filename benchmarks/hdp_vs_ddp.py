@@ -114,8 +114,8 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from hybridpipe.comm.allreduce import GroupCosts
-    from hybridpipe.partitioner.cluster import load_cluster
-    from hybridpipe.partitioner.costmodel import CostModel
+    from hybridpipe.partitioner.cost.cluster import load_cluster
+    from hybridpipe.partitioner.cost.costmodel import CostModel
     from hybridpipe.profiles.zoo import resolve_model
 
     dist.init_process_group("gloo")
@@ -206,12 +206,12 @@ def worker(args: argparse.Namespace) -> None:
 def worker_calibration(args: argparse.Namespace):
     """The calibration the hybrid policy prices with: a file, measured here first, or none."""
     from hybridpipe.comm.allreduce.bench import calibrate_group
-    from hybridpipe.partitioner.calibration import load_calibration
+    from hybridpipe.partitioner.cost.calibration import load_calibration
     if args.calibration_file:
         return load_calibration(args.calibration_file)
     if args.calibrate:
-        from benchmarks.common import parse_size_range
-        return calibrate_group(CALIBRATED, parse_size_range(CALIBRATION_SIZES, 4), reps=3, budget_s=0.1,
+        from hybridpipe.units import parse_sizes
+        return calibrate_group(CALIBRATED, parse_sizes(CALIBRATION_SIZES, 4), reps=3, budget_s=0.1,
                                notes=("measured by hdp_vs_ddp before training",))
     return None
 
@@ -314,7 +314,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.calibration and args.calibrate:
         raise SystemExit("give --calibration FILE or --calibrate, not both")
     if args.calibration:
-        from hybridpipe.partitioner.calibration import load_calibration
+        from hybridpipe.partitioner.cost.calibration import load_calibration
         load_calibration(args.calibration)            # fail here, not in every worker
     json_path, png_path = result_paths("hdp_vs_ddp" + (f"_{args.tag}" if args.tag else ""), quick, args.out)
     started = time.monotonic()

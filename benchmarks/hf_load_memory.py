@@ -105,7 +105,7 @@ def balanced_plan(spec_name: str, stages: int, micro_batches: int):
     for the graph every rank captures (its signature, its tied weights)."""
     import torch
 
-    from hybridpipe.partitioner.cluster import Cluster, Level
+    from hybridpipe.partitioner.cost.cluster import Cluster, Level
     from hybridpipe.partitioner.plan import Plan, Stage, TiedGroup
     from hybridpipe.partitioner.tied import shared_across
     from hybridpipe.pipeline.stage import captured_signature

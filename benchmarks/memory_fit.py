@@ -31,7 +31,7 @@ from benchmarks.common import bench_lock, machine, pyplot, result_paths, setup_l
 from benchmarks.schedule_bubbles import run_plan  # noqa: E402
 from hybridpipe.comm.local import describe_failures, run_local  # noqa: E402
 from hybridpipe.errors import UserError  # noqa: E402
-from hybridpipe.partitioner.cluster import Cluster, Level  # noqa: E402
+from hybridpipe.partitioner.cost.cluster import Cluster, Level  # noqa: E402
 from hybridpipe.partitioner.plan import Plan, save_plan  # noqa: E402
 from hybridpipe.partitioner.planner import Request, partition  # noqa: E402
 from hybridpipe.profiles.format import Profile  # noqa: E402

@@ -5,7 +5,7 @@ pass) on seeded synthetic profiles (a conv-like front with big activations and s
 FC-like tail with big weights, skip connections every few nodes) on 2-level clusters of 8 workers
 per host, from a cold cost model, each case in its own process (wall and CPU seconds, peak memory):
 
-* ``after``: the solver in ``hybridpipe/partitioner/dp.py``;
+* ``after``: the solver in ``hybridpipe/partitioner/search/dp.py``;
 * ``before``: the exhaustive solver it replaced (``tests/partitioner/reference_dp.py``), run only
   where its O(N^2 W^2) cost, extrapolated from the biggest case run so far, stays under ``--before-limit``
   seconds (the others are listed as skipped, with the estimate); where both finish, the JSON says
@@ -41,7 +41,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import machine, pyplot, result_paths, setup_logging, write_results  # noqa: E402
-from hybridpipe.partitioner.cluster import Cluster, Level  # noqa: E402
+from hybridpipe.partitioner.cost.cluster import Cluster, Level  # noqa: E402
 from hybridpipe.profiles.format import Profile, ProfileNode  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -80,8 +80,8 @@ def cluster(per_host: int, hosts: int) -> Cluster:
 def run_case(nodes: int, workers: int, solver: str, strategy: str = "optimal", profile: str | None = None) -> dict:
     """Partition once; wall and CPU seconds, peak memory, the plan's figures."""
     from hybridpipe.commands.import_pipedream import profile_from_graph
-    from hybridpipe.partitioner import dp
     from hybridpipe.partitioner.planner import Request, partition
+    from hybridpipe.partitioner.search import dp
     if solver == "before":
         from tests.partitioner import reference_dp
 

@@ -146,7 +146,7 @@ def allreduce_calibration(cluster, out: Path, timeout_s: float) -> Path:
 
 def link_fits(calibration_file: Path) -> dict[str, dict[str, float]]:
     """Per algorithm (and p2p) of a calibration: fitted per-step latency (us) and bandwidth (Gbit/s)."""
-    from hybridpipe.partitioner.calibration import load_calibration
+    from hybridpipe.partitioner.cost.calibration import load_calibration
     cal = load_calibration(calibration_file)
     fits = {"p2p": cal.p2p, **cal.algorithms} if cal.p2p else dict(cal.algorithms)
     out = {name: {"alpha_us": round(f.alpha_s * 1e6, 1), "gbps": round(8e-9 / f.beta_s_per_byte, 3)

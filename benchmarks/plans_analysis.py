@@ -105,8 +105,8 @@ def busy_aware_prediction(plan: dict, curve: dict[int, float], hosts: int, calib
     compute by c(B) / c(hosts) (c measured, interpolated), and repeat a few times. Communication
     is not counted as busy (gloo's copies and reductions do use the cores: see the report).
     """
-    from hybridpipe.partitioner.calibration import load_calibration
-    from hybridpipe.partitioner.costmodel import CostModel
+    from hybridpipe.partitioner.cost.calibration import load_calibration
+    from hybridpipe.partitioner.cost.costmodel import CostModel
     from hybridpipe.partitioner.plan import Plan
     from hybridpipe.pipeline.simulator import simulate
     base = Plan.from_dict(plan)

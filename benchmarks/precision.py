@@ -45,7 +45,7 @@ from benchmarks.common import (  # noqa: E402
     write_results,
 )
 from hybridpipe.comm.local import describe_failures, run_local  # noqa: E402
-from hybridpipe.partitioner.cluster import Cluster, Level  # noqa: E402
+from hybridpipe.partitioner.cost.cluster import Cluster, Level  # noqa: E402
 from hybridpipe.partitioner.plan import load_plan, save_plan  # noqa: E402
 from hybridpipe.partitioner.planner import Request, partition  # noqa: E402
 from hybridpipe.pipeline import MicroBatches  # noqa: E402

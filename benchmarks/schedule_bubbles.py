@@ -31,7 +31,7 @@ import torch  # noqa: E402
 
 from benchmarks.common import machine, pyplot, result_paths, setup_logging, write_results  # noqa: E402
 from hybridpipe.comm.local import describe_failures, run_local  # noqa: E402
-from hybridpipe.partitioner.cluster import Cluster, Level  # noqa: E402
+from hybridpipe.partitioner.cost.cluster import Cluster, Level  # noqa: E402
 from hybridpipe.partitioner.plan import save_plan  # noqa: E402
 from hybridpipe.partitioner.planner import Request, partition  # noqa: E402
 from hybridpipe.pipeline.simulator import bubble_fraction, simulate  # noqa: E402

@@ -70,7 +70,7 @@ from benchmarks.common import (  # noqa: E402
 )
 from benchmarks.torch_side import LR, MOMENTUM, SEED, TORCH_LOOPED, TORCH_V, theirs  # noqa: E402
 from hybridpipe.comm.local import describe_failures, run_local  # noqa: E402
-from hybridpipe.partitioner.cluster import Cluster, Level  # noqa: E402
+from hybridpipe.partitioner.cost.cluster import Cluster, Level  # noqa: E402
 from hybridpipe.partitioner.plan import Plan, load_plan, save_plan  # noqa: E402
 from hybridpipe.partitioner.planner import Request, partition  # noqa: E402
 from hybridpipe.partitioner.schedule_registry import get_schedule  # noqa: E402
@@ -78,6 +78,7 @@ from hybridpipe.profiles.profiler import profile_model  # noqa: E402
 from hybridpipe.profiles.zoo import resolve_model  # noqa: E402
 from hybridpipe.runtime.config import build_parser, resolve  # noqa: E402
 from hybridpipe.runtime.worker import run_worker  # noqa: E402
+from tools.emucluster.topology import parse_rate  # noqa: E402
 
 log = logging.getLogger("benchmarks.vs_torch_pipelining")
 
@@ -190,13 +191,6 @@ def system_schedule(name: str) -> tuple[str, str]:
     return schedule or "1f1b", mode
 
 
-def _gbps(rate: str) -> float:
-    """``1gbit`` / ``100mbit`` -> Gbit/s."""
-    text = rate.lower().removesuffix("bit").removesuffix("bps")
-    scale = {"g": 1.0, "m": 1e-3, "k": 1e-6}.get(text[-1:], 1e-9)
-    return float(text[:-1] if text[-1:] in "gmk" else text) * scale
-
-
 def job_median(step_ms: dict[int, float], warmup: int) -> float:
     return statistics.median(v for k, v in sorted(step_ms.items()) if k >= warmup)
 
@@ -250,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="vs_torch_pp."))
     plan_path, best_path = tmp / "plan.json", tmp / "best.json"
     make_plan(a.model, a.stages, a.micro_batches, a.batch_size, plan_path, best_path if a.best else None,
-              _gbps(a.rate), a.virtual_stages)
+              parse_rate(a.rate) / 1e9, a.virtual_stages)
     plan = load_plan(plan_path)
     log.info("stages (node ranges): %s", [(s.first_node, s.last_node) for s in plan.stages])
     ours_names = [f"hybridpipe-{m}" if s == "1f1b" else f"hybridpipe-{s}-{m}"

@@ -2,8 +2,9 @@
 
 One loader for every file a user hands in (:func:`read_json`: missing, unreadable, a symlink
 loop, not JSON, nested absurdly deep -> one-line UserError), typed field access that names the
-field (:func:`field`), and one atomic writer (:func:`write_json`) whose files get the user's
-umask like any other program's (``0644`` by default), not ``mkstemp``'s ``0600``.
+field (:func:`field`), and the project's one atomic write (:func:`atomic_file`, under
+:func:`write_json`, the checkpoints and the timelines) whose files get the user's umask like any
+other program's (``0644`` by default), not ``mkstemp``'s ``0600``.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ import json
 import math
 import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from hybridpipe.errors import UserError
 
@@ -83,15 +86,12 @@ def file_mode() -> int:
     return 0o666 & ~umask
 
 
-def replace_into(tmp: str | os.PathLike, path: str | os.PathLike) -> None:
-    """Give a finished temporary file the user's mode and rename it onto ``path`` (atomic)."""
-    os.chmod(tmp, file_mode())
-    os.replace(tmp, path)
-
-
-def write_text(path: str | os.PathLike, text: str) -> Path:
-    """Write ``text`` to ``path`` atomically (temp file + rename; parent folders created), with
-    the user's umask; a path that cannot be written is a one-line UserError."""
+@contextmanager
+def atomic_file(path: str | os.PathLike, mode: str = "w", *, durable: bool = False) -> Iterator[IO[Any]]:
+    """Write ``path`` atomically: the block writes a temporary file beside it, which then gets the
+    user's umask and is renamed onto ``path``; with ``durable`` (checkpoints) the file and then its
+    directory are fsynced. Parent folders are created; an OSError is a one-line UserError ("cannot
+    write PATH: reason"); on any error the temporary file is removed and ``path`` is untouched."""
     p = Path(path)
     try:
         p.parent.mkdir(parents=True, exist_ok=True)
@@ -99,8 +99,11 @@ def write_text(path: str | os.PathLike, text: str) -> Path:
     except OSError as e:
         raise UserError(f"cannot write {p}: {e.strerror or e}") from None
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, mode) as f:
+            yield f
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
         replace_into(tmp, p)
     except OSError as e:
         Path(tmp).unlink(missing_ok=True)
@@ -108,11 +111,37 @@ def write_text(path: str | os.PathLike, text: str) -> Path:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return p
+    if durable:
+        fsync_dir(p.parent)
+
+
+def replace_into(tmp: str | os.PathLike, path: str | os.PathLike) -> None:
+    """Give a finished temporary file the user's mode and rename it onto ``path`` (atomic); for
+    files another library writes by name (:func:`atomic_file` otherwise)."""
+    os.chmod(tmp, file_mode())
+    os.replace(tmp, path)
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make a rename inside ``path`` durable (where the filesystem allows fsync on a directory)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:         # some filesystems refuse fsync on directories; the rename is still atomic
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_text(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` to ``path`` atomically (:func:`atomic_file`)."""
+    with atomic_file(path) as f:
+        f.write(text)
+    return Path(path)
 
 
 def write_json(path: str | os.PathLike, data: Any) -> Path:
-    """Write ``data`` as indented JSON atomically (see :func:`write_text`)."""
+    """Write ``data`` as indented JSON atomically (:func:`atomic_file`)."""
     return write_text(path, json.dumps(data, indent=1) + "\n")
 
 

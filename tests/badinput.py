@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from hybridpipe.cli import main as cli_main
 from hybridpipe.launch import main as launch_main
-from hybridpipe.partitioner.calibration import Calibration, LinkFit, Sample, save_calibration
+from hybridpipe.partitioner.cost.calibration import Calibration, LinkFit, Sample, save_calibration
 from hybridpipe.partitioner.plan import save_plan
 from hybridpipe.runtime.checkpoint import Checkpointer
 from hybridpipe.runtime.timeline import PHASES, TimelineRecorder

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 from hybridpipe.cli import main
-from hybridpipe.partitioner.calibration import Calibration, LinkFit, save_calibration
-from hybridpipe.partitioner.cluster import Cluster, Level
-from hybridpipe.partitioner.plan import LayerSync, Plan, Stage, save_plan
+from hybridpipe.partitioner.cost.calibration import Calibration, LinkFit, save_calibration
+from hybridpipe.partitioner.cost.cluster import Cluster, Level
+from hybridpipe.partitioner.cost.syncunits import LayerSync
+from hybridpipe.partitioner.plan import Plan, Stage, save_plan
 from hybridpipe.profiles.format import load_profile
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,7 +1,7 @@
 """``hybridpipe autotune PROFILE --cluster C --steps N -- COMMAND ...``: plan, run, refine, re-plan.
 
 Each round makes every strategy's plan with the model refined by all runs so far
-(``partitioner/refine.py``), picks the next plan to run (``partitioner/tuning.py``: the best
+(``partitioner/refine/refinement.py``), picks the next plan to run (``partitioner/refine/tuning.py``: the best
 predicted, or a runner-up when the ranking is close), writes it to ``OUT/plans/plan-K.json``
 and runs the user's own command line for N steps: ``{plan}``, ``{run_dir}`` and ``{steps}`` in
 its arguments are replaced by the plan's path, ``OUT/runs/run-K`` and N. The command is run as
@@ -37,13 +37,14 @@ from hybridpipe.commands.refining import Refined, describe, load_run, refine_fro
 from hybridpipe.commands.show import table
 from hybridpipe.errors import UserError, one_line
 from hybridpipe.jsonfile import write_json
-from hybridpipe.partitioner.calibration import Calibration, load_calibration
-from hybridpipe.partitioner.cluster import Cluster, load_cluster
-from hybridpipe.partitioner.observed import RunObservation
-from hybridpipe.partitioner.plan import ALGORITHMS, OPTIMIZER_HELP, OPTIMIZERS, SCHEDULES, STRATEGIES, save_plan
+from hybridpipe.partitioner.cost.calibration import Calibration, load_calibration
+from hybridpipe.partitioner.cost.cluster import Cluster, load_cluster
+from hybridpipe.partitioner.plan import ALGORITHMS, OPTIMIZER_HELP, OPTIMIZERS, STRATEGIES, save_plan
+from hybridpipe.partitioner.plan_options import add_micro_batches_option, add_schedule_option
 from hybridpipe.partitioner.planner import Request, partition
-from hybridpipe.partitioner.refine import predict_run
-from hybridpipe.partitioner.tuning import (
+from hybridpipe.partitioner.refine.observed import RunObservation
+from hybridpipe.partitioner.refine.refinement import predict_run
+from hybridpipe.partitioner.refine.tuning import (
     Candidate,
     Trial,
     decide,
@@ -52,6 +53,7 @@ from hybridpipe.partitioner.tuning import (
     pooled,
     relative_error,
 )
+from hybridpipe.partitioner.schedule_registry import DEFAULT_SCHEDULE
 from hybridpipe.profiles.format import Profile, load_profile
 
 REPORT_KIND = "autotune-report"
@@ -79,8 +81,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strategies", default=",".join(STRATEGIES), metavar="A,B",
                         help=f"strategies whose plans compete (default {','.join(STRATEGIES)})")
     parser.add_argument("--workers", type=positive_int, metavar="N", help="use N workers (default: the cluster)")
-    parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule (default 1f1b)")
-    parser.add_argument("--micro-batches", type=positive_int, metavar="M", help="micro-batches per step")
+    add_schedule_option(parser, default=DEFAULT_SCHEDULE)
+    add_micro_batches_option(parser, default="2 per worker")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
                         help=f"optimizer (default sgd; {OPTIMIZER_HELP})")
     parser.add_argument("--memory-gb", type=positive_float, metavar="X", help="memory per worker")

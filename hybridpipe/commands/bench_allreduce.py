@@ -22,8 +22,9 @@ from pathlib import Path
 
 from hybridpipe.argtypes import float_range, int_range, output_file, positive_float
 from hybridpipe.comm.allreduce.api import ALGORITHMS
-from hybridpipe.comm.allreduce.bench import BenchConfig, busbw_gbps, calibrate, measure, parse_sizes, size_label, table
+from hybridpipe.comm.allreduce.bench import BenchConfig, busbw_gbps, calibrate, measure, table
 from hybridpipe.errors import UserError
+from hybridpipe.units import parse_sizes, size_label
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     if cfg.aggregator:
         notes.append(f"aggregator measured on a dedicated process at {cfg.aggregator}")
     cal = calibrate(result, args.level or "", notes)
-    from hybridpipe.partitioner.calibration import save_calibration
+    from hybridpipe.partitioner.cost.calibration import save_calibration
     out = save_calibration(cal, args.output)
     print(table(cal.samples, cal.world_size))
     print()

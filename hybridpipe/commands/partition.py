@@ -4,7 +4,7 @@ Prints the plan as a table (one row per stage, the bottleneck marked), the predi
 and throughput, and how plain data parallelism on the same workers compares; ``--compare``
 adds every strategy side by side, ``--layers`` every layer's all-reduce choice.
 ``--refine RUN_DIR ...`` first corrects the profile and calibration with what those runs measured
-(``partitioner/refine.py``; ``--save-refined DIR`` keeps the corrected files for later plans).
+(``partitioner/refine/refinement.py``; ``--save-refined DIR`` keeps the corrected files for later plans).
 """
 
 from __future__ import annotations
@@ -23,25 +23,17 @@ from tqdm import tqdm
 
 from hybridpipe.argtypes import MAX_TIMEOUT_S, float_range, memory_gb, output_dir, output_file, positive_int
 from hybridpipe.commands.refining import describe, load_run, refine_from_runs, save_refined
-from hybridpipe.commands.show import human_bytes, search_line, table
+from hybridpipe.commands.show import human_bytes, layer_table, search_line, table
 from hybridpipe.errors import UserError
 from hybridpipe.limits import require_memory
-from hybridpipe.partitioner.calibration import load_calibration
-from hybridpipe.partitioner.cluster import load_cluster
-from hybridpipe.partitioner.dp import Progress
-from hybridpipe.partitioner.objective import RECOMPUTE
-from hybridpipe.partitioner.plan import (
-    ALGORITHMS,
-    OPTIMIZER_HELP,
-    OPTIMIZERS,
-    PRECISIONS,
-    SCHEDULES,
-    STRATEGIES,
-    Plan,
-    save_plan,
-)
+from hybridpipe.partitioner.cost.calibration import load_calibration
+from hybridpipe.partitioner.cost.cluster import load_cluster
+from hybridpipe.partitioner.plan import ALGORITHMS, OPTIMIZER_HELP, OPTIMIZERS, PRECISIONS, STRATEGIES, Plan, save_plan
+from hybridpipe.partitioner.plan_options import add_micro_batches_option, add_schedule_option
 from hybridpipe.partitioner.planner import DEFAULT_TIME_BUDGET_S, Outcome, Request, partition
-from hybridpipe.partitioner.schedule_registry import AUTO, auto_candidates, get_schedule
+from hybridpipe.partitioner.schedule_registry import AUTO, DEFAULT_SCHEDULE, get_schedule
+from hybridpipe.partitioner.search.dp import Progress
+from hybridpipe.partitioner.search.objective import RECOMPUTE
 from hybridpipe.pipeline.simulator import simulate
 from hybridpipe.pipeline.tokens import check_normalization
 from hybridpipe.profiles.format import load_profile
@@ -61,10 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strategy", choices=STRATEGIES, default="optimal",
                         help="optimal (default), pipedream (PipeDream's formula), dp (data parallel), "
                              "uniform (equal node counts), params (balanced parameters), time (balanced compute)")
-    parser.add_argument("--schedule", choices=(*SCHEDULES, AUTO), default="1f1b",
-                        help="pipeline schedule (default 1f1b); auto: the fastest predicted of "
-                             f"{', '.join(auto_candidates())} (same updates as sequential SGD), and only with "
-                             "--virtual-stages V also interleaved-1f1b and zbv (V = 2), compared by simulation")
+    add_schedule_option(parser, default=DEFAULT_SCHEDULE, auto=True)
     parser.add_argument("--virtual-stages", type=positive_int, default=1, metavar="V",
                         help="model chunks per worker (default 1): V > 1 with --schedule interleaved-1f1b, zbv (V = 2) "
                              "or auto; the strategy's stage groups and replicas each hold V chunks, which shrinks "
@@ -80,8 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the mean of its micro-batches' mean losses; tokens, the step's summed per-token loss "
                              "over its valid tokens in all micro-batches and replicas, as one process on the whole "
                              "global batch (flushed schedules only)")
-    parser.add_argument("--micro-batches", type=positive_int, metavar="M",
-                        help="micro-batches per step (default: 2 per worker)")
+    add_micro_batches_option(parser, default="2 per worker")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
                         help="optimizer state kept per weight: sgd momentum 1x, adam and adamw 2x (default sgd; "
                              f"{OPTIMIZER_HELP})")
@@ -216,10 +204,7 @@ def render(outcome: Outcome, nodes, *, layers: bool = False) -> str:
             "to communication per step"] + ([search_line(plan.search)] if plan.search else [])
     out = head + ["", body, ""] + foot
     if layers:
-        lrows = [[s.index, lv.layer, human_bytes(lv.bytes), lv.algorithm, f"{lv.predicted_ms:.3f}",
-                  f"{lv.exposed_ms:.3f}"] for s in plan.stages for lv in s.layers]
-        out += ["", table(["stage", "layer", "gradient", "all-reduce", "predicted ms", "exposed ms"], lrows)
-                if lrows else "no stage is replicated: nothing to all-reduce"]
+        out += ["", layer_table(plan)]
     return "\n".join(out)
 
 

@@ -19,14 +19,8 @@ from hybridpipe.profiles.blocks import parse_granularity
 from hybridpipe.profiles.capture import call_args, training_switches
 from hybridpipe.profiles.format import save_profile
 from hybridpipe.profiles.profiler import profile_model, resolve_device
-from hybridpipe.profiles.zoo.registry import (
-    ModelSpec,
-    call_user,
-    describe_model,
-    resolve_model,
-    with_leaves,
-    zoo_names,
-)
+from hybridpipe.profiles.zoo.registry import resolve_model, with_leaves, zoo_names
+from hybridpipe.profiles.zoo.spec import ModelSpec, call_user, describe_model
 
 MAX_RUNS = 10_000           # runs of every node: more measures nothing new and takes hours
 

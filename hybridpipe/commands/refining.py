@@ -2,7 +2,7 @@
 
 A run directory is what ``hybridpipe.launch --run-dir R`` wrote: ``R/summary.json`` and the
 ranks' timelines (``R/trace/rank-*.json``, or the summary's ``trace_dir``). The numbers go to the
-pure ``partitioner/refine.py``; this module does the files and the words.
+pure ``partitioner/refine/refinement.py``; this module does the files and the words.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from pathlib import Path
 from hybridpipe.commands.show import human_bytes, table
 from hybridpipe.errors import UserError
 from hybridpipe.jsonfile import read_json
-from hybridpipe.partitioner.calibration import Calibration, save_calibration
-from hybridpipe.partitioner.cluster import Cluster
-from hybridpipe.partitioner.observed import RankEvents, RunObservation, observe_run
+from hybridpipe.partitioner.cost.calibration import Calibration, save_calibration
+from hybridpipe.partitioner.cost.cluster import Cluster
 from hybridpipe.partitioner.plan import ALGORITHMS
-from hybridpipe.partitioner.refine import (
+from hybridpipe.partitioner.refine.observed import RankEvents, RunObservation, observe_run
+from hybridpipe.partitioner.refine.refinement import (
     Refinement,
     predict_run,
     refine,

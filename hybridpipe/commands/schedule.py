@@ -18,8 +18,9 @@ import textwrap
 from hybridpipe.argtypes import nonneg_int, output_file, positive_int
 from hybridpipe.commands.simulate import check_simulation_size
 from hybridpipe.errors import UserError
-from hybridpipe.partitioner.plan import SCHEDULES, load_plan
-from hybridpipe.partitioner.schedule_registry import get_schedule
+from hybridpipe.partitioner.plan import load_plan
+from hybridpipe.partitioner.plan_options import add_micro_batches_option, add_schedule_option
+from hybridpipe.partitioner.schedule_registry import Schedule, get_schedule
 from hybridpipe.pipeline.instructions import short
 from hybridpipe.pipeline.schedules import Topology, check_schedulable, rank_program, settle_phase
 from hybridpipe.pipeline.simtrace import draw_timeline
@@ -29,16 +30,15 @@ from hybridpipe.pipeline.simulator import StageCosts, simulate_topology, stage_c
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("plan", help="a plan file written by `hybridpipe partition`")
     parser.add_argument("--rank", type=nonneg_int, metavar="R", help="list only this rank's instructions, one per line")
-    parser.add_argument("--schedule", choices=SCHEDULES, help="show another schedule than the plan's")
-    parser.add_argument("--micro-batches", type=positive_int, metavar="M",
-                        help="micro-batches per step (default: the plan's)")
+    add_schedule_option(parser)
+    add_micro_batches_option(parser)
     parser.add_argument("--png", type=output_file, metavar="FILE", help="draw the schedule (simulated timeline)")
     parser.add_argument("--steps", type=positive_int, default=None, metavar="N", help="steps to draw with --png")
 
 
-def steps_to_show(topo: Topology, schedule: str) -> list[tuple[str, int, bool]]:
+def steps_to_show(topo: Topology, schedule: Schedule) -> list[tuple[str, int, bool]]:
     """(title, phase, drain) of the distinct lists a schedule uses."""
-    if get_schedule(schedule).flushed:
+    if schedule.flushed:
         return [("every step", 0, True)]
     settle = settle_phase(topo, schedule)
     shown = [("first step after a start (the pipeline fills)", 0, False)]
@@ -49,7 +49,7 @@ def steps_to_show(topo: Topology, schedule: str) -> list[tuple[str, int, bool]]:
 
 def run(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan)
-    schedule = args.schedule or plan.schedule
+    schedule = get_schedule(args.schedule or plan.schedule)
     topo = Topology(tuple(tuple(s.ranks) for s in plan.stages), args.micro_batches or plan.micro_batches)
     check_simulation_size(topo, args.steps if args.png else 1, "listing" if not args.png else "drawing")
     check_schedulable(topo, schedule)
@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     if args.rank is not None and args.rank not in ranks:
         raise UserError(f"rank {args.rank} is not in the plan (ranks 0..{topo.world_size - 1})")
     chunks = f" ({topo.virtual_stages} model chunks per rank)" if topo.virtual_stages > 1 else ""
-    print(f"{plan.model}: schedule {schedule}, {topo.micro_batches} micro-batches per step, "
+    print(f"{plan.model}: schedule {schedule.name}, {topo.micro_batches} micro-batches per step, "
           f"{topo.n_stages} stages{chunks}, {topo.world_size} ranks")
     for title, phase, drain in steps_to_show(topo, schedule):
         print(f"\n{title}:")
@@ -79,6 +79,6 @@ def run(args: argparse.Namespace) -> int:
             costs = [StageCosts(1.0, 2.0, 0.0, 0, ()) for _ in costs]
         result = simulate_topology(topo, schedule, costs, steps=args.steps)
         path = draw_timeline(result, topo, args.png,
-                             title=f"{plan.model}: {schedule}, {topo.micro_batches} micro-batches")
+                             title=f"{plan.model}: {schedule.name}, {topo.micro_batches} micro-batches")
         print(f"\npicture: {path}")
     return 0

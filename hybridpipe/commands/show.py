@@ -12,8 +12,8 @@ import re
 from hybridpipe.argtypes import nonneg_int
 from hybridpipe.errors import UserError
 from hybridpipe.jsonfile import read_json
-from hybridpipe.partitioner.calibration import CALIBRATION_KIND, Calibration
-from hybridpipe.partitioner.cluster import CLUSTER_KIND, Cluster
+from hybridpipe.partitioner.cost.calibration import CALIBRATION_KIND, Calibration
+from hybridpipe.partitioner.cost.cluster import CLUSTER_KIND, Cluster
 from hybridpipe.partitioner.plan import PLAN_KIND, Plan, SearchRecord
 from hybridpipe.profiles.format import PROFILE_KIND, Profile, ProfileNode
 
@@ -127,11 +127,17 @@ def render_plan(plan: Plan, *, layers: bool = False) -> str:
     out = head + ["", table(["stage", "nodes", "replicas", "ranks", "compute ms", "sync ms", "send ms", "memory"],
                             rows)]
     if layers:
-        lrows = [[s.index, lv.layer, human_bytes(lv.bytes), lv.algorithm, f"{lv.predicted_ms:.2f}",
-                  f"{lv.exposed_ms:.2f}"] for s in plan.stages for lv in s.layers]
-        out += ["", table(["stage", "layer", "gradient", "all-reduce", "predicted ms", "exposed ms"], lrows)
-                if lrows else "no layer synchronises (no stage is replicated)"]
+        out += ["", layer_table(plan)]
     return "\n".join(out)
+
+
+def layer_table(plan: Plan) -> str:
+    """Every replicated layer's all-reduce: its gradient bytes, the algorithm, its predicted and exposed time."""
+    rows = [[s.index, lv.layer, human_bytes(lv.bytes), lv.algorithm, f"{lv.predicted_ms:.3f}", f"{lv.exposed_ms:.3f}"]
+            for s in plan.stages for lv in s.layers]
+    if not rows:
+        return "no stage is replicated: nothing to all-reduce"
+    return table(["stage", "layer", "gradient", "all-reduce", "predicted ms", "exposed ms"], rows)
 
 
 def search_line(search: SearchRecord) -> str:

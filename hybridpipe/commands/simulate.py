@@ -15,9 +15,11 @@ from hybridpipe.argtypes import output_file, positive_int
 from hybridpipe.commands.show import table
 from hybridpipe.errors import UserError
 from hybridpipe.limits import require_memory
-from hybridpipe.partitioner.calibration import load_calibration
-from hybridpipe.partitioner.costmodel import CostModel
-from hybridpipe.partitioner.plan import SCHEDULES, WIRE_BYTES, Plan, load_plan
+from hybridpipe.partitioner.cost.calibration import load_calibration
+from hybridpipe.partitioner.cost.costmodel import CostModel
+from hybridpipe.partitioner.plan import WIRE_BYTES, Plan, load_plan
+from hybridpipe.partitioner.plan_options import add_micro_batches_option, add_schedule_option
+from hybridpipe.partitioner.schedule_registry import get_schedule
 from hybridpipe.pipeline.schedules import Topology, check_schedulable
 from hybridpipe.pipeline.simtrace import draw_timeline, write_chrome_trace
 from hybridpipe.pipeline.simulator import SimResult, simulate, stage_costs
@@ -30,16 +32,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--png", type=output_file, metavar="FILE", help="draw the simulated timeline")
     parser.add_argument("--steps", type=positive_int, default=None, metavar="N",
                         help="steps to simulate (default: 3; pipedream: enough to reach its steady state)")
-    parser.add_argument("--schedule", choices=SCHEDULES, help="simulate another schedule than the plan's")
-    parser.add_argument("--micro-batches", type=positive_int, metavar="M",
-                        help="micro-batches per step (default: the plan's)")
+    add_schedule_option(parser)
+    add_micro_batches_option(parser)
     parser.add_argument("--calibration", metavar="FILE",
                         help="measured link costs (bench-allreduce output) for transfers the plan gives only in bytes")
 
 
 def run(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan)
-    schedule = args.schedule or plan.schedule
+    schedule = get_schedule(args.schedule or plan.schedule)
     topo = Topology(tuple(tuple(s.ranks) for s in plan.stages), args.micro_batches or plan.micro_batches)
     check_simulation_size(topo, args.steps)
     check_schedulable(topo, schedule)

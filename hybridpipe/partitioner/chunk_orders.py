@@ -2,7 +2,7 @@
 of plain data, expanded into instructions by ``pipeline/schedules.py``.
 
 A rank group g (0..p-1) holds V chunks; ``local`` chunk v is the group's v-th stage in model
-order (``schedule_registry.LAYOUTS``). One replica of the group runs its micro-batches ``mine``
+order (``schedule_registry.Layout``). One replica of the group runs its micro-batches ``mine``
 (those with m % r == replica, as for every schedule) and yields ``(op, micro-batch, v)`` with op
 ``"F"`` forward, ``"B"`` backward (input gradients only in a split schedule), ``"W"`` the weight
 gradients of a split backward.

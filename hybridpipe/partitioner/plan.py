@@ -10,7 +10,7 @@ Semantics every package relies on:
   replica ``m % r`` of every stage (round-robin).
 * Virtual stages (``virtual_stages`` V > 1, schedules interleaved-1f1b and zbv): ``stages`` lists
   all p*V model chunks in model order, and the same rank tuple (a rank group) runs V of them, laid
-  out as the schedule says (``schedule_registry.LAYOUTS``: interleaved-1f1b puts stage s on group
+  out as the schedule says (``schedule_registry.Layout``: interleaved-1f1b puts stage s on group
   s % p; zbv (V = 2) on group s for s < p, on group 2p-1-s after). Groups are disjoint; a rank's
   replica index is the same in each of its stages. Plans without the field have V = 1.
 * One training step = ``micro_batches`` micro-batches of the profile's ``batch_size`` samples
@@ -34,23 +34,22 @@ Semantics every package relies on:
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from hybridpipe.errors import UserError
 from hybridpipe.jsonfile import MAX_PLAN_FIGURE, check_header, field, figure, read_json, write_json
-from hybridpipe.partitioner import collectives as co
-from hybridpipe.partitioner.cluster import Cluster
-from hybridpipe.partitioner.schedule_registry import REGISTRY
+from hybridpipe.partitioner.cost import collectives as co
+from hybridpipe.partitioner.cost.cluster import Cluster
+from hybridpipe.partitioner.cost.syncunits import SECOND_LANE_ALGORITHMS, LayerSync, sync_units
+from hybridpipe.partitioner.schedule_registry import REGISTRY, Schedule, get_schedule
 from hybridpipe.profiles.losses import LOSS_NORMALIZATIONS
 
 PLAN_KIND = "plan"
 PLAN_FORMAT = 1
 SCHEDULES = tuple(REGISTRY)     # the schedules by name (schedule_registry.py describes each)
 ALGORITHMS = co.ALGORITHMS      # the all-reduce algorithms (collectives.py describes each)
-SECOND_LANE_ALGORITHMS = ("ring", "butterfly", "hierarchical", "torus2d")   # may run on sync lane 1
 STRATEGIES = ("optimal", "pipedream", "dp", "uniform", "params", "time")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 # what each optimizer name runs (runtime/parts.py make_optimizer), for every --optimizer's help
@@ -60,20 +59,6 @@ OPTIMIZER_HELP = ("sgd: torch.optim.SGD with --momentum; adam: torch.optim.Adam,
 # what one profiled (float32) byte of activations, gradients or weights costs on the wire in each precision
 WIRE_BYTES = {"fp32": 1.0, "bf16": 0.5, "fp16": 0.5}
 PRECISIONS = tuple(WIRE_BYTES)
-
-
-@dataclass(frozen=True)
-class LayerSync:
-    """How one layer's gradients are summed across a stage's replicas."""
-
-    layer: str                    # the owning node's name in the profile
-    params: tuple[str, ...]       # qualified parameter names (the model's state_dict keys)
-    bytes: int                    # gradient bytes
-    algorithm: str                # one of ALGORITHMS
-    predicted_ms: float = 0.0     # all-reduce time by the cost model
-    exposed_ms: float = 0.0       # how much it delays the stage's next forward (layersync.py's FIFO lane)
-    unit: int | None = None       # adjacent layers with one unit number share an all-reduce (None: alone)
-    lane: int = 0                 # 0: the main sync lane; 1: the second (syncunits.py)
 
 
 @dataclass(frozen=True)
@@ -115,17 +100,6 @@ class Stage:
         return sync_units(self.layers)
 
 
-def sync_units(layers: Sequence[LayerSync]) -> list[tuple[LayerSync, ...]]:
-    """``layers`` grouped into sync units: runs of adjacent layers with one ``unit`` number (None: alone)."""
-    units: list[list[LayerSync]] = []
-    for lv in layers:
-        if units and lv.unit is not None and units[-1][-1].unit == lv.unit:
-            units[-1].append(lv)
-        else:
-            units.append([lv])
-    return [tuple(u) for u in units]
-
-
 @dataclass(frozen=True)
 class SearchRecord:
     """How the optimal strategy found the stages: searched to the optimum (``complete``), or stopped
@@ -149,7 +123,7 @@ class Plan:
     profile_signature: str        # Profile.signature(): the traced graph's identity
     cluster: Cluster
     strategy: str
-    schedule: str
+    schedule: str                 # a name in the schedule registry (the object: :attr:`kind`)
     micro_batches: int
     optimizer: str
     stages: tuple[Stage, ...]
@@ -167,6 +141,11 @@ class Plan:
     @property
     def world_size(self) -> int:
         return len({r for s in self.stages for r in s.ranks})
+
+    @property
+    def kind(self) -> Schedule:
+        """The plan's schedule, the object (what it means: schedule_registry.py)."""
+        return get_schedule(self.schedule)
 
     def stages_of_rank(self, rank: int) -> tuple[tuple[Stage, ...], int]:
         """(the stages ``rank`` runs in model order, its replica index); UserError if none."""
@@ -401,7 +380,7 @@ def _check_stages(plan: Plan, source: str) -> None:
         raise UserError(f"{source}: the last stage ends at node {expected_first - 1} but the graph's last node is "
                         f"{plan.graph_nodes - 1} (\"graph_nodes\": {plan.graph_nodes}); stages must cover the graph "
                         "exactly: re-partition")
-    layout = REGISTRY[plan.schedule].layout_error([s.ranks for s in plan.stages], plan.virtual_stages)
+    layout = plan.kind.layout_error([s.ranks for s in plan.stages], plan.virtual_stages)
     if layout:
         raise UserError(f"{source}: {layout}; re-partition (hybridpipe partition --schedule {plan.schedule})")
     if seen != set(range(plan.world_size)):

@@ -15,22 +15,9 @@ from dataclasses import dataclass, replace
 
 from hybridpipe.errors import UserError
 from hybridpipe.limits import OutOfTime
-from hybridpipe.partitioner import dp
-from hybridpipe.partitioner.calibration import Calibration
-from hybridpipe.partitioner.cluster import Cluster
-from hybridpipe.partitioner.costmodel import CostModel
-from hybridpipe.partitioner.cuts import blocked_message
-from hybridpipe.partitioner.modelcosts import ModelCosts, model_costs
-from hybridpipe.partitioner.objective import (
-    Evaluation,
-    Options,
-    StageSpec,
-    evaluate,
-    inflight_micro_batches,
-    memory_bytes,
-    predict_step_ms,
-)
-from hybridpipe.partitioner.pipedream import pipedream_stages
+from hybridpipe.partitioner.cost.calibration import Calibration
+from hybridpipe.partitioner.cost.cluster import Cluster
+from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.plan import (
     ALGORITHMS,
     OPTIMIZERS,
@@ -42,10 +29,23 @@ from hybridpipe.partitioner.plan import (
     Stage,
     TiedGroup,
 )
-from hybridpipe.partitioner.schedule_registry import AUTO, REGISTRY, auto_candidates, get_schedule
-from hybridpipe.partitioner.strategies import baseline_stages
+from hybridpipe.partitioner.schedule_registry import AUTO, DEFAULT_SCHEDULE, REGISTRY, auto_candidates, get_schedule
+from hybridpipe.partitioner.search import dp
+from hybridpipe.partitioner.search.cuts import blocked_message
+from hybridpipe.partitioner.search.modelcosts import ModelCosts, model_costs
+from hybridpipe.partitioner.search.objective import (
+    Evaluation,
+    Options,
+    StageSpec,
+    evaluate,
+    inflight_micro_batches,
+    memory_bytes,
+    predict_step_ms,
+)
+from hybridpipe.partitioner.search.pipedream import pipedream_stages
+from hybridpipe.partitioner.search.strategies import baseline_stages
+from hybridpipe.partitioner.search.virtual import BASE_SCHEDULE, Simulate, check_virtual, virtual_plan
 from hybridpipe.partitioner.tied import tied_groups
-from hybridpipe.partitioner.virtual import Simulate, check_virtual, virtual_plan
 from hybridpipe.profiles.format import Profile
 
 MICRO_BATCHES_PER_WORKER = 2      # default micro-batches per step: enough to keep every stage busy
@@ -60,7 +60,7 @@ class Request:
 
     workers: int | None = None
     strategy: str = "optimal"
-    schedule: str = "1f1b"
+    schedule: str = DEFAULT_SCHEDULE            # a schedule's name, or AUTO
     micro_batches: int | None = None
     optimizer: str = "sgd"
     memory_gb: float | None = None
@@ -117,7 +117,7 @@ def resolve(cluster: Cluster, req: Request) -> tuple[Cluster, int, Options]:
         cluster = replace(cluster, memory_gb=req.memory_gb)
     memory = cluster.memory_gb * 1e9
     micro = req.micro_batches or MICRO_BATCHES_PER_WORKER * workers
-    opts = Options(req.schedule, micro, req.optimizer, memory, tuple(req.algorithms), req.recompute)
+    opts = Options(get_schedule(req.schedule), micro, req.optimizer, memory, tuple(req.algorithms), req.recompute)
     return cluster, workers, opts
 
 
@@ -137,7 +137,7 @@ def partition(profile: Profile, cluster: Cluster, req: Request = Request(),
     """
     if deadline is None and req.time_budget_s is not None:
         deadline = time.monotonic() + req.time_budget_s
-    if req.virtual_stages != 1 or (req.schedule != AUTO and get_schedule(req.schedule).layout != "single"):
+    if req.virtual_stages != 1 or (req.schedule != AUTO and get_schedule(req.schedule).chunked):
         return partition_virtual(profile, cluster, req, calibrations, progress, simulate, deadline)
     if req.schedule == AUTO:
         found, errors = [], []
@@ -185,7 +185,7 @@ def partition_virtual(profile: Profile, cluster: Cluster, req: Request, calibrat
     if virtual < 1:
         raise UserError(f"--virtual-stages must be at least 1, got {virtual}")
     if req.schedule == AUTO:
-        names = [n for n, s in REGISTRY.items() if s.flushed and s.layout != "single" and s.virtual_ok(virtual)]
+        names = [n for n, s in REGISTRY.items() if s.flushed and s.chunked and s.virtual_ok(virtual)]
         found, errors = [], []
         for name in names:
             try:
@@ -203,10 +203,11 @@ def partition_virtual(profile: Profile, cluster: Cluster, req: Request, calibrat
         if not found:
             raise errors[0]
         return min(found, key=lambda o: o.evaluation.objective_ms)
-    check_virtual(req.schedule, virtual)
-    base = partition(profile, cluster, replace(req, schedule="1f1b", virtual_stages=1), calibrations, progress,
+    kind = get_schedule(req.schedule)
+    check_virtual(kind, virtual)
+    base = partition(profile, cluster, replace(req, schedule=BASE_SCHEDULE, virtual_stages=1), calibrations, progress,
                      deadline=deadline)
-    opts = replace(base.options, schedule=req.schedule)
+    opts = replace(base.options, schedule=kind)
     costs = model_costs(profile).slowed(base.model.compute_slowdown)
 
     def build(specs: Sequence[StageSpec], ev: Evaluation, o: Options) -> Plan:
@@ -331,7 +332,7 @@ def build_plan(profile: Profile, costs: ModelCosts, cluster: Cluster, stages: Se
                          overhead_ms=e.overhead_ms, recompute=e.recompute))
     samples = opts.micro_batches * profile.batch_size / (step_ms / 1e3) if step_ms > 0 else 0.0
     return Plan(model=profile.model, batch_size=profile.batch_size, input_shape=tuple(profile.input_shape),
-                profile_signature=profile.signature(), cluster=cluster, strategy=strategy, schedule=opts.schedule,
+                profile_signature=profile.signature(), cluster=cluster, strategy=strategy, schedule=opts.schedule.name,
                 micro_batches=opts.micro_batches, optimizer=opts.optimizer, stages=tuple(out),
                 predicted_step_ms=step_ms, predicted_samples_per_s=samples,
                 created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -361,9 +362,10 @@ def no_fit_message(costs: ModelCosts, workers: int, opts: Options) -> str:
     if not opts.replicas_ok(1) or costs.n * opts.micro_batches < workers:
         return (f"{workers} workers cannot all get micro-batches: {costs.n} nodes x {opts.micro_batches} micro-batches "
                 "per step; raise --micro-batches or use fewer --workers")
-    other = "" if opts.schedule == "1f1b" else ", or use --schedule 1f1b (it keeps fewer micro-batches in flight)"
+    other = ("" if opts.schedule.name == "1f1b"
+             else ", or use --schedule 1f1b (it keeps fewer micro-batches in flight)")
     return (f"no partition onto {workers} workers fits in {gb:g} GB per worker with {opts.micro_batches} "
-            f"micro-batches ({opts.schedule}) and a replica count per stage that divides into them; raise "
+            f"micro-batches ({opts.schedule.name}) and a replica count per stage that divides into them; raise "
             f"--memory-gb or --micro-batches, add workers or use --recompute auto{other}")
 
 
@@ -373,8 +375,8 @@ def memory_message(stages: Sequence[StageSpec], ev: Evaluation, opts: Options, s
         r, m = len(st.ranks), opts.micro_batches
         if not opts.replicas_ok(r):
             return (f"--strategy {strategy} gives stage {idx} {r} replicas but a step has {m} micro-batches; "
-                    f"use --micro-batches {opts.kind.replicas_need(r)} "
-                    f"(one per replica{' and round' if opts.kind.asynchronous else ''})")
+                    f"use --micro-batches {opts.schedule.replicas_need(r)} "
+                    f"(one per replica{' and round' if opts.schedule.asynchronous else ''})")
     idx = next(k for k, e in enumerate(ev.stages) if e.memory_bytes > opts.memory_bytes)
     st, e = stages[idx], ev.stages[idx]
     return (f"--strategy {strategy} does not fit: stage {idx} (nodes {st.first}-{st.last}) needs "

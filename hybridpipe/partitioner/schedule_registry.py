@@ -19,19 +19,29 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from enum import Enum
+from typing import TypeVar
+
+import numpy as np
 
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner.chunk_orders import ChunkOp, Place, interleaved_ops, replicated, zbv_ops
 
 Op = tuple[str, int]      # ("F" | "B" | "W", micro-batch)
+Count = TypeVar("Count", int, np.ndarray)      # a count, or counts elementwise (the DP's candidate tables)
 
-# where a schedule puts the p*V model chunks (stages, in model order) on the p rank groups
-LAYOUTS = {
-    "single": "one stage per group (V = 1): stage s on group s",
-    "looped": "interleaved (Megatron): stage s on group s % p, so each group holds every p-th chunk",
-    "v": "V shape (V = 2): stage s on group s for s < p and on group 2p-1-s after, so group 0 holds the first "
-         "and the last chunk",
-}
+DEFAULT_SCHEDULE = "1f1b"      # the schedule of a plan or command that names none
+
+
+class Layout(Enum):
+    """Where a schedule puts the p*V model chunks (stages, in model order) on the p rank groups."""
+
+    SINGLE = "single"   # one stage per group (V = 1): stage s on group s
+    LOOPED = "looped"   # interleaved (Megatron): stage s on group s % p, so each group holds every p-th chunk
+    V = "v"             # V shape (V = 2): stage s on group s for s < p and on group 2p-1-s after, so group 0
+    #                     holds the first and the last chunk
+
+
 OpsFn = Callable[[Sequence[int], int, int], Iterator[Op]]
 ChunkOpsFn = Callable[[Sequence[int], Place, int], Iterator[ChunkOp]]    # (mine, place, V) -> (op, m, local chunk)
 
@@ -47,20 +57,26 @@ class Schedule:
     split_backward: bool = False    # B = input gradients, W = weight gradients, scheduled apart
     drain_backward_share: float = 1.0   # of the other stages' backward, the part the fill + drain costs
     forwards_first: bool = False    # every forward of the step before any backward (holds all k)
-    layout: str = "single"          # where model chunks live (see :data:`LAYOUTS`, :meth:`group_of`)
+    layout: Layout = Layout.SINGLE  # where model chunks live (see :class:`Layout`, :meth:`group_of`)
     chunk_ops: ChunkOpsFn | None = None     # the ops of a replica of a group holding V chunks (chunk_orders.py)
 
     def virtual_ok(self, virtual: int) -> bool:
         """Whether the schedule runs ``virtual`` model chunks per rank."""
-        return {"single": virtual == 1, "looped": virtual >= 1, "v": virtual == 2}[self.layout]
+        return {Layout.SINGLE: virtual == 1, Layout.LOOPED: virtual >= 1, Layout.V: virtual == 2}[self.layout]
 
     def virtual_need(self) -> str:
         """What :meth:`virtual_ok` asks of the chunks per rank, in words."""
-        return {"single": "1 (no virtual stages)", "looped": "1 or more", "v": "2 (the V shape)"}[self.layout]
+        return {Layout.SINGLE: "1 (no virtual stages)", Layout.LOOPED: "1 or more",
+                Layout.V: "2 (the V shape)"}[self.layout]
+
+    @property
+    def chunked(self) -> bool:
+        """The schedule runs several model chunks per rank (virtual stages)."""
+        return self.layout is not Layout.SINGLE
 
     def group_of(self, stage: int, groups: int) -> int:
-        """The rank group (0..p-1, p = ``groups``) that holds global stage ``stage`` (see :data:`LAYOUTS`)."""
-        if self.layout == "v" and stage >= groups:
+        """The rank group (0..p-1, p = ``groups``) that holds global stage ``stage`` (see :class:`Layout`)."""
+        if self.layout is Layout.V and stage >= groups:
             return 2 * groups - 1 - stage
         return stage % groups
 
@@ -94,15 +110,17 @@ class Schedule:
         """Copies of a weight that several stages share stay identical (needs a flush)."""
         return self.flushed
 
-    def inflight(self, k: int, depth: int, depth_all: int) -> int:
+    def inflight(self, k: Count, depth: Count, depth_all: Count) -> Count:
         """Micro-batches whose activations a replica holds at once: ``k`` its micro-batches per
         step, ``depth`` its warm-up forwards (workers of its stage and later ones over its
-        replicas), ``depth_all`` that of the whole pipeline (all workers over its replicas)."""
+        replicas), ``depth_all`` that of the whole pipeline (all workers over its replicas).
+        Numbers, or numpy arrays elementwise."""
         if self.forwards_first:
             return k
         if self.asynchronous:
             return depth
-        return min(k, depth_all if self.split_backward else depth)
+        held = depth_all if self.split_backward else depth
+        return np.minimum(k, held) if isinstance(k, np.ndarray) or isinstance(held, np.ndarray) else min(k, held)
 
     def chunk_inflight(self, place: Place, virtual: int) -> tuple[int, ...]:
         """Per local chunk (0..V-1), the most micro-batches whose activations a replica of the
@@ -132,17 +150,23 @@ class Schedule:
             held[v] += 1 if op == "F" else -1 if op == done else 0
             yield held
 
-    def weight_versions(self, inflight: int) -> int:
-        """Extra copies of the weights kept (weight stashing): one per in-flight micro-batch beyond the live one."""
+    def weight_versions(self, inflight: Count) -> Count | int:
+        """Extra copies of the weights kept (weight stashing): one per in-flight micro-batch beyond the
+        live one (numbers, or numpy arrays elementwise)."""
         return inflight - 1 if self.asynchronous else 0
 
-    def syncs_per_step(self, k: int) -> int:
-        """Gradient all-reduces (and optimizer steps) per step for a replica of ``k`` micro-batches."""
+    def syncs_per_step(self, k: Count) -> Count | int:
+        """Gradient all-reduces (and optimizer steps) per step for a replica of ``k`` micro-batches
+        (numbers, or numpy arrays elementwise)."""
         return k if self.asynchronous else 1
 
-    def replicas_ok(self, replicas: int, micro_batches: int) -> bool:
-        """Every replica gets micro-batches (r <= M); asynchronous rounds need r to divide M."""
-        return replicas <= micro_batches and (not self.asynchronous or micro_batches % replicas == 0)
+    def replicas_ok(self, replicas: Count, micro_batches: int) -> bool | np.ndarray:
+        """Every replica gets micro-batches (r >= 1 and r <= M); asynchronous rounds need r to divide M
+        (numbers, or numpy arrays elementwise)."""
+        ok = (replicas >= 1) & (replicas <= micro_batches)
+        if not self.asynchronous:
+            return ok
+        return ok & (micro_batches % np.maximum(replicas, 1) == 0)
 
     def replicas_need(self, replicas: int) -> str:
         """What :meth:`replicas_ok` asks of the micro-batches, in words."""
@@ -191,10 +215,10 @@ REGISTRY: dict[str, Schedule] = {s.name: s for s in (
     Schedule("zb-h1", "zero-bubble H1: backward split in input (B) and weight (W) gradients, W fills the "
              "drain's bubbles; 1F1B memory, flush", zb_h1_ops, split_backward=True, drain_backward_share=0.0),
     Schedule("interleaved-1f1b", "Megatron's interleaved 1F1B: V model chunks per rank (--virtual-stages V), "
-             "the fill and drain shrink by V; flush", None, layout="looped",
+             "the fill and drain shrink by V; flush", None, layout=Layout.LOOPED,
              chunk_ops=lambda mine, place, virtual: replicated(interleaved_ops, mine, place, virtual)),
     Schedule("zbv", "zero-bubble V: two chunks per rank in a V, backward split in B and W; flush", None,
-             split_backward=True, drain_backward_share=0.0, layout="v",
+             split_backward=True, drain_backward_share=0.0, layout=Layout.V,
              chunk_ops=lambda mine, place, virtual: replicated(lambda m, pl, v: zbv_ops(m, pl), mine, place, virtual)),
 )}
 
@@ -205,7 +229,7 @@ AUTO = "auto"       # the partitioner picks the fastest schedule of the same tra
 def auto_candidates() -> tuple[str, ...]:
     """What ``--schedule auto`` chooses from: every flushed schedule (each gives the update of
     sequential SGD on the step's micro-batches; asynchronous ones change the training)."""
-    return tuple(name for name, s in REGISTRY.items() if s.flushed and s.layout == "single")
+    return tuple(name for name, s in REGISTRY.items() if s.flushed and not s.chunked)
 
 
 def get_schedule(name: str) -> Schedule:

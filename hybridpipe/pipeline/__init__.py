@@ -3,15 +3,26 @@
     stage = build_stage(model, plan, rank, loss=spec.loss, leaf_modules=spec.leaf_modules)
     # or, with virtual stages (interleaved-1f1b, zbv): stages = build_stages(...), one per model chunk
     topo = Topology.from_plan(plan)
-    engine = PipelineEngine(stage, topo, rank, plan.schedule, transport=channels, sync=hdp,
+    engine = PipelineEngine(stage, topo, rank, plan.kind, transport=channels, sync=hdp,
                             optimizer=opt, data=MicroBatches(dataset, plan.batch_size, plan.micro_batches))
     engine.run_step(step, drain=is_last_step)
 
-Pure parts (no processes): split.py / stage.py (graph cutting), schedules.py (gpipe, 1f1b,
-pipedream), validate.py (symbolic check of all ranks' lists), simulator.py (timed simulation),
-buffer_writes.py (which buffers a forward changes), batch_stats.py (running statistics that
-replicas combine exactly and recomputation does not count twice).
-inprocess.py runs a whole pipeline on threads (tests, debugging).
+Pure parts (no processes):
+
+* the stage: ``stage.py`` (the plan's node range cut out of the captured graph, ``profiles/cut.py``),
+  ``values.py`` (what crosses a boundary), ``chunks.py`` (a rank's model chunks as one module),
+  ``splitback.py`` (a backward split in input and weight gradients), ``stash.py`` (pipedream's
+  weight versions), ``tied.py`` (tied weights' copies summed), ``buffer_writes.py`` (which buffers
+  a forward changes), ``batch_stats.py`` (running statistics that replicas combine exactly and
+  recomputation does not count twice), ``tokens.py`` (the token-weighted loss's bookkeeping);
+* the schedules: ``instructions.py`` (the instruction set), ``schedules.py`` (every schedule of
+  ``partitioner/schedule_registry.py`` expanded into per-rank lists), ``validate.py`` (a symbolic
+  run of all ranks' lists), ``simulator.py`` / ``simtrace.py`` (a timed run, its trace and picture);
+* the engine: ``engine.py`` runs a rank's list, ``inflight.py`` holds its micro-batches between
+  instructions, ``engine_state.py`` checkpoints them, ``evaluation.py`` the forward-only step,
+  ``memory.py`` measures what it holds, ``data.py`` feeds it.
+
+``inprocess.py`` runs a whole pipeline on threads (tests, debugging).
 """
 
 from hybridpipe.pipeline.data import MicroBatches

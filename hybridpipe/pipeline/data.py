@@ -10,11 +10,19 @@ to its longest sequence), else by torch's ``default_collate``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.utils._pytree as pytree
 from torch.utils.data import Dataset, default_collate
+
+
+class DataSource(Protocol):
+    """What the engine reads its micro-batches from (:class:`MicroBatches` is one): micro-batch
+    ``micro_batch`` of step ``step``'s input, and its target (None when the model computes its own loss)."""
+
+    def input(self, step: int, micro_batch: int) -> Any: ...
+    def target(self, step: int, micro_batch: int) -> Any: ...
 
 
 class MicroBatches:

@@ -1,6 +1,6 @@
 """Executing one rank's instruction list for one training step.
 
-    engine = PipelineEngine(stages, topo, rank, "1f1b", transport=channels, sync=hdp,
+    engine = PipelineEngine(stages, topo, rank, plan.kind, transport=channels, sync=hdp,
                             optimizer=opt, data=data, recorder=recorder)
     for step in range(steps):
         result = engine.run_step(step, drain=step == steps - 1)   # drain matters for pipedream only
@@ -56,11 +56,14 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+from typing_extensions import assert_never
 
 from hybridpipe.errors import UserError
-from hybridpipe.partitioner.schedule_registry import get_schedule
+from hybridpipe.partitioner.schedule_registry import Schedule
 from hybridpipe.pipeline import engine_state, evaluation
 from hybridpipe.pipeline.chunks import rank_module
+from hybridpipe.pipeline.data import DataSource
+from hybridpipe.pipeline.inflight import InFlight
 from hybridpipe.pipeline.instructions import (
     PHASES,
     Backward,
@@ -77,13 +80,13 @@ from hybridpipe.pipeline.instructions import (
     SendActivations,
     SendGradients,
     Step,
+    StepInstruction,
     SyncStart,
     SyncWait,
     message_key,
 )
 from hybridpipe.pipeline.memory import MemoryMeter, optimizer_tensors, tensors_bytes
 from hybridpipe.pipeline.schedules import Topology, check_schedulable, forwarded, rank_program, settle_phase
-from hybridpipe.pipeline.splitback import WeightWork
 from hybridpipe.pipeline.stage import Activation, PipelineStage
 from hybridpipe.pipeline.stash import WeightStash, needs_frozen
 from hybridpipe.pipeline.tokens import TokenCounts, check_normalization
@@ -94,11 +97,6 @@ from hybridpipe.profiles.losses import loss_mean
 class Transport(Protocol):
     def send(self, peer: int, key: str, tensors: dict[str, torch.Tensor]) -> None: ...
     def recv(self, peer: int, key: str) -> dict[str, torch.Tensor]: ...
-
-
-class DataSource(Protocol):
-    def input(self, step: int, micro_batch: int) -> Any: ...
-    def target(self, step: int, micro_batch: int) -> Any: ...
 
 
 class TiedReduce(Protocol):
@@ -137,7 +135,8 @@ class StepResult:
 class PipelineEngine:
     """Runs a rank's schedule step by step (see the module docstring)."""
 
-    def __init__(self, stages: PipelineStage | Sequence[PipelineStage], topo: Topology, rank: int, schedule: str, *,
+    def __init__(self, stages: PipelineStage | Sequence[PipelineStage], topo: Topology, rank: int,
+                 schedule: Schedule, *,
                  transport: Transport | None, optimizer: torch.optim.Optimizer, data: DataSource,
                  sync: Any = None, recorder=None, tied: TiedReduce | None = None,
                  clock: Callable[[], float] = time.perf_counter,
@@ -157,31 +156,22 @@ class PipelineEngine:
         self.syncs = _syncs(sync, expected)
         self.tied, self.before_step = tied, before_step
         self.autocast, self.wire_dtype, self.loss_scale, self.tokens = autocast, wire_dtype, loss_scale, tokens
-        self.kind = get_schedule(schedule)
         if tokens is not None:
-            check_normalization("tokens", self.kind.flushed, schedule)
-        if tied is not None and not self.kind.keeps_tied_weights:
-            raise UserError(f"{schedule}'s asynchronous updates cannot keep a weight that several stages share (tied "
-                            "embeddings) identical; use --schedule 1f1b or gpipe, or a plan that keeps its uses "
+            check_normalization("tokens", schedule.flushed, schedule.name)
+        if tied is not None and not schedule.keeps_tied_weights:
+            raise UserError(f"{schedule.name}'s asynchronous updates cannot keep a weight that several stages share "
+                            "(tied embeddings) identical; use --schedule 1f1b or gpipe, or a plan that keeps its uses "
                             "in one stage")
-        if self.kind.asynchronous and len(chunks) > 1:
-            raise UserError(f"{schedule} runs one stage per rank, but rank {rank} holds stages {expected}; "
+        if schedule.asynchronous and len(chunks) > 1:
+            raise UserError(f"{schedule.name} runs one stage per rank, but rank {rank} holds stages {expected}; "
                             "use --schedule interleaved-1f1b or zbv for virtual stages")
         self.recorder, self.clock = recorder, clock
-        self.stash = WeightStash(chunks[0].module) if self.kind.asynchronous else None
+        self.stash = WeightStash(chunks[0].module) if schedule.asynchronous else None
         self.device = chunks[0].device     # where inputs and targets go (place the stages before the engine)
         self.meter = MemoryMeter(self._held, self._grad_bytes, self.device, [c.module for c in chunks])
         self.phase = 0              # steps since the pipeline was (re)started (pipedream)
-        self._last_step: int | None = None
-        # per (stage, micro-batch numbered over the run):
-        self._inputs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
-        self._targets: dict[tuple[int, int], Any] = {}
-        self._acts: dict[tuple[int, int], Activation] = {}
-        self._out_grads: dict[tuple[int, int], dict[str, torch.Tensor]] = {}   # received: grads of the outputs
-        self._in_grads: dict[tuple[int, int], dict[str, torch.Tensor]] = {}    # computed: grads of the inputs
-        self._weight_work: dict[tuple[int, int], tuple[Activation, WeightWork]] = {}   # split backward's W owed
-        self._sync_next: set[tuple[int, int]] = set()    # (stage, micro-batch) whose backward starts a sync
-        self._settled: int | None = None    # step after which messages in transit were received early
+        self.last_step: int | None = None   # the step run last
+        self.flight = InFlight()            # per (stage, micro-batch): what the rank holds between instructions
         self._settle = settle_phase(topo, schedule)
         self._programs: dict[tuple[int, bool], list[Instruction]] = {}
         self._forwarded: dict[tuple[int, int, bool], tuple[int, ...]] = {}    # (stage, phase, drain): all replicas
@@ -198,7 +188,7 @@ class PipelineEngine:
     @property
     def in_flight(self) -> list[int]:
         """Micro-batches (numbered over the run) forwarded here but not yet backwarded."""
-        return sorted({g for _, g in (*self._acts, *self._weight_work)})
+        return self.flight.micro_batches()
 
     def program(self, drain: bool = False) -> list[Instruction]:
         """The instruction list the next ``run_step`` executes (lists repeat once settled: cached)."""
@@ -213,8 +203,8 @@ class PipelineEngine:
         consecutive (a checkpoint needs no drain, see :meth:`state_dict`). ``recorder``
         replaces the engine's recorder for this step."""
         recorder = recorder if recorder is not None else self.recorder
-        if self._acts and self._last_step is not None and step != self._last_step + 1:
-            raise RuntimeError(f"step {step} follows step {self._last_step} while micro-batches "
+        if self.flight.acts and self.last_step is not None and step != self.last_step + 1:
+            raise RuntimeError(f"step {step} follows step {self.last_step} while micro-batches "
                                f"{self.in_flight} are in flight; run consecutive steps or drain first")
         program = self.program(drain)
         M = self.topo.micro_batches
@@ -234,7 +224,7 @@ class PipelineEngine:
                 recorder.record(phase, g, t0, self.clock(), getattr(ins, "stage", None))
         result.peak_memory_bytes = self.meter.end_step()
         self._combine_stats(step, drain)
-        self._last_step = step
+        self.last_step = step
         self.phase = 0 if drain else self.phase + 1     # the same on every rank
         return result
 
@@ -289,67 +279,73 @@ class PipelineEngine:
     def _execute(self, ins: MicroBatchInstruction, s: int, g: int, frozen: set[int], result: StepResult) -> None:
         """Run an instruction about micro-batch ``g`` (numbered over the run) on chunk ``s``."""
         M = self.topo.micro_batches
-        stage, key = self.stages[s], (s, g)
-        if isinstance(ins, LoadInput):
-            batch = self.data.input(g // M, g % M)
-            self._inputs[key] = {k: v.to(self.device, non_blocking=True) for k, v in stage.data_inputs(batch).items()}
+        stage, key, flight, tokens = self.stages[s], (s, g), self.flight, self.tokens
+        match ins:
+            case LoadInput():
+                batch = self.data.input(g // M, g % M)
+                flight.inputs[key] = {k: v.to(self.device, non_blocking=True)
+                                      for k, v in stage.data_inputs(batch).items()}
+                if tokens is not None:
+                    tokens.loaded(key, batch, self.device)
+            case RecvActivations():
+                if key not in flight.inputs:       # else received early, at a checkpoint
+                    got = self.recv(ins.peer, message_key(ins, g, M))
+                    flight.inputs[key] = tokens.incoming(key, got) if tokens is not None else got
+            case Forward():
+                params = self.stash.forward_params(g, g in frozen) if self.stash else None
+                with self.meter.forward(), self.compute_context():
+                    act = flight.acts[key] = stage.forward(flight.inputs.pop(key), params=params, micro_batch=g)
+                self.meter.hold(key, act.inputs, act.outputs, act.output)
+            case SendActivations():
+                out = flight.acts[key].outputs
+                self.send(ins.peer, message_key(ins, g, M), tokens.outgoing(key, out) if tokens else out)
+            case LoadTarget():
+                flight.targets[key] = moved(self.data.target(g // M, g % M), self.device)
+            case Loss():
+                self._loss(stage, key, g, result)
+            case RecvGradients():
+                if key not in flight.out_grads:    # else received early, at a checkpoint
+                    flight.out_grads[key] = self.recv(ins.peer, message_key(ins, g, M))
+            case SyncStart():
+                flight.sync_next.add(key)
+            case Backward():
+                act = self._scaled(stage, flight.acts.pop(key))
+                with self._sync_if(s, g), self.meter.backward(stage.recompute, stage.module):
+                    grads = stage.backward(act, flight.out_grads.pop(key, None))
+                self.meter.drop(key)
+                if self.stash:
+                    self.stash.backward_done(g)
+                if not stage.is_first:
+                    flight.in_grads[key] = grads
+            case BackwardInput():
+                act = self._scaled(stage, flight.acts.pop(key))
+                with self.syncs[s].no_sync(), self.meter.backward(stage.recompute, stage.module):   # no param grads
+                    grads, work = stage.backward_input(act, flight.out_grads.pop(key, None))
+                flight.weight_work[key] = (act, work)
+                if not stage.is_first:
+                    flight.in_grads[key] = grads
+            case BackwardWeight():
+                _, work = flight.weight_work.pop(key)
+                with self._sync_if(s, g), self.meter.backward(stage.recompute, stage.module):
+                    stage.backward_weight(work)
+                self.meter.drop(key)
+            case SendGradients():
+                self.send(ins.peer, message_key(ins, g, M), flight.in_grads.pop(key))
+            case _:
+                assert_never(ins)
+
+    def _loss(self, stage: PipelineStage, key: tuple[int, int], g: int, result: StepResult) -> None:
+        """The last stage's loss of micro-batch ``g``: its mean, or with ``tokens`` its sum (the
+        step's result gets the mean and the micro-batch's valid tokens)."""
+        act, M = self.flight.acts[key], self.topo.micro_batches
+        with self.meter.forward(), self.compute_context():
+            value = stage.loss(act.output, self.flight.targets.pop(key))
+            act.loss, total, count = self.tokens.split(key, value) if self.tokens else (loss_mean(value),) * 3
+        self.meter.hold(key, act.loss)
+        if g // M == result.step:
+            result.losses[g % M] = total.detach() if self.tokens is None else total.detach() / count.clamp(min=1)
             if self.tokens is not None:
-                self.tokens.loaded(key, batch, self.device)
-        elif isinstance(ins, RecvActivations):
-            if key not in self._inputs:       # else received early, at a checkpoint
-                got = self.recv(ins.peer, message_key(ins, g, M))
-                self._inputs[key] = self.tokens.incoming(key, got) if self.tokens is not None else got
-        elif isinstance(ins, Forward):
-            params = self.stash.forward_params(g, g in frozen) if self.stash else None
-            with self.meter.forward(), self.compute_context():
-                act = self._acts[key] = stage.forward(self._inputs.pop(key), params=params, micro_batch=g)
-            self.meter.hold(key, act.inputs, act.outputs, act.output)
-        elif isinstance(ins, SendActivations):
-            out = self._acts[key].outputs
-            self.send(ins.peer, message_key(ins, g, M), self.tokens.outgoing(key, out) if self.tokens else out)
-        elif isinstance(ins, LoadTarget):
-            target = self.data.target(g // M, g % M)
-            self._targets[key] = moved(target, self.device)
-        elif isinstance(ins, Loss):
-            act = self._acts[key]
-            with self.meter.forward(), self.compute_context():
-                value = stage.loss(act.output, self._targets.pop(key))
-                act.loss, total, count = self.tokens.split(key, value) if self.tokens else (loss_mean(value),) * 3
-            self.meter.hold(key, act.loss)
-            if g // M == result.step:
-                result.losses[g % M] = total.detach() if self.tokens is None else total.detach() / count.clamp(min=1)
-                if self.tokens is not None:
-                    result.counts[g % M] = count
-        elif isinstance(ins, RecvGradients):
-            if key not in self._out_grads:    # else received early, at a checkpoint
-                self._out_grads[key] = self.recv(ins.peer, message_key(ins, g, M))
-        elif isinstance(ins, SyncStart):
-            self._sync_next.add(key)
-        elif isinstance(ins, Backward):
-            act = self._scaled(stage, self._acts.pop(key))
-            with self._sync_if(s, g), self.meter.backward(stage.recompute, stage.module):
-                grads = stage.backward(act, self._out_grads.pop(key, None))
-            self.meter.drop(key)
-            if self.stash:
-                self.stash.backward_done(g)
-            if not stage.is_first:
-                self._in_grads[key] = grads
-        elif isinstance(ins, BackwardInput):
-            act = self._scaled(stage, self._acts.pop(key))
-            with self.syncs[s].no_sync(), self.meter.backward(stage.recompute, stage.module):   # no param grads here
-                grads, work = stage.backward_input(act, self._out_grads.pop(key, None))
-            self._weight_work[key] = (act, work)
-            if not stage.is_first:
-                self._in_grads[key] = grads
-        elif isinstance(ins, BackwardWeight):
-            _, work = self._weight_work.pop(key)
-            with self._sync_if(s, g), self.meter.backward(stage.recompute, stage.module):
-                stage.backward_weight(work)
-            self.meter.drop(key)
-        elif isinstance(ins, SendGradients):
-            self.send(ins.peer, message_key(ins, g, M), self._in_grads.pop(key))
-        else:
-            raise TypeError(f"unknown instruction {ins!r}")
+                result.counts[g % M] = count
 
     def _scaled(self, stage: PipelineStage, act: Activation) -> Activation:
         """The last stage's activation with its loss multiplied by the fp16 loss scale (if any)."""
@@ -361,8 +357,8 @@ class PipelineEngine:
         """The context of the backward (on chunk ``s``) that completes micro-batch g's parameter
         gradients: it starts the chunk's replicas' sync when a SyncStart named g, else
         accumulates (``no_sync``)."""
-        synced = (s, g) in self._sync_next
-        self._sync_next.discard((s, g))
+        synced = (s, g) in self.flight.sync_next
+        self.flight.sync_next.discard((s, g))
         return contextlib.nullcontext() if synced else self.syncs[s].no_sync()
 
     def _combine_stats(self, step: int, drain: bool) -> None:
@@ -376,18 +372,19 @@ class PipelineEngine:
                     self._forwarded[key] = forwarded(self.topo, self.schedule, s, phase=key[1], drain=drain)
                 stage.stats.combine([step * M + m for m in self._forwarded[key]], self.syncs[s].sum_replicas)
 
-    def _execute_step_level(self, ins: Instruction, result: StepResult) -> None:
-        if isinstance(ins, SyncWait):
-            self.syncs[ins.stage].finish()
-        elif isinstance(ins, Step):
-            scale = ins.grad_scale
-            if self.tokens is not None:         # the step's summed gradients over its tokens (tokens.py)
-                loss_sum, tokens, scale = self.tokens.step_total()
-                result.total = (loss_sum, tokens)
-            self._optimizer_step(scale)
-            result.optimizer_steps += 1
-        else:
-            raise TypeError(f"unknown instruction {ins!r}")
+    def _execute_step_level(self, ins: StepInstruction, result: StepResult) -> None:
+        match ins:
+            case SyncWait():
+                self.syncs[ins.stage].finish()
+            case Step():
+                scale = ins.grad_scale
+                if self.tokens is not None:         # the step's summed gradients over its tokens (tokens.py)
+                    loss_sum, tokens, scale = self.tokens.step_total()
+                    result.total = (loss_sum, tokens)
+                self._optimizer_step(scale)
+                result.optimizer_steps += 1
+            case _:
+                assert_never(ins)
 
     def _optimizer_step(self, scale: float) -> None:
         if self.tied is not None:

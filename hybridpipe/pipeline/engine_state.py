@@ -11,44 +11,63 @@ virtual stages) leave nothing in flight between steps, so their state is the ste
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
+from hybridpipe.partitioner.schedule_registry import Schedule
+from hybridpipe.pipeline.data import DataSource
+from hybridpipe.pipeline.inflight import InFlight
 from hybridpipe.pipeline.instructions import RecvActivations, RecvGradients, message_key
+from hybridpipe.pipeline.schedules import Topology
+from hybridpipe.pipeline.stage import PipelineStage
+from hybridpipe.pipeline.stash import WeightStash
 from hybridpipe.pipeline.validate import in_transit
 from hybridpipe.pipeline.values import moved
 from hybridpipe.profiles.losses import loss_mean
 
-if TYPE_CHECKING:
-    from hybridpipe.pipeline.engine import PipelineEngine
+
+class Resumable(Protocol):
+    """What a checkpoint reads and restores of an engine (``PipelineEngine`` is one)."""
+
+    schedule: Schedule
+    topo: Topology
+    rank: int
+    phase: int                      # steps since the pipeline was (re)started
+    last_step: int | None           # the step run last (None: none yet)
+    stash: WeightStash | None
+    flight: InFlight
+    data: DataSource
+    device: torch.device
+
+    @property
+    def stage(self) -> PipelineStage: ...
+    def recv(self, peer: int, key: str) -> dict[str, torch.Tensor]: ...
 
 
-def engine_state(engine: PipelineEngine) -> dict:
+def engine_state(engine: Resumable) -> dict:
     """The engine's state, taken between steps (every rank after the same step)."""
-    state = {"schedule": engine.schedule, "step": engine._last_step, "phase": engine.phase,
+    state = {"schedule": engine.schedule.name, "step": engine.last_step, "phase": engine.phase,
              "stash": engine.stash.state_dict() if engine.stash else None, "in_flight": {}}
-    if engine._acts:
+    if engine.flight.acts:
         _receive_in_transit(engine)
-        state["in_flight"] = {g: {"inputs": {k: t.detach().clone() for k, t in act.inputs.items()},
-                                  "grads": _clone(engine._out_grads.get((s, g)))}
-                              for (s, g), act in engine._acts.items()}
+        state["in_flight"] = engine.flight.snapshot()
     return state
 
 
-def load_engine_state(engine: PipelineEngine, state: dict) -> None:
+def load_engine_state(engine: Resumable, state: dict) -> None:
     """Restore :func:`engine_state`'s state into a fresh engine (same plan and rank), after the
     stage's weights and the optimizer's state have been loaded; recomputes the forwards of the
     micro-batches that were in flight."""
-    if state.get("schedule") != engine.schedule:
+    if state.get("schedule") != engine.schedule.name:
         raise ValueError(f"the engine state was saved by schedule {state.get('schedule')!r}, "
-                         f"not {engine.schedule!r}")
-    if engine._acts:
+                         f"not {engine.schedule.name!r}")
+    if engine.flight.acts:
         raise RuntimeError("load_state_dict needs a fresh engine (this one has micro-batches in flight)")
     if engine.stash is not None and state.get("stash") is not None:
         engine.stash.load_state_dict(state["stash"])
-    engine._last_step, engine.phase = state.get("step"), state.get("phase", 0)
-    engine._settled = engine._last_step
+    engine.last_step, engine.phase = state.get("step"), state.get("phase", 0)
+    engine.flight.settled = engine.last_step
     M, device = engine.topo.micro_batches, engine.device
     for g in sorted(state.get("in_flight", {})):
         stage = engine.stage            # only pipedream leaves micro-batches in flight: one stage
@@ -58,25 +77,21 @@ def load_engine_state(engine: PipelineEngine, state: dict) -> None:
         if stage.is_last:
             target = engine.data.target(g // M, g % M)
             act.loss = loss_mean(stage.loss(act.output, moved(target, device)))
-        engine._acts[stage.index, g] = act
+        engine.flight.acts[stage.index, g] = act
         if saved["grads"] is not None:
-            engine._out_grads[stage.index, g] = {k: t.to(device) for k, t in saved["grads"].items()}
+            engine.flight.out_grads[stage.index, g] = {k: t.to(device) for k, t in saved["grads"].items()}
 
 
-def _receive_in_transit(engine: PipelineEngine) -> None:
+def _receive_in_transit(engine: Resumable) -> None:
     """Receive now the messages sent to this rank that its next step's list would receive."""
-    if engine._settled == engine._last_step or engine._last_step is None:
+    if engine.flight.settled == engine.last_step or engine.last_step is None:
         return
     M = engine.topo.micro_batches
-    base = (engine._last_step + 1) * M
+    base = (engine.last_step + 1) * M
     s = engine.stage.index
     for peer, kind, m in in_transit(engine.topo, engine.schedule, engine.phase - 1)[engine.rank]:
         g = base + m
         ins = RecvGradients(m, peer, s) if kind == "grad" else RecvActivations(m, peer, s)
-        held = engine._out_grads if kind == "grad" else engine._inputs
-        held[s, g] = engine.channel().recv(peer, message_key(ins, g, M))
-    engine._settled = engine._last_step
-
-
-def _clone(tensors: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
-    return None if tensors is None else {k: t.detach().clone() for k, t in tensors.items()}
+        held = engine.flight.out_grads if kind == "grad" else engine.flight.inputs
+        held[s, g] = engine.recv(peer, message_key(ins, g, M))
+    engine.flight.settled = engine.last_step

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner.chunk_orders import Place
 from hybridpipe.partitioner.plan import Plan
-from hybridpipe.partitioner.schedule_registry import Op, Schedule, get_schedule, one_f_one_b_ops
+from hybridpipe.partitioner.schedule_registry import Op, Schedule, one_f_one_b_ops
 from hybridpipe.pipeline.instructions import (
     RECEIVES,
     SENDS,
@@ -131,27 +131,27 @@ class Topology:
         return math.ceil(self.world_size / self.replicas(stage)) - self.warm(stage)
 
 
-def check_schedulable(topo: Topology, schedule: str) -> None:
+def check_schedulable(topo: Topology, schedule: Schedule) -> None:
     """Refuse (one line) a schedule the topology cannot run."""
-    kind = get_schedule(schedule)
-    layout = kind.layout_error(topo.stage_ranks, topo.virtual_stages)
+    layout = schedule.layout_error(topo.stage_ranks, topo.virtual_stages)
     if layout:
-        raise UserError(f"{layout}; re-partition for it (hybridpipe partition --schedule {schedule})")
+        raise UserError(f"{layout}; re-partition for it (hybridpipe partition --schedule {schedule.name})")
     if topo.micro_batches < 1:
         raise UserError(f"a step needs at least one micro-batch, got {topo.micro_batches}")
     r_max = max(topo.replicas(s) for s in range(topo.n_stages))
     if topo.micro_batches < r_max:
         raise UserError(f"{topo.micro_batches} micro-batches per step leave replicas of a {r_max}-replica stage "
                         f"idle; use --micro-batches >= {r_max}")
-    bad = [s for s in range(topo.n_stages) if not kind.replicas_ok(topo.replicas(s), topo.micro_batches)]
+    bad = [s for s in range(topo.n_stages) if not schedule.replicas_ok(topo.replicas(s), topo.micro_batches)]
     if bad:
         s = bad[0]
-        raise UserError(f"{schedule} updates each stage once per round of its replicas, so micro-batches per step "
+        raise UserError(f"{schedule.name} updates each stage once per round of its replicas, so micro-batches per step "
                             f"({topo.micro_batches}) must be a multiple of every stage's replica count (stage {s} "
                             f"has {topo.replicas(s)}); choose --micro-batches accordingly")
 
 
-def rank_program(topo: Topology, rank: int, schedule: str, *, phase: int = 0, drain: bool = True) -> list[Instruction]:
+def rank_program(topo: Topology, rank: int, schedule: Schedule, *, phase: int = 0,
+                 drain: bool = True) -> list[Instruction]:
     """This rank's instructions for one step.
 
     gpipe/1f1b: every step is the same self-contained list (``phase``/``drain`` are ignored).
@@ -159,7 +159,7 @@ def rank_program(topo: Topology, rank: int, schedule: str, *, phase: int = 0, dr
     ``drain`` = finish every micro-batch in flight at the end of this step.
     """
     check_schedulable(topo, schedule)
-    kind = get_schedule(schedule)
+    kind = schedule
     if kind.chunk_ops is not None:
         return _chunked_program(topo, rank, kind)
     stage, replica = topo.locate(rank)
@@ -222,7 +222,7 @@ def _flushed(topo: Topology, ops: Sequence[StageOp], replicas: int, split_backwa
                    step_after=lambda i: scale if i == last else None, incoming=incoming)
 
 
-def forwarded(topo: Topology, schedule: str, stage: int, *, phase: int = 0, drain: bool = True) -> tuple[int, ...]:
+def forwarded(topo: Topology, schedule: Schedule, stage: int, *, phase: int = 0, drain: bool = True) -> tuple[int, ...]:
     """The micro-batches (relative to the step, as in the lists) whose forward on ``stage`` one
     step's lists run, on any of its replicas, in order."""
     return tuple(sorted({ins.micro_batch for r in topo.stage_ranks[stage]
@@ -240,7 +240,8 @@ def eval_program(topo: Topology, rank: int) -> list[Instruction]:
     return _expand(topo, mine, sync_on=lambda i: False, step_after=lambda i: None)
 
 
-def all_programs(topo: Topology, schedule: str, *, phase: int = 0, drain: bool = True) -> dict[int, list[Instruction]]:
+def all_programs(topo: Topology, schedule: Schedule, *, phase: int = 0,
+                 drain: bool = True) -> dict[int, list[Instruction]]:
     """Every rank's list for one step."""
     return {rank: rank_program(topo, rank, schedule, phase=phase, drain=drain)
             for ranks in topo.groups for rank in ranks}
@@ -254,11 +255,11 @@ def _pipedream_stream(topo: Topology, stage: int, replica: int, steps: int) -> l
     return list(one_f_one_b_ops(mine, topo.warm(stage)))
 
 
-def settle_phase(topo: Topology, schedule: str) -> int:
+def settle_phase(topo: Topology, schedule: Schedule) -> int:
     """The first step (counted from a (re)start) from which every rank's list repeats unchanged
     (micro-batches counted from each step's start): 0 for gpipe/1f1b; for pipedream, once the
     warm-up (which may span several steps) is over."""
-    if not get_schedule(schedule).asynchronous:
+    if not schedule.asynchronous:
         return 0
     return max(_stage_settle(topo, s) for s in range(topo.n_stages))
 
@@ -371,12 +372,12 @@ def channel_edges(topo: Topology) -> list[tuple[int, int]]:
     return sorted((a, b) for a, b in edges if a != b)
 
 
-def transfer_program(topo: Topology, rank: int, schedule: str) -> list[tuple[str, int, str]] | None:
+def transfer_program(topo: Topology, rank: int, schedule: Schedule) -> list[tuple[str, int, str]] | None:
     """This rank's ``("send"|"recv", peer, key)`` of one step, in order: the input of
     ``hybridpipe.comm.p2p.link_orders`` for the ``sra`` channel mode (keys as the engine uses
     them). None for pipedream, whose messages cross step boundaries: use ``sa`` there (``sra``
     without an order behaves like ``sa``)."""
-    if get_schedule(schedule).asynchronous:
+    if schedule.asynchronous:
         return None
     out = []
     for ins in rank_program(topo, rank, schedule):

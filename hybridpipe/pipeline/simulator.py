@@ -32,19 +32,25 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from hybridpipe.partitioner.costmodel import CostModel
+from typing_extensions import assert_never
+
+from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.plan import WIRE_BYTES, Plan
-from hybridpipe.partitioner.schedule_registry import get_schedule
+from hybridpipe.partitioner.schedule_registry import Schedule
 from hybridpipe.pipeline.instructions import (
     Backward,
     BackwardInput,
     BackwardWeight,
     Forward,
     Instruction,
+    LoadInput,
+    LoadTarget,
+    Loss,
     RecvActivations,
     RecvGradients,
     SendActivations,
     SendGradients,
+    Step,
     SyncStart,
     SyncWait,
 )
@@ -113,11 +119,11 @@ def stage_costs(plan: Plan) -> list[StageCosts]:
     return out
 
 
-def simulate(plan: Plan, *, schedule: str | None = None, steps: int | None = None, micro_batches: int | None = None,
-             cost_model: CostModel | None = None) -> SimResult:
+def simulate(plan: Plan, *, schedule: Schedule | None = None, steps: int | None = None,
+             micro_batches: int | None = None, cost_model: CostModel | None = None) -> SimResult:
     """Simulate ``steps`` consecutive steps of the plan's schedule (pipedream drains in the last one;
     default: enough steps for a steady state, see :func:`default_steps`)."""
-    schedule = schedule or plan.schedule
+    schedule = schedule or plan.kind
     topo = Topology(tuple(tuple(s.ranks) for s in plan.stages), micro_batches or plan.micro_batches)
     costs = stage_costs(plan)
     model = cost_model or CostModel(plan.cluster, wire_bytes=WIRE_BYTES[plan.precision])
@@ -133,22 +139,22 @@ def _link_ms(costs: Sequence[StageCosts], topo: Topology, model: CostModel):
     return transfer
 
 
-def settle_steps(topo: Topology, schedule: str) -> int:
+def settle_steps(topo: Topology, schedule: Schedule) -> int:
     """Steps to leave out of the steady-state measurement: the first (flushed schedules), or
     pipedream's warm-up, which may span several steps."""
     return max(1, settle_phase(topo, schedule) - 1)
 
 
-def default_steps(topo: Topology, schedule: str) -> int:
+def default_steps(topo: Topology, schedule: Schedule) -> int:
     """gpipe/1f1b: 3 (a flush makes every step after the first alike). pipedream: its lists
     repeat after the warm-up, but a slow stage's backlog takes up to about two steps per stage
     to reach its steady rhythm, so twice that, plus the draining step."""
-    if not get_schedule(schedule).asynchronous:
+    if not schedule.asynchronous:
         return 3
     return 2 * (settle_steps(topo, schedule) + 2 * topo.n_stages) + 1
 
 
-def simulate_topology(topo: Topology, schedule: str, costs: Sequence[StageCosts], *, steps: int | None = None,
+def simulate_topology(topo: Topology, schedule: Schedule, costs: Sequence[StageCosts], *, steps: int | None = None,
                       link_ms=None) -> SimResult:
     """The simulation itself, over plain per-stage costs. ``link_ms(cut, src, dst)`` gives a
     transfer's duration over the cut after stage ``cut`` (default: that stage's ``send_ms``)."""
@@ -166,7 +172,7 @@ def simulate_topology(topo: Topology, schedule: str, costs: Sequence[StageCosts]
     sim = _Sim(topo, costs, link_ms, programs)
     sim.run()
     ends = [max(sim.step_end[r].get(k, 0.0) for r in programs) for k in range(steps)]
-    lo, hi = _window(get_schedule(schedule).asynchronous, steps, settle_steps(topo, schedule))
+    lo, hi = _window(schedule.asynchronous, steps, settle_steps(topo, schedule))
     t_a = ends[lo - 1] if lo > 0 else 0.0
     t_b = ends[hi - 1]
     step_ms = (t_b - t_a) / (hi - lo)
@@ -175,7 +181,7 @@ def simulate_topology(topo: Topology, schedule: str, costs: Sequence[StageCosts]
         busy = sum(max(0.0, min(iv.t1, t_b) - max(iv.t0, t_a)) for iv in sim.intervals
                    if iv.kind in COMPUTE and iv.where in {f"rank {r}" for r in ranks})
         util.append(busy / (len(ranks) * (t_b - t_a)) if t_b > t_a else 0.0)
-    return SimResult(schedule, steps, step_ms, ends, util, (t_a, t_b), sim.intervals)
+    return SimResult(schedule.name, steps, step_ms, ends, util, (t_a, t_b), sim.intervals)
 
 
 def _window(asynchronous: bool, steps: int, settle: int) -> tuple[int, int]:
@@ -222,48 +228,53 @@ class _Sim:
         M = self.topo.micro_batches
         g = k * M + ins.micro_batch if hasattr(ins, "micro_batch") else -1
         now = self.clock[r]
-        if isinstance(ins, (RecvActivations, RecvGradients)):
-            kind = "act" if isinstance(ins, RecvActivations) else "grad"
-            producer = stage - 1 if kind == "act" else stage
-            t = self.arrivals.pop((ins.peer, r, kind, producer, g), None)
-            if t is None:
-                return False
-            self.clock[r] = max(now, t)
-        elif isinstance(ins, (SendActivations, SendGradients)):
-            kind = "act" if isinstance(ins, SendActivations) else "grad"
-            cut = stage if kind == "act" else stage - 1         # the producing stage: the cut after it
-            start = max(now, self.link_free.get((r, ins.peer), 0.0))
-            end = start + (self.link_ms(cut, r, ins.peer) if ins.peer != r else 0.0)     # to itself: a hand-over
-            self.link_free[(r, ins.peer)] = end
-            self.arrivals[(r, ins.peer, kind, cut, g)] = end
-            if end > start:
-                self.intervals.append(Interval(kind, g, start, end, f"link {r}->{ins.peer}", f"{kind} {g}", stage))
-        elif isinstance(ins, Forward):
-            self._busy(r, "F", g, c.forward_ms, stage)
-        elif isinstance(ins, SyncStart):
-            self.sync_next[(r, stage)] = g
-        elif isinstance(ins, BackwardInput):
-            self._busy(r, "B", g, c.backward_ms * (c.input_share if stage > 0 else 0.0), stage)
-        elif isinstance(ins, (Backward, BackwardWeight)):
-            t0 = now
-            ms = c.backward_ms
-            if isinstance(ins, BackwardWeight):
-                ms *= 1.0 - (c.input_share if stage > 0 else 0.0)
-            self._busy(r, "B" if isinstance(ins, Backward) else "W", g, ms, stage)
-            if self.sync_next.get((r, stage)) == g:
-                del self.sync_next[(r, stage)]
-                n = len(c.allreduce_ms)
-                times = [t0 + ms * (i + 1) / n for i in range(n)]   # i-th gradient ready
-                nth = self.synced.get((r, stage), 0)
-                self.ready.setdefault((stage, nth), []).append(times)
-                self.synced[(r, stage)] = nth + 1
-        elif isinstance(ins, SyncWait):
-            key = (stage, self.waited.get((r, stage), 0))
-            done = self._sync_end(stage, key)
-            if done is None:
-                return False
-            self.clock[r] = max(now, done)
-            self.waited[(r, stage)] = key[1] + 1
+        match ins:
+            case RecvActivations() | RecvGradients():
+                kind = "act" if isinstance(ins, RecvActivations) else "grad"
+                producer = stage - 1 if kind == "act" else stage
+                t = self.arrivals.pop((ins.peer, r, kind, producer, g), None)
+                if t is None:
+                    return False
+                self.clock[r] = max(now, t)
+            case SendActivations() | SendGradients():
+                kind = "act" if isinstance(ins, SendActivations) else "grad"
+                cut = stage if kind == "act" else stage - 1         # the producing stage: the cut after it
+                start = max(now, self.link_free.get((r, ins.peer), 0.0))
+                end = start + (self.link_ms(cut, r, ins.peer) if ins.peer != r else 0.0)    # to itself: a hand-over
+                self.link_free[(r, ins.peer)] = end
+                self.arrivals[(r, ins.peer, kind, cut, g)] = end
+                if end > start:
+                    self.intervals.append(Interval(kind, g, start, end, f"link {r}->{ins.peer}", f"{kind} {g}", stage))
+            case Forward():
+                self._busy(r, "F", g, c.forward_ms, stage)
+            case SyncStart():
+                self.sync_next[(r, stage)] = g
+            case BackwardInput():
+                self._busy(r, "B", g, c.backward_ms * (c.input_share if stage > 0 else 0.0), stage)
+            case Backward() | BackwardWeight():
+                t0 = now
+                ms = c.backward_ms
+                if isinstance(ins, BackwardWeight):
+                    ms *= 1.0 - (c.input_share if stage > 0 else 0.0)
+                self._busy(r, "B" if isinstance(ins, Backward) else "W", g, ms, stage)
+                if self.sync_next.get((r, stage)) == g:
+                    del self.sync_next[(r, stage)]
+                    n = len(c.allreduce_ms)
+                    times = [t0 + ms * (i + 1) / n for i in range(n)]   # i-th gradient ready
+                    nth = self.synced.get((r, stage), 0)
+                    self.ready.setdefault((stage, nth), []).append(times)
+                    self.synced[(r, stage)] = nth + 1
+            case SyncWait():
+                key = (stage, self.waited.get((r, stage), 0))
+                done = self._sync_end(stage, key)
+                if done is None:
+                    return False
+                self.clock[r] = max(now, done)
+                self.waited[(r, stage)] = key[1] + 1
+            case LoadInput() | LoadTarget() | Loss() | Step():
+                pass                # no time of their own: in the stage's forward / backward and the step's sync
+            case _:
+                assert_never(ins)
         self.step_end[r][k] = self.clock[r]
         return True
 

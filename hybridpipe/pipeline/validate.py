@@ -17,6 +17,9 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from typing_extensions import assert_never
+
+from hybridpipe.partitioner.schedule_registry import Schedule
 from hybridpipe.pipeline.instructions import (
     Backward,
     BackwardInput,
@@ -32,6 +35,7 @@ from hybridpipe.pipeline.instructions import (
     SendActivations,
     SendGradients,
     Step,
+    StepInstruction,
     SyncStart,
     SyncWait,
 )
@@ -146,7 +150,7 @@ def _ranks(topo: Topology, steps: Sequence[Mapping[int, Sequence[Instruction]]])
     return ranks
 
 
-def in_transit(topo: Topology, schedule: str, phase: int) -> dict[int, list[tuple[int, str, int]]]:
+def in_transit(topo: Topology, schedule: Schedule, phase: int) -> dict[int, list[tuple[int, str, int]]]:
     """Messages sent but not yet received when every rank has finished step ``phase`` after a
     (re)start: per receiver, ``(sender, "act"|"grad", micro-batch)`` in arrival order, the
     micro-batch numbered from the start of the *next* step (so negative). Empty for gpipe/1f1b.
@@ -197,64 +201,65 @@ def _execute(topo: Topology, ranks: dict[int, _Rank], queues: _Queues, st: _Rank
     first, last = s == 0, s == topo.n_stages - 1
     if m % topo.replicas(s) != st.replica:
         raise _fail(st, ins, f"micro-batch {m} of the step belongs to replica {m % topo.replicas(s)}")
-    if isinstance(ins, LoadInput):
-        if not first:
-            raise _fail(st, ins, "only stage 0 loads inputs")
-        c.have_input.add(g)
-    elif isinstance(ins, RecvActivations):
-        if first or ins.peer != topo.rank_for(s - 1, m):
-            raise _fail(st, ins, "activations come from the previous stage's replica of the micro-batch")
-        if not _take(queues, ins.peer, st.rank, ("act", s - 1, g), st, ins):
-            return False
-        c.have_input.add(g)
-    elif isinstance(ins, Forward):
-        if g not in c.have_input or g in c.forwarded:
-            raise _fail(st, ins, "forward without its input, or twice")
-        c.forwarded.add(g)
-        st.forward_order.append(g)
-        st.in_flight += 1
-        st.max_in_flight = max(st.max_in_flight, st.in_flight)
-        c.in_flight += 1
-        c.max_in_flight = max(c.max_in_flight, c.in_flight)
-    elif isinstance(ins, SendActivations):
-        if last or g not in c.forwarded or ins.peer != topo.rank_for(s + 1, m):
-            raise _fail(st, ins, "send activations after the forward, to the next stage's replica")
-        queues.setdefault((st.rank, ins.peer), deque()).append(("act", s, g))
-    elif isinstance(ins, LoadTarget):
-        if not last:
-            raise _fail(st, ins, "only the last stage loads targets")
-        c.have_target.add(g)
-    elif isinstance(ins, Loss):
-        if not last or g not in c.forwarded or g not in c.have_target:
-            raise _fail(st, ins, "the loss needs the last stage's forward and the target")
-        c.lossed.add(g)
-    elif isinstance(ins, RecvGradients):
-        if last or ins.peer != topo.rank_for(s + 1, m):
-            raise _fail(st, ins, "gradients come from the next stage's replica of the micro-batch")
-        if not _take(queues, ins.peer, st.rank, ("grad", s, g), st, ins):
-            return False
-        c.have_grad.add(g)
-    elif isinstance(ins, (Backward, BackwardInput)):
-        ready = g in (c.lossed if last else c.have_grad)
-        if g not in c.forwarded or g in c.input_grads or not ready:
-            raise _fail(st, ins, "backward needs its forward and its loss / output gradients, once")
-        c.input_grads.add(g)
-        if isinstance(ins, Backward):
+    match ins:
+        case LoadInput():
+            if not first:
+                raise _fail(st, ins, "only stage 0 loads inputs")
+            c.have_input.add(g)
+        case RecvActivations():
+            if first or ins.peer != topo.rank_for(s - 1, m):
+                raise _fail(st, ins, "activations come from the previous stage's replica of the micro-batch")
+            if not _take(queues, ins.peer, st.rank, ("act", s - 1, g), st, ins):
+                return False
+            c.have_input.add(g)
+        case Forward():
+            if g not in c.have_input or g in c.forwarded:
+                raise _fail(st, ins, "forward without its input, or twice")
+            c.forwarded.add(g)
+            st.forward_order.append(g)
+            st.in_flight += 1
+            st.max_in_flight = max(st.max_in_flight, st.in_flight)
+            c.in_flight += 1
+            c.max_in_flight = max(c.max_in_flight, c.in_flight)
+        case SendActivations():
+            if last or g not in c.forwarded or ins.peer != topo.rank_for(s + 1, m):
+                raise _fail(st, ins, "send activations after the forward, to the next stage's replica")
+            queues.setdefault((st.rank, ins.peer), deque()).append(("act", s, g))
+        case LoadTarget():
+            if not last:
+                raise _fail(st, ins, "only the last stage loads targets")
+            c.have_target.add(g)
+        case Loss():
+            if not last or g not in c.forwarded or g not in c.have_target:
+                raise _fail(st, ins, "the loss needs the last stage's forward and the target")
+            c.lossed.add(g)
+        case RecvGradients():
+            if last or ins.peer != topo.rank_for(s + 1, m):
+                raise _fail(st, ins, "gradients come from the next stage's replica of the micro-batch")
+            if not _take(queues, ins.peer, st.rank, ("grad", s, g), st, ins):
+                return False
+            c.have_grad.add(g)
+        case Backward() | BackwardInput():
+            ready = g in (c.lossed if last else c.have_grad)
+            if g not in c.forwarded or g in c.input_grads or not ready:
+                raise _fail(st, ins, "backward needs its forward and its loss / output gradients, once")
+            c.input_grads.add(g)
+            if isinstance(ins, Backward):
+                _weights_done(st, c, ins, g)
+        case BackwardWeight():
+            if g not in c.input_grads or g in c.backwarded:
+                raise _fail(st, ins, "the weight half of a backward follows its input half, once")
             _weights_done(st, c, ins, g)
-    elif isinstance(ins, BackwardWeight):
-        if g not in c.input_grads or g in c.backwarded:
-            raise _fail(st, ins, "the weight half of a backward follows its input half, once")
-        _weights_done(st, c, ins, g)
-    elif isinstance(ins, SendGradients):
-        if first or g not in c.input_grads or ins.peer != topo.rank_for(s - 1, m):
-            raise _fail(st, ins, "send gradients after the backward, to the previous stage's replica")
-        queues.setdefault((st.rank, ins.peer), deque()).append(("grad", s - 1, g))
-    elif isinstance(ins, SyncStart):
-        if c.sync_pending is not None:
-            raise _fail(st, ins, "two SyncStarts without a Backward between them")
-        c.sync_pending = g
-    else:
-        raise _fail(st, ins, "unknown instruction")
+        case SendGradients():
+            if first or g not in c.input_grads or ins.peer != topo.rank_for(s - 1, m):
+                raise _fail(st, ins, "send gradients after the backward, to the previous stage's replica")
+            queues.setdefault((st.rank, ins.peer), deque()).append(("grad", s - 1, g))
+        case SyncStart():
+            if c.sync_pending is not None:
+                raise _fail(st, ins, "two SyncStarts without a Backward between them")
+            c.sync_pending = g
+        case _:
+            assert_never(ins)
     return True
 
 
@@ -272,28 +277,29 @@ def _weights_done(st: _Rank, c: _Chunk, ins: Instruction, g: int) -> None:
     c.in_flight -= 1
 
 
-def _execute_step_level(topo: Topology, ranks: dict[int, _Rank], st: _Rank, ins: Instruction) -> bool:
+def _execute_step_level(topo: Topology, ranks: dict[int, _Rank], st: _Rank, ins: StepInstruction) -> bool:
     """Apply a SyncWait or Step; False if it must wait."""
-    if isinstance(ins, SyncWait):
-        c = st.chunks.get(ins.stage)
-        if c is None:
-            raise _fail(st, ins, f"stage {ins.stage} is not one of the rank's")
-        if c.waited >= c.synced:
-            raise _fail(st, ins, "no synced backward to wait for")
-        need = c.waited + 1
-        if any(ranks[r].chunks[c.stage].synced < need for r in topo.stage_ranks[c.stage]):
-            return False
-        c.waited += 1
-    elif isinstance(ins, Step):
-        for c in st.chunks.values():
-            if c.waited != c.synced or c.sync_pending is not None:
-                raise _fail(st, ins, f"optimizer step before the gradient sync of stage {c.stage} finished")
-            if c.input_grads - c.backwarded:
-                raise _fail(st, ins, f"optimizer step before the weight gradients of micro-batches "
-                                     f"{sorted(c.input_grads - c.backwarded)} of stage {c.stage}")
-        st.steps.append(ins.grad_scale)
-    else:
-        raise _fail(st, ins, "unknown instruction")
+    match ins:
+        case SyncWait():
+            c = st.chunks.get(ins.stage)
+            if c is None:
+                raise _fail(st, ins, f"stage {ins.stage} is not one of the rank's")
+            if c.waited >= c.synced:
+                raise _fail(st, ins, "no synced backward to wait for")
+            need = c.waited + 1
+            if any(ranks[r].chunks[c.stage].synced < need for r in topo.stage_ranks[c.stage]):
+                return False
+            c.waited += 1
+        case Step():
+            for c in st.chunks.values():
+                if c.waited != c.synced or c.sync_pending is not None:
+                    raise _fail(st, ins, f"optimizer step before the gradient sync of stage {c.stage} finished")
+                if c.input_grads - c.backwarded:
+                    raise _fail(st, ins, f"optimizer step before the weight gradients of micro-batches "
+                                         f"{sorted(c.input_grads - c.backwarded)} of stage {c.stage}")
+            st.steps.append(ins.grad_scale)
+        case _:
+            assert_never(ins)
     return True
 
 

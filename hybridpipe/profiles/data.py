@@ -28,7 +28,7 @@ from torch.nn import functional as F
 from torch.utils.data import Dataset
 
 from hybridpipe.errors import UserError
-from hybridpipe.profiles.zoo.registry import ModelSpec, batch_rows, call_user, import_factory, parse_spec
+from hybridpipe.profiles.zoo.spec import ModelSpec, batch_rows, call_user, import_factory, parse_spec
 
 FEATURES = 64          # pooled input features the class-id projection reads
 _TASK_SEED = 0x5EED    # the target function is the same for every data seed

@@ -17,7 +17,7 @@ as a model input: producer -1), with the last block that reads it and its bytes;
 first value sharing its storage (a view), itself otherwise. A node's ``saved_bytes`` is what
 autograd keeps for its backward apart from those values and the parameters; ``saves`` names the
 values among its inputs and outputs it keeps. ``loss_saved_bytes`` is what the loss function
-keeps beside the model's output. From these ``partitioner/modelcosts.py`` counts every tensor a
+keeps beside the model's output. From these ``partitioner/search/modelcosts.py`` counts every tensor a
 stage holds once, however many of its blocks save it.
 
 Formats 1 (one node per torch.fx node) and 2 (per-node saved bytes that count a tensor two blocks

@@ -10,7 +10,7 @@ parameters.
 
 What a block keeps for its backward (``saved_tensors``) is split by where it lives: tensors of
 the block's own (inner), the boundary values among its inputs and outputs that it saves (by name:
-a value two blocks save is one tensor, which ``partitioner/modelcosts.py`` counts once per
+a value two blocks save is one tensor, which ``partitioner/search/modelcosts.py`` counts once per
 stage), and, on the last block, what the loss function keeps beside the model's output. Storages
 are what count (a view shares its base's bytes); parameters and buffers are not activations.
 """

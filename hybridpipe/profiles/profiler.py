@@ -38,7 +38,7 @@ from hybridpipe.profiles.measure import (
     storage_keys,
     tensors,
 )
-from hybridpipe.profiles.zoo.registry import ModelSpec
+from hybridpipe.profiles.zoo.spec import ModelSpec
 
 
 def resolve_device(name: str) -> torch.device:

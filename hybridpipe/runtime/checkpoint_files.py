@@ -35,7 +35,6 @@ import hashlib
 import json
 import os
 import re
-import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +43,7 @@ from typing import Any
 import torch
 
 from hybridpipe.errors import UserError
-from hybridpipe.jsonfile import field, parse_json, replace_into
+from hybridpipe.jsonfile import atomic_file, field, fsync_dir, parse_json
 
 CHECKPOINT_KIND = "checkpoint"
 CHECKPOINT_FORMAT = 2          # 2: name-keyed optimizer state, tied parameters once, an "index"
@@ -110,7 +109,7 @@ class _HashingWriter:
     """File wrapper that hashes and counts what torch.save writes through it; keeps the first
     OSError (torch's zip writer hides it behind its own "unexpected pos" error)."""
 
-    def __init__(self, f) -> None:
+    def __init__(self, f: Any = None) -> None:
         self.f, self.hash, self.count = f, hashlib.sha256(), 0
         self.error: OSError | None = None
 
@@ -128,39 +127,19 @@ class _HashingWriter:
         self.f.flush()
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError:         # some filesystems refuse fsync on directories; the rename is still atomic
-        pass
-    finally:
-        os.close(fd)
-
-
 def atomic_save(obj: Any, path: Path) -> FileRecord:
-    """``torch.save`` to ``path`` atomically: temp file in the same directory, fsync, the user's
-    umask, rename. A path that cannot be written is a one-line UserError."""
+    """``torch.save`` to ``path`` atomically and durably (``jsonfile.atomic_file``); its size and hash.
+    A path that cannot be written (a full disk included) is a one-line UserError."""
+    w = _HashingWriter()
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    except OSError as e:
-        raise UserError(f"cannot write {path}: {e.strerror or e}") from None
-    f = os.fdopen(fd, "wb")
-    w = _HashingWriter(f)
-    try:
-        with f:
+        with atomic_file(path, "wb", durable=True) as f:
+            w.f = f
             torch.save(obj, w)  # type: ignore[arg-type]  # any object with write() does (stub: IO[bytes])
-            f.flush()
-            os.fsync(f.fileno())
-        replace_into(tmp, path)
-    except BaseException as e:
-        Path(tmp).unlink(missing_ok=True)
-        cause = w.error or (e if isinstance(e, OSError) else None)
+    except Exception as e:
+        cause = None if isinstance(e, UserError) else w.error
         if cause is not None:           # e.g. ENOSPC: torch.save ends with "unexpected pos N vs M" instead
             raise UserError(f"cannot write {path}: {cause.strerror or cause}") from None
         raise
-    _fsync_dir(path.parent)
     return FileRecord(path.name, w.count, w.hash.hexdigest())
 
 
@@ -173,23 +152,8 @@ def write_manifest(directory: str | os.PathLike, step: int, files: list[FileReco
     data = {"kind": CHECKPOINT_KIND, "format": CHECKPOINT_FORMAT, "step": step, **meta,
             "files": {f.name: {"bytes": f.bytes, "sha256": f.sha256} for f in sorted(files, key=lambda f: f.name)}}
     d = Path(directory)
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{MANIFEST}.", suffix=".tmp", dir=d)
-    except OSError as e:
-        raise UserError(f"cannot write {d / MANIFEST}: {e.strerror or e}") from None
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        replace_into(tmp, d / MANIFEST)
-    except OSError as e:
-        Path(tmp).unlink(missing_ok=True)
-        raise UserError(f"cannot write {d / MANIFEST}: {e.strerror or e}") from None
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(d)
+    with atomic_file(d / MANIFEST, durable=True) as f:
+        json.dump(data, f, indent=1)
     return d / MANIFEST
 
 
@@ -207,7 +171,7 @@ def commit(root: str | os.PathLike, step: int, keep_files: set[str], tag: str = 
             p.unlink(missing_ok=True)
     aside = set_aside(final, "skipped") if final.exists() or final.is_symlink() else None
     os.rename(staging, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
     return final, aside
 
 

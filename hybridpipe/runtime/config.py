@@ -31,17 +31,17 @@ from hybridpipe.comm.hybrid_dp import POLICIES
 from hybridpipe.comm.p2p import MODES
 from hybridpipe.errors import UserError
 from hybridpipe.limits import require_memory
-from hybridpipe.partitioner.calibration import load_calibration
+from hybridpipe.partitioner.cost.calibration import load_calibration
 from hybridpipe.partitioner.plan import (
     OPTIMIZER_HELP,
     OPTIMIZERS,
-    SCHEDULES,
     STRATEGIES,
     Plan,
     check_plan_fits,
     check_plan_memory,
     load_plan,
 )
+from hybridpipe.partitioner.plan_options import add_micro_batches_option, add_schedule_option
 from hybridpipe.pipeline.instructions import Step
 from hybridpipe.pipeline.schedules import Topology, check_schedulable, rank_program
 from hybridpipe.pipeline.tokens import check_normalization
@@ -151,9 +151,8 @@ def build_parser() -> Parser:
                    help="samples per micro-batch (default: the plan's; must match it)")
     g.add_argument("--batch-size", type=positive_int, metavar="B",
                    help="deprecated: the old name of --micro-batch-size")
-    g.add_argument("--micro-batches", type=positive_int, metavar="M",
-                   help="micro-batches per step (default: the plan's)")
-    g.add_argument("--schedule", choices=SCHEDULES, help="pipeline schedule (default: the plan's)")
+    add_micro_batches_option(g)
+    add_schedule_option(g)
     g.add_argument("--optimizer", choices=OPTIMIZERS, help=f"optimizer (default: the plan's); {OPTIMIZER_HELP}")
     g.add_argument("--lr", type=positive_float, default=0.01, help="learning rate (default 0.01)")
     g.add_argument("--momentum", type=nonneg_float, default=0.9, help="SGD momentum (default 0.9; sgd only)")
@@ -277,7 +276,7 @@ def resolve(args: argparse.Namespace, world_size: int | None = None, planned: Pl
                                loss_normalization=args.loss_normalization or plan.loss_normalization)
     require_memory(plan.micro_batches * 6 * 400 * 2, f"the instruction lists of {plan.micro_batches} micro-batches",
                    "use fewer --micro-batches")
-    check_schedulable(Topology.from_plan(plan), plan.schedule)
+    check_schedulable(Topology.from_plan(plan), plan.kind)
     check_plan_memory(plan)
     if args.skip_nonfinite and not flushes(plan):
         raise UserError(f"--skip-nonfinite needs a schedule that flushes every step (gpipe, 1f1b); "
@@ -328,7 +327,7 @@ def flushes(plan: Plan) -> bool:
     """Whether every rank of the plan's schedule takes exactly one optimizer step per step, after
     all its micro-batches (so a step can be checked, and skipped, before any weight changes)."""
     topo = Topology.from_plan(plan)
-    return all(sum(isinstance(ins, Step) for ins in rank_program(topo, r, plan.schedule)) == 1
+    return all(sum(isinstance(ins, Step) for ins in rank_program(topo, r, plan.kind)) == 1
                for ranks in topo.stage_ranks for r in ranks)
 
 

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from hybridpipe.comm.p2p import Channels, link_orders, open_channels
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner.plan import Plan
+from hybridpipe.partitioner.schedule_registry import Schedule
 from hybridpipe.pipeline.schedules import Topology, channel_edges, transfer_program
 
 log = logging.getLogger(__name__)
@@ -105,7 +106,7 @@ def replica_groups(plan: Plan, timeout_s: float) -> dict[int, dist.ProcessGroup]
     return groups
 
 
-def stage_channels(topo: Topology, rank: int, schedule: str, mode: str, device: torch.device, timeout_s: float,
+def stage_channels(topo: Topology, rank: int, schedule: Schedule, mode: str, device: torch.device, timeout_s: float,
                    on_transfer: Callable | None = None) -> Channels:
     """Open this rank's p2p channels (collective: every rank calls it with the same plan).
 

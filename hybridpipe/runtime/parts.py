@@ -31,8 +31,8 @@ from torch import nn
 from hybridpipe.comm.allreduce import GroupCosts
 from hybridpipe.comm.hybrid_dp import HybridDataParallel
 from hybridpipe.errors import UserError
-from hybridpipe.partitioner.calibration import load_calibration
-from hybridpipe.partitioner.costmodel import CostModel
+from hybridpipe.partitioner.cost.calibration import load_calibration
+from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.plan import Plan, Stage
 from hybridpipe.partitioner.tied import shared_across
 from hybridpipe.pipeline import LocalSync, MicroBatches
@@ -43,7 +43,7 @@ from hybridpipe.profiles.data import resolve_dataset
 from hybridpipe.profiles.graphinfo import node_infos
 from hybridpipe.profiles.losses import label_counter
 from hybridpipe.profiles.zoo import ModelSpec, resolve_model
-from hybridpipe.profiles.zoo.registry import batch_rows
+from hybridpipe.profiles.zoo.spec import batch_rows
 from hybridpipe.runtime.config import RunConfig
 from hybridpipe.runtime.lazy import capture_lazily, load_initial, load_whole, materialize
 from hybridpipe.runtime.seeded import Recipe, capture_unbuilt, materialize_seeded

@@ -18,9 +18,10 @@ import time
 import torch.distributed as dist
 
 from hybridpipe.errors import UserError, one_line
-from hybridpipe.partitioner.cluster import load_cluster
+from hybridpipe.partitioner.cost.cluster import load_cluster
 from hybridpipe.partitioner.plan import Plan
 from hybridpipe.partitioner.planner import Request, partition
+from hybridpipe.partitioner.schedule_registry import DEFAULT_SCHEDULE
 from hybridpipe.profiles.format import load_profile
 from hybridpipe.runtime.config import check_plan_source
 
@@ -36,7 +37,7 @@ def plan_for_world(args: argparse.Namespace, world_size: int) -> Plan:
     if world_size > cluster.total_workers:
         raise UserError(f"the job has {world_size} workers but --cluster {args.cluster} describes "
                         f"{cluster.total_workers}; describe the whole cluster")
-    req = Request(workers=world_size, strategy=args.strategy, schedule=args.schedule or "1f1b",
+    req = Request(workers=world_size, strategy=args.strategy, schedule=args.schedule or DEFAULT_SCHEDULE,
                   micro_batches=args.micro_batches, optimizer=args.optimizer or "sgd", memory_gb=args.memory_gb,
                   stages=args.stages)
     return partition(profile, cluster, req).plan

@@ -23,10 +23,10 @@ from torch import nn
 
 from hybridpipe.comm.hybrid_dp import HybridDataParallel, UnitChoice, model_layers
 from hybridpipe.errors import UserError
-from hybridpipe.partitioner.costmodel import CostModel
-from hybridpipe.partitioner.layersync import choose_layer_algorithms
-from hybridpipe.partitioner.plan import ALGORITHMS, LayerSync, Stage, sync_units
-from hybridpipe.partitioner.syncunits import with_algorithm
+from hybridpipe.partitioner.cost.costmodel import CostModel
+from hybridpipe.partitioner.cost.layersync import choose_layer_algorithms
+from hybridpipe.partitioner.cost.syncunits import LayerSync, sync_units, with_algorithm
+from hybridpipe.partitioner.plan import ALGORITHMS, Stage
 
 SHOWN_CHANGES = 6        # layers named in an override's line before "and N more"
 

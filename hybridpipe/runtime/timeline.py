@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import threading
 import time
 from collections import deque
@@ -41,7 +40,7 @@ from pathlib import Path
 
 from hybridpipe.errors import UserError
 from hybridpipe.jsonfile import field as json_field
-from hybridpipe.jsonfile import read_json, replace_into
+from hybridpipe.jsonfile import read_json, write_text
 
 PHASES = ("receive_for", "run_for", "send_for", "receive_back", "run_back", "sync", "send_back", "step")
 TRACE_KIND = "rank-trace"
@@ -168,7 +167,7 @@ class TimelineRecorder:
         other = json.dumps({"hybridpipe": self.metadata()}, separators=(",", ":"))
         with self._lock:
             self._since_flush = 0
-        return _write_atomic(self.path, f'{{"traceEvents":[{events}],"displayTimeUnit":"ms","otherData":{other}}}')
+        return write_text(self.path, f'{{"traceEvents":[{events}],"displayTimeUnit":"ms","otherData":{other}}}')
 
     def close(self) -> Path:
         """Final flush; the recorder may still be used afterwards (it just writes again)."""
@@ -209,19 +208,6 @@ class TimelineRecorder:
 
 def _meta(kind: str, pid: int, tid: int = 0, **args) -> dict:
     return {"ph": "M", "name": kind, "pid": pid, "tid": tid, "args": args}
-
-
-def _write_atomic(path: Path, text: str) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        replace_into(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,6 @@ from torch.utils.data import Dataset
 
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner.plan import Plan, load_plan
-from hybridpipe.partitioner.schedule_registry import get_schedule
 from hybridpipe.pipeline import PipelineEngine, Topology, build_stage_index
 from hybridpipe.pipeline.chunks import rank_module
 from hybridpipe.pipeline.schedules import settle_phase
@@ -98,7 +97,7 @@ class Trainer:
             raise UserError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
         if clip_grad_norm is not None and (not clip_grad_norm > 0 or not math.isfinite(clip_grad_norm)):
             raise UserError(f"clip_grad_norm must be a positive number, got {clip_grad_norm}")
-        kind = get_schedule(self.plan.schedule)
+        kind = self.plan.kind
         if clip_grad_norm is not None and not kind.flushed:
             raise UserError(f"gradient clipping by the global norm needs a global step, and {kind.name} updates each "
                             "stage on its own; use the 1f1b or gpipe schedule, or drop the clipping")
@@ -152,14 +151,14 @@ class Trainer:
         self.scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None and \
             isinstance(self.optimizer, torch.optim.Optimizer) else None
         topo = Topology.from_plan(plan)
-        self.channels = stage_channels(topo, rank, plan.schedule, comm_mode, self.proc.device, timeout,
+        self.channels = stage_channels(topo, rank, plan.kind, comm_mode, self.proc.device, timeout,
                                        on_transfer=recorder.on_transfer if recorder is not None else None)
         if recorder is not None:
             recorder.align(dist.barrier)
-        self._feed = GivenBatches(keep=settle_phase(topo, plan.schedule) + 2, fallback=data, rank=rank,
+        self._feed = GivenBatches(keep=settle_phase(topo, plan.kind) + 2, fallback=data, rank=rank,
                                   targets=self.takes_targets)
         guarded: Any = self.watch.wrap_optimizer(self.optimizer)     # an optimizer that checks the loss first
-        self.engine = PipelineEngine(self.stages, topo, rank, plan.schedule, transport=self.channels,
+        self.engine = PipelineEngine(self.stages, topo, rank, plan.kind, transport=self.channels,
                                      optimizer=guarded, data=self._feed,
                                      sync=self.syncs, recorder=recorder, tied=tied,
                                      before_step=self._before_step if clip_grad_norm is not None or self.scaler
@@ -215,7 +214,7 @@ class Trainer:
         if self.comm_mode == "sra":
             raise UserError("eval_step needs comm_mode 'sa' or 'per-tensor': the 'sra' channels follow the "
                             "training step's fixed order of transfers")
-        if get_schedule(self.plan.schedule).asynchronous and self.engine.phase != 0:
+        if self.plan.kind.asynchronous and self.engine.phase != 0:
             raise UserError(f"under {self.plan.schedule}, micro-batches of the training stream are in flight: call "
                             "train_step(..., drain=True) before eval_step")
         given = GivenBatches(keep=1, rank=self.proc.rank, targets=self.takes_targets)

@@ -8,14 +8,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridpipe.comm.allreduce.bench import busbw_gbps, parse_sizes, size_label, table
+from hybridpipe.comm.allreduce.bench import busbw_gbps, table
 from hybridpipe.comm.allreduce.costs import group_costs
 from hybridpipe.comm.allreduce.flat import FlatSpace
 from hybridpipe.comm.allreduce.schedule import PHASES
 from hybridpipe.comm.allreduce.topology import Topology
 from hybridpipe.comm.allreduce.transport import ALGORITHM_IDS, MAX_LANES, message_tag
 from hybridpipe.errors import UserError
-from hybridpipe.partitioner.calibration import Calibration, LinkFit, Sample
+from hybridpipe.partitioner.cost.calibration import Calibration, LinkFit, Sample
+from hybridpipe.units import parse_sizes, size_label
 
 
 @settings(max_examples=80, deadline=None)
@@ -91,8 +92,8 @@ def test_group_costs_shape_the_cluster_like_the_topology() -> None:
 
 def test_a_plans_cost_model_gives_the_groups_hierarchical_uses() -> None:
     from hybridpipe.comm.allreduce import GroupCosts
-    from hybridpipe.partitioner.cluster import Cluster, Level
-    from hybridpipe.partitioner.costmodel import CostModel
+    from hybridpipe.partitioner.cost.cluster import Cluster, Level
+    from hybridpipe.partitioner.cost.costmodel import CostModel
     cluster = Cluster((Level("node", 2, 100.0), Level("network", 4, 1.0)), 16.0)
     costs = GroupCosts(CostModel(cluster), (7, 2, 6, 3))          # a stage's ranks, in any order
     assert costs.topology().units == ((0, 1), (2, 3))             # positions of 2,3 and of 6,7

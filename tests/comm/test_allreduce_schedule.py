@@ -1,6 +1,6 @@
 """The all-reduce schedules as data: every rank ends with the sum (in-memory simulation), the
 structural rules the executors rely on hold, and what the executor sends is what the partitioner's
-cost model prices (one description, ``partitioner/collectives.py``, for both)."""
+cost model prices (one description, ``partitioner/cost/collectives.py``, for both)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from hybridpipe.comm.allreduce import schedule
 from hybridpipe.comm.allreduce.executor import _expand
 from hybridpipe.comm.allreduce.flat import FlatSpace
 from hybridpipe.comm.allreduce.topology import Topology
-from hybridpipe.partitioner import collectives as co
-from hybridpipe.partitioner.cluster import Cluster
-from hybridpipe.partitioner.costmodel import CostModel
-from hybridpipe.partitioner.priced import PricedRound
+from hybridpipe.partitioner.cost import collectives as co
+from hybridpipe.partitioner.cost.cluster import Cluster
+from hybridpipe.partitioner.cost.costmodel import CostModel
+from hybridpipe.partitioner.cost.priced import PricedRound
 from tests.partitioner.synth import flat_cluster, two_level
 
 

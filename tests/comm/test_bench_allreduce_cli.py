@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from hybridpipe.cli import main
-from hybridpipe.partitioner.calibration import load_calibration
+from hybridpipe.partitioner.cost.calibration import load_calibration
 
 
 def test_writes_a_calibration_table_and_figure(tmp_path, capsys) -> None:

@@ -10,8 +10,8 @@ from torch import nn
 from hybridpipe.comm.allreduce import Topology, group_costs
 from hybridpipe.comm.allreduce.bench import calibrate_group, fits_summary
 from hybridpipe.comm.hybrid_dp import model_layers, plan_units
-from hybridpipe.partitioner.calibration import Sample
-from hybridpipe.partitioner.fitting import fit_calibration
+from hybridpipe.partitioner.cost.calibration import Sample
+from hybridpipe.partitioner.cost.fitting import fit_calibration
 from tests.comm.spawn import spawn
 
 SIZES = (4096, 65536, 1 << 20, 16 << 20, 64 << 20)

@@ -1,4 +1,4 @@
-"""Test reference: the exhaustive DP exactly as ``hybridpipe/partitioner/dp.py`` was before the
+"""Test reference: the exhaustive DP exactly as ``hybridpipe/partitioner/search/dp.py`` was before the
 scalable solver (main at 887659e). The new solver must return the same optimum and the same
 tie-broken plan (so the same predicted step) wherever this one finishes. Do not optimise it.
 
@@ -28,10 +28,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hybridpipe.partitioner.calibration import LinkFit
-from hybridpipe.partitioner.costmodel import CostModel
-from hybridpipe.partitioner.modelcosts import ModelCosts
-from hybridpipe.partitioner.objective import OPTIMIZER_STATES, Options, StageSpec, busiest_share, overhead_ms
+from hybridpipe.partitioner.cost.calibration import LinkFit
+from hybridpipe.partitioner.cost.costmodel import CostModel
+from hybridpipe.partitioner.search.modelcosts import ModelCosts
+from hybridpipe.partitioner.search.objective import OPTIMIZER_STATES, Options, StageSpec, busiest_share, overhead_ms
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ class _Solver:
         self.copies, self.wc = copies, workers // copies
         n = self.n = costs.n
         self.pf, self.pb = costs.prefix(costs.forward_ms), costs.prefix(costs.backward_ms)
-        kind = self.kind = opts.kind
+        kind = self.kind = opts.schedule
         flushed, share = kind.flushed, kind.drain_backward_share
         self.trip = float(self.pf[-1] + share * self.pb[-1]) if flushed else 0.0   # fill + drain every stage waits
         self.gap = (self.pf[:-1] + self.pb[:-1]) if flushed else np.zeros(n)  # drain + fill before node i

@@ -5,10 +5,10 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from hybridpipe.partitioner.cluster import Cluster, Level
-from hybridpipe.partitioner.costmodel import CostModel
-from hybridpipe.partitioner.modelcosts import ModelCosts
-from hybridpipe.partitioner.objective import Options, StageSpec, evaluate
+from hybridpipe.partitioner.cost.cluster import Cluster, Level
+from hybridpipe.partitioner.cost.costmodel import CostModel
+from hybridpipe.partitioner.search.modelcosts import ModelCosts
+from hybridpipe.partitioner.search.objective import Options, StageSpec, evaluate
 from hybridpipe.profiles.format import Profile, ProfileNode
 
 

@@ -3,19 +3,19 @@ write if its nodes computed ``node_factor`` times the profile, its all-reduces t
 ``allreduce_factor(bytes)`` times the model and its p2p transfers ``p2p_factor`` times.
 
 The truth is built from the cost model's own parts (the lane of layersync.py for the sync wait),
-so recovering the factors checks the inversion in refine.py, not the model."""
+so recovering the factors checks the inversion in refine/refinement.py, not the model."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from hybridpipe.partitioner.cluster import Cluster
-from hybridpipe.partitioner.costmodel import CostModel
-from hybridpipe.partitioner.modelcosts import model_costs
-from hybridpipe.partitioner.objective import StageSpec, overhead_ms
-from hybridpipe.partitioner.observed import RankEvents, RunObservation, observe_run
+from hybridpipe.partitioner.cost.cluster import Cluster
+from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.planner import priced_tied
-from hybridpipe.partitioner.refine_sync import lane_wait_ms
+from hybridpipe.partitioner.refine.observed import RankEvents, RunObservation, observe_run
+from hybridpipe.partitioner.refine.sync import lane_wait_ms
+from hybridpipe.partitioner.search.modelcosts import model_costs
+from hybridpipe.partitioner.search.objective import StageSpec, overhead_ms
 from hybridpipe.profiles.format import Profile
 
 

@@ -7,10 +7,10 @@ import math
 import pytest
 
 from hybridpipe.errors import UserError
-from hybridpipe.partitioner import collectives as co
-from hybridpipe.partitioner.calibration import Calibration, LinkFit
-from hybridpipe.partitioner.cluster import Cluster, Level
-from hybridpipe.partitioner.costmodel import NOMINAL_SOFTWARE_ALPHA_S, CostModel
+from hybridpipe.partitioner.cost import collectives as co
+from hybridpipe.partitioner.cost.calibration import Calibration, LinkFit
+from hybridpipe.partitioner.cost.cluster import Cluster, Level
+from hybridpipe.partitioner.cost.costmodel import NOMINAL_SOFTWARE_ALPHA_S, CostModel
 from tests.partitioner.synth import flat_cluster
 
 S = 1 << 20

@@ -11,10 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridpipe.errors import UserError
-from hybridpipe.partitioner.modelcosts import model_costs
-from hybridpipe.partitioner.pipedream import pipedream_stages
 from hybridpipe.partitioner.planner import Request, partition
-from hybridpipe.partitioner.strategies import balanced_sizes, baseline_stages
+from hybridpipe.partitioner.search.balance import balanced_sizes
+from hybridpipe.partitioner.search.modelcosts import model_costs
+from hybridpipe.partitioner.search.pipedream import pipedream_stages
+from hybridpipe.partitioner.search.strategies import baseline_stages
 from hybridpipe.profiles.format import Profile
 from tests.partitioner.synth import flat_cluster, make_profile, two_level
 
@@ -64,7 +65,7 @@ def test_balanced_sizes_over_free_cuts_equal_brute_force(weights, parts, data):
     parts = min(parts, n)
     free = data.draw(st.lists(st.booleans(), min_size=n - 1, max_size=n - 1))
     ends_ok = np.array([True, *free, True])
-    sizes = balanced_sizes(np.array(weights, dtype=float), parts, ends_ok)
+    sizes = balanced_sizes(np.array(weights, dtype=float), [1.0] * parts, ends_ok)
     choices = [c for c in itertools.combinations(range(1, n), parts - 1) if all(ends_ok[x] for x in c)]
     if not choices:
         assert sizes is None

@@ -9,16 +9,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hybridpipe.partitioner import dp
-from hybridpipe.partitioner.costmodel import CostModel
-from hybridpipe.partitioner.modelcosts import model_costs
-from hybridpipe.partitioner.objective import Options, StageSpec, evaluate
-from hybridpipe.partitioner.strategies import baseline_stages
+from hybridpipe.partitioner.cost.costmodel import CostModel
+from hybridpipe.partitioner.schedule_registry import get_schedule
+from hybridpipe.partitioner.search import dp
+from hybridpipe.partitioner.search.modelcosts import model_costs
+from hybridpipe.partitioner.search.objective import Options, StageSpec, evaluate
+from hybridpipe.partitioner.search.strategies import baseline_stages
 from tests.partitioner.synth import brute_force, flat_cluster, make_profile, two_level
 
 LAYER = st.tuples(st.sampled_from([0.0, 0.3, 2.0, 9.0]), st.sampled_from([0.0, 0.5, 4.0, 20.0]),
                   st.sampled_from([0, 2_000, 300_000, 4_000_000]), st.sampled_from([0, 8_000, 900_000, 60_000_000]))
-OPTIONS = st.builds(Options, schedule=st.sampled_from(["gpipe", "1f1b", "pipedream", "zb-h1"]),
+OPTIONS = st.builds(Options, schedule=st.sampled_from(["gpipe", "1f1b", "pipedream", "zb-h1"]).map(get_schedule),
                     micro_batches=st.integers(1, 8), optimizer=st.sampled_from(["sgd", "adam"]),
                     memory_bytes=st.sampled_from([math.inf, 1e9, 4e8, 1.5e8]),
                     recompute=st.sampled_from(["none", "all", "auto"]))
@@ -91,7 +92,7 @@ CONV_FC = [(8.0, 16.0, 3_000_000, 140_000), (6.0, 12.0, 2_000_000, 2_400_000), (
 def test_slow_network_replicates_convolutions_and_not_the_fc_layers():
     costs = model_costs(make_profile(CONV_FC, batch_size=64))
     cluster = two_level(1, 4, outer_gbps=1.0)
-    opts = Options("1f1b", 8, "sgd", 16e9)
+    opts = Options(get_schedule("1f1b"), 8, "sgd", 16e9)
     sol = dp.solve(costs, CostModel(cluster), 4, opts)
     fc = next(s for s in sol.stages if s.first <= 5 <= s.last)          # node 5: the 150 MB layer
     assert len(sol.stages[0].ranks) >= 2                                 # the first convolutions: replicated
@@ -103,21 +104,22 @@ def test_slow_network_replicates_convolutions_and_not_the_fc_layers():
 def test_fast_network_and_small_weights_is_pure_data_parallel():
     layers = [(5.0, 10.0, 4_000_000, 40_000)] * 5
     costs = model_costs(make_profile(layers, batch_size=64))
-    sol = dp.solve(costs, CostModel(flat_cluster(4, gbps=100.0)), 4, Options("1f1b", 8, "sgd"))
+    sol = dp.solve(costs, CostModel(flat_cluster(4, gbps=100.0)), 4, Options(get_schedule("1f1b"), 8, "sgd"))
     assert len(sol.stages) == 1 and sorted(sol.stages[0].ranks) == [0, 1, 2, 3]
 
 
 def test_memory_bound_is_respected_and_changes_the_plan():
     costs = model_costs(make_profile(CONV_FC, batch_size=64))
     model = CostModel(two_level(1, 4, outer_gbps=10.0))
-    free = dp.solve(costs, model, 4, Options("gpipe", 8, "adam"))
-    need = max(e.memory_bytes for e in evaluate(costs, model, free.stages, Options("gpipe", 8, "adam")).stages)
-    tight = Options("gpipe", 8, "adam", need * 0.8)
+    free = dp.solve(costs, model, 4, Options(get_schedule("gpipe"), 8, "adam"))
+    gpipe = Options(get_schedule("gpipe"), 8, "adam")
+    need = max(e.memory_bytes for e in evaluate(costs, model, free.stages, gpipe).stages)
+    tight = Options(get_schedule("gpipe"), 8, "adam", need * 0.8)
     sol = dp.solve(costs, model, 4, tight)
     assert sol.stages and sol.stages != free.stages
     assert all(e.memory_bytes <= need * 0.8 for e in evaluate(costs, model, sol.stages, tight).stages)
     assert sol.objective_ms >= free.objective_ms
-    impossible = dp.solve(costs, model, 4, Options("gpipe", 8, "adam", 1e6))
+    impossible = dp.solve(costs, model, 4, Options(get_schedule("gpipe"), 8, "adam", 1e6))
     assert impossible.stages == () and math.isinf(impossible.objective_ms)
 
 
@@ -128,7 +130,7 @@ def test_copies_keep_a_pipeline_inside_each_host():
     big = (500.0, 1000.0, 400_000_000, 300_000_000)
     costs = model_costs(make_profile([big, big, (1.0, 2.0, 1_000, 1_000)], batch_size=64, input_bytes=1000))
     cluster = two_level(2, 2, inner_gbps=400.0, outer_gbps=1.0)
-    opts = Options("1f1b", 8, "sgd", 2e9)
+    opts = Options(get_schedule("1f1b"), 8, "sgd", 2e9)
     model = CostModel(cluster)
     sol = dp.solve(costs, model, 4, opts)
     assert sol.copies == 2 and len(sol.stages) == 2

@@ -17,14 +17,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hybridpipe.partitioner import dp, fastlines
-from hybridpipe.partitioner.cluster import Cluster, Level
-from hybridpipe.partitioner.costmodel import CostModel
-from hybridpipe.partitioner.modelcosts import model_costs
-from hybridpipe.partitioner.objective import Options, evaluate, predict_step_ms
+from hybridpipe.partitioner.cost.cluster import Cluster, Level
+from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.plan import ALGORITHMS
-from hybridpipe.partitioner.stageterms import StageTerms
-from hybridpipe.partitioner.strategies import baseline_stages
+from hybridpipe.partitioner.schedule_registry import get_schedule
+from hybridpipe.partitioner.search import dp
+from hybridpipe.partitioner.search.modelcosts import model_costs
+from hybridpipe.partitioner.search.objective import Options, evaluate, predict_step_ms
+from hybridpipe.partitioner.search.stageterms import StageTerms
+from hybridpipe.partitioner.search.strategies import baseline_stages
 from tests.partitioner import reference_dp
 from tests.partitioner.synth import make_profile
 
@@ -44,7 +45,7 @@ def clusters(draw, max_workers: int = 64) -> Cluster:
 
 
 def options(workers: int):
-    return st.builds(Options, schedule=st.sampled_from(["gpipe", "1f1b", "pipedream", "zb-h1"]),
+    return st.builds(Options, schedule=st.sampled_from(["gpipe", "1f1b", "pipedream", "zb-h1"]).map(get_schedule),
                      micro_batches=st.sampled_from(sorted({1, 2, 4, 8, workers, 2 * workers, 3 * workers})),
                      optimizer=st.sampled_from(["sgd", "adam"]),
                      memory_bytes=st.sampled_from([math.inf, math.inf, 1e9, 4e8, 1.5e8]),
@@ -96,13 +97,14 @@ def test_synthetic_profiles_on_two_level_clusters_equal_the_exhaustive_dp():
     for nodes, per_host, hosts, schedule in ((40, 8, 4, "1f1b"), (30, 4, 4, "pipedream"), (30, 8, 8, "gpipe")):
         clu = bench_cluster(per_host, hosts)
         workers = clu.total_workers
-        same_plan(model_costs(synthetic_profile(nodes, seed=nodes)), clu, Options(schedule, 2 * workers, "adam", 8e9))
+        same_plan(model_costs(synthetic_profile(nodes, seed=nodes)), clu,
+                  Options(get_schedule(schedule), 2 * workers, "adam", 8e9))
 
 
 @settings(max_examples=150, deadline=None)
 @given(clusters(max_workers=48), st.data(), st.booleans())
 def test_closed_form_pricing_equals_the_cost_model(cluster, data, dedicated):
-    """fastlines.lines gives CostModel.lines' numbers bit for bit, on blocks of copies and on any group."""
+    """CostModel.fast_lines gives CostModel.lines' numbers bit for bit, on blocks of copies and on any group."""
     model = CostModel(cluster, aggregator_dedicated=dedicated)
     workers = cluster.total_workers
     if data.draw(st.booleans()):
@@ -111,8 +113,8 @@ def test_closed_form_pricing_equals_the_cost_model(cluster, data, dedicated):
         x = data.draw(st.integers(0, workers - 1))
         ranks = list(range(x, data.draw(st.integers(x + 1, workers))))
     variants = [(a, h) for a in ALGORITHMS for h in ((False, True) if a == "butterfly" else (False,))]
-    assert fastlines.lines(model, ranks) == [(a, model.priced_line(a, ranks, halving=h)) for a, h in variants]
-    assert model.lines(ranks) == fastlines.lines(model, ranks)
+    assert model.fast_lines(ranks) == [(a, model.priced_line(a, ranks, halving=h)) for a, h in variants]
+    assert model.lines(ranks) == model.fast_lines(ranks)
 
 
 def test_closed_form_pricing_is_faster_on_big_blocks():
@@ -123,7 +125,7 @@ def test_closed_form_pricing_is_faster_on_big_blocks():
     want = [(a, slow.priced_line(a, ranks, halving=h)) for a in ALGORITHMS
             for h in ((False, True) if a == "butterfly" else (False,))]
     t1 = time.process_time()
-    got = fastlines.lines(fast, ranks)
+    got = fast.fast_lines(ranks)
     t2 = time.process_time()
     assert got == want and (t2 - t1) < (t1 - t0)
 
@@ -134,7 +136,7 @@ def test_exposure_row_and_sync_bound(layers, cluster, data):
     """The row formula equals the exposure table bit for bit; the ring bound is above every node's sync."""
     costs = model_costs(make_profile(layers))
     workers = cluster.total_workers
-    t = StageTerms(costs, CostModel(cluster), workers, 1, Options("1f1b", 2 * workers))
+    t = StageTerms(costs, CostModel(cluster), workers, 1, Options(get_schedule("1f1b"), 2 * workers))
     x = data.draw(st.integers(0, workers - 1))
     b = data.draw(st.integers(1, workers - x))
     table = reference_dp.exposure_table(t.sync_ms(x % t.period, b), costs.backward_ms, costs.forward_ms)
@@ -150,7 +152,7 @@ def test_time_limit_returns_a_lower_bound_and_the_best_plan_so_far():
     from benchmarks.partitioner_speed import synthetic_profile
     clu = bench_cluster(8, 8)
     costs, model = model_costs(synthetic_profile(60)), CostModel(clu)
-    opts = Options("1f1b", 128, "sgd", 32e9)
+    opts = Options(get_schedule("1f1b"), 128, "sgd", 32e9)
     bound = evaluate(costs, model, baseline_stages("dp", costs, 64), opts).objective_ms
     full = dp.solve(costs, model, 64, opts, bound)
     cut = dp.solve(costs, CostModel(clu), 64, opts, bound, deadline=time.monotonic())
@@ -180,7 +182,7 @@ def test_a_search_over_sums_that_overflow_ends():
     an infinite threshold has seen every plan: it ends, with none."""
     clu = Cluster((Level("node", 1, 1000.0), Level("net", 4, 1.0)), 16.0)
     costs = model_costs(make_profile([(1e308, 1e308, 4096, 4096)] * 3))
-    opts = Options("1f1b", 8, "sgd", 16e9)
+    opts = Options(get_schedule("1f1b"), 8, "sgd", 16e9)
     bound = evaluate(costs, CostModel(clu), baseline_stages("dp", costs, 4), opts).objective_ms
     t0 = time.monotonic()
     with np.errstate(all="ignore"):

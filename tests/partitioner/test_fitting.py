@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridpipe.errors import UserError
-from hybridpipe.partitioner.calibration import LinkFit, Sample, load_calibration, save_calibration
-from hybridpipe.partitioner.costmodel import CostModel
-from hybridpipe.partitioner.fitting import fit_calibration, fit_link, measurement_model, nnls, refit
+from hybridpipe.partitioner.cost.calibration import LinkFit, Sample, load_calibration, save_calibration
+from hybridpipe.partitioner.cost.costmodel import CostModel
+from hybridpipe.partitioner.cost.fitting import fit_calibration, fit_link, measurement_model, nnls, refit
 from hybridpipe.partitioner.plan import ALGORITHMS
 
 GAMMA = 1 / 4e9
@@ -53,7 +53,7 @@ def samples_for(algorithm: str, world: int, hosts: int, fit: LinkFit) -> list[Sa
 
 
 def _only(fit, algorithm, world, hosts):
-    from hybridpipe.partitioner.calibration import Calibration
+    from hybridpipe.partitioner.cost.calibration import Calibration
 
     return Calibration(world, hosts, "gloo", "cpu", "", GAMMA, fit, {algorithm: fit})
 

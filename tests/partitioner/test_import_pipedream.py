@@ -36,10 +36,10 @@ import pytest
 from hybridpipe.cli import main
 from hybridpipe.commands.import_pipedream import profile_from_graph
 from hybridpipe.errors import UserError
-from hybridpipe.partitioner.cluster import Cluster, Level
-from hybridpipe.partitioner.modelcosts import ModelCosts, model_costs
-from hybridpipe.partitioner.pipedream import pipedream_stages, pipedream_time
+from hybridpipe.partitioner.cost.cluster import Cluster, Level
 from hybridpipe.partitioner.plan import load_plan
+from hybridpipe.partitioner.search.modelcosts import ModelCosts, model_costs
+from hybridpipe.partitioner.search.pipedream import pipedream_stages, pipedream_time
 from hybridpipe.profiles.format import load_profile
 
 DATA = Path(__file__).resolve().parent / "data" / "pipedream"

@@ -6,10 +6,11 @@ import dataclasses
 
 import pytest
 
-from hybridpipe.partitioner.costmodel import CostModel
-from hybridpipe.partitioner.modelcosts import model_costs
-from hybridpipe.partitioner.objective import Options, StageSpec, evaluate, predict_step_ms
+from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.planner import build_plan
+from hybridpipe.partitioner.schedule_registry import get_schedule
+from hybridpipe.partitioner.search.modelcosts import model_costs
+from hybridpipe.partitioner.search.objective import Options, StageSpec, evaluate, predict_step_ms
 from hybridpipe.pipeline.simulator import simulate
 from tests.partitioner.synth import flat_cluster, make_profile
 
@@ -29,17 +30,17 @@ STAGES = (StageSpec(0, 1, (0, 1)), StageSpec(2, 3, (2,)))
 
 def test_optimizer_step_is_shared_by_parameter_bytes_and_charged_once_per_sync():
     _, costs, model = setup(32.0, 0.0)
-    ev = evaluate(costs, model, STAGES, Options("1f1b", 4, "sgd"))
+    ev = evaluate(costs, model, STAGES, Options(get_schedule("1f1b"), 4, "sgd"))
     assert [s.overhead_ms for s in ev.stages] == pytest.approx([8.0, 24.0])     # 4 MB and 12 MB of 16 MB
-    adam = evaluate(costs, model, STAGES, Options("1f1b", 4, "adam"))
+    adam = evaluate(costs, model, STAGES, Options(get_schedule("1f1b"), 4, "adam"))
     assert [s.overhead_ms for s in adam.stages] == pytest.approx([24.0, 72.0])
-    pipedream = evaluate(costs, model, STAGES, Options("pipedream", 4, "sgd"))
+    pipedream = evaluate(costs, model, STAGES, Options(get_schedule("pipedream"), 4, "sgd"))
     assert [s.overhead_ms for s in pipedream.stages] == pytest.approx([8.0 * 2, 24.0 * 4])  # a step per minibatch
 
 
 def test_compute_lost_to_communication_counts_the_ring_and_the_activations():
     _, costs, model = setup(0.0, 1e-9)
-    ev = evaluate(costs, model, STAGES, Options("1f1b", 4, "sgd"))
+    ev = evaluate(costs, model, STAGES, Options(get_schedule("1f1b"), 4, "sgd"))
     a_out, g_in = costs.output_bytes(1)
     ring = 2 * (2 - 1) / 2 * 4_000_000                 # stage 0: 2 replicas, 4 MB of weights
     k0 = 2                                             # 4 micro-batches over 2 replicas
@@ -51,7 +52,7 @@ def test_compute_lost_to_communication_counts_the_ring_and_the_activations():
 def test_overhead_adds_to_the_busy_time_the_prediction_and_the_simulation():
     profile, plain_costs, plain_model = setup(0.0, 0.0)
     _, costs, model = setup(60.0, 5e-9)
-    opts = Options("gpipe", 4, "sgd")
+    opts = Options(get_schedule("gpipe"), 4, "sgd")
     before, after = evaluate(plain_costs, plain_model, STAGES, opts), evaluate(costs, model, STAGES, opts)
     for b, a in zip(before.stages, after.stages, strict=True):
         assert a.busy_ms == pytest.approx(b.busy_ms + a.overhead_ms)
@@ -63,7 +64,7 @@ def test_overhead_adds_to_the_busy_time_the_prediction_and_the_simulation():
 
 
 def test_measured_overlap_slowdown_stretches_every_all_reduce_and_survives_a_round_trip(tmp_path):
-    from hybridpipe.partitioner.calibration import Calibration, LinkFit, load_calibration, save_calibration
+    from hybridpipe.partitioner.cost.calibration import Calibration, LinkFit, load_calibration, save_calibration
     fit = LinkFit(1e-4, 1e-8)
     plain = Calibration(4, 4, "gloo", "cpu", "", 1e-10, fit, {"ring": fit, "butterfly": fit})
     slowed = dataclasses.replace(plain, interference_s_per_byte=3e-9, overlap_slowdown=1.5)

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridpipe.errors import UserError
-from hybridpipe.partitioner.calibration import Calibration, LinkFit
-from hybridpipe.partitioner.cluster import Cluster, load_cluster
+from hybridpipe.partitioner.cost.calibration import Calibration, LinkFit
+from hybridpipe.partitioner.cost.cluster import Cluster, load_cluster
 from hybridpipe.partitioner.plan import STRATEGIES, check_plan_fits, load_plan, save_plan
 from hybridpipe.partitioner.planner import Request, partition
 from tests.partitioner.synth import make_profile, two_level

@@ -1,4 +1,4 @@
-"""refine.py: synthetic runs whose nodes, all-reduces and transfers are slower than the model say
+"""refine/refinement.py: synthetic runs whose nodes, all-reduces and transfers are slower than the model say
 so, and the refinement recovers the factors and moves the plan where the truth moves it."""
 
 from __future__ import annotations
@@ -8,18 +8,19 @@ import dataclasses
 import pytest
 
 from hybridpipe.errors import UserError
-from hybridpipe.partitioner.calibration import Calibration, load_calibration, save_calibration
-from hybridpipe.partitioner.costmodel import CostModel
-from hybridpipe.partitioner.objective import StageSpec
+from hybridpipe.partitioner.cost.calibration import Calibration, load_calibration, save_calibration
+from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.plan import ALGORITHMS
 from hybridpipe.partitioner.planner import Request, partition
-from hybridpipe.partitioner.refine import (
+from hybridpipe.partitioner.refine.refinement import (
     nominal_calibration,
     predict_run,
     refine,
     refined_calibrations,
     refined_profile,
 )
+from hybridpipe.partitioner.schedule_registry import get_schedule
+from hybridpipe.partitioner.search.objective import StageSpec
 from tests.partitioner.synth import flat_cluster, make_profile, two_level
 from tests.partitioner.synth_runs import synthetic_run
 
@@ -211,10 +212,10 @@ def test_message_latency_and_step_overhead_are_fitted_to_the_measured_steps():
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "pipedream"])
 def test_the_optimal_search_with_a_refined_calibration_equals_brute_force(schedule):
     """The all-reduce size factors reach the DP's vectorised sync tables as they reach evaluate()."""
-    from hybridpipe.partitioner import dp
-    from hybridpipe.partitioner.modelcosts import model_costs
-    from hybridpipe.partitioner.objective import Options, evaluate
-    from hybridpipe.partitioner.strategies import baseline_stages
+    from hybridpipe.partitioner.search import dp
+    from hybridpipe.partitioner.search.modelcosts import model_costs
+    from hybridpipe.partitioner.search.objective import Options, evaluate
+    from hybridpipe.partitioner.search.strategies import baseline_stages
     from tests.partitioner.synth import brute_force
 
     prof = make_profile([(2.0, 4.0, 300_000, 60_000_000), (1.0, 2.0, 200_000, 50_000), (3.0, 6.0, 100_000, 4_000_000)])
@@ -222,7 +223,7 @@ def test_the_optimal_search_with_a_refined_calibration_equals_brute_force(schedu
     cal = dataclasses.replace(nominal_calibration(CostModel(cluster), 0),
                               allreduce_slowdown=((1e5, 1.0), (5e6, 2.0), (6e7, 4.0)), compute_slowdown=1.2)
     model = CostModel(cluster, [cal])
-    opts = Options(schedule, 4)
+    opts = Options(get_schedule(schedule), 4)
     costs = model_costs(prof).slowed(model.compute_slowdown)
     bound = evaluate(costs, model, baseline_stages("dp", costs, 4), opts).objective_ms
     sol = dp.solve(costs, model, 4, opts, bound)

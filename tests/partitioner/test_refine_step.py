@@ -7,19 +7,20 @@ import dataclasses
 
 import pytest
 
-from hybridpipe.partitioner.calibration import Calibration
-from hybridpipe.partitioner.costmodel import CostModel
-from hybridpipe.partitioner.modelcosts import model_costs
-from hybridpipe.partitioner.objective import Options, StageSpec, evaluate
+from hybridpipe.partitioner.cost.calibration import Calibration
+from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.planner import priced_tied
-from hybridpipe.partitioner.refine import (
+from hybridpipe.partitioner.refine.refinement import (
     nominal_calibration,
     predict_run,
     refine,
     refined_calibrations,
     refined_profile,
 )
-from hybridpipe.partitioner.refine_step import StepFactors, StepStage, TiedEvidence, fit_step, weighted_median
+from hybridpipe.partitioner.refine.step import StepFactors, StepStage, TiedEvidence, fit_step, weighted_median
+from hybridpipe.partitioner.schedule_registry import get_schedule
+from hybridpipe.partitioner.search.modelcosts import model_costs
+from hybridpipe.partitioner.search.objective import Options, StageSpec, evaluate
 from tests.partitioner.synth import flat_cluster, make_profile
 from tests.partitioner.synth_runs import synthetic_run
 
@@ -128,7 +129,7 @@ def test_compute_lost_to_the_link_is_fitted_apart_from_the_nodes_and_not_counted
     # the pipeline (no all-reduce) re-predicted as the truth; the dp stage's compute and overhead too
     assert predict_run(refined_profile(prof, ref), cluster, cals, runs[1]) == pytest.approx(
         predict_run(prof, cluster, [truth], runs[1]), rel=0.02)
-    opts = Options("1f1b", 8)
+    opts = Options(get_schedule("1f1b"), 8)
     got = evaluate(model_costs(refined_profile(prof, ref)), CostModel(cluster, list(cals)), layouts[0], opts).stages[0]
     want = evaluate(model_costs(prof), CostModel(cluster, [truth]), layouts[0], opts).stages[0]
     assert got.overhead_ms + 2 * (got.forward_ms + got.backward_ms) == pytest.approx(
@@ -136,7 +137,7 @@ def test_compute_lost_to_the_link_is_fitted_apart_from_the_nodes_and_not_counted
 
 
 def test_fit_interference_pure():
-    from hybridpipe.partitioner.refine_interference import StageLoad, fit_interference
+    from hybridpipe.partitioner.refine.interference import StageLoad, fit_interference
     loads = [StageLoad(100.0, 1.3 * 100 + 2e-6 * 50e6, 50e6, 49e6), StageLoad(200.0, 1.3 * 200 + 2e-6 * 1e6, 1e6)]
     assert fit_interference(loads) == pytest.approx(2e-6, rel=1e-6)
     assert fit_interference(loads[:1]) == 0.0                                   # one stage: cannot tell
@@ -148,8 +149,8 @@ def test_fit_interference_pure():
 def test_size_class_factors_are_refitted_until_every_stage_waits_what_it_measured():
     """A dp stage with small and big layers and a replicated stage of small layers only: the
     classes' factors, applied per layer by its size, reproduce both stages' measured waits."""
-    from hybridpipe.partitioner.costmodel import size_factor
-    from hybridpipe.partitioner.refine_sync import lane_wait_ms
+    from hybridpipe.partitioner.cost.costmodel import size_factor
+    from hybridpipe.partitioner.refine.sync import lane_wait_ms
 
     prof = make_profile([(5.0, 10.0, 100_000, 4_000_000), (5.0, 10.0, 100_000, 50_000),
                          (5.0, 10.0, 100_000, 4_000_000), (5.0, 10.0, 100_000, 50_000),

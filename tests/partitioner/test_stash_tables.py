@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridpipe.partitioner.modelcosts import model_costs
+from hybridpipe.partitioner.search.modelcosts import model_costs
 from hybridpipe.profiles.format import Profile, ProfileNode, ProfileValue
 
 

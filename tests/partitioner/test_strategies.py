@@ -10,9 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridpipe.errors import UserError
-from hybridpipe.partitioner.modelcosts import model_costs
-from hybridpipe.partitioner.pipedream import pipedream_stages
-from hybridpipe.partitioner.strategies import balanced_sizes, baseline_stages, uniform_sizes
+from hybridpipe.partitioner.search.balance import balanced_sizes
+from hybridpipe.partitioner.search.modelcosts import model_costs
+from hybridpipe.partitioner.search.pipedream import pipedream_stages
+from hybridpipe.partitioner.search.strategies import baseline_stages, uniform_sizes
 from tests.partitioner.synth import flat_cluster, make_profile, two_level
 
 LAYERS = [(2.0, 4.0, 1_000_000, 100_000), (3.0, 6.0, 500_000, 2_000_000), (1.0, 2.0, 100_000, 50_000_000),
@@ -23,7 +24,7 @@ LAYERS = [(2.0, 4.0, 1_000_000, 100_000), (3.0, 6.0, 500_000, 2_000_000), (1.0, 
 @given(st.lists(st.integers(0, 50), min_size=1, max_size=8), st.integers(1, 8))
 def test_balanced_sizes_minimise_the_largest_group(weights, parts):
     parts = min(parts, len(weights))
-    sizes = balanced_sizes(np.array(weights, dtype=float), parts)
+    sizes = balanced_sizes(np.array(weights, dtype=float), [1.0] * parts)
     assert len(sizes) == parts and sum(sizes) == len(weights) and min(sizes) >= 1
 
     def worst(cuts):

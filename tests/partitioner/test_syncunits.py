@@ -12,10 +12,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridpipe.errors import UserError
-from hybridpipe.partitioner.costmodel import CostModel
-from hybridpipe.partitioner.plan import ALGORITHMS, SECOND_LANE_ALGORITHMS, LayerSync, Plan, load_plan, save_plan
+from hybridpipe.partitioner.cost.costmodel import CostModel
+from hybridpipe.partitioner.cost.syncunits import (
+    SECOND_LANE_ALGORITHMS,
+    LayerSync,
+    assign_units,
+    latency_bound_bytes,
+    with_algorithm,
+)
+from hybridpipe.partitioner.plan import ALGORITHMS, Plan, load_plan, save_plan
 from hybridpipe.partitioner.planner import Request, partition
-from hybridpipe.partitioner.syncunits import assign_units, latency_bound_bytes, with_algorithm
 from tests.partitioner.synth import make_profile, two_level
 
 MODEL = CostModel(two_level(2, 4))

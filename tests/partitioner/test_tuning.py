@@ -9,7 +9,15 @@ import statistics
 import pytest
 
 from hybridpipe.partitioner.planner import Request, partition
-from hybridpipe.partitioner.tuning import Trial, decide, distinct, fastest_measured, median_noise, plan_key, pooled
+from hybridpipe.partitioner.refine.tuning import (
+    Trial,
+    decide,
+    distinct,
+    fastest_measured,
+    median_noise,
+    plan_key,
+    pooled,
+)
 from tests.partitioner.synth import make_profile, two_level
 
 PROFILE = make_profile([(4.0, 8.0, 2_000_000, 100_000), (3.0, 6.0, 1_000_000, 2_000_000),

@@ -17,12 +17,12 @@ from hypothesis import strategies as st
 from hybridpipe.cli import main
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner.chunk_orders import Place
-from hybridpipe.partitioner.modelcosts import model_costs
-from hybridpipe.partitioner.objective import Options, memory_bytes
 from hybridpipe.partitioner.plan import Plan
 from hybridpipe.partitioner.planner import Request, partition
 from hybridpipe.partitioner.schedule_registry import get_schedule
-from hybridpipe.partitioner.virtual import balanced_chunks
+from hybridpipe.partitioner.search.balance import balanced_sizes
+from hybridpipe.partitioner.search.modelcosts import model_costs
+from hybridpipe.partitioner.search.objective import Options, memory_bytes
 from hybridpipe.pipeline.instructions import Backward, BackwardWeight, Forward
 from hybridpipe.pipeline.schedules import Topology, all_programs
 from hybridpipe.pipeline.simulator import simulate
@@ -49,7 +49,7 @@ def test_the_chunk_dp_is_optimal_by_brute_force(weights, data):
         bounds = np.cumsum([0, *sizes])
         return max(w[bounds[c]:bounds[c + 1]].sum() / divisors[c] for c in range(parts))
     feasible = [s for s in compositions(len(w), parts) if all(ends_ok[b] for b in np.cumsum(s))]
-    got = balanced_chunks(w, divisors, ends_ok)
+    got = balanced_sizes(w, divisors, ends_ok)
     if not feasible:
         assert got is None
         return
@@ -64,7 +64,7 @@ def test_the_schedule_counts_what_each_chunk_holds_as_the_lists_do(schedule, vir
     """Schedule.chunk_inflight (ops) equals the validator's count on the expanded instruction lists."""
     kind, M = get_schedule(schedule), 8
     topo = virtual_topology(schedule, replicas, virtual, M)
-    report = validate(topo, [all_programs(topo, schedule)])
+    report = validate(topo, [all_programs(topo, get_schedule(schedule))])
     for g, ranks in enumerate(topo.groups):
         held = kind.chunk_inflight(Place(g, tuple(replicas), M), virtual)
         assert held == tuple(report.max_in_flight_stage[(ranks[0], s)] for s in topo.stages_of(ranks[0]))
@@ -108,9 +108,9 @@ def test_a_virtual_plan_keeps_the_strategys_groups_and_is_simulated(schedule, vi
     assert all(a.last_node + 1 == b.first_node for a, b in zip(plan.stages, plan.stages[1:], strict=False))
     # memory per worker: every chunk's weights and state, plus the activations at the worker's peak over
     # its chunks together, counted on the rank's own instruction list
-    costs, opts = model_costs(profile), Options(schedule, 8)
+    costs, opts = model_costs(profile), Options(get_schedule(schedule), 8)
     topo = Topology.from_plan(plan)
-    programs = all_programs(topo, schedule)
+    programs = all_programs(topo, get_schedule(schedule))
     for ranks in groups:
         mine = {i: s for i, s in enumerate(plan.stages) if s.ranks == ranks}
         static = sum(memory_bytes(costs, s.first_node, s.last_node, 0, opts) for s in mine.values())

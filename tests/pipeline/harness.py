@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 from torch.utils.data import Dataset
 
-from hybridpipe.partitioner.cluster import Cluster, Level
+from hybridpipe.partitioner.cost.cluster import Cluster, Level
 from hybridpipe.partitioner.plan import Plan, Stage, TiedGroup
 from hybridpipe.partitioner.schedule_registry import get_schedule
 from hybridpipe.partitioner.tied import shared_across
@@ -149,7 +149,7 @@ def train_pipeline(plan: Plan, steps: int, *, lr: float = 0.05, seed: int = 0, o
                 world.all_reduce_sum(rank, [part])
                 return part
             counts = TokenCounts(total, count_input=label_counter(captured.module) if spec.loss is None else None)
-        engine = engine_class(stages, topo, rank, plan.schedule, transport=network.transport(rank),
+        engine = engine_class(stages, topo, rank, plan.kind, transport=network.transport(rank),
                                 optimizer=make_optimizer(module.parameters(), lr, optimizer),
                                 data=data_for(plan, steps, dataset=dataset), sync=syncs, tied=tied if held else None,
                                 tokens=counts)

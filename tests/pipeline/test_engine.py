@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hybridpipe.partitioner.schedule_registry import get_schedule
 from hybridpipe.pipeline.engine import PipelineEngine
 from hybridpipe.pipeline.inprocess import InProcessNetwork, run_ranks
 from hybridpipe.pipeline.schedules import Topology
@@ -71,7 +72,7 @@ def test_the_comparison_can_fail():
 
     def rank_fn(rank):
         stage = build_stage(capture(spec, plan.batch_size), plan, rank, loss=spec.loss)
-        engine = PipelineEngine(stage, topo, rank, "1f1b", transport=network.transport(rank),
+        engine = PipelineEngine(stage, topo, rank, get_schedule("1f1b"), transport=network.transport(rank),
                                 optimizer=make_optimizer(stage.module.parameters(), 0.05), data=data_for(plan, 2))
         return lambda: [engine.run_step(k) for k in range(2)] and stage.state_dict()
 
@@ -96,7 +97,7 @@ def test_recorder_sees_every_phase_in_order():
 
     def rank_fn(rank):
         stage = build_stage(capture(spec, plan.batch_size), plan, rank, loss=spec.loss)
-        engine = PipelineEngine(stage, Topology.from_plan(plan), rank, "1f1b", transport=network.transport(rank),
+        engine = PipelineEngine(stage, Topology.from_plan(plan), rank, plan.kind, transport=network.transport(rank),
                                 optimizer=torch.optim.SGD(stage.module.parameters(), lr=0.1),
                                 data=data_for(plan, 2), recorder=Recorder(rank))
         return lambda: engine.run_step(1)
@@ -116,7 +117,7 @@ def test_a_dead_peer_stops_the_pipeline_with_a_clear_error():
 
     def rank_fn(rank):
         stage = build_stage(capture(spec, plan.batch_size), plan, rank, loss=spec.loss)
-        engine = PipelineEngine(stage, Topology.from_plan(plan), rank, "1f1b", transport=network.transport(rank),
+        engine = PipelineEngine(stage, Topology.from_plan(plan), rank, plan.kind, transport=network.transport(rank),
                                 optimizer=torch.optim.SGD(stage.module.parameters(), lr=0.1), data=data_for(plan, 1))
         if rank == 0:
             def crash():
@@ -133,5 +134,5 @@ def test_engine_refuses_a_stage_of_another_rank():
     spec = resolve_model("mlp")
     stage = build_stage(capture(spec, plan.batch_size), plan, 0, loss=spec.loss)
     with pytest.raises(ValueError, match="rank 1 runs stage 1"):
-        PipelineEngine(stage, Topology.from_plan(plan), 1, "1f1b", transport=None,
+        PipelineEngine(stage, Topology.from_plan(plan), 1, get_schedule("1f1b"), transport=None,
                        optimizer=torch.optim.SGD(stage.module.parameters(), lr=0.1), data=None)

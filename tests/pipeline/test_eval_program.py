@@ -7,6 +7,7 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hybridpipe.partitioner.schedule_registry import get_schedule
 from hybridpipe.pipeline.instructions import (
     Forward,
     LoadInput,
@@ -48,7 +49,7 @@ def test_eval_lists_forward_each_micro_batch_once_per_stage_and_every_send_meets
                 elif isinstance(ins, RecvActivations):
                     recvs[(ins.peer, r, message_key(ins, ins.micro_batch, M))] += 1
             # the same routing as training: the forward half of the training list, in micro-batch order
-            train = [ins for ins in rank_program(topo, r, "gpipe") if isinstance(ins, allowed)]
+            train = [ins for ins in rank_program(topo, r, get_schedule("gpipe")) if isinstance(ins, allowed)]
             assert prog == train
         assert sorted(forwarded) == list(range(M))
     assert sends == recvs

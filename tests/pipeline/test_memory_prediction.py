@@ -17,8 +17,9 @@ import torch
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
-from hybridpipe.partitioner.modelcosts import ModelCosts, model_costs
-from hybridpipe.partitioner.objective import OPTIMIZER_STATES, Options, inflight_micro_batches, memory_bytes
+from hybridpipe.partitioner.schedule_registry import get_schedule
+from hybridpipe.partitioner.search.modelcosts import ModelCosts, model_costs
+from hybridpipe.partitioner.search.objective import OPTIMIZER_STATES, Options, inflight_micro_batches, memory_bytes
 from hybridpipe.pipeline.memory import MemoryMeter
 from hybridpipe.pipeline.stage import build_stage_index
 from hybridpipe.profiles.profiler import profile_model
@@ -114,10 +115,10 @@ def _measured_vs_predicted(model: str, schedule: str, recompute: bool, micro_bat
     plan = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, recompute=recompute) for s in plan.stages))
     results: dict = {}
     train_pipeline(plan, 2, step_results=results, shared_capture=True)
-    opts = Options(schedule=schedule, micro_batches=micro_batches)
+    opts = Options(schedule=get_schedule(schedule), micro_batches=micro_batches)
     rows = []
     for s, (i, j) in enumerate(ranges):
-        inflight = inflight_micro_batches(schedule, micro_batches, 2 - s, 1, 2)
+        inflight = inflight_micro_batches(get_schedule(schedule), micro_batches, 2 - s, 1, 2)
         predicted = memory_bytes(costs, i, j, inflight, opts, recompute=recompute)
         static = float(costs.param_bytes[i:j + 1].sum()) * (2 + OPTIMIZER_STATES["sgd"])
         rows.append((max(r.peak_memory_bytes for r in results[s]), predicted, static))

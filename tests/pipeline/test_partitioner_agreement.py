@@ -26,7 +26,7 @@ import random
 import pytest
 
 from hybridpipe.errors import UserError
-from hybridpipe.partitioner.cluster import Cluster, Level
+from hybridpipe.partitioner.cost.cluster import Cluster, Level
 from hybridpipe.partitioner.planner import Request, partition
 from hybridpipe.pipeline.simulator import simulate
 from hybridpipe.profiles.format import Profile

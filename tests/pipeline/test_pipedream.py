@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from hybridpipe.partitioner.schedule_registry import get_schedule
 from hybridpipe.pipeline.engine import PipelineEngine
 from hybridpipe.pipeline.inprocess import InProcessGradSync, InProcessNetwork, ReplicaGroup, run_ranks
 from hybridpipe.pipeline.schedules import Topology
@@ -78,7 +79,7 @@ def test_versions_kept_never_exceed_micro_batches_in_flight():
         torch.manual_seed(0)
         stage = build_stage(capture(spec, plan.batch_size, granularity=plan.granularity), plan, rank, loss=spec.loss)
         st, replica = plan.stage_of_rank(rank)
-        engine = PipelineEngine(stage, topo, rank, "pipedream", transport=network.transport(rank),
+        engine = PipelineEngine(stage, topo, rank, get_schedule("pipedream"), transport=network.transport(rank),
                                 optimizer=make_optimizer(stage.module.parameters(), 0.05), data=data_for(plan, 4),
                                 sync=InProcessGradSync(stage.module, groups[st.index], replica))
 
@@ -110,7 +111,7 @@ def test_pipedream_steps_must_be_consecutive_while_in_flight():
 
     def rank_fn(rank):
         stage = build_stage(capture(spec, plan.batch_size, granularity=plan.granularity), plan, rank, loss=spec.loss)
-        engine = PipelineEngine(stage, Topology.from_plan(plan), rank, "pipedream",
+        engine = PipelineEngine(stage, Topology.from_plan(plan), rank, get_schedule("pipedream"),
                                 transport=network.transport(rank),
                                 optimizer=torch.optim.SGD(stage.module.parameters(), lr=0.1), data=data_for(plan, 9))
 
@@ -136,7 +137,8 @@ def _pipedream_ranks(plan, network, groups, steps):
             captured = capture(spec, plan.batch_size, granularity=plan.granularity)
             stage = build_stage(captured, plan, rank, loss=spec.loss)
             opt = make_optimizer(stage.module.parameters(), 0.05)
-            engine = PipelineEngine(stage, topo, rank, "pipedream", transport=network.transport(rank), optimizer=opt,
+            engine = PipelineEngine(stage, topo, rank, get_schedule("pipedream"), transport=network.transport(rank),
+                                    optimizer=opt,
                                     data=data_for(plan, steps),
                                     sync=InProcessGradSync(stage.module, groups[s.index], replica))
             out[rank] = (stage, opt, engine)

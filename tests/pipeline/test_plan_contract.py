@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hybridpipe.partitioner.cluster import Cluster, Level
+from hybridpipe.partitioner.cost.cluster import Cluster, Level
 from hybridpipe.partitioner.plan import STRATEGIES
 from hybridpipe.partitioner.planner import Request, partition
 from hybridpipe.profiles.profiler import profile_model

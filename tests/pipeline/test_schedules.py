@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridpipe.errors import UserError
+from hybridpipe.partitioner.schedule_registry import get_schedule
 from hybridpipe.pipeline.instructions import (
     Backward,
     Forward,
@@ -36,7 +37,7 @@ def run_steps(topo: Topology, schedule: str, steps: int, drains=()) -> list[dict
     out, phase = [], 0
     for k in range(steps):
         drain = k == steps - 1 or k in drains
-        out.append(all_programs(topo, schedule, phase=phase, drain=drain))
+        out.append(all_programs(topo, get_schedule(schedule), phase=phase, drain=drain))
         phase = 0 if drain else phase + 1
     return out
 
@@ -84,7 +85,7 @@ def test_1f1b_unreplicated_is_the_textbook_schedule():
     S, M = 4, 8
     topo = topology([1] * S, M)
     for s in range(S):
-        ops = [(type(i).__name__[0], i.micro_batch) for i in rank_program(topo, s, "1f1b")
+        ops = [(type(i).__name__[0], i.micro_batch) for i in rank_program(topo, s, get_schedule("1f1b"))
                if isinstance(i, (Forward, Backward))]
         w = S - s
         expected = [("F", m) for m in range(w)]
@@ -97,10 +98,10 @@ def test_1f1b_unreplicated_is_the_textbook_schedule():
 
 def test_pipedream_steady_state_carries_exactly_the_in_flight_micro_batches():
     topo = topology([1, 2, 1], 4)
-    steady = rank_program(topo, 0, "pipedream", phase=5, drain=False)
+    steady = rank_program(topo, 0, get_schedule("pipedream"), phase=5, drain=False)
     owed = [i.micro_batch for i in steady if isinstance(i, Backward) and i.micro_batch < 0]
     assert owed == [-3, -2, -1]                                  # warm(0) = 4 in flight, one finished this step
-    assert rank_program(topo, 0, "pipedream", phase=9, drain=False) == steady
+    assert rank_program(topo, 0, get_schedule("pipedream"), phase=9, drain=False) == steady
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "pipedream"])
@@ -122,7 +123,7 @@ def test_validator_catches_every_dropped_or_misrouted_message(schedule):
 
 def test_validator_reports_a_cycle_of_waits():
     topo = topology([1, 1], 1)
-    progs = all_programs(topo, "1f1b")
+    progs = all_programs(topo, get_schedule("1f1b"))
     # stage 0 waits for the gradient before sending the activation it depends on
     p0 = progs[0]
     send = next(i for i, x in enumerate(p0) if isinstance(x, SendActivations))
@@ -132,20 +133,20 @@ def test_validator_reports_a_cycle_of_waits():
         validate(topo, [{0: swapped, 1: progs[1]}])
     # a step on one replica only makes the replicas disagree
     topo2 = topology([2], 2)
-    progs2 = all_programs(topo2, "gpipe")
+    progs2 = all_programs(topo2, get_schedule("gpipe"))
     with pytest.raises(ScheduleError, match="disagree"):
         validate(topo2, [{0: progs2[0] + [Step(0.5)], 1: progs2[1]}])
 
 
 def test_unschedulable_requests_are_refused_clearly():
     with pytest.raises(UserError, match="use --micro-batches >= 3"):
-        check_schedulable(topology([1, 3], 2), "1f1b")
+        check_schedulable(topology([1, 3], 2), get_schedule("1f1b"))
     with pytest.raises(UserError, match="multiple of every stage's replica count"):
-        check_schedulable(topology([2, 3], 4), "pipedream")
+        check_schedulable(topology([2, 3], 4), get_schedule("pipedream"))
     with pytest.raises(UserError, match="unknown schedule"):
-        check_schedulable(topology([1], 1), "zigzag")
+        check_schedulable(topology([1], 1), get_schedule("zigzag"))
     with pytest.raises(UserError, match="rank 9 has no stage"):
-        rank_program(topology([1, 1], 2), 9, "gpipe")
+        rank_program(topology([1, 1], 2), 9, get_schedule("gpipe"))
 
 
 @settings(max_examples=60, deadline=None)
@@ -153,14 +154,15 @@ def test_unschedulable_requests_are_refused_clearly():
 def test_in_transit_is_what_was_sent_before_and_is_received_after_a_step_boundary(replicas, phase):
     M = math.lcm(*replicas)
     topo = topology(replicas, M)
-    progs = [all_programs(topo, "pipedream", phase=k, drain=False) for k in range(phase + 2)]
+    progs = [all_programs(topo, get_schedule("pipedream"), phase=k, drain=False) for k in range(phase + 2)]
     sent = {(r, ins.peer, g) for k in range(phase + 1) for r, prog in progs[k].items() for ins in prog
             if isinstance(ins, SendGradients) for g in [k * M + ins.micro_batch]}
     later = {(ins.peer, r, (phase + 1) * M + ins.micro_batch) for r, prog in progs[phase + 1].items()
              for ins in prog if isinstance(ins, RecvGradients)}
     expected = sent & later
-    got = {(src, dst, (phase + 1) * M + m) for dst, msgs in in_transit(topo, "pipedream", phase).items()
+    got = {(src, dst, (phase + 1) * M + m) for dst, msgs in in_transit(topo, get_schedule("pipedream"), phase).items()
            for src, kind, m in msgs if kind == "grad"}
     assert got == expected
-    assert all(kind == "grad" for msgs in in_transit(topo, "pipedream", phase).values() for _, kind, _ in msgs)
-    assert all(not msgs for msgs in in_transit(topo, "1f1b", phase).values())
+    assert all(kind == "grad" for msgs in in_transit(topo, get_schedule("pipedream"), phase).values()
+               for _, kind, _ in msgs)
+    assert all(not msgs for msgs in in_transit(topo, get_schedule("1f1b"), phase).values())

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from hybridpipe.errors import UserError
+from hybridpipe.partitioner.schedule_registry import get_schedule
 from hybridpipe.pipeline.chunks import rank_module
 from hybridpipe.pipeline.engine import PipelineEngine
 from hybridpipe.pipeline.inprocess import InProcessNetwork, run_ranks
@@ -186,10 +187,11 @@ def test_engine_refuses_the_wrong_chunks_and_pipedream():
     stages = build_stages(capture(spec, plan.batch_size), plan, 0, loss=spec.loss)
     opt = torch.optim.SGD(rank_module([st.module for st in stages]).parameters(), lr=0.1)
     with pytest.raises(ValueError, match="rank 0 runs stage 0,2 of the plan, but the engine got stage 0"):
-        PipelineEngine(stages[:1], Topology.from_plan(plan), 0, plan.schedule, transport=None, optimizer=opt,
+        PipelineEngine(stages[:1], Topology.from_plan(plan), 0, plan.kind, transport=None, optimizer=opt,
                        data=None)
     with pytest.raises(UserError):
-        PipelineEngine(stages, Topology.from_plan(plan), 0, "pipedream", transport=None, optimizer=opt, data=None)
+        PipelineEngine(stages, Topology.from_plan(plan), 0, get_schedule("pipedream"), transport=None, optimizer=opt,
+                       data=None)
 
 
 @pytest.mark.parametrize("case,schedule", [("mlp", "zbv"), ("gpt2-tied", "interleaved-1f1b")])
@@ -204,7 +206,7 @@ def test_evaluation_on_chunks_equals_the_unsplit_model(case, schedule):
     def rank_fn(rank):
         stages = build_stages(capture(spec, plan.batch_size, granularity=plan.granularity), plan, rank, loss=spec.loss)
         module = rank_module([st.module for st in stages])
-        engine = PipelineEngine(stages, topo, rank, schedule, transport=network.transport(rank),
+        engine = PipelineEngine(stages, topo, rank, get_schedule(schedule), transport=network.transport(rank),
                                 optimizer=make_optimizer(module.parameters(), 0.1), data=data)
         return lambda: engine.run_eval(data)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from hybridpipe.errors import UserError
-from hybridpipe.partitioner.cluster import Cluster, Level
+from hybridpipe.partitioner.cost.cluster import Cluster, Level
 from hybridpipe.partitioner.plan import Plan, Stage
 from hybridpipe.partitioner.schedule_registry import REGISTRY, get_schedule
 from hybridpipe.pipeline.instructions import RECEIVES, SENDS, SyncWait, message_key
@@ -75,19 +75,19 @@ def test_topology_knows_each_ranks_chunks():
     assert Topology(((0,), (1, 2)), 4).locate(2) == (1, 1)
 
 
-@pytest.mark.parametrize("schedule", [s for s in REGISTRY if REGISTRY[s].layout == "single"])
+@pytest.mark.parametrize("schedule", [s for s in REGISTRY if not REGISTRY[s].chunked])
 def test_every_instruction_of_the_one_chunk_schedules_names_the_ranks_stage(schedule):
     topo = Topology(((0,), (1, 2), (3,)), 4)
     for rank in range(4):
         stage = topo.locate(rank)[0]
-        for prog in (rank_program(topo, rank, schedule), eval_program(topo, rank)):
+        for prog in (rank_program(topo, rank, get_schedule(schedule)), eval_program(topo, rank)):
             assert {ins.stage for ins in prog if hasattr(ins, "stage")} == {stage}
             assert all(hasattr(ins, "stage") for ins in prog if type(ins).__name__ != "Step")
 
 
 def test_message_keys_name_the_producing_stage_and_two_chunks_on_one_link_never_collide():
     topo = virtual_topology("interleaved-1f1b", [1, 1], 2, 4)      # rank 1 -> rank 0: act of stage 1, grads of 0 and 2
-    progs = all_programs(topo, "interleaved-1f1b")
+    progs = all_programs(topo, get_schedule("interleaved-1f1b"))
     sent = {(r, ins.peer, message_key(ins, ins.micro_batch, 4)) for r, p in progs.items() for ins in p
             if isinstance(ins, SENDS)}
     received = {(ins.peer, r, message_key(ins, ins.micro_batch, 4)) for r, p in progs.items() for ins in p
@@ -95,12 +95,13 @@ def test_message_keys_name_the_producing_stage_and_two_chunks_on_one_link_never_
     assert sent == received
     assert {k for a, b, k in sent if (a, b) == (1, 0)} == {f"{kind}/{s}/{m}" for m in range(4)
                                                            for kind, s in (("act", 1), ("grad", 0), ("grad", 2))}
-    assert {k for _, _, k in transfer_program(topo, 0, "interleaved-1f1b")} >= {"act/0/0", "act/2/3", "grad/2/1"}
+    keys = {k for _, _, k in transfer_program(topo, 0, get_schedule("interleaved-1f1b"))}
+    assert keys >= {"act/0/0", "act/2/3", "grad/2/1"}
 
 
 def test_each_chunk_syncs_its_replicas_and_all_are_waited_for_before_the_step():
     topo = virtual_topology("interleaved-1f1b", [2, 2], 2, 4)
-    prog = rank_program(topo, 0, "interleaved-1f1b")
+    prog = rank_program(topo, 0, get_schedule("interleaved-1f1b"))
     starts = [ins.stage for ins in prog if type(ins).__name__ == "SyncStart"]
     assert sorted(starts) == [0, 2]
     assert prog[-3:-1] == [SyncWait(s) for s in starts] and type(prog[-1]).__name__ == "Step"

@@ -13,6 +13,7 @@ from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, Sche
 
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner.chunk_orders import Place, interleaved_ops, zbv_ops
+from hybridpipe.partitioner.schedule_registry import get_schedule
 from hybridpipe.pipeline.schedules import Topology, all_programs, check_schedulable
 from hybridpipe.pipeline.validate import validate
 from tests.pipeline.test_virtual_format import virtual_topology
@@ -53,7 +54,7 @@ def test_the_zbv_order_is_torchs(p):
 def check_valid(topo: Topology, schedule: str) -> None:
     """Valid lists (validate raises otherwise) in which every stage forwards and backwards each
     micro-batch once, and every rank steps once with the gradients x 1/M."""
-    programs = all_programs(topo, schedule)
+    programs = all_programs(topo, get_schedule(schedule))
     report = validate(topo, [programs])
     M = topo.micro_batches
     assert all(report.steps[rank] == [pytest.approx(1 / M)] for rank in programs)
@@ -84,13 +85,13 @@ def test_megatrons_warm_up_is_what_the_first_rank_holds():
     """Megatron's first rank holds (V-1) p + 2 (p-1) + 1 micro-batch chunks at its peak (M % p == 0)."""
     for p, virtual, m in [(4, 2, 8), (4, 3, 16), (2, 4, 8), (8, 2, 16)]:
         topo = virtual_topology("interleaved-1f1b", [1] * p, virtual, m)
-        held = validate(topo, [all_programs(topo, "interleaved-1f1b")]).max_in_flight
+        held = validate(topo, [all_programs(topo, get_schedule("interleaved-1f1b"))]).max_in_flight
         assert held[0] == min(virtual * m, (virtual - 1) * p + 2 * (p - 1) + 1)
         assert held[p - 1] == min(virtual * m, (virtual - 1) * p + 1)
 
 
 def test_a_topology_the_virtual_schedules_cannot_run_is_refused_in_one_line():
     with pytest.raises(UserError, match="zbv runs 2 \\(the V shape\\) model chunks per rank, not 3"):
-        check_schedulable(virtual_topology("interleaved-1f1b", [1, 1], 3, 4), "zbv")
+        check_schedulable(virtual_topology("interleaved-1f1b", [1, 1], 3, 4), get_schedule("zbv"))
     with pytest.raises(UserError, match="--micro-batches >= 3"):
-        check_schedulable(virtual_topology("zbv", [3, 1], 2, 2), "zbv")
+        check_schedulable(virtual_topology("zbv", [3, 1], 2, 2), get_schedule("zbv"))

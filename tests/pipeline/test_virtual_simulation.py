@@ -11,6 +11,7 @@ import pytest
 
 from hybridpipe.cli import main
 from hybridpipe.partitioner.plan import save_plan
+from hybridpipe.partitioner.schedule_registry import get_schedule
 from hybridpipe.pipeline.schedules import Topology
 from hybridpipe.pipeline.simtrace import chrome_trace, shade
 from hybridpipe.pipeline.simulator import StageCosts, bubble_fraction, simulate, simulate_topology
@@ -24,7 +25,7 @@ def test_interleaving_divides_the_bubble_by_the_chunks(p, M, V):
     fraction (idle over all time) is (p-1)/(VM + p-1) -- the (p-1)/(M+p-1) of 1F1B divided by V
     as M grows (Megatron's (p-1)/(VM) is the idle time over the busy time)."""
     f = b = 1.0
-    res = simulate_topology(virtual_topology("interleaved-1f1b", [1] * p, V, M), "interleaved-1f1b",
+    res = simulate_topology(virtual_topology("interleaved-1f1b", [1] * p, V, M), get_schedule("interleaved-1f1b"),
                             [StageCosts(f / V, b / V, 0.0, 0, ()) for _ in range(p * V)])
     assert bubble_fraction(res) == pytest.approx((p - 1) / (V * M + p - 1), rel=0.05)
     assert res.step_ms == pytest.approx((M + (p - 1) / V) * (f + b), rel=1e-9)
@@ -41,10 +42,11 @@ def test_zbv_idles_only_while_the_pipeline_starts(p):
     F = 1.0
     for M in range(2 * p - 1, 17):
         topo = virtual_topology("zbv", [1] * p, 2, M)
-        one = simulate_topology(topo, "zbv", [StageCosts(F, 2 * F, 0.0, 0, ()) for _ in range(2 * p)], steps=1)
+        one = simulate_topology(topo, get_schedule("zbv"), [StageCosts(F, 2 * F, 0.0, 0, ()) for _ in range(2 * p)],
+                                steps=1)
         assert one.step_ms == pytest.approx(6 * M * F + (p - 1) * F, rel=1e-9)
         assert bubble_fraction(one) == pytest.approx((p - 1) / (6 * M + p - 1), rel=0.05)
-        zb = simulate_topology(Topology(tuple((s,) for s in range(p)), M), "zb-h1",
+        zb = simulate_topology(Topology(tuple((s,) for s in range(p)), M), get_schedule("zb-h1"),
                                [StageCosts(2 * F, 4 * F, 0.0, 0, ()) for _ in range(p)], steps=1)
         assert zb.step_ms - 6 * M * F == pytest.approx(2 * (one.step_ms - 6 * M * F), rel=0.05)
 
@@ -53,18 +55,18 @@ def test_zbv_idles_only_while_the_pipeline_starts(p):
 def test_replicas_split_the_micro_batches_of_every_chunk(schedule):
     """Two replicas per group halve the step; unequal groups still run (slowest group bounds it)."""
     costs = [StageCosts(1.0, 2.0, 0.0, 0, ()) for _ in range(6)]
-    one = simulate_topology(virtual_topology(schedule, [1, 1, 1], 2, 12), schedule, costs)
-    two = simulate_topology(virtual_topology(schedule, [2, 2, 2], 2, 12), schedule, costs)
+    one = simulate_topology(virtual_topology(schedule, [1, 1, 1], 2, 12), get_schedule(schedule), costs)
+    two = simulate_topology(virtual_topology(schedule, [2, 2, 2], 2, 12), get_schedule(schedule), costs)
     assert two.step_ms == pytest.approx(one.step_ms / 2, rel=0.15)
-    mixed = simulate_topology(virtual_topology(schedule, [2, 1, 2], 2, 12), schedule, costs)
+    mixed = simulate_topology(virtual_topology(schedule, [2, 1, 2], 2, 12), get_schedule(schedule), costs)
     assert 12 * 2 * 3.0 <= mixed.step_ms < one.step_ms * 1.5
 
 
 def test_transfers_on_a_shared_link_are_priced_per_chunk():
     """Group p-1 sends group 0 the activations of stage p-1 and gradients of stage p: both on one link."""
     topo = virtual_topology("interleaved-1f1b", [1, 1], 2, 4)
-    free = simulate_topology(topo, "interleaved-1f1b", [StageCosts(1.0, 2.0, 0.0, 0, ())] * 4)
-    slow = simulate_topology(topo, "interleaved-1f1b", [StageCosts(1.0, 2.0, 0.5, 0, ())] * 4)
+    free = simulate_topology(topo, get_schedule("interleaved-1f1b"), [StageCosts(1.0, 2.0, 0.0, 0, ())] * 4)
+    slow = simulate_topology(topo, get_schedule("interleaved-1f1b"), [StageCosts(1.0, 2.0, 0.5, 0, ())] * 4)
     links = {iv.where for iv in slow.intervals if iv.kind in ("act", "grad")}
     assert links == {"link 0->1", "link 1->0"} and slow.step_ms > free.step_ms
     assert {iv.stage for iv in slow.intervals if iv.where == "link 1->0"} == {1, 3}

@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-from hybridpipe.partitioner.schedule_registry import REGISTRY
+from hybridpipe.partitioner.schedule_registry import REGISTRY, get_schedule
 from hybridpipe.pipeline.instructions import BackwardInput, BackwardWeight
 from hybridpipe.pipeline.schedules import Topology, all_programs, rank_program
 from hybridpipe.pipeline.simulator import StageCosts, bubble_fraction, simulate_topology
@@ -71,12 +71,12 @@ def test_split_backward_of_a_first_stage_does_everything_in_the_weight_half():
 def test_zb_h1_lists_are_valid_for_every_small_shape(stages):
     for M in range(1, 17):
         topo = Topology(tuple((s,) for s in range(stages)), M)
-        report = validate(topo, [all_programs(topo, "zb-h1")] * 2)
+        report = validate(topo, [all_programs(topo, get_schedule("zb-h1"))] * 2)
         for s in range(stages):
             assert report.steps[s] == [1 / M, 1 / M]
             # memory of 1F1B's first stage: never more micro-batches held than the pipeline is deep
             assert report.max_in_flight[s] <= min(M, stages)
-            prog = rank_program(topo, s, "zb-h1")
+            prog = rank_program(topo, s, get_schedule("zb-h1"))
             assert sorted(i.micro_batch for i in prog if isinstance(i, BackwardWeight)) == list(range(M))
             assert sorted(i.micro_batch for i in prog if isinstance(i, BackwardInput)) == list(range(M))
 
@@ -85,7 +85,7 @@ def test_zb_h1_lists_are_valid_for_every_small_shape(stages):
 def test_zb_h1_lists_are_valid_with_replicas(replicas):
     for M in range(max(replicas), 17):
         topo = topology(replicas, M)
-        report = validate(topo, [all_programs(topo, "zb-h1")] * 2)
+        report = validate(topo, [all_programs(topo, get_schedule("zb-h1"))] * 2)
         assert all(v == [1 / M, 1 / M] for v in report.steps.values())
 
 
@@ -95,8 +95,8 @@ def test_simulated_bubbles_match_the_closed_forms(p, M):
     zb-h1 (p - 1)(F + B - W) = (p - 1) F, a third of it (Qi et al. 2023, table 1)."""
     topo = Topology(tuple((s,) for s in range(p)), M)
     costs = [StageCosts(1.0, 2.0, 0.0, 0, ()) for _ in range(p)]
-    one = simulate_topology(topo, "1f1b", costs)
-    zb = simulate_topology(topo, "zb-h1", costs)
+    one = simulate_topology(topo, get_schedule("1f1b"), costs)
+    zb = simulate_topology(topo, get_schedule("zb-h1"), costs)
     assert bubble_fraction(one) == pytest.approx((p - 1) / (M + p - 1), rel=0.05)
     assert bubble_fraction(zb) == pytest.approx((p - 1) / (3 * M + p - 1), rel=0.05)
     assert (zb.step_ms - 3 * M) == pytest.approx((one.step_ms - 3 * M) / 3, rel=0.05)

@@ -8,10 +8,11 @@ import dataclasses
 
 import torch
 
-from hybridpipe.partitioner.costmodel import CostModel
-from hybridpipe.partitioner.modelcosts import model_costs
-from hybridpipe.partitioner.objective import Options, StageSpec, evaluate
+from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.plan import save_plan
+from hybridpipe.partitioner.schedule_registry import get_schedule
+from hybridpipe.partitioner.search.modelcosts import model_costs
+from hybridpipe.partitioner.search.objective import Options, StageSpec, evaluate
 from hybridpipe.profiles.zoo import resolve_model
 from hybridpipe.runtime.config import build_parser
 from hybridpipe.runtime.parts import make_optimizer
@@ -68,7 +69,8 @@ def test_partition_prices_adamw_as_adam():
     assert (costs.optimizer_ms("adamw") == costs.optimizer_ms("adam")).all() and costs.optimizer_ms("adam").sum() > 0
     model = CostModel(flat_cluster(2, gbps=10.0))
     stages = (StageSpec(0, 1, (0,)), StageSpec(2, 3, (1,)))
-    adam, adamw, sgd = (evaluate(costs, model, stages, Options("1f1b", 4, k)) for k in ("adam", "adamw", "sgd"))
+    adam, adamw, sgd = (evaluate(costs, model, stages, Options(get_schedule("1f1b"), 4, k))
+                        for k in ("adam", "adamw", "sgd"))
     assert [s.memory_bytes for s in adamw.stages] == [s.memory_bytes for s in adam.stages]
     assert [s.overhead_ms for s in adamw.stages] == [s.overhead_ms for s in adam.stages]
     assert all(a.memory_bytes > s.memory_bytes for a, s in zip(adamw.stages, sgd.stages, strict=True))

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from hybridpipe.cli import main
-from hybridpipe.partitioner.calibration import load_calibration
+from hybridpipe.partitioner.cost.calibration import load_calibration
 from hybridpipe.partitioner.plan import load_plan
-from hybridpipe.partitioner.tuning import plan_key
+from hybridpipe.partitioner.refine.tuning import plan_key
 from hybridpipe.profiles.format import save_profile
 from tests.partitioner.synth import make_profile
 

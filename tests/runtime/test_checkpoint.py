@@ -22,7 +22,7 @@ import torch
 
 from hybridpipe.cli import main
 from hybridpipe.errors import UserError
-from hybridpipe.partitioner.cluster import Cluster, Level
+from hybridpipe.partitioner.cost.cluster import Cluster, Level
 from hybridpipe.partitioner.plan import Plan, Stage
 from hybridpipe.profiles.zoo import resolve_model
 from hybridpipe.runtime.checkpoint import Checkpointer, capture_rng, restore_rng

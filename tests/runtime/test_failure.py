@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from hybridpipe.comm.p2p.errors import P2PTimeout, PeerLost
 from hybridpipe.errors import UserError
-from hybridpipe.partitioner.cluster import Cluster, Level
+from hybridpipe.partitioner.cost.cluster import Cluster, Level
 from hybridpipe.partitioner.plan import Plan, Stage
 from hybridpipe.runtime.failure import (
     EXIT_ERROR,

@@ -11,7 +11,8 @@ import json
 import pytest
 
 from hybridpipe.launch import main
-from hybridpipe.partitioner.plan import LayerSync, Plan, load_plan, save_plan
+from hybridpipe.partitioner.cost.syncunits import LayerSync
+from hybridpipe.partitioner.plan import Plan, load_plan, save_plan
 from hybridpipe.profiles.graphinfo import node_infos
 from hybridpipe.profiles.zoo import resolve_model
 from tests.pipeline.harness import capture, make_plan

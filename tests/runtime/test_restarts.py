@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from hybridpipe.errors import UserError
-from hybridpipe.partitioner.cluster import load_cluster
+from hybridpipe.partitioner.cost.cluster import load_cluster
 from hybridpipe.partitioner.planner import Request, partition
 from hybridpipe.profiles.format import save_profile
 from hybridpipe.runtime.config import build_parser, resolve

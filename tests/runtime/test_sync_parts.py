@@ -10,8 +10,9 @@ from torch import nn
 
 from hybridpipe.comm.hybrid_dp import model_layers, units_from_choices
 from hybridpipe.errors import UserError
-from hybridpipe.partitioner.costmodel import CostModel
-from hybridpipe.partitioner.plan import LayerSync, Stage
+from hybridpipe.partitioner.cost.costmodel import CostModel
+from hybridpipe.partitioner.cost.syncunits import LayerSync
+from hybridpipe.partitioner.plan import Stage
 from hybridpipe.runtime.summary import RankReport, sync_line, sync_summary
 from hybridpipe.runtime.sync import describe_override, override_layers, stage_layers, unit_choices
 from tests.partitioner.synth import flat_cluster

@@ -140,7 +140,7 @@ def test_timeline_command_errors_are_one_line(tmp_path, capsys):
 
 def test_the_pipeline_engine_fills_every_phase_of_the_timeline(tmp_path):
     """The real engine (threads, in-process transport) drives the recorders; a replicated stage syncs."""
-    from hybridpipe.partitioner.cluster import Cluster, Level
+    from hybridpipe.partitioner.cost.cluster import Cluster, Level
     from hybridpipe.partitioner.plan import Plan, Stage
     from hybridpipe.pipeline import MicroBatches, PipelineEngine, Topology, build_stage
     from hybridpipe.pipeline.inprocess import InProcessGradSync, InProcessNetwork, ReplicaGroup, run_ranks
@@ -163,7 +163,7 @@ def test_the_pipeline_engine_fills_every_phase_of_the_timeline(tmp_path):
         stage = build_stage(capture(spec, 2), plan, rank, loss=spec.loss)
         st, replica = plan.stage_of_rank(rank)
         rec = TimelineRecorder(tmp_path / "trace", rank=rank, stage=st.index, replica=replica, world_size=4)
-        engine = PipelineEngine(stage, Topology.from_plan(plan), rank, "1f1b", transport=network.transport(rank),
+        engine = PipelineEngine(stage, Topology.from_plan(plan), rank, plan.kind, transport=network.transport(rank),
                                 optimizer=torch.optim.SGD(stage.module.parameters(), lr=0.1), data=data,
                                 sync=InProcessGradSync(stage.module, groups[st.index], replica), recorder=rec)
 

@@ -3,18 +3,20 @@
 import pytest
 
 from benchmarks.allreduce_sweep import analyse, crossovers, settles
-from benchmarks.common import busbw_gbps, parse_size_range, read_result, size_label, summary
+from benchmarks.common import read_result, summary
+from hybridpipe.comm.allreduce.bench import busbw_gbps
 from hybridpipe.errors import UserError
+from hybridpipe.units import parse_sizes, size_label
 
 
 def test_size_ranges_and_labels():
-    assert parse_size_range("4K..64M", 4) == [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20,
+    assert parse_sizes("4K..64M", 4) == [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20,
                                                16 << 20, 64 << 20]
-    assert len(parse_size_range("4K..64M")) == 15
-    assert parse_size_range("4K,1M") == [4096, 1 << 20]
+    assert len(parse_sizes("4K..64M", 2)) == 15
+    assert parse_sizes("4K,1M") == [4096, 1 << 20]
     assert [size_label(s) for s in (4096, 1 << 20, 64 << 20, 1000)] == ["4K", "1M", "64M", "1000"]
     with pytest.raises(UserError):
-        parse_size_range("64M..4K")
+        parse_sizes("64M..4K")
 
 
 def test_busbw_is_the_link_rate_a_ring_needs():

@@ -2,7 +2,7 @@
 
 ``hybridpipe.comm.allreduce(tensor, algorithm="auto", group=None)`` sums in place; keep an
 :class:`AllReducer` for repeated calls. The algorithms are written once, as data, in
-``partitioner/collectives.py`` (what the cost model prices); ``schedule.py`` maps them onto
+``partitioner/cost/collectives.py`` (what the cost model prices); ``schedule.py`` maps them onto
 element ranges, ``executor.py`` runs them over isend/irecv, ``dedicated/`` is the aggregator process.
 
 This package is callable: ``hybridpipe.comm.allreduce(...)`` is :func:`allreduce`. (A plain

@@ -24,8 +24,8 @@ from hybridpipe.comm.allreduce.executor import run_pipelined, run_rounds
 from hybridpipe.comm.allreduce.flat import FlatSpace
 from hybridpipe.comm.allreduce.topology import Topology
 from hybridpipe.comm.allreduce.transport import GroupTransport
-from hybridpipe.partitioner import collectives as co
-from hybridpipe.partitioner.calibration import Calibration, load_calibration
+from hybridpipe.partitioner.cost import collectives as co
+from hybridpipe.partitioner.cost.calibration import Calibration, load_calibration
 
 ALGORITHMS = co.ALGORITHMS
 CHOICES = ALGORITHMS + ("auto",)
@@ -91,7 +91,7 @@ class AllReducer:
         return self.costs.fastest(nbytes, candidates)
 
     def described(self, algorithm: str, nbytes: float) -> co.Collective:
-        """The rounds ``algorithm`` runs here for ``nbytes``, as ``partitioner/collectives.py`` writes
+        """The rounds ``algorithm`` runs here for ``nbytes``, as ``partitioner/cost/collectives.py`` writes
         them and the cost model prices them (butterfly's variant and torus2d's shape as the model
         picks them; hierarchical over this reducer's topology)."""
         key = self._variant(algorithm, nbytes)

@@ -14,9 +14,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hybridpipe.comm.allreduce.topology import Topology
-from hybridpipe.partitioner.calibration import Calibration
-from hybridpipe.partitioner.cluster import Cluster, Level
-from hybridpipe.partitioner.costmodel import CostModel
+from hybridpipe.partitioner.cost.calibration import Calibration
+from hybridpipe.partitioner.cost.cluster import Cluster, Level
+from hybridpipe.partitioner.cost.costmodel import CostModel
 
 NOMINAL_HOST_GBPS = 100.0      # between processes of one host (shared memory / loopback)
 NOMINAL_NETWORK_GBPS = 10.0

@@ -1,6 +1,6 @@
 """The all-reduce rounds the executors run: the partitioner's description, over element ranges.
 
-Every algorithm is written once, in ``partitioner/collectives.py``, as rounds of messages over
+Every algorithm is written once, in ``partitioner/cost/collectives.py``, as rounds of messages over
 exact parts of the vector; the cost model prices those rounds and :func:`elements` turns the same
 rounds into element ranges ``[lo, hi)`` of a flat vector of ``numel`` elements for the executors
 (``executor.py``), which run a rank's share of them over ``torch.distributed`` isend/irecv. So a
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 
-from hybridpipe.partitioner import collectives as co
+from hybridpipe.partitioner.cost import collectives as co
 
 PHASES = co.PHASES
 

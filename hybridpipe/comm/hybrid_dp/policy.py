@@ -3,12 +3,12 @@
 Explicit choices (:class:`UnitChoice`, e.g. a plan's, which the runtime passes as written) are
 checked and mapped onto the module's parameters (:func:`units_from_choices`). Otherwise a
 policy decides, with the partitioner's rules, so a plan and HybridDataParallel alone decide
-alike: ``hybrid`` asks the partitioner's per-layer policy (``partitioner/layersync.py``): every
+alike: ``hybrid`` asks the partitioner's per-layer policy (``partitioner/cost/layersync.py``): every
 layer's all-reduce queues behind the earlier ones on one lane and must finish before the layer's
 next forward; picking the cheapest algorithm for each layer's size minimises every finish time, so
 small (latency-bound) layers get butterfly and large ones ring or hierarchical, with the crossover
 taken from the calibrated cost model. A fixed policy gives every layer one algorithm. Then
-``partitioner/syncunits.py`` fuses runs of adjacent small layers with one algorithm into one sync
+``partitioner/cost/syncunits.py`` fuses runs of adjacent small layers with one algorithm into one sync
 unit and puts *urgent* units (small ones a FIFO lane would queue behind much bigger ones that
 backward produced before them, like AlexNet's convolutions behind fc1) on a second lane that runs
 beside the first (other message tags, same process group). Both lanes keep a fixed order, so every
@@ -26,9 +26,14 @@ from dataclasses import dataclass
 from hybridpipe.comm.allreduce.api import ALGORITHMS
 from hybridpipe.comm.allreduce.costs import AUTO_CANDIDATES, GroupCosts
 from hybridpipe.comm.hybrid_dp.units import Layer
-from hybridpipe.partitioner.layersync import choose_layer_algorithms
-from hybridpipe.partitioner.plan import SECOND_LANE_ALGORITHMS, LayerSync
-from hybridpipe.partitioner.syncunits import URGENT_RATIO, urgent_units, with_algorithm
+from hybridpipe.partitioner.cost.layersync import choose_layer_algorithms
+from hybridpipe.partitioner.cost.syncunits import (
+    SECOND_LANE_ALGORITHMS,
+    URGENT_RATIO,
+    LayerSync,
+    urgent_units,
+    with_algorithm,
+)
 
 POLICIES = ("hybrid",) + ALGORITHMS
 URGENT_CANDIDATES = SECOND_LANE_ALGORITHMS

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from hybridpipe.partitioner.syncunits import group_small, latency_bound_bytes
+from hybridpipe.partitioner.cost.syncunits import group_small, latency_bound_bytes
 
 __all__ = ["Layer", "model_layers", "group_small", "latency_bound_bytes"]
 

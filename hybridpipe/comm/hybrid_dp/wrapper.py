@@ -28,7 +28,7 @@ from hybridpipe.comm.allreduce.transport import MAX_LANES
 from hybridpipe.comm.engine import CommLane, Handle
 from hybridpipe.comm.hybrid_dp.policy import SyncUnit, UnitChoice, check_policy, plan_units, units_from_choices
 from hybridpipe.comm.hybrid_dp.units import model_layers
-from hybridpipe.partitioner.calibration import Calibration
+from hybridpipe.partitioner.cost.calibration import Calibration
 
 log = logging.getLogger(__name__)
 URGENT_LANE_OFFSET = MAX_LANES // 2

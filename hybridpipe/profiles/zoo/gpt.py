@@ -11,7 +11,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from hybridpipe.errors import UserError
-from hybridpipe.profiles.zoo.registry import ModelSpec
+from hybridpipe.profiles.zoo.spec import ModelSpec
 
 
 class Embeddings(nn.Module):

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from hybridpipe.errors import UserError
-from hybridpipe.profiles.zoo.registry import ModelSpec, call_user, check_options, parse_args
+from hybridpipe.profiles.zoo.spec import ModelSpec, call_user, check_options, parse_args
 
 HEADS = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForMaskedLM", "AutoModelForImageClassification",
          "AutoModelForSequenceClassification")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridpipe.profiles.zoo.registry import ModelSpec
+from hybridpipe.profiles.zoo.spec import ModelSpec
 
 
 class MLP(nn.Sequential):

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from hybridpipe.errors import UserError
-from hybridpipe.profiles.zoo.registry import ModelSpec
+from hybridpipe.profiles.zoo.spec import ModelSpec
 
 NORMS = ("batch", "none")
 

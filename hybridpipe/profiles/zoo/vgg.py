@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridpipe.profiles.zoo.registry import ModelSpec
+from hybridpipe.profiles.zoo.spec import ModelSpec
 
 # output channels per conv layer; "M" is a 2x2 max-pool
 VGG16_LAYERS = (64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M")

@@ -27,8 +27,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from hybridpipe.partitioner.objective import OPTIMIZER_STATES
-from hybridpipe.partitioner.stageterms import SAFETY, StageTerms
+from hybridpipe.partitioner.search.objective import OPTIMIZER_STATES
+from hybridpipe.partitioner.search.stageterms import SAFETY, StageTerms
 
 
 def max_block(t: StageTerms) -> int:
@@ -56,7 +56,7 @@ class _Tables:
         room = opts.memory_bytes * (1 + SAFETY) + SAFETY - weights * (2 + OPTIMIZER_STATES[opts.optimizer])
         self.ok = np.triu(np.ones((n, n), dtype=bool)) & t.cut_ok[None, :] & ~(room < stash)
         self.kcap = np.full((n, n), float(m_b))
-        if opts.kind.forwards_first and opts.recompute == "none":     # all k micro-batches' activations held
+        if opts.schedule.forwards_first and opts.recompute == "none":     # all k micro-batches' activations held
             with np.errstate(divide="ignore", invalid="ignore"):
                 self.kcap = np.minimum(self.kcap, np.where(stash > 0, np.floor(room / stash * (1 + SAFETY)), m_b))
         self.kcap = np.nan_to_num(self.kcap, nan=0.0)
@@ -97,8 +97,9 @@ def min_block(t: StageTerms, limit: float) -> np.ndarray:
     bmin = np.maximum(np.ceil(rmin / t.copies - SAFETY), 1) if t.copies > 1 else np.maximum(rmin, 1)
     bmin = np.where(tab.ok & (bmin <= max_block(t)), bmin, np.inf)
     bmin[0, n - 1] = t.wc if t.whole_term() <= u and t.wc <= max_block(t) else np.inf   # its only block
-    if t.opts.kind.asynchronous:                        # r = b R must divide M
-        allowed = np.array([b for b in range(1, max_block(t) + 1) if m_b % (b * t.copies) == 0] + [np.inf])
+    if t.kind.asynchronous:                        # r = b R must divide M
+        allowed = np.array([b for b in range(1, max_block(t) + 1) if t.kind.replicas_ok(b * t.copies, m_b)]
+                           + [np.inf])
         finite = np.isfinite(bmin)
         bmin[finite] = allowed[np.searchsorted(allowed, bmin[finite])]
     return bmin

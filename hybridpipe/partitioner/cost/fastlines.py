@@ -1,4 +1,4 @@
-"""``CostModel.lines`` for one group without building its messages one by one: the same numbers, faster.
+"""The link loads behind ``CostModel.lines`` for one group, without building its messages one by one.
 
 The scalable DP prices the all-reduces of thousands of rank blocks, some of thousands of ranks;
 describing each algorithm's rounds (``collectives.py``), pricing them (``priced.py``) and loading
@@ -18,9 +18,11 @@ block. A round's price only needs, per level, the busiest link's share of the ve
 Shares are the ones ``priced.py`` derives from the collective's parts (a ring over a unit's shard
 moves 1/n of the vector, not (1/g)/m); every busiest-link load is the same sum of the same shares
 (the shares on one link are all equal, so the order of addition does not matter; ``seqsum`` adds
-them one at a time as ``np.bincount`` does); rounds fold as ``priced.py`` folds them, are priced as
-``CostModel.price`` and summed in order as ``CostModel.line``. ``tests/partitioner/test_dp_scale.py``
-checks equality with ``CostModel.lines`` on random groups and clusters.
+them one at a time as ``np.bincount`` does); rounds fold as ``priced.py`` folds them.
+:func:`link_loads` returns them for every variant; ``CostModel.fast_lines`` prices them as
+``CostModel.price`` and sums them in order as ``CostModel.line`` (this module knows nothing of
+prices). ``tests/partitioner/test_dp_scale.py`` checks equality with ``CostModel.lines`` on random
+groups and clusters.
 """
 
 from __future__ import annotations
@@ -30,11 +32,22 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hybridpipe.partitioner import collectives as co
-from hybridpipe.partitioner.costmodel import CostModel, Line
-from hybridpipe.partitioner.plan import ALGORITHMS
+from hybridpipe.partitioner.cost import collectives as co
+from hybridpipe.partitioner.cost.cluster import Cluster
+from hybridpipe.partitioner.cost.collectives import ALGORITHMS
 
 SW = -1                      # position of the dedicated aggregator (collectives.SWITCH)
+
+
+@dataclass(frozen=True)
+class LinkLoads:
+    """Every variant's rounds reduced to what pricing needs (rounds padded to one width with repeat 0)."""
+
+    algorithms: list[str]    # per variant: the algorithm (butterfly twice: recursive doubling, then halving)
+    loads: np.ndarray        # [variant, round, level]: the busiest link's bytes / S (0: the level is not used)
+    repeat: np.ndarray       # [variant, round]: how many times the round runs (0: padding)
+    steps: np.ndarray        # [variant, round]: message latencies per run
+    reduce: np.ndarray       # [variant, round]: bytes / S summed per run
 
 
 @dataclass(frozen=True)
@@ -48,11 +61,11 @@ class _Round:
 class _Group:
     """A sorted group of ranks: each position's unit at every level, link numbering, pair levels."""
 
-    def __init__(self, model: CostModel, ranks: Sequence[int]):
+    def __init__(self, cluster: Cluster, ranks: Sequence[int]):
         self.g = np.sort(np.asarray(ranks, dtype=np.int64))
         self.n = n = len(self.g)
-        self.levels = levels = len(model.cluster.levels)
-        self.spans = np.array([model.cluster.span(k) for k in range(levels)], dtype=np.int64)
+        self.levels = levels = len(cluster.levels)
+        self.spans = np.array([cluster.span(k) for k in range(levels)], dtype=np.int64)
         self.units = self.g[:, None] // self.spans[None, :]                  # [pos, level]
         below = np.concatenate([[1], self.spans[:-1]])                        # ranks behind one link
         linkunit = self.g[:, None] // below[None, :]
@@ -273,9 +286,11 @@ def _aggregator(grp: _Group, dedicated: bool) -> list[_Round]:
     return [_Round(loads, float(n - 1), 1, 2)]
 
 
-def lines(model: CostModel, ranks: Sequence[int], algorithms: Sequence[str] = ALGORITHMS) -> list[tuple[str, Line]]:
-    """The same list as ``model.lines(ranks, algorithms)``."""
-    grp = _Group(model, ranks)
+def link_loads(cluster: Cluster, ranks: Sequence[int], algorithms: Sequence[str] = ALGORITHMS,
+               dedicated: bool = False) -> LinkLoads:
+    """The rounds of every variant of ``algorithms`` on ``ranks`` (butterfly: both), as link loads;
+    ``dedicated``: the aggregator is a process of its own (``CostModel.aggregator_dedicated``)."""
+    grp = _Group(cluster, ranks)
     n = grp.n
     if grp.top == 0 or n <= 1:
         starts, sizes = np.array([0]), np.array([n])
@@ -290,12 +305,21 @@ def lines(model: CostModel, ranks: Sequence[int], algorithms: Sequence[str] = AL
         for halving in ((False, True) if a == "butterfly" else (False,)):
             kind = ("ring" if a == "native" else a, halving)
             if kind not in built:
-                built[kind] = _rounds(grp, kind[0], halving, (starts, sizes), shape, model.aggregator_dedicated)
+                built[kind] = _rounds(grp, kind[0], halving, (starts, sizes), shape, dedicated)
             variants.append((a, built[kind]))
     table = grp.load_all()
     resolved = [[r if not isinstance(r.loads, int) else _Round(table[r.loads], r.reduce, r.repeat, r.steps)
                  for r in rounds] for _, rounds in variants]
-    return list(zip([a for a, _ in variants], _lines(model, resolved, [a for a, _ in variants]), strict=True))
+    width = max((len(r) for r in resolved), default=0)
+    count = len(resolved)
+    loads = np.zeros((count, width, grp.levels))
+    repeat = np.zeros((count, width), dtype=np.int64)
+    steps = np.zeros((count, width), dtype=np.int64)
+    reduce = np.zeros((count, width))
+    for v, rounds in enumerate(resolved):
+        for k, r in enumerate(rounds):
+            loads[v, k], repeat[v, k], steps[v, k], reduce[v, k] = r.loads, r.repeat, r.steps, r.reduce
+    return LinkLoads([a for a, _ in variants], loads, repeat, steps, reduce)
 
 
 def _rounds(grp: _Group, algorithm: str, halving: bool, groups: tuple[np.ndarray, np.ndarray],
@@ -311,32 +335,3 @@ def _rounds(grp: _Group, algorithm: str, halving: bool, groups: tuple[np.ndarray
     if algorithm == "aggregator":
         return _aggregator(grp, dedicated)
     raise ValueError(f"unknown all-reduce algorithm {algorithm!r}")
-
-
-def _lines(model: CostModel, per_variant: list[list[_Round]], algorithms: list[str]) -> list[Line]:
-    """``CostModel.line`` for each variant: its rounds priced as ``CostModel.price``, summed in order."""
-    levels = len(model.cluster.levels)
-    width = max((len(r) for r in per_variant), default=0)
-    count = len(per_variant)
-    loads = np.zeros((count, width, levels))
-    repeat = np.zeros((count, width), dtype=np.int64)
-    steps = np.zeros((count, width), dtype=np.int64)
-    reduce = np.zeros((count, width))
-    alpha_l = np.zeros((count, 1, levels))
-    beta_l = np.zeros((count, 1, levels))
-    for v, (rounds, algo) in enumerate(zip(per_variant, algorithms, strict=True)):
-        for k, r in enumerate(rounds):
-            loads[v, k], repeat[v, k], steps[v, k], reduce[v, k] = r.loads, r.repeat, r.steps, r.reduce
-        fits = [model.link(level, algo) for level in range(levels)]
-        alpha_l[v, 0] = [f.alpha_s for f in fits]
-        beta_l[v, 0] = [f.beta_s_per_byte for f in fits]
-    present = loads > 0
-    some = present.any(axis=2)
-    a = np.where(some, np.where(present, alpha_l, -np.inf).max(axis=2, initial=-np.inf), 0.0)
-    b = np.where(some, np.where(present, loads * beta_l, -np.inf).max(axis=2, initial=-np.inf), 0.0)
-    # padding rounds repeat 0 times and add exactly 0.0 after the real ones
-    alpha = np.cumsum(np.concatenate([np.zeros((count, 1)), repeat * (a * steps)], axis=1), axis=1)[:, -1]
-    per_byte = np.cumsum(np.concatenate([np.zeros((count, 1)), repeat * (b + reduce * model.gamma)], axis=1),
-                         axis=1)[:, -1]
-    return [Line(float(x) * model.overlap_slowdown, float(y) * model.overlap_slowdown)
-            for x, y in zip(alpha, per_byte, strict=True)]

@@ -18,9 +18,9 @@ from dataclasses import replace
 import numpy as np
 
 from hybridpipe.errors import UserError
-from hybridpipe.partitioner.calibration import Calibration, LinkFit, Sample
-from hybridpipe.partitioner.costmodel import NOMINAL_SOFTWARE_ALPHA_S, CostModel
-from hybridpipe.partitioner.plan import ALGORITHMS
+from hybridpipe.partitioner.cost.calibration import Calibration, LinkFit, Sample
+from hybridpipe.partitioner.cost.collectives import ALGORITHMS
+from hybridpipe.partitioner.cost.costmodel import NOMINAL_SOFTWARE_ALPHA_S, CostModel
 
 _PASSES = 4
 

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hybridpipe.partitioner.costmodel import CostModel
-from hybridpipe.partitioner.plan import ALGORITHMS, LayerSync
-from hybridpipe.partitioner.syncunits import assign_units
+from hybridpipe.partitioner.cost.collectives import ALGORITHMS
+from hybridpipe.partitioner.cost.costmodel import CostModel
+from hybridpipe.partitioner.cost.syncunits import LayerSync, assign_units
 
 # per-layer numbers: a list, or a slice of the model costs' arrays
 Floats = Sequence[float] | np.ndarray

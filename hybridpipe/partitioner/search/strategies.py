@@ -19,10 +19,10 @@ from __future__ import annotations
 import numpy as np
 
 from hybridpipe.errors import UserError
-from hybridpipe.limits import check_deadline
-from hybridpipe.partitioner.cuts import free_ends_mask, nearest_free_ends
-from hybridpipe.partitioner.modelcosts import ModelCosts
-from hybridpipe.partitioner.objective import StageSpec
+from hybridpipe.partitioner.search.balance import balanced_sizes
+from hybridpipe.partitioner.search.cuts import free_ends_mask, nearest_free_ends
+from hybridpipe.partitioner.search.modelcosts import ModelCosts
+from hybridpipe.partitioner.search.objective import StageSpec
 
 BASELINES = ("dp", "uniform", "params", "time")
 
@@ -39,39 +39,6 @@ def contiguous(sizes: list[int], replicas: list[int]) -> tuple[StageSpec, ...]:
 def uniform_sizes(n: int, parts: int) -> list[int]:
     """``n`` items in ``parts`` groups whose sizes differ by at most one (larger ones first)."""
     return [n // parts + (1 if k < n % parts else 0) for k in range(parts)]
-
-
-def balanced_sizes(weights: np.ndarray, parts: int, ends_ok: np.ndarray | None = None,
-                   deadline: float | None = None) -> list[int] | None:
-    """Contiguous groups (each non-empty) minimising the largest group's total weight.
-
-    The classic linear-partition recurrence ``best[k, j] = min_s max(best[k-1, s], W(s..j))``,
-    vectorised over s; ties go to the earliest cut. ``ends_ok[p]``: may a group end after the first
-    p items (default: anywhere); None when no grouping ends only there. OutOfTime once ``deadline``
-    (``time.monotonic()``) has passed.
-    """
-    n = len(weights)
-    prefix = np.concatenate([[0.0], np.cumsum(weights, dtype=float)])
-    span = prefix[None, :] - prefix[:, None]                     # span[s, j] = weight of s..j-1
-    best = np.full((parts + 1, n + 1), np.inf)
-    best[0, 0] = 0.0
-    cut = np.zeros((parts + 1, n + 1), dtype=np.int64)
-    valid = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)     # s < j: the group is non-empty
-    for k in range(1, parts + 1):
-        check_deadline(deadline)
-        cand = np.where(valid, np.maximum(best[k - 1][:, None], span), np.inf)
-        cut[k] = cand.argmin(axis=0)
-        best[k] = cand[cut[k], np.arange(n + 1)]
-        if ends_ok is not None:
-            best[k][~ends_ok] = np.inf
-    if not np.isfinite(best[parts, n]):
-        return None
-    sizes, j = [], n
-    for k in range(parts, 0, -1):
-        s = int(cut[k, j])
-        sizes.append(j - s)
-        j = s
-    return sizes[::-1]
 
 
 def baseline_stages(strategy: str, costs: ModelCosts, workers: int, stages: int | None = None, *,
@@ -96,7 +63,7 @@ def baseline_stages(strategy: str, costs: ModelCosts, workers: int, stages: int 
         found: list[int] | None = np.diff([-1, *nearest_free_ends(costs, ends, strategy), n - 1]).tolist()
     elif strategy in ("params", "time"):
         weights = costs.param_bytes if strategy == "params" else costs.forward_ms + costs.backward_ms
-        found = balanced_sizes(weights, parts, free_ends_mask(costs), deadline)
+        found = balanced_sizes(weights, [1.0] * parts, free_ends_mask(costs), deadline)
     else:
         raise UserError(f"unknown baseline strategy {strategy!r}; choose from {', '.join(BASELINES)}")
     if found is None:

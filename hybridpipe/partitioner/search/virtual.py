@@ -2,9 +2,9 @@
 
 The partitioner's own search (``planner.partition`` with 1F1B) chooses the p rank groups and
 their replicas as for any plan; this module then cuts the model into p*V contiguous chunks laid
-out on the groups as the schedule says (``schedule_registry.LAYOUTS``):
+out on the groups as the schedule says (``schedule_registry.Layout``):
 
-* boundaries: :func:`balanced_chunks`, an exact linear-partition DP minimising the largest
+* boundaries: ``balance.balanced_sizes``, an exact linear-partition DP minimising the largest
   chunk's forward + backward time over its group's replicas (a group of r replicas does 1/r of
   every chunk's micro-batches), cutting only where a value may cross (``cuts.py``);
 * memory per worker: its chunks' weights, gradients and optimizer state, plus the most activation
@@ -31,72 +31,41 @@ import numpy as np
 
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner.chunk_orders import Place
-from hybridpipe.partitioner.costmodel import CostModel
-from hybridpipe.partitioner.modelcosts import ModelCosts
-from hybridpipe.partitioner.objective import Evaluation, Options, StageSpec, evaluate, memory_bytes
+from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.plan import Plan
-from hybridpipe.partitioner.schedule_registry import Schedule, get_schedule
+from hybridpipe.partitioner.schedule_registry import REGISTRY, Schedule
+from hybridpipe.partitioner.search.balance import balanced_sizes
+from hybridpipe.partitioner.search.modelcosts import ModelCosts
+from hybridpipe.partitioner.search.objective import Evaluation, Options, StageSpec, evaluate, memory_bytes
 
 Simulate = Callable[[Plan], float]      # a plan -> its simulated step in ms
 
+BASE_SCHEDULE = "1f1b"     # the one-chunk schedule whose plan gives a virtual plan its groups and replicas
 
-def check_virtual(schedule: str, virtual: int) -> Schedule:
-    """The schedule's object, or a one-line UserError for a schedule / chunk count that do not go together."""
-    kind = get_schedule(schedule)
-    if kind.layout == "single" and virtual > 1:
+
+def check_virtual(kind: Schedule, virtual: int) -> None:
+    """A one-line UserError for a schedule and a chunk count that do not go together."""
+    if not kind.chunked and virtual > 1:
         raise UserError(f"--virtual-stages {virtual} needs a schedule with several model chunks per rank: "
                         "--schedule interleaved-1f1b, zbv (--virtual-stages 2) or auto")
-    if kind.layout != "single" and virtual == 1:
-        raise UserError(f"--schedule {schedule} runs several model chunks per rank; give --virtual-stages V "
+    if kind.chunked and virtual == 1:
+        raise UserError(f"--schedule {kind.name} runs several model chunks per rank; give --virtual-stages V "
                         f"({kind.virtual_need()}), or use --schedule 1f1b for one")
     if not kind.virtual_ok(virtual):
-        raise UserError(f"--schedule {schedule} runs {kind.virtual_need()} model chunks per rank, not "
+        raise UserError(f"--schedule {kind.name} runs {kind.virtual_need()} model chunks per rank, not "
                         f"--virtual-stages {virtual}")
-    return kind
-
-
-def balanced_chunks(weights: np.ndarray, divisors: Sequence[float], ends_ok: np.ndarray | None = None
-                    ) -> list[int] | None:
-    """Sizes of ``len(divisors)`` contiguous non-empty chunks of ``weights`` minimising
-    max over chunks c of (weight of c) / divisors[c]; ``ends_ok[q]``: may a chunk end after the
-    first q items. None when no chunking ends only there.
-
-    ``best[c, j]`` = the smallest such maximum for the first j items in c chunks:
-    ``min over s < j of max(best[c-1, s], W(s..j-1) / divisors[c-1])``; ties to the earliest cut.
-    """
-    n, parts = len(weights), len(divisors)
-    prefix = np.concatenate([[0.0], np.cumsum(weights, dtype=float)])
-    span = prefix[None, :] - prefix[:, None]                     # span[s, j] = weight of s..j-1
-    valid = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)
-    best = np.full((parts + 1, n + 1), np.inf)
-    best[0, 0] = 0.0
-    cut = np.zeros((parts + 1, n + 1), dtype=np.int64)
-    for c in range(1, parts + 1):
-        cand = np.where(valid, np.maximum(best[c - 1][:, None], span / divisors[c - 1]), np.inf)
-        cut[c] = cand.argmin(axis=0)
-        best[c] = cand[cut[c], np.arange(n + 1)]
-        if ends_ok is not None:
-            best[c][~ends_ok] = np.inf
-    if not np.isfinite(best[parts, n]):
-        return None
-    sizes, j = [], n
-    for c in range(parts, 0, -1):
-        s = int(cut[c, j])
-        sizes.append(j - s)
-        j = s
-    return sizes[::-1]
 
 
 def chunk_specs(costs: ModelCosts, groups: Sequence[tuple[int, ...]], kind: Schedule, virtual: int
                 ) -> tuple[StageSpec, ...]:
-    """The p*V chunks (model order) on the groups as ``kind`` lays them out, balanced by :func:`balanced_chunks`."""
+    """The p*V chunks (model order) on the groups as ``kind`` lays them out, balanced by ``balance.balanced_sizes``."""
     p = len(groups)
     ranks = [groups[kind.group_of(c, p)] for c in range(p * virtual)]
     if costs.n < len(ranks):
         raise UserError(f"the model has {costs.n} nodes, too few for {p} stages x {virtual} virtual stages; lower "
                         "--virtual-stages or profile at a finer --granularity")
     ends_ok = np.concatenate([[True], costs.cut_ok])            # ends_ok[q]: a chunk may end after q nodes
-    sizes = balanced_chunks(costs.forward_ms + costs.backward_ms, [len(r) for r in ranks], ends_ok)
+    sizes = balanced_sizes(costs.forward_ms + costs.backward_ms, [len(r) for r in ranks], ends_ok)
     if sizes is None:
         raise UserError(f"the model cannot be cut into {len(ranks)} chunks where values may cross stage boundaries "
                         "(see `hybridpipe profile` cut notes); lower --virtual-stages")
@@ -139,10 +108,11 @@ def virtual_plan(base: Plan, costs: ModelCosts, model: CostModel, opts: Options,
 
     ``build(specs, evaluation, options)`` makes a Plan as ``planner.build_plan`` does (tied
     weights priced, per-step overhead added); ``simulate`` predicts its step."""
-    kind = check_virtual(opts.schedule, virtual)
+    kind = opts.schedule
+    check_virtual(kind, virtual)
     groups = [tuple(s.ranks) for s in base.stages]
     specs = chunk_specs(costs, groups, kind, virtual)
-    plain = replace(opts, schedule="1f1b", memory_bytes=math.inf, recompute="none")
+    plain = replace(opts, schedule=REGISTRY[BASE_SCHEDULE], memory_bytes=math.inf, recompute="none")
     worker, recompute = chunk_memory(costs, specs, kind, opts, virtual)
     ev = evaluate(costs, model, specs, plain)
     stages = []
@@ -156,12 +126,12 @@ def virtual_plan(base: Plan, costs: ModelCosts, model: CostModel, opts: Options,
     ev = Evaluation(tuple(stages), ev.objective_ms, all(w <= opts.memory_bytes for w in worker))
     if not ev.fits:
         c = max(range(len(specs)), key=worker.__getitem__)
-        raise UserError(f"{opts.schedule} with {virtual} virtual stages does not fit: the workers of stage {c} "
+        raise UserError(f"{kind.name} with {virtual} virtual stages does not fit: the workers of stage {c} "
                         f"(ranks {list(specs[c].ranks)}) need {worker[c] / 1e9:.2f} GB for their {virtual} chunks, "
                         "more "
                         f"than {opts.memory_bytes / 1e9:g} GB; raise --memory-gb, use --recompute auto, fewer "
                         "--virtual-stages or more workers")
-    plan = replace(build(specs, ev, plain), schedule=opts.schedule, virtual_stages=virtual)
+    plan = replace(build(specs, ev, plain), schedule=kind.name, virtual_stages=virtual)
     step = simulate(plan) + sum(t.predicted_ms for t in plan.tied) + model.step_overhead_ms
     samples = opts.micro_batches * plan.batch_size / (step / 1e3) if step > 0 else 0.0
     return replace(plan, predicted_step_ms=step, predicted_samples_per_s=samples), replace(ev, objective_ms=step)

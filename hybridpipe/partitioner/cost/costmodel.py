@@ -14,7 +14,7 @@ per message, 1/bandwidth) unless a calibration (``hybridpipe bench-allreduce``) 
 level: then every algorithm it timed uses its own fitted alpha/beta there, and untimed ones use
 the measured point-to-point fit. Costs are linear in the message size S for a fixed algorithm
 and group, so each (algorithm, group) is reduced once to ``seconds = A + B * S`` and cached.
-A refined calibration (``refine.py``) adds a measured slowdown per all-reduce size class on top
+A refined calibration (``refine/refinement.py``) adds a measured slowdown per all-reduce size class on top
 (:meth:`CostModel.allreduce_factor`) and a compute slowdown the planner applies to the profile.
 Pure computation; no torch.
 """
@@ -27,11 +27,12 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from hybridpipe.errors import UserError
-from hybridpipe.partitioner import collectives as co
-from hybridpipe.partitioner.calibration import Calibration, LinkFit
-from hybridpipe.partitioner.cluster import Cluster, Level
-from hybridpipe.partitioner.plan import ALGORITHMS
-from hybridpipe.partitioner.priced import PricedRound, priced
+from hybridpipe.partitioner.cost import collectives as co
+from hybridpipe.partitioner.cost import fastlines
+from hybridpipe.partitioner.cost.calibration import Calibration, LinkFit
+from hybridpipe.partitioner.cost.cluster import Cluster, Level
+from hybridpipe.partitioner.cost.collectives import ALGORITHMS
+from hybridpipe.partitioner.cost.priced import PricedRound, priced
 
 # Nominal costs used where no calibration measured a level.
 NOMINAL_SOFTWARE_ALPHA_S = 30e-6      # per message step, on top of the link's latency
@@ -88,7 +89,7 @@ class CostModel:
         self.interference_s_per_byte = max((c.interference_s_per_byte for c in cals), default=0.0) * wire_bytes
         # an all-reduce beside compute takes this much longer than alone (calibration.py)
         self.overlap_slowdown = max((c.overlap_slowdown for c in cals), default=1.0)
-        # what runs on the cluster taught (refine.py): all-reduce slowdown by size, compute slowdown
+        # what runs on the cluster taught (refine/refinement.py): all-reduce slowdown by size, compute slowdown
         self.allreduce_points = tuple(sorted(p for c in cals for p in c.allreduce_slowdown))
         self.compute_slowdown = max((c.compute_slowdown for c in cals if c.refined), default=1.0)
         self.step_overhead_ms = max((c.step_overhead_ms for c in cals), default=0.0)
@@ -269,11 +270,31 @@ class CostModel:
         return Line(alpha * self.overlap_slowdown, per_byte * self.overlap_slowdown)
 
     def _fill_lines(self, key: tuple[int, ...]) -> None:
-        from hybridpipe.partitioner import fastlines  # it builds on this module
-
         variants = [(a, h) for a in ALGORITHMS for h in ((False, True) if a == "butterfly" else (False,))]
-        for (a, h), (_, ln) in zip(variants, fastlines.lines(self, key, ALGORITHMS), strict=True):
+        for (a, h), (_, ln) in zip(variants, self.fast_lines(key, ALGORITHMS), strict=True):
             self._lines.setdefault((a, key, h, None), ln)
+
+    def fast_lines(self, ranks: Sequence[int], algorithms: Sequence[str] = ALGORITHMS) -> list[tuple[str, Line]]:
+        """The same list as :meth:`lines`, every variant at once from ``fastlines.link_loads`` (not cached):
+        its rounds priced as :meth:`price` and summed in order as :meth:`priced_line`."""
+        ll = fastlines.link_loads(self.cluster, ranks, algorithms, self.aggregator_dedicated)
+        count, levels = len(ll.algorithms), len(self.cluster.levels)
+        alpha_l = np.zeros((count, 1, levels))
+        beta_l = np.zeros((count, 1, levels))
+        for v, algo in enumerate(ll.algorithms):
+            fits = self._fits(algo)
+            alpha_l[v, 0] = [f.alpha_s for f in fits]
+            beta_l[v, 0] = [f.beta_s_per_byte for f in fits]
+        present = ll.loads > 0
+        some = present.any(axis=2)
+        a = np.where(some, np.where(present, alpha_l, -np.inf).max(axis=2, initial=-np.inf), 0.0)
+        b = np.where(some, np.where(present, ll.loads * beta_l, -np.inf).max(axis=2, initial=-np.inf), 0.0)
+        # padding rounds repeat 0 times and add exactly 0.0 after the real ones
+        alpha = np.cumsum(np.concatenate([np.zeros((count, 1)), ll.repeat * (a * ll.steps)], axis=1), axis=1)[:, -1]
+        per_byte = np.cumsum(np.concatenate([np.zeros((count, 1)), ll.repeat * (b + ll.reduce * self.gamma)],
+                                            axis=1), axis=1)[:, -1]
+        return [(algo, Line(float(x) * self.overlap_slowdown, float(y) * self.overlap_slowdown))
+                for algo, x, y in zip(ll.algorithms, alpha, per_byte, strict=True)]
 
     def price(self, rl: RoundLoad, algorithm: str, fits: Sequence[LinkFit] | None = None) -> tuple[float, float]:
         """(seconds, seconds per byte of S) of one priced-out round, all its repeats."""

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from hybridpipe.limits import check_deadline
-from hybridpipe.partitioner.objective import StageSpec
-from hybridpipe.partitioner.stageterms import Candidates, StageTerms
+from hybridpipe.partitioner.search.objective import StageSpec
+from hybridpipe.partitioner.search.stageterms import Candidates, StageTerms
 
 
 @dataclass(frozen=True)

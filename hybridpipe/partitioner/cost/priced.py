@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hybridpipe.partitioner.collectives import SWITCH, Collective
+from hybridpipe.partitioner.cost.collectives import SWITCH, Collective
 
 
 @dataclass(frozen=True, eq=False)

@@ -21,7 +21,7 @@ fitted only where some stage ran an all-reduce (where the loss is large enough t
 only where it explains most (``EXPLAINED``) of the squared relative error that one compute
 factor leaves: otherwise a node slower than its profile in one stage would pass for it.
 What the stages' compute does not show but the measured steps do (other stages slowed beside
-an all-reduce, on hosts that share CPUs) is added later, by refine.py's fit of what is left.
+an all-reduce, on hosts that share CPUs) is added later, by refinement.py's fit of what is left.
 """
 
 from __future__ import annotations

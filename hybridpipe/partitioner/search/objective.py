@@ -51,11 +51,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hybridpipe.errors import UserError
-from hybridpipe.partitioner.costmodel import CostModel
-from hybridpipe.partitioner.layersync import StageSync, choose_layer_algorithms
-from hybridpipe.partitioner.modelcosts import ModelCosts
+from hybridpipe.partitioner.cost.costmodel import CostModel
+from hybridpipe.partitioner.cost.layersync import StageSync, choose_layer_algorithms
 from hybridpipe.partitioner.plan import ALGORITHMS, OPTIMIZERS
-from hybridpipe.partitioner.schedule_registry import Schedule, get_schedule
+from hybridpipe.partitioner.schedule_registry import DEFAULT_SCHEDULE, REGISTRY, Schedule
+from hybridpipe.partitioner.search.modelcosts import ModelCosts
 
 OPTIMIZER_STATES = {"sgd": 1, "adam": 2, "adamw": 2}   # extra copies of the weights an optimizer keeps
 RECOMPUTE = ("none", "all", "auto")
@@ -65,7 +65,7 @@ RECOMPUTE = ("none", "all", "auto")
 class Options:
     """What the plan is for: schedule, micro-batches per step, optimizer, memory per worker."""
 
-    schedule: str = "1f1b"
+    schedule: Schedule = REGISTRY[DEFAULT_SCHEDULE]     # what it means: schedule_registry.py
     micro_batches: int = 1
     optimizer: str = "sgd"
     memory_bytes: float = math.inf
@@ -73,7 +73,6 @@ class Options:
     recompute: str = "none"     # none | all | auto (a stage recomputes only when it would not fit otherwise)
 
     def __post_init__(self):
-        get_schedule(self.schedule)
         if self.recompute not in RECOMPUTE:
             raise UserError(f"unknown --recompute {self.recompute!r}; choose from {', '.join(RECOMPUTE)}")
         if self.optimizer not in OPTIMIZERS:
@@ -83,14 +82,9 @@ class Options:
         if not self.algorithms or any(a not in ALGORITHMS for a in self.algorithms):
             raise UserError(f"all-reduce algorithms must be among {', '.join(ALGORITHMS)}, got {self.algorithms}")
 
-    @property
-    def kind(self) -> Schedule:
-        """The schedule's meaning (schedule_registry.py)."""
-        return get_schedule(self.schedule)
-
     def replicas_ok(self, replicas: int) -> bool:
         """Every replica gets micro-batches (r <= M); asynchronous rounds need r to divide M."""
-        return self.kind.replicas_ok(replicas, self.micro_batches)
+        return bool(self.schedule.replicas_ok(replicas, self.micro_batches))
 
 
 @dataclass(frozen=True)
@@ -133,12 +127,13 @@ class Evaluation:
     fits: bool                   # every stage fits in memory and gives each replica micro-batches
 
 
-def inflight_micro_batches(schedule: str, k: int, workers_after: int, replicas: int, workers: int | None = None) -> int:
+def inflight_micro_batches(schedule: Schedule, k: int, workers_after: int, replicas: int,
+                           workers: int | None = None) -> int:
     """Micro-batches whose activations a replica holds at once (``workers``: all of the pipeline's,
     default ``workers_after``)."""
     depth = -(-workers_after // replicas)
     depth_all = -(-(workers if workers is not None else workers_after) // replicas)
-    return get_schedule(schedule).inflight(k, depth, depth_all)
+    return schedule.inflight(k, depth, depth_all)
 
 
 def memory_bytes(costs: ModelCosts, i: int, j: int, inflight: int, opts: Options, recompute: bool = False) -> float:
@@ -146,7 +141,7 @@ def memory_bytes(costs: ModelCosts, i: int, j: int, inflight: int, opts: Options
     A recomputing stage keeps only each in-flight micro-batch's inputs and outputs (and the loss's),
     plus what one micro-batch's rerun of its forward rebuilds (``ModelCosts.rerun_bytes``)."""
     weights = float(costs.param_bytes[i:j + 1].sum())
-    versions = opts.kind.weight_versions(inflight)
+    versions = opts.schedule.weight_versions(inflight)
     stash = costs.stash_bytes(i, j)
     if recompute:
         held = costs.kept_bytes(i, j) * inflight + costs.rerun_bytes(i, j)
@@ -199,7 +194,7 @@ def evaluate(costs: ModelCosts, model: CostModel, stages: Sequence[StageSpec], o
     """Every stage's figures and the objective for a stage list covering all nodes."""
     evals = []
     workers_after = sum(len(s.ranks) for s in stages)
-    kind = opts.kind
+    kind = opts.schedule
     workers = workers_after
     pipedream = kind.asynchronous
     share = kind.drain_backward_share
@@ -252,10 +247,10 @@ def predict_step_ms(ev: Evaluation, opts: Options) -> float:
     and each stage's gap also count one micro-batch's activation and gradient transfers over
     the cuts they cross; never below a stage's transfer term. pipedream: the objective.
     """
-    if opts.kind.asynchronous or not ev.fits:
+    if opts.schedule.asynchronous or not ev.fits:
         return ev.objective_ms
     st = ev.stages
-    share = opts.kind.drain_backward_share
+    share = opts.schedule.drain_backward_share
     transfers = [s.send_ms + s.send_grad_ms for s in st]
     trip = sum(s.forward_ms + share * s.backward_ms for s in st) + sum(transfers)
     worst, before = 0.0, 0.0

@@ -28,9 +28,9 @@ import math
 import numpy as np
 
 from hybridpipe.limits import check_deadline
-from hybridpipe.partitioner.cluster import Cluster
-from hybridpipe.partitioner.modelcosts import ModelCosts
-from hybridpipe.partitioner.objective import StageSpec
+from hybridpipe.partitioner.cost.cluster import Cluster
+from hybridpipe.partitioner.search.modelcosts import ModelCosts
+from hybridpipe.partitioner.search.objective import StageSpec
 
 
 class _Level:

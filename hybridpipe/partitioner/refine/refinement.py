@@ -23,7 +23,7 @@ observations are plain numbers (``observed.py``), so no process group is needed.
 * What is left: each run's measured step against the refined model's prediction for its stages.
   Three terms explain the rest. Compute lost beside all-reduces that the stages' own compute
   did not show (on hosts that share CPUs a big all-reduce slows the other stages: it shows in
-  the steps only), added to the interference per link byte (``refine_interference.py``), is
+  the steps only), added to the interference per link byte (``interference.py``), is
   searched like the latency below, after it, and the latency again after that (only where a
   run had an all-reduce). A latency per p2p message beyond the wire time (``p2p_extra_alpha``:
   handing a message over between busy ranks; the model charges it wherever it charges a
@@ -32,7 +32,7 @@ observations are plain numbers (``observed.py``), so no process group is needed.
   latency is searched (a log grid, then a ternary search) for the least squared relative error
   over the runs, the overhead being the median of what is left (at least 0) at each candidate;
   with one run, or runs that cannot tell them apart, the smaller latency wins.
-* The end of a step (``refine_step.py``): each stage's ``step`` phase against the model's
+* The end of a step (``step.py``): each stage's ``step`` phase against the model's
   optimizer step for its parameter bytes and the tied weights' sums it takes part in; the
   optimizer factor scales the profile's step times, the tied factor the sums' prices
   (``tied_slowdown``). The run's prediction counts the tied sums as the plan's does.
@@ -61,18 +61,18 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from hybridpipe.errors import UserError
-from hybridpipe.partitioner.calibration import Calibration, LinkFit
-from hybridpipe.partitioner.cluster import Cluster
-from hybridpipe.partitioner.costmodel import CostModel, size_factor
-from hybridpipe.partitioner.modelcosts import ModelCosts, model_costs
-from hybridpipe.partitioner.objective import Options, StageSpec, evaluate, predict_step_ms
-from hybridpipe.partitioner.observed import RunObservation
+from hybridpipe.partitioner.cost.calibration import Calibration, LinkFit
+from hybridpipe.partitioner.cost.cluster import Cluster
+from hybridpipe.partitioner.cost.costmodel import CostModel, size_factor
 from hybridpipe.partitioner.plan import ALGORITHMS
 from hybridpipe.partitioner.planner import priced_tied
-from hybridpipe.partitioner.refine_interference import StageLoad, fit_interference, link_bytes
-from hybridpipe.partitioner.refine_step import StepStage, TiedEvidence, fit_step
-from hybridpipe.partitioner.refine_sync import SIZE_CLASS_BASE, SyncEvidence, fit_classes, stage_sync_evidence
+from hybridpipe.partitioner.refine.interference import StageLoad, fit_interference, link_bytes
+from hybridpipe.partitioner.refine.observed import RunObservation
+from hybridpipe.partitioner.refine.step import StepStage, TiedEvidence, fit_step
+from hybridpipe.partitioner.refine.sync import SIZE_CLASS_BASE, SyncEvidence, fit_classes, stage_sync_evidence
 from hybridpipe.partitioner.schedule_registry import get_schedule
+from hybridpipe.partitioner.search.modelcosts import ModelCosts, model_costs
+from hybridpipe.partitioner.search.objective import Options, StageSpec, evaluate, predict_step_ms
 from hybridpipe.profiles.format import Profile
 
 FIT_ROUNDS = 50                # iterative proportional scaling rounds (one run: exact after one)
@@ -142,7 +142,7 @@ def p2p_factors(runs: Sequence[RunObservation], model: CostModel) -> tuple[tuple
 
 
 def stage_load(costs: ModelCosts, run: RunObservation, index: int) -> tuple[StageLoad, int]:
-    """A stage's profiled and measured compute per step and its link bytes (refine_interference.py); and k."""
+    """A stage's profiled and measured compute per step and its link bytes (interference.py); and k."""
     st = run.stages[index]
     r = max(1, len(st.ranks))
     k = -(-run.micro_batches // r)
@@ -183,7 +183,7 @@ def stage_tied_ms(profile: Profile, run: RunObservation, model: CostModel) -> tu
 
 def step_evidence(profile: Profile, costs: ModelCosts, model: CostModel, run: RunObservation,
                   optimizer: str = "sgd") -> tuple[list[StepStage], list[TiedEvidence]]:
-    """The stages of ``run`` that measured their ``step`` phase, against the model (refine_step.py)."""
+    """The stages of ``run`` that measured their ``step`` phase, against the model (step.py)."""
     tied, groups = stage_tied_ms(profile, run, model)
     opt = costs.optimizer_ms(optimizer)
     kind = get_schedule(run.schedule)
@@ -353,7 +353,7 @@ def predict_run(profile: Profile, cluster: Cluster, calibrations: Sequence[Calib
     tied weights' sums included, as a plan's prediction counts them."""
     model = CostModel(cluster, list(calibrations))
     stages = [StageSpec(s.first, s.last, s.ranks) for s in run.stages]
-    opts = Options(run.schedule, run.micro_batches, optimizer, math.inf, tuple(algorithms))
+    opts = Options(get_schedule(run.schedule), run.micro_batches, optimizer, math.inf, tuple(algorithms))
     ev = evaluate(base_costs(profile, model), model, stages, opts)
     tied = sum(t.predicted_ms for t in priced_tied(profile, stages, model))
     return predict_step_ms(ev, opts) + tied + model.step_overhead_ms

@@ -28,10 +28,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hybridpipe.partitioner import fastlines
-from hybridpipe.partitioner.costmodel import CostModel
-from hybridpipe.partitioner.modelcosts import ModelCosts
-from hybridpipe.partitioner.objective import OPTIMIZER_STATES, Options
+from hybridpipe.partitioner.cost.costmodel import CostModel
+from hybridpipe.partitioner.search.modelcosts import ModelCosts
+from hybridpipe.partitioner.search.objective import OPTIMIZER_STATES, Options
 
 Useful = Callable[[np.ndarray, np.ndarray], np.ndarray]
 SAFETY = 1e-9     # relative slack of every bound used to skip exact work (floating-point rounding)
@@ -57,7 +56,7 @@ class StageTerms:
         self.copies, self.wc = copies, workers // copies
         self.n = n = costs.n
         self.pf, self.pb = costs.prefix(costs.forward_ms), costs.prefix(costs.backward_ms)
-        self.kind = kind = opts.kind
+        self.kind = kind = opts.schedule
         self.flushed, self.share = kind.flushed, kind.drain_backward_share
         # a split schedule's fill + drain leaves out the backwards (share 0), its own is added per stage
         self.trip = float(self.pf[-1] + self.share * self.pb[-1]) if self.flushed else 0.0
@@ -108,22 +107,15 @@ class StageTerms:
         j, x, y = c.j, c.x, c.y
         b = y - x
         r = b * self.copies
-        ok = (r <= m_b) & (b >= 1) & self.cut_ok[j]
         kind = self.kind
-        if kind.asynchronous:
-            ok &= m_b % np.maximum(r, 1) == 0
+        ok = kind.replicas_ok(r, m_b) & (b >= 1) & self.cut_ok[j]
         r = np.maximum(r, 1)
         k = -(-m_b // r)
         kk = k if not self.flushed else k - 1
         depth = -(-(self.copies * (self.wc - x)) // r)
         depth_all = -(-(self.copies * self.wc) // r)
-        if kind.forwards_first:
-            inflight = k
-        elif kind.asynchronous:
-            inflight = depth
-        else:
-            inflight = np.minimum(k, depth_all if kind.split_backward else depth)
-        static = 2 + OPTIMIZER_STATES[opts.optimizer] + (inflight - 1 if kind.asynchronous else 0)
+        inflight = kind.inflight(k, depth, depth_all)
+        static = 2 + OPTIMIZER_STATES[opts.optimizer] + kind.weight_versions(inflight)
         fwd = self.pf[j + 1] - self.pf[i]
         back = self.pb[j + 1] - self.pb[i]
         fb = fwd + back
@@ -161,7 +153,7 @@ class StageTerms:
 
     def _overhead(self, i: int, j: np.ndarray, r: np.ndarray, k: np.ndarray, weights: np.ndarray) -> np.ndarray:
         """objective.overhead_ms per candidate (optimizer steps, compute lost to communication)."""
-        syncs = k if not self.flushed else 1
+        syncs = self.kind.syncs_per_step(k)
         ring = 2 * (r - 1) / r * weights
         p2p = self.p2p_in[i] + self.p2p_out[j]
         opt_ms = self.po[j + 1] - self.po[i]
@@ -237,10 +229,10 @@ class StageTerms:
         hit = self._sync.get(key)
         if hit is None:
             ranks = np.add.outer(np.arange(self.copies) * self.wc, np.arange(offset, offset + size)).ravel().tolist()
-            lines = fastlines.lines(self.model, ranks, self.opts.algorithms)
+            lines = self.model.fast_lines(ranks, self.opts.algorithms)
             nbytes = self.costs.param_bytes
             best = np.min([ln.alpha_s + ln.s_per_byte * nbytes for _, ln in lines], axis=0)
-            best = best * self.model.allreduce_factor(nbytes)    # refined calibrations (refine.py); 1 otherwise
+            best = best * self.model.allreduce_factor(nbytes)    # refined calibrations (refine/); 1 otherwise
             hit = self._sync[key] = np.where(self.param_nodes, best * 1e3, 0.0)
             self.priced += 1
         return hit

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from hybridpipe.errors import UserError
-from hybridpipe.partitioner.modelcosts import ModelCosts
-from hybridpipe.partitioner.objective import StageSpec
+from hybridpipe.partitioner.search.modelcosts import ModelCosts
+from hybridpipe.partitioner.search.objective import StageSpec
 
 
 def blocked_stage(costs: ModelCosts, stages: Sequence[StageSpec]) -> tuple[int, str] | None:

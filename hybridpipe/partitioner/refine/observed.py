@@ -1,4 +1,4 @@
-"""What a training run measured, reduced to the numbers ``refine.py`` compares with the cost model.
+"""What a training run measured, reduced to the numbers ``refinement.py`` compares with the cost model.
 
 Pure functions over plain data: each rank's timeline events (the Chrome trace events that
 ``runtime/timeline.py`` writes: phases with ``args.step`` / ``args.micro_batch``, p2p transfers
@@ -54,7 +54,7 @@ class Transfer:
 
 @dataclass(frozen=True)
 class RunObservation:
-    """One run, as refine.py reads it."""
+    """One run, as refinement.py reads it."""
 
     name: str                         # the run directory (provenance)
     stages: tuple[StageObservation, ...]

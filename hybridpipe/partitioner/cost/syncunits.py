@@ -25,12 +25,39 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import partial
 
-from hybridpipe.partitioner.costmodel import CostModel
-from hybridpipe.partitioner.plan import SECOND_LANE_ALGORITHMS, LayerSync
+from hybridpipe.partitioner.cost.costmodel import CostModel
 
+SECOND_LANE_ALGORITHMS = ("ring", "butterfly", "hierarchical", "torus2d")   # may run on sync lane 1
 URGENT_RATIO = 8     # a unit is urgent when later-needed units hold >= 8x its bytes (and the largest does)
+
+
+@dataclass(frozen=True)
+class LayerSync:
+    """How one layer's gradients are summed across a stage's replicas."""
+
+    layer: str                    # the owning node's name in the profile
+    params: tuple[str, ...]       # qualified parameter names (the model's state_dict keys)
+    bytes: int                    # gradient bytes
+    algorithm: str                # one of ALGORITHMS (collectives.py)
+    predicted_ms: float = 0.0     # all-reduce time by the cost model
+    exposed_ms: float = 0.0       # how much it delays the stage's next forward (layersync.py's FIFO lane)
+    unit: int | None = None       # adjacent layers with one unit number share an all-reduce (None: alone)
+    lane: int = 0                 # 0: the main sync lane; 1: the second (syncunits.py)
+
+
+
+def sync_units(layers: Sequence[LayerSync]) -> list[tuple[LayerSync, ...]]:
+    """``layers`` grouped into sync units: runs of adjacent layers with one ``unit`` number (None: alone)."""
+    units: list[list[LayerSync]] = []
+    for lv in layers:
+        if units and lv.unit is not None and units[-1][-1].unit == lv.unit:
+            units[-1].append(lv)
+        else:
+            units.append([lv])
+    return [tuple(u) for u in units]
 
 
 def group_small(sizes: Sequence[float], small_bytes: float) -> list[list[int]]:

@@ -13,7 +13,7 @@ measured by running a compute loop with and without an all-reduce beside it; 0 i
 1 if unmeasured); the cost model stretches every all-reduce by it, since syncs overlap compute.
 
 Format 2 adds what ``hybridpipe partition --refine`` / ``autotune`` learnt from runs on the
-cluster (``partitioner/refine.py``); a calibration without it is still written as format 1:
+cluster (``partitioner/refine/refinement.py``); a calibration without it is still written as format 1:
 
 * ``allreduce_slowdown``: ``[[bytes, factor], ...]`` sorted by bytes, one point per size class:
   a measured all-reduce of that size, beside what ran with it in the run, took ``factor`` times

@@ -1,4 +1,4 @@
-"""Refinement of the replicas' all-reduces from the runs' sync waits (issue 18; see refine.py).
+"""Refinement of the replicas' all-reduces from the runs' sync waits (issue 18; see refinement.py).
 
 A replicated stage's measured wait for its gradients after its last backward is compared with
 the per-layer lane of ``layersync.py``: each layer's all-reduce (the algorithm it ran, priced by
@@ -19,11 +19,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hybridpipe.partitioner.costmodel import CostModel, size_factor
-from hybridpipe.partitioner.layersync import Floats, simulate_lane
-from hybridpipe.partitioner.modelcosts import ModelCosts
-from hybridpipe.partitioner.observed import StageObservation
+from hybridpipe.partitioner.cost.costmodel import CostModel, size_factor
+from hybridpipe.partitioner.cost.layersync import Floats, simulate_lane
 from hybridpipe.partitioner.plan import ALGORITHMS
+from hybridpipe.partitioner.refine.observed import StageObservation
+from hybridpipe.partitioner.search.modelcosts import ModelCosts
 
 SIZE_CLASS_BASE = 4.0          # all-reduce size classes: [4^k, 4^(k+1)) bytes
 FACTOR_RANGE = (1 / 64, 64.0)  # the all-reduce factor is solved within this range

@@ -31,12 +31,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from hybridpipe.limits import OutOfTime
-from hybridpipe.partitioner.costmodel import CostModel
-from hybridpipe.partitioner.modelcosts import ModelCosts
-from hybridpipe.partitioner.objective import Options, StageSpec
-from hybridpipe.partitioner.region import RegionResult, solve_region
-from hybridpipe.partitioner.relaxation import lower_bound, min_block, windows
-from hybridpipe.partitioner.stageterms import StageTerms
+from hybridpipe.partitioner.cost.costmodel import CostModel
+from hybridpipe.partitioner.search.modelcosts import ModelCosts
+from hybridpipe.partitioner.search.objective import Options, StageSpec
+from hybridpipe.partitioner.search.region import RegionResult, solve_region
+from hybridpipe.partitioner.search.relaxation import lower_bound, min_block, windows
+from hybridpipe.partitioner.search.stageterms import StageTerms
 
 _NONE = RegionResult(math.inf, (), 0)
 TIE = 1e-9          # relative slack when re-solving for plans that reach the optimal objective
