@@ -93,7 +93,7 @@ def test_the_ranks_digests_tell_an_initialisation_that_depends_on_the_meta_devic
         plan = make_plan(name, [0, 1, 2], [1, 1, 1, 1], batch_size=2)
         built = build_model(resolve_model(name), plan, seed=SEED)
         digests = set()
-        for rank in range(4):
+        for rank in (0, 3):
             model = copy.deepcopy(built)
             digests.add(build_stages(model.module, model.captured, model.recipe, plan, [rank]))
         assert (len(digests) == 1) == same, name
