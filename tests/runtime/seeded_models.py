@@ -29,7 +29,6 @@ class Stack(nn.Module):
         self.layers = nn.Sequential(*(Layer(width) for _ in range(layers)))
         self.head = nn.Linear(width, classes)
         nn.init.xavier_uniform_(self.head.weight)
-        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.layers(x))

@@ -135,3 +135,25 @@ def test_a_model_that_cannot_be_built_on_the_meta_device_is_built_whole_on_every
     expected = whole(name)
     for n, p in model.module.named_parameters():
         assert torch.equal(p, expected.get_parameter(n)), n
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["initialised", "device_dependent"])
+def test_under_launch_each_rank_builds_its_stage_and_trains_as_one_process(tmp_path, name):
+    """2 ranks, 3 SGD steps: equal to one process. ``device_dependent`` replays without an error
+    but with other draws on each rank: the ranks' digests differ and every rank builds it whole,
+    saying so."""
+    from hybridpipe.partitioner.plan import save_plan
+    from hybridpipe.runtime.merged import merge_stages
+    from tests.runtime.jobs import launch, max_diff, train_reference
+
+    plan = make_plan(f"tests.runtime.seeded_models:{name}", [1], [1, 1], micro_batches=2, batch_size=4)
+    save_plan(plan, tmp_path / "plan.json")
+    done = launch(["--plan", str(tmp_path / "plan.json"), "--steps", "3", "--lr", "0.05", "--momentum", "0.5",
+                   "--checkpoint-dir", str(tmp_path / "ckpt"), "--run-dir", str(tmp_path / "run"), "--timeout", "120",
+                   "--no-progress", "--no-trace"], plan.world_size, timeout=300)
+    assert all(d.returncode == 0 for d in done), done
+    whole = [d.stderr.count("every rank builds the whole of") for d in done]
+    assert whole == ([1, 1] if name == "device_dependent" else [0, 0]), done
+    merged, _ = merge_stages(tmp_path / "ckpt", 3)
+    assert max_diff(merged, train_reference(plan, 3, lr=0.05, momentum=0.5, seed=0)) <= 1e-6
