@@ -39,9 +39,10 @@ Interfaces (duck-typed, see the project's contracts):
 * ``tokens`` (optional, pipeline/tokens.py): token-weighted loss; each backward starts from the
   micro-batch's loss sum and the Step multiplies by 1 / (the step's valid tokens) instead of 1/M.
 * ``autocast`` (optional dtype, e.g. ``torch.bfloat16``): forwards and losses run under
-  ``torch.autocast`` (weights, gradients and optimizer state stay float32); ``wire_dtype``
-  (optional): floating-point activations and gradients are sent in that dtype (half the bytes
-  for bfloat16); a received gradient is cast back to its output's dtype before the backward.
+  ``torch.autocast`` (weights, gradients and optimizer state stay float32; the stages must be
+  captured under the same autocast, ``capture_model(autocast=)``). Activations and gradients travel
+  in the dtype the stage computed them in, as the unsplit model holds them: what autocast made
+  16-bit crosses in 16 bits, a float32 residual stream in float32.
 
 ``run_eval(data)`` runs the forward-only evaluation list (``schedules.eval_program``) in
 evaluation mode without autograd: no gradient, no weight or optimizer change.
@@ -141,8 +142,7 @@ class PipelineEngine:
                  sync: Any = None, recorder=None, tied: TiedReduce | None = None,
                  clock: Callable[[], float] = time.perf_counter,
                  before_step: Callable[[], bool | None] | None = None, autocast: torch.dtype | None = None,
-                 wire_dtype: torch.dtype | None = None, loss_scale: Callable[[], float] | None = None,
-                 tokens: TokenCounts | None = None):
+                 loss_scale: Callable[[], float] | None = None, tokens: TokenCounts | None = None):
         check_schedulable(topo, schedule)
         chunks = [stages] if isinstance(stages, PipelineStage) else list(stages)
         expected = list(topo.stages_of(rank))
@@ -155,7 +155,7 @@ class PipelineEngine:
         self.transport, self.optimizer, self.data = transport, optimizer, data
         self.syncs = _syncs(sync, expected)
         self.tied, self.before_step = tied, before_step
-        self.autocast, self.wire_dtype, self.loss_scale, self.tokens = autocast, wire_dtype, loss_scale, tokens
+        self.autocast, self.loss_scale, self.tokens = autocast, loss_scale, tokens
         if tokens is not None:
             check_normalization("tokens", schedule.flushed, schedule.name)
         if tied is not None and not schedule.keeps_tied_weights:
@@ -247,19 +247,13 @@ class PipelineEngine:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast)
 
-    def on_wire(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``tensors`` as they travel: floating-point ones in ``wire_dtype`` (when set)."""
-        if self.wire_dtype is None:
-            return tensors
-        return {k: t.detach().to(self.wire_dtype) if t.is_floating_point() else t for k, t in tensors.items()}
-
     def send(self, peer: int, key: str, tensors: dict[str, torch.Tensor]) -> None:
-        """Post ``tensors`` (as they travel, :meth:`on_wire`) to ``peer``; to this very rank (two
-        neighbouring model chunks of one rank, e.g. zbv's turn of the V) they stay here."""
+        """Post ``tensors`` to ``peer``; to this very rank (two neighbouring model chunks of one
+        rank, e.g. zbv's turn of the V) they stay here."""
         if peer == self.rank:
-            self._local[key] = {k: t.detach() for k, t in self.on_wire(tensors).items()}
+            self._local[key] = {k: t.detach() for k, t in tensors.items()}
         else:
-            self.channel().send(peer, key, self.on_wire(tensors))
+            self.channel().send(peer, key, tensors)
 
     def recv(self, peer: int, key: str) -> dict[str, torch.Tensor]:
         """The tensors ``peer`` sent under ``key`` (blocks until they arrive)."""

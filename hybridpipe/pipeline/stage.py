@@ -160,7 +160,7 @@ class PipelineStage:
         number over the run, which orders a replicated stage's statistics (default: calls so far).
         """
         leaves = {k: _leaf(t, grad=not self.is_first) for k, t in inputs.items()}
-        values = unpack(leaves, self.input_names)
+        values = unpack(_unleafed(leaves, self.device), self.input_names)
         args = tuple(values[name] for name in self.input_names)
 
         def run(*xs: Any) -> Any:
@@ -250,8 +250,7 @@ class PipelineStage:
         unknown = set(output_grads or {}) - set(act.outputs)
         if unknown:
             raise KeyError(f"stage {self.index} got gradients for {sorted(unknown)}, which it did not send")
-        pairs = [(act.outputs[k], g if g.dtype == act.outputs[k].dtype else g.to(act.outputs[k].dtype))
-                 for k, g in (output_grads or {}).items() if act.outputs[k].requires_grad]   # 16-bit on the wire
+        pairs = [(act.outputs[k], g) for k, g in (output_grads or {}).items() if act.outputs[k].requires_grad]
         return [t for t, _ in pairs], [g for _, g in pairs]
 
 
@@ -272,6 +271,18 @@ def _leaf(t: torch.Tensor, grad: bool) -> torch.Tensor:
     if grad and (t.is_floating_point() or t.is_complex()):
         return t.detach().requires_grad_(True)
     return t.detach()
+
+
+def _unleafed(leaves: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """What the graph is fed under autocast: each input that requires grad as a view of its leaf.
+    Autocast caches its 16-bit copy of a leaf that requires grad (meant for weights) and reuses it
+    for every op in the forward, so the gradients of those uses would be summed in 16 bits before
+    the cast back; in the unsplit model this value is no leaf, is cast once per use, and its
+    gradients are summed in its own dtype. A view is no leaf: the same casts as the unsplit model,
+    and the gradient reaches the leaf unchanged."""
+    if not torch.is_autocast_enabled(device.type):
+        return leaves
+    return {k: t.view_as(t) if t.requires_grad else t for k, t in leaves.items()}
 
 
 def captured_signature(captured: CapturedModel) -> str:

@@ -85,7 +85,8 @@ class RunConfig:
     lr_schedule: str = "constant"     # runtime/lr.py: constant, linear or cosine (after the warm-up)
     warmup_steps: int = 0
     clip_grad_norm: float | None = None   # clip by the whole model's gradient norm (None: no clipping)
-    precision: str = "fp32"           # fp32, bf16 or fp16 (runtime/trainer.py's PRECISIONS)
+    precision: str = "fp32"           # fp32, bf16 or fp16 (runtime/parts.py's PRECISIONS)
+    reduce_dtype: str = "fp32"        # the dtype the replicas sum their gradients in
     shuffle: bool = False             # a seeded permutation of the dataset every epoch
     eval_every: int = 0               # held-out evaluation every K steps (0: never)
     eval_batches: int = 1             # global batches per evaluation
@@ -174,11 +175,14 @@ def build_parser() -> Parser:
                    help="held-out data, as --dataset (default: synthetic samples of another seed; required "
                         "with a --dataset of your own)")
     g.add_argument("--precision", choices=("fp32", "bf16", "fp16"),
-                   help="bf16/fp16: compute under torch.autocast; activations and gradients between stages and "
-                        "the replicas' all-reduce in 16 bits (half the bytes); weights and optimizer state stay "
-                        "float32; fp16 "
+                   help="bf16/fp16: capture the model and compute under torch.autocast, each stage as the unsplit "
+                        "model under autocast; activations and gradients cross between stages in the dtype they "
+                        "were computed in; weights, their gradients and optimizer state stay float32; fp16 "
                         "adds a dynamic loss scale whose overflowing steps every rank skips (gpipe, 1f1b; "
                         "default: the plan's precision, as `partition --precision` priced it)")
+    g.add_argument("--reduce-dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+                   help="the dtype the replicas of a stage sum their gradients in (default fp32, as DDP under "
+                        "autocast; bf16/fp16 halve the all-reduce's bytes and round each gradient to 16 bits)")
     g.add_argument("--loss-normalization", choices=LOSS_NORMALIZATIONS,
                    help="micro-batch: a step's loss is the mean of its micro-batches' mean losses; tokens: the "
                         "step's summed per-token loss over its valid tokens in all micro-batches and replicas, as "
@@ -309,7 +313,7 @@ def resolve(args: argparse.Namespace, world_size: int | None = None, planned: Pl
         verbose=args.verbose, skip_nonfinite=args.skip_nonfinite, lr_schedule=args.lr_schedule,
         warmup_steps=args.warmup_steps, clip_grad_norm=args.clip_grad_norm, eval_every=args.eval_every,
         eval_batches=args.eval_batches, eval_dataset=args.eval_dataset, shuffle=args.shuffle,
-        precision=plan.precision, init_from=args.init_from, planned_s=planned_s,
+        precision=plan.precision, reduce_dtype=args.reduce_dtype, init_from=args.init_from, planned_s=planned_s,
         loss_normalization=plan.loss_normalization)
 
 

@@ -52,6 +52,9 @@ from hybridpipe.runtime.tensor_files import Weights, open_weights
 
 log = logging.getLogger(__name__)
 
+# launch's --precision (and the Trainer's precision / reduce_dtype) -> the autocast dtype (None: float32)
+PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
 
 @dataclass
 class Model:
@@ -86,24 +89,30 @@ class Model:
 def load_model(cfg: RunConfig) -> Model:
     """Build and capture the plan's model (seeded by ``cfg.seed``) and check the whole plan against
     it before any process group exists: graph signature, every cut's values, tied parameters,
-    every replicated stage's sync layers."""
-    return build_model(resolve_model(cfg.model), cfg.plan, seed=cfg.seed)
+    every replicated stage's sync layers. Captured under autocast for a 16-bit ``cfg.precision``."""
+    return build_model(resolve_model(cfg.model), cfg.plan, seed=cfg.seed, autocast=PRECISIONS[cfg.precision])
 
 
-def build_model(spec: ModelSpec, plan: Plan, *, seed: int, whole: bool = False) -> Model:
+def build_model(spec: ModelSpec, plan: Plan, *, seed: int, autocast: torch.dtype | None = None,
+                whole: bool = False) -> Model:
     """:func:`load_model` for a resolved spec: the model built after ``torch.manual_seed(seed)``
-    (the same weights on every rank), captured with the plan's batch size and granularity, and
-    the whole plan checked against it. The model is built and captured with its parameters on the
-    meta device when a spec naming its weights' files is covered by them (runtime/lazy.py), or
-    when the plan has several stages (runtime/seeded.py): :meth:`Model.materialize` then gives
-    the rank's stages their values. ``whole``: every rank builds the whole model on the CPU instead
-    (as before each rank built only its own stages; benchmarks/build_memory.py)."""
+    (the same weights on every rank), captured with the plan's batch size and granularity (under
+    ``torch.autocast`` to ``autocast``, for a job that computes in it), and the whole plan checked
+    against it. A job that computes in float32 builds and captures the model with its parameters on
+    the meta device when a spec naming its weights' files is covered by them (runtime/lazy.py), or
+    when the plan has several stages (runtime/seeded.py): :meth:`Model.materialize` then gives the
+    rank's stages their values (autocast has no meta device: a 16-bit job builds or loads the
+    whole model on every rank). ``whole``: every rank builds the whole model on the CPU (as before
+    each rank built only its own stages; benchmarks/build_memory.py)."""
     torch.manual_seed(seed)
     example = spec.example_input(plan.batch_size, torch.Generator().manual_seed(seed))
     weights = open_weights(spec.weights) if spec.weights is not None else None
-    lazy = capture_lazily(spec, example, plan, weights) if weights is not None else None
     stagewise = spec.weights is None and len(plan.stages) > 1 and not whole
-    unbuilt = capture_unbuilt(spec, example, plan, seed) if stagewise else None
+    if (weights is not None or stagewise) and autocast is not None:
+        log.warning("hybridpipe: every rank %s the whole of %s: a %s capture cannot run on the meta device",
+                    "loads" if weights is not None else "builds", spec.name, autocast)
+    lazy = capture_lazily(spec, example, plan, weights) if weights is not None and autocast is None else None
+    unbuilt = capture_unbuilt(spec, example, plan, seed) if stagewise and autocast is None else None
     recipe = None
     if lazy is not None:
         module, captured = lazy
@@ -112,7 +121,8 @@ def build_model(spec: ModelSpec, plan: Plan, *, seed: int, whole: bool = False) 
     else:
         weights = None
         module = spec.build()
-        captured = capture_model(module, example, granularity=plan.granularity, leaf_modules=spec.leaf_modules)
+        captured = capture_model(module, example, granularity=plan.granularity, leaf_modules=spec.leaf_modules,
+                                 autocast=autocast)
         check_captured_plan(captured, plan)
     check_tied(captured, plan)
     check_sync_layers(captured, plan)

@@ -48,11 +48,10 @@ from hybridpipe.runtime.groups import init_distributed, replica_groups, stage_ch
 from hybridpipe.runtime.loader import MicroBatchSlice, StepLoader
 from hybridpipe.runtime.lr import SchedulerFactory
 from hybridpipe.runtime.nonfinite import NonFiniteWatch
-from hybridpipe.runtime.parts import Model, build_model, make_optimizer, make_sync, seed_rank, token_counts
+from hybridpipe.runtime.parts import PRECISIONS, Model, build_model, make_optimizer, make_sync, seed_rank, token_counts
 from hybridpipe.runtime.scaler import LossScaler
 from hybridpipe.runtime.tied import tied_process_groups, tied_sync
 
-PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 ModelArg = str | ModelSpec | Model | nn.Module | Callable[[], nn.Module]
 OptimizerArg = str | Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None
 
@@ -70,15 +69,19 @@ class Trainer:
     on every rank; see runtime/lr.py for launch's schedules). ``clip_grad_norm``: clip by the norm
     of the whole model's gradient (what ``torch.nn.utils.clip_grad_norm_`` on the unsplit model
     does). ``precision`` (default: the plan's, as ``partition --precision`` priced it)
-    ``"bf16"``: forwards under ``torch.autocast(bfloat16)`` and activations and gradients sent
-    between stages and all-reduced between replicas as bfloat16 (half the bytes); weights, their
-    gradients and the optimizer state stay float32. ``"fp16"`` likewise in float16,
-    with a dynamic loss scale (``loss_scale``: the initial one; runtime/scaler.py) whose overflow
-    check all ranks agree on: an overflowing step is skipped everywhere. ``loss_normalization`` (default:
-    the plan's) ``"micro-batch"``: a step's loss is the mean of its micro-batches' mean losses;
-    ``"tokens"``: its summed per-token loss over the valid tokens of the whole global batch, as one
-    process computes it (profiles/losses.py: ``loss`` then returns (loss_sum, count), or the model
-    is a Hugging Face model computing its own loss from ``labels``). ``data``: a source of micro-batches
+    ``"bf16"``: the model captured and its forwards run under ``torch.autocast(bfloat16)``, so each
+    stage computes what the unsplit model under autocast computes; activations and gradients cross
+    between stages in the dtype they were computed in; weights, their gradients and the optimizer
+    state stay float32. ``"fp16"`` likewise in float16, with a dynamic loss scale (``loss_scale``:
+    the initial one; runtime/scaler.py) whose overflow check all ranks agree on: an overflowing step
+    is skipped everywhere. ``reduce_dtype`` (``"fp32"``, default, ``"bf16"`` or ``"fp16"``): the dtype
+    the replicas sum their gradients in (16 bits: half the bytes, each gradient rounded to it).
+    A ``Model`` given must have been captured for the precision (``build_model(autocast=)``).
+    ``loss_normalization`` (default: the plan's) ``"micro-batch"``: a step's loss is the mean of its
+    micro-batches' mean losses; ``"tokens"``: its summed per-token loss over the valid tokens of the
+    whole global batch, as one process computes it (profiles/losses.py: ``loss`` then returns
+    (loss_sum, count), or the model is a Hugging Face model computing its own loss from ``labels``).
+    ``data``: a source of micro-batches
     by (step, micro-batch) for steps given no batch (launch's ``MicroBatches``). ``recorder``: a
     timeline recorder (launch's).
     """
@@ -90,11 +93,13 @@ class Trainer:
                  allreduce: str | None = None, calibrations: Iterable[str] = (), aggregator: str | None = None,
                  skip_nonfinite: bool = False, backend: str | None = None, timeout: float = 300.0,
                  precision: str | None = None, loss_scale: float = 2.0**16, recorder: Any = None,
-                 nonfinite_hint: str = "", loss_normalization: str | None = None) -> None:
+                 nonfinite_hint: str = "", reduce_dtype: str = "fp32", loss_normalization: str | None = None) -> None:
         self.plan = plan if isinstance(plan, Plan) else load_plan(str(plan))
         precision = precision or self.plan.precision          # what the plan was priced for, unless told
         if precision not in PRECISIONS:
             raise UserError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
+        if reduce_dtype not in PRECISIONS:
+            raise UserError(f"unknown reduce_dtype {reduce_dtype!r}; choose one of {', '.join(PRECISIONS)}")
         if clip_grad_norm is not None and (not clip_grad_norm > 0 or not math.isfinite(clip_grad_norm)):
             raise UserError(f"clip_grad_norm must be a positive number, got {clip_grad_norm}")
         kind = self.plan.kind
@@ -107,7 +112,13 @@ class Trainer:
             raise UserError(f"fp16's loss scaler skips overflowing steps on every stage at once, and {kind.name} has "
                             "no global step; use bf16, or the 1f1b or gpipe schedule")
         self.model = model if isinstance(model, Model) else build_model(_spec(model, self.plan, example, loss),
-                                                                        self.plan, seed=seed)
+                                                                        self.plan, seed=seed,
+                                                                        autocast=PRECISIONS[precision])
+        if self.model.captured.autocast != PRECISIONS[precision]:
+            raise UserError(f"the model was captured for {_precision_of(self.model.captured.autocast)} but the "
+                            f"trainer runs {precision}: build it with build_model(..., autocast=PRECISIONS"
+                            f"[{precision!r}]), or pass the model spec and let the trainer build it")
+        self.precision, self.reduce_dtype = precision, reduce_dtype
         self.proc, self._owned = init_distributed(backend, timeout)
         if self.proc.world_size != self.plan.world_size:
             raise UserError(f"the plan needs {self.plan.world_size} workers but the job has {self.proc.world_size}; "
@@ -144,7 +155,7 @@ class Trainer:
         self.syncs = {s.index: make_sync(plan, st.module, s, groups.get(s.index),
                                          exclude=tied.params if tied is not None else (), allreduce=allreduce,
                                          calibrations=tuple(calibrations), aggregator=aggregator,
-                                         wire_dtype=PRECISIONS[precision])
+                                         wire_dtype=PRECISIONS[reduce_dtype])
                       for s, st in zip(self.stage_plans, self.stages, strict=True)}
         seed_rank(seed, rank)
         self.optimizer = _optimizer(optimizer or plan.optimizer, self.module, lr, momentum, weight_decay)
@@ -162,7 +173,7 @@ class Trainer:
                                      optimizer=guarded, data=self._feed,
                                      sync=self.syncs, recorder=recorder, tied=tied,
                                      before_step=self._before_step if clip_grad_norm is not None or self.scaler
-                                     else None, autocast=PRECISIONS[precision], wire_dtype=PRECISIONS[precision],
+                                     else None, autocast=PRECISIONS[precision],
                                      loss_scale=self._loss_scale if self.scaler is not None else None,
                                      tokens=self.tokens)
         self.last_losses: dict[int, float] = {}      # this rank's micro-batch losses of the last step (last stage)
@@ -383,6 +394,10 @@ def _spec(model: ModelArg, plan: Plan, example: Any, loss: Callable[..., torch.T
         raise UserError("a model given as an nn.Module or a factory needs example= (one micro-batch of its input)")
     build = (lambda: model) if isinstance(model, nn.Module) else model
     return ModelSpec(name=plan.model, build=build, example=example, loss=loss)
+
+
+def _precision_of(dtype: torch.dtype | None) -> str:
+    return next(name for name, d in PRECISIONS.items() if d == dtype)
 
 
 def _optimizer(kind: OptimizerArg, module: nn.Module, lr: float, momentum: float, weight_decay: float) -> Any:

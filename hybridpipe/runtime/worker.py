@@ -144,7 +144,7 @@ def _train(cfg: RunConfig, proc: Process, model: Model, closers: list, print_fn,
                       data=make_data(cfg, model.spec), comm_mode=cfg.comm_mode, allreduce=cfg.allreduce,
                       calibrations=cfg.calibrations, aggregator=cfg.aggregator, skip_nonfinite=cfg.skip_nonfinite,
                       timeout=cfg.timeout, precision=cfg.precision, recorder=recorder, nonfinite_hint=hint,
-                      loss_normalization=cfg.loss_normalization)
+                      reduce_dtype=cfg.reduce_dtype, loss_normalization=cfg.loss_normalization)
     held_out = make_eval_data(cfg, model.spec) if cfg.eval_every else None
     start, restart = 0, None
     if init_optimizer is not None:
@@ -234,7 +234,8 @@ def _train(cfg: RunConfig, proc: Process, model: Model, closers: list, print_fn,
         return None
     summary = summarize(reports, plan, steps=cfg.steps, first_step=start, run_dir=str(run_dir),
                         trace_dir=str(traces) if traces is not None else None, schedule=cfg.schedule,
-                        comm_mode=cfg.comm_mode, allreduce=cfg.allreduce, skipped=trainer.watch.skipped)
+                        comm_mode=cfg.comm_mode, allreduce=cfg.allreduce, skipped=trainer.watch.skipped,
+                        precision=cfg.precision, reduce_dtype=cfg.reduce_dtype)
     if cfg.checkpoint_dir:
         summary["restarts"] = read_log(Path(cfg.checkpoint_dir))
     write_json(Path(run_dir) / "summary.json", summary)
