@@ -4,7 +4,9 @@
   starts from the weights single-process training would) and its captured graph, the whole plan
   checked against it once before any process group exists (pipeline/plancheck.py). A model whose
   weights all come from files (``hf:DIR``) is built with its parameters on the meta device, and
-  each rank reads only its own stages' tensors (:meth:`Model.materialize`; runtime/lazy.py).
+  each rank reads only its own stages' tensors (:meth:`Model.materialize`; runtime/lazy.py); a
+  model initialised from the seed, cut into several stages, is built there the same way and each
+  rank builds only its own stages' parameters, with one process's values (runtime/seeded.py).
 * :func:`make_sync`: HybridDataParallel (summing) for a replicated stage, running the plan's sync
   choices (or launch's overrides), else nothing to sync.
 * :func:`make_optimizer`: SGD (momentum), Adam or AdamW over the stage's parameters.
@@ -45,6 +47,7 @@ from hybridpipe.profiles.zoo import ModelSpec, resolve_model
 from hybridpipe.profiles.zoo.spec import batch_rows
 from hybridpipe.runtime.config import RunConfig
 from hybridpipe.runtime.lazy import capture_lazily, load_initial, load_whole, materialize
+from hybridpipe.runtime.seeded import Recipe, capture_unbuilt, materialize_seeded
 from hybridpipe.runtime.sync import describe_override, override_layers, stage_layers, unit_choices
 from hybridpipe.runtime.tensor_files import Weights, open_weights
 
@@ -62,21 +65,25 @@ class Model:
     captured: CapturedModel
     checked: CheckedPlan                # the plan checked against ``captured``: the stages are built from it
     weights: Weights | None = None      # the files the meta parameters are read from (None: all in memory)
+    recipe: Recipe | None = None        # or the seeded build that gives them (runtime/seeded.py)
 
     def materialize(self, plan: Plan, stages: Sequence[int]) -> None:
-        """Read the weights of ``stages`` (this rank's) from :attr:`weights`, before building them;
-        nothing to do for a model built whole."""
+        """Read the weights of ``stages`` (this rank's) from :attr:`weights`, or build them from
+        :attr:`recipe`, before building the stages; nothing to do for a model built whole. With a
+        recipe, every rank of the job calls it (one all-gather checks that the ranks agree)."""
         if self.weights is not None:
             materialize(self.module, self.captured, self.weights, plan, stages)
-            self.weights = None
+        elif self.recipe is not None:
+            materialize_seeded(self.module, self.captured, self.recipe, plan, stages)
+        self.weights = self.recipe = None
 
     def start_from(self, path: str) -> dict | None:
         """``launch --init-from PATH``: the model's weights from PATH instead (read per stage by
         :meth:`materialize` when the model was built without them); the name-keyed optimizer state
         PATH holds, if any (runtime/lazy.py load_initial)."""
         weights, optimizer = load_initial(path, self.module)
-        if self.weights is not None:
-            self.weights = weights
+        if self.weights is not None or self.recipe is not None:
+            self.weights, self.recipe = weights, None
         else:
             load_whole(self.module, weights)
         return optimizer
@@ -108,31 +115,39 @@ def load_model(cfg: RunConfig) -> Model:
 
 
 def build_model(spec: ModelSpec, plan: Plan, *, seed: int, autocast: torch.dtype | None = None,
-                cache: Path | None = None) -> Model:
+                cache: Path | None = None, whole: bool = False) -> Model:
     """:func:`load_model` for a resolved spec: the model built after ``torch.manual_seed(seed)``
     (the same weights on every rank), captured with the plan's batch size and granularity (under
     ``torch.autocast`` to ``autocast``, for a job that computes in it; through the capture cache in
     ``cache``: a restarted worker reads it, profiles/capture_cache.py), and the whole plan checked
-    against it once (pipeline/plancheck.py); a spec naming its weights' files is built and captured
-    with its parameters on the meta device when the files cover it (runtime/lazy.py) and the job
-    computes in float32 (autocast has no meta device: a 16-bit job loads the whole model on every
-    rank)."""
+    against it once (pipeline/plancheck.py). A job that computes in float32 builds and captures the
+    model with its parameters on the meta device when a spec naming its weights' files is covered
+    by them (runtime/lazy.py), or when the plan has several stages (runtime/seeded.py):
+    :meth:`Model.materialize` then gives the rank's stages their values (autocast has no meta
+    device: a 16-bit job builds or loads the whole model on every rank). ``whole``: every rank
+    builds the whole model on the CPU (as before each rank built only its own stages;
+    benchmarks/build_memory.py)."""
     torch.manual_seed(seed)
     example = spec.example_input(plan.batch_size, torch.Generator().manual_seed(seed))
     weights = open_weights(spec.weights) if spec.weights is not None else None
-    if weights is not None and autocast is not None:
-        log.warning("hybridpipe: every rank loads the whole of %s: a %s capture cannot run on the meta device",
-                    spec.name, autocast)
+    stagewise = spec.weights is None and len(plan.stages) > 1 and not whole
+    if (weights is not None or stagewise) and autocast is not None:
+        log.warning("hybridpipe: every rank %s the whole of %s: a %s capture cannot run on the meta device",
+                    "loads" if weights is not None else "builds", spec.name, autocast)
     lazy = capture_lazily(spec, example, plan, weights) if weights is not None and autocast is None else None
+    unbuilt = capture_unbuilt(spec, example, plan, seed) if stagewise and autocast is None else None
+    recipe = None
     if lazy is not None:
         module, captured, checked = lazy
+    elif unbuilt is not None:
+        module, captured, checked, recipe = unbuilt
     else:
         weights = None
         module = spec.build()
         captured = cached_capture(module, example, directory=cache, granularity=plan.granularity,
                                   leaf_modules=spec.leaf_modules, autocast=autocast)
         checked = check_plan(captured, plan)
-    return Model(spec, module, captured, checked, weights)
+    return Model(spec, module, captured, checked, weights, recipe)
 
 
 def make_sync(plan: Plan, stage_module: nn.Module, stage: Stage, group: dist.ProcessGroup | None,
