@@ -13,7 +13,7 @@ What is per rank works on :attr:`PipelineEngine.module` (chunks.rank_module: eve
 parameters, a weight two chunks share once): the optimizer, the Step's gradient scaling, the
 memory meter.
 
-Interfaces (duck-typed, see the project's contracts):
+Interfaces (duck-typed, see the project's contracts; the protocols are in ports.py):
 
 * ``transport``: ``send(peer, key, tensors)`` (posts), ``recv(peer, key) -> tensors`` (blocks);
   keys are ``act/<s>/<m>`` and ``grad/<s>/<m>`` (``instructions.message_key``: s the producing
@@ -52,9 +52,9 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from typing_extensions import assert_never
@@ -87,34 +87,13 @@ from hybridpipe.pipeline.instructions import (
     message_key,
 )
 from hybridpipe.pipeline.memory import MemoryMeter, optimizer_tensors, tensors_bytes
+from hybridpipe.pipeline.ports import TiedReduce, Transport, chunk_syncs
 from hybridpipe.pipeline.schedules import Topology, check_schedulable, forwarded, rank_program, settle_phase
 from hybridpipe.pipeline.stage import Activation, PipelineStage
 from hybridpipe.pipeline.stash import WeightStash, needs_frozen
 from hybridpipe.pipeline.tokens import TokenCounts, check_normalization
 from hybridpipe.pipeline.values import moved
 from hybridpipe.profiles.losses import loss_mean
-
-
-class Transport(Protocol):
-    def send(self, peer: int, key: str, tensors: dict[str, torch.Tensor]) -> None: ...
-    def recv(self, peer: int, key: str) -> dict[str, torch.Tensor]: ...
-
-
-class TiedReduce(Protocol):
-    def reduce(self) -> None: ...
-
-
-class LocalSync:
-    """The gradient sync of an unreplicated stage: nothing to do."""
-
-    def no_sync(self):
-        return contextlib.nullcontext()
-
-    def finish(self) -> None:
-        pass
-
-    def sum_replicas(self, tensor: torch.Tensor) -> None:
-        """Sum ``tensor`` in place across the stage's replicas: one replica, nothing to add."""
 
 
 @dataclass
@@ -153,7 +132,7 @@ class PipelineEngine:
         self.module = rank_module([s.module for s in chunks])
         self.topo, self.rank, self.schedule = topo, rank, schedule
         self.transport, self.optimizer, self.data = transport, optimizer, data
-        self.syncs = _syncs(sync, expected)
+        self.syncs = chunk_syncs(sync, expected)
         self.tied, self.before_step = tied, before_step
         self.autocast, self.loss_scale, self.tokens = autocast, loss_scale, tokens
         if tokens is not None:
@@ -404,14 +383,3 @@ class PipelineEngine:
     def _grad_bytes(self) -> int:
         return tensors_bytes(p for p in self.module.parameters() if p.requires_grad)
 
-
-def _syncs(sync: Any, stages: Sequence[int]) -> dict[int, Any]:
-    """Each chunk's gradient sync: one given for the rank's only stage, or a mapping per stage."""
-    if isinstance(sync, Mapping):
-        missing = [s for s in stages if s not in sync]
-        if missing:
-            raise ValueError(f"no gradient sync for stage(s) {missing}")
-        return {s: sync[s] if sync[s] is not None else LocalSync() for s in stages}
-    if len(stages) > 1 and sync is not None:
-        raise ValueError(f"a rank with stages {list(stages)} needs one gradient sync per stage (a mapping)")
-    return {s: sync if sync is not None else LocalSync() for s in stages}

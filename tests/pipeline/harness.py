@@ -16,8 +16,9 @@ from hybridpipe.pipeline.chunks import rank_module
 from hybridpipe.pipeline.data import MicroBatches
 from hybridpipe.pipeline.engine import PipelineEngine
 from hybridpipe.pipeline.inprocess import InProcessGradSync, InProcessNetwork, ReplicaGroup, run_ranks
+from hybridpipe.pipeline.plancheck import build_stages
 from hybridpipe.pipeline.schedules import Topology
-from hybridpipe.pipeline.stage import PipelineStage, build_stages, captured_signature
+from hybridpipe.pipeline.stage import PipelineStage, captured_signature
 from hybridpipe.pipeline.tied import TiedSync, complete_tied, stage_tied_params, tied_ranks
 from hybridpipe.pipeline.tokens import TokenCounts
 from hybridpipe.profiles.capture import CapturedModel, call_args, capture_model, tied_parameters, training_switches
