@@ -25,6 +25,7 @@ test: install
 
 test-slow: install
 	$(PY) -m pytest -m slow
+	HYBRIDPIPE_BAD_INPUT_EXAMPLES=40 $(PY) -m pytest tests/test_bad_inputs_property.py
 
 test-cuda: install
 	$(PY) -m pytest -m cuda

@@ -28,7 +28,8 @@ from hybridpipe.runtime.config import build_parser
 from tests.badinput import JSON, NUMBER_TEXT, Outcome, dumps, mutated, run, save_files, write_checkpoint
 from tests.pipeline.harness import make_plan
 
-EXAMPLES = int(os.environ.get("HYBRIDPIPE_BAD_INPUT_EXAMPLES", "40"))     # more for a long search
+# 20 cases per command by default; make test-slow runs 40 (HYBRIDPIPE_BAD_INPUT_EXAMPLES), more for a long search
+EXAMPLES = int(os.environ.get("HYBRIDPIPE_BAD_INPUT_EXAMPLES", "20"))
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
 
 

@@ -59,19 +59,19 @@ def check_against_brute_force(layers, skip, cluster, opts, overheads=(0.0, 0.0),
     assert all(costs.blocked_cut(s.last) is None for s in sol.stages)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(LAYER, min_size=1, max_size=5), st.booleans(), clusters(6), OPTIONS, OVERHEADS)
 def test_dp_equals_brute_force(layers, skip, cluster, opts, overheads):
     """Up to 7 nodes (input, 5 layers, output), 6 workers, 1 or 2 levels, every schedule, with and
-    without optimizer steps and compute lost to communication."""
+    without optimizer steps and compute lost to communication (30 cases; 2000: make test-slow)."""
     check_against_brute_force(layers, skip, cluster, opts, overheads)
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(LAYER, min_size=1, max_size=5), st.booleans(), clusters(6), OPTIONS, st.sets(st.integers(0, 5)))
 def test_dp_equals_brute_force_with_blocked_cuts(layers, skip, cluster, opts, blockers):
     """Some cuts split a value that cannot cross a stage boundary: no plan may cut there (brute force
-    enumerates every layout and ``evaluate`` rejects those that do)."""
+    enumerates every layout and ``evaluate`` rejects those that do). 20 cases; 1000: make test-slow."""
     check_against_brute_force(layers, skip, cluster, opts, blockers=sorted(blockers))
 
 
@@ -80,6 +80,13 @@ def test_dp_equals_brute_force_with_blocked_cuts(layers, skip, cluster, opts, bl
 @given(st.lists(LAYER, min_size=1, max_size=5), st.booleans(), clusters(6), OPTIONS, OVERHEADS)
 def test_dp_equals_brute_force_many(layers, skip, cluster, opts, overheads):
     check_against_brute_force(layers, skip, cluster, opts, overheads)
+
+
+@pytest.mark.slow
+@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(LAYER, min_size=1, max_size=5), st.booleans(), clusters(6), OPTIONS, st.sets(st.integers(0, 5)))
+def test_dp_equals_brute_force_with_blocked_cuts_many(layers, skip, cluster, opts, blockers):
+    check_against_brute_force(layers, skip, cluster, opts, blockers=sorted(blockers))
 
 
 # AlexNet's shape: convolutions with most of the compute and little of the weights, then fully

@@ -79,7 +79,9 @@ def test_errors_are_one_line_and_exit_2(profile, args, message, capsys):
     assert message in err and len(err.splitlines()) == 1 and err.startswith("hybridpipe partition: error:")
 
 
+@pytest.mark.slow
 def test_as_a_subprocess(profile, tmp_path):
+    """(Default: the real `python -m hybridpipe.cli` exits 2 with one line in test_cli.py.)"""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     done = subprocess.run([sys.executable, "-m", "hybridpipe.cli", "partition", str(profile), "--cluster",
                            str(tmp_path / "nope.json")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)

@@ -32,8 +32,8 @@ from hybridpipe.runtime.scaler import LossScaler
 Observer = Callable[[int, int, PipelineStage], None]     # (rank, step, stage) after every step
 
 
-def capture(spec: ModelSpec, batch_size: int = 4, seed: int = 0, granularity: str = "blocks",
-            autocast: torch.dtype | None = None) -> CapturedModel:
+def fresh_capture(spec: ModelSpec, batch_size: int = 4, seed: int = 0, granularity: str = "blocks",
+                  autocast: torch.dtype | None = None) -> CapturedModel:
     """The spec's model built from ``seed`` and captured as every rank does it (under autocast to
     ``autocast``, if given)."""
     torch.manual_seed(seed)
@@ -42,18 +42,26 @@ def capture(spec: ModelSpec, batch_size: int = 4, seed: int = 0, granularity: st
     return capture_model(module, example, granularity=granularity, leaf_modules=spec.leaf_modules, autocast=autocast)
 
 
-_CAPTURES: dict[tuple, CapturedModel] = {}
+_CAPTURES: dict[tuple, tuple[CapturedModel, torch.Tensor]] = {}
 
 
-def capture_copy(spec: ModelSpec, batch_size: int = 4, seed: int = 0, granularity: str = "blocks",
-                 autocast: torch.dtype | None = None) -> CapturedModel:
-    """A deep copy of one capture per (model, batch size, seed, granularity, autocast), for tests
-    that run many pipelines of one model (capturing a Hugging Face model takes seconds): every copy
-    is the same fresh model, as separate captures on every rank are (tests/runtime runs those)."""
+def capture(spec: ModelSpec, batch_size: int = 4, seed: int = 0, granularity: str = "blocks",
+            autocast: torch.dtype | None = None) -> CapturedModel:
+    """What :func:`fresh_capture` returns, as a deep copy of one capture per (model, batch size,
+    seed, granularity, autocast) of this test session: a capture takes 0.1-0.5 s of CPU (a Hugging
+    Face model's over a second) and the in-process tests take hundreds; a copy takes 10 ms. Every
+    copy is the same fresh model, as separate captures on every rank are (tests/runtime runs those),
+    and leaves the global RNG where a fresh capture leaves it."""
     key = (spec.name, batch_size, seed, str(granularity), str(autocast))
     if key not in _CAPTURES:
-        _CAPTURES[key] = capture(spec, batch_size, seed, granularity, autocast)
-    return copy.deepcopy(_CAPTURES[key])
+        captured = fresh_capture(spec, batch_size, seed, granularity, autocast)
+        _CAPTURES[key] = captured, torch.get_rng_state()
+    captured, rng = _CAPTURES[key]
+    torch.set_rng_state(rng)
+    return copy.deepcopy(captured)
+
+
+capture_copy = capture      # the older name (tests asked for the shared capture; now every capture is one)
 
 
 def plan_tied(captured: CapturedModel, ranges: list[tuple[int, int]]) -> tuple[TiedGroup, ...]:
@@ -74,11 +82,10 @@ def make_plan(model: str, cuts: list[int], replicas: list[int], *, schedule: str
     With ``virtual_stages`` V the cuts make p*V stages and ``replicas`` lists the p rank groups'
     replicas; the schedule's layout (schedule_registry) puts each stage on its group.
     ``recompute``: every stage recomputes its activations in the backward. ``autocast``: plan on the
-    capture under autocast (the same blocks and signature as float32's; one capture for a test that
-    runs the plan in it with ``shared_capture``)."""
+    capture under autocast (the same blocks and signature as float32's). ``shared_capture``: kept for
+    older callers (every capture is shared now, see capture)."""
     spec = resolve_model(model)
-    captured = (capture_copy if shared_capture else capture)(spec, batch_size, granularity=granularity,
-                                                             autocast=autocast)
+    captured = capture(spec, batch_size, granularity=granularity, autocast=autocast)
     n_nodes = n_nodes or len(captured.blocks)
     signature = signature or captured_signature(captured)
     bounds = [-1, *cuts, n_nodes - 1]
@@ -130,9 +137,9 @@ def train_pipeline(plan: Plan, steps: int, *, lr: float = 0.05, seed: int = 0, o
     chunks); returns the merged state dict (replica 0 of every stage, after checking the replicas
     agree bitwise) and the losses per step.
 
-    ``dataset``: the samples (default: synthetic); ``shared_capture``: every rank gets a copy of one
-    capture (see capture_copy); ``observe(rank, step, stage)`` runs on every rank after every step;
-    ``tied_sync=False`` sums nothing across the copies of tied weights (to see them drift apart);
+    ``dataset``: the samples (default: synthetic); ``shared_capture``: kept for older callers (every
+    rank gets a copy of one capture now, see capture); ``observe(rank, step, stage)`` runs on every
+    rank after every step; ``tied_sync=False`` sums nothing across the copies of tied weights (to see them drift apart);
     ``step_results`` (a dict) receives every rank's list of StepResults; ``observe`` runs once per
     chunk of a rank; ``engine_class``: a PipelineEngine subclass (e.g. with hand-written lists);
     ``tokens``: token-weighted loss (pipeline/tokens.py; the step totals summed over the threads).
@@ -149,8 +156,7 @@ def train_pipeline(plan: Plan, steps: int, *, lr: float = 0.05, seed: int = 0, o
     world = ReplicaGroup(plan.world_size)           # the token totals' and the loss scale's all-reduces
 
     def rank_fn(rank: int):
-        captured = (capture_copy if shared_capture else capture)(spec, plan.batch_size, seed, plan.granularity,
-                                                                 autocast)
+        captured = capture(spec, plan.batch_size, seed, plan.granularity, autocast)
         stages = [st.to(device) for st in build_stages(captured, plan, rank, loss=spec.loss)]
         module = rank_module([st.module for st in stages])      # every chunk's parameters (virtual stages)
         replica = plan.stages_of_rank(rank)[1]

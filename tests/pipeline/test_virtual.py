@@ -61,6 +61,18 @@ MODELS = {
 }
 
 
+def cases(names: str, combos: list[tuple], default: set[tuple]) -> pytest.MarkDecorator:
+    """Parametrize ``names`` over ``combos``: those in ``default`` run in the default suite (every
+    model, schedule and option among them), the rest under make test-slow (tests/SUITE.md)."""
+    return pytest.mark.parametrize(names, [
+        pytest.param(*c, marks=() if c in default else (pytest.mark.slow,),
+                     id="-".join(str(x) for x in c)) for c in combos])
+
+
+SCHEDULES = ["interleaved-1f1b", "zbv"]
+PAIRS = [(c, s) for c in MODELS for s in SCHEDULES]
+
+
 def virtual_plan(case: str, schedule: str, many: bool = False, replicas: tuple[int, int] = (1, 1),
                  recompute: bool = False):
     model, granularity, batch, M, cuts2, cuts_many = MODELS[case]
@@ -78,27 +90,25 @@ def equivalence(plan) -> float:
     return max_diff(ours, train_reference(plan, STEPS))
 
 
-@pytest.mark.parametrize("case", list(MODELS))
-@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zbv"])
+@cases("case,schedule", PAIRS, {("mlp", "zbv"), ("resnet-small", "interleaved-1f1b"), ("gpt", "zbv"),
+                                ("gpt2-tied", "interleaved-1f1b")})
 def test_two_chunks_per_rank_equal_single_process_sgd(case, schedule):
     assert equivalence(virtual_plan(case, schedule)) <= TOL
 
 
-@pytest.mark.parametrize("case", list(MODELS))
+@cases("case", [(c,) for c in MODELS], {("mlp",), ("gpt2-tied",)})
 def test_interleaved_with_more_chunks_equals_single_process_sgd(case):
     plan = virtual_plan(case, "interleaved-1f1b", many=True)
     assert plan.virtual_stages >= 3
     assert equivalence(plan) <= TOL
 
 
-@pytest.mark.parametrize("case", list(MODELS))
-@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zbv"])
+@cases("case,schedule", PAIRS, {("gpt", "zbv"), ("gpt2-tied", "interleaved-1f1b")})
 def test_replicated_chunks_equal_single_process_sgd(case, schedule):
     assert equivalence(virtual_plan(case, schedule, replicas=(2, 1))) <= TOL
 
 
-@pytest.mark.parametrize("case", list(MODELS))
-@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zbv"])
+@cases("case,schedule", PAIRS, {("mlp", "zbv"), ("resnet-small", "interleaved-1f1b")})
 def test_recomputing_chunks_equal_single_process_sgd(case, schedule):
     assert equivalence(virtual_plan(case, schedule, replicas=(1, 2), recompute=True)) <= TOL
 
@@ -153,10 +163,10 @@ class HandWritten(PipelineEngine):
         return chunked_gpipe(self.topo, self.rank)
 
 
-@pytest.mark.parametrize("recompute", [False, True])
-@pytest.mark.parametrize("replicas", [(1, 1), (2, 1)])
-@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zbv"])
-@pytest.mark.parametrize("case", list(MODELS))
+@cases("case,schedule,replicas,recompute", [(c, s, r, x) for c, s in PAIRS for r in [(1, 1), (2, 1)]
+                                           for x in (False, True)],
+       {("mlp", "zbv", (2, 1), True), ("gpt2-tied", "interleaved-1f1b", (2, 1), False),
+        ("resnet-small", "interleaved-1f1b", (1, 1), True), ("gpt", "zbv", (1, 1), False)})
 def test_engine_on_hand_written_lists_equals_single_process_sgd(case, schedule, replicas, recompute):
     """The engine alone (lists written above, not by schedules.py): chunks, replicas' per-chunk
     syncs, recomputation, GPT's tie (across ranks, or inside rank group 0 under zbv's layout)."""

@@ -12,6 +12,7 @@ from hybridpipe.pipeline.stage import build_stage_index
 from hybridpipe.profiles.capture import call_args, capture_model
 from hybridpipe.profiles.cut import check_cuts, stage_boundaries
 from hybridpipe.profiles.zoo import resolve_model
+from tests.pipeline.harness import capture
 from tests.pipeline.models import BareParam, LongSkip, Reused, SizeAcross
 
 GPT = "gpt[layers=1,width=16,heads=2,seq=6,vocab=32]"
@@ -54,18 +55,32 @@ def captured_model(model, x, granularity="blocks"):
     return capture_model(model, x, granularity=granularity)
 
 
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(model_name=st.sampled_from(["resnet-small[norm=none]", GPT, "mlp[layers=3]"]),
-       granularity=st.sampled_from(["ops", "modules", "blocks"]), data=st.data())
+MODELS = st.sampled_from(["resnet-small[norm=none]", GPT, "mlp[layers=3]"])
+GRANULARITIES = st.sampled_from(["ops", "modules", "blocks"])
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(model_name=MODELS, granularity=GRANULARITIES, data=st.data())
 def test_any_cut_computes_the_model(model_name, granularity, data):
     """At every granularity down to single aten operations, any set of cuts gives the model's loss
-    and gradients, and the stages' state dicts tile the model's."""
+    and gradients, and the stages' state dicts tile the model's (4 cases; 10: make test-slow)."""
+    check_any_cut(model_name, granularity, data)
+
+
+@pytest.mark.slow
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(model_name=MODELS, granularity=GRANULARITIES, data=st.data())
+def test_any_cut_computes_the_model_many(model_name, granularity, data):
+    check_any_cut(model_name, granularity, data)
+
+
+def check_any_cut(model_name, granularity, data) -> None:
     spec = resolve_model(model_name)
+    captured = capture(spec, 2, seed=0, granularity=granularity)    # one capture per model and granularity
     torch.manual_seed(0)
-    model = spec.build()
+    model = spec.build()                                            # the captured model's weights (seed 0)
     g = torch.Generator().manual_seed(1)
     x, y = spec.example_input(2, g), spec.example_target(2, g)
-    captured = captured_model(model, x, granularity)
     n = len(captured.blocks)
     cuts = data.draw(st.lists(st.integers(0, n - 2), min_size=0, max_size=min(5, n - 1), unique=True))
     ranges = ranges_from_cuts(cuts, n)

@@ -1,14 +1,14 @@
 """Running launch.py as a real multi-process job in tests, and the single-process references.
 
-:func:`launch` starts one ``python launch.py ...`` per rank with the environment torchrun
-gives its workers (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT; the parent hosts the c10d
-store on a free port, as torchrun's agent does), waits at most ``timeout`` seconds and always
-reaps the processes. :func:`torchrun` goes through the real torchrun instead.
+:func:`launch` runs launch.py as one process per rank, forked from the session's warm fork
+server (tests/forked.py), with the environment torchrun gives its workers (RANK, LOCAL_RANK,
+WORLD_SIZE, MASTER_ADDR/PORT; the parent hosts the c10d store on a free port, as torchrun's
+agent does), waits at most ``timeout`` seconds and always reaps the processes. :func:`torchrun`
+goes through the real torchrun (new interpreters) instead.
 """
 
 from __future__ import annotations
 
-import datetime
 import os
 import subprocess
 import sys
@@ -18,14 +18,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from hybridpipe.partitioner.plan import Plan
 from hybridpipe.pipeline.data import MicroBatches
 from hybridpipe.profiles.data import resolve_dataset
 from hybridpipe.profiles.zoo import resolve_model
 from hybridpipe.runtime.merged import merge_stages
+from tests.forked import Forked
 from tests.pipeline.harness import model_loss
+from tests.runtime.rank_procs import Job
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCH = ROOT / "launch.py"
@@ -54,53 +55,21 @@ def _env(extra: dict | None = None) -> dict:
     return env
 
 
-def _collect(procs: list[subprocess.Popen], files, timeout: float) -> list[Finished]:
-    try:
-        for p in procs:
-            try:
-                p.wait(timeout)
-            except subprocess.TimeoutExpired:
-                break
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait(10)
-    out = []
-    for r, (p, (o, e)) in enumerate(zip(procs, files, strict=True)):
-        o.seek(0)
-        e.seek(0)
-        out.append(Finished(r, p.returncode, o.read(), e.read()))
-        o.close()
-        e.close()
-    return out
-
-
 def launch(args: list[str], world: int, *, timeout: float = 120.0, env: dict | None = None,
-           on_start: Callable[[list[subprocess.Popen]], None] | None = None,
+           on_start: Callable[[list[Forked]], None] | None = None,
            rank_args: Callable[[int], list[str]] | None = None) -> list[Finished]:
     """Run launch.py on ``world`` local ranks like torchrun would (see the module docstring);
-    ``on_start(processes)`` runs once they are started (e.g. to kill one); ``rank_args(rank)``
-    adds arguments for one rank only."""
-    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=timeout))
-    base = _env(env)
-    base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), WORLD_SIZE=str(world),
-                LOCAL_WORLD_SIZE=str(world), TORCHELASTIC_USE_AGENT_STORE="True")
-    procs, files = [], []
-    for r in range(world):
-        o, e = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-        files.append((o, e))
-        extra = rank_args(r) if rank_args is not None else []
-        procs.append(subprocess.Popen([sys.executable, str(LAUNCH), *args, *extra], cwd=ROOT, stdout=o, stderr=e,
-                                      env=dict(base, RANK=str(r), LOCAL_RANK=str(r))))
-    if on_start is not None:
-        try:
-            on_start(procs)
-        except BaseException:
-            _collect(procs, files, 0)
-            raise
-    return _collect(procs, files, timeout)      # the store lives until every rank is done
+    ``on_start(processes)`` runs once they are started (e.g. to kill one: they have Popen's
+    poll/wait/kill/send_signal); ``rank_args(rank)`` adds arguments for one rank only."""
+    with Job(None, None, world, pg_timeout=timeout, env=env, launch=args, rank_launch=rank_args) as job:
+        if on_start is not None:
+            try:
+                on_start(job.procs)
+            except BaseException:
+                job.wait(0)
+                raise
+        done = job.wait(timeout)                # the store lives until every rank is done
+    return [Finished(d.rank, d.returncode, d.stdout, d.stderr) for d in done]
 
 
 def torchrun(args: list[str], nproc: int, *, timeout: float = 180.0, env: dict | None = None,

@@ -1,4 +1,4 @@
-"""BatchNorm on replicated stages through the real torchrun and ``hybridpipe merge-checkpoint``: the
+"""BatchNorm on replicated stages through launch on 4 rank processes and ``hybridpipe merge-checkpoint``: the
 merged state_dict, weights and every buffer, is what a plain single-process loop written here
 trains (micro-batches in order, gradients accumulated); merge-checkpoint refuses a checkpoint whose
 replicas saved different buffers.
@@ -19,7 +19,7 @@ from hybridpipe.profiles.data import resolve_dataset
 from hybridpipe.profiles.zoo import resolve_model
 from hybridpipe.runtime.checkpoint_files import MANIFEST, step_dir
 from tests.pipeline.harness import make_plan
-from tests.runtime.jobs import torchrun
+from tests.runtime.jobs import launch
 
 STEPS, LR, MOMENTUM, SEED, M, B = 3, 0.05, 0.5, 2, 4, 2
 
@@ -42,17 +42,18 @@ def plain_loop(model: str) -> dict[str, torch.Tensor]:
     return {name: t.detach() for name, t in net.state_dict().items()}
 
 
-def test_resnet_small_two_by_two_under_torchrun_merges_into_one_process_state(tmp_path, capsys):
+def test_resnet_small_two_by_two_under_launch_merges_into_one_process_state(tmp_path, capsys):
     plan = make_plan("resnet-small", [4], [2, 2], schedule="1f1b", micro_batches=M, batch_size=B)
     path, run, ckpt = tmp_path / "plan.json", tmp_path / "run", tmp_path / "ckpt"
     save_plan(plan, path)
-    done = torchrun(["--plan", str(path), "--steps", str(STEPS), "--lr", str(LR), "--momentum", str(MOMENTUM),
-                     "--seed", str(SEED), "--run-dir", str(run), "--checkpoint-dir", str(ckpt), "--timeout", "60",
-                     "--no-progress"], 4)
-    assert done.returncode == 0, done
+    done = launch(["--plan", str(path), "--steps", str(STEPS), "--lr", str(LR), "--momentum", str(MOMENTUM),
+                   "--seed", str(SEED), "--run-dir", str(run), "--checkpoint-dir", str(ckpt), "--timeout", "60",
+                   "--no-progress"], 4)
+    assert all(r.returncode == 0 for r in done), done
+    stdout = "".join(r.stdout for r in done)
     assert "replicas: identical weights and buffers in every replicated stage (running statistics combined " \
            "across replicas: stage 0: stem.1, blocks.0.conv1.1, blocks.0.conv2.1 and 3 more; stage 1: " \
-           "blocks.2.shortcut.1, blocks.2.conv1.1, blocks.2.conv2.1)" in done.stdout, done
+           "blocks.2.shortcut.1, blocks.2.conv1.1, blocks.2.conv2.1)" in stdout, done
     summary = json.loads((run / "summary.json").read_text())
     assert summary["replicas_identical"] == {"0": True, "1": True}
     assert "stem.1.running_var" in summary["buffers_combined"]["0"]

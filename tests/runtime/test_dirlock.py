@@ -18,8 +18,10 @@ import pytest
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner.plan import save_plan
 from hybridpipe.runtime.dirlock import LOCK_NAME, DirLock, Holder, judge
+from tests import forked
 from tests.pipeline.harness import make_plan
 from tests.runtime.jobs import ROOT, _env
+from tests.runtime.rank_procs import launch_main
 from tests.runtime.test_hardening import _lines, one_rank, snapshot
 
 ME = Holder("run-a", 1, "host-a/boot/1", "a", 100, 0.0)
@@ -130,13 +132,14 @@ def test_a_second_job_on_the_same_checkpoint_dir_is_refused_and_touches_nothing(
         return ["--plan", str(tmp_path / "plan.json"), "--steps", str(steps), "--checkpoint-dir", str(ckpt),
                 "--checkpoint-every", str(every), "--resume", "--run-dir", str(tmp_path / run), "--no-progress"]
 
-    first = subprocess.Popen([sys.executable, "-m", "hybridpipe.launch", *args("a", 10**6, 5)], cwd=ROOT,
-                             env=_env({"RANK": None, "WORLD_SIZE": None, "LOCAL_RANK": None}),
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    first = forked.start(launch_main, (args("a", 10**6, 5),), env=_env({"RANK": None, "WORLD_SIZE": None,
+                                                                        "LOCAL_RANK": None}),
+                         argv=[str(ROOT / "hybridpipe" / "launch.py"), *args("a", 10**6, 5)], cwd=str(ROOT),
+                         stdout=os.devnull, stderr=str(tmp_path / "first.err"))
     try:
         deadline = time.monotonic() + 120
         while not list(ckpt.glob("step-*")):        # the first job holds the lock and has written a step
-            assert time.monotonic() < deadline and first.poll() is None, first.communicate(timeout=5)
+            assert time.monotonic() < deadline and first.poll() is None, (tmp_path / "first.err").read_text()
             time.sleep(0.05)
         first.send_signal(signal.SIGSTOP)           # frozen, holding the lock: nothing changes under the snapshot
         before = snapshot(ckpt, lock=True)

@@ -48,7 +48,7 @@ def test_kill_any_rank_mid_run(plan_file, tmp_path, attempt):
     delay = random.Random(attempt).uniform(0.0, 0.3)
     args = worker_args(plan_file, tmp_path, "--checkpoint-every", "0")
     args[args.index("--steps") + 1] = "400"            # long enough to be killed mid-run
-    with Job(None, None, 4, command=args) as job:
+    with Job(None, None, 4, launch=args) as job:
         metrics = tmp_path / "run" / "metrics" / "rank-00003.jsonl"
         deadline = time.monotonic() + 300
         while not (metrics.exists() and metrics.stat().st_size > 0):
@@ -106,7 +106,7 @@ def test_a_kill_in_each_phase_is_named_by_every_other_rank(tmp_path, phase):
     args = worker_args(tmp_path / "plan.json", tmp_path, "--checkpoint-every", "1" if moment == "saving" else "0",
                        "--keep-checkpoints", "2")
     args[args.index("--steps") + 1] = "400"
-    with Job(None, None, 4, command=args) as job:
+    with Job(None, None, 4, launch=args) as job:
         if moment is not None:
             _kill_when(job, tmp_path, victim, moment, seed=len(phase))
         results = job.wait(timeout=300 if moment is None else 3 * PEER_TIMEOUT)
@@ -126,7 +126,8 @@ def test_under_torchrun_a_rank_killed_while_writing_a_checkpoint_is_named_not_th
               tmp_path / "plan.json")
     args = worker_args(tmp_path / "plan.json", tmp_path, "--checkpoint-every", "1", "--keep-checkpoints", "2")
     args[args.index("--steps") + 1] = "400"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", *args[1:]]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+           str(ROOT / "launch.py"), *args]
     with open(tmp_path / "torchrun.log", "w+") as log:
         agent = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT,
                                  start_new_session=True)

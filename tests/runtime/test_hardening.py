@@ -11,7 +11,7 @@ import pickle
 import signal
 import socket
 import subprocess
-import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -27,8 +27,10 @@ from hybridpipe.runtime.checkpoint_files import MANIFEST, complete_steps, rank_f
 from hybridpipe.runtime.dirlock import LOCK_NAME
 from hybridpipe.runtime.failure import FailureGuard
 from hybridpipe.runtime.liveness import host_identity
+from tests import forked
 from tests.pipeline.harness import make_plan
 from tests.runtime.jobs import ROOT, Finished, _env, final_weights, launch, max_diff, torchrun
+from tests.runtime.rank_procs import launch_main
 
 NAN_DATA = "tests.profiles.user_models:nan_after[n=64,start=16,stop=24]"     # step 2 of 8-sample steps
 
@@ -38,10 +40,18 @@ def _lines(text: str) -> list[str]:
 
 
 def one_rank(args: list[str], *, timeout: float = 120, env: dict | None = None) -> Finished:
-    """``python -m hybridpipe.launch ARGS`` as a job of one (no torchrun)."""
-    p = subprocess.run([sys.executable, "-m", "hybridpipe.launch", *args], cwd=ROOT, capture_output=True, text=True,
-                       timeout=timeout, env=_env({"RANK": None, "WORLD_SIZE": None, "LOCAL_RANK": None, **(env or {})}))
-    return Finished(0, p.returncode, p.stdout, p.stderr)
+    """``python -m hybridpipe.launch ARGS`` as a job of one (no torchrun), as a process forked from
+    the session's warm fork server (tests/forked.py)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = Path(tmp) / "out", Path(tmp) / "err"
+        alone = _env({"RANK": None, "WORLD_SIZE": None, "LOCAL_RANK": None, **(env or {})})
+        proc = forked.start(launch_main, (args,), env=alone, argv=[str(ROOT / "hybridpipe" / "launch.py"), *args],
+                            cwd=str(ROOT), stdout=str(out), stderr=str(err))
+        try:
+            code = proc.wait(timeout)
+        finally:
+            proc.kill()
+        return Finished(0, code, out.read_text(), err.read_text())
 
 
 def snapshot(root: Path, *, lock: bool = False) -> dict[str, tuple[int, int]]:

@@ -239,6 +239,7 @@ def test_an_hf_directory_the_files_do_not_cover_is_loaded_whole(tmp_path, caplog
 
 
 # ---- under launch ----------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_hf_directory_under_launch_exports_to_from_pretrained(tmp_path):
     """hf:DIR read lazily on 2 ranks (the tied embedding and the head in different stages), 3 SGD
     steps: equal to one process training from_pretrained's model; exported with --format hf,

@@ -1,7 +1,9 @@
 """Hugging Face models under real processes (launch.py on 4 ranks, gloo): the merged checkpoint
 equals single-process training within 1e-5 and loads into the unsplit model with strict=True;
-`hybridpipe merge-checkpoint` refuses a checkpoint whose tied copies differ. One case runs by
-default (GPT-2, its tied embedding cut apart, 2 stages x 2 replicas, 1f1b); the rest: make test-slow."""
+`hybridpipe merge-checkpoint` refuses a checkpoint whose tied copies differ. All run under make
+test-slow; by default GPT-2 with its tied embedding cut apart runs on 2 stages x 2 replicas in
+test_user_loss_launch.py, which checks its merge with this module's
+``merge_keeps_the_tie_and_refuses_differing_copies``."""
 
 from __future__ import annotations
 
@@ -49,10 +51,20 @@ def train(tmp_path, case: Case, layout: str, schedule: str, *, spec: str | None 
     return plan, ckpt
 
 
+@pytest.mark.slow
 def test_gpt2_tied_two_by_two_under_launch_and_merge_refuses_differing_copies(tmp_path, capsys):
+    """(Default: GPT-2 with its tie cut apart on 2 x 2 ranks, merged, loaded and refused the same
+    way, is test_user_loss_launch.py's job.)"""
     case = BY_NAME["gpt2"]
     plan, ckpt = train(tmp_path, case, "2x2", "1f1b")
     assert [(t.param, t.stages) for t in plan.tied] == [(case.tied, (0, 1))]
+    merge_keeps_the_tie_and_refuses_differing_copies(tmp_path, plan, ckpt, STEPS, case.tied, capsys)
+
+
+def merge_keeps_the_tie_and_refuses_differing_copies(tmp_path, plan, ckpt, steps: int, tied: str, capsys) -> None:
+    """merge-checkpoint of a GPT-2 job whose tied embedding was cut apart: the merged weights load
+    strictly into the model, still tied; a differing copy of the tied weight put into the last
+    stage's file by hand (the manifest kept consistent) is refused in one line."""
     out = tmp_path / "model.pt"
     assert main(["merge-checkpoint", str(ckpt), "-o", str(out)]) == 0
     model = resolve_model(plan.model).build()
@@ -60,15 +72,14 @@ def test_gpt2_tied_two_by_two_under_launch_and_merge_refuses_differing_copies(tm
     assert model.lm_head.weight is model.transformer.wte.weight           # still tied after loading
     capsys.readouterr()
 
-    # the tied weight is written once, by the lowest stage that reads it; a differing copy put into
-    # the last stage's file by hand (the manifest kept consistent) is refused
-    directory = step_dir(ckpt, STEPS)
+    # the tied weight is written once, by the lowest stage that reads it
+    directory = step_dir(ckpt, steps)
     first = torch.load(directory / stage_file(0), weights_only=True)
     last = directory / stage_file(len(plan.stages) - 1)
     state = torch.load(last, weights_only=True)
-    assert case.tied in first["model"] and not {"lm_head.weight", case.tied} & set(state["model"])
-    state["model"][case.tied] = first["model"][case.tied].clone()
-    state["model"][case.tied][0, 0] += 1e-3
+    assert tied in first["model"] and not {"lm_head.weight", tied} & set(state["model"])
+    state["model"][tied] = first["model"][tied].clone()
+    state["model"][tied][0, 0] += 1e-3
     torch.save(state, last)
     manifest = json.loads((directory / MANIFEST).read_text())
     manifest["files"][last.name] = {"bytes": last.stat().st_size, "sha256": sha256_of(last)}

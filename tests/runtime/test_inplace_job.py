@@ -15,7 +15,6 @@ design; seen once in a few runs of that test).
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -100,7 +99,7 @@ def test_a_killed_replica_is_taken_over_in_place_and_training_ends_as_one_proces
     # the survivors a step apart: then the job restarts, test_inplace.py)
     plan = make_plan(FAULTY.format("victim=2,phase=forward,at=5"), [5], [2, 2], micro_batches=4, batch_size=4)
     save_plan(plan, tmp_path / "plan.json")
-    with Job(None, None, 4, command=[sys.executable, *args(tmp_path / "plan.json", tmp_path)]) as job:
+    with Job(None, None, 4, launch=args(tmp_path / "plan.json", tmp_path)[1:]) as job:
         deadline = time.monotonic() + 300
         while 2 not in job.poll():
             assert time.monotonic() < deadline and len(job.poll()) == 0, job.wait(1)
@@ -117,7 +116,7 @@ def test_a_killed_replica_is_taken_over_in_place_and_training_ends_as_one_proces
 @pytest.mark.slow
 def test_a_stage_left_without_a_replica_restarts(tmp_path):
     save_plan(plan_of([3, 1]), tmp_path / "plan.json")
-    with Job(None, None, 4, command=[sys.executable, *args(tmp_path / "plan.json", tmp_path)]) as job:
+    with Job(None, None, 4, launch=args(tmp_path / "plan.json", tmp_path)[1:]) as job:
         deadline = time.monotonic() + 300
         while not training(tmp_path, 3):
             assert time.monotonic() < deadline and not job.poll(), job.wait(1)

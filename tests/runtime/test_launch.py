@@ -1,4 +1,4 @@
-"""hybridpipe.launch end to end through the real torchrun, and its refusals of bad arguments and plans."""
+"""hybridpipe.launch end to end on 4 rank processes, and its refusals of bad arguments and plans."""
 
 from __future__ import annotations
 
@@ -10,20 +10,22 @@ from hybridpipe.launch import main
 from hybridpipe.partitioner.plan import save_plan
 from hybridpipe.runtime.metrics import read_metrics
 from tests.pipeline.harness import make_plan
-from tests.runtime.jobs import final_weights, max_diff, torchrun, train_reference
+from tests.runtime.jobs import final_weights, launch, max_diff, train_reference
 
 
-def test_torchrun_standalone_four_workers(tmp_path):
+def test_four_workers_train_report_and_end_with_one_process_weights(tmp_path):
     """4 workers, 1f1b, stage 0 replicated: trains, reports, writes metrics and timeline, and
-    ends with single-process training's weights."""
+    ends with single-process training's weights. (As torchrun's workers, with its environment;
+    torchrun itself runs launch.py in test_preempt.py and ``-m hybridpipe.launch`` in test_hardening.py.)"""
     plan = make_plan("mlp", [3, 6], [2, 1, 1], schedule="1f1b", micro_batches=4, batch_size=8)
     path = tmp_path / "plan.json"
     save_plan(plan, path)
     run, ckpt = tmp_path / "run", tmp_path / "ckpt"
-    done = torchrun(["--plan", str(path), "--steps", "6", "--lr", "0.05", "--momentum", "0.5", "--seed", "1",
-                     "--run-dir", str(run), "--checkpoint-dir", str(ckpt), "--timeout", "60"], 4)
-    assert done.returncode == 0, done
-    assert "loss: step 0:" in done.stdout and "step time: measured" in done.stdout, done
+    done = launch(["--plan", str(path), "--steps", "6", "--lr", "0.05", "--momentum", "0.5", "--seed", "1",
+                   "--run-dir", str(run), "--checkpoint-dir", str(ckpt), "--timeout", "60"], 4)
+    assert all(r.returncode == 0 for r in done), done
+    stdout = "".join(r.stdout for r in done)
+    assert "loss: step 0:" in stdout and "step time: measured" in stdout, done
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps_run"] == 6 and summary["replicas_identical"] == {"0": True}
     assert summary["measured_step_ms"] > 0

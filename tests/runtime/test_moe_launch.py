@@ -1,9 +1,10 @@
 """A mixture of experts whose experts are leaf modules (data-dependent routing, a Python loop over the
 experts hit, a custom autograd Function: run as written inside their stage) through the whole path
-under real processes: profile -> partition (2 stages, each holding one experts leaf) -> torchrun ->
-merge-checkpoint, equal to a plain single-process loop written here. The default suite runs it on 2
-ranks (2 stages); on 4 ranks (2 stages x 2 replicas), and the Hugging Face MoE models (Mixtral,
-Qwen2-MoE with leaf experts) the same way: make test-slow."""
+under real processes: profile -> partition (2 stages, each holding one experts leaf) -> launch's
+rank processes (forked as torchrun's workers; torchrun itself: test_preempt.py) -> merge-checkpoint,
+equal to a plain single-process loop written here. The default suite runs it on 2 ranks (2 stages);
+on 4 ranks (2 stages x 2 replicas), and the Hugging Face MoE models (Mixtral, Qwen2-MoE with leaf
+experts) the same way: make test-slow."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from hybridpipe.cli import main
 from hybridpipe.partitioner.plan import load_plan
 from hybridpipe.profiles.zoo import resolve_model
 from tests.pipeline.hf_models import MIXTRAL_LEAF, QWEN2_MOE_LEAF
-from tests.runtime.jobs import data_for, max_diff, torchrun
+from tests.runtime.jobs import data_for, launch, max_diff
 
 STEPS, LR, MOMENTUM, SEED = 3, 0.05, 0.5, 3
 USER_MOE = "tests.profiles.moe_models:moe[leaf=Experts]"
@@ -54,10 +55,10 @@ def profile_partition_launch_merge(tmp_path, spec: str, batch: int, workers: int
     for stage in plan.stages:                                    # a leaf (experts) inside every stage
         assert any("blocks." in n or "layers." in n for n in names[stage.first_node:stage.last_node + 1])
     ckpt, run = tmp_path / "ckpt", tmp_path / "run"
-    done = torchrun(["--plan", str(plan_path), "--steps", str(STEPS), "--lr", str(LR), "--momentum", str(MOMENTUM),
-                     "--seed", str(SEED), "--checkpoint-dir", str(ckpt), "--run-dir", str(run), "--timeout", "120",
-                     "--no-progress", "--no-trace"], workers, timeout=300)
-    assert done.returncode == 0, done
+    done = launch(["--plan", str(plan_path), "--steps", str(STEPS), "--lr", str(LR), "--momentum", str(MOMENTUM),
+                   "--seed", str(SEED), "--checkpoint-dir", str(ckpt), "--run-dir", str(run), "--timeout", "120",
+                   "--no-progress", "--no-trace"], workers, timeout=300)
+    assert all(r.returncode == 0 for r in done), done
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps_run"] == STEPS and all(summary["replicas_identical"].values()), summary
     out = tmp_path / "model.pt"

@@ -70,6 +70,7 @@ def test_hand_edited_algorithms_run_as_written(tmp_path):
     assert not any("overrides the plan" in d.stdout for d in done)
 
 
+@pytest.mark.slow
 def test_an_override_prints_what_it_changes_and_the_summary_says_so(tmp_path):
     done, summary = run(tmp_path, hand_edited_plan(), "--allreduce", "ring")
     lines = {d.rank: [ln for ln in d.stdout.splitlines() if "--allreduce ring" in ln] for d in done}

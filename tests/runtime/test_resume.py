@@ -35,7 +35,8 @@ PEER_TIMEOUT = 10.0
 
 
 def worker_args(plan_file: Path, out: Path, *extra: str) -> list[str]:
-    return [sys.executable, str(ROOT / "launch.py"), "--plan", str(plan_file), "--steps", str(STEPS), "--seed", "3",
+    """launch.py's arguments of these runs."""
+    return ["--plan", str(plan_file), "--steps", str(STEPS), "--seed", "3",
             "--lr", "0.05", "--momentum", "0.9", "--checkpoint-dir", str(out / "ckpt"), "--checkpoint-every", str(K),
             "--keep-checkpoints", "5", "--run-dir", str(out / "run"), "--timeout", "60",
             "--peer-timeout", str(PEER_TIMEOUT), "--no-progress", *extra]
@@ -44,7 +45,7 @@ def worker_args(plan_file: Path, out: Path, *extra: str) -> list[str]:
 def run_job(plan_file: Path, out: Path, world: int, *extra: str, kill: int | None = None) -> tuple[list, float | None]:
     """One launch.py job; with ``kill``, that rank gets SIGKILL once step K's checkpoint is complete."""
     killed_at = None
-    with Job(None, None, world, command=worker_args(plan_file, out, *extra)) as job:
+    with Job(None, None, world, launch=worker_args(plan_file, out, *extra)) as job:
         if kill is not None:
             manifest = step_dir(out / "ckpt", K) / MANIFEST
             deadline = time.monotonic() + 300
@@ -182,7 +183,8 @@ def test_torchrun_restarts_the_job_after_a_kill_and_it_ends_like_an_uninterrupte
     assert all(r.returncode == 0 for r in ref), ref
     out = tmp_path / "restarted"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
-           "--max-restarts", "1", "--monitor-interval", "0.2", *worker_args(plan_file, out, "--resume")[1:]]
+           "--max-restarts", "1", "--monitor-interval", "0.2", str(ROOT / "launch.py"),
+           *worker_args(plan_file, out, "--resume")]
     # torch 2.13's torchrun shares its rendezvous store with the workers and keeps the gloo
     # addresses of the failed attempt in it: a restarted rank may read a stale one and fail to
     # connect (pytorch/pytorch#135712). A store per attempt avoids that.
@@ -225,7 +227,7 @@ def test_a_checkpoint_cut_by_a_kill_is_never_resumed_from(tmp_path):
     assert all(r.returncode == 0 for r in ref), ref
     out = tmp_path / "cut"
     ckpt = out / "ckpt"
-    with Job(None, None, 3, command=worker_args(plan_file, out, *every)) as job:
+    with Job(None, None, 3, launch=worker_args(plan_file, out, *every)) as job:
         deadline = time.monotonic() + 300
         torn = None
         while torn is None:

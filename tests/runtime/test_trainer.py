@@ -50,11 +50,11 @@ def reference(plan, clip: float) -> tuple[dict, list[float], list[float], float]
     return model.state_dict(), losses, norms, eval_loss
 
 
-def run(tmp_path, plan, *, resume: bool):
-    path = tmp_path / "plan.json"
-    save_plan(plan, path)
-    with Job(RANKS, "train_api", plan.world_size, (str(path), str(tmp_path), CLIP, EVAL_AT, resume)) as job:
-        results = job.wait(timeout=180)
+def run(plan, calls: list, timeout: float = 240) -> list[list]:
+    """One job of the plan's world size running ``calls`` of trainer_ranks.py in turn on every rank
+    (trainer_ranks.in_turn: one start-up for all); each rank's list of values."""
+    with Job(RANKS, "in_turn", plan.world_size, (calls,)) as job:
+        results = job.wait(timeout=timeout)
     assert all(r.returncode == 0 for r in results), results
     return [r.value for r in results]
 
@@ -74,35 +74,44 @@ def test_trainer_matches_plain_pytorch_loop_with_schedule_clipping_and_weight_de
     assert model == "mlp" or [t.stages for t in plan.tied] == [(0, 1)]
     weights, losses, norms, eval_loss = reference(plan, CLIP)
     assert min(norms) > 2 * CLIP                               # the clipping really acts
-    values = run(tmp_path, plan, resume=False)
+    path = tmp_path / "plan.json"
+    save_plan(plan, path)
+    args = [str(path), str(tmp_path), CLIP, EVAL_AT]
+    ranks = run(plan, [["train_api", [*args, False]], ["train_api", [*args, True]]])   # train; resume from step 3
+    values, resumed = [v[0] for v in ranks], [v[1] for v in ranks]
     assert max_diff(final_weights(tmp_path / "end", STEPS), weights) <= 1e-5
     for v in values:                                           # every rank: the loss, the norm
         assert [v["losses"][str(k)] for k in range(STEPS)] == pytest.approx(losses, abs=1e-5)
         assert [v["norms"][str(k)] for k in range(STEPS)] == pytest.approx(norms, rel=1e-5)
         assert v["eval"] == pytest.approx([eval_loss] * 2, abs=1e-5) and not v["eval_changed"]
     first = values[0]["lrs"]
-
-    resumed = run(tmp_path, plan, resume=True)
     end, again = final_weights(tmp_path / "end", STEPS), final_weights(tmp_path / "resumed", STEPS)
     assert all(torch.equal(end[k], again[k]) for k in end)     # bit-identical continuation
     assert all(v["lrs"] == {k: first[k] for k in v["lrs"]} for v in resumed)   # the scheduler restored
 
 
-def test_bf16_and_fp16_follow_fp32_and_send_what_autocast_computed(tmp_path):
+@pytest.fixture(scope="module")
+def gpt_runs(tmp_path_factory) -> dict[str, list[dict]]:
+    """One job of 4 ranks (2 stages x 2 replicas of a small GPT) for the precision tests below:
+    8 Adam steps in fp32, bf16 and fp16; 10 fp16 steps from a loss scale of 2**24 saved after 5,
+    then resumed from there. Each: every rank's value."""
+    tmp = tmp_path_factory.mktemp("gpt-trainer")
+    plan = make_plan("gpt[layers=2,width=32,heads=2,seq=16,vocab=64]", [2], [2, 2], schedule="1f1b",
+                     micro_batches=4, batch_size=4)
+    path = str(save_plan(plan, tmp / "plan.json"))
+    names = ["fp32", "bf16", "fp16", "overflow", "overflow-resumed"]
+    calls = [["train_precision", [path, p, 8]] for p in names[:3]]
+    calls += [["train_fp16", [path, str(tmp), resume]] for resume in (False, True)]
+    ranks = run(plan, calls, timeout=300)
+    return {name: [v[i] for v in ranks] for i, name in enumerate(names)}
+
+
+def test_bf16_and_fp16_follow_fp32_and_send_what_autocast_computed(gpt_runs):
     """bf16 and fp16 autocast on CPU: the loss curve stays within 0.01 nats of fp32's over 8 Adam steps
     (measured bf16: < 1e-3 while the loss falls 4.25 -> 1.55), weights stay float32, and activations
     cross in the dtype the stage computed them in: this GPT's cut carries its residual stream, float32
     under autocast as in the unsplit model, so exactly as many bytes as fp32 (1048576)."""
-    plan = make_plan("gpt[layers=2,width=32,heads=2,seq=16,vocab=64]", [2], [2, 2], schedule="1f1b",
-                     micro_batches=4, batch_size=4)
-    path = tmp_path / "plan.json"
-    save_plan(plan, path)
-    runs = {}
-    for precision in ("fp32", "bf16", "fp16"):
-        with Job(RANKS, "train_precision", plan.world_size, (str(path), precision, 8)) as job:
-            results = job.wait(timeout=180)
-        assert all(r.returncode == 0 for r in results), results
-        runs[precision] = [r.value for r in results]
+    runs = {p: gpt_runs[p] for p in ("fp32", "bf16", "fp16")}
     fp32 = runs["fp32"][0]["losses"]
     assert fp32[0] - fp32[-1] > 1.0                                     # it learns
     sent = {p: sum(v["bytes"] for v in runs[p]) for p in runs}
@@ -113,21 +122,12 @@ def test_bf16_and_fp16_follow_fp32_and_send_what_autocast_computed(tmp_path):
         assert sent["fp32"] > 0 and sent[half] == sent["fp32"], sent
 
 
-def test_fp16_overflow_skips_the_step_on_every_rank_and_resume_restores_the_scale(tmp_path):
+def test_fp16_overflow_skips_the_step_on_every_rank_and_resume_restores_the_scale(gpt_runs):
     """A loss scale too large for float16 (activation gradients, or the replicas' fp16 all-reduce,
     overflow): every rank skips those steps (no weight changes) and halves the scale, the others
     train; resuming from step 5 continues bit for bit
     with the scaler's state restored."""
-    plan = make_plan("gpt[layers=2,width=32,heads=2,seq=16,vocab=64]", [2], [2, 2], schedule="1f1b",
-                     micro_batches=4, batch_size=4)
-    path = tmp_path / "plan.json"
-    save_plan(plan, path)
-    values = {}
-    for resume in (False, True):
-        with Job(RANKS, "train_fp16", plan.world_size, (str(path), str(tmp_path), resume)) as job:
-            results = job.wait(timeout=180)
-        assert all(r.returncode == 0 for r in results), results
-        values[resume] = [r.value for r in results]
+    values = {False: gpt_runs["overflow"], True: gpt_runs["overflow-resumed"]}
     first = values[False]
     scales = first[0]["scales"]
     assert all(v["scales"] == scales for v in first)                 # every rank agrees

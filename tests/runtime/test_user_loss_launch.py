@@ -1,9 +1,9 @@
 """The user's own loss on a Hugging Face model, token-weighted, under real processes: a factory
 module written here (GPT-2 with a label-smoothing loss returning (loss_sum, count), a dataset of
 token sequences padded per batch with -100 labels) goes through ``hybridpipe profile``,
-``partition --loss-normalization tokens`` and torchrun + ``hybridpipe.launch`` on 2 stages x 2
-replicas; every step's reported loss and the merged weights equal a plain single-process loop that
-takes each step's 8 samples as ONE batch (within 1e-6)."""
+``partition --loss-normalization tokens`` and ``hybridpipe.launch`` on 2 stages x 2 replicas (4
+rank processes; torchrun itself: test_launch.py); every step's reported loss and the merged
+weights equal a plain single-process loop that takes each step's 8 samples as ONE batch (within 1e-6)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ import pytest
 import torch
 
 from hybridpipe.cli import main
-from tests.runtime.jobs import ROOT, max_diff, torchrun
+from hybridpipe.partitioner.plan import load_plan
+from tests.runtime.jobs import ROOT, launch, max_diff
+from tests.runtime.test_hf_launch import merge_keeps_the_tie_and_refuses_differing_copies
 
 pytest.importorskip("transformers")
 
@@ -83,7 +85,7 @@ def one_process(module) -> tuple[dict[str, torch.Tensor], list[float]]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
 
 
-def test_user_loss_on_hf_model_token_weighted_through_profile_partition_launch(tmp_path, monkeypatch):
+def test_user_loss_on_hf_model_token_weighted_through_profile_partition_launch(tmp_path, monkeypatch, capsys):
     (tmp_path / "myloss.py").write_text(FACTORY)
     monkeypatch.syspath_prepend(str(tmp_path))
     profile, plan, ckpt, run = (tmp_path / n for n in ("profile.json", "plan.json", "ckpt", "run"))
@@ -96,11 +98,11 @@ def test_user_loss_on_hf_model_token_weighted_through_profile_partition_launch(t
     written = json.loads(plan.read_text())
     assert written["loss_normalization"] == "tokens" and [s["replicas"] for s in written["stages"]] == [2, 2]
 
-    done = torchrun(["--plan", str(plan), "--steps", str(STEPS), "--dataset", "myloss:ragged", "--lr", str(LR),
-                     "--momentum", str(MOMENTUM), "--checkpoint-dir", str(ckpt), "--run-dir", str(run),
-                     "--no-progress", "--no-trace", "--timeout", "120"], 4, timeout=300,
-                    env={"PYTHONPATH": f"{ROOT}:{tmp_path}"}, entry=["-m", "hybridpipe.launch"])
-    assert done.returncode == 0, done
+    done = launch(["--plan", str(plan), "--steps", str(STEPS), "--dataset", "myloss:ragged", "--lr", str(LR),
+                   "--momentum", str(MOMENTUM), "--checkpoint-dir", str(ckpt), "--run-dir", str(run),
+                   "--no-progress", "--no-trace", "--timeout", "120"], 4, timeout=300,
+                  env={"PYTHONPATH": f"{ROOT}:{tmp_path}"})
+    assert all(r.returncode == 0 for r in done), done
     summary = json.loads((run / "summary.json").read_text())
     assert summary["loss_normalization"] == "tokens" and all(summary["replicas_identical"].values()), summary
 
@@ -112,3 +114,8 @@ def test_user_loss_on_hf_model_token_weighted_through_profile_partition_launch(t
     assert main(["merge-checkpoint", str(ckpt), "-o", str(merged)]) == 0
     state = torch.load(merged, weights_only=True)
     assert max_diff(state, weights) <= 1e-6
+
+    # the embedding tied to the head, cut apart: merged still tied; a differing copy is refused
+    cut = load_plan(plan)
+    assert [(t.param, t.stages) for t in cut.tied] == [("transformer.wte.weight", (0, 1))]
+    merge_keeps_the_tie_and_refuses_differing_copies(tmp_path, cut, ckpt, STEPS, "transformer.wte.weight", capsys)

@@ -45,6 +45,14 @@ def _batch(trainer: Trainer, data, k: int):
     return (x if first else None), (y if last else None)
 
 
+def in_turn(rank: int, world: int, calls: list) -> list:
+    """Several rank programs of this file one after the other in one process (one job's start-up for
+    all): ``calls`` lists [function name, [args]]; returns each one's value. Each program builds and
+    closes its own Trainer (the job's process group outlives them): a resume here starts from a new
+    Trainer that reseeds and gets everything else (RNG included) from the checkpoint."""
+    return [globals()[name](rank, world, *args) for name, args in calls]
+
+
 def train_api(rank: int, world: int, plan_path: str, out: str, clip: float, eval_at: int, resume: bool) -> dict:
     """Train STEPS steps (or resume from OUT/mid and finish); an eval step after ``eval_at`` steps
     must change nothing; checkpoints OUT/mid after 3 steps and OUT/end (OUT/resumed) at the end."""

@@ -73,6 +73,7 @@ def test_build_and_teardown_leave_nothing_behind_and_never_touch_the_root_namesp
     assert socket.gethostname() == hostname_before
 
 
+@pytest.mark.slow
 def test_rate_limit_is_measured_within_ten_percent_of_nominal():
     with EmulatedCluster(2, "1gbit") as cluster:
         goodput = measure_goodput(cluster, seconds=2.0)
@@ -80,6 +81,7 @@ def test_rate_limit_is_measured_within_ten_percent_of_nominal():
     assert 0.90 <= goodput.fraction <= 1.0, goodput
 
 
+@pytest.mark.slow
 def test_the_switch_port_is_unshaped_so_two_hosts_together_exceed_one_link():
     with EmulatedCluster(2, "200mbit") as cluster:
         both = measure_goodput(cluster, senders=(0, 1), dst=SWITCH, seconds=1.5)
@@ -88,6 +90,7 @@ def test_the_switch_port_is_unshaped_so_two_hosts_together_exceed_one_link():
     assert 1.3 <= both.gbps / 0.2 <= 2.0, both
 
 
+@pytest.mark.slow
 def test_two_host_torchrun_job_all_reduces_over_the_emulated_network():
     with EmulatedCluster(2, "1gbit") as cluster:
         results = cluster.torchrun([JOB], timeout_s=90, env={"OMP_NUM_THREADS": "1"})
@@ -154,6 +157,7 @@ BUSY = ("import time; t = time.time(); c = time.process_time()\n"
         "if ':cpu:' in l or ':cpuset:' in l or l.startswith('0::')])")
 
 
+@pytest.mark.slow
 def test_cpu_quota_holds_each_host_to_its_cores_and_goes_with_the_cluster():
     """Two hosts of 0.5 cores busy-loop at once: each gets at most half a core, in its own group."""
     ctl = cpu.find_controller()

@@ -1,6 +1,7 @@
 """Run a function on N real processes joined by gloo on 127.0.0.1, bounded by a timeout.
 
-The parent hosts the TCP store on a free port (port 0, so no races), spawns the ranks,
+The parent hosts the TCP store on a free port (port 0, so no races), forks the ranks from
+the session's warm fork server (tests/forked.py: torch and hybridpipe already imported),
 collects what each returns (plain picklable data) or raises, and always reaps them: ranks
 still running after the deadline, or after every other rank reported, are killed.
 """
@@ -17,7 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from tests import forked
 
 
 @dataclass
@@ -65,7 +67,7 @@ def run_ranks(fn: Callable, world: int, *, args: tuple = (), timeout: float = 60
     wait_for = set(range(world)) if wait_for is None else set(wait_for)
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=pg_timeout_s))
-    ctx = mp.get_context("spawn")
+    ctx = forked.context()
     results = ctx.Queue()
     procs = [ctx.Process(target=_child, args=(r, world, store.port, fn, args, results, pg_timeout_s),
                          daemon=True) for r in range(world)]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from hybridpipe.comm.p2p import MODES
@@ -10,6 +12,13 @@ from tests.comm.p2p.procs import expect_ok, run_ranks
 
 FAIL_TIMEOUT = 3.0      # the channels' timeout in the failure scenarios
 OPEN_TIMEOUT = 20.0     # generous where nothing should time out (the machine is shared and slow)
+
+
+def slack() -> float:
+    """Seconds a rank may take past FAIL_TIMEOUT to raise: 2 s on an idle machine, more in proportion
+    when more processes than cores are running (a 2-core machine at load 13 took 5.5 s to notice a
+    3 s timeout: the ranks waited for a core, not for a second timeout)."""
+    return 2.0 * max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
 
 
 def test_round_trips_every_mode_many_in_flight_and_shape_changes():
@@ -55,7 +64,7 @@ def _check_failure(out, how: str) -> None:
         if what:
             assert r["what"] == what
         # ... within the timeout (a dead process is noticed from its closed connection)
-        assert r["elapsed"] < FAIL_TIMEOUT + 2.0, r
+        assert r["elapsed"] < FAIL_TIMEOUT + slack(), r
         if how == "stop":
             assert r["elapsed"] >= FAIL_TIMEOUT - 0.05, r
     # the two survivors' own link is unaffected; a wrong key is a ProtocolError naming the peer
@@ -64,7 +73,7 @@ def _check_failure(out, how: str) -> None:
     assert "'ok/0'" in r1["mismatch"]["text"] and "'act/1'" in r1["mismatch"]["text"]
     # close() returns within the timeout even with a frozen peer; a dead one leaves no thread
     for r in (r1, r2):
-        assert r["close_elapsed"] < FAIL_TIMEOUT + 2.0, r
+        assert r["close_elapsed"] < FAIL_TIMEOUT + slack(), r
         if how == "kill":
             assert r["threads_left"] == 0, r
 
@@ -81,15 +90,12 @@ def test_killed_peer_is_reported_by_name(mode):
     _run_failure(mode, "kill")
 
 
-@pytest.mark.parametrize("mode", ["sra"])
-def test_stalled_peer_times_out_for_receivers_and_senders(mode):
-    _run_failure(mode, "stop")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["kill", "stop"])
 @pytest.mark.parametrize("mode", MODES)
 def test_peer_failures_every_mode(mode, how):
+    """A frozen peer ("stop": only timeouts tell) runs here only: with 3 s timeouts and 16 MB sends
+    its survivors' own exchange timed out at load 19 on 2 cores (tests/SUITE.md)."""
     _run_failure(mode, how)
 
 
