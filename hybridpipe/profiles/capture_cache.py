@@ -73,8 +73,11 @@ def cached_capture(model: nn.Module, example: Any, *, directory: str | os.PathLi
     except Uncacheable as e:
         log.info("capture not cached: %s", e)
         return captured
+    if not path.parent.parent.is_dir():     # the run directory is made once the job owns its checkpoints
+        log.info("capture not cached: %s does not exist yet", path.parent.parent)
+        return captured
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(record))
         os.replace(tmp, path)

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hybridpipe.errors import UserError
 from hybridpipe.partitioner.plan import Plan
 from hybridpipe.pipeline.plancheck import CheckedPlan, check_plan
 from hybridpipe.pipeline.stage import build_stage_index
@@ -73,7 +74,11 @@ def capture_unbuilt(spec: ModelSpec, example: Any, plan: Plan,
                         [(tuple(p.shape), p.dtype) for p in registered])
         captured = capture_on_meta(module, example, granularity=plan.granularity, leaf_modules=spec.leaf_modules)
         why = "captured with its parameters on the meta device it does not fit the plan"
-        checked = check_plan(captured, plan)     # (a plan for another model fails again when built whole)
+        try:
+            checked = check_plan(captured, plan)
+        except UserError as e:      # a plan for another model: the whole build says so in its one line
+            log.info("hybridpipe: every rank builds the whole of %s: %s (%s)", spec.name, why, _first_line(e))
+            return None
     except Exception as e:      # noqa: BLE001 - any failure here is retried the whole way, which reports it
         log.warning("hybridpipe: every rank builds the whole of %s: %s (%s: %s)", spec.name, why, type(e).__name__,
                     _first_line(e))
