@@ -40,8 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="what a node is: blocks (default: the model's repeated layers and what sits between "
                         "them), modules (every leaf module), ops (every operation) or a module depth 1, 2, ...")
     parser.add_argument("--leaf", action="append", default=[], metavar="CLASS",
-                        help="never split modules of this class into several nodes; repeat or separate with "
-                        "commas; recorded in the profile's model spec")
+                        help="keep modules of this class whole: each call is one opaque node that runs the "
+                        "module as written (data-dependent routing, .item(), loops, custom autograd Functions); "
+                        "repeat or separate with commas; recorded in the profile's model spec")
     parser.add_argument("--seed", type=seed, default=0, help="seed for the weights and the example batch")
     parser.add_argument("-o", "--output", type=output_file,
                         help="profile file to write (default: MODEL.json in the current folder)")

@@ -8,10 +8,16 @@ their ``state_dict`` names. If torch.export cannot capture the model, torch.fx's
 is tried (profiles/trace.py), with the ``leaf_modules`` as single calls that run as written; if
 both fail, the user gets one line naming the construct, the source line and what to do.
 
-A custom ``torch.autograd.Function`` is a case of its own: torch.export records the operations of
-its ``forward`` and differentiates those, so its own ``backward`` would silently be lost (a
-gradient reversal layer would train the wrong way). Such a model is captured by torch.fx with the
-modules that call the Function as leaves (``--leaf CLASS``), or refused with one line.
+Leaf modules (``--leaf CLASS``) are exported as one opaque call each that runs the module as
+written, eagerly, with its own autograd (profiles/leaves.py): data-dependent routing, ``.item()``,
+loops over experts, custom autograd Functions all run inside a leaf.
+
+A custom ``torch.autograd.Function`` outside the leaves is a case of its own: torch.export records
+the operations of its ``forward`` and differentiates those, so its own ``backward`` would silently
+be lost (a gradient reversal layer would train the wrong way). Such a model is refused with one
+line naming the module whose forward calls the Function, to be kept whole with ``--leaf``. (An
+operator registered with ``torch.library`` and its autograd formula is exported as one call, its
+backward kept.)
 
 The example input is what one batch of the dataset holds: a tensor (called as ``model(x)``), a
 tuple or list (``model(*x)``) or a dict (``model(**x)``), nested structures allowed. What training
@@ -40,9 +46,11 @@ from hybridpipe.profiles.export_support import (
     custom_functions,
     export_failure_message,
     first_line,
+    function_refusal,
     quiet_failures,
     side_effect_free,
 )
+from hybridpipe.profiles.leaves import inline_leaves, leaf_paths, opaque_leaves, record_calls
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +151,7 @@ def capture_model(model: nn.Module, example: Any, *, granularity: str | int = "b
     kwargs = {**kwargs, **training_switches(model)}
     functions: list[str] = []
     try:
-        captured = _export(model, args, kwargs, functions, dynamic)
+        captured = _export(model, args, kwargs, functions, dynamic, leaf_modules)
     except UserError:
         raise
     except Exception as export_error:  # torch.export raises many kinds; the fx tracer may still succeed
@@ -160,10 +168,12 @@ def capture_model(model: nn.Module, example: Any, *, granularity: str | int = "b
 
 
 def _export(model: nn.Module, args: tuple, kwargs: dict, functions: list[str], dynamic_shapes_wanted: bool = True,
-            ) -> CapturedModel:
-    """torch.export's graph of ``model``; the custom autograd Functions its forward calls are added
-    to ``functions`` (seen on the autograd graph of the traced output, which export records)."""
+            leaf_modules: tuple[type | str, ...] = ()) -> CapturedModel:
+    """torch.export's graph of ``model``, each leaf module one call of the module itself; the custom
+    autograd Functions its forward calls outside the leaves are added to ``functions`` (seen on the
+    autograd graph of the traced output, which export records)."""
     from torch.export import Dim, export
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
     def dynamic(x: Any) -> Any:
         return {i: Dim.AUTO for i in range(x.dim())} if isinstance(x, torch.Tensor) else None
@@ -171,6 +181,8 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, functions: list[str], d
     def seen(module: nn.Module, inputs: Any, output: Any) -> None:
         functions.extend(f for f in custom_functions(output) if f not in functions)
 
+    paths = leaf_paths(model, leaf_modules)
+    calls = record_calls(model, paths, args, kwargs) if paths else {}
     hook = model.register_forward_hook(seen)
     try:
         try:
@@ -178,10 +190,13 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, functions: list[str], d
                 raise ValueError("static shapes asked for")
             bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
             dynamic_shapes: Any = {name: pytree.tree_map(dynamic, value) for name, value in bound.items()}
-            with quiet_failures():
+            with quiet_failures(), opaque_leaves(model, calls):
                 ep = export(model, *_unmarked(args, kwargs), strict=False, dynamic_shapes=dynamic_shapes)
         except Exception as e:
-            with quiet_failures():       # fresh tensor objects: export marks its inputs' dynamic dimensions
+            if isinstance(e, GuardOnDataDependentSymNode):
+                raise                    # a branch on tensor values: static shapes cannot help
+            functions.clear()
+            with quiet_failures(), opaque_leaves(model, calls):   # fresh tensors: export marks dynamic dimensions
                 ep = export(model, *_unmarked(args, kwargs), strict=False)
             if dynamic_shapes_wanted:
                 log.info("captured %s with static shapes: every batch must have the example's shapes "
@@ -189,6 +204,8 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, functions: list[str], d
     finally:
         hook.remove()
     gm = ep.module()
+    if calls:
+        inline_leaves(gm, model, calls)
     for node in list(gm.graph.nodes):
         if node.op == "call_module" and not is_operation(node) and not node.users:
             gm.graph.erase_node(node)
@@ -249,24 +266,19 @@ def _strip_pytree_codegen(gm: fx.GraphModule) -> None:
 
 def _keeping_functions(model: nn.Module, args: tuple, kwargs: dict, functions: list[str],
                        leaf_modules: tuple[type | str, ...], captured: CapturedModel) -> CapturedModel:
-    """The fx capture of a model that calls custom autograd Functions, if every one of them runs
-    inside a leaf module (checked on one forward of the graph); else a UserError."""
-    problem = (f"{type(model).__name__} calls the custom torch.autograd.Function {', '.join(functions)}, whose own "
-               "backward torch.export would replace by the derivative of its forward")
-    fix = "keep the module that calls it whole with --leaf CLASS (it then runs as written, traced by torch.fx)"
-    if not leaf_modules:
-        raise UserError(f"{problem}; {fix}")
-    if captured.front_end != "fx":
-        captured = _fx_fallback(model, args, kwargs, RuntimeError(problem), leaf_modules)
-    with side_effect_free(model), torch.enable_grad():
-        kept = custom_functions(captured.graph(*args, *captured.constants.values()))
-    lost = [f for f in functions if f not in kept]
+    """``captured`` if every custom autograd Function the model calls runs inside a leaf module (an
+    exported graph holds the leaves as opaque calls, so export saw only the Functions outside them;
+    an fx graph is checked on one forward); else a UserError naming the module to keep whole."""
+    lost = list(functions)
+    if captured.front_end == "fx":
+        with side_effect_free(model), torch.enable_grad():
+            kept = custom_functions(captured.graph(*args, *captured.constants.values()))
+        lost = [f for f in functions if f not in kept]
     if lost:
-        raise UserError(f"{type(model).__name__} calls the custom torch.autograd.Function {', '.join(lost)} outside "
-                        f"the leaf modules ({', '.join(map(_leaf_name, leaf_modules))}), and torch.export would "
-                        f"replace its own backward by the derivative of its forward; {fix}")
-    log.warning("%s calls custom autograd Functions (%s): captured with torch.fx, the leaf modules run as written",
-                type(model).__name__, ", ".join(functions))
+        raise UserError(function_refusal(model, args, kwargs, lost, [_leaf_name(x) for x in leaf_modules]))
+    if captured.front_end == "fx":
+        log.warning("%s calls custom autograd Functions (%s): captured with torch.fx, the leaf modules run as "
+                    "written", type(model).__name__, ", ".join(functions))
     return captured
 
 

@@ -21,6 +21,17 @@ VIT = ("hf:vit[num_hidden_layers=2,hidden_size=32,intermediate_size=64,num_atten
 ENCODER = "tests.profiles.user_models:transformer_encoder"
 QWEN2 = ("hf:qwen2[num_hidden_layers=2,hidden_size=32,intermediate_size=64,num_attention_heads=2,"
          "num_key_value_heads=1,vocab_size=128,seq=8]")        # use_cache defaults to True: a DynamicCache
+# mixtures of experts (2 layers, hidden 32, 4 experts, top-2): transformers' default experts code
+# (grouped matrix products through a torch.library operator), or its eager loop over the experts hit
+# (data-dependent: a leaf module, run as written)
+MIXTRAL = ("hf:mixtral[num_hidden_layers=2,hidden_size=32,intermediate_size=64,num_attention_heads=4,"
+           "num_key_value_heads=2,num_local_experts=4,num_experts_per_tok=2,vocab_size=128,seq=8,dropout=0]")
+QWEN2_MOE = ("hf:qwen2_moe[num_hidden_layers=2,hidden_size=32,intermediate_size=64,moe_intermediate_size=32,"
+             "shared_expert_intermediate_size=64,num_attention_heads=4,num_key_value_heads=2,num_experts=4,"
+             "num_experts_per_tok=2,vocab_size=128,seq=8,dropout=0]")
+MIXTRAL_EAGER = MIXTRAL.replace("]", ",experts_implementation=eager]")
+MIXTRAL_LEAF = MIXTRAL.replace("]", ",experts_implementation=eager,leaf=MixtralExperts]")
+QWEN2_MOE_LEAF = QWEN2_MOE.replace("]", ",experts_implementation=eager,leaf=Qwen2MoeExperts]")
 GPT2_PADDED = "tests.profiles.user_models:gpt2_padded"
 RAGGED = "tests.profiles.user_models:ragged_tokens"
 

@@ -15,6 +15,7 @@ pytestmark = [pytest.mark.cuda,
 @pytest.mark.parametrize("model,cuts,granularity", [
     ("mlp", [2, 5], "blocks"),
     ("gpt[layers=2,width=32,heads=2,seq=8,vocab=64]", [4, 12], "modules"),    # cuts inside the blocks
+    ("tests.profiles.moe_models:moe[leaf=Experts]", [0, 1], "blocks"),        # leaf experts run as written
 ])
 def test_cuda_pipeline_equals_single_process(model, cuts, granularity, schedule):
     torch.backends.cuda.matmul.allow_tf32 = False

@@ -226,10 +226,10 @@ def test_custom_autograd_function_keeps_its_backward_or_is_refused():
     model, x, y = Adversarial(), torch.randn(4, 8), torch.randint(0, 3, (4,))
     with pytest.raises(UserError) as err:
         capture_model(model, x)
-    assert "custom torch.autograd.Function _Reverse" in str(err.value) and "--leaf" in str(err.value)
-    assert "\n" not in str(err.value)
-    c = capture_model(model, x, leaf_modules=("Reversal",))
-    assert c.front_end == "fx" and [b.name for b in c.blocks] == ["features", "reverse", "head"]
+    assert "custom torch.autograd.Function _Reverse (in Reversal.forward)" in str(err.value)
+    assert "--leaf Reversal" in str(err.value) and "\n" not in str(err.value)
+    c = capture_model(model, x, leaf_modules=("Reversal",))        # exported, the leaf one call of the module
+    assert c.front_end == "export" and [b.name for b in c.blocks] == ["features", "reverse", "head"]
     expected = _grads(model, x, y)
     got = _grads(model, x, y, c)
     for name in expected:

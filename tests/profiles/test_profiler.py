@@ -27,7 +27,7 @@ def test_deliberately_slow_backward_layer_has_the_largest_backward_time():
     slow = max(p.nodes, key=lambda n: n.backward_ms)
     assert slow.type == "Sleepy" and slow.name == "3" and slow.backward_ms >= 30
     assert slow.forward_ms < 10                              # the time is attributed to backward only
-    assert p.front_end == "fx"                               # its custom backward is kept: traced by fx, run as written
+    assert p.front_end == "export"                           # its custom backward is kept: the leaf runs as written
 
 
 def test_deliberately_slow_forward_layer_has_the_largest_forward_time():
@@ -123,7 +123,7 @@ def test_model_export_cannot_capture_is_one_line_naming_the_construct_and_leaf_k
     assert "--leaf Gate" in message and "\n" not in message
     p = profile_model(resolve_model("tests.profiles.user_models:gated[leaf=Gate]"), batch_size=2, **FAST)
     assert [(n.name, n.type) for n in p.nodes] == [("inp", "Linear"), ("gate", "Gate"), ("head", "Linear")]
-    assert p.model == "tests.profiles.user_models:gated[leaf=Gate]" and p.front_end == "fx"
+    assert p.model == "tests.profiles.user_models:gated[leaf=Gate]" and p.front_end == "export"
 
 
 def test_cuda_requested_without_a_gpu_is_a_user_error():

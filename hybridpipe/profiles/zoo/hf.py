@@ -2,7 +2,9 @@
 
 * ``hf:gpt2[n_layer=4,n_embd=64,vocab_size=512]``: the model type's config class with those
   fields, random weights (nothing is downloaded), and the model type's default training head:
-  causal LM, else seq2seq LM, else masked LM, else image classification.
+  causal LM, else seq2seq LM, else masked LM, else image classification. ``attn_implementation``
+  and ``experts_implementation`` (``eager``: a mixture of experts' Python loop over the experts)
+  are passed to the config too.
 * ``hf:BertForSequenceClassification[num_hidden_layers=2,num_labels=3]``: a model class by name.
 * ``hf:/path/to/checkpoint``: a model saved with ``save_pretrained`` (its config and weights). Its
   ModelSpec names the directory as its ``weights``: the runtime builds the model with its
@@ -12,7 +14,7 @@
 Reserved arguments (not passed to the config): ``seq`` (tokens per synthetic sample, default
 ``min(128, max positions)``), ``dropout`` (set every dropout probability of the config, e.g.
 ``dropout=0`` for exact comparisons), ``labels`` (target length of a seq2seq task), ``leaf``
-(module classes never split into several nodes, ``leaf=A+B``).
+(module classes kept whole and run as written, ``leaf=A+B``: profiles/leaves.py).
 
 Synthetic data is the task's own: next-token prediction over the vocabulary for a causal LM
 (``{"input_ids", "labels"}``: labels = inputs, the model shifts them), masked-LM reconstruction,
@@ -38,6 +40,7 @@ from hybridpipe.profiles.zoo.spec import ModelSpec, call_user, check_options, pa
 HEADS = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForMaskedLM", "AutoModelForImageClassification",
          "AutoModelForSequenceClassification")
 RESERVED = {"seq": 128, "dropout": 0.0, "labels": 64, "leaf": ""}     # taken by hybridpipe (with examples)
+IMPLEMENTATIONS = ("attn_implementation", "experts_implementation")    # config arguments kept in private fields
 
 
 def _transformers() -> Any:
@@ -106,6 +109,7 @@ def _config(name: str, make: Callable[..., Any], kwargs: dict, cls: type) -> Any
     default = call_user(f"{name}'s config", make)
     fields = {k: v for k, v in vars(default).items() if not k.startswith("_")}
     fields.update({k: getattr(default, k) for k in kwargs if k not in fields and hasattr(default, k)})
+    fields.update({k: None for k in IMPLEMENTATIONS if hasattr(default, f"_{k}")})
     read = _names_read_by(cls)
     check_options("hf model", name, {**fields, **{k: None for k in kwargs if k not in fields and k in read}}, kwargs,
                   least=0)

@@ -5,8 +5,8 @@ Examples: ``alexnet``, ``gpt[layers=4,width=256,seq=128]``, ``hf:gpt2[n_layer=4,
 recorded verbatim in profiles and plans, so every rank rebuilds exactly the same model.
 
 The argument ``leaf`` is reserved: ``[leaf=Gate+Router]`` adds module class names to the
-ModelSpec's ``leaf_modules`` (never split into several profile nodes) instead of being passed to
-the factory, so the choice travels with the spec string to every rank.
+ModelSpec's ``leaf_modules`` (kept whole, each call one node that runs the module as written:
+profiles/leaves.py) instead of being passed to the factory, so the choice travels with the spec string to every rank.
 
 This module is the resolver, with :data:`ZOO`, the table of zoo models; the spec's base
 (``ModelSpec``, the syntax, calling the user's code, what a user's factory returns) is ``spec.py``.

@@ -59,7 +59,7 @@ class ModelSpec:
     loss: LossFn | None = nn.functional.cross_entropy
     target_shape: tuple[int, ...] = ()          # one target sample: () for a class id, (T,) for tokens
     num_classes: int = 0                        # targets are int64 in [0, num_classes)
-    leaf_modules: tuple[type | str, ...] = ()   # module types / class names never split into several nodes
+    leaf_modules: tuple[type | str, ...] = ()   # module types / class names kept whole, run as written
     example: Any = None                         # the user's example batch, if the factory gave one
     sample: Callable[[torch.Generator], Any] | None = None   # one synthetic sample: input, or (input, target)
     skeleton: Callable[[], nn.Module] | None = None   # the model, loading and running nothing (None: build)

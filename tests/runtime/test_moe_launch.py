@@ -1,0 +1,79 @@
+"""A mixture of experts whose experts are leaf modules (data-dependent routing, a Python loop over the
+experts hit, a custom autograd Function: run as written inside their stage) through the whole path
+under real processes: profile -> partition (2 stages, each holding one experts leaf) -> torchrun ->
+merge-checkpoint, equal to a plain single-process loop written here. The default suite runs it on 2
+ranks (2 stages); on 4 ranks (2 stages x 2 replicas), and the Hugging Face MoE models (Mixtral,
+Qwen2-MoE with leaf experts) the same way: make test-slow."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from hybridpipe.cli import main
+from hybridpipe.partitioner.plan import load_plan
+from hybridpipe.profiles.zoo import resolve_model
+from tests.pipeline.hf_models import MIXTRAL_LEAF, QWEN2_MOE_LEAF
+from tests.runtime.jobs import data_for, max_diff, torchrun
+
+STEPS, LR, MOMENTUM, SEED = 3, 0.05, 0.5, 3
+USER_MOE = "tests.profiles.moe_models:moe[leaf=Experts]"
+
+
+def plain_training(spec_name: str, plan, steps: int) -> dict[str, torch.Tensor]:
+    """One process: the model built from SEED, SGD with momentum on each step's global batch."""
+    spec = resolve_model(spec_name)
+    torch.manual_seed(SEED)
+    model = spec.build()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    data = data_for(plan, steps, SEED)
+    for k in range(steps):
+        x, y = data.global_batch(k)
+        opt.zero_grad()
+        loss = model(**x, use_cache=False).loss if isinstance(x, dict) else nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+    return model.state_dict()
+
+
+def profile_partition_launch_merge(tmp_path, spec: str, batch: int, workers: int) -> None:
+    """Profile, partition into 2 stages over ``workers`` local processes, train, merge, compare."""
+    profile, plan_path, cluster = tmp_path / "profile.json", tmp_path / "plan.json", tmp_path / "cluster.json"
+    cluster.write_text(json.dumps({"kind": "cluster", "format": 1, "memory_gb": 4, "levels": [
+        {"name": "local", "workers": workers, "bandwidth_gbps": 8, "latency_us": 500}]}))
+    assert main(["profile", spec, "--batch-size", str(batch), "--repeats", "1", "--warmup", "0", "-q",
+                 "-o", str(profile)]) == 0
+    assert main(["partition", str(profile), "--cluster", str(cluster),
+                 "--strategy", "uniform", "--stages", "2", "--micro-batches", "4", "-q", "-o", str(plan_path)]) == 0
+    plan = load_plan(plan_path)
+    assert [s.replicas for s in plan.stages] == [workers // 2] * 2
+    names = [n["name"] for n in json.loads(profile.read_text())["nodes"]]
+    for stage in plan.stages:                                    # a leaf (experts) inside every stage
+        assert any("blocks." in n or "layers." in n for n in names[stage.first_node:stage.last_node + 1])
+    ckpt, run = tmp_path / "ckpt", tmp_path / "run"
+    done = torchrun(["--plan", str(plan_path), "--steps", str(STEPS), "--lr", str(LR), "--momentum", str(MOMENTUM),
+                     "--seed", str(SEED), "--checkpoint-dir", str(ckpt), "--run-dir", str(run), "--timeout", "120",
+                     "--no-progress", "--no-trace"], workers, timeout=300)
+    assert done.returncode == 0, done
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps_run"] == STEPS and all(summary["replicas_identical"].values()), summary
+    out = tmp_path / "model.pt"
+    assert main(["merge-checkpoint", str(ckpt), "-o", str(out)]) == 0     # keys and shapes checked
+    merged = torch.load(out, weights_only=True)
+    assert max_diff(merged, plain_training(spec, plan, STEPS)) <= 1e-6
+    resolve_model(spec).build().load_state_dict(merged, strict=True)
+
+
+@pytest.mark.parametrize("workers", [2, pytest.param(4, marks=pytest.mark.slow)], ids=["2", "2x2"])
+def test_user_moe_profile_partition_torchrun_merge(tmp_path, workers):
+    profile_partition_launch_merge(tmp_path, USER_MOE, 4, workers)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", [MIXTRAL_LEAF, QWEN2_MOE_LEAF], ids=["mixtral", "qwen2_moe"])
+def test_hf_moe_profile_partition_torchrun_merge(tmp_path, spec):
+    pytest.importorskip("transformers")
+    profile_partition_launch_merge(tmp_path, spec, 2, 4)
