@@ -18,12 +18,13 @@ from hybridpipe.partitioner.search.objective import Options, inflight_micro_batc
 from hybridpipe.profiles.profiler import profile_model
 from hybridpipe.profiles.zoo import resolve_model
 from tests.pipeline.harness import make_plan, train_pipeline
-from tests.pipeline.hf_models import GPT2
+from tests.pipeline.hf_models import GPT2, LLAMA
 
 BATCH, MICRO_BATCHES, STEPS = 2, 4, 2
 
 FAMILIES = {     # name: (spec, cuts of 4 stages)
     "gpt2-tied": (GPT2, [0, 3, 4]),
+    "llama-tied": (LLAMA, [1, 2, 3]),      # tied embedding and head, rotary cos/sin into every layer stage
     "mistral": ("hf:mistral[num_hidden_layers=2,hidden_size=32,intermediate_size=64,num_attention_heads=2,"
                 "num_key_value_heads=1,vocab_size=128,seq=8]", [1, 2, 3]),
     "distilbert-mlm": ("hf:distilbert[n_layers=2,dim=32,hidden_dim=64,n_heads=2,vocab_size=128,seq=8,dropout=0]",
