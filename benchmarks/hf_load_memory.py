@@ -136,13 +136,14 @@ def balanced_plan(spec_name: str, stages: int, micro_batches: int):
                 tied=tuple(TiedGroup(p, s, 0) for p, s in tied))
 
 
-def run_mode(mode: str, plan_path: Path, stages: int, work: Path, timeout: float) -> list[dict]:
+def run_mode(mode: str, plan_path: Path, stages: int, work: Path, timeout: float, script: str = __file__) -> list[dict]:
+    """``torchrun --nproc-per-node STAGES script --rank-mode MODE``: each rank's JSON report."""
     out = work / mode
     out.mkdir()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]),
                HF_HUB_OFFLINE="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(stages),
-           __file__, "--rank-mode", mode, "--plan", str(plan_path), "--out", str(out)]
+           script, "--rank-mode", mode, "--plan", str(plan_path), "--out", str(out)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
         errors = [line for line in done.stderr.splitlines() if "[rank0]" in line or "error" in line.lower()]

@@ -20,6 +20,8 @@ hybridpipe's ``optimal`` and ``pipedream`` strategies on the imported profile, o
     .venv/bin/python benchmarks/partitioner_speed.py                 # JSON + PNG in benchmarks/results/
     .venv/bin/python benchmarks/partitioner_speed.py --quick
     .venv/bin/python benchmarks/partitioner_speed.py --pipedream-src /path/to/pipedream
+    .venv/bin/python benchmarks/partitioner_speed.py --write-inputs 50 4096 DIR   # for the CLI:
+    hybridpipe partition DIR/synthetic-50.profile.json --cluster DIR/cluster-4096.json -o plan.json
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import machine, pyplot, result_paths, setup_logging, write_results  # noqa: E402
 from hybridpipe.partitioner.cost.cluster import Cluster, Level  # noqa: E402
-from hybridpipe.profiles.format import Profile, ProfileNode  # noqa: E402
+from hybridpipe.profiles.format import Profile, ProfileNode, save_profile  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 RESNET = REPO / "tests" / "partitioner" / "data" / "pipedream" / "resnet50.graph.txt"
@@ -152,12 +154,22 @@ def main(argv: list[str] | None = None) -> int:
                     help="skip 'before' cases estimated to take longer than this many seconds (default 300)")
     ap.add_argument("--pipedream-src", metavar="DIR", help="also time PipeDream's optimizer from this checkout")
     ap.add_argument("--out-dir", help="where to write the JSON and PNG (default benchmarks/results/)")
+    ap.add_argument("--write-inputs", nargs=3, metavar=("NODES", "WORKERS", "DIR"),
+                    help="only write a case's profile and cluster JSON into DIR (to time `hybridpipe partition`)")
     ap.add_argument("--case", nargs=2, type=int, metavar=("NODES", "WORKERS"), help=argparse.SUPPRESS)
     ap.add_argument("--solver", default="after", help=argparse.SUPPRESS)
     ap.add_argument("--strategy", default="optimal", help=argparse.SUPPRESS)
     ap.add_argument("--resnet", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--pipedream-case", nargs=2, type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.write_inputs:
+        n, w, out = int(args.write_inputs[0]), int(args.write_inputs[1]), Path(args.write_inputs[2])
+        out.mkdir(parents=True, exist_ok=True)
+        save_profile(synthetic_profile(n), out / f"synthetic-{n}.profile.json")
+        clu = cluster(PER_HOST if w >= PER_HOST else w, max(1, w // PER_HOST))
+        (out / f"cluster-{w}.json").write_text(json.dumps(clu.to_dict(), indent=1))
+        print(f"wrote {out}/synthetic-{n}.profile.json and {out}/cluster-{w}.json")
+        return 0
     if args.case:
         print(json.dumps(run_case(*args.case, args.solver, args.strategy, str(RESNET) if args.resnet else None)))
         return 0

@@ -1,8 +1,9 @@
-"""bf16 vs fp32 through hybridpipe.Trainer: step time and bytes on the wire between stages.
+"""bf16 vs fp32 through hybridpipe.Trainer: step time, bytes on the wire between stages, peak memory per rank.
 
     sudo .venv/bin/python benchmarks/precision.py                   # 4 emulated hosts at 1 Gbit/s (root)
     sudo .venv/bin/python benchmarks/precision.py --quick --rate 100mbit
     python benchmarks/precision.py --network loopback               # 4 local processes, no root
+    python benchmarks/precision.py --network loopback --model demo  # make demo's GPT
 
 The model is profiled here and split into 4 compute-balanced unreplicated stages (``partition
 --strategy time``), one stage per emulated host (``tools/emucluster``: a network namespace per
@@ -11,7 +12,11 @@ synthetic data, Adam, gloo, one thread per process. Each precision runs ``--step
 round through ``hybridpipe.Trainer(precision=...)``; the two alternate for ``--rounds`` rounds so
 drifting load hits both. Step time of a job = its slowest rank's; a run reports the median over
 the steps after ``--warmup``. Bytes: every rank's p2p channels count what they move (both
-directions, per step). Results: ``benchmarks/results/precision[_emulated][_quick].json`` / ``.png``.
+directions, per step): activations and gradients cross in the dtype the stage computed them in
+(bf16: what autocast made 16-bit; a float32 residual stream stays float32). Peak memory per rank:
+the most the rank's stage held in a step (``Trainer.last_peak_memory_bytes``: CUDA's max allocated,
+or on the CPU the meter's count of weights, gradients, optimizer state and what autograd saved).
+Results: ``benchmarks/results/precision[_emulated][_<model>][_quick].json`` / ``.png``.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import argparse
 import contextlib
 import json
 import logging
+import os
 import statistics
 import sys
 import tempfile
@@ -56,6 +62,7 @@ from hybridpipe.runtime.trainer import Trainer  # noqa: E402
 
 log = logging.getLogger("benchmarks.precision")
 PRECISIONS = ("fp32", "bf16")
+MODELS = {"demo": "gpt[layers=4,width=128,heads=4,seq=64,vocab=256]"}     # examples/demo.sh's model
 
 
 class Bytes:
@@ -72,7 +79,7 @@ class Bytes:
     def align(self, barrier) -> None:
         barrier()
 
-    def record(self, phase: str, micro_batch: int, t0: float, t1: float) -> None:
+    def record(self, phase: str, micro_batch: int, t0: float, t1: float, stage: int | None = None) -> None:
         pass
 
 
@@ -85,24 +92,25 @@ def job(rank: int, world: int, plan_path: str, precision: str, steps: int) -> di
     spec = resolve_model(plan.model)
     data = MicroBatches(resolve_dataset("synthetic", spec, size=steps * plan.batch_size * plan.micro_batches),
                         plan.batch_size, plan.micro_batches)
-    times, losses = [], []
+    times, losses, peak = [], [], 0
     for k in range(steps):
         dist.barrier()
         t0 = time.perf_counter()
         losses.append(trainer.train_step(*data.global_batch(k)))
         times.append((time.perf_counter() - t0) * 1e3)
+        peak = max(peak, trainer.last_peak_memory_bytes)
     trainer.close()
     everyone: list = [None] * world
-    dist.all_gather_object(everyone, (times, counter.n))
+    dist.all_gather_object(everyone, (times, counter.n, peak))
     if rank != 0:
         return None
-    return {"step_ms": [max(t[k] for t, _ in everyone) for k in range(steps)],
-            "bytes_per_step": sum(n for _, n in everyone) / steps, "losses": losses}
+    return {"step_ms": [max(t[k] for t, _, _ in everyone) for k in range(steps)],
+            "bytes_per_step": sum(n for _, n, _ in everyone) / steps, "losses": losses,
+            "peak_memory_bytes": [p for _, _, p in everyone]}
 
 
 def worker(a: argparse.Namespace) -> None:
     """One emulated host's process (``--worker``)."""
-    import os
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -135,7 +143,8 @@ def run(cluster, plan_path: Path, precision: str, steps: int, world: int) -> dic
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="gpt[layers=8,width=256,heads=4,seq=128,vocab=2048]")
+    p.add_argument("--model", default="gpt[layers=8,width=256,heads=4,seq=128,vocab=2048]",
+                   help="a model spec, or 'demo' (make demo's gpt[layers=4,width=128,heads=4,seq=64,vocab=256])")
     p.add_argument("--stages", type=int, default=4)
     p.add_argument("--micro-batches", type=int, default=8)
     p.add_argument("--batch-size", type=int, default=8)
@@ -156,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
     if a.quick:
         a.steps, a.rounds, a.warmup = 6, 2, 2
+    load_at_start = [round(x, 2) for x in os.getloadavg()]         # machine() below records it at the end
+    label = a.model if a.model in MODELS else ""
+    a.model = MODELS.get(a.model, a.model)
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="precision."))
     plan_path = tmp / "plan.json"
@@ -179,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
                          out["bytes_per_step"] / 1e6)
     medians = {q: statistics.median(x["median_ms"] for x in runs[q]) for q in PRECISIONS}
     wire = {q: runs[q][0]["bytes_per_step"] for q in PRECISIONS}
+    memory = {q: [max(x["peak_memory_bytes"][r] for x in runs[q]) for r in range(a.stages)] for q in PRECISIONS}
     result = {"benchmark": "precision", "machine": machine(), "command": " ".join(sys.argv), "model": a.model,
               "stages": a.stages, "micro_batches": a.micro_batches, "batch_size": a.batch_size, "steps": a.steps,
               "warmup": a.warmup, "rounds": a.rounds,
@@ -186,12 +199,16 @@ def main(argv: list[str] | None = None) -> int:
               "median_step_ms": medians, "step_ms_per_round": {q: [x["median_ms"] for x in runs[q]] for q in runs},
               "p2p_bytes_per_step": wire, "bf16_vs_fp32_step": medians["bf16"] / medians["fp32"],
               "bf16_vs_fp32_bytes": wire["bf16"] / wire["fp32"],
+              "peak_memory_bytes_per_rank": memory,
+              "bf16_vs_fp32_peak_memory_per_rank": [b / f for b, f in zip(memory["bf16"], memory["fp32"], strict=True)],
+              "load_average_at_start": load_at_start,
               "first_losses": {q: runs[q][0]["losses"] for q in PRECISIONS}}
-    name = "precision" + ("_emulated" if a.network == "emulated" else "")
+    name = "precision" + ("_emulated" if a.network == "emulated" else "") + (f"_{label}" if label else "")
     json_path, png_path = result_paths(name, a.quick, a.out_dir)
     write_results(json_path, result, _figure(result), png_path)
     for q in PRECISIONS:
-        print(f"{q}: {medians[q]:8.1f} ms/step  {wire[q] / 1e6:8.2f} MB/step between stages")
+        print(f"{q}: {medians[q]:8.1f} ms/step  {wire[q] / 1e6:8.2f} MB/step between stages  peak per rank "
+              + " ".join(f"{m / 2**20:.1f}" for m in memory[q]) + " MiB")
     print(f"bf16/fp32: step {result['bf16_vs_fp32_step']:.2f}x, bytes {result['bf16_vs_fp32_bytes']:.2f}x; "
           f"wrote {json_path} and {png_path}")
     return 0
@@ -199,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _figure(result: dict):
     plt = pyplot()
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(8, 3.4))
+    fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(12, 3.4))
     qs = list(result["median_step_ms"])
     a1.bar(qs, [result["median_step_ms"][q] for q in qs], color=["#7f7f7f", "#1f77b4"])
     for i, q in enumerate(qs):
@@ -207,6 +224,14 @@ def _figure(result: dict):
     a1.set_ylabel("ms per step (median of rounds)")
     a2.bar(qs, [result["p2p_bytes_per_step"][q] / 1e6 for q in qs], color=["#7f7f7f", "#1f77b4"])
     a2.set_ylabel("MB per step between stages")
+    ranks = range(len(result["peak_memory_bytes_per_rank"][qs[0]]))
+    for i, (q, color) in enumerate(zip(qs, ["#7f7f7f", "#1f77b4"], strict=False)):
+        a3.bar([r + (i - 0.5) * 0.4 for r in ranks], [m / 2**20 for m in result["peak_memory_bytes_per_rank"][q]],
+               width=0.4, color=color, label=q)
+    a3.set_xticks(list(ranks))
+    a3.set_xlabel("rank (stage)")
+    a3.set_ylabel("peak memory (MiB)")
+    a3.legend(fontsize=8)
     fig.suptitle(f"{result['model']}, {result['stages']} stages, {result['micro_batches']} x "
                  f"{result['batch_size']}, {result['network']}", fontsize=9)
     fig.tight_layout()

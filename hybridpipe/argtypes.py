@@ -184,10 +184,12 @@ def output_dir(text: str) -> str:
 
 def output_path(text: str) -> str:
     """An argparse type: a file or a directory (which one is decided later, e.g. by ``--format``)
-    that can be created: its parent can be written into."""
-    p = Path(text)
+    that can be written: an existing directory files can be created in, or a file path."""
     try:
-        check_output_dir(p.parent if str(p.parent) else Path("."), str(p))
+        if Path(text).is_dir():
+            check_output_dir(text)
+        else:
+            check_output_file(text)
     except UserError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return text

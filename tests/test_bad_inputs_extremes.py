@@ -140,6 +140,9 @@ def _every_node(doc, value):
     ("cluster", lambda d: d["levels"][0].update(latency_us=10 ** 400), 'field "latency_us" must be a finite number'),
     ("calibration", lambda d: d["p2p"].update(beta_s_per_byte=1e308), 'field "beta_s_per_byte" must be <= 1e+15'),
     ("plan", lambda d: d["stages"][0].update(forward_ms=1e308), 'field "forward_ms" must be <= 1e+100'),
+    ("plan", lambda d: d.update(batch_size=10 ** 400), 'field "batch_size" must be <= 1e+15'),
+    ("plan", lambda d: d.update(micro_batches=10 ** 400), 'field "micro_batches" must be <= 1e+15'),
+    ("profile", lambda d: d.update(batch_size=10 ** 400), 'field "batch_size" must be <= 1e+15'),
 ])
 def test_the_figures_of_issue_31(files, tmp_path, kind, change, message):
     """1e308 ms per node made partition search for ever (its sums overflowed to inf, then nan); a

@@ -62,8 +62,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="activation recomputation: none (default), all stages, or auto (the stages that "
                              "would not fit in --memory-gb otherwise; the extra forward is charged)")
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
-                        help="what the job will run in (launch --precision): bf16/fp16 send activations, gradients "
-                             "and all-reduces at half the bytes, and the plan is priced so (default fp32)")
+                        help="what the job will run in (launch --precision; default fp32): bf16/fp16 price "
+                             "activations, gradients and all-reduces at half the profiled bytes (optimistic: a value "
+                             "autocast keeps in float32 crosses in float32, and launch --reduce-dtype is fp32 by "
+                             "default)")
     parser.add_argument("--loss-normalization", choices=LOSS_NORMALIZATIONS, default="micro-batch",
                         help="recorded for launch (which may override it): micro-batch (default), a step's loss is "
                              "the mean of its micro-batches' mean losses; tokens, the step's summed per-token loss "

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridpipe.errors import UserError
-from hybridpipe.jsonfile import MAX_PLAN_FIGURE, check_header, field, figure, read_json, write_json
+from hybridpipe.jsonfile import MAX_FIGURE, MAX_PLAN_FIGURE, check_header, field, figure, read_json, write_json
 from hybridpipe.partitioner.cost import collectives as co
 from hybridpipe.partitioner.cost.cluster import Cluster
 from hybridpipe.partitioner.cost.syncunits import SECOND_LANE_ALGORITHMS, LayerSync, sync_units
@@ -182,13 +182,13 @@ class Plan:
             raise UserError(f"{source}: \"stages\" is empty")
         plan = cls(
             model=field(d, "model", str, source),
-            batch_size=field(d, "batch_size", int, source, minimum=1),
+            batch_size=field(d, "batch_size", int, source, minimum=1, maximum=MAX_FIGURE),
             input_shape=tuple(field(d, "input_shape", list, source, items=int)),
             profile_signature=field(d, "profile_signature", str, source),
             cluster=Cluster.from_dict(field(d, "cluster", dict, source), f"{source}: cluster"),
             strategy=field(d, "strategy", str, source, choices=STRATEGIES),
             schedule=field(d, "schedule", str, source, choices=SCHEDULES),
-            micro_batches=field(d, "micro_batches", int, source, minimum=1),
+            micro_batches=field(d, "micro_batches", int, source, minimum=1, maximum=MAX_FIGURE),
             optimizer=field(d, "optimizer", str, source, choices=OPTIMIZERS),
             stages=tuple(_stage_from_dict(s, i, source) for i, s in enumerate(raw_stages)),
             predicted_step_ms=_figure(d, "predicted_step_ms", float, source, default=0.0),
@@ -216,9 +216,9 @@ def save_plan(plan: Plan, path: str | os.PathLike) -> Path:
     return write_json(path, plan.to_dict())
 
 
-def check_plan_fits(plan: Plan, *, model: str | None, signature: str | None, batch_size: int | None,
-                    world_size: int | None, n_nodes: int | None = None) -> None:
-    """Refuse (one line) a plan made for another model, graph, batch size or world size."""
+def check_plan_fits(plan: Plan, *, model: str | None, batch_size: int | None, world_size: int | None) -> None:
+    """Refuse (one line) a plan made for another model name, batch size or world size (None: not
+    checked); against the captured model itself: pipeline/plancheck.py."""
     if model is not None and model != plan.model:
         raise UserError(f"the plan was made for model {plan.model!r}, not {model!r}; "
                         f"profile and partition {model!r} first, or drop --model")
@@ -228,12 +228,6 @@ def check_plan_fits(plan: Plan, *, model: str | None, signature: str | None, bat
     if world_size is not None and world_size != plan.world_size:
         raise UserError(f"the plan needs {plan.world_size} workers but the job has {world_size}; "
                         f"launch {plan.world_size} processes or re-partition with --workers {world_size}")
-    if n_nodes is not None and plan.stages[-1].last_node != n_nodes - 1:
-        raise UserError(f"the plan covers {plan.stages[-1].last_node + 1} graph nodes but the model has "
-                        f"{n_nodes}: it was made for another version of the model; re-profile")
-    if signature is not None and signature != plan.profile_signature:
-        raise UserError("the model's traced graph differs from the one the plan was made for "
-                        f"(signature {signature} vs {plan.profile_signature}); re-profile and re-partition")
 
 
 def check_plan_memory(plan: Plan) -> None:

@@ -9,7 +9,8 @@
 
 Pure parts (no processes):
 
-* the stage: ``stage.py`` (the plan's node range cut out of the captured graph, ``profiles/cut.py``),
+* the stage: ``plancheck.py`` (the plan checked against the captured model, once, and the stages
+  built from it), ``stage.py`` (a node range cut out of the captured graph, ``profiles/cut.py``),
   ``values.py`` (what crosses a boundary), ``chunks.py`` (a rank's model chunks as one module),
   ``splitback.py`` (a backward split in input and weight gradients), ``stash.py`` (pipedream's
   weight versions), ``tied.py`` (tied weights' copies summed), ``buffer_writes.py`` (which buffers
@@ -18,20 +19,23 @@ Pure parts (no processes):
 * the schedules: ``instructions.py`` (the instruction set), ``schedules.py`` (every schedule of
   ``partitioner/schedule_registry.py`` expanded into per-rank lists), ``validate.py`` (a symbolic
   run of all ranks' lists), ``simulator.py`` / ``simtrace.py`` (a timed run, its trace and picture);
-* the engine: ``engine.py`` runs a rank's list, ``inflight.py`` holds its micro-batches between
-  instructions, ``engine_state.py`` checkpoints them, ``evaluation.py`` the forward-only step,
-  ``memory.py`` measures what it holds, ``data.py`` feeds it.
+* the engine: ``engine.py`` runs a rank's list (``ports.py``: its transport and syncs),
+  ``inflight.py`` holds its micro-batches between instructions, ``engine_state.py`` checkpoints
+  them, ``evaluation.py`` the forward-only step, ``memory.py`` measures what it holds, ``data.py``
+  feeds it.
 
 ``inprocess.py`` runs a whole pipeline on threads (tests, debugging).
 """
 
 from hybridpipe.pipeline.data import MicroBatches
-from hybridpipe.pipeline.engine import LocalSync, PipelineEngine, StepResult
+from hybridpipe.pipeline.engine import PipelineEngine, StepResult
+from hybridpipe.pipeline.plancheck import CheckedPlan, build_stage, build_stages, check_plan
+from hybridpipe.pipeline.ports import LocalSync
 from hybridpipe.pipeline.schedules import Topology, channel_edges, check_schedulable, rank_program, transfer_program
-from hybridpipe.pipeline.stage import Activation, PipelineStage, build_stage, build_stage_index, build_stages
+from hybridpipe.pipeline.stage import Activation, PipelineStage, build_stage_index
 
 __all__ = [
     "MicroBatches", "LocalSync", "PipelineEngine", "StepResult", "Topology", "channel_edges", "check_schedulable",
     "rank_program", "transfer_program", "Activation", "PipelineStage", "build_stage", "build_stage_index",
-    "build_stages",
+    "build_stages", "CheckedPlan", "check_plan",
 ]

@@ -13,7 +13,7 @@ What is per rank works on :attr:`PipelineEngine.module` (chunks.rank_module: eve
 parameters, a weight two chunks share once): the optimizer, the Step's gradient scaling, the
 memory meter.
 
-Interfaces (duck-typed, see the project's contracts):
+Interfaces (duck-typed, see the project's contracts; the protocols are in ports.py):
 
 * ``transport``: ``send(peer, key, tensors)`` (posts), ``recv(peer, key) -> tensors`` (blocks);
   keys are ``act/<s>/<m>`` and ``grad/<s>/<m>`` (``instructions.message_key``: s the producing
@@ -39,9 +39,10 @@ Interfaces (duck-typed, see the project's contracts):
 * ``tokens`` (optional, pipeline/tokens.py): token-weighted loss; each backward starts from the
   micro-batch's loss sum and the Step multiplies by 1 / (the step's valid tokens) instead of 1/M.
 * ``autocast`` (optional dtype, e.g. ``torch.bfloat16``): forwards and losses run under
-  ``torch.autocast`` (weights, gradients and optimizer state stay float32); ``wire_dtype``
-  (optional): floating-point activations and gradients are sent in that dtype (half the bytes
-  for bfloat16); a received gradient is cast back to its output's dtype before the backward.
+  ``torch.autocast`` (weights, gradients and optimizer state stay float32; the stages must be
+  captured under the same autocast, ``capture_model(autocast=)``). Activations and gradients travel
+  in the dtype the stage computed them in, as the unsplit model holds them: what autocast made
+  16-bit crosses in 16 bits, a float32 residual stream in float32.
 
 ``run_eval(data)`` runs the forward-only evaluation list (``schedules.eval_program``) in
 evaluation mode without autograd: no gradient, no weight or optimizer change.
@@ -51,9 +52,9 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from typing_extensions import assert_never
@@ -86,34 +87,13 @@ from hybridpipe.pipeline.instructions import (
     message_key,
 )
 from hybridpipe.pipeline.memory import MemoryMeter, optimizer_tensors, tensors_bytes
+from hybridpipe.pipeline.ports import TiedReduce, Transport, chunk_syncs
 from hybridpipe.pipeline.schedules import Topology, check_schedulable, forwarded, rank_program, settle_phase
 from hybridpipe.pipeline.stage import Activation, PipelineStage
 from hybridpipe.pipeline.stash import WeightStash, needs_frozen
 from hybridpipe.pipeline.tokens import TokenCounts, check_normalization
 from hybridpipe.pipeline.values import moved
 from hybridpipe.profiles.losses import loss_mean
-
-
-class Transport(Protocol):
-    def send(self, peer: int, key: str, tensors: dict[str, torch.Tensor]) -> None: ...
-    def recv(self, peer: int, key: str) -> dict[str, torch.Tensor]: ...
-
-
-class TiedReduce(Protocol):
-    def reduce(self) -> None: ...
-
-
-class LocalSync:
-    """The gradient sync of an unreplicated stage: nothing to do."""
-
-    def no_sync(self):
-        return contextlib.nullcontext()
-
-    def finish(self) -> None:
-        pass
-
-    def sum_replicas(self, tensor: torch.Tensor) -> None:
-        """Sum ``tensor`` in place across the stage's replicas: one replica, nothing to add."""
 
 
 @dataclass
@@ -141,8 +121,7 @@ class PipelineEngine:
                  sync: Any = None, recorder=None, tied: TiedReduce | None = None,
                  clock: Callable[[], float] = time.perf_counter,
                  before_step: Callable[[], bool | None] | None = None, autocast: torch.dtype | None = None,
-                 wire_dtype: torch.dtype | None = None, loss_scale: Callable[[], float] | None = None,
-                 tokens: TokenCounts | None = None):
+                 loss_scale: Callable[[], float] | None = None, tokens: TokenCounts | None = None):
         check_schedulable(topo, schedule)
         chunks = [stages] if isinstance(stages, PipelineStage) else list(stages)
         expected = list(topo.stages_of(rank))
@@ -153,9 +132,9 @@ class PipelineEngine:
         self.module = rank_module([s.module for s in chunks])
         self.topo, self.rank, self.schedule = topo, rank, schedule
         self.transport, self.optimizer, self.data = transport, optimizer, data
-        self.syncs = _syncs(sync, expected)
+        self.syncs = chunk_syncs(sync, expected)
         self.tied, self.before_step = tied, before_step
-        self.autocast, self.wire_dtype, self.loss_scale, self.tokens = autocast, wire_dtype, loss_scale, tokens
+        self.autocast, self.loss_scale, self.tokens = autocast, loss_scale, tokens
         if tokens is not None:
             check_normalization("tokens", schedule.flushed, schedule.name)
         if tied is not None and not schedule.keeps_tied_weights:
@@ -247,19 +226,13 @@ class PipelineEngine:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast)
 
-    def on_wire(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``tensors`` as they travel: floating-point ones in ``wire_dtype`` (when set)."""
-        if self.wire_dtype is None:
-            return tensors
-        return {k: t.detach().to(self.wire_dtype) if t.is_floating_point() else t for k, t in tensors.items()}
-
     def send(self, peer: int, key: str, tensors: dict[str, torch.Tensor]) -> None:
-        """Post ``tensors`` (as they travel, :meth:`on_wire`) to ``peer``; to this very rank (two
-        neighbouring model chunks of one rank, e.g. zbv's turn of the V) they stay here."""
+        """Post ``tensors`` to ``peer``; to this very rank (two neighbouring model chunks of one
+        rank, e.g. zbv's turn of the V) they stay here."""
         if peer == self.rank:
-            self._local[key] = {k: t.detach() for k, t in self.on_wire(tensors).items()}
+            self._local[key] = {k: t.detach() for k, t in tensors.items()}
         else:
-            self.channel().send(peer, key, self.on_wire(tensors))
+            self.channel().send(peer, key, tensors)
 
     def recv(self, peer: int, key: str) -> dict[str, torch.Tensor]:
         """The tensors ``peer`` sent under ``key`` (blocks until they arrive)."""
@@ -410,14 +383,3 @@ class PipelineEngine:
     def _grad_bytes(self) -> int:
         return tensors_bytes(p for p in self.module.parameters() if p.requires_grad)
 
-
-def _syncs(sync: Any, stages: Sequence[int]) -> dict[int, Any]:
-    """Each chunk's gradient sync: one given for the rank's only stage, or a mapping per stage."""
-    if isinstance(sync, Mapping):
-        missing = [s for s in stages if s not in sync]
-        if missing:
-            raise ValueError(f"no gradient sync for stage(s) {missing}")
-        return {s: sync[s] if sync[s] is not None else LocalSync() for s in stages}
-    if len(stages) > 1 and sync is not None:
-        raise ValueError(f"a rank with stages {list(stages)} needs one gradient sync per stage (a mapping)")
-    return {s: sync if sync is not None else LocalSync() for s in stages}

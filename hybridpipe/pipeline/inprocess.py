@@ -125,12 +125,15 @@ class ReplicaGroup:
 
 class InProcessGradSync:
     """``no_sync()`` / ``finish()`` for one replica: ``finish`` sums every parameter's grad across
-    the group (a missing grad counts as zeros). Backward inside ``no_sync`` only accumulates."""
+    the group (a missing grad counts as zeros). Backward inside ``no_sync`` only accumulates.
+    ``wire_dtype``: floating gradients are summed in that dtype and cast back (as
+    ``HybridDataParallel(wire_dtype=)`` does)."""
 
-    def __init__(self, module: nn.Module, group: ReplicaGroup, index: int, exclude: Collection[nn.Parameter] = ()):
+    def __init__(self, module: nn.Module, group: ReplicaGroup, index: int, exclude: Collection[nn.Parameter] = (),
+                 wire_dtype: torch.dtype | None = None):
         skip = {id(p) for p in exclude}
         self.params = [p for p in module.parameters() if p.requires_grad and id(p) not in skip]
-        self.group, self.index = group, index
+        self.group, self.index, self.wire_dtype = group, index, wire_dtype
         self._started = False
         self._quiet = 0
 
@@ -149,7 +152,13 @@ class InProcessGradSync:
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad)
         with torch.no_grad():
-            self.group.all_reduce_sum(self.index, grads)
+            if self.wire_dtype is None or self.group.size == 1:
+                self.group.all_reduce_sum(self.index, grads)
+                return
+            low = [g.to(self.wire_dtype) if g.is_floating_point() else g for g in grads]
+            self.group.all_reduce_sum(self.index, low)
+            for g, s in zip(grads, low, strict=True):
+                g.copy_(s)
 
     def sum_replicas(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` in place across the group (a replicated stage's batch statistics)."""

@@ -24,11 +24,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
-from torch.distributed.pipelining._backward import (
-    _get_grad_fn_or_grad_acc,
-    construct_reverse_graph,
-    get_param_groups,
-)
 
 
 @dataclass
@@ -45,6 +40,13 @@ def backward_input(outputs: Sequence[torch.Tensor], output_grads: Sequence[torch
                    inputs: Sequence[torch.Tensor], params: Sequence[nn.Parameter]) -> WeightWork:
     """Accumulate the gradients of ``inputs`` (leaves) from ``outputs`` (with ``output_grads``;
     None = ones for a scalar loss); return what :func:`backward_weight` needs for ``params``."""
+    # imported here: torch.distributed.pipelining imports torch._dynamo (seconds of a worker's start)
+    from torch.distributed.pipelining._backward import (
+        _get_grad_fn_or_grad_acc,
+        construct_reverse_graph,
+        get_param_groups,
+    )
+
     params = [p for p in params if p.requires_grad]
     wanted = [t for t in inputs if t.requires_grad]
     if not outputs:
@@ -80,6 +82,8 @@ def backward_input(outputs: Sequence[torch.Tensor], output_grads: Sequence[torch
 
 def _nodes(tensors: Sequence[torch.Tensor]) -> list[Node]:
     """The autograd nodes that produced ``tensors`` (a leaf's gradient accumulator)."""
+    from torch.distributed.pipelining._backward import _get_grad_fn_or_grad_acc
+
     return [n for n in map(_get_grad_fn_or_grad_acc, tensors) if n is not None]
 
 

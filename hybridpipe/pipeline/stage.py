@@ -1,7 +1,7 @@
 """One rank's part of the model: forward named values in, named tensors (or the loss) out, and back.
 
     captured = capture_model(model, example)           # profiles/capture.py (every rank, same graph)
-    stage = build_stage(captured, plan, rank, loss=spec.loss)   # build_stages: a rank's chunks (virtual stages)
+    stage = build_stage(captured, plan, rank, loss=spec.loss)   # plancheck.py: the plan checked, then the stage
     act = stage.forward(stage.data_inputs(batch))      # stage 0: the batch as the model takes it
     send(act.outputs)                                  # named tensors for the next stage
     ...
@@ -28,13 +28,12 @@ import torch.utils.checkpoint
 from torch import fx, nn
 
 from hybridpipe.errors import UserError
-from hybridpipe.partitioner.plan import Plan, check_plan_fits
 from hybridpipe.pipeline.batch_stats import COMBINE, DIRECT, RunningStats, install
-from hybridpipe.pipeline.buffer_writes import buffer_writes, check_plan_writes, check_stage_writes
+from hybridpipe.pipeline.buffer_writes import buffer_writes, check_stage_writes
 from hybridpipe.pipeline.splitback import WeightWork, backward_input, backward_weight
 from hybridpipe.pipeline.values import pack, unpack
 from hybridpipe.profiles.capture import CapturedModel, own_loss
-from hybridpipe.profiles.cut import StageBoundary, check_cuts, stage_boundaries, stage_graph_module
+from hybridpipe.profiles.cut import StageBoundary, stage_boundaries, stage_graph_module
 from hybridpipe.profiles.evalmode import eval_graph
 from hybridpipe.profiles.format import graph_signature
 from hybridpipe.profiles.gradflow import grad_values
@@ -169,7 +168,7 @@ class PipelineStage:
         number over the run, which orders a replicated stage's statistics (default: calls so far).
         """
         leaves = {k: _leaf(t, grad=not self.is_first and self._needs_grad(k)) for k, t in inputs.items()}
-        values = unpack(leaves, self.input_names)
+        values = unpack(_unleafed(leaves, self.device), self.input_names)
         args = tuple(values[name] for name in self.input_names)
 
         def run(*xs: Any) -> Any:
@@ -259,8 +258,7 @@ class PipelineStage:
         unknown = set(output_grads or {}) - set(act.outputs)
         if unknown:
             raise KeyError(f"stage {self.index} got gradients for {sorted(unknown)}, which it did not send")
-        pairs = [(act.outputs[k], g if g.dtype == act.outputs[k].dtype else g.to(act.outputs[k].dtype))
-                 for k, g in (output_grads or {}).items() if act.outputs[k].requires_grad]   # 16-bit on the wire
+        pairs = [(act.outputs[k], g) for k, g in (output_grads or {}).items() if act.outputs[k].requires_grad]
         return [t for t, _ in pairs], [g for _, g in pairs]
 
 
@@ -283,43 +281,21 @@ def _leaf(t: torch.Tensor, grad: bool) -> torch.Tensor:
     return t.detach()
 
 
+def _unleafed(leaves: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """What the graph is fed under autocast: each input that requires grad as a view of its leaf.
+    Autocast caches its 16-bit copy of a leaf that requires grad (meant for weights) and reuses it
+    for every op in the forward, so the gradients of those uses would be summed in 16 bits before
+    the cast back; in the unsplit model this value is no leaf, is cast once per use, and its
+    gradients are summed in its own dtype. A view is no leaf: the same casts as the unsplit model,
+    and the gradient reaches the leaf unchanged."""
+    if not torch.is_autocast_enabled(device.type):
+        return leaves
+    return {k: t.view_as(t) if t.requires_grad else t for k, t in leaves.items()}
+
+
 def captured_signature(captured: CapturedModel) -> str:
     """The profile signature of a capture (what a plan's ``profile_signature`` must equal)."""
     return graph_signature(node_infos(captured), graph_edges(captured))
-
-
-def check_captured_plan(captured: CapturedModel, plan: Plan, *, model_name: str | None = None,
-                        batch_size: int | None = None, world_size: int | None = None) -> list[StageBoundary]:
-    """Refuse (one line) a plan made for another graph, or one whose cuts cannot run; the boundaries."""
-    check_plan_fits(plan, model=model_name, signature=None, batch_size=batch_size, world_size=world_size,
-                    n_nodes=len(captured.blocks))
-    check_plan_fits(plan, model=None, signature=captured_signature(captured), batch_size=None, world_size=None)
-    boundaries = stage_boundaries(captured, [(s.first_node, s.last_node) for s in plan.stages])
-    check_cuts(captured, boundaries)
-    check_plan_writes(captured, plan)
-    return boundaries
-
-
-def build_stage(captured: CapturedModel, plan: Plan, rank: int, *, loss: LossFn | None = None,
-                model_name: str | None = None, batch_size: int | None = None,
-                world_size: int | None = None) -> PipelineStage:
-    """This rank's stage of ``captured`` under ``plan`` (refuses a plan made for another model)."""
-    check_captured_plan(captured, plan, model_name=model_name, batch_size=batch_size, world_size=world_size)
-    stage, _ = plan.stage_of_rank(rank)
-    return build_stage_index(captured, [(s.first_node, s.last_node) for s in plan.stages], stage.index, loss=loss,
-                             recompute=stage.recompute, replicas=stage.replicas)
-
-
-def build_stages(captured: CapturedModel, plan: Plan, rank: int, *, loss: LossFn | None = None,
-                 model_name: str | None = None, batch_size: int | None = None,
-                 world_size: int | None = None) -> list[PipelineStage]:
-    """This rank's stages of ``captured`` under ``plan``, in model order: one, or with virtual
-    stages its V model chunks (refuses a plan made for another model)."""
-    check_captured_plan(captured, plan, model_name=model_name, batch_size=batch_size, world_size=world_size)
-    ranges = [(s.first_node, s.last_node) for s in plan.stages]
-    mine, _ = plan.stages_of_rank(rank)
-    return [build_stage_index(captured, ranges, s.index, loss=loss, recompute=s.recompute, replicas=s.replicas)
-            for s in mine]
 
 
 def build_stage_index(captured: CapturedModel, ranges: list[tuple[int, int]], index: int, *,

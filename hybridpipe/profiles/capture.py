@@ -26,10 +26,21 @@ Hugging Face model would otherwise return a key/value cache that nothing can car
 
 The capture must be deterministic: every rank captures the same model the same way, and the
 profile's block ids and names mean the same blocks on every rank.
+
+Mixed precision (``autocast=torch.bfloat16`` / ``float16``): the model is captured under
+``torch.autocast`` of its device and the graph runs under the same autocast. torch.export records
+ATen calls above the autocast dispatch key (``linear``, ``softmax`` as the model called them, no
+casts), so at run time autocast applies exactly eager autocast's casts and kernels. What the trace
+fixes is what the model's Python read from dtypes (``x.to(h.dtype)``, ``torch.finfo(h.dtype)``,
+``if h.dtype == torch.float16``): under autocast it reads eager autocast's 16-bit dtypes, and the
+model's own upcasts (RMSNorm in float32) are in the graph as the ``to`` calls they are. torch.export
+guards every ``to`` with ``_assert_tensor_metadata`` on the dtype it traced: a float32 capture run
+under autocast fails there ("Tensor dtype mismatch"); an autocast capture keeps them as a check.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 from collections.abc import Iterable, Mapping
@@ -71,6 +82,7 @@ class CapturedModel:
     blocked: dict[str, str] = field(default_factory=dict)   # value -> type that cannot cross a cut
     front_end: str = "export"
     example_values: dict[str, Any] | None = None            # fx only: every value for the example
+    autocast: torch.dtype | None = None                     # captured (and to run) under torch.autocast to it
 
     # ---- inputs and outputs ------------------------------------------------------------
     def flatten_input(self, batch: Any) -> dict[str, Any]:
@@ -138,15 +150,35 @@ def training_switches(model: nn.Module) -> dict[str, Any]:
 
 
 def capture_model(model: nn.Module, example: Any, *, granularity: str | int = "blocks",
-                  leaf_modules: Iterable[type | str] = (), dynamic: bool = True) -> CapturedModel:
+                  leaf_modules: Iterable[type | str] = (), dynamic: bool = True,
+                  autocast: torch.dtype | None = None) -> CapturedModel:
     """Capture ``model`` (in training mode) on ``example`` and group it into blocks.
 
     ``dynamic=False`` fixes every shape to the example's (no ints cross cuts then: a graph for
-    runtimes that carry tensors only, such as torch.distributed.pipelining's stages)."""
+    runtimes that carry tensors only, such as torch.distributed.pipelining's stages).
+    ``autocast`` (``torch.bfloat16`` / ``torch.float16``): capture under ``torch.autocast`` to it,
+    for a graph that runs under it (see the module docstring); None: float32 as the model is."""
     model.train()
     parse_granularity(granularity)          # refuse a bad granularity or leaf name before the slow export
     leaf_modules = tuple(leaf_modules)
     check_leaf_modules(model, leaf_modules)
+    with autocast_context(model, autocast):
+        captured = _capture(model, example, granularity, leaf_modules, dynamic)
+    captured.autocast = autocast
+    return captured
+
+
+def autocast_context(model: nn.Module, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    """``torch.autocast`` to ``dtype`` on the device of ``model``'s first parameter (or buffer, else
+    the CPU); nothing for None."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    device = next((t.device for t in (*model.parameters(), *model.buffers())), torch.device("cpu"))
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def _capture(model: nn.Module, example: Any, granularity: str | int, leaf_modules: tuple[type | str, ...],
+             dynamic: bool) -> CapturedModel:
     args, kwargs = call_args(example)
     kwargs = {**kwargs, **training_switches(model)}
     functions: list[str] = []
@@ -377,6 +409,6 @@ def tied_parameters(model: nn.Module) -> list[tuple[str, ...]]:
     return [tuple(v) for v in names.values() if len(v) > 1]
 
 
-
-__all__ = ["CapturedModel", "capture_model", "call_args", "own_loss", "training_switches", "unsendable",
-           "tied_parameters", "node_parameters", "export_failure_message", "custom_functions", "check_leaf_modules"]
+__all__ = ["CapturedModel", "capture_model", "autocast_context", "call_args", "own_loss", "training_switches",
+           "unsendable", "tied_parameters", "node_parameters", "export_failure_message", "custom_functions",
+           "check_leaf_modules"]

@@ -166,7 +166,7 @@ class Profile:
                                   for k, v in asdict(ProfileTotals()).items()})
         prof = cls(
             model=field(d, "model", str, source),
-            batch_size=field(d, "batch_size", int, source, minimum=1),
+            batch_size=field(d, "batch_size", int, source, minimum=1, maximum=MAX_FIGURE),
             input_shape=tuple(shape),
             input_dtype=field(d, "input_dtype", str, source),
             dtype=field(d, "dtype", str, source),

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from hybridpipe.profiles.capture import CapturedModel, capture_model
 
@@ -34,24 +35,33 @@ class NotOnMeta(Exception):
 
 
 @contextlib.contextmanager
-def parameters_on_meta() -> Iterator[None]:
+def parameters_on_meta() -> Iterator[list[nn.Parameter]]:
     """While inside, every parameter a module registers is moved to the meta device (no memory,
     no initialisation work); buffers are left as the constructor computes them. The same as
     accelerate's ``init_empty_weights(include_buffers=False)``: ``nn.Module.register_parameter``
-    is wrapped for the duration (one thread builds at a time)."""
+    is wrapped for the duration (one thread builds at a time). Yields the list of the parameters
+    registered, in order (one entry per registration: a parameter registered under two names
+    twice; profiles/replay.py)."""
     register = nn.Module.register_parameter
+    registered: list[nn.Parameter] = []
+    moved = WeakIdKeyDictionary()             # a CPU parameter -> its meta stand-in (tied: registered again)
 
     def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param in moved:
+            param = moved[param]
         register(module, name, param)
         held = module._parameters.get(name)
         if held is not None and held.device != META:
-            moved = nn.Parameter(held.detach().to(META), requires_grad=held.requires_grad)
-            moved.__dict__.update(held.__dict__)
-            module._parameters[name] = moved
+            stand_in = nn.Parameter(held.detach().to(META), requires_grad=held.requires_grad)
+            stand_in.__dict__.update(held.__dict__)
+            moved[held] = stand_in
+            module._parameters[name] = held = stand_in
+        if held is not None:
+            registered.append(held)
 
     nn.Module.register_parameter = on_meta          # type: ignore[method-assign,assignment]
     try:
-        yield
+        yield registered
     finally:
         nn.Module.register_parameter = register     # type: ignore[method-assign]
 

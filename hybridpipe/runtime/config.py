@@ -85,13 +85,15 @@ class RunConfig:
     lr_schedule: str = "constant"     # runtime/lr.py: constant, linear or cosine (after the warm-up)
     warmup_steps: int = 0
     clip_grad_norm: float | None = None   # clip by the whole model's gradient norm (None: no clipping)
-    precision: str = "fp32"           # fp32, bf16 or fp16 (runtime/trainer.py's PRECISIONS)
+    precision: str = "fp32"           # fp32, bf16 or fp16 (runtime/parts.py's PRECISIONS)
+    reduce_dtype: str = "fp32"        # the dtype the replicas sum their gradients in
     shuffle: bool = False             # a seeded permutation of the dataset every epoch
     eval_every: int = 0               # held-out evaluation every K steps (0: never)
     eval_batches: int = 1             # global batches per evaluation
     eval_dataset: str | None = None   # None: synthetic held-out samples (another seed)
     init_from: str | None = None      # a state_dict, merged checkpoint, .safetensors or HF directory to start from
     planned_s: float | None = None    # seconds rank 0 spent planning (--profile), None with --plan
+    in_place: bool = False            # a lost replica's survivors go on in the same processes (runtime/recovery.py)
     loss_normalization: str = "micro-batch"   # or "tokens" (profiles/losses.py); the plan's unless overridden
 
     @property
@@ -174,11 +176,14 @@ def build_parser() -> Parser:
                    help="held-out data, as --dataset (default: synthetic samples of another seed; required "
                         "with a --dataset of your own)")
     g.add_argument("--precision", choices=("fp32", "bf16", "fp16"),
-                   help="bf16/fp16: compute under torch.autocast; activations and gradients between stages and "
-                        "the replicas' all-reduce in 16 bits (half the bytes); weights and optimizer state stay "
-                        "float32; fp16 "
+                   help="bf16/fp16: capture the model and compute under torch.autocast, each stage as the unsplit "
+                        "model under autocast; activations and gradients cross between stages in the dtype they "
+                        "were computed in; weights, their gradients and optimizer state stay float32; fp16 "
                         "adds a dynamic loss scale whose overflowing steps every rank skips (gpipe, 1f1b; "
                         "default: the plan's precision, as `partition --precision` priced it)")
+    g.add_argument("--reduce-dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+                   help="the dtype the replicas of a stage sum their gradients in (default fp32, as DDP under "
+                        "autocast; bf16/fp16 halve the all-reduce's bytes and round each gradient to 16 bits)")
     g.add_argument("--loss-normalization", choices=LOSS_NORMALIZATIONS,
                    help="micro-batch: a step's loss is the mean of its micro-batches' mean losses; tokens: the "
                         "step's summed per-token loss over its valid tokens in all micro-batches and replicas, as "
@@ -205,6 +210,10 @@ def build_parser() -> Parser:
     g.add_argument("--peer-timeout", type=timeout_s, default=30.0, metavar="S",
                    help="seconds without a heartbeat before a rank on another host counts as lost (default 30; "
                         "every wait is bounded by the shorter of --timeout and --peer-timeout)")
+    g.add_argument("--in-place", action="store_true",
+                   help="when the host of a replica dies, its stage's other replicas take over its micro-batches "
+                        "and the job goes on in the same processes (no restart; a stage that loses its last "
+                        "replica still restarts)")
     g = p.add_argument_group("checkpoints and output")
     g.add_argument("--checkpoint-dir", type=output_dir, metavar="D",
                    help="write checkpoints here (shared by every node)")
@@ -269,7 +278,7 @@ def resolve(args: argparse.Namespace, world_size: int | None = None, planned: Pl
             raise UserError(f"calibration file {path} does not exist; run `hybridpipe bench-allreduce -o {path}`")
         load_calibration(path)
     plan = planned if planned is not None else load_plan(args.plan)
-    check_plan_fits(plan, model=args.model, signature=None, batch_size=micro_batch_size, world_size=world_size)
+    check_plan_fits(plan, model=args.model, batch_size=micro_batch_size, world_size=world_size)
     plan = dataclasses.replace(plan, micro_batches=args.micro_batches or plan.micro_batches,
                                schedule=args.schedule or plan.schedule, optimizer=args.optimizer or plan.optimizer,
                                precision=args.precision or plan.precision,
@@ -288,6 +297,14 @@ def resolve(args: argparse.Namespace, world_size: int | None = None, planned: Pl
     if args.clip_grad_norm is not None and not flushes(plan):
         raise UserError(f"--clip-grad-norm needs a global step, and {plan.schedule} updates each stage on its own; "
                         "use --schedule 1f1b or gpipe, or drop --clip-grad-norm")
+    if args.in_place and (not flushes(plan) or plan.virtual_stages > 1 or args.aggregator):
+        raise UserError("--in-place needs a schedule that flushes every step with one stage per rank (gpipe, 1f1b, "
+                        f"zb-h1) and no --aggregator; got {plan.schedule}"
+                        + (f" with {plan.virtual_stages} virtual stages" if plan.virtual_stages > 1 else "")
+                        + (f" and --aggregator {args.aggregator}" if args.aggregator else ""))
+    if args.in_place and plan.loss_normalization == "tokens":
+        raise UserError("--in-place cannot re-form token-weighted loss normalization's counts yet; use "
+                        "--loss-normalization micro-batch, or drop --in-place (a lost replica then restarts the job)")
     if args.eval_every and args.dataset != "synthetic" and not args.eval_dataset:
         raise UserError("--eval-every with your own --dataset needs --eval-dataset SPEC (the held-out samples)")
     if args.eval_every and args.comm_mode == "sra":
@@ -309,8 +326,8 @@ def resolve(args: argparse.Namespace, world_size: int | None = None, planned: Pl
         verbose=args.verbose, skip_nonfinite=args.skip_nonfinite, lr_schedule=args.lr_schedule,
         warmup_steps=args.warmup_steps, clip_grad_norm=args.clip_grad_norm, eval_every=args.eval_every,
         eval_batches=args.eval_batches, eval_dataset=args.eval_dataset, shuffle=args.shuffle,
-        precision=plan.precision, init_from=args.init_from, planned_s=planned_s,
-        loss_normalization=plan.loss_normalization)
+        precision=plan.precision, reduce_dtype=args.reduce_dtype, init_from=args.init_from, planned_s=planned_s,
+        loss_normalization=plan.loss_normalization, in_place=args.in_place)
 
 
 def check_plan_source(args: argparse.Namespace) -> None:

@@ -51,7 +51,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable
-from typing import NoReturn
+from typing import NoReturn, Protocol
 
 import torch.distributed as dist
 
@@ -66,7 +66,7 @@ from hybridpipe.runtime.failure_facts import (
     suspect_of,
     try_quietly,
 )
-from hybridpipe.runtime.liveness import host_identity, process_alive
+from hybridpipe.runtime.liveness import PeerWatch, host_identity
 from hybridpipe.runtime.stop_signals import SignalWatch, exit_code, stop_cause, stop_line
 
 EXIT_PEER_LOST = 75       # os.EX_TEMPFAIL: another rank failed, retry (restart + --resume)
@@ -75,6 +75,14 @@ EXIT_USER_ERROR = 2
 EXIT_SIGTERM = 128 + signal.SIGTERM
 EXIT_INTERRUPT = 130
 GRACE_S = 20.0            # a stopped rank lets a checkpoint being written finish for this long (torchrun: 30 s)
+
+class Recovering(Protocol):
+    """What the watchdog tells an in-place recovery (recovery.py) instead of stopping the job."""
+
+    def request(self, reason: str, suspect: int | None) -> None: ...
+
+    def poll(self) -> None: ...
+
 
 class Terminated(BaseException):
     """SIGTERM arrived (the launcher stops the job): handled like the signal itself (stop_signals.py)."""
@@ -108,30 +116,65 @@ class FailureGuard:
         self.on_exit = list(on_exit)
         self.hint, self.program = hint, program
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        ns = namespace if namespace is not None else f"hybridpipe/failure/{restart}"
-        self._store = dist.PrefixStore(ns, store)
-        self._watch_store = dist.PrefixStore(ns, store.clone() if hasattr(store, "clone") else store)
-        self._signal_store = dist.PrefixStore(ns, store.clone() if hasattr(store, "clone") else store)
+        self.namespace = namespace if namespace is not None else f"hybridpipe/failure/{restart}"
+        self._base = store
+        self._use_namespace(self.namespace)
         self._stop = threading.Event()
         self._exiting = threading.Lock()
         self._local = threading.Lock()            # the watchdog and the signal thread both check local peers
         self.critical = threading.RLock()         # held while a checkpoint is written: a stop waits for it
         self._thread: threading.Thread | None = None
         self._signals: SignalWatch | None = None
-        self._peers: dict[int, int] = {}          # local ranks -> pid (same host identity)
-        self._beats: dict[int, tuple[int, float]] = {}   # local ranks -> (heartbeat, when it last changed)
-        self._done: set[int] = set()
+        self._peers = PeerWatch(rank, world_size, self.timeout)
         self._store_error: BaseException | None = None
         self.exit_code: int | None = None         # set when the guard ends the process (for on_exit)
+        self.recovery: Recovering | None = None   # in place (recovery.py): a lost peer is its business
+
+    def _use_namespace(self, ns: str) -> None:
+        store = self._base
+        self._store = dist.PrefixStore(ns, store)
+        self._watch_store = dist.PrefixStore(ns, store.clone() if hasattr(store, "clone") else store)
+        self._signal_store = dist.PrefixStore(ns, store.clone() if hasattr(store, "clone") else store)
 
     # ---- lifecycle --------------------------------------------------------------------
     def start(self) -> FailureGuard:
         me = {"host": host_identity(), "pid": os.getpid()}
         self._store.set(f"who/{self.rank}", json.dumps(me))
         self._store.add(f"hb/{self.rank}", 1)
+        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name=f"failure-watchdog-{self.rank}", daemon=True)
         self._thread.start()
         return self
+
+    def reform(self, rank: int, world_size: int, describe: Callable[[int], str], namespace: str) -> None:
+        """Go on as ``rank`` of a re-formed world of ``world_size`` (in-place recovery): the
+        watchdog starts over in ``namespace`` (nothing of the old world is watched)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        with self._local:
+            self.rank, self.world_size, self.describe = rank, world_size, describe
+            self._peers = PeerWatch(rank, world_size, self.timeout)
+            self.namespace = namespace
+            self._use_namespace(namespace)
+        self.start()
+
+    def gone_here(self) -> set[int]:
+        """The ranks on this host whose process is gone (in-place recovery counts them lost at once)."""
+        try:
+            with self._local:
+                return {d[3] for d in self._peers.gone_local(self._store)}
+        except Exception:           # noqa: BLE001 - the store is gone: nothing known here
+            return set()
+
+    def lost(self, rank: int, reason: str) -> NoReturn:
+        """Leave because ``rank`` was lost and the job cannot go on without a restart (exit 75,
+        the first failure published as usual)."""
+        self._leave(self.report(Failure(rank, reason, self.rank)))
+
+    def leave(self, code: int, message: str) -> NoReturn:
+        """Leave with ``code`` and ``message`` without publishing a failure."""
+        self._exit(code, message)
 
     def stop(self) -> None:
         """Normal end: this rank is done (never reported as lost) and the watchdog stops."""
@@ -227,8 +270,8 @@ class FailureGuard:
 
         def local_peers() -> list[int]:
             with self._local:
-                self._learn_peers(self._signal_store)
-                return [r for r, pid in self._peers.items() if pid > 0 and r not in self._done]
+                self._peers.learn(self._signal_store)
+                return self._peers.local_alive()
 
         try:
             first = stop_cause(self._signal_store, self.rank, signum, killed, local_peers, max(1.0, 2 * self.interval))
@@ -312,60 +355,38 @@ class FailureGuard:
 
     # ---- watchdog thread --------------------------------------------------------------
     def _watch(self) -> None:
-        store = self._watch_store
-        last_value: dict[int, int] = {}
-        last_change: dict[int, float] = {}
-        while not self._stop.wait(self.interval):
+        store, stop = self._watch_store, self._stop
+        while not stop.wait(self.interval):
             try:
                 store.add(f"hb/{self.rank}", 1)
                 first = read_first(store)
                 if first is None:
                     with self._local:
                         lost = self._check_local(store)
-                    lost = lost or self._check_successor(store, last_value, last_change)
-                    if lost is not None:
+                    lost = lost or self._check_successor(store)
+                    if self.recovery is not None:       # the survivors agree on it instead (recovery.py)
+                        if lost is not None:
+                            self.recovery.request(f"{self.describe(lost.rank)}: {lost.reason}", lost.rank)
+                        self.recovery.poll()
+                    elif lost is not None:
                         first = report_first(store, lost)
             except Exception as e:  # noqa: BLE001 - the store itself is gone
-                if self._stop.is_set():
+                if stop.is_set():
                     return
                 first = self._store_gone(e)
-            if first is None or self._stop.is_set() or first.rank == first.reporter == self.rank:
+            if first is None or stop.is_set() or first.rank == first.reporter == self.rank:
                 continue            # (this rank's own failure is handled by its main or signal thread)
             if first.rank == self.rank and not first.stop:
                 self._exit(EXIT_PEER_LOST, f"stopped because {self.describe(first.reporter)} reported this "
                                            f"rank as failed: {first.reason}")
             self._leave(first)
 
-    def _learn_peers(self, store: dist.Store) -> None:
-        """Remember the pids of the ranks on this host (once each has registered)."""
-        me = host_identity()
-        for r in range(self.world_size):
-            if r != self.rank and r not in self._peers and is_set(store, f"who/{r}"):
-                info = json.loads(store.get(f"who/{r}"))
-                self._peers[r] = info["pid"] if info["host"] == me else -1
-
     def _check_local(self, store: dist.Store, *, silent_only: bool = False) -> Failure | None:
         """The local peer that died first, if any died: one that left no exit record (killed, or
         crashed without a word) before one that left through its guard (e.g. stopped by
         torchrun's agent because of the first); among equals, the stalest heartbeat. With
         ``silent_only``, only one that left no exit record."""
-        if len(self._peers) < self.world_size - 1:
-            self._learn_peers(store)
-        now = time.monotonic()
-        dead = []
-        for r, pid in self._peers.items():
-            if pid <= 0 or r in self._done:
-                continue
-            beat = store.add(f"hb/{r}", 0)
-            if self._beats.get(r, (None, 0.0))[0] != beat:
-                self._beats[r] = (beat, now)
-            if process_alive(pid):
-                continue
-            if is_set(store, f"done/{r}"):
-                self._done.add(r)
-                continue
-            exited = json.loads(store.get(f"exit/{r}"))["time"] if is_set(store, f"exit/{r}") else None
-            dead.append((exited is not None, exited or 0.0, self._beats[r][1], r, pid))
+        dead = self._peers.gone_local(store)
         if silent_only:
             dead = [d for d in dead if not d[0]]
         if not dead:
@@ -375,23 +396,12 @@ class FailureGuard:
             return Failure(r, f"its process {pid} exited", self.rank)
         return Failure(r, f"its process {pid} is gone (killed or crashed without a word)", self.rank)
 
-    def _check_successor(self, store: dist.Store, last_value: dict, last_change: dict) -> Failure | None:
-        now = time.monotonic()
-        for step in range(1, self.world_size):
-            r = (self.rank + step) % self.world_size
-            if r in self._done:
-                continue
-            if is_set(store, f"done/{r}"):
-                self._done.add(r)
-                continue
-            value = store.add(f"hb/{r}", 0)
-            if last_value.get(r) != value:
-                last_value[r], last_change[r] = value, now
-            elif now - last_change[r] > self.timeout:
-                return Failure(r, f"no heartbeat for {self.timeout:.0f} s (its host or the network is gone, "
-                                  "or it is frozen)", self.rank)
+    def _check_successor(self, store: dist.Store) -> Failure | None:
+        r = self._peers.successor_stalled(store)
+        if r is None:
             return None
-        return None
+        return Failure(r, f"no heartbeat for {self.timeout:.0f} s (its host or the network is gone, or it is frozen)",
+                       self.rank)
 
 
 __all__ = ["EXIT_PEER_LOST", "EXIT_ERROR", "EXIT_USER_ERROR", "EXIT_SIGTERM", "EXIT_INTERRUPT", "Failure",

@@ -32,7 +32,8 @@ from torch import nn
 
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner.plan import Plan
-from hybridpipe.pipeline.stage import build_stage_index, check_captured_plan
+from hybridpipe.pipeline.plancheck import CheckedPlan, check_plan
+from hybridpipe.pipeline.stage import build_stage_index
 from hybridpipe.pipeline.tied import complete_tied
 from hybridpipe.profiles.capture import CapturedModel, tied_parameters
 from hybridpipe.profiles.meta import capture_on_meta, parameters_on_meta, replace_tensors
@@ -43,9 +44,10 @@ log = logging.getLogger(__name__)
 
 
 def capture_lazily(spec: ModelSpec, example: Any, plan: Plan,
-                   weights: Weights) -> tuple[nn.Module, CapturedModel] | None:
-    """The spec's model with its parameters on the meta device and its capture, checked against the
-    plan; None (logged) when ``weights`` do not cover it or it cannot be captured that way."""
+                   weights: Weights) -> tuple[nn.Module, CapturedModel, CheckedPlan] | None:
+    """The spec's model with its parameters on the meta device, its capture and the plan checked
+    against it (pipeline/plancheck.py); None (logged) when ``weights`` do not cover it or it cannot
+    be captured that way."""
     try:
         with parameters_on_meta():
             module = (spec.skeleton or spec.build)()
@@ -53,8 +55,7 @@ def capture_lazily(spec: ModelSpec, example: Any, plan: Plan,
         if not why:
             captured = capture_on_meta(module, example, granularity=plan.granularity,
                                        leaf_modules=spec.leaf_modules)
-            check_captured_plan(captured, plan)
-            return module, captured
+            return module, captured, check_plan(captured, plan)
     except Exception as e:      # noqa: BLE001 - any failure here is retried the whole way, which reports it
         why = f"it cannot be captured without its weights ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
     log.warning("hybridpipe: every rank loads the whole of %s: %s", spec.name, why)

@@ -6,8 +6,12 @@ same host name, same boot and same pid namespace (containers on one host differ)
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+import time
+
+from torch.distributed import Store
 
 
 def host_identity() -> str:
@@ -36,3 +40,70 @@ def process_alive(pid: int) -> bool:
             return False
         except PermissionError:
             return True
+
+
+class PeerWatch:
+    """Which ranks of a job are gone, as one rank's failure watchdog sees them (failure.py): the
+    ranks on this host by their pids (``who/<rank>`` in the store: host identity and pid), the
+    next rank in a ring by its heartbeat (``hb/<rank>``), ranks that finished (``done/<rank>``)
+    never. ``exit/<rank>`` records a rank that left through its guard."""
+
+    def __init__(self, rank: int, world_size: int, timeout: float) -> None:
+        self.rank, self.world_size, self.timeout = rank, world_size, timeout
+        self.peers: dict[int, int] = {}           # ranks seen so far -> pid (-1: another host)
+        self.done: set[int] = set()
+        self._beats: dict[int, tuple[int, float]] = {}   # local ranks -> (heartbeat, when it last changed)
+        self._last_value: dict[int, int] = {}
+        self._last_change: dict[int, float] = {}
+
+    def learn(self, store: Store) -> None:
+        """Remember the pids of the ranks on this host (once each has registered)."""
+        me = host_identity()
+        for r in range(self.world_size):
+            if r != self.rank and r not in self.peers and store.check([f"who/{r}"]):
+                info = json.loads(store.get(f"who/{r}"))
+                self.peers[r] = info["pid"] if info["host"] == me else -1
+
+    def local_alive(self) -> list[int]:
+        """The ranks on this host that have not finished (alive or not)."""
+        return [r for r, pid in self.peers.items() if pid > 0 and r not in self.done]
+
+    def gone_local(self, store: Store) -> list[tuple[bool, float, float, int, int]]:
+        """The ranks on this host whose process is gone and that did not finish, each as (left an
+        exit record, its time, when its heartbeat last moved, rank, pid)."""
+        if len(self.peers) < self.world_size - 1:
+            self.learn(store)
+        now = time.monotonic()
+        dead = []
+        for r, pid in self.peers.items():
+            if pid <= 0 or r in self.done:
+                continue
+            beat = store.add(f"hb/{r}", 0)
+            if self._beats.get(r, (None, 0.0))[0] != beat:
+                self._beats[r] = (beat, now)
+            if process_alive(pid):
+                continue
+            if store.check([f"done/{r}"]):
+                self.done.add(r)
+                continue
+            exited = json.loads(store.get(f"exit/{r}"))["time"] if store.check([f"exit/{r}"]) else None
+            dead.append((exited is not None, exited or 0.0, self._beats[r][1], r, pid))
+        return dead
+
+    def successor_stalled(self, store: Store) -> int | None:
+        """The next unfinished rank in the ring when its heartbeat has not moved for ``timeout`` s."""
+        now = time.monotonic()
+        for step in range(1, self.world_size):
+            r = (self.rank + step) % self.world_size
+            if r in self.done:
+                continue
+            if store.check([f"done/{r}"]):
+                self.done.add(r)
+                continue
+            value = store.add(f"hb/{r}", 0)
+            if self._last_value.get(r) != value:
+                self._last_value[r], self._last_change[r] = value, now
+            elif now - self._last_change[r] > self.timeout:
+                return r
+            return None
+        return None

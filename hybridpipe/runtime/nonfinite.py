@@ -71,6 +71,12 @@ class NonFiniteWatch:
     def wrap_optimizer(self, optimizer: Any) -> GuardedOptimizer:
         return GuardedOptimizer(optimizer, self)
 
+    def reset(self) -> None:
+        """Forget an interrupted step (in-place recovery): its flag, verdict and all-reduces."""
+        self._pending.clear()
+        self._flag = torch.zeros_like(self._flag)
+        self._verdict = None
+
     # ---- agreeing ----------------------------------------------------------------------
     def agree(self) -> bool:
         """Collective: whether any rank saw a non-finite loss since the last call (then clears)."""

@@ -2,9 +2,11 @@
 
 * :func:`load_model`: the model spec, the full model (same seed on every rank, so every rank
   starts from the weights single-process training would) and its captured graph, the whole plan
-  checked against it before any process group exists. A model whose weights all come from files
-  (``hf:DIR``) is built with its parameters on the meta device, and each rank reads only its own
-  stages' tensors (:meth:`Model.materialize`; runtime/lazy.py).
+  checked against it once before any process group exists (pipeline/plancheck.py). A model whose
+  weights all come from files (``hf:DIR``) is built with its parameters on the meta device, and
+  each rank reads only its own stages' tensors (:meth:`Model.materialize`; runtime/lazy.py); a
+  model initialised from the seed, cut into several stages, is built there the same way and each
+  rank builds only its own stages' parameters, with one process's values (runtime/seeded.py).
 * :func:`make_sync`: HybridDataParallel (summing) for a replicated stage, running the plan's sync
   choices (or launch's overrides), else nothing to sync.
 * :func:`make_optimizer`: SGD (momentum), Adam or AdamW over the stage's parameters.
@@ -19,6 +21,8 @@ import hashlib
 import logging
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -32,22 +36,26 @@ from hybridpipe.errors import UserError
 from hybridpipe.partitioner.cost.calibration import load_calibration
 from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.plan import Plan, Stage
-from hybridpipe.partitioner.tied import shared_across
 from hybridpipe.pipeline import LocalSync, MicroBatches
-from hybridpipe.pipeline.stage import build_stage_index, check_captured_plan
+from hybridpipe.pipeline.plancheck import CheckedPlan, check_plan
 from hybridpipe.pipeline.tokens import TokenCounts
-from hybridpipe.profiles.capture import CapturedModel, capture_model, tied_parameters
+from hybridpipe.profiles.capture import CapturedModel
+from hybridpipe.profiles.capture_cache import cached_capture
 from hybridpipe.profiles.data import resolve_dataset
-from hybridpipe.profiles.graphinfo import node_infos
 from hybridpipe.profiles.losses import label_counter
 from hybridpipe.profiles.zoo import ModelSpec, resolve_model
 from hybridpipe.profiles.zoo.spec import batch_rows
 from hybridpipe.runtime.config import RunConfig
 from hybridpipe.runtime.lazy import capture_lazily, load_initial, load_whole, materialize
+from hybridpipe.runtime.seeded import Recipe, capture_unbuilt, materialize_seeded
 from hybridpipe.runtime.sync import describe_override, override_layers, stage_layers, unit_choices
 from hybridpipe.runtime.tensor_files import Weights, open_weights
 
 log = logging.getLogger(__name__)
+CAPTURE_CACHE = "capture"        # RUN_DIR/capture/: the capture cache (profiles/capture_cache.py)
+
+# launch's --precision (and the Trainer's precision / reduce_dtype) -> the autocast dtype (None: float32)
+PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
@@ -55,80 +63,91 @@ class Model:
     spec: ModelSpec
     module: nn.Module
     captured: CapturedModel
+    checked: CheckedPlan                # the plan checked against ``captured``: the stages are built from it
     weights: Weights | None = None      # the files the meta parameters are read from (None: all in memory)
+    recipe: Recipe | None = None        # or the seeded build that gives them (runtime/seeded.py)
 
     def materialize(self, plan: Plan, stages: Sequence[int]) -> None:
-        """Read the weights of ``stages`` (this rank's) from :attr:`weights`, before building them;
-        nothing to do for a model built whole."""
+        """Read the weights of ``stages`` (this rank's) from :attr:`weights`, or build them from
+        :attr:`recipe`, before building the stages; nothing to do for a model built whole. With a
+        recipe, every rank of the job calls it (one all-gather checks that the ranks agree)."""
         if self.weights is not None:
             materialize(self.module, self.captured, self.weights, plan, stages)
-            self.weights = None
+        elif self.recipe is not None:
+            materialize_seeded(self.module, self.captured, self.recipe, plan, stages)
+        self.weights = self.recipe = None
 
     def start_from(self, path: str) -> dict | None:
         """``launch --init-from PATH``: the model's weights from PATH instead (read per stage by
         :meth:`materialize` when the model was built without them); the name-keyed optimizer state
         PATH holds, if any (runtime/lazy.py load_initial)."""
         weights, optimizer = load_initial(path, self.module)
-        if self.weights is not None:
-            self.weights = weights
+        if self.weights is not None or self.recipe is not None:
+            self.weights, self.recipe = weights, None
         else:
             load_whole(self.module, weights)
         return optimizer
 
 
+def spec_of(model: Any, name: str, example: Any, loss: Callable[..., torch.Tensor] | None) -> ModelSpec:
+    """The ModelSpec of the Trainer's ``model`` argument: a spec string, a ModelSpec, a Model, or
+    an ``nn.Module`` / factory with ``example`` (one micro-batch of its input) and ``loss``."""
+    if isinstance(model, str):
+        return resolve_model(model)
+    if isinstance(model, ModelSpec):
+        return model
+    if isinstance(model, Model):
+        return model.spec
+    if example is None:
+        raise UserError("a model given as an nn.Module or a factory needs example= (one micro-batch of its input)")
+    build = (lambda: model) if isinstance(model, nn.Module) else model
+    return ModelSpec(name=name, build=build, example=example, loss=loss)
+
+
 def load_model(cfg: RunConfig) -> Model:
     """Build and capture the plan's model (seeded by ``cfg.seed``) and check the whole plan against
-    it before any process group exists: graph signature, every cut's values, tied parameters,
-    every replicated stage's sync layers."""
-    return build_model(resolve_model(cfg.model), cfg.plan, seed=cfg.seed)
+    it before any process group exists (pipeline/plancheck.py: graph signature, every cut's values,
+    buffers, tied parameters, every replicated stage's sync layers). Captured under autocast for a
+    16-bit ``cfg.precision``."""
+    cache = Path(cfg.run_dir) / CAPTURE_CACHE if cfg.run_dir else None
+    return build_model(resolve_model(cfg.model), cfg.plan, seed=cfg.seed, autocast=PRECISIONS[cfg.precision],
+                       cache=cache)
 
 
-def build_model(spec: ModelSpec, plan: Plan, *, seed: int) -> Model:
+def build_model(spec: ModelSpec, plan: Plan, *, seed: int, autocast: torch.dtype | None = None,
+                cache: Path | None = None, whole: bool = False) -> Model:
     """:func:`load_model` for a resolved spec: the model built after ``torch.manual_seed(seed)``
-    (the same weights on every rank), captured with the plan's batch size and granularity, and
-    the whole plan checked against it; a spec naming its weights' files is built and captured
-    with its parameters on the meta device when the files cover it (runtime/lazy.py)."""
+    (the same weights on every rank), captured with the plan's batch size and granularity (under
+    ``torch.autocast`` to ``autocast``, for a job that computes in it; through the capture cache in
+    ``cache``: a restarted worker reads it, profiles/capture_cache.py), and the whole plan checked
+    against it once (pipeline/plancheck.py). A job that computes in float32 builds and captures the
+    model with its parameters on the meta device when a spec naming its weights' files is covered
+    by them (runtime/lazy.py), or when the plan has several stages (runtime/seeded.py):
+    :meth:`Model.materialize` then gives the rank's stages their values (autocast has no meta
+    device: a 16-bit job builds or loads the whole model on every rank). ``whole``: every rank
+    builds the whole model on the CPU (as before each rank built only its own stages;
+    benchmarks/build_memory.py)."""
     torch.manual_seed(seed)
     example = spec.example_input(plan.batch_size, torch.Generator().manual_seed(seed))
     weights = open_weights(spec.weights) if spec.weights is not None else None
-    lazy = capture_lazily(spec, example, plan, weights) if weights is not None else None
+    stagewise = spec.weights is None and len(plan.stages) > 1 and not whole
+    if (weights is not None or stagewise) and autocast is not None:
+        log.warning("hybridpipe: every rank %s the whole of %s: a %s capture cannot run on the meta device",
+                    "loads" if weights is not None else "builds", spec.name, autocast)
+    lazy = capture_lazily(spec, example, plan, weights) if weights is not None and autocast is None else None
+    unbuilt = capture_unbuilt(spec, example, plan, seed) if stagewise and autocast is None else None
+    recipe = None
     if lazy is not None:
-        module, captured = lazy
+        module, captured, checked = lazy
+    elif unbuilt is not None:
+        module, captured, checked, recipe = unbuilt
     else:
         weights = None
         module = spec.build()
-        captured = capture_model(module, example, granularity=plan.granularity, leaf_modules=spec.leaf_modules)
-        check_captured_plan(captured, plan)
-    check_tied(captured, plan)
-    check_sync_layers(captured, plan)
-    return Model(spec, module, captured, weights)
-
-
-def check_sync_layers(captured: CapturedModel, plan: Plan) -> None:
-    """Every replicated stage's sync layers must cover exactly its parameters (but the tied ones):
-    checked for every stage on every rank, so a bad plan stops the job before it forms."""
-    ranges = [(s.first_node, s.last_node) for s in plan.stages]
-    model = CostModel(plan.cluster)
-    for stage in plan.stages:
-        if stage.replicas > 1 and stage.layers:
-            module = build_stage_index(captured, ranges, stage.index).module
-            tied = [captured.module.get_parameter(t.param) for t in plan.tied if stage.index in t.stages]
-            stage_layers(stage, module, model, tied)
-
-
-def check_tied(captured: CapturedModel, plan: Plan) -> None:
-    """The plan's tied groups must be exactly the parameters its stages share in this model."""
-    ranges = [(s.first_node, s.last_node) for s in plan.stages]
-    infos = node_infos(captured)
-    found = {(p, stages) for p, stages in shared_across(
-        [i.params for i in infos], [i.shared for i in infos], tied_parameters(captured.module), ranges)}
-    planned = {(t.param, t.stages) for t in plan.tied}
-    if found != planned:
-        missing = sorted(found - planned)
-        what = (f"parameter {missing[0][0]!r} is read by stages {list(missing[0][1])}" if missing
-                else f"the plan ties {sorted(planned - found)[0][0]!r}, which its stages do not share")
-        raise UserError(f"the plan's tied parameters do not match the model ({what}); the plan was made by an "
-                        "older hybridpipe or for another model: re-profile and re-partition")
+        captured = cached_capture(module, example, directory=cache, granularity=plan.granularity,
+                                  leaf_modules=spec.leaf_modules, autocast=autocast)
+        checked = check_plan(captured, plan)
+    return Model(spec, module, captured, checked, weights, recipe)
 
 
 def make_sync(plan: Plan, stage_module: nn.Module, stage: Stage, group: dist.ProcessGroup | None,
@@ -189,6 +208,15 @@ def make_optimizer(kind: str, params, *, lr: float, momentum: float = 0.0, weigh
     if kind == "adamw":
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     raise UserError(f"unknown optimizer {kind!r}; choose sgd, adam or adamw")
+
+
+def build_optimizer(kind: Any, module: nn.Module, lr: float, momentum: float, weight_decay: float) -> Any:
+    """The Trainer's optimizer: ``kind`` "sgd"/"adam" (:func:`make_optimizer`) or a callable
+    ``params -> torch.optim.Optimizer`` given the module's trainable parameters."""
+    if callable(kind):
+        params = [p for p in module.parameters() if p.requires_grad]
+        return kind(params) if params else make_optimizer("sgd", [], lr=lr)
+    return make_optimizer(str(kind), module.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
 
 
 def make_data(cfg: RunConfig, spec: ModelSpec) -> MicroBatches:

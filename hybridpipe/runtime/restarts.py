@@ -63,7 +63,8 @@ def restart_entry(notes: list[dict], *, world_size: int, resumed_from: int, star
     for name, when in (stages or {}).items():
         parts[name] = round(when - last, 3)
         last = when
-    return {**parts, "world_size_before": int(max(n["world_size"] for n in notes)), "world_size_after": world_size,
+    return {"kind": "restart", **parts, "world_size_before": int(max(n["world_size"] for n in notes)),
+            "world_size_after": world_size,
             "failure_detected_at": round(failed, 3), "resumed_from_step": resumed_from,
             "steps_redone": max(0, done - resumed_from),
             "seconds_to_worker_start": round(started - failed, 3), "planning_s": round(planning_s, 3),

@@ -92,7 +92,7 @@ def sync_summary(reports: list[RankReport]) -> tuple[dict[str, list[dict]], bool
 
 def summarize(reports: list[RankReport], plan: Plan, *, steps: int, first_step: int, run_dir: str,
               trace_dir: str | None, schedule: str, comm_mode: str, allreduce: str | None,
-              skipped: list[int] | None = None) -> dict:
+              skipped: list[int] | None = None, precision: str = "fp32", reduce_dtype: str = "fp32") -> dict:
     """The run's summary (what ``summary.json`` holds)."""
     reports = sorted(reports, key=lambda r: r.rank)
     ran = sorted(set().union(*(r.step_ms for r in reports)))
@@ -117,6 +117,7 @@ def summarize(reports: list[RankReport], plan: Plan, *, steps: int, first_step: 
     sync, as_planned = sync_summary(reports)
     return {
         "model": plan.model, "schedule": schedule, "comm_mode": comm_mode, "allreduce": allreduce or "as planned",
+        "precision": precision, "reduce_dtype": reduce_dtype,
         "micro_batches": plan.micro_batches, "batch_size": plan.batch_size, "global_batch": global_batch,
         "world_size": plan.world_size, "stages": [[s.first_node, s.last_node, s.replicas] for s in plan.stages],
         "steps": steps, "first_step": first_step, "steps_run": len(ran), "warmup_steps": skip,
@@ -189,12 +190,20 @@ def memory_line(memory: list[dict]) -> str:
     return line
 
 
+def _precision(s: dict) -> str:
+    """", bf16 (gradients reduced in fp32)" on the summary's first line; nothing for fp32 throughout."""
+    precision, reduce = s.get("precision", "fp32"), s.get("reduce_dtype", "fp32")
+    if precision == reduce == "fp32":
+        return ""
+    return f", {precision} (replicas' gradients summed in {reduce})"
+
+
 def format_summary(summary: dict) -> str:
     """The lines printed at the end of a run."""
     s = summary
     out = [f"hybridpipe: {s['steps_run']} steps of {s['model']} ({s['schedule']}, global batch {s['global_batch']} = "
            f"{s['micro_batches']} micro-batches x {s['batch_size']} samples, {s['world_size']} workers, "
-           f"p2p {s['comm_mode']}, all-reduce {s['allreduce']})"]
+           f"p2p {s['comm_mode']}, all-reduce {s['allreduce']}{_precision(s)})"]
     rows = loss_rows(s["loss"])
     if rows:
         tokens = s.get("loss_normalization") == "tokens"

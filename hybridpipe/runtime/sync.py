@@ -1,9 +1,9 @@
 """A replicated stage's gradient sync as the plan writes it, the launch overrides, and what ran.
 
 * :func:`stage_layers`: the plan's layers for the stage (each layer's algorithm, sync unit and
-  lane), checked against the stage's parameters; or, for a plan that lists none for a replicated
-  stage (one written by hand), what ``partition`` would have written: the partitioner's policy on
-  the plan's cluster, over the stage's modules.
+  lane; checked against the stage's parameters at start-up, pipeline/plancheck.py); or, for a
+  plan that lists none for a replicated stage (one written by hand), what ``partition`` would
+  have written: the partitioner's policy on the plan's cluster, over the stage's modules.
 * :func:`override_layers`: ``--allreduce`` / ``--calibration`` at launch are deliberate overrides:
   the same layers re-decided (one algorithm for all, or the partitioner's policy on a cost model
   with the calibrations), with the same unit and lane rules. :func:`describe_override` is the
@@ -22,7 +22,6 @@ from collections.abc import Collection, Sequence
 from torch import nn
 
 from hybridpipe.comm.hybrid_dp import HybridDataParallel, UnitChoice, model_layers
-from hybridpipe.errors import UserError
 from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.cost.layersync import choose_layer_algorithms
 from hybridpipe.partitioner.cost.syncunits import LayerSync, sync_units, with_algorithm
@@ -42,23 +41,10 @@ def derived_layers(module: nn.Module, ranks: Sequence[int], model: CostModel,
 
 def stage_layers(stage: Stage, module: nn.Module, model: CostModel,
                  exclude: Collection[nn.Parameter] = ()) -> tuple[LayerSync, ...]:
-    """The plan's layers for ``stage`` (see the module docstring); UserError when they do not
-    cover exactly the stage's trainable parameters (but the ``exclude``d: tied across stages)."""
-    if not stage.layers:
-        return derived_layers(module, stage.ranks, model, exclude)
-    skip = {id(p) for p in exclude}
-    have = {name for name, p in module.named_parameters()
-            if p.requires_grad and p.numel() > 0 and id(p) not in skip}
-    planned = {p for lv in stage.layers for p in lv.params}
-    if planned - have:
-        extra = sorted(planned - have)
-        raise UserError(f"stage {stage.index}: the plan syncs parameter {extra[0]!r}, which the stage does not have "
-                        f"({len(extra)} such); the plan was made for another model: re-partition")
-    if have - planned:
-        missing = sorted(have - planned)
-        raise UserError(f"stage {stage.index}: the plan's layers do not sync parameter {missing[0]!r} "
-                        f"({len(missing)} such); add it to a layer of the plan's stage or re-partition")
-    return stage.layers
+    """The plan's layers for ``stage`` (checked against its parameters at start-up:
+    pipeline/plancheck.py check_sync_layers), or for a plan that lists none what ``partition``
+    would have written, over ``module``'s layers but the ``exclude``d (tied across stages)."""
+    return stage.layers or derived_layers(module, stage.ranks, model, exclude)
 
 
 def override_layers(layers: Sequence[LayerSync], policy: str, ranks: Sequence[int],

@@ -35,3 +35,10 @@ def tied_sync(plan: Plan, stages: int | Iterable[int], model: nn.Module,
         return sum_fn
 
     return TiedSync([(params, summer(groups[ranks])) for ranks, params in held.items()])
+
+
+def repeated_tied(plan: Plan, stages: list[int], module: nn.Module) -> set[int]:
+    """ids of the tied parameters this rank's stages hold that are counted on another rank (the
+    one of the lowest stage that holds them)."""
+    return {id(module.get_parameter(g.param)) for g in plan.tied
+            if set(stages) & set(g.stages) and min(g.stages) not in stages}

@@ -23,6 +23,7 @@ from __future__ import annotations
 import datetime
 import math
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -33,14 +34,14 @@ from torch.utils.data import Dataset
 
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner.plan import Plan, load_plan
-from hybridpipe.pipeline import PipelineEngine, Topology, build_stage_index
+from hybridpipe.pipeline import PipelineEngine, Topology, check_plan
 from hybridpipe.pipeline.chunks import rank_module
 from hybridpipe.pipeline.schedules import settle_phase
 from hybridpipe.pipeline.stage import loss_of
 from hybridpipe.pipeline.tokens import check_normalization
 from hybridpipe.profiles.capture import tied_parameters
 from hybridpipe.profiles.losses import as_mean
-from hybridpipe.profiles.zoo import ModelSpec, resolve_model
+from hybridpipe.profiles.zoo import ModelSpec
 from hybridpipe.runtime.batches import GivenBatches, is_micro_batch_stream, split_batch, take_micro_batches
 from hybridpipe.runtime.checkpoint import Checkpointer, Restored, reseed, restore_rng
 from hybridpipe.runtime.config import flushes
@@ -48,11 +49,19 @@ from hybridpipe.runtime.groups import init_distributed, replica_groups, stage_ch
 from hybridpipe.runtime.loader import MicroBatchSlice, StepLoader
 from hybridpipe.runtime.lr import SchedulerFactory
 from hybridpipe.runtime.nonfinite import NonFiniteWatch
-from hybridpipe.runtime.parts import Model, build_model, make_optimizer, make_sync, seed_rank, token_counts
+from hybridpipe.runtime.parts import (
+    PRECISIONS,
+    Model,
+    build_model,
+    build_optimizer,
+    make_sync,
+    seed_rank,
+    spec_of,
+    token_counts,
+)
 from hybridpipe.runtime.scaler import LossScaler
-from hybridpipe.runtime.tied import tied_process_groups, tied_sync
+from hybridpipe.runtime.tied import repeated_tied, tied_process_groups, tied_sync
 
-PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 ModelArg = str | ModelSpec | Model | nn.Module | Callable[[], nn.Module]
 OptimizerArg = str | Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None
 
@@ -70,15 +79,19 @@ class Trainer:
     on every rank; see runtime/lr.py for launch's schedules). ``clip_grad_norm``: clip by the norm
     of the whole model's gradient (what ``torch.nn.utils.clip_grad_norm_`` on the unsplit model
     does). ``precision`` (default: the plan's, as ``partition --precision`` priced it)
-    ``"bf16"``: forwards under ``torch.autocast(bfloat16)`` and activations and gradients sent
-    between stages and all-reduced between replicas as bfloat16 (half the bytes); weights, their
-    gradients and the optimizer state stay float32. ``"fp16"`` likewise in float16,
-    with a dynamic loss scale (``loss_scale``: the initial one; runtime/scaler.py) whose overflow
-    check all ranks agree on: an overflowing step is skipped everywhere. ``loss_normalization`` (default:
-    the plan's) ``"micro-batch"``: a step's loss is the mean of its micro-batches' mean losses;
-    ``"tokens"``: its summed per-token loss over the valid tokens of the whole global batch, as one
-    process computes it (profiles/losses.py: ``loss`` then returns (loss_sum, count), or the model
-    is a Hugging Face model computing its own loss from ``labels``). ``data``: a source of micro-batches
+    ``"bf16"``: the model captured and its forwards run under ``torch.autocast(bfloat16)``, so each
+    stage computes what the unsplit model under autocast computes; activations and gradients cross
+    between stages in the dtype they were computed in; weights, their gradients and the optimizer
+    state stay float32. ``"fp16"`` likewise in float16, with a dynamic loss scale (``loss_scale``:
+    the initial one; runtime/scaler.py) whose overflow check all ranks agree on: an overflowing step
+    is skipped everywhere. ``reduce_dtype`` (``"fp32"``, default, ``"bf16"`` or ``"fp16"``): the dtype
+    the replicas sum their gradients in (16 bits: half the bytes, each gradient rounded to it).
+    A ``Model`` given must have been captured for the precision (``build_model(autocast=)``).
+    ``loss_normalization`` (default: the plan's) ``"micro-batch"``: a step's loss is the mean of its
+    micro-batches' mean losses; ``"tokens"``: its summed per-token loss over the valid tokens of the
+    whole global batch, as one process computes it (profiles/losses.py: ``loss`` then returns
+    (loss_sum, count), or the model is a Hugging Face model computing its own loss from ``labels``).
+    ``data``: a source of micro-batches
     by (step, micro-batch) for steps given no batch (launch's ``MicroBatches``). ``recorder``: a
     timeline recorder (launch's).
     """
@@ -90,11 +103,14 @@ class Trainer:
                  allreduce: str | None = None, calibrations: Iterable[str] = (), aggregator: str | None = None,
                  skip_nonfinite: bool = False, backend: str | None = None, timeout: float = 300.0,
                  precision: str | None = None, loss_scale: float = 2.0**16, recorder: Any = None,
-                 nonfinite_hint: str = "", loss_normalization: str | None = None) -> None:
+                 nonfinite_hint: str = "", reduce_dtype: str = "fp32", loss_normalization: str | None = None,
+                 in_place: bool = False) -> None:
         self.plan = plan if isinstance(plan, Plan) else load_plan(str(plan))
         precision = precision or self.plan.precision          # what the plan was priced for, unless told
         if precision not in PRECISIONS:
             raise UserError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
+        if reduce_dtype not in PRECISIONS:
+            raise UserError(f"unknown reduce_dtype {reduce_dtype!r}; choose one of {', '.join(PRECISIONS)}")
         if clip_grad_norm is not None and (not clip_grad_norm > 0 or not math.isfinite(clip_grad_norm)):
             raise UserError(f"clip_grad_norm must be a positive number, got {clip_grad_norm}")
         kind = self.plan.kind
@@ -106,8 +122,14 @@ class Trainer:
         if precision == "fp16" and not kind.flushed:
             raise UserError(f"fp16's loss scaler skips overflowing steps on every stage at once, and {kind.name} has "
                             "no global step; use bf16, or the 1f1b or gpipe schedule")
-        self.model = model if isinstance(model, Model) else build_model(_spec(model, self.plan, example, loss),
-                                                                        self.plan, seed=seed)
+        self.model = model if isinstance(model, Model) else build_model(spec_of(model, self.plan.model, example, loss),
+                                                                        self.plan, seed=seed,
+                                                                        autocast=PRECISIONS[precision])
+        if self.model.captured.autocast != PRECISIONS[precision]:
+            raise UserError(f"the model was captured for {_precision_of(self.model.captured.autocast)} but the "
+                            f"trainer runs {precision}: build it with build_model(..., autocast=PRECISIONS"
+                            f"[{precision!r}]), or pass the model spec and let the trainer build it")
+        self.precision, self.reduce_dtype = precision, reduce_dtype
         self.proc, self._owned = init_distributed(backend, timeout)
         if self.proc.world_size != self.plan.world_size:
             raise UserError(f"the plan needs {self.plan.world_size} workers but the job has {self.proc.world_size}; "
@@ -121,54 +143,92 @@ class Trainer:
         self.takes_targets = self.model.spec.loss is not None
         self.clip_grad_norm = clip_grad_norm
         self.scaler = LossScaler(loss_scale) if precision == "fp16" else None
+        self._scaler_at: tuple[int, dict] | None = None   # (step, the scaler's state when that step began)
         self.last_grad_norm: float | None = None     # the global norm before clipping, of the last step
         self.step = 0                                # training steps done
         self.seed = seed
         self.comm_mode = comm_mode
-        # collectives below: the same order on every rank
-        groups = replica_groups(plan, timeout)
-        tied = tied_sync(plan, mine, self.model.module, tied_process_groups(plan, timeout))
-        self._stats = dist.new_group(list(range(self.proc.world_size)), timeout=datetime.timedelta(seconds=timeout))
+        self._timeout, self._in_place, self._recorder = timeout, in_place, recorder
+        self._dtype = PRECISIONS[precision]
+        self._sync_options: dict[str, Any] = {"allreduce": allreduce, "calibrations": tuple(calibrations),
+                                              "aggregator": aggregator, "wire_dtype": PRECISIONS[reduce_dtype]}
         self.watch = NonFiniteWatch(self.proc.device, skip=skip_nonfinite, flushing=flushes(plan),
-                                    stage=self.stage_plan.index,
-                                    decides_alone=self.is_last and self.stage_plan.replicas == 1, hint=nonfinite_hint)
-        ranges = [(s.first_node, s.last_node) for s in plan.stages]
-        self.tokens = token_counts(self.model, self.proc.device, self._stats, plan.batch_size, self.watch.note) \
-            if self.loss_normalization == "tokens" else None
-        loss_fn = loss_of(self.model.spec.loss) if self.tokens else self.watch.wrap_loss(as_mean(loss_of(
-            self.model.spec.loss)))
-        self.stages = [build_stage_index(self.model.captured, ranges, s.index, loss=loss_fn, recompute=s.recompute,
-                                         replicas=s.replicas).to(self.proc.device) for s in self.stage_plans]
+                                    stage=self.stage_plan.index, hint=nonfinite_hint)
+        if in_place and self.loss_normalization == "tokens":
+            raise UserError("in-place recovery cannot re-form token-weighted loss normalization's counts; use "
+                            "loss_normalization='micro-batch' or no in-place recovery")
+        loss_fn = loss_of(self.model.spec.loss) if self.loss_normalization == "tokens" else \
+            self.watch.wrap_loss(as_mean(loss_of(self.model.spec.loss)))
+        checked = self.model.checked if self.model.checked.plan == plan else check_plan(self.model.captured, plan)
+        self.stages = [st.to(self.proc.device) for st in checked.stages_of_rank(rank, loss=loss_fn)]
         self.module = rank_module([st.module for st in self.stages])     # every chunk's parameters, each once
-        self._uncounted = _repeated_tied(plan, mine, self.model.module)
-        self.syncs = {s.index: make_sync(plan, st.module, s, groups.get(s.index),
-                                         exclude=tied.params if tied is not None else (), allreduce=allreduce,
-                                         calibrations=tuple(calibrations), aggregator=aggregator,
-                                         wire_dtype=PRECISIONS[precision])
-                      for s, st in zip(self.stage_plans, self.stages, strict=True)}
+        self._uncounted = repeated_tied(plan, mine, self.model.module)
         seed_rank(seed, rank)
-        self.optimizer = _optimizer(optimizer or plan.optimizer, self.module, lr, momentum, weight_decay)
+        self.optimizer = build_optimizer(optimizer or plan.optimizer, self.module, lr, momentum, weight_decay)
         self.scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None and \
             isinstance(self.optimizer, torch.optim.Optimizer) else None
-        topo = Topology.from_plan(plan)
-        self.channels = stage_channels(topo, rank, plan.kind, comm_mode, self.proc.device, timeout,
-                                       on_transfer=recorder.on_transfer if recorder is not None else None)
+        self._feed = GivenBatches(keep=settle_phase(Topology.from_plan(plan), plan.kind) + 2, fallback=data,
+                                  rank=rank, targets=self.takes_targets)
+        self._connect()
         if recorder is not None:
             recorder.align(dist.barrier)
-        self._feed = GivenBatches(keep=settle_phase(topo, plan.kind) + 2, fallback=data, rank=rank,
-                                  targets=self.takes_targets)
-        guarded: Any = self.watch.wrap_optimizer(self.optimizer)     # an optimizer that checks the loss first
-        self.engine = PipelineEngine(self.stages, topo, rank, plan.kind, transport=self.channels,
-                                     optimizer=guarded, data=self._feed,
-                                     sync=self.syncs, recorder=recorder, tied=tied,
-                                     before_step=self._before_step if clip_grad_norm is not None or self.scaler
-                                     else None, autocast=PRECISIONS[precision], wire_dtype=PRECISIONS[precision],
-                                     loss_scale=self._loss_scale if self.scaler is not None else None,
-                                     tokens=self.tokens)
         self.last_losses: dict[int, float] = {}      # this rank's micro-batch losses of the last step (last stage)
         self.last_tokens: dict[int, float] = {}      # with tokens: their valid tokens
         self.last_peak_memory_bytes = 0               # what this rank's stage held at its peak in the last step
         self._checkpointers: dict[str, Checkpointer] = {}
+
+    def _connect(self) -> None:
+        """Everything of this rank that talks to others, for :attr:`plan` (collective: every rank,
+        in the same order): replica, tied and statistics groups, gradient syncs, p2p channels, engine."""
+        plan, rank, timeout = self.plan, self.proc.rank, self._timeout
+        self.stage_plans, self.replica = plan.stages_of_rank(rank)
+        self.stage_plan = self.stage_plans[0]
+        groups = replica_groups(plan, timeout)
+        tied = tied_sync(plan, [s.index for s in self.stage_plans], self.model.module,
+                         tied_process_groups(plan, timeout))
+        self._stats = dist.new_group(list(range(self.proc.world_size)), timeout=datetime.timedelta(seconds=timeout))
+        self.tokens = token_counts(self.model, self.proc.device, self._stats, plan.batch_size, self.watch.note) \
+            if self.loss_normalization == "tokens" else None
+        # the last stage alone knows a loss was bad: unreplicated, it need not wait for the others,
+        # unless a recovery in place needs every rank to pass the check before any update
+        self.watch.decides_alone = self.is_last and self.stage_plan.replicas == 1 and not self._in_place
+        self.syncs = {s.index: make_sync(plan, st.module, s, groups.get(s.index),
+                                         exclude=tied.params if tied is not None else (), **self._sync_options)
+                      for s, st in zip(self.stage_plans, self.stages, strict=True)}
+        topo = Topology.from_plan(plan)
+        recorder = self._recorder
+        self.channels = stage_channels(topo, rank, plan.kind, self.comm_mode, self.proc.device, timeout,
+                                       on_transfer=recorder.on_transfer if recorder is not None else None)
+        guarded: Any = self.watch.wrap_optimizer(self.optimizer)     # an optimizer that checks the loss first
+        self.engine = PipelineEngine(self.stages, topo, rank, plan.kind, transport=self.channels,
+                                     optimizer=guarded, data=self._feed,
+                                     sync=self.syncs, recorder=recorder, tied=tied,
+                                     before_step=self._before_step if self.clip_grad_norm is not None or self.scaler
+                                     else None, autocast=self._dtype,
+                                     loss_scale=self._loss_scale if self.scaler is not None else None,
+                                     tokens=self.tokens)
+
+    def reform(self, plan: Plan) -> None:
+        """Go on in a re-formed world (in-place recovery, runtime/recovery.py: the default group is
+        already the survivors'): ``plan`` gives this rank the same stages; its groups, syncs,
+        channels and engine are built anew (collective among the survivors), the model, optimizer,
+        scheduler and their state kept. What the interrupted step left is dropped: its gradients,
+        its messages, the loss scale it changed."""
+        self.channels.abandon()
+        for sync in self.syncs.values():
+            abandon = getattr(sync, "abandon", None)
+            if abandon is not None:
+                abandon()
+        for p in self.module.parameters():
+            p.grad = None
+        if self.scaler is not None and self._scaler_at is not None and self._scaler_at[0] == self.step:
+            self.scaler.load_state_dict(self._scaler_at[1])
+        self.watch.reset()
+        self.plan = plan
+        self.proc = replace(self.proc, rank=dist.get_rank(), world_size=dist.get_world_size())
+        self._feed.rank = self.proc.rank
+        self._checkpointers.clear()
+        self._connect()
 
     @property
     def stage(self):
@@ -192,6 +252,8 @@ class Trainer:
         ``tokens``: over the global batch's tokens), on every rank. ``drain``: pipedream only, finish
         every micro-batch in flight (before an ``eval_step`` or the end)."""
         step = self.step
+        if self.scaler is not None:
+            self._scaler_at = (step, self.scaler.state_dict())
         if batch is not None or target is not None:
             self._feed.put(step, *self._micro_batches(batch, target))
         result = self.engine.run_step(step, drain=drain)
@@ -371,29 +433,5 @@ class Trainer:
         return self._checkpointers[key]
 
 
-def _spec(model: ModelArg, plan: Plan, example: Any, loss: Callable[..., torch.Tensor] | None) -> ModelSpec:
-    """The ModelSpec of the ``model`` argument (see Trainer)."""
-    if isinstance(model, str):
-        return resolve_model(model)
-    if isinstance(model, ModelSpec):
-        return model
-    if isinstance(model, Model):
-        return model.spec
-    if example is None:
-        raise UserError("a model given as an nn.Module or a factory needs example= (one micro-batch of its input)")
-    build = (lambda: model) if isinstance(model, nn.Module) else model
-    return ModelSpec(name=plan.model, build=build, example=example, loss=loss)
-
-
-def _optimizer(kind: OptimizerArg, module: nn.Module, lr: float, momentum: float, weight_decay: float) -> Any:
-    if callable(kind):
-        params = [p for p in module.parameters() if p.requires_grad]
-        return kind(params) if params else make_optimizer("sgd", [], lr=lr)
-    return make_optimizer(str(kind), module.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
-
-
-def _repeated_tied(plan: Plan, stages: list[int], module: nn.Module) -> set[int]:
-    """ids of the tied parameters this rank's stages hold that are counted on another rank (the
-    one of the lowest stage that holds them)."""
-    return {id(module.get_parameter(g.param)) for g in plan.tied
-            if set(stages) & set(g.stages) and min(g.stages) not in stages}
+def _precision_of(dtype: torch.dtype | None) -> str:
+    return next(name for name, d in PRECISIONS.items() if d == dtype)

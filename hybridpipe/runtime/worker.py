@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -26,16 +27,19 @@ import torch.distributed as dist
 
 from hybridpipe.errors import UserError, one_line
 from hybridpipe.jsonfile import write_json
-from hybridpipe.partitioner.plan import save_plan
+from hybridpipe.partitioner.plan import Stage, save_plan
 from hybridpipe.pipeline import MicroBatches
 from hybridpipe.profiles.capture import tied_parameters
-from hybridpipe.runtime.config import RunConfig
+from hybridpipe.runtime.agents import release_exit_barrier
+from hybridpipe.runtime.config import RunConfig, flushes
 from hybridpipe.runtime.dirlock import DirLock, Holder
-from hybridpipe.runtime.failure import EXIT_PEER_LOST, FailureGuard, default_store, describe_ranks
+from hybridpipe.runtime.failure import EXIT_PEER_LOST, FailureGuard, default_store, describe_ranks, suspect_of
 from hybridpipe.runtime.groups import Process, init_distributed
+from hybridpipe.runtime.inplace import STEP, Decision, decide
 from hybridpipe.runtime.lr import lr_schedule
 from hybridpipe.runtime.metrics import MetricsWriter, Progress, step_record
 from hybridpipe.runtime.parts import Model, buffers_digest, load_model, make_data, make_eval_data, weights_digest
+from hybridpipe.runtime.recovery import Recovery, recover_in_place
 from hybridpipe.runtime.reshard import canonical_names, indexed_optimizer_state, optimizer_names
 from hybridpipe.runtime.restarts import (
     append_log,
@@ -81,12 +85,12 @@ def run_worker(cfg: RunConfig, *, print_fn: Callable[[str], None] = print) -> di
 
             def leave_note() -> None:
                 if guard.exit_code == EXIT_PEER_LOST:
-                    note_exit(root, proc.rank, proc.world_size, int(progress["done"]))
+                    note_exit(root, guard.rank, guard.world_size, int(progress["done"]))
             guard.on_exit.append(leave_note)
         if lock is not None:
             guard.on_exit.append(lock.release)
         with guard:
-            summary = _train(cfg, proc, model, closers, print_fn, init_optimizer, progress, guard.critical)
+            summary = _train(cfg, proc, model, closers, print_fn, init_optimizer, progress, guard)
     finally:
         if lock is not None:
             lock.release()
@@ -116,14 +120,63 @@ def _lock_checkpoint_dir(cfg: RunConfig, rank: int) -> DirLock | None:
     return lock
 
 
+@dataclass
+class _Run:
+    """What launch's loop knows about this rank's run once it has started."""
+
+    cfg: RunConfig
+    rank: int
+    stages: tuple[Stage, ...]               # the rank's stage, or its model chunks (virtual stages)
+    replica: int
+    reporter: bool                          # the last stage's first replica: it writes the summary
+    device: torch.device
+    run_dir: Path
+    traces: Path | None                     # the timeline's folder (None: no timeline)
+    recorder: TimelineRecorder | None
+
+
 def _train(cfg: RunConfig, proc: Process, model: Model, closers: list, print_fn, init_optimizer: dict | None,
-           progress: dict, critical: AbstractContextManager) -> dict | None:
+           progress: dict, guard: FailureGuard) -> dict | None:
     """launch's loop around the Python API (runtime/trainer.py): metrics, progress bar, timeline,
-    checkpoints every K steps (each inside ``critical``: a stop signal lets it finish), the summary."""
+    checkpoints every K steps (each inside ``guard.critical``: a stop signal lets it finish), with
+    ``--in-place`` the recovery of a lost replica (runtime/recovery.py), the summary."""
+    critical = guard.critical
+    run = _open_run(cfg, proc, closers, print_fn)
+    trainer = _make_trainer(run, model)
+    recover = _recoverer(cfg, proc, trainer, guard) if cfg.in_place else None
+    held_out = make_eval_data(cfg, model.spec) if cfg.eval_every else None
+    if init_optimizer is not None:
+        _load_optimizer(trainer, model, init_optimizer)
+    start, restart = _resume(run, trainer, proc.world_size, progress, print_fn)
+    progress["done"] = start
+    metrics = MetricsWriter(run.run_dir, run.rank)
+    closers.append(metrics.close)
+    report = RankReport(run.rank, run.stages[0].index, run.replica, more_stages=tuple(s.index for s in run.stages[1:]))
+    saved_at, report, events = _steps(run, trainer, metrics, report, held_out, start, restart, progress, critical,
+                                      recover)
+    if cfg.checkpoint_dir and saved_at < cfg.steps:          # the final weights, always
+        with critical:
+            trainer.save(cfg.checkpoint_dir, keep=cfg.keep_checkpoints)
+    trainer.close()
+    _close_all(closers)
+    proc = trainer.proc                             # the survivors' world after an in-place recovery
+    _report_replicas(report, trainer, tuple(trainer.stage_plans))
+    reports: list = [None] * proc.world_size
+    dist.all_gather_object(reports, report)
+    if events:              # the agents of the lost hosts never reach torchrun's exit barrier
+        hosts: list = [None] * proc.world_size
+        dist.all_gather_object(hosts, os.environ.get("GROUP_RANK"))
+        if proc.rank == 0:
+            log.info(release_exit_barrier(int(os.environ.get("GROUP_WORLD_SIZE", "0")) - len(set(hosts))))
+    reporter = proc.rank == trainer.plan.stages[-1].ranks[0]
+    return _summary(run, trainer, reports, start, print_fn, events) if reporter else None
+
+
+def _open_run(cfg: RunConfig, proc: Process, closers: list, print_fn) -> _Run:
+    """The run directory (every rank agrees on rank 0's), the plan written there when launch made
+    it, and this rank's timeline recorder."""
     plan, rank = cfg.plan, proc.rank
     stage_plans, replica = plan.stages_of_rank(rank)      # one, or the rank's model chunks (virtual stages)
-    stage_plan = stage_plans[0]
-    reporter = rank == plan.stages[-1].ranks[0]
     run_dir = _agree_run_dir(cfg, rank)
     if cfg.planned_s is not None and rank == 0:
         save_plan(plan, run_dir / "plan.json")
@@ -133,113 +186,203 @@ def _train(cfg: RunConfig, proc: Process, model: Model, closers: list, print_fn,
     traces = None if cfg.trace_dir == "" else Path(cfg.trace_dir or trace_dir(run_dir))
     recorder = None
     if traces is not None:
-        recorder = TimelineRecorder(traces, rank=rank, stage=stage_plan.index, replica=replica,
+        recorder = TimelineRecorder(traces, rank=rank, stage=stage_plans[0].index, replica=replica,
                                     world_size=proc.world_size, label=f"{plan.model} {cfg.schedule}",
                                     stages=[s.index for s in stage_plans])
         closers.append(recorder.close)
-    hint = f"the newest checkpoint in {cfg.checkpoint_dir} is the last good one" if cfg.checkpoint_dir else ""
-    trainer = Trainer(model, plan, optimizer=cfg.optimizer, lr=cfg.lr, momentum=cfg.momentum,
-                      weight_decay=cfg.weight_decay, clip_grad_norm=cfg.clip_grad_norm, seed=cfg.seed,
-                      lr_scheduler=lr_schedule(cfg.lr_schedule, warmup=cfg.warmup_steps, total=cfg.steps),
-                      data=make_data(cfg, model.spec), comm_mode=cfg.comm_mode, allreduce=cfg.allreduce,
-                      calibrations=cfg.calibrations, aggregator=cfg.aggregator, skip_nonfinite=cfg.skip_nonfinite,
-                      timeout=cfg.timeout, precision=cfg.precision, recorder=recorder, nonfinite_hint=hint,
-                      loss_normalization=cfg.loss_normalization)
-    held_out = make_eval_data(cfg, model.spec) if cfg.eval_every else None
-    start, restart = 0, None
-    if init_optimizer is not None:
-        canon = canonical_names(tied_parameters(model.module))
-        names = optimizer_names(trainer.optimizer, trainer.module, canon)
-        trainer.optimizer.load_state_dict(indexed_optimizer_state(init_optimizer, names,
-                                                                  trainer.optimizer.state_dict()))
-    if cfg.checkpoint_dir and cfg.resume:
-        t_load = time.perf_counter()
-        start = _restore(trainer, cfg.checkpoint_dir, print_fn if rank == plan.stages[0].ranks[0] else None)
-        if reporter:
-            restart = restart_entry(read_notes(Path(cfg.checkpoint_dir)), world_size=proc.world_size,
-                                    resumed_from=start, started=process_start_time(),
-                                    planning_s=cfg.planned_s or 0.0, load_s=time.perf_counter() - t_load, stages={
-                                        "imports_s": progress["entered"], "model_s": progress["captured"],
-                                        "job_s": time.time() - (time.perf_counter() - t_load)})
-    progress["done"] = start
+    return _Run(cfg, rank, stage_plans, replica, rank == plan.stages[-1].ranks[0], proc.device, run_dir, traces,
+                recorder)
 
-    metrics = MetricsWriter(run_dir, rank)
-    closers.append(metrics.close)
-    report = RankReport(rank, stage_plan.index, replica, more_stages=tuple(s.index for s in stage_plans[1:]))
-    bar = Progress(cfg.steps, initial=start, enabled=cfg.progress and reporter,
-                   desc=f"{plan.model} {cfg.schedule}")
+
+def _make_trainer(run: _Run, model: Model) -> Trainer:
+    """The Python API's Trainer with launch's options."""
+    cfg = run.cfg
+    hint = f"the newest checkpoint in {cfg.checkpoint_dir} is the last good one" if cfg.checkpoint_dir else ""
+    return Trainer(model, cfg.plan, optimizer=cfg.optimizer, lr=cfg.lr, momentum=cfg.momentum,
+                   weight_decay=cfg.weight_decay, clip_grad_norm=cfg.clip_grad_norm, seed=cfg.seed,
+                   lr_scheduler=lr_schedule(cfg.lr_schedule, warmup=cfg.warmup_steps, total=cfg.steps),
+                   data=make_data(cfg, model.spec), comm_mode=cfg.comm_mode, allreduce=cfg.allreduce,
+                   calibrations=cfg.calibrations, aggregator=cfg.aggregator, skip_nonfinite=cfg.skip_nonfinite,
+                   timeout=cfg.timeout, precision=cfg.precision, recorder=run.recorder, nonfinite_hint=hint,
+                   reduce_dtype=cfg.reduce_dtype, loss_normalization=cfg.loss_normalization, in_place=cfg.in_place)
+
+
+def _load_optimizer(trainer: Trainer, model: Model, state: dict) -> None:
+    """``--init-from``'s name-keyed optimizer state into the trainer's optimizer."""
+    canon = canonical_names(tied_parameters(model.module))
+    names = optimizer_names(trainer.optimizer, trainer.module, canon)
+    trainer.optimizer.load_state_dict(indexed_optimizer_state(state, names, trainer.optimizer.state_dict()))
+
+
+def _resume(run: _Run, trainer: Trainer, world_size: int, progress: dict, print_fn) -> tuple[int, dict | None]:
+    """``--resume``: the step the newest checkpoint continues from (0 without one) and, on the
+    reporting rank, the restart record its first step completes (runtime/restarts.py)."""
+    cfg, plan = run.cfg, run.cfg.plan
+    if not (cfg.checkpoint_dir and cfg.resume):
+        return 0, None
+    t_load = time.perf_counter()
+    start = _restore(trainer, cfg.checkpoint_dir, print_fn if run.rank == plan.stages[0].ranks[0] else None)
+    if not run.reporter:
+        return start, None
+    return start, restart_entry(read_notes(Path(cfg.checkpoint_dir)), world_size=world_size, resumed_from=start,
+                                started=process_start_time(), planning_s=cfg.planned_s or 0.0,
+                                load_s=time.perf_counter() - t_load, stages={
+                                    "imports_s": progress["entered"], "model_s": progress["captured"],
+                                    "job_s": time.time() - (time.perf_counter() - t_load)})
+
+
+def _steps(run: _Run, trainer: Trainer, metrics: MetricsWriter, report: RankReport, held_out: MicroBatches | None,
+           start: int, restart: dict | None, progress: dict, critical: AbstractContextManager,
+           recover: Callable[..., dict] | None) -> tuple[int, RankReport, list[dict]]:
+    """Steps ``start`` to the last, each recorded (metrics, progress bar, the rank's report), held-out
+    losses and checkpoints when due; the steps the last checkpoint saved, the rank's report (renamed
+    after an in-place recovery) and the recoveries' events."""
+    cfg = run.cfg
+    bar = Progress(cfg.steps, initial=start, enabled=cfg.progress and run.reporter,
+                   desc=f"{cfg.plan.model} {cfg.schedule}")
     saved_at = start
     if held_out is not None and start < cfg.steps:        # the held-out loss before training
         metrics.write({"step": start - 1, "eval_loss": _evaluate(trainer, held_out, cfg.eval_batches)})
+    events: list[dict] = []                  # in-place recoveries, for the summary without a checkpoint dir
     try:
         for step in range(start, cfg.steps):
-            if recorder is not None:
-                recorder.begin_step(step)
-            t0 = time.perf_counter()
-            lr = trainer.lr
             evaluate = cfg.eval_every > 0 and ((step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1)
             due = bool(cfg.checkpoint_dir) and cfg.checkpoint_every > 0 and (step + 1) % cfg.checkpoint_every == 0
             # every rank: stops on a non-finite loss; pipedream drains before an evaluation or a checkpoint
-            trainer.train_step(drain=step == cfg.steps - 1 or evaluate or due)
-            if proc.device.type == "cuda":
-                torch.cuda.synchronize(proc.device)
-            seconds = time.perf_counter() - t0
-            if recorder is not None:
-                recorder.end_step()
-            losses, tokens = trainer.last_losses, trainer.last_tokens
-            record = step_record(step, seconds, cfg.global_batch, list(losses.values()), trainer.last_peak_memory_bytes,
-                                 weights=list(tokens.values()) if tokens else None)
-            report.peak_memory_bytes = max(report.peak_memory_bytes, trainer.last_peak_memory_bytes)
-            if lr is not None:
-                record["lr"] = lr
-            if trainer.last_grad_norm is not None:
-                record["grad_norm"] = round(trainer.last_grad_norm, 6)
-            if trainer.scaler is not None:
-                record["loss_scale"] = trainer.scaler.scale
+            record, seconds, event = _step(run, trainer, step, drain=step == cfg.steps - 1 or evaluate or due,
+                                           recover=recover)
+            _note_step(report, trainer, step, record)
             if evaluate:
                 record["eval_loss"] = _evaluate(trainer, held_out, cfg.eval_batches)
             metrics.write(record)
             bar.update(record)
-            report.step_ms[step] = record["step_ms"]
-            if losses:
-                report.losses[step] = losses
-            if tokens:
-                report.tokens[step] = tokens
             progress["done"] = step + 1
             if restart is not None and cfg.checkpoint_dir:
                 append_log(Path(cfg.checkpoint_dir), first_step_done(restart, seconds))
                 restart = None
+            if event is not None:           # re-formed in place during this step: the new reporter records it
+                report = _renamed(report, trainer)
+                before = event.pop("before_s")
+                events.append(first_step_done(event, seconds - before))
+                if trainer.proc.rank == trainer.plan.stages[-1].ranks[0] and cfg.checkpoint_dir:
+                    append_log(Path(cfg.checkpoint_dir), events[-1])
             if due and cfg.checkpoint_dir:
                 with critical:
                     trainer.save(cfg.checkpoint_dir, keep=cfg.keep_checkpoints)
                 saved_at = step + 1
+    except Exception as e:
+        if recover is None or suspect_of(e)[1] == "own":
+            raise
+        recover(e, "outside a step")        # a failure outside a training step: the job restarts
+        raise
     finally:
         bar.close()
-    if cfg.checkpoint_dir and saved_at < cfg.steps:          # the final weights, always
-        with critical:
-            trainer.save(cfg.checkpoint_dir, keep=cfg.keep_checkpoints)
+    return saved_at, report, events
 
-    trainer.close()
-    _close_all(closers)
-    if stage_plan.replicas > 1:
-        report.digest = weights_digest(trainer.module)
-        report.buffers = buffers_digest(trainer.module)
-        report.combined = {st.index: st.stats.buffers for st in trainer.stages if st.stats and st.stats.combines}
-        report.sync = sync_report(trainer.syncs[stage_plan.index], stage_plan)
-        report.more_sync = {s.index: ran for s in stage_plans[1:]
-                            if (ran := sync_report(trainer.syncs[s.index], s)) is not None}
-    reports: list = [None] * proc.world_size
-    dist.all_gather_object(reports, report)
-    if not reporter:
-        return None
-    summary = summarize(reports, plan, steps=cfg.steps, first_step=start, run_dir=str(run_dir),
-                        trace_dir=str(traces) if traces is not None else None, schedule=cfg.schedule,
-                        comm_mode=cfg.comm_mode, allreduce=cfg.allreduce, skipped=trainer.watch.skipped)
-    if cfg.checkpoint_dir:
-        summary["restarts"] = read_log(Path(cfg.checkpoint_dir))
-    write_json(Path(run_dir) / "summary.json", summary)
+
+def _step(run: _Run, trainer: Trainer, step: int, *, drain: bool,
+          recover: Callable[..., dict] | None) -> tuple[dict, float, dict | None]:
+    """One training step, timed (and on the timeline); its metrics record, seconds and the in-place
+    recovery's event during it (None without one)."""
+    if run.recorder is not None:
+        run.recorder.begin_step(step)
+    t0 = time.perf_counter()
+    lr = trainer.lr
+    event = _train_step(trainer, drain, recover)
+    if run.device.type == "cuda":
+        torch.cuda.synchronize(run.device)
+    seconds = time.perf_counter() - t0
+    if run.recorder is not None:
+        run.recorder.end_step()
+    tokens = trainer.last_tokens
+    record = step_record(step, seconds, run.cfg.global_batch, list(trainer.last_losses.values()),
+                         trainer.last_peak_memory_bytes, weights=list(tokens.values()) if tokens else None)
+    if lr is not None:
+        record["lr"] = lr
+    if trainer.last_grad_norm is not None:
+        record["grad_norm"] = round(trainer.last_grad_norm, 6)
+    if trainer.scaler is not None:
+        record["loss_scale"] = trainer.scaler.scale
+    return record, seconds, event
+
+
+def _note_step(report: RankReport, trainer: Trainer, step: int, record: dict) -> None:
+    """The step in the rank's report: its time, peak memory and (last stage) losses and tokens."""
+    report.peak_memory_bytes = max(report.peak_memory_bytes, trainer.last_peak_memory_bytes)
+    report.step_ms[step] = record["step_ms"]
+    if trainer.last_losses:
+        report.losses[step] = trainer.last_losses
+    if trainer.last_tokens:
+        report.tokens[step] = trainer.last_tokens
+
+
+def _report_replicas(report: RankReport, trainer: Trainer, stages: tuple[Stage, ...]) -> None:
+    """A replicated stage's digests (weights, buffers), combined statistics and the sync it ran."""
+    if stages[0].replicas == 1:
+        return
+    report.digest = weights_digest(trainer.module)
+    report.buffers = buffers_digest(trainer.module)
+    report.combined = {st.index: st.stats.buffers for st in trainer.stages if st.stats and st.stats.combines}
+    report.sync = sync_report(trainer.syncs[stages[0].index], stages[0])
+    report.more_sync = {s.index: ran for s in stages[1:] if (ran := sync_report(trainer.syncs[s.index], s)) is not None}
+
+
+def _summary(run: _Run, trainer: Trainer, reports: list, start: int, print_fn, events: list[dict]) -> dict:
+    """The job's summary from every rank's report (the survivors' plan after an in-place recovery):
+    written to the run directory and printed."""
+    cfg = run.cfg
+    summary = summarize(reports, trainer.plan, steps=cfg.steps, first_step=start, run_dir=str(run.run_dir),
+                        trace_dir=str(run.traces) if run.traces is not None else None, schedule=cfg.schedule,
+                        comm_mode=cfg.comm_mode, allreduce=cfg.allreduce, skipped=trainer.watch.skipped,
+                        precision=cfg.precision, reduce_dtype=cfg.reduce_dtype)
+    if cfg.checkpoint_dir or events:
+        summary["restarts"] = read_log(Path(cfg.checkpoint_dir)) if cfg.checkpoint_dir else events
+    write_json(Path(run.run_dir) / "summary.json", summary)
     print_fn(format_summary(summary))
     return summary
+
+
+def _recoverer(cfg: RunConfig, proc: Process, trainer: Trainer, guard: FailureGuard) -> Callable[..., dict]:
+    """``recover(error, phase)``: the in-place recovery of this rank after ``error`` (runtime/recovery.py)."""
+    recovery = Recovery(default_store(), namespace=guard.namespace, rank=proc.rank, world_size=proc.world_size,
+                        grace_s=min(guard.timeout, max(1.0, 3 * guard.interval)), wait_s=guard.timeout)
+    guard.recovery = recovery
+
+    def decide_here(reports: dict, lost: set, unreported: set) -> Decision:
+        return decide(trainer.plan, recovery.world_size, reports, lost, flushing=flushes(trainer.plan),
+                      unreported=unreported)
+
+    def recover(error: BaseException, phase: str) -> dict:
+        return recover_in_place(trainer, recovery, guard, phase=phase, error=error, decide=decide_here,
+                                backend=proc.backend, timeout_s=cfg.timeout)
+    return recover
+
+
+def _train_step(trainer: Trainer, drain: bool, recover: Callable[..., dict] | None) -> dict | None:
+    """One training step; with ``recover`` (--in-place), a peer's failure re-forms the job in place
+    and the step is redone (or, when every survivor had applied it, counted done). Returns the
+    recovery's event (with ``before_s``: seconds of the step before the recovery finished), if any."""
+    step, t0, event = trainer.step, time.perf_counter(), None
+    while True:
+        try:
+            trainer.train_step(drain=drain)
+            return event
+        except Exception as e:
+            if recover is None or suspect_of(e)[1] == "own":
+                raise
+            event = {**recover(e, STEP), "step": step, "before_s": time.perf_counter() - t0}
+            if trainer.step > step:
+                event["steps_redone"] = 0
+                return event
+            event["steps_redone"] = 1
+            t0 = time.perf_counter()
+
+
+def _renamed(report: RankReport, trainer: Trainer) -> RankReport:
+    """This rank's report under its rank, stage and replica in the re-formed world."""
+    stages = trainer.stage_plans
+    return replace(report, rank=trainer.proc.rank, stage=stages[0].index, replica=trainer.replica,
+                   more_stages=tuple(s.index for s in stages[1:]))
 
 
 def _evaluate(trainer: Trainer, held_out: MicroBatches | None, batches: int) -> float:

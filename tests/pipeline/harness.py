@@ -16,8 +16,9 @@ from hybridpipe.pipeline.chunks import rank_module
 from hybridpipe.pipeline.data import MicroBatches
 from hybridpipe.pipeline.engine import PipelineEngine
 from hybridpipe.pipeline.inprocess import InProcessGradSync, InProcessNetwork, ReplicaGroup, run_ranks
+from hybridpipe.pipeline.plancheck import build_stages
 from hybridpipe.pipeline.schedules import Topology
-from hybridpipe.pipeline.stage import PipelineStage, build_stages, captured_signature
+from hybridpipe.pipeline.stage import PipelineStage, captured_signature
 from hybridpipe.pipeline.tied import TiedSync, complete_tied, stage_tied_params, tied_ranks
 from hybridpipe.pipeline.tokens import TokenCounts
 from hybridpipe.profiles.capture import CapturedModel, call_args, capture_model, tied_parameters, training_switches
@@ -26,28 +27,32 @@ from hybridpipe.profiles.graphinfo import node_infos
 from hybridpipe.profiles.losses import label_counter
 from hybridpipe.profiles.zoo import ModelSpec, resolve_model
 from hybridpipe.runtime.parts import NoParameters
+from hybridpipe.runtime.scaler import LossScaler
 
 Observer = Callable[[int, int, PipelineStage], None]     # (rank, step, stage) after every step
 
 
-def capture(spec: ModelSpec, batch_size: int = 4, seed: int = 0, granularity: str = "blocks") -> CapturedModel:
-    """The spec's model built from ``seed`` and captured as every rank does it."""
+def capture(spec: ModelSpec, batch_size: int = 4, seed: int = 0, granularity: str = "blocks",
+            autocast: torch.dtype | None = None) -> CapturedModel:
+    """The spec's model built from ``seed`` and captured as every rank does it (under autocast to
+    ``autocast``, if given)."""
     torch.manual_seed(seed)
     module = spec.build()
     example = spec.example_input(batch_size, torch.Generator().manual_seed(seed))
-    return capture_model(module, example, granularity=granularity, leaf_modules=spec.leaf_modules)
+    return capture_model(module, example, granularity=granularity, leaf_modules=spec.leaf_modules, autocast=autocast)
 
 
 _CAPTURES: dict[tuple, CapturedModel] = {}
 
 
-def capture_copy(spec: ModelSpec, batch_size: int = 4, seed: int = 0, granularity: str = "blocks") -> CapturedModel:
-    """A deep copy of one capture per (model, batch size, seed, granularity), for tests that run
-    many pipelines of one model (capturing a Hugging Face model takes seconds): every copy is the
-    same fresh model, as separate captures on every rank are (tests/runtime runs those)."""
-    key = (spec.name, batch_size, seed, str(granularity))
+def capture_copy(spec: ModelSpec, batch_size: int = 4, seed: int = 0, granularity: str = "blocks",
+                 autocast: torch.dtype | None = None) -> CapturedModel:
+    """A deep copy of one capture per (model, batch size, seed, granularity, autocast), for tests
+    that run many pipelines of one model (capturing a Hugging Face model takes seconds): every copy
+    is the same fresh model, as separate captures on every rank are (tests/runtime runs those)."""
+    key = (spec.name, batch_size, seed, str(granularity), str(autocast))
     if key not in _CAPTURES:
-        _CAPTURES[key] = capture(spec, batch_size, seed, granularity)
+        _CAPTURES[key] = capture(spec, batch_size, seed, granularity, autocast)
     return copy.deepcopy(_CAPTURES[key])
 
 
@@ -62,14 +67,18 @@ def plan_tied(captured: CapturedModel, ranges: list[tuple[int, int]]) -> tuple[T
 def make_plan(model: str, cuts: list[int], replicas: list[int], *, schedule: str = "1f1b", micro_batches: int = 4,
               batch_size: int = 4, times: list[tuple[float, float]] | None = None, send_ms: float = 0.0,
               n_nodes: int | None = None, signature: str = "", granularity: str = "blocks",
-              shared_capture: bool = False, virtual_stages: int = 1, recompute: bool = False) -> Plan:
+              shared_capture: bool = False, virtual_stages: int = 1, recompute: bool = False,
+              autocast: torch.dtype | None = None) -> Plan:
     """A plan cutting ``model`` after the node ids in ``cuts`` (stage s ends at cuts[s]); ``n_nodes``
     and ``signature`` default to the captured model's (give others for a plan made for another graph).
     With ``virtual_stages`` V the cuts make p*V stages and ``replicas`` lists the p rank groups'
     replicas; the schedule's layout (schedule_registry) puts each stage on its group.
-    ``recompute``: every stage recomputes its activations in the backward."""
+    ``recompute``: every stage recomputes its activations in the backward. ``autocast``: plan on the
+    capture under autocast (the same blocks and signature as float32's; one capture for a test that
+    runs the plan in it with ``shared_capture``)."""
     spec = resolve_model(model)
-    captured = (capture_copy if shared_capture else capture)(spec, batch_size, granularity=granularity)
+    captured = (capture_copy if shared_capture else capture)(spec, batch_size, granularity=granularity,
+                                                             autocast=autocast)
     n_nodes = n_nodes or len(captured.blocks)
     signature = signature or captured_signature(captured)
     bounds = [-1, *cuts, n_nodes - 1]
@@ -115,7 +124,8 @@ def train_pipeline(plan: Plan, steps: int, *, lr: float = 0.05, seed: int = 0, o
                    drain_every: int | None = None, device: str = "cpu", dataset: Dataset | None = None,
                    shared_capture: bool = False, observe: Observer | None = None, tied_sync: bool = True,
                    step_results: dict | None = None, engine_class: type[PipelineEngine] = PipelineEngine,
-                   tokens: bool = False) -> tuple[dict[str, torch.Tensor], dict[int, list[float]]]:
+                   tokens: bool = False, autocast: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
+                   loss_scale: float | None = None) -> tuple[dict[str, torch.Tensor], dict[int, list[float]]]:
     """Train ``plan`` with one thread per rank (a rank of a plan with virtual stages runs all its
     chunks); returns the merged state dict (replica 0 of every stage, after checking the replicas
     agree bitwise) and the losses per step.
@@ -125,24 +135,30 @@ def train_pipeline(plan: Plan, steps: int, *, lr: float = 0.05, seed: int = 0, o
     ``tied_sync=False`` sums nothing across the copies of tied weights (to see them drift apart);
     ``step_results`` (a dict) receives every rank's list of StepResults; ``observe`` runs once per
     chunk of a rank; ``engine_class``: a PipelineEngine subclass (e.g. with hand-written lists);
-    ``tokens``: token-weighted loss (pipeline/tokens.py; the step totals summed over the threads)."""
+    ``tokens``: token-weighted loss (pipeline/tokens.py; the step totals summed over the threads).
+    ``autocast``: capture and compute under ``torch.autocast`` to that dtype (as the Trainer's
+    ``precision``); ``reduce_dtype``: the replicas sum their gradients in that dtype; ``loss_scale``:
+    fp16's dynamic loss scale from that initial scale (runtime/scaler.py, the Trainer's hooks: the
+    last stage scales each loss, each rank unscales its gradients, every rank agrees on overflow
+    and an overflowing step is skipped everywhere)."""
     spec = resolve_model(plan.model)
     topo = Topology.from_plan(plan)
     network = InProcessNetwork(timeout=60)
     groups = [ReplicaGroup(s.replicas) for s in plan.stages]
     tied_groups = {ranks: ReplicaGroup(len(ranks)) for ranks in {tied_ranks(plan, g) for g in plan.tied}}
-    world = ReplicaGroup(plan.world_size)           # the token totals' all-reduce
+    world = ReplicaGroup(plan.world_size)           # the token totals' and the loss scale's all-reduces
 
     def rank_fn(rank: int):
-        captured = (capture_copy if shared_capture else capture)(spec, plan.batch_size, seed, plan.granularity)
+        captured = (capture_copy if shared_capture else capture)(spec, plan.batch_size, seed, plan.granularity,
+                                                                 autocast)
         stages = [st.to(device) for st in build_stages(captured, plan, rank, loss=spec.loss)]
         module = rank_module([st.module for st in stages])      # every chunk's parameters (virtual stages)
         replica = plan.stages_of_rank(rank)[1]
         held = stage_tied_params(plan, [st.index for st in stages], captured.module)
         tied = TiedSync([(params, _summer(tied_groups[ranks], ranks.index(rank)) if tied_sync else _no_sum)
                          for ranks, params in held.items()])
-        syncs = {st.index: InProcessGradSync(st.module, groups[st.index], replica, exclude=tied.params)
-                 for st in stages}
+        syncs = {st.index: InProcessGradSync(st.module, groups[st.index], replica, exclude=tied.params,
+                                             wire_dtype=reduce_dtype) for st in stages}
         counts = None
         if tokens:
             def total(part: torch.Tensor) -> torch.Tensor:
@@ -150,9 +166,10 @@ def train_pipeline(plan: Plan, steps: int, *, lr: float = 0.05, seed: int = 0, o
                 return part
             counts = TokenCounts(total, count_input=label_counter(captured.module) if spec.loss is None else None)
         engine = engine_class(stages, topo, rank, plan.kind, transport=network.transport(rank),
-                                optimizer=make_optimizer(module.parameters(), lr, optimizer),
-                                data=data_for(plan, steps, dataset=dataset), sync=syncs, tied=tied if held else None,
-                                tokens=counts)
+                              optimizer=make_optimizer(module.parameters(), lr, optimizer),
+                              data=data_for(plan, steps, dataset=dataset), sync=syncs, tied=tied if held else None,
+                              tokens=counts, autocast=autocast,
+                              **_scaling(loss_scale, module, lambda t: world.all_reduce_sum(rank, [t])))
 
         def run():
             losses = {}
@@ -220,6 +237,27 @@ def model_loss(spec: ModelSpec, model: torch.nn.Module, x, y) -> torch.Tensor:
     args, kwargs = call_args(x)
     out = model(*args, **kwargs, **training_switches(model))
     return spec.loss(out, y) if spec.loss is not None else out.loss
+
+
+def _scaling(init_scale: float | None, module: torch.nn.Module,
+             total: Callable[[torch.Tensor], None]) -> dict[str, Callable]:
+    """The engine's ``loss_scale`` and ``before_step`` for fp16 as the Trainer's (a LossScaler whose
+    verdict is the sum of every rank's overflow flag); nothing for None."""
+    if init_scale is None:
+        return {}
+    scaler = LossScaler(init_scale)
+
+    def before_step() -> bool:
+        bad = torch.zeros(1)
+        with torch.no_grad():
+            for p in module.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(1.0 / scaler.scale)
+                    bad = torch.maximum(bad, (~torch.isfinite(p.grad)).any().float())
+        total(bad)
+        scaler.update(bool(bad.item() > 0))
+        return not bad.item() > 0
+    return {"loss_scale": lambda: scaler.scale, "before_step": before_step}
 
 
 def _no_sum(flat: torch.Tensor) -> None:

@@ -12,8 +12,8 @@ import torch
 from hybridpipe.partitioner.schedule_registry import get_schedule
 from hybridpipe.pipeline.engine import PipelineEngine
 from hybridpipe.pipeline.inprocess import InProcessNetwork, run_ranks
+from hybridpipe.pipeline.plancheck import build_stage
 from hybridpipe.pipeline.schedules import Topology
-from hybridpipe.pipeline.stage import build_stage
 from hybridpipe.profiles.zoo import resolve_model
 from tests.pipeline.harness import (
     capture,

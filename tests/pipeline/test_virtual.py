@@ -32,8 +32,8 @@ from hybridpipe.pipeline.instructions import (
     SyncStart,
     SyncWait,
 )
+from hybridpipe.pipeline.plancheck import build_stages
 from hybridpipe.pipeline.schedules import Topology
-from hybridpipe.pipeline.stage import build_stages
 from hybridpipe.profiles.zoo import resolve_model
 from tests.pipeline.harness import (
     capture,

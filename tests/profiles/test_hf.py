@@ -10,12 +10,11 @@ import torch
 
 from hybridpipe.cli import main
 from hybridpipe.partitioner.plan import load_plan
-from hybridpipe.pipeline.stage import check_captured_plan
+from hybridpipe.pipeline.plancheck import check_plan
 from hybridpipe.profiles.capture import tied_parameters, training_switches
 from hybridpipe.profiles.format import load_profile
 from hybridpipe.profiles.graphinfo import node_infos
 from hybridpipe.profiles.zoo import resolve_model
-from hybridpipe.runtime.parts import check_tied
 from tests.pipeline.harness import capture_copy
 from tests.pipeline.hf_models import BY_NAME, CASES, QWEN2, Case
 
@@ -102,8 +101,7 @@ def check_profile_and_plans(tmp_path, case: Case, capsys):
         (group,) = plan.tied                       # the embedding (stage 0) and the head (last stage) apart
         assert group.param == case.tied and group.stages[0] == 0 and group.stages[-1] == stages - 1
         assert group.bytes == model.get_parameter(case.tied).numel() * 4 and group.predicted_ms > 0
-        check_captured_plan(captured, plan)        # the runtime's checks accept the plan
-        check_tied(captured, plan)
+        check_plan(captured, plan)                 # the runtime's checks accept the plan
 
 
 def test_gpt2_profile_records_the_tied_head_and_partition_writes_tied_groups(tmp_path, capsys):

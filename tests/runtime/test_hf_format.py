@@ -209,8 +209,8 @@ def test_hf_directory_is_read_a_stage_at_a_time_with_from_pretrained_values(tmp_
 
 def test_init_from_safetensors_into_a_model_built_whole(tmp_path):
     plan = make_plan("mlp", [3], [1, 1], batch_size=4)
-    model = build_model(resolve_model("mlp"), plan, seed=0)
-    assert model.weights is None
+    model = build_model(resolve_model("mlp"), plan, seed=0, whole=True)
+    assert model.weights is None and model.recipe is None
     other = perturbed(resolve_model("mlp").build(), seed=4)
     save_safetensors(other.state_dict(), tmp_path / "start.safetensors")
     model.start_from(str(tmp_path / "start.safetensors"))

@@ -92,3 +92,19 @@ def test_launch_runs_the_plans_precision_unless_told_otherwise(tmp_path):
     base = ["--plan", str(tmp_path / "plan.json"), "--run-dir", str(tmp_path / "run")]
     assert resolve(build_parser().parse_args(base), 2).precision == "bf16"
     assert resolve(build_parser().parse_args(base + ["--precision", "fp32"]), 2).precision == "fp32"
+    assert resolve(build_parser().parse_args(base), 2).reduce_dtype == "fp32"           # as DDP under autocast
+    assert resolve(build_parser().parse_args(base + ["--reduce-dtype", "bf16"]), 2).reduce_dtype == "bf16"
+
+
+def test_a_model_captured_for_another_precision_is_refused_in_one_line(tmp_path):
+    """The Trainer's graph must be captured under the autocast it runs in (a float32 capture stops at
+    torch.export's dtype checks at the first forward): refused before any process group forms."""
+    from hybridpipe.runtime.parts import build_model
+    from hybridpipe.runtime.trainer import Trainer
+
+    plan = make_plan("mlp", [3], [1, 1], micro_batches=2, batch_size=4)
+    model = build_model(resolve_model("mlp"), plan, seed=0)
+    with pytest.raises(UserError, match="captured for fp32 but the trainer runs bf16"):
+        Trainer(model, plan, precision="bf16")
+    with pytest.raises(UserError, match="unknown reduce_dtype"):
+        Trainer(model, plan, reduce_dtype="fp8")

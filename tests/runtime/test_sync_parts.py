@@ -13,6 +13,7 @@ from hybridpipe.errors import UserError
 from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.cost.syncunits import LayerSync
 from hybridpipe.partitioner.plan import Stage
+from hybridpipe.pipeline.plancheck import check_sync_layers
 from hybridpipe.runtime.summary import RankReport, sync_line, sync_summary
 from hybridpipe.runtime.sync import describe_override, override_layers, stage_layers, unit_choices
 from tests.partitioner.synth import flat_cluster
@@ -49,9 +50,9 @@ def test_the_plans_units_are_the_units_that_run():
 def test_layers_that_do_not_cover_the_stage_are_refused():
     lv = planned()
     with pytest.raises(UserError, match="the plan's layers do not sync parameter '3.bias'"):
-        stage_layers(stage(lv[:2] + (dataclasses.replace(lv[2], params=("3.weight",)),)), stage_module(), MODEL)
+        check_sync_layers(stage(lv[:2] + (dataclasses.replace(lv[2], params=("3.weight",)),)), stage_module())
     with pytest.raises(UserError, match="the plan syncs parameter 'x.weight', which the stage does not have"):
-        stage_layers(stage(lv + (LayerSync("x", ("x.weight",), 4, "ring"),)), stage_module(), MODEL)
+        check_sync_layers(stage(lv + (LayerSync("x", ("x.weight",), 4, "ring"),)), stage_module())
 
 
 def test_without_layers_the_stage_gets_what_partition_would_write():

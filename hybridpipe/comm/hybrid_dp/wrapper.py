@@ -256,6 +256,19 @@ class HybridDataParallel(nn.Module):
             lane.close()
             reducer.close()
 
+    def abandon(self) -> None:
+        """Stop syncing without waiting (the group's connections were cut, a peer is gone): the
+        hooks are removed, all-reduces in flight forgotten, the lanes' threads end after their
+        current job."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self._pending.clear()
+        self._ready.clear()
+        self._buffers_sent = None
+        for lane, _ in self._lanes:
+            lane.close(timeout=0)
+
     def sum_replicas(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` in place across the group, as it is (no wire dtype), after what is in
         flight (on the lane, in order with the gradient all-reduces; e.g. batch statistics)."""

@@ -165,6 +165,14 @@ class Channels:
                 log.warning("rank %d: %d message(s) from rank %d never received: %s",
                             self.rank, len(left), peer, ", ".join(left[:8]))
 
+    def abandon(self) -> None:
+        """Stop using these channels without waiting for anything (their connections were cut, or
+        the peer is gone): every link is asked to close, nothing is flushed or joined; the
+        threads end as their next operation fails."""
+        self._closed = True
+        for link in self._links.values():
+            link.request_close()
+
     def __enter__(self) -> Channels:
         return self
 

@@ -67,6 +67,7 @@ class _Group:
         self.levels = levels = len(cluster.levels)
         self.spans = np.array([cluster.span(k) for k in range(levels)], dtype=np.int64)
         self.units = self.g[:, None] // self.spans[None, :]                  # [pos, level]
+        self.cols = [self.units[:, k].copy() for k in range(levels)]          # per level, contiguous
         below = np.concatenate([[1], self.spans[:-1]])                        # ranks behind one link
         linkunit = self.g[:, None] // below[None, :]
         self.link = np.zeros((n, levels), dtype=np.int64)                   # local link id of pos at level
@@ -85,7 +86,11 @@ class _Group:
 
     def level(self, p: np.ndarray, q: np.ndarray) -> np.ndarray:
         """Innermost level whose units hold both positions (elementwise)."""
-        return self.levels - (self.units[p] == self.units[q]).sum(axis=1)
+        out = np.zeros(len(p), dtype=np.int64)          # units nest: the levels whose units differ
+        for k in range(self.levels):
+            col = self.cols[k]
+            out += col[p] != col[q]
+        return out
 
     def seqsum(self, part: float, count: np.ndarray) -> np.ndarray:
         """``part`` added ``count`` times (count <= n), one at a time from 0.0 (a link's sum in ``np.bincount``)."""

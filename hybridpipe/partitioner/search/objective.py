@@ -50,6 +50,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.cost.layersync import StageSync, choose_layer_algorithms
@@ -161,8 +163,18 @@ def overhead_ms(optimizer_ms, weights, p2p_bytes, replicas: int, k: int, syncs: 
 
 
 def transfer_level(model: CostModel, ranks: Sequence[int], peers: Sequence[int]) -> int:
-    """max over ranks p of min over peers q of level(p, q)."""
-    return max(min(model.level_between(p, q) for q in peers) for p in ranks)
+    """max over ranks p of min over peers q of level(p, q).
+
+    The innermost level at which p's unit holds some peer, largest over p: per level, which ranks'
+    units hold a peer (O((|ranks| + |peers|) levels), not O(|ranks| |peers|) level look-ups)."""
+    mine, theirs = np.asarray(ranks, dtype=np.int64), np.asarray(peers, dtype=np.int64)
+    level = np.full(len(mine), -1)
+    for k in range(len(model.cluster.levels)):
+        span = model.cluster.span(k)
+        level[(level < 0) & np.isin(mine // span, theirs // span)] = k
+    if len(mine) == 0 or len(theirs) == 0 or (level < 0).any():      # empty, or a rank outside the cluster
+        return max(min(model.level_between(p, q) for q in peers) for p in ranks)
+    return int(level.max())
 
 
 def busiest_share(model: CostModel, ranks: Sequence[int], level: int) -> float:

@@ -23,7 +23,7 @@ values, and therefore the ties between plans, are bit for bit the same):
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -87,6 +87,7 @@ class StageTerms:
         self._sync_ub = self._ring_bounds()
         self._sync: dict[tuple[int, int], np.ndarray] = {}
         self._lane: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+        self._floor_lanes: dict[tuple[int, int], tuple[tuple[np.ndarray, np.ndarray], float]] = {}
         self.priced = 0                   # block shapes whose all-reduces were priced (for the benchmark)
 
     # ---- the term --------------------------------------------------------------------------
@@ -145,7 +146,16 @@ class StageTerms:
                 work = work + (1 - self.share) * np.where(rc, fwd, 0.0)
         work = work + extra
         xfer = m_b * self._transfer(i, j, x, y)
-        exposed = self._exposed(c, r, work, xfer, useful)
+
+        def lower(index: np.ndarray, e_low: np.ndarray) -> np.ndarray:
+            """The term of candidates ``index`` with an exposed sync of ``e_low`` (<= E) instead of E."""
+            if self.flushed:
+                low = work[index] + np.maximum(0.0, e_low - self.gap[i])
+            else:
+                low = k[index] * (fb[index] + e_low) + extra[index]
+            return np.maximum(low, xfer[index]) * (1 - SAFETY)
+
+        exposed = self._exposed(c, r, work, xfer, useful, lower)
         if self.flushed:
             busy = work + np.maximum(0.0, exposed - self.gap[i])
         else:
@@ -194,22 +204,24 @@ class StageTerms:
 
     # ---- the sync ----------------------------------------------------------------------------
     def _exposed(self, c: Candidates, r: np.ndarray, work: np.ndarray, xfer: np.ndarray,
-                 useful: Useful | None) -> np.ndarray:
+                 useful: Useful | None, lower: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> np.ndarray:
         """E per candidate: 0 without replicas or parameters, and where it provably hides in the gap;
-        nan where it would need pricing but ``useful`` says the candidate cannot matter."""
+        nan where it would need pricing but ``useful`` says the candidate cannot matter, even with
+        the least sync its block can have (``lower(index, e_low)``: the term with a smaller E)."""
         i, j = c.i, c.j
         exposed = np.zeros(len(j))
         count = self.pcount[j + 1] - self.pcount[i]
         need = (r > 1) & (count > 0) & np.isfinite(work)
+        top = self.level_between(c.x, (self.copies - 1) * self.wc + c.y - 1)
         if self.flushed and need.any():
             a, per_byte = self._sync_ub[0][c.y - c.x], self._sync_ub[1][c.y - c.x]
-            top = self.level_between(c.x, (self.copies - 1) * self.wc + c.y - 1)
             bound = (a[np.arange(len(j)), top] * count + per_byte[np.arange(len(j)), top]
                      * (self.pp[j + 1] - self.pp[i])) * 1e3
             need &= bound * (1 + SAFETY) + 1e-6 + SAFETY * self.gap[i] > self.gap[i]
         if need.any() and useful is not None:
             index = np.nonzero(need)[0]
-            idle = index[~useful(index, np.maximum(work[index], xfer[index]))]
+            floor = self._exposure_floor(i, j[index], c.x[index], c.y[index], top[index])
+            idle = index[~useful(index, lower(index, floor))]
             exposed[idle] = np.nan
             need[idle] = False
         if not need.any():
@@ -246,6 +258,30 @@ class StageTerms:
             lane = self._lane[key] = lane_terms(self.sync_ms(offset, size), self.costs.backward_ms,
                                                 self.costs.forward_ms)
         return lane_row(lane, self.pb[i] + self.pf[i], i)
+
+    def _exposure_floor(self, i: int, j: np.ndarray, x: np.ndarray, y: np.ndarray, top: np.ndarray) -> np.ndarray:
+        """A lower bound of E(i, j) on the blocks x..y-1 (all copies; they span level ``top``), elementwise."""
+        below = np.concatenate([[1], self.spans])[top]                    # the units a level-top link serves
+        units = self.copies * ((y - 1) // below - x // below + 1)
+        keys = top * (self.copies * self.wc + 1) + units
+        out = np.zeros(len(j))
+        row_start = self.pb[i] + self.pf[i]
+        for key in np.unique(keys):
+            lv, m = divmod(int(key), self.copies * self.wc + 1)
+            lane = self._floor_lanes.get((lv, m))
+            if lane is None:
+                sync = sync_floor(self.model, lv, m, self.opts.algorithms, self.costs.param_bytes)
+                # rounding slack: the exact lane's prefix sums reach at most the ring bound's total
+                most = (self._sync_ub[0][self.wc, lv] * self.pcount[-1] + self._sync_ub[1][self.wc, lv]
+                        * self.pp[-1]) * 1e3
+                if not np.isfinite(most):                     # no ring bound to scale by: no floor
+                    sync, most = np.zeros(len(sync)), 0.0
+                scale = SAFETY * (most + sync.sum() + self.pb[-1] + self.pf[-1])
+                lane = self._floor_lanes[lv, m] = (lane_terms(sync, self.costs.backward_ms,
+                                                              self.costs.forward_ms), scale)
+            sel = keys == key
+            out[sel] = np.maximum(0.0, lane_row(lane[0], row_start, i)[j[sel] - i] - lane[1])
+        return out
 
     def _ring_bounds(self) -> tuple[np.ndarray, np.ndarray]:
         """Upper bound of every node's sync for each block size and outermost level spanned.
@@ -294,3 +330,32 @@ def lane_row(lane: tuple[np.ndarray, np.ndarray], start: float, i: int) -> np.nd
     """
     h, d = lane
     return np.maximum(0.0, start + np.maximum.accumulate(h[i:] - np.minimum.accumulate(d[i:])))
+
+
+def sync_floor(model: CostModel, top: int, units: int, algorithms: Sequence[str],
+               param_bytes: np.ndarray) -> np.ndarray:
+    """Each node's all-reduce time (ms) is at least this on a group spanning level ``top`` over ``units``
+    units of level ``top - 1`` (ranks, at level 0).
+
+    Take one element of the vector. Every unit needs the sum of every unit's part, so the messages
+    carrying it between units form a one-way gossip among the ``units`` units, which takes at least
+    ``2 (units - 1)`` messages (the first unit to know the sum needs one from each other unit; each
+    other unit then needs one more): at least ``2 (units - 1) S`` bytes cross level-``top`` links, each
+    on its sender's outgoing and its receiver's incoming link, so one of the ``2 units``
+    link-directions carries ``2 (units - 1) / units S`` over the whole all-reduce (``S`` with the
+    dedicated aggregator, a process outside every unit that each unit's part goes to and comes
+    from). A round costs at least its busiest level-``top`` load times that level's beta, at least
+    one round holds a level-``top`` message (its alpha), rounds add up and reductions cost >= 0: a
+    line is at least ``alpha_top + beta_top share S`` (the smallest over the allowed algorithms'
+    fits), times the overlap slowdown and the refined size factor, as ``CostModel.fast_lines`` and
+    ``StageTerms.sync_ms``. Zero where a fit is negative (the rounds would not add up) or below two units.
+    """
+    fits = [model.link(lv, a) for a in algorithms for lv in range(len(model.cluster.levels))]
+    if units < 2 or not algorithms or min(min(f.alpha_s, f.beta_s_per_byte) for f in fits) < 0 or model.gamma < 0:
+        return np.zeros(len(param_bytes))
+    share = 1.0 if "aggregator" in algorithms and model.aggregator_dedicated else 2 * (units - 1) / units
+    alpha = min(model.link(top, a).alpha_s for a in algorithms)
+    beta = min(model.link(top, a).beta_s_per_byte for a in algorithms)
+    line = alpha * model.overlap_slowdown + beta * share * model.overlap_slowdown * param_bytes
+    line = line * model.allreduce_factor(param_bytes) * (1 - SAFETY)
+    return np.where(param_bytes > 0, line * 1e3, 0.0)
