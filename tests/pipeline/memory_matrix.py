@@ -36,6 +36,10 @@ FAMILIES = {     # name: (spec, cuts of 4 stages)
     "convnext": ("tests.pipeline.memory_models:hf_convnext", [0, 1, 2]),
 }
 
+FULL_SIZE = {    # not in the tests (a minute to profile): benchmarks/memory_prediction.py --families gpt2-124m
+    "gpt2-124m": ("hf:gpt2[seq=256]", [5, 10, 14]),       # the last stage: ln_f, lm_head (tied), 50k logits, loss
+}
+
 
 @dataclass(frozen=True)
 class StageMemory:
@@ -51,7 +55,7 @@ class StageMemory:
 
 def measure(family: str, schedule: str, optimizer: str) -> list[StageMemory]:
     """Per stage of ``family`` on 4 stages: the meter's peak and the partitioner's prediction."""
-    spec, cuts = FAMILIES[family]
+    spec, cuts = {**FAMILIES, **FULL_SIZE}[family]
     torch.manual_seed(0)
     costs = model_costs(profile_model(resolve_model(spec), batch_size=BATCH, repeats=1, warmup=0, progress=False))
     plan = make_plan(spec, cuts, [1] * (len(cuts) + 1), schedule=schedule, micro_batches=MICRO_BATCHES,
