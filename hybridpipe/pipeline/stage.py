@@ -36,6 +36,7 @@ from hybridpipe.profiles.capture import CapturedModel, own_loss
 from hybridpipe.profiles.cut import StageBoundary, stage_boundaries, stage_graph_module
 from hybridpipe.profiles.evalmode import eval_graph
 from hybridpipe.profiles.format import graph_signature
+from hybridpipe.profiles.gradflow import grad_values
 from hybridpipe.profiles.graphinfo import graph_edges, node_infos
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -45,7 +46,7 @@ LossFn = Callable[[Any, Any], torch.Tensor]
 class Activation:
     """What one micro-batch's forward left on a stage for its backward."""
 
-    inputs: dict[str, torch.Tensor]               # the stage's inputs (leaves; float ones require grad)
+    inputs: dict[str, torch.Tensor]               # the stage's inputs (leaves; those that may carry a grad require it)
     outputs: dict[str, torch.Tensor] = field(default_factory=dict)   # named tensors for the next stage
     output: Any = None                            # the model's output (last stage)
     loss: torch.Tensor | None = None              # the micro-batch's mean loss (last stage)
@@ -83,6 +84,8 @@ class PipelineStage:
         self.captured = captured
         self.loss_fn = loss
         self._eval_module: fx.GraphModule | None = None
+        carrying = grad_values(captured.graph)     # received values that may need a gradient (None: any float)
+        self._grad_inputs = None if carrying is None else frozenset(carrying)
         self._plain_graph: fx.Graph | None = None       # the model's own calls, for evaluation
         self.stats: RunningStats | None = None
         writes = buffer_writes(module) if replicas > 1 or recompute else []
@@ -116,6 +119,12 @@ class PipelineStage:
         for t in (*self.module.parameters(), *self.module.buffers()):
             return t.device
         return torch.device("cpu")
+
+    def _needs_grad(self, key: str) -> bool:
+        """Whether the received tensor ``key`` (a value, or a leaf ``value.i`` of one: values.py) may
+        carry a gradient: values made from inputs and buffers alone (rotary cos/sin, masks) do not
+        (profiles/gradflow.py), so the stage neither keeps nor computes nor sends one for them."""
+        return self._grad_inputs is None or key.split(".")[0] in self._grad_inputs
 
     def data_inputs(self, batch: Any) -> dict[str, torch.Tensor]:
         """Stage 0: one batch as the data gives it (tensor, tuple or dict) -> its named input tensors."""
@@ -158,7 +167,7 @@ class PipelineStage:
         (running statistics are updated once, by this call: batch_stats.py). ``micro_batch``: its
         number over the run, which orders a replicated stage's statistics (default: calls so far).
         """
-        leaves = {k: _leaf(t, grad=not self.is_first) for k, t in inputs.items()}
+        leaves = {k: _leaf(t, grad=not self.is_first and self._needs_grad(k)) for k, t in inputs.items()}
         values = unpack(_unleafed(leaves, self.device), self.input_names)
         args = tuple(values[name] for name in self.input_names)
 

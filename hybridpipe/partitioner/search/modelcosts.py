@@ -17,6 +17,11 @@ inputs, its outputs and the loss's (``kept_bytes``), and rebuilds the rest of on
 time in the backward (``rerun_bytes``: the rest, plus the outputs its nodes save, which the rerun
 makes anew beside the ones kept, less the loss's, which the loss's backward has freed by then).
 All three are n x n tables (``stash_table``): what the partitioner's solvers read.
+
+Weights of a stage i..j (``weight_bytes``, the table ``weight_table``): the parameters its nodes
+own, plus a copy of every tied parameter (an embedding shared with the LM head) that one of its
+nodes reads and an earlier stage owns: each stage that reads a tied weight holds it, its gradient
+and its optimizer state (pipeline/tied.py), so a head stage pays for the whole embedding.
 """
 
 from __future__ import annotations
@@ -49,6 +54,8 @@ class ModelCosts:
     stash: np.ndarray | None = None
     kept: np.ndarray | None = None
     rerun: np.ndarray | None = None
+    # per tied parameter: (its bytes, the node that owns it, the other nodes that read it)
+    tied: tuple[tuple[float, int, tuple[int, ...]], ...] = ()
 
     @property
     def cut_ok(self) -> np.ndarray:
@@ -81,6 +88,23 @@ class ModelCosts:
             return float(self.stash[i, j])
         per_node = self.saved_bytes if self.saved_bytes is not None else self.activation_bytes
         return float(per_node[i:j + 1].sum() + (self.cut_bytes[i - 1] if i > 0 else 0))
+
+    def weight_bytes(self, i: int, j: int) -> float:
+        """Parameter bytes stage i..j holds: its nodes' own and its copies of tied ones (module docstring)."""
+        copies = sum(size for size, owner, readers in self.tied if owner < i and any(i <= r <= j for r in readers))
+        return float(self.param_bytes[i:j + 1].sum()) + copies
+
+    def weight_table(self) -> np.ndarray:
+        """``weight_bytes`` as an n x n table, [i, j] for stage i..j (upper triangle)."""
+        p = self.prefix(self.param_bytes)
+        table = p[None, 1:] - p[:-1, None]
+        rows, cols = np.arange(self.n)[:, None], np.arange(self.n)[None, :]
+        for size, owner, readers in self.tied:      # stage i..j with owner < i and a reader in i..j: one copy
+            reads = np.zeros((self.n, self.n), dtype=bool)
+            for r in readers:
+                reads |= (rows <= r) & (r <= cols)
+            table = table + np.where(reads & (rows > owner), size, 0.0)
+        return np.where(cols >= rows, table, 0.0)
 
     def kept_bytes(self, i: int, j: int) -> float:
         """The same for a recomputing stage: its inputs, outputs and the loss's (module docstring)."""
@@ -144,8 +168,19 @@ def model_costs(profile: Profile) -> ModelCosts:
                  ("adamw", profile.totals.adam_step_ms)),        # the same element-wise work as adam
         saved_bytes=saved if saved.any() else None,
         cut_blockers=tuple(nd.cut_blocker or "" for nd in profile.nodes),
-        stash=tables[0], kept=tables[1], rerun=tables[2],
+        stash=tables[0], kept=tables[1], rerun=tables[2], tied=tied_reads(profile),
     )
+
+
+def tied_reads(profile: Profile) -> tuple[tuple[float, int, tuple[int, ...]], ...]:
+    """Every parameter some node reads that an earlier node owns: (bytes, owner, readers)."""
+    owner = {name: nd.id for nd in profile.nodes for name in nd.params}
+    found: dict[str, tuple[float, int, list[int]]] = {}
+    for nd in profile.nodes:
+        for name, size in zip(nd.shared, nd.shared_bytes, strict=False):
+            if name in owner:
+                found.setdefault(name, (float(size), owner[name], []))[2].append(nd.id)
+    return tuple((size, o, tuple(readers)) for size, o, readers in found.values())
 
 
 def stash_tables(profile: Profile, saved: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -139,10 +139,11 @@ def inflight_micro_batches(schedule: Schedule, k: int, workers_after: int, repli
 
 
 def memory_bytes(costs: ModelCosts, i: int, j: int, inflight: int, opts: Options, recompute: bool = False) -> float:
-    """Peak bytes per worker of stage i..j (see the module docstring; activations: ``modelcosts.py``).
+    """Peak bytes per worker of stage i..j (see the module docstring; activations and the weights,
+    tied copies included: ``modelcosts.py``).
     A recomputing stage keeps only each in-flight micro-batch's inputs and outputs (and the loss's),
     plus what one micro-batch's rerun of its forward rebuilds (``ModelCosts.rerun_bytes``)."""
-    weights = float(costs.param_bytes[i:j + 1].sum())
+    weights = costs.weight_bytes(i, j)        # its own parameters and its copies of tied ones
     versions = opts.schedule.weight_versions(inflight)
     stash = costs.stash_bytes(i, j)
     if recompute:

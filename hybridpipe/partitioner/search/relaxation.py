@@ -51,7 +51,7 @@ class _Tables:
         self.free = np.nonzero(per_k <= 0)                # the term does not grow with k there
         with np.errstate(divide="ignore"):
             self.inv = np.where(per_k > 0, (1 + SAFETY) / per_k, 0.0)
-        weights = t.pp[None, 1:] - t.pp[:-1, None]
+        weights = t.weights
         stash = t.stash
         room = opts.memory_bytes * (1 + SAFETY) + SAFETY - weights * (2 + OPTIMIZER_STATES[opts.optimizer])
         self.ok = np.triu(np.ones((n, n), dtype=bool)) & t.cut_ok[None, :] & ~(room < stash)

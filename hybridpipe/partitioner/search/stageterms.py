@@ -73,7 +73,8 @@ class StageTerms:
         self.p2p_in, self.p2p_out = (self.a_in + self.g_out) / 2, (self.a_out + self.g_in) / 2
         self.cut_ok = costs.cut_ok
         self.param_nodes = costs.param_bytes > 0
-        self.most_weights = float(costs.param_bytes.sum())
+        self.weights = costs.weight_table()             # [i, j]: its parameters and tied copies (modelcosts.py)
+        self.most_weights = float(self.weights.max(initial=0.0))
         self.stash, self.kept, self.rerun = costs.stash_table()      # [i, j] per micro-batch (modelcosts.py)
         # the most one micro-batch can add to a stage, with or without recomputation
         self.most_stash = float(np.maximum(self.stash, self.kept + self.rerun).max(initial=0.0))
@@ -120,7 +121,7 @@ class StageTerms:
         fwd = self.pf[j + 1] - self.pf[i]
         back = self.pb[j + 1] - self.pb[i]
         fb = fwd + back
-        weights = self.pp[j + 1] - self.pp[i]
+        weights = self.weights[i, j]
         stash, kept, rerun = self.stash[i, j], self.kept[i, j], self.rerun[i, j]
         rc = np.full(len(j), opts.recompute == "all")       # the stage reruns its forward in backward
         overflow = static * self.most_weights + self.most_stash * inflight > opts.memory_bytes
