@@ -186,7 +186,11 @@ def output_path(text: str) -> str:
     """An argparse type: a file or a directory (which one is decided later, e.g. by ``--format``)
     that can be written: an existing directory files can be created in, or a file path."""
     try:
-        if Path(text).is_dir():
+        try:
+            is_dir = Path(text).is_dir()
+        except OSError:             # a name too long: check_output_file says so
+            is_dir = False
+        if is_dir:
             check_output_dir(text)
         else:
             check_output_file(text)
