@@ -42,14 +42,18 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from hybridpipe.runtime.config import RunConfig, flushes
 from hybridpipe.runtime.connections import cut_connections, store_port
-from hybridpipe.runtime.failure import EXIT_PEER_LOST, FailureGuard, describe_ranks
-from hybridpipe.runtime.inplace import IN_PLACE, Decision, shrink_plan
+from hybridpipe.runtime.failure import EXIT_PEER_LOST, FailureGuard, default_store, describe_ranks, suspect_of
+from hybridpipe.runtime.groups import Process
+from hybridpipe.runtime.inplace import IN_PLACE, STEP, Decision, decide, shrink_plan
+from hybridpipe.runtime.summary import RankReport
 
 log = logging.getLogger(__name__)
 POLL_S = 0.02
@@ -171,3 +175,46 @@ def recover_in_place(trainer: Any, recovery: Recovery, guard: FailureGuard, *, p
             "world_size_after": len(decision.survivors), "failure_detected_at": round(detected, 3),
             "steps_done": decision.steps, "agree_s": round(agreed - max(t0, detected), 3),
             "reform_s": round(time.time() - agreed, 3), "detected_to_reformed_s": round(time.time() - detected, 3)}
+
+
+def recoverer(cfg: RunConfig, proc: Process, trainer: Any, guard: FailureGuard) -> Callable[..., dict]:
+    """``recover(error, phase)``: the in-place recovery of this rank after ``error`` (runtime/recovery.py)."""
+    recovery = Recovery(default_store(), namespace=guard.namespace, rank=proc.rank, world_size=proc.world_size,
+                        grace_s=min(guard.timeout, max(1.0, 3 * guard.interval)), wait_s=guard.timeout)
+    guard.recovery = recovery
+
+    def decide_here(reports: dict, lost: set, unreported: set) -> Decision:
+        return decide(trainer.plan, recovery.world_size, reports, lost, flushing=flushes(trainer.plan),
+                      unreported=unreported)
+
+    def recover(error: BaseException, phase: str) -> dict:
+        return recover_in_place(trainer, recovery, guard, phase=phase, error=error, decide=decide_here,
+                                backend=proc.backend, timeout_s=cfg.timeout)
+    return recover
+
+
+def train_step_recovering(trainer: Any, drain: bool, recover: Callable[..., dict] | None) -> dict | None:
+    """One training step; with ``recover`` (--in-place), a peer's failure re-forms the job in place
+    and the step is redone (or, when every survivor had applied it, counted done). Returns the
+    recovery's event (with ``before_s``: seconds of the step before the recovery finished), if any."""
+    step, t0, event = trainer.step, time.perf_counter(), None
+    while True:
+        try:
+            trainer.train_step(drain=drain)
+            return event
+        except Exception as e:
+            if recover is None or suspect_of(e)[1] == "own":
+                raise
+            event = {**recover(e, STEP), "step": step, "before_s": time.perf_counter() - t0}
+            if trainer.step > step:
+                event["steps_redone"] = 0
+                return event
+            event["steps_redone"] = 1
+            t0 = time.perf_counter()
+
+
+def renamed_report(report: RankReport, trainer: Any) -> RankReport:
+    """This rank's report under its rank, stage and replica in the re-formed world."""
+    stages = trainer.stage_plans
+    return replace(report, rank=trainer.proc.rank, stage=stages[0].index, replica=trainer.replica,
+                   more_stages=tuple(s.index for s in stages[1:]))

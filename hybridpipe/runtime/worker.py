@@ -19,7 +19,7 @@ import sys
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,15 +31,14 @@ from hybridpipe.partitioner.plan import Stage, save_plan
 from hybridpipe.pipeline import MicroBatches
 from hybridpipe.profiles.capture import tied_parameters
 from hybridpipe.runtime.agents import release_exit_barrier
-from hybridpipe.runtime.config import RunConfig, flushes
+from hybridpipe.runtime.config import RunConfig
 from hybridpipe.runtime.dirlock import DirLock, Holder
 from hybridpipe.runtime.failure import EXIT_PEER_LOST, FailureGuard, default_store, describe_ranks, suspect_of
 from hybridpipe.runtime.groups import Process, init_distributed
-from hybridpipe.runtime.inplace import STEP, Decision, decide
 from hybridpipe.runtime.lr import lr_schedule
 from hybridpipe.runtime.metrics import MetricsWriter, Progress, step_record
 from hybridpipe.runtime.parts import Model, buffers_digest, load_model, make_data, make_eval_data, weights_digest
-from hybridpipe.runtime.recovery import Recovery, recover_in_place
+from hybridpipe.runtime.recovery import recoverer, renamed_report, train_step_recovering
 from hybridpipe.runtime.reshard import canonical_names, indexed_optimizer_state, optimizer_names
 from hybridpipe.runtime.restarts import (
     append_log,
@@ -143,7 +142,7 @@ def _train(cfg: RunConfig, proc: Process, model: Model, closers: list, print_fn,
     critical = guard.critical
     run = _open_run(cfg, proc, closers, print_fn)
     trainer = _make_trainer(run, model)
-    recover = _recoverer(cfg, proc, trainer, guard) if cfg.in_place else None
+    recover = recoverer(cfg, proc, trainer, guard) if cfg.in_place else None
     held_out = make_eval_data(cfg, model.spec) if cfg.eval_every else None
     if init_optimizer is not None:
         _load_optimizer(trainer, model, init_optimizer)
@@ -261,7 +260,7 @@ def _steps(run: _Run, trainer: Trainer, metrics: MetricsWriter, report: RankRepo
                 append_log(Path(cfg.checkpoint_dir), first_step_done(restart, seconds))
                 restart = None
             if event is not None:           # re-formed in place during this step: the new reporter records it
-                report = _renamed(report, trainer)
+                report = renamed_report(report, trainer)
                 before = event.pop("before_s")
                 events.append(first_step_done(event, seconds - before))
                 if trainer.proc.rank == trainer.plan.stages[-1].ranks[0] and cfg.checkpoint_dir:
@@ -288,7 +287,7 @@ def _step(run: _Run, trainer: Trainer, step: int, *, drain: bool,
         run.recorder.begin_step(step)
     t0 = time.perf_counter()
     lr = trainer.lr
-    event = _train_step(trainer, drain, recover)
+    event = train_step_recovering(trainer, drain, recover)
     if run.device.type == "cuda":
         torch.cuda.synchronize(run.device)
     seconds = time.perf_counter() - t0
@@ -340,49 +339,6 @@ def _summary(run: _Run, trainer: Trainer, reports: list, start: int, print_fn, e
     write_json(Path(run.run_dir) / "summary.json", summary)
     print_fn(format_summary(summary))
     return summary
-
-
-def _recoverer(cfg: RunConfig, proc: Process, trainer: Trainer, guard: FailureGuard) -> Callable[..., dict]:
-    """``recover(error, phase)``: the in-place recovery of this rank after ``error`` (runtime/recovery.py)."""
-    recovery = Recovery(default_store(), namespace=guard.namespace, rank=proc.rank, world_size=proc.world_size,
-                        grace_s=min(guard.timeout, max(1.0, 3 * guard.interval)), wait_s=guard.timeout)
-    guard.recovery = recovery
-
-    def decide_here(reports: dict, lost: set, unreported: set) -> Decision:
-        return decide(trainer.plan, recovery.world_size, reports, lost, flushing=flushes(trainer.plan),
-                      unreported=unreported)
-
-    def recover(error: BaseException, phase: str) -> dict:
-        return recover_in_place(trainer, recovery, guard, phase=phase, error=error, decide=decide_here,
-                                backend=proc.backend, timeout_s=cfg.timeout)
-    return recover
-
-
-def _train_step(trainer: Trainer, drain: bool, recover: Callable[..., dict] | None) -> dict | None:
-    """One training step; with ``recover`` (--in-place), a peer's failure re-forms the job in place
-    and the step is redone (or, when every survivor had applied it, counted done). Returns the
-    recovery's event (with ``before_s``: seconds of the step before the recovery finished), if any."""
-    step, t0, event = trainer.step, time.perf_counter(), None
-    while True:
-        try:
-            trainer.train_step(drain=drain)
-            return event
-        except Exception as e:
-            if recover is None or suspect_of(e)[1] == "own":
-                raise
-            event = {**recover(e, STEP), "step": step, "before_s": time.perf_counter() - t0}
-            if trainer.step > step:
-                event["steps_redone"] = 0
-                return event
-            event["steps_redone"] = 1
-            t0 = time.perf_counter()
-
-
-def _renamed(report: RankReport, trainer: Trainer) -> RankReport:
-    """This rank's report under its rank, stage and replica in the re-formed world."""
-    stages = trainer.stage_plans
-    return replace(report, rank=trainer.proc.rank, stage=stages[0].index, replica=trainer.replica,
-                   more_stages=tuple(s.index for s in stages[1:]))
 
 
 def _evaluate(trainer: Trainer, held_out: MicroBatches | None, batches: int) -> float:
