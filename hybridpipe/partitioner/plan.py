@@ -59,6 +59,10 @@ OPTIMIZER_HELP = ("sgd: torch.optim.SGD with --momentum; adam: torch.optim.Adam,
 # what one profiled (float32) byte of activations, gradients or weights costs on the wire in each precision
 WIRE_BYTES = {"fp32": 1.0, "bf16": 0.5, "fp16": 0.5}
 PRECISIONS = tuple(WIRE_BYTES)
+# What a stage's replicas shard (ZeRO): none (each replica holds everything), optimizer (ZeRO-1: each keeps
+# and updates 1/R of the optimizer state), gradients (ZeRO-2: and 1/R of the reduced gradients), parameters
+# (ZeRO-3: and 1/R of the weights, gathered for use).
+SHARD_LEVELS = ("none", "optimizer", "gradients", "parameters")
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,8 @@ class Stage:
     layers: tuple[LayerSync, ...] = ()
     overhead_ms: float = 0.0      # per step: optimizer steps + compute lost to communication (objective.py)
     recompute: bool = False       # drop inner activations after forward, recompute them in backward
+    shard: str = "none"           # what the replicas shard (SHARD_LEVELS): none, optimizer, gradients, parameters
+    reshard_after_forward: bool = True    # shard "parameters": free gathered weights after each forward
 
     @property
     def node_ids(self) -> range:
@@ -291,7 +297,7 @@ def _stage_from_dict(s: object, i: int, source: str) -> Stage:
             raise UserError(f"{lw}: expected an object")
         layers.append(_layer_from_dict(lv, lw))
     _check_layers(layers, where)
-    return Stage(index=field(s, "index", int, where, minimum=0),
+    stage = Stage(index=field(s, "index", int, where, minimum=0),
                  first_node=field(s, "first_node", int, where, minimum=0),
                  last_node=field(s, "last_node", int, where, minimum=0),
                  replicas=field(s, "replicas", int, where, minimum=1),
@@ -305,7 +311,13 @@ def _stage_from_dict(s: object, i: int, source: str) -> Stage:
                  memory_bytes=_figure(s, "memory_bytes", int, where, default=0),
                  layers=tuple(layers),
                  overhead_ms=_figure(s, "overhead_ms", float, where, default=0.0),
-                 recompute=field(s, "recompute", bool, where, default=False))
+                 recompute=field(s, "recompute", bool, where, default=False),
+                 shard=field(s, "shard", str, where, default="none", choices=SHARD_LEVELS),
+                 reshard_after_forward=field(s, "reshard_after_forward", bool, where, default=True))
+    if stage.shard != "none" and stage.replicas == 1:
+        raise UserError(f"{where}: shard {stage.shard!r} needs replicas to shard over, and the stage has one; "
+                        "set \"shard\": \"none\" or re-partition with replicas")
+    return stage
 
 
 def _layer_from_dict(lv: dict, where: str) -> LayerSync:

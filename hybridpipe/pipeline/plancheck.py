@@ -62,6 +62,10 @@ class CheckedPlan:
 def check_plan(captured: CapturedModel, plan: Plan) -> CheckedPlan:
     """``plan`` checked against ``captured`` (see the module docstring): the stages' boundaries."""
     n_nodes = len(captured.blocks)
+    sharded = [s.index for s in plan.stages if s.shard != "none"]
+    if sharded:
+        raise UserError(f"stage {sharded[0]} asks its replicas to shard ({plan.stages[sharded[0]].shard}), which "
+                        "this runtime cannot do yet; set \"shard\": \"none\" in the plan")
     if plan.stages[-1].last_node != n_nodes - 1:
         raise UserError(f"the plan covers {plan.stages[-1].last_node + 1} graph nodes but the model has "
                         f"{n_nodes}: it was made for another version of the model; re-profile")

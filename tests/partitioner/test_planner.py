@@ -236,3 +236,27 @@ def test_bf16_plans_price_transfers_and_all_reduces_at_half_the_bytes(tmp_path):
     assert simulate(bf16).step_ms < simulate(fp32).step_ms
     with pytest.raises(UserError, match="unknown precision"):
         partition(profile, cluster, dataclasses.replace(stages, precision="fp8"))
+
+
+def test_shard_level_round_trips_defaults_to_none_and_needs_replicas(tmp_path):
+    path = save_plan(partition(PROFILE, CLUSTER, Request(strategy="dp")).plan, tmp_path / "plan.json")
+    assert all(s.shard == "none" and s.reshard_after_forward for s in load_plan(path).stages)
+    data = json.loads(path.read_text())
+    for s in data["stages"]:
+        del s["shard"], s["reshard_after_forward"]          # a plan written before the field
+    path.write_text(json.dumps(data))
+    assert all(s.shard == "none" for s in load_plan(path).stages)
+    data["stages"][0].update(shard="parameters", reshard_after_forward=False)
+    path.write_text(json.dumps(data))
+    back = load_plan(path).stages[0]
+    assert (back.shard, back.reshard_after_forward) == ("parameters", False)
+    data["stages"][0]["shard"] = "everything"
+    path.write_text(json.dumps(data))
+    with pytest.raises(UserError, match="must be one of none, optimizer, gradients, parameters"):
+        load_plan(path)
+    one = save_plan(partition(PROFILE, CLUSTER, Request(strategy="uniform", stages=4)).plan, tmp_path / "pipe.json")
+    data = json.loads(one.read_text())
+    data["stages"][0]["shard"] = "optimizer"
+    one.write_text(json.dumps(data))
+    with pytest.raises(UserError, match="needs replicas to shard over"):
+        load_plan(one)
