@@ -52,7 +52,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=positive_int, metavar="N", help="use N workers (default: the whole cluster)")
     parser.add_argument("--strategy", choices=STRATEGIES, default="optimal",
                         help="optimal (default), pipedream (PipeDream's formula), dp (data parallel), "
-                             "uniform (equal node counts), params (balanced parameters), time (balanced compute)")
+                             "uniform (equal node counts), params (balanced parameters), time (balanced compute), "
+                             "torchtitan (transformer layers counted out, the embedding and the output weighing a "
+                             "layer each: first/last_stage_less_layers 1), megatron (Megatron-LM's "
+                             "account_for_embedding/loss_in_pipeline_split: L + 2 layers split evenly)")
     add_schedule_option(parser, default=DEFAULT_SCHEDULE, auto=True)
     parser.add_argument("--virtual-stages", type=positive_int, default=1, metavar="V",
                         help="model chunks per worker (default 1): V > 1 with --schedule interleaved-1f1b, zbv (V = 2) "
@@ -80,7 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calibration", action="append", default=[], metavar="CAL.json",
                         help="measured costs from `hybridpipe bench-allreduce` (one per cluster level; repeatable)")
     parser.add_argument("--stages", type=positive_int, metavar="S",
-                        help="uniform/params: S stages of workers/S replicas")
+                        help="uniform/params/torchtitan/megatron: S stages of workers/S replicas")
     parser.add_argument("--algorithms", default=",".join(ALGORITHMS), metavar="A,B",
                         help=f"all-reduce algorithms the hybrid policy may pick (default {','.join(ALGORITHMS)})")
     parser.add_argument("--aggregator", choices=("worker", "dedicated"), default="worker",
