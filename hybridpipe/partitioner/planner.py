@@ -44,7 +44,13 @@ from hybridpipe.partitioner.search.objective import (
 )
 from hybridpipe.partitioner.search.pipedream import pipedream_stages
 from hybridpipe.partitioner.search.strategies import baseline_stages
-from hybridpipe.partitioner.search.virtual import BASE_SCHEDULE, Simulate, check_virtual, virtual_plan
+from hybridpipe.partitioner.search.virtual import (
+    BASE_SCHEDULE,
+    Simulate,
+    check_virtual,
+    group_candidates,
+    virtual_plan,
+)
 from hybridpipe.partitioner.tied import tied_groups
 from hybridpipe.profiles.format import Profile
 
@@ -213,9 +219,23 @@ def partition_virtual(profile: Profile, cluster: Cluster, req: Request, calibrat
     def build(specs: Sequence[StageSpec], ev: Evaluation, o: Options) -> Plan:
         return build_plan(profile, costs, base.plan.cluster, specs, ev, o, req.strategy, base.model,
                           precision=req.precision)
-    plan, ev = virtual_plan(base.plan, costs, base.model, opts, virtual, build, simulate)
-    note = (f"{req.schedule}: the {req.strategy} strategy's {len(base.plan.stages)} stage groups and replicas, each "
-            f"holding {virtual} of the model's {len(plan.stages)} chunks; step predicted by simulation")
+    groups = [tuple(s.ranks) for s in base.plan.stages]
+    built: list[tuple[Plan, Evaluation]] = []
+    refused: list[UserError] = []
+    for option in group_candidates(groups, base.plan.world_size) if req.strategy == "optimal" else [groups]:
+        try:
+            built.append(virtual_plan(option, costs, base.model, opts, virtual, build, simulate))
+        except UserError as e:
+            refused.append(e)
+    if not built:
+        raise refused[0]
+    plan, ev = min(built, key=lambda pe: pe[1].objective_ms)        # ties: the earlier (the 1F1B groups first)
+    chosen = len({s.ranks for s in plan.stages})
+    how = (f"the {req.strategy} strategy's {chosen} stage groups and replicas" if req.strategy != "optimal" else
+           f"{chosen} stage groups, the fastest simulated of {len(built)} groupings (the 1F1B search's and every "
+           "contiguous split)")
+    note = f"{req.schedule}: {how}, each holding {virtual} of the model's {len(plan.stages)} chunks; step predicted " \
+           "by simulation"
     return Outcome(replace(plan, search=base.plan.search), ev, base.model, opts, base.notes + (note,))
 
 

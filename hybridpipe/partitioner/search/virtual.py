@@ -1,8 +1,10 @@
 """Plans with virtual stages (``partition --schedule interleaved-1f1b|zbv --virtual-stages V``).
 
-The partitioner's own search (``planner.partition`` with 1F1B) chooses the p rank groups and
-their replicas as for any plan; this module then cuts the model into p*V contiguous chunks laid
-out on the groups as the schedule says (``schedule_registry.Layout``):
+A baseline strategy's stage groups and replicas are kept; for ``optimal`` the groups are searched
+with the chunks (``group_candidates``): the 1F1B search's groups, and every split of the workers
+into contiguous groups (up to ``ENUMERATED_WORKERS`` workers; beyond, the equal splits),
+each priced by simulation, the fastest kept. On each, this module cuts the model into p*V
+contiguous chunks laid out on the groups as the schedule says (``schedule_registry.Layout``):
 
 * boundaries: ``balance.balanced_sizes``, an exact linear-partition DP minimising the largest
   chunk's forward + backward time over its group's replicas (a group of r replicas does 1/r of
@@ -41,6 +43,32 @@ from hybridpipe.partitioner.search.objective import Evaluation, Options, StageSp
 Simulate = Callable[[Plan], float]      # a plan -> its simulated step in ms
 
 BASE_SCHEDULE = "1f1b"     # the one-chunk schedule whose plan gives a virtual plan its groups and replicas
+ENUMERATED_WORKERS = 8     # up to this many workers, every split into contiguous groups is tried (2^(W-1))
+
+
+def group_candidates(base: Sequence[tuple[int, ...]], workers: int) -> list[tuple[tuple[int, ...], ...]]:
+    """Rank groups a virtual plan may use: ``base`` first (the 1F1B search's), then every split of ranks
+    0..W-1 into contiguous groups (W <= ``ENUMERATED_WORKERS``), else the splits into equal groups."""
+    out = [tuple(tuple(g) for g in base)]
+    if workers <= ENUMERATED_WORKERS:
+        sizes_list = _compositions(workers)
+    else:
+        sizes_list = [[workers // p] * p for p in range(1, workers + 1) if workers % p == 0]
+    for sizes in sizes_list:
+        groups, start = [], 0
+        for r in sizes:
+            groups.append(tuple(range(start, start + r)))
+            start += r
+        if tuple(groups) not in out:
+            out.append(tuple(groups))
+    return out
+
+
+def _compositions(total: int) -> list[list[int]]:
+    """Every ordered list of positive ints summing to ``total``."""
+    if total == 0:
+        return [[]]
+    return [[first, *rest] for first in range(1, total + 1) for rest in _compositions(total - first)]
 
 
 def check_virtual(kind: Schedule, virtual: int) -> None:
@@ -101,16 +129,18 @@ def chunk_memory(costs: ModelCosts, specs: Sequence[StageSpec], kind: Schedule, 
     return worker, recompute
 
 
-def virtual_plan(base: Plan, costs: ModelCosts, model: CostModel, opts: Options, virtual: int,
+def virtual_plan(groups: Sequence[tuple[int, ...]], costs: ModelCosts, model: CostModel, opts: Options, virtual: int,
                  build: Callable[[Sequence[StageSpec], Evaluation, Options], Plan],
                  simulate: Simulate) -> tuple[Plan, Evaluation]:
-    """The plan of ``opts.schedule`` with ``virtual`` chunks per rank on ``base``'s groups and replicas.
+    """The plan of ``opts.schedule`` with ``virtual`` chunks per rank on these rank groups (their replicas).
 
     ``build(specs, evaluation, options)`` makes a Plan as ``planner.build_plan`` does (tied
     weights priced, per-step overhead added); ``simulate`` predicts its step."""
     kind = opts.schedule
     check_virtual(kind, virtual)
-    groups = [tuple(s.ranks) for s in base.stages]
+    if any(not opts.replicas_ok(len(g)) for g in groups):
+        raise UserError(f"a group of {max(len(g) for g in groups)} replicas needs more than {opts.micro_batches} "
+                        "micro-batches per step")
     specs = chunk_specs(costs, groups, kind, virtual)
     plain = replace(opts, schedule=REGISTRY[BASE_SCHEDULE], memory_bytes=math.inf, recompute="none")
     worker, recompute = chunk_memory(costs, specs, kind, opts, virtual)
