@@ -8,7 +8,8 @@ replicas and per-stage recomputation for one chunk per worker; for V > 1 the chu
 contiguous grouping of the workers, ``search/virtual.py``), and the plan whose step the schedule
 simulator predicts fastest wins (ties: the earlier choice, so fewer chunks, the earlier schedule
 in the registry, fp32 before bf16). V runs from 1 to the most chunks the model's nodes allow for
-two groups, at most ``MAX_VIRTUAL``. Recomputation is searched inside each choice already
+two groups, at most ``MAX_VIRTUAL``; where simulating the plans would be too large (``MAX_SIMULATED_OPS``),
+V = 1 and the DP's prediction, as without the joint search. Recomputation is searched inside each choice already
 (``--recompute auto``: per stage, only where it is needed to fit).
 """
 
@@ -21,13 +22,16 @@ from dataclasses import dataclass, replace
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner.cost.calibration import Calibration
 from hybridpipe.partitioner.cost.cluster import Cluster
-from hybridpipe.partitioner.planner import Outcome, Request, partition, simulated_ms
+from hybridpipe.partitioner.planner import Outcome, Request, partition, resolve, simulated_ms
 from hybridpipe.partitioner.schedule_registry import AUTO, REGISTRY, auto_candidates
 from hybridpipe.partitioner.search import dp
 from hybridpipe.partitioner.search.virtual import Simulate
 from hybridpipe.profiles.format import Profile
 
 MAX_VIRTUAL = 4            # the most chunks per worker the joint search tries
+# the joint search simulates its plans: past this many instructions (ranks x micro-batches x chunks, about 6
+# each) a cluster plans with one chunk per worker as before, by the DP's prediction (the search stays fast)
+MAX_SIMULATED_OPS = 500_000
 AUTO_VIRTUAL = 0           # Request.virtual_stages for "search V" (the CLI's --virtual-stages auto or none with auto)
 SEARCHED_PRECISIONS = ("fp32", "bf16")    # --precision auto (fp16 prices as bf16)
 
@@ -82,6 +86,15 @@ def joint_partition(profile: Profile, cluster: Cluster, req: Request, calibratio
         deadline = time.monotonic() + req.time_budget_s
     if req.virtual_stages != AUTO_VIRTUAL and req.precision != AUTO:        # nothing open: the plain search
         return Joint(partition(profile, cluster, req, calibrations, progress, simulate, deadline), ())
+    _, workers, opts = resolve(cluster, replace(req, virtual_stages=1, schedule="1f1b"))
+    small = workers * opts.micro_batches * MAX_VIRTUAL * 6 <= MAX_SIMULATED_OPS
+    if req.virtual_stages == AUTO_VIRTUAL and not small:
+        req = replace(req, virtual_stages=1)
+        if req.precision != AUTO:
+            out = partition(profile, cluster, req, calibrations, progress, simulate, deadline)
+            note = (f"virtual stages not searched: simulating {workers} workers x {opts.micro_batches} "
+                    "micro-batches is too large; give --virtual-stages V to plan with V chunks")
+            return Joint(replace(out, notes=out.notes + (note,)), ())
     options = choices(req.schedule, req.virtual_stages, req.precision, len(profile.nodes))
     if not options:
         raise UserError(f"--schedule {req.schedule} with --virtual-stages {req.virtual_stages or 'auto'} leaves "
@@ -96,7 +109,8 @@ def joint_partition(profile: Profile, cluster: Cluster, req: Request, calibratio
             tried.append(Tried(c, None, str(e)))
             errors.append(e)
             continue
-        step = out.evaluation.objective_ms if c.virtual > 1 else simulated_ms(out, simulate)
+        step = (out.evaluation.objective_ms if c.virtual > 1 else simulated_ms(out, simulate) if small
+                else out.plan.predicted_step_ms)
         tried.append(Tried(c, step))
         if best is None or step < best[0]:
             best = (step, out)

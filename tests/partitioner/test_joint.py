@@ -65,7 +65,7 @@ def brute_force(profile, cluster, req: Request) -> float:
     return best
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(layers=st.lists(st.tuples(st.floats(0.5, 4.0), st.floats(0.5, 8.0), st.integers(1_000, 2_000_000),
                                  st.integers(1_000, 4_000_000)), min_size=3, max_size=6),
        workers=st.integers(2, 4), micro=st.sampled_from([4, 8]), gbps=st.sampled_from([0.5, 10.0]))
@@ -109,3 +109,11 @@ def test_auto_weighs_virtual_stages_without_being_told(tmp_path, capsys):
                  "--virtual-stages", "1", "-q", "-o", str(tmp_path / "one.json")])
     assert told == 0 and load_plan(tmp_path / "one.json").virtual_stages == 1
     assert plan.predicted_step_ms < load_plan(tmp_path / "one.json").predicted_step_ms
+
+
+def test_a_cluster_too_big_to_simulate_plans_one_chunk_per_worker_and_says_so():
+    profile = make_profile([(1.0, 2.0, 1024, 4000)] * 6)
+    req = Request(schedule="auto", virtual_stages=AUTO_VIRTUAL)          # 256 workers x 512 micro-batches
+    joint = joint_partition(profile, flat_cluster(256, gbps=10.0), req, simulate=step_of)
+    assert joint.outcome.plan.virtual_stages == 1 and joint.tried == ()
+    assert any("virtual stages not searched" in n for n in joint.outcome.notes)
