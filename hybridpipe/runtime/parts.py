@@ -40,7 +40,7 @@ from hybridpipe.pipeline import LocalSync, MicroBatches
 from hybridpipe.pipeline.plancheck import CheckedPlan, check_plan
 from hybridpipe.pipeline.tokens import TokenCounts
 from hybridpipe.profiles.capture import CapturedModel
-from hybridpipe.profiles.capture_cache import cached_capture
+from hybridpipe.profiles.capture_cache import CaptureCache
 from hybridpipe.profiles.data import resolve_dataset
 from hybridpipe.profiles.losses import label_counter
 from hybridpipe.profiles.zoo import ModelSpec, resolve_model
@@ -66,6 +66,7 @@ class Model:
     checked: CheckedPlan                # the plan checked against ``captured``: the stages are built from it
     weights: Weights | None = None      # the files the meta parameters are read from (None: all in memory)
     recipe: Recipe | None = None        # or the seeded build that gives them (runtime/seeded.py)
+    cache: CaptureCache | None = None   # the capture cache its capture went through (written by keep_capture)
 
     def materialize(self, plan: Plan, stages: Sequence[int]) -> None:
         """Read the weights of ``stages`` (this rank's) from :attr:`weights`, or build them from
@@ -76,6 +77,12 @@ class Model:
         elif self.recipe is not None:
             materialize_seeded(self.module, self.captured, self.recipe, plan, stages)
         self.weights = self.recipe = None
+
+    def keep_capture(self) -> None:
+        """Write a capture made at start into the capture cache once the run directory exists
+        (a restarted worker reads it instead of capturing: profiles/capture_cache.py)."""
+        if self.cache is not None:
+            self.cache.write()
 
     def start_from(self, path: str) -> dict | None:
         """``launch --init-from PATH``: the model's weights from PATH instead (read per stage by
@@ -119,7 +126,8 @@ def build_model(spec: ModelSpec, plan: Plan, *, seed: int, autocast: torch.dtype
     """:func:`load_model` for a resolved spec: the model built after ``torch.manual_seed(seed)``
     (the same weights on every rank), captured with the plan's batch size and granularity (under
     ``torch.autocast`` to ``autocast``, for a job that computes in it; through the capture cache in
-    ``cache``: a restarted worker reads it, profiles/capture_cache.py), and the whole plan checked
+    ``cache``: a restarted worker reads it, :meth:`Model.keep_capture` writes a new one,
+    profiles/capture_cache.py), and the whole plan checked
     against it once (pipeline/plancheck.py). A job that computes in float32 builds and captures the
     model with its parameters on the meta device when a spec naming its weights' files is covered
     by them (runtime/lazy.py), or when the plan has several stages (runtime/seeded.py):
@@ -134,8 +142,10 @@ def build_model(spec: ModelSpec, plan: Plan, *, seed: int, autocast: torch.dtype
     if (weights is not None or stagewise) and autocast is not None:
         log.warning("hybridpipe: every rank %s the whole of %s: a %s capture cannot run on the meta device",
                     "loads" if weights is not None else "builds", spec.name, autocast)
-    lazy = capture_lazily(spec, example, plan, weights) if weights is not None and autocast is None else None
-    unbuilt = capture_unbuilt(spec, example, plan, seed) if stagewise and autocast is None else None
+    captures = CaptureCache(cache)
+    lazy = (capture_lazily(spec, example, plan, weights, cache=captures) if weights is not None and autocast is None
+            else None)
+    unbuilt = capture_unbuilt(spec, example, plan, seed, cache=captures) if stagewise and autocast is None else None
     recipe = None
     if lazy is not None:
         module, captured, checked = lazy
@@ -144,10 +154,10 @@ def build_model(spec: ModelSpec, plan: Plan, *, seed: int, autocast: torch.dtype
     else:
         weights = None
         module = spec.build()
-        captured = cached_capture(module, example, directory=cache, granularity=plan.granularity,
-                                  leaf_modules=spec.leaf_modules, autocast=autocast)
+        captured = captures.capture(module, example, granularity=plan.granularity, leaf_modules=spec.leaf_modules,
+                                    autocast=autocast)
         checked = check_plan(captured, plan)
-    return Model(spec, module, captured, checked, weights, recipe)
+    return Model(spec, module, captured, checked, weights, recipe, captures)
 
 
 def make_sync(plan: Plan, stage_module: nn.Module, stage: Stage, group: dist.ProcessGroup | None,
