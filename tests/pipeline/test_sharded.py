@@ -1,0 +1,94 @@
+"""Sharded replicas (ZeRO-1 ``optimizer``, ZeRO-2 ``gradients``) inside pipeline stages: training equals
+a plain single-process loop written here (weights and buffers, 1e-5 in float32) on a tied GPT-2 and a
+tied Llama, for the synchronous schedules and SGD with momentum / AdamW; each replica holds 1/R of
+the optimizer state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridpipe.partitioner.plan import Plan
+from hybridpipe.profiles.capture import call_args, training_switches
+from hybridpipe.profiles.zoo import resolve_model
+from tests.pipeline.harness import data_for, make_plan
+from tests.pipeline.hf_models import GPT2, LLAMA
+from tests.pipeline.sharded_harness import sharded, train_sharded
+
+STEPS = 3
+LR = 0.01
+OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=LR, momentum=0.9, weight_decay=0.01),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=LR / 10, weight_decay=0.1),
+}
+# schedule -> (cuts of the GPT-2 / the Llama, replicas per rank group, virtual stages)
+LAYOUTS = {
+    "gpipe": ({"gpt2": [3], "llama": [2]}, [2, 2], 1),
+    "1f1b": ({"gpt2": [3], "llama": [2]}, [2, 2], 1),
+    "zb-h1": ({"gpt2": [3], "llama": [2]}, [2, 2], 1),
+    "interleaved-1f1b": ({"gpt2": [0, 3, 4], "llama": [1, 2, 3]}, [2, 2], 2),
+}
+MODELS = {"gpt2": GPT2, "llama": LLAMA}
+
+
+def plain_loop(plan: Plan, make, steps: int = STEPS) -> dict[str, torch.Tensor]:
+    """Single-process training: each step, every micro-batch's mean loss / M backpropagated, one step."""
+    spec = resolve_model(plan.model)
+    torch.manual_seed(0)
+    model = spec.build()
+    opt = make(list(model.parameters()))
+    data = data_for(plan, steps)
+    for k in range(steps):
+        opt.zero_grad()
+        for m in range(plan.micro_batches):
+            x, y = data.batch(k, m)
+            args, kwargs = call_args(x)
+            out = model(*args, **kwargs, **training_switches(model))
+            loss = spec.loss(out, y) if spec.loss is not None else out.loss
+            (loss / plan.micro_batches).backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def the_plan(model: str, schedule: str, level: str, micro_batches: int = 4) -> Plan:
+    cuts, replicas, virtual = LAYOUTS[schedule]
+    return sharded(make_plan(MODELS[model], cuts[model], replicas, schedule=schedule, micro_batches=micro_batches,
+                             virtual_stages=virtual), level)
+
+
+def check_equal(plan: Plan, runs: dict, reference: dict[str, torch.Tensor]) -> float:
+    worst = 0.0
+    for s in plan.stages:
+        states = [runs[r]["state"] for r in s.ranks]
+        for other in states[1:]:
+            assert all(torch.equal(states[0][k], other[k]) for k in states[0]), f"replicas of stage {s.index} differ"
+    for run in runs.values():
+        for name, value in run["state"].items():
+            canonical = name if name in reference else name.split(".", 1)[-1]
+            assert canonical in reference, name
+            worst = max(worst, float((value - reference[canonical]).abs().max()))
+    assert worst < 1e-5, worst
+    return worst
+
+
+def run_case(model: str, schedule: str, level: str, optimizer: str) -> None:
+    plan = the_plan(model, schedule, level)
+    runs = train_sharded(plan, STEPS, OPTIMIZERS[optimizer])
+    check_equal(plan, runs, plain_loop(plan, OPTIMIZERS[optimizer]))
+
+
+@pytest.mark.parametrize("model,schedule,level,optimizer", [
+    ("gpt2", "1f1b", "optimizer", "adamw"),
+    ("llama", "zb-h1", "gradients", "sgd"),
+])
+def test_sharded_training_equals_a_plain_loop(model, schedule, level, optimizer):
+    run_case(model, schedule, level, optimizer)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("schedule", sorted(LAYOUTS))
+@pytest.mark.parametrize("level", ["optimizer", "gradients"])
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_sharded_matrix_equals_a_plain_loop(model, schedule, level, optimizer):
+    run_case(model, schedule, level, optimizer)
