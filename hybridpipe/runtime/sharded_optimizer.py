@@ -137,7 +137,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if sample is None:                  # no step yet: no state anywhere
             return {}
         keys = [k for k in sample if k not in SCALAR_KEYS and isinstance(sample[k], torch.Tensor)]
-        full: dict[nn.Parameter, dict[str, Any]] = {p: {k: v for k, v in sample.items() if k not in keys}
+        scalars = {k: v for k, v in sample.items() if k not in keys}      # own copies: Adam counts steps in place
+        full: dict[nn.Parameter, dict[str, Any]] = {p: {k: _placed(v, None) for k, v in scalars.items()}
                                                     for p in shard.sharded}
         for key in keys:
             per_unit = []

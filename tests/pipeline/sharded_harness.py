@@ -38,11 +38,14 @@ def layer_units(module: torch.nn.Module, exclude, algorithm: str) -> list[UnitCh
 def train_sharded(plan: Plan, steps: int, make: Callable[[list], Any], *, algorithm: str = "ring",
                   wire_dtype: torch.dtype | None = None, observe: Callable[[int, int, Any], None] | None = None,
                   before_step: Callable[[int, Any, torch.nn.Module], Callable[[], bool]] | None = None,
-                  ) -> dict[int, dict[str, Any]]:
+                  first: int = 0, start: dict[int, tuple[dict, dict]] | None = None,
+                  total: int | None = None) -> dict[int, dict[str, Any]]:
     """Train ``plan`` (its stages' ``shard`` levels as given) with one thread per rank and ``make``
     (params -> torch optimizer); every rank's {"state": module state dict, "engine", "optimizer",
     "results"}. ``observe(rank, step, engine)`` after each step; ``before_step(rank, optimizer,
-    module)`` gives the engine's hook."""
+    module)`` gives the engine's hook. ``first``: the first step's index (the data of steps
+    ``first..first+steps-1`` of ``total`` steps' data); ``start``: per rank (module state dict, whole
+    optimizer state dict) to begin from, as a checkpoint restores them."""
     spec = resolve_model(plan.model)
     topo = Topology.from_plan(plan)
     network = InProcessNetwork(timeout=60)
@@ -72,13 +75,16 @@ def train_sharded(plan: Plan, steps: int, make: Callable[[list], Any], *, algori
             optimizer = ShardedOptimizer(module.parameters(), make)
             optimizer.bind(shards)
         engine = PipelineEngine(stages, topo, rank, plan.kind, transport=network.transport(rank), optimizer=optimizer,
-                                data=data_for(plan, steps), sync=syncs, tied=tied if held else None,
+                                data=data_for(plan, total or first + steps), sync=syncs, tied=tied if held else None,
                                 before_step=before_step(rank, optimizer, module) if before_step else None)
 
         def run():
+            if start is not None:
+                module.load_state_dict(start[rank][0])
+                optimizer.load_state_dict(start[rank][1])
             results = []
-            for k in range(steps):
-                results.append(engine.run_step(k, drain=k == steps - 1))
+            for k in range(first, first + steps):
+                results.append(engine.run_step(k, drain=k == first + steps - 1))
                 if observe is not None:
                     observe(rank, k, engine)
             full = optimizer.state_dict()         # collective over the replicas: before the lanes close

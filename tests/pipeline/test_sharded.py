@@ -92,3 +92,31 @@ def test_sharded_training_equals_a_plain_loop(model, schedule, level, optimizer)
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 def test_sharded_matrix_equals_a_plain_loop(model, schedule, level, optimizer):
     run_case(model, schedule, level, optimizer)
+
+
+def resumed(plan_a: Plan, plan_b: Plan, make, steps: int = 2) -> dict[int, dict]:
+    """``steps`` steps of ``plan_a``, its whole state (weights, optimizer: gathered if sharded) handed to
+    ``plan_b`` as a checkpoint would, ``steps`` more steps of ``plan_b``."""
+    first = train_sharded(plan_a, steps, make, total=2 * steps)
+    start = {r: (run["state"], run["full_optimizer_state"]) for r, run in first.items()}
+    return train_sharded(plan_b, steps, make, first=steps, start=start, total=2 * steps)
+
+
+def test_checkpoint_state_moves_between_shard_levels_bit_identically():
+    """A replicated run's state resumes sharded and a sharded run's replicated, continuing bit for bit
+    as the uninterrupted run (two replicas sum in one order whatever the algorithm: ZeRO-1 = replicated
+    bitwise); ZeRO-2's state resumes ZeRO-2 bit for bit too."""
+    base = make_plan(GPT2, [3], [2, 2], schedule="1f1b", micro_batches=4)
+    make = OPTIMIZERS["adamw"]
+    replicated = train_sharded(base, 4, make)
+    for a, b in (("none", "optimizer"), ("optimizer", "none")):
+        runs = resumed(sharded(base, a), sharded(base, b), make)
+        for r, run in runs.items():
+            assert all(torch.equal(run["state"][k], v) for k, v in replicated[r]["state"].items()), (a, b, r)
+    zero2 = train_sharded(sharded(base, "gradients"), 4, make)
+    runs = resumed(sharded(base, "gradients"), sharded(base, "gradients"), make)
+    for r, run in runs.items():
+        assert all(torch.equal(run["state"][k], v) for k, v in zero2[r]["state"].items()), r
+        full = run["full_optimizer_state"]["state"]
+        assert all(torch.equal(full[i]["exp_avg"], s["exp_avg"]) for i, s in
+                   zero2[r]["full_optimizer_state"]["state"].items())
