@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from hybridpipe.partitioner.plan import Plan
+from hybridpipe.pipeline.memory import optimizer_tensors, tensors_bytes
 from hybridpipe.profiles.capture import call_args, training_switches
 from hybridpipe.profiles.zoo import resolve_model
 from tests.pipeline.harness import data_for, make_plan
@@ -120,3 +121,32 @@ def test_checkpoint_state_moves_between_shard_levels_bit_identically():
         full = run["full_optimizer_state"]["state"]
         assert all(torch.equal(full[i]["exp_avg"], s["exp_avg"]) for i, s in
                    zero2[r]["full_optimizer_state"]["state"].items())
+
+
+def test_each_replica_holds_its_share_of_the_state_and_the_meter_counts_it():
+    """Optimizer-state bytes per rank = 1/R of the replicated plan's within one layer (the tied
+    embedding stays whole); the meter's peak moves by exactly the state and gradients sharding frees
+    (ZeRO-1: O - O/R; ZeRO-2 also G - G/R less the full gradients in flight)."""
+    base = make_plan(GPT2, [3], [2, 2], schedule="1f1b", micro_batches=4)
+    make = OPTIMIZERS["adamw"]
+    runs = {level: train_sharded(sharded(base, level), 2, make) for level in ("none", "optimizer", "gradients")}
+
+    def state_bytes(run) -> int:
+        return sum(t.numel() * t.element_size() for st in run["optimizer"].state.values()
+                   for t in st.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
+    for r in runs["none"]:
+        replicated, zero1, zero2 = (runs[level][r] for level in ("none", "optimizer", "gradients"))
+        module = replicated["module"]
+        largest = max(2 * p.numel() * 4 for p in module.parameters())     # AdamW: two moments per element
+        assert abs(state_bytes(zero1) - state_bytes(replicated) / 2) <= largest
+        assert state_bytes(zero1) == state_bytes(zero2)
+        peaks = [run["results"][-1].peak_memory_bytes for run in (replicated, zero1, zero2)]
+        held = [tensors_bytes(optimizer_tensors(run["optimizer"])) for run in (replicated, zero1)]   # 'step's too
+        assert peaks[0] - peaks[1] == held[0] - held[1]
+        shards = [s for s in zero2["engine"].syncs.values() if hasattr(s, "full_grad_bytes")]
+        sharded_grads = sum(p.numel() * 4 for s in shards for p in s.sharded)
+        assert peaks[1] - peaks[2] == sharded_grads - sum(s.full_grad_bytes() for s in shards)
+        for s in shards:        # at most the largest unit's full gradient in flight (the contract with the planner)
+            largest_unit = max(sum(p.numel() * 4 for p in u.unit.params) for u in s.units)
+            owned = sum((pc.hi - pc.lo) * 4 for pc in s.pieces())
+            assert s.peak_inflight <= largest_unit and s.full_grad_bytes() == owned + largest_unit

@@ -8,8 +8,9 @@ a unit's reduce-scatter on a background lane as soon as its gradients are comple
 * ``optimizer`` (ZeRO-1): on the backward that completes the step's gradients (outside
   ``no_sync``), in place on the parameters' ``.grad``; the owned range then holds the replicas' sum.
 * ``gradients`` (ZeRO-2): on every backward (every micro-batch), summed into this position's
-  owned gradient (1/R of the unit); the full gradients are dropped at once, so only the unit in
-  flight is ever whole.
+  owned gradient (1/R of the unit); the full gradients are dropped at once, and a unit waits for
+  the one before it to be reduced (back-pressure: the lane would otherwise fall behind the backward
+  and hold several micro-batches' gradients), so at most the largest unit is in flight.
 
 The optimizer (runtime/sharded_optimizer.py) updates the owned ranges (:meth:`owned_views`,
 :meth:`owned_grads`) and :meth:`gather_weights` all-gathers the updated weights. Gradients are
@@ -20,6 +21,7 @@ Parameters outside the units (``exclude``: tied weights, summed by the TiedSync)
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -86,6 +88,11 @@ class ShardedReplicas:
         self._shard_of = {id(p): s for s in self.units for p in s.unit.params}
         self._pending: list[Handle] = []
         self._syncing = True
+        self._lock = threading.Lock()
+        self._inflight = 0                # ZeRO-2: bytes of full gradients handed to the lane, not yet reduced
+        self.peak_inflight = 0            # ... at most, over the last step's backwards
+        self._fresh = True
+        self._cap = max((sum(p.numel() * p.element_size() for p in s.unit.params) for s in self.units), default=0)
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready)
                        for s in self.units for p in s.unit.params]
 
@@ -108,6 +115,7 @@ class ShardedReplicas:
 
     def drop_grads(self) -> None:
         """Forget the step's gradients (the optimizer's zero_grad)."""
+        self._fresh = True
         for s in self.units:
             s.grads = []
             for p in s.unit.params:
@@ -115,13 +123,14 @@ class ShardedReplicas:
 
     def full_grad_bytes(self) -> int:
         """Bytes of gradients this position holds at the step's peak: all (ZeRO-1), or its owned
-        ranges plus the largest unit in flight (ZeRO-2)."""
+        ranges plus the full gradients that were in flight at once (ZeRO-2: measured over the last
+        step; at least the largest unit, which the backward holds whole before its reduce-scatter)."""
         def nbytes(ps: Sequence[nn.Parameter]) -> int:
             return sum(p.numel() * p.element_size() for p in ps)
         if self.level == "optimizer":
             return nbytes(self.sharded)
         owned = sum((pc.hi - pc.lo) * pc.param.element_size() for pc in self.pieces())
-        return owned + max((nbytes(s.unit.params) for s in self.units), default=0)
+        return owned + max([self.peak_inflight] + [nbytes(s.unit.params) for s in self.units])
 
     # ---- backward ---------------------------------------------------------------------------
     def _grad_ready(self, param: torch.Tensor) -> None:
@@ -144,6 +153,14 @@ class ShardedReplicas:
         if self.level == "gradients":
             for p in shard.unit.params:
                 p.grad = None
+            nbytes = sum(g.numel() * g.element_size() for g in grads)
+            while self._pending and self._inflight + nbytes > self._cap:    # back-pressure: one unit in flight
+                self._pending.pop(0).wait()
+            with self._lock:
+                if self._fresh:
+                    self.peak_inflight, self._fresh = 0, False
+                self._inflight += nbytes
+                self.peak_inflight = max(self.peak_inflight, self._inflight)
         self._pending.append(self._lane.submit(self._reduce, shard, grads, name=shard.unit.name))
 
     def _reduce(self, shard: UnitShard, grads: list[torch.Tensor]) -> None:
@@ -162,6 +179,8 @@ class ShardedReplicas:
             for acc, o in zip(shard.grads, owned, strict=True):
                 if acc is not None:
                     acc.add_(o)
+        with self._lock:
+            self._inflight -= sum(g.numel() * g.element_size() for g in grads)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
