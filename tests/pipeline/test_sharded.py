@@ -28,6 +28,7 @@ LAYOUTS = {
     "1f1b": ({"gpt2": [3], "llama": [2]}, [2, 2], 1),
     "zb-h1": ({"gpt2": [3], "llama": [2]}, [2, 2], 1),
     "interleaved-1f1b": ({"gpt2": [0, 3, 4], "llama": [1, 2, 3]}, [2, 2], 2),
+    "zbv": ({"gpt2": [0, 3, 4], "llama": [1, 2, 3]}, [2, 2], 2),
 }
 MODELS = {"gpt2": GPT2, "llama": LLAMA}
 
@@ -150,3 +151,17 @@ def test_each_replica_holds_its_share_of_the_state_and_the_meter_counts_it():
             largest_unit = max(sum(p.numel() * 4 for p in u.unit.params) for u in s.units)
             owned = sum((pc.hi - pc.lo) * 4 for pc in s.pieces())
             assert s.peak_inflight <= largest_unit and s.full_grad_bytes() == owned + largest_unit
+
+
+@pytest.mark.slow
+def test_zero2_with_recomputation_and_a_bf16_wire():
+    """Recomputing stages shard as they are; gradients reduce-scattered in bfloat16 stay within
+    bfloat16's rounding of the float32 loop."""
+    base = make_plan(GPT2, [3], [2, 2], schedule="1f1b", micro_batches=4, recompute=True)
+    check_equal(base, train_sharded(sharded(base, "gradients"), STEPS, OPTIMIZERS["adamw"]),
+                plain_loop(base, OPTIMIZERS["adamw"]))
+    runs = train_sharded(sharded(base, "gradients"), STEPS, OPTIMIZERS["sgd"], wire_dtype=torch.bfloat16)
+    reference = plain_loop(base, OPTIMIZERS["sgd"])
+    worst = max(float((v - reference[k if k in reference else k.split(".", 1)[-1]]).abs().max())
+                for run in runs.values() for k, v in run["state"].items())
+    assert 0 < worst < 1e-4
