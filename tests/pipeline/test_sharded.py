@@ -127,10 +127,21 @@ def test_checkpoint_state_moves_between_shard_levels_bit_identically():
 def test_each_replica_holds_its_share_of_the_state_and_the_meter_counts_it():
     """Optimizer-state bytes per rank = 1/R of the replicated plan's within one layer (the tied
     embedding stays whole); the meter's peak moves by exactly the state and gradients sharding frees
-    (ZeRO-1: O - O/R; ZeRO-2 also G - G/R less the full gradients in flight)."""
+    (ZeRO-1: O - O/R; ZeRO-2 also G - G/R less the full gradients in flight); evaluation afterwards
+    sees the gathered weights (ZeRO-1's losses = replicated's bit for bit)."""
     base = make_plan(GPT2, [3], [2, 2], schedule="1f1b", micro_batches=4)
     make = OPTIMIZERS["adamw"]
-    runs = {level: train_sharded(sharded(base, level), 2, make) for level in ("none", "optimizer", "gradients")}
+    evals: dict[str, dict] = {}
+
+    def evaluate(level: str):
+        def observe(rank: int, step: int, engine) -> None:       # evaluation after the last step, on every rank
+            if step == 1:
+                evals.setdefault(level, {}).update(engine.run_eval(data_for(base, 1)))
+        return observe
+    runs = {level: train_sharded(sharded(base, level), 2, make, observe=evaluate(level))
+            for level in ("none", "optimizer", "gradients")}
+    assert evals["none"] and all(torch.equal(v, evals["optimizer"][m]) for m, v in evals["none"].items())
+    assert all(abs(float(v) - float(evals["gradients"][m])) < 1e-5 for m, v in evals["none"].items())
 
     def state_bytes(run) -> int:
         return sum(t.numel() * t.element_size() for st in run["optimizer"].state.values()
