@@ -31,7 +31,9 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from hybridpipe.comm.allreduce import GroupCosts
+from hybridpipe.comm.allreduce.transport import GroupTransport
 from hybridpipe.comm.hybrid_dp import HybridDataParallel
+from hybridpipe.comm.sharded import ShardedReplicas
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner.cost.calibration import load_calibration
 from hybridpipe.partitioner.cost.costmodel import CostModel
@@ -48,6 +50,7 @@ from hybridpipe.profiles.zoo.spec import batch_rows
 from hybridpipe.runtime.config import RunConfig
 from hybridpipe.runtime.lazy import capture_lazily, load_initial, load_whole, materialize
 from hybridpipe.runtime.seeded import Recipe, capture_unbuilt, materialize_seeded
+from hybridpipe.runtime.sharded_optimizer import ShardedOptimizer
 from hybridpipe.runtime.sync import describe_override, override_layers, stage_layers, unit_choices
 from hybridpipe.runtime.tensor_files import Weights, open_weights
 
@@ -194,7 +197,12 @@ def make_sync(plan: Plan, stage_module: nn.Module, stage: Stage, group: dist.Pro
             flags = " ".join(([f"--allreduce {allreduce}"] if allreduce else [])
                              + [f"--calibration {p}" for p in calibrations])
             print(describe_override(stage.index, flags, planned, layers), flush=True)
-    hdp = HybridDataParallel(stage_module, group, units=unit_choices(layers), costs=GroupCosts(model, stage.ranks),
+    costs = GroupCosts(model, stage.ranks)
+    if stage.shard != "none":                 # ZeRO-1/2: the same units, reduce-scattered (comm/sharded)
+        log.info("stage %d: replicas shard %s", stage.index, stage.shard)
+        return ShardedReplicas(stage_module, GroupTransport(group), unit_choices(layers), stage.shard, exclude=exclude,
+                               wire_dtype=wire_dtype, hosts=costs.topology().units, torus_shape=costs.torus_shape())
+    hdp = HybridDataParallel(stage_module, group, units=unit_choices(layers), costs=costs,
                              aggregator=aggregator, reduce="sum", exclude=exclude, wire_dtype=wire_dtype)
     log.info("stage %d: gradient sync: %s", stage.index,
              ", ".join(f"{u.name}:{u.algorithm}{'/lane 1' if u.lane else ''}" for u in hdp.units))
@@ -219,10 +227,12 @@ class NoParameters:
         pass
 
 
-def make_optimizer(kind: str, params, *, lr: float, momentum: float = 0.0, weight_decay: float = 0.0):
+def make_optimizer(kind: str, params, *, lr: float, momentum: float = 0.0, weight_decay: float = 0.0,
+                   trainable_only: bool = True):
     """``sgd`` (with momentum), ``adam`` (L2 weight decay, added to the gradient) or ``adamw``
-    (decoupled weight decay) over ``params`` (partitioner/plan.py OPTIMIZER_HELP)."""
-    params = [p for p in params if p.requires_grad]
+    (decoupled weight decay) over ``params`` (partitioner/plan.py OPTIMIZER_HELP); those that
+    require no gradient are left out unless not ``trainable_only`` (a sharded optimizer's pieces)."""
+    params = [p for p in params if p.requires_grad or not trainable_only]
     if not params:
         return NoParameters()
     if kind == "sgd":
@@ -234,9 +244,19 @@ def make_optimizer(kind: str, params, *, lr: float, momentum: float = 0.0, weigh
     raise UserError(f"unknown optimizer {kind!r}; choose sgd, adam or adamw")
 
 
-def build_optimizer(kind: Any, module: nn.Module, lr: float, momentum: float, weight_decay: float) -> Any:
+def build_optimizer(kind: Any, module: nn.Module, lr: float, momentum: float, weight_decay: float,
+                    sharded: bool = False) -> Any:
     """The Trainer's optimizer: ``kind`` "sgd"/"adam" (:func:`make_optimizer`) or a callable
-    ``params -> torch.optim.Optimizer`` given the module's trainable parameters."""
+    ``params -> torch.optim.Optimizer`` given the module's trainable parameters. ``sharded``: a
+    ShardedOptimizer running that optimizer on the replicas' shards (bound to them once the syncs
+    exist; runtime/sharded_optimizer.py)."""
+    if sharded and any(p.requires_grad for p in module.parameters()):
+        def make(params: list) -> Any:
+            if callable(kind):
+                return kind(params)
+            return make_optimizer(str(kind), params, lr=lr, momentum=momentum, weight_decay=weight_decay,
+                                  trainable_only=False)
+        return ShardedOptimizer(module.parameters(), make)
     if callable(kind):
         params = [p for p in module.parameters() if p.requires_grad]
         return kind(params) if params else make_optimizer("sgd", [], lr=lr)
