@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 
+from hybridpipe.cli import main
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.cost.sharded import all_gather_seconds, fastest_pair, reduce_scatter_seconds
+from hybridpipe.partitioner.plan import load_plan
 from hybridpipe.partitioner.planner import Request, partition
 from hybridpipe.partitioner.schedule_registry import get_schedule
 from hybridpipe.partitioner.search.modelcosts import model_costs
@@ -21,6 +24,7 @@ from hybridpipe.partitioner.search.sharding import (
     static_bytes,
 )
 from hybridpipe.pipeline.simulator import simulate
+from hybridpipe.profiles.format import save_profile
 from tests.partitioner.synth import flat_cluster, make_profile
 
 W = 1_000_000.0       # a stage's weight bytes
@@ -130,3 +134,18 @@ def test_shard_with_virtual_stages_is_one_line():
     req = Request(optimizer="adamw", micro_batches=8, shard="auto", schedule="interleaved-1f1b", virtual_stages=2)
     with pytest.raises(UserError, match="--shard auto is not planned with virtual stages"):
         partition(make_profile(BIG, []), FAST, req, simulate=lambda plan: 1.0)
+
+
+def test_partition_cli_shard_auto_records_levels_and_compares(tmp_path, capsys):
+    prof = save_profile(make_profile(BIG, []), tmp_path / "big.json")
+    cluster = tmp_path / "c.json"
+    cluster.write_text(json.dumps(FAST.to_dict()))
+    out = tmp_path / "plan.json"
+    assert main(["partition", str(prof), "--cluster", str(cluster), "--optimizer", "adamw", "--memory-gb", "0.8",
+                 "--micro-batches", "8", "--shard", "auto", "--compare", "-q", "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    plan = load_plan(out)
+    assert any(s.shard != "none" for s in plan.stages)
+    assert "ZeRO-" in text and "best replicated" in text and "best sharded" in text
+    assert "optimal --shard none" in text
+    assert main(["partition", str(prof), "--cluster", str(cluster), "--shard", "zero9"]) == 2
