@@ -36,10 +36,10 @@ def paired_algorithms(algorithms: Sequence[str]) -> tuple[str, ...]:
 
 
 def pair_lines(model: CostModel, ranks: Sequence[int], algorithms: Sequence[str]) -> list[tuple[str, Line]]:
-    """One reduce-scatter + all-gather per allowed paired variant on ``ranks``: its line (seconds = A + B S)."""
-    variants = [(a, h) for a in algorithms for h in ((False, True) if a == "butterfly" else (False,))]
-    return [(a, ln) for (a, h), (_, ln) in zip(variants, model.fast_lines(ranks, algorithms), strict=True)
-            if (a, h) in PAIRED]
+    """One reduce-scatter + all-gather per allowed paired variant on ``ranks``: its line (seconds = A + B S;
+    the cost model's cached all-reduce lines, in ``PAIRED``'s order)."""
+    key = tuple(sorted(ranks))
+    return [(a, model.line(a, key, halving=h)) for a, h in PAIRED if a in algorithms]
 
 
 def fastest_pair(nbytes: float, ranks: Sequence[int], model: CostModel,

@@ -124,17 +124,19 @@ class StageTerms:
         terms) could still matter to the caller; those whose sync would need pricing and cannot
         matter are returned as inf instead of their term.
         """
-        term = self._term(c, useful, NONE)
+        xfer = self.opts.micro_batches * self._transfer(c.i, c.j, c.x, c.y)
+        term = self._term(c, useful, NONE, xfer)
         if not self.sharding:
             return term
         if self.opts.shard != "auto":                    # a level: every stage with replicas shards
             term = np.where((c.y - c.x) * self.copies > 1, np.inf, term)
         for v in sharded_variants(self.opts.shard):
-            term = np.minimum(term, self._term(c, useful, v))
+            if v != NONE:
+                term = np.minimum(term, self._term(c, useful, v, xfer))
         return term
 
-    def _term(self, c: Candidates, useful: Useful | None, v: Variant) -> np.ndarray:
-        """The stage term of every candidate when its replicas shard as ``v``."""
+    def _term(self, c: Candidates, useful: Useful | None, v: Variant, xfer: np.ndarray) -> np.ndarray:
+        """The stage term of every candidate when its replicas shard as ``v`` (``xfer``: M X)."""
         opts, m_b, i = self.opts, self.opts.micro_batches, c.i
         j, x, y = c.j, c.x, c.y
         b = y - x
@@ -184,7 +186,6 @@ class StageTerms:
             if rc.any():
                 work = work + (1 - self.share) * np.where(rc, fwd, 0.0)
         work = work + extra
-        xfer = m_b * self._transfer(i, j, x, y)
 
         def lower(index: np.ndarray, e_low: np.ndarray) -> np.ndarray:
             """The term of candidates ``index`` with an exposed sync of ``e_low`` (<= E) instead of E."""
