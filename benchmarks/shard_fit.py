@@ -1,6 +1,7 @@
 """The largest GPT each shard level lets the partitioner plan under a memory limit (planned only).
 
     python benchmarks/shard_fit.py                      # 4 workers, 2 GB each, AdamW
+    python benchmarks/shard_fit.py --vocab 8192 --name shard_fit_vocab8k
     python benchmarks/shard_fit.py --memory-gb 1 --quick
 
 For each ``--shard`` level and each width, the partitioner is asked for a plan of a GPT (the zoo's
@@ -180,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--widths", type=lambda s: [int(x) for x in s.split(",")],
                    default=[512, 768, 1024, 1536, 2048, 2560, 3072, 4096])
     p.add_argument("--quick", action="store_true", help="three widths")
+    p.add_argument("--name", default="shard_fit", help="results file name (benchmarks/results/NAME.json)")
     p.add_argument("--out-dir", default=None)
     args = p.parse_args(argv)
     if args.quick:
@@ -188,9 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     results = {strategy: search(args, strategy) for strategy in ("dp", "optimal")}
     data = {"benchmark": "shard_fit", "argv": sys.argv[1:], "machine": machine(), "settings": {
-        k: v for k, v in vars(args).items() if k != "out_dir"}, "results": results,
+        k: v for k, v in vars(args).items() if k not in ("out_dir", "name")}, "results": results,
         "seconds": round(time.monotonic() - start, 1)}
-    json_path, png_path = result_paths("shard_fit", args.quick, args.out_dir)
+    json_path, png_path = result_paths(args.name, args.quick, args.out_dir)
     write_results(json_path, data, figure(results, args), png_path)
     for strategy, res in results.items():
         print(f"--strategy {strategy}:")

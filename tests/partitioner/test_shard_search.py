@@ -59,7 +59,18 @@ def brute_force(costs, model, workers, opts):
 def test_dp_with_shard_equals_brute_force_over_levels(layers, cluster, opts):
     """Up to 6 nodes on up to 4 workers, every flushed schedule and pipedream (no sharding there), memory
     tight enough that levels decide what fits: the DP's optimum and tie-broken plan = enumerating every
-    layout and every level per stage (25 cases; more with make test-slow)."""
+    layout and every level per stage (25 cases; 500: make test-slow)."""
+    check_against_brute_force(layers, cluster, opts)
+
+
+@pytest.mark.slow
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(LAYER, min_size=1, max_size=4), CLUSTERS, OPTIONS)
+def test_dp_with_shard_equals_brute_force_over_levels_many(layers, cluster, opts):
+    check_against_brute_force(layers, cluster, opts)
+
+
+def check_against_brute_force(layers, cluster, opts):
     costs = dataclasses.replace(model_costs(make_profile(layers, [])), step_ms=(("sgd", 5.0), ("adamw", 10.0)))
     model = CostModel(cluster)
     workers = cluster.total_workers
