@@ -211,7 +211,9 @@ def render(outcome: Outcome, nodes, *, layers: bool = False) -> str:
     foot = [f"predicted step {plan.predicted_step_ms:.1f} ms = {plan.predicted_samples_per_s:.1f} samples/s "
             f"(steady state {ev.objective_ms:.1f} ms/step, bound by stage {worst}, marked *)",
             "fwd/bwd: one micro-batch; sync: exposed all-reduce per step; extra: optimizer steps and compute lost "
-            "to communication per step"] + ([search_line(plan.search)] if plan.search else [])
+            "to communication per step"
+            + ("; shard: ZeRO level of a stage's replicas (sync: its reduce-scatters and all-gathers, with those "
+               "exposed inside the step)" if sharded else "")] + ([search_line(plan.search)] if plan.search else [])
     out = head + ["", body, ""] + foot
     if layers:
         out += ["", layer_table(plan)]

@@ -331,7 +331,7 @@ def build_plan(profile: Profile, costs: ModelCosts, cluster: Cluster, stages: Se
     for idx, (spec, e) in enumerate(zip(stages, ev.stages, strict=True)):
         out.append(Stage(index=idx, first_node=spec.first, last_node=spec.last, replicas=len(spec.ranks),
                          ranks=tuple(spec.ranks), compute_ms=e.forward_ms + e.backward_ms, forward_ms=e.forward_ms,
-                         backward_ms=e.backward_ms, sync_ms=e.sync_ms_per_step, send_ms=e.send_ms,
+                         backward_ms=e.backward_ms, sync_ms=e.sync_ms_per_step + e.midstep_ms, send_ms=e.send_ms,
                          send_bytes=int(e.send_bytes), memory_bytes=int(e.memory_bytes),
                          layers=without_tied(e.sync.layers, {t.param: t.bytes for t in tied if idx in t.stages}),
                          overhead_ms=e.overhead_ms, recompute=e.recompute, shard=e.shard,
