@@ -43,6 +43,7 @@ from hybridpipe.partitioner.search.objective import (
     predict_step_ms,
 )
 from hybridpipe.partitioner.search.pipedream import pipedream_stages
+from hybridpipe.partitioner.search.sharding import NONE
 from hybridpipe.partitioner.search.strategies import baseline_stages
 from hybridpipe.partitioner.search.virtual import BASE_SCHEDULE, Simulate, check_virtual, virtual_plan
 from hybridpipe.partitioner.tied import tied_groups
@@ -357,14 +358,16 @@ def without_tied(layers: Sequence[LayerSync], tied: dict[str, int]) -> tuple[Lay
 
 def no_fit_message(costs: ModelCosts, workers: int, opts: Options) -> str:
     """Why nothing fits: the hungriest node needs more than a worker has even alone, or the sum does."""
-    per_node = [memory_bytes(costs, i, i, inflight_micro_batches(opts.schedule, 1, 1, 1), opts)
-                for i in range(costs.n)]
+    one = inflight_micro_batches(opts.schedule, 1, 1, 1)
+    per_node = [min(memory_bytes(costs, i, i, one, opts, variant=v, replicas=workers)   # sharded over every worker
+                    for v in ((NONE,) + opts.variants(workers))) for i in range(costs.n)]
     worst = max(range(costs.n), key=per_node.__getitem__)
     gb = opts.memory_bytes / 1e9
     if per_node[worst] > opts.memory_bytes:
         return (f"no plan fits in {gb:g} GB per worker: node {costs.names[worst]!r} alone needs "
                 f"{per_node[worst] / 1e9:.2f} GB (weights, gradients, optimizer state, one micro-batch's "
-                "activations); raise --memory-gb or use a smaller model or batch")
+                "activations" + (", sharded over every worker" if opts.shard != "none" else "")
+                + "); raise --memory-gb or use a smaller model or batch")
     if not opts.replicas_ok(1) or costs.n * opts.micro_batches < workers:
         return (f"{workers} workers cannot all get micro-batches: {costs.n} nodes x {opts.micro_batches} micro-batches "
                 "per step; raise --micro-batches or use fewer --workers")
