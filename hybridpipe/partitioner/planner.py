@@ -21,6 +21,7 @@ from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.plan import (
     ALGORITHMS,
     OPTIMIZERS,
+    RUNNABLE_SHARD_LEVELS,
     STRATEGIES,
     WIRE_BYTES,
     LayerSync,
@@ -173,6 +174,9 @@ def partition(profile: Profile, cluster: Cluster, req: Request = Request(),
     if not ev.fits:
         raise UserError(memory_message(stages, ev, opts, req.strategy))
     plan = build_plan(profile, costs, cluster, stages, ev, opts, req.strategy, model, precision=req.precision)
+    if any(s.shard not in RUNNABLE_SHARD_LEVELS for s in plan.stages):
+        notes += ("ZeRO-3 (--shard parameters) is planned for its prediction only: launch cannot run it yet "
+                  "(it runs none, optimizer and gradients; --shard auto chooses among those)",)
     return Outcome(replace(plan, search=search), ev, model, opts, notes)
 
 

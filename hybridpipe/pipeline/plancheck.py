@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from torch import fx, nn
 
 from hybridpipe.errors import UserError
-from hybridpipe.partitioner.plan import Plan, Stage
+from hybridpipe.partitioner.plan import RUNNABLE_SHARD_LEVELS, Plan, Stage
 from hybridpipe.partitioner.tied import shared_across
 from hybridpipe.pipeline.buffer_writes import check_plan_writes
 from hybridpipe.pipeline.stage import LossFn, PipelineStage, captured_signature
@@ -88,16 +88,15 @@ def build_stage(captured: CapturedModel, plan: Plan, rank: int, *, loss: LossFn 
     return check_plan(captured, plan).stage(stage.index, loss=loss)
 
 
-RUNTIME_SHARD_LEVELS = ("none", "optimizer", "gradients")     # comm/sharded runs these
 
 
 def check_shards(plan: Plan) -> None:
     """Shard levels this runtime runs (ZeRO-1/2; not yet ZeRO-3's ``parameters``), under a flushing
     schedule (pipedream's asynchronous updates keep stashed whole weights)."""
     for s in plan.stages:
-        if s.shard not in RUNTIME_SHARD_LEVELS:
+        if s.shard not in RUNNABLE_SHARD_LEVELS:
             raise UserError(f"stage {s.index} asks its replicas to shard {s.shard} (ZeRO-3), which this runtime "
-                            f"cannot do yet; use \"shard\": one of {', '.join(RUNTIME_SHARD_LEVELS)}")
+                            f"cannot do yet; use \"shard\": one of {', '.join(RUNNABLE_SHARD_LEVELS)}")
         if s.shard != "none" and not plan.kind.flushed:
             raise UserError(f"stage {s.index} shards its replicas ({s.shard}), which needs a flushing schedule; "
                             f"{plan.schedule} updates asynchronously: use 1f1b, gpipe, zb-h1, interleaved-1f1b or zbv")

@@ -11,7 +11,7 @@ from hybridpipe.cli import main
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.cost.sharded import all_gather_seconds, fastest_pair, reduce_scatter_seconds
-from hybridpipe.partitioner.plan import load_plan
+from hybridpipe.partitioner.plan import RUNNABLE_SHARD_LEVELS, load_plan
 from hybridpipe.partitioner.planner import Request, partition
 from hybridpipe.partitioner.schedule_registry import get_schedule
 from hybridpipe.partitioner.search.modelcosts import model_costs
@@ -109,6 +109,21 @@ def test_a_level_is_never_chosen_for_one_replica():
     for shard in ("optimizer", "gradients", "parameters", "auto"):
         for s in plan_for(shard).stages:
             assert s.replicas > 1 or s.shard == "none"
+
+
+def test_auto_chooses_only_levels_the_runtime_runs_and_zero3_is_flagged():
+    """launch runs none, optimizer and gradients: auto never plans ZeRO-3 (even where it would fit in fewer
+    stages); --shard parameters by name still plans it, with a note that launch cannot run it yet."""
+    for memory_gb in (0.5, 0.8, 4.0):
+        try:
+            auto = plan_for("auto", memory_gb=memory_gb)
+        except UserError:
+            continue
+        assert all(s.shard in RUNNABLE_SHARD_LEVELS for s in auto.stages)
+    out = partition(make_profile(BIG, []), FAST, Request(optimizer="adamw", memory_gb=0.8, micro_batches=8,
+                                                        shard="parameters"))
+    assert any(s.shard == "parameters" for s in out.plan.stages)
+    assert any("launch cannot run it yet" in n for n in out.notes)
 
 
 def test_parameters_lets_data_parallelism_fit():

@@ -34,8 +34,9 @@ all-reduce, H_l for layer l; H = sum over the stage's layers):
   reduce-scatters or all-gathers of (r - 1) / r W per step (an all-reduce is two).
 
 A shard level needs a flushed schedule (pipedream stashes whole weight versions) and r > 1;
-``--shard auto`` takes, per stage, the variant with the smallest stage term among those that fit
-(ties to the first in ``VARIANTS``: less sharding).
+``--shard auto`` takes, per stage, the variant with the smallest stage term among those that fit and
+that the runtime runs (ZeRO-3's ``parameters`` is planned only when asked for by name: launch refuses it
+until the runtime gathers weights), ties to the first in ``VARIANTS``: less sharding.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hybridpipe.errors import UserError
-from hybridpipe.partitioner.plan import SHARD_LEVELS
+from hybridpipe.partitioner.plan import RUNNABLE_SHARD_LEVELS, SHARD_LEVELS
 
 SHARD_CHOICES = (*SHARD_LEVELS, "auto")
 
@@ -70,9 +71,10 @@ def check_shard(shard: str) -> None:
 
 
 def sharded_variants(shard: str) -> tuple[Variant, ...]:
-    """The variants a stage with replicas may take under ``--shard`` (a stage of one replica: ``NONE`` only)."""
+    """The variants a stage with replicas may take under ``--shard`` (a stage of one replica: ``NONE`` only);
+    ``auto`` chooses among the levels the runtime runs (RUNNABLE_SHARD_LEVELS: not ZeRO-3 yet)."""
     if shard == "auto":
-        return VARIANTS
+        return tuple(v for v in VARIANTS if v.level in RUNNABLE_SHARD_LEVELS)
     return tuple(v for v in VARIANTS if v.level == shard)
 
 
