@@ -165,3 +165,19 @@ def virtual_plan(groups: Sequence[tuple[int, ...]], costs: ModelCosts, model: Co
     step = simulate(plan) + sum(t.predicted_ms for t in plan.tied) + model.step_overhead_ms
     samples = opts.micro_batches * plan.batch_size / (step / 1e3) if step > 0 else 0.0
     return replace(plan, predicted_step_ms=step, predicted_samples_per_s=samples), replace(ev, objective_ms=step)
+
+
+def fastest_virtual_plan(options: Sequence[Sequence[tuple[int, ...]]], costs: ModelCosts, model: CostModel,
+                         opts: Options, virtual: int, build: Callable[[Sequence[StageSpec], Evaluation, Options], Plan],
+                         simulate: Simulate) -> tuple[Plan, Evaluation]:
+    """The fastest simulated :func:`virtual_plan` over these rank groupings (ties: the earlier); the first
+    grouping's UserError when none can run."""
+    built, refused = [], []
+    for groups in options:
+        try:
+            built.append(virtual_plan(groups, costs, model, opts, virtual, build, simulate))
+        except UserError as e:
+            refused.append(e)
+    if not built:
+        raise refused[0]
+    return min(built, key=lambda pe: pe[1].objective_ms)
