@@ -36,7 +36,8 @@ momentum: 1 copy, adam: 2), plus the activations of the micro-batches in flight 
 1f1b: min(k, ceil(W_after / r)), W_after = workers in this and later stages; zb-h1:
 min(k, ceil(W / r)), W all workers (a later stage holds back weight gradients); pipedream:
 ceil(W_after / r)), plus pipedream's stashed weight versions (one per in-flight minibatch
-beyond the live weights).
+beyond the live weights), plus the stage's transient bytes (``transient_bytes``: the most one node's
+kernels allocate for a moment, at the worst moment of the step).
 
 Every term depends only on the stage's node range and ranks (and the neighbours' ranks for the
 transfer level), which is what lets ``dp.py`` compute them exactly in vectorised form; the
@@ -150,7 +151,16 @@ def memory_bytes(costs: ModelCosts, i: int, j: int, inflight: int, opts: Options
         held = costs.kept_bytes(i, j) * inflight + costs.rerun_bytes(i, j)
     else:
         held = stash * inflight
-    return weights * (2 + OPTIMIZER_STATES[opts.optimizer] + versions) + held
+    return weights * (2 + OPTIMIZER_STATES[opts.optimizer] + versions) + held + transient_bytes(costs, i, j)
+
+
+def transient_bytes(costs: ModelCosts, i: int, j: int) -> float:
+    """What stage i..j allocates for a moment on top of what it holds: the largest forward or backward
+    transient of its nodes (their kernels' temporaries, the gradients flowing through a backward:
+    ``profiles/transient.py``). Charged once, at the stage's worst moment: a node's backward (or
+    forward) while every in-flight micro-batch's activations are held, the weights' gradients exist
+    (from the step's first backward on) and so does the optimizer's state (from the first step on)."""
+    return costs.transient_bytes(i, j)
 
 
 def overhead_ms(optimizer_ms, weights, p2p_bytes, replicas: int, k: int, syncs: int, interference: float):
