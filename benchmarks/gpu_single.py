@@ -6,18 +6,18 @@
 What it shows on a GPU: the framework's cost where there is nothing to pipeline (a one-stage plan:
 hybridpipe's engine, its capture of the model as a graph, its memory meter) against the loop a user
 would write, fp32 and bf16 (``torch.autocast``), and the plan's predicted peak memory against CUDA's
-``max_memory_allocated`` (less what was allocated before the side started: other objects the
-process still holds, counted by ``torch.cuda.memory_allocated`` after a ``gc.collect()``). The plan
-comes from a profile taken on the device in the side's precision (bf16: under ``torch.autocast``,
-``profile_model(precision=)``) and predicts weights, gradients and optimizer state, the activations
-of the micro-batches in flight and the kernels' transient bytes (``objective.transient_bytes``);
-the breakdown is printed. On the CPU the Trainer's meter counts the tensors a stage holds, not
-temporaries: compare it with ``predicted_held_bytes``. Both sides: the same model built from the
-same seed, AdamW, ``--micro-batches`` micro-batches of ``--batch-size`` accumulated per step,
-synthetic data; the plain loop scales each micro-batch's loss by 1/M as hybridpipe does. Each side runs ``--steps`` steps per round, ``--warmup``
-untimed; the sides alternate for ``--rounds`` rounds (ABBA), and a side's figure is the median over
-rounds of its median step (``torch.cuda.synchronize`` around each step). The weights after the first
-round are compared (``max |ours - plain|``) so a fast wrong answer cannot pass.
+``max_memory_allocated`` (less what was allocated before the side started: other objects the process
+still holds, counted by ``torch.cuda.memory_allocated`` after a ``gc.collect()``). The plan comes from a
+profile taken on the device in the side's precision (bf16: under ``torch.autocast``,
+``profile_model(precision=)``) and predicts weights, gradients and optimizer state, the activations of
+the micro-batches in flight and the kernels' transient bytes (``objective.transient_bytes``); the
+breakdown is printed. On the CPU the Trainer's meter counts the tensors a stage holds, not temporaries:
+compare it with ``predicted_held_bytes``. Both sides: the same model built from the same seed, AdamW,
+``--micro-batches`` micro-batches of ``--batch-size`` accumulated per step, synthetic data; the plain
+loop scales each micro-batch's loss by 1/M as hybridpipe does. Each side runs ``--steps`` steps per
+round, ``--warmup`` untimed; the sides alternate for ``--rounds`` rounds (ABBA), and a side's figure is
+the median over rounds of its median step (``torch.cuda.synchronize`` around each step). The weights
+after the first round are compared (``max |ours - plain|``) so a fast wrong answer cannot pass.
 Results: ``benchmarks/results/gpu_single[_quick].json`` / ``.png`` (the PNG only where matplotlib is).
 """
 
