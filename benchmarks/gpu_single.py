@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
               f"(measured/predicted {peaks['ours'] / predicted:.3f}; residue before the sides "
               f"{max(residues.values()) / 2**20:.0f} MiB, not counted); max weight diff {diff:.2e}", flush=True)
         sizes = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in parts.items() if isinstance(v, (int, float)))
-        print(f"{q}: predicted parts (MiB): {sizes}; largest node transient: {parts['transient_node']}", flush=True)
+        print(f"{q}: predicted parts (MiB): {sizes}; transient at node {parts['transient_node']}", flush=True)
     json_path, png_path = result_paths("gpu_single", a.quick, a.out_dir)
     try:
         figure = _figure(out)
@@ -191,8 +191,9 @@ def _breakdown(profile, plan) -> dict:
     costs = model_costs(profile)
     st, n = plan.stages[0], len(profile.nodes)
     weights = costs.weight_bytes(0, n - 1)
-    worst = max(range(n), key=lambda k: max(profile.nodes[k].forward_transient_bytes,
-                                            profile.nodes[k].backward_transient_bytes))
+    held = costs.stash_table()[0][0]                     # what a micro-batch holds up to each node
+    transients = costs.transient if costs.transient is not None else [0.0] * n
+    worst = max(range(n), key=lambda k: held[k] + transients[k])     # the node at the stage's worst moment
     fixed = weights * (2 + OPTIMIZER_STATES[plan.optimizer])
     transient = transient_bytes(costs, 0, n - 1)
     return {"weights_grads_optimizer": fixed, "activations_in_flight": st.memory_bytes - fixed - transient,
