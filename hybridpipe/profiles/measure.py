@@ -215,7 +215,9 @@ class _SavedStorages:
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         ptr, size = _storage(t)
         self.sizes[ptr] = max(self.sizes.get(ptr, 0), size)
-        return t
+        # detached: a saved output kept as itself would hold its own grad_fn, a cycle through C++ that
+        # Python's collector never frees (the whole graph, parameters and activations, leaked per block)
+        return t.detach()
 
     def __enter__(self) -> _SavedStorages:
         self._hooks.__enter__()
