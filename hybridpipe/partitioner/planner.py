@@ -180,6 +180,10 @@ def partition(profile: Profile, cluster: Cluster, req: Request = Request(),
     if not ev.fits:
         raise UserError(memory_message(stages, ev, opts, req.strategy))
     plan = build_plan(profile, costs, cluster, stages, ev, opts, req.strategy, model, precision=req.precision)
+    if profile.precision != req.precision:      # activation and transient bytes are the profile's
+        notes += (f"the profile was measured in {profile.precision} and the plan is for {req.precision}: its "
+                  f"activation memory is {profile.precision}'s; `hybridpipe profile --precision {req.precision}` "
+                  "measures it as the job runs",)
     if any(s.shard not in RUNNABLE_SHARD_LEVELS for s in plan.stages):
         notes += ("ZeRO-3 (--shard parameters) is planned for its prediction only: launch cannot run it yet "
                   "(it runs none, optimizer and gradients; --shard auto chooses among those)",)

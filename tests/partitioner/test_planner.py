@@ -246,6 +246,16 @@ def test_bf16_plans_price_transfers_and_all_reduces_at_half_the_bytes(tmp_path):
         partition(profile, cluster, dataclasses.replace(stages, precision="fp8"))
 
 
+def test_a_plan_for_another_precision_than_the_profiles_says_so():
+    profile = make_profile([(1.0, 2.0, 1 << 20, 1 << 20)] * 2)
+    cluster = two_level(1, 2)
+    assert not any("precision" in n for n in partition(profile, cluster, Request()).notes)
+    notes = partition(profile, cluster, Request(precision="bf16")).notes
+    assert any("measured in fp32 and the plan is for bf16" in n for n in notes)
+    same = dataclasses.replace(profile, precision="bf16")
+    assert not any("precision" in n for n in partition(same, cluster, Request(precision="bf16")).notes)
+
+
 def test_shard_level_round_trips_defaults_to_none_and_needs_replicas(tmp_path):
     path = save_plan(partition(PROFILE, CLUSTER, Request(strategy="dp")).plan, tmp_path / "plan.json")
     assert all(s.shard == "none" and s.reshard_after_forward for s in load_plan(path).stages)

@@ -12,7 +12,8 @@ contiguous chunks laid out on the groups as the schedule says (``schedule_regist
 * memory per worker: its chunks' weights, gradients and optimizer state, plus the most activation
   bytes its chunks hold at one time, counted by the Schedule object on its own op order
   (``Schedule.held_peak``; the chunks' own peaks, ``chunk_inflight``, come at different times, so
-  their sum over-counts: 19% on a zbv GPT-2 worker), plus one chunk's rerun when recomputing;
+  their sum over-counts: 19% on a zbv GPT-2 worker), plus one chunk's rerun when recomputing,
+  plus the largest transient of its chunks (one node runs at a time: ``objective.transient_bytes``);
   ``--recompute all`` recomputes every chunk, ``auto`` the chunks of workers that would not fit
   otherwise;
 * per-chunk figures (forward, backward, transfers, per-layer all-reduce choice, overhead) come
@@ -38,7 +39,14 @@ from hybridpipe.partitioner.plan import Plan
 from hybridpipe.partitioner.schedule_registry import REGISTRY, Schedule
 from hybridpipe.partitioner.search.balance import balanced_sizes
 from hybridpipe.partitioner.search.modelcosts import ModelCosts
-from hybridpipe.partitioner.search.objective import Evaluation, Options, StageSpec, evaluate, memory_bytes
+from hybridpipe.partitioner.search.objective import (
+    Evaluation,
+    Options,
+    StageSpec,
+    evaluate,
+    memory_bytes,
+    transient_bytes,
+)
 
 Simulate = Callable[[Plan], float]      # a plan -> its simulated step in ms
 
@@ -119,10 +127,11 @@ def chunk_memory(costs: ModelCosts, specs: Sequence[StageSpec], kind: Schedule, 
             """Weights and optimizer state of every chunk, the activations at the worker's peak over
             its chunks together, and (recomputing) the largest one rerun: one backward at a time."""
             ranges = [(specs[c].first, specs[c].last) for c in mine]
-            static = sum(memory_bytes(costs, i, j, 0, opts) for i, j in ranges)
+            transient = [transient_bytes(costs, i, j) for i, j in ranges]      # one chunk's node at a time
+            static = sum(memory_bytes(costs, i, j, 0, opts) - t for (i, j), t in zip(ranges, transient, strict=True))
             per_mb = [costs.kept_bytes(i, j) if rc else costs.stash_bytes(i, j) for i, j in ranges]
             rerun = max(costs.rerun_bytes(i, j) for i, j in ranges) if rc else 0.0
-            return static + kind.held_peak(place, virtual, per_mb) + rerun
+            return static + kind.held_peak(place, virtual, per_mb) + rerun + max(transient)
         rc = opts.recompute == "all" or (opts.recompute == "auto" and total(False) > opts.memory_bytes)
         for c in mine:
             worker[c], recompute[c] = total(rc), rc
