@@ -89,6 +89,20 @@ class Model:
         return optimizer
 
 
+def trainer_model(model: Any, plan: Plan, *, precision: str, seed: int, example: Any,
+                  loss: Callable[..., torch.Tensor] | None) -> Model:
+    """The Trainer's ``model`` argument built and captured for ``precision`` (:func:`spec_of`), or
+    the ``Model`` given, which must have been captured for it."""
+    built = model if isinstance(model, Model) else build_model(spec_of(model, plan.model, example, loss), plan,
+                                                               seed=seed, autocast=PRECISIONS[precision])
+    if built.captured.autocast != PRECISIONS[precision]:
+        had = next(name for name, d in PRECISIONS.items() if d == built.captured.autocast)
+        raise UserError(f"the model was captured for {had} but the trainer runs {precision}: build it with "
+                        f"build_model(..., autocast=PRECISIONS[{precision!r}]), or pass the model spec and let the "
+                        "trainer build it")
+    return built
+
+
 def spec_of(model: Any, name: str, example: Any, loss: Callable[..., torch.Tensor] | None) -> ModelSpec:
     """The ModelSpec of the Trainer's ``model`` argument: a spec string, a ModelSpec, a Model, or
     an ``nn.Module`` / factory with ``example`` (one micro-batch of its input) and ``loss``."""
@@ -105,13 +119,13 @@ def spec_of(model: Any, name: str, example: Any, loss: Callable[..., torch.Tenso
 
 
 def load_model(cfg: RunConfig) -> Model:
-    """Build and capture the plan's model (seeded by ``cfg.seed``) and check the whole plan against
+    """Build and capture the plan's model (seeded by ``--seed``) and check the whole plan against
     it before any process group exists (pipeline/plancheck.py: graph signature, every cut's values,
     buffers, tied parameters, every replicated stage's sync layers). Captured under autocast for a
-    16-bit ``cfg.precision``."""
+    16-bit precision (the plan's, with launch's override)."""
     cache = Path(cfg.run_dir) / CAPTURE_CACHE if cfg.run_dir else None
-    return build_model(resolve_model(cfg.model), cfg.plan, seed=cfg.seed, autocast=PRECISIONS[cfg.precision],
-                       cache=cache)
+    return build_model(resolve_model(cfg.model), cfg.plan, seed=cfg.training.seed,
+                       autocast=PRECISIONS[cfg.plan.precision], cache=cache)
 
 
 def build_model(spec: ModelSpec, plan: Plan, *, seed: int, autocast: torch.dtype | None = None,
@@ -223,9 +237,9 @@ def make_data(cfg: RunConfig, spec: ModelSpec) -> MicroBatches:
     """Micro-batch m of step k = samples (k*M + m)*B ... + B - 1 of the dataset (wrapping around),
     as every rank and the single-process reference compute it."""
     size = cfg.dataset_size or cfg.steps * cfg.global_batch
-    dataset = resolve_dataset(cfg.dataset, spec, size=size, seed=cfg.seed)
+    dataset = resolve_dataset(cfg.dataset, spec, size=size, seed=cfg.training.seed)
     return MicroBatches(dataset, cfg.batch_size, cfg.micro_batches, targets=spec.loss is not None,
-                        shuffle_seed=cfg.seed if cfg.shuffle else None)
+                        shuffle_seed=cfg.training.seed if cfg.shuffle else None)
 
 
 def held_out_seed(seed: int) -> int:
@@ -237,7 +251,7 @@ def make_eval_data(cfg: RunConfig, spec: ModelSpec) -> MicroBatches:
     """The held-out micro-batches of ``--eval-every`` (evaluation j reads step j of this source):
     ``--eval-dataset``, or synthetic samples of another seed (the same task, other samples)."""
     size = cfg.eval_batches * cfg.global_batch
-    dataset = resolve_dataset(cfg.eval_dataset or "synthetic", spec, size=size, seed=held_out_seed(cfg.seed))
+    dataset = resolve_dataset(cfg.eval_dataset or "synthetic", spec, size=size, seed=held_out_seed(cfg.training.seed))
     return MicroBatches(dataset, cfg.batch_size, cfg.micro_batches, targets=spec.loss is not None)
 
 

@@ -65,7 +65,7 @@ def run_worker(cfg: RunConfig, *, print_fn: Callable[[str], None] = print) -> di
     model = load_model(cfg)                    # before any process group: a wrong plan fails alone
     init_optimizer = model.start_from(cfg.init_from) if cfg.init_from else None
     captured = time.time()
-    proc, owned = init_distributed(cfg.backend, cfg.timeout)
+    proc, owned = init_distributed(cfg.training.backend, cfg.training.timeout)
     lock = None
     try:
         if proc.world_size != cfg.plan.world_size:
@@ -75,7 +75,7 @@ def run_worker(cfg: RunConfig, *, print_fn: Callable[[str], None] = print) -> di
         # steps completed (for the exit note) and when this worker got how far (the restart record)
         progress = {"done": 0, "entered": entered, "captured": captured}
         guard = FailureGuard(default_store(), rank=proc.rank, world_size=proc.world_size,
-                             timeout=min(cfg.peer_timeout, cfg.timeout), program="hybridpipe.launch",
+                             timeout=min(cfg.peer_timeout, cfg.training.timeout), program="hybridpipe.launch",
                              describe=describe_ranks(cfg.plan), on_exit=[lambda: _close_all(closers)],
                              hint="restart with --resume to continue from the newest checkpoint"
                              if cfg.checkpoint_dir else "")
@@ -142,7 +142,7 @@ def _train(cfg: RunConfig, proc: Process, model: Model, closers: list, print_fn,
     critical = guard.critical
     run = _open_run(cfg, proc, closers, print_fn)
     trainer = _make_trainer(run, model)
-    recover = recoverer(cfg, proc, trainer, guard) if cfg.in_place else None
+    recover = recoverer(cfg, proc, trainer, guard) if cfg.training.in_place else None
     held_out = make_eval_data(cfg, model.spec) if cfg.eval_every else None
     if init_optimizer is not None:
         _load_optimizer(trainer, model, init_optimizer)
@@ -196,14 +196,11 @@ def _open_run(cfg: RunConfig, proc: Process, closers: list, print_fn) -> _Run:
 def _make_trainer(run: _Run, model: Model) -> Trainer:
     """The Python API's Trainer with launch's options."""
     cfg = run.cfg
-    hint = f"the newest checkpoint in {cfg.checkpoint_dir} is the last good one" if cfg.checkpoint_dir else ""
-    return Trainer(model, cfg.plan, optimizer=cfg.optimizer, lr=cfg.lr, momentum=cfg.momentum,
-                   weight_decay=cfg.weight_decay, clip_grad_norm=cfg.clip_grad_norm, seed=cfg.seed,
-                   lr_scheduler=lr_schedule(cfg.lr_schedule, warmup=cfg.warmup_steps, total=cfg.steps),
-                   data=make_data(cfg, model.spec), comm_mode=cfg.comm_mode, allreduce=cfg.allreduce,
-                   calibrations=cfg.calibrations, aggregator=cfg.aggregator, skip_nonfinite=cfg.skip_nonfinite,
-                   timeout=cfg.timeout, precision=cfg.precision, recorder=run.recorder, nonfinite_hint=hint,
-                   reduce_dtype=cfg.reduce_dtype, loss_normalization=cfg.loss_normalization, in_place=cfg.in_place)
+    trainer = Trainer(model, cfg.plan, cfg.training, recorder=run.recorder, data=make_data(cfg, model.spec),
+                      lr_scheduler=lr_schedule(cfg.lr_schedule, warmup=cfg.warmup_steps, total=cfg.steps))
+    if cfg.checkpoint_dir:
+        trainer.watch.hint = f"the newest checkpoint in {cfg.checkpoint_dir} is the last good one"
+    return trainer
 
 
 def _load_optimizer(trainer: Trainer, model: Model, state: dict) -> None:
@@ -332,8 +329,7 @@ def _summary(run: _Run, trainer: Trainer, reports: list, start: int, print_fn, e
     cfg = run.cfg
     summary = summarize(reports, trainer.plan, steps=cfg.steps, first_step=start, run_dir=str(run.run_dir),
                         trace_dir=str(run.traces) if run.traces is not None else None, schedule=cfg.schedule,
-                        comm_mode=cfg.comm_mode, allreduce=cfg.allreduce, skipped=trainer.watch.skipped,
-                        precision=cfg.precision, reduce_dtype=cfg.reduce_dtype)
+                        config=trainer.config, skipped=trainer.watch.skipped)
     if cfg.checkpoint_dir or events:
         summary["restarts"] = read_log(Path(cfg.checkpoint_dir)) if cfg.checkpoint_dir else events
     write_json(Path(run.run_dir) / "summary.json", summary)
