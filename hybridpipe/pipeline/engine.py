@@ -364,10 +364,10 @@ class PipelineEngine:
         if self.tied is not None:
             self.tied.reduce()
         if scale != 1.0:
-            with torch.no_grad():
-                for p in self.module.parameters():
-                    if p.grad is not None:
-                        p.grad.mul_(scale)
+            grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+            if grads:
+                with torch.no_grad():
+                    torch._foreach_mul_(grads, scale)       # one call, not one per parameter
         if self.before_step is not None and self.before_step() is False:
             self.optimizer.zero_grad(set_to_none=True)
             return
