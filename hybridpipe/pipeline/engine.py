@@ -87,7 +87,7 @@ from hybridpipe.pipeline.instructions import (
     message_key,
 )
 from hybridpipe.pipeline.memory import MemoryMeter, optimizer_tensors, tensors_bytes
-from hybridpipe.pipeline.ports import TiedReduce, Transport, chunk_syncs
+from hybridpipe.pipeline.ports import TiedReduce, Transport, chunk_syncs, step_gradients
 from hybridpipe.pipeline.schedules import Topology, check_schedulable, forwarded, rank_program, settle_phase
 from hybridpipe.pipeline.stage import Activation, PipelineStage
 from hybridpipe.pipeline.stash import WeightStash, needs_frozen
@@ -364,7 +364,7 @@ class PipelineEngine:
         if self.tied is not None:
             self.tied.reduce()
         if scale != 1.0:
-            grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+            grads = step_gradients(self.module, self.optimizer)
             if grads:
                 with torch.no_grad():
                     torch._foreach_mul_(grads, scale)       # one call, not one per parameter
@@ -382,5 +382,8 @@ class PipelineEngine:
         return out + (self.stash.tensors() if self.stash else [])
 
     def _grad_bytes(self) -> int:
+        own = getattr(self.optimizer, "grad_bytes", None)      # a sharded stage's: its share (comm/sharded)
+        if callable(own):
+            return int(own())
         return tensors_bytes(p for p in self.module.parameters() if p.requires_grad)
 

@@ -32,10 +32,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset
 
+from hybridpipe.comm.sharded import ShardedReplicas
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner.plan import Plan, load_plan
 from hybridpipe.pipeline import PipelineEngine, Topology, check_plan
 from hybridpipe.pipeline.chunks import rank_module
+from hybridpipe.pipeline.ports import step_gradients
 from hybridpipe.pipeline.schedules import settle_phase
 from hybridpipe.pipeline.stage import loss_of
 from hybridpipe.profiles.capture import tied_parameters
@@ -57,6 +59,7 @@ from hybridpipe.runtime.parts import (
     trainer_model,
 )
 from hybridpipe.runtime.scaler import LossScaler
+from hybridpipe.runtime.sharded_optimizer import ShardedOptimizer, for_checkpoint, norm_terms
 from hybridpipe.runtime.tied import repeated_tied, tied_process_groups, tied_sync
 from hybridpipe.runtime.training_config import TrainingConfig, flushes, with_settings
 
@@ -117,8 +120,12 @@ class Trainer:
         self.module = rank_module([st.module for st in self.stages])     # every chunk's parameters, each once
         self._uncounted = repeated_tied(plan, mine, self.model.module)
         seed_rank(cfg.seed, rank)
+        sharded = any(s.shard != "none" for s in self.stage_plans)
+        if sharded and cfg.in_place:
+            raise UserError("in-place recovery re-forms the replica groups, which a sharded stage's optimizer state is "
+                            "split over; use \"shard\": \"none\" or restart from checkpoints")
         self.optimizer = build_optimizer(optimizer if callable(optimizer) else cfg.optimizer, self.module, cfg.lr,
-                                         cfg.momentum, cfg.weight_decay)
+                                         cfg.momentum, cfg.weight_decay, sharded)
         self.scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None and \
             isinstance(self.optimizer, torch.optim.Optimizer) else None
         self._feed = GivenBatches(keep=settle_phase(Topology.from_plan(plan), plan.kind) + 2, fallback=data,
@@ -152,6 +159,8 @@ class Trainer:
                                          wire_dtype=PRECISIONS[cfg.reduce_dtype],
                                          exclude=tied.params if tied is not None else ())
                       for s, st in zip(self.stage_plans, self.stages, strict=True)}
+        if isinstance(self.optimizer, ShardedOptimizer):      # its state lives on the replicas' shards
+            self.optimizer.bind([v for v in self.syncs.values() if isinstance(v, ShardedReplicas)])
         topo = Topology.from_plan(plan)
         recorder = self._recorder
         self.channels = stage_channels(topo, rank, plan.kind, cfg.comm_mode, self.proc.device, timeout,
@@ -269,7 +278,7 @@ class Trainer:
         ckpt = self._checkpointer(directory, keep)
         extra = {"scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
                  "scaler": self.scaler.state_dict() if self.scaler is not None else None}
-        return ckpt.save(self.step, module=self.module, optimizer=self.optimizer,
+        return ckpt.save(self.step, module=self.module, optimizer=for_checkpoint(self.optimizer),
                          engine=self.engine.state_dict(), extra=extra,
                          chunks={st.index: st.module for st in self.stages})
 
@@ -349,10 +358,9 @@ class Trainer:
             inv = 1.0 / self.scaler.scale
             bad = torch.zeros(1, device=self.proc.device)
             with torch.no_grad():
-                for p in self.module.parameters():
-                    if p.grad is not None:
-                        p.grad.mul_(inv)
-                        bad = torch.maximum(bad, (~torch.isfinite(p.grad)).any().float())
+                for g in step_gradients(self.module, self.optimizer):
+                    g.mul_(inv)
+                    bad = torch.maximum(bad, (~torch.isfinite(g)).any().float())
             dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self._stats)
             found = bool(bad.item() > 0)
             self.scaler.update(found)
@@ -367,11 +375,9 @@ class Trainer:
         the global norm exceeds ``clip_grad_norm`` (replica 0 of each stage contributes its squared
         norm, a tied parameter only in the first stage that holds it)."""
         sq = torch.zeros(1, dtype=torch.float64, device=self.proc.device)
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        if self.replica == 0:
-            for p in self.module.parameters():
-                if p.grad is not None and id(p) not in self._uncounted:
-                    sq += p.grad.detach().double().pow(2).sum()
+        grads = step_gradients(self.module, self.optimizer)
+        for g in norm_terms(self.optimizer, self.module, self.replica == 0, self._uncounted):
+            sq += g.detach().double().pow(2).sum()
         dist.all_reduce(sq, group=self._stats)
         norm = float(sq.sqrt())
         self.last_grad_norm = norm
