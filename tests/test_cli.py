@@ -34,6 +34,15 @@ def mlp_profile(tmp_path_factory) -> Path:
     return out
 
 
+def test_profile_precision_measures_under_autocast(mlp_profile, tmp_path):
+    """--precision bf16: recorded, and the activations between nodes are autocast's 16-bit ones."""
+    assert main(["profile", "mlp[layers=2]", "--batch-size", "4", *QUICK, "--precision", "bf16",
+                 "-o", str(tmp_path / "b.json")]) == 0
+    fp32, bf16 = load_profile(mlp_profile), load_profile(tmp_path / "b.json")
+    assert (fp32.precision, bf16.precision) == ("fp32", "bf16")
+    assert bf16.nodes[1].activation_bytes == fp32.nodes[1].activation_bytes // 2      # a Linear's output
+
+
 def test_profile_writes_a_loadable_profile_and_a_summary(mlp_profile, capsys, tmp_path):
     p = load_profile(mlp_profile)
     assert p.model == "mlp[layers=2]" and p.batch_size == 4 and [n.name for n in p.nodes] == list("01234")

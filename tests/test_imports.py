@@ -33,6 +33,7 @@ PARTITIONER_ORDER: tuple[tuple[str, ...], ...] = (
      "hybridpipe.partitioner.plan", "hybridpipe.partitioner.tied"),
     ("hybridpipe.partitioner.search",),
     ("hybridpipe.partitioner.planner",),
+    ("hybridpipe.partitioner.joint",),   # the loop over schedule x virtual stages x precision around the planner
     ("hybridpipe.partitioner.refine",),
 )
 # what a package may import of another one (beyond the order above)

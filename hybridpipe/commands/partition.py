@@ -28,6 +28,7 @@ from hybridpipe.errors import UserError
 from hybridpipe.limits import require_memory
 from hybridpipe.partitioner.cost.calibration import load_calibration
 from hybridpipe.partitioner.cost.cluster import load_cluster
+from hybridpipe.partitioner.joint import AUTO_VIRTUAL, MAX_VIRTUAL, joint_partition
 from hybridpipe.partitioner.plan import ALGORITHMS, OPTIMIZER_HELP, OPTIMIZERS, PRECISIONS, STRATEGIES, Plan, save_plan
 from hybridpipe.partitioner.plan_options import add_micro_batches_option, add_schedule_option
 from hybridpipe.partitioner.planner import DEFAULT_TIME_BUDGET_S, Outcome, Request, partition
@@ -53,12 +54,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=positive_int, metavar="N", help="use N workers (default: the whole cluster)")
     parser.add_argument("--strategy", choices=STRATEGIES, default="optimal",
                         help="optimal (default), pipedream (PipeDream's formula), dp (data parallel), "
-                             "uniform (equal node counts), params (balanced parameters), time (balanced compute)")
+                             "uniform (equal node counts), params (balanced parameters), time (balanced compute), "
+                             "torchtitan (transformer layers counted out, the embedding and the output weighing a "
+                             "layer each: first/last_stage_less_layers 1), megatron (Megatron-LM's "
+                             "account_for_embedding/loss_in_pipeline_split: L + 2 layers split evenly)")
     add_schedule_option(parser, default=DEFAULT_SCHEDULE, auto=True)
-    parser.add_argument("--virtual-stages", type=positive_int, default=1, metavar="V",
-                        help="model chunks per worker (default 1): V > 1 with --schedule interleaved-1f1b, zbv (V = 2) "
-                             "or auto; the strategy's stage groups and replicas each hold V chunks, which shrinks "
-                             "the pipeline's fill and drain by V")
+    parser.add_argument("--virtual-stages", type=virtual_stages, metavar="V|auto",
+                        help="model chunks per worker: V > 1 with --schedule interleaved-1f1b, zbv (V = 2) "
+                             "or auto; a baseline strategy's stage groups and replicas each hold V chunks, optimal "
+                             "searches the groups with them; the fill and drain shrink by V. auto (the default with "
+                             f"--schedule auto, else 1): searched with the schedule, V = 1..{MAX_VIRTUAL}, "
+                             "compared by simulation")
     parser.add_argument("--recompute", choices=RECOMPUTE, default="none",
                         help="activation recomputation: none (default), all stages, or auto (the stages that "
                              "would not fit in --memory-gb otherwise; the extra forward is charged)")
@@ -66,11 +72,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="what a stage's replicas shard (ZeRO): none (default: each holds everything), optimizer "
                              "(ZeRO-1), gradients (ZeRO-2), parameters (ZeRO-3, gathered per micro-batch or kept for "
                              "the step, as the plan chooses), or auto (per stage, the fastest level that fits)")
-    parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
+    parser.add_argument("--precision", choices=(*PRECISIONS, AUTO), default="fp32",
                         help="what the job will run in (launch --precision; default fp32): bf16/fp16 price "
                              "activations, gradients and all-reduces at half the profiled bytes (optimistic: a value "
                              "autocast keeps in float32 crosses in float32, and launch --reduce-dtype is fp32 by "
-                             "default)")
+                             "default); auto: the faster predicted of fp32 and bf16, searched with the schedule")
     parser.add_argument("--loss-normalization", choices=LOSS_NORMALIZATIONS, default="micro-batch",
                         help="recorded for launch (which may override it): micro-batch (default), a step's loss is "
                              "the mean of its micro-batches' mean losses; tokens, the step's summed per-token loss "
@@ -85,7 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calibration", action="append", default=[], metavar="CAL.json",
                         help="measured costs from `hybridpipe bench-allreduce` (one per cluster level; repeatable)")
     parser.add_argument("--stages", type=positive_int, metavar="S",
-                        help="uniform/params: S stages of workers/S replicas")
+                        help="uniform/params/torchtitan/megatron: S stages of workers/S replicas")
     parser.add_argument("--algorithms", default=",".join(ALGORITHMS), metavar="A,B",
                         help=f"all-reduce algorithms the hybrid policy may pick (default {','.join(ALGORITHMS)})")
     parser.add_argument("--aggregator", choices=("worker", "dedicated"), default="worker",
@@ -125,10 +131,13 @@ def run(args: argparse.Namespace) -> int:
                   micro_batches=args.micro_batches, optimizer=args.optimizer, memory_gb=args.memory_gb,
                   stages=args.stages, algorithms=tuple(a.strip() for a in args.algorithms.split(",") if a.strip()),
                   dedicated_aggregator=args.aggregator == "dedicated", time_budget_s=args.time_budget,
-                  recompute=args.recompute, precision=args.precision, virtual_stages=args.virtual_stages,
-                  shard=args.shard)
+                  recompute=args.recompute, precision=args.precision,
+                  virtual_stages=(AUTO_VIRTUAL if args.schedule == AUTO else 1) if args.virtual_stages is None
+                  else args.virtual_stages, shard=args.shard)
     with search_bar(args.strategy, disable=args.quiet) as progress:
-        outcome = partition(profile, cluster, req, calibrations, progress=progress, simulate=simulated_step)
+        outcome = joint_partition(profile, cluster, req, calibrations, progress=progress,
+                                  simulate=simulated_step).outcome
+    req = chosen_request(req, outcome.plan)
     print(render(outcome, profile.nodes, layers=args.layers))
     for note in outcome.notes:
         print(f"note: {note}")
@@ -218,6 +227,19 @@ def render(outcome: Outcome, nodes, *, layers: bool = False) -> str:
     if layers:
         out += ["", layer_table(plan)]
     return "\n".join(out)
+
+
+def virtual_stages(text: str) -> int:
+    """``--virtual-stages``: a whole number >= 1, or ``auto`` (searched: AUTO_VIRTUAL)."""
+    return AUTO_VIRTUAL if text == AUTO else positive_int(text)
+
+
+def chosen_request(req: Request, plan: Plan) -> Request:
+    """The request with what the joint search chose in place of what it left open (for --compare)."""
+    if req.virtual_stages != AUTO_VIRTUAL and req.precision != AUTO:
+        return req
+    return dataclasses.replace(req, virtual_stages=plan.virtual_stages, precision=plan.precision,
+                               schedule=plan.schedule if plan.virtual_stages > 1 else req.schedule)
 
 
 def compare(profile, cluster, req: Request, calibrations, outcome: Outcome, *, every: bool) -> str:

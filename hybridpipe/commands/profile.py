@@ -43,6 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="keep modules of this class whole: each call is one opaque node that runs the "
                         "module as written (data-dependent routing, .item(), loops, custom autograd Functions); "
                         "repeat or separate with commas; recorded in the profile's model spec")
+    parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
+                        help="what the job will compute in (launch --precision): bf16/fp16 capture and measure "
+                        "under torch.autocast, so activation and transient bytes are the mixed-precision job's "
+                        "(default fp32)")
     parser.add_argument("--seed", type=seed, default=0, help="seed for the weights and the example batch")
     parser.add_argument("-o", "--output", type=output_file,
                         help="profile file to write (default: MODEL.json in the current folder)")
@@ -59,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     check_fits(model, args.batch_size, device)
     profile = profile_model(model, batch_size=args.batch_size, device=device, repeats=args.repeats,
                             warmup=args.warmup, seed=args.seed, progress=False if args.quiet else None,
-                            granularity=granularity)
+                            granularity=granularity, precision=args.precision)
     path = save_profile(profile, output)
     t = profile.totals
     print(f"profiled {profile.model}: {len(profile.nodes)} nodes ({profile.granularity}), {len(profile.edges)} edges, "

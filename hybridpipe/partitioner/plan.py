@@ -50,7 +50,7 @@ PLAN_KIND = "plan"
 PLAN_FORMAT = 1
 SCHEDULES = tuple(REGISTRY)     # the schedules by name (schedule_registry.py describes each)
 ALGORITHMS = co.ALGORITHMS      # the all-reduce algorithms (collectives.py describes each)
-STRATEGIES = ("optimal", "pipedream", "dp", "uniform", "params", "time")
+STRATEGIES = ("optimal", "pipedream", "dp", "uniform", "params", "time", "torchtitan", "megatron")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 # what each optimizer name runs (runtime/parts.py make_optimizer), for every --optimizer's help
 OPTIMIZER_HELP = ("sgd: torch.optim.SGD with --momentum; adam: torch.optim.Adam, whose weight decay is L2 (added to "

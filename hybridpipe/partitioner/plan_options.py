@@ -16,9 +16,9 @@ def add_schedule_option(parser: Options, *, default: str | None = None, auto: bo
     ``auto``: also ``auto``, the partitioner's pick (``planner.partition``)."""
     help_text = f"pipeline schedule (default {default})" if default else "pipeline schedule (default: the plan's)"
     if auto:
-        help_text += (f"; auto: the fastest predicted of {', '.join(auto_candidates())} (same updates as sequential "
-                      "SGD), and only with --virtual-stages V also interleaved-1f1b and zbv (V = 2), compared by "
-                      "simulation")
+        help_text += (f"; auto: the fastest simulated of {', '.join(auto_candidates())} (same updates as sequential "
+                      "SGD) and, with --virtual-stages unset or auto (partition), of interleaved-1f1b and zbv with "
+                      "the virtual stages searched too; with --virtual-stages V only V")
     parser.add_argument("--schedule", choices=(*REGISTRY, AUTO) if auto else tuple(REGISTRY), default=default,
                         help=help_text)
 

@@ -46,7 +46,13 @@ from hybridpipe.partitioner.search.objective import (
 from hybridpipe.partitioner.search.pipedream import pipedream_stages
 from hybridpipe.partitioner.search.sharding import NONE
 from hybridpipe.partitioner.search.strategies import baseline_stages
-from hybridpipe.partitioner.search.virtual import BASE_SCHEDULE, Simulate, check_virtual, virtual_plan
+from hybridpipe.partitioner.search.virtual import (
+    BASE_SCHEDULE,
+    Simulate,
+    check_virtual,
+    fastest_virtual_plan,
+    group_candidates,
+)
 from hybridpipe.partitioner.tied import tied_groups
 from hybridpipe.profiles.format import Profile
 
@@ -174,6 +180,10 @@ def partition(profile: Profile, cluster: Cluster, req: Request = Request(),
     if not ev.fits:
         raise UserError(memory_message(stages, ev, opts, req.strategy))
     plan = build_plan(profile, costs, cluster, stages, ev, opts, req.strategy, model, precision=req.precision)
+    if profile.precision != req.precision:      # activation and transient bytes are the profile's
+        notes += (f"the profile was measured in {profile.precision} and the plan is for {req.precision}: its "
+                  f"activation memory is {profile.precision}'s; `hybridpipe profile --precision {req.precision}` "
+                  "measures it as the job runs",)
     if any(s.shard not in RUNNABLE_SHARD_LEVELS for s in plan.stages):
         notes += ("ZeRO-3 (--shard parameters) is planned for its prediction only: launch cannot run it yet "
                   "(it runs none, optimizer and gradients; --shard auto chooses among those)",)
@@ -223,9 +233,15 @@ def partition_virtual(profile: Profile, cluster: Cluster, req: Request, calibrat
     def build(specs: Sequence[StageSpec], ev: Evaluation, o: Options) -> Plan:
         return build_plan(profile, costs, base.plan.cluster, specs, ev, o, req.strategy, base.model,
                           precision=req.precision)
-    plan, ev = virtual_plan(base.plan, costs, base.model, opts, virtual, build, simulate)
-    note = (f"{req.schedule}: the {req.strategy} strategy's {len(base.plan.stages)} stage groups and replicas, each "
-            f"holding {virtual} of the model's {len(plan.stages)} chunks; step predicted by simulation")
+    groups = [tuple(s.ranks) for s in base.plan.stages]
+    options = group_candidates(groups, base.plan.world_size) if req.strategy == "optimal" else [groups]
+    plan, ev = fastest_virtual_plan(options, costs, base.model, opts, virtual, build, simulate)
+    chosen = len({s.ranks for s in plan.stages})
+    how = (f"the {req.strategy} strategy's {chosen} stage groups and replicas" if req.strategy != "optimal" else
+           f"{chosen} stage groups, the fastest simulated of {len(options)} groupings (the 1F1B search's and every "
+           "contiguous split)")
+    note = f"{req.schedule}: {how}, each holding {virtual} of the model's {len(plan.stages)} chunks; step predicted " \
+           "by simulation"
     return Outcome(replace(plan, search=base.plan.search), ev, base.model, opts, base.notes + (note,))
 
 

@@ -18,7 +18,10 @@ first value sharing its storage (a view), itself otherwise. A node's ``saved_byt
 autograd keeps for its backward apart from those values and the parameters; ``saves`` names the
 values among its inputs and outputs it keeps. ``loss_saved_bytes`` is what the loss function
 keeps beside the model's output. From these ``partitioner/search/modelcosts.py`` counts every tensor a
-stage holds once, however many of its blocks save it.
+stage holds once, however many of its blocks save it. ``forward_transient_bytes`` /
+``backward_transient_bytes`` are what a node's kernels allocate on top of that for a moment
+(profiles/transient.py; 0 in profiles made before they were measured). ``precision`` bf16/fp16: the
+forwards and the loss ran under ``torch.autocast`` (so the bytes are those of a mixed-precision job).
 
 Formats 1 (one node per torch.fx node) and 2 (per-node saved bytes that count a tensor two blocks
 save twice) are refused with a request to re-profile.
@@ -39,6 +42,7 @@ from hybridpipe.jsonfile import MAX_FIGURE, check_header, field, figure, read_js
 PROFILE_KIND = "profile"
 PROFILE_FORMAT = 3
 NODE_OPS = ("module", "ops")
+PROFILE_PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,8 @@ class ProfileNode:
     cut_bytes: int = 0            # bytes crossing a cut right after this node, forward
     cut_grad_bytes: int = 0       # their gradients coming back
     cut_blocker: str | None = None   # a value that cannot cross a cut right after this node
+    forward_transient_bytes: int = 0    # its forward's temporaries: peak above its start less what it leaves
+    backward_transient_bytes: int = 0   # its backward's peak above its start, incoming gradients included
 
     @property
     def compute_ms(self) -> float:
@@ -118,6 +124,7 @@ class Profile:
     tied: tuple[tuple[str, ...], ...] = ()   # names under which one parameter is registered (tied weights)
     values: tuple[ProfileValue, ...] = ()   # the values blocks exchange (module docstring)
     loss_saved_bytes: int = 0     # what the loss function keeps for its backward beside the model's output
+    precision: str = "fp32"       # fp32, or bf16 / fp16: forwards and the loss measured under torch.autocast
 
     # ---- derived views -------------------------------------------------------------
     def signature(self) -> str:
@@ -181,6 +188,7 @@ class Profile:
             tied=tuple(_name_list(t, f"{source}: tied", minimum=2) for t in field(d, "tied", list, source, default=[])),
             values=_values(field(d, "values", list, source, default=[]), nodes, source),
             loss_saved_bytes=figure(d, "loss_saved_bytes", int, source, default=0),
+            precision=field(d, "precision", str, source, default="fp32", choices=PROFILE_PRECISIONS),
         )
         if shape[0] != prof.batch_size:
             raise UserError(f"{source}: input_shape {shape} does not start with batch_size {prof.batch_size}")
@@ -237,6 +245,8 @@ def _node_from_dict(n: object, index: int, source: str) -> ProfileNode:
         cut_bytes=figure(n, "cut_bytes", int, where, default=0),
         cut_grad_bytes=figure(n, "cut_grad_bytes", int, where, default=0),
         cut_blocker=blocker,
+        forward_transient_bytes=figure(n, "forward_transient_bytes", int, where, default=0),
+        backward_transient_bytes=figure(n, "backward_transient_bytes", int, where, default=0),
     )
     if len(node.shared_bytes) != len(node.shared) or not all(
             isinstance(b, int) and not isinstance(b, bool) and 0 <= b <= MAX_FIGURE for b in node.shared_bytes):

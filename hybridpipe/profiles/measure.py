@@ -17,6 +17,7 @@ are what count (a view shares its base's bytes); parameters and buffers are not 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypedDict
@@ -29,6 +30,7 @@ from hybridpipe.errors import UserError
 from hybridpipe.profiles.capture import CapturedModel, own_loss
 from hybridpipe.profiles.cut import stage_boundaries, stage_graph_module
 from hybridpipe.profiles.timing import median_ms
+from hybridpipe.profiles.transient import PeakMeter
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -60,6 +62,8 @@ class BlockCost:
     backward_ms: float
     output_bytes: int             # tensors the block hands to later blocks (or the model's output)
     saved: SavedSplit             # what autograd keeps from its forward for its backward
+    forward_transient: int = 0    # bytes its forward allocates above the start and frees before it ends
+    backward_transient: int = 0   # the most bytes above the start during its backward, gradients in included
 
 
 @dataclass(frozen=True)
@@ -104,11 +108,13 @@ def _fresh(value: Any) -> Any:
     return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, value)
 
 
-def reference_pass(captured: CapturedModel, blocks: Sequence[BlockModule], batch: Any) -> dict[str, Any]:
+def reference_pass(captured: CapturedModel, blocks: Sequence[BlockModule], batch: Any,
+                   autocast: torch.dtype | None = None) -> dict[str, Any]:
     """Every value that crosses a block boundary for ``batch``, detached, with the real ``requires_grad``;
-    the model's output under ``"__output__"``."""
+    the model's output under ``"__output__"`` (under ``torch.autocast`` to ``autocast`` where given)."""
     env: dict[str, Any] = {k: _leaf(v) for k, v in captured.flatten_input(batch).items()}
-    with torch.enable_grad():
+    device = next((t.device for t in tensors(batch)), torch.device("cpu"))
+    with torch.enable_grad(), _autocast(device, autocast):
         for b in blocks:
             result = b.module(*(env[name] for name in b.inputs))
             if b.last:
@@ -119,20 +125,27 @@ def reference_pass(captured: CapturedModel, blocks: Sequence[BlockModule], batch
 
 
 def measure_block(captured: CapturedModel, block: BlockModule, env: dict[str, Any], *, loss: LossFn | None,
-                  target: Any, device: torch.device | str, repeats: int, warmup: int) -> BlockCost:
-    """Time ``block``'s forward and backward on its recorded inputs (the last block: with the loss)."""
-    def forward(_: Any = None) -> Any:
-        with torch.enable_grad():
-            result = block.module(*(_fresh(env[name]) for name in block.inputs))
+                  target: Any, device: torch.device | str, repeats: int, warmup: int,
+                  autocast: torch.dtype | None = None) -> BlockCost:
+    """Time ``block``'s forward and backward on its recorded inputs (the last block: with the loss);
+    forwards (and the loss) under ``torch.autocast`` to ``autocast`` where given, as the engine runs them."""
+    def run(inputs: list[Any], keep_output: bool = False) -> Any:
+        with torch.enable_grad(), _autocast(device, autocast):
+            result = block.module(*inputs)
             if block.last:
                 output = captured.rebuild_output(result)
-                return loss(output, target) if loss is not None else _own_loss(output)
+                value = loss(output, target) if loss is not None else _own_loss(output)
+                return (value, output) if keep_output else value     # the engine keeps the model's output
             return result
 
+    def forward(_: Any = None) -> Any:
+        return run([_fresh(env[name]) for name in block.inputs])
+
     fwd = median_ms(forward, device=device, repeats=repeats, warmup=warmup)
-    saved = saved_split(captured, block, env, loss=loss, target=target)
+    saved = saved_split(captured, block, env, loss=loss, target=target, autocast=autocast, device=device)
+    fwd_transient = forward_transient(run, [_fresh(env[name]) for name in block.inputs], device)
     outs = [t for t in tensors(forward()) if t.requires_grad]
-    bwd = 0.0
+    bwd, bwd_transient = 0.0, 0
     if outs:
         grads = [torch.ones_like(t) if t.dim() == 0 else torch.randn_like(t) for t in outs]
 
@@ -142,9 +155,35 @@ def measure_block(captured: CapturedModel, block: BlockModule, env: dict[str, An
 
         bwd = median_ms(lambda o: torch.autograd.backward(o, grads), prepare=prepare, device=device,
                         repeats=repeats, warmup=warmup)
+        del outs
+        bwd_transient = backward_transient(prepare(), grads, device)
         block.module.zero_grad(set_to_none=True)
     size = nbytes(env["__output__"]) if block.last else sum(nbytes(env[name]) for name in block.produced)
-    return BlockCost(fwd, bwd, size, saved)
+    return BlockCost(fwd, bwd, size, saved, fwd_transient, bwd_transient)
+
+
+def forward_transient(run: Callable[..., Any], inputs: list[Any], device: torch.device | str) -> int:
+    """Bytes ``run(inputs, keep_output=True)`` allocates at its peak beyond what it leaves allocated (its
+    outputs, the model's output on the last block, and what autograd saves): its kernels' temporaries
+    (profiles/transient.py)."""
+    with PeakMeter(device) as meter:
+        result = run(inputs, keep_output=True)
+    del result
+    return meter.transient
+
+
+def backward_transient(outputs: list[torch.Tensor], grads: list[torch.Tensor], device: torch.device | str) -> int:
+    """The most bytes a backward from ``outputs`` with ``grads`` holds above its start, the incoming
+    gradients counted (they arrive from the next block's backward): gradients flowing through it,
+    the parameters' new gradients (an accumulation's addend), its kernels' temporaries."""
+    with PeakMeter(device) as meter:
+        torch.autograd.backward(outputs, grads)
+    return meter.peak + sum(g.numel() * g.element_size() for g in grads)
+
+
+def _autocast(device: torch.device | str, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    """``torch.autocast`` on ``device``'s type to ``dtype`` (None: a context that does nothing)."""
+    return contextlib.nullcontext() if dtype is None else torch.autocast(torch.device(device).type, dtype=dtype)
 
 
 def _own_loss(output: Any) -> torch.Tensor:
@@ -176,7 +215,9 @@ class _SavedStorages:
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         ptr, size = _storage(t)
         self.sizes[ptr] = max(self.sizes.get(ptr, 0), size)
-        return t
+        # detached: a saved output kept as itself would hold its own grad_fn, a cycle through C++ that
+        # Python's collector never frees (the whole graph, parameters and activations, leaked per block)
+        return t.detach()
 
     def __enter__(self) -> _SavedStorages:
         self._hooks.__enter__()
@@ -187,16 +228,16 @@ class _SavedStorages:
 
 
 def saved_split(captured: CapturedModel, block: BlockModule, env: dict[str, Any], *, loss: LossFn | None,
-                target: Any) -> SavedSplit:
+                target: Any, autocast: torch.dtype | None = None, device: torch.device | str = "cpu") -> SavedSplit:
     """What one forward of ``block`` on fresh copies of its recorded inputs keeps for the backward."""
     fixed = {t.untyped_storage().data_ptr() for t in (*block.module.parameters(), *block.module.buffers())}
     inputs = {name: _fresh(env[name]) for name in block.inputs}
-    with torch.enable_grad(), _SavedStorages() as in_block:
+    with torch.enable_grad(), _autocast(device, autocast), _SavedStorages() as in_block:
         result = block.module(*inputs.values())
     if block.last:
         output = captured.rebuild_output(result)
         values = {}
-        with torch.enable_grad(), _SavedStorages() as in_loss:
+        with torch.enable_grad(), _autocast(device, autocast), _SavedStorages() as in_loss:
             kept = loss(output, target) if loss is not None else None
         skip = fixed | storage_keys(output) | set(in_block.sizes)
         loss_bytes = sum(size for ptr, size in in_loss.sizes.items() if ptr not in skip)

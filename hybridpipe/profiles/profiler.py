@@ -19,6 +19,7 @@ from tqdm import tqdm
 from hybridpipe.errors import UserError
 from hybridpipe.profiles.capture import (
     CapturedModel,
+    autocast_context,
     capture_model,
     own_loss,
     tied_parameters,
@@ -39,6 +40,8 @@ from hybridpipe.profiles.measure import (
     tensors,
 )
 from hybridpipe.profiles.zoo.spec import ModelSpec
+
+AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}    # precision -> autocast dtype
 
 
 def resolve_device(name: str) -> torch.device:
@@ -63,12 +66,17 @@ def device_description(device: torch.device) -> str:
 
 def profile_model(model: ModelSpec, *, batch_size: int, device: str | torch.device = "cpu", repeats: int = 5,
                   warmup: int = 1, seed: int = 0, progress: bool | None = True,
-                  granularity: str | int = "blocks") -> Profile:
+                  granularity: str | int = "blocks", precision: str = "fp32") -> Profile:
     """Capture and measure ``model`` at ``batch_size`` samples per (micro-)batch on ``device``.
 
     ``granularity``: how operations group into nodes (profiles/blocks.py). ``progress``: a tqdm
-    bar on stderr (None: only when stderr is a terminal).
+    bar on stderr (None: only when stderr is a terminal). ``precision`` bf16 / fp16: captured and
+    measured under ``torch.autocast`` as a job with ``--precision`` runs (activation bytes in 16 bits
+    where autocast computes in them; the weights stay float32).
     """
+    if precision not in AUTOCAST:
+        raise UserError(f"unknown precision {precision!r}; choose one of {', '.join(AUTOCAST)}")
+    autocast = AUTOCAST[precision]
     if batch_size < 1 or repeats < 1 or warmup < 0:
         raise UserError(f"need batch size >= 1, repeats >= 1 and warmup >= 0; got {batch_size}, {repeats}, {warmup}")
     device = resolve_device(str(device))
@@ -78,16 +86,17 @@ def profile_model(model: ModelSpec, *, batch_size: int, device: str | torch.devi
     batch = to_device(model.example_input(batch_size, generator), device)
     target = to_device(model.example_target(batch_size, generator), device)
     loss = as_mean(model.loss) if model.loss is not None else None      # a (loss_sum, count) pair as its mean
-    captured = capture_model(module, batch, granularity=granularity, leaf_modules=model.leaf_modules)
+    captured = capture_model(module, batch, granularity=granularity, leaf_modules=model.leaf_modules,
+                             autocast=autocast)
     blocks = block_modules(captured)
-    env = reference_pass(captured, blocks, batch)
+    env = reference_pass(captured, blocks, batch, autocast=autocast)
     infos = node_infos(captured)
     timing = Timing(device=device, repeats=repeats, warmup=warmup)
     disable = None if progress is None else not progress
     nodes = []
     for i, (block, info) in enumerate(tqdm(list(zip(blocks, infos, strict=True)), desc=f"profile {model.name}",
                                            unit="node", disable=disable, leave=False)):
-        cost = measure_block(captured, block, env, loss=loss, target=target, **timing)
+        cost = measure_block(captured, block, env, loss=loss, target=target, autocast=autocast, **timing)
         own = [module.get_parameter(p) for p in info.params]
         crossing = [env[name] for name in block.outputs] if not block.last else []
         nodes.append(ProfileNode(
@@ -99,15 +108,17 @@ def profile_model(model: ModelSpec, *, batch_size: int, device: str | torch.devi
             shared_bytes=tuple(_nbytes(module.get_parameter(p)) for p in info.shared),
             cut_bytes=sum(nbytes(v) for v in crossing),
             cut_grad_bytes=sum(t.numel() * t.element_size() for v in crossing for t in tensors(v) if t.requires_grad),
-            cut_blocker=next((name for name in block.outputs if name in captured.blocked), None)))
+            cut_blocker=next((name for name in block.outputs if name in captured.blocked), None),
+            forward_transient_bytes=cost.forward_transient, backward_transient_bytes=cost.backward_transient))
     values = boundary_values(captured, blocks, env)
     del env
     flat = captured.flatten_input(batch)
     graph_args = [flat[name] for name in captured.inputs]
 
     def run_loss() -> torch.Tensor:     # the captured graph, as the pipeline's stages run it
-        out = captured.rebuild_output(captured.graph(*graph_args))
-        return loss(out, target) if loss is not None else own_loss_of(out)
+        with autocast_context(module, autocast):
+            out = captured.rebuild_output(captured.graph(*graph_args))
+            return loss(out, target) if loss is not None else own_loss_of(out)
 
     measured = measure_step(run_loss, module, **timing)
     steps = {kind: measure_optimizer(module, kind, **timing) for kind in ("sgd", "adam")}
@@ -121,7 +132,8 @@ def profile_model(model: ModelSpec, *, batch_size: int, device: str | torch.devi
         totals=_totals(nodes, module, measured, steps), repeats=repeats,
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         notes=_notes(captured), granularity=str(granularity), front_end=captured.front_end,
-        tied=tuple(tied_parameters(module)), values=values, loss_saved_bytes=cost.saved.loss_bytes)
+        tied=tuple(tied_parameters(module)), values=values, loss_saved_bytes=cost.saved.loss_bytes,
+        precision=precision)
 
 
 def boundary_values(captured: CapturedModel, blocks: list[BlockModule],

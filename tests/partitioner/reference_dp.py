@@ -120,6 +120,8 @@ class _Solver:
         self.most_weights = float(costs.param_bytes.sum())
         # the most one micro-batch can add to a stage, with or without recomputation
         self.most_stash = float(np.maximum(self.stash, self.kept + self.rerun).max(initial=0.0))
+        self.transient = costs.transient_table()
+        self.most_transient = float(self.transient.max(initial=0.0))
         self._exposure: dict[object, np.ndarray] = {}
         self._blocks: dict[tuple, _Block] = {}
 
@@ -191,11 +193,13 @@ class _Solver:
         inflight = self.inflight(x, r, k)
         if opts.recompute == "all":
             rc = np.ones(fb.shape, dtype=bool)
-        if self.static_factor(inflight) * self.most_weights + self.most_stash * inflight > opts.memory_bytes:
+        if (self.static_factor(inflight) * self.most_weights + self.most_stash * inflight + self.most_transient
+                > opts.memory_bytes):
             weights = self.weights[rows, cols] * self.static_factor(inflight)
             kept = self.kept[rows, cols]
-            fits_rc = weights + kept * inflight + self.rerun[rows, cols] <= opts.memory_bytes
-            fits = weights + self.stash[rows, cols] * inflight <= opts.memory_bytes
+            transient = self.transient[rows, cols]
+            fits_rc = weights + kept * inflight + self.rerun[rows, cols] + transient <= opts.memory_bytes
+            fits = weights + self.stash[rows, cols] * inflight + transient <= opts.memory_bytes
             if opts.recompute == "all":
                 ok = fits_rc
             elif opts.recompute == "auto":          # recompute only where keeping everything does not fit

@@ -5,8 +5,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from hybridpipe.partitioner.cost.costmodel import CostModel
@@ -36,11 +37,14 @@ def clusters(max_workers: int):
 OVERHEADS = st.tuples(st.sampled_from([0.0, 5.0, 40.0]), st.sampled_from([0.0, 1e-9, 2e-8]))
 
 
-def check_against_brute_force(layers, skip, cluster, opts, overheads=(0.0, 0.0), blockers=()):
+def check_against_brute_force(layers, skip, cluster, opts, overheads=(0.0, 0.0), blockers=(), transients=()):
     skips = [(0, len(layers))] if skip and len(layers) > 1 else []
     step_ms, interference = overheads
     costs = dataclasses.replace(model_costs(make_profile(layers, skips, blockers=blockers)),
                                 step_ms=(("sgd", step_ms), ("adam", 2 * step_ms)))
+    if transients:      # each node's transient bytes (cycled over the nodes)
+        costs = dataclasses.replace(costs, transient=np.array([transients[k % len(transients)]
+                                                               for k in range(costs.n)], dtype=float))
     model = CostModel(cluster)
     model.interference_s_per_byte = interference
     workers = cluster.total_workers
@@ -73,6 +77,16 @@ def test_dp_equals_brute_force_with_blocked_cuts(layers, skip, cluster, opts, bl
     """Some cuts split a value that cannot cross a stage boundary: no plan may cut there (brute force
     enumerates every layout and ``evaluate`` rejects those that do). 20 cases; 1000: make test-slow."""
     check_against_brute_force(layers, skip, cluster, opts, blockers=sorted(blockers))
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(LAYER, min_size=1, max_size=5), st.booleans(), clusters(6), OPTIONS,
+       st.lists(st.sampled_from([0.0, 1e6, 5e7, 2e8]), min_size=1, max_size=7))
+@example([(0.0, 0.0, 0, 0)], False, flat_cluster(1, 0.1, 0.0), Options(get_schedule("gpipe"), 1, "sgd", 1.5e8), [2e8])
+def test_dp_equals_brute_force_with_transient_bytes(layers, skip, cluster, opts, transients):
+    """Nodes whose kernels allocate for a moment (objective.transient_bytes): the DP's vectorised memory
+    bound is the objective's (20 cases)."""
+    check_against_brute_force(layers, skip, cluster, opts, transients=transients)
 
 
 @pytest.mark.slow

@@ -91,11 +91,12 @@ def test_as_a_subprocess(profile, tmp_path):
 def test_compare_prints_every_infeasible_reason_in_full(profile, tmp_path, capsys):
     assert main(["partition", str(profile), "--cluster", str(CLUSTERS / "8x1gbit.json"), "--compare"]) == 0
     text = capsys.readouterr().out
-    # 6 nodes cannot make 8 one-worker stages: uniform, params and time are infeasible, each with its whole reason
-    for name in ("uniform", "params", "time"):
+    # 6 nodes cannot make 8 one-worker stages: uniform, params, time and the layer counts are infeasible, each
+    # with its whole reason
+    for name in ("uniform", "params", "time", "torchtitan", "megatron"):
         line = next(x for x in text.splitlines() if x.startswith(f"{name} is infeasible: "))
         assert line.endswith("use fewer --workers or --stages, or --strategy optimal")
-    assert text.count("infeasible (why: below)") == 3
+    assert text.count("infeasible (why: below)") == 5
 
 
 def test_pipedream_picks_micro_batches_its_replicas_divide(profile, tmp_path, capsys):

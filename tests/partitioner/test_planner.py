@@ -19,12 +19,19 @@ from tests.partitioner.synth import make_profile, two_level
 LAYERS = [(4.0, 8.0, 2_000_000, 100_000), (3.0, 6.0, 1_000_000, 2_000_000), (2.0, 4.0, 400_000, 3_000_000),
           (0.5, 1.0, 16_000, 60_000_000), (0.2, 0.4, 4_000, 4_000_000)]
 PROFILE = make_profile(LAYERS, skips=[(1, 4)], model="synthetic-convfc")
+# Megatron's split needs the layers + 2 to divide over the 4 stages: one more layer (6 + 2 = 8)
+MEGATRON_PROFILE = make_profile([*LAYERS, (1.0, 2.0, 100_000, 500_000)], skips=[(1, 4)], model="synthetic-convfc")
+
+
+def profile_for(strategy: str):
+    return MEGATRON_PROFILE if strategy == "megatron" else PROFILE
 CLUSTER = two_level(1, 4, outer_gbps=1.0, memory_gb=4.0)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "pipedream", "zb-h1"])
 def test_every_strategy_makes_a_valid_plan(strategy, schedule, tmp_path):
+    PROFILE = profile_for(strategy)
     out = partition(PROFILE, CLUSTER, Request(strategy=strategy, schedule=schedule))
     plan = out.plan
     assert plan.world_size == 4 and plan.strategy == strategy
@@ -53,9 +60,10 @@ def test_every_strategy_makes_a_valid_plan(strategy, schedule, tmp_path):
 
 
 def test_optimal_is_never_worse_than_a_baseline():
-    best = partition(PROFILE, CLUSTER).evaluation.objective_ms
     for strategy in STRATEGIES:
-        assert best <= partition(PROFILE, CLUSTER, Request(strategy=strategy)).evaluation.objective_ms * (1 + 1e-9)
+        best = partition(profile_for(strategy), CLUSTER).evaluation.objective_ms
+        theirs = partition(profile_for(strategy), CLUSTER, Request(strategy=strategy)).evaluation.objective_ms
+        assert best <= theirs * (1 + 1e-9)
 
 
 def test_skip_connections_are_charged_at_every_cut_they_cross():
@@ -236,6 +244,16 @@ def test_bf16_plans_price_transfers_and_all_reduces_at_half_the_bytes(tmp_path):
     assert simulate(bf16).step_ms < simulate(fp32).step_ms
     with pytest.raises(UserError, match="unknown precision"):
         partition(profile, cluster, dataclasses.replace(stages, precision="fp8"))
+
+
+def test_a_plan_for_another_precision_than_the_profiles_says_so():
+    profile = make_profile([(1.0, 2.0, 1 << 20, 1 << 20)] * 2)
+    cluster = two_level(1, 2)
+    assert not any("precision" in n for n in partition(profile, cluster, Request()).notes)
+    notes = partition(profile, cluster, Request(precision="bf16")).notes
+    assert any("measured in fp32 and the plan is for bf16" in n for n in notes)
+    same = dataclasses.replace(profile, precision="bf16")
+    assert not any("precision" in n for n in partition(same, cluster, Request(precision="bf16")).notes)
 
 
 def test_shard_level_round_trips_defaults_to_none_and_needs_replicas(tmp_path):

@@ -14,7 +14,7 @@ import torch
 
 from hybridpipe.partitioner.schedule_registry import get_schedule
 from hybridpipe.partitioner.search.modelcosts import model_costs
-from hybridpipe.partitioner.search.objective import Options, inflight_micro_batches, memory_bytes
+from hybridpipe.partitioner.search.objective import Options, inflight_micro_batches, memory_bytes, transient_bytes
 from hybridpipe.profiles.profiler import profile_model
 from hybridpipe.profiles.zoo import resolve_model
 from tests.pipeline.harness import make_plan, train_pipeline
@@ -46,7 +46,7 @@ class StageMemory:
     stage: int
     nodes: str                  # first..last node names
     measured: int               # the meter's peak over the steps
-    predicted: float            # objective.memory_bytes
+    predicted: float            # objective.memory_bytes less transient_bytes (what the stage holds)
 
     @property
     def ratio(self) -> float:
@@ -68,7 +68,10 @@ def measure(family: str, schedule: str, optimizer: str) -> list[StageMemory]:
     rows = []
     for s, st in enumerate(plan.stages):
         i, j = st.first_node, st.last_node
-        predicted = memory_bytes(costs, i, j, inflight_micro_batches(kind, MICRO_BATCHES, p - s, 1, p), opts)
+        # the meter counts what the stage holds, not its kernels' temporaries (objective.transient_bytes),
+        # which only an allocator sees: tests/pipeline/test_memory_transient.py
+        predicted = (memory_bytes(costs, i, j, inflight_micro_batches(kind, MICRO_BATCHES, p - s, 1, p), opts)
+                     - transient_bytes(costs, i, j))
         rows.append(StageMemory(s, f"{costs.names[i]}..{costs.names[j]}",
                                 max(r.peak_memory_bytes for r in results[s]), predicted))
     return rows

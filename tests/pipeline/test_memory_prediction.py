@@ -19,7 +19,13 @@ from torch.profiler import ProfilerActivity, profile
 
 from hybridpipe.partitioner.schedule_registry import get_schedule
 from hybridpipe.partitioner.search.modelcosts import ModelCosts, model_costs
-from hybridpipe.partitioner.search.objective import OPTIMIZER_STATES, Options, inflight_micro_batches, memory_bytes
+from hybridpipe.partitioner.search.objective import (
+    OPTIMIZER_STATES,
+    Options,
+    inflight_micro_batches,
+    memory_bytes,
+    transient_bytes,
+)
 from hybridpipe.pipeline.memory import MemoryMeter
 from hybridpipe.pipeline.stage import build_stage_index
 from hybridpipe.profiles.profiler import profile_model
@@ -119,7 +125,8 @@ def _measured_vs_predicted(model: str, schedule: str, recompute: bool, micro_bat
     rows = []
     for s, (i, j) in enumerate(ranges):
         inflight = inflight_micro_batches(get_schedule(schedule), micro_batches, 2 - s, 1, 2)
-        predicted = memory_bytes(costs, i, j, inflight, opts, recompute=recompute)
+        # the meter counts held tensors, not kernels' temporaries: tests/pipeline/test_memory_transient.py
+        predicted = memory_bytes(costs, i, j, inflight, opts, recompute=recompute) - transient_bytes(costs, i, j)
         static = float(costs.param_bytes[i:j + 1].sum()) * (2 + OPTIMIZER_STATES["sgd"])
         rows.append((max(r.peak_memory_bytes for r in results[s]), predicted, static))
     return rows

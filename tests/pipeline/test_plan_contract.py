@@ -11,9 +11,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hybridpipe.errors import UserError
 from hybridpipe.partitioner.cost.cluster import Cluster, Level
 from hybridpipe.partitioner.plan import STRATEGIES
 from hybridpipe.partitioner.planner import Request, partition
+from hybridpipe.partitioner.search.layersplit import LAYER_SPLITS, layer_split_sizes
 from hybridpipe.profiles.profiler import profile_model
 from hybridpipe.profiles.zoo import resolve_model
 from tests.pipeline.harness import max_diff, train_pipeline, train_reference
@@ -25,11 +27,24 @@ def model_spec(depth: int, take: int, use: int, kind: str) -> str:
     return f"tests.pipeline.contract_models:reads_shape_early[depth={depth},take={take},use={use},kind={kind}]"
 
 
+def layer_stages(strategy: str, profile) -> int:
+    """The most stages (of 4, 2, 1: they divide the 4 workers) the layer-count rule accepts for this model."""
+    for stages in (4, 2, 1):
+        try:
+            layer_split_sizes(strategy, [n.name for n in profile.nodes], stages)
+            return stages
+        except UserError:
+            continue
+    raise AssertionError(f"{strategy} refuses even one stage")
+
+
 def check_every_strategy(spec: str, granularity: str) -> None:
     profile = profile_model(resolve_model(spec), batch_size=4, repeats=1, warmup=0, progress=False,
                             granularity=granularity)
     for strategy in STRATEGIES:
         stages = 2 if strategy in ("uniform", "params") else None
+        if strategy in LAYER_SPLITS:
+            stages = layer_stages(strategy, profile)
         plan = partition(profile, CLUSTER, Request(workers=4, strategy=strategy, micro_batches=4,
                                                    stages=stages)).plan
         ours, _ = train_pipeline(plan, 2)

@@ -18,6 +18,16 @@ time in the backward (``rerun_bytes``: the rest, plus the outputs its nodes save
 makes anew beside the ones kept, less the loss's, which the loss's backward has freed by then).
 All three are n x n tables (``stash_table``): what the partitioner's solvers read.
 
+Transient bytes of a stage i..j (``transient_bytes``, the table ``transient_table``): what it needs for a
+moment beyond the activations it holds. Node n's forward or backward allocates ``t[n]`` for a moment
+(the profile's ``forward_transient_bytes`` / ``backward_transient_bytes``, the larger: kernels'
+temporaries, the gradients flowing through a backward) while the micro-batch it works on holds about
+what a stage i..n would keep (``stash_bytes(i, n)``: the later nodes' saved tensors are not made yet, or
+already freed by their backward); one node runs at a time, so the stage needs
+``max(0, max over n in i..j of (stash_bytes(i, n) + t[n]) - stash_bytes(i, j))`` beyond its stash: the
+logits' log-softmax gradients on a language model's last stage, a block's gradients and temporaries
+where nothing after it holds more.
+
 Weights of a stage i..j (``weight_bytes``, the table ``weight_table``): the parameters its nodes
 own, plus a copy of every tied parameter (an embedding shared with the LM head) that one of its
 nodes reads and an earlier stage owns: each stage that reads a tied weight holds it, its gradient
@@ -56,6 +66,8 @@ class ModelCosts:
     rerun: np.ndarray | None = None
     # per tied parameter: (its bytes, the node that owns it, the other nodes that read it)
     tied: tuple[tuple[float, int, tuple[int, ...]], ...] = ()
+    # per node: the most bytes its forward or backward allocates for a moment (None: not measured)
+    transient: np.ndarray | None = None
 
     @property
     def cut_ok(self) -> np.ndarray:
@@ -129,6 +141,23 @@ class ModelCosts:
         stash, kept = (p[None, 1:] - p[:-1, None]) + a_in[:, None], np.repeat(a_in[:, None], self.n, axis=1)
         return stash, kept, stash - kept
 
+    def transient_bytes(self, i: int, j: int) -> float:
+        """What stage i..j needs for a moment beyond its held activations (module docstring)."""
+        if self.transient is None:
+            return 0.0
+        stash = (self.stash if self.stash is not None else self.stash_table()[0])[i, i:j + 1]
+        return max(float(np.maximum.accumulate(stash + self.transient[i:j + 1])[-1] - stash[-1]), 0.0)
+
+    def transient_table(self) -> np.ndarray:
+        """``transient_bytes`` as an n x n table, [i, j] for stage i..j (upper triangle)."""
+        table = np.zeros((self.n, self.n))
+        if self.transient is not None:
+            stash = self.stash_table()[0]
+            for i in range(self.n):
+                row = stash[i, i:]
+                table[i, i:] = np.maximum(np.maximum.accumulate(row + self.transient[i:]) - row, 0.0)
+        return table
+
     def optimizer_ms(self, optimizer: str) -> np.ndarray:
         """Each node's share of one optimizer step (by parameter bytes); zeros if the profile did not time it."""
         total = float(self.param_bytes.sum())
@@ -155,6 +184,8 @@ def model_costs(profile: Profile) -> ModelCosts:
         cut, cut_grad = _edge_cuts(profile)
     saved = np.array([nd.saved_bytes for nd in profile.nodes], dtype=float)
     tables = stash_tables(profile, saved) if profile.values else (None, None, None)
+    transient = np.array([max(nd.forward_transient_bytes, nd.backward_transient_bytes) for nd in profile.nodes],
+                         dtype=float)
     return ModelCosts(
         names=tuple(nd.name for nd in profile.nodes),
         params=tuple(nd.params for nd in profile.nodes),
@@ -169,6 +200,7 @@ def model_costs(profile: Profile) -> ModelCosts:
         saved_bytes=saved if saved.any() else None,
         cut_blockers=tuple(nd.cut_blocker or "" for nd in profile.nodes),
         stash=tables[0], kept=tables[1], rerun=tables[2], tied=tied_reads(profile),
+        transient=transient if transient.any() else None,
     )
 
 

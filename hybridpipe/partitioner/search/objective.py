@@ -36,7 +36,8 @@ momentum: 1 copy, adam: 2), plus the activations of the micro-batches in flight 
 1f1b: min(k, ceil(W_after / r)), W_after = workers in this and later stages; zb-h1:
 min(k, ceil(W / r)), W all workers (a later stage holds back weight gradients); pipedream:
 ceil(W_after / r)), plus pipedream's stashed weight versions (one per in-flight minibatch
-beyond the live weights).
+beyond the live weights), plus the stage's transient bytes (``transient_bytes``: the most one node's
+kernels allocate for a moment, at the worst moment of the step).
 
 Sharded replicas (``--shard``, ``sharding.py``): a stage of r > 1 replicas may shard its optimizer
 state, gradients or weights; its memory, its per-step reduce-scatters and all-gathers (in the
@@ -188,11 +189,21 @@ def memory_bytes(costs: ModelCosts, i: int, j: int, inflight: int, opts: Options
         held = costs.kept_bytes(i, j) * inflight + costs.rerun_bytes(i, j)
     else:
         held = stash * inflight
+    transient = transient_bytes(costs, i, j)
     if variant.level != "none":
         unit1, unit2 = stage_units(costs.param_bytes[i:j + 1])
         return static_bytes(variant, weights, replicas, OPTIMIZER_STATES[opts.optimizer], unit1, unit2,
-                            versions) + held
-    return weights * (2 + OPTIMIZER_STATES[opts.optimizer] + versions) + held
+                            versions) + held + transient
+    return weights * (2 + OPTIMIZER_STATES[opts.optimizer] + versions) + held + transient
+
+
+def transient_bytes(costs: ModelCosts, i: int, j: int) -> float:
+    """What stage i..j allocates for a moment on top of what it holds: the largest forward or backward
+    transient of its nodes (their kernels' temporaries, the gradients flowing through a backward:
+    ``profiles/transient.py``). Charged once, at the stage's worst moment: a node's backward (or
+    forward) while every in-flight micro-batch's activations are held, the weights' gradients exist
+    (from the step's first backward on) and so does the optimizer's state (from the first step on)."""
+    return costs.transient_bytes(i, j)
 
 
 def overhead_ms(optimizer_ms, weights, p2p_bytes, replicas: int, k: int, syncs: int, interference: float,

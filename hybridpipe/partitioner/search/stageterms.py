@@ -91,6 +91,8 @@ class StageTerms:
         self.stash, self.kept, self.rerun = costs.stash_table()      # [i, j] per micro-batch (modelcosts.py)
         # the most one micro-batch can add to a stage, with or without recomputation
         self.most_stash = float(np.maximum(self.stash, self.kept + self.rerun).max(initial=0.0))
+        self.transient = costs.transient_table()        # [i, j]: objective.transient_bytes
+        self.most_transient = float(self.transient.max(initial=0.0))
         self.interference = model.interference_s_per_byte
         levels = model.cluster.levels
         self.period = model.cluster.span(len(levels) - 2) if len(levels) > 1 else 1
@@ -159,16 +161,18 @@ class StageTerms:
         fb = fwd + back
         weights = self.weights[i, j]
         stash, kept, rerun = self.stash[i, j], self.kept[i, j], self.rerun[i, j]
+        transient = self.transient[i, j]
         rc = np.full(len(j), opts.recompute == "all")       # the stage reruns its forward in backward
         if sharded:                         # sharding.static_bytes (no weight versions: flushed schedules)
             held = self._static(v, weights, r, states, i, j)
             overflow = np.ones(len(j), dtype=bool)
         else:
             held = weights * static
-            overflow = static * self.most_weights + self.most_stash * inflight > opts.memory_bytes
+            overflow = (static * self.most_weights + self.most_stash * inflight + self.most_transient
+                        > opts.memory_bytes)
         if np.any(overflow):
-            fits = held + stash * inflight <= opts.memory_bytes
-            fits_rc = held + kept * inflight + rerun <= opts.memory_bytes
+            fits = held + stash * inflight + transient <= opts.memory_bytes
+            fits_rc = held + kept * inflight + rerun + transient <= opts.memory_bytes
             if opts.recompute == "all":
                 feasible = fits_rc
             elif opts.recompute == "auto":                   # recompute only where keeping everything does not fit

@@ -5,13 +5,16 @@
 * ``params``: stages with balanced parameter bytes (DeepSpeed's ``partition_method="parameters"``).
 * ``time``: stages with balanced forward + backward time and no replication (torchgpipe's
   ``balance_by_time``): one stage per worker.
+* ``torchtitan``, ``megatron``: transformer layers counted out over the stages as those projects do,
+  the embedding and the output weighing a layer each (``layersplit.py``).
 
-``uniform`` and ``params`` make one stage per worker by default; with ``stages`` S (dividing the
-worker count) each stage gets W / S replicas, as DeepSpeed's pipeline x data parallel grid
+``uniform``, ``params``, ``torchtitan`` and ``megatron`` make one stage per worker by default; with
+``stages`` S (dividing the worker count) each stage gets W / S replicas, as DeepSpeed's pipeline x data parallel grid
 does. Ranks are contiguous blocks in stage order.
 
 None of them cuts where a value that cannot cross a stage boundary would have to (``cuts.py``):
-uniform moves such a boundary to the nearest free cut, params and time balance over free cuts only.
+uniform and the layer splits move such a boundary to the nearest free cut, params and time balance
+over free cuts only.
 """
 
 from __future__ import annotations
@@ -21,10 +24,11 @@ import numpy as np
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner.search.balance import balanced_sizes
 from hybridpipe.partitioner.search.cuts import free_ends_mask, nearest_free_ends
+from hybridpipe.partitioner.search.layersplit import LAYER_SPLITS, layer_split_sizes
 from hybridpipe.partitioner.search.modelcosts import ModelCosts
 from hybridpipe.partitioner.search.objective import StageSpec
 
-BASELINES = ("dp", "uniform", "params", "time")
+BASELINES = ("dp", "uniform", "params", "time", *LAYER_SPLITS)
 
 
 def contiguous(sizes: list[int], replicas: list[int]) -> tuple[StageSpec, ...]:
@@ -58,8 +62,9 @@ def baseline_stages(strategy: str, costs: ModelCosts, workers: int, stages: int 
     if parts > n:
         raise UserError(f"--strategy {strategy} needs {parts} stages but the profile has only {n} nodes; "
                         "use fewer --workers or --stages, or --strategy optimal")
-    if strategy == "uniform":
-        ends = list(np.cumsum(uniform_sizes(n, parts))[:-1] - 1)
+    if strategy in ("uniform", *LAYER_SPLITS):
+        wanted = uniform_sizes(n, parts) if strategy == "uniform" else layer_split_sizes(strategy, costs.names, parts)
+        ends = list(np.cumsum(wanted)[:-1] - 1)
         found: list[int] | None = np.diff([-1, *nearest_free_ends(costs, ends, strategy), n - 1]).tolist()
     elif strategy in ("params", "time"):
         weights = costs.param_bytes if strategy == "params" else costs.forward_ms + costs.backward_ms

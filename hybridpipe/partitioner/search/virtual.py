@@ -1,8 +1,10 @@
 """Plans with virtual stages (``partition --schedule interleaved-1f1b|zbv --virtual-stages V``).
 
-The partitioner's own search (``planner.partition`` with 1F1B) chooses the p rank groups and
-their replicas as for any plan; this module then cuts the model into p*V contiguous chunks laid
-out on the groups as the schedule says (``schedule_registry.Layout``):
+A baseline strategy's stage groups and replicas are kept; for ``optimal`` the groups are searched
+with the chunks (``group_candidates``): the 1F1B search's groups, and every split of the workers
+into contiguous groups (up to ``ENUMERATED_WORKERS`` workers; beyond, the equal splits),
+each priced by simulation, the fastest kept. On each, this module cuts the model into p*V
+contiguous chunks laid out on the groups as the schedule says (``schedule_registry.Layout``):
 
 * boundaries: ``balance.balanced_sizes``, an exact linear-partition DP minimising the largest
   chunk's forward + backward time over its group's replicas (a group of r replicas does 1/r of
@@ -10,7 +12,8 @@ out on the groups as the schedule says (``schedule_registry.Layout``):
 * memory per worker: its chunks' weights, gradients and optimizer state, plus the most activation
   bytes its chunks hold at one time, counted by the Schedule object on its own op order
   (``Schedule.held_peak``; the chunks' own peaks, ``chunk_inflight``, come at different times, so
-  their sum over-counts: 19% on a zbv GPT-2 worker), plus one chunk's rerun when recomputing;
+  their sum over-counts: 19% on a zbv GPT-2 worker), plus one chunk's rerun when recomputing,
+  plus the largest transient of its chunks (one node runs at a time: ``objective.transient_bytes``);
   ``--recompute all`` recomputes every chunk, ``auto`` the chunks of workers that would not fit
   otherwise;
 * per-chunk figures (forward, backward, transfers, per-layer all-reduce choice, overhead) come
@@ -36,11 +39,44 @@ from hybridpipe.partitioner.plan import Plan
 from hybridpipe.partitioner.schedule_registry import REGISTRY, Schedule
 from hybridpipe.partitioner.search.balance import balanced_sizes
 from hybridpipe.partitioner.search.modelcosts import ModelCosts
-from hybridpipe.partitioner.search.objective import Evaluation, Options, StageSpec, evaluate, memory_bytes
+from hybridpipe.partitioner.search.objective import (
+    Evaluation,
+    Options,
+    StageSpec,
+    evaluate,
+    memory_bytes,
+    transient_bytes,
+)
 
 Simulate = Callable[[Plan], float]      # a plan -> its simulated step in ms
 
 BASE_SCHEDULE = "1f1b"     # the one-chunk schedule whose plan gives a virtual plan its groups and replicas
+ENUMERATED_WORKERS = 8     # up to this many workers, every split into contiguous groups is tried (2^(W-1))
+
+
+def group_candidates(base: Sequence[tuple[int, ...]], workers: int) -> list[tuple[tuple[int, ...], ...]]:
+    """Rank groups a virtual plan may use: ``base`` first (the 1F1B search's), then every split of ranks
+    0..W-1 into contiguous groups (W <= ``ENUMERATED_WORKERS``), else the splits into equal groups."""
+    out = [tuple(tuple(g) for g in base)]
+    if workers <= ENUMERATED_WORKERS:
+        sizes_list = _compositions(workers)
+    else:
+        sizes_list = [[workers // p] * p for p in range(1, workers + 1) if workers % p == 0]
+    for sizes in sizes_list:
+        groups, start = [], 0
+        for r in sizes:
+            groups.append(tuple(range(start, start + r)))
+            start += r
+        if tuple(groups) not in out:
+            out.append(tuple(groups))
+    return out
+
+
+def _compositions(total: int) -> list[list[int]]:
+    """Every ordered list of positive ints summing to ``total``."""
+    if total == 0:
+        return [[]]
+    return [[first, *rest] for first in range(1, total + 1) for rest in _compositions(total - first)]
 
 
 def check_virtual(kind: Schedule, virtual: int) -> None:
@@ -91,26 +127,29 @@ def chunk_memory(costs: ModelCosts, specs: Sequence[StageSpec], kind: Schedule, 
             """Weights and optimizer state of every chunk, the activations at the worker's peak over
             its chunks together, and (recomputing) the largest one rerun: one backward at a time."""
             ranges = [(specs[c].first, specs[c].last) for c in mine]
-            static = sum(memory_bytes(costs, i, j, 0, opts) for i, j in ranges)
+            transient = [transient_bytes(costs, i, j) for i, j in ranges]      # one chunk's node at a time
+            static = sum(memory_bytes(costs, i, j, 0, opts) - t for (i, j), t in zip(ranges, transient, strict=True))
             per_mb = [costs.kept_bytes(i, j) if rc else costs.stash_bytes(i, j) for i, j in ranges]
             rerun = max(costs.rerun_bytes(i, j) for i, j in ranges) if rc else 0.0
-            return static + kind.held_peak(place, virtual, per_mb) + rerun
+            return static + kind.held_peak(place, virtual, per_mb) + rerun + max(transient)
         rc = opts.recompute == "all" or (opts.recompute == "auto" and total(False) > opts.memory_bytes)
         for c in mine:
             worker[c], recompute[c] = total(rc), rc
     return worker, recompute
 
 
-def virtual_plan(base: Plan, costs: ModelCosts, model: CostModel, opts: Options, virtual: int,
+def virtual_plan(groups: Sequence[tuple[int, ...]], costs: ModelCosts, model: CostModel, opts: Options, virtual: int,
                  build: Callable[[Sequence[StageSpec], Evaluation, Options], Plan],
                  simulate: Simulate) -> tuple[Plan, Evaluation]:
-    """The plan of ``opts.schedule`` with ``virtual`` chunks per rank on ``base``'s groups and replicas.
+    """The plan of ``opts.schedule`` with ``virtual`` chunks per rank on these rank groups (their replicas).
 
     ``build(specs, evaluation, options)`` makes a Plan as ``planner.build_plan`` does (tied
     weights priced, per-step overhead added); ``simulate`` predicts its step."""
     kind = opts.schedule
     check_virtual(kind, virtual)
-    groups = [tuple(s.ranks) for s in base.stages]
+    if any(not opts.replicas_ok(len(g)) for g in groups):
+        raise UserError(f"a group of {max(len(g) for g in groups)} replicas needs more than {opts.micro_batches} "
+                        "micro-batches per step")
     specs = chunk_specs(costs, groups, kind, virtual)
     plain = replace(opts, schedule=REGISTRY[BASE_SCHEDULE], memory_bytes=math.inf, recompute="none")
     worker, recompute = chunk_memory(costs, specs, kind, opts, virtual)
@@ -135,3 +174,19 @@ def virtual_plan(base: Plan, costs: ModelCosts, model: CostModel, opts: Options,
     step = simulate(plan) + sum(t.predicted_ms for t in plan.tied) + model.step_overhead_ms
     samples = opts.micro_batches * plan.batch_size / (step / 1e3) if step > 0 else 0.0
     return replace(plan, predicted_step_ms=step, predicted_samples_per_s=samples), replace(ev, objective_ms=step)
+
+
+def fastest_virtual_plan(options: Sequence[Sequence[tuple[int, ...]]], costs: ModelCosts, model: CostModel,
+                         opts: Options, virtual: int, build: Callable[[Sequence[StageSpec], Evaluation, Options], Plan],
+                         simulate: Simulate) -> tuple[Plan, Evaluation]:
+    """The fastest simulated :func:`virtual_plan` over these rank groupings (ties: the earlier); the first
+    grouping's UserError when none can run."""
+    built, refused = [], []
+    for groups in options:
+        try:
+            built.append(virtual_plan(groups, costs, model, opts, virtual, build, simulate))
+        except UserError as e:
+            refused.append(e)
+    if not built:
+        raise refused[0]
+    return min(built, key=lambda pe: pe[1].objective_ms)
