@@ -5,6 +5,9 @@ stage -- or, for the multi-stage classes on a plan with virtual stages, its chun
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -57,8 +60,20 @@ def torch_side(spec, batch_size: int):
             lambda x, y: x["labels"])
 
 
-def theirs(rank: int, world: int, plan_path: str, steps: int, kind: str = "Schedule1F1B") -> dict | None:
-    """torch.distributed.pipelining's schedule ``kind`` on the same stages; rank 0 returns the job's step times."""
+@dataclass
+class TorchRun:
+    """One rank's torch.distributed.pipelining job, built: ``step(batch(k))`` runs training step
+    k (``SCHEDULE.step`` + ``optimizer.step``) as a user of torch's pipelining writes it."""
+
+    schedule: Any
+    pipes: list
+    optimizer: torch.optim.Optimizer | None
+    batch: Callable[[int], tuple[list, dict]]       # step k -> the schedule's (args, kwargs)
+    step: Callable[[tuple[list, dict]], None]
+
+
+def build_theirs(rank: int, plan_path: str, steps: int, kind: str = "Schedule1F1B") -> TorchRun:
+    """torch.distributed.pipelining's schedule ``kind`` on the plan's stages, this rank's part."""
     from torch.distributed.pipelining import PipelineStage, schedules
 
     plan = load_plan(plan_path)
@@ -82,19 +97,31 @@ def theirs(rank: int, world: int, plan_path: str, steps: int, kind: str = "Sched
     size = steps * plan.micro_batches * plan.batch_size
     data = MicroBatches(resolve_dataset("synthetic", spec, size=size, seed=SEED), plan.batch_size, plan.micro_batches,
                         targets=spec.loss is not None)
-    times = {}
-    for k in range(steps):
-        t0 = time.perf_counter()
+
+    def batch(k: int) -> tuple[list, dict]:
         x, y = data.global_batch(k)
         args: list = []
         kwargs: dict = {"target": target_of(x, y), "losses": []} if last else {}
         if first:
             inputs = captured.flatten_input({k: v for k, v in x.items() if k in example} if isinstance(x, dict) else x)
             args = [inputs[name] for name in chunks[0].input_names]
-        schedule.step(*args, **kwargs)
+        return args, kwargs
+
+    def step(given: tuple[list, dict]) -> None:
+        schedule.step(*given[0], **given[1])
         if optimizer is not None:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+    return TorchRun(schedule, pipes, optimizer, batch, step)
+
+
+def theirs(rank: int, world: int, plan_path: str, steps: int, kind: str = "Schedule1F1B") -> dict | None:
+    """torch.distributed.pipelining's schedule ``kind`` on the same stages; rank 0 returns the job's step times."""
+    run = build_theirs(rank, plan_path, steps, kind)
+    times = {}
+    for k in range(steps):
+        t0 = time.perf_counter()
+        run.step(run.batch(k))
         times[k] = (time.perf_counter() - t0) * 1e3
     everyone: list = [None] * world
     dist.all_gather_object(everyone, times)

@@ -147,7 +147,8 @@ class PipelineEngine:
         self.recorder, self.clock = recorder, clock
         self.stash = WeightStash(chunks[0].module) if schedule.asynchronous else None
         self.device = chunks[0].device     # where inputs and targets go (place the stages before the engine)
-        self.meter = MemoryMeter(self._held, self._grad_bytes, self.device, [c.module for c in chunks])
+        self.meter = MemoryMeter(self._held, self._grad_bytes, self.device, [c.module for c in chunks],
+                                 static_changes=self.stash is not None)
         self.phase = 0              # steps since the pipeline was (re)started (pipedream)
         self.last_step: int | None = None   # the step run last
         self.flight = InFlight()            # per (stage, micro-batch): what the rank holds between instructions
@@ -363,9 +364,10 @@ class PipelineEngine:
         if self.tied is not None:
             self.tied.reduce()
         if scale != 1.0:
-            with torch.no_grad():
-                for g in step_gradients(self.module, self.optimizer):
-                    g.mul_(scale)
+            grads = step_gradients(self.module, self.optimizer)
+            if grads:
+                with torch.no_grad():
+                    torch._foreach_mul_(grads, scale)       # one call, not one per parameter
         if self.before_step is not None and self.before_step() is False:
             self.optimizer.zero_grad(set_to_none=True)
             return

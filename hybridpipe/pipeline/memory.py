@@ -62,11 +62,16 @@ class MemoryMeter:
     versions); their storages are never counted as activations. ``grad_bytes()``: the bytes of
     the weights' gradients at the step's peak (they are freed after each optimizer step).
     ``modules``: the stage's modules (one per model chunk the rank holds), whose buffers are not
-    activations; :meth:`backward` names the one whose forward a recomputing stage reruns."""
+    activations; :meth:`backward` names the one whose forward a recomputing stage reruns.
+    The static tensors are listed once per step (at the first forward after ``begin_step``): the
+    weights and the optimizer's state keep their storages within a step. ``static_changes``: list
+    them at every forward instead (pipedream's stash makes weight versions inside a step)."""
 
     def __init__(self, static: Callable[[], Iterable[torch.Tensor]], grad_bytes: Callable[[], int],
-                 device: torch.device, modules: Sequence[torch.nn.Module] = ()):
+                 device: torch.device, modules: Sequence[torch.nn.Module] = (), *, static_changes: bool = False):
         self.static, self.grad_bytes, self.device, self.modules = static, grad_bytes, device, tuple(modules)
+        self.static_changes = static_changes
+        self._skip_known = False    # _skip lists this step's static storages
         self._counts: dict[tuple[str, int], int] = {}
         self._bytes: dict[tuple[str, int], int] = {}
         self._skip: set[tuple[str, int]] = set()
@@ -81,6 +86,7 @@ class MemoryMeter:
 
     def begin_step(self) -> None:
         self.peak = self.held
+        self._skip_known = False
         if self.on_cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
 
@@ -96,9 +102,11 @@ class MemoryMeter:
         if self.on_cuda:
             yield
             return
-        buffers = [b for m in self.modules for b in m.buffers()]
-        self._skip = {storage_key(t) for t in (*self.static(), *buffers)
-                      if isinstance(t, torch.Tensor) and t.numel() > 0}
+        if not self._skip_known or self.static_changes:
+            buffers = [b for m in self.modules for b in m.buffers()]
+            self._skip = {storage_key(t) for t in (*self.static(), *buffers)
+                          if isinstance(t, torch.Tensor) and t.numel() > 0}
+            self._skip_known = True
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             yield
 

@@ -168,7 +168,8 @@ class PipelineStage:
         number over the run, which orders a replicated stage's statistics (default: calls so far).
         """
         leaves = {k: _leaf(t, grad=not self.is_first and self._needs_grad(k)) for k, t in inputs.items()}
-        values = unpack(_unleafed(leaves, self.device), self.input_names)
+        device = next(iter(inputs.values())).device if inputs else self.device      # where the stage runs
+        values = unpack(_unleafed(leaves, device), self.input_names)
         args = tuple(values[name] for name in self.input_names)
 
         def run(*xs: Any) -> Any:
@@ -240,7 +241,8 @@ class PipelineStage:
         """The first half of a split backward: the inputs' grads (as :meth:`backward` returns
         them), and what :meth:`backward_weight` needs to accumulate the parameters' grads later."""
         tensors, grads = self._roots(act, output_grads)
-        work = backward_input(tensors, grads, list(act.inputs.values()), list(self.module.parameters()))
+        work = backward_input(tensors, grads, list(act.inputs.values()), list(self.module.parameters()),
+                              one_pass=self.recompute)
         return {k: t.grad for k, t in act.inputs.items() if t.requires_grad and t.grad is not None}, work
 
     @staticmethod

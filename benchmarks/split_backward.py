@@ -1,0 +1,126 @@
+"""zb-h1's split backward vs a plain backward: the compute each costs on one stage, one thread.
+
+    python benchmarks/split_backward.py                # GPT-2 12 x 256 (vocabulary 8192), stage 1 of 4
+    python benchmarks/split_backward.py --stage 2 --repeats 20
+
+The model is captured and cut into ``--ranges`` (block ranges; default the compute-balanced cut of
+the GPT-2 runs in RESULTS.md); stage ``--stage``'s forward runs on the previous stages' output and
+is then backpropagated three ways, alternating: ``PipelineStage.backward`` (one autograd pass),
+hybridpipe's ``backward_input`` + ``backward_weight`` (zb-h1's B and W), and torch's own
+``stage_backward_input`` + ``stage_backward_weight`` (``torch.distributed.pipelining._backward``).
+Thread CPU time (``time.thread_time``), median of ``--repeats``. Results:
+``benchmarks/results/split_backward[_TAG].json`` and ``.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from benchmarks.common import machine, pyplot, result_paths, setup_logging, write_results  # noqa: E402
+from hybridpipe.pipeline import build_stage_index  # noqa: E402
+from hybridpipe.profiles.capture import capture_model  # noqa: E402
+from hybridpipe.profiles.zoo import resolve_model  # noqa: E402
+
+GPT2 = "hf:gpt2[n_layer=12,n_embd=256,n_head=4,vocab_size=8192,seq=128,dropout=0]"
+
+
+def measure(model: str, ranges: list[tuple[int, int]], index: int, batch: int, repeats: int) -> dict[str, float]:
+    """Milliseconds of thread CPU: plain backward, our input and weight halves, torch's."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    torch.set_num_threads(1)
+    spec = resolve_model(model)
+    x = spec.example_input(batch, torch.Generator().manual_seed(0))
+    captured = capture_model(spec.build(), x, leaf_modules=spec.leaf_modules)
+    stages = [build_stage_index(captured, ranges, i, loss=spec.loss) for i in range(index + 1)]
+    inputs = stages[0].data_inputs(x)
+    for st in stages[:-1]:
+        inputs = {k: v.detach() for k, v in st.forward(inputs).outputs.items()}
+    st = stages[-1]
+    if st.is_last:
+        raise SystemExit("pick a stage before the last (its backward starts from the loss, not from gradients)")
+
+    def run(way: str) -> tuple[float, float]:
+        act = st.forward(inputs)
+        grads = {k: torch.ones_like(v) for k, v in act.outputs.items()}
+        params = list(st.module.parameters())
+        t0 = time.thread_time()
+        if way == "plain":
+            st.backward(act, grads)
+            t1 = time.thread_time()
+        elif way == "ours":
+            _, work = st.backward_input(act, grads)
+            t1 = time.thread_time()
+            st.backward_weight(work)
+        else:
+            outs = list(act.outputs.values())
+            _, groups = stage_backward_input(outs, [grads[k] for k in act.outputs],
+                                             [t for t in act.inputs.values() if t.requires_grad], iter(params))
+            t1 = time.thread_time()
+            stage_backward_weight(iter(params), groups)
+        t2 = time.thread_time()
+        for p in params:
+            p.grad = None
+        return (t1 - t0) * 1e3, (t2 - t1) * 1e3
+    ways = ("plain", "ours", "torch")
+    for way in ways:                                    # warm-up
+        run(way)
+    got: dict[str, list] = {w: [] for w in ways}
+    for _ in range(repeats):
+        for way in ways:
+            got[way].append(run(way))
+    med = {w: (statistics.median(a for a, _ in v), statistics.median(b for _, b in v),
+               statistics.median(a + b for a, b in v)) for w, v in got.items()}
+    return {"plain_ms": med["plain"][2], "ours_input_ms": med["ours"][0], "ours_weight_ms": med["ours"][1],
+            "ours_ms": med["ours"][2], "torch_input_ms": med["torch"][0], "torch_weight_ms": med["torch"][1],
+            "torch_ms": med["torch"][2], "ours_vs_plain": med["ours"][2] / med["plain"][2],
+            "torch_vs_plain": med["torch"][2] / med["plain"][2]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=GPT2)
+    p.add_argument("--ranges", default="0-5,6-9,10-13,14-16", help="the stages' block ranges")
+    p.add_argument("--stage", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--out-dir")
+    p.add_argument("--tag", default="")
+    a = p.parse_args(argv)
+    setup_logging(False)
+    ranges = [(int(r.split("-")[0]), int(r.split("-")[1])) for r in a.ranges.split(",")]
+    got = measure(a.model, ranges, a.stage, a.batch_size, a.repeats)
+    result = {"benchmark": "split_backward", "machine": machine(), "command": " ".join(sys.argv), "model": a.model,
+              "ranges": ranges, "stage": a.stage, "batch_size": a.batch_size, "repeats": a.repeats, **got}
+    json_path, png_path = result_paths("split_backward" + (f"_{a.tag}" if a.tag else ""), False, a.out_dir)
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(5, 3))
+    ax.bar([0], [got["plain_ms"]], color="#7f7f7f", label="plain backward")
+    for i, who in ((1, "ours"), (2, "torch")):
+        ax.bar([i], [got[f"{who}_input_ms"]], color="#1f77b4", label="input half" if i == 1 else None)
+        ax.bar([i], [got[f"{who}_weight_ms"]], bottom=[got[f"{who}_input_ms"]], color="#ff7f0e",
+               label="weight half" if i == 1 else None)
+    ax.set_xticks([0, 1, 2], ["plain", "hybridpipe split", "torch split"])
+    ax.set_ylabel("thread CPU ms per micro-batch")
+    ax.set_title(f"stage {a.stage}: split / plain = {got['ours_vs_plain']:.2f}x (torch {got['torch_vs_plain']:.2f}x)",
+                 fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    write_results(json_path, result, fig, png_path)
+    print(f"plain {got['plain_ms']:.1f} ms; ours {got['ours_input_ms']:.1f} + {got['ours_weight_ms']:.1f} = "
+          f"{got['ours_ms']:.1f} ms ({got['ours_vs_plain']:.2f}x); torch {got['torch_input_ms']:.1f} + "
+          f"{got['torch_weight_ms']:.1f} = {got['torch_ms']:.1f} ms ({got['torch_vs_plain']:.2f}x)")
+    print(f"wrote {json_path} and {png_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""benchmarks/overhead.py's smoke test: the probes, the no-framework baseline and the per-run
+arithmetic in-process on a tiny plan (seconds); one whole run on 2 processes is slow-marked."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from benchmarks.overhead import main, per_run
+from benchmarks.overhead_probes import KINDS, Tally, baseline, run_steps
+from benchmarks.vs_torch_pipelining import make_plan
+
+MODEL = "mlp[features=4,hidden=4,layers=4]"
+
+
+def test_probes_count_cpu_only_while_on_and_by_the_kind_the_call_names():
+    tally = Tally()
+
+    def spin(n: int) -> int:
+        t0 = time.thread_time()
+        while time.thread_time() - t0 < n * 1e-3:
+            pass
+        return n
+    fixed = tally.probe("forward", spin)
+    named = tally.probe(lambda n: ("send" if n > 1 else "recv", 0.5), spin)
+    fixed(1)                                     # off: not counted
+    totals = run_steps(lambda k: (fixed(2), named(2), named(1)), steps=3, warmup=1, tally=tally)
+    assert totals["steps"] == 2
+    assert totals["count"] == {"forward": 2, "send": 1.0, "recv": 1.0}
+    assert totals["cpu_s"]["forward"] == pytest.approx(4e-3, rel=0.5)
+    assert totals["cpu_s"]["send"] > totals["cpu_s"]["recv"] > 0
+    assert totals["thread_s"] >= sum(totals["cpu_s"].values())
+
+
+def test_baseline_and_per_run_on_a_tiny_plan(tmp_path):
+    make_plan(MODEL, 2, 2, 2, tmp_path / "plan.json")
+    base = baseline(str(tmp_path / "plan.json"), repeats=3)
+    assert len(base) == 2 and all(b["forward_s"] > 0 and b["backward_s"] > 0 for b in base)
+    rank = {"thread_s": 0.01, "process_s": 0.012, "wall_s": 0.02, "steps": 2,
+            "cpu_s": {"forward": 0.002, "backward": 0.002, "send": 0.001, "recv": 0.001, "data": 0.001, "step": 0.001},
+            "count": {"forward": 4, "backward": 4, "send": 4, "recv": 4, "data": 4, "step": 2}}
+    out = per_run([rank, rank], base, micro_batches=2)
+    assert set(out["us_per_instruction"]) == set(KINDS)
+    assert out["us_per_instruction"]["send"] == pytest.approx(250.0)
+    assert out["dispatch_us_per_step"] == pytest.approx((0.02 - 0.016) / 2 * 1e6)
+    assert out["background_us_per_step"] == pytest.approx(0.004 / 2 * 1e6)
+    compute = sum(b["forward_s"] + b["backward_s"] for b in base) * 2
+    assert out["framework_cpu_us_per_instruction"] == pytest.approx(((0.024 - 0.002) / 2 - compute) / 16 * 1e6)
+
+
+@pytest.mark.slow
+def test_a_whole_quick_run_writes_its_results(tmp_path):
+    assert main(["--model", MODEL, "--stages", "2", "--micro-batches", "2", "--steps", "3", "--warmup", "1",
+                 "--rounds", "1", "--schedules", "1f1b", "--out-dir", str(tmp_path)]) == 0
+    assert (tmp_path / "overhead.json").exists() and (tmp_path / "overhead.png").exists()
