@@ -289,15 +289,15 @@ def test_the_rank_that_died_without_a_word_is_named_not_the_one_stopped_after_it
         for r, p in sleepers.items():
             guard._store.set(f"who/{r}", json.dumps({"host": host_identity(), "pid": p.pid}))
             guard._store.add(f"hb/{r}", 1)
-        assert guard._check_local(guard._store) is None           # learns the peers and their heartbeats
+        assert guard._peers.lost_local(guard._store) is None           # learns the peers and their heartbeats
         time.sleep(0.05)
         guard._store.add("hb/3", 1)                                # rank 3 still beats; ranks 1 and 2 fell silent
-        assert guard._check_local(guard._store) is None
+        assert guard._peers.lost_local(guard._store) is None
         for p in sleepers.values():                                # ... then all three are gone at one check
             p.send_signal(signal.SIGKILL)
             p.wait()
         guard._store.set("exit/1", json.dumps({"code": 143, "time": time.time()}))   # 1 left through its guard
-        first = guard._check_local(guard._store)
+        first = guard._peers.lost_local(guard._store)
         assert first is not None and first.rank == 2 and "without a word" in first.reason, first
     finally:
         for p in sleepers.values():
