@@ -11,6 +11,7 @@ import pickle
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -63,10 +64,16 @@ def snapshot(root: Path, *, lock: bool = False) -> dict[str, tuple[int, int]]:
 
 # ---- launch ships with the package ---------------------------------------------------------------
 def test_torchrun_module_launch_from_a_directory_outside_the_repository(tmp_path):
+    """``-m hybridpipe.launch`` from another directory: the checkout's package (PYTHONPATH, as every
+    job of the tests has it), not whatever hybridpipe is installed in the environment."""
+    where = "import importlib.util as u; print(u.find_spec('hybridpipe').origin)"
+    found = subprocess.run([sys.executable, "-c", where], cwd=tmp_path, env=_env(), capture_output=True, text=True,
+                           timeout=60)
+    assert Path(found.stdout.strip()) == ROOT / "hybridpipe" / "__init__.py", found
     plan = tmp_path / "plan.json"
     save_plan(make_plan("mlp", [3], [1, 1], micro_batches=2, batch_size=4), plan)
     done = torchrun(["--plan", "plan.json", "--steps", "2", "--run-dir", "run", "--no-progress"], 2,
-                    entry=["-m", "hybridpipe.launch"], cwd=tmp_path, env={"PYTHONPATH": None}, timeout=120)
+                    entry=["-m", "hybridpipe.launch"], cwd=tmp_path, timeout=120)
     assert done.returncode == 0, done
     assert "hybridpipe: 2 steps of mlp" in done.stdout, done
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps_run"] == 2
