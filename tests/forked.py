@@ -16,6 +16,8 @@ the interpreter would (the function's exit code, 1 with the traceback on an unca
 -N when killed by signal N; non-daemon threads joined, atexit handlers run).
 
 The torchrun tests still start real interpreters through torchrun (tests/runtime/jobs.py).
+Where a CUDA GPU is visible the ranks are spawned as new interpreters instead: the warm server's
+first capture initializes CUDA, and a process forked after that cannot use the GPU.
 """
 
 from __future__ import annotations
@@ -39,7 +41,11 @@ SERVER_ENV = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
 
 @functools.cache
 def context() -> multiprocessing.context.ForkServerContext:
-    """The fork server's context; its server started (once per session) with SERVER_ENV."""
+    """The fork server's context; its server started (once per session) with SERVER_ENV. With a
+    CUDA GPU visible: the spawn context (new interpreters; a fork after CUDA's start cannot use it)."""
+    import torch
+    if torch.cuda.is_available():
+        return multiprocessing.get_context("spawn")     # type: ignore[return-value]
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["tests.warm"])
     saved = {k: os.environ.get(k) for k in SERVER_ENV}

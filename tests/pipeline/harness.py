@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from typing import Any
 
 import torch
+from torch.utils._pytree import tree_map
 from torch.utils.data import Dataset
 
 from hybridpipe.partitioner.cost.cluster import Cluster, Level
@@ -210,6 +212,11 @@ def train_pipeline(plan: Plan, steps: int, *, lr: float = 0.05, seed: int = 0, o
     return merged, losses
 
 
+def _to(batch: Any, device: str) -> Any:
+    """Every tensor in ``batch`` (nested tuples, lists, dicts) on ``device``."""
+    return tree_map(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, batch)
+
+
 def train_reference(plan: Plan, steps: int, *, lr: float = 0.05, seed: int = 0, optimizer: str = "sgd",
                     device: str = "cpu", dataset: Dataset | None = None, accumulate: bool = False,
                     observe: Callable[[int, torch.nn.Module], None] | None = None) -> dict[str, torch.Tensor]:
@@ -227,10 +234,10 @@ def train_reference(plan: Plan, steps: int, *, lr: float = 0.05, seed: int = 0, 
         opt.zero_grad()
         if accumulate:
             for m in range(plan.micro_batches):
-                x, y = data.batch(k, m)
+                x, y = _to(data.batch(k, m), device)
                 (model_loss(spec, model, x, y) / plan.micro_batches).backward()
         else:
-            x, y = data.global_batch(k)
+            x, y = _to(data.global_batch(k), device)
             model_loss(spec, model, x, y).backward()
         opt.step()
         if observe is not None:
