@@ -14,8 +14,9 @@ kill time (one clock: every host is this machine):
 * detection: SIGKILL -> the survivors' exit (their exit notes);
 * rendezvous: -> the restarted worker process starts (agent notices, keep-alive expiry,
   re-rendezvous as 3, process spawn);
-* start-up: imports and the process group, model build and capture (torch.export), replica
-  groups and p2p channels (the rest; split by the worker's milestones);
+* start-up: Python and the imports, the process group (every rank joined), the configuration
+  agreed, model build and capture (torch.export, or the capture cache), the rank's stages (their
+  seeded weights), optimizer, replica groups and p2p channels (split by the worker's milestones);
 * re-planning (rank 0's partitioner) and checkpoint load (resharding included);
 * first step: the step itself.
 
@@ -29,6 +30,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -102,9 +104,11 @@ def one_restart(args: argparse.Namespace, prof: Path, every: int, kill_step: int
     rendezvous = entry["seconds_to_worker_start"]
     total = entry["seconds_to_first_step"] + detect
     startup = total - detect - rendezvous - entry["planning_s"] - entry["checkpoint_load_s"] - entry["first_step_s"]
-    # the worker's milestones (restarts.restart_entry): imports + process group + planning, model, job
-    split = {"imports_and_process_group_s": round(entry.get("imports_s", 0.0) - entry["planning_s"], 2),
-             "model_capture_s": entry.get("model_s"), "groups_and_channels_s": entry.get("job_s")}
+    # the worker's milestones (restarts.restart_entry): Python and imports, every rank joined the process
+    # group, the plan and configuration agreed (re-planning subtracted), model capture, stages + optimizer + groups
+    split = {"imports_s": entry.get("imports_s"), "process_group_s": entry.get("process_group_s"),
+             "config_s": round(entry.get("config_s", 0.0) - entry["planning_s"], 2),
+             "model_capture_s": entry.get("model_s"), "stages_optimizer_groups_s": entry.get("job_s")}
     return {"every": every, "kill_step": kill_step, "resumed_from": entry["resumed_from_step"],
             "steps_redone": entry["steps_redone"], "world": [entry["world_size_before"], entry["world_size_after"]],
             "plans": summary["stages"], "kill_to_first_step_s": round(total, 2), "detection_s": round(detect, 2),
@@ -146,6 +150,7 @@ def main() -> int:
     p.add_argument("--micro-batches", type=int, default=12, help="fixed, so the global batch survives a re-plan")
     p.add_argument("--steps-after", type=int, default=10, help="each restart run has 3K + this many steps")
     p.add_argument("--every", type=int, nargs="+", default=[5, 10, 20], help="checkpoint intervals K to restart with")
+    p.add_argument("--kills", type=int, default=1, help="restarts per interval, each a fresh job (the median is kept)")
     p.add_argument("--cost-every", type=int, nargs="+", default=[1, 10, 50])
     p.add_argument("--cost-steps", type=int, default=60)
     p.add_argument("--peer-timeout", type=float, default=3.0)
@@ -168,10 +173,14 @@ def main() -> int:
         prof = args.profile or profile(args.model, args.batch, work / "profile.json")
         if not args.skip_restarts:
             for every in args.every:
-                kill_step = rng.randrange(2 * every, 3 * every)
-                row = one_restart(args, prof, every, kill_step, work / f"restart-{every}")
-                print(json.dumps(row), flush=True)
-                out["restarts"].append(row)
+                for kill in range(args.kills):
+                    kill_step = rng.randrange(2 * every, 3 * every)
+                    row = one_restart(args, prof, every, kill_step, work / f"restart-{every}-{kill}")
+                    row["load"] = round(os.getloadavg()[0], 1)
+                    print(json.dumps(row), flush=True)
+                    out["restarts"].append(row)
+            out["median_kill_to_first_step_s"] = statistics.median(r["kill_to_first_step_s"] for r in out["restarts"])
+            out["load_after"] = os.getloadavg()[0]
         for row in [] if args.skip_cost else checkpoint_cost(args, prof, work):
             print(json.dumps(row), flush=True)
             out["checkpoint_cost"].append(row)

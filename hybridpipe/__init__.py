@@ -6,15 +6,19 @@ one way: profiles -> partitioner -> comm -> pipeline -> runtime -> cli / launch.
 
 __version__ = "0.1.0"
 
-__all__ = ["Trainer", "lr_schedule"]
+__all__ = ["Trainer", "TrainingConfig", "lr_schedule"]
 
 
 def __getattr__(name: str):
-    """``hybridpipe.Trainer`` (runtime/trainer.py) and ``hybridpipe.lr_schedule`` (runtime/lr.py),
-    imported on first use so that ``import hybridpipe`` stays light."""
+    """``hybridpipe.Trainer`` (runtime/trainer.py), ``hybridpipe.TrainingConfig``
+    (runtime/training_config.py) and ``hybridpipe.lr_schedule`` (runtime/lr.py), imported on first
+    use so that ``import hybridpipe`` stays light."""
     if name == "Trainer":
         from hybridpipe.runtime.trainer import Trainer
         return Trainer
+    if name == "TrainingConfig":
+        from hybridpipe.runtime.training_config import TrainingConfig
+        return TrainingConfig
     if name == "lr_schedule":
         from hybridpipe.runtime.lr import lr_schedule
         return lr_schedule

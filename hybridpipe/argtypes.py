@@ -100,6 +100,14 @@ timeout_s = float_range(MIN_TIMEOUT_S, MAX_TIMEOUT_S)
 memory_gb = float_range(above=0.0, high=MAX_FIGURE)     # as a cluster file's memory_gb
 
 
+def host_port(text: str) -> str:
+    """An argparse type: ``HOST:PORT`` with a port in 1..65535."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT (port 1..65535), got {text!r}")
+    return text
+
+
 def check_output_file(path: str | os.PathLike, what: str = "") -> Path:
     """UserError "cannot write X: reason" unless a file can be written at ``path``; creates nothing."""
     p = Path(path)

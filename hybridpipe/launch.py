@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 
 import torch.distributed as dist
 
@@ -38,6 +39,7 @@ PROG = "hybridpipe.launch"
 
 def main(argv: list[str] | None = None) -> int:
     """One torchrun worker (or a job of one without torchrun); returns the exit code."""
+    milestones = {"imports": time.time()}       # when this worker got how far (the restart record)
     parser = build_parser()
     parser.raise_errors = True
     problem: str | None = None
@@ -58,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
             made = not dist.is_initialized()
             backend = args.backend if args is not None and args.backend else default_backend()
             init_distributed(backend, args.timeout if args is not None else 300.0)
+            milestones["process_group"] = time.time()
         planned, planned_s = None, None
         if problem is None and args is not None and args.profile is not None and args.plan is None:
             planned, problem, planned_s = agree_plan(args, env_world_size())    # same on every rank
@@ -73,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_USER_ERROR
         for line in deprecations(args):
             _say(f"{PROG}: warning: {line}")
-        run_worker(cfg)
+        run_worker(cfg, milestones=milestones)
     except UserError as e:                   # before the failure guard: the same on every rank
         _say(f"{PROG}: error: {one_line(e)}")
         return EXIT_USER_ERROR

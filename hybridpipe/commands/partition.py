@@ -34,6 +34,7 @@ from hybridpipe.partitioner.planner import DEFAULT_TIME_BUDGET_S, Outcome, Reque
 from hybridpipe.partitioner.schedule_registry import AUTO, DEFAULT_SCHEDULE, get_schedule
 from hybridpipe.partitioner.search.dp import Progress
 from hybridpipe.partitioner.search.objective import RECOMPUTE
+from hybridpipe.partitioner.search.sharding import SHARD_CHOICES
 from hybridpipe.profiles.format import load_profile
 from hybridpipe.profiles.loss_normalization import LOSS_NORMALIZATIONS, check_normalization
 
@@ -59,6 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recompute", choices=RECOMPUTE, default="none",
                         help="activation recomputation: none (default), all stages, or auto (the stages that "
                              "would not fit in --memory-gb otherwise; the extra forward is charged)")
+    parser.add_argument("--shard", choices=SHARD_CHOICES, default="none",
+                        help="what a stage's replicas shard (ZeRO): none (default: each holds everything), optimizer "
+                             "(ZeRO-1), gradients (ZeRO-2), parameters (ZeRO-3, gathered per micro-batch or kept for "
+                             "the step, as the plan chooses), or auto (per stage, the fastest level that fits)")
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
                         help="what the job will run in (launch --precision; default fp32): bf16/fp16 price "
                              "activations, gradients and all-reduces at half the profiled bytes (optimistic: a value "
@@ -118,7 +123,8 @@ def run(args: argparse.Namespace) -> int:
                   micro_batches=args.micro_batches, optimizer=args.optimizer, memory_gb=args.memory_gb,
                   stages=args.stages, algorithms=tuple(a.strip() for a in args.algorithms.split(",") if a.strip()),
                   dedicated_aggregator=args.aggregator == "dedicated", time_budget_s=args.time_budget,
-                  recompute=args.recompute, precision=args.precision, virtual_stages=args.virtual_stages)
+                  recompute=args.recompute, precision=args.precision, virtual_stages=args.virtual_stages,
+                  shard=args.shard)
     with search_bar(args.strategy, disable=args.quiet) as progress:
         outcome = partition(profile, cluster, req, calibrations, progress=progress, simulate=simulated_step)
     print(render(outcome, profile.nodes, layers=args.layers))
@@ -190,6 +196,7 @@ def render(outcome: Outcome, nodes, *, layers: bool = False) -> str:
                                            else "") + f", strategy {plan.strategy}, optimizer {plan.optimizer}",
             f"cluster: {cluster_line(plan, outcome.options.memory_bytes / 1e9)}"]
     rows = []
+    sharded = any(s.shard != "none" for s in plan.stages)
     for s, e in zip(plan.stages, ev.stages, strict=True):
         algos = Counter(lv.algorithm for lv in s.layers)
         load = f"{100 * e.term_ms / ev.objective_ms:.0f}%" + (" *" if s.index == worst else "")
@@ -197,13 +204,16 @@ def render(outcome: Outcome, nodes, *, layers: bool = False) -> str:
                      s.replicas, rank_ranges(s.ranks), f"{s.forward_ms:.2f}", f"{s.backward_ms:.2f}",
                      f"{s.sync_ms:.2f}", f"{s.overhead_ms:.2f}", human_bytes(s.send_bytes) if s.send_bytes else "-",
                      human_bytes(s.memory_bytes) + (" rc" if s.recompute else ""), load,
-                     ", ".join(f"{a} x{c}" for a, c in sorted(algos.items())) or "-"])
+                     ", ".join(f"{a} x{c}" for a, c in sorted(algos.items())) or "-"]
+                    + ([shard_label(s.shard, s.reshard_after_forward)] if sharded else []))
     body = table(["stage", "nodes", "layers", "replicas", "ranks", "fwd ms", "bwd ms", "sync ms", "extra ms",
-                  "sends", "memory", "load", "all-reduce"], rows)
+                  "sends", "memory", "load", "all-reduce"] + (["shard"] if sharded else []), rows)
     foot = [f"predicted step {plan.predicted_step_ms:.1f} ms = {plan.predicted_samples_per_s:.1f} samples/s "
             f"(steady state {ev.objective_ms:.1f} ms/step, bound by stage {worst}, marked *)",
             "fwd/bwd: one micro-batch; sync: exposed all-reduce per step; extra: optimizer steps and compute lost "
-            "to communication per step"] + ([search_line(plan.search)] if plan.search else [])
+            "to communication per step"
+            + ("; shard: ZeRO level of a stage's replicas (sync: its reduce-scatters and all-gathers, with those "
+               "exposed inside the step)" if sharded else "")] + ([search_line(plan.search)] if plan.search else [])
     out = head + ["", body, ""] + foot
     if layers:
         out += ["", layer_table(plan)]
@@ -226,6 +236,8 @@ def compare(profile, cluster, req: Request, calibrations, outcome: Outcome, *, e
             continue
         rows.append([name, len(other.stages), f"{other.predicted_step_ms:.1f}", f"{other.predicted_samples_per_s:.1f}",
                      f"{other.predicted_step_ms / mine:.2f}x the step of {req.strategy}"])
+    if every and req.strategy == "optimal" and req.virtual_stages == 1:
+        rows += shard_rows(profile, cluster, req, calibrations, mine, reasons)
     if not rows:
         return ""
     if not every:
@@ -235,6 +247,42 @@ def compare(profile, cluster, req: Request, calibrations, outcome: Outcome, *, e
 
     out = "\n" + table(["strategy", "stages", "step ms", "samples/s", "vs this plan"], rows)
     return out + "".join(f"\n{reason}" for reason in reasons)
+
+
+def shard_label(shard: str, reshard: bool) -> str:
+    """A stage's shard level for people: ZeRO-1/2/3 (ZeRO-3 kept: gathered once per step)."""
+    if shard == "none":
+        return "-"
+    zero = {"optimizer": 1, "gradients": 2, "parameters": 3}[shard]
+    return f"ZeRO-{zero}" + ("" if shard != "parameters" or reshard else " kept")
+
+
+def shard_rows(profile, cluster, req: Request, calibrations, mine: float, reasons: list[str]) -> list[list[object]]:
+    """The optimal plan at every other --shard choice, then the best replicated and the best sharded of them
+    all (this plan included)."""
+    rows: list[list[object]] = []
+    best: dict[bool, tuple[float, str]] = {}
+    for choice in SHARD_CHOICES:
+        label = f"optimal --shard {choice}"
+        try:
+            plan = (partition(profile, cluster, dataclasses.replace(req, shard=choice), calibrations,
+                              simulate=simulated_step).plan if choice != req.shard else None)
+        except UserError as e:
+            rows.append([label, "-", "-", "-", "infeasible (why: below)"])
+            reasons.append(f"{label} is infeasible: {e}")
+            continue
+        step = mine if plan is None else plan.predicted_step_ms
+        if plan is not None:
+            rows.append([label, len(plan.stages), f"{step:.1f}", f"{plan.predicted_samples_per_s:.1f}",
+                         f"{step / mine:.2f}x the step of this plan"])
+        levels = {s.shard for s in (plan.stages if plan is not None else ())} - {"none"}
+        is_sharded = bool(levels) if plan is not None else choice != "none"
+        if is_sharded not in best or step < best[is_sharded][0]:
+            best[is_sharded] = (step, label if plan is not None else f"{label} (this plan)")
+    for key, name in ((False, "best replicated"), (True, "best sharded")):
+        if key in best:
+            rows.append([name, "", f"{best[key][0]:.1f}", "", best[key][1]])
+    return rows
 
 
 def rank_ranges(ranks) -> str:

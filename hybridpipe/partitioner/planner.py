@@ -21,6 +21,7 @@ from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.plan import (
     ALGORITHMS,
     OPTIMIZERS,
+    RUNNABLE_SHARD_LEVELS,
     STRATEGIES,
     WIRE_BYTES,
     LayerSync,
@@ -43,6 +44,7 @@ from hybridpipe.partitioner.search.objective import (
     predict_step_ms,
 )
 from hybridpipe.partitioner.search.pipedream import pipedream_stages
+from hybridpipe.partitioner.search.sharding import NONE
 from hybridpipe.partitioner.search.strategies import baseline_stages
 from hybridpipe.partitioner.search.virtual import BASE_SCHEDULE, Simulate, check_virtual, virtual_plan
 from hybridpipe.partitioner.tied import tied_groups
@@ -72,6 +74,7 @@ class Request:
     #                                                      the best plan found and its proven gap
     precision: str = "fp32"                    # bf16/fp16: activations, gradients and all-reduces at half the bytes
     virtual_stages: int = 1                    # model chunks per rank (interleaved-1f1b, zbv: virtual.py)
+    shard: str = "none"                        # what replicas shard: none|optimizer|gradients|parameters|auto
 
 
 @dataclass(frozen=True)
@@ -117,7 +120,8 @@ def resolve(cluster: Cluster, req: Request) -> tuple[Cluster, int, Options]:
         cluster = replace(cluster, memory_gb=req.memory_gb)
     memory = cluster.memory_gb * 1e9
     micro = req.micro_batches or MICRO_BATCHES_PER_WORKER * workers
-    opts = Options(get_schedule(req.schedule), micro, req.optimizer, memory, tuple(req.algorithms), req.recompute)
+    opts = Options(get_schedule(req.schedule), micro, req.optimizer, memory, tuple(req.algorithms), req.recompute,
+                   req.shard)
     return cluster, workers, opts
 
 
@@ -170,6 +174,9 @@ def partition(profile: Profile, cluster: Cluster, req: Request = Request(),
     if not ev.fits:
         raise UserError(memory_message(stages, ev, opts, req.strategy))
     plan = build_plan(profile, costs, cluster, stages, ev, opts, req.strategy, model, precision=req.precision)
+    if any(s.shard not in RUNNABLE_SHARD_LEVELS for s in plan.stages):
+        notes += ("ZeRO-3 (--shard parameters) is planned for its prediction only: launch cannot run it yet "
+                  "(it runs none, optimizer and gradients; --shard auto chooses among those)",)
     return Outcome(replace(plan, search=search), ev, model, opts, notes)
 
 
@@ -182,6 +189,9 @@ def partition_virtual(profile: Profile, cluster: Cluster, req: Request, calibrat
     if simulate is None:
         raise ValueError("plans with virtual stages are predicted by simulation: pass simulate=")
     virtual = req.virtual_stages
+    if req.shard != "none":
+        raise UserError(f"--shard {req.shard} is not planned with virtual stages yet; use --shard none "
+                        "or --virtual-stages 1")
     if virtual < 1:
         raise UserError(f"--virtual-stages must be at least 1, got {virtual}")
     if req.schedule == AUTO:
@@ -326,10 +336,11 @@ def build_plan(profile: Profile, costs: ModelCosts, cluster: Cluster, stages: Se
     for idx, (spec, e) in enumerate(zip(stages, ev.stages, strict=True)):
         out.append(Stage(index=idx, first_node=spec.first, last_node=spec.last, replicas=len(spec.ranks),
                          ranks=tuple(spec.ranks), compute_ms=e.forward_ms + e.backward_ms, forward_ms=e.forward_ms,
-                         backward_ms=e.backward_ms, sync_ms=e.sync_ms_per_step, send_ms=e.send_ms,
+                         backward_ms=e.backward_ms, sync_ms=e.sync_ms_per_step + e.midstep_ms, send_ms=e.send_ms,
                          send_bytes=int(e.send_bytes), memory_bytes=int(e.memory_bytes),
                          layers=without_tied(e.sync.layers, {t.param: t.bytes for t in tied if idx in t.stages}),
-                         overhead_ms=e.overhead_ms, recompute=e.recompute))
+                         overhead_ms=e.overhead_ms, recompute=e.recompute, shard=e.shard,
+                         reshard_after_forward=e.reshard_after_forward))
     samples = opts.micro_batches * profile.batch_size / (step_ms / 1e3) if step_ms > 0 else 0.0
     return Plan(model=profile.model, batch_size=profile.batch_size, input_shape=tuple(profile.input_shape),
                 profile_signature=profile.signature(), cluster=cluster, strategy=strategy, schedule=opts.schedule.name,
@@ -351,14 +362,16 @@ def without_tied(layers: Sequence[LayerSync], tied: dict[str, int]) -> tuple[Lay
 
 def no_fit_message(costs: ModelCosts, workers: int, opts: Options) -> str:
     """Why nothing fits: the hungriest node needs more than a worker has even alone, or the sum does."""
-    per_node = [memory_bytes(costs, i, i, inflight_micro_batches(opts.schedule, 1, 1, 1), opts)
-                for i in range(costs.n)]
+    one = inflight_micro_batches(opts.schedule, 1, 1, 1)
+    per_node = [min(memory_bytes(costs, i, i, one, opts, variant=v, replicas=workers)   # sharded over every worker
+                    for v in ((NONE,) + opts.variants(workers))) for i in range(costs.n)]
     worst = max(range(costs.n), key=per_node.__getitem__)
     gb = opts.memory_bytes / 1e9
     if per_node[worst] > opts.memory_bytes:
         return (f"no plan fits in {gb:g} GB per worker: node {costs.names[worst]!r} alone needs "
                 f"{per_node[worst] / 1e9:.2f} GB (weights, gradients, optimizer state, one micro-batch's "
-                "activations); raise --memory-gb or use a smaller model or batch")
+                "activations" + (", sharded over every worker" if opts.shard != "none" else "")
+                + "); raise --memory-gb or use a smaller model or batch")
     if not opts.replicas_ok(1) or costs.n * opts.micro_batches < workers:
         return (f"{workers} workers cannot all get micro-batches: {costs.n} nodes x {opts.micro_batches} micro-batches "
                 "per step; raise --micro-batches or use fewer --workers")
@@ -366,7 +379,8 @@ def no_fit_message(costs: ModelCosts, workers: int, opts: Options) -> str:
              else ", or use --schedule 1f1b (it keeps fewer micro-batches in flight)")
     return (f"no partition onto {workers} workers fits in {gb:g} GB per worker with {opts.micro_batches} "
             f"micro-batches ({opts.schedule.name}) and a replica count per stage that divides into them; raise "
-            f"--memory-gb or --micro-batches, add workers or use --recompute auto{other}")
+            f"--memory-gb or --micro-batches, add workers or use --recompute auto{other}"
+            + ("; or let replicas shard their state (--shard auto)" if opts.shard == "none" else ""))
 
 
 def memory_message(stages: Sequence[StageSpec], ev: Evaluation, opts: Options, strategy: str) -> str:
@@ -381,4 +395,5 @@ def memory_message(stages: Sequence[StageSpec], ev: Evaluation, opts: Options, s
     st, e = stages[idx], ev.stages[idx]
     return (f"--strategy {strategy} does not fit: stage {idx} (nodes {st.first}-{st.last}) needs "
             f"{e.memory_bytes / 1e9:.2f} GB per worker, more than {opts.memory_bytes / 1e9:g} GB; raise --memory-gb, "
-            "add workers, try --strategy optimal or --recompute auto")
+            "add workers, try --strategy optimal or --recompute auto"
+            + (" or --shard auto" if opts.shard == "none" and len(st.ranks) > 1 else ""))

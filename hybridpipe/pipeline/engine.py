@@ -87,7 +87,7 @@ from hybridpipe.pipeline.instructions import (
     message_key,
 )
 from hybridpipe.pipeline.memory import MemoryMeter, optimizer_tensors, tensors_bytes
-from hybridpipe.pipeline.ports import TiedReduce, Transport, chunk_syncs
+from hybridpipe.pipeline.ports import TiedReduce, Transport, chunk_syncs, step_gradients
 from hybridpipe.pipeline.schedules import Topology, check_schedulable, forwarded, rank_program, settle_phase
 from hybridpipe.pipeline.stage import Activation, PipelineStage
 from hybridpipe.pipeline.stash import WeightStash, needs_frozen
@@ -364,9 +364,8 @@ class PipelineEngine:
             self.tied.reduce()
         if scale != 1.0:
             with torch.no_grad():
-                for p in self.module.parameters():
-                    if p.grad is not None:
-                        p.grad.mul_(scale)
+                for g in step_gradients(self.module, self.optimizer):
+                    g.mul_(scale)
         if self.before_step is not None and self.before_step() is False:
             self.optimizer.zero_grad(set_to_none=True)
             return
@@ -381,5 +380,8 @@ class PipelineEngine:
         return out + (self.stash.tensors() if self.stash else [])
 
     def _grad_bytes(self) -> int:
+        own = getattr(self.optimizer, "grad_bytes", None)      # a sharded stage's: its share (comm/sharded)
+        if callable(own):
+            return int(own())
         return tensors_bytes(p for p in self.module.parameters() if p.requires_grad)
 

@@ -6,6 +6,8 @@
 * :class:`ReplicaGroup` sums tensors across the replicas of a stage (a barrier-based all-reduce
   with a fixed summation order, so replicas stay bitwise identical); :class:`InProcessGradSync`
   puts the engine's ``no_sync()`` / ``finish()`` interface on top of it.
+* :class:`InProcessGroup` gives a replica group's threads point-to-point messages with the
+  isend/irecv interface of comm's GroupTransport, so the collectives' executors run unchanged.
 * :func:`run_ranks` runs one callable per rank in threads and stops all of them when one fails.
 """
 
@@ -163,6 +165,89 @@ class InProcessGradSync:
     def sum_replicas(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` in place across the group (a replicated stage's batch statistics)."""
         self.group.all_reduce_sum(self.index, [tensor])
+
+
+class InProcessGroup:
+    """Tagged point-to-point messages among ``size`` threads (positions 0..size-1)."""
+
+    def __init__(self, size: int, timeout: float = 60.0):
+        self.size, self.timeout = size, timeout
+        self._lock = threading.Condition()
+        self._streams: dict[tuple[int, int, int], list[torch.Tensor | None]] = {}
+        self._taken: dict[tuple[int, int, int], int] = {}
+
+    def transport(self, position: int) -> InProcessGroupTransport:
+        return InProcessGroupTransport(self, position)
+
+    def _post(self, key: tuple[int, int, int], tensor: torch.Tensor) -> None:
+        with self._lock:
+            self._streams.setdefault(key, []).append(tensor.detach().clone())
+            self._lock.notify_all()
+
+    def _reserve(self, key: tuple[int, int, int]) -> int:
+        with self._lock:
+            seq = self._taken.get(key, 0)
+            self._taken[key] = seq + 1
+            return seq
+
+    def _take(self, key: tuple[int, int, int], seq: int, block: bool) -> torch.Tensor | None:
+        deadline = time.monotonic() + self.timeout
+        with self._lock:
+            while len(self._streams.get(key, ())) <= seq:
+                left = deadline - time.monotonic()
+                if not block:
+                    return None
+                if left <= 0:
+                    raise RuntimeError(f"in-process group: message {key} #{seq} never came")
+                self._lock.wait(min(left, 1.0))
+            stream = self._streams[key]
+            got, stream[seq] = stream[seq], None
+            return got
+
+
+class _Sent:
+    def wait(self) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class _Received:
+    def __init__(self, group: InProcessGroup, key: tuple[int, int, int], seq: int, into: torch.Tensor):
+        self.group, self.key, self.seq, self.into, self.done = group, key, seq, into, False
+
+    def _land(self, block: bool) -> bool:
+        if not self.done:
+            got = self.group._take(self.key, self.seq, block)
+            if got is None:
+                return False
+            self.into.copy_(got)
+            self.done = True
+        return True
+
+    def wait(self) -> bool:
+        return self._land(True)
+
+    def is_completed(self) -> bool:
+        return self._land(False)
+
+
+class InProcessGroupTransport:
+    """One position's end of an :class:`InProcessGroup` (GroupTransport's interface)."""
+
+    backend = "inprocess"
+
+    def __init__(self, group: InProcessGroup, position: int):
+        self.group, self.position, self.size = group, position, group.size
+
+    def isend(self, tensor: torch.Tensor, position: int, tag: int) -> _Sent:
+        self.group._post((self.position, position, tag), tensor)
+        return _Sent()
+
+    def irecv(self, tensor: torch.Tensor, position: int, tag: int) -> _Received:
+        key = (position, self.position, tag)
+        return _Received(self.group, key, self.group._reserve(key), tensor)
 
 
 def run_ranks(fns: Mapping[int, Callable[[], T]], network: InProcessNetwork | None = None,

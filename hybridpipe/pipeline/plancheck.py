@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from torch import fx, nn
 
 from hybridpipe.errors import UserError
-from hybridpipe.partitioner.plan import Plan, Stage
+from hybridpipe.partitioner.plan import RUNNABLE_SHARD_LEVELS, Plan, Stage
 from hybridpipe.partitioner.tied import shared_across
 from hybridpipe.pipeline.buffer_writes import check_plan_writes
 from hybridpipe.pipeline.stage import LossFn, PipelineStage, captured_signature
@@ -62,10 +62,7 @@ class CheckedPlan:
 def check_plan(captured: CapturedModel, plan: Plan) -> CheckedPlan:
     """``plan`` checked against ``captured`` (see the module docstring): the stages' boundaries."""
     n_nodes = len(captured.blocks)
-    sharded = [s.index for s in plan.stages if s.shard != "none"]
-    if sharded:
-        raise UserError(f"stage {sharded[0]} asks its replicas to shard ({plan.stages[sharded[0]].shard}), which "
-                        "this runtime cannot do yet; set \"shard\": \"none\" in the plan")
+    check_shards(plan)
     if plan.stages[-1].last_node != n_nodes - 1:
         raise UserError(f"the plan covers {plan.stages[-1].last_node + 1} graph nodes but the model has "
                         f"{n_nodes}: it was made for another version of the model; re-profile")
@@ -89,6 +86,20 @@ def build_stage(captured: CapturedModel, plan: Plan, rank: int, *, loss: LossFn 
     """This rank's stage of ``captured`` under ``plan``, once :func:`check_plan` accepts the plan."""
     stage, _ = plan.stage_of_rank(rank)
     return check_plan(captured, plan).stage(stage.index, loss=loss)
+
+
+
+
+def check_shards(plan: Plan) -> None:
+    """Shard levels this runtime runs (ZeRO-1/2; not yet ZeRO-3's ``parameters``), under a flushing
+    schedule (pipedream's asynchronous updates keep stashed whole weights)."""
+    for s in plan.stages:
+        if s.shard not in RUNNABLE_SHARD_LEVELS:
+            raise UserError(f"stage {s.index} asks its replicas to shard {s.shard} (ZeRO-3), which this runtime "
+                            f"cannot do yet; use \"shard\": one of {', '.join(RUNNABLE_SHARD_LEVELS)}")
+        if s.shard != "none" and not plan.kind.flushed:
+            raise UserError(f"stage {s.index} shards its replicas ({s.shard}), which needs a flushing schedule; "
+                            f"{plan.schedule} updates asynchronously: use 1f1b, gpipe, zb-h1, interleaved-1f1b or zbv")
 
 
 def build_stages(captured: CapturedModel, plan: Plan, rank: int, *,

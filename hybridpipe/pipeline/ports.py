@@ -43,3 +43,11 @@ def chunk_syncs(sync: Any, stages: Sequence[int]) -> dict[int, Any]:
     if len(stages) > 1 and sync is not None:
         raise ValueError(f"a rank with stages {list(stages)} needs one gradient sync per stage (a mapping)")
     return {s: sync if sync is not None else LocalSync() for s in stages}
+
+
+def step_gradients(module: torch.nn.Module, optimizer: Any) -> list[torch.Tensor]:
+    """The gradients an optimizer step reads (the Step's scaling applies to them): those the
+    optimizer names (a sharded stage's optimizer: its replica's owned pieces, runtime/sharded_optimizer.py),
+    else every parameter's ``.grad``."""
+    own = getattr(optimizer, "gradients", None)
+    return own() if callable(own) else [p.grad for p in module.parameters() if p.grad is not None]

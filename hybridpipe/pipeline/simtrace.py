@@ -15,9 +15,11 @@ from pathlib import Path
 from hybridpipe.pipeline.schedules import Topology
 from hybridpipe.pipeline.simulator import COMPUTE, SimResult
 
-_THREADS = {"F": 0, "B": 0, "W": 0, "act": 1, "grad": 1, "allreduce": 2}
+_THREADS = {"F": 0, "B": 0, "W": 0, "act": 1, "grad": 1, "allreduce": 2, "reduce_scatter": 2, "all_gather": 2}
 _THREAD_NAMES = {0: "compute", 1: "send", 2: "all-reduce"}
-COLOURS = {"F": "#4C72B0", "B": "#55A868", "W": "#8172B3", "act": "#C0C0C0", "grad": "#A0A0A0", "allreduce": "#DD8452"}
+COLOURS = {"F": "#4C72B0", "B": "#55A868", "W": "#8172B3", "act": "#C0C0C0", "grad": "#A0A0A0", "allreduce": "#DD8452",
+           "reduce_scatter": "#C44E52", "all_gather": "#DA8BC3"}
+SYNC_NAMES = {"allreduce": "all-reduce", "reduce_scatter": "reduce-scatter", "all_gather": "all-gather"}
 
 
 def chrome_trace(result: SimResult, topo: Topology) -> dict:
@@ -78,7 +80,8 @@ def draw_timeline(result: SimResult, topo: Topology, path: str | os.PathLike, ti
                   until_ms: float | None = None) -> Path:
     """A Gantt chart of the simulated schedule: one row per rank, forwards blue, backwards green,
     weight gradients purple (labelled with the micro-batch), the replica group's all-reduces as an
-    orange band. A rank holding V model chunks draws its later chunks lighter and labels each
+    orange band (a sharded stage's reduce-scatters red, all-gathers pink). A rank holding V model
+    chunks draws its later chunks lighter and labels each
     box ``m.c`` (micro-batch m, chunk c of the rank)."""
     import matplotlib
 
@@ -104,8 +107,8 @@ def draw_timeline(result: SimResult, topo: Topology, path: str | os.PathLike, ti
                     text = f"{iv.micro_batch}.{chunk}" if V > 1 else str(iv.micro_batch)
                     ax.text((iv.t0 + iv.t1) / 2, y, text, ha="center", va="center", fontsize=6,
                             color="white" if chunk < V / 2 else "black")
-            elif iv.kind == "allreduce":
-                ax.broken_barh([(iv.t0, iv.t1 - iv.t0)], (y + 0.4, 0.12), facecolors=COLOURS["allreduce"])
+            elif iv.kind in SYNC_NAMES:
+                ax.broken_barh([(iv.t0, iv.t1 - iv.t0)], (y + 0.4, 0.12), facecolors=COLOURS[iv.kind])
     ax.set_yticks(range(len(ranks)))
     ax.set_yticklabels([f"rank {r} (s{','.join(map(str, topo.stages_of(r)))})" for r in ranks])
     ax.invert_yaxis()
@@ -114,8 +117,10 @@ def draw_timeline(result: SimResult, topo: Topology, path: str | os.PathLike, ti
     for t in result.step_ends:
         if t <= end:
             ax.axvline(t, color="black", linewidth=0.6, linestyle=":")
+    drawn = {iv.kind for iv in result.intervals}
     handles = [Patch(color=COLOURS[k], label=n) for k, n in
                (("F", "forward"), ("B", "backward (input)"), ("W", "weight gradients"), ("allreduce", "all-reduce"))]
+    handles += [Patch(color=COLOURS[k], label=SYNC_NAMES[k]) for k in ("reduce_scatter", "all_gather") if k in drawn]
     if V > 1:
         handles += [Patch(color=shade(COLOURS["F"], v, V), label=f"chunk {v} (m.{v})") for v in range(V)]
     ax.legend(handles=handles, loc="upper right", fontsize=7, ncol=4 + (V if V > 1 else 0))

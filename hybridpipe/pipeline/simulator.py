@@ -17,7 +17,9 @@ Discrete-event model, per rank, in instruction order:
   has it ready and the replica group's previous all-reduce is done, and lasts the layer's
   ``predicted_ms`` (or, with no layer list, one all-reduce of the stage's ``sync_ms`` after the
   backward). SyncWait waits for the last one: overlap with the rest of the backward and the
-  gradient sends is what hides it.
+  gradient sends is what hides it. A sharded stage's layer syncs are a reduce-scatter then an
+  all-gather, half of the layer's ``predicted_ms`` each (``partitioner/cost/sharded.py``); the
+  collectives its level adds inside the step (``sharding.midstep_ms``) lengthen its backwards.
 * Optimizer steps, data loading and the loss's bookkeeping take no time.
 
 The step time is measured between the ends of consecutive steps (t_k = when the last rank
@@ -37,6 +39,7 @@ from typing_extensions import assert_never
 from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.plan import WIRE_BYTES, Plan
 from hybridpipe.partitioner.schedule_registry import Schedule
+from hybridpipe.partitioner.search.sharding import Variant, midstep_ms
 from hybridpipe.pipeline.instructions import (
     Backward,
     BackwardInput,
@@ -96,6 +99,7 @@ class StageCosts:
     send_bytes: int
     allreduce_ms: tuple[float, ...]         # per layer, in forward order (empty: no sync)
     input_share: float = 0.5                # of backward_ms, the input-gradient half's (split schedules)
+    sharded: bool = False                   # each layer's sync is a reduce-scatter + an all-gather (halves)
 
 
 def stage_costs(plan: Plan) -> list[StageCosts]:
@@ -108,14 +112,18 @@ def stage_costs(plan: Plan) -> list[StageCosts]:
         f, b = s.forward_ms, s.backward_ms
         if f == 0 and b == 0 and s.compute_ms > 0:
             f, b = s.compute_ms / 3, 2 * s.compute_ms / 3
-        b += s.overhead_ms / -(-plan.micro_batches // s.replicas)
+        k = -(-plan.micro_batches // s.replicas)
+        if s.shard != "none":
+            half = sum(lv.predicted_ms for lv in s.layers) / 2
+            b += float(midstep_ms(Variant(s.shard, s.reshard_after_forward), k, half, f, b)) / k
+        b += s.overhead_ms / k
         if s.replicas > 1 and s.layers:
             ar = tuple(lv.predicted_ms for lv in s.layers)
         elif s.replicas > 1 and s.sync_ms > 0:
             ar = (s.sync_ms,)
         else:
             ar = ()
-        out.append(StageCosts(f, b, s.send_ms, s.send_bytes, ar, 0.0 if s.index == 0 else 0.5))
+        out.append(StageCosts(f, b, s.send_ms, s.send_bytes, ar, 0.0 if s.index == 0 else 0.5, s.shard != "none"))
     return out
 
 
@@ -293,11 +301,17 @@ class _Sim:
         group = self.topo.stage_ranks[stage]
         t = self.group_free.get(group, 0.0)
         layers = self.costs[stage].allreduce_ms[::-1]          # gradients arrive last layer first
+        sharded = self.costs[stage].sharded
         for i, ms in enumerate(layers):
             start = max(t, max(times[i] for times in slots))
             t = start + ms
-            self.intervals.append(Interval("allreduce", -1, start, t, f"stage {stage} group", f"allreduce {i}",
-                                           stage))
+            where = f"stage {stage} group"
+            if sharded:
+                mid = start + ms / 2
+                self.intervals.append(Interval("reduce_scatter", -1, start, mid, where, f"reduce-scatter {i}", stage))
+                self.intervals.append(Interval("all_gather", -1, mid, t, where, f"all-gather {i}", stage))
+            else:
+                self.intervals.append(Interval("allreduce", -1, start, t, where, f"allreduce {i}", stage))
         self.group_free[group] = t
         self.sync_done[key] = t
         return t

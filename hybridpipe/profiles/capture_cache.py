@@ -1,12 +1,18 @@
 """A capture kept on disk, so a restarted worker skips torch.export (seconds of every restart).
 
-    captured = cached_capture(model, example, directory=run_dir / "capture", granularity="blocks")
+    cache = CaptureCache(run_dir / "capture")
+    captured = cache.capture(model, example, granularity="blocks")   # read from the file, or captured
+    ...                                                                # once the run directory exists:
+    cache.write()                                                      # the captures made, kept for a restart
 
-The first capture of a model writes ``DIR/capture-<key>.json``: the graph's nodes (operation,
-name, target, arguments), its blocks, inputs and output structure. The key is a digest of all
-the capture depends on: torch's version, the model's class and the source file that defines
-it, every parameter's and buffer's name, shape and dtype, the example's structure, shapes and
-dtypes, the granularity, leaf modules and autocast dtype. A later capture with the same key rebuilds the graph
+A capture made through the cache is kept as a record (in memory) until :meth:`CaptureCache.write`
+puts it in ``DIR/capture-<key>.json`` (only into an existing run directory: a job refused before it
+made one leaves nothing; :func:`cached_capture` captures and writes at once): the graph's nodes
+(operation, name, target, arguments), its blocks, inputs and output structure. The key is a digest
+of all the capture depends on: torch's version, the model's class and the source file that defines
+it, every parameter's and buffer's name, shape, dtype and device (a capture on the meta device,
+profiles/meta.py, is not the CPU's), the example's structure, shapes, dtypes and devices, the
+granularity, leaf modules and autocast dtype. A later capture with the same key rebuilds the graph
 from the file on the model's own parameters (no torch.export, no tracing). The file is plain
 JSON: operator targets are looked up by name among torch's operators and a fixed list of Python
 functions, never executed from the file. A graph with anything else (a module call, a Python
@@ -53,36 +59,66 @@ class Uncacheable(Exception):
     """The graph holds something this file format does not write."""
 
 
+class CaptureCache:
+    """The captures of one run directory (``directory``: RUN_DIR/capture; None: no cache); see the
+    module docstring."""
+
+    def __init__(self, directory: str | os.PathLike | None) -> None:
+        self.directory = Path(directory) if directory is not None else None
+        self.unwritten: dict[Path, dict] = {}       # file -> the record of a capture made, not yet written
+
+    def capture(self, model: nn.Module, example: Any, *, granularity: str | int = "blocks",
+                leaf_modules: Iterable[type | str] = (), autocast: torch.dtype | None = None) -> CapturedModel:
+        """:func:`capture_model`, read from the file when an earlier capture wrote it; a capture
+        made here is kept for :meth:`write`."""
+        leaf_modules = tuple(leaf_modules)
+        if self.directory is None:
+            return capture_model(model, example, granularity=granularity, leaf_modules=leaf_modules,
+                                 autocast=autocast)
+        path = self.directory / f"capture-{capture_key(model, example, granularity, leaf_modules, autocast)}.json"
+        if path.exists():
+            try:
+                return load_capture(json.loads(path.read_text()), model, autocast)
+            except Exception as e:      # noqa: BLE001 - a damaged or foreign file: capture anew
+                log.warning("ignoring the cached capture %s (%s: %s)", path, type(e).__name__, e)
+        captured = capture_model(model, example, granularity=granularity, leaf_modules=leaf_modules,
+                                 autocast=autocast)
+        try:
+            self.unwritten[path] = dump_capture(captured)
+        except Uncacheable as e:
+            log.info("capture not cached: %s", e)
+        return captured
+
+    def write(self) -> int:
+        """Write the captures made since the last call into the directory (made if missing, inside
+        an existing run directory); the number written."""
+        if self.directory is None or not self.unwritten:
+            return 0
+        if not self.directory.parent.is_dir():  # the run directory is made once the job owns its checkpoints
+            log.info("capture not cached: %s does not exist yet", self.directory.parent)
+            return 0
+        written = 0
+        for path, record in list(self.unwritten.items()):
+            try:
+                path.parent.mkdir(exist_ok=True)
+                tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+                tmp.write_text(json.dumps(record))
+                os.replace(tmp, path)
+                written += 1
+            except OSError as e:
+                log.warning("could not cache the capture in %s: %s", path, e)
+            del self.unwritten[path]
+        return written
+
+
 def cached_capture(model: nn.Module, example: Any, *, directory: str | os.PathLike | None,
                    granularity: str | int = "blocks", leaf_modules: Iterable[type | str] = (),
                    autocast: torch.dtype | None = None) -> CapturedModel:
-    """:func:`capture_model`, through the cache in ``directory`` (None: no cache); see the module
-    docstring."""
-    leaf_modules = tuple(leaf_modules)
-    if directory is None:
-        return capture_model(model, example, granularity=granularity, leaf_modules=leaf_modules, autocast=autocast)
-    path = Path(directory) / f"capture-{capture_key(model, example, granularity, leaf_modules, autocast)}.json"
-    if path.exists():
-        try:
-            return load_capture(json.loads(path.read_text()), model, autocast)
-        except Exception as e:      # noqa: BLE001 - a damaged or foreign file: capture anew
-            log.warning("ignoring the cached capture %s (%s: %s)", path, type(e).__name__, e)
-    captured = capture_model(model, example, granularity=granularity, leaf_modules=leaf_modules, autocast=autocast)
-    try:
-        record = dump_capture(captured)
-    except Uncacheable as e:
-        log.info("capture not cached: %s", e)
-        return captured
-    if not path.parent.parent.is_dir():     # the run directory is made once the job owns its checkpoints
-        log.info("capture not cached: %s does not exist yet", path.parent.parent)
-        return captured
-    try:
-        path.parent.mkdir(exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(record))
-        os.replace(tmp, path)
-    except OSError as e:
-        log.warning("could not cache the capture in %s: %s", path, e)
+    """:func:`capture_model` through the cache in ``directory`` (None: no cache), a new capture
+    written at once (see the module docstring)."""
+    cache = CaptureCache(directory)
+    captured = cache.capture(model, example, granularity=granularity, leaf_modules=leaf_modules, autocast=autocast)
+    cache.write()
     return captured
 
 
@@ -96,11 +132,11 @@ def capture_key(model: nn.Module, example: Any, granularity: str | int, leaf_mod
         source = "?"
 
     def shape(v: Any) -> Any:
-        return [str(v.dtype), list(v.shape)] if isinstance(v, torch.Tensor) else repr(v)
+        return [str(v.dtype), list(v.shape), v.device.type] if isinstance(v, torch.Tensor) else repr(v)
 
     leaves, spec = pytree.tree_flatten(call_args(example))
     facts = {"format": FORMAT, "torch": torch.__version__, "class": f"{cls.__module__}.{cls.__qualname__}",
-             "source": source, "state": [[n, str(t.dtype), list(t.shape)] for n, t in
+             "source": source, "state": [[n, str(t.dtype), list(t.shape), t.device.type] for n, t in
                                          [*model.named_parameters(), *model.named_buffers()]],
              "example": [str(spec), [shape(v) for v in leaves]], "granularity": str(granularity),
              "autocast": str(autocast),

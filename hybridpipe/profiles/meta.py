@@ -17,7 +17,7 @@ meta device that is not a parameter (a constant the forward created) raises :cla
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -81,11 +81,13 @@ def replace_tensors(roots: Iterable[nn.Module], new: Mapping[int, torch.Tensor])
     return count
 
 
-def capture_on_meta(model: nn.Module, example: Any, **options: Any) -> CapturedModel:
+def capture_on_meta(model: nn.Module, example: Any, *, capture: Callable[..., CapturedModel] = capture_model,
+                    **options: Any) -> CapturedModel:
     """:func:`capture_model` of a model whose parameters are on the meta device (its buffers real):
     the capture runs with buffers and ``example`` on the meta device, then the real buffers go back
     into the model and the graph, and the graph's device constants are the CPU's.
-    :class:`NotOnMeta` when something else the graph holds is left without data."""
+    :class:`NotOnMeta` when something else the graph holds is left without data. ``capture``:
+    what captures (a capture cache's ``capture``, profiles/capture_cache.py; ``options`` go to it)."""
     real: dict[int, torch.Tensor] = {}
     to_meta: dict[int, torch.Tensor] = {}
     for _, b in model.named_buffers(remove_duplicate=False):
@@ -95,7 +97,7 @@ def capture_on_meta(model: nn.Module, example: Any, **options: Any) -> CapturedM
             real[id(shadow)] = b
     replace_tensors([model], to_meta)
     try:
-        captured = capture_model(model, pytree.tree_map(_on_meta, example), **options)
+        captured = capture(model, pytree.tree_map(_on_meta, example), **options)
     finally:
         replace_tensors([model], real)
     replace_tensors([captured.graph], real)

@@ -90,6 +90,8 @@ def build_part(build: Callable[[], nn.Module], seed: int, keep: Collection[str],
     each registered parameter's names (:func:`registration_names`) and (shape, dtype), from a build
     of the same model. The global random state is left as it was. :class:`NotReplayable` when the
     construction does not replay (see the module docstring)."""
+    import torch._dynamo  # noqa: F401 - a dispatch mode's first operator imports it (torch._disable_dynamo):
+    # imported here, not under the profile hook below, which every call of that import would pass through
     wanted = set(keep)
     scratch = Scratch()
     draws = _RandomOnScratch(scratch)

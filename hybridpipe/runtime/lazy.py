@@ -35,7 +35,8 @@ from hybridpipe.partitioner.plan import Plan
 from hybridpipe.pipeline.plancheck import CheckedPlan, check_plan
 from hybridpipe.pipeline.stage import build_stage_index
 from hybridpipe.pipeline.tied import complete_tied
-from hybridpipe.profiles.capture import CapturedModel, tied_parameters
+from hybridpipe.profiles.capture import CapturedModel, capture_model, tied_parameters
+from hybridpipe.profiles.capture_cache import CaptureCache
 from hybridpipe.profiles.meta import capture_on_meta, parameters_on_meta, replace_tensors
 from hybridpipe.profiles.zoo import ModelSpec
 from hybridpipe.runtime.tensor_files import Weights, open_weights, read_torch_file
@@ -43,18 +44,19 @@ from hybridpipe.runtime.tensor_files import Weights, open_weights, read_torch_fi
 log = logging.getLogger(__name__)
 
 
-def capture_lazily(spec: ModelSpec, example: Any, plan: Plan,
-                   weights: Weights) -> tuple[nn.Module, CapturedModel, CheckedPlan] | None:
-    """The spec's model with its parameters on the meta device, its capture and the plan checked
-    against it (pipeline/plancheck.py); None (logged) when ``weights`` do not cover it or it cannot
-    be captured that way."""
+def capture_lazily(spec: ModelSpec, example: Any, plan: Plan, weights: Weights, *,
+                   cache: CaptureCache | None = None) -> tuple[nn.Module, CapturedModel, CheckedPlan] | None:
+    """The spec's model with its parameters on the meta device, its capture (through ``cache``,
+    profiles/capture_cache.py) and the plan checked against it (pipeline/plancheck.py); None
+    (logged) when ``weights`` do not cover it or it cannot be captured that way."""
     try:
         with parameters_on_meta():
             module = (spec.skeleton or spec.build)()
         why = uncovered(module, weights)
         if not why:
             captured = capture_on_meta(module, example, granularity=plan.granularity,
-                                       leaf_modules=spec.leaf_modules)
+                                       leaf_modules=spec.leaf_modules,
+                                       capture=cache.capture if cache is not None else capture_model)
             return module, captured, check_plan(captured, plan)
     except Exception as e:      # noqa: BLE001 - any failure here is retried the whole way, which reports it
         why = f"it cannot be captured without its weights ({type(e).__name__}: {str(e).splitlines()[0][:200]})"

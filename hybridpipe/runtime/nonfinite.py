@@ -11,7 +11,7 @@ changes no weight anywhere. ``pipedream`` updates per micro-batch: there the fla
 after each step instead (the run stops before the step's weights are saved; skipping is refused
 at start).
 
-    watch = NonFiniteWatch(device, skip=cfg.skip_nonfinite, flushing=flushes(plan))
+    watch = NonFiniteWatch(device, skip=config.skip_nonfinite, flushing=flushes(plan))
     stage = build_stage_index(..., loss=watch.wrap_loss(spec.loss))
     optimizer = watch.wrap_optimizer(make_optimizer(...))
     for step in ...:

@@ -31,7 +31,9 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from hybridpipe.comm.allreduce import GroupCosts
+from hybridpipe.comm.allreduce.transport import GroupTransport
 from hybridpipe.comm.hybrid_dp import HybridDataParallel
+from hybridpipe.comm.sharded import ShardedReplicas
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner.cost.calibration import load_calibration
 from hybridpipe.partitioner.cost.costmodel import CostModel
@@ -40,7 +42,7 @@ from hybridpipe.pipeline import LocalSync, MicroBatches
 from hybridpipe.pipeline.plancheck import CheckedPlan, check_plan
 from hybridpipe.pipeline.tokens import TokenCounts
 from hybridpipe.profiles.capture import CapturedModel
-from hybridpipe.profiles.capture_cache import cached_capture
+from hybridpipe.profiles.capture_cache import CaptureCache
 from hybridpipe.profiles.data import resolve_dataset
 from hybridpipe.profiles.losses import label_counter
 from hybridpipe.profiles.zoo import ModelSpec, resolve_model
@@ -48,6 +50,7 @@ from hybridpipe.profiles.zoo.spec import batch_rows
 from hybridpipe.runtime.config import RunConfig
 from hybridpipe.runtime.lazy import capture_lazily, load_initial, load_whole, materialize
 from hybridpipe.runtime.seeded import Recipe, capture_unbuilt, materialize_seeded
+from hybridpipe.runtime.sharded_optimizer import ShardedOptimizer
 from hybridpipe.runtime.sync import describe_override, override_layers, stage_layers, unit_choices
 from hybridpipe.runtime.tensor_files import Weights, open_weights
 
@@ -66,6 +69,7 @@ class Model:
     checked: CheckedPlan                # the plan checked against ``captured``: the stages are built from it
     weights: Weights | None = None      # the files the meta parameters are read from (None: all in memory)
     recipe: Recipe | None = None        # or the seeded build that gives them (runtime/seeded.py)
+    cache: CaptureCache | None = None   # the capture cache its capture went through (written by keep_capture)
 
     def materialize(self, plan: Plan, stages: Sequence[int]) -> None:
         """Read the weights of ``stages`` (this rank's) from :attr:`weights`, or build them from
@@ -77,6 +81,12 @@ class Model:
             materialize_seeded(self.module, self.captured, self.recipe, plan, stages)
         self.weights = self.recipe = None
 
+    def keep_capture(self) -> None:
+        """Write a capture made at start into the capture cache once the run directory exists
+        (a restarted worker reads it instead of capturing: profiles/capture_cache.py)."""
+        if self.cache is not None:
+            self.cache.write()
+
     def start_from(self, path: str) -> dict | None:
         """``launch --init-from PATH``: the model's weights from PATH instead (read per stage by
         :meth:`materialize` when the model was built without them); the name-keyed optimizer state
@@ -87,6 +97,20 @@ class Model:
         else:
             load_whole(self.module, weights)
         return optimizer
+
+
+def trainer_model(model: Any, plan: Plan, *, precision: str, seed: int, example: Any,
+                  loss: Callable[..., torch.Tensor] | None) -> Model:
+    """The Trainer's ``model`` argument built and captured for ``precision`` (:func:`spec_of`), or
+    the ``Model`` given, which must have been captured for it."""
+    built = model if isinstance(model, Model) else build_model(spec_of(model, plan.model, example, loss), plan,
+                                                               seed=seed, autocast=PRECISIONS[precision])
+    if built.captured.autocast != PRECISIONS[precision]:
+        had = next(name for name, d in PRECISIONS.items() if d == built.captured.autocast)
+        raise UserError(f"the model was captured for {had} but the trainer runs {precision}: build it with "
+                        f"build_model(..., autocast=PRECISIONS[{precision!r}]), or pass the model spec and let the "
+                        "trainer build it")
+    return built
 
 
 def spec_of(model: Any, name: str, example: Any, loss: Callable[..., torch.Tensor] | None) -> ModelSpec:
@@ -105,13 +129,13 @@ def spec_of(model: Any, name: str, example: Any, loss: Callable[..., torch.Tenso
 
 
 def load_model(cfg: RunConfig) -> Model:
-    """Build and capture the plan's model (seeded by ``cfg.seed``) and check the whole plan against
+    """Build and capture the plan's model (seeded by ``--seed``) and check the whole plan against
     it before any process group exists (pipeline/plancheck.py: graph signature, every cut's values,
     buffers, tied parameters, every replicated stage's sync layers). Captured under autocast for a
-    16-bit ``cfg.precision``."""
+    16-bit precision (the plan's, with launch's override)."""
     cache = Path(cfg.run_dir) / CAPTURE_CACHE if cfg.run_dir else None
-    return build_model(resolve_model(cfg.model), cfg.plan, seed=cfg.seed, autocast=PRECISIONS[cfg.precision],
-                       cache=cache)
+    return build_model(resolve_model(cfg.model), cfg.plan, seed=cfg.training.seed,
+                       autocast=PRECISIONS[cfg.plan.precision], cache=cache)
 
 
 def build_model(spec: ModelSpec, plan: Plan, *, seed: int, autocast: torch.dtype | None = None,
@@ -119,7 +143,8 @@ def build_model(spec: ModelSpec, plan: Plan, *, seed: int, autocast: torch.dtype
     """:func:`load_model` for a resolved spec: the model built after ``torch.manual_seed(seed)``
     (the same weights on every rank), captured with the plan's batch size and granularity (under
     ``torch.autocast`` to ``autocast``, for a job that computes in it; through the capture cache in
-    ``cache``: a restarted worker reads it, profiles/capture_cache.py), and the whole plan checked
+    ``cache``: a restarted worker reads it, :meth:`Model.keep_capture` writes a new one,
+    profiles/capture_cache.py), and the whole plan checked
     against it once (pipeline/plancheck.py). A job that computes in float32 builds and captures the
     model with its parameters on the meta device when a spec naming its weights' files is covered
     by them (runtime/lazy.py), or when the plan has several stages (runtime/seeded.py):
@@ -134,8 +159,10 @@ def build_model(spec: ModelSpec, plan: Plan, *, seed: int, autocast: torch.dtype
     if (weights is not None or stagewise) and autocast is not None:
         log.warning("hybridpipe: every rank %s the whole of %s: a %s capture cannot run on the meta device",
                     "loads" if weights is not None else "builds", spec.name, autocast)
-    lazy = capture_lazily(spec, example, plan, weights) if weights is not None and autocast is None else None
-    unbuilt = capture_unbuilt(spec, example, plan, seed) if stagewise and autocast is None else None
+    captures = CaptureCache(cache)
+    lazy = (capture_lazily(spec, example, plan, weights, cache=captures) if weights is not None and autocast is None
+            else None)
+    unbuilt = capture_unbuilt(spec, example, plan, seed, cache=captures) if stagewise and autocast is None else None
     recipe = None
     if lazy is not None:
         module, captured, checked = lazy
@@ -144,10 +171,10 @@ def build_model(spec: ModelSpec, plan: Plan, *, seed: int, autocast: torch.dtype
     else:
         weights = None
         module = spec.build()
-        captured = cached_capture(module, example, directory=cache, granularity=plan.granularity,
-                                  leaf_modules=spec.leaf_modules, autocast=autocast)
+        captured = captures.capture(module, example, granularity=plan.granularity, leaf_modules=spec.leaf_modules,
+                                    autocast=autocast)
         checked = check_plan(captured, plan)
-    return Model(spec, module, captured, checked, weights, recipe)
+    return Model(spec, module, captured, checked, weights, recipe, captures)
 
 
 def make_sync(plan: Plan, stage_module: nn.Module, stage: Stage, group: dist.ProcessGroup | None,
@@ -170,7 +197,12 @@ def make_sync(plan: Plan, stage_module: nn.Module, stage: Stage, group: dist.Pro
             flags = " ".join(([f"--allreduce {allreduce}"] if allreduce else [])
                              + [f"--calibration {p}" for p in calibrations])
             print(describe_override(stage.index, flags, planned, layers), flush=True)
-    hdp = HybridDataParallel(stage_module, group, units=unit_choices(layers), costs=GroupCosts(model, stage.ranks),
+    costs = GroupCosts(model, stage.ranks)
+    if stage.shard != "none":                 # ZeRO-1/2: the same units, reduce-scattered (comm/sharded)
+        log.info("stage %d: replicas shard %s", stage.index, stage.shard)
+        return ShardedReplicas(stage_module, GroupTransport(group), unit_choices(layers), stage.shard, exclude=exclude,
+                               wire_dtype=wire_dtype, hosts=costs.topology().units, torus_shape=costs.torus_shape())
+    hdp = HybridDataParallel(stage_module, group, units=unit_choices(layers), costs=costs,
                              aggregator=aggregator, reduce="sum", exclude=exclude, wire_dtype=wire_dtype)
     log.info("stage %d: gradient sync: %s", stage.index,
              ", ".join(f"{u.name}:{u.algorithm}{'/lane 1' if u.lane else ''}" for u in hdp.units))
@@ -195,10 +227,12 @@ class NoParameters:
         pass
 
 
-def make_optimizer(kind: str, params, *, lr: float, momentum: float = 0.0, weight_decay: float = 0.0):
+def make_optimizer(kind: str, params, *, lr: float, momentum: float = 0.0, weight_decay: float = 0.0,
+                   trainable_only: bool = True):
     """``sgd`` (with momentum), ``adam`` (L2 weight decay, added to the gradient) or ``adamw``
-    (decoupled weight decay) over ``params`` (partitioner/plan.py OPTIMIZER_HELP)."""
-    params = [p for p in params if p.requires_grad]
+    (decoupled weight decay) over ``params`` (partitioner/plan.py OPTIMIZER_HELP); those that
+    require no gradient are left out unless not ``trainable_only`` (a sharded optimizer's pieces)."""
+    params = [p for p in params if p.requires_grad or not trainable_only]
     if not params:
         return NoParameters()
     if kind == "sgd":
@@ -210,9 +244,19 @@ def make_optimizer(kind: str, params, *, lr: float, momentum: float = 0.0, weigh
     raise UserError(f"unknown optimizer {kind!r}; choose sgd, adam or adamw")
 
 
-def build_optimizer(kind: Any, module: nn.Module, lr: float, momentum: float, weight_decay: float) -> Any:
+def build_optimizer(kind: Any, module: nn.Module, lr: float, momentum: float, weight_decay: float,
+                    sharded: bool = False) -> Any:
     """The Trainer's optimizer: ``kind`` "sgd"/"adam" (:func:`make_optimizer`) or a callable
-    ``params -> torch.optim.Optimizer`` given the module's trainable parameters."""
+    ``params -> torch.optim.Optimizer`` given the module's trainable parameters. ``sharded``: a
+    ShardedOptimizer running that optimizer on the replicas' shards (bound to them once the syncs
+    exist; runtime/sharded_optimizer.py)."""
+    if sharded and any(p.requires_grad for p in module.parameters()):
+        def make(params: list) -> Any:
+            if callable(kind):
+                return kind(params)
+            return make_optimizer(str(kind), params, lr=lr, momentum=momentum, weight_decay=weight_decay,
+                                  trainable_only=False)
+        return ShardedOptimizer(module.parameters(), make)
     if callable(kind):
         params = [p for p in module.parameters() if p.requires_grad]
         return kind(params) if params else make_optimizer("sgd", [], lr=lr)
@@ -223,9 +267,9 @@ def make_data(cfg: RunConfig, spec: ModelSpec) -> MicroBatches:
     """Micro-batch m of step k = samples (k*M + m)*B ... + B - 1 of the dataset (wrapping around),
     as every rank and the single-process reference compute it."""
     size = cfg.dataset_size or cfg.steps * cfg.global_batch
-    dataset = resolve_dataset(cfg.dataset, spec, size=size, seed=cfg.seed)
+    dataset = resolve_dataset(cfg.dataset, spec, size=size, seed=cfg.training.seed)
     return MicroBatches(dataset, cfg.batch_size, cfg.micro_batches, targets=spec.loss is not None,
-                        shuffle_seed=cfg.seed if cfg.shuffle else None)
+                        shuffle_seed=cfg.training.seed if cfg.shuffle else None)
 
 
 def held_out_seed(seed: int) -> int:
@@ -237,7 +281,7 @@ def make_eval_data(cfg: RunConfig, spec: ModelSpec) -> MicroBatches:
     """The held-out micro-batches of ``--eval-every`` (evaluation j reads step j of this source):
     ``--eval-dataset``, or synthetic samples of another seed (the same task, other samples)."""
     size = cfg.eval_batches * cfg.global_batch
-    dataset = resolve_dataset(cfg.eval_dataset or "synthetic", spec, size=size, seed=held_out_seed(cfg.seed))
+    dataset = resolve_dataset(cfg.eval_dataset or "synthetic", spec, size=size, seed=held_out_seed(cfg.training.seed))
     return MicroBatches(dataset, cfg.batch_size, cfg.micro_batches, targets=spec.loss is not None)
 
 

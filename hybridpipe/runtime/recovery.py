@@ -48,12 +48,13 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from hybridpipe.runtime.config import RunConfig, flushes
+from hybridpipe.runtime.config import RunConfig
 from hybridpipe.runtime.connections import cut_connections, store_port
 from hybridpipe.runtime.failure import EXIT_PEER_LOST, FailureGuard, default_store, describe_ranks, suspect_of
 from hybridpipe.runtime.groups import Process
 from hybridpipe.runtime.inplace import IN_PLACE, STEP, Decision, decide, shrink_plan
 from hybridpipe.runtime.summary import RankReport
+from hybridpipe.runtime.training_config import flushes
 
 log = logging.getLogger(__name__)
 POLL_S = 0.02
@@ -189,7 +190,7 @@ def recoverer(cfg: RunConfig, proc: Process, trainer: Any, guard: FailureGuard) 
 
     def recover(error: BaseException, phase: str) -> dict:
         return recover_in_place(trainer, recovery, guard, phase=phase, error=error, decide=decide_here,
-                                backend=proc.backend, timeout_s=cfg.timeout)
+                                backend=proc.backend, timeout_s=cfg.training.timeout)
     return recover
 
 

@@ -52,9 +52,12 @@ def restart_entry(notes: list[dict], *, world_size: int, resumed_from: int, star
                   planning_s: float, load_s: float, stages: dict[str, float] | None = None) -> dict | None:
     """The restart record of this attempt (None when the previous one left no note); the
     first step's fields are filled in by :func:`first_step_done`. ``stages`` maps the worker's
-    milestones to their times (``imports_s``: hybridpipe's worker entered, ``model_s``: model
-    built and captured, ``job_s``: process groups and channels up, the checkpoint load next):
-    each becomes the seconds since the previous one, from the process start."""
+    milestones to their times (``imports_s``: Python started and imported launch, ``process_group_s``:
+    every rank joined, ``config_s``: the plan made and the configuration agreed, ``model_s``: model
+    built and captured, ``job_s``: stages, optimizer, process groups and channels up, the checkpoint
+    load next; a worker run without launch has no ``process_group_s`` and ``config_s``, its
+    ``imports_s`` ends where the worker began): each becomes the seconds since the previous one,
+    from the process start."""
     if not notes:
         return None
     failed = min(n["time"] for n in notes)

@@ -35,7 +35,8 @@ from hybridpipe.errors import UserError
 from hybridpipe.partitioner.plan import Plan
 from hybridpipe.pipeline.plancheck import CheckedPlan, check_plan
 from hybridpipe.pipeline.stage import build_stage_index
-from hybridpipe.profiles.capture import CapturedModel
+from hybridpipe.profiles.capture import CapturedModel, capture_model
+from hybridpipe.profiles.capture_cache import CaptureCache
 from hybridpipe.profiles.meta import capture_on_meta, parameters_on_meta, replace_tensors
 from hybridpipe.profiles.replay import NotReplayable, build_part, registration_names
 from hybridpipe.profiles.zoo import ModelSpec
@@ -56,12 +57,13 @@ class Recipe:
     shapes: list[tuple[tuple[int, ...], torch.dtype]]
 
 
-def capture_unbuilt(spec: ModelSpec, example: Any, plan: Plan,
-                    seed: int) -> tuple[nn.Module, CapturedModel, CheckedPlan, Recipe] | None:
-    """The spec's model with its parameters on the meta device, its capture, the plan checked
-    against it (pipeline/plancheck.py), and the recipe :func:`build_stages` replays; None when the
-    build leaves no parameter on the meta device (a module given already built), or (logged) when
-    it cannot be built or captured that way. The global random state is left as
+def capture_unbuilt(spec: ModelSpec, example: Any, plan: Plan, seed: int, *,
+                    cache: CaptureCache | None = None) -> tuple[nn.Module, CapturedModel, CheckedPlan, Recipe] | None:
+    """The spec's model with its parameters on the meta device, its capture (through ``cache``: a
+    restarted worker reads it, profiles/capture_cache.py), the plan checked against it
+    (pipeline/plancheck.py), and the recipe :func:`build_stages` replays; None when the build
+    leaves no parameter on the meta device (a module given already built), or (logged) when it
+    cannot be built or captured that way. The global random state is left as
     ``torch.manual_seed(seed)`` leaves it."""
     why = "it cannot be built and captured with its parameters on the meta device"
     try:
@@ -72,7 +74,8 @@ def capture_unbuilt(spec: ModelSpec, example: Any, plan: Plan,
             return None
         recipe = Recipe(spec.name, spec.build, seed, registration_names(module, registered),
                         [(tuple(p.shape), p.dtype) for p in registered])
-        captured = capture_on_meta(module, example, granularity=plan.granularity, leaf_modules=spec.leaf_modules)
+        captured = capture_on_meta(module, example, granularity=plan.granularity, leaf_modules=spec.leaf_modules,
+                                   capture=cache.capture if cache is not None else capture_model)
         why = "captured with its parameters on the meta device it does not fit the plan"
         try:
             checked = check_plan(captured, plan)

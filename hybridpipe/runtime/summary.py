@@ -16,17 +16,20 @@ Each rank hands a :class:`RankReport` to one gather; :func:`summarize` turns the
 * Gradient sync: per replicated stage, each of the plan's layers with the algorithm its
   all-reduce actually ran (as the stage's HybridDataParallel recorded it on its first replica)
   and the plan's (``runtime/sync.py``); ``sync_as_planned`` says whether they all agree.
+* Settings: ``training`` holds the run's TrainingConfig (runtime/training_config.py), every field.
 * Memory: per rank the peak bytes its stage held in any step (``pipeline/memory.py``: CUDA's max
   allocated, or on the CPU the tensors it holds), next to the plan's ``memory_bytes`` prediction.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from dataclasses import dataclass, field
 
 from hybridpipe.partitioner.plan import Plan
 from hybridpipe.runtime.metrics import weighted_mean
+from hybridpipe.runtime.training_config import TrainingConfig
 
 
 @dataclass
@@ -91,9 +94,10 @@ def sync_summary(reports: list[RankReport]) -> tuple[dict[str, list[dict]], bool
 
 
 def summarize(reports: list[RankReport], plan: Plan, *, steps: int, first_step: int, run_dir: str,
-              trace_dir: str | None, schedule: str, comm_mode: str, allreduce: str | None,
-              skipped: list[int] | None = None, precision: str = "fp32", reduce_dtype: str = "fp32") -> dict:
-    """The run's summary (what ``summary.json`` holds)."""
+              trace_dir: str | None, schedule: str, config: TrainingConfig | None = None,
+              skipped: list[int] | None = None) -> dict:
+    """The run's summary (what ``summary.json`` holds); ``config``: the run's settings (default: the defaults)."""
+    config = config or TrainingConfig()
     reports = sorted(reports, key=lambda r: r.rank)
     ran = sorted(set().union(*(r.step_ms for r in reports)))
     job_ms = {k: max(r.step_ms[k] for r in reports if k in r.step_ms) for k in ran}
@@ -116,8 +120,9 @@ def summarize(reports: list[RankReport], plan: Plan, *, steps: int, first_step: 
                 for k, v in sorted(r.combined.items())}
     sync, as_planned = sync_summary(reports)
     return {
-        "model": plan.model, "schedule": schedule, "comm_mode": comm_mode, "allreduce": allreduce or "as planned",
-        "precision": precision, "reduce_dtype": reduce_dtype,
+        "model": plan.model, "schedule": schedule, "comm_mode": config.comm_mode,
+        "allreduce": config.allreduce or "as planned", "precision": config.precision or plan.precision,
+        "reduce_dtype": config.reduce_dtype, "training": dataclasses.asdict(config),
         "micro_batches": plan.micro_batches, "batch_size": plan.batch_size, "global_batch": global_batch,
         "world_size": plan.world_size, "stages": [[s.first_node, s.last_node, s.replicas] for s in plan.stages],
         "steps": steps, "first_step": first_step, "steps_run": len(ran), "warmup_steps": skip,

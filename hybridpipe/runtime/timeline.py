@@ -237,7 +237,7 @@ def load_rank_trace(path: str | os.PathLike) -> RankTrace:
     where = f"{p}: otherData.hybridpipe"
     json_field(meta, "rank", int, where, minimum=0)
     json_field(meta, "stage", int, where, minimum=0)
-    json_field(meta, "stages", list, where, default=[])
+    json_field(meta, "stages", list, where, default=[], items=int)
     json_field(meta, "replica", int, where, minimum=0)
     json_field(meta, "world_size", int, where, minimum=1, default=1)
     json_field(meta, "anchor_wall_s", float, where)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import datetime
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -32,19 +32,19 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset
 
+from hybridpipe.comm.sharded import ShardedReplicas
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner.plan import Plan, load_plan
 from hybridpipe.pipeline import PipelineEngine, Topology, check_plan
 from hybridpipe.pipeline.chunks import rank_module
+from hybridpipe.pipeline.ports import step_gradients
 from hybridpipe.pipeline.schedules import settle_phase
 from hybridpipe.pipeline.stage import loss_of
-from hybridpipe.pipeline.tokens import check_normalization
 from hybridpipe.profiles.capture import tied_parameters
 from hybridpipe.profiles.losses import as_mean
 from hybridpipe.profiles.zoo import ModelSpec
 from hybridpipe.runtime.batches import GivenBatches, is_micro_batch_stream, split_batch, take_micro_batches
 from hybridpipe.runtime.checkpoint import Checkpointer, Restored, reseed, restore_rng
-from hybridpipe.runtime.config import flushes
 from hybridpipe.runtime.groups import init_distributed, replica_groups, stage_channels
 from hybridpipe.runtime.loader import MicroBatchSlice, StepLoader
 from hybridpipe.runtime.lr import SchedulerFactory
@@ -52,15 +52,16 @@ from hybridpipe.runtime.nonfinite import NonFiniteWatch
 from hybridpipe.runtime.parts import (
     PRECISIONS,
     Model,
-    build_model,
     build_optimizer,
     make_sync,
     seed_rank,
-    spec_of,
     token_counts,
+    trainer_model,
 )
 from hybridpipe.runtime.scaler import LossScaler
+from hybridpipe.runtime.sharded_optimizer import ShardedOptimizer, for_checkpoint, norm_terms
 from hybridpipe.runtime.tied import repeated_tied, tied_process_groups, tied_sync
+from hybridpipe.runtime.training_config import TrainingConfig, flushes, with_settings
 
 ModelArg = str | ModelSpec | Model | nn.Module | Callable[[], nn.Module]
 OptimizerArg = str | Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None
@@ -72,65 +73,29 @@ class Trainer:
     ``model``: a zoo / ``hf:`` / ``package.module:factory`` spec string, an ``nn.Module`` (built the
     same on every rank), or a factory called after ``torch.manual_seed(seed)``; with the last two
     give ``example`` (one micro-batch of input) and ``loss(output, target)`` (None: the model
-    returns its own loss, e.g. a Hugging Face model given ``labels``). ``plan``: a Plan or a path.
-    ``optimizer``: "sgd", "adam" (L2 weight decay), "adamw" (decoupled weight decay) or ``params ->
-    torch.optim.Optimizer`` (default: the plan's).
-    ``lr_scheduler``: ``optimizer -> torch.optim.lr_scheduler.*`` (stepped once per training step
-    on every rank; see runtime/lr.py for launch's schedules). ``clip_grad_norm``: clip by the norm
-    of the whole model's gradient (what ``torch.nn.utils.clip_grad_norm_`` on the unsplit model
-    does). ``precision`` (default: the plan's, as ``partition --precision`` priced it)
-    ``"bf16"``: the model captured and its forwards run under ``torch.autocast(bfloat16)``, so each
-    stage computes what the unsplit model under autocast computes; activations and gradients cross
-    between stages in the dtype they were computed in; weights, their gradients and the optimizer
-    state stay float32. ``"fp16"`` likewise in float16, with a dynamic loss scale (``loss_scale``:
-    the initial one; runtime/scaler.py) whose overflow check all ranks agree on: an overflowing step
-    is skipped everywhere. ``reduce_dtype`` (``"fp32"``, default, ``"bf16"`` or ``"fp16"``): the dtype
-    the replicas sum their gradients in (16 bits: half the bytes, each gradient rounded to it).
-    A ``Model`` given must have been captured for the precision (``build_model(autocast=)``).
-    ``loss_normalization`` (default: the plan's) ``"micro-batch"``: a step's loss is the mean of its
-    micro-batches' mean losses; ``"tokens"``: its summed per-token loss over the valid tokens of the
-    whole global batch, as one process computes it (profiles/losses.py: ``loss`` then returns
-    (loss_sum, count), or the model is a Hugging Face model computing its own loss from ``labels``).
-    ``data``: a source of micro-batches
-    by (step, micro-batch) for steps given no batch (launch's ``MicroBatches``). ``recorder``: a
-    timeline recorder (launch's).
+    returns its own loss, e.g. a Hugging Face model given ``labels``). A ``Model`` given must have
+    been captured for the precision (``build_model(autocast=)``). ``plan``: a Plan or a path.
+    ``config``: the settings (runtime/training_config.py's TrainingConfig, a ``help`` per field:
+    optimizer, lr, clipping, precision, loss normalization, communication, ...); ``settings``:
+    field names replacing its values (``Trainer(spec, plan, lr=3e-4)``); None fields take the
+    plan's. :attr:`config` is the result. ``optimizer``: a name (a setting) or ``params ->
+    torch.optim.Optimizer``. ``lr_scheduler``: ``optimizer -> torch.optim.lr_scheduler.*``
+    (stepped once per training step on every rank; see runtime/lr.py for launch's schedules).
+    ``data``: a source of micro-batches by (step, micro-batch) for steps given no batch (launch's
+    ``MicroBatches``). ``recorder``: a timeline recorder (launch's).
     """
 
-    def __init__(self, model: ModelArg, plan: Plan | str | Path, *, example: Any = None,
-                 loss: Callable[..., torch.Tensor] | None = None, optimizer: OptimizerArg = None, lr: float = 0.01,
-                 momentum: float = 0.0, weight_decay: float = 0.0, lr_scheduler: SchedulerFactory | None = None,
-                 clip_grad_norm: float | None = None, seed: int = 0, data: Any = None, comm_mode: str = "sa",
-                 allreduce: str | None = None, calibrations: Iterable[str] = (), aggregator: str | None = None,
-                 skip_nonfinite: bool = False, backend: str | None = None, timeout: float = 300.0,
-                 precision: str | None = None, loss_scale: float = 2.0**16, recorder: Any = None,
-                 nonfinite_hint: str = "", reduce_dtype: str = "fp32", loss_normalization: str | None = None,
-                 in_place: bool = False) -> None:
+    def __init__(self, model: ModelArg, plan: Plan | str | Path, config: TrainingConfig | None = None, *,
+                 loss: Callable[..., torch.Tensor] | None = None, optimizer: OptimizerArg = None,
+                 lr_scheduler: SchedulerFactory | None = None, data: Any = None, example: Any = None,
+                 recorder: Any = None, **settings: Any) -> None:
         self.plan = plan if isinstance(plan, Plan) else load_plan(str(plan))
-        precision = precision or self.plan.precision          # what the plan was priced for, unless told
-        if precision not in PRECISIONS:
-            raise UserError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
-        if reduce_dtype not in PRECISIONS:
-            raise UserError(f"unknown reduce_dtype {reduce_dtype!r}; choose one of {', '.join(PRECISIONS)}")
-        if clip_grad_norm is not None and (not clip_grad_norm > 0 or not math.isfinite(clip_grad_norm)):
-            raise UserError(f"clip_grad_norm must be a positive number, got {clip_grad_norm}")
-        kind = self.plan.kind
-        if clip_grad_norm is not None and not kind.flushed:
-            raise UserError(f"gradient clipping by the global norm needs a global step, and {kind.name} updates each "
-                            "stage on its own; use the 1f1b or gpipe schedule, or drop the clipping")
-        self.loss_normalization = loss_normalization or self.plan.loss_normalization
-        check_normalization(self.loss_normalization, kind.flushed, kind.name)
-        if precision == "fp16" and not kind.flushed:
-            raise UserError(f"fp16's loss scaler skips overflowing steps on every stage at once, and {kind.name} has "
-                            "no global step; use bf16, or the 1f1b or gpipe schedule")
-        self.model = model if isinstance(model, Model) else build_model(spec_of(model, self.plan.model, example, loss),
-                                                                        self.plan, seed=seed,
-                                                                        autocast=PRECISIONS[precision])
-        if self.model.captured.autocast != PRECISIONS[precision]:
-            raise UserError(f"the model was captured for {_precision_of(self.model.captured.autocast)} but the "
-                            f"trainer runs {precision}: build it with build_model(..., autocast=PRECISIONS"
-                            f"[{precision!r}]), or pass the model spec and let the trainer build it")
-        self.precision, self.reduce_dtype = precision, reduce_dtype
-        self.proc, self._owned = init_distributed(backend, timeout)
+        if isinstance(optimizer, str):
+            settings["optimizer"] = optimizer
+        self.config = cfg = with_settings(config, settings).for_plan(self.plan)
+        precision = str(cfg.precision)
+        self.model = trainer_model(model, self.plan, precision=precision, seed=cfg.seed, example=example, loss=loss)
+        self.proc, self._owned = init_distributed(cfg.backend, cfg.timeout)
         if self.proc.world_size != self.plan.world_size:
             raise UserError(f"the plan needs {self.plan.world_size} workers but the job has {self.proc.world_size}; "
                             f"start it with torchrun --nproc-per-node {self.plan.world_size} (or on as many hosts)")
@@ -141,30 +106,26 @@ class Trainer:
         self.model.materialize(plan, mine)       # hf:DIR built without weights: read this rank's stages only
         self.is_last = len(plan.stages) - 1 in mine
         self.takes_targets = self.model.spec.loss is not None
-        self.clip_grad_norm = clip_grad_norm
-        self.scaler = LossScaler(loss_scale) if precision == "fp16" else None
+        self.scaler = LossScaler(cfg.loss_scale) if precision == "fp16" else None
         self._scaler_at: tuple[int, dict] | None = None   # (step, the scaler's state when that step began)
         self.last_grad_norm: float | None = None     # the global norm before clipping, of the last step
         self.step = 0                                # training steps done
-        self.seed = seed
-        self.comm_mode = comm_mode
-        self._timeout, self._in_place, self._recorder = timeout, in_place, recorder
-        self._dtype = PRECISIONS[precision]
-        self._sync_options: dict[str, Any] = {"allreduce": allreduce, "calibrations": tuple(calibrations),
-                                              "aggregator": aggregator, "wire_dtype": PRECISIONS[reduce_dtype]}
-        self.watch = NonFiniteWatch(self.proc.device, skip=skip_nonfinite, flushing=flushes(plan),
-                                    stage=self.stage_plan.index, hint=nonfinite_hint)
-        if in_place and self.loss_normalization == "tokens":
-            raise UserError("in-place recovery cannot re-form token-weighted loss normalization's counts; use "
-                            "loss_normalization='micro-batch' or no in-place recovery")
-        loss_fn = loss_of(self.model.spec.loss) if self.loss_normalization == "tokens" else \
+        self._recorder = recorder
+        self.watch = NonFiniteWatch(self.proc.device, skip=cfg.skip_nonfinite, flushing=flushes(plan),
+                                    stage=self.stage_plan.index)
+        loss_fn = loss_of(self.model.spec.loss) if cfg.loss_normalization == "tokens" else \
             self.watch.wrap_loss(as_mean(loss_of(self.model.spec.loss)))
         checked = self.model.checked if self.model.checked.plan == plan else check_plan(self.model.captured, plan)
         self.stages = [st.to(self.proc.device) for st in checked.stages_of_rank(rank, loss=loss_fn)]
         self.module = rank_module([st.module for st in self.stages])     # every chunk's parameters, each once
         self._uncounted = repeated_tied(plan, mine, self.model.module)
-        seed_rank(seed, rank)
-        self.optimizer = build_optimizer(optimizer or plan.optimizer, self.module, lr, momentum, weight_decay)
+        seed_rank(cfg.seed, rank)
+        sharded = any(s.shard != "none" for s in self.stage_plans)
+        if sharded and cfg.in_place:
+            raise UserError("in-place recovery re-forms the replica groups, which a sharded stage's optimizer state is "
+                            "split over; use \"shard\": \"none\" or restart from checkpoints")
+        self.optimizer = build_optimizer(optimizer if callable(optimizer) else cfg.optimizer, self.module, cfg.lr,
+                                         cfg.momentum, cfg.weight_decay, sharded)
         self.scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None and \
             isinstance(self.optimizer, torch.optim.Optimizer) else None
         self._feed = GivenBatches(keep=settle_phase(Topology.from_plan(plan), plan.kind) + 2, fallback=data,
@@ -180,7 +141,8 @@ class Trainer:
     def _connect(self) -> None:
         """Everything of this rank that talks to others, for :attr:`plan` (collective: every rank,
         in the same order): replica, tied and statistics groups, gradient syncs, p2p channels, engine."""
-        plan, rank, timeout = self.plan, self.proc.rank, self._timeout
+        plan, rank, cfg = self.plan, self.proc.rank, self.config
+        timeout = cfg.timeout
         self.stage_plans, self.replica = plan.stages_of_rank(rank)
         self.stage_plan = self.stage_plans[0]
         groups = replica_groups(plan, timeout)
@@ -188,23 +150,27 @@ class Trainer:
                          tied_process_groups(plan, timeout))
         self._stats = dist.new_group(list(range(self.proc.world_size)), timeout=datetime.timedelta(seconds=timeout))
         self.tokens = token_counts(self.model, self.proc.device, self._stats, plan.batch_size, self.watch.note) \
-            if self.loss_normalization == "tokens" else None
+            if cfg.loss_normalization == "tokens" else None
         # the last stage alone knows a loss was bad: unreplicated, it need not wait for the others,
         # unless a recovery in place needs every rank to pass the check before any update
-        self.watch.decides_alone = self.is_last and self.stage_plan.replicas == 1 and not self._in_place
-        self.syncs = {s.index: make_sync(plan, st.module, s, groups.get(s.index),
-                                         exclude=tied.params if tied is not None else (), **self._sync_options)
+        self.watch.decides_alone = self.is_last and self.stage_plan.replicas == 1 and not cfg.in_place
+        self.syncs = {s.index: make_sync(plan, st.module, s, groups.get(s.index), allreduce=cfg.allreduce,
+                                         calibrations=cfg.calibrations, aggregator=cfg.aggregator,
+                                         wire_dtype=PRECISIONS[cfg.reduce_dtype],
+                                         exclude=tied.params if tied is not None else ())
                       for s, st in zip(self.stage_plans, self.stages, strict=True)}
+        if isinstance(self.optimizer, ShardedOptimizer):      # its state lives on the replicas' shards
+            self.optimizer.bind([v for v in self.syncs.values() if isinstance(v, ShardedReplicas)])
         topo = Topology.from_plan(plan)
         recorder = self._recorder
-        self.channels = stage_channels(topo, rank, plan.kind, self.comm_mode, self.proc.device, timeout,
+        self.channels = stage_channels(topo, rank, plan.kind, cfg.comm_mode, self.proc.device, timeout,
                                        on_transfer=recorder.on_transfer if recorder is not None else None)
         guarded: Any = self.watch.wrap_optimizer(self.optimizer)     # an optimizer that checks the loss first
         self.engine = PipelineEngine(self.stages, topo, rank, plan.kind, transport=self.channels,
                                      optimizer=guarded, data=self._feed,
                                      sync=self.syncs, recorder=recorder, tied=tied,
-                                     before_step=self._before_step if self.clip_grad_norm is not None or self.scaler
-                                     else None, autocast=self._dtype,
+                                     before_step=self._before_step if cfg.clip_grad_norm is not None or self.scaler
+                                     else None, autocast=PRECISIONS[str(cfg.precision)],
                                      loss_scale=self._loss_scale if self.scaler is not None else None,
                                      tokens=self.tokens)
 
@@ -273,7 +239,7 @@ class Trainer:
         like a training step, in evaluation mode (no dropout, batch norm on running statistics),
         without gradients: no weight, optimizer or scheduler state changes. The mean loss on every
         rank."""
-        if self.comm_mode == "sra":
+        if self.config.comm_mode == "sra":
             raise UserError("eval_step needs comm_mode 'sa' or 'per-tensor': the 'sra' channels follow the "
                             "training step's fixed order of transfers")
         if self.plan.kind.asynchronous and self.engine.phase != 0:
@@ -295,7 +261,7 @@ class Trainer:
         mine = [m for m in range(M) if m % self.stage_plan.replicas == self.replica]
         return StepLoader(dataset, batch_size=self.plan.batch_size, micro_batches=M, mine=mine,
                           inputs=self.stage_plan.index == 0, targets=self.is_last, pairs=self.takes_targets,
-                          seed=self.seed if seed is None else seed, epoch=epoch, shuffle=shuffle,
+                          seed=self.config.seed if seed is None else seed, epoch=epoch, shuffle=shuffle,
                           num_workers=num_workers, pin_memory=self.proc.device.type == "cuda",
                           collate_fn=collate_fn)
 
@@ -312,7 +278,7 @@ class Trainer:
         ckpt = self._checkpointer(directory, keep)
         extra = {"scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
                  "scaler": self.scaler.state_dict() if self.scaler is not None else None}
-        return ckpt.save(self.step, module=self.module, optimizer=self.optimizer,
+        return ckpt.save(self.step, module=self.module, optimizer=for_checkpoint(self.optimizer),
                          engine=self.engine.state_dict(), extra=extra,
                          chunks={st.index: st.module for st in self.stages})
 
@@ -341,7 +307,7 @@ class Trainer:
         if restored.rng is not None:
             restore_rng(restored.rng)           # after everything that draws random numbers
         else:                                   # resharded from another plan
-            reseed(self.seed, self.proc.rank, restored.step)
+            reseed(self.config.seed, self.proc.rank, restored.step)
         return restored
 
     def close(self) -> None:
@@ -392,16 +358,15 @@ class Trainer:
             inv = 1.0 / self.scaler.scale
             bad = torch.zeros(1, device=self.proc.device)
             with torch.no_grad():
-                for p in self.module.parameters():
-                    if p.grad is not None:
-                        p.grad.mul_(inv)
-                        bad = torch.maximum(bad, (~torch.isfinite(p.grad)).any().float())
+                for g in step_gradients(self.module, self.optimizer):
+                    g.mul_(inv)
+                    bad = torch.maximum(bad, (~torch.isfinite(g)).any().float())
             dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self._stats)
             found = bool(bad.item() > 0)
             self.scaler.update(found)
             if found:
                 return False
-        if self.clip_grad_norm is not None:
+        if self.config.clip_grad_norm is not None:
             self._clip()
         return True
 
@@ -410,15 +375,13 @@ class Trainer:
         the global norm exceeds ``clip_grad_norm`` (replica 0 of each stage contributes its squared
         norm, a tied parameter only in the first stage that holds it)."""
         sq = torch.zeros(1, dtype=torch.float64, device=self.proc.device)
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        if self.replica == 0:
-            for p in self.module.parameters():
-                if p.grad is not None and id(p) not in self._uncounted:
-                    sq += p.grad.detach().double().pow(2).sum()
+        grads = step_gradients(self.module, self.optimizer)
+        for g in norm_terms(self.optimizer, self.module, self.replica == 0, self._uncounted):
+            sq += g.detach().double().pow(2).sum()
         dist.all_reduce(sq, group=self._stats)
         norm = float(sq.sqrt())
         self.last_grad_norm = norm
-        coef = float(self.clip_grad_norm or 0.0) / (norm + 1e-6)
+        coef = float(self.config.clip_grad_norm or 0.0) / (norm + 1e-6)
         if coef < 1.0:
             with torch.no_grad():
                 for g in grads:
@@ -431,7 +394,3 @@ class Trainer:
                                                     tied=tied_parameters(self.model.module))
         self._checkpointers[key].keep = keep
         return self._checkpointers[key]
-
-
-def _precision_of(dtype: torch.dtype | None) -> str:
-    return next(name for name, d in PRECISIONS.items() if d == dtype)

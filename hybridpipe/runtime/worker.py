@@ -57,15 +57,16 @@ from hybridpipe.runtime.trainer import Trainer
 log = logging.getLogger(__name__)
 
 
-def run_worker(cfg: RunConfig, *, print_fn: Callable[[str], None] = print) -> dict | None:
+def run_worker(cfg: RunConfig, *, print_fn: Callable[[str], None] = print,
+               milestones: dict[str, float] | None = None) -> dict | None:
     """Train ``cfg`` on this process's rank (see the module docstring); returns the summary on the
-    reporting rank (the last stage's first replica), None elsewhere. Joins the job torchrun
-    started, or uses the default process group when the caller already made one."""
+    reporting rank (the last stage's first replica), None elsewhere. Joins the job torchrun started,
+    or uses the default process group. ``milestones``: launch's times before (the restart record)."""
     entered = time.time()
     model = load_model(cfg)                    # before any process group: a wrong plan fails alone
     init_optimizer = model.start_from(cfg.init_from) if cfg.init_from else None
     captured = time.time()
-    proc, owned = init_distributed(cfg.backend, cfg.timeout)
+    proc, owned = init_distributed(cfg.training.backend, cfg.training.timeout)
     lock = None
     try:
         if proc.world_size != cfg.plan.world_size:
@@ -73,9 +74,9 @@ def run_worker(cfg: RunConfig, *, print_fn: Callable[[str], None] = print) -> di
         lock = _lock_checkpoint_dir(cfg, proc.rank)     # before anything is written there
         closers: list[Callable[[], object]] = []
         # steps completed (for the exit note) and when this worker got how far (the restart record)
-        progress = {"done": 0, "entered": entered, "captured": captured}
+        progress: dict = {"done": 0, "milestones": {**(milestones or {}), "config": entered, "model": captured}}
         guard = FailureGuard(default_store(), rank=proc.rank, world_size=proc.world_size,
-                             timeout=min(cfg.peer_timeout, cfg.timeout), program="hybridpipe.launch",
+                             timeout=min(cfg.peer_timeout, cfg.training.timeout), program="hybridpipe.launch",
                              describe=describe_ranks(cfg.plan), on_exit=[lambda: _close_all(closers)],
                              hint="restart with --resume to continue from the newest checkpoint"
                              if cfg.checkpoint_dir else "")
@@ -141,8 +142,9 @@ def _train(cfg: RunConfig, proc: Process, model: Model, closers: list, print_fn,
     ``--in-place`` the recovery of a lost replica (runtime/recovery.py), the summary."""
     critical = guard.critical
     run = _open_run(cfg, proc, closers, print_fn)
+    model.keep_capture()                    # into RUN_DIR/capture/ (now there): a restart reads it
     trainer = _make_trainer(run, model)
-    recover = recoverer(cfg, proc, trainer, guard) if cfg.in_place else None
+    recover = recoverer(cfg, proc, trainer, guard) if cfg.training.in_place else None
     held_out = make_eval_data(cfg, model.spec) if cfg.eval_every else None
     if init_optimizer is not None:
         _load_optimizer(trainer, model, init_optimizer)
@@ -196,14 +198,11 @@ def _open_run(cfg: RunConfig, proc: Process, closers: list, print_fn) -> _Run:
 def _make_trainer(run: _Run, model: Model) -> Trainer:
     """The Python API's Trainer with launch's options."""
     cfg = run.cfg
-    hint = f"the newest checkpoint in {cfg.checkpoint_dir} is the last good one" if cfg.checkpoint_dir else ""
-    return Trainer(model, cfg.plan, optimizer=cfg.optimizer, lr=cfg.lr, momentum=cfg.momentum,
-                   weight_decay=cfg.weight_decay, clip_grad_norm=cfg.clip_grad_norm, seed=cfg.seed,
-                   lr_scheduler=lr_schedule(cfg.lr_schedule, warmup=cfg.warmup_steps, total=cfg.steps),
-                   data=make_data(cfg, model.spec), comm_mode=cfg.comm_mode, allreduce=cfg.allreduce,
-                   calibrations=cfg.calibrations, aggregator=cfg.aggregator, skip_nonfinite=cfg.skip_nonfinite,
-                   timeout=cfg.timeout, precision=cfg.precision, recorder=run.recorder, nonfinite_hint=hint,
-                   reduce_dtype=cfg.reduce_dtype, loss_normalization=cfg.loss_normalization, in_place=cfg.in_place)
+    trainer = Trainer(model, cfg.plan, cfg.training, recorder=run.recorder, data=make_data(cfg, model.spec),
+                      lr_scheduler=lr_schedule(cfg.lr_schedule, warmup=cfg.warmup_steps, total=cfg.steps))
+    if cfg.checkpoint_dir:
+        trainer.watch.hint = f"the newest checkpoint in {cfg.checkpoint_dir} is the last good one"
+    return trainer
 
 
 def _load_optimizer(trainer: Trainer, model: Model, state: dict) -> None:
@@ -223,11 +222,11 @@ def _resume(run: _Run, trainer: Trainer, world_size: int, progress: dict, print_
     start = _restore(trainer, cfg.checkpoint_dir, print_fn if run.rank == plan.stages[0].ranks[0] else None)
     if not run.reporter:
         return start, None
+    stages = {**progress["milestones"], "job": time.time() - (time.perf_counter() - t_load)}
+    stages = stages if "imports" in stages else {"imports": stages.pop("config"), **stages}   # without launch
     return start, restart_entry(read_notes(Path(cfg.checkpoint_dir)), world_size=world_size, resumed_from=start,
                                 started=process_start_time(), planning_s=cfg.planned_s or 0.0,
-                                load_s=time.perf_counter() - t_load, stages={
-                                    "imports_s": progress["entered"], "model_s": progress["captured"],
-                                    "job_s": time.time() - (time.perf_counter() - t_load)})
+                                load_s=time.perf_counter() - t_load, stages={f"{k}_s": t for k, t in stages.items()})
 
 
 def _steps(run: _Run, trainer: Trainer, metrics: MetricsWriter, report: RankReport, held_out: MicroBatches | None,
@@ -332,8 +331,7 @@ def _summary(run: _Run, trainer: Trainer, reports: list, start: int, print_fn, e
     cfg = run.cfg
     summary = summarize(reports, trainer.plan, steps=cfg.steps, first_step=start, run_dir=str(run.run_dir),
                         trace_dir=str(run.traces) if run.traces is not None else None, schedule=cfg.schedule,
-                        comm_mode=cfg.comm_mode, allreduce=cfg.allreduce, skipped=trainer.watch.skipped,
-                        precision=cfg.precision, reduce_dtype=cfg.reduce_dtype)
+                        config=trainer.config, skipped=trainer.watch.skipped)
     if cfg.checkpoint_dir or events:
         summary["restarts"] = read_log(Path(cfg.checkpoint_dir)) if cfg.checkpoint_dir else events
     write_json(Path(run.run_dir) / "summary.json", summary)

@@ -67,7 +67,8 @@ def plan_file(tmp_path, monkeypatch):
     (["--seed", "-1"], "--seed: must be between 0 and"),
     (["--momentum", "nan"], "--momentum: must be a finite number"),
     (["--aggregator", "host"], "--aggregator: expected HOST:PORT"),
-    (["--skip-nonfinite", "--schedule", "pipedream", "--micro-batches", "4"], "--skip-nonfinite needs a schedule"),
+    (["--skip-nonfinite", "--schedule", "pipedream", "--micro-batches", "4"],
+     "skip_nonfinite (--skip-nonfinite) needs a schedule"),
     (["--batch-size", "8", "--micro-batch-size", "4"], "give only --micro-batch-size"),
 ])
 def test_bad_arguments_end_with_one_line(plan_file, capsys, extra, expected):

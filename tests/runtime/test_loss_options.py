@@ -38,9 +38,9 @@ def test_launch_runs_the_plans_normalization_unless_told_and_refuses_it_with_pip
                                loss_normalization="tokens")
     save_plan(plan, tmp_path / "plan.json")
     base = ["--plan", str(tmp_path / "plan.json"), "--run-dir", str(tmp_path / "run")]
-    assert resolve(build_parser().parse_args(base), 2).loss_normalization == "tokens"
+    assert resolve(build_parser().parse_args(base), 2).training.loss_normalization == "tokens"
     told = resolve(build_parser().parse_args([*base, "--loss-normalization", "micro-batch"]), 2)
-    assert told.loss_normalization == told.plan.loss_normalization == "micro-batch"
+    assert told.training.loss_normalization == told.plan.loss_normalization == "micro-batch"
     with pytest.raises(UserError, match="tokens divides the step's summed gradients .* pipedream updates each"):
         resolve(build_parser().parse_args([*base, "--schedule", "pipedream"]), 2)
 
@@ -70,6 +70,6 @@ def test_the_step_loss_weighs_micro_batches_by_their_tokens(tmp_path):
     plan = dataclasses.replace(make_plan("mlp", [3], [1, 1], micro_batches=4, batch_size=4),
                                loss_normalization="tokens")
     summary = summarize([a, b], plan, steps=1, first_step=0, run_dir=str(tmp_path), trace_dir=None,
-                        schedule="1f1b", comm_mode="sa", allreduce=None)
+                        schedule="1f1b")
     assert summary["loss_normalization"] == "tokens" and summary["loss"] == {"0": 13 / 8}
     assert "(over the global batch's tokens)" in format_summary(summary)

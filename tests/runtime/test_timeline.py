@@ -80,6 +80,11 @@ def test_a_rank_with_several_chunks_records_each_phase_s_stage(tmp_path):
         [0, 3, 3, None]
     (row,) = phase_table(merge_traces([trace]))
     assert row.stage_label == "0,3"
+    data = json.loads(trace_path(tmp_path, 0).read_text())
+    data["otherData"]["hybridpipe"]["stages"] = [0, None]            # was a TypeError in phase_table
+    trace_path(tmp_path, 0).write_text(json.dumps(data))
+    with pytest.raises(UserError, match='every element of "stages" must be an integer'):
+        load_rank_trace(trace_path(tmp_path, 0))
 
 
 def test_unknown_phase_is_refused(tmp_path):

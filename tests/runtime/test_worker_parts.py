@@ -13,6 +13,7 @@ from hybridpipe.runtime.config import build_parser, resolve
 from hybridpipe.runtime.metrics import MetricsWriter, read_metrics, step_record
 from hybridpipe.runtime.parts import NoParameters, buffers_digest, make_optimizer, seed_rank, weights_digest
 from hybridpipe.runtime.summary import RankReport, format_summary, loss_rows, step_losses, summarize, warmup_steps
+from hybridpipe.runtime.training_config import TrainingConfig
 from tests.pipeline.harness import make_plan
 
 
@@ -31,7 +32,7 @@ def test_plan_values_are_the_defaults(tmp_path, plan):
     cfg = resolve(parse(tmp_path), world_size=3)
     assert (cfg.model, cfg.batch_size, cfg.micro_batches, cfg.schedule, cfg.optimizer) == \
         ("mlp", 8, 4, "1f1b", "sgd")
-    assert cfg.global_batch == 32 and cfg.trace_dir is None and cfg.comm_mode == "sa"
+    assert cfg.global_batch == 32 and cfg.trace_dir is None and cfg.training.comm_mode == "sa"
 
 
 def test_overrides_reach_the_effective_plan(tmp_path, plan):
@@ -110,7 +111,7 @@ def test_summary(plan, tmp_path):
                RankReport(2, 1, 0, step_ms={0: 700, 1: 105, 2: 125, 3: 99, 4: 80},
                           losses={k: {m: 3.0 - k * 0.1 for m in range(4)} for k in range(5)})]
     s = summarize(reports, plan, steps=5, first_step=0, run_dir=str(tmp_path), trace_dir=None, schedule="1f1b",
-                  comm_mode="sa", allreduce="hybrid")
+                  config=TrainingConfig(allreduce="hybrid"))
     assert s["warmup_steps"] == 1
     assert s["job_step_ms"] == {"0": 900, "1": 110, "2": 130, "3": 100, "4": 95}
     assert s["measured_step_ms"] == 105.0 and s["measured_over_predicted"] == pytest.approx(1.05)
@@ -125,12 +126,12 @@ def test_summary(plan, tmp_path):
     assert s["buffers_combined"] == {"0": combined[0]}
     reports[1].buffers = "c"
     s = summarize(reports, plan, steps=5, first_step=0, run_dir="r", trace_dir="r/trace", schedule="1f1b",
-                  comm_mode="sa", allreduce="ring")
+                  config=TrainingConfig(allreduce="ring"))
     assert s["replicas_identical"] == {"0": False} and "BUFFERS DIFFER between the replicas of stage 0" in \
         format_summary(s)
     reports[1].digest = "y"
     s = summarize(reports, plan, steps=5, first_step=0, run_dir="r", trace_dir="r/trace", schedule="1f1b",
-                  comm_mode="sa", allreduce="ring")
+                  config=TrainingConfig(allreduce="ring"))
     assert s["replicas_differ"] == {"0": "weights and buffers"} and "WEIGHTS AND BUFFERS DIFFER" in format_summary(s)
 
 

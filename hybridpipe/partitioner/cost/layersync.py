@@ -17,7 +17,7 @@ the crossover taken from the (calibrated) cost model, not a fixed threshold.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -82,7 +82,8 @@ def choose_layer_algorithms(names: Sequence[str], nbytes: Floats, backward_ms: F
                             algorithms: Sequence[str] = ALGORITHMS,
                             params: Sequence[Sequence[str]] | None = None, gap_ms: float = 0.0, *,
                             fuse_small: bool = True, two_lanes: bool = True,
-                            lane_algorithms: Sequence[str] = ()) -> StageSync:
+                            lane_algorithms: Sequence[str] = (),
+                            fastest: Callable[[float, Sequence[int]], tuple[str, float]] | None = None) -> StageSync:
     """The hybrid policy for one replicated stage or data-parallel model (what HDP calls).
 
     ``names``, ``nbytes`` (gradient bytes, 0 for layers without parameters), ``backward_ms`` and
@@ -91,14 +92,16 @@ def choose_layer_algorithms(names: Sequence[str], nbytes: Floats, backward_ms: F
     parallelism). Returns a LayerSync (algorithm, predicted and exposed ms, sync unit and lane:
     ``syncunits.assign_units`` with the keyword arguments) for every layer with bytes to sync.
     The exposed times are those of the single lane, layer by layer: fused units and the second
-    lane only shorten what the layers wait.
+    lane only shorten what the layers wait. ``fastest(nbytes, ranks)``: (algorithm, seconds) of a
+    layer's sync (default the cheapest all-reduce; a sharded stage's reduce-scatter + all-gather:
+    ``sharded.fastest_pair``).
     """
     if len(ranks) <= 1:
         return StageSync((), 0.0, 0.0)
     algos, sync = [], []
     for b in nbytes:
         if b > 0:
-            a, s = model.fastest_allreduce(b, ranks, algorithms)
+            a, s = model.fastest_allreduce(b, ranks, algorithms) if fastest is None else fastest(b, ranks)
             algos.append(a)
             sync.append(s * 1e3)
         else:

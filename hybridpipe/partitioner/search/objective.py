@@ -38,6 +38,12 @@ min(k, ceil(W / r)), W all workers (a later stage holds back weight gradients); 
 ceil(W_after / r)), plus pipedream's stashed weight versions (one per in-flight minibatch
 beyond the live weights).
 
+Sharded replicas (``--shard``, ``sharding.py``): a stage of r > 1 replicas may shard its optimizer
+state, gradients or weights; its memory, its per-step reduce-scatters and all-gathers (in the
+sync lane in place of the all-reduces), the collectives inside the step (``midstep_ms``) and its
+optimizer step on 1/r of the weights are charged there. Each stage takes the variant ``--shard``
+allows with the smallest term among those that fit (``none``: today's stage, bit for bit).
+
 Every term depends only on the stage's node range and ranks (and the neighbours' ranks for the
 transfer level), which is what lets ``dp.py`` compute them exactly in vectorised form; the
 brute-force tests compare the two. ``predict_step_ms`` is the same formula with the transfer
@@ -55,9 +61,20 @@ import numpy as np
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.cost.layersync import StageSync, choose_layer_algorithms
+from hybridpipe.partitioner.cost.sharded import fastest_pair, paired_algorithms
 from hybridpipe.partitioner.plan import ALGORITHMS, OPTIMIZERS
 from hybridpipe.partitioner.schedule_registry import DEFAULT_SCHEDULE, REGISTRY, Schedule
 from hybridpipe.partitioner.search.modelcosts import ModelCosts
+from hybridpipe.partitioner.search.sharding import (
+    NONE,
+    Variant,
+    check_shard,
+    halves,
+    midstep_ms,
+    sharded_variants,
+    stage_units,
+    static_bytes,
+)
 
 OPTIMIZER_STATES = {"sgd": 1, "adam": 2, "adamw": 2}   # extra copies of the weights an optimizer keeps
 RECOMPUTE = ("none", "all", "auto")
@@ -73,8 +90,16 @@ class Options:
     memory_bytes: float = math.inf
     algorithms: tuple[str, ...] = ALGORITHMS
     recompute: str = "none"     # none | all | auto (a stage recomputes only when it would not fit otherwise)
+    shard: str = "none"         # none | optimizer | gradients | parameters | auto (sharding.py)
 
     def __post_init__(self):
+        check_shard(self.shard)
+        if self.shard not in ("none", "auto") and self.schedule.asynchronous:
+            raise UserError(f"--shard {self.shard} needs a flushed schedule ({self.schedule.name} keeps whole weight "
+                            "versions for its minibatches in flight); use --schedule 1f1b or --shard none")
+        if self.shard not in ("none", "auto") and not paired_algorithms(self.algorithms):
+            raise UserError(f"--shard {self.shard} reduce-scatters and all-gathers with ring, butterfly, hierarchical, "
+                            "torus2d or native; add one of them to --algorithms")
         if self.recompute not in RECOMPUTE:
             raise UserError(f"unknown --recompute {self.recompute!r}; choose from {', '.join(RECOMPUTE)}")
         if self.optimizer not in OPTIMIZERS:
@@ -87,6 +112,14 @@ class Options:
     def replicas_ok(self, replicas: int) -> bool:
         """Every replica gets micro-batches (r <= M); asynchronous rounds need r to divide M."""
         return bool(self.schedule.replicas_ok(replicas, self.micro_batches))
+
+    def variants(self, replicas: int) -> tuple[Variant, ...]:
+        """What a stage of ``replicas`` may shard (``sharding.py``): ``(NONE,)`` for one replica, an asynchronous
+        schedule or ``--shard none``; under a level, only that level."""
+        if (self.shard == "none" or replicas <= 1 or self.schedule.asynchronous
+                or not paired_algorithms(self.algorithms)):
+            return (NONE,)
+        return sharded_variants(self.shard)
 
 
 @dataclass(frozen=True)
@@ -116,6 +149,9 @@ class StageEval:
     term_ms: float               # max(busy, M * X) per step
     gap_ms: float                # drain + fill the stage's final sync may hide in (gpipe/1f1b)
     recompute: bool = False      # the stage reruns its forward in backward (backward_ms includes it)
+    shard: str = "none"          # what its replicas shard (sharding.py)
+    reshard_after_forward: bool = True
+    midstep_ms: float = 0.0      # a sharded stage's collectives exposed inside the step (sharding.midstep_ms)
 
     @property
     def sync_ms_per_step(self) -> float:
@@ -138,11 +174,13 @@ def inflight_micro_batches(schedule: Schedule, k: int, workers_after: int, repli
     return schedule.inflight(k, depth, depth_all)
 
 
-def memory_bytes(costs: ModelCosts, i: int, j: int, inflight: int, opts: Options, recompute: bool = False) -> float:
+def memory_bytes(costs: ModelCosts, i: int, j: int, inflight: int, opts: Options, recompute: bool = False,
+                 variant: Variant = NONE, replicas: int = 1) -> float:
     """Peak bytes per worker of stage i..j (see the module docstring; activations and the weights,
     tied copies included: ``modelcosts.py``).
     A recomputing stage keeps only each in-flight micro-batch's inputs and outputs (and the loss's),
-    plus what one micro-batch's rerun of its forward rebuilds (``ModelCosts.rerun_bytes``)."""
+    plus what one micro-batch's rerun of its forward rebuilds (``ModelCosts.rerun_bytes``).
+    ``variant``: what its ``replicas`` shard (``sharding.static_bytes``)."""
     weights = costs.weight_bytes(i, j)        # its own parameters and its copies of tied ones
     versions = opts.schedule.weight_versions(inflight)
     stash = costs.stash_bytes(i, j)
@@ -150,14 +188,24 @@ def memory_bytes(costs: ModelCosts, i: int, j: int, inflight: int, opts: Options
         held = costs.kept_bytes(i, j) * inflight + costs.rerun_bytes(i, j)
     else:
         held = stash * inflight
+    if variant.level != "none":
+        unit1, unit2 = stage_units(costs.param_bytes[i:j + 1])
+        return static_bytes(variant, weights, replicas, OPTIMIZER_STATES[opts.optimizer], unit1, unit2,
+                            versions) + held
     return weights * (2 + OPTIMIZER_STATES[opts.optimizer] + versions) + held
 
 
-def overhead_ms(optimizer_ms, weights, p2p_bytes, replicas: int, k: int, syncs: int, interference: float):
+def overhead_ms(optimizer_ms, weights, p2p_bytes, replicas: int, k: int, syncs: int, interference: float,
+                variant: Variant = NONE):
     """Per step: ``syncs`` optimizer steps and the compute lost to communication (module docstring).
 
     ``p2p_bytes``: mean of the bytes a replica sends and receives per micro-batch. Works on
-    numbers and elementwise on numpy tables (``dp.py``)."""
+    numbers and elementwise on numpy tables (``dp.py``). A sharded ``variant`` steps 1/r of the
+    weights and moves ``sharding.halves`` reduce-scatters / all-gathers per step."""
+    if variant.level != "none":
+        optimizer_ms = optimizer_ms / replicas
+        ring = halves(variant, k) * (replicas - 1) / replicas * weights
+        return syncs * (optimizer_ms + interference * 1e3 * ring) + k * interference * 1e3 * p2p_bytes
     ring = 2 * (replicas - 1) / replicas * weights          # 0 for one replica
     return syncs * (optimizer_ms + interference * 1e3 * ring) + k * interference * 1e3 * p2p_bytes
 
@@ -203,37 +251,29 @@ def transfer_ms(model: CostModel, ranks: Sequence[int], cuts: Sequence[tuple[int
     return worst * 1e3
 
 
-def evaluate(costs: ModelCosts, model: CostModel, stages: Sequence[StageSpec], opts: Options) -> Evaluation:
-    """Every stage's figures and the objective for a stage list covering all nodes."""
+def evaluate(costs: ModelCosts, model: CostModel, stages: Sequence[StageSpec], opts: Options,
+             variants: Sequence[Variant] | None = None) -> Evaluation:
+    """Every stage's figures and the objective for a stage list covering all nodes.
+
+    Each stage shards as the best variant ``opts.variants`` allows, or as ``variants[k]`` when given
+    (infeasible where that stage cannot: one replica, an asynchronous schedule)."""
     evals = []
     workers_after = sum(len(s.ranks) for s in stages)
     kind = opts.schedule
     workers = workers_after
     pipedream = kind.asynchronous
+    forced_ok = True
     share = kind.drain_backward_share
     trip = float(costs.forward_ms.sum() + share * costs.backward_ms.sum())     # fill + drain (flushed)
     for idx, st in enumerate(stages):
         i, j, ranks = st.first, st.last, st.ranks
         r = len(ranks)
         k = -(-opts.micro_batches // r)
-        f = float(costs.forward_ms[i:j + 1].sum())
-        b = float(costs.backward_ms[i:j + 1].sum())
         inflight = inflight_micro_batches(opts.schedule, k, workers_after, r, workers)
-        mem = memory_bytes(costs, i, j, inflight, opts)
-        rc = opts.recompute == "all" or (opts.recompute == "auto" and mem > opts.memory_bytes)
-        if rc:          # charged as part of the backward: the simulator then times it there too
-            mem = memory_bytes(costs, i, j, inflight, opts, recompute=True)
-            b += f
         gap = 0.0 if pipedream else float(costs.forward_ms[:i].sum() + costs.backward_ms[:i].sum())
-        sync = choose_layer_algorithms(costs.names[i:j + 1], costs.param_bytes[i:j + 1], costs.backward_ms[i:j + 1],
-                                       costs.forward_ms[i:j + 1], ranks, model, opts.algorithms,
-                                       params=costs.params[i:j + 1], gap_ms=gap)
         cuts, send_ms, send_grad_ms, send_bytes = [], 0.0, 0.0, 0.0
         a_in, g_out = costs.input_bytes(i)
         a_out, g_in = costs.output_bytes(j) if idx < len(stages) - 1 else (0.0, 0.0)
-        extra = overhead_ms(float(costs.optimizer_ms(opts.optimizer)[i:j + 1].sum()),
-                            float(costs.param_bytes[i:j + 1].sum()), (a_in + g_out + a_out + g_in) / 2, r, k,
-                            kind.syncs_per_step(k), model.interference_s_per_byte)
         if idx > 0:
             cuts.append((transfer_level(model, ranks, stages[idx - 1].ranks), g_out, a_in))
         if idx < len(stages) - 1:
@@ -243,14 +283,65 @@ def evaluate(costs: ModelCosts, model: CostModel, stages: Sequence[StageSpec], o
             send_grad_ms = model.p2p_seconds(g_in, level) * 1e3
             send_bytes = a_out
         x = transfer_ms(model, ranks, cuts)
-        busy = extra + (k * (f + b + sync.exposed_ms) if pipedream
-                        else trip + (1 - share) * b + (k - 1) * (f + b) + sync.exposed_ms)
-        evals.append(StageEval(f, b, k, sync, kind.syncs_per_step(k), x, send_ms, send_grad_ms, send_bytes,
-                               inflight, mem, extra, busy, max(busy, opts.micro_batches * x), gap, rc))
+
+        place = _Place(i, j, tuple(ranks), k, inflight, gap, x, send_ms, send_grad_ms, send_bytes,
+                       (a_in + g_out + a_out + g_in) / 2, trip, share)
+        allowed = opts.variants(r)
+        if variants is not None:
+            allowed = (variants[idx],)
+            forced_ok = forced_ok and (variants[idx] == NONE or (r > 1 and not pipedream))
+        tried = [_stage_eval(costs, model, opts, place, v) for v in allowed]
+        fitting = [e for e in tried if e.memory_bytes <= opts.memory_bytes]
+        evals.append(min(fitting, key=lambda e: e.term_ms) if fitting else tried[0])
         workers_after -= r
-    fits = all(e.memory_bytes <= opts.memory_bytes for e in evals) and all(
+    fits = forced_ok and all(e.memory_bytes <= opts.memory_bytes for e in evals) and all(
         opts.replicas_ok(len(s.ranks)) for s in stages) and all(costs.blocked_cut(s.last) is None for s in stages)
     return Evaluation(tuple(evals), max(e.term_ms for e in evals) if fits else math.inf, fits)
+
+
+@dataclass(frozen=True)
+class _Place:
+    """What ``evaluate`` knows of a stage before choosing what its replicas shard."""
+
+    i: int
+    j: int
+    ranks: tuple[int, ...]
+    k: int
+    inflight: int
+    gap: float
+    x: float
+    send_ms: float
+    send_grad_ms: float
+    send_bytes: float
+    p2p_bytes: float
+    trip: float
+    share: float
+
+
+def _stage_eval(costs: ModelCosts, model: CostModel, opts: Options, p: _Place, v: Variant) -> StageEval:
+    """A stage's figures when its replicas shard as ``v`` (``NONE``: replicated)."""
+    i, j, r, k, kind = p.i, p.j, len(p.ranks), p.k, opts.schedule
+    f = float(costs.forward_ms[i:j + 1].sum())
+    b = float(costs.backward_ms[i:j + 1].sum())
+    mem = memory_bytes(costs, i, j, p.inflight, opts, variant=v, replicas=r)
+    rc = opts.recompute == "all" or (opts.recompute == "auto" and mem > opts.memory_bytes)
+    if rc:          # charged as part of the backward: the simulator then times it there too
+        mem = memory_bytes(costs, i, j, p.inflight, opts, recompute=True, variant=v, replicas=r)
+        b += f
+    paired = None if v.level == "none" else (
+        lambda nbytes, group: fastest_pair(nbytes, group, model, opts.algorithms))
+    sync = choose_layer_algorithms(costs.names[i:j + 1], costs.param_bytes[i:j + 1], costs.backward_ms[i:j + 1],
+                                   costs.forward_ms[i:j + 1], p.ranks, model, opts.algorithms,
+                                   params=costs.params[i:j + 1], gap_ms=p.gap, fastest=paired)
+    extra = overhead_ms(float(costs.optimizer_ms(opts.optimizer)[i:j + 1].sum()),
+                        float(costs.param_bytes[i:j + 1].sum()), p.p2p_bytes, r, k,
+                        kind.syncs_per_step(k), model.interference_s_per_byte, v)
+    mid = 0.0 if v.level == "none" else float(midstep_ms(v, k, sync.busy_ms / 2, f, b))
+    busy = extra + (k * (f + b + sync.exposed_ms) if kind.asynchronous
+                    else p.trip + (1 - p.share) * b + (k - 1) * (f + b) + sync.exposed_ms) + mid
+    return StageEval(f, b, k, sync, kind.syncs_per_step(k), p.x, p.send_ms, p.send_grad_ms, p.send_bytes,
+                     p.inflight, mem, extra, busy, max(busy, opts.micro_batches * p.x), p.gap, rc,
+                     v.level, v.reshard, mid)
 
 
 def predict_step_ms(ev: Evaluation, opts: Options) -> float:
@@ -270,7 +361,8 @@ def predict_step_ms(ev: Evaluation, opts: Options) -> float:
     for s, moved in zip(st, transfers, strict=True):
         late = max(0.0, s.sync.exposed_ms - before)         # its gap grows by the transfers before it
         own = (1 - share) * s.backward_ms
-        worst = max(worst, trip + own + (s.micro_batches - 1) * (s.forward_ms + s.backward_ms) + late + s.overhead_ms,
+        worst = max(worst, trip + own + (s.micro_batches - 1) * (s.forward_ms + s.backward_ms) + late + s.overhead_ms
+                    + s.midstep_ms,
                     opts.micro_batches * s.transfer_ms)
         before += moved
     return worst

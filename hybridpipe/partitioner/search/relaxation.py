@@ -8,7 +8,8 @@ relaxations, never heuristics, so the search stays exact.
   and overhead parts that do not depend on where the ranks sit), with ``k = ceil(M / (b R))``
   falling as b grows, so the bound gives a largest k and hence a smallest b; it is at least the
   transfer with the cheapest link's alpha and beta and the smallest possible link share (1/r); and
-  the stage must fit in memory with one micro-batch in flight and end at a free cut.
+  the stage must fit in memory with one micro-batch in flight and end at a free cut (sharded: with
+  the least memory any allowed shard level has on every worker, ``sharding.least_static_bytes``).
   ``max_block``: at most ``min(W / R, M / R)`` ranks (every replica needs a micro-batch).
 * ``windows``: a state (p nodes placed on the copy's first y ranks) can lie on such a plan only if
   y is at least the fewest ranks any relaxed plan of nodes ``0..p-1`` needs, leaves at least the
@@ -28,6 +29,7 @@ from collections.abc import Callable
 import numpy as np
 
 from hybridpipe.partitioner.search.objective import OPTIMIZER_STATES
+from hybridpipe.partitioner.search.sharding import least_static_bytes
 from hybridpipe.partitioner.search.stageterms import SAFETY, StageTerms
 
 
@@ -44,6 +46,8 @@ class _Tables:
         fb = (t.pf[None, 1:] - t.pf[:-1, None]) + (t.pb[None, 1:] - t.pb[:-1, None])
         opt_ms = t.po[None, 1:] - t.po[:-1, None]
         p2p = t.interference * 1e3 * (t.p2p_in[:, None] + t.p2p_out[None, :])
+        if t.sharding and t.copies * t.wc > 1:          # a sharded stage steps 1/r of its weights
+            opt_ms = opt_ms / (t.copies * t.wc)
         if t.flushed:                                   # trip + (k-1) fb + opt + k p2p <= u
             per_k, self.fixed = fb + p2p, t.trip + opt_ms - fb
         else:                                           # k (fb + opt + p2p) <= u
@@ -53,7 +57,12 @@ class _Tables:
             self.inv = np.where(per_k > 0, (1 + SAFETY) / per_k, 0.0)
         weights = t.weights
         stash = t.stash
-        room = opts.memory_bytes * (1 + SAFETY) + SAFETY - weights * (2 + OPTIMIZER_STATES[opts.optimizer])
+        if t.sharding:                                  # the least any allowed shard level needs, on every worker
+            least = least_static_bytes(opts.shard, weights, t.copies * t.wc, OPTIMIZER_STATES[opts.optimizer],
+                                       *t.units)
+        else:
+            least = weights * (2 + OPTIMIZER_STATES[opts.optimizer])
+        room = opts.memory_bytes * (1 + SAFETY) + SAFETY - least
         self.ok = np.triu(np.ones((n, n), dtype=bool)) & t.cut_ok[None, :] & ~(room < stash)
         self.kcap = np.full((n, n), float(m_b))
         if opts.schedule.forwards_first and opts.recompute == "none":     # all k micro-batches' activations held

@@ -19,21 +19,34 @@ values, and therefore the ties between plans, are bit for bit the same):
   in the gap, since then ``max(0, E - gap_i) = 0`` exactly. pipedream: ``busy = k (F + B + E) +
   overhead``.
 * the term is ``max(busy, xfer)``; infinite where the replica count is not allowed.
+* ``--shard`` (``sharding.py``): the same term for each variant the stage may take (memory, the
+  lane of paired reduce-scatters and all-gathers, ``midstep_ms``, the optimizer step on 1/r), the
+  smallest one kept (``none`` alone: the term above, bit for bit).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from hybridpipe.partitioner.cost.costmodel import CostModel
+from hybridpipe.partitioner.cost.sharded import pair_lines, paired_algorithms
+from hybridpipe.partitioner.search.lanes import SAFETY, lane_row, lane_terms, sync_floor
 from hybridpipe.partitioner.search.modelcosts import ModelCosts
 from hybridpipe.partitioner.search.objective import OPTIMIZER_STATES, Options
+from hybridpipe.partitioner.search.sharding import (
+    NONE,
+    Variant,
+    halves,
+    largest_units,
+    midstep_ms,
+    sharded_variants,
+    static_bytes,
+)
 
 Useful = Callable[[np.ndarray, np.ndarray], np.ndarray]
-SAFETY = 1e-9     # relative slack of every bound used to skip exact work (floating-point rounding)
 
 
 @dataclass(frozen=True)
@@ -85,8 +98,14 @@ class StageTerms:
         self.alpha = np.array([model.link(k).alpha_s for k in range(len(levels))])
         self.beta = np.array([model.link(k).beta_s_per_byte for k in range(len(levels))])
         self._sync_ub = self._ring_bounds()
-        self._sync: dict[tuple[int, int], np.ndarray] = {}
-        self._lane: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+        self._sync: dict[tuple[int, int, bool], np.ndarray] = {}
+        self._lane: dict[tuple[int, int, bool], tuple[np.ndarray, np.ndarray]] = {}
+        self._half: dict[tuple[int, int], np.ndarray] = {}
+        self.sharding = (opts.shard != "none" and self.flushed and bool(paired_algorithms(opts.algorithms)))
+        if self.sharding:
+            if "units" not in self.shared:
+                self.shared["units"] = largest_units(costs.param_bytes)
+            self.units: tuple[np.ndarray, np.ndarray] = self.shared["units"]
         self._floor_lanes: dict[tuple[int, int], tuple[tuple[np.ndarray, np.ndarray], float]] = {}
         self.priced = 0                   # block shapes whose all-reduces were priced (for the benchmark)
 
@@ -99,35 +118,57 @@ class StageTerms:
         return self._whole
 
     def evaluate(self, c: Candidates, useful: Useful | None = None) -> np.ndarray:
-        """The stage term of every candidate (inf where infeasible).
+        """The stage term of every candidate (inf where infeasible): the least over the variants it may shard as.
 
         ``useful(index, lower)``: which of the candidates ``index`` (with these lower bounds of their
         terms) could still matter to the caller; those whose sync would need pricing and cannot
         matter are returned as inf instead of their term.
         """
+        xfer = self.opts.micro_batches * self._transfer(c.i, c.j, c.x, c.y)
+        term = self._term(c, useful, NONE, xfer)
+        if not self.sharding:
+            return term
+        if self.opts.shard != "auto":                    # a level: every stage with replicas shards
+            term = np.where((c.y - c.x) * self.copies > 1, np.inf, term)
+        for v in sharded_variants(self.opts.shard):
+            if v != NONE:
+                term = np.minimum(term, self._term(c, useful, v, xfer))
+        return term
+
+    def _term(self, c: Candidates, useful: Useful | None, v: Variant, xfer: np.ndarray) -> np.ndarray:
+        """The stage term of every candidate when its replicas shard as ``v`` (``xfer``: M X)."""
         opts, m_b, i = self.opts, self.opts.micro_batches, c.i
         j, x, y = c.j, c.x, c.y
         b = y - x
         r = b * self.copies
         kind = self.kind
         ok = kind.replicas_ok(r, m_b) & (b >= 1) & self.cut_ok[j]
+        sharded = v.level != "none"
+        if sharded:
+            ok = ok & (r > 1)
         r = np.maximum(r, 1)
         k = -(-m_b // r)
         kk = k if not self.flushed else k - 1
         depth = -(-(self.copies * (self.wc - x)) // r)
         depth_all = -(-(self.copies * self.wc) // r)
         inflight = kind.inflight(k, depth, depth_all)
-        static = 2 + OPTIMIZER_STATES[opts.optimizer] + kind.weight_versions(inflight)
+        states = OPTIMIZER_STATES[opts.optimizer]
+        static = 2 + states + kind.weight_versions(inflight)
         fwd = self.pf[j + 1] - self.pf[i]
         back = self.pb[j + 1] - self.pb[i]
         fb = fwd + back
         weights = self.weights[i, j]
         stash, kept, rerun = self.stash[i, j], self.kept[i, j], self.rerun[i, j]
         rc = np.full(len(j), opts.recompute == "all")       # the stage reruns its forward in backward
-        overflow = static * self.most_weights + self.most_stash * inflight > opts.memory_bytes
+        if sharded:                         # sharding.static_bytes (no weight versions: flushed schedules)
+            held = self._static(v, weights, r, states, i, j)
+            overflow = np.ones(len(j), dtype=bool)
+        else:
+            held = weights * static
+            overflow = static * self.most_weights + self.most_stash * inflight > opts.memory_bytes
         if np.any(overflow):
-            fits = weights * static + stash * inflight <= opts.memory_bytes
-            fits_rc = weights * static + kept * inflight + rerun <= opts.memory_bytes
+            fits = held + stash * inflight <= opts.memory_bytes
+            fits_rc = held + kept * inflight + rerun <= opts.memory_bytes
             if opts.recompute == "all":
                 feasible = fits_rc
             elif opts.recompute == "auto":                   # recompute only where keeping everything does not fit
@@ -138,14 +179,13 @@ class StageTerms:
         fb = fb + np.where(rc, fwd, 0.0)
         fb = np.where(ok, fb, np.inf)
         times = np.where(kk == 0, np.where(np.isfinite(fb), 0.0, np.inf), kk * np.where(kk == 0, 0.0, fb))
-        extra = self._overhead(i, j, r, k, weights)
+        extra = self._overhead(i, j, r, k, weights, v)
         work = self.trip + times
         if self.flushed and self.share < 1:                 # the stage's own backward (and rerun forward)
             work = work + (1 - self.share) * back
             if rc.any():
                 work = work + (1 - self.share) * np.where(rc, fwd, 0.0)
         work = work + extra
-        xfer = m_b * self._transfer(i, j, x, y)
 
         def lower(index: np.ndarray, e_low: np.ndarray) -> np.ndarray:
             """The term of candidates ``index`` with an exposed sync of ``e_low`` (<= E) instead of E."""
@@ -155,20 +195,50 @@ class StageTerms:
                 low = k[index] * (fb[index] + e_low) + extra[index]
             return np.maximum(low, xfer[index]) * (1 - SAFETY)
 
-        exposed = self._exposed(c, r, work, xfer, useful, lower)
+        exposed = self._exposed(c, r, work, xfer, useful, lower, sharded)
         if self.flushed:
             busy = work + np.maximum(0.0, exposed - self.gap[i])
+            if sharded:
+                busy = busy + self._midstep(c, r, k, fwd, back + np.where(rc, fwd, 0.0), v, ok & np.isfinite(work))
         else:
             busy = k * (fb + exposed) + extra
         return np.where(ok & ~np.isnan(exposed), np.maximum(busy, xfer), np.inf)
 
-    def _overhead(self, i: int, j: np.ndarray, r: np.ndarray, k: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    def _overhead(self, i: int, j: np.ndarray, r: np.ndarray, k: np.ndarray, weights: np.ndarray,
+                  v: Variant = NONE) -> np.ndarray:
         """objective.overhead_ms per candidate (optimizer steps, compute lost to communication)."""
         syncs = self.kind.syncs_per_step(k)
-        ring = 2 * (r - 1) / r * weights
         p2p = self.p2p_in[i] + self.p2p_out[j]
         opt_ms = self.po[j + 1] - self.po[i]
+        if v.level != "none":
+            ring = halves(v, k) * (r - 1) / r * weights
+            return syncs * (opt_ms / r + self.interference * 1e3 * ring) + k * self.interference * 1e3 * p2p
+        ring = 2 * (r - 1) / r * weights
         return syncs * (opt_ms + self.interference * 1e3 * ring) + k * self.interference * 1e3 * p2p
+
+    def _static(self, v: Variant, weights: np.ndarray, r: np.ndarray, states: int, i: int, j: np.ndarray
+                ) -> np.ndarray:
+        """sharding.static_bytes per candidate."""
+        return static_bytes(v, weights, r, states, self.units[0][i, j], self.units[1][i, j])
+
+    def _midstep(self, c: Candidates, r: np.ndarray, k: np.ndarray, fwd: np.ndarray, back: np.ndarray, v: Variant,
+                 live: np.ndarray) -> np.ndarray:
+        """sharding.midstep_ms per candidate (0 where there is nothing to shard or it is infeasible anyway)."""
+        i, j = c.i, c.j
+        half = np.zeros(len(j))
+        need = live & (r > 1) & (self.pcount[j + 1] - self.pcount[i] > 0)
+        if v.level in ("none", "optimizer") or not need.any():
+            return half
+        where = np.nonzero(need)[0]
+        keys = (c.x[where] % self.period) * (self.wc + 1) + (c.y - c.x)[where]
+        for key in np.unique(keys):
+            sel = where[keys == key]
+            prefix = self._half.get(divmod(int(key), self.wc + 1))
+            if prefix is None:
+                o, b = divmod(int(key), self.wc + 1)
+                prefix = self._half[o, b] = self.costs.prefix(self.sync_ms(o, b, True) / 2)
+            half[sel] = prefix[j[sel] + 1] - prefix[i]
+        return midstep_ms(v, k, half, fwd, back)
 
     # ---- where a block sits ------------------------------------------------------------------
     def level_between(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -204,10 +274,13 @@ class StageTerms:
 
     # ---- the sync ----------------------------------------------------------------------------
     def _exposed(self, c: Candidates, r: np.ndarray, work: np.ndarray, xfer: np.ndarray,
-                 useful: Useful | None, lower: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> np.ndarray:
+                 useful: Useful | None, lower: Callable[[np.ndarray, np.ndarray], np.ndarray],
+                 paired: bool = False) -> np.ndarray:
         """E per candidate: 0 without replicas or parameters, and where it provably hides in the gap;
         nan where it would need pricing but ``useful`` says the candidate cannot matter, even with
-        the least sync its block can have (``lower(index, e_low)``: the term with a smaller E)."""
+        the least sync its block can have (``lower(index, e_low)``: the term with a smaller E).
+        ``paired``: each layer's reduce-scatter + all-gather instead of its all-reduce (the ring bound
+        and the floor hold for them too: the pair is one of the all-reduces they bound)."""
         i, j = c.i, c.j
         exposed = np.zeros(len(j))
         count = self.pcount[j + 1] - self.pcount[i]
@@ -233,16 +306,18 @@ class StageTerms:
         for key in np.unique(keys):
             sel = where[keys == key]
             o, b = divmod(int(key), self.wc + 1)
-            exposed[sel] = self.exposure_row(o, b, i)[j[sel] - i]
+            exposed[sel] = self.exposure_row(o, b, i, paired)[j[sel] - i]
         return exposed
 
-    def sync_ms(self, offset: int, size: int) -> np.ndarray:
-        """Each node's all-reduce time (fastest allowed algorithm) on the block shape's ranks."""
-        key = (offset, size)
+    def sync_ms(self, offset: int, size: int, paired: bool = False) -> np.ndarray:
+        """Each node's all-reduce time (fastest allowed algorithm) on the block shape's ranks
+        (``paired``: its reduce-scatter + all-gather, ``cost/sharded.py``)."""
+        key = (offset, size, paired)
         hit = self._sync.get(key)
         if hit is None:
             ranks = np.add.outer(np.arange(self.copies) * self.wc, np.arange(offset, offset + size)).ravel().tolist()
-            lines = self.model.fast_lines(ranks, self.opts.algorithms)
+            lines = (pair_lines(self.model, ranks, self.opts.algorithms) if paired
+                     else self.model.fast_lines(ranks, self.opts.algorithms))
             nbytes = self.costs.param_bytes
             best = np.min([ln.alpha_s + ln.s_per_byte * nbytes for _, ln in lines], axis=0)
             best = best * self.model.allreduce_factor(nbytes)    # refined calibrations (refine/); 1 otherwise
@@ -250,12 +325,12 @@ class StageTerms:
             self.priced += 1
         return hit
 
-    def exposure_row(self, offset: int, size: int, i: int) -> np.ndarray:
+    def exposure_row(self, offset: int, size: int, i: int, paired: bool = False) -> np.ndarray:
         """E(i, j) for j = i..n-1 on the block shape (``lane_row``)."""
-        key = (offset, size)
+        key = (offset, size, paired)
         lane = self._lane.get(key)
         if lane is None:
-            lane = self._lane[key] = lane_terms(self.sync_ms(offset, size), self.costs.backward_ms,
+            lane = self._lane[key] = lane_terms(self.sync_ms(offset, size, paired), self.costs.backward_ms,
                                                 self.costs.forward_ms)
         return lane_row(lane, self.pb[i] + self.pf[i], i)
 
@@ -309,53 +384,3 @@ class StageTerms:
                                               model.overlap_slowdown * (n - 1) / n * (2 * be + model.gamma))
         return a, per_byte
 
-
-def lane_terms(sync_ms: np.ndarray, backward_ms: np.ndarray, forward_ms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(h, d) of ``lane_row``: h_k = Pc[k+1] - Pb[k]; d_l = Pc[l] + Pf[l] for layers with a sync, else inf."""
-    pc = np.concatenate([[0.0], np.cumsum(sync_ms)])
-    pb = np.concatenate([[0.0], np.cumsum(backward_ms)])
-    pf = np.concatenate([[0.0], np.cumsum(forward_ms)])
-    return pc[1:] - pb[:-1], np.where(sync_ms > 0, pc[:-1] + pf[:-1], np.inf)
-
-
-def lane_row(lane: tuple[np.ndarray, np.ndarray], start: float, i: int) -> np.ndarray:
-    """Exposed sync E(i, j) of every stage i..j (j = i..n-1): the closed form of ``layersync.simulate_lane``.
-
-    With prefix sums Pc (sync), Pb, Pf and ``start`` = Pb[i] + Pf[i], the sync of layer l finishes at
-    ``Pb[j+1] - Pc[l] + max over l <= k <= j of (Pc[k+1] - Pb[k])`` and is needed at
-    ``Pb[j+1] - Pb[i] + Pf[l] - Pf[i]``; E is the largest lateness (or 0):
-    ``max over i <= l <= k <= j of (h_k - d_l) + start``, computed as the running maximum over k of
-    ``h_k - min over i <= l <= k of d_l``. Rounding is monotone, so this is the same floating-point
-    number as the full table's max over (l, j) of running maxima (``reference_dp.exposure_table``).
-    """
-    h, d = lane
-    return np.maximum(0.0, start + np.maximum.accumulate(h[i:] - np.minimum.accumulate(d[i:])))
-
-
-def sync_floor(model: CostModel, top: int, units: int, algorithms: Sequence[str],
-               param_bytes: np.ndarray) -> np.ndarray:
-    """Each node's all-reduce time (ms) is at least this on a group spanning level ``top`` over ``units``
-    units of level ``top - 1`` (ranks, at level 0).
-
-    Take one element of the vector. Every unit needs the sum of every unit's part, so the messages
-    carrying it between units form a one-way gossip among the ``units`` units, which takes at least
-    ``2 (units - 1)`` messages (the first unit to know the sum needs one from each other unit; each
-    other unit then needs one more): at least ``2 (units - 1) S`` bytes cross level-``top`` links, each
-    on its sender's outgoing and its receiver's incoming link, so one of the ``2 units``
-    link-directions carries ``2 (units - 1) / units S`` over the whole all-reduce (``S`` with the
-    dedicated aggregator, a process outside every unit that each unit's part goes to and comes
-    from). A round costs at least its busiest level-``top`` load times that level's beta, at least
-    one round holds a level-``top`` message (its alpha), rounds add up and reductions cost >= 0: a
-    line is at least ``alpha_top + beta_top share S`` (the smallest over the allowed algorithms'
-    fits), times the overlap slowdown and the refined size factor, as ``CostModel.fast_lines`` and
-    ``StageTerms.sync_ms``. Zero where a fit is negative (the rounds would not add up) or below two units.
-    """
-    fits = [model.link(lv, a) for a in algorithms for lv in range(len(model.cluster.levels))]
-    if units < 2 or not algorithms or min(min(f.alpha_s, f.beta_s_per_byte) for f in fits) < 0 or model.gamma < 0:
-        return np.zeros(len(param_bytes))
-    share = 1.0 if "aggregator" in algorithms and model.aggregator_dedicated else 2 * (units - 1) / units
-    alpha = min(model.link(top, a).alpha_s for a in algorithms)
-    beta = min(model.link(top, a).beta_s_per_byte for a in algorithms)
-    line = alpha * model.overlap_slowdown + beta * share * model.overlap_slowdown * param_bytes
-    line = line * model.allreduce_factor(param_bytes) * (1 - SAFETY)
-    return np.where(param_bytes > 0, line * 1e3, 0.0)

@@ -1,0 +1,244 @@
+"""ShardedReplicas: a replicated stage whose replicas shard gradients and optimizer state (ZeRO-1/2).
+
+The stage's sync units (the plan's, as HybridDataParallel runs them) are laid out as flat vectors
+(the unit's parameters end to end); after the unit's reduce-scatter each position of the replica
+group owns one contiguous range of it (:mod:`.halves`). Backward's post-accumulate-grad hooks start
+a unit's reduce-scatter on a background lane as soon as its gradients are complete:
+
+* ``optimizer`` (ZeRO-1): on the backward that completes the step's gradients (outside
+  ``no_sync``), in place on the parameters' ``.grad``; the owned range then holds the replicas' sum.
+* ``gradients`` (ZeRO-2): on every backward (every micro-batch), summed into this position's
+  owned gradient (1/R of the unit); the full gradients are dropped at once, and a unit waits for
+  the one before it to be reduced (back-pressure: the lane would otherwise fall behind the backward
+  and hold several micro-batches' gradients), so at most the largest unit is in flight.
+
+The optimizer (runtime/sharded_optimizer.py) updates the owned ranges (:meth:`owned_views`,
+:meth:`owned_grads`) and :meth:`gather_weights` all-gathers the updated weights. Gradients are
+*summed* (the engine's Step scales them) and, with ``wire_dtype``, travel in that dtype.
+Parameters outside the units (``exclude``: tied weights, summed by the TiedSync) are not sharded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Collection, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from hybridpipe.comm.engine import CommLane, Handle
+from hybridpipe.comm.hybrid_dp.policy import SyncUnit, UnitChoice, units_from_choices
+from hybridpipe.comm.hybrid_dp.units import model_layers
+from hybridpipe.comm.sharded.halves import Halves, HalvesRunner, plan_halves
+
+LEVELS = ("optimizer", "gradients")
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements ``[lo, hi)`` of one parameter's flat view that this position owns."""
+
+    param: nn.Parameter
+    lo: int
+    hi: int
+
+
+@dataclass
+class UnitShard:
+    """A sync unit laid out flat, its halves and this position's pieces of it."""
+
+    unit: SyncUnit
+    halves: Halves
+    pieces: list[Piece]
+    grads: list[torch.Tensor | None] = field(default_factory=list)   # ZeRO-2: the owned gradient per piece
+    ready: set[int] = field(default_factory=set)                     # params whose grad came this backward
+
+
+def _pieces(params: Sequence[nn.Parameter], lo: int, hi: int) -> list[Piece]:
+    out, start = [], 0
+    for p in params:
+        a, b = max(lo, start), min(hi, start + p.numel())
+        if a < b:
+            out.append(Piece(p, a - start, b - start))
+        start += p.numel()
+    return out
+
+
+class ShardedReplicas:
+    """The engine's sync for a stage sharded at ``level`` (module docstring). ``transport``: the
+    replica group's GroupTransport (or the in-process one); ``units``: the plan's sync units."""
+
+    def __init__(self, module: nn.Module, transport: Any, units: Sequence[UnitChoice], level: str, *,
+                 exclude: Collection[nn.Parameter] = (), wire_dtype: torch.dtype | None = None,
+                 hosts: Sequence[Sequence[int]] | None = None, torus_shape: tuple[int, int] | None = None,
+                 lane: int = 1):
+        if level not in LEVELS:
+            raise ValueError(f"shard level {level!r} is not one this runtime runs; choose {', '.join(LEVELS)}")
+        self.module, self.level, self.wire_dtype = module, level, wire_dtype
+        self.size, self.position = transport.size, transport.position
+        self._runner = HalvesRunner(transport, lane)
+        self._lane = CommLane(f"hybridpipe-zero-lane{lane}")
+        self.units = [UnitShard(u, h := plan_halves(u.algorithm, self.size, sum(p.numel() for p in u.params),
+                                                    units=hosts, shape=torus_shape),
+                                _pieces(u.params, *h.owned[self.position]))
+                      for u in units_from_choices(model_layers(module, exclude), units)]
+        self._shard_of = {id(p): s for s in self.units for p in s.unit.params}
+        self._pending: list[Handle] = []
+        self._syncing = True
+        self._lock = threading.Lock()
+        self._inflight = 0                # ZeRO-2: bytes of full gradients handed to the lane, not yet reduced
+        self.peak_inflight = 0            # ... at most, over the last step's backwards
+        self._fresh = True
+        self._cap = max((sum(p.numel() * p.element_size() for p in s.unit.params) for s in self.units), default=0)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready)
+                       for s in self.units for p in s.unit.params]
+
+    # ---- what the optimizer sees -----------------------------------------------------------
+    @property
+    def sharded(self) -> list[nn.Parameter]:
+        """The parameters whose state is split across the replicas."""
+        return [p for s in self.units for p in s.unit.params]
+
+    def pieces(self) -> list[Piece]:
+        """This position's owned pieces, unit by unit."""
+        return [pc for s in self.units for pc in s.pieces]
+
+    def owned_grads(self) -> list[torch.Tensor | None]:
+        """The summed gradient of each piece (None where the step produced none), after :meth:`finish`."""
+        if self.level == "gradients":
+            return [g for s in self.units for g in (s.grads or [None] * len(s.pieces))]
+        return [pc.param.grad.view(-1)[pc.lo:pc.hi] if pc.param.grad is not None else None
+                for s in self.units for pc in s.pieces]
+
+    def drop_grads(self) -> None:
+        """Forget the step's gradients (the optimizer's zero_grad)."""
+        self._fresh = True
+        for s in self.units:
+            s.grads = []
+            for p in s.unit.params:
+                p.grad = None
+
+    def full_grad_bytes(self) -> int:
+        """Bytes of gradients this position holds at the step's peak: all (ZeRO-1), or its owned
+        ranges plus the full gradients that were in flight at once (ZeRO-2: measured over the last
+        step; at least the largest unit, which the backward holds whole before its reduce-scatter)."""
+        def nbytes(ps: Sequence[nn.Parameter]) -> int:
+            return sum(p.numel() * p.element_size() for p in ps)
+        if self.level == "optimizer":
+            return nbytes(self.sharded)
+        owned = sum((pc.hi - pc.lo) * pc.param.element_size() for pc in self.pieces())
+        return owned + max([self.peak_inflight] + [nbytes(s.unit.params) for s in self.units])
+
+    # ---- backward ---------------------------------------------------------------------------
+    def _grad_ready(self, param: torch.Tensor) -> None:
+        if not self._syncing and self.level == "optimizer":
+            return
+        shard = self._shard_of[id(param)]
+        if id(param) in shard.ready:          # a second backward before the unit completed: send the first
+            self._launch(shard)
+        shard.ready.add(id(param))
+        if len(shard.ready) == len(shard.unit.params):
+            self._launch(shard)
+
+    def _launch(self, shard: UnitShard) -> None:
+        shard.ready.clear()
+        if self.level == "optimizer":              # the sum lands in .grad: give every parameter one
+            for p in shard.unit.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in shard.unit.params]
+        if self.level == "gradients":
+            for p in shard.unit.params:
+                p.grad = None
+            nbytes = sum(g.numel() * g.element_size() for g in grads)
+            while self._pending and self._inflight + nbytes > self._cap:    # back-pressure: one unit in flight
+                self._pending.pop(0).wait()
+            with self._lock:
+                if self._fresh:
+                    self.peak_inflight, self._fresh = 0, False
+                self._inflight += nbytes
+                self.peak_inflight = max(self.peak_inflight, self._inflight)
+        self._pending.append(self._lane.submit(self._reduce, shard, grads, name=shard.unit.name))
+
+    def _reduce(self, shard: UnitShard, grads: list[torch.Tensor]) -> None:
+        wire = self.wire_dtype if self.wire_dtype is not None and grads[0].is_floating_point() else grads[0].dtype
+        moving = [g.to(wire) for g in grads] if wire != grads[0].dtype else grads
+        self._runner.run(shard.halves.reduce_scatter, moving, shard.halves.algorithm)
+        owned = [m.view(-1)[pc.lo:pc.hi] for pc in shard.pieces for m in [moving[_index(shard, pc.param)]]]
+        if self.level == "optimizer":
+            if moving is not grads:
+                for pc, o in zip(shard.pieces, owned, strict=True):
+                    grads[_index(shard, pc.param)].view(-1)[pc.lo:pc.hi].copy_(o)
+            return
+        if not shard.grads:
+            shard.grads = [o.to(pc.param.dtype, copy=True) for pc, o in zip(shard.pieces, owned, strict=True)]
+        else:
+            for acc, o in zip(shard.grads, owned, strict=True):
+                if acc is not None:
+                    acc.add_(o)
+        with self._lock:
+            self._inflight -= sum(g.numel() * g.element_size() for g in grads)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """ZeRO-1: backward inside accumulates locally; ZeRO-2 reduce-scatters every backward."""
+        before = self._syncing
+        self._syncing = False
+        try:
+            yield
+        finally:
+            self._syncing = before
+
+    def finish(self) -> None:
+        """Start the units a backward left partly complete, then wait for every reduce-scatter."""
+        for s in self.units:
+            if s.ready:
+                self._launch(s)
+        pending, self._pending = self._pending, []
+        for h in pending:
+            h.wait()
+
+    # ---- after the step ---------------------------------------------------------------------
+    def gather_weights(self) -> None:
+        """All-gather every unit's updated weights from their owners (blocking)."""
+        self.gather([[p.detach() for p in s.unit.params] for s in self.units])
+
+    def gather(self, per_unit: Sequence[Sequence[torch.Tensor]]) -> None:
+        """All-gather, unit by unit, tensors laid out like the unit's parameters (each filled on
+        its owned pieces: weights, or an optimizer state's full copy), in place."""
+        handles = [self._lane.submit(self._runner.run, s.halves.all_gather, list(ts), s.halves.algorithm,
+                                     name=f"gather {s.unit.name}")
+                   for s, ts in zip(self.units, per_unit, strict=True) if ts]
+        for h in handles:
+            h.wait()
+
+    def sum_replicas(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` across the replicas (batch statistics): a reduce-scatter and an all-gather."""
+        self.finish()
+        halves = plan_halves("ring", self.size, tensor.numel())
+        flat = tensor.view(-1)
+
+        def both() -> None:
+            self._runner.run(halves.reduce_scatter, [flat], "ring")
+            self._runner.run(halves.all_gather, [flat], "ring")
+        self._lane.submit(both, name="sum_replicas").wait()
+
+    def close(self) -> None:
+        """Wait for what is in flight, remove the hooks, stop the lane."""
+        self.finish()
+        self.abandon()
+
+    def abandon(self) -> None:
+        """Remove the hooks and stop the lane without waiting (a peer is gone)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self._pending.clear()
+        self._lane.close(timeout=0)
+
+
+def _index(shard: UnitShard, param: nn.Parameter) -> int:
+    return next(i for i, p in enumerate(shard.unit.params) if p is param)

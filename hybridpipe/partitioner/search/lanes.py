@@ -1,0 +1,68 @@
+"""The sync lane in closed form and its floor: what ``stageterms.py`` prices per block shape.
+
+``lane_terms`` / ``lane_row``: the exposed sync of every stage i..j of a block shape at once (the
+closed form of ``layersync.simulate_lane``); ``sync_floor``: a lower bound of any all-reduce of a
+group, which lets the search skip pricing candidates that cannot matter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from hybridpipe.partitioner.cost.costmodel import CostModel
+
+SAFETY = 1e-9     # relative slack of every bound used to skip exact work (floating-point rounding)
+
+
+
+def lane_terms(sync_ms: np.ndarray, backward_ms: np.ndarray, forward_ms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(h, d) of ``lane_row``: h_k = Pc[k+1] - Pb[k]; d_l = Pc[l] + Pf[l] for layers with a sync, else inf."""
+    pc = np.concatenate([[0.0], np.cumsum(sync_ms)])
+    pb = np.concatenate([[0.0], np.cumsum(backward_ms)])
+    pf = np.concatenate([[0.0], np.cumsum(forward_ms)])
+    return pc[1:] - pb[:-1], np.where(sync_ms > 0, pc[:-1] + pf[:-1], np.inf)
+
+
+def lane_row(lane: tuple[np.ndarray, np.ndarray], start: float, i: int) -> np.ndarray:
+    """Exposed sync E(i, j) of every stage i..j (j = i..n-1): the closed form of ``layersync.simulate_lane``.
+
+    With prefix sums Pc (sync), Pb, Pf and ``start`` = Pb[i] + Pf[i], the sync of layer l finishes at
+    ``Pb[j+1] - Pc[l] + max over l <= k <= j of (Pc[k+1] - Pb[k])`` and is needed at
+    ``Pb[j+1] - Pb[i] + Pf[l] - Pf[i]``; E is the largest lateness (or 0):
+    ``max over i <= l <= k <= j of (h_k - d_l) + start``, computed as the running maximum over k of
+    ``h_k - min over i <= l <= k of d_l``. Rounding is monotone, so this is the same floating-point
+    number as the full table's max over (l, j) of running maxima (``reference_dp.exposure_table``).
+    """
+    h, d = lane
+    return np.maximum(0.0, start + np.maximum.accumulate(h[i:] - np.minimum.accumulate(d[i:])))
+
+
+def sync_floor(model: CostModel, top: int, units: int, algorithms: Sequence[str],
+               param_bytes: np.ndarray) -> np.ndarray:
+    """Each node's all-reduce time (ms) is at least this on a group spanning level ``top`` over ``units``
+    units of level ``top - 1`` (ranks, at level 0).
+
+    Take one element of the vector. Every unit needs the sum of every unit's part, so the messages
+    carrying it between units form a one-way gossip among the ``units`` units, which takes at least
+    ``2 (units - 1)`` messages (the first unit to know the sum needs one from each other unit; each
+    other unit then needs one more): at least ``2 (units - 1) S`` bytes cross level-``top`` links, each
+    on its sender's outgoing and its receiver's incoming link, so one of the ``2 units``
+    link-directions carries ``2 (units - 1) / units S`` over the whole all-reduce (``S`` with the
+    dedicated aggregator, a process outside every unit that each unit's part goes to and comes
+    from). A round costs at least its busiest level-``top`` load times that level's beta, at least
+    one round holds a level-``top`` message (its alpha), rounds add up and reductions cost >= 0: a
+    line is at least ``alpha_top + beta_top share S`` (the smallest over the allowed algorithms'
+    fits), times the overlap slowdown and the refined size factor, as ``CostModel.fast_lines`` and
+    ``StageTerms.sync_ms``. Zero where a fit is negative (the rounds would not add up) or below two units.
+    """
+    fits = [model.link(lv, a) for a in algorithms for lv in range(len(model.cluster.levels))]
+    if units < 2 or not algorithms or min(min(f.alpha_s, f.beta_s_per_byte) for f in fits) < 0 or model.gamma < 0:
+        return np.zeros(len(param_bytes))
+    share = 1.0 if "aggregator" in algorithms and model.aggregator_dedicated else 2 * (units - 1) / units
+    alpha = min(model.link(top, a).alpha_s for a in algorithms)
+    beta = min(model.link(top, a).beta_s_per_byte for a in algorithms)
+    line = alpha * model.overlap_slowdown + beta * share * model.overlap_slowdown * param_bytes
+    line = line * model.allreduce_factor(param_bytes) * (1 - SAFETY)
+    return np.where(param_bytes > 0, line * 1e3, 0.0)

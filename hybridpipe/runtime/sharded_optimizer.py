@@ -1,0 +1,220 @@
+"""The optimizer of a rank whose stage shards its replicas' optimizer state (ZeRO-1/2).
+
+:class:`ShardedOptimizer` is a ``torch.optim.Optimizer`` over the rank's parameters (so learning-rate
+schedulers, ``param_groups`` and checkpoints see the usual thing) that runs the user's SGD, Adam or
+AdamW on *this replica's pieces* of the sharded parameters: 1-D views into the parameters' own
+storage (comm/sharded: the ranges this position owns after each sync unit's reduce-scatter), with
+the summed gradient of the same range. Those optimizers are elementwise, so the update of every
+element equals the unsharded optimizer's up to the order of the replicas' sum; their state (momentum,
+Adam's moments) exists for the owned ranges only: 1/R of it per replica. After the update each
+unit's weights are all-gathered from their owners. Parameters outside the sync units (tied weights,
+synced across stages by the TiedSync) keep a whole state on every replica.
+
+Checkpoints stay plan-independent: :meth:`ShardedOptimizer.state_dict` (collective over the
+replica groups) all-gathers the state into torch's own format over the whole parameters, and
+:meth:`~ShardedOptimizer.load_state_dict` keeps each replica's ranges of such a state, so a sharded
+run resumes replicated, at another shard level or on another plan, and the reverse.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from hybridpipe.comm.sharded import Piece, ShardedReplicas
+from hybridpipe.errors import UserError
+
+SPLITTABLE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+SCALAR_KEYS = ("step",)            # state entries that are one number per parameter, not one per element
+
+Make = Callable[[list], Any]
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """``make(tensors)`` builds the inner optimizer (SGD, Adam or AdamW, one param group); :meth:`bind`
+    gives it the replicas' shards (again after the syncs are rebuilt). See the module docstring."""
+
+    def __init__(self, params: Iterable[nn.Parameter], make: Make):
+        params = [p for p in params if p.requires_grad]
+        probe = make(params)
+        if type(probe) not in SPLITTABLE or len(probe.param_groups) != 1:
+            raise UserError(f"a sharded stage (shard != none) splits the optimizer's state across its replicas; "
+                            f"{type(probe).__name__} with {len(probe.param_groups)} parameter group(s) cannot be "
+                            "split: use sgd, adam or adamw with one group, or \"shard\": \"none\"")
+        hyper = {k: v for k, v in probe.param_groups[0].items() if k != "params"}
+        super().__init__(params, hyper)
+        self.make = make
+        self.shards: list[ShardedReplicas] = []
+        self.pieces: list[Piece] = []
+        self.views: list[torch.Tensor] = []
+        self.whole: list[nn.Parameter] = list(params)
+        self.inner = probe
+        self.state = probe.state
+
+    def bind(self, shards: Sequence[ShardedReplicas]) -> None:
+        """Run on ``shards``' owned pieces (once, before the first step)."""
+        if self.shards or any(self.inner.state.values()):
+            raise RuntimeError("a sharded optimizer is bound to its replicas' shards once, before any step")
+        self.shards = list(shards)
+        sharded = {id(p) for s in self.shards for p in s.sharded}
+        self.pieces = [pc for s in self.shards for pc in s.pieces()]
+        self.views = [pc.param.detach().view(-1)[pc.lo:pc.hi] for pc in self.pieces]
+        self.whole = [p for p in self.param_groups[0]["params"] if id(p) not in sharded]
+        self.inner = self.make([*self.views, *self.whole] or [torch.zeros(0)])
+        self.state = self.inner.state
+
+    # ---- the step --------------------------------------------------------------------------
+    def owned_grads(self) -> list[torch.Tensor | None]:
+        """Each owned piece's summed gradient (None where there is none)."""
+        return [g for s in self.shards for g in s.owned_grads()]
+
+    def gradients(self) -> list[torch.Tensor]:
+        """The gradients the step reads (the engine scales them, fp16 unscales them, clipping scales them)."""
+        return [g for g in self.owned_grads() if g is not None] + [p.grad for p in self.whole if p.grad is not None]
+
+    def norm_terms(self, first_replica: bool, uncounted: Collection[int] = ()) -> list[torch.Tensor]:
+        """The gradients whose squares sum, over every rank, to the model's squared norm: every
+        replica's owned pieces; the whole (replicated) parameters' on the first replica only,
+        but ``uncounted`` ones (ids: tied copies counted in another stage)."""
+        whole = [p.grad for p in self.whole if p.grad is not None and id(p) not in uncounted] if first_replica else []
+        return [g for g in self.owned_grads() if g is not None] + whole
+
+    def grad_bytes(self) -> int:
+        """Gradient bytes this rank holds at the step's peak (comm/sharded full_grad_bytes per shard)."""
+        return sum(s.full_grad_bytes() for s in self.shards) + sum(p.numel() * p.element_size() for p in self.whole)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Update the owned pieces and the whole parameters, then all-gather the weights."""
+        loss = closure() if closure is not None else None
+        for s in self.shards:
+            s.finish()
+        hyper = {k: v for k, v in self.param_groups[0].items() if k != "params"}
+        for group in self.inner.param_groups:
+            group.update(hyper)
+        for v, g in zip(self.views, self.owned_grads(), strict=True):
+            v.grad = g
+        self.inner.step()
+        for v in self.views:
+            v.grad = None
+        for s in self.shards:
+            s.gather_weights()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for s in self.shards:
+            s.drop_grads()
+        for p in self.whole:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    # ---- state -----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """torch's format over the whole parameters: collective (every replica of every sharded
+        stage of this rank calls it), the owned pieces all-gathered."""
+        params = self.param_groups[0]["params"]
+        index = {id(p): i for i, p in enumerate(params)}
+        state: dict[int, dict[str, Any]] = {}
+        for p in self.whole:
+            if self.inner.state.get(p):
+                state[index[id(p)]] = dict(self.inner.state[p])
+        for shard in self.shards:
+            for p, full in self._gathered(shard).items():
+                state[index[id(p)]] = full
+        hyper = {k: v for k, v in self.param_groups[0].items() if k != "params"}
+        return {"state": state, "param_groups": [{**hyper, "params": list(range(len(params)))}]}
+
+    def _gathered(self, shard: ShardedReplicas) -> dict[nn.Parameter, dict[str, Any]]:
+        ids = {id(q) for q in shard.pieces()}
+        mine = [(pc, v) for pc, v in zip(self.pieces, self.views, strict=True) if id(pc) in ids]
+        own = [self.inner.state.get(v) for _, v in mine]
+        sample = next((st for st in own if st), None) or next((st for st in self.inner.state.values() if st), None)
+        if sample is None:                  # no step yet: no state anywhere
+            return {}
+        keys = [k for k in sample if k not in SCALAR_KEYS and isinstance(sample[k], torch.Tensor)]
+        scalars = {k: v for k, v in sample.items() if k not in keys}      # own copies: Adam counts steps in place
+        full: dict[nn.Parameter, dict[str, Any]] = {p: {k: _placed(v, None) for k, v in scalars.items()}
+                                                    for p in shard.sharded}
+        for key in keys:
+            per_unit = []
+            for unit in shard.units:
+                tensors = {id(p): torch.zeros_like(p) for p in unit.unit.params}
+                for pc, v in mine:
+                    if id(pc.param) in tensors and self.inner.state.get(v):
+                        tensors[id(pc.param)].view(-1)[pc.lo:pc.hi].copy_(self.inner.state[v][key])
+                per_unit.append(list(tensors.values()))
+                for p, t in zip(unit.unit.params, per_unit[-1], strict=True):
+                    full[p][key] = t
+            shard.gather(per_unit)
+        return full
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Take torch's format over the whole parameters (a replicated or sharded run's; each
+        replica keeps its own pieces) and its hyperparameters."""
+        params = self.param_groups[0]["params"]
+        index = {id(p): i for i, p in enumerate(params)}
+        saved = {int(k): v for k, v in state_dict["state"].items()}
+        for group, given in zip(self.param_groups, state_dict["param_groups"], strict=False):
+            group.update({k: v for k, v in given.items() if k != "params"})
+        self.inner.state.clear()
+        for p in self.whole:
+            if index[id(p)] in saved:
+                self.inner.state[p] = {k: _placed(v, p) for k, v in saved[index[id(p)]].items()}
+        for pc, v in zip(self.pieces, self.views, strict=True):
+            st = saved.get(index[id(pc.param)])
+            if st:
+                self.inner.state[v] = {k: _piece_of(t, pc) if k not in SCALAR_KEYS else _placed(t, None)
+                                       for k, t in st.items()}
+
+
+def _piece_of(value: Any, pc: Piece) -> Any:
+    """A per-element state entry of the whole parameter, cut to the piece (others as they are)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    return _placed(value, pc.param).reshape(-1)[pc.lo:pc.hi].clone()
+
+
+def _placed(value: Any, like: torch.Tensor | None) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return value
+    if like is None or value.dim() == 0:
+        return value.clone()
+    return value.to(device=like.device, dtype=like.dtype).clone()
+
+
+def is_sharded(optimizer: Any) -> bool:
+    """Whether ``optimizer`` (possibly wrapped) is a :class:`ShardedOptimizer`."""
+    return isinstance(getattr(optimizer, "optimizer", optimizer), ShardedOptimizer)
+
+
+class GatheredState:
+    """A sharded optimizer's state gathered once (collective), for a checkpoint that only the
+    first replica writes: ``state_dict()`` and ``param_groups`` as the optimizer's."""
+
+    def __init__(self, optimizer: ShardedOptimizer):
+        self.param_groups = optimizer.param_groups
+        self._state = optimizer.state_dict()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._state
+
+
+def for_checkpoint(optimizer: Any) -> Any:
+    """What a checkpoint reads of ``optimizer``: a sharded one's state gathered now (every rank
+    calls this), else the optimizer itself."""
+    return GatheredState(optimizer) if isinstance(optimizer, ShardedOptimizer) else optimizer
+
+
+def norm_terms(optimizer: Any, module: nn.Module, first_replica: bool,
+               uncounted: Collection[int]) -> list[torch.Tensor]:
+    """The gradients whose squares this rank adds to the global norm (clipping)."""
+    if isinstance(optimizer, ShardedOptimizer):
+        return optimizer.norm_terms(first_replica, uncounted)
+    if not first_replica:
+        return []
+    return [p.grad for p in module.parameters() if p.grad is not None and id(p) not in uncounted]
