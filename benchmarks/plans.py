@@ -27,8 +27,11 @@ slowed by the contention of the workers that compute at once, from the measured 
 ``--calibration`` from ``hybridpipe bench-allreduce`` run on the same emulated cluster just before
 (every algorithm, 64 KiB..64 MiB; ``--no-allreduce-calibration`` skips it).
 
-Sizes are reduced so that n workers on 2 cores stay in proportion to 1 Gbit/s (see MODELS):
+Sizes are reduced so that n workers on 2 cores stay in proportion to 1 Gbit/s (see MODELS in plans_steps.py):
 parameters (and so all-reduce and memory) are the full models' except where noted.
+
+The steps (profile, partition, calibrate, train: plans_steps.py) and one model x hosts group
+(plans_group.py) live beside this driver.
 
     sudo flock /tmp/hybridpipe-bench.lock .venv/bin/python benchmarks/plans.py --quick
     sudo flock /tmp/hybridpipe-bench.lock .venv/bin/python benchmarks/plans.py --quick --cpus-per-host none
@@ -53,7 +56,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -75,190 +77,13 @@ from benchmarks.common import (
     write_results,
 )
 from benchmarks.contention import measure_compute
-from benchmarks.plans_analysis import (
-    STRATEGIES,
-    add_relative,
-    busy_aware_prediction,
-    compute_scale,
-    error_summary,
-    memory_refusal,
-    plan_key,
-    plot,
-    refusal_lines,
-    row_from,
-    scale_profile,
-)
-from benchmarks.plans_autotune import autotune_row, autotune_summary, fastest_strategy, paired_comparison
+from benchmarks.plans_analysis import STRATEGIES, add_relative, error_summary, plot
+from benchmarks.plans_autotune import autotune_summary
+from benchmarks.plans_group import run_model_hosts
+from benchmarks.plans_steps import LAUNCH_TIMEOUT_S, MODELS, allreduce_calibration, link_fits, profile_model
 from hybridpipe.jsonfile import read_json, write_json
 
-# name -> (model spec, samples per micro-batch, what was reduced)
-MODELS = {
-    "alexnet": ("alexnet[image=64]", 32, "input 3x64x64 (paper 224); the adaptive pool keeps fc1 at 9216 inputs, "
-                "so all 62.4M parameters are kept"),
-    "vgg16": ("vgg16[image=32]", 4, "input 3x32x32 (paper 224), batch 4; the adaptive pool keeps fc1 at 25088 "
-              "inputs, so all 138.4M parameters are kept"),
-    "resnet50": ("resnet50[image=64]", 8, "input 3x64x64 (paper 224), batch 8; all 25.6M parameters kept"),
-    "gpt": ("gpt", 8, "the zoo's small GPT (4 layers, width 256, seq 128, vocab 2048; 4.2M parameters), batch 8"),
-}
 QUICK_MODELS, QUICK_HOSTS = "alexnet,gpt", "4"
-LAUNCH_TIMEOUT_S = 120       # launch.py --timeout: any receive / collective
-
-
-# ---- profile, calibrate, partition ---------------------------------------------------------
-
-def hybridpipe_cli(args: Sequence[str], timeout_s: float = 600,
-                   threads: int | None = None) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    if threads:
-        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-    return subprocess.run([sys.executable, "-m", "hybridpipe.cli", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=timeout_s)
-
-
-def profile_model(name: str, work: Path, repeats: int) -> Path:
-    spec, batch, _ = MODELS[name]
-    out = work / f"{name}.profile.json"
-    r = hybridpipe_cli(["profile", spec, "-b", str(batch), "--repeats", str(repeats), "-q", "-o", str(out)], threads=1)
-    if r.returncode:
-        raise RuntimeError(f"profiling {spec} failed:\n{r.stderr[-2000:]}")
-    return out
-
-
-def partition(profile: Path, cluster_file: Path, strategy: str, out: Path, calibrations: Sequence[Path]) -> dict:
-    """The plan dict, or {"refused": message} when the partitioner refuses."""
-    cmd = ["partition", str(profile), "--cluster", str(cluster_file), "--strategy", strategy, "-o", str(out)]
-    for c in calibrations:
-        cmd += ["--calibration", str(c)]
-    r = hybridpipe_cli(cmd, timeout_s=300)
-    if r.returncode:
-        return {"refused": (r.stderr.strip() or r.stdout.strip())[-1000:]}
-    return read_json(out, "plan")
-
-
-def allreduce_calibration(cluster, out: Path, timeout_s: float) -> Path:
-    """``hybridpipe bench-allreduce`` on every host of the emulated cluster (level ``network``)."""
-    from benchmarks.common import worker_env
-    cluster.run([sys.executable, "-m", "hybridpipe.cli", "bench-allreduce", "-o", str(out), "--level", "network",
-                 "--sizes", "64K..64M", "--size-step", "4", "--reps", "3", "--budget", "0.2", "--no-progress"],
-                timeout_s=timeout_s, env=lambda h: worker_env(cluster, h), cwd=REPO)
-    return out
-
-
-def link_fits(calibration_file: Path) -> dict[str, dict[str, float]]:
-    """Per algorithm (and p2p) of a calibration: fitted per-step latency (us) and bandwidth (Gbit/s)."""
-    from hybridpipe.partitioner.cost.calibration import load_calibration
-    cal = load_calibration(calibration_file)
-    fits = {"p2p": cal.p2p, **cal.algorithms} if cal.p2p else dict(cal.algorithms)
-    out = {name: {"alpha_us": round(f.alpha_s * 1e6, 1), "gbps": round(8e-9 / f.beta_s_per_byte, 3)
-                  if f.beta_s_per_byte > 0 else None, "fit_error": round(f.rel_error, 3)}
-           for name, f in fits.items()}
-    return {**out, "interference_ms_per_mb": round(cal.interference_s_per_byte * 1e9, 3),
-            "overlap_slowdown": round(cal.overlap_slowdown, 3)}
-
-
-# ---- training a plan on the emulated hosts ---------------------------------------------------
-
-def train_plan(cluster, plan_file: Path, run_dir: Path, steps: int, port: int, timeout_s: float,
-               trace: bool = False) -> dict:
-    """Run launch.py on every emulated host; the summary.json, or {"failed": message}."""
-    from tools.emucluster.errors import HostCommandFailed
-    t = time.monotonic()
-    try:
-        cluster.torchrun(["launch.py", "--plan", str(plan_file), "--steps", str(steps), "--run-dir", str(run_dir),
-                          *([] if trace else ["--no-trace"]), "--no-progress", "--timeout", str(LAUNCH_TIMEOUT_S)],
-                         timeout_s=timeout_s, port=port, cwd=REPO,
-                         env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
-    except HostCommandFailed as e:
-        return {"failed": refusal_lines(str(e)), "wall_s": time.monotonic() - t}
-    summary = read_json(run_dir / "summary.json", "summary")
-    summary["wall_s"] = time.monotonic() - t
-    return summary
-
-
-# ---- the driver ------------------------------------------------------------------------------
-
-def run_model_hosts(cluster, name: str, hosts: int, strategies: list[str], args, work: Path, profile: Path,
-                    compute: dict[int, dict], calibrations: list[Path], calib: dict, port_base: int) -> list[dict]:
-    """Calibrate ``name``'s profile for ``hosts`` emulated hosts, partition with every strategy, train.
-
-    ``compute``: copies -> measure_compute() result, filled here for ``hosts`` copies (one per
-    host) and, without CPU quotas, 2 and hosts/2."""
-    spec, batch, _ = MODELS[name]
-    raw = read_json(profile, "profile")
-    node_sum = raw["totals"]["forward_ms"] + raw["totals"]["backward_ms"]
-    wanted = {hosts} if cluster.cpus else {2, hosts // 2, hosts}
-    for copies in sorted(wanted - set(compute)):
-        compute[copies] = measure_compute(spec, batch, copies, args.contention_seconds, cluster=cluster)
-    alone, contended = compute[1], compute[hosts]
-    curve = {k: v["median_ms"] / alone["median_ms"] for k, v in compute.items() if k <= hosts}
-    if cluster.cpus:            # quotas: alone and all at once measure the same speed; pool them
-        contended = {**contended, **{key: (alone[key] + contended[key]) / 2 for key in ("median_ms", "sgd_step_ms")}}
-    scale = compute_scale(node_sum, alone["median_ms"], contended["median_ms"])
-    calib.update({"hosts": hosts, "node_sum_ms": node_sum, "alone_ms": alone["median_ms"],
-                  "contended": contended, **scale, "contention_curve": {str(k): round(v, 3) for k, v in curve.items()},
-                  "measurements": {str(k): compute[k] for k in sorted(curve)}})
-    log.info("%s on %d hosts: per-node sum %.0f ms, alone %.0f ms, %d at once %.0f ms -> scale %.2f "
-             "(isolation %.2f x contention %.2f)", name, hosts, node_sum, alone["median_ms"], hosts,
-             contended["median_ms"], scale["scale"], scale["isolation"], scale["contention"])
-    scaled = work / f"{name}.x{hosts}.profile.json"
-    step = raw["totals"].get("sgd_step_ms") or 0.0
-    opt_scale = contended["sgd_step_ms"] / step if step > 0 else None
-    calib["optimizer_scale"] = opt_scale
-    write_json(scaled, scale_profile(raw, scale["scale"], f"compute x{scale['scale']:.3f}, optimizer steps "
-                                     f"x{opt_scale or 0:.3f} for {hosts} emulated hosts on this machine: measured by "
-                                     "benchmarks/plans.py (all hosts at once / profile)", opt_scale))
-    cluster_file = REPO / "examples" / "clusters" / f"{hosts}x1gbit.json"
-    rows, done = [], {}
-    for k, strategy in enumerate(strategies):
-        plan_file = work / f"{name}.{hosts}.{strategy}.plan.json"
-        plan = partition(scaled, cluster_file, strategy, plan_file, calibrations)
-        if "refused" in plan:
-            rows.append({"model": name, "hosts": hosts, "strategy": strategy, "status": "partition refused",
-                         "reason": plan["refused"]})
-            log.info("  %-9s partition refused: %s", strategy, plan["refused"].splitlines()[-1])
-            continue
-        key = plan_key(plan)
-        if key in done:
-            first = done[key]
-            row = {**first, "strategy": strategy, "same_plan_as": first["strategy"]}
-            rows.append(row)
-            log.info("  %-9s same plan as %s", strategy, first["strategy"])
-            continue
-        why = memory_refusal(plan)
-        summary = {"not_run": why} if why else train_plan(
-            cluster, plan_file, work / f"run-{name}-{hosts}-{strategy}", args.steps, port_base + k, args.timeout,
-            args.trace)
-        busy = None if cluster.cpus else busy_aware_prediction(plan, curve, hosts, calibrations)
-        row = row_from(name, hosts, strategy, plan, summary, busy)
-        done[key] = row
-        rows.append(row)
-        if row.get("status") == "ok":
-            log.info("  %-9s %-28s predicted %6.0f ms, measured %6.0f ms (%+.0f%%), %.1f samples/s, %.0f s",
-                     strategy, row["layout"][:28], row["predicted_step_ms"], row["measured_step_ms"],
-                     100 * row["error"], row["samples_per_s"], row["run_wall_s"])
-        else:
-            log.info("  %-9s %s: %s", strategy, row["status"], row["reason"])
-    if args.autotune:
-        row = autotune_row(hybridpipe_cli, cluster, name, hosts, args, work, scaled, cluster_file, calibrations,
-                           port_base + 9, LAUNCH_TIMEOUT_S)
-        best = fastest_strategy(rows)
-        if args.pair_rounds and row.get("status") == "ok" and best is not None:
-            row["autotune"]["paired"] = paired_comparison(
-                lambda plan, run_dir: train_plan(cluster, plan, run_dir, args.autotune_steps, port_base + 8,
-                                                 args.timeout),
-                work / f"autotune-{name}-{hosts}" / "plan.json", work / f"{name}.{hosts}.{best['strategy']}.plan.json",
-                work / f"pairs-{name}-{hosts}", args.pair_rounds)
-            log.info("  autotune vs %s, alternately %d x each: %s", best["strategy"], args.pair_rounds,
-                     row["autotune"]["paired"].get("ratio"))
-        rows.append(row)
-        tuned = row.get("autotune", {})
-        if row.get("status") == "ok":
-            log.info("  %-9s %-28s measured %6.0f ms after %d run(s) (%s); final model's error %+.1f%%",
-                     "autotune", row["layout"][:28], row["measured_step_ms"], tuned["runs"], tuned["stop_reason"],
-                     100 * (tuned["error_final"] or 0))
-        else:
-            log.info("  autotune  %s: %s", row.get("status"), row.get("reason"))
-    return rows
 
 
 def settings_dict(models: Sequence[str], hosts: Sequence[int], strategies: Sequence[str], steps: int, repeats: int,

@@ -36,10 +36,8 @@ from hybridpipe.partitioner.schedule_registry import AUTO, DEFAULT_SCHEDULE, get
 from hybridpipe.partitioner.search.dp import Progress
 from hybridpipe.partitioner.search.objective import RECOMPUTE
 from hybridpipe.partitioner.search.sharding import SHARD_CHOICES
-from hybridpipe.pipeline.simulator import simulate
-from hybridpipe.pipeline.tokens import check_normalization
 from hybridpipe.profiles.format import load_profile
-from hybridpipe.profiles.losses import LOSS_NORMALIZATIONS
+from hybridpipe.profiles.loss_normalization import LOSS_NORMALIZATIONS, check_normalization
 
 SHOW_AFTER_S = 1.0        # the progress bar appears only on partitions that take longer
 time_budget = float_range(above=0.0, high=MAX_TIMEOUT_S)
@@ -158,6 +156,8 @@ DP_BYTES_PER_ENTRY = 160
 
 def simulated_step(plan: Plan) -> float:
     """The plan's step as the schedule simulator predicts it (ms): plans with virtual stages."""
+    from hybridpipe.pipeline.simulator import simulate  # here: the pipeline package imports torch
+
     return simulate(plan).step_ms
 
 

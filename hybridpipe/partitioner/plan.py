@@ -44,7 +44,7 @@ from hybridpipe.partitioner.cost import collectives as co
 from hybridpipe.partitioner.cost.cluster import Cluster
 from hybridpipe.partitioner.cost.syncunits import SECOND_LANE_ALGORITHMS, LayerSync, sync_units
 from hybridpipe.partitioner.schedule_registry import REGISTRY, Schedule, get_schedule
-from hybridpipe.profiles.losses import LOSS_NORMALIZATIONS
+from hybridpipe.profiles.loss_normalization import LOSS_NORMALIZATIONS
 
 PLAN_KIND = "plan"
 PLAN_FORMAT = 1

@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
-from hybridpipe.errors import UserError
-from hybridpipe.profiles.losses import LOSS_NORMALIZATIONS, LossValue, is_pair, loss_mean, loss_pair
+from hybridpipe.profiles.loss_normalization import check_normalization as check_normalization  # re-exported
+from hybridpipe.profiles.losses import LossValue, is_pair, loss_mean, loss_pair
 
 COUNT_KEY = "hybridpipe:tokens"     # in an activation message; no graph value has a colon in its name
 Total = Callable[[torch.Tensor], torch.Tensor]    # (loss sum, count) of this rank -> of the whole step (collective)
@@ -116,13 +116,3 @@ class TokenCounts:
 def power_of_two(x: float) -> float:
     """The power of two nearest to ``x`` (at least 1)."""
     return 2.0 ** round(math.log2(max(x, 1.0)))
-
-
-def check_normalization(normalization: str, schedule_flushed: bool, schedule: str) -> None:
-    """Refuse (one line) a normalization the schedule cannot run."""
-    if normalization not in LOSS_NORMALIZATIONS:
-        raise UserError(f"unknown loss normalization {normalization!r}; choose {' or '.join(LOSS_NORMALIZATIONS)}")
-    if normalization == "tokens" and not schedule_flushed:
-        raise UserError(f"--loss-normalization tokens divides the step's summed gradients by its token count at one "
-                        f"global step, and {schedule} updates each stage after each micro-batch; use --schedule "
-                        "1f1b, gpipe, zb-h1 or another flushed schedule, or --loss-normalization micro-batch")

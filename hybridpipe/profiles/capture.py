@@ -19,10 +19,9 @@ line naming the module whose forward calls the Function, to be kept whole with `
 operator registered with ``torch.library`` and its autograd formula is exported as one call, its
 backward kept.)
 
-The example input is what one batch of the dataset holds: a tensor (called as ``model(x)``), a
-tuple or list (``model(*x)``) or a dict (``model(**x)``), nested structures allowed. What training
-does not need is switched off: a forward that takes ``use_cache`` gets ``use_cache=False`` (a
-Hugging Face model would otherwise return a key/value cache that nothing can carry).
+The example input is what one batch of the dataset holds, passed as profiles/calling.py says
+(a tensor, a tuple or list, a dict; ``use_cache=False`` where the forward takes it). The result is
+a ``CapturedModel`` (profiles/captured.py).
 
 The capture must be deterministic: every rank captures the same model the same way, and the
 profile's block ids and names mean the same blocks on every rank.
@@ -40,11 +39,9 @@ under autocast fails there ("Tensor dtype mismatch"); an autocast capture keeps 
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import logging
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -52,7 +49,9 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 
 from hybridpipe.errors import UserError
-from hybridpipe.profiles.blocks import Block, check_leaf_modules, group_blocks, is_operation, parse_granularity
+from hybridpipe.profiles.blocks import check_leaf_modules, group_blocks, is_operation, parse_granularity
+from hybridpipe.profiles.calling import autocast_context, call_args, own_loss, training_switches
+from hybridpipe.profiles.captured import CapturedModel, graph_attr, node_parameters, tied_parameters, unsendable
 from hybridpipe.profiles.export_support import (
     custom_functions,
     export_failure_message,
@@ -64,89 +63,6 @@ from hybridpipe.profiles.export_support import (
 from hybridpipe.profiles.leaves import inline_leaves, leaf_paths, opaque_leaves, record_calls
 
 log = logging.getLogger(__name__)
-
-_META = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.SymInt, torch.SymFloat, torch.SymBool)
-
-
-@dataclass
-class CapturedModel:
-    """A model's captured graph, its blocks, and how to feed it (see the module docstring)."""
-
-    module: nn.Module                       # the user's model (its parameters are the graph's)
-    graph: fx.GraphModule
-    blocks: tuple[Block, ...]
-    inputs: tuple[str, ...]                 # placeholder names, in the order of the flattened input
-    input_paths: tuple[str, ...]            # each placeholder's place in the input (pytree key path)
-    constants: dict[str, Any]               # placeholders fed a constant (use_cache=False, defaults)
-    out_spec: pytree.TreeSpec | None        # rebuilds the model's output from the graph's flat output
-    blocked: dict[str, str] = field(default_factory=dict)   # value -> type that cannot cross a cut
-    front_end: str = "export"
-    example_values: dict[str, Any] | None = None            # fx only: every value for the example
-    autocast: torch.dtype | None = None                     # captured (and to run) under torch.autocast to it
-
-    # ---- inputs and outputs ------------------------------------------------------------
-    def flatten_input(self, batch: Any) -> dict[str, Any]:
-        """Placeholder name -> value for one batch shaped like the example (tensor, tuple or dict)."""
-        args, kwargs = call_args(batch)
-        leaves = {pytree.keystr(path): v for path, v in pytree.tree_flatten_with_path((args, kwargs))[0]}
-        out = {}
-        for name, path in zip(self.inputs, self.input_paths, strict=True):
-            if name in self.constants:
-                out[name] = self.constants[name]
-            elif path in leaves:
-                out[name] = leaves[path]
-            else:
-                expected = [p for n, p in zip(self.inputs, self.input_paths, strict=True) if n not in self.constants]
-                raise UserError(f"the batch has no input at {path} (the model was captured with inputs at "
-                                f"{', '.join(expected)}); feed batches shaped like the example input")
-        return out
-
-    def rebuild_output(self, flat: Any) -> Any:
-        """The model's output as its forward returns it, from the graph's flat output."""
-        if self.out_spec is None:
-            return flat
-        leaves = list(flat) if isinstance(flat, (tuple, list)) else [flat]
-        return pytree.tree_unflatten(leaves, self.out_spec)
-
-    # ---- parameters ----------------------------------------------------------------------
-    def block_params(self) -> list[tuple[str, ...]]:
-        """For every block, the parameter names (as the graph refers to them) its operations read."""
-        nodes = {n.name: n for n in self.graph.graph.nodes}
-        out = []
-        for block in self.blocks:
-            names: list[str] = []
-            for node_name in block.nodes:
-                for p in node_parameters(self.graph, nodes[node_name]):
-                    if p not in names:
-                        names.append(p)
-            out.append(tuple(names))
-        return out
-
-
-def call_args(batch: Any) -> tuple[tuple, dict]:
-    """How a batch is passed to ``forward``: a tensor as ``(x,)``, a tuple/list as ``*x``, a dict as ``**x``."""
-    if isinstance(batch, Mapping):
-        return (), dict(batch)
-    if isinstance(batch, (tuple, list)) and not hasattr(batch, "_fields"):
-        return tuple(batch), {}
-    return (batch,), {}
-
-
-def own_loss(output: Any) -> torch.Tensor | None:
-    """The loss a model computed itself (``output.loss`` or ``output["loss"]``), else None."""
-    loss = getattr(output, "loss", None)
-    if loss is None and isinstance(output, Mapping):
-        loss = output.get("loss")
-    return loss if isinstance(loss, torch.Tensor) else None
-
-
-def training_switches(model: nn.Module) -> dict[str, Any]:
-    """Keyword arguments that switch off what training does not need (a Hugging Face KV cache)."""
-    try:
-        params = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return {}
-    return {"use_cache": False} if "use_cache" in params else {}
 
 
 def capture_model(model: nn.Module, example: Any, *, granularity: str | int = "blocks",
@@ -166,15 +82,6 @@ def capture_model(model: nn.Module, example: Any, *, granularity: str | int = "b
         captured = _capture(model, example, granularity, leaf_modules, dynamic)
     captured.autocast = autocast
     return captured
-
-
-def autocast_context(model: nn.Module, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
-    """``torch.autocast`` to ``dtype`` on the device of ``model``'s first parameter (or buffer, else
-    the CPU); nothing for None."""
-    if dtype is None:
-        return contextlib.nullcontext()
-    device = next((t.device for t in (*model.parameters(), *model.buffers())), torch.device("cpu"))
-    return torch.autocast(device.type, dtype=dtype)
 
 
 def _capture(model: nn.Module, example: Any, granularity: str | int, leaf_modules: tuple[type | str, ...],
@@ -277,9 +184,9 @@ def _canonical_names(gm: fx.GraphModule, model: nn.Module) -> None:
         if node.op != "get_attr":
             continue
         try:
-            first = canonical.get(id(_attr(gm, str(node.target))))
+            first = canonical.get(id(graph_attr(gm, str(node.target))))
             if first is not None and first != node.target:
-                _attr(gm, first)                      # the canonical name must exist on the graph module
+                graph_attr(gm, first)                      # the canonical name must exist on the graph module
                 node.target = first
                 changed = True
         except AttributeError:
@@ -370,45 +277,8 @@ def _unsendable_values(captured: CapturedModel) -> dict[str, str]:
     return out
 
 
-def unsendable(value: Any) -> str | None:
-    """None if ``value`` can cross a stage boundary (tensors and small Python constants, nested in
-    tuples, lists and dicts), else the name of the type that cannot."""
-    for leaf in pytree.tree_leaves(value):
-        if isinstance(leaf, torch.Tensor) or isinstance(leaf, _META):
-            continue
-        if isinstance(leaf, torch.Size):
-            continue
-        return type(leaf).__name__
-    return None
-
-
-def node_parameters(gm: fx.GraphModule, node: fx.Node) -> list[str]:
-    """Qualified names of the parameters ``node`` reads (get_attr inputs, or a called module's)."""
-    out = []
-    if node.op == "call_module":
-        mod = gm.get_submodule(str(node.target))
-        out += [f"{node.target}.{name}" for name, _ in mod.named_parameters(remove_duplicate=False)]
-    for arg in node.all_input_nodes:
-        if arg.op == "get_attr" and isinstance(_attr(gm, str(arg.target)), nn.Parameter):
-            out.append(str(arg.target))
-    return out
-
-
-def _attr(gm: nn.Module, target: str) -> Any:
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def tied_parameters(model: nn.Module) -> list[tuple[str, ...]]:
-    """Groups of names under which one parameter object is registered (tied weights), model order."""
-    names: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    return [tuple(v) for v in names.values() if len(v) > 1]
-
-
+# what the rest of hybridpipe imports from here: the capture, and (re-exported) the captured model and
+# the calling conventions (profiles/captured.py, profiles/calling.py)
 __all__ = ["CapturedModel", "capture_model", "autocast_context", "call_args", "own_loss", "training_switches",
            "unsendable", "tied_parameters", "node_parameters", "export_failure_message", "custom_functions",
            "check_leaf_modules"]

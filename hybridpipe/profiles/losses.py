@@ -33,8 +33,8 @@ import torch
 from torch import nn
 
 from hybridpipe.errors import UserError
+from hybridpipe.profiles.loss_normalization import LOSS_NORMALIZATIONS as LOSS_NORMALIZATIONS  # re-exported
 
-LOSS_NORMALIZATIONS = ("micro-batch", "tokens")
 IGNORE_INDEX = -100         # the label of a token no loss is computed on (torch's and Hugging Face's default)
 
 LossValue = Any             # a scalar tensor (mean) or (loss_sum, count)

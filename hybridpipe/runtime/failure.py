@@ -11,7 +11,7 @@ How the worker uses it (right after ``init_process_group``, around everything el
 An exception leaving the ``with`` block never returns: the guard finds out which rank failed
 first, prints ONE line on stderr naming it, runs ``on_exit`` (quick, local things only: flush
 the trace; no collectives, no channels) and ends the process with ``os._exit`` (threads blocked
-on dead connections cannot hang the exit). Exit codes: :data:`EXIT_PEER_LOST` (75, EX_TEMPFAIL)
+on dead connections cannot hang the exit). Exit codes (exit_codes.py): :data:`EXIT_PEER_LOST` (75, EX_TEMPFAIL)
 - another rank failed, this one is fine (``torchrun --max-restarts`` with ``--resume`` goes on);
 1 - this rank failed (traceback printed); 2 - a UserError of its own (one line), or an
 :class:`~hybridpipe.errors.AgreedError` every rank raised together (a non-finite loss, no usable
@@ -56,8 +56,10 @@ from typing import NoReturn, Protocol
 import torch.distributed as dist
 
 from hybridpipe.errors import AgreedError, UserError, one_line
+from hybridpipe.runtime.exit_codes import EXIT_ERROR, EXIT_INTERRUPT, EXIT_PEER_LOST, EXIT_SIGTERM, EXIT_USER_ERROR
 from hybridpipe.runtime.failure_facts import (
     Failure,
+    default_store,
     describe_ranks,
     is_set,
     one_line_of,
@@ -69,12 +71,8 @@ from hybridpipe.runtime.failure_facts import (
 from hybridpipe.runtime.liveness import PeerWatch, host_identity
 from hybridpipe.runtime.stop_signals import SignalWatch, exit_code, stop_cause, stop_line
 
-EXIT_PEER_LOST = 75       # os.EX_TEMPFAIL: another rank failed, retry (restart + --resume)
-EXIT_ERROR = 1
-EXIT_USER_ERROR = 2
-EXIT_SIGTERM = 128 + signal.SIGTERM
-EXIT_INTERRUPT = 130
 GRACE_S = 20.0            # a stopped rank lets a checkpoint being written finish for this long (torchrun: 30 s)
+
 
 class Recovering(Protocol):
     """What the watchdog tells an in-place recovery (recovery.py) instead of stopping the job."""
@@ -86,15 +84,6 @@ class Recovering(Protocol):
 
 class Terminated(BaseException):
     """SIGTERM arrived (the launcher stops the job): handled like the signal itself (stop_signals.py)."""
-
-
-def default_store() -> dist.Store:
-    """The c10d store of the initialised default process group (torchrun's agent store)."""
-    from torch.distributed import distributed_c10d
-
-    if not dist.is_initialized():
-        raise RuntimeError("default_store() needs torch.distributed.init_process_group() first")
-    return distributed_c10d._get_default_store()
 
 
 class FailureGuard:
@@ -266,7 +255,7 @@ class FailureGuard:
         let a checkpoint being written finish (at most GRACE_S), exit."""
         def killed() -> Failure | None:
             with self._local:
-                return self._check_local(self._signal_store, silent_only=True)
+                return self._peers.lost_local(self._signal_store, silent_only=True)
 
         def local_peers() -> list[int]:
             with self._local:
@@ -362,8 +351,8 @@ class FailureGuard:
                 first = read_first(store)
                 if first is None:
                     with self._local:
-                        lost = self._check_local(store)
-                    lost = lost or self._check_successor(store)
+                        lost = self._peers.lost_local(store)
+                    lost = lost or self._peers.lost_successor(store)
                     if self.recovery is not None:       # the survivors agree on it instead (recovery.py)
                         if lost is not None:
                             self.recovery.request(f"{self.describe(lost.rank)}: {lost.reason}", lost.rank)
@@ -381,27 +370,6 @@ class FailureGuard:
                                            f"rank as failed: {first.reason}")
             self._leave(first)
 
-    def _check_local(self, store: dist.Store, *, silent_only: bool = False) -> Failure | None:
-        """The local peer that died first, if any died: one that left no exit record (killed, or
-        crashed without a word) before one that left through its guard (e.g. stopped by
-        torchrun's agent because of the first); among equals, the stalest heartbeat. With
-        ``silent_only``, only one that left no exit record."""
-        dead = self._peers.gone_local(store)
-        if silent_only:
-            dead = [d for d in dead if not d[0]]
-        if not dead:
-            return None
-        recorded, _, _, r, pid = min(dead)
-        if recorded:
-            return Failure(r, f"its process {pid} exited", self.rank)
-        return Failure(r, f"its process {pid} is gone (killed or crashed without a word)", self.rank)
-
-    def _check_successor(self, store: dist.Store) -> Failure | None:
-        r = self._peers.successor_stalled(store)
-        if r is None:
-            return None
-        return Failure(r, f"no heartbeat for {self.timeout:.0f} s (its host or the network is gone, or it is frozen)",
-                       self.rank)
 
 
 __all__ = ["EXIT_PEER_LOST", "EXIT_ERROR", "EXIT_USER_ERROR", "EXIT_SIGTERM", "EXIT_INTERRUPT", "Failure",

@@ -5,6 +5,7 @@
   report wins). A rank that received a signal records ``sig/<rank>``.
 * :func:`suspect_of`: the rank an exception points at (a p2p error names its peer).
 * :func:`describe_ranks`: ``rank 3 (stage 1 replica 0)`` for messages.
+* :func:`default_store`: the store they travel through (torchrun's agent store).
 """
 
 from __future__ import annotations
@@ -77,6 +78,15 @@ def try_quietly(fn: Callable[[], object]) -> None:
         fn()
     except Exception:           # noqa: BLE001 - best effort on the way out
         pass
+
+
+def default_store() -> dist.Store:
+    """The c10d store of the initialised default process group (torchrun's agent store)."""
+    from torch.distributed import distributed_c10d
+
+    if not dist.is_initialized():
+        raise RuntimeError("default_store() needs torch.distributed.init_process_group() first")
+    return distributed_c10d._get_default_store()
 
 
 def is_set(store: dist.Store, key: str) -> bool:

@@ -13,6 +13,8 @@ import time
 
 from torch.distributed import Store
 
+from hybridpipe.runtime.failure_facts import Failure
+
 
 def host_identity() -> str:
     """Processes with the same identity can check each other's pids (same boot, same pid namespace)."""
@@ -107,3 +109,26 @@ class PeerWatch:
                 return r
             return None
         return None
+
+    def lost_local(self, store: Store, *, silent_only: bool = False) -> Failure | None:
+        """The local peer that died first, if any died: one that left no exit record (killed, or
+        crashed without a word) before one that left through its guard (e.g. stopped by
+        torchrun's agent because of the first); among equals, the stalest heartbeat. With
+        ``silent_only``, only one that left no exit record. This rank reports it."""
+        dead = self.gone_local(store)
+        if silent_only:
+            dead = [d for d in dead if not d[0]]
+        if not dead:
+            return None
+        recorded, _, _, r, pid = min(dead)
+        if recorded:
+            return Failure(r, f"its process {pid} exited", self.rank)
+        return Failure(r, f"its process {pid} is gone (killed or crashed without a word)", self.rank)
+
+    def lost_successor(self, store: Store) -> Failure | None:
+        """The next rank in the ring as lost when its heartbeat stalled (``successor_stalled``)."""
+        r = self.successor_stalled(store)
+        if r is None:
+            return None
+        return Failure(r, f"no heartbeat for {self.timeout:.0f} s (its host or the network is gone, or it is frozen)",
+                       self.rank)

@@ -88,6 +88,17 @@ def test_as_a_subprocess(profile, tmp_path):
     assert done.returncode == 2 and "cluster file" in done.stderr and "does not exist" in done.stderr
 
 
+def test_a_partition_imports_no_torch(profile, tmp_path):
+    """The planner is plain Python and numpy: torch's import (~2 CPU s) stays out of `hybridpipe partition`."""
+    code = ("import sys; from hybridpipe.cli import main; code = main(sys.argv[1:]); "
+            "print('torch' in sys.modules); sys.exit(code)")
+    done = subprocess.run([sys.executable, "-c", code, "partition", str(profile), "--cluster",
+                           str(CLUSTERS / "8x1gbit.json"), "--compare", "-o", str(tmp_path / "plan.json")], cwd=ROOT,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "False", done.stdout
+
+
 def test_compare_prints_every_infeasible_reason_in_full(profile, tmp_path, capsys):
     assert main(["partition", str(profile), "--cluster", str(CLUSTERS / "8x1gbit.json"), "--compare"]) == 0
     text = capsys.readouterr().out

@@ -11,6 +11,7 @@ import pickle
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -63,10 +64,16 @@ def snapshot(root: Path, *, lock: bool = False) -> dict[str, tuple[int, int]]:
 
 # ---- launch ships with the package ---------------------------------------------------------------
 def test_torchrun_module_launch_from_a_directory_outside_the_repository(tmp_path):
+    """``-m hybridpipe.launch`` from another directory: the checkout's package (PYTHONPATH, as every
+    job of the tests has it), not whatever hybridpipe is installed in the environment."""
+    where = "import importlib.util as u; print(u.find_spec('hybridpipe').origin)"
+    found = subprocess.run([sys.executable, "-c", where], cwd=tmp_path, env=_env(), capture_output=True, text=True,
+                           timeout=60)
+    assert Path(found.stdout.strip()) == ROOT / "hybridpipe" / "__init__.py", found
     plan = tmp_path / "plan.json"
     save_plan(make_plan("mlp", [3], [1, 1], micro_batches=2, batch_size=4), plan)
     done = torchrun(["--plan", "plan.json", "--steps", "2", "--run-dir", "run", "--no-progress"], 2,
-                    entry=["-m", "hybridpipe.launch"], cwd=tmp_path, env={"PYTHONPATH": None}, timeout=120)
+                    entry=["-m", "hybridpipe.launch"], cwd=tmp_path, timeout=120)
     assert done.returncode == 0, done
     assert "hybridpipe: 2 steps of mlp" in done.stdout, done
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps_run"] == 2
@@ -289,15 +296,15 @@ def test_the_rank_that_died_without_a_word_is_named_not_the_one_stopped_after_it
         for r, p in sleepers.items():
             guard._store.set(f"who/{r}", json.dumps({"host": host_identity(), "pid": p.pid}))
             guard._store.add(f"hb/{r}", 1)
-        assert guard._check_local(guard._store) is None           # learns the peers and their heartbeats
+        assert guard._peers.lost_local(guard._store) is None           # learns the peers and their heartbeats
         time.sleep(0.05)
         guard._store.add("hb/3", 1)                                # rank 3 still beats; ranks 1 and 2 fell silent
-        assert guard._check_local(guard._store) is None
+        assert guard._peers.lost_local(guard._store) is None
         for p in sleepers.values():                                # ... then all three are gone at one check
             p.send_signal(signal.SIGKILL)
             p.wait()
         guard._store.set("exit/1", json.dumps({"code": 143, "time": time.time()}))   # 1 left through its guard
-        first = guard._check_local(guard._store)
+        first = guard._peers.lost_local(guard._store)
         assert first is not None and first.rank == 2 and "without a word" in first.reason, first
     finally:
         for p in sleepers.values():

@@ -114,8 +114,9 @@ def test_what_launch_cannot_run_is_one_line_and_exit_2(tmp_path, monkeypatch, ca
 def test_a_plan_without_layers_gets_the_partitioners_choice(tmp_path):
     """A replicated stage whose plan lists no layers (a hand-made plan) syncs every parameter by
     the partitioner's policy on the plan's cluster; the summary names them by module path."""
-    plan = make_plan("mlp", [4], [2, 2], micro_batches=4, batch_size=4)
+    plan = make_plan("mlp", [4], [2, 2], micro_batches=4, batch_size=4)     # nodes 0-4 | 5-8
     _, summary = run(tmp_path, plan)
-    assert [e["layer"] for e in summary["sync"]["1"]] == ["4", "6", "8"]
-    assert all(e["planned"] is None and e["algorithm"] for e in summary["sync"]["1"])
+    assert {s: [e["layer"] for e in summary["sync"][s]] for s in ("0", "1")} == {"0": ["0", "2", "4"],
+                                                                                 "1": ["6", "8"]}
+    assert all(e["planned"] is None and e["algorithm"] for s in ("0", "1") for e in summary["sync"][s])
     assert summary["sync_as_planned"] is False

@@ -1,0 +1,112 @@
+"""The captured model (profiles/capture.py makes it): the graph, its blocks, how to feed it, and
+what its operations read (parameters, values that cannot cross a stage boundary)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import fx, nn
+
+from hybridpipe.errors import UserError
+from hybridpipe.profiles.blocks import Block
+from hybridpipe.profiles.calling import call_args
+
+_META = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+@dataclass
+class CapturedModel:
+    """A model's captured graph, its blocks, and how to feed it (profiles/capture.py makes it)."""
+
+    module: nn.Module                       # the user's model (its parameters are the graph's)
+    graph: fx.GraphModule
+    blocks: tuple[Block, ...]
+    inputs: tuple[str, ...]                 # placeholder names, in the order of the flattened input
+    input_paths: tuple[str, ...]            # each placeholder's place in the input (pytree key path)
+    constants: dict[str, Any]               # placeholders fed a constant (use_cache=False, defaults)
+    out_spec: pytree.TreeSpec | None        # rebuilds the model's output from the graph's flat output
+    blocked: dict[str, str] = field(default_factory=dict)   # value -> type that cannot cross a cut
+    front_end: str = "export"
+    example_values: dict[str, Any] | None = None            # fx only: every value for the example
+    autocast: torch.dtype | None = None                     # captured (and to run) under torch.autocast to it
+
+    # ---- inputs and outputs ------------------------------------------------------------
+    def flatten_input(self, batch: Any) -> dict[str, Any]:
+        """Placeholder name -> value for one batch shaped like the example (tensor, tuple or dict)."""
+        args, kwargs = call_args(batch)
+        leaves = {pytree.keystr(path): v for path, v in pytree.tree_flatten_with_path((args, kwargs))[0]}
+        out = {}
+        for name, path in zip(self.inputs, self.input_paths, strict=True):
+            if name in self.constants:
+                out[name] = self.constants[name]
+            elif path in leaves:
+                out[name] = leaves[path]
+            else:
+                expected = [p for n, p in zip(self.inputs, self.input_paths, strict=True) if n not in self.constants]
+                raise UserError(f"the batch has no input at {path} (the model was captured with inputs at "
+                                f"{', '.join(expected)}); feed batches shaped like the example input")
+        return out
+
+    def rebuild_output(self, flat: Any) -> Any:
+        """The model's output as its forward returns it, from the graph's flat output."""
+        if self.out_spec is None:
+            return flat
+        leaves = list(flat) if isinstance(flat, (tuple, list)) else [flat]
+        return pytree.tree_unflatten(leaves, self.out_spec)
+
+    # ---- parameters ----------------------------------------------------------------------
+    def block_params(self) -> list[tuple[str, ...]]:
+        """For every block, the parameter names (as the graph refers to them) its operations read."""
+        nodes = {n.name: n for n in self.graph.graph.nodes}
+        out = []
+        for block in self.blocks:
+            names: list[str] = []
+            for node_name in block.nodes:
+                for p in node_parameters(self.graph, nodes[node_name]):
+                    if p not in names:
+                        names.append(p)
+            out.append(tuple(names))
+        return out
+
+
+def unsendable(value: Any) -> str | None:
+    """None if ``value`` can cross a stage boundary (tensors and small Python constants, nested in
+    tuples, lists and dicts), else the name of the type that cannot."""
+    for leaf in pytree.tree_leaves(value):
+        if isinstance(leaf, torch.Tensor) or isinstance(leaf, _META):
+            continue
+        if isinstance(leaf, torch.Size):
+            continue
+        return type(leaf).__name__
+    return None
+
+
+def node_parameters(gm: fx.GraphModule, node: fx.Node) -> list[str]:
+    """Qualified names of the parameters ``node`` reads (get_attr inputs, or a called module's)."""
+    out = []
+    if node.op == "call_module":
+        mod = gm.get_submodule(str(node.target))
+        out += [f"{node.target}.{name}" for name, _ in mod.named_parameters(remove_duplicate=False)]
+    for arg in node.all_input_nodes:
+        if arg.op == "get_attr" and isinstance(graph_attr(gm, str(arg.target)), nn.Parameter):
+            out.append(str(arg.target))
+    return out
+
+
+def graph_attr(gm: nn.Module, target: str) -> Any:
+    """The attribute of ``gm`` at the dotted ``target`` (a get_attr node's parameter or buffer)."""
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def tied_parameters(model: nn.Module) -> list[tuple[str, ...]]:
+    """Groups of names under which one parameter object is registered (tied weights), model order."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return [tuple(v) for v in names.values() if len(v) > 1]
