@@ -39,12 +39,10 @@ from hybridpipe.partitioner.search.objective import (
     Options,
     StageSpec,
     evaluate,
-    inflight_micro_batches,
-    memory_bytes,
     predict_step_ms,
 )
 from hybridpipe.partitioner.search.pipedream import pipedream_stages
-from hybridpipe.partitioner.search.sharding import NONE
+from hybridpipe.partitioner.search.refusals import memory_message, no_fit_message
 from hybridpipe.partitioner.search.strategies import baseline_stages
 from hybridpipe.partitioner.search.virtual import (
     BASE_SCHEDULE,
@@ -374,42 +372,3 @@ def without_tied(layers: Sequence[LayerSync], tied: dict[str, int]) -> tuple[Lay
         if kept:
             out.append(replace(lv, params=kept, bytes=lv.bytes - sum(tied[p] for p in lv.params if p in tied)))
     return tuple(out)
-
-
-def no_fit_message(costs: ModelCosts, workers: int, opts: Options) -> str:
-    """Why nothing fits: the hungriest node needs more than a worker has even alone, or the sum does."""
-    one = inflight_micro_batches(opts.schedule, 1, 1, 1)
-    per_node = [min(memory_bytes(costs, i, i, one, opts, variant=v, replicas=workers)   # sharded over every worker
-                    for v in ((NONE,) + opts.variants(workers))) for i in range(costs.n)]
-    worst = max(range(costs.n), key=per_node.__getitem__)
-    gb = opts.memory_bytes / 1e9
-    if per_node[worst] > opts.memory_bytes:
-        return (f"no plan fits in {gb:g} GB per worker: node {costs.names[worst]!r} alone needs "
-                f"{per_node[worst] / 1e9:.2f} GB (weights, gradients, optimizer state, one micro-batch's "
-                "activations" + (", sharded over every worker" if opts.shard != "none" else "")
-                + "); raise --memory-gb or use a smaller model or batch")
-    if not opts.replicas_ok(1) or costs.n * opts.micro_batches < workers:
-        return (f"{workers} workers cannot all get micro-batches: {costs.n} nodes x {opts.micro_batches} micro-batches "
-                "per step; raise --micro-batches or use fewer --workers")
-    other = ("" if opts.schedule.name == "1f1b"
-             else ", or use --schedule 1f1b (it keeps fewer micro-batches in flight)")
-    return (f"no partition onto {workers} workers fits in {gb:g} GB per worker with {opts.micro_batches} "
-            f"micro-batches ({opts.schedule.name}) and a replica count per stage that divides into them; raise "
-            f"--memory-gb or --micro-batches, add workers or use --recompute auto{other}"
-            + ("; or let replicas shard their state (--shard auto)" if opts.shard == "none" else ""))
-
-
-def memory_message(stages: Sequence[StageSpec], ev: Evaluation, opts: Options, strategy: str) -> str:
-    """Why a strategy whose stages are fixed cannot run: replicas without work, or memory."""
-    for idx, st in enumerate(stages):
-        r, m = len(st.ranks), opts.micro_batches
-        if not opts.replicas_ok(r):
-            return (f"--strategy {strategy} gives stage {idx} {r} replicas but a step has {m} micro-batches; "
-                    f"use --micro-batches {opts.schedule.replicas_need(r)} "
-                    f"(one per replica{' and round' if opts.schedule.asynchronous else ''})")
-    idx = next(k for k, e in enumerate(ev.stages) if e.memory_bytes > opts.memory_bytes)
-    st, e = stages[idx], ev.stages[idx]
-    return (f"--strategy {strategy} does not fit: stage {idx} (nodes {st.first}-{st.last}) needs "
-            f"{e.memory_bytes / 1e9:.2f} GB per worker, more than {opts.memory_bytes / 1e9:g} GB; raise --memory-gb, "
-            "add workers, try --strategy optimal or --recompute auto"
-            + (" or --shard auto" if opts.shard == "none" and len(st.ranks) > 1 else ""))

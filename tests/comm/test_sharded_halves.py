@@ -13,6 +13,7 @@ from hybridpipe.comm.allreduce.schedule import check, elements, simulate
 from hybridpipe.comm.allreduce.transport import GroupTransport
 from hybridpipe.comm.sharded import HalvesRunner, plan_halves
 from hybridpipe.partitioner.cost import collectives as co
+from hybridpipe.partitioner.cost import shard_halves as sh
 from tests.comm.spawn import spawn
 
 CASES = [("ring", n, {}) for n in range(1, 8)] + [("butterfly", n, {}) for n in (2, 4, 8)] + [
@@ -23,8 +24,8 @@ CASES = [("ring", n, {}) for n in range(1, 8)] + [("butterfly", n, {}) for n in 
 @pytest.mark.parametrize("algorithm,n,kw", CASES)
 @pytest.mark.parametrize("numel", [1, 7, 64, 101])
 def test_halves_sum_each_element_on_one_owner_and_gather_it_to_all(algorithm, n, kw, numel):
-    rs, ag = co.halves(algorithm, n, **kw)
-    owners = co.owners(rs, n)
+    rs, ag = sh.halves(algorithm, n, **kw)
+    owners = sh.owners(rs, n)
     bounds = [tuple(co.element_bounds(np.asarray(o), rs.parts, numel).tolist()) for o in owners]
     spans = sorted(b for b in bounds if b[1] > b[0])
     assert spans[0][0] == 0 and spans[-1][1] == numel
@@ -43,13 +44,13 @@ def test_halves_sum_each_element_on_one_owner_and_gather_it_to_all(algorithm, n,
 
 
 def test_algorithms_without_halves_shard_with_the_ring():
-    assert co.shard_algorithm("aggregator", 4) == "ring"
-    assert co.shard_algorithm("native", 4) == "ring"
-    assert co.shard_algorithm("butterfly", 6) == "ring"          # the fold has no halves
-    assert co.shard_algorithm("butterfly", 8) == "butterfly"
-    assert co.shard_algorithm("hierarchical", 5, [[0, 1, 2], [3, 4]]) == "ring"
+    assert sh.shard_algorithm("aggregator", 4) == "ring"
+    assert sh.shard_algorithm("native", 4) == "ring"
+    assert sh.shard_algorithm("butterfly", 6) == "ring"          # the fold has no halves
+    assert sh.shard_algorithm("butterfly", 8) == "butterfly"
+    assert sh.shard_algorithm("hierarchical", 5, [[0, 1, 2], [3, 4]]) == "ring"
     with pytest.raises(ValueError, match="no reduce-scatter half"):
-        co.halves("aggregator", 4)
+        sh.halves("aggregator", 4)
 
 
 def _against_torch(rank: int, world: int) -> list[str]:

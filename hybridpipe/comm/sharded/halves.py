@@ -20,6 +20,7 @@ from hybridpipe.comm.allreduce.executor import run_pipelined, run_rounds
 from hybridpipe.comm.allreduce.flat import FlatSpace
 from hybridpipe.comm.allreduce.schedule import Round, elements
 from hybridpipe.partitioner.cost import collectives as co
+from hybridpipe.partitioner.cost import shard_halves as sh
 
 MIN_CHUNK_BYTES = 256 << 10
 MAX_CHUNK_BYTES = 2 << 20
@@ -40,9 +41,9 @@ def plan_halves(algorithm: str, n: int, numel: int, *, units: Sequence[Sequence[
                 shape: tuple[int, int] | None = None) -> Halves:
     """The halves the plan's ``algorithm`` runs for a unit of ``numel`` elements on ``n`` positions
     (``collectives.shard_algorithm`` maps algorithms without halves to the ring)."""
-    name = co.shard_algorithm(algorithm, n, units)
-    rs, ag = co.halves(name, n, units=units, shape=shape if name == "torus2d" else None)
-    parts = co.owners(rs, n)
+    name = sh.shard_algorithm(algorithm, n, units)
+    rs, ag = sh.halves(name, n, units=units, shape=shape if name == "torus2d" else None)
+    parts = sh.owners(rs, n)
     owned = tuple(tuple(co.element_bounds(np.asarray(p), rs.parts, numel).tolist()) for p in parts)
     return Halves(name, tuple(elements(rs, numel)), tuple(elements(ag, numel)), owned)
 
