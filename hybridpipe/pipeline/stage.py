@@ -19,6 +19,7 @@ Hugging Face model given ``labels``: ``output.loss``).
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -116,9 +117,9 @@ class PipelineStage:
 
     @property
     def device(self) -> torch.device:
-        for t in (*self.module.parameters(), *self.module.buffers()):
-            return t.device
-        return torch.device("cpu")
+        """Where the stage's weights are: its first parameter's (or buffer's) device; CPU with none."""
+        first = next(itertools.chain(self.module.parameters(), self.module.buffers()), None)
+        return torch.device("cpu") if first is None else first.device
 
     def _needs_grad(self, key: str) -> bool:
         """Whether the received tensor ``key`` (a value, or a leaf ``value.i`` of one: values.py) may
@@ -168,8 +169,7 @@ class PipelineStage:
         number over the run, which orders a replicated stage's statistics (default: calls so far).
         """
         leaves = {k: _leaf(t, grad=not self.is_first and self._needs_grad(k)) for k, t in inputs.items()}
-        device = next(iter(inputs.values())).device if inputs else self.device      # where the stage runs
-        values = unpack(_unleafed(leaves, device), self.input_names)
+        values = unpack(_unleafed(leaves, self.device), self.input_names)
         args = tuple(values[name] for name in self.input_names)
 
         def run(*xs: Any) -> Any:

@@ -44,8 +44,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise UserError(f"a sharded stage (shard != none) splits the optimizer's state across its replicas; "
                             f"{type(probe).__name__} with {len(probe.param_groups)} parameter group(s) cannot be "
                             "split: use sgd, adam or adamw with one group, or \"shard\": \"none\"")
-        hyper = {k: v for k, v in probe.param_groups[0].items() if k != "params"}
-        super().__init__(params, hyper)
+        super().__init__(params, _hyper(probe.param_groups[0]))
         self.make = make
         self.shards: list[ShardedReplicas] = []
         self.pieces: list[Piece] = []
@@ -92,9 +91,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         loss = closure() if closure is not None else None
         for s in self.shards:
             s.finish()
-        hyper = {k: v for k, v in self.param_groups[0].items() if k != "params"}
         for group in self.inner.param_groups:
-            group.update(hyper)
+            group.update(_hyper(self.param_groups[0]))
         for v, g in zip(self.views, self.owned_grads(), strict=True):
             v.grad = g
         self.inner.step()
@@ -126,8 +124,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for shard in self.shards:
             for p, full in self._gathered(shard).items():
                 state[index[id(p)]] = full
-        hyper = {k: v for k, v in self.param_groups[0].items() if k != "params"}
-        return {"state": state, "param_groups": [{**hyper, "params": list(range(len(params)))}]}
+        return {"state": state, "param_groups": [{**_hyper(self.param_groups[0]), "params": list(range(len(params)))}]}
 
     def _gathered(self, shard: ShardedReplicas) -> dict[nn.Parameter, dict[str, Any]]:
         ids = {id(q) for q in shard.pieces()}
@@ -160,7 +157,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         index = {id(p): i for i, p in enumerate(params)}
         saved = {int(k): v for k, v in state_dict["state"].items()}
         for group, given in zip(self.param_groups, state_dict["param_groups"], strict=False):
-            group.update({k: v for k, v in given.items() if k != "params"})
+            group.update(_hyper(given))
         self.inner.state.clear()
         for p in self.whole:
             if index[id(p)] in saved:
@@ -170,6 +167,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if st:
                 self.inner.state[v] = {k: _piece_of(t, pc) if k not in SCALAR_KEYS else _placed(t, None)
                                        for k, t in st.items()}
+
+
+def _hyper(group: Mapping[str, Any]) -> dict[str, Any]:
+    """A param group's hyperparameters (all but its parameters)."""
+    return {k: v for k, v in group.items() if k != "params"}
 
 
 def _piece_of(value: Any, pc: Piece) -> Any:

@@ -14,8 +14,6 @@ from functools import cache
 
 import pytest
 import torch
-from torch._C._profiler import _EventType
-from torch.profiler import ProfilerActivity, profile
 
 from hybridpipe.partitioner.schedule_registry import get_schedule
 from hybridpipe.partitioner.search.modelcosts import ModelCosts, model_costs
@@ -30,6 +28,7 @@ from hybridpipe.pipeline.memory import MemoryMeter
 from hybridpipe.pipeline.stage import build_stage_index
 from hybridpipe.profiles.profiler import profile_model
 from hybridpipe.profiles.zoo import resolve_model
+from tests.allocator import allocation_totals, total_at
 from tests.pipeline.harness import capture, make_plan, train_pipeline
 
 BATCH = {"mlp": 32, "gpt": 4, "resnet-small": 8}
@@ -50,19 +49,8 @@ def _ranges(model: str, costs: ModelCosts) -> list[tuple[int, int]]:
 def _allocated(fn) -> tuple[list[int], list[int]]:
     """Run ``fn(mark)``; the allocator's running total (bytes allocated since the start) at each mark."""
     marks: list[int] = []
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn(lambda: marks.append(time.time_ns()))
-    events: list[tuple[int, int]] = []
-
-    def walk(e) -> None:
-        if e.tag == _EventType.Allocation:
-            events.append((e.start_time_ns, e.extra_fields.total_allocated))
-        for c in e.children:
-            walk(c)
-    for root in prof.profiler.kineto_results.experimental_event_tree():
-        walk(root)
-    events.sort()
-    return marks, [next((total for t, total in reversed(events) if t <= mark), 0) for mark in marks]
+    events = allocation_totals(lambda: fn(lambda: marks.append(time.time_ns())))
+    return marks, [total_at(events, mark) for mark in marks]
 
 
 @pytest.mark.parametrize("model", ["mlp", pytest.param("gpt", marks=pytest.mark.slow),

@@ -5,29 +5,21 @@ profile's per-node transient bytes."""
 from __future__ import annotations
 
 import gc
-import json
-import os
-import subprocess
-import sys
-import time
 from functools import cache
-from pathlib import Path
 
 import pytest
 import torch
-from torch._C._profiler import _EventType
-from torch.profiler import ProfilerActivity, profile
 
 from hybridpipe.profiles.format import Profile
 from hybridpipe.profiles.profiler import profile_model
 from hybridpipe.profiles.transient import LiveBytes, PeakMeter
 from hybridpipe.profiles.zoo import resolve_model
+from tests.allocator import allocator_peak, in_fresh_interpreter
 
 N = 64
 MAT = N * N * 4          # bytes of one float32 N x N matrix
 GPT = "gpt[layers=2,width=64,heads=2,seq=32,vocab=256]"
 BATCH = 8
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_a_matmul_chain_peaks_where_counted_by_hand():
@@ -61,25 +53,6 @@ def test_saved_tensors_live_until_the_backward_frees_them():
         assert live.peak >= 4 * MAT
 
 
-def _allocator_peak(fn) -> int:
-    """The CPU allocator's most bytes above its total when ``fn`` starts (torch's profiler)."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        start = time.time_ns()
-        fn()
-    events: list[tuple[int, int]] = []
-
-    def walk(e) -> None:
-        if e.tag == _EventType.Allocation:
-            events.append((e.start_time_ns, e.extra_fields.total_allocated))
-        for c in e.children:
-            walk(c)
-    for root in prof.profiler.kineto_results.experimental_event_tree():
-        walk(root)
-    events.sort()
-    base = next((total for t, total in reversed(events) if t <= start), 0)
-    return max(total for _, total in events) - base
-
-
 def live_and_allocator_peaks() -> tuple[int, int]:
     """One GPT training step's peak by LiveBytes and by the CPU allocator (after a warm-up step)."""
     torch.manual_seed(0)
@@ -95,18 +68,13 @@ def live_and_allocator_peaks() -> tuple[int, int]:
     step()                                             # one-time allocations
     with LiveBytes() as live:
         step()
-    return live.peak, _allocator_peak(step)
+    return live.peak, allocator_peak(step)
 
 
 def test_live_bytes_peak_is_the_cpu_allocators_on_a_training_step():
     # a fresh interpreter: after the pipeline memory tests something left in this process allocates
     # (294 KB) inside the allocator's window
-    code = ("import json; from tests.profiles.test_transient import live_and_allocator_peaks as f; "
-            "print(json.dumps(f()))")
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    live, allocator = json.loads(done.stdout.strip().splitlines()[-1])
+    live, allocator = in_fresh_interpreter("tests.profiles.test_transient", "live_and_allocator_peaks", timeout=300)
     assert live == pytest.approx(allocator, rel=0.02)
 
 

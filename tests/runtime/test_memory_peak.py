@@ -12,17 +12,8 @@ Without the transient term the prediction is 10% (fp32) and 12% (bf16) short.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import time
-from pathlib import Path
-
 import pytest
 import torch
-from torch._C._profiler import _EventType
-from torch.profiler import ProfilerActivity, profile
 
 from hybridpipe.partitioner.cost.cluster import Cluster, Level
 from hybridpipe.partitioner.planner import Request, partition
@@ -34,29 +25,10 @@ from hybridpipe.profiles.data import resolve_dataset
 from hybridpipe.profiles.profiler import profile_model
 from hybridpipe.profiles.zoo import resolve_model
 from hybridpipe.runtime.trainer import Trainer
+from tests.allocator import allocator_peak, in_fresh_interpreter
 
 GPT = "gpt[layers=2,width=64,heads=2,seq=32,vocab=256]"
 BATCH, MICRO_BATCHES, STEPS = 8, 2, 3
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _allocator_peak(fn) -> int:
-    """The CPU allocator's most bytes above its total when ``fn`` starts."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        start = time.time_ns()
-        fn()
-    events: list[tuple[int, int]] = []
-
-    def walk(e) -> None:
-        if e.tag == _EventType.Allocation:
-            events.append((e.start_time_ns, e.extra_fields.total_allocated))
-        for c in e.children:
-            walk(c)
-    for root in prof.profiler.kineto_results.experimental_event_tree():
-        walk(root)
-    events.sort()
-    base = next((total for t, total in reversed(events) if t <= start), 0)
-    return max(total for _, total in events) - base
 
 
 def measure(precision: str) -> tuple[int, float, float]:
@@ -75,7 +47,7 @@ def measure(precision: str) -> tuple[int, float, float]:
         params = list(trainer.module.parameters())
         held = tensors_bytes([*params, *(p.grad for p in params if p.grad is not None),
                               *optimizer_tensors(trainer.optimizer)])     # allocated before the window
-        measured = held + _allocator_peak(lambda: [trainer.train_step(*batches.global_batch(k))
+        measured = held + allocator_peak(lambda: [trainer.train_step(*batches.global_batch(k))
                                                    for k in range(1, STEPS)])
     finally:
         trainer.close()
@@ -87,11 +59,6 @@ def measure(precision: str) -> tuple[int, float, float]:
 def test_one_stage_peak_is_the_plans_prediction(precision):
     # a fresh interpreter: what earlier tests left in this process (threads, caches) allocated inside the
     # window here (+294 KB after the pipeline memory tests)
-    code = f"import json; from tests.runtime.test_memory_peak import measure; print(json.dumps(measure({precision!r})))"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    measured, predicted, without = json.loads(done.stdout.strip().splitlines()[-1])
+    measured, predicted, without = in_fresh_interpreter("tests.runtime.test_memory_peak", "measure", precision)
     assert measured == pytest.approx(predicted, rel=0.05), (measured, predicted)
     assert measured > without * 1.05                      # the temporaries matter here
