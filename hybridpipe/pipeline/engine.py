@@ -379,6 +379,8 @@ class PipelineEngine:
     def _held(self) -> list[torch.Tensor]:
         """Tensors the rank holds outside autograd's graph: weights, optimizer state, stashed versions."""
         out = list(self.module.parameters()) + optimizer_tensors(self.optimizer)
+        shards = getattr(self.optimizer, "shard_tensors", None)      # ZeRO-3: the owned pieces of the weights
+        out += shards() if callable(shards) else []
         return out + (self.stash.tensors() if self.stash else [])
 
     def _grad_bytes(self) -> int:

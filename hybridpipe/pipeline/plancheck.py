@@ -91,12 +91,12 @@ def build_stage(captured: CapturedModel, plan: Plan, rank: int, *, loss: LossFn 
 
 
 def check_shards(plan: Plan) -> None:
-    """Shard levels this runtime runs (ZeRO-1/2; not yet ZeRO-3's ``parameters``), under a flushing
-    schedule (pipedream's asynchronous updates keep stashed whole weights)."""
+    """Shard levels this runtime runs (RUNNABLE_SHARD_LEVELS: ZeRO-1/2/3), under a flushing schedule
+    (pipedream's asynchronous updates keep stashed whole weights)."""
     for s in plan.stages:
         if s.shard not in RUNNABLE_SHARD_LEVELS:
-            raise UserError(f"stage {s.index} asks its replicas to shard {s.shard} (ZeRO-3), which this runtime "
-                            f"cannot do yet; use \"shard\": one of {', '.join(RUNNABLE_SHARD_LEVELS)}")
+            raise UserError(f"stage {s.index} asks its replicas to shard {s.shard}, which this runtime does not run; "
+                            f"use \"shard\": one of {', '.join(RUNNABLE_SHARD_LEVELS)}")
         if s.shard != "none" and not plan.kind.flushed:
             raise UserError(f"stage {s.index} shards its replicas ({s.shard}), which needs a flushing schedule; "
                             f"{plan.schedule} updates asynchronously: use 1f1b, gpipe, zb-h1, interleaved-1f1b or zbv")

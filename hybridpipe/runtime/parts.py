@@ -198,10 +198,11 @@ def make_sync(plan: Plan, stage_module: nn.Module, stage: Stage, group: dist.Pro
                              + [f"--calibration {p}" for p in calibrations])
             print(describe_override(stage.index, flags, planned, layers), flush=True)
     costs = GroupCosts(model, stage.ranks)
-    if stage.shard != "none":                 # ZeRO-1/2: the same units, reduce-scattered (comm/sharded)
+    if stage.shard != "none":                 # ZeRO-1/2/3: the same units, reduce-scattered (comm/sharded)
         log.info("stage %d: replicas shard %s", stage.index, stage.shard)
         return ShardedReplicas(stage_module, GroupTransport(group), unit_choices(layers), stage.shard, exclude=exclude,
-                               wire_dtype=wire_dtype, hosts=costs.topology().units, torus_shape=costs.torus_shape())
+                               wire_dtype=wire_dtype, hosts=costs.topology().units, torus_shape=costs.torus_shape(),
+                               reshard_after_forward=stage.reshard_after_forward)
     hdp = HybridDataParallel(stage_module, group, units=unit_choices(layers), costs=costs,
                              aggregator=aggregator, reduce="sum", exclude=exclude, wire_dtype=wire_dtype)
     log.info("stage %d: gradient sync: %s", stage.index,

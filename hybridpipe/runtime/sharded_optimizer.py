@@ -1,9 +1,10 @@
-"""The optimizer of a rank whose stage shards its replicas' optimizer state (ZeRO-1/2).
+"""The optimizer of a rank whose stage shards its replicas' optimizer state (ZeRO-1/2/3).
 
 :class:`ShardedOptimizer` is a ``torch.optim.Optimizer`` over the rank's parameters (so learning-rate
 schedulers, ``param_groups`` and checkpoints see the usual thing) that runs the user's SGD, Adam or
 AdamW on *this replica's pieces* of the sharded parameters: 1-D views into the parameters' own
-storage (comm/sharded: the ranges this position owns after each sync unit's reduce-scatter), with
+storage (comm/sharded: the ranges this position owns after each sync unit's reduce-scatter; ZeRO-3:
+the owned pieces themselves, the parameters' storages being freed between uses), with
 the summed gradient of the same range. Those optimizers are elementwise, so the update of every
 element equals the unsharded optimizer's up to the order of the replicas' sum; their state (momentum,
 Adam's moments) exists for the owned ranges only: 1/R of it per replica. After the update each
@@ -60,7 +61,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.shards = list(shards)
         sharded = {id(p) for s in self.shards for p in s.sharded}
         self.pieces = [pc for s in self.shards for pc in s.pieces()]
-        self.views = [pc.param.detach().view(-1)[pc.lo:pc.hi] for pc in self.pieces]
+        self.views = [v for s in self.shards for v in s.owned_views()]
         self.whole = [p for p in self.param_groups[0]["params"] if id(p) not in sharded]
         self.inner = self.make([*self.views, *self.whole] or [torch.zeros(0)])
         self.state = self.inner.state
@@ -80,6 +81,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         but ``uncounted`` ones (ids: tied copies counted in another stage)."""
         whole = [p.grad for p in self.whole if p.grad is not None and id(p) not in uncounted] if first_replica else []
         return [g for g in self.owned_grads() if g is not None] + whole
+
+    def shard_tensors(self) -> list[torch.Tensor]:
+        """The weights this rank holds apart from its parameters (ZeRO-3: the owned pieces; the memory meter)."""
+        return [v for s in self.shards if s.weights is not None for v in s.owned_views()]
 
     def grad_bytes(self) -> int:
         """Gradient bytes this rank holds at the step's peak (comm/sharded full_grad_bytes per shard)."""

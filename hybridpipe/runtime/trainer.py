@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset
 
-from hybridpipe.comm.sharded import ShardedReplicas
+from hybridpipe.comm.sharded import ShardedReplicas, whole_weights
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner.plan import Plan, load_plan
 from hybridpipe.pipeline import PipelineEngine, Topology, check_plan
@@ -40,6 +40,7 @@ from hybridpipe.pipeline.chunks import rank_module
 from hybridpipe.pipeline.ports import step_gradients
 from hybridpipe.pipeline.schedules import settle_phase
 from hybridpipe.pipeline.stage import loss_of
+from hybridpipe.pipeline.zero3 import shard_parameters
 from hybridpipe.profiles.capture import tied_parameters
 from hybridpipe.profiles.losses import as_mean
 from hybridpipe.profiles.zoo import ModelSpec
@@ -159,6 +160,9 @@ class Trainer:
                                          wire_dtype=PRECISIONS[cfg.reduce_dtype],
                                          exclude=tied.params if tied is not None else ())
                       for s, st in zip(self.stage_plans, self.stages, strict=True)}
+        for st, sync in zip(self.stages, self.syncs.values(), strict=True):     # ZeRO-3: gates in the graph
+            if isinstance(sync, ShardedReplicas) and sync.weights is not None:
+                shard_parameters(st, sync.weights, sync.reshard_after_forward)
         if isinstance(self.optimizer, ShardedOptimizer):      # its state lives on the replicas' shards
             self.optimizer.bind([v for v in self.syncs.values() if isinstance(v, ShardedReplicas)])
         topo = Topology.from_plan(plan)
@@ -278,9 +282,10 @@ class Trainer:
         ckpt = self._checkpointer(directory, keep)
         extra = {"scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
                  "scaler": self.scaler.state_dict() if self.scaler is not None else None}
-        return ckpt.save(self.step, module=self.module, optimizer=for_checkpoint(self.optimizer),
-                         engine=self.engine.state_dict(), extra=extra,
-                         chunks={st.index: st.module for st in self.stages})
+        with whole_weights(self.syncs.values()):                # ZeRO-3: the full weights, gathered
+            return ckpt.save(self.step, module=self.module, optimizer=for_checkpoint(self.optimizer),
+                             engine=self.engine.state_dict(), extra=extra,
+                             chunks={st.index: st.module for st in self.stages})
 
     def load(self, directory: str | Path) -> Restored | None:
         """Resume from the newest usable checkpoint in ``directory`` (collective): None when it holds
@@ -290,7 +295,8 @@ class Trainer:
         restored = ckpt.restore(self.module)
         if restored is None:
             return None
-        ckpt.load_into(restored, self.module, self.optimizer)
+        with whole_weights(self.syncs.values()):                # ZeRO-3: each replica keeps its pieces
+            ckpt.load_into(restored, self.module, self.optimizer)
         self.step = restored.step
         if restored.engine:
             self.engine.load_state_dict(restored.engine)

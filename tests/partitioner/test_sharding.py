@@ -111,19 +111,22 @@ def test_a_level_is_never_chosen_for_one_replica():
             assert s.replicas > 1 or s.shard == "none"
 
 
-def test_auto_chooses_only_levels_the_runtime_runs_and_zero3_is_flagged():
-    """launch runs none, optimizer and gradients: auto never plans ZeRO-3 (even where it would fit in fewer
-    stages); --shard parameters by name still plans it, with a note that launch cannot run it yet."""
-    for memory_gb in (0.5, 0.8, 4.0):
+def test_auto_chooses_among_the_levels_the_runtime_runs():
+    """launch runs every level (ZeRO-3 too): auto plans only those; --shard parameters by name plans
+    ZeRO-3 with no note that launch cannot run it."""
+    levels = set()
+    for memory_gb in (0.3, 0.5, 0.8, 4.0):
         try:
             auto = plan_for("auto", memory_gb=memory_gb)
         except UserError:
             continue
         assert all(s.shard in RUNNABLE_SHARD_LEVELS for s in auto.stages)
+        levels |= {s.shard for s in auto.stages}
+    assert "parameters" in RUNNABLE_SHARD_LEVELS and levels - {"none"}
     out = partition(make_profile(BIG, []), FAST, Request(optimizer="adamw", memory_gb=0.8, micro_batches=8,
                                                         shard="parameters"))
     assert any(s.shard == "parameters" for s in out.plan.stages)
-    assert any("launch cannot run it yet" in n for n in out.notes)
+    assert not any("launch cannot run it yet" in n for n in out.notes)
 
 
 def test_parameters_lets_data_parallelism_fit():

@@ -1,4 +1,4 @@
-"""In-process pipelines whose replicated stages shard (ZeRO-1/2), for tests/pipeline/test_sharded.py:
+"""In-process pipelines whose replicated stages shard (ZeRO-1/2/3), for tests/pipeline/test_sharded.py:
 one thread per rank, each sharded stage's replicas running comm/sharded's reduce-scatter and
 all-gather over an InProcessGroup (the executors of the real collectives, messages between threads)."""
 
@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from hybridpipe.comm.hybrid_dp import UnitChoice, model_layers
-from hybridpipe.comm.sharded import ShardedReplicas
+from hybridpipe.comm.sharded import ShardedReplicas, whole_weights
 from hybridpipe.partitioner.plan import Plan
 from hybridpipe.pipeline.chunks import rank_module
 from hybridpipe.pipeline.engine import PipelineEngine
@@ -19,15 +19,18 @@ from hybridpipe.pipeline.inprocess import InProcessGradSync, InProcessGroup, InP
 from hybridpipe.pipeline.plancheck import build_stages
 from hybridpipe.pipeline.schedules import Topology
 from hybridpipe.pipeline.tied import TiedSync, stage_tied_params, tied_ranks
+from hybridpipe.pipeline.zero3 import shard_parameters
 from hybridpipe.profiles.zoo import resolve_model
 from hybridpipe.runtime.sharded_optimizer import ShardedOptimizer
 from tests.pipeline.harness import _summer, capture, data_for
 
 
-def sharded(plan: Plan, level: str) -> Plan:
+def sharded(plan: Plan, level: str, reshard_after_forward: bool = True) -> Plan:
     """``plan`` with every replicated stage sharded at ``level``."""
-    return dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, shard=level if s.replicas > 1 else "none")
+    return dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, shard=level if s.replicas > 1 else "none",
+                                                                      reshard_after_forward=reshard_after_forward)
                                                   for s in plan.stages))
+
 
 
 def layer_units(module: torch.nn.Module, exclude, algorithm: str) -> list[UnitChoice]:
@@ -65,7 +68,10 @@ def train_sharded(plan: Plan, steps: int, make: Callable[[list], Any], *, algori
             if s.shard != "none":
                 syncs[s.index] = ShardedReplicas(st.module, groups[s.index].transport(replica),
                                                  layer_units(st.module, tied.params, algorithm), s.shard,
-                                                 exclude=tied.params, wire_dtype=wire_dtype)
+                                                 exclude=tied.params, wire_dtype=wire_dtype,
+                                                 reshard_after_forward=s.reshard_after_forward)
+                if syncs[s.index].weights is not None:
+                    shard_parameters(st, syncs[s.index].weights, s.reshard_after_forward)
             else:
                 syncs[s.index] = InProcessGradSync(st.module, plain[s.index], replica, exclude=tied.params,
                                                    wire_dtype=wire_dtype)
@@ -80,7 +86,8 @@ def train_sharded(plan: Plan, steps: int, make: Callable[[list], Any], *, algori
 
         def run():
             if start is not None:
-                module.load_state_dict(start[rank][0])
+                with whole_weights(shards):
+                    module.load_state_dict(start[rank][0])
                 optimizer.load_state_dict(start[rank][1])
             results = []
             for k in range(first, first + steps):
@@ -88,9 +95,11 @@ def train_sharded(plan: Plan, steps: int, make: Callable[[list], Any], *, algori
                 if observe is not None:
                     observe(rank, k, engine)
             full = optimizer.state_dict()         # collective over the replicas: before the lanes close
+            with whole_weights(shards):
+                state = {k: v.clone() for k, v in module.state_dict().items()}
             for v in shards:
                 v.close()
-            return {"state": {k: v.clone() for k, v in module.state_dict().items()}, "engine": engine,
+            return {"state": state, "engine": engine,
                     "optimizer": optimizer, "full_optimizer_state": full, "results": results, "stages": stages,
                     "module": module}
         return run

@@ -1,12 +1,14 @@
 """Sharded replicas through launch under torchrun-like processes (gloo): stage 0's replicas shard
-gradients (ZeRO-2), stage 1's the optimizer state (ZeRO-1); AdamW with global-norm clipping equals a
-plain single-process loop, and the checkpoint holds the whole (gathered) optimizer state in the
-plan-independent format, equal to the plain loop's."""
+gradients (ZeRO-2), stage 1's the optimizer state (ZeRO-1), or both stages the weights (ZeRO-3, one
+resharding after each forward, one keeping them over the step); AdamW with global-norm clipping equals
+a plain single-process loop, and the checkpoint holds the whole (gathered) weights and optimizer state
+in the plan-independent format, equal to the plain loop's."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from hybridpipe.partitioner.plan import save_plan
@@ -36,10 +38,15 @@ def plain_loop(plan) -> tuple[dict[str, torch.Tensor], dict]:
     return model.state_dict(), {names[id(p)]: s for p, s in opt.state.items()}
 
 
-def test_launch_sharded_stages_equal_a_plain_loop_and_save_the_whole_state(tmp_path):
+@pytest.mark.parametrize("first,second", [
+    (("gradients", True), ("optimizer", True)),
+    pytest.param(("parameters", True), ("parameters", False), marks=pytest.mark.slow),
+])
+def test_launch_sharded_stages_equal_a_plain_loop_and_save_the_whole_state(tmp_path, first, second):
     plan = make_plan("mlp", [3], [2, 2], schedule="1f1b", micro_batches=4, batch_size=4)
-    plan = dataclasses.replace(plan, stages=(dataclasses.replace(plan.stages[0], shard="gradients"),
-                                             dataclasses.replace(plan.stages[1], shard="optimizer")))
+    plan = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, shard=level, reshard_after_forward=reshard)
+                                                  for s, (level, reshard) in zip(plan.stages, (first, second),
+                                                                                 strict=True)))
     save_plan(plan, tmp_path / "plan.json")
     done = launch(["--plan", str(tmp_path / "plan.json"), "--steps", str(STEPS), "--optimizer", "adamw",
                    "--lr", str(LR), "--weight-decay", str(WD), "--seed", str(SEED), "--clip-grad-norm", str(CLIP),

@@ -1,4 +1,4 @@
-"""ShardedReplicas: a replicated stage whose replicas shard gradients and optimizer state (ZeRO-1/2).
+"""ShardedReplicas: a replicated stage whose replicas shard optimizer state, gradients, weights (ZeRO-1/2/3).
 
 The stage's sync units (the plan's, as HybridDataParallel runs them) are laid out as flat vectors
 (the unit's parameters end to end); after the unit's reduce-scatter each position of the replica
@@ -12,8 +12,14 @@ a unit's reduce-scatter on a background lane as soon as its gradients are comple
   the one before it to be reduced (back-pressure: the lane would otherwise fall behind the backward
   and hold several micro-batches' gradients), so at most the largest unit is in flight.
 
+* ``parameters`` (ZeRO-3): gradients as ``gradients``; the weights too are kept as the owned ranges
+  only (:class:`~.gathered.UnitWeights`), each unit gathered for its uses (pipeline/zero3.py puts
+  the gates in the stage's graph) and, with ``reshard_after_forward``, freed after each forward and
+  after its backward, else kept until the step's update.
+
 The optimizer (runtime/sharded_optimizer.py) updates the owned ranges (:meth:`owned_views`,
-:meth:`owned_grads`) and :meth:`gather_weights` all-gathers the updated weights. Gradients are
+:meth:`owned_grads`) and :meth:`gather_weights` all-gathers the updated weights (ZeRO-3: frees the
+stale full weights; the next use gathers them). Gradients are
 *summed* (the engine's Step scales them) and, with ``wire_dtype``, travel in that dtype.
 Parameters outside the units (``exclude``: tied weights, summed by the TiedSync) are not sharded.
 """
@@ -22,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,9 +38,10 @@ from torch import nn
 from hybridpipe.comm.engine import CommLane, Handle
 from hybridpipe.comm.hybrid_dp.policy import SyncUnit, UnitChoice, units_from_choices
 from hybridpipe.comm.hybrid_dp.units import model_layers
+from hybridpipe.comm.sharded.gathered import UnitWeights
 from hybridpipe.comm.sharded.halves import Halves, HalvesRunner, plan_halves
 
-LEVELS = ("optimizer", "gradients")
+LEVELS = ("optimizer", "gradients", "parameters")
 
 
 @dataclass(frozen=True)
@@ -74,10 +81,11 @@ class ShardedReplicas:
     def __init__(self, module: nn.Module, transport: Any, units: Sequence[UnitChoice], level: str, *,
                  exclude: Collection[nn.Parameter] = (), wire_dtype: torch.dtype | None = None,
                  hosts: Sequence[Sequence[int]] | None = None, torus_shape: tuple[int, int] | None = None,
-                 lane: int = 1):
+                 lane: int = 1, reshard_after_forward: bool = True):
         if level not in LEVELS:
             raise ValueError(f"shard level {level!r} is not one this runtime runs; choose {', '.join(LEVELS)}")
         self.module, self.level, self.wire_dtype = module, level, wire_dtype
+        self.reshard_after_forward = reshard_after_forward
         self.size, self.position = transport.size, transport.position
         self._runner = HalvesRunner(transport, lane)
         self._lane = CommLane(f"hybridpipe-zero-lane{lane}")
@@ -93,6 +101,12 @@ class ShardedReplicas:
         self.peak_inflight = 0            # ... at most, over the last step's backwards
         self._fresh = True
         self._cap = max((sum(p.numel() * p.element_size() for p in s.unit.params) for s in self.units), default=0)
+        self._gathered = 0                # ZeRO-3: bytes of full weights gathered now
+        self.peak_transient = 0           # ... most full weights and gradients alive at once, last step
+        self._fresh_transient = True
+        self.weights = UnitWeights([s.unit.params for s in self.units], [s.pieces for s in self.units],
+                                   [(s.halves.all_gather, s.halves.algorithm) for s in self.units], self._runner,
+                                   self._lane, self._count_gathered) if level == "parameters" else None
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready)
                        for s in self.units for p in s.unit.params]
 
@@ -106,16 +120,23 @@ class ShardedReplicas:
         """This position's owned pieces, unit by unit."""
         return [pc for s in self.units for pc in s.pieces]
 
+    def owned_views(self) -> list[torch.Tensor]:
+        """The weights of each piece as the optimizer updates them: views into the parameters, or
+        (ZeRO-3) the owned pieces themselves."""
+        if self.weights is not None:
+            return [t for ts in self.weights.owned for t in ts]
+        return [pc.param.detach().view(-1)[pc.lo:pc.hi] for pc in self.pieces()]
+
     def owned_grads(self) -> list[torch.Tensor | None]:
         """The summed gradient of each piece (None where the step produced none), after :meth:`finish`."""
-        if self.level == "gradients":
+        if self.level != "optimizer":
             return [g for s in self.units for g in (s.grads or [None] * len(s.pieces))]
         return [pc.param.grad.view(-1)[pc.lo:pc.hi] if pc.param.grad is not None else None
                 for s in self.units for pc in s.pieces]
 
     def drop_grads(self) -> None:
         """Forget the step's gradients (the optimizer's zero_grad)."""
-        self._fresh = True
+        self._fresh = self._fresh_transient = True
         for s in self.units:
             s.grads = []
             for p in s.unit.params:
@@ -130,7 +151,16 @@ class ShardedReplicas:
         if self.level == "optimizer":
             return nbytes(self.sharded)
         owned = sum((pc.hi - pc.lo) * pc.param.element_size() for pc in self.pieces())
+        if self.weights is not None:         # ZeRO-3: the full weights gathered and gradients in flight at once
+            return owned + self.peak_transient
         return owned + max([self.peak_inflight] + [nbytes(s.unit.params) for s in self.units])
+
+    def _count_gathered(self, delta: int) -> None:
+        with self._lock:
+            if self._fresh_transient:        # the first change of a step: the last step's peak is over
+                self.peak_transient, self._fresh_transient = self._gathered + self._inflight, False
+            self._gathered += delta
+            self.peak_transient = max(self.peak_transient, self._gathered + self._inflight)
 
     # ---- backward ---------------------------------------------------------------------------
     def _grad_ready(self, param: torch.Tensor) -> None:
@@ -150,17 +180,22 @@ class ShardedReplicas:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in shard.unit.params]
-        if self.level == "gradients":
+        if self.level != "optimizer":
             for p in shard.unit.params:
                 p.grad = None
+            if self.weights is not None and self.reshard_after_forward:
+                self.weights.free(self.units.index(shard))       # its backward is done
             nbytes = sum(g.numel() * g.element_size() for g in grads)
             while self._pending and self._inflight + nbytes > self._cap:    # back-pressure: one unit in flight
                 self._pending.pop(0).wait()
             with self._lock:
                 if self._fresh:
                     self.peak_inflight, self._fresh = 0, False
+                if self._fresh_transient:
+                    self.peak_transient, self._fresh_transient = self._gathered, False
                 self._inflight += nbytes
                 self.peak_inflight = max(self.peak_inflight, self._inflight)
+                self.peak_transient = max(self.peak_transient, self._gathered + self._inflight)
         self._pending.append(self._lane.submit(self._reduce, shard, grads, name=shard.unit.name))
 
     def _reduce(self, shard: UnitShard, grads: list[torch.Tensor]) -> None:
@@ -203,7 +238,11 @@ class ShardedReplicas:
 
     # ---- after the step ---------------------------------------------------------------------
     def gather_weights(self) -> None:
-        """All-gather every unit's updated weights from their owners (blocking)."""
+        """All-gather every unit's updated weights from their owners (blocking); ZeRO-3: free the
+        stale full weights (each unit's next use gathers it)."""
+        if self.weights is not None:
+            self.weights.free_all()
+            return
         self.gather([[p.detach() for p in s.unit.params] for s in self.units])
 
     def gather(self, per_unit: Sequence[Sequence[torch.Tensor]]) -> None:
@@ -227,8 +266,12 @@ class ShardedReplicas:
         self._lane.submit(both, name="sum_replicas").wait()
 
     def close(self) -> None:
-        """Wait for what is in flight, remove the hooks, stop the lane."""
+        """Wait for what is in flight, remove the hooks, stop the lane; ZeRO-3: the full weights are
+        gathered first (collective) and stay, so the module holds the trained weights afterwards."""
         self.finish()
+        if self.weights is not None:
+            for i in range(len(self.units)):
+                self.weights.need(i)
         self.abandon()
 
     def abandon(self) -> None:
@@ -238,6 +281,18 @@ class ShardedReplicas:
         self._hooks.clear()
         self._pending.clear()
         self._lane.close(timeout=0)
+
+
+@contextlib.contextmanager
+def whole_weights(syncs: Iterable[Any]) -> Iterator[None]:
+    """Every ZeRO-3 sync's full weights gathered inside (collective over each replica group: a
+    checkpoint reads or loads them); the other syncs' weights are whole anyway."""
+    with contextlib.ExitStack() as stack:
+        for sync in syncs:
+            weights = getattr(sync, "weights", None)
+            if isinstance(weights, UnitWeights):
+                stack.enter_context(weights.whole())
+        yield
 
 
 def _index(shard: UnitShard, param: nn.Parameter) -> int:
