@@ -1,4 +1,5 @@
-"""Sharded replicas (issue 29 item 5): hybridpipe's ZeRO-1/2 (comm/sharded + ShardedOptimizer) next to
+"""Sharded replicas (issue 29 item 5): hybridpipe's ZeRO-1/2/3 (comm/sharded + ShardedOptimizer; ZeRO-1/2
+with the updated weights' all-gather at the end of the step or overlapped with the next forward) next to
 the replicated stage (HybridDataParallel) and torch's own FSDP2 (``fully_shard`` per layer and on the
 root, ``reshard_after_forward=False``: ZeRO-2's memory in forward/backward) on the same stage module
 and replica group: R gloo processes on loopback, AdamW, M micro-batches accumulated per step (as a
@@ -23,6 +24,7 @@ import resource
 import statistics
 import sys
 import time
+import types
 from pathlib import Path
 
 if __package__ in (None, ""):                       # run as a script: make the repo importable
@@ -30,7 +32,10 @@ if __package__ in (None, ""):                       # run as a script: make the 
 
 from benchmarks.common import machine, pyplot, result_paths, write_results
 
-SYSTEMS = ("replicated", "zero1", "zero2", "fsdp2")
+# zeroN-sync: the updated weights all-gathered at the end of the optimizer step (blocking); zero1/zero2:
+# queued there and waited for at each unit's first use in the next forward (gated stage: pipeline/zero3.py)
+SYSTEMS = ("replicated", "zero1-sync", "zero1", "zero2-sync", "zero2", "zero3", "fsdp2")
+LEVELS = {"zero1": "optimizer", "zero2": "gradients", "zero3": "parameters"}
 
 
 def _build(width: int, layers: int):
@@ -47,6 +52,7 @@ def _worker(rank: int, world: int, system: str, args: argparse.Namespace, port: 
     from hybridpipe.comm.allreduce.transport import GroupTransport
     from hybridpipe.comm.hybrid_dp import HybridDataParallel, UnitChoice, model_layers
     from hybridpipe.comm.sharded import ShardedReplicas
+    from hybridpipe.pipeline.zero3 import gate_stage
     from hybridpipe.runtime.sharded_optimizer import ShardedOptimizer
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -60,8 +66,12 @@ def _worker(rank: int, world: int, system: str, args: argparse.Namespace, port: 
     if system == "replicated":
         sync = HybridDataParallel(model, reduce="sum", units=units)
         opt = make(list(model.parameters()))
-    elif system in ("zero1", "zero2"):
-        sync = ShardedReplicas(model, GroupTransport(None), units, "optimizer" if system == "zero1" else "gradients")
+    elif system[:5] in LEVELS:
+        model = torch.fx.symbolic_trace(model)         # a graph, as a pipeline stage is, for the gates
+        sync = ShardedReplicas(model, GroupTransport(None), units, LEVELS[system[:5]],
+                               overlap_gather=not system.endswith("-sync"))
+        if sync.gates is not None:
+            gate_stage(types.SimpleNamespace(module=model), sync.gates, True)
         opt = ShardedOptimizer(model.parameters(), make)
         opt.bind([sync])
     else:
@@ -84,7 +94,7 @@ def _worker(rank: int, world: int, system: str, args: argparse.Namespace, port: 
             if system == "fsdp2":
                 model.set_requires_gradient_sync(last)     # type: ignore[operator]
                 (model(x).square().mean() / M).backward()  # FSDP2 averages over the replicas itself
-            elif sync is not None and not last and system != "zero2":
+            elif sync is not None and not last and not system.startswith(("zero2", "zero3")):
                 with sync.no_sync():
                     (model(x).square().mean() / (M * world)).backward()
             else:
@@ -98,6 +108,10 @@ def _worker(rank: int, world: int, system: str, args: argparse.Namespace, port: 
     state = [t.to_local() if hasattr(t, "to_local") else t
              for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
     local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    if getattr(sync, "weights", None) is not None:      # ZeRO-3: the owned pieces
+        local = sync.owned_views()
+    if sync is not None:
+        sync.close()                                    # ZeRO-3: gathers the whole weights back
     full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
             for n, p in model.named_parameters()}
     if rank == 0:
@@ -106,8 +120,6 @@ def _worker(rank: int, world: int, system: str, args: argparse.Namespace, port: 
                    state_mb=sum(t.numel() * t.element_size() for t in state) / 2**20,
                    weights_mb=sum(t.numel() * t.element_size() for t in local) / 2**20,
                    weights={n: t for n, t in full.items()})
-    if sync is not None:
-        sync.close()
     dist.destroy_process_group()
 
 

@@ -1,6 +1,7 @@
-"""ZeRO-3 inside a stage: each sync unit's weights gathered just before the stage's graph uses them.
+"""ZeRO-3 inside a stage: each sync unit's weights gathered just before the stage's graph uses them
+(and ZeRO-1/2's all-gather of the updated weights waited for there: overlapped with the forward).
 
-:func:`shard_parameters` puts two gates per sync unit into the stage's fx graph (a submodule called
+:func:`gate_stage` puts two gates per sync unit into the stage's fx graph (a submodule called
 with the unit's index): one right before the first operation that reads the unit's weights (it
 waits for the unit's all-gather, starting it if none is on its way, then starts the gather of the
 unit the forward uses next: the prefetch, on the replicas' lane while this unit computes) and one
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from hybridpipe.comm.sharded.gathered import UnitWeights
+from hybridpipe.comm.sharded.gathered import LazyGathers, UnitWeights
 
 GATE = "_zero3_gate"
 _WEIGHT = object()
@@ -34,14 +35,14 @@ class Gate(nn.Module):
 
     _is_impure = True       # kept by dead-code elimination: it has no outputs
 
-    def __init__(self, weights: UnitWeights, reshard: bool):
+    def __init__(self, weights: UnitWeights | LazyGathers, reshard: bool):
         super().__init__()
         self.reshard = reshard
         self._weights = (weights,)          # not a submodule: no state of the stage's
         self._freeing_queued = False
 
     @property
-    def weights(self) -> UnitWeights:
+    def weights(self) -> UnitWeights | LazyGathers:
         return self._weights[0]
 
     def forward(self, unit: int, before: bool) -> None:
@@ -77,15 +78,18 @@ class Gate(nn.Module):
         self.weights.free_all()
 
 
-def shard_parameters(stage: Any, weights: UnitWeights, reshard: bool) -> Gate:
+def gate_stage(stage: Any, weights: UnitWeights | LazyGathers, reshard: bool) -> Gate:
     """Gate the graph of ``stage`` (a PipelineStage: its module's graph and, if it has one, the
-    plain graph its evaluation runs) on ``weights``' units; set their forward order."""
+    plain graph its evaluation runs) on ``weights``' units (ZeRO-3's, or ZeRO-1/2's gathers of the
+    updated weights: LazyGathers, waited for at the gates); set their forward order."""
     module: fx.GraphModule = stage.module
     gate = Gate(weights, reshard)
     module.add_module(GATE, gate)
     unit_of = {id(p): i for i, ps in enumerate(weights.params) for p in ps}
     weights.order = _gate_graph(module.graph, module, unit_of)
     module.recompile()
+    if isinstance(weights, LazyGathers):
+        weights.gated = True
     if getattr(stage, "_plain_graph", None) is not None:
         _gate_graph(stage._plain_graph, module, unit_of)
     stage._eval_module = None
@@ -106,7 +110,7 @@ def shard_parameters(stage: Any, weights: UnitWeights, reshard: bool) -> Gate:
     return gate
 
 
-def _hooks(weights: UnitWeights, gate: Gate, outer: Any) -> tuple[Callable, Callable]:
+def _hooks(weights: UnitWeights | LazyGathers, gate: Gate, outer: Any) -> tuple[Callable, Callable]:
     """Saved-tensor hooks: a weight of a unit kept as itself and regathered on unpack, the rest to ``outer``."""
     def pack(t: torch.Tensor) -> Any:
         unit = weights.unit_of(t)

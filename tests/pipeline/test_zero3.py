@@ -125,3 +125,18 @@ def test_zero3_checkpoints_move_to_and_from_replicated_bit_identically():
             full = run["full_optimizer_state"]["state"]
             assert all(torch.equal(full[i]["exp_avg_sq"], s["exp_avg_sq"])
                        for i, s in whole[r]["full_optimizer_state"]["state"].items())
+
+
+def test_zero1_and_zero2_gather_the_updated_weights_at_the_next_forward():
+    """ZeRO-1/2 on a gated stage: the optimizer step queues each unit's all-gather and returns (the
+    gathers overlap the next forward, whose gates wait for them); training equals the plain loop."""
+    plan = the_plan("gpt2", "1f1b", "gradients")
+    queued: list[int] = []
+
+    def observe(rank: int, step: int, engine) -> None:
+        for sync in engine.syncs.values():
+            if getattr(sync, "gates", None) is not None:
+                queued.append(len(sync.gates._handles))
+    runs = train_sharded(plan, 2, OPTIMIZERS["sgd"], observe=observe)
+    assert queued and all(n > 0 for n in queued)           # after each step: gathers on their way, none waited
+    check_equal(plan, runs, plain_loop(plan, OPTIMIZERS["sgd"], steps=2))

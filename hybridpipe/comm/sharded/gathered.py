@@ -131,3 +131,57 @@ class UnitWeights:
                     for pc, t in zip(pcs, mine, strict=True):
                         t.copy_(pc.param.data.view(-1)[pc.lo:pc.hi])
                     self.free(i)
+
+
+class LazyGathers:
+    """ZeRO-1/2's all-gather of the updated weights, overlapped with the next forward: :meth:`start`
+    (at the end of the optimizer step) queues every unit's all-gather on the replicas' lane in the
+    order the forward uses the units and returns; the stage's gates (pipeline/zero3.py) wait for a
+    unit's just before its first use; :meth:`whole` waits for all (evaluation outside the gates,
+    checkpoints, the end). The weights stay allocated: nothing is freed."""
+
+    def __init__(self, params: Sequence[Sequence[nn.Parameter]], rounds: Sequence[tuple[Sequence[Any], str]],
+                 runner: HalvesRunner, lane: CommLane):
+        self.params = [list(ps) for ps in params]
+        self.rounds, self.runner, self.lane = list(rounds), runner, lane
+        self.order = list(range(len(self.params)))
+        self.gated = False          # the stage's gates wait for the gathers (pipeline/zero3.py sets it)
+        self._handles: dict[int, Handle] = {}
+
+    def start(self) -> None:
+        """Queue every unit's all-gather (forward order)."""
+        for i in self.order:
+            rounds, algorithm = self.rounds[i]
+            self._handles[i] = self.lane.submit(self.runner.run, rounds, [p.detach() for p in self.params[i]],
+                                                algorithm, name=f"gather unit {i}")
+
+    @staticmethod
+    def unit_of(t: torch.Tensor) -> None:
+        """No saved weight needs regathering (the weights are never freed)."""
+        return None
+
+    def need(self, i: int) -> None:
+        """Unit ``i``'s updated weights, now."""
+        handle = self._handles.pop(i, None)
+        if handle is not None:
+            handle.wait()
+
+    def gather(self, i: int) -> None:
+        """Nothing: every gather was queued by :meth:`start`."""
+
+    def free(self, i: int) -> None:
+        """Nothing: the weights stay."""
+
+    def free_all(self) -> None:
+        """Nothing: the weights stay."""
+
+    def wait_all(self) -> None:
+        """Every queued gather done."""
+        for i in list(self._handles):
+            self.need(i)
+
+    @contextlib.contextmanager
+    def whole(self) -> Iterator[None]:
+        """The updated weights inside (waits for the gathers on their way)."""
+        self.wait_all()
+        yield

@@ -18,8 +18,10 @@ a unit's reduce-scatter on a background lane as soon as its gradients are comple
   after its backward, else kept until the step's update.
 
 The optimizer (runtime/sharded_optimizer.py) updates the owned ranges (:meth:`owned_views`,
-:meth:`owned_grads`) and :meth:`gather_weights` all-gathers the updated weights (ZeRO-3: frees the
-stale full weights; the next use gathers them). Gradients are
+:meth:`owned_grads`) and :meth:`gather_weights` all-gathers the updated weights: ZeRO-1/2 on a
+gated stage (pipeline/zero3.py) by queueing each unit's all-gather, waited for just before the next
+forward's first use of the unit (``overlap_gather``; else at once, blocking); ZeRO-3 frees the stale
+full weights (the next use gathers them). :func:`whole_weights` makes them whole for a checkpoint. Gradients are
 *summed* (the engine's Step scales them) and, with ``wire_dtype``, travel in that dtype.
 Parameters outside the units (``exclude``: tied weights, summed by the TiedSync) are not sharded.
 """
@@ -38,7 +40,7 @@ from torch import nn
 from hybridpipe.comm.engine import CommLane, Handle
 from hybridpipe.comm.hybrid_dp.policy import SyncUnit, UnitChoice, units_from_choices
 from hybridpipe.comm.hybrid_dp.units import model_layers
-from hybridpipe.comm.sharded.gathered import UnitWeights
+from hybridpipe.comm.sharded.gathered import LazyGathers, UnitWeights
 from hybridpipe.comm.sharded.halves import Halves, HalvesRunner, plan_halves
 
 LEVELS = ("optimizer", "gradients", "parameters")
@@ -81,7 +83,7 @@ class ShardedReplicas:
     def __init__(self, module: nn.Module, transport: Any, units: Sequence[UnitChoice], level: str, *,
                  exclude: Collection[nn.Parameter] = (), wire_dtype: torch.dtype | None = None,
                  hosts: Sequence[Sequence[int]] | None = None, torus_shape: tuple[int, int] | None = None,
-                 lane: int = 1, reshard_after_forward: bool = True):
+                 lane: int = 1, reshard_after_forward: bool = True, overlap_gather: bool = True):
         if level not in LEVELS:
             raise ValueError(f"shard level {level!r} is not one this runtime runs; choose {', '.join(LEVELS)}")
         self.module, self.level, self.wire_dtype = module, level, wire_dtype
@@ -107,6 +109,10 @@ class ShardedReplicas:
         self.weights = UnitWeights([s.unit.params for s in self.units], [s.pieces for s in self.units],
                                    [(s.halves.all_gather, s.halves.algorithm) for s in self.units], self._runner,
                                    self._lane, self._count_gathered) if level == "parameters" else None
+        lazy = LazyGathers([s.unit.params for s in self.units], [(s.halves.all_gather, s.halves.algorithm)
+                                                                 for s in self.units], self._runner, self._lane)
+        # what the stage's gates (pipeline/zero3.py) wait on: ZeRO-3's weights, or ZeRO-1/2's gathers
+        self.gates: UnitWeights | LazyGathers | None = self.weights or (lazy if overlap_gather else None)
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready)
                        for s in self.units for p in s.unit.params]
 
@@ -243,6 +249,9 @@ class ShardedReplicas:
         if self.weights is not None:
             self.weights.free_all()
             return
+        if isinstance(self.gates, LazyGathers) and self.gates.gated:      # waited for by the next forward's gates
+            self.gates.start()
+            return
         self.gather([[p.detach() for p in s.unit.params] for s in self.units])
 
     def gather(self, per_unit: Sequence[Sequence[torch.Tensor]]) -> None:
@@ -272,6 +281,8 @@ class ShardedReplicas:
         if self.weights is not None:
             for i in range(len(self.units)):
                 self.weights.need(i)
+        if isinstance(self.gates, LazyGathers):
+            self.gates.wait_all()
         self.abandon()
 
     def abandon(self) -> None:
@@ -285,13 +296,13 @@ class ShardedReplicas:
 
 @contextlib.contextmanager
 def whole_weights(syncs: Iterable[Any]) -> Iterator[None]:
-    """Every ZeRO-3 sync's full weights gathered inside (collective over each replica group: a
-    checkpoint reads or loads them); the other syncs' weights are whole anyway."""
+    """Every sharded sync's full, updated weights inside (ZeRO-3: gathered, collective over each
+    replica group; ZeRO-1/2: their gathers waited for): a checkpoint reads or loads them."""
     with contextlib.ExitStack() as stack:
         for sync in syncs:
-            weights = getattr(sync, "weights", None)
-            if isinstance(weights, UnitWeights):
-                stack.enter_context(weights.whole())
+            gates = getattr(sync, "gates", None)
+            if isinstance(gates, (UnitWeights, LazyGathers)):
+                stack.enter_context(gates.whole())
         yield
 
 
