@@ -241,10 +241,10 @@ def test_bf16_plans_price_transfers_and_all_reduces_at_half_the_bytes(tmp_path):
     assert 0.45 < bf16.stages[0].send_ms / fp32.stages[0].send_ms < 0.55
     assert bf16.stages[0].sync_ms == pytest.approx(fp32.stages[0].sync_ms)
     assert 0.45 < low.stages[0].sync_ms / fp32.stages[0].sync_ms < 0.55
-    assert low.predicted_step_ms < bf16.predicted_step_ms < fp32.predicted_step_ms
+    assert low.predicted_step_ms <= bf16.predicted_step_ms < fp32.predicted_step_ms      # the sync overlaps
     back = load_plan(save_plan(low, tmp_path / "p.json"))
     assert (back.precision, back.reduce_dtype) == ("bf16", "bf16")
-    assert simulate(back).step_ms < simulate(bf16).step_ms < simulate(fp32).step_ms
+    assert simulate(back).step_ms <= simulate(bf16).step_ms < simulate(fp32).step_ms
     with pytest.raises(UserError, match="unknown precision"):
         partition(profile, cluster, dataclasses.replace(stages, precision="fp8"))
     with pytest.raises(UserError, match="unknown reduce dtype"):
