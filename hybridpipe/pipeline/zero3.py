@@ -18,7 +18,7 @@ and, for what is left (a split backward's input half), when the backward ends.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -108,6 +108,14 @@ def gate_stage(stage: Any, weights: UnitWeights | LazyGathers, reshard: bool) ->
     module.register_forward_pre_hook(pre)
     module.register_forward_hook(post, always_call=True)
     return gate
+
+
+def gate_stages(stages: Iterable[Any], syncs: Iterable[Any]) -> None:
+    """Gate each stage whose sync (the same order) has gates: a ShardedReplicas (comm/sharded)."""
+    for stage, sync in zip(stages, syncs, strict=True):
+        gates = getattr(sync, "gates", None)
+        if gates is not None:
+            gate_stage(stage, gates, sync.reshard_after_forward)
 
 
 def _hooks(weights: UnitWeights | LazyGathers, gate: Gate, outer: Any) -> tuple[Callable, Callable]:

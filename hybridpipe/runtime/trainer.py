@@ -40,7 +40,7 @@ from hybridpipe.pipeline.chunks import rank_module
 from hybridpipe.pipeline.ports import step_gradients
 from hybridpipe.pipeline.schedules import settle_phase
 from hybridpipe.pipeline.stage import loss_of
-from hybridpipe.pipeline.zero3 import gate_stage
+from hybridpipe.pipeline.zero3 import gate_stages
 from hybridpipe.profiles.capture import tied_parameters
 from hybridpipe.profiles.losses import as_mean
 from hybridpipe.profiles.zoo import ModelSpec
@@ -160,9 +160,7 @@ class Trainer:
                                          wire_dtype=PRECISIONS[str(cfg.reduce_dtype)],
                                          exclude=tied.params if tied is not None else ())
                       for s, st in zip(self.stage_plans, self.stages, strict=True)}
-        for st, sync in zip(self.stages, self.syncs.values(), strict=True):     # gates in the graph (comm/sharded)
-            if isinstance(sync, ShardedReplicas) and sync.gates is not None:
-                gate_stage(st, sync.gates, sync.reshard_after_forward)
+        gate_stages(self.stages, self.syncs.values())          # sharded replicas: gates in the graphs
         if isinstance(self.optimizer, ShardedOptimizer):      # its state lives on the replicas' shards
             self.optimizer.bind([v for v in self.syncs.values() if isinstance(v, ShardedReplicas)])
         topo = Topology.from_plan(plan)
