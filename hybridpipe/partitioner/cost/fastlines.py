@@ -166,7 +166,7 @@ def _butterfly(lay: _Layout, halving: bool, counts: np.ndarray) -> list[_Round]:
     rounds = []
     if e:
         fold = np.zeros(lay.levels)                          # pairs (2i, 2i + 1), i < e: one message a link
-        fold[np.unique(lay.adjacent(np.arange(1, 2 * e, 2)))] = 1.0
+        fold[np.bincount(lay.adjacent(np.arange(1, 2 * e, 2)), minlength=lay.levels) > 0] = 1.0
         rounds.append(_Round(fold, 1.0))
     if halving:
         halves = [1.0 / (2 << k) for k in range(log_p)]
@@ -269,7 +269,7 @@ def _lockstep(lay: _Layout, starts: np.ndarray, sizes: np.ndarray) -> tuple[list
         size = lay.ends[lv][first] - starts + 1
         edge[:, lv] = size - below
         below, parts = size, inside
-    kinds = [int(x) for x in np.unique(sizes) if x >= 2]
+    kinds = sorted(s for s in set(sizes.tolist()) if s >= 2)
     ring_max, edge_max = {}, {}
     for s in kinds:
         mine = sizes == s
