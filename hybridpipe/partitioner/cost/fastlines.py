@@ -63,6 +63,11 @@ class _Round:
 
 def _sum(part: float, count):
     """``part`` added ``count`` times one at a time from 0.0 (a link's sum in ``np.bincount``); elementwise."""
+    if isinstance(count, int) and count <= 64:      # one link: the same additions in Python floats
+        total = 0.0
+        for _ in range(count):
+            total += part
+        return total
     count = np.asarray(count, dtype=np.int64)
     most = int(count.max(initial=0))
     table = np.concatenate([[0.0], np.cumsum(np.full(most, part))])
@@ -76,7 +81,9 @@ class _Layout:
     the whole group (the levels below it cut it into several units)."""
 
     def __init__(self, cluster: Cluster, ranks: Sequence[int] | np.ndarray):
-        g = np.sort(np.asarray(ranks, dtype=np.int64))
+        g = np.asarray(ranks, dtype=np.int64)
+        if len(g) > 1 and (g[1:] < g[:-1]).any():        # the DP's blocks come sorted
+            g = np.sort(g)
         self.n = n = len(g)
         self.levels = levels = len(cluster.levels)
         self.starts: list[np.ndarray] = []
