@@ -204,20 +204,22 @@ def _exchange_counts(lay: _Layout) -> np.ndarray:
     def small(width: int) -> np.ndarray:              # the distances below width, as a column
         return (1 << np.arange(min(log_p, max(width - 1, 0).bit_length())))[:, None]
 
-    lo, hi = index(lay.starts[0]), index(lay.ends[0] + 1)
-    d = small(int((hi - lo).max(initial=0)))
-    out[:len(d), 0] = (_pairs(lo, hi, lo, hi, d) > 0).any(axis=1)     # a rank's own link: one message
+    def inside(level: int) -> tuple[np.ndarray, np.ndarray]:    # per unit of level: size, pairs within
+        lo, hi = index(lay.starts[level]), index(lay.ends[level] + 1)
+        return hi - lo, _pairs(lo, hi, lo, hi, small(int((hi - lo).max(initial=0))))
+
+    size, own = inside(0)
+    out[:len(own), 0] = (own > 0).any(axis=1)             # a rank's own link: one message
     for lv in range(1, lay.top + 1):
+        if lv == lay.top:                             # W holds every survivor: V's own pairs stay
+            size, own = (size, own) if lv == 1 else inside(lv - 1)
+            out[:, lv] = int(size.max(initial=0))
+            out[:len(own), lv] = (size - own).max(axis=1, initial=0)
+            continue
         a, b, wa, wb = lay.parents(lv)
         lo, hi, plo, phi = index(a), index(b + 1), index(wa), index(wb + 1)
-        if lv == lay.top:                             # W holds every survivor: V's own pairs stay
-            size = hi - lo
-            d = small(int(size.max(initial=0)))
-            out[:, lv] = int(size.max(initial=0))
-            out[:len(d), lv] = (size - _pairs(lo, hi, lo, hi, d)).max(axis=1, initial=0)
-        else:
-            d = small(int((phi - plo).max(initial=0)))
-            out[:len(d), lv] = (_pairs(lo, hi, plo, lo, d) + _pairs(lo, hi, hi, phi, d)).max(axis=1, initial=0)
+        d = small(int((phi - plo).max(initial=0)))
+        out[:len(d), lv] = (_pairs(lo, hi, plo, lo, d) + _pairs(lo, hi, hi, phi, d)).max(axis=1, initial=0)
     return out
 
 
