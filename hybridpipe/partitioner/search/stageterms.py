@@ -33,6 +33,7 @@ import numpy as np
 
 from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.cost.sharded import pair_lines, paired_algorithms
+from hybridpipe.partitioner.search.blocktables import BlockTables, grouped
 from hybridpipe.partitioner.search.lanes import SAFETY, lane_row, lane_terms, sync_floor
 from hybridpipe.partitioner.search.modelcosts import ModelCosts
 from hybridpipe.partitioner.search.objective import OPTIMIZER_STATES, Options
@@ -47,7 +48,6 @@ from hybridpipe.partitioner.search.sharding import (
 )
 
 Useful = Callable[[np.ndarray, np.ndarray], np.ndarray]
-SHARE_TABLE = 1 << 22          # entries of the level and share tables at most (else computed per candidate)
 
 
 @dataclass(frozen=True)
@@ -110,8 +110,7 @@ class StageTerms:
                 self.shared["units"] = largest_units(costs.param_bytes)
             self.units: tuple[np.ndarray, np.ndarray] = self.shared["units"]
         self._floor_lanes: dict[tuple[int, int], tuple[tuple[np.ndarray, np.ndarray], float]] = {}
-        self._levels: np.ndarray | None = None          # level_between by (rank within the period, distance)
-        self._shares: np.ndarray | None = None          # busiest_share by (level, x within the period, y - x)
+        self.tables = BlockTables(self.spans, self.period, copies, self.wc)
         self.priced = 0                   # block shapes whose all-reduces were priced (for the benchmark)
 
     # ---- the term --------------------------------------------------------------------------
@@ -238,7 +237,7 @@ class StageTerms:
             return half
         where = np.nonzero(need)[0]
         keys = (c.x[where] % self.period) * (self.wc + 1) + (c.y - c.x)[where]
-        for key, at in _grouped(keys):
+        for key, at in grouped(keys):
             sel = where[at]
             prefix = self._half.get(divmod(int(key), self.wc + 1))
             if prefix is None:
@@ -249,40 +248,12 @@ class StageTerms:
 
     # ---- where a block sits ------------------------------------------------------------------
     def level_between(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        """Innermost level whose units hold both ranks (elementwise; ``a <= b``): from a table of the
-        cluster's period (units below the outermost level repeat every ``period`` ranks)."""
-        if self._levels is None and self.period * self.copies * self.wc <= SHARE_TABLE:
-            o = np.arange(self.period)[:, None]
-            self._levels = self._level_of(o, o + np.arange(self.copies * self.wc)[None, :]).astype(np.int8)
-        if self._levels is None:
-            return self._level_of(a, b)
-        return self._levels[a % self.period, b - a].astype(np.int64)
-
-    def _level_of(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        same = (a[..., None] // self.spans) == (b[..., None] // self.spans)
-        return np.argmax(same, axis=-1)
+        """Innermost level whose units hold both ranks (elementwise; ``a <= b``; ``blocktables.py``)."""
+        return self.tables.level_between(a, b)
 
     def busiest_share(self, x: np.ndarray, y: np.ndarray, level: np.ndarray) -> np.ndarray:
-        """objective.busiest_share of the block's ranks (all copies) behind one link of ``level``: from a
-        table of (level, x within the period, y - x) where it is small, the same operations otherwise."""
-        if self._shares is None and len(self.spans) * self.period * (self.wc + 1) <= SHARE_TABLE:
-            lv, o, b = np.ix_(np.arange(len(self.spans)), np.arange(self.period), np.arange(1, self.wc + 1))
-            lv, o, b = np.broadcast_arrays(lv, o, b)
-            self._shares = np.zeros((len(self.spans), self.period, self.wc + 1))
-            self._shares[:, :, 1:] = self._busiest_share(o, o + b, lv)
-        if self._shares is not None:
-            return self._shares[level, x % self.period, y - x]
-        return self._busiest_share(x, y, level)
-
-    def _busiest_share(self, x: np.ndarray, y: np.ndarray, level: np.ndarray) -> np.ndarray:
-        b = y - x
-        s = np.concatenate([[1], self.spans])[level]              # ranks behind one link of the level
-        first, last = x // s, (y - 1) // s
-        head = np.minimum((first + 1) * s, y) - x
-        tail = y - last * s
-        most = np.where(first == last, b, np.maximum(np.maximum(head, tail), np.where(last - first >= 2, s, 0)))
-        most = np.where(level == 0, 1, most)
-        return most / (b * self.copies)
+        """objective.busiest_share of the block's ranks (all copies) behind one link of ``level``."""
+        return self.tables.busiest_share(x, y, level)
 
     def _transfer(self, i: int, j: np.ndarray, x: np.ndarray, y: np.ndarray) -> np.ndarray:
         """X in ms (objective.transfer_ms): the stage's activation traffic per micro-batch."""
@@ -330,7 +301,7 @@ class StageTerms:
         offset = c.x[where] % self.period
         size = (c.y - c.x)[where]
         keys = offset * (self.wc + 1) + size
-        for key, at in _grouped(keys):
+        for key, at in grouped(keys):
             sel = where[at]
             o, b = divmod(key, self.wc + 1)
             exposed[sel] = self.exposure_row(o, b, i, paired)[j[sel] - i]
@@ -368,7 +339,7 @@ class StageTerms:
         keys = top * (self.copies * self.wc + 1) + units
         out = np.zeros(len(j))
         row_start = self.pb[i] + self.pf[i]
-        for key, sel in _grouped(keys):
+        for key, sel in grouped(keys):
             lv, m = divmod(key, self.copies * self.wc + 1)
             lane = self._floor_lanes.get((lv, m))
             if lane is None:
@@ -410,10 +381,3 @@ class StageTerms:
                                               model.overlap_slowdown * (n - 1) / n * (2 * be + model.gamma))
         return a, per_byte
 
-
-def _grouped(keys: np.ndarray) -> list[tuple[int, np.ndarray]]:
-    """(key, the indices holding it) for each distinct key, in increasing order (one sort, not a scan per key)."""
-    order = np.argsort(keys, kind="stable")
-    ordered = keys[order]
-    cut = np.flatnonzero(ordered[1:] != ordered[:-1]) + 1
-    return [(int(keys[k[0]]), k) for k in np.split(order, cut)] if len(keys) else []
