@@ -223,9 +223,8 @@ def virtual_plan(groups: Sequence[tuple[int, ...]], costs: ModelCosts, model: Co
         c = max(range(len(specs)), key=worker.__getitem__)
         raise UserError(f"{kind.name} with {virtual} virtual stages does not fit: the workers of stage {c} "
                         f"(ranks {list(specs[c].ranks)}) need {worker[c] / 1e9:.2f} GB for their {virtual} chunks, "
-                        "more "
-                        f"than {opts.memory_bytes / 1e9:g} GB; raise --memory-gb, use --recompute auto, fewer "
-                        "--virtual-stages or more workers")
+                        f"more than {opts.memory_bytes / 1e9:g} GB; raise --memory-gb, use --recompute auto"
+                        f"{'' if opts.shard != 'none' else ', --shard auto'}, fewer --virtual-stages or more workers")
     plan = replace(build(specs, ev, plain), schedule=kind.name, virtual_stages=virtual)
     step = simulate(plan) + sum(t.predicted_ms for t in plan.tied) + model.step_overhead_ms
     samples = opts.micro_batches * plan.batch_size / (step / 1e3) if step > 0 else 0.0
