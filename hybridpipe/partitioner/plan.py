@@ -91,6 +91,7 @@ class Stage:
     send_ms: float = 0.0          # one micro-batch's activations to the next stage (latency; grads likewise)
     send_bytes: int = 0           # bytes crossing the cut after this stage per micro-batch (one way)
     memory_bytes: int = 0         # predicted peak memory per worker
+    transient_bytes: int = 0      # of it, kernels' temporaries at the worst moment (an allocator's peak sees them)
     layers: tuple[LayerSync, ...] = ()
     overhead_ms: float = 0.0      # per step: optimizer steps + compute lost to communication (objective.py)
     recompute: bool = False       # drop inner activations after forward, recompute them in backward
@@ -313,6 +314,7 @@ def _stage_from_dict(s: object, i: int, source: str) -> Stage:
                  send_ms=_figure(s, "send_ms", float, where, default=0.0),
                  send_bytes=_figure(s, "send_bytes", int, where, default=0),
                  memory_bytes=_figure(s, "memory_bytes", int, where, default=0),
+                 transient_bytes=_figure(s, "transient_bytes", int, where, default=0),
                  layers=tuple(layers),
                  overhead_ms=_figure(s, "overhead_ms", float, where, default=0.0),
                  recompute=field(s, "recompute", bool, where, default=False),

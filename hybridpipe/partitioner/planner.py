@@ -41,6 +41,7 @@ from hybridpipe.partitioner.search.objective import (
     StageSpec,
     evaluate,
     predict_step_ms,
+    transient_bytes,
 )
 from hybridpipe.partitioner.search.pipedream import pipedream_stages
 from hybridpipe.partitioner.search.refusals import memory_message, no_fit_message
@@ -358,6 +359,7 @@ def build_plan(profile: Profile, costs: ModelCosts, cluster: Cluster, stages: Se
                          ranks=tuple(spec.ranks), compute_ms=e.forward_ms + e.backward_ms, forward_ms=e.forward_ms,
                          backward_ms=e.backward_ms, sync_ms=e.sync_ms_per_step + e.midstep_ms, send_ms=e.send_ms,
                          send_bytes=int(e.send_bytes), memory_bytes=int(e.memory_bytes),
+                         transient_bytes=int(transient_bytes(costs, spec.first, spec.last)),
                          layers=without_tied(e.sync.layers, {t.param: t.bytes for t in tied if idx in t.stages}),
                          overhead_ms=e.overhead_ms, recompute=e.recompute, shard=e.shard,
                          reshard_after_forward=e.reshard_after_forward))
