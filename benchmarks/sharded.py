@@ -52,7 +52,8 @@ from benchmarks.common import (
 
 # zeroN-sync: the updated weights all-gathered at the end of the optimizer step (blocking); zero1/zero2:
 # queued there and waited for at each unit's first use in the next forward (gated stage: pipeline/zero3.py)
-SYSTEMS = ("replicated", "zero1-sync", "zero1", "zero2-sync", "zero2", "zero3", "fsdp2")
+# zero3: gathered weights freed after each forward (reshard_after_forward); zero3-keep: kept over the step
+SYSTEMS = ("replicated", "zero1-sync", "zero1", "zero2-sync", "zero2", "zero3", "zero3-keep", "fsdp2")
 LEVELS = {"zero1": "optimizer", "zero2": "gradients", "zero3": "parameters"}
 
 
@@ -88,9 +89,10 @@ def _worker(rank: int, world: int, system: str, args: argparse.Namespace, port: 
     elif system[:5] in LEVELS:
         model = torch.fx.symbolic_trace(model)         # a graph, as a pipeline stage is, for the gates
         sync = ShardedReplicas(model, GroupTransport(None), units, LEVELS[system[:5]],
-                               overlap_gather=not system.endswith("-sync"))
+                               overlap_gather=not system.endswith("-sync"),
+                               reshard_after_forward=not system.endswith("-keep"))
         if sync.gates is not None:
-            gate_stage(types.SimpleNamespace(module=model), sync.gates, True)
+            gate_stage(types.SimpleNamespace(module=model), sync.gates, sync.reshard_after_forward)
         opt = ShardedOptimizer(model.parameters(), make)
         opt.bind([sync])
     else:
