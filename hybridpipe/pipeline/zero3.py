@@ -93,6 +93,13 @@ def gate_stage(stage: Any, weights: UnitWeights | LazyGathers, reshard: bool) ->
     if getattr(stage, "_plain_graph", None) is not None:
         _gate_graph(stage._plain_graph, module, unit_of)
     stage._eval_module = None
+    if isinstance(weights, UnitWeights):          # ZeRO-1/2's weights are never freed: nothing to regather
+        _regather_saved(module, weights, gate)
+    return gate
+
+
+def _regather_saved(module: nn.Module, weights: UnitWeights, gate: Gate) -> None:
+    """Run ``module``'s forwards under the saved-tensor hooks of :func:`_hooks`."""
     top = _top_hooks()
     pushed: list[bool] = []
 
@@ -107,7 +114,6 @@ def gate_stage(stage: Any, weights: UnitWeights | LazyGathers, reshard: bool) ->
             torch._C._autograd._pop_saved_tensors_default_hooks()
     module.register_forward_pre_hook(pre)
     module.register_forward_hook(post, always_call=True)
-    return gate
 
 
 def gate_stages(stages: Iterable[Any], syncs: Iterable[Any]) -> None:
@@ -118,7 +124,7 @@ def gate_stages(stages: Iterable[Any], syncs: Iterable[Any]) -> None:
             gate_stage(stage, gates, sync.reshard_after_forward)
 
 
-def _hooks(weights: UnitWeights | LazyGathers, gate: Gate, outer: Any) -> tuple[Callable, Callable]:
+def _hooks(weights: UnitWeights, gate: Gate, outer: Any) -> tuple[Callable, Callable]:
     """Saved-tensor hooks: a weight of a unit kept as itself and regathered on unpack, the rest to ``outer``."""
     def pack(t: torch.Tensor) -> Any:
         unit = weights.unit_of(t)
