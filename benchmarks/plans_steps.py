@@ -24,6 +24,11 @@ MODELS = {
               "inputs, so all 138.4M parameters are kept"),
     "resnet50": ("resnet50[image=64]", 8, "input 3x64x64 (paper 224), batch 8; all 25.6M parameters kept"),
     "gpt": ("gpt", 8, "the zoo's small GPT (4 layers, width 256, seq 128, vocab 2048; 4.2M parameters), batch 8"),
+    "llama": ("hf:llama[num_hidden_layers=14,hidden_size=128,intermediate_size=448,num_attention_heads=4,"
+              "num_key_value_heads=2,vocab_size=32000,tie_word_embeddings=False,seq=64]", 4,
+              "Llama-style (hf:llama: untied embedding and LM head, grouped-query attention), 14 layers of width 128, "
+              "seq 64, vocabulary 32000 (RESULTS 4c's 128k model scaled to 2 cores): the LM head with its loss is "
+              "~13 layers' compute, the embedding and the head hold 75% of the 12.3M parameters; batch 4"),
 }
 LAUNCH_TIMEOUT_S = 120       # launch.py --timeout: any receive / collective
 
