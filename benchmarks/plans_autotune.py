@@ -24,12 +24,19 @@ Train = Callable[[Path, Path], dict]
 
 
 def autotune_row(cli: Callable, cluster, name: str, hosts: int, args, work: Path, scaled: Path, cluster_file: Path,
-                 calibrations: Sequence[Path], port: int, launch_timeout: float) -> dict:
-    """``hybridpipe autotune`` on the emulated cluster; the row of the plan it chose (see the docstring)."""
+                 calibrations: Sequence[Path], port: int, launch_timeout: float,
+                 capture_cache: Path | None = None) -> dict:
+    """``hybridpipe autotune`` on the emulated cluster; the row of the plan it chose (see the docstring).
+
+    ``capture_cache``: the model's capture from an earlier run (plans_steps.train_plan), copied into each
+    run directory before the job starts (a shell in front of the job: autotune runs the command as given)."""
     out = work / f"autotune-{name}-{hosts}"
     job = [sys.executable, "-m", "tools.emucluster", "torchrun", "--name", cluster.tag, "--timeout",
            str(args.timeout), "--port", str(port), "--", "launch.py", "--plan", "{plan}", "--steps", "{steps}",
            "--run-dir", "{run_dir}", "--no-progress", "--timeout", str(launch_timeout)]
+    if capture_cache is not None:
+        job = ["sh", "-c", 'mkdir -p "$1" && { cp -r "$2" "$1/capture" 2>/dev/null || true; } && shift 2 && exec "$@"',
+               "seed-capture", "{run_dir}", str(capture_cache), *job]
     cmd = ["autotune", str(scaled), "--cluster", str(cluster_file), "--steps", str(args.autotune_steps), "--budget",
            str(args.autotune_budget), "--out", str(out), "--run-timeout", str(args.timeout)]
     for c in calibrations:

@@ -6,6 +6,7 @@ to 1 Gbit/s)."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -15,6 +16,7 @@ from pathlib import Path
 from benchmarks.common import REPO
 from benchmarks.plans_analysis import refusal_lines
 from hybridpipe.jsonfile import read_json
+from hybridpipe.runtime.parts import CAPTURE_CACHE
 
 # name -> (model spec, samples per micro-batch, what was reduced)
 MODELS = {
@@ -84,9 +86,15 @@ def link_fits(calibration_file: Path) -> dict[str, dict[str, float]]:
 
 
 def train_plan(cluster, plan_file: Path, run_dir: Path, steps: int, port: int, timeout_s: float,
-               trace: bool = False) -> dict:
-    """Run launch.py on every emulated host; the summary.json, or {"failed": message}."""
+               trace: bool = False, capture_cache: Path | None = None) -> dict:
+    """Run launch.py on every emulated host; the summary.json, or {"failed": message}.
+
+    ``capture_cache``: a folder of the model's capture (``RUN_DIR/capture``, keyed by the model, its
+    parameters and the micro-batch's shapes, not the plan): copied into the run directory before the run,
+    filled from the first run that wrote one, so later runs skip torch.export (minutes on a 0.5-core host)."""
     from tools.emucluster.errors import HostCommandFailed
+    if capture_cache is not None and capture_cache.is_dir():
+        shutil.copytree(capture_cache, run_dir / CAPTURE_CACHE, dirs_exist_ok=True)
     t = time.monotonic()
     try:
         cluster.torchrun(["launch.py", "--plan", str(plan_file), "--steps", str(steps), "--run-dir", str(run_dir),
@@ -97,4 +105,6 @@ def train_plan(cluster, plan_file: Path, run_dir: Path, steps: int, port: int, t
         return {"failed": refusal_lines(str(e)), "wall_s": time.monotonic() - t}
     summary = read_json(run_dir / "summary.json", "summary")
     summary["wall_s"] = time.monotonic() - t
+    if capture_cache is not None and not capture_cache.is_dir() and (run_dir / CAPTURE_CACHE).is_dir():
+        shutil.copytree(run_dir / CAPTURE_CACHE, capture_cache)
     return summary
