@@ -112,8 +112,19 @@ def plan_errors(runs: Sequence[RunObservation], refiner: Refiner) -> list[PlanEr
         others = [r for k, rs in plans.items() if k != key for r in rs]
         held = refiner(others) if others else None
         before = next((r.predicted_step_ms for r in mine if r.predicted_step_ms), None)
-        out.append(PlanError(layout(mine[0]), tuple(r.name for r in mine), tuple(run_median(r) for r in mine),
-                             pooled_ms(mine), before, all_in(mine[0]), held(mine[0]) if held else float("nan")))
+        out.append(PlanError(layout(mine[0]), tuple(r.name for r in mine), tuple(float(run_median(r)) for r in mine),
+                             float(pooled_ms(mine)), before, all_in(mine[0]), held(mine[0]) if held else float("nan")))
+    return out
+
+
+def compute_factors(run: RunObservation, forward_ms: Sequence[float], backward_ms: Sequence[float]) -> list[float]:
+    """Per stage of ``run``: its measured forward + backward of one micro-batch over the (calibrated) profile's
+    for its nodes: how fast the hosts computed in this plan against the speed the plans were made with."""
+    out = []
+    for s in run.stages:
+        profiled = sum(forward_ms[s.first:s.last + 1]) + sum(backward_ms[s.first:s.last + 1])
+        if s.forward_ms is not None and s.backward_ms is not None and profiled > 0:
+            out.append(round((s.forward_ms + s.backward_ms) / profiled, 3))
     return out
 
 
@@ -148,7 +159,7 @@ def group_refiner(profile_path: Path, cluster_path: Path, calibration_paths: Seq
 
     def refiner(runs: Sequence[RunObservation]) -> Callable[[RunObservation], float]:
         refined = refine_from_runs(profile, cluster, cals, runs)
-        return lambda run: predict_run(refined.profile, cluster, refined.calibrations, run)
+        return lambda run: float(predict_run(refined.profile, cluster, refined.calibrations, run))
     return refiner
 
 
@@ -187,19 +198,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     from hybridpipe.commands.refining import load_run
     from hybridpipe.jsonfile import read_json
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--work", required=True, type=Path, help="plans.py's --work folder")
-    p.add_argument("--results", required=True, type=Path, help="plans.py's results JSON (its groups)")
+    p.add_argument("--work", required=True, type=Path, action="append",
+                   help="plans.py's --work folder (repeat with --results: the n-th of each go together)")
+    p.add_argument("--results", required=True, type=Path, action="append", help="plans.py's results JSON (its groups)")
+    p.add_argument("--out", type=Path, help="the results JSON to write (default: the first --results' name + "
+                   "_prediction)")
     a = p.parse_args(argv)
-    data = read_json(a.results, "results")
+    if len(a.work) != len(a.results):
+        p.error("give one --work per --results")
     groups: dict[str, list[PlanError]] = {}
-    out: dict = {"benchmark": "plans_prediction", "machine": machine(), "results": str(a.results), "groups": {}}
+    out: dict = {"benchmark": "plans_prediction", "machine": machine(), "results": [str(r) for r in a.results],
+                 "groups": {}}
     spreads: list[float] = []
-    for model, hosts in dict.fromkeys((r["model"], r["hosts"]) for r in data["rows"]):
-        runs = [load_run(d) for d in run_dirs(a.work, model, hosts)]
-        refiner = group_refiner(a.work / f"{model}.x{hosts}.profile.json",
+    found = [(work, model, hosts) for work, results in zip(a.work, a.results, strict=True)
+             for model, hosts in dict.fromkeys((r["model"], r["hosts"]) for r in read_json(results, "results")["rows"])]
+    for work, model, hosts in found:
+        runs = [load_run(d) for d in run_dirs(work, model, hosts)]
+        refiner = group_refiner(work / f"{model}.x{hosts}.profile.json",
                                 REPO / "examples" / "clusters" / f"{hosts}x1gbit.json",
-                                sorted(a.work.glob(f"allreduce{hosts}.json")))
+                                sorted(work.glob(f"allreduce{hosts}.json")))
         plans = plan_errors(runs, refiner)
+        nodes = read_json(work / f"{model}.x{hosts}.profile.json", "profile")["nodes"]
+        fwd, bwd = [n["forward_ms"] for n in nodes], [n["backward_ms"] for n in nodes]
+        by_name = {r.name: r for r in runs}
         name = f"{model}, {hosts} hosts"
         groups[name] = plans
         mine = rerun_spreads(group_plans(runs))
@@ -207,7 +228,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         out["groups"][name] = {
             "runs": len(runs), "rerun_spreads": mine,
             "plans": [{**p.__dict__, "error_before": p.error(p.before_ms), "error_in_sample": p.error(p.in_sample_ms),
-                       "error_leave_one_out": p.error(p.leave_one_out_ms)} for p in plans]}
+                       "error_leave_one_out": p.error(p.leave_one_out_ms),
+                       "compute_factor_per_stage": [compute_factors(by_name[n], fwd, bwd) for n in p.runs]}
+                      for p in plans]}
     every = [p for ps in groups.values() for p in ps]
     out["summary"] = {"before": summarize([p.error(p.before_ms) for p in every]),
                       "in_sample": summarize([p.error(p.in_sample_ms) for p in every]),
@@ -224,7 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if nf["pairs"]:
         print(f"noise floor (same plan rerun, {nf['pairs']} pairs): median {100 * nf['median']:.1f}%, "
               f"worst {100 * nf['worst']:.1f}%")
-    json_path = a.results.with_name(a.results.stem + "_prediction.json")
+    json_path = a.out or a.results[0].with_name(a.results[0].stem + "_prediction.json")
     title = (f"predicted (leave-one-plan-out after refinement) vs measured step, {len(every)} plans; "
              f"median |error| {100 * s['leave_one_out'].get('median', float('nan')):.1f}%")
     write_results(json_path, out, plot(pyplot(), groups, title), json_path.with_suffix(".png"))

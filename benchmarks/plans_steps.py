@@ -89,9 +89,10 @@ def train_plan(cluster, plan_file: Path, run_dir: Path, steps: int, port: int, t
                trace: bool = False, capture_cache: Path | None = None) -> dict:
     """Run launch.py on every emulated host; the summary.json, or {"failed": message}.
 
-    ``capture_cache``: a folder of the model's capture (``RUN_DIR/capture``, keyed by the model, its
-    parameters and the micro-batch's shapes, not the plan): copied into the run directory before the run,
-    filled from the first run that wrote one, so later runs skip torch.export (minutes on a 0.5-core host)."""
+    ``capture_cache``: a folder of the model's captures (``RUN_DIR/capture``, keyed by the model, its
+    parameters and the micro-batch's shapes; one stage and several capture under different keys): copied
+    into the run directory before the run and filled from every run's, so later runs skip torch.export
+    (minutes on a 0.5-core host)."""
     from tools.emucluster.errors import HostCommandFailed
     if capture_cache is not None and capture_cache.is_dir():
         shutil.copytree(capture_cache, run_dir / CAPTURE_CACHE, dirs_exist_ok=True)
@@ -105,6 +106,6 @@ def train_plan(cluster, plan_file: Path, run_dir: Path, steps: int, port: int, t
         return {"failed": refusal_lines(str(e)), "wall_s": time.monotonic() - t}
     summary = read_json(run_dir / "summary.json", "summary")
     summary["wall_s"] = time.monotonic() - t
-    if capture_cache is not None and not capture_cache.is_dir() and (run_dir / CAPTURE_CACHE).is_dir():
-        shutil.copytree(run_dir / CAPTURE_CACHE, capture_cache)
+    if capture_cache is not None and (run_dir / CAPTURE_CACHE).is_dir():     # keep every key (dp and pipelines differ)
+        shutil.copytree(run_dir / CAPTURE_CACHE, capture_cache, dirs_exist_ok=True)
     return summary

@@ -38,3 +38,10 @@ def test_leave_one_plan_out_never_trains_on_the_plan_it_predicts():
     assert a.error(a.leave_one_out_ms) == pytest.approx(148 / 102)
     s = summarize([e.error(e.leave_one_out_ms) for e in errors])
     assert s["plans"] == 3 and s["within_3pct"] == 0
+
+
+def test_compute_factors_compare_each_stage_with_the_profile_of_its_nodes():
+    from benchmarks.plans_prediction import compute_factors
+    run = _run("a", 3, (100.0,))                  # stages 0-2 and 3-9, each 1 ms forward + 1 ms backward
+    fwd, bwd = [0.5] * 10, [0.5] * 10
+    assert compute_factors(run, fwd, bwd) == [pytest.approx(2 / 3), pytest.approx(2 / 7)]
