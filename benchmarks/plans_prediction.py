@@ -193,6 +193,16 @@ def plot(plt, groups: Mapping[str, Sequence[PlanError]], title: str):
     return fig
 
 
+def paired_view(row: Mapping) -> dict:
+    """Issue 30 item 3 from a plans.py autotune row: its paired comparison (plans_autotune.paired_comparison).
+    ``vs``: autotune's step / the other plan's (< 1: autotune's plan is faster); its speed-up is the inverse."""
+    pair = row["autotune"]["paired"]
+    return {"group": f"{row['model']}, {row['hosts']} hosts", "chosen": row.get("layout"),
+            "rounds": pair.get("rounds"), "vs": pair.get("vs") or {"fastest": pair.get("ratio")},
+            "median_ms": pair.get("median_ms"), "same_as": pair.get("same_as"),
+            "round_medians_ms": pair.get("round_medians_ms"), "rerun_spread": pair.get("rerun_spread")}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from benchmarks.common import REPO, machine, pyplot, write_results
     from hybridpipe.commands.refining import load_run
@@ -231,6 +241,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                        "error_leave_one_out": p.error(p.leave_one_out_ms),
                        "compute_factor_per_stage": [compute_factors(by_name[n], fwd, bwd) for n in p.runs]}
                       for p in plans]}
+    out["paired"] = [paired_view(r) for results in a.results for r in read_json(results, "results")["rows"]
+                     if r["strategy"] == "autotune" and (r.get("autotune") or {}).get("paired")]
+    for g in out["paired"]:
+        print(f"{g['group']}: autotune's plan {g['chosen']} paired (ABBA, {g['rounds']} rounds) vs "
+              + ", ".join(f"{k} {v:.3f}x the step" for k, v in g["vs"].items())
+              + f"; the same plan rerun: {g['rerun_spread']}")
     every = [p for ps in groups.values() for p in ps]
     out["summary"] = {"before": summarize([p.error(p.before_ms) for p in every]),
                       "in_sample": summarize([p.error(p.in_sample_ms) for p in every]),
