@@ -186,8 +186,8 @@ def plot(plt, groups: Mapping[str, Sequence[PlanError]], title: str):
     ax.plot([lo, hi], [lo * (1 - WORST), hi * (1 - WORST)], "k:", lw=0.7)
     ax.set_xlim(lo, hi)
     ax.set_ylim(lo, hi)
-    ax.set_xlabel("predicted step (s): refined from the group's other plans' runs (filled); hollow: before refinement")
-    ax.set_ylabel("measured step (s): each run's median (small), the plan's pooled steps (large)")
+    ax.set_xlabel("predicted step (s): leave-one-plan-out (filled), before refinement (hollow)", fontsize=8)
+    ax.set_ylabel("measured step (s): each run (small), the plan pooled (large)", fontsize=8)
     ax.legend(fontsize=7)
     ax.set_title(title, fontsize=9)
     return fig
@@ -264,8 +264,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"noise floor (same plan rerun, {nf['pairs']} pairs): median {100 * nf['median']:.1f}%, "
               f"worst {100 * nf['worst']:.1f}%")
     json_path = a.out or a.results[0].with_name(a.results[0].stem + "_prediction.json")
-    title = (f"predicted (leave-one-plan-out after refinement) vs measured step, {len(every)} plans; "
-             f"median |error| {100 * s['leave_one_out'].get('median', float('nan')):.1f}%")
+    title = (f"predicted vs measured step, {len(every)} plans on emulated hosts; leave-one-plan-out median |error| "
+             f"{100 * s['leave_one_out'].get('median', float('nan')):.1f}%, same plan rerun "
+             f"{100 * (s['noise_floor']['median'] or float('nan')):.0f}%")
     write_results(json_path, out, plot(pyplot(), groups, title), json_path.with_suffix(".png"))
     return 0
 
