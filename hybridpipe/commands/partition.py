@@ -71,10 +71,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(ZeRO-1), gradients (ZeRO-2), parameters (ZeRO-3, gathered per micro-batch or kept for "
                              "the step, as the plan chooses), or auto (per stage, the fastest level that fits)")
     parser.add_argument("--precision", choices=(*PRECISIONS, AUTO), default="fp32",
-                        help="what the job will run in (launch --precision; default fp32): bf16/fp16 price "
-                             "activations, gradients and all-reduces at half the profiled bytes (optimistic: a value "
-                             "autocast keeps in float32 crosses in float32, and launch --reduce-dtype is fp32 by "
-                             "default); auto: the faster predicted of fp32 and bf16, searched with the schedule")
+                        help="what the job will run in (launch --precision; default fp32): activations cross in "
+                             "the dtype autocast computed them in, as a profile taken with --precision measured them "
+                             "(an fp32 profile's are priced at half the bytes under bf16/fp16, an estimate); auto: "
+                             "the faster predicted of fp32 and bf16, searched with the schedule")
+    parser.add_argument("--reduce-dtype", choices=PRECISIONS, default="fp32",
+                        help="what a stage's replicas sum their gradients in (launch --reduce-dtype; default fp32): "
+                             "bf16/fp16 price the all-reduces at half the bytes")
     parser.add_argument("--loss-normalization", choices=LOSS_NORMALIZATIONS, default="micro-batch",
                         help="recorded for launch (which may override it): micro-batch (default), a step's loss is "
                              "the mean of its micro-batches' mean losses; tokens, the step's summed per-token loss "
@@ -129,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
                   micro_batches=args.micro_batches, optimizer=args.optimizer, memory_gb=args.memory_gb,
                   stages=args.stages, algorithms=tuple(a.strip() for a in args.algorithms.split(",") if a.strip()),
                   dedicated_aggregator=args.aggregator == "dedicated", time_budget_s=args.time_budget,
-                  recompute=args.recompute, precision=args.precision,
+                  recompute=args.recompute, precision=args.precision, reduce_dtype=args.reduce_dtype,
                   virtual_stages=(AUTO_VIRTUAL if args.schedule == AUTO else 1) if args.virtual_stages is None
                   else args.virtual_stages, shard=args.shard)
     with search_bar(args.strategy, disable=args.quiet) as progress:
@@ -258,8 +261,8 @@ def compare(profile, cluster, req: Request, calibrations, outcome: Outcome, *, e
             continue
         rows.append([name, len(other.stages), f"{other.predicted_step_ms:.1f}", f"{other.predicted_samples_per_s:.1f}",
                      f"{other.predicted_step_ms / mine:.2f}x the step of {req.strategy}"])
-    if every and req.strategy == "optimal" and req.virtual_stages == 1:
-        rows += shard_rows(profile, cluster, req, calibrations, mine, reasons)
+    if every and req.strategy == "optimal":
+        rows += shard_rows(profile, cluster, req, calibrations, outcome.plan, reasons)
     if not rows:
         return ""
     if not every:
@@ -279,9 +282,10 @@ def shard_label(shard: str, reshard: bool) -> str:
     return f"ZeRO-{zero}" + ("" if shard != "parameters" or reshard else " kept")
 
 
-def shard_rows(profile, cluster, req: Request, calibrations, mine: float, reasons: list[str]) -> list[list[object]]:
+def shard_rows(profile, cluster, req: Request, calibrations, this: Plan, reasons: list[str]) -> list[list[object]]:
     """The optimal plan at every other --shard choice, then the best replicated and the best sharded of them
-    all (this plan included)."""
+    all (this plan included; a plan counts as sharded when a stage of it shards)."""
+    mine = this.predicted_step_ms
     rows: list[list[object]] = []
     best: dict[bool, tuple[float, str]] = {}
     for choice in SHARD_CHOICES:
@@ -297,8 +301,7 @@ def shard_rows(profile, cluster, req: Request, calibrations, mine: float, reason
         if plan is not None:
             rows.append([label, len(plan.stages), f"{step:.1f}", f"{plan.predicted_samples_per_s:.1f}",
                          f"{step / mine:.2f}x the step of this plan"])
-        levels = {s.shard for s in (plan.stages if plan is not None else ())} - {"none"}
-        is_sharded = bool(levels) if plan is not None else choice != "none"
+        is_sharded = any(s.shard != "none" for s in (plan if plan is not None else this).stages)
         if is_sharded not in best or step < best[is_sharded][0]:
             best[is_sharded] = (step, label if plan is not None else f"{label} (this plan)")
     for key, name in ((False, "best replicated"), (True, "best sharded")):
