@@ -33,6 +33,7 @@ def compute_worker(spec_name: str, batch: int, seconds: float, sync_dir: str, co
     """Build the model, wait until ``copies`` workers are ready, time forward+loss+backward for ``seconds``."""
     import torch
 
+    from hybridpipe.profiles.calling import call_args, own_loss, training_switches
     from hybridpipe.profiles.zoo import resolve_model
     torch.set_num_threads(1)
     spec = resolve_model(spec_name)
@@ -40,13 +41,21 @@ def compute_worker(spec_name: str, batch: int, seconds: float, sync_dir: str, co
     model = spec.build()
     gen = torch.Generator().manual_seed(os.getpid())
     x, y = spec.example_input(batch, gen), spec.example_target(batch, gen)
+    args, kwargs = call_args(x)                       # a dict batch (Hugging Face) as keywords
+    kwargs.update(training_switches(model))
+
+    def loss() -> torch.Tensor:                       # the model's own loss where it has no loss function
+        out = model(*args, **kwargs)
+        value = spec.loss(out, y) if spec.loss is not None else own_loss(out)
+        assert value is not None, f"{spec_name} returned no loss and has no loss function"
+        return value
 
     opt = torch.optim.SGD(model.parameters(), lr=1e-6, momentum=0.9)      # the runtime's default optimizer
     steps: list[float] = []
 
     def once() -> float:
         t = time.perf_counter()
-        spec.loss(model(x), y).backward()
+        loss().backward()
         took = time.perf_counter() - t
         t = time.perf_counter()
         opt.step()

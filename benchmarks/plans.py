@@ -77,7 +77,7 @@ from benchmarks.common import (
     write_results,
 )
 from benchmarks.contention import measure_compute
-from benchmarks.plans_analysis import STRATEGIES, add_relative, error_summary, plot
+from benchmarks.plans_analysis import LAYER_STRATEGIES, STRATEGIES, add_relative, error_summary, plot
 from benchmarks.plans_autotune import autotune_summary
 from benchmarks.plans_group import run_model_hosts
 from benchmarks.plans_steps import LAUNCH_TIMEOUT_S, MODELS, allreduce_calibration, link_fits, profile_model
@@ -153,7 +153,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help=f"models {QUICK_MODELS} on {QUICK_HOSTS} hosts")
     p.add_argument("--models", default=None, help=f"from {','.join(MODELS)} (default all; quick {QUICK_MODELS})")
     p.add_argument("--hosts", default=None, help="emulated host counts, from 4,8 (default 4,8; quick 4)")
-    p.add_argument("--strategies", default=",".join(STRATEGIES), help=f"from {','.join(STRATEGIES)} (default all)")
+    p.add_argument("--strategies", default=",".join(STRATEGIES),
+                   help=f"from {','.join(STRATEGIES + LAYER_STRATEGIES)} (default {','.join(STRATEGIES)}; a layer "
+                   "strategy is refused on a model without a layer stack)")
     p.add_argument("--steps", type=int, default=None, help="training steps per plan, the first fifth (at least 1) "
                    "is warm-up (default 3: the median of the last 2)")
     p.add_argument("--repeats", type=int, default=3, help="profile repeats per node (default 3)")
@@ -190,7 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     models = (args.models or (QUICK_MODELS if quick else ",".join(MODELS))).split(",")
     hosts_list = [int(h) for h in (args.hosts or (QUICK_HOSTS if quick else "4,8")).split(",")]
     strategies = args.strategies.split(",")
-    bad = [m for m in models if m not in MODELS] + [s for s in strategies if s not in STRATEGIES]
+    bad = [m for m in models if m not in MODELS] + [s for s in strategies if s not in STRATEGIES + LAYER_STRATEGIES]
     bad += [str(h) for h in hosts_list if not (REPO / "examples" / "clusters" / f"{h}x1gbit.json").exists()]
     if bad:
         raise SystemExit(f"unknown model/strategy/host count {bad}; models {','.join(MODELS)}, strategies "

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 STRATEGIES = ("optimal", "dp", "uniform", "params", "time", "pipedream")
+LAYER_STRATEGIES = ("torchtitan", "megatron")   # transformers only (a layer stack); asked for with --strategies
 ERROR_GOAL = 0.10          # |measured / predicted - 1| the benchmark aims at
 MEMORY_MARGIN = 0.8          # a plan runs only if its predicted memory fits in this share of MemAvailable
 PROCESS_OVERHEAD = 350 << 20  # bytes per worker process beyond the plan's estimate (torch, gloo, python)
@@ -252,7 +253,7 @@ def plot(plt, rows: Sequence[Mapping[str, Any]], title: str):
     """Left: measured throughput relative to optimal per model x hosts, one bar per strategy
     (predicted ratio as a black tick). Right: predicted vs measured step time."""
     groups = list(dict.fromkeys((r["model"], r["hosts"]) for r in rows))
-    strategies = [s for s in (*STRATEGIES, "autotune") if any(r["strategy"] == s for r in rows)]
+    strategies = [s for s in (*STRATEGIES, *LAYER_STRATEGIES, "autotune") if any(r["strategy"] == s for r in rows)]
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(14, 5), gridspec_kw={"width_ratios": [1.6, 1]})
     w = 0.8 / max(1, len(strategies))
     for k, strategy in enumerate(strategies):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from benchmarks.plans_analysis import plan_key, refusal_lines, row_from
@@ -24,12 +24,19 @@ Train = Callable[[Path, Path], dict]
 
 
 def autotune_row(cli: Callable, cluster, name: str, hosts: int, args, work: Path, scaled: Path, cluster_file: Path,
-                 calibrations: Sequence[Path], port: int, launch_timeout: float) -> dict:
-    """``hybridpipe autotune`` on the emulated cluster; the row of the plan it chose (see the docstring)."""
+                 calibrations: Sequence[Path], port: int, launch_timeout: float,
+                 capture_cache: Path | None = None) -> dict:
+    """``hybridpipe autotune`` on the emulated cluster; the row of the plan it chose (see the docstring).
+
+    ``capture_cache``: the model's capture from an earlier run (plans_steps.train_plan), copied into each
+    run directory before the job starts (a shell in front of the job: autotune runs the command as given)."""
     out = work / f"autotune-{name}-{hosts}"
     job = [sys.executable, "-m", "tools.emucluster", "torchrun", "--name", cluster.tag, "--timeout",
            str(args.timeout), "--port", str(port), "--", "launch.py", "--plan", "{plan}", "--steps", "{steps}",
            "--run-dir", "{run_dir}", "--no-progress", "--timeout", str(launch_timeout)]
+    if capture_cache is not None:
+        job = ["sh", "-c", 'mkdir -p "$1" && { cp -r "$2" "$1/capture" 2>/dev/null || true; } && shift 2 && exec "$@"',
+               "seed-capture", "{run_dir}", str(capture_cache), *job]
     cmd = ["autotune", str(scaled), "--cluster", str(cluster_file), "--steps", str(args.autotune_steps), "--budget",
            str(args.autotune_budget), "--out", str(out), "--run-timeout", str(args.timeout)]
     for c in calibrations:
@@ -70,26 +77,51 @@ def fastest_strategy(rows: Sequence[dict]) -> dict | None:
     return min(ok, key=lambda r: r["measured_step_ms"]) if ok else None
 
 
-def paired_comparison(train: Train, tuned_plan: Path, fastest_plan: Path, work: Path, rounds: int) -> dict:
-    """Run the two plans alternately ``rounds`` times each (ABBA order); their pooled medians and ratio."""
-    tuned, fastest = read_json(tuned_plan, "plan"), read_json(fastest_plan, "plan")
-    if plan_key(tuned) == plan_key(fastest):
-        return {"same_plan": True, "ratio": 1.0, "rounds": 0}
-    steps: dict[str, list[float]] = {"autotune": [], "fastest": []}
+def paired_comparison(train: Train, tuned_plan: Path, fastest_plan: Path, work: Path, rounds: int,
+                      others: Mapping[str, Path] | None = None) -> dict:
+    """Run autotune's plan, the fastest strategy's and ``others`` (name -> plan file, e.g. ``uniform``)
+    alternately ``rounds`` times each, the order reversed every other round (A B C, C B A, ...); a plan
+    identical to one before it runs once. Their pooled medians, autotune's ratio to each, and each plan's
+    round-to-round spread (the same plan rerun: the noise the ratios are judged against)."""
+    named: dict[str, Path] = {"autotune": tuned_plan, "fastest": fastest_plan, **(others or {})}
+    keys = {who: plan_key(read_json(plan, "plan")) for who, plan in named.items()}
+    runs: dict[str, Path] = {}
+    alias: dict[str, str] = {}
+    for who, plan in named.items():
+        first = next((w for w in runs if keys[w] == keys[who]), None)
+        if first is None:
+            runs[who] = plan
+        else:
+            alias[who] = first
+    if len(runs) == 1:
+        return {"same_plan": True, "ratio": 1.0, "rounds": 0, "same_as": alias}
+    steps: dict[str, list[float]] = {who: [] for who in runs}
+    per_round: dict[str, list[float]] = {who: [] for who in runs}
     failed = []
     for k in range(rounds):
-        order = [("autotune", tuned_plan), ("fastest", fastest_plan)]
+        order = list(runs.items())
         for who, plan in (order if k % 2 == 0 else order[::-1]):
             summary = train(plan, work / f"pair-{k}-{who}")
             if "failed" in summary:
                 failed.append(f"round {k} {who}: {summary['failed']}")
                 continue
-            steps[who] += steady_steps(summary)
-    if not steps["autotune"] or not steps["fastest"]:
-        return {"same_plan": False, "ratio": None, "rounds": rounds, "failed": failed}
-    a, f = statistics.median(steps["autotune"]), statistics.median(steps["fastest"])
-    return {"same_plan": False, "rounds": rounds, "autotune_ms": a, "fastest_ms": f, "ratio": round(a / f, 3),
-            "autotune_steps": steps["autotune"], "fastest_steps": steps["fastest"], "failed": failed}
+            mine = steady_steps(summary)
+            steps[who] += mine
+            if mine:
+                per_round[who].append(statistics.median(mine))
+    if any(not v for v in steps.values()):
+        return {"same_plan": False, "ratio": None, "rounds": rounds, "failed": failed, "same_as": alias}
+    median = {who: statistics.median(v) for who, v in steps.items()}
+    med = {who: median[alias.get(who, who)] for who in named}
+    out = {"same_plan": len(runs) == 1 or "fastest" in alias, "rounds": rounds, "same_as": alias,
+           "order": list(runs), "median_ms": med, "steps_ms": steps, "round_medians_ms": per_round,
+           "vs": {who: round(med["autotune"] / med[who], 4) for who in named if who != "autotune"},
+           "rerun_spread": {who: round(max(v) / min(v) - 1, 4) for who, v in per_round.items() if len(v) > 1},
+           "autotune_ms": med["autotune"], "fastest_ms": med["fastest"],
+           "ratio": round(med["autotune"] / med["fastest"], 3), "failed": failed}
+    out["autotune_steps"], out["fastest_steps"] = steps[alias.get("autotune", "autotune")], \
+        steps[alias.get("fastest", "fastest")]
+    return out
 
 
 def autotune_summary(rows: Sequence[dict], within: float = 0.03) -> dict:

@@ -19,6 +19,8 @@ from benchmarks.plans_autotune import autotune_row, fastest_strategy, paired_com
 from benchmarks.plans_steps import LAUNCH_TIMEOUT_S, MODELS, hybridpipe_cli, partition, train_plan
 from hybridpipe.jsonfile import read_json, write_json
 
+PAIRED_WITH = ("uniform", "optimal")   # besides the fastest strategy, autotune's plan is paired with these
+
 
 def run_model_hosts(cluster, name: str, hosts: int, strategies: list[str], args, work: Path, profile: Path,
                     compute: dict[int, dict], calibrations: list[Path], calib: dict, port_base: int) -> list[dict]:
@@ -70,7 +72,7 @@ def run_model_hosts(cluster, name: str, hosts: int, strategies: list[str], args,
         why = memory_refusal(plan)
         summary = {"not_run": why} if why else train_plan(
             cluster, plan_file, work / f"run-{name}-{hosts}-{strategy}", args.steps, port_base + k, args.timeout,
-            args.trace)
+            args.trace, work / f"capture-{name}")
         busy = None if cluster.cpus else busy_aware_prediction(plan, curve, hosts, calibrations)
         row = row_from(name, hosts, strategy, plan, summary, busy)
         done[key] = row
@@ -83,14 +85,16 @@ def run_model_hosts(cluster, name: str, hosts: int, strategies: list[str], args,
             log.info("  %-9s %s: %s", strategy, row["status"], row["reason"])
     if args.autotune:
         row = autotune_row(hybridpipe_cli, cluster, name, hosts, args, work, scaled, cluster_file, calibrations,
-                           port_base + 9, LAUNCH_TIMEOUT_S)
+                           port_base + 9, LAUNCH_TIMEOUT_S, work / f"capture-{name}")
         best = fastest_strategy(rows)
         if args.pair_rounds and row.get("status") == "ok" and best is not None:
+            others = {s: work / f"{name}.{hosts}.{s}.plan.json" for s in PAIRED_WITH
+                      if any(r["strategy"] == s and r.get("status") == "ok" for r in rows)}
             row["autotune"]["paired"] = paired_comparison(
                 lambda plan, run_dir: train_plan(cluster, plan, run_dir, args.autotune_steps, port_base + 8,
-                                                 args.timeout),
+                                                 args.timeout, args.trace, work / f"capture-{name}"),
                 work / f"autotune-{name}-{hosts}" / "plan.json", work / f"{name}.{hosts}.{best['strategy']}.plan.json",
-                work / f"pairs-{name}-{hosts}", args.pair_rounds)
+                work / f"pairs-{name}-{hosts}", args.pair_rounds, others)
             log.info("  autotune vs %s, alternately %d x each: %s", best["strategy"], args.pair_rounds,
                      row["autotune"]["paired"].get("ratio"))
         rows.append(row)

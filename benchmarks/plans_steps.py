@@ -6,6 +6,7 @@ to 1 Gbit/s)."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -15,6 +16,7 @@ from pathlib import Path
 from benchmarks.common import REPO
 from benchmarks.plans_analysis import refusal_lines
 from hybridpipe.jsonfile import read_json
+from hybridpipe.runtime.parts import CAPTURE_CACHE
 
 # name -> (model spec, samples per micro-batch, what was reduced)
 MODELS = {
@@ -24,6 +26,11 @@ MODELS = {
               "inputs, so all 138.4M parameters are kept"),
     "resnet50": ("resnet50[image=64]", 8, "input 3x64x64 (paper 224), batch 8; all 25.6M parameters kept"),
     "gpt": ("gpt", 8, "the zoo's small GPT (4 layers, width 256, seq 128, vocab 2048; 4.2M parameters), batch 8"),
+    "llama": ("hf:llama[num_hidden_layers=14,hidden_size=128,intermediate_size=448,num_attention_heads=4,"
+              "num_key_value_heads=2,vocab_size=32000,tie_word_embeddings=False,seq=64]", 4,
+              "Llama-style (hf:llama: untied embedding and LM head, grouped-query attention), 14 layers of width 128, "
+              "seq 64, vocabulary 32000 (RESULTS 4c's 128k model scaled to 2 cores): the LM head with its loss is "
+              "~13 layers' compute, the embedding and the head hold 75% of the 12.3M parameters; batch 4"),
 }
 LAUNCH_TIMEOUT_S = 120       # launch.py --timeout: any receive / collective
 
@@ -79,9 +86,16 @@ def link_fits(calibration_file: Path) -> dict[str, dict[str, float]]:
 
 
 def train_plan(cluster, plan_file: Path, run_dir: Path, steps: int, port: int, timeout_s: float,
-               trace: bool = False) -> dict:
-    """Run launch.py on every emulated host; the summary.json, or {"failed": message}."""
+               trace: bool = False, capture_cache: Path | None = None) -> dict:
+    """Run launch.py on every emulated host; the summary.json, or {"failed": message}.
+
+    ``capture_cache``: a folder of the model's captures (``RUN_DIR/capture``, keyed by the model, its
+    parameters and the micro-batch's shapes; one stage and several capture under different keys): copied
+    into the run directory before the run and filled from every run's, so later runs skip torch.export
+    (minutes on a 0.5-core host)."""
     from tools.emucluster.errors import HostCommandFailed
+    if capture_cache is not None and capture_cache.is_dir():
+        shutil.copytree(capture_cache, run_dir / CAPTURE_CACHE, dirs_exist_ok=True)
     t = time.monotonic()
     try:
         cluster.torchrun(["launch.py", "--plan", str(plan_file), "--steps", str(steps), "--run-dir", str(run_dir),
@@ -92,4 +106,6 @@ def train_plan(cluster, plan_file: Path, run_dir: Path, steps: int, port: int, t
         return {"failed": refusal_lines(str(e)), "wall_s": time.monotonic() - t}
     summary = read_json(run_dir / "summary.json", "summary")
     summary["wall_s"] = time.monotonic() - t
+    if capture_cache is not None and (run_dir / CAPTURE_CACHE).is_dir():     # keep every key (dp and pipelines differ)
+        shutil.copytree(run_dir / CAPTURE_CACHE, capture_cache, dirs_exist_ok=True)
     return summary

@@ -132,3 +132,18 @@ def test_scale_plan_compute_leaves_communication_alone():
     got = (s["forward_ms"], s["backward_ms"], s["compute_ms"], s["send_ms"], s["sync_ms"])
     assert got == (5.0, 10.0, 15.0, 5.0, 7.0)
     assert plan["stages"][0]["forward_ms"] == 10.0
+
+
+@pytest.mark.slow
+def test_the_compute_measurement_calls_a_hugging_face_model_with_its_dict_batch_and_own_loss(tmp_path, capsys):
+    """plans.py's calibration (contention.compute_worker) on a model whose batch is a dict and whose loss is its
+    own (hf:llama): it called ``model(x)`` with the dict and ``spec.loss`` (None) before."""
+    import os
+
+    from benchmarks.common import read_result
+    from benchmarks.contention import compute_worker
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    compute_worker("hf:llama[num_hidden_layers=1,hidden_size=32,intermediate_size=64,num_attention_heads=2,"
+                   "num_key_value_heads=1,vocab_size=64,seq=8]", 2, 0.05, str(tmp_path), 1)
+    result = read_result(capsys.readouterr().out)
+    assert result["median_ms"] > 0 and result["iterations"] >= 2 and result["sgd_step_ms"] > 0
