@@ -22,7 +22,6 @@ from hybridpipe.partitioner.cost.wire import activation_wire
 from hybridpipe.partitioner.plan import (
     ALGORITHMS,
     OPTIMIZERS,
-    RUNNABLE_SHARD_LEVELS,
     STRATEGIES,
     WIRE_BYTES,
     LayerSync,
@@ -60,8 +59,6 @@ MICRO_BATCHES_PER_WORKER = 2      # default micro-batches per step: enough to ke
 # every search stops after this long (partition --time-budget): above the slowest optimal search measured
 # (50 nodes on 4096 workers, 85 s: benchmarks/RESULTS.md), so it cuts only what would run on and on
 DEFAULT_TIME_BUDGET_S = 120.0
-ZERO3_NOTE = ("ZeRO-3 (--shard parameters) is planned for its prediction only: launch cannot run it yet "
-              "(it runs none, optimizer and gradients; --shard auto chooses among those)")
 
 
 @dataclass(frozen=True)
@@ -190,8 +187,6 @@ def partition(profile: Profile, cluster: Cluster, req: Request = Request(),
         notes += (f"the profile was measured in {profile.precision} and the plan is for {req.precision}: its "
                   f"activation memory is {profile.precision}'s; `hybridpipe profile --precision {req.precision}` "
                   "measures it as the job runs",)
-    if any(s.shard not in RUNNABLE_SHARD_LEVELS for s in plan.stages):
-        notes += (ZERO3_NOTE,)
     return Outcome(replace(plan, search=search), ev, model, opts, notes)
 
 
@@ -244,9 +239,7 @@ def partition_virtual(profile: Profile, cluster: Cluster, req: Request, calibrat
            "contiguous split)")
     note = f"{req.schedule}: {how}, each holding {virtual} of the model's {len(plan.stages)} chunks; step predicted " \
            "by simulation"
-    notes = tuple(n for n in base.notes if n != ZERO3_NOTE) + (note,)
-    if any(s.shard not in RUNNABLE_SHARD_LEVELS for s in plan.stages):
-        notes += (ZERO3_NOTE,)
+    notes = base.notes + (note,)
     return Outcome(replace(plan, search=base.plan.search), ev, base.model, opts, notes)
 
 

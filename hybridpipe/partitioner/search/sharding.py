@@ -10,7 +10,9 @@ activations (as for any stage):
   reduce-scattered; a unit is a profile node).
 * ``parameters`` (ZeRO-3): W / r + G / r + O / r + the gathered working set: with
   ``reshard_after_forward`` the two largest units' full weights (the one in use and the one being
-  gathered), without it the whole stage's W (gathered once, kept across the step's micro-batches).
+  gathered), without it the whole stage's W (gathered once, kept across the step's micro-batches)
+  plus, as ZeRO-2, the largest unit's full gradient being reduce-scattered (measured:
+  tests/pipeline/test_zero3.py).
 
 Collectives (``cost/sharded.py``: a reduce-scatter or an all-gather is half of the cheapest paired
 all-reduce, H_l for layer l; H = sum over the stage's layers):
@@ -72,7 +74,7 @@ def check_shard(shard: str) -> None:
 
 def sharded_variants(shard: str) -> tuple[Variant, ...]:
     """The variants a stage with replicas may take under ``--shard`` (a stage of one replica: ``NONE`` only);
-    ``auto`` chooses among the levels the runtime runs (RUNNABLE_SHARD_LEVELS: not ZeRO-3 yet)."""
+    ``auto`` chooses among the levels the runtime runs (RUNNABLE_SHARD_LEVELS)."""
     if shard == "auto":
         return tuple(v for v in VARIANTS if v.level in RUNNABLE_SHARD_LEVELS)
     return tuple(v for v in VARIANTS if v.level == shard)
@@ -87,7 +89,7 @@ def static_bytes(v: Variant, weights, replicas, states: int, unit1, unit2, versi
         return weights * (2 + versions) + weights * states / replicas
     if v.level == "gradients":
         return weights * (1 + versions) + weights * (1 + states) / replicas + unit1
-    gathered = unit2 if v.reshard else weights
+    gathered = unit2 if v.reshard else weights + unit1
     return weights * versions + weights * (2 + states) / replicas + gathered
 
 
