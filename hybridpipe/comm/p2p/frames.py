@@ -105,7 +105,7 @@ class FrameSender(_End):
     """Send side of one lane to one peer."""
 
     def post(self, key: str, msg: int, parts: int, items: Sequence[tuple[str, torch.Tensor]],
-             flags: Flag = Flag.NONE, ready: torch.cuda.Event | None = None) -> Posted:
+             flags: int = Flag.NONE, ready: torch.cuda.Event | None = None) -> Posted:
         """Post a frame's operations without waiting. ``items`` must be contiguous tensors."""
         metas = wire.describe(items)
         meta = b""

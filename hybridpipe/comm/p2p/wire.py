@@ -27,7 +27,6 @@ single tensor is not copied), where copying it would cost more than the extra me
 
 from __future__ import annotations
 
-import enum
 import functools
 import json
 import math
@@ -54,16 +53,19 @@ class WireError(ValueError):
     """Malformed or inconsistent bytes on a lane (the channel turns it into ProtocolError)."""
 
 
-class Flag(enum.IntFlag):
+class Flag:
+    """A frame's flags: bits of the header's ``flags`` int (plain ints: tested on every frame)."""
+
     NONE = 0
     META = 1    # metadata follows the header and replaces the cached one for this key kind
     CLOSE = 2   # the sender closed its channels; nothing follows on this lane
     HELLO = 4   # first frame of a lane: the key carries the sender's configuration
     SPLIT = 8   # the header travelled alone: metadata and body follow as messages of their own
+    ALL = (NONE, META, CLOSE, HELLO, SPLIT)
 
 
 class Header(NamedTuple):
-    flags: Flag
+    flags: int          # Flag bits
     seq: int            # frame number on this lane, from 0
     msg: int            # message number on this link direction, from 0
     parts: int          # tensors in the whole message (all lanes)
@@ -130,7 +132,7 @@ def decode_header(buf) -> Header:
     if key_len > MAX_KEY_BYTES:
         raise WireError(f"key length {key_len} exceeds {MAX_KEY_BYTES}")
     key = bytes(buf[_FIXED.size:_FIXED.size + key_len]).decode("utf-8", errors="replace")
-    return Header(Flag(flags), seq, msg, parts, n, meta_len, payload, body, key)
+    return Header(flags, seq, msg, parts, n, meta_len, payload, body, key)
 
 
 def describe(items: Sequence[tuple[str, torch.Tensor]]) -> tuple[TensorMeta, ...]:

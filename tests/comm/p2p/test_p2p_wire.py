@@ -14,7 +14,7 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int
           torch.int8, torch.uint8, torch.bool, torch.complex64]
 
 keys = st.text(min_size=1, max_size=20).filter(lambda k: len(k.encode()) <= wire.MAX_KEY_BYTES)
-headers = st.builds(Header, st.sampled_from(list(Flag)), st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1),
+headers = st.builds(Header, st.sampled_from(Flag.ALL), st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1),
                     st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1),
                     st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1), keys)
 metas = st.lists(st.builds(TensorMeta, st.text(max_size=12), st.sampled_from(DTYPES),
