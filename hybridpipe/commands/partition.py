@@ -71,10 +71,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(ZeRO-1), gradients (ZeRO-2), parameters (ZeRO-3, gathered per micro-batch or kept for "
                              "the step, as the plan chooses), or auto (per stage, the fastest level that fits)")
     parser.add_argument("--precision", choices=(*PRECISIONS, AUTO), default="fp32",
-                        help="what the job will run in (launch --precision; default fp32): bf16/fp16 price "
-                             "activations, gradients and all-reduces at half the profiled bytes (optimistic: a value "
-                             "autocast keeps in float32 crosses in float32, and launch --reduce-dtype is fp32 by "
-                             "default); auto: the faster predicted of fp32 and bf16, searched with the schedule")
+                        help="what the job will run in (launch --precision; default fp32): activations cross in "
+                             "the dtype autocast computed them in, as a profile taken with --precision measured them "
+                             "(an fp32 profile's are priced at half the bytes under bf16/fp16, an estimate); auto: "
+                             "the faster predicted of fp32 and bf16, searched with the schedule")
+    parser.add_argument("--reduce-dtype", choices=PRECISIONS, default="fp32",
+                        help="what a stage's replicas sum their gradients in (launch --reduce-dtype; default fp32): "
+                             "bf16/fp16 price the all-reduces at half the bytes")
     parser.add_argument("--loss-normalization", choices=LOSS_NORMALIZATIONS, default="micro-batch",
                         help="recorded for launch (which may override it): micro-batch (default), a step's loss is "
                              "the mean of its micro-batches' mean losses; tokens, the step's summed per-token loss "
@@ -129,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
                   micro_batches=args.micro_batches, optimizer=args.optimizer, memory_gb=args.memory_gb,
                   stages=args.stages, algorithms=tuple(a.strip() for a in args.algorithms.split(",") if a.strip()),
                   dedicated_aggregator=args.aggregator == "dedicated", time_budget_s=args.time_budget,
-                  recompute=args.recompute, precision=args.precision,
+                  recompute=args.recompute, precision=args.precision, reduce_dtype=args.reduce_dtype,
                   virtual_stages=(AUTO_VIRTUAL if args.schedule == AUTO else 1) if args.virtual_stages is None
                   else args.virtual_stages, shard=args.shard)
     with search_bar(args.strategy, disable=args.quiet) as progress:

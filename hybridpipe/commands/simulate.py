@@ -16,13 +16,12 @@ from hybridpipe.commands.show import table
 from hybridpipe.errors import UserError
 from hybridpipe.limits import require_memory
 from hybridpipe.partitioner.cost.calibration import load_calibration
-from hybridpipe.partitioner.cost.costmodel import CostModel
-from hybridpipe.partitioner.plan import WIRE_BYTES, Plan, load_plan
+from hybridpipe.partitioner.plan import Plan, load_plan
 from hybridpipe.partitioner.plan_options import add_micro_batches_option, add_schedule_option
 from hybridpipe.partitioner.schedule_registry import get_schedule
 from hybridpipe.pipeline.schedules import Topology, check_schedulable
 from hybridpipe.pipeline.simtrace import draw_timeline, write_chrome_trace
-from hybridpipe.pipeline.simulator import SimResult, simulate, stage_costs
+from hybridpipe.pipeline.simulator import SimResult, plan_cost_model, simulate, stage_costs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,8 +46,7 @@ def run(args: argparse.Namespace) -> int:
     if all(c.forward_ms == 0 and c.backward_ms == 0 for c in stage_costs(plan)):
         raise UserError(f"{args.plan} has no per-stage times (forward_ms/backward_ms/compute_ms are 0); "
                         "partition a measured profile to get them")
-    model = CostModel(plan.cluster, load_calibration(args.calibration) if args.calibration else None,
-                      wire_bytes=WIRE_BYTES[plan.precision])
+    model = plan_cost_model(plan, load_calibration(args.calibration) if args.calibration else None)
     result = simulate(plan, schedule=schedule, steps=args.steps, micro_batches=topo.micro_batches, cost_model=model)
     print(render(plan, topo, result))
     if args.trace:

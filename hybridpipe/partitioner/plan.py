@@ -43,6 +43,7 @@ from hybridpipe.jsonfile import MAX_FIGURE, MAX_PLAN_FIGURE, check_header, field
 from hybridpipe.partitioner.cost import collectives as co
 from hybridpipe.partitioner.cost.cluster import Cluster
 from hybridpipe.partitioner.cost.syncunits import SECOND_LANE_ALGORITHMS, LayerSync, sync_units
+from hybridpipe.partitioner.cost.wire import WIRE_BYTES
 from hybridpipe.partitioner.schedule_registry import REGISTRY, Schedule, get_schedule
 from hybridpipe.profiles.loss_normalization import LOSS_NORMALIZATIONS
 
@@ -56,8 +57,6 @@ OPTIMIZERS = ("sgd", "adam", "adamw")
 OPTIMIZER_HELP = ("sgd: torch.optim.SGD with --momentum; adam: torch.optim.Adam, whose weight decay is L2 (added to "
                   "the gradient, so scaled by the moments); adamw: torch.optim.AdamW, weight decay decoupled from "
                   "the moments (what transformer recipes mean by weight decay)")
-# what one profiled (float32) byte of activations, gradients or weights costs on the wire in each precision
-WIRE_BYTES = {"fp32": 1.0, "bf16": 0.5, "fp16": 0.5}
 PRECISIONS = tuple(WIRE_BYTES)
 # What a stage's replicas shard (ZeRO): none (each replica holds everything), optimizer (ZeRO-1: each keeps
 # and updates 1/R of the optimizer state), gradients (ZeRO-2: and 1/R of the reduced gradients), parameters
@@ -92,6 +91,7 @@ class Stage:
     send_ms: float = 0.0          # one micro-batch's activations to the next stage (latency; grads likewise)
     send_bytes: int = 0           # bytes crossing the cut after this stage per micro-batch (one way)
     memory_bytes: int = 0         # predicted peak memory per worker
+    transient_bytes: int = 0      # of it, kernels' temporaries at the worst moment (an allocator's peak sees them)
     layers: tuple[LayerSync, ...] = ()
     overhead_ms: float = 0.0      # per step: optimizer steps + compute lost to communication (objective.py)
     recompute: bool = False       # drop inner activations after forward, recompute them in backward
@@ -139,6 +139,8 @@ class Plan:
     created: str = ""
     granularity: str = "blocks"            # the profile's grouping of operations into nodes (to re-capture alike)
     precision: str = "fp32"                # what the transfers were priced in (launch runs it unless told otherwise)
+    profile_precision: str = "fp32"        # the profile's: its activation bytes are that precision's (cost/wire.py)
+    reduce_dtype: str = "fp32"             # what replicas sum gradients in (launch runs it unless told otherwise)
     tied: tuple[TiedGroup, ...] = ()       # parameters read by several stages
     virtual_stages: int = 1                # model chunks (stages) per rank: interleaved-1f1b, zbv (see above)
     graph_nodes: int = 0                   # the profile's node count (0: not recorded)
@@ -203,6 +205,8 @@ class Plan:
             created=field(d, "created", str, source, default=""),
             granularity=field(d, "granularity", str, source, default="blocks"),
             precision=field(d, "precision", str, source, default="fp32", choices=PRECISIONS),
+            profile_precision=field(d, "profile_precision", str, source, default="fp32", choices=PRECISIONS),
+            reduce_dtype=field(d, "reduce_dtype", str, source, default="fp32", choices=PRECISIONS),
             tied=tuple(_tied_from_dict(t, i, source) for i, t in enumerate(field(d, "tied", list, source, default=[]))),
             virtual_stages=field(d, "virtual_stages", int, source, minimum=1, default=1),
             graph_nodes=field(d, "graph_nodes", int, source, minimum=0, default=0),
@@ -310,6 +314,7 @@ def _stage_from_dict(s: object, i: int, source: str) -> Stage:
                  send_ms=_figure(s, "send_ms", float, where, default=0.0),
                  send_bytes=_figure(s, "send_bytes", int, where, default=0),
                  memory_bytes=_figure(s, "memory_bytes", int, where, default=0),
+                 transient_bytes=_figure(s, "transient_bytes", int, where, default=0),
                  layers=tuple(layers),
                  overhead_ms=_figure(s, "overhead_ms", float, where, default=0.0),
                  recompute=field(s, "recompute", bool, where, default=False),

@@ -18,6 +18,7 @@ from hybridpipe.limits import OutOfTime
 from hybridpipe.partitioner.cost.calibration import Calibration
 from hybridpipe.partitioner.cost.cluster import Cluster
 from hybridpipe.partitioner.cost.costmodel import CostModel
+from hybridpipe.partitioner.cost.wire import activation_wire
 from hybridpipe.partitioner.plan import (
     ALGORITHMS,
     OPTIMIZERS,
@@ -40,6 +41,7 @@ from hybridpipe.partitioner.search.objective import (
     StageSpec,
     evaluate,
     predict_step_ms,
+    transient_bytes,
 )
 from hybridpipe.partitioner.search.pipedream import pipedream_stages
 from hybridpipe.partitioner.search.refusals import memory_message, no_fit_message
@@ -76,7 +78,8 @@ class Request:
     recompute: str = "none"
     time_budget_s: float | None = DEFAULT_TIME_BUDGET_S   # stop every search then (None: never); optimal keeps
     #                                                      the best plan found and its proven gap
-    precision: str = "fp32"                    # bf16/fp16: activations, gradients and all-reduces at half the bytes
+    precision: str = "fp32"                    # bf16/fp16: activations an fp32 profile measured at half the bytes
+    reduce_dtype: str = "fp32"                 # what replicas sum gradients in (bf16/fp16: half the bytes)
     virtual_stages: int = 1                    # model chunks per rank (interleaved-1f1b, zbv: virtual.py)
     shard: str = "none"                        # what replicas shard: none|optimizer|gradients|parameters|auto
 
@@ -159,10 +162,12 @@ def partition(profile: Profile, cluster: Cluster, req: Request = Request(),
             raise errors[0]
         return min(found, key=lambda o: o.plan.predicted_step_ms)
     cluster, workers, opts = resolve(cluster, req)
-    if req.precision not in WIRE_BYTES:
-        raise UserError(f"unknown precision {req.precision!r}; choose one of {', '.join(WIRE_BYTES)}")
+    for what, value in (("precision", req.precision), ("reduce dtype", req.reduce_dtype)):
+        if value not in WIRE_BYTES:
+            raise UserError(f"unknown {what} {value!r}; choose one of {', '.join(WIRE_BYTES)}")
     model = CostModel(cluster, list(calibrations), aggregator_dedicated=req.dedicated_aggregator,
-                      wire_bytes=WIRE_BYTES[req.precision])
+                      wire_bytes=WIRE_BYTES[req.reduce_dtype],
+                      activation_wire_bytes=activation_wire(req.precision, profile.precision))
     costs = model_costs(profile).slowed(model.compute_slowdown)
     stages, notes, search = choose_stages(req.strategy, costs, model, workers, opts, req.stages, deadline, progress,
                                           req.time_budget_s)
@@ -177,7 +182,8 @@ def partition(profile: Profile, cluster: Cluster, req: Request = Request(),
     ev = evaluate(costs, model, stages, opts)
     if not ev.fits:
         raise UserError(memory_message(stages, ev, opts, req.strategy))
-    plan = build_plan(profile, costs, cluster, stages, ev, opts, req.strategy, model, precision=req.precision)
+    plan = build_plan(profile, costs, cluster, stages, ev, opts, req.strategy, model, precision=req.precision,
+                      reduce_dtype=req.reduce_dtype)
     if profile.precision != req.precision:      # activation and transient bytes are the profile's
         notes += (f"the profile was measured in {profile.precision} and the plan is for {req.precision}: its "
                   f"activation memory is {profile.precision}'s; `hybridpipe profile --precision {req.precision}` "
@@ -230,7 +236,7 @@ def partition_virtual(profile: Profile, cluster: Cluster, req: Request, calibrat
 
     def build(specs: Sequence[StageSpec], ev: Evaluation, o: Options) -> Plan:
         return build_plan(profile, costs, base.plan.cluster, specs, ev, o, req.strategy, base.model,
-                          precision=req.precision)
+                          precision=req.precision, reduce_dtype=req.reduce_dtype)
     groups = [tuple(s.ranks) for s in base.plan.stages]
     options = group_candidates(groups, base.plan.world_size) if req.strategy == "optimal" else [groups]
     plan, ev = fastest_virtual_plan(options, costs, base.model, opts, virtual, build, simulate)
@@ -338,7 +344,7 @@ def divisible_micro_batches(stages: Sequence[StageSpec], opts: Options) -> tuple
 
 def build_plan(profile: Profile, costs: ModelCosts, cluster: Cluster, stages: Sequence[StageSpec],
                ev: Evaluation, opts: Options, strategy: str, model: CostModel | None = None,
-               precision: str = "fp32") -> Plan:
+               precision: str = "fp32", reduce_dtype: str = "fp32") -> Plan:
     """The Plan: stages with their predicted figures, the step time and throughput.
 
     Parameters read by several stages (tied weights) are summed across those stages' ranks once
@@ -352,6 +358,7 @@ def build_plan(profile: Profile, costs: ModelCosts, cluster: Cluster, stages: Se
                          ranks=tuple(spec.ranks), compute_ms=e.forward_ms + e.backward_ms, forward_ms=e.forward_ms,
                          backward_ms=e.backward_ms, sync_ms=e.sync_ms_per_step + e.midstep_ms, send_ms=e.send_ms,
                          send_bytes=int(e.send_bytes), memory_bytes=int(e.memory_bytes),
+                         transient_bytes=int(transient_bytes(costs, spec.first, spec.last)),
                          layers=without_tied(e.sync.layers, {t.param: t.bytes for t in tied if idx in t.stages}),
                          overhead_ms=e.overhead_ms, recompute=e.recompute, shard=e.shard,
                          reshard_after_forward=e.reshard_after_forward))
@@ -361,7 +368,8 @@ def build_plan(profile: Profile, costs: ModelCosts, cluster: Cluster, stages: Se
                 micro_batches=opts.micro_batches, optimizer=opts.optimizer, stages=tuple(out),
                 predicted_step_ms=step_ms, predicted_samples_per_s=samples,
                 created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-                granularity=profile.granularity, tied=tuple(tied), precision=precision, graph_nodes=len(profile.nodes))
+                granularity=profile.granularity, tied=tuple(tied), precision=precision,
+                profile_precision=profile.precision, reduce_dtype=reduce_dtype, graph_nodes=len(profile.nodes))
 
 
 def without_tied(layers: Sequence[LayerSync], tied: dict[str, int]) -> tuple[LayerSync, ...]:

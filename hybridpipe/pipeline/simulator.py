@@ -36,8 +36,10 @@ from dataclasses import dataclass, field
 
 from typing_extensions import assert_never
 
+from hybridpipe.partitioner.cost.calibration import Calibration
 from hybridpipe.partitioner.cost.costmodel import CostModel
-from hybridpipe.partitioner.plan import WIRE_BYTES, Plan
+from hybridpipe.partitioner.cost.wire import WIRE_BYTES, activation_wire
+from hybridpipe.partitioner.plan import Plan
 from hybridpipe.partitioner.schedule_registry import Schedule
 from hybridpipe.partitioner.search.sharding import Variant, midstep_ms
 from hybridpipe.pipeline.instructions import (
@@ -127,6 +129,12 @@ def stage_costs(plan: Plan) -> list[StageCosts]:
     return out
 
 
+def plan_cost_model(plan: Plan, calibration: Calibration | None = None) -> CostModel:
+    """The cost model ``plan`` was priced with: its cluster, ``calibration``, its wire precision."""
+    return CostModel(plan.cluster, calibration, wire_bytes=WIRE_BYTES[plan.reduce_dtype],
+                     activation_wire_bytes=activation_wire(plan.precision, plan.profile_precision))
+
+
 def simulate(plan: Plan, *, schedule: Schedule | None = None, steps: int | None = None,
              micro_batches: int | None = None, cost_model: CostModel | None = None) -> SimResult:
     """Simulate ``steps`` consecutive steps of the plan's schedule (pipedream drains in the last one;
@@ -134,7 +142,7 @@ def simulate(plan: Plan, *, schedule: Schedule | None = None, steps: int | None 
     schedule = schedule or plan.kind
     topo = Topology(tuple(tuple(s.ranks) for s in plan.stages), micro_batches or plan.micro_batches)
     costs = stage_costs(plan)
-    model = cost_model or CostModel(plan.cluster, wire_bytes=WIRE_BYTES[plan.precision])
+    model = cost_model or plan_cost_model(plan)
     return simulate_topology(topo, schedule, costs, steps=steps, link_ms=_link_ms(costs, topo, model))
 
 

@@ -18,7 +18,8 @@ Each rank hands a :class:`RankReport` to one gather; :func:`summarize` turns the
   and the plan's (``runtime/sync.py``); ``sync_as_planned`` says whether they all agree.
 * Settings: ``training`` holds the run's TrainingConfig (runtime/training_config.py), every field.
 * Memory: per rank the peak bytes its stage held in any step (``pipeline/memory.py``: CUDA's max
-  allocated, or on the CPU the tensors it holds), next to the plan's ``memory_bytes`` prediction.
+  allocated, or on the CPU the tensors it holds), next to the plan's ``memory_bytes`` prediction
+  (on the CPU less the kernels' ``transient_bytes``, which only an allocator sees).
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ class RankReport:
     combined: dict[int, list[str]] = field(default_factory=dict)  # stage -> buffers combined across replicas
     sync: list[dict] | None = None       # replicated stages: per layer {"layer", "algorithm", "planned"}
     peak_memory_bytes: int = 0           # the most the rank's stage held in any step (pipeline/memory.py)
+    allocator_peak: bool = False         # that is the allocator's peak (CUDA: kernels' temporaries too), not
+    #                                      the tensors the stage holds (CPU)
     more_stages: tuple[int, ...] = ()    # virtual stages: the rank's other model chunks (``stage`` is the first)
     more_sync: dict[int, list[dict]] = field(default_factory=dict)    # ``sync`` of those chunks, by stage
 
@@ -136,9 +139,7 @@ def summarize(reports: list[RankReport], plan: Plan, *, steps: int, first_step: 
         "replicas_identical": replicas, "replicas_differ": differ, "buffers_combined": combined,
         "skipped_nonfinite_steps": sorted(skipped or []),
         "sync": sync, "sync_as_planned": as_planned,
-        "memory": [{"rank": r.rank, "stage": r.stage, "peak_bytes": r.peak_memory_bytes,
-                    # per worker: with virtual stages every chunk of a rank carries the worker's total
-                    "predicted_bytes": max(plan.stages[s].memory_bytes for s in r.stages)} for r in reports],
+        "memory": [memory_record(r, plan) for r in reports],
         "run_dir": run_dir, "metrics_dir": f"{run_dir}/metrics", "trace_dir": trace_dir,
     }
 
@@ -186,12 +187,27 @@ def loss_rows(losses: dict[str, float], rows: int = 6) -> list[tuple[int, float]
     return [items[i] for i in picks]
 
 
+def memory_record(report: RankReport, plan: Plan) -> dict:
+    """A rank's peak against the plan's prediction for it, like for like: the allocator's peak (CUDA)
+    against the whole prediction; the tensors held (the CPU meter) against it less the kernels'
+    transient bytes, which only an allocator sees (reported beside it)."""
+    # per worker: with virtual stages every chunk of a rank carries the worker's total
+    predicted = max(plan.stages[s].memory_bytes for s in report.stages)
+    transient = 0 if report.allocator_peak else max(plan.stages[s].transient_bytes for s in report.stages)
+    return {"rank": report.rank, "stage": report.stage, "peak_bytes": report.peak_memory_bytes,
+            "counts": "allocator" if report.allocator_peak else "tensors held",
+            "predicted_bytes": predicted - transient, "transient_bytes_not_counted": transient}
+
+
 def memory_line(memory: list[dict]) -> str:
     """The peak memory of the hungriest rank, against the plan's prediction for its stage."""
     top = max(memory, key=lambda m: m["peak_bytes"])
     line = f"  memory: peak {top['peak_bytes'] / 2**20:.1f} MiB on rank {top['rank']} (stage {top['stage']})"
     if top["predicted_bytes"]:
         line += f", plan predicted {top['predicted_bytes'] / 2**20:.1f} MiB"
+        if top.get("transient_bytes_not_counted"):
+            line += (f" held (+{top['transient_bytes_not_counted'] / 2**20:.1f} MiB of kernels' temporaries, "
+                     "which the CPU's tensor count does not see)")
     return line
 
 

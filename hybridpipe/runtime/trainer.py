@@ -156,7 +156,7 @@ class Trainer:
         self.watch.decides_alone = self.is_last and self.stage_plan.replicas == 1 and not cfg.in_place
         self.syncs = {s.index: make_sync(plan, st.module, s, groups.get(s.index), allreduce=cfg.allreduce,
                                          calibrations=cfg.calibrations, aggregator=cfg.aggregator,
-                                         wire_dtype=PRECISIONS[cfg.reduce_dtype],
+                                         wire_dtype=PRECISIONS[str(cfg.reduce_dtype)],
                                          exclude=tied.params if tied is not None else ())
                       for s, st in zip(self.stage_plans, self.stages, strict=True)}
         if isinstance(self.optimizer, ShardedOptimizer):      # its state lives on the replicas' shards

@@ -8,7 +8,7 @@ the model, the plan, a loss function or an optimizer factory), the same from Pyt
 
 Each field carries its type, its default and its ``help`` (the sentence ``--help`` shows) in
 ``field(metadata=...)``, with what the command line needs (flag, choices, argparse type from
-hybridpipe/argtypes.py). A None default means "the plan's" (``optimizer``, ``precision``,
+hybridpipe/argtypes.py). A None default means "the plan's" (``optimizer``, ``precision``, ``reduce_dtype``,
 ``loss_normalization``: what ``partition`` priced) or "not set"; :meth:`TrainingConfig.for_plan`
 fills those in and checks what needs the plan (one place, for the Trainer and launch alike).
 """
@@ -64,9 +64,10 @@ class TrainingConfig:
     loss_scale: float = setting(2.0**16, "fp16's initial dynamic loss scale, halved on an overflowing step and "
                                          "doubled after 2000 good ones (default 65536)", type=positive_float,
                                 metavar="X")
-    reduce_dtype: str = setting(
-        "fp32", "the dtype the replicas of a stage sum their gradients in (default fp32, as DDP under autocast; "
-                "bf16/fp16 halve the all-reduce's bytes and round each gradient to 16 bits)", choices=PRECISIONS)
+    reduce_dtype: str | None = setting(
+        None, "the dtype the replicas of a stage sum their gradients in (default: the plan's, as `partition "
+              "--reduce-dtype` priced it, fp32 unless told: as DDP under autocast; bf16/fp16 halve the all-reduce's "
+              "bytes and round each gradient to 16 bits)", choices=PRECISIONS)
     loss_normalization: str | None = setting(
         None, "micro-batch: a step's loss is the mean of its micro-batches' mean losses; tokens: the step's summed "
               "per-token loss over its valid tokens in all micro-batches and replicas, as one process on the whole "
@@ -128,9 +129,10 @@ class TrainingConfig:
 
     # ---- against the plan ------------------------------------------------------------------
     def for_plan(self, plan: Plan) -> TrainingConfig:
-        """This configuration with the plan's defaults filled in (optimizer, precision, loss
+        """This configuration with the plan's defaults filled in (optimizer, precision, reduce dtype, loss
         normalization), checked against what only the plan tells: the schedule's kind of step."""
         done = replace(self, optimizer=self.optimizer or plan.optimizer, precision=self.precision or plan.precision,
+                       reduce_dtype=self.reduce_dtype or plan.reduce_dtype,
                        loss_normalization=self.loss_normalization or plan.loss_normalization)
         flushed = flushes(plan)
         if done.skip_nonfinite and not flushed:

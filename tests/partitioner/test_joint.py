@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 from hybridpipe.cli import main
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner.cost.costmodel import CostModel
+from hybridpipe.partitioner.cost.wire import activation_wire
 from hybridpipe.partitioner.joint import AUTO_VIRTUAL, Choice, choices, joint_partition
-from hybridpipe.partitioner.plan import WIRE_BYTES, Plan, load_plan
+from hybridpipe.partitioner.plan import Plan, load_plan
 from hybridpipe.partitioner.planner import Request, build_plan, partition, resolve, simulated_ms
 from hybridpipe.partitioner.schedule_registry import REGISTRY
 from hybridpipe.partitioner.search.modelcosts import model_costs
@@ -48,7 +49,7 @@ def brute_force(profile, cluster, req: Request) -> float:
                     continue
                 cl, _, opts = resolve(cluster, dataclasses.replace(sub, schedule="1f1b", virtual_stages=1))
                 opts = dataclasses.replace(opts, schedule=kind)
-                model = CostModel(cl, wire_bytes=WIRE_BYTES[precision])
+                model = CostModel(cl, activation_wire_bytes=activation_wire(precision, profile.precision))
                 costs = model_costs(profile).slowed(model.compute_slowdown)
                 for p in range(1, workers + 1):
                     for sizes in compositions(workers, p):

@@ -225,8 +225,9 @@ def test_optimal_is_never_predicted_slower_than_data_parallelism(layers, embeddi
 
 
 def test_bf16_plans_price_transfers_and_all_reduces_at_half_the_bytes(tmp_path):
-    """partition --precision bf16: every per-byte cost halves (latencies stay); the plan records it
-    and the simulator prices the same way."""
+    """partition --precision bf16 of an fp32 profile: transfers at half the bytes (latencies stay);
+    --reduce-dtype bf16: the all-reduces too (fp32 by default, as launch sums them). The plan records
+    both and the simulator prices the same way."""
     from hybridpipe.pipeline.simulator import simulate
 
     profile = make_profile([(1.0, 2.0, 1 << 22, 1 << 22)] * 4)
@@ -234,16 +235,40 @@ def test_bf16_plans_price_transfers_and_all_reduces_at_half_the_bytes(tmp_path):
     stages = Request(strategy="uniform", stages=2, micro_batches=4)
     fp32 = partition(profile, cluster, stages).plan
     bf16 = partition(profile, cluster, dataclasses.replace(stages, precision="bf16")).plan
-    assert (fp32.precision, bf16.precision) == ("fp32", "bf16")
+    low = partition(profile, cluster, dataclasses.replace(stages, precision="bf16", reduce_dtype="bf16")).plan
+    assert (fp32.precision, bf16.precision, bf16.reduce_dtype, low.reduce_dtype) == ("fp32", "bf16", "fp32", "bf16")
     assert bf16.stages[0].send_bytes == fp32.stages[0].send_bytes          # profiled bytes, priced at half
     assert 0.45 < bf16.stages[0].send_ms / fp32.stages[0].send_ms < 0.55
-    assert 0.45 < bf16.stages[0].sync_ms / fp32.stages[0].sync_ms < 0.55
-    assert bf16.predicted_step_ms < fp32.predicted_step_ms
-    save_plan(bf16, tmp_path / "p.json")
-    assert load_plan(tmp_path / "p.json").precision == "bf16"
-    assert simulate(bf16).step_ms < simulate(fp32).step_ms
+    assert bf16.stages[0].sync_ms == pytest.approx(fp32.stages[0].sync_ms)
+    assert 0.45 < low.stages[0].sync_ms / fp32.stages[0].sync_ms < 0.55
+    assert low.predicted_step_ms <= bf16.predicted_step_ms < fp32.predicted_step_ms      # the sync overlaps
+    back = load_plan(save_plan(low, tmp_path / "p.json"))
+    assert (back.precision, back.reduce_dtype) == ("bf16", "bf16")
+    assert simulate(back).step_ms <= simulate(bf16).step_ms < simulate(fp32).step_ms
     with pytest.raises(UserError, match="unknown precision"):
         partition(profile, cluster, dataclasses.replace(stages, precision="fp8"))
+    with pytest.raises(UserError, match="unknown reduce dtype"):
+        partition(profile, cluster, dataclasses.replace(stages, reduce_dtype="fp8"))
+
+
+def test_a_profile_taken_in_bf16_prices_its_activations_as_measured(tmp_path):
+    """Activations cross in the dtype the forward made them (a float32 residual stream stays float32
+    under autocast): a bf16 profile already holds their wire bytes, so a bf16 plan of it prices them
+    whole (an fp32 profile's are halved, an estimate); the gradients' all-reduce halves in both. The
+    saved plan records the profile's precision and the simulator prices it the same way."""
+    from hybridpipe.pipeline.simulator import simulate
+
+    fp32 = make_profile([(1.0, 2.0, 1 << 22, 1 << 22)] * 4)
+    measured = dataclasses.replace(fp32, precision="bf16")
+    cluster = two_level(2, 2, outer_gbps=1.0)
+    req = Request(strategy="uniform", stages=2, micro_batches=4, precision="bf16")
+    estimated, priced = partition(fp32, cluster, req).plan, partition(measured, cluster, req).plan
+    assert (estimated.profile_precision, priced.profile_precision) == ("fp32", "bf16")
+    assert 1.9 < priced.stages[0].send_ms / estimated.stages[0].send_ms < 2.1
+    assert priced.stages[0].sync_ms == pytest.approx(estimated.stages[0].sync_ms)
+    back = load_plan(save_plan(priced, tmp_path / "p.json"))
+    assert back.profile_precision == "bf16"
+    assert simulate(back).step_ms > simulate(estimated).step_ms
 
 
 def test_a_plan_for_another_precision_than_the_profiles_says_so():

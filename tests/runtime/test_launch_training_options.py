@@ -86,7 +86,8 @@ def test_clipping_is_refused_for_pipedream(tmp_path):
 
 
 def test_launch_runs_the_plans_precision_unless_told_otherwise(tmp_path):
-    """A plan priced for bf16 (`partition --precision bf16`) runs in bf16; --precision overrides it."""
+    """A plan priced for bf16 (`partition --precision bf16`) runs in bf16, its replicas summing in the
+    plan's reduce dtype; --precision and --reduce-dtype override them."""
     plan = dataclasses.replace(make_plan("mlp", [3], [1, 1], micro_batches=2, batch_size=4), precision="bf16")
     save_plan(plan, tmp_path / "plan.json")
     base = ["--plan", str(tmp_path / "plan.json"), "--run-dir", str(tmp_path / "run")]
@@ -94,6 +95,10 @@ def test_launch_runs_the_plans_precision_unless_told_otherwise(tmp_path):
     assert resolve(build_parser().parse_args(base + ["--precision", "fp32"]), 2).training.precision == "fp32"
     assert resolve(build_parser().parse_args(base), 2).training.reduce_dtype == "fp32"           # as DDP under autocast
     assert resolve(build_parser().parse_args(base + ["--reduce-dtype", "bf16"]), 2).training.reduce_dtype == "bf16"
+    low = dataclasses.replace(plan, reduce_dtype="bf16")       # `partition --reduce-dtype bf16` priced it so
+    save_plan(low, tmp_path / "plan.json")
+    assert resolve(build_parser().parse_args(base), 2).training.reduce_dtype == "bf16"
+    assert resolve(build_parser().parse_args(base + ["--reduce-dtype", "fp32"]), 2).training.reduce_dtype == "fp32"
 
 
 def test_a_model_captured_for_another_precision_is_refused_in_one_line(tmp_path):

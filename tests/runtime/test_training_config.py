@@ -116,11 +116,15 @@ def test_settings_replace_fields_and_an_unknown_one_names_the_valid_ones():
 
 def test_the_plan_fills_the_none_defaults_and_its_schedule_is_checked_once(plan):
     flushed = plan
-    plan = dataclasses.replace(plan, precision="bf16", optimizer="adam", loss_normalization="tokens")
+    plan = dataclasses.replace(plan, precision="bf16", optimizer="adam", loss_normalization="tokens",
+                               reduce_dtype="bf16")
     done = TrainingConfig().for_plan(plan)
-    assert (done.optimizer, done.precision, done.loss_normalization) == ("adam", "bf16", "tokens")
-    told = TrainingConfig(optimizer="sgd", precision="fp32", loss_normalization="micro-batch").for_plan(plan)
-    assert (told.optimizer, told.precision, told.loss_normalization) == ("sgd", "fp32", "micro-batch")
+    assert (done.optimizer, done.precision, done.loss_normalization, done.reduce_dtype) == \
+        ("adam", "bf16", "tokens", "bf16")
+    told = TrainingConfig(optimizer="sgd", precision="fp32", loss_normalization="micro-batch",
+                          reduce_dtype="fp32").for_plan(plan)
+    assert (told.optimizer, told.precision, told.loss_normalization, told.reduce_dtype) == \
+        ("sgd", "fp32", "micro-batch", "fp32")
     pipedream = dataclasses.replace(flushed, schedule="pipedream")
     for bad, says in [({"clip_grad_norm": 1.0}, r"clip_grad_norm \(--clip-grad-norm\) needs a global step"),
                       ({"precision": "fp16"}, "fp16's loss scaler"), ({"skip_nonfinite": True}, "skip_nonfinite"),
@@ -157,7 +161,8 @@ def test_a_trainer_of_one_rank_runs_its_config():
         assert (group["lr"], group["momentum"], group["weight_decay"]) == (0.5, 0.25, 0.01)
         assert trainer.config == TrainingConfig(lr=0.5, weight_decay=0.01, momentum=0.25, timeout=60,
                                                 optimizer=plan.optimizer, precision=plan.precision,
-                                                loss_normalization=plan.loss_normalization)
+                                                loss_normalization=plan.loss_normalization,
+                                                reduce_dtype=plan.reduce_dtype)
     with Trainer("mlp", plan, optimizer="adam", timeout=60) as trainer:
         assert type(trainer.optimizer).__name__ == "Adam" and trainer.config.optimizer == "adam"
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
 
 from hybridpipe.errors import UserError
-from hybridpipe.partitioner.plan import save_plan
+from hybridpipe.partitioner.plan import Plan, save_plan
 from hybridpipe.runtime.config import build_parser, resolve
 from hybridpipe.runtime.metrics import MetricsWriter, read_metrics, step_record
 from hybridpipe.runtime.parts import NoParameters, buffers_digest, make_optimizer, seed_rank, weights_digest
@@ -133,6 +134,34 @@ def test_summary(plan, tmp_path):
     s = summarize(reports, plan, steps=5, first_step=0, run_dir="r", trace_dir="r/trace", schedule="1f1b",
                   config=TrainingConfig(allreduce="ring"))
     assert s["replicas_differ"] == {"0": "weights and buffers"} and "WEIGHTS AND BUFFERS DIFFER" in format_summary(s)
+
+
+def test_the_summary_compares_memory_like_for_like(plan, tmp_path):
+    """The CPU meter counts the tensors a stage holds; the plan's memory_bytes also holds its kernels'
+    temporaries (transient_bytes), which only an allocator's peak (CUDA) sees: each peak is set
+    against the prediction it measures, the left-out transient said beside it."""
+    MiB = 2**20
+    stages = tuple(dataclasses.replace(s, memory_bytes=100 * MiB, transient_bytes=30 * MiB) for s in plan.stages)
+    plan = dataclasses.replace(plan, stages=stages)
+    cpu, cuda = RankReport(0, 0, 0, peak_memory_bytes=70 * MiB), RankReport(2, 1, 0, peak_memory_bytes=90 * MiB,
+                                                                              allocator_peak=True)
+    s = summarize([cpu, cuda], plan, steps=1, first_step=0, run_dir=str(tmp_path), trace_dir=None,
+                  schedule="1f1b", config=TrainingConfig())
+    held, allocator = s["memory"]
+    assert (held["predicted_bytes"], held["transient_bytes_not_counted"], held["counts"]) == \
+        (70 * MiB, 30 * MiB, "tensors held")
+    assert (allocator["predicted_bytes"], allocator["transient_bytes_not_counted"]) == (100 * MiB, 0)
+    assert "peak 90.0 MiB on rank 2 (stage 1), plan predicted 100.0 MiB" in format_summary(s)
+    cuda.peak_memory_bytes = 10 * MiB
+    s = summarize([cpu, cuda], plan, steps=1, first_step=0, run_dir=str(tmp_path), trace_dir=None,
+                  schedule="1f1b", config=TrainingConfig())
+    assert "peak 70.0 MiB on rank 0 (stage 0), plan predicted 70.0 MiB held (+30.0 MiB of kernels' temporaries" \
+        in format_summary(s)
+    d = plan.to_dict()
+    assert Plan.from_dict(d).stages[0].transient_bytes == 30 * MiB
+    for st in d["stages"]:
+        del st["transient_bytes"]                   # a plan written before the field
+    assert Plan.from_dict(d).stages[0].transient_bytes == 0
 
 
 def test_loss_rows_spread_over_the_run():

@@ -65,14 +65,18 @@ class CostModel:
 
     ``aggregator_dedicated`` prices the ``aggregator`` algorithm with a dedicated aggregator
     process on a spare port (seed 001's switch) instead of on the group's lowest rank.
-    ``wire_bytes``: what one profiled (float32) byte costs on the wire (0.5 when activations,
-    gradients and all-reduces travel in bf16 or fp16): every per-byte cost is scaled by it.
+    ``wire_bytes``: what one profiled (float32) byte of gradients costs on the wire (0.5 when
+    all-reduces travel in bf16 or fp16): every all-reduce's per-byte cost is scaled by it.
+    ``activation_wire_bytes`` (default ``wire_bytes``): the same for activations between stages,
+    which travel in the dtype the profiled forward produced them in (plan.py ``activation_wire``).
     """
 
     def __init__(self, cluster: Cluster, calibration: Calibration | Sequence[Calibration] | None = None,
-                 aggregator_dedicated: bool = False, wire_bytes: float = 1.0):
+                 aggregator_dedicated: bool = False, wire_bytes: float = 1.0,
+                 activation_wire_bytes: float | None = None):
         self.cluster = cluster
         self.wire_bytes = wire_bytes
+        self.activation_wire_bytes = wire_bytes if activation_wire_bytes is None else activation_wire_bytes
         self.aggregator_dedicated = aggregator_dedicated
         cals = [] if calibration is None else [calibration] if isinstance(calibration, Calibration) \
             else list(calibration)
@@ -149,14 +153,16 @@ class CostModel:
         return rank // self._spans[level - 1] if level > 0 else rank
 
     def link(self, level: int, algorithm: str = "p2p") -> LinkFit:
-        """alpha/beta for messages at ``level``, per profiled byte: calibrated where measured, else nominal."""
+        """alpha/beta for messages at ``level``, per profiled byte: calibrated where measured, else nominal
+        (``p2p``: activations between stages; any other name: that all-reduce algorithm's)."""
         cal = self.calibrations.get(level)
         if cal is not None:
             fit = cal.algorithms.get(algorithm, cal.p2p) if algorithm != "p2p" else cal.p2p
         else:
             lv = self.cluster.levels[level]
             fit = LinkFit(lv.latency_us * 1e-6 + NOMINAL_SOFTWARE_ALPHA_S, 1 / lv.bytes_per_s)
-        return fit if self.wire_bytes == 1.0 else replace(fit, beta_s_per_byte=fit.beta_s_per_byte * self.wire_bytes)
+        scale = self.activation_wire_bytes if algorithm == "p2p" else self.wire_bytes
+        return fit if scale == 1.0 else replace(fit, beta_s_per_byte=fit.beta_s_per_byte * scale)
 
     def _fits(self, algorithm: str) -> list[LinkFit]:
         """``link(level, algorithm)`` for every level (the pricing loop's lookup)."""
