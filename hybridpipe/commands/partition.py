@@ -261,8 +261,8 @@ def compare(profile, cluster, req: Request, calibrations, outcome: Outcome, *, e
             continue
         rows.append([name, len(other.stages), f"{other.predicted_step_ms:.1f}", f"{other.predicted_samples_per_s:.1f}",
                      f"{other.predicted_step_ms / mine:.2f}x the step of {req.strategy}"])
-    if every and req.strategy == "optimal" and req.virtual_stages == 1:
-        rows += shard_rows(profile, cluster, req, calibrations, mine, reasons)
+    if every and req.strategy == "optimal":
+        rows += shard_rows(profile, cluster, req, calibrations, outcome.plan, reasons)
     if not rows:
         return ""
     if not every:
@@ -282,9 +282,10 @@ def shard_label(shard: str, reshard: bool) -> str:
     return f"ZeRO-{zero}" + ("" if shard != "parameters" or reshard else " kept")
 
 
-def shard_rows(profile, cluster, req: Request, calibrations, mine: float, reasons: list[str]) -> list[list[object]]:
+def shard_rows(profile, cluster, req: Request, calibrations, this: Plan, reasons: list[str]) -> list[list[object]]:
     """The optimal plan at every other --shard choice, then the best replicated and the best sharded of them
-    all (this plan included)."""
+    all (this plan included; a plan counts as sharded when a stage of it shards)."""
+    mine = this.predicted_step_ms
     rows: list[list[object]] = []
     best: dict[bool, tuple[float, str]] = {}
     for choice in SHARD_CHOICES:
@@ -300,8 +301,7 @@ def shard_rows(profile, cluster, req: Request, calibrations, mine: float, reason
         if plan is not None:
             rows.append([label, len(plan.stages), f"{step:.1f}", f"{plan.predicted_samples_per_s:.1f}",
                          f"{step / mine:.2f}x the step of this plan"])
-        levels = {s.shard for s in (plan.stages if plan is not None else ())} - {"none"}
-        is_sharded = bool(levels) if plan is not None else choice != "none"
+        is_sharded = any(s.shard != "none" for s in (plan if plan is not None else this).stages)
         if is_sharded not in best or step < best[is_sharded][0]:
             best[is_sharded] = (step, label if plan is not None else f"{label} (this plan)")
     for key, name in ((False, "best replicated"), (True, "best sharded")):

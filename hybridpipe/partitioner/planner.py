@@ -60,6 +60,8 @@ MICRO_BATCHES_PER_WORKER = 2      # default micro-batches per step: enough to ke
 # every search stops after this long (partition --time-budget): above the slowest optimal search measured
 # (50 nodes on 4096 workers, 85 s: benchmarks/RESULTS.md), so it cuts only what would run on and on
 DEFAULT_TIME_BUDGET_S = 120.0
+ZERO3_NOTE = ("ZeRO-3 (--shard parameters) is planned for its prediction only: launch cannot run it yet "
+              "(it runs none, optimizer and gradients; --shard auto chooses among those)")
 
 
 @dataclass(frozen=True)
@@ -189,8 +191,7 @@ def partition(profile: Profile, cluster: Cluster, req: Request = Request(),
                   f"activation memory is {profile.precision}'s; `hybridpipe profile --precision {req.precision}` "
                   "measures it as the job runs",)
     if any(s.shard not in RUNNABLE_SHARD_LEVELS for s in plan.stages):
-        notes += ("ZeRO-3 (--shard parameters) is planned for its prediction only: launch cannot run it yet "
-                  "(it runs none, optimizer and gradients; --shard auto chooses among those)",)
+        notes += (ZERO3_NOTE,)
     return Outcome(replace(plan, search=search), ev, model, opts, notes)
 
 
@@ -203,9 +204,6 @@ def partition_virtual(profile: Profile, cluster: Cluster, req: Request, calibrat
     if simulate is None:
         raise ValueError("plans with virtual stages are predicted by simulation: pass simulate=")
     virtual = req.virtual_stages
-    if req.shard != "none":
-        raise UserError(f"--shard {req.shard} is not planned with virtual stages yet; use --shard none "
-                        "or --virtual-stages 1")
     if virtual < 1:
         raise UserError(f"--virtual-stages must be at least 1, got {virtual}")
     if req.schedule == AUTO:
@@ -246,7 +244,10 @@ def partition_virtual(profile: Profile, cluster: Cluster, req: Request, calibrat
            "contiguous split)")
     note = f"{req.schedule}: {how}, each holding {virtual} of the model's {len(plan.stages)} chunks; step predicted " \
            "by simulation"
-    return Outcome(replace(plan, search=base.plan.search), ev, base.model, opts, base.notes + (note,))
+    notes = tuple(n for n in base.notes if n != ZERO3_NOTE) + (note,)
+    if any(s.shard not in RUNNABLE_SHARD_LEVELS for s in plan.stages):
+        notes += (ZERO3_NOTE,)
+    return Outcome(replace(plan, search=base.plan.search), ev, base.model, opts, notes)
 
 
 def simulated_ms(outcome: Outcome, simulate: Simulate) -> float:

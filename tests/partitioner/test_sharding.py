@@ -145,12 +145,6 @@ def test_simulator_draws_reduce_scatter_and_all_gather():
     assert "allreduce" in {iv.kind for iv in simulate(plan_for("none", memory_gb=16)).intervals}
 
 
-def test_shard_with_virtual_stages_is_one_line():
-    req = Request(optimizer="adamw", micro_batches=8, shard="auto", schedule="interleaved-1f1b", virtual_stages=2)
-    with pytest.raises(UserError, match="--shard auto is not planned with virtual stages"):
-        partition(make_profile(BIG, []), FAST, req, simulate=lambda plan: 1.0)
-
-
 def test_partition_cli_shard_auto_records_levels_and_compares(tmp_path, capsys):
     prof = save_profile(make_profile(BIG, []), tmp_path / "big.json")
     cluster = tmp_path / "c.json"

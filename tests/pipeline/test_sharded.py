@@ -5,13 +5,19 @@ the optimizer state."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from hybridpipe.partitioner.plan import Plan
+from hybridpipe.partitioner.planner import Request, partition
 from hybridpipe.pipeline.memory import optimizer_tensors, tensors_bytes
+from hybridpipe.pipeline.simulator import simulate
 from hybridpipe.profiles.capture import call_args, training_switches
+from hybridpipe.profiles.profiler import profile_model
 from hybridpipe.profiles.zoo import resolve_model
+from tests.partitioner.synth import flat_cluster
 from tests.pipeline.harness import data_for, make_plan
 from tests.pipeline.hf_models import GPT2, LLAMA
 from tests.pipeline.sharded_harness import sharded, train_sharded
@@ -176,3 +182,20 @@ def test_zero2_with_recomputation_and_a_bf16_wire():
     worst = max(float((v - reference[k if k in reference else k.split(".", 1)[-1]]).abs().max())
                 for run in runs.values() for k, v in run["state"].items())
     assert 0 < worst < 1e-4
+
+
+@pytest.mark.slow
+def test_a_planned_interleaved_sharded_plan_trains_as_a_plain_loop():
+    """`partition --schedule interleaved-1f1b --virtual-stages 2 --shard auto` on the profiled tied GPT-2,
+    with less memory than the replicated chunks need: the planned levels (ZeRO-1/2 per chunk) run in
+    process and equal the plain loop."""
+    profile = profile_model(resolve_model(GPT2), batch_size=4, repeats=1, warmup=0, progress=False)
+    req = Request(optimizer="adamw", micro_batches=4, strategy="uniform", stages=2, schedule="interleaved-1f1b",
+                  virtual_stages=2)
+    replicated = partition(profile, flat_cluster(4), req, simulate=lambda p: simulate(p).step_ms).plan
+    need = max(s.memory_bytes for s in replicated.stages)
+    plan = partition(profile, flat_cluster(4, memory_gb=need * 0.9 / 1e9), dataclasses.replace(req, shard="auto"),
+                     simulate=lambda p: simulate(p).step_ms).plan
+    assert plan.virtual_stages == 2 and {s.shard for s in plan.stages} - {"none"}
+    assert all(s.shard == "none" for s in replicated.stages)
+    check_equal(plan, train_sharded(plan, STEPS, OPTIMIZERS["adamw"]), plain_loop(plan, OPTIMIZERS["adamw"]))

@@ -280,7 +280,8 @@ class CostModel:
         for (a, h), (_, ln) in zip(variants, self.fast_lines(key, ALGORITHMS), strict=True):
             self._lines.setdefault((a, key, h, None), ln)
 
-    def fast_lines(self, ranks: Sequence[int], algorithms: Sequence[str] = ALGORITHMS) -> list[tuple[str, Line]]:
+    def fast_lines(self, ranks: Sequence[int] | np.ndarray, algorithms: Sequence[str] = ALGORITHMS
+                   ) -> list[tuple[str, Line]]:
         """The same list as :meth:`lines`, every variant at once from ``fastlines.link_loads`` (not cached):
         its rounds priced as :meth:`price` and summed in order as :meth:`priced_line`."""
         ll = fastlines.link_loads(self.cluster, ranks, algorithms, self.aggregator_dedicated)

@@ -33,6 +33,7 @@ import numpy as np
 
 from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.cost.sharded import pair_lines, paired_algorithms
+from hybridpipe.partitioner.search.blocktables import BlockTables, grouped
 from hybridpipe.partitioner.search.lanes import SAFETY, lane_row, lane_terms, sync_floor
 from hybridpipe.partitioner.search.modelcosts import ModelCosts
 from hybridpipe.partitioner.search.objective import OPTIMIZER_STATES, Options
@@ -109,6 +110,7 @@ class StageTerms:
                 self.shared["units"] = largest_units(costs.param_bytes)
             self.units: tuple[np.ndarray, np.ndarray] = self.shared["units"]
         self._floor_lanes: dict[tuple[int, int], tuple[tuple[np.ndarray, np.ndarray], float]] = {}
+        self.tables = BlockTables(self.spans, self.period, copies, self.wc)
         self.priced = 0                   # block shapes whose all-reduces were priced (for the benchmark)
 
     # ---- the term --------------------------------------------------------------------------
@@ -235,8 +237,8 @@ class StageTerms:
             return half
         where = np.nonzero(need)[0]
         keys = (c.x[where] % self.period) * (self.wc + 1) + (c.y - c.x)[where]
-        for key in np.unique(keys):
-            sel = where[keys == key]
+        for key, at in grouped(keys):
+            sel = where[at]
             prefix = self._half.get(divmod(int(key), self.wc + 1))
             if prefix is None:
                 o, b = divmod(int(key), self.wc + 1)
@@ -246,20 +248,12 @@ class StageTerms:
 
     # ---- where a block sits ------------------------------------------------------------------
     def level_between(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        """Innermost level whose units hold both copy-0 ranks (elementwise)."""
-        same = (a[:, None] // self.spans[None, :]) == (b[:, None] // self.spans[None, :])
-        return np.argmax(same, axis=1)
+        """Innermost level whose units hold both ranks (elementwise; ``a <= b``; ``blocktables.py``)."""
+        return self.tables.level_between(a, b)
 
     def busiest_share(self, x: np.ndarray, y: np.ndarray, level: np.ndarray) -> np.ndarray:
         """objective.busiest_share of the block's ranks (all copies) behind one link of ``level``."""
-        b = y - x
-        s = np.concatenate([[1], self.spans])[level]              # ranks behind one link of the level
-        first, last = x // s, (y - 1) // s
-        head = np.minimum((first + 1) * s, y) - x
-        tail = y - last * s
-        most = np.where(first == last, b, np.maximum(np.maximum(head, tail), np.where(last - first >= 2, s, 0)))
-        most = np.where(level == 0, 1, most)
-        return most / (b * self.copies)
+        return self.tables.busiest_share(x, y, level)
 
     def _transfer(self, i: int, j: np.ndarray, x: np.ndarray, y: np.ndarray) -> np.ndarray:
         """X in ms (objective.transfer_ms): the stage's activation traffic per micro-batch."""
@@ -307,9 +301,9 @@ class StageTerms:
         offset = c.x[where] % self.period
         size = (c.y - c.x)[where]
         keys = offset * (self.wc + 1) + size
-        for key in np.unique(keys):
-            sel = where[keys == key]
-            o, b = divmod(int(key), self.wc + 1)
+        for key, at in grouped(keys):
+            sel = where[at]
+            o, b = divmod(key, self.wc + 1)
             exposed[sel] = self.exposure_row(o, b, i, paired)[j[sel] - i]
         return exposed
 
@@ -319,8 +313,8 @@ class StageTerms:
         key = (offset, size, paired)
         hit = self._sync.get(key)
         if hit is None:
-            ranks = np.add.outer(np.arange(self.copies) * self.wc, np.arange(offset, offset + size)).ravel().tolist()
-            lines = (pair_lines(self.model, ranks, self.opts.algorithms) if paired
+            ranks = np.add.outer(np.arange(self.copies) * self.wc, np.arange(offset, offset + size)).ravel()
+            lines = (pair_lines(self.model, ranks.tolist(), self.opts.algorithms) if paired
                      else self.model.fast_lines(ranks, self.opts.algorithms))
             nbytes = self.costs.param_bytes
             best = np.min([ln.alpha_s + ln.s_per_byte * nbytes for _, ln in lines], axis=0)
@@ -345,8 +339,8 @@ class StageTerms:
         keys = top * (self.copies * self.wc + 1) + units
         out = np.zeros(len(j))
         row_start = self.pb[i] + self.pf[i]
-        for key in np.unique(keys):
-            lv, m = divmod(int(key), self.copies * self.wc + 1)
+        for key, sel in grouped(keys):
+            lv, m = divmod(key, self.copies * self.wc + 1)
             lane = self._floor_lanes.get((lv, m))
             if lane is None:
                 sync = sync_floor(self.model, lv, m, self.opts.algorithms, self.costs.param_bytes)
@@ -358,7 +352,6 @@ class StageTerms:
                 scale = SAFETY * (most + sync.sum() + self.pb[-1] + self.pf[-1])
                 lane = self._floor_lanes[lv, m] = (lane_terms(sync, self.costs.backward_ms,
                                                               self.costs.forward_ms), scale)
-            sel = keys == key
             out[sel] = np.maximum(0.0, lane_row(lane[0], row_start, i)[j[sel] - i] - lane[1])
         return out
 

@@ -16,6 +16,11 @@ contiguous chunks laid out on the groups as the schedule says (``schedule_regist
   plus the largest transient of its chunks (one node runs at a time: ``objective.transient_bytes``);
   ``--recompute all`` recomputes every chunk, ``auto`` the chunks of workers that would not fit
   otherwise;
+* shard levels (``--shard``, ``sharding.py``): a chunk on a group of r > 1 replicas holds its weights,
+  gradients and optimizer state as its level says (``objective.memory_bytes``); a worker's chunks
+  share its memory, so its levels are chosen together (``chunk_shards``: every combination, the least
+  added optimizer step, collectives and reruns among those that fit), and the simulator times each
+  chunk's reduce-scatters and all-gathers on its group's lane as for a one-chunk stage;
 * per-chunk figures (forward, backward, transfers, per-layer all-reduce choice, overhead) come
   from ``objective.evaluate`` as for any stage; the predicted step is the schedule's simulation
   (``simulate``, given by the caller: the simulator lives in ``hybridpipe.pipeline``), plus the
@@ -26,6 +31,7 @@ Every decision is recorded in the plan: ``virtual_stages``, and per chunk its no
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -42,11 +48,13 @@ from hybridpipe.partitioner.search.modelcosts import ModelCosts
 from hybridpipe.partitioner.search.objective import (
     Evaluation,
     Options,
+    StageEval,
     StageSpec,
     evaluate,
     memory_bytes,
     transient_bytes,
 )
+from hybridpipe.partitioner.search.sharding import NONE, Variant
 
 Simulate = Callable[[Plan], float]      # a plan -> its simulated step in ms
 
@@ -112,39 +120,79 @@ def chunk_specs(costs: ModelCosts, groups: Sequence[tuple[int, ...]], kind: Sche
     return tuple(out)
 
 
-def chunk_memory(costs: ModelCosts, specs: Sequence[StageSpec], kind: Schedule, opts: Options, virtual: int
-                 ) -> tuple[list[float], list[bool]]:
-    """Per chunk: its worker's peak memory (all the worker's chunks) and whether it recomputes."""
+def worker_places(specs: Sequence[StageSpec], opts: Options) -> list[tuple[tuple[int, ...], Place]]:
+    """Each rank group of the chunks (pipeline order) and its place in the schedule."""
     groups = list(dict.fromkeys(s.ranks for s in specs))
-    place_of = {g: Place(i, tuple(len(x) for x in groups), opts.micro_batches) for i, g in enumerate(groups)}
+    return [(g, Place(i, tuple(len(x) for x in groups), opts.micro_batches)) for i, g in enumerate(groups)]
+
+
+def worker_bytes(costs: ModelCosts, specs: Sequence[StageSpec], mine: Sequence[int], variants: Sequence[Variant],
+                 kind: Schedule, place: Place, opts: Options, virtual: int) -> tuple[float, bool]:
+    """(peak bytes, recomputes) of the worker holding chunks ``mine`` sharded as ``variants``: every chunk's
+    weights, gradients and optimizer state (``objective.memory_bytes`` at its level), the activations at
+    the worker's peak over its chunks together, (recomputing) the largest one rerun: one backward at a
+    time, and the largest transient. ``--recompute auto`` recomputes only a worker that does not fit otherwise."""
+    ranges = [(specs[c].first, specs[c].last) for c in mine]
+    transient = [transient_bytes(costs, i, j) for i, j in ranges]      # one chunk's node at a time
+    static = sum(memory_bytes(costs, i, j, 0, opts, variant=v, replicas=len(specs[c].ranks)) - t
+                 for (i, j), t, v, c in zip(ranges, transient, variants, mine, strict=True))
+
+    def total(rc: bool) -> float:
+        per_mb = [costs.kept_bytes(i, j) if rc else costs.stash_bytes(i, j) for i, j in ranges]
+        rerun = max(costs.rerun_bytes(i, j) for i, j in ranges) if rc else 0.0
+        return static + kind.held_peak(place, virtual, per_mb) + rerun + max(transient)
+    rc = opts.recompute == "all" or (opts.recompute == "auto" and total(False) > opts.memory_bytes)
+    return total(rc), rc
+
+
+def added_ms(e: StageEval, recompute: bool) -> float:
+    """What a chunk's shard level changes in its worker's step: its optimizer step and lost compute
+    (``overhead_ms``), its collectives inside the step (``midstep_ms``), the time its layers' syncs
+    occupy the group's lane (``sync.busy_ms``: what the simulator queues), and the forward rerun when
+    recomputing."""
+    return e.overhead_ms + e.midstep_ms + e.sync.busy_ms + (e.micro_batches * e.forward_ms if recompute else 0.0)
+
+
+def chunk_shards(costs: ModelCosts, specs: Sequence[StageSpec], kind: Schedule, opts: Options, virtual: int,
+                 evals: dict[Variant, Evaluation], forced: Sequence[Variant] | None = None
+                 ) -> tuple[list[Variant], list[float], list[bool]]:
+    """Each chunk's shard level, its worker's peak bytes and whether it recomputes.
+
+    A worker's chunks share its memory, so its levels are chosen together: every combination of
+    the levels ``opts.variants`` allows its group (at most 3^V under ``auto``), the one with the
+    least ``added_ms`` summed over its chunks among those that fit (ties: the earlier, less
+    sharding); none fitting, the one needing the least memory (for the refusal). ``evals[v]``: every
+    chunk evaluated at level ``v`` (``NONE`` where its group cannot shard); ``forced``: the levels
+    given (brute force)."""
+    variants = list(forced) if forced is not None else [NONE] * len(specs)
     worker = [0.0] * len(specs)
     recompute = [opts.recompute == "all"] * len(specs)
-    for g in groups:
-        mine = [c for c, s in enumerate(specs) if s.ranks == g]       # model order = local chunk order
-        place = place_of[g]
-
-        def total(rc: bool, mine: list[int] = mine, place: Place = place) -> float:
-            """Weights and optimizer state of every chunk, the activations at the worker's peak over
-            its chunks together, and (recomputing) the largest one rerun: one backward at a time."""
-            ranges = [(specs[c].first, specs[c].last) for c in mine]
-            transient = [transient_bytes(costs, i, j) for i, j in ranges]      # one chunk's node at a time
-            static = sum(memory_bytes(costs, i, j, 0, opts) - t for (i, j), t in zip(ranges, transient, strict=True))
-            per_mb = [costs.kept_bytes(i, j) if rc else costs.stash_bytes(i, j) for i, j in ranges]
-            rerun = max(costs.rerun_bytes(i, j) for i, j in ranges) if rc else 0.0
-            return static + kind.held_peak(place, virtual, per_mb) + rerun + max(transient)
-        rc = opts.recompute == "all" or (opts.recompute == "auto" and total(False) > opts.memory_bytes)
-        for c in mine:
-            worker[c], recompute[c] = total(rc), rc
-    return worker, recompute
+    for g, place in worker_places(specs, opts):
+        mine = [c for c, s in enumerate(specs) if s.ranks == g]
+        allowed = opts.variants(len(g))
+        combos = [tuple(variants[c] for c in mine)] if forced is not None else itertools.product(allowed,
+                                                                                              repeat=len(mine))
+        best: tuple[bool, float, tuple[Variant, ...], float, bool] | None = None
+        for combo in combos:
+            w, rc = worker_bytes(costs, specs, mine, combo, kind, place, opts, virtual)
+            fits = w <= opts.memory_bytes
+            key = sum(added_ms(evals[v].stages[c], rc) for v, c in zip(combo, mine, strict=True)) if fits else w
+            if best is None or (fits, -key) > (best[0], -best[1]):
+                best = (fits, key, combo, w, rc)
+        assert best is not None
+        for v, c in zip(best[2], mine, strict=True):
+            variants[c], worker[c], recompute[c] = v, best[3], best[4]
+    return variants, worker, recompute
 
 
 def virtual_plan(groups: Sequence[tuple[int, ...]], costs: ModelCosts, model: CostModel, opts: Options, virtual: int,
                  build: Callable[[Sequence[StageSpec], Evaluation, Options], Plan],
-                 simulate: Simulate) -> tuple[Plan, Evaluation]:
+                 simulate: Simulate, shards: Sequence[Variant] | None = None) -> tuple[Plan, Evaluation]:
     """The plan of ``opts.schedule`` with ``virtual`` chunks per rank on these rank groups (their replicas).
 
     ``build(specs, evaluation, options)`` makes a Plan as ``planner.build_plan`` does (tied
-    weights priced, per-step overhead added); ``simulate`` predicts its step."""
+    weights priced, per-step overhead added); ``simulate`` predicts its step. Each chunk shards as
+    :func:`chunk_shards` chooses under ``opts.shard``, or as ``shards`` (one per chunk) when given."""
     kind = opts.schedule
     check_virtual(kind, virtual)
     if any(not opts.replicas_ok(len(g)) for g in groups):
@@ -152,8 +200,16 @@ def virtual_plan(groups: Sequence[tuple[int, ...]], costs: ModelCosts, model: Co
                         "micro-batches per step")
     specs = chunk_specs(costs, groups, kind, virtual)
     plain = replace(opts, schedule=REGISTRY[BASE_SCHEDULE], memory_bytes=math.inf, recompute="none")
-    worker, recompute = chunk_memory(costs, specs, kind, opts, virtual)
-    ev = evaluate(costs, model, specs, plain)
+    if shards is not None and any(v not in opts.variants(len(s.ranks)) for v, s in zip(shards, specs, strict=True)):
+        raise UserError("a chunk is given a shard level its group cannot take (one replica, or not under --shard)")
+    levels = {v for s in specs for v in opts.variants(len(s.ranks))} | set(shards or ())
+    if levels == {NONE}:
+        evals = {NONE: evaluate(costs, model, specs, plain)}
+    else:       # every chunk at every level its group allows (NONE where it cannot shard)
+        evals = {v: evaluate(costs, model, specs, plain,
+                             [v if v in opts.variants(len(s.ranks)) else NONE for s in specs]) for v in levels}
+    chosen, worker, recompute = chunk_shards(costs, specs, kind, opts, virtual, evals, shards)
+    ev = evaluate(costs, model, specs, plain, chosen) if levels != {NONE} else evals[NONE]
     stages = []
     for c, (e, spec) in enumerate(zip(ev.stages, specs, strict=True)):
         b = e.backward_ms + (e.forward_ms if recompute[c] else 0.0)
@@ -167,9 +223,8 @@ def virtual_plan(groups: Sequence[tuple[int, ...]], costs: ModelCosts, model: Co
         c = max(range(len(specs)), key=worker.__getitem__)
         raise UserError(f"{kind.name} with {virtual} virtual stages does not fit: the workers of stage {c} "
                         f"(ranks {list(specs[c].ranks)}) need {worker[c] / 1e9:.2f} GB for their {virtual} chunks, "
-                        "more "
-                        f"than {opts.memory_bytes / 1e9:g} GB; raise --memory-gb, use --recompute auto, fewer "
-                        "--virtual-stages or more workers")
+                        f"more than {opts.memory_bytes / 1e9:g} GB; raise --memory-gb, use --recompute auto"
+                        f"{'' if opts.shard != 'none' else ', --shard auto'}, fewer --virtual-stages or more workers")
     plan = replace(build(specs, ev, plain), schedule=kind.name, virtual_stages=virtual)
     step = simulate(plan) + sum(t.predicted_ms for t in plan.tied) + model.step_overhead_ms
     samples = opts.micro_batches * plan.batch_size / (step / 1e3) if step > 0 else 0.0

@@ -1,0 +1,140 @@
+"""Shard levels with virtual stages (``partition --shard ... --schedule interleaved-1f1b|zbv``): the
+chunk search's per-worker choice against brute force over every level of every chunk (each worker's
+added time, and the simulated step)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hybridpipe.errors import UserError
+from hybridpipe.partitioner.cost.costmodel import CostModel
+from hybridpipe.partitioner.plan import Plan
+from hybridpipe.partitioner.planner import Request, build_plan, partition
+from hybridpipe.partitioner.schedule_registry import get_schedule
+from hybridpipe.partitioner.search.modelcosts import model_costs
+from hybridpipe.partitioner.search.objective import Options
+from hybridpipe.partitioner.search.sharding import NONE, VARIANTS, Variant
+from hybridpipe.partitioner.search.virtual import added_ms, chunk_specs, virtual_plan
+from hybridpipe.pipeline.simulator import simulate
+from tests.partitioner.synth import flat_cluster, make_profile
+
+LAYER = st.tuples(st.sampled_from([0.3, 2.0, 9.0]), st.sampled_from([0.5, 4.0, 20.0]),
+                  st.sampled_from([2_000, 300_000, 4_000_000]), st.sampled_from([8_000, 900_000, 60_000_000]))
+CASE = st.tuples(st.lists(LAYER, min_size=4, max_size=6), st.sampled_from(["interleaved-1f1b", "zbv"]),
+                 st.sampled_from([(2, 2), (1, 2), (2, 1), (3, 1)]), st.sampled_from(["sgd", "adamw"]),
+                 st.sampled_from([math.inf, 2e9, 8e8, 4e8, 1.5e8]), st.sampled_from(["none", "auto"]),
+                 st.sampled_from(["auto", "auto", "optimizer", "gradients", "parameters", "none"]),
+                 st.sampled_from([0.1, 1.0, 10.0]))
+
+
+def step_of(plan: Plan) -> float:
+    return simulate(plan).step_ms
+
+
+def levels(shard: str, replicas: int) -> tuple[Variant, ...]:
+    """What a chunk may shard, from the rule (not Options.variants): nothing on one replica or under
+    none; auto: the levels launch runs; a level by name: that level."""
+    if replicas == 1 or shard == "none":
+        return (NONE,)
+    if shard == "auto":
+        return tuple(v for v in VARIANTS if v.level in ("none", "optimizer", "gradients"))
+    return tuple(v for v in VARIANTS if v.level == shard)
+
+
+def setup(case):
+    layers, schedule, replicas, optimizer, memory, recompute, shard, gbps = case
+    profile = make_profile(layers, [])
+    workers = sum(replicas)
+    model = CostModel(flat_cluster(workers, gbps=gbps))
+    costs = model_costs(profile)
+    opts = Options(get_schedule(schedule), 2 * workers, optimizer, memory, recompute=recompute, shard=shard)
+    groups, start = [], 0
+    for r in replicas:
+        groups.append(tuple(range(start, start + r)))
+        start += r
+
+    def build(specs, ev, o):
+        return build_plan(profile, costs, model.cluster, specs, ev, o, "optimal", model)
+    return costs, model, opts, groups, build
+
+
+def brute_force(costs, model, opts, groups, build):
+    """Every level of every chunk (the product over all chunks, not per worker): per fitting combination,
+    the plan and each worker's summed ``added_ms``."""
+    specs = chunk_specs(costs, groups, opts.schedule, 2)
+    out = []
+    for combo in itertools.product(*(levels(opts.shard, len(s.ranks)) for s in specs)):
+        try:
+            plan, ev = virtual_plan(groups, costs, model, opts, 2, build, step_of, shards=combo)
+        except UserError:
+            continue
+        per_worker = {g: sum(added_ms(e, e.recompute) for e, s in zip(ev.stages, specs, strict=True)
+                             if s.ranks == g) for g in groups}
+        out.append((combo, plan, ev, per_worker))
+    return out
+
+
+def check(case):
+    costs, model, opts, groups, build = setup(case)
+    try:
+        chunk_specs(costs, groups, opts.schedule, 2)
+    except UserError:
+        return
+    every = brute_force(costs, model, opts, groups, build)
+    try:
+        plan, ev = virtual_plan(groups, costs, model, opts, 2, build, step_of)
+    except UserError:
+        assert not every          # refused only when no combination of levels fits
+        return
+    assert every
+    got = {g: sum(added_ms(e, e.recompute) for e, s in zip(ev.stages, plan.stages, strict=True)
+                  if s.ranks == g) for g in groups}
+    for g in groups:           # each worker: the least added time any fitting combination gives it
+        assert got[g] == pytest.approx(min(w[g] for *_, w in every), rel=1e-9, abs=1e-9)
+    # the chosen levels are one of the brute force's combinations, with the same plan
+    chosen = tuple(Variant(s.shard, s.reshard_after_forward) for s in plan.stages)
+    same = [p for combo, p, _, _ in every if combo == chosen]
+    assert same and same[0].stages == plan.stages and same[0].predicted_step_ms == plan.predicted_step_ms
+    assert all(s.memory_bytes <= opts.memory_bytes for s in plan.stages)
+    # and no combination of levels is simulated faster
+    assert plan.predicted_step_ms <= min(p.predicted_step_ms for _, p, _, _ in every) * (1 + 1e-9)
+    for s in plan.stages:
+        assert Variant(s.shard, s.reshard_after_forward) in levels(opts.shard, s.replicas)
+
+
+@settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(CASE)
+def test_chunk_levels_equal_brute_force(case):
+    """4-6 nodes, two groups of 1-3 replicas, interleaved-1f1b and zbv with 2 chunks per worker, every
+    --shard, memory tight enough that levels decide what fits (2 cases; 300: make test-slow)."""
+    check(case)
+
+
+@pytest.mark.slow
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(CASE)
+def test_chunk_levels_equal_brute_force_many(case):
+    check(case)
+
+
+BIG = [(1.0, 2.0, 1000, 40_000_000)] * 8
+
+
+def test_shard_auto_plans_virtual_stages_where_replicated_does_not_fit():
+    """AdamW state of 2 groups x 2 replicas does not fit replicated in 0.5 GB per worker; --shard auto
+    shards it (ZeRO-1 or 2), --shard none stays as today (refused)."""
+    req = Request(optimizer="adamw", micro_batches=8, strategy="uniform", stages=2, schedule="interleaved-1f1b",
+                  virtual_stages=2, memory_gb=0.5)
+    cluster = flat_cluster(4, gbps=10.0)
+    with pytest.raises(UserError, match="does not fit"):
+        partition(make_profile(BIG, []), cluster, req, simulate=step_of)
+    plan = partition(make_profile(BIG, []), cluster, dataclasses.replace(req, shard="auto"), simulate=step_of).plan
+    assert plan.virtual_stages == 2 and {s.shard for s in plan.stages} <= {"optimizer", "gradients"}
+    assert all(s.memory_bytes <= 0.5e9 for s in plan.stages)
+    assert Plan.from_dict(plan.to_dict()) == plan
