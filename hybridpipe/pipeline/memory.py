@@ -43,12 +43,32 @@ def tensors_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
+def _key(t: torch.Tensor) -> int:
+    """The meter's key of a CPU tensor's storage (the meter counts on the CPU only)."""
+    return t.untyped_storage().data_ptr()
+
+
+def _leaves(values: Iterable[Any]) -> Iterator[Any]:
+    """The leaves of nested values: tensors, dicts, lists and tuples walked directly (they are
+    what a stage holds), anything else (a model's output class) through pytree."""
+    for v in values:
+        kind = type(v)
+        if isinstance(v, torch.Tensor):
+            yield v
+        elif kind is dict:
+            yield from _leaves(v.values())
+        elif kind is list or kind is tuple:
+            yield from _leaves(v)
+        elif v is not None:
+            yield from pytree.tree_leaves(v)
+
+
 class _Saved:
     """A saved tensor as autograd holds it: releases its count when the graph drops it."""
 
     __slots__ = ("key", "meter", "tensor")
 
-    def __init__(self, tensor: torch.Tensor, key: tuple[str, int], meter: MemoryMeter):
+    def __init__(self, tensor: torch.Tensor, key: int, meter: MemoryMeter):
         self.tensor, self.key, self.meter = tensor, key, meter
 
     def __del__(self) -> None:
@@ -72,10 +92,10 @@ class MemoryMeter:
         self.static, self.grad_bytes, self.device, self.modules = static, grad_bytes, device, tuple(modules)
         self.static_changes = static_changes
         self._skip_known = False    # _skip lists this step's static storages
-        self._counts: dict[tuple[str, int], int] = {}
-        self._bytes: dict[tuple[str, int], int] = {}
-        self._skip: set[tuple[str, int]] = set()
-        self._held: dict[Hashable, set[tuple[str, int]]] = {}
+        self._counts: dict[int, int] = {}
+        self._bytes: dict[int, int] = {}
+        self._skip: set[int] = set()
+        self._held: dict[Hashable, set[int]] = {}
         self._rerun: list[bool] = []
         self.held = 0               # activation bytes alive now
         self.peak = 0               # most activation bytes alive at once this step
@@ -104,7 +124,7 @@ class MemoryMeter:
             return
         if not self._skip_known or self.static_changes:
             buffers = [b for m in self.modules for b in m.buffers()]
-            self._skip = {storage_key(t) for t in (*self.static(), *buffers)
+            self._skip = {_key(t) for t in (*self.static(), *buffers)
                           if isinstance(t, torch.Tensor) and t.numel() > 0}
             self._skip_known = True
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
@@ -115,12 +135,13 @@ class MemoryMeter:
         if self.on_cuda:
             return
         keys = self._held.setdefault(owner, set())
-        for t in pytree.tree_leaves(values):
+        for t in _leaves(values):
             if isinstance(t, torch.Tensor) and t.numel() > 0:
-                key = storage_key(t)
+                storage = t.untyped_storage()
+                key = storage.data_ptr()
                 if key not in keys and key not in self._skip:
                     keys.add(key)
-                    self._add(key, t.untyped_storage().nbytes())
+                    self._add(key, storage.nbytes())
 
     def drop(self, owner: Hashable) -> None:
         """Micro-batch ``owner``'s backward is done: what ``hold`` counted for it is released."""
@@ -156,8 +177,7 @@ class MemoryMeter:
             # a new tensor object of our own (detach), so that checkpoint keeps this very object and
             # its end is seen (the op's own output object may outlive the storage's use elsewhere)
             y = x.detach()
-            if y.numel() > 0 and storage_key(y) not in self._skip:
-                key = storage_key(y)
+            if y.numel() > 0 and (key := _key(y)) not in self._skip:
                 self._add(key, y.untyped_storage().nbytes())
                 weakref.finalize(y, self._release, key)
             return pack(y)
@@ -169,7 +189,7 @@ class MemoryMeter:
         if self._rerun and self._rerun.pop():
             torch._C._autograd._pop_saved_tensors_default_hooks()
 
-    def _add(self, key: tuple[str, int], size: int) -> None:
+    def _add(self, key: int, size: int) -> None:
         n = self._counts.get(key, 0)
         self._counts[key] = n + 1
         if n == 0:
@@ -180,17 +200,18 @@ class MemoryMeter:
     def _pack(self, t: torch.Tensor):
         if t.numel() == 0:
             return t
-        key = storage_key(t)
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
         if key in self._skip:
             return t
-        self._add(key, t.untyped_storage().nbytes())
+        self._add(key, storage.nbytes())
         return _Saved(t.detach(), key, self)     # detached: no cycle through a saved output's grad_fn
 
     @staticmethod
     def _unpack(saved) -> torch.Tensor:
         return saved.tensor if isinstance(saved, _Saved) else saved
 
-    def _release(self, key: tuple[str, int]) -> None:
+    def _release(self, key: int) -> None:
         n = self._counts.get(key, 0) - 1
         if n > 0:
             self._counts[key] = n

@@ -1,10 +1,11 @@
 """Posting and completing frames (see wire.py) on one route with torch.distributed ops.
 
 :class:`FrameSender` and :class:`FrameReceiver` own one direction of one lane: its frame
-sequence numbers, its metadata cache, its side stream and (CPU) the capacity of the flat
-message the receiver keeps posted (see wire.py). They are used by one thread at a time each
-(a sender's ``post`` and ``complete`` may run on different threads). Every wait has a
-deadline; backend failures become :class:`P2PError` naming the peer and what was awaited.
+sequence numbers, its metadata cache, its side stream and the capacity of the receive the
+receiver keeps posted (see wire.py: both ends derive it from the frames so far, so a frame
+that fits travels as one message). They are used by one thread at a time each (a sender's
+``post`` and ``complete`` may run on different threads). Every wait has a deadline; backend
+failures become :class:`P2PError` naming the peer and what was awaited.
 """
 
 from __future__ import annotations
@@ -25,8 +26,7 @@ from hybridpipe.comm.p2p.wire import Flag, Header
 
 Clock = Callable[[], float]
 _MAX_WAIT_S = 7 * 24 * 3600.0
-_FILLER = torch.zeros(1, dtype=torch.uint8)     # satisfies a posted flat receive the frame does not use
-_FLAT_TAG = 1       # CPU: flat messages match among themselves, apart from headers and metadata (tag 0)
+_NO_PAYLOAD = Flag.CLOSE | Flag.HELLO
 
 
 @dataclass
@@ -71,14 +71,10 @@ class _End:
         self.seq = 0
         self.cache = wire.MetaCache()
         self.meta_frames = 0        # frames that carried (re-)announced metadata
+        self.split_frames = 0       # frames that took more than one message on the control group
         self.cuda = stream.stream is not None
-        self.capacity = 0           # CPU: bytes of the flat receive posted ahead for the next frame
-        self.prepost = prepost and not self.cuda    # both ends of a lane must agree
-
-    def _grow(self, header: Header, flat: int) -> None:
-        """After a frame: the capacity both ends derive for the next one (never for HELLO/CLOSE)."""
-        if self.prepost and not header.flags & (Flag.CLOSE | Flag.HELLO):
-            self.capacity = max(self.capacity, flat)
+        self.capacity = wire.MIN_CAPACITY   # the receive posted for the next frame (both ends agree)
+        self.prepost = prepost      # receiver: keep the next frame's receive posted (sa, per-tensor)
 
     def _complete(self, control_works: list, data_works: list, deadline: float,
                   what: str) -> torch.cuda.Event | None:
@@ -109,48 +105,44 @@ class FrameSender(_End):
     """Send side of one lane to one peer."""
 
     def post(self, key: str, msg: int, parts: int, items: Sequence[tuple[str, torch.Tensor]],
-             flags: Flag = Flag.NONE, ready: torch.cuda.Event | None = None) -> Posted:
+             flags: int = Flag.NONE, ready: torch.cuda.Event | None = None) -> Posted:
         """Post a frame's operations without waiting. ``items`` must be contiguous tensors."""
         metas = wire.describe(items)
         meta = b""
-        if not flags & (Flag.CLOSE | Flag.HELLO) and self.cache.changed(key, metas):
+        if not flags & _NO_PAYLOAD and self.cache.changed(key, metas):
             flags |= Flag.META
             meta = wire.encode_meta(metas)
             self.meta_frames += 1
-        header = Header(flags, self.seq, msg, parts, len(items), len(meta), wire.payload_bytes(metas), key)
+        offsets, flat = wire.flat_layout(metas)
+        body = 0 if self.cuda else flat
+        inline = wire.is_inline(len(meta), body, self.capacity)
+        if not inline:
+            flags |= Flag.SPLIT
+            self.split_frames += 1
+        header = Header(flags, self.seq, msg, parts, len(items), len(meta), wire.payload_bytes(metas), body, key)
         self.seq += 1
+        self.capacity = wire.next_capacity(self.capacity, header)
         t0 = self.clock()
-        what = f"send {key!r}"
         try:
-            control = [dist.isend(wire.to_bytes_tensor(wire.encode_header(header)), self.peer,
-                                  group=self.route.control)]
-            if meta:
-                control.append(dist.isend(wire.to_bytes_tensor(meta), self.peer, group=self.route.control))
+            if inline:
+                sends = [wire.encode_frame(header, meta, () if self.cuda else items, () if self.cuda else offsets)]
+            else:
+                sends = [wire.to_bytes_tensor(wire.encode_header(header))]
+                if meta:
+                    sends.append(wire.to_bytes_tensor(meta))
+                if (flat_body := wire.flatten(items, metas) if body else None) is not None:
+                    sends.append(flat_body)
+            control = [dist.isend(t, self.peer, group=self.route.control) for t in sends]
+            data = []
             if self.cuda:
-                data = []
                 with self.stream.active(after=ready):
                     for _, t in items:
                         if t.numel():
                             data.append(dist.isend(t, self.peer, group=self.route.data))
-                keep = [t for _, t in items]
-            else:
-                data, keep = self._post_flat(header, items, metas)
+                sends += [t for _, t in items]
         except Exception as e:          # noqa: BLE001
-            raise classify_transport_error(e, self.peer, what) from e
-        return Posted(header, control, data, keep, t0)
-
-    def _post_flat(self, header: Header, items, metas) -> tuple[list, list]:
-        """CPU: the frame's flat message into the receive posted ahead (capacity), or a filler
-        for that receive and then the message alone (see wire.py)."""
-        flat = wire.flatten(items, metas)
-        size = 0 if flat is None else flat.numel()
-        sends = []
-        if self.capacity and not 0 < size <= self.capacity:
-            sends.append(_FILLER)
-        if flat is not None:
-            sends.append(flat)
-        self._grow(header, size)
-        return [dist.isend(t, self.peer, group=self.route.data, tag=_FLAT_TAG) for t in sends], sends
+            raise classify_transport_error(e, self.peer, f"send {key!r}") from e
+        return Posted(header, control, data, sends, t0)
 
     def complete(self, posted: Posted, deadline: float) -> float:
         """Wait until the frame has left; return the completion time (clock)."""
@@ -164,57 +156,59 @@ class FrameReceiver(_End):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._ahead: tuple | None = None        # receives posted for the next frame
+        self._ahead: tuple[torch.Tensor, object] | None = None     # the next frame's receive, posted
 
     def receive(self, deadline: float, what: str = "the next message") -> Frame:
-        """Receive the next frame: header, metadata if announced, payloads."""
+        """Receive the next frame: one message, or a split frame's header, metadata and body."""
         if self._ahead is None:
-            self._ahead = self._post_ahead(what)
-        buf, head_work, flat_buf, flat_work = self._ahead
+            self._ahead = self._post(self.capacity, what)
+        buf, work = self._ahead
+        self._ahead = None
         try:
-            _wait_work(head_work, deadline)
+            _wait_work(work, deadline)
         except Exception as e:          # noqa: BLE001
             raise classify_transport_error(e, self.peer, what) from e
-        self._ahead = None
         t0 = self.clock()
-        header = self._decode(wire.from_bytes_tensor(buf), what)
-        if header.flags & (Flag.CLOSE | Flag.HELLO):
-            if flat_work is not None:           # the sender's filler for the posted receive
-                self._complete([], [flat_work], deadline, what)
-            if not header.flags & Flag.CLOSE:
-                self._ahead = self._post_ahead(what)
+        raw = buf.numpy()
+        header = self._decode(raw, what)
+        self.capacity = wire.next_capacity(self.capacity, header)
+        if header.flags & _NO_PAYLOAD:
+            if self.prepost and not header.flags & Flag.CLOSE:
+                self._ahead = self._post(self.capacity, what)
             return Frame(header, {}, None, t0, t0)
-        metas = self._metas(header, deadline)
         what = f"recv {header.key!r}"
+        if header.flags & Flag.SPLIT:
+            meta, body, base = self._receive_rest(header, deadline, what)
+        else:
+            meta = raw[wire.HEADER_BYTES:wire.HEADER_BYTES + header.meta_len]
+            body, base = buf, wire.body_offset(header.meta_len, header.body_bytes)
+            if self.prepost:        # the next frame may flow while this one is delivered
+                self._ahead = self._post(self.capacity, what)
+        metas = self._metas(header, meta)
         if self.cuda:
             return self._receive_cuda(header, metas, deadline, what, t0)
-        _, size = wire.flat_layout(metas)
-        fits = flat_work is not None and 0 < size <= self.capacity
-        works = [] if flat_work is None else [flat_work]
-        if not fits and size:
-            flat_buf = torch.empty(size, dtype=torch.uint8)
-            try:
-                works.append(dist.irecv(flat_buf, self.peer, group=self.route.data, tag=_FLAT_TAG))
-            except Exception as e:      # noqa: BLE001
-                raise classify_transport_error(e, self.peer, what) from e
-        self._complete([], works, deadline, what)
-        self._grow(header, size)
-        self._ahead = self._post_ahead(what)    # the next frame may flow while this one is delivered
-        tensors = wire.unflatten(flat_buf if size else None, metas)
-        return Frame(header, tensors, None, t0, self.clock())
+        if wire.flat_layout(metas)[1] != header.body_bytes:
+            raise ProtocolError(self.peer, what, f"header announces a body of {header.body_bytes} bytes, "
+                                f"the metadata {wire.flat_layout(metas)[1]}")
+        return Frame(header, wire.unflatten(body if header.body_bytes else None, metas, base), None, t0, self.clock())
 
-    def _post_ahead(self, what: str) -> tuple:
-        """Post the next frame's header receive and, on CPU with a known capacity, its flat one."""
-        buf = torch.empty(wire.HEADER_BYTES, dtype=torch.uint8)
-        flat = flat_work = None
+    def _post(self, size: int, what: str) -> tuple[torch.Tensor, object]:
+        buf = torch.empty(size, dtype=torch.uint8)
         try:
-            work = dist.irecv(buf, self.peer, group=self.route.control)
-            if not self.cuda and self.capacity:
-                flat = torch.empty(self.capacity, dtype=torch.uint8)
-                flat_work = dist.irecv(flat, self.peer, group=self.route.data, tag=_FLAT_TAG)
+            return buf, dist.irecv(buf, self.peer, group=self.route.control)
         except Exception as e:          # noqa: BLE001
             raise classify_transport_error(e, self.peer, what) from e
-        return buf, work, flat, flat_work
+
+    def _receive_rest(self, header: Header, deadline: float, what: str) -> tuple[object, torch.Tensor | None, int]:
+        """A split frame: its metadata and body, each a message of the size the header gives
+        (posted before the next frame's receive: gloo matches a peer's messages in order)."""
+        self.split_frames += 1
+        meta = self._post(header.meta_len, what) if header.meta_len else None
+        body = self._post(header.body_bytes, what) if header.body_bytes else None
+        if self.prepost:
+            self._ahead = self._post(self.capacity, what)
+        self._complete([p[1] for p in (meta, body) if p is not None], [], deadline, what)
+        return (b"" if meta is None else meta[0].numpy()), (None if body is None else body[0]), 0
 
     def _receive_cuda(self, header: Header, metas, deadline: float, what: str, t0: float) -> Frame:
         tensors: dict[str, torch.Tensor] = {}
@@ -231,7 +225,7 @@ class FrameReceiver(_End):
         event = self._complete([], works, deadline, what)
         return Frame(header, tensors, event, t0, self.clock())
 
-    def _decode(self, raw: bytes, what: str) -> Header:
+    def _decode(self, raw, what: str) -> Header:
         try:
             header = wire.decode_header(raw)
         except wire.WireError as e:
@@ -242,16 +236,11 @@ class FrameReceiver(_End):
         self.seq += 1
         return header
 
-    def _metas(self, header: Header, deadline: float) -> tuple[wire.TensorMeta, ...]:
+    def _metas(self, header: Header, meta) -> tuple[wire.TensorMeta, ...]:
         what = f"recv {header.key!r}"
         if header.flags & Flag.META:
-            buf = torch.empty(header.meta_len, dtype=torch.uint8)
             try:
-                _wait_work(dist.irecv(buf, self.peer, group=self.route.control), deadline)
-            except Exception as e:      # noqa: BLE001
-                raise classify_transport_error(e, self.peer, what) from e
-            try:
-                metas = wire.decode_meta(wire.from_bytes_tensor(buf))
+                metas = wire.decode_meta(meta)
             except wire.WireError as e:
                 raise ProtocolError(self.peer, what, str(e)) from None
             self.cache.update(header.key, metas)

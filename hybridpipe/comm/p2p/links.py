@@ -9,12 +9,11 @@
 * :class:`SraLink` (``sra``, impl-SRA): one thread that performs the link's transfers in both
   directions in an order fixed in advance (see order.py), in lockstep with the peer's thread.
 
-Receive threads of ``per-tensor`` and ``sa`` always have the next receive posted (they prefetch
-without bound), so a send never waits for the receiving program: any program that would run
-with unbounded buffers runs here, whatever the stage graph (fan-in, skip edges). On CPU they
-also post the next frame's payload receive ahead of its header (see wire.py); ``sra`` receives
-only when its order says so, header first. A link ends with a CLOSE frame in each direction
-(see Channels.close).
+Receive threads of ``per-tensor`` and ``sa`` always have the next frame's receive posted (they
+prefetch without bound), so a send never waits for the receiving program: any program that
+would run with unbounded buffers runs here, whatever the stage graph (fan-in, skip edges); a
+frame is one message into that receive (see wire.py). ``sra`` posts its receive only when its
+order says so. A link ends with a CLOSE frame in each direction (see Channels.close).
 
 Background threads wait on the backend with ``idle_timeout`` (a liveness bound: a link with
 no progress for that long is dead); the caller's own waits use the channel's ``timeout``.

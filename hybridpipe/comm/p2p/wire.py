@@ -1,68 +1,78 @@
-"""What travels on a lane: a fixed-size header, optional metadata, then the payloads.
+"""What travels on a lane: frames, each one message on the wire (pure: bytes in, bytes out).
 
-A *frame* is the unit a lane carries in FIFO order::
+A *frame* is the unit a lane carries in FIFO order. Its bytes, in one uint8 buffer::
 
-    header (HEADER_BYTES, uint8)  [metadata (meta_len bytes, uint8) if Flag.META]  payload_0 .. payload_{n-1}
+    header (HEADER_BYTES)  [metadata (meta_len bytes) if Flag.META]  [pad to 64]  body (body_bytes)
 
 The header names the message (its key, e.g. ``"act/3"``, and its number on this link
-direction), says how many tensors the frame and the whole message carry, and how many payload
-bytes follow. Metadata (names, dtypes, shapes) travels only when it differs from what was last
-sent for the same *key kind* (``kind_of("act/0/3") == "act/0"``) on the same lane: both ends keep
-the same cache because the lane is FIFO, so a changed shape is re-announced by the very frame
-that carries it and can never be mis-received. Payloads with zero elements are not posted.
+direction), says how many tensors the frame and the whole message carry, how many payload
+bytes they have and how long the metadata and the body are. Metadata (names, dtypes, shapes)
+travels only when it differs from what was last sent for the same *key kind*
+(``kind_of("act/0/3") == "act/0"``) on the same lane: both ends keep the same cache because
+the lane is FIFO, so a changed shape is re-announced by the very frame that carries it and can
+never be mis-received. The *body* is the frame's tensors packed at 64-byte aligned offsets
+(:func:`flat_layout`); on CUDA lanes the payloads travel on their own (NCCL) and the body is
+empty.
 
-On CPU lanes (gloo) a frame's tensors travel as one *flat* message (:func:`flat_layout`: each
-tensor's bytes at a 64-byte aligned offset; a single tensor is sent from its own memory, several
-are packed). The receiver keeps that message's receive posted before the header arrives, into a
-buffer of the lane's *capacity* (the largest flat message so far; gloo accepts a shorter message
-into a larger buffer), so header and payload move at once instead of one after the other. Both
-ends derive the capacity from the frames already on the lane (it stays 0 on ``sra`` lanes, which
-receive in order only); a frame that does not fit (or a
-CLOSE) first satisfies the posted receive with a one-byte filler, then sends its payload alone.
-
-Everything here is pure (bytes in, bytes out); the threads and process groups live elsewhere.
+One frame is one gloo message: the receiver keeps a receive posted into a buffer of the
+lane's *capacity* (gloo accepts a shorter message into a larger buffer), and a frame that fits
+(:func:`inline_bytes` <= capacity, body at most ``INLINE_LIMIT``) is sent whole into it. Both
+ends derive the capacity from the frames already on the lane (:func:`next_capacity`, from
+``MIN_CAPACITY``), so they agree without asking. A frame that does not fit is *split*
+(``Flag.SPLIT``): the header alone (it always fits), then the metadata and the body as
+messages of their own, whose sizes the header gives; the capacity then grows so that the next
+frame like it fits. A body above ``INLINE_LIMIT`` always travels apart, from its own memory (a
+single tensor is not copied), where copying it would cost more than the extra message.
 """
 
 from __future__ import annotations
 
-import enum
+import functools
 import json
 import math
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 MAGIC = b"HPp2"
-VERSION = 2
+VERSION = 3
 HEADER_BYTES = 128
 # magic, version, flags, frame seq, message number, tensors in message, tensors in frame,
-# metadata length, payload bytes, key length
-_FIXED = struct.Struct("<4sHHQQIIIQH")
+# metadata length, payload bytes, body bytes, key length
+_FIXED = struct.Struct("<4sHHQQIIIQQH")
 MAX_KEY_BYTES = HEADER_BYTES - _FIXED.size
+FLAT_ALIGN = 64
+MIN_CAPACITY = 4096             # what a lane's receiver posts before any frame has grown it
+INLINE_LIMIT = 1 << 20          # a body above this travels apart, from its own memory
 
 
 class WireError(ValueError):
     """Malformed or inconsistent bytes on a lane (the channel turns it into ProtocolError)."""
 
 
-class Flag(enum.IntFlag):
+class Flag:
+    """A frame's flags: bits of the header's ``flags`` int (plain ints: tested on every frame)."""
+
     NONE = 0
     META = 1    # metadata follows the header and replaces the cached one for this key kind
     CLOSE = 2   # the sender closed its channels; nothing follows on this lane
     HELLO = 4   # first frame of a lane: the key carries the sender's configuration
+    SPLIT = 8   # the header travelled alone: metadata and body follow as messages of their own
+    ALL = (NONE, META, CLOSE, HELLO, SPLIT)
 
 
-@dataclass(frozen=True)
-class Header:
-    flags: Flag
+class Header(NamedTuple):
+    flags: int          # Flag bits
     seq: int            # frame number on this lane, from 0
     msg: int            # message number on this link direction, from 0
     parts: int          # tensors in the whole message (all lanes)
     n_tensors: int      # tensors carried by this frame
     meta_len: int       # bytes of metadata following the header (0 unless Flag.META)
     payload_bytes: int  # total payload bytes of this frame (cross-checked with the metadata)
+    body_bytes: int     # bytes of the flat body (the packed payloads; 0 on CUDA lanes)
     key: str
 
 
@@ -76,13 +86,9 @@ class TensorMeta:
     def numel(self) -> int:
         return math.prod(self.shape)
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
-        return self.numel * _itemsize(self.dtype)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+        return self.numel * self.dtype.itemsize
 
 
 def kind_of(key: str) -> str:
@@ -107,15 +113,16 @@ def encode_header(h: Header) -> bytes:
     """Serialise a header into exactly ``HEADER_BYTES`` bytes."""
     raw = check_key(h.key)
     fixed = _FIXED.pack(MAGIC, VERSION, int(h.flags), h.seq, h.msg, h.parts, h.n_tensors,
-                        h.meta_len, h.payload_bytes, len(raw))
+                        h.meta_len, h.payload_bytes, h.body_bytes, len(raw))
     return (fixed + raw).ljust(HEADER_BYTES, b"\0")
 
 
-def decode_header(buf: bytes) -> Header:
-    """Parse a header; raise WireError if the bytes are not one."""
-    if len(buf) != HEADER_BYTES:
+def decode_header(buf) -> Header:
+    """Parse a header from the first ``HEADER_BYTES`` of ``buf`` (bytes, or a uint8 array: the
+    start of a received frame); raise WireError if they are not one."""
+    if len(buf) < HEADER_BYTES:
         raise WireError(f"header has {len(buf)} bytes, expected {HEADER_BYTES}")
-    magic, version, flags, seq, msg, parts, n, meta_len, payload, key_len = _FIXED.unpack_from(buf)
+    magic, version, flags, seq, msg, parts, n, meta_len, payload, body, key_len = _FIXED.unpack_from(buf)
     if magic != MAGIC:
         raise WireError(f"bad magic {magic!r}: the peer is not speaking the hybridpipe p2p protocol "
                         "(or frames are misaligned)")
@@ -125,7 +132,7 @@ def decode_header(buf: bytes) -> Header:
     if key_len > MAX_KEY_BYTES:
         raise WireError(f"key length {key_len} exceeds {MAX_KEY_BYTES}")
     key = bytes(buf[_FIXED.size:_FIXED.size + key_len]).decode("utf-8", errors="replace")
-    return Header(Flag(flags), seq, msg, parts, n, meta_len, payload, key)
+    return Header(flags, seq, msg, parts, n, meta_len, payload, body, key)
 
 
 def describe(items: Sequence[tuple[str, torch.Tensor]]) -> tuple[TensorMeta, ...]:
@@ -160,8 +167,6 @@ def payload_bytes(metas: Sequence[TensorMeta]) -> int:
     return sum(m.nbytes for m in metas)
 
 
-FLAT_ALIGN = 64
-
 
 def flat_layout(metas: Sequence[TensorMeta]) -> tuple[tuple[int, ...], int]:
     """Byte offsets of each tensor in a frame's flat message, and its length (0: nothing to send)."""
@@ -189,8 +194,9 @@ def flatten(items: Sequence[tuple[str, torch.Tensor]], metas: Sequence[TensorMet
     return flat
 
 
-def unflatten(flat: torch.Tensor | None, metas: Sequence[TensorMeta]) -> dict[str, torch.Tensor]:
-    """Named tensors viewing a received flat message (no copies; they share its storage)."""
+def unflatten(flat: torch.Tensor | None, metas: Sequence[TensorMeta], base: int = 0) -> dict[str, torch.Tensor]:
+    """Named tensors viewing a received body that starts at byte ``base`` of ``flat`` (no
+    copies; they share its storage)."""
     offsets, _ = flat_layout(metas)
     out = {}
     for m, off in zip(metas, offsets, strict=True):
@@ -199,8 +205,47 @@ def unflatten(flat: torch.Tensor | None, metas: Sequence[TensorMeta]) -> dict[st
         elif flat is None:
             raise WireError(f"tensor {m.name!r} has {m.nbytes} bytes but the message has none")
         else:
-            out[m.name] = flat[off:off + m.nbytes].view(m.dtype).view(m.shape)
+            out[m.name] = flat[base + off:base + off + m.nbytes].view(m.dtype).view(m.shape)
     return out
+
+
+def body_offset(meta_len: int, body_bytes: int) -> int:
+    """Where a whole frame's body starts: after the header and metadata, 64-byte aligned."""
+    head = HEADER_BYTES + meta_len
+    return -(-head // FLAT_ALIGN) * FLAT_ALIGN if body_bytes else head
+
+
+def inline_bytes(meta_len: int, body_bytes: int) -> int:
+    """The length of a frame sent whole (one message)."""
+    return body_offset(meta_len, body_bytes) + body_bytes
+
+
+def is_inline(meta_len: int, body_bytes: int, capacity: int) -> bool:
+    """Whether a frame goes whole into a receive of ``capacity`` bytes (else it is split)."""
+    return body_bytes <= INLINE_LIMIT and inline_bytes(meta_len, body_bytes) <= capacity
+
+
+def next_capacity(capacity: int, header: Header) -> int:
+    """The capacity both ends of a lane use for the frame after ``header``'s: grown so that a
+    frame like it fits whole (unless its body travels apart anyway)."""
+    if header.body_bytes > INLINE_LIMIT:
+        return capacity
+    return max(capacity, inline_bytes(header.meta_len, header.body_bytes))
+
+
+def encode_frame(header: Header, meta: bytes, items: Sequence[tuple[str, torch.Tensor]],
+                 offsets: Sequence[int]) -> torch.Tensor:
+    """A whole frame in one uint8 buffer: header, metadata, and the contiguous CPU ``items``
+    copied into the body at ``offsets`` (:func:`flat_layout`'s)."""
+    start = body_offset(len(meta), header.body_bytes)
+    buf = torch.empty(start + header.body_bytes, dtype=torch.uint8)
+    head = encode_header(header) + meta
+    buf.numpy().data[:len(head)] = head
+    for (_, t), off in zip(items, offsets, strict=True):
+        if t.numel():
+            b = _bytes_of(t)
+            buf[start + off:start + off + b.numel()].copy_(b)
+    return buf
 
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ so a receiver can check every element it got against what the sender must have s
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -59,16 +60,39 @@ def run_program(ch: Channels, program: list, expected: dict) -> list[str]:
     return problems
 
 
+@contextlib.contextmanager
+def counted_sends():
+    """Count the point-to-point sends this process posts (``dist.isend`` wrapped, still called)."""
+    real, lock = dist.isend, threading.Lock()
+    calls = [0]
+
+    def isend(*args, **kwargs):
+        with lock:                                  # send threads post too
+            calls[0] += 1
+        return real(*args, **kwargs)
+
+    dist.isend = isend
+    try:
+        yield calls
+    finally:
+        dist.isend = real
+
+
 # ---------------------------------------------------------------------------------------
 def roundtrip(rank: int, world: int, modes: tuple[str, ...], n: int) -> dict:
-    """2 ranks, every mode: n messages in flight each way, dtypes, shape changes, empty messages."""
+    """2 ranks, every mode: n messages in flight each way, dtypes, shape changes, empty messages,
+    frames that outgrow the posted receive or travel apart; then ``steady`` more messages of an
+    announced shape, counting the sends they cost."""
     peer = 1 - rank
     shapes = {"x": ((4, 5), torch.float32), "labels": ((4,), torch.int64), "h": ((2, 3, 2), torch.bfloat16)}
     changes = [  # the 'shape' kind changes shape, dtype and names between messages
         {"y": ((2, 3), torch.float32)}, {"y": ((4, 3), torch.float32)}, {"y": ((4, 3), torch.float64)},
         {"y": ((2, 3), torch.float32), "z": ((0, 5), torch.float16)}, {"y": ((2, 3), torch.float32)},
         {}, {name: ((3,), dt) for name, dt in zip("abcdef", DTYPES, strict=True)},
+        {"y": ((2048,), torch.float32)}, {"y": ((2048,), torch.float32)},     # outgrows 4 KB, then fits
+        {"y": ((300_000,), torch.float32), "z": ((5,), torch.int64)},          # 1.2 MB: travels apart
     ]
+    steady = 8
     report = {}
     for mode in modes:
         msgs = {}
@@ -83,15 +107,22 @@ def roundtrip(rank: int, world: int, modes: tuple[str, ...], n: int) -> dict:
             msgs[f"shape/{i}"] = message(500 + i, spec)
             prog[0].append(("send", 1, f"shape/{i}"))
             prog[1].append(("recv", 0, f"shape/{i}"))
+        after = {0: [("send", 1, f"act/{n + i}") for i in range(steady)],
+                 1: [("recv", 0, f"act/{n + i}") for i in range(steady)]}
+        msgs.update({f"act/{n + i}": message(2000 + i, shapes) for i in range(steady)})
         transfers = []
-        order = link_orders(prog)[rank] if mode == "sra" else None
+        order = link_orders({r: prog[r] + after[r] for r in prog})[rank] if mode == "sra" else None
         msgs["act/1"]["x"] = msgs["act/1"]["x"].t().contiguous().t()     # non-contiguous is fine
         ch = open_channels([(0, 1)], mode, timeout=30, order=order, max_tensors=6,
                            on_transfer=lambda *a: transfers.append(a))  # noqa: B023 (closed in this iteration)
         problems = run_program(ch, prog[rank], msgs)
+        frames = ch.stats()[peer]["frames_sent"]
+        with counted_sends() as sends:
+            problems += run_program(ch, after[rank], msgs)
         stats = ch.stats()[peer]
         ch.close()
         ch.close()                                   # idempotent
+        prog[rank] += after[rank]
         sent = [msgs[k] for op, _, k in prog[rank] if op == "send"]
         report[mode] = {"problems": problems, "transfer_bytes": sum(a[2] for a in transfers),
                         "expected_bytes": sum(t.numel() * t.element_size() for _, p, k in prog[rank]
@@ -100,7 +131,8 @@ def roundtrip(rank: int, world: int, modes: tuple[str, ...], n: int) -> dict:
                         "times_ok": all(a[3] <= a[4] for a in transfers),
                         "meta_sent": stats["meta_sent"],
                         "meta_expected": announcements(prog[rank], msgs, 6 if mode == "per-tensor" else 1),
-                        "sent": len(sent), "threads_left": p2p_threads()}
+                        "sent": len(sent), "threads_left": p2p_threads(),
+                        "steady_frames": stats["frames_sent"] - frames, "steady_sends": sends[0]}
     return report
 
 

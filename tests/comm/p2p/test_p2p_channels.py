@@ -33,6 +33,10 @@ def test_round_trips_every_mode_many_in_flight_and_shape_changes():
             assert r["transfer_bytes"] == r["expected_bytes"] > 0, (rank, mode, r)
             assert r["peers"] == [1 - rank] and r["times_ok"]
             assert r["threads_left"] == 0             # close() stopped every thread
+            # a frame of an announced shape is one message: one send (not a header and a payload)
+            if rank == 0:
+                assert r["steady_frames"] == 8 * (3 if mode == "per-tensor" else 1), (mode, r)
+                assert r["steady_sends"] == r["steady_frames"], (mode, r)
 
 
 def test_fan_in_from_three_replicas_and_skip_edges_every_mode():

@@ -14,9 +14,9 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int
           torch.int8, torch.uint8, torch.bool, torch.complex64]
 
 keys = st.text(min_size=1, max_size=20).filter(lambda k: len(k.encode()) <= wire.MAX_KEY_BYTES)
-headers = st.builds(Header, st.sampled_from(list(Flag)), st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1),
+headers = st.builds(Header, st.sampled_from(Flag.ALL), st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1),
                     st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1),
-                    st.integers(0, 2**64 - 1), keys)
+                    st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1), keys)
 metas = st.lists(st.builds(TensorMeta, st.text(max_size=12), st.sampled_from(DTYPES),
                            st.lists(st.integers(0, 1000), max_size=4).map(tuple)), max_size=6).map(tuple)
 
@@ -107,3 +107,44 @@ def test_flat_message_round_trip_into_a_larger_buffer(ms, spare):
     full = [t for _, t in items if t.numel()]
     if len(full) == 1:
         assert flat.data_ptr() == full[0].data_ptr()
+
+
+@settings(max_examples=50, deadline=None)
+@given(small_metas, st.booleans(), st.integers(0, 256))
+def test_whole_frame_round_trip_into_the_posted_buffer(ms, announce, spare):
+    """One buffer holds header, metadata and body; received into a larger (capacity) buffer, the
+    header, the metadata and every tensor come back, at aligned offsets."""
+    items = list(dict((m.name, torch.arange(m.numel).to(m.dtype).reshape(m.shape)) for m in ms).items())
+    ms = wire.describe(items)
+    offsets, body = wire.flat_layout(ms)
+    meta = wire.encode_meta(ms) if announce else b""
+    h = Header(Flag.META if announce else Flag.NONE, 3, 2, len(items), len(items), len(meta),
+               wire.payload_bytes(ms), body, "act/0/7")
+    frame = wire.encode_frame(h, meta, items, offsets)
+    assert frame.numel() == wire.inline_bytes(len(meta), body)
+    received = torch.full((frame.numel() + spare,), 255, dtype=torch.uint8)
+    received[:frame.numel()] = frame
+    raw = received.numpy()
+    assert wire.decode_header(raw) == h
+    if announce:
+        assert wire.decode_meta(raw[wire.HEADER_BYTES:wire.HEADER_BYTES + len(meta)]) == ms
+    start = wire.body_offset(len(meta), body)
+    assert start % wire.FLAT_ALIGN == 0 or body == 0
+    got = wire.unflatten(received if body else None, ms, start)
+    for name, t in items:
+        assert got[name].dtype == t.dtype and got[name].shape == t.shape and torch.equal(got[name], t)
+
+
+def test_capacity_grows_to_fit_the_frames_seen_but_not_for_bodies_sent_apart():
+    def header(meta_len: int, body: int) -> Header:
+        return Header(Flag.NONE, 0, 0, 1, 1, meta_len, body, body, "act/0")
+
+    cap = wire.MIN_CAPACITY
+    assert wire.is_inline(100, 1000, cap) and not wire.is_inline(100, cap, cap)
+    cap = wire.next_capacity(cap, header(100, 10_000))
+    assert cap == wire.inline_bytes(100, 10_000) == 256 + 10_000      # header + metadata, aligned
+    assert wire.is_inline(0, 10_000, cap) and wire.is_inline(100, 10_000, cap)
+    assert wire.next_capacity(cap, header(0, 64)) == cap                # never shrinks
+    big = wire.INLINE_LIMIT + 1
+    assert wire.next_capacity(cap, header(0, big)) == cap               # goes apart: no room kept for it
+    assert not wire.is_inline(0, big, 10 * big)
