@@ -42,13 +42,14 @@ def train_sharded(plan: Plan, steps: int, make: Callable[[list], Any], *, algori
                   wire_dtype: torch.dtype | None = None, observe: Callable[[int, int, Any], None] | None = None,
                   before_step: Callable[[int, Any, torch.nn.Module], Callable[[], bool]] | None = None,
                   first: int = 0, start: dict[int, tuple[dict, dict]] | None = None,
-                  total: int | None = None) -> dict[int, dict[str, Any]]:
+                  total: int | None = None, overlap_gather: bool = False) -> dict[int, dict[str, Any]]:
     """Train ``plan`` (its stages' ``shard`` levels as given) with one thread per rank and ``make``
     (params -> torch optimizer); every rank's {"state": module state dict, "engine", "optimizer",
     "results"}. ``observe(rank, step, engine)`` after each step; ``before_step(rank, optimizer,
     module)`` gives the engine's hook. ``first``: the first step's index (the data of steps
     ``first..first+steps-1`` of ``total`` steps' data); ``start``: per rank (module state dict, whole
-    optimizer state dict) to begin from, as a checkpoint restores them."""
+    optimizer state dict) to begin from, as a checkpoint restores them. ``overlap_gather``: ZeRO-1/2
+    queue the updated weights' all-gathers for the next forward (ShardedReplicas)."""
     spec = resolve_model(plan.model)
     topo = Topology.from_plan(plan)
     network = InProcessNetwork(timeout=60)
@@ -69,7 +70,8 @@ def train_sharded(plan: Plan, steps: int, make: Callable[[list], Any], *, algori
                 syncs[s.index] = ShardedReplicas(st.module, groups[s.index].transport(replica),
                                                  layer_units(st.module, tied.params, algorithm), s.shard,
                                                  exclude=tied.params, wire_dtype=wire_dtype,
-                                                 reshard_after_forward=s.reshard_after_forward)
+                                                 reshard_after_forward=s.reshard_after_forward,
+                                                 overlap_gather=overlap_gather)
             else:
                 syncs[s.index] = InProcessGradSync(st.module, plain[s.index], replica, exclude=tied.params,
                                                    wire_dtype=wire_dtype)

@@ -84,7 +84,7 @@ def test_zero3_holds_its_share_of_the_weights_and_the_meter_counts_the_planners_
                 evals.setdefault(name, {}).update(engine.run_eval(data_for(base, 1)))
         return at
     variants = {"zero2": ("gradients", True), "reshard": ("parameters", True), "keep": ("parameters", False)}
-    runs = {name: train_sharded(sharded(base, level, reshard), 2, make, observe=observe(name))
+    runs = {name: train_sharded(sharded(base, level, reshard), 2, make, observe=observe(name), overlap_gather=True)
             for name, (level, reshard) in variants.items()}
     assert queued and all(n > 0 for n in queued)        # ZeRO-2's gathers overlap the next forward
     assert evals["zero2"] and all(torch.equal(v, evals["reshard"][m]) and torch.equal(v, evals["keep"][m])

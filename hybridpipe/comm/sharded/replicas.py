@@ -19,8 +19,10 @@ a unit's reduce-scatter on a background lane as soon as its gradients are comple
 
 The optimizer (runtime/sharded_optimizer.py) updates the owned ranges (:meth:`owned_views`,
 :meth:`owned_grads`) and :meth:`gather_weights` all-gathers the updated weights: ZeRO-1/2 on a
-gated stage (pipeline/zero3.py) by queueing each unit's all-gather, waited for just before the next
-forward's first use of the unit (``overlap_gather``; else at once, blocking); ZeRO-3 frees the stale
+gated stage (pipeline/zero3.py) at once, blocking (the default: the module's weights are whole
+between steps), or with ``overlap_gather`` by queueing each unit's all-gather, waited for just before
+the next forward's first use of the unit (not shown faster on 2 loaded cores: benchmarks/RESULTS.md;
+the module's weights are then whole only inside :func:`whole_weights`); ZeRO-3 frees the stale
 full weights (the next use gathers them). :func:`whole_weights` makes them whole for a checkpoint. Gradients are
 *summed* (the engine's Step scales them) and, with ``wire_dtype``, travel in that dtype.
 Parameters outside the units (``exclude``: tied weights, summed by the TiedSync) are not sharded.
@@ -83,7 +85,7 @@ class ShardedReplicas:
     def __init__(self, module: nn.Module, transport: Any, units: Sequence[UnitChoice], level: str, *,
                  exclude: Collection[nn.Parameter] = (), wire_dtype: torch.dtype | None = None,
                  hosts: Sequence[Sequence[int]] | None = None, torus_shape: tuple[int, int] | None = None,
-                 lane: int = 1, reshard_after_forward: bool = True, overlap_gather: bool = True):
+                 lane: int = 1, reshard_after_forward: bool = True, overlap_gather: bool = False):
         if level not in LEVELS:
             raise ValueError(f"shard level {level!r} is not one this runtime runs; choose {', '.join(LEVELS)}")
         self.module, self.level, self.wire_dtype = module, level, wire_dtype
