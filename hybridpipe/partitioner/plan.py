@@ -62,7 +62,6 @@ PRECISIONS = tuple(WIRE_BYTES)
 # and updates 1/R of the optimizer state), gradients (ZeRO-2: and 1/R of the reduced gradients), parameters
 # (ZeRO-3: and 1/R of the weights, gathered for use).
 SHARD_LEVELS = ("none", "optimizer", "gradients", "parameters")
-RUNNABLE_SHARD_LEVELS = SHARD_LEVELS    # what the runtime runs (comm/sharded, pipeline/zero3.py): every level
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from torch import fx, nn
 
 from hybridpipe.errors import UserError
-from hybridpipe.partitioner.plan import RUNNABLE_SHARD_LEVELS, Plan, Stage
+from hybridpipe.partitioner.plan import Plan, Stage
 from hybridpipe.partitioner.tied import shared_across
 from hybridpipe.pipeline.buffer_writes import check_plan_writes
 from hybridpipe.pipeline.stage import LossFn, PipelineStage, captured_signature
@@ -91,12 +91,9 @@ def build_stage(captured: CapturedModel, plan: Plan, rank: int, *, loss: LossFn 
 
 
 def check_shards(plan: Plan) -> None:
-    """Shard levels this runtime runs (RUNNABLE_SHARD_LEVELS: ZeRO-1/2/3), under a flushing schedule
+    """A shard level (every one of plan.SHARD_LEVELS runs: ZeRO-1/2/3) needs a flushing schedule
     (pipedream's asynchronous updates keep stashed whole weights)."""
     for s in plan.stages:
-        if s.shard not in RUNNABLE_SHARD_LEVELS:
-            raise UserError(f"stage {s.index} asks its replicas to shard {s.shard}, which this runtime does not run; "
-                            f"use \"shard\": one of {', '.join(RUNNABLE_SHARD_LEVELS)}")
         if s.shard != "none" and not plan.kind.flushed:
             raise UserError(f"stage {s.index} shards its replicas ({s.shard}), which needs a flushing schedule; "
                             f"{plan.schedule} updates asynchronously: use 1f1b, gpipe, zb-h1, interleaved-1f1b or zbv")

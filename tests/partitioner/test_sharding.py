@@ -11,7 +11,7 @@ from hybridpipe.cli import main
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.cost.sharded import all_gather_seconds, fastest_pair, reduce_scatter_seconds
-from hybridpipe.partitioner.plan import RUNNABLE_SHARD_LEVELS, load_plan
+from hybridpipe.partitioner.plan import SHARD_LEVELS, load_plan
 from hybridpipe.partitioner.planner import Request, partition
 from hybridpipe.partitioner.schedule_registry import get_schedule
 from hybridpipe.partitioner.search.modelcosts import model_costs
@@ -121,9 +121,9 @@ def test_auto_chooses_among_the_levels_the_runtime_runs():
             auto = plan_for("auto", memory_gb=memory_gb)
         except UserError:
             continue
-        assert all(s.shard in RUNNABLE_SHARD_LEVELS for s in auto.stages)
+        assert all(s.shard in SHARD_LEVELS for s in auto.stages)
         levels |= {s.shard for s in auto.stages}
-    assert "parameters" in RUNNABLE_SHARD_LEVELS and levels - {"none"}
+    assert "parameters" in SHARD_LEVELS and levels - {"none"}
     out = partition(make_profile(BIG, []), FAST, Request(optimizer="adamw", memory_gb=0.8, micro_batches=8,
                                                         shard="parameters"))
     assert any(s.shard == "parameters" for s in out.plan.stages)

@@ -111,10 +111,11 @@ class ShardedReplicas:
         self.weights = UnitWeights([s.unit.params for s in self.units], [s.pieces for s in self.units],
                                    [(s.halves.all_gather, s.halves.algorithm) for s in self.units], self._runner,
                                    self._lane, self._count_gathered) if level == "parameters" else None
-        lazy = LazyGathers([s.unit.params for s in self.units], [(s.halves.all_gather, s.halves.algorithm)
-                                                                 for s in self.units], self._runner, self._lane)
         # what the stage's gates (pipeline/zero3.py) wait on: ZeRO-3's weights, or ZeRO-1/2's gathers
-        self.gates: UnitWeights | LazyGathers | None = self.weights or (lazy if overlap_gather else None)
+        self.gates: UnitWeights | LazyGathers | None = self.weights or (
+            LazyGathers([s.unit.params for s in self.units], [(s.halves.all_gather, s.halves.algorithm)
+                                                             for s in self.units], self._runner, self._lane)
+            if overlap_gather else None)
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready)
                        for s in self.units for p in s.unit.params]
 

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hybridpipe.errors import UserError
-from hybridpipe.partitioner.plan import RUNNABLE_SHARD_LEVELS, SHARD_LEVELS
+from hybridpipe.partitioner.plan import SHARD_LEVELS
 
 SHARD_CHOICES = (*SHARD_LEVELS, "auto")
 
@@ -74,9 +74,9 @@ def check_shard(shard: str) -> None:
 
 def sharded_variants(shard: str) -> tuple[Variant, ...]:
     """The variants a stage with replicas may take under ``--shard`` (a stage of one replica: ``NONE`` only);
-    ``auto`` chooses among the levels the runtime runs (RUNNABLE_SHARD_LEVELS)."""
+    ``auto`` chooses among every level."""
     if shard == "auto":
-        return tuple(v for v in VARIANTS if v.level in RUNNABLE_SHARD_LEVELS)
+        return VARIANTS
     return tuple(v for v in VARIANTS if v.level == shard)
 
 
