@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hybridpipe.partitioner.cost.blocklines import block_lines
 from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.cost.sharded import pair_lines, paired_algorithms
 from hybridpipe.partitioner.search.blocktables import BlockTables, grouped
@@ -301,9 +302,11 @@ class StageTerms:
         offset = c.x[where] % self.period
         size = (c.y - c.x)[where]
         keys = offset * (self.wc + 1) + size
-        for key, at in grouped(keys):
+        shapes = [(key, divmod(key, self.wc + 1), at) for key, at in grouped(keys)]
+        if not paired:                                  # every new shape priced in one pass
+            self._price([ob for _, ob, _ in shapes if (*ob, False) not in self._sync])
+        for _, (o, b), at in shapes:
             sel = where[at]
-            o, b = divmod(key, self.wc + 1)
             exposed[sel] = self.exposure_row(o, b, i, paired)[j[sel] - i]
         return exposed
 
@@ -312,16 +315,33 @@ class StageTerms:
         (``paired``: its reduce-scatter + all-gather, ``cost/sharded.py``)."""
         key = (offset, size, paired)
         hit = self._sync.get(key)
+        if hit is None and not paired:
+            self._price([(offset, size)])
+            hit = self._sync[key]
         if hit is None:
             ranks = np.add.outer(np.arange(self.copies) * self.wc, np.arange(offset, offset + size)).ravel()
-            lines = (pair_lines(self.model, ranks.tolist(), self.opts.algorithms) if paired
-                     else self.model.fast_lines(ranks, self.opts.algorithms))
+            lines = pair_lines(self.model, ranks.tolist(), self.opts.algorithms)
             nbytes = self.costs.param_bytes
             best = np.min([ln.alpha_s + ln.s_per_byte * nbytes for _, ln in lines], axis=0)
             best = best * self.model.allreduce_factor(nbytes)    # refined calibrations (refine/); 1 otherwise
             hit = self._sync[key] = np.where(self.param_nodes, best * 1e3, 0.0)
             self.priced += 1
         return hit
+
+    def _price(self, shapes: list[tuple[int, int]]) -> None:
+        """``sync_ms`` (all-reduces) of every (offset, size) shape at once: ``blocklines.block_lines``, the same
+        lines bit for bit as ``CostModel.fast_lines`` one shape at a time, then the same operations."""
+        if not shapes:
+            return
+        offsets, sizes = (np.array(v, dtype=np.int64) for v in zip(*shapes, strict=True))
+        _, alpha, per_byte = block_lines(self.model, self.copies, self.wc, offsets, sizes, self.opts.algorithms)
+        nbytes = self.costs.param_bytes
+        best = (alpha[:, :, None] + per_byte[:, :, None] * nbytes).min(axis=1)
+        best = best * self.model.allreduce_factor(nbytes)        # refined calibrations (refine/); 1 otherwise
+        rows = np.where(self.param_nodes, best * 1e3, 0.0)
+        for k, (o, b) in enumerate(shapes):
+            self._sync[o, b, False] = rows[k]
+        self.priced += len(shapes)
 
     def exposure_row(self, offset: int, size: int, i: int, paired: bool = False) -> np.ndarray:
         """E(i, j) for j = i..n-1 on the block shape (``lane_row``)."""
