@@ -49,6 +49,12 @@ from hybridpipe.partitioner.search.sharding import (
 )
 
 Useful = Callable[[np.ndarray, np.ndarray], np.ndarray]
+CHUNK = 1 << 15          # candidates evaluated at once (more: every temporary array is a fresh mapping)
+
+
+def _shifted(useful: Useful, start: int) -> Useful:
+    """``useful`` of a slice of the candidates that starts at ``start``."""
+    return lambda index, lower: useful(index + start, lower)
 
 
 @dataclass(frozen=True)
@@ -129,6 +135,10 @@ class StageTerms:
         terms) could still matter to the caller; those whose sync would need pricing and cannot
         matter are returned as inf instead of their term.
         """
+        if len(c.j) > CHUNK:          # the same terms a slice at a time: temporaries stay in the cache
+            return np.concatenate([self.evaluate(Candidates(c.i, c.j[s:s + CHUNK], c.x[s:s + CHUNK], c.y[s:s + CHUNK]),
+                                                 None if useful is None else _shifted(useful, s))
+                                   for s in range(0, len(c.j), CHUNK)])
         xfer = self.opts.micro_batches * self._transfer(c.i, c.j, c.x, c.y)
         term = self._term(c, useful, NONE, xfer)
         if not self.sharding:
@@ -283,32 +293,37 @@ class StageTerms:
         i, j = c.i, c.j
         exposed = np.zeros(len(j))
         count = self.pcount[j + 1] - self.pcount[i]
-        need = (r > 1) & (count > 0) & np.isfinite(work)
-        top = self.level_between(c.x, (self.copies - 1) * self.wc + c.y - 1)
-        if self.flushed and need.any():
-            a, per_byte = self._sync_ub[0][c.y - c.x], self._sync_ub[1][c.y - c.x]
-            bound = (a[np.arange(len(j)), top] * count + per_byte[np.arange(len(j)), top]
-                     * (self.pp[j + 1] - self.pp[i])) * 1e3
-            need &= bound * (1 + SAFETY) + 1e-6 + SAFETY * self.gap[i] > self.gap[i]
-        if need.any() and useful is not None:
-            index = np.nonzero(need)[0]
-            floor = self._exposure_floor(i, j[index], c.x[index], c.y[index], top[index])
-            idle = index[~useful(index, lower(index, floor))]
-            exposed[idle] = np.nan
-            need[idle] = False
-        if not need.any():
+        where = np.nonzero((r > 1) & (count > 0) & np.isfinite(work))[0]      # the candidates still open
+        x, y = c.x[where], c.y[where]
+        top = self.level_between(x, (self.copies - 1) * self.wc + y - 1)
+        if self.flushed and len(where):
+            flat = (y - x) * len(self.spans) + top
+            bound = (self._sync_ub[0].ravel()[flat] * count[where] + self._sync_ub[1].ravel()[flat]
+                     * (self.pp[j[where] + 1] - self.pp[i])) * 1e3
+            where, x, y, top = self._kept(bound * (1 + SAFETY) + 1e-6 + SAFETY * self.gap[i] > self.gap[i],
+                                          where, x, y, top)
+        if len(where) and useful is not None:
+            # lower() grows with E and the floor is >= 0: what cannot matter with no sync needs no floor
+            fast = useful(where, lower(where, np.zeros(len(where))))
+            exposed[where[~fast]] = np.nan
+            where, x, y, top = self._kept(fast, where, x, y, top)
+            keep = useful(where, lower(where, self._exposure_floor(i, j[where], x, y, top)))
+            exposed[where[~keep]] = np.nan
+            where, x, y, top = self._kept(keep, where, x, y, top)
+        if not len(where):
             return exposed
-        where = np.nonzero(need)[0]
-        offset = c.x[where] % self.period
-        size = (c.y - c.x)[where]
-        keys = offset * (self.wc + 1) + size
-        shapes = [(key, divmod(key, self.wc + 1), at) for key, at in grouped(keys)]
+        keys = (x % self.period) * (self.wc + 1) + (y - x)
+        shapes = [(divmod(key, self.wc + 1), at) for key, at in grouped(keys)]
         if not paired:                                  # every new shape priced in one pass
-            self._price([ob for _, ob, _ in shapes if (*ob, False) not in self._sync])
-        for _, (o, b), at in shapes:
+            self._price([ob for ob, _ in shapes if (*ob, False) not in self._sync])
+        for (o, b), at in shapes:
             sel = where[at]
             exposed[sel] = self.exposure_row(o, b, i, paired)[j[sel] - i]
         return exposed
+
+    @staticmethod
+    def _kept(keep: np.ndarray, *arrays: np.ndarray) -> tuple[np.ndarray, ...]:
+        return tuple(a[keep] for a in arrays)
 
     def sync_ms(self, offset: int, size: int, paired: bool = False) -> np.ndarray:
         """Each node's all-reduce time (fastest allowed algorithm) on the block shape's ranks
