@@ -54,29 +54,33 @@ def _span(lo, hi):
     return np.maximum(hi - lo + 1, 0)
 
 
-def _any(lay: BlockLayout, level: int, hit: np.ndarray) -> np.ndarray:
-    """Per shape: does any of its units of ``level`` hit."""
-    return lay.units[level].per_group_max(hit.astype(np.int8)) > 0
+def _subset(lay: BlockLayout, level: int, active: np.ndarray, arrays: Sequence[np.ndarray]
+            ) -> tuple[np.ndarray, list[np.ndarray], np.ndarray]:
+    """The units of ``level`` of the shapes ``active``: (their shapes, ``arrays`` cut to them, each
+    active shape's first among them) -- inactive shapes cost nothing."""
+    keep, first = lay.units[level].within(active)
+    return lay.units[level].gid[keep], [x[keep] for x in arrays], first
 
 
 def _rows(lay: BlockLayout, c: np.ndarray, chunk: np.ndarray, active: np.ndarray) -> list[Rounds]:
     """``fastlines._rows`` per shape: rings over consecutive positions in rows of ``c``, messages ``chunk``."""
     active = active & (c > 1)
-    c = np.where(active, c, 1)
+    chunk = np.broadcast_to(chunk, (lay.g,))
     loads = np.zeros((lay.g, lay.levels))
-    u = lay.units[0]
-    cu = c[u.gid]
-    loads[:, 0] = np.where(_any(lay, 0, (u.b - u.a >= 2) | ((u.b - u.a == 1) & (u.a % cu != cu - 1))), chunk, 0.0)
-    for lv in range(1, lay.max_top + 1):
-        a, b, wa, wb = lay.parents(lv)
-        cu = c[lay.units[lv - 1].gid]
-        rs_a, re_b = a - a % cu, b - b % cu + cu - 1
-        re_a = rs_a + cu - 1
-        out = ((b < re_b) & (b + 1 <= wb)).astype(np.int64) + ((a > rs_a) & (re_a <= b) & (rs_a >= wa))
-        into = ((a > rs_a) & (a - 1 >= wa)).astype(np.int64) + ((re_b - cu + 1 >= a) & (re_b > b) & (re_b <= wb))
-        count = lay.units[lv - 1].per_group_max(np.maximum(out, into))
-        loads[:, lv] = np.where(lv <= lay.top, sums(chunk, count), 0.0)
-    loads[~active] = 0.0
+    if active.any():
+        gid, (a, b), first = _subset(lay, 0, active, (lay.units[0].a, lay.units[0].b))
+        cu = c[gid]
+        hit = (b - a >= 2) | ((b - a == 1) & (a % cu != cu - 1))
+        loads[active, 0] = np.where(np.maximum.reduceat(hit.astype(np.int8), first) > 0, chunk[active], 0.0)
+        for lv in range(1, lay.max_top + 1):
+            gid, (a, b, wa, wb), first = _subset(lay, lv - 1, active, lay.parents(lv))
+            cu = c[gid]
+            rs_a, re_b = a - a % cu, b - b % cu + cu - 1
+            re_a = rs_a + cu - 1
+            out = ((b < re_b) & (b + 1 <= wb)).astype(np.int64) + ((a > rs_a) & (re_a <= b) & (rs_a >= wa))
+            into = ((a > rs_a) & (a - 1 >= wa)).astype(np.int64) + ((re_b - cu + 1 >= a) & (re_b > b) & (re_b <= wb))
+            count = np.maximum.reduceat(np.maximum(out, into), first)
+            loads[active, lv] = np.where(lv <= lay.top[active], sums(chunk[active], count), 0.0)
     repeat = np.where(active, c - 1, 0)
     return [Rounds.one(loads, np.where(active, chunk, 0.0), repeat), Rounds.one(loads, 0.0, repeat)]
 
@@ -88,22 +92,22 @@ def _columns(lay: BlockLayout, c: np.ndarray, chunk: np.ndarray, active: np.ndar
     r = n // c
     active = active & (r > 1)
     w = (r - 1) * c
+    chunk = np.broadcast_to(chunk, (lay.g,))
     loads = np.zeros((lay.g, lay.levels))
-    u = lay.units[0]
-    nn, cc, ww = n[u.gid], c[u.gid], w[u.gid]
-    hit = (np.minimum(u.b - cc, nn - 1 - cc) >= u.a) | (u.b >= np.maximum(np.maximum(u.a, nn - cc), u.a + ww))
-    loads[:, 0] = np.where(_any(lay, 0, hit), chunk, 0.0)
-    for lv in range(1, lay.max_top + 1):
-        a, b, wa, wb = lay.parents(lv)
-        gid = lay.units[lv - 1].gid
+    if active.any():
+        gid, (a, b), first = _subset(lay, 0, active, (lay.units[0].a, lay.units[0].b))
         nn, cc, ww = n[gid], c[gid], w[gid]
-        out = (_span(np.maximum(a, b - cc + 1), np.minimum(np.minimum(b, nn - 1 - cc), wb - cc))
-               + _span(np.maximum(np.maximum(a, nn - cc), wa + ww), np.minimum(b, a - 1 + ww)))
-        into = (_span(np.maximum(np.maximum(a, cc), wa + cc), np.minimum(b, a - 1 + cc))
-                + _span(np.maximum(a, b + 1 - ww), np.minimum(np.minimum(b, cc - 1), wb - ww)))
-        count = lay.units[lv - 1].per_group_max(np.maximum(out, into))
-        loads[:, lv] = np.where(lv <= lay.top, sums(chunk, count), 0.0)
-    loads[~active] = 0.0
+        hit = (np.minimum(b - cc, nn - 1 - cc) >= a) | (b >= np.maximum(np.maximum(a, nn - cc), a + ww))
+        loads[active, 0] = np.where(np.maximum.reduceat(hit.astype(np.int8), first) > 0, chunk[active], 0.0)
+        for lv in range(1, lay.max_top + 1):
+            gid, (a, b, wa, wb), first = _subset(lay, lv - 1, active, lay.parents(lv))
+            nn, cc, ww = n[gid], c[gid], w[gid]
+            out = (_span(np.maximum(a, b - cc + 1), np.minimum(np.minimum(b, nn - 1 - cc), wb - cc))
+                   + _span(np.maximum(np.maximum(a, nn - cc), wa + ww), np.minimum(b, a - 1 + ww)))
+            into = (_span(np.maximum(np.maximum(a, cc), wa + cc), np.minimum(b, a - 1 + cc))
+                    + _span(np.maximum(a, b + 1 - ww), np.minimum(np.minimum(b, cc - 1), wb - ww)))
+            count = np.maximum.reduceat(np.maximum(out, into), first)
+            loads[active, lv] = np.where(lv <= lay.top[active], sums(chunk[active], count), 0.0)
     repeat = np.where(active, r - 1, 0)
     return [Rounds.one(loads, np.where(active, chunk, 0.0), repeat), Rounds.one(loads, 0.0, repeat)]
 
@@ -202,8 +206,11 @@ def _lockstep(lay: BlockLayout, sel: np.ndarray) -> tuple[Rounds, Rounds]:
         below, parts = np.ones(len(a), dtype=np.int64), b - a + 1
         for lv in range(top):          # a group's units of every level start at its first rank
             w = lay.units[lv]
-            first = np.searchsorted(w.keys, gid * lay.width + a)
-            inside = np.searchsorted(w.keys, gid * lay.width + b, side="right") - first
+            if lv == top - 1:          # the groups are these units themselves
+                first, inside = np.flatnonzero(m), np.ones(len(a), dtype=np.int64)
+            else:
+                first = np.searchsorted(w.keys, gid * lay.width + a)
+                inside = np.searchsorted(w.keys, gid * lay.width + b, side="right") - first
             ring_on[:, lv] = parts > inside
             size = w.b[first] - a + 1
             edge[:, lv] = size - below
@@ -216,7 +223,7 @@ def _lockstep(lay: BlockLayout, sel: np.ndarray) -> tuple[Rounds, Rounds]:
     ring_on, edge = np.concatenate(rings), np.concatenate(edges)
     keep = size >= 2
     gid, size, ring_on, edge = gid[keep], size[keep], ring_on[keep], edge[keep]
-    order = np.lexsort((size, gid))
+    order = np.argsort(gid * (int(size.max(initial=0)) + 1) + size, kind="stable")
     gid, size, ring_on, edge = gid[order], size[order], ring_on[order], edge[order]
     cut = np.flatnonzero((gid[1:] != gid[:-1]) | (size[1:] != size[:-1])) + 1
     seg = np.concatenate([[0], cut]) if len(gid) else np.zeros(0, dtype=np.int64)

@@ -35,7 +35,7 @@ from hybridpipe.partitioner.cost.blocklines import block_lines
 from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.cost.sharded import pair_lines, paired_algorithms
 from hybridpipe.partitioner.search.blocktables import BlockTables, grouped
-from hybridpipe.partitioner.search.lanes import SAFETY, lane_row, lane_terms, sync_floor
+from hybridpipe.partitioner.search.lanes import SAFETY, lane_row, lane_terms, ring_bounds, sync_floor
 from hybridpipe.partitioner.search.modelcosts import ModelCosts
 from hybridpipe.partitioner.search.objective import OPTIMIZER_STATES, Options
 from hybridpipe.partitioner.search.sharding import (
@@ -107,7 +107,7 @@ class StageTerms:
         self.spans = np.array([model.cluster.span(k) for k in range(len(levels))], dtype=np.int64)
         self.alpha = np.array([model.link(k).alpha_s for k in range(len(levels))])
         self.beta = np.array([model.link(k).beta_s_per_byte for k in range(len(levels))])
-        self._sync_ub = self._ring_bounds()
+        self._sync_ub = ring_bounds(model, len(levels), self.wc, copies, opts.algorithms)
         self._sync: dict[tuple[int, int, bool], np.ndarray] = {}
         self._lane: dict[tuple[int, int, bool], tuple[np.ndarray, np.ndarray]] = {}
         self._half: dict[tuple[int, int], np.ndarray] = {}
@@ -389,30 +389,3 @@ class StageTerms:
                                                               self.costs.forward_ms), scale)
             out[sel] = np.maximum(0.0, lane_row(lane[0], row_start, i)[j[sel] - i] - lane[1])
         return out
-
-    def _ring_bounds(self) -> tuple[np.ndarray, np.ndarray]:
-        """Upper bound of every node's sync for each block size and outermost level spanned.
-
-        The fastest allowed algorithm is at most the ring's (or native's) cost; on sorted ranks a
-        ring sends one chunk of S/n out of (and into) every link per round, so with the largest
-        alpha and beta up to the level the group spans, n ranks cost at most
-        ``2 (n - 1) alpha + (n - 1) / n (2 beta + gamma) S``, times the overlap slowdown.
-        Tables [size, level] of (alpha part, per-byte part) in seconds; inf without ring/native.
-        """
-        model, levels = self.model, len(self.spans)
-        sizes = np.arange(self.wc + 1) * self.copies
-        a = np.full((self.wc + 1, levels), np.inf)
-        per_byte = np.full((self.wc + 1, levels), np.inf)
-        for algo in ("ring", "native"):
-            if algo not in self.opts.algorithms:
-                continue
-            fits = [model.link(lv, algo) for lv in range(levels)]
-            for top in range(levels):
-                al = max(f.alpha_s for f in fits[:top + 1])
-                be = max(f.beta_s_per_byte for f in fits[:top + 1])
-                n = np.maximum(sizes, 1)
-                a[:, top] = np.minimum(a[:, top], model.overlap_slowdown * 2 * (n - 1) * al)
-                per_byte[:, top] = np.minimum(per_byte[:, top],
-                                              model.overlap_slowdown * (n - 1) / n * (2 * be + model.gamma))
-        return a, per_byte
-
