@@ -20,6 +20,7 @@ from hybridpipe.partitioner.cost.cluster import Cluster, Level
 from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.plan import ALGORITHMS
 from hybridpipe.partitioner.schedule_registry import get_schedule
+from hybridpipe.partitioner.search import stageterms
 from hybridpipe.partitioner.search.modelcosts import model_costs
 from hybridpipe.partitioner.search.objective import Options
 from hybridpipe.partitioner.search.stageterms import StageTerms
@@ -94,9 +95,12 @@ def test_batched_lines_on_the_benchmark_cluster():
         check(cluster, copies, wc, shapes[::7], True)
 
 
-def test_stage_terms_price_a_batch_as_each_shape_alone():
-    """``StageTerms``' sync vectors from one batch equal pricing every shape alone (``fast_lines``, the
-    fastest algorithm per node, the refined size factor), on a profile with weightless nodes."""
+@pytest.mark.parametrize("batch_ranks", [1 << 20, 50])
+def test_stage_terms_price_a_batch_as_each_shape_alone(batch_ranks, monkeypatch):
+    """``StageTerms``' sync vectors from one batch (or several, at most ``batch_ranks`` ranks each) equal
+    pricing every shape alone (``fast_lines``, the fastest algorithm per node, the refined size
+    factor), on a profile with weightless nodes."""
+    monkeypatch.setattr(stageterms, "BATCH_RANKS", batch_ranks)
     cluster = Cluster((Level("node", 4, 100.0, 5.0), Level("network", 16, 1.0, 50.0)), 32.0)
     costs = model_costs(make_profile([(1.0 + k, 2.0 + k, 4096 * k, (k % 3) * 40_000_000) for k in range(10)]))
     model = CostModel(cluster)

@@ -50,6 +50,7 @@ from hybridpipe.partitioner.search.sharding import (
 
 Useful = Callable[[np.ndarray, np.ndarray], np.ndarray]
 CHUNK = 1 << 15          # candidates evaluated at once (more: every temporary array is a fresh mapping)
+BATCH_RANKS = 1 << 20    # ranks in the block shapes priced at once (their units: the batch's memory)
 
 
 def _shifted(useful: Useful, start: int) -> Useful:
@@ -346,6 +347,12 @@ class StageTerms:
     def _price(self, shapes: list[tuple[int, int]]) -> None:
         """``sync_ms`` (all-reduces) of every (offset, size) shape at once: ``blocklines.block_lines``, the same
         lines bit for bit as ``CostModel.fast_lines`` one shape at a time, then the same operations."""
+        ranks = np.cumsum([self.copies * b for _, b in shapes])
+        if len(shapes) > 1 and ranks[-1] > BATCH_RANKS:        # bounded memory: O(ranks) per batch at most
+            cut = max(1, int(np.searchsorted(ranks, BATCH_RANKS, side="right")))
+            self._price(shapes[:cut])
+            self._price(shapes[cut:])
+            return
         if not shapes:
             return
         offsets, sizes = (np.array(v, dtype=np.int64) for v in zip(*shapes, strict=True))
