@@ -17,7 +17,8 @@ A flushed schedule (gpipe, 1f1b) ends every step on every rank at once, so on ev
   the median of its others: the compute the per-layer all-reduces running beside it took from it.
 * **sync**: the wait for the gradient all-reduces after the last backward (what they did not hide).
   Measured: the ``sync`` phase; predicted: the exposed time of the per-layer lane (``layersync.py``)
-  beyond the gap the transfers before the stage add. ``allreduce_busy`` (predicted): the all-reduces'
+  beyond the gap the transfers before the stage add, less what the backward's stretch beside the
+  all-reduces (``interference`` on the overlapped part) hid of it. ``allreduce_busy`` (predicted): the all-reduces'
   whole time, hidden or not.
 * **optimizer**: the ``step`` phase (tied sums and the optimizer step); predicted: the optimizer's
   price and the tied sums'.
@@ -116,13 +117,15 @@ def predicted_terms(profile, cluster, calibrations, run: RunObservation, optimiz
     for k, s in enumerate(ev.stages):
         st = run.stages[k]
         opt = s.syncs_per_step * float(costs.optimizer_ms(optimizer)[st.first:st.last + 1].sum())
-        late = max(0.0, s.sync.exposed_ms - before)
+        late = max(0.0, s.sync.exposed_ms - before)          # as predict_step_ms
+        beside = s.overlapped_ring_ms                           # stretches the backward, hides as much sync
         before += s.send_ms + s.send_grad_ms
         lines.append(trip + (1 - share) * s.backward_ms + (s.micro_batches - 1) * (s.forward_ms + s.backward_ms)
-                     + late + s.overhead_ms + s.midstep_ms)
-        compute = s.micro_batches * (s.forward_ms + s.backward_ms) + (s.overhead_ms - opt) + s.midstep_ms
-        stages.append({"compute": compute, "sync": late, "optimizer": opt + tied[k],
-                       "interference": s.overhead_ms - opt,
+                     + max(late, beside) + s.overhead_ms - s.ring_ms + s.midstep_ms)
+        lost = s.overhead_ms - s.ring_ms - opt + beside
+        compute = s.micro_batches * (s.forward_ms + s.backward_ms) + lost + s.midstep_ms
+        stages.append({"compute": compute, "sync": max(0.0, late - beside), "optimizer": opt + tied[k],
+                       "interference": lost,
                        "allreduce_busy": s.sync.busy_ms, "k": s.micro_batches})
     for term in stages:
         term["wait"] = total - term["compute"] - term["sync"] - term["optimizer"]
