@@ -47,7 +47,8 @@ torchrun --name <this cluster> -- launch.py --plan {plan} --steps {steps} --run-
 (with the timeline on: refinement reads it); at most ``--autotune-budget`` runs. Its row
 (strategy ``autotune``) is the plan it chose, measured in its own run, with the prediction of
 the final refined model (``autotune.error_final``), the runs it took and why it stopped;
-``--no-autotune`` leaves it out.
+``--no-autotune`` leaves it out. With ``--trace`` autotune is given the strategies' runs
+(``--runs``): it refines from them before its first choice.
 
 Writes benchmarks/results/plans[_quick].{json,png}.
 """
