@@ -47,7 +47,8 @@ torchrun --name <this cluster> -- launch.py --plan {plan} --steps {steps} --run-
 (with the timeline on: refinement reads it); at most ``--autotune-budget`` runs. Its row
 (strategy ``autotune``) is the plan it chose, measured in its own run, with the prediction of
 the final refined model (``autotune.error_final``), the runs it took and why it stopped;
-``--no-autotune`` leaves it out.
+``--no-autotune`` leaves it out. With ``--trace`` autotune is given the strategies' runs
+(``--runs``): it refines from them before its first choice.
 
 Writes benchmarks/results/plans[_quick].{json,png}.
 """
@@ -77,7 +78,14 @@ from benchmarks.common import (
     write_results,
 )
 from benchmarks.contention import measure_compute
-from benchmarks.plans_analysis import LAYER_STRATEGIES, STRATEGIES, add_relative, error_summary, plot
+from benchmarks.plans_analysis import (
+    LAYER_STRATEGIES,
+    STRATEGIES,
+    add_relative,
+    error_summary,
+    plot,
+    strategy_args,
+)
 from benchmarks.plans_autotune import autotune_summary
 from benchmarks.plans_group import run_model_hosts
 from benchmarks.plans_steps import LAUNCH_TIMEOUT_S, MODELS, allreduce_calibration, link_fits, profile_model
@@ -148,6 +156,14 @@ def _title(models: Sequence[str], hosts: Sequence[int], cpus: dict | None = None
             f"{'/'.join(map(str, hosts))} hosts; 1 thread per worker; {share})")
 
 
+def known_strategy(name: str) -> bool:
+    try:
+        strategy_args(name)
+    except ValueError:
+        return False
+    return True
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help=f"models {QUICK_MODELS} on {QUICK_HOSTS} hosts")
@@ -155,7 +171,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--hosts", default=None, help="emulated host counts, from 4,8 (default 4,8; quick 4)")
     p.add_argument("--strategies", default=",".join(STRATEGIES),
                    help=f"from {','.join(STRATEGIES + LAYER_STRATEGIES)} (default {','.join(STRATEGIES)}; a layer "
-                   "strategy is refused on a model without a layer stack)")
+                   "strategy is refused on a model without a layer stack), or S@N: baseline S on N stages of "
+                   "hosts/N replicas each (hybrid layouts; S one of uniform, params, torchtitan, megatron)")
     p.add_argument("--steps", type=int, default=None, help="training steps per plan, the first fifth (at least 1) "
                    "is warm-up (default 3: the median of the last 2)")
     p.add_argument("--repeats", type=int, default=3, help="profile repeats per node (default 3)")
@@ -192,7 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     models = (args.models or (QUICK_MODELS if quick else ",".join(MODELS))).split(",")
     hosts_list = [int(h) for h in (args.hosts or (QUICK_HOSTS if quick else "4,8")).split(",")]
     strategies = args.strategies.split(",")
-    bad = [m for m in models if m not in MODELS] + [s for s in strategies if s not in STRATEGIES + LAYER_STRATEGIES]
+    bad = [m for m in models if m not in MODELS] + [s for s in strategies if not known_strategy(s)]
     bad += [str(h) for h in hosts_list if not (REPO / "examples" / "clusters" / f"{h}x1gbit.json").exists()]
     if bad:
         raise SystemExit(f"unknown model/strategy/host count {bad}; models {','.join(MODELS)}, strategies "

@@ -14,6 +14,18 @@ from typing import Any
 
 STRATEGIES = ("optimal", "dp", "uniform", "params", "time", "pipedream")
 LAYER_STRATEGIES = ("torchtitan", "megatron")   # transformers only (a layer stack); asked for with --strategies
+STAGED = ("uniform", "params", "torchtitan", "megatron")   # take S@N: N stages of workers/N replicas (--stages N)
+
+
+def strategy_args(strategy: str) -> list[str]:
+    """``hybridpipe partition`` flags of a strategy name: ``S``, or ``S@N`` (a baseline S on N stages, each of
+    workers / N replicas: hybrid layouts, e.g. ``uniform@2`` on 4 hosts is 2 stages x 2 replicas)."""
+    base, at, stages = strategy.partition("@")
+    if base not in STRATEGIES + LAYER_STRATEGIES or (at and (base not in STAGED or not stages.isdigit()
+                                                             or int(stages) < 1)):
+        raise ValueError(f"unknown strategy {strategy!r}: one of {', '.join(STRATEGIES + LAYER_STRATEGIES)}, or "
+                         f"S@N with S one of {', '.join(STAGED)} and N stages")
+    return ["--strategy", base, *(["--stages", stages] if stages else [])]
 ERROR_GOAL = 0.10          # |measured / predicted - 1| the benchmark aims at
 MEMORY_MARGIN = 0.8          # a plan runs only if its predicted memory fits in this share of MemAvailable
 PROCESS_OVERHEAD = 350 << 20  # bytes per worker process beyond the plan's estimate (torch, gloo, python)
@@ -253,7 +265,9 @@ def plot(plt, rows: Sequence[Mapping[str, Any]], title: str):
     """Left: measured throughput relative to optimal per model x hosts, one bar per strategy
     (predicted ratio as a black tick). Right: predicted vs measured step time."""
     groups = list(dict.fromkeys((r["model"], r["hosts"]) for r in rows))
-    strategies = [s for s in (*STRATEGIES, *LAYER_STRATEGIES, "autotune") if any(r["strategy"] == s for r in rows)]
+    named = (*STRATEGIES, *LAYER_STRATEGIES)
+    strategies = [s for s in dict.fromkeys((*named, *(r["strategy"] for r in rows if r["strategy"] not in named),
+                                            "autotune")) if any(r["strategy"] == s for r in rows)]
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(14, 5), gridspec_kw={"width_ratios": [1.6, 1]})
     w = 0.8 / max(1, len(strategies))
     for k, strategy in enumerate(strategies):

@@ -25,11 +25,12 @@ Train = Callable[[Path, Path], dict]
 
 def autotune_row(cli: Callable, cluster, name: str, hosts: int, args, work: Path, scaled: Path, cluster_file: Path,
                  calibrations: Sequence[Path], port: int, launch_timeout: float,
-                 capture_cache: Path | None = None) -> dict:
+                 capture_cache: Path | None = None, earlier: Sequence[Path] = ()) -> dict:
     """``hybridpipe autotune`` on the emulated cluster; the row of the plan it chose (see the docstring).
 
     ``capture_cache``: the model's capture from an earlier run (plans_steps.train_plan), copied into each
-    run directory before the job starts (a shell in front of the job: autotune runs the command as given)."""
+    run directory before the job starts (a shell in front of the job: autotune runs the command as given).
+    ``earlier``: the strategies' traced run directories, refined from before autotune's first choice (--runs)."""
     out = work / f"autotune-{name}-{hosts}"
     job = [sys.executable, "-m", "tools.emucluster", "torchrun", "--name", cluster.tag, "--timeout",
            str(args.timeout), "--port", str(port), "--", "launch.py", "--plan", "{plan}", "--steps", "{steps}",
@@ -41,6 +42,8 @@ def autotune_row(cli: Callable, cluster, name: str, hosts: int, args, work: Path
            str(args.autotune_budget), "--out", str(out), "--run-timeout", str(args.timeout)]
     for c in calibrations:
         cmd += ["--calibration", str(c)]
+    if earlier:
+        cmd += ["--runs", *map(str, earlier)]
     t = time.monotonic()
     r = cli([*cmd, "--", *job], timeout_s=args.timeout * (args.autotune_budget + 1), threads=1)
     wall = time.monotonic() - t

@@ -84,8 +84,10 @@ def run_model_hosts(cluster, name: str, hosts: int, strategies: list[str], args,
         else:
             log.info("  %-9s %s: %s", strategy, row["status"], row["reason"])
     if args.autotune:
+        traced = [work / f"run-{name}-{hosts}-{r['strategy']}" for r in rows if args.trace and r.get("status") == "ok"
+                  and not r.get("same_plan_as")]       # autotune refines from the strategies' runs (--runs)
         row = autotune_row(hybridpipe_cli, cluster, name, hosts, args, work, scaled, cluster_file, calibrations,
-                           port_base + 9, LAUNCH_TIMEOUT_S, work / f"capture-{name}")
+                           port_base + 9, LAUNCH_TIMEOUT_S, work / f"capture-{name}", earlier=traced)
         best = fastest_strategy(rows)
         if args.pair_rounds and row.get("status") == "ok" and best is not None:
             others = {s: work / f"{name}.{hosts}.{s}.plan.json" for s in PAIRED_WITH

@@ -13,7 +13,8 @@ steady step of all its runs (pooled).
 * **Noise floor**: a plan run more than once, each run's median against every other run's of the same
   plan, |m_i / m_j - 1| (the same plan rerun, minutes apart on the shared machine).
 * **Before refinement**: the plan's own prediction (the group's calibrated profile and all-reduce
-  calibration, as ``plans.py`` planned it).
+  calibration, as ``plans.py`` planned it). **model**: the same, unrefined, by this code's cost model
+  (differs from ``before`` where the runs were planned by an older one).
 * **In-sample**: refined from every run of the group (as ``hybridpipe partition --refine`` would), each
   plan re-predicted.
 * **Leave-one-plan-out** (the honest figure for a plan not yet run): for each plan, refined from the runs
@@ -97,13 +98,16 @@ class PlanError:
     before_ms: float | None          # the plan's own prediction (None: no run recorded it)
     in_sample_ms: float
     leave_one_out_ms: float
+    model_ms: float | None = None    # unrefined, the current cost model on the group's profile and calibration
 
     def error(self, predicted: float | None) -> float | None:
         return None if predicted is None else abs(predicted - self.measured_ms) / self.measured_ms
 
 
-def plan_errors(runs: Sequence[RunObservation], refiner: Refiner) -> list[PlanError]:
-    """Every plan of a group's ``runs`` with its predictions before, in-sample and leave-one-plan-out."""
+def plan_errors(runs: Sequence[RunObservation], refiner: Refiner,
+                unrefined: Callable[[RunObservation], float] | None = None) -> list[PlanError]:
+    """Every plan of a group's ``runs`` with its predictions before, in-sample and leave-one-plan-out
+    (and ``unrefined``'s: the current model's before refinement, where the runs recorded an older one's)."""
     plans = group_plans(runs)
     everything = [r for rs in plans.values() for r in rs]
     all_in = refiner(everything)
@@ -113,7 +117,8 @@ def plan_errors(runs: Sequence[RunObservation], refiner: Refiner) -> list[PlanEr
         held = refiner(others) if others else None
         before = next((r.predicted_step_ms for r in mine if r.predicted_step_ms), None)
         out.append(PlanError(layout(mine[0]), tuple(r.name for r in mine), tuple(float(run_median(r)) for r in mine),
-                             float(pooled_ms(mine)), before, all_in(mine[0]), held(mine[0]) if held else float("nan")))
+                             float(pooled_ms(mine)), before, all_in(mine[0]), held(mine[0]) if held else float("nan"),
+                             unrefined(mine[0]) if unrefined else None))
     return out
 
 
@@ -158,6 +163,8 @@ def group_refiner(profile_path: Path, cluster_path: Path, calibration_paths: Seq
     cals = [load_calibration(c) for c in calibration_paths]
 
     def refiner(runs: Sequence[RunObservation]) -> Callable[[RunObservation], float]:
+        if not runs:                                    # nothing to refine from: the model as calibrated
+            return lambda run: float(predict_run(profile, cluster, cals, run))
         refined = refine_from_runs(profile, cluster, cals, runs)
         return lambda run: float(predict_run(refined.profile, cluster, refined.calibrations, run))
     return refiner
@@ -227,7 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         refiner = group_refiner(work / f"{model}.x{hosts}.profile.json",
                                 REPO / "examples" / "clusters" / f"{hosts}x1gbit.json",
                                 sorted(work.glob(f"allreduce{hosts}.json")))
-        plans = plan_errors(runs, refiner)
+        plans = plan_errors(runs, refiner, refiner([]))
         nodes = read_json(work / f"{model}.x{hosts}.profile.json", "profile")["nodes"]
         fwd, bwd = [n["forward_ms"] for n in nodes], [n["backward_ms"] for n in nodes]
         by_name = {r.name: r for r in runs}
@@ -237,7 +244,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         spreads += mine
         out["groups"][name] = {
             "runs": len(runs), "rerun_spreads": mine,
-            "plans": [{**p.__dict__, "error_before": p.error(p.before_ms), "error_in_sample": p.error(p.in_sample_ms),
+            "plans": [{**p.__dict__, "error_before": p.error(p.before_ms), "error_model": p.error(p.model_ms),
+                       "error_in_sample": p.error(p.in_sample_ms),
                        "error_leave_one_out": p.error(p.leave_one_out_ms),
                        "compute_factor_per_stage": [compute_factors(by_name[n], fwd, bwd) for n in p.runs]}
                       for p in plans]}
@@ -249,12 +257,13 @@ def main(argv: Sequence[str] | None = None) -> int:
               + f"; the same plan rerun: {g['rerun_spread']}")
     every = [p for ps in groups.values() for p in ps]
     out["summary"] = {"before": summarize([p.error(p.before_ms) for p in every]),
+                      "model": summarize([p.error(p.model_ms) for p in every]),
                       "in_sample": summarize([p.error(p.in_sample_ms) for p in every]),
                       "leave_one_out": summarize([p.error(p.leave_one_out_ms) for p in every]),
                       "noise_floor": {"pairs": len(spreads), "median": statistics.median(spreads) if spreads else None,
                                       "worst": max(spreads) if spreads else None}}
     s = out["summary"]
-    for what in ("before", "in_sample", "leave_one_out"):
+    for what in ("before", "model", "in_sample", "leave_one_out"):
         e = s[what]
         if e.get("plans"):
             print(f"{what:14s} {e['plans']} plans: median {100 * e['median']:.1f}%, worst {100 * e['worst']:.1f}%, "

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from benchmarks.common import REPO
-from benchmarks.plans_analysis import refusal_lines
+from benchmarks.plans_analysis import refusal_lines, strategy_args
 from hybridpipe.jsonfile import read_json
 from hybridpipe.runtime.parts import CAPTURE_CACHE
 
@@ -57,8 +57,8 @@ def profile_model(name: str, work: Path, repeats: int) -> Path:
 
 
 def partition(profile: Path, cluster_file: Path, strategy: str, out: Path, calibrations: Sequence[Path]) -> dict:
-    """The plan dict, or {"refused": message} when the partitioner refuses."""
-    cmd = ["partition", str(profile), "--cluster", str(cluster_file), "--strategy", strategy, "-o", str(out)]
+    """The plan dict, or {"refused": message} when the partitioner refuses (``strategy``: strategy_args)."""
+    cmd = ["partition", str(profile), "--cluster", str(cluster_file), *strategy_args(strategy), "-o", str(out)]
     for c in calibrations:
         cmd += ["--calibration", str(c)]
     r = hybridpipe_cli(cmd, timeout_s=300)

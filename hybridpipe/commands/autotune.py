@@ -17,7 +17,10 @@ It stops when the best predicted plan is the fastest measured and was predicted 
 or after ``--budget`` runs. It writes the fastest measured plan to ``OUT/plan.json``, the report
 ``OUT/autotune.json`` (every plan tried: why, predicted before it ran, predicted by the final
 model, measured) and the refined model (``OUT/refined/profile.json``, ``calibration.json``: give
-the calibration to later ``partition`` runs of any model on this cluster).
+the calibration to later ``partition`` runs of any model on this cluster). ``--runs RUN_DIR ...``:
+earlier runs of the model on the cluster (other plans', e.g. the strategies'), refined from before
+the first round, so its first choice and its trust in a prediction rest on every run, not its own
+first one.
 """
 
 from __future__ import annotations
@@ -70,6 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=positive_int, required=True, metavar="N",
                         help="steps of each short run ({steps} in the command; the first fifth are warm-up)")
     parser.add_argument("--budget", type=positive_int, default=4, metavar="R", help="at most R runs (default 4)")
+    parser.add_argument("--runs", nargs="+", default=[], metavar="RUN_DIR",
+                        help="earlier runs of this model on this cluster (launch --run-dir with the timeline on): the "
+                        "model is refined from them before the first plan is chosen, and from them with its own later")
     parser.add_argument("--out", type=output_dir, metavar="DIR", help="where plans, runs and the report go "
                         "(default autotune/<time>)")
     parser.add_argument("--run-timeout", type=positive_float, default=600.0, metavar="S",
@@ -183,7 +189,8 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out or Path("autotune") / dt.datetime.now().strftime("%Y%m%d-%H%M%S"))
     tried: list[Tried] = []
     runs: list[RunObservation] = []
-    refined: Refined | None = None
+    earlier = [load_run(d) for d in args.runs]
+    refined: Refined | None = refine_from_runs(profile, cluster, calibrations, earlier) if earlier else None
     reason = f"budget of {args.budget} runs spent"
     for k in range(args.budget):
         prof, cals = (refined.profile, list(refined.calibrations)) if refined else (profile, calibrations)
@@ -218,8 +225,8 @@ def run(args: argparse.Namespace) -> int:
         if code != 0 or t.measured_ms is None:
             continue
         runs.append(obs)
-        refined = refine_from_runs(profile, cluster, calibrations, runs)
-    return finish(out, args, profile, cluster, calibrations, tried, runs, refined, reason)
+        refined = refine_from_runs(profile, cluster, calibrations, [*earlier, *runs])
+    return finish(out, args, profile, cluster, calibrations, tried, runs, refined, reason, earlier)
 
 
 def trials_of(tried: Sequence[Tried]) -> list[Trial]:
@@ -233,8 +240,10 @@ def layout(c: Candidate) -> str:
 
 
 def finish(out: Path, args, profile: Profile, cluster: Cluster, calibrations: Sequence[Calibration],
-           tried: list[Tried], runs: list[RunObservation], refined: Refined | None, reason: str) -> int:
-    """Write the chosen plan, the refined model and the report; print the table. Exit 1 if no run measured."""
+           tried: list[Tried], runs: list[RunObservation], refined: Refined | None, reason: str,
+           earlier: Sequence[RunObservation] = ()) -> int:
+    """Write the chosen plan, the refined model and the report; print the table. Exit 1 if no run measured.
+    ``earlier``: the runs of ``--runs`` (refined from, not candidates: their plans are not this round's)."""
     ranked = pooled(trials_of(tried))
     best = fastest_measured(trials_of(tried))
     chosen = next((t for t in tried if best is not None and t.candidate.key == best.key), None)
@@ -244,7 +253,7 @@ def finish(out: Path, args, profile: Profile, cluster: Cluster, calibrations: Se
         for t, obs in zip([t for t in tried if t.exit_code == 0 and t.measured_ms is not None], runs, strict=True):
             final[t.index] = predict_run(refined.profile, cluster, refined.calibrations, obs)
         save_refined(refined, out / "refined")
-        print(describe(refined, profile, cluster, calibrations, runs))
+        print(describe(refined, profile, cluster, calibrations, [*earlier, *runs]))
     rows: list[list[object]] = []
     entries = []
     for t in tried:
@@ -266,7 +275,8 @@ def finish(out: Path, args, profile: Profile, cluster: Cluster, calibrations: Se
                 rows) if rows else "no run")
     print(f"stopped: {reason}")
     report = {"kind": REPORT_KIND, "format": REPORT_FORMAT, "profile": str(args.profile), "cluster": str(args.cluster),
-              "calibrations": list(args.calibration), "steps": args.steps, "budget": args.budget,
+              "calibrations": list(args.calibration), "earlier_runs": [r.name for r in earlier],
+              "steps": args.steps, "budget": args.budget,
               "tolerance": args.tolerance, "close": args.close, "stop_reason": reason, "runs": len(tried),
               "chosen": chosen.index if chosen else None, "trials": entries,
               "chosen_measured_ms": chosen_pooled.median_ms if chosen_pooled else None,

@@ -8,7 +8,9 @@ so recovering the factors checks the inversion in refine/refinement.py, not the 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
+from hybridpipe.jsonfile import write_json
 from hybridpipe.partitioner.cost.cluster import Cluster
 from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.planner import priced_tied
@@ -29,7 +31,8 @@ def synthetic_run(profile: Profile, cluster: Cluster, stages: Sequence[StageSpec
                   name: str = "run", calibrations=(), measured_step_ms: float | None = None,
                   optimizer_factor: float = 1.0, tied_factor: float = 1.0, drain_ms: float = 0.0,
                   sender_ratio: float | None = None, first_step_factor: float = 1.0,
-                  warmup_steps: int = 1, interference_s_per_byte: float = 0.0) -> RunObservation:
+                  warmup_steps: int = 1, interference_s_per_byte: float = 0.0,
+                  write_to: Path | None = None) -> RunObservation:
     """The observation of a synthetic run (see the module docstring); 1f1b, one sync per step.
 
     Each stage's ``step`` phase is ``optimizer_factor`` times the model's optimizer step for its
@@ -89,4 +92,11 @@ def synthetic_run(profile: Profile, cluster: Cluster, stages: Sequence[StageSpec
     summary = {"stages": [[s.first, s.last, len(s.ranks)] for s in stages], "micro_batches": micro_batches,
                "schedule": "1f1b", "warmup_steps": warmup_steps, "measured_step_ms": measured_step_ms,
                "predicted_step_ms": None, "sync": {}}
+    if write_to is not None:         # a run directory as launch writes it (summary.json, trace/rank-*.json)
+        write_json(write_to / "summary.json", summary)
+        for r in ranks_events:
+            meta = {"kind": "rank-trace", "format": 1, "rank": r.rank, "stage": r.stage, "replica": r.replica,
+                    "world_size": cluster.total_workers, "anchor_wall_s": 0.0}
+            write_json(write_to / "trace" / f"rank-{r.rank:05d}.json",
+                       {"traceEvents": list(r.events), "otherData": {"hybridpipe": meta}})
     return observe_run(name, summary, ranks_events)

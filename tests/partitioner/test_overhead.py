@@ -76,3 +76,28 @@ def test_measured_overlap_slowdown_stretches_every_all_reduce_and_survives_a_rou
             1.5 * base.allreduce_seconds(algorithm, 8e6, range(4)))
     assert stretched.p2p_seconds(8e6, 0) == base.p2p_seconds(8e6, 0)      # transfers are priced as measured
     assert CostModel(cluster).overlap_slowdown == 1.0 and CostModel(cluster).interference_s_per_byte == 0.0
+
+
+def _dp_prediction(layers, interference: float) -> tuple[float, object]:
+    """Data parallelism on 2 ranks (one stage) of ``layers``: the prediction and the stage's figures."""
+    costs = model_costs(make_profile(layers))
+    model = CostModel(flat_cluster(2, gbps=1.0))
+    model.interference_s_per_byte = interference
+    opts = Options(get_schedule("1f1b"), 2, "sgd")
+    ev = evaluate(costs, model, (StageSpec(0, len(layers) + 1, (0, 1)),), opts)
+    return predict_step_ms(ev, opts), ev.stages[0]
+
+
+def test_compute_lost_beside_an_all_reduce_counts_only_where_it_ran_beside_compute():
+    """An all-reduce that runs after the backward (exposed) takes no compute from it: the prediction does
+    not add the ring's interference to it; one hidden behind the backward stretches the backward by it."""
+    exposed_layers = [(1.0, 1.0, 1000, 8_000_000), (1.0, 50.0, 1000, 0)]     # weights ready when the backward ends
+    plain, _ = _dp_prediction(exposed_layers, 0.0)
+    lossy, st = _dp_prediction(exposed_layers, 5e-9)
+    assert st.ring_ms == pytest.approx(1e-9 * 5e3 * 8_000_000) and st.sync.exposed_ms == pytest.approx(st.sync.busy_ms)
+    assert lossy == pytest.approx(plain)
+    hidden_layers = [(1.0, 400.0, 1000, 0), (1.0, 1.0, 1000, 8_000_000)]     # weights ready first, 400 ms to hide in
+    plain, _ = _dp_prediction(hidden_layers, 0.0)
+    lossy, st = _dp_prediction(hidden_layers, 5e-9)
+    assert st.sync.exposed_ms == 0.0 and st.overlapped_ring_ms == pytest.approx(st.ring_ms)
+    assert lossy == pytest.approx(plain + st.ring_ms)

@@ -59,6 +59,31 @@ def test_autotune_reports_jobs_that_fail_or_hang_and_stops_at_its_budget(tmp_pat
     assert not (out / "plan.json").exists()
 
 
+def test_autotune_refines_from_earlier_runs_before_its_first_choice(tmp_path, cluster, capsys):
+    """--runs: the first plan is chosen and priced by the model refined from the earlier runs (here a run whose
+    nodes computed 3x their profile), not by the profile as given."""
+    from hybridpipe.partitioner.cost.cluster import load_cluster
+    from hybridpipe.partitioner.search.objective import StageSpec
+    from tests.partitioner.synth_runs import synthetic_run
+    prof = make_profile([(4.0, 8.0, 1000, 1000)] * 3)
+    profile = save_profile(prof, tmp_path / "p.json")
+    synthetic_run(prof, load_cluster(cluster), [StageSpec(0, 1, (0,)), StageSpec(2, 4, (1,))], micro_batches=4,
+                  node_factor=lambda i: 3.0, write_to=tmp_path / "earlier")
+
+    def first_prediction(*extra: str) -> tuple[float, list]:
+        out = tmp_path / f"o{len(extra)}"
+        main(["autotune", str(profile), "--cluster", str(cluster), "--steps", "4", "--budget", "1", "--out", str(out),
+              *extra, "--", sys.executable, "-c", "import sys; sys.exit(3)", "{plan}", "{run_dir}"])
+        report = json.loads((out / "autotune.json").read_text())
+        return report["trials"][0]["predicted_ms"], report["earlier_runs"]
+
+    plain, none = first_prediction()
+    seeded, named = first_prediction("--runs", str(tmp_path / "earlier"))
+    assert none == [] and named == [str(tmp_path / "earlier")]
+    assert seeded == pytest.approx(3 * plain, rel=0.1)
+    capsys.readouterr()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["mlp", "alexnet-small"])
 def test_autotune_end_to_end_on_loopback_keeps_the_fastest_measured_plan(tmp_path, cluster, model):

@@ -16,6 +16,7 @@ from benchmarks.plans_analysis import (
     scale_plan_compute,
     scale_profile,
     stage_layout,
+    strategy_args,
 )
 from hybridpipe.profiles.format import Profile
 
@@ -147,3 +148,12 @@ def test_the_compute_measurement_calls_a_hugging_face_model_with_its_dict_batch_
                    "num_key_value_heads=1,vocab_size=64,seq=8]", 2, 0.05, str(tmp_path), 1)
     result = read_result(capsys.readouterr().out)
     assert result["median_ms"] > 0 and result["iterations"] >= 2 and result["sgd_step_ms"] > 0
+
+
+def test_strategy_names_give_partition_flags_and_s_at_n_a_hybrid_stage_count():
+    assert strategy_args("time") == ["--strategy", "time"]
+    assert strategy_args("uniform@2") == ["--strategy", "uniform", "--stages", "2"]
+    assert strategy_args("torchtitan@3") == ["--strategy", "torchtitan", "--stages", "3"]
+    for bad in ("time@2", "uniform@", "uniform@x", "uniform@0", "nope", "nope@2"):
+        with pytest.raises(ValueError):
+            strategy_args(bad)

@@ -38,6 +38,9 @@ def test_leave_one_plan_out_never_trains_on_the_plan_it_predicts():
     assert a.error(a.leave_one_out_ms) == pytest.approx(148 / 102)
     s = summarize([e.error(e.leave_one_out_ms) for e in errors])
     assert s["plans"] == 3 and s["within_3pct"] == 0
+    assert a.model_ms is None
+    again = plan_errors(runs, refiner, lambda run: 7.0 * len(run.name))     # the current model, unrefined
+    assert [e.model_ms for e in again] == [14.0, 7.0, 7.0]                   # each plan's first run
 
 
 def test_compute_factors_compare_each_stage_with_the_profile_of_its_nodes():

@@ -153,6 +153,14 @@ class StageEval:
     shard: str = "none"          # what its replicas shard (sharding.py)
     reshard_after_forward: bool = True
     midstep_ms: float = 0.0      # a sharded stage's collectives exposed inside the step (sharding.midstep_ms)
+    ring_ms: float = 0.0         # of overhead_ms: the compute lost beside the replicas' own collectives
+
+    @property
+    def overlapped_ring_ms(self) -> float:
+        """The part of ``ring_ms`` lost while compute ran: the lane's hidden share of its busy time (an
+        all-reduce running after the backward, exposed, takes no compute from it; predict_step_ms)."""
+        busy = self.sync.busy_ms
+        return self.ring_ms * max(0.0, busy - self.sync.exposed_ms) / busy if busy > 0 else 0.0
 
     @property
     def sync_ms_per_step(self) -> float:
@@ -347,12 +355,14 @@ def _stage_eval(costs: ModelCosts, model: CostModel, opts: Options, p: _Place, v
     extra = overhead_ms(float(costs.optimizer_ms(opts.optimizer)[i:j + 1].sum()),
                         float(costs.param_bytes[i:j + 1].sum()), p.p2p_bytes, r, k,
                         kind.syncs_per_step(k), model.interference_s_per_byte, v)
+    ring = extra - overhead_ms(float(costs.optimizer_ms(opts.optimizer)[i:j + 1].sum()), 0.0, p.p2p_bytes, r, k,
+                               kind.syncs_per_step(k), model.interference_s_per_byte, v)
     mid = 0.0 if v.level == "none" else float(midstep_ms(v, k, sync.busy_ms / 2, f, b))
     busy = extra + (k * (f + b + sync.exposed_ms) if kind.asynchronous
                     else p.trip + (1 - p.share) * b + (k - 1) * (f + b) + sync.exposed_ms) + mid
     return StageEval(f, b, k, sync, kind.syncs_per_step(k), p.x, p.send_ms, p.send_grad_ms, p.send_bytes,
                      p.inflight, mem, extra, busy, max(busy, opts.micro_batches * p.x), p.gap, rc,
-                     v.level, v.reshard, mid)
+                     v.level, v.reshard, mid, ring)
 
 
 def predict_step_ms(ev: Evaluation, opts: Options) -> float:
@@ -361,6 +371,11 @@ def predict_step_ms(ev: Evaluation, opts: Options) -> float:
     gpipe/1f1b: max over stages of (trip + (k - 1) (F + B) + sync beyond the gap + overhead), where the trip
     and each stage's gap also count one micro-batch's activation and gradient transfers over
     the cuts they cross; never below a stage's transfer term. pipedream: the objective.
+
+    Unlike the objective, the compute a stage loses beside its replicas' collectives counts only for the
+    part of them that ran beside its compute (``StageEval.overlapped_ring_ms``), and it stretches the
+    backward the exposed sync is measured from: the stage pays the larger of the two, not their sum.
+    (The objective charges every collective byte, an upper bound the search keeps.)
     """
     if opts.schedule.asynchronous or not ev.fits:
         return ev.objective_ms
@@ -372,7 +387,8 @@ def predict_step_ms(ev: Evaluation, opts: Options) -> float:
     for s, moved in zip(st, transfers, strict=True):
         late = max(0.0, s.sync.exposed_ms - before)         # its gap grows by the transfers before it
         own = (1 - share) * s.backward_ms
-        worst = max(worst, trip + own + (s.micro_batches - 1) * (s.forward_ms + s.backward_ms) + late + s.overhead_ms
+        ends = max(late, s.overlapped_ring_ms) + s.overhead_ms - s.ring_ms
+        worst = max(worst, trip + own + (s.micro_batches - 1) * (s.forward_ms + s.backward_ms) + ends
                     + s.midstep_ms,
                     opts.micro_batches * s.transfer_ms)
         before += moved
