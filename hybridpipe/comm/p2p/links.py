@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -204,7 +205,7 @@ class SaLink(Link):
 
     def __init__(self, peer: int, groups: PairGroups, cfg: LinkConfig) -> None:
         super().__init__(peer, groups, cfg)
-        self.outbox: Outbox = Outbox()
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()     # C-level hand-over: no Python lock per frame
         self.msg_out = 0
         self.direct = self.device.type != "cuda"    # the caller posts (see the module docstring)
         self._thread(self._send_loop, "send")
@@ -251,7 +252,7 @@ class PerTensorLink(Link):
     def __init__(self, peer: int, groups: PairGroups, cfg: LinkConfig) -> None:
         super().__init__(peer, groups, cfg, lanes=groups.lanes)
         self.lanes = groups.lanes
-        self.outboxes: list[Outbox] = [Outbox() for _ in range(self.lanes)]
+        self.outboxes: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(self.lanes)]
         self.msg_out = 0
         self.msg_in = 0
         for lane in range(self.lanes):

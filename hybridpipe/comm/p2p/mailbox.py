@@ -98,6 +98,7 @@ class Counter:
         self._cv = threading.Condition()
         self._posted = 0
         self._done = 0
+        self._waiting = 0           # callers in wait_for: only they need a wake-up
         self._error: P2PError | None = None
 
     def post(self) -> int:
@@ -108,7 +109,8 @@ class Counter:
     def complete(self) -> None:
         with self._cv:
             self._done += 1
-            self._cv.notify_all()
+            if self._waiting:
+                self._cv.notify_all()
 
     def fail(self, error: P2PError) -> None:
         with self._cv:
@@ -133,7 +135,11 @@ class Counter:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise Expired()
-                self._cv.wait(left)
+                self._waiting += 1
+                try:
+                    self._cv.wait(left)
+                finally:
+                    self._waiting -= 1
 
 
 class Outbox(Generic[T]):
