@@ -60,6 +60,9 @@ def test_groups_get_the_quota_and_read_it_back(tmp_path, version):
         assert cpu.host_cpus(ctl, "t1", i) == pytest.approx(0.5)
     if version == 2:
         assert (ctl.cluster_dir("t1") / "cgroup.subtree_control").read_text() == "+cpu"
+        assert (ctl.cluster_dir("t1") / "cpu.weight").read_text() == "10000"     # hosts first on a busy machine
+    else:
+        assert (ctl.cluster_dir("t1") / "cpu.shares").read_text() == "262144"
     assert cpu.host_cpus(ctl, "other", 0) is None
 
 

@@ -180,6 +180,24 @@ def test_cpu_quota_holds_each_host_to_its_cores_and_goes_with_the_cluster():
     assert float(unlimited.stdout.split()[0]) > float(limited[0].stdout.split()[0]) * 1.3
 
 
+@pytest.mark.slow
+def test_a_host_keeps_its_quota_on_a_busy_machine():
+    """Busy loops outside the cluster, three per core, each in its own session (as other users' jobs
+    are: the kernel's autogroups weigh sessions, not processes), do not take a host's half core (its
+    group is weighted first); without the weight the host got a quarter of a core here."""
+    cores = os.cpu_count() or 1
+    spin = "import time; t = time.time()\nwhile time.time() - t < 4: pass"
+    others = [subprocess.Popen([sys.executable, "-c", spin], start_new_session=True) for _ in range(3 * cores)]
+    try:
+        with EmulatedCluster(1, None, cpus=0.5) as cluster:
+            (busy,) = cluster.run([sys.executable, "-c", BUSY], timeout_s=60)
+    finally:
+        for p in others:
+            p.kill()
+            p.wait()
+    assert float(busy.stdout.split()[0]) >= 0.4, busy.stdout
+
+
 def test_leftover_cpu_groups_of_a_killed_owner_are_cleaned_up():
     tag = killed_owner_tag("1, None, cpus=0.5")
     ctl = cpu.find_controller()

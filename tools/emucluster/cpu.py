@@ -8,6 +8,12 @@ bandwidth is ``c`` cores (``c x period`` of CPU time per ``period``, all its thr
 so a host runs at the same speed whatever the other hosts do. Give ``c <= cores / hosts`` for
 hosts that never slow each other down.
 
+A quota is a ceiling, not a floor: other work on the machine (a test suite, another session's
+build) would still take a host's cores and slow it below ``c``, which a real host, whose cores are
+its own, never sees. So the cluster's group also gets the scheduler's largest weight
+(``cpu.shares`` 262144 in v1, ``cpu.weight`` 10000 in v2): when the machine is busy the hosts get
+their quotas first and everything else shares what is left.
+
 Where the cpuset controller exists and ``c <= 1``, each host is also pinned to one CPU (hosts
 spread evenly, at most a CPU's worth of quota per CPU): a lone thread under a quota that
 migrates between CPUs loses part of its quota to per-CPU runtime slices that expire unused
@@ -31,6 +37,9 @@ from pathlib import Path
 from tools.emucluster.errors import EmuClusterError
 
 log = logging.getLogger(__name__)
+
+# the cluster group's scheduler weight, per cgroup version: the kernel's maximum (see the docstring)
+PRIORITY = {1: ("cpu.shares", "262144"), 2: ("cpu.weight", "10000")}
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 GROUP_PREFIX = "emucluster-"
@@ -122,6 +131,7 @@ def create_groups(ctl: Controller, tag: str, hosts: int, cpus: float, period_us:
     top.mkdir()
     if ctl.version == 2:
         _write(top / "cgroup.subtree_control", "+cpu")
+    _write(top / PRIORITY[ctl.version][0], PRIORITY[ctl.version][1])
     for i in range(hosts):
         group = ctl.host_group(tag, i)
         group.mkdir()
