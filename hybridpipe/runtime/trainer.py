@@ -152,9 +152,11 @@ class Trainer:
         self._stats = dist.new_group(list(range(self.proc.world_size)), timeout=datetime.timedelta(seconds=timeout))
         self.tokens = token_counts(self.model, self.proc.device, self._stats, plan.batch_size, self.watch.note) \
             if cfg.loss_normalization == "tokens" else None
-        # the last stage alone knows a loss was bad: unreplicated, it need not wait for the others,
-        # unless a recovery in place needs every rank to pass the check before any update
-        self.watch.decides_alone = self.is_last and self.stage_plan.replicas == 1 and not cfg.in_place
+        # the last stage alone knows a loss was bad: unreplicated, it need not wait for the others and
+        # they need only its flag, unless a recovery in place needs every rank to pass the check first
+        last = plan.stages[-1]
+        self.watch.source = last.ranks[0] if last.replicas == 1 and not cfg.in_place else None
+        self.watch.decides_alone = self.watch.source == rank
         self.syncs = {s.index: make_sync(plan, st.module, s, groups.get(s.index), allreduce=cfg.allreduce,
                                          calibrations=cfg.calibrations, aggregator=cfg.aggregator,
                                          wire_dtype=PRECISIONS[str(cfg.reduce_dtype)],
