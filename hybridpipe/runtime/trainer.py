@@ -345,13 +345,17 @@ class Trainer:
         return inputs, targets
 
     def _mean(self, losses: dict[int, torch.Tensor], counts: dict[int, torch.Tensor] | None = None) -> float:
-        """The mean of the step's micro-batch losses, on every rank (one all-reduce of two numbers);
+        """The mean of the step's micro-batch losses, on every rank (one all-reduce of two numbers, or
+        a broadcast from the last stage's one rank, which then holds every loss: see ``watch.source``);
         with ``counts`` the losses are sums and the mean is over the counted tokens."""
         t = torch.zeros(2, dtype=torch.float64, device=self.proc.device)
         if losses:
             t[0] = torch.stack([v.detach().double() for v in losses.values()]).sum()
             t[1] = len(losses) if counts is None else torch.stack([c.double() for c in counts.values()]).sum()
-        dist.all_reduce(t, group=self._stats)
+        if self.watch.source is not None:
+            dist.broadcast(t, src=self.watch.source, group=self._stats)
+        else:
+            dist.all_reduce(t, group=self._stats)
         return float(t[0] / t[1]) if t[1] > 0 else math.nan
 
     def _loss_scale(self) -> float:
