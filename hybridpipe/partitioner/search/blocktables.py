@@ -40,18 +40,18 @@ class BlockTables:
 
     def __init__(self, spans: np.ndarray, period: int, copies: int, wc: int):
         self.spans, self.period, self.copies, self.wc = spans, period, copies, wc
-        self._levels: np.ndarray | None = None          # by (rank within the period, distance)
-        self._shares: np.ndarray | None = None          # by (level, x within the period, y - x)
+        self._levels: np.ndarray | None = None          # [rank within the period, distance], flat
+        self._shares: np.ndarray | None = None          # [level, x within the period, y - x], flat
 
     def level_between(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         """Innermost level whose units hold both ranks (elementwise; ``a <= b``)."""
         width = self.copies * self.wc
         if self._levels is None and self.period * width <= TABLE_ENTRIES:
-            o = np.arange(self.period)[:, None]
-            self._levels = level_of(self.spans, o, o + np.arange(width)[None, :]).astype(np.int8)
+            o = np.arange(self.period)[:, None]                 # flat: one 1-d gather per look-up
+            self._levels = level_of(self.spans, o, o + np.arange(width)[None, :]).astype(np.int64).ravel()
         if self._levels is None:
             return level_of(self.spans, a, b)
-        return self._levels[a % self.period, b - a].astype(np.int64)
+        return self._levels[(a % self.period) * width + (b - a)]
 
     def busiest_share(self, x: np.ndarray, y: np.ndarray, level: np.ndarray) -> np.ndarray:
         """:func:`busiest_share_of` of the blocks x..y-1 (``x < y <= wc``)."""
@@ -59,11 +59,12 @@ class BlockTables:
         if self._shares is None and levels * self.period * (self.wc + 1) <= TABLE_ENTRIES:
             lv, o, b = np.broadcast_arrays(*np.ix_(np.arange(levels), np.arange(self.period),
                                                    np.arange(1, self.wc + 1)))
-            self._shares = np.zeros((levels, self.period, self.wc + 1))
-            self._shares[:, :, 1:] = busiest_share_of(self.spans, self.copies, o, o + b, lv)
+            shares = np.zeros((levels, self.period, self.wc + 1))
+            shares[:, :, 1:] = busiest_share_of(self.spans, self.copies, o, o + b, lv)
+            self._shares = shares.ravel()
         if self._shares is None:
             return busiest_share_of(self.spans, self.copies, x, y, level)
-        return self._shares[level, x % self.period, y - x]
+        return self._shares[(level * self.period + x % self.period) * (self.wc + 1) + (y - x)]
 
 
 def grouped(keys: np.ndarray) -> list[tuple[int, np.ndarray]]:

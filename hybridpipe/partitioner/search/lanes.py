@@ -66,3 +66,31 @@ def sync_floor(model: CostModel, top: int, units: int, algorithms: Sequence[str]
     line = alpha * model.overlap_slowdown + beta * share * model.overlap_slowdown * param_bytes
     line = line * model.allreduce_factor(param_bytes) * (1 - SAFETY)
     return np.where(param_bytes > 0, line * 1e3, 0.0)
+
+
+def ring_bounds(model: CostModel, levels: int, wc: int, copies: int, algorithms: Sequence[str]
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """Upper bound of every node's sync for each block size (``copies`` blocks of 0..wc ranks) and
+    outermost level spanned (``StageTerms``' ring bound).
+
+    The fastest allowed algorithm is at most the ring's (or native's) cost; on sorted ranks a
+    ring sends one chunk of S/n out of (and into) every link per round, so with the largest
+    alpha and beta up to the level the group spans, n ranks cost at most
+    ``2 (n - 1) alpha + (n - 1) / n (2 beta + gamma) S``, times the overlap slowdown.
+    Tables [size, level] of (alpha part, per-byte part) in seconds; inf without ring/native.
+    """
+    sizes = np.arange(wc + 1) * copies
+    a = np.full((wc + 1, levels), np.inf)
+    per_byte = np.full((wc + 1, levels), np.inf)
+    for algo in ("ring", "native"):
+        if algo not in algorithms:
+            continue
+        fits = [model.link(lv, algo) for lv in range(levels)]
+        for top in range(levels):
+            al = max(f.alpha_s for f in fits[:top + 1])
+            be = max(f.beta_s_per_byte for f in fits[:top + 1])
+            n = np.maximum(sizes, 1)
+            a[:, top] = np.minimum(a[:, top], model.overlap_slowdown * 2 * (n - 1) * al)
+            per_byte[:, top] = np.minimum(per_byte[:, top],
+                                          model.overlap_slowdown * (n - 1) / n * (2 * be + model.gamma))
+    return a, per_byte

@@ -31,10 +31,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hybridpipe.partitioner.cost.blocklines import block_lines
 from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.cost.sharded import pair_lines, paired_algorithms
 from hybridpipe.partitioner.search.blocktables import BlockTables, grouped
-from hybridpipe.partitioner.search.lanes import SAFETY, lane_row, lane_terms, sync_floor
+from hybridpipe.partitioner.search.lanes import SAFETY, lane_row, lane_terms, ring_bounds, sync_floor
 from hybridpipe.partitioner.search.modelcosts import ModelCosts
 from hybridpipe.partitioner.search.objective import OPTIMIZER_STATES, Options
 from hybridpipe.partitioner.search.sharding import (
@@ -48,6 +49,13 @@ from hybridpipe.partitioner.search.sharding import (
 )
 
 Useful = Callable[[np.ndarray, np.ndarray], np.ndarray]
+CHUNK = 1 << 15          # candidates evaluated at once (more: every temporary array is a fresh mapping)
+BATCH_RANKS = 1 << 20    # ranks in the block shapes priced at once (their units: the batch's memory)
+
+
+def _shifted(useful: Useful, start: int) -> Useful:
+    """``useful`` of a slice of the candidates that starts at ``start``."""
+    return lambda index, lower: useful(index + start, lower)
 
 
 @dataclass(frozen=True)
@@ -100,7 +108,7 @@ class StageTerms:
         self.spans = np.array([model.cluster.span(k) for k in range(len(levels))], dtype=np.int64)
         self.alpha = np.array([model.link(k).alpha_s for k in range(len(levels))])
         self.beta = np.array([model.link(k).beta_s_per_byte for k in range(len(levels))])
-        self._sync_ub = self._ring_bounds()
+        self._sync_ub = ring_bounds(model, len(levels), self.wc, copies, opts.algorithms)
         self._sync: dict[tuple[int, int, bool], np.ndarray] = {}
         self._lane: dict[tuple[int, int, bool], tuple[np.ndarray, np.ndarray]] = {}
         self._half: dict[tuple[int, int], np.ndarray] = {}
@@ -128,6 +136,10 @@ class StageTerms:
         terms) could still matter to the caller; those whose sync would need pricing and cannot
         matter are returned as inf instead of their term.
         """
+        if len(c.j) > CHUNK:          # the same terms a slice at a time: temporaries stay in the cache
+            return np.concatenate([self.evaluate(Candidates(c.i, c.j[s:s + CHUNK], c.x[s:s + CHUNK], c.y[s:s + CHUNK]),
+                                                 None if useful is None else _shifted(useful, s))
+                                   for s in range(0, len(c.j), CHUNK)])
         xfer = self.opts.micro_batches * self._transfer(c.i, c.j, c.x, c.y)
         term = self._term(c, useful, NONE, xfer)
         if not self.sharding:
@@ -282,46 +294,76 @@ class StageTerms:
         i, j = c.i, c.j
         exposed = np.zeros(len(j))
         count = self.pcount[j + 1] - self.pcount[i]
-        need = (r > 1) & (count > 0) & np.isfinite(work)
-        top = self.level_between(c.x, (self.copies - 1) * self.wc + c.y - 1)
-        if self.flushed and need.any():
-            a, per_byte = self._sync_ub[0][c.y - c.x], self._sync_ub[1][c.y - c.x]
-            bound = (a[np.arange(len(j)), top] * count + per_byte[np.arange(len(j)), top]
-                     * (self.pp[j + 1] - self.pp[i])) * 1e3
-            need &= bound * (1 + SAFETY) + 1e-6 + SAFETY * self.gap[i] > self.gap[i]
-        if need.any() and useful is not None:
-            index = np.nonzero(need)[0]
-            floor = self._exposure_floor(i, j[index], c.x[index], c.y[index], top[index])
-            idle = index[~useful(index, lower(index, floor))]
-            exposed[idle] = np.nan
-            need[idle] = False
-        if not need.any():
+        where = np.nonzero((r > 1) & (count > 0) & np.isfinite(work))[0]      # the candidates still open
+        x, y = c.x[where], c.y[where]
+        top = self.level_between(x, (self.copies - 1) * self.wc + y - 1)
+        if self.flushed and len(where):
+            flat = (y - x) * len(self.spans) + top
+            bound = (self._sync_ub[0].ravel()[flat] * count[where] + self._sync_ub[1].ravel()[flat]
+                     * (self.pp[j[where] + 1] - self.pp[i])) * 1e3
+            where, x, y, top = self._kept(bound * (1 + SAFETY) + 1e-6 + SAFETY * self.gap[i] > self.gap[i],
+                                          where, x, y, top)
+        if len(where) and useful is not None:
+            # lower() grows with E and the floor is >= 0: what cannot matter with no sync needs no floor
+            fast = useful(where, lower(where, np.zeros(len(where))))
+            exposed[where[~fast]] = np.nan
+            where, x, y, top = self._kept(fast, where, x, y, top)
+            keep = useful(where, lower(where, self._exposure_floor(i, j[where], x, y, top)))
+            exposed[where[~keep]] = np.nan
+            where, x, y, top = self._kept(keep, where, x, y, top)
+        if not len(where):
             return exposed
-        where = np.nonzero(need)[0]
-        offset = c.x[where] % self.period
-        size = (c.y - c.x)[where]
-        keys = offset * (self.wc + 1) + size
-        for key, at in grouped(keys):
+        keys = (x % self.period) * (self.wc + 1) + (y - x)
+        shapes = [(divmod(key, self.wc + 1), at) for key, at in grouped(keys)]
+        if not paired:                                  # every new shape priced in one pass
+            self._price([ob for ob, _ in shapes if (*ob, False) not in self._sync])
+        for (o, b), at in shapes:
             sel = where[at]
-            o, b = divmod(key, self.wc + 1)
             exposed[sel] = self.exposure_row(o, b, i, paired)[j[sel] - i]
         return exposed
+
+    @staticmethod
+    def _kept(keep: np.ndarray, *arrays: np.ndarray) -> tuple[np.ndarray, ...]:
+        return tuple(a[keep] for a in arrays)
 
     def sync_ms(self, offset: int, size: int, paired: bool = False) -> np.ndarray:
         """Each node's all-reduce time (fastest allowed algorithm) on the block shape's ranks
         (``paired``: its reduce-scatter + all-gather, ``cost/sharded.py``)."""
         key = (offset, size, paired)
         hit = self._sync.get(key)
+        if hit is None and not paired:
+            self._price([(offset, size)])
+            hit = self._sync[key]
         if hit is None:
             ranks = np.add.outer(np.arange(self.copies) * self.wc, np.arange(offset, offset + size)).ravel()
-            lines = (pair_lines(self.model, ranks.tolist(), self.opts.algorithms) if paired
-                     else self.model.fast_lines(ranks, self.opts.algorithms))
+            lines = pair_lines(self.model, ranks.tolist(), self.opts.algorithms)
             nbytes = self.costs.param_bytes
             best = np.min([ln.alpha_s + ln.s_per_byte * nbytes for _, ln in lines], axis=0)
             best = best * self.model.allreduce_factor(nbytes)    # refined calibrations (refine/); 1 otherwise
             hit = self._sync[key] = np.where(self.param_nodes, best * 1e3, 0.0)
             self.priced += 1
         return hit
+
+    def _price(self, shapes: list[tuple[int, int]]) -> None:
+        """``sync_ms`` (all-reduces) of every (offset, size) shape at once: ``blocklines.block_lines``, the same
+        lines bit for bit as ``CostModel.fast_lines`` one shape at a time, then the same operations."""
+        ranks = np.cumsum([self.copies * b for _, b in shapes])
+        if len(shapes) > 1 and ranks[-1] > BATCH_RANKS:        # bounded memory: O(ranks) per batch at most
+            cut = max(1, int(np.searchsorted(ranks, BATCH_RANKS, side="right")))
+            self._price(shapes[:cut])
+            self._price(shapes[cut:])
+            return
+        if not shapes:
+            return
+        offsets, sizes = (np.array(v, dtype=np.int64) for v in zip(*shapes, strict=True))
+        _, alpha, per_byte = block_lines(self.model, self.copies, self.wc, offsets, sizes, self.opts.algorithms)
+        nbytes = self.costs.param_bytes
+        best = (alpha[:, :, None] + per_byte[:, :, None] * nbytes).min(axis=1)
+        best = best * self.model.allreduce_factor(nbytes)        # refined calibrations (refine/); 1 otherwise
+        rows = np.where(self.param_nodes, best * 1e3, 0.0)
+        for k, (o, b) in enumerate(shapes):
+            self._sync[o, b, False] = rows[k]
+        self.priced += len(shapes)
 
     def exposure_row(self, offset: int, size: int, i: int, paired: bool = False) -> np.ndarray:
         """E(i, j) for j = i..n-1 on the block shape (``lane_row``)."""
@@ -354,30 +396,3 @@ class StageTerms:
                                                               self.costs.forward_ms), scale)
             out[sel] = np.maximum(0.0, lane_row(lane[0], row_start, i)[j[sel] - i] - lane[1])
         return out
-
-    def _ring_bounds(self) -> tuple[np.ndarray, np.ndarray]:
-        """Upper bound of every node's sync for each block size and outermost level spanned.
-
-        The fastest allowed algorithm is at most the ring's (or native's) cost; on sorted ranks a
-        ring sends one chunk of S/n out of (and into) every link per round, so with the largest
-        alpha and beta up to the level the group spans, n ranks cost at most
-        ``2 (n - 1) alpha + (n - 1) / n (2 beta + gamma) S``, times the overlap slowdown.
-        Tables [size, level] of (alpha part, per-byte part) in seconds; inf without ring/native.
-        """
-        model, levels = self.model, len(self.spans)
-        sizes = np.arange(self.wc + 1) * self.copies
-        a = np.full((self.wc + 1, levels), np.inf)
-        per_byte = np.full((self.wc + 1, levels), np.inf)
-        for algo in ("ring", "native"):
-            if algo not in self.opts.algorithms:
-                continue
-            fits = [model.link(lv, algo) for lv in range(levels)]
-            for top in range(levels):
-                al = max(f.alpha_s for f in fits[:top + 1])
-                be = max(f.beta_s_per_byte for f in fits[:top + 1])
-                n = np.maximum(sizes, 1)
-                a[:, top] = np.minimum(a[:, top], model.overlap_slowdown * 2 * (n - 1) * al)
-                per_byte[:, top] = np.minimum(per_byte[:, top],
-                                              model.overlap_slowdown * (n - 1) / n * (2 * be + model.gamma))
-        return a, per_byte
-
