@@ -20,9 +20,12 @@ at start).
 
 The flag stays on the device between micro-batches (no host sync per loss); the all-reduce
 reads it once per step. Only the last stage raises it, so when that stage has one replica its
-rank already knows the verdict (``decides_alone``): it joins the all-reduce without waiting for
-it (the other ranks reach their optimizer step later) and goes on, so the check costs it nothing
-and costs the others one scalar all-reduce.
+rank (``source``) already knows the verdict (``decides_alone``) and the others need only its
+flag: a broadcast from it instead of the all-reduce (one message to each rank, where gloo's
+all-reduce exchanged several per rank). The source posts it without waiting (the other ranks
+reach their optimizer step later) and goes on, so the check costs it nothing and costs the
+others one scalar receive. A replicated last stage, or a recovery in place (every rank must pass
+the check before any update), keeps the all-reduce.
 """
 
 from __future__ import annotations
@@ -45,9 +48,11 @@ class NonFiniteWatch:
     ``stage``: this rank's stage (named in the message); ``hint``: appended to the stop line."""
 
     def __init__(self, device: torch.device, *, skip: bool, flushing: bool, stage: int = 0,
-                 decides_alone: bool = False, group: dist.ProcessGroup | None = None, hint: str = "") -> None:
+                 decides_alone: bool = False, group: dist.ProcessGroup | None = None, hint: str = "",
+                 source: int | None = None) -> None:
         self.device, self.skip, self.flushing, self.stage = device, skip, flushing, stage
         self.decides_alone, self.group, self.hint = decides_alone, group, hint
+        self.source = source        # the one (global) rank that can raise the flag, if there is one
         self.skipped: list[int] = []
         self._pending: list[Any] = []           # async all-reduces of a rank that decides alone
         self._flag = torch.zeros((), dtype=torch.float32, device=device)
@@ -85,12 +90,17 @@ class NonFiniteWatch:
         if not dist.is_initialized():
             return bool(flag.item() > 0)
         if self.decides_alone:
-            mine = bool(flag.item() > 0)          # read before the all-reduce works on it in place
+            mine = bool(flag.item() > 0)          # read before the collective works on it in place
             for work in self._pending:            # the previous step's: long complete
                 work.wait()
-            self._pending = [dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)]
+            self._pending = [dist.broadcast(flag, src=self.source, group=self.group, async_op=True)
+                             if self.source is not None else
+                             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)]
             return mine
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        if self.source is not None:
+            dist.broadcast(flag, src=self.source, group=self.group)
+        else:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         return bool(flag.item() > 0)
 
     def before_update(self) -> bool:

@@ -152,9 +152,11 @@ class Trainer:
         self._stats = dist.new_group(list(range(self.proc.world_size)), timeout=datetime.timedelta(seconds=timeout))
         self.tokens = token_counts(self.model, self.proc.device, self._stats, plan.batch_size, self.watch.note) \
             if cfg.loss_normalization == "tokens" else None
-        # the last stage alone knows a loss was bad: unreplicated, it need not wait for the others,
-        # unless a recovery in place needs every rank to pass the check before any update
-        self.watch.decides_alone = self.is_last and self.stage_plan.replicas == 1 and not cfg.in_place
+        # the last stage alone knows a loss was bad: unreplicated, it need not wait for the others and
+        # they need only its flag, unless a recovery in place needs every rank to pass the check first
+        last = plan.stages[-1]
+        self.watch.source = last.ranks[0] if last.replicas == 1 and not cfg.in_place else None
+        self.watch.decides_alone = self.watch.source == rank
         self.syncs = {s.index: make_sync(plan, st.module, s, groups.get(s.index), allreduce=cfg.allreduce,
                                          calibrations=cfg.calibrations, aggregator=cfg.aggregator,
                                          wire_dtype=PRECISIONS[str(cfg.reduce_dtype)],
@@ -343,13 +345,17 @@ class Trainer:
         return inputs, targets
 
     def _mean(self, losses: dict[int, torch.Tensor], counts: dict[int, torch.Tensor] | None = None) -> float:
-        """The mean of the step's micro-batch losses, on every rank (one all-reduce of two numbers);
+        """The mean of the step's micro-batch losses, on every rank (one all-reduce of two numbers, or
+        a broadcast from the last stage's one rank, which then holds every loss: see ``watch.source``);
         with ``counts`` the losses are sums and the mean is over the counted tokens."""
         t = torch.zeros(2, dtype=torch.float64, device=self.proc.device)
         if losses:
             t[0] = torch.stack([v.detach().double() for v in losses.values()]).sum()
             t[1] = len(losses) if counts is None else torch.stack([c.double() for c in counts.values()]).sum()
-        dist.all_reduce(t, group=self._stats)
+        if self.watch.source is not None:
+            dist.broadcast(t, src=self.watch.source, group=self._stats)
+        else:
+            dist.all_reduce(t, group=self._stats)
         return float(t[0] / t[1]) if t[1] > 0 else math.nan
 
     def _loss_scale(self) -> float:

@@ -57,6 +57,18 @@ class Frame:
         return self.header.payload_bytes
 
 
+def post_send(t: torch.Tensor, group: dist.ProcessGroup, group_peer: int):
+    """``dist.isend`` of a contiguous tensor to ``group_peer`` (the peer's rank *in* ``group``),
+    straight on the group: the frames' sends and receives skip the wrapper's per-call checks
+    and rank translation (the route's ranks are fixed when the channel opens)."""
+    return group.send([torch.view_as_real(t) if t.is_complex() else t], group_peer, 0)
+
+
+def post_recv(t: torch.Tensor, group: dist.ProcessGroup, group_peer: int):
+    """``dist.irecv`` into contiguous ``t`` from ``group_peer`` (see :func:`post_send`)."""
+    return group.recv([torch.view_as_real(t) if t.is_complex() else t], group_peer, 0)
+
+
 def _wait_work(work, deadline: float) -> None:
     left = min(max(deadline - time.monotonic(), 0.001), _MAX_WAIT_S)
     work.wait(datetime.timedelta(seconds=left))
@@ -75,6 +87,8 @@ class _End:
         self.cuda = stream.stream is not None
         self.capacity = wire.MIN_CAPACITY   # the receive posted for the next frame (both ends agree)
         self.prepost = prepost      # receiver: keep the next frame's receive posted (sa, per-tensor)
+        self.control_peer = dist.get_group_rank(route.control, peer)
+        self.data_peer = dist.get_group_rank(route.data, peer)
 
     def _complete(self, control_works: list, data_works: list, deadline: float,
                   what: str) -> torch.cuda.Event | None:
@@ -132,13 +146,13 @@ class FrameSender(_End):
                     sends.append(wire.to_bytes_tensor(meta))
                 if (flat_body := wire.flatten(items, metas) if body else None) is not None:
                     sends.append(flat_body)
-            control = [dist.isend(t, self.peer, group=self.route.control) for t in sends]
+            control = [post_send(t, self.route.control, self.control_peer) for t in sends]
             data = []
             if self.cuda:
                 with self.stream.active(after=ready):
                     for _, t in items:
                         if t.numel():
-                            data.append(dist.isend(t, self.peer, group=self.route.data))
+                            data.append(post_send(t, self.route.data, self.data_peer))
                 sends += [t for _, t in items]
         except Exception as e:          # noqa: BLE001
             raise classify_transport_error(e, self.peer, f"send {key!r}") from e
@@ -195,7 +209,7 @@ class FrameReceiver(_End):
     def _post(self, size: int, what: str) -> tuple[torch.Tensor, object]:
         buf = torch.empty(size, dtype=torch.uint8)
         try:
-            return buf, dist.irecv(buf, self.peer, group=self.route.control)
+            return buf, post_recv(buf, self.route.control, self.control_peer)
         except Exception as e:          # noqa: BLE001
             raise classify_transport_error(e, self.peer, what) from e
 
@@ -219,7 +233,7 @@ class FrameReceiver(_End):
                     t = torch.empty(m.shape, dtype=m.dtype, device=self.stream.device)
                     tensors[m.name] = t
                     if t.numel():
-                        works.append(dist.irecv(t, self.peer, group=self.route.data))
+                        works.append(post_recv(t, self.route.data, self.data_peer))
         except Exception as e:          # noqa: BLE001
             raise classify_transport_error(e, self.peer, what) from e
         event = self._complete([], works, deadline, what)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -36,13 +37,14 @@ from hybridpipe.comm.p2p.device import SideStream
 from hybridpipe.comm.p2p.errors import P2PError, PeerLost, ProtocolError, classify_transport_error
 from hybridpipe.comm.p2p.frames import Frame, FrameReceiver, FrameSender, Posted
 from hybridpipe.comm.p2p.groups import PairGroups
-from hybridpipe.comm.p2p.mailbox import Counter, Mailbox, Outbox
+from hybridpipe.comm.p2p.mailbox import Counter, Mailbox, Outbox, QueueBox
 from hybridpipe.comm.p2p.order import RECV, SEND, Cursor, Op, keys_of
 from hybridpipe.comm.p2p.wire import Flag
 
 log = logging.getLogger(__name__)
 
 TransferHook = Callable[[int, str, int, float, float], None]
+Box = Mailbox | QueueBox
 
 
 @dataclass(frozen=True)
@@ -131,8 +133,12 @@ class Link:
             t.join(max(0.0, deadline - time.monotonic()))
         return [t.name for t in self.threads if t.is_alive()]
 
+    def boxes(self) -> Sequence[Box]:
+        """Where this link's receive threads deliver."""
+        return self.inboxes
+
     def undelivered(self) -> list[str]:
-        return [getattr(x, "key", "?") for box in self.inboxes for x in box.drain()]
+        return [getattr(x, "key", "?") for box in self.boxes() for x in box.drain()]
 
     # ---- thread side -------------------------------------------------------------------
     def _thread(self, target: Callable[[], None], role: str) -> None:
@@ -152,7 +158,7 @@ class Link:
 
     def _fail(self, err: P2PError) -> None:
         self.sent.fail(err)
-        for box in self.inboxes:
+        for box in self.boxes():
             box.fail(err)
 
     def _deadline(self) -> float:
@@ -184,7 +190,7 @@ class Link:
     def _send_close(self, sender: FrameSender) -> None:
         sender.complete(sender.post("close", 0, 0, [], flags=Flag.CLOSE), self._deadline())
 
-    def _received(self, box: Mailbox, frame: Frame, item) -> bool:
+    def _received(self, box: Box, frame: Frame, item) -> bool:
         """Deliver ``item`` (False and mark the peer closed if the frame is CLOSE)."""
         if frame.header.flags & Flag.CLOSE:
             self.closed_by_peer = True
@@ -204,7 +210,9 @@ class SaLink(Link):
 
     def __init__(self, peer: int, groups: PairGroups, cfg: LinkConfig) -> None:
         super().__init__(peer, groups, cfg)
-        self.outbox: Outbox = Outbox()
+        self.inbox: QueueBox[Message] = QueueBox()               # the caller is the one taker
+        self.inboxes = []
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()     # C-level hand-over: no Python lock per frame
         self.msg_out = 0
         self.direct = self.device.type != "cuda"    # the caller posts (see the module docstring)
         self._thread(self._send_loop, "send")
@@ -224,8 +232,11 @@ class SaLink(Link):
         self.outbox.put(sub)
         self.msg_out += 1
 
+    def boxes(self) -> Sequence[Box]:
+        return (self.inbox,)
+
     def take(self, key: str, deadline: float) -> Message:
-        box = self.inboxes[0]
+        box = self.inbox
         if (head := box.peek(deadline)).key != key:
             raise self._mismatch(key, head.key)
         return box.pop()
@@ -241,7 +252,7 @@ class SaLink(Link):
     def _recv_loop(self) -> None:
         while True:
             f = self.receivers[0].receive(self._deadline())
-            if not self._received(self.inboxes[0], f, Message(f.key, f.tensors, (f.event,))):
+            if not self._received(self.inbox, f, Message(f.key, f.tensors, (f.event,))):
                 return
 
 
@@ -251,7 +262,7 @@ class PerTensorLink(Link):
     def __init__(self, peer: int, groups: PairGroups, cfg: LinkConfig) -> None:
         super().__init__(peer, groups, cfg, lanes=groups.lanes)
         self.lanes = groups.lanes
-        self.outboxes: list[Outbox] = [Outbox() for _ in range(self.lanes)]
+        self.outboxes: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(self.lanes)]
         self.msg_out = 0
         self.msg_in = 0
         for lane in range(self.lanes):

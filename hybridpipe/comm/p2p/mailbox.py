@@ -3,6 +3,8 @@
 :class:`Mailbox` is a FIFO a background thread fills and a caller drains with a deadline. A
 failure of the background side is *sticky*: it is raised to every later taker, but only after
 the items that arrived before it (messages received before a peer died are still valid).
+:class:`QueueBox` is the same for one taker thread, with no Python lock per item (the items
+and the failure travel through a C-level queue): the ``sa`` links' hand-over, once per frame.
 :class:`Outbox` is the FIFO in the other direction; it also tells whether its consumer is
 blocked waiting for a particular item. :class:`Counter` counts completed operations so that
 ``flush`` can wait for a number.
@@ -10,6 +12,7 @@ blocked waiting for a particular item. :class:`Counter` counts completed operati
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections import deque
@@ -91,6 +94,73 @@ class Mailbox(Generic[T]):
             return items
 
 
+class _Failed:
+    def __init__(self, error: P2PError) -> None:
+        self.error = error
+
+
+_EMPTY = object()
+
+
+class QueueBox(Generic[T]):
+    """A :class:`Mailbox` (without ``check``/``poke``) for ONE taker thread: ``put`` and ``fail``
+    may come from any thread; a failure is queued behind the items that arrived before it and,
+    once reached, raised to every later taker."""
+
+    def __init__(self) -> None:
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._head: object = _EMPTY          # peeked, not yet popped (or the sticky _Failed)
+        self._error: P2PError | None = None
+
+    def put(self, item: T) -> None:
+        self._q.put(item)
+
+    def fail(self, error: P2PError) -> None:
+        """Queue the failure behind what arrived so far (only the first failure is ever raised)."""
+        if self._error is None:
+            self._error = error
+        self._q.put(_Failed(error))
+
+    @property
+    def error(self) -> P2PError | None:
+        return self._error
+
+    def peek(self, deadline: float) -> T:
+        """The head item, waiting until ``deadline`` (``time.monotonic()``); not removed. Raises the
+        sticky failure once the items before it are taken, or :class:`Expired`."""
+        head = self._head
+        if head is _EMPTY:
+            try:
+                head = self._q.get(timeout=max(deadline - time.monotonic(), 0.0))
+            except queue.Empty:
+                raise Expired() from None
+            self._head = head
+        if isinstance(head, _Failed):
+            raise head.error
+        return head  # type: ignore[return-value]
+
+    def pop(self) -> T:
+        head, self._head = self._head, _EMPTY
+        return head  # type: ignore[return-value]
+
+    def take(self, deadline: float) -> T:
+        item = self.peek(deadline)
+        self._head = _EMPTY
+        return item
+
+    def drain(self) -> list[T]:
+        """Take every item not yet taken (a failure among them stays, sticky, at the head)."""
+        pending = [] if self._head is _EMPTY else [self._head]
+        while True:
+            try:
+                pending.append(self._q.get_nowait())
+            except queue.Empty:
+                break
+        failed = [x for x in pending if isinstance(x, _Failed)]
+        self._head = failed[0] if failed else _EMPTY
+        return [x for x in pending if not isinstance(x, _Failed)]  # type: ignore[misc]
+
+
 class Counter:
     """A monotonically increasing count of completed operations, with a sticky failure."""
 
@@ -98,6 +168,7 @@ class Counter:
         self._cv = threading.Condition()
         self._posted = 0
         self._done = 0
+        self._waiting = 0           # callers in wait_for: only they need a wake-up
         self._error: P2PError | None = None
 
     def post(self) -> int:
@@ -108,7 +179,8 @@ class Counter:
     def complete(self) -> None:
         with self._cv:
             self._done += 1
-            self._cv.notify_all()
+            if self._waiting:
+                self._cv.notify_all()
 
     def fail(self, error: P2PError) -> None:
         with self._cv:
@@ -133,7 +205,11 @@ class Counter:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise Expired()
-                self._cv.wait(left)
+                self._waiting += 1
+                try:
+                    self._cv.wait(left)
+                finally:
+                    self._waiting -= 1
 
 
 class Outbox(Generic[T]):

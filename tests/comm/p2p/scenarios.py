@@ -17,7 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from hybridpipe.comm.p2p import Channels, P2PError, link_orders, open_channels, pair_groups
+from hybridpipe.comm.p2p import Channels, P2PError, frames, link_orders, open_channels, pair_groups
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.bool, torch.float64)
 
@@ -62,20 +62,21 @@ def run_program(ch: Channels, program: list, expected: dict) -> list[str]:
 
 @contextlib.contextmanager
 def counted_sends():
-    """Count the point-to-point sends this process posts (``dist.isend`` wrapped, still called)."""
-    real, lock = dist.isend, threading.Lock()
+    """Count the point-to-point sends this process posts (the frames' ``post_send``, every send
+    they make, wrapped and still called)."""
+    real, lock = frames.post_send, threading.Lock()
     calls = [0]
 
-    def isend(*args, **kwargs):
+    def post_send(*args, **kwargs):
         with lock:                                  # send threads post too
             calls[0] += 1
         return real(*args, **kwargs)
 
-    dist.isend = isend
+    frames.post_send = post_send
     try:
         yield calls
     finally:
-        dist.isend = real
+        frames.post_send = real
 
 
 # ---------------------------------------------------------------------------------------

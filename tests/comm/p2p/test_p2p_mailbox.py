@@ -8,7 +8,9 @@ import time
 import pytest
 
 from hybridpipe.comm.p2p.errors import PeerLost, ProtocolError
-from hybridpipe.comm.p2p.mailbox import Counter, Expired, Mailbox, Outbox
+from hybridpipe.comm.p2p.mailbox import Counter, Expired, Mailbox, Outbox, QueueBox
+
+BOXES = pytest.mark.parametrize("kind", [Mailbox, QueueBox])
 
 
 def soon(fn, delay=0.05):
@@ -17,15 +19,17 @@ def soon(fn, delay=0.05):
     return t
 
 
-def test_mailbox_is_fifo_and_waits_for_a_producer():
-    box = Mailbox()
+@BOXES
+def test_mailbox_is_fifo_and_waits_for_a_producer(kind):
+    box = kind()
     soon(lambda: [box.put(i) for i in range(3)])
     got = [box.take(time.monotonic() + 5) for _ in range(3)]
-    assert got == [0, 1, 2] and len(box) == 0
+    assert got == [0, 1, 2] and box.drain() == []
 
 
-def test_mailbox_deadline_expires_without_losing_later_items():
-    box = Mailbox()
+@BOXES
+def test_mailbox_deadline_expires_without_losing_later_items(kind):
+    box = kind()
     t0 = time.monotonic()
     with pytest.raises(Expired):
         box.peek(t0 + 0.1)
@@ -34,8 +38,9 @@ def test_mailbox_deadline_expires_without_losing_later_items():
     assert box.take(time.monotonic() + 1) == "late"
 
 
-def test_failure_is_sticky_but_items_that_arrived_first_are_delivered():
-    box = Mailbox()
+@BOXES
+def test_failure_is_sticky_but_items_that_arrived_first_are_delivered(kind):
+    box = kind()
     box.put("a")
     box.fail(PeerLost(1, "the next message", "gone"))
     box.fail(PeerLost(1, "x", "second failure is ignored"))
@@ -45,8 +50,9 @@ def test_failure_is_sticky_but_items_that_arrived_first_are_delivered():
             box.take(time.monotonic() + 1)
 
 
-def test_failure_wakes_a_waiting_taker_at_once():
-    box = Mailbox()
+@BOXES
+def test_failure_wakes_a_waiting_taker_at_once(kind):
+    box = kind()
     soon(lambda: box.fail(PeerLost(2, "w", "died")))
     t0 = time.monotonic()
     with pytest.raises(PeerLost):
@@ -91,3 +97,15 @@ def test_counter_waits_for_completions_and_reports_failure():
     c.fail(PeerLost(1, "send", "gone"))
     with pytest.raises(PeerLost):
         c.wait_for(c.posted, time.monotonic() + 5)
+
+
+def test_queue_box_drain_takes_what_is_left_and_keeps_the_failure():
+    box = QueueBox()
+    for i in range(3):
+        box.put(i)
+    assert box.peek(time.monotonic() + 1) == 0          # peeked, not taken: drained too
+    box.fail(PeerLost(1, "w", "gone"))
+    box.put("after the failure")
+    assert box.drain() == [0, 1, 2, "after the failure"]
+    with pytest.raises(PeerLost, match="gone"):
+        box.peek(time.monotonic() + 1)
