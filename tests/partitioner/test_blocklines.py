@@ -8,8 +8,6 @@ pricing each shape alone.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -25,18 +23,7 @@ from hybridpipe.partitioner.search.modelcosts import model_costs
 from hybridpipe.partitioner.search.objective import Options
 from hybridpipe.partitioner.search.stageterms import StageTerms
 from tests.partitioner.synth import make_profile
-
-VARIANTS = [(a, h) for a in ALGORITHMS for h in ((False, True) if a == "butterfly" else (False,))]
-
-
-@st.composite
-def clusters(draw, max_workers: int) -> Cluster:
-    """1 to 4 levels, 2 to ``max_workers`` workers in all, any fan-outs, bandwidths and latencies."""
-    fanouts = draw(st.lists(st.integers(1, 9), min_size=1, max_size=4).filter(
-        lambda f: 2 <= math.prod(f) <= max_workers))
-    levels = tuple(Level(f"l{k}", w, draw(st.sampled_from([0.5, 1.0, 10.0, 100.0])),
-                         draw(st.sampled_from([0.0, 5.0, 50.0]))) for k, w in enumerate(fanouts))
-    return Cluster(levels, 16.0)
+from tests.partitioner.test_fastlines import clusters
 
 
 @st.composite
