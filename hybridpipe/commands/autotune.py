@@ -42,7 +42,7 @@ from hybridpipe.errors import UserError, one_line
 from hybridpipe.jsonfile import write_json
 from hybridpipe.partitioner.cost.calibration import Calibration, load_calibration
 from hybridpipe.partitioner.cost.cluster import Cluster, load_cluster
-from hybridpipe.partitioner.plan import ALGORITHMS, OPTIMIZER_HELP, OPTIMIZERS, STRATEGIES, save_plan
+from hybridpipe.partitioner.plan import ALGORITHMS, OPTIMIZER_HELP, OPTIMIZERS, STRATEGIES, load_plan, save_plan
 from hybridpipe.partitioner.plan_options import add_micro_batches_option, add_schedule_option
 from hybridpipe.partitioner.planner import Request, partition
 from hybridpipe.partitioner.refine.observed import RunObservation
@@ -53,6 +53,7 @@ from hybridpipe.partitioner.refine.tuning import (
     decide,
     distinct,
     fastest_measured,
+    plan_key,
     pooled,
     relative_error,
 )
@@ -191,6 +192,7 @@ def run(args: argparse.Namespace) -> int:
     runs: list[RunObservation] = []
     earlier = [load_run(d) for d in args.runs]
     refined: Refined | None = refine_from_runs(profile, cluster, calibrations, earlier) if earlier else None
+    tried.extend(earlier_trials(args.runs, earlier))       # measured plans: ranked with autotune's own runs
     reason = f"budget of {args.budget} runs spent"
     for k in range(args.budget):
         prof, cals = (refined.profile, list(refined.calibrations)) if refined else (profile, calibrations)
@@ -229,6 +231,21 @@ def run(args: argparse.Namespace) -> int:
     return finish(out, args, profile, cluster, calibrations, tried, runs, refined, reason, earlier)
 
 
+def earlier_trials(dirs: Sequence[str], earlier: Sequence[RunObservation]) -> list[Tried]:
+    """The ``--runs`` whose directory holds the plan they ran (launch writes ``plan.json`` there), as trials
+    numbered -1, -2, ...: their measurements compete with autotune's own runs for "the fastest measured"
+    and the chosen plan. A run without its plan only refines the model."""
+    out = []
+    for i, (d, obs) in enumerate(zip(dirs, earlier, strict=True)):
+        path = Path(d) / "plan.json"
+        if not path.is_file() or obs.measured_step_ms is None:
+            continue
+        plan = load_plan(path)
+        out.append(Tried(-1 - i, Candidate(plan_key(plan), plan, ("--runs",)), "an earlier run (--runs)", path,
+                         Path(d), 0, 0.0, obs.measured_step_ms, steps_ms=tuple(obs.step_times_ms)))
+    return out
+
+
 def trials_of(tried: Sequence[Tried]) -> list[Trial]:
     """What tuning.py reads of the runs so far (a run that exited non-zero counts as failed)."""
     return [Trial(t.candidate.key, t.candidate.predicted_ms, t.measured_ms if t.exit_code == 0 else None, t.steps_ms)
@@ -243,14 +260,15 @@ def finish(out: Path, args, profile: Profile, cluster: Cluster, calibrations: Se
            tried: list[Tried], runs: list[RunObservation], refined: Refined | None, reason: str,
            earlier: Sequence[RunObservation] = ()) -> int:
     """Write the chosen plan, the refined model and the report; print the table. Exit 1 if no run measured.
-    ``earlier``: the runs of ``--runs`` (refined from, not candidates: their plans are not this round's)."""
+    ``earlier``: the runs of ``--runs`` (refined from; those with their plan are in ``tried``, numbered < 0)."""
     ranked = pooled(trials_of(tried))
     best = fastest_measured(trials_of(tried))
     chosen = next((t for t in tried if best is not None and t.candidate.key == best.key), None)
     chosen_pooled = ranked[0] if ranked else None
     final: dict[int, float] = {}
     if refined is not None:
-        for t, obs in zip([t for t in tried if t.exit_code == 0 and t.measured_ms is not None], runs, strict=True):
+        for t, obs in zip([t for t in tried if t.index >= 0 and t.exit_code == 0 and t.measured_ms is not None], runs,
+                          strict=True):
             final[t.index] = predict_run(refined.profile, cluster, refined.calibrations, obs)
         save_refined(refined, out / "refined")
         print(describe(refined, profile, cluster, calibrations, [*earlier, *runs]))
@@ -277,7 +295,8 @@ def finish(out: Path, args, profile: Profile, cluster: Cluster, calibrations: Se
     report = {"kind": REPORT_KIND, "format": REPORT_FORMAT, "profile": str(args.profile), "cluster": str(args.cluster),
               "calibrations": list(args.calibration), "earlier_runs": [r.name for r in earlier],
               "steps": args.steps, "budget": args.budget,
-              "tolerance": args.tolerance, "close": args.close, "stop_reason": reason, "runs": len(tried),
+              "tolerance": args.tolerance, "close": args.close, "stop_reason": reason,
+              "runs": sum(t.index >= 0 for t in tried),
               "chosen": chosen.index if chosen else None, "trials": entries,
               "chosen_measured_ms": chosen_pooled.median_ms if chosen_pooled else None,
               "chosen_runs": chosen_pooled.runs if chosen_pooled else 0,
@@ -290,7 +309,8 @@ def finish(out: Path, args, profile: Profile, cluster: Cluster, calibrations: Se
         return 1
     save_plan(chosen.candidate.plan, out / "plan.json")
     assert chosen_pooled is not None
-    print(f"wrote {out / 'plan.json'} (run {chosen.index}, measured {chosen_pooled.median_ms:.1f} ms/step over "
+    which = f"run {chosen.index}" if chosen.index >= 0 else f"the earlier run {chosen.run_dir}"
+    print(f"wrote {out / 'plan.json'} ({which}, measured {chosen_pooled.median_ms:.1f} ms/step over "
           f"{chosen_pooled.runs} run(s)), "
           f"report {out / 'autotune.json'}")
     return 0

@@ -175,13 +175,14 @@ def _train(cfg: RunConfig, proc: Process, model: Model, closers: list, print_fn,
 
 
 def _open_run(cfg: RunConfig, proc: Process, closers: list, print_fn) -> _Run:
-    """The run directory (every rank agrees on rank 0's), the plan written there when launch made
-    it, and this rank's timeline recorder."""
+    """The run directory (every rank agrees on rank 0's), the plan it runs written there (autotune --runs
+    ranks an earlier run's plan by it), and this rank's timeline recorder."""
     plan, rank = cfg.plan, proc.rank
     stage_plans, replica = plan.stages_of_rank(rank)      # one, or the rank's model chunks (virtual stages)
     run_dir = _agree_run_dir(cfg, rank)
-    if cfg.planned_s is not None and rank == 0:
+    if rank == 0:                                         # what the run ran, beside what it measured
         save_plan(plan, run_dir / "plan.json")
+    if cfg.planned_s is not None and rank == 0:
         print_fn(f"hybridpipe: planned {len(plan.stages)} stage(s) x replicas "
                  f"{[s.replicas for s in plan.stages]} for {plan.world_size} workers in {cfg.planned_s:.2f} s; "
                  f"wrote {run_dir / 'plan.json'}")

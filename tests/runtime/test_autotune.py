@@ -123,3 +123,31 @@ def test_autotune_end_to_end_on_loopback_keeps_the_fastest_measured_plan(tmp_pat
     assert "refined from" in again.stdout and "error after" in again.stdout
     assert load_calibration(tmp_path / "again" / "calibration.json").compute_slowdown == pytest.approx(
         cal.compute_slowdown, rel=1e-6)
+
+
+def test_an_earlier_run_that_measured_fastest_is_the_plan_chosen(tmp_path, cluster, capsys):
+    """--runs with the plan the run ran in its directory: autotune ranks that measurement with its own runs
+    (here every run of its own fails), writes the earlier plan as the chosen one and reports it as run -1."""
+    from hybridpipe.partitioner.cost.cluster import load_cluster
+    from hybridpipe.partitioner.plan import save_plan
+    from hybridpipe.partitioner.planner import Request
+    from hybridpipe.partitioner.planner import partition as make_plan
+    from hybridpipe.partitioner.search.objective import StageSpec
+    from tests.partitioner.synth_runs import synthetic_run
+    prof = make_profile([(4.0, 8.0, 1000, 1000)] * 3)
+    profile = save_profile(prof, tmp_path / "p.json")
+    plan = make_plan(prof, load_cluster(cluster), Request(strategy="uniform", stages=2)).plan
+    specs = [StageSpec(s.first_node, s.last_node, tuple(s.ranks)) for s in plan.stages]
+    synthetic_run(prof, load_cluster(cluster), specs, micro_batches=plan.micro_batches,
+                  measured_step_ms=plan.predicted_step_ms, write_to=tmp_path / "earlier")
+    save_plan(plan, tmp_path / "earlier" / "plan.json")
+    out = tmp_path / "tune"
+    code = main(["autotune", str(profile), "--cluster", str(cluster), "--steps", "4", "--budget", "2",
+                 "--out", str(out), "--runs", str(tmp_path / "earlier"),
+                 "--", sys.executable, "-c", "import sys; sys.exit(3)", "{plan}", "{run_dir}"])
+    report = json.loads((out / "autotune.json").read_text())
+    assert code == 0 and report["chosen"] == -1 and report["runs"] == 1
+    assert report["stop_reason"].startswith("converged")
+    assert plan_key(load_plan(out / "plan.json")) == plan_key(plan)
+    assert [t["run"] for t in report["trials"]] == [-1, 0]      # its own best plan failed; the earlier stands
+    capsys.readouterr()

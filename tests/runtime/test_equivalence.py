@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from hybridpipe.partitioner.plan import save_plan
+from hybridpipe.partitioner.plan import load_plan, save_plan
 from tests.pipeline.harness import make_plan
 from tests.pipeline.pipedream_reference import train_pipedream_reference
 from tests.runtime.jobs import data_for, final_weights, launch, max_diff, sgd, train_reference
@@ -30,6 +30,7 @@ def run_plan(tmp_path, plan, *extra: str, timeout: float = 150.0):
     assert all(d.returncode == 0 for d in done), done
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert all(summary["replicas_identical"].values()), summary["replicas_identical"]
+    assert load_plan(tmp_path / "run" / "plan.json") == plan       # what ran, beside what it measured (autotune --runs)
     return final_weights(ckpt, STEPS), summary
 
 
