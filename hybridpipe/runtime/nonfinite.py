@@ -93,15 +93,16 @@ class NonFiniteWatch:
             mine = bool(flag.item() > 0)          # read before the collective works on it in place
             for work in self._pending:            # the previous step's: long complete
                 work.wait()
-            self._pending = [dist.broadcast(flag, src=self.source, group=self.group, async_op=True)
-                             if self.source is not None else
-                             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)]
+            self._pending = [self._share(flag, async_op=True)]
             return mine
-        if self.source is not None:
-            dist.broadcast(flag, src=self.source, group=self.group)
-        else:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        self._share(flag, async_op=False)
         return bool(flag.item() > 0)
+
+    def _share(self, flag: torch.Tensor, *, async_op: bool) -> Any:
+        """Every rank's flag becomes the verdict: the source's, broadcast, or the max over the ranks."""
+        if self.source is not None:
+            return dist.broadcast(flag, src=self.source, group=self.group, async_op=async_op)
+        return dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=async_op)
 
     def before_update(self) -> bool:
         """The optimizer's check (flushing schedules): True when the update may be applied."""
