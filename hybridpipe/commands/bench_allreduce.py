@@ -36,6 +36,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", default="4K..64M",
                    help="message sizes: a range 4K..64M or a list 4K,1M (default 4K..64M)")
     p.add_argument("--size-step", type=int_range(2), default=4, help="factor between sizes of a range (default 4)")
+    p.add_argument("--group-sizes", default="auto", type=group_sizes,
+                   help="also time every algorithm on the first N ranks for each N, so groups of fewer ranks than "
+                   "the whole are priced from their own fit: auto (default: 2, 4, 8, ... below the ranks), none, "
+                   "or a list 2,3,6")
     p.add_argument("--ranks", type=int_range(2, 1024), default=4,
                    help="local processes to spawn when not under torchrun (default 4)")
     p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16", "int64"))
@@ -62,7 +66,27 @@ def level_name(text: str) -> str:
     return text
 
 
-def _config(args: argparse.Namespace) -> BenchConfig:
+def group_sizes(text: str) -> tuple[int, ...] | None:
+    """An argparse type: ``auto`` (None: powers of two below the world), ``none`` (()) or a list of sizes >= 2."""
+    if text == "auto":
+        return None
+    if text == "none":
+        return ()
+    try:
+        sizes = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+    except ValueError:
+        sizes = ()
+    if not sizes or sizes[0] < 2:
+        raise argparse.ArgumentTypeError(f"must be auto, none or a list of group sizes >= 2 like 2,4, got {text!r}")
+    return sizes
+
+
+def powers_of_two_below(world: int) -> tuple[int, ...]:
+    """2, 4, 8, ... below ``world``: the sizes ``--group-sizes auto`` times besides the whole group."""
+    return tuple(1 << k for k in range(1, max(world - 1, 1).bit_length()) if 1 << k < world)
+
+
+def _config(args: argparse.Namespace, world: int) -> BenchConfig:
     algorithms = tuple(a.strip() for a in args.algorithms.split(",") if a.strip())
     unknown = [a for a in algorithms if a not in ALGORITHMS]
     if unknown or not algorithms:
@@ -75,13 +99,19 @@ def _config(args: argparse.Namespace) -> BenchConfig:
         import torch
         if not torch.cuda.is_available():
             raise UserError("--device cuda: no CUDA device here; measure on a GPU machine or use --device cpu")
+    groups = powers_of_two_below(world) if args.group_sizes is None else args.group_sizes
+    too_big = [n for n in groups if n >= world]
+    if too_big:
+        raise UserError(f"--group-sizes {','.join(map(str, too_big))}: a group must have fewer ranks than the "
+                        f"{world} measured (the whole group is always timed)")
     return BenchConfig(algorithms, tuple(sizes), args.dtype, args.reps, max(args.reps, 50), args.budget,
-                       args.aggregator, progress=not args.no_progress, device=args.device)
+                       args.aggregator, progress=not args.no_progress, device=args.device, group_sizes=groups)
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = _config(args)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    cfg = _config(args, int(os.environ["WORLD_SIZE"]) if torchrun else args.ranks)
+    if torchrun:
         import torch.distributed as dist
         dist.init_process_group("gloo")              # the measured group gets its own backend
         try:
@@ -106,17 +136,23 @@ def run(args: argparse.Namespace) -> int:
     if result["wrong"]:
         raise UserError(f"wrong sums from {', '.join(result['wrong'])}: this is a bug, please report it")
     notes = [f"dtype {cfg.dtype}", f"{result['world']} ranks on {result['hosts']} host(s)"]
+    if cfg.group_sizes:
+        notes.append(f"also timed on the first {', '.join(map(str, cfg.group_sizes))} ranks (group_fits)")
     if cfg.aggregator:
         notes.append(f"aggregator measured on a dedicated process at {cfg.aggregator}")
     cal = calibrate(result, args.level or "", notes)
     from hybridpipe.partitioner.cost.calibration import save_calibration
     out = save_calibration(cal, args.output)
-    print(table(cal.samples, cal.world_size))
+    print(table([s for s in cal.samples if not s.ranks], cal.world_size))
     print()
     for name, fit in sorted(cal.algorithms.items()) + [("p2p", cal.p2p)]:
         gbps = 8e-9 / fit.beta_s_per_byte if fit.beta_s_per_byte > 0 else float("inf")
         print(f"{name:>12}: alpha {fit.alpha_s * 1e6:9.1f} us  1/beta {gbps:8.2f} Gbit/s  "
               f"median error {fit.rel_error * 100:5.1f} %")
+    for n, fits in sorted(cal.group_fits.items()):
+        print(f"on the first {n} ranks: " + ", ".join(
+            f"{name} {fit.alpha_s * 1e6:.0f} us + {8e-9 / fit.beta_s_per_byte if fit.beta_s_per_byte > 0 else 0:.2f}"
+            " Gbit/s" for name, fit in sorted(fits.items())))
     png = Path(args.png) if args.png else out.with_suffix(".png")
     _plot(cal, png)
     if cal.interference_s_per_byte:
@@ -135,7 +171,7 @@ def _plot(cal, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for name in dict.fromkeys(s.algorithm for s in cal.samples if s.algorithm != "p2p"):
         pts = sorted((s.bytes, busbw_gbps(s.bytes, s.seconds, cal.world_size)) for s in cal.samples
-                     if s.algorithm == name)
+                     if s.algorithm == name and not s.ranks)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=name)
     sizes = sorted({s.bytes for s in cal.samples})
     ax.set_xscale("log", base=2)

@@ -27,7 +27,23 @@ def test_writes_a_calibration_table_and_figure(tmp_path, capsys) -> None:
     assert (tmp_path / "cal.png").stat().st_size > 1000
 
 
+@pytest.mark.slow          # 3 spawned ranks, ~14 s on 2 busy cores; the fits per size are unit-tested
+def test_group_sizes_are_timed_and_fitted_on_the_first_ranks(tmp_path, capsys) -> None:
+    out = tmp_path / "cal.json"
+    code = main(["bench-allreduce", "--ranks", "3", "--group-sizes", "2", "--sizes", "4K,64K", "--algorithms",
+                 "ring,native", "--reps", "1", "--budget", "0", "--no-progress", "-o", str(out)])
+    assert code == 0
+    cal = load_calibration(out)
+    assert cal.world_size == 3 and set(cal.algorithms) == set(cal.group_fits[2]) == {"ring", "native"}
+    assert {(s.algorithm, s.bytes, s.ranks) for s in cal.samples} == {
+        (a, b, r) for a in ("ring", "native") for b in (4096, 65536) for r in (0, 2)} | {
+        ("p2p", b, 0) for b in (4096, 65536)}
+    assert "on the first 2 ranks" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv, message", [
+    (["--group-sizes", "1,2"], "--group-sizes: must be auto, none or a list"),
+    (["--ranks", "2", "--group-sizes", "2"], "fewer ranks than the 2 measured"),
     (["--algorithms", "ring,fastest"], "unknown fastest"),
     (["--sizes", "4K"], "at least two sizes"),
     (["--ranks", "1"], "--ranks: must be between 2 and 1024, got 1"),

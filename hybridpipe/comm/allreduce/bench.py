@@ -50,6 +50,7 @@ class BenchConfig:
     device: str = "cpu"              # "cuda": CUDA tensors on an NCCL group (one GPU per rank)
     downward: bool = True            # gloo: a second group for messages to lower positions (transport.py)
     interference: bool = True        # also measure compute lost to communication (interference.py; CPU only)
+    group_sizes: tuple[int, ...] = ()  # also time every algorithm on the first n ranks, for each n here (< world)
 
 
 def _timed(run: Callable[[], None], control: dist.ProcessGroup) -> float:
@@ -74,30 +75,61 @@ def measure_gamma(dtype: torch.dtype = torch.float32, numel: int = 1 << 22) -> f
 
 
 def measure(rank: int, world: int, cfg: BenchConfig) -> dict | None:
-    """Time every algorithm and size on the default group (every rank calls it; rank 0 gets the data)."""
+    """Time every algorithm and size on the default group (every rank calls it; rank 0 gets the data), and on
+    its first n ranks for each n of ``cfg.group_sizes`` (the other ranks wait; samples tagged ``ranks=n``)."""
     control = dist.new_group(backend="gloo")
     if cfg.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
         device = torch.device("cuda", torch.cuda.current_device())
-        group = dist.new_group(backend="nccl")
     else:
         device = torch.device("cpu")
-        group = dist.new_group(backend="gloo")
-    down = dist.new_group(backend="gloo") if cfg.device != "cuda" and cfg.downward else None
     names: list = [None] * world
     dist.all_gather_object(names, socket.gethostname(), group=control)
-    topology = Topology.from_labels(names)
-    dtype = getattr(torch, cfg.dtype)
-    reducer = AllReducer(group, topology=topology, aggregator=cfg.aggregator, downward=down,
-                         chunk_bytes=cfg.chunk_bytes or None)
-    cases = list(cfg.algorithms) + (["p2p"] if world > 1 else [])
+    sizes = sorted({n for n in cfg.group_sizes if 2 <= n < world}) + [world]
     bar = None
     if rank == 0 and cfg.progress:
         from tqdm import tqdm
-        bar = tqdm(total=len(cfg.sizes), desc="bench-allreduce", unit="size")
-    samples, wrong = [], []
+        bar = tqdm(total=len(cfg.sizes) * len(sizes), desc="bench-allreduce", unit="size")
+    samples: list[Sample] = []
+    wrong: list[str] = []
+    reducer = None
+    for n in sizes:                           # every rank creates every group (torch requires it), in order
+        members = list(range(n))
+        group = dist.new_group(members, backend="nccl" if cfg.device == "cuda" else "gloo")
+        down = dist.new_group(members, backend="gloo") if cfg.device != "cuda" and cfg.downward else None
+        if reducer is not None:
+            reducer.close()
+        reducer = (AllReducer(group, topology=Topology.from_labels(names[:n]), aggregator=cfg.aggregator,
+                              downward=down, chunk_bytes=cfg.chunk_bytes or None) if rank < n else None)
+        samples += _time_group(rank, n, world, reducer, group, control, cfg, device, wrong, bar)
+    if bar is not None:
+        bar.close()
+    dtype = getattr(torch, cfg.dtype)
+    gamma = measure_gamma(dtype)
+    interference, slowdown = 0.0, 1.0
+    assert reducer is not None                # the last group is the whole world
+    if cfg.device == "cpu" and cfg.interference and "ring" in cfg.algorithms:
+        interference, slowdown = measure_interference(lambda t: reducer(t, "ring"), control)
+    reducer.close()
+    if rank != 0:
+        return None
+    return {"samples": samples, "world": world, "hosts": len(Topology.from_labels(names).units), "gamma": gamma,
+            "wrong": wrong, "interference": interference, "overlap_slowdown": slowdown,
+            "backend": "nccl" if cfg.device == "cuda" else "gloo", "device": device.type}
+
+
+def _time_group(rank: int, n: int, world: int, reducer: AllReducer | None, group: dist.ProcessGroup,
+                control: dist.ProcessGroup, cfg: BenchConfig, device: torch.device, wrong: list[str],
+                bar) -> list[Sample]:
+    """Every algorithm (and p2p, on the whole world) at every size on the first ``n`` ranks; the others take part
+    in the timing's barriers only. Wrong sums are appended to ``wrong``."""
+    dtype = getattr(torch, cfg.dtype)
+    cases = list(cfg.algorithms) + (["p2p"] if n == world > 1 else [])
+    samples = []
 
     def run(x: torch.Tensor, case: str) -> None:
+        if reducer is None:                   # not in the group timed
+            return
         if case == "p2p":
             _ping_pong(x, rank, group)
         else:
@@ -110,8 +142,8 @@ def measure(rank: int, world: int, cfg: BenchConfig) -> dict | None:
         for case in cases:                  # warm-up (buffers, connections), check, size the reps
             x.fill_(rank + 1)
             first[case] = _timed(functools.partial(run, x, case), control)
-            if case != "p2p" and not bool((x == world * (world + 1) // 2).all()):
-                wrong.append(f"{case} at {size_label(nbytes)}")
+            if case != "p2p" and reducer is not None and not bool((x == n * (n + 1) // 2).all()):
+                wrong.append(f"{case} at {size_label(nbytes)}" + (f" on {n} ranks" if n < world else ""))
         reps = int(min(cfg.max_reps, max(cfg.reps, cfg.budget_s * len(cases) / max(sum(first.values()), 1e-6))))
         times: dict[str, list[float]] = {case: [] for case in cases}
         for rep in range(reps):             # side by side: every case in each repetition, rotating
@@ -120,21 +152,10 @@ def measure(rank: int, world: int, cfg: BenchConfig) -> dict | None:
                 times[case].append(_timed(functools.partial(run, x, case), control))
         for case in cases:
             seconds = statistics.median(times[case]) / (2 if case == "p2p" else 1)   # p2p: a round trip
-            samples.append(Sample(case, numel * dtype.itemsize, seconds))
+            samples.append(Sample(case, numel * dtype.itemsize, seconds, 0 if n == world else n))
         if bar is not None:
             bar.update(1)
-    if bar is not None:
-        bar.close()
-    gamma = measure_gamma(dtype)
-    interference, slowdown = 0.0, 1.0
-    if cfg.device == "cpu" and cfg.interference and "ring" in cfg.algorithms:
-        interference, slowdown = measure_interference(lambda t: reducer(t, "ring"), control)
-    reducer.close()
-    if rank != 0:
-        return None
-    return {"samples": samples, "world": world, "hosts": len(topology.units), "gamma": gamma, "wrong": wrong,
-            "interference": interference, "overlap_slowdown": slowdown,
-            "backend": str(dist.get_backend(group)), "device": device.type}
+    return samples
 
 
 def _ping_pong(x: torch.Tensor, rank: int, group: dist.ProcessGroup) -> None:

@@ -362,10 +362,12 @@ def block_lines(model: CostModel, copies: int, stride: int, offsets: np.ndarray,
     lay = BlockLayout(model.cluster, copies, stride, offsets, sizes)
     names, alphas, per_bytes = [], [], []
     zero = np.zeros((lay.g, 1))
+    sizes_n = lay.n.tolist()
     for algo, r in block_rounds(lay, algorithms, model.aggregator_dedicated):
-        fits = model._fits(algo)
-        alpha_l = np.array([f.alpha_s for f in fits])
-        beta_l = np.array([f.beta_s_per_byte for f in fits])
+        # [G, 1, levels]: each shape's fits for its group size (Calibration.group_fits; the same for all without)
+        by_n = {k: model._fits(algo, k) for k in set(sizes_n)}
+        alpha_l = np.array([[f.alpha_s for f in by_n[k]] for k in sizes_n]).reshape(lay.g, 1, -1)
+        beta_l = np.array([[f.beta_s_per_byte for f in by_n[k]] for k in sizes_n]).reshape(lay.g, 1, -1)
         present = r.loads > 0
         some = present.any(axis=2)
         a = np.where(some, np.where(present, alpha_l, -np.inf).max(axis=2, initial=-np.inf), 0.0)

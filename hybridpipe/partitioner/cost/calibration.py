@@ -1,4 +1,4 @@
-"""Measured communication costs (``hybridpipe bench-allreduce`` output, JSON ``"format": 1``).
+"""Measured communication costs (``hybridpipe bench-allreduce`` output, JSON ``"format": 1``, 2 or 3).
 
 The cost model's alpha-beta-gamma form: a collective that takes ``a`` sequential message
 steps, puts ``b * S`` bytes on a rank's link and reduces ``c * S`` bytes costs
@@ -27,10 +27,19 @@ cluster (``partitioner/refine/refinement.py``); a calibration without it is stil
 * ``tied_slowdown``: the tied weights' sums across stages (one float32 all-reduce each, at the
   step's end) took this many times their price (1 if unmeasured).
 * ``refined_from``: the run directories the corrections were learnt from.
+
+Format 3 adds ``group_fits``: ``{"N": {algorithm: fit}}``, every algorithm fitted again on the
+calibration group's first N ranks (``bench-allreduce --group-sizes``), for each N measured other than
+``world_size`` (whose fits stay ``algorithms``); its samples carry ``ranks`` (the group they were timed
+on). An all-reduce over a group of n ranks is priced with the fit measured at n ranks, alpha and beta
+interpolated linearly in log n between the nearest measured sizes, the nearest size's fit beyond them
+(:meth:`Calibration.algorithm_fit`); the algorithm's structure at n (rounds, link loads) applies as before.
+Formats 1 and 2 (no ``group_fits``) are read as one size, ``world_size``.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import asdict, dataclass
 from dataclasses import field as dc_field
@@ -40,8 +49,8 @@ from hybridpipe.errors import UserError
 from hybridpipe.jsonfile import check_header, field, figure, read_json, write_json
 
 CALIBRATION_KIND = "calibration"
-CALIBRATION_FORMAT = 2
-FORMATS_READ = (1, 2)
+CALIBRATION_FORMAT = 3
+FORMATS_READ = (1, 2, 3)
 
 
 @dataclass(frozen=True)
@@ -58,6 +67,7 @@ class Sample:
     algorithm: str               # an all-reduce algorithm name, or "p2p" for a one-way transfer
     bytes: int
     seconds: float               # median over repeats
+    ranks: int = 0               # the size of the group it was timed on; 0: the calibration's world_size
 
 
 @dataclass(frozen=True)
@@ -80,6 +90,30 @@ class Calibration:
     step_overhead_ms: float = 0.0
     refined_from: tuple[str, ...] = ()
     tied_slowdown: float = 1.0
+    group_fits: dict[int, dict[str, LinkFit]] = dc_field(default_factory=dict)   # ranks -> algorithm -> fit
+
+    def algorithm_fit(self, algorithm: str, ranks: int = 0) -> LinkFit | None:
+        """``algorithm``'s fit for a group of ``ranks`` ranks (0: ``world_size``): the one measured at that size,
+        else alpha and beta interpolated linearly in log(ranks) between the nearest measured sizes, else the
+        nearest measured size's; None where the algorithm was not measured."""
+        by_size = {n: fits[algorithm] for n, fits in self.group_fits.items() if algorithm in fits}
+        if algorithm in self.algorithms:
+            by_size[self.world_size] = self.algorithms[algorithm]
+        if not by_size:
+            return None
+        n = ranks or self.world_size
+        if n in by_size:
+            return by_size[n]
+        sizes = sorted(by_size)
+        if n <= sizes[0] or n >= sizes[-1]:
+            return by_size[sizes[0] if n <= sizes[0] else sizes[-1]]
+        hi = next(k for k in sizes if k > n)
+        lo = max(k for k in sizes if k < n)
+        w = (math.log(n) - math.log(lo)) / (math.log(hi) - math.log(lo))
+        a, b = by_size[lo], by_size[hi]
+        return LinkFit(a.alpha_s + w * (b.alpha_s - a.alpha_s),
+                       a.beta_s_per_byte + w * (b.beta_s_per_byte - a.beta_s_per_byte),
+                       max(a.rel_error, b.rel_error))
 
     @property
     def refined(self) -> bool:
@@ -87,10 +121,15 @@ class Calibration:
                 or self.compute_slowdown != 1.0 or self.tied_slowdown != 1.0)
 
     def to_dict(self) -> dict:
-        d = {"kind": CALIBRATION_KIND, "format": CALIBRATION_FORMAT if self.refined else 1}
+        d: dict = {"kind": CALIBRATION_KIND, "format": 3 if self.group_fits else 2 if self.refined else 1}
         d.update(asdict(self))
-        d["samples"] = [asdict(s) for s in self.samples]
+        d["samples"] = [{k: v for k, v in asdict(s).items() if k != "ranks" or v} for s in self.samples]
         d["notes"] = list(self.notes)
+        if self.group_fits:
+            d["group_fits"] = {str(n): {a: asdict(f) for a, f in sorted(fits.items())}
+                               for n, fits in sorted(self.group_fits.items())}
+        else:
+            del d["group_fits"]
         if self.refined:
             d["allreduce_slowdown"] = [list(p) for p in self.allreduce_slowdown]
             d["refined_from"] = list(self.refined_from)
@@ -110,7 +149,8 @@ class Calibration:
             if not isinstance(s, dict):
                 raise UserError(f"{where}: expected an object")
             samples.append(Sample(field(s, "algorithm", str, where), figure(s, "bytes", int, where),
-                                  figure(s, "seconds", float, where)))
+                                  figure(s, "seconds", float, where),
+                                  field(s, "ranks", int, where, minimum=0, default=0) if version == 3 else 0))
         return cls(
             world_size=field(d, "world_size", int, source, minimum=1),
             hosts=field(d, "hosts", int, source, minimum=1),
@@ -125,7 +165,8 @@ class Calibration:
             notes=tuple(str(x) for x in field(d, "notes", list, source, default=[])),
             interference_s_per_byte=figure(d, "interference_s_per_byte", float, source, default=0.0),
             overlap_slowdown=figure(d, "overlap_slowdown", float, source, minimum=1, default=1.0),
-            **(_refinement_from_dict(d, source) if version == 2 else {}),
+            **(_refinement_from_dict(d, source) if version in (2, 3) else {}),
+            group_fits=_group_fits_from_dict(d, source) if version == 3 else {},
         )
 
 
@@ -146,6 +187,19 @@ def _refinement_from_dict(d: dict, source: str) -> dict:
             "step_overhead_ms": figure(d, "step_overhead_ms", float, source, default=0.0),
             "tied_slowdown": figure(d, "tied_slowdown", float, source, minimum=1e-6, default=1.0),
             "refined_from": tuple(field(d, "refined_from", list, source, default=[], items=str))}
+
+
+def _group_fits_from_dict(d: dict, source: str) -> dict[int, dict[str, LinkFit]]:
+    """Format 3's ``group_fits`` (module docstring), validated."""
+    out = {}
+    for key, fits in field(d, "group_fits", dict, source, default={}).items():
+        where = f"{source}: group_fits.{key}"
+        if not (isinstance(key, str) and key.isdigit() and int(key) >= 2):
+            raise UserError(f"{where}: keys must be group sizes of 2 ranks or more, got {key!r}")
+        if not isinstance(fits, dict):
+            raise UserError(f"{where}: expected an object of algorithm fits")
+        out[int(key)] = {a: _fit_from_dict(f, f"{where}.{a}") for a, f in fits.items()}
+    return out
 
 
 def _fit_from_dict(d: object, where: str) -> LinkFit:

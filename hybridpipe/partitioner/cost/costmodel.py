@@ -152,21 +152,28 @@ class CostModel:
         """Index of the unit, one level below ``level``, whose level-``level`` link ``rank`` uses."""
         return rank // self._spans[level - 1] if level > 0 else rank
 
-    def link(self, level: int, algorithm: str = "p2p") -> LinkFit:
+    def link(self, level: int, algorithm: str = "p2p", ranks: int = 0) -> LinkFit:
         """alpha/beta for messages at ``level``, per profiled byte: calibrated where measured, else nominal
-        (``p2p``: activations between stages; any other name: that all-reduce algorithm's)."""
+        (``p2p``: activations between stages; any other name: that all-reduce algorithm's, on a group of
+        ``ranks`` ranks: the calibration's fit for that group size, ``Calibration.algorithm_fit``; 0: its
+        world size)."""
         cal = self.calibrations.get(level)
         if cal is not None:
-            fit = cal.algorithms.get(algorithm, cal.p2p) if algorithm != "p2p" else cal.p2p
+            fit = (cal.algorithm_fit(algorithm, ranks) or cal.p2p) if algorithm != "p2p" else cal.p2p
         else:
             lv = self.cluster.levels[level]
             fit = LinkFit(lv.latency_us * 1e-6 + NOMINAL_SOFTWARE_ALPHA_S, 1 / lv.bytes_per_s)
         scale = self.activation_wire_bytes if algorithm == "p2p" else self.wire_bytes
         return fit if scale == 1.0 else replace(fit, beta_s_per_byte=fit.beta_s_per_byte * scale)
 
-    def _fits(self, algorithm: str) -> list[LinkFit]:
-        """``link(level, algorithm)`` for every level (the pricing loop's lookup)."""
-        return [self.link(level, algorithm) for level in range(len(self._spans))]
+    def _fits(self, algorithm: str, ranks: int = 0) -> list[LinkFit]:
+        """``link(level, algorithm, ranks)`` for every level (the pricing loop's lookup)."""
+        return [self.link(level, algorithm, ranks) for level in range(len(self._spans))]
+
+    def group_sizes(self) -> tuple[int, ...]:
+        """The group sizes whose all-reduce fits differ by calibration (``Calibration.group_fits``); () if none."""
+        return tuple(sorted({n for c in self.calibrations.values() if c.group_fits
+                             for n in (*c.group_fits, c.world_size)}))
 
     def p2p_seconds(self, nbytes: float, level: int, share: float = 1.0) -> float:
         """One transfer of ``nbytes`` at ``level``; ``share`` of the link's bandwidth is its own."""
@@ -268,7 +275,7 @@ class CostModel:
                     shape: tuple[int, int] | None = None) -> Line:
         """:meth:`line` from the collective's priced rounds, message by message (the reference)."""
         alpha = per_byte = 0.0
-        fits = self._fits(algorithm)
+        fits = self._fits(algorithm, len(ranks))
         for rl in self.structure(algorithm, ranks, halving=halving, shape=shape):
             a, b = self.price(rl, algorithm, fits)
             alpha += a
@@ -289,7 +296,7 @@ class CostModel:
         alpha_l = np.zeros((count, 1, levels))
         beta_l = np.zeros((count, 1, levels))
         for v, algo in enumerate(ll.algorithms):
-            fits = self._fits(algo)
+            fits = self._fits(algo, len(ranks))
             alpha_l[v, 0] = [f.alpha_s for f in fits]
             beta_l[v, 0] = [f.beta_s_per_byte for f in fits]
         present = ll.loads > 0
@@ -304,7 +311,8 @@ class CostModel:
                 for algo, x, y in zip(ll.algorithms, alpha, per_byte, strict=True)]
 
     def price(self, rl: RoundLoad, algorithm: str, fits: Sequence[LinkFit] | None = None) -> tuple[float, float]:
-        """(seconds, seconds per byte of S) of one priced-out round, all its repeats."""
+        """(seconds, seconds per byte of S) of one priced-out round, all its repeats (``fits``: the group's,
+        default the calibration's world size)."""
         fits = fits or self._fits(algorithm)
         alpha = max((fits[lvl].alpha_s for lvl, _ in rl.level_loads), default=0.0) * rl.steps
         per_byte = max((load * fits[lvl].beta_s_per_byte for lvl, load in rl.level_loads), default=0.0)

@@ -103,23 +103,41 @@ def fit_calibration(samples: Sequence[Sample], *, world_size: int, hosts: int, b
                     gamma_s_per_byte: float, level: str = "", created: str = "",
                     notes: Sequence[str] = (), interference_s_per_byte: float = 0.0,
                     overlap_slowdown: float = 1.0) -> Calibration:
-    """A Calibration from timed samples: a fit per algorithm and one for point-to-point."""
+    """A Calibration from timed samples: a fit per algorithm and one for point-to-point.
+
+    Samples timed on a smaller group (``Sample.ranks``: the calibration group's first ``ranks`` ranks, consecutive
+    ranks per host as in the whole group) are fitted per group size into ``group_fits``; the others into
+    ``algorithms`` and ``p2p``."""
     names = sorted({s.algorithm for s in samples})
     unknown = [n for n in names if n != "p2p" and n not in ALGORITHMS]
     if unknown:
         raise UserError(f"samples name unknown algorithm(s) {', '.join(unknown)}; expected p2p or one of "
                         f"{', '.join(ALGORITHMS)}")
-    fits = {n: fit_link(samples, n, world_size, gamma_s_per_byte, hosts) for n in names if n != "p2p"}
+    sizes = sorted({s.ranks for s in samples} - {0, world_size})
+    bad = [n for n in sizes if not 2 <= n < world_size]
+    if bad:
+        raise UserError(f"samples timed on groups of {bad} ranks; a calibration of {world_size} ranks takes groups "
+                        f"of 2 to {world_size} ranks")
+    group_fits = {}
+    per_host = world_size // hosts if hosts and world_size % hosts == 0 else 1
+    for n in sizes:
+        mine = [s for s in samples if s.ranks == n and s.algorithm != "p2p"]
+        group_fits[n] = {a: fit_link(mine, a, n, gamma_s_per_byte, -(-n // per_host))
+                         for a in sorted({s.algorithm for s in mine})}
+    samples_world = [s for s in samples if s.ranks in (0, world_size)]
+    names = sorted({s.algorithm for s in samples_world})
+    fits = {n: fit_link(samples_world, n, world_size, gamma_s_per_byte, hosts) for n in names if n != "p2p"}
     notes = list(notes)
     if "p2p" in names:
-        p2p = fit_link(samples, "p2p", world_size, gamma_s_per_byte, hosts)
+        p2p = fit_link(samples_world, "p2p", world_size, gamma_s_per_byte, hosts)
     elif fits:
         p2p = fits.get("native") or next(iter(fits.values()))
         notes.append("no point-to-point samples: p2p uses an all-reduce fit")
     else:
         raise UserError("no samples to fit; benchmark at least one algorithm at two sizes")
     return Calibration(world_size, hosts, backend, device, level, gamma_s_per_byte, p2p, fits,
-                       tuple(samples), created, tuple(notes), interference_s_per_byte, overlap_slowdown)
+                       tuple(samples), created, tuple(notes), interference_s_per_byte, overlap_slowdown,
+                       group_fits=group_fits)
 
 
 def refit(cal: Calibration) -> Calibration:

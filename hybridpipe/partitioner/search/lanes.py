@@ -57,12 +57,13 @@ def sync_floor(model: CostModel, top: int, units: int, algorithms: Sequence[str]
     fits), times the overlap slowdown and the refined size factor, as ``CostModel.fast_lines`` and
     ``StageTerms.sync_ms``. Zero where a fit is negative (the rounds would not add up) or below two units.
     """
-    fits = [model.link(lv, a) for a in algorithms for lv in range(len(model.cluster.levels))]
+    sizes = model.group_sizes() or (0,)          # a fit per group size (calibration.py): the least of them
+    fits = [model.link(lv, a, n) for a in algorithms for lv in range(len(model.cluster.levels)) for n in sizes]
     if units < 2 or not algorithms or min(min(f.alpha_s, f.beta_s_per_byte) for f in fits) < 0 or model.gamma < 0:
         return np.zeros(len(param_bytes))
     share = 1.0 if "aggregator" in algorithms and model.aggregator_dedicated else 2 * (units - 1) / units
-    alpha = min(model.link(top, a).alpha_s for a in algorithms)
-    beta = min(model.link(top, a).beta_s_per_byte for a in algorithms)
+    alpha = min(model.link(top, a, n).alpha_s for a in algorithms for n in sizes)
+    beta = min(model.link(top, a, n).beta_s_per_byte for a in algorithms for n in sizes)
     line = alpha * model.overlap_slowdown + beta * share * model.overlap_slowdown * param_bytes
     line = line * model.allreduce_factor(param_bytes) * (1 - SAFETY)
     return np.where(param_bytes > 0, line * 1e3, 0.0)
@@ -82,14 +83,16 @@ def ring_bounds(model: CostModel, levels: int, wc: int, copies: int, algorithms:
     sizes = np.arange(wc + 1) * copies
     a = np.full((wc + 1, levels), np.inf)
     per_byte = np.full((wc + 1, levels), np.inf)
+    n = np.maximum(sizes, 1)
+    per_size = bool(model.group_sizes())          # fits by group size (calibration.py): each size its own
     for algo in ("ring", "native"):
         if algo not in algorithms:
             continue
-        fits = [model.link(lv, algo) for lv in range(levels)]
+        fits = np.array([[(f.alpha_s, f.beta_s_per_byte) for f in model._fits(algo, int(k) if per_size else 0)]
+                         for k in (n if per_size else n[:1])])             # [sizes or 1, levels, 2]
         for top in range(levels):
-            al = max(f.alpha_s for f in fits[:top + 1])
-            be = max(f.beta_s_per_byte for f in fits[:top + 1])
-            n = np.maximum(sizes, 1)
+            al = fits[:, :top + 1, 0].max(axis=1)
+            be = fits[:, :top + 1, 1].max(axis=1)
             a[:, top] = np.minimum(a[:, top], model.overlap_slowdown * 2 * (n - 1) * al)
             per_byte[:, top] = np.minimum(per_byte[:, top],
                                           model.overlap_slowdown * (n - 1) / n * (2 * be + model.gamma))
