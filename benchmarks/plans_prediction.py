@@ -220,20 +220,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--results", required=True, type=Path, action="append", help="plans.py's results JSON (its groups)")
     p.add_argument("--out", type=Path, help="the results JSON to write (default: the first --results' name + "
                    "_prediction)")
+    p.add_argument("--calibration", type=Path, action="append", help="the all-reduce calibration to price with "
+                   "instead of the --work folder's allreduceN.json (one per --work, in order; e.g. one with fits per "
+                   "group size measured later on the same emulated cluster)")
     a = p.parse_args(argv)
-    if len(a.work) != len(a.results):
-        p.error("give one --work per --results")
+    if len(a.work) != len(a.results) or (a.calibration and len(a.calibration) != len(a.work)):
+        p.error("give one --work per --results (and one --calibration per --work, if any)")
     groups: dict[str, list[PlanError]] = {}
     out: dict = {"benchmark": "plans_prediction", "machine": machine(), "results": [str(r) for r in a.results],
                  "groups": {}}
     spreads: list[float] = []
-    found = [(work, model, hosts) for work, results in zip(a.work, a.results, strict=True)
+    found = [(work, model, hosts, cal) for work, results, cal in zip(a.work, a.results, a.calibration or
+                                                                      [None] * len(a.work), strict=True)
              for model, hosts in dict.fromkeys((r["model"], r["hosts"]) for r in read_json(results, "results")["rows"])]
-    for work, model, hosts in found:
+    out["calibrations"] = {}
+    for work, model, hosts, cal in found:
         runs = [load_run(d) for d in run_dirs(work, model, hosts)]
+        cal_paths = [cal] if cal else sorted(work.glob(f"allreduce{hosts}.json"))
+        out["calibrations"][f"{model}, {hosts} hosts"] = [str(c) for c in cal_paths]
         refiner = group_refiner(work / f"{model}.x{hosts}.profile.json",
-                                REPO / "examples" / "clusters" / f"{hosts}x1gbit.json",
-                                sorted(work.glob(f"allreduce{hosts}.json")))
+                                REPO / "examples" / "clusters" / f"{hosts}x1gbit.json", cal_paths)
         plans = plan_errors(runs, refiner, refiner([]))
         nodes = read_json(work / f"{model}.x{hosts}.profile.json", "profile")["nodes"]
         fwd, bwd = [n["forward_ms"] for n in nodes], [n["backward_ms"] for n in nodes]

@@ -161,7 +161,7 @@ def differences(measured: Sequence[dict], predicted: dict) -> dict[str, float]:
     return {t: round(predicted["stages"][k][t] - measured[k][t], 1) for t in TERMS}
 
 
-def group_terms(work: Path, model: str, hosts: int, cluster_path: Path) -> list[dict]:
+def group_terms(work: Path, model: str, hosts: int, cluster_path: Path, calibration: Path | None = None) -> list[dict]:
     """Every plan of a group with its measured and predicted terms (module docstring)."""
     from benchmarks.plans_prediction import group_plans, layout, pooled_ms, run_dirs
     from hybridpipe.commands.refining import load_run, refine_from_runs
@@ -170,7 +170,8 @@ def group_terms(work: Path, model: str, hosts: int, cluster_path: Path) -> list[
     from hybridpipe.partitioner.cost.costmodel import CostModel
     from hybridpipe.profiles.format import load_profile
     profile, cluster = load_profile(work / f"{model}.x{hosts}.profile.json"), load_cluster(cluster_path)
-    cals = [load_calibration(c) for c in sorted(work.glob(f"allreduce{hosts}.json"))]
+    paths = [calibration] if calibration else sorted(work.glob(f"allreduce{hosts}.json"))
+    cals = [load_calibration(c) for c in paths]
     dirs = run_dirs(work, model, hosts)
     runs = [load_run(d) for d in dirs]
     traces = {r.name: run_ranks(d) for r, d in zip(runs, dirs, strict=True)}
@@ -227,15 +228,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--work", required=True, type=Path, action="append", help="plans.py's --work folder")
     p.add_argument("--results", required=True, type=Path, action="append", help="plans.py's results JSON")
     p.add_argument("--out", type=Path, required=True, help="the JSON to write")
+    p.add_argument("--calibration", type=Path, action="append",
+                   help="price with this calibration instead of the --work folder's (one per --work, in order)")
     a = p.parse_args(argv)
-    if len(a.work) != len(a.results):
-        p.error("give one --work per --results")
+    if len(a.work) != len(a.results) or (a.calibration and len(a.calibration) != len(a.work)):
+        p.error("give one --work per --results (and one --calibration per --work, if any)")
     out: dict = {"benchmark": "plans_terms", "groups": {}}
-    for work, results in zip(a.work, a.results, strict=True):
+    for work, results, cal in zip(a.work, a.results, a.calibration or [None] * len(a.work), strict=True):
         for model, hosts in dict.fromkeys((r["model"], r["hosts"]) for r in read_json(results, "results")["rows"]):
             name = f"{model}, {hosts} hosts"
             out["groups"][name] = rows = group_terms(work, model, hosts,
-                                                     REPO / "examples" / "clusters" / f"{hosts}x1gbit.json")
+                                                     REPO / "examples" / "clusters" / f"{hosts}x1gbit.json", cal)
             show(name, rows)
     write_text(a.out, json.dumps(out, indent=1))
     return 0

@@ -124,3 +124,18 @@ def test_formats_1_2_and_3_are_read(tmp_path):
     (tmp_path / "bad.json").write_text(json.dumps(bad))
     with pytest.raises(UserError, match="group sizes of 2 ranks or more"):
         load_calibration(tmp_path / "bad.json")
+
+
+def test_separate_runs_on_the_first_ranks_join_as_group_fits():
+    from hybridpipe.partitioner.cost.fitting import with_groups
+    whole = fit_calibration([Sample("ring", s, ring_s(F4, 4, s)) for s in SIZES], world_size=4, hosts=4,
+                            backend="gloo", device="cpu", gamma_s_per_byte=GAMMA)
+    two = fit_calibration([*(Sample("ring", s, ring_s(F2, 2, s)) for s in SIZES),
+                           *(Sample("p2p", s, 1.0) for s in SIZES)], world_size=2, hosts=2, backend="gloo",
+                          device="cpu", gamma_s_per_byte=GAMMA)
+    both = with_groups(whole, [two])
+    assert both.algorithms == whole.algorithms and both.p2p == whole.p2p
+    assert both.group_fits[2]["ring"].beta_s_per_byte == pytest.approx(F2.beta_s_per_byte, rel=1e-4)
+    assert {s.ranks for s in both.samples} == {0, 2} and all(s.algorithm != "p2p" for s in both.samples if s.ranks)
+    with pytest.raises(UserError, match="a different group of 2 to 3 ranks"):
+        with_groups(whole, [two, two])

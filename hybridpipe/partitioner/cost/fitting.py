@@ -150,6 +150,25 @@ def refit(cal: Calibration) -> Calibration:
     return replace(fresh, notes=cal.notes)
 
 
+def with_groups(whole: Calibration, parts: Sequence[Calibration]) -> Calibration:
+    """``whole`` with fits per group size from ``parts``: calibrations each timed on the first ``world_size`` ranks
+    of ``whole``'s group (separate ``bench-allreduce`` runs, the same as ``--group-sizes`` times in one); their
+    samples join ``whole``'s tagged with their size, and everything is fitted again."""
+    tagged = [replace(s, ranks=part.world_size) for part in parts for s in part.samples if s.algorithm != "p2p"]
+    bad = sorted({p.world_size for p in parts if not 2 <= p.world_size < whole.world_size})
+    if bad or len({p.world_size for p in parts}) < len(parts):
+        raise UserError(f"each part must time a different group of 2 to {whole.world_size - 1} ranks, got "
+                        f"{sorted(p.world_size for p in parts)}")
+    fresh = fit_calibration([*(s for s in whole.samples if not s.ranks), *tagged], world_size=whole.world_size,
+                            hosts=whole.hosts, backend=whole.backend, device=whole.device,
+                            gamma_s_per_byte=whole.gamma_s_per_byte, level=whole.level, created=whole.created,
+                            notes=(*whole.notes, f"group fits from separate runs on the first "
+                                   f"{', '.join(str(p.world_size) for p in parts)} ranks"),
+                            interference_s_per_byte=whole.interference_s_per_byte,
+                            overlap_slowdown=whole.overlap_slowdown)
+    return replace(fresh, algorithms=whole.algorithms, p2p=whole.p2p)
+
+
 # ---- rows of the least-squares problem ----------------------------------------------------
 
 def _variant(model: CostModel, algorithm: str, ranks: list[int], level: int, fit: LinkFit, nbytes: int):
