@@ -173,8 +173,8 @@ def test_calibration_format_1_is_kept_without_refinement_and_format_2_is_validat
     for bad in ([[1e6]], [[1e6, -1]], [[2e6, 1.0], [1e6, 1.0]], "x"):
         with pytest.raises(UserError, match="allreduce_slowdown"):
             Calibration.from_dict(dict(d, allreduce_slowdown=bad))
-    with pytest.raises(UserError, match="format 3"):
-        Calibration.from_dict(dict(d, format=3))
+    with pytest.raises(UserError, match="format 4"):                     # format 3 (group_fits) reads, 4 not
+        Calibration.from_dict(dict(d, format=4))
 
 
 def test_refine_refuses_runs_that_do_not_belong_to_the_profile_or_cluster():
@@ -185,28 +185,6 @@ def test_refine_refuses_runs_that_do_not_belong_to_the_profile_or_cluster():
         refine(EVEN, EVEN_CLUSTER, (), [run])
     with pytest.raises(UserError, match="outside the cluster"):
         refine(CONVFC, flat_cluster(2), (), [run])
-
-
-def test_message_latency_and_step_overhead_are_fitted_to_the_measured_steps():
-    cluster = flat_cluster(4, gbps=10.0, latency_us=20)
-    fit = CostModel(cluster).link(0)
-    truth_ref = dataclasses.replace(nominal_calibration(CostModel(cluster), 0), step_overhead_ms=3.0,
-                                    p2p=dataclasses.replace(fit, alpha_s=fit.alpha_s + 0.002),
-                                    algorithms={a: fit for a in ALGORITHMS})     # all-reduces as nominal
-    layouts = [[StageSpec(0, 5, (0, 1, 2, 3))], [StageSpec(0, 2, (0, 1)), StageSpec(3, 5, (2, 3))],
-               [StageSpec(0, 1, (0,)), StageSpec(2, 2, (1,)), StageSpec(3, 3, (2,)), StageSpec(4, 5, (3,))]]
-    runs = []
-    for k, stages in enumerate(layouts):
-        probe = synthetic_run(EVEN, cluster, stages, name=f"r{k}")
-        measured = predict_run(EVEN, cluster, [truth_ref], probe)
-        runs.append(synthetic_run(EVEN, cluster, stages, name=f"r{k}", measured_step_ms=measured))
-    ref = refine(EVEN, cluster, (), runs)
-    assert dict(ref.p2p_extra_alpha_s)[0] == pytest.approx(0.002, rel=0.05)
-    assert ref.step_overhead_ms == pytest.approx(3.0, rel=0.05)
-    cals = refined_calibrations(cluster, (), ref)
-    for run in runs:
-        assert predict_run(refined_profile(EVEN, ref), cluster, cals, run) == pytest.approx(run.measured_step_ms,
-                                                                                            rel=0.01)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "pipedream"])
@@ -230,3 +208,29 @@ def test_the_optimal_search_with_a_refined_calibration_equals_brute_force(schedu
     best, _ = brute_force(costs, model, 4, opts, dp.copy_counts(model, 4))
     assert sol.objective_ms == pytest.approx(best, rel=1e-9)
     assert evaluate(costs, model, sol.stages, opts).objective_ms == pytest.approx(best, rel=1e-9)
+
+
+def test_message_latency_and_step_overhead_are_fitted_and_one_plan_the_model_cannot_explain_does_not_set_them():
+    # three plans measured as the truth prices them and one 30% slower than anything the model can say (a slowed
+    # host, as AlexNet's fc1 pair in RESULTS 4e): the latency and the overhead are still the truth's, and the
+    # plans the model explains are predicted right (the least squares let the outlier pull both)
+    cluster = flat_cluster(4, gbps=10.0, latency_us=20)
+    fit = CostModel(cluster).link(0)
+    truth_ref = dataclasses.replace(nominal_calibration(CostModel(cluster), 0), step_overhead_ms=3.0,
+                                    p2p=dataclasses.replace(fit, alpha_s=fit.alpha_s + 0.002),
+                                    algorithms={a: fit for a in ALGORITHMS})
+    layouts = [[StageSpec(0, 5, (0, 1, 2, 3))], [StageSpec(0, 2, (0, 1)), StageSpec(3, 5, (2, 3))],
+               [StageSpec(0, 1, (0,)), StageSpec(2, 2, (1,)), StageSpec(3, 3, (2,)), StageSpec(4, 5, (3,))],
+               [StageSpec(0, 3, (0, 1)), StageSpec(4, 5, (2, 3))]]
+    runs = []
+    for k, stages in enumerate(layouts):
+        probe = synthetic_run(EVEN, cluster, stages, name=f"r{k}")
+        measured = predict_run(EVEN, cluster, [truth_ref], probe) * (1.3 if k == 3 else 1.0)
+        runs.append(synthetic_run(EVEN, cluster, stages, name=f"r{k}", measured_step_ms=measured))
+    ref = refine(EVEN, cluster, (), runs)
+    assert dict(ref.p2p_extra_alpha_s)[0] == pytest.approx(0.002, rel=0.05)
+    assert ref.step_overhead_ms == pytest.approx(3.0, rel=0.05)
+    cals = refined_calibrations(cluster, (), ref)
+    for run in runs[:3]:
+        assert predict_run(refined_profile(EVEN, ref), cluster, cals, run) == pytest.approx(run.measured_step_ms,
+                                                                                            rel=0.01)

@@ -29,9 +29,12 @@ observations are plain numbers (``observed.py``), so no process group is needed.
   handing a message over between busy ranks; the model charges it wherever it charges a
   message, so it moves plans) and a cost per step the model does not price (``step_overhead_ms``:
   Python and launch costs per step; added to every prediction, it changes no ranking). The
-  latency is searched (a log grid, then a ternary search) for the least squared relative error
+  latency is searched (a log grid, then a ternary search) for the least absolute relative error
   over the runs, the overhead being the median of what is left (at least 0) at each candidate;
-  with one run, or runs that cannot tell them apart, the smaller latency wins.
+  with one run, or runs that cannot tell them apart, the smaller latency wins. Absolute, not
+  squared: one plan the model cannot explain (a host slowed for a whole run) would otherwise set
+  the terms for every plan (RESULTS 4e: the squares raised the loss to its grid's end, 30 ms/MB,
+  leaving AlexNet's ``0-10x2 | 11-21x2`` out, which it then priced +38%).
 * The end of a step (``step.py``): each stage's ``step`` phase against the model's
   optimizer step for its parameter bytes and the tied weights' sums it takes part in; the
   optimizer factor scales the profile's step times, the tied factor the sums' prices
@@ -273,7 +276,7 @@ def fit_leftover(profile: Profile, cluster: Cluster, calibrations: Sequence[Cali
         pred = [predict_run(prof, cluster, cals, r, algorithms=algorithms) for r in measured]
         left = max(0.0, statistics.median([r.measured_step_ms - p for r, p in zip(measured, pred, strict=True)
                                            if r.measured_step_ms]))
-        err = sum(((p + left - (r.measured_step_ms or 0)) / (r.measured_step_ms or 1)) ** 2
+        err = sum(abs((p + left - (r.measured_step_ms or 0)) / (r.measured_step_ms or 1))
                   for r, p in zip(measured, pred, strict=True))
         return err, left
 
