@@ -117,8 +117,7 @@ def settings_dict(models: Sequence[str], hosts: Sequence[int], strategies: Seque
                                   "busy-aware (no quotas): the plan "
                                   "re-simulated with compute scaled by c(B)/c(N), c measured at 1, 2, N/2, N copies, "
                                   "B = compute concurrency of the simulated schedule (predicted_busy_step_ms)",
-            "allreduce_calibration": "hybridpipe bench-allreduce on the emulated cluster (every algorithm, 64K..64M, "
-                                     "on every host and on the first 2, 4, ... hosts: --group-sizes auto), "
+            "allreduce_calibration": "hybridpipe bench-allreduce on the emulated cluster (every algorithm, 64K..64M), "
                                      "passed to partition --calibration" if allreduce_calibration else "none"}
 
 

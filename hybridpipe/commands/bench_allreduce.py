@@ -36,9 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", default="4K..64M",
                    help="message sizes: a range 4K..64M or a list 4K,1M (default 4K..64M)")
     p.add_argument("--size-step", type=int_range(2), default=4, help="factor between sizes of a range (default 4)")
-    p.add_argument("--group-sizes", default="auto", type=group_sizes,
+    p.add_argument("--group-sizes", default="none", type=group_sizes,
                    help="also time every algorithm on the first N ranks for each N, so groups of fewer ranks than "
-                   "the whole are priced from their own fit: auto (default: 2, 4, 8, ... below the ranks), none, "
+                   "the whole are priced from their own fit: none (default), auto (2, 4, 8, ... below the ranks) "
                    "or a list 2,3,6")
     p.add_argument("--ranks", type=int_range(2, 1024), default=4,
                    help="local processes to spawn when not under torchrun (default 4)")
