@@ -103,7 +103,7 @@ class StepResult:
     counts: dict[int, torch.Tensor] = field(default_factory=dict)   # with tokens: micro-batch -> its tokens
     total: tuple[float, float] | None = None     # with tokens: the step's (loss sum, tokens) over every rank
     optimizer_steps: int = 0
-    peak_memory_bytes: int = 0      # what the stage held at its peak this step (memory.py)
+    peak_memory_bytes: int = 0      # what the stage held at its peak this step (memory.py; 0: not measured)
 
     @property
     def mean_loss(self) -> float | None:
@@ -121,7 +121,8 @@ class PipelineEngine:
                  sync: Any = None, recorder=None, tied: TiedReduce | None = None,
                  clock: Callable[[], float] = time.perf_counter,
                  before_step: Callable[[], bool | None] | None = None, autocast: torch.dtype | None = None,
-                 loss_scale: Callable[[], float] | None = None, tokens: TokenCounts | None = None):
+                 loss_scale: Callable[[], float] | None = None, tokens: TokenCounts | None = None,
+                 memory_every: int = 1):
         check_schedulable(topo, schedule)
         chunks = [stages] if isinstance(stages, PipelineStage) else list(stages)
         expected = list(topo.stages_of(rank))
@@ -149,6 +150,7 @@ class PipelineEngine:
         self.device = chunks[0].device     # where inputs and targets go (place the stages before the engine)
         self.meter = MemoryMeter(self._held, self._grad_bytes, self.device, [c.module for c in chunks],
                                  static_changes=self.stash is not None)
+        self.memory_every = memory_every
         self.phase = 0              # steps since the pipeline was (re)started (pipedream)
         self.last_step: int | None = None   # the step run last
         self.flight = InFlight()            # per (stage, micro-batch): what the rank holds between instructions
@@ -190,7 +192,7 @@ class PipelineEngine:
         M = self.topo.micro_batches
         frozen = {step * M + m for m in needs_frozen(program)} if self.stash else set()
         result = StepResult(step)
-        self.meter.begin_step()
+        self.meter.begin_step(self.measures_memory(step))
         for ins in program:
             t0 = self.clock()
             if isinstance(ins, MicroBatchInstruction):
@@ -207,6 +209,12 @@ class PipelineEngine:
         self.last_step = step
         self.phase = 0 if drain else self.phase + 1     # the same on every rank
         return result
+
+    def measures_memory(self, step: int) -> bool:
+        """Whether ``step``'s peak memory is measured (``memory_every``: 1 every step, 0 none, N steps
+        0, 1 and every Nth; asynchronous schedules, whose micro-batches cross steps, every step but with 0)."""
+        every = self.memory_every
+        return every > 0 and (every == 1 or self.schedule.asynchronous or step < 2 or step % every == 0)
 
     def run_eval(self, data: DataSource, *, recorder=None, counts: dict[int, torch.Tensor] | None = None
                  ) -> dict[int, torch.Tensor]:

@@ -16,6 +16,10 @@ keeps no such count, the bytes of the tensors the stage holds at its peak, every
 
 The peak is the most activation bytes alive at once during the step plus those. Temporaries an
 operation frees before it returns (and gradients flowing through a backward) are not counted.
+
+A step the meter does not measure (``begin_step(measure=False)``: the engine's ``memory_every``)
+costs nothing: no saved-tensor hooks, no counting; what an earlier measured step counted is still
+released as it is freed.
 """
 
 from __future__ import annotations
@@ -63,6 +67,9 @@ def _leaves(values: Iterable[Any]) -> Iterator[Any]:
             yield from pytree.tree_leaves(v)
 
 
+_NOTHING = contextlib.nullcontext()     # reusable: what an unmeasured forward or backward is wrapped in
+
+
 class _Saved:
     """A saved tensor as autograd holds it: releases its count when the graph drops it."""
 
@@ -97,6 +104,7 @@ class MemoryMeter:
         self._skip: set[int] = set()
         self._held: dict[Hashable, set[int]] = {}
         self._rerun: list[bool] = []
+        self.measuring = True       # this step is measured (begin_step)
         self.held = 0               # activation bytes alive now
         self.peak = 0               # most activation bytes alive at once this step
 
@@ -104,24 +112,28 @@ class MemoryMeter:
     def on_cuda(self) -> bool:
         return self.device.type == "cuda"
 
-    def begin_step(self) -> None:
+    def begin_step(self, measure: bool = True) -> None:
+        """A step starts; ``measure=False``: do not measure it (nothing is counted, at no cost)."""
+        self.measuring = measure
         self.peak = self.held
         self._skip_known = False
-        if self.on_cuda:
+        if self.on_cuda and measure:
             torch.cuda.reset_peak_memory_stats(self.device)
 
     def end_step(self) -> int:
-        """The step's peak bytes."""
+        """The step's peak bytes (0 for a step not measured)."""
+        if not self.measuring:
+            return 0
         if self.on_cuda:
             return int(torch.cuda.max_memory_allocated(self.device))
         return self.peak + tensors_bytes(self.static()) + self.grad_bytes()
 
-    @contextlib.contextmanager
-    def forward(self) -> Iterator[None]:
+    def forward(self) -> contextlib.AbstractContextManager:
         """Count what autograd saves inside (wrap a stage's forward and the loss)."""
-        if self.on_cuda:
-            yield
-            return
+        return _NOTHING if self.on_cuda or not self.measuring else self._counting()
+
+    @contextlib.contextmanager
+    def _counting(self) -> Iterator[None]:
         if not self._skip_known or self.static_changes:
             buffers = [b for m in self.modules for b in m.buffers()]
             self._skip = {_key(t) for t in (*self.static(), *buffers)
@@ -132,7 +144,7 @@ class MemoryMeter:
 
     def hold(self, owner: Hashable, *values: Any) -> None:
         """Count the tensors in ``values`` (nested) as held for micro-batch ``owner`` until ``drop(owner)``."""
-        if self.on_cuda:
+        if self.on_cuda or not self.measuring:
             return
         keys = self._held.setdefault(owner, set())
         for t in _leaves(values):
@@ -148,14 +160,15 @@ class MemoryMeter:
         for key in self._held.pop(owner, ()):
             self._release(key)
 
-    @contextlib.contextmanager
-    def backward(self, recompute: bool, module: torch.nn.Module | None = None) -> Iterator[None]:
+    def backward(self, recompute: bool, module: torch.nn.Module | None = None) -> contextlib.AbstractContextManager:
         """Wrap a backward; on a recomputing stage (``module``: its chunk's), count what the rerun
         of its forward saves."""
-        hooks = _top_hooks()
-        if self.on_cuda or not recompute or module is None or hooks is None:
-            yield
-            return
+        if self.on_cuda or not recompute or module is None or not self.measuring or _top_hooks() is None:
+            return _NOTHING
+        return self._rerun_counted(module)
+
+    @contextlib.contextmanager
+    def _rerun_counted(self, module: torch.nn.Module) -> Iterator[None]:
         pre = module.register_forward_pre_hook(lambda *_: self._begin_rerun())
         post = module.register_forward_hook(lambda *_: self._end_rerun(), always_call=True)
         try:

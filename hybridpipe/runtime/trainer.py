@@ -176,7 +176,7 @@ class Trainer:
                                      before_step=self._before_step if cfg.clip_grad_norm is not None or self.scaler
                                      else None, autocast=PRECISIONS[str(cfg.precision)],
                                      loss_scale=self._loss_scale if self.scaler is not None else None,
-                                     tokens=self.tokens)
+                                     tokens=self.tokens, memory_every=cfg.memory_every)
 
     def reform(self, plan: Plan) -> None:
         """Go on in a re-formed world (in-place recovery, runtime/recovery.py: the default group is

@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from hybridpipe.argtypes import host_port, nonneg_float, positive_float, seed, timeout_s
+from hybridpipe.argtypes import host_port, nonneg_float, nonneg_int, positive_float, seed, timeout_s
 from hybridpipe.comm.hybrid_dp import POLICIES
 from hybridpipe.comm.p2p import MODES
 from hybridpipe.errors import UserError
@@ -76,6 +76,11 @@ class TrainingConfig:
     skip_nonfinite: bool = setting(
         False, "a step whose loss is NaN or infinite is skipped (no rank updates its weights; counted in the "
                "summary) instead of stopping the run")
+    memory_every: int = setting(
+        10, "measure each rank's peak memory (summary, metrics' peak_memory_bytes) on steps 0, 1 and every Nth step: "
+            "1 every step, 0 never (default 10: on the CPU a measured step counts every tensor autograd saves through "
+            "hooks; asynchronous schedules measure every step unless 0)",
+        type=nonneg_int, metavar="N")
     comm_mode: str = setting(
         "sa", "p2p channels: per-tensor (PipeDream's threads), sa (default: one send + one receive thread per "
               "peer), sra (one thread per peer following the schedule's order)", group="communication", choices=MODES)

@@ -10,6 +10,7 @@ import torch
 
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner.plan import check_plan_memory
+from hybridpipe.pipeline.engine import PipelineEngine
 from hybridpipe.pipeline.memory import MemoryMeter, tensors_bytes
 from tests.pipeline.harness import make_plan, train_pipeline
 
@@ -82,3 +83,32 @@ def test_meter_counts_a_recomputing_forwards_rerun_and_releases_all_of_it():
     # the rerun: x, the Linear's output (BatchNorm's input), its mean and inverse std (not requiring
     # grad), tanh's output (saved by tanh and the last Linear: one storage)
     assert meter.peak == 16 * 8 * 4 + 16 * 32 * 4 + 2 * 32 * 4 + 16 * 32 * 4
+
+
+class _EveryThird(PipelineEngine):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, memory_every=3, **kwargs)
+
+
+def test_steps_the_meter_skips_cost_no_hook_and_train_the_same(monkeypatch):
+    """memory_every=3 measures steps 0, 1 and 3 of 5, as the every-step meter does, and sets no
+    saved-tensor hook on steps 2 and 4 (counted); the training is bitwise the same."""
+    plan = make_plan("mlp", [2, 5], [1, 1, 1], schedule="1f1b", micro_batches=4, batch_size=8)
+    packs = [0]
+    real = MemoryMeter._pack
+
+    def pack(self, t):
+        packs[0] += 1
+        return real(self, t)
+
+    monkeypatch.setattr(MemoryMeter, "_pack", pack)
+    runs = {}
+    for name, engine in (("every", PipelineEngine), ("sampled", _EveryThird)):
+        packs[0], results = 0, {}
+        state, losses = train_pipeline(plan, 5, step_results=results, engine_class=engine)
+        runs[name] = (state, losses, {r: [x.peak_memory_bytes for x in v] for r, v in results.items()}, packs[0])
+    (state, losses, every, n_every), (state3, losses3, sampled, n_sampled) = runs["every"], runs["sampled"]
+    assert losses3 == losses and all(torch.equal(state3[k], state[k]) for k in state)
+    for r in every:
+        assert sampled[r] == [p if s in (0, 1, 3) else 0 for s, p in enumerate(every[r])] and min(every[r]) > 0
+    assert n_sampled * 5 == n_every * 3 > 0
