@@ -93,6 +93,8 @@ class Stage:
     transient_bytes: int = 0      # of it, kernels' temporaries at the worst moment (an allocator's peak sees them)
     layers: tuple[LayerSync, ...] = ()
     overhead_ms: float = 0.0      # per step: optimizer steps + compute lost to communication (objective.py)
+    ring_ms: float = 0.0          # of overhead_ms: the compute lost beside the replicas' own collectives
+    overlapped_ring_ms: float = 0.0   # of ring_ms: the part lost while compute ran (the rest takes none from it)
     recompute: bool = False       # drop inner activations after forward, recompute them in backward
     shard: str = "none"           # what the replicas shard (SHARD_LEVELS): none, optimizer, gradients, parameters
     reshard_after_forward: bool = True    # shard "parameters": free gathered weights after each forward
@@ -316,6 +318,8 @@ def _stage_from_dict(s: object, i: int, source: str) -> Stage:
                  transient_bytes=_figure(s, "transient_bytes", int, where, default=0),
                  layers=tuple(layers),
                  overhead_ms=_figure(s, "overhead_ms", float, where, default=0.0),
+                 ring_ms=_figure(s, "ring_ms", float, where, default=0.0),
+                 overlapped_ring_ms=_figure(s, "overlapped_ring_ms", float, where, default=0.0),
                  recompute=field(s, "recompute", bool, where, default=False),
                  shard=field(s, "shard", str, where, default="none", choices=SHARD_LEVELS),
                  reshard_after_forward=field(s, "reshard_after_forward", bool, where, default=True))
