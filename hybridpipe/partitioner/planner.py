@@ -18,13 +18,13 @@ from hybridpipe.limits import OutOfTime
 from hybridpipe.partitioner.cost.calibration import Calibration
 from hybridpipe.partitioner.cost.cluster import Cluster
 from hybridpipe.partitioner.cost.costmodel import CostModel
+from hybridpipe.partitioner.cost.syncunits import LayerSync
 from hybridpipe.partitioner.cost.wire import activation_wire
 from hybridpipe.partitioner.plan import (
     ALGORITHMS,
     OPTIMIZERS,
     STRATEGIES,
     WIRE_BYTES,
-    LayerSync,
     Plan,
     SearchRecord,
     Stage,
