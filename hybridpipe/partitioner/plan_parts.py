@@ -17,6 +17,7 @@ from hybridpipe.partitioner.cost.syncunits import SECOND_LANE_ALGORITHMS, LayerS
 # (ZeRO-3: and 1/R of the weights, gathered for use).
 SHARD_LEVELS = ("none", "optimizer", "gradients", "parameters")
 
+
 @dataclass(frozen=True)
 class TiedGroup:
     """A parameter read by several stages (tied weights): each holds a copy, and every step the

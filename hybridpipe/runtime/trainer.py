@@ -158,7 +158,6 @@ class Trainer:
         # they need only its flag, unless a recovery in place needs every rank to pass the check first
         last = plan.stages[-1]
         self.watch.source = last.ranks[0] if last.replicas == 1 and not cfg.in_place else None
-        self.watch.decides_alone = self.watch.source == rank
         self.syncs = {s.index: make_sync(plan, st.module, s, groups.get(s.index), allreduce=cfg.allreduce,
                                          calibrations=cfg.calibrations, aggregator=cfg.aggregator,
                                          wire_dtype=PRECISIONS[str(cfg.reduce_dtype)],
