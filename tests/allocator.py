@@ -1,13 +1,15 @@
 """The CPU allocator as a reference for memory tests: torch's profiler reports every allocation
-with the allocator's running total. And a fresh interpreter to measure in, since what earlier tests
+with the allocator's running total. And a fresh process to measure in, since what earlier tests
 leave in the pytest process (threads, caches) can allocate inside a measuring window."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +17,8 @@ from typing import Any
 
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
+
+from tests import forked
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,11 +55,24 @@ def allocator_peak(fn: Callable[[], None]) -> int:
     return max(total for _, total in events) - total_at(events, start[0])
 
 
-def in_fresh_interpreter(module: str, function: str, *args: Any, timeout: float = 600) -> Any:
-    """``module.function(*args)`` run in a new Python (the checkout on its path); its JSON result."""
-    code = f"import json; from {module} import {function} as f; print(json.dumps(f(*{args!r})))"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+def in_fresh_process(module: str, function: str, *args: Any, timeout: float = 600) -> Any:
+    """``module.function(*args)`` run in a new process forked from the session's warm server
+    (tests/forked.py: it has run no test, so nothing earlier tests left allocates in its windows, and it
+    skips a new interpreter's 3-4 s of imports), the checkout on its path; its JSON result."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err, result = (str(Path(tmp) / name) for name in ("out", "err", "result.json"))
+        proc = forked.start(_call, (module, function, args, result), env=dict(os.environ, PYTHONPATH=str(ROOT),
+                            HF_HUB_OFFLINE="1"), argv=[sys.executable], cwd=str(ROOT), stdout=out, stderr=err)
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+        assert code == 0, Path(err).read_text()[-2000:]
+        return json.loads(Path(result).read_text())
+
+
+def _call(module: str, function: str, args: tuple, result: str) -> None:
+    """In the forked process: ``module.function(*args)``'s value written to ``result`` as JSON."""
+    value = getattr(importlib.import_module(module), function)(*args)
+    Path(result).write_text(json.dumps(value))

@@ -36,14 +36,22 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 from hybridpipe.errors import UserError
-from hybridpipe.jsonfile import MAX_FIGURE, MAX_PLAN_FIGURE, check_header, field, figure, read_json, write_json
+from hybridpipe.jsonfile import MAX_FIGURE, check_header, field, read_json, write_json
 from hybridpipe.partitioner.cost import collectives as co
 from hybridpipe.partitioner.cost.cluster import Cluster
-from hybridpipe.partitioner.cost.syncunits import SECOND_LANE_ALGORITHMS, LayerSync, sync_units
 from hybridpipe.partitioner.cost.wire import WIRE_BYTES
+from hybridpipe.partitioner.plan_parts import (
+    SearchRecord,
+    Stage,
+    TiedGroup,
+    layer_dict,
+    plan_figure,
+    search_from_dict,
+    stage_from_dict,
+    tied_from_dict,
+)
 from hybridpipe.partitioner.schedule_registry import REGISTRY, Schedule, get_schedule
 from hybridpipe.profiles.loss_normalization import LOSS_NORMALIZATIONS
 
@@ -58,67 +66,6 @@ OPTIMIZER_HELP = ("sgd: torch.optim.SGD with --momentum; adam: torch.optim.Adam,
                   "the gradient, so scaled by the moments); adamw: torch.optim.AdamW, weight decay decoupled from "
                   "the moments (what transformer recipes mean by weight decay)")
 PRECISIONS = tuple(WIRE_BYTES)
-# What a stage's replicas shard (ZeRO): none (each replica holds everything), optimizer (ZeRO-1: each keeps
-# and updates 1/R of the optimizer state), gradients (ZeRO-2: and 1/R of the reduced gradients), parameters
-# (ZeRO-3: and 1/R of the weights, gathered for use).
-SHARD_LEVELS = ("none", "optimizer", "gradients", "parameters")
-
-
-@dataclass(frozen=True)
-class TiedGroup:
-    """A parameter read by several stages (tied weights): each holds a copy, and every step the
-    copies' gradients are summed over all ranks of those stages, so the copies stay identical."""
-
-    param: str                    # the parameter's name in the model (its first name in named_parameters)
-    stages: tuple[int, ...]       # the stages that read it (ascending)
-    bytes: int                    # its gradient's bytes
-    predicted_ms: float = 0.0     # the all-reduce over those stages' ranks, by the cost model
-
-
-@dataclass(frozen=True)
-class Stage:
-    index: int
-    first_node: int
-    last_node: int
-    replicas: int
-    ranks: tuple[int, ...]
-    compute_ms: float = 0.0       # forward + backward of one micro-batch on one replica
-    forward_ms: float = 0.0       # the forward part of compute_ms
-    backward_ms: float = 0.0      # the backward part of compute_ms
-    sync_ms: float = 0.0          # exposed sync per step: layers' exposed_ms summed, x syncs per step
-    #                               (1 for gpipe/1f1b; pipedream syncs after each of a replica's minibatches)
-    send_ms: float = 0.0          # one micro-batch's activations to the next stage (latency; grads likewise)
-    send_bytes: int = 0           # bytes crossing the cut after this stage per micro-batch (one way)
-    memory_bytes: int = 0         # predicted peak memory per worker
-    transient_bytes: int = 0      # of it, kernels' temporaries at the worst moment (an allocator's peak sees them)
-    layers: tuple[LayerSync, ...] = ()
-    overhead_ms: float = 0.0      # per step: optimizer steps + compute lost to communication (objective.py)
-    recompute: bool = False       # drop inner activations after forward, recompute them in backward
-    shard: str = "none"           # what the replicas shard (SHARD_LEVELS): none, optimizer, gradients, parameters
-    reshard_after_forward: bool = True    # shard "parameters": free gathered weights after each forward
-
-    @property
-    def node_ids(self) -> range:
-        return range(self.first_node, self.last_node + 1)
-
-    def sync_units(self) -> list[tuple[LayerSync, ...]]:
-        """The layers grouped into sync units (one all-reduce each), in order."""
-        return sync_units(self.layers)
-
-
-@dataclass(frozen=True)
-class SearchRecord:
-    """How the optimal strategy found the stages: searched to the optimum (``complete``), or stopped
-    by its time budget with the best plan found so far. ``objective_ms``: that plan's steady-state
-    step; ``lower_bound_ms``: no plan's is below it; ``gap``: objective / lower bound - 1, the most
-    the plan can be slower than the optimum (0 when complete; None: no bound proven yet)."""
-
-    complete: bool
-    seconds: float                      # the search's wall-clock time
-    budget_s: float | None              # --time-budget (None: none)
-    objective_ms: float
-    lower_bound_ms: float
-    gap: float | None
 
 
 @dataclass(frozen=True)
@@ -177,7 +124,7 @@ class Plan:
         d["cluster"] = self.cluster.to_dict()
         d["input_shape"] = list(self.input_shape)
         d["tied"] = [dict(asdict(t), stages=list(t.stages)) for t in self.tied]
-        d["stages"] = [dict(asdict(s), ranks=list(s.ranks), layers=[_layer_dict(lv) for lv in s.layers])
+        d["stages"] = [dict(asdict(s), ranks=list(s.ranks), layers=[layer_dict(lv) for lv in s.layers])
                        for s in self.stages]
         return d
 
@@ -198,18 +145,18 @@ class Plan:
             schedule=field(d, "schedule", str, source, choices=SCHEDULES),
             micro_batches=field(d, "micro_batches", int, source, minimum=1, maximum=MAX_FIGURE),
             optimizer=field(d, "optimizer", str, source, choices=OPTIMIZERS),
-            stages=tuple(_stage_from_dict(s, i, source) for i, s in enumerate(raw_stages)),
-            predicted_step_ms=_figure(d, "predicted_step_ms", float, source, default=0.0),
-            predicted_samples_per_s=_figure(d, "predicted_samples_per_s", float, source, default=0.0),
+            stages=tuple(stage_from_dict(s, i, source) for i, s in enumerate(raw_stages)),
+            predicted_step_ms=plan_figure(d, "predicted_step_ms", float, source, default=0.0),
+            predicted_samples_per_s=plan_figure(d, "predicted_samples_per_s", float, source, default=0.0),
             created=field(d, "created", str, source, default=""),
             granularity=field(d, "granularity", str, source, default="blocks"),
             precision=field(d, "precision", str, source, default="fp32", choices=PRECISIONS),
             profile_precision=field(d, "profile_precision", str, source, default="fp32", choices=PRECISIONS),
             reduce_dtype=field(d, "reduce_dtype", str, source, default="fp32", choices=PRECISIONS),
-            tied=tuple(_tied_from_dict(t, i, source) for i, t in enumerate(field(d, "tied", list, source, default=[]))),
+            tied=tuple(tied_from_dict(t, i, source) for i, t in enumerate(field(d, "tied", list, source, default=[]))),
             virtual_stages=field(d, "virtual_stages", int, source, minimum=1, default=1),
             graph_nodes=field(d, "graph_nodes", int, source, minimum=0, default=0),
-            search=_search_from_dict(d.get("search"), f"{source}: search"),
+            search=search_from_dict(d.get("search"), f"{source}: search"),
             loss_normalization=field(d, "loss_normalization", str, source, default="micro-batch",
                                      choices=LOSS_NORMALIZATIONS),
         )
@@ -249,123 +196,6 @@ def check_plan_memory(plan: Plan) -> None:
             raise UserError(f"stage {s.index} is predicted to need {s.memory_bytes / 1e9:.2f} GB per worker, more "
                             f"than the plan's {plan.cluster.memory_gb:g} GB; re-partition (--recompute auto, more "
                             "workers or fewer --micro-batches) or give the cluster more memory_gb")
-
-
-def _figure(obj: dict, key: str, kind: type, where: str, default: Any = ...) -> Any:
-    """A predicted figure of the plan: a number from 0 to MAX_PLAN_FIGURE."""
-    return figure(obj, key, kind, where, maximum=MAX_PLAN_FIGURE, default=default)
-
-
-def _search_from_dict(d: object, where: str) -> SearchRecord | None:
-    if d is None:
-        return None
-    if not isinstance(d, dict):
-        raise UserError(f"{where}: expected an object or null")
-    gap = None if d.get("gap") is None else _figure(d, "gap", float, where)
-    return SearchRecord(complete=field(d, "complete", bool, where), seconds=_figure(d, "seconds", float, where),
-                        budget_s=None if d.get("budget_s") is None else _figure(d, "budget_s", float, where),
-                        objective_ms=_figure(d, "objective_ms", float, where),
-                        lower_bound_ms=_figure(d, "lower_bound_ms", float, where), gap=gap)
-
-
-def _tied_from_dict(t: object, i: int, source: str) -> TiedGroup:
-    where = f"{source}: tied group {i}"
-    if not isinstance(t, dict):
-        raise UserError(f"{where}: expected an object")
-    stages = field(t, "stages", list, where)
-    if len(stages) < 2 or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in stages):
-        raise UserError(f"{where}: \"stages\" must list at least two stage indices")
-    return TiedGroup(param=field(t, "param", str, where), stages=tuple(sorted(stages)),
-                     bytes=_figure(t, "bytes", int, where),
-                     predicted_ms=_figure(t, "predicted_ms", float, where, default=0.0))
-
-
-def _layer_dict(lv: LayerSync) -> dict:
-    d = dict(asdict(lv), params=list(lv.params))
-    if lv.unit is None:
-        del d["unit"]
-    return d
-
-
-def _stage_from_dict(s: object, i: int, source: str) -> Stage:
-    where = f"{source}: stage {i}"
-    if not isinstance(s, dict):
-        raise UserError(f"{where}: expected an object")
-    ranks = field(s, "ranks", list, where)
-    if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks):
-        raise UserError(f"{where}: \"ranks\" must be a list of non-negative integers")
-    layers = []
-    for j, lv in enumerate(field(s, "layers", list, where, default=[])):
-        lw = f"{where}: layer {j}"
-        if not isinstance(lv, dict):
-            raise UserError(f"{lw}: expected an object")
-        layers.append(_layer_from_dict(lv, lw))
-    _check_layers(layers, where)
-    stage = Stage(index=field(s, "index", int, where, minimum=0),
-                 first_node=field(s, "first_node", int, where, minimum=0),
-                 last_node=field(s, "last_node", int, where, minimum=0),
-                 replicas=field(s, "replicas", int, where, minimum=1),
-                 ranks=tuple(ranks),
-                 compute_ms=_figure(s, "compute_ms", float, where, default=0.0),
-                 forward_ms=_figure(s, "forward_ms", float, where, default=0.0),
-                 backward_ms=_figure(s, "backward_ms", float, where, default=0.0),
-                 sync_ms=_figure(s, "sync_ms", float, where, default=0.0),
-                 send_ms=_figure(s, "send_ms", float, where, default=0.0),
-                 send_bytes=_figure(s, "send_bytes", int, where, default=0),
-                 memory_bytes=_figure(s, "memory_bytes", int, where, default=0),
-                 transient_bytes=_figure(s, "transient_bytes", int, where, default=0),
-                 layers=tuple(layers),
-                 overhead_ms=_figure(s, "overhead_ms", float, where, default=0.0),
-                 recompute=field(s, "recompute", bool, where, default=False),
-                 shard=field(s, "shard", str, where, default="none", choices=SHARD_LEVELS),
-                 reshard_after_forward=field(s, "reshard_after_forward", bool, where, default=True))
-    if stage.shard != "none" and stage.replicas == 1:
-        raise UserError(f"{where}: shard {stage.shard!r} needs replicas to shard over, and the stage has one; "
-                        "set \"shard\": \"none\" or re-partition with replicas")
-    return stage
-
-
-def _layer_from_dict(lv: dict, where: str) -> LayerSync:
-    name = field(lv, "layer", str, where)
-    where = f"{where} ({name!r})"
-    params = field(lv, "params", list, where)
-    if not all(isinstance(p, str) for p in params):
-        raise UserError(f"{where}: \"params\" must be a list of parameter names")
-    algorithm = field(lv, "algorithm", str, where)
-    if algorithm not in ALGORITHMS:
-        raise UserError(f"{where}: unknown all-reduce algorithm {algorithm!r}; use one of {', '.join(ALGORITHMS)}")
-    lane = field(lv, "lane", int, where, default=0, choices=(0, 1))
-    if lane == 1 and algorithm not in SECOND_LANE_ALGORITHMS:
-        raise UserError(f"{where}: {algorithm} cannot run on sync lane 1 (only {', '.join(SECOND_LANE_ALGORITHMS)} "
-                        "can); set \"lane\": 0")
-    return LayerSync(layer=name, params=tuple(params), bytes=_figure(lv, "bytes", int, where),
-                     algorithm=algorithm,
-                     predicted_ms=_figure(lv, "predicted_ms", float, where, default=0.0),
-                     exposed_ms=_figure(lv, "exposed_ms", float, where, default=0.0),
-                     unit=field(lv, "unit", int, where, minimum=0, default=None), lane=lane)
-
-
-def _check_layers(layers: list[LayerSync], where: str) -> None:
-    """Each parameter synced once; a unit is a run of adjacent layers with one algorithm and lane."""
-    owner: dict[str, str] = {}
-    for lv in layers:
-        for p in lv.params:
-            if p in owner:
-                raise UserError(f"{where}: parameter {p!r} is synced by two layers, {owner[p]!r} and {lv.layer!r}; "
-                                "keep it in one")
-            owner[p] = lv.layer
-    seen: dict[int, LayerSync] = {}
-    for k, lv in enumerate(layers):
-        if lv.unit is None:
-            continue
-        first = seen.setdefault(lv.unit, lv)
-        if first is not lv and layers[k - 1].unit != lv.unit:
-            raise UserError(f"{where}: sync unit {lv.unit} holds {first.layer!r} and {lv.layer!r}, which are not "
-                            "adjacent; a unit is a run of adjacent layers (renumber the units)")
-        if (first.algorithm, first.lane) != (lv.algorithm, lv.lane):
-            raise UserError(f"{where}: layers {first.layer!r} and {lv.layer!r} share sync unit {lv.unit} but not their "
-                            f"algorithm and lane ({first.algorithm}/{first.lane} vs {lv.algorithm}/{lv.lane}); give "
-                            "them the same, or different units")
 
 
 def _check_stages(plan: Plan, source: str) -> None:

@@ -18,13 +18,13 @@ from hybridpipe.limits import OutOfTime
 from hybridpipe.partitioner.cost.calibration import Calibration
 from hybridpipe.partitioner.cost.cluster import Cluster
 from hybridpipe.partitioner.cost.costmodel import CostModel
+from hybridpipe.partitioner.cost.syncunits import LayerSync
 from hybridpipe.partitioner.cost.wire import activation_wire
 from hybridpipe.partitioner.plan import (
     ALGORITHMS,
     OPTIMIZERS,
     STRATEGIES,
     WIRE_BYTES,
-    LayerSync,
     Plan,
     SearchRecord,
     Stage,
@@ -354,7 +354,8 @@ def build_plan(profile: Profile, costs: ModelCosts, cluster: Cluster, stages: Se
                          send_bytes=int(e.send_bytes), memory_bytes=int(e.memory_bytes),
                          transient_bytes=int(transient_bytes(costs, spec.first, spec.last)),
                          layers=without_tied(e.sync.layers, {t.param: t.bytes for t in tied if idx in t.stages}),
-                         overhead_ms=e.overhead_ms, recompute=e.recompute, shard=e.shard,
+                         overhead_ms=e.overhead_ms, ring_ms=e.ring_ms, overlapped_ring_ms=e.overlapped_ring_ms,
+                         recompute=e.recompute, shard=e.shard,
                          reshard_after_forward=e.reshard_after_forward))
     samples = opts.micro_batches * profile.batch_size / (step_ms / 1e3) if step_ms > 0 else 0.0
     return Plan(model=profile.model, batch_size=profile.batch_size, input_shape=tuple(profile.input_shape),

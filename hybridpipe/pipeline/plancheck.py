@@ -91,7 +91,7 @@ def build_stage(captured: CapturedModel, plan: Plan, rank: int, *, loss: LossFn 
 
 
 def check_shards(plan: Plan) -> None:
-    """A shard level (every one of plan.SHARD_LEVELS runs: ZeRO-1/2/3) needs a flushing schedule
+    """A shard level (every one of plan_parts.SHARD_LEVELS runs: ZeRO-1/2/3) needs a flushing schedule
     (pipedream's asynchronous updates keep stashed whole weights)."""
     for s in plan.stages:
         if s.shard != "none" and not plan.kind.flushed:

@@ -20,6 +20,9 @@ Discrete-event model, per rank, in instruction order:
   gradient sends is what hides it. A sharded stage's layer syncs are a reduce-scatter then an
   all-gather, half of the layer's ``predicted_ms`` each (``partitioner/cost/sharded.py``); the
   collectives its level adds inside the step (``sharding.midstep_ms``) lengthen its backwards.
+  The compute a stage loses beside its replicas' collectives while they overlap its compute
+  (the plan's ``overlapped_ring_ms``) lengthens the synced Backward but not its gradients' ready
+  times, so the step pays the larger of it and the exposed sync (``objective.predict_step_ms``).
 * Optimizer steps, data loading and the loss's bookkeeping take no time.
 
 The step time is measured between the ends of consecutive steps (t_k = when the last rank
@@ -102,13 +105,16 @@ class StageCosts:
     allreduce_ms: tuple[float, ...]         # per layer, in forward order (empty: no sync)
     input_share: float = 0.5                # of backward_ms, the input-gradient half's (split schedules)
     sharded: bool = False                   # each layer's sync is a reduce-scatter + an all-gather (halves)
+    lost_ms: float = 0.0                    # compute a synced backward loses beside its replicas' collectives
 
 
 def stage_costs(plan: Plan) -> list[StageCosts]:
     """Per-stage costs from the plan; a plan with only ``compute_ms`` splits it 1:2 (forward:backward).
 
     A stage's ``overhead_ms`` (optimizer steps, compute lost to communication) is spread over
-    the backwards of its replica's micro-batches."""
+    the backwards of its replica's micro-batches, but for the compute lost beside its replicas' own
+    collectives (``ring_ms``): only the part lost while compute ran (``overlapped_ring_ms``) counts, per
+    sync, on the backward that starts the sync (``lost_ms``), as objective.predict_step_ms counts it."""
     out = []
     for s in plan.stages:
         f, b = s.forward_ms, s.backward_ms
@@ -118,14 +124,16 @@ def stage_costs(plan: Plan) -> list[StageCosts]:
         if s.shard != "none":
             half = sum(lv.predicted_ms for lv in s.layers) / 2
             b += float(midstep_ms(Variant(s.shard, s.reshard_after_forward), k, half, f, b)) / k
-        b += s.overhead_ms / k
+        b += (s.overhead_ms - s.ring_ms) / k
+        lost = s.overlapped_ring_ms / plan.kind.syncs_per_step(k)
         if s.replicas > 1 and s.layers:
             ar = tuple(lv.predicted_ms for lv in s.layers)
         elif s.replicas > 1 and s.sync_ms > 0:
             ar = (s.sync_ms,)
         else:
             ar = ()
-        out.append(StageCosts(f, b, s.send_ms, s.send_bytes, ar, 0.0 if s.index == 0 else 0.5, s.shard != "none"))
+        out.append(StageCosts(f, b, s.send_ms, s.send_bytes, ar, 0.0 if s.index == 0 else 0.5, s.shard != "none",
+                              lost))
     return out
 
 
@@ -272,8 +280,10 @@ class _Sim:
                 ms = c.backward_ms
                 if isinstance(ins, BackwardWeight):
                     ms *= 1.0 - (c.input_share if stage > 0 else 0.0)
-                self._busy(r, "B" if isinstance(ins, Backward) else "W", g, ms, stage)
-                if self.sync_next.get((r, stage)) == g:
+                synced = self.sync_next.get((r, stage)) == g
+                # the compute lost beside the sync stretches this backward, not its gradients' ready times
+                self._busy(r, "B" if isinstance(ins, Backward) else "W", g, ms + (c.lost_ms if synced else 0.0), stage)
+                if synced:
                     del self.sync_next[(r, stage)]
                     n = len(c.allreduce_ms)
                     times = [t0 + ms * (i + 1) / n for i in range(n)]   # i-th gradient ready

@@ -48,15 +48,19 @@ class NonFiniteWatch:
     ``stage``: this rank's stage (named in the message); ``hint``: appended to the stop line."""
 
     def __init__(self, device: torch.device, *, skip: bool, flushing: bool, stage: int = 0,
-                 decides_alone: bool = False, group: dist.ProcessGroup | None = None, hint: str = "",
-                 source: int | None = None) -> None:
+                 group: dist.ProcessGroup | None = None, hint: str = "", source: int | None = None) -> None:
         self.device, self.skip, self.flushing, self.stage = device, skip, flushing, stage
-        self.decides_alone, self.group, self.hint = decides_alone, group, hint
+        self.group, self.hint = group, hint
         self.source = source        # the one (global) rank that can raise the flag, if there is one
         self.skipped: list[int] = []
         self._pending: list[Any] = []           # async all-reduces of a rank that decides alone
         self._flag = torch.zeros((), dtype=torch.float32, device=device)
         self._verdict: bool | None = None
+
+    @property
+    def decides_alone(self) -> bool:
+        """This rank is the ``source``: it knows the verdict before sharing it."""
+        return self.source is not None and dist.is_initialized() and dist.get_rank() == self.source
 
     # ---- wrapping ----------------------------------------------------------------------
     def wrap_loss(self, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:

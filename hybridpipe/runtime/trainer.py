@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import datetime
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,6 @@ from hybridpipe.errors import UserError
 from hybridpipe.partitioner.plan import Plan, load_plan
 from hybridpipe.pipeline import PipelineEngine, Topology, check_plan
 from hybridpipe.pipeline.chunks import rank_module
-from hybridpipe.pipeline.ports import step_gradients
 from hybridpipe.pipeline.schedules import settle_phase
 from hybridpipe.pipeline.stage import loss_of
 from hybridpipe.pipeline.zero3 import gate_stages
@@ -59,8 +58,9 @@ from hybridpipe.runtime.parts import (
     token_counts,
     trainer_model,
 )
+from hybridpipe.runtime.prestep import BeforeStep
 from hybridpipe.runtime.scaler import LossScaler
-from hybridpipe.runtime.sharded_optimizer import ShardedOptimizer, for_checkpoint, norm_terms
+from hybridpipe.runtime.sharded_optimizer import ShardedOptimizer, for_checkpoint
 from hybridpipe.runtime.tied import repeated_tied, tied_process_groups, tied_sync
 from hybridpipe.runtime.training_config import TrainingConfig, flushes, with_settings
 
@@ -109,7 +109,6 @@ class Trainer:
         self.takes_targets = self.model.spec.loss is not None
         self.scaler = LossScaler(cfg.loss_scale) if precision == "fp16" else None
         self._scaler_at: tuple[int, dict] | None = None   # (step, the scaler's state when that step began)
-        self.last_grad_norm: float | None = None     # the global norm before clipping, of the last step
         self.step = 0                                # training steps done
         self._recorder = recorder
         self.watch = NonFiniteWatch(self.proc.device, skip=cfg.skip_nonfinite, flushing=flushes(plan),
@@ -119,7 +118,7 @@ class Trainer:
         checked = self.model.checked if self.model.checked.plan == plan else check_plan(self.model.captured, plan)
         self.stages = [st.to(self.proc.device) for st in checked.stages_of_rank(rank, loss=loss_fn)]
         self.module = rank_module([st.module for st in self.stages])     # every chunk's parameters, each once
-        self._uncounted = repeated_tied(plan, mine, self.model.module)
+        uncounted: Collection[int] = repeated_tied(plan, mine, self.model.module)
         seed_rank(cfg.seed, rank)
         sharded = any(s.shard != "none" for s in self.stage_plans)
         if sharded and cfg.in_place:
@@ -129,6 +128,8 @@ class Trainer:
                                          cfg.momentum, cfg.weight_decay, sharded)
         self.scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None and \
             isinstance(self.optimizer, torch.optim.Optimizer) else None
+        self._before_step = BeforeStep(self.module, self.optimizer, self.proc.device, self.scaler, cfg.clip_grad_norm,
+                                       uncounted)
         self._feed = GivenBatches(keep=settle_phase(Topology.from_plan(plan), plan.kind) + 2, fallback=data,
                                   rank=rank, targets=self.takes_targets)
         self._connect()
@@ -150,13 +151,13 @@ class Trainer:
         tied = tied_sync(plan, [s.index for s in self.stage_plans], self.model.module,
                          tied_process_groups(plan, timeout))
         self._stats = dist.new_group(list(range(self.proc.world_size)), timeout=datetime.timedelta(seconds=timeout))
+        self._before_step.group, self._before_step.replica = self._stats, self.replica
         self.tokens = token_counts(self.model, self.proc.device, self._stats, plan.batch_size, self.watch.note) \
             if cfg.loss_normalization == "tokens" else None
         # the last stage alone knows a loss was bad: unreplicated, it need not wait for the others and
         # they need only its flag, unless a recovery in place needs every rank to pass the check first
         last = plan.stages[-1]
         self.watch.source = last.ranks[0] if last.replicas == 1 and not cfg.in_place else None
-        self.watch.decides_alone = self.watch.source == rank
         self.syncs = {s.index: make_sync(plan, st.module, s, groups.get(s.index), allreduce=cfg.allreduce,
                                          calibrations=cfg.calibrations, aggregator=cfg.aggregator,
                                          wire_dtype=PRECISIONS[str(cfg.reduce_dtype)],
@@ -173,8 +174,8 @@ class Trainer:
         self.engine = PipelineEngine(self.stages, topo, rank, plan.kind, transport=self.channels,
                                      optimizer=guarded, data=self._feed,
                                      sync=self.syncs, recorder=recorder, tied=tied,
-                                     before_step=self._before_step if cfg.clip_grad_norm is not None or self.scaler
-                                     else None, autocast=PRECISIONS[str(cfg.precision)],
+                                     before_step=self._before_step if self._before_step.needed else None,
+                                     autocast=PRECISIONS[str(cfg.precision)],
                                      loss_scale=self._loss_scale if self.scaler is not None else None,
                                      tokens=self.tokens, memory_every=cfg.memory_every)
 
@@ -270,6 +271,11 @@ class Trainer:
                           collate_fn=collate_fn)
 
     @property
+    def last_grad_norm(self) -> float | None:
+        """The global gradient norm before clipping, of the last step (None: no clipping)."""
+        return self._before_step.last_grad_norm
+
+    @property
     def lr(self) -> float | None:
         """The learning rate of the next step (None on a stage without parameters)."""
         groups = getattr(self.optimizer, "param_groups", [])
@@ -360,42 +366,6 @@ class Trainer:
 
     def _loss_scale(self) -> float:
         return self.scaler.scale if self.scaler is not None else 1.0
-
-    def _before_step(self) -> bool:
-        """The engine's hook before the optimizer step: fp16's unscale and agreed overflow check
-        (False: every rank skips this step), then the clipping."""
-        if self.scaler is not None:
-            inv = 1.0 / self.scaler.scale
-            bad = torch.zeros(1, device=self.proc.device)
-            with torch.no_grad():
-                for g in step_gradients(self.module, self.optimizer):
-                    g.mul_(inv)
-                    bad = torch.maximum(bad, (~torch.isfinite(g)).any().float())
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self._stats)
-            found = bool(bad.item() > 0)
-            self.scaler.update(found)
-            if found:
-                return False
-        if self.config.clip_grad_norm is not None:
-            self._clip()
-        return True
-
-    def _clip(self) -> None:
-        """The engine's hook before the optimizer step: scale every gradient by max_norm / norm when
-        the global norm exceeds ``clip_grad_norm`` (replica 0 of each stage contributes its squared
-        norm, a tied parameter only in the first stage that holds it)."""
-        sq = torch.zeros(1, dtype=torch.float64, device=self.proc.device)
-        grads = step_gradients(self.module, self.optimizer)
-        for g in norm_terms(self.optimizer, self.module, self.replica == 0, self._uncounted):
-            sq += g.detach().double().pow(2).sum()
-        dist.all_reduce(sq, group=self._stats)
-        norm = float(sq.sqrt())
-        self.last_grad_norm = norm
-        coef = float(self.config.clip_grad_norm or 0.0) / (norm + 1e-6)
-        if coef < 1.0:
-            with torch.no_grad():
-                for g in grads:
-                    g.mul_(coef)
 
     def _checkpointer(self, directory: str | Path, keep: int) -> Checkpointer:
         key = str(Path(directory).resolve())

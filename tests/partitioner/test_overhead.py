@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from hybridpipe.partitioner.cost.costmodel import CostModel
+from hybridpipe.partitioner.plan import Plan
 from hybridpipe.partitioner.planner import build_plan
 from hybridpipe.partitioner.schedule_registry import get_schedule
 from hybridpipe.partitioner.search.modelcosts import model_costs
@@ -101,3 +102,41 @@ def test_compute_lost_beside_an_all_reduce_counts_only_where_it_ran_beside_compu
     lossy, st = _dp_prediction(hidden_layers, 5e-9)
     assert st.sync.exposed_ms == 0.0 and st.overlapped_ring_ms == pytest.approx(st.ring_ms)
     assert lossy == pytest.approx(plain + st.ring_ms)
+
+
+def _dp_plan(layers, interference: float, micro_batches: int = 2):
+    """``_dp_prediction``'s stage as a plan."""
+    profile = make_profile(layers)
+    costs = model_costs(profile)
+    model = CostModel(flat_cluster(2, gbps=1.0))
+    model.interference_s_per_byte = interference
+    opts = Options(get_schedule("1f1b"), micro_batches, "sgd")
+    stages = (StageSpec(0, len(layers) + 1, (0, 1)),)
+    return build_plan(profile, costs, model.cluster, stages, evaluate(costs, model, stages, opts), opts, "optimal",
+                      model)
+
+
+@pytest.mark.parametrize("micro_batches", [2, 4])
+def test_the_simulator_counts_the_compute_lost_beside_an_all_reduce_as_the_prediction_does(micro_batches):
+    """An exposed all-reduce takes no compute from the backward; a hidden one's loss stretches the backward
+    its exposed part is measured from, so the step pays the larger of the two: simulated as predicted (the
+    simulator spread the whole loss over the backwards before, on top of the exposed sync)."""
+    exposed = [(1.0, 1.0, 1000, 8_000_000), (1.0, 50.0, 1000, 0)]          # ready when the backward ends
+    half_hidden = [(1.0, 100.0, 1000, 8_000_000), (1.0, 100.0, 1000, 8_000_000)]   # 1 of 2 all-reduces hidden
+    for layers, interference in ((exposed, 5e-9), (half_hidden, 5e-9), (half_hidden, 2e-8)):
+        plain, lossy = _dp_plan(layers, 0.0, micro_batches), _dp_plan(layers, interference, micro_batches)
+        st = lossy.stages[0]
+        assert st.ring_ms > 0 and lossy.predicted_step_ms < plain.predicted_step_ms + st.ring_ms
+        assert simulate(plain).step_ms == pytest.approx(plain.predicted_step_ms)
+        assert simulate(lossy).step_ms == pytest.approx(lossy.predicted_step_ms)
+
+
+def test_a_plan_without_the_ring_figures_still_reads_and_spreads_the_whole_overhead():
+    lossy = _dp_plan([(1.0, 1.0, 1000, 8_000_000), (1.0, 50.0, 1000, 0)], 5e-9)
+    old = lossy.to_dict()
+    for s in old["stages"]:
+        del s["ring_ms"], s["overlapped_ring_ms"]
+    read = Plan.from_dict(old)
+    assert read.stages[0].ring_ms == 0.0 and read.stages[0].overhead_ms == lossy.stages[0].overhead_ms
+    plain = _dp_plan([(1.0, 1.0, 1000, 8_000_000), (1.0, 50.0, 1000, 0)], 0.0)
+    assert simulate(read).step_ms == pytest.approx(simulate(plain).step_ms + read.stages[0].overhead_ms)

@@ -11,7 +11,8 @@ from hybridpipe.cli import main
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.cost.sharded import all_gather_seconds, fastest_pair, reduce_scatter_seconds
-from hybridpipe.partitioner.plan import SHARD_LEVELS, load_plan
+from hybridpipe.partitioner.plan import load_plan
+from hybridpipe.partitioner.plan_parts import SHARD_LEVELS
 from hybridpipe.partitioner.planner import Request, partition
 from hybridpipe.partitioner.schedule_registry import get_schedule
 from hybridpipe.partitioner.search.modelcosts import model_costs

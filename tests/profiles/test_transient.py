@@ -14,7 +14,7 @@ from hybridpipe.profiles.format import Profile
 from hybridpipe.profiles.profiler import profile_model
 from hybridpipe.profiles.transient import LiveBytes, PeakMeter
 from hybridpipe.profiles.zoo import resolve_model
-from tests.allocator import allocator_peak, in_fresh_interpreter
+from tests.allocator import allocator_peak, in_fresh_process
 
 N = 64
 MAT = N * N * 4          # bytes of one float32 N x N matrix
@@ -72,9 +72,9 @@ def live_and_allocator_peaks() -> tuple[int, int]:
 
 
 def test_live_bytes_peak_is_the_cpu_allocators_on_a_training_step():
-    # a fresh interpreter: after the pipeline memory tests something left in this process allocates
+    # a fresh process: after the pipeline memory tests something left in this process allocates
     # (294 KB) inside the allocator's window
-    live, allocator = in_fresh_interpreter("tests.profiles.test_transient", "live_and_allocator_peaks", timeout=300)
+    live, allocator = in_fresh_process("tests.profiles.test_transient", "live_and_allocator_peaks", timeout=300)
     assert live == pytest.approx(allocator, rel=0.02)
 
 

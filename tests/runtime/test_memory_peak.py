@@ -25,7 +25,7 @@ from hybridpipe.profiles.data import resolve_dataset
 from hybridpipe.profiles.profiler import profile_model
 from hybridpipe.profiles.zoo import resolve_model
 from hybridpipe.runtime.trainer import Trainer
-from tests.allocator import allocator_peak, in_fresh_interpreter
+from tests.allocator import allocator_peak, in_fresh_process
 
 GPT = "gpt[layers=2,width=64,heads=2,seq=32,vocab=256]"
 BATCH, MICRO_BATCHES, STEPS = 8, 2, 3
@@ -57,8 +57,8 @@ def measure(precision: str) -> tuple[int, float, float]:
 
 @pytest.mark.parametrize("precision", ["fp32", pytest.param("bf16", marks=pytest.mark.slow)])
 def test_one_stage_peak_is_the_plans_prediction(precision):
-    # a fresh interpreter: what earlier tests left in this process (threads, caches) allocated inside the
+    # a fresh process: what earlier tests left in this process (threads, caches) allocated inside the
     # window here (+294 KB after the pipeline memory tests)
-    measured, predicted, without = in_fresh_interpreter("tests.runtime.test_memory_peak", "measure", precision)
+    measured, predicted, without = in_fresh_process("tests.runtime.test_memory_peak", "measure", precision)
     assert measured == pytest.approx(predicted, rel=0.05), (measured, predicted)
     assert measured > without * 1.05                      # the temporaries matter here

@@ -42,8 +42,8 @@ def counted(*names: str):
 def agree_steps(rank: int, world: int, source: int | None, bad: dict[int, int]) -> dict:
     """Every rank agrees STEPS times; rank r notes a NaN loss at step bad[r] (a finite one otherwise,
     where it computes losses: the source only, or the ranks in ``bad``)."""
-    watch = NonFiniteWatch(torch.device("cpu"), skip=True, flushing=True, source=source,
-                           decides_alone=source == rank)
+    watch = NonFiniteWatch(torch.device("cpu"), skip=True, flushing=True, source=source)
+    assert watch.decides_alone == (source == rank)
     verdicts = []
     with counted("all_reduce", "broadcast") as calls:
         for step in range(STEPS):

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hybridpipe.errors import UserError
-from hybridpipe.partitioner.plan import SHARD_LEVELS
+from hybridpipe.partitioner.plan_parts import SHARD_LEVELS
 
 SHARD_CHOICES = (*SHARD_LEVELS, "auto")
 

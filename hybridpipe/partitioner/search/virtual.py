@@ -147,10 +147,12 @@ def worker_bytes(costs: ModelCosts, specs: Sequence[StageSpec], mine: Sequence[i
 
 def added_ms(e: StageEval, recompute: bool) -> float:
     """What a chunk's shard level changes in its worker's step: its optimizer step and lost compute
-    (``overhead_ms``), its collectives inside the step (``midstep_ms``), the time its layers' syncs
-    occupy the group's lane (``sync.busy_ms``: what the simulator queues), and the forward rerun when
+    (``overhead_ms``, of the compute lost beside its replicas' collectives only the part lost while compute
+    ran, as the simulator counts it), its collectives inside the step (``midstep_ms``), the time its layers'
+    syncs occupy the group's lane (``sync.busy_ms``: what the simulator queues), and the forward rerun when
     recomputing."""
-    return e.overhead_ms + e.midstep_ms + e.sync.busy_ms + (e.micro_batches * e.forward_ms if recompute else 0.0)
+    lost = e.overhead_ms - e.ring_ms + e.overlapped_ring_ms
+    return lost + e.midstep_ms + e.sync.busy_ms + (e.micro_batches * e.forward_ms if recompute else 0.0)
 
 
 def chunk_shards(costs: ModelCosts, specs: Sequence[StageSpec], kind: Schedule, opts: Options, virtual: int,
