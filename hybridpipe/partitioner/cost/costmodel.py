@@ -170,11 +170,6 @@ class CostModel:
         """``link(level, algorithm, ranks)`` for every level (the pricing loop's lookup)."""
         return [self.link(level, algorithm, ranks) for level in range(len(self._spans))]
 
-    def group_sizes(self) -> tuple[int, ...]:
-        """The group sizes whose all-reduce fits differ by calibration (``Calibration.group_fits``); () if none."""
-        return tuple(sorted({n for c in self.calibrations.values() if c.group_fits
-                             for n in (*c.group_fits, c.world_size)}))
-
     def p2p_seconds(self, nbytes: float, level: int, share: float = 1.0) -> float:
         """One transfer of ``nbytes`` at ``level``; ``share`` of the link's bandwidth is its own."""
         if nbytes <= 0:

@@ -39,6 +39,12 @@ def lane_row(lane: tuple[np.ndarray, np.ndarray], start: float, i: int) -> np.nd
     return np.maximum(0.0, start + np.maximum.accumulate(h[i:] - np.minimum.accumulate(d[i:])))
 
 
+def group_sizes(model: CostModel) -> tuple[int, ...]:
+    """The group sizes whose all-reduce fits differ by calibration (``Calibration.group_fits``); () if none."""
+    return tuple(sorted({n for c in model.calibrations.values() if c.group_fits
+                         for n in (*c.group_fits, c.world_size)}))
+
+
 def sync_floor(model: CostModel, top: int, units: int, algorithms: Sequence[str],
                param_bytes: np.ndarray) -> np.ndarray:
     """Each node's all-reduce time (ms) is at least this on a group spanning level ``top`` over ``units``
@@ -57,7 +63,7 @@ def sync_floor(model: CostModel, top: int, units: int, algorithms: Sequence[str]
     fits), times the overlap slowdown and the refined size factor, as ``CostModel.fast_lines`` and
     ``StageTerms.sync_ms``. Zero where a fit is negative (the rounds would not add up) or below two units.
     """
-    sizes = model.group_sizes() or (0,)          # a fit per group size (calibration.py): the least of them
+    sizes = group_sizes(model) or (0,)          # a fit per group size (calibration.py): the least of them
     fits = [model.link(lv, a, n) for a in algorithms for lv in range(len(model.cluster.levels)) for n in sizes]
     if units < 2 or not algorithms or min(min(f.alpha_s, f.beta_s_per_byte) for f in fits) < 0 or model.gamma < 0:
         return np.zeros(len(param_bytes))
@@ -84,7 +90,7 @@ def ring_bounds(model: CostModel, levels: int, wc: int, copies: int, algorithms:
     a = np.full((wc + 1, levels), np.inf)
     per_byte = np.full((wc + 1, levels), np.inf)
     n = np.maximum(sizes, 1)
-    per_size = bool(model.group_sizes())          # fits by group size (calibration.py): each size its own
+    per_size = bool(group_sizes(model))          # fits by group size (calibration.py): each size its own
     for algo in ("ring", "native"):
         if algo not in algorithms:
             continue
