@@ -323,13 +323,22 @@ def fastest_virtual_plan(options: Sequence[Sequence[tuple[int, ...]]], costs: Mo
                          opts: Options, virtual: int, build: Callable[[Sequence[StageSpec], Evaluation, Options], Plan],
                          simulate: Simulate) -> tuple[Plan, Evaluation]:
     """The fastest simulated :func:`virtual_plan` over these rank groupings (ties: the earlier); the first
-    grouping's UserError when none can run."""
+    grouping's UserError when none can run. With shard levels to choose and several groupings, each grouping
+    is priced with its workers' levels from the proxy alone (one simulation each, ``exact_combos=0``) and the
+    fastest one's levels are then chosen by simulation (kept if faster): the exact search on every grouping
+    would simulate thousands of combinations on 8 workers."""
+    several = len(options) > 1 and opts.shard != "none"
     built, refused = [], []
     for groups in options:
         try:
-            built.append(virtual_plan(groups, costs, model, opts, virtual, build, simulate))
+            built.append((virtual_plan(groups, costs, model, opts, virtual, build, simulate,
+                                       exact_combos=0 if several else EXACT_COMBOS), groups))
         except UserError as e:
             refused.append(e)
     if not built:
         raise refused[0]
-    return min(built, key=lambda pe: pe[1].objective_ms)
+    best, groups = min(built, key=lambda b: b[0][1].objective_ms)
+    if several:
+        exact = virtual_plan(groups, costs, model, opts, virtual, build, simulate)
+        best = min((best, exact), key=lambda pe: pe[1].objective_ms)
+    return best
