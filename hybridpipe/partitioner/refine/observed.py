@@ -17,6 +17,12 @@ a message ``act/<m>`` goes to a later stage, ``grad/<m>`` to an earlier one). A 
 runs from posting the message to its last byte leaving; a receiver's from the header's
 arrival to the last byte's, the wire time without the wait for the sender.
 Per run: the job's step times over the steady steps (how noisy its median is).
+
+With ``stall_limit``, a steady step in which some rank's compute (its forwards and backwards)
+ran more than ``stall_limit`` times that rank's own median over the steady steps is left out
+of every number above, the measured step included (the median of the job's other steady
+steps): the host stalled (the machine's other work took its CPU), which no plan's model
+prices. One rule for every run, so a plan's reruns and its prediction are judged alike.
 """
 
 from __future__ import annotations
@@ -89,6 +95,22 @@ def steady_steps(ranks: Sequence[RankEvents], warmup: int) -> set[int]:
     return set(common[skip:] if len(common) > skip else common[-1:])
 
 
+def stalled_steps(ranks: Sequence[RankEvents], steps: set[int], limit: float) -> set[int]:
+    """The steps of ``steps`` in which some rank's forwards and backwards took more than ``limit`` times
+    that rank's median over ``steps`` (module docstring); empty where that would leave no step."""
+    stalled: set[int] = set()
+    for r in ranks:
+        per_step: dict[int, float] = {}
+        for e in r.events:
+            step = e.get("args", {}).get("step")
+            if e.get("cat") == "phase" and e.get("name") in ("run_for", "run_back") and step in steps:
+                per_step[int(step)] = per_step.get(int(step), 0.0) + float(e["dur"])
+        if len(per_step) > 1:
+            typical = statistics.median(per_step.values())
+            stalled |= {s for s, us in per_step.items() if us > limit * typical}
+    return stalled if stalled < steps else set()
+
+
 @dataclass(frozen=True)
 class RankMedians:
     """One rank's medians over the steady steps (ms; None where never seen)."""
@@ -149,18 +171,25 @@ def rank_transfers(rank: int, events: Sequence[dict], steps: set[int], stage: in
     return out
 
 
-def job_steps(summary: dict, warmup: int) -> tuple[float, ...]:
-    """The job's step times after the warm-up (and the first step), from the summary's ``job_step_ms``."""
+def job_step_map(summary: dict) -> dict[int, float]:
+    """The summary's ``job_step_ms``: step -> the job's time for it (ms), in step order."""
     raw = summary.get("job_step_ms") or {}
     if not isinstance(raw, dict):
-        return ()
-    steps = sorted((int(k), float(v)) for k, v in raw.items() if isinstance(v, (int, float)) and str(k).isdigit())
+        return {}
+    return dict(sorted((int(k), float(v)) for k, v in raw.items() if isinstance(v, (int, float)) and str(k).isdigit()))
+
+
+def job_steps(summary: dict, warmup: int) -> tuple[float, ...]:
+    """The job's step times after the warm-up (and the first step), from the summary's ``job_step_ms``."""
+    steps = list(job_step_map(summary).values())
     skip = max(warmup, 1)
-    return tuple(v for _, v in (steps[skip:] if len(steps) > skip else steps[-1:]))
+    return tuple(steps[skip:] if len(steps) > skip else steps[-1:])
 
 
-def observe_run(name: str, summary: dict, ranks: Sequence[RankEvents]) -> RunObservation:
-    """A run's observation from its summary.json (parsed) and its ranks' traces; UserError if they disagree."""
+def observe_run(name: str, summary: dict, ranks: Sequence[RankEvents],
+                stall_limit: float | None = None) -> RunObservation:
+    """A run's observation from its summary.json (parsed) and its ranks' traces; UserError if they disagree.
+    ``stall_limit``: leave out the steps where a host stalled (module docstring)."""
     where = f"{name}: summary.json"
     stages_raw = field(summary, "stages", list, where)
     micro = field(summary, "micro_batches", int, where, minimum=1)
@@ -172,6 +201,13 @@ def observe_run(name: str, summary: dict, ranks: Sequence[RankEvents]) -> RunObs
     if not ranks:
         raise UserError(f"{name}: the run has no rank traces; run it with the timeline on (no --no-trace)")
     steps = steady_steps(ranks, warmup)
+    times = job_steps(summary, warmup)
+    if stall_limit is not None:
+        steps -= stalled_steps(ranks, steps, stall_limit)
+        jobs = job_step_map(summary)
+        kept = tuple(jobs[k] for k in sorted(steps) if k in jobs)
+        if kept:
+            times, measured = kept, statistics.median(kept)
     stages = []
     for k, entry in enumerate(stages_raw):
         if not (isinstance(entry, list) and len(entry) == 3 and all(isinstance(x, int) for x in entry)):
@@ -193,5 +229,4 @@ def observe_run(name: str, summary: dict, ranks: Sequence[RankEvents]) -> RunObs
     transfers = [t for r in ranks for t in rank_transfers(r.rank, r.events, steps, r.stage, stage_of)]
     return RunObservation(name, tuple(stages), tuple(transfers), schedule, micro,
                           float(measured) if isinstance(measured, (int, float)) else None,
-                          float(predicted) if isinstance(predicted, (int, float)) else None,
-                          job_steps(summary, warmup))
+                          float(predicted) if isinstance(predicted, (int, float)) else None, times)
