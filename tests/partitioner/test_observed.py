@@ -42,3 +42,23 @@ def test_the_stalled_steps_leave_the_measured_step_and_the_stages_medians():
     assert every.step_times_ms == (200.0, 210.0, 400.0, 300.0, 320.0)
     assert every.measured_step_ms == 300.0
     assert every.stages[1].forward_ms == 104 / 4
+
+
+def _replica(rank: int, replica: int, backward_end_ms: float, wait_ms: float, steps: int = 4) -> RankEvents:
+    events = []
+    for step in range(steps):
+        t0 = step * 10_000.0
+        events.append({"ph": "X", "name": "run_back", "cat": "phase", "ts": (t0 + backward_end_ms - 50) * 1e3,
+                       "dur": 50e3, "args": {"step": step, "micro_batch": replica}})
+        events.append({"ph": "X", "name": "sync", "cat": "phase", "ts": (t0 + backward_end_ms) * 1e3,
+                       "dur": wait_ms * 1e3, "args": {"step": step, "micro_batch": -1}})
+    return RankEvents(rank, 0, replica, events)
+
+
+def test_a_replicated_stage_waits_what_the_replica_that_freed_its_gradients_last_waited():
+    # replica 0 ends its backward 500 ms before replica 1 and waits for it: 700 ms; replica 1 waits 200 ms for
+    # the all-reduces' tail. The all-reduces took 200 ms past the last gradient; the rest was the replicas' skew.
+    ranks = [_replica(0, 0, 1000.0, 700.0), _replica(1, 1, 1500.0, 200.0)]
+    summary = {"stages": [[0, 0, 2]], "micro_batches": 2, "schedule": "1f1b", "warmup_steps": 1,
+               "measured_step_ms": 1800.0}
+    assert observe_run("run", summary, ranks).stages[0].sync_wait_ms == 200.0

@@ -10,7 +10,9 @@ Per stage, over the steady steps (the summary's warm-up steps left out, and alwa
 first step: it builds buffers, warms caches and waits for every rank to arrive) and its
 replicas: the median forward (the first stage's with loading the batch) and backward of one
 micro-batch, the median wait per step at the end of the backward for the gradient all-reduce
-(the ``sync`` phase: what the all-reduces did not hide), and the median ``step`` phase per step
+(the ``sync`` phase: what the all-reduces did not hide; of a replicated stage, each step the wait
+of the replica whose last backward ended last: the others also wait for it to free its gradients,
+time that is the replicas' skew, not the all-reduces'), and the median ``step`` phase per step
 (the tied weights' sum across stages, then the optimizer step).
 Per rank: every p2p transfer (peer, bytes, seconds, and whether the rank sent or received it:
 a message ``act/<m>`` goes to a later stage, ``grad/<m>`` to an earlier one). A sender's time
@@ -150,6 +152,28 @@ def rank_medians(events: Sequence[dict], steps: set[int], *, loads_input: bool =
                        _median(list(sync_per_step.values())), _median(list(step_per_step.values())))
 
 
+def last_replica_wait_ms(replicas: Sequence[RankEvents], steps: set[int]) -> float | None:
+    """Median over ``steps`` of the sync wait of the replica whose last backward of the step ended last
+    (the traces share a time origin: runtime/timeline.py aligns them at a barrier); None: no sync seen."""
+    waits, seen = [], False
+    for step in sorted(steps):
+        ends: list[tuple[float, float]] = []          # (last backward's end, sync wait) per replica
+        for r in replicas:
+            end, wait = None, 0.0
+            for e in r.events:
+                if e.get("cat") != "phase" or e.get("args", {}).get("step") != step:
+                    continue
+                if e["name"] == "run_back":
+                    end = max(end or 0.0, float(e["ts"]) + float(e["dur"]))
+                elif e["name"] == "sync":
+                    wait, seen = wait + float(e["dur"]) / 1e3, True
+            if end is not None:
+                ends.append((end, wait))
+        if len(ends) == len(replicas):
+            waits.append(max(ends)[1])
+    return _median(waits) if seen else None
+
+
 def direction(key: str, stage: int, peer_stage: int | None) -> bool | None:
     """Whether a rank of ``stage`` sent (True) or received (False) message ``key`` with a rank of ``peer_stage``."""
     kind = key.split("/", 1)[0]
@@ -222,8 +246,7 @@ def observe_run(name: str, summary: dict, ranks: Sequence[RankEvents],
         stages.append(StageObservation(entry[0], entry[1], tuple(r.rank for r in mine),
                                        _median([m.forward_ms for m in med if m.forward_ms is not None]),
                                        _median([m.backward_ms for m in med if m.backward_ms is not None]),
-                                       _median([m.sync_wait_ms for m in med if m.sync_wait_ms is not None])
-                                       if entry[2] > 1 else None,
+                                       last_replica_wait_ms(mine, steps) if entry[2] > 1 else None,
                                        algos, _median([m.step_ms for m in med if m.step_ms is not None])))
     stage_of = {r.rank: r.stage for r in ranks}
     transfers = [t for r in ranks for t in rank_transfers(r.rank, r.events, steps, r.stage, stage_of)]
