@@ -286,7 +286,7 @@ def virtual_plan(groups: Sequence[tuple[int, ...]], costs: ModelCosts, model: Co
     if shards is not None:
         allowed: list[Sequence[Variant]] = [(v,) for v in shards]
     elif levels != {NONE} and exact_combos > 1:
-        allowed = undominated(specs, opts, *_charges(costs, specs, opts, virtual, evals, assembled, build, plain))
+        allowed = undominated(specs, opts, *_charges(costs, specs, opts, evals, assembled, build, plain))
     else:
         allowed = [opts.variants(len(s.ranks)) for s in specs]
     workers = worker_choices(costs, specs, kind, opts, virtual, evals, allowed)
@@ -298,7 +298,7 @@ def virtual_plan(groups: Sequence[tuple[int, ...]], costs: ModelCosts, model: Co
     return min(every, key=lambda pa: (pa[0][1].objective_ms, pa[1]))[0]
 
 
-def _charges(costs: ModelCosts, specs: Sequence[StageSpec], opts: Options, virtual: int,
+def _charges(costs: ModelCosts, specs: Sequence[StageSpec], opts: Options,
              evals: dict[Variant, Evaluation], assembled: Callable[..., Evaluation],
              build: Callable[[Sequence[StageSpec], Evaluation, Options], Plan], plain: Options
              ) -> tuple[dict[tuple[int, Variant], float], Callable[[int, Variant, bool], StageCosts]]:
