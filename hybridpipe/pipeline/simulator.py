@@ -19,7 +19,8 @@ Discrete-event model, per rank, in instruction order:
   backward). SyncWait waits for the last one: overlap with the rest of the backward and the
   gradient sends is what hides it. A sharded stage's layer syncs are a reduce-scatter then an
   all-gather, half of the layer's ``predicted_ms`` each (``partitioner/cost/sharded.py``); the
-  collectives its level adds inside the step (``sharding.midstep_ms``) lengthen its backwards.
+  collectives its level adds inside the step (``sharding.midstep_ms``) lengthen its backwards. (What each
+  stage is charged: ``partitioner/search/simcosts.py``, which the virtual-chunk search reads too.)
   The compute a stage loses beside its replicas' collectives while they overlap its compute
   (the plan's ``overlapped_ring_ms``) lengthens the synced Backward but not its gradients' ready
   times, so the step pays the larger of it and the exposed sync (``objective.predict_step_ms``).
@@ -44,7 +45,7 @@ from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.cost.wire import WIRE_BYTES, activation_wire
 from hybridpipe.partitioner.plan import Plan
 from hybridpipe.partitioner.schedule_registry import Schedule
-from hybridpipe.partitioner.search.sharding import Variant, midstep_ms
+from hybridpipe.partitioner.search.simcosts import StageCosts, stage_costs
 from hybridpipe.pipeline.instructions import (
     Backward,
     BackwardInput,
@@ -94,47 +95,6 @@ class SimResult:
     @property
     def makespan_ms(self) -> float:
         return self.step_ends[-1] if self.step_ends else 0.0
-
-
-@dataclass(frozen=True)
-class StageCosts:
-    forward_ms: float
-    backward_ms: float
-    send_ms: float                          # per message over the cut after this stage (each way)
-    send_bytes: int
-    allreduce_ms: tuple[float, ...]         # per layer, in forward order (empty: no sync)
-    input_share: float = 0.5                # of backward_ms, the input-gradient half's (split schedules)
-    sharded: bool = False                   # each layer's sync is a reduce-scatter + an all-gather (halves)
-    lost_ms: float = 0.0                    # compute a synced backward loses beside its replicas' collectives
-
-
-def stage_costs(plan: Plan) -> list[StageCosts]:
-    """Per-stage costs from the plan; a plan with only ``compute_ms`` splits it 1:2 (forward:backward).
-
-    A stage's ``overhead_ms`` (optimizer steps, compute lost to communication) is spread over
-    the backwards of its replica's micro-batches, but for the compute lost beside its replicas' own
-    collectives (``ring_ms``): only the part lost while compute ran (``overlapped_ring_ms``) counts, per
-    sync, on the backward that starts the sync (``lost_ms``), as objective.predict_step_ms counts it."""
-    out = []
-    for s in plan.stages:
-        f, b = s.forward_ms, s.backward_ms
-        if f == 0 and b == 0 and s.compute_ms > 0:
-            f, b = s.compute_ms / 3, 2 * s.compute_ms / 3
-        k = -(-plan.micro_batches // s.replicas)
-        if s.shard != "none":
-            half = sum(lv.predicted_ms for lv in s.layers) / 2
-            b += float(midstep_ms(Variant(s.shard, s.reshard_after_forward), k, half, f, b)) / k
-        b += (s.overhead_ms - s.ring_ms) / k
-        lost = s.overlapped_ring_ms / plan.kind.syncs_per_step(k)
-        if s.replicas > 1 and s.layers:
-            ar = tuple(lv.predicted_ms for lv in s.layers)
-        elif s.replicas > 1 and s.sync_ms > 0:
-            ar = (s.sync_ms,)
-        else:
-            ar = ()
-        out.append(StageCosts(f, b, s.send_ms, s.send_bytes, ar, 0.0 if s.index == 0 else 0.5, s.shard != "none",
-                              lost))
-    return out
 
 
 def plan_cost_model(plan: Plan, calibration: Calibration | None = None) -> CostModel:

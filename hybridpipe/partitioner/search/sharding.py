@@ -36,9 +36,9 @@ all-reduce, H_l for layer l; H = sum over the stage's layers):
   reduce-scatters or all-gathers of (r - 1) / r W per step (an all-reduce is two).
 
 A shard level needs a flushed schedule (pipedream stashes whole weight versions) and r > 1;
-``--shard auto`` takes, per stage, the variant with the smallest stage term among those that fit and
-that the runtime runs (ZeRO-3's ``parameters`` is planned only when asked for by name: launch refuses it
-until the runtime gathers weights), ties to the first in ``VARIANTS``: less sharding.
+``--shard auto`` takes, per stage, the variant with the smallest stage term among those that fit (every
+level: launch runs them all, ZeRO-3's ``parameters`` included), ties to the first in ``VARIANTS``: less
+sharding.
 """
 
 from __future__ import annotations

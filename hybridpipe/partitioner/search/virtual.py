@@ -18,9 +18,13 @@ contiguous chunks laid out on the groups as the schedule says (``schedule_regist
   otherwise;
 * shard levels (``--shard``, ``sharding.py``): a chunk on a group of r > 1 replicas holds its weights,
   gradients and optimizer state as its level says (``objective.memory_bytes``); a worker's chunks
-  share its memory, so its levels are chosen together (``chunk_shards``: every combination, the least
-  added optimizer step, collectives and reruns among those that fit), and the simulator times each
-  chunk's reduce-scatters and all-gathers on its group's lane as for a one-chunk stage;
+  share its memory, so its levels are chosen together, and the simulator times each chunk's
+  reduce-scatters and all-gathers on its group's lane as for a one-chunk stage. A level that holds no
+  fewer bytes and is charged no less by the simulator than another is dropped (``undominated``: exact, the
+  simulator's durations only push events later); of the combinations that fit (``worker_choices``), up to
+  ``EXACT_COMBOS`` over all workers are each simulated and the fastest kept; beyond, each worker takes its
+  least added optimizer step, collectives and reruns (``added_ms``, a proxy: on 4 layers, zbv on 1 + 2
+  replicas, it chose a plan simulated 6.6% slower than the fastest);
 * per-chunk figures (forward, backward, transfers, per-layer all-reduce choice, overhead) come
   from ``objective.evaluate`` as for any stage; the predicted step is the schedule's simulation
   (``simulate``, given by the caller: the simulator lives in ``hybridpipe.pipeline``), plus the
@@ -34,7 +38,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -55,11 +59,13 @@ from hybridpipe.partitioner.search.objective import (
     transient_bytes,
 )
 from hybridpipe.partitioner.search.sharding import NONE, Variant
+from hybridpipe.partitioner.search.simcosts import StageCosts, one_stage_costs
 
 Simulate = Callable[[Plan], float]      # a plan -> its simulated step in ms
 
 BASE_SCHEDULE = "1f1b"     # the one-chunk schedule whose plan gives a virtual plan its groups and replicas
 ENUMERATED_WORKERS = 8     # up to this many workers, every split into contiguous groups is tried (2^(W-1))
+EXACT_COMBOS = 256         # up to this many combinations of the workers' shard levels, each one is simulated
 
 
 def group_candidates(base: Sequence[tuple[int, ...]], workers: int) -> list[tuple[tuple[int, ...], ...]]:
@@ -155,46 +161,85 @@ def added_ms(e: StageEval, recompute: bool) -> float:
     return lost + e.midstep_ms + e.sync.busy_ms + (e.micro_batches * e.forward_ms if recompute else 0.0)
 
 
-def chunk_shards(costs: ModelCosts, specs: Sequence[StageSpec], kind: Schedule, opts: Options, virtual: int,
-                 evals: dict[Variant, Evaluation], forced: Sequence[Variant] | None = None
-                 ) -> tuple[list[Variant], list[float], list[bool]]:
-    """Each chunk's shard level, its worker's peak bytes and whether it recomputes.
+@dataclass(frozen=True)
+class WorkerChoice:
+    """One combination of levels for a worker's chunks: its peak bytes, whether it recomputes, whether that
+    fits and its summed ``added_ms`` (the proxy)."""
 
-    A worker's chunks share its memory, so its levels are chosen together: every combination of
-    the levels ``opts.variants`` allows its group (at most 3^V under ``auto``), the one with the
-    least ``added_ms`` summed over its chunks among those that fit (ties: the earlier, less
-    sharding); none fitting, the one needing the least memory (for the refusal). ``evals[v]``: every
-    chunk evaluated at level ``v`` (``NONE`` where its group cannot shard); ``forced``: the levels
-    given (brute force)."""
-    variants = list(forced) if forced is not None else [NONE] * len(specs)
-    worker = [0.0] * len(specs)
-    recompute = [opts.recompute == "all"] * len(specs)
+    levels: tuple[Variant, ...]
+    bytes: float
+    recompute: bool
+    fits: bool
+    added_ms: float
+
+
+def worker_choices(costs: ModelCosts, specs: Sequence[StageSpec], kind: Schedule, opts: Options, virtual: int,
+                   evals: dict[Variant, Evaluation], allowed: Sequence[Sequence[Variant]]
+                   ) -> list[tuple[list[int], list[WorkerChoice]]]:
+    """Per worker (pipeline order) its chunks and the combinations of their levels (chunk c among
+    ``allowed[c]``) that fit, least summed ``added_ms`` first (ties: the earlier, less sharding); none
+    fitting, the one needing the least memory alone (for the refusal). ``evals[v]``: every chunk evaluated
+    at level ``v`` (``NONE`` where its group cannot shard)."""
+    out = []
     for g, place in worker_places(specs, opts):
         mine = [c for c, s in enumerate(specs) if s.ranks == g]
-        allowed = opts.variants(len(g))
-        combos = [tuple(variants[c] for c in mine)] if forced is not None else itertools.product(allowed,
-                                                                                              repeat=len(mine))
-        best: tuple[bool, float, tuple[Variant, ...], float, bool] | None = None
-        for combo in combos:
+        tried = []
+        for combo in itertools.product(*(allowed[c] for c in mine)):
             w, rc = worker_bytes(costs, specs, mine, combo, kind, place, opts, virtual)
-            fits = w <= opts.memory_bytes
-            key = sum(added_ms(evals[v].stages[c], rc) for v, c in zip(combo, mine, strict=True)) if fits else w
-            if best is None or (fits, -key) > (best[0], -best[1]):
-                best = (fits, key, combo, w, rc)
-        assert best is not None
-        for v, c in zip(best[2], mine, strict=True):
-            variants[c], worker[c], recompute[c] = v, best[3], best[4]
-    return variants, worker, recompute
+            added = sum(added_ms(evals[v].stages[c], rc) for v, c in zip(combo, mine, strict=True))
+            tried.append(WorkerChoice(combo, w, rc, w <= opts.memory_bytes, added))
+        fitting = sorted((t for t in tried if t.fits), key=lambda t: t.added_ms)
+        out.append((mine, fitting or [min(tried, key=lambda t: t.bytes)]))
+    return out
+
+
+def undominated(specs: Sequence[StageSpec], opts: Options, static: dict[tuple[int, Variant], float],
+                charged: Callable[[int, Variant, bool], StageCosts]) -> list[Sequence[Variant]]:
+    """Per chunk, the levels its group allows that no other allowed level dominates (the earlier of equals).
+
+    Level v dominates u on chunk c when it holds no more static bytes (``static[c, v]``: weights, gradients,
+    optimizer state; a worker's activations do not depend on its levels) and the simulator charges the chunk
+    no more (``charged(c, level, recompute)``: every duration of ``simcosts.StageCosts``, layer by layer) at
+    every pair of recompute flags v's worker may then take (no more memory: it recomputes only if u's did).
+    The simulator is a max-plus system whose event order is fixed by the schedule, not by durations (a
+    rank's instructions in order, links and a group's syncs first come first served in program order), so
+    no duration's growth makes any event earlier: swapping u for v in any combination that fits gives one
+    that fits and is simulated no slower (the worker's other chunks too: dropping a rerun shortens them)."""
+    flags = {"none": ((False, False),), "all": ((True, True),)}.get(opts.recompute,
+                                                                    ((False, False), (False, True), (True, True)))
+
+    def dominates(c: int, v: Variant, u: Variant) -> bool:
+        return static[c, v] <= static[c, u] and all(at_most(charged(c, v, a), charged(c, u, b)) for a, b in flags)
+    out: list[Sequence[Variant]] = []
+    for c, spec in enumerate(specs):
+        levels = opts.variants(len(spec.ranks))
+        out.append([u for x, u in enumerate(levels)
+                    if not any(dominates(c, v, u) and (y < x or not dominates(c, u, v))
+                               for y, v in enumerate(levels) if y != x)])
+    return out
+
+
+def at_most(a: StageCosts, b: StageCosts) -> bool:
+    """Every duration the simulator charges ``a`` is at most ``b``'s (the same layers, the same split backward)."""
+    return (a.forward_ms <= b.forward_ms and a.backward_ms <= b.backward_ms and a.send_ms <= b.send_ms
+            and a.send_bytes <= b.send_bytes and a.lost_ms <= b.lost_ms and a.input_share == b.input_share
+            and len(a.allreduce_ms) == len(b.allreduce_ms)
+            and all(x <= y for x, y in zip(a.allreduce_ms, b.allreduce_ms, strict=True)))
 
 
 def virtual_plan(groups: Sequence[tuple[int, ...]], costs: ModelCosts, model: CostModel, opts: Options, virtual: int,
                  build: Callable[[Sequence[StageSpec], Evaluation, Options], Plan],
-                 simulate: Simulate, shards: Sequence[Variant] | None = None) -> tuple[Plan, Evaluation]:
+                 simulate: Simulate, shards: Sequence[Variant] | None = None,
+                 exact_combos: int = EXACT_COMBOS) -> tuple[Plan, Evaluation]:
     """The plan of ``opts.schedule`` with ``virtual`` chunks per rank on these rank groups (their replicas).
 
     ``build(specs, evaluation, options)`` makes a Plan as ``planner.build_plan`` does (tied
-    weights priced, per-step overhead added); ``simulate`` predicts its step. Each chunk shards as
-    :func:`chunk_shards` chooses under ``opts.shard``, or as ``shards`` (one per chunk) when given."""
+    weights priced, per-step overhead added); ``simulate`` predicts its step. Each chunk shards as ``shards``
+    (one per chunk) when given, else as chosen under ``opts.shard``: a worker's chunks share its memory, so
+    its levels are chosen together among the combinations that fit (``worker_choices``) of the levels no
+    other dominates (``undominated``); up to ``exact_combos`` combinations over all workers, each is simulated
+    and the fastest kept (ties: the least added time); beyond, each worker takes its least summed
+    ``added_ms`` (a proxy: the simulator may hide some of it in the schedule's bubbles)."""
     kind = opts.schedule
     check_virtual(kind, virtual)
     if any(not opts.replicas_ok(len(g)) for g in groups):
@@ -204,46 +249,96 @@ def virtual_plan(groups: Sequence[tuple[int, ...]], costs: ModelCosts, model: Co
     plain = replace(opts, schedule=REGISTRY[BASE_SCHEDULE], memory_bytes=math.inf, recompute="none")
     if shards is not None and any(v not in opts.variants(len(s.ranks)) for v, s in zip(shards, specs, strict=True)):
         raise UserError("a chunk is given a shard level its group cannot take (one replica, or not under --shard)")
-    levels = {v for s in specs for v in opts.variants(len(s.ranks))} | set(shards or ())
-    if levels == {NONE}:
-        evals = {NONE: evaluate(costs, model, specs, plain)}
-    else:       # every chunk at every level its group allows (NONE where it cannot shard)
-        evals = {v: evaluate(costs, model, specs, plain,
-                             [v if v in opts.variants(len(s.ranks)) else NONE for s in specs]) for v in levels}
-    chosen, worker, recompute = chunk_shards(costs, specs, kind, opts, virtual, evals, shards)
-    ev = evaluate(costs, model, specs, plain, chosen) if levels != {NONE} else evals[NONE]
-    stages = []
-    for c, (e, spec) in enumerate(zip(ev.stages, specs, strict=True)):
-        b = e.backward_ms + (e.forward_ms if recompute[c] else 0.0)
-        e = replace(e, memory_bytes=worker[c], recompute=recompute[c], backward_ms=b,
-                    term_ms=e.micro_batches * (e.forward_ms + b))       # the chunk's own compute per step
-        if c + 1 < len(specs) and specs[c + 1].ranks == spec.ranks:      # zbv's middle: handed over in the rank
-            e = replace(e, send_ms=0.0, send_grad_ms=0.0, send_bytes=0.0)
-        stages.append(e)
-    ev = Evaluation(tuple(stages), ev.objective_ms, all(w <= opts.memory_bytes for w in worker))
-    if not ev.fits:
-        c = max(range(len(specs)), key=worker.__getitem__)
-        raise UserError(f"{kind.name} with {virtual} virtual stages does not fit: the workers of stage {c} "
-                        f"(ranks {list(specs[c].ranks)}) need {worker[c] / 1e9:.2f} GB for their {virtual} chunks, "
-                        f"more than {opts.memory_bytes / 1e9:g} GB; raise --memory-gb, use --recompute auto"
-                        f"{'' if opts.shard != 'none' else ', --shard auto'}, fewer --virtual-stages or more workers")
-    plan = replace(build(specs, ev, plain), schedule=kind.name, virtual_stages=virtual)
-    step = simulate(plan) + sum(t.predicted_ms for t in plan.tied) + model.step_overhead_ms
-    samples = opts.micro_batches * plan.batch_size / (step / 1e3) if step > 0 else 0.0
-    return replace(plan, predicted_step_ms=step, predicted_samples_per_s=samples), replace(ev, objective_ms=step)
+    levels = set(shards) if shards is not None else {v for s in specs for v in opts.variants(len(s.ranks))}
+    evals = {v: evaluate(costs, model, specs, plain, [v if v in opts.variants(len(s.ranks)) else NONE for s in specs])
+             for v in levels}     # every chunk at each level (NONE where its group cannot shard)
+
+    def assembled(chosen: Sequence[Variant], worker: Sequence[float], recompute: Sequence[bool]) -> Evaluation:
+        stages = []
+        for c, spec in enumerate(specs):
+            e = evals[chosen[c]].stages[c]
+            b = e.backward_ms + (e.forward_ms if recompute[c] else 0.0)
+            e = replace(e, memory_bytes=worker[c], recompute=recompute[c], backward_ms=b,
+                        term_ms=e.micro_batches * (e.forward_ms + b))       # the chunk's own compute per step
+            if c + 1 < len(specs) and specs[c + 1].ranks == spec.ranks:      # zbv's middle: handed over in the rank
+                e = replace(e, send_ms=0.0, send_grad_ms=0.0, send_bytes=0.0)
+            stages.append(e)
+        return Evaluation(tuple(stages), math.inf, all(w <= opts.memory_bytes for w in worker))
+
+    def priced(choices: Sequence[tuple[list[int], WorkerChoice]]) -> tuple[Plan, Evaluation]:
+        chosen, worker, recompute = [NONE] * len(specs), [0.0] * len(specs), [False] * len(specs)
+        for mine, ch in choices:
+            for v, c in zip(ch.levels, mine, strict=True):
+                chosen[c], worker[c], recompute[c] = v, ch.bytes, ch.recompute
+        ev = assembled(chosen, worker, recompute)
+        if not ev.fits:
+            c = max(range(len(specs)), key=worker.__getitem__)
+            raise UserError(f"{kind.name} with {virtual} virtual stages does not fit: the workers of stage {c} "
+                            f"(ranks {list(specs[c].ranks)}) need {worker[c] / 1e9:.2f} GB for their {virtual} "
+                            f"chunks, more than {opts.memory_bytes / 1e9:g} GB; raise --memory-gb, use --recompute "
+                            f"auto{'' if opts.shard != 'none' else ', --shard auto'}, fewer --virtual-stages or more "
+                            "workers")
+        plan = replace(build(specs, ev, plain), schedule=kind.name, virtual_stages=virtual)
+        step = simulate(plan) + sum(t.predicted_ms for t in plan.tied) + model.step_overhead_ms
+        samples = opts.micro_batches * plan.batch_size / (step / 1e3) if step > 0 else 0.0
+        return replace(plan, predicted_step_ms=step, predicted_samples_per_s=samples), replace(ev, objective_ms=step)
+
+    if shards is not None:
+        allowed: list[Sequence[Variant]] = [(v,) for v in shards]
+    elif levels != {NONE} and exact_combos > 1:
+        allowed = undominated(specs, opts, *_charges(costs, specs, opts, evals, assembled, build, plain))
+    else:
+        allowed = [opts.variants(len(s.ranks)) for s in specs]
+    workers = worker_choices(costs, specs, kind, opts, virtual, evals, allowed)
+    fits = all(w[0].fits for _, w in workers)
+    if not fits or not 1 < math.prod(len(w) for _, w in workers) <= exact_combos:
+        return priced([(mine, w[0]) for mine, w in workers])
+    every = [(priced(list(zip((m for m, _ in workers), combo, strict=True))), sum(ch.added_ms for ch in combo))
+             for combo in itertools.product(*(w for _, w in workers))]
+    return min(every, key=lambda pa: (pa[0][1].objective_ms, pa[1]))[0]
+
+
+def _charges(costs: ModelCosts, specs: Sequence[StageSpec], opts: Options,
+             evals: dict[Variant, Evaluation], assembled: Callable[..., Evaluation],
+             build: Callable[[Sequence[StageSpec], Evaluation, Options], Plan], plain: Options
+             ) -> tuple[dict[tuple[int, Variant], float], Callable[[int, Variant, bool], StageCosts]]:
+    """For ``undominated``: each chunk's static bytes at each level its group allows, and what the simulator
+    charges it at a level with or without recomputing (from the plan's stage, as the simulator reads it)."""
+    static = {(c, v): memory_bytes(costs, s.first, s.last, 0, opts, variant=v, replicas=len(s.ranks))
+              for c, s in enumerate(specs) for v in opts.variants(len(s.ranks))}
+    n = len(specs)
+    table: dict[tuple[int, Variant, bool], StageCosts] = {}
+
+    def charged(c: int, v: Variant, rc: bool) -> StageCosts:
+        if (c, v, rc) not in table:
+            chosen = [v if v in opts.variants(len(s.ranks)) else NONE for s in specs]
+            plan = build(specs, assembled(chosen, [0.0] * n, [rc] * n), plain)
+            for k, st in enumerate(plan.stages):
+                table[k, chosen[k], rc] = one_stage_costs(st, opts.micro_batches, opts.schedule)
+        return table[c, v, rc]
+    return static, charged
 
 
 def fastest_virtual_plan(options: Sequence[Sequence[tuple[int, ...]]], costs: ModelCosts, model: CostModel,
                          opts: Options, virtual: int, build: Callable[[Sequence[StageSpec], Evaluation, Options], Plan],
                          simulate: Simulate) -> tuple[Plan, Evaluation]:
     """The fastest simulated :func:`virtual_plan` over these rank groupings (ties: the earlier); the first
-    grouping's UserError when none can run."""
+    grouping's UserError when none can run. With shard levels to choose and several groupings, each grouping
+    is priced with its workers' levels from the proxy alone (one simulation each, ``exact_combos=0``) and the
+    fastest one's levels are then chosen by simulation (kept if faster): the exact search on every grouping
+    would simulate thousands of combinations on 8 workers."""
+    several = len(options) > 1 and opts.shard != "none"
     built, refused = [], []
     for groups in options:
         try:
-            built.append(virtual_plan(groups, costs, model, opts, virtual, build, simulate))
+            built.append((virtual_plan(groups, costs, model, opts, virtual, build, simulate,
+                                       exact_combos=0 if several else EXACT_COMBOS), groups))
         except UserError as e:
             refused.append(e)
     if not built:
         raise refused[0]
-    return min(built, key=lambda pe: pe[1].objective_ms)
+    best, groups = min(built, key=lambda b: b[0][1].objective_ms)
+    if several:
+        exact = virtual_plan(groups, costs, model, opts, virtual, build, simulate)
+        best = min((best, exact), key=lambda pe: pe[1].objective_ms)
+    return best
