@@ -29,7 +29,8 @@ from hybridpipe.comm.p2p import wire
 from hybridpipe.comm.p2p.device import check_device, hand_over, mark_ready
 from hybridpipe.comm.p2p.errors import P2PError, P2PTimeout, ProtocolError
 from hybridpipe.comm.p2p.groups import PairGroups, pair_groups
-from hybridpipe.comm.p2p.links import Link, LinkConfig, PerTensorLink, SaLink, SraLink, TransferHook
+from hybridpipe.comm.p2p.link_sra import SraLink
+from hybridpipe.comm.p2p.links import Link, LinkConfig, PerTensorLink, SaLink, TransferHook
 from hybridpipe.comm.p2p.mailbox import Expired
 from hybridpipe.comm.p2p.order import Op, check_order, mirror, order_digest
 from hybridpipe.comm.p2p.wire import Flag

@@ -22,8 +22,9 @@ def slack() -> float:
 
 
 def test_round_trips_every_mode_many_in_flight_and_shape_changes():
-    values = expect_ok(run_ranks(scenarios.roundtrip, 2, args=(MODES, 16), timeout=120))
+    values = expect_ok(run_ranks(scenarios.roundtrip, 2, args=(MODES, 16, WAITS), timeout=120))
     for rank, report in values.items():
+        _check_send_waits(rank, report.pop("send_waits"))
         for mode in MODES:
             r = report[mode]
             assert r["problems"] == [], (rank, mode)
@@ -37,6 +38,21 @@ def test_round_trips_every_mode_many_in_flight_and_shape_changes():
             if rank == 0:
                 assert r["steady_frames"] == 8 * (3 if mode == "per-tensor" else 1), (mode, r)
                 assert r["steady_sends"] == r["steady_frames"], (mode, r)
+
+
+WAITS = 6
+
+
+def _check_send_waits(rank: int, report: dict) -> None:
+    """``sa`` on the CPU without a timeline (no ``on_transfer``): no send thread, so no wake-up per
+    frame; the caller waits for each frame itself (WAITS frames + the close). With the hook, a send
+    thread waits and reports each one."""
+    plain, hooked = report["plain"], report["hooked"]
+    assert plain["problems"] == [] and hooked["problems"] == [], (rank, report)
+    assert plain["threads"] == ["recv"] and hooked["threads"] == ["recv", "send"], (rank, report)
+    assert plain["waited_by_caller"] == WAITS + 1 and plain["waited_elsewhere"] == 0, (rank, plain)
+    assert hooked["waited_by_caller"] == 0 and hooked["waited_elsewhere"] == WAITS + 1, (rank, hooked)
+    assert hooked["sent_transfers"] == WAITS and plain["threads_left"] == hooked["threads_left"] == 0
 
 
 def test_fan_in_from_three_replicas_and_skip_edges_every_mode():
