@@ -283,9 +283,13 @@ class SaLink(Link):
         return super().join(deadline)
 
     def _reap(self, keep: int, deadline: float) -> None:
-        """Lazy sends: wait (on the caller's thread) until at most ``keep`` frames are in flight."""
+        """Lazy sends: wait (on the caller's thread) until at most ``keep`` frames are in flight.
+        A failed link raises its failure at once: its frames will never leave, and waiting for them
+        again would spend the whole timeout a second time."""
         pending = self.pending
         while len(pending) > keep:
+            if (err := self.sent.error) is not None:
+                raise err
             try:
                 self.senders[0].complete(pending[0], deadline)
             except P2PError as e:
