@@ -223,19 +223,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--calibration", type=Path, action="append", help="the all-reduce calibration to price with "
                    "instead of the --work folder's allreduceN.json (one per --work, in order; e.g. one with fits per "
                    "group size measured later on the same emulated cluster)")
+    p.add_argument("--drop-stalled", type=float, metavar="LIMIT", help="leave out of every run (measurement, noise "
+                   "floor and refinement alike) the steady steps in which some rank computed more than LIMIT times its "
+                   "own median over the run (a host stalled; observed.stalled_steps), e.g. 1.25")
     a = p.parse_args(argv)
     if len(a.work) != len(a.results) or (a.calibration and len(a.calibration) != len(a.work)):
         p.error("give one --work per --results (and one --calibration per --work, if any)")
     groups: dict[str, list[PlanError]] = {}
     out: dict = {"benchmark": "plans_prediction", "machine": machine(), "results": [str(r) for r in a.results],
-                 "groups": {}}
+                 "drop_stalled": a.drop_stalled, "groups": {}}
     spreads: list[float] = []
     found = [(work, model, hosts, cal) for work, results, cal in zip(a.work, a.results, a.calibration or
                                                                       [None] * len(a.work), strict=True)
              for model, hosts in dict.fromkeys((r["model"], r["hosts"]) for r in read_json(results, "results")["rows"])]
     out["calibrations"] = {}
     for work, model, hosts, cal in found:
-        runs = [load_run(d) for d in run_dirs(work, model, hosts)]
+        runs = [load_run(d, a.drop_stalled) for d in run_dirs(work, model, hosts)]
         cal_paths = [cal] if cal else sorted(work.glob(f"allreduce{hosts}.json"))
         out["calibrations"][f"{model}, {hosts} hosts"] = [str(c) for c in cal_paths]
         refiner = group_refiner(work / f"{model}.x{hosts}.profile.json",

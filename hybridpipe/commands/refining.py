@@ -32,8 +32,9 @@ from hybridpipe.runtime.timeline import find_rank_traces, load_rank_trace
 SHOWN_NODES = 6          # nodes whose residual is furthest from 1, listed
 
 
-def load_run(run_dir: str | os.PathLike) -> RunObservation:
-    """A run directory's observation; a run without a summary or traces is a one-line UserError."""
+def load_run(run_dir: str | os.PathLike, stall_limit: float | None = None) -> RunObservation:
+    """A run directory's observation; a run without a summary or traces is a one-line UserError.
+    ``stall_limit``: leave out the steps where a host stalled (``observed.observe_run``)."""
     base = Path(run_dir)
     path = base / "summary.json"
     if not path.is_file():
@@ -46,7 +47,7 @@ def load_run(run_dir: str | os.PathLike) -> RunObservation:
     traces = [load_rank_trace(p) for p in find_rank_traces(where)]
     ranks = [RankEvents(t.rank, int(t.meta["stage"]), int(t.meta["replica"]),
                         [e for e in t.events if e.get("ph") == "X"]) for t in traces]
-    return observe_run(str(base), summary, ranks)
+    return observe_run(str(base), summary, ranks, stall_limit)
 
 
 @dataclass(frozen=True)

@@ -10,13 +10,21 @@ Per stage, over the steady steps (the summary's warm-up steps left out, and alwa
 first step: it builds buffers, warms caches and waits for every rank to arrive) and its
 replicas: the median forward (the first stage's with loading the batch) and backward of one
 micro-batch, the median wait per step at the end of the backward for the gradient all-reduce
-(the ``sync`` phase: what the all-reduces did not hide), and the median ``step`` phase per step
+(the ``sync`` phase: what the all-reduces did not hide; of a replicated stage, each step the wait
+of the replica whose last backward ended last: the others also wait for it to free its gradients,
+time that is the replicas' skew, not the all-reduces'), and the median ``step`` phase per step
 (the tied weights' sum across stages, then the optimizer step).
 Per rank: every p2p transfer (peer, bytes, seconds, and whether the rank sent or received it:
 a message ``act/<m>`` goes to a later stage, ``grad/<m>`` to an earlier one). A sender's time
 runs from posting the message to its last byte leaving; a receiver's from the header's
 arrival to the last byte's, the wire time without the wait for the sender.
 Per run: the job's step times over the steady steps (how noisy its median is).
+
+With ``stall_limit``, a steady step in which some rank's compute (its forwards and backwards)
+ran more than ``stall_limit`` times that rank's own median over the steady steps is left out
+of every number above, the measured step included (the median of the job's other steady
+steps): the host stalled (the machine's other work took its CPU), which no plan's model
+prices. One rule for every run, so a plan's reruns and its prediction are judged alike.
 """
 
 from __future__ import annotations
@@ -89,6 +97,22 @@ def steady_steps(ranks: Sequence[RankEvents], warmup: int) -> set[int]:
     return set(common[skip:] if len(common) > skip else common[-1:])
 
 
+def stalled_steps(ranks: Sequence[RankEvents], steps: set[int], limit: float) -> set[int]:
+    """The steps of ``steps`` in which some rank's forwards and backwards took more than ``limit`` times
+    that rank's median over ``steps`` (module docstring); empty where that would leave no step."""
+    stalled: set[int] = set()
+    for r in ranks:
+        per_step: dict[int, float] = {}
+        for e in r.events:
+            step = e.get("args", {}).get("step")
+            if e.get("cat") == "phase" and e.get("name") in ("run_for", "run_back") and step in steps:
+                per_step[int(step)] = per_step.get(int(step), 0.0) + float(e["dur"])
+        if len(per_step) > 1:
+            typical = statistics.median(per_step.values())
+            stalled |= {s for s, us in per_step.items() if us > limit * typical}
+    return stalled if stalled < steps else set()
+
+
 @dataclass(frozen=True)
 class RankMedians:
     """One rank's medians over the steady steps (ms; None where never seen)."""
@@ -128,6 +152,28 @@ def rank_medians(events: Sequence[dict], steps: set[int], *, loads_input: bool =
                        _median(list(sync_per_step.values())), _median(list(step_per_step.values())))
 
 
+def last_replica_wait_ms(replicas: Sequence[RankEvents], steps: set[int]) -> float | None:
+    """Median over ``steps`` of the sync wait of the replica whose last backward of the step ended last
+    (the traces share a time origin: runtime/timeline.py aligns them at a barrier); None: no sync seen."""
+    waits, seen = [], False
+    for step in sorted(steps):
+        ends: list[tuple[float, float]] = []          # (last backward's end, sync wait) per replica
+        for r in replicas:
+            end, wait = None, 0.0
+            for e in r.events:
+                if e.get("cat") != "phase" or e.get("args", {}).get("step") != step:
+                    continue
+                if e["name"] == "run_back":
+                    end = max(end or 0.0, float(e["ts"]) + float(e["dur"]))
+                elif e["name"] == "sync":
+                    wait, seen = wait + float(e["dur"]) / 1e3, True
+            if end is not None:
+                ends.append((end, wait))
+        if len(ends) == len(replicas):
+            waits.append(max(ends)[1])
+    return _median(waits) if seen else None
+
+
 def direction(key: str, stage: int, peer_stage: int | None) -> bool | None:
     """Whether a rank of ``stage`` sent (True) or received (False) message ``key`` with a rank of ``peer_stage``."""
     kind = key.split("/", 1)[0]
@@ -149,18 +195,25 @@ def rank_transfers(rank: int, events: Sequence[dict], steps: set[int], stage: in
     return out
 
 
-def job_steps(summary: dict, warmup: int) -> tuple[float, ...]:
-    """The job's step times after the warm-up (and the first step), from the summary's ``job_step_ms``."""
+def job_step_map(summary: dict) -> dict[int, float]:
+    """The summary's ``job_step_ms``: step -> the job's time for it (ms), in step order."""
     raw = summary.get("job_step_ms") or {}
     if not isinstance(raw, dict):
-        return ()
-    steps = sorted((int(k), float(v)) for k, v in raw.items() if isinstance(v, (int, float)) and str(k).isdigit())
+        return {}
+    return dict(sorted((int(k), float(v)) for k, v in raw.items() if isinstance(v, (int, float)) and str(k).isdigit()))
+
+
+def job_steps(summary: dict, warmup: int) -> tuple[float, ...]:
+    """The job's step times after the warm-up (and the first step), from the summary's ``job_step_ms``."""
+    steps = list(job_step_map(summary).values())
     skip = max(warmup, 1)
-    return tuple(v for _, v in (steps[skip:] if len(steps) > skip else steps[-1:]))
+    return tuple(steps[skip:] if len(steps) > skip else steps[-1:])
 
 
-def observe_run(name: str, summary: dict, ranks: Sequence[RankEvents]) -> RunObservation:
-    """A run's observation from its summary.json (parsed) and its ranks' traces; UserError if they disagree."""
+def observe_run(name: str, summary: dict, ranks: Sequence[RankEvents],
+                stall_limit: float | None = None) -> RunObservation:
+    """A run's observation from its summary.json (parsed) and its ranks' traces; UserError if they disagree.
+    ``stall_limit``: leave out the steps where a host stalled (module docstring)."""
     where = f"{name}: summary.json"
     stages_raw = field(summary, "stages", list, where)
     micro = field(summary, "micro_batches", int, where, minimum=1)
@@ -172,6 +225,13 @@ def observe_run(name: str, summary: dict, ranks: Sequence[RankEvents]) -> RunObs
     if not ranks:
         raise UserError(f"{name}: the run has no rank traces; run it with the timeline on (no --no-trace)")
     steps = steady_steps(ranks, warmup)
+    times = job_steps(summary, warmup)
+    if stall_limit is not None:
+        steps -= stalled_steps(ranks, steps, stall_limit)
+        jobs = job_step_map(summary)
+        kept = tuple(jobs[k] for k in sorted(steps) if k in jobs)
+        if kept:
+            times, measured = kept, statistics.median(kept)
     stages = []
     for k, entry in enumerate(stages_raw):
         if not (isinstance(entry, list) and len(entry) == 3 and all(isinstance(x, int) for x in entry)):
@@ -186,12 +246,10 @@ def observe_run(name: str, summary: dict, ranks: Sequence[RankEvents]) -> RunObs
         stages.append(StageObservation(entry[0], entry[1], tuple(r.rank for r in mine),
                                        _median([m.forward_ms for m in med if m.forward_ms is not None]),
                                        _median([m.backward_ms for m in med if m.backward_ms is not None]),
-                                       _median([m.sync_wait_ms for m in med if m.sync_wait_ms is not None])
-                                       if entry[2] > 1 else None,
+                                       last_replica_wait_ms(mine, steps) if entry[2] > 1 else None,
                                        algos, _median([m.step_ms for m in med if m.step_ms is not None])))
     stage_of = {r.rank: r.stage for r in ranks}
     transfers = [t for r in ranks for t in rank_transfers(r.rank, r.events, steps, r.stage, stage_of)]
     return RunObservation(name, tuple(stages), tuple(transfers), schedule, micro,
                           float(measured) if isinstance(measured, (int, float)) else None,
-                          float(predicted) if isinstance(predicted, (int, float)) else None,
-                          job_steps(summary, warmup))
+                          float(predicted) if isinstance(predicted, (int, float)) else None, times)
