@@ -126,3 +126,37 @@ def test_mismatched_modes_or_orders_fail_at_open():
             r = report[case]
             assert r["error"] == "ProtocolError" and r["peer"] == 1 - rank, (rank, case, r)
             assert r["elapsed"] < OPEN_TIMEOUT
+
+
+def _close_beside_frozen_peer(rank: int, world: int, timeout: float) -> dict:
+    """Rank 0 opens its channel to rank 2 and freezes; rank 2 posts a frame to it that cannot leave
+    (more than the sockets hold), then closes; rank 1, linked to rank 2 only, closes at once and
+    waits for rank 2's CLOSE."""
+    import signal
+    import time
+
+    import torch
+
+    from hybridpipe.comm.p2p import open_channels
+
+    ch = open_channels([(0, 2), (1, 2)], "sa", timeout=timeout)
+    if rank == 0:
+        os.kill(os.getpid(), signal.SIGSTOP)
+        time.sleep(600)
+    if rank == 2:
+        time.sleep(0.3)
+        ch.send(0, "big/0", {"x": torch.ones(4 << 20)})
+    t = time.monotonic()
+    ch.close()
+    return {"close_elapsed": time.monotonic() - t}
+
+
+@pytest.mark.slow
+def test_a_frozen_peers_unsent_frame_does_not_delay_the_others_close():
+    """close() posts every link's CLOSE before it waits for any link's frames: rank 2's frame to the
+    frozen rank 0 (waited up to the timeout) must not hold back the CLOSE rank 1 is waiting for
+    (it did: rank 1's close took the whole timeout and left its receive thread behind)."""
+    out = run_ranks(_close_beside_frozen_peer, 3, args=(FAIL_TIMEOUT,), timeout=60, wait_for={1, 2})
+    assert out[1].status == "ok" and out[2].status == "ok", out
+    assert out[1].value["close_elapsed"] < FAIL_TIMEOUT - 1.0, out[1].value     # rank 2's CLOSE came at once
+    assert out[2].value["close_elapsed"] < FAIL_TIMEOUT + slack(), out[2].value
