@@ -45,12 +45,13 @@ def test_autotune_needs_a_command_with_the_placeholders(tmp_path, cluster, capsy
     assert "{run_dir}" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("job, code", [("import sys; sys.exit(3)", 3), ("import time; time.sleep(60)", 124)])
-def test_autotune_reports_jobs_that_fail_or_hang_and_stops_at_its_budget(tmp_path, cluster, capsys, job, code):
+@pytest.mark.parametrize("job, code, limit", [("import sys; sys.exit(3)", 3, "2"),
+                                               ("import time; time.sleep(60)", 124, "0.5")])   # a hang: 2 x the limit
+def test_autotune_reports_jobs_that_fail_or_hang_and_stops_at_its_budget(tmp_path, cluster, capsys, job, code, limit):
     profile = save_profile(make_profile([(1.0, 2.0, 1000, 1000)] * 3), tmp_path / "p.json")
     out = tmp_path / "o"
     rc = main(["autotune", str(profile), "--cluster", str(cluster), "--steps", "4", "--budget", "2", "--out", str(out),
-               "--run-timeout", "2", "--", sys.executable, "-c", job, "{plan}", "{run_dir}"])
+               "--run-timeout", limit, "--", sys.executable, "-c", job, "{plan}", "{run_dir}"])
     assert rc == 1
     report = json.loads((out / "autotune.json").read_text())
     assert report["kind"] == "autotune-report" and report["runs"] == 2 and report["chosen"] is None

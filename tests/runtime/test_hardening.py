@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import runpy
 import signal
 import socket
 import subprocess
@@ -63,16 +64,38 @@ def snapshot(root: Path, *, lock: bool = False) -> dict[str, tuple[int, int]]:
 
 
 # ---- launch ships with the package ---------------------------------------------------------------
+def _checkouts_package_is_found_from(directory: Path) -> None:
+    where = "import importlib.util as u; print(u.find_spec('hybridpipe').origin)"
+    found = subprocess.run([sys.executable, "-c", where], cwd=directory, env=_env(), capture_output=True, text=True,
+                           timeout=60)
+    assert Path(found.stdout.strip()) == ROOT / "hybridpipe" / "__init__.py", found
+
+
+@pytest.mark.filterwarnings("ignore:'hybridpipe.launch' found in sys.modules:RuntimeWarning")    # imported here
+def test_the_checkouts_package_and_both_launch_entries_from_a_directory_outside_the_repository(tmp_path, capsys,
+                                                                                              monkeypatch):
+    """A new interpreter in another directory finds the checkout's package (PYTHONPATH, as every job of
+    the tests has it), not whatever hybridpipe is installed; ``launch.py`` and ``-m hybridpipe.launch``
+    both run launch's main (their ``--help`` here, in this process). A whole torchrun job of ``-m
+    hybridpipe.launch`` from there: the test below (slow); torchrun's job: test_preempt.py."""
+    _checkouts_package_is_found_from(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    for run in (lambda: runpy.run_path(str(ROOT / "launch.py"), run_name="__main__"),
+                lambda: runpy.run_module("hybridpipe.launch", run_name="__main__", alter_sys=True)):
+        monkeypatch.setattr(sys, "argv", ["launch", "--help"])
+        with pytest.raises(SystemExit) as stop:
+            run()
+        assert stop.value.code == 0 and "--plan" in capsys.readouterr().out
+
+
+@pytest.mark.slow           # a torchrun job (new interpreters): torchrun's own runs in test_preempt.py
 def test_torchrun_module_launch_from_a_directory_outside_the_repository(tmp_path):
     """``-m hybridpipe.launch`` from another directory: the checkout's package (PYTHONPATH, as every
     job of the tests has it), not whatever hybridpipe is installed in the environment."""
-    where = "import importlib.util as u; print(u.find_spec('hybridpipe').origin)"
-    found = subprocess.run([sys.executable, "-c", where], cwd=tmp_path, env=_env(), capture_output=True, text=True,
-                           timeout=60)
-    assert Path(found.stdout.strip()) == ROOT / "hybridpipe" / "__init__.py", found
+    _checkouts_package_is_found_from(tmp_path)
     plan = tmp_path / "plan.json"
-    save_plan(make_plan("mlp", [3], [1, 1], micro_batches=2, batch_size=4), plan)
-    done = torchrun(["--plan", "plan.json", "--steps", "2", "--run-dir", "run", "--no-progress"], 2,
+    save_plan(make_plan("mlp", [], [1], micro_batches=2, batch_size=4), plan)    # one worker: ~4 s of CPU each
+    done = torchrun(["--plan", "plan.json", "--steps", "2", "--run-dir", "run", "--no-progress"], 1,
                     entry=["-m", "hybridpipe.launch"], cwd=tmp_path, timeout=120)
     assert done.returncode == 0, done
     assert "hybridpipe: 2 steps of mlp" in done.stdout, done
