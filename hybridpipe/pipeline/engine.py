@@ -158,6 +158,7 @@ class PipelineEngine:
         self._programs: dict[tuple[int, bool], list[Instruction]] = {}
         self._forwarded: dict[tuple[int, int, bool], tuple[int, ...]] = {}    # (stage, phase, drain): all replicas
         self._local: dict[str, dict[str, torch.Tensor]] = {}    # messages from one chunk of this rank to another
+        self._params = tuple(self.module.parameters())      # fixed objects: listed once, not every Step
 
     # ---- public ------------------------------------------------------------------------
     @property
@@ -372,7 +373,7 @@ class PipelineEngine:
         if self.tied is not None:
             self.tied.reduce()
         if scale != 1.0:
-            grads = step_gradients(self.module, self.optimizer)
+            grads = step_gradients(self.module, self.optimizer, self._params)
             if grads:
                 with torch.no_grad():
                     torch._foreach_mul_(grads, scale)       # one call, not one per parameter
@@ -395,5 +396,5 @@ class PipelineEngine:
         own = getattr(self.optimizer, "grad_bytes", None)      # a sharded stage's: its share (comm/sharded)
         if callable(own):
             return int(own())
-        return tensors_bytes(p for p in self.module.parameters() if p.requires_grad)
+        return tensors_bytes(p for p in self._params if p.requires_grad)
 

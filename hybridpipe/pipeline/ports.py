@@ -45,9 +45,12 @@ def chunk_syncs(sync: Any, stages: Sequence[int]) -> dict[int, Any]:
     return {s: sync if sync is not None else LocalSync() for s in stages}
 
 
-def step_gradients(module: torch.nn.Module, optimizer: Any) -> list[torch.Tensor]:
+def step_gradients(module: torch.nn.Module, optimizer: Any,
+                   params: Sequence[torch.nn.Parameter] | None = None) -> list[torch.Tensor]:
     """The gradients an optimizer step reads (the Step's scaling applies to them): those the
     optimizer names (a sharded stage's optimizer: its replica's owned pieces, runtime/sharded_optimizer.py),
-    else every parameter's ``.grad``."""
+    else every parameter's ``.grad`` (``params``: ``module.parameters()`` listed before, once)."""
     own = getattr(optimizer, "gradients", None)
-    return own() if callable(own) else [p.grad for p in module.parameters() if p.grad is not None]
+    if callable(own):
+        return own()
+    return [p.grad for p in (module.parameters() if params is None else params) if p.grad is not None]

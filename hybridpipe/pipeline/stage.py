@@ -95,6 +95,7 @@ class PipelineStage:
             self._plain_graph = copy.deepcopy(module.graph)
             self.stats = install(module, writes, COMBINE if replicas > 1 else DIRECT)
         self.module = module
+        self._first_param: nn.Parameter | None = None     # where `device` looks (found once)
 
     # ---- identity ----------------------------------------------------------------------
     @property
@@ -117,8 +118,13 @@ class PipelineStage:
 
     @property
     def device(self) -> torch.device:
-        """Where the stage's weights are: its first parameter's (or buffer's) device; CPU with none."""
+        """Where the stage's weights are: its first parameter's (or buffer's) device; CPU with none.
+        The parameter is found once (``module.to`` moves it in place; it is read every forward)."""
+        if self._first_param is not None:
+            return self._first_param.device
         first = next(itertools.chain(self.module.parameters(), self.module.buffers()), None)
+        if isinstance(first, nn.Parameter):
+            self._first_param = first
         return torch.device("cpu") if first is None else first.device
 
     def _needs_grad(self, key: str) -> bool:
@@ -147,6 +153,7 @@ class PipelineStage:
 
     def to(self, device: torch.device | str) -> PipelineStage:
         self.module.to(device)
+        self._first_param = None
         self._eval_module = None            # it would hold the buffers' old tensors
         return self
 

@@ -29,7 +29,8 @@ from hybridpipe.comm.p2p import wire
 from hybridpipe.comm.p2p.device import check_device, hand_over, mark_ready
 from hybridpipe.comm.p2p.errors import P2PError, P2PTimeout, ProtocolError
 from hybridpipe.comm.p2p.groups import PairGroups, pair_groups
-from hybridpipe.comm.p2p.links import Link, LinkConfig, PerTensorLink, SaLink, SraLink, TransferHook
+from hybridpipe.comm.p2p.link_sra import SraLink
+from hybridpipe.comm.p2p.links import Link, LinkConfig, PerTensorLink, SaLink, TransferHook
 from hybridpipe.comm.p2p.mailbox import Expired
 from hybridpipe.comm.p2p.order import Op, check_order, mirror, order_digest
 from hybridpipe.comm.p2p.wire import Flag
@@ -141,7 +142,8 @@ class Channels:
         self._flush(links, time.monotonic() + self.timeout)
 
     def close(self) -> None:
-        """Flush, tell every peer we are done, and stop the threads.
+        """Tell every peer we are done (behind the frames already posted to it), wait for those
+        frames to leave, and stop the threads.
 
         Waits (at most ``timeout``) for each peer to close too; never raises for a failed or
         silent peer (it logs a warning), so it is safe in ``finally`` blocks. Idempotent.
@@ -150,13 +152,15 @@ class Channels:
             return
         self._closed = True
         deadline = time.monotonic() + self.timeout
-        try:
-            self._flush(self._links, deadline)
-        except P2PError as e:
-            log.warning("rank %d: closing with unsent messages: %s", self.rank, e)
+        # every link's CLOSE first, queued behind its own frames (FIFO): a peer that takes nothing
+        # (dead, frozen) cannot hold back the others' close while its frames are waited for
         for link in self._links.values():
             link.request_close()
         for peer, link in self._links.items():
+            try:
+                self._flush({peer: link}, deadline)
+            except P2PError as e:
+                log.warning("rank %d: closing with unsent messages: %s", self.rank, e)
             alive = link.join(deadline)
             if alive:
                 log.warning("rank %d: rank %d did not close its channels within %g s; leaving %s behind",

@@ -121,19 +121,22 @@ class FrameSender(_End):
     def post(self, key: str, msg: int, parts: int, items: Sequence[tuple[str, torch.Tensor]],
              flags: int = Flag.NONE, ready: torch.cuda.Event | None = None) -> Posted:
         """Post a frame's operations without waiting. ``items`` must be contiguous tensors."""
-        metas = wire.describe(items)
+        if flags & _NO_PAYLOAD:
+            layout, changed = wire.layout_of(wire.describe(items)), False
+        else:
+            layout, changed = self.cache.sent(key, items)
         meta = b""
-        if not flags & _NO_PAYLOAD and self.cache.changed(key, metas):
+        if changed:
             flags |= Flag.META
-            meta = wire.encode_meta(metas)
+            meta = wire.encode_meta(layout.metas)
             self.meta_frames += 1
-        offsets, flat = wire.flat_layout(metas)
-        body = 0 if self.cuda else flat
+        offsets, metas = layout.offsets, layout.metas
+        body = 0 if self.cuda else layout.body_bytes
         inline = wire.is_inline(len(meta), body, self.capacity)
         if not inline:
             flags |= Flag.SPLIT
             self.split_frames += 1
-        header = Header(flags, self.seq, msg, parts, len(items), len(meta), wire.payload_bytes(metas), body, key)
+        header = Header(flags, self.seq, msg, parts, len(items), len(meta), layout.payload_bytes, body, key)
         self.seq += 1
         self.capacity = wire.next_capacity(self.capacity, header)
         t0 = self.clock()
@@ -198,13 +201,14 @@ class FrameReceiver(_End):
             body, base = buf, wire.body_offset(header.meta_len, header.body_bytes)
             if self.prepost:        # the next frame may flow while this one is delivered
                 self._ahead = self._post(self.capacity, what)
-        metas = self._metas(header, meta)
+        layout = self._layout(header, meta)
         if self.cuda:
-            return self._receive_cuda(header, metas, deadline, what, t0)
-        if wire.flat_layout(metas)[1] != header.body_bytes:
+            return self._receive_cuda(header, layout.metas, deadline, what, t0)
+        if layout.body_bytes != header.body_bytes:
             raise ProtocolError(self.peer, what, f"header announces a body of {header.body_bytes} bytes, "
-                                f"the metadata {wire.flat_layout(metas)[1]}")
-        return Frame(header, wire.unflatten(body if header.body_bytes else None, metas, base), None, t0, self.clock())
+                                f"the metadata {layout.body_bytes}")
+        tensors = wire.unflatten(body if header.body_bytes else None, layout.metas, base, layout.offsets)
+        return Frame(header, tensors, None, t0, self.clock())
 
     def _post(self, size: int, what: str) -> tuple[torch.Tensor, object]:
         buf = torch.empty(size, dtype=torch.uint8)
@@ -250,23 +254,20 @@ class FrameReceiver(_End):
         self.seq += 1
         return header
 
-    def _metas(self, header: Header, meta) -> tuple[wire.TensorMeta, ...]:
-        what = f"recv {header.key!r}"
+    def _layout(self, header: Header, meta) -> wire.Layout:
         if header.flags & Flag.META:
             try:
                 metas = wire.decode_meta(meta)
             except wire.WireError as e:
-                raise ProtocolError(self.peer, what, str(e)) from None
+                raise ProtocolError(self.peer, f"recv {header.key!r}", str(e)) from None
             self.cache.update(header.key, metas)
             self.meta_frames += 1
-        else:
-            cached = self.cache.get(header.key)
-            if cached is None:
-                raise ProtocolError(self.peer, what, f"no tensor metadata was announced for key kind "
-                                    f"{wire.kind_of(header.key)!r}")
-            metas = cached
-        if len(metas) != header.n_tensors or wire.payload_bytes(metas) != header.payload_bytes:
-            raise ProtocolError(self.peer, what, f"header announces {header.n_tensors} tensors / "
-                                f"{header.payload_bytes} bytes, metadata {len(metas)} / "
-                                f"{wire.payload_bytes(metas)}")
-        return metas
+        layout = self.cache.layout(header.key)
+        if layout is None:
+            raise ProtocolError(self.peer, f"recv {header.key!r}", f"no tensor metadata was announced for key "
+                                f"kind {wire.kind_of(header.key)!r}")
+        if len(layout.metas) != header.n_tensors or layout.payload_bytes != header.payload_bytes:
+            raise ProtocolError(self.peer, f"recv {header.key!r}", f"header announces {header.n_tensors} tensors / "
+                                f"{header.payload_bytes} bytes, metadata {len(layout.metas)} / "
+                                f"{layout.payload_bytes}")
+        return layout

@@ -5,8 +5,12 @@
 * :class:`SaLink` (``sa``, seed 003's impl-SA): one send and one receive thread; all tensors of
   a message are posted non-blocking, then waited for in order. On CPU the caller posts a
   message itself (gloo's isend does not block) and the send thread only waits for it to
-  leave: the transfer starts without waiting for a thread to be scheduled.
-* :class:`SraLink` (``sra``, impl-SRA): one thread that performs the link's transfers in both
+  leave: the transfer starts without waiting for a thread to be scheduled. Where nobody
+  records each send's completion time (no ``on_transfer``: no timeline), a CPU link has no
+  send thread at all: the caller waits for its earlier frames to that peer when it posts the
+  next one, and in ``flush`` / ``close`` (as torch's schedules wait their sends). That wait never
+  depends on the receiving program: the peer's receive thread always has a receive posted.
+* :class:`SraLink` (``sra``, impl-SRA, in link_sra.py): one thread that performs the link's transfers in both
   directions in an order fixed in advance (see order.py), in lockstep with the peer's thread.
 
 Receive threads of ``per-tensor`` and ``sa`` always have the next frame's receive posted (they
@@ -28,6 +32,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -37,8 +42,7 @@ from hybridpipe.comm.p2p.device import SideStream
 from hybridpipe.comm.p2p.errors import P2PError, PeerLost, ProtocolError, classify_transport_error
 from hybridpipe.comm.p2p.frames import Frame, FrameReceiver, FrameSender, Posted
 from hybridpipe.comm.p2p.groups import PairGroups
-from hybridpipe.comm.p2p.mailbox import Counter, Mailbox, Outbox, QueueBox
-from hybridpipe.comm.p2p.order import RECV, SEND, Cursor, Op, keys_of
+from hybridpipe.comm.p2p.mailbox import Counter, Mailbox, QueueBox
 from hybridpipe.comm.p2p.wire import Flag
 
 log = logging.getLogger(__name__)
@@ -215,11 +219,25 @@ class SaLink(Link):
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()     # C-level hand-over: no Python lock per frame
         self.msg_out = 0
         self.direct = self.device.type != "cuda"    # the caller posts (see the module docstring)
-        self._thread(self._send_loop, "send")
+        # ... and, where no completion time is recorded, waits for the frames itself: no send thread
+        self.lazy = self.direct and cfg.on_transfer is None
+        self.pending: deque[Posted] = deque()       # lazy: posted frames not yet waited for, oldest first
+        if not self.lazy:
+            self._thread(self._send_loop, "send")
         self._thread(self._recv_loop, "recv")
 
     def submit(self, key, items, ready) -> None:
         self.check_usable(f"send {key!r}")
+        if self.lazy:
+            try:
+                self.pending.append(self.senders[0].post(key, self.msg_out, len(items), items))
+            except P2PError as e:
+                self._fail(e)
+                raise
+            self.last_sent_key = key
+            self.msg_out += 1
+            self._reap(1, self._send_deadline())    # the frames before this one have left by now
+            return
         sub = Submission(key, items, ready, self.msg_out, len(items))
         if self.direct:
             try:
@@ -242,7 +260,42 @@ class SaLink(Link):
         return box.pop()
 
     def request_close(self) -> None:
-        self.outbox.put(CLOSE)
+        if not self.lazy:
+            self.outbox.put(CLOSE)
+            return
+        try:                            # posted now, waited for in join
+            self.pending.append(self.senders[0].post("close", 0, 0, [], flags=Flag.CLOSE))
+        except P2PError as e:
+            log.warning("rank %d: could not send close to rank %d: %s", self.rank, self.peer, e)
+
+    def wait_sent(self, deadline: float) -> None:
+        if self.lazy:
+            self._reap(0, deadline)
+        else:
+            super().wait_sent(deadline)
+
+    def join(self, deadline: float) -> list[str]:
+        if self.lazy:
+            try:
+                self._reap(0, deadline)
+            except P2PError as e:
+                log.warning("rank %d: closing the link to rank %d: %s", self.rank, self.peer, e)
+        return super().join(deadline)
+
+    def _reap(self, keep: int, deadline: float) -> None:
+        """Lazy sends: wait (on the caller's thread) until at most ``keep`` frames are in flight.
+        A failed link raises its failure at once: its frames will never leave, and waiting for them
+        again would spend the whole timeout a second time."""
+        pending = self.pending
+        while len(pending) > keep:
+            if (err := self.sent.error) is not None:
+                raise err
+            try:
+                self.senders[0].complete(pending[0], deadline)
+            except P2PError as e:
+                self._fail(e)
+                raise
+            pending.popleft()
 
     def _send_loop(self) -> None:
         while (item := self.outbox.get()) is not CLOSE:
@@ -314,74 +367,3 @@ class PerTensorLink(Link):
             f = self.receivers[lane].receive(self._deadline())
             if not self._received(self.inboxes[lane], f, f):
                 return
-
-
-class SraLink(Link):
-    mode = "sra"
-
-    def __init__(self, peer: int, groups: PairGroups, cfg: LinkConfig, order: Sequence[Op]) -> None:
-        super().__init__(peer, groups, cfg)
-        self.order = list(order)
-        self.send_keys = Cursor(keys_of(self.order, SEND))
-        self.recv_keys = Cursor(keys_of(self.order, RECV))
-        self.outbox: Outbox = Outbox(on_starve=self.inboxes[0].poke)
-        self.msg_out = 0
-        self._thread(self._loop, "sendrecv")
-
-    def submit(self, key, items, ready) -> None:
-        expected = self.send_keys.peek()
-        if expected != key:
-            raise ProtocolError(self.peer, f"send {key!r}", "the sra order " + (
-                f"expects {expected!r} as the next send to this rank" if expected else "has no sends to this rank"))
-        self.check_usable(f"send {key!r}")
-        self.send_keys.advance()
-        self.sent.post()
-        self.last_sent_key = key
-        self.outbox.put(Submission(key, items, ready, self.msg_out, len(items)))
-        self.msg_out += 1
-
-    def take(self, key: str, deadline: float) -> Message:
-        expected = self.recv_keys.peek()
-        if expected != key:
-            raise ProtocolError(self.peer, f"recv {key!r}", "the sra order " + (
-                f"expects {expected!r} as the next receive from this rank" if expected
-                else "has no receives from this rank"))
-        box = self.inboxes[0]
-        if (head := box.peek(deadline, check=lambda: self._starved(key))).key != key:
-            raise self._mismatch(key, head.key)
-        self.recv_keys.advance()
-        return box.pop()
-
-    def _starved(self, key: str) -> ProtocolError | None:
-        waiting = self.outbox.starved()
-        if waiting is None:
-            return None
-        return ProtocolError(self.peer, f"recv {key!r}", f"the sra order sends {waiting!r} to rank {self.peer} "
-                             "before this receive and it has not been sent: that would deadlock; send it "
-                             "first or fix the order")
-
-    def request_close(self) -> None:
-        self.outbox.put(CLOSE)
-
-    def _loop(self) -> None:
-        sender, receiver, box = self.senders[0], self.receivers[0], self.inboxes[0]
-        i = 0
-        while True:
-            op, key = self.order[i % len(self.order)] if self.order else (SEND, "close")
-            if op == SEND:
-                item = self.outbox.get(waiting_for=key if self.order else None)
-                if item is CLOSE:
-                    return self._close_first(sender, receiver)
-                self._send(sender, item)
-            else:
-                f = receiver.receive(self._deadline(), f"recv {key!r}")
-                if not self._received(box, f, Message(f.key, f.tensors, (f.event,))):
-                    return self._send_close(sender)     # the peer closed first: answer
-            i += 1
-
-    def _close_first(self, sender: FrameSender, receiver: FrameReceiver) -> None:
-        """We close while the peer's thread waits to receive: send CLOSE, then await its CLOSE."""
-        self._send_close(sender)
-        while not (f := receiver.receive(self._deadline(), "the peer's close")).header.flags & Flag.CLOSE:
-            log.warning("rank %d sent %r while closing; dropped", self.peer, f.key)
-        self.closed_by_peer = True

@@ -194,10 +194,12 @@ def flatten(items: Sequence[tuple[str, torch.Tensor]], metas: Sequence[TensorMet
     return flat
 
 
-def unflatten(flat: torch.Tensor | None, metas: Sequence[TensorMeta], base: int = 0) -> dict[str, torch.Tensor]:
+def unflatten(flat: torch.Tensor | None, metas: Sequence[TensorMeta], base: int = 0,
+              offsets: Sequence[int] | None = None) -> dict[str, torch.Tensor]:
     """Named tensors viewing a received body that starts at byte ``base`` of ``flat`` (no
-    copies; they share its storage)."""
-    offsets, _ = flat_layout(metas)
+    copies; they share its storage). ``offsets``: :func:`flat_layout`'s, if known."""
+    if offsets is None:
+        offsets, _ = flat_layout(metas)
     out = {}
     for m, off in zip(metas, offsets, strict=True):
         if m.nbytes == 0:
@@ -261,24 +263,55 @@ def from_bytes_tensor(t: torch.Tensor) -> bytes:
     return t.numpy().tobytes()
 
 
+class Layout(NamedTuple):
+    """A frame's tensors as the wire lays them out: computed once per (re-)announced metadata."""
+
+    metas: tuple[TensorMeta, ...]
+    offsets: tuple[int, ...]        # flat_layout's
+    body_bytes: int                 # flat_layout's length
+    payload_bytes: int
+    signature: tuple                # ((name, dtype, shape), ...): what a sender compares its tensors with
+
+
+def layout_of(metas: tuple[TensorMeta, ...]) -> Layout:
+    offsets, body = flat_layout(metas)
+    return Layout(metas, offsets, body, payload_bytes(metas), tuple((m.name, m.dtype, m.shape) for m in metas))
+
+
 class MetaCache:
-    """Last metadata per key kind on one lane direction (kept identical on both ends)."""
+    """Last metadata per key kind on one lane direction (kept identical on both ends), with its
+    :class:`Layout`."""
 
     def __init__(self) -> None:
-        self._by_kind: dict[str, tuple[TensorMeta, ...]] = {}
+        self._by_kind: dict[str, Layout] = {}
 
     def changed(self, key: str, metas: tuple[TensorMeta, ...]) -> bool:
         """True (and remember ``metas``) if they differ from the cached ones for ``key``'s kind."""
         kind = kind_of(key)
-        if self._by_kind.get(kind) == metas:
+        known = self._by_kind.get(kind)
+        if known is not None and known.metas == metas:
             return False
-        self._by_kind[kind] = metas
+        self._by_kind[kind] = layout_of(metas)
         return True
 
+    def sent(self, key: str, items: Sequence[tuple[str, torch.Tensor]]) -> tuple[Layout, bool]:
+        """The layout of contiguous ``items`` sent under ``key``, and whether it changed (then
+        remembered, as :meth:`changed`): an unchanged frame builds no metadata."""
+        kind = kind_of(key)
+        known = self._by_kind.get(kind)
+        if known is not None and known.signature == tuple((n, t.dtype, t.shape) for n, t in items):
+            return known, False
+        self._by_kind[kind] = known = layout_of(describe(items))
+        return known, True
+
     def update(self, key: str, metas: tuple[TensorMeta, ...]) -> None:
-        self._by_kind[kind_of(key)] = metas
+        self._by_kind[kind_of(key)] = layout_of(metas)
 
     def get(self, key: str) -> tuple[TensorMeta, ...] | None:
+        known = self._by_kind.get(kind_of(key))
+        return None if known is None else known.metas
+
+    def layout(self, key: str) -> Layout | None:
         return self._by_kind.get(kind_of(key))
 
 

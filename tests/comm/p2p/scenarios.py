@@ -79,8 +79,53 @@ def counted_sends():
         frames.post_send = real
 
 
+@contextlib.contextmanager
+def completions_by_thread():
+    """Count the frames' send completions (``FrameSender.complete``) per thread name."""
+    real, lock = frames.FrameSender.complete, threading.Lock()
+    calls: dict[str, int] = {}
+
+    def complete(self, *args, **kwargs):
+        with lock:
+            name = threading.current_thread().name
+            calls[name] = calls.get(name, 0) + 1
+        return real(self, *args, **kwargs)
+
+    frames.FrameSender.complete = complete      # type: ignore[method-assign]
+    try:
+        yield calls
+    finally:
+        frames.FrameSender.complete = real      # type: ignore[method-assign]
+
+
+def send_waits(rank: int, world: int, n: int) -> dict:
+    """2 ranks, ``sa`` on the CPU, with and without an ``on_transfer`` hook: ``n`` frames each way;
+    which threads the links run and which thread waited for each sent frame."""
+    peer = 1 - rank
+    report = {}
+    for hooked in (False, True):
+        transfers: list = []
+        ch = open_channels([(0, 1)], "sa", timeout=30,
+                           on_transfer=(lambda *a: transfers.append(a)) if hooked else None)  # noqa: B023
+        msgs = {f"{k}/{i}": message(i + (100 if k == "grad" else 0), {"x": ((2, 3), torch.float32)})
+                for k in ("act", "grad") for i in range(n)}
+        mine, theirs = ("act", "grad") if rank == 0 else ("grad", "act")
+        prog = [op for i in range(n) for op in (("send", peer, f"{mine}/{i}"), ("recv", peer, f"{theirs}/{i}"))]
+        threads = sorted(t.name.rsplit("-", 1)[1] for t in threading.enumerate() if t.name.startswith("p2p-"))
+        with completions_by_thread() as calls:
+            problems = run_program(ch, prog, msgs)
+            ch.close()
+        caller = threading.current_thread().name
+        report["hooked" if hooked else "plain"] = {
+            "problems": problems, "threads": threads, "threads_left": p2p_threads(),
+            "waited_by_caller": calls.get(caller, 0),
+            "waited_elsewhere": sum(v for k, v in calls.items() if k != caller),
+            "sent_transfers": sum(1 for a in transfers if a[1].startswith(mine))}
+    return report
+
+
 # ---------------------------------------------------------------------------------------
-def roundtrip(rank: int, world: int, modes: tuple[str, ...], n: int) -> dict:
+def roundtrip(rank: int, world: int, modes: tuple[str, ...], n: int, waits: int = 0) -> dict:
     """2 ranks, every mode: n messages in flight each way, dtypes, shape changes, empty messages,
     frames that outgrow the posted receive or travel apart; then ``steady`` more messages of an
     announced shape, counting the sends they cost."""
@@ -134,6 +179,8 @@ def roundtrip(rank: int, world: int, modes: tuple[str, ...], n: int) -> dict:
                         "meta_expected": announcements(prog[rank], msgs, 6 if mode == "per-tensor" else 1),
                         "sent": len(sent), "threads_left": p2p_threads(),
                         "steady_frames": stats["frames_sent"] - frames, "steady_sends": sends[0]}
+    if waits:
+        report["send_waits"] = send_waits(rank, world, waits)
     return report
 
 

@@ -22,8 +22,9 @@ def slack() -> float:
 
 
 def test_round_trips_every_mode_many_in_flight_and_shape_changes():
-    values = expect_ok(run_ranks(scenarios.roundtrip, 2, args=(MODES, 16), timeout=120))
+    values = expect_ok(run_ranks(scenarios.roundtrip, 2, args=(MODES, 16, WAITS), timeout=120))
     for rank, report in values.items():
+        _check_send_waits(rank, report.pop("send_waits"))
         for mode in MODES:
             r = report[mode]
             assert r["problems"] == [], (rank, mode)
@@ -37,6 +38,21 @@ def test_round_trips_every_mode_many_in_flight_and_shape_changes():
             if rank == 0:
                 assert r["steady_frames"] == 8 * (3 if mode == "per-tensor" else 1), (mode, r)
                 assert r["steady_sends"] == r["steady_frames"], (mode, r)
+
+
+WAITS = 6
+
+
+def _check_send_waits(rank: int, report: dict) -> None:
+    """``sa`` on the CPU without a timeline (no ``on_transfer``): no send thread, so no wake-up per
+    frame; the caller waits for each frame itself (WAITS frames + the close). With the hook, a send
+    thread waits and reports each one."""
+    plain, hooked = report["plain"], report["hooked"]
+    assert plain["problems"] == [] and hooked["problems"] == [], (rank, report)
+    assert plain["threads"] == ["recv"] and hooked["threads"] == ["recv", "send"], (rank, report)
+    assert plain["waited_by_caller"] == WAITS + 1 and plain["waited_elsewhere"] == 0, (rank, plain)
+    assert hooked["waited_by_caller"] == 0 and hooked["waited_elsewhere"] == WAITS + 1, (rank, hooked)
+    assert hooked["sent_transfers"] == WAITS and plain["threads_left"] == hooked["threads_left"] == 0
 
 
 def test_fan_in_from_three_replicas_and_skip_edges_every_mode():
@@ -110,3 +126,37 @@ def test_mismatched_modes_or_orders_fail_at_open():
             r = report[case]
             assert r["error"] == "ProtocolError" and r["peer"] == 1 - rank, (rank, case, r)
             assert r["elapsed"] < OPEN_TIMEOUT
+
+
+def _close_beside_frozen_peer(rank: int, world: int, timeout: float) -> dict:
+    """Rank 0 opens its channel to rank 2 and freezes; rank 2 posts a frame to it that cannot leave
+    (more than the sockets hold), then closes; rank 1, linked to rank 2 only, closes at once and
+    waits for rank 2's CLOSE."""
+    import signal
+    import time
+
+    import torch
+
+    from hybridpipe.comm.p2p import open_channels
+
+    ch = open_channels([(0, 2), (1, 2)], "sa", timeout=timeout)
+    if rank == 0:
+        os.kill(os.getpid(), signal.SIGSTOP)
+        time.sleep(600)
+    if rank == 2:
+        time.sleep(0.3)
+        ch.send(0, "big/0", {"x": torch.ones(4 << 20)})
+    t = time.monotonic()
+    ch.close()
+    return {"close_elapsed": time.monotonic() - t}
+
+
+@pytest.mark.slow
+def test_a_frozen_peers_unsent_frame_does_not_delay_the_others_close():
+    """close() posts every link's CLOSE before it waits for any link's frames: rank 2's frame to the
+    frozen rank 0 (waited up to the timeout) must not hold back the CLOSE rank 1 is waiting for
+    (it did: rank 1's close took the whole timeout and left its receive thread behind)."""
+    out = run_ranks(_close_beside_frozen_peer, 3, args=(FAIL_TIMEOUT,), timeout=60, wait_for={1, 2})
+    assert out[1].status == "ok" and out[2].status == "ok", out
+    assert out[1].value["close_elapsed"] < FAIL_TIMEOUT - 1.0, out[1].value     # rank 2's CLOSE came at once
+    assert out[2].value["close_elapsed"] < FAIL_TIMEOUT + slack(), out[2].value
