@@ -157,8 +157,9 @@ def simulate_topology(topo: Topology, schedule: Schedule, costs: Sequence[StageC
     step_ms = (t_b - t_a) / (hi - lo)
     util = []
     for ranks in topo.stage_ranks:
+        names = {f"rank {r}" for r in ranks}        # built once per stage, not per interval
         busy = sum(max(0.0, min(iv.t1, t_b) - max(iv.t0, t_a)) for iv in sim.intervals
-                   if iv.kind in COMPUTE and iv.where in {f"rank {r}" for r in ranks})
+                   if iv.kind in COMPUTE and iv.where in names)
         util.append(busy / (len(ranks) * (t_b - t_a)) if t_b > t_a else 0.0)
     return SimResult(schedule.name, steps, step_ms, ends, util, (t_a, t_b), sim.intervals)
 
