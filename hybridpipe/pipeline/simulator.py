@@ -34,8 +34,9 @@ Utilisation is measured over the same window.
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from typing_extensions import assert_never
@@ -146,13 +147,7 @@ def simulate_topology(topo: Topology, schedule: Schedule, costs: Sequence[StageC
     if steps < 1:
         raise ValueError(f"simulate at least one step, got {steps}")
     link_ms = link_ms or (lambda cut, src, dst: costs[cut].send_ms)
-    phase = 0
-    programs: dict[int, list[tuple[int, Instruction]]] = {r: [] for rs in topo.groups for r in rs}
-    for k in range(steps):
-        progs = all_programs(topo, schedule, phase=phase, drain=k == steps - 1)
-        phase += 1
-        for r, prog in progs.items():
-            programs[r] += [(k, ins) for ins in prog]
+    programs = dict(step_programs(topo, schedule, steps))
     sim = _Sim(topo, costs, link_ms, programs)
     sim.run()
     ends = [max(sim.step_end[r].get(k, 0.0) for r in programs) for k in range(steps)]
@@ -162,10 +157,25 @@ def simulate_topology(topo: Topology, schedule: Schedule, costs: Sequence[StageC
     step_ms = (t_b - t_a) / (hi - lo)
     util = []
     for ranks in topo.stage_ranks:
+        names = {f"rank {r}" for r in ranks}        # built once per stage, not per interval
         busy = sum(max(0.0, min(iv.t1, t_b) - max(iv.t0, t_a)) for iv in sim.intervals
-                   if iv.kind in COMPUTE and iv.where in {f"rank {r}" for r in ranks})
+                   if iv.kind in COMPUTE and iv.where in names)
         util.append(busy / (len(ranks) * (t_b - t_a)) if t_b > t_a else 0.0)
     return SimResult(schedule.name, steps, step_ms, ends, util, (t_a, t_b), sim.intervals)
+
+
+@functools.lru_cache(maxsize=16)
+def step_programs(topo: Topology, schedule: Schedule, steps: int
+                  ) -> tuple[tuple[int, tuple[tuple[int, Instruction], ...]], ...]:
+    """Each rank's instructions over ``steps`` consecutive steps (the last one draining), as (step, instruction)
+    pairs, ranks in the order of their groups. They depend on the shape alone (not on costs), so plans that
+    differ only in costs or shard levels (the virtual-chunk search simulates up to 256 of them) share them:
+    cached, immutable."""
+    programs: dict[int, list[tuple[int, Instruction]]] = {r: [] for rs in topo.groups for r in rs}
+    for k in range(steps):
+        for r, prog in all_programs(topo, schedule, phase=k, drain=k == steps - 1).items():
+            programs[r] += [(k, ins) for ins in prog]
+    return tuple((r, tuple(prog)) for r, prog in programs.items())
 
 
 def _window(asynchronous: bool, steps: int, settle: int) -> tuple[int, int]:
@@ -177,7 +187,7 @@ def _window(asynchronous: bool, steps: int, settle: int) -> tuple[int, int]:
 
 
 class _Sim:
-    def __init__(self, topo: Topology, costs, link_ms, programs: dict[int, list[tuple[int, Instruction]]]):
+    def __init__(self, topo: Topology, costs, link_ms, programs: Mapping[int, Sequence[tuple[int, Instruction]]]):
         self.topo, self.costs, self.link_ms, self.programs = topo, costs, link_ms, programs
         self.clock = {r: 0.0 for r in programs}
         self.pc = {r: 0 for r in programs}

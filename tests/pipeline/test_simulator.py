@@ -4,16 +4,26 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridpipe.partitioner.schedule_registry import get_schedule
+from hybridpipe.pipeline import simulator
 from hybridpipe.pipeline.schedules import Topology
 from hybridpipe.pipeline.simtrace import chrome_trace, draw_timeline
-from hybridpipe.pipeline.simulator import StageCosts, closed_form_ms, simulate, simulate_topology, stage_busy_ms
+from hybridpipe.pipeline.simulator import (
+    StageCosts,
+    closed_form_ms,
+    simulate,
+    simulate_topology,
+    stage_busy_ms,
+    step_programs,
+)
 from tests.pipeline.harness import make_plan
+from tests.pipeline.test_virtual_format import virtual_topology
 
 
 def chain(S: int, M: int) -> Topology:
@@ -90,3 +100,54 @@ def test_compute_only_plans_split_forward_and_backward():
     plan = make_plan("mlp", [3], [1, 1], micro_batches=2, times=[(0, 0), (0, 0)])
     plan = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, compute_ms=3.0) for s in plan.stages))
     assert simulate(plan).step_ms == pytest.approx(closed_form_ms(2, 2, 1.0, 2.0))
+
+
+# shapes of every schedule (replicas, virtual stages) and costs that differ per draw: the virtual-chunk search
+# simulates many plans of one shape, differing only in costs
+SHAPES = [("gpipe", chain(3, 4)), ("1f1b", Topology(((0, 1), (2,), (3, 4)), 6)), ("pipedream", chain(3, 3)),
+          ("zb-h1", Topology(((0,), (1, 2)), 4)),
+          ("interleaved-1f1b", virtual_topology("interleaved-1f1b", [2, 1], 2, 4)),
+          ("zbv", virtual_topology("zbv", [1, 2], 2, 4))]
+
+
+def random_costs(rng: random.Random, n: int) -> list[StageCosts]:
+    return [StageCosts(rng.uniform(0.5, 3), rng.uniform(1, 6), rng.choice([0.0, rng.uniform(0.1, 2)]), 0,
+                       tuple(rng.uniform(0.1, 1.5) for _ in range(rng.randint(1, 3))),
+                       input_share=rng.uniform(0.2, 0.8), sharded=rng.random() < 0.5, lost_ms=rng.choice([0.0, 0.3]))
+            for _ in range(n)]
+
+
+@pytest.mark.parametrize("schedule,topo", SHAPES, ids=[s for s, _ in SHAPES])
+def test_cached_instruction_lists_give_the_same_simulation(schedule, topo):
+    """Several cost draws of one shape, each simulated from freshly built lists (cache cleared) and again
+    from the cached ones: the same result to the bit (step times, step ends, utilisation, every interval)."""
+    rng = random.Random(schedule)
+    draws = [random_costs(rng, topo.n_stages) for _ in range(4)]
+    cold = []
+    for costs in draws:
+        step_programs.cache_clear()
+        cold.append(simulate_topology(topo, get_schedule(schedule), costs))
+    warm = [simulate_topology(topo, get_schedule(schedule), costs) for costs in draws]
+    assert step_programs.cache_info().hits >= len(draws)
+    assert warm == cold
+    assert len({r.step_ms for r in cold}) > 1          # the draws differ: the lists are all they share
+
+
+def test_plans_of_one_shape_build_the_instruction_lists_once(monkeypatch):
+    """Two plans differing only in their stages' costs: the schedule's lists are built for the first
+    (one all_programs call per simulated step) and reused for the second."""
+    built = []
+    real = simulator.all_programs
+
+    def counting(*args, **kwargs):
+        built.append(kwargs["phase"])
+        return real(*args, **kwargs)
+    monkeypatch.setattr(simulator, "all_programs", counting)
+    step_programs.cache_clear()
+    one = make_plan("mlp", [2, 5], [1, 2, 1], micro_batches=4, times=[(1.0, 2.0), (2.0, 4.0), (1.0, 2.0)])
+    two = dataclasses.replace(one, stages=tuple(dataclasses.replace(s, forward_ms=3 * s.forward_ms)
+                                                for s in one.stages))
+    a, b = simulate(one), simulate(two)
+    assert built == list(range(a.steps)) and b.steps == a.steps
+    assert b.step_ms > a.step_ms
+    assert step_programs.cache_info().misses == 1 and step_programs.cache_info().hits == 1
