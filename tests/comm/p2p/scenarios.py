@@ -8,6 +8,7 @@ so a receiver can check every element it got against what the sender must have s
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import random
 import signal
@@ -286,9 +287,14 @@ def peer_failure(rank: int, world: int, mode: str, how: str, timeout: float) -> 
         os.kill(os.getpid(), signal.SIGSTOP)
         time.sleep(600)
     out: dict = {"hello": same(ch.recv(0, "hi/0"), hello)}
+    # rank 2 sends act/1 only once its flush to rank 0 has failed (up to the whole timeout); rank 1's
+    # receive of it (one timeout too) starts when it has heard so through the job's store, not when its
+    # own wait on rank 0 ended: a killed rank 0 ends that wait at once, and then the two timeouts raced
+    store = dist.distributed_c10d._get_default_store()
     if rank == 1:
         out["wait"] = _attempt(lambda: ch.recv(0, "act/0"))
         out["mismatch"] = _attempt(lambda: ch.recv(2, "ok/0"))
+        store.wait(["peer_failure/pushed"], datetime.timedelta(seconds=60))
         out["after"] = same(ch.recv(2, "act/1"), hello)
         ch.send(2, "ok/0", hello)
     else:
@@ -297,6 +303,7 @@ def peer_failure(rank: int, world: int, mode: str, how: str, timeout: float) -> 
                 ch.send(0, f"big/{i}", {"x": payload(i, big, torch.float32)})
             ch.flush()
         out["wait"] = _attempt(push)
+        store.set("peer_failure/pushed", "1")
         ch.send(1, "act/1", hello)
         out["after"] = same(ch.recv(1, "ok/0"), hello)
     ch.flush(3 - rank)
