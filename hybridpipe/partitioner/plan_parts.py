@@ -113,6 +113,13 @@ def layer_dict(lv: LayerSync) -> dict:
     return d
 
 
+# a stage's figures as plans write them (0 where absent), read in this order
+STAGE_FIGURES: tuple[tuple[str, type], ...] = (
+    ("compute_ms", float), ("forward_ms", float), ("backward_ms", float), ("sync_ms", float), ("send_ms", float),
+    ("send_bytes", int), ("memory_bytes", int), ("transient_bytes", int), ("overhead_ms", float), ("ring_ms", float),
+    ("overlapped_ring_ms", float))
+
+
 def stage_from_dict(s: object, i: int, source: str) -> Stage:
     where = f"{source}: stage {i}"
     if not isinstance(s, dict):
@@ -132,18 +139,8 @@ def stage_from_dict(s: object, i: int, source: str) -> Stage:
                  last_node=field(s, "last_node", int, where, minimum=0),
                  replicas=field(s, "replicas", int, where, minimum=1),
                  ranks=tuple(ranks),
-                 compute_ms=plan_figure(s, "compute_ms", float, where, default=0.0),
-                 forward_ms=plan_figure(s, "forward_ms", float, where, default=0.0),
-                 backward_ms=plan_figure(s, "backward_ms", float, where, default=0.0),
-                 sync_ms=plan_figure(s, "sync_ms", float, where, default=0.0),
-                 send_ms=plan_figure(s, "send_ms", float, where, default=0.0),
-                 send_bytes=plan_figure(s, "send_bytes", int, where, default=0),
-                 memory_bytes=plan_figure(s, "memory_bytes", int, where, default=0),
-                 transient_bytes=plan_figure(s, "transient_bytes", int, where, default=0),
+                 **{name: plan_figure(s, name, kind, where, default=kind(0)) for name, kind in STAGE_FIGURES},
                  layers=tuple(layers),
-                 overhead_ms=plan_figure(s, "overhead_ms", float, where, default=0.0),
-                 ring_ms=plan_figure(s, "ring_ms", float, where, default=0.0),
-                 overlapped_ring_ms=plan_figure(s, "overlapped_ring_ms", float, where, default=0.0),
                  recompute=field(s, "recompute", bool, where, default=False),
                  shard=field(s, "shard", str, where, default="none", choices=SHARD_LEVELS),
                  reshard_after_forward=field(s, "reshard_after_forward", bool, where, default=True))

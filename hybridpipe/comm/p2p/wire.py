@@ -285,18 +285,9 @@ class MetaCache:
     def __init__(self) -> None:
         self._by_kind: dict[str, Layout] = {}
 
-    def changed(self, key: str, metas: tuple[TensorMeta, ...]) -> bool:
-        """True (and remember ``metas``) if they differ from the cached ones for ``key``'s kind."""
-        kind = kind_of(key)
-        known = self._by_kind.get(kind)
-        if known is not None and known.metas == metas:
-            return False
-        self._by_kind[kind] = layout_of(metas)
-        return True
-
     def sent(self, key: str, items: Sequence[tuple[str, torch.Tensor]]) -> tuple[Layout, bool]:
-        """The layout of contiguous ``items`` sent under ``key``, and whether it changed (then
-        remembered, as :meth:`changed`): an unchanged frame builds no metadata."""
+        """The layout of contiguous ``items`` sent under ``key``, and whether it differs from the one
+        cached for ``key``'s kind (then remembered): an unchanged frame builds no metadata."""
         kind = kind_of(key)
         known = self._by_kind.get(kind)
         if known is not None and known.signature == tuple((n, t.dtype, t.shape) for n, t in items):
@@ -306,10 +297,6 @@ class MetaCache:
 
     def update(self, key: str, metas: tuple[TensorMeta, ...]) -> None:
         self._by_kind[kind_of(key)] = layout_of(metas)
-
-    def get(self, key: str) -> tuple[TensorMeta, ...] | None:
-        known = self._by_kind.get(kind_of(key))
-        return None if known is None else known.metas
 
     def layout(self, key: str) -> Layout | None:
         return self._by_kind.get(kind_of(key))

@@ -115,12 +115,14 @@ def stalled_steps(ranks: Sequence[RankEvents], steps: set[int], limit: float) ->
 
 @dataclass(frozen=True)
 class RankMedians:
-    """One rank's medians over the steady steps (ms; None where never seen)."""
+    """One rank's medians over the steady steps (ms; None where never seen), and its per-step sync waits and
+    last backwards' ends (what :func:`last_replica_wait_ms` compares across replicas)."""
 
     forward_ms: float | None          # one micro-batch
     backward_ms: float | None
-    sync_wait_ms: float | None        # per step
     step_ms: float | None             # per step
+    sync_by_step: dict[int, float]    # step -> its sync wait (ms), where one was recorded
+    back_end_by_step: dict[int, float]  # step -> when its last backward ended (trace us)
 
 
 def rank_medians(events: Sequence[dict], steps: set[int], *, loads_input: bool = False) -> RankMedians:
@@ -133,6 +135,7 @@ def rank_medians(events: Sequence[dict], steps: set[int], *, loads_input: bool =
     bwd: dict[tuple[int, int], float] = {}
     sync_per_step: dict[int, float] = {}
     step_per_step: dict[int, float] = {}
+    back_end: dict[int, float] = {}
     forward_phases = ("run_for", "receive_for") if loads_input else ("run_for",)
     for e in events:
         args = e.get("args", {})
@@ -144,34 +147,25 @@ def rank_medians(events: Sequence[dict], steps: set[int], *, loads_input: bool =
             fwd[key] = fwd.get(key, 0.0) + ms
         elif e["name"] == "run_back":
             bwd[key] = bwd.get(key, 0.0) + ms
+            back_end[step] = max(back_end.get(step, 0.0), float(e["ts"]) + float(e["dur"]))
         elif e["name"] == "sync":
             sync_per_step[step] = sync_per_step.get(step, 0.0) + ms
         elif e["name"] == "step":
             step_per_step[step] = step_per_step.get(step, 0.0) + ms
     return RankMedians(_median(list(fwd.values())), _median(list(bwd.values())),
-                       _median(list(sync_per_step.values())), _median(list(step_per_step.values())))
+                       _median(list(step_per_step.values())), sync_per_step, back_end)
 
 
-def last_replica_wait_ms(replicas: Sequence[RankEvents], steps: set[int]) -> float | None:
+def last_replica_wait_ms(replicas: Sequence[RankMedians], steps: set[int]) -> float | None:
     """Median over ``steps`` of the sync wait of the replica whose last backward of the step ended last
     (the traces share a time origin: runtime/timeline.py aligns them at a barrier); None: no sync seen."""
-    waits, seen = [], False
+    if not any(r.sync_by_step for r in replicas):
+        return None
+    waits = []
     for step in sorted(steps):
-        ends: list[tuple[float, float]] = []          # (last backward's end, sync wait) per replica
-        for r in replicas:
-            end, wait = None, 0.0
-            for e in r.events:
-                if e.get("cat") != "phase" or e.get("args", {}).get("step") != step:
-                    continue
-                if e["name"] == "run_back":
-                    end = max(end or 0.0, float(e["ts"]) + float(e["dur"]))
-                elif e["name"] == "sync":
-                    wait, seen = wait + float(e["dur"]) / 1e3, True
-            if end is not None:
-                ends.append((end, wait))
-        if len(ends) == len(replicas):
-            waits.append(max(ends)[1])
-    return _median(waits) if seen else None
+        if all(step in r.back_end_by_step for r in replicas):
+            waits.append(max((r.back_end_by_step[step], r.sync_by_step.get(step, 0.0)) for r in replicas)[1])
+    return _median(waits)
 
 
 def direction(key: str, stage: int, peer_stage: int | None) -> bool | None:
@@ -246,7 +240,7 @@ def observe_run(name: str, summary: dict, ranks: Sequence[RankEvents],
         stages.append(StageObservation(entry[0], entry[1], tuple(r.rank for r in mine),
                                        _median([m.forward_ms for m in med if m.forward_ms is not None]),
                                        _median([m.backward_ms for m in med if m.backward_ms is not None]),
-                                       last_replica_wait_ms(mine, steps) if entry[2] > 1 else None,
+                                       last_replica_wait_ms(med, steps) if entry[2] > 1 else None,
                                        algos, _median([m.step_ms for m in med if m.step_ms is not None])))
     stage_of = {r.rank: r.stage for r in ranks}
     transfers = [t for r in ranks for t in rank_transfers(r.rank, r.events, steps, r.stage, stage_of)]

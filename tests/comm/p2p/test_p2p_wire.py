@@ -67,15 +67,18 @@ def test_bad_inputs_are_explained():
 
 def test_meta_cache_announces_once_per_kind_and_again_on_change():
     cache = wire.MetaCache()
-    a = wire.describe([("x", torch.zeros(2, 3))])
-    b = wire.describe([("x", torch.zeros(4, 3))])
-    assert cache.changed("act/0", a)
-    assert not cache.changed("act/1", a)          # same kind, same metadata: cached
-    assert cache.changed("grad/0", a)             # another kind has its own entry
-    assert cache.changed("act/2", b)              # a changed shape is re-announced
-    assert not cache.changed("act/3", b)
-    assert cache.changed("act/4", wire.describe([("x", torch.zeros(4, 3, dtype=torch.float64))]))
-    assert cache.get("act/9") != b and cache.get("grad/1") == a
+    ia, ib = [("x", torch.zeros(2, 3))], [("x", torch.zeros(4, 3))]
+    a, b = wire.describe(ia), wire.describe(ib)
+
+    def changed(key, items):
+        return cache.sent(key, items)[1]
+    assert changed("act/0", ia)
+    assert not changed("act/1", ia)          # same kind, same metadata: cached
+    assert changed("grad/0", ia)             # another kind has its own entry
+    assert changed("act/2", ib)              # a changed shape is re-announced
+    assert not changed("act/3", ib)
+    assert changed("act/4", [("x", torch.zeros(4, 3, dtype=torch.float64))])
+    assert cache.layout("act/9").metas != b and cache.layout("grad/1").metas == a
     assert wire.kind_of("act/3") == "act" and wire.kind_of("labels") == "labels"
     assert wire.kind_of("act/2/3") == "act/2" != wire.kind_of("act/5/3")
 
