@@ -232,7 +232,10 @@ class FrameReceiver(_End):
         t0 = self.clock()
         raw = buf.numpy()
         header = self._decode(raw, what)
-        self.capacity = wire.next_capacity(self.capacity, header)
+        body_bytes = header.body_bytes
+        base = wire.body_offset(header.meta_len, body_bytes)
+        if body_bytes <= wire.INLINE_LIMIT and base + body_bytes > self.capacity:   # wire.next_capacity
+            self.capacity = base + body_bytes
         if header.flags & _NO_PAYLOAD:
             if self.prepost and not header.flags & Flag.CLOSE:
                 self._ahead = self._post(self.capacity, what)
@@ -241,8 +244,8 @@ class FrameReceiver(_End):
         if header.flags & Flag.SPLIT:
             meta, body, base = self._receive_rest(header, deadline, what)
         else:
-            meta = raw[wire.HEADER_BYTES:wire.HEADER_BYTES + header.meta_len]
-            body, base = buf, wire.body_offset(header.meta_len, header.body_bytes)
+            meta = raw[wire.HEADER_BYTES:wire.HEADER_BYTES + header.meta_len] if header.meta_len else b""
+            body = buf
             if self.prepost:        # the next frame may flow while this one is delivered
                 self._ahead = self._post(self.capacity, what)
         layout = self._layout(header, meta)

@@ -203,7 +203,8 @@ class Link:
             box.fail(PeerLost(self.peer, "the next message", f"rank {self.peer} closed its channels"))
             return False
         box.put(item)
-        self._notify(frame.key, frame.nbytes, frame.t0, frame.t1)
+        if self.cfg.on_transfer is not None:
+            self._notify(frame.header.key, frame.header.payload_bytes, frame.t0, frame.t1)
         return True
 
     def _mismatch(self, key: str, found: str) -> ProtocolError:
@@ -308,7 +309,7 @@ class SaLink(Link):
     def _recv_loop(self) -> None:
         while True:
             f = self.receivers[0].receive(self._deadline())
-            if not self._received(self.inbox, f, Message(f.key, f.tensors, (f.event,))):
+            if not self._received(self.inbox, f, Message(f.header.key, f.tensors, (f.event,))):
                 return
 
 
