@@ -56,6 +56,8 @@ class NonFiniteWatch:
         self._pending: list[Any] = []           # async all-reduces of a rank that decides alone
         self._flag = torch.zeros((), dtype=torch.float32, device=device)
         self._verdict: bool | None = None
+        self.carried = False        # the verdict reaches the other ranks on gradient frames (step_news.py)
+        self._heard: torch.Tensor | None = None     # carried: the source's flag of this step, as received
 
     @property
     def decides_alone(self) -> bool:
@@ -77,6 +79,15 @@ class NonFiniteWatch:
         bad = (~torch.isfinite(value.detach())).any().to(self._flag.dtype)
         self._flag = torch.maximum(self._flag, bad.to(self._flag.device))
 
+    @property
+    def flag(self) -> torch.Tensor:
+        """This rank's flag since the last agreement (raised: 1)."""
+        return self._flag
+
+    def heard(self, flag: torch.Tensor) -> None:
+        """Carried (step_news.py): the source's flag of this step, received on a gradient frame."""
+        self._heard = flag
+
     def wrap_optimizer(self, optimizer: Any) -> GuardedOptimizer:
         return GuardedOptimizer(optimizer, self)
 
@@ -85,6 +96,7 @@ class NonFiniteWatch:
         self._pending.clear()
         self._flag = torch.zeros_like(self._flag)
         self._verdict = None
+        self._heard = None
 
     # ---- agreeing ----------------------------------------------------------------------
     def agree(self) -> bool:
@@ -93,6 +105,13 @@ class NonFiniteWatch:
         self._flag = torch.zeros_like(self._flag)
         if not dist.is_initialized():
             return bool(flag.item() > 0)
+        if self.carried:                          # no collective: the source knows, the others heard it
+            if self.decides_alone:
+                return bool(flag.item() > 0)
+            heard, self._heard = self._heard, None
+            if heard is None:
+                raise RuntimeError("this step's loss verdict did not arrive on its gradient frames")
+            return bool(heard.item() > 0)
         if self.decides_alone:
             mine = bool(flag.item() > 0)          # read before the collective works on it in place
             for work in self._pending:            # the previous step's: long complete
