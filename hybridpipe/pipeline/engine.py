@@ -94,7 +94,7 @@ from hybridpipe.pipeline.ports import StepNews, TiedReduce, Transport, chunk_syn
 from hybridpipe.pipeline.schedules import Topology, check_schedulable, forwarded, rank_program, settle_phase
 from hybridpipe.pipeline.stage import Activation, PipelineStage
 from hybridpipe.pipeline.stash import WeightStash, needs_frozen
-from hybridpipe.pipeline.stepnews import NEWS
+from hybridpipe.pipeline.stepnews import NEWS, carried_by
 from hybridpipe.pipeline.tokens import TokenCounts, check_normalization
 from hybridpipe.pipeline.values import moved
 from hybridpipe.profiles.losses import loss_mean
@@ -163,8 +163,9 @@ class PipelineEngine:
         self._forwarded: dict[tuple[int, int, bool], tuple[int, ...]] = {}    # (stage, phase, drain): all replicas
         self._local: dict[str, dict[str, torch.Tensor]] = {}    # messages from one chunk of this rank to another
         self._params = tuple(self.module.parameters())      # fixed objects: listed once, not every Step
-        self.news = news
-        self._news_sends = news.route.sends if news is not None else frozenset()
+        self.news = news        # its route's instructions stand in the lists: found by identity (carried_by)
+        self._news_recv = news.route.receive if news is not None else None
+        self._news_sends = frozenset(map(id, news.route.sends)) if news is not None else frozenset()
 
     # ---- public ------------------------------------------------------------------------
     @property
@@ -183,7 +184,8 @@ class PipelineEngine:
         """The instruction list the next ``run_step`` executes (lists repeat once settled: cached)."""
         key = (min(self.phase, self._settle), drain)
         if key not in self._programs:
-            self._programs[key] = rank_program(self.topo, self.rank, self.schedule, phase=key[0], drain=drain)
+            program = rank_program(self.topo, self.rank, self.schedule, phase=key[0], drain=drain)
+            self._programs[key] = carried_by(program, self.news.route) if self.news is not None else program
         return self._programs[key]
 
     def run_step(self, step: int, *, drain: bool = False, recorder=None) -> StepResult:
@@ -295,7 +297,7 @@ class PipelineEngine:
             case RecvGradients():
                 if key not in flight.out_grads:    # else received early, at a checkpoint
                     got = flight.out_grads[key] = self.recv(ins.peer, message_key(ins, g, M))
-                    if self.news is not None and ins == self.news.route.receive:    # stepnews.py
+                    if ins is self._news_recv and self.news is not None:    # stepnews.py
                         self.news.incoming(g // M, got.pop(NEWS))
             case SyncStart():
                 flight.sync_next.add(key)
@@ -322,7 +324,7 @@ class PipelineEngine:
                 self.meter.drop(key)
             case SendGradients():
                 grads = flight.in_grads.pop(key)
-                if self._news_sends and ins in self._news_sends and self.news is not None:
+                if self._news_sends and id(ins) in self._news_sends and self.news is not None:
                     grads = {**grads, NEWS: self.news.outgoing(g // M, result.losses)}
                 self.send(ins.peer, message_key(ins, g, M), grads)
             case _:

@@ -83,6 +83,15 @@ def news_routes(programs: Mapping[int, Sequence[Instruction]]) -> dict[int, News
     return {r: NewsRoute(carrier[r][1] if r != source else None, frozenset(sends[r])) for r in programs}
 
 
+def carried_by(program: list[Instruction], route: NewsRoute) -> list[Instruction]:
+    """``program`` with the route's own instruction objects in place of the equal ones, so that the
+    engine finds its carrying instructions by identity (no comparison per instruction)."""
+    ours: dict[Instruction, Instruction] = {i: i for i in route.sends}
+    if route.receive is not None:
+        ours[route.receive] = route.receive
+    return [ours.get(i, i) for i in program]
+
+
 def _index(program: Sequence[Instruction], instr: Instruction) -> int | None:
     for k, i in enumerate(program):
         if i == instr:

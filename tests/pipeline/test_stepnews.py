@@ -21,7 +21,7 @@ from hybridpipe.pipeline.instructions import (
     Step,
 )
 from hybridpipe.pipeline.schedules import Topology, all_programs
-from hybridpipe.pipeline.stepnews import NewsRoute, news_routes
+from hybridpipe.pipeline.stepnews import NewsRoute, carried_by, news_routes
 from tests.pipeline.harness import make_plan, train_pipeline
 
 
@@ -160,3 +160,14 @@ def test_every_rank_holds_the_loss_ranks_note_before_its_update(schedule, cuts, 
             continue
         assert order == [x for k in range(steps) for x in (("in", k), ("step", k))], (rank, order)
         assert all(torch.equal(note, made[step]) for kind, step, note in mine if kind == "in")
+
+
+def test_the_engine_finds_its_carriers_by_identity():
+    topo, kind = topology([1, 1, 1]), get_schedule("1f1b")
+    programs = all_programs(topo, kind, drain=False)
+    got = news_routes(programs)
+    assert got is not None
+    swapped = carried_by(programs[1], got[1])
+    assert swapped == programs[1]
+    assert [i for i in swapped if i is got[1].receive or any(i is s for s in got[1].sends)] == \
+        [got[1].receive, *got[1].sends]

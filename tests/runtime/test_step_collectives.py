@@ -208,7 +208,7 @@ def test_a_chains_step_news_rides_on_its_gradient_frames(tmp_path):
     assert close_but_bad(out[0]["losses"], plain)
 
 
-@pytest.mark.slow           # ~20 s: three Trainers per rank on 4 ranks, twice
+@pytest.mark.slow           # ~10 s: four Trainers per rank on 4 ranks, twice
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_a_four_stage_chain_stops_or_skips_alike_on_every_rank(tmp_path, schedule):
     """4 stages: no collective per good step; skipping, or stopping at the bad step with no weight of
@@ -216,10 +216,14 @@ def test_a_four_stage_chain_stops_or_skips_alike_on_every_rank(tmp_path, schedul
     channels carry no news: 2 broadcasts per step) and close to the plain loop's."""
     plan = make_plan("mlp", [1, 3, 5], [1, 1, 1, 1], schedule=schedule, micro_batches=4, batch_size=2)
     path = str(save_plan(plan, tmp_path / f"{schedule}.json"))
-    runs = [{"skip_nonfinite": True}, {"skip_nonfinite": False}, {"skip_nonfinite": True, "comm_mode": "per-tensor"}]
+    runs = [{"skip_nonfinite": True}, {"skip_nonfinite": False}, {"skip_nonfinite": True, "comm_mode": "per-tensor"},
+            {"skip_nonfinite": True, "comm_mode": "sra"}]
     out = spawn(chain_runs, 4, path, runs, timeout=180)
-    skipped, stopped, fallback = ([r[i] for r in out] for i in range(3))
-    assert all(r["carried"] for r in skipped + stopped) and not any(r["carried"] for r in fallback)
+    skipped, stopped, fallback, sra = ([r[i] for r in out] for i in range(4))
+    assert all(r["carried"] for r in skipped + stopped + sra) and not any(r["carried"] for r in fallback)
+    for r in sra:                               # the fixed-order channels carry the same frames
+        assert [c for k, c in enumerate(r["calls"]) if k != BAD] == [{}] * (STEPS - 1), r["calls"]
+        assert same(r["losses"], skipped[0]["losses"])
     for r in skipped:
         assert [c for k, c in enumerate(r["calls"]) if k != BAD] == [{}] * (STEPS - 1), r["calls"]
         assert r["skipped"] == [BAD] and same(r["losses"], skipped[0]["losses"])
