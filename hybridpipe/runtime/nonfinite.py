@@ -26,6 +26,12 @@ all-reduce exchanged several per rank). The source posts it without waiting (the
 reach their optimizer step later) and goes on, so the check costs it nothing and costs the
 others one scalar receive. A replicated last stage, or a recovery in place (every rank must pass
 the check before any update), keeps the all-reduce.
+
+Where the plan's instruction lists prove that every rank receives its last gradients of the step
+after the source's last loss, through a chain of gradient messages and before its update
+(pipeline/stepnews.py: plain chains under gpipe, 1f1b, zb-h1, ...), the watch is ``carried``: the
+source's flag rides upstream on those gradient frames (runtime/step_news.py's ``FrameNews`` calls
+:meth:`NonFiniteWatch.heard`) and agreeing costs no collective at all, on any rank.
 """
 
 from __future__ import annotations
