@@ -38,9 +38,8 @@ Interfaces (duck-typed, see the project's contracts; the protocols are in ports.
   backward (fp16 loss scaling; ``before_step`` divides the gradients back).
 * ``tokens`` (optional, pipeline/tokens.py): token-weighted loss; each backward starts from the
   micro-batch's loss sum and the Step multiplies by 1 / (the step's valid tokens) instead of 1/M.
-* ``news`` (optional, stepnews.py): the step's loss verdict and totals ride on gradient frames:
-  each ``SendGradients`` in ``news.route.sends`` adds ``news.outgoing(step, losses)`` under the name
-  ``stepnews.NEWS``; the ``RecvGradients`` ``news.route.receive`` hands it to ``news.incoming``.
+* ``news`` (optional, stepnews.py): the sends in ``news.route.sends`` carry ``news.outgoing(step, losses)``
+  (as ``stepnews.NEWS``); the receive ``news.route.receive`` hands it to ``news.incoming``.
 * ``autocast`` (optional dtype, e.g. ``torch.bfloat16``): forwards and losses run under
   ``torch.autocast`` (weights, gradients and optimizer state stay float32; the stages must be
   captured under the same autocast, ``capture_model(autocast=)``). Activations and gradients travel
@@ -163,7 +162,7 @@ class PipelineEngine:
         self._forwarded: dict[tuple[int, int, bool], tuple[int, ...]] = {}    # (stage, phase, drain): all replicas
         self._local: dict[str, dict[str, torch.Tensor]] = {}    # messages from one chunk of this rank to another
         self._params = tuple(self.module.parameters())      # fixed objects: listed once, not every Step
-        self.news = news        # its route's instructions stand in the lists: found by identity (carried_by)
+        self.news = news        # its route's instructions stand in the lists, found by identity (carried_by)
         self._news_recv = news.route.receive if news is not None else None
         self._news_sends = frozenset(map(id, news.route.sends)) if news is not None else frozenset()
 
