@@ -71,6 +71,7 @@ class Channels:
         self.mode = mode
         self.rank = groups.rank
         self.device = groups.device
+        self._cuda = self.device.type == "cuda"
         self.timeout = float(timeout)
         idle = max(self.timeout, DEFAULT_IDLE_TIMEOUT_S) if idle_timeout is None else float(idle_timeout)
         cfg = LinkConfig(idle, clock, on_transfer, dedicated_streams, transfer_timeout=self.timeout)
@@ -109,11 +110,12 @@ class Channels:
         """Post ``tensors`` to ``peer`` under ``key``; returns without waiting for the transfer."""
         link = self._link(peer)
         wire.check_key(key)
-        items = wire.named_items(tensors)
-        for name, t in items:
-            check_device(name, t, self.device)
-        items = [(name, t.detach().contiguous()) for name, t in items]
-        link.submit(key, items, mark_ready(self.device) if items else None)
+        device = self.device
+        items = []
+        for name, t in wire.named_items(tensors):
+            check_device(name, t, device)
+            items.append((name, t.detach().contiguous()))
+        link.submit(key, items, mark_ready(device) if items and self._cuda else None)
 
     def recv(self, peer: int, key: str) -> dict[str, torch.Tensor]:
         """Block until the next message from ``peer`` arrives and return its tensors.

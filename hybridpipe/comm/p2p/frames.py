@@ -27,6 +27,8 @@ from hybridpipe.comm.p2p.wire import Flag, Header
 Clock = Callable[[], float]
 _MAX_WAIT_S = 7 * 24 * 3600.0
 _NO_PAYLOAD = Flag.CLOSE | Flag.HELLO
+_SPARE_SIZES = 8            # frame lengths a sender keeps buffers for (the most recently used)
+_SPARE_PER_SIZE = 2         # buffers per length: the frame in flight and the one being packed
 
 
 @dataclass
@@ -38,6 +40,7 @@ class Posted:
     data_works: list
     tensors: list = field(default_factory=list)
     t0: float = 0.0
+    done: bool = False      # completed: its buffers may be reused
 
 
 @dataclass
@@ -116,7 +119,31 @@ class _End:
 
 
 class FrameSender(_End):
-    """Send side of one lane to one peer."""
+    """Send side of one lane to one peer.
+
+    A whole frame's buffer is kept for a later frame of the same length once its send has
+    completed (``Posted.done``): a buffer still in flight is never written, a new one is made."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._spare: dict[int, list[tuple[wire.FrameBuffer, Posted]]] = {}
+
+    def _buffer(self, size: int) -> tuple[wire.FrameBuffer, list[tuple[wire.FrameBuffer, Posted]]]:
+        """A buffer of ``size`` bytes whose last frame has left (or a new one), and its length's slots."""
+        spare = self._spare
+        slots = spare.pop(size, None)
+        if slots is None:
+            if len(spare) >= _SPARE_SIZES:
+                del spare[next(iter(spare))]        # the length used longest ago
+            slots = []
+        spare[size] = slots                         # most recently used last
+        for i, (fb, owner) in enumerate(slots):
+            if owner.done:
+                del slots[i]
+                return fb, slots
+        if len(slots) >= _SPARE_PER_SIZE:
+            del slots[0]        # still in flight: its Posted keeps the buffer alive until completed
+        return wire.FrameBuffer(size), slots
 
     def post(self, key: str, msg: int, parts: int, items: Sequence[tuple[str, torch.Tensor]],
              flags: int = Flag.NONE, ready: torch.cuda.Event | None = None) -> Posted:
@@ -130,26 +157,32 @@ class FrameSender(_End):
             flags |= Flag.META
             meta = wire.encode_meta(layout.metas)
             self.meta_frames += 1
-        offsets, metas = layout.offsets, layout.metas
         body = 0 if self.cuda else layout.body_bytes
-        inline = wire.is_inline(len(meta), body, self.capacity)
+        meta_len = len(meta)
+        start = wire.body_offset(meta_len, body)
+        size = start + body                         # wire.inline_bytes
+        inline = body <= wire.INLINE_LIMIT and size <= self.capacity      # wire.is_inline
         if not inline:
             flags |= Flag.SPLIT
             self.split_frames += 1
-        header = Header(flags, self.seq, msg, parts, len(items), len(meta), layout.payload_bytes, body, key)
+        header = Header(flags, self.seq, msg, parts, len(items), meta_len, layout.payload_bytes, body, key)
         self.seq += 1
-        self.capacity = wire.next_capacity(self.capacity, header)
+        if body <= wire.INLINE_LIMIT and size > self.capacity:     # wire.next_capacity, as the receiver
+            self.capacity = size
         t0 = self.clock()
+        group, group_peer = self.route.control, self.control_peer
         try:
+            slots = None
             if inline:
-                sends = [wire.encode_frame(header, meta, () if self.cuda else items, () if self.cuda else offsets)]
+                fb, slots = self._buffer(size)
+                sends = [fb.pack(header, meta, () if self.cuda else items, layout, start)]
             else:
                 sends = [wire.to_bytes_tensor(wire.encode_header(header))]
                 if meta:
                     sends.append(wire.to_bytes_tensor(meta))
-                if (flat_body := wire.flatten(items, metas) if body else None) is not None:
+                if (flat_body := wire.flatten(items, layout.metas) if body else None) is not None:
                     sends.append(flat_body)
-            control = [post_send(t, self.route.control, self.control_peer) for t in sends]
+            control = [post_send(t, group, group_peer) for t in sends]
             data = []
             if self.cuda:
                 with self.stream.active(after=ready):
@@ -159,11 +192,22 @@ class FrameSender(_End):
                 sends += [t for _, t in items]
         except Exception as e:          # noqa: BLE001
             raise classify_transport_error(e, self.peer, f"send {key!r}") from e
-        return Posted(header, control, data, sends, t0)
+        posted = Posted(header, control, data, sends, t0)
+        if slots is not None:
+            slots.append((fb, posted))
+        return posted
 
     def complete(self, posted: Posted, deadline: float) -> float:
         """Wait until the frame has left; return the completion time (clock)."""
-        self._complete(posted.control_works, posted.data_works, deadline, f"send {posted.header.key!r}")
+        if self.cuda or posted.data_works:
+            self._complete(posted.control_works, posted.data_works, deadline, f"send {posted.header.key!r}")
+        else:
+            try:
+                for w in posted.control_works:
+                    _wait_work(w, deadline)
+            except Exception as e:      # noqa: BLE001 - backend errors have no common type
+                raise classify_transport_error(e, self.peer, f"send {posted.header.key!r}") from e
+        posted.done = True
         posted.tensors.clear()
         return self.clock()
 
@@ -188,7 +232,10 @@ class FrameReceiver(_End):
         t0 = self.clock()
         raw = buf.numpy()
         header = self._decode(raw, what)
-        self.capacity = wire.next_capacity(self.capacity, header)
+        body_bytes = header.body_bytes
+        base = wire.body_offset(header.meta_len, body_bytes)
+        if body_bytes <= wire.INLINE_LIMIT and base + body_bytes > self.capacity:   # wire.next_capacity
+            self.capacity = base + body_bytes
         if header.flags & _NO_PAYLOAD:
             if self.prepost and not header.flags & Flag.CLOSE:
                 self._ahead = self._post(self.capacity, what)
@@ -197,8 +244,8 @@ class FrameReceiver(_End):
         if header.flags & Flag.SPLIT:
             meta, body, base = self._receive_rest(header, deadline, what)
         else:
-            meta = raw[wire.HEADER_BYTES:wire.HEADER_BYTES + header.meta_len]
-            body, base = buf, wire.body_offset(header.meta_len, header.body_bytes)
+            meta = raw[wire.HEADER_BYTES:wire.HEADER_BYTES + header.meta_len] if header.meta_len else b""
+            body = buf
             if self.prepost:        # the next frame may flow while this one is delivered
                 self._ahead = self._post(self.capacity, what)
         layout = self._layout(header, meta)
@@ -213,7 +260,7 @@ class FrameReceiver(_End):
     def _post(self, size: int, what: str) -> tuple[torch.Tensor, object]:
         buf = torch.empty(size, dtype=torch.uint8)
         try:
-            return buf, post_recv(buf, self.route.control, self.control_peer)
+            return buf, self.route.control.recv([buf], self.control_peer, 0)     # uint8: see post_recv
         except Exception as e:          # noqa: BLE001
             raise classify_transport_error(e, self.peer, what) from e
 

@@ -98,6 +98,10 @@ class Link:
         self.last_sent_key: str | None = None
         self.closed_by_peer = False
         self.threads: list[threading.Thread] = []
+        # CPU sa/per-tensor sends: how long one frame may take to leave (see _send_deadline)
+        bound = cfg.transfer_timeout
+        direct = bound is not None and self.mode != "sra" and self.device.type != "cuda"
+        self._send_bound: float = bound if direct and bound is not None else cfg.idle_timeout
         self.senders = [self._end(FrameSender, groups.outbound(peer, i), groups) for i in range(lanes)]
         self.receivers = [self._end(FrameReceiver, groups.inbound(peer, i), groups) for i in range(lanes)]
         self.inboxes: list[Mailbox] = [Mailbox() for _ in range(lanes)]
@@ -173,9 +177,7 @@ class Link:
         threads always have receives posted (sa, per-tensor) takes a frame in network time;
         waiting longer than the channel timeout means the peer is gone. That bound matters:
         gloo never wakes the wait on a send that was half written when its peer died."""
-        if self.mode != "sra" and self.device.type != "cuda" and self.cfg.transfer_timeout is not None:
-            return time.monotonic() + self.cfg.transfer_timeout
-        return self._deadline()
+        return time.monotonic() + self._send_bound
 
     def _notify(self, key: str, nbytes: int, t0: float, t1: float) -> None:
         if self.cfg.on_transfer is None:
@@ -201,7 +203,8 @@ class Link:
             box.fail(PeerLost(self.peer, "the next message", f"rank {self.peer} closed its channels"))
             return False
         box.put(item)
-        self._notify(frame.key, frame.nbytes, frame.t0, frame.t1)
+        if self.cfg.on_transfer is not None:
+            self._notify(frame.header.key, frame.header.payload_bytes, frame.t0, frame.t1)
         return True
 
     def _mismatch(self, key: str, found: str) -> ProtocolError:
@@ -236,7 +239,8 @@ class SaLink(Link):
                 raise
             self.last_sent_key = key
             self.msg_out += 1
-            self._reap(1, self._send_deadline())    # the frames before this one have left by now
+            if len(self.pending) > 1:
+                self._reap(1, self._send_deadline())    # the frames before this one have left by now
             return
         sub = Submission(key, items, ready, self.msg_out, len(items))
         if self.direct:
@@ -305,7 +309,7 @@ class SaLink(Link):
     def _recv_loop(self) -> None:
         while True:
             f = self.receivers[0].receive(self._deadline())
-            if not self._received(self.inbox, f, Message(f.key, f.tensors, (f.event,))):
+            if not self._received(self.inbox, f, Message(f.header.key, f.tensors, (f.event,))):
                 return
 
 

@@ -100,6 +100,18 @@ def kind_of(key: str) -> str:
 
 def check_key(key: str) -> bytes:
     """Encode ``key`` for a header; raise ValueError if it cannot be carried."""
+    if type(key) is str:
+        return _checked_key(key)
+    return _check_key(key)
+
+
+@functools.lru_cache(maxsize=4096)
+def _checked_key(key: str) -> bytes:
+    """:func:`_check_key` of a str, remembered (a run sends the same few hundred keys every step)."""
+    return _check_key(key)
+
+
+def _check_key(key: str) -> bytes:
     if not isinstance(key, str) or not key:
         raise ValueError(f"a channel key must be a non-empty string, got {key!r}")
     raw = key.encode("utf-8")
@@ -248,6 +260,38 @@ def encode_frame(header: Header, meta: bytes, items: Sequence[tuple[str, torch.T
             b = _bytes_of(t)
             buf[start + off:start + off + b.numel()].copy_(b)
     return buf
+
+
+class FrameBuffer:
+    """A whole frame's buffer kept for the next frame of the same length (see :func:`encode_frame`:
+    the same bytes, written in place). The body's destinations, typed views of each tensor's
+    place, are made once per layout and metadata length, so packing a frame is one ``copy_``
+    per tensor. The caller must not pack a buffer again before the send of its last frame completed."""
+
+    __slots__ = ("buf", "view", "layout", "start", "dests")
+
+    def __init__(self, size: int) -> None:
+        self.buf = torch.empty(size, dtype=torch.uint8)
+        self.view = self.buf.numpy().data
+        self.layout: Layout | None = None
+        self.start = -1
+        self.dests: list[torch.Tensor | None] = []
+
+    def pack(self, header: Header, meta: bytes, items: Sequence[tuple[str, torch.Tensor]], layout: Layout,
+             start: int) -> torch.Tensor:
+        """Write ``header``, ``meta`` and the contiguous CPU ``items`` (whose metadata is ``layout``;
+        the body at ``start``, :func:`body_offset`'s)."""
+        if items and (self.layout is not layout or self.start != start):
+            buf = self.buf
+            self.dests = [buf[start + off:start + off + m.nbytes].view(m.dtype).view(m.shape) if m.nbytes else None
+                          for m, off in zip(layout.metas, layout.offsets, strict=True)]
+            self.layout, self.start = layout, start
+        head = encode_header(header) + meta
+        self.view[:len(head)] = head
+        for dst, (_, t) in zip(self.dests, items, strict=True) if items else ():
+            if dst is not None:
+                dst.copy_(t)
+        return self.buf
 
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:

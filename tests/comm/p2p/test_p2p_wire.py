@@ -162,3 +162,28 @@ def test_capacity_grows_to_fit_the_frames_seen_but_not_for_bodies_sent_apart():
     big = wire.INLINE_LIMIT + 1
     assert wire.next_capacity(cap, header(0, big)) == cap               # goes apart: no room kept for it
     assert not wire.is_inline(0, big, 10 * big)
+
+
+@settings(max_examples=30, deadline=None)
+@given(small_metas, st.booleans())
+def test_a_reused_frame_buffer_holds_the_bytes_encode_frame_writes(ms, announce):
+    """A FrameBuffer packed again (other values, same layout) reads back as the new frame, and
+    its header, metadata and body are the bytes encode_frame writes."""
+    ms = tuple({m.name: m for m in ms}.values())          # a message's names are distinct
+    layout = wire.layout_of(ms)
+    meta = wire.encode_meta(ms) if announce else b""
+    start = wire.body_offset(len(meta), layout.body_bytes)
+    fb = wire.FrameBuffer(start + layout.body_bytes)
+    for tag in (1, 2):
+        items = [(m.name, (torch.arange(m.numel) + tag).to(m.dtype).reshape(m.shape)) for m in ms]
+        h = Header(Flag.META if announce else Flag.NONE, tag, tag, len(items), len(items), len(meta),
+                   layout.payload_bytes, layout.body_bytes, f"act/{tag}")
+        got = fb.pack(h, meta, items, layout, start)
+        want = wire.encode_frame(h, meta, items, layout.offsets)
+        assert got.numel() == want.numel()
+        assert torch.equal(got[:wire.HEADER_BYTES + len(meta)], want[:wire.HEADER_BYTES + len(meta)])
+        for m, off in zip(ms, layout.offsets, strict=True):
+            assert torch.equal(got[start + off:start + off + m.nbytes], want[start + off:start + off + m.nbytes])
+        assert wire.decode_header(got.numpy()) == h
+        back = wire.unflatten(got, ms, start, layout.offsets)
+        assert all(torch.equal(back[n], t) for n, t in items)
