@@ -11,6 +11,8 @@ the formula needs from the node before the input half frees its saved tensors.
 
 A gradient is handed back already summed to the shape and cast to the dtype autograd would give
 the edge (the engine's ``validate_outputs``: a broadcast bias's gradient is summed to its shape).
+One going straight to a parameter goes through a view of it, so that autograd's AccumulateGrad
+takes the tensor as its gradient (a root's gradient, still referenced, it would copy).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.autograd.graph import GradientEdge, Node
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 Formula = Callable[[torch.Tensor], list[tuple[int, torch.Tensor]]]
 
@@ -49,9 +51,20 @@ class NodeWeightGrad:
                 g = torch.real(g)
             if g.dtype != meta.dtype:
                 g = g.to(meta.dtype)
-            edges.append(GradientEdge(fn, nr))
+            if fn.name() == "torch::autograd::AccumulateGrad" and not _shares(g, self.grad):
+                # through a view of the parameter: autograd hands a gradient it made alone to the
+                # parameter (as a plain backward's AccumulateGrad takes its own), not a copy of a root's
+                param: torch.Tensor = fn.variable          # type: ignore[attr-defined]
+                with torch.enable_grad():
+                    edges.append(get_gradient_edge(param.view_as(param)))
+            else:
+                edges.append(GradientEdge(fn, nr))
             grads.append(g)
         return edges, grads
+
+
+def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def take(node: Node, side: Sequence[int]) -> NodeWeightGrad | None:
