@@ -45,7 +45,7 @@ class NodeWeightGrad:
             fn, nr = self.node.next_functions[i]
             assert fn is not None                 # a parameter-side edge leads somewhere
             meta = fn._input_metadata[nr]
-            if g.shape != meta.shape:
+            if tuple(g.shape) != tuple(meta.shape):
                 g = g.sum_to_size(meta.shape)
             if g.is_complex() and not meta.dtype.is_complex:
                 g = torch.real(g)
