@@ -7,9 +7,9 @@ meets the input-gradient path (an "intermediate", as in torch's
 flowed into it. ``backward_weight`` then takes each intermediate from that recorded gradient to
 the parameters only: the weight half is never a second backward from the outputs.
 
-Most intermediates are a matrix product, a layer norm or an addition (``weightgrads.py``): their
-parameter-side gradients are computed straight from the node's saved tensors, which the input
-half reads before it runs, so it frees the graph as it goes, as a plain backward does (the weight
+Most intermediates are a matrix product, a convolution, a layer norm or an addition
+(``weightgrads.py``): their parameter-side gradients are computed straight from the node's saved
+tensors, which the input half reads before it runs, so it frees the graph as it goes, as a plain backward does (the weight
 half holds only those tensors and the recorded gradients). The rest of the way to the parameters
 (a transpose, a cast) and every parameter whose path never meets the inputs' (a bias or position
 embedding that does not depend on the stage's inputs, every parameter of stage 0, whose inputs

@@ -2,10 +2,11 @@
 
 Where a parameter's gradient path meets the input-gradient path (an "intermediate" of the split
 backward, ``splitback.py``) the node is mostly a matrix product (``nn.Linear``, Hugging Face's
-``Conv1D``: ``AddmmBackward0`` / ``MmBackward0``), a layer norm or an addition. For those the
-gradients on the parameters' side are one call each, the call autograd's own formula makes
-(``FunctionsManual.cpp``'s ``mm_mat1_backward`` / ``mm_mat2_backward`` with their layout choice,
-``native_layer_norm_backward`` with only the weight and bias wanted), so the weight half needs no
+``Conv1D``: ``AddmmBackward0`` / ``MmBackward0``), a convolution, a layer norm or an addition. For
+those the gradients on the parameters' side are one call each, the call autograd's own formula
+makes (``FunctionsManual.cpp``'s ``mm_mat1_backward`` / ``mm_mat2_backward`` with their layout
+choice, ``convolution_backward`` and ``native_layer_norm_backward`` with only the weight and bias
+wanted), so the weight half needs no
 autograd graph task per node and the input half need not keep the graph: :func:`take` reads what
 the formula needs from the node before the input half frees its saved tensors.
 
@@ -138,6 +139,23 @@ def _layer_norm(node: Any, side: frozenset[int]) -> NodeWeightGrad | None:
     return NodeWeightGrad(node, formula, tuple(t for t in (x, mean, rstd, weight, bias) if t is not None))
 
 
+def _convolution(node: Any, side: frozenset[int]) -> NodeWeightGrad | None:
+    """``convolution(input, weight, bias, ...)`` (edges input, weight, bias): weight and bias only."""
+    if not side <= {1, 2}:
+        return None
+    x, weight = node._saved_input, node._saved_weight
+    if not all(t.layout == torch.strided for t in (x, weight)):
+        return None
+    args = (node._saved_bias_sym_sizes_opt, node._saved_stride, node._saved_padding, node._saved_dilation,
+            node._saved_transposed, node._saved_output_padding, node._saved_groups)
+    mask = [False, 1 in side, 2 in side]
+
+    def formula(g: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+        grads = torch.ops.aten.convolution_backward(g, x, weight, *args, mask)
+        return [(i, grads[i]) for i in (1, 2) if mask[i]]
+    return NodeWeightGrad(node, formula, (x, weight))
+
+
 def _add(node: Any, side: frozenset[int]) -> NodeWeightGrad | None:
     """``self + alpha * other`` (edges self, other)."""
     alpha = node._saved_alpha
@@ -151,5 +169,6 @@ _FORMULAS: dict[str, Callable[[Any, frozenset[int]], NodeWeightGrad | None]] = {
     "AddmmBackward0": lambda node, side: _matmul(node, side, bias=True),
     "MmBackward0": lambda node, side: _matmul(node, side, bias=False),
     "NativeLayerNormBackward0": _layer_norm,
+    "ConvolutionBackward0": _convolution,
     "AddBackward0": _add,
 }

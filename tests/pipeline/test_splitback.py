@@ -157,3 +157,15 @@ class _Box:
 
     def __init__(self, value):
         self.value = value
+
+
+def test_a_convolution_stage_equals_a_plain_backward_through_the_formulas():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, stride=2), nn.ReLU(), nn.Conv2d(4, 4, 3, groups=2),
+                          nn.MaxPool2d(2), nn.Flatten(), nn.Linear(4, 5))
+
+    def run(module, mb):
+        x = torch.randn(2, 3, 10, 10, generator=torch.Generator().manual_seed(mb)).requires_grad_()
+        out = module(x)
+        return [out], [torch.randn(out.shape, generator=torch.Generator().manual_seed(10 + mb))], [x]
+    assert _compare(model, run) == [0, 0]
