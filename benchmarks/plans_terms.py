@@ -20,8 +20,11 @@ A flushed schedule (gpipe, 1f1b) ends every step on every rank at once, so on ev
   beyond the gap the transfers before the stage add, less what the backward's stretch beside the
   all-reduces (``interference`` on the overlapped part) hid of it. ``allreduce_busy`` (predicted): the all-reduces'
   whole time, hidden or not.
-* **optimizer**: the ``step`` phase (tied sums and the optimizer step); predicted: the optimizer's
-  price and the tied sums'.
+* **optimizer**: the ``step`` phase's own work (tied sums and the optimizer step); predicted: the optimizer's
+  price and the tied sums'. Measured: the phase after the latest rank to enter it before it ended. Before its
+  optimizer step every rank joins the loss check (``runtime/nonfinite.py``: a scalar collective over the
+  world), so a rank that ends its backward early waits in the phase for the latest rank (on 8 emulated hosts,
+  step phases of 355-940 ms held 20-50 ms of own work): that wait is the pipeline's drain and counts as wait.
 * **wait**: the rest: the fill and drain bubbles, waiting for messages (p2p transfer times) and for
   slower stages. Measured: the step time less the three above; predicted: the same on the model's step.
 
@@ -54,8 +57,21 @@ def _median(values: Sequence[float]) -> float:
     return float(statistics.median(values)) if values else 0.0
 
 
-def rank_terms(events: Sequence[dict], steps: set[int], *, loads_input: bool) -> dict[str, float]:
-    """One rank's terms (ms, median over ``steps``) from its trace events (module docstring)."""
+def step_entries(ranks: Sequence[RankEvents], steps: set[int]) -> dict[int, list[float]]:
+    """Per step, when each rank entered its ``step`` phase (trace us; the traces share a time origin)."""
+    out: dict[int, list[float]] = {s: [] for s in steps}
+    for r in ranks:
+        for e in r.events:
+            step = e.get("args", {}).get("step")
+            if e.get("cat") == "phase" and e.get("name") == "step" and step in out:
+                out[step].append(float(e["ts"]))
+    return out
+
+
+def rank_terms(events: Sequence[dict], steps: set[int], *, loads_input: bool,
+               entered: dict[int, list[float]] | None = None) -> dict[str, float]:
+    """One rank's terms (ms, median over ``steps``) from its trace events (module docstring). ``entered``
+    (:func:`step_entries` of every rank): the step phase's wait for the latest rank counts as wait."""
     per: dict[int, dict[str, float]] = {s: dict.fromkeys(("compute", "sync", "optimizer", "step"), 0.0)
                                         for s in steps}
     backs: dict[int, list[float]] = {s: [] for s in steps}
@@ -76,7 +92,9 @@ def rank_terms(events: Sequence[dict], steps: set[int], *, loads_input: bool) ->
             elif name == "sync":
                 per[step]["sync"] += ms
             elif name == "step":
-                per[step]["optimizer"] += ms
+                t0, t1 = float(e["ts"]), float(e["ts"]) + float(e["dur"])
+                latest = max([t0, *(t for t in (entered or {}).get(step, ()) if t <= t1)])
+                per[step]["optimizer"] += (t1 - latest) / 1e3
     out = {t: _median([p[t] for p in per.values()]) for t in ("compute", "sync", "optimizer", "step")}
     out["wait"] = out["step"] - out["compute"] - out["sync"] - out["optimizer"]
     out["overlap_stretch"] = _median([b[-1] - _median(b[:-1]) for b in backs.values() if len(b) > 1])
@@ -86,9 +104,10 @@ def rank_terms(events: Sequence[dict], steps: set[int], *, loads_input: bool) ->
 def measured_terms(ranks: Sequence[RankEvents], warmup: int, stages: int) -> list[dict[str, float]]:
     """Per stage: the median over its replicas of :func:`rank_terms` over the run's steady steps."""
     steps = steady_steps(ranks, warmup)
+    entered = step_entries(ranks, steps)
     out = []
     for k in range(stages):
-        mine = [rank_terms(r.events, steps, loads_input=k == 0) for r in ranks if r.stage == k]
+        mine = [rank_terms(r.events, steps, loads_input=k == 0, entered=entered) for r in ranks if r.stage == k]
         out.append({t: _median([m[t] for m in mine]) for t in (*TERMS, "step", "overlap_stretch")})
     return out
 

@@ -35,3 +35,17 @@ def test_measured_terms_leave_out_the_first_step_and_take_the_median_over_replic
     fast = RankEvents(1, 0, 1, _step(0, 900.0, sync=800.0) + _step(1, 200.0, sync=60.0) + _step(2, 200.0, sync=60.0))
     (stage,) = measured_terms([slow, fast], warmup=0, stages=1)
     assert stage["sync"] == pytest.approx(50.0) and stage["step"] == pytest.approx(200.0)
+
+
+def test_the_step_phase_wait_for_the_latest_rank_at_the_loss_check_is_wait_not_optimizer():
+    # rank 0 enters its step phase at 100 ms and leaves at 430; rank 1 (the last stage's drain ends later) enters
+    # at 400 and leaves at 430: both stepped for 30 ms once rank 1 reached the loss check; rank 0's other 300 ms
+    # were the pipeline's drain
+    def rank(r, start_ms):
+        events = [{"ph": "X", "cat": "step", "name": f"step {s}", "ts": s * 1e6, "dur": 500e3, "args": {"step": s}}
+                  for s in range(3)]
+        events += [_phase("step", s, s * 1e6 + start_ms * 1e3, 430.0 - start_ms, -1) for s in range(3)]
+        return RankEvents(r, r, 0, events)
+    early, late = measured_terms([rank(0, 100.0), rank(1, 400.0)], warmup=0, stages=2)
+    assert early["optimizer"] == pytest.approx(30.0) and late["optimizer"] == pytest.approx(30.0)
+    assert early["wait"] == pytest.approx(500.0 - 30.0)
