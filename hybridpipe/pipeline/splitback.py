@@ -9,14 +9,14 @@ the parameters only: the weight half is never a second backward from the outputs
 
 Most intermediates are a matrix product, a convolution, a layer norm or an addition
 (``weightgrads.py``): their parameter-side gradients are computed straight from the node's saved
-tensors, which the input half reads before it runs, so it frees the graph as it goes, as a plain backward does (the weight
-half holds only those tensors and the recorded gradients). The rest of the way to the parameters
-(a transpose, a cast) and every parameter whose path never meets the inputs' (a bias or position
-embedding that does not depend on the stage's inputs, every parameter of stage 0, whose inputs
-need no gradient) run as ONE autograd pass from those edges and from the outputs that do not
-depend on the inputs; nothing on the input-gradient path lies below them, so nothing there runs
-twice. A stage whose intermediates include a node without such a formula keeps the graph for
-them: each such group runs as its own autograd pass from its intermediates (a single pass from
+tensors, which the input half reads before it runs, so it frees the graph as it goes, as a plain
+backward does (the weight half holds only those tensors and the recorded gradients). The rest of the
+way to the parameters (a transpose, a cast) and every parameter whose path never meets the inputs'
+(a bias or position embedding that does not depend on the stage's inputs, every parameter of stage
+0, whose inputs need no gradient) run as ONE autograd pass from those edges and from the outputs
+that do not depend on the inputs; nothing on the input-gradient path lies below them, so nothing
+there runs twice. A stage whose intermediates include a node without such a formula keeps the graph
+for them: each such group runs as its own autograd pass from its intermediates (a single pass from
 every group's intermediates would also run every node on the input-gradient path between two of
 them: most of the backward again, 1.81x a plain one on GPT-2). Under activation recomputation
 (``one_pass``) the graph is kept and everything is one autograd pass: every graph task reruns the
@@ -24,8 +24,9 @@ checkpointed forward, and reading a saved tensor would rerun it too.
 
 The weight half accumulates through autograd (``torch.autograd.backward`` with ``inputs=``), so
 parameters' post-accumulate-grad hooks fire as in a plain backward, once per parameter (a
-parameter reached through several intermediates gets their sum in one pass): the replicas'
-per-layer gradient sync (comm/hybrid_dp) starts from them as usual.
+parameter reached through several intermediates gets their sum in one pass; only a parameter of a
+group without formulas that also reaches an output not depending on the inputs is accumulated in
+two passes): the replicas' per-layer gradient sync (comm/hybrid_dp) starts from them as usual.
 """
 
 from __future__ import annotations
