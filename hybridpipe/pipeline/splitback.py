@@ -7,7 +7,7 @@ meets the input-gradient path (an "intermediate", as in torch's
 flowed into it. ``backward_weight`` then takes each intermediate from that recorded gradient to
 the parameters only: the weight half is never a second backward from the outputs.
 
-Most intermediates are a matrix product, a convolution, a layer norm or an addition
+Most intermediates are a matrix product, a layer norm or an addition
 (``weightgrads.py``): their parameter-side gradients are computed straight from the node's saved
 tensors, which the input half reads before it runs, so it frees the graph as it goes, as a plain
 backward does (the weight half holds only those tensors and the recorded gradients). The rest of the

@@ -2,13 +2,16 @@
 
 Where a parameter's gradient path meets the input-gradient path (an "intermediate" of the split
 backward, ``splitback.py``) the node is mostly a matrix product (``nn.Linear``, Hugging Face's
-``Conv1D``: ``AddmmBackward0`` / ``MmBackward0``), a convolution, a layer norm or an addition. For
-those the gradients on the parameters' side are one call each, the call autograd's own formula
-makes (``FunctionsManual.cpp``'s ``mm_mat1_backward`` / ``mm_mat2_backward`` with their layout
-choice, ``convolution_backward`` and ``native_layer_norm_backward`` with only the weight and bias
-wanted), so the weight half needs no
+``Conv1D``: ``AddmmBackward0`` / ``MmBackward0``), a layer norm or an addition. For those the
+gradients on the parameters' side are one call each, the call autograd's own formula makes
+(``FunctionsManual.cpp``'s ``mm_mat1_backward`` / ``mm_mat2_backward`` with their layout choice,
+``native_layer_norm_backward`` with only the weight and bias wanted), so the weight half needs no
 autograd graph task per node and the input half need not keep the graph: :func:`take` reads what
-the formula needs from the node before the input half frees its saved tensors.
+the formula needs from the node before the input half frees its saved tensors. It never unpacks a
+saved weight: ZeRO-3's saved-tensor hooks (``zero3.py``) would regather its unit outside a
+backward. Layer norm's kernel reads the weight and bias only for their shapes when just their
+gradients are wanted, so zeros of the edges' shape and dtype stand in for them (a convolution's
+would need the weight's layout: it has no formula).
 
 A gradient is handed back already summed to the shape and cast to the dtype autograd would give
 the edge (the engine's ``validate_outputs``: a broadcast bias's gradient is summed to its shape).
@@ -129,31 +132,23 @@ def _layer_norm(node: Any, side: frozenset[int]) -> NodeWeightGrad | None:
     if not side <= {1, 2}:
         return None
     x, mean, rstd = node._saved_input, node._saved_result1, node._saved_result2
-    weight, bias = node._saved_weight, node._saved_bias
+    weight, bias = (_stand_in(node, i) for i in (1, 2))
     shape = list(node._saved_normalized_shape)
     mask = [False, 1 in side, 2 in side]
 
     def formula(g: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
         grads = torch.ops.aten.native_layer_norm_backward(g, x, shape, mean, rstd, weight, bias, mask)
         return [(i, grads[i]) for i in (1, 2) if mask[i]]
-    return NodeWeightGrad(node, formula, tuple(t for t in (x, mean, rstd, weight, bias) if t is not None))
+    return NodeWeightGrad(node, formula, (x, mean, rstd))
 
 
-def _convolution(node: Any, side: frozenset[int]) -> NodeWeightGrad | None:
-    """``convolution(input, weight, bias, ...)`` (edges input, weight, bias): weight and bias only."""
-    if not side <= {1, 2}:
+def _stand_in(node: Any, i: int) -> torch.Tensor | None:
+    """Zeros shaped as the tensor on ``node``'s next edge ``i`` (None without that edge)."""
+    fn, nr = node.next_functions[i]
+    if fn is None:
         return None
-    x, weight = node._saved_input, node._saved_weight
-    if not all(t.layout == torch.strided for t in (x, weight)):
-        return None
-    args = (node._saved_bias_sym_sizes_opt, node._saved_stride, node._saved_padding, node._saved_dilation,
-            node._saved_transposed, node._saved_output_padding, node._saved_groups)
-    mask = [False, 1 in side, 2 in side]
-
-    def formula(g: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
-        grads = torch.ops.aten.convolution_backward(g, x, weight, *args, mask)
-        return [(i, grads[i]) for i in (1, 2) if mask[i]]
-    return NodeWeightGrad(node, formula, (x, weight))
+    meta = fn._input_metadata[nr]
+    return torch.zeros(meta.shape, dtype=meta.dtype, device=meta.device)
 
 
 def _add(node: Any, side: frozenset[int]) -> NodeWeightGrad | None:
@@ -169,6 +164,5 @@ _FORMULAS: dict[str, Callable[[Any, frozenset[int]], NodeWeightGrad | None]] = {
     "AddmmBackward0": lambda node, side: _matmul(node, side, bias=True),
     "MmBackward0": lambda node, side: _matmul(node, side, bias=False),
     "NativeLayerNormBackward0": _layer_norm,
-    "ConvolutionBackward0": _convolution,
     "AddBackward0": _add,
 }

@@ -23,7 +23,7 @@ class _GPT2Blocks(nn.Module):
 
         super().__init__()
         cfg = GPT2Config(n_layer=layers, n_embd=32, n_head=2, vocab_size=64, resid_pdrop=0, embd_pdrop=0,
-                         attn_pdrop=0, attn_implementation="sdpa")
+                         attn_pdrop=0, attn_implementation="sdpa", bos_token_id=0, eos_token_id=0)
         self.h = nn.ModuleList(GPT2Block(cfg, layer_idx=i) for i in range(layers))
 
     def forward(self, x):
@@ -146,7 +146,7 @@ def test_the_input_half_frees_the_graph_as_it_goes():
     want = torch.autograd.grad(out, list(model.parameters()), torch.ones_like(out), retain_graph=True)
     work = splitback.backward_input([out], [torch.ones_like(out)], [x], list(model.parameters()))
     assert boxes and all(r() is None for r in boxes)
-    assert not work.groups and len(work.held()) == 7        # 2 Linear inputs; layer norm's input, mean, rstd, w, b
+    assert not work.groups and len(work.held()) == 5        # 2 Linear inputs; layer norm's input, mean, rstd
     splitback.backward_weight(work)
     for p, w in zip(model.parameters(), want, strict=True):
         torch.testing.assert_close(p.grad, w, rtol=0, atol=1e-6)
@@ -159,7 +159,7 @@ class _Box:
         self.value = value
 
 
-def test_a_convolution_stage_equals_a_plain_backward_through_the_formulas():
+def test_a_convolution_stage_equals_a_plain_backward():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, stride=2), nn.ReLU(), nn.Conv2d(4, 4, 3, groups=2),
                           nn.MaxPool2d(2), nn.Flatten(), nn.Linear(4, 5))
@@ -168,4 +168,5 @@ def test_a_convolution_stage_equals_a_plain_backward_through_the_formulas():
         x = torch.randn(2, 3, 10, 10, generator=torch.Generator().manual_seed(mb)).requires_grad_()
         out = module(x)
         return [out], [torch.randn(out.shape, generator=torch.Generator().manual_seed(10 + mb))], [x]
-    assert _compare(model, run) == [0, 0]
+    # the convolutions have no formula (their weight's layout would be read): they keep the graph
+    assert _compare(model, run) == [2, 2]
