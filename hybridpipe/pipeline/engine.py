@@ -38,6 +38,8 @@ Interfaces (duck-typed, see the project's contracts; the protocols are in ports.
   backward (fp16 loss scaling; ``before_step`` divides the gradients back).
 * ``tokens`` (optional, pipeline/tokens.py): token-weighted loss; each backward starts from the
   micro-batch's loss sum and the Step multiplies by 1 / (the step's valid tokens) instead of 1/M.
+* ``news`` (optional, stepnews.py): the sends in ``news.route.sends`` carry ``news.outgoing(step, losses)``
+  (as ``stepnews.NEWS``); the receive ``news.route.receive`` hands it to ``news.incoming``.
 * ``autocast`` (optional dtype, e.g. ``torch.bfloat16``): forwards and losses run under
   ``torch.autocast`` (weights, gradients and optimizer state stay float32; the stages must be
   captured under the same autocast, ``capture_model(autocast=)``). Activations and gradients travel
@@ -87,10 +89,11 @@ from hybridpipe.pipeline.instructions import (
     message_key,
 )
 from hybridpipe.pipeline.memory import MemoryMeter, optimizer_tensors, tensors_bytes
-from hybridpipe.pipeline.ports import TiedReduce, Transport, chunk_syncs, step_gradients
+from hybridpipe.pipeline.ports import StepNews, TiedReduce, Transport, chunk_syncs, step_gradients
 from hybridpipe.pipeline.schedules import Topology, check_schedulable, forwarded, rank_program, settle_phase
 from hybridpipe.pipeline.stage import Activation, PipelineStage
 from hybridpipe.pipeline.stash import WeightStash, needs_frozen
+from hybridpipe.pipeline.stepnews import NEWS, carried_by
 from hybridpipe.pipeline.tokens import TokenCounts, check_normalization
 from hybridpipe.pipeline.values import moved
 from hybridpipe.profiles.losses import loss_mean
@@ -122,7 +125,7 @@ class PipelineEngine:
                  clock: Callable[[], float] = time.perf_counter,
                  before_step: Callable[[], bool | None] | None = None, autocast: torch.dtype | None = None,
                  loss_scale: Callable[[], float] | None = None, tokens: TokenCounts | None = None,
-                 memory_every: int = 1):
+                 memory_every: int = 1, news: StepNews | None = None):
         check_schedulable(topo, schedule)
         chunks = [stages] if isinstance(stages, PipelineStage) else list(stages)
         expected = list(topo.stages_of(rank))
@@ -159,6 +162,9 @@ class PipelineEngine:
         self._forwarded: dict[tuple[int, int, bool], tuple[int, ...]] = {}    # (stage, phase, drain): all replicas
         self._local: dict[str, dict[str, torch.Tensor]] = {}    # messages from one chunk of this rank to another
         self._params = tuple(self.module.parameters())      # fixed objects: listed once, not every Step
+        self.news = news        # its route's instructions stand in the lists, found by identity (carried_by)
+        self._news_recv = news.route.receive if news is not None else None
+        self._news_sends = frozenset(map(id, news.route.sends)) if news is not None else frozenset()
 
     # ---- public ------------------------------------------------------------------------
     @property
@@ -177,7 +183,8 @@ class PipelineEngine:
         """The instruction list the next ``run_step`` executes (lists repeat once settled: cached)."""
         key = (min(self.phase, self._settle), drain)
         if key not in self._programs:
-            self._programs[key] = rank_program(self.topo, self.rank, self.schedule, phase=key[0], drain=drain)
+            program = rank_program(self.topo, self.rank, self.schedule, phase=key[0], drain=drain)
+            self._programs[key] = carried_by(program, self.news.route) if self.news is not None else program
         return self._programs[key]
 
     def run_step(self, step: int, *, drain: bool = False, recorder=None) -> StepResult:
@@ -288,7 +295,9 @@ class PipelineEngine:
                 self._loss(stage, key, g, result)
             case RecvGradients():
                 if key not in flight.out_grads:    # else received early, at a checkpoint
-                    flight.out_grads[key] = self.recv(ins.peer, message_key(ins, g, M))
+                    got = flight.out_grads[key] = self.recv(ins.peer, message_key(ins, g, M))
+                    if ins is self._news_recv and self.news is not None:    # stepnews.py
+                        self.news.incoming(g // M, got.pop(NEWS))
             case SyncStart():
                 flight.sync_next.add(key)
             case Backward():
@@ -314,7 +323,10 @@ class PipelineEngine:
                     stage.backward_weight(work)
                 self.meter.drop(key)
             case SendGradients():
-                self.send(ins.peer, message_key(ins, g, M), flight.in_grads.pop(key))
+                grads = flight.in_grads.pop(key)
+                if self._news_sends and id(ins) in self._news_sends and self.news is not None:
+                    grads = {**grads, NEWS: self.news.outgoing(g // M, result.losses)}
+                self.send(ins.peer, message_key(ins, g, M), grads)
             case _:
                 assert_never(ins)
 

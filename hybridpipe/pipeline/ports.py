@@ -10,10 +10,22 @@ from typing import Any, Protocol
 
 import torch
 
+from hybridpipe.pipeline.stepnews import NewsRoute
+
 
 class Transport(Protocol):
     def send(self, peer: int, key: str, tensors: dict[str, torch.Tensor]) -> None: ...
     def recv(self, peer: int, key: str) -> dict[str, torch.Tensor]: ...
+
+
+class StepNews(Protocol):
+    """The step's news on gradient frames (stepnews.py): this rank's route, the note a carrying
+    send attaches (``outgoing``, given the step's losses so far) and what a carrying receive brought."""
+
+    route: NewsRoute
+
+    def outgoing(self, step: int, losses: dict[int, torch.Tensor]) -> torch.Tensor: ...
+    def incoming(self, step: int, note: torch.Tensor) -> None: ...
 
 
 class TiedReduce(Protocol):

@@ -26,6 +26,12 @@ all-reduce exchanged several per rank). The source posts it without waiting (the
 reach their optimizer step later) and goes on, so the check costs it nothing and costs the
 others one scalar receive. A replicated last stage, or a recovery in place (every rank must pass
 the check before any update), keeps the all-reduce.
+
+Where the plan's instruction lists prove that every rank receives its last gradients of the step
+after the source's last loss, through a chain of gradient messages and before its update
+(pipeline/stepnews.py: plain chains under gpipe, 1f1b, zb-h1, ...), the watch is ``carried``: the
+source's flag rides upstream on those gradient frames (runtime/step_news.py's ``FrameNews`` calls
+:meth:`NonFiniteWatch.heard`) and agreeing costs no collective at all, on any rank.
 """
 
 from __future__ import annotations
@@ -56,6 +62,8 @@ class NonFiniteWatch:
         self._pending: list[Any] = []           # async all-reduces of a rank that decides alone
         self._flag = torch.zeros((), dtype=torch.float32, device=device)
         self._verdict: bool | None = None
+        self.carried = False        # the verdict reaches the other ranks on gradient frames (step_news.py)
+        self._heard: torch.Tensor | None = None     # carried: the source's flag of this step, as received
 
     @property
     def decides_alone(self) -> bool:
@@ -77,6 +85,15 @@ class NonFiniteWatch:
         bad = (~torch.isfinite(value.detach())).any().to(self._flag.dtype)
         self._flag = torch.maximum(self._flag, bad.to(self._flag.device))
 
+    @property
+    def flag(self) -> torch.Tensor:
+        """This rank's flag since the last agreement (raised: 1)."""
+        return self._flag
+
+    def heard(self, flag: torch.Tensor) -> None:
+        """Carried (step_news.py): the source's flag of this step, received on a gradient frame."""
+        self._heard = flag
+
     def wrap_optimizer(self, optimizer: Any) -> GuardedOptimizer:
         return GuardedOptimizer(optimizer, self)
 
@@ -85,6 +102,7 @@ class NonFiniteWatch:
         self._pending.clear()
         self._flag = torch.zeros_like(self._flag)
         self._verdict = None
+        self._heard = None
 
     # ---- agreeing ----------------------------------------------------------------------
     def agree(self) -> bool:
@@ -93,6 +111,13 @@ class NonFiniteWatch:
         self._flag = torch.zeros_like(self._flag)
         if not dist.is_initialized():
             return bool(flag.item() > 0)
+        if self.carried:                          # no collective: the source knows, the others heard it
+            if self.decides_alone:
+                return bool(flag.item() > 0)
+            heard, self._heard = self._heard, None
+            if heard is None:
+                raise RuntimeError("this step's loss verdict did not arrive on its gradient frames")
+            return bool(heard.item() > 0)
         if self.decides_alone:
             mine = bool(flag.item() > 0)          # read before the collective works on it in place
             for work in self._pending:            # the previous step's: long complete

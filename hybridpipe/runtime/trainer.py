@@ -14,8 +14,9 @@ so every rank starts from the same weights), its capture and the plan's checks, 
 groups, the stage, the replicas' gradient sync, the tied-weight sync, the p2p channels, the
 optimizer (and scheduler) and the engine. Every call is collective: every rank makes it, in the
 same order. ``train_step`` returns the step's mean loss on every rank: the last stage's ranks
-hold it and one 16-byte all-reduce per step hands it to all (``clip_grad_norm`` adds one 8-byte
-all-reduce per step for the global norm).
+hold it; where the plan's lists prove it (step_news.py: plain chains under gpipe/1f1b/zb-h1, ...)
+it rides upstream on the step's last gradient frames, else one 16-byte broadcast (or all-reduce)
+per step hands it to all (``clip_grad_norm`` adds one 8-byte all-reduce per step for the global norm).
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ from hybridpipe.runtime.parts import (
 from hybridpipe.runtime.prestep import BeforeStep
 from hybridpipe.runtime.scaler import LossScaler
 from hybridpipe.runtime.sharded_optimizer import ShardedOptimizer, for_checkpoint
+from hybridpipe.runtime.step_news import FrameNews, carried_routes, loss_totals
 from hybridpipe.runtime.tied import repeated_tied, tied_process_groups, tied_sync
 from hybridpipe.runtime.training_config import TrainingConfig, flushes, with_settings
 
@@ -150,14 +152,20 @@ class Trainer:
         groups = replica_groups(plan, timeout)
         tied = tied_sync(plan, [s.index for s in self.stage_plans], self.model.module,
                          tied_process_groups(plan, timeout))
-        self._stats = dist.new_group(list(range(self.proc.world_size)), timeout=datetime.timedelta(seconds=timeout))
+        # the last stage alone knows a loss was bad: unreplicated, it need not wait for the others and
+        # they need only its flag, unless a recovery in place needs every rank to pass the check first;
+        # where the lists prove it, the flag and the loss totals ride on gradient frames (step_news.py)
+        last = plan.stages[-1]
+        self.watch.source = last.ranks[0] if last.replicas == 1 and not cfg.in_place else None
+        routes = carried_routes(plan, cfg)
+        self.news = FrameNews(routes[rank], self.watch, self.proc.device) if routes is not None else None
+        self.watch.carried = routes is not None
+        self._stats: dist.ProcessGroup | None = None     # made where a step needs it, else at a first eval
+        if routes is None or self._before_step.needed or cfg.loss_normalization == "tokens":
+            self._stats_group()
         self._before_step.group, self._before_step.replica = self._stats, self.replica
         self.tokens = token_counts(self.model, self.proc.device, self._stats, plan.batch_size, self.watch.note) \
             if cfg.loss_normalization == "tokens" else None
-        # the last stage alone knows a loss was bad: unreplicated, it need not wait for the others and
-        # they need only its flag, unless a recovery in place needs every rank to pass the check first
-        last = plan.stages[-1]
-        self.watch.source = last.ranks[0] if last.replicas == 1 and not cfg.in_place else None
         self.syncs = {s.index: make_sync(plan, st.module, s, groups.get(s.index), allreduce=cfg.allreduce,
                                          calibrations=cfg.calibrations, aggregator=cfg.aggregator,
                                          wire_dtype=PRECISIONS[str(cfg.reduce_dtype)],
@@ -177,7 +185,15 @@ class Trainer:
                                      before_step=self._before_step if self._before_step.needed else None,
                                      autocast=PRECISIONS[str(cfg.precision)],
                                      loss_scale=self._loss_scale if self.scaler is not None else None,
-                                     tokens=self.tokens, memory_every=cfg.memory_every)
+                                     tokens=self.tokens, memory_every=cfg.memory_every, news=self.news)
+
+    def _stats_group(self) -> dist.ProcessGroup:
+        """The whole world's group for the step's statistics (collective when it is made: every rank
+        makes it at the same call, in _connect or at the first eval_step)."""
+        if self._stats is None:
+            self._stats = dist.new_group(list(range(self.proc.world_size)),
+                                         timeout=datetime.timedelta(seconds=self.config.timeout))
+        return self._stats
 
     def reform(self, plan: Plan) -> None:
         """Go on in a re-formed world (in-place recovery, runtime/recovery.py: the default group is
@@ -237,6 +253,9 @@ class Trainer:
         self.last_peak_memory_bytes = result.peak_memory_bytes
         if result.total is not None:            # tokens: summed over every rank at the step already
             return float(result.mean_loss or 0.0)
+        if self.news is not None:               # the totals came with the step's last gradient frames
+            t = self.news.totals(step, result.losses)
+            return float(t[0] / t[1]) if t[1] > 0 else math.nan
         return self._mean(result.losses)
 
     def eval_step(self, batch: Any = None, target: Any = None) -> float:
@@ -354,14 +373,11 @@ class Trainer:
         """The mean of the step's micro-batch losses, on every rank (one all-reduce of two numbers, or
         a broadcast from the last stage's one rank, which then holds every loss: see ``watch.source``);
         with ``counts`` the losses are sums and the mean is over the counted tokens."""
-        t = torch.zeros(2, dtype=torch.float64, device=self.proc.device)
-        if losses:
-            t[0] = torch.stack([v.detach().double() for v in losses.values()]).sum()
-            t[1] = len(losses) if counts is None else torch.stack([c.double() for c in counts.values()]).sum()
+        t = loss_totals(losses, counts, self.proc.device)
         if self.watch.source is not None:
-            dist.broadcast(t, src=self.watch.source, group=self._stats)
+            dist.broadcast(t, src=self.watch.source, group=self._stats_group())
         else:
-            dist.all_reduce(t, group=self._stats)
+            dist.all_reduce(t, group=self._stats_group())
         return float(t[0] / t[1]) if t[1] > 0 else math.nan
 
     def _loss_scale(self) -> float:

@@ -262,10 +262,10 @@ class FrameReceiver(_End):
                 raise ProtocolError(self.peer, f"recv {header.key!r}", str(e)) from None
             self.cache.update(header.key, metas)
             self.meta_frames += 1
-        layout = self.cache.layout(header.key)
+        layout = self.cache.layout(header.key, header.n_tensors)
         if layout is None:
             raise ProtocolError(self.peer, f"recv {header.key!r}", f"no tensor metadata was announced for key "
-                                f"kind {wire.kind_of(header.key)!r}")
+                                f"kind {wire.kind_of(header.key)!r} with {header.n_tensors} tensors")
         if len(layout.metas) != header.n_tensors or layout.payload_bytes != header.payload_bytes:
             raise ProtocolError(self.peer, f"recv {header.key!r}", f"header announces {header.n_tensors} tensors / "
                                 f"{header.payload_bytes} bytes, metadata {len(layout.metas)} / "

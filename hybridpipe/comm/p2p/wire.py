@@ -8,7 +8,7 @@ The header names the message (its key, e.g. ``"act/3"``, and its number on this 
 direction), says how many tensors the frame and the whole message carry, how many payload
 bytes they have and how long the metadata and the body are. Metadata (names, dtypes, shapes)
 travels only when it differs from what was last sent for the same *key kind*
-(``kind_of("act/0/3") == "act/0"``) on the same lane: both ends keep the same cache because
+(``kind_of("act/0/3") == "act/0"``) and tensor count on the same lane: both ends keep the same cache because
 the lane is FIFO, so a changed shape is re-announced by the very frame that carries it and can
 never be mis-received. The *body* is the frame's tensors packed at 64-byte aligned offsets
 (:func:`flat_layout`); on CUDA lanes the payloads travel on their own (NCCL) and the body is
@@ -279,27 +279,28 @@ def layout_of(metas: tuple[TensorMeta, ...]) -> Layout:
 
 
 class MetaCache:
-    """Last metadata per key kind on one lane direction (kept identical on both ends), with its
-    :class:`Layout`."""
+    """Last metadata per key kind and tensor count on one lane direction (kept identical on both
+    ends), with its :class:`Layout`: a kind whose frames alternate between two tensor counts (the
+    step's last gradient frame carries the step's news, pipeline/stepnews.py) announces each once."""
 
     def __init__(self) -> None:
-        self._by_kind: dict[str, Layout] = {}
+        self._by_kind: dict[tuple[str, int], Layout] = {}
 
     def sent(self, key: str, items: Sequence[tuple[str, torch.Tensor]]) -> tuple[Layout, bool]:
         """The layout of contiguous ``items`` sent under ``key``, and whether it differs from the one
-        cached for ``key``'s kind (then remembered): an unchanged frame builds no metadata."""
-        kind = kind_of(key)
-        known = self._by_kind.get(kind)
+        cached for ``key``'s kind and count (then remembered): an unchanged frame builds no metadata."""
+        slot = (kind_of(key), len(items))
+        known = self._by_kind.get(slot)
         if known is not None and known.signature == tuple((n, t.dtype, t.shape) for n, t in items):
             return known, False
-        self._by_kind[kind] = known = layout_of(describe(items))
+        self._by_kind[slot] = known = layout_of(describe(items))
         return known, True
 
     def update(self, key: str, metas: tuple[TensorMeta, ...]) -> None:
-        self._by_kind[kind_of(key)] = layout_of(metas)
+        self._by_kind[kind_of(key), len(metas)] = layout_of(metas)
 
-    def layout(self, key: str) -> Layout | None:
-        return self._by_kind.get(kind_of(key))
+    def layout(self, key: str, n_tensors: int) -> Layout | None:
+        return self._by_kind.get((kind_of(key), n_tensors))
 
 
 def named_items(tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:

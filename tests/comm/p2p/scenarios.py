@@ -187,7 +187,7 @@ def roundtrip(rank: int, world: int, modes: tuple[str, ...], n: int, waits: int 
 
 def announcements(program: list, msgs: dict, lanes: int) -> int:
     """Reference: how often metadata must travel for the sends of ``program`` (once per key
-    kind and lane, again whenever the tensors of that kind change name, dtype or shape)."""
+    kind, lane and tensor count, again whenever the tensors of that kind change name, dtype or shape)."""
     last: dict = {}
     count = 0
     for op, _, key in program:
@@ -197,7 +197,7 @@ def announcements(program: list, msgs: dict, lanes: int) -> int:
         per_lane = [items] if lanes == 1 else [items[i:i + 1] for i in range(max(len(items), 1))]
         for lane, part in enumerate(per_lane):
             meta = [(n, t.dtype, tuple(t.shape)) for n, t in part]
-            slot = (key.split("/")[0], lane)
+            slot = (key.split("/")[0], lane, len(part))
             if last.get(slot) != meta:
                 last[slot] = meta
                 count += 1

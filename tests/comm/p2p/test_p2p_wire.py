@@ -78,7 +78,18 @@ def test_meta_cache_announces_once_per_kind_and_again_on_change():
     assert changed("act/2", ib)              # a changed shape is re-announced
     assert not changed("act/3", ib)
     assert changed("act/4", [("x", torch.zeros(4, 3, dtype=torch.float64))])
-    assert cache.layout("act/9").metas != b and cache.layout("grad/1").metas == a
+    assert cache.layout("act/9", 1).metas != b and cache.layout("grad/1", 1).metas == a
+    assert cache.layout("act/9", 2) is None
+
+
+def test_a_kind_alternating_two_tensor_counts_announces_each_once():
+    """The step's last gradient frame carries one more tensor (the step's news): no re-announcement
+    of either layout, step after step."""
+    cache = wire.MetaCache()
+    plain, carrying = [("x", torch.zeros(2, 3))], [("x", torch.zeros(2, 3)), ("news", torch.zeros(3))]
+    assert [cache.sent(f"grad/0/{m}", carrying if m == 3 else plain)[1] for _ in range(3) for m in range(4)] \
+        == [True, False, False, True] + [False] * 8
+    assert cache.layout("grad/0/1", 2).signature == (("x", torch.float32, (2, 3)), ("news", torch.float32, (3,)))
     assert wire.kind_of("act/3") == "act" and wire.kind_of("labels") == "labels"
     assert wire.kind_of("act/2/3") == "act/2" != wire.kind_of("act/5/3")
 
