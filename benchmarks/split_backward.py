@@ -8,13 +8,18 @@ the GPT-2 runs in RESULTS.md); stage ``--stage``'s forward runs on the previous 
 is then backpropagated three ways, alternating: ``PipelineStage.backward`` (one autograd pass),
 hybridpipe's ``backward_input`` + ``backward_weight`` (zb-h1's B and W), and torch's own
 ``stage_backward_input`` + ``stage_backward_weight`` (``torch.distributed.pipelining._backward``).
-Thread CPU time (``time.thread_time``), median of ``--repeats``. Results:
-``benchmarks/results/split_backward[_TAG].json`` and ``.png``.
+Thread CPU time (``time.thread_time``) and the thread's minor page faults (the allocator mapping
+fresh memory), median of ``--repeats``. ``--compare-with FILE``: a fourth way, alternating with
+the others, an older ``splitback.py`` (e.g. ``git show 5bfd261:hybridpipe/pipeline/splitback.py >
+/tmp/old_splitback.py``) on the same stage. Results: ``benchmarks/results/split_backward[_TAG].json``
+and ``.png``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import resource
 import statistics
 import sys
 import time
@@ -32,8 +37,24 @@ from hybridpipe.profiles.zoo import resolve_model  # noqa: E402
 GPT2 = "hf:gpt2[n_layer=12,n_embd=256,n_head=4,vocab_size=8192,seq=128,dropout=0]"
 
 
-def measure(model: str, ranges: list[tuple[int, int]], index: int, batch: int, repeats: int) -> dict[str, float]:
-    """Milliseconds of thread CPU: plain backward, our input and weight halves, torch's."""
+def _module(path: str):
+    """A ``splitback.py`` loaded from ``path`` (an older version, to time beside this one)."""
+    spec = importlib.util.spec_from_file_location("splitback_compared", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module          # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def _faults() -> int:
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+
+
+def measure(model: str, ranges: list[tuple[int, int]], index: int, batch: int, repeats: int,
+            compare_with: str | None = None) -> dict[str, float]:
+    """Milliseconds of thread CPU: plain backward, our input and weight halves, torch's (and an
+    older splitback's); minor page faults per backward."""
     from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
     torch.set_num_threads(1)
@@ -48,10 +69,13 @@ def measure(model: str, ranges: list[tuple[int, int]], index: int, batch: int, r
     if st.is_last:
         raise SystemExit("pick a stage before the last (its backward starts from the loss, not from gradients)")
 
-    def run(way: str) -> tuple[float, float]:
+    older = _module(compare_with) if compare_with else None
+
+    def run(way: str) -> tuple[float, float, int]:
         act = st.forward(inputs)
         grads = {k: torch.ones_like(v) for k, v in act.outputs.items()}
         params = list(st.module.parameters())
+        f0 = _faults()
         t0 = time.thread_time()
         if way == "plain":
             st.backward(act, grads)
@@ -60,6 +84,12 @@ def measure(model: str, ranges: list[tuple[int, int]], index: int, batch: int, r
             _, work = st.backward_input(act, grads)
             t1 = time.thread_time()
             st.backward_weight(work)
+        elif way == "older":
+            assert older is not None
+            outs, out_grads = st._roots(act, grads)
+            work = older.backward_input(outs, out_grads, list(act.inputs.values()), params)
+            t1 = time.thread_time()
+            older.backward_weight(work)
         else:
             outs = list(act.outputs.values())
             _, groups = stage_backward_input(outs, [grads[k] for k in act.outputs],
@@ -67,22 +97,25 @@ def measure(model: str, ranges: list[tuple[int, int]], index: int, batch: int, r
             t1 = time.thread_time()
             stage_backward_weight(iter(params), groups)
         t2 = time.thread_time()
+        faults = _faults() - f0
         for p in params:
             p.grad = None
-        return (t1 - t0) * 1e3, (t2 - t1) * 1e3
-    ways = ("plain", "ours", "torch")
+        return (t1 - t0) * 1e3, (t2 - t1) * 1e3, faults
+    ways = ("plain", "ours", "torch") + (("older",) if older else ())
     for way in ways:                                    # warm-up
         run(way)
     got: dict[str, list] = {w: [] for w in ways}
     for _ in range(repeats):
         for way in ways:
             got[way].append(run(way))
-    med = {w: (statistics.median(a for a, _ in v), statistics.median(b for _, b in v),
-               statistics.median(a + b for a, b in v)) for w, v in got.items()}
-    return {"plain_ms": med["plain"][2], "ours_input_ms": med["ours"][0], "ours_weight_ms": med["ours"][1],
-            "ours_ms": med["ours"][2], "torch_input_ms": med["torch"][0], "torch_weight_ms": med["torch"][1],
-            "torch_ms": med["torch"][2], "ours_vs_plain": med["ours"][2] / med["plain"][2],
-            "torch_vs_plain": med["torch"][2] / med["plain"][2]}
+    med = {w: (statistics.median(a for a, _, _ in v), statistics.median(b for _, b, _ in v),
+               statistics.median(a + b for a, b, _ in v), statistics.median(f for _, _, f in v))
+           for w, v in got.items()}
+    out = {f"{w}_faults": med[w][3] for w in ways}
+    for w in ways[1:]:
+        out.update({f"{w}_input_ms": med[w][0], f"{w}_weight_ms": med[w][1], f"{w}_ms": med[w][2],
+                    f"{w}_vs_plain": med[w][2] / med["plain"][2]})
+    return {"plain_ms": med["plain"][2], **out}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,10 +127,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--out-dir")
     p.add_argument("--tag", default="")
+    p.add_argument("--compare-with", help="an older splitback.py, timed as a fourth way")
     a = p.parse_args(argv)
     setup_logging(False)
     ranges = [(int(r.split("-")[0]), int(r.split("-")[1])) for r in a.ranges.split(",")]
-    got = measure(a.model, ranges, a.stage, a.batch_size, a.repeats)
+    got = measure(a.model, ranges, a.stage, a.batch_size, a.repeats, a.compare_with)
     result = {"benchmark": "split_backward", "machine": machine(), "command": " ".join(sys.argv), "model": a.model,
               "ranges": ranges, "stage": a.stage, "batch_size": a.batch_size, "repeats": a.repeats, **got}
     json_path, png_path = result_paths("split_backward" + (f"_{a.tag}" if a.tag else ""), False, a.out_dir)
@@ -117,7 +151,11 @@ def main(argv: list[str] | None = None) -> int:
     write_results(json_path, result, fig, png_path)
     print(f"plain {got['plain_ms']:.1f} ms; ours {got['ours_input_ms']:.1f} + {got['ours_weight_ms']:.1f} = "
           f"{got['ours_ms']:.1f} ms ({got['ours_vs_plain']:.2f}x); torch {got['torch_input_ms']:.1f} + "
-          f"{got['torch_weight_ms']:.1f} = {got['torch_ms']:.1f} ms ({got['torch_vs_plain']:.2f}x)")
+          f"{got['torch_weight_ms']:.1f} = {got['torch_ms']:.1f} ms ({got['torch_vs_plain']:.2f}x); minor faults "
+          f"plain {got['plain_faults']:.0f}, ours {got['ours_faults']:.0f}, torch {got['torch_faults']:.0f}")
+    if a.compare_with:
+        print(f"older ({a.compare_with}) {got['older_input_ms']:.1f} + {got['older_weight_ms']:.1f} = "
+              f"{got['older_ms']:.1f} ms ({got['older_vs_plain']:.2f}x), faults {got['older_faults']:.0f}")
     print(f"wrote {json_path} and {png_path}")
     return 0
 

@@ -125,10 +125,17 @@ def _measured_vs_predicted(model: str, schedule: str, recompute: bool, micro_bat
 # rerun saved until the graph is freed: measured (and by the allocator) up to 6x the prediction
 ZB_RECOMPUTE = ("zb-h1 with recomputation on gpt: the split backward's two graph tasks (input half, weight half) each "
                 "rerun the forward; total within 10% (60.4 vs 56.2 MB) but the activations 12% over the prediction")
+# the input half frees the graph as it goes (splitback.py): between a micro-batch's B and W the stage
+# holds only what the weight half's formulas read (the matrix products' inputs), where the prediction
+# still counts every activation as held until W
+ZB_FREED = ("zb-h1 on gpt: the prediction counts a micro-batch's whole activations until its weight half, which "
+            "holds only the matrix products' inputs: measured 66.2 MB, predicted 77.8 MB (+17%)")
 
 
 def _case(model: str, schedule: str, recompute: bool):
     marks = [] if model == "mlp" else [pytest.mark.slow]
+    if schedule == "zb-h1" and not recompute and model == "gpt":
+        marks.append(pytest.mark.xfail(strict=True, reason=ZB_FREED))
     if schedule == "zb-h1" and recompute and model == "gpt":
         marks.append(pytest.mark.xfail(strict=True, reason=ZB_RECOMPUTE))
     return pytest.param(model, schedule, recompute, marks=marks, id=f"{model}-{schedule}-{recompute}")

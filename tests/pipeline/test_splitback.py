@@ -1,0 +1,172 @@
+"""The split backward (splitback.py, weightgrads.py) against a plain ``backward()`` on a deep copy
+of the same stage: input and parameter gradients bit for bit, post-accumulate-grad hooks once per
+parameter per micro-batch, and what the input half keeps for the weight half."""
+
+from __future__ import annotations
+
+import copy
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+from hybridpipe.pipeline import splitback
+
+
+class _GPT2Blocks(nn.Module):
+    """A GPT-2 block stage: Hugging Face's decoder layers (Conv1D's addmm, layer norm, attention, GELU)."""
+
+    def __init__(self, layers: int):
+        from transformers import GPT2Config
+        from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+        super().__init__()
+        cfg = GPT2Config(n_layer=layers, n_embd=32, n_head=2, vocab_size=64, resid_pdrop=0, embd_pdrop=0,
+                         attn_pdrop=0, attn_implementation="sdpa", bos_token_id=0, eos_token_id=0)
+        self.h = nn.ModuleList(GPT2Block(cfg, layer_idx=i) for i in range(layers))
+
+    def forward(self, x):
+        for block in self.h:
+            x = block(x)
+            x = x[0] if isinstance(x, tuple) else x
+        return x
+
+
+def _compare(split: nn.Module, run, micro_batches: int = 2, one_pass: bool = False,
+             tol: float = 0.0, module=lambda m: m) -> list[int]:
+    """``run(model, seed) -> (outputs, output_grads, inputs)``: the split backward on ``split``
+    and a plain one on its deep copy, ``micro_batches`` times accumulated; the gradients must
+    agree and every parameter's post-accumulate hook fire once per micro-batch (``module``: the
+    module holding the parameters). Returns each micro-batch's groups left to autograd."""
+    plain = copy.deepcopy(split)
+    split_model, plain_model = module(split), module(plain)
+    fired: dict[str, int] = {}
+    for name, p in split_model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda _p, name=name: fired.__setitem__(name, fired.get(name, 0) + 1))
+    works = []
+    for mb in range(micro_batches):
+        outs, grads, ins = run(plain, mb)
+        torch.autograd.backward(outs, grads)
+        want_in = [t.grad for t in ins]
+        outs, grads, ins = run(split, mb)
+        work = splitback.backward_input(outs, grads, ins, list(split_model.parameters()), one_pass=one_pass)
+        assert all(p.grad is None for p in split_model.parameters()) if mb == 0 else True
+        for t, w in zip(ins, want_in, strict=True):
+            assert (t.grad is None) == (w is None)
+            if w is not None:
+                torch.testing.assert_close(t.grad, w, rtol=0, atol=tol)
+        before = dict(fired)
+        works.append(len(work.groups))
+        splitback.backward_weight(work)
+        used = {n for n, p in plain_model.named_parameters() if p.grad is not None}
+        assert {n: fired.get(n, 0) - before.get(n, 0) for n in used} == dict.fromkeys(used, 1)
+    for (name, p), q in zip(split_model.named_parameters(), plain_model.parameters(), strict=True):
+        assert (p.grad is None) == (q.grad is None), name
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=tol, msg=name)
+    return works
+
+
+def test_gpt2_block_stage_equals_a_plain_backward_through_the_formulas():
+    torch.manual_seed(0)
+    model = _GPT2Blocks(2)
+
+    def run(module, mb):
+        x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(mb)).requires_grad_()
+        out = module(x)
+        return [out], [torch.randn(out.shape, generator=torch.Generator().manual_seed(10 + mb))], [x]
+    # every intermediate of the decoder blocks (Conv1D's addmm, layer norm) has a formula: the
+    # weight half is one autograd pass and the input half keeps no graph
+    assert _compare(model, run) == [0, 0]
+
+
+class _Tied(nn.Module):
+    """A weight read by two matrix products (one a Linear, one addmm as HF's Conv1D) and by an
+    element-wise product (no formula: its group keeps the graph), a bias beside the input path."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.ln = nn.LayerNorm(6)
+        self.w = nn.Parameter(torch.randn(6, 6) / 3)
+        self.b = nn.Parameter(torch.randn(6))
+        self.scale = nn.Parameter(torch.randn(6))
+        self.pos = nn.Parameter(torch.randn(6))
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(self.ln(x)))
+        h = torch.addmm(self.b, h, self.w) + self.lin(h * 2)
+        return [h * self.scale * self.w[0] + self.pos * 3, torch.relu(self.pos) * 2]     # the second: no input
+
+
+@pytest.mark.parametrize("stage0", [False, True])
+def test_a_shared_weight_used_twice_and_a_stage_without_input_grads(stage0):
+    torch.manual_seed(0)
+    model = _Tied()
+
+    def run(module, mb):
+        x = torch.randn(5, 6, generator=torch.Generator().manual_seed(mb)).requires_grad_(not stage0)
+        outs = module(x)
+        g = torch.Generator().manual_seed(10 + mb)
+        return outs, [torch.randn(o.shape, generator=g) for o in outs], [x]
+    works = _compare(model, run)
+    if not stage0:
+        # the element-wise products have no formula: `scale`'s group and `w`'s (merged from its two
+    # uses) keep the graph; the Linear used twice and the layer norm need none
+        assert works == [2, 2]
+
+
+def test_a_recomputing_stage_is_one_pass_and_equal():
+    torch.manual_seed(0)
+    model = _Tied()
+
+    def run(module, mb):
+        x = torch.randn(5, 6, generator=torch.Generator().manual_seed(mb)).requires_grad_()
+        outs = torch.utils.checkpoint.checkpoint(module, x, use_reentrant=False)
+        return outs, [torch.ones_like(o) for o in outs], [x]
+    _compare(model, run, one_pass=True)
+
+
+def test_the_input_half_frees_the_graph_as_it_goes():
+    """A plain backward frees every saved tensor as it goes; the input half used to keep the whole
+    graph (retain_graph) until the weight half: memory the allocator had to map afresh. Now the
+    weight half holds only what its formulas read (``work.held()``), as tensors, not the graph."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 16), nn.GELU(approximate="tanh"), nn.Linear(16, 8))
+    boxes: list[weakref.ref] = []
+
+    def pack(t):
+        box = _Box(t)
+        boxes.append(weakref.ref(box))
+        return box
+    x = torch.randn(4, 8, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda box: box.value):
+        out = model(x)
+    want = torch.autograd.grad(out, list(model.parameters()), torch.ones_like(out), retain_graph=True)
+    work = splitback.backward_input([out], [torch.ones_like(out)], [x], list(model.parameters()))
+    assert boxes and all(r() is None for r in boxes)
+    assert not work.groups and len(work.held()) == 5        # 2 Linear inputs; layer norm's input, mean, rstd
+    splitback.backward_weight(work)
+    for p, w in zip(model.parameters(), want, strict=True):
+        torch.testing.assert_close(p.grad, w, rtol=0, atol=1e-6)
+
+
+class _Box:
+    __slots__ = ("value", "__weakref__")
+
+    def __init__(self, value):
+        self.value = value
+
+
+def test_a_convolution_stage_equals_a_plain_backward():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, stride=2), nn.ReLU(), nn.Conv2d(4, 4, 3, groups=2),
+                          nn.MaxPool2d(2), nn.Flatten(), nn.Linear(4, 5))
+
+    def run(module, mb):
+        x = torch.randn(2, 3, 10, 10, generator=torch.Generator().manual_seed(mb)).requires_grad_()
+        out = module(x)
+        return [out], [torch.randn(out.shape, generator=torch.Generator().manual_seed(10 + mb))], [x]
+    # the convolutions have no formula (their weight's layout would be read): they keep the graph
+    assert _compare(model, run) == [2, 2]
