@@ -14,6 +14,7 @@ import datetime
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -208,7 +209,7 @@ class FrameReceiver(_End):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._ahead: tuple[torch.Tensor, object] | None = None     # the next frame's receive, posted
+        self._ahead: tuple[torch.Tensor, Any] | None = None     # the next frame's receive, posted
         # (key, tensors) -> the layout the metadata cache gave, checked against that frame's header:
         # a frame like it takes one lookup (emptied whenever metadata arrives)
         self._known: dict[tuple[str, int], wire.Layout] = {}
@@ -258,7 +259,7 @@ class FrameReceiver(_End):
         tensors = wire.unflatten(body if header.body_bytes else None, layout.metas, base, layout.offsets)
         return Frame(header, tensors, None, t0, self.clock())
 
-    def _post(self, size: int, what: str) -> tuple[torch.Tensor, object]:
+    def _post(self, size: int, what: str) -> tuple[torch.Tensor, Any]:
         buf = torch.empty(size, dtype=torch.uint8)
         try:
             return buf, post_recv(buf, self.route.control, self.control_peer)
