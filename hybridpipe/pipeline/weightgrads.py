@@ -40,10 +40,11 @@ class NodeWeightGrad:
     held: tuple[torch.Tensor, ...]            # the saved tensors the formula reads (for the memory meter)
     grad: torch.Tensor | None = None          # the gradient the node received in the input half
 
-    def edges(self, views: dict[Node, GradientEdge]) -> tuple[list[GradientEdge], list[torch.Tensor]]:
+    def edges(self, views: dict[Node, GradientEdge] | None = None) -> tuple[list[GradientEdge], list[torch.Tensor]]:
         """The parameter-side edges and their gradients (none when the node got no gradient);
         ``views``: the edges through a view of each parameter, by its gradient accumulator, made
-        once and kept (a view's node saves no tensor: it serves every micro-batch)."""
+        once and kept (a view's node saves no tensor: it serves every micro-batch; None: made here)."""
+        views = {} if views is None else views
         if self.grad is None:
             return [], []
         edges, grads = [], []
