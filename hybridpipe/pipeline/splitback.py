@@ -27,6 +27,9 @@ parameters' post-accumulate-grad hooks fire as in a plain backward, once per par
 parameter reached through several intermediates gets their sum in one pass; only a parameter of a
 group without formulas that also reaches an output not depending on the inputs is accumulated in
 two passes): the replicas' per-layer gradient sync (comm/hybrid_dp) starts from them as usual.
+
+Where the cut lies is found once per graph structure and kept across a stage's micro-batches
+(``splitplan.py``); each micro-batch still takes its formulas' saved tensors from its own nodes.
 """
 
 from __future__ import annotations
