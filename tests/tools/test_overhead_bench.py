@@ -78,7 +78,7 @@ def test_thread_cpu_and_wakeups_are_counted_per_thread_label():
     t.start()
     before = overhead_threads.snapshot()
     for _ in range(5):
-        time.sleep(0.002)           # the receiver is blocked by now
+        _until_blocked(t.native_id)
         go.set()
         spun.wait()
         spun.clear()
@@ -91,3 +91,13 @@ def test_thread_cpu_and_wakeups_are_counted_per_thread_label():
     assert got["p2p recv"]["threads"] == 1 and got["step"]["threads"] == 1
     assert got["p2p recv"]["cpu_us"] >= 0.02 / 2 * 1e6         # 30 ms over 2 steps, less the clock's slack
     assert got["p2p recv"]["wakeups"] >= 5 / 2
+
+
+def _until_blocked(tid: int) -> None:
+    """Wait (at most 5 s) until thread ``tid`` sleeps: setting its event then is a wake-up."""
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "S":
+                return
+        time.sleep(0.0005)
