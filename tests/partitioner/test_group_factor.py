@@ -86,6 +86,8 @@ def test_a_calibration_with_group_points_round_trips_and_bad_ones_are_refused(tm
                       allreduce_slowdown_groups=GROUPS)
     back = load_calibration(save_calibration(cal, tmp_path / "c.json"))
     assert back.allreduce_slowdown_groups == GROUPS and back.refined
+    from hybridpipe.commands.show import render_calibration
+    assert "over 8 ranks: ~1000 B 0.50x, ~976.6 KiB 1.00x" in render_calibration(back)
     d = cal.to_dict()
     d["allreduce_slowdown_groups"] = {"1": [[1e3, 2.0]]}
     with pytest.raises(UserError, match="group sizes of 2"):
