@@ -79,6 +79,12 @@ def per_run(ranks: list[dict], base: list[dict[str, float]], micro_batches: int)
     thread = sum(r["thread_s"] for r in ranks)
     process = sum(r["process_s"] for r in ranks)
     n_ins = sum(count[k] for k in INSTRUCTIONS) / steps
+    threads: dict[str, dict[str, float]] = {}
+    for r in ranks:
+        for label, row in r.get("threads", {}).items():
+            into = threads.setdefault(label, dict.fromkeys(row, 0.0))
+            for k, v in row.items():
+                into[k] += v
     return {
         "us_per_instruction": per_call,
         "overhead_us": {"forward": (cpu["forward"] / steps - base_fwd) / (count["forward"] / steps) * 1e6,
@@ -90,14 +96,15 @@ def per_run(ranks: list[dict], base: list[dict[str, float]], micro_batches: int)
         "process_cpu_us_per_step": process / steps * 1e6,
         "wall_ms_per_step": max(r["wall_s"] for r in ranks) / steps * 1e3,
         "framework_cpu_us_per_instruction": ((process - cpu["data"]) / steps - base_fwd - base_bwd) / n_ins * 1e6,
+        "threads_per_step": threads,    # per thread label, every rank: cpu_us, wakeups, preempted, threads
     }
 
 
 def median_of(runs: list[dict]) -> dict:
     """The per-key median over rounds of :func:`per_run`'s (nested) numbers."""
-    first = runs[0]
-    return {k: median_of([r[k] for r in runs]) if isinstance(v, dict) else statistics.median(r[k] for r in runs)
-            for k, v in first.items()}
+    first = runs[0]         # a key some rounds lack (a thread label) is the median of those that have it
+    return {k: median_of([r[k] for r in runs if k in r]) if isinstance(v, dict)
+            else statistics.median(r[k] for r in runs if k in r) for k, v in first.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,6 +163,11 @@ def main(argv: list[str] | None = None) -> int:
               f"  | dispatch {m['dispatch_us_per_step']:7.0f}/step  background {m['background_us_per_step']:7.0f}/step"
               f"  | framework {m['framework_cpu_us_per_instruction']:6.1f} us/instruction"
               f"  wall {m['wall_ms_per_step']:6.2f} ms/step")
+    for s, m in med.items():
+        rows = sorted(m["threads_per_step"].items(), key=lambda kv: -kv[1]["cpu_us"])
+        print(f"{s:>12}: per step, every rank: " + "  ".join(
+            f"{label} {row['cpu_us']:.0f} us / {row['wakeups']:.0f} wake-ups ({row['threads']:.0f})"
+            for label, row in rows if row["cpu_us"] >= 1))
     print("ours / torch framework CPU per instruction: " +
           ", ".join(f"{s} {v:.2f}x" for s, v in result["ours_vs_torch_framework_cpu"].items()))
     print(f"wrote {json_path} and {png_path}")

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from benchmarks import overhead_threads
+
 KINDS = ("forward", "backward", "send", "recv", "data", "step")
 
 
@@ -51,9 +53,14 @@ class Tally:
 
 def run_steps(step: Callable[[int], Any], steps: int, warmup: int, tally: Tally) -> dict:
     """Run ``step(k)`` for k < ``steps``; the totals over the steps after ``warmup``: per kind CPU
-    and counts, the step thread's CPU, the process's CPU (every thread), wall time."""
+    and counts, the step thread's CPU, the process's CPU (every thread), wall time; and per
+    thread label (overhead_threads.py) CPU and wake-ups per step over the steps after ``warmup``
+    but the last (a peer that finished may close its links, ending their threads, during it)."""
     totals = {"thread_s": 0.0, "process_s": 0.0, "wall_s": 0.0, "steps": 0}
+    marks: dict[int, dict] = {}
     for k in range(steps):
+        if k in (warmup, steps - 1):
+            marks[k] = overhead_threads.snapshot()
         tally.on = k >= warmup
         w0, p0, t0 = time.perf_counter(), time.process_time(), time.thread_time()
         step(k)
@@ -64,7 +71,9 @@ def run_steps(step: Callable[[int], Any], steps: int, warmup: int, tally: Tally)
             totals["wall_s"] += w1 - w0
             totals["steps"] += 1
     tally.on = False
-    return {**totals, "cpu_s": dict(tally.cpu), "count": dict(tally.count)}
+    threads = (overhead_threads.delta(marks[warmup], marks[steps - 1], steps - 1 - warmup)
+               if len(marks) == 2 else {})
+    return {**totals, "cpu_s": dict(tally.cpu), "count": dict(tally.count), "threads": threads}
 
 
 # ---- hybridpipe ------------------------------------------------------------------------------

@@ -3,10 +3,12 @@ arithmetic in-process on a tiny plan (seconds); one whole run on 2 processes is 
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
 
+from benchmarks import overhead_threads
 from benchmarks.overhead import main, per_run
 from benchmarks.overhead_probes import KINDS, Tally, baseline, run_steps
 from benchmarks.vs_torch_pipelining import make_plan
@@ -54,3 +56,48 @@ def test_a_whole_quick_run_writes_its_results(tmp_path):
     assert main(["--model", MODEL, "--stages", "2", "--micro-batches", "2", "--steps", "3", "--warmup", "1",
                  "--rounds", "1", "--schedules", "1f1b", "--out-dir", str(tmp_path)]) == 0
     assert (tmp_path / "overhead.json").exists() and (tmp_path / "overhead.png").exists()
+
+
+
+@pytest.mark.skipif(not overhead_threads.snapshot(), reason="needs Linux /proc/<pid>/task/<tid>/schedstat")
+def test_thread_cpu_and_wakeups_are_counted_per_thread_label():
+    go, spun, done = threading.Event(), threading.Event(), threading.Event()
+
+    def receiver() -> None:         # blocks and is woken 5 times, spins ~30 ms of CPU, waits to end
+        for _ in range(5):
+            go.wait()
+            go.clear()
+            spun.set()
+        t0 = time.thread_time()
+        while time.thread_time() - t0 < 0.03:
+            pass
+        spun.set()
+        done.wait()
+
+    t = threading.Thread(target=receiver, name="p2p-sa-3-12-recv")
+    t.start()
+    before = overhead_threads.snapshot()
+    for _ in range(5):
+        _until_blocked(t.native_id)
+        go.set()
+        spun.wait()
+        spun.clear()
+    spun.wait()
+    after = overhead_threads.snapshot()
+    done.set()
+    t.join()
+    assert before[t.native_id][3] == after[t.native_id][3] == "p2p recv"
+    got = overhead_threads.delta(before, after, steps=2)
+    assert got["p2p recv"]["threads"] == 1 and got["step"]["threads"] == 1
+    assert got["p2p recv"]["cpu_us"] >= 0.02 / 2 * 1e6         # 30 ms over 2 steps, less the clock's slack
+    assert got["p2p recv"]["wakeups"] >= 5 / 2
+
+
+def _until_blocked(tid: int) -> None:
+    """Wait (at most 5 s) until thread ``tid`` sleeps: setting its event then is a wake-up."""
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "S":
+                return
+        time.sleep(0.0005)

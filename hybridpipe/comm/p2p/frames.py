@@ -14,6 +14,7 @@ import datetime
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,7 @@ Clock = Callable[[], float]
 _MAX_WAIT_S = 7 * 24 * 3600.0
 _NO_PAYLOAD = Flag.CLOSE | Flag.HELLO
 _SPARE_SIZES = 8            # frame lengths a sender keeps buffers for (the most recently used)
+_KNOWN_KEYS = 4096          # a receiver's remembered (key, tensors) -> layout (a step's keys repeat)
 _SPARE_PER_SIZE = 2         # buffers per length: the frame in flight and the one being packed
 
 
@@ -207,7 +209,10 @@ class FrameReceiver(_End):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._ahead: tuple[torch.Tensor, object] | None = None     # the next frame's receive, posted
+        self._ahead: tuple[torch.Tensor, Any] | None = None     # the next frame's receive, posted
+        # (key, tensors) -> the layout the metadata cache gave, checked against that frame's header:
+        # a frame like it takes one lookup (emptied whenever metadata arrives)
+        self._known: dict[tuple[str, int], wire.Layout] = {}
 
     def receive(self, deadline: float, what: str = "the next message") -> Frame:
         """Receive the next frame: one message, or a split frame's header, metadata and body."""
@@ -216,26 +221,36 @@ class FrameReceiver(_End):
         buf, work = self._ahead
         self._ahead = None
         try:
-            _wait_work(work, deadline)
+            work.wait(datetime.timedelta(seconds=min(max(deadline - time.monotonic(), 0.001), _MAX_WAIT_S)))
         except Exception as e:          # noqa: BLE001
             raise classify_transport_error(e, self.peer, what) from e
         t0 = self.clock()
         raw = buf.numpy()
-        header = self._decode(raw, what)
+        try:
+            header = wire.decode_header(raw)
+        except wire.WireError as e:
+            raise ProtocolError(self.peer, what, str(e)) from None
+        if header.seq != self.seq:
+            raise ProtocolError(self.peer, what, f"frame {header.seq} arrived where frame {self.seq} was "
+                                "expected on this lane; both ranks must open channels with the same mode")
+        self.seq += 1
+        flags = header.flags
         base, _, _, self.capacity = wire.placement(header.meta_len, header.body_bytes, self.capacity)
-        if header.flags & _NO_PAYLOAD:
-            if self.prepost and not header.flags & Flag.CLOSE:
+        if flags & _NO_PAYLOAD:
+            if self.prepost and not flags & Flag.CLOSE:
                 self._ahead = self._post(self.capacity, what)
             return Frame(header, {}, None, t0, t0)
         what = f"recv {header.key!r}"
-        if header.flags & Flag.SPLIT:
+        if flags & Flag.SPLIT:
             meta, body, base = self._receive_rest(header, deadline, what)
         else:
             meta = raw[wire.HEADER_BYTES:wire.HEADER_BYTES + header.meta_len] if header.meta_len else b""
             body = buf
             if self.prepost:        # the next frame may flow while this one is delivered
                 self._ahead = self._post(self.capacity, what)
-        layout = self._layout(header, meta)
+        layout = self._known.get((header.key, header.n_tensors)) if not flags & Flag.META else None
+        if layout is None or layout.payload_bytes != header.payload_bytes:
+            layout = self._layout(header, meta)
         if self.cuda:
             return self._receive_cuda(header, layout.metas, deadline, what, t0)
         if layout.body_bytes != header.body_bytes:
@@ -244,7 +259,7 @@ class FrameReceiver(_End):
         tensors = wire.unflatten(body if header.body_bytes else None, layout.metas, base, layout.offsets)
         return Frame(header, tensors, None, t0, self.clock())
 
-    def _post(self, size: int, what: str) -> tuple[torch.Tensor, object]:
+    def _post(self, size: int, what: str) -> tuple[torch.Tensor, Any]:
         buf = torch.empty(size, dtype=torch.uint8)
         try:
             return buf, post_recv(buf, self.route.control, self.control_peer)
@@ -277,17 +292,6 @@ class FrameReceiver(_End):
         event = self._complete([], works, deadline, what)
         return Frame(header, tensors, event, t0, self.clock())
 
-    def _decode(self, raw, what: str) -> Header:
-        try:
-            header = wire.decode_header(raw)
-        except wire.WireError as e:
-            raise ProtocolError(self.peer, what, str(e)) from None
-        if header.seq != self.seq:
-            raise ProtocolError(self.peer, what, f"frame {header.seq} arrived where frame {self.seq} was "
-                                "expected on this lane; both ranks must open channels with the same mode")
-        self.seq += 1
-        return header
-
     def _layout(self, header: Header, meta) -> wire.Layout:
         if header.flags & Flag.META:
             try:
@@ -296,6 +300,7 @@ class FrameReceiver(_End):
                 raise ProtocolError(self.peer, f"recv {header.key!r}", str(e)) from None
             self.cache.update(header.key, metas)
             self.meta_frames += 1
+            self._known.clear()
         layout = self.cache.layout(header.key, header.n_tensors)
         if layout is None:
             raise ProtocolError(self.peer, f"recv {header.key!r}", f"no tensor metadata was announced for key "
@@ -304,4 +309,7 @@ class FrameReceiver(_End):
             raise ProtocolError(self.peer, f"recv {header.key!r}", f"header announces {header.n_tensors} tensors / "
                                 f"{header.payload_bytes} bytes, metadata {len(layout.metas)} / "
                                 f"{layout.payload_bytes}")
+        if len(self._known) >= _KNOWN_KEYS:
+            self._known.clear()
+        self._known[header.key, header.n_tensors] = layout
         return layout

@@ -44,6 +44,7 @@ HEADER_BYTES = 128
 # metadata length, payload bytes, body bytes, key length
 _FIXED = struct.Struct("<4sHHQQIIIQQH")
 MAX_KEY_BYTES = HEADER_BYTES - _FIXED.size
+_WHOLE = struct.Struct(_FIXED.format + f"{MAX_KEY_BYTES}s")     # the fixed fields and the key's room
 FLAT_ALIGN = 64
 MIN_CAPACITY = 4096             # what a lane's receiver posts before any frame has grown it
 INLINE_LIMIT = 1 << 20          # a body above this travels apart, from its own memory
@@ -134,7 +135,7 @@ def decode_header(buf) -> Header:
     start of a received frame); raise WireError if they are not one."""
     if len(buf) < HEADER_BYTES:
         raise WireError(f"header has {len(buf)} bytes, expected {HEADER_BYTES}")
-    magic, version, flags, seq, msg, parts, n, meta_len, payload, body, key_len = _FIXED.unpack_from(buf)
+    magic, version, flags, seq, msg, parts, n, meta_len, payload, body, key_len, room = _WHOLE.unpack_from(buf)
     if magic != MAGIC:
         raise WireError(f"bad magic {magic!r}: the peer is not speaking the hybridpipe p2p protocol "
                         "(or frames are misaligned)")
@@ -143,8 +144,14 @@ def decode_header(buf) -> Header:
                         "run the same hybridpipe version on every rank")
     if key_len > MAX_KEY_BYTES:
         raise WireError(f"key length {key_len} exceeds {MAX_KEY_BYTES}")
-    key = bytes(buf[_FIXED.size:_FIXED.size + key_len]).decode("utf-8", errors="replace")
+    key = _key_of(room[:key_len])
     return Header(flags, seq, msg, parts, n, meta_len, payload, body, key)
+
+
+@functools.lru_cache(maxsize=4096)
+def _key_of(raw: bytes) -> str:
+    """A received key's text, remembered (a run receives the same few hundred keys every step)."""
+    return raw.decode("utf-8", errors="replace")
 
 
 def describe(items: Sequence[tuple[str, torch.Tensor]]) -> tuple[TensorMeta, ...]:
