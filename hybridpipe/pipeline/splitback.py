@@ -65,6 +65,12 @@ class WeightWork:
         """The saved tensors kept for the formulas (the memory meter counts them until the weight half)."""
         return [t for d in self.direct for t in d.held]
 
+    @property
+    def keeps_graph(self) -> bool:
+        """The input half kept the whole autograd graph (a group without formulas): everything the
+        forward saved stays until the weight half (the profiler's ``weight_half_bytes``)."""
+        return bool(self.groups)
+
 
 def backward_input(outputs: Sequence[torch.Tensor], output_grads: Sequence[torch.Tensor | None],
                    inputs: Sequence[torch.Tensor], params: Sequence[nn.Parameter], *,

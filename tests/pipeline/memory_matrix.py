@@ -14,7 +14,14 @@ import torch
 
 from hybridpipe.partitioner.schedule_registry import get_schedule
 from hybridpipe.partitioner.search.modelcosts import model_costs
-from hybridpipe.partitioner.search.objective import Options, inflight_micro_batches, memory_bytes, transient_bytes
+from hybridpipe.partitioner.search.objective import (
+    Options,
+    inflight_micro_batches,
+    memory_bytes,
+    transient_bytes,
+    whole_micro_batches,
+)
+from hybridpipe.pipeline.splitback import backward_input
 from hybridpipe.profiles.profiler import profile_model
 from hybridpipe.profiles.zoo import resolve_model
 from tests.pipeline.harness import make_plan, train_pipeline
@@ -57,7 +64,8 @@ def measure(family: str, schedule: str, optimizer: str) -> list[StageMemory]:
     """Per stage of ``family`` on 4 stages: the meter's peak and the partitioner's prediction."""
     spec, cuts = {**FAMILIES, **FULL_SIZE}[family]
     torch.manual_seed(0)
-    costs = model_costs(profile_model(resolve_model(spec), batch_size=BATCH, repeats=1, warmup=0, progress=False))
+    costs = model_costs(profile_model(resolve_model(spec), batch_size=BATCH, repeats=1, warmup=0, progress=False,
+                                      split_backward=backward_input))
     plan = make_plan(spec, cuts, [1] * (len(cuts) + 1), schedule=schedule, micro_batches=MICRO_BATCHES,
                      batch_size=BATCH, shared_capture=True)
     plan = dataclasses.replace(plan, optimizer=optimizer)
@@ -70,7 +78,8 @@ def measure(family: str, schedule: str, optimizer: str) -> list[StageMemory]:
         i, j = st.first_node, st.last_node
         # the meter counts what the stage holds, not its kernels' temporaries (objective.transient_bytes),
         # which only an allocator sees: tests/pipeline/test_memory_transient.py
-        predicted = (memory_bytes(costs, i, j, inflight_micro_batches(kind, MICRO_BATCHES, p - s, 1, p), opts)
+        predicted = (memory_bytes(costs, i, j, inflight_micro_batches(kind, MICRO_BATCHES, p - s, 1, p), opts,
+                                  whole=whole_micro_batches(kind, MICRO_BATCHES, p - s, 1, p))
                      - transient_bytes(costs, i, j))
         rows.append(StageMemory(s, f"{costs.names[i]}..{costs.names[j]}",
                                 max(r.peak_memory_bytes for r in results[s]), predicted))
