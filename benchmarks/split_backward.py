@@ -129,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tag", default="")
     p.add_argument("--compare-with", help="an older splitback.py, timed as a fourth way")
     a = p.parse_args(argv)
+    if a.compare_with and not Path(a.compare_with).is_file():
+        p.error(f"--compare-with {a.compare_with}: no such file (give a saved splitback.py, e.g. "
+                "git show REV:hybridpipe/pipeline/splitback.py > old.py)")
     setup_logging(False)
     ranges = [(int(r.split("-")[0]), int(r.split("-")[1])) for r in a.ranges.split(",")]
     got = measure(a.model, ranges, a.stage, a.batch_size, a.repeats, a.compare_with)

@@ -159,16 +159,13 @@ class FrameSender(_End):
             self.meta_frames += 1
         body = 0 if self.cuda else layout.body_bytes
         meta_len = len(meta)
-        start = wire.body_offset(meta_len, body)
-        size = start + body                         # wire.inline_bytes
-        inline = body <= wire.INLINE_LIMIT and size <= self.capacity      # wire.is_inline
+        start, size, inline, capacity = wire.placement(meta_len, body, self.capacity)
         if not inline:
             flags |= Flag.SPLIT
             self.split_frames += 1
         header = Header(flags, self.seq, msg, parts, len(items), meta_len, layout.payload_bytes, body, key)
         self.seq += 1
-        if body <= wire.INLINE_LIMIT and size > self.capacity:     # wire.next_capacity, as the receiver
-            self.capacity = size
+        self.capacity = capacity                    # as the receiver's
         t0 = self.clock()
         group, group_peer = self.route.control, self.control_peer
         try:
@@ -199,14 +196,7 @@ class FrameSender(_End):
 
     def complete(self, posted: Posted, deadline: float) -> float:
         """Wait until the frame has left; return the completion time (clock)."""
-        if self.cuda or posted.data_works:
-            self._complete(posted.control_works, posted.data_works, deadline, f"send {posted.header.key!r}")
-        else:
-            try:
-                for w in posted.control_works:
-                    _wait_work(w, deadline)
-            except Exception as e:      # noqa: BLE001 - backend errors have no common type
-                raise classify_transport_error(e, self.peer, f"send {posted.header.key!r}") from e
+        self._complete(posted.control_works, posted.data_works, deadline, f"send {posted.header.key!r}")
         posted.done = True
         posted.tensors.clear()
         return self.clock()
@@ -232,10 +222,7 @@ class FrameReceiver(_End):
         t0 = self.clock()
         raw = buf.numpy()
         header = self._decode(raw, what)
-        body_bytes = header.body_bytes
-        base = wire.body_offset(header.meta_len, body_bytes)
-        if body_bytes <= wire.INLINE_LIMIT and base + body_bytes > self.capacity:   # wire.next_capacity
-            self.capacity = base + body_bytes
+        base, _, _, self.capacity = wire.placement(header.meta_len, header.body_bytes, self.capacity)
         if header.flags & _NO_PAYLOAD:
             if self.prepost and not header.flags & Flag.CLOSE:
                 self._ahead = self._post(self.capacity, what)
@@ -260,7 +247,7 @@ class FrameReceiver(_End):
     def _post(self, size: int, what: str) -> tuple[torch.Tensor, object]:
         buf = torch.empty(size, dtype=torch.uint8)
         try:
-            return buf, self.route.control.recv([buf], self.control_peer, 0)     # uint8: see post_recv
+            return buf, post_recv(buf, self.route.control, self.control_peer)
         except Exception as e:          # noqa: BLE001
             raise classify_transport_error(e, self.peer, what) from e
 

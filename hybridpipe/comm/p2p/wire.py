@@ -234,17 +234,25 @@ def inline_bytes(meta_len: int, body_bytes: int) -> int:
     return body_offset(meta_len, body_bytes) + body_bytes
 
 
+def placement(meta_len: int, body_bytes: int, capacity: int) -> tuple[int, int, bool, int]:
+    """A frame's ``(body offset, whole length, sent whole, next capacity)`` on a lane whose
+    receive holds ``capacity`` bytes: whole when its body is at most ``INLINE_LIMIT`` and the
+    frame fits (else split); both ends of the lane then use the next capacity, grown so that a
+    frame like it fits whole (unless its body travels apart anyway). One call per frame on each end."""
+    start = body_offset(meta_len, body_bytes)
+    size = start + body_bytes
+    small = body_bytes <= INLINE_LIMIT
+    return start, size, small and size <= capacity, max(capacity, size) if small else capacity
+
+
 def is_inline(meta_len: int, body_bytes: int, capacity: int) -> bool:
     """Whether a frame goes whole into a receive of ``capacity`` bytes (else it is split)."""
-    return body_bytes <= INLINE_LIMIT and inline_bytes(meta_len, body_bytes) <= capacity
+    return placement(meta_len, body_bytes, capacity)[2]
 
 
 def next_capacity(capacity: int, header: Header) -> int:
-    """The capacity both ends of a lane use for the frame after ``header``'s: grown so that a
-    frame like it fits whole (unless its body travels apart anyway)."""
-    if header.body_bytes > INLINE_LIMIT:
-        return capacity
-    return max(capacity, inline_bytes(header.meta_len, header.body_bytes))
+    """The capacity both ends of a lane use for the frame after ``header``'s (:func:`placement`)."""
+    return placement(header.meta_len, header.body_bytes, capacity)[3]
 
 
 def encode_frame(header: Header, meta: bytes, items: Sequence[tuple[str, torch.Tensor]],
