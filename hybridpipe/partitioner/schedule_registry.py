@@ -135,6 +135,25 @@ class Schedule:
             return total
         return np.minimum(k, depth) if isinstance(k, np.ndarray) or isinstance(depth, np.ndarray) else min(k, depth)
 
+    def most_halves(self, k: Count, depth: Count, depth_all: Count) -> Count:
+        """The most micro-batches a replica holds between their backward's input and weight halves at
+        once: zb-h1 holds back ``depth_all - depth`` weight halves, one more right after a B (in its
+        drain, with the wholes' count down by as many); 0 for a schedule without the split."""
+        if not self.split_backward or self.replica_ops is None:
+            return 0 * k
+        most = self.inflight(k, depth, depth_all)
+        return np.minimum(most, depth_all - depth + 1)
+
+    def held_bytes(self, inflight: Count, whole: Count, halves: Count, stash: float | np.ndarray,
+                   half: float | np.ndarray) -> float | np.ndarray:
+        """The most activation bytes a replica holds at once, a micro-batch weighing ``stash`` whole
+        and ``half`` between its B and W: after a forward, ``whole`` (:meth:`whole`) of the
+        ``inflight`` whole and the rest halves; or, where a half outweighs a whole (the gradients its
+        input half recorded: a big vocabulary's logits'), at the most ``halves`` (:meth:`most_halves`),
+        the rest whole. Numbers, or numpy arrays elementwise."""
+        after_forward = stash * whole + half * (inflight - whole)
+        return np.maximum(after_forward, stash * (inflight - halves) + half * halves)
+
     def chunk_inflight(self, place: Place, virtual: int) -> tuple[int, ...]:
         """Per local chunk (0..V-1), the most micro-batches whose activations a replica of the
         group at ``place`` holds at once (forwarded, weight gradients not yet computed), counted

@@ -25,7 +25,11 @@ stage holds once, however many of its blocks save it. ``forward_transient_bytes`
 zero-bubble schedule's input half (``pipeline/splitback.backward_input``) has run and freed what it
 could: what the node holds until its weight half; absent (null) in profiles made before or without
 the split backward to run, and for a node whose input half keeps the whole graph (no weight formula
-for it): a stage holding such a node holds its whole stash until the weight half. ``precision`` bf16/fp16: the
+for it): a stage holding such a node holds its whole stash until the weight half.
+``weight_half_grad_bytes`` (optional) is what the input half records on top for the weight half: the
+gradients at the node's intermediates (the logits' at an LM head; on a node whose inputs need none,
+its outputs'), measured for every node the split backward ran on; absent (null) in older profiles,
+whose stages are then predicted to hold their whole stash until the weight half. ``precision`` bf16/fp16: the
 forwards and the loss ran under ``torch.autocast`` (so the bytes are those of a mixed-precision job).
 
 Formats 1 (one node per torch.fx node) and 2 (per-node saved bytes that count a tensor two blocks
@@ -78,6 +82,7 @@ class ProfileNode:
     # or its input half keeps the whole graph: module docstring)
     weight_half_bytes: int | None = None
     weight_half_saves: tuple[str, ...] | None = None
+    weight_half_grad_bytes: int | None = None   # the gradients its input half records (None: not measured)
 
     @property
     def compute_ms(self) -> float:
@@ -265,6 +270,8 @@ def _node_from_dict(n: object, index: int, source: str) -> ProfileNode:
         else figure(n, "weight_half_bytes", int, where),
         weight_half_saves=None if n.get("weight_half_saves") is None
         else _name_list(field(n, "weight_half_saves", list, where), f"{where}: weight_half_saves", what="value names"),
+        weight_half_grad_bytes=None if n.get("weight_half_grad_bytes") is None
+        else figure(n, "weight_half_grad_bytes", int, where),
     )
     if (node.weight_half_bytes is None) != (node.weight_half_saves is None):
         raise UserError(f"{where}: \"weight_half_bytes\" and \"weight_half_saves\" come together (both or neither)")

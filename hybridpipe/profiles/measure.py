@@ -14,20 +14,15 @@ a value two blocks save is one tensor, which ``partitioner/search/modelcosts.py`
 stage), and, on the last block, what the loss function keeps beside the model's output. Storages
 are what count (a view shares its base's bytes); parameters and buffers are not activations.
 
-Given a zero-bubble schedule's split backward (``split``: ``pipeline/splitback.backward_input``,
-handed in by the caller, as this package imports nothing of the pipeline), ``weight_half_split``
-also runs its input half on a fresh forward and splits the same way what is still held then: the
-saved tensors the freed graph did not release and those the weight half keeps for its formulas,
-until the weight half (``pipeline/memory.py``'s meter counts the same).
+What a zero-bubble schedule's split backward leaves between its halves: ``weighthalf.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypedDict
+from typing import Any, TypedDict
 
 import torch
 import torch.utils._pytree as pytree
@@ -40,25 +35,6 @@ from hybridpipe.profiles.timing import median_ms
 from hybridpipe.profiles.transient import PeakMeter
 
 LossFn = Callable[[Any, Any], torch.Tensor]
-
-
-class WeightHalf(Protocol):
-    """What a split backward's input half leaves for its weight half (``pipeline/splitback.WeightWork``)."""
-
-    def held(self) -> list[torch.Tensor]:
-        """The saved tensors it keeps for the weight half."""
-        ...
-
-    @property
-    def keeps_graph(self) -> bool:
-        """It kept the whole graph (then so does a stage holding this block: every block's saved tensors stay)."""
-        ...
-
-
-# (outputs, their gradients (None: a scalar loss), inputs, parameters) -> the weight half's work,
-# the inputs' gradients accumulated: ``pipeline/splitback.backward_input``
-SplitBackward = Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor | None], Sequence[torch.Tensor],
-                          Sequence[torch.nn.Parameter]], WeightHalf]
 
 
 class Timing(TypedDict):
@@ -90,7 +66,6 @@ class BlockCost:
     saved: SavedSplit             # what autograd keeps from its forward for its backward
     forward_transient: int = 0    # bytes its forward allocates above the start and frees before it ends
     backward_transient: int = 0   # the most bytes above the start during its backward, gradients in included
-    weight_half: SavedSplit | None = None   # of ``saved``, what a split backward's input half leaves held
 
 
 @dataclass(frozen=True)
@@ -153,10 +128,9 @@ def reference_pass(captured: CapturedModel, blocks: Sequence[BlockModule], batch
 
 def measure_block(captured: CapturedModel, block: BlockModule, env: dict[str, Any], *, loss: LossFn | None,
                   target: Any, device: torch.device | str, repeats: int, warmup: int,
-                  autocast: torch.dtype | None = None, split: SplitBackward | None = None) -> BlockCost:
+                  autocast: torch.dtype | None = None) -> BlockCost:
     """Time ``block``'s forward and backward on its recorded inputs (the last block: with the loss);
-    forwards (and the loss) under ``torch.autocast`` to ``autocast`` where given, as the engine runs them;
-    with ``split``, what its input half leaves held (:func:`weight_half_split`)."""
+    forwards (and the loss) under ``torch.autocast`` to ``autocast`` where given, as the engine runs them."""
     def run(inputs: list[Any], keep_output: bool = False) -> Any:
         with torch.enable_grad(), _autocast(device, autocast):
             result = block.module(*inputs)
@@ -187,9 +161,7 @@ def measure_block(captured: CapturedModel, block: BlockModule, env: dict[str, An
         bwd_transient = backward_transient(prepare(), grads, device)
         block.module.zero_grad(set_to_none=True)
     size = nbytes(env["__output__"]) if block.last else sum(nbytes(env[name]) for name in block.produced)
-    half = None if split is None else weight_half_split(captured, block, env, loss=loss, target=target, split=split,
-                                                        autocast=autocast, device=device)
-    return BlockCost(fwd, bwd, size, saved, fwd_transient, bwd_transient, half)
+    return BlockCost(fwd, bwd, size, saved, fwd_transient, bwd_transient)
 
 
 def forward_transient(run: Callable[..., Any], inputs: list[Any], device: torch.device | str) -> int:
@@ -282,79 +254,6 @@ def saved_split(captured: CapturedModel, block: BlockModule, env: dict[str, Any]
     saves = tuple(name for name, keys in named.items() if keys & set(in_block.sizes))
     del result
     return SavedSplit(inner, saves, loss_bytes)
-
-
-class _Kept:
-    """A saved tensor as the graph holds it: the object dies when the graph releases it."""
-
-    __slots__ = ("__weakref__", "tensor")
-
-    def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor
-
-
-class _Survivors:
-    """The tensors autograd saves inside the context, of which :meth:`alive` the graph still holds."""
-
-    def __init__(self) -> None:
-        self._kept: weakref.WeakSet[_Kept] = weakref.WeakSet()
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda k: k.tensor)
-
-    def _pack(self, t: torch.Tensor) -> _Kept:
-        kept = _Kept(t.detach())        # detached: no cycle through a saved output's grad_fn (_SavedStorages)
-        self._kept.add(kept)
-        return kept
-
-    def alive(self) -> list[torch.Tensor]:
-        return [k.tensor for k in list(self._kept)]
-
-    def __enter__(self) -> _Survivors:
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._hooks.__exit__(*exc)
-
-
-def weight_half_split(captured: CapturedModel, block: BlockModule, env: dict[str, Any], *, loss: LossFn | None,
-                      target: Any, split: SplitBackward, autocast: torch.dtype | None = None,
-                      device: torch.device | str = "cpu") -> SavedSplit | None:
-    """What one forward of ``block`` (with the loss on the last block) on fresh leaves of its recorded
-    inputs still holds after ``split``, the input half of a split backward, has run from its outputs
-    (random gradients; the last block: from the loss): the saved tensors its graph did not release and
-    those the weight half keeps, split as :func:`saved_split` splits them (the loss's among the inner ones).
-    None where the input half kept the whole graph (a block without weight formulas, Llama's RMSNorm):
-    a stage holding it keeps every block's graph, so none of its blocks frees anything."""
-    fixed = {t.untyped_storage().data_ptr() for t in (*block.module.parameters(), *block.module.buffers())}
-    inputs = {name: pytree.tree_map(lambda t: _leaf(t.clone()) if isinstance(t, torch.Tensor) else t, env[name])
-              for name in block.inputs}
-    with torch.enable_grad(), _autocast(device, autocast), _Survivors() as saved:
-        result = block.module(*inputs.values())
-        if block.last:
-            output = captured.rebuild_output(result)
-            roots: list[torch.Tensor] = [loss(output, target) if loss is not None else _own_loss(output)]
-            root_grads: list[torch.Tensor | None] = [None]
-            values: dict[str, Any] = {}
-            outside = storage_keys(output)
-        else:
-            values = {name: v for name, v in zip(block.outputs, result, strict=True) if name in block.produced}
-            roots = [t for v in values.values() for t in tensors(v) if t.requires_grad]
-            root_grads = [torch.ones_like(t) if t.dim() == 0 else torch.randn_like(t) for t in roots]
-            outside = set()
-    leaves = [t for v in inputs.values() for t in tensors(v) if t.requires_grad]
-    work = split(roots, root_grads, leaves, list(block.module.parameters())) if roots else None
-    if work is not None and work.keeps_graph:
-        del work, roots, result
-        block.module.zero_grad(set_to_none=True)
-        return None
-    held = {ptr: size for ptr, size in map(_storage, (*saved.alive(), *(work.held() if work else ())))}
-    named = {**{n: storage_keys(v) for n, v in inputs.items()}, **{n: storage_keys(v) for n, v in values.items()}}
-    boundary = set().union(outside, *named.values())
-    inner = sum(size for ptr, size in held.items() if ptr not in fixed and ptr not in boundary)
-    saves = tuple(name for name, keys in named.items() if keys & set(held))
-    del work, roots, result
-    block.module.zero_grad(set_to_none=True)
-    return SavedSplit(inner, saves)
 
 
 def measure_optimizer(module: torch.nn.Module, kind: str, *, device: torch.device | str, repeats: int,

@@ -29,7 +29,6 @@ from hybridpipe.profiles.graphinfo import graph_edges, node_infos, unused_parame
 from hybridpipe.profiles.losses import as_mean
 from hybridpipe.profiles.measure import (
     BlockModule,
-    SplitBackward,
     Timing,
     block_modules,
     measure_block,
@@ -40,6 +39,7 @@ from hybridpipe.profiles.measure import (
     storage_keys,
     tensors,
 )
+from hybridpipe.profiles.weighthalf import SplitBackward, weight_half_split
 from hybridpipe.profiles.zoo.spec import ModelSpec
 
 AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}    # precision -> autocast dtype
@@ -76,8 +76,9 @@ def profile_model(model: ModelSpec, *, batch_size: int, device: str | torch.devi
     measured under ``torch.autocast`` as a job with ``--precision`` runs (activation bytes in 16 bits
     where autocast computes in them; the weights stay float32). ``split_backward``: the pipeline's
     split backward's input half (``pipeline/splitback.backward_input``; this package imports nothing
-    of the pipeline): with it, each node's ``weight_half_bytes`` / ``weight_half_saves`` are measured
-    (measure.py), what a zero-bubble schedule's stage holds between a micro-batch's input and weight halves.
+    of the pipeline): with it, each node's ``weight_half_bytes`` / ``weight_half_saves`` /
+    ``weight_half_grad_bytes`` are measured (weighthalf.py), what a zero-bubble schedule's stage holds
+    between a micro-batch's input and weight halves.
     """
     if precision not in AUTOCAST:
         raise UserError(f"unknown precision {precision!r}; choose one of {', '.join(AUTOCAST)}")
@@ -101,9 +102,11 @@ def profile_model(model: ModelSpec, *, batch_size: int, device: str | torch.devi
     nodes = []
     for i, (block, info) in enumerate(tqdm(list(zip(blocks, infos, strict=True)), desc=f"profile {model.name}",
                                            unit="node", disable=disable, leave=False)):
-        cost = measure_block(captured, block, env, loss=loss, target=target, autocast=autocast, split=split_backward,
-                             **timing)
-        half = cost.weight_half
+        cost = measure_block(captured, block, env, loss=loss, target=target, autocast=autocast, **timing)
+        half = None if split_backward is None else weight_half_split(
+            captured, block, env, loss=loss, target=target, split=split_backward, autocast=autocast,
+            device=timing["device"])
+        kept = None if half is None else half.kept
         own = [module.get_parameter(p) for p in info.params]
         crossing = [env[name] for name in block.outputs] if not block.last else []
         nodes.append(ProfileNode(
@@ -117,8 +120,9 @@ def profile_model(model: ModelSpec, *, batch_size: int, device: str | torch.devi
             cut_grad_bytes=sum(t.numel() * t.element_size() for v in crossing for t in tensors(v) if t.requires_grad),
             cut_blocker=next((name for name in block.outputs if name in captured.blocked), None),
             forward_transient_bytes=cost.forward_transient, backward_transient_bytes=cost.backward_transient,
-            weight_half_bytes=None if half is None else half.inner_bytes,
-            weight_half_saves=None if half is None else half.saves))
+            weight_half_bytes=None if kept is None else kept.inner_bytes,
+            weight_half_saves=None if kept is None else kept.saves,
+            weight_half_grad_bytes=None if half is None else half.grad_bytes))
     values = boundary_values(captured, blocks, env)
     del env
     flat = captured.flatten_input(batch)

@@ -36,7 +36,8 @@ def peak_by_ops(ops: list[Op], split: bool, stash: float, half: float) -> float:
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1"])
 def test_whole_and_half_micro_batches_match_the_op_order(name):
     """For every micro-batch count and depth, as the engine runs the schedule (warm = depth forwards
-    ahead, defer = depth_all - depth weight halves held back: ``pipeline.schedules.Topology``)."""
+    ahead, defer = depth_all - depth weight halves held back: ``pipeline.schedules.Topology``), a
+    half lighter or heavier than a whole (the recorded gradients: a big vocabulary's logits')."""
     kind = get_schedule(name)
     assert kind.replica_ops is not None
     for k in range(1, 10):
@@ -44,13 +45,18 @@ def test_whole_and_half_micro_batches_match_the_op_order(name):
             for depth_all in range(depth, 8):
                 ops = list(kind.replica_ops(range(k), depth, depth_all - depth))
                 inflight, whole = kind.inflight(k, depth, depth_all), kind.whole(k, depth, depth_all)
-                for half in (0.0, 3.0, 10.0):
+                halves = kind.most_halves(k, depth, depth_all)
+                for half in (0.0, 3.0, 10.0, 15.0, 40.0):
                     expected = peak_by_ops(ops, kind.split_backward, 10.0, half)
-                    assert whole * 10.0 + (inflight - whole) * half == expected, (k, depth, depth_all, half)
+                    assert kind.held_bytes(inflight, whole, halves, 10.0, half) == expected, (k, depth, depth_all, half)
+                    if half <= 10.0:
+                        assert whole * 10.0 + (inflight - whole) * half == expected
                 if not kind.split_backward:
                     assert whole == inflight
                 vec = kind.whole(np.array([k]), np.array([depth]), np.array([depth_all]))
                 assert vec.tolist() == [whole]
+                most = kind.most_halves(np.array([k]), np.array([depth]), np.array([depth_all]))
+                assert np.asarray(most).tolist() == [halves]
 
 
 def _costs(stash: float, half: float) -> ModelCosts:
@@ -70,10 +76,15 @@ def test_memory_bytes_charges_the_weight_half_between_b_and_w():
     zb, one = Options(get_schedule("zb-h1"), 4), Options(get_schedule("1f1b"), 4)
     static = 100.0 * (2 + OPTIMIZER_STATES["sgd"])
     # the last of 2 stages: 1F1B's one forward ahead, one weight half held back
-    assert memory_bytes(costs, 1, 1, 2, zb, whole=1) == static + 1000.0 + 200.0
-    assert memory_bytes(costs, 1, 1, 2, zb) == static + 2 * 1000.0         # whole=None: every one whole
-    assert memory_bytes(costs, 1, 1, 2, zb, recompute=True, whole=1) == static + 2 * 7.0 + 30.0
-    assert memory_bytes(costs, 1, 1, 1, one, whole=1) == static + 1000.0
+    assert memory_bytes(costs, 1, 1, 2, zb, split=(1, 2)) == static + 1000.0 + 200.0
+    assert memory_bytes(costs, 1, 1, 2, zb) == static + 2 * 1000.0         # split=None: every one whole
+    assert memory_bytes(costs, 1, 1, 2, zb, recompute=True, split=(1, 2)) == static + 2 * 7.0 + 30.0
+    assert memory_bytes(costs, 1, 1, 1, one, split=(1, 0)) == static + 1000.0
+    # a half heavier than a whole (the recorded gradients): the peak right after the second B
+    upper = np.triu(np.ones((2, 2)))
+    heavy = dataclasses.replace(costs, half=1500.0 * upper, recorded=800.0 * upper)
+    assert memory_bytes(heavy, 1, 1, 2, zb, split=(1, 2)) == static + 2 * 1500.0
+    assert memory_bytes(heavy, 1, 1, 2, zb, recompute=True, split=(1, 2)) == static + 2 * (7.0 + 800.0) + 30.0
 
 
 def test_evaluate_predicts_half_bytes_for_held_back_weight_halves_only():

@@ -18,8 +18,8 @@ from hybridpipe.partitioner.search.objective import (
     Options,
     inflight_micro_batches,
     memory_bytes,
+    split_micro_batches,
     transient_bytes,
-    whole_micro_batches,
 )
 from hybridpipe.pipeline.splitback import backward_input
 from hybridpipe.profiles.profiler import profile_model
@@ -79,7 +79,7 @@ def measure(family: str, schedule: str, optimizer: str) -> list[StageMemory]:
         # the meter counts what the stage holds, not its kernels' temporaries (objective.transient_bytes),
         # which only an allocator sees: tests/pipeline/test_memory_transient.py
         predicted = (memory_bytes(costs, i, j, inflight_micro_batches(kind, MICRO_BATCHES, p - s, 1, p), opts,
-                                  whole=whole_micro_batches(kind, MICRO_BATCHES, p - s, 1, p))
+                                  split=split_micro_batches(kind, MICRO_BATCHES, p - s, 1, p))
                      - transient_bytes(costs, i, j))
         rows.append(StageMemory(s, f"{costs.names[i]}..{costs.names[j]}",
                                 max(r.peak_memory_bytes for r in results[s]), predicted))

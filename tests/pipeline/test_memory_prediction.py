@@ -22,8 +22,8 @@ from hybridpipe.partitioner.search.objective import (
     Options,
     inflight_micro_batches,
     memory_bytes,
+    split_micro_batches,
     transient_bytes,
-    whole_micro_batches,
 )
 from hybridpipe.pipeline.memory import MemoryMeter
 from hybridpipe.pipeline.splitback import backward_input
@@ -106,9 +106,10 @@ def test_one_micro_batch_leaves_what_the_profile_predicts_and_the_meter_counts(m
 @pytest.mark.parametrize("model", ["mlp", pytest.param("gpt", marks=pytest.mark.slow)])
 def test_the_input_half_leaves_what_the_profile_predicts(model):
     """Per stage, as the engine runs a split backward (zb-h1): after a micro-batch's input half the
-    meter counts what the profile's ``half_bytes`` predicts (its weight-half bytes): less than its
-    stash where the input half frees the graph, the stash on the first stage (whose input half
-    computes nothing)."""
+    meter counts what the profile's ``half_bytes`` predicts: what the weight half reads (less than
+    its stash where the input half frees the graph; the stash on the first stage, whose input half
+    computes nothing) and the gradients the input half recorded for it (``recorded_bytes``: the
+    first stage's, its outputs')."""
     costs = _costs(model)
     spec = resolve_model(model)
     captured = capture(spec, BATCH[model])
@@ -129,13 +130,18 @@ def test_the_input_half_leaves_what_the_profile_predicts(model):
         meter.hold(0, act.inputs, act.outputs, act.output, act.loss)
         grads = None if stage.is_last else {k: torch.randn_like(v) for k, v in act.outputs.items()}
         _, work = stage.backward_input(act, grads)
-        meter.hold(0, work.held())
         i, j = ranges[s]
-        assert meter.held == pytest.approx(costs.half_bytes(i, j), rel=0.01, abs=256), (s, costs.stash_bytes(i, j))
+        half, recorded = costs.half_bytes(i, j), costs.recorded_bytes(i, j)
+        meter.hold(0, work.held())
+        assert meter.held == pytest.approx(half - recorded, rel=0.01, abs=256), (s, costs.stash_bytes(i, j))
+        meter.hold(0, work.recorded())
+        assert meter.held == pytest.approx(half, rel=0.01, abs=256), (s, recorded)
+        assert recorded > 0
         if s > 0:
-            assert costs.half_bytes(i, j) < costs.stash_bytes(i, j)     # the loss's at least (mlp); gpt: -44%
+            assert half - recorded < costs.stash_bytes(i, j)     # the loss's at least (mlp); gpt: -44%
         else:
-            assert costs.half_bytes(i, j) == costs.stash_bytes(i, j)
+            assert half - recorded == costs.stash_bytes(i, j)
+            assert recorded == costs.cut_grad_bytes[j]          # its outputs' gradients
 
 
 def _measured_vs_predicted(model: str, schedule: str, recompute: bool, micro_batches: int = 4):
@@ -150,9 +156,9 @@ def _measured_vs_predicted(model: str, schedule: str, recompute: bool, micro_bat
     rows = []
     for s, (i, j) in enumerate(ranges):
         inflight = inflight_micro_batches(get_schedule(schedule), micro_batches, 2 - s, 1, 2)
-        whole = whole_micro_batches(get_schedule(schedule), micro_batches, 2 - s, 1, 2)
+        split = split_micro_batches(get_schedule(schedule), micro_batches, 2 - s, 1, 2)
         # the meter counts held tensors, not kernels' temporaries: tests/pipeline/test_memory_transient.py
-        predicted = (memory_bytes(costs, i, j, inflight, opts, recompute=recompute, whole=whole)
+        predicted = (memory_bytes(costs, i, j, inflight, opts, recompute=recompute, split=split)
                      - transient_bytes(costs, i, j))
         static = float(costs.param_bytes[i:j + 1].sum()) * (2 + OPTIMIZER_STATES["sgd"])
         rows.append((max(r.peak_memory_bytes for r in results[s]), predicted, static))

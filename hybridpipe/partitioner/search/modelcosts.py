@@ -25,6 +25,10 @@ nodes save only what the input half did not free (the profile's ``weight_half_by
 freed. A stage whose inputs need no gradient (the first) computes nothing in its input half, and one
 holding a node without those fields (not measured, or its input half keeps the whole graph: no weight
 formula for it, so the stage's input half keeps every node's) frees nothing: it holds its stash.
+On top of either it holds the gradients its input half recorded for the weight half (the profile's
+``weight_half_grad_bytes``, summed over its nodes: each intermediate's incoming gradient, the logits'
+at an LM head); a stage whose inputs need no gradient records its outputs' (``cut_grad_bytes``). A
+profile without that field (older) gets no table: every stage holds its stash until the weight half.
 
 Transient bytes of a stage i..j (``transient_bytes``, the table ``transient_table``): what it needs for a
 moment beyond the activations it holds. Node n's forward or backward allocates ``t[n]`` for a moment
@@ -79,6 +83,8 @@ class ModelCosts:
     transient: np.ndarray | None = None
     # [i, j]: what stage i..j holds per micro-batch between its input and weight halves (None: the stash)
     half: np.ndarray | None = None
+    # [i, j]: of ``half``, the gradients its input half records for the weight half (None: not measured)
+    recorded: np.ndarray | None = None
 
     @property
     def cut_ok(self) -> np.ndarray:
@@ -120,6 +126,15 @@ class ModelCosts:
     def half_table(self) -> np.ndarray:
         """``half_bytes`` as an n x n table, [i, j] for stage i..j (upper triangle)."""
         return self.half if self.half is not None else self.stash_table()[0]
+
+    def recorded_bytes(self, i: int, j: int) -> float:
+        """Of :meth:`half_bytes`, the gradients stage i..j's input half records (0: not measured)."""
+        return float(self.recorded[i, j]) if self.recorded is not None else 0.0
+
+    def recorded_table(self) -> np.ndarray:
+        """[i, j]: of ``half_bytes``, the gradients stage i..j's input half records for its weight half
+        (0 where not measured: the stash stands for all of it)."""
+        return self.recorded if self.recorded is not None else np.zeros((self.n, self.n))
 
     def weight_bytes(self, i: int, j: int) -> float:
         """Parameter bytes stage i..j holds: its nodes' own and its copies of tied ones (module docstring)."""
@@ -204,7 +219,7 @@ def model_costs(profile: Profile) -> ModelCosts:
         cut, cut_grad = _edge_cuts(profile)
     saved = np.array([nd.saved_bytes for nd in profile.nodes], dtype=float)
     tables = stash_tables(profile, saved) if profile.values else (None, None, None)
-    half = half_table(profile, tables[0], cut_grad) if tables[0] is not None else None
+    half, recorded = half_table(profile, tables[0], cut_grad) if tables[0] is not None else (None, None)
     transient = np.array([max(nd.forward_transient_bytes, nd.backward_transient_bytes) for nd in profile.nodes],
                          dtype=float)
     return ModelCosts(
@@ -221,7 +236,7 @@ def model_costs(profile: Profile) -> ModelCosts:
         saved_bytes=saved if saved.any() else None,
         cut_blockers=tuple(nd.cut_blocker or "" for nd in profile.nodes),
         stash=tables[0], kept=tables[1], rerun=tables[2], tied=tied_reads(profile),
-        transient=transient if transient.any() else None, half=half,
+        transient=transient if transient.any() else None, half=half, recorded=recorded,
     )
 
 
@@ -247,25 +262,31 @@ def stash_tables(profile: Profile, saved: np.ndarray) -> tuple[np.ndarray, np.nd
     return _tables(profile, saved, [node.saves for node in profile.nodes], float(profile.loss_saved_bytes))
 
 
-def half_table(profile: Profile, stash: np.ndarray, cut_grad: np.ndarray) -> np.ndarray | None:
+def half_table(profile: Profile, stash: np.ndarray, cut_grad: np.ndarray
+               ) -> tuple[np.ndarray, np.ndarray] | tuple[None, None]:
     """[i, j]: what stage i..j holds per micro-batch between its input and weight halves (module
-    docstring), from the nodes' ``weight_half_bytes`` / ``weight_half_saves`` and the values as
-    :func:`stash_tables` counts them (the loss's freed); None where no node has them."""
+    docstring), from the nodes' ``weight_half_bytes`` / ``weight_half_saves`` / ``weight_half_grad_bytes``
+    and the values as :func:`stash_tables` counts them (the loss's freed), and of it the recorded
+    gradients; None where a node lacks their bytes (a profile made before they were measured, or
+    without the split)."""
     nodes = profile.nodes
+    if not profile.values or any(nd.weight_half_grad_bytes is None for nd in nodes):
+        return None, None
     unknown = np.array([nd.weight_half_bytes is None or nd.weight_half_saves is None for nd in nodes])
-    if not profile.values or unknown.all():
-        return None
     inner = np.array([nd.saved_bytes if u else nd.weight_half_bytes for nd, u in zip(nodes, unknown, strict=True)],
                      dtype=float)
     saves = [nd.saves if u else nd.weight_half_saves or () for nd, u in zip(nodes, unknown, strict=True)]
-    half = _tables(profile, inner, saves, 0.0)[0]
+    kept = _tables(profile, inner, saves, 0.0)[0]
     # no input needs a gradient: the input half computes nothing, the weight half the whole backward;
     # a node without the fields: the stage's input half keeps the graph
     idle = np.concatenate([[True], cut_grad[:-1] == 0])
     p = np.concatenate([[0], np.cumsum(unknown)])
     keeps = (p[None, 1:] - p[:-1, None]) > 0            # [i, j]: a node of i..j lacks them
-    half = np.where(idle[:, None] | keeps, stash, half)
-    return np.minimum(half, stash)      # what stays of what was held
+    kept = np.where(idle[:, None] | keeps, stash, np.minimum(kept, stash))     # what stays of what was held
+    g = np.concatenate([[0.0], np.cumsum([float(nd.weight_half_grad_bytes or 0) for nd in nodes])])
+    recorded = np.where(idle[:, None], cut_grad[None, :], g[None, 1:] - g[:-1, None])
+    recorded = np.triu(recorded)
+    return np.triu(kept) + recorded, recorded
 
 
 def _tables(profile: Profile, saved: np.ndarray, saves: Sequence[Sequence[str]], loss_saved: float

@@ -145,7 +145,8 @@ def worker_bytes(costs: ModelCosts, specs: Sequence[StageSpec], mine: Sequence[i
 
     def total(rc: bool) -> float:
         per_mb = [costs.kept_bytes(i, j) if rc else costs.stash_bytes(i, j) for i, j in ranges]
-        per_half = per_mb if rc else [costs.half_bytes(i, j) for i, j in ranges]     # between B and W
+        per_half = ([k + costs.recorded_bytes(i, j) for k, (i, j) in zip(per_mb, ranges, strict=True)] if rc
+                    else [costs.half_bytes(i, j) for i, j in ranges])     # between B and W
         rerun = max(costs.rerun_bytes(i, j) for i, j in ranges) if rc else 0.0
         return static + kind.held_peak(place, virtual, per_mb, per_half) + rerun + max(transient)
     rc = opts.recompute == "all" or (opts.recompute == "auto" and total(False) > opts.memory_bytes)
