@@ -13,7 +13,8 @@ Pure parts (no processes):
   built from it), ``stage.py`` (a node range cut out of the captured graph, ``profiles/cut.py``),
   ``values.py`` (what crosses a boundary), ``chunks.py`` (a rank's model chunks as one module),
   ``splitback.py`` (a backward split in input and weight gradients; ``weightgrads.py``, the weight
-  half's formulas for matrix products and layer norms), ``stash.py`` (pipedream's
+  half's formulas for matrix products and layer norms; ``splitplan.py``, its cut kept across
+  micro-batches), ``stash.py`` (pipedream's
   weight versions), ``tied.py`` (tied weights' copies summed), ``buffer_writes.py`` (which buffers
   a forward changes), ``batch_stats.py`` (running statistics that replicas combine exactly and
   recomputation does not count twice), ``tokens.py`` (the token-weighted loss's bookkeeping);

@@ -27,6 +27,9 @@ parameters' post-accumulate-grad hooks fire as in a plain backward, once per par
 parameter reached through several intermediates gets their sum in one pass; only a parameter of a
 group without formulas that also reaches an output not depending on the inputs is accumulated in
 two passes): the replicas' per-layer gradient sync (comm/hybrid_dp) starts from them as usual.
+
+Where the cut lies is found once per graph structure and kept across a stage's micro-batches
+(``splitplan.py``); each micro-batch still takes its formulas' saved tensors from its own nodes.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
+from hybridpipe.pipeline.splitplan import Plan, SplitPlans, walk
 from hybridpipe.pipeline.weightgrads import NodeWeightGrad, take
 
 
@@ -60,6 +64,7 @@ class WeightWork:
     root_grads: list[torch.Tensor] = field(default_factory=list)
     params: list[nn.Parameter] = field(default_factory=list)       # what the one pass accumulates into
     one_pass: bool = False          # every group in one autograd pass (a recomputing stage; module docstring)
+    views: dict[Node, GradientEdge] = field(default_factory=dict)    # edges through parameters' views (edges())
 
     def held(self) -> list[torch.Tensor]:
         """The saved tensors kept for the formulas (the memory meter counts them until the weight half)."""
@@ -82,37 +87,33 @@ class WeightWork:
 
 def backward_input(outputs: Sequence[torch.Tensor], output_grads: Sequence[torch.Tensor | None],
                    inputs: Sequence[torch.Tensor], params: Sequence[nn.Parameter], *,
-                   one_pass: bool = False) -> WeightWork:
+                   one_pass: bool = False, plans: SplitPlans | None = None) -> WeightWork:
     """Accumulate the gradients of ``inputs`` (leaves) from ``outputs`` (with ``output_grads``;
     None = ones for a scalar loss); return what :func:`backward_weight` needs for ``params``
-    (``one_pass``: in a single autograd pass, for a stage that recomputes its forward)."""
-    # imported here: torch.distributed.pipelining imports torch._dynamo (seconds of a worker's start)
-    from torch.distributed.pipelining._backward import construct_reverse_graph, reverse_closure
-
+    (``one_pass``: in a single autograd pass, for a stage that recomputes its forward; ``plans``:
+    the cut plans kept across the stage's micro-batches, ``splitplan.py``)."""
     params = [p for p in params if p.requires_grad]
     wanted = [t for t in inputs if t.requires_grad]
-    work = WeightWork(one_pass=one_pass)
+    work = WeightWork(one_pass=one_pass, views=plans.views if plans is not None else {})
     if not outputs:
         return work
-    reverse = construct_reverse_graph(_nodes(outputs))
-    closure = reverse_closure(_nodes(wanted), set(), reverse)[0] if wanted else set()
-    groups = _groups(params, closure, reverse, reverse_closure)
-    grouped = {id(p) for group in groups for p in group.params}
-    for out, g in zip(outputs, output_grads, strict=True):
-        edge = get_gradient_edge(out)
-        if edge.node not in closure:
-            work.roots.append(edge)
-            work.root_grads.append(torch.ones_like(out) if g is None else g)
-    work.params = [p for p in params if id(p) not in grouped]
+    edges = [get_gradient_edge(out) for out in outputs]
+    graph = walk([e.node for e in edges], _nodes(wanted), params, one_pass)
+    plan = plans.get(graph.key) if plans is not None else None
+    if plan is None or not _apply(plan, graph.nodes, work, params):
+        if plan is not None and plans is not None:
+            plans.forget(graph.key)
+        plan = _plan(edges, wanted, params, one_pass, graph.index)
+        work = WeightWork(one_pass=one_pass, views=work.views)
+        assert _apply(plan, graph.nodes, work, params)      # its formulas were just taken from these nodes
+        if plans is not None:
+            plans.put(graph.key, plan)
+    for k in plan.roots:
+        work.roots.append(edges[k])
+        g = output_grads[k]
+        work.root_grads.append(torch.ones_like(outputs[k]) if g is None else g)
     if not wanted:
         return work
-    for group in groups:
-        direct = None if one_pass else _direct(group, closure)
-        if direct is None:
-            work.groups.append(group)
-        else:
-            work.direct.extend(direct)
-            work.params.extend(group.params)
     handles = [d.node.register_prehook(lambda grads, d=d: _record(d, grads)) for d in work.direct]
     for group in work.groups:
         for i, node in enumerate(group.intermediates):
@@ -129,6 +130,44 @@ def backward_input(outputs: Sequence[torch.Tensor], output_grads: Sequence[torch
         if g is not None:
             t.grad = g if t.grad is None else t.grad + g
     return work
+
+
+def _plan(edges: list[GradientEdge], wanted: list[torch.Tensor], params: list[nn.Parameter], one_pass: bool,
+          index: dict[Node, int]) -> Plan:
+    """The cut of this graph, found afresh (torch's reverse-graph walk), by position."""
+    # imported here: torch.distributed.pipelining imports torch._dynamo (seconds of a worker's start)
+    from torch.distributed.pipelining._backward import construct_reverse_graph, reverse_closure
+
+    reverse = construct_reverse_graph([e.node for e in edges])
+    closure = reverse_closure(_nodes(wanted), set(), reverse)[0] if wanted else set()
+    groups = _groups(params, closure, reverse, reverse_closure) if wanted else []
+    position = {id(p): k for k, p in enumerate(params)}
+    grouped = {id(p) for group in groups for p in group.params}
+    direct, direct_params, kept = [], [], []
+    for group in groups:
+        sides = None if one_pass else _sides(group, closure)
+        if sides is None:
+            kept.append((tuple(position[id(p)] for p in group.params), tuple(index[n] for n in group.intermediates)))
+        else:
+            direct += sides
+            direct_params += [position[id(p)] for p in group.params]
+    return Plan(roots=tuple(k for k, e in enumerate(edges) if e.node not in closure),
+                free=tuple(k for k, p in enumerate(params) if id(p) not in grouped),
+                direct=tuple((index[n], side) for n, side in direct), direct_params=tuple(direct_params),
+                groups=tuple(kept))
+
+
+def _apply(plan: Plan, nodes: list[Node], work: WeightWork, params: list[nn.Parameter]) -> bool:
+    """Fill ``work``'s formulas, groups and parameters from ``plan`` on this graph's ``nodes``;
+    False where a planned formula does not apply to the node's saved tensors (a fresh plan then)."""
+    for i, side in plan.direct:
+        d = take(nodes[i], side)
+        if d is None:
+            return False
+        work.direct.append(d)
+    work.params = [params[k] for k in plan.free] + [params[k] for k in plan.direct_params]
+    work.groups = [_Group([params[k] for k in ps], [nodes[i] for i in ns], [None] * len(ns)) for ps, ns in plan.groups]
+    return True
 
 
 def _record(d: NodeWeightGrad, grads: tuple[torch.Tensor | None, ...]) -> None:
@@ -169,15 +208,15 @@ def _groups(params: list[nn.Parameter], closure: set[Node], reverse, reverse_clo
     return list(by_root.values())
 
 
-def _direct(group: _Group, closure: set[Node]) -> list[NodeWeightGrad] | None:
-    """Formulas for every intermediate of ``group`` (their next edges outside the input path), or None."""
+def _sides(group: _Group, closure: set[Node]) -> list[tuple[Node, tuple[int, ...]]] | None:
+    """Each intermediate of ``group`` with its next edges outside the input path, or None where one
+    has no formula (``weightgrads.take``)."""
     out = []
     for node in group.intermediates:
-        side = [i for i, (fn, _) in enumerate(node.next_functions) if fn is not None and fn not in closure]
-        d = take(node, side)
-        if d is None:
+        side = tuple(i for i, (fn, _) in enumerate(node.next_functions) if fn is not None and fn not in closure)
+        if take(node, side) is None:
             return None
-        out.append(d)
+        out.append((node, side))
     return out
 
 
@@ -200,7 +239,7 @@ def backward_weight(work: WeightWork) -> None:
     edges: list[GradientEdge] = list(work.roots)
     grads: list[torch.Tensor] = list(work.root_grads)
     for d in work.direct:
-        d_edges, d_grads = d.edges()
+        d_edges, d_grads = d.edges(work.views)
         edges += d_edges
         grads += d_grads
     # an input-independent output may also reach a parameter of a group below (accumulated in both passes)
@@ -222,7 +261,7 @@ def backward_weight(work: WeightWork) -> None:
     try:
         for pass_edges, pass_grads, params in passes:
             if pass_edges:      # a group's pass may run nodes another's runs again: the graph stays till the end
-                torch.autograd.backward(pass_edges, pass_grads, inputs=params, retain_graph=bool(work.groups))
+                _accumulate(pass_edges, pass_grads, params, retain_graph=bool(work.groups))
     finally:
         for h in handles:
             h.remove()
@@ -230,3 +269,17 @@ def backward_weight(work: WeightWork) -> None:
     work.groups.clear()
     work.roots.clear()
     work.root_grads.clear()
+
+
+def _accumulate(edges: list[GradientEdge], grads: list[torch.Tensor], params: list[nn.Parameter],
+                retain_graph: bool) -> None:
+    """``torch.autograd.backward(edges, grads, inputs=params)`` without its Python checks of each
+    gradient's shape and dtype (``_make_grads``, 1-2 ms per micro-batch on a GPT-2 stage): every
+    gradient here is already shaped and cast to its edge's metadata (``weightgrads.py``)."""
+    if not params:          # torch.autograd.backward's own error for an empty ``inputs``
+        torch.autograd.backward(edges, grads, inputs=params, retain_graph=retain_graph)
+        return
+    from torch.autograd.graph import _engine_run_backward
+
+    _engine_run_backward(tuple(edges), tuple(grads), retain_graph, False, tuple(params),
+                         allow_unreachable=True, accumulate_grad=True)

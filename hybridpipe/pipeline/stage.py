@@ -32,6 +32,7 @@ from hybridpipe.errors import UserError
 from hybridpipe.pipeline.batch_stats import COMBINE, DIRECT, RunningStats, install
 from hybridpipe.pipeline.buffer_writes import buffer_writes, check_stage_writes
 from hybridpipe.pipeline.splitback import WeightWork, backward_input, backward_weight
+from hybridpipe.pipeline.splitplan import SplitPlans
 from hybridpipe.pipeline.values import pack, unpack
 from hybridpipe.profiles.capture import CapturedModel, own_loss
 from hybridpipe.profiles.cut import StageBoundary, stage_boundaries, stage_graph_module
@@ -96,6 +97,7 @@ class PipelineStage:
             self.stats = install(module, writes, COMBINE if replicas > 1 else DIRECT)
         self.module = module
         self._first_param: nn.Parameter | None = None     # where `device` looks (found once)
+        self.split_plans = SplitPlans()          # the split backward's cut, kept across micro-batches
 
     # ---- identity ----------------------------------------------------------------------
     @property
@@ -249,7 +251,7 @@ class PipelineStage:
         them), and what :meth:`backward_weight` needs to accumulate the parameters' grads later."""
         tensors, grads = self._roots(act, output_grads)
         work = backward_input(tensors, grads, list(act.inputs.values()), list(self.module.parameters()),
-                              one_pass=self.recompute)
+                              one_pass=self.recompute, plans=self.split_plans)
         out = {k: t.grad for k, t in act.inputs.items() if t.requires_grad and t.grad is not None}
         for t in act.inputs.values():       # ``act`` waits for the weight half: not its inputs' gradients too
             t.grad = None

@@ -40,8 +40,11 @@ class NodeWeightGrad:
     held: tuple[torch.Tensor, ...]            # the saved tensors the formula reads (for the memory meter)
     grad: torch.Tensor | None = None          # the gradient the node received in the input half
 
-    def edges(self) -> tuple[list[GradientEdge], list[torch.Tensor]]:
-        """The parameter-side edges and their gradients (none when the node got no gradient)."""
+    def edges(self, views: dict[Node, GradientEdge] | None = None) -> tuple[list[GradientEdge], list[torch.Tensor]]:
+        """The parameter-side edges and their gradients (none when the node got no gradient);
+        ``views``: the edges through a view of each parameter, by its gradient accumulator, made
+        once and kept (a view's node saves no tensor: it serves every micro-batch; None: made here)."""
+        views = {} if views is None else views
         if self.grad is None:
             return [], []
         edges, grads = [], []
@@ -58,9 +61,12 @@ class NodeWeightGrad:
             if fn.name() == "torch::autograd::AccumulateGrad" and not _shares(g, self.grad):
                 # through a view of the parameter: autograd hands a gradient it made alone to the
                 # parameter (as a plain backward's AccumulateGrad takes its own), not a copy of a root's
-                param: torch.Tensor = fn.variable          # type: ignore[attr-defined]
-                with torch.enable_grad():
-                    edges.append(get_gradient_edge(param.view_as(param)))
+                edge = views.get(fn)
+                if edge is None:
+                    param: torch.Tensor = fn.variable          # type: ignore[attr-defined]
+                    with torch.enable_grad():
+                        edge = views[fn] = get_gradient_edge(param.view_as(param))
+                edges.append(edge)
             else:
                 edges.append(GradientEdge(fn, nr))
             grads.append(g)

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from hybridpipe.pipeline import splitback
+from hybridpipe.pipeline.splitplan import SplitPlans
 
 
 class _GPT2Blocks(nn.Module):
@@ -34,23 +35,28 @@ class _GPT2Blocks(nn.Module):
 
 
 def _compare(split: nn.Module, run, micro_batches: int = 2, one_pass: bool = False,
-             tol: float = 0.0, module=lambda m: m) -> list[int]:
+             tol: float = 0.0, module=lambda m: m, plans: SplitPlans | None = None) -> list[int]:
     """``run(model, seed) -> (outputs, output_grads, inputs)``: the split backward on ``split``
     and a plain one on its deep copy, ``micro_batches`` times accumulated; the gradients must
     agree and every parameter's post-accumulate hook fire once per micro-batch (``module``: the
-    module holding the parameters). Returns each micro-batch's groups left to autograd."""
+    module holding the parameters; ``plans``: the cut plans kept across micro-batches). Returns
+    each micro-batch's groups left to autograd."""
     plain = copy.deepcopy(split)
     split_model, plain_model = module(split), module(plain)
     fired: dict[str, int] = {}
-    for name, p in split_model.named_parameters():
-        p.register_post_accumulate_grad_hook(lambda _p, name=name: fired.__setitem__(name, fired.get(name, 0) + 1))
+    plain_fired: dict[str, int] = {}
+    for counts, m in ((fired, split_model), (plain_fired, plain_model)):
+        for name, p in m.named_parameters():
+            p.register_post_accumulate_grad_hook(lambda _p, n=name, c=counts: c.__setitem__(n, c.get(n, 0) + 1))
     works = []
     for mb in range(micro_batches):
         outs, grads, ins = run(plain, mb)
+        plain_before = dict(plain_fired)
         torch.autograd.backward(outs, grads)
         want_in = [t.grad for t in ins]
         outs, grads, ins = run(split, mb)
-        work = splitback.backward_input(outs, grads, ins, list(split_model.parameters()), one_pass=one_pass)
+        work = splitback.backward_input(outs, grads, ins, list(split_model.parameters()), one_pass=one_pass,
+                                        plans=plans)
         assert all(p.grad is None for p in split_model.parameters()) if mb == 0 else True
         for t, w in zip(ins, want_in, strict=True):
             assert (t.grad is None) == (w is None)
@@ -59,8 +65,11 @@ def _compare(split: nn.Module, run, micro_batches: int = 2, one_pass: bool = Fal
         before = dict(fired)
         works.append(len(work.groups))
         splitback.backward_weight(work)
-        used = {n for n, p in plain_model.named_parameters() if p.grad is not None}
-        assert {n: fired.get(n, 0) - before.get(n, 0) for n in used} == dict.fromkeys(used, 1)
+        # once per parameter the micro-batch reaches, as the plain backward's hooks fire
+        want = {n: plain_fired[n] - plain_before.get(n, 0) for n in plain_fired}
+        assert set(want.values()) <= {0, 1}
+        assert {n: fired.get(n, 0) - before.get(n, 0) for n in want} == want
+    assert set(fired) <= set(plain_fired)
     for (name, p), q in zip(split_model.named_parameters(), plain_model.parameters(), strict=True):
         assert (p.grad is None) == (q.grad is None), name
         if q.grad is not None:
@@ -77,8 +86,11 @@ def test_gpt2_block_stage_equals_a_plain_backward_through_the_formulas():
         out = module(x)
         return [out], [torch.randn(out.shape, generator=torch.Generator().manual_seed(10 + mb))], [x]
     # every intermediate of the decoder blocks (Conv1D's addmm, layer norm) has a formula: the
-    # weight half is one autograd pass and the input half keeps no graph
-    assert _compare(model, run) == [0, 0]
+    # weight half is one autograd pass and the input half keeps no graph; the cut is found once and
+    # kept: the second micro-batch reuses it, equal bit for bit
+    plans = SplitPlans()
+    assert _compare(model, run, plans=plans) == [0, 0]
+    assert (plans.misses, plans.hits) == (1, 1)
 
 
 class _Tied(nn.Module):
@@ -110,7 +122,9 @@ def test_a_shared_weight_used_twice_and_a_stage_without_input_grads(stage0):
         outs = module(x)
         g = torch.Generator().manual_seed(10 + mb)
         return outs, [torch.randn(o.shape, generator=g) for o in outs], [x]
-    works = _compare(model, run)
+    plans = SplitPlans()
+    works = _compare(model, run, plans=plans)
+    assert (plans.misses, plans.hits) == (1, 1)
     if not stage0:
         # the element-wise products have no formula: `scale`'s group and `w`'s (merged from its two
     # uses) keep the graph; the Linear used twice and the layer norm need none
@@ -170,3 +184,35 @@ def test_a_convolution_stage_equals_a_plain_backward():
         return [out], [torch.randn(out.shape, generator=torch.Generator().manual_seed(10 + mb))], [x]
     # the convolutions have no formula (their weight's layout would be read): they keep the graph
     assert _compare(model, run) == [2, 2]
+
+
+def test_a_changed_graph_gets_a_fresh_plan_not_a_stale_one():
+    """Plans are kept by the graph's structure: a micro-batch whose graph differs (another path
+    with as many outputs, an input that needs no gradient, the parameters in another order) gets
+    its own plan, and every way stays equal to a plain backward."""
+    torch.manual_seed(0)
+    model = _Tied()
+    plans = SplitPlans()
+    ways = [(False, False), (True, False), (False, True), (False, False)]   # (skip the Linear, stage 0)
+
+    def run(module, mb):
+        skip, stage0 = ways[mb]
+        x = torch.randn(5, 6, generator=torch.Generator().manual_seed(mb)).requires_grad_(not stage0)
+        outs = ([torch.addmm(module.b, x, module.w) * module.scale + module.pos, torch.relu(module.pos) * 2]
+                if skip else module(x))
+        g = torch.Generator().manual_seed(10 + mb)
+        return outs, [torch.randn(o.shape, generator=g) for o in outs], [x]
+    _compare(model, run, micro_batches=len(ways), plans=plans)
+    assert (plans.misses, plans.hits) == (3, 1)
+    # the same structure with the parameters listed in another order: another key, a fresh plan
+    x = torch.randn(5, 6, requires_grad=True)
+    outs = model(x)
+    params = list(model.parameters())[::-1]
+    grads = [torch.ones_like(o) for o in outs]
+    want = torch.autograd.grad(outs, params, grads, retain_graph=True)
+    for p in params:
+        p.grad = None
+    splitback.backward_weight(splitback.backward_input(outs, grads, [x], params, plans=plans))
+    assert (plans.misses, plans.hits) == (4, 1)
+    for p, w in zip(params, want, strict=True):
+        torch.testing.assert_close(p.grad, w, rtol=0, atol=0)
