@@ -93,7 +93,7 @@ def test_dp_equals_brute_force_with_transient_bytes(layers, skip, cluster, opts,
     check_against_brute_force(layers, skip, cluster, opts, transients=transients)
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(LAYER, min_size=1, max_size=5), st.booleans(), clusters(6),
        OPTIONS.map(lambda o: dataclasses.replace(o, schedule=get_schedule("zb-h1"))),
        st.sampled_from([0.0, 0.3, 1.0, 1.6]))
@@ -102,7 +102,7 @@ def test_dp_equals_brute_force_with_transient_bytes(layers, skip, cluster, opts,
 def test_dp_equals_brute_force_with_weight_halves(layers, skip, cluster, opts, half):
     """zb-h1 stages holding part of their stash between B and W (ModelCosts.half), or more (1.6: the
     recorded gradients of a big vocabulary's logits): the DP's vectorised memory bound is the
-    objective's (15 cases)."""
+    objective's (10 cases)."""
     check_against_brute_force(layers, skip, cluster, opts, half=half)
 
 

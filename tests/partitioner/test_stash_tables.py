@@ -133,7 +133,7 @@ def half_brute_force(prof: Profile, i: int, j: int) -> float:
     return min(stash, inner + sum(size[a] for a in held) + last) + recorded, recorded
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(measured_profiles())
 def test_half_table_equals_the_brute_force(prof):
     costs = model_costs(prof)

@@ -171,6 +171,7 @@ def test_optimizer_steps_are_timed_and_leave_the_parameters_as_they_were():
     assert p.totals.sgd_step_ms > 0 and p.totals.adam_step_ms > 0
 
 
+@pytest.mark.slow      # tests/SUITE.md: profiles a gpt and a resnet-small with the split
 def test_with_the_split_backward_each_node_records_what_it_holds_until_its_weight_half():
     """embed: its input needs no gradient, its input half frees nothing; a transformer block: less than
     it saved (the matrix products' inputs stay for the weight half); a convolution (no weight formula):
