@@ -89,6 +89,8 @@ def describe(refined: Refined, profile: Profile, cluster: Cluster, calibrations:
             f"{profile.nodes[i].name} {r:.2f}x" for r, i in odd if abs(r - 1) > 0.05))
     for nbytes, factor in ref.allreduce_slowdown:
         out.append(f"  all-reduce of ~{human_bytes(nbytes)}: {factor:.2f}x the model")
+    for ranks, points in ref.allreduce_slowdown_groups:
+        out.append(f"  over {ranks} ranks: " + ", ".join(f"~{human_bytes(b)} {f:.2f}x" for b, f in points))
     extra = dict(ref.p2p_extra_alpha_s)
     for level, factor in ref.p2p_factor:
         more = f", plus {extra[level] * 1e3:.2f} ms per message handed over" if extra.get(level) else ""

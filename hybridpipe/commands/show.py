@@ -168,6 +168,8 @@ def render_calibration(cal: Calibration) -> str:
         learnt.append(f"refined from {len(cal.refined_from)} run(s): compute {cal.compute_slowdown:.2f}x the "
                       f"profile, {cal.step_overhead_ms:.1f} ms per step beyond the model")
         learnt += [f"  all-reduce of ~{human_bytes(b)}: {f:.2f}x the model" for b, f in cal.allreduce_slowdown]
+        learnt += [f"  over {g} ranks: " + ", ".join(f"~{human_bytes(b)} {f:.2f}x" for b, f in pts)
+                   for g, pts in cal.allreduce_slowdown_groups]
     return "\n".join(head + ["", table(["algorithm", "alpha us", "Gbit/s (1/beta)", "fit error"], rows)]
                      + learnt + [f"note: {x}" for x in cal.notes])
 

@@ -1,6 +1,6 @@
 """Synthetic runs for the refinement tests: the timelines and summary a run of given stages would
 write if its nodes computed ``node_factor`` times the profile, its all-reduces took
-``allreduce_factor(bytes)`` times the model and its p2p transfers ``p2p_factor`` times.
+``allreduce_factor(bytes) * group_factor(replicas)`` times the model and its p2p transfers ``p2p_factor`` times.
 
 The truth is built from the cost model's own parts (the lane of layersync.py for the sync wait),
 so recovering the factors checks the inversion in refine/refinement.py, not the model."""
@@ -32,7 +32,8 @@ def synthetic_run(profile: Profile, cluster: Cluster, stages: Sequence[StageSpec
                   optimizer_factor: float = 1.0, tied_factor: float = 1.0, drain_ms: float = 0.0,
                   sender_ratio: float | None = None, first_step_factor: float = 1.0,
                   warmup_steps: int = 1, interference_s_per_byte: float = 0.0,
-                  write_to: Path | None = None) -> RunObservation:
+                  write_to: Path | None = None, group_factor: Callable[[int], float] = lambda g: 1.0
+                  ) -> RunObservation:
     """The observation of a synthetic run (see the module docstring); 1f1b, one sync per step.
 
     Each stage's ``step`` phase is ``optimizer_factor`` times the model's optimizer step for its
@@ -58,7 +59,7 @@ def synthetic_run(profile: Profile, cluster: Cluster, stages: Sequence[StageSpec
         bwd = [nodes[i].backward_ms * node_factor(i) for i in ids]
         sync = [0.0 if nodes[i].param_bytes == 0 or len(st.ranks) < 2 else
                 model.fastest_allreduce(nodes[i].param_bytes, st.ranks)[1] * 1e3
-                * allreduce_factor(nodes[i].param_bytes) for i in ids]
+                * allreduce_factor(nodes[i].param_bytes) * group_factor(len(st.ranks)) for i in ids]
         k_mb = micro_batches // len(st.ranks)
         a_in, g_out = costs.input_bytes(st.first)
         a_out, g_in = costs.output_bytes(st.last) if k < len(stages) - 1 else (0.0, 0.0)

@@ -27,6 +27,9 @@ cluster (``partitioner/refine/refinement.py``); a calibration without it is stil
 * ``tied_slowdown``: the tied weights' sums across stages (one float32 all-reduce each, at the
   step's end) took this many times their price (1 if unmeasured).
 * ``refined_from``: the run directories the corrections were learnt from.
+* ``allreduce_slowdown_groups``: ``{"g": [[bytes, factor], ...]}``, the same per group size of ``g`` ranks
+  where the runs had replicated stages of several sizes (``cost/groupfactor.py``); where present the model
+  prices by it instead of ``allreduce_slowdown`` (which then holds the pooled classes, for older readers).
 
 Format 3 adds ``group_fits``: ``{"N": {algorithm: fit}}``, every algorithm fitted again on the
 calibration group's first N ranks (``bench-allreduce --group-sizes``), for each N measured other than
@@ -91,6 +94,7 @@ class Calibration:
     refined_from: tuple[str, ...] = ()
     tied_slowdown: float = 1.0
     group_fits: dict[int, dict[str, LinkFit]] = dc_field(default_factory=dict)   # ranks -> algorithm -> fit
+    allreduce_slowdown_groups: tuple[tuple[int, tuple[tuple[float, float], ...]], ...] = ()   # per group size
 
     def algorithm_fit(self, algorithm: str, ranks: int = 0) -> LinkFit | None:
         """``algorithm``'s fit for a group of ``ranks`` ranks (0: ``world_size``): the one measured at that size,
@@ -117,7 +121,8 @@ class Calibration:
 
     @property
     def refined(self) -> bool:
-        return (bool(self.allreduce_slowdown or self.refined_from or self.step_overhead_ms)
+        return (bool(self.allreduce_slowdown or self.allreduce_slowdown_groups or self.refined_from
+                     or self.step_overhead_ms)
                 or self.compute_slowdown != 1.0 or self.tied_slowdown != 1.0)
 
     def to_dict(self) -> dict:
@@ -132,9 +137,14 @@ class Calibration:
             del d["group_fits"]
         if self.refined:
             d["allreduce_slowdown"] = [list(p) for p in self.allreduce_slowdown]
+            d["allreduce_slowdown_groups"] = {str(g): [list(p) for p in pts]
+                                              for g, pts in self.allreduce_slowdown_groups}
+            if not self.allreduce_slowdown_groups:
+                del d["allreduce_slowdown_groups"]
             d["refined_from"] = list(self.refined_from)
         else:
-            for key in ("allreduce_slowdown", "compute_slowdown", "step_overhead_ms", "refined_from", "tied_slowdown"):
+            for key in ("allreduce_slowdown", "allreduce_slowdown_groups", "compute_slowdown", "step_overhead_ms",
+                        "refined_from", "tied_slowdown"):
                 del d[key]
         return d
 
@@ -170,19 +180,32 @@ class Calibration:
         )
 
 
+def _points_from_list(items: list, where: str) -> tuple[tuple[float, float], ...]:
+    """``[[bytes, factor], ...]`` validated: pairs, sorted by bytes, each size once."""
+    points = []
+    for i, p in enumerate(items):
+        if not (isinstance(p, list) and len(p) == 2):
+            raise UserError(f"{where}[{i}] must be a [bytes, factor] pair, got {p!r}")
+        pair = {"bytes": p[0], "factor": p[1]}
+        points.append((figure(pair, "bytes", float, f"{where}[{i}]", minimum=1),
+                       figure(pair, "factor", float, f"{where}[{i}]", minimum=1e-6)))
+    if [b for b, _ in points] != sorted({b for b, _ in points}):
+        raise UserError(f"{where} must be sorted by bytes, each size once")
+    return tuple(points)
+
+
 def _refinement_from_dict(d: dict, source: str) -> dict:
     """Format 2's fields (see the module docstring), validated."""
-    points = []
-    for i, p in enumerate(field(d, "allreduce_slowdown", list, source, default=[])):
-        if not (isinstance(p, list) and len(p) == 2):
-            raise UserError(f"{source}: allreduce_slowdown[{i}] must be a [bytes, factor] pair, got {p!r}")
-        pair = {"bytes": p[0], "factor": p[1]}
-        where = f"{source}: allreduce_slowdown[{i}]"
-        points.append((figure(pair, "bytes", float, where, minimum=1),
-                       figure(pair, "factor", float, where, minimum=1e-6)))
-    if [b for b, _ in points] != sorted({b for b, _ in points}):
-        raise UserError(f"{source}: allreduce_slowdown must be sorted by bytes, each size once")
-    return {"allreduce_slowdown": tuple(points),
+    points = _points_from_list(field(d, "allreduce_slowdown", list, source, default=[]),
+                               f"{source}: allreduce_slowdown")
+    groups = []
+    for key, items in sorted(field(d, "allreduce_slowdown_groups", dict, source, default={}).items(),
+                             key=lambda kv: int(kv[0]) if str(kv[0]).isdigit() else 0):
+        if not (isinstance(key, str) and key.isdigit() and int(key) >= 2 and isinstance(items, list)):
+            raise UserError(f"{source}: allreduce_slowdown_groups takes group sizes of 2 ranks or more, each with "
+                            f"a list of [bytes, factor] pairs; got {key!r}")
+        groups.append((int(key), _points_from_list(items, f"{source}: allreduce_slowdown_groups.{key}")))
+    return {"allreduce_slowdown": points, "allreduce_slowdown_groups": tuple(groups),
             "compute_slowdown": figure(d, "compute_slowdown", float, source, minimum=1e-6, default=1.0),
             "step_overhead_ms": figure(d, "step_overhead_ms", float, source, default=0.0),
             "tied_slowdown": figure(d, "tied_slowdown", float, source, minimum=1e-6, default=1.0),

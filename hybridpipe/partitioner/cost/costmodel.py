@@ -32,6 +32,7 @@ from hybridpipe.partitioner.cost import fastlines
 from hybridpipe.partitioner.cost.calibration import Calibration, LinkFit
 from hybridpipe.partitioner.cost.cluster import Cluster, Level
 from hybridpipe.partitioner.cost.collectives import ALGORITHMS
+from hybridpipe.partitioner.cost.groupfactor import group_factor, least_group_factor, size_factor
 from hybridpipe.partitioner.cost.priced import PricedRound, priced
 
 # Nominal costs used where no calibration measured a level.
@@ -95,6 +96,7 @@ class CostModel:
         self.overlap_slowdown = max((c.overlap_slowdown for c in cals), default=1.0)
         # what runs on the cluster taught (refine/refinement.py): all-reduce slowdown by size, compute slowdown
         self.allreduce_points = tuple(sorted(p for c in cals for p in c.allreduce_slowdown))
+        self.allreduce_groups = tuple(sorted(g for c in cals for g in c.allreduce_slowdown_groups))
         self.compute_slowdown = max((c.compute_slowdown for c in cals if c.refined), default=1.0)
         self.step_overhead_ms = max((c.step_overhead_ms for c in cals), default=0.0)
         self.tied_slowdown = max((c.tied_slowdown for c in cals if c.refined), default=1.0)
@@ -338,11 +340,18 @@ class CostModel:
         t = self.line(algorithm, ranks, shape=shape).seconds(nbytes)
         if algorithm == "butterfly":
             t = min(t, self.line(algorithm, ranks, halving=True).seconds(nbytes))
-        return t * float(self.allreduce_factor(nbytes)) if self.allreduce_points else t
+        refined = self.allreduce_points or self.allreduce_groups
+        return t * float(self.allreduce_factor(nbytes, len(ranks))) if refined else t
 
-    def allreduce_factor(self, nbytes):
-        """The measured slowdown of an all-reduce of ``nbytes`` (a number or a numpy array; 1 unrefined)."""
-        return size_factor(self.allreduce_points, nbytes)
+    def allreduce_factor(self, nbytes, ranks: int = 0):
+        """The measured slowdown of an all-reduce of ``nbytes`` (a number or a numpy array; 1 unrefined) over a
+        group of ``ranks`` ranks (``groupfactor.py``: per group size where refinement learnt it so; 0: the
+        least over the group sizes, a lower bound for any group)."""
+        if not self.allreduce_groups:
+            return size_factor(self.allreduce_points, nbytes)
+        if ranks <= 0:
+            return least_group_factor(self.allreduce_groups, (), nbytes)
+        return group_factor(self.allreduce_groups, nbytes, ranks)
 
     def fastest_allreduce(self, nbytes: float, ranks: Sequence[int],
                           algorithms: Sequence[str] = ALGORITHMS) -> tuple[str, float]:
@@ -384,16 +393,6 @@ class CostModel:
         per_level = per_link.reshape(len(rounds), n_levels, width).max(axis=2)
         return tuple(RoundLoad(tuple((lv, float(v)) for lv, v in enumerate(row) if v > 0), r.steps, r.reduce,
                                r.repeat) for r, row in zip(rounds, per_level.tolist(), strict=True))
-
-
-def size_factor(points: Sequence[tuple[float, float]], nbytes):
-    """Factor at ``nbytes`` from (bytes, factor) points: log-log interpolation, constant beyond the ends."""
-    if not points:
-        return np.ones_like(nbytes, dtype=float) if isinstance(nbytes, np.ndarray) else 1.0
-    xs = np.log([b for b, _ in points])
-    ys = np.log([f for _, f in points])
-    out = np.exp(np.interp(np.log(np.maximum(nbytes, 1.0)), xs, ys))
-    return out if isinstance(nbytes, np.ndarray) else float(out)
 
 
 def _with_level(cal: Calibration, level: str) -> Calibration:

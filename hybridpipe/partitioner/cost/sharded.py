@@ -54,7 +54,7 @@ def fastest_pair(nbytes: float, ranks: Sequence[int], model: CostModel,
             best = (a, s)
     if best is None:
         raise ValueError(f"no reduce-scatter among {', '.join(algorithms)}")
-    return best[0], best[1] * float(model.allreduce_factor(nbytes))
+    return best[0], best[1] * float(model.allreduce_factor(nbytes, len(ranks)))
 
 
 def reduce_scatter_seconds(nbytes: float, ranks: Sequence[int], model: CostModel, algorithms: Sequence[str]) -> float:

@@ -72,7 +72,13 @@ from hybridpipe.partitioner.planner import priced_tied
 from hybridpipe.partitioner.refine.interference import StageLoad, fit_interference, link_bytes
 from hybridpipe.partitioner.refine.observed import RunObservation
 from hybridpipe.partitioner.refine.step import StepStage, TiedEvidence, fit_step
-from hybridpipe.partitioner.refine.sync import SIZE_CLASS_BASE, SyncEvidence, fit_classes, stage_sync_evidence
+from hybridpipe.partitioner.refine.sync import (
+    SIZE_CLASS_BASE,
+    SyncEvidence,
+    fit_classes,
+    fit_groups,
+    stage_sync_evidence,
+)
 from hybridpipe.partitioner.schedule_registry import get_schedule
 from hybridpipe.partitioner.search.modelcosts import ModelCosts, model_costs
 from hybridpipe.partitioner.search.objective import Options, StageSpec, evaluate, predict_step_ms
@@ -97,6 +103,7 @@ class Refinement:
     optimizer_factor: float = 1.0                          # the optimizer step: measured / profiled
     interference_s_per_byte: float | None = None           # compute lost per link byte (None: as calibrated)
     tied_factor: float = 1.0                               # the tied weights' sums: measured / priced
+    allreduce_slowdown_groups: tuple[tuple[int, tuple[tuple[float, float], ...]], ...] = ()   # per group size
 
     def node_factor(self, i: int) -> tuple[float, float]:
         return self.forward_factor[i], self.backward_factor[i]
@@ -235,7 +242,8 @@ def refine(profile: Profile, cluster: Cluster, calibrations: Sequence[Calibratio
                      fit_classes(evidence), p2p_factors(runs, model), tuple(r.name for r in runs), tuple(evidence),
                      optimizer_factor=1.0 if ends.optimizer is None else ends.optimizer,
                      interference_s_per_byte=lost * 1e-3 / model.wire_bytes,
-                     tied_factor=1.0 if ends.tied is None else max(ends.tied, 1e-3))
+                     tied_factor=1.0 if ends.tied is None else max(ends.tied, 1e-3),
+                     allreduce_slowdown_groups=fit_groups(evidence))
     return fit_leftover(profile, cluster, calibrations, ref, runs, algorithms)
 
 
@@ -335,14 +343,18 @@ def refined_calibrations(cluster: Cluster, calibrations: Sequence[Calibration],
                                                               cal.p2p.beta_s_per_byte * factor, cal.p2p.rel_error))
         if ref.interference_s_per_byte is not None:
             cal = replace(cal, interference_s_per_byte=ref.interference_s_per_byte)
-        out[lv] = replace(cal, allreduce_slowdown=(), compute_slowdown=1.0, step_overhead_ms=0.0, tied_slowdown=1.0)
+        out[lv] = replace(cal, allreduce_slowdown=(), allreduce_slowdown_groups=(), compute_slowdown=1.0,
+                          step_overhead_ms=0.0, tied_slowdown=1.0)
     carrier = out[top]
     old = model.allreduce_points
     new_classes = {math.floor(math.log(b, SIZE_CLASS_BASE)) for b, _ in ref.allreduce_slowdown}
     points = [(b, f * float(size_factor(old, b))) for b, f in ref.allreduce_slowdown]
     points += [(b, f) for b, f in old if math.floor(math.log(b, SIZE_CLASS_BASE)) not in new_classes]
     merged: dict[float, float] = dict(sorted(points))
+    groups = tuple((g, tuple((b, f * float(model.allreduce_factor(b, g))) for b, f in pts))
+                   for g, pts in ref.allreduce_slowdown_groups)
     out[top] = replace(carrier, allreduce_slowdown=tuple(sorted(merged.items())),
+                       allreduce_slowdown_groups=groups or model.allreduce_groups,
                        compute_slowdown=model.compute_slowdown * ref.compute_slowdown,
                        tied_slowdown=model.tied_slowdown * ref.tied_factor,
                        step_overhead_ms=max(0.0, model.step_overhead_ms + ref.step_overhead_ms),

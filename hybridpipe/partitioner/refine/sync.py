@@ -9,13 +9,15 @@ geometric mean of its estimates; then, since the model applies the classes' fact
 layer by its own size (log-log between the classes), the factors are refitted until every
 stage's lane, with each layer at its interpolated factor, waits what it measured (each round
 multiplies a class's factor by the weighted geometric mean of what its stages still need).
+With stages of several replica counts the classes are fitted per group size (:func:`fit_groups`), since the
+model already prices each size's structure and what is left differs by size (``cost/groupfactor.py``).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -28,6 +30,7 @@ from hybridpipe.partitioner.search.modelcosts import ModelCosts
 SIZE_CLASS_BASE = 4.0          # all-reduce size classes: [4^k, 4^(k+1)) bytes
 FACTOR_RANGE = (1 / 64, 64.0)  # the all-reduce factor is solved within this range
 CLASS_ROUNDS = 30              # refitting rounds of the classes' factors
+GROUP_ROUNDS = 10              # alternating rounds of the classes and the group sizes (fit_groups)
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,7 @@ class SyncEvidence:
     sizes: tuple[float, ...] = ()         # its bytes
     backward_ms: tuple[float, ...] = ()   # the lane's backward and forward per node
     forward_ms: tuple[float, ...] = ()
+    ranks: int = 0                        # the replicas (the all-reduces' group size); 0: unknown
 
 
 def lane_wait_ms(sync_ms: Sequence[float], backward_ms: Floats, forward_ms: Floats) -> float:
@@ -106,7 +110,7 @@ def stage_sync_evidence(run: str, index: int, st: StageObservation, costs: Model
     nbytes = math.exp(sum(w * math.log(b) for w, b in zip(weights, sizes, strict=True)) / busy)
     return SyncEvidence(run, index, nbytes, busy, float(predicted), st.sync_wait_ms, factor, tuple(sync_ms),
                         tuple(float(costs.param_bytes[i]) for i in nodes), tuple(float(x) for x in bwd),
-                        tuple(float(x) for x in fwd))
+                        tuple(float(x) for x in fwd), len(st.ranks))
 
 
 def size_classes(evidence: Sequence[SyncEvidence]) -> tuple[tuple[float, float], ...]:
@@ -154,3 +158,38 @@ def fit_classes(evidence: Sequence[SyncEvidence]) -> tuple[tuple[float, float], 
         if moved < 1e-3:
             break
     return tuple(points)
+
+
+def fit_groups(evidence: Sequence[SyncEvidence]) -> tuple[tuple[int, tuple[tuple[float, float], ...]], ...]:
+    """Per group size (replicas) of the evidence, (bytes, factor) per size class; () where every stage had the
+    same size (the pooled classes of :func:`fit_classes` are then the same thing).
+
+    Separable in log: ``log factor(class, g) = u(class) + v(g)``, so each group size gets every class (a size
+    class seen only on 2-replica stages still prices an 8-rank all-reduce of that size) and each group size
+    its own level. Alternating: ``u`` is :func:`fit_classes` on the evidence with each stage's all-reduces
+    scaled by its group's ``exp(v)``; ``v(g)`` the weighted geometric mean of what g's stages still need on
+    top of ``u`` (:func:`needed_factor`); ``v`` normalised to a weighted mean of 0."""
+    sizes = sorted({e.ranks for e in evidence if e.ranks >= 2})
+    if len(sizes) < 2:
+        return ()
+    level = dict.fromkeys(sizes, 0.0)
+    points = fit_classes(evidence)
+    for _ in range(GROUP_ROUNDS):
+        scaled = [replace(e, sync_ms=tuple(x * math.exp(level[e.ranks]) for x in e.sync_ms)) if e.ranks in level
+                  else e for e in evidence]
+        points = fit_classes(scaled) if all(e.sync_ms for e in evidence) else points
+        new = {}
+        for g in sizes:
+            mine = [e for e in evidence if e.ranks == g]
+            total = sum(e.allreduce_ms for e in mine)
+            new[g] = sum(e.allreduce_ms * math.log(needed_factor(e, points)) for e in mine) / total
+        weights = {g: sum(e.allreduce_ms for e in evidence if e.ranks == g) for g in sizes}
+        mean = sum(weights[g] * new[g] for g in sizes) / sum(weights.values())
+        new = {g: v - mean for g, v in new.items()}
+        moved = max(abs(new[g] - level[g]) for g in sizes)
+        level = new
+        if moved < 1e-3:
+            break
+    lo, hi = FACTOR_RANGE
+    return tuple((g, tuple((b, min(hi, max(lo, f * math.exp(level[g])))) for b, f in points)) for g in sizes)
+

@@ -346,7 +346,7 @@ class StageTerms:
             lines = pair_lines(self.model, ranks.tolist(), self.opts.algorithms)
             nbytes = self.costs.param_bytes
             best = np.min([ln.alpha_s + ln.s_per_byte * nbytes for _, ln in lines], axis=0)
-            best = best * self.model.allreduce_factor(nbytes)    # refined calibrations (refine/); 1 otherwise
+            best = best * self.model.allreduce_factor(nbytes, len(ranks))    # refined (refine/); 1 otherwise
             hit = self._sync[key] = np.where(self.param_nodes, best * 1e3, 0.0)
             self.priced += 1
         return hit
@@ -366,7 +366,10 @@ class StageTerms:
         _, alpha, per_byte = block_lines(self.model, self.copies, self.wc, offsets, sizes, self.opts.algorithms)
         nbytes = self.costs.param_bytes
         best = (alpha[:, :, None] + per_byte[:, :, None] * nbytes).min(axis=1)
-        best = best * self.model.allreduce_factor(nbytes)        # refined calibrations (refine/); 1 otherwise
+        if self.model.allreduce_groups:                          # refined per group size (cost/groupfactor.py)
+            best = best * np.array([self.model.allreduce_factor(nbytes, self.copies * b) for _, b in shapes])
+        else:
+            best = best * self.model.allreduce_factor(nbytes)    # refined calibrations (refine/); 1 otherwise
         rows = np.where(self.param_nodes, best * 1e3, 0.0)
         for k, (o, b) in enumerate(shapes):
             self._sync[o, b, False] = rows[k]
