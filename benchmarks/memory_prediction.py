@@ -1,6 +1,6 @@
 """Memory predicted vs measured per stage on Hugging Face models (issue 28 item 9).
 
-    python benchmarks/memory_prediction.py                      # every family x 1f1b/zb-h1 x sgd/adam
+    python benchmarks/memory_prediction.py                      # every family x 1f1b/zb-h1/zbv x sgd/adam
     python benchmarks/memory_prediction.py --families gpt2-tied,mistral --quick   # 1f1b + sgd only
 
 For each family of tests/pipeline/memory_matrix.py (tiny configs: GPT-2 with tied embeddings,
@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out-dir", default=None)
     args = ap.parse_args(argv)
     setup_logging()
-    schedules, optimizers = (("1f1b",), ("sgd",)) if args.quick else (("1f1b", "zb-h1"), ("sgd", "adam"))
+    schedules, optimizers = (("1f1b",), ("sgd",)) if args.quick else (("1f1b", "zb-h1", "zbv"), ("sgd", "adam"))
     rows = []
     for family in args.families.split(","):
         for schedule in schedules:

@@ -15,6 +15,7 @@ import torch
 from hybridpipe.argtypes import check_output_file, int_range, output_file, positive_int, seed
 from hybridpipe.errors import UserError
 from hybridpipe.limits import available_memory_bytes, require_memory
+from hybridpipe.pipeline.splitback import backward_input
 from hybridpipe.profiles.blocks import parse_granularity
 from hybridpipe.profiles.capture import call_args, training_switches
 from hybridpipe.profiles.format import save_profile
@@ -63,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     check_fits(model, args.batch_size, device)
     profile = profile_model(model, batch_size=args.batch_size, device=device, repeats=args.repeats,
                             warmup=args.warmup, seed=args.seed, progress=False if args.quiet else None,
-                            granularity=granularity, precision=args.precision)
+                            granularity=granularity, precision=args.precision, split_backward=backward_input)
     path = save_profile(profile, output)
     t = profile.totals
     print(f"profiled {profile.model}: {len(profile.nodes)} nodes ({profile.granularity}), {len(profile.edges)} edges, "

@@ -122,6 +122,38 @@ class Schedule:
         held = depth_all if self.split_backward else depth
         return np.minimum(k, held) if isinstance(k, np.ndarray) or isinstance(held, np.ndarray) else min(k, held)
 
+    def whole(self, k: Count, depth: Count, depth_all: Count) -> Count:
+        """Of :meth:`inflight`, the micro-batches holding their whole activations at the replica's peak;
+        the rest sit between their backward's input and weight halves (a split schedule), holding only
+        what the weight half reads. zb-h1 runs 1F1B's ``depth`` forwards ahead and holds back
+        ``depth_all - depth`` weight halves (``pipeline.schedules.Topology.warm`` / ``defer``): after a
+        forward of its steady state ``min(k, depth)`` micro-batches are whole and the rest halves, its
+        peak where a half holds no more than a whole. Chunked schedules count on their op order
+        (:meth:`held_peak`); the others hold every in-flight micro-batch whole."""
+        total = self.inflight(k, depth, depth_all)
+        if not self.split_backward or self.replica_ops is None:
+            return total
+        return np.minimum(k, depth) if isinstance(k, np.ndarray) or isinstance(depth, np.ndarray) else min(k, depth)
+
+    def most_halves(self, k: Count, depth: Count, depth_all: Count) -> Count:
+        """The most micro-batches a replica holds between their backward's input and weight halves at
+        once: zb-h1 holds back ``depth_all - depth`` weight halves, one more right after a B (in its
+        drain, with the wholes' count down by as many); 0 for a schedule without the split."""
+        if not self.split_backward or self.replica_ops is None:
+            return 0 * k
+        most = self.inflight(k, depth, depth_all)
+        return np.minimum(most, depth_all - depth + 1)
+
+    def held_bytes(self, inflight: Count, whole: Count, halves: Count, stash: float | np.ndarray,
+                   half: float | np.ndarray) -> float | np.ndarray:
+        """The most activation bytes a replica holds at once, a micro-batch weighing ``stash`` whole
+        and ``half`` between its B and W: after a forward, ``whole`` (:meth:`whole`) of the
+        ``inflight`` whole and the rest halves; or, where a half outweighs a whole (the gradients its
+        input half recorded: a big vocabulary's logits'), at the most ``halves`` (:meth:`most_halves`),
+        the rest whole. Numbers, or numpy arrays elementwise."""
+        after_forward = stash * whole + half * (inflight - whole)
+        return np.maximum(after_forward, stash * (inflight - halves) + half * halves)
+
     def chunk_inflight(self, place: Place, virtual: int) -> tuple[int, ...]:
         """Per local chunk (0..V-1), the most micro-batches whose activations a replica of the
         group at ``place`` holds at once (forwarded, weight gradients not yet computed), counted
@@ -133,22 +165,36 @@ class Schedule:
             most = [max(a, b) for a, b in zip(most, held, strict=True)]
         return tuple(most)
 
-    def held_peak(self, place: Place, virtual: int, per_micro_batch: Sequence[float]) -> float:
+    def held_peak(self, place: Place, virtual: int, per_micro_batch: Sequence[float],
+                  per_half: Sequence[float] | None = None) -> float:
         """The most bytes of activations a replica at ``place`` holds at once over its local chunks,
-        chunk v's micro-batch weighing ``per_micro_batch[v]``: the chunks' own peaks
-        (:meth:`chunk_inflight`) do not all come at one time, so their sum over-counts."""
-        return max((sum(n * b for n, b in zip(held, per_micro_batch, strict=True))
-                    for held in self._holding(place, virtual)), default=0.0)
+        chunk v's micro-batch weighing ``per_micro_batch[v]``, and ``per_half[v]`` between its
+        backward's input and weight halves (a split schedule; default: the same): the chunks' own
+        peaks (:meth:`chunk_inflight`) do not all come at one time, so their sum over-counts."""
+        half = per_micro_batch if per_half is None else per_half
+        return max((sum(n * b + m * h for n, m, b, h in zip(whole, halves, per_micro_batch, half, strict=True))
+                    for whole, halves in self._split_holding(place, virtual)), default=0.0)
 
     def _holding(self, place: Place, virtual: int) -> Iterator[list[int]]:
         """After each op of the busiest replica at ``place``: the micro-batches each local chunk holds."""
+        for whole, halves in self._split_holding(place, virtual):
+            yield [a + b for a, b in zip(whole, halves, strict=True)]
+
+    def _split_holding(self, place: Place, virtual: int) -> Iterator[tuple[list[int], list[int]]]:
+        """After each op of the busiest replica at ``place``: per local chunk, the micro-batches holding
+        their whole activations and those between their input and weight halves (a split schedule)."""
         assert self.chunk_ops is not None
         r = place.replicas[place.group]
-        held = [0] * virtual
-        done = "W" if self.split_backward else "B"
+        whole, halves = [0] * virtual, [0] * virtual
         for op, _, v in self.chunk_ops(range(0, place.micro_batches, r), place, virtual):
-            held[v] += 1 if op == "F" else -1 if op == done else 0
-            yield held
+            if op == "F":
+                whole[v] += 1
+            elif op == "B":
+                whole[v] -= 1
+                halves[v] += 1 if self.split_backward else 0
+            elif op == "W":
+                halves[v] -= 1
+            yield whole, halves
 
     def weight_versions(self, inflight: Count) -> Count | int:
         """Extra copies of the weights kept (weight stashing): one per in-flight micro-batch beyond the

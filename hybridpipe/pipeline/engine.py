@@ -314,7 +314,8 @@ class PipelineEngine:
                 with self.syncs[s].no_sync(), self.meter.backward(stage.recompute, stage.module):   # no param grads
                     grads, work = stage.backward_input(act, flight.out_grads.pop(key, None))
                 flight.weight_work[key] = (act, work)
-                self.meter.hold(key, work.held())      # the graph is freed: what the weight half reads
+                # the graph is freed: what the weight half reads, and the gradients it was recorded
+                self.meter.hold(key, work.held(), work.recorded())
                 if not stage.is_first:
                     flight.in_grads[key] = grads
             case BackwardWeight():

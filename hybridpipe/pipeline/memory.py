@@ -14,6 +14,11 @@ keeps no such count, the bytes of the tensors the stage holds at its peak, every
   (pipedream), counted at the end of the step, when all of them exist. Buffers (batch norm's
   running statistics) are neither activations nor counted, as in the partitioner's prediction.
 
+Between a split backward's input and weight halves (zb-h1, zbv: ``splitback.py``) a micro-batch
+holds, besides its inputs and outputs, what the weight half reads (``WeightWork.held``) and the
+gradients the input half recorded for it (``WeightWork.recorded``: the logits' on an LM head stage;
+every output's on the first stage), each storage once, until the weight half.
+
 The peak is the most activation bytes alive at once during the step plus those. Temporaries an
 operation frees before it returns (and gradients flowing through a backward) are not counted.
 

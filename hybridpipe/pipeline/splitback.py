@@ -70,6 +70,20 @@ class WeightWork:
         """The saved tensors kept for the formulas (the memory meter counts them until the weight half)."""
         return [t for d in self.direct for t in d.held]
 
+    def recorded(self) -> list[torch.Tensor]:
+        """The gradients the input half recorded for the weight half (at each intermediate, and the
+        outputs' that do not depend on the inputs: on a stage whose inputs need none, every output's):
+        alive until the weight half, as :meth:`held` (the memory meter counts both)."""
+        out = [d.grad for d in self.direct if d.grad is not None]
+        out += [g for group in self.groups for grads in group.grads for g in grads or () if g is not None]
+        return out + list(self.root_grads)
+
+    @property
+    def keeps_graph(self) -> bool:
+        """The input half kept the whole autograd graph (a group without formulas): everything the
+        forward saved stays until the weight half (the profiler's ``weight_half_bytes``)."""
+        return bool(self.groups)
+
 
 def backward_input(outputs: Sequence[torch.Tensor], output_grads: Sequence[torch.Tensor | None],
                    inputs: Sequence[torch.Tensor], params: Sequence[nn.Parameter], *,

@@ -252,7 +252,10 @@ class PipelineStage:
         tensors, grads = self._roots(act, output_grads)
         work = backward_input(tensors, grads, list(act.inputs.values()), list(self.module.parameters()),
                               one_pass=self.recompute, plans=self.split_plans)
-        return {k: t.grad for k, t in act.inputs.items() if t.requires_grad and t.grad is not None}, work
+        out = {k: t.grad for k, t in act.inputs.items() if t.requires_grad and t.grad is not None}
+        for t in act.inputs.values():       # ``act`` waits for the weight half: not its inputs' gradients too
+            t.grad = None
+        return out, work
 
     @staticmethod
     def backward_weight(work: WeightWork) -> None:

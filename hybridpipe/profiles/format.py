@@ -20,7 +20,16 @@ values among its inputs and outputs it keeps. ``loss_saved_bytes`` is what the l
 keeps beside the model's output. From these ``partitioner/search/modelcosts.py`` counts every tensor a
 stage holds once, however many of its blocks save it. ``forward_transient_bytes`` /
 ``backward_transient_bytes`` are what a node's kernels allocate on top of that for a moment
-(profiles/transient.py; 0 in profiles made before they were measured). ``precision`` bf16/fp16: the
+(profiles/transient.py; 0 in profiles made before they were measured). ``weight_half_bytes`` /
+``weight_half_saves`` (optional) are the part of ``saved_bytes`` / ``saves`` still held after a
+zero-bubble schedule's input half (``pipeline/splitback.backward_input``) has run and freed what it
+could: what the node holds until its weight half; absent (null) in profiles made before or without
+the split backward to run, and for a node whose input half keeps the whole graph (no weight formula
+for it): a stage holding such a node holds its whole stash until the weight half.
+``weight_half_grad_bytes`` (optional) is what the input half records on top for the weight half: the
+gradients at the node's intermediates (the logits' at an LM head; on a node whose inputs need none,
+its outputs'), measured for every node the split backward ran on; absent (null) in older profiles,
+whose stages are then predicted to hold their whole stash until the weight half. ``precision`` bf16/fp16: the
 forwards and the loss ran under ``torch.autocast`` (so the bytes are those of a mixed-precision job).
 
 Formats 1 (one node per torch.fx node) and 2 (per-node saved bytes that count a tensor two blocks
@@ -69,6 +78,11 @@ class ProfileNode:
     cut_blocker: str | None = None   # a value that cannot cross a cut right after this node
     forward_transient_bytes: int = 0    # its forward's temporaries: peak above its start less what it leaves
     backward_transient_bytes: int = 0   # its backward's peak above its start, incoming gradients included
+    # what stays of ``saved_bytes`` / ``saves`` after a split backward's input half (None: not measured,
+    # or its input half keeps the whole graph: module docstring)
+    weight_half_bytes: int | None = None
+    weight_half_saves: tuple[str, ...] | None = None
+    weight_half_grad_bytes: int | None = None   # the gradients its input half records (None: not measured)
 
     @property
     def compute_ms(self) -> float:
@@ -148,7 +162,8 @@ class Profile:
         d["input_shape"] = list(self.input_shape)
         d["edges"] = [list(e) for e in self.edges]
         d["nodes"] = [dict(asdict(n), params=list(n.params), shared=list(n.shared), shared_bytes=list(n.shared_bytes),
-                           saves=list(n.saves)) for n in self.nodes]
+                           saves=list(n.saves), weight_half_saves=_list_or_none(n.weight_half_saves))
+                      for n in self.nodes]
         d["values"] = [asdict(v) for v in self.values]
         d["notes"] = list(self.notes)
         d["tied"] = [list(t) for t in self.tied]
@@ -216,6 +231,10 @@ def save_profile(profile: Profile, path: str | os.PathLike) -> Path:
     return write_json(path, profile.to_dict())
 
 
+def _list_or_none(names: tuple[str, ...] | None) -> list[str] | None:
+    return None if names is None else list(names)
+
+
 def _node_from_dict(n: object, index: int, source: str) -> ProfileNode:
     where = f"{source}: node {index}"
     if not isinstance(n, dict):
@@ -247,7 +266,15 @@ def _node_from_dict(n: object, index: int, source: str) -> ProfileNode:
         cut_blocker=blocker,
         forward_transient_bytes=figure(n, "forward_transient_bytes", int, where, default=0),
         backward_transient_bytes=figure(n, "backward_transient_bytes", int, where, default=0),
+        weight_half_bytes=None if n.get("weight_half_bytes") is None
+        else figure(n, "weight_half_bytes", int, where),
+        weight_half_saves=None if n.get("weight_half_saves") is None
+        else _name_list(field(n, "weight_half_saves", list, where), f"{where}: weight_half_saves", what="value names"),
+        weight_half_grad_bytes=None if n.get("weight_half_grad_bytes") is None
+        else figure(n, "weight_half_grad_bytes", int, where),
     )
+    if (node.weight_half_bytes is None) != (node.weight_half_saves is None):
+        raise UserError(f"{where}: \"weight_half_bytes\" and \"weight_half_saves\" come together (both or neither)")
     if len(node.shared_bytes) != len(node.shared) or not all(
             isinstance(b, int) and not isinstance(b, bool) and 0 <= b <= MAX_FIGURE for b in node.shared_bytes):
         raise UserError(f"{where}: \"shared_bytes\" must list one byte count per entry of \"shared\" (each 0 to "
@@ -311,7 +338,7 @@ def _values(raw: list, nodes: tuple[ProfileNode, ...], source: str) -> tuple[Pro
     if len(names) != len(out):
         raise UserError(f"{source}: a value name appears more than once in \"values\"")
     for node in nodes:
-        unknown = [x for x in node.saves if x not in names]
+        unknown = [x for x in (*node.saves, *(node.weight_half_saves or ())) if x not in names]
         if unknown:
             raise UserError(f"{source}: node {node.id} saves {unknown[0]!r}, which \"values\" does not list")
     return tuple(out)

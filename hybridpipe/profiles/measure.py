@@ -13,6 +13,8 @@ the block's own (inner), the boundary values among its inputs and outputs that i
 a value two blocks save is one tensor, which ``partitioner/search/modelcosts.py`` counts once per
 stage), and, on the last block, what the loss function keeps beside the model's output. Storages
 are what count (a view shares its base's bytes); parameters and buffers are not activations.
+
+What a zero-bubble schedule's split backward leaves between its halves: ``weighthalf.py``.
 """
 
 from __future__ import annotations

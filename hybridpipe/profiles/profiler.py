@@ -39,6 +39,7 @@ from hybridpipe.profiles.measure import (
     storage_keys,
     tensors,
 )
+from hybridpipe.profiles.weighthalf import SplitBackward, weight_half_split
 from hybridpipe.profiles.zoo.spec import ModelSpec
 
 AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}    # precision -> autocast dtype
@@ -66,13 +67,18 @@ def device_description(device: torch.device) -> str:
 
 def profile_model(model: ModelSpec, *, batch_size: int, device: str | torch.device = "cpu", repeats: int = 5,
                   warmup: int = 1, seed: int = 0, progress: bool | None = True,
-                  granularity: str | int = "blocks", precision: str = "fp32") -> Profile:
+                  granularity: str | int = "blocks", precision: str = "fp32",
+                  split_backward: SplitBackward | None = None) -> Profile:
     """Capture and measure ``model`` at ``batch_size`` samples per (micro-)batch on ``device``.
 
     ``granularity``: how operations group into nodes (profiles/blocks.py). ``progress``: a tqdm
     bar on stderr (None: only when stderr is a terminal). ``precision`` bf16 / fp16: captured and
     measured under ``torch.autocast`` as a job with ``--precision`` runs (activation bytes in 16 bits
-    where autocast computes in them; the weights stay float32).
+    where autocast computes in them; the weights stay float32). ``split_backward``: the pipeline's
+    split backward's input half (``pipeline/splitback.backward_input``; this package imports nothing
+    of the pipeline): with it, each node's ``weight_half_bytes`` / ``weight_half_saves`` /
+    ``weight_half_grad_bytes`` are measured (weighthalf.py), what a zero-bubble schedule's stage holds
+    between a micro-batch's input and weight halves.
     """
     if precision not in AUTOCAST:
         raise UserError(f"unknown precision {precision!r}; choose one of {', '.join(AUTOCAST)}")
@@ -97,6 +103,10 @@ def profile_model(model: ModelSpec, *, batch_size: int, device: str | torch.devi
     for i, (block, info) in enumerate(tqdm(list(zip(blocks, infos, strict=True)), desc=f"profile {model.name}",
                                            unit="node", disable=disable, leave=False)):
         cost = measure_block(captured, block, env, loss=loss, target=target, autocast=autocast, **timing)
+        half = None if split_backward is None else weight_half_split(
+            captured, block, env, loss=loss, target=target, split=split_backward, autocast=autocast,
+            device=timing["device"])
+        kept = None if half is None else half.kept
         own = [module.get_parameter(p) for p in info.params]
         crossing = [env[name] for name in block.outputs] if not block.last else []
         nodes.append(ProfileNode(
@@ -109,7 +119,10 @@ def profile_model(model: ModelSpec, *, batch_size: int, device: str | torch.devi
             cut_bytes=sum(nbytes(v) for v in crossing),
             cut_grad_bytes=sum(t.numel() * t.element_size() for v in crossing for t in tensors(v) if t.requires_grad),
             cut_blocker=next((name for name in block.outputs if name in captured.blocked), None),
-            forward_transient_bytes=cost.forward_transient, backward_transient_bytes=cost.backward_transient))
+            forward_transient_bytes=cost.forward_transient, backward_transient_bytes=cost.backward_transient,
+            weight_half_bytes=None if kept is None else kept.inner_bytes,
+            weight_half_saves=None if kept is None else kept.saves,
+            weight_half_grad_bytes=None if half is None else half.grad_bytes))
     values = boundary_values(captured, blocks, env)
     del env
     flat = captured.flatten_input(batch)

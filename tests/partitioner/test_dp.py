@@ -37,7 +37,8 @@ def clusters(max_workers: int):
 OVERHEADS = st.tuples(st.sampled_from([0.0, 5.0, 40.0]), st.sampled_from([0.0, 1e-9, 2e-8]))
 
 
-def check_against_brute_force(layers, skip, cluster, opts, overheads=(0.0, 0.0), blockers=(), transients=()):
+def check_against_brute_force(layers, skip, cluster, opts, overheads=(0.0, 0.0), blockers=(), transients=(),
+                              half: float | None = None):
     skips = [(0, len(layers))] if skip and len(layers) > 1 else []
     step_ms, interference = overheads
     costs = dataclasses.replace(model_costs(make_profile(layers, skips, blockers=blockers)),
@@ -45,6 +46,9 @@ def check_against_brute_force(layers, skip, cluster, opts, overheads=(0.0, 0.0),
     if transients:      # each node's transient bytes (cycled over the nodes)
         costs = dataclasses.replace(costs, transient=np.array([transients[k % len(transients)]
                                                                for k in range(costs.n)], dtype=float))
+    if half is not None:    # what stays between a split backward's halves: this share of the stash, a third recorded
+        stash = costs.stash_table()[0]
+        costs = dataclasses.replace(costs, half=stash * half, recorded=stash * half / 3)
     model = CostModel(cluster)
     model.interference_s_per_byte = interference
     workers = cluster.total_workers
@@ -87,6 +91,19 @@ def test_dp_equals_brute_force_with_transient_bytes(layers, skip, cluster, opts,
     """Nodes whose kernels allocate for a moment (objective.transient_bytes): the DP's vectorised memory
     bound is the objective's (20 cases)."""
     check_against_brute_force(layers, skip, cluster, opts, transients=transients)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(LAYER, min_size=1, max_size=5), st.booleans(), clusters(6),
+       OPTIONS.map(lambda o: dataclasses.replace(o, schedule=get_schedule("zb-h1"))),
+       st.sampled_from([0.0, 0.3, 1.0, 1.6]))
+@example([(1.0, 2.0, 40_000_000, 20_000_000)] * 2, False, flat_cluster(2),
+         Options(get_schedule("zb-h1"), 4, "sgd", 2e8), 0.3)   # only 2 stages fit, with stage 1's half at 0.3
+def test_dp_equals_brute_force_with_weight_halves(layers, skip, cluster, opts, half):
+    """zb-h1 stages holding part of their stash between B and W (ModelCosts.half), or more (1.6: the
+    recorded gradients of a big vocabulary's logits): the DP's vectorised memory bound is the
+    objective's (10 cases)."""
+    check_against_brute_force(layers, skip, cluster, opts, half=half)
 
 
 @pytest.mark.slow

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -88,3 +91,62 @@ def test_a_view_of_a_value_is_the_same_storage():
                    torch_version="", nodes=nodes, edges=(), values=(v, w))
     costs = model_costs(prof)
     assert costs.stash_bytes(0, 2) == costs.stash_bytes(0, 1) == costs.stash_bytes(1, 2) == 100
+
+
+@st.composite
+def measured_profiles(draw) -> Profile:
+    """:func:`profiles` with what each node holds after a split backward's input half (a part of its
+    saved bytes and values; sometimes none: a node whose input half keeps the graph), the gradients
+    it records for the weight half, and which cuts carry a gradient."""
+    prof = draw(profiles())
+    nodes = []
+    for nd in prof.nodes:
+        keeps = draw(st.sampled_from([False, False, False, True]))
+        nodes.append(dataclasses.replace(
+            nd, weight_half_bytes=None if keeps else draw(st.integers(0, nd.saved_bytes)),
+            weight_half_saves=None if keeps else tuple(name for name in nd.saves if draw(st.booleans())),
+            weight_half_grad_bytes=draw(st.integers(0, 500)),
+            cut_bytes=1, cut_grad_bytes=draw(st.sampled_from([0, 7, 7]))))
+    return dataclasses.replace(prof, nodes=tuple(nodes))
+
+
+def half_brute_force(prof: Profile, i: int, j: int) -> float:
+    """Between B and W: the stage's inputs and outputs, the values its nodes' weight halves keep, their
+    inner bytes, the model's output (the loss's freed); a stage whose inputs need no gradient holds
+    its stash (its input half computes nothing), and so does one holding a node without the fields
+    (its input half keeps the graph); on top, the gradients its nodes' input halves record, or where
+    its inputs need none, its outputs' (the second of the pair)."""
+    stash = brute_force(prof, i, j)[0]
+    idle = i == 0 or prof.nodes[i - 1].cut_grad_bytes == 0
+    recorded = prof.nodes[j].cut_grad_bytes if idle else sum(nd.weight_half_grad_bytes or 0
+                                                             for nd in prof.nodes[i:j + 1])
+    if idle or any(nd.weight_half_bytes is None for nd in prof.nodes[i:j + 1]):
+        return stash + recorded, recorded
+    held = set()
+    for v in prof.values:
+        saved_here = any(v.name in (prof.nodes[s].weight_half_saves or ()) for s in range(i, j + 1))
+        if v.producer < i <= v.last_use or i <= v.producer <= j < v.last_use or (i <= v.producer <= j and saved_here):
+            held.add(v.alias)
+    size = {v.alias: v.bytes for v in prof.values}
+    last = prof.nodes[-1].activation_bytes if j == len(prof.nodes) - 1 else 0
+    inner = sum(nd.weight_half_bytes or 0 for nd in prof.nodes[i:j + 1])
+    return min(stash, inner + sum(size[a] for a in held) + last) + recorded, recorded
+
+
+@settings(max_examples=40, deadline=None)
+@given(measured_profiles())
+def test_half_table_equals_the_brute_force(prof):
+    costs = model_costs(prof)
+    assert costs.half is not None and costs.recorded is not None
+    table, recorded = costs.half_table(), costs.recorded_table()
+    for i in range(costs.n):
+        for j in range(i, costs.n):
+            half, grads = half_brute_force(prof, i, j)
+            assert costs.half_bytes(i, j) == pytest.approx(half) == table[i, j], (i, j)
+            assert costs.recorded_bytes(i, j) == grads == recorded[i, j], (i, j)
+    # a profile made before the recorded gradients were measured: every stage holds its stash until W
+    older = model_costs(dataclasses.replace(prof, nodes=tuple(
+        dataclasses.replace(nd, weight_half_grad_bytes=None) for nd in prof.nodes)))
+    assert older.half is None and older.recorded is None
+    assert np.array_equal(older.half_table(), costs.stash_table()[0])
+    assert not older.recorded_table().any()

@@ -12,9 +12,20 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridpipe.partitioner.plan import Plan
 from hybridpipe.partitioner.schedule_registry import get_schedule
-from hybridpipe.partitioner.search.modelcosts import model_costs
-from hybridpipe.partitioner.search.objective import Options, inflight_micro_batches, memory_bytes, transient_bytes
+from hybridpipe.partitioner.search.modelcosts import ModelCosts, model_costs
+from hybridpipe.partitioner.search.objective import (
+    Options,
+    StageSpec,
+    inflight_micro_batches,
+    memory_bytes,
+    split_micro_batches,
+    transient_bytes,
+)
+from hybridpipe.partitioner.search.sharding import NONE
+from hybridpipe.partitioner.search.virtual import worker_bytes, worker_places
+from hybridpipe.pipeline.splitback import backward_input
 from hybridpipe.profiles.profiler import profile_model
 from hybridpipe.profiles.zoo import resolve_model
 from tests.pipeline.harness import make_plan, train_pipeline
@@ -54,24 +65,44 @@ class StageMemory:
 
 
 def measure(family: str, schedule: str, optimizer: str) -> list[StageMemory]:
-    """Per stage of ``family`` on 4 stages: the meter's peak and the partitioner's prediction."""
+    """Per stage of ``family`` on 4 stages: the meter's peak and the partitioner's prediction; for a
+    schedule with 2 chunks per rank (zbv), per rank of 2 (the V's chunks 0 + 3 and 1 + 2)."""
     spec, cuts = {**FAMILIES, **FULL_SIZE}[family]
     torch.manual_seed(0)
-    costs = model_costs(profile_model(resolve_model(spec), batch_size=BATCH, repeats=1, warmup=0, progress=False))
-    plan = make_plan(spec, cuts, [1] * (len(cuts) + 1), schedule=schedule, micro_batches=MICRO_BATCHES,
-                     batch_size=BATCH, shared_capture=True)
+    costs = model_costs(profile_model(resolve_model(spec), batch_size=BATCH, repeats=1, warmup=0, progress=False,
+                                      split_backward=backward_input))
+    kind = get_schedule(schedule)
+    virtual = 2 if kind.chunked else 1
+    plan = make_plan(spec, cuts, [1] * ((len(cuts) + 1) // virtual), schedule=schedule, micro_batches=MICRO_BATCHES,
+                     batch_size=BATCH, shared_capture=True, virtual_stages=virtual)
     plan = dataclasses.replace(plan, optimizer=optimizer)
     results: dict = {}
     train_pipeline(plan, STEPS, step_results=results, shared_capture=True, optimizer=optimizer)
-    kind, p = get_schedule(schedule), len(plan.stages)
+    p = len(plan.stages)
     opts = Options(schedule=kind, micro_batches=MICRO_BATCHES, optimizer=optimizer)
+    if virtual > 1:
+        return _per_rank(costs, plan, results, opts)
     rows = []
     for s, st in enumerate(plan.stages):
         i, j = st.first_node, st.last_node
         # the meter counts what the stage holds, not its kernels' temporaries (objective.transient_bytes),
         # which only an allocator sees: tests/pipeline/test_memory_transient.py
-        predicted = (memory_bytes(costs, i, j, inflight_micro_batches(kind, MICRO_BATCHES, p - s, 1, p), opts)
+        predicted = (memory_bytes(costs, i, j, inflight_micro_batches(kind, MICRO_BATCHES, p - s, 1, p), opts,
+                                  split=split_micro_batches(kind, MICRO_BATCHES, p - s, 1, p))
                      - transient_bytes(costs, i, j))
         rows.append(StageMemory(s, f"{costs.names[i]}..{costs.names[j]}",
                                 max(r.peak_memory_bytes for r in results[s]), predicted))
+    return rows
+
+
+def _per_rank(costs: ModelCosts, plan: Plan, results: dict, opts: Options) -> list[StageMemory]:
+    """Each rank's meter peak next to ``virtual.worker_bytes`` over its chunks (less the transient)."""
+    specs = [StageSpec(st.first_node, st.last_node, st.ranks) for st in plan.stages]
+    rows = []
+    for g, (ranks, place) in enumerate(worker_places(specs, opts)):
+        mine = [c for c, sp in enumerate(specs) if sp.ranks == ranks]
+        total, _ = worker_bytes(costs, specs, mine, [NONE] * len(mine), opts.schedule, place, opts, len(mine))
+        predicted = total - max(transient_bytes(costs, specs[c].first, specs[c].last) for c in mine)
+        names = " + ".join(f"{costs.names[specs[c].first]}..{costs.names[specs[c].last]}" for c in mine)
+        rows.append(StageMemory(g, names, max(r.peak_memory_bytes for r in results[g]), predicted))
     return rows

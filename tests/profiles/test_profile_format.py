@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 
 import pytest
 
 from hybridpipe.errors import UserError
+from hybridpipe.partitioner.search.modelcosts import model_costs
 from hybridpipe.profiles.format import Profile, load_profile, save_profile
 from hybridpipe.profiles.profiler import profile_model
 from hybridpipe.profiles.zoo import resolve_model
@@ -25,6 +27,30 @@ def test_round_trip_through_a_file(profile, tmp_path):
     assert loaded.signature() == profile.signature()
     assert json.loads(path.read_text())["signature"] == profile.signature()
     assert save_profile(loaded, tmp_path / "again.json").read_text() == path.read_text()
+
+
+def test_weight_half_fields_round_trip_and_old_files_load_without_them(profile, tmp_path):
+    """A profile with each node's weight-half bytes, values and recorded gradients (0, ``()`` and a
+    kept graph's None included) round-trips; one written before they were measured (no such keys)
+    loads with None: the stash, as before; one with the first two but not the gradients likewise."""
+    nodes = tuple(dataclasses.replace(nd, weight_half_bytes=nd.saved_bytes // 2 if k else 0,
+                                      weight_half_saves=nd.saves[:1], weight_half_grad_bytes=100 * k)
+                  for k, nd in enumerate(profile.nodes))
+    nodes = (*nodes[:-1], dataclasses.replace(nodes[-1], weight_half_bytes=None, weight_half_saves=None))
+    measured = dataclasses.replace(profile, nodes=nodes)
+    assert load_profile(save_profile(measured, tmp_path / "m.json")) == measured
+    assert [nd.weight_half_grad_bytes for nd in Profile.from_dict(measured.to_dict()).nodes] == [
+        100 * k for k in range(len(nodes))]
+    old = measured.to_dict()
+    for node in old["nodes"]:
+        del node["weight_half_grad_bytes"]
+    between = Profile.from_dict(copy.deepcopy(old))
+    assert all(nd.weight_half_grad_bytes is None for nd in between.nodes)
+    assert model_costs(measured).half is not None and model_costs(between).half is None   # the stash until W
+    for node in old["nodes"]:
+        del node["weight_half_bytes"], node["weight_half_saves"]
+    loaded = Profile.from_dict(old)
+    assert loaded == profile and all(nd.weight_half_bytes is None is nd.weight_half_saves for nd in loaded.nodes)
 
 
 def test_digraph_view_matches_edges(profile):
@@ -98,6 +124,14 @@ def _mutate(d: dict, how: str) -> object:
         n[3] = "conv"
     elif how == "totals_negative":
         d["totals"]["measured_ms"] = -5
+    elif how == "half_alone":
+        n[1]["weight_half_bytes"] = 10
+    elif how == "half_unknown":
+        n[1]["weight_half_bytes"], n[1]["weight_half_saves"] = 10, ["nowhere"]
+    elif how == "half_negative":
+        n[1]["weight_half_bytes"], n[1]["weight_half_saves"] = -1, []
+    elif how == "half_grads_negative":
+        n[1]["weight_half_grad_bytes"] = -1
     return d
 
 
@@ -118,6 +152,9 @@ MALFORMED = [
     ("batch_mismatch", "does not start with batch_size"), ("batch_zero", "must be >= 1"),
     ("bool_int", "must be an integer"), ("signature", "signature"), ("param_bytes", "param_bytes is 0"),
     ("node_not_object", "node 3: expected an object"), ("totals_negative", "totals"),
+    ("half_alone", '"weight_half_bytes" and "weight_half_saves" come together'),
+    ("half_unknown", "saves 'nowhere', which \"values\" does not list"),
+    ("half_negative", "weight_half_bytes"), ("half_grads_negative", "weight_half_grad_bytes"),
 ]
 
 

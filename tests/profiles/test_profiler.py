@@ -169,3 +169,28 @@ def test_optimizer_steps_are_timed_and_leave_the_parameters_as_they_were():
     assert all(torch.equal(a, p) and p.grad is None for a, p in zip(before, model.parameters(), strict=True))
     p = profile_model(resolve_model("mlp"), batch_size=4, **FAST)
     assert p.totals.sgd_step_ms > 0 and p.totals.adam_step_ms > 0
+
+
+@pytest.mark.slow      # tests/SUITE.md: profiles a gpt and a resnet-small with the split
+def test_with_the_split_backward_each_node_records_what_it_holds_until_its_weight_half():
+    """embed: its input needs no gradient, its input half frees nothing; a transformer block: less than
+    it saved (the matrix products' inputs stay for the weight half); a convolution (no weight formula):
+    its input half keeps the whole graph, recorded as not known (None); without the split: None. The
+    gradients each records for its weight half: the embedding's outputs' (its input needs none), the
+    head's logits' (batch x seq x vocab floats), the block's more than its output's; measured on the
+    convolution too."""
+    from hybridpipe.pipeline.splitback import backward_input
+
+    gpt = "gpt[layers=1,width=16,heads=2,seq=8,vocab=11]"
+    g = by_name(profile_model(resolve_model(gpt), batch_size=2, split_backward=backward_input, **FAST))
+    assert (g["embed"].weight_half_bytes, g["embed"].weight_half_saves) == (g["embed"].saved_bytes, g["embed"].saves)
+    assert 0 < g["blocks.0"].weight_half_bytes < g["blocks.0"].saved_bytes
+    assert g["blocks.0"].weight_half_saves == g["blocks.0"].saves       # its input: layer norm's, kept for W
+    assert g["embed"].weight_half_grad_bytes == g["embed"].cut_grad_bytes == 2 * 8 * 16 * 4
+    assert g["head"].weight_half_grad_bytes == 2 * 8 * 11 * 4
+    assert g["blocks.0"].weight_half_grad_bytes > g["blocks.0"].cut_grad_bytes
+    plain = profile_model(resolve_model(gpt), batch_size=2, **FAST)
+    assert all(n.weight_half_bytes is None is n.weight_half_saves is n.weight_half_grad_bytes for n in plain.nodes)
+    r = profile_model(resolve_model("resnet-small[norm=none]"), batch_size=2, split_backward=backward_input, **FAST)
+    assert r.nodes[2].type == "BasicBlock" and r.nodes[2].weight_half_bytes is r.nodes[2].weight_half_saves is None
+    assert r.nodes[2].weight_half_grad_bytes > 0

@@ -18,6 +18,18 @@ time in the backward (``rerun_bytes``: the rest, plus the outputs its nodes save
 makes anew beside the ones kept, less the loss's, which the loss's backward has freed by then).
 All three are n x n tables (``stash_table``): what the partitioner's solvers read.
 
+Between a micro-batch's input and weight halves (a zero-bubble schedule's split backward) the stage
+holds less (``half_bytes``, the table ``half``): its inputs and outputs still, but of what its
+nodes save only what the input half did not free (the profile's ``weight_half_bytes`` /
+``weight_half_saves``: the tensors the weight half's formulas read, the graph's it kept), the loss's
+freed. A stage whose inputs need no gradient (the first) computes nothing in its input half, and one
+holding a node without those fields (not measured, or its input half keeps the whole graph: no weight
+formula for it, so the stage's input half keeps every node's) frees nothing: it holds its stash.
+On top of either it holds the gradients its input half recorded for the weight half (the profile's
+``weight_half_grad_bytes``, summed over its nodes: each intermediate's incoming gradient, the logits'
+at an LM head); a stage whose inputs need no gradient records its outputs' (``cut_grad_bytes``). A
+profile without that field (older) gets no table: every stage holds its stash until the weight half.
+
 Transient bytes of a stage i..j (``transient_bytes``, the table ``transient_table``): what it needs for a
 moment beyond the activations it holds. Node n's forward or backward allocates ``t[n]`` for a moment
 (the profile's ``forward_transient_bytes`` / ``backward_transient_bytes``, the larger: kernels'
@@ -36,6 +48,7 @@ and its optimizer state (pipeline/tied.py), so a head stage pays for the whole e
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -68,6 +81,10 @@ class ModelCosts:
     tied: tuple[tuple[float, int, tuple[int, ...]], ...] = ()
     # per node: the most bytes its forward or backward allocates for a moment (None: not measured)
     transient: np.ndarray | None = None
+    # [i, j]: what stage i..j holds per micro-batch between its input and weight halves (None: the stash)
+    half: np.ndarray | None = None
+    # [i, j]: of ``half``, the gradients its input half records for the weight half (None: not measured)
+    recorded: np.ndarray | None = None
 
     @property
     def cut_ok(self) -> np.ndarray:
@@ -100,6 +117,24 @@ class ModelCosts:
             return float(self.stash[i, j])
         per_node = self.saved_bytes if self.saved_bytes is not None else self.activation_bytes
         return float(per_node[i:j + 1].sum() + (self.cut_bytes[i - 1] if i > 0 else 0))
+
+    def half_bytes(self, i: int, j: int) -> float:
+        """What one micro-batch holds on stage i..j between its backward's input and weight halves
+        (a split schedule; module docstring): the stash where the profile did not measure it."""
+        return float(self.half[i, j]) if self.half is not None else self.stash_bytes(i, j)
+
+    def half_table(self) -> np.ndarray:
+        """``half_bytes`` as an n x n table, [i, j] for stage i..j (upper triangle)."""
+        return self.half if self.half is not None else self.stash_table()[0]
+
+    def recorded_bytes(self, i: int, j: int) -> float:
+        """Of :meth:`half_bytes`, the gradients stage i..j's input half records (0: not measured)."""
+        return float(self.recorded[i, j]) if self.recorded is not None else 0.0
+
+    def recorded_table(self) -> np.ndarray:
+        """[i, j]: of ``half_bytes``, the gradients stage i..j's input half records for its weight half
+        (0 where not measured: the stash stands for all of it)."""
+        return self.recorded if self.recorded is not None else np.zeros((self.n, self.n))
 
     def weight_bytes(self, i: int, j: int) -> float:
         """Parameter bytes stage i..j holds: its nodes' own and its copies of tied ones (module docstring)."""
@@ -184,6 +219,7 @@ def model_costs(profile: Profile) -> ModelCosts:
         cut, cut_grad = _edge_cuts(profile)
     saved = np.array([nd.saved_bytes for nd in profile.nodes], dtype=float)
     tables = stash_tables(profile, saved) if profile.values else (None, None, None)
+    half, recorded = half_table(profile, tables[0], cut_grad) if tables[0] is not None else (None, None)
     transient = np.array([max(nd.forward_transient_bytes, nd.backward_transient_bytes) for nd in profile.nodes],
                          dtype=float)
     return ModelCosts(
@@ -200,7 +236,7 @@ def model_costs(profile: Profile) -> ModelCosts:
         saved_bytes=saved if saved.any() else None,
         cut_blockers=tuple(nd.cut_blocker or "" for nd in profile.nodes),
         stash=tables[0], kept=tables[1], rerun=tables[2], tied=tied_reads(profile),
-        transient=transient if transient.any() else None,
+        transient=transient if transient.any() else None, half=half, recorded=recorded,
     )
 
 
@@ -223,11 +259,45 @@ def stash_tables(profile: Profile, saved: np.ndarray) -> tuple[np.ndarray, np.nd
     and by one with i <= p <= j that either sends it on (j < q) or has a node that saves it (any
     j >= p: savers lie in p..q). Each such region is a rectangle of (i, j), summed with a 2-D
     difference table."""
+    return _tables(profile, saved, [node.saves for node in profile.nodes], float(profile.loss_saved_bytes))
+
+
+def half_table(profile: Profile, stash: np.ndarray, cut_grad: np.ndarray
+               ) -> tuple[np.ndarray, np.ndarray] | tuple[None, None]:
+    """[i, j]: what stage i..j holds per micro-batch between its input and weight halves (module
+    docstring), from the nodes' ``weight_half_bytes`` / ``weight_half_saves`` / ``weight_half_grad_bytes``
+    and the values as :func:`stash_tables` counts them (the loss's freed), and of it the recorded
+    gradients; None where a node lacks their bytes (a profile made before they were measured, or
+    without the split)."""
+    nodes = profile.nodes
+    if not profile.values or any(nd.weight_half_grad_bytes is None for nd in nodes):
+        return None, None
+    unknown = np.array([nd.weight_half_bytes is None or nd.weight_half_saves is None for nd in nodes])
+    inner = np.array([nd.saved_bytes if u else nd.weight_half_bytes for nd, u in zip(nodes, unknown, strict=True)],
+                     dtype=float)
+    saves = [nd.saves if u else nd.weight_half_saves or () for nd, u in zip(nodes, unknown, strict=True)]
+    kept = _tables(profile, inner, saves, 0.0)[0]
+    # no input needs a gradient: the input half computes nothing, the weight half the whole backward;
+    # a node without the fields: the stage's input half keeps the graph
+    idle = np.concatenate([[True], cut_grad[:-1] == 0])
+    p = np.concatenate([[0], np.cumsum(unknown)])
+    keeps = (p[None, 1:] - p[:-1, None]) > 0            # [i, j]: a node of i..j lacks them
+    kept = np.where(idle[:, None] | keeps, stash, np.minimum(kept, stash))     # what stays of what was held
+    g = np.concatenate([[0.0], np.cumsum([float(nd.weight_half_grad_bytes or 0) for nd in nodes])])
+    recorded = np.where(idle[:, None], cut_grad[None, :], g[None, 1:] - g[:-1, None])
+    recorded = np.triu(recorded)
+    return np.triu(kept) + recorded, recorded
+
+
+def _tables(profile: Profile, saved: np.ndarray, saves: Sequence[Sequence[str]], loss_saved: float
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`stash_tables` with node n's inner bytes ``saved[n]``, its saved values ``saves[n]`` and
+    the loss's ``loss_saved`` bytes."""
     n = len(profile.nodes)
     span: dict[int, list] = {}          # alias -> [producer, last_use, bytes, first saver or None]
     savers: dict[str, int] = {}
-    for node in profile.nodes:
-        for name in node.saves:
+    for node, names in zip(profile.nodes, saves, strict=True):
+        for name in names:
             savers.setdefault(name, node.id)
     for v in profile.values:
         s = span.setdefault(v.alias, [v.producer, v.last_use, v.bytes, None])
@@ -251,10 +321,10 @@ def stash_tables(profile: Profile, saved: np.ndarray) -> tuple[np.ndarray, np.nd
         add(stash, (0, p), (p, n - 1) if saver is not None else (p, q - 1), size)
         if saver is not None:                                        # an output the rerun makes again
             add(anew, (0, p), (saver, q - 1), size)
-    last = float(profile.nodes[-1].activation_bytes + profile.loss_saved_bytes)   # the model's output, the loss's
+    last = float(profile.nodes[-1].activation_bytes) + loss_saved    # the model's output, the loss's
     for table in (stash, kept):
         add(table, (0, n - 1), (n - 1, n - 1), last)
-    add(anew, (0, n - 1), (n - 1, n - 1), -float(profile.loss_saved_bytes))
+    add(anew, (0, n - 1), (n - 1, n - 1), -loss_saved)
     stash, kept, anew = (t.cumsum(0).cumsum(1)[:n, :n] for t in (stash, kept, anew))
     p_saved = np.concatenate([[0.0], np.cumsum(saved)])
     stash += p_saved[None, 1:] - p_saved[:-1, None]

@@ -34,7 +34,9 @@ them: its replicas synchronise in rounds), makes the plan infeasible (infinite).
 worker: weights, gradients and optimizer state (sgd
 momentum: 1 copy, adam: 2), plus the activations of the micro-batches in flight (gpipe: all k;
 1f1b: min(k, ceil(W_after / r)), W_after = workers in this and later stages; zb-h1:
-min(k, ceil(W / r)), W all workers (a later stage holds back weight gradients); pipedream:
+min(k, ceil(W / r)), W all workers (a later stage holds back weight gradients), of them
+min(k, ceil(W_after / r)) whole and the rest only what stays between their backward's input and
+weight halves, ``ModelCosts.half_bytes``; pipedream:
 ceil(W_after / r)), plus pipedream's stashed weight versions (one per in-flight minibatch
 beyond the live weights), plus the stage's transient bytes (``transient_bytes``: the most one node's
 kernels allocate for a moment, at the worst moment of the step).
@@ -183,20 +185,38 @@ def inflight_micro_batches(schedule: Schedule, k: int, workers_after: int, repli
     return schedule.inflight(k, depth, depth_all)
 
 
+def split_micro_batches(schedule: Schedule, k: int, workers_after: int, replicas: int,
+                        workers: int | None = None) -> tuple[int, int]:
+    """Of :func:`inflight_micro_batches`, those whose whole activations a replica holds after a
+    forward (the rest between a split backward's input and weight halves: ``Schedule.whole``), and
+    the most it holds between the halves at once (``Schedule.most_halves``)."""
+    depth = -(-workers_after // replicas)
+    depth_all = -(-(workers if workers is not None else workers_after) // replicas)
+    return schedule.whole(k, depth, depth_all), schedule.most_halves(k, depth, depth_all)
+
+
 def memory_bytes(costs: ModelCosts, i: int, j: int, inflight: int, opts: Options, recompute: bool = False,
-                 variant: Variant = NONE, replicas: int = 1) -> float:
+                 variant: Variant = NONE, replicas: int = 1, split: tuple[int, int] | None = None) -> float:
     """Peak bytes per worker of stage i..j (see the module docstring; activations and the weights,
     tied copies included: ``modelcosts.py``).
     A recomputing stage keeps only each in-flight micro-batch's inputs and outputs (and the loss's),
     plus what one micro-batch's rerun of its forward rebuilds (``ModelCosts.rerun_bytes``).
+    ``split``: of the ``inflight`` micro-batches, those holding their whole activations after a forward
+    and the most between the halves at once (:func:`split_micro_batches`; None: all whole, no
+    halves); the rest sit between a split backward's input and weight halves,
+    holding ``ModelCosts.half_bytes`` (a recomputing stage: its kept bytes and the recorded gradients,
+    ``recorded_bytes``); ``Schedule.held_bytes`` finds the peak.
     ``variant``: what its ``replicas`` shard (``sharding.static_bytes``)."""
     weights = costs.weight_bytes(i, j)        # its own parameters and its copies of tied ones
     versions = opts.schedule.weight_versions(inflight)
     stash = costs.stash_bytes(i, j)
+    whole, halves = (inflight, 0) if split is None else split
     if recompute:
-        held = costs.kept_bytes(i, j) * inflight + costs.rerun_bytes(i, j)
+        kept = costs.kept_bytes(i, j)
+        held = float(opts.schedule.held_bytes(inflight, whole, halves, kept, kept + costs.recorded_bytes(i, j))
+                     ) + costs.rerun_bytes(i, j)
     else:
-        held = stash * inflight
+        held = float(opts.schedule.held_bytes(inflight, whole, halves, stash, costs.half_bytes(i, j)))
     transient = transient_bytes(costs, i, j)
     if variant.level != "none":
         unit1, unit2 = stage_units(costs.param_bytes[i:j + 1])
@@ -289,6 +309,7 @@ def evaluate(costs: ModelCosts, model: CostModel, stages: Sequence[StageSpec], o
         r = len(ranks)
         k = -(-opts.micro_batches // r)
         inflight = inflight_micro_batches(opts.schedule, k, workers_after, r, workers)
+        split = split_micro_batches(opts.schedule, k, workers_after, r, workers)
         gap = 0.0 if pipedream else float(costs.forward_ms[:i].sum() + costs.backward_ms[:i].sum())
         cuts, send_ms, send_grad_ms, send_bytes = [], 0.0, 0.0, 0.0
         a_in, g_out = costs.input_bytes(i)
@@ -303,7 +324,7 @@ def evaluate(costs: ModelCosts, model: CostModel, stages: Sequence[StageSpec], o
             send_bytes = a_out
         x = transfer_ms(model, ranks, cuts)
 
-        place = _Place(i, j, tuple(ranks), k, inflight, gap, x, send_ms, send_grad_ms, send_bytes,
+        place = _Place(i, j, tuple(ranks), k, inflight, split, gap, x, send_ms, send_grad_ms, send_bytes,
                        (a_in + g_out + a_out + g_in) / 2, trip, share)
         allowed = opts.variants(r)
         if variants is not None:
@@ -327,6 +348,7 @@ class _Place:
     ranks: tuple[int, ...]
     k: int
     inflight: int
+    split: tuple[int, int]      # of inflight, whole after a forward; the most between B and W (split_micro_batches)
     gap: float
     x: float
     send_ms: float
@@ -342,10 +364,10 @@ def _stage_eval(costs: ModelCosts, model: CostModel, opts: Options, p: _Place, v
     i, j, r, k, kind = p.i, p.j, len(p.ranks), p.k, opts.schedule
     f = float(costs.forward_ms[i:j + 1].sum())
     b = float(costs.backward_ms[i:j + 1].sum())
-    mem = memory_bytes(costs, i, j, p.inflight, opts, variant=v, replicas=r)
+    mem = memory_bytes(costs, i, j, p.inflight, opts, variant=v, replicas=r, split=p.split)
     rc = opts.recompute == "all" or (opts.recompute == "auto" and mem > opts.memory_bytes)
     if rc:          # charged as part of the backward: the simulator then times it there too
-        mem = memory_bytes(costs, i, j, p.inflight, opts, recompute=True, variant=v, replicas=r)
+        mem = memory_bytes(costs, i, j, p.inflight, opts, recompute=True, variant=v, replicas=r, split=p.split)
         b += f
     paired = None if v.level == "none" else (
         lambda nbytes, group: fastest_pair(nbytes, group, model, opts.algorithms))

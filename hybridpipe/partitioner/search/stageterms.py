@@ -98,8 +98,11 @@ class StageTerms:
         self.weights = costs.weight_table()             # [i, j]: its parameters and tied copies (modelcosts.py)
         self.most_weights = float(self.weights.max(initial=0.0))
         self.stash, self.kept, self.rerun = costs.stash_table()      # [i, j] per micro-batch (modelcosts.py)
-        # the most one micro-batch can add to a stage, with or without recomputation
-        self.most_stash = float(np.maximum(self.stash, self.kept + self.rerun).max(initial=0.0))
+        self.half = costs.half_table()      # [i, j] between a split backward's input and weight halves
+        self.recorded = costs.recorded_table()      # [i, j] of it, the recorded gradients
+        # the most one micro-batch can add to a stage, with or without recomputation, whole or halved
+        self.most_stash = float(np.maximum(np.maximum(self.stash, self.half),
+                                           self.kept + self.recorded + self.rerun).max(initial=0.0))
         self.transient = costs.transient_table()        # [i, j]: objective.transient_bytes
         self.most_transient = float(self.transient.max(initial=0.0))
         self.interference = model.interference_s_per_byte
@@ -168,6 +171,8 @@ class StageTerms:
         depth = -(-(self.copies * (self.wc - x)) // r)
         depth_all = -(-(self.copies * self.wc) // r)
         inflight = kind.inflight(k, depth, depth_all)
+        whole = kind.whole(k, depth, depth_all)     # the rest of inflight between their B and W
+        halves = kind.most_halves(k, depth, depth_all)
         states = OPTIMIZER_STATES[opts.optimizer]
         static = 2 + states + kind.weight_versions(inflight)
         fwd = self.pf[j + 1] - self.pf[i]
@@ -185,8 +190,10 @@ class StageTerms:
             overflow = (static * self.most_weights + self.most_stash * inflight + self.most_transient
                         > opts.memory_bytes)
         if np.any(overflow):
-            fits = held + stash * inflight + transient <= opts.memory_bytes
-            fits_rc = held + kept * inflight + rerun + transient <= opts.memory_bytes
+            half, half_rc = self.half[i, j], kept + self.recorded[i, j]
+            fits = held + kind.held_bytes(inflight, whole, halves, stash, half) + transient <= opts.memory_bytes
+            fits_rc = (held + kind.held_bytes(inflight, whole, halves, kept, half_rc) + rerun + transient
+                       <= opts.memory_bytes)
             if opts.recompute == "all":
                 feasible = fits_rc
             elif opts.recompute == "auto":                   # recompute only where keeping everything does not fit

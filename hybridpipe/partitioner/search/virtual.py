@@ -50,6 +50,7 @@ from hybridpipe.partitioner.schedule_registry import REGISTRY, Schedule
 from hybridpipe.partitioner.search.balance import balanced_sizes
 from hybridpipe.partitioner.search.modelcosts import ModelCosts
 from hybridpipe.partitioner.search.objective import (
+    OPTIMIZER_STATES,
     Evaluation,
     Options,
     StageEval,
@@ -142,13 +143,30 @@ def worker_bytes(costs: ModelCosts, specs: Sequence[StageSpec], mine: Sequence[i
     transient = [transient_bytes(costs, i, j) for i, j in ranges]      # one chunk's node at a time
     static = sum(memory_bytes(costs, i, j, 0, opts, variant=v, replicas=len(specs[c].ranks)) - t
                  for (i, j), t, v, c in zip(ranges, transient, variants, mine, strict=True))
+    if all(v.level == "none" for v in variants):
+        static -= shared_tied_bytes(costs, ranges) * (2 + OPTIMIZER_STATES[opts.optimizer]
+                                                      + kind.weight_versions(0))
 
     def total(rc: bool) -> float:
         per_mb = [costs.kept_bytes(i, j) if rc else costs.stash_bytes(i, j) for i, j in ranges]
+        per_half = ([k + costs.recorded_bytes(i, j) for k, (i, j) in zip(per_mb, ranges, strict=True)] if rc
+                    else [costs.half_bytes(i, j) for i, j in ranges])     # between B and W
         rerun = max(costs.rerun_bytes(i, j) for i, j in ranges) if rc else 0.0
-        return static + kind.held_peak(place, virtual, per_mb) + rerun + max(transient)
+        return static + kind.held_peak(place, virtual, per_mb, per_half) + rerun + max(transient)
     rc = opts.recompute == "all" or (opts.recompute == "auto" and total(False) > opts.memory_bytes)
     return total(rc), rc
+
+
+def shared_tied_bytes(costs: ModelCosts, ranges: Sequence[tuple[int, int]]) -> float:
+    """Bytes of tied weights the chunks ``ranges`` of one rank each count (``ModelCosts.weight_bytes``:
+    the owner its own, every later reader a copy) beyond the one copy the rank holds
+    (``pipeline/tied.py``: a rank's chunks share one)."""
+    extra = 0.0
+    for size, owner, readers in costs.tied:
+        copies = sum(owner < i and any(i <= r <= j for r in readers) for i, j in ranges)
+        owns = any(i <= owner <= j for i, j in ranges)
+        extra += size * max(copies - (0 if owns else 1), 0)
+    return extra
 
 
 def added_ms(e: StageEval, recompute: bool) -> float:
