@@ -326,8 +326,9 @@ class FailureGuard:
                     fn()
                 except Exception as e:      # noqa: BLE001 - exiting anyway
                     print(f"hybridpipe rank {self.rank}: on-exit callback failed: {one_line_of(e)}", file=sys.stderr)
-            if not quiet:
-                print(text, file=sys.stderr, flush=True)
+            if not quiet:       # one write: every rank of a host may say its line into one log at once
+                sys.stderr.write(text + "\n")
+                sys.stderr.flush()
             sys.stdout.flush()
             os._exit(code)
 

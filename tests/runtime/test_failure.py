@@ -246,3 +246,31 @@ def raise_on_rank(rank: int, world: int, timeout: float, interval: float, out: s
             if rank == 2 and it == 5:
                 raise ValueError("stage 2 got a bad batch")
             dist.all_reduce(x)
+
+
+def test_the_exit_line_reaches_stderr_in_one_write(monkeypatch):
+    """Every rank of a host says its line into one log at once: a line written in two pieces (print's
+    text, then its newline) ran two ranks' lines together in test_preempt's log."""
+    writes: list[str] = []
+
+    class Stderr:
+        def write(self, s: str) -> int:
+            writes.append(s)
+            return len(s)
+
+        def flush(self) -> None:
+            pass
+
+    class Exited(Exception):
+        pass
+
+    def fake_exit(code: int) -> None:
+        raise Exited(code)
+
+    guard = FailureGuard(dist.HashStore(), rank=1, world_size=2, timeout=5.0)
+    monkeypatch.setattr(sys, "stderr", Stderr())
+    monkeypatch.setattr(os, "_exit", fake_exit)
+    with pytest.raises(Exited):
+        guard.handle(UserError("the plan has no stage 3"))
+    lines = [w for w in writes if "the plan has no stage 3" in w]
+    assert lines == ["hybridpipe rank 1: failed: UserError: the plan has no stage 3\n"], writes
