@@ -14,7 +14,8 @@ at or before i and read after it, skip connections and relayed inputs included),
 
 Memory (format 3): ``values`` lists every value that crosses from one block to another (or enters
 as a model input: producer -1), with the last block that reads it and its bytes; ``alias`` is the
-first value sharing its storage (a view), itself otherwise. A node's ``saved_bytes`` is what
+first value sharing its storage (a view), itself otherwise; ``grad`` whether it requires grad
+(absent, null, in older profiles: maybe). A node's ``saved_bytes`` is what
 autograd keeps for its backward apart from those values and the parameters; ``saves`` names the
 values among its inputs and outputs it keeps. ``loss_saved_bytes`` is what the loss function
 keeps beside the model's output. From these ``partitioner/search/modelcosts.py`` counts every tensor a
@@ -98,6 +99,7 @@ class ProfileValue:
     last_use: int                 # the last node that reads it
     bytes: int
     alias: int                    # index of the first value in ``values`` sharing its storage (itself if none)
+    grad: bool | None = None      # it requires grad (None: not recorded, older profiles: maybe)
 
 
 @dataclass(frozen=True)
@@ -327,7 +329,8 @@ def _values(raw: list, nodes: tuple[ProfileNode, ...], source: str) -> tuple[Pro
             raise UserError(f"{where}: expected an object, got {type(v).__name__}")
         value = ProfileValue(name=field(v, "name", str, where), producer=field(v, "producer", int, where, minimum=-1),
                              last_use=field(v, "last_use", int, where, minimum=0), bytes=figure(v, "bytes", int, where),
-                             alias=field(v, "alias", int, where, minimum=0))
+                             alias=field(v, "alias", int, where, minimum=0),
+                             grad=None if v.get("grad") is None else field(v, "grad", bool, where))
         if not value.producer < value.last_use < n:
             raise UserError(f"{where}: needs producer < last_use < {n} (node ids), got {value.producer} and "
                             f"{value.last_use}; re-run `hybridpipe profile`")

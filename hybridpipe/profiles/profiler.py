@@ -152,8 +152,8 @@ def profile_model(model: ModelSpec, *, batch_size: int, device: str | torch.devi
 def boundary_values(captured: CapturedModel, blocks: list[BlockModule],
                     env: dict[str, Any]) -> tuple[ProfileValue, ...]:
     """Every value that enters a block from outside it: the model's inputs and the outputs blocks hand
-    on, with the block that makes it (-1: a model input), the last block that reads it, its bytes and
-    the first value sharing its storage (a view of another)."""
+    on, with the block that makes it (-1: a model input), the last block that reads it, its bytes,
+    the first value sharing its storage (a view of another) and whether it requires grad."""
     producer = {name: -1 for name in captured.inputs}
     last_use: dict[str, int] = {}
     for b, block in enumerate(blocks):
@@ -166,7 +166,8 @@ def boundary_values(captured: CapturedModel, blocks: list[BlockModule],
             continue                # a model input no block reads
         keys = sorted(storage_keys(env[name]))
         alias = first_of.setdefault(keys[0], len(out)) if keys else len(out)
-        out.append(ProfileValue(name, b, last_use[name], nbytes(env[name]), alias))
+        grad = any(t.requires_grad for t in tensors(env[name]))
+        out.append(ProfileValue(name, b, last_use[name], nbytes(env[name]), alias, grad))
     return tuple(out)
 
 

@@ -46,6 +46,7 @@ from hybridpipe.profiles.capture_cache import CaptureCache
 from hybridpipe.profiles.data import resolve_dataset
 from hybridpipe.profiles.losses import label_counter
 from hybridpipe.profiles.zoo import ModelSpec, resolve_model
+from hybridpipe.profiles.zoo.registry import factory_spec
 from hybridpipe.profiles.zoo.spec import batch_rows
 from hybridpipe.runtime.config import RunConfig
 from hybridpipe.runtime.lazy import capture_lazily, load_initial, load_whole, materialize
@@ -114,16 +115,20 @@ def trainer_model(model: Any, plan: Plan, *, precision: str, seed: int, example:
 
 
 def spec_of(model: Any, name: str, example: Any, loss: Callable[..., torch.Tensor] | None) -> ModelSpec:
-    """The ModelSpec of the Trainer's ``model`` argument: a spec string, a ModelSpec, a Model, or
-    an ``nn.Module`` / factory with ``example`` (one micro-batch of its input) and ``loss``."""
+    """The ModelSpec of the Trainer's ``model`` argument: a spec string, a ModelSpec, a Model, a
+    factory returning (module, example_input[, loss[, example_target]]) as ``package.module:factory``
+    does, or an ``nn.Module`` / a factory of one with ``example`` (one micro-batch of its input) and ``loss``."""
     if isinstance(model, str):
         return resolve_model(model)
     if isinstance(model, ModelSpec):
         return model
     if isinstance(model, Model):
         return model.spec
+    if example is None and callable(model) and not isinstance(model, nn.Module):
+        return factory_spec(name, getattr(model, "__qualname__", "the model factory"), model)
     if example is None:
-        raise UserError("a model given as an nn.Module or a factory needs example= (one micro-batch of its input)")
+        raise UserError("a model given as an nn.Module needs example= (one micro-batch of its input), or pass a "
+                        "factory returning (module, example_input[, loss[, example_target]])")
     build = (lambda: model) if isinstance(model, nn.Module) else model
     return ModelSpec(name=name, build=build, example=example, loss=loss)
 

@@ -10,7 +10,9 @@ their backward (6-10% over on every Mistral layer stage). zb-h1's stages hold le
 micro-batch's input and weight halves (the input half frees the graph, splitback.py): predicted from
 the profile's weight-half bytes and the gradients the input half records for the weight half (was
 9-24% over on GPT-2, DistilBERT and BART while neither side counted those gradients); zbv per rank
-of 2 (two chunks each, a tied weight's copy once per rank). The fast cases run in the default suite.
+of 2 (two chunks each, a tied weight's copy once per rank). BART's stage 2 (the decoder's embeddings
+beside the relayed encoder output) computes nothing from its inputs: it records only its output's
+gradient, not each block's alone (was 6.2% over with sgd). The fast cases run in the default suite.
 """
 
 from __future__ import annotations
@@ -29,17 +31,8 @@ from tests.pipeline.memory_matrix import FAMILIES, measure
 FAST = {("llama-tied", "zb-h1", "adam")}      # both causes at once; the rest: make test-slow
 
 
-# BART's stage 2 (the decoder's embedding, positions and layer norm) passes the encoder's output on and
-# computes nothing from it: its blocks' input halves, each profiled alone, record their outputs'
-# gradients (5,120 B), the stage only its output's (2,048 B): 6.2% over with sgd (adam 4.9%, zbv 0.1%)
-BART_SOURCES = ("zb-h1 on BART's stage 2, whose blocks do not depend on its inputs: the profile's per-block recorded "
-                "gradients (all their outputs') over-count the stage's (its output's only), predicted 6.2% over")
-
-
 def _case(family: str, schedule: str, optimizer: str):
     marks = [] if (family, schedule, optimizer) in FAST else [pytest.mark.slow]
-    if (family, schedule, optimizer) == ("bart", "zb-h1", "sgd"):
-        marks.append(pytest.mark.xfail(strict=True, reason=BART_SOURCES))
     return pytest.param(family, schedule, optimizer, marks=marks, id=f"{family}-{schedule}-{optimizer}")
 
 

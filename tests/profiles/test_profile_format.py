@@ -53,6 +53,21 @@ def test_weight_half_fields_round_trip_and_old_files_load_without_them(profile, 
     assert loaded == profile and all(nd.weight_half_bytes is None is nd.weight_half_saves for nd in loaded.nodes)
 
 
+def test_value_grad_flags_round_trip_and_old_files_load_without_them(profile, tmp_path):
+    """Each value's ``grad`` flag (whether it requires grad) round-trips; a profile written before it was
+    recorded (no such key) loads with None: every block's recorded gradients counted, as before."""
+    flagged = dataclasses.replace(profile, values=tuple(dataclasses.replace(v, grad=k % 2 == 1)
+                                                        for k, v in enumerate(profile.values)))
+    assert len(flagged.values) > 1
+    assert load_profile(save_profile(flagged, tmp_path / "g.json")) == flagged
+    old = flagged.to_dict()
+    for value in old["values"]:
+        del value["grad"]
+    assert all(v.grad is None for v in Profile.from_dict(old).values)
+    assert Profile.from_dict(old) == dataclasses.replace(flagged, values=tuple(
+        dataclasses.replace(v, grad=None) for v in flagged.values))
+
+
 def test_digraph_view_matches_edges(profile):
     g = profile.digraph()
     assert sorted(g.edges) == sorted(profile.edges)
@@ -132,6 +147,8 @@ def _mutate(d: dict, how: str) -> object:
         n[1]["weight_half_bytes"], n[1]["weight_half_saves"] = -1, []
     elif how == "half_grads_negative":
         n[1]["weight_half_grad_bytes"] = -1
+    elif how == "value_grad":
+        d["values"][0]["grad"] = 1
     return d
 
 
@@ -155,6 +172,7 @@ MALFORMED = [
     ("half_alone", '"weight_half_bytes" and "weight_half_saves" come together'),
     ("half_unknown", "saves 'nowhere', which \"values\" does not list"),
     ("half_negative", "weight_half_bytes"), ("half_grads_negative", "weight_half_grad_bytes"),
+    ("value_grad", 'value 0: field "grad" must be true/false'),
 ]
 
 

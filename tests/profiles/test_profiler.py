@@ -191,6 +191,10 @@ def test_with_the_split_backward_each_node_records_what_it_holds_until_its_weigh
     assert g["blocks.0"].weight_half_grad_bytes > g["blocks.0"].cut_grad_bytes
     plain = profile_model(resolve_model(gpt), batch_size=2, **FAST)
     assert all(n.weight_half_bytes is None is n.weight_half_saves is n.weight_half_grad_bytes for n in plain.nodes)
+    # which values require grad: the input batch none, and the cuts' gradients are those that do
+    assert all(v.grad is (v.producer >= 0) for v in plain.values if v.bytes and v.alias == plain.values.index(v))
+    assert [nd.cut_grad_bytes for nd in plain.nodes] == [sum(v.bytes for v in plain.values if v.grad and v.producer
+                                                             <= k < v.last_use) for k in range(len(plain.nodes))]
     r = profile_model(resolve_model("resnet-small[norm=none]"), batch_size=2, split_backward=backward_input, **FAST)
     assert r.nodes[2].type == "BasicBlock" and r.nodes[2].weight_half_bytes is r.nodes[2].weight_half_saves is None
     assert r.nodes[2].weight_half_grad_bytes > 0

@@ -27,7 +27,9 @@ holding a node without those fields (not measured, or its input half keeps the w
 formula for it, so the stage's input half keeps every node's) frees nothing: it holds its stash.
 On top of either it holds the gradients its input half recorded for the weight half (the profile's
 ``weight_half_grad_bytes``, summed over its nodes: each intermediate's incoming gradient, the logits'
-at an LM head); a stage whose inputs need no gradient records its outputs' (``cut_grad_bytes``). A
+at an LM head; of a node that depends on none of the stage's inputs, only the gradients of its values
+that leave the stage or meet the input path: recorded.py); a stage whose inputs need no gradient records
+its outputs' (``cut_grad_bytes``). A
 profile without that field (older) gets no table: every stage holds its stash until the weight half.
 
 Transient bytes of a stage i..j (``transient_bytes``, the table ``transient_table``): what it needs for a
@@ -53,6 +55,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from hybridpipe.partitioner.search.recorded import recorded_table
 from hybridpipe.profiles.format import Profile
 
 
@@ -283,8 +286,8 @@ def half_table(profile: Profile, stash: np.ndarray, cut_grad: np.ndarray
     p = np.concatenate([[0], np.cumsum(unknown)])
     keeps = (p[None, 1:] - p[:-1, None]) > 0            # [i, j]: a node of i..j lacks them
     kept = np.where(idle[:, None] | keeps, stash, np.minimum(kept, stash))     # what stays of what was held
-    g = np.concatenate([[0.0], np.cumsum([float(nd.weight_half_grad_bytes or 0) for nd in nodes])])
-    recorded = np.where(idle[:, None], cut_grad[None, :], g[None, 1:] - g[:-1, None])
+    wh = np.array([float(nd.weight_half_grad_bytes or 0) for nd in nodes])
+    recorded = np.where(idle[:, None], cut_grad[None, :], recorded_table(profile, wh))
     recorded = np.triu(recorded)
     return np.triu(kept) + recorded, recorded
 

@@ -165,7 +165,14 @@ def with_leaves(spec: str, leaves: list[str]) -> str:
 
 
 def _user_model(spec: str, target: str, kwargs: dict) -> ModelSpec:
-    factory = import_factory(target, "model")
+    return factory_spec(spec, target, import_factory(target, "model"), kwargs)
+
+
+def factory_spec(spec: str, target: str, factory: Callable, kwargs: dict | None = None) -> ModelSpec:
+    """The ModelSpec of a user's ``factory`` (named ``target`` in messages): it returns (module,
+    example_input[, loss[, example_target]]), the form ``package.module:factory`` takes (module
+    docstring); called with ``kwargs``."""
+    kwargs = kwargs or {}
 
     def call() -> tuple:
         out = call_user(f"your factory `{target}`", factory, **kwargs)
