@@ -38,7 +38,6 @@ if __package__ in (None, ""):                       # run as a script: make the 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hybridpipe.partitioner.refine.observed import RunObservation
-from hybridpipe.partitioner.refine.stepend import AS_PLANNED, StepEnd
 
 GOAL = 0.03        # the issue's median |error|
 WORST = 0.10       # and worst
@@ -153,23 +152,21 @@ def run_dirs(work: Path, model: str, hosts: int) -> list[Path]:
                   key=lambda d: (d / "summary.json").stat().st_mtime)
 
 
-def group_refiner(profile_path: Path, cluster_path: Path, calibration_paths: Sequence[Path],
-                  step_end: StepEnd = AS_PLANNED) -> Refiner:
-    """refine (as refine_from_runs) on the group's calibrated profile and calibration; predict_run with the
-    result; ``step_end``: the rules of ``refine/stepend.py`` in both."""
+def group_refiner(profile_path: Path, cluster_path: Path, calibration_paths: Sequence[Path]) -> Refiner:
+    """refine_from_runs on the group's calibrated profile and calibration; predict_run with the result."""
+    from hybridpipe.commands.refining import refine_from_runs
     from hybridpipe.partitioner.cost.calibration import load_calibration
     from hybridpipe.partitioner.cost.cluster import load_cluster
-    from hybridpipe.partitioner.refine.refinement import predict_run, refine, refined_calibrations, refined_profile
+    from hybridpipe.partitioner.refine.refinement import predict_run
     from hybridpipe.profiles.format import load_profile
     profile, cluster = load_profile(profile_path), load_cluster(cluster_path)
     cals = [load_calibration(c) for c in calibration_paths]
 
     def refiner(runs: Sequence[RunObservation]) -> Callable[[RunObservation], float]:
         if not runs:                                    # nothing to refine from: the model as calibrated
-            return lambda run: float(predict_run(profile, cluster, cals, run, step_end=step_end))
-        ref = refine(profile, cluster, cals, runs, step_end=step_end)
-        prof, rcals = refined_profile(profile, ref), refined_calibrations(cluster, cals, ref)
-        return lambda run: float(predict_run(prof, cluster, rcals, run, step_end=step_end))
+            return lambda run: float(predict_run(profile, cluster, cals, run))
+        refined = refine_from_runs(profile, cluster, cals, runs)
+        return lambda run: float(predict_run(refined.profile, cluster, refined.calibrations, run))
     return refiner
 
 
@@ -229,19 +226,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--drop-stalled", type=float, metavar="LIMIT", help="leave out of every run (measurement, noise "
                    "floor and refinement alike) the steady steps in which some rank computed more than LIMIT times its "
                    "own median over the run (a host stalled; observed.stalled_steps), e.g. 1.25")
-    p.add_argument("--step-end", default="", help="comma-separated rules of refine/stepend.py for refinement and "
-                   "prediction alike: finish (no sync hides behind the stage's own next forwards), barrier (the loss "
-                   "check's all-reduce when the last stage is replicated: only the drain hides a sync); default none")
     a = p.parse_args(argv)
-    rules = {x for x in a.step_end.split(",") if x}
-    if rules - {"finish", "barrier"}:
-        p.error(f"--step-end: unknown {sorted(rules - {'finish', 'barrier'})}")
-    step_end = StepEnd(finish="finish" in rules, barrier="barrier" in rules)
     if len(a.work) != len(a.results) or (a.calibration and len(a.calibration) != len(a.work)):
         p.error("give one --work per --results (and one --calibration per --work, if any)")
     groups: dict[str, list[PlanError]] = {}
     out: dict = {"benchmark": "plans_prediction", "machine": machine(), "results": [str(r) for r in a.results],
-                 "drop_stalled": a.drop_stalled, "step_end": sorted(rules), "groups": {}}
+                 "drop_stalled": a.drop_stalled, "groups": {}}
     spreads: list[float] = []
     found = [(work, model, hosts, cal) for work, results, cal in zip(a.work, a.results, a.calibration or
                                                                       [None] * len(a.work), strict=True)
@@ -252,7 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cal_paths = [cal] if cal else sorted(work.glob(f"allreduce{hosts}.json"))
         out["calibrations"][f"{model}, {hosts} hosts"] = [str(c) for c in cal_paths]
         refiner = group_refiner(work / f"{model}.x{hosts}.profile.json",
-                                REPO / "examples" / "clusters" / f"{hosts}x1gbit.json", cal_paths, step_end)
+                                REPO / "examples" / "clusters" / f"{hosts}x1gbit.json", cal_paths)
         plans = plan_errors(runs, refiner, refiner([]))
         nodes = read_json(work / f"{model}.x{hosts}.profile.json", "profile")["nodes"]
         fwd, bwd = [n["forward_ms"] for n in nodes], [n["backward_ms"] for n in nodes]

@@ -49,7 +49,6 @@ if __package__ in (None, ""):                       # run as a script: make the 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hybridpipe.partitioner.refine.observed import RankEvents, RunObservation, steady_steps
-from hybridpipe.partitioner.refine.stepend import AS_PLANNED, StepEnd
 
 TERMS = ("compute", "sync", "optimizer", "wait")
 
@@ -113,20 +112,18 @@ def measured_terms(ranks: Sequence[RankEvents], warmup: int, stages: int) -> lis
     return out
 
 
-def predicted_terms(profile, cluster, calibrations, run: RunObservation, optimizer: str = "sgd",
-                    step_end: StepEnd = AS_PLANNED) -> dict:
+def predicted_terms(profile, cluster, calibrations, run: RunObservation, optimizer: str = "sgd") -> dict:
     """The model's terms per stage for the stages ``run`` ran, and which stage its step comes from."""
     from hybridpipe.partitioner.cost.costmodel import CostModel
     from hybridpipe.partitioner.planner import priced_tied
     from hybridpipe.partitioner.refine.refinement import base_costs
-    from hybridpipe.partitioner.refine.stepend import step_end_evaluation
     from hybridpipe.partitioner.schedule_registry import get_schedule
     from hybridpipe.partitioner.search.objective import Options, StageSpec, evaluate, predict_step_ms
     model = CostModel(cluster, list(calibrations))
     specs = [StageSpec(s.first, s.last, s.ranks) for s in run.stages]
     opts = Options(get_schedule(run.schedule), run.micro_batches, optimizer, math.inf)
     costs = base_costs(profile, model)
-    ev = step_end_evaluation(evaluate(costs, model, specs, opts), costs, specs, opts, step_end)
+    ev = evaluate(costs, model, specs, opts)
     tied, tied_total = [0.0] * len(specs), 0.0
     for g in priced_tied(profile, specs, model):
         tied_total += g.predicted_ms
@@ -183,15 +180,13 @@ def differences(measured: Sequence[dict], predicted: dict) -> dict[str, float]:
     return {t: round(predicted["stages"][k][t] - measured[k][t], 1) for t in TERMS}
 
 
-def group_terms(work: Path, model: str, hosts: int, cluster_path: Path, calibration: Path | None = None,
-                step_end: StepEnd = AS_PLANNED) -> list[dict]:
+def group_terms(work: Path, model: str, hosts: int, cluster_path: Path, calibration: Path | None = None) -> list[dict]:
     """Every plan of a group with its measured and predicted terms (module docstring)."""
     from benchmarks.plans_prediction import group_plans, layout, pooled_ms, run_dirs
-    from hybridpipe.commands.refining import load_run
+    from hybridpipe.commands.refining import load_run, refine_from_runs
     from hybridpipe.partitioner.cost.calibration import load_calibration
     from hybridpipe.partitioner.cost.cluster import load_cluster
     from hybridpipe.partitioner.cost.costmodel import CostModel
-    from hybridpipe.partitioner.refine.refinement import refine, refined_calibrations, refined_profile
     from hybridpipe.profiles.format import load_profile
     profile, cluster = load_profile(work / f"{model}.x{hosts}.profile.json"), load_cluster(cluster_path)
     paths = [calibration] if calibration else sorted(work.glob(f"allreduce{hosts}.json"))
@@ -206,16 +201,15 @@ def group_terms(work: Path, model: str, hosts: int, cluster_path: Path, calibrat
             continue
         others = [r for k, rs in plans.items() if k != key for r in rs]
         measured = pooled_terms([measured_terms(*traces[r.name], len(r.stages)) for r in mine])
-        before = predicted_terms(profile, cluster, cals, mine[0], step_end=step_end)
+        before = predicted_terms(profile, cluster, cals, mine[0])
         row = {"layout": layout(mine[0]), "runs": len(mine), "measured_ms": pooled_ms(mine), "measured": measured,
                "p2p_measured_over_model": p2p_ratio(mine, CostModel(cluster, cals)),
                "before": before, "before_minus_measured": differences(measured, before)}
         if others:
-            ref = refine(profile, cluster, cals, others, step_end=step_end)
-            rcals = list(refined_calibrations(cluster, cals, ref))
-            loo = predicted_terms(refined_profile(profile, ref), cluster, rcals, mine[0], step_end=step_end)
+            refined = refine_from_runs(profile, cluster, cals, others)
+            loo = predicted_terms(refined.profile, cluster, refined.calibrations, mine[0])
             row |= {"leave_one_out": loo, "leave_one_out_minus_measured": differences(measured, loo),
-                    "p2p_measured_over_leave_one_out": p2p_ratio(mine, CostModel(cluster, rcals))}
+                    "p2p_measured_over_leave_one_out": p2p_ratio(mine, CostModel(cluster, list(refined.calibrations)))}
         out.append(row)
     return out
 
@@ -255,10 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True, help="the JSON to write")
     p.add_argument("--calibration", type=Path, action="append",
                    help="price with this calibration instead of the --work folder's (one per --work, in order)")
-    p.add_argument("--step-end", default="", help="rules of refine/stepend.py (finish, barrier; comma-separated)")
     a = p.parse_args(argv)
-    rules = {x for x in a.step_end.split(",") if x}
-    step_end = StepEnd(finish="finish" in rules, barrier="barrier" in rules)
     if len(a.work) != len(a.results) or (a.calibration and len(a.calibration) != len(a.work)):
         p.error("give one --work per --results (and one --calibration per --work, if any)")
     out: dict = {"benchmark": "plans_terms", "groups": {}}
@@ -266,8 +257,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for model, hosts in dict.fromkeys((r["model"], r["hosts"]) for r in read_json(results, "results")["rows"]):
             name = f"{model}, {hosts} hosts"
             out["groups"][name] = rows = group_terms(work, model, hosts,
-                                                     REPO / "examples" / "clusters" / f"{hosts}x1gbit.json", cal,
-                                                     step_end)
+                                                     REPO / "examples" / "clusters" / f"{hosts}x1gbit.json", cal)
             show(name, rows)
     write_text(a.out, json.dumps(out, indent=1))
     return 0

@@ -72,7 +72,6 @@ from hybridpipe.partitioner.planner import priced_tied
 from hybridpipe.partitioner.refine.interference import StageLoad, fit_interference, link_bytes
 from hybridpipe.partitioner.refine.observed import RunObservation
 from hybridpipe.partitioner.refine.step import StepStage, TiedEvidence, fit_step
-from hybridpipe.partitioner.refine.stepend import AS_PLANNED, StepEnd, step_end_evaluation
 from hybridpipe.partitioner.refine.sync import (
     SIZE_CLASS_BASE,
     SyncEvidence,
@@ -212,9 +211,8 @@ def step_evidence(profile: Profile, costs: ModelCosts, model: CostModel, run: Ru
 
 
 def refine(profile: Profile, cluster: Cluster, calibrations: Sequence[Calibration], runs: Sequence[RunObservation],
-           algorithms: Sequence[str] = ALGORITHMS, step_end: StepEnd = AS_PLANNED) -> Refinement:
-    """What ``runs`` of ``profile``'s model on ``cluster`` say about the cost model (module docstring);
-    ``step_end``: how the runs' steps are re-predicted for the leftover terms (``stepend.py``)."""
+           algorithms: Sequence[str] = ALGORITHMS) -> Refinement:
+    """What ``runs`` of ``profile``'s model on ``cluster`` say about the cost model (module docstring)."""
     if not runs:
         raise UserError("nothing to refine from: pass at least one run directory")
     model = CostModel(cluster, list(calibrations))
@@ -246,7 +244,7 @@ def refine(profile: Profile, cluster: Cluster, calibrations: Sequence[Calibratio
                      interference_s_per_byte=lost * 1e-3 / model.wire_bytes,
                      tied_factor=1.0 if ends.tied is None else max(ends.tied, 1e-3),
                      allreduce_slowdown_groups=fit_groups(evidence))
-    return fit_leftover(profile, cluster, calibrations, ref, runs, algorithms, step_end)
+    return fit_leftover(profile, cluster, calibrations, ref, runs, algorithms)
 
 
 def search_log(score: Callable[[float], float], grid: Sequence[float]) -> float:
@@ -268,8 +266,7 @@ def search_log(score: Callable[[float], float], grid: Sequence[float]) -> float:
 
 
 def fit_leftover(profile: Profile, cluster: Cluster, calibrations: Sequence[Calibration], ref: Refinement,
-                 runs: Sequence[RunObservation], algorithms: Sequence[str],
-                 step_end: StepEnd = AS_PLANNED) -> Refinement:
+                 runs: Sequence[RunObservation], algorithms: Sequence[str]) -> Refinement:
     """``ref`` with the p2p message latency, the compute lost to all-reduces beyond what the stages'
     own compute showed, and the step overhead that best explain the measured steps (coordinate
     search: latency, then the loss, then the latency again)."""
@@ -284,7 +281,7 @@ def fit_leftover(profile: Profile, cluster: Cluster, calibrations: Sequence[Cali
         trial = replace(ref, p2p_extra_alpha_s=tuple((lv, delta) for lv in levels),
                         interference_s_per_byte=seen + lost)
         cals = refined_calibrations(cluster, calibrations, trial)
-        pred = [predict_run(prof, cluster, cals, r, algorithms=algorithms, step_end=step_end) for r in measured]
+        pred = [predict_run(prof, cluster, cals, r, algorithms=algorithms) for r in measured]
         left = max(0.0, statistics.median([r.measured_step_ms - p for r, p in zip(measured, pred, strict=True)
                                            if r.measured_step_ms]))
         err = sum(abs((p + left - (r.measured_step_ms or 0)) / (r.measured_step_ms or 1))
@@ -366,14 +363,12 @@ def refined_calibrations(cluster: Cluster, calibrations: Sequence[Calibration],
 
 
 def predict_run(profile: Profile, cluster: Cluster, calibrations: Sequence[Calibration], run: RunObservation,
-                optimizer: str = "sgd", algorithms: Sequence[str] = ALGORITHMS,
-                step_end: StepEnd = AS_PLANNED) -> float:
+                optimizer: str = "sgd", algorithms: Sequence[str] = ALGORITHMS) -> float:
     """The step time the model predicts for the stages a run ran (its ranks, schedule, micro-batches),
-    tied weights' sums included, as a plan's prediction counts them (``step_end``: stepend.py's rules)."""
+    tied weights' sums included, as a plan's prediction counts them."""
     model = CostModel(cluster, list(calibrations))
     stages = [StageSpec(s.first, s.last, s.ranks) for s in run.stages]
     opts = Options(get_schedule(run.schedule), run.micro_batches, optimizer, math.inf, tuple(algorithms))
-    costs = base_costs(profile, model)
-    ev = step_end_evaluation(evaluate(costs, model, stages, opts), costs, stages, opts, step_end)
+    ev = evaluate(base_costs(profile, model), model, stages, opts)
     tied = sum(t.predicted_ms for t in priced_tied(profile, stages, model))
     return predict_step_ms(ev, opts) + tied + model.step_overhead_ms
