@@ -23,7 +23,8 @@ Interfaces (duck-typed, see the project's contracts; the protocols are in ports.
   (wait for the started all-reduces) and ``sum_replicas(tensor)`` (sum in place across the
   replicas, blocking: after each step, a replicated chunk's batch-norm statistics;
   batch_stats.py). Gradients must be *summed* across replicas
-  (``HybridDataParallel(..., reduce="sum")``): the schedule's Step applies 1/M (or 1/r).
+  (``HybridDataParallel(..., reduce="sum")``): the schedule's Step applies 1/M (or 1/r; where exact,
+  the last stage's backward seed applies the 1/M instead: loss_seed.py).
   ``None`` for an unreplicated stage. With several chunks, a mapping stage index -> sync (each
   chunk's replicas sync its own parameters: ``SyncStart(m, s)`` / ``SyncWait(s)`` name the chunk).
 * ``optimizer``: a ``torch.optim.Optimizer`` over :attr:`PipelineEngine.module`'s parameters.
@@ -88,6 +89,7 @@ from hybridpipe.pipeline.instructions import (
     SyncWait,
     message_key,
 )
+from hybridpipe.pipeline.loss_seed import loss_seed
 from hybridpipe.pipeline.memory import MemoryMeter, optimizer_tensors, tensors_bytes
 from hybridpipe.pipeline.ports import StepNews, TiedReduce, Transport, chunk_syncs, step_gradients
 from hybridpipe.pipeline.schedules import Topology, check_schedulable, forwarded, rank_program, settle_phase
@@ -162,6 +164,9 @@ class PipelineEngine:
         self._forwarded: dict[tuple[int, int, bool], tuple[int, ...]] = {}    # (stage, phase, drain): all replicas
         self._local: dict[str, dict[str, torch.Tensor]] = {}    # messages from one chunk of this rank to another
         self._params = tuple(self.module.parameters())      # fixed objects: listed once, not every Step
+        # the Step's 1/M in the last stage's backward seed where that gives the same bits (loss_seed.py)
+        self._seed = loss_seed(topo.micro_batches, schedule, tokens=tokens is not None,
+                               loss_scale=loss_scale is not None, autocast=autocast)
         self.news = news        # its route's instructions stand in the lists, found by identity (carried_by)
         self._news_recv = news.route.receive if news is not None else None
         self._news_sends = frozenset(map(id, news.route.sends)) if news is not None else frozenset()
@@ -303,7 +308,7 @@ class PipelineEngine:
             case Backward():
                 act = self._scaled(stage, flight.acts.pop(key))
                 with self._sync_if(s, g), self.meter.backward(stage.recompute, stage.module):
-                    grads = stage.backward(act, flight.out_grads.pop(key, None))
+                    grads = stage.backward(act, flight.out_grads.pop(key, None), loss_seed=self._seed)
                 self.meter.drop(key)
                 if self.stash:
                     self.stash.backward_done(g)
@@ -312,7 +317,7 @@ class PipelineEngine:
             case BackwardInput():
                 act = self._scaled(stage, flight.acts.pop(key))
                 with self.syncs[s].no_sync(), self.meter.backward(stage.recompute, stage.module):   # no param grads
-                    grads, work = stage.backward_input(act, flight.out_grads.pop(key, None))
+                    grads, work = stage.backward_input(act, flight.out_grads.pop(key, None), loss_seed=self._seed)
                 flight.weight_work[key] = (act, work)
                 # the graph is freed: what the weight half reads, and the gradients it was recorded
                 self.meter.hold(key, work.held(), work.recorded())
@@ -374,7 +379,8 @@ class PipelineEngine:
             case SyncWait():
                 self.syncs[ins.stage].finish()
             case Step():
-                scale = ins.grad_scale
+                # seeded: the backward applied the factor already (x / x is exactly 1.0)
+                scale = ins.grad_scale if self._seed is None else ins.grad_scale / self._seed
                 if self.tokens is not None:         # the step's summed gradients over its tokens (tokens.py)
                     loss_sum, tokens, scale = self.tokens.step_total()
                     result.total = (loss_sum, tokens)
