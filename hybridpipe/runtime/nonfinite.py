@@ -206,5 +206,17 @@ class GuardedOptimizer:
             return None
         return self.optimizer.step() if closure is None else self.optimizer.step(closure)
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The wrapped optimizer's ``zero_grad``; for a torch optimizer that keeps torch's own with
+        ``set_to_none``, what that does (every parameter's ``.grad`` set to None), without its
+        profiler range and per-call checks."""
+        opt = self.optimizer
+        if set_to_none and type(opt).zero_grad is torch.optim.Optimizer.zero_grad:
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    p.grad = None
+            return
+        opt.zero_grad(set_to_none=set_to_none)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.optimizer, name)
