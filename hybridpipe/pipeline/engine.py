@@ -219,8 +219,10 @@ class PipelineEngine:
         rank, e.g. zbv's turn of the V) they stay here."""
         if peer == self.rank:
             self._local[key] = {k: t.detach() for k, t in tensors.items()}
+        elif self.transport is not None:         # checked here, not in a call per message
+            self.transport.send(peer, key, tensors)
         else:
-            self.channel().send(peer, key, tensors)
+            self.channel()
 
     def recv(self, peer: int, key: str) -> dict[str, torch.Tensor]:
         """The tensors ``peer`` sent under ``key`` (blocks until they arrive)."""
@@ -228,6 +230,8 @@ class PipelineEngine:
             if key not in self._local:
                 raise RuntimeError(f"rank {self.rank} receives {key!r} from itself before sending it")
             return self._local.pop(key)
+        if self.transport is not None:
+            return self.transport.recv(peer, key)
         return self.channel().recv(peer, key)
 
     def channel(self) -> Transport:
