@@ -36,7 +36,9 @@ Interfaces (duck-typed, see the project's contracts; the protocols are in ports.
   final (replicas summed, tied copies summed, scaled by the Step's factor): e.g. clipping; when
   it returns False the step is skipped (gradients zeroed, no update).
 * ``loss_scale`` (optional): the last stage multiplies each loss by ``loss_scale()`` before its
-  backward (fp16 loss scaling; ``before_step`` divides the gradients back).
+  backward (fp16 loss scaling; ``before_step`` divides the gradients back). Give it, ``tokens`` and
+  ``autocast`` to every rank's engine alike: whether the last stage's backward seed carries the
+  Step's 1/M, and so whether every rank's Step skips it, depends on them (loss_seed.py).
 * ``tokens`` (optional, pipeline/tokens.py): token-weighted loss; each backward starts from the
   micro-batch's loss sum and the Step multiplies by 1 / (the step's valid tokens) instead of 1/M.
 * ``news`` (optional, stepnews.py): the sends in ``news.route.sends`` carry ``news.outgoing(step, losses)``
