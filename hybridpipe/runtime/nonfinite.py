@@ -80,7 +80,7 @@ class NonFiniteWatch:
     @property
     def decides_alone(self) -> bool:
         """This rank is the ``source``: it knows the verdict before sharing it (asked of torch.distributed
-        once per ``source`` set: every step asks)."""
+        once each time ``source`` is set, not at every step's check)."""
         if self._alone is None:
             if self._source is None or not dist.is_initialized():
                 return False
@@ -211,7 +211,7 @@ class GuardedOptimizer:
         ``set_to_none``, what that does (every parameter's ``.grad`` set to None), without its
         profiler range and per-call checks."""
         opt = self.optimizer
-        if set_to_none and type(opt).zero_grad is torch.optim.Optimizer.zero_grad:
+        if set_to_none and getattr(type(opt), "zero_grad", None) is torch.optim.Optimizer.zero_grad:
             for group in opt.param_groups:
                 for p in group["params"]:
                     p.grad = None
