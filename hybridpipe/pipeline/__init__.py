@@ -30,11 +30,12 @@ Pure parts (no processes):
 """
 
 from hybridpipe.pipeline.data import MicroBatches
-from hybridpipe.pipeline.engine import PipelineEngine, StepResult
+from hybridpipe.pipeline.engine import PipelineEngine
 from hybridpipe.pipeline.plancheck import CheckedPlan, build_stage, build_stages, check_plan
 from hybridpipe.pipeline.ports import LocalSync
 from hybridpipe.pipeline.schedules import Topology, channel_edges, check_schedulable, rank_program, transfer_program
 from hybridpipe.pipeline.stage import Activation, PipelineStage, build_stage_index
+from hybridpipe.pipeline.step_result import StepResult
 
 __all__ = [
     "MicroBatches", "LocalSync", "PipelineEngine", "StepResult", "Topology", "channel_edges", "check_schedulable",

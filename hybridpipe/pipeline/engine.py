@@ -23,7 +23,8 @@ Interfaces (duck-typed, see the project's contracts; the protocols are in ports.
   (wait for the started all-reduces) and ``sum_replicas(tensor)`` (sum in place across the
   replicas, blocking: after each step, a replicated chunk's batch-norm statistics;
   batch_stats.py). Gradients must be *summed* across replicas
-  (``HybridDataParallel(..., reduce="sum")``): the schedule's Step applies 1/M (or 1/r).
+  (``HybridDataParallel(..., reduce="sum")``): the schedule's Step applies 1/M (or 1/r; where exact,
+  the last stage's backward seed applies the 1/M instead: loss_seed.py).
   ``None`` for an unreplicated stage. With several chunks, a mapping stage index -> sync (each
   chunk's replicas sync its own parameters: ``SyncStart(m, s)`` / ``SyncWait(s)`` name the chunk).
 * ``optimizer``: a ``torch.optim.Optimizer`` over :attr:`PipelineEngine.module`'s parameters.
@@ -35,7 +36,9 @@ Interfaces (duck-typed, see the project's contracts; the protocols are in ports.
   final (replicas summed, tied copies summed, scaled by the Step's factor): e.g. clipping; when
   it returns False the step is skipped (gradients zeroed, no update).
 * ``loss_scale`` (optional): the last stage multiplies each loss by ``loss_scale()`` before its
-  backward (fp16 loss scaling; ``before_step`` divides the gradients back).
+  backward (fp16 loss scaling; ``before_step`` divides the gradients back). Give it, ``tokens`` and
+  ``autocast`` to every rank's engine alike: whether the last stage's backward seed carries the
+  Step's 1/M, and so whether every rank's Step skips it, depends on them (loss_seed.py).
 * ``tokens`` (optional, pipeline/tokens.py): token-weighted loss; each backward starts from the
   micro-batch's loss sum and the Step multiplies by 1 / (the step's valid tokens) instead of 1/M.
 * ``news`` (optional, stepnews.py): the sends in ``news.route.sends`` carry ``news.outgoing(step, losses)``
@@ -46,6 +49,9 @@ Interfaces (duck-typed, see the project's contracts; the protocols are in ports.
   in the dtype the stage computed them in, as the unsplit model holds them: what autocast made
   16-bit crosses in 16 bits, a float32 residual stream in float32.
 
+The instructions themselves run in micro_batch_ops.py (a micro-batch's: load, receive, forward,
+send, loss, backward) and step_ops.py (SyncWait, the optimizer Step); StepResult is step_result.py's.
+
 ``run_eval(data)`` runs the forward-only evaluation list (``schedules.eval_program``) in
 evaluation mode without autograd: no gradient, no weight or optimizer change.
 """
@@ -55,11 +61,9 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from typing_extensions import assert_never
 
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner.schedule_registry import Schedule
@@ -67,52 +71,18 @@ from hybridpipe.pipeline import engine_state, evaluation
 from hybridpipe.pipeline.chunks import rank_module
 from hybridpipe.pipeline.data import DataSource
 from hybridpipe.pipeline.inflight import InFlight
-from hybridpipe.pipeline.instructions import (
-    PHASES,
-    Backward,
-    BackwardInput,
-    BackwardWeight,
-    Forward,
-    Instruction,
-    LoadInput,
-    LoadTarget,
-    Loss,
-    MicroBatchInstruction,
-    RecvActivations,
-    RecvGradients,
-    SendActivations,
-    SendGradients,
-    Step,
-    StepInstruction,
-    SyncStart,
-    SyncWait,
-    message_key,
-)
+from hybridpipe.pipeline.instructions import PHASES, Instruction, MicroBatchInstruction, StepInstruction
+from hybridpipe.pipeline.loss_seed import loss_seed
 from hybridpipe.pipeline.memory import MemoryMeter, optimizer_tensors, tensors_bytes
-from hybridpipe.pipeline.ports import StepNews, TiedReduce, Transport, chunk_syncs, step_gradients
+from hybridpipe.pipeline.micro_batch_ops import run_micro_batch
+from hybridpipe.pipeline.ports import StepNews, TiedReduce, Transport, chunk_syncs
 from hybridpipe.pipeline.schedules import Topology, check_schedulable, forwarded, rank_program, settle_phase
-from hybridpipe.pipeline.stage import Activation, PipelineStage
+from hybridpipe.pipeline.stage import PipelineStage
 from hybridpipe.pipeline.stash import WeightStash, needs_frozen
-from hybridpipe.pipeline.stepnews import NEWS, carried_by
+from hybridpipe.pipeline.step_ops import run_step_level
+from hybridpipe.pipeline.step_result import StepResult
+from hybridpipe.pipeline.stepnews import carried_by
 from hybridpipe.pipeline.tokens import TokenCounts, check_normalization
-from hybridpipe.pipeline.values import moved
-from hybridpipe.profiles.losses import loss_mean
-
-
-@dataclass
-class StepResult:
-    step: int
-    losses: dict[int, torch.Tensor] = field(default_factory=dict)   # last stage: micro-batch of this step -> loss
-    counts: dict[int, torch.Tensor] = field(default_factory=dict)   # with tokens: micro-batch -> its tokens
-    total: tuple[float, float] | None = None     # with tokens: the step's (loss sum, tokens) over every rank
-    optimizer_steps: int = 0
-    peak_memory_bytes: int = 0      # what the stage held at its peak this step (memory.py; 0: not measured)
-
-    @property
-    def mean_loss(self) -> float | None:
-        if self.total is not None:
-            return self.total[0] / self.total[1] if self.total[1] > 0 else float("nan")
-        return float(torch.stack(list(self.losses.values())).mean()) if self.losses else None
 
 
 class PipelineEngine:
@@ -161,10 +131,13 @@ class PipelineEngine:
         self._programs: dict[tuple[int, bool], list[Instruction]] = {}
         self._forwarded: dict[tuple[int, int, bool], tuple[int, ...]] = {}    # (stage, phase, drain): all replicas
         self._local: dict[str, dict[str, torch.Tensor]] = {}    # messages from one chunk of this rank to another
-        self._params = tuple(self.module.parameters())      # fixed objects: listed once, not every Step
+        self.params = tuple(self.module.parameters())      # fixed objects: listed once, not every Step
+        # the Step's 1/M in the last stage's backward seed where that gives the same bits (loss_seed.py)
+        self.loss_seed = loss_seed(topo.micro_batches, schedule, tokens=tokens is not None,
+                               loss_scale=loss_scale is not None, autocast=autocast)
         self.news = news        # its route's instructions stand in the lists, found by identity (carried_by)
-        self._news_recv = news.route.receive if news is not None else None
-        self._news_sends = frozenset(map(id, news.route.sends)) if news is not None else frozenset()
+        self.news_receive = news.route.receive if news is not None else None
+        self.news_sends = frozenset(map(id, news.route.sends)) if news is not None else frozenset()
 
     # ---- public ------------------------------------------------------------------------
     @property
@@ -248,8 +221,10 @@ class PipelineEngine:
         rank, e.g. zbv's turn of the V) they stay here."""
         if peer == self.rank:
             self._local[key] = {k: t.detach() for k, t in tensors.items()}
+        elif self.transport is not None:         # checked here, not in a call per message
+            self.transport.send(peer, key, tensors)
         else:
-            self.channel().send(peer, key, tensors)
+            self.channel()
 
     def recv(self, peer: int, key: str) -> dict[str, torch.Tensor]:
         """The tensors ``peer`` sent under ``key`` (blocks until they arrive)."""
@@ -257,6 +232,8 @@ class PipelineEngine:
             if key not in self._local:
                 raise RuntimeError(f"rank {self.rank} receives {key!r} from itself before sending it")
             return self._local.pop(key)
+        if self.transport is not None:
+            return self.transport.recv(peer, key)
         return self.channel().recv(peer, key)
 
     def channel(self) -> Transport:
@@ -265,98 +242,13 @@ class PipelineEngine:
             raise RuntimeError(f"rank {self.rank} sends or receives, but its engine was given no transport")
         return self.transport
 
-    # ---- instructions ------------------------------------------------------------------
+    # ---- instructions (micro_batch_ops.py, step_ops.py; methods: what a profiler wraps) ---------------
     def _execute(self, ins: MicroBatchInstruction, s: int, g: int, frozen: set[int], result: StepResult) -> None:
         """Run an instruction about micro-batch ``g`` (numbered over the run) on chunk ``s``."""
-        M = self.topo.micro_batches
-        stage, key, flight, tokens = self.stages[s], (s, g), self.flight, self.tokens
-        match ins:
-            case LoadInput():
-                batch = self.data.input(g // M, g % M)
-                flight.inputs[key] = {k: v.to(self.device, non_blocking=True)
-                                      for k, v in stage.data_inputs(batch).items()}
-                if tokens is not None:
-                    tokens.loaded(key, batch, self.device)
-            case RecvActivations():
-                if key not in flight.inputs:       # else received early, at a checkpoint
-                    got = self.recv(ins.peer, message_key(ins, g, M))
-                    flight.inputs[key] = tokens.incoming(key, got) if tokens is not None else got
-            case Forward():
-                params = self.stash.forward_params(g, g in frozen) if self.stash else None
-                with self.meter.forward(), self.compute_context():
-                    act = flight.acts[key] = stage.forward(flight.inputs.pop(key), params=params, micro_batch=g)
-                self.meter.hold(key, act.inputs, act.outputs, act.output)
-            case SendActivations():
-                out = flight.acts[key].outputs
-                self.send(ins.peer, message_key(ins, g, M), tokens.outgoing(key, out) if tokens else out)
-            case LoadTarget():
-                flight.targets[key] = moved(self.data.target(g // M, g % M), self.device)
-            case Loss():
-                self._loss(stage, key, g, result)
-            case RecvGradients():
-                if key not in flight.out_grads:    # else received early, at a checkpoint
-                    got = flight.out_grads[key] = self.recv(ins.peer, message_key(ins, g, M))
-                    if ins is self._news_recv and self.news is not None:    # stepnews.py
-                        self.news.incoming(g // M, got.pop(NEWS))
-            case SyncStart():
-                flight.sync_next.add(key)
-            case Backward():
-                act = self._scaled(stage, flight.acts.pop(key))
-                with self._sync_if(s, g), self.meter.backward(stage.recompute, stage.module):
-                    grads = stage.backward(act, flight.out_grads.pop(key, None))
-                self.meter.drop(key)
-                if self.stash:
-                    self.stash.backward_done(g)
-                if not stage.is_first:
-                    flight.in_grads[key] = grads
-            case BackwardInput():
-                act = self._scaled(stage, flight.acts.pop(key))
-                with self.syncs[s].no_sync(), self.meter.backward(stage.recompute, stage.module):   # no param grads
-                    grads, work = stage.backward_input(act, flight.out_grads.pop(key, None))
-                flight.weight_work[key] = (act, work)
-                # the graph is freed: what the weight half reads, and the gradients it was recorded
-                self.meter.hold(key, work.held(), work.recorded())
-                if not stage.is_first:
-                    flight.in_grads[key] = grads
-            case BackwardWeight():
-                _, work = flight.weight_work.pop(key)
-                with self._sync_if(s, g), self.meter.backward(stage.recompute, stage.module):
-                    stage.backward_weight(work)
-                self.meter.drop(key)
-            case SendGradients():
-                grads = flight.in_grads.pop(key)
-                if self._news_sends and id(ins) in self._news_sends and self.news is not None:
-                    grads = {**grads, NEWS: self.news.outgoing(g // M, result.losses)}
-                self.send(ins.peer, message_key(ins, g, M), grads)
-            case _:
-                assert_never(ins)
+        run_micro_batch(self, ins, s, g, frozen, result)
 
-    def _loss(self, stage: PipelineStage, key: tuple[int, int], g: int, result: StepResult) -> None:
-        """The last stage's loss of micro-batch ``g``: its mean, or with ``tokens`` its sum (the
-        step's result gets the mean and the micro-batch's valid tokens)."""
-        act, M = self.flight.acts[key], self.topo.micro_batches
-        with self.meter.forward(), self.compute_context():
-            value = stage.loss(act.output, self.flight.targets.pop(key))
-            act.loss, total, count = self.tokens.split(key, value) if self.tokens else (loss_mean(value),) * 3
-        self.meter.hold(key, act.loss)
-        if g // M == result.step:
-            result.losses[g % M] = total.detach() if self.tokens is None else total.detach() / count.clamp(min=1)
-            if self.tokens is not None:
-                result.counts[g % M] = count
-
-    def _scaled(self, stage: PipelineStage, act: Activation) -> Activation:
-        """The last stage's activation with its loss multiplied by the fp16 loss scale (if any)."""
-        if self.loss_scale is not None and stage.is_last and act.loss is not None:
-            act.loss = act.loss * self.loss_scale()
-        return act
-
-    def _sync_if(self, s: int, g: int):
-        """The context of the backward (on chunk ``s``) that completes micro-batch g's parameter
-        gradients: it starts the chunk's replicas' sync when a SyncStart named g, else
-        accumulates (``no_sync``)."""
-        synced = (s, g) in self.flight.sync_next
-        self.flight.sync_next.discard((s, g))
-        return contextlib.nullcontext() if synced else self.syncs[s].no_sync()
+    def _execute_step_level(self, ins: StepInstruction, result: StepResult) -> None:
+        run_step_level(self, ins, result)
 
     def _combine_stats(self, step: int, drain: bool) -> None:
         """Replicated chunks: every replica's running statistics of the step's micro-batches,
@@ -369,36 +261,6 @@ class PipelineEngine:
                     self._forwarded[key] = forwarded(self.topo, self.schedule, s, phase=key[1], drain=drain)
                 stage.stats.combine([step * M + m for m in self._forwarded[key]], self.syncs[s].sum_replicas)
 
-    def _execute_step_level(self, ins: StepInstruction, result: StepResult) -> None:
-        match ins:
-            case SyncWait():
-                self.syncs[ins.stage].finish()
-            case Step():
-                scale = ins.grad_scale
-                if self.tokens is not None:         # the step's summed gradients over its tokens (tokens.py)
-                    loss_sum, tokens, scale = self.tokens.step_total()
-                    result.total = (loss_sum, tokens)
-                self._optimizer_step(scale)
-                result.optimizer_steps += 1
-            case _:
-                assert_never(ins)
-
-    def _optimizer_step(self, scale: float) -> None:
-        if self.tied is not None:
-            self.tied.reduce()
-        if scale != 1.0:
-            grads = step_gradients(self.module, self.optimizer, self._params)
-            if grads:
-                with torch.no_grad():
-                    torch._foreach_mul_(grads, scale)       # one call, not one per parameter
-        if self.before_step is not None and self.before_step() is False:
-            self.optimizer.zero_grad(set_to_none=True)
-            return
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.stash:
-            self.stash.stepped()
-
     def _held(self) -> list[torch.Tensor]:
         """Tensors the rank holds outside autograd's graph: weights, optimizer state, stashed versions."""
         out = list(self.module.parameters()) + optimizer_tensors(self.optimizer)
@@ -410,5 +272,5 @@ class PipelineEngine:
         own = getattr(self.optimizer, "grad_bytes", None)      # a sharded stage's: its share (comm/sharded)
         if callable(own):
             return int(own())
-        return tensors_bytes(p for p in self._params if p.requires_grad)
+        return tensors_bytes(p for p in self.params if p.requires_grad)
 

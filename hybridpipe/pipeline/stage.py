@@ -233,23 +233,24 @@ class PipelineStage:
             return model_loss(output)
         return self.loss_fn(output, target)
 
-    def backward(self, act: Activation,
-                 output_grads: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    def backward(self, act: Activation, output_grads: Mapping[str, torch.Tensor] | None = None, *,
+                 loss_seed: float | None = None) -> dict[str, torch.Tensor]:
         """Backpropagate one micro-batch; accumulates parameter grads, returns the inputs' grads.
 
-        On the last stage from ``act.loss``; elsewhere from ``output_grads`` (grads of
-        ``act.outputs`` by name; outputs without a grad are treated as not influencing the loss).
+        On the last stage from ``act.loss`` (seeded with ``loss_seed`` instead of 1 when given:
+        loss_seed.py); elsewhere from ``output_grads`` (grads of ``act.outputs`` by name; outputs
+        without a grad are treated as not influencing the loss).
         """
-        tensors, grads = self._roots(act, output_grads)
+        tensors, grads = self._roots(act, output_grads, loss_seed)
         if tensors:
             torch.autograd.backward(tensors, grads)
         return {k: t.grad for k, t in act.inputs.items() if t.requires_grad and t.grad is not None}
 
-    def backward_input(self, act: Activation, output_grads: Mapping[str, torch.Tensor] | None = None
-                       ) -> tuple[dict[str, torch.Tensor], WeightWork]:
+    def backward_input(self, act: Activation, output_grads: Mapping[str, torch.Tensor] | None = None, *,
+                       loss_seed: float | None = None) -> tuple[dict[str, torch.Tensor], WeightWork]:
         """The first half of a split backward: the inputs' grads (as :meth:`backward` returns
         them), and what :meth:`backward_weight` needs to accumulate the parameters' grads later."""
-        tensors, grads = self._roots(act, output_grads)
+        tensors, grads = self._roots(act, output_grads, loss_seed)
         work = backward_input(tensors, grads, list(act.inputs.values()), list(self.module.parameters()),
                               one_pass=self.recompute, plans=self.split_plans)
         out = {k: t.grad for k, t in act.inputs.items() if t.requires_grad and t.grad is not None}
@@ -262,13 +263,15 @@ class PipelineStage:
         """The second half of a split backward: accumulate the parameters' grads."""
         backward_weight(work)
 
-    def _roots(self, act: Activation, output_grads: Mapping[str, torch.Tensor] | None
+    def _roots(self, act: Activation, output_grads: Mapping[str, torch.Tensor] | None, loss_seed: float | None
                ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
-        """Where a backward starts: the loss (last stage), else the outputs that got gradients."""
+        """Where a backward starts: the loss (last stage; its seed ``loss_seed``, None: ones), else
+        the outputs that got gradients."""
         if self.is_last:
             if act.loss is None:
                 raise RuntimeError("backward on the last stage needs a forward with a target (the loss)")
-            return [act.loss], [None]
+            # the seed made here in place of autograd's ones_like: no extra op for the 1/M factor
+            return [act.loss], [None if loss_seed is None else torch.full_like(act.loss, loss_seed)]
         unknown = set(output_grads or {}) - set(act.outputs)
         if unknown:
             raise KeyError(f"stage {self.index} got gradients for {sorted(unknown)}, which it did not send")

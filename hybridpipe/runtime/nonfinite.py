@@ -57,18 +57,35 @@ class NonFiniteWatch:
                  group: dist.ProcessGroup | None = None, hint: str = "", source: int | None = None) -> None:
         self.device, self.skip, self.flushing, self.stage = device, skip, flushing, stage
         self.group, self.hint = group, hint
-        self.source = source        # the one (global) rank that can raise the flag, if there is one
+        self._source = source       # the one (global) rank that can raise the flag, if there is one
+        self._alone: bool | None = None     # decides_alone, once known for this source
         self.skipped: list[int] = []
         self._pending: list[Any] = []           # async all-reduces of a rank that decides alone
-        self._flag = torch.zeros((), dtype=torch.float32, device=device)
+        # never written in place (note() makes a new tensor), so a fresh flag is this one, not a copy
+        self._zero = torch.zeros((), dtype=torch.float32, device=device)
+        self._flag = self._zero
         self._verdict: bool | None = None
         self.carried = False        # the verdict reaches the other ranks on gradient frames (step_news.py)
         self._heard: torch.Tensor | None = None     # carried: the source's flag of this step, as received
 
     @property
+    def source(self) -> int | None:
+        """The one (global) rank that can raise the flag, if there is one (set again when the world re-forms)."""
+        return self._source
+
+    @source.setter
+    def source(self, rank: int | None) -> None:
+        self._source, self._alone = rank, None
+
+    @property
     def decides_alone(self) -> bool:
-        """This rank is the ``source``: it knows the verdict before sharing it."""
-        return self.source is not None and dist.is_initialized() and dist.get_rank() == self.source
+        """This rank is the ``source``: it knows the verdict before sharing it (asked of torch.distributed
+        once each time ``source`` is set, not at every step's check)."""
+        if self._alone is None:
+            if self._source is None or not dist.is_initialized():
+                return False
+            self._alone = dist.get_rank() == self._source
+        return self._alone
 
     # ---- wrapping ----------------------------------------------------------------------
     def wrap_loss(self, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -100,15 +117,14 @@ class NonFiniteWatch:
     def reset(self) -> None:
         """Forget an interrupted step (in-place recovery): its flag, verdict and all-reduces."""
         self._pending.clear()
-        self._flag = torch.zeros_like(self._flag)
+        self._flag = self._zero
         self._verdict = None
         self._heard = None
 
     # ---- agreeing ----------------------------------------------------------------------
     def agree(self) -> bool:
         """Collective: whether any rank saw a non-finite loss since the last call (then clears)."""
-        flag = self._flag.clone()
-        self._flag = torch.zeros_like(self._flag)
+        flag, self._flag = self._flag, self._zero     # note() replaces the flag, never writes it: no copy
         if not dist.is_initialized():
             return bool(flag.item() > 0)
         if self.carried:                          # no collective: the source knows, the others heard it
@@ -118,6 +134,7 @@ class NonFiniteWatch:
             if heard is None:
                 raise RuntimeError("this step's loss verdict did not arrive on its gradient frames")
             return bool(heard.item() > 0)
+        flag = flag.clone()             # the collective below works on it in place (and _zero stays zero)
         if self.decides_alone:
             mine = bool(flag.item() > 0)          # read before the collective works on it in place
             for work in self._pending:            # the previous step's: long complete
@@ -188,6 +205,18 @@ class GuardedOptimizer:
         if not self.watch.before_update():
             return None
         return self.optimizer.step() if closure is None else self.optimizer.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The wrapped optimizer's ``zero_grad``; for a torch optimizer that keeps torch's own with
+        ``set_to_none``, what that does (every parameter's ``.grad`` set to None), without its
+        profiler range and per-call checks."""
+        opt = self.optimizer
+        if set_to_none and getattr(type(opt), "zero_grad", None) is torch.optim.Optimizer.zero_grad:
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    p.grad = None
+            return
+        opt.zero_grad(set_to_none=set_to_none)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.optimizer, name)

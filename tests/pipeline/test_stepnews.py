@@ -128,10 +128,11 @@ def news_engine(log: list):
             super().__init__(stages, topo, rank, schedule, news=Notes(route[rank], rank, log), **kwargs)
             self._steps = 0
 
-        def _optimizer_step(self, scale: float) -> None:
-            log.append(("step", self.rank, self._steps, None))
-            self._steps += 1
-            super()._optimizer_step(scale)
+        def _execute_step_level(self, ins, result) -> None:
+            if isinstance(ins, Step):
+                log.append(("step", self.rank, self._steps, None))
+                self._steps += 1
+            super()._execute_step_level(ins, result)
     return Engine
 
 

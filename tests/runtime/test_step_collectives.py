@@ -237,3 +237,28 @@ def test_a_four_stage_chain_stops_or_skips_alike_on_every_rank(tmp_path, schedul
         assert r["weights"][BAD] == r["weights"][BAD - 1]
     plain = plain_losses(plan, STEPS)
     assert close_but_bad(skipped[0]["losses"], plain)
+
+
+def carried_agree_ops(rank: int, world: int) -> dict:
+    """The carried verdict (step_news.py) on 2 ranks: rank 1 the source noting a NaN loss at step 2,
+    rank 0 hearing each step's flag as a gradient frame hands it over; the ops each agree dispatched."""
+    from tests.pipeline.test_loss_seed import Ops
+
+    watch = NonFiniteWatch(torch.device("cpu"), skip=True, flushing=True, source=1)
+    watch.carried = True
+    verdicts, ops = [], Ops()
+    for step in range(STEPS):
+        if rank == 1:
+            watch.note(torch.tensor(float("nan") if step == 2 else 1.5))
+        else:
+            watch.heard(torch.tensor(1.0 if step == 2 else 0.0, dtype=torch.float64))
+        with ops:
+            verdicts.append(watch.agree())
+    return {"verdicts": verdicts, "ops": dict(ops.seen)}
+
+
+def test_the_carried_verdict_costs_one_read_a_step_and_no_copy():
+    out = spawn(carried_agree_ops, 2, timeout=60)
+    assert all(r["verdicts"] == [False, False, True, False] for r in out), out
+    # one item() a step; before: a clone and a zeros_like beside it
+    assert all(r["ops"] == {"_local_scalar_dense": STEPS} for r in out), out
