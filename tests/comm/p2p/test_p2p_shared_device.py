@@ -3,6 +3,7 @@ thread a rank (torch's pipelining has one too), however many edges, directions a
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -39,6 +40,7 @@ def _chain(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.slow     # ~4 s; the default suite's guard is the killed-peer test's loop-thread count
 def test_one_gloo_loop_thread_a_rank_and_traffic_intact():
     values = expect_ok(run_ranks(_chain, 3, timeout=90))
     for rank, r in values.items():
