@@ -8,7 +8,8 @@ communicator's kernels run on one stream, so two threads sharing it could deadlo
 
 Headers and metadata always go over gloo (CPU) groups, which honour per-operation timeouts
 and report a dead peer as a closed connection; on CUDA the payloads go over NCCL groups of
-the same pairs.
+the same pairs. A process's gloo pair groups share one gloo device, so one event-loop thread
+(the default group's when it runs gloo; see shared_gloo.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from hybridpipe.comm.p2p.shared_gloo import gloo_pair_group, shared_gloo_options
 
 log = logging.getLogger(__name__)
 
@@ -95,12 +98,14 @@ def pair_groups(edges: Iterable[tuple[int, int]], *, lanes: int = 1, device: str
     norm = normalize_edges(edges, world)
     _check_same_everywhere((norm, lanes, device.type))     # the index may differ between ranks
     timeout = datetime.timedelta(seconds=timeout_s)
+    shared = shared_gloo_options()          # one gloo device (one event-loop thread) for them all
     routes: dict[tuple[int, int, int], Route] = {}
     for a, b in norm:
         for src, dst in ((a, b), (b, a)):
             for lane in range(lanes):
                 # every rank creates every group, in the same order (new_group is collective)
-                control = dist.new_group([a, b], timeout=timeout, backend="gloo")
+                control = (gloo_pair_group([a, b], timeout, shared) if shared is not None
+                           else dist.new_group([a, b], timeout=timeout, backend="gloo"))
                 data = (dist.new_group([a, b], timeout=timeout, backend="nccl")
                         if device.type == "cuda" else control)
                 if rank in (a, b):

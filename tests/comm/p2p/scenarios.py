@@ -47,6 +47,18 @@ def p2p_threads() -> int:
     return sum(t.name.startswith("p2p-") and t.is_alive() for t in threading.enumerate())
 
 
+def gloo_loop_threads() -> int:
+    """This process's gloo event-loop threads (torch names them ``gloo_tcp_loop``)."""
+    n = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                n += f.read().startswith("gloo_tcp_loop")
+        except OSError:
+            continue
+    return n
+
+
 def run_program(ch: Channels, program: list, expected: dict) -> list[str]:
     """Execute ``(op, peer, key)`` steps; sends send ``expected[key]``, receives are compared to it."""
     problems = []
@@ -286,7 +298,7 @@ def peer_failure(rank: int, world: int, mode: str, how: str, timeout: float) -> 
             os._exit(17)
         os.kill(os.getpid(), signal.SIGSTOP)
         time.sleep(600)
-    out: dict = {"hello": same(ch.recv(0, "hi/0"), hello)}
+    out: dict = {"hello": same(ch.recv(0, "hi/0"), hello), "loops": gloo_loop_threads()}
     # rank 2 sends act/1 only once its flush to rank 0 has failed (up to the whole timeout); rank 1's
     # receive of it (one timeout too) starts when it has heard so through the job's store, not when its
     # own wait on rank 0 ended: a killed rank 0 ends that wait at once, and then the two timeouts raced

@@ -89,6 +89,7 @@ def _check_failure(out, how: str) -> None:
             assert r["elapsed"] >= FAIL_TIMEOUT - 0.05, r
     # the two survivors' own link is unaffected; a wrong key is a ProtocolError naming the peer
     assert r1["after"] and r2["after"]
+    assert r1["loops"] == r2["loops"] == 1, (r1, r2)     # their p2p groups on the default group's device
     assert r1["mismatch"]["error"] == "ProtocolError" and r1["mismatch"]["peer"] == 2
     assert "'ok/0'" in r1["mismatch"]["text"] and "'act/1'" in r1["mismatch"]["text"]
     # close() returns within the timeout even with a frozen peer; a dead one leaves no thread
