@@ -34,7 +34,7 @@ from hybridpipe.partitioner.plan_options import add_micro_batches_option, add_sc
 from hybridpipe.partitioner.planner import DEFAULT_TIME_BUDGET_S, Outcome, Request, partition
 from hybridpipe.partitioner.schedule_registry import AUTO, DEFAULT_SCHEDULE, get_schedule
 from hybridpipe.partitioner.search.dp import Progress
-from hybridpipe.partitioner.search.objective import RECOMPUTE
+from hybridpipe.partitioner.search.options import RECOMPUTE
 from hybridpipe.partitioner.search.sharding import SHARD_CHOICES
 from hybridpipe.profiles.format import load_profile
 from hybridpipe.profiles.loss_normalization import LOSS_NORMALIZATIONS, check_normalization

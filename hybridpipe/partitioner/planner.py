@@ -34,17 +34,12 @@ from hybridpipe.partitioner.schedule_registry import AUTO, DEFAULT_SCHEDULE, REG
 from hybridpipe.partitioner.search import dp
 from hybridpipe.partitioner.search.cuts import blocked_message
 from hybridpipe.partitioner.search.modelcosts import ModelCosts, model_costs
-from hybridpipe.partitioner.search.objective import (
-    Evaluation,
-    Options,
-    StageSpec,
-    evaluate,
-    predict_step_ms,
-    transient_bytes,
-)
+from hybridpipe.partitioner.search.objective import Evaluation, StageSpec, evaluate, predict_step_ms
+from hybridpipe.partitioner.search.options import Options
 from hybridpipe.partitioner.search.pipedream import pipedream_stages
 from hybridpipe.partitioner.search.polish import polish_cuts
 from hybridpipe.partitioner.search.refusals import memory_message, no_fit_message
+from hybridpipe.partitioner.search.stagememory import transient_bytes
 from hybridpipe.partitioner.search.strategies import baseline_stages
 from hybridpipe.partitioner.search.virtual import (
     BASE_SCHEDULE,

@@ -20,7 +20,7 @@ from hybridpipe.partitioner.plan import ALGORITHMS
 from hybridpipe.partitioner.schedule_registry import get_schedule
 from hybridpipe.partitioner.search import stageterms
 from hybridpipe.partitioner.search.modelcosts import model_costs
-from hybridpipe.partitioner.search.objective import Options
+from hybridpipe.partitioner.search.options import Options
 from hybridpipe.partitioner.search.stageterms import StageTerms
 from tests.partitioner.synth import make_profile
 from tests.partitioner.test_fastlines import clusters

@@ -23,7 +23,8 @@ from hybridpipe.partitioner.plan import ALGORITHMS
 from hybridpipe.partitioner.schedule_registry import get_schedule
 from hybridpipe.partitioner.search import dp
 from hybridpipe.partitioner.search.modelcosts import model_costs
-from hybridpipe.partitioner.search.objective import Options, evaluate, predict_step_ms
+from hybridpipe.partitioner.search.objective import evaluate, predict_step_ms
+from hybridpipe.partitioner.search.options import Options
 from hybridpipe.partitioner.search.stageterms import StageTerms
 from hybridpipe.partitioner.search.strategies import baseline_stages
 from tests.partitioner import reference_dp

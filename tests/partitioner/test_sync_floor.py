@@ -1,4 +1,4 @@
-"""The lower bounds the scalable DP prunes with (``stageterms.sync_floor``), and the plan evaluation's
+"""The lower bounds the scalable DP prunes with (``lanes.sync_floor``), and the plan evaluation's
 vectorised transfer level, against the cost model's own pricing and the straightforward formula."""
 
 from __future__ import annotations
@@ -10,9 +10,11 @@ from hypothesis import strategies as st
 from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.plan import ALGORITHMS
 from hybridpipe.partitioner.schedule_registry import get_schedule
+from hybridpipe.partitioner.search.lanes import sync_floor
 from hybridpipe.partitioner.search.modelcosts import model_costs
-from hybridpipe.partitioner.search.objective import Options, transfer_level
-from hybridpipe.partitioner.search.stageterms import StageTerms, sync_floor
+from hybridpipe.partitioner.search.options import Options
+from hybridpipe.partitioner.search.stageterms import StageTerms
+from hybridpipe.partitioner.search.transfers import transfer_level
 from tests.partitioner.synth import make_profile
 from tests.partitioner.test_dp_scale import LAYER, clusters
 

@@ -20,7 +20,7 @@ all-reduce, H_l for layer l; H = sum over the stage's layers):
 * per step, every level: each layer's reduce-scatter as the last backward produces its gradient and
   its all-gather before the next forward needs it (the updated weights; ZeRO-3: the first forward's
   gather), queued on the sync lane exactly like the replicated stage's all-reduce (``layersync.py``,
-  ``stageterms.lane_row``) with 2 H_l in place of the all-reduce: on a ring the same bytes and
+  ``lanes.lane_row``) with 2 H_l in place of the all-reduce: on a ring the same bytes and
   latencies, so ZeRO-1 costs what the all-reduce did; the exposed part beyond the stage's gap is
   charged as today.
 * within the step (``midstep_ms``), with k micro-batches per replica: ``gradients`` and

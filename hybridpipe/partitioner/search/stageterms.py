@@ -37,7 +37,7 @@ from hybridpipe.partitioner.cost.sharded import pair_lines, paired_algorithms
 from hybridpipe.partitioner.search.blocktables import BlockTables, grouped
 from hybridpipe.partitioner.search.lanes import SAFETY, lane_row, lane_terms, ring_bounds, sync_floor
 from hybridpipe.partitioner.search.modelcosts import ModelCosts
-from hybridpipe.partitioner.search.objective import OPTIMIZER_STATES, Options
+from hybridpipe.partitioner.search.options import OPTIMIZER_STATES, Options
 from hybridpipe.partitioner.search.sharding import (
     NONE,
     Variant,
@@ -103,7 +103,7 @@ class StageTerms:
         # the most one micro-batch can add to a stage, with or without recomputation, whole or halved
         self.most_stash = float(np.maximum(np.maximum(self.stash, self.half),
                                            self.kept + self.recorded + self.rerun).max(initial=0.0))
-        self.transient = costs.transient_table()        # [i, j]: objective.transient_bytes
+        self.transient = costs.transient_table()        # [i, j]: stagememory.transient_bytes
         self.most_transient = float(self.transient.max(initial=0.0))
         self.interference = model.interference_s_per_byte
         levels = model.cluster.levels
@@ -271,11 +271,11 @@ class StageTerms:
         return self.tables.level_between(a, b)
 
     def busiest_share(self, x: np.ndarray, y: np.ndarray, level: np.ndarray) -> np.ndarray:
-        """objective.busiest_share of the block's ranks (all copies) behind one link of ``level``."""
+        """transfers.busiest_share of the block's ranks (all copies) behind one link of ``level``."""
         return self.tables.busiest_share(x, y, level)
 
     def _transfer(self, i: int, j: np.ndarray, x: np.ndarray, y: np.ndarray) -> np.ndarray:
-        """X in ms (objective.transfer_ms): the stage's activation traffic per micro-batch."""
+        """X in ms (transfers.transfer_ms): the stage's activation traffic per micro-batch."""
         span = self.level_between(x, y - 1)
         lv_in = np.where(x > 0, np.maximum(span, self.level_between(np.maximum(x - 1, 0), x)), span)
         lv_out = np.where(y < self.wc, np.maximum(span, self.level_between(y - 1, np.minimum(y, self.wc - 1))), span)
