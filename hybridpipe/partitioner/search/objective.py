@@ -46,6 +46,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeVar
+
+import numpy as np
 
 from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.cost.layersync import StageSync, choose_layer_algorithms
@@ -55,6 +58,8 @@ from hybridpipe.partitioner.search.options import Options
 from hybridpipe.partitioner.search.sharding import NONE, Variant, halves, midstep_ms
 from hybridpipe.partitioner.search.stagememory import inflight_micro_batches, memory_bytes, split_micro_batches
 from hybridpipe.partitioner.search.transfers import transfer_level, transfer_ms
+
+Num = TypeVar("Num", float, np.ndarray)      # overhead_ms: one stage's figures, or arrays of candidates'
 
 
 @dataclass(frozen=True)
@@ -108,18 +113,18 @@ class Evaluation:
     fits: bool                   # every stage fits in memory and gives each replica micro-batches
 
 
-def overhead_ms(optimizer_ms, weights, p2p_bytes, replicas: int, k: int, syncs: int, interference: float,
-                variant: Variant = NONE):
+def overhead_ms(optimizer_ms: Num, weights: Num, p2p_bytes: Num, replicas: Num | int, k: Num | int, syncs: Num | int,
+                interference: float, variant: Variant = NONE) -> Num:
     """Per step: ``syncs`` optimizer steps and the compute lost to communication (module docstring).
 
     ``p2p_bytes``: mean of the bytes a replica sends and receives per micro-batch. Works on
-    numbers and elementwise on numpy tables (``dp.py``). A sharded ``variant`` steps 1/r of the
+    numbers and elementwise on numpy arrays (``stageterms.py``). A sharded ``variant`` steps 1/r of the
     weights and moves ``sharding.halves`` reduce-scatters / all-gathers per step."""
     if variant.level != "none":
         optimizer_ms = optimizer_ms / replicas
         ring = halves(variant, k) * (replicas - 1) / replicas * weights
-        return syncs * (optimizer_ms + interference * 1e3 * ring) + k * interference * 1e3 * p2p_bytes
-    ring = 2 * (replicas - 1) / replicas * weights          # 0 for one replica
+    else:
+        ring = 2 * (replicas - 1) / replicas * weights          # 0 for one replica
     return syncs * (optimizer_ms + interference * 1e3 * ring) + k * interference * 1e3 * p2p_bytes
 
 

@@ -37,11 +37,11 @@ from hybridpipe.partitioner.search.blocksync import BlockSync
 from hybridpipe.partitioner.search.blocktables import BlockTables, grouped
 from hybridpipe.partitioner.search.lanes import SAFETY
 from hybridpipe.partitioner.search.modelcosts import ModelCosts
+from hybridpipe.partitioner.search.objective import overhead_ms
 from hybridpipe.partitioner.search.options import OPTIMIZER_STATES, Options
 from hybridpipe.partitioner.search.sharding import (
     NONE,
     Variant,
-    halves,
     largest_units,
     midstep_ms,
     sharded_variants,
@@ -226,14 +226,8 @@ class StageTerms:
     def _overhead(self, i: int, j: np.ndarray, r: np.ndarray, k: np.ndarray, weights: np.ndarray,
                   v: Variant = NONE) -> np.ndarray:
         """objective.overhead_ms per candidate (optimizer steps, compute lost to communication)."""
-        syncs = self.kind.syncs_per_step(k)
-        p2p = self.p2p_in[i] + self.p2p_out[j]
-        opt_ms = self.po[j + 1] - self.po[i]
-        if v.level != "none":
-            ring = halves(v, k) * (r - 1) / r * weights
-            return syncs * (opt_ms / r + self.interference * 1e3 * ring) + k * self.interference * 1e3 * p2p
-        ring = 2 * (r - 1) / r * weights
-        return syncs * (opt_ms + self.interference * 1e3 * ring) + k * self.interference * 1e3 * p2p
+        return overhead_ms(self.po[j + 1] - self.po[i], weights, self.p2p_in[i] + self.p2p_out[j], r, k,
+                           self.kind.syncs_per_step(k), self.interference, v)
 
     def _static(self, v: Variant, weights: np.ndarray, r: np.ndarray, states: int, i: int, j: np.ndarray
                 ) -> np.ndarray:
