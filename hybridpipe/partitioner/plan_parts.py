@@ -53,10 +53,6 @@ class Stage:
     shard: str = "none"           # what the replicas shard (SHARD_LEVELS): none, optimizer, gradients, parameters
     reshard_after_forward: bool = True    # shard "parameters": free gathered weights after each forward
 
-    @property
-    def node_ids(self) -> range:
-        return range(self.first_node, self.last_node + 1)
-
     def sync_units(self) -> list[tuple[LayerSync, ...]]:
         """The layers grouped into sync units (one all-reduce each), in order."""
         return sync_units(self.layers)

@@ -73,6 +73,8 @@ class StageSpec:
 
 @dataclass(frozen=True)
 class StageEval:
+    """One stage's figures under the objective (module docstring), in ms unless named otherwise."""
+
     forward_ms: float            # one micro-batch, one replica
     backward_ms: float
     micro_batches: int           # k: micro-batches per replica per step
@@ -82,12 +84,10 @@ class StageEval:
     send_ms: float               # one micro-batch's activations to the next stage (latency)
     send_grad_ms: float          # its gradients back
     send_bytes: float
-    inflight: int
     memory_bytes: float
     overhead_ms: float           # optimizer steps + compute lost to communication, per step
     busy_ms: float               # compute and sync per step (see the module docstring)
     term_ms: float               # max(busy, M * X) per step
-    gap_ms: float                # drain + fill the stage's final sync may hide in (gpipe/1f1b)
     recompute: bool = False      # the stage reruns its forward in backward (backward_ms includes it)
     shard: str = "none"          # what its replicas shard (sharding.py)
     reshard_after_forward: bool = True
@@ -103,11 +103,14 @@ class StageEval:
 
     @property
     def sync_ms_per_step(self) -> float:
+        """The exposed sync per step (``syncs_per_step`` syncs)."""
         return self.sync.exposed_ms * self.syncs_per_step
 
 
 @dataclass(frozen=True)
 class Evaluation:
+    """A stage list's figures: every stage's and the objective (the largest term)."""
+
     stages: tuple[StageEval, ...]
     objective_ms: float          # max term (inf when a stage does not fit in memory)
     fits: bool                   # every stage fits in memory and gives each replica micro-batches
@@ -221,7 +224,7 @@ def _stage_eval(costs: ModelCosts, model: CostModel, opts: Options, p: _Place, v
     busy = extra + (k * (f + b + sync.exposed_ms) if kind.asynchronous
                     else p.trip + (1 - p.share) * b + (k - 1) * (f + b) + sync.exposed_ms) + mid
     return StageEval(f, b, k, sync, kind.syncs_per_step(k), p.x, p.send_ms, p.send_grad_ms, p.send_bytes,
-                     p.inflight, mem, extra, busy, max(busy, opts.micro_batches * p.x), p.gap, rc,
+                     mem, extra, busy, max(busy, opts.micro_batches * p.x), rc,
                      v.level, v.reshard, mid, ring)
 
 
