@@ -7,6 +7,7 @@ malformed file ends in one line naming the defect (exit 2).
 from __future__ import annotations
 
 import argparse
+import json
 import re
 
 from hybridpipe.argtypes import nonneg_int
@@ -17,6 +18,7 @@ from hybridpipe.partitioner.cost.cluster import CLUSTER_KIND, Cluster
 from hybridpipe.partitioner.plan import PLAN_KIND, Plan, SearchRecord
 from hybridpipe.profiles.format import PROFILE_KIND, Profile, ProfileNode
 
+JSON_TYPES = {list: "list", str: "string", int: "number", float: "number", bool: "true/false", type(None): "null"}
 SORT_KEYS = {
     "id": lambda n: n.id,
     "forward": lambda n: -n.forward_ms,
@@ -38,19 +40,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     data = read_json(args.file, "input")
-    kind = data.get("kind") if isinstance(data, dict) else None
     source = str(args.file)
+    expected = f"expected a {PROFILE_KIND}, {PLAN_KIND}, {CALIBRATION_KIND} or {CLUSTER_KIND} file"
+    if not isinstance(data, dict):
+        raise UserError(f"{source}: holds a {JSON_TYPES.get(type(data), type(data).__name__)}, not a JSON object; "
+                        f"{expected}")
+    kind = data.get("kind")
     if kind == PROFILE_KIND:
         text = render_profile(Profile.from_dict(data, source), sort=args.sort, top=args.top)
     elif kind == PLAN_KIND:
         text = render_plan(Plan.from_dict(data, source), layers=args.layers)
     elif kind == CALIBRATION_KIND:
         text = render_calibration(Calibration.from_dict(data, source))
-    elif kind == CLUSTER_KIND or isinstance(data, dict) and kind is None and "levels" in data:
+    elif kind == CLUSTER_KIND or kind is None and "levels" in data:
         text = render_cluster(Cluster.from_dict(data, source))
     else:
-        raise UserError(f"{source}: not a file hybridpipe can show (its \"kind\" is {kind!r}); expected "
-                        f"a {PROFILE_KIND}, {PLAN_KIND}, {CALIBRATION_KIND} or {CLUSTER_KIND} file")
+        raise UserError(f"{source}: not a file hybridpipe can show (its \"kind\" is {json.dumps(kind)[:60]}); "
+                        f"{expected}")
     print(text)
     return 0
 
