@@ -16,14 +16,14 @@ import math
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from tqdm import tqdm
 
 from hybridpipe.argtypes import MAX_TIMEOUT_S, float_range, memory_gb, output_dir, output_file, positive_int
 from hybridpipe.commands.refining import describe, load_run, refine_from_runs, save_refined
-from hybridpipe.commands.show import human_bytes, layer_table, search_line, table
+from hybridpipe.commands.show import cluster_line, human_bytes, layer_table, search_line, table
 from hybridpipe.errors import UserError
 from hybridpipe.limits import require_memory
 from hybridpipe.partitioner.cost.calibration import load_calibration
@@ -206,7 +206,7 @@ def render(outcome: Outcome, nodes, *, layers: bool = False) -> str:
             f"micro-batches x {plan.batch_size} samples per step, "
             f"schedule {plan.schedule}" + (f" ({plan.virtual_stages} chunks per worker)" if plan.virtual_stages > 1
                                            else "") + f", strategy {plan.strategy}, optimizer {plan.optimizer}",
-            f"cluster: {cluster_line(plan, outcome.options.memory_bytes / 1e9)}"]
+            f"cluster: {cluster_line(plan.cluster, outcome.options.memory_bytes / 1e9)}; {plan.world_size} workers"]
     rows = []
     sharded = any(s.shard != "none" for s in plan.stages)
     for s, e in zip(plan.stages, ev.stages, strict=True):
@@ -310,23 +310,12 @@ def shard_rows(profile, cluster, req: Request, calibrations, this: Plan, reasons
     return rows
 
 
-def rank_ranges(ranks) -> str:
+def rank_ranges(ranks: Iterable[int]) -> str:
     """Sorted ranks as compact ranges: 0-3,8-11."""
-    out: list[str] = []
-    run: list[int] = []
+    runs: list[list[int]] = []
     for r in sorted(ranks):
-        if run and r == run[-1] + 1:
-            run.append(r)
-            continue
-        if run:
-            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-        run = [r]
-    if run:
-        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-    return ",".join(out)
-
-
-def cluster_line(plan: Plan, memory_gb: float) -> str:
-    """The cluster the plan is for, with the memory per worker it was planned against (--memory-gb)."""
-    lv = ", ".join(f"{x.name} x{x.workers} @ {x.bandwidth_gbps:g} Gbit/s" for x in plan.cluster.levels)
-    return f"{lv}; {memory_gb:g} GB per worker; {plan.world_size} workers"
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    return ",".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs)

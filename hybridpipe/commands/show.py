@@ -123,7 +123,7 @@ def render_plan(plan: Plan, *, layers: bool = False) -> str:
             f"micro-batches x {plan.batch_size} samples, "
             f"schedule {plan.schedule}, strategy {plan.strategy}, optimizer {plan.optimizer}, "
             f"{plan.world_size} workers",
-            f"cluster: {_cluster_line(plan.cluster)}",
+            f"cluster: {cluster_line(plan.cluster)}",
             f"predicted step {plan.predicted_step_ms:.2f} ms, {plan.predicted_samples_per_s:.1f} samples/s"
             + (f", created {plan.created}" if plan.created else "")]
     head += [search_line(plan.search)] if plan.search else []
@@ -181,12 +181,14 @@ def render_calibration(cal: Calibration) -> str:
 
 
 def render_cluster(cluster: Cluster) -> str:
+    """A cluster's size and one row per level."""
     rows = [[i, lv.name, lv.workers, f"{lv.bandwidth_gbps:g}", f"{lv.latency_us:g}"]
             for i, lv in enumerate(cluster.levels)]
     return "\n".join([f"cluster: {cluster.total_workers} workers, {cluster.memory_gb:g} GB memory each", "",
                       table(["level", "name", "workers", "Gbit/s", "latency us"], rows)])
 
 
-def _cluster_line(cluster: Cluster) -> str:
+def cluster_line(cluster: Cluster, memory_gb: float | None = None) -> str:
+    """The cluster's levels on one line, with the memory per worker (``memory_gb``, default the cluster's)."""
     levels = ", ".join(f"{lv.name} x{lv.workers} @ {lv.bandwidth_gbps:g} Gbit/s" for lv in cluster.levels)
-    return f"{levels}; {cluster.memory_gb:g} GB per worker"
+    return f"{levels}; {cluster.memory_gb if memory_gb is None else memory_gb:g} GB per worker"
