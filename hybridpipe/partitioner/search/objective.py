@@ -46,20 +46,15 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TypeVar
-
-import numpy as np
 
 from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.cost.layersync import StageSync, choose_layer_algorithms
 from hybridpipe.partitioner.cost.sharded import fastest_pair
 from hybridpipe.partitioner.search.modelcosts import ModelCosts
 from hybridpipe.partitioner.search.options import Options
-from hybridpipe.partitioner.search.sharding import NONE, Variant, halves, midstep_ms
+from hybridpipe.partitioner.search.sharding import NONE, Num, Variant, halves, midstep_ms
 from hybridpipe.partitioner.search.stagememory import inflight_micro_batches, memory_bytes, split_micro_batches
 from hybridpipe.partitioner.search.transfers import transfer_level, transfer_ms
-
-Num = TypeVar("Num", float, np.ndarray)      # overhead_ms: one stage's figures, or arrays of candidates'
 
 
 @dataclass(frozen=True)
