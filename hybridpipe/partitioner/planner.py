@@ -81,6 +81,8 @@ class Request:
 
 @dataclass(frozen=True)
 class Outcome:
+    """A plan with what predicted it: its evaluation, the cost model and the options it was searched under."""
+
     plan: Plan
     evaluation: Evaluation
     model: CostModel

@@ -47,6 +47,8 @@ HUGE_MS = 1e15
 
 @dataclass(frozen=True)
 class Solution:
+    """The stage list the search chose, its objective, the copy count it lays out, and what the search proved."""
+
     stages: tuple[StageSpec, ...]
     objective_ms: float
     copies: int
