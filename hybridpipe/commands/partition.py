@@ -16,7 +16,7 @@ import math
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 from tqdm import tqdm
@@ -26,8 +26,8 @@ from hybridpipe.commands.refining import describe, load_run, refine_from_runs, s
 from hybridpipe.commands.show import cluster_line, human_bytes, layer_table, search_line, table
 from hybridpipe.errors import UserError
 from hybridpipe.limits import require_memory
-from hybridpipe.partitioner.cost.calibration import load_calibration
-from hybridpipe.partitioner.cost.cluster import load_cluster
+from hybridpipe.partitioner.cost.calibration import Calibration, load_calibration
+from hybridpipe.partitioner.cost.cluster import Cluster, load_cluster
 from hybridpipe.partitioner.joint import AUTO_VIRTUAL, MAX_VIRTUAL, joint_partition
 from hybridpipe.partitioner.plan import ALGORITHMS, OPTIMIZER_HELP, OPTIMIZERS, PRECISIONS, STRATEGIES, Plan, save_plan
 from hybridpipe.partitioner.plan_options import add_micro_batches_option, add_schedule_option
@@ -36,7 +36,7 @@ from hybridpipe.partitioner.schedule_registry import AUTO, DEFAULT_SCHEDULE, get
 from hybridpipe.partitioner.search.dp import Progress
 from hybridpipe.partitioner.search.options import RECOMPUTE
 from hybridpipe.partitioner.search.sharding import SHARD_CHOICES
-from hybridpipe.profiles.format import load_profile
+from hybridpipe.profiles.format import Profile, ProfileNode, load_profile
 from hybridpipe.profiles.loss_normalization import LOSS_NORMALIZATIONS, check_normalization
 
 SHOW_AFTER_S = 1.0        # the progress bar appears only on partitions that take longer
@@ -198,7 +198,7 @@ def search_bar(strategy: str, disable: bool = False) -> Iterator[Callable[[Progr
         bar.close()
 
 
-def render(outcome: Outcome, nodes, *, layers: bool = False) -> str:
+def render(outcome: Outcome, nodes: Sequence[ProfileNode], *, layers: bool = False) -> str:
     """The plan for people: header, one row per stage (bottleneck marked), prediction."""
     plan, ev = outcome.plan, outcome.evaluation
     worst = max(range(len(ev.stages)), key=lambda k: ev.stages[k].term_ms)
@@ -245,7 +245,8 @@ def chosen_request(req: Request, plan: Plan) -> Request:
                                schedule=plan.schedule if plan.virtual_stages > 1 else req.schedule)
 
 
-def compare(profile, cluster, req: Request, calibrations, outcome: Outcome, *, every: bool) -> str:
+def compare(profile: Profile, cluster: Cluster, req: Request, calibrations: Sequence[Calibration], outcome: Outcome,
+            *, every: bool) -> str:
     """One line against data parallelism, or (``every``) a table of all strategies."""
     mine = outcome.plan.predicted_step_ms
     names = [s for s in STRATEGIES if s != req.strategy] if every else (["dp"] if req.strategy != "dp" else [])
@@ -282,7 +283,8 @@ def shard_label(shard: str, reshard: bool) -> str:
     return f"ZeRO-{zero}" + ("" if shard != "parameters" or reshard else " kept")
 
 
-def shard_rows(profile, cluster, req: Request, calibrations, this: Plan, reasons: list[str]) -> list[list[object]]:
+def shard_rows(profile: Profile, cluster: Cluster, req: Request, calibrations: Sequence[Calibration], this: Plan,
+               reasons: list[str]) -> list[list[object]]:
     """The optimal plan at every other --shard choice, then the best replicated and the best sharded of them
     all (this plan included; a plan counts as sharded when a stage of it shards)."""
     mine = this.predicted_step_ms

@@ -13,7 +13,7 @@ import re
 from hybridpipe.argtypes import nonneg_int
 from hybridpipe.errors import UserError
 from hybridpipe.jsonfile import read_json
-from hybridpipe.partitioner.cost.calibration import CALIBRATION_KIND, Calibration
+from hybridpipe.partitioner.cost.calibration import CALIBRATION_KIND, Calibration, LinkFit
 from hybridpipe.partitioner.cost.cluster import CLUSTER_KIND, Cluster
 from hybridpipe.partitioner.plan import PLAN_KIND, Plan, SearchRecord
 from hybridpipe.profiles.format import PROFILE_KIND, Profile, ProfileNode
@@ -160,7 +160,7 @@ def search_line(search: SearchRecord) -> str:
 
 def render_calibration(cal: Calibration) -> str:
     """A calibration's setting and its fitted cost per algorithm."""
-    def fit_row(name, fit):
+    def fit_row(name: str, fit: LinkFit) -> list[object]:
         gbps = 8 / fit.beta_s_per_byte / 1e9 if fit.beta_s_per_byte > 0 else float("inf")
         return [name, f"{fit.alpha_s * 1e6:.1f}", f"{gbps:.3f}", f"{fit.rel_error * 100:.1f}%"]
 
