@@ -10,7 +10,7 @@ would write, fp32 and bf16 (``torch.autocast``), and the plan's predicted peak m
 still holds, counted by ``torch.cuda.memory_allocated`` after a ``gc.collect()``). The plan comes from a
 profile taken on the device in the side's precision (bf16: under ``torch.autocast``,
 ``profile_model(precision=)``) and predicts weights, gradients and optimizer state, the activations of
-the micro-batches in flight and the kernels' transient bytes (``objective.transient_bytes``); the
+the micro-batches in flight and the kernels' transient bytes (``stagememory.transient_bytes``); the
 breakdown is printed. On the CPU the Trainer's meter counts the tensors a stage holds, not temporaries:
 compare it with ``predicted_held_bytes``. Both sides: the same model built from the same seed, AdamW,
 ``--micro-batches`` micro-batches of ``--batch-size`` accumulated per step, synthetic data; the plain
@@ -39,7 +39,8 @@ from benchmarks.common import machine, result_paths, setup_logging, write_result
 from hybridpipe.partitioner.cost.cluster import Cluster, Level  # noqa: E402
 from hybridpipe.partitioner.planner import Request, partition  # noqa: E402
 from hybridpipe.partitioner.search.modelcosts import model_costs  # noqa: E402
-from hybridpipe.partitioner.search.objective import OPTIMIZER_STATES, transient_bytes  # noqa: E402
+from hybridpipe.partitioner.search.options import OPTIMIZER_STATES  # noqa: E402
+from hybridpipe.partitioner.search.stagememory import transient_bytes  # noqa: E402
 from hybridpipe.pipeline import MicroBatches  # noqa: E402
 from hybridpipe.profiles.data import resolve_dataset  # noqa: E402
 from hybridpipe.profiles.profiler import profile_model  # noqa: E402
@@ -187,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _breakdown(profile, plan) -> dict:
-    """The one-stage plan's predicted bytes by part (objective.memory_bytes's terms)."""
+    """The one-stage plan's predicted bytes by part (stagememory.memory_bytes's terms)."""
     costs = model_costs(profile)
     st, n = plan.stages[0], len(profile.nodes)
     weights = costs.weight_bytes(0, n - 1)

@@ -5,7 +5,7 @@
 
 For each family of tests/pipeline/memory_matrix.py (tiny configs: GPT-2 with tied embeddings,
 Mistral, DistilBERT MLM, BART, an HF ResNet and ConvNeXt) on 4 stages, the partitioner's
-per-stage prediction (``objective.memory_bytes`` from a fresh profile) next to the engine's
+per-stage prediction (``stagememory.memory_bytes`` from a fresh profile) next to the engine's
 ``MemoryMeter`` peak in an in-process pipeline (threads; on the CPU the bytes of the tensors a
 stage holds). Results: ``benchmarks/results/memory_prediction[_quick].json`` and ``.png`` (the
 measured / predicted ratio per stage).

@@ -118,7 +118,8 @@ def predicted_terms(profile, cluster, calibrations, run: RunObservation, optimiz
     from hybridpipe.partitioner.planner import priced_tied
     from hybridpipe.partitioner.refine.refinement import base_costs
     from hybridpipe.partitioner.schedule_registry import get_schedule
-    from hybridpipe.partitioner.search.objective import Options, StageSpec, evaluate, predict_step_ms
+    from hybridpipe.partitioner.search.objective import StageSpec, evaluate, predict_step_ms
+    from hybridpipe.partitioner.search.options import Options
     model = CostModel(cluster, list(calibrations))
     specs = [StageSpec(s.first, s.last, s.ranks) for s in run.stages]
     opts = Options(get_schedule(run.schedule), run.micro_batches, optimizer, math.inf)

@@ -129,6 +129,17 @@ def test_show_refuses_an_unknown_kind(tmp_path, capsys):
     assert "not a file hybridpipe can show" in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("text, says", [('{"format": 1}', 'its "kind" is null'), ('{"kind": 7}', 'its "kind" is 7'),
+                                        ("[1, 2]", "holds a list, not a JSON object")])
+def test_show_names_what_it_read_as_json(tmp_path, capsys, text, says):
+    """The refusal quotes the file's "kind" as JSON (null, not Python's None) and names a non-object file."""
+    path = tmp_path / "x.json"
+    path.write_text(text)
+    assert main(["show", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert says in err and len(err.strip().splitlines()) == 1
+
+
 def test_malformed_profile_exits_2_with_one_line_and_no_traceback(mlp_profile, tmp_path, capsys):
     """(In this process: the real command's exit code and stderr are test_a_model_export_cannot_capture's.)"""
     data = json.loads(mlp_profile.read_text())

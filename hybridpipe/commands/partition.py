@@ -16,27 +16,27 @@ import math
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 from tqdm import tqdm
 
 from hybridpipe.argtypes import MAX_TIMEOUT_S, float_range, memory_gb, output_dir, output_file, positive_int
 from hybridpipe.commands.refining import describe, load_run, refine_from_runs, save_refined
-from hybridpipe.commands.show import human_bytes, layer_table, search_line, table
+from hybridpipe.commands.show import cluster_line, human_bytes, layer_table, search_line, table
 from hybridpipe.errors import UserError
 from hybridpipe.limits import require_memory
-from hybridpipe.partitioner.cost.calibration import load_calibration
-from hybridpipe.partitioner.cost.cluster import load_cluster
+from hybridpipe.partitioner.cost.calibration import Calibration, load_calibration
+from hybridpipe.partitioner.cost.cluster import Cluster, load_cluster
 from hybridpipe.partitioner.joint import AUTO_VIRTUAL, MAX_VIRTUAL, joint_partition
 from hybridpipe.partitioner.plan import ALGORITHMS, OPTIMIZER_HELP, OPTIMIZERS, PRECISIONS, STRATEGIES, Plan, save_plan
 from hybridpipe.partitioner.plan_options import add_micro_batches_option, add_schedule_option
 from hybridpipe.partitioner.planner import DEFAULT_TIME_BUDGET_S, Outcome, Request, partition
 from hybridpipe.partitioner.schedule_registry import AUTO, DEFAULT_SCHEDULE, get_schedule
 from hybridpipe.partitioner.search.dp import Progress
-from hybridpipe.partitioner.search.objective import RECOMPUTE
+from hybridpipe.partitioner.search.options import RECOMPUTE
 from hybridpipe.partitioner.search.sharding import SHARD_CHOICES
-from hybridpipe.profiles.format import load_profile
+from hybridpipe.profiles.format import Profile, ProfileNode, load_profile
 from hybridpipe.profiles.loss_normalization import LOSS_NORMALIZATIONS, check_normalization
 
 SHOW_AFTER_S = 1.0        # the progress bar appears only on partitions that take longer
@@ -198,7 +198,7 @@ def search_bar(strategy: str, disable: bool = False) -> Iterator[Callable[[Progr
         bar.close()
 
 
-def render(outcome: Outcome, nodes, *, layers: bool = False) -> str:
+def render(outcome: Outcome, nodes: Sequence[ProfileNode], *, layers: bool = False) -> str:
     """The plan for people: header, one row per stage (bottleneck marked), prediction."""
     plan, ev = outcome.plan, outcome.evaluation
     worst = max(range(len(ev.stages)), key=lambda k: ev.stages[k].term_ms)
@@ -206,7 +206,7 @@ def render(outcome: Outcome, nodes, *, layers: bool = False) -> str:
             f"micro-batches x {plan.batch_size} samples per step, "
             f"schedule {plan.schedule}" + (f" ({plan.virtual_stages} chunks per worker)" if plan.virtual_stages > 1
                                            else "") + f", strategy {plan.strategy}, optimizer {plan.optimizer}",
-            f"cluster: {cluster_line(plan, outcome.options.memory_bytes / 1e9)}"]
+            f"cluster: {cluster_line(plan.cluster, outcome.options.memory_bytes / 1e9)}; {plan.world_size} workers"]
     rows = []
     sharded = any(s.shard != "none" for s in plan.stages)
     for s, e in zip(plan.stages, ev.stages, strict=True):
@@ -245,7 +245,8 @@ def chosen_request(req: Request, plan: Plan) -> Request:
                                schedule=plan.schedule if plan.virtual_stages > 1 else req.schedule)
 
 
-def compare(profile, cluster, req: Request, calibrations, outcome: Outcome, *, every: bool) -> str:
+def compare(profile: Profile, cluster: Cluster, req: Request, calibrations: Sequence[Calibration], outcome: Outcome,
+            *, every: bool) -> str:
     """One line against data parallelism, or (``every``) a table of all strategies."""
     mine = outcome.plan.predicted_step_ms
     names = [s for s in STRATEGIES if s != req.strategy] if every else (["dp"] if req.strategy != "dp" else [])
@@ -282,7 +283,8 @@ def shard_label(shard: str, reshard: bool) -> str:
     return f"ZeRO-{zero}" + ("" if shard != "parameters" or reshard else " kept")
 
 
-def shard_rows(profile, cluster, req: Request, calibrations, this: Plan, reasons: list[str]) -> list[list[object]]:
+def shard_rows(profile: Profile, cluster: Cluster, req: Request, calibrations: Sequence[Calibration], this: Plan,
+               reasons: list[str]) -> list[list[object]]:
     """The optimal plan at every other --shard choice, then the best replicated and the best sharded of them
     all (this plan included; a plan counts as sharded when a stage of it shards)."""
     mine = this.predicted_step_ms
@@ -310,23 +312,12 @@ def shard_rows(profile, cluster, req: Request, calibrations, this: Plan, reasons
     return rows
 
 
-def rank_ranges(ranks) -> str:
+def rank_ranges(ranks: Iterable[int]) -> str:
     """Sorted ranks as compact ranges: 0-3,8-11."""
-    out: list[str] = []
-    run: list[int] = []
+    runs: list[list[int]] = []
     for r in sorted(ranks):
-        if run and r == run[-1] + 1:
-            run.append(r)
-            continue
-        if run:
-            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-        run = [r]
-    if run:
-        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-    return ",".join(out)
-
-
-def cluster_line(plan: Plan, memory_gb: float) -> str:
-    """The cluster the plan is for, with the memory per worker it was planned against (--memory-gb)."""
-    lv = ", ".join(f"{x.name} x{x.workers} @ {x.bandwidth_gbps:g} Gbit/s" for x in plan.cluster.levels)
-    return f"{lv}; {memory_gb:g} GB per worker; {plan.world_size} workers"
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    return ",".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs)

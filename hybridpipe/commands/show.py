@@ -7,16 +7,18 @@ malformed file ends in one line naming the defect (exit 2).
 from __future__ import annotations
 
 import argparse
+import json
 import re
 
 from hybridpipe.argtypes import nonneg_int
 from hybridpipe.errors import UserError
 from hybridpipe.jsonfile import read_json
-from hybridpipe.partitioner.cost.calibration import CALIBRATION_KIND, Calibration
+from hybridpipe.partitioner.cost.calibration import CALIBRATION_KIND, Calibration, LinkFit
 from hybridpipe.partitioner.cost.cluster import CLUSTER_KIND, Cluster
 from hybridpipe.partitioner.plan import PLAN_KIND, Plan, SearchRecord
 from hybridpipe.profiles.format import PROFILE_KIND, Profile, ProfileNode
 
+JSON_TYPES = {list: "list", str: "string", int: "number", float: "number", bool: "true/false", type(None): "null"}
 SORT_KEYS = {
     "id": lambda n: n.id,
     "forward": lambda n: -n.forward_ms,
@@ -38,19 +40,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     data = read_json(args.file, "input")
-    kind = data.get("kind") if isinstance(data, dict) else None
     source = str(args.file)
+    expected = f"expected a {PROFILE_KIND}, {PLAN_KIND}, {CALIBRATION_KIND} or {CLUSTER_KIND} file"
+    if not isinstance(data, dict):
+        raise UserError(f"{source}: holds a {JSON_TYPES.get(type(data), type(data).__name__)}, not a JSON object; "
+                        f"{expected}")
+    kind = data.get("kind")
     if kind == PROFILE_KIND:
         text = render_profile(Profile.from_dict(data, source), sort=args.sort, top=args.top)
     elif kind == PLAN_KIND:
         text = render_plan(Plan.from_dict(data, source), layers=args.layers)
     elif kind == CALIBRATION_KIND:
         text = render_calibration(Calibration.from_dict(data, source))
-    elif kind == CLUSTER_KIND or isinstance(data, dict) and kind is None and "levels" in data:
+    elif kind == CLUSTER_KIND or kind is None and "levels" in data:
         text = render_cluster(Cluster.from_dict(data, source))
     else:
-        raise UserError(f"{source}: not a file hybridpipe can show (its \"kind\" is {kind!r}); expected "
-                        f"a {PROFILE_KIND}, {PLAN_KIND}, {CALIBRATION_KIND} or {CLUSTER_KIND} file")
+        raise UserError(f"{source}: not a file hybridpipe can show (its \"kind\" is {json.dumps(kind)[:60]}); "
+                        f"{expected}")
     print(text)
     return 0
 
@@ -117,7 +123,7 @@ def render_plan(plan: Plan, *, layers: bool = False) -> str:
             f"micro-batches x {plan.batch_size} samples, "
             f"schedule {plan.schedule}, strategy {plan.strategy}, optimizer {plan.optimizer}, "
             f"{plan.world_size} workers",
-            f"cluster: {_cluster_line(plan.cluster)}",
+            f"cluster: {cluster_line(plan.cluster)}",
             f"predicted step {plan.predicted_step_ms:.2f} ms, {plan.predicted_samples_per_s:.1f} samples/s"
             + (f", created {plan.created}" if plan.created else "")]
     head += [search_line(plan.search)] if plan.search else []
@@ -154,7 +160,7 @@ def search_line(search: SearchRecord) -> str:
 
 def render_calibration(cal: Calibration) -> str:
     """A calibration's setting and its fitted cost per algorithm."""
-    def fit_row(name, fit):
+    def fit_row(name: str, fit: LinkFit) -> list[object]:
         gbps = 8 / fit.beta_s_per_byte / 1e9 if fit.beta_s_per_byte > 0 else float("inf")
         return [name, f"{fit.alpha_s * 1e6:.1f}", f"{gbps:.3f}", f"{fit.rel_error * 100:.1f}%"]
 
@@ -175,12 +181,14 @@ def render_calibration(cal: Calibration) -> str:
 
 
 def render_cluster(cluster: Cluster) -> str:
+    """A cluster's size and one row per level."""
     rows = [[i, lv.name, lv.workers, f"{lv.bandwidth_gbps:g}", f"{lv.latency_us:g}"]
             for i, lv in enumerate(cluster.levels)]
     return "\n".join([f"cluster: {cluster.total_workers} workers, {cluster.memory_gb:g} GB memory each", "",
                       table(["level", "name", "workers", "Gbit/s", "latency us"], rows)])
 
 
-def _cluster_line(cluster: Cluster) -> str:
+def cluster_line(cluster: Cluster, memory_gb: float | None = None) -> str:
+    """The cluster's levels on one line, with the memory per worker (``memory_gb``, default the cluster's)."""
     levels = ", ".join(f"{lv.name} x{lv.workers} @ {lv.bandwidth_gbps:g} Gbit/s" for lv in cluster.levels)
-    return f"{levels}; {cluster.memory_gb:g} GB per worker"
+    return f"{levels}; {cluster.memory_gb if memory_gb is None else memory_gb:g} GB per worker"

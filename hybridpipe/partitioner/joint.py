@@ -47,6 +47,8 @@ class Choice:
 
 @dataclass(frozen=True)
 class Tried:
+    """One choice of the joint search and how it came out."""
+
     choice: Choice
     step_ms: float | None          # simulated step of the choice's best plan; None: no plan (``why``)
     why: str = ""
@@ -54,6 +56,8 @@ class Tried:
 
 @dataclass(frozen=True)
 class Joint:
+    """The joint search's pick and every choice it tried."""
+
     outcome: Outcome
     tried: tuple[Tried, ...]
 

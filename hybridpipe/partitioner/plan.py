@@ -70,6 +70,8 @@ PRECISIONS = tuple(WIRE_BYTES)
 
 @dataclass(frozen=True)
 class Plan:
+    """A partition: the profile and cluster it is for, the schedule, and every stage with its predictions."""
+
     model: str                    # the profile's model spec (zoo name or module:factory)
     batch_size: int               # samples per micro-batch (the profile's batch size)
     input_shape: tuple[int, ...]
@@ -95,6 +97,7 @@ class Plan:
 
     @property
     def world_size(self) -> int:
+        """Ranks the plan runs on."""
         return len({r for s in self.stages for r in s.ranks})
 
     @property
@@ -119,6 +122,7 @@ class Plan:
         return mine[0], replica
 
     def to_dict(self) -> dict:
+        """The plan as the JSON object ``save_plan`` writes."""
         d = {"kind": PLAN_KIND, "format": PLAN_FORMAT}
         d.update(asdict(self))
         d["cluster"] = self.cluster.to_dict()
@@ -170,6 +174,7 @@ def load_plan(path: str | os.PathLike) -> Plan:
 
 
 def save_plan(plan: Plan, path: str | os.PathLike) -> Path:
+    """Write ``plan`` as JSON to ``path`` (atomically); the path."""
     return write_json(path, plan.to_dict())
 
 

@@ -8,10 +8,10 @@ import argparse
 from hybridpipe.argtypes import positive_int
 from hybridpipe.partitioner.schedule_registry import AUTO, REGISTRY, auto_candidates
 
-Options = argparse._ActionsContainer      # a parser or an argument group
+ArgGroup = argparse._ActionsContainer      # a parser or an argument group (not search.options.Options)
 
 
-def add_schedule_option(parser: Options, *, default: str | None = None, auto: bool = False) -> None:
+def add_schedule_option(parser: ArgGroup, *, default: str | None = None, auto: bool = False) -> None:
     """``--schedule NAME``, one of the registry's schedules; ``default`` None: the plan's.
     ``auto``: also ``auto``, the partitioner's pick (``planner.partition``)."""
     help_text = f"pipeline schedule (default {default})" if default else "pipeline schedule (default: the plan's)"
@@ -23,7 +23,7 @@ def add_schedule_option(parser: Options, *, default: str | None = None, auto: bo
                         help=help_text)
 
 
-def add_micro_batches_option(parser: Options, *, default: str = "the plan's") -> None:
+def add_micro_batches_option(parser: ArgGroup, *, default: str = "the plan's") -> None:
     """``--micro-batches M`` (a whole number >= 1); ``default`` says in words what none means."""
     parser.add_argument("--micro-batches", type=positive_int, metavar="M",
                         help=f"micro-batches per step (default: {default})")

@@ -31,6 +31,8 @@ class TiedGroup:
 
 @dataclass(frozen=True)
 class Stage:
+    """One stage of a plan: its nodes, the ranks of its replicas, its per-layer all-reduces and predicted figures."""
+
     index: int
     first_node: int
     last_node: int
@@ -52,10 +54,6 @@ class Stage:
     recompute: bool = False       # drop inner activations after forward, recompute them in backward
     shard: str = "none"           # what the replicas shard (SHARD_LEVELS): none, optimizer, gradients, parameters
     reshard_after_forward: bool = True    # shard "parameters": free gathered weights after each forward
-
-    @property
-    def node_ids(self) -> range:
-        return range(self.first_node, self.last_node + 1)
 
     def sync_units(self) -> list[tuple[LayerSync, ...]]:
         """The layers grouped into sync units (one all-reduce each), in order."""
@@ -83,6 +81,7 @@ def plan_figure(obj: dict, key: str, kind: type, where: str, default: Any = ...)
 
 
 def search_from_dict(d: object, where: str) -> SearchRecord | None:
+    """A plan's ``search`` record from JSON (None when absent); UserError naming a malformed field."""
     if d is None:
         return None
     if not isinstance(d, dict):
@@ -95,6 +94,7 @@ def search_from_dict(d: object, where: str) -> SearchRecord | None:
 
 
 def tied_from_dict(t: object, i: int, source: str) -> TiedGroup:
+    """Tied group ``i`` of a plan from JSON; UserError naming a malformed field."""
     where = f"{source}: tied group {i}"
     if not isinstance(t, dict):
         raise UserError(f"{where}: expected an object")
@@ -107,6 +107,7 @@ def tied_from_dict(t: object, i: int, source: str) -> TiedGroup:
 
 
 def layer_dict(lv: LayerSync) -> dict:
+    """A layer's all-reduce choice as a JSON object."""
     d = dict(asdict(lv), params=list(lv.params))
     if lv.unit is None:
         del d["unit"]
@@ -121,6 +122,7 @@ STAGE_FIGURES: tuple[tuple[str, type], ...] = (
 
 
 def stage_from_dict(s: object, i: int, source: str) -> Stage:
+    """Stage ``i`` of a plan from JSON; UserError naming a malformed field."""
     where = f"{source}: stage {i}"
     if not isinstance(s, dict):
         raise UserError(f"{where}: expected an object")

@@ -12,6 +12,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 
 from hybridpipe.errors import UserError
 from hybridpipe.limits import OutOfTime
@@ -22,7 +23,6 @@ from hybridpipe.partitioner.cost.syncunits import LayerSync
 from hybridpipe.partitioner.cost.wire import activation_wire
 from hybridpipe.partitioner.plan import (
     ALGORITHMS,
-    OPTIMIZERS,
     STRATEGIES,
     WIRE_BYTES,
     Plan,
@@ -34,17 +34,12 @@ from hybridpipe.partitioner.schedule_registry import AUTO, DEFAULT_SCHEDULE, REG
 from hybridpipe.partitioner.search import dp
 from hybridpipe.partitioner.search.cuts import blocked_message
 from hybridpipe.partitioner.search.modelcosts import ModelCosts, model_costs
-from hybridpipe.partitioner.search.objective import (
-    Evaluation,
-    Options,
-    StageSpec,
-    evaluate,
-    predict_step_ms,
-    transient_bytes,
-)
+from hybridpipe.partitioner.search.objective import Evaluation, StageSpec, evaluate, predict_step_ms
+from hybridpipe.partitioner.search.options import Options
 from hybridpipe.partitioner.search.pipedream import pipedream_stages
 from hybridpipe.partitioner.search.polish import polish_cuts
 from hybridpipe.partitioner.search.refusals import memory_message, no_fit_message
+from hybridpipe.partitioner.search.stagememory import transient_bytes
 from hybridpipe.partitioner.search.strategies import baseline_stages
 from hybridpipe.partitioner.search.virtual import (
     BASE_SCHEDULE,
@@ -86,6 +81,8 @@ class Request:
 
 @dataclass(frozen=True)
 class Outcome:
+    """A plan with what predicted it: its evaluation, the cost model and the options it was searched under."""
+
     plan: Plan
     evaluation: Evaluation
     model: CostModel
@@ -99,8 +96,6 @@ def resolve(cluster: Cluster, req: Request) -> tuple[Cluster, int, Options]:
         raise UserError(f"unknown strategy {req.strategy!r}; choose from {', '.join(STRATEGIES)}")
     if req.schedule != AUTO:
         get_schedule(req.schedule)
-    if req.optimizer not in OPTIMIZERS:
-        raise UserError(f"unknown optimizer {req.optimizer!r}; choose from {', '.join(OPTIMIZERS)}")
     workers = cluster.total_workers if req.workers is None else req.workers
     if workers < 1:
         raise UserError(f"--workers must be at least 1, got {workers}")
@@ -151,16 +146,9 @@ def partition(profile: Profile, cluster: Cluster, req: Request = Request(),
     if req.virtual_stages != 1 or (req.schedule != AUTO and get_schedule(req.schedule).chunked):
         return partition_virtual(profile, cluster, req, calibrations, progress, simulate, deadline)
     if req.schedule == AUTO:
-        found, errors = [], []
-        for name in auto_candidates():
-            try:
-                found.append(partition(profile, cluster, replace(req, schedule=name), calibrations, progress,
-                                       deadline=deadline))
-            except UserError as e:
-                errors.append(e)
-        if not found:
-            raise errors[0]
-        return min(found, key=lambda o: o.plan.predicted_step_ms)
+        return fastest([partial(partition, profile, cluster, replace(req, schedule=name), calibrations, progress,
+                                deadline=deadline) for name in auto_candidates()],
+                       key=lambda o: o.plan.predicted_step_ms)
     cluster, workers, opts = resolve(cluster, req)
     for what, value in (("precision", req.precision), ("reduce dtype", req.reduce_dtype)):
         if value not in WIRE_BYTES:
@@ -205,23 +193,14 @@ def partition_virtual(profile: Profile, cluster: Cluster, req: Request, calibrat
         raise UserError(f"--virtual-stages must be at least 1, got {virtual}")
     if req.schedule == AUTO:
         names = [n for n, s in REGISTRY.items() if s.flushed and s.chunked and s.virtual_ok(virtual)]
-        found, errors = [], []
-        for name in names:
-            try:
-                found.append(partition_virtual(profile, cluster, replace(req, schedule=name), calibrations, progress,
-                                               simulate, deadline))
-            except UserError as e:
-                errors.append(e)
-        try:
-            plain = partition(profile, cluster, replace(req, virtual_stages=1), calibrations, progress,
+
+        def plain() -> Outcome:            # the one-chunk schedules' best plan, its step simulated
+            found = partition(profile, cluster, replace(req, virtual_stages=1), calibrations, progress,
                               deadline=deadline)
-            step = simulated_ms(plain, simulate)
-            found.append(replace(plain, evaluation=replace(plain.evaluation, objective_ms=step)))
-        except UserError as e:
-            errors.append(e)
-        if not found:
-            raise errors[0]
-        return min(found, key=lambda o: o.evaluation.objective_ms)
+            return replace(found, evaluation=replace(found.evaluation, objective_ms=simulated_ms(found, simulate)))
+        return fastest([partial(partition_virtual, profile, cluster, replace(req, schedule=name), calibrations,
+                                progress, simulate, deadline) for name in names] + [plain],
+                       key=lambda o: o.evaluation.objective_ms)
     kind = get_schedule(req.schedule)
     check_virtual(kind, virtual)
     base = partition(profile, cluster, replace(req, schedule=BASE_SCHEDULE, virtual_stages=1), calibrations, progress,
@@ -243,6 +222,20 @@ def partition_virtual(profile: Profile, cluster: Cluster, req: Request, calibrat
            "by simulation"
     notes = base.notes + (note,)
     return Outcome(replace(plan, search=base.plan.search), ev, base.model, opts, notes)
+
+
+def fastest(attempts: Sequence[Callable[[], Outcome]], key: Callable[[Outcome], float]) -> Outcome:
+    """The outcome with the smallest ``key`` (the earliest on a tie) among the attempts that find a plan;
+    the first attempt's UserError when none does."""
+    found, errors = [], []
+    for attempt in attempts:
+        try:
+            found.append(attempt())
+        except UserError as e:
+            errors.append(e)
+    if not found:
+        raise errors[0]
+    return min(found, key=key)
 
 
 def simulated_ms(outcome: Outcome, simulate: Simulate) -> float:

@@ -4,7 +4,7 @@ A block's saved activations are what it leaves for its backward; its *transient*
 kernels allocate on the way and free again before they return control: a softmax's output that only
 its backward's gradient replaced, attention scores, the logits' log-softmax gradient beside the
 logits' own, the gradients flowing through a backward. On a GPU they are a large part of a step's
-peak (the plan adds them: ``partitioner/search/objective.py``'s ``transient_bytes``).
+peak (the plan adds them: ``partitioner/search/stagememory.py``'s ``transient_bytes``).
 
 ``PeakMeter(device)`` measures one piece of work: ``with meter: work()`` then ``meter.peak`` (the
 most bytes above the start, at once) and ``meter.end`` (what is still allocated above the start

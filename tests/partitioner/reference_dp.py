@@ -31,7 +31,9 @@ import numpy as np
 from hybridpipe.partitioner.cost.calibration import LinkFit
 from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.search.modelcosts import ModelCosts
-from hybridpipe.partitioner.search.objective import OPTIMIZER_STATES, Options, StageSpec, busiest_share, overhead_ms
+from hybridpipe.partitioner.search.objective import StageSpec, overhead_ms
+from hybridpipe.partitioner.search.options import OPTIMIZER_STATES, Options
+from hybridpipe.partitioner.search.transfers import busiest_share
 
 
 @dataclass(frozen=True)
@@ -269,7 +271,7 @@ class _Solver:
         return hit
 
     def transfer_table(self, blk: _Block, rows: slice, cols: slice) -> np.ndarray:
-        """X(i, j) in ms: the stage's activation traffic per micro-batch (objective.transfer_ms)."""
+        """X(i, j) in ms: the stage's activation traffic per micro-batch (transfers.transfer_ms)."""
         f_in, f_out, s_in, s_out = blk.fit_in, blk.fit_out, blk.share_in, blk.share_out
         a_in, g_out, has_in = self.a_in[rows], self.g_out[rows], self.has_in[rows]
         a_out, g_in, has_out = self.a_out[cols], self.g_in[cols], self.has_out[cols]

@@ -8,7 +8,8 @@ from collections.abc import Sequence
 from hybridpipe.partitioner.cost.cluster import Cluster, Level
 from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.search.modelcosts import ModelCosts
-from hybridpipe.partitioner.search.objective import Options, StageSpec, evaluate
+from hybridpipe.partitioner.search.objective import StageSpec, evaluate
+from hybridpipe.partitioner.search.options import Options
 from hybridpipe.profiles.format import Profile, ProfileNode
 
 

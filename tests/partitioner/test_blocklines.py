@@ -2,8 +2,8 @@
 
 ``block_lines`` prices every shape of a batch in one vectorised pass; each line must be bit for bit
 ``CostModel.priced_line`` (message by message, the reference) and ``CostModel.fast_lines`` (one group
-at a time), whatever else shares the batch; ``StageTerms`` must then give the same sync vectors as
-pricing each shape alone.
+at a time), whatever else shares the batch; ``BlockSync`` (``StageTerms.block_sync``) must then give
+the same sync vectors as pricing each shape alone.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from hybridpipe.partitioner.cost.cluster import Cluster, Level
 from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.plan import ALGORITHMS
 from hybridpipe.partitioner.schedule_registry import get_schedule
-from hybridpipe.partitioner.search import stageterms
+from hybridpipe.partitioner.search import blocksync
 from hybridpipe.partitioner.search.modelcosts import model_costs
-from hybridpipe.partitioner.search.objective import Options
+from hybridpipe.partitioner.search.options import Options
 from hybridpipe.partitioner.search.stageterms import StageTerms
 from tests.partitioner.synth import make_profile
 from tests.partitioner.test_fastlines import clusters
@@ -84,21 +84,21 @@ def test_batched_lines_on_the_benchmark_cluster():
 
 @pytest.mark.parametrize("batch_ranks", [1 << 20, 50])
 def test_stage_terms_price_a_batch_as_each_shape_alone(batch_ranks, monkeypatch):
-    """``StageTerms``' sync vectors from one batch (or several, at most ``batch_ranks`` ranks each) equal
+    """``BlockSync``' sync vectors from one batch (or several, at most ``batch_ranks`` ranks each) equal
     pricing every shape alone (``fast_lines``, the fastest algorithm per node, the refined size
     factor), on a profile with weightless nodes."""
-    monkeypatch.setattr(stageterms, "BATCH_RANKS", batch_ranks)
+    monkeypatch.setattr(blocksync, "BATCH_RANKS", batch_ranks)
     cluster = Cluster((Level("node", 4, 100.0, 5.0), Level("network", 16, 1.0, 50.0)), 32.0)
     costs = model_costs(make_profile([(1.0 + k, 2.0 + k, 4096 * k, (k % 3) * 40_000_000) for k in range(10)]))
     model = CostModel(cluster)
     for copies in (1, 4):
         t = StageTerms(costs, model, 64, copies, Options(get_schedule("1f1b"), 128))
         shapes = [(o, s) for o in range(4) for s in (1, 2, 5, 9, 16 - o) if o + s <= t.wc]
-        t._price(shapes)
+        t.block_sync.price(shapes)
         for o, s in shapes:
             ranks = np.add.outer(np.arange(copies) * t.wc, np.arange(o, o + s)).ravel()
             lines = model.fast_lines(ranks, t.opts.algorithms)
             best = np.min([ln.alpha_s + ln.s_per_byte * costs.param_bytes for _, ln in lines], axis=0)
             want = np.where(costs.param_bytes > 0, best * model.allreduce_factor(costs.param_bytes) * 1e3, 0.0)
-            assert np.array_equal(t.sync_ms(o, s), want), (copies, o, s)
-        assert t.priced == len(shapes)
+            assert np.array_equal(t.block_sync.sync_ms(o, s), want), (copies, o, s)
+        assert t.block_sync.priced == len(shapes)

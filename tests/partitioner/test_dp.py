@@ -14,7 +14,8 @@ from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.schedule_registry import get_schedule
 from hybridpipe.partitioner.search import dp
 from hybridpipe.partitioner.search.modelcosts import model_costs
-from hybridpipe.partitioner.search.objective import Options, StageSpec, evaluate
+from hybridpipe.partitioner.search.objective import StageSpec, evaluate
+from hybridpipe.partitioner.search.options import Options
 from hybridpipe.partitioner.search.strategies import baseline_stages
 from tests.partitioner.synth import brute_force, flat_cluster, make_profile, two_level
 
@@ -88,7 +89,7 @@ def test_dp_equals_brute_force_with_blocked_cuts(layers, skip, cluster, opts, bl
        st.lists(st.sampled_from([0.0, 1e6, 5e7, 2e8]), min_size=1, max_size=7))
 @example([(0.0, 0.0, 0, 0)], False, flat_cluster(1, 0.1, 0.0), Options(get_schedule("gpipe"), 1, "sgd", 1.5e8), [2e8])
 def test_dp_equals_brute_force_with_transient_bytes(layers, skip, cluster, opts, transients):
-    """Nodes whose kernels allocate for a moment (objective.transient_bytes): the DP's vectorised memory
+    """Nodes whose kernels allocate for a moment (stagememory.transient_bytes): the DP's vectorised memory
     bound is the objective's (20 cases)."""
     check_against_brute_force(layers, skip, cluster, opts, transients=transients)
 

@@ -23,7 +23,8 @@ from hybridpipe.partitioner.plan import ALGORITHMS
 from hybridpipe.partitioner.schedule_registry import get_schedule
 from hybridpipe.partitioner.search import dp
 from hybridpipe.partitioner.search.modelcosts import model_costs
-from hybridpipe.partitioner.search.objective import Options, evaluate, predict_step_ms
+from hybridpipe.partitioner.search.objective import evaluate, predict_step_ms
+from hybridpipe.partitioner.search.options import Options
 from hybridpipe.partitioner.search.stageterms import StageTerms
 from hybridpipe.partitioner.search.strategies import baseline_stages
 from tests.partitioner import reference_dp
@@ -139,12 +140,13 @@ def test_exposure_row_and_sync_bound(layers, cluster, data):
     t = StageTerms(costs, CostModel(cluster), workers, 1, Options(get_schedule("1f1b"), 2 * workers))
     x = data.draw(st.integers(0, workers - 1))
     b = data.draw(st.integers(1, workers - x))
-    table = reference_dp.exposure_table(t.sync_ms(x % t.period, b), costs.backward_ms, costs.forward_ms)
+    table = reference_dp.exposure_table(t.block_sync.sync_ms(x % t.period, b), costs.backward_ms, costs.forward_ms)
     for i in range(costs.n):
-        np.testing.assert_array_equal(t.exposure_row(x % t.period, b, i), table[i, i:])
+        np.testing.assert_array_equal(t.block_sync.exposure_row(x % t.period, b, i), table[i, i:])
     top = int(t.level_between(np.array([x]), np.array([x + b - 1]))[0])
-    a, per_byte = t._sync_ub[0][b, top], t._sync_ub[1][b, top]
-    assert (t.sync_ms(x % t.period, b) <= (a + per_byte * costs.param_bytes) * 1e3 * (1 + 1e-12) + 1e-12).all()
+    sync = t.block_sync
+    a, per_byte = sync.ring_bound[0][b, top], sync.ring_bound[1][b, top]
+    assert (sync.sync_ms(x % t.period, b) <= (a + per_byte * costs.param_bytes) * 1e3 * (1 + 1e-12) + 1e-12).all()
 
 
 def test_time_limit_returns_a_lower_bound_and_the_best_plan_so_far():

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.cost.layersync import choose_layer_algorithms, plan_layer_syncs, simulate_lane
 from hybridpipe.partitioner.plan import ALGORITHMS
-from hybridpipe.partitioner.search.stageterms import lane_row, lane_terms
+from hybridpipe.partitioner.search.lanes import lane_row, lane_terms
 from tests.partitioner.synth import make_profile, two_level
 
 

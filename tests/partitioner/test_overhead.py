@@ -11,7 +11,8 @@ from hybridpipe.partitioner.plan import Plan
 from hybridpipe.partitioner.planner import build_plan
 from hybridpipe.partitioner.schedule_registry import get_schedule
 from hybridpipe.partitioner.search.modelcosts import model_costs
-from hybridpipe.partitioner.search.objective import Options, StageSpec, evaluate, predict_step_ms
+from hybridpipe.partitioner.search.objective import StageSpec, evaluate, predict_step_ms
+from hybridpipe.partitioner.search.options import Options
 from hybridpipe.pipeline.simulator import simulate
 from tests.partitioner.synth import flat_cluster, make_profile
 

@@ -6,11 +6,15 @@ import json
 import os
 import subprocess
 import sys
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from hybridpipe.cli import main
+from hybridpipe.commands.partition import rank_ranges
 from hybridpipe.partitioner.plan import load_plan
 from hybridpipe.profiles.format import save_profile
 from tests.partitioner.synth import make_profile
@@ -165,3 +169,12 @@ def test_progress_bar_on_stderr_unless_quiet(profile, capsys, monkeypatch):
     assert "optimal:" in captured.err and "ms/step]" in captured.err and "optimal:" not in captured.out
     assert main([*args, "-q"]) == 0
     assert capsys.readouterr().err == ""
+
+
+@given(st.sets(st.integers(0, 40)))
+def test_rank_ranges_lists_every_rank_once_in_maximal_runs(ranks):
+    """``rank_ranges`` read back: the same ranks in order, and no two runs that touch (each run maximal)."""
+    text = rank_ranges(ranks)
+    runs = [tuple(map(int, p.split("-"))) if "-" in p else (int(p), int(p)) for p in text.split(",")] if text else []
+    assert [r for a, b in runs for r in range(a, b + 1)] == sorted(ranks)
+    assert all(a <= b for a, b in runs) and all(b + 1 < a2 for (_, b), (a2, _) in pairwise(runs))

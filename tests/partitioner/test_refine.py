@@ -192,7 +192,8 @@ def test_the_optimal_search_with_a_refined_calibration_equals_brute_force(schedu
     """The all-reduce size factors reach the DP's vectorised sync tables as they reach evaluate()."""
     from hybridpipe.partitioner.search import dp
     from hybridpipe.partitioner.search.modelcosts import model_costs
-    from hybridpipe.partitioner.search.objective import Options, evaluate
+    from hybridpipe.partitioner.search.objective import evaluate
+    from hybridpipe.partitioner.search.options import Options
     from hybridpipe.partitioner.search.strategies import baseline_stages
     from tests.partitioner.synth import brute_force
 

@@ -20,7 +20,8 @@ from hybridpipe.partitioner.refine.refinement import (
 from hybridpipe.partitioner.refine.step import StepFactors, StepStage, TiedEvidence, fit_step, weighted_median
 from hybridpipe.partitioner.schedule_registry import get_schedule
 from hybridpipe.partitioner.search.modelcosts import model_costs
-from hybridpipe.partitioner.search.objective import Options, StageSpec, evaluate
+from hybridpipe.partitioner.search.objective import StageSpec, evaluate
+from hybridpipe.partitioner.search.options import Options
 from tests.partitioner.synth import flat_cluster, make_profile
 from tests.partitioner.synth_runs import synthetic_run
 

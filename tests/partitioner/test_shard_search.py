@@ -15,7 +15,8 @@ from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.schedule_registry import get_schedule
 from hybridpipe.partitioner.search import dp
 from hybridpipe.partitioner.search.modelcosts import model_costs
-from hybridpipe.partitioner.search.objective import Options, evaluate
+from hybridpipe.partitioner.search.objective import evaluate
+from hybridpipe.partitioner.search.options import Options
 from hybridpipe.partitioner.search.sharding import NONE, VARIANTS, sharded_variants
 from hybridpipe.partitioner.search.strategies import baseline_stages
 from tests.partitioner.synth import all_layouts, flat_cluster, make_profile, two_level

@@ -16,7 +16,8 @@ from hybridpipe.partitioner.plan_parts import SHARD_LEVELS
 from hybridpipe.partitioner.planner import Request, partition
 from hybridpipe.partitioner.schedule_registry import get_schedule
 from hybridpipe.partitioner.search.modelcosts import model_costs
-from hybridpipe.partitioner.search.objective import Options, StageSpec, evaluate, memory_bytes
+from hybridpipe.partitioner.search.objective import StageSpec, evaluate
+from hybridpipe.partitioner.search.options import Options
 from hybridpipe.partitioner.search.sharding import (
     NONE,
     Variant,
@@ -24,6 +25,7 @@ from hybridpipe.partitioner.search.sharding import (
     midstep_ms,
     static_bytes,
 )
+from hybridpipe.partitioner.search.stagememory import memory_bytes
 from hybridpipe.pipeline.simulator import simulate
 from hybridpipe.profiles.format import save_profile
 from tests.partitioner.synth import flat_cluster, make_profile
@@ -54,7 +56,7 @@ def test_largest_units_tables():
 
 
 def test_memory_of_a_sharded_stage_in_the_objective():
-    """objective.memory_bytes with adamw on 4 replicas: ZeRO-1 saves 1.5 W, ZeRO-3 (resharding) about 3 W."""
+    """stagememory.memory_bytes with adamw on 4 replicas: ZeRO-1 saves 1.5 W, ZeRO-3 (resharding) about 3 W."""
     costs = model_costs(make_profile([(1.0, 2.0, 1000, 4_000_000)] * 3, []))
     opts = Options(get_schedule("1f1b"), 8, "adamw")
     w = costs.weight_bytes(0, 4)

@@ -1,4 +1,4 @@
-"""The lower bounds the scalable DP prunes with (``stageterms.sync_floor``), and the plan evaluation's
+"""The lower bounds the scalable DP prunes with (``lanes.sync_floor``), and the plan evaluation's
 vectorised transfer level, against the cost model's own pricing and the straightforward formula."""
 
 from __future__ import annotations
@@ -10,9 +10,11 @@ from hypothesis import strategies as st
 from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.plan import ALGORITHMS
 from hybridpipe.partitioner.schedule_registry import get_schedule
+from hybridpipe.partitioner.search.lanes import sync_floor
 from hybridpipe.partitioner.search.modelcosts import model_costs
-from hybridpipe.partitioner.search.objective import Options, transfer_level
-from hybridpipe.partitioner.search.stageterms import StageTerms, sync_floor
+from hybridpipe.partitioner.search.options import Options
+from hybridpipe.partitioner.search.stageterms import StageTerms
+from hybridpipe.partitioner.search.transfers import transfer_level
 from tests.partitioner.synth import make_profile
 from tests.partitioner.test_dp_scale import LAYER, clusters
 
@@ -48,7 +50,7 @@ def test_sync_floor_is_below_every_allowed_algorithm(cluster, data):
     costs = model_costs(make_profile([(1.0, 2.0, 1000, int(v)) for v in nbytes]))
     t = StageTerms(costs, model, cluster.total_workers, copies,
                    Options(get_schedule("1f1b"), 2 * cluster.total_workers, algorithms=tuple(algorithms)))
-    sync = t.sync_ms(x % t.period, b)
+    sync = t.block_sync.sync_ms(x % t.period, b)
     assert (sync_floor(model, top, units, algorithms, costs.param_bytes) <= sync).all()
 
 
@@ -65,8 +67,8 @@ def test_exposure_floor_is_below_the_exposure(layers, cluster, data):
     for i in range(costs.n):
         js = np.arange(i, costs.n)
         n = len(js)
-        floor = t._exposure_floor(i, js, np.full(n, x), np.full(n, x + b), np.full(n, top))
-        exact = t.exposure_row(x % t.period, b, i) if copies * b > 1 else np.zeros(n)
+        floor = t.block_sync.exposure_floor(i, js, np.full(n, x), np.full(n, x + b), np.full(n, top))
+        exact = t.block_sync.exposure_row(x % t.period, b, i) if copies * b > 1 else np.zeros(n)
         assert (floor <= exact).all(), (i, floor, exact)
 
 

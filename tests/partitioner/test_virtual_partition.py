@@ -22,7 +22,8 @@ from hybridpipe.partitioner.planner import Request, partition
 from hybridpipe.partitioner.schedule_registry import get_schedule
 from hybridpipe.partitioner.search.balance import balanced_sizes
 from hybridpipe.partitioner.search.modelcosts import model_costs
-from hybridpipe.partitioner.search.objective import Options, memory_bytes
+from hybridpipe.partitioner.search.options import Options
+from hybridpipe.partitioner.search.stagememory import memory_bytes
 from hybridpipe.pipeline.instructions import Backward, BackwardWeight, Forward
 from hybridpipe.pipeline.schedules import Topology, all_programs
 from hybridpipe.pipeline.simulator import simulate

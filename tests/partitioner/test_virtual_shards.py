@@ -18,7 +18,7 @@ from hybridpipe.partitioner.plan import Plan
 from hybridpipe.partitioner.planner import Request, build_plan, partition
 from hybridpipe.partitioner.schedule_registry import get_schedule
 from hybridpipe.partitioner.search.modelcosts import model_costs
-from hybridpipe.partitioner.search.objective import Options
+from hybridpipe.partitioner.search.options import Options
 from hybridpipe.partitioner.search.sharding import NONE, VARIANTS, Variant
 from hybridpipe.partitioner.search.virtual import (
     EXACT_COMBOS,

@@ -1,5 +1,5 @@
 """What a split schedule (zb-h1) holds between a micro-batch's input half (B) and weight half (W):
-``Schedule.whole`` against a count over the schedule's own op order, and ``objective.memory_bytes``
+``Schedule.whole`` against a count over the schedule's own op order, and ``stagememory.memory_bytes``
 / ``evaluate`` charging ``ModelCosts.half_bytes`` (not the whole stash) for those micro-batches."""
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ import pytest
 from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.schedule_registry import Op, get_schedule
 from hybridpipe.partitioner.search.modelcosts import ModelCosts
-from hybridpipe.partitioner.search.objective import OPTIMIZER_STATES, Options, StageSpec, evaluate, memory_bytes
+from hybridpipe.partitioner.search.objective import StageSpec, evaluate
+from hybridpipe.partitioner.search.options import OPTIMIZER_STATES, Options
+from hybridpipe.partitioner.search.stagememory import memory_bytes
 from tests.partitioner.synth import flat_cluster
 
 

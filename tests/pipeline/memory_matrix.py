@@ -1,5 +1,5 @@
 """The memory-prediction matrix of issue 28 item 9: Hugging Face families x schedules x optimizers
-on 4 stages, the partitioner's per-stage prediction (``objective.memory_bytes``) next to what the
+on 4 stages, the partitioner's per-stage prediction (``stagememory.memory_bytes``) next to what the
 engine's ``MemoryMeter`` measured (its per-step peak) in an in-process pipeline (threads).
 
 Used by tests/pipeline/test_memory_families.py and benchmarks/memory_prediction.py.
@@ -15,15 +15,15 @@ import torch
 from hybridpipe.partitioner.plan import Plan
 from hybridpipe.partitioner.schedule_registry import get_schedule
 from hybridpipe.partitioner.search.modelcosts import ModelCosts, model_costs
-from hybridpipe.partitioner.search.objective import (
-    Options,
-    StageSpec,
+from hybridpipe.partitioner.search.objective import StageSpec
+from hybridpipe.partitioner.search.options import Options
+from hybridpipe.partitioner.search.sharding import NONE
+from hybridpipe.partitioner.search.stagememory import (
     inflight_micro_batches,
     memory_bytes,
     split_micro_batches,
     transient_bytes,
 )
-from hybridpipe.partitioner.search.sharding import NONE
 from hybridpipe.partitioner.search.virtual import worker_bytes, worker_places
 from hybridpipe.pipeline.splitback import backward_input
 from hybridpipe.profiles.profiler import profile_model
@@ -57,7 +57,7 @@ class StageMemory:
     stage: int
     nodes: str                  # first..last node names
     measured: int               # the meter's peak over the steps
-    predicted: float            # objective.memory_bytes less transient_bytes (what the stage holds)
+    predicted: float            # stagememory.memory_bytes less transient_bytes (what the stage holds)
 
     @property
     def ratio(self) -> float:
@@ -85,7 +85,7 @@ def measure(family: str, schedule: str, optimizer: str) -> list[StageMemory]:
     rows = []
     for s, st in enumerate(plan.stages):
         i, j = st.first_node, st.last_node
-        # the meter counts what the stage holds, not its kernels' temporaries (objective.transient_bytes),
+        # the meter counts what the stage holds, not its kernels' temporaries (stagememory.transient_bytes),
         # which only an allocator sees: tests/pipeline/test_memory_transient.py
         predicted = (memory_bytes(costs, i, j, inflight_micro_batches(kind, MICRO_BATCHES, p - s, 1, p), opts,
                                   split=split_micro_batches(kind, MICRO_BATCHES, p - s, 1, p))

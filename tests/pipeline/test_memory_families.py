@@ -1,6 +1,6 @@
 """Memory predicted = measured on Hugging Face models (issue 28 item 9).
 
-The partitioner's per-stage prediction (``objective.memory_bytes``) against the engine's
+The partitioner's per-stage prediction (``stagememory.memory_bytes``) against the engine's
 ``MemoryMeter`` in an in-process 4-stage pipeline, for every family of tests/pipeline/memory_matrix.py
 x {1f1b, zb-h1} x {sgd, adam}: within 5% on every stage. Two things were missing before: a stage
 holding a copy of a tied weight (GPT-2's LM head, BART's decoder) paid for it, its gradient and its

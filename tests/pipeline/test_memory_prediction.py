@@ -18,9 +18,8 @@ import torch
 
 from hybridpipe.partitioner.schedule_registry import get_schedule
 from hybridpipe.partitioner.search.modelcosts import ModelCosts, model_costs
-from hybridpipe.partitioner.search.objective import (
-    OPTIMIZER_STATES,
-    Options,
+from hybridpipe.partitioner.search.options import OPTIMIZER_STATES, Options
+from hybridpipe.partitioner.search.stagememory import (
     inflight_micro_batches,
     memory_bytes,
     split_micro_batches,

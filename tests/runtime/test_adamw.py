@@ -12,7 +12,8 @@ from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.plan import save_plan
 from hybridpipe.partitioner.schedule_registry import get_schedule
 from hybridpipe.partitioner.search.modelcosts import model_costs
-from hybridpipe.partitioner.search.objective import Options, StageSpec, evaluate
+from hybridpipe.partitioner.search.objective import StageSpec, evaluate
+from hybridpipe.partitioner.search.options import Options
 from hybridpipe.profiles.zoo import resolve_model
 from hybridpipe.runtime.config import build_parser
 from hybridpipe.runtime.parts import make_optimizer

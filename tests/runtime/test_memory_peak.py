@@ -2,7 +2,7 @@
 
 The engine's CPU ``MemoryMeter`` counts the tensors a stage holds (tests/pipeline/test_memory*.py);
 the allocator also sees what operations allocate for a moment (the logits' log-softmax gradients, a
-block's backward), which the plan adds as ``objective.transient_bytes``. Here the reference is the
+block's backward), which the plan adds as ``stagememory.transient_bytes``. Here the reference is the
 CPU allocator itself (torch's profiler reports every allocation with the running total): the most
 bytes allocated at once while a one-stage Trainer (AdamW, two micro-batches per step) runs two steps
 after its first (plus its weights, gradients and optimizer state allocated before them), against the
@@ -18,7 +18,7 @@ import torch
 from hybridpipe.partitioner.cost.cluster import Cluster, Level
 from hybridpipe.partitioner.planner import Request, partition
 from hybridpipe.partitioner.search.modelcosts import model_costs
-from hybridpipe.partitioner.search.objective import transient_bytes
+from hybridpipe.partitioner.search.stagememory import transient_bytes
 from hybridpipe.pipeline import MicroBatches
 from hybridpipe.pipeline.memory import optimizer_tensors, tensors_bytes
 from hybridpipe.profiles.data import resolve_dataset

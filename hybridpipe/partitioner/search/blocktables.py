@@ -1,7 +1,7 @@
 """Where a block of copy ranks sits in the cluster, for many candidate blocks at once: table look-ups.
 
 ``StageTerms`` asks, for every candidate stage, the level two ranks share (``level_between``) and the
-busiest link's share of a block's traffic (``busiest_share``, ``objective.busiest_share``). Both
+busiest link's share of a block's traffic (``busiest_share``, ``transfers.busiest_share``). Both
 depend on a rank only through its place in the cluster's *period* (the span of the level below the
 outermost one: every unit below the outermost level repeats with it) and on the block's length, so
 they are tabulated once per copy count and read with one fancy index instead of integer divisions
@@ -24,7 +24,7 @@ def level_of(spans: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 def busiest_share_of(spans: np.ndarray, copies: int, x: np.ndarray, y: np.ndarray, level: np.ndarray
                      ) -> np.ndarray:
-    """objective.busiest_share of the blocks x..y-1 (in ``copies`` copies) behind one link of ``level``."""
+    """transfers.busiest_share of the blocks x..y-1 (in ``copies`` copies) behind one link of ``level``."""
     b = y - x
     s = np.concatenate([[1], spans])[level]              # ranks behind one link of the level
     first, last = x // s, (y - 1) // s

@@ -33,7 +33,8 @@ from dataclasses import dataclass
 from hybridpipe.limits import OutOfTime
 from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.search.modelcosts import ModelCosts
-from hybridpipe.partitioner.search.objective import Options, StageSpec
+from hybridpipe.partitioner.search.objective import StageSpec
+from hybridpipe.partitioner.search.options import Options
 from hybridpipe.partitioner.search.region import RegionResult, solve_region
 from hybridpipe.partitioner.search.relaxation import lower_bound, min_block, windows
 from hybridpipe.partitioner.search.stageterms import StageTerms
@@ -46,6 +47,8 @@ HUGE_MS = 1e15
 
 @dataclass(frozen=True)
 class Solution:
+    """The stage list the search chose, its objective, the copy count it lays out, and what the search proved."""
+
     stages: tuple[StageSpec, ...]
     objective_ms: float
     copies: int

@@ -15,11 +15,7 @@ ms per step, the larger of:
   minibatch): ``k * (F + B + E)``, ``E`` the exposed sync with no extra gap. What tells the
   schedules apart is read from their ``schedule_registry.Schedule`` objects, never their names.
 * transfers: ``M * X`` where ``X`` is the stage's share of its activation traffic per
-  micro-batch: forward activations out and gradients in leave/enter through the stage's links
-  at level l = max over its ranks p of min over the neighbour's ranks q of level(p, q) (the
-  level a transfer needs at worst for the nearest peer), shared by the stage's replicas inside
-  each sub-unit at that level (``frac`` = the busiest sub-unit's share of the micro-batches);
-  links are full duplex, so egress (activations out + gradients in) and ingress are separate.
+  micro-batch through its links (``transfers.py``).
 
 Both schedules add the stage's overhead per step (``overhead_ms``): its optimizer steps (one per
 sync) and the compute it loses to its own communication, ``interference_s_per_byte`` (measured
@@ -31,15 +27,7 @@ The objective is the largest stage term; a stage that does not fit in a worker's
 where a value that cannot cross a stage boundary would have to (``cuts.py``), or has more replicas
 than micro-batches (or, for pipedream, a replica count that does not divide
 them: its replicas synchronise in rounds), makes the plan infeasible (infinite). Memory per
-worker: weights, gradients and optimizer state (sgd
-momentum: 1 copy, adam: 2), plus the activations of the micro-batches in flight (gpipe: all k;
-1f1b: min(k, ceil(W_after / r)), W_after = workers in this and later stages; zb-h1:
-min(k, ceil(W / r)), W all workers (a later stage holds back weight gradients), of them
-min(k, ceil(W_after / r)) whole and the rest only what stays between their backward's input and
-weight halves, ``ModelCosts.half_bytes``; pipedream:
-ceil(W_after / r)), plus pipedream's stashed weight versions (one per in-flight minibatch
-beyond the live weights), plus the stage's transient bytes (``transient_bytes``: the most one node's
-kernels allocate for a moment, at the worst moment of the step).
+worker: ``stagememory.py``. What a plan is for: ``Options`` (``options.py``).
 
 Sharded replicas (``--shard``, ``sharding.py``): a stage of r > 1 replicas may shard its optimizer
 state, gradients or weights; its memory, its per-step reduce-scatters and all-gathers (in the
@@ -59,70 +47,14 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
-from hybridpipe.errors import UserError
 from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.cost.layersync import StageSync, choose_layer_algorithms
-from hybridpipe.partitioner.cost.sharded import fastest_pair, paired_algorithms
-from hybridpipe.partitioner.plan import ALGORITHMS, OPTIMIZERS
-from hybridpipe.partitioner.schedule_registry import DEFAULT_SCHEDULE, REGISTRY, Schedule
+from hybridpipe.partitioner.cost.sharded import fastest_pair
 from hybridpipe.partitioner.search.modelcosts import ModelCosts
-from hybridpipe.partitioner.search.sharding import (
-    NONE,
-    Variant,
-    check_shard,
-    halves,
-    midstep_ms,
-    sharded_variants,
-    stage_units,
-    static_bytes,
-)
-
-OPTIMIZER_STATES = {"sgd": 1, "adam": 2, "adamw": 2}   # extra copies of the weights an optimizer keeps
-RECOMPUTE = ("none", "all", "auto")
-
-
-@dataclass(frozen=True)
-class Options:
-    """What the plan is for: schedule, micro-batches per step, optimizer, memory per worker."""
-
-    schedule: Schedule = REGISTRY[DEFAULT_SCHEDULE]     # what it means: schedule_registry.py
-    micro_batches: int = 1
-    optimizer: str = "sgd"
-    memory_bytes: float = math.inf
-    algorithms: tuple[str, ...] = ALGORITHMS
-    recompute: str = "none"     # none | all | auto (a stage recomputes only when it would not fit otherwise)
-    shard: str = "none"         # none | optimizer | gradients | parameters | auto (sharding.py)
-
-    def __post_init__(self):
-        check_shard(self.shard)
-        if self.shard not in ("none", "auto") and self.schedule.asynchronous:
-            raise UserError(f"--shard {self.shard} needs a flushed schedule ({self.schedule.name} keeps whole weight "
-                            "versions for its minibatches in flight); use --schedule 1f1b or --shard none")
-        if self.shard not in ("none", "auto") and not paired_algorithms(self.algorithms):
-            raise UserError(f"--shard {self.shard} reduce-scatters and all-gathers with ring, butterfly, hierarchical, "
-                            "torus2d or native; add one of them to --algorithms")
-        if self.recompute not in RECOMPUTE:
-            raise UserError(f"unknown --recompute {self.recompute!r}; choose from {', '.join(RECOMPUTE)}")
-        if self.optimizer not in OPTIMIZERS:
-            raise UserError(f"unknown optimizer {self.optimizer!r}; choose from {', '.join(OPTIMIZERS)}")
-        if self.micro_batches < 1:
-            raise UserError(f"--micro-batches must be >= 1, got {self.micro_batches}")
-        if not self.algorithms or any(a not in ALGORITHMS for a in self.algorithms):
-            raise UserError(f"all-reduce algorithms must be among {', '.join(ALGORITHMS)}, got {self.algorithms}")
-
-    def replicas_ok(self, replicas: int) -> bool:
-        """Every replica gets micro-batches (r <= M); asynchronous rounds need r to divide M."""
-        return bool(self.schedule.replicas_ok(replicas, self.micro_batches))
-
-    def variants(self, replicas: int) -> tuple[Variant, ...]:
-        """What a stage of ``replicas`` may shard (``sharding.py``): ``(NONE,)`` for one replica, an asynchronous
-        schedule or ``--shard none``; under a level, only that level."""
-        if (self.shard == "none" or replicas <= 1 or self.schedule.asynchronous
-                or not paired_algorithms(self.algorithms)):
-            return (NONE,)
-        return sharded_variants(self.shard)
+from hybridpipe.partitioner.search.options import Options
+from hybridpipe.partitioner.search.sharding import NONE, Num, Variant, halves, midstep_ms
+from hybridpipe.partitioner.search.stagememory import inflight_micro_batches, memory_bytes, split_micro_batches
+from hybridpipe.partitioner.search.transfers import transfer_level, transfer_ms
 
 
 @dataclass(frozen=True)
@@ -136,6 +68,8 @@ class StageSpec:
 
 @dataclass(frozen=True)
 class StageEval:
+    """One stage's figures under the objective (module docstring), in ms unless named otherwise."""
+
     forward_ms: float            # one micro-batch, one replica
     backward_ms: float
     micro_batches: int           # k: micro-batches per replica per step
@@ -145,12 +79,10 @@ class StageEval:
     send_ms: float               # one micro-batch's activations to the next stage (latency)
     send_grad_ms: float          # its gradients back
     send_bytes: float
-    inflight: int
     memory_bytes: float
     overhead_ms: float           # optimizer steps + compute lost to communication, per step
     busy_ms: float               # compute and sync per step (see the module docstring)
     term_ms: float               # max(busy, M * X) per step
-    gap_ms: float                # drain + fill the stage's final sync may hide in (gpipe/1f1b)
     recompute: bool = False      # the stage reruns its forward in backward (backward_ms includes it)
     shard: str = "none"          # what its replicas shard (sharding.py)
     reshard_after_forward: bool = True
@@ -166,128 +98,32 @@ class StageEval:
 
     @property
     def sync_ms_per_step(self) -> float:
+        """The exposed sync per step (``syncs_per_step`` syncs)."""
         return self.sync.exposed_ms * self.syncs_per_step
 
 
 @dataclass(frozen=True)
 class Evaluation:
+    """A stage list's figures: every stage's and the objective (the largest term)."""
+
     stages: tuple[StageEval, ...]
     objective_ms: float          # max term (inf when a stage does not fit in memory)
     fits: bool                   # every stage fits in memory and gives each replica micro-batches
 
 
-def inflight_micro_batches(schedule: Schedule, k: int, workers_after: int, replicas: int,
-                           workers: int | None = None) -> int:
-    """Micro-batches whose activations a replica holds at once (``workers``: all of the pipeline's,
-    default ``workers_after``)."""
-    depth = -(-workers_after // replicas)
-    depth_all = -(-(workers if workers is not None else workers_after) // replicas)
-    return schedule.inflight(k, depth, depth_all)
-
-
-def split_micro_batches(schedule: Schedule, k: int, workers_after: int, replicas: int,
-                        workers: int | None = None) -> tuple[int, int]:
-    """Of :func:`inflight_micro_batches`, those whose whole activations a replica holds after a
-    forward (the rest between a split backward's input and weight halves: ``Schedule.whole``), and
-    the most it holds between the halves at once (``Schedule.most_halves``)."""
-    depth = -(-workers_after // replicas)
-    depth_all = -(-(workers if workers is not None else workers_after) // replicas)
-    return schedule.whole(k, depth, depth_all), schedule.most_halves(k, depth, depth_all)
-
-
-def memory_bytes(costs: ModelCosts, i: int, j: int, inflight: int, opts: Options, recompute: bool = False,
-                 variant: Variant = NONE, replicas: int = 1, split: tuple[int, int] | None = None) -> float:
-    """Peak bytes per worker of stage i..j (see the module docstring; activations and the weights,
-    tied copies included: ``modelcosts.py``).
-    A recomputing stage keeps only each in-flight micro-batch's inputs and outputs (and the loss's),
-    plus what one micro-batch's rerun of its forward rebuilds (``ModelCosts.rerun_bytes``).
-    ``split``: of the ``inflight`` micro-batches, those holding their whole activations after a forward
-    and the most between the halves at once (:func:`split_micro_batches`; None: all whole, no
-    halves); the rest sit between a split backward's input and weight halves,
-    holding ``ModelCosts.half_bytes`` (a recomputing stage: its kept bytes and the recorded gradients,
-    ``recorded_bytes``); ``Schedule.held_bytes`` finds the peak.
-    ``variant``: what its ``replicas`` shard (``sharding.static_bytes``)."""
-    weights = costs.weight_bytes(i, j)        # its own parameters and its copies of tied ones
-    versions = opts.schedule.weight_versions(inflight)
-    stash = costs.stash_bytes(i, j)
-    whole, halves = (inflight, 0) if split is None else split
-    if recompute:
-        kept = costs.kept_bytes(i, j)
-        held = float(opts.schedule.held_bytes(inflight, whole, halves, kept, kept + costs.recorded_bytes(i, j))
-                     ) + costs.rerun_bytes(i, j)
-    else:
-        held = float(opts.schedule.held_bytes(inflight, whole, halves, stash, costs.half_bytes(i, j)))
-    transient = transient_bytes(costs, i, j)
-    if variant.level != "none":
-        unit1, unit2 = stage_units(costs.param_bytes[i:j + 1])
-        return static_bytes(variant, weights, replicas, OPTIMIZER_STATES[opts.optimizer], unit1, unit2,
-                            versions) + held + transient
-    return weights * (2 + OPTIMIZER_STATES[opts.optimizer] + versions) + held + transient
-
-
-def transient_bytes(costs: ModelCosts, i: int, j: int) -> float:
-    """What stage i..j allocates for a moment on top of what it holds: the largest forward or backward
-    transient of its nodes (their kernels' temporaries, the gradients flowing through a backward:
-    ``profiles/transient.py``). Charged once, at the stage's worst moment: a node's backward (or
-    forward) while every in-flight micro-batch's activations are held, the weights' gradients exist
-    (from the step's first backward on) and so does the optimizer's state (from the first step on)."""
-    return costs.transient_bytes(i, j)
-
-
-def overhead_ms(optimizer_ms, weights, p2p_bytes, replicas: int, k: int, syncs: int, interference: float,
-                variant: Variant = NONE):
+def overhead_ms(optimizer_ms: Num, weights: Num, p2p_bytes: Num, replicas: Num | int, k: Num | int, syncs: Num | int,
+                interference: float, variant: Variant = NONE) -> Num:
     """Per step: ``syncs`` optimizer steps and the compute lost to communication (module docstring).
 
     ``p2p_bytes``: mean of the bytes a replica sends and receives per micro-batch. Works on
-    numbers and elementwise on numpy tables (``dp.py``). A sharded ``variant`` steps 1/r of the
+    numbers and elementwise on numpy arrays (``stageterms.py``). A sharded ``variant`` steps 1/r of the
     weights and moves ``sharding.halves`` reduce-scatters / all-gathers per step."""
     if variant.level != "none":
         optimizer_ms = optimizer_ms / replicas
         ring = halves(variant, k) * (replicas - 1) / replicas * weights
-        return syncs * (optimizer_ms + interference * 1e3 * ring) + k * interference * 1e3 * p2p_bytes
-    ring = 2 * (replicas - 1) / replicas * weights          # 0 for one replica
+    else:
+        ring = 2 * (replicas - 1) / replicas * weights          # 0 for one replica
     return syncs * (optimizer_ms + interference * 1e3 * ring) + k * interference * 1e3 * p2p_bytes
-
-
-def transfer_level(model: CostModel, ranks: Sequence[int], peers: Sequence[int]) -> int:
-    """max over ranks p of min over peers q of level(p, q).
-
-    The innermost level at which p's unit holds some peer, largest over p: per level, which ranks'
-    units hold a peer (O((|ranks| + |peers|) levels), not O(|ranks| |peers|) level look-ups)."""
-    mine, theirs = np.asarray(ranks, dtype=np.int64), np.asarray(peers, dtype=np.int64)
-    level = np.full(len(mine), -1)
-    for k in range(len(model.cluster.levels)):
-        span = model.cluster.span(k)
-        level[(level < 0) & np.isin(mine // span, theirs // span)] = k
-    if len(mine) == 0 or len(theirs) == 0 or (level < 0).any():      # empty, or a rank outside the cluster
-        return max(min(model.level_between(p, q) for q in peers) for p in ranks)
-    return int(level.max())
-
-
-def busiest_share(model: CostModel, ranks: Sequence[int], level: int) -> float:
-    """The largest fraction of ``ranks`` behind one link of ``level``."""
-    counts: dict[int, int] = {}
-    for r in ranks:
-        u = model.sub_unit(r, level)
-        counts[u] = counts.get(u, 0) + 1
-    return max(counts.values()) / len(ranks)
-
-
-def transfer_ms(model: CostModel, ranks: Sequence[int], cuts: Sequence[tuple[int, float, float]]) -> float:
-    """A stage's activation traffic per micro-batch; ``cuts`` = (level, bytes out, bytes in) per cut."""
-    egress: dict[int, float] = {}
-    ingress: dict[int, float] = {}
-    count: dict[int, int] = {}
-    for level, out, inn in cuts:
-        egress[level] = egress.get(level, 0.0) + out
-        ingress[level] = ingress.get(level, 0.0) + inn
-        count[level] = count.get(level, 0) + 1
-    worst = 0.0
-    for level in count:
-        fit = model.link(level)
-        load = max(egress[level], ingress[level]) * busiest_share(model, ranks, level)
-        worst = max(worst, count[level] * fit.alpha_s + load * fit.beta_s_per_byte)
-    return worst * 1e3
 
 
 def evaluate(costs: ModelCosts, model: CostModel, stages: Sequence[StageSpec], opts: Options,
@@ -383,7 +219,7 @@ def _stage_eval(costs: ModelCosts, model: CostModel, opts: Options, p: _Place, v
     busy = extra + (k * (f + b + sync.exposed_ms) if kind.asynchronous
                     else p.trip + (1 - p.share) * b + (k - 1) * (f + b) + sync.exposed_ms) + mid
     return StageEval(f, b, k, sync, kind.syncs_per_step(k), p.x, p.send_ms, p.send_grad_ms, p.send_bytes,
-                     p.inflight, mem, extra, busy, max(busy, opts.micro_batches * p.x), p.gap, rc,
+                     mem, extra, busy, max(busy, opts.micro_batches * p.x), rc,
                      v.level, v.reshard, mid, ring)
 
 

@@ -4,15 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from hybridpipe.partitioner.search.objective import (
-    Evaluation,
-    ModelCosts,
-    Options,
-    StageSpec,
-    inflight_micro_batches,
-    memory_bytes,
-)
+from hybridpipe.partitioner.search.modelcosts import ModelCosts
+from hybridpipe.partitioner.search.objective import Evaluation, StageSpec
+from hybridpipe.partitioner.search.options import Options
 from hybridpipe.partitioner.search.sharding import NONE
+from hybridpipe.partitioner.search.stagememory import inflight_micro_batches, memory_bytes
 
 
 def no_fit_message(costs: ModelCosts, workers: int, opts: Options) -> str:

@@ -19,11 +19,14 @@ import numpy as np
 
 from hybridpipe.limits import check_deadline
 from hybridpipe.partitioner.search.objective import StageSpec
+from hybridpipe.partitioner.search.relaxation import max_block
 from hybridpipe.partitioner.search.stageterms import Candidates, StageTerms
 
 
 @dataclass(frozen=True)
 class RegionResult:
+    """What :func:`solve_region` found: the best plan's value and stages, and how many candidates it priced."""
+
     value: float                     # objective (or sum of terms) of the best plan; inf: none within the bound
     stages: tuple[StageSpec, ...]
     candidates: int                  # stage terms evaluated
@@ -62,7 +65,7 @@ def solve_region(t: StageTerms, bmin: np.ndarray, lo: np.ndarray, hi: np.ndarray
     already known is of no use; ``bound`` or more keeps the result exact).
     """
     n, wc = t.n, t.wc
-    most = min(t.wc, t.opts.micro_batches // t.copies)
+    most = max_block(t)
     value = np.full((n + 1, wc + 1), np.inf)
     from_x = np.zeros((n + 1, wc + 1), dtype=np.int32)
     from_i = np.zeros((n + 1, wc + 1), dtype=np.int32)

@@ -28,9 +28,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-from hybridpipe.partitioner.search.objective import OPTIMIZER_STATES
+from hybridpipe.partitioner.search.lanes import SAFETY
+from hybridpipe.partitioner.search.options import OPTIMIZER_STATES
 from hybridpipe.partitioner.search.sharding import least_static_bytes
-from hybridpipe.partitioner.search.stageterms import SAFETY, StageTerms
+from hybridpipe.partitioner.search.stageterms import StageTerms
 
 
 def max_block(t: StageTerms) -> int:

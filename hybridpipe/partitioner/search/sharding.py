@@ -20,7 +20,7 @@ all-reduce, H_l for layer l; H = sum over the stage's layers):
 * per step, every level: each layer's reduce-scatter as the last backward produces its gradient and
   its all-gather before the next forward needs it (the updated weights; ZeRO-3: the first forward's
   gather), queued on the sync lane exactly like the replicated stage's all-reduce (``layersync.py``,
-  ``stageterms.lane_row``) with 2 H_l in place of the all-reduce: on a ring the same bytes and
+  ``lanes.lane_row``) with 2 H_l in place of the all-reduce: on a ring the same bytes and
   latencies, so ZeRO-1 costs what the all-reduce did; the exposed part beyond the stage's gap is
   charged as today.
 * within the step (``midstep_ms``), with k micro-batches per replica: ``gradients`` and
@@ -44,6 +44,7 @@ sharding.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
@@ -51,6 +52,7 @@ from hybridpipe.errors import UserError
 from hybridpipe.partitioner.plan_parts import SHARD_LEVELS
 
 SHARD_CHOICES = (*SHARD_LEVELS, "auto")
+Num = TypeVar("Num", float, np.ndarray)      # one stage's figure, or arrays of many candidates'
 
 
 @dataclass(frozen=True)
@@ -80,7 +82,8 @@ def sharded_variants(shard: str) -> tuple[Variant, ...]:
     return tuple(v for v in VARIANTS if v.level == shard)
 
 
-def static_bytes(v: Variant, weights, replicas, states: int, unit1, unit2, versions=0):
+def static_bytes(v: Variant, weights: Num, replicas: Num | int, states: int, unit1: Num, unit2: Num,
+                 versions: Num | int = 0) -> Num:
     """Weights, gradients and optimizer state per worker (module docstring); numbers or numpy arrays.
     ``unit1``: the largest node's parameter bytes, ``unit2``: the two largest nodes' together."""
     if v.level == "none":
@@ -93,7 +96,7 @@ def static_bytes(v: Variant, weights, replicas, states: int, unit1, unit2, versi
     return weights * versions + weights * (2 + states) / replicas + gathered
 
 
-def least_static_bytes(shard: str, weights, most_replicas: int, states: int, unit1, unit2):
+def least_static_bytes(shard: str, weights: Num, most_replicas: int, states: int, unit1: Num, unit2: Num) -> Num:
     """The least of ``static_bytes`` any variant ``--shard`` allows can have on at most ``most_replicas``
     replicas (for the relaxation: a stage needing more than this never fits)."""
     least = static_bytes(NONE, weights, 1, states, unit1, unit2)
@@ -103,7 +106,7 @@ def least_static_bytes(shard: str, weights, most_replicas: int, states: int, uni
     return least
 
 
-def midstep_ms(v: Variant, k, half, forward, backward):
+def midstep_ms(v: Variant, k: Num | int, half: Num, forward: Num, backward: Num) -> Num:
     """Exposed collective time inside a step, beyond the per-step lane (module docstring); numbers or arrays.
     ``half``: one reduce-scatter (= one all-gather) of the stage's weights, ms; ``k``: micro-batches per replica."""
     if v.level in ("none", "optimizer"):
@@ -116,7 +119,7 @@ def midstep_ms(v: Variant, k, half, forward, backward):
             + earlier * np.maximum(0.0, half - forward))
 
 
-def halves(v: Variant, k):
+def halves(v: Variant, k: Num | int) -> Num | int:
     """Reduce-scatters and all-gathers of the stage's weights per step (an all-reduce counts as two)."""
     if v.level in ("none", "optimizer"):
         return 2 + 0 * k

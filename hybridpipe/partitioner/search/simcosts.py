@@ -15,6 +15,8 @@ from hybridpipe.partitioner.search.sharding import Variant, midstep_ms
 
 @dataclass(frozen=True)
 class StageCosts:
+    """One stage's charges in the simulator, per micro-batch unless named otherwise (ms)."""
+
     forward_ms: float
     backward_ms: float
     send_ms: float                          # per message over the cut after this stage (each way)

@@ -12,11 +12,11 @@ values, and therefore the ties between plans, are bit for bit the same):
   infinite where the stage does not fit in memory (``memory_bytes``, in-flight micro-batches from
   the block's position) or ends at a blocked cut.
 * ``xfer = M X``: the activation traffic through the links of the block's level and position.
-* the exposed sync ``E`` of the block's all-reduces (``exposure_row``: the closed form of
+* the exposed sync ``E`` of the block's all-reduces (``BlockSync.exposure_row``: the closed form of
   ``layersync.simulate_lane``), priced per distinct block shape (offset in the cluster's period,
-  size). gpipe / 1f1b: ``busy = work + max(0, E - gap_i)``; the sync is never priced where an
-  upper bound of its whole lane (``sync_upper_bound``: the ring's cost, closed form) already fits
-  in the gap, since then ``max(0, E - gap_i) = 0`` exactly. pipedream: ``busy = k (F + B + E) +
+  size: ``blocksync.py``). gpipe / 1f1b: ``busy = work + max(0, E - gap_i)``; the sync is never priced
+  where an upper bound of its whole lane (``BlockSync.ring_bound``: the ring's cost, closed form)
+  already fits in the gap, since then ``max(0, E - gap_i) = 0`` exactly. pipedream: ``busy = k (F + B + E) +
   overhead``.
 * the term is ``max(busy, xfer)``; infinite where the replica count is not allowed.
 * ``--shard`` (``sharding.py``): the same term for each variant the stage may take (memory, the
@@ -31,17 +31,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hybridpipe.partitioner.cost.blocklines import block_lines
 from hybridpipe.partitioner.cost.costmodel import CostModel
-from hybridpipe.partitioner.cost.sharded import pair_lines, paired_algorithms
+from hybridpipe.partitioner.cost.sharded import paired_algorithms
+from hybridpipe.partitioner.search.blocksync import BlockSync
 from hybridpipe.partitioner.search.blocktables import BlockTables, grouped
-from hybridpipe.partitioner.search.lanes import SAFETY, lane_row, lane_terms, ring_bounds, sync_floor
+from hybridpipe.partitioner.search.lanes import SAFETY
 from hybridpipe.partitioner.search.modelcosts import ModelCosts
-from hybridpipe.partitioner.search.objective import OPTIMIZER_STATES, Options
+from hybridpipe.partitioner.search.objective import overhead_ms
+from hybridpipe.partitioner.search.options import OPTIMIZER_STATES, Options
 from hybridpipe.partitioner.search.sharding import (
     NONE,
     Variant,
-    halves,
     largest_units,
     midstep_ms,
     sharded_variants,
@@ -50,7 +50,6 @@ from hybridpipe.partitioner.search.sharding import (
 
 Useful = Callable[[np.ndarray, np.ndarray], np.ndarray]
 CHUNK = 1 << 15          # candidates evaluated at once (more: every temporary array is a fresh mapping)
-BATCH_RANKS = 1 << 20    # ranks in the block shapes priced at once (their units: the batch's memory)
 
 
 def _shifted(useful: Useful, start: int) -> Useful:
@@ -69,7 +68,7 @@ class Candidates:
 
 
 class StageTerms:
-    """Per copy count: node prefix sums, the cluster's link table, sync vectors per block shape."""
+    """Per copy count: node prefix sums, the cluster's link table, sync vectors per block shape (``block_sync``)."""
 
     def __init__(self, costs: ModelCosts, model: CostModel, workers: int, copies: int, opts: Options,
                  shared: dict | None = None):
@@ -94,7 +93,6 @@ class StageTerms:
         self.has_out = (np.arange(n) < n - 1).astype(float)
         self.p2p_in, self.p2p_out = (self.a_in + self.g_out) / 2, (self.a_out + self.g_in) / 2
         self.cut_ok = costs.cut_ok
-        self.param_nodes = costs.param_bytes > 0
         self.weights = costs.weight_table()             # [i, j]: its parameters and tied copies (modelcosts.py)
         self.most_weights = float(self.weights.max(initial=0.0))
         self.stash, self.kept, self.rerun = costs.stash_table()      # [i, j] per micro-batch (modelcosts.py)
@@ -103,7 +101,7 @@ class StageTerms:
         # the most one micro-batch can add to a stage, with or without recomputation, whole or halved
         self.most_stash = float(np.maximum(np.maximum(self.stash, self.half),
                                            self.kept + self.recorded + self.rerun).max(initial=0.0))
-        self.transient = costs.transient_table()        # [i, j]: objective.transient_bytes
+        self.transient = costs.transient_table()        # [i, j]: stagememory.transient_bytes
         self.most_transient = float(self.transient.max(initial=0.0))
         self.interference = model.interference_s_per_byte
         levels = model.cluster.levels
@@ -111,23 +109,19 @@ class StageTerms:
         self.spans = np.array([model.cluster.span(k) for k in range(len(levels))], dtype=np.int64)
         self.alpha = np.array([model.link(k).alpha_s for k in range(len(levels))])
         self.beta = np.array([model.link(k).beta_s_per_byte for k in range(len(levels))])
-        self._sync_ub = ring_bounds(model, len(levels), self.wc, copies, opts.algorithms)
-        self._sync: dict[tuple[int, int, bool], np.ndarray] = {}
-        self._lane: dict[tuple[int, int, bool], tuple[np.ndarray, np.ndarray]] = {}
-        self._half: dict[tuple[int, int], np.ndarray] = {}
+        self.block_sync = BlockSync(costs, model, copies, self.wc, opts.algorithms, self.spans)
         self.sharding = (opts.shard != "none" and self.flushed and bool(paired_algorithms(opts.algorithms)))
         if self.sharding:
             if "units" not in self.shared:
                 self.shared["units"] = largest_units(costs.param_bytes)
             self.units: tuple[np.ndarray, np.ndarray] = self.shared["units"]
-        self._floor_lanes: dict[tuple[int, int], tuple[tuple[np.ndarray, np.ndarray], float]] = {}
         self.tables = BlockTables(self.spans, self.period, copies, self.wc)
-        self.priced = 0                   # block shapes whose all-reduces were priced (for the benchmark)
+        self._whole: float | None = None
 
     # ---- the term --------------------------------------------------------------------------
     def whole_term(self) -> float:
         """The term of the one-stage layout (every node on every rank): its block is fixed, so exact."""
-        if not hasattr(self, "_whole"):
+        if self._whole is None:
             one = np.array([self.n - 1])
             self._whole = float(self.evaluate(Candidates(0, one, np.array([0]), np.array([self.wc])))[0])
         return self._whole
@@ -232,14 +226,8 @@ class StageTerms:
     def _overhead(self, i: int, j: np.ndarray, r: np.ndarray, k: np.ndarray, weights: np.ndarray,
                   v: Variant = NONE) -> np.ndarray:
         """objective.overhead_ms per candidate (optimizer steps, compute lost to communication)."""
-        syncs = self.kind.syncs_per_step(k)
-        p2p = self.p2p_in[i] + self.p2p_out[j]
-        opt_ms = self.po[j + 1] - self.po[i]
-        if v.level != "none":
-            ring = halves(v, k) * (r - 1) / r * weights
-            return syncs * (opt_ms / r + self.interference * 1e3 * ring) + k * self.interference * 1e3 * p2p
-        ring = 2 * (r - 1) / r * weights
-        return syncs * (opt_ms + self.interference * 1e3 * ring) + k * self.interference * 1e3 * p2p
+        return overhead_ms(self.po[j + 1] - self.po[i], weights, self.p2p_in[i] + self.p2p_out[j], r, k,
+                           self.kind.syncs_per_step(k), self.interference, v)
 
     def _static(self, v: Variant, weights: np.ndarray, r: np.ndarray, states: int, i: int, j: np.ndarray
                 ) -> np.ndarray:
@@ -258,10 +246,7 @@ class StageTerms:
         keys = (c.x[where] % self.period) * (self.wc + 1) + (c.y - c.x)[where]
         for key, at in grouped(keys):
             sel = where[at]
-            prefix = self._half.get(divmod(int(key), self.wc + 1))
-            if prefix is None:
-                o, b = divmod(int(key), self.wc + 1)
-                prefix = self._half[o, b] = self.costs.prefix(self.sync_ms(o, b, True) / 2)
+            prefix = self.block_sync.half_prefix(*divmod(int(key), self.wc + 1))
             half[sel] = prefix[j[sel] + 1] - prefix[i]
         return midstep_ms(v, k, half, fwd, back)
 
@@ -271,11 +256,11 @@ class StageTerms:
         return self.tables.level_between(a, b)
 
     def busiest_share(self, x: np.ndarray, y: np.ndarray, level: np.ndarray) -> np.ndarray:
-        """objective.busiest_share of the block's ranks (all copies) behind one link of ``level``."""
+        """transfers.busiest_share of the block's ranks (all copies) behind one link of ``level``."""
         return self.tables.busiest_share(x, y, level)
 
     def _transfer(self, i: int, j: np.ndarray, x: np.ndarray, y: np.ndarray) -> np.ndarray:
-        """X in ms (objective.transfer_ms): the stage's activation traffic per micro-batch."""
+        """X in ms (transfers.transfer_ms): the stage's activation traffic per micro-batch."""
         span = self.level_between(x, y - 1)
         lv_in = np.where(x > 0, np.maximum(span, self.level_between(np.maximum(x - 1, 0), x)), span)
         lv_out = np.where(y < self.wc, np.maximum(span, self.level_between(y - 1, np.minimum(y, self.wc - 1))), span)
@@ -306,7 +291,8 @@ class StageTerms:
         top = self.level_between(x, (self.copies - 1) * self.wc + y - 1)
         if self.flushed and len(where):
             flat = (y - x) * len(self.spans) + top
-            bound = (self._sync_ub[0].ravel()[flat] * count[where] + self._sync_ub[1].ravel()[flat]
+            ring = self.block_sync.ring_bound
+            bound = (ring[0].ravel()[flat] * count[where] + ring[1].ravel()[flat]
                      * (self.pp[j[where] + 1] - self.pp[i])) * 1e3
             where, x, y, top = self._kept(bound * (1 + SAFETY) + 1e-6 + SAFETY * self.gap[i] > self.gap[i],
                                           where, x, y, top)
@@ -315,7 +301,7 @@ class StageTerms:
             fast = useful(where, lower(where, np.zeros(len(where))))
             exposed[where[~fast]] = np.nan
             where, x, y, top = self._kept(fast, where, x, y, top)
-            keep = useful(where, lower(where, self._exposure_floor(i, j[where], x, y, top)))
+            keep = useful(where, lower(where, self.block_sync.exposure_floor(i, j[where], x, y, top)))
             exposed[where[~keep]] = np.nan
             where, x, y, top = self._kept(keep, where, x, y, top)
         if not len(where):
@@ -323,86 +309,12 @@ class StageTerms:
         keys = (x % self.period) * (self.wc + 1) + (y - x)
         shapes = [(divmod(key, self.wc + 1), at) for key, at in grouped(keys)]
         if not paired:                                  # every new shape priced in one pass
-            self._price([ob for ob, _ in shapes if (*ob, False) not in self._sync])
+            self.block_sync.price_new([ob for ob, _ in shapes])
         for (o, b), at in shapes:
             sel = where[at]
-            exposed[sel] = self.exposure_row(o, b, i, paired)[j[sel] - i]
+            exposed[sel] = self.block_sync.exposure_row(o, b, i, paired)[j[sel] - i]
         return exposed
 
     @staticmethod
     def _kept(keep: np.ndarray, *arrays: np.ndarray) -> tuple[np.ndarray, ...]:
         return tuple(a[keep] for a in arrays)
-
-    def sync_ms(self, offset: int, size: int, paired: bool = False) -> np.ndarray:
-        """Each node's all-reduce time (fastest allowed algorithm) on the block shape's ranks
-        (``paired``: its reduce-scatter + all-gather, ``cost/sharded.py``)."""
-        key = (offset, size, paired)
-        hit = self._sync.get(key)
-        if hit is None and not paired:
-            self._price([(offset, size)])
-            hit = self._sync[key]
-        if hit is None:
-            ranks = np.add.outer(np.arange(self.copies) * self.wc, np.arange(offset, offset + size)).ravel()
-            lines = pair_lines(self.model, ranks.tolist(), self.opts.algorithms)
-            nbytes = self.costs.param_bytes
-            best = np.min([ln.alpha_s + ln.s_per_byte * nbytes for _, ln in lines], axis=0)
-            best = best * self.model.allreduce_factor(nbytes, len(ranks))    # refined (refine/); 1 otherwise
-            hit = self._sync[key] = np.where(self.param_nodes, best * 1e3, 0.0)
-            self.priced += 1
-        return hit
-
-    def _price(self, shapes: list[tuple[int, int]]) -> None:
-        """``sync_ms`` (all-reduces) of every (offset, size) shape at once: ``blocklines.block_lines``, the same
-        lines bit for bit as ``CostModel.fast_lines`` one shape at a time, then the same operations."""
-        ranks = np.cumsum([self.copies * b for _, b in shapes])
-        if len(shapes) > 1 and ranks[-1] > BATCH_RANKS:        # bounded memory: O(ranks) per batch at most
-            cut = max(1, int(np.searchsorted(ranks, BATCH_RANKS, side="right")))
-            self._price(shapes[:cut])
-            self._price(shapes[cut:])
-            return
-        if not shapes:
-            return
-        offsets, sizes = (np.array(v, dtype=np.int64) for v in zip(*shapes, strict=True))
-        _, alpha, per_byte = block_lines(self.model, self.copies, self.wc, offsets, sizes, self.opts.algorithms)
-        nbytes = self.costs.param_bytes
-        best = (alpha[:, :, None] + per_byte[:, :, None] * nbytes).min(axis=1)
-        if self.model.allreduce_groups:                          # refined per group size (cost/groupfactor.py)
-            best = best * np.array([self.model.allreduce_factor(nbytes, self.copies * b) for _, b in shapes])
-        else:
-            best = best * self.model.allreduce_factor(nbytes)    # refined calibrations (refine/); 1 otherwise
-        rows = np.where(self.param_nodes, best * 1e3, 0.0)
-        for k, (o, b) in enumerate(shapes):
-            self._sync[o, b, False] = rows[k]
-        self.priced += len(shapes)
-
-    def exposure_row(self, offset: int, size: int, i: int, paired: bool = False) -> np.ndarray:
-        """E(i, j) for j = i..n-1 on the block shape (``lane_row``)."""
-        key = (offset, size, paired)
-        lane = self._lane.get(key)
-        if lane is None:
-            lane = self._lane[key] = lane_terms(self.sync_ms(offset, size, paired), self.costs.backward_ms,
-                                                self.costs.forward_ms)
-        return lane_row(lane, self.pb[i] + self.pf[i], i)
-
-    def _exposure_floor(self, i: int, j: np.ndarray, x: np.ndarray, y: np.ndarray, top: np.ndarray) -> np.ndarray:
-        """A lower bound of E(i, j) on the blocks x..y-1 (all copies; they span level ``top``), elementwise."""
-        below = np.concatenate([[1], self.spans])[top]                    # the units a level-top link serves
-        units = self.copies * ((y - 1) // below - x // below + 1)
-        keys = top * (self.copies * self.wc + 1) + units
-        out = np.zeros(len(j))
-        row_start = self.pb[i] + self.pf[i]
-        for key, sel in grouped(keys):
-            lv, m = divmod(key, self.copies * self.wc + 1)
-            lane = self._floor_lanes.get((lv, m))
-            if lane is None:
-                sync = sync_floor(self.model, lv, m, self.opts.algorithms, self.costs.param_bytes)
-                # rounding slack: the exact lane's prefix sums reach at most the ring bound's total
-                most = (self._sync_ub[0][self.wc, lv] * self.pcount[-1] + self._sync_ub[1][self.wc, lv]
-                        * self.pp[-1]) * 1e3
-                if not np.isfinite(most):                     # no ring bound to scale by: no floor
-                    sync, most = np.zeros(len(sync)), 0.0
-                scale = SAFETY * (most + sync.sum() + self.pb[-1] + self.pf[-1])
-                lane = self._floor_lanes[lv, m] = (lane_terms(sync, self.costs.backward_ms,
-                                                              self.costs.forward_ms), scale)
-            out[sel] = np.maximum(0.0, lane_row(lane[0], row_start, i)[j[sel] - i] - lane[1])
-        return out

@@ -13,11 +13,11 @@ contiguous chunks laid out on the groups as the schedule says (``schedule_regist
   bytes its chunks hold at one time, counted by the Schedule object on its own op order
   (``Schedule.held_peak``; the chunks' own peaks, ``chunk_inflight``, come at different times, so
   their sum over-counts: 19% on a zbv GPT-2 worker), plus one chunk's rerun when recomputing,
-  plus the largest transient of its chunks (one node runs at a time: ``objective.transient_bytes``);
+  plus the largest transient of its chunks (one node runs at a time: ``stagememory.transient_bytes``);
   ``--recompute all`` recomputes every chunk, ``auto`` the chunks of workers that would not fit
   otherwise;
 * shard levels (``--shard``, ``sharding.py``): a chunk on a group of r > 1 replicas holds its weights,
-  gradients and optimizer state as its level says (``objective.memory_bytes``); a worker's chunks
+  gradients and optimizer state as its level says (``stagememory.memory_bytes``); a worker's chunks
   share its memory, so its levels are chosen together, and the simulator times each chunk's
   reduce-scatters and all-gathers on its group's lane as for a one-chunk stage. A level that holds no
   fewer bytes and is charged no less by the simulator than another is dropped (``undominated``: exact, the
@@ -49,18 +49,11 @@ from hybridpipe.partitioner.plan import Plan
 from hybridpipe.partitioner.schedule_registry import REGISTRY, Schedule
 from hybridpipe.partitioner.search.balance import balanced_sizes
 from hybridpipe.partitioner.search.modelcosts import ModelCosts
-from hybridpipe.partitioner.search.objective import (
-    OPTIMIZER_STATES,
-    Evaluation,
-    Options,
-    StageEval,
-    StageSpec,
-    evaluate,
-    memory_bytes,
-    transient_bytes,
-)
+from hybridpipe.partitioner.search.objective import Evaluation, StageEval, StageSpec, evaluate
+from hybridpipe.partitioner.search.options import OPTIMIZER_STATES, Options
 from hybridpipe.partitioner.search.sharding import NONE, Variant
 from hybridpipe.partitioner.search.simcosts import StageCosts, one_stage_costs
+from hybridpipe.partitioner.search.stagememory import memory_bytes, transient_bytes
 
 Simulate = Callable[[Plan], float]      # a plan -> its simulated step in ms
 
@@ -136,7 +129,7 @@ def worker_places(specs: Sequence[StageSpec], opts: Options) -> list[tuple[tuple
 def worker_bytes(costs: ModelCosts, specs: Sequence[StageSpec], mine: Sequence[int], variants: Sequence[Variant],
                  kind: Schedule, place: Place, opts: Options, virtual: int) -> tuple[float, bool]:
     """(peak bytes, recomputes) of the worker holding chunks ``mine`` sharded as ``variants``: every chunk's
-    weights, gradients and optimizer state (``objective.memory_bytes`` at its level), the activations at
+    weights, gradients and optimizer state (``stagememory.memory_bytes`` at its level), the activations at
     the worker's peak over its chunks together, (recomputing) the largest one rerun: one backward at a
     time, and the largest transient. ``--recompute auto`` recomputes only a worker that does not fit otherwise."""
     ranges = [(specs[c].first, specs[c].last) for c in mine]
