@@ -152,12 +152,13 @@ def run_dirs(work: Path, model: str, hosts: int) -> list[Path]:
                   key=lambda d: (d / "summary.json").stat().st_mtime)
 
 
-def group_refiner(profile_path: Path, cluster_path: Path, calibration_paths: Sequence[Path]) -> Refiner:
-    """refine_from_runs on the group's calibrated profile and calibration; predict_run with the result."""
-    from hybridpipe.commands.refining import refine_from_runs
+def group_refiner(profile_path: Path, cluster_path: Path, calibration_paths: Sequence[Path],
+                  node_shrink: float | None = 0.0) -> Refiner:
+    """refine (as refine_from_runs does, with ``node_shrink``: refinement.refine) on the group's calibrated
+    profile and calibration; predict_run with the result."""
     from hybridpipe.partitioner.cost.calibration import load_calibration
     from hybridpipe.partitioner.cost.cluster import load_cluster
-    from hybridpipe.partitioner.refine.refinement import predict_run
+    from hybridpipe.partitioner.refine.refinement import predict_run, refine, refined_calibrations, refined_profile
     from hybridpipe.profiles.format import load_profile
     profile, cluster = load_profile(profile_path), load_cluster(cluster_path)
     cals = [load_calibration(c) for c in calibration_paths]
@@ -165,8 +166,9 @@ def group_refiner(profile_path: Path, cluster_path: Path, calibration_paths: Seq
     def refiner(runs: Sequence[RunObservation]) -> Callable[[RunObservation], float]:
         if not runs:                                    # nothing to refine from: the model as calibrated
             return lambda run: float(predict_run(profile, cluster, cals, run))
-        refined = refine_from_runs(profile, cluster, cals, runs)
-        return lambda run: float(predict_run(refined.profile, cluster, refined.calibrations, run))
+        ref = refine(profile, cluster, cals, runs, node_shrink=node_shrink)
+        prof, refined = refined_profile(profile, ref), refined_calibrations(cluster, cals, ref)
+        return lambda run: float(predict_run(prof, cluster, refined, run))
     return refiner
 
 
@@ -226,12 +228,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--drop-stalled", type=float, metavar="LIMIT", help="leave out of every run (measurement, noise "
                    "floor and refinement alike) the steady steps in which some rank computed more than LIMIT times its "
                    "own median over the run (a host stalled; observed.stalled_steps), e.g. 1.25")
+    p.add_argument("--node-shrink", default="0", metavar="STRENGTH|cv", help="pull the per-node compute factors "
+                   "toward their common one (refine/shrinkage.py; cv: the strength cross-validated over the training "
+                   "runs' stage layouts); default 0, refinement's own")
     a = p.parse_args(argv)
+    shrink = None if a.node_shrink == "cv" else float(a.node_shrink)
     if len(a.work) != len(a.results) or (a.calibration and len(a.calibration) != len(a.work)):
         p.error("give one --work per --results (and one --calibration per --work, if any)")
     groups: dict[str, list[PlanError]] = {}
     out: dict = {"benchmark": "plans_prediction", "machine": machine(), "results": [str(r) for r in a.results],
-                 "drop_stalled": a.drop_stalled, "groups": {}}
+                 "drop_stalled": a.drop_stalled, "node_shrink": a.node_shrink, "groups": {}}
     spreads: list[float] = []
     found = [(work, model, hosts, cal) for work, results, cal in zip(a.work, a.results, a.calibration or
                                                                       [None] * len(a.work), strict=True)
@@ -242,7 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cal_paths = [cal] if cal else sorted(work.glob(f"allreduce{hosts}.json"))
         out["calibrations"][f"{model}, {hosts} hosts"] = [str(c) for c in cal_paths]
         refiner = group_refiner(work / f"{model}.x{hosts}.profile.json",
-                                REPO / "examples" / "clusters" / f"{hosts}x1gbit.json", cal_paths)
+                                REPO / "examples" / "clusters" / f"{hosts}x1gbit.json", cal_paths, shrink)
         plans = plan_errors(runs, refiner, refiner([]))
         nodes = read_json(work / f"{model}.x{hosts}.profile.json", "profile")["nodes"]
         fwd, bwd = [n["forward_ms"] for n in nodes], [n["backward_ms"] for n in nodes]

@@ -10,6 +10,9 @@ observations are plain numbers (``observed.py``), so no process group is needed.
   the geometric mean of measured / predicted over the stages that hold it; exact for one run).
   The factors split into a cluster-wide ``compute_slowdown`` (their time-weighted geometric
   mean: contention, the emulated hosts' CPU quota) and per-node residuals (the profile's errors).
+  ``node_shrink`` > 0 pulls the residuals toward 1 (``shrinkage.py``); off by default: it did not
+  improve leave-one-plan-out on both recorded groups at a strength chosen from the training runs
+  (RESULTS 4e).
 * All-reduce, per size class. A replicated stage's measured wait for its gradients after its
   last backward is compared with the per-layer lane of ``layersync.py``: each layer's
   all-reduce (the algorithm it ran, priced by the model) queued as the measured backward frees
@@ -71,6 +74,7 @@ from hybridpipe.partitioner.plan import ALGORITHMS
 from hybridpipe.partitioner.planner import priced_tied
 from hybridpipe.partitioner.refine.interference import StageLoad, fit_interference, link_bytes
 from hybridpipe.partitioner.refine.observed import RunObservation
+from hybridpipe.partitioner.refine.shrinkage import cross_validated_strength, fit_shrunk
 from hybridpipe.partitioner.refine.step import StepStage, TiedEvidence, fit_step
 from hybridpipe.partitioner.refine.sync import (
     SIZE_CLASS_BASE,
@@ -83,8 +87,6 @@ from hybridpipe.partitioner.schedule_registry import get_schedule
 from hybridpipe.partitioner.search.modelcosts import ModelCosts, model_costs
 from hybridpipe.partitioner.search.objective import Options, StageSpec, evaluate, predict_step_ms
 from hybridpipe.profiles.format import Profile
-
-FIT_ROUNDS = 50                # iterative proportional scaling rounds (one run: exact after one)
 
 
 @dataclass(frozen=True)
@@ -112,25 +114,6 @@ class Refinement:
 def base_costs(profile: Profile, model: CostModel) -> ModelCosts:
     """The profile's costs as the model prices them (compute_slowdown of refined calibrations applied)."""
     return model_costs(profile).slowed(model.compute_slowdown)
-
-
-def fit_node_factors(times: np.ndarray, stages: Sequence[tuple[int, int, float]]) -> np.ndarray:
-    """Per-node factors f with ``sum(f[i..j] * times[i..j]) ~ measured`` for every (i, j, measured)."""
-    f = np.ones(len(times))
-    usable = [(i, j, m) for i, j, m in stages if m > 0 and times[i:j + 1].sum() > 0]
-    for _ in range(FIT_ROUNDS if len(usable) > 1 else 1):
-        logs = np.zeros(len(times))
-        counts = np.zeros(len(times))
-        for i, j, m in usable:
-            predicted = float((f[i:j + 1] * times[i:j + 1]).sum())
-            logs[i:j + 1] += math.log(m / predicted)
-            counts[i:j + 1] += 1
-        seen = counts > 0
-        step = np.exp(np.divide(logs, counts, out=np.zeros_like(logs), where=seen))
-        f = f * step
-        if np.all(np.abs(step[seen] - 1) < 1e-9):
-            break
-    return f
 
 
 def p2p_factors(runs: Sequence[RunObservation], model: CostModel) -> tuple[tuple[int, float], ...]:
@@ -210,9 +193,20 @@ def step_evidence(profile: Profile, costs: ModelCosts, model: CostModel, run: Ru
     return out, kept
 
 
+def stage_layouts(runs: Sequence[RunObservation], phase: str) -> list[list[tuple[int, int, float]]]:
+    """The runs' measured stages (first, last, ms of ``phase``), grouped by the runs' stage layout."""
+    out: dict[tuple, list[tuple[int, int, float]]] = {}
+    for r in runs:
+        key = tuple((s.first, s.last) for s in r.stages)
+        out.setdefault(key, []).extend((s.first, s.last, v) for s in r.stages if (v := getattr(s, phase)) is not None)
+    return [v for v in out.values() if v]
+
+
 def refine(profile: Profile, cluster: Cluster, calibrations: Sequence[Calibration], runs: Sequence[RunObservation],
-           algorithms: Sequence[str] = ALGORITHMS) -> Refinement:
-    """What ``runs`` of ``profile``'s model on ``cluster`` say about the cost model (module docstring)."""
+           algorithms: Sequence[str] = ALGORITHMS, node_shrink: float | None = 0.0) -> Refinement:
+    """What ``runs`` of ``profile``'s model on ``cluster`` say about the cost model (module docstring).
+    ``node_shrink``: how hard the per-node factors are pulled toward the common one (``shrinkage.py``;
+    None: cross-validated over the runs' stage layouts)."""
     if not runs:
         raise UserError("nothing to refine from: pass at least one run directory")
     model = CostModel(cluster, list(calibrations))
@@ -227,10 +221,11 @@ def refine(profile: Profile, cluster: Cluster, calibrations: Sequence[Calibratio
                                 f"{cluster.total_workers} workers; refine with the cluster the run ran on")
     lost = fit_interference([stage_load(costs, run, k)[0] for run in runs for k in range(len(run.stages))])
     seen = [without_interference(costs, run, lost) for run in runs]     # ms per link byte taken out
-    f_fwd = fit_node_factors(costs.forward_ms, [(s.first, s.last, s.forward_ms) for r in seen for s in r.stages
-                                                if s.forward_ms is not None])
-    f_bwd = fit_node_factors(costs.backward_ms, [(s.first, s.last, s.backward_ms) for r in seen for s in r.stages
-                                                 if s.backward_ms is not None])
+    fwd, bwd = stage_layouts(seen, "forward_ms"), stage_layouts(seen, "backward_ms")
+    if node_shrink is None:
+        node_shrink = cross_validated_strength([(costs.forward_ms, fwd), (costs.backward_ms, bwd)])
+    f_fwd = fit_shrunk(costs.forward_ms, [s for lay in fwd for s in lay], node_shrink)
+    f_bwd = fit_shrunk(costs.backward_ms, [s for lay in bwd for s in lay], node_shrink)
     weight = costs.forward_ms + costs.backward_ms
     logs = costs.forward_ms * np.log(f_fwd) + costs.backward_ms * np.log(f_bwd)
     slowdown = float(math.exp(logs.sum() / weight.sum())) if weight.sum() > 0 else 1.0
