@@ -163,13 +163,14 @@ def test_time_limit_returns_a_lower_bound_and_the_best_plan_so_far():
 
 
 def test_the_time_budget_bounds_a_long_search_and_records_its_gap():
-    """50 nodes on 1024 workers searches for ~5 s; a budget of 0.3 s returns the best plan found
-    then, with the bound proven so far, in about that time."""
+    """100 nodes on 4096 workers searches for ~6.6 s on a quiet machine (50 on 1024, the case this
+    test had, now ends in 0.26 s, so it passed only under load); a budget of 0.3 s returns the best
+    plan found then, with the bound proven so far, in about that time."""
     from benchmarks.partitioner_speed import cluster as bench_cluster
     from benchmarks.partitioner_speed import synthetic_profile
     from hybridpipe.partitioner.planner import Request, partition
     t0 = time.monotonic()
-    out = partition(synthetic_profile(50), bench_cluster(128, 8), Request(time_budget_s=0.3))
+    out = partition(synthetic_profile(100), bench_cluster(512, 8), Request(time_budget_s=0.3))
     wall = time.monotonic() - t0
     search = out.plan.search
     assert search is not None and not search.complete and search.budget_s == 0.3, search
