@@ -208,7 +208,11 @@ def test_leftover_cpu_groups_of_a_killed_owner_are_cleaned_up():
 
 
 def test_cli_interrupt_tears_down_the_transient_cluster():
-    proc = subprocess.Popen([sys.executable, "-m", "tools.emucluster", "run", "--hosts", "2", "--", "sleep", "60"],
+    # Ctrl-C as a terminal sends it: the CLI takes SIGINT as KeyboardInterrupt even where the suite itself runs with
+    # SIGINT ignored (a shell's background job, `nohup ... &`), which a child would inherit, and then it never stopped.
+    ctrl_c = ("import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+              "runpy.run_module('tools.emucluster', run_name='__main__')")
+    proc = subprocess.Popen([sys.executable, "-c", ctrl_c, "run", "--hosts", "2", "--", "sleep", "60"],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 20
     tags = set()
