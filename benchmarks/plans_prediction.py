@@ -37,10 +37,16 @@ from pathlib import Path
 if __package__ in (None, ""):                       # run as a script: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from hybridpipe.argtypes import float_range
 from hybridpipe.partitioner.refine.observed import RunObservation
 
 GOAL = 0.03        # the issue's median |error|
 WORST = 0.10       # and worst
+
+
+def shrink_strength(text: str) -> str | float:
+    """``--node-shrink``: ``cv``, or a finite strength >= 0 (nan, negative and huge values refused)."""
+    return text if text == "cv" else float_range(0.0, 1e6)(text)
 
 
 def plan_of(run: RunObservation) -> tuple:
@@ -228,11 +234,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--drop-stalled", type=float, metavar="LIMIT", help="leave out of every run (measurement, noise "
                    "floor and refinement alike) the steady steps in which some rank computed more than LIMIT times its "
                    "own median over the run (a host stalled; observed.stalled_steps), e.g. 1.25")
-    p.add_argument("--node-shrink", default="0", metavar="STRENGTH|cv", help="pull the per-node compute factors "
+    p.add_argument("--node-shrink", type=shrink_strength, default=0.0, metavar="STRENGTH|cv",
+                   help="pull the per-node compute factors "
                    "toward their common one (refine/shrinkage.py; cv: the strength cross-validated over the training "
                    "runs' stage layouts); default 0, refinement's own")
     a = p.parse_args(argv)
-    shrink = None if a.node_shrink == "cv" else float(a.node_shrink)
+    shrink = None if a.node_shrink == "cv" else a.node_shrink
     if len(a.work) != len(a.results) or (a.calibration and len(a.calibration) != len(a.work)):
         p.error("give one --work per --results (and one --calibration per --work, if any)")
     groups: dict[str, list[PlanError]] = {}

@@ -1,8 +1,10 @@
 """benchmarks/plans_prediction.py's pure parts: plans from runs, the noise floor, leave-one-plan-out."""
 
+import argparse
+
 import pytest
 
-from benchmarks.plans_prediction import group_plans, plan_errors, pooled_ms, rerun_spreads, summarize
+from benchmarks.plans_prediction import group_plans, plan_errors, pooled_ms, rerun_spreads, shrink_strength, summarize
 from hybridpipe.partitioner.refine.observed import RunObservation, StageObservation
 
 
@@ -48,3 +50,10 @@ def test_compute_factors_compare_each_stage_with_the_profile_of_its_nodes():
     run = _run("a", 3, (100.0,))                  # stages 0-2 and 3-9, each 1 ms forward + 1 ms backward
     fwd, bwd = [0.5] * 10, [0.5] * 10
     assert compute_factors(run, fwd, bwd) == [pytest.approx(2 / 3, abs=1e-3), pytest.approx(2 / 7, abs=1e-3)]
+
+
+def test_node_shrink_takes_cv_or_a_finite_strength():
+    assert shrink_strength("cv") == "cv" and shrink_strength("8") == 8.0
+    for bad in ("nan", "-1", "1e400", "abc"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            shrink_strength(bad)
