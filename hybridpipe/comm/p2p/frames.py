@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hybridpipe.comm.p2p import wire
+from hybridpipe.comm.p2p import layouts, wire
 from hybridpipe.comm.p2p.device import SideStream, wait_event
 from hybridpipe.comm.p2p.errors import P2PError, P2PTimeout, ProtocolError, classify_transport_error
 from hybridpipe.comm.p2p.groups import Route
@@ -96,7 +96,7 @@ class _End:
         self.stream = stream
         self.clock = clock
         self.seq = 0
-        self.cache = wire.MetaCache()
+        self.cache = layouts.MetaCache()
         self.meta_frames = 0        # frames that carried (re-)announced metadata
         self.split_frames = 0       # frames that took more than one message on the control group
         self.cuda = stream.stream is not None
@@ -162,7 +162,7 @@ class FrameSender(_End):
              flags: int = Flag.NONE, ready: torch.cuda.Event | None = None) -> Posted:
         """Post a frame's operations without waiting. ``items`` must be contiguous tensors."""
         if flags & _NO_PAYLOAD:
-            layout, changed = wire.layout_of(wire.describe(items)), False
+            layout, changed = layouts.layout_of(wire.describe(items)), False
         else:
             layout, changed = self.cache.sent(key, items)
         meta = b""
@@ -232,7 +232,7 @@ class FrameReceiver(_End):
         self._ahead: tuple[torch.Tensor, Any] | None = None     # the next frame's receive, posted
         # (key, tensors) -> the layout the metadata cache gave, checked against that frame's header:
         # a frame like it takes one lookup (emptied whenever metadata arrives)
-        self._known: dict[tuple[str, int], wire.Layout] = {}
+        self._known: dict[tuple[str, int], layouts.Layout] = {}
 
     def receive(self, deadline: float, what: str = "the next message") -> Frame:
         """Receive the next frame: one message, or a split frame's header, metadata and body."""
@@ -312,7 +312,7 @@ class FrameReceiver(_End):
         event = self._complete([], works, deadline, what)
         return Frame(header, tensors, event, t0, self.clock())
 
-    def _layout(self, header: Header, meta) -> wire.Layout:
+    def _layout(self, header: Header, meta) -> layouts.Layout:
         if header.flags & Flag.META:
             try:
                 metas = wire.decode_meta(meta)

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hybridpipe.comm.p2p import wire
+from hybridpipe.comm.p2p import layouts, wire
 from hybridpipe.comm.p2p.wire import Flag, Header, TensorMeta
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
@@ -69,7 +69,7 @@ def test_bad_inputs_are_explained():
 
 
 def test_meta_cache_announces_once_per_kind_and_again_on_change():
-    cache = wire.MetaCache()
+    cache = layouts.MetaCache()
     ia, ib = [("x", torch.zeros(2, 3))], [("x", torch.zeros(4, 3))]
     a, b = wire.describe(ia), wire.describe(ib)
 
@@ -88,7 +88,7 @@ def test_meta_cache_announces_once_per_kind_and_again_on_change():
 def test_a_kind_alternating_two_tensor_counts_announces_each_once():
     """The step's last gradient frame carries one more tensor (the step's news): no re-announcement
     of either layout, step after step."""
-    cache = wire.MetaCache()
+    cache = layouts.MetaCache()
     plain, carrying = [("x", torch.zeros(2, 3))], [("x", torch.zeros(2, 3)), ("news", torch.zeros(3))]
     assert [cache.sent(f"grad/0/{m}", carrying if m == 3 else plain)[1] for _ in range(3) for m in range(4)] \
         == [True, False, False, True] + [False] * 8
@@ -173,7 +173,7 @@ def test_a_reused_frame_buffer_holds_the_bytes_encode_frame_writes(ms, announce)
     """A FrameBuffer packed again (other values, same layout) reads back as the new frame, and
     its header, metadata and body are the bytes encode_frame writes."""
     ms = tuple({m.name: m for m in ms}.values())          # a message's names are distinct
-    layout = wire.layout_of(ms)
+    layout = layouts.layout_of(ms)
     meta = wire.encode_meta(ms) if announce else b""
     start = wire.body_offset(len(meta), layout.body_bytes)
     fb = wire.FrameBuffer(start + layout.body_bytes)
@@ -247,7 +247,7 @@ def test_unflatten_of_a_buffer_that_is_not_whole_elements_long_still_reads_the_r
 
 
 def test_meta_cache_re_announces_a_rename_a_reshape_and_a_dtype_of_the_same_size():
-    cache = wire.MetaCache()
+    cache = layouts.MetaCache()
     steps = [[("x", torch.zeros(2, 3))], [("x", torch.zeros(2, 3))], [("y", torch.zeros(2, 3))],
              [("y", torch.zeros(3, 2))], [("y", torch.zeros(3, 2, dtype=torch.int32))],
              [("y", torch.zeros(3, 2, dtype=torch.int32))]]
