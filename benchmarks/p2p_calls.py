@@ -14,8 +14,9 @@ by this script's own code are left out), then the aten ops the call dispatches (
 ``TorchDispatchMode``), then its thread CPU (``time.thread_time_ns``; load-dependent, a median).
 Rank 1 counts its ``Channels.recv`` (the hand-over from the link's receive thread) and, per
 frame, the link's own threads (``threading.setprofile``; their aten ops through a wrapper of
-``FrameReceiver.receive``). The last pass also divides the process's CPU time (every thread: the
-receive threads, gloo's) by the messages. Torch's side does per message what its pipelining stage and
+``FrameReceiver.receive``). (The process's CPU per message is not reported: in this tight loop
+gloo's event-loop thread spins while a receive waits, on both sides, and it swamps the rest.)
+Torch's side does per message what its pipelining stage and
 schedules do: per tensor ``to_local_if_dtensor(t, detach=True)`` and a ``P2POp``, then
 ``_batch_p2p`` and ``_wait_batch_p2p`` (a send waits for its previous message's works, as our
 lazy sends do; a receive waits for its own, into buffers allocated once per micro-batch as
@@ -142,14 +143,13 @@ def measure(call: Callable[[int], object], frames: int, start: int, sync: Callab
             threads: Threads | None, settle: Callable[[], None]) -> dict:
     """Per call of ``call(i)``, i from ``start``: Python calls, C calls, aten ops, thread CPU; and
     per frame what the p2p threads did (``threads``). ``sync`` lines the ranks up before each pass."""
-    calls, ops, cpu, process_us = Calls(), Ops(), [], 0.0
+    calls, ops, cpu = Calls(), Ops(), []
     th_calls = th_ops = None
     for what in ("calls", "ops", "cpu"):
         settle()
         if threads is not None:
             getattr(threads, what if what != "cpu" else "calls").on = what != "cpu"
         sync()
-        p0 = time.process_time()
         for i in range(start, start + frames):
             if what == "calls":
                 sys.setprofile(calls)
@@ -162,8 +162,6 @@ def measure(call: Callable[[int], object], frames: int, start: int, sync: Callab
                 t0 = time.thread_time_ns()
                 call(i)
                 cpu.append((time.thread_time_ns() - t0) / 1e3)
-        if what == "cpu":
-            process_us = (time.process_time() - p0) / frames * 1e6
         start += frames
         settle()
         if threads is not None:
@@ -181,7 +179,7 @@ def measure(call: Callable[[int], object], frames: int, start: int, sync: Callab
            "python_calls_by_source": {k: v / frames for k, v in calls.py.most_common()},
            "aten_ops_by_name": {k: v / frames for k, v in ops.ops.most_common()},
            "top_calls": {k: v / frames for k, v in calls.fn.most_common(40)},
-           "thread_cpu_us_median": statistics.median(cpu), "process_cpu_us": process_us, "next": start}
+           "thread_cpu_us_median": statistics.median(cpu), "next": start}
     if th_calls is not None and th_ops is not None and sum(th_calls[0].values()):
         out["threads_per_frame"] = {
             "python_calls": sum(th_calls[0].values()) / frames, "c_calls": th_calls[1] / frames,
@@ -294,8 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         for side in ("send", "recv"):
             r = row[side]
             line = (f"{name:>20} {side}: python {r['python_calls']:5.1f}  C {r['c_calls']:5.1f}  "
-                    f"aten {r['aten_ops']:4.1f}  cpu {r['thread_cpu_us_median']:6.1f} us"
-                    f" (process {r['process_cpu_us']:6.1f})")
+                    f"aten {r['aten_ops']:4.1f}  cpu {r['thread_cpu_us_median']:6.1f} us")
             if th := r.get("threads_per_frame"):
                 line += (f"  | p2p threads per frame: python {th['python_calls']:5.1f}  C {th['c_calls']:5.1f}"
                          f"  aten {th['aten_ops']:4.1f}")
