@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 MODES = ("per-tensor", "sa", "sra")
 DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_IDLE_TIMEOUT_S = 1800.0
+_KNOWN_KEYS = 4096
+_Tensor, _STRIDED = torch.Tensor, torch.strided
 
 
 class Channels:
@@ -81,6 +83,7 @@ class Channels:
                        for p in groups.peers}
         self._links: dict[int, Link] = {p: self._make_link(p, cfg, orders.get(p)) for p in groups.peers}
         self._closed = False
+        self._keys: set[str] = set()        # keys already checked (a run uses the same few hundred)
         self._handshake()
         for link in self._links.values():
             link.start()
@@ -108,14 +111,19 @@ class Channels:
     # ---- the contract ------------------------------------------------------------------
     def send(self, peer: int, key: str, tensors: Mapping[str, torch.Tensor]) -> None:
         """Post ``tensors`` to ``peer`` under ``key``; returns without waiting for the transfer."""
-        link = self._link(peer)
-        wire.check_key(key)
-        device = self.device
+        link = self._links.get(peer) if type(peer) is int else None
+        if link is None or self._closed or type(key) is not str or key not in self._keys:
+            link = self._link(peer)
+            self._remember(key)
+        # a dict of CPU tensors on a CPU channel is checked inline (a send is per micro-batch)
+        cpu = not self._cuda
         items = []
-        for name, t in wire.named_items(tensors):
-            check_device(name, t, device)
+        for name, t in tensors.items() if type(tensors) is dict else wire.named_items(tensors):
+            if type(name) is not str or type(t) is not _Tensor or t.layout is not _STRIDED or not (cpu and t.is_cpu):
+                wire.check_item(name, t)
+                check_device(name, t, self.device)
             items.append((name, t.detach().contiguous()))
-        link.submit(key, items, mark_ready(device) if items and self._cuda else None)
+        link.submit(key, items, None if cpu or not items else mark_ready(self.device))
 
     def recv(self, peer: int, key: str) -> dict[str, torch.Tensor]:
         """Block until the next message from ``peer`` arrives and return its tensors.
@@ -124,16 +132,18 @@ class Channels:
         after ``timeout`` seconds (the message may still arrive; a later ``recv`` gets it),
         PeerLost if the peer died or closed its channels.
         """
-        link = self._link(peer)
-        wire.check_key(key)
-        what = f"recv {key!r}"
+        link = self._links.get(peer) if type(peer) is int else None
+        if link is None or self._closed or type(key) is not str or key not in self._keys:
+            link = self._link(peer)
+            self._remember(key)
         try:
             msg = link.take(key, time.monotonic() + self.timeout)
         except Expired:
-            raise P2PTimeout(peer, what, f"nothing arrived within {self.timeout:g} s") from None
+            raise P2PTimeout(peer, f"recv {key!r}", f"nothing arrived within {self.timeout:g} s") from None
         except P2PError as e:
-            raise _in_context(e, what) from e
-        hand_over(msg.tensors, msg.events)
+            raise _in_context(e, f"recv {key!r}") from e
+        if self._cuda:
+            hand_over(msg.tensors, msg.events)
         return msg.tensors
 
     def flush(self, peer: int | None = None) -> None:
@@ -197,6 +207,13 @@ class Channels:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("these channels are closed")
+
+    def _remember(self, key: str) -> None:
+        """Check ``key`` (ValueError if it cannot be carried) and remember it as checked."""
+        wire.check_key(key)
+        if len(self._keys) >= _KNOWN_KEYS:
+            self._keys.clear()
+        self._keys.add(key)
 
     def _flush(self, links: Mapping[int, Link], deadline: float) -> None:
         for peer, link in links.items():

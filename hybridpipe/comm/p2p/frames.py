@@ -13,13 +13,12 @@ from __future__ import annotations
 import datetime
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from hybridpipe.comm.p2p import wire
+from hybridpipe.comm.p2p import layouts, wire
 from hybridpipe.comm.p2p.device import SideStream, wait_event
 from hybridpipe.comm.p2p.errors import P2PError, P2PTimeout, ProtocolError, classify_transport_error
 from hybridpipe.comm.p2p.groups import Route
@@ -33,29 +32,40 @@ _KNOWN_KEYS = 4096          # a receiver's remembered (key, tensors) -> layout (
 _SPARE_PER_SIZE = 2         # buffers per length: the frame in flight and the one being packed
 
 
-@dataclass
 class Posted:
     """Operations of one frame in flight (keeps the tensors alive until completed)."""
 
-    header: Header
-    control_works: list
-    data_works: list
-    tensors: list = field(default_factory=list)
-    t0: float = 0.0
-    done: bool = False      # completed: its buffers may be reused
+    __slots__ = ("key", "nbytes", "control_works", "data_works", "tensors", "t0", "done")
+
+    def __init__(self, key: str, nbytes: int, control_works: list, data_works: list, tensors: list,
+                 t0: float = 0.0) -> None:
+        self.key = key                  # the message's key
+        self.nbytes = nbytes            # its payload bytes
+        self.control_works = control_works
+        self.data_works = data_works
+        self.tensors = tensors
+        self.t0 = t0
+        self.done = False               # completed: its buffers may be reused
 
 
-@dataclass
 class Frame:
-    header: Header
-    tensors: dict[str, torch.Tensor]
-    event: torch.cuda.Event | None
-    t0: float     # header arrived
-    t1: float     # last payload arrived
+    """A received frame: what the receive threads deliver (``sa``, ``sra``: as the message itself)."""
+
+    __slots__ = ("header", "key", "tensors", "event", "t0", "t1")
+
+    def __init__(self, header: Header, tensors: dict[str, torch.Tensor], event: torch.cuda.Event | None,
+                 t0: float, t1: float) -> None:
+        self.header = header
+        self.key = header.key
+        self.tensors = tensors
+        self.event = event
+        self.t0 = t0            # header arrived
+        self.t1 = t1            # last payload arrived
 
     @property
-    def key(self) -> str:
-        return self.header.key
+    def events(self) -> tuple:
+        """The CUDA events to wait for before using the tensors (a message's, see links.Message)."""
+        return (self.event,)
 
     @property
     def nbytes(self) -> int:
@@ -86,7 +96,7 @@ class _End:
         self.stream = stream
         self.clock = clock
         self.seq = 0
-        self.cache = wire.MetaCache()
+        self.cache = layouts.MetaCache()
         self.meta_frames = 0        # frames that carried (re-)announced metadata
         self.split_frames = 0       # frames that took more than one message on the control group
         self.cuda = stream.stream is not None
@@ -128,9 +138,10 @@ class FrameSender(_End):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._spare: dict[int, list[tuple[wire.FrameBuffer, Posted]]] = {}
+        # per frame length, most recently used last: its buffers and the frame each last carried
+        self._spare: dict[int, list[tuple[wire.FrameBuffer, Posted | None]]] = {}
 
-    def _buffer(self, size: int) -> tuple[wire.FrameBuffer, list[tuple[wire.FrameBuffer, Posted]]]:
+    def _buffer(self, size: int) -> tuple[wire.FrameBuffer, list[tuple[wire.FrameBuffer, Posted | None]]]:
         """A buffer of ``size`` bytes whose last frame has left (or a new one), and its length's slots."""
         spare = self._spare
         slots = spare.pop(size, None)
@@ -140,7 +151,7 @@ class FrameSender(_End):
             slots = []
         spare[size] = slots                         # most recently used last
         for i, (fb, owner) in enumerate(slots):
-            if owner.done:
+            if owner is None or owner.done:
                 del slots[i]
                 return fb, slots
         if len(slots) >= _SPARE_PER_SIZE:
@@ -151,7 +162,7 @@ class FrameSender(_End):
              flags: int = Flag.NONE, ready: torch.cuda.Event | None = None) -> Posted:
         """Post a frame's operations without waiting. ``items`` must be contiguous tensors."""
         if flags & _NO_PAYLOAD:
-            layout, changed = wire.layout_of(wire.describe(items)), False
+            layout, changed = layouts.layout_of(wire.describe(items)), False
         else:
             layout, changed = self.cache.sent(key, items)
         meta = b""
@@ -159,31 +170,33 @@ class FrameSender(_End):
             flags |= Flag.META
             meta = wire.encode_meta(layout.metas)
             self.meta_frames += 1
-        body = 0 if self.cuda else layout.body_bytes
+        cuda = self.cuda
+        body = 0 if cuda else layout.body_bytes
         meta_len = len(meta)
-        start, size, inline, capacity = wire.placement(meta_len, body, self.capacity)
+        start, size, inline, self.capacity = wire.placement(meta_len, body, self.capacity)   # as the receiver's
         if not inline:
             flags |= Flag.SPLIT
             self.split_frames += 1
-        header = Header(flags, self.seq, msg, parts, len(items), meta_len, layout.payload_bytes, body, key)
-        self.seq += 1
-        self.capacity = capacity                    # as the receiver's
+        seq = self.seq
+        self.seq = seq + 1
+        header = (flags, seq, msg, parts, len(items), meta_len, layout.payload_bytes, body, key)    # a Header's fields
         t0 = self.clock()
         group, group_peer = self.route.control, self.control_peer
         try:
-            slots = None
             if inline:
                 fb, slots = self._buffer(size)
-                sends = [fb.pack(header, meta, () if self.cuda else items, layout, start)]
+                sends = [fb.pack(header, meta, () if cuda else items, layout, start)]
+                control = [post_send(sends[0], group, group_peer)]
             else:
-                sends = [wire.to_bytes_tensor(wire.encode_header(header))]
+                slots = None
+                sends = [wire.to_bytes_tensor(wire.encode_header(Header(*header)))]
                 if meta:
                     sends.append(wire.to_bytes_tensor(meta))
                 if (flat_body := wire.flatten(items, layout.metas) if body else None) is not None:
                     sends.append(flat_body)
-            control = [post_send(t, group, group_peer) for t in sends]
+                control = [post_send(t, group, group_peer) for t in sends]
             data = []
-            if self.cuda:
+            if cuda:
                 with self.stream.active(after=ready):
                     for _, t in items:
                         if t.numel():
@@ -191,14 +204,21 @@ class FrameSender(_End):
                 sends += [t for _, t in items]
         except Exception as e:          # noqa: BLE001
             raise classify_transport_error(e, self.peer, f"send {key!r}") from e
-        posted = Posted(header, control, data, sends, t0)
+        posted = Posted(key, layout.payload_bytes, control, data, sends, t0)
         if slots is not None:
             slots.append((fb, posted))
         return posted
 
     def complete(self, posted: Posted, deadline: float) -> float:
         """Wait until the frame has left; return the completion time (clock)."""
-        self._complete(posted.control_works, posted.data_works, deadline, f"send {posted.header.key!r}")
+        if self.cuda or posted.data_works:
+            self._complete(posted.control_works, posted.data_works, deadline, f"send {posted.key!r}")
+        else:                   # CPU: the control group's works, inline
+            try:
+                for w in posted.control_works:
+                    w.wait(datetime.timedelta(seconds=min(max(deadline - time.monotonic(), 0.001), _MAX_WAIT_S)))
+            except Exception as e:      # noqa: BLE001 - backend errors have no common type
+                raise classify_transport_error(e, self.peer, f"send {posted.key!r}") from e
         posted.done = True
         posted.tensors.clear()
         return self.clock()
@@ -212,7 +232,7 @@ class FrameReceiver(_End):
         self._ahead: tuple[torch.Tensor, Any] | None = None     # the next frame's receive, posted
         # (key, tensors) -> the layout the metadata cache gave, checked against that frame's header:
         # a frame like it takes one lookup (emptied whenever metadata arrives)
-        self._known: dict[tuple[str, int], wire.Layout] = {}
+        self._known: dict[tuple[str, int], layouts.Layout] = {}
 
     def receive(self, deadline: float, what: str = "the next message") -> Frame:
         """Receive the next frame: one message, or a split frame's header, metadata and body."""
@@ -260,9 +280,9 @@ class FrameReceiver(_End):
         return Frame(header, tensors, None, t0, self.clock())
 
     def _post(self, size: int, what: str) -> tuple[torch.Tensor, Any]:
-        buf = torch.empty(size, dtype=torch.uint8)
+        buf = wire.receive_buffer(size)
         try:
-            return buf, post_recv(buf, self.route.control, self.control_peer)
+            return buf, self.route.control.recv([buf], self.control_peer, 0)     # uint8: as post_recv's
         except Exception as e:          # noqa: BLE001
             raise classify_transport_error(e, self.peer, what) from e
 
@@ -275,7 +295,7 @@ class FrameReceiver(_End):
         if self.prepost:
             self._ahead = self._post(self.capacity, what)
         self._complete([p[1] for p in (meta, body) if p is not None], [], deadline, what)
-        return (b"" if meta is None else meta[0].numpy()), (None if body is None else body[0]), 0
+        return (b"" if meta is None else meta[0].numpy()[:header.meta_len]), (None if body is None else body[0]), 0
 
     def _receive_cuda(self, header: Header, metas, deadline: float, what: str, t0: float) -> Frame:
         tensors: dict[str, torch.Tensor] = {}
@@ -292,7 +312,7 @@ class FrameReceiver(_End):
         event = self._complete([], works, deadline, what)
         return Frame(header, tensors, event, t0, self.clock())
 
-    def _layout(self, header: Header, meta) -> wire.Layout:
+    def _layout(self, header: Header, meta) -> layouts.Layout:
         if header.flags & Flag.META:
             try:
                 metas = wire.decode_meta(meta)

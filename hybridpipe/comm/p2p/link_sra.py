@@ -8,9 +8,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from hybridpipe.comm.p2p.errors import ProtocolError
-from hybridpipe.comm.p2p.frames import FrameReceiver, FrameSender
+from hybridpipe.comm.p2p.frames import Frame, FrameReceiver, FrameSender
 from hybridpipe.comm.p2p.groups import PairGroups
-from hybridpipe.comm.p2p.links import CLOSE, Link, LinkConfig, Message, Submission, log
+from hybridpipe.comm.p2p.links import CLOSE, Link, LinkConfig, Submission, log
 from hybridpipe.comm.p2p.mailbox import Outbox
 from hybridpipe.comm.p2p.order import RECV, SEND, Cursor, Op, keys_of
 from hybridpipe.comm.p2p.wire import Flag
@@ -40,7 +40,7 @@ class SraLink(Link):
         self.outbox.put(Submission(key, items, ready, self.msg_out, len(items)))
         self.msg_out += 1
 
-    def take(self, key: str, deadline: float) -> Message:
+    def take(self, key: str, deadline: float) -> Frame:
         expected = self.recv_keys.peek()
         if expected != key:
             raise ProtocolError(self.peer, f"recv {key!r}", "the sra order " + (
@@ -75,7 +75,7 @@ class SraLink(Link):
                 self._send(sender, item)
             else:
                 f = receiver.receive(self._deadline(), f"recv {key!r}")
-                if not self._received(box, f, Message(f.key, f.tensors, (f.event,))):
+                if not self._received(box, f, f):      # the frame is the message
                     return self._send_close(sender)     # the peer closed first: answer
             i += 1
 

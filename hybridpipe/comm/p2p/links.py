@@ -114,7 +114,8 @@ class Link:
     def submit(self, key: str, items: list[tuple[str, torch.Tensor]], ready) -> None:
         raise NotImplementedError
 
-    def take(self, key: str, deadline: float) -> Message:
+    def take(self, key: str, deadline: float) -> Message | Frame:
+        """The next message from the peer, if its key is ``key`` (a Frame is a one-frame message)."""
         raise NotImplementedError
 
     def request_close(self) -> None:
@@ -191,7 +192,7 @@ class Link:
         posted = sub.posted or sender.post(sub.key, sub.msg, sub.parts, sub.items, ready=sub.ready)
         t1 = sender.complete(posted, self._send_deadline())
         self.sent.complete()
-        self._notify(sub.key, posted.header.payload_bytes, posted.t0, t1)
+        self._notify(sub.key, posted.nbytes, posted.t0, t1)
 
     def _send_close(self, sender: FrameSender) -> None:
         sender.complete(sender.post("close", 0, 0, [], flags=Flag.CLOSE), self._deadline())
@@ -217,7 +218,7 @@ class SaLink(Link):
 
     def __init__(self, peer: int, groups: PairGroups, cfg: LinkConfig) -> None:
         super().__init__(peer, groups, cfg)
-        self.inbox: QueueBox[Message] = QueueBox()               # the caller is the one taker
+        self.inbox: QueueBox[Frame] = QueueBox()                 # the caller is the one taker
         self.inboxes = []
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()     # C-level hand-over: no Python lock per frame
         self.msg_out = 0
@@ -230,17 +231,19 @@ class SaLink(Link):
         self._thread(self._recv_loop, "recv")
 
     def submit(self, key, items, ready) -> None:
-        self.check_usable(f"send {key!r}")
+        if self.sent.error is not None or self.closed_by_peer:
+            self.check_usable(f"send {key!r}")
         if self.lazy:
+            pending = self.pending
             try:
-                self.pending.append(self.senders[0].post(key, self.msg_out, len(items), items))
+                pending.append(self.senders[0].post(key, self.msg_out, len(items), items))
             except P2PError as e:
                 self._fail(e)
                 raise
             self.last_sent_key = key
             self.msg_out += 1
-            if len(self.pending) > 1:
-                self._reap(1, self._send_deadline())    # the frames before this one have left by now
+            if len(pending) > 1:        # the frames before this one have left by now (see _send_deadline)
+                self._reap(1, time.monotonic() + self._send_bound)
             return
         sub = Submission(key, items, ready, self.msg_out, len(items))
         if self.direct:
@@ -257,11 +260,10 @@ class SaLink(Link):
     def boxes(self) -> Sequence[Box]:
         return (self.inbox,)
 
-    def take(self, key: str, deadline: float) -> Message:
-        box = self.inbox
-        if (head := box.peek(deadline)).key != key:
+    def take(self, key: str, deadline: float) -> Frame:
+        if (head := self.inbox.take_if(deadline, key)).key != key:
             raise self._mismatch(key, head.key)
-        return box.pop()
+        return head
 
     def request_close(self) -> None:
         if not self.lazy:
@@ -290,12 +292,12 @@ class SaLink(Link):
         """Lazy sends: wait (on the caller's thread) until at most ``keep`` frames are in flight.
         A failed link raises its failure at once: its frames will never leave, and waiting for them
         again would spend the whole timeout a second time."""
-        pending = self.pending
+        pending, sender = self.pending, self.senders[0]
         while len(pending) > keep:
             if (err := self.sent.error) is not None:
                 raise err
             try:
-                self.senders[0].complete(pending[0], deadline)
+                sender.complete(pending[0], deadline)
             except P2PError as e:
                 self._fail(e)
                 raise
@@ -307,9 +309,10 @@ class SaLink(Link):
         self._send_close(self.senders[0])
 
     def _recv_loop(self) -> None:
+        receive, idle = self.receivers[0].receive, self.cfg.idle_timeout
         while True:
-            f = self.receivers[0].receive(self._deadline())
-            if not self._received(self.inbox, f, Message(f.header.key, f.tensors, (f.event,))):
+            f = receive(time.monotonic() + idle)        # as _deadline()
+            if not self._received(self.inbox, f, f):    # the frame is the message
                 return
 
 

@@ -17,7 +17,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from hybridpipe.comm.p2p.errors import P2PError
 
@@ -107,13 +107,13 @@ class QueueBox(Generic[T]):
     may come from any thread; a failure is queued behind the items that arrived before it and,
     once reached, raised to every later taker."""
 
+    put: Callable[[T], None]             # the queue's own put: no Python call per item
+
     def __init__(self) -> None:
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._head: object = _EMPTY          # peeked, not yet popped (or the sticky _Failed)
         self._error: P2PError | None = None
-
-    def put(self, item: T) -> None:
-        self._q.put(item)
+        self.put = self._q.put
 
     def fail(self, error: P2PError) -> None:
         """Queue the failure behind what arrived so far (only the first failure is ever raised)."""
@@ -148,6 +148,21 @@ class QueueBox(Generic[T]):
         self._head = _EMPTY
         return item
 
+    def take_if(self, deadline: float, key: str) -> Any:
+        """The head item (waiting as :meth:`peek` does), removed only if its ``key`` attribute is
+        ``key`` (a message's): one call where ``peek`` and ``pop`` are two."""
+        head: Any = self._head
+        if head is _EMPTY:
+            try:
+                head = self._q.get(timeout=max(deadline - time.monotonic(), 0.0))
+            except queue.Empty:
+                raise Expired() from None
+        if isinstance(head, _Failed):
+            self._head = head
+            raise head.error
+        self._head = _EMPTY if head.key == key else head
+        return head
+
     def drain(self) -> list[T]:
         """Take every item not yet taken (a failure among them stays, sticky, at the head)."""
         pending = [] if self._head is _EMPTY else [self._head]
@@ -169,7 +184,7 @@ class Counter:
         self._posted = 0
         self._done = 0
         self._waiting = 0           # callers in wait_for: only they need a wake-up
-        self._error: P2PError | None = None
+        self.error: P2PError | None = None      # the first failure (read without the lock: one check per send)
 
     def post(self) -> int:
         with self._cv:
@@ -184,13 +199,9 @@ class Counter:
 
     def fail(self, error: P2PError) -> None:
         with self._cv:
-            if self._error is None:
-                self._error = error
+            if self.error is None:
+                self.error = error
             self._cv.notify_all()
-
-    @property
-    def error(self) -> P2PError | None:
-        return self._error
 
     @property
     def posted(self) -> int:
@@ -200,8 +211,8 @@ class Counter:
         """Wait until ``n`` operations completed; raise the failure or :class:`Expired`."""
         with self._cv:
             while self._done < n:
-                if self._error is not None:
-                    raise self._error
+                if self.error is not None:
+                    raise self.error
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise Expired()

@@ -33,9 +33,12 @@ import math
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
+
+if TYPE_CHECKING:
+    from hybridpipe.comm.p2p.layouts import Layout
 
 MAGIC = b"HPp2"
 VERSION = 3
@@ -91,11 +94,21 @@ class TensorMeta:
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
 
+    @functools.cached_property
+    def strides(self) -> tuple[int, ...]:
+        """The strides of a contiguous tensor of this shape (what :func:`unflatten` views)."""
+        out, step = [], 1
+        for d in reversed(self.shape):
+            out.append(step)
+            step *= max(d, 1)
+        return tuple(reversed(out))
 
+
+@functools.lru_cache(maxsize=4096)
 def kind_of(key: str) -> str:
     """The metadata cache class of a key: the part before the last ``/`` (``"act/3"`` -> ``"act"``,
     ``"act/2/3"`` -> ``"act/2"``: the pipeline's keys name the producing stage, so two model chunks
-    sharing a link keep a cache each)."""
+    sharing a link keep a cache each; remembered: a run sends the same few hundred keys every step)."""
     return key.rsplit("/", 1)[0]
 
 
@@ -220,14 +233,28 @@ def unflatten(flat: torch.Tensor | None, metas: Sequence[TensorMeta], base: int 
     if offsets is None:
         offsets, _ = flat_layout(metas)
     out = {}
+    # flat viewed as the last tensor's dtype: one view per tensor (as_strided), not a slice and two views
+    typed, size, origin = (flat, int(flat.numel()), int(flat.storage_offset())) if flat is not None else (None, 0, 0)
     for m, off in zip(metas, offsets, strict=True):
-        if m.nbytes == 0:
-            out[m.name] = torch.empty(m.shape, dtype=m.dtype)
-        elif flat is None:
-            raise WireError(f"tensor {m.name!r} has {m.nbytes} bytes but the message has none")
+        nbytes, dtype = m.nbytes, m.dtype
+        start = origin + base + off     # in flat's storage
+        if nbytes == 0:
+            out[m.name] = torch.empty(m.shape, dtype=dtype)
+        elif flat is None or typed is None:
+            raise WireError(f"tensor {m.name!r} has {nbytes} bytes but the message has none")
+        elif (size | origin | start) % dtype.itemsize:   # not whole elements (received buffers are)
+            out[m.name] = flat[base + off:base + off + nbytes].view(dtype).view(m.shape)
         else:
-            out[m.name] = flat[base + off:base + off + m.nbytes].view(m.dtype).view(m.shape)
+            if typed.dtype != dtype:
+                typed = flat.view(dtype) if flat.dtype != dtype else flat
+            out[m.name] = typed.as_strided(m.shape, m.strides, start // dtype.itemsize)
     return out
+
+
+def receive_buffer(size: int) -> torch.Tensor:
+    """A uint8 buffer to receive a message of at most ``size`` bytes into, a whole number of
+    ``FLAT_ALIGN`` bytes long (so :func:`unflatten` can view it as any dtype)."""
+    return torch.empty(-(-size // FLAT_ALIGN) * FLAT_ALIGN, dtype=torch.uint8)
 
 
 def body_offset(meta_len: int, body_bytes: int) -> int:
@@ -241,6 +268,7 @@ def inline_bytes(meta_len: int, body_bytes: int) -> int:
     return body_offset(meta_len, body_bytes) + body_bytes
 
 
+@functools.lru_cache(maxsize=1024)
 def placement(meta_len: int, body_bytes: int, capacity: int) -> tuple[int, int, bool, int]:
     """A frame's ``(body offset, whole length, sent whole, next capacity)`` on a lane whose
     receive holds ``capacity`` bytes: whole when its body is at most ``INLINE_LIMIT`` and the
@@ -292,17 +320,22 @@ class FrameBuffer:
         self.start = -1
         self.dests: list[torch.Tensor | None] = []
 
-    def pack(self, header: Header, meta: bytes, items: Sequence[tuple[str, torch.Tensor]], layout: Layout,
+    def pack(self, header: tuple, meta: bytes, items: Sequence[tuple[str, torch.Tensor]], layout: Layout,
              start: int) -> torch.Tensor:
-        """Write ``header``, ``meta`` and the contiguous CPU ``items`` (whose metadata is ``layout``;
-        the body at ``start``, :func:`body_offset`'s)."""
+        """Write ``header`` (a :class:`Header`, or its fields in a plain tuple), ``meta`` and the
+        contiguous CPU ``items`` (whose metadata is ``layout``; the body at ``start``,
+        :func:`body_offset`'s): the header's bytes are :func:`encode_header`'s."""
         if items and (self.layout is not layout or self.start != start):
             buf = self.buf
             self.dests = [buf[start + off:start + off + m.nbytes].view(m.dtype).view(m.shape) if m.nbytes else None
                           for m, off in zip(layout.metas, layout.offsets, strict=True)]
             self.layout, self.start = layout, start
-        head = encode_header(header) + meta
-        self.view[:len(head)] = head
+        flags, seq, msg, parts, n, meta_len, payload, body, key = header
+        raw = _checked_key(key)
+        _WHOLE.pack_into(self.view, 0, MAGIC, VERSION, flags, seq, msg, parts, n, meta_len, payload, body,
+                         len(raw), raw)
+        if meta:
+            self.view[HEADER_BYTES:HEADER_BYTES + len(meta)] = meta
         for dst, (_, t) in zip(self.dests, items, strict=True) if items else ():
             if dst is not None:
                 dst.copy_(t)
@@ -322,57 +355,22 @@ def from_bytes_tensor(t: torch.Tensor) -> bytes:
     return t.numpy().tobytes()
 
 
-class Layout(NamedTuple):
-    """A frame's tensors as the wire lays them out: computed once per (re-)announced metadata."""
-
-    metas: tuple[TensorMeta, ...]
-    offsets: tuple[int, ...]        # flat_layout's
-    body_bytes: int                 # flat_layout's length
-    payload_bytes: int
-    signature: tuple                # ((name, dtype, shape), ...): what a sender compares its tensors with
-
-
-def layout_of(metas: tuple[TensorMeta, ...]) -> Layout:
-    offsets, body = flat_layout(metas)
-    return Layout(metas, offsets, body, payload_bytes(metas), tuple((m.name, m.dtype, m.shape) for m in metas))
-
-
-class MetaCache:
-    """Last metadata per key kind and tensor count on one lane direction (kept identical on both
-    ends), with its :class:`Layout`: a kind whose frames alternate between two tensor counts (the
-    step's last gradient frame carries the step's news, pipeline/stepnews.py) announces each once."""
-
-    def __init__(self) -> None:
-        self._by_kind: dict[tuple[str, int], Layout] = {}
-
-    def sent(self, key: str, items: Sequence[tuple[str, torch.Tensor]]) -> tuple[Layout, bool]:
-        """The layout of contiguous ``items`` sent under ``key``, and whether it differs from the one
-        cached for ``key``'s kind and count (then remembered): an unchanged frame builds no metadata."""
-        slot = (kind_of(key), len(items))
-        known = self._by_kind.get(slot)
-        if known is not None and known.signature == tuple((n, t.dtype, t.shape) for n, t in items):
-            return known, False
-        self._by_kind[slot] = known = layout_of(describe(items))
-        return known, True
-
-    def update(self, key: str, metas: tuple[TensorMeta, ...]) -> None:
-        self._by_kind[kind_of(key), len(metas)] = layout_of(metas)
-
-    def layout(self, key: str, n_tensors: int) -> Layout | None:
-        return self._by_kind.get((kind_of(key), n_tensors))
-
-
 def named_items(tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
     """Validate a message's tensors and return them as ``(name, tensor)`` pairs in dict order."""
     if not isinstance(tensors, Mapping):
         raise TypeError(f"a message is a dict of name -> tensor, got {type(tensors).__name__}")
     items = []
     for name, t in tensors.items():
-        if not isinstance(name, str):
-            raise TypeError(f"tensor names must be strings, got {name!r}")
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"message entry {name!r} is a {type(t).__name__}, not a tensor")
-        if t.layout != torch.strided:
-            raise TypeError(f"message entry {name!r} has layout {t.layout}; only dense tensors can be sent")
+        check_item(name, t)
         items.append((name, t))
     return items
+
+
+def check_item(name: str, t: torch.Tensor) -> None:
+    """Raise TypeError unless ``name`` is a string and ``t`` a dense tensor."""
+    if not isinstance(name, str):
+        raise TypeError(f"tensor names must be strings, got {name!r}")
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"message entry {name!r} is a {type(t).__name__}, not a tensor")
+    if t.layout != torch.strided:
+        raise TypeError(f"message entry {name!r} has layout {t.layout}; only dense tensors can be sent")

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from hybridpipe.comm.p2p import wire
+from hybridpipe.comm.p2p import layouts, wire
 from hybridpipe.comm.p2p.wire import Flag, Header, TensorMeta
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
@@ -66,7 +69,7 @@ def test_bad_inputs_are_explained():
 
 
 def test_meta_cache_announces_once_per_kind_and_again_on_change():
-    cache = wire.MetaCache()
+    cache = layouts.MetaCache()
     ia, ib = [("x", torch.zeros(2, 3))], [("x", torch.zeros(4, 3))]
     a, b = wire.describe(ia), wire.describe(ib)
 
@@ -85,7 +88,7 @@ def test_meta_cache_announces_once_per_kind_and_again_on_change():
 def test_a_kind_alternating_two_tensor_counts_announces_each_once():
     """The step's last gradient frame carries one more tensor (the step's news): no re-announcement
     of either layout, step after step."""
-    cache = wire.MetaCache()
+    cache = layouts.MetaCache()
     plain, carrying = [("x", torch.zeros(2, 3))], [("x", torch.zeros(2, 3)), ("news", torch.zeros(3))]
     assert [cache.sent(f"grad/0/{m}", carrying if m == 3 else plain)[1] for _ in range(3) for m in range(4)] \
         == [True, False, False, True] + [False] * 8
@@ -170,7 +173,7 @@ def test_a_reused_frame_buffer_holds_the_bytes_encode_frame_writes(ms, announce)
     """A FrameBuffer packed again (other values, same layout) reads back as the new frame, and
     its header, metadata and body are the bytes encode_frame writes."""
     ms = tuple({m.name: m for m in ms}.values())          # a message's names are distinct
-    layout = wire.layout_of(ms)
+    layout = layouts.layout_of(ms)
     meta = wire.encode_meta(ms) if announce else b""
     start = wire.body_offset(len(meta), layout.body_bytes)
     fb = wire.FrameBuffer(start + layout.body_bytes)
@@ -187,3 +190,66 @@ def test_a_reused_frame_buffer_holds_the_bytes_encode_frame_writes(ms, announce)
         assert wire.decode_header(got.numpy()) == h
         back = wire.unflatten(got, ms, start, layout.offsets)
         assert all(torch.equal(back[n], t) for n, t in items)
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@settings(max_examples=50, deadline=None)
+@given(small_metas, st.integers(0, 100))
+def test_a_received_body_is_viewed_once_per_tensor(ms, spare):
+    """Unflattening a received buffer (``receive_buffer``: whole elements of any dtype) makes one
+    view per tensor, plus one per change of dtype along the frame (the slice and two views each it
+    made before), and the views read the bytes flatten wrote, with a contiguous tensor's strides."""
+    items = list(dict((m.name, (torch.arange(m.numel) % 7 + 1).to(m.dtype).reshape(m.shape)) for m in ms).items())
+    ms = wire.describe(items)
+    offsets, body = wire.flat_layout(ms)
+    start = wire.body_offset(0, body)
+    received = wire.receive_buffer(start + body + spare)
+    assert received.numel() % wire.FLAT_ALIGN == 0 and received.numel() >= start + body
+    flat = wire.flatten(items, ms)
+    if flat is not None:
+        received[start:start + body] = flat
+    with _CountOps() as mode:
+        got = wire.unflatten(received if body else None, ms, start, offsets)
+    full = [m for m in ms if m.nbytes]
+    dtypes = [torch.uint8] + [m.dtype for m in full]        # the buffer's own dtype needs no view
+    switches = sum(1 for a, b in itertools.pairwise(dtypes) if a != b and b != torch.uint8)
+    # (an empty tensor is made per empty tensor; the dispatch mode also sees a detach per dtype view)
+    views = [op for op in mode.ops if not op.startswith(("aten.empty", "aten.detach"))]
+    assert len(views) == len(full) + switches, mode.ops
+    for name, t in items:
+        assert got[name].dtype == t.dtype and got[name].shape == t.shape and torch.equal(got[name], t)
+        assert got[name].is_contiguous() and got[name].stride() == t.stride()
+        if t.numel():
+            assert got[name].untyped_storage().data_ptr() == received.untyped_storage().data_ptr()
+
+
+def test_unflatten_of_a_buffer_that_is_not_whole_elements_long_still_reads_the_right_bytes():
+    """A body in a buffer whose length is not a whole number of elements (not what a receive
+    makes) takes the slicing path: same values."""
+    items = [("a", torch.arange(6, dtype=torch.float32).reshape(2, 3)), ("b", torch.arange(5, dtype=torch.int64))]
+    ms = wire.describe(items)
+    offsets, body = wire.flat_layout(ms)
+    store = torch.zeros(body + 64 + 3, dtype=torch.uint8)
+    for shift, length in ((0, body + 3), (64, body + 3), (0, body)):
+        flat = store[shift:shift + length]
+        flat[:body] = wire.flatten(items, ms)
+        got = wire.unflatten(flat, ms, 0, offsets)
+        assert all(torch.equal(got[n], t) for n, t in items)
+
+
+def test_meta_cache_re_announces_a_rename_a_reshape_and_a_dtype_of_the_same_size():
+    cache = layouts.MetaCache()
+    steps = [[("x", torch.zeros(2, 3))], [("x", torch.zeros(2, 3))], [("y", torch.zeros(2, 3))],
+             [("y", torch.zeros(3, 2))], [("y", torch.zeros(3, 2, dtype=torch.int32))],
+             [("y", torch.zeros(3, 2, dtype=torch.int32))]]
+    assert [cache.sent(f"act/{i}", items)[1] for i, items in enumerate(steps)] == [True, False, True, True, True, False]
+    assert cache.layout("act/9", 1).signature == (("y", torch.int32, (3, 2)),)
