@@ -38,6 +38,7 @@ if __package__ in (None, ""):                       # run as a script: make the 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hybridpipe.argtypes import float_range
+from hybridpipe.errors import UserError, one_line
 from hybridpipe.partitioner.refine.observed import RunObservation
 
 GOAL = 0.03        # the issue's median |error|
@@ -219,6 +220,15 @@ def paired_view(row: Mapping) -> dict:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The command; a missing or malformed input file is one line on stderr and exit 2."""
+    try:
+        return _main(argv)
+    except UserError as e:
+        print(f"plans_prediction: error: {one_line(e)}", file=sys.stderr)
+        return 2
+
+
+def _main(argv: Sequence[str] | None) -> int:
     from benchmarks.common import REPO, machine, pyplot, write_results
     from hybridpipe.commands.refining import load_run
     from hybridpipe.jsonfile import read_json

@@ -22,6 +22,11 @@ class AgreedError(UserError):
     prints it once per host and every rank exits 2, without blaming one of them."""
 
 
+def counted(n: int, noun: str, plural: str = "") -> str:
+    """``n`` and ``noun`` for a message: "1 micro-batch", "3 micro-batches" (``plural``: default ``noun + "s"``)."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
 def one_line(exc: BaseException) -> str:
     """An exception's message on one line (a UserError is one line by contract; this keeps a
     stray newline, e.g. from a library's text quoted inside it, off the terminal)."""

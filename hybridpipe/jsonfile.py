@@ -150,10 +150,10 @@ def check_header(data: Any, kind: str, version: int, source: str) -> dict:
     if not isinstance(data, dict):
         raise UserError(f"{source}: expected a JSON object holding a {kind}, got {_json_type(data)}")
     if data.get("kind") != kind:
-        raise UserError(f"{source}: not a {kind} file (its \"kind\" is {_short(data.get('kind'))}); "
+        raise UserError(f"{source}: not a {kind} file (its \"kind\" is {short_json(data.get('kind'))}); "
                         f"pass a file written by the hybridpipe command that makes {kind}s")
     if data.get("format") != version:
-        raise UserError(f"{source}: {kind} format {_short(data.get('format'))} is not supported "
+        raise UserError(f"{source}: {kind} format {short_json(data.get('format'))} is not supported "
                         f"(this hybridpipe reads format {version}); regenerate the file")
     return data
 
@@ -168,7 +168,8 @@ def _json_type(value: Any) -> str:
     return names.get(type(value), type(value).__name__)
 
 
-def _short(value: Any) -> str:
+def short_json(value: Any) -> str:
+    """``value`` as JSON (a user's own spelling of it), cut to 60 characters."""
     try:
         text = json.dumps(value)
     except (TypeError, ValueError):
@@ -212,23 +213,23 @@ def field(obj: dict, key: str, kind: type, where: str, *, minimum: float | None 
     value = obj[key]
     if not _is(value, kind):
         raise UserError(f"{where}: field \"{key}\" must be {_TYPE_NAMES.get(kind, kind.__name__)}, "
-                        f"got {_short(value)}")
+                        f"got {short_json(value)}")
     if kind is float:
         value = _as_float(value)
         if not math.isfinite(value):
             raise UserError(f"{where}: field \"{key}\" must be a finite number, got {value}")
     if minimum is not None and value < minimum:
-        raise UserError(f"{where}: field \"{key}\" must be >= {minimum:g}, got {_short(value)}")
+        raise UserError(f"{where}: field \"{key}\" must be >= {minimum:g}, got {short_json(value)}")
     if maximum is not None and value > maximum:
-        raise UserError(f"{where}: field \"{key}\" must be <= {maximum:g}, got {_short(value)}")
+        raise UserError(f"{where}: field \"{key}\" must be <= {maximum:g}, got {short_json(value)}")
     if choices is not None and value not in choices:
         raise UserError(f"{where}: field \"{key}\" must be one of {', '.join(map(str, choices))}; "
-                        f"got {_short(value)}")
+                        f"got {short_json(value)}")
     if items is not None:
         bad = next((x for x in value if not _is(x, items)), ...)
         if bad is not ...:
             raise UserError(f"{where}: every element of \"{key}\" must be {_TYPE_NAMES.get(items, items.__name__)}, "
-                            f"got {_short(bad)}")
+                            f"got {short_json(bad)}")
         if items is float:
             value = [_as_float(x) for x in value]
             if not all(math.isfinite(x) for x in value):

@@ -277,6 +277,14 @@ def test_numbers_out_of_range_are_one_line_before_any_work(files, tmp_path, argv
     _one_line(run(argv), message)
 
 
+def test_a_plan_without_stages_says_how_to_write_one(files, tmp_path):
+    data = read_json(files["plan"], "plan")
+    data["stages"] = []
+    (tmp_path / "empty.json").write_text(json.dumps(data))
+    _one_line(run(["simulate", str(tmp_path / "empty.json")]), '"stages" is empty',
+              "write it with hybridpipe partition")
+
+
 # ---- accepted and run before -----------------------------------------------------------------------
 def test_a_garbage_calibration_file_is_refused_where_it_enters(files, tmp_path):
     garbage = tmp_path / "cal.json"

@@ -138,7 +138,8 @@ class Plan:
         d = check_header(data, PLAN_KIND, PLAN_FORMAT, source)
         raw_stages = field(d, "stages", list, source)
         if not raw_stages:
-            raise UserError(f"{source}: \"stages\" is empty")
+            raise UserError(f"{source}: \"stages\" is empty; a plan needs at least one stage: write it with "
+                            "hybridpipe partition PROFILE --cluster CLUSTER -o PLAN")
         plan = cls(
             model=field(d, "model", str, source),
             batch_size=field(d, "batch_size", int, source, minimum=1, maximum=MAX_FIGURE),

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 
-from hybridpipe.errors import UserError
+from hybridpipe.errors import UserError, counted
 from hybridpipe.limits import OutOfTime
 from hybridpipe.partitioner.cost.calibration import Calibration
 from hybridpipe.partitioner.cost.cluster import Cluster
@@ -341,7 +341,8 @@ def divisible_micro_batches(stages: Sequence[StageSpec], opts: Options) -> tuple
     micro = step * -(-opts.micro_batches // step)
     counts = ", ".join(str(len(s.ranks)) for s in stages)
     return (replace(opts, micro_batches=micro),
-            f"--strategy pipedream: {micro} micro-batches per step, a multiple of every stage's replicas ({counts}); "
+            f"--strategy pipedream: {counted(micro, 'micro-batch', 'micro-batches')} per step, a multiple of every "
+            f"stage's replicas ({counts}); "
             "give --micro-batches to choose another")
 
 

@@ -35,7 +35,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hybridpipe.errors import UserError
+from hybridpipe.errors import UserError, counted
 from hybridpipe.partitioner.chunk_orders import Place
 from hybridpipe.partitioner.plan import Plan
 from hybridpipe.partitioner.schedule_registry import Op, Schedule, one_f_one_b_ops
@@ -140,8 +140,9 @@ def check_schedulable(topo: Topology, schedule: Schedule) -> None:
         raise UserError(f"a step needs at least one micro-batch, got {topo.micro_batches}")
     r_max = max(topo.replicas(s) for s in range(topo.n_stages))
     if topo.micro_batches < r_max:
-        raise UserError(f"{topo.micro_batches} micro-batches per step leave replicas of a {r_max}-replica stage "
-                        f"idle; use --micro-batches >= {r_max}")
+        m = topo.micro_batches
+        raise UserError(f"{counted(m, 'micro-batch', 'micro-batches')} per step leave{'s' if m == 1 else ''} "
+                        f"replicas of a {r_max}-replica stage idle; use --micro-batches >= {r_max}")
     bad = [s for s in range(topo.n_stages) if not schedule.replicas_ok(topo.replicas(s), topo.micro_batches)]
     if bad:
         s = bad[0]

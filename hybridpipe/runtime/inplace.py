@@ -109,14 +109,14 @@ def decide(plan: Plan, world_size: int, reports: Mapping[int, Mapping], lost: Co
     outside = sorted(r for r, rep in reports.items() if rep.get("phase") != STEP)
     if outside:
         return restart(f"rank {outside[0]} was outside a training step ({reports[outside[0]].get('phase')})")
+    if set(reports) | set(lost) != set(range(world_size)):
+        return restart("the survivors' reports do not account for every rank")
+    try:                # before the steps: a plan the survivors cannot run is the reason whenever the kill lands
+        shrink_plan(plan, survivors)
+    except ValueError as e:
+        return restart(str(e))
     steps = sorted({int(rep["steps"]) for rep in reports.values()})
     if len(steps) > 1:
         return restart(f"the survivors had completed different numbers of steps ({steps[0]} and {steps[-1]}): "
                        "the rank was lost while some of them applied the step's update")
-    if set(reports) | set(lost) != set(range(world_size)):
-        return restart("the survivors' reports do not account for every rank")
-    try:
-        shrink_plan(plan, survivors)
-    except ValueError as e:
-        return restart(str(e))
     return Decision(IN_PLACE, survivors, gone, steps[0])

@@ -113,6 +113,18 @@ def test_malformed_clusters_are_rejected_in_one_line(data, message, tmp_path):
     assert "\n" not in str(err.value) and str(path) in str(err.value)
 
 
+def test_a_wrong_kind_or_format_shows_the_value_as_written_and_the_fix(tmp_path):
+    path = tmp_path / "c.json"
+    for data, shown, fix in (({"kind": "plan", "levels": [], "memory_gb": 1}, '(its "kind" is "plan")',
+                              "examples/clusters/"),
+                             ({"format": "2", "levels": [], "memory_gb": 1}, 'cluster format "2" is not supported',
+                              'write "format": 1 or leave it out')):
+        path.write_text(json.dumps(data))
+        with pytest.raises(UserError) as err:
+            load_cluster(path)
+        assert shown in str(err.value) and fix in str(err.value), err.value
+
+
 def test_unreadable_cluster_files(tmp_path):
     with pytest.raises(UserError, match="does not exist"):
         load_cluster(tmp_path / "missing.json")

@@ -141,6 +141,8 @@ def test_validator_reports_a_cycle_of_waits():
 def test_unschedulable_requests_are_refused_clearly():
     with pytest.raises(UserError, match="use --micro-batches >= 3"):
         check_schedulable(topology([1, 3], 2), get_schedule("1f1b"))
+    with pytest.raises(UserError, match="^1 micro-batch per step leaves replicas of a 2-replica stage idle"):
+        check_schedulable(topology([2], 1), get_schedule("1f1b"))
     with pytest.raises(UserError, match="multiple of every stage's replica count"):
         check_schedulable(topology([2, 3], 4), get_schedule("pipedream"))
     with pytest.raises(UserError, match="unknown schedule"):

@@ -11,6 +11,8 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.data import Dataset
 
+PAUSE_DIR = "HYBRIDPIPE_TEST_PAUSE_DIR"     # Fault(phase="pause"): where a test asks a rank to pause
+
 
 class Gate(nn.Module):
     """Data-dependent control flow: torch.fx cannot trace it."""
@@ -106,7 +108,10 @@ class _DieInBackward(torch.autograd.Function):
 class Fault(nn.Module):
     """Identity that SIGKILLs the process whose RANK is ``victim`` on its ``at``-th forward
     (``phase="forward"``) or in that call's backward (``"backward"``), and makes the rank ``slow``
-    sleep ``slow_ms`` in every forward or backward (``slow_in``: its peers wait in p2p or all-reduce)."""
+    sleep ``slow_ms`` in every forward or backward (``slow_in``: its peers wait in p2p or all-reduce).
+    ``phase="pause"``: the rank R that finds ``pause-R`` in the folder named by the environment's
+    ``HYBRIDPIPE_TEST_PAUSE_DIR`` (a test wrote it) in a forward writes ``paused-R`` there and sleeps,
+    inside that training step, until it is killed."""
 
     def __init__(self, victim: int, phase: str, at: int, slow: int, slow_ms: float, slow_in: str):
         super().__init__()
@@ -115,6 +120,10 @@ class Fault(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rank = int(os.environ.get("RANK", "-1"))
+        if self.phase == "pause" and (where := os.environ.get(PAUSE_DIR)) and os.path.exists(f"{where}/pause-{rank}"):
+            with open(f"{where}/paused-{rank}", "w") as f:
+                f.write(str(os.getpid()))
+            time.sleep(600)
         if rank == self.victim and self.phase in ("forward", "backward"):
             self.calls += 1
             if self.calls == self.at and self.phase == "forward":

@@ -85,6 +85,15 @@ class ElasticJob:
                 raise TimeoutError(f"the condition did not come true; logs in {self.logs}")
             time.sleep(0.01)
 
+    def worker_rank(self, host: int) -> int:
+        """The global rank (``RANK``) torchrun gave host ``host``'s worker."""
+        for pid in worker_pids(self.agents[host].pid):
+            env = dict(item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_text().split("\0")
+                       if "=" in item)
+            if "RANK" in env:
+                return int(env["RANK"])
+        raise RuntimeError(f"host {host}'s agent runs no worker now")
+
     def kill_host(self, host: int) -> None:
         """SIGKILL host ``host``'s agent and its workers (as if the machine died)."""
         agent = self.agents[host]

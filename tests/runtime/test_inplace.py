@@ -70,6 +70,15 @@ def test_survivors_that_disagree_on_the_step_or_were_outside_one_restart(plan):
     assert d.kind == RESTART and "rank 3 was outside a training step" in d.reason
 
 
+def test_a_stage_without_a_replica_is_the_reason_wherever_the_kill_landed(plan):
+    """Survivors a step apart (the kill landed in the step's final all-reduce) and a stage left with no
+    replica: the stage is the reason, the one that holds wherever the kill lands
+    (test_inplace_job.py::test_a_stage_left_without_a_replica_restarts failed on it, seen once in 13)."""
+    apart = {**reports([0, 1]), 2: {"steps": 6, "phase": STEP}}
+    d = decide(plan, 4, apart, {3}, flushing=True)
+    assert d.kind == RESTART and "stage 1 lost every replica" in d.reason, d
+
+
 def test_cutting_the_connections_wakes_a_blocked_receive_and_keeps_the_stores():
     server = socket.create_server(("127.0.0.1", 0))
     kept_server = socket.create_server(("127.0.0.1", 0))

@@ -6,10 +6,12 @@ falls back to the restart (exit 75).
 Plan: stage 0 on ranks 0 and 1, stage 1 on ranks 2 and 3 (rank 2 reports the summary: killing it
 moves the report to rank 3). The default test runs the ranks as torchrun's agent would (the test
 hosts the store, tests/runtime/rank_procs.py) and rank 2 SIGKILLs itself in a forward; the slow
-one goes through real torchrun agents, one per host on loopback (tests/runtime/elastic.py),
-killing a host's agent and worker from outside at any moment: a kill that lands inside a step's
-final all-reduce may leave the survivors a step apart, and the job then restarts instead (by
-design; seen once in a few runs of that test).
+one goes through real torchrun agents, one per host on loopback (tests/runtime/elastic.py), and
+kills a host's agent and worker from outside. Where a kill lands decides the outcome: one inside a
+step's final all-reduce (the commit point) may leave the survivors a step apart, and then the job
+restarts by design (runtime/inplace.py; test_inplace.py). So the slow test kills the host only
+once its worker sleeps inside a forward of step k (Fault's ``pause``) and every other rank has
+recorded exactly k steps: each survivor then reports k, and in place is the one right outcome.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 from hybridpipe.partitioner.plan import Plan, save_plan
 from hybridpipe.runtime.failure import EXIT_PEER_LOST
 from tests.pipeline.harness import make_plan
+from tests.profiles.user_models import PAUSE_DIR
 from tests.runtime.elastic import ElasticJob
 from tests.runtime.jobs import train_reference
 from tests.runtime.rank_procs import Job
@@ -44,25 +47,6 @@ def args(plan_file: Path, out: Path, *extra: str) -> list[str]:
             "--in-place", *extra]
 
 
-def reference(plan: Plan) -> dict[str, torch.Tensor]:
-    """Plain single-process SGD on each step's global batch (the samples the runtime feeds)."""
-    from hybridpipe.pipeline.data import MicroBatches
-    from hybridpipe.profiles.data import resolve_dataset
-    from hybridpipe.profiles.zoo import resolve_model
-    spec = resolve_model(plan.model)
-    torch.manual_seed(SEED)
-    model = spec.build()
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    size = STEPS * plan.micro_batches * plan.batch_size
-    data = MicroBatches(resolve_dataset("synthetic", spec, size=size, seed=SEED), plan.batch_size, plan.micro_batches)
-    for k in range(STEPS):
-        opt.zero_grad()
-        x, y = data.global_batch(k)
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-    return model.state_dict()
-
-
 def final_state(ckpt: Path) -> dict[str, torch.Tensor]:
     from hybridpipe.runtime.merged import merge_stages
     merged, _ = merge_stages(ckpt, STEPS)
@@ -79,8 +63,7 @@ def training(out: Path, rank: int, steps: int = 2) -> bool:
     return metrics.exists() and len(metrics.read_text().splitlines()) >= steps
 
 
-def check_in_place(out: Path, plan: Plan, killed_at: float, victim: int,
-                   expected: dict[str, torch.Tensor] | None = None) -> dict:
+def check_in_place(out: Path, killed_at: float, victim: int, expected: dict[str, torch.Tensor]) -> dict:
     summary = json.loads((out / "run" / "summary.json").read_text())
     assert summary["steps"] == STEPS and summary["world_size"] == 3, summary
     (event,) = summary["restarts"]
@@ -89,7 +72,7 @@ def check_in_place(out: Path, plan: Plan, killed_at: float, victim: int,
     assert json.loads((out / "ckpt" / "restarts.json").read_text())["restarts"] == summary["restarts"]
     lost = event["failure_detected_at"] + event["seconds_to_first_step"] - killed_at
     assert lost <= 3.0 + event["first_step_s"], event            # seconds lost: <= 3 s + the redone step
-    assert max_diff(final_state(out / "ckpt"), reference(plan) if expected is None else expected) <= 1e-5
+    assert max_diff(final_state(out / "ckpt"), expected) <= 1e-5
     return event
 
 
@@ -108,8 +91,7 @@ def test_a_killed_replica_is_taken_over_in_place_and_training_ends_as_one_proces
         results = job.wait(timeout=240)
     assert results[2].returncode == -9
     assert [r.returncode for r in results if r.rank != 2] == [0, 0, 0], results
-    event = check_in_place(tmp_path, plan, killed_at, 2, train_reference(plan, STEPS, lr=LR, momentum=MOMENTUM,
-                                                                          seed=SEED))
+    event = check_in_place(tmp_path, killed_at, 2, train_reference(plan, STEPS, lr=LR, momentum=MOMENTUM, seed=SEED))
     print(f"in place: {event}")
 
 
@@ -129,13 +111,29 @@ def test_a_stage_left_without_a_replica_restarts(tmp_path):
     assert not (tmp_path / "run" / "summary.json").exists()
 
 
+def steps_recorded(out: Path, rank: int) -> int:
+    metrics = out / "run" / "metrics" / f"rank-{rank:05d}.jsonl"
+    return len(metrics.read_text().splitlines()) if metrics.exists() else 0
+
+
 @pytest.mark.slow
 def test_a_killed_host_under_torchrun_goes_on_in_place_and_its_agents_exit_at_once(tmp_path):
-    plan = plan_of([2, 2])
+    plan = make_plan(FAULTY.format("phase=pause"), [5], [2, 2], micro_batches=4, batch_size=4)
     save_plan(plan, tmp_path / "plan.json")
+    pause = tmp_path / "pause"
+    pause.mkdir()
     with ElasticJob(tmp_path / "logs", args(tmp_path / "plan.json", tmp_path), hosts=4, min_hosts=3,
-                    max_restarts=0) as job:
+                    max_restarts=0, env={PAUSE_DIR: str(pause)}) as job:
         job.wait_for(lambda: training(tmp_path, 3), timeout=300)
+        victim = job.worker_rank(3)              # which rank host 3 runs is torchrun's choice
+        (pause / f"pause-{victim}").touch()
+        job.wait_for(lambda: (pause / f"paused-{victim}").exists(), timeout=60)
+        # the victim sleeps in a forward of step k: no rank can pass step k's final all-reduce without
+        # it, and each finishes step k - 1 (the victim did: every rank's flag reached that all-reduce)
+        k = steps_recorded(tmp_path, victim)
+        others = [r for r in range(4) if r != victim]
+        job.wait_for(lambda: all(steps_recorded(tmp_path, r) >= k for r in others), timeout=60)
+        assert [steps_recorded(tmp_path, r) for r in others] == [k] * 3, k
         job.kill_host(3)
         killed_at = job.killed[3]
         job.wait_for(lambda: (tmp_path / "run" / "summary.json").exists(), timeout=240)
@@ -145,6 +143,6 @@ def test_a_killed_host_under_torchrun_goes_on_in_place_and_its_agents_exit_at_on
     assert [rc for rc, _ in results[:3]] == [0, 0, 0], logs
     assert time.time() - summary_at < 30, logs       # torchrun's exit barrier released for the lost agent
     assert "restart" not in "".join(out for _, out in results[:3]).lower().replace("restarts", ""), logs
-    # which rank host 3 ran is torchrun's choice: the lost rank is the one the summary names
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    check_in_place(tmp_path, plan, killed_at, summary["restarts"][0]["lost_ranks"][0])
+    event = check_in_place(tmp_path, killed_at, victim, train_reference(plan, STEPS, lr=LR, momentum=MOMENTUM,
+                                                                        seed=SEED))
+    assert event["steps_done"] == k, (event, k)

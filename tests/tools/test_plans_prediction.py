@@ -57,3 +57,10 @@ def test_node_shrink_takes_cv_or_a_finite_strength():
     for bad in ("nan", "-1", "1e400", "abc"):
         with pytest.raises(argparse.ArgumentTypeError):
             shrink_strength(bad)
+
+
+def test_a_missing_results_file_is_one_line_and_exit_2(tmp_path, capsys):
+    from benchmarks.plans_prediction import main
+    assert main(["--work", str(tmp_path), "--results", str(tmp_path / "missing.json")]) == 2
+    err = capsys.readouterr().err
+    assert err == f"plans_prediction: error: results file {tmp_path / 'missing.json'} does not exist\n", err

@@ -159,6 +159,10 @@ class Channels:
 
         Waits (at most ``timeout``) for each peer to close too; never raises for a failed or
         silent peer (it logs a warning), so it is safe in ``finally`` blocks. Idempotent.
+        One thread can outlive it: gloo never wakes the wait on a send that was half written when its
+        peer died (its pair fails the operations it has queued, not the one it was writing; neither
+        ``Backend.abort`` nor ``shutdown`` wakes it), and an ``sra`` thread waits for its sends up to
+        ``idle_timeout`` (a peer may post the receive late), so such a thread stays until then.
         """
         if self._closed:
             return

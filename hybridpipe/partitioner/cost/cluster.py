@@ -20,7 +20,7 @@ import os
 from dataclasses import asdict, dataclass
 
 from hybridpipe.errors import UserError
-from hybridpipe.jsonfile import MAX_FIGURE, field, figure, read_json
+from hybridpipe.jsonfile import MAX_FIGURE, field, figure, read_json, short_json
 
 CLUSTER_KIND = "cluster"
 CLUSTER_FORMAT = 1
@@ -83,9 +83,13 @@ class Cluster:
         if not isinstance(data, dict):
             raise UserError(f"{source}: expected a JSON object with \"levels\" and \"memory_gb\"")
         if data.get("kind", CLUSTER_KIND) != CLUSTER_KIND:
-            raise UserError(f"{source}: not a cluster file (its \"kind\" is {data.get('kind')!r})")
+            raise UserError(f"{source}: not a cluster file (its \"kind\" is {short_json(data.get('kind'))}); pass "
+                            f"a cluster description (\"kind\": \"{CLUSTER_KIND}\" or none), e.g. "
+                            "examples/clusters/4x1gbit.json")
         if data.get("format", CLUSTER_FORMAT) != CLUSTER_FORMAT:
-            raise UserError(f"{source}: cluster format {data.get('format')!r} is not supported (expected 1)")
+            raise UserError(f"{source}: cluster format {short_json(data.get('format'))} is not supported (this "
+                            f"hybridpipe reads format {CLUSTER_FORMAT}); write \"format\": {CLUSTER_FORMAT} or leave "
+                            "it out")
         raw = field(data, "levels", list, source)
         if not raw:
             raise UserError(f"{source}: \"levels\" is empty; give at least one level, innermost first")

@@ -7,7 +7,8 @@ between ranks whose innermost common unit is at level l travels on the level-l l
 sub-units it leaves and enters. A round costs ``steps * alpha`` (the largest alpha among its
 messages' levels) plus ``S * max over links (bytes on the link / S) * beta(link level)`` plus
 ``S * reduce * gamma``. So messages of one round that cross the same NIC share its bandwidth,
-and a ring spanning hosts is priced at the NIC, not at the fast links inside a host.
+and a ring spanning hosts is priced at the NIC, not at the fast links inside a host (each round's
+busiest link per level: ``roundloads.py``).
 
 alpha and beta come from the cluster file (nominal: the level's latency plus a software cost
 per message, 1/bandwidth) unless a calibration (``hybridpipe bench-allreduce``) measured that
@@ -34,20 +35,11 @@ from hybridpipe.partitioner.cost.cluster import Cluster, Level
 from hybridpipe.partitioner.cost.collectives import ALGORITHMS
 from hybridpipe.partitioner.cost.groupfactor import group_factor, least_group_factor, size_factor
 from hybridpipe.partitioner.cost.priced import PricedRound, priced
+from hybridpipe.partitioner.cost.roundloads import RoundLoad, round_loads
 
 # Nominal costs used where no calibration measured a level.
 NOMINAL_SOFTWARE_ALPHA_S = 30e-6      # per message step, on top of the link's latency
 NOMINAL_GAMMA_S_PER_BYTE = 1 / 4e9    # summing float32 at ~4 GB/s on a CPU core
-
-
-@dataclass(frozen=True)
-class RoundLoad:
-    """A priced-out round: the busiest link's load (in units of S) per level it touches."""
-
-    level_loads: tuple[tuple[int, float], ...]   # (level, max bytes/S on one link of that level)
-    steps: int
-    reduce: float
-    repeat: int
 
 
 @dataclass(frozen=True)
@@ -248,7 +240,8 @@ class CostModel:
         hit = self._structure.get(key)
         if hit is None:
             top = self.span_level(key[1]) if len(key[1]) > 1 else 0
-            hit = self._structure[key] = self._loads(self._priced(algorithm, key[1], halving, shape), key[1], top)
+            hit = self._structure[key] = round_loads(self._priced(algorithm, key[1], halving, shape), key[1], top,
+                                                     self._spans, self.cluster.total_workers)
         return hit
 
     def line(self, algorithm: str, ranks: Sequence[int], *, halving: bool = False,
@@ -361,41 +354,6 @@ class CostModel:
         best = min(algorithms, key=lambda a: (self.allreduce_seconds(a, nbytes, ranks), algorithms.index(a)))
         return best, self.allreduce_seconds(best, nbytes, ranks)
 
-    # ---- internals ---------------------------------------------------------------------
-    def _loads(self, rounds: Sequence[PricedRound], ranks: Sequence[int], top: int) -> tuple[RoundLoad, ...]:
-        """Sum each link's bytes per round (a message loads its sender's egress and receiver's ingress).
-
-        ``rounds``' endpoints are positions in the sorted ``ranks`` (or SWITCH). All rounds at
-        once: link key = (round, level, unit one level below, direction).
-        """
-        if not rounds:
-            return ()
-        counts = [len(r.src) for r in rounds]
-        which = np.repeat(np.arange(len(rounds)), counts)
-        of = np.asarray(list(ranks) + [co.SWITCH], dtype=np.int64)     # position -1 (SWITCH) stays SWITCH
-        src = of[np.concatenate([r.src for r in rounds])]
-        dst = of[np.concatenate([r.dst for r in rounds])]
-        part = np.concatenate([r.share for r in rounds])
-        spans = np.asarray(self._spans, dtype=np.int64)
-        n_levels = len(spans)
-        switch = (src == co.SWITCH) | (dst == co.SWITCH)
-        shared = (src[:, None] // spans[None, :]) == (dst[:, None] // spans[None, :])
-        level = np.where(switch, top, n_levels - shared.sum(axis=1))
-        below = np.concatenate([[1], spans])[level]          # workers behind one link of that level
-        width = 2 * (self.cluster.total_workers + 1)          # links per level: (unit, direction)
-        keys, loads = [], []
-        for end, direction in ((src, 0), (dst, 1)):
-            real = end != co.SWITCH
-            keys.append(((which * n_levels + level) * width + 2 * (end // below) + direction)[real])
-            loads.append(part[real])
-        per_link = np.bincount(np.concatenate(keys), weights=np.concatenate(loads),
-                               minlength=len(rounds) * n_levels * width)
-        per_level = per_link.reshape(len(rounds), n_levels, width).max(axis=2)
-        return tuple(RoundLoad(tuple((lv, float(v)) for lv, v in enumerate(row) if v > 0), r.steps, r.reduce,
-                               r.repeat) for r, row in zip(rounds, per_level.tolist(), strict=True))
-
 
 def _with_level(cal: Calibration, level: str) -> Calibration:
-    from dataclasses import replace
-
     return replace(cal, level=level)

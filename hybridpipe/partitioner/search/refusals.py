@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from hybridpipe.errors import counted
 from hybridpipe.partitioner.search.modelcosts import ModelCosts
 from hybridpipe.partitioner.search.objective import Evaluation, StageSpec
 from hybridpipe.partitioner.search.options import Options
@@ -24,12 +25,14 @@ def no_fit_message(costs: ModelCosts, workers: int, opts: Options) -> str:
                 "activations" + (", sharded over every worker" if opts.shard != "none" else "")
                 + "); raise --memory-gb or use a smaller model or batch")
     if not opts.replicas_ok(1) or costs.n * opts.micro_batches < workers:
-        return (f"{workers} workers cannot all get micro-batches: {costs.n} nodes x {opts.micro_batches} micro-batches "
-                "per step; raise --micro-batches or use fewer --workers")
+        return (f"{workers} workers cannot all get micro-batches: {counted(costs.n, 'node')} x "
+                f"{counted(opts.micro_batches, 'micro-batch', 'micro-batches')} per step; raise --micro-batches or use "
+                "fewer --workers")
     other = ("" if opts.schedule.name == "1f1b"
              else ", or use --schedule 1f1b (it keeps fewer micro-batches in flight)")
-    return (f"no partition onto {workers} workers fits in {gb:g} GB per worker with {opts.micro_batches} "
-            f"micro-batches ({opts.schedule.name}) and a replica count per stage that divides into them; raise "
+    return (f"no partition onto {workers} workers fits in {gb:g} GB per worker with "
+            f"{counted(opts.micro_batches, 'micro-batch', 'micro-batches')} ({opts.schedule.name}) and a replica count "
+            "per stage that divides into them; raise "
             f"--memory-gb or --micro-batches, add workers or use --recompute auto{other}"
             + ("; or let replicas shard their state (--shard auto)" if opts.shard == "none" else ""))
 
@@ -39,7 +42,8 @@ def memory_message(stages: Sequence[StageSpec], ev: Evaluation, opts: Options, s
     for idx, st in enumerate(stages):
         r, m = len(st.ranks), opts.micro_batches
         if not opts.replicas_ok(r):
-            return (f"--strategy {strategy} gives stage {idx} {r} replicas but a step has {m} micro-batches; "
+            return (f"--strategy {strategy} gives stage {idx} {r} replicas but a step has "
+                    f"{counted(m, 'micro-batch', 'micro-batches')}; "
                     f"use --micro-batches {opts.schedule.replicas_need(r)} "
                     f"(one per replica{' and round' if opts.schedule.asynchronous else ''})")
     idx = next(k for k, e in enumerate(ev.stages) if e.memory_bytes > opts.memory_bytes)

@@ -12,8 +12,11 @@ import datetime
 import os
 import random
 import signal
+import sys
 import threading
 import time
+import traceback
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -281,13 +284,15 @@ def _attempt(fn) -> dict:
                 "elapsed": time.monotonic() - t}
 
 
-def peer_failure(rank: int, world: int, mode: str, how: str, timeout: float) -> dict:
+def peer_failure(rank: int, world: int, mode: str, how: str, timeout: float, idle: float | None = None) -> dict:
     """Rank 0 opens its channels, says hello, then dies (``how="kill"``) or freezes (``"stop"``).
     Rank 1 waits for a message from it; rank 2 pushes large messages to it and flushes. Then
-    1 and 2 check that their own link is unaffected and that a wrong key is a ProtocolError."""
+    1 and 2 check that their own link is unaffected and that a wrong key is a ProtocolError.
+    ``idle``: the channels' idle timeout; with it, p2p threads still running after close are
+    watched until they end (up to ``idle`` and twice the slack): which, blocked where, for how long."""
     n_big, big = 8, (4 << 20,)               # 8 x 16 MB: more than any socket buffer holds
     order = _failure_orders(n_big)[rank] if mode == "sra" else None
-    ch = open_channels(TRIANGLE, mode, timeout=timeout, order=order)
+    ch = open_channels(TRIANGLE, mode, timeout=timeout, order=order, idle_timeout=idle)
     hello = {"x": payload(1, (3,), torch.float32)}
     if rank == 0:
         ch.send(1, "hi/0", hello)
@@ -323,7 +328,32 @@ def peer_failure(rank: int, world: int, mode: str, how: str, timeout: float) -> 
     ch.close()                                       # never hangs, never raises
     out["close_elapsed"] = time.monotonic() - t
     out["threads_left"] = p2p_threads()
+    if idle is not None and out["threads_left"]:
+        out["left"] = _watch_left(time.monotonic() + idle + 2 * slack_s())
     return out
+
+
+def slack_s() -> float:
+    """2 s, more in proportion when more processes than cores are running (test_p2p_channels.slack)."""
+    return 2.0 * max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+
+
+def _watch_left(deadline: float) -> dict[str, dict]:
+    """Per p2p thread still running: where it waits (its hybridpipe calls, outermost first) and when it
+    ended (seconds from now; None: still running at ``deadline``)."""
+    t0 = time.monotonic()
+    frames = sys._current_frames()
+    left = {t: "" for t in threading.enumerate() if t.name.startswith("p2p-") and t.is_alive()}
+    for t in left:
+        stack = traceback.extract_stack(frames[t.ident]) if t.ident in frames else []
+        left[t] = " > ".join(f"{Path(f.filename).name}:{f.name}" for f in stack if "hybridpipe" in f.filename)
+    ended: dict[threading.Thread, float | None] = {t: None for t in left}
+    while time.monotonic() < deadline and any(t.is_alive() for t in left):
+        time.sleep(0.05)
+        for t in left:
+            if ended[t] is None and not t.is_alive():
+                ended[t] = time.monotonic() - t0
+    return {t.name: {"in": where, "ended_s": ended[t]} for t, where in left.items()}
 
 
 def mismatched_open(rank: int, world: int, timeout: float) -> dict:
