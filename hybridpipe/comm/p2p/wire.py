@@ -33,12 +33,9 @@ import math
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
-
-if TYPE_CHECKING:
-    from hybridpipe.comm.p2p.layouts import Layout
 
 MAGIC = b"HPp2"
 VERSION = 3
@@ -305,6 +302,16 @@ def encode_frame(header: Header, meta: bytes, items: Sequence[tuple[str, torch.T
     return buf
 
 
+class Placed(Protocol):
+    """What :meth:`FrameBuffer.pack` reads of a frame's layout (``layouts.Layout``, which imports this module)."""
+
+    @property
+    def metas(self) -> tuple[TensorMeta, ...]: ...
+
+    @property
+    def offsets(self) -> tuple[int, ...]: ...
+
+
 class FrameBuffer:
     """A whole frame's buffer kept for the next frame of the same length (see :func:`encode_frame`:
     the same bytes, written in place). The body's destinations, typed views of each tensor's
@@ -316,11 +323,11 @@ class FrameBuffer:
     def __init__(self, size: int) -> None:
         self.buf = torch.empty(size, dtype=torch.uint8)
         self.view = self.buf.numpy().data
-        self.layout: Layout | None = None
+        self.layout: Placed | None = None
         self.start = -1
         self.dests: list[torch.Tensor | None] = []
 
-    def pack(self, header: tuple, meta: bytes, items: Sequence[tuple[str, torch.Tensor]], layout: Layout,
+    def pack(self, header: tuple, meta: bytes, items: Sequence[tuple[str, torch.Tensor]], layout: Placed,
              start: int) -> torch.Tensor:
         """Write ``header`` (a :class:`Header`, or its fields in a plain tuple), ``meta`` and the
         contiguous CPU ``items`` (whose metadata is ``layout``; the body at ``start``,
