@@ -22,9 +22,9 @@ class AgreedError(UserError):
     prints it once per host and every rank exits 2, without blaming one of them."""
 
 
-def counted(n: int, noun: str, plural: str = "") -> str:
-    """``n`` and ``noun`` for a message: "1 micro-batch", "3 micro-batches" (``plural``: default ``noun + "s"``)."""
-    return f"{n} {noun if n == 1 else plural or noun + 's'}"
+def counted(n: int, noun: str) -> str:
+    """``n`` and ``noun`` for a message, in English's regular plural: "1 micro-batch", "3 micro-batches", "2 nodes"."""
+    return f"{n} {noun if n == 1 else noun + ('es' if noun.endswith(('ch', 'sh', 's', 'x')) else 's')}"
 
 
 def one_line(exc: BaseException) -> str:

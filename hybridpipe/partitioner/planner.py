@@ -341,7 +341,7 @@ def divisible_micro_batches(stages: Sequence[StageSpec], opts: Options) -> tuple
     micro = step * -(-opts.micro_batches // step)
     counts = ", ".join(str(len(s.ranks)) for s in stages)
     return (replace(opts, micro_batches=micro),
-            f"--strategy pipedream: {counted(micro, 'micro-batch', 'micro-batches')} per step, a multiple of every "
+            f"--strategy pipedream: {counted(micro, 'micro-batch')} per step, a multiple of every "
             f"stage's replicas ({counts}); "
             "give --micro-batches to choose another")
 

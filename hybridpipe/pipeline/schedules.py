@@ -141,7 +141,7 @@ def check_schedulable(topo: Topology, schedule: Schedule) -> None:
     r_max = max(topo.replicas(s) for s in range(topo.n_stages))
     if topo.micro_batches < r_max:
         m = topo.micro_batches
-        raise UserError(f"{counted(m, 'micro-batch', 'micro-batches')} per step leave{'s' if m == 1 else ''} "
+        raise UserError(f"{counted(m, 'micro-batch')} per step leave{'s' if m == 1 else ''} "
                         f"replicas of a {r_max}-replica stage idle; use --micro-batches >= {r_max}")
     bad = [s for s in range(topo.n_stages) if not schedule.replicas_ok(topo.replicas(s), topo.micro_batches)]
     if bad:

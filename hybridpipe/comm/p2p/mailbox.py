@@ -128,16 +128,7 @@ class QueueBox(Generic[T]):
     def peek(self, deadline: float) -> T:
         """The head item, waiting until ``deadline`` (``time.monotonic()``); not removed. Raises the
         sticky failure once the items before it are taken, or :class:`Expired`."""
-        head = self._head
-        if head is _EMPTY:
-            try:
-                head = self._q.get(timeout=max(deadline - time.monotonic(), 0.0))
-            except queue.Empty:
-                raise Expired() from None
-            self._head = head
-        if isinstance(head, _Failed):
-            raise head.error
-        return head  # type: ignore[return-value]
+        return self.take_if(deadline, None)
 
     def pop(self) -> T:
         head, self._head = self._head, _EMPTY
@@ -148,9 +139,9 @@ class QueueBox(Generic[T]):
         self._head = _EMPTY
         return item
 
-    def take_if(self, deadline: float, key: str) -> Any:
-        """The head item (waiting as :meth:`peek` does), removed only if its ``key`` attribute is
-        ``key`` (a message's): one call where ``peek`` and ``pop`` are two."""
+    def take_if(self, deadline: float, key: str | None) -> Any:
+        """The head item (waiting as :meth:`peek` says), removed only if ``key`` is not None and
+        is the item's ``key`` attribute (a message's): one call where ``peek`` and ``pop`` are two."""
         head: Any = self._head
         if head is _EMPTY:
             try:
@@ -160,7 +151,7 @@ class QueueBox(Generic[T]):
         if isinstance(head, _Failed):
             self._head = head
             raise head.error
-        self._head = _EMPTY if head.key == key else head
+        self._head = _EMPTY if key is not None and head.key == key else head
         return head
 
     def drain(self) -> list[T]:

@@ -26,12 +26,12 @@ def no_fit_message(costs: ModelCosts, workers: int, opts: Options) -> str:
                 + "); raise --memory-gb or use a smaller model or batch")
     if not opts.replicas_ok(1) or costs.n * opts.micro_batches < workers:
         return (f"{workers} workers cannot all get micro-batches: {counted(costs.n, 'node')} x "
-                f"{counted(opts.micro_batches, 'micro-batch', 'micro-batches')} per step; raise --micro-batches or use "
+                f"{counted(opts.micro_batches, 'micro-batch')} per step; raise --micro-batches or use "
                 "fewer --workers")
     other = ("" if opts.schedule.name == "1f1b"
              else ", or use --schedule 1f1b (it keeps fewer micro-batches in flight)")
     return (f"no partition onto {workers} workers fits in {gb:g} GB per worker with "
-            f"{counted(opts.micro_batches, 'micro-batch', 'micro-batches')} ({opts.schedule.name}) and a replica count "
+            f"{counted(opts.micro_batches, 'micro-batch')} ({opts.schedule.name}) and a replica count "
             "per stage that divides into them; raise "
             f"--memory-gb or --micro-batches, add workers or use --recompute auto{other}"
             + ("; or let replicas shard their state (--shard auto)" if opts.shard == "none" else ""))
@@ -43,7 +43,7 @@ def memory_message(stages: Sequence[StageSpec], ev: Evaluation, opts: Options, s
         r, m = len(st.ranks), opts.micro_batches
         if not opts.replicas_ok(r):
             return (f"--strategy {strategy} gives stage {idx} {r} replicas but a step has "
-                    f"{counted(m, 'micro-batch', 'micro-batches')}; "
+                    f"{counted(m, 'micro-batch')}; "
                     f"use --micro-batches {opts.schedule.replicas_need(r)} "
                     f"(one per replica{' and round' if opts.schedule.asynchronous else ''})")
     idx = next(k for k, e in enumerate(ev.stages) if e.memory_bytes > opts.memory_bytes)
