@@ -5,18 +5,19 @@
 
 The model is captured and cut into ``--ranges`` (block ranges; default the compute-balanced cut of
 the GPT-2 runs in RESULTS.md); stage ``--stage``'s forward runs on the previous stages' output and
-is then backpropagated three ways, alternating: ``PipelineStage.backward`` (one autograd pass),
-hybridpipe's ``backward_input`` + ``backward_weight`` (zb-h1's B and W), and torch's own
-``stage_backward_input`` + ``stage_backward_weight`` (``torch.distributed.pipelining._backward``).
-Thread CPU time (``time.thread_time``) and the thread's minor page faults (the allocator mapping
-fresh memory) per micro-batch, median of ``--repeats``; ``--order pipeline``: over one step of
-``--micro-batches`` in each way's schedule's order on this stage (1f1b's for the plain backward,
-zb-h1's for the splits: its micro-batches in flight, each W after the next micro-batch's B), the
-gradients accumulated over the step. Also, load-independent: each way's aten ops per half of one
-micro-batch and the bytes held between its halves. ``--compare-with FILE``: a fourth way, alternating with
-the others, an older ``splitback.py`` (e.g. ``git show 5bfd261:hybridpipe/pipeline/splitback.py >
-/tmp/old_splitback.py``) on the same stage. Results: ``benchmarks/results/split_backward[_TAG].json``
-and ``.png``.
+is then backpropagated three ways, alternating in ABBA order: ``PipelineStage.backward`` (one
+autograd pass), hybridpipe's ``backward_input`` + ``backward_weight`` (zb-h1's B and W), and
+torch's own ``stage_backward_input`` + ``stage_backward_weight``
+(``torch.distributed.pipelining._backward``). Thread CPU time (``time.thread_time``) and the
+thread's minor page faults (the allocator mapping fresh memory) per micro-batch, median of
+``--repeats``; ``--order pipeline``: over one step of ``--micro-batches`` in each way's schedule's
+order on this stage (1f1b's for the plain backward, zb-h1's for the splits: its micro-batches in
+flight, each W after the next micro-batch's B), the gradients accumulated over the step. Also,
+load-independent: each way's aten ops per half of one micro-batch and the bytes held between its
+halves. ``--compare-with FILE``: a fourth way, an older ``splitback.py`` (e.g. ``git show
+5bfd261:hybridpipe/pipeline/splitback.py > /tmp/old_splitback.py``) on the same stage, called as
+the stage calls ours (its own cut plans where it keeps them). Results:
+``benchmarks/results/split_backward[_TAG].json`` and ``.png``.
 """
 
 from __future__ import annotations
@@ -72,9 +73,10 @@ def _halves(st, way: str, older) -> tuple[Callable, Callable | None]:
         # its own cut plans where it keeps them (splitplan.py, since splitc), as the stage keeps ours
         kept = {"plans": SplitPlans()} if "plans" in inspect.signature(older.backward_input).parameters else {}
 
-        def first(act, grads):
+        def first(act, grads):          # as PipelineStage.backward_input calls ours
             outs, out_grads = st._roots(act, grads, None)
-            return older.backward_input(outs, out_grads, list(act.inputs.values()), params, **kept)
+            return older.backward_input(outs, out_grads, list(act.inputs.values()), list(st.module.parameters()),
+                                        **kept)
         return first, older.backward_weight
 
     def torch_first(act, grads):
@@ -186,8 +188,8 @@ def measure(model: str, ranges: list[tuple[int, int]], index: int, batch: int, r
         _step(st, inputs, *halves[way], ops[way])
     counts = {w: _counts(st, inputs, *halves[w]) for w in ways}
     got: dict[str, list] = {w: [] for w in ways}
-    for _ in range(repeats):
-        for way in ways:
+    for r in range(repeats):                            # ABBA: each way after the one before and after it
+        for way in ways if r % 2 == 0 else ways[::-1]:
             got[way].append(_step(st, inputs, *halves[way], ops[way]))
     med = {w: (statistics.median(a for a, _, _ in v), statistics.median(b for _, b, _ in v),
                statistics.median(a + b for a, b, _ in v), statistics.median(f for _, _, f in v))
