@@ -45,6 +45,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -124,7 +125,7 @@ def backward_input(outputs: Sequence[torch.Tensor], output_grads: Sequence[torch
         work.root_grads.append(torch.ones_like(outputs[k]) if g is None else g)
     if not wanted:
         return work
-    early = [params[k] for k, _ in plan.early]
+    early: list[torch.Tensor] = [params[k] for k, _ in plan.early]
     handles = [d.node.register_prehook(lambda grads, d=d: _record(d, grads)) for d in work.direct]
     for group in work.groups:
         for i, node in enumerate(group.intermediates):
@@ -164,8 +165,8 @@ def _plan(edges: list[GradientEdge], wanted: list[torch.Tensor], params: list[nn
             continue
         for n, side in sides:
             taken = [i for i in side if _early(n, i, reverse, position)]
-            accs = [n.next_functions[i][0] for i in taken]
-            early += [(position[id(acc.variable)], index[acc]) for acc in accs]     # type: ignore[union-attr]
+            accs: list[Any] = [n.next_functions[i][0] for i in taken]      # parameters' accumulators (_early)
+            early += [(position[id(acc.variable)], index[acc]) for acc in accs]
             late = tuple(i for i in side if i not in taken)
             if late:
                 direct.append((index[n], late))
