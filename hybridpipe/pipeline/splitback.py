@@ -22,6 +22,15 @@ them: most of the backward again, 1.81x a plain one on GPT-2). Under activation 
 (``one_pass``) the graph is kept and everything is one autograd pass: every graph task reruns the
 checkpointed forward, and reading a saved tensor would rerun it too.
 
+The parameter-side gradients that cost no product (layer norm's weight and bias, which its kernel
+makes in the same call as the input's; a bias broadcast over a product's rows, the output gradient
+summed) are taken by the input half itself, as extra ``inputs`` of its ``autograd.grad``, where a
+parameter's only edge brings them (so the taken gradient is the whole one a plain backward
+accumulates) and it has no tensor hook: layer norm's backward runs once, as in a plain backward,
+not once a half, and the weight half holds neither its saved tensors nor its recorded gradient,
+only each deferred product's operands (for GPT-2's blocks: the input and the output gradient of
+every ``Conv1D``). The weight half still accumulates them, so every hook fires there.
+
 The weight half accumulates through autograd (``torch.autograd.backward`` with ``inputs=``), so
 parameters' post-accumulate-grad hooks fire as in a plain backward, once per parameter (a
 parameter reached through several intermediates gets their sum in one pass; only a parameter of a
@@ -36,13 +45,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from hybridpipe.pipeline.splitplan import Plan, SplitPlans, walk
-from hybridpipe.pipeline.weightgrads import NodeWeightGrad, take
+from hybridpipe.pipeline.weightgrads import ACCUMULATE, NodeWeightGrad, cheap, param_edge, take
 
 
 @dataclass
@@ -59,6 +69,7 @@ class WeightWork:
     """What the weight half of one micro-batch's backward needs (see the module docstring)."""
 
     direct: list[NodeWeightGrad] = field(default_factory=list)     # intermediates with a formula
+    early: list[tuple[Node, torch.Tensor]] = field(default_factory=list)   # (accumulator, gradient) taken in B
     groups: list[_Group] = field(default_factory=list)             # the rest, each its own autograd pass
     roots: list[GradientEdge] = field(default_factory=list)        # outputs that do not depend on the inputs
     root_grads: list[torch.Tensor] = field(default_factory=list)
@@ -74,7 +85,7 @@ class WeightWork:
         """The gradients the input half recorded for the weight half (at each intermediate, and the
         outputs' that do not depend on the inputs: on a stage whose inputs need none, every output's):
         alive until the weight half, as :meth:`held` (the memory meter counts both)."""
-        out = [d.grad for d in self.direct if d.grad is not None]
+        out = [d.grad for d in self.direct if d.grad is not None] + [g for _, g in self.early]
         out += [g for group in self.groups for grads in group.grads for g in grads or () if g is not None]
         return out + list(self.root_grads)
 
@@ -114,6 +125,7 @@ def backward_input(outputs: Sequence[torch.Tensor], output_grads: Sequence[torch
         work.root_grads.append(torch.ones_like(outputs[k]) if g is None else g)
     if not wanted:
         return work
+    early: list[torch.Tensor] = [params[k] for k, _ in plan.early]
     handles = [d.node.register_prehook(lambda grads, d=d: _record(d, grads)) for d in work.direct]
     for group in work.groups:
         for i, node in enumerate(group.intermediates):
@@ -121,14 +133,16 @@ def backward_input(outputs: Sequence[torch.Tensor], output_grads: Sequence[torch
                 group.grads[i] = grads
             handles.append(node.register_prehook(record))
     try:
-        grads = torch.autograd.grad(list(outputs), wanted, list(output_grads), retain_graph=bool(work.groups),
+        grads = torch.autograd.grad(list(outputs), wanted + early, list(output_grads), retain_graph=bool(work.groups),
                                     allow_unused=True)
     finally:
         for h in handles:
             h.remove()
-    for t, g in zip(wanted, grads, strict=True):
+    for t, g in zip(wanted, grads[:len(wanted)], strict=True):
         if g is not None:
             t.grad = g if t.grad is None else t.grad + g
+    work.early = [(graph.nodes[i], g) for (_, i), g in zip(plan.early, grads[len(wanted):], strict=True)
+                  if g is not None]
     return work
 
 
@@ -143,18 +157,35 @@ def _plan(edges: list[GradientEdge], wanted: list[torch.Tensor], params: list[nn
     groups = _groups(params, closure, reverse, reverse_closure) if wanted else []
     position = {id(p): k for k, p in enumerate(params)}
     grouped = {id(p) for group in groups for p in group.params}
-    direct, direct_params, kept = [], [], []
+    direct, direct_params, kept, early = [], [], [], []
     for group in groups:
         sides = None if one_pass else _sides(group, closure)
         if sides is None:
             kept.append((tuple(position[id(p)] for p in group.params), tuple(index[n] for n in group.intermediates)))
-        else:
-            direct += sides
-            direct_params += [position[id(p)] for p in group.params]
+            continue
+        for n, side in sides:
+            taken = [i for i in side if _early(n, i, reverse, position)]
+            accs: list[Any] = [n.next_functions[i][0] for i in taken]      # parameters' accumulators (_early)
+            early += [(position[id(acc.variable)], index[acc]) for acc in accs]
+            late = tuple(i for i in side if i not in taken)
+            if late:
+                direct.append((index[n], late))
+        direct_params += [position[id(p)] for p in group.params]
     return Plan(roots=tuple(k for k, e in enumerate(edges) if e.node not in closure),
                 free=tuple(k for k, p in enumerate(params) if id(p) not in grouped),
-                direct=tuple((index[n], side) for n, side in direct), direct_params=tuple(direct_params),
-                groups=tuple(kept))
+                direct=tuple(direct), direct_params=tuple(direct_params), early=tuple(early), groups=tuple(kept))
+
+
+def _early(node: Node, i: int, reverse: dict[Node, list[Node]], position: dict[int, int]) -> bool:
+    """Whether the input half takes ``node``'s parameter-side edge ``i``: a gradient costing no
+    product (``weightgrads.cheap``) straight into the accumulator of one of the parameters, its only
+    edge (the gradient the input half takes is then the parameter's whole, as a plain backward
+    sums it) and no tensor hook on it (it would run on the taken gradient, then on accumulating)."""
+    acc = node.next_functions[i][0]
+    if not cheap(node, i) or acc is None or acc.name() != ACCUMULATE:
+        return False
+    var = acc.variable          # type: ignore[attr-defined]
+    return id(var) in position and not var._backward_hooks and len(reverse[acc]) == 1
 
 
 def _apply(plan: Plan, nodes: list[Node], work: WeightWork, params: list[nn.Parameter]) -> bool:
@@ -238,8 +269,12 @@ def backward_weight(work: WeightWork) -> None:
     module docstring)."""
     edges: list[GradientEdge] = list(work.roots)
     grads: list[torch.Tensor] = list(work.root_grads)
-    for d in work.direct:
-        d_edges, d_grads = d.edges(work.views)
+    for acc, g in work.early:
+        edges.append(param_edge(acc, work.views))
+        grads.append(g)
+    pending, work.direct = work.direct[::-1], []
+    while pending:      # each formula's operands freed once it ran: the next product's output may reuse them
+        d_edges, d_grads = pending.pop().edges(work.views)
         edges += d_edges
         grads += d_grads
     # an input-independent output may also reach a parameter of a group below (accumulated in both passes)
@@ -266,6 +301,7 @@ def backward_weight(work: WeightWork) -> None:
         for h in handles:
             h.remove()
     work.direct.clear()
+    work.early.clear()
     work.groups.clear()
     work.roots.clear()
     work.root_grads.clear()

@@ -8,7 +8,8 @@ of Python per micro-batch on a GPT-2 stage of 4 layers, walking and applying a k
 (RESULTS.md 8g, splitc). A :class:`Plan` says it by position: nodes
 by their order in one breadth-first walk from the outputs, parameters and outputs by their
 position in the lists given. The walk also makes the graph's signature (each node's name and
-next edges, which parameter each gradient accumulator is, where the outputs and the inputs are),
+next edges, which parameter each gradient accumulator is and whether it has a tensor hook, where the
+outputs and the inputs are),
 the key a plan is kept under: a graph whose structure differs in anything gets a fresh plan, never
 a stale one.
 """
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from torch import nn
 from torch.autograd.graph import GradientEdge, Node
 
-_ACCUMULATE = "torch::autograd::AccumulateGrad"
+from hybridpipe.pipeline.weightgrads import ACCUMULATE
 
 
 @dataclass(frozen=True)
@@ -30,9 +31,10 @@ class Plan:
 
     roots: tuple[int, ...]                                  # outputs not depending on the inputs
     free: tuple[int, ...]                                   # parameters in no group
-    direct: tuple[tuple[int, tuple[int, ...]], ...]         # (intermediate, its parameter-side edges)
+    direct: tuple[tuple[int, tuple[int, ...]], ...]         # (intermediate, its edges left to the weight half)
     direct_params: tuple[int, ...]                          # the parameters of the groups with formulas
     groups: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]     # (parameters, intermediates): autograd's
+    early: tuple[tuple[int, int], ...] = ()                 # (parameter, its accumulator): taken in the input half
 
 
 @dataclass
@@ -61,8 +63,10 @@ def walk(outputs: Sequence[Node], wanted: Sequence[Node], params: Sequence[nn.Pa
         i += 1
         name = node.name()
         row: list[object] = [name]
-        if name == _ACCUMULATE:
-            row.append(which.get(id(node.variable), -1))        # type: ignore[attr-defined]
+        if name == ACCUMULATE:
+            var = node.variable                                  # type: ignore[attr-defined]
+            # a tensor hook would run on a gradient the input half takes, then again when it is accumulated
+            row += (which.get(id(var), -1), bool(var._backward_hooks))
         for fn, nr in node.next_functions:
             if fn is None:
                 row.append(-1)

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
+ACCUMULATE = "torch::autograd::AccumulateGrad"
 Formula = Callable[[torch.Tensor], list[tuple[int, torch.Tensor]]]
 
 
@@ -58,19 +59,38 @@ class NodeWeightGrad:
                 g = torch.real(g)
             if g.dtype != meta.dtype:
                 g = g.to(meta.dtype)
-            if fn.name() == "torch::autograd::AccumulateGrad" and not _shares(g, self.grad):
-                # through a view of the parameter: autograd hands a gradient it made alone to the
-                # parameter (as a plain backward's AccumulateGrad takes its own), not a copy of a root's
-                edge = views.get(fn)
-                if edge is None:
-                    param: torch.Tensor = fn.variable          # type: ignore[attr-defined]
-                    with torch.enable_grad():
-                        edge = views[fn] = get_gradient_edge(param.view_as(param))
-                edges.append(edge)
+            if fn.name() == ACCUMULATE and not _shares(g, self.grad):
+                edges.append(param_edge(fn, views))
             else:
                 edges.append(GradientEdge(fn, nr))
             grads.append(g)
         return edges, grads
+
+
+def param_edge(accumulator: Node, views: dict[Node, GradientEdge]) -> GradientEdge:
+    """The edge into a view of the parameter ``accumulator`` accumulates, made once and kept in
+    ``views``: autograd hands a gradient it made alone to the parameter (as a plain backward's
+    AccumulateGrad takes its own), not a copy of a root's (a view's node saves no tensor)."""
+    edge = views.get(accumulator)
+    if edge is None:
+        param: torch.Tensor = accumulator.variable          # type: ignore[attr-defined]
+        with torch.enable_grad():
+            edge = views[accumulator] = get_gradient_edge(param.view_as(param))
+    return edge
+
+
+def cheap(node: Node, i: int) -> bool:
+    """Whether ``node``'s next edge ``i`` gets a gradient that costs no matrix product, made afresh
+    by autograd (so handing it to the parameter aliases nothing): layer norm's weight and bias (its
+    kernel makes them in the call that makes the input's), a product's bias broadcast over its rows
+    (the output gradient summed). The split backward's input half takes those (``splitback.py``)."""
+    name = node.name()
+    if name == "NativeLayerNormBackward0":
+        return i in (1, 2)
+    if name != "AddmmBackward0" or i != 0:
+        return False
+    fn, nr = node.next_functions[0]
+    return fn is not None and len(fn._input_metadata[nr].shape) < 2      # summed over the rows: a new tensor
 
 
 def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:

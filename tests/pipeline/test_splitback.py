@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import copy
 import weakref
+from collections import Counter
 
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hybridpipe.pipeline import splitback
 from hybridpipe.pipeline.splitplan import SplitPlans
@@ -160,7 +162,8 @@ def test_the_input_half_frees_the_graph_as_it_goes():
     want = torch.autograd.grad(out, list(model.parameters()), torch.ones_like(out), retain_graph=True)
     work = splitback.backward_input([out], [torch.ones_like(out)], [x], list(model.parameters()))
     assert boxes and all(r() is None for r in boxes)
-    assert not work.groups and len(work.held()) == 5        # 2 Linear inputs; layer norm's input, mean, rstd
+    # the 2 Linear inputs (layer norm's weight and bias, and the biases, were taken in the input half)
+    assert not work.groups and len(work.held()) == 2 and len(work.early) == 4
     splitback.backward_weight(work)
     for p, w in zip(model.parameters(), want, strict=True):
         torch.testing.assert_close(p.grad, w, rtol=0, atol=1e-6)
@@ -216,3 +219,66 @@ def test_a_changed_graph_gets_a_fresh_plan_not_a_stale_one():
     assert (plans.misses, plans.hits) == (4, 1)
     for p, w in zip(params, want, strict=True):
         torch.testing.assert_close(p.grad, w, rtol=0, atol=0)
+
+
+class _Ops(TorchDispatchMode):
+    """Counts the aten ops run under it, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_gradients_costing_no_product_are_taken_in_the_input_half():
+    """Layer norm's weight and bias gradients (its kernel makes them in the call that makes the
+    input's) and the products' biases (sums) are taken by the input half: layer norm's backward runs
+    once per layer norm over both halves, as in a plain backward (it ran once in each half), and
+    between the halves a GPT-2 block stage holds each product's input and output gradient and the
+    taken gradients (parameter-sized): not layer norm's input, statistics and output gradient."""
+    torch.manual_seed(0)
+    layers, rows = 2, 16
+    model = _GPT2Blocks(layers)
+    plain = copy.deepcopy(model)
+    x = torch.randn(2, 8, 32, requires_grad=True)
+    g = torch.randn(2, 8, 32)
+    with _Ops() as ops:
+        torch.autograd.backward(plain(x), g)
+    assert ops.ops["native_layer_norm_backward"] == 2 * layers
+    leaf = x.detach().requires_grad_()
+    out = model(leaf)
+    with _Ops() as first:
+        work = splitback.backward_input([out], [g], [leaf], list(model.parameters()))
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in (*work.held(), *work.recorded())}
+    products = [m for m in model.modules() if type(m).__name__ == "Conv1D"]
+    norms = [m for m in model.modules() if isinstance(m, nn.LayerNorm)]
+    want = sum(rows * (m.nx + m.nf) + m.nf for m in products) + sum(2 * m.normalized_shape[0] for m in norms)
+    assert sum(storages.values()) == 4 * want
+    assert {d.node.name() for d in work.direct} == {"AddmmBackward0"} and len(work.held()) == len(products)
+    with _Ops() as second:
+        splitback.backward_weight(work)
+    assert (first.ops["native_layer_norm_backward"], second.ops["native_layer_norm_backward"]) == (2 * layers, 0)
+    for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
+
+
+def test_a_tensor_hook_on_a_parameter_runs_once():
+    """A parameter with a tensor hook is accumulated by the weight half from its product's gradient:
+    the hook runs once (on a gradient the input half took it would run there, then again on
+    accumulating); the plan made before the hook was registered is not reused after."""
+    torch.manual_seed(0)
+    model = _GPT2Blocks(1)
+
+    def run(module, mb):
+        if mb == 1:
+            module.h[0].ln_1.weight.register_hook(lambda grad: grad * 3)
+            module.h[0].attn.c_attn.bias.register_hook(lambda grad: grad * 3)
+        x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(mb)).requires_grad_()
+        out = module(x)
+        return [out], [torch.randn(out.shape, generator=torch.Generator().manual_seed(10 + mb))], [x]
+    plans = SplitPlans()
+    _compare(model, run, micro_batches=3, plans=plans)
+    assert (plans.misses, plans.hits) == (2, 1)
