@@ -29,7 +29,10 @@ parameter's only edge brings them (so the taken gradient is the whole one a plai
 accumulates) and it has no tensor hook: layer norm's backward runs once, as in a plain backward,
 not once a half, and the weight half holds neither its saved tensors nor its recorded gradient,
 only each deferred product's operands (for GPT-2's blocks: the input and the output gradient of
-every ``Conv1D``). The weight half still accumulates them, so every hook fires there.
+every ``Conv1D``). The weight half still accumulates them, so every hook fires there. A recomputing
+stage (one pass, below) takes them too where a group's every edge off the input path is one (a layer
+norm's), so it records what the profile measures without recomputation; the weight half accumulates
+those in a pass of their own, since its one pass runs the input path again through the layer norm.
 
 The weight half accumulates through autograd (``torch.autograd.backward`` with ``inputs=``), so
 parameters' post-accumulate-grad hooks fire as in a plain backward, once per parameter (a
@@ -159,7 +162,7 @@ def _plan(edges: list[GradientEdge], wanted: list[torch.Tensor], params: list[nn
     grouped = {id(p) for group in groups for p in group.params}
     direct, direct_params, kept, early = [], [], [], []
     for group in groups:
-        sides = None if one_pass else _sides(group, closure)
+        sides = _early_only(group, closure, reverse, position) if one_pass else _sides(group, closure)
         if sides is None:
             kept.append((tuple(position[id(p)] for p in group.params), tuple(index[n] for n in group.intermediates)))
             continue
@@ -174,6 +177,20 @@ def _plan(edges: list[GradientEdge], wanted: list[torch.Tensor], params: list[nn
     return Plan(roots=tuple(k for k, e in enumerate(edges) if e.node not in closure),
                 free=tuple(k for k, p in enumerate(params) if id(p) not in grouped),
                 direct=tuple(direct), direct_params=tuple(direct_params), early=tuple(early), groups=tuple(kept))
+
+
+def _early_only(group: _Group, closure: set[Node], reverse: dict[Node, list[Node]], position: dict[int, int]
+                ) -> list[tuple[Node, tuple[int, ...]]] | None:
+    """A recomputing stage's group (one pass, no formulas) whose every edge off the input path the
+    input half takes (:func:`_early`: layer norm's weight and bias): its intermediates with those
+    edges, so it records nothing for the weight half, as without recomputation; None otherwise."""
+    out = []
+    for node in group.intermediates:
+        side = tuple(i for i, (fn, _) in enumerate(node.next_functions) if fn is not None and fn not in closure)
+        if not all(_early(node, i, reverse, position) for i in side):
+            return None
+        out.append((node, side))
+    return out
 
 
 def _early(node: Node, i: int, reverse: dict[Node, list[Node]], position: dict[int, int]) -> bool:
@@ -269,9 +286,11 @@ def backward_weight(work: WeightWork) -> None:
     module docstring)."""
     edges: list[GradientEdge] = list(work.roots)
     grads: list[torch.Tensor] = list(work.root_grads)
-    for acc, g in work.early:
-        edges.append(param_edge(acc, work.views))
-        grads.append(g)
+    taken = ([param_edge(acc, work.views) for acc, _ in work.early], [g for _, g in work.early],
+             [acc.variable for acc, _ in work.early])       # type: ignore[attr-defined]
+    if not work.one_pass:
+        edges += taken[0]
+        grads += taken[1]
     pending, work.direct = work.direct[::-1], []
     while pending:      # each formula's operands freed once it ran: the next product's output may reuse them
         d_edges, d_grads = pending.pop().edges(work.views)
@@ -291,8 +310,12 @@ def backward_weight(work: WeightWork) -> None:
             handles.append(node.register_prehook(lambda _grads, saved=recorded: saved))
         passes.append((group_edges, group_grads, group.params))
     if work.one_pass:
+        # the taken gradients apart: the one pass runs the input path again, through their layer norms
+        # (no intermediate of a group any more), and would accumulate them a second time
+        own = {id(p) for p in taken[2]}
         passes = [([e for p in passes for e in p[0]], [g for p in passes for g in p[1]],
-                   work.params + [p for group in work.groups for p in group.params])]
+                   [p for p in work.params if id(p) not in own] + [p for group in work.groups for p in group.params]),
+                  taken]
     try:
         for pass_edges, pass_grads, params in passes:
             if pass_edges:      # a group's pass may run nodes another's runs again: the graph stays till the end

@@ -49,6 +49,23 @@ def test_a_stage_of_blocks_independent_of_its_inputs_records_its_outputs_gradien
     assert costs.recorded_bytes(0, 4) == costs.cut_grad_bytes[4] == 0    # the first stage: its outputs'
 
 
+def test_a_block_independent_of_the_stage_inputs_holds_all_it_saved_until_the_weight_half():
+    """Its block alone, measured with its inputs needing a gradient, holds less for W (layer norm's
+    input not at all: splitback.py's input half takes its weight's gradient); in a stage that computes
+    nothing from its inputs the weight half runs its whole backward, so all it saved stays. n2 saves
+    500 B, n3 120 B, each 0 for its weight half alone: stage 2..3 holds both (its stash), stage 3..4
+    (n3 reads emb, a stage input) and 4..4 hold none of it. Before: 0 held for 2..3 (7.9% under on
+    BART's stage 2 once layer norm's input left the weight half)."""
+    prof = bart_like()
+    inner = {2: 500, 3: 120}
+    nodes = tuple(dataclasses.replace(nd, saved_bytes=inner.get(nd.id, 0)) for nd in prof.nodes)
+    costs = model_costs(dataclasses.replace(prof, nodes=nodes))
+    held = costs.half_table() - costs.recorded_table()
+    assert held[2, 3] == costs.stash_bytes(2, 3)
+    assert held[2, 3] - 500 - 120 == model_costs(prof).half_table()[2, 3] - model_costs(prof).recorded_table()[2, 3]
+    assert held[3, 4] == model_costs(prof).half_table()[3, 4] - model_costs(prof).recorded_table()[3, 4]
+
+
 def test_a_profile_without_the_grad_flags_counts_every_block():
     """An older profile (values without ``grad``): every block's measured gradients, as before."""
     prof = bart_like()

@@ -31,17 +31,8 @@ from tests.pipeline.memory_matrix import FAMILIES, measure
 FAST = {("llama-tied", "zb-h1", "adam")}      # both causes at once; the rest: make test-slow
 
 
-# the input half takes layer norm's weight and bias gradients (splitback.py): the profile's weight half
-# of a block ending in a layer norm holds none of its tensors, but BART's stage 2 reaches none of its
-# blocks from its inputs and keeps their whole graph until W: measured 111,208 bytes, predicted 102,400
-# (-7.9%; the partitioner's half_bytes would need the stage's context, not the block's)
-UNDER = {("bart", "zb-h1", "sgd"), ("bart", "zb-h1", "adam")}
-
-
 def _case(family: str, schedule: str, optimizer: str):
     marks = [] if (family, schedule, optimizer) in FAST else [pytest.mark.slow]
-    if (family, schedule, optimizer) in UNDER:
-        marks.append(pytest.mark.xfail(strict=True, reason="stage 2 keeps its graph: predicted 7.9% under"))
     return pytest.param(family, schedule, optimizer, marks=marks, id=f"{family}-{schedule}-{optimizer}")
 
 

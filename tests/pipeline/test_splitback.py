@@ -144,6 +144,34 @@ def test_a_recomputing_stage_is_one_pass_and_equal():
     _compare(model, run, one_pass=True)
 
 
+def test_a_recomputing_stage_takes_layer_norms_gradients_in_the_input_half_too():
+    """One pass (a recomputing stage) records nothing for a layer norm whose weight and bias the input
+    half takes (as without recomputation, which the profile measures): the recorded gradients are the
+    two products' output gradients only, and every gradient equals a plain backward's bit for bit,
+    each parameter's hook once (the one pass runs the input path again through the layer norm: the
+    taken gradients are accumulated in their own pass, not twice)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 16), nn.GELU(approximate="tanh"), nn.Linear(16, 8))
+    plain = copy.deepcopy(model)
+    fired: dict[str, int] = {}
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda _p, name=name: fired.__setitem__(name, fired.get(name, 0) + 1))
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    g = torch.randn(4, 8, generator=torch.Generator().manual_seed(2))
+    xs, xp = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out = torch.utils.checkpoint.checkpoint(model, xs, use_reentrant=False)
+    work = splitback.backward_input([out], [g], [xs], list(model.parameters()), one_pass=True)
+    taken = {id(acc.variable) for acc, _ in work.early}
+    assert len(work.early) == 2 and taken == {id(model[0].weight), id(model[0].bias)}
+    assert sum(t.numel() for t in work.recorded()) == 8 + 8 + 4 * 16 + 4 * 8     # taken + the products' output grads
+    splitback.backward_weight(work)
+    torch.autograd.backward(plain(xp), g)
+    assert torch.equal(xs.grad, xp.grad)
+    for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name
+    assert fired == {name: 1 for name, _ in model.named_parameters()}
+
+
 def test_the_input_half_frees_the_graph_as_it_goes():
     """A plain backward frees every saved tensor as it goes; the input half used to keep the whole
     graph (retain_graph) until the weight half: memory the allocator had to map afresh. Now the

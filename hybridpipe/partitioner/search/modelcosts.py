@@ -55,7 +55,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from hybridpipe.partitioner.search.recorded import recorded_table
+from hybridpipe.partitioner.search.recorded import dependence, recorded_table
 from hybridpipe.profiles.format import Profile
 
 
@@ -280,6 +280,18 @@ def half_table(profile: Profile, stash: np.ndarray, cut_grad: np.ndarray
                      dtype=float)
     saves = [nd.saves if u else nd.weight_half_saves or () for nd, u in zip(nodes, unknown, strict=True)]
     kept = _tables(profile, inner, saves, 0.0)[0]
+    # a node depending on none of the stage's inputs runs its whole backward in the weight half: it holds
+    # all it saved (its block's weight half alone, measured with its inputs needing a gradient, holds less)
+    anew: dict[tuple[int, ...], np.ndarray] = {}
+    for i, dep in enumerate(dependence(profile) or ()):
+        free = tuple(int(k) for k in np.flatnonzero(~dep[i:]) + i if not unknown[k])
+        if free:
+            if free not in anew:
+                whole_inner, whole_saves = inner.copy(), list(saves)
+                for k in free:
+                    whole_inner[k], whole_saves[k] = nodes[k].saved_bytes, nodes[k].saves
+                anew[free] = _tables(profile, whole_inner, whole_saves, 0.0)[0]
+            kept[i] = anew[free][i]
     # no input needs a gradient: the input half computes nothing, the weight half the whole backward;
     # a node without the fields: the stage's input half keeps the graph
     idle = np.concatenate([[True], cut_grad[:-1] == 0])
