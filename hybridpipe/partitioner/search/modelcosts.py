@@ -283,7 +283,8 @@ def half_table(profile: Profile, stash: np.ndarray, cut_grad: np.ndarray
     # a node depending on none of the stage's inputs runs its whole backward in the weight half: it holds
     # all it saved (its block's weight half alone, measured with its inputs needing a gradient, holds less)
     anew: dict[tuple[int, ...], np.ndarray] = {}
-    for i, dep in enumerate(dependence(profile) or ()):
+    deps = dependence(profile)
+    for i, dep in enumerate(deps or ()):
         free = tuple(int(k) for k in np.flatnonzero(~dep[i:]) + i if not unknown[k])
         if free:
             if free not in anew:
@@ -299,7 +300,7 @@ def half_table(profile: Profile, stash: np.ndarray, cut_grad: np.ndarray
     keeps = (p[None, 1:] - p[:-1, None]) > 0            # [i, j]: a node of i..j lacks them
     kept = np.where(idle[:, None] | keeps, stash, np.minimum(kept, stash))     # what stays of what was held
     wh = np.array([float(nd.weight_half_grad_bytes or 0) for nd in nodes])
-    recorded = np.where(idle[:, None], cut_grad[None, :], recorded_table(profile, wh))
+    recorded = np.where(idle[:, None], cut_grad[None, :], recorded_table(profile, wh, deps))
     recorded = np.triu(recorded)
     return np.triu(kept) + recorded, recorded
 

@@ -58,18 +58,19 @@ def _carrying_preds(profile: Profile) -> list[list[int]]:
     return preds
 
 
-def recorded_table(profile: Profile, wh: np.ndarray) -> np.ndarray:
+def recorded_table(profile: Profile, wh: np.ndarray, deps: list[np.ndarray] | None = None) -> np.ndarray:
     """[i, j]: the gradients stage i..j's input half records for its weight half (modelcosts.py's docstring),
     from each node's measured ``wh`` (its block's alone) and the values' ``grad`` flags. Inside a stage
     a gradient is recorded only where a parameter path meets the input path. A dependent node
     (:func:`dependence`) records its ``wh``. An independent one (BART's decoder embeddings beside the
     relayed encoder output) runs entirely in the weight half: of it only the gradients of its values
     needing one that leave the stage, or that a dependent node of the stage reads, are held. A profile
-    whose values lack their ``grad`` flag (older) counts every node's ``wh``."""
+    whose values lack their ``grad`` flag (older) counts every node's ``wh``. ``deps``: :func:`dependence`'s
+    rows where the caller has them."""
     n = len(profile.nodes)
     g = np.concatenate([[0.0], np.cumsum(wh)])
     plain = g[None, 1:] - g[:-1, None]
-    deps = dependence(profile)
+    deps = deps if deps is not None else dependence(profile)
     if deps is None:
         return plain
     groups = _groups(profile)
