@@ -35,7 +35,7 @@ def replica_factor(points: Points, replicas: Num) -> Num:
         xs = np.log([max(float(n), 1.0) for n, _ in pts])
         fs = np.array([f for _, f in pts], dtype=float)
         out = np.where(r > 1, np.interp(np.log(np.maximum(r, 1.0)), xs, fs), 1.0)
-    return out if isinstance(replicas, np.ndarray) else float(out)     # type: ignore[return-value]
+    return out if isinstance(replicas, np.ndarray) else float(out)
 
 
 def accumulation_ms(s_per_byte: float, param_bytes: Num, micro_batches: Num | int, syncs: Num | int) -> Num:

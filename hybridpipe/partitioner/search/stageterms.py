@@ -235,11 +235,11 @@ class StageTerms:
     def _overhead(self, i: int, j: np.ndarray, r: np.ndarray, k: np.ndarray, weights: np.ndarray,
                   v: Variant = NONE) -> np.ndarray:
         """objective.overhead_ms per candidate (optimizer steps, compute lost to communication)."""
-        extra = overhead_ms(self.po[j + 1] - self.po[i], weights, self.p2p_in[i] + self.p2p_out[j], r, k,
-                            self.kind.syncs_per_step(k), self.interference, v)
+        syncs = self.kind.syncs_per_step(k)
+        extra: np.ndarray = overhead_ms(self.po[j + 1] - self.po[i], weights, self.p2p_in[i] + self.p2p_out[j], r, k,
+                                        syncs, self.interference, v)
         if self.accumulate:
-            extra = extra + accumulation_ms(self.accumulate, self.pp[j + 1] - self.pp[i], k,
-                                            self.kind.syncs_per_step(k))
+            extra = extra + accumulation_ms(self.accumulate, self.pp[j + 1] - self.pp[i], k, syncs)
         return extra
 
     def _static(self, v: Variant, weights: np.ndarray, r: np.ndarray, states: int, i: int, j: np.ndarray
