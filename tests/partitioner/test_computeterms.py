@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pytest
 
+from hybridpipe.errors import UserError
 from hybridpipe.partitioner.cost.calibration import Calibration, LinkFit
 from hybridpipe.partitioner.cost.computeterms import accumulation_ms, later_share, replica_factor
 from hybridpipe.partitioner.cost.costmodel import CostModel
@@ -183,3 +184,12 @@ def test_a_held_out_replicated_plans_compute_is_predicted_with_the_terms_and_not
         errors[terms] = max(max(abs(e.forward_ms / s.forward_ms - 1), abs(e.backward_ms / s.first_backward_ms - 1))
                             for e, s in zip(ev.stages, held.stages, strict=True))
     assert errors[("replicas", "accumulation")] < 0.01 < 0.05 < errors[()]
+
+
+@pytest.mark.parametrize("points", [[[2, 1.1], [2, 1.2]], [[1, 1.1]], [[2, 0]], [[2]], "x"])
+def test_a_calibrations_bad_replica_points_are_one_clear_error(points):
+    d = dataclasses.replace(Calibration(4, 4, "gloo", "cpu", "net", 1e-10, LinkFit(1e-4, 1e-8), {}),
+                            replica_compute=((2, 1.1),)).to_dict()
+    d["replica_compute"] = points
+    with pytest.raises(UserError, match="replica_compute"):
+        Calibration.from_dict(d)

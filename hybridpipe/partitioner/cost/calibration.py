@@ -189,15 +189,21 @@ class Calibration:
         )
 
 
-def _points_from_list(items: list, where: str) -> tuple[tuple[float, float], ...]:
-    """``[[bytes, factor], ...]`` validated: pairs, sorted by bytes, each size once."""
+def _pairs(items: list, where: str, name: str, kind: type, minimum: float) -> list[tuple]:
+    """``[[name, factor], ...]`` validated: pairs of a ``kind`` >= ``minimum`` and a factor > 0."""
     points = []
     for i, p in enumerate(items):
         if not (isinstance(p, list) and len(p) == 2):
-            raise UserError(f"{where}[{i}] must be a [bytes, factor] pair, got {p!r}")
-        pair = {"bytes": p[0], "factor": p[1]}
-        points.append((figure(pair, "bytes", float, f"{where}[{i}]", minimum=1),
+            raise UserError(f"{where}[{i}] must be a [{name}, factor] pair, got {p!r}")
+        pair = {name: p[0], "factor": p[1]}
+        points.append((figure(pair, name, kind, f"{where}[{i}]", minimum=minimum),
                        figure(pair, "factor", float, f"{where}[{i}]", minimum=1e-6)))
+    return points
+
+
+def _points_from_list(items: list, where: str) -> tuple[tuple[float, float], ...]:
+    """``[[bytes, factor], ...]`` validated: pairs, sorted by bytes, each size once."""
+    points = _pairs(items, where, "bytes", float, 1)
     if [b for b, _ in points] != sorted({b for b, _ in points}):
         raise UserError(f"{where} must be sorted by bytes, each size once")
     return tuple(points)
@@ -226,13 +232,7 @@ def _refinement_from_dict(d: dict, source: str) -> dict:
 
 def _replica_points(items: list, where: str) -> tuple[tuple[int, float], ...]:
     """``[[replicas, factor], ...]`` validated: pairs of a replica count >= 2 and a factor > 0, each count once."""
-    points = []
-    for i, p in enumerate(items):
-        if not (isinstance(p, list) and len(p) == 2):
-            raise UserError(f"{where}[{i}] must be a [replicas, factor] pair, got {p!r}")
-        pair = {"replicas": p[0], "factor": p[1]}
-        points.append((field(pair, "replicas", int, f"{where}[{i}]", minimum=2),
-                       figure(pair, "factor", float, f"{where}[{i}]", minimum=1e-6)))
+    points = _pairs(items, where, "replicas", int, 2)
     if len({r for r, _ in points}) != len(points):
         raise UserError(f"{where} gives a replica count twice")
     return tuple(sorted(points))
