@@ -50,6 +50,15 @@ def shrink_strength(text: str) -> str | float:
     return text if text == "cv" else float_range(0.0, 1e6)(text)
 
 
+def term_list(text: str) -> tuple[str, ...]:
+    """``--terms``: comma-separated names of ``refinement.TERMS`` (empty: none)."""
+    from hybridpipe.partitioner.refine.refinement import TERMS
+    names = tuple(t for t in text.split(",") if t)
+    if any(t not in TERMS for t in names):
+        raise argparse.ArgumentTypeError(f"terms are {', '.join(TERMS)}; got {text!r}")
+    return names
+
+
 def plan_of(run: RunObservation) -> tuple:
     """What the runtime ran: schedule, micro-batches, every stage's nodes, ranks and all-reduces."""
     return (run.schedule, run.micro_batches,
@@ -160,7 +169,7 @@ def run_dirs(work: Path, model: str, hosts: int) -> list[Path]:
 
 
 def group_refiner(profile_path: Path, cluster_path: Path, calibration_paths: Sequence[Path],
-                  node_shrink: float | None = 0.0) -> Refiner:
+                  node_shrink: float | None = 0.0, terms: Sequence[str] = ()) -> Refiner:
     """refine (as refine_from_runs does, with ``node_shrink``: refinement.refine) on the group's calibrated
     profile and calibration; predict_run with the result."""
     from hybridpipe.partitioner.cost.calibration import load_calibration
@@ -173,7 +182,7 @@ def group_refiner(profile_path: Path, cluster_path: Path, calibration_paths: Seq
     def refiner(runs: Sequence[RunObservation]) -> Callable[[RunObservation], float]:
         if not runs:                                    # nothing to refine from: the model as calibrated
             return lambda run: float(predict_run(profile, cluster, cals, run))
-        ref = refine(profile, cluster, cals, runs, node_shrink=node_shrink)
+        ref = refine(profile, cluster, cals, runs, node_shrink=node_shrink, terms=terms)
         prof, refined = refined_profile(profile, ref), refined_calibrations(cluster, cals, ref)
         return lambda run: float(predict_run(prof, cluster, refined, run))
     return refiner
@@ -248,13 +257,16 @@ def _main(argv: Sequence[str] | None) -> int:
                    help="pull the per-node compute factors "
                    "toward their common one (refine/shrinkage.py; cv: the strength cross-validated over the training "
                    "runs' stage layouts); default 0, refinement's own")
+    p.add_argument("--terms", type=term_list, default=(), metavar="NAME[,NAME]",
+                   help="stage terms to fit beside the node factors (refinement.TERMS: replicas, accumulation; "
+                   "cost/computeterms.py); default none, refinement's own")
     a = p.parse_args(argv)
     shrink = None if a.node_shrink == "cv" else a.node_shrink
     if len(a.work) != len(a.results) or (a.calibration and len(a.calibration) != len(a.work)):
         p.error("give one --work per --results (and one --calibration per --work, if any)")
     groups: dict[str, list[PlanError]] = {}
     out: dict = {"benchmark": "plans_prediction", "machine": machine(), "results": [str(r) for r in a.results],
-                 "drop_stalled": a.drop_stalled, "node_shrink": a.node_shrink, "groups": {}}
+                 "drop_stalled": a.drop_stalled, "node_shrink": a.node_shrink, "terms": list(a.terms), "groups": {}}
     spreads: list[float] = []
     found = [(work, model, hosts, cal) for work, results, cal in zip(a.work, a.results, a.calibration or
                                                                       [None] * len(a.work), strict=True)
@@ -265,7 +277,7 @@ def _main(argv: Sequence[str] | None) -> int:
         cal_paths = [cal] if cal else sorted(work.glob(f"allreduce{hosts}.json"))
         out["calibrations"][f"{model}, {hosts} hosts"] = [str(c) for c in cal_paths]
         refiner = group_refiner(work / f"{model}.x{hosts}.profile.json",
-                                REPO / "examples" / "clusters" / f"{hosts}x1gbit.json", cal_paths, shrink)
+                                REPO / "examples" / "clusters" / f"{hosts}x1gbit.json", cal_paths, shrink, a.terms)
         plans = plan_errors(runs, refiner, refiner([]))
         nodes = read_json(work / f"{model}.x{hosts}.profile.json", "profile")["nodes"]
         fwd, bwd = [n["forward_ms"] for n in nodes], [n["backward_ms"] for n in nodes]

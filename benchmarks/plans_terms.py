@@ -181,7 +181,8 @@ def differences(measured: Sequence[dict], predicted: dict) -> dict[str, float]:
     return {t: round(predicted["stages"][k][t] - measured[k][t], 1) for t in TERMS}
 
 
-def group_terms(work: Path, model: str, hosts: int, cluster_path: Path, calibration: Path | None = None) -> list[dict]:
+def group_terms(work: Path, model: str, hosts: int, cluster_path: Path, calibration: Path | None = None,
+                terms: Sequence[str] = ()) -> list[dict]:
     """Every plan of a group with its measured and predicted terms (module docstring)."""
     from benchmarks.plans_prediction import group_plans, layout, pooled_ms, run_dirs
     from hybridpipe.commands.refining import load_run, refine_from_runs
@@ -207,7 +208,7 @@ def group_terms(work: Path, model: str, hosts: int, cluster_path: Path, calibrat
                "p2p_measured_over_model": p2p_ratio(mine, CostModel(cluster, cals)),
                "before": before, "before_minus_measured": differences(measured, before)}
         if others:
-            refined = refine_from_runs(profile, cluster, cals, others)
+            refined = refine_from_runs(profile, cluster, cals, others, terms=terms)
             loo = predicted_terms(refined.profile, cluster, refined.calibrations, mine[0])
             row |= {"leave_one_out": loo, "leave_one_out_minus_measured": differences(measured, loo),
                     "p2p_measured_over_leave_one_out": p2p_ratio(mine, CostModel(cluster, list(refined.calibrations)))}
@@ -243,6 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import json
 
     from benchmarks.common import REPO
+    from benchmarks.plans_prediction import term_list
     from hybridpipe.jsonfile import read_json, write_text
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--work", required=True, type=Path, action="append", help="plans.py's --work folder")
@@ -250,15 +252,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True, help="the JSON to write")
     p.add_argument("--calibration", type=Path, action="append",
                    help="price with this calibration instead of the --work folder's (one per --work, in order)")
+    p.add_argument("--terms", type=term_list, default=(), metavar="NAME[,NAME]",
+                   help="stage terms to fit beside the node factors (as plans_prediction.py's --terms)")
     a = p.parse_args(argv)
     if len(a.work) != len(a.results) or (a.calibration and len(a.calibration) != len(a.work)):
         p.error("give one --work per --results (and one --calibration per --work, if any)")
-    out: dict = {"benchmark": "plans_terms", "groups": {}}
+    out: dict = {"benchmark": "plans_terms", "terms": list(a.terms), "groups": {}}
     for work, results, cal in zip(a.work, a.results, a.calibration or [None] * len(a.work), strict=True):
         for model, hosts in dict.fromkeys((r["model"], r["hosts"]) for r in read_json(results, "results")["rows"]):
             name = f"{model}, {hosts} hosts"
             out["groups"][name] = rows = group_terms(work, model, hosts,
-                                                     REPO / "examples" / "clusters" / f"{hosts}x1gbit.json", cal)
+                                                     REPO / "examples" / "clusters" / f"{hosts}x1gbit.json", cal,
+                                                     a.terms)
             show(name, rows)
     write_text(a.out, json.dumps(out, indent=1))
     return 0

@@ -60,8 +60,10 @@ class Refined:
 
 
 def refine_from_runs(profile: Profile, cluster: Cluster, calibrations: Sequence[Calibration],
-                     runs: Sequence[RunObservation], algorithms: Sequence[str] = ALGORITHMS) -> Refined:
-    ref = refine(profile, cluster, calibrations, runs, algorithms)
+                     runs: Sequence[RunObservation], algorithms: Sequence[str] = ALGORITHMS,
+                     terms: Sequence[str] = ()) -> Refined:
+    """refine (``terms``: the stage terms to fit, refinement.TERMS) and the refined profile and calibrations."""
+    ref = refine(profile, cluster, calibrations, runs, algorithms, terms=terms)
     return Refined(ref, refined_profile(profile, ref), refined_calibrations(cluster, calibrations, ref))
 
 
@@ -103,6 +105,11 @@ def describe(refined: Refined, profile: Profile, cluster: Cluster, calibrations:
         out.append(f"  optimizer step: {ref.optimizer_factor:.2f}x the profile's (per parameter byte)")
     if ref.tied_factor != 1.0:
         out.append(f"  tied weights' sums across stages: {ref.tied_factor:.2f}x the model")
+    if ref.replica_compute:
+        out.append("  replicated stages compute " + ", ".join(f"{f:.2f}x with {r} replicas" for r, f in
+                                                            ref.replica_compute) + " what their nodes do alone")
+    if ref.accumulate_s_per_byte:
+        out.append(f"  gradient accumulation: {ref.accumulate_s_per_byte * 1e9:.2f} ms per MB per later backward")
     if ref.step_overhead_ms:
         out.append(f"  per step beyond what the model prices: {ref.step_overhead_ms:.1f} ms")
     rows: list[list[object]] = []

@@ -32,7 +32,8 @@ def synthetic_run(profile: Profile, cluster: Cluster, stages: Sequence[StageSpec
                   optimizer_factor: float = 1.0, tied_factor: float = 1.0, drain_ms: float = 0.0,
                   sender_ratio: float | None = None, first_step_factor: float = 1.0,
                   warmup_steps: int = 1, interference_s_per_byte: float = 0.0,
-                  write_to: Path | None = None, group_factor: Callable[[int], float] = lambda g: 1.0
+                  write_to: Path | None = None, group_factor: Callable[[int], float] = lambda g: 1.0,
+                  replica_factor: Callable[[int], float] = lambda r: 1.0, accumulate_ms_per_byte: float = 0.0
                   ) -> RunObservation:
     """The observation of a synthetic run (see the module docstring); 1f1b, one sync per step.
 
@@ -43,7 +44,9 @@ def synthetic_run(profile: Profile, cluster: Cluster, stages: Sequence[StageSpec
     its sender at ``sender_ratio`` times (a send that returns once the socket took it) or, when
     None, at ``p2p_factor`` too. Step 0 computes ``first_step_factor`` times slower (warm-up).
     Each stage's compute also loses what the model's ``overhead_ms`` charges for its link bytes
-    at ``interference_s_per_byte`` (spread over its micro-batches, forward and backward alike)."""
+    at ``interference_s_per_byte`` (spread over its micro-batches, forward and backward alike).
+    A stage of r replicas computes ``replica_factor(r)`` times what its nodes do (cost/computeterms.py), and
+    each backward after a step's first takes ``accumulate_ms_per_byte`` times its parameter bytes longer."""
     model = CostModel(cluster, list(calibrations))
     nodes = profile.nodes
     costs = model_costs(profile)
@@ -55,8 +58,10 @@ def synthetic_run(profile: Profile, cluster: Cluster, stages: Sequence[StageSpec
     events: dict[int, list[dict]] = {r: [] for st in stages for r in st.ranks}
     for k, st in enumerate(stages):
         ids = range(st.first, st.last + 1)
-        fwd = [nodes[i].forward_ms * node_factor(i) for i in ids]
-        bwd = [nodes[i].backward_ms * node_factor(i) for i in ids]
+        rho = replica_factor(len(st.ranks))
+        fwd = [nodes[i].forward_ms * node_factor(i) * rho for i in ids]
+        bwd = [nodes[i].backward_ms * node_factor(i) * rho for i in ids]
+        accumulate = accumulate_ms_per_byte * sum(nodes[i].param_bytes for i in ids)
         sync = [0.0 if nodes[i].param_bytes == 0 or len(st.ranks) < 2 else
                 model.fastest_allreduce(nodes[i].param_bytes, st.ranks)[1] * 1e3
                 * allreduce_factor(nodes[i].param_bytes) * group_factor(len(st.ranks)) for i in ids]
@@ -76,7 +81,8 @@ def synthetic_run(profile: Profile, cluster: Cluster, stages: Sequence[StageSpec
                 slow = first_step_factor if step == 0 else 1.0
                 for mb in range(micro_batches // len(st.ranks)):
                     mine.append(_x("run_for", "phase", t, sum(fwd) * slow, step=step, micro_batch=mb))
-                    mine.append(_x("run_back", "phase", t, sum(bwd) * slow, step=step, micro_batch=mb))
+                    mine.append(_x("run_back", "phase", t, sum(bwd) * slow + (accumulate if mb else 0.0),
+                                   step=step, micro_batch=mb))
                     if out_bytes:
                         peer = stages[k + 1].ranks[0]
                         seconds = model.p2p_seconds(out_bytes, model.level_between(rank, peer))

@@ -38,8 +38,13 @@ def clusters(max_workers: int):
 OVERHEADS = st.tuples(st.sampled_from([0.0, 5.0, 40.0]), st.sampled_from([0.0, 1e-9, 2e-8]))
 
 
+# the stage compute terms (cost/computeterms.py): rho by replica count (below 1 too), accumulation per byte
+TERMS = st.tuples(st.sampled_from([(), ((2, 1.3),), ((2, 0.8), (4, 1.25)), ((3, 1.1), (6, 0.9))]),
+                  st.sampled_from([0.0, 1e-10, 5e-9]))
+
+
 def check_against_brute_force(layers, skip, cluster, opts, overheads=(0.0, 0.0), blockers=(), transients=(),
-                              half: float | None = None):
+                              half: float | None = None, terms=((), 0.0)):
     skips = [(0, len(layers))] if skip and len(layers) > 1 else []
     step_ms, interference = overheads
     costs = dataclasses.replace(model_costs(make_profile(layers, skips, blockers=blockers)),
@@ -52,6 +57,7 @@ def check_against_brute_force(layers, skip, cluster, opts, overheads=(0.0, 0.0),
         costs = dataclasses.replace(costs, half=stash * half, recorded=stash * half / 3)
     model = CostModel(cluster)
     model.interference_s_per_byte = interference
+    model.replica_compute, model.accumulate_s_per_byte = terms
     workers = cluster.total_workers
     bound = evaluate(costs, model, baseline_stages("dp", costs, workers), opts).objective_ms
     sol = dp.solve(costs, model, workers, opts, bound)
@@ -105,6 +111,24 @@ def test_dp_equals_brute_force_with_weight_halves(layers, skip, cluster, opts, h
     recorded gradients of a big vocabulary's logits): the DP's vectorised memory bound is the
     objective's (10 cases)."""
     check_against_brute_force(layers, skip, cluster, opts, half=half)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(LAYER, min_size=1, max_size=5), st.booleans(), clusters(6), OPTIONS, OVERHEADS, TERMS)
+@example([(2.0, 4.0, 300_000, 4_000_000)] * 3, False, flat_cluster(4, 0.1), Options(get_schedule("1f1b"), 8, "sgd",
+                                                                                     math.inf),
+         (0.0, 0.0), (((2, 0.8), (4, 1.25)), 5e-9))
+def test_dp_equals_brute_force_with_compute_terms(layers, skip, cluster, opts, overheads, terms):
+    """The replicas' compute stretch (some below 1: the relaxation's bound must still hold) and gradient
+    accumulation (cost/computeterms.py): the DP's vectorised terms are the objective's (30 cases; 400: slow)."""
+    check_against_brute_force(layers, skip, cluster, opts, overheads, terms=terms)
+
+
+@pytest.mark.slow
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(LAYER, min_size=1, max_size=5), st.booleans(), clusters(6), OPTIONS, OVERHEADS, TERMS)
+def test_dp_equals_brute_force_with_compute_terms_many(layers, skip, cluster, opts, overheads, terms):
+    check_against_brute_force(layers, skip, cluster, opts, overheads, terms=terms)
 
 
 @pytest.mark.slow

@@ -30,6 +30,9 @@ cluster (``partitioner/refine/refinement.py``); a calibration without it is stil
 * ``allreduce_slowdown_groups``: ``{"g": [[bytes, factor], ...]}``, the same per group size of ``g`` ranks
   where the runs had replicated stages of several sizes (``cost/groupfactor.py``); where present the model
   prices by it instead of ``allreduce_slowdown`` (which then holds the pooled classes, for older readers).
+* ``replica_compute``: ``[[replicas, factor], ...]``, a stage of that many replicas computes ``factor`` times
+  what its nodes compute unreplicated; ``accumulate_s_per_byte``: what each backward that adds to existing
+  gradients costs per parameter byte (``cost/computeterms.py``). Absent: neither is charged.
 
 Format 3 adds ``group_fits``: ``{"N": {algorithm: fit}}``, every algorithm fitted again on the
 calibration group's first N ranks (``bench-allreduce --group-sizes``), for each N measured other than
@@ -95,6 +98,8 @@ class Calibration:
     tied_slowdown: float = 1.0
     group_fits: dict[int, dict[str, LinkFit]] = dc_field(default_factory=dict)   # ranks -> algorithm -> fit
     allreduce_slowdown_groups: tuple[tuple[int, tuple[tuple[float, float], ...]], ...] = ()   # per group size
+    replica_compute: tuple[tuple[int, float], ...] = ()       # (replicas, compute factor): computeterms.py
+    accumulate_s_per_byte: float = 0.0                        # per accumulating backward: computeterms.py
 
     def algorithm_fit(self, algorithm: str, ranks: int = 0) -> LinkFit | None:
         """``algorithm``'s fit for a group of ``ranks`` ranks (0: ``world_size``): the one measured at that size,
@@ -122,7 +127,7 @@ class Calibration:
     @property
     def refined(self) -> bool:
         return (bool(self.allreduce_slowdown or self.allreduce_slowdown_groups or self.refined_from
-                     or self.step_overhead_ms)
+                     or self.step_overhead_ms or self.replica_compute or self.accumulate_s_per_byte)
                 or self.compute_slowdown != 1.0 or self.tied_slowdown != 1.0)
 
     def to_dict(self) -> dict:
@@ -142,9 +147,13 @@ class Calibration:
             if not self.allreduce_slowdown_groups:
                 del d["allreduce_slowdown_groups"]
             d["refined_from"] = list(self.refined_from)
+            d["replica_compute"] = [list(p) for p in self.replica_compute]
+            for key in ("replica_compute", "accumulate_s_per_byte"):     # absent where neutral (older readers)
+                if not d[key]:
+                    del d[key]
         else:
             for key in ("allreduce_slowdown", "allreduce_slowdown_groups", "compute_slowdown", "step_overhead_ms",
-                        "refined_from", "tied_slowdown"):
+                        "refined_from", "tied_slowdown", "replica_compute", "accumulate_s_per_byte"):
                 del d[key]
         return d
 
@@ -180,15 +189,21 @@ class Calibration:
         )
 
 
-def _points_from_list(items: list, where: str) -> tuple[tuple[float, float], ...]:
-    """``[[bytes, factor], ...]`` validated: pairs, sorted by bytes, each size once."""
+def _pairs(items: list, where: str, name: str, kind: type, minimum: float) -> list[tuple]:
+    """``[[name, factor], ...]`` validated: pairs of a ``kind`` >= ``minimum`` and a factor > 0."""
     points = []
     for i, p in enumerate(items):
         if not (isinstance(p, list) and len(p) == 2):
-            raise UserError(f"{where}[{i}] must be a [bytes, factor] pair, got {p!r}")
-        pair = {"bytes": p[0], "factor": p[1]}
-        points.append((figure(pair, "bytes", float, f"{where}[{i}]", minimum=1),
+            raise UserError(f"{where}[{i}] must be a [{name}, factor] pair, got {p!r}")
+        pair = {name: p[0], "factor": p[1]}
+        points.append((figure(pair, name, kind, f"{where}[{i}]", minimum=minimum),
                        figure(pair, "factor", float, f"{where}[{i}]", minimum=1e-6)))
+    return points
+
+
+def _points_from_list(items: list, where: str) -> tuple[tuple[float, float], ...]:
+    """``[[bytes, factor], ...]`` validated: pairs, sorted by bytes, each size once."""
+    points = _pairs(items, where, "bytes", float, 1)
     if [b for b, _ in points] != sorted({b for b, _ in points}):
         raise UserError(f"{where} must be sorted by bytes, each size once")
     return tuple(points)
@@ -209,7 +224,18 @@ def _refinement_from_dict(d: dict, source: str) -> dict:
             "compute_slowdown": figure(d, "compute_slowdown", float, source, minimum=1e-6, default=1.0),
             "step_overhead_ms": figure(d, "step_overhead_ms", float, source, default=0.0),
             "tied_slowdown": figure(d, "tied_slowdown", float, source, minimum=1e-6, default=1.0),
-            "refined_from": tuple(field(d, "refined_from", list, source, default=[], items=str))}
+            "refined_from": tuple(field(d, "refined_from", list, source, default=[], items=str)),
+            "replica_compute": _replica_points(field(d, "replica_compute", list, source, default=[]),
+                                               f"{source}: replica_compute"),
+            "accumulate_s_per_byte": figure(d, "accumulate_s_per_byte", float, source, minimum=0, default=0.0)}
+
+
+def _replica_points(items: list, where: str) -> tuple[tuple[int, float], ...]:
+    """``[[replicas, factor], ...]`` validated: pairs of a replica count >= 2 and a factor > 0, each count once."""
+    points = _pairs(items, where, "replicas", int, 2)
+    if len({r for r, _ in points}) != len(points):
+        raise UserError(f"{where} gives a replica count twice")
+    return tuple(sorted(points))
 
 
 def _group_fits_from_dict(d: dict, source: str) -> dict[int, dict[str, LinkFit]]:

@@ -92,6 +92,9 @@ class CostModel:
         self.compute_slowdown = max((c.compute_slowdown for c in cals if c.refined), default=1.0)
         self.step_overhead_ms = max((c.step_overhead_ms for c in cals), default=0.0)
         self.tied_slowdown = max((c.tied_slowdown for c in cals if c.refined), default=1.0)
+        # stage compute terms by replica count and gradient accumulation (computeterms.py; neutral: () and 0)
+        self.replica_compute = next((c.replica_compute for c in cals if c.replica_compute), ())
+        self.accumulate_s_per_byte = max((c.accumulate_s_per_byte for c in cals), default=0.0)
         self._spans = [cluster.span(k) for k in range(len(cluster.levels))]
         self._collectives: dict[tuple, tuple[co.Collective, list[PricedRound]]] = {}
         self._structure: dict[tuple, tuple[RoundLoad, ...]] = {}

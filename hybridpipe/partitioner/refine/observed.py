@@ -13,7 +13,9 @@ micro-batch, the median wait per step at the end of the backward for the gradien
 (the ``sync`` phase: what the all-reduces did not hide; of a replicated stage, each step the wait
 of the replica whose last backward ended last: the others also wait for it to free its gradients,
 time that is the replicas' skew, not the all-reduces'), and the median ``step`` phase per step
-(the tied weights' sum across stages, then the optimizer step).
+(the tied weights' sum across stages, then the optimizer step), and the median of each step's first
+backward apart from the median of its later ones (these add to gradients already there:
+``cost/computeterms.py``).
 Per rank: every p2p transfer (peer, bytes, seconds, and whether the rank sent or received it:
 a message ``act/<m>`` goes to a later stage, ``grad/<m>`` to an earlier one). A sender's time
 runs from posting the message to its last byte leaving; a receiver's from the header's
@@ -49,6 +51,8 @@ class StageObservation:
     sync_wait_ms: float | None        # median per step (None: not replicated / never seen)
     algorithms: dict[str, str]        # layer name -> all-reduce algorithm that ran (the summary's)
     step_ms: float | None = None      # median per step of the ``step`` phase: tied sum + optimizer step
+    first_backward_ms: float | None = None   # median of each step's first backward (no gradients yet)
+    later_backward_ms: float | None = None   # median of the step's other backwards (they accumulate)
 
 
 @dataclass(frozen=True)
@@ -123,6 +127,8 @@ class RankMedians:
     step_ms: float | None             # per step
     sync_by_step: dict[int, float]    # step -> its sync wait (ms), where one was recorded
     back_end_by_step: dict[int, float]  # step -> when its last backward ended (trace us)
+    first_backward_ms: float | None = None   # the step's first backward in time (median over the steps)
+    later_backward_ms: float | None = None   # the others (median over them all)
 
 
 def rank_medians(events: Sequence[dict], steps: set[int], *, loads_input: bool = False) -> RankMedians:
@@ -136,6 +142,7 @@ def rank_medians(events: Sequence[dict], steps: set[int], *, loads_input: bool =
     sync_per_step: dict[int, float] = {}
     step_per_step: dict[int, float] = {}
     back_end: dict[int, float] = {}
+    back_start: dict[tuple[int, int], float] = {}
     forward_phases = ("run_for", "receive_for") if loads_input else ("run_for",)
     for e in events:
         args = e.get("args", {})
@@ -148,12 +155,18 @@ def rank_medians(events: Sequence[dict], steps: set[int], *, loads_input: bool =
         elif e["name"] == "run_back":
             bwd[key] = bwd.get(key, 0.0) + ms
             back_end[step] = max(back_end.get(step, 0.0), float(e["ts"]) + float(e["dur"]))
+            back_start[key] = min(back_start.get(key, float(e["ts"])), float(e["ts"]))
         elif e["name"] == "sync":
             sync_per_step[step] = sync_per_step.get(step, 0.0) + ms
         elif e["name"] == "step":
             step_per_step[step] = step_per_step.get(step, 0.0) + ms
+    firsts = {step: min((t, key) for key, t in back_start.items() if key[0] == step)[1]
+              for step in {key[0] for key in back_start}}
+    first = set(firsts.values())
     return RankMedians(_median(list(fwd.values())), _median(list(bwd.values())),
-                       _median(list(step_per_step.values())), sync_per_step, back_end)
+                       _median(list(step_per_step.values())), sync_per_step, back_end,
+                       _median([v for key, v in bwd.items() if key in first]),
+                       _median([v for key, v in bwd.items() if key not in first]))
 
 
 def last_replica_wait_ms(replicas: Sequence[RankMedians], steps: set[int]) -> float | None:
@@ -241,7 +254,9 @@ def observe_run(name: str, summary: dict, ranks: Sequence[RankEvents],
                                        _median([m.forward_ms for m in med if m.forward_ms is not None]),
                                        _median([m.backward_ms for m in med if m.backward_ms is not None]),
                                        last_replica_wait_ms(med, steps) if entry[2] > 1 else None,
-                                       algos, _median([m.step_ms for m in med if m.step_ms is not None])))
+                                       algos, _median([m.step_ms for m in med if m.step_ms is not None]),
+                                       _median([m.first_backward_ms for m in med if m.first_backward_ms is not None]),
+                                       _median([m.later_backward_ms for m in med if m.later_backward_ms is not None])))
     stage_of = {r.rank: r.stage for r in ranks}
     transfers = [t for r in ranks for t in rank_transfers(r.rank, r.events, steps, r.stage, stage_of)]
     return RunObservation(name, tuple(stages), tuple(transfers), schedule, micro,

@@ -42,6 +42,9 @@ observations are plain numbers (``observed.py``), so no process group is needed.
   optimizer step for its parameter bytes and the tied weights' sums it takes part in; the
   optimizer factor scales the profile's step times, the tied factor the sums' prices
   (``tied_slowdown``). The run's prediction counts the tied sums as the plan's does.
+* Optionally (``refine(terms=...)``, off by default: RESULTS 4e), two stage terms beside the node factors
+  (``computefit.py``, priced by ``cost/computeterms.py``): the replicas' compute stretch per replica count
+  (``replicas``) and the cost of gradient accumulation per parameter byte (``accumulation``).
 * p2p, per level: each transfer's seconds over the model's for its bytes at the level between
   its ranks. Receivers' records (header to last byte: the wire time, no wait for the sender)
   give the median of their ratios; without them (older traces), the lower quartile of the
@@ -61,7 +64,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -72,6 +75,12 @@ from hybridpipe.partitioner.cost.cluster import Cluster
 from hybridpipe.partitioner.cost.costmodel import CostModel, size_factor
 from hybridpipe.partitioner.plan import ALGORITHMS
 from hybridpipe.partitioner.planner import priced_tied
+from hybridpipe.partitioner.refine.computefit import (
+    compute_stages,
+    fit_accumulation,
+    fit_replica_compute,
+    without_accumulation,
+)
 from hybridpipe.partitioner.refine.interference import StageLoad, fit_interference, link_bytes
 from hybridpipe.partitioner.refine.observed import RunObservation
 from hybridpipe.partitioner.refine.shrinkage import cross_validated_strength, fit_shrunk
@@ -87,6 +96,8 @@ from hybridpipe.partitioner.schedule_registry import get_schedule
 from hybridpipe.partitioner.search.modelcosts import ModelCosts, model_costs
 from hybridpipe.partitioner.search.objective import Options, StageSpec, evaluate, predict_step_ms
 from hybridpipe.profiles.format import Profile
+
+TERMS = ("replicas", "accumulation")      # what refine(terms=...) may fit beside the node factors (computefit.py)
 
 
 @dataclass(frozen=True)
@@ -106,6 +117,8 @@ class Refinement:
     interference_s_per_byte: float | None = None           # compute lost per link byte (None: as calibrated)
     tied_factor: float = 1.0                               # the tied weights' sums: measured / priced
     allreduce_slowdown_groups: tuple[tuple[int, tuple[tuple[float, float], ...]], ...] = ()   # per group size
+    replica_compute: tuple[tuple[int, float], ...] = ()    # (replicas, rho): cost/computeterms.py
+    accumulate_s_per_byte: float = 0.0                     # per accumulating backward and parameter byte
 
     def node_factor(self, i: int) -> tuple[float, float]:
         return self.forward_factor[i], self.backward_factor[i]
@@ -203,10 +216,12 @@ def stage_layouts(runs: Sequence[RunObservation], phase: str) -> list[list[tuple
 
 
 def refine(profile: Profile, cluster: Cluster, calibrations: Sequence[Calibration], runs: Sequence[RunObservation],
-           algorithms: Sequence[str] = ALGORITHMS, node_shrink: float | None = 0.0) -> Refinement:
+           algorithms: Sequence[str] = ALGORITHMS, node_shrink: float | None = 0.0,
+           terms: Collection[str] = ()) -> Refinement:
     """What ``runs`` of ``profile``'s model on ``cluster`` say about the cost model (module docstring).
     ``node_shrink``: how hard the per-node factors are pulled toward the common one (``shrinkage.py``;
-    None: cross-validated over the runs' stage layouts)."""
+    None: cross-validated over the runs' stage layouts). ``terms``: which of :data:`TERMS` to fit as well
+    (``computefit.py``; none: the node factors alone, as before)."""
     if not runs:
         raise UserError("nothing to refine from: pass at least one run directory")
     model = CostModel(cluster, list(calibrations))
@@ -219,13 +234,29 @@ def refine(profile: Profile, cluster: Cluster, calibrations: Sequence[Calibratio
             if st.ranks and max(st.ranks) >= cluster.total_workers:
                 raise UserError(f"{run.name}: rank {max(st.ranks)} is outside the cluster's "
                                 f"{cluster.total_workers} workers; refine with the cluster the run ran on")
+    unknown = set(terms) - set(TERMS)
+    if unknown:
+        raise UserError(f"unknown refinement term(s) {', '.join(sorted(unknown))}; known: {', '.join(TERMS)}")
     lost = fit_interference([stage_load(costs, run, k)[0] for run in runs for k in range(len(run.stages))])
     seen = [without_interference(costs, run, lost) for run in runs]     # ms per link byte taken out
-    fwd, bwd = stage_layouts(seen, "forward_ms"), stage_layouts(seen, "backward_ms")
+    staged = [compute_stages(costs, run) for run in seen]
+    accumulate = fit_accumulation([s for st in staged for s in st]) if "accumulation" in terms else 0.0
+    fitted = [[without_accumulation(s, accumulate) for s in st] for st in staged]
+    if accumulate:      # the node factors see the backwards without it
+        fit_runs = [replace(run, stages=tuple(replace(o, backward_ms=c.backward_ms) for o, c in zip(
+            run.stages, st, strict=True))) for run, st in zip(seen, fitted, strict=True)]
+    else:
+        fit_runs = seen
+    fwd, bwd = stage_layouts(fit_runs, "forward_ms"), stage_layouts(fit_runs, "backward_ms")
     if node_shrink is None:
         node_shrink = cross_validated_strength([(costs.forward_ms, fwd), (costs.backward_ms, bwd)])
-    f_fwd = fit_shrunk(costs.forward_ms, [s for lay in fwd for s in lay], node_shrink)
-    f_bwd = fit_shrunk(costs.backward_ms, [s for lay in bwd for s in lay], node_shrink)
+    rho: tuple[tuple[int, float], ...] = ()
+    if "replicas" in terms:
+        f_fwd, f_bwd, rho = fit_replica_compute(costs.forward_ms, costs.backward_ms, [s for st in fitted for s in st],
+                                                node_shrink)
+    else:
+        f_fwd = fit_shrunk(costs.forward_ms, [s for lay in fwd for s in lay], node_shrink)
+        f_bwd = fit_shrunk(costs.backward_ms, [s for lay in bwd for s in lay], node_shrink)
     weight = costs.forward_ms + costs.backward_ms
     logs = costs.forward_ms * np.log(f_fwd) + costs.backward_ms * np.log(f_bwd)
     slowdown = float(math.exp(logs.sum() / weight.sum())) if weight.sum() > 0 else 1.0
@@ -238,7 +269,8 @@ def refine(profile: Profile, cluster: Cluster, calibrations: Sequence[Calibratio
                      optimizer_factor=1.0 if ends.optimizer is None else ends.optimizer,
                      interference_s_per_byte=lost * 1e-3 / model.wire_bytes,
                      tied_factor=1.0 if ends.tied is None else max(ends.tied, 1e-3),
-                     allreduce_slowdown_groups=fit_groups(evidence))
+                     allreduce_slowdown_groups=fit_groups(evidence), replica_compute=rho,
+                     accumulate_s_per_byte=accumulate)
     return fit_leftover(profile, cluster, calibrations, ref, runs, algorithms)
 
 
@@ -339,7 +371,7 @@ def refined_calibrations(cluster: Cluster, calibrations: Sequence[Calibration],
         if ref.interference_s_per_byte is not None:
             cal = replace(cal, interference_s_per_byte=ref.interference_s_per_byte)
         out[lv] = replace(cal, allreduce_slowdown=(), allreduce_slowdown_groups=(), compute_slowdown=1.0,
-                          step_overhead_ms=0.0, tied_slowdown=1.0)
+                          step_overhead_ms=0.0, tied_slowdown=1.0, replica_compute=(), accumulate_s_per_byte=0.0)
     carrier = out[top]
     old = model.allreduce_points
     new_classes = {math.floor(math.log(b, SIZE_CLASS_BASE)) for b, _ in ref.allreduce_slowdown}
@@ -353,6 +385,8 @@ def refined_calibrations(cluster: Cluster, calibrations: Sequence[Calibration],
                        compute_slowdown=model.compute_slowdown * ref.compute_slowdown,
                        tied_slowdown=model.tied_slowdown * ref.tied_factor,
                        step_overhead_ms=max(0.0, model.step_overhead_ms + ref.step_overhead_ms),
+                       replica_compute=ref.replica_compute or model.replica_compute,
+                       accumulate_s_per_byte=model.accumulate_s_per_byte + ref.accumulate_s_per_byte,
                        refined_from=tuple(dict.fromkeys((*carrier.refined_from, *ref.runs))))
     return tuple(out[lv] for lv in sorted(out))
 

@@ -21,7 +21,11 @@ Both schedules add the stage's overhead per step (``overhead_ms``): its optimize
 sync) and the compute it loses to its own communication, ``interference_s_per_byte`` (measured
 by ``bench-allreduce``; 0 without a calibration) times the bytes its link carries: a ring's
 ``2 (r - 1) / r`` of the stage's weights per sync and, per micro-batch, the mean of the bytes it
-sends and receives.
+sends and receives; and, where a refined calibration measured it, the gradient accumulation of its
+``k - syncs`` later backwards (``cost/computeterms.py``). Where a refined calibration gives the replicas'
+compute stretch ``rho(r)``, a stage's ``F`` and ``B`` are its nodes' times ``rho(r)``, and its own nodes'
+part of the trip grows alike (``(rho - 1)`` times their unscaled trip share, added to the trip; the other stages'
+stretch in the trip is left to ``predict_step_ms``, which sums the stages' own ``F`` and ``B``).
 
 The objective is the largest stage term; a stage that does not fit in a worker's memory, that ends
 where a value that cannot cross a stage boundary would have to (``cuts.py``), or has more replicas
@@ -47,6 +51,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from hybridpipe.partitioner.cost.computeterms import accumulation_ms, replica_factor
 from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.cost.layersync import StageSync, choose_layer_algorithms
 from hybridpipe.partitioner.cost.sharded import fastest_pair
@@ -198,8 +203,11 @@ class _Place:
 def _stage_eval(costs: ModelCosts, model: CostModel, opts: Options, p: _Place, v: Variant) -> StageEval:
     """A stage's figures when its replicas shard as ``v`` (``NONE``: replicated)."""
     i, j, r, k, kind = p.i, p.j, len(p.ranks), p.k, opts.schedule
-    f = float(costs.forward_ms[i:j + 1].sum())
-    b = float(costs.backward_ms[i:j + 1].sum())
+    f0 = float(costs.forward_ms[i:j + 1].sum())
+    b0 = float(costs.backward_ms[i:j + 1].sum())
+    rho = replica_factor(model.replica_compute, r)
+    f, b = f0 * rho, b0 * rho
+    stretch = (rho - 1) * (f0 + p.share * b0)       # its own nodes' part of the trip, stretched as its compute
     mem = memory_bytes(costs, i, j, p.inflight, opts, variant=v, replicas=r, split=p.split)
     rc = opts.recompute == "all" or (opts.recompute == "auto" and mem > opts.memory_bytes)
     if rc:          # charged as part of the backward: the simulator then times it there too
@@ -215,9 +223,12 @@ def _stage_eval(costs: ModelCosts, model: CostModel, opts: Options, p: _Place, v
                         kind.syncs_per_step(k), model.interference_s_per_byte, v)
     ring = extra - overhead_ms(float(costs.optimizer_ms(opts.optimizer)[i:j + 1].sum()), 0.0, p.p2p_bytes, r, k,
                                kind.syncs_per_step(k), model.interference_s_per_byte, v)
+    if model.accumulate_s_per_byte:
+        extra += accumulation_ms(model.accumulate_s_per_byte, float(costs.param_bytes[i:j + 1].sum()), k,
+                                 kind.syncs_per_step(k))
     mid = 0.0 if v.level == "none" else float(midstep_ms(v, k, sync.busy_ms / 2, f, b))
     busy = extra + (k * (f + b + sync.exposed_ms) if kind.asynchronous
-                    else p.trip + (1 - p.share) * b + (k - 1) * (f + b) + sync.exposed_ms) + mid
+                    else p.trip + stretch + (1 - p.share) * b + (k - 1) * (f + b) + sync.exposed_ms) + mid
     return StageEval(f, b, k, sync, kind.syncs_per_step(k), p.x, p.send_ms, p.send_grad_ms, p.send_bytes,
                      mem, extra, busy, max(busy, opts.micro_batches * p.x), rc,
                      v.level, v.reshard, mid, ring)

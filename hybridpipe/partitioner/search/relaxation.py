@@ -5,7 +5,8 @@ relaxations, never heuristics, so the search stays exact.
 
 * ``min_block``: for every stage ``i..j`` the fewest ranks per copy ``b`` it can have with a term
   <= U. A term is at least ``base + kk (F + B) + optimizer + k * interference * p2p`` (the compute
-  and overhead parts that do not depend on where the ranks sit), with ``k = ceil(M / (b R))``
+  and overhead parts that do not depend on where the ranks sit; with the replicas' stretch ``rho`` below 1
+  somewhere, ``F + B`` at its least ``rho`` and the trip less ``F + B``), with ``k = ceil(M / (b R))``
   falling as b grows, so the bound gives a largest k and hence a smallest b; it is at least the
   transfer with the cheapest link's alpha and beta and the smallest possible link share (1/r); and
   the stage must fit in memory with one micro-batch in flight and end at a free cut (sharded: with
@@ -45,14 +46,19 @@ class _Tables:
     def __init__(self, t: StageTerms):
         opts, n, m_b = t.opts, t.n, t.opts.micro_batches
         fb = (t.pf[None, 1:] - t.pf[:-1, None]) + (t.pb[None, 1:] - t.pb[:-1, None])
+        floor = min([1.0, *(f for _, f in t.rho_points)])    # the replicas' least stretch (computeterms.py)
         opt_ms = t.po[None, 1:] - t.po[:-1, None]
         p2p = t.interference * 1e3 * (t.p2p_in[:, None] + t.p2p_out[None, :])
         if t.sharding and t.copies * t.wc > 1:          # a sharded stage steps 1/r of its weights
             opt_ms = opt_ms / (t.copies * t.wc)
+        if floor < 1:             # rho (F + B) >= floor fb, and the stretch of its trip share >= (floor - 1) fb
+            fb_k = fb * floor
+        else:                     # rho >= 1 (or none): the terms only add (and accumulation always does)
+            fb_k = fb
         if t.flushed:                                   # trip + (k-1) fb + opt + k p2p <= u
-            per_k, self.fixed = fb + p2p, t.trip + opt_ms - fb
+            per_k, self.fixed = fb_k + p2p, t.trip + opt_ms - fb
         else:                                           # k (fb + opt + p2p) <= u
-            per_k, self.fixed = fb + opt_ms + p2p, np.zeros((n, n))
+            per_k, self.fixed = fb_k + opt_ms + p2p, np.zeros((n, n))
         self.free = np.nonzero(per_k <= 0)                # the term does not grow with k there
         with np.errstate(divide="ignore"):
             self.inv = np.where(per_k > 0, (1 + SAFETY) / per_k, 0.0)

@@ -9,6 +9,8 @@ values, and therefore the ties between plans, are bit for bit the same):
 
 * ``work = base + kk (F + B) + overhead``: gpipe / 1f1b ``base`` = the trip of one micro-batch
   through all nodes and ``kk = k - 1``; pipedream ``base = 0``, ``kk = k`` (``k = ceil(M / r)``);
+  with the replicas' stretch ``rho(r)`` (``cost/computeterms.py``) ``F``, ``B`` and the stage's own part of
+  the trip scaled by it, and the gradient accumulation in the overhead, as ``objective.py`` prices them;
   infinite where the stage does not fit in memory (``memory_bytes``, in-flight micro-batches from
   the block's position) or ends at a blocked cut.
 * ``xfer = M X``: the activation traffic through the links of the block's level and position.
@@ -31,6 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hybridpipe.partitioner.cost.computeterms import accumulation_ms, replica_factor
 from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.cost.sharded import paired_algorithms
 from hybridpipe.partitioner.search.blocksync import BlockSync
@@ -104,6 +107,7 @@ class StageTerms:
         self.transient = costs.transient_table()        # [i, j]: stagememory.transient_bytes
         self.most_transient = float(self.transient.max(initial=0.0))
         self.interference = model.interference_s_per_byte
+        self.rho_points, self.accumulate = model.replica_compute, model.accumulate_s_per_byte    # computeterms.py
         levels = model.cluster.levels
         self.period = model.cluster.span(len(levels) - 2) if len(levels) > 1 else 1
         self.spans = np.array([model.cluster.span(k) for k in range(len(levels))], dtype=np.int64)
@@ -171,6 +175,11 @@ class StageTerms:
         static = 2 + states + kind.weight_versions(inflight)
         fwd = self.pf[j + 1] - self.pf[i]
         back = self.pb[j + 1] - self.pb[i]
+        stretch = None
+        if self.rho_points:                 # computeterms.replica_factor: F, B and its part of the trip stretched
+            rho = replica_factor(self.rho_points, r.astype(float))
+            stretch = (rho - 1) * (fwd + self.share * back)
+            fwd, back = fwd * rho, back * rho
         fb = fwd + back
         weights = self.weights[i, j]
         stash, kept, rerun = self.stash[i, j], self.kept[i, j], self.rerun[i, j]
@@ -199,7 +208,7 @@ class StageTerms:
         fb = np.where(ok, fb, np.inf)
         times = np.where(kk == 0, np.where(np.isfinite(fb), 0.0, np.inf), kk * np.where(kk == 0, 0.0, fb))
         extra = self._overhead(i, j, r, k, weights, v)
-        work = self.trip + times
+        work = self.trip + times if stretch is None else self.trip + stretch + times
         if self.flushed and self.share < 1:                 # the stage's own backward (and rerun forward)
             work = work + (1 - self.share) * back
             if rc.any():
@@ -226,8 +235,12 @@ class StageTerms:
     def _overhead(self, i: int, j: np.ndarray, r: np.ndarray, k: np.ndarray, weights: np.ndarray,
                   v: Variant = NONE) -> np.ndarray:
         """objective.overhead_ms per candidate (optimizer steps, compute lost to communication)."""
-        return overhead_ms(self.po[j + 1] - self.po[i], weights, self.p2p_in[i] + self.p2p_out[j], r, k,
-                           self.kind.syncs_per_step(k), self.interference, v)
+        syncs = self.kind.syncs_per_step(k)
+        extra: np.ndarray = overhead_ms(self.po[j + 1] - self.po[i], weights, self.p2p_in[i] + self.p2p_out[j], r, k,
+                                        syncs, self.interference, v)
+        if self.accumulate:
+            extra = extra + accumulation_ms(self.accumulate, self.pp[j + 1] - self.pp[i], k, syncs)
+        return extra
 
     def _static(self, v: Variant, weights: np.ndarray, r: np.ndarray, states: int, i: int, j: np.ndarray
                 ) -> np.ndarray:
