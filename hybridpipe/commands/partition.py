@@ -22,7 +22,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from hybridpipe.argtypes import MAX_TIMEOUT_S, float_range, memory_gb, output_dir, output_file, positive_int
-from hybridpipe.commands.refining import describe, load_run, refine_from_runs, save_refined
+from hybridpipe.commands.refining import describe, load_run, refine_from_runs, refine_terms, save_refined
 from hybridpipe.commands.show import cluster_line, human_bytes, layer_table, search_line, table
 from hybridpipe.errors import UserError
 from hybridpipe.limits import require_memory
@@ -102,6 +102,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--refine", nargs="+", default=[], metavar="RUN_DIR",
                         help="correct the profile and calibration with what these runs (--run-dir of launch, "
                              "with their timelines) measured before planning; every strategy uses the corrections")
+    parser.add_argument("--refine-terms", type=refine_terms, default=(), metavar="T,T",
+                        help="with --refine: also fit these stage terms: replicas (a replicated stage's compute "
+                             "stretch per replica count), accumulation (gradient accumulation per parameter byte); "
+                             "off by default (benchmarks/RESULTS.md 4e)")
     parser.add_argument("--save-refined", type=output_dir, metavar="DIR",
                         help="with --refine: write the refined profile.json and calibration.json here (a later "
                              "partition of any model on this cluster can take the calibration)")
@@ -121,9 +125,11 @@ def run(args: argparse.Namespace) -> int:
     check_search_size(len(profile.nodes), args.workers or cluster.total_workers)
     if args.save_refined and not args.refine:
         raise UserError("--save-refined writes what --refine learnt; add --refine RUN_DIR")
+    if args.refine_terms and not args.refine:
+        raise UserError("--refine-terms says what --refine fits; add --refine RUN_DIR")
     if args.refine:
         runs = [load_run(d) for d in args.refine]
-        refined = refine_from_runs(profile, cluster, calibrations, runs)
+        refined = refine_from_runs(profile, cluster, calibrations, runs, terms=args.refine_terms)
         print(describe(refined, profile, cluster, calibrations, runs) + "\n")
         profile, calibrations = refined.profile, list(refined.calibrations)
         if args.save_refined:

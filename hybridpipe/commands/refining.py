@@ -7,6 +7,7 @@ pure ``partitioner/refine/refinement.py``; this module does the files and the wo
 
 from __future__ import annotations
 
+import argparse
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from hybridpipe.partitioner.cost.cluster import Cluster
 from hybridpipe.partitioner.plan import ALGORITHMS
 from hybridpipe.partitioner.refine.observed import RankEvents, RunObservation, observe_run
 from hybridpipe.partitioner.refine.refinement import (
+    TERMS,
     Refinement,
     predict_run,
     refine,
@@ -122,3 +124,14 @@ def describe(refined: Refined, profile: Profile, cluster: Cluster, calibrations:
                      f"{100 * (after - measured) / measured:+.1f}%" if measured else "-"])
     out.append(table(["run", "stages", "predicted before ms", "after ms", "measured ms", "error after"], rows))
     return "\n".join(out)
+
+
+def refine_terms(text: str) -> tuple[str, ...]:
+    """``--refine-terms A,B``: the stage terms refinement may fit beside the node factors (refinement.TERMS)."""
+    terms = tuple(t.strip() for t in text.split(",") if t.strip())
+    unknown = [t for t in terms if t not in TERMS]
+    if unknown or not terms:
+        raise argparse.ArgumentTypeError(f"unknown term(s) {', '.join(unknown) or repr(text)}; choose from "
+                                         f"{', '.join(TERMS)} (comma-separated)")
+    return terms
+

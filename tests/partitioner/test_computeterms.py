@@ -193,3 +193,36 @@ def test_a_calibrations_bad_replica_points_are_one_clear_error(points):
     d["replica_compute"] = points
     with pytest.raises(UserError, match="replica_compute"):
         Calibration.from_dict(d)
+
+
+def test_partition_refine_terms_fits_them_from_run_folders_and_saves_them(tmp_path, capsys):
+    """``partition --refine RUN... --refine-terms replicas,accumulation --save-refined DIR``: the terms fitted
+    from the runs' own folders (their timelines) land in the refined calibration a later plan takes; an
+    unknown term, or the flag without --refine, is one line and exit 2."""
+    import json
+
+    from hybridpipe.cli import main
+    from hybridpipe.partitioner.cost.calibration import load_calibration
+    from hybridpipe.profiles.format import save_profile
+
+    truth = {"replica_factor": lambda r: {1: 1.0, 2: 1.2, 4: 1.35}[r], "accumulate_ms_per_byte": 0.3e-6}
+    dirs = [tmp_path / f"run{k}" for k in range(len(LAYOUTS))]
+    for k, (st, d) in enumerate(zip(LAYOUTS, dirs, strict=True)):
+        synthetic_run(PROFILE, CLUSTER, st, name=f"run{k}", node_factor=NODE_TRUTH.__getitem__, write_to=d, **truth)
+    profile = save_profile(PROFILE, tmp_path / "p.json")
+    cluster = tmp_path / "c.json"
+    cluster.write_text(json.dumps(CLUSTER.to_dict()))
+    base = ["partition", str(profile), "--cluster", str(cluster), "-o", str(tmp_path / "plan.json"), "-q"]
+    assert main([*base, "--refine", *map(str, dirs), "--refine-terms", "replicas,accumulation",
+                 "--save-refined", str(tmp_path / "ref")]) == 0
+    cal = load_calibration(tmp_path / "ref" / "calibration.json")
+    assert dict(cal.replica_compute) == pytest.approx({2: 1.2, 4: 1.35}, rel=1e-2)
+    assert cal.accumulate_s_per_byte == pytest.approx(0.3e-9, rel=1e-2)
+    assert main([*base, "--refine", *map(str, dirs), "--save-refined", str(tmp_path / "plain")]) == 0
+    plain = load_calibration(tmp_path / "plain" / "calibration.json")
+    assert plain.replica_compute == () and plain.accumulate_s_per_byte == 0.0
+    capsys.readouterr()
+    for bad in (["--refine", str(dirs[0]), "--refine-terms", "rho"], ["--refine-terms", "replicas"]):
+        assert main([*base, *bad]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and ("replicas" in err or "--refine" in err), err
