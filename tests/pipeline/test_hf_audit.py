@@ -1,0 +1,105 @@
+"""Correctness audit: Hugging Face families and features the other matrices do not reach, each
+pipeline (one process, a thread per rank) against one process written here or in the harness
+(``train_reference(accumulate=True)``: the unsplit model, micro-batches in order, each one's mean
+loss / M accumulated, SGD lr 0.05 momentum 0.5), every weight AND buffer compared after 3 steps
+(integer buffers exactly).
+
+* padded batches the model must mask: DistilBERT (bidirectional) padded on the right, Llama padded
+  on the LEFT, each captured on an all-ones mask (tests/pipeline/audit_models.py says why right
+  padding of a causal model proves nothing);
+* Mistral whose sliding window (4) is shorter than most of its batches, on interleaved 1F1B;
+* BART (encoder-decoder; one embedding under four names; ``final_logits_bias``, a buffer);
+* MobileNetV2 (BatchNorm with momentum 0.997 after every convolution, TensorFlow "same" padding
+  computed from the input's size) on replicated stages under zb-h1.
+
+Measured (max |weight or buffer - one process| after 3 steps): see each test's docstring.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import default_collate
+
+from hybridpipe.profiles.capture import training_switches
+from hybridpipe.profiles.data import resolve_dataset
+from hybridpipe.profiles.zoo import resolve_model
+from tests.pipeline.audit_models import padded_tokens
+from tests.pipeline.harness import make_plan, train_pipeline
+
+pytest.importorskip("transformers")
+
+STEPS, M, B, LR = 3, 4, 2, 0.05
+AUDIT = "tests.pipeline.audit_models"
+BART = ("hf:BartForConditionalGeneration[encoder_layers=2,decoder_layers=2,d_model=32,encoder_ffn_dim=64,"
+        "decoder_ffn_dim=64,encoder_attention_heads=2,decoder_attention_heads=2,vocab_size=128,"
+        "max_position_embeddings=64,seq=8,dropout=0]")
+MOBILENET = "hf:mobilenet_v2[depth_multiplier=0.25,image_size=32,num_labels=5,dropout=0]"
+
+
+def plain_loop(spec_name: str, dataset=None, *, halves: bool = False) -> dict[str, torch.Tensor]:
+    """The unsplit model trained in one process: built after ``torch.manual_seed(0)``, micro-batch m of
+    step k = samples (k*M + m)*B .. + B - 1 (synthetic of data seed 1 or ``dataset``, its collate_fn),
+    its own loss from the labels / M accumulated, SGD lr 0.05 momentum 0.5. ``halves``: the even and
+    the odd micro-batches' gradients accumulated apart and then added, the order two replicas sum in."""
+    spec = resolve_model(spec_name)
+    torch.manual_seed(0)
+    model = spec.build().train()
+    data = dataset if dataset is not None else resolve_dataset("synthetic", spec, size=STEPS * M * B, seed=1)
+    collate = getattr(data, "collate_fn", None) or default_collate
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.5)
+    params = [p for p in model.parameters() if p.requires_grad]
+    for k in range(STEPS):
+        opt.zero_grad()
+        parts: list[list[torch.Tensor | None]] = [[None] * len(params), [None] * len(params)]
+        for m in range(M):
+            batch = collate([data[(k * M + m) * B + i] for i in range(B)])
+            (model(**batch, **training_switches(model)).loss / M).backward()
+            if halves:
+                for i, p in enumerate(params):
+                    held = parts[m % 2][i]
+                    parts[m % 2][i] = p.grad if held is None else held + p.grad
+                    p.grad = None
+        if halves:
+            for i, p in enumerate(params):
+                p.grad = parts[0][i] + parts[1][i]      # type: ignore[operator]
+        opt.step()
+    return {name: t.detach().clone() for name, t in model.state_dict().items()}
+
+
+def distance(ours: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> tuple[float, str]:
+    """The largest |ours - reference| / max(1, max |reference|) over every weight and floating buffer
+    (absolute below 1, relative to the tensor's largest value above), and where; integer buffers
+    (num_batches_tracked) must be equal, every tensor of the reference's dtype and shape."""
+    assert set(ours) == set(reference), set(ours) ^ set(reference)
+    worst = (0.0, "")
+    for name, ref in reference.items():
+        value = ours[name]
+        assert value.dtype == ref.dtype and value.shape == ref.shape, (name, value.dtype, ref.dtype)
+        if not ref.is_floating_point():
+            assert torch.equal(value, ref), (name, value, ref)
+            continue
+        scale = max(1.0, float(ref.double().abs().max()))
+        worst = max(worst, (float((value.double() - ref.double()).abs().max()) / scale, name))
+    return worst
+
+
+CASES = {   # spec, cuts (block ids), replicas, schedule, padding side, virtual stages, reference in replica order
+    "distilbert-right-2x2-1f1b": (f"{AUDIT}:distilbert_padded", [1], [2, 2], "1f1b", "right", 1, False),
+    "llama-left-4-zb-h1": (f"{AUDIT}:llama_left_padded", [1, 2, 3], [1, 1, 1, 1], "zb-h1", "left", 1, False),
+    "mistral-window-interleaved": (f"{AUDIT}:mistral_window", [1, 2, 3], [1, 1], "interleaved-1f1b", "left", 2, False),
+    "bart-2x2-zb-h1": (BART, [4], [2, 2], "zb-h1", None, 1, False),
+    "mobilenet-2x2-zb-h1": (MOBILENET, [8], [2, 2], "zb-h1", None, 1, True),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_family_feature_on_a_pipeline_equals_one_process(name):
+    spec, cuts, replicas, schedule, padding, virtual, halves = CASES[name]
+    dataset = padded_tokens(n=STEPS * M * B, side=padding) if padding else None
+    plan = make_plan(spec, cuts, replicas, schedule=schedule, micro_batches=M, batch_size=B, virtual_stages=virtual)
+    ours, losses = train_pipeline(plan, STEPS, lr=LR, dataset=dataset)
+    assert len(losses) == STEPS and all(torch.isfinite(torch.tensor(v)).all() for v in losses.values())
+    diff, where = distance(ours, plain_loop(spec, dataset, halves=halves))
+    print(name, diff, where)
+    assert diff <= 1e-6, (diff, where)
