@@ -93,7 +93,10 @@ CASES = {   # spec, cuts (block ids), replicas, schedule, padding side, virtual 
 }
 
 
-@pytest.mark.parametrize("name", list(CASES))
+FAST = {"mistral-window-interleaved"}       # the rest (2-3 s each): make test-slow
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in FAST else (pytest.mark.slow,)) for n in CASES])
 def test_family_feature_on_a_pipeline_equals_one_process(name):
     spec, cuts, replicas, schedule, padding, virtual, halves = CASES[name]
     dataset = padded_tokens(n=STEPS * M * B, side=padding) if padding else None
