@@ -30,8 +30,8 @@ def run(tmp, name: str, *, p: float = 0.1, recompute: bool = False, resume_from=
     path, ckpt = tmp / f"{name}.json", tmp / f"ckpt-{name}"
     save_plan(plan, path)
     args = ["--plan", str(path), "--steps", "4", "--lr", "0.05", "--momentum", "0.5", "--seed", "3",
-            "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2", "--keep-checkpoints", "3", "--timeout", "60", "--no-progress",
-            "--run-dir", str(tmp / f"run-{name}")]
+            "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2", "--keep-checkpoints", "3", "--timeout", "60",
+            "--no-progress", "--run-dir", str(tmp / f"run-{name}")]
     if resume_from is not None:
         ckpt.mkdir()
         shutil.copytree(resume_from, ckpt / resume_from.name)
