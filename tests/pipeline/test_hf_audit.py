@@ -37,15 +37,16 @@ BART = ("hf:BartForConditionalGeneration[encoder_layers=2,decoder_layers=2,d_mod
 MOBILENET = "hf:mobilenet_v2[depth_multiplier=0.25,image_size=32,num_labels=5,dropout=0]"
 
 
-def plain_loop(spec_name: str, dataset=None, *, halves: bool = False) -> dict[str, torch.Tensor]:
-    """The unsplit model trained in one process: built after ``torch.manual_seed(0)``, micro-batch m of
-    step k = samples (k*M + m)*B .. + B - 1 (synthetic of data seed 1 or ``dataset``, its collate_fn),
+def plain_loop(spec_name: str, dataset=None, *, halves: bool = False, seed: int = 0, data_seed: int = 1
+               ) -> dict[str, torch.Tensor]:
+    """The unsplit model trained in one process: built after ``torch.manual_seed(seed)``, micro-batch m
+    of step k = samples (k*M + m)*B .. + B - 1 (synthetic of ``data_seed`` or ``dataset``, its collate_fn),
     its own loss from the labels / M accumulated, SGD lr 0.05 momentum 0.5. ``halves``: the even and
     the odd micro-batches' gradients accumulated apart and then added, the order two replicas sum in."""
     spec = resolve_model(spec_name)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = spec.build().train()
-    data = dataset if dataset is not None else resolve_dataset("synthetic", spec, size=STEPS * M * B, seed=1)
+    data = dataset if dataset is not None else resolve_dataset("synthetic", spec, size=STEPS * M * B, seed=data_seed)
     collate = getattr(data, "collate_fn", None) or default_collate
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.5)
     params = [p for p in model.parameters() if p.requires_grad]
