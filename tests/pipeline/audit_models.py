@@ -88,3 +88,23 @@ def mistral_window(window: int = 4) -> tuple[nn.Module, dict[str, torch.Tensor]]
                            num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64, sliding_window=window,
                            pad_token_id=0)
     return MistralForCausalLM(config), _example()
+
+
+class Images(Dataset):
+    """``n`` random ``size`` x ``size`` RGB images with one of 5 labels each (an image classifier's samples)."""
+
+    def __init__(self, n: int = 16, size: int = 33, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.items = [{"pixel_values": torch.randn(3, size, size, generator=g),
+                       "labels": torch.randint(0, 5, (), generator=g)} for _ in range(n)]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return self.items[i]
+
+
+def images33(n: int = 16) -> Images:
+    """33 x 33 images: not what a MobileNetV2 captured on 32 x 32 computes on (its padding is fixed)."""
+    return Images(n, 33)
