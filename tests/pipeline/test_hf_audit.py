@@ -73,16 +73,11 @@ def distance(ours: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) 
     (absolute below 1, relative to the tensor's largest value above), and where; integer buffers
     (num_batches_tracked) must be equal, every tensor of the reference's dtype and shape."""
     assert set(ours) == set(reference), set(ours) ^ set(reference)
-    worst = (0.0, "")
-    for name, ref in reference.items():
-        value = ours[name]
-        assert value.dtype == ref.dtype and value.shape == ref.shape, (name, value.dtype, ref.dtype)
-        if not ref.is_floating_point():
-            assert torch.equal(value, ref), (name, value, ref)
-            continue
-        scale = max(1.0, float(ref.double().abs().max()))
-        worst = max(worst, (float((value.double() - ref.double()).abs().max()) / scale, name))
-    return worst
+    assert all((ours[k].dtype, ours[k].shape) == (v.dtype, v.shape) for k, v in reference.items())
+    whole = [k for k, v in reference.items() if not v.is_floating_point()]
+    assert all(torch.equal(ours[k], reference[k]) for k in whole), [(k, ours[k], reference[k]) for k in whole]
+    return max(((ours[k].double() - v.double()).abs().max().item() / max(1.0, v.double().abs().max().item()), k)
+               for k, v in reference.items() if v.is_floating_point())
 
 
 CASES = {   # spec, cuts (block ids), replicas, schedule, padding side, virtual stages, reference in replica order
