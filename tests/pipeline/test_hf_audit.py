@@ -1,8 +1,7 @@
 """Correctness audit: Hugging Face families and features the other matrices do not reach, each
-pipeline (one process, a thread per rank) against one process written here or in the harness
-(``train_reference(accumulate=True)``: the unsplit model, micro-batches in order, each one's mean
-loss / M accumulated, SGD lr 0.05 momentum 0.5), every weight AND buffer compared after 3 steps
-(integer buffers exactly).
+pipeline (one process, a thread per rank) against a plain one-process loop written here
+(:func:`plain_loop`: the unsplit model, micro-batches in order, each one's mean loss / M accumulated,
+SGD lr 0.05 momentum 0.5), every weight AND buffer compared after 3 steps (integer buffers exactly).
 
 * padded batches the model must mask: DistilBERT (bidirectional) padded on the right, Llama padded
   on the LEFT, each captured on an all-ones mask (tests/pipeline/audit_models.py says why right
@@ -10,9 +9,15 @@ loss / M accumulated, SGD lr 0.05 momentum 0.5), every weight AND buffer compare
 * Mistral whose sliding window (4) is shorter than most of its batches, on interleaved 1F1B;
 * BART (encoder-decoder; one embedding under four names; ``final_logits_bias``, a buffer);
 * MobileNetV2 (BatchNorm with momentum 0.997 after every convolution, TensorFlow "same" padding
-  computed from the input's size) on replicated stages under zb-h1.
+  computed from the input's size) on replicated stages under zb-h1, against the loop that sums the
+  even and the odd micro-batches' gradients apart as its two replicas do: this tiny MobileNetV2 is
+  chaotic at lr 0.05 (its last BatchNorms normalise two values) and turns the order's rounding
+  (1.9e-6 after one step) into 382 against the in-order loop after three;
+* Gemma 2 and Gemma 3 (sliding-window layers of 4 tokens alternating with global ones on 8-token
+  sequences; Gemma 2's soft-capped logits; a tied head) on 4 stages.
 
-Measured (max |weight or buffer - one process| after 3 steps): see each test's docstring.
+Measured: DistilBERT 7.5e-9, Llama 0, Mistral 0, BART 7.5e-9, MobileNetV2 1.2e-7 (relative; a
+running_var of ~7.8e3 one ulp apart), Gemma 2 and 3 7.5e-9.
 """
 
 from __future__ import annotations
@@ -35,6 +40,10 @@ BART = ("hf:BartForConditionalGeneration[encoder_layers=2,decoder_layers=2,d_mod
         "decoder_ffn_dim=64,encoder_attention_heads=2,decoder_attention_heads=2,vocab_size=128,"
         "max_position_embeddings=64,seq=8,dropout=0]")
 MOBILENET = "hf:mobilenet_v2[depth_multiplier=0.25,image_size=32,num_labels=5,dropout=0]"
+GEMMA = ("num_hidden_layers=2,hidden_size=32,intermediate_size=64,num_attention_heads=2,num_key_value_heads=2,"
+         "head_dim=16,vocab_size=128,seq=8,sliding_window=4")
+GEMMA2 = f"hf:gemma2[{GEMMA}]"              # sliding and global layers alternating, logit soft-capping, tied
+GEMMA3 = f"hf:gemma3_text[{GEMMA}]"
 
 
 def plain_loop(spec_name: str, dataset=None, *, halves: bool = False, seed: int = 0, data_seed: int = 1
@@ -86,6 +95,8 @@ CASES = {   # spec, cuts (block ids), replicas, schedule, padding side, virtual 
     "mistral-window-interleaved": (f"{AUDIT}:mistral_window", [1, 2, 3], [1, 1], "interleaved-1f1b", "left", 2, False),
     "bart-2x2-zb-h1": (BART, [4], [2, 2], "zb-h1", None, 1, False),
     "mobilenet-2x2-zb-h1": (MOBILENET, [8], [2, 2], "zb-h1", None, 1, True),
+    "gemma2-window-4-1f1b": (GEMMA2, [1, 2, 3], [1, 1, 1, 1], "1f1b", None, 1, False),
+    "gemma3-window-4-1f1b": (GEMMA3, [1, 2, 3], [1, 1, 1, 1], "1f1b", None, 1, False),
 }
 
 
@@ -102,3 +113,20 @@ def test_family_feature_on_a_pipeline_equals_one_process(name):
     diff, where = distance(ours, plain_loop(spec, dataset, halves=halves))
     print(name, diff, where)
     assert diff <= 1e-6, (diff, where)
+
+
+@pytest.mark.parametrize("factory,side", [("distilbert_padded", "right"), ("llama_left_padded", "left")])
+def test_the_padded_cases_can_fail_the_mask_changes_the_loss(factory, side):
+    """The padding cases above compare something the mask decides: the same padded batch without its
+    mask gives other logits at the real tokens (so a pipeline that dropped the mask would be caught)."""
+    spec = resolve_model(f"{AUDIT}:{factory}")
+    torch.manual_seed(0)
+    model = spec.build().train()
+    data = padded_tokens(n=8, side=side)
+    batch = data.collate_fn([data[i] for i in range(8)])
+    assert (batch["attention_mask"] == 0).any()
+    real = batch["attention_mask"].bool()
+    masked = model(**batch, **training_switches(model)).logits[real]
+    unmasked = model(**{**batch, "attention_mask": torch.ones_like(batch["attention_mask"])},
+                     **training_switches(model)).logits[real]
+    assert float((masked - unmasked).abs().max()) > 1e-3      # a thousand times the bound the pipeline meets
