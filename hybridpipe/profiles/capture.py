@@ -60,9 +60,11 @@ from hybridpipe.profiles.export_support import (
     quiet_failures,
     side_effect_free,
 )
+from hybridpipe.profiles.input_shapes import input_shapes
 from hybridpipe.profiles.leaves import inline_leaves, leaf_paths, opaque_leaves, record_calls
 
 log = logging.getLogger(__name__)
+GUARDS = "_guards_fn"       # the submodule of ExportedProgram.module() that checks its inputs' shapes
 
 
 def capture_model(model: nn.Module, example: Any, *, granularity: str | int = "blocks",
@@ -143,11 +145,14 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, functions: list[str], d
     finally:
         hook.remove()
     gm = ep.module()
+    guards = getattr(gm, GUARDS, None)      # export's checks of the input shapes: kept, called by flatten_input
     if calls:
         inline_leaves(gm, model, calls)
     for node in list(gm.graph.nodes):
         if node.op == "call_module" and not is_operation(node) and not node.users:
             gm.graph.erase_node(node)
+    if guards is not None and not gm.graph.find_nodes(op="call_module", target=GUARDS):
+        delattr(gm, GUARDS)
     gm.recompile()
     placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     flat = pytree.tree_flatten_with_path((args, kwargs))[0]
@@ -155,12 +160,14 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, functions: list[str], d
         raise UserError(f"torch.export gave {len(placeholders)} graph inputs for {len(flat)} input values of "
                         f"{type(model).__name__}; pass plain tensors (or tuples/dicts of them) as the example input")
     constants = {name: v for name, (_, v) in zip(placeholders, flat, strict=True) if not isinstance(v, torch.Tensor)}
+    where = tuple(pytree.keystr(p) for p, _ in flat)
+    shapes = input_shapes(gm, ep.range_constraints, dict(zip(placeholders, where, strict=True)))
     codegen = getattr(gm.graph, "_codegen", None)
     info = getattr(codegen, "pytree_info", None)
     _strip_pytree_codegen(gm)
-    return CapturedModel(module=model, graph=gm, blocks=(), inputs=tuple(placeholders),
-                         input_paths=tuple(pytree.keystr(p) for p, _ in flat), constants=constants,
-                         out_spec=info.out_spec if info is not None else None, front_end="export")
+    return CapturedModel(module=model, graph=gm, blocks=(), inputs=tuple(placeholders), input_paths=where,
+                         constants=constants, out_spec=info.out_spec if info is not None else None,
+                         front_end="export", input_shapes=shapes, input_guards=guards)
 
 
 def _unmarked(args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -39,9 +39,10 @@ from torch import fx, nn
 
 from hybridpipe.profiles.blocks import Block
 from hybridpipe.profiles.capture import CapturedModel, call_args, capture_model
+from hybridpipe.profiles.input_shapes import InputShapes
 
 log = logging.getLogger(__name__)
-FORMAT = 1
+FORMAT = 2          # 2: the input shapes the graph was captured for (profiles/input_shapes.py)
 FUNCTIONS: dict[str, Any] = {
     **{f"operator.{n}": getattr(operator, n) for n in (
         "getitem", "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "neg", "pos", "abs", "eq", "ne", "lt",
@@ -158,7 +159,8 @@ def dump_capture(captured: CapturedModel) -> dict:
             "inputs": list(captured.inputs), "input_paths": list(captured.input_paths),
             "constants": {k: _value(v) for k, v in captured.constants.items()},
             "out_spec": pytree.treespec_dumps(captured.out_spec) if captured.out_spec is not None else None,
-            "blocked": captured.blocked}
+            "blocked": captured.blocked,
+            "input_shapes": captured.input_shapes.to_json() if captured.input_shapes is not None else None}
 
 
 def load_capture(record: dict, model: nn.Module, autocast: torch.dtype | None = None) -> CapturedModel:
@@ -179,7 +181,8 @@ def load_capture(record: dict, model: nn.Module, autocast: torch.dtype | None = 
     return CapturedModel(module=model, graph=gm, blocks=tuple(Block(n, t, tuple(ns)) for n, t, ns in record["blocks"]),
                          inputs=tuple(record["inputs"]), input_paths=tuple(record["input_paths"]),
                          constants={k: _load(v, env) for k, v in record["constants"].items()}, out_spec=out_spec,
-                         blocked=dict(record["blocked"]), front_end="export", autocast=autocast)
+                         blocked=dict(record["blocked"]), front_end="export", autocast=autocast,
+                         input_shapes=InputShapes.from_json(shapes) if (shapes := record.get("input_shapes")) else None)
 
 
 def _target(fn: Any) -> Any:

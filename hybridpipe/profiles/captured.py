@@ -3,6 +3,7 @@ what its operations read (parameters, values that cannot cross a stage boundary)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,6 +14,8 @@ from torch import fx, nn
 from hybridpipe.errors import UserError
 from hybridpipe.profiles.blocks import Block
 from hybridpipe.profiles.calling import call_args
+from hybridpipe.profiles.export_support import first_line
+from hybridpipe.profiles.input_shapes import InputShapes
 
 _META = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.SymInt, torch.SymFloat, torch.SymBool)
 
@@ -32,6 +35,8 @@ class CapturedModel:
     front_end: str = "export"
     example_values: dict[str, Any] | None = None            # fx only: every value for the example
     autocast: torch.dtype | None = None                     # captured (and to run) under torch.autocast to it
+    input_shapes: InputShapes | None = None                 # the shapes export captured the graph for (checked)
+    input_guards: Callable[..., Any] | None = None          # export's own check of them (all placeholders)
 
     # ---- inputs and outputs ------------------------------------------------------------
     def flatten_input(self, batch: Any) -> dict[str, Any]:
@@ -48,6 +53,16 @@ class CapturedModel:
                 expected = [p for n, p in zip(self.inputs, self.input_paths, strict=True) if n not in self.constants]
                 raise UserError(f"the batch has no input at {path} (the model was captured with inputs at "
                                 f"{', '.join(expected)}); feed batches shaped like the example input")
+        if self.input_shapes is not None:
+            self.input_shapes.check(out)
+        if self.input_guards is not None:
+            try:
+                self.input_guards(*out.values())
+            except AssertionError as e:
+                raise UserError(f"the batch's shapes break what the model's graph was captured for ({first_line(e)}: "
+                                "the model's code branched on that size when torch.export captured it, so its graph "
+                                "would compute something else); feed batches that meet it, or capture the model on "
+                                "an example of these shapes") from None
         return out
 
     def rebuild_output(self, flat: Any) -> Any:
