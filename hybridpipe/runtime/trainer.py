@@ -44,6 +44,7 @@ from hybridpipe.pipeline.zero3 import gate_stages
 from hybridpipe.profiles.capture import tied_parameters
 from hybridpipe.profiles.losses import as_mean
 from hybridpipe.profiles.zoo import ModelSpec
+from hybridpipe.runtime.allocator import keep_freed_memory
 from hybridpipe.runtime.batches import GivenBatches, is_micro_batch_stream, split_batch, take_micro_batches
 from hybridpipe.runtime.checkpoint import Checkpointer, Restored, reseed, restore_rng
 from hybridpipe.runtime.groups import init_distributed, replica_groups, stage_channels
@@ -103,6 +104,9 @@ class Trainer:
             raise UserError(f"the plan needs {self.plan.world_size} workers but the job has {self.proc.world_size}; "
                             f"start it with torchrun --nproc-per-node {self.plan.world_size} (or on as many hosts)")
         plan, rank = self.plan, self.proc.rank
+        # on the CPU, freed activations stay with the process for the next micro-batch (allocator.py)
+        self.allocator = keep_freed_memory() if cfg.cpu_allocator == "keep" and self.proc.device.type == "cpu" \
+            else "system"
         self.stage_plans, self.replica = plan.stages_of_rank(rank)    # one, or V model chunks (virtual stages)
         self.stage_plan = self.stage_plans[0]
         mine = [s.index for s in self.stage_plans]

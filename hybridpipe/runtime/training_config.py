@@ -31,6 +31,7 @@ from hybridpipe.pipeline.instructions import Step
 from hybridpipe.pipeline.schedules import Topology, rank_program
 from hybridpipe.pipeline.tokens import check_normalization
 from hybridpipe.profiles.losses import LOSS_NORMALIZATIONS
+from hybridpipe.runtime.allocator import ALLOCATORS
 
 BACKENDS = ("gloo", "nccl")
 
@@ -81,6 +82,11 @@ class TrainingConfig:
             "1 every step, 0 never (default 10: on the CPU a measured step counts every tensor autograd saves through "
             "hooks; asynchronous schedules measure every step unless 0)",
         type=nonneg_int, metavar="N")
+    cpu_allocator: str = setting(
+        "keep", "on the CPU, keep: glibc keeps freed blocks for the next micro-batch (mallopt: blocks up to 32 MiB "
+                "from the heap, up to 2 GiB of free heap not handed back; no page faults refilling the activations "
+                "each step, as PyTorch's CUDA caching allocator on a GPU; left alone where MALLOC_*, GLIBC_TUNABLES "
+                "or LD_PRELOAD is set); system: glibc as it comes", choices=ALLOCATORS)
     comm_mode: str = setting(
         "sa", "p2p channels: per-tensor (PipeDream's threads), sa (default: one send + one receive thread per "
               "peer), sra (one thread per peer following the schedule's order)", group="communication", choices=MODES)

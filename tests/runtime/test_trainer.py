@@ -10,11 +10,14 @@ from the step-3 checkpoint continues bit-identically (scheduler restored).
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from hybridpipe.partitioner.plan import save_plan
 from hybridpipe.profiles.zoo import resolve_model
+from hybridpipe.runtime.allocator import chosen_elsewhere
 from tests.pipeline.harness import make_plan, model_loss
 from tests.runtime.jobs import data_for, final_weights, max_diff
 from tests.runtime.rank_procs import Job
@@ -84,6 +87,7 @@ def test_trainer_matches_plain_pytorch_loop_with_schedule_clipping_and_weight_de
         assert [v["losses"][str(k)] for k in range(STEPS)] == pytest.approx(losses, abs=1e-5)
         assert [v["norms"][str(k)] for k in range(STEPS)] == pytest.approx(norms, rel=1e-5)
         assert v["eval"] == pytest.approx([eval_loss] * 2, abs=1e-5) and not v["eval_changed"]
+        assert v["allocator"] == ("kept" if (set_by := chosen_elsewhere(os.environ)) is None else f"{set_by} set")
     first = values[0]["lrs"]
     end, again = final_weights(tmp_path / "end", STEPS), final_weights(tmp_path / "resumed", STEPS)
     assert all(torch.equal(end[k], again[k]) for k in end)     # bit-identical continuation

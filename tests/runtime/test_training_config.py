@@ -35,6 +35,7 @@ NON_DEFAULT = {
     "loss_normalization": (["--loss-normalization", "tokens"], "tokens"),
     "skip_nonfinite": (["--skip-nonfinite"], True),
     "memory_every": (["--memory-every", "1"], 1),
+    "cpu_allocator": (["--cpu-allocator", "system"], "system"),
     "comm_mode": (["--comm-mode", "sra"], "sra"),
     "allreduce": (["--allreduce", "ring"], "ring"),
     "calibrations": (["--calibration", "a.json", "--calibration", "b.json"], ("a.json", "b.json")),
@@ -93,7 +94,7 @@ def test_launch_takes_its_flags_and_defaults_from_the_config():
     ("aggregator", "nohost", "aggregator: expected HOST:PORT"), ("calibrations", "cal.json", "calibrations must be"),
     ("calibrations", [3], "calibrations must be"), ("skip_nonfinite", 1, "skip_nonfinite must be True or False"),
     ("in_place", "yes", "in_place must be True or False"), ("optimizer", print, "optimizer must be a string"),
-    ("memory_every", -1, "memory_every must be >= 0"),
+    ("memory_every", -1, "memory_every must be >= 0"), ("cpu_allocator", "jemalloc", "unknown cpu_allocator"),
 ])
 def test_each_bad_value_is_one_line_naming_the_field(name, value, says):
     with pytest.raises(UserError, match=says) as e:

@@ -84,6 +84,7 @@ def train_api(rank: int, world: int, plan_path: str, out: str, clip: float, eval
             trainer.save(f"{out}/mid")
     trainer.save(f"{out}/{'resumed' if resume else 'end'}")
     trainer.close()
+    out_value["allocator"] = trainer.allocator      # CPU: freed memory kept (runtime/allocator.py)
     return out_value
 
 
