@@ -103,7 +103,9 @@ def build_theirs(rank: int, plan_path: str, steps: int, kind: str = "Schedule1F1
         args: list = []
         kwargs: dict = {"target": target_of(x, y), "losses": []} if last else {}
         if first:
-            inputs = captured.flatten_input({k: v for k, v in x.items() if k in example} if isinstance(x, dict) else x)
+            # the whole batch, flattened; torch's schedule splits it into micro-batches of the captured shapes
+            inputs = captured.flatten_input({k: v for k, v in x.items() if k in example} if isinstance(x, dict) else x,
+                                            check=False)
             args = [inputs[name] for name in chunks[0].input_names]
         return args, kwargs
 

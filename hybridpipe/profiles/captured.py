@@ -39,8 +39,10 @@ class CapturedModel:
     input_guards: Callable[..., Any] | None = None          # export's own check of them (all placeholders)
 
     # ---- inputs and outputs ------------------------------------------------------------
-    def flatten_input(self, batch: Any) -> dict[str, Any]:
-        """Placeholder name -> value for one batch shaped like the example (tensor, tuple or dict)."""
+    def flatten_input(self, batch: Any, *, check: bool = True) -> dict[str, Any]:
+        """Placeholder name -> value for one batch shaped like the example (tensor, tuple or dict); its
+        shapes checked against what the graph was captured for (``check=False``: for a caller that splits
+        the flattened values into batches of the captured shapes before any reaches the graph)."""
         args, kwargs = call_args(batch)
         leaves = {pytree.keystr(path): v for path, v in pytree.tree_flatten_with_path((args, kwargs))[0]}
         out = {}
@@ -53,9 +55,9 @@ class CapturedModel:
                 expected = [p for n, p in zip(self.inputs, self.input_paths, strict=True) if n not in self.constants]
                 raise UserError(f"the batch has no input at {path} (the model was captured with inputs at "
                                 f"{', '.join(expected)}); feed batches shaped like the example input")
-        if self.input_shapes is not None:
+        if check and self.input_shapes is not None:
             self.input_shapes.check(out)
-        if self.input_guards is not None:
+        if check and self.input_guards is not None:
             try:
                 self.input_guards(*out.values())
             except AssertionError as e:
