@@ -234,19 +234,16 @@ def refine(profile: Profile, cluster: Cluster, calibrations: Sequence[Calibratio
             if st.ranks and max(st.ranks) >= cluster.total_workers:
                 raise UserError(f"{run.name}: rank {max(st.ranks)} is outside the cluster's "
                                 f"{cluster.total_workers} workers; refine with the cluster the run ran on")
-    unknown = set(terms) - set(TERMS)
-    if unknown:
+    if unknown := set(terms) - set(TERMS):
         raise UserError(f"unknown refinement term(s) {', '.join(sorted(unknown))}; known: {', '.join(TERMS)}")
     lost = fit_interference([stage_load(costs, run, k)[0] for run in runs for k in range(len(run.stages))])
     seen = [without_interference(costs, run, lost) for run in runs]     # ms per link byte taken out
     staged = [compute_stages(costs, run) for run in seen]
     accumulate = fit_accumulation([s for st in staged for s in st]) if "accumulation" in terms else 0.0
     fitted = [[without_accumulation(s, accumulate) for s in st] for st in staged]
-    if accumulate:      # the node factors see the backwards without it
-        fit_runs = [replace(run, stages=tuple(replace(o, backward_ms=c.backward_ms) for o, c in zip(
-            run.stages, st, strict=True))) for run, st in zip(seen, fitted, strict=True)]
-    else:
-        fit_runs = seen
+    # the node factors see the backwards without the accumulation
+    fit_runs = [replace(run, stages=tuple(replace(o, backward_ms=c.backward_ms) for o, c in zip(
+        run.stages, st, strict=True))) for run, st in zip(seen, fitted, strict=True)] if accumulate else seen
     fwd, bwd = stage_layouts(fit_runs, "forward_ms"), stage_layouts(fit_runs, "backward_ms")
     if node_shrink is None:
         node_shrink = cross_validated_strength([(costs.forward_ms, fwd), (costs.backward_ms, bwd)])
