@@ -7,7 +7,7 @@ import os
 import pytest
 
 from hybridpipe.comm.p2p import MODES
-from tests.comm.p2p import scenarios
+from tests.comm.p2p import failure_scenarios, scenarios
 from tests.comm.p2p.procs import expect_ok, run_ranks
 
 FAIL_TIMEOUT = 3.0      # the channels' timeout in the failure scenarios
@@ -109,7 +109,8 @@ def _check_failure(out, how: str, mode: str) -> None:
 
 def _run_failure(mode: str, how: str) -> None:
     idle = IDLE_TIMEOUT if how == "kill" else None
-    out = run_ranks(scenarios.peer_failure, 3, args=(mode, how, FAIL_TIMEOUT, idle), timeout=90, wait_for={1, 2})
+    out = run_ranks(failure_scenarios.peer_failure, 3, args=(mode, how, FAIL_TIMEOUT, idle), timeout=90,
+                    wait_for={1, 2})
     _check_failure(out, how, mode)
     if how == "kill":
         assert out[0].status == "exit" and out[0].exitcode == 17
@@ -130,7 +131,7 @@ def test_peer_failures_every_mode(mode, how):
 
 
 def test_mismatched_modes_or_orders_fail_at_open():
-    values = expect_ok(run_ranks(scenarios.mismatched_open, 2, args=(FAIL_TIMEOUT,), timeout=60))
+    values = expect_ok(run_ranks(failure_scenarios.mismatched_open, 2, args=(FAIL_TIMEOUT,), timeout=60))
     for rank, report in values.items():
         for case in ("mode", "order"):
             r = report[case]
