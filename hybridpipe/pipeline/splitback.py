@@ -186,7 +186,7 @@ def _early_only(group: _Group, closure: set[Node], reverse: dict[Node, list[Node
     edges, so it records nothing for the weight half, as without recomputation; None otherwise."""
     out = []
     for node in group.intermediates:
-        side = tuple(i for i, (fn, _) in enumerate(node.next_functions) if fn is not None and fn not in closure)
+        side = _off_path(node, closure)
         if not all(_early(node, i, reverse, position) for i in side):
             return None
         out.append((node, side))
@@ -261,11 +261,16 @@ def _sides(group: _Group, closure: set[Node]) -> list[tuple[Node, tuple[int, ...
     has no formula (``weightgrads.take``)."""
     out = []
     for node in group.intermediates:
-        side = tuple(i for i, (fn, _) in enumerate(node.next_functions) if fn is not None and fn not in closure)
+        side = _off_path(node, closure)
         if take(node, side) is None:
             return None
         out.append((node, side))
     return out
+
+
+def _off_path(node: Node, closure: set[Node]) -> tuple[int, ...]:
+    """``node``'s next edges that leave the input path (toward parameters)."""
+    return tuple(i for i, (fn, _) in enumerate(node.next_functions) if fn is not None and fn not in closure)
 
 
 def _nodes(tensors: Sequence[torch.Tensor]) -> list[Node]:
