@@ -88,12 +88,13 @@ def materialize(module: nn.Module, captured: CapturedModel, weights: Weights, pl
     ranges = [(s.first_node, s.last_node) for s in plan.stages]
     aliases = _aliases(module)
     held = set(weights.keys())
+    own = {id(t) for t in [*module.parameters(), *module.buffers()]}    # not the graph's own constants
     wanted: dict[int, tuple[str, torch.Tensor]] = {}
     for index in stages:
         stage = build_stage_index(captured, ranges, index).module
         saved = set(stage.state_dict(keep_vars=True))
         for name, t in [*stage.named_parameters(), *stage.named_buffers()]:
-            if name in saved:
+            if name in saved and id(t) in own:
                 wanted.setdefault(id(t), (name, t))
     new: dict[int, torch.Tensor] = {}
     for key, (name, old) in wanted.items():

@@ -102,11 +102,13 @@ def build_stages(module: nn.Module, captured: CapturedModel, recipe: Recipe, pla
     names: dict[int, list[str]] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
+    own = {id(t) for t in module.buffers()} | names.keys()    # not the constants the graph holds itself
     wanted: dict[int, tuple[str, torch.Tensor]] = {}
     for index in stages:
         stage = build_stage_index(captured, ranges, index).module
         for name, t in [*stage.named_parameters(), *stage.named_buffers()]:
-            wanted.setdefault(id(t), (name, t))
+            if id(t) in own:
+                wanted.setdefault(id(t), (name, t))
     source, digest = None, ""
     if not whole:
         keep = {n for key in wanted for n in names.get(key, ())}
