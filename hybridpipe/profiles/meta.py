@@ -21,7 +21,6 @@ forward created) raises :class:`NotOnMeta`.
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -115,10 +114,16 @@ def capture_on_meta(model: nn.Module, example: Any, *, capture: Callable[..., Ca
     replace_tensors([captured.graph], own)
     constants = [str(n.target) for n in captured.graph.graph.nodes if n.op == "get_attr"]
     held = [*captured.graph.named_parameters(), *captured.graph.named_buffers(),
-            *((name, functools.reduce(lambda obj, part: getattr(obj, part, None), name.split("."), captured.graph))
-              for name in constants)]
+            *((name, _attribute(captured.graph, name)) for name in constants)]
     left = [name for name, t in held if isinstance(t, FakeTensor)]
     if left:
         raise NotOnMeta(f"the captured graph holds {left[0]!r}, which is not the model's own tensor and has no data "
                         "without the model's weights")
     return captured
+
+
+def _attribute(root: Any, dotted: str) -> Any:
+    """``root.a.b`` for ``"a.b"`` (None where a part is missing)."""
+    for part in dotted.split("."):
+        root = getattr(root, part, None)
+    return root
