@@ -4,6 +4,7 @@ parameters replayed from the seed, runtime/seeded.py) vs every rank building the
 
     python benchmarks/build_memory.py                        # zoo GPT, 16 layers x 1024: 304M params, 1.22 GB
     python benchmarks/build_memory.py --layers 2 --width 256 --quick
+    python benchmarks/build_memory.py --precision bf16       # a bf16 plan: the capture under autocast
 
 A plan of ``--stages`` stages of about equal parameter bytes (written directly, without profiling)
 runs under ``torchrun --nproc-per-node STAGES`` twice: ``stage`` (``Trainer(spec, plan)``) and
@@ -40,14 +41,14 @@ def rank_main(mode: str, plan_path: str, out: str) -> None:
     from hybridpipe.pipeline import MicroBatches
     from hybridpipe.profiles.data import resolve_dataset
     from hybridpipe.profiles.zoo import resolve_model
-    from hybridpipe.runtime.parts import build_model
+    from hybridpipe.runtime.parts import PRECISIONS, build_model
     from hybridpipe.runtime.trainer import Trainer
 
     torch.set_num_threads(1)
     plan = load_plan(plan_path)
     spec = resolve_model(plan.model)
     imported = status_kib("VmRSS")
-    model = build_model(spec, plan, seed=0, whole=mode == "whole")
+    model = build_model(spec, plan, seed=0, whole=mode == "whole", autocast=PRECISIONS[plan.precision])
     data = MicroBatches(resolve_dataset("synthetic", spec, size=plan.micro_batches * plan.batch_size, seed=0),
                         plan.batch_size, plan.micro_batches, targets=spec.loss is not None)
     trainer = Trainer(model, plan, optimizer="sgd", lr=1e-3, momentum=0.0, backend="gloo", timeout=900, data=data,
@@ -74,6 +75,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--vocab", type=int, default=50257)
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--stages", type=int, default=4)
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                    help="the plan's precision (bf16: captured and run under autocast)")
     ap.add_argument("--quick", action="store_true", help="write the _quick result files")
     ap.add_argument("--out-dir", default=None, help="where the results go (default benchmarks/results)")
     ap.add_argument("--timeout", type=float, default=1800.0)
@@ -93,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
             f"vocab={args.vocab}]")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        plan = balanced_plan(spec, args.stages, micro_batches=4)
+        plan = balanced_plan(spec, args.stages, micro_batches=4, precision=args.precision)
         save_plan(plan, work / "plan.json")
         runs = {mode: run_mode(mode, work / "plan.json", len(plan.stages), work, args.timeout, script=__file__)
                 for mode in MODES}
@@ -107,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
                         for k, key in (("peak", "peak_after_build"), ("step_peak", "peak_after_step"))},
                      "stage_over_stage_bytes_mib": stage["peak_after_build_kib"] * mib - stage["stage_bytes"] / 2**20})
     total = runs["stage"][0]["stage_bytes"] + runs["stage"][0]["never_built_bytes"]
-    data = {"model": {"spec": spec, "parameter_bytes": total}, "stages": len(plan.stages),
+    data = {"model": {"spec": spec, "parameter_bytes": total}, "stages": len(plan.stages), "precision": args.precision,
             "plan": [(s.first_node, s.last_node) for s in plan.stages], "ranks": rows,
             "raw": {m: [{k: v for k, v in r.items() if k != "sums"} for r in rs] for m, rs in runs.items()},
             "machine": machine(),
@@ -118,7 +121,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{r['rank']:4d}  {r['stage_mib']:5.0f}  {r['baseline_mib']:13.0f} | {r['stage_peak_mib']:27.0f} "
               f"{r['whole_peak_mib']:6.0f} | {r['stage_step_peak_mib']:24.0f} {r['whole_step_peak_mib']:6.0f}")
     fig = plot(rows, spec, total, len(plan.stages))
-    json_path, png_path = result_paths("build_memory", args.quick, args.out_dir)
+    name = "build_memory" if args.precision == "fp32" else f"build_memory_{args.precision}"
+    json_path, png_path = result_paths(name, args.quick, args.out_dir)
     write_results(json_path, data, fig, png_path)
     print(f"wrote {json_path} and {png_path}")
 

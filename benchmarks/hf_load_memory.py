@@ -100,9 +100,9 @@ def save_model(directory: Path, layers: int, width: int, vocab: int) -> dict:
     return {"layers": layers, "width": width, "vocab": vocab, "file_bytes": sum(p.stat().st_size for p in files)}
 
 
-def balanced_plan(spec_name: str, stages: int, micro_batches: int):
+def balanced_plan(spec_name: str, stages: int, micro_batches: int, precision: str = "fp32"):
     """A plan of ``stages`` stages of about equal parameter bytes (contiguous blocks, no replicas),
-    for the graph every rank captures (its signature, its tied weights)."""
+    for the graph every rank captures in ``precision`` (its signature, its tied weights)."""
     import torch
 
     from hybridpipe.partitioner.cost.cluster import Cluster, Level
@@ -113,11 +113,13 @@ def balanced_plan(spec_name: str, stages: int, micro_batches: int):
     from hybridpipe.profiles.graphinfo import node_infos
     from hybridpipe.profiles.meta import capture_on_meta, parameters_on_meta
     from hybridpipe.profiles.zoo import resolve_model
+    from hybridpipe.runtime.parts import PRECISIONS
 
     spec = resolve_model(spec_name)
     with parameters_on_meta():
         model = (spec.skeleton or spec.build)()
-    captured = capture_on_meta(model, spec.example_input(1, torch.Generator().manual_seed(0)))
+    captured = capture_on_meta(model, spec.example_input(1, torch.Generator().manual_seed(0)),
+                               leaf_modules=spec.leaf_modules, autocast=PRECISIONS[precision])
     infos = node_infos(captured)
     sizes = [sum(model.get_parameter(p).numel() for p in i.params) for i in infos]
     total, cuts, acc = sum(sizes), [], 0
@@ -132,7 +134,7 @@ def balanced_plan(spec_name: str, stages: int, micro_batches: int):
     tied = shared_across([i.params for i in infos], [i.shared for i in infos], tied_parameters(model), ranges)
     return Plan(model=spec_name, batch_size=1, input_shape=(1,), profile_signature=captured_signature(captured),
                 cluster=Cluster((Level("node", len(plan_stages), 100.0),), 64.0), strategy="params",
-                schedule="1f1b", micro_batches=micro_batches, optimizer="sgd", stages=plan_stages,
+                schedule="1f1b", micro_batches=micro_batches, optimizer="sgd", stages=plan_stages, precision=precision,
                 tied=tuple(TiedGroup(p, s, 0) for p, s in tied))
 
 

@@ -8,10 +8,14 @@ own stage's tensors afterwards (runtime/lazy.py).
     replace_tensors([model, captured.graph], {id(old): new, ...})
 
 Buffers stay real because a constructor computes some of them (rotary frequencies, causal masks)
-and no file holds them (``persistent=False``). torch.export records the device the tensors were on
-as constants in the graph (``arange(..., device=meta)``); :func:`capture_on_meta` rewrites them to
-the CPU, where the eager capture would have put them. A capture that still leaves a tensor on the
-meta device that is not a parameter (a constant the forward created) raises :class:`NotOnMeta`.
+and no file holds them (``persistent=False``). The capture itself runs on fake tensors
+(``FakeTensorMode``, what torch.export traces with): the parameters, buffers and example stand in as
+tensors without data that say they are on the CPU, so the graph is the one a capture of the whole
+model on the CPU makes, node for node (its device constants the CPU's; the CPU kernels' strides,
+where the meta device's differ; and under ``torch.autocast``, which has no meta device, the CPU's
+autocast: a model that reads its activations' dtype, as RMSNorm does, reads bfloat16 as eagerly).
+A capture that leaves the graph holding a tensor that is not the model's own (a constant the
+forward created) raises :class:`NotOnMeta`.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
-from torch import fx, nn
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from hybridpipe.profiles.capture import CapturedModel, capture_model
@@ -84,51 +89,41 @@ def replace_tensors(roots: Iterable[nn.Module], new: Mapping[int, torch.Tensor])
 def capture_on_meta(model: nn.Module, example: Any, *, capture: Callable[..., CapturedModel] = capture_model,
                     **options: Any) -> CapturedModel:
     """:func:`capture_model` of a model whose parameters are on the meta device (its buffers real):
-    the capture runs with buffers and ``example`` on the meta device, then the real buffers go back
-    into the model and the graph, and the graph's device constants are the CPU's.
+    the capture runs with every parameter, buffer and ``example`` standing in as fake CPU tensors
+    (see the module docstring), then the model and the graph get their own tensors back.
     :class:`NotOnMeta` when something else the graph holds is left without data. ``capture``:
-    what captures (a capture cache's ``capture``, profiles/capture_cache.py; ``options`` go to it)."""
-    real: dict[int, torch.Tensor] = {}
-    to_meta: dict[int, torch.Tensor] = {}
-    for _, b in model.named_buffers(remove_duplicate=False):
-        if id(b) not in to_meta and b.device != META:
-            shadow = torch.empty_like(b, device=META)
-            to_meta[id(b)] = shadow
-            real[id(shadow)] = b
-    replace_tensors([model], to_meta)
+    what captures (a capture cache's ``capture``, profiles/capture_cache.py; ``options`` go to it,
+    ``autocast=`` among them)."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    cpu = torch.device("cpu")
+    fakes: dict[int, torch.Tensor] = {}
+    own: dict[int, torch.Tensor] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        fake: torch.Tensor = FakeTensor(mode, t, cpu) if t.is_meta else mode.from_tensor(t)
+        if isinstance(t, nn.Parameter):
+            fake = nn.Parameter(fake, requires_grad=t.requires_grad)
+        fakes[id(t)] = fake
+        own[id(fake)] = t
+    replace_tensors([model], fakes)
     try:
-        captured = capture(model, pytree.tree_map(_on_meta, example), **options)
+        with mode:
+            captured = capture(model, pytree.tree_map(lambda v: mode.from_tensor(v) if isinstance(v, torch.Tensor)
+                                                      else v, example), **options)
     finally:
-        replace_tensors([model], real)
-    replace_tensors([captured.graph], real)
-    params = {id(p) for p in model.parameters()}
-    left = [name for name, t in [*captured.graph.named_parameters(), *captured.graph.named_buffers()]
-            if t.device == META and id(t) not in params]
+        replace_tensors([model], own)
+    replace_tensors([captured.graph], own)
+    constants = [str(n.target) for n in captured.graph.graph.nodes if n.op == "get_attr"]
+    held = [*captured.graph.named_parameters(), *captured.graph.named_buffers(),
+            *((name, _attribute(captured.graph, name)) for name in constants)]
+    left = [name for name, t in held if isinstance(t, FakeTensor)]
     if left:
-        raise NotOnMeta(f"the captured graph holds {left[0]!r}, which is not the model's own parameter and has no "
-                        "data on the meta device")
-    retarget_devices(captured.graph, META, torch.device("cpu"))
+        raise NotOnMeta(f"the captured graph holds {left[0]!r}, which is not the model's own tensor and has no data "
+                        "without the model's weights")
     return captured
 
 
-def retarget_devices(gm: fx.GraphModule, old: torch.device, new: torch.device) -> int:
-    """Rewrite every ``device=old`` constant in ``gm``'s node arguments to ``new``; the number changed."""
-    changed = 0
-
-    def swap(value: Any) -> Any:
-        nonlocal changed
-        if isinstance(value, torch.device) and value.type == old.type:
-            changed += 1
-            return new
-        return value
-
-    for node in gm.graph.nodes:
-        node.args = fx.node.map_aggregate(node.args, swap)
-        node.kwargs = fx.node.map_aggregate(node.kwargs, swap)
-    if changed:
-        gm.recompile()
-    return changed
-
-
-def _on_meta(value: Any) -> Any:
-    return value.to(META) if isinstance(value, torch.Tensor) else value
+def _attribute(root: Any, dotted: str) -> Any:
+    """``root.a.b`` for ``"a.b"`` (None where a part is missing)."""
+    for part in dotted.split("."):
+        root = getattr(root, part, None)
+    return root

@@ -44,10 +44,11 @@ from hybridpipe.runtime.tensor_files import Weights, open_weights, read_torch_fi
 log = logging.getLogger(__name__)
 
 
-def capture_lazily(spec: ModelSpec, example: Any, plan: Plan, weights: Weights, *,
-                   cache: CaptureCache | None = None) -> tuple[nn.Module, CapturedModel, CheckedPlan] | None:
-    """The spec's model with its parameters on the meta device, its capture (through ``cache``,
-    profiles/capture_cache.py) and the plan checked against it (pipeline/plancheck.py); None
+def capture_lazily(spec: ModelSpec, example: Any, plan: Plan, weights: Weights, *, cache: CaptureCache | None = None,
+                   autocast: torch.dtype | None = None) -> tuple[nn.Module, CapturedModel, CheckedPlan] | None:
+    """The spec's model with its parameters on the meta device, its capture (under ``torch.autocast``
+    to ``autocast`` if given; through ``cache``, profiles/capture_cache.py) and the plan checked
+    against it (pipeline/plancheck.py); None
     (logged) when ``weights`` do not cover it or it cannot be captured that way."""
     try:
         with parameters_on_meta():
@@ -56,7 +57,8 @@ def capture_lazily(spec: ModelSpec, example: Any, plan: Plan, weights: Weights, 
         if not why:
             captured = capture_on_meta(module, example, granularity=plan.granularity,
                                        leaf_modules=spec.leaf_modules,
-                                       capture=cache.capture if cache is not None else capture_model)
+                                       capture=cache.capture if cache is not None else capture_model,
+                                       autocast=autocast)
             return module, captured, check_plan(captured, plan)
     except Exception as e:      # noqa: BLE001 - any failure here is retried the whole way, which reports it
         why = f"it cannot be captured without its weights ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
@@ -86,12 +88,13 @@ def materialize(module: nn.Module, captured: CapturedModel, weights: Weights, pl
     ranges = [(s.first_node, s.last_node) for s in plan.stages]
     aliases = _aliases(module)
     held = set(weights.keys())
+    own = {id(t) for t in [*module.parameters(), *module.buffers()]}    # not the graph's own constants
     wanted: dict[int, tuple[str, torch.Tensor]] = {}
     for index in stages:
         stage = build_stage_index(captured, ranges, index).module
         saved = set(stage.state_dict(keep_vars=True))
         for name, t in [*stage.named_parameters(), *stage.named_buffers()]:
-            if name in saved:
+            if name in saved and id(t) in own:
                 wanted.setdefault(id(t), (name, t))
     new: dict[int, torch.Tensor] = {}
     for key, (name, old) in wanted.items():

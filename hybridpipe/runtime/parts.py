@@ -150,24 +150,21 @@ def build_model(spec: ModelSpec, plan: Plan, *, seed: int, autocast: torch.dtype
     ``torch.autocast`` to ``autocast``, for a job that computes in it; through the capture cache in
     ``cache``: a restarted worker reads it, :meth:`Model.keep_capture` writes a new one,
     profiles/capture_cache.py), and the whole plan checked
-    against it once (pipeline/plancheck.py). A job that computes in float32 builds and captures the
-    model with its parameters on the meta device when a spec naming its weights' files is covered
-    by them (runtime/lazy.py), or when the plan has several stages (runtime/seeded.py):
-    :meth:`Model.materialize` then gives the rank's stages their values (autocast has no meta
-    device: a 16-bit job builds or loads the whole model on every rank). ``whole``: every rank
+    against it once (pipeline/plancheck.py). The model is built and captured with its parameters on
+    the meta device when a spec naming its weights' files is covered by them (runtime/lazy.py), or
+    when the plan has several stages (runtime/seeded.py), in 16-bit precision too (on fake CPU
+    tensors, profiles/meta.py): :meth:`Model.materialize` then gives the rank's stages their
+    values. ``whole``: every rank
     builds the whole model on the CPU (as before each rank built only its own stages;
     benchmarks/build_memory.py)."""
     torch.manual_seed(seed)
     example = spec.example_input(plan.batch_size, torch.Generator().manual_seed(seed))
     weights = open_weights(spec.weights) if spec.weights is not None else None
     stagewise = spec.weights is None and len(plan.stages) > 1 and not whole
-    if (weights is not None or stagewise) and autocast is not None:
-        log.warning("hybridpipe: every rank %s the whole of %s: a %s capture cannot run on the meta device",
-                    "loads" if weights is not None else "builds", spec.name, autocast)
     captures = CaptureCache(cache)
-    lazy = (capture_lazily(spec, example, plan, weights, cache=captures) if weights is not None and autocast is None
+    lazy = (capture_lazily(spec, example, plan, weights, cache=captures, autocast=autocast) if weights is not None
             else None)
-    unbuilt = capture_unbuilt(spec, example, plan, seed, cache=captures) if stagewise and autocast is None else None
+    unbuilt = capture_unbuilt(spec, example, plan, seed, cache=captures, autocast=autocast) if stagewise else None
     recipe = None
     if lazy is not None:
         module, captured, checked = lazy

@@ -57,9 +57,10 @@ class Recipe:
     shapes: list[tuple[tuple[int, ...], torch.dtype]]
 
 
-def capture_unbuilt(spec: ModelSpec, example: Any, plan: Plan, seed: int, *,
-                    cache: CaptureCache | None = None) -> tuple[nn.Module, CapturedModel, CheckedPlan, Recipe] | None:
-    """The spec's model with its parameters on the meta device, its capture (through ``cache``: a
+def capture_unbuilt(spec: ModelSpec, example: Any, plan: Plan, seed: int, *, cache: CaptureCache | None = None,
+                    autocast: torch.dtype | None = None) -> tuple[nn.Module, CapturedModel, CheckedPlan, Recipe] | None:
+    """The spec's model with its parameters on the meta device, its capture (under ``torch.autocast``
+    to ``autocast`` if given; through ``cache``: a
     restarted worker reads it, profiles/capture_cache.py), the plan checked against it
     (pipeline/plancheck.py), and the recipe :func:`build_stages` replays; None when the build
     leaves no parameter on the meta device (a module given already built), or (logged) when it
@@ -75,7 +76,7 @@ def capture_unbuilt(spec: ModelSpec, example: Any, plan: Plan, seed: int, *,
         recipe = Recipe(spec.name, spec.build, seed, registration_names(module, registered),
                         [(tuple(p.shape), p.dtype) for p in registered])
         captured = capture_on_meta(module, example, granularity=plan.granularity, leaf_modules=spec.leaf_modules,
-                                   capture=cache.capture if cache is not None else capture_model)
+                                   capture=cache.capture if cache is not None else capture_model, autocast=autocast)
         why = "captured with its parameters on the meta device it does not fit the plan"
         try:
             checked = check_plan(captured, plan)
@@ -101,11 +102,13 @@ def build_stages(module: nn.Module, captured: CapturedModel, recipe: Recipe, pla
     names: dict[int, list[str]] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
+    own = {id(t) for t in module.buffers()} | names.keys()    # not the constants the graph holds itself
     wanted: dict[int, tuple[str, torch.Tensor]] = {}
     for index in stages:
         stage = build_stage_index(captured, ranges, index).module
         for name, t in [*stage.named_parameters(), *stage.named_buffers()]:
-            wanted.setdefault(id(t), (name, t))
+            if id(t) in own:
+                wanted.setdefault(id(t), (name, t))
     source, digest = None, ""
     if not whole:
         keep = {n for key in wanted for n in names.get(key, ())}

@@ -23,6 +23,7 @@ import torch
 from hybridpipe.cli import main
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner.plan import save_plan
+from hybridpipe.profiles.calling import autocast_context
 from hybridpipe.profiles.zoo import resolve_model
 from hybridpipe.profiles.zoo.registry import build_skeleton
 from hybridpipe.runtime.hf_export import save_safetensors
@@ -167,15 +168,16 @@ def test_safetensors_export_and_init_from_safetensors_or_an_hf_directory(tmp_pat
         load_initial(tmp_path / "bad.safetensors", small)
 
 
-def test_hf_directory_is_read_a_stage_at_a_time_with_from_pretrained_values(tmp_path):
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16], ids=["fp32", "bf16"])
+def test_hf_directory_is_read_a_stage_at_a_time_with_from_pretrained_values(tmp_path, autocast):
     """Llama: a tied embedding cut apart from its head, rotary frequencies in a buffer no file holds
-    (GPT-2 runs the same path under launch below)."""
+    (GPT-2 runs the same path under launch below); a bf16 job's capture under autocast alike."""
     saved_llama(tmp_path / "pretrained")
     spec = resolve_model(f"hf:{tmp_path / 'pretrained'}[seq=8]")
     whole = spec.build().eval()                                 # from_pretrained: the reference values
     plan = make_plan(spec.name, [1, 2, 3], [1, 1, 1, 1], batch_size=2)
     expected = whole.state_dict()
-    built = build_model(spec, plan, seed=0)                     # as every rank builds it: nothing read
+    built = build_model(spec, plan, seed=0, autocast=autocast)  # as every rank builds it: nothing read
     assert built.weights is not None and all(p.device.type == "meta" for p in built.module.parameters())
     assert plan.tied and all(b.device.type == "cpu" for b in built.module.buffers())
     stages, read = [], set()
@@ -191,7 +193,7 @@ def test_hf_directory_is_read_a_stage_at_a_time_with_from_pretrained_values(tmp_
         stages.append(stage)
     assert read == {n for n, _ in whole.named_parameters()}
     batch = {"input_ids": ids(2, 8), "labels": ids(2, 8)}
-    with torch.no_grad():
+    with torch.no_grad(), autocast_context(whole, autocast):
         act = stages[0].forward(stages[0].data_inputs(batch))
         for stage in stages[1:]:
             act = stage.forward(act.outputs)
