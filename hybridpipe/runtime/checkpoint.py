@@ -298,10 +298,12 @@ class Checkpointer:
                           "move them away, or start afresh with another --checkpoint-dir (nothing was changed)")
 
     def load_into(self, restored: Restored, module: nn.Module, optimizer: Any) -> None:
-        """Put ``restored``'s weights and optimizer state into this rank's module and optimizer."""
+        """Put ``restored``'s weights and optimizer state into this rank's module and optimizer (its
+        param groups' hyperparameters too, as a resumed run had them: reshard.indexed_optimizer_state)."""
         module.load_state_dict(restored.model)
         names = optimizer_names(optimizer, module, self.canon)
-        optimizer.load_state_dict(indexed_optimizer_state(restored.optimizer, names, optimizer.state_dict()))
+        optimizer.load_state_dict(indexed_optimizer_state(restored.optimizer, names, optimizer.state_dict(),
+                                                          saved_hyperparameters=True))
 
     # ---- helpers ----------------------------------------------------------------------
     def _try_step(self, step: int, visible: list[int], module: nn.Module) -> tuple[Restored | None, str]:
