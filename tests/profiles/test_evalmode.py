@@ -81,3 +81,50 @@ def test_evaluating_an_fx_graph_leaves_its_modules_training(replicas):
     if stage.stats is not None:                      # replicas: the step's statistics replayed (one replica here)
         stage.stats.combine([0], lambda table: None)
     assert int(stage.module.get_buffer("1.num_batches_tracked")) == int(before) + 1     # still training
+
+
+class _ModeOps(torch.nn.Module):
+    """The calls whose evaluation form the capture must reach besides dropout and batch norm."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.lin, self.head = torch.nn.Linear(8, 8), torch.nn.Linear(8, 3)
+        self.drop = torch.nn.Dropout(0.5, inplace=True)
+        self.rrelu = torch.nn.RReLU()
+        self.inorm = torch.nn.InstanceNorm1d(8, track_running_stats=True)
+        self.bn = torch.nn.BatchNorm1d(8, track_running_stats=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        if self.kind == "inplace-dropout":
+            h = self.drop(h)
+        elif self.kind == "functional-inplace-dropout":
+            h = torch.nn.functional.dropout(h, 0.5, self.training, inplace=True)
+        elif self.kind == "rrelu":
+            h = self.rrelu(h)
+        elif self.kind == "instance-norm-with-running-stats":
+            h = self.inorm(h.unsqueeze(-1).expand(-1, -1, 4).contiguous()).mean(-1)
+        elif self.kind == "batch-norm-without-running-stats":
+            h = self.bn(h)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("kind", ["inplace-dropout", "functional-inplace-dropout", "rrelu",
+                                  "instance-norm-with-running-stats", "batch-norm-without-running-stats"])
+def test_eval_reaches_in_place_dropout_rrelu_and_instance_norm(kind):
+    """Before: an in-place dropout (nn.Dropout(inplace=True)) kept dropping and RReLU kept sampling its
+    slope in evaluation, an InstanceNorm with running statistics normalised by the batch (the loss here
+    2.14x / 0.988x / 0.645x the model's in eval mode), and a BatchNorm without running statistics raised
+    "running_mean must be defined in evaluation mode"."""
+    from hybridpipe.profiles.capture import capture_model
+    torch.manual_seed(0)
+    module, x = _ModeOps(kind), torch.randn(6, 8)
+    captured = capture_model(module, x, granularity="blocks")
+    stage = build_stage_index(captured, [(0, len(captured.blocks) - 1)], 0, loss=lambda out, y: (out - y).pow(2).mean())
+    y = torch.zeros(6, 3)
+    evaluated = stage.forward_eval(stage.data_inputs(x), target=y).loss
+    with torch.no_grad():
+        reference = (captured.module.eval()(x) - y).pow(2).mean()
+    captured.module.train()
+    assert torch.equal(evaluated, reference)
