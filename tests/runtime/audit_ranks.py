@@ -3,6 +3,8 @@ PyTorch loop has (parameter groups, schedulers that move more than the learning 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from hybridpipe import Trainer
@@ -10,6 +12,28 @@ from hybridpipe.partitioner.plan import load_plan
 from tests.runtime.jobs import data_for
 
 SEED, STEPS, SAVE_AT = 3, 6, 3
+
+
+class FrozenMLP(torch.nn.Module):
+    """An MLP whose first layer is frozen (fine-tuning's frozen embedding) and whose bias-free middle
+    layer has no vector parameter: requires_grad must survive every rank's build, the replicas'
+    sync, clipping and the optimizer's groups."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(12, 16)
+        self.b = torch.nn.Linear(16, 16, bias=False)
+        self.norm = torch.nn.LayerNorm(16)
+        self.c = torch.nn.Linear(16, 5)
+        self.a.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(self.norm(torch.relu(self.b(torch.tanh(self.a(x))))))
+
+
+def frozen_mlp():
+    """``tests.runtime.audit_ranks:frozen_mlp``: (module, example input)."""
+    return FrozenMLP(), torch.randn(4, 12)
 
 
 def grouped_adamw(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -55,3 +79,19 @@ def resume_one_cycle(rank: int, world: int, plan_path: str, out: str, resume: bo
 def in_turn(rank: int, world: int, calls: list) -> list:
     """Several programs of this file one after the other in one job (see trainer_ranks.in_turn)."""
     return [globals()[name](rank, world, *args) for name, args in calls]
+
+
+def train_grouped(rank: int, world: int, plan_path: str, clip: float) -> dict:
+    """STEPS steps of AdamW in two groups under OneCycleLR with clipping: each step's loss and norm."""
+    plan = load_plan(plan_path)
+    trainer = Trainer(plan.model, plan, optimizer=grouped_adamw, lr_scheduler=one_cycle, clip_grad_norm=clip,
+                      seed=SEED, timeout=60)
+    data = data_for(plan, STEPS, SEED)
+    losses, norms = [], []
+    for k in range(STEPS):
+        losses.append(trainer.train_step(*_batch(trainer, data, k)))
+        norms.append(trainer.last_grad_norm)
+    frozen = {n: p.detach().clone().tolist() for n, p in trainer.module.named_parameters() if not p.requires_grad}
+    trainer.save(f"{Path(plan_path).parent}/grouped")
+    trainer.close()
+    return {"losses": losses, "norms": norms, "frozen": frozen}
