@@ -6,10 +6,10 @@ probability a constant argument -- ``model.eval()`` cannot reach them any more. 
 returns a copy of a graph module (same parameters and buffers, the same objects) whose calls are
 their evaluation forms: no dropout (in place or not), batch and instance norm on their running
 statistics where they keep them (which they then no longer update, ``num_batches_tracked``
-included), RReLU at its mean slope. A
-Python branch on ``self.training`` in the model's code is not in the graph any more: the training
-branch is what was captured, and evaluation runs it too (README, ``eval_step``). The bodies of
-higher-order calls (an ``autocast(enabled=False)`` region's ``wrap_with_autocast``) are switched alike. Graphs from torch.fx's tracer call modules, whose own ``eval()`` does this, so the copy
+included), RReLU at its mean slope; the bodies of higher-order calls (an ``autocast(enabled=False)``
+region's ``wrap_with_autocast``) alike. A Python branch on ``self.training`` in the model's code is
+not in the graph any more: the training branch is what was captured, and evaluation runs it too
+(README, ``eval_step``). Graphs from torch.fx's tracer call modules, whose own ``eval()`` does this, so the copy
 calls evaluation-mode twins of them: shallow copies that share their parameters, buffers and
 submodules' tensors but not their ``training`` flag (the training graph's modules stay in
 training mode).
@@ -46,7 +46,7 @@ _FLAGS: dict[Any, tuple[int, str, Any]] = {
 }
 # normalisations that use their running statistics in evaluation only where they keep them
 # (track_running_stats=False: no running_mean, batch statistics in both modes, as eval() computes)
-_RUNNING_MEAN = {aten.batch_norm.default: 3, aten.instance_norm.default: 3}
+_RUNNING_MEAN: dict[Any, int] = {aten.batch_norm.default: 3, aten.instance_norm.default: 3}
 
 
 def eval_graph(gm: fx.GraphModule) -> fx.GraphModule:
@@ -55,7 +55,7 @@ def eval_graph(gm: fx.GraphModule) -> fx.GraphModule:
     env: dict[fx.Node, fx.Node] = {}
     for node in gm.graph.nodes:
         if _counts_batches(node):            # BatchNorm's num_batches_tracked += 1: training only
-            env[node] = env[node.args[0]]    # type: ignore[index]   (add_ returns its input)
+            env[node] = env[node.args[0]]    # add_ returns its input
             continue
         new = graph.node_copy(node, lambda n: env[n])
         if node.op == "call_function" and node.target in _FLAGS and _keeps_statistics(node):

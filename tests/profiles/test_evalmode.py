@@ -57,7 +57,8 @@ def test_batch_norm_statistics_are_not_updated_by_evaluation():
     stages[0].forward_eval(stages[0].data_inputs(spec.example_input(4)))
     after = captured.module.state_dict()
     assert any("num_batches_tracked" in k for k in before)
-    assert all(torch.equal(before[k], after[k]) for k in before), [k for k in before if not torch.equal(before[k], after[k])]
+    assert all(torch.equal(before[k], after[k]) for k in before), [k for k in before
+                                                                    if not torch.equal(before[k], after[k])]
 
 
 @pytest.mark.parametrize("replicas", [1, 2])

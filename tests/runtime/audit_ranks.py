@@ -95,3 +95,27 @@ def train_grouped(rank: int, world: int, plan_path: str, clip: float) -> dict:
     trainer.save(f"{Path(plan_path).parent}/grouped")
     trainer.close()
     return {"losses": losses, "norms": norms, "frozen": frozen}
+
+
+def resume_resharded(rank: int, world: int, plan_path: str, other_path: str, out: str, resume: bool,
+                     precision: str) -> dict:
+    """STEPS steps of grouped AdamW under OneCycleLR on ``plan_path`` saved after SAVE_AT (or, with
+    ``resume``, resumed from there on ``other_path``, another split of the same world: resharded):
+    the hyperparameters of each step, the loss scale after each (fp16), the losses."""
+    plan = load_plan(other_path if resume else plan_path)
+    trainer = Trainer(plan.model, plan, optimizer=grouped_adamw, lr_scheduler=one_cycle, seed=SEED, timeout=60,
+                      precision=precision, **({"loss_scale": 2.0 ** 28} if precision == "fp16" else {}))
+    data = data_for(plan, STEPS, SEED)
+    if resume:
+        restored = trainer.load(f"{out}/mid")
+        assert restored is not None and restored.step == SAVE_AT and restored.resharded
+    losses, hypers, scales = {}, {}, {}
+    for k in range(trainer.step, STEPS):
+        hypers[k] = [[g["lr"], g["betas"][0]] for g in trainer.optimizer.param_groups]
+        losses[k] = trainer.train_step(*_batch(trainer, data, k))
+        scales[k] = trainer.scaler.scale if trainer.scaler is not None else None
+        if k + 1 == SAVE_AT and not resume:
+            trainer.save(f"{out}/mid")
+    trainer.save(f"{out}/{'resumed' if resume else 'end'}")
+    trainer.close()
+    return {"losses": losses, "hypers": hypers, "scales": scales}

@@ -5,18 +5,20 @@ against that loop written here or against itself uninterrupted.
   under OneCycleLR, which moves Adam's beta1 along with the learning rate every step (the README's
   own example scheduler), saved after 3 of 6 steps and resumed; with clipping, against one process.
 * A frozen layer (requires_grad=False) on a replicated stage built a stage at a time, with those groups.
+* A checkpoint resumed under another plan (resharded): the scheduler and the fp16 loss scale continue.
 
-Both are multi-process (7-13 s): make test-slow. The resume's cause has a default unit test
-(tests/runtime/test_reshard.py::test_resumed_state_brings_back_the_hyperparameters_a_scheduler_moved).
+All are multi-process (7-13 s): make test-slow. The resume's cause has a default unit test
+(tests/runtime/test_reshard.py::test_resumed_state_brings_back_the_hyperparameters_a_scheduler_moved),
+so has the resharded scheduler's
+(tests/runtime/test_lr_and_batches.py::test_a_replayed_scheduler_is_where_the_uninterrupted_one_is).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 import pytest
+import torch
 
 from hybridpipe.partitioner.plan import save_plan
 from hybridpipe.profiles.zoo import resolve_model
@@ -100,3 +102,26 @@ def test_frozen_parameters_and_groups_on_replicated_stages_equal_one_process(tmp
     diff = max_diff(final_weights(tmp_path / "grouped", STEPS), weights)
     print("diff", diff)
     assert diff <= 1e-6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_a_resharded_resume_continues_the_scheduler_and_the_loss_scale(tmp_path, precision):
+    """A checkpoint resumed under another plan of the same world (2 stages cut elsewhere: what an elastic
+    restart's re-plan does) continues OneCycleLR where it was and fp16's loss scale as it was, as the
+    same plan's resume does. Before: the schedule started over (steps 4 and 5 at lr 5e-3 and 8e-8 for
+    1.04e-2 and 2e-2; weights 2.2e-2 from the uninterrupted run at step 6) and the loss scale restarted
+    from its initial 2^28 instead of the saved 2^25 (3 overflowing steps had halved it)."""
+    plan = make_plan("mlp", [3], [1, 1], schedule="1f1b", micro_batches=4, batch_size=4)
+    other = make_plan("mlp", [1], [1, 1], schedule="gpipe", micro_batches=4, batch_size=4)
+    path, other_path = save_plan(plan, tmp_path / "plan.json"), save_plan(other, tmp_path / "other.json")
+    calls = [["resume_resharded", [str(path), str(other_path), str(tmp_path), resume, precision]]
+             for resume in (False, True)]
+    ranks = run(plan, calls)
+    for whole, resumed in ranks:
+        print(whole, resumed)
+        assert resumed["hypers"] == {k: whole["hypers"][k] for k in resumed["hypers"]}
+        assert resumed["scales"] == {k: whole["scales"][k] for k in resumed["scales"]}
+    end, again = final_weights(tmp_path / "end", STEPS), final_weights(tmp_path / "resumed", STEPS)
+    print("diff", max_diff(end, again))
+    assert max_diff(end, again) <= 1e-6
