@@ -12,6 +12,7 @@ half a cosine from 1 to 0 at ``total``.
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 from collections.abc import Callable
@@ -51,8 +52,10 @@ def lr_schedule(kind: str, *, warmup: int, total: int) -> SchedulerFactory:
 
 
 def fresh_hyperparameters(optimizer: Any) -> list[dict[str, Any]]:
-    """Each param group's hyperparameters before any scheduler touched them (for :func:`replay_scheduler`)."""
-    return [{k: v for k, v in g.items() if k != "params"} for g in getattr(optimizer, "param_groups", [])]
+    """Each param group's hyperparameters before any scheduler touched them (for :func:`replay_scheduler`;
+    copies: a tensor learning rate is changed in place)."""
+    groups = getattr(optimizer, "param_groups", [])
+    return [copy.deepcopy({k: v for k, v in g.items() if k != "params"}) for g in groups]
 
 
 def replay_scheduler(make: SchedulerFactory, optimizer: torch.optim.Optimizer, fresh: list[dict[str, Any]],
@@ -65,7 +68,7 @@ def replay_scheduler(make: SchedulerFactory, optimizer: torch.optim.Optimizer, f
     for group, hyper in zip(optimizer.param_groups, fresh, strict=True):
         for key in [k for k in group if k != "params"]:
             del group[key]
-        group.update(hyper)
+        group.update(copy.deepcopy(hyper))
     scheduler = make(optimizer)
     if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
         raise UserError("a checkpoint resumed under another plan replays the learning-rate scheduler from its step "
