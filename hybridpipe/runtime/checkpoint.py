@@ -110,7 +110,7 @@ class Restored:
     optimizer: dict             # the stage's optimizer state, name-keyed (reshard.named_optimizer_state)
     engine: dict                # the engine's state_dict (stashed weight versions); {} after a reshard
     rng: dict | None            # this rank's RNG states (restore_rng); None after a reshard
-    extra: dict                 # what the worker passed to save(extra=...)
+    extra: dict                 # what the worker passed to save(extra=...) (resharded: rank 0's)
     path: Path
     skipped: tuple[str, ...] = ()   # newer checkpoints passed over: "step-000009: why"
     resharded: str = ""         # "" when written by this very plan, else how that plan differs
@@ -298,10 +298,12 @@ class Checkpointer:
                           "move them away, or start afresh with another --checkpoint-dir (nothing was changed)")
 
     def load_into(self, restored: Restored, module: nn.Module, optimizer: Any) -> None:
-        """Put ``restored``'s weights and optimizer state into this rank's module and optimizer."""
+        """Put ``restored``'s weights and optimizer state into this rank's module and optimizer (its
+        param groups' hyperparameters too, as a resumed run had them: reshard.indexed_optimizer_state)."""
         module.load_state_dict(restored.model)
         names = optimizer_names(optimizer, module, self.canon)
-        optimizer.load_state_dict(indexed_optimizer_state(restored.optimizer, names, optimizer.state_dict()))
+        optimizer.load_state_dict(indexed_optimizer_state(restored.optimizer, names, optimizer.state_dict(),
+                                                          saved_hyperparameters=True))
 
     # ---- helpers ----------------------------------------------------------------------
     def _try_step(self, step: int, visible: list[int], module: nn.Module) -> tuple[Restored | None, str]:
@@ -333,6 +335,8 @@ class Checkpointer:
             wanted = pick(index, {self.canon.get(k, k) for k in state_keys})
             parts = {f: load_file(self.root, step, f) for f in sorted(wanted)}
             own = load_file(self.root, step, rank_file(self.rank)) if self._same_plan(m) else None
+            # resharded: what is the same on every rank (the fp16 loss scale) comes from rank 0's file
+            shared = own if own is not None else load_file(self.root, step, rank_file(0))
         except NotPlainData as e:
             return None, f"unsafe:{e}"
         except UserError as e:
@@ -345,7 +349,7 @@ class Checkpointer:
         if own is not None and not (isinstance(own.get("engine"), dict) and isinstance(own.get("rng"), dict)):
             return None, f"rank {self.rank}: its file holds no engine or RNG state"
         return Restored(step=step, model=model, optimizer=named, engine=own["engine"] if own else {},
-                        rng=own["rng"] if own else None, extra=(own or {}).get("extra") or {}, path=d,
+                        rng=own["rng"] if own else None, extra=shared.get("extra") or {}, path=d,
                         resharded="" if own is not None else self._plan_change(m)), ""
 
     def _meta(self, seconds: float) -> dict:

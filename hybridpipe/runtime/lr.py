@@ -12,10 +12,15 @@ half a cosine from 1 to 0 at ``total``.
 
 from __future__ import annotations
 
+import copy
 import math
+import warnings
 from collections.abc import Callable
+from typing import Any
 
 import torch
+
+from hybridpipe.errors import UserError
 
 SCHEDULES = ("constant", "linear", "cosine")
 
@@ -44,3 +49,32 @@ def lr_schedule(kind: str, *, warmup: int, total: int) -> SchedulerFactory:
         return torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: lr_factor(kind, step, warmup=warmup, total=total))
     return make
+
+
+def fresh_hyperparameters(optimizer: Any) -> list[dict[str, Any]]:
+    """Each param group's hyperparameters before any scheduler touched them (for :func:`replay_scheduler`;
+    copies: a tensor learning rate is changed in place)."""
+    groups = getattr(optimizer, "param_groups", [])
+    return [copy.deepcopy({k: v for k, v in g.items() if k != "params"}) for g in groups]
+
+
+def replay_scheduler(make: SchedulerFactory, optimizer: torch.optim.Optimizer, fresh: list[dict[str, Any]],
+                     steps: int) -> torch.optim.lr_scheduler.LRScheduler:
+    """The scheduler ``make`` builds on ``optimizer`` as it stands after ``steps`` training steps: the
+    groups' hyperparameters set back to ``fresh`` (what they were before the first scheduler), a new
+    scheduler built and stepped ``steps`` times. For a checkpoint resumed under another plan, whose
+    ranks hold other parameter groups than the saved schedulers' (a scheduler's state is per group);
+    torch's schedulers depend on the step count alone. A ReduceLROnPlateau (it steps on a metric) is refused."""
+    for group, hyper in zip(optimizer.param_groups, fresh, strict=True):
+        for key in [k for k in group if k != "params"]:
+            del group[key]
+        group.update(copy.deepcopy(hyper))
+    scheduler = make(optimizer)
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        raise UserError("a checkpoint resumed under another plan replays the learning-rate scheduler from its step "
+                        "count, but ReduceLROnPlateau follows a metric: resume under the plan that wrote it")
+    with warnings.catch_warnings():       # "lr_scheduler.step() before optimizer.step()": no step is trained here
+        warnings.simplefilter("ignore", UserWarning)
+        for _ in range(steps):
+            scheduler.step()
+    return scheduler

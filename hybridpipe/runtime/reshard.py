@@ -64,19 +64,49 @@ def named_optimizer_state(indexed: Mapping[str, Any], names: Sequence[str]) -> d
     return {"state": state, "param_groups": groups}
 
 
-def indexed_optimizer_state(named: Mapping[str, Any], names: Sequence[str], current: Mapping[str, Any]) -> dict:
+def indexed_optimizer_state(named: Mapping[str, Any], names: Sequence[str], current: Mapping[str, Any], *,
+                            saved_hyperparameters: bool = False) -> dict:
     """A name-keyed optimizer state (possibly the union of several stages') -> the index-keyed
     state_dict of an optimizer over ``names`` whose own state_dict is ``current`` (its param
-    groups, hence its hyperparameters, are kept). Every name must be one the saved optimizer held."""
+    groups are kept). Every name must be one the saved optimizer held. The hyperparameters are
+    ``current``'s (a new run started from the state: ``--init-from``), or with
+    ``saved_hyperparameters`` the checkpoint's, as torch's ``load_state_dict`` restores them (a
+    resumed run: a scheduler may have moved more than the learning rate, e.g. OneCycleLR's betas)."""
     if not names:
         return dict(current)
-    held = {n for g in named.get("param_groups", []) for n in g["params"]}
+    saved_groups = named.get("param_groups", [])
+    held = {n for g in saved_groups for n in g["params"]}
     missing = [n for n in names if n not in held]
     if missing:
         raise UserError(f"the checkpoint holds no optimizer state for {missing[0]!r} ({len(missing)} parameter(s)): "
                         "it was written for another model")
     state = {i: dict(named["state"][n]) for i, n in enumerate(names) if n in named["state"]}
-    return {"state": state, "param_groups": [dict(g) for g in current["param_groups"]]}
+    groups = [dict(g) for g in current["param_groups"]]
+    if saved_hyperparameters:
+        hyper_of = {n: {k: v for k, v in g.items() if k != "params"} for g in saved_groups for n in g["params"]}
+        for group in groups:
+            found = [hyper_of[names[int(i)]] for i in group["params"]]
+            if any(not _same_values(h, found[0]) for h in found[1:]):
+                raise UserError(f"the optimizer's parameter group of {names[int(group['params'][0])]!r} holds "
+                                "parameters that were in groups of other hyperparameters when the checkpoint was "
+                                "written: resume with the parameter groups it was written with")
+            if found:
+                group.update(found[0])
+    return {"state": state, "param_groups": groups}
+
+
+def _same_values(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Whether two param groups' hyperparameters are equal (tensor values, e.g. a tensor lr, compared by value)."""
+    if a.keys() != b.keys():
+        return False
+    for k, v in a.items():
+        w = b[k]
+        if isinstance(v, torch.Tensor) or isinstance(w, torch.Tensor):
+            if not (isinstance(v, torch.Tensor) and isinstance(w, torch.Tensor) and torch.equal(v, w)):
+                return False
+        elif v != w:
+            return False
+    return True
 
 
 def merge_named(parts: Iterable[Mapping[str, Any]]) -> dict:

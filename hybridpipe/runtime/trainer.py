@@ -49,7 +49,7 @@ from hybridpipe.runtime.batches import GivenBatches, is_micro_batch_stream, spli
 from hybridpipe.runtime.checkpoint import Checkpointer, Restored, reseed, restore_rng
 from hybridpipe.runtime.groups import init_distributed, replica_groups, stage_channels
 from hybridpipe.runtime.loader import MicroBatchSlice, StepLoader
-from hybridpipe.runtime.lr import SchedulerFactory
+from hybridpipe.runtime.lr import SchedulerFactory, fresh_hyperparameters, replay_scheduler
 from hybridpipe.runtime.nonfinite import NonFiniteWatch
 from hybridpipe.runtime.parts import (
     PRECISIONS,
@@ -132,6 +132,7 @@ class Trainer:
                             "split over; use \"shard\": \"none\" or restart from checkpoints")
         self.optimizer = build_optimizer(optimizer if callable(optimizer) else cfg.optimizer, self.module, cfg.lr,
                                          cfg.momentum, cfg.weight_decay, sharded)
+        self._make_scheduler, self._fresh_groups = lr_scheduler, fresh_hyperparameters(self.optimizer)
         self.scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None and \
             isinstance(self.optimizer, torch.optim.Optimizer) else None
         self._before_step = BeforeStep(self.module, self.optimizer, self.proc.device, self.scaler, cfg.clip_grad_norm,
@@ -324,13 +325,16 @@ class Trainer:
         restored = ckpt.restore(self.module)
         if restored is None:
             return None
+        if restored.resharded and self.scheduler is not None and self._make_scheduler is not None:
+            # the saved schedulers' state is per parameter group of other ranks: replay it to the step
+            self.scheduler = replay_scheduler(self._make_scheduler, self.optimizer, self._fresh_groups, restored.step)
         with whole_weights(self.syncs.values()):                # ZeRO-3: each replica keeps its pieces
             ckpt.load_into(restored, self.module, self.optimizer)
         self.step = restored.step
         if restored.engine:
             self.engine.load_state_dict(restored.engine)
         sched = restored.extra.get("scheduler")
-        if self.scheduler is not None and sched is not None:
+        if self.scheduler is not None and sched is not None and not restored.resharded:
             self.scheduler.load_state_dict(sched)
             # the checkpoint keeps the optimizer's state, not its hyperparameters: the schedule's
             # learning rate of the next step comes back from the scheduler

@@ -10,7 +10,7 @@ import torch
 from hybridpipe.errors import UserError
 from hybridpipe.pipeline.data import concat
 from hybridpipe.runtime.batches import GivenBatches, is_micro_batch_stream, split_batch, take_micro_batches
-from hybridpipe.runtime.lr import lr_factor, lr_schedule
+from hybridpipe.runtime.lr import fresh_hyperparameters, lr_factor, lr_schedule, replay_scheduler
 
 
 def test_lr_factors_warm_up_linearly_then_follow_the_schedule():
@@ -76,3 +76,47 @@ def test_the_loss_scale_backs_off_on_overflow_and_grows_after_good_steps():
     t = LossScaler()
     t.load_state_dict(s.state_dict())
     assert t.state_dict() == s.state_dict()
+
+
+@pytest.mark.parametrize("kind", ["one-cycle", "warm-cosine", "cosine-annealing", "launch-cosine"])
+def test_a_replayed_scheduler_is_where_the_uninterrupted_one_is(kind):
+    """A checkpoint resumed under another plan (an elastic restart's re-plan) gets a scheduler replayed
+    to its step from the factory, whatever its optimizer's groups went through since (CosineAnnealingLR
+    computes from the groups' current lr, OneCycleLR moves the betas); before, the resharded resume
+    kept a fresh scheduler and warmed up again (OneCycleLR's lr 8e-8 for 0.02 two steps later)."""
+    def make(opt):
+        if kind == "one-cycle":
+            return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=[0.02, 0.01], total_steps=8)
+        if kind == "warm-cosine":
+            warm = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.5, total_iters=2)
+            cos = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=6)
+            return torch.optim.lr_scheduler.SequentialLR(opt, [warm, cos], milestones=[2])
+        if kind == "cosine-annealing":
+            return torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=8)
+        return lr_schedule("cosine", warmup=2, total=8)(opt)
+
+    def optimizer():
+        a, b = torch.nn.Parameter(torch.zeros(2, 2)), torch.nn.Parameter(torch.zeros(2))
+        return torch.optim.AdamW([{"params": [a]}, {"params": [b], "weight_decay": 0.0}], lr=0.01)
+    whole = optimizer()
+    sched = make(whole)
+    other = optimizer()
+    fresh = fresh_hyperparameters(other)
+    stale = make(other)
+    for k in range(5):
+        if k < 3:
+            whole.step()
+            sched.step()
+        other.step()
+        stale.step()                               # the resumed rank's own scheduler: somewhere else
+    for g in other.param_groups:
+        g["lr"] = 123.0                            # whatever the checkpoint put there
+    replayed = replay_scheduler(make, other, fresh, 3)
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in whole.param_groups]
+    assert [{k: v for k, v in g.items() if k != "params"} for g in other.param_groups] == hyper
+    for _ in range(3):
+        sched.step()
+        replayed.step()
+        assert replayed.get_last_lr() == sched.get_last_lr()
+    with pytest.raises(UserError, match="ReduceLROnPlateau follows a metric"):
+        replay_scheduler(lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(o), other, fresh, 2)

@@ -3,6 +3,8 @@ optimizer split by name into other "stages" continues exactly as the unsplit one
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -85,3 +87,46 @@ def test_tied_names_collapse_to_the_first_and_missing_names_are_one_line():
     with pytest.raises(UserError, match="no optimizer state for 'z'"):
         indexed_optimizer_state({"state": {}, "param_groups": [{"params": ["x"]}]}, ["x", "z"],
                                 {"state": {}, "param_groups": [{"params": [0, 1]}]})
+
+
+def test_resumed_state_brings_back_the_hyperparameters_a_scheduler_moved():
+    """A scheduler may move more than the learning rate (OneCycleLR cycles Adam's beta1; a user may set a
+    group's weight decay): resuming restores every param group's hyperparameters as torch's own
+    ``load_state_dict`` does, so the resumed run continues bitwise (before: the new optimizer's own,
+    OneCycleLR's step-0 beta1 0.95 for 0.904, and 2.0e-2 apart after 3 more steps), while a new run
+    from the state (``--init-from``) keeps its own; groups regrouped across hyperparameters are one line."""
+    xs = [torch.randn(8, 6, generator=torch.Generator().manual_seed(k)) for k in range(6)]
+
+    def build(m):
+        decay = [p for p in m.parameters() if p.ndim > 1]
+        other = [p for p in m.parameters() if p.ndim == 1]
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
+                                lr=0.01)
+        return opt, torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=[0.05, 0.02], total_steps=6)
+    whole = model()
+    opt, sched = build(whole)
+    for x in xs[:3]:
+        step([whole], [opt], x)
+        sched.step()
+    named = copy.deepcopy(named_optimizer_state(opt.state_dict(), optimizer_names(opt, whole, {})))   # as if read
+    again = model()
+    again.load_state_dict(whole.state_dict())
+    new, new_sched = build(again)
+    new_sched.load_state_dict(sched.state_dict())
+    fresh = new.state_dict()
+    names = optimizer_names(new, again, {})
+    new.load_state_dict(indexed_optimizer_state(named, names, fresh, saved_hyperparameters=True))
+    kept = indexed_optimizer_state(named, names, fresh)
+    assert [g["betas"] for g in kept["param_groups"]] == [(0.95, 0.999)] * 2          # init-from: its own
+    assert [g["betas"] for g in new.param_groups] == [g["betas"] for g in opt.param_groups] != kept["param_groups"]
+    for x in xs[3:]:
+        step([whole], [opt], x)
+        sched.step()
+        step([again], [new], x)
+        new_sched.step()
+    for (k, a), b in zip(whole.state_dict().items(), again.state_dict().values(), strict=True):
+        assert torch.equal(a, b), k
+    with pytest.raises(UserError, match="groups of other hyperparameters"):
+        indexed_optimizer_state({"state": {}, "param_groups": named["param_groups"]}, ["0.weight", "0.bias"],
+                                {"state": {}, "param_groups": [{"params": [0, 1], "lr": 0.01}]},
+                                saved_hyperparameters=True)
