@@ -8,7 +8,8 @@ For each model x hosts group of the results, every run directory that ``plans.py
 a summary and its timelines (the strategies' runs ``run-*``, autotune's ``autotune-*/runs/run-*``, the
 paired rounds ``pairs-*/pair-*``) is read as refinement reads it. Runs of the same plan (same stages, ranks,
 schedule, micro-batches and per-layer all-reduce) form one plan; its measurement is the median of every
-steady step of all its runs (pooled).
+steady step of all its runs (pooled; steady: after the summary's warm-up and the leading steps still warming
+up, ``observed.settling_steps``).
 
 * **Noise floor**: a plan run more than once, each run's median against every other run's of the same
   plan, |m_i / m_j - 1| (the same plan rerun, minutes apart on the shared machine).
