@@ -192,8 +192,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--autotune-budget", type=int, default=4, help="autotune's runs per group (default 4)")
     p.add_argument("--pair-rounds", type=int, default=2, help="after autotune, run its plan and the fastest "
                    "strategy's alternately N times each (default 2; 0: no paired comparison)")
-    p.add_argument("--autotune-steps", type=int, default=6, help="steps of each autotune run (default 6: the "
-                   "first is warm-up, its median and noise from the other 5; re-measures pool their steps)")
+    p.add_argument("--autotune-steps", type=int, default=None, help="steps of each autotune run and paired run "
+                   "(default the larger of 6 and --steps: the first fifth, at least 1, is warm-up, then the leading "
+                   "steps still warming up (observed.settling_steps); re-measures pool their steps. Runs as long as "
+                   "the strategies' keep the same plan's reruns comparable: the Llama's 6-step runs of pred7 held "
+                   "one warm-up step in 5, RESULTS 4e)")
     p.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     p.add_argument("--tag", default="", help="suffix of the result files (plans_<tag>[_quick])")
     p.add_argument("--trace", action="store_true", help="record the strategies' runs' timelines too (for "
@@ -217,6 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "optimal" not in strategies:
         strategies.insert(0, "optimal")           # the reference of every ratio
     args.steps = args.steps or 3
+    args.autotune_steps = args.autotune_steps or max(6, args.steps)
     args.contention_seconds = args.contention_seconds or (5.0 if quick else 8.0)
     setup_logging()
     require_emulation()

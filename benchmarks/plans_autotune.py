@@ -18,6 +18,7 @@ from pathlib import Path
 
 from benchmarks.plans_analysis import plan_key, refusal_lines, row_from
 from hybridpipe.jsonfile import read_json
+from hybridpipe.partitioner.refine.observed import settling_steps
 
 # train(plan file, run dir) -> the run's summary.json ({"failed": ...} when it failed)
 Train = Callable[[Path, Path], dict]
@@ -69,9 +70,11 @@ def autotune_row(cli: Callable, cluster, name: str, hosts: int, args, work: Path
 
 
 def steady_steps(summary: dict) -> list[float]:
-    """The job's step times after the summary's warm-up (the first fifth, at least 1)."""
+    """The job's step times after the summary's warm-up (the first fifth, at least 1) and the leading steps
+    still warming up after it (``observed.settling_steps``, as refinement and plans_prediction.py read them)."""
     steps = sorted((int(k), float(v)) for k, v in (summary.get("job_step_ms") or {}).items())
-    return [v for _, v in steps[int(summary.get("warmup_steps") or 0):]]
+    times = [v for _, v in steps[int(summary.get("warmup_steps") or 0):]]
+    return times[settling_steps(times):]
 
 
 def fastest_strategy(rows: Sequence[dict]) -> dict | None:

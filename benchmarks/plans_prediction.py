@@ -8,7 +8,8 @@ For each model x hosts group of the results, every run directory that ``plans.py
 a summary and its timelines (the strategies' runs ``run-*``, autotune's ``autotune-*/runs/run-*``, the
 paired rounds ``pairs-*/pair-*``) is read as refinement reads it. Runs of the same plan (same stages, ranks,
 schedule, micro-batches and per-layer all-reduce) form one plan; its measurement is the median of every
-steady step of all its runs (pooled).
+steady step of all its runs (pooled; steady: after the summary's warm-up and the leading steps still warming
+up, ``observed.settling_steps``).
 
 * **Noise floor**: a plan run more than once, each run's median against every other run's of the same
   plan, |m_i / m_j - 1| (the same plan rerun, minutes apart on the shared machine).
@@ -169,9 +170,9 @@ def run_dirs(work: Path, model: str, hosts: int) -> list[Path]:
 
 
 def group_refiner(profile_path: Path, cluster_path: Path, calibration_paths: Sequence[Path],
-                  node_shrink: float | None = 0.0, terms: Sequence[str] = ()) -> Refiner:
-    """refine (as refine_from_runs does, with ``node_shrink``: refinement.refine) on the group's calibrated
-    profile and calibration; predict_run with the result."""
+                  node_shrink: float | None = 0.0, terms: Sequence[str] = (), step_loss: bool = True) -> Refiner:
+    """refine (as refine_from_runs does, with ``node_shrink``, ``terms`` and ``step_loss``: refinement.refine)
+    on the group's calibrated profile and calibration; predict_run with the result."""
     from hybridpipe.partitioner.cost.calibration import load_calibration
     from hybridpipe.partitioner.cost.cluster import load_cluster
     from hybridpipe.partitioner.refine.refinement import predict_run, refine, refined_calibrations, refined_profile
@@ -182,7 +183,7 @@ def group_refiner(profile_path: Path, cluster_path: Path, calibration_paths: Seq
     def refiner(runs: Sequence[RunObservation]) -> Callable[[RunObservation], float]:
         if not runs:                                    # nothing to refine from: the model as calibrated
             return lambda run: float(predict_run(profile, cluster, cals, run))
-        ref = refine(profile, cluster, cals, runs, node_shrink=node_shrink, terms=terms)
+        ref = refine(profile, cluster, cals, runs, node_shrink=node_shrink, terms=terms, step_loss=step_loss)
         prof, refined = refined_profile(profile, ref), refined_calibrations(cluster, cals, ref)
         return lambda run: float(predict_run(prof, cluster, refined, run))
     return refiner
@@ -260,13 +261,17 @@ def _main(argv: Sequence[str] | None) -> int:
     p.add_argument("--terms", type=term_list, default=(), metavar="NAME[,NAME]",
                    help="stage terms to fit beside the node factors (refinement.TERMS: replicas, accumulation; "
                    "cost/computeterms.py); default none, refinement's own")
+    p.add_argument("--no-step-loss", dest="step_loss", action="store_false",
+                   help="refine without the compute lost beside all-reduces fitted from the step times "
+                   "(refinement.refine's step_loss; default: fitted, refinement's own)")
     a = p.parse_args(argv)
     shrink = None if a.node_shrink == "cv" else a.node_shrink
     if len(a.work) != len(a.results) or (a.calibration and len(a.calibration) != len(a.work)):
         p.error("give one --work per --results (and one --calibration per --work, if any)")
     groups: dict[str, list[PlanError]] = {}
     out: dict = {"benchmark": "plans_prediction", "machine": machine(), "results": [str(r) for r in a.results],
-                 "drop_stalled": a.drop_stalled, "node_shrink": a.node_shrink, "terms": list(a.terms), "groups": {}}
+                 "drop_stalled": a.drop_stalled, "node_shrink": a.node_shrink, "terms": list(a.terms),
+                 "step_loss": a.step_loss, "groups": {}}
     spreads: list[float] = []
     found = [(work, model, hosts, cal) for work, results, cal in zip(a.work, a.results, a.calibration or
                                                                       [None] * len(a.work), strict=True)
@@ -277,7 +282,8 @@ def _main(argv: Sequence[str] | None) -> int:
         cal_paths = [cal] if cal else sorted(work.glob(f"allreduce{hosts}.json"))
         out["calibrations"][f"{model}, {hosts} hosts"] = [str(c) for c in cal_paths]
         refiner = group_refiner(work / f"{model}.x{hosts}.profile.json",
-                                REPO / "examples" / "clusters" / f"{hosts}x1gbit.json", cal_paths, shrink, a.terms)
+                                REPO / "examples" / "clusters" / f"{hosts}x1gbit.json", cal_paths, shrink, a.terms,
+                                a.step_loss)
         plans = plan_errors(runs, refiner, refiner([]))
         nodes = read_json(work / f"{model}.x{hosts}.profile.json", "profile")["nodes"]
         fwd, bwd = [n["forward_ms"] for n in nodes], [n["backward_ms"] for n in nodes]

@@ -48,7 +48,13 @@ from pathlib import Path
 if __package__ in (None, ""):                       # run as a script: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hybridpipe.partitioner.refine.observed import RankEvents, RunObservation, steady_steps
+from hybridpipe.partitioner.refine.observed import (
+    RankEvents,
+    RunObservation,
+    job_step_map,
+    steady_steps,
+    without_settling,
+)
 
 TERMS = ("compute", "sync", "optimizer", "wait")
 
@@ -101,9 +107,11 @@ def rank_terms(events: Sequence[dict], steps: set[int], *, loads_input: bool,
     return out
 
 
-def measured_terms(ranks: Sequence[RankEvents], warmup: int, stages: int) -> list[dict[str, float]]:
-    """Per stage: the median over its replicas of :func:`rank_terms` over the run's steady steps."""
-    steps = steady_steps(ranks, warmup)
+def measured_terms(ranks: Sequence[RankEvents], warmup: int, stages: int,
+                   jobs: dict[int, float] | None = None) -> list[dict[str, float]]:
+    """Per stage: the median over its replicas of :func:`rank_terms` over the run's steady steps (less the
+    leading ones still warming up by the job's step times ``jobs``, as ``observed.observe_run`` leaves them)."""
+    steps = without_settling(steady_steps(ranks, warmup), jobs or {})
     entered = step_entries(ranks, steps)
     out = []
     for k in range(stages):
@@ -152,15 +160,16 @@ def predicted_terms(profile, cluster, calibrations, run: RunObservation, optimiz
     return {"step": total, "stages": stages, "binding": max(range(len(lines)), key=lines.__getitem__)}
 
 
-def run_ranks(run_dir: Path) -> tuple[list[RankEvents], int]:
-    """A run directory's rank traces (as ``commands/refining.load_run`` reads them) and its warm-up steps."""
+def run_ranks(run_dir: Path) -> tuple[list[RankEvents], int, dict[int, float]]:
+    """A run directory's rank traces (as ``commands/refining.load_run`` reads them), its warm-up steps and
+    the job's step times."""
     from hybridpipe.jsonfile import read_json
     from hybridpipe.runtime.timeline import find_rank_traces, load_rank_trace
     summary = read_json(run_dir / "summary.json", "run summary")
     traces = [load_rank_trace(p) for p in find_rank_traces(run_dir)]
     return ([RankEvents(t.rank, int(t.meta["stage"]), int(t.meta["replica"]),
                         [e for e in t.events if e.get("ph") == "X"]) for t in traces],
-            int(summary.get("warmup_steps", 0)))
+            int(summary.get("warmup_steps", 0)), job_step_map(summary))
 
 
 def pooled_terms(per_run: Sequence[Sequence[dict[str, float]]]) -> list[dict[str, float]]:
@@ -202,7 +211,8 @@ def group_terms(work: Path, model: str, hosts: int, cluster_path: Path, calibrat
         if get_async(mine[0].schedule):
             continue
         others = [r for k, rs in plans.items() if k != key for r in rs]
-        measured = pooled_terms([measured_terms(*traces[r.name], len(r.stages)) for r in mine])
+        measured = pooled_terms([measured_terms(*traces[r.name][:2], len(r.stages),
+                                                    traces[r.name][2]) for r in mine])
         before = predicted_terms(profile, cluster, cals, mine[0])
         row = {"layout": layout(mine[0]), "runs": len(mine), "measured_ms": pooled_ms(mine), "measured": measured,
                "p2p_measured_over_model": p2p_ratio(mine, CostModel(cluster, cals)),

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from hybridpipe.partitioner.refine.observed import RankEvents, observe_run, stalled_steps
+import statistics
+
+from hybridpipe.partitioner.refine.observed import RankEvents, observe_run, settling_steps, stalled_steps
 
 
 def _x(name: str, step: int, ms: float, mb: int = 0) -> dict:
@@ -62,3 +64,31 @@ def test_a_replicated_stage_waits_what_the_replica_that_freed_its_gradients_last
     summary = {"stages": [[0, 0, 2]], "micro_batches": 2, "schedule": "1f1b", "warmup_steps": 1,
                "measured_step_ms": 1800.0}
     assert observe_run("run", summary, ranks).stages[0].sync_wait_ms == 200.0
+
+
+def test_the_leading_steps_still_warming_up_are_settling():
+    assert settling_steps([2000.0, 1500.0, 1000.0, 1010.0, 990.0, 1005.0]) == 2
+    assert settling_steps([1300.0, 1000.0, 1100.0, 990.0]) == 1
+    assert settling_steps([1190.0, 1000.0, 1100.0, 990.0]) == 0          # within 1.2x the steps after it
+    assert settling_steps([1000.0, 1500.0, 1000.0, 1000.0]) == 0          # a slow step later is no warm-up
+    assert settling_steps([5000.0, 4000.0, 3000.0, 1000.0]) == 2          # at most half of them (and two) left
+    assert settling_steps([3000.0, 1000.0]) == 0 and settling_steps([]) == 0
+
+
+def _warming(steps: range, slow: set[int]):
+    # two stages over ``steps``; in ``slow`` every rank computed 1.5x and the job's step took 1.6x
+    ranks = [_rank(0, 0, {s: 150.0 if s in slow else 100.0 + s for s in steps}),
+             _rank(1, 1, {s: 180.0 if s in slow else 120.0 - s for s in steps})]
+    jobs = {str(s): 1600.0 if s in slow else 1000.0 + 3 * s for s in steps}
+    summary = {"stages": [[0, 0, 1], [1, 1, 1]], "micro_batches": 2, "schedule": "1f1b", "warmup_steps": 1,
+               "measured_step_ms": statistics.median(list(jobs.values())[1:]), "job_step_ms": jobs}  # as launch.py
+    return observe_run("run", summary, ranks)
+
+
+def test_a_run_still_warming_up_after_its_warm_up_is_observed_as_if_it_had_not_run_those_steps():
+    warm = _warming(range(6), {0, 1})               # the summary leaves out step 0; step 1 is still warming up
+    settled = _warming(range(1, 6), {1})            # the same run with step 1 as its warm-up
+    assert warm.step_times_ms == settled.step_times_ms == (1006.0, 1009.0, 1012.0, 1015.0)
+    assert warm.measured_step_ms == settled.measured_step_ms == 1010.5     # not warm's summary's 1009
+    assert warm.stages == settled.stages
+    assert warm.stages[0].forward_ms == (103 + 104) / 2 / 4                 # steps 2-5 only

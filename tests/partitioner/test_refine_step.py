@@ -179,10 +179,8 @@ def test_one_stage_whose_step_crawled_does_not_set_the_optimizer_factor():
     assert weighted_median([1.0, 5.0, 2.0], [1.0, 1.0, 3.0]) == 2.0
 
 
-def test_compute_lost_beside_all_reduces_that_only_the_step_times_show_is_fitted_there():
-    """On hosts that share CPUs, a big all-reduce slows the other stages, not its own compute
-    phases: the stages' compute says nothing, the measured steps do. The loss is fitted to the
-    steps (beside the message latency and the overhead) and re-predicts every run."""
+def _lost_beside_runs():
+    """Three layouts measured with 5e-9 s per byte lost beside the all-reduces, 2 ms overhead per step."""
     prof = make_profile([(5.0, 10.0, 100_000, 10_000_000)] * 4, model="even")
     cluster = flat_cluster(4, gbps=10.0, latency_us=20)
     truth = dataclasses.replace(nominal_calibration(CostModel(cluster), 0), interference_s_per_byte=5e-9,
@@ -194,9 +192,28 @@ def test_compute_lost_beside_all_reduces_that_only_the_step_times_show_is_fitted
         probe = synthetic_run(prof, cluster, stages, name=f"r{k}")
         runs.append(synthetic_run(prof, cluster, stages, name=f"r{k}",
                                   measured_step_ms=predict_run(prof, cluster, [truth], probe)))
+    return prof, cluster, runs
+
+
+def test_compute_lost_beside_all_reduces_that_only_the_step_times_show_is_fitted_there():
+    """On hosts that share CPUs, a big all-reduce slows the other stages, not its own compute
+    phases: the stages' compute says nothing, the measured steps do. The loss is fitted to the
+    steps (beside the message latency and the overhead) and re-predicts every run."""
+    prof, cluster, runs = _lost_beside_runs()
     ref = refine(prof, cluster, (), runs)
     assert ref.interference_s_per_byte == pytest.approx(5e-9, rel=0.05)
     cals = refined_calibrations(cluster, (), ref)
     for run in runs:
         assert predict_run(refined_profile(prof, ref), cluster, cals, run) == pytest.approx(run.measured_step_ms,
                                                                                             rel=0.01)
+
+
+def test_without_the_step_loss_the_loss_stays_what_the_stages_compute_showed():
+    """``step_loss=False``: the same runs refine to no loss (their stages' compute showed none), and the latency
+    and overhead alone cannot re-predict them (with the loss fitted: within 1%, the test above)."""
+    prof, cluster, runs = _lost_beside_runs()
+    ref = refine(prof, cluster, (), runs, step_loss=False)
+    assert ref.interference_s_per_byte == 0.0
+    cals = refined_calibrations(cluster, (), ref)
+    errors = [predict_run(refined_profile(prof, ref), cluster, cals, r) / r.measured_step_ms - 1 for r in runs]
+    assert max(abs(e) for e in errors) > 0.05

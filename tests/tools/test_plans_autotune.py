@@ -22,6 +22,8 @@ def _rows(tuned: dict) -> list[dict]:
 def test_steady_steps_leave_out_the_warm_up_in_step_order():
     summary = {"warmup_steps": 1, "job_step_ms": {"10": 5.0, "2": 9.0, "3": 4.0}}
     assert steady_steps(summary) == [4.0, 5.0]
+    warming = {"warmup_steps": 1, "job_step_ms": {str(k): v for k, v in enumerate([9.0, 8.0, 5.0, 4.5, 5.0, 4.5])}}
+    assert steady_steps(warming) == [5.0, 4.5, 5.0, 4.5]      # step 1, still 1.6x the steps after it, left out
 
 
 def test_the_fastest_strategy_skips_autotune_and_duplicates():

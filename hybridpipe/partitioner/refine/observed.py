@@ -22,6 +22,12 @@ runs from posting the message to its last byte leaving; a receiver's from the he
 arrival to the last byte's, the wire time without the wait for the sender.
 Per run: the job's step times over the steady steps (how noisy its median is).
 
+The steady steps also leave out the leading ones still warming up (:func:`settling_steps`: each slower than
+``SETTLE_LIMIT`` times the median of the steps after it, at most half of them): the summary's warm-up is a
+fixed fifth of the run (one step of 6), and on the Llama of the pred7 recording the second step of every
+short run was still 1.56x the later ones (every rank's forwards and backwards slower), which a median of 5
+steps does not absorb.
+
 With ``stall_limit``, a steady step in which some rank's compute (its forwards and backwards)
 ran more than ``stall_limit`` times that rank's own median over the steady steps is left out
 of every number above, the measured step included (the median of the job's other steady
@@ -37,6 +43,8 @@ from dataclasses import dataclass
 
 from hybridpipe.errors import UserError
 from hybridpipe.jsonfile import field
+
+SETTLE_LIMIT = 1.2    # a leading step slower than this times the median of the steps after it is warming up
 
 
 @dataclass(frozen=True)
@@ -99,6 +107,24 @@ def steady_steps(ranks: Sequence[RankEvents], warmup: int) -> set[int]:
     common = sorted(set.intersection(*seen)) if seen else []
     skip = max(warmup, 1)
     return set(common[skip:] if len(common) > skip else common[-1:])
+
+
+def settling_steps(times: Sequence[float], limit: float = SETTLE_LIMIT) -> int:
+    """How many of the leading steps of ``times`` (the steady steps in order) are still warming up: the first
+    while it is slower than ``limit`` times the median of the steps after it, then the next likewise; at most
+    as many as leave half of them (and two) behind."""
+    keep = max(2, (len(times) + 1) // 2)
+    drop = 0
+    while len(times) - drop > keep and times[drop] > limit * statistics.median(times[drop + 1:]):
+        drop += 1
+    return drop
+
+
+def without_settling(steps: set[int], jobs: dict[int, float]) -> set[int]:
+    """``steps`` less their leading ones still warming up by the job's times ``jobs`` (step -> ms;
+    :func:`settling_steps`); steps without a time stay."""
+    timed = [k for k in sorted(steps) if k in jobs]
+    return steps - set(timed[:settling_steps([jobs[k] for k in timed])])
 
 
 def stalled_steps(ranks: Sequence[RankEvents], steps: set[int], limit: float) -> set[int]:
@@ -231,11 +257,15 @@ def observe_run(name: str, summary: dict, ranks: Sequence[RankEvents],
     sync = summary.get("sync") or {}
     if not ranks:
         raise UserError(f"{name}: the run has no rank traces; run it with the timeline on (no --no-trace)")
-    steps = steady_steps(ranks, warmup)
+    jobs = job_step_map(summary)
+    every = steady_steps(ranks, warmup)
+    steps = without_settling(every, jobs)
     times = job_steps(summary, warmup)
+    if steps != every:
+        times = tuple(jobs[k] for k in sorted(steps) if k in jobs)
+        measured = statistics.median(times)
     if stall_limit is not None:
         steps -= stalled_steps(ranks, steps, stall_limit)
-        jobs = job_step_map(summary)
         kept = tuple(jobs[k] for k in sorted(steps) if k in jobs)
         if kept:
             times, measured = kept, statistics.median(kept)

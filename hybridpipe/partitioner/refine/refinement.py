@@ -217,11 +217,14 @@ def stage_layouts(runs: Sequence[RunObservation], phase: str) -> list[list[tuple
 
 def refine(profile: Profile, cluster: Cluster, calibrations: Sequence[Calibration], runs: Sequence[RunObservation],
            algorithms: Sequence[str] = ALGORITHMS, node_shrink: float | None = 0.0,
-           terms: Collection[str] = ()) -> Refinement:
+           terms: Collection[str] = (), step_loss: bool = True) -> Refinement:
     """What ``runs`` of ``profile``'s model on ``cluster`` say about the cost model (module docstring).
     ``node_shrink``: how hard the per-node factors are pulled toward the common one (``shrinkage.py``;
     None: cross-validated over the runs' stage layouts). ``terms``: which of :data:`TERMS` to fit as well
-    (``computefit.py``; none: the node factors alone, as before)."""
+    (``computefit.py``; none: the node factors alone, as before). ``step_loss``: search the compute lost
+    beside all-reduces that only the step times show (:func:`fit_leftover`); False: the loss the stages'
+    compute showed stays (RESULTS 4e, pred8: fitted from the steps it jumps between 0 and its grid's end
+    as one plan is left out)."""
     if not runs:
         raise UserError("nothing to refine from: pass at least one run directory")
     model = CostModel(cluster, list(calibrations))
@@ -268,7 +271,7 @@ def refine(profile: Profile, cluster: Cluster, calibrations: Sequence[Calibratio
                      tied_factor=1.0 if ends.tied is None else max(ends.tied, 1e-3),
                      allreduce_slowdown_groups=fit_groups(evidence), replica_compute=rho,
                      accumulate_s_per_byte=accumulate)
-    return fit_leftover(profile, cluster, calibrations, ref, runs, algorithms)
+    return fit_leftover(profile, cluster, calibrations, ref, runs, algorithms, step_loss)
 
 
 def search_log(score: Callable[[float], float], grid: Sequence[float]) -> float:
@@ -290,10 +293,10 @@ def search_log(score: Callable[[float], float], grid: Sequence[float]) -> float:
 
 
 def fit_leftover(profile: Profile, cluster: Cluster, calibrations: Sequence[Calibration], ref: Refinement,
-                 runs: Sequence[RunObservation], algorithms: Sequence[str]) -> Refinement:
+                 runs: Sequence[RunObservation], algorithms: Sequence[str], step_loss: bool = True) -> Refinement:
     """``ref`` with the p2p message latency, the compute lost to all-reduces beyond what the stages'
-    own compute showed, and the step overhead that best explain the measured steps (coordinate
-    search: latency, then the loss, then the latency again)."""
+    own compute showed (``step_loss``; else none), and the step overhead that best explain the measured
+    steps (coordinate search: latency, then the loss, then the latency again)."""
     measured = [r for r in runs if r.measured_step_ms]
     if not measured:
         return ref
@@ -314,7 +317,7 @@ def fit_leftover(profile: Profile, cluster: Cluster, calibrations: Sequence[Cali
 
     alphas = [0.0, *np.geomspace(1e-6, 0.2, 40).tolist()] if levels else [0.0]
     losses = [0.0, *np.geomspace(1e-11, 3e-8, 25).tolist()] if any(len(s.ranks) > 1 for r in measured
-                                                                      for s in r.stages) else [0.0]
+                                                                      for s in r.stages) and step_loss else [0.0]
     delta = search_log(lambda d: scored(d, 0.0)[0], alphas)
     lost = search_log(lambda g: scored(delta, g)[0], losses)
     if lost:
