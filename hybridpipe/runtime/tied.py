@@ -9,17 +9,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hybridpipe.comm.p2p.shared_gloo import shared_group
 from hybridpipe.partitioner.plan import Plan
 from hybridpipe.pipeline.tied import TiedSync, stage_tied_params, tied_ranks
 
 
 def tied_process_groups(plan: Plan, timeout_s: float) -> dict[tuple[int, ...], dist.ProcessGroup]:
     """One process group per distinct rank set of the plan's tied groups (collective: every rank
-    calls it, in the same order, members or not). On gloo they share the default group's device
-    (one event-loop thread a rank, see comm/p2p/shared_gloo.py)."""
+    calls it, in the same order, members or not)."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    return {ranks: shared_group(list(ranks), timeout)
+    return {ranks: dist.new_group(list(ranks), timeout=timeout)
             for ranks in sorted({tied_ranks(plan, g) for g in plan.tied})}
 
 

@@ -56,20 +56,6 @@ def gloo_pair_group(ranks: list[int], timeout: datetime.timedelta, options: obje
     return group
 
 
-def shared_group(ranks: list[int], timeout: datetime.timedelta) -> dist.ProcessGroup:
-    """``dist.new_group(ranks)`` for a group that runs the default backend's collectives (a tied
-    parameter's all-reduce): on the shared device where the default group runs gloo (a plain gloo
-    group would add an event-loop thread polling 100 times a second, and two workers, to each
-    member for the whole run), else a plain group of the default backend. Collective, like
-    new_group: every rank takes the same branch (same default backend, same torch)."""
-    options = shared_gloo_options() if dist.get_backend() == "gloo" else None
-    if options is None:
-        group = dist.new_group(ranks, timeout=timeout)
-        assert group is not None
-        return group
-    return gloo_pair_group(ranks, timeout, options)
-
-
 def _make_gloo(opts: object, options: object) -> object:
     """The registered backend's constructor: a ProcessGroupGloo on ``options``' device."""
     gloo: Any = dist.ProcessGroupGloo
