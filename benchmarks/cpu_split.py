@@ -72,6 +72,13 @@ def _task_stats() -> dict[int, tuple[float, float, int]]:
     return out
 
 
+def _loops_apart(snap: dict[int, tuple]) -> dict[int, tuple]:
+    """``snap`` with each gloo event-loop thread labelled by its creation order (``gloo loop#0``: the
+    default group's device, made first; a later one is a device of its own, e.g. a plain gloo group's)."""
+    loops = sorted(tid for tid, row in snap.items() if row[-1] == "gloo loop")
+    return {**snap, **{tid: (*snap[tid][:-1], f"gloo loop#{i}") for i, tid in enumerate(loops)}}
+
+
 def measured(step, steps: int, warmup: int) -> dict:
     """Run ``step(k)`` for k < steps; the process's and every thread's use between the start of
     step ``warmup`` and the start of the last step, per step; the last step's aten ops."""
@@ -80,7 +87,7 @@ def measured(step, steps: int, warmup: int) -> dict:
     counter = OpCount()
     for k in range(steps):
         if k in (warmup, steps - 1):
-            marks[k] = (_usage(), _task_stats(), overhead_threads.snapshot(), time.perf_counter())
+            marks[k] = (_usage(), _task_stats(), _loops_apart(overhead_threads.snapshot()), time.perf_counter())
         if k == steps - 1:
             with counter:
                 step(k)
