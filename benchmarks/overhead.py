@@ -113,25 +113,27 @@ def per_counts(ranks: list[dict]) -> dict:
     """A counting run's Python calls, C calls and aten ops, every rank summed: per instruction of each
     kind (forward, backward, send, recv, data, step) and per step (those, the dispatch outside every
     probe, the background threads), plus the aten ops by name per step."""
-    steps = ranks[0]["steps"]
     calls = [r["calls"] for r in ranks]
-    count = {k: sum(r["count"].get(k, 0.0) for r in ranks) for k in KINDS}
-    out: dict = {"per_instruction": {}, "per_step": {}}
+    steps = {"python_calls": calls[0]["steps"]["calls"], "c_calls": calls[0]["steps"]["calls"],
+             "aten_ops": calls[0]["steps"]["ops"], "function_names": calls[0]["steps"]["calls"],
+             "aten_op_names": calls[0]["steps"]["ops"]}
+    per_step = {k: sum(r["count"].get(k, 0.0) for r in ranks) / ranks[0]["steps"] for k in KINDS}
+    out: dict = {"per_instruction": {}, "per_step": {}, "instructions_per_step": per_step}
     for what in ("python_calls", "c_calls", "aten_ops"):
-        total = {k: sum(c[what].get(k, 0) for c in calls) for k in (*KINDS, "dispatch", "background")}
-        out["per_step"][what] = {k: v / steps for k, v in total.items()}
-        out["per_step"][what]["all"] = sum(total.values()) / steps
-        out["per_instruction"][what] = {k: total[k] / count[k] for k in KINDS if count[k]}
-        comm = count["send"] + count["recv"]
+        total = {k: sum(c[what].get(k, 0) for c in calls) / steps[what] for k in (*KINDS, "dispatch", "background")}
+        out["per_step"][what] = {**total, "all": sum(total.values())}
+        out["per_instruction"][what] = {k: total[k] / per_step[k] for k in KINDS if per_step[k]}
+        comm = per_step["send"] + per_step["recv"]
         out["per_instruction"][what]["send+recv+background"] = (
             (total["send"] + total["recv"] + total["background"]) / comm if comm else 0.0)
-        n_ins = sum(count[k] for k in INSTRUCTIONS)
+        n_ins = sum(per_step[k] for k in INSTRUCTIONS)
         out["per_instruction"][what]["all, per instruction"] = (sum(total.values()) - total["data"]) / n_ins
-    names: dict[str, float] = {}
-    for c in calls:
-        for name, n in c["aten_op_names"].items():
-            names[name] = names.get(name, 0) + n / steps
-    out["aten_op_names_per_step"] = dict(sorted(names.items(), key=lambda kv: -kv[1]))
+    for what in ("aten_op_names", "function_names"):
+        names: dict[str, float] = {}
+        for c in calls:
+            for name, n in c.get(what, {}).items():
+                names[name] = names.get(name, 0) + n / steps[what]
+        out[f"{what}_per_step"] = dict(sorted(names.items(), key=lambda kv: -kv[1]))
     return out
 
 
@@ -153,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", "--alternations", type=int, default=None, dest="rounds",
                    help="alternations of ours and torch (ABBA), each a short run (default 2; --quick 1)")
     p.add_argument("--no-counts", action="store_true", help="skip the counting runs (Python calls, aten ops)")
-    p.add_argument("--count-steps", type=int, default=5, help="steps of a counting run (2 of them warm-up)")
+    p.add_argument("--count-steps", type=int, default=6, help="steps of a counting run (2 of them warm-up)")
     p.add_argument("--schedules", default="1f1b,gpipe", help="comma-separated: 1f1b, gpipe")
     p.add_argument("--quick", action="store_true", help="12 steps (4 warm-up), one round")
     p.add_argument("--out-dir", help="results directory (default benchmarks/results)")

@@ -1,12 +1,15 @@
 """Load-independent counts for ``overhead.py``: Python calls and aten ops per kind of instruction.
 
-While a :class:`Counts` is active on a rank, a ``sys.setprofile`` hook on the step's thread
+The measured steps alternate between the two counters, so neither counts the other's work (the
+mode's own Python around every op): on even ones, a ``sys.setprofile`` hook on the step's thread
 counts every Python function call (``call``) and every call into a C function (``c_call``)
 into the kind whose probe the thread is in (``Tally.current``: forward, backward, send, recv,
 data, step, or ``dispatch`` outside every probe); the same hook, installed with
 ``threading.setprofile`` before the system starts its threads, counts the calls of every
 Python thread started afterwards (our per-peer receive / send threads) as ``background``
-(gloo's own threads run no Python). A ``TorchDispatchMode`` entered around each step counts the
+(gloo's own threads run no Python); calls made by the benchmark's own probes and hooks
+(overhead_probes.py, overhead_counts.py) are not counted. On odd ones, a ``TorchDispatchMode``
+entered around the step counts the
 aten ops the step's thread dispatches (backward included: on the CPU autograd runs on the
 calling thread) into the current kind; a mode is per thread, so ops on other threads are not
 counted (ours: the receive threads' ``unflatten`` views; torch: none). The hooks cost a lot of
@@ -23,6 +26,8 @@ from typing import Any
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.overhead_probes import Tally
+
+_HARNESS = ("overhead_probes.py", "overhead_counts.py")
 
 
 class _Ops(TorchDispatchMode):
@@ -47,19 +52,40 @@ class Counts:
         self.c: Counter[str] = Counter()        # calls into C functions (builtins, torch's bindings)
         self.ops: Counter[str] = Counter()
         self.op_names: Counter[str] = Counter()
+        self.fn_names: Counter[str] = Counter()    # kind:file:function, Python and C calls
         self.mode = _Ops(self)
+        self.profiling = False
+        self.steps = {"calls": 0, "ops": 0}     # measured steps counted by each
 
     def _hook(self, kind: str | None) -> Any:
-        py, c, tally = self.py, self.c, self.tally
+        py, c, tally, names = self.py, self.c, self.tally, self.fn_names
 
         def hook(frame: Any, event: str, arg: Any) -> None:
-            if tally.on:
+            if self.profiling and not frame.f_code.co_filename.endswith(_HARNESS):
                 k = kind or tally.current
                 if event == "call":
                     py[k] += 1
+                    code = frame.f_code
+                    names[f"{k}:{code.co_filename.rsplit('/', 2)[-2:][-1]}:{code.co_name}"] += 1
                 elif event == "c_call":
                     c[k] += 1
+                    names[f"{k}:C:{getattr(arg, '__qualname__', '?')}"] += 1
         return hook
+
+    def step(self, step: Any, k: int) -> None:
+        """Run ``step(k)`` under one of the counters (by ``k``'s parity) when the tally is on."""
+        if not self.tally.on:
+            step(k)
+        elif k % 2 == 0:
+            self.profiling, self.steps["calls"] = True, self.steps["calls"] + 1
+            try:
+                step(k)
+            finally:
+                self.profiling = False
+        else:
+            self.steps["ops"] += 1
+            with self.mode:
+                step(k)
 
     def install(self) -> None:
         """Count this thread's calls and those of every thread started from now on."""
@@ -83,4 +109,5 @@ class Counts:
 
     def result(self) -> dict:
         return {"python_calls": dict(self.py), "c_calls": dict(self.c), "aten_ops": dict(self.ops),
-                "aten_op_names": dict(self.op_names)}
+                "aten_op_names": dict(self.op_names), "function_names": dict(self.fn_names),
+                "steps": dict(self.steps)}

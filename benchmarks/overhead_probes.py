@@ -63,8 +63,8 @@ def run_steps(step: Callable[[int], Any], steps: int, warmup: int, tally: Tally,
     and counts, the step thread's CPU, the process's CPU (every thread), wall time; and per
     thread label (overhead_threads.py) CPU and wake-ups per step over the steps after ``warmup``
     but the last (a peer that finished may close its links, ending their threads, during it).
-    With ``counts`` (overhead_counts.Counts, installed), each step runs in its aten-op mode and
-    the result carries its counts."""
+    With ``counts`` (overhead_counts.Counts, installed), each step runs under one of its
+    counters and the result carries its counts."""
     totals = {"thread_s": 0.0, "process_s": 0.0, "wall_s": 0.0, "steps": 0}
     marks: dict[int, dict] = {}
     for k in range(steps):
@@ -75,8 +75,7 @@ def run_steps(step: Callable[[int], Any], steps: int, warmup: int, tally: Tally,
         if counts is None:
             step(k)
         else:
-            with counts.mode:
-                step(k)
+            counts.step(step, k)
         t1, p1, w1 = time.thread_time(), time.process_time(), time.perf_counter()
         if tally.on:
             totals["thread_s"] += t1 - t0
