@@ -3,6 +3,7 @@
     python benchmarks/overhead.py                        # mlp of 16 tiny layers, 4 stages, 1f1b and gpipe
     python benchmarks/overhead.py --quick                # fewer steps, one round
     python benchmarks/overhead.py --schedules 1f1b --model 'mlp[features=8,hidden=8,layers=32]'
+    python benchmarks/overhead.py --quick --alternations 8   # 8 short ABBA pairs: ratios with their spread
 
 Stages of tiny layers (default ``mlp[features=8,hidden=8,layers=16]``, micro-batches of 2
 samples) on ``--stages`` local processes over gloo on loopback, one thread each: the compute is
@@ -27,9 +28,20 @@ The *baseline* is the same stage modules' forward and backward in plain PyTorch 
 the baseline's compute per step) / (the step's forward, backward, send and receive
 instructions), summed over ranks (data loading is the benchmark's synthetic data set, not a
 framework's work: torch's side loads each step's global batch on every rank, ours a
-micro-batch where a stage reads it). The probes cost both sides the same (a ``thread_time`` pair per call, ~1 us). Runs
-alternate (``--rounds``); medians over rounds. Results:
-``benchmarks/results/overhead[_TAG][_quick].json`` and ``.png``, with the machine's load.
+micro-batch where a stage reads it). The probes cost both sides the same (a ``thread_time`` pair per call, ~1 us).
+Send and receive are also charged every thread: ``comm_all_threads_us_per_instruction`` is their probes'
+CPU plus every other thread's (gloo's loop threads, our receive / send threads) per send or receive, so
+where a frame is written (gloo writes it on the caller's thread when the peer's receive is posted, else
+on its loop thread) does not matter. Torch's gradient scaling (``perform_reduce_grad``: a ``div_`` per
+gradient) is charged to its step, as ours is to our Step (or to the backward's seed).
+
+Runs alternate in one invocation (``--alternations`` / ``--rounds`` K: ours, torch, torch, ours, ...,
+each a short run), so drift of the machine hits both; per measure, ``paired_ratios`` holds each round's
+ours / torch, their median, quartiles and a 95% bootstrap interval of the median, and a verdict
+(lighter / heavier where the interval is clear of 1). Medians over rounds as before. Then one counting
+run per system (overhead_counts.py; ``--no-counts`` skips it): Python calls, C calls and aten ops per
+instruction of each kind, load-independent. Results: ``benchmarks/results/overhead[_TAG][_quick].json``
+and ``.png``, with the machine's load at each run's start and at the end.
 """
 
 from __future__ import annotations

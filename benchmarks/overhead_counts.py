@@ -61,12 +61,11 @@ class Counts:
         py, c, tally, names = self.py, self.c, self.tally, self.fn_names
 
         def hook(frame: Any, event: str, arg: Any) -> None:
-            if self.profiling and not frame.f_code.co_filename.endswith(_HARNESS):
+            if self.profiling and (file := frame.f_code.co_filename.rsplit("/", 1)[-1]) not in _HARNESS:
                 k = kind or tally.current
                 if event == "call":
                     py[k] += 1
-                    code = frame.f_code
-                    names[f"{k}:{code.co_filename.rsplit('/', 2)[-2:][-1]}:{code.co_name}"] += 1
+                    names[f"{k}:{file}:{frame.f_code.co_name}"] += 1
                 elif event == "c_call":
                     c[k] += 1
                     names[f"{k}:C:{getattr(arg, '__qualname__', '?')}"] += 1
