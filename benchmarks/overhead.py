@@ -3,6 +3,7 @@
     python benchmarks/overhead.py                        # mlp of 16 tiny layers, 4 stages, 1f1b and gpipe
     python benchmarks/overhead.py --quick                # fewer steps, one round
     python benchmarks/overhead.py --schedules 1f1b --model 'mlp[features=8,hidden=8,layers=32]'
+    python benchmarks/overhead.py --quick --alternations 8   # 8 short ABBA pairs: ratios with their spread
 
 Stages of tiny layers (default ``mlp[features=8,hidden=8,layers=16]``, micro-batches of 2
 samples) on ``--stages`` local processes over gloo on loopback, one thread each: the compute is
@@ -27,15 +28,27 @@ The *baseline* is the same stage modules' forward and backward in plain PyTorch 
 the baseline's compute per step) / (the step's forward, backward, send and receive
 instructions), summed over ranks (data loading is the benchmark's synthetic data set, not a
 framework's work: torch's side loads each step's global batch on every rank, ours a
-micro-batch where a stage reads it). The probes cost both sides the same (a ``thread_time`` pair per call, ~1 us). Runs
-alternate (``--rounds``); medians over rounds. Results:
-``benchmarks/results/overhead[_TAG][_quick].json`` and ``.png``, with the machine's load.
+micro-batch where a stage reads it). The probes cost both sides the same (a ``thread_time`` pair per call, ~1 us).
+Send and receive are also charged every thread: ``comm_all_threads_us_per_instruction`` is their probes'
+CPU plus every other thread's (gloo's loop threads, our receive / send threads) per send or receive, so
+where a frame is written (gloo writes it on the caller's thread when the peer's receive is posted, else
+on its loop thread) does not matter. Torch's gradient scaling (``perform_reduce_grad``: a ``div_`` per
+gradient) is charged to its step, as ours is to our Step (or to the backward's seed).
+
+Runs alternate in one invocation (``--alternations`` / ``--rounds`` K: ours, torch, torch, ours, ...,
+each a short run), so drift of the machine hits both; per measure, ``paired_ratios`` holds each round's
+ours / torch, their median, quartiles and a 95% bootstrap interval of the median, and a verdict
+(lighter / heavier where the interval is clear of 1). Medians over rounds as before. Then one counting
+run per system (overhead_counts.py; ``--no-counts`` skips it): Python calls, C calls and aten ops per
+instruction of each kind, load-independent. Results: ``benchmarks/results/overhead[_TAG][_quick].json``
+and ``.png``, with the machine's load at each run's start and at the end.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import statistics
 import sys
 import tempfile
@@ -45,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import machine, pyplot, result_paths, setup_logging, write_results  # noqa: E402
 from benchmarks.overhead_probes import KINDS, baseline, ours_rank, theirs_rank  # noqa: E402
+from benchmarks.overhead_stats import measures, paired  # noqa: E402
 from benchmarks.vs_torch_pipelining import make_plan  # noqa: E402
 from hybridpipe.comm.local import describe_failures, run_local  # noqa: E402
 from hybridpipe.partitioner.plan import load_plan, save_plan  # noqa: E402
@@ -53,13 +67,15 @@ TORCH_CLASS = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe"}
 INSTRUCTIONS = ("forward", "backward", "send", "recv")
 
 
-def run_system(system: str, plan_path: Path, stages: int, steps: int, warmup: int) -> list[dict]:
-    """Every rank's totals (overhead_probes.run_steps) of one run of ``system`` (``ours-S`` / ``torch-S``)."""
+def run_system(system: str, plan_path: Path, stages: int, steps: int, warmup: int, count: bool = False) -> list[dict]:
+    """Every rank's totals (overhead_probes.run_steps) of one run of ``system`` (``ours-S`` / ``torch-S``);
+    with ``count``, a run that counts Python calls and aten ops (overhead_counts.py)."""
     who, schedule = system.split("-", 1)
     if who == "ours":
-        outcomes = run_local(ours_rank, stages, str(plan_path), steps, warmup, timeout_s=600, pg_timeout_s=120)
+        outcomes = run_local(ours_rank, stages, str(plan_path), steps, warmup, count, timeout_s=600,
+                             pg_timeout_s=120)
     else:
-        outcomes = run_local(theirs_rank, stages, str(plan_path), steps, warmup, TORCH_CLASS[schedule],
+        outcomes = run_local(theirs_rank, stages, str(plan_path), steps, warmup, TORCH_CLASS[schedule], count,
                              timeout_s=600, pg_timeout_s=120)
     if problems := describe_failures(outcomes):
         raise RuntimeError(problems)
@@ -96,8 +112,41 @@ def per_run(ranks: list[dict], base: list[dict[str, float]], micro_batches: int)
         "process_cpu_us_per_step": process / steps * 1e6,
         "wall_ms_per_step": max(r["wall_s"] for r in ranks) / steps * 1e3,
         "framework_cpu_us_per_instruction": ((process - cpu["data"]) / steps - base_fwd - base_bwd) / n_ins * 1e6,
+        # send + receive charged every thread: their step-thread CPU and all the other threads' (gloo's
+        # loop threads, our receive / send threads), per send or receive; where a frame is written
+        # (the caller's thread or gloo's loop thread) then does not matter
+        "comm_all_threads_us_per_instruction": (cpu["send"] + cpu["recv"] + process - thread)
+        / max(count["send"] + count["recv"], 1) * 1e6,
         "threads_per_step": threads,    # per thread label, every rank: cpu_us, wakeups, preempted, threads
     }
+
+
+def per_counts(ranks: list[dict]) -> dict:
+    """A counting run's Python calls, C calls and aten ops, every rank summed: per instruction of each
+    kind (forward, backward, send, recv, data, step) and per step (those, the dispatch outside every
+    probe, the background threads), plus the aten ops by name per step."""
+    calls = [r["calls"] for r in ranks]
+    steps = {"python_calls": calls[0]["steps"]["calls"], "c_calls": calls[0]["steps"]["calls"],
+             "aten_ops": calls[0]["steps"]["ops"], "function_names": calls[0]["steps"]["calls"],
+             "aten_op_names": calls[0]["steps"]["ops"]}
+    per_step = {k: sum(r["count"].get(k, 0.0) for r in ranks) / ranks[0]["steps"] for k in KINDS}
+    out: dict = {"per_instruction": {}, "per_step": {}, "instructions_per_step": per_step}
+    for what in ("python_calls", "c_calls", "aten_ops"):
+        total = {k: sum(c[what].get(k, 0) for c in calls) / steps[what] for k in (*KINDS, "dispatch", "background")}
+        out["per_step"][what] = {**total, "all": sum(total.values())}
+        out["per_instruction"][what] = {k: total[k] / per_step[k] for k in KINDS if per_step[k]}
+        comm = per_step["send"] + per_step["recv"]
+        out["per_instruction"][what]["send+recv+background"] = (
+            (total["send"] + total["recv"] + total["background"]) / comm if comm else 0.0)
+        n_ins = sum(per_step[k] for k in INSTRUCTIONS)
+        out["per_instruction"][what]["all, per instruction"] = (sum(total.values()) - total["data"]) / n_ins
+    for what in ("aten_op_names", "function_names"):
+        names: dict[str, float] = {}
+        for c in calls:
+            for name, n in c.get(what, {}).items():
+                names[name] = names.get(name, 0) + n / steps[what]
+        out[f"{what}_per_step"] = dict(sorted(names.items(), key=lambda kv: -kv[1]))
+    return out
 
 
 def median_of(runs: list[dict]) -> dict:
@@ -115,7 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=2)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--warmup", type=int, default=8)
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", "--alternations", type=int, default=None, dest="rounds",
+                   help="alternations of ours and torch (ABBA), each a short run (default 2; --quick 1)")
+    p.add_argument("--no-counts", action="store_true", help="skip the counting runs (Python calls, aten ops)")
+    p.add_argument("--count-steps", type=int, default=6, help="steps of a counting run (2 of them warm-up)")
     p.add_argument("--schedules", default="1f1b,gpipe", help="comma-separated: 1f1b, gpipe")
     p.add_argument("--quick", action="store_true", help="12 steps (4 warm-up), one round")
     p.add_argument("--out-dir", help="results directory (default benchmarks/results)")
@@ -124,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     setup_logging(a.verbose)
     if a.quick:
-        a.steps, a.warmup, a.rounds = 12, 4, 1
+        a.steps, a.warmup = 12, 4
+    a.rounds = a.rounds or (1 if a.quick else 2)
     schedules = [s.strip() for s in a.schedules.split(",") if s.strip()]
     if unknown := [s for s in schedules if s not in TORCH_CLASS]:
         raise SystemExit(f"unknown schedule(s) {unknown}; choose from {', '.join(TORCH_CLASS)}")
@@ -142,16 +195,26 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[dict]] = {s: [] for s in systems}
     for r in range(a.rounds):
         for name in systems if r % 2 == 0 else systems[::-1]:
+            load = os.getloadavg()[0]
             ranks = run_system(name, paths[name.split("-", 1)[1]], a.stages, a.steps, a.warmup)
-            runs[name].append(per_run(ranks, base, a.micro_batches))
-    med = {s: median_of(v) for s, v in runs.items()}
+            runs[name].append({**per_run(ranks, base, a.micro_batches), "round": r, "load_at_start": load})
+            print(f"round {r} {name}: framework {runs[name][-1]['framework_cpu_us_per_instruction']:.1f} "
+                  f"us/instruction, load {load:.1f}", flush=True)
+    med = {s: median_of([{k: v for k, v in x.items() if k not in ("round", "load_at_start")} for x in v])
+           for s, v in runs.items()}
+    picks = measures(INSTRUCTIONS, KINDS)
+    spread = {s: paired(runs[f"ours-{s}"], runs[f"torch-{s}"], picks) for s in schedules}
+    counts = {} if a.no_counts else {
+        name: per_counts(run_system(name, paths[name.split("-", 1)[1]], a.stages, a.count_steps, 2, count=True))
+        for name in systems}
     result = {
         "benchmark": "overhead", "machine": machine(), "command": " ".join(sys.argv), "model": a.model,
         "stages": [[s.first_node, s.last_node] for s in plan.stages], "micro_batches": a.micro_batches,
         "batch_size": a.batch_size, "steps": a.steps, "warmup": a.warmup, "rounds": a.rounds,
         "backend": "gloo", "network": "loopback", "threads_per_process": 1,
         "baseline_us_per_micro_batch": [{k: v * 1e6 for k, v in b.items()} for b in base],
-        "runs": runs, "median": med,
+        "runs": runs, "median": med, "paired_ratios": spread, "counts": counts,
+        "load_at_end": os.getloadavg(),
         "ours_vs_torch_framework_cpu": {s: med[f"ours-{s}"]["framework_cpu_us_per_instruction"]
                                         / med[f"torch-{s}"]["framework_cpu_us_per_instruction"] for s in schedules},
     }
@@ -168,6 +231,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{s:>12}: per step, every rank: " + "  ".join(
             f"{label} {row['cpu_us']:.0f} us / {row['wakeups']:.0f} wake-ups ({row['threads']:.0f})"
             for label, row in rows if row["cpu_us"] >= 1))
+    for s, by in spread.items():
+        for name, row in by.items():
+            print(f"{s} ours / torch {name:>40}: median {row['median']:.2f}x  IQR {row['q1']:.2f}-{row['q3']:.2f}  "
+                  f"95% CI {row['ci95'][0]:.2f}-{row['ci95'][1]:.2f}  ({len(row['ratios'])} rounds: "
+                  f"{row['verdict']})")
+    for name, c in counts.items():
+        for what, row in c["per_instruction"].items():
+            print(f"{name:>12} {what:>12} per instruction: " + "  ".join(f"{k} {v:.1f}" for k, v in row.items()))
+        print(f"{name:>12} per step: " + "  ".join(f"{what} {row['all']:.0f} (dispatch {row['dispatch']:.0f}, "
+                                                 f"background {row['background']:.0f})"
+                                                 for what, row in c["per_step"].items()))
     print("ours / torch framework CPU per instruction: " +
           ", ".join(f"{s} {v:.2f}x" for s, v in result["ours_vs_torch_framework_cpu"].items()))
     print(f"wrote {json_path} and {png_path}")

@@ -174,17 +174,17 @@ class PipelineEngine:
         frozen = {step * M + m for m in needs_frozen(program)} if self.stash else set()
         result = StepResult(step)
         self.meter.begin_step(self.measures_memory(step))
+        clock = self.clock if recorder is not None else None    # no recorder: no clock read, no lookup
         for ins in program:
-            t0 = self.clock()
+            t0 = clock() if clock is not None else 0.0
             if isinstance(ins, MicroBatchInstruction):
                 g = step * M + ins.micro_batch
                 self._execute(ins, ins.stage, g, frozen, result)
             else:
                 g = -1                      # SyncWait and Step are about the step
                 self._execute_step_level(ins, result)
-            phase = PHASES.get(type(ins))
-            if recorder is not None and phase is not None:
-                recorder.record(phase, g, t0, self.clock(), getattr(ins, "stage", None))
+            if clock is not None and (phase := PHASES.get(type(ins))) is not None:
+                recorder.record(phase, g, t0, clock(), getattr(ins, "stage", None))
         result.peak_memory_bytes = self.meter.end_step()
         self._combine_stats(step, drain)
         self.last_step = step

@@ -136,3 +136,43 @@ def test_engine_refuses_a_stage_of_another_rank():
     with pytest.raises(ValueError, match="rank 1 runs stage 1"):
         PipelineEngine(stage, Topology.from_plan(plan), 1, get_schedule("1f1b"), transport=None,
                        optimizer=torch.optim.SGD(stage.module.parameters(), lr=0.1), data=None)
+
+
+def test_without_a_recorder_the_engine_reads_no_clock():
+    """The clock is read around each instruction for a recorder only (overhead: two calls per instruction)."""
+    plan = make_plan("mlp", [2], [1, 1], schedule="1f1b", micro_batches=2, batch_size=2)
+    spec = resolve_model("mlp")
+    network = InProcessNetwork(timeout=30)
+    reads = {0: 0, 1: 0}
+    recorded = {0: 0, 1: 0}
+
+    class Recorder:
+        def __init__(self, rank):
+            self.rank = rank
+
+        def record(self, phase, micro_batch, t0, t1, stage=None):
+            recorded[self.rank] += 1
+
+    def rank_fn(rank):
+        def clock():
+            reads[rank] += 1
+            return float(reads[rank])
+        stage = build_stage(capture(spec, plan.batch_size), plan, rank, loss=spec.loss)
+        engine = PipelineEngine(stage, Topology.from_plan(plan), rank, plan.kind, transport=network.transport(rank),
+                                optimizer=torch.optim.SGD(stage.module.parameters(), lr=0.1),
+                                data=data_for(plan, 2), clock=clock)
+        engines[rank] = engine
+
+        def run():
+            engine.run_step(0)
+            after_step0[rank] = reads[rank]
+            engine.run_step(1, recorder=Recorder(rank))
+        return run
+
+    engines: dict[int, PipelineEngine] = {}
+    after_step0 = {0: -1, 1: -1}
+    run_ranks({0: rank_fn(0), 1: rank_fn(1)}, network)
+    for rank in (0, 1):     # step 0, no recorder: none; step 1: one per instruction, one more per record
+        assert after_step0[rank] == 0
+        assert recorded[rank] > 0
+        assert reads[rank] == len(engines[rank].program()) + recorded[rank]

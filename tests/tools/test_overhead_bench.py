@@ -3,6 +3,7 @@ arithmetic in-process on a tiny plan (seconds); one whole run on 2 processes is 
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -49,13 +50,23 @@ def test_baseline_and_per_run_on_a_tiny_plan(tmp_path):
     assert out["background_us_per_step"] == pytest.approx(0.004 / 2 * 1e6)
     compute = sum(b["forward_s"] + b["backward_s"] for b in base) * 2
     assert out["framework_cpu_us_per_instruction"] == pytest.approx(((0.024 - 0.002) / 2 - compute) / 16 * 1e6)
+    # send + receive charged every thread: their probes plus all the other threads' CPU, per send or receive
+    assert out["comm_all_threads_us_per_instruction"] == pytest.approx((0.004 + 0.004) / 16 * 1e6)
 
 
 @pytest.mark.slow
 def test_a_whole_quick_run_writes_its_results(tmp_path):
     assert main(["--model", MODEL, "--stages", "2", "--micro-batches", "2", "--steps", "3", "--warmup", "1",
-                 "--rounds", "1", "--schedules", "1f1b", "--out-dir", str(tmp_path)]) == 0
+                 "--alternations", "2", "--schedules", "1f1b", "--out-dir", str(tmp_path)]) == 0
     assert (tmp_path / "overhead.json").exists() and (tmp_path / "overhead.png").exists()
+    result = json.loads((tmp_path / "overhead.json").read_text())
+    spread = result["paired_ratios"]["1f1b"]["framework_cpu_us_per_instruction"]
+    assert len(spread["ratios"]) == 2 and spread["ci95"][0] <= spread["median"] <= spread["ci95"][1]
+    assert [r["round"] for r in result["runs"]["ours-1f1b"]] == [0, 1]
+    for system in ("ours-1f1b", "torch-1f1b"):
+        counts = result["counts"][system]["per_instruction"]
+        assert all(counts[what]["forward"] > 0 and counts[what]["backward"] > 0
+                   for what in ("python_calls", "c_calls", "aten_ops"))
 
 
 
