@@ -221,10 +221,7 @@ def refine(profile: Profile, cluster: Cluster, calibrations: Sequence[Calibratio
     """What ``runs`` of ``profile``'s model on ``cluster`` say about the cost model (module docstring).
     ``node_shrink``: how hard the per-node factors are pulled toward the common one (``shrinkage.py``;
     None: cross-validated over the runs' stage layouts). ``terms``: which of :data:`TERMS` to fit as well
-    (``computefit.py``; none: the node factors alone, as before). ``step_loss``: search the compute lost
-    beside all-reduces that only the step times show (:func:`fit_leftover`); False: the loss the stages'
-    compute showed stays (RESULTS 4e, pred8: fitted from the steps it jumps between 0 and its grid's end
-    as one plan is left out)."""
+    (``computefit.py``; none: the node factors alone, as before). ``step_loss``: :func:`fit_leftover`'s."""
     if not runs:
         raise UserError("nothing to refine from: pass at least one run directory")
     model = CostModel(cluster, list(calibrations))
