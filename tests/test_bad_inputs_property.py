@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from hybridpipe.argtypes import output_dir, output_file, output_path
@@ -153,6 +153,8 @@ HF_KEYS = ["n_layer", "n_embd", "n_head", "vocab_size", "layer_norm_epsilon", "u
 
 @settings(max_examples=max(EXAMPLES // 4, 1), deadline=None, suppress_health_check=list(HealthCheck))
 @given(key=st.sampled_from(HF_KEYS), value=NUMBER_TEXT | st.sampled_from(["true", "relu", "gelu_new"]))
+@example(key="seq", value="1000000000")         # a 15 GiB sample: once allocated before any check
+@example(key="n_layer", value="1000000000")     # a billion layers: once built on the meta device for minutes
 def test_hf_model_options(key, value, small_machine):
     """What ``profile`` does before any timing (the spec, then the model built once on one sample)
     with one Hugging Face config field set to anything: one line, never a traceback; a field the

@@ -24,6 +24,7 @@ loss from ``labels`` (``ModelSpec.loss = None``). ``use_cache`` is switched off 
 
 from __future__ import annotations
 
+import copy
 import inspect
 import os
 import re
@@ -35,6 +36,7 @@ import torch
 from torch import nn
 
 from hybridpipe.errors import UserError
+from hybridpipe.limits import require_memory
 from hybridpipe.profiles.zoo.spec import ModelSpec, call_user, check_options, parse_args
 
 HEADS = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForMaskedLM", "AutoModelForImageClassification",
@@ -70,6 +72,7 @@ def hf_spec(spec: str) -> ModelSpec:
         cls, build, config = _from_name(tf, name, kwargs)
     if "dropout" in reserved:
         _set_dropout(config, float(reserved["dropout"]))
+    _check_depth(spec, cls, config)
     sample = _task_sample(config, cls.__name__, int(reserved.get("seq", 0)), int(reserved.get("labels", 0)))
     leaves = tuple(x for x in str(reserved.get("leaf", "")).split("+") if x)
     return ModelSpec(name=spec, build=lambda: build(config), loss=None, sample=sample, leaf_modules=leaves,
@@ -164,6 +167,31 @@ def _skeleton(tf: Any, cls: Any, config: Any, path: str | None) -> nn.Module:
     return model
 
 
+DEEP = 64      # layers above which the parameters are estimated from two shallow copies before any build
+
+
+def _check_depth(spec: str, cls: Any, config: Any) -> None:
+    """UserError (one line) before any build when a config of more than ``DEEP`` layers would not
+    fit in memory: its parameter bytes extrapolated from the same config at 1 and 2 layers, built on
+    the meta device (building a million layers on the meta device alone takes minutes and gigabytes)."""
+    layers = getattr(config, "num_hidden_layers", None)
+    if not isinstance(layers, int) or layers <= DEEP:
+        return
+    sizes = []
+    for n in (1, 2):
+        shallow = copy.deepcopy(config)
+        try:
+            shallow.num_hidden_layers = n
+            with torch.device("meta"):
+                model = cls(shallow)
+        except Exception:       # a config whose other fields follow the depth (per-layer lists): built as given
+            return
+        sizes.append(sum(p.numel() * p.element_size() for p in model.parameters()))
+    need = sizes[0] + (layers - 1) * (sizes[1] - sizes[0])
+    require_memory(need, f"building {spec} ({layers:,} layers, about {need / 2**30:,.1f} GiB of parameters)",
+                   "choose fewer layers or smaller model options")
+
+
 def _set_dropout(config: Any, p: float) -> None:
     for key, value in list(vars(config).items()):
         if isinstance(value, float) and ("dropout" in key or "pdrop" in key or key.endswith("_drop")):
@@ -172,9 +200,11 @@ def _set_dropout(config: Any, p: float) -> None:
 
 def _task_sample(config: Any, model_cls: str, seq: int,
                  label_len: int) -> Callable[[torch.Generator], dict[str, torch.Tensor]]:
-    """One synthetic sample for the model's task (its input dict, labels included)."""
+    """One synthetic sample for the model's task (its input dict, labels included); refused in
+    one line before anything is allocated when the sample alone would not fit in memory."""
     positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 512
     seq = seq or min(128, int(positions))
+    require_memory(8 * (2 * seq + label_len), f"one sample of {seq:,} tokens", "choose a smaller seq")
     vocab = int(getattr(config, "vocab_size", 0) or 2)
     num_labels = int(getattr(config, "num_labels", 2))
     if "ImageClassification" in model_cls:
