@@ -244,7 +244,7 @@ def test_a_dataset_factory_that_raises():
 # ---- numbers -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("argv, message", [
     (["profile", "mlp[hidden=-5]"], "zoo model option hidden=-5 of 'mlp' must be a whole number >= 1"),
-    (["profile", "mlp[hidden=abc]"], "zoo model option hidden=abc of 'mlp' must be a whole number >= 1"),
+    (["profile", "mlp[hidden=abc]"], "zoo model option hidden='abc' of 'mlp' must be a whole number >= 1"),
     (["profile", "mlp[hiden=5]"], "zoo model 'mlp' has no option 'hiden'"),
     (["profile", "mlp[hidden=1000000]"], "(3,000,078,000,010 parameters) needs about 11176.2 GiB of memory"),
     (["profile", "mlp", "--batch-size", "1000000000"], "profiling mlp at batch 1000000000 on cpu"),

@@ -147,15 +147,17 @@ def check_options(what: str, name: str, defaults: dict[str, Any], kwargs: dict, 
         if isinstance(default, bool):
             ok, want = isinstance(value, bool), "true or false"
         elif isinstance(default, int):
-            ok = isinstance(value, int) and not isinstance(value, bool) and value >= least
-            want = f"a whole number >= {least}"
+            whole = isinstance(value, int) and not isinstance(value, bool)
+            ok = whole and least <= value < 2 ** 63          # torch's int64: a larger size overflows in any op
+            want = "a whole number below 2**63" if whole and value >= 2 ** 63 else f"a whole number >= {least}"
         elif isinstance(default, float):
             ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
             want = "a finite number"
         else:
             ok, want = True, ""
         if not ok:
-            raise UserError(f"{what} option {key}={value} of {name!r} must be {want} "
+            shown = repr(value) if isinstance(value, str) else value     # a string may hold a newline
+            raise UserError(f"{what} option {key}={shown} of {name!r} must be {want} "
                             f"(default {default}); e.g. {name}[{key}={default}]")
 
 
