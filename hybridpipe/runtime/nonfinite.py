@@ -18,8 +18,9 @@ at start).
         result = engine.run_step(step)
         watch.after_step(step, result.losses)    # AgreedError (stop), or counts a skipped step
 
-The flag stays on the device between micro-batches (no host sync per loss); the all-reduce
-reads it once per step. Only the last stage raises it, so when that stage has one replica its
+The flag stays on the device between micro-batches (no host sync per loss): each loss is only
+added to the step's float64 sum (one operation), which is non-finite exactly when a loss was, and
+the flag is read from it once per step. Only the last stage raises it, so when that stage has one replica its
 rank (``source``) already knows the verdict (``decides_alone``) and the others need only its
 flag: a broadcast from it instead of the all-reduce (one message to each rank, where gloo's
 all-reduce exchanged several per rank). The source posts it without waiting (the other ranks
@@ -61,9 +62,9 @@ class NonFiniteWatch:
         self._alone: bool | None = None     # decides_alone, once known for this source
         self.skipped: list[int] = []
         self._pending: list[Any] = []           # async all-reduces of a rank that decides alone
-        # never written in place (note() makes a new tensor), so a fresh flag is this one, not a copy
-        self._zero = torch.zeros((), dtype=torch.float32, device=device)
-        self._flag = self._zero
+        # never written in place (note() makes a new tensor), so a fresh sum is this one, not a copy
+        self._zero = torch.zeros((), dtype=torch.float64, device=device)
+        self._sum = self._zero      # the step's losses added up: non-finite exactly when one of them is
         self._verdict: bool | None = None
         self.carried = False        # the verdict reaches the other ranks on gradient frames (step_news.py)
         self._heard: torch.Tensor | None = None     # carried: the source's flag of this step, as received
@@ -98,14 +99,16 @@ class NonFiniteWatch:
 
     def note(self, value: torch.Tensor) -> None:
         """Raise the flag when ``value`` (a loss) is NaN or infinite (token-weighted losses are
-        checked as sums, pipeline/tokens.py)."""
-        bad = (~torch.isfinite(value.detach())).any().to(self._flag.dtype)
-        self._flag = torch.maximum(self._flag, bad.to(self._flag.device))
+        checked as sums, pipeline/tokens.py). One operation per loss: the value is added to the
+        step's float64 sum, which a NaN or an infinity makes non-finite for good and finite float32
+        or bf16 losses cannot overflow; the flag is read from the sum once a step."""
+        with torch.no_grad():       # no graph from the loss to the sum (and no detach to dispatch)
+            self._sum = self._sum + (value if value.dim() == 0 else value.sum(dtype=torch.float64))
 
     @property
     def flag(self) -> torch.Tensor:
-        """This rank's flag since the last agreement (raised: 1)."""
-        return self._flag
+        """This rank's flag since the last agreement (raised: 1.0, a float32 scalar)."""
+        return (~torch.isfinite(self._sum)).to(torch.float32)
 
     def heard(self, flag: torch.Tensor) -> None:
         """Carried (step_news.py): the source's flag of this step, received on a gradient frame."""
@@ -117,24 +120,24 @@ class NonFiniteWatch:
     def reset(self) -> None:
         """Forget an interrupted step (in-place recovery): its flag, verdict and all-reduces."""
         self._pending.clear()
-        self._flag = self._zero
+        self._sum = self._zero
         self._verdict = None
         self._heard = None
 
     # ---- agreeing ----------------------------------------------------------------------
     def agree(self) -> bool:
         """Collective: whether any rank saw a non-finite loss since the last call (then clears)."""
-        flag, self._flag = self._flag, self._zero     # note() replaces the flag, never writes it: no copy
+        total, self._sum = self._sum, self._zero     # note() replaces the sum, never writes it: no copy
         if not dist.is_initialized():
-            return bool(flag.item() > 0)
+            return not math.isfinite(total.item())
         if self.carried:                          # no collective: the source knows, the others heard it
             if self.decides_alone:
-                return bool(flag.item() > 0)
+                return not math.isfinite(total.item())
             heard, self._heard = self._heard, None
             if heard is None:
                 raise RuntimeError("this step's loss verdict did not arrive on its gradient frames")
             return bool(heard.item() > 0)
-        flag = flag.clone()             # the collective below works on it in place (and _zero stays zero)
+        flag = (~torch.isfinite(total)).to(torch.float32)     # a new tensor: the collectives work on it
         if self.decides_alone:
             mine = bool(flag.item() > 0)          # read before the collective works on it in place
             for work in self._pending:            # the previous step's: long complete
