@@ -56,12 +56,15 @@ def _number(text: str, kind: type) -> float:
     return value
 
 
-def int_range(low: int | None = None, high: int | None = None) -> Callable[[str], int]:
-    """An argparse type: a whole number in ``low..high`` (either end open when None)."""
+def int_range(low: int | None = None, high: int | None = None, *, cap: int | None = None) -> Callable[[str], int]:
+    """An argparse type: a whole number in ``low..high`` (either end open when None); ``cap``: an
+    upper bound named only when it is passed (a count's sanity bound, not part of its meaning)."""
     def parse(text: str) -> int:
         value = int(_number(text, int))
         if low is not None and value < low or high is not None and value > high:
             raise argparse.ArgumentTypeError(f"must be {_range_text(low, high)}, got {value}")
+        if cap is not None and value > cap:
+            raise argparse.ArgumentTypeError(f"must be at most {cap:.0e} (a count past any real job's), got {value}")
         return value
     parse.__name__ = "int"
     return parse
@@ -89,8 +92,11 @@ def _range_text(low: float | None, high: float | None) -> str:
     return f">= {show(low)}" if low is not None else f"<= {show(high)}"
 
 
-positive_int = int_range(1)
-nonneg_int = int_range(0)
+# counts (steps, micro-batches, workers, ...) stay within the figures a file may hold, so the
+# partitioner's and simulator's sums of them stay numbers (1e20 micro-batches overflowed numpy's int64)
+MAX_COUNT = int(MAX_FIGURE)
+positive_int = int_range(1, cap=MAX_COUNT)
+nonneg_int = int_range(0, cap=MAX_COUNT)
 positive_float = float_range(above=0.0)
 nonneg_float = float_range(0.0)
 finite_float = float_range()
