@@ -157,6 +157,7 @@ HF_KEYS = ["n_layer", "n_embd", "n_head", "vocab_size", "layer_norm_epsilon", "u
 @example(key="n_layer", value="1000000000")     # a billion layers: once built on the meta device for minutes
 @example(key="vocab_size", value="99999999999999999999")     # past int64: once an overflow traceback
 @example(key="n_layer", value="0\n0")          # a value with a newline: once a two-line error
+@example(key="activation_function", value="\n")     # the model's own error quoting a spec with a newline
 def test_hf_model_options(key, value, small_machine):
     """What ``profile`` does before any timing (the spec, then the model built once on one sample)
     with one Hugging Face config field set to anything: one line, never a traceback; a field the

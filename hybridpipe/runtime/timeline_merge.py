@@ -34,13 +34,14 @@ def merge_traces(traces: list[RankTrace]) -> dict:
     barrier = all(t.meta.get("clock") == "barrier" for t in ordered)
     first_wall = min(float(t.meta["anchor_wall_s"]) for t in ordered)
     offsets = {t.rank: 0.0 if barrier else (float(t.meta["anchor_wall_s"]) - first_wall) * 1e6 for t in ordered}
-    timed = [e for t in ordered for e in t.events if e.get("ph") == "X"]
-    start = min((e["ts"] + offsets[e["pid"]] for e in timed), default=0.0)
-    events = []
     for t in ordered:
         for e in t.events:
             if e.get("pid") != t.rank:
                 raise UserError(f"{t.path}: an event has pid {e.get('pid')} but the file is rank {t.rank}'s")
+    start = min((e["ts"] + offsets[t.rank] for t in ordered for e in t.events if e.get("ph") == "X"), default=0.0)
+    events = []
+    for t in ordered:
+        for e in t.events:
             if e.get("ph") == "X":
                 e = dict(e, ts=round(e["ts"] + offsets[t.rank] - start, 3))
             events.append(e)

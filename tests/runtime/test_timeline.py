@@ -295,3 +295,18 @@ def chain_with_timeline(rank: int, world: int, run_dir: str, steps: int) -> None
         rec.end_step()
     ch.close()
     rec.close()
+
+
+def test_an_event_of_another_rank_is_named_in_one_line_before_any_arithmetic():
+    """A trace file whose timed event carries another pid: the file is named, not a KeyError
+    from the clock offsets (found by the bad-input property test at 3000 examples)."""
+    from pathlib import Path
+
+    from hybridpipe.errors import UserError
+    from hybridpipe.runtime.timeline import RankTrace
+
+    meta = {"rank": 0, "clock": "barrier", "anchor_wall_s": 0.0, "world_size": 1}
+    events = [{"ph": "X", "pid": 0, "tid": 1, "ts": 0.0, "dur": 1.0, "name": "forward"},
+              {"ph": "X", "pid": -1, "tid": 1, "ts": 2.0, "dur": 1.0, "name": "forward"}]
+    with pytest.raises(UserError, match=r"rank-0\.json: an event has pid -1 but the file is rank 0's"):
+        merge_traces([RankTrace(Path("rank-0.json"), meta, events)])

@@ -207,7 +207,8 @@ def _location(e: BaseException) -> str:
 
 def describe_model(spec: str) -> str:
     """How errors name a model: "your model `pkg.mod:f[...]`" or "zoo model 'alexnet[...]'"."""
-    return f"your model `{spec}`" if ":" in spec.split("[")[0] else f"zoo model {spec!r}"
+    quoted = f"`{spec}`" if spec.isprintable() else repr(spec)     # a newline in it: escaped, one line
+    return f"your model {quoted}" if ":" in spec.split("[")[0] else f"zoo model {spec!r}"
 
 
 def import_factory(target: str, what: str) -> Callable:
