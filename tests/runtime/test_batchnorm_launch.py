@@ -1,4 +1,4 @@
-"""BatchNorm on replicated stages through launch on 4 rank processes and ``hybridpipe merge-checkpoint``: the
+"""BatchNorm on replicated stages (plain and sharded: ZeRO-1, 2, 3) through launch on 4 rank processes and ``hybridpipe merge-checkpoint``: the
 merged state_dict, weights and every buffer, is what a plain single-process loop written here
 trains (micro-batches in order, gradients accumulated); merge-checkpoint refuses a checkpoint whose
 replicas saved different buffers.
@@ -6,8 +6,10 @@ replicas saved different buffers.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils.data import default_collate
@@ -94,3 +96,29 @@ def test_launch_refuses_an_uncombinable_buffer_on_a_replicated_stage_before_star
     assert len(err) == 1 and err[0].startswith("hybridpipe.launch: error: stage 1 has 2 replicas and its training "
                                                "forward changes buffer 'ema'"), err
     assert "give that layer a stage without replicas" in err[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("level", ["optimizer", "gradients", "parameters"])
+def test_batchnorm_on_sharded_replicas_trains_as_one_process(tmp_path, level):
+    """The same run with both stages' replicas sharded (ZeRO-1, 2, 3): weights and every buffer as
+    the plain loop's (the running statistics still combined across the shards' replicas)."""
+    plan = make_plan("resnet-small", [4], [2, 2], schedule="1f1b", micro_batches=M, batch_size=B)
+    plan = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, shard=level) for s in plan.stages))
+    path, ckpt = tmp_path / "plan.json", tmp_path / "ckpt"
+    save_plan(plan, path)
+    done = launch(["--plan", str(path), "--steps", str(STEPS), "--lr", str(LR), "--momentum", str(MOMENTUM),
+                   "--seed", str(SEED), "--run-dir", str(tmp_path / "run"), "--checkpoint-dir", str(ckpt),
+                   "--timeout", "60", "--no-progress", "--no-trace"], 4)
+    assert all(r.returncode == 0 for r in done), done
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["sync"] == {}, summary["sync"]       # no layer all-reduced: the shards' collectives instead
+    assert summary["replicas_identical"] == {"0": True, "1": True}
+    assert main(["merge-checkpoint", str(ckpt), "-o", str(tmp_path / "model.pt")]) == 0
+    merged, reference = torch.load(tmp_path / "model.pt"), plain_loop(plan.model)
+    assert set(merged) == set(reference)
+    for name, value in merged.items():
+        if value.is_floating_point():
+            assert float((value - reference[name]).abs().max()) <= 1e-6, (level, name)
+        else:
+            assert torch.equal(value, reference[name]), (level, name, value, reference[name])
