@@ -1,7 +1,7 @@
-"""BatchNorm on replicated stages (plain and sharded: ZeRO-1, 2, 3) through launch on 4 rank processes and ``hybridpipe merge-checkpoint``: the
-merged state_dict, weights and every buffer, is what a plain single-process loop written here
-trains (micro-batches in order, gradients accumulated); merge-checkpoint refuses a checkpoint whose
-replicas saved different buffers.
+"""BatchNorm on replicated stages (plain and sharded: ZeRO-1, 2, 3) through launch on 4 rank
+processes and ``hybridpipe merge-checkpoint``: the merged state_dict, weights and every buffer, is
+what a plain single-process loop written here trains (micro-batches in order, gradients
+accumulated); merge-checkpoint refuses a checkpoint whose replicas saved different buffers.
 """
 
 from __future__ import annotations
