@@ -7,6 +7,7 @@ test_user_loss_launch.py, which checks its merge with this module's
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -115,13 +116,15 @@ def test_batches_padded_to_different_lengths_under_launch(tmp_path):
     train(tmp_path, BY_NAME["gpt2"], "2x2", "1f1b", spec=GPT2_PADDED, dataset=f"{RAGGED}[n=24]")
 
 
-def half_precision(tmp_path, precision: str, layout: str) -> tuple[dict, float]:
-    """GPT-2 (tied embedding cut apart) launched on 4 ranks in ``precision``: (the summary, how far
-    the merged weights end from a plain single-process autocast loop, fp16 with torch's GradScaler).
+def half_precision(tmp_path, precision: str, layout: str, shard: str = "none") -> tuple[dict, float]:
+    """GPT-2 (tied embedding cut apart) launched on 4 ranks in ``precision``, every stage's replicas
+    at ``shard``: (the summary, how far the merged weights end from a plain single-process autocast
+    loop, fp16 with torch's GradScaler).
     Every rank built only its own stage (its capture under autocast without the weights)."""
     case = BY_NAME["gpt2"]
     plan = make_plan(GPT2, case.two if layout == "2x2" else case.four, LAYOUTS[layout], schedule="1f1b",
                      micro_batches=4, batch_size=2, shared_capture=True)
+    plan = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, shard=shard) for s in plan.stages))
     path, ckpt, run = tmp_path / "plan.json", tmp_path / "ckpt", tmp_path / "run"
     save_plan(plan, path)
     done = launch(["--plan", str(path), "--steps", str(STEPS), "--lr", str(LR), "--momentum", str(MOMENTUM),
@@ -149,3 +152,15 @@ def test_bf16_under_launch_equals_a_plain_autocast_loop(tmp_path):
 def test_fp16_with_its_loss_scale_under_launch_equals_torchs_grad_scaler_loop(tmp_path):
     summary, diff = half_precision(tmp_path, "fp16", "4")
     assert summary["precision"] == "fp16" and not summary["skipped_nonfinite_steps"] and diff <= 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision,shard", [("fp16", "none"), ("fp16", "gradients"), ("bf16", "optimizer"),
+                                             ("bf16", "parameters")])
+def test_half_precision_on_replicated_and_sharded_stages_equals_a_plain_autocast_loop(tmp_path, precision, shard):
+    """2 stages x 2 replicas, the replicas plain or sharded (ZeRO-1, 2, 3): fp16's loss scale (its
+    unscale and overflow check over sharded gradients) and bf16 end where one process does."""
+    summary, diff = half_precision(tmp_path, precision, "2x2", shard)
+    assert summary["precision"] == precision and not summary["skipped_nonfinite_steps"]
+    assert (summary["sync"] == {}) == (shard != "none"), summary["sync"]      # the shards did the sync
+    assert all(summary["replicas_identical"].values()) and diff <= 1e-5, diff
