@@ -31,26 +31,27 @@ from hybridpipe.errors import UserError
 SPLITTABLE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 SCALAR_KEYS = ("step",)            # state entries that are one number per parameter, not one per element
 
-Make = Callable[[list], Any]
+Make = Callable[[list], Any]      # the user's optimizer factory: parameters -> optimizer
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
-    """``make(tensors)`` builds the inner optimizer (SGD, Adam or AdamW, one param group); :meth:`bind`
-    gives it the replicas' shards (again after the syncs are rebuilt). See the module docstring."""
+    """``make(tensors)`` builds the user's optimizer (SGD, Adam or AdamW, any parameter groups: its
+    groups become this optimizer's, for schedulers and checkpoints); :meth:`bind` gives an inner
+    optimizer of the same type the replicas' shards, each piece in its parameter's group (again after
+    the syncs are rebuilt). See the module docstring."""
 
     def __init__(self, params: Iterable[nn.Parameter], make: Make):
         params = [p for p in params if p.requires_grad]
         probe = make(params)
-        if type(probe) not in SPLITTABLE or len(probe.param_groups) != 1:
+        if type(probe) not in SPLITTABLE:
             raise UserError(f"a sharded stage (shard != none) splits the optimizer's state across its replicas; "
-                            f"{type(probe).__name__} with {len(probe.param_groups)} parameter group(s) cannot be "
-                            "split: use sgd, adam or adamw with one group, or \"shard\": \"none\"")
-        super().__init__(params, _hyper(probe.param_groups[0]))
-        self.make = make
+                            f"{type(probe).__name__} cannot be split (its update is not elementwise): use sgd, "
+                            "adam or adamw, or \"shard\": \"none\"")
+        super().__init__([{**_hyper(g), "params": list(g["params"])} for g in probe.param_groups], probe.defaults)
         self.shards: list[ShardedReplicas] = []
         self.pieces: list[Piece] = []
         self.views: list[torch.Tensor] = []
-        self.whole: list[nn.Parameter] = list(params)
+        self.whole: list[nn.Parameter] = [p for g in self.param_groups for p in g["params"]]
         self.inner = probe
         self.state = probe.state
 
@@ -62,9 +63,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
         sharded = {id(p) for s in self.shards for p in s.sharded}
         self.pieces = [pc for s in self.shards for pc in s.pieces()]
         self.views = [v for s in self.shards for v in s.owned_views()]
-        self.whole = [p for p in self.param_groups[0]["params"] if id(p) not in sharded]
-        self.inner = self.make([*self.views, *self.whole] or [torch.zeros(0)])
+        self.whole = [p for p in self._params() if id(p) not in sharded]
+        group_of = {id(p): k for k, g in enumerate(self.param_groups) for p in g["params"]}
+        members: list[list[torch.Tensor]] = [[] for _ in self.param_groups]
+        for pc, v in zip(self.pieces, self.views, strict=True):
+            members[group_of[id(pc.param)]].append(v)
+        for p in self.whole:
+            members[group_of[id(p)]].append(p)
+        self.inner = type(self.inner)([{**_hyper(g), "params": m} for g, m in zip(self.param_groups, members,
+                                                                                   strict=True)])
         self.state = self.inner.state
+
+    def _params(self) -> list[nn.Parameter]:
+        """Every parameter, group by group (the order of torch's state_dict indices)."""
+        return [p for g in self.param_groups for p in g["params"]]
 
     # ---- the step --------------------------------------------------------------------------
     def owned_grads(self) -> list[torch.Tensor | None]:
@@ -96,8 +108,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         loss = closure() if closure is not None else None
         for s in self.shards:
             s.finish()
-        for group in self.inner.param_groups:
-            group.update(_hyper(self.param_groups[0]))
+        for inner, group in zip(self.inner.param_groups, self.param_groups, strict=True):
+            inner.update(_hyper(group))        # a scheduler moves the outer groups
         for v, g in zip(self.views, self.owned_grads(), strict=True):
             v.grad = g
         self.inner.step()
@@ -120,8 +132,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """torch's format over the whole parameters: collective (every replica of every sharded
         stage of this rank calls it), the owned pieces all-gathered."""
-        params = self.param_groups[0]["params"]
-        index = {id(p): i for i, p in enumerate(params)}
+        index = {id(p): i for i, p in enumerate(self._params())}
         state: dict[int, dict[str, Any]] = {}
         for p in self.whole:
             if self.inner.state.get(p):
@@ -129,7 +140,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for shard in self.shards:
             for p, full in self._gathered(shard).items():
                 state[index[id(p)]] = full
-        return {"state": state, "param_groups": [{**_hyper(self.param_groups[0]), "params": list(range(len(params)))}]}
+        groups = [{**_hyper(g), "params": [index[id(p)] for p in g["params"]]} for g in self.param_groups]
+        return {"state": state, "param_groups": groups}
 
     def _gathered(self, shard: ShardedReplicas) -> dict[nn.Parameter, dict[str, Any]]:
         ids = {id(q) for q in shard.pieces()}
@@ -158,8 +170,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Take torch's format over the whole parameters (a replicated or sharded run's; each
         replica keeps its own pieces) and its hyperparameters."""
-        params = self.param_groups[0]["params"]
-        index = {id(p): i for i, p in enumerate(params)}
+        index = {id(p): i for i, p in enumerate(self._params())}
         saved = {int(k): v for k, v in state_dict["state"].items()}
         for group, given in zip(self.param_groups, state_dict["param_groups"], strict=False):
             group.update(_hyper(given))

@@ -15,6 +15,7 @@ so has the resharded scheduler's
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -83,13 +84,16 @@ def test_grouped_adamw_under_one_cycle_equals_one_process_and_resumes_bitwise(tm
 
 
 @pytest.mark.slow
-def test_frozen_parameters_and_groups_on_replicated_stages_equal_one_process(tmp_path):
+@pytest.mark.parametrize("shard", ["none", "optimizer", "gradients", "parameters"])
+def test_frozen_parameters_and_groups_on_replicated_stages_equal_one_process(tmp_path, shard):
     """A frozen first layer (requires_grad=False) in a replicated stage that builds only its own
     parameters, AdamW with a decayed and an undecayed group at their own OneCycleLR rates, clipping
     by the global norm: 2 x 2 ranks end where one process does (measured 1.2e-7), the frozen layer
-    bitwise unchanged on every rank, the same norms."""
+    bitwise unchanged on every rank, the same norms; likewise with the replicas sharded (ZeRO-1, 2, 3:
+    each piece of a parameter in its group, refused before this stop)."""
     plan = make_plan("tests.runtime.audit_ranks:frozen_mlp", [1], [2, 2], schedule="1f1b", micro_batches=4,
                      batch_size=2)
+    plan = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, shard=shard) for s in plan.stages))
     weights, losses, _, norms = reference(plan)
     path = save_plan(plan, tmp_path / "plan.json")
     ranks = run(plan, [["train_grouped", [str(path), CLIP]]])
