@@ -65,11 +65,14 @@ def reference(plan) -> tuple[dict, list[float], list[list], list[float]]:
 
 
 @pytest.mark.slow
-def test_grouped_adamw_under_one_cycle_equals_one_process_and_resumes_bitwise(tmp_path):
+@pytest.mark.parametrize("shard", ["none", "gradients", "parameters"])
+def test_grouped_adamw_under_one_cycle_equals_one_process_and_resumes_bitwise(tmp_path, shard):
     """Before the fix a resumed run took its first step with OneCycleLR's step-0 beta1 (0.95 instead of
     0.875: the checkpoint's hyperparameters were dropped for the new optimizer's) and ended 2.0e-2 from
-    the uninterrupted run after 3 more steps (mlp, 2 stages)."""
+    the uninterrupted run after 3 more steps (mlp, 2 stages); the same with the replicas sharded
+    (the groups' state gathered into the checkpoint and cut back into pieces on resume)."""
     plan = make_plan("mlp", [3], [2, 2], schedule="1f1b", micro_batches=4, batch_size=2)
+    plan = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, shard=shard) for s in plan.stages))
     weights, losses, hypers, _ = reference(plan)
     path = str(save_plan(plan, tmp_path / "plan.json"))
     calls = [["resume_one_cycle", [path, str(tmp_path), resume, CLIP]] for resume in (False, True)]
