@@ -46,8 +46,8 @@ PHASES = ("receive_for", "run_for", "send_for", "receive_back", "run_back", "syn
 TRACE_KIND = "rank-trace"
 TRACE_FORMAT = 1
 TRACE_SUBDIR = "trace"
-TID_PHASES, TID_TRANSFERS, TID_STEPS = 0, 1, 2
-_THREAD_NAMES = {TID_PHASES: "phases", TID_TRANSFERS: "p2p transfers", TID_STEPS: "steps"}
+TID_PHASES, TID_TRANSFERS, TID_STEPS, TID_SYNCS = 0, 1, 2, 3
+_THREAD_NAMES = {TID_PHASES: "phases", TID_TRANSFERS: "p2p transfers", TID_STEPS: "steps", TID_SYNCS: "all-reduces"}
 
 
 def trace_dir(run_dir: str | os.PathLike) -> Path:
@@ -67,6 +67,7 @@ class _Step:
     t_end: float | None = None
     phases: list[tuple[str, int, float, float, int | None]] = field(default_factory=list)
     transfers: list[tuple[int, str, int, float, float]] = field(default_factory=list)
+    syncs: list[tuple[str, str, int, float, float]] = field(default_factory=list)
     cache: tuple[float, str] | None = None    # (time origin, events as JSON) once serialised
 
 
@@ -142,6 +143,13 @@ class TimelineRecorder:
             self._current.transfers.append((peer, key, nbytes, t0, t1))
             self._current.cache = None
 
+    def on_sync(self, layer: str, algorithm: str, nbytes: int, t0: float, t1: float) -> None:
+        """One replicated layer's (sync unit's) gradient all-reduce, run on its lane's thread
+        (HybridDataParallel's ``on_reduce`` hook): its own time, where the ``sync`` phase is the wait."""
+        with self._lock:
+            self._current.syncs.append((layer, algorithm, nbytes, t0, t1))
+            self._current.cache = None
+
     # ---- output -------------------------------------------------------------------------
     def events(self) -> list[dict]:
         """The Chrome trace events held now (metadata events first), times in microseconds."""
@@ -198,6 +206,9 @@ class TimelineRecorder:
         out += [{"ph": "X", "name": key, "cat": "transfer", "pid": pid, "tid": TID_TRANSFERS, "ts": us(t0),
                  "dur": round(max(t1 - t0, 0.0) * 1e6, 3), "args": {"step": s.step, "peer": peer, "bytes": n}}
                 for peer, key, n, t0, t1 in s.transfers]
+        out += [{"ph": "X", "name": layer, "cat": "all-reduce", "pid": pid, "tid": TID_SYNCS, "ts": us(t0),
+                 "dur": round(max(t1 - t0, 0.0) * 1e6, 3), "args": {"step": s.step, "algorithm": alg, "bytes": n}}
+                for layer, alg, n, t0, t1 in s.syncs]
         if s.step is not None and s.t_begin is not None and s.t_end is not None:
             out.append({"ph": "X", "name": f"step {s.step}", "cat": "step", "pid": pid, "tid": TID_STEPS,
                         "ts": us(s.t_begin), "dur": round((s.t_end - s.t_begin) * 1e6, 3), "args": {"step": s.step}})

@@ -20,6 +20,7 @@ from hybridpipe.partitioner.plan import save_plan
 from hybridpipe.profiles.data import resolve_dataset
 from hybridpipe.profiles.zoo import resolve_model
 from hybridpipe.runtime.checkpoint_files import MANIFEST, step_dir
+from hybridpipe.runtime.timeline import find_rank_traces, load_rank_trace
 from tests.pipeline.harness import make_plan
 from tests.runtime.jobs import launch
 
@@ -59,6 +60,13 @@ def test_resnet_small_two_by_two_under_launch_merges_into_one_process_state(tmp_
     summary = json.loads((run / "summary.json").read_text())
     assert summary["replicas_identical"] == {"0": True, "1": True}
     assert "stem.1.running_var" in summary["buffers_combined"]["0"]
+    # each replicated layer's all-reduce in every rank's trace: its own time, apart from the wait (``sync``)
+    for trace in map(load_rank_trace, find_rank_traces(run / "trace")):
+        syncs = [e for e in trace.events if e.get("cat") == "all-reduce"]
+        assert {e["args"]["step"] for e in syncs} == set(range(STEPS)), trace.rank
+        covered = {layer for e in syncs for layer in e["name"].split("+")}      # a fused unit: its layers
+        assert covered == {x["layer"] for x in summary["sync"][str(trace.meta["stage"])]}, (trace.rank, covered)
+        assert all(e["dur"] >= 0 and e["args"]["bytes"] > 0 and e["args"]["algorithm"] for e in syncs)
 
     out = tmp_path / "model.pt"
     assert main(["merge-checkpoint", str(ckpt), "-o", str(out)]) == 0

@@ -310,3 +310,20 @@ def test_an_event_of_another_rank_is_named_in_one_line_before_any_arithmetic():
               {"ph": "X", "pid": -1, "tid": 1, "ts": 2.0, "dur": 1.0, "name": "forward"}]
     with pytest.raises(UserError, match=r"rank-0\.json: an event has pid -1 but the file is rank 0's"):
         merge_traces([RankTrace(Path("rank-0.json"), meta, events)])
+
+
+def test_each_all_reduce_is_an_event_of_its_own_thread(tmp_path):
+    """``on_sync`` (HybridDataParallel's ``on_reduce``): the layer, its algorithm and bytes, on the
+    "all-reduces" thread, in the step that was current when it ran."""
+    from hybridpipe.runtime.timeline import TID_SYNCS
+
+    rec = TimelineRecorder(tmp_path, rank=0, stage=0, flush_every=0)
+    rec.begin_step(4)
+    t0 = rec.clock()
+    rec.on_sync("fc1+fc2", "ring", 4096, t0, t0 + 0.002)
+    rec.end_step()
+    data = json.loads(rec.close().read_text())
+    (event,) = [e for e in data["traceEvents"] if e.get("cat") == "all-reduce"]
+    assert (event["name"], event["tid"], event["dur"]) == ("fc1+fc2", TID_SYNCS, 2000.0)
+    assert event["args"] == {"step": 4, "algorithm": "ring", "bytes": 4096}
+    assert {"name": "all-reduces"} in [e["args"] for e in data["traceEvents"] if e["name"] == "thread_name"]

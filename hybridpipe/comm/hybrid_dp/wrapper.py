@@ -15,7 +15,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Collection, Iterator, Sequence
+import time
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -84,6 +85,9 @@ class HybridDataParallel(nn.Module):
             self.units = plan_units(model_layers(module, exclude), policy, self._reducer.costs, fuse_small=fuse_small,
                                     two_lanes=two_lanes)
         self._ran: dict[int, str] = {}                 # unit index -> the algorithm its last all-reduce ran
+        # (unit name, algorithm, bytes, t0, t1) of each unit's all-reduce, perf_counter seconds, on its lane's
+        # thread: a timeline recorder's ``on_sync`` (the all-reduce's own time, apart from the wait for it)
+        self.on_reduce: Callable[[str, str, int, float, float], None] | None = None
         self._lanes = [(self._lane, self._reducer)]
         if any(u.lane == 1 for u in self.units):
             urgent = lane + URGENT_LANE_OFFSET
@@ -174,12 +178,13 @@ class HybridDataParallel(nn.Module):
                 ready.record()
             lane, reducer = self._lanes[unit.lane]
             self._pending[unit.index] = lane.submit(self._reduce_grads, unit.index, reducer, grads, unit.algorithm,
-                                                    ready, name=unit.name)
+                                                    ready, unit.name, name=unit.name)
 
     def _reduce_grads(self, index: int, reducer: AllReducer, grads: list[torch.Tensor], algorithm: str,
-                      ready: Any = None) -> None:
+                      ready: Any = None, name: str = "") -> None:
         if ready is not None:
             ready.synchronize()
+        t0 = time.perf_counter() if self.on_reduce is not None else 0.0
         by_kind: dict[tuple, list[torch.Tensor]] = {}
         for g in grads:
             if g.is_sparse:
@@ -198,6 +203,9 @@ class HybridDataParallel(nn.Module):
                     g.div_(reducer.size)
         if ready is not None:                      # the waiter's stream then sees the sums
             torch.cuda.current_stream().synchronize()
+        if self.on_reduce is not None:
+            self.on_reduce(name, self._ran.get(index, algorithm), sum(g.numel() * g.element_size() for g in grads),
+                           t0, time.perf_counter())
 
     # ---- waiting ---------------------------------------------------------------------------
     def wait_unit(self, unit: SyncUnit) -> None:
