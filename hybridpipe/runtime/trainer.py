@@ -181,9 +181,10 @@ class Trainer:
             self.optimizer.bind([v for v in self.syncs.values() if isinstance(v, ShardedReplicas)])
         topo = Topology.from_plan(plan)
         recorder = self._recorder
-        for sync in self.syncs.values() if recorder is not None else ():
-            if hasattr(sync, "on_reduce"):           # each all-reduce's own time in the trace
-                sync.on_reduce = recorder.on_sync
+        on_sync = getattr(recorder, "on_sync", None)       # each all-reduce's own time in the trace
+        for sync in self.syncs.values() if on_sync is not None else ():
+            if hasattr(sync, "on_reduce"):
+                sync.on_reduce = on_sync
         self.channels = stage_channels(topo, rank, plan.kind, cfg.comm_mode, self.proc.device, timeout,
                                        on_transfer=recorder.on_transfer if recorder is not None else None)
         guarded: Any = self.watch.wrap_optimizer(self.optimizer)     # an optimizer that checks the loss first
