@@ -37,6 +37,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from hybridpipe.errors import UserError
 from hybridpipe.jsonfile import field as json_field
@@ -215,6 +216,15 @@ class TimelineRecorder:
         text = json.dumps(out, separators=(",", ":"))[1:-1]
         s.cache = (anchor, text)
         return text
+
+
+def trace_all_reduces(recorder: Any, syncs: Iterable[Any]) -> None:
+    """Each gradient all-reduce of ``syncs`` (HybridDataParallel's ``on_reduce``) reported to the
+    recorder's ``on_sync``; nothing for a recorder without one (a stand-in) or a sync without the hook."""
+    on_sync = getattr(recorder, "on_sync", None)
+    for sync in syncs if on_sync is not None else ():
+        if hasattr(sync, "on_reduce"):
+            sync.on_reduce = on_sync
 
 
 def _meta(kind: str, pid: int, tid: int = 0, **args) -> dict:

@@ -65,6 +65,7 @@ from hybridpipe.runtime.scaler import LossScaler
 from hybridpipe.runtime.sharded_optimizer import ShardedOptimizer, for_checkpoint
 from hybridpipe.runtime.step_news import FrameNews, carried_routes, loss_totals
 from hybridpipe.runtime.tied import repeated_tied, tied_process_groups, tied_sync
+from hybridpipe.runtime.timeline import trace_all_reduces
 from hybridpipe.runtime.training_config import TrainingConfig, flushes, with_settings
 
 ModelArg = str | ModelSpec | Model | nn.Module | Callable[[], nn.Module]
@@ -181,10 +182,7 @@ class Trainer:
             self.optimizer.bind([v for v in self.syncs.values() if isinstance(v, ShardedReplicas)])
         topo = Topology.from_plan(plan)
         recorder = self._recorder
-        on_sync = getattr(recorder, "on_sync", None)       # each all-reduce's own time in the trace
-        for sync in self.syncs.values() if on_sync is not None else ():
-            if hasattr(sync, "on_reduce"):
-                sync.on_reduce = on_sync
+        trace_all_reduces(recorder, self.syncs.values())
         self.channels = stage_channels(topo, rank, plan.kind, cfg.comm_mode, self.proc.device, timeout,
                                        on_transfer=recorder.on_transfer if recorder is not None else None)
         guarded: Any = self.watch.wrap_optimizer(self.optimizer)     # an optimizer that checks the loss first
