@@ -51,7 +51,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.shards: list[ShardedReplicas] = []
         self.pieces: list[Piece] = []
         self.views: list[torch.Tensor] = []
-        self.whole: list[nn.Parameter] = [p for g in self.param_groups for p in g["params"]]
+        self.whole: list[nn.Parameter] = self._params()
         self.inner = probe
         self.state = probe.state
 
