@@ -86,7 +86,8 @@ def run_micro_batch(engine: Running, ins: MicroBatchInstruction, s: int, g: int,
         case Forward():
             params = engine.stash.forward_params(g, g in frozen) if engine.stash else None
             with meter.forward(), engine.compute_context():
-                act = flight.acts[key] = stage.forward(flight.inputs.pop(key), params=params, micro_batch=g)
+                act = flight.acts[key] = stage.forward(flight.inputs.pop(key), params=params, micro_batch=g,
+                                                             owned=True)    # a receive's (stage 0: no grad)
             meter.hold(key, act.inputs, act.outputs, act.output)
         case SendActivations():
             out = flight.acts[key].outputs

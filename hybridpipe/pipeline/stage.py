@@ -165,7 +165,8 @@ class PipelineStage:
 
     # ---- compute -----------------------------------------------------------------------
     def forward(self, inputs: Mapping[str, torch.Tensor], target: torch.Tensor | None = None,
-                params: Mapping[str, torch.Tensor] | None = None, micro_batch: int | None = None) -> Activation:
+                params: Mapping[str, torch.Tensor] | None = None, micro_batch: int | None = None,
+                owned: bool = False) -> Activation:
         """Run the stage on named input tensors (as made by ``values.pack``).
 
         Float inputs of stages after the first become leaves that require grad, so ``backward``
@@ -176,8 +177,11 @@ class PipelineStage:
         the stage's inputs and reruns the forward when the backward first needs its activations
         (running statistics are updated once, by this call: batch_stats.py). ``micro_batch``: its
         number over the run, which orders a replicated stage's statistics (default: calls so far).
+        ``owned``: the input tensors are this call's alone (a receive's), so a leaf is marked in place
+        (no ``detach`` dispatched per input); else the caller's tensors are left as they are.
         """
-        leaves = {k: _leaf(t, grad=not self.is_first and self._needs_grad(k)) for k, t in inputs.items()}
+        first = self.is_first
+        leaves = {k: _leaf(t, not first and self._needs_grad(k), owned) for k, t in inputs.items()}
         values = unpack(_unleafed(leaves, self.device), self.input_names)
         args = tuple(values[name] for name in self.input_names)
 
@@ -292,10 +296,16 @@ def _check_versions(module: nn.Module, before: list[int], index: int, replicas: 
                             "layer a stage without replicas (re-partition) or stop changing the buffer in forward")
 
 
-def _leaf(t: torch.Tensor, grad: bool) -> torch.Tensor:
+def _leaf(t: torch.Tensor, grad: bool, owned: bool) -> torch.Tensor:
+    """A stage input as a leaf of the stage's graph, requiring grad where ``grad`` and it can.
+    A tensor without a graph that needs no grad is taken as it is (``detach`` would only dispatch
+    one more op); one that ``owned`` (a receive's: no one else holds it) is marked in place; a
+    caller's own that requires grad or must start to is detached first (left unchanged)."""
+    if t.requires_grad or (grad and not owned):
+        t = t.detach()
     if grad and (t.is_floating_point() or t.is_complex()):
-        return t.detach().requires_grad_(True)
-    return t.detach()
+        return t.requires_grad_(True)
+    return t
 
 
 def _unleafed(leaves: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:

@@ -122,7 +122,8 @@ class Channels:
             if type(name) is not str or type(t) is not _Tensor or t.layout is not _STRIDED or not (cpu and t.is_cpu):
                 wire.check_item(name, t)
                 check_device(name, t, self.device)
-            items.append((name, t.detach().contiguous()))
+            # detached only where it has a graph: copying it into the frame must record none
+            items.append((name, (t.detach() if t.requires_grad else t).contiguous()))
         link.submit(key, items, None if cpu or not items else mark_ready(self.device))
 
     def recv(self, peer: int, key: str) -> dict[str, torch.Tensor]:

@@ -20,6 +20,7 @@ from tests.comm.p2p.procs import expect_ok, run_ranks
 
 WARMUP, COUNTED = 16, 32
 KEYS = [f"act/0/{m}" for m in range(8)]         # the engine's keys: repeating over micro-batches
+GRAD_KEYS = [f"grad/1/{m}" for m in range(8)]
 
 
 class _Calls:
@@ -52,12 +53,13 @@ def _count(rank: int, world: int) -> dict:
     finally:
         threading.setprofile(None)          # the channels' threads keep it
     msgs = [{"x": torch.randn(2, 8).requires_grad_()} for _ in KEYS]
+    grads = [{"x": torch.randn(2, 8)} for _ in KEYS]       # a backward's: no graph, no grad
 
-    def call(i: int) -> None:
+    def call(i: int, keys: list[str] = KEYS, sent: list[dict] = msgs) -> None:
         if rank == 0:
-            ch.send(1, KEYS[i % 8], msgs[i % 8])
+            ch.send(1, keys[i % 8], sent[i % 8])
         else:
-            ch.recv(0, KEYS[i % 8])
+            ch.recv(0, keys[i % 8])
 
     def settle(counting: bool) -> None:
         ch.flush()
@@ -78,9 +80,18 @@ def _count(rank: int, world: int) -> dict:
         with ops:
             call(i)
     settle(False)
+    for i in range(WARMUP):
+        call(i, GRAD_KEYS, grads)
+    settle(False)
+    grad_ops = _Ops()
+    for i in range(WARMUP, WARMUP + COUNTED):
+        with grad_ops:
+            call(i, GRAD_KEYS, grads)
+    settle(False)
     ch.close()
     return {"calls": calls.n / COUNTED, "thread_calls": in_thread.n / COUNTED,
-            "ops": {k: v / COUNTED for k, v in ops.ops.items()}}
+            "ops": {k: v / COUNTED for k, v in ops.ops.items()},
+            "grad_ops": {k: v / COUNTED for k, v in grad_ops.ops.items()}}
 
 
 def test_a_message_costs_the_counted_calls_and_ops():
@@ -92,6 +103,8 @@ def test_a_message_costs_the_counted_calls_and_ops():
     # frame's wait); the first send after a flush has nothing to wait for
     assert send["calls"] * COUNTED == 10 * COUNTED - 2, send
     assert send["ops"] == {"aten.detach.default": 1, "aten.copy_.default": 1, "c10d.send.default": 1}, send
+    # a tensor without grad (a gradient) is copied into the frame as it is: no detach (was one)
+    assert send["grad_ops"] == {"aten.copy_.default": 1, "c10d.send.default": 1}, send
     # Channels.recv, SaLink.take, QueueBox.take_if; no aten op: the tensors were made by the receive thread
     assert recv["calls"] == 3 and recv["ops"] == {}, recv
     # FrameReceiver.receive, decode_header, Header(), _post, unflatten, Frame(), Link._received, and
