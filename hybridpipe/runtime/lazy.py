@@ -39,6 +39,7 @@ from hybridpipe.profiles.capture import CapturedModel, capture_model, tied_param
 from hybridpipe.profiles.capture_cache import CaptureCache
 from hybridpipe.profiles.meta import capture_on_meta, parameters_on_meta, replace_tensors
 from hybridpipe.profiles.zoo import ModelSpec
+from hybridpipe.runtime.hf_names import file_names
 from hybridpipe.runtime.tensor_files import Weights, open_weights, read_torch_file
 
 log = logging.getLogger(__name__)
@@ -153,5 +154,14 @@ def load_whole(module: nn.Module, weights: Weights) -> None:
 
 
 def _aliases(module: nn.Module) -> dict[str, tuple[str, ...]]:
-    """Every name of a tied parameter -> all its names (the others are absent: one name each)."""
-    return {name: names for names in tied_parameters(module) for name in names}
+    """Every saved name with more than one name the files may hold it under -> all of them: a tied
+    parameter's names, and the names transformers' ``save_pretrained`` writes in place of the module's
+    (runtime/hf_names.py); the others are absent (one name each)."""
+    renamed, tied = file_names(module), tied_parameters(module)
+    in_tied = {name for names in tied for name in names}
+    groups = [*tied, *((name,) for name in renamed if name not in in_tied)]
+    aliases: dict[str, tuple[str, ...]] = {}
+    for names in groups:
+        every = (*names, *(renamed[n] for n in names if n in renamed))
+        aliases.update({name: every for name in names})
+    return aliases
