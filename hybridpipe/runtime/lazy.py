@@ -39,28 +39,30 @@ from hybridpipe.profiles.capture import CapturedModel, capture_model, tied_param
 from hybridpipe.profiles.capture_cache import CaptureCache
 from hybridpipe.profiles.meta import capture_on_meta, parameters_on_meta, replace_tensors
 from hybridpipe.profiles.zoo import ModelSpec
-from hybridpipe.runtime.hf_names import file_names
+from hybridpipe.runtime.hf_names import module_view
 from hybridpipe.runtime.tensor_files import Weights, open_weights, read_torch_file
 
 log = logging.getLogger(__name__)
 
 
 def capture_lazily(spec: ModelSpec, example: Any, plan: Plan, weights: Weights, *, cache: CaptureCache | None = None,
-                   autocast: torch.dtype | None = None) -> tuple[nn.Module, CapturedModel, CheckedPlan] | None:
+                   autocast: torch.dtype | None = None
+                   ) -> tuple[nn.Module, CapturedModel, CheckedPlan, Weights] | None:
     """The spec's model with its parameters on the meta device, its capture (under ``torch.autocast``
-    to ``autocast`` if given; through ``cache``, profiles/capture_cache.py) and the plan checked
-    against it (pipeline/plancheck.py); None
-    (logged) when ``weights`` do not cover it or it cannot be captured that way."""
+    to ``autocast`` if given; through ``cache``, profiles/capture_cache.py), the plan checked
+    against it (pipeline/plancheck.py) and ``weights`` under the model's names (runtime/hf_names.py);
+    None (logged) when ``weights`` do not cover it or it cannot be captured that way."""
     try:
         with parameters_on_meta():
             module = (spec.skeleton or spec.build)()
+        weights = module_view(weights, module)
         why = uncovered(module, weights)
         if not why:
             captured = capture_on_meta(module, example, granularity=plan.granularity,
                                        leaf_modules=spec.leaf_modules,
                                        capture=cache.capture if cache is not None else capture_model,
                                        autocast=autocast)
-            return module, captured, check_plan(captured, plan)
+            return module, captured, check_plan(captured, plan), weights
     except Exception as e:      # noqa: BLE001 - any failure here is retried the whole way, which reports it
         why = f"it cannot be captured without its weights ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
     log.warning("hybridpipe: every rank loads the whole of %s: %s", spec.name, why)
@@ -127,7 +129,7 @@ def load_initial(path: str | os.PathLike, module: nn.Module) -> tuple[Weights, d
         complete_tied(state, tied_parameters(module))    # a tied weight's copies must be identical
         weights: Weights = StateDictWeights(state, p)
     else:
-        weights = open_weights(path)
+        weights = module_view(open_weights(path), module)     # a save_pretrained directory's names converted
     aliases = _aliases(module)
     held = set(weights.keys())
     expected = module.state_dict(keep_vars=True)
@@ -154,14 +156,5 @@ def load_whole(module: nn.Module, weights: Weights) -> None:
 
 
 def _aliases(module: nn.Module) -> dict[str, tuple[str, ...]]:
-    """Every saved name with more than one name the files may hold it under -> all of them: a tied
-    parameter's names, and the names transformers' ``save_pretrained`` writes in place of the module's
-    (runtime/hf_names.py); the others are absent (one name each)."""
-    renamed, tied = file_names(module), tied_parameters(module)
-    in_tied = {name for names in tied for name in names}
-    groups = [*tied, *((name,) for name in renamed if name not in in_tied)]
-    aliases: dict[str, tuple[str, ...]] = {}
-    for names in groups:
-        every = (*names, *(renamed[n] for n in names if n in renamed))
-        aliases.update({name: every for name in names})
-    return aliases
+    """Every name of a tied parameter -> all its names (the others are absent: one name each)."""
+    return {name: names for names in tied_parameters(module) for name in names}

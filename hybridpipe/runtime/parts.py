@@ -167,7 +167,7 @@ def build_model(spec: ModelSpec, plan: Plan, *, seed: int, autocast: torch.dtype
     unbuilt = capture_unbuilt(spec, example, plan, seed, cache=captures, autocast=autocast) if stagewise else None
     recipe = None
     if lazy is not None:
-        module, captured, checked = lazy
+        module, captured, checked, weights = lazy
     elif unbuilt is not None:
         module, captured, checked, recipe = unbuilt
     else:

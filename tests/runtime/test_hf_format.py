@@ -288,7 +288,8 @@ def test_init_from_an_hf_directory_whose_files_rename_tensors(tmp_path):
     assert "swin.encoder.layers.0.blocks.0.attention.q_proj.weight" in expected
     fresh = transformers.SwinForImageClassification(config)
     weights, _ = load_initial(tmp_path / "pretrained", fresh)
-    assert "swin.encoder.layers.0.blocks.0.attention.self.query.weight" in weights.keys()
+    assert "swin.encoder.layers.0.blocks.0.attention.q_proj.weight" in weights.keys()       # the module's names
+    assert "swin.encoder.layers.0.blocks.0.attention.self.query.weight" not in weights.keys()
     assert uncovered(fresh, weights) == ""
     load_whole(fresh, weights)
     assert max_diff(fresh.state_dict(), expected) == 0
@@ -309,4 +310,80 @@ def test_an_hf_directory_whose_files_rename_tensors_is_read_a_stage_at_a_time(tm
         model = copy.deepcopy(built)
         model.materialize(plan, [index])
         for name, t in build_stage_index_of(model, plan, index).module.state_dict().items():
+            assert torch.equal(t, expected[name]), name
+
+
+MIXTRAL = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64)
+
+
+def saved_mixtral(directory):
+    """A tiny Mixtral, saved: transformers 5 holds each layer's experts stacked (``mlp.experts.gate_up_proj``,
+    4 x 128 x 32) and writes them as the Hub's checkpoints hold them, one ``w1``, ``w2``, ``w3`` per expert
+    under ``block_sparse_moe``; from_pretrained stacks and concatenates them back."""
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(**MIXTRAL)
+    perturbed(transformers.MixtralForCausalLM(config)).save_pretrained(directory)
+    return config
+
+
+class Reads:
+    """Real weights that note each name read."""
+
+    def __init__(self, weights):
+        self.weights, self.where, self.read = weights, weights.where, []
+
+    def keys(self):
+        return self.weights.keys()
+
+    def shape(self, name):
+        return self.weights.shape(name)
+
+    def dtype(self, name):
+        return self.weights.dtype(name)
+
+    def get(self, name):
+        self.read.append(name)
+        return self.weights.get(name)
+
+
+def test_init_from_an_hf_directory_whose_files_hold_the_experts_apart(tmp_path):
+    """--init-from a Mixtral directory (a pretrained MoE's layout) fits and loads from_pretrained's values
+    (before: "does not fit the model (missing 'model.layers.0.mlp.experts.down_proj'; 4 missing, 26
+    unexpected"); a stacked tensor is made from its own layer's file tensors only, read when asked for."""
+    from hybridpipe.runtime.hf_names import module_view
+    from hybridpipe.runtime.lazy import load_whole
+
+    config = saved_mixtral(tmp_path / "pretrained")
+    expected = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "pretrained").state_dict()
+    fresh = transformers.MixtralForCausalLM(config)
+    weights, _ = load_initial(tmp_path / "pretrained", fresh)
+    assert uncovered(fresh, weights) == ""
+    load_whole(fresh, weights)
+    assert max_diff(fresh.state_dict(), expected) == 0
+    files = Reads(open_weights(tmp_path / "pretrained"))
+    view = module_view(files, fresh)
+    assert files.read == [] and view.shape("model.layers.1.mlp.experts.gate_up_proj") == (4, 128, 32)
+    assert torch.equal(view.get("model.layers.1.mlp.experts.gate_up_proj"),
+                       expected["model.layers.1.mlp.experts.gate_up_proj"])
+    assert sorted(files.read) == sorted(f"model.layers.1.block_sparse_moe.experts.{e}.{w}.weight"
+                                        for e in range(4) for w in ("w1", "w3"))
+
+
+@pytest.mark.slow
+def test_an_hf_directory_whose_files_hold_the_experts_apart_is_read_a_stage_at_a_time(tmp_path):
+    """hf:DIR of that Mixtral: each rank reads only its stage, with from_pretrained's values (before: the
+    files did not cover the model and every rank loaded the whole of it). ~5 s."""
+    saved_mixtral(tmp_path / "pretrained")
+    spec = resolve_model(f"hf:{tmp_path / 'pretrained'}[seq=8]")
+    expected = spec.build().state_dict()                        # from_pretrained
+    plan = make_plan(spec.name, [2], [1, 1], batch_size=2)
+    built = build_model(spec, plan, seed=0)
+    assert built.weights is not None, "loaded whole"
+    for index in range(2):
+        model = copy.deepcopy(built)
+        model.materialize(plan, [index])
+        state = build_stage_index_of(model, plan, index).module.state_dict()
+        assert f"model.layers.{index}.mlp.experts.gate_up_proj" in state
+        for name, t in state.items():
             assert torch.equal(t, expected[name]), name
