@@ -27,7 +27,7 @@ from hybridpipe.profiles.calling import autocast_context
 from hybridpipe.profiles.zoo import resolve_model
 from hybridpipe.profiles.zoo.registry import build_skeleton
 from hybridpipe.runtime.hf_export import save_safetensors
-from hybridpipe.runtime.lazy import capture_lazily, load_initial, uncovered
+from hybridpipe.runtime.lazy import capture_lazily, load_initial, load_whole, uncovered
 from hybridpipe.runtime.merged import merge_stages
 from hybridpipe.runtime.parts import build_model
 from hybridpipe.runtime.tensor_files import open_weights
@@ -281,7 +281,6 @@ def test_init_from_an_hf_directory_whose_files_rename_tensors(tmp_path):
     """--init-from such a directory fits and loads from_pretrained's values, and it covers the model
     (before: "does not fit the model (missing 'swin.encoder...q_proj.weight'; 26 missing, 26 unexpected"),
     and every rank of an hf:DIR job loaded the whole model)."""
-    from hybridpipe.runtime.lazy import load_whole
 
     config = saved_swin(tmp_path / "pretrained")
     expected = transformers.SwinForImageClassification.from_pretrained(tmp_path / "pretrained").state_dict()
@@ -352,7 +351,6 @@ def test_init_from_an_hf_directory_whose_files_hold_the_experts_apart(tmp_path):
     (before: "does not fit the model (missing 'model.layers.0.mlp.experts.down_proj'; 4 missing, 26
     unexpected"); a stacked tensor is made from its own layer's file tensors only, read when asked for."""
     from hybridpipe.runtime.hf_names import module_view
-    from hybridpipe.runtime.lazy import load_whole
 
     config = saved_mixtral(tmp_path / "pretrained")
     expected = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "pretrained").state_dict()
@@ -387,3 +385,25 @@ def test_an_hf_directory_whose_files_hold_the_experts_apart_is_read_a_stage_at_a
         assert f"model.layers.{index}.mlp.experts.gate_up_proj" in state
         for name, t in state.items():
             assert torch.equal(t, expected[name]), name
+
+
+MOE_FAMILIES = {       # transformers' other conversion patterns for experts (shared experts, dense first layers)
+    "Qwen2Moe": dict(moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=4,
+                     num_experts_per_tok=2),
+    "Olmoe": dict(num_experts=4, num_experts_per_tok=2),
+    "DeepseekV3": dict(moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                       first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+                       qk_nope_head_dim=8, v_head_dim=8, n_group=1, topk_group=1),
+}
+
+
+@pytest.mark.parametrize("family", sorted(MOE_FAMILIES))
+def test_init_from_other_moe_families_equals_from_pretrained(tmp_path, family):
+    config = getattr(transformers, f"{family}Config")(**{**MIXTRAL, **MOE_FAMILIES[family]})
+    cls = getattr(transformers, f"{family}ForCausalLM")
+    torch.manual_seed(0)
+    perturbed(cls(config)).save_pretrained(tmp_path)
+    fresh = cls(config)
+    weights, _ = load_initial(tmp_path, fresh)
+    load_whole(fresh, weights)
+    assert max_diff(fresh.state_dict(), cls.from_pretrained(tmp_path).state_dict()) == 0
