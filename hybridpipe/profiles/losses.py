@@ -106,6 +106,18 @@ def label_counter(model: nn.Module) -> Callable[[Any], torch.Tensor] | None:
     return count
 
 
+def batch_coupled_terms(model: nn.Module) -> list[str]:
+    """The terms a Hugging Face model adds to its own loss that are not a sum over its items: a
+    mixture of experts' router losses (``output_router_logits`` with a non-zero
+    ``router_aux_loss_coef`` or ``router_z_loss_coef``), computed over the batch the forward gets.
+    On micro-batches they are one process's with gradient accumulation, never the global batch's."""
+    config = getattr(model, "config", None)
+    if not getattr(config, "output_router_logits", False):
+        return []
+    return [f"{name}={getattr(config, name)}" for name in ("router_aux_loss_coef", "router_z_loss_coef")
+            if getattr(config, name, 0)]
+
+
 def _is_causal_lm(name: str) -> bool:
     """Whether a Hugging Face model class predicts the next token (shifts its labels by one)."""
     if name.endswith("ForCausalLM"):

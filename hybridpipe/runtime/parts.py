@@ -44,7 +44,7 @@ from hybridpipe.pipeline.tokens import TokenCounts
 from hybridpipe.profiles.capture import CapturedModel
 from hybridpipe.profiles.capture_cache import CaptureCache
 from hybridpipe.profiles.data import resolve_dataset
-from hybridpipe.profiles.losses import label_counter
+from hybridpipe.profiles.losses import batch_coupled_terms, label_counter
 from hybridpipe.profiles.zoo import ModelSpec, resolve_model
 from hybridpipe.profiles.zoo.registry import factory_spec
 from hybridpipe.profiles.zoo.spec import batch_rows
@@ -326,6 +326,11 @@ def token_counts(model: Model, device: torch.device, group: dist.ProcessGroup | 
         raise UserError(f"--loss-normalization tokens: {spec.name} computes its own loss and hybridpipe cannot "
                         "count the tokens it averages over; give its factory a loss function returning "
                         "(loss_sum, count), or use --loss-normalization micro-batch")
+    coupled = batch_coupled_terms(model.module) if count is not None else []
+    if coupled:
+        log.warning("hybridpipe: --loss-normalization tokens: %s's router loss (%s) is computed per micro-batch and "
+                    "weighted by its tokens, as with gradient accumulation, not over the global batch at once",
+                    spec.name, ", ".join(coupled))
     example = spec.example if spec.example is not None else spec.example_input(1)
     rows = batch_rows(example) or 1
     if count is not None:                   # an example without labels: refused here, in one line
