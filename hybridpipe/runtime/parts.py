@@ -52,7 +52,7 @@ from hybridpipe.runtime.config import RunConfig
 from hybridpipe.runtime.lazy import capture_lazily, load_initial, load_whole, materialize
 from hybridpipe.runtime.seeded import Recipe, capture_unbuilt, materialize_seeded
 from hybridpipe.runtime.sharded_optimizer import ShardedOptimizer
-from hybridpipe.runtime.sync import describe_override, override_layers, stage_layers, unit_choices
+from hybridpipe.runtime.sync import describe_override, override_layers, run_as_written, stage_layers, unit_choices
 from hybridpipe.runtime.tensor_files import Weights, open_weights
 
 log = logging.getLogger(__name__)
@@ -204,9 +204,11 @@ def make_sync(plan: Plan, stage_module: nn.Module, stage: Stage, group: dist.Pro
         log.info("stage %d: replicas shard %s", stage.index, stage.shard)
         return ShardedReplicas(stage_module, GroupTransport(group), unit_choices(layers), stage.shard, exclude=exclude,
                                wire_dtype=wire_dtype, hosts=costs.topology().units, torus_shape=costs.torus_shape(),
-                               reshard_after_forward=stage.reshard_after_forward)
+                               reshard_after_forward=stage.reshard_after_forward,
+                               maybe_absent=run_as_written(stage_module))
     hdp = HybridDataParallel(stage_module, group, units=unit_choices(layers), costs=costs,
-                             aggregator=aggregator, reduce="sum", exclude=exclude, wire_dtype=wire_dtype)
+                             aggregator=aggregator, reduce="sum", exclude=exclude, wire_dtype=wire_dtype,
+                             maybe_absent=run_as_written(stage_module))
     log.info("stage %d: gradient sync: %s", stage.index,
              ", ".join(f"{u.name}:{u.algorithm}{'/lane 1' if u.lane else ''}" for u in hdp.units))
     return hdp

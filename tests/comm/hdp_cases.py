@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import functools
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -120,3 +121,57 @@ class _nullcontext:
 
     def __exit__(self, *exc):
         return False
+
+
+class Routed(nn.Module):
+    """An input layer, then ``experts`` linear layers of which each sample's route picks one (the
+    route given with the batch: which experts get a gradient differs from rank to rank, one is
+    never picked), then a head."""
+
+    def __init__(self, experts: int = 4, width: int = 8, classes: int = 3):
+        super().__init__()
+        self.inp = nn.Linear(6, width)
+        self.experts = nn.ModuleList(nn.Linear(width, width) for _ in range(experts))
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor, route: list[int]) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        h = torch.stack([self.experts[e](h[i]) for i, e in enumerate(route)])
+        return self.head(torch.relu(h))
+
+
+def routes(rank: int, step: int) -> list[int]:
+    """Two samples' experts: rank 0 takes 0 then 1 (step by step), rank 1 always 2; expert 3 never
+    runs, expert 1 only on rank 0's odd steps."""
+    return [0, step % 2] if rank == 0 else [2, 2]
+
+
+def compare_routed_with_ddp(rank: int, world: int, steps: int = 4) -> dict[str, float]:
+    """HDP with the experts as ``maybe_absent`` vs DDP with ``find_unused_parameters``: the largest
+    |w_hdp - w_ddp| by optimizer, and which experts' .grad each leaves None after the last step."""
+    out: dict[str, Any] = {}
+    for opt_name, make in (("sgd", lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)),
+                           ("adamw", lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1))):
+        torch.manual_seed(0)
+        base = Routed()
+        ddp = DistributedDataParallel(copy.deepcopy(base), process_group=dist.new_group(), find_unused_parameters=True)
+        hdp_module = copy.deepcopy(base)
+        hdp = HybridDataParallel(hdp_module, group=dist.new_group(), policy="ring", fuse_small=False,
+                                 maybe_absent=list(hdp_module.experts.parameters()))
+        opts = {"ddp": make(ddp.parameters()), "hdp": make(hdp.parameters())}
+        for step in range(steps):
+            g = torch.Generator().manual_seed(100 * step + rank)
+            x, y = torch.randn(2, 6, generator=g), torch.randint(0, 3, (2,), generator=g)
+            for name, model in (("ddp", ddp), ("hdp", hdp)):
+                nn.functional.cross_entropy(model(x, routes(rank, step)), y).backward()
+                if name == "hdp":
+                    hdp.finish()
+                opts[name].step()
+                if step == steps - 1:
+                    out[f"{opt_name}/{name}/none"] = [e for e, m in enumerate(model.module.experts)
+                                                      if m.weight.grad is None]
+                opts[name].zero_grad()
+        out[opt_name] = max(float((a - b).abs().max()) for a, b in zip(ddp.module.state_dict().values(),
+                                                                        hdp.module.state_dict().values(), strict=True))
+        hdp.close()
+    return out

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from hybridpipe.comm.hybrid_dp import POLICIES, HybridDataParallel, LayerwiseOptimizer
-from tests.comm.hdp_cases import batch, build, compare_with_ddp
+from tests.comm.hdp_cases import batch, build, compare_routed_with_ddp, compare_with_ddp
 from tests.comm.spawn import spawn
 
 TOLERANCE = 1e-6
@@ -78,3 +78,16 @@ def _overlap(rank: int, world: int) -> dict:
     hdp.close()
     return {"started": started_in_backward, "units": [u.name for u in hdp.units], "deferred": deferred,
             "after_forward": after_forward, "updated": updated, "zeroed": grads_zeroed, "no_sync": in_no_sync}
+
+
+def test_parameters_some_ranks_leave_without_gradient_are_summed_as_ddp_finds_them() -> None:
+    """A routed layer (a mixture of experts' loop): which experts get a gradient differs by rank, one
+    never does. With them ``maybe_absent``, HDP equals DDP(find_unused_parameters=True) under SGD with
+    momentum and AdamW with weight decay (both skip a parameter without a gradient), and leaves .grad
+    None exactly where no rank gave one; before, each rank all-reduced a different list (a collective
+    mismatch: an abort, or other parameters' gradients summed together)."""
+    results = spawn(compare_routed_with_ddp, 2, timeout=120)
+    for r in results:
+        assert r["sgd"] <= TOLERANCE and r["adamw"] <= TOLERANCE, r
+        # the last step (odd): rank 0 ran experts 0 and 1, rank 1 expert 2; expert 3 none anywhere
+        assert r["sgd/hdp/none"] == r["sgd/ddp/none"] == [3] and r["adamw/hdp/none"] == [3], r

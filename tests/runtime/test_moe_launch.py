@@ -40,17 +40,20 @@ def plain_training(spec_name: str, plan, steps: int) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-def profile_partition_launch_merge(tmp_path, spec: str, batch: int, workers: int) -> None:
-    """Profile, partition into 2 stages over ``workers`` local processes, train, merge, compare."""
+def profile_partition_launch_merge(tmp_path, spec: str, batch: int, workers: int, shard: str = "none") -> None:
+    """Profile, partition into 2 stages over ``workers`` local processes (replicas sharding
+    ``shard``), train, merge, compare."""
     profile, plan_path, cluster = tmp_path / "profile.json", tmp_path / "plan.json", tmp_path / "cluster.json"
     cluster.write_text(json.dumps({"kind": "cluster", "format": 1, "memory_gb": 4, "levels": [
         {"name": "local", "workers": workers, "bandwidth_gbps": 8, "latency_us": 500}]}))
     assert main(["profile", spec, "--batch-size", str(batch), "--repeats", "1", "--warmup", "0", "-q",
                  "-o", str(profile)]) == 0
     assert main(["partition", str(profile), "--cluster", str(cluster),
-                 "--strategy", "uniform", "--stages", "2", "--micro-batches", "4", "-q", "-o", str(plan_path)]) == 0
+                 "--strategy", "uniform", "--stages", "2", "--micro-batches", "4", "--shard", shard, "-q",
+                 "-o", str(plan_path)]) == 0
     plan = load_plan(plan_path)
     assert [s.replicas for s in plan.stages] == [workers // 2] * 2
+    assert all(s.shard == (shard if s.replicas > 1 else "none") for s in plan.stages), plan.stages
     names = [n["name"] for n in json.loads(profile.read_text())["nodes"]]
     for stage in plan.stages:                                    # a leaf (experts) inside every stage
         assert any("blocks." in n or "layers." in n for n in names[stage.first_node:stage.last_node + 1])
@@ -71,6 +74,17 @@ def profile_partition_launch_merge(tmp_path, spec: str, batch: int, workers: int
 @pytest.mark.parametrize("workers", [2, pytest.param(4, marks=pytest.mark.slow)], ids=["2", "2x2"])
 def test_user_moe_profile_partition_torchrun_merge(tmp_path, workers):
     profile_partition_launch_merge(tmp_path, USER_MOE, 4, workers)
+
+
+@pytest.mark.parametrize("shard", ["none", *(pytest.param(s, marks=pytest.mark.slow)
+                                              for s in ("optimizer", "gradients", "parameters"))])
+def test_experts_one_replica_runs_and_another_does_not(tmp_path, shard):
+    """16 experts, top-1, one sample a micro-batch on 2 x 2: each replica's micro-batches choose other
+    experts, some none at all: the replicas sum what they have (missing ones as zeros) and an expert
+    no replica ran keeps no gradient (momentum SGD skips it, as the plain loop does). Before: the
+    replicas all-reduced different lists of gradients (gloo aborted on a size mismatch, or summed
+    one expert's gradient into another's)."""
+    profile_partition_launch_merge(tmp_path, USER_MOE.replace("]", ",experts=16,top_k=1]"), 1, 4, shard)
 
 
 @pytest.mark.slow

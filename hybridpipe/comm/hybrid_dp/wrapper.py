@@ -54,9 +54,15 @@ class HybridDataParallel(nn.Module):
     what each parameter's all-reduce last ran.
 
     Every rank must run the same backward (the same parameters get gradients, as with DDP's
-    default). A parameter is awaited before the forward of the module that owns it (the first
-    that registers it); one read earlier in forward by another module (an unusual weight tie)
-    needs ``finish()`` before that forward.
+    default), but for the parameters in ``maybe_absent``: those of modules run as written (a
+    mixture of experts' loop over the experts its tokens chose), which one replica's micro-batches
+    may leave without a gradient while another's give them one. A unit holding any of them is
+    all-reduced in :meth:`finish`, in unit order on every rank, a missing gradient as zeros, with
+    one presence count per parameter beside it; a parameter no replica gave a gradient gets none
+    (``.grad`` None: the optimizer skips it, as in one process), the others the sum (DDP's
+    ``find_unused_parameters``). A parameter is awaited before the forward of the module that owns
+    it (the first that registers it); one read earlier in forward by another module (an unusual
+    weight tie) needs ``finish()`` before that forward.
     """
 
     def __init__(self, module: nn.Module, group: dist.ProcessGroup | None = None, policy: str = "hybrid",
@@ -64,7 +70,8 @@ class HybridDataParallel(nn.Module):
                  topology: Topology | None = None, costs: GroupCosts | None = None, aggregator: str | None = None,
                  lane: int = 1, broadcast_buffers: bool = True, fuse_small: bool = True, two_lanes: bool = True,
                  downward: dist.ProcessGroup | None = None, units: Sequence[UnitChoice] | None = None,
-                 exclude: Collection[nn.Parameter] = (), wire_dtype: torch.dtype | None = None):
+                 exclude: Collection[nn.Parameter] = (), wire_dtype: torch.dtype | None = None,
+                 maybe_absent: Collection[nn.Parameter] = ()):
         super().__init__()
         self.wire_dtype = wire_dtype          # floating gradients travel in this dtype (bf16: half the bytes)
         check_policy(policy)
@@ -97,6 +104,9 @@ class HybridDataParallel(nn.Module):
                                 AllReducer(group, topology=self._reducer.topology, costs=self._reducer.costs,
                                            lane=urgent, downward=downward)))
         self._unit_of: dict[int, SyncUnit] = {id(p): u for u in self.units for p in u.params}
+        absent = {id(p) for p in maybe_absent}
+        self._dynamic = {u.index for u in self.units if any(id(p) in absent for p in u.params)}
+        self._backward_seen = False                    # a gradient arrived since the dynamic units last ran
         self._ready: dict[int, int] = {}               # unit index -> params ready this backward
         self._pending: dict[int, Handle] = {}          # unit index -> all-reduce in flight
         self._syncing = True
@@ -159,7 +169,10 @@ class HybridDataParallel(nn.Module):
     def _grad_ready(self, param: torch.Tensor) -> None:
         if not self._syncing:
             return
+        self._backward_seen = True
         unit = self._unit_of[id(param)]
+        if unit.index in self._dynamic:            # all-reduced in finish(), in order on every rank
+            return
         count = self._ready.get(unit.index, 0) + 1
         if count < len(unit.params):
             self._ready[unit.index] = count
@@ -170,6 +183,9 @@ class HybridDataParallel(nn.Module):
     def _launch(self, unit: SyncUnit) -> None:
         if unit.index in self._pending:            # a second backward before the wait: queue behind
             self._pending.pop(unit.index).wait()
+        if unit.index in self._dynamic:
+            self._launch_dynamic(unit)
+            return
         grads = [p.grad for p in unit.params if p.grad is not None]
         if grads:
             ready = None
@@ -179,6 +195,26 @@ class HybridDataParallel(nn.Module):
             lane, reducer = self._lanes[unit.lane]
             self._pending[unit.index] = lane.submit(self._reduce_grads, unit.index, reducer, grads, unit.algorithm,
                                                     ready, unit.name, name=unit.name)
+
+    def _launch_dynamic(self, unit: SyncUnit) -> None:
+        """All-reduce a unit whose parameters may lack a gradient on some ranks: every parameter's
+        gradient (zeros where missing) and a presence count per parameter, in one all-reduce."""
+        params = [p for p in unit.params if p.requires_grad]
+        if not params:
+            return
+        present = torch.tensor([float(p.grad is not None) for p in params], device=params[0].device)
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in params]
+        lane, reducer = self._lanes[unit.lane]
+
+        def reduce() -> None:
+            self._reduce_grads(unit.index, reducer, [*grads, present], unit.algorithm, None, unit.name)
+            for p, n in zip(params, present.tolist(), strict=True):
+                if n == 0:                         # no rank had one: none, as one process has none
+                    p.grad = None
+        self._pending[unit.index] = lane.submit(reduce, name=unit.name)
 
     def _reduce_grads(self, index: int, reducer: AllReducer, grads: list[torch.Tensor], algorithm: str,
                       ready: Any = None, name: str = "") -> None:
@@ -218,10 +254,12 @@ class HybridDataParallel(nn.Module):
 
     def launch_partial(self) -> None:
         """Start the all-reduce of units whose backward left them partly ready (parameters that
-        got no gradient this step), in unit order, so every rank starts the same ones."""
+        got no gradient this step) and, after a backward, of the units whose parameters may lack
+        one (``maybe_absent``), in unit order, so every rank starts the same ones."""
         if self._syncing:
+            dynamic, self._backward_seen = self._backward_seen, False
             for unit in self.units:
-                if self._ready.pop(unit.index, None):
+                if self._ready.pop(unit.index, None) or (dynamic and unit.index in self._dynamic):
                     self._launch(unit)
 
     def finish(self) -> None:

@@ -26,6 +26,13 @@ the module's weights are then whole only inside :func:`whole_weights`); ZeRO-3 f
 full weights (the next use gathers them). :func:`whole_weights` makes them whole for a checkpoint. Gradients are
 *summed* (the engine's Step scales them) and, with ``wire_dtype``, travel in that dtype.
 Parameters outside the units (``exclude``: tied weights, summed by the TiedSync) are not sharded.
+
+A unit holding a parameter of ``maybe_absent`` (a module run as written, whose micro-batches may
+give it no gradient on one replica and one on another) is reduce-scattered once a step, in
+:meth:`finish`, in unit order on every replica, a missing gradient as zeros (its full gradients
+are held through the step, as ZeRO-1 holds them); beside it the replicas sum one presence count
+per parameter, and an owned piece of a parameter no replica gave a gradient has none (the
+optimizer skips it, as in one process).
 """
 
 from __future__ import annotations
@@ -66,6 +73,7 @@ class UnitShard:
     pieces: list[Piece]
     grads: list[torch.Tensor | None] = field(default_factory=list)   # ZeRO-2: the owned gradient per piece
     ready: set[int] = field(default_factory=set)                     # params whose grad came this backward
+    dynamic: bool = False               # holds a parameter that may lack a gradient on some replicas
 
 
 def _pieces(params: Sequence[nn.Parameter], lo: int, hi: int) -> list[Piece]:
@@ -85,7 +93,8 @@ class ShardedReplicas:
     def __init__(self, module: nn.Module, transport: Any, units: Sequence[UnitChoice], level: str, *,
                  exclude: Collection[nn.Parameter] = (), wire_dtype: torch.dtype | None = None,
                  hosts: Sequence[Sequence[int]] | None = None, torus_shape: tuple[int, int] | None = None,
-                 lane: int = 1, reshard_after_forward: bool = True, overlap_gather: bool = False):
+                 lane: int = 1, reshard_after_forward: bool = True, overlap_gather: bool = False,
+                 maybe_absent: Collection[nn.Parameter] = ()):
         if level not in LEVELS:
             raise ValueError(f"shard level {level!r} is not one this runtime runs; choose {', '.join(LEVELS)}")
         self.module, self.level, self.wire_dtype = module, level, wire_dtype
@@ -97,6 +106,10 @@ class ShardedReplicas:
                                                     units=hosts, shape=torus_shape),
                                 _pieces(u.params, *h.owned[self.position]))
                       for u in units_from_choices(model_layers(module, exclude), units)]
+        absent = {id(p) for p in maybe_absent}
+        for shard in self.units:
+            shard.dynamic = any(id(p) in absent for p in shard.unit.params)
+        self._backward_seen = False       # a gradient arrived since the dynamic units last ran
         self._shard_of = {id(p): s for s in self.units for p in s.unit.params}
         self._pending: list[Handle] = []
         self._syncing = True
@@ -176,6 +189,9 @@ class ShardedReplicas:
         if not self._syncing and self.level == "optimizer":
             return
         shard = self._shard_of[id(param)]
+        if shard.dynamic:                     # reduce-scattered in finish(), in order on every replica
+            self._backward_seen = self._backward_seen or self._syncing
+            return
         if id(param) in shard.ready:          # a second backward before the unit completed: send the first
             self._launch(shard)
         shard.ready.add(id(param))
@@ -237,13 +253,39 @@ class ShardedReplicas:
             self._syncing = before
 
     def finish(self) -> None:
-        """Start the units a backward left partly complete, then wait for every reduce-scatter."""
+        """Start the units a backward left partly complete and (after a backward) the units whose
+        parameters may lack a gradient, then wait for every reduce-scatter."""
+        dynamic, self._backward_seen = self._backward_seen, False
         for s in self.units:
-            if s.ready:
+            if s.dynamic and dynamic:
+                self._launch_dynamic(s)
+            elif s.ready:
                 self._launch(s)
         pending, self._pending = self._pending, []
         for h in pending:
             h.wait()
+
+    def _launch_dynamic(self, shard: UnitShard) -> None:
+        """Reduce-scatter a unit whose parameters may lack a gradient on some replicas (zeros in
+        their place), then sum a presence count per parameter (its own reduce-scatter and
+        all-gather) and drop the owned gradient of each parameter no replica had one for."""
+        params = shard.unit.params
+        present = torch.tensor([float(p.grad is not None) for p in params], device=params[0].device)
+        self._launch(shard)                   # zeros where missing: the sum every replica adds the same way
+        counts = plan_halves("ring", self.size, len(params))
+
+        def drop_absent() -> None:
+            self._runner.run(counts.reduce_scatter, [present], counts.algorithm)
+            self._runner.run(counts.all_gather, [present], counts.algorithm)
+            absent = {id(p) for p, n in zip(params, present.tolist(), strict=True) if n == 0}
+            if self.level == "optimizer":
+                for p in params:
+                    if id(p) in absent:
+                        p.grad = None
+            else:
+                shard.grads = [None if id(pc.param) in absent else g
+                               for pc, g in zip(shard.pieces, shard.grads or [None] * len(shard.pieces), strict=True)]
+        self._pending.append(self._lane.submit(drop_absent, name=f"{shard.unit.name}/presence"))
 
     # ---- after the step ---------------------------------------------------------------------
     def gather_weights(self) -> None:
