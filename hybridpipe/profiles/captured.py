@@ -75,7 +75,7 @@ class CapturedModel:
         return pytree.tree_unflatten(leaves, self.out_spec)
 
     # ---- parameters ----------------------------------------------------------------------
-    def block_params(self) -> list[tuple[str, ...]]:
+    def read_params(self) -> list[tuple[str, ...]]:
         """For every block, the parameter names (as the graph refers to them) its operations read."""
         nodes = {n.name: n for n in self.graph.graph.nodes}
         out = []
@@ -87,6 +87,20 @@ class CapturedModel:
                         names.append(p)
             out.append(tuple(names))
         return out
+
+    def block_params(self) -> list[tuple[str, ...]]:
+        """For every block, the parameters it reads (:meth:`read_params`) and those of the model
+        that no block reads (the forward never uses them: BartForCausalLM's cross-attention), each
+        held by the block of its nearest module (the longest common module path; the first on a tie),
+        so that a stage keeps, saves and restores them unchanged, as one process does."""
+        read = self.read_params()
+        seen = {id(self.graph.get_parameter(n)) for names in read for n in names}
+        kept: list[list[str]] = [[] for _ in self.blocks]
+        for name, p in self.graph.named_parameters():
+            if id(p) not in seen and self.blocks:
+                seen.add(id(p))
+                kept[_nearest_block(name, self.blocks)].append(name)
+        return [names + tuple(more) for names, more in zip(read, kept, strict=True)]
 
 
 def unsendable(value: Any) -> str | None:
@@ -111,6 +125,20 @@ def node_parameters(gm: fx.GraphModule, node: fx.Node) -> list[str]:
         if arg.op == "get_attr" and isinstance(graph_attr(gm, str(arg.target)), nn.Parameter):
             out.append(str(arg.target))
     return out
+
+
+def _nearest_block(name: str, blocks: tuple[Block, ...]) -> int:
+    """The block whose module path shares the most leading parts with parameter ``name``'s."""
+    parts = name.split(".")
+
+    def common(block: Block) -> int:
+        n = 0
+        for a, b in zip(parts, block.name.split("#")[0].split("."), strict=False):
+            if a != b:
+                break
+            n += 1
+        return n
+    return max(range(len(blocks)), key=lambda i: (common(blocks[i]), -i))
 
 
 def graph_attr(gm: nn.Module, target: str) -> Any:

@@ -135,6 +135,12 @@ def stage_graph_module(captured: CapturedModel, boundary: StageBoundary, last: b
             result = fx.map_arg(node.args[0], arg)
         elif is_operation(node) and node.name in members:
             env[node] = graph.node_copy(node, arg)
+    referenced = {str(n.target) for n in env.values() if isinstance(n, fx.Node) and n.op == "get_attr"}
+    for names in captured.block_params()[boundary.first_node:boundary.last_node + 1]:
+        for name in names:
+            if name not in referenced and not _in_called_module(gm, graph, name):
+                graph.get_attr(name)            # read by no operation: held (saved, restored), never used
+                referenced.add(name)
     if last:
         graph.output(result)
     else:
@@ -143,6 +149,11 @@ def stage_graph_module(captured: CapturedModel, boundary: StageBoundary, last: b
     stage = fx.GraphModule(gm, graph, class_name=f"Stage{boundary.index}")
     _keep_buffers_transient(stage, captured.module)
     return stage
+
+
+def _in_called_module(gm: fx.GraphModule, graph: fx.Graph, name: str) -> bool:
+    """Whether parameter ``name`` belongs to a module that ``graph`` calls whole (a leaf)."""
+    return any(n.op == "call_module" and name.startswith(f"{n.target}.") for n in graph.nodes)
 
 
 def _keep_buffers_transient(stage: nn.Module, model: nn.Module) -> None:

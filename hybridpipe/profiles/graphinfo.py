@@ -67,6 +67,7 @@ def graph_edges(captured: CapturedModel) -> list[tuple[int, int]]:
 
 
 def unused_parameters(captured: CapturedModel) -> list[str]:
-    """Parameters of the model that no block reads (they get no gradient and no stage)."""
-    read = {id(captured.module.get_parameter(n)) for names in captured.block_params() for n in names}
+    """Parameters of the model that no block reads (no gradient; the stage of their nearest module
+    keeps them: ``CapturedModel.block_params``)."""
+    read = {id(captured.module.get_parameter(n)) for names in captured.read_params() for n in names}
     return [name for name, p in captured.module.named_parameters() if id(p) not in read]

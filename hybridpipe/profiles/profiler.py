@@ -206,8 +206,8 @@ def _notes(captured: CapturedModel) -> tuple[str, ...]:
         notes.append("captured with torch.fx's tracer (torch.export could not capture the model)")
     unused = unused_parameters(captured)
     if unused:
-        notes.append(f"{len(unused)} parameter tensors are not used by forward (no node owns them): "
-                     f"{', '.join(unused[:5])}{' ...' if len(unused) > 5 else ''}")
+        notes.append(f"{len(unused)} parameter tensors are not used by forward (held unchanged by the node of "
+                     f"their nearest module): {', '.join(unused[:5])}{' ...' if len(unused) > 5 else ''}")
     return tuple(notes)
 
 

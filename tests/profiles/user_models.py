@@ -267,3 +267,22 @@ class RaggedTokens(Dataset):
 
 def ragged_tokens(n: int = 64, vocab: int = 128, low: int = 16, high: int = 64, seed: int = 0) -> RaggedTokens:
     return RaggedTokens(n, vocab, low, high, seed)
+
+
+class WithSpare(nn.Module):
+    """An MLP holding a layer its forward never calls (as BartForCausalLM holds cross-attention)."""
+
+    def __init__(self, width: int = 16, classes: int = 5):
+        super().__init__()
+        self.inp = nn.Linear(12, width)
+        self.mid = nn.Linear(width, width)
+        self.spare = nn.Linear(width, width)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mid(torch.tanh(self.inp(x)))))
+
+
+def with_spare(width: int = 16):
+    """WithSpare: (module, example input); cross-entropy over 5 classes."""
+    return WithSpare(width), torch.randn(4, 12)
