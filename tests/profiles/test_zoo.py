@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from hybridpipe.errors import UserError
-from hybridpipe.profiles.zoo import ZOO, resolve_model
+from hybridpipe.profiles.zoo import ZOO, parse_spec, resolve_model
 
 # seed 000, Table 1 (see shared/seeds/README.md): the 1000-class AlexNet, 96/256/384/384/256 filters
 ALEXNET_PAPER = {"conv1": 34_944, "conv2": 614_656, "conv3": 885_120, "conv4": 1_327_488, "conv5": 884_992,
@@ -126,3 +126,19 @@ def test_leaf_argument_is_reserved_for_the_tracer():
     ms = resolve_model("tests.profiles.user_models:gated[width=6,leaf=Gate]")
     assert ms.leaf_modules == ("Gate",)
     assert ms.build().inp.in_features == 6
+
+
+@pytest.mark.parametrize("spec, expected", [
+    ("hf:convnext[hidden_sizes=[8,16],depths=[1, 1],image_size=32]",
+     ("hf:convnext", {"hidden_sizes": [8, 16], "depths": [1, 1], "image_size": 32})),
+    ("m:f[names=[a,b],empty=[],flag=true]", ("m:f", {"names": ["a", "b"], "empty": [], "flag": True})),
+])
+def test_a_list_option_in_brackets(spec, expected):
+    """Vision configs take lists (ConvNeXt's hidden_sizes, Swin's depths): was "'16]' is not key=value"."""
+    assert parse_spec(spec) == expected
+
+
+@pytest.mark.parametrize("spec", ["mlp[a=[1]]]", "mlp[a=[[1]]]", "mlp[a=[1,2]", "mlp[a=1]]"])
+def test_unbalanced_or_nested_brackets_are_refused(spec):
+    with pytest.raises(UserError, match="cannot read model"):
+        parse_spec(spec)

@@ -34,7 +34,7 @@ from torch.utils.data import default_collate
 
 from hybridpipe.errors import UserError
 
-_SPEC = re.compile(r"^(?P<target>[A-Za-z_][\w.\-]*(?::[A-Za-z_]\w*)?)(?:\[(?P<args>[^\]]*)\])?$")
+_SPEC = re.compile(r"^(?P<target>[A-Za-z_][\w.\-]*(?::[A-Za-z_]\w*)?)(?:\[(?P<args>(?:[^\[\]]|\[[^\[\]]*\])*)\])?$")
 
 
 LossFn = Callable[[Any, Any], Any]      # (output, target) -> mean loss, or (loss_sum, count) (profiles/losses.py)
@@ -109,12 +109,13 @@ def parse_spec(spec: str, what: str = "model", choices: str = "") -> tuple[str, 
 
 
 def parse_args(bracket: str, spec: str, what: str = "model") -> dict:
-    """``[k=v,...]`` (or "") -> keyword arguments (ints, floats, bools, strings)."""
+    """``[k=v,...]`` (or "") -> keyword arguments (ints, floats, bools, strings, and lists of them
+    in brackets: ``hidden_sizes=[8,16]``)."""
     text = bracket.strip()
     if text and not (text.startswith("[") and text.endswith("]")):
         raise UserError(f"cannot read the arguments of {what} {spec!r}: write them as [key=value,...]")
     kwargs: dict = {}
-    for item in filter(None, (x.strip() for x in text[1:-1].split(","))):
+    for item in filter(None, (x.strip() for x in _split_top(text[1:-1]))):
         key, eq, value = item.partition("=")
         if not eq or not key.strip().isidentifier():
             raise UserError(f"{what} argument {item!r} in {spec!r} is not key=value")
@@ -124,7 +125,20 @@ def parse_args(bracket: str, spec: str, what: str = "model") -> dict:
     return kwargs
 
 
+def _split_top(text: str) -> list[str]:
+    """``text`` split at the commas outside brackets."""
+    parts, depth, start = [], 0, 0
+    for i, c in enumerate(text):
+        depth += (c == "[") - (c == "]")
+        if c == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    return [*parts, text[start:]]
+
+
 def _literal(text: str):
+    if len(text) >= 2 and text[0] == "[" and text[-1] == "]":
+        return [_literal(x.strip()) for x in _split_top(text[1:-1]) if x.strip()]
     if text.lower() in ("true", "false"):
         return text.lower() == "true"
     for cast in (int, float):
