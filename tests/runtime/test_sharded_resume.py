@@ -1,0 +1,161 @@
+"""Checkpoints of sharded replicas (ZeRO-1/2/3) through launch on real rank processes (gloo), each
+against a plain single-process PyTorch loop written here (weights, BatchNorm buffers and AdamW's
+state by parameter name):
+
+* a ZeRO-2 run on 2 stages x 2 replicas resumed under ZeRO-3, under no sharding, and under another
+  split with another replica count (1 + 3 ranks, the 3 replicas at ZeRO-3) ends where the
+  uninterrupted plain loop does;
+* ``merge-checkpoint --with-optimizer`` of a sharded run started with ``--init-from`` under a sharded
+  plan continues as the plain loop continues from the same weights and optimizer state.
+
+All are multi-process (make test-slow).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybridpipe.cli import main
+from hybridpipe.partitioner.plan import Plan, save_plan
+from hybridpipe.pipeline.data import MicroBatches
+from hybridpipe.profiles.data import resolve_dataset
+from hybridpipe.profiles.zoo import resolve_model
+from hybridpipe.runtime.checkpoint_files import step_dir
+from hybridpipe.runtime.merged import merge_optimizer
+from tests.pipeline.harness import make_plan, model_loss
+from tests.runtime.jobs import final_weights, launch, max_diff
+
+MODEL = "tests.runtime.resume_models:bn_mlp"     # Linear -> BatchNorm1d -> ReLU blocks: weights and buffers
+SEED, LR, WD, CLIP, WARMUP = 3, 0.01, 0.1, 0.5, 2
+M, B = 6, 4                                      # one global batch: 24 samples, every plan
+FIRST, MORE = 3, 2                               # steps before the checkpoint, steps after
+SIZE = (FIRST + MORE) * M * B
+TOL = 1e-5
+
+
+def cosine(step: int, total: int) -> float:
+    """``--lr-schedule cosine --warmup-steps WARMUP`` as the README says it: the factor on the learning
+    rate of the step after ``step`` steps, rising linearly over WARMUP steps, then half a cosine to 0 at ``total``."""
+    if step < WARMUP:
+        return (step + 1) / WARMUP
+    return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - WARMUP) / max(1, total - WARMUP))))
+
+
+def sharded(plan: Plan, *levels: str) -> Plan:
+    """``plan`` with stage s's replicas at ``levels[s]`` (a stage of one replica stays unsharded)."""
+    return dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, shard=lvl if s.replicas > 1 else "none")
+                                                  for s, lvl in zip(plan.stages, levels, strict=True)))
+
+
+def plain_loop(steps: int, start: dict | None = None) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+    """The unsplit model in one process for ``steps`` steps: built after manual_seed(SEED) (or given
+    ``start``'s weights and name-keyed AdamW state), the synthetic samples of SEED from the first
+    onwards, each micro-batch's mean loss / M accumulated, clipped by the global norm, torch's AdamW
+    under the :func:`cosine` schedule to ``steps``. Its state_dict (weights and buffers) and its
+    optimizer state by parameter name."""
+    spec = resolve_model(MODEL)
+    torch.manual_seed(SEED)
+    model = spec.build().train()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    names = dict(model.named_parameters())
+    if start is not None:
+        model.load_state_dict(start["model"], strict=True)
+        for name, st in start["optimizer"]["state"].items():
+            opt.state[names[name]] = {k: v.clone() for k, v in st.items()}
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: cosine(k, steps))
+    data = MicroBatches(resolve_dataset("synthetic", spec, size=SIZE, seed=SEED), B, M, targets=True)
+    for k in range(steps):
+        opt.zero_grad()
+        for m in range(M):
+            (model_loss(spec, model, *data.batch(k, m)) / M).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        sched.step()
+    by_id = {id(p): n for n, p in names.items()}
+    return ({k: v.detach().clone() for k, v in model.state_dict().items()},
+            {by_id[id(p)]: {k: v.clone() for k, v in st.items()} for p, st in opt.state.items()})
+
+
+def run(tmp: Path, plan: Plan, name: str, ckpt: Path, *more: str, timeout: float = 120) -> str:
+    """launch on ``plan``'s ranks (AdamW, clipping, the cosine schedule, the fixed dataset); every rank
+    must succeed: their output."""
+    path = save_plan(plan, tmp / f"{name}.json")
+    done = launch(["--plan", str(path), "--optimizer", "adamw", "--lr", str(LR), "--weight-decay", str(WD),
+                   "--clip-grad-norm", str(CLIP), "--lr-schedule", "cosine", "--warmup-steps", str(WARMUP),
+                   "--seed", str(SEED), "--dataset-size", str(SIZE), "--checkpoint-dir", str(ckpt),
+                   "--run-dir", str(tmp / f"run-{name}"), "--timeout", "60",
+                   "--no-progress", "--no-trace", *more], plan.world_size, timeout=timeout)
+    assert all(d.returncode == 0 for d in done), done
+    return "".join(d.stdout + d.stderr for d in done)
+
+
+def check_state(ckpt: Path, step: int, weights: dict[str, torch.Tensor], state: dict[str, dict]) -> None:
+    """The checkpoint of ``step`` holds ``weights`` (and buffers) and AdamW ``state``, by name."""
+    merged = final_weights(ckpt, step)
+    floats = {k for k, v in weights.items() if v.is_floating_point()}
+    assert max_diff({k: merged[k] for k in floats}, {k: weights[k] for k in floats}) <= TOL
+    for k in set(weights) - floats:                       # num_batches_tracked: exactly
+        assert torch.equal(merged[k], weights[k]), (k, merged[k], weights[k])
+    assert set(merged) == set(weights)
+    saved = merge_optimizer(ckpt, step)["state"]
+    assert set(saved) == set(state)
+    for name, st in state.items():
+        assert float(saved[name]["step"]) == float(st["step"]), name
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert saved[name][key].shape == st[key].shape, (name, key)
+            assert float((saved[name][key] - st[key]).abs().max()) <= TOL, (name, key)
+
+
+def zero2() -> Plan:
+    """2 stages x 2 replicas, both at ZeRO-2."""
+    return sharded(make_plan(MODEL, [4], [2, 2], micro_batches=M, batch_size=B), "gradients", "gradients")
+
+
+TARGETS = {     # the plans a ZeRO-2 2 x 2 checkpoint resumes under
+    "zero3": lambda: sharded(make_plan(MODEL, [4], [2, 2], micro_batches=M, batch_size=B), "parameters", "parameters"),
+    "replicated": lambda: make_plan(MODEL, [4], [2, 2], micro_batches=M, batch_size=B),
+    "1+3-zero3": lambda: sharded(make_plan(MODEL, [6], [1, 3], micro_batches=M, batch_size=B), "none", "parameters"),
+    "interleaved-zero3": lambda: sharded(make_plan(MODEL, [1, 4, 7], [2, 2], schedule="interleaved-1f1b",
+                                                   micro_batches=M, batch_size=B, virtual_stages=2),
+                                         "parameters", "optimizer", "gradients", "parameters"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_zero2_resumed_under_another_level_or_split_equals_the_uninterrupted_plain_loop(tmp_path, target):
+    """FIRST + MORE steps at ZeRO-2 on 2 x 2 ranks (a checkpoint after FIRST), as the plain loop; the last
+    checkpoint removed, the run resumed under ``target`` for MORE steps: every weight, buffer and AdamW
+    moment and step count as the plain loop's after FIRST + MORE steps (the schedule's learning rate
+    replayed to the step where the plan changed)."""
+    ckpt = tmp_path / "ckpt"
+    run(tmp_path, zero2(), "first", ckpt, "--steps", str(FIRST + MORE), "--checkpoint-every", str(FIRST))
+    reference = plain_loop(FIRST + MORE)
+    check_state(ckpt, FIRST + MORE, *reference)
+    shutil.rmtree(step_dir(ckpt, FIRST + MORE))              # as if the job had died after step FIRST
+    said = run(tmp_path, TARGETS[target](), "second", ckpt, "--steps", str(FIRST + MORE), "--resume")
+    assert f"continuing from {step_dir(ckpt, FIRST)} (step {FIRST})" in said, said
+    check_state(ckpt, FIRST + MORE, *reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("level", ["optimizer", "gradients", "parameters"])
+def test_init_from_a_merged_sharded_checkpoint_with_its_optimizer_continues_the_plain_loop(tmp_path, level):
+    """FIRST steps at ZeRO-2, ``merge-checkpoint --with-optimizer``, then a new run at ``level`` started
+    with ``--init-from`` for MORE steps (its data from the first sample again, its own schedule): as the
+    plain loop given the same weights and AdamW state (its step counts too) for MORE steps."""
+    ckpt = tmp_path / "ckpt"
+    run(tmp_path, zero2(), "first", ckpt, "--steps", str(FIRST))
+    start = tmp_path / "start.pt"
+    assert main(["merge-checkpoint", str(ckpt), "--with-optimizer", "-o", str(start)]) == 0
+    given = torch.load(start, weights_only=True)
+    check_state(ckpt, FIRST, *plain_loop(FIRST))
+    second = sharded(make_plan(MODEL, [4], [2, 2], micro_batches=M, batch_size=B), level, level)
+    run(tmp_path, second, "second", tmp_path / "fresh", "--steps", str(MORE), "--init-from", str(start))
+    check_state(tmp_path / "fresh", MORE, *plain_loop(MORE, start=given))
