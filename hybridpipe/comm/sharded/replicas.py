@@ -116,6 +116,8 @@ class ShardedReplicas:
             LazyGathers([s.unit.params for s in self.units], [(s.halves.all_gather, s.halves.algorithm)
                                                              for s in self.units], self._runner, self._lane)
             if overlap_gather else None)
+        self._got: set[int] = set()       # ids of the parameters that had a gradient at a launch this step
+        self._present: set[int] | None = None   # ... on any replica (agree_present); None: not agreed yet
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready)
                        for s in self.units for p in s.unit.params]
 
@@ -137,15 +139,39 @@ class ShardedReplicas:
         return [pc.param.detach().view(-1)[pc.lo:pc.hi] for pc in self.pieces()]
 
     def owned_grads(self) -> list[torch.Tensor | None]:
-        """The summed gradient of each piece (None where the step produced none), after :meth:`finish`."""
+        """The summed gradient of each piece (None where the step produced none: after
+        :meth:`agree_present`, also where no replica computed one for the piece's parameter), after :meth:`finish`."""
         if self.level != "optimizer":
-            return [g for s in self.units for g in (s.grads or [None] * len(s.pieces))]
-        return [pc.param.grad.view(-1)[pc.lo:pc.hi] if pc.param.grad is not None else None
-                for s in self.units for pc in s.pieces]
+            grads = [g for s in self.units for g in (s.grads or [None] * len(s.pieces))]
+        else:
+            grads = [pc.param.grad.view(-1)[pc.lo:pc.hi] if pc.param.grad is not None else None
+                     for s in self.units for pc in s.pieces]
+        present = self._present
+        if present is None:
+            return grads
+        return [g if id(pc.param) in present else None for pc, g in zip(self.pieces(), grads, strict=True)]
+
+    def agree_present(self) -> None:
+        """Agree with the other replicas which sharded parameters got a gradient this step (collective,
+        after :meth:`finish`: one sum of a flag per parameter). A unit is reduce-scattered whole, a
+        parameter without a gradient counted as zeros; one that no replica computed a gradient for
+        (an expert no token chose) then gets None from :meth:`owned_grads`, so the optimizer leaves
+        it alone as torch's leave a parameter whose ``.grad`` is None (no weight decay, no momentum,
+        its step count kept)."""
+        params = self.sharded
+        if not params:
+            self._present = set()
+            return
+        flags = torch.zeros(max(len(params), self.size), device=params[0].device)
+        flags[:len(params)] = torch.tensor([float(id(p) in self._got) for p in params])
+        self.sum_replicas(flags)
+        self._present = {id(p) for p, f in zip(params, flags.tolist(), strict=False) if f > 0}
 
     def drop_grads(self) -> None:
         """Forget the step's gradients (the optimizer's zero_grad)."""
         self._fresh = self._fresh_transient = True
+        self._got.clear()
+        self._present = None
         for s in self.units:
             s.grads = []
             for p in s.unit.params:
@@ -184,6 +210,7 @@ class ShardedReplicas:
 
     def _launch(self, shard: UnitShard) -> None:
         shard.ready.clear()
+        self._got.update(id(p) for p in shard.unit.params if p.grad is not None)
         if self.level == "optimizer":              # the sum lands in .grad: give every parameter one
             for p in shard.unit.params:
                 if p.grad is None:
