@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tests.profiles import moe_models
+
 
 def bn_mlp(features: int = 12, hidden: int = 16, layers: int = 3, classes: int = 5):
     """Linear (no bias) -> BatchNorm1d -> ReLU blocks and a classifier head: weights, running
@@ -20,19 +22,12 @@ def bn_mlp(features: int = 12, hidden: int = 16, layers: int = 3, classes: int =
     return nn.Sequential(*blocks), torch.randn(4, features)
 
 
-class Experts(nn.Module):
-    """Top-k routing over ``experts`` two-layer MLPs written the eager way: only the experts some token
-    chose run (``unique().tolist()``), so an expert no token chose gets no gradient. The chosen
-    experts' outputs are weighted by their softmax probabilities as they are (not renormalised over
-    the top k), so every router row has a gradient of its own size (renormalised, the rows of the
-    experts not chosen would get gradients that are zero up to rounding, which AdamW blows up)."""
-
-    def __init__(self, width: int, experts: int, top_k: int):
-        super().__init__()
-        self.top_k = top_k
-        self.router = nn.Linear(width, experts, bias=False)
-        self.up = nn.ModuleList(nn.Linear(width, 2 * width) for _ in range(experts))
-        self.down = nn.ModuleList(nn.Linear(2 * width, width) for _ in range(experts))
+class Experts(moe_models.Experts):
+    """tests/profiles/moe_models.py's experts (eager: only the experts some token chose run, found with
+    ``unique().tolist()``, so an expert no token chose gets no gradient), their outputs weighted by
+    the softmax probabilities as they are (not renormalised over the top k), so every router row has
+    a gradient of its own size (renormalised, the rows of the experts not chosen would get gradients
+    that are zero up to rounding, which AdamW blows up)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, chosen = torch.softmax(self.router(x), dim=-1).topk(self.top_k, dim=-1)
