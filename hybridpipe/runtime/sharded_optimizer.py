@@ -54,6 +54,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.whole: list[nn.Parameter] = self._params()
         self.inner = probe
         self.state = probe.state
+        self._state_template: dict[str, Any] | None = None
 
     def bind(self, shards: Sequence[ShardedReplicas]) -> None:
         """Run on ``shards``' owned pieces (once, before the first step)."""
@@ -108,6 +109,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         loss = closure() if closure is not None else None
         for s in self.shards:
             s.finish()
+            s.agree_present()           # a parameter no replica had a gradient for is skipped, as torch does
         for inner, group in zip(self.inner.param_groups, self.param_groups, strict=True):
             inner.update(_hyper(group))        # a scheduler moves the outer groups
         for v, g in zip(self.views, self.owned_grads(), strict=True):
@@ -144,16 +146,36 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return {"state": state, "param_groups": groups}
 
     def _gathered(self, shard: ShardedReplicas) -> dict[nn.Parameter, dict[str, Any]]:
+        """The whole state of each of ``shard``'s parameters that has one (collective over its replicas):
+        the per-element entries all-gathered from the pieces; the scalar ones (Adam's step count) and
+        whether there is a state at all from the replica that owns the parameter's first element
+        (every piece of a parameter is stepped on the same steps, and the parameters of a unit on
+        different ones: an expert no token chose is skipped)."""
         ids = {id(q) for q in shard.pieces()}
         mine = [(pc, v) for pc, v in zip(self.pieces, self.views, strict=True) if id(pc) in ids]
-        own = [self.inner.state.get(v) for _, v in mine]
-        sample = next((st for st in own if st), None) or next((st for st in self.inner.state.values() if st), None)
-        if sample is None:                  # no step yet: no state anywhere
+        template = self._template()
+        counted = [k for k, v in template.items() if isinstance(v, torch.Tensor) and v.dim() == 0]
+        keys = [k for k, v in template.items() if isinstance(v, torch.Tensor) and v.dim() > 0]
+        params = shard.sharded
+        row = {id(p): i for i, p in enumerate(params)}
+        facts = torch.zeros(max(len(params), shard.size), 1 + len(counted), dtype=torch.float64,
+                            device=params[0].device if params else None)
+        for pc, v in mine:
+            st = self.inner.state.get(v)
+            if pc.lo == 0 and st:
+                facts[row[id(pc.param)]] = torch.tensor([1.0] + [float(st[k]) for k in counted], dtype=torch.float64)
+        shard.sum_replicas(facts)
+        known = facts.cpu().tolist()
+        has = {id(p) for p in params if known[row[id(p)]][0] > 0}
+        if not has:                         # no step yet (or no gradient ever): no state anywhere
             return {}
-        keys = [k for k in sample if k not in SCALAR_KEYS and isinstance(sample[k], torch.Tensor)]
-        scalars = {k: v for k, v in sample.items() if k not in keys}      # own copies: Adam counts steps in place
-        full: dict[nn.Parameter, dict[str, Any]] = {p: {k: _placed(v, None) for k, v in scalars.items()}
-                                                    for p in shard.sharded}
+        full: dict[nn.Parameter, dict[str, Any]] = {}
+        for p in params:
+            if id(p) in has:
+                full[p] = {k: _placed(v, None) for k, v in template.items() if k not in keys and k not in counted}
+                for j, k in enumerate(counted):
+                    full[p][k] = torch.tensor(known[row[id(p)]][1 + j], dtype=template[k].dtype,
+                                              device=template[k].device)
         for key in keys:
             per_unit = []
             for unit in shard.units:
@@ -163,9 +185,22 @@ class ShardedOptimizer(torch.optim.Optimizer):
                         tensors[id(pc.param)].view(-1)[pc.lo:pc.hi].copy_(self.inner.state[v][key])
                 per_unit.append(list(tensors.values()))
                 for p, t in zip(unit.unit.params, per_unit[-1], strict=True):
-                    full[p][key] = t
+                    if id(p) in has:
+                        full[p][key] = t
             shard.gather(per_unit)
         return full
+
+    def _template(self) -> dict[str, Any]:
+        """The state the inner optimizer keeps for one parameter after a step (its entries, which are
+        per element and which scalar), found by stepping a copy of its first group on one element."""
+        if self._state_template is None:
+            like = self._params()[0]
+            probe = torch.zeros(1, dtype=like.dtype, device=like.device, requires_grad=True)
+            probe.grad = torch.zeros_like(probe)
+            step = type(self.inner)([{**_hyper(self.param_groups[0]), "params": [probe]}])
+            step.step()
+            self._state_template = dict(step.state[probe])
+        return self._state_template
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Take torch's format over the whole parameters (a replicated or sharded run's; each

@@ -61,3 +61,78 @@ def test_parameter_groups_are_kept_unbound_as_torch_keeps_them():
     ours, theirs = wrapped.state_dict(), plain.state_dict()
     assert [g["params"] for g in ours["param_groups"]] == [g["params"] for g in theirs["param_groups"]] == [[0], [1]]
     assert [g["lr"] for g in ours["param_groups"]] == [g["lr"] for g in theirs["param_groups"]]
+
+
+class _Switch(torch.nn.Module):
+    """One sync unit of three layers: ``a`` always runs, ``b`` only where a sample asks for it, ``c``
+    never (an expert no token chose)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = torch.nn.Linear(3, 3), torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        return self.b(self.a(x)) if use_b else self.a(x)
+
+
+@pytest.mark.parametrize("level", ["optimizer", "gradients", "parameters"])
+def test_a_parameter_no_replica_had_a_gradient_for_is_skipped_and_saved_as_torch_does(level):
+    """Two replicas (threads) sharding one unit of three layers, AdamW with weight decay: ``b`` gets a
+    gradient on one replica in the first step, on none in the second; ``c`` on none ever. As torch's
+    AdamW on the unsplit module over both replicas' samples: ``b`` and ``c`` untouched where no
+    replica had a gradient (no decay), ``b``'s step count 1, ``c`` without state; the gathered
+    state_dict has torch's entries and step counts. Before, the unit's zeros stepped them: ``c``
+    decayed and saved with step 2, ``b`` saved with step 2."""
+    from hybridpipe.comm.hybrid_dp import UnitChoice
+    from hybridpipe.comm.sharded import ShardedReplicas, whole_weights
+    from hybridpipe.pipeline.inprocess import InProcessGroup, run_ranks
+
+    def make(ps):
+        return torch.optim.AdamW(ps, lr=0.1, weight_decay=0.5)
+
+    torch.manual_seed(0)
+    plain = _Switch()
+    start = {k: v.clone() for k, v in plain.state_dict().items()}
+    xs = [torch.randn(2, 3, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+    uses = [[True, False], [False, False]]            # step -> replica -> does its sample run b
+    opt = make(list(plain.parameters()))
+    for step in range(2):
+        opt.zero_grad()
+        sum(plain(xs[r], uses[step][r]).square().sum() for r in range(2)).backward()
+        opt.step()
+    names = {id(p): n for n, p in plain.named_parameters()}
+    want = {names[id(p)]: st for p, st in opt.state.items()}
+    group = InProcessGroup(2)
+
+    def rank(r: int):
+        module = _Switch()
+        module.load_state_dict(start)
+        unit = UnitChoice(tuple(n for n, _ in module.named_parameters()), "ring", 0, "switch")
+        shard = ShardedReplicas(module, group.transport(r), [unit], level)
+        sharded = ShardedOptimizer(module.parameters(), make)
+        sharded.bind([shard])
+
+        def run():
+            for step in range(2):
+                sharded.zero_grad()
+                with whole_weights([shard]):
+                    module(xs[r], uses[step][r]).square().sum().backward()
+                shard.finish()
+                sharded.step()
+            saved = sharded.state_dict()
+            with whole_weights([shard]):
+                weights = {k: v.clone() for k, v in module.state_dict().items()}
+            shard.close()
+            return weights, saved
+        return run
+
+    for weights, saved in run_ranks({r: rank(r) for r in range(2)}).values():
+        assert max(float((weights[k] - v).abs().max()) for k, v in plain.state_dict().items()) <= 1e-6
+        assert torch.equal(weights["c.weight"], start["c.weight"])
+        order = [n for n, _ in plain.named_parameters()]
+        got = {order[i]: st for i, st in saved["state"].items()}
+        assert set(got) == set(want) == {"a.weight", "a.bias", "b.weight", "b.bias"}
+        for n, st in want.items():
+            assert float(got[n]["step"]) == float(st["step"]), n
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert float((got[n][key] - st[key]).abs().max()) <= 1e-6, (n, key)

@@ -30,9 +30,9 @@ Parameters outside the units (``exclude``: tied weights, summed by the TiedSync)
 A unit holding a parameter of ``maybe_absent`` (a module run as written, whose micro-batches may
 give it no gradient on one replica and one on another) is reduce-scattered once a step, in
 :meth:`finish`, in unit order on every replica, a missing gradient as zeros (its full gradients
-are held through the step, as ZeRO-1 holds them); beside it the replicas sum one presence count
-per parameter, and an owned piece of a parameter no replica gave a gradient has none (the
-optimizer skips it, as in one process).
+are held through the step, as ZeRO-1 holds them): started from the backward's hooks, replicas
+would start it at different points and pair it with another unit's collective. An owned piece
+of a parameter no replica gave a gradient has none (:meth:`agree_present`).
 """
 
 from __future__ import annotations
@@ -129,6 +129,8 @@ class ShardedReplicas:
             LazyGathers([s.unit.params for s in self.units], [(s.halves.all_gather, s.halves.algorithm)
                                                              for s in self.units], self._runner, self._lane)
             if overlap_gather else None)
+        self._got: set[int] = set()       # ids of the parameters that had a gradient at a launch this step
+        self._present: set[int] | None = None   # ... on any replica (agree_present); None: not agreed yet
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready)
                        for s in self.units for p in s.unit.params]
 
@@ -150,15 +152,39 @@ class ShardedReplicas:
         return [pc.param.detach().view(-1)[pc.lo:pc.hi] for pc in self.pieces()]
 
     def owned_grads(self) -> list[torch.Tensor | None]:
-        """The summed gradient of each piece (None where the step produced none), after :meth:`finish`."""
+        """The summed gradient of each piece (None where the step produced none: after
+        :meth:`agree_present`, also where no replica computed one for the piece's parameter), after :meth:`finish`."""
         if self.level != "optimizer":
-            return [g for s in self.units for g in (s.grads or [None] * len(s.pieces))]
-        return [pc.param.grad.view(-1)[pc.lo:pc.hi] if pc.param.grad is not None else None
-                for s in self.units for pc in s.pieces]
+            grads = [g for s in self.units for g in (s.grads or [None] * len(s.pieces))]
+        else:
+            grads = [pc.param.grad.view(-1)[pc.lo:pc.hi] if pc.param.grad is not None else None
+                     for s in self.units for pc in s.pieces]
+        present = self._present
+        if present is None:
+            return grads
+        return [g if id(pc.param) in present else None for pc, g in zip(self.pieces(), grads, strict=True)]
+
+    def agree_present(self) -> None:
+        """Agree with the other replicas which sharded parameters got a gradient this step (collective,
+        after :meth:`finish`: one sum of a flag per parameter). A unit is reduce-scattered whole, a
+        parameter without a gradient counted as zeros; one that no replica computed a gradient for
+        (an expert no token chose) then gets None from :meth:`owned_grads`, so the optimizer leaves
+        it alone as torch's leave a parameter whose ``.grad`` is None (no weight decay, no momentum,
+        its step count kept)."""
+        params = self.sharded
+        if not params:
+            self._present = set()
+            return
+        flags = torch.zeros(max(len(params), self.size), device=params[0].device)
+        flags[:len(params)] = torch.tensor([float(id(p) in self._got) for p in params])
+        self.sum_replicas(flags)
+        self._present = {id(p) for p, f in zip(params, flags.tolist(), strict=False) if f > 0}
 
     def drop_grads(self) -> None:
         """Forget the step's gradients (the optimizer's zero_grad)."""
         self._fresh = self._fresh_transient = True
+        self._got.clear()
+        self._present = None
         for s in self.units:
             s.grads = []
             for p in s.unit.params:
@@ -200,6 +226,7 @@ class ShardedReplicas:
 
     def _launch(self, shard: UnitShard) -> None:
         shard.ready.clear()
+        self._got.update(id(p) for p in shard.unit.params if p.grad is not None)
         if self.level == "optimizer":              # the sum lands in .grad: give every parameter one
             for p in shard.unit.params:
                 if p.grad is None:
@@ -257,35 +284,11 @@ class ShardedReplicas:
         parameters may lack a gradient, then wait for every reduce-scatter."""
         dynamic, self._backward_seen = self._backward_seen, False
         for s in self.units:
-            if s.dynamic and dynamic:
-                self._launch_dynamic(s)
-            elif s.ready:
+            if (s.dynamic and dynamic) or (s.ready and not s.dynamic):
                 self._launch(s)
         pending, self._pending = self._pending, []
         for h in pending:
             h.wait()
-
-    def _launch_dynamic(self, shard: UnitShard) -> None:
-        """Reduce-scatter a unit whose parameters may lack a gradient on some replicas (zeros in
-        their place), then sum a presence count per parameter (its own reduce-scatter and
-        all-gather) and drop the owned gradient of each parameter no replica had one for."""
-        params = shard.unit.params
-        present = torch.tensor([float(p.grad is not None) for p in params], device=params[0].device)
-        self._launch(shard)                   # zeros where missing: the sum every replica adds the same way
-        counts = plan_halves("ring", self.size, len(params))
-
-        def drop_absent() -> None:
-            self._runner.run(counts.reduce_scatter, [present], counts.algorithm)
-            self._runner.run(counts.all_gather, [present], counts.algorithm)
-            absent = {id(p) for p, n in zip(params, present.tolist(), strict=True) if n == 0}
-            if self.level == "optimizer":
-                for p in params:
-                    if id(p) in absent:
-                        p.grad = None
-            else:
-                shard.grads = [None if id(pc.param) in absent else g
-                               for pc, g in zip(shard.pieces, shard.grads or [None] * len(shard.pieces), strict=True)]
-        self._pending.append(self._lane.submit(drop_absent, name=f"{shard.unit.name}/presence"))
 
     # ---- after the step ---------------------------------------------------------------------
     def gather_weights(self) -> None:
