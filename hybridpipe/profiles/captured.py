@@ -127,6 +127,24 @@ def node_parameters(gm: fx.GraphModule, node: fx.Node) -> list[str]:
     return out
 
 
+def kept_buffers(captured: CapturedModel) -> list[tuple[str, ...]]:
+    """For every block, the saved buffers of the model that no operation reads, each held by the
+    block of its nearest module as :meth:`CapturedModel.block_params` holds unused parameters."""
+    gm = captured.graph
+    nodes = {n.name: n for n in gm.graph.nodes}
+    read: set[str] = set()
+    for node in (nodes[name] for block in captured.blocks for name in block.nodes):
+        read.update(str(a.target) for a in node.all_input_nodes if a.op == "get_attr")
+        if node.op == "call_module":
+            read.update(f"{node.target}.{b}" for b, _ in gm.get_submodule(str(node.target)).named_buffers())
+    saved = set(captured.module.state_dict(keep_vars=True))
+    kept: list[list[str]] = [[] for _ in captured.blocks]
+    for name, _ in captured.module.named_buffers():     # torch.export leaves unread buffers out of its graph
+        if name in saved and name not in read and captured.blocks:
+            kept[_nearest_block(name, captured.blocks)].append(name)
+    return [tuple(names) for names in kept]
+
+
 def _nearest_block(name: str, blocks: tuple[Block, ...]) -> int:
     """The block whose module path shares the most leading parts with parameter ``name``'s."""
     parts = name.split(".")

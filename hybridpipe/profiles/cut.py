@@ -33,6 +33,7 @@ from torch import fx, nn
 from hybridpipe.errors import UserError
 from hybridpipe.profiles.blocks import is_operation
 from hybridpipe.profiles.capture import CapturedModel
+from hybridpipe.profiles.captured import graph_attr, kept_buffers
 
 
 @dataclass(frozen=True)
@@ -136,9 +137,12 @@ def stage_graph_module(captured: CapturedModel, boundary: StageBoundary, last: b
         elif is_operation(node) and node.name in members:
             env[node] = graph.node_copy(node, arg)
     referenced = {str(n.target) for n in env.values() if isinstance(n, fx.Node) and n.op == "get_attr"}
-    for names in captured.block_params()[boundary.first_node:boundary.last_node + 1]:
+    held = [*captured.block_params()[boundary.first_node:boundary.last_node + 1],
+            *kept_buffers(captured)[boundary.first_node:boundary.last_node + 1]]
+    for names in held:
         for name in names:
             if name not in referenced and not _in_called_module(gm, graph, name):
+                _ensure_buffer(gm, captured.module, name)
                 graph.get_attr(name)            # read by no operation: held (saved, restored), never used
                 referenced.add(name)
     if last:
@@ -149,6 +153,22 @@ def stage_graph_module(captured: CapturedModel, boundary: StageBoundary, last: b
     stage = fx.GraphModule(gm, graph, class_name=f"Stage{boundary.index}")
     _keep_buffers_transient(stage, captured.module)
     return stage
+
+
+def _ensure_buffer(gm: fx.GraphModule, model: nn.Module, name: str) -> None:
+    """Give the captured graph module the model's buffer ``name`` if its graph lost it (the same tensor)."""
+    owner, _, local = name.rpartition(".")
+    try:
+        graph_attr(gm, name)                # a parameter, or a buffer the graph kept
+        return
+    except AttributeError:
+        pass
+    if owner:
+        try:
+            gm.get_submodule(owner)
+        except AttributeError:
+            gm.add_submodule(owner, nn.Module())
+    gm.get_submodule(owner).register_buffer(local, model.get_buffer(name))
 
 
 def _in_called_module(gm: fx.GraphModule, graph: fx.Graph, name: str) -> bool:

@@ -270,7 +270,8 @@ def ragged_tokens(n: int = 64, vocab: int = 128, low: int = 16, high: int = 64, 
 
 
 class WithSpare(nn.Module):
-    """An MLP holding a layer its forward never calls (as BartForCausalLM holds cross-attention)."""
+    """An MLP holding a layer its forward never calls (as BartForCausalLM holds cross-attention) and a
+    saved buffer it never reads."""
 
     def __init__(self, width: int = 16, classes: int = 5):
         super().__init__()
@@ -278,6 +279,7 @@ class WithSpare(nn.Module):
         self.mid = nn.Linear(width, width)
         self.spare = nn.Linear(width, width)
         self.head = nn.Linear(width, classes)
+        self.register_buffer("calls", torch.arange(3.0))        # saved, never read by forward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(torch.tanh(self.mid(torch.tanh(self.inp(x)))))
