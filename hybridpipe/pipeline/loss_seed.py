@@ -7,8 +7,14 @@ make) scales every gradient of every stage by the same factor: backward is linea
 gradients cross stages already scaled. When the factor is a power of two the two orders give the
 same bits (multiplying by 2^-k commutes with every rounding of a binary float; only values in
 the subnormal range, below ~1e-38 in float32 and bfloat16, could differ), so the Step then skips
-its pass over the gradients. Otherwise (M not a power of two, or float16 whose range is narrow, or
-an fp16 loss scale, whose overflow checks would then see other values), the Step scales as before.
+its pass over the gradients. Otherwise (M not a power of two, or float16 autocast without a loss
+scale, whose range is narrow), the Step scales as before.
+
+With fp16's loss scale S the seed is always 1/M: the backward then carries S/M, as one process's
+``scaler.scale(loss / M).backward()`` does, so float16 activation gradients overflow on exactly
+the steps they overflow there (seeded with 1, they carried M times more and overflowed at a scale
+M times smaller: more steps skipped than torch's GradScaler skips). The seed S * fl(1/M) equals
+fl(S/M) bit for bit (S is a power of two), the derivative of one process's division by M.
 
 The answer depends only on settings every rank shares (the topology, the schedule, the engine's
 ``tokens``, ``loss_scale`` and ``autocast``), so the last stage seeds exactly when the others skip.
@@ -29,7 +35,11 @@ def loss_seed(micro_batches: int, schedule: Schedule, *, tokens: bool, loss_scal
 
     ``tokens``: token-weighted losses (their factor is known only at the Step); ``loss_scale``:
     an fp16 loss scale is in use; ``autocast``: the forwards' mixed-precision dtype."""
-    if schedule.asynchronous or tokens or loss_scale or autocast == torch.float16:
+    if schedule.asynchronous or tokens:
         return None
     scale = 1.0 / micro_batches
+    if loss_scale:
+        return scale                    # as one process scales loss / M (module docstring)
+    if autocast == torch.float16:
+        return None
     return scale if math.frexp(scale)[0] == 0.5 else None       # a power of two: exact

@@ -40,10 +40,10 @@ FAST = {("llama", "4", "zb-h1")}     # GPT-2 and DistilBERT on 4 and 2x2: test_h
 
 
 def autocast_reference(spec_name: str, steps: int, dtype: torch.dtype = torch.bfloat16, *, scaler: bool = False,
-                       seed: int = 0, data_seed: int = 1) -> dict[str, torch.Tensor]:
+                       seed: int = 0, data_seed: int = 1, init_scale: float = 2.0**16) -> dict[str, torch.Tensor]:
     """The unsplit model trained as one process does it under autocast: per step, each micro-batch's
     forward under ``torch.autocast``, its loss / M backpropagated (gradient accumulation), one SGD
-    step; with ``scaler`` through ``torch.amp.GradScaler`` (fp16). The model is built after
+    step; with ``scaler`` through ``torch.amp.GradScaler`` (fp16, from ``init_scale``). The model is built after
     ``torch.manual_seed(seed)``; micro-batch m of step k holds samples (k * M + m) * B ... + B - 1
     of the synthetic data of ``data_seed``, as the pipeline reads them."""
     spec = resolve_model(spec_name)
@@ -51,7 +51,7 @@ def autocast_reference(spec_name: str, steps: int, dtype: torch.dtype = torch.bf
     model = spec.build()
     dataset = resolve_dataset("synthetic", spec, size=steps * M * B, seed=data_seed)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    grad_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16) if scaler else None
+    grad_scaler = torch.amp.GradScaler("cpu", init_scale=init_scale) if scaler else None
     switches = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
     model.train()
     for k in range(steps):

@@ -116,10 +116,11 @@ def test_batches_padded_to_different_lengths_under_launch(tmp_path):
     train(tmp_path, BY_NAME["gpt2"], "2x2", "1f1b", spec=GPT2_PADDED, dataset=f"{RAGGED}[n=24]")
 
 
-def half_precision(tmp_path, precision: str, layout: str, shard: str = "none") -> tuple[dict, float]:
-    """GPT-2 (tied embedding cut apart) launched on 4 ranks in ``precision``, every stage's replicas
-    at ``shard``: (the summary, how far the merged weights end from a plain single-process autocast
-    loop, fp16 with torch's GradScaler).
+def half_precision(tmp_path, precision: str, layout: str, shard: str = "none", *, steps: int = STEPS,
+                   loss_scale: float = 2.0**16) -> tuple[dict, float]:
+    """GPT-2 (tied embedding cut apart) launched on 4 ranks in ``precision`` for ``steps``, every
+    stage's replicas at ``shard``: (the summary, how far the merged weights end from a plain
+    single-process autocast loop, fp16 with torch's GradScaler from ``loss_scale``).
     Every rank built only its own stage (its capture under autocast without the weights)."""
     case = BY_NAME["gpt2"]
     plan = make_plan(GPT2, case.two if layout == "2x2" else case.four, LAYOUTS[layout], schedule="1f1b",
@@ -127,15 +128,17 @@ def half_precision(tmp_path, precision: str, layout: str, shard: str = "none") -
     plan = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, shard=shard) for s in plan.stages))
     path, ckpt, run = tmp_path / "plan.json", tmp_path / "ckpt", tmp_path / "run"
     save_plan(plan, path)
-    done = launch(["--plan", str(path), "--steps", str(STEPS), "--lr", str(LR), "--momentum", str(MOMENTUM),
+    done = launch(["--plan", str(path), "--steps", str(steps), "--lr", str(LR), "--momentum", str(MOMENTUM),
                    "--seed", str(SEED), "--checkpoint-dir", str(ckpt), "--run-dir", str(run), "--precision", precision,
-                   "--timeout", "120", "--no-progress", "--no-trace"], plan.world_size, timeout=300)
+                   "--loss-scale", str(loss_scale), "--timeout", "120", "--no-progress", "--no-trace"],
+                  plan.world_size, timeout=300)
     assert all(d.returncode == 0 for d in done), done
     assert not any("the whole of" in d.stderr for d in done), done
     summary = json.loads((run / "summary.json").read_text())
-    merged, _ = merge_stages(ckpt, STEPS)
+    merged, _ = merge_stages(ckpt, steps)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    reference = autocast_reference(GPT2, STEPS, dtype, scaler=precision == "fp16", seed=SEED, data_seed=SEED)
+    reference = autocast_reference(GPT2, steps, dtype, scaler=precision == "fp16", seed=SEED, data_seed=SEED,
+                                   init_scale=loss_scale)
     return summary, max_diff(merged, reference)
 
 
@@ -163,4 +166,18 @@ def test_half_precision_on_replicated_and_sharded_stages_equals_a_plain_autocast
     summary, diff = half_precision(tmp_path, precision, "2x2", shard)
     assert summary["precision"] == precision and not summary["skipped_nonfinite_steps"]
     assert (summary["sync"] == {}) == (shard != "none"), summary["sync"]      # the shards did the sync
-    assert all(summary["replicas_identical"].values()) and diff <= 1e-5, diff
+    assert all(summary["replicas_identical"].values()) and diff <= 1e-5, (diff, scales)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shard", ["none", "gradients", "parameters"])
+def test_fp16_overflowing_steps_on_sharded_stages_are_skipped_as_torchs_grad_scaler_skips_them(tmp_path, shard):
+    """A loss scale of 2**21 overflows float16 at once: every rank skips those steps and halves the scale
+    (sharded replicas too: their owned gradients of a skipped step are dropped, not carried into the
+    next), then trains; after 6 steps the weights are where torch's GradScaler loop ends."""
+    from hybridpipe.runtime.metrics import metrics_path, read_metrics
+
+    summary, diff = half_precision(tmp_path, "fp16", "2x2", shard, steps=STEPS + 3, loss_scale=2.0**21)
+    scales = [r["loss_scale"] for r in read_metrics(metrics_path(tmp_path / "run", 0)) if r["step"] >= 0]
+    assert 2.0**21 > scales[-1] and scales[-2] == scales[-1], scales     # skipped, halved, then trained
+    assert all(summary["replicas_identical"].values()) and diff <= 1e-5, (diff, scales)
