@@ -53,8 +53,13 @@ def reference(plan):
     return model.state_dict(), lrs, norms, evals
 
 
-def test_launch_with_cosine_warmup_clipping_and_weight_decay_matches_plain_pytorch(tmp_path):
+@pytest.mark.parametrize("shard", ["none", *(pytest.param(s, marks=pytest.mark.slow)
+                                              for s in ("optimizer", "gradients", "parameters"))])
+def test_launch_with_cosine_warmup_clipping_and_weight_decay_matches_plain_pytorch(tmp_path, shard):
+    """On 2 x 2, the replicas plain or sharded (ZeRO-1/2/3: the held-out evaluation gathers ZeRO-3's
+    weights, clipping's norm sums the owned pieces)."""
     plan = make_plan("mlp", [3], [2, 2], schedule="gpipe", micro_batches=4, batch_size=4)
+    plan = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, shard=shard) for s in plan.stages))
     path = tmp_path / "plan.json"
     save_plan(plan, path)
     done = launch(["--plan", str(path), "--steps", str(STEPS), "--lr", str(LR), "--momentum", str(MOMENTUM),
