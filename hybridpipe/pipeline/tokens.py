@@ -9,14 +9,15 @@ loss *sum*, the gradients add up over micro-batches, replicas (their all-reduce 
 copies as always, and at the optimizer step, instead of the schedule's 1/M, they are multiplied
 by 1/N, which one collective of two numbers (the step's loss sum and token count, nonzero only
 on the last stage's ranks) gives every rank. What runs after that factor sees final gradients:
-clipping by the global norm and fp16's unscale and overflow check. So that a sum's gradients are
-no larger than a mean's (fp16 activations and the fp16 loss scale overflow at 65504), the
-backward starts from the sum divided by D, a power of two near the previous step's tokens per
-micro-batch (on a run's first step, of the tokens a micro-batch may hold: ``divisor``), and the
-step's factor is D / N: dividing by a power of two
-is exact, so the result is the same as from the plain sum. zb-h1's and zbv's split backward only
-move when the weight gradients are computed, before the step. pipedream updates each stage after
-each micro-batch, with no global step at which N is known: refused where the run is configured.
+clipping by the global norm and fp16's unscale and overflow check. So that the backward's
+gradients are one process's (loss sum / N: fp16 activations and the fp16 loss scale overflow at
+65504, on the steps they overflow under torch's GradScaler, not M times sooner), the backward
+starts from the sum divided by D, the previous step's token count (on a run's first step, the
+tokens a step's micro-batches may hold: ``divisor``), and the step's factor is D / N: 1 whenever
+the count did not change (every step of fixed-length data), one rounding otherwise. zb-h1's and
+zbv's split backward only move when the weight gradients are computed, before the step.
+pipedream updates each stage after each micro-batch, with no global step at which N is known:
+refused where the run is configured.
 
 Counting: a loss function returning ``(loss_sum, count)`` counts on the last stage. A model that
 computes its own mean loss (a Hugging Face model given ``labels``) is counted from each
@@ -29,7 +30,6 @@ with the micro-batch's activations, under :data:`COUNT_KEY`, and the sum is mean
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -53,7 +53,7 @@ class TokenCounts:
         self.total, self.count_input, self.note = total, count_input, note
         self._counts: dict[tuple[int, int], torch.Tensor] = {}     # (stage, micro-batch) -> own-loss count
         self._sum: torch.Tensor | None = None       # this rank's part of the step's [loss sum, count, micro-batches]
-        self.divisor = power_of_two(divisor)        # D: a backward starts from loss sum / D
+        self.divisor = max(float(divisor), 1.0)     # D: a backward starts from loss sum / D
 
     def fresh(self) -> TokenCounts:
         """A new bookkeeping with the same functions (an evaluation step's)."""
@@ -109,10 +109,5 @@ class TokenCounts:
         loss_sum, tokens, micro_batches = (float(x) for x in self.total(part))
         scale = self.divisor / tokens if tokens > 0 else 0.0
         if tokens > 0 and micro_batches > 0:
-            self.divisor = power_of_two(tokens / micro_batches)
+            self.divisor = tokens
         return loss_sum, tokens, scale
-
-
-def power_of_two(x: float) -> float:
-    """The power of two nearest to ``x`` (at least 1)."""
-    return 2.0 ** round(math.log2(max(x, 1.0)))

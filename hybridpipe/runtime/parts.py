@@ -316,12 +316,12 @@ def seed_rank(seed: int, rank: int) -> None:
 
 
 def token_counts(model: Model, device: torch.device, group: dist.ProcessGroup | None, batch_size: int,
-                 note: Callable[[torch.Tensor], None] | None = None) -> TokenCounts:
+                 note: Callable[[torch.Tensor], None] | None = None, micro_batches: int = 1) -> TokenCounts:
     """Token-weighted loss's bookkeeping (pipeline/tokens.py): the step's [loss sum, tokens,
     micro-batches] summed over ``group`` (every rank) by one all-reduce; a Hugging Face model's
-    own-loss labels counted on the first stage; the first step's divisor from the tokens a
-    micro-batch of ``batch_size`` rows of the example holds. Refuses an own-loss model it cannot
-    count, or an example without labels."""
+    own-loss labels counted on the first stage; the first step's divisor from the tokens
+    ``micro_batches`` micro-batches of ``batch_size`` rows of the example hold. Refuses an own-loss
+    model it cannot count, or an example without labels."""
     spec = model.spec
     count = label_counter(model.module) if spec.loss is None else None
     if spec.loss is None and count is None:
@@ -345,4 +345,4 @@ def token_counts(model: Model, device: torch.device, group: dist.ProcessGroup | 
         t = part.to(device=device, dtype=torch.float64).clone()
         dist.all_reduce(t, group=group)
         return t
-    return TokenCounts(total, count_input=count, note=note, divisor=per_row * batch_size)
+    return TokenCounts(total, count_input=count, note=note, divisor=per_row * batch_size * micro_batches)

@@ -170,8 +170,8 @@ class Trainer:
         if routes is None or self._before_step.needed or cfg.loss_normalization == "tokens":
             self._stats_group()
         self._before_step.group, self._before_step.replica = self._stats, self.replica
-        self.tokens = token_counts(self.model, self.proc.device, self._stats, plan.batch_size, self.watch.note) \
-            if cfg.loss_normalization == "tokens" else None
+        self.tokens = (token_counts(self.model, self.proc.device, self._stats, plan.batch_size, self.watch.note,
+                                    plan.micro_batches) if cfg.loss_normalization == "tokens" else None)
         self.syncs = {s.index: make_sync(plan, st.module, s, groups.get(s.index), allreduce=cfg.allreduce,
                                          calibrations=cfg.calibrations, aggregator=cfg.aggregator,
                                          wire_dtype=PRECISIONS[str(cfg.reduce_dtype)],

@@ -10,7 +10,7 @@ from torch.nn import functional as F
 
 from hybridpipe.commands.merge_checkpoint import check_against_model
 from hybridpipe.errors import UserError
-from hybridpipe.pipeline.tokens import COUNT_KEY, TokenCounts, power_of_two
+from hybridpipe.pipeline.tokens import COUNT_KEY, TokenCounts
 from hybridpipe.profiles.data import check_sample, resolve_dataset
 from hybridpipe.profiles.losses import count_labels, is_pair, label_counter, loss_mean, loss_pair
 from hybridpipe.profiles.zoo import resolve_model
@@ -70,7 +70,7 @@ def test_token_counts_travel_with_the_activations_and_scale_the_step_once():
         return part * 2                          # as if a second rank held the same numbers
 
     first = TokenCounts(total, count_input=lambda b: (b["labels"] != -100).sum(), divisor=5)
-    assert first.divisor == 4.0
+    assert first.divisor == 5.0
     first.loaded((0, 0), {"labels": torch.tensor([[1, -100, 2]])}, torch.device("cpu"))
     message = first.outgoing((0, 0), {"h": torch.ones(1)})
     assert float(message[COUNT_KEY]) == 2.0
@@ -79,13 +79,10 @@ def test_token_counts_travel_with_the_activations_and_scale_the_step_once():
     root, loss_sum, count = last.split((1, 0), torch.tensor(3.0))        # the model's own mean loss
     assert (float(root), float(loss_sum), float(count)) == (1.5, 6.0, 2.0)
     assert last.step_total() == (12.0, 4.0, 1.0)                         # D / N = 4 / 4
-    assert last.divisor == 2.0                                           # next: 4 tokens / 2 micro-batches
+    assert last.divisor == 4.0                                           # next: the step's 4 tokens
     with pytest.raises(UserError, match=r"must return \(loss_sum, count\)"):
         TokenCounts(total).split((1, 0), torch.tensor(3.0))             # a user loss without its count
 
-
-def test_power_of_two():
-    assert [power_of_two(x) for x in (0.0, 1.0, 2.9, 3.1, 1000.0)] == [1.0, 1.0, 4.0, 4.0, 1024.0]
 
 
 # ---- the user's factories ---------------------------------------------------------------------------

@@ -117,7 +117,7 @@ def test_batches_padded_to_different_lengths_under_launch(tmp_path):
 
 
 def half_precision(tmp_path, precision: str, layout: str, shard: str = "none", *, steps: int = STEPS,
-                   loss_scale: float = 2.0**16) -> tuple[dict, float]:
+                   loss_scale: float = 2.0**16, normalization: str = "micro-batch") -> tuple[dict, float]:
     """GPT-2 (tied embedding cut apart) launched on 4 ranks in ``precision`` for ``steps``, every
     stage's replicas at ``shard``: (the summary, how far the merged weights end from a plain
     single-process autocast loop, fp16 with torch's GradScaler from ``loss_scale``).
@@ -130,7 +130,8 @@ def half_precision(tmp_path, precision: str, layout: str, shard: str = "none", *
     save_plan(plan, path)
     done = launch(["--plan", str(path), "--steps", str(steps), "--lr", str(LR), "--momentum", str(MOMENTUM),
                    "--seed", str(SEED), "--checkpoint-dir", str(ckpt), "--run-dir", str(run), "--precision", precision,
-                   "--loss-scale", str(loss_scale), "--timeout", "120", "--no-progress", "--no-trace"],
+                   "--loss-scale", str(loss_scale), "--loss-normalization", normalization, "--timeout", "120",
+                   "--no-progress", "--no-trace"],
                   plan.world_size, timeout=300)
     assert all(d.returncode == 0 for d in done), done
     assert not any("the whole of" in d.stderr for d in done), done
@@ -170,14 +171,17 @@ def test_half_precision_on_replicated_and_sharded_stages_equals_a_plain_autocast
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("shard", ["none", "gradients", "parameters"])
-def test_fp16_overflowing_steps_on_sharded_stages_are_skipped_as_torchs_grad_scaler_skips_them(tmp_path, shard):
+@pytest.mark.parametrize("shard,normalization", [("none", "micro-batch"), ("gradients", "micro-batch"),
+                                                 ("parameters", "micro-batch"), ("none", "tokens")])
+def test_fp16_overflowing_steps_on_sharded_stages_are_skipped_as_torchs_grad_scaler_skips_them(tmp_path, shard,
+                                                                                               normalization):
     """A loss scale of 2**21 overflows float16 at once: every rank skips those steps and halves the scale
     (sharded replicas too: their owned gradients of a skipped step are dropped, not carried into the
     next), then trains; after 6 steps the weights are where torch's GradScaler loop ends."""
     from hybridpipe.runtime.metrics import metrics_path, read_metrics
 
-    summary, diff = half_precision(tmp_path, "fp16", "2x2", shard, steps=STEPS + 3, loss_scale=2.0**21)
+    summary, diff = half_precision(tmp_path, "fp16", "2x2", shard, steps=STEPS + 3, loss_scale=2.0**21,
+                                   normalization=normalization)
     scales = [r["loss_scale"] for r in read_metrics(metrics_path(tmp_path / "run", 0)) if r["step"] >= 0]
     assert 2.0**21 > scales[-1] and scales[-2] == scales[-1], scales     # skipped, halved, then trained
     assert all(summary["replicas_identical"].values()) and diff <= 1e-5, (diff, scales)
