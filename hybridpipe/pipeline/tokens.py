@@ -12,9 +12,9 @@ on the last stage's ranks) gives every rank. What runs after that factor sees fi
 clipping by the global norm and fp16's unscale and overflow check. So that the backward's
 gradients are one process's (loss sum / N: fp16 activations and the fp16 loss scale overflow at
 65504, on the steps they overflow under torch's GradScaler, not M times sooner), the backward
-starts from the sum divided by D, the previous step's token count (on a run's first step, the
-tokens a step's micro-batches may hold: ``divisor``), and the step's factor is D / N: 1 whenever
-the count did not change (every step of fixed-length data), one rounding otherwise. zb-h1's and
+starts from the sum divided by D, the tokens a step's micro-batches may hold (``divisor``: fixed
+for the run, so a resumed run computes the same bits), and the step's factor is D / N: 1 when
+every token is valid (fixed-length data), one rounding otherwise. zb-h1's and
 zbv's split backward only move when the weight gradients are computed, before the step.
 pipedream updates each stage after each micro-batch, with no global step at which N is known:
 refused where the run is configured.
@@ -101,13 +101,10 @@ class TokenCounts:
 
     def step_total(self) -> tuple[float, float, float]:
         """Collective: the step's (loss sum, tokens) over every rank and the factor its gradients
-        take, D / tokens (0 with no token); resets this rank's part and sets the next step's D."""
+        take, D / tokens (0 with no token); resets this rank's part."""
         part = self._sum if self._sum is not None else torch.zeros(3, dtype=torch.float64)
         self._sum = None
         if self._counts:
             raise RuntimeError(f"token counts of micro-batches {sorted(self._counts)} were never used")
-        loss_sum, tokens, micro_batches = (float(x) for x in self.total(part))
-        scale = self.divisor / tokens if tokens > 0 else 0.0
-        if tokens > 0 and micro_batches > 0:
-            self.divisor = tokens
-        return loss_sum, tokens, scale
+        loss_sum, tokens, _ = (float(x) for x in self.total(part))
+        return loss_sum, tokens, self.divisor / tokens if tokens > 0 else 0.0

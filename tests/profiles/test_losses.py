@@ -79,7 +79,7 @@ def test_token_counts_travel_with_the_activations_and_scale_the_step_once():
     root, loss_sum, count = last.split((1, 0), torch.tensor(3.0))        # the model's own mean loss
     assert (float(root), float(loss_sum), float(count)) == (1.5, 6.0, 2.0)
     assert last.step_total() == (12.0, 4.0, 1.0)                         # D / N = 4 / 4
-    assert last.divisor == 4.0                                           # next: the step's 4 tokens
+    assert last.divisor == 4.0                                           # fixed for the run
     with pytest.raises(UserError, match=r"must return \(loss_sum, count\)"):
         TokenCounts(total).split((1, 0), torch.tensor(3.0))             # a user loss without its count
 

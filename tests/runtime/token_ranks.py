@@ -49,3 +49,31 @@ def train_precision_tokens(rank: int, world: int, plan_path: str, precision: str
         scales.append(trainer.scaler.scale if trainer.scaler is not None else None)
     trainer.close()
     return {"losses": losses, "scales": scales}
+
+
+def resume_tokens(rank: int, world: int, plan_path: str, out: str) -> dict:
+    """STEPS token-weighted steps of padded micro-batches, uninterrupted (saved to OUT/end), and
+    again saved after one step (OUT/first), reloaded into a fresh Trainer and run to STEPS
+    (OUT/resumed)."""
+    plan = load_plan(plan_path)
+
+    def trainer() -> Trainer:
+        return Trainer(plan.model, plan, optimizer=lambda ps: torch.optim.SGD(ps, lr=LR, momentum=MOMENTUM),
+                       seed=0, loss_normalization="tokens", timeout=60)
+    data = Ragged("lm")
+    whole = trainer()
+    for k in range(STEPS):
+        whole.train_step(iter(step_parts(data, k)))
+    whole.save(f"{out}/end")
+    whole.close()
+    first = trainer()
+    first.train_step(iter(step_parts(data, 0)))
+    first.save(f"{out}/first")
+    first.close()
+    again = trainer()
+    again.load(f"{out}/first")
+    for k in range(again.step, STEPS):
+        again.train_step(iter(step_parts(data, k)))
+    again.save(f"{out}/resumed")
+    again.close()
+    return {}
