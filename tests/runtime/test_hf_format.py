@@ -300,16 +300,25 @@ def test_an_hf_directory_whose_files_rename_tensors_is_read_a_stage_at_a_time(tm
     values (before: capture_lazily found the files short and every rank loaded the whole model). ~90 s:
     Swin's capture."""
     saved_swin(tmp_path / "pretrained")
-    spec = resolve_model(f"hf:{tmp_path / 'pretrained'}[dropout=0]")
+    read_stage_by_stage(f"hf:{tmp_path / 'pretrained'}[dropout=0]")
+
+
+def read_stage_by_stage(name: str) -> list[dict[str, torch.Tensor]]:
+    """hf:DIR on 2 stages, as each rank builds it: the spec's files cover the model (nothing read at
+    build), and each stage's tensors read alone equal from_pretrained's; the stages' state dicts."""
+    spec = resolve_model(name)
     expected = spec.build().state_dict()                        # from_pretrained
     plan = make_plan(spec.name, [2], [1, 1], batch_size=2)
     built = build_model(spec, plan, seed=0)
     assert built.weights is not None, "loaded whole"
+    states = []
     for index in range(2):
         model = copy.deepcopy(built)
         model.materialize(plan, [index])
-        for name, t in build_stage_index_of(model, plan, index).module.state_dict().items():
+        states.append(build_stage_index_of(model, plan, index).module.state_dict())
+        for name, t in states[-1].items():
             assert torch.equal(t, expected[name]), name
+    return states
 
 
 MIXTRAL = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -373,18 +382,8 @@ def test_an_hf_directory_whose_files_hold_the_experts_apart_is_read_a_stage_at_a
     """hf:DIR of that Mixtral: each rank reads only its stage, with from_pretrained's values (before: the
     files did not cover the model and every rank loaded the whole of it). ~5 s."""
     saved_mixtral(tmp_path / "pretrained")
-    spec = resolve_model(f"hf:{tmp_path / 'pretrained'}[seq=8]")
-    expected = spec.build().state_dict()                        # from_pretrained
-    plan = make_plan(spec.name, [2], [1, 1], batch_size=2)
-    built = build_model(spec, plan, seed=0)
-    assert built.weights is not None, "loaded whole"
-    for index in range(2):
-        model = copy.deepcopy(built)
-        model.materialize(plan, [index])
-        state = build_stage_index_of(model, plan, index).module.state_dict()
-        assert f"model.layers.{index}.mlp.experts.gate_up_proj" in state
-        for name, t in state.items():
-            assert torch.equal(t, expected[name]), name
+    states = read_stage_by_stage(f"hf:{tmp_path / 'pretrained'}[seq=8]")
+    assert all(f"model.layers.{i}.mlp.experts.gate_up_proj" in state for i, state in enumerate(states))
 
 
 MOE_FAMILIES = {       # transformers' other conversion patterns for experts (shared experts, dense first layers)

@@ -13,11 +13,11 @@ from hybridpipe.cli import main
 from hybridpipe.partitioner.plan import save_plan
 from hybridpipe.pipeline.stage import build_stage_index
 from hybridpipe.profiles.zoo import resolve_model
-from tests.pipeline.harness import capture, data_for, make_plan, model_loss
+from tests.pipeline.harness import capture, make_plan
 from tests.runtime.jobs import final_weights, launch, max_diff
+from tests.runtime.test_adamw import LR, SEED, STEPS, WD, plain_loop
 
 SPARE = "tests.profiles.user_models:with_spare"
-STEPS, LR, WD, SEED = 3, 0.01, 0.1, 3
 
 
 def test_the_nearest_blocks_stage_holds_an_unused_parameter():
@@ -30,19 +30,6 @@ def test_the_nearest_blocks_stage_holds_an_unused_parameter():
     ranges = [(s.first_node, s.last_node) for s in plan.stages]
     keys = [k for i in range(2) for k in build_stage_index(captured, ranges, i).module.state_dict()]
     assert sorted(keys) == sorted(captured.module.state_dict())      # every tensor, once
-
-
-def plain_adamw(plan) -> dict[str, torch.Tensor]:
-    spec = resolve_model(plan.model)
-    torch.manual_seed(SEED)
-    model = spec.build()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
-    data = data_for(plan, STEPS, SEED)
-    for k in range(STEPS):
-        opt.zero_grad()
-        model_loss(spec, model, *data.global_batch(k)).backward()
-        opt.step()
-    return model.state_dict()
 
 
 @pytest.mark.parametrize("spec,cut", [
@@ -58,7 +45,7 @@ def test_an_unused_parameter_is_saved_unchanged_and_merges(tmp_path, spec, cut):
                    "--run-dir", str(tmp_path / "run"), "--timeout", "120", "--no-progress", "--no-trace"],
                   plan.world_size, timeout=300)
     assert all(d.returncode == 0 for d in done), done
-    merged, reference = final_weights(tmp_path / "ck", STEPS), plain_adamw(plan)
+    merged, reference = final_weights(tmp_path / "ck", STEPS), plain_loop(plan, torch.optim.AdamW)
     assert max_diff(merged, reference) <= 1e-5            # AdamW on tiny gradients: float rounding
     built = resolve_model(spec)
     torch.manual_seed(SEED)
