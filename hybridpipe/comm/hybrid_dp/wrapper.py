@@ -207,10 +207,14 @@ class HybridDataParallel(nn.Module):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         grads = [p.grad for p in params]
+        ready = None
+        if present.is_cuda:                        # the lane must not read before backward (and the zeros) wrote
+            ready = torch.cuda.Event()
+            ready.record()
         lane, reducer = self._lanes[unit.lane]
 
         def reduce() -> None:
-            self._reduce_grads(unit.index, reducer, [*grads, present], unit.algorithm, None, unit.name)
+            self._reduce_grads(unit.index, reducer, [*grads, present], unit.algorithm, ready, unit.name)
             for p, n in zip(params, present.tolist(), strict=True):
                 if n == 0:                         # no rank had one: none, as one process has none
                     p.grad = None
