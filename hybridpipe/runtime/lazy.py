@@ -9,11 +9,12 @@ meta tensor in the model and its graph. The other stages' tensors are never read
 memory is its stages' weights plus what the process holds anyway.
 
 The values are ``from_pretrained``'s: the files' tensors (a tied weight from whichever of its
-names the files hold), in the dtype the model was built in, and the buffers no file holds
+names the files hold), cast to the dtype the model was built in as ``from_pretrained`` casts them
+(a bf16 checkpoint into float32 weights: ``hf:DIR[dtype=float32]``), and the buffers no file holds
 (``persistent=False``: rotary frequencies) as the constructor computes them. A model that the
-files do not cover (a missing or reshaped tensor, another dtype, which ``from_pretrained`` would
-initialise or cast), or that cannot be captured on the meta device, is loaded whole on every
-rank as before, with one log line saying why.
+files do not cover (a missing or reshaped tensor, a non-float one of another dtype, which
+``from_pretrained`` would initialise or convert), or that cannot be captured on the meta device,
+is loaded whole on every rank as before, with one log line saying why.
 
 ``--init-from FILE`` (:func:`load_initial`) replaces the files a lazily built model reads, or loads
 into a whole model; FILE is a torch state_dict (or ``merge-checkpoint``'s file with the optimizer
@@ -79,7 +80,7 @@ def uncovered(module: nn.Module, weights: Weights) -> str:
             return f"{weights.where} holds no {name!r}"
         if weights.shape(key) != tuple(t.shape):
             return f"{key!r} in {weights.where} has shape {weights.shape(key)}, the model {tuple(t.shape)}"
-        if weights.dtype(key) != t.dtype:
+        if weights.dtype(key) != t.dtype and not (weights.dtype(key).is_floating_point and t.dtype.is_floating_point):
             return f"{key!r} in {weights.where} is {weights.dtype(key)}, the model {t.dtype}"
     return ""
 

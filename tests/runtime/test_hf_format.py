@@ -406,3 +406,24 @@ def test_init_from_other_moe_families_equals_from_pretrained(tmp_path, family):
     weights, _ = load_initial(tmp_path, fresh)
     load_whole(fresh, weights)
     assert max_diff(fresh.state_dict(), cls.from_pretrained(tmp_path).state_dict()) == 0
+
+
+def saved_bf16_llama(directory) -> None:
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA)).to(torch.bfloat16).save_pretrained(directory)
+
+
+def test_a_bf16_checkpoint_covers_a_float32_model(tmp_path):
+    """Pretrained checkpoints ship in bf16; float32 weights built from one are cast tensor by tensor
+    (before: "is torch.bfloat16, the model torch.float32": every rank loaded the whole model)."""
+    saved_bf16_llama(tmp_path)
+    assert uncovered(transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA)), open_weights(tmp_path)) == ""
+
+
+@pytest.mark.slow
+def test_a_bf16_checkpoint_is_read_a_stage_at_a_time_into_float32_weights(tmp_path):
+    """hf:DIR[dtype=float32] of a bf16 directory: each rank reads only its stage, cast as
+    from_pretrained(dtype=float32) casts it."""
+    saved_bf16_llama(tmp_path / "bf16")
+    states = read_stage_by_stage(f"hf:{tmp_path / 'bf16'}[seq=8,dtype=float32]")
+    assert all(t.dtype == torch.float32 for state in states for t in state.values() if t.is_floating_point())
