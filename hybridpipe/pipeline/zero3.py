@@ -175,3 +175,18 @@ def _attr(module: nn.Module, target: str) -> Any:
     for part in target.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def opaque_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters of ``module`` whose gradient may come on some replicas or steps only: those of
+    the modules its fx graph calls as they are (leaf modules: eager code, data-dependent routing, an
+    expert no token chose), or all of them when ``module`` is no graph (comm/sharded's agree_present).
+    A graph's own operations reach the same parameters on every replica and step."""
+    graph = getattr(module, "graph", None)
+    if not isinstance(graph, fx.Graph):
+        return list(module.parameters())
+    found: dict[int, nn.Parameter] = {}
+    for node in graph.nodes:
+        if node.op == "call_module" and node.target != GATE:
+            found.update((id(p), p) for p in module.get_submodule(str(node.target)).parameters())
+    return list(found.values())

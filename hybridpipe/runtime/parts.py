@@ -41,6 +41,7 @@ from hybridpipe.partitioner.plan import Plan, Stage
 from hybridpipe.pipeline import LocalSync, MicroBatches
 from hybridpipe.pipeline.plancheck import CheckedPlan, check_plan
 from hybridpipe.pipeline.tokens import TokenCounts
+from hybridpipe.pipeline.zero3 import opaque_parameters
 from hybridpipe.profiles.capture import CapturedModel
 from hybridpipe.profiles.capture_cache import CaptureCache
 from hybridpipe.profiles.data import resolve_dataset
@@ -204,7 +205,8 @@ def make_sync(plan: Plan, stage_module: nn.Module, stage: Stage, group: dist.Pro
         log.info("stage %d: replicas shard %s", stage.index, stage.shard)
         return ShardedReplicas(stage_module, GroupTransport(group), unit_choices(layers), stage.shard, exclude=exclude,
                                wire_dtype=wire_dtype, hosts=costs.topology().units, torus_shape=costs.torus_shape(),
-                               reshard_after_forward=stage.reshard_after_forward)
+                               reshard_after_forward=stage.reshard_after_forward,
+                               varying=opaque_parameters(stage_module))
     hdp = HybridDataParallel(stage_module, group, units=unit_choices(layers), costs=costs,
                              aggregator=aggregator, reduce="sum", exclude=exclude, wire_dtype=wire_dtype)
     log.info("stage %d: gradient sync: %s", stage.index,

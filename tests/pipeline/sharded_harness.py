@@ -19,7 +19,7 @@ from hybridpipe.pipeline.inprocess import InProcessGradSync, InProcessGroup, InP
 from hybridpipe.pipeline.plancheck import build_stages
 from hybridpipe.pipeline.schedules import Topology
 from hybridpipe.pipeline.tied import TiedSync, stage_tied_params, tied_ranks
-from hybridpipe.pipeline.zero3 import gate_stages
+from hybridpipe.pipeline.zero3 import gate_stages, opaque_parameters
 from hybridpipe.profiles.zoo import resolve_model
 from hybridpipe.runtime.sharded_optimizer import ShardedOptimizer
 from tests.pipeline.harness import _summer, capture, data_for
@@ -71,7 +71,7 @@ def train_sharded(plan: Plan, steps: int, make: Callable[[list], Any], *, algori
                                                  layer_units(st.module, tied.params, algorithm), s.shard,
                                                  exclude=tied.params, wire_dtype=wire_dtype,
                                                  reshard_after_forward=s.reshard_after_forward,
-                                                 overlap_gather=overlap_gather)
+                                                 overlap_gather=overlap_gather, varying=opaque_parameters(st.module))
             else:
                 syncs[s.index] = InProcessGradSync(st.module, plain[s.index], replica, exclude=tied.params,
                                                    wire_dtype=wire_dtype)

@@ -136,3 +136,23 @@ def test_a_parameter_no_replica_had_a_gradient_for_is_skipped_and_saved_as_torch
             assert float(got[n]["step"]) == float(st["step"]), n
             for key in ("exp_avg", "exp_avg_sq"):
                 assert float((got[n][key] - st[key]).abs().max()) <= 1e-6, (n, key)
+
+
+def test_only_modules_a_graph_calls_as_they_are_may_leave_a_parameter_without_gradient():
+    """opaque_parameters: what agree_present asks the other replicas about: the parameters of a
+    graph's leaf modules (eager code inside), all of an eager module's, none of a graph's own operations."""
+    from torch import fx
+
+    from hybridpipe.pipeline.zero3 import opaque_parameters
+
+    class OneLeaf(fx.Tracer):
+        def is_leaf_module(self, m: torch.nn.Module, name: str) -> bool:
+            return name == "1"
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), _Switch(), torch.nn.Linear(3, 3))
+    model[1].forward = lambda x: model[1].a(x)          # a one-argument forward to trace
+    graph = fx.GraphModule(model, OneLeaf().trace(model))
+    assert [id(p) for p in opaque_parameters(graph)] == [id(p) for p in graph.get_submodule("1").parameters()]
+    assert len(opaque_parameters(model)) == len(list(model.parameters()))
+    traced = fx.GraphModule(model, type("All", (fx.Tracer,), {"is_leaf_module": lambda *_: False})().trace(model))
+    assert opaque_parameters(traced) == []

@@ -85,7 +85,8 @@ class ShardedReplicas:
     def __init__(self, module: nn.Module, transport: Any, units: Sequence[UnitChoice], level: str, *,
                  exclude: Collection[nn.Parameter] = (), wire_dtype: torch.dtype | None = None,
                  hosts: Sequence[Sequence[int]] | None = None, torus_shape: tuple[int, int] | None = None,
-                 lane: int = 1, reshard_after_forward: bool = True, overlap_gather: bool = False):
+                 lane: int = 1, reshard_after_forward: bool = True, overlap_gather: bool = False,
+                 varying: Collection[nn.Parameter] | None = None):
         if level not in LEVELS:
             raise ValueError(f"shard level {level!r} is not one this runtime runs; choose {', '.join(LEVELS)}")
         self.module, self.level, self.wire_dtype = module, level, wire_dtype
@@ -117,6 +118,9 @@ class ShardedReplicas:
                                                              for s in self.units], self._runner, self._lane)
             if overlap_gather else None)
         self._got: set[int] = set()       # ids of the parameters that had a gradient at a launch this step
+        # agree_present asks the other replicas only where a gradient may come on some of them only
+        mine = {id(p) for p in self.sharded}
+        self._varying = bool(mine) if varying is None else any(id(p) in mine for p in varying)
         self._present: set[int] | None = None   # ... on any replica (agree_present); None: not agreed yet
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready)
                        for s in self.units for p in s.unit.params]
@@ -152,15 +156,17 @@ class ShardedReplicas:
         return [g if id(pc.param) in present else None for pc, g in zip(self.pieces(), grads, strict=True)]
 
     def agree_present(self) -> None:
-        """Agree with the other replicas which sharded parameters got a gradient this step (collective,
-        after :meth:`finish`: one sum of a flag per parameter). A unit is reduce-scattered whole, a
-        parameter without a gradient counted as zeros; one that no replica computed a gradient for
-        (an expert no token chose) then gets None from :meth:`owned_grads`, so the optimizer leaves
-        it alone as torch's leave a parameter whose ``.grad`` is None (no weight decay, no momentum,
-        its step count kept)."""
+        """Agree with the other replicas which sharded parameters got a gradient this step (after
+        :meth:`finish`). A unit is reduce-scattered whole, a parameter without a gradient counted as
+        zeros; one that no replica computed a gradient for (an expert no token chose) then gets None
+        from :meth:`owned_grads`, so the optimizer leaves it alone as torch's leave a parameter whose
+        ``.grad`` is None (no weight decay, no momentum, its step count kept). Collective (one sum of
+        a flag per parameter) where the constructor's ``varying`` parameters are sharded here (run by
+        modules a graph calls as they are, or ``varying=None``: any); elsewhere every replica computes
+        the same parameters' gradients and its own record is the answer."""
         params = self.sharded
-        if not params:
-            self._present = set()
+        if not self._varying:
+            self._present = set(self._got)
             return
         flags = torch.zeros(max(len(params), self.size), device=params[0].device)
         flags[:len(params)] = torch.tensor([float(id(p) in self._got) for p in params])
