@@ -224,6 +224,29 @@ def test_hf_export_of_a_sharded_run_loads_as_the_plain_loop_and_starts_a_sharded
     check_state(tmp_path / "fresh", MORE, *plain_loop(MORE, {"model": exported}, **shape), noise=noise)
 
 
+
+@pytest.mark.slow
+def test_an_hf_export_of_a_sharded_run_read_a_stage_at_a_time_by_a_zero3_run(tmp_path):
+    """The ``--format hf`` directory of a ZeRO-2 GPT-2 run named as the model (``hf:DIR``: each rank
+    reads only its stage's tensors, after which ZeRO-3 keeps its pieces) trains MORE steps as the
+    plain loop does from ``from_pretrained``'s model of that directory."""
+    pytest.importorskip("transformers")
+    from tests.pipeline.hf_models import BY_NAME
+
+    case = BY_NAME["gpt2"]
+    first = sharded(make_plan(case.spec, case.two, [2, 2], micro_batches=HF_M, batch_size=HF_B), "gradients",
+                    "gradients")
+    run(tmp_path, first, "first", tmp_path / "ckpt", "--steps", str(HF_STEPS), size=HF_SIZE, timeout=240)
+    assert main(["merge-checkpoint", str(tmp_path / "ckpt"), "--format", "hf", "-o", str(tmp_path / "hf")]) == 0
+    spec = f"hf:{tmp_path / 'hf'}[seq=8]"
+    second = sharded(make_plan(spec, case.two, [2, 2], micro_batches=HF_M, batch_size=HF_B), "parameters",
+                     "parameters")
+    said = run(tmp_path, second, "second", tmp_path / "fresh", "--steps", str(MORE), size=HF_SIZE, timeout=240)
+    assert "loads the whole of" not in said, said                   # read a stage at a time
+    shape = {"model_spec": spec, "micro_batches": HF_M, "batch_size": HF_B, "size": HF_SIZE}
+    check_state(tmp_path / "fresh", MORE, *plain_loop(MORE, **shape), noise=without_key_bias)
+
+
 MOE = "tests.runtime.resume_models:moe[leaf=Experts]"      # eager experts: only those chosen run
 MOE_SIZE = (FIRST + MORE) * 4 * 2
 
