@@ -247,23 +247,28 @@ def test_an_hf_export_of_a_sharded_run_read_a_stage_at_a_time_by_a_zero3_run(tmp
     check_state(tmp_path / "fresh", MORE, *plain_loop(MORE, **shape), noise=without_key_bias)
 
 
-MOE = "tests.runtime.resume_models:moe[leaf=Experts]"      # eager experts: only those chosen run
-MOE_SIZE = (FIRST + MORE) * 4 * 2
+MOE = "tests.runtime.resume_models:moe[leaf=Experts,width=64,experts=32]"      # eager: only chosen experts run
+MOE_M, MOE_B = 4, 8
+MOE_SIZE = (FIRST + MORE) * MOE_M * MOE_B
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("first,then", [("gradients", "optimizer"), ("optimizer", "gradients")])
 def test_experts_no_token_chose_are_left_alone_saved_and_resumed_as_torch_does(tmp_path, first, then):
     """A mixture of experts written the eager way (an expert no token chose gets no gradient: torch's
-    AdamW skips it, its step count stays, no weight decay) on 2 x 2 ranks sharded at ``first`` for
-    FIRST + MORE steps, resumed from FIRST at ``then``: weights, which parameters have AdamW state and
-    each one's step count and moments as the plain loop's. Before, the sharded optimizer stepped such
-    an expert on a zero gradient (decayed, its moments shrunk: 1.2e-2 from the plain loop after 3
-    steps) and the checkpoint gave every parameter of a sync unit the same step count (3 where torch
-    had 1) and a state to experts never chosen. (ZeRO-3 is left out: on this model its replicas'
-    collectives fall out of step and the job stops after --timeout, before and after the fix.)"""
-    shape = {"model_spec": MOE, "micro_batches": 4, "batch_size": 2, "size": MOE_SIZE}
-    plan = make_plan(MOE, [1], [2, 2], micro_batches=4, batch_size=2)
+    AdamW skips it, its step count stays, no weight decay; 32 experts, each expert's layers a sync
+    unit of their own) on 2 x 2 ranks sharded at ``first`` for FIRST + MORE steps, resumed from FIRST
+    at ``then``: weights, which parameters have AdamW state and each one's step count and moments as
+    the plain loop's. Before: the replicas' reduce-scatters fell out of step (an expert's unit sent by
+    the replica that used it only: gloo's "Received data size doesn't match", a rank aborted); on
+    units that held a used parameter too (16 experts of width 16), the sharded optimizer stepped an
+    unchosen expert on a zero gradient (decayed, moments shrunk: 8e-3 from the plain loop after 3
+    steps) and the checkpoint gave every parameter of a unit the same step count (3 where torch had
+    1) and a state to experts never chosen. (ZeRO-3 is left out: its backward regathers a unit when
+    it unpacks a saved weight, so the replicas' gathers fall out of step on this model and the job
+    stops after --timeout, before and after these fixes.)"""
+    shape = {"model_spec": MOE, "micro_batches": MOE_M, "batch_size": MOE_B, "size": MOE_SIZE}
+    plan = make_plan(MOE, [1], [2, 2], micro_batches=MOE_M, batch_size=MOE_B)
     ckpt = tmp_path / "ckpt"
     run(tmp_path, sharded(plan, first, first), "first", ckpt, "--steps", str(FIRST + MORE), "--checkpoint-every",
         str(FIRST), size=MOE_SIZE)

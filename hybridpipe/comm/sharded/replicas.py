@@ -118,9 +118,12 @@ class ShardedReplicas:
                                                              for s in self.units], self._runner, self._lane)
             if overlap_gather else None)
         self._got: set[int] = set()       # ids of the parameters that had a gradient at a launch this step
-        # agree_present asks the other replicas only where a gradient may come on some of them only
-        mine = {id(p) for p in self.sharded}
-        self._varying = bool(mine) if varying is None else any(id(p) in mine for p in varying)
+        # units holding a parameter whose gradient may come on some replicas or steps only (a leaf
+        # module's): agree_present asks the other replicas, and they are reduce-scattered once, at finish
+        varied = {id(p) for p in (self.sharded if varying is None else varying)}
+        self._deferred = {id(u) for u in self.units if any(id(p) in varied for p in u.unit.params)}
+        self._varying = bool(self._deferred)
+        self._deferred_sent = False
         self._present: set[int] | None = None   # ... on any replica (agree_present); None: not agreed yet
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready)
                        for s in self.units for p in s.unit.params]
@@ -178,6 +181,7 @@ class ShardedReplicas:
         self._fresh = self._fresh_transient = True
         self._got.clear()
         self._present = None
+        self._deferred_sent = False
         for s in self.units:
             s.grads = []
             for p in s.unit.params:
@@ -208,6 +212,8 @@ class ShardedReplicas:
         if not self._syncing and self.level == "optimizer":
             return
         shard = self._shard_of[id(param)]
+        if id(shard) in self._deferred:       # reduce-scattered at finish: the same count on every replica
+            return
         if id(param) in shard.ready:          # a second backward before the unit completed: send the first
             self._launch(shard)
         shard.ready.add(id(param))
@@ -270,6 +276,20 @@ class ShardedReplicas:
             self._syncing = before
 
     def finish(self) -> None:
+        """The step's gradients are complete (its last backward ran): start the units a backward left
+        partly complete and, once a step, the deferred units (a leaf module's: every replica
+        reduce-scatters each of them once, whatever its micro-batches used), then wait for every
+        reduce-scatter. A unit reduce-scattered as the backward completes it could be sent a different
+        number of times, or in another order, on a replica whose micro-batches gave some of its
+        parameters no gradient (an expert no token chose): the replicas' collectives fell out of step."""
+        if not self._deferred_sent:
+            for s in self.units:
+                if id(s) in self._deferred:
+                    self._launch(s)
+            self._deferred_sent = bool(self._deferred)
+        self._settle()
+
+    def _settle(self) -> None:
         """Start the units a backward left partly complete, then wait for every reduce-scatter."""
         for s in self.units:
             if s.ready:
@@ -301,7 +321,7 @@ class ShardedReplicas:
 
     def sum_replicas(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` across the replicas (batch statistics): a reduce-scatter and an all-gather."""
-        self.finish()
+        self._settle()
         halves = plan_halves("ring", self.size, tensor.numel())
         flat = tensor.view(-1)
 
@@ -313,7 +333,7 @@ class ShardedReplicas:
     def close(self) -> None:
         """Wait for what is in flight, remove the hooks, stop the lane; ZeRO-3: the full weights are
         gathered first (collective) and stay, so the module holds the trained weights afterwards."""
-        self.finish()
+        self._settle()
         if self.weights is not None:
             for i in range(len(self.units)):
                 self.weights.need(i)
