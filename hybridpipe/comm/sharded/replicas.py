@@ -190,15 +190,18 @@ class ShardedReplicas:
     def full_grad_bytes(self) -> int:
         """Bytes of gradients this position holds at the step's peak: all (ZeRO-1), or its owned
         ranges plus the full gradients that were in flight at once (ZeRO-2: measured over the last
-        step; at least the largest unit, which the backward holds whole before its reduce-scatter)."""
+        step; at least the largest unit, which the backward holds whole before its reduce-scatter),
+        plus the deferred units' (a leaf module's: held whole over the step)."""
         def nbytes(ps: Sequence[nn.Parameter]) -> int:
             return sum(p.numel() * p.element_size() for p in ps)
         if self.level == "optimizer":
             return nbytes(self.sharded)
         owned = sum((pc.hi - pc.lo) * pc.param.element_size() for pc in self.pieces())
+        held = sum(nbytes(s.unit.params) for s in self.units if id(s) in self._deferred)
         if self.weights is not None:         # ZeRO-3: the full weights gathered and gradients in flight at once
-            return owned + self.peak_transient
-        return owned + max([self.peak_inflight] + [nbytes(s.unit.params) for s in self.units])
+            return owned + self.peak_transient + held
+        return owned + held + max([self.peak_inflight] + [nbytes(s.unit.params) for s in self.units
+                                                          if id(s) not in self._deferred])
 
     def _count_gathered(self, delta: int) -> None:
         with self._lock:
