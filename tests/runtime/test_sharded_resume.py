@@ -10,9 +10,10 @@ state by parameter name: which parameters have one, step counts, moments):
 * ``merge-checkpoint --format hf`` of a ZeRO-1/2/3 run of a tiny GPT-2 or Llama loads with
   ``from_pretrained`` as the plain loop's model, and ``--init-from`` that directory continues as the plain loop;
 * a mixture of experts whose unchosen experts get no gradient trains, saves and resumes sharded as
-  torch's AdamW does (skipped, their own step counts).
+  torch's AdamW does (skipped, their own step counts);
+* ``--init-from`` a checkpoint directory is refused in one line naming the merge-checkpoint to run.
 
-All are multi-process (make test-slow).
+All but the last are multi-process (make test-slow).
 """
 
 from __future__ import annotations
@@ -120,6 +121,29 @@ def check_state(ckpt: Path, step: int, weights: dict[str, torch.Tensor], state: 
         for key in ("exp_avg", "exp_avg_sq"):
             assert saved[name][key].shape == st[key].shape, (name, key)
             assert float((saved[name][key] - st[key]).abs().max()) <= TOL, (name, key)
+
+
+
+def test_init_from_a_checkpoint_directory_is_refused_in_one_line_naming_the_merge(tmp_path, capsys):
+    """``--init-from`` reads a state_dict or merged file, a .safetensors file or a save_pretrained
+    directory, not a run's checkpoint directory (nor one of its step-N): one line saying so and what
+    to run; running it gives the file --init-from takes (before: "holds no model.safetensors")."""
+    from hybridpipe.errors import UserError
+    from hybridpipe.runtime.lazy import load_initial
+    from tests.runtime.hf_checkpoints import perturbed, write_checkpoint
+
+    model = perturbed(resolve_model(MODEL).build())
+    step = write_checkpoint(tmp_path / "ckpt", MODEL, model, step=3)
+    for given in (tmp_path / "ckpt", step):
+        with pytest.raises(UserError) as e:
+            load_initial(given, resolve_model(MODEL).build())
+        assert "\n" not in str(e.value) and "is a hybridpipe checkpoint directory" in str(e.value), e.value
+        assert f"`hybridpipe merge-checkpoint {given} --with-optimizer -o start.pt`" in str(e.value)
+    assert main(["merge-checkpoint", str(tmp_path / "ckpt"), "--with-optimizer", "-o", str(tmp_path / "start.pt")]) == 0
+    weights, optimizer = load_initial(tmp_path / "start.pt", resolve_model(MODEL).build())
+    assert optimizer is not None
+    assert all(torch.equal(weights.get(k), v) for k, v in model.state_dict().items())
+    capsys.readouterr()
 
 
 def zero2() -> Plan:
