@@ -271,6 +271,29 @@ def test_an_hf_export_of_a_sharded_run_read_a_stage_at_a_time_by_a_zero3_run(tmp
     check_state(tmp_path / "fresh", MORE, *plain_loop(MORE, **shape), noise=without_key_bias)
 
 
+
+@pytest.mark.slow
+def test_gpt2_with_its_tie_cut_apart_resumed_from_zero1_at_zero3_equals_the_plain_loop(tmp_path):
+    """GPT-2 (the embedding tied to the head, each in another stage: kept whole, summed across stages)
+    on 2 x 2 ranks at ZeRO-1 for FIRST + MORE steps, the last checkpoint removed and the run resumed from
+    FIRST at ZeRO-3: weights and AdamW state (the tied weight's once) as the plain loop's."""
+    pytest.importorskip("transformers")
+    from tests.pipeline.hf_models import BY_NAME
+
+    case = BY_NAME["gpt2"]
+    plan = make_plan(case.spec, case.two, [2, 2], micro_batches=HF_M, batch_size=HF_B)
+    size = (FIRST + MORE) * HF_M * HF_B
+    ckpt = tmp_path / "ckpt"
+    run(tmp_path, sharded(plan, "optimizer", "optimizer"), "first", ckpt, "--steps", str(FIRST + MORE),
+        "--checkpoint-every", str(FIRST), size=size, timeout=240)
+    reference = plain_loop(FIRST + MORE, model_spec=case.spec, micro_batches=HF_M, batch_size=HF_B, size=size)
+    check_state(ckpt, FIRST + MORE, *reference, noise=without_key_bias)
+    shutil.rmtree(step_dir(ckpt, FIRST + MORE))
+    run(tmp_path, sharded(plan, "parameters", "parameters"), "second", ckpt, "--steps", str(FIRST + MORE),
+        "--resume", size=size, timeout=240)
+    check_state(ckpt, FIRST + MORE, *reference, noise=without_key_bias)
+
+
 MOE = "tests.runtime.resume_models:moe[leaf=Experts,width=64,experts=32]"      # eager: only chosen experts run
 MOE_M, MOE_B = 4, 8
 MOE_SIZE = (FIRST + MORE) * MOE_M * MOE_B
