@@ -175,3 +175,4 @@ def _attr(module: nn.Module, target: str) -> Any:
     for part in target.split("."):
         obj = getattr(obj, part)
     return obj
+

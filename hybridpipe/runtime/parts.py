@@ -39,6 +39,7 @@ from hybridpipe.partitioner.cost.calibration import load_calibration
 from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.plan import Plan, Stage
 from hybridpipe.pipeline import LocalSync, MicroBatches
+from hybridpipe.pipeline.opaque import run_as_written
 from hybridpipe.pipeline.plancheck import CheckedPlan, check_plan
 from hybridpipe.pipeline.tokens import TokenCounts
 from hybridpipe.profiles.capture import CapturedModel
@@ -52,7 +53,7 @@ from hybridpipe.runtime.config import RunConfig
 from hybridpipe.runtime.lazy import capture_lazily, load_initial, load_whole, materialize
 from hybridpipe.runtime.seeded import Recipe, capture_unbuilt, materialize_seeded
 from hybridpipe.runtime.sharded_optimizer import ShardedOptimizer
-from hybridpipe.runtime.sync import describe_override, override_layers, run_as_written, stage_layers, unit_choices
+from hybridpipe.runtime.sync import describe_override, override_layers, stage_layers, unit_choices
 from hybridpipe.runtime.tensor_files import Weights, open_weights
 
 log = logging.getLogger(__name__)
@@ -200,15 +201,16 @@ def make_sync(plan: Plan, stage_module: nn.Module, stage: Stage, group: dist.Pro
                              + [f"--calibration {p}" for p in calibrations])
             print(describe_override(stage.index, flags, planned, layers), flush=True)
     costs = GroupCosts(model, stage.ranks)
+    varying = run_as_written(stage_module)        # ZeRO-3 of such a stage: refused by check_plan
     if stage.shard != "none":                 # ZeRO-1/2/3: the same units, reduce-scattered (comm/sharded)
         log.info("stage %d: replicas shard %s", stage.index, stage.shard)
         return ShardedReplicas(stage_module, GroupTransport(group), unit_choices(layers), stage.shard, exclude=exclude,
                                wire_dtype=wire_dtype, hosts=costs.topology().units, torus_shape=costs.torus_shape(),
                                reshard_after_forward=stage.reshard_after_forward,
-                               maybe_absent=run_as_written(stage_module))
+                               varying=varying)
     hdp = HybridDataParallel(stage_module, group, units=unit_choices(layers), costs=costs,
                              aggregator=aggregator, reduce="sum", exclude=exclude, wire_dtype=wire_dtype,
-                             maybe_absent=run_as_written(stage_module))
+                             maybe_absent=varying)
     log.info("stage %d: gradient sync: %s", stage.index,
              ", ".join(f"{u.name}:{u.algorithm}{'/lane 1' if u.lane else ''}" for u in hdp.units))
     return hdp

@@ -11,8 +11,6 @@
 * :func:`unit_choices`: the layers as HybridDataParallel's explicit units (run as given).
 * :func:`sync_report`: per layer (the plan's names), the algorithm the all-reduce actually ran,
   as the HybridDataParallel object recorded it, next to the plan's (``summary.json``).
-* :func:`run_as_written`: the parameters of the modules a stage runs as written (leaves), which
-  a replica's micro-batches may leave without a gradient (experts no token chose).
 
 Pure functions but for reading the module's parameters and the HybridDataParallel's record.
 """
@@ -21,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
-from torch import fx, nn
+from torch import nn
 
 from hybridpipe.comm.hybrid_dp import HybridDataParallel, UnitChoice, model_layers
 from hybridpipe.partitioner.cost.costmodel import CostModel
@@ -110,20 +108,3 @@ def sync_report(sync: object, stage: Stage) -> list[dict] | None:
         out.append({"layer": name, "algorithm": "+".join(algorithms) or None, "planned": planned})
     return out
 
-
-def run_as_written(module: nn.Module) -> list[nn.Parameter]:
-    """The parameters (requiring grad) of the user's modules that ``module``'s graph calls whole
-    (``call_module`` on a class of neither torch's nor hybridpipe's: a ``--leaf``), whose own
-    forward decides which of them it uses: a mixture of experts' loop over the experts its
-    tokens chose gives the others no gradient. Empty for a module that is not a graph."""
-    if not isinstance(module, fx.GraphModule):
-        return []
-    out: dict[int, nn.Parameter] = {}
-    for node in module.graph.nodes:
-        if node.op != "call_module":
-            continue
-        called = module.get_submodule(str(node.target))
-        if type(called).__module__.split(".")[0] in ("torch", "hybridpipe"):
-            continue
-        out.update({id(p): p for p in called.parameters() if p.requires_grad})
-    return list(out.values())

@@ -20,7 +20,7 @@ from typing import Protocol
 import torch
 
 from hybridpipe.errors import UserError
-from hybridpipe.runtime.checkpoint_files import load_data
+from hybridpipe.runtime.checkpoint_files import MANIFEST, load_data, step_dirs
 
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -125,6 +125,11 @@ def open_weights(path: str | os.PathLike) -> Weights:
             return SafetensorsWeights(_index(p), str(p))
         if (p / SAFETENSORS).is_file():
             return SafetensorsWeights({"*": p / SAFETENSORS}, str(p))
+        if (p / MANIFEST).is_file() or step_dirs(p):
+            raise UserError(f"{p} is a hybridpipe checkpoint directory, which --init-from does not read: continue "
+                            f"that run with --resume --checkpoint-dir, or start a new one from it with "
+                            f"`hybridpipe merge-checkpoint {p} --with-optimizer -o start.pt` (weights and optimizer "
+                            "state; without --with-optimizer the weights) and --init-from start.pt")
         raise UserError(f"{p} holds no {SAFETENSORS} or {SAFETENSORS_INDEX} (a directory written by save_pretrained "
                         "with safetensors, the default)")
     if p.suffix == ".safetensors":

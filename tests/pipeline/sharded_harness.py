@@ -16,6 +16,7 @@ from hybridpipe.partitioner.plan import Plan
 from hybridpipe.pipeline.chunks import rank_module
 from hybridpipe.pipeline.engine import PipelineEngine
 from hybridpipe.pipeline.inprocess import InProcessGradSync, InProcessGroup, InProcessNetwork, ReplicaGroup, run_ranks
+from hybridpipe.pipeline.opaque import run_as_written
 from hybridpipe.pipeline.plancheck import build_stages
 from hybridpipe.pipeline.schedules import Topology
 from hybridpipe.pipeline.tied import TiedSync, stage_tied_params, tied_ranks
@@ -71,7 +72,7 @@ def train_sharded(plan: Plan, steps: int, make: Callable[[list], Any], *, algori
                                                  layer_units(st.module, tied.params, algorithm), s.shard,
                                                  exclude=tied.params, wire_dtype=wire_dtype,
                                                  reshard_after_forward=s.reshard_after_forward,
-                                                 overlap_gather=overlap_gather)
+                                                 overlap_gather=overlap_gather, varying=run_as_written(st.module))
             else:
                 syncs[s.index] = InProcessGradSync(st.module, plain[s.index], replica, exclude=tied.params,
                                                    wire_dtype=wire_dtype)

@@ -77,12 +77,14 @@ class _Switch(torch.nn.Module):
 
 @pytest.mark.parametrize("level", ["optimizer", "gradients", "parameters"])
 def test_a_parameter_no_replica_had_a_gradient_for_is_skipped_and_saved_as_torch_does(level):
-    """Two replicas (threads) sharding one unit of three layers, AdamW with weight decay: ``b`` gets a
-    gradient on one replica in the first step, on none in the second; ``c`` on none ever. As torch's
-    AdamW on the unsplit module over both replicas' samples: ``b`` and ``c`` untouched where no
-    replica had a gradient (no decay), ``b``'s step count 1, ``c`` without state; the gathered
-    state_dict has torch's entries and step counts. Before, the unit's zeros stepped them: ``c``
-    decayed and saved with step 2, ``b`` saved with step 2."""
+    """Two replicas (threads) sharding three layers (a sync unit each; an eager module: any of them may
+    get no gradient), AdamW with weight decay: ``b`` gets a gradient on one replica in the first step,
+    on none in the second; ``c`` on none ever. As torch's AdamW on the unsplit module over both
+    replicas' samples: ``b`` and ``c`` untouched where no replica had a gradient (no decay), ``b``'s
+    step count 1, ``c`` without state; the gathered state_dict has torch's entries and step counts.
+    Before: ``b``'s unit was reduce-scattered by the replica that used it only (the other never
+    answered: a timeout); with ``a``, ``b``, ``c`` in one unit, its zeros stepped them (``c`` decayed
+    and saved with step 2, ``b`` saved with step 2)."""
     from hybridpipe.comm.hybrid_dp import UnitChoice
     from hybridpipe.comm.sharded import ShardedReplicas, whole_weights
     from hybridpipe.pipeline.inprocess import InProcessGroup, run_ranks
@@ -102,13 +104,13 @@ def test_a_parameter_no_replica_had_a_gradient_for_is_skipped_and_saved_as_torch
         opt.step()
     names = {id(p): n for n, p in plain.named_parameters()}
     want = {names[id(p)]: st for p, st in opt.state.items()}
-    group = InProcessGroup(2)
+    group = InProcessGroup(2, timeout=10)
 
     def rank(r: int):
         module = _Switch()
         module.load_state_dict(start)
-        unit = UnitChoice(tuple(n for n, _ in module.named_parameters()), "ring", 0, "switch")
-        shard = ShardedReplicas(module, group.transport(r), [unit], level)
+        units = [UnitChoice((f"{m}.weight", f"{m}.bias"), "ring", 0, m) for m in "abc"]
+        shard = ShardedReplicas(module, group.transport(r), units, level)
         sharded = ShardedOptimizer(module.parameters(), make)
         sharded.bind([shard])
 
@@ -136,3 +138,23 @@ def test_a_parameter_no_replica_had_a_gradient_for_is_skipped_and_saved_as_torch
             assert float(got[n]["step"]) == float(st["step"]), n
             for key in ("exp_avg", "exp_avg_sq"):
                 assert float((got[n][key] - st[key]).abs().max()) <= 1e-6, (n, key)
+
+
+def test_only_modules_a_graph_calls_as_they_are_may_leave_a_parameter_without_gradient():
+    """run_as_written: what the replicas sync once a step and agree on: the parameters of a graph's
+    leaf modules (eager code inside), none of a graph's own operations (nor of torch's modules it calls)."""
+    from torch import fx
+
+    from hybridpipe.pipeline.opaque import run_as_written
+
+    class OneLeaf(fx.Tracer):
+        def is_leaf_module(self, m: torch.nn.Module, name: str) -> bool:
+            return name == "1"
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), _Switch(), torch.nn.Linear(3, 3))
+    model[1].forward = lambda x: model[1].a(x)          # a one-argument forward to trace
+    graph = fx.GraphModule(model, OneLeaf().trace(model))
+    assert [id(p) for p in run_as_written(graph)] == [id(p) for p in graph.get_submodule("1").parameters()]
+    assert run_as_written(model) == []                        # not a graph: nothing known
+    traced = fx.GraphModule(model, type("All", (fx.Tracer,), {"is_leaf_module": lambda *_: False})().trace(model))
+    assert run_as_written(traced) == []

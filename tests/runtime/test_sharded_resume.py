@@ -10,9 +10,10 @@ state by parameter name: which parameters have one, step counts, moments):
 * ``merge-checkpoint --format hf`` of a ZeRO-1/2/3 run of a tiny GPT-2 or Llama loads with
   ``from_pretrained`` as the plain loop's model, and ``--init-from`` that directory continues as the plain loop;
 * a mixture of experts whose unchosen experts get no gradient trains, saves and resumes sharded as
-  torch's AdamW does (skipped, their own step counts).
+  torch's AdamW does (skipped, their own step counts);
+* ``--init-from`` a checkpoint directory is refused in one line naming the merge-checkpoint to run.
 
-All are multi-process (make test-slow).
+All but the last are multi-process (make test-slow).
 """
 
 from __future__ import annotations
@@ -122,6 +123,29 @@ def check_state(ckpt: Path, step: int, weights: dict[str, torch.Tensor], state: 
             assert float((saved[name][key] - st[key]).abs().max()) <= TOL, (name, key)
 
 
+
+def test_init_from_a_checkpoint_directory_is_refused_in_one_line_naming_the_merge(tmp_path, capsys):
+    """``--init-from`` reads a state_dict or merged file, a .safetensors file or a save_pretrained
+    directory, not a run's checkpoint directory (nor one of its step-N): one line saying so and what
+    to run; running it gives the file --init-from takes (before: "holds no model.safetensors")."""
+    from hybridpipe.errors import UserError
+    from hybridpipe.runtime.lazy import load_initial
+    from tests.runtime.hf_checkpoints import perturbed, write_checkpoint
+
+    model = perturbed(resolve_model(MODEL).build())
+    step = write_checkpoint(tmp_path / "ckpt", MODEL, model, step=3)
+    for given in (tmp_path / "ckpt", step):
+        with pytest.raises(UserError) as e:
+            load_initial(given, resolve_model(MODEL).build())
+        assert "\n" not in str(e.value) and "is a hybridpipe checkpoint directory" in str(e.value), e.value
+        assert f"`hybridpipe merge-checkpoint {given} --with-optimizer -o start.pt`" in str(e.value)
+    assert main(["merge-checkpoint", str(tmp_path / "ckpt"), "--with-optimizer", "-o", str(tmp_path / "start.pt")]) == 0
+    weights, optimizer = load_initial(tmp_path / "start.pt", resolve_model(MODEL).build())
+    assert optimizer is not None
+    assert all(torch.equal(weights.get(k), v) for k, v in model.state_dict().items())
+    capsys.readouterr()
+
+
 def zero2() -> Plan:
     """2 stages x 2 replicas, both at ZeRO-2."""
     return sharded(make_plan(MODEL, [4], [2, 2], micro_batches=M, batch_size=B), "gradients", "gradients")
@@ -224,23 +248,74 @@ def test_hf_export_of_a_sharded_run_loads_as_the_plain_loop_and_starts_a_sharded
     check_state(tmp_path / "fresh", MORE, *plain_loop(MORE, {"model": exported}, **shape), noise=noise)
 
 
-MOE = "tests.runtime.resume_models:moe[leaf=Experts]"      # eager experts: only those chosen run
-MOE_SIZE = (FIRST + MORE) * 4 * 2
+
+@pytest.mark.slow
+def test_an_hf_export_of_a_sharded_run_read_a_stage_at_a_time_by_a_zero3_run(tmp_path):
+    """The ``--format hf`` directory of a ZeRO-2 GPT-2 run named as the model (``hf:DIR``: each rank
+    reads only its stage's tensors, after which ZeRO-3 keeps its pieces) trains MORE steps as the
+    plain loop does from ``from_pretrained``'s model of that directory."""
+    pytest.importorskip("transformers")
+    from tests.pipeline.hf_models import BY_NAME
+
+    case = BY_NAME["gpt2"]
+    first = sharded(make_plan(case.spec, case.two, [2, 2], micro_batches=HF_M, batch_size=HF_B), "gradients",
+                    "gradients")
+    run(tmp_path, first, "first", tmp_path / "ckpt", "--steps", str(HF_STEPS), size=HF_SIZE, timeout=240)
+    assert main(["merge-checkpoint", str(tmp_path / "ckpt"), "--format", "hf", "-o", str(tmp_path / "hf")]) == 0
+    spec = f"hf:{tmp_path / 'hf'}[seq=8]"
+    second = sharded(make_plan(spec, case.two, [2, 2], micro_batches=HF_M, batch_size=HF_B), "parameters",
+                     "parameters")
+    said = run(tmp_path, second, "second", tmp_path / "fresh", "--steps", str(MORE), size=HF_SIZE, timeout=240)
+    assert "loads the whole of" not in said, said                   # read a stage at a time
+    shape = {"model_spec": spec, "micro_batches": HF_M, "batch_size": HF_B, "size": HF_SIZE}
+    check_state(tmp_path / "fresh", MORE, *plain_loop(MORE, **shape), noise=without_key_bias)
+
+
+
+@pytest.mark.slow
+def test_gpt2_with_its_tie_cut_apart_resumed_from_zero1_at_zero3_equals_the_plain_loop(tmp_path):
+    """GPT-2 (the embedding tied to the head, each in another stage: kept whole, summed across stages)
+    on 2 x 2 ranks at ZeRO-1 for FIRST + MORE steps, the last checkpoint removed and the run resumed from
+    FIRST at ZeRO-3: weights and AdamW state (the tied weight's once) as the plain loop's."""
+    pytest.importorskip("transformers")
+    from tests.pipeline.hf_models import BY_NAME
+
+    case = BY_NAME["gpt2"]
+    plan = make_plan(case.spec, case.two, [2, 2], micro_batches=HF_M, batch_size=HF_B)
+    size = (FIRST + MORE) * HF_M * HF_B
+    ckpt = tmp_path / "ckpt"
+    run(tmp_path, sharded(plan, "optimizer", "optimizer"), "first", ckpt, "--steps", str(FIRST + MORE),
+        "--checkpoint-every", str(FIRST), size=size, timeout=240)
+    reference = plain_loop(FIRST + MORE, model_spec=case.spec, micro_batches=HF_M, batch_size=HF_B, size=size)
+    check_state(ckpt, FIRST + MORE, *reference, noise=without_key_bias)
+    shutil.rmtree(step_dir(ckpt, FIRST + MORE))
+    run(tmp_path, sharded(plan, "parameters", "parameters"), "second", ckpt, "--steps", str(FIRST + MORE),
+        "--resume", size=size, timeout=240)
+    check_state(ckpt, FIRST + MORE, *reference, noise=without_key_bias)
+
+
+MOE = "tests.runtime.resume_models:moe[leaf=Experts,width=64,experts=32]"      # eager: only chosen experts run
+MOE_M, MOE_B = 4, 8
+MOE_SIZE = (FIRST + MORE) * MOE_M * MOE_B
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("first,then", [("gradients", "optimizer"), ("optimizer", "gradients")])
 def test_experts_no_token_chose_are_left_alone_saved_and_resumed_as_torch_does(tmp_path, first, then):
     """A mixture of experts written the eager way (an expert no token chose gets no gradient: torch's
-    AdamW skips it, its step count stays, no weight decay) on 2 x 2 ranks sharded at ``first`` for
-    FIRST + MORE steps, resumed from FIRST at ``then``: weights, which parameters have AdamW state and
-    each one's step count and moments as the plain loop's. Before, the sharded optimizer stepped such
-    an expert on a zero gradient (decayed, its moments shrunk: 1.2e-2 from the plain loop after 3
-    steps) and the checkpoint gave every parameter of a sync unit the same step count (3 where torch
-    had 1) and a state to experts never chosen. (ZeRO-3 is left out: on this model its replicas'
-    collectives fall out of step and the job stops after --timeout, before and after the fix.)"""
-    shape = {"model_spec": MOE, "micro_batches": 4, "batch_size": 2, "size": MOE_SIZE}
-    plan = make_plan(MOE, [1], [2, 2], micro_batches=4, batch_size=2)
+    AdamW skips it, its step count stays, no weight decay; 32 experts, each expert's layers a sync
+    unit of their own) on 2 x 2 ranks sharded at ``first`` for FIRST + MORE steps, resumed from FIRST
+    at ``then``: weights, which parameters have AdamW state and each one's step count and moments as
+    the plain loop's. Before: the replicas' reduce-scatters fell out of step (an expert's unit sent by
+    the replica that used it only: gloo's "Received data size doesn't match", a rank aborted); on
+    units that held a used parameter too (16 experts of width 16), the sharded optimizer stepped an
+    unchosen expert on a zero gradient (decayed, moments shrunk: 8e-3 from the plain loop after 3
+    steps) and the checkpoint gave every parameter of a unit the same step count (3 where torch had
+    1) and a state to experts never chosen. (ZeRO-3 is left out: its backward regathers a unit when
+    it unpacks a saved weight, so the replicas' gathers fall out of step on this model and the job
+    stops after --timeout, before and after these fixes.)"""
+    shape = {"model_spec": MOE, "micro_batches": MOE_M, "batch_size": MOE_B, "size": MOE_SIZE}
+    plan = make_plan(MOE, [1], [2, 2], micro_batches=MOE_M, batch_size=MOE_B)
     ckpt = tmp_path / "ckpt"
     run(tmp_path, sharded(plan, first, first), "first", ckpt, "--steps", str(FIRST + MORE), "--checkpoint-every",
         str(FIRST), size=MOE_SIZE)

@@ -26,13 +26,6 @@ the module's weights are then whole only inside :func:`whole_weights`); ZeRO-3 f
 full weights (the next use gathers them). :func:`whole_weights` makes them whole for a checkpoint. Gradients are
 *summed* (the engine's Step scales them) and, with ``wire_dtype``, travel in that dtype.
 Parameters outside the units (``exclude``: tied weights, summed by the TiedSync) are not sharded.
-
-A unit holding a parameter of ``maybe_absent`` (a module run as written, whose micro-batches may
-give it no gradient on one replica and one on another) is reduce-scattered once a step, in
-:meth:`finish`, in unit order on every replica, a missing gradient as zeros (its full gradients
-are held through the step, as ZeRO-1 holds them): started from the backward's hooks, replicas
-would start it at different points and pair it with another unit's collective. An owned piece
-of a parameter no replica gave a gradient has none (:meth:`agree_present`).
 """
 
 from __future__ import annotations
@@ -73,7 +66,6 @@ class UnitShard:
     pieces: list[Piece]
     grads: list[torch.Tensor | None] = field(default_factory=list)   # ZeRO-2: the owned gradient per piece
     ready: set[int] = field(default_factory=set)                     # params whose grad came this backward
-    dynamic: bool = False               # holds a parameter that may lack a gradient on some replicas
 
 
 def _pieces(params: Sequence[nn.Parameter], lo: int, hi: int) -> list[Piece]:
@@ -94,7 +86,7 @@ class ShardedReplicas:
                  exclude: Collection[nn.Parameter] = (), wire_dtype: torch.dtype | None = None,
                  hosts: Sequence[Sequence[int]] | None = None, torus_shape: tuple[int, int] | None = None,
                  lane: int = 1, reshard_after_forward: bool = True, overlap_gather: bool = False,
-                 maybe_absent: Collection[nn.Parameter] = ()):
+                 varying: Collection[nn.Parameter] | None = None):
         if level not in LEVELS:
             raise ValueError(f"shard level {level!r} is not one this runtime runs; choose {', '.join(LEVELS)}")
         self.module, self.level, self.wire_dtype = module, level, wire_dtype
@@ -106,10 +98,6 @@ class ShardedReplicas:
                                                     units=hosts, shape=torus_shape),
                                 _pieces(u.params, *h.owned[self.position]))
                       for u in units_from_choices(model_layers(module, exclude), units)]
-        absent = {id(p) for p in maybe_absent}
-        for shard in self.units:
-            shard.dynamic = any(id(p) in absent for p in shard.unit.params)
-        self._backward_seen = False       # a gradient arrived since the dynamic units last ran
         self._shard_of = {id(p): s for s in self.units for p in s.unit.params}
         self._pending: list[Handle] = []
         self._syncing = True
@@ -130,6 +118,12 @@ class ShardedReplicas:
                                                              for s in self.units], self._runner, self._lane)
             if overlap_gather else None)
         self._got: set[int] = set()       # ids of the parameters that had a gradient at a launch this step
+        # units holding a parameter whose gradient may come on some replicas or steps only (a leaf
+        # module's): agree_present asks the other replicas, and they are reduce-scattered once, at finish
+        varied = {id(p) for p in (self.sharded if varying is None else varying)}
+        self._deferred = {id(u) for u in self.units if any(id(p) in varied for p in u.unit.params)}
+        self._varying = bool(self._deferred)
+        self._deferred_sent = False
         self._present: set[int] | None = None   # ... on any replica (agree_present); None: not agreed yet
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready)
                        for s in self.units for p in s.unit.params]
@@ -165,15 +159,17 @@ class ShardedReplicas:
         return [g if id(pc.param) in present else None for pc, g in zip(self.pieces(), grads, strict=True)]
 
     def agree_present(self) -> None:
-        """Agree with the other replicas which sharded parameters got a gradient this step (collective,
-        after :meth:`finish`: one sum of a flag per parameter). A unit is reduce-scattered whole, a
-        parameter without a gradient counted as zeros; one that no replica computed a gradient for
-        (an expert no token chose) then gets None from :meth:`owned_grads`, so the optimizer leaves
-        it alone as torch's leave a parameter whose ``.grad`` is None (no weight decay, no momentum,
-        its step count kept)."""
+        """Agree with the other replicas which sharded parameters got a gradient this step (after
+        :meth:`finish`). A unit is reduce-scattered whole, a parameter without a gradient counted as
+        zeros; one that no replica computed a gradient for (an expert no token chose) then gets None
+        from :meth:`owned_grads`, so the optimizer leaves it alone as torch's leave a parameter whose
+        ``.grad`` is None (no weight decay, no momentum, its step count kept). Collective (one sum of
+        a flag per parameter) where the constructor's ``varying`` parameters are sharded here (run by
+        modules a graph calls as they are, or ``varying=None``: any); elsewhere every replica computes
+        the same parameters' gradients and its own record is the answer."""
         params = self.sharded
-        if not params:
-            self._present = set()
+        if not self._varying:
+            self._present = set(self._got)
             return
         flags = torch.zeros(max(len(params), self.size), device=params[0].device)
         flags[:len(params)] = torch.tensor([float(id(p) in self._got) for p in params])
@@ -185,6 +181,7 @@ class ShardedReplicas:
         self._fresh = self._fresh_transient = True
         self._got.clear()
         self._present = None
+        self._deferred_sent = False
         for s in self.units:
             s.grads = []
             for p in s.unit.params:
@@ -193,15 +190,18 @@ class ShardedReplicas:
     def full_grad_bytes(self) -> int:
         """Bytes of gradients this position holds at the step's peak: all (ZeRO-1), or its owned
         ranges plus the full gradients that were in flight at once (ZeRO-2: measured over the last
-        step; at least the largest unit, which the backward holds whole before its reduce-scatter)."""
+        step; at least the largest unit, which the backward holds whole before its reduce-scatter),
+        plus the deferred units' (a leaf module's: held whole over the step)."""
         def nbytes(ps: Sequence[nn.Parameter]) -> int:
             return sum(p.numel() * p.element_size() for p in ps)
         if self.level == "optimizer":
             return nbytes(self.sharded)
         owned = sum((pc.hi - pc.lo) * pc.param.element_size() for pc in self.pieces())
+        held = sum(nbytes(s.unit.params) for s in self.units if id(s) in self._deferred)
         if self.weights is not None:         # ZeRO-3: the full weights gathered and gradients in flight at once
-            return owned + self.peak_transient
-        return owned + max([self.peak_inflight] + [nbytes(s.unit.params) for s in self.units])
+            return owned + self.peak_transient + held
+        return owned + held + max([self.peak_inflight] + [nbytes(s.unit.params) for s in self.units
+                                                          if id(s) not in self._deferred])
 
     def _count_gathered(self, delta: int) -> None:
         with self._lock:
@@ -215,8 +215,7 @@ class ShardedReplicas:
         if not self._syncing and self.level == "optimizer":
             return
         shard = self._shard_of[id(param)]
-        if shard.dynamic:                     # reduce-scattered in finish(), in order on every replica
-            self._backward_seen = self._backward_seen or self._syncing
+        if id(shard) in self._deferred:       # reduce-scattered at finish: the same count on every replica
             return
         if id(param) in shard.ready:          # a second backward before the unit completed: send the first
             self._launch(shard)
@@ -280,11 +279,23 @@ class ShardedReplicas:
             self._syncing = before
 
     def finish(self) -> None:
-        """Start the units a backward left partly complete and (after a backward) the units whose
-        parameters may lack a gradient, then wait for every reduce-scatter."""
-        dynamic, self._backward_seen = self._backward_seen, False
+        """The step's gradients are complete (its last backward ran): start the units a backward left
+        partly complete and, once a step, the deferred units (a leaf module's: every replica
+        reduce-scatters each of them once, whatever its micro-batches used), then wait for every
+        reduce-scatter. A unit reduce-scattered as the backward completes it could be sent a different
+        number of times, or in another order, on a replica whose micro-batches gave some of its
+        parameters no gradient (an expert no token chose): the replicas' collectives fell out of step."""
+        if not self._deferred_sent:
+            for s in self.units:
+                if id(s) in self._deferred:
+                    self._launch(s)
+            self._deferred_sent = bool(self._deferred)
+        self._settle()
+
+    def _settle(self) -> None:
+        """Start the units a backward left partly complete, then wait for every reduce-scatter."""
         for s in self.units:
-            if (s.dynamic and dynamic) or (s.ready and not s.dynamic):
+            if s.ready:
                 self._launch(s)
         pending, self._pending = self._pending, []
         for h in pending:
@@ -313,7 +324,7 @@ class ShardedReplicas:
 
     def sum_replicas(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` across the replicas (batch statistics): a reduce-scatter and an all-gather."""
-        self.finish()
+        self._settle()
         halves = plan_halves("ring", self.size, tensor.numel())
         flat = tensor.view(-1)
 
@@ -325,7 +336,7 @@ class ShardedReplicas:
     def close(self) -> None:
         """Wait for what is in flight, remove the hooks, stop the lane; ZeRO-3: the full weights are
         gathered first (collective) and stay, so the module holds the trained weights afterwards."""
-        self.finish()
+        self._settle()
         if self.weights is not None:
             for i in range(len(self.units)):
                 self.weights.need(i)
