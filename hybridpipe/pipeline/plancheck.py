@@ -30,7 +30,6 @@ from hybridpipe.errors import UserError
 from hybridpipe.partitioner.plan import Plan, Stage
 from hybridpipe.partitioner.tied import shared_across
 from hybridpipe.pipeline.buffer_writes import check_plan_writes
-from hybridpipe.pipeline.opaque import run_as_written
 from hybridpipe.pipeline.stage import LossFn, PipelineStage, captured_signature
 from hybridpipe.profiles.capture import CapturedModel, tied_parameters
 from hybridpipe.profiles.cut import StageBoundary, check_cuts, stage_boundaries, stage_graph_module
@@ -80,10 +79,6 @@ def check_plan(captured: CapturedModel, plan: Plan) -> CheckedPlan:
         if stage.replicas > 1 and stage.layers:
             tied = [captured.module.get_parameter(t.param) for t in plan.tied if stage.index in t.stages]
             check_sync_layers(stage, checked._module(stage.index), tied)
-        if stage.replicas > 1 and stage.shard == "parameters" and run_as_written(checked._module(stage.index)):
-            raise UserError(f"stage {stage.index} shards its parameters (ZeRO-3) but runs modules as written "
-                            "(--leaf), whose weights its replicas would regather in different orders; re-partition "
-                            "with --shard gradients (or optimizer, none)")
     return checked
 
 

@@ -52,7 +52,8 @@ class Gate(nn.Module):
             k = w.order.index(unit)
             if k + 1 < len(w.order):
                 w.gather(w.order[k + 1])
-        elif (self.reshard or not torch.is_grad_enabled()) and torch._C._current_graph_task_id() == -1:
+        elif (self.reshard or not torch.is_grad_enabled()) and torch._C._current_graph_task_id() == -1 \
+                and unit not in getattr(w, "pinned", ()):
             w.free(unit)
 
     def needed_in_backward(self, unit: int) -> None:
@@ -60,8 +61,8 @@ class Gate(nn.Module):
         uses after it are done (the backward runs the other way; one needed again is regathered):
         free them, prefetch the unit before it, and free what is left when the backward ends."""
         w = self.weights
-        if not self.reshard:
-            w.need(unit)
+        if not self.reshard or unit in getattr(w, "pinned", ()):
+            w.need(unit)        # a pinned unit (a leaf module's) is still gathered: nothing to free or prefetch
             return
         k = w.order.index(unit)
         for later in w.order[k + 1:]:

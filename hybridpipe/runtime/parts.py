@@ -201,7 +201,7 @@ def make_sync(plan: Plan, stage_module: nn.Module, stage: Stage, group: dist.Pro
                              + [f"--calibration {p}" for p in calibrations])
             print(describe_override(stage.index, flags, planned, layers), flush=True)
     costs = GroupCosts(model, stage.ranks)
-    varying = run_as_written(stage_module)        # ZeRO-3 of such a stage: refused by check_plan
+    varying = run_as_written(stage_module)
     if stage.shard != "none":                 # ZeRO-1/2/3: the same units, reduce-scattered (comm/sharded)
         log.info("stage %d: replicas shard %s", stage.index, stage.shard)
         return ShardedReplicas(stage_module, GroupTransport(group), unit_choices(layers), stage.shard, exclude=exclude,

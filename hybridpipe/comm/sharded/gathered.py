@@ -54,6 +54,7 @@ class UnitWeights:
         self._handles: dict[int, Handle] = {}
         self._unit_of = {p.untyped_storage()._cdata: i for i, ps in enumerate(self.params) for p in ps}
         self.order = list(range(len(self.params)))     # units in the order the forward uses them
+        self.pinned: set[int] = set()       # units kept gathered from a forward to the backward's end (a leaf module's)
         for i in range(len(self.params)):
             self.free(i)
         self.on_bytes = on_bytes

@@ -123,6 +123,8 @@ class ShardedReplicas:
         varied = {id(p) for p in (self.sharded if varying is None else varying)}
         self._deferred = {id(u) for u in self.units if any(id(p) in varied for p in u.unit.params)}
         self._varying = bool(self._deferred)
+        if self.weights is not None:    # ZeRO-3: which of them a backward regathers would vary too
+            self.weights.pinned = {i for i, u in enumerate(self.units) if id(u) in self._deferred}
         self._deferred_sent = False
         self._present: set[int] | None = None   # ... on any replica (agree_present); None: not agreed yet
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready)
