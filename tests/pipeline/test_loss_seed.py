@@ -31,7 +31,9 @@ def test_the_seed_is_the_factor_only_where_it_is_exact():
     assert loss_seed(6, flushed, **plain) is None                    # 1/6 is rounded: the Step scales
     assert loss_seed(8, pipedream, **plain) is None                  # a step per micro-batch, 1/r per stage
     assert loss_seed(8, flushed, **{**plain, "tokens": True}) is None        # 1/tokens, known at the Step
-    assert loss_seed(8, flushed, **{**plain, "loss_scale": True}) is None    # fp16's overflow check
+    assert loss_seed(8, flushed, **{**plain, "loss_scale": True}) == 0.125   # GradScaler's scale(loss / M)
+    assert loss_seed(6, flushed, **{**plain, "loss_scale": True, "autocast": torch.float16}) == 1 / 6
+    assert loss_seed(8, pipedream, **{**plain, "loss_scale": True}) is None
     assert loss_seed(8, flushed, **{**plain, "autocast": torch.float16}) is None
 
 
