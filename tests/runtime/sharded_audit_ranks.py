@@ -26,6 +26,9 @@ def sgd(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM, weight_decay=WD)
 
 
+OPTIMIZERS = {"adamw": adamw, "sgd": sgd}
+
+
 def _batch(trainer: Trainer, data: Any, k: int) -> tuple[Any, Any]:
     x, y = data.global_batch(k)
     return (x if trainer.stage_plan.index == 0 else None), (y if trainer.is_last else None)
@@ -36,12 +39,13 @@ def in_turn(rank: int, world: int, calls: list) -> list:
     return [globals()[name](rank, world, *args) for name, args in calls]
 
 
-def fp16_forced(rank: int, world: int, plan_path: str, out: str, init_scale: float,
+def fp16_forced(rank: int, world: int, plan_path: str, out: str, optimizer: str, init_scale: float,
                 force_after: int, forced: float) -> dict:
-    """STEPS fp16 steps of AdamW from loss scale ``init_scale``; after step ``force_after`` the scale
-    is set to ``forced`` (every rank): each step's loss and the scale after it, the skipped count."""
+    """STEPS fp16 steps of ``optimizer`` (adamw or sgd) from loss scale ``init_scale``; after step
+    ``force_after`` the scale is set to ``forced`` (every rank): each step's loss and the scale
+    after it, the skipped count."""
     plan = load_plan(plan_path)
-    trainer = Trainer(plan.model, plan, optimizer=adamw, seed=SEED, timeout=60, precision="fp16",
+    trainer = Trainer(plan.model, plan, optimizer=OPTIMIZERS[optimizer], seed=SEED, timeout=60, precision="fp16",
                       loss_scale=init_scale)
     assert trainer.scaler is not None
     data = data_for(plan, STEPS, SEED)
