@@ -109,6 +109,16 @@ def test_fp16_overflow_on_sharded_stages_is_skipped_as_grad_scaler_skips_it(tmp_
     assert diff <= 1e-5
 
 
+def accumulate(spec, model: torch.nn.Module, data, k: int) -> float:
+    """Step ``k``'s gradients: each micro-batch's mean loss / M backpropagated; their sum."""
+    total = 0.0
+    for m in range(M):
+        loss = model_loss(spec, model, *data.batch(k, m)) / M
+        loss.backward()
+        total += float(loss.detach())
+    return total
+
+
 def clipped_loop(plan: Plan, clip: float) -> tuple[dict, list, list]:
     """The unsplit model, each micro-batch's mean loss / M accumulated, clipped to ``clip`` by
     torch's clip_grad_norm_ over its parameters (a tied weight is one parameter): (state_dict,
@@ -118,11 +128,7 @@ def clipped_loop(plan: Plan, clip: float) -> tuple[dict, list, list]:
     losses, norms = [], []
     for k in range(STEPS):
         opt.zero_grad()
-        total = 0.0
-        for m in range(M):
-            loss = model_loss(spec, model, *data.batch(k, m)) / M
-            loss.backward()
-            total += float(loss.detach())
+        total = accumulate(spec, model, data, k)
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
         opt.step()
         losses.append(total)
@@ -182,11 +188,7 @@ def evaluated_loop(plan: Plan) -> tuple[dict, list, list]:
         if k % EVERY == 0:
             evals.append(evaluate(k // EVERY))
         opt.zero_grad()
-        total = 0.0
-        for m in range(M):
-            loss = model_loss(spec, model, *data.batch(k, m)) / M
-            loss.backward()
-            total += float(loss.detach())
+        total = accumulate(spec, model, data, k)
         opt.step()
         losses.append(total)
     evals.append(evaluate(STEPS // EVERY))
