@@ -12,12 +12,21 @@ from hybridpipe import Trainer
 from hybridpipe.partitioner.plan import load_plan
 from tests.runtime.jobs import data_for
 
-SEED, STEPS, LR, WD, EVAL_SEED = 3, 6, 1e-2, 0.1, 11
+SEED, STEPS, LR, WD, EVAL_SEED, MOMENTUM = 3, 6, 1e-2, 0.1, 11, 0.9
 
 
 def adamw(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
     """The audit's optimizer: AdamW (its step count and moments must not move on a skipped step)."""
     return torch.optim.AdamW(params, lr=LR, weight_decay=WD)
+
+
+def sgd(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """SGD with momentum: no per-element normalization (AdamW's first steps move every element by
+    about lr whatever its gradient, so a gradient that is rounding noise moves by its sign)."""
+    return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM, weight_decay=WD)
+
+
+OPTIMIZERS = {"adamw": adamw, "sgd": sgd}
 
 
 def _batch(trainer: Trainer, data: Any, k: int) -> tuple[Any, Any]:
@@ -30,12 +39,13 @@ def in_turn(rank: int, world: int, calls: list) -> list:
     return [globals()[name](rank, world, *args) for name, args in calls]
 
 
-def fp16_forced(rank: int, world: int, plan_path: str, out: str, init_scale: float,
+def fp16_forced(rank: int, world: int, plan_path: str, out: str, optimizer: str, init_scale: float,
                 force_after: int, forced: float) -> dict:
-    """STEPS fp16 steps of AdamW from loss scale ``init_scale``; after step ``force_after`` the scale
-    is set to ``forced`` (every rank): each step's loss and the scale after it, the skipped count."""
+    """STEPS fp16 steps of ``optimizer`` (adamw or sgd) from loss scale ``init_scale``; after step
+    ``force_after`` the scale is set to ``forced`` (every rank): each step's loss and the scale
+    after it, the skipped count."""
     plan = load_plan(plan_path)
-    trainer = Trainer(plan.model, plan, optimizer=adamw, seed=SEED, timeout=60, precision="fp16",
+    trainer = Trainer(plan.model, plan, optimizer=OPTIMIZERS[optimizer], seed=SEED, timeout=60, precision="fp16",
                       loss_scale=init_scale)
     assert trainer.scaler is not None
     data = data_for(plan, STEPS, SEED)
@@ -65,10 +75,10 @@ def clipped(rank: int, world: int, plan_path: str, out: str, clip: float) -> dic
 
 
 def evaluated(rank: int, world: int, plan_path: str, out: str, every: int) -> dict:
-    """STEPS steps of AdamW with an evaluation of held-out global batch e after every ``every``
+    """STEPS steps of SGD with momentum with an evaluation of held-out global batch e after every ``every``
     training steps (and before the first): each step's loss, each evaluation's."""
     plan = load_plan(plan_path)
-    trainer = Trainer(plan.model, plan, optimizer=adamw, seed=SEED, timeout=60)
+    trainer = Trainer(plan.model, plan, optimizer=sgd, seed=SEED, timeout=60)
     data, held = data_for(plan, STEPS, SEED), data_for(plan, STEPS, EVAL_SEED)
     losses, evals = [], []
     for k in range(STEPS):
