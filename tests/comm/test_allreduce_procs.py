@@ -131,3 +131,34 @@ def test_full_matrix(world: int) -> None:
         mine = [c for c in cases if c[1] < 100_000] if "chunk_bytes" in options else cases
         results = spawn(check_cases, world, mine, groups, options, timeout=900)
         assert results == [[]] * world, "\n".join(f for r in results for f in r)
+
+
+def _native_list(rank: int, world: int) -> dict:
+    """A layer's tensors (mixed shapes, one non-contiguous) all-reduced natively: the sums torch's
+    all_reduce gives tensor by tensor, and how many backend calls it took."""
+    reducer = AllReducer(dist.new_group())
+    shapes = [(64, 32), (32,), (7, 3, 5), (1,), (128,)]
+    mine = [torch.randint(-99, 99, s, generator=torch.Generator().manual_seed(10 * rank + i)).float()
+            for i, s in enumerate(shapes)]                 # whole numbers: sums exact in any order
+    mine[0] = mine[0].t()                                   # non-contiguous
+    want = [t.clone() for t in mine]
+    for t in want:
+        dist.all_reduce(t)
+    calls, real = [], dist.all_reduce
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+    dist.all_reduce = counted
+    try:
+        reducer(mine, "native")
+    finally:
+        dist.all_reduce = real
+    return {"equal": all(torch.equal(a, b) for a, b in zip(mine, want, strict=True)), "calls": len(calls)}
+
+
+def test_native_all_reduces_a_small_list_in_one_backend_call() -> None:
+    """Was one gloo all_reduce per tensor: a Llama layer's 9 tensors paid 9 ring latencies (40-60 ms
+    a layer inside the step on 4 emulated hosts, priced 15 ms as one call of their bytes)."""
+    for r in spawn(_native_list, 3, timeout=60):
+        assert r == {"equal": True, "calls": 1}, r

@@ -34,6 +34,7 @@ MIN_CHUNK_BYTES = 256 << 10          # adaptive chunks: at least this (per-messa
 MAX_CHUNK_BYTES = 2 << 20            # ... at most this, and about a quarter of a ring segment
 DEFAULT_INFLIGHT = 6
 ROUND_CACHE = 256                    # schedules kept per reducer (one per algorithm, variant and size)
+NATIVE_FLAT_BYTES = 8 << 20          # native: several tensors up to this many bytes go as one call
 
 
 class AllReducer:
@@ -143,8 +144,7 @@ class AllReducer:
             return algorithm
         work = [t if t.is_contiguous() else t.contiguous() for t in items]
         if algorithm == "native":
-            for t in work:
-                dist.all_reduce(t, group=self.group)
+            self._native(work, nbytes)
         elif algorithm == "aggregator" and self.aggregator_address:
             self._dedicated(work, self.aggregator_address)
         else:
@@ -153,6 +153,22 @@ class AllReducer:
             if w is not t:
                 t.copy_(w)
         return algorithm
+
+    def _native(self, tensors: list[torch.Tensor], nbytes: float) -> None:
+        """The backend's own all-reduce: several tensors up to ``NATIVE_FLAT_BYTES`` in one call on a
+        flat copy (a call per tensor paid gloo's whole ring latency per tensor: a Llama layer's 9
+        tensors, 0.9 MB, took 40-60 ms on 4 emulated hosts where one call of their bytes is priced 15),
+        larger ones tensor by tensor (their bytes dominate; no copy of them)."""
+        if len(tensors) == 1 or nbytes > NATIVE_FLAT_BYTES:
+            for t in tensors:
+                dist.all_reduce(t, group=self.group)
+            return
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        dist.all_reduce(flat, group=self.group)
+        start = 0
+        for t in tensors:
+            t.copy_(flat[start:start + t.numel()].view_as(t))
+            start += t.numel()
 
     def _scheduled(self, tensors: list[torch.Tensor], algorithm: str, nbytes: float) -> None:
         staged = [t.cpu() for t in tensors] if self._needs_cpu(tensors[0]) else tensors
