@@ -52,7 +52,7 @@ class TokenCounts:
                  note: Callable[[torch.Tensor], None] | None = None, divisor: float = 1.0) -> None:
         self.total, self.count_input, self.note = total, count_input, note
         self._counts: dict[tuple[int, int], torch.Tensor] = {}     # (stage, micro-batch) -> own-loss count
-        self._sum: torch.Tensor | None = None       # this rank's part of the step's [loss sum, count, micro-batches]
+        self._sum: torch.Tensor | None = None       # this rank's part of the step's [loss sum, count]
         self.divisor = max(float(divisor), 1.0)     # D: a backward starts from loss sum / D
 
     def fresh(self) -> TokenCounts:
@@ -95,16 +95,16 @@ class TokenCounts:
         if self.note is not None:
             self.note(total)
         count = count.to(total.device)
-        part = torch.stack([total.detach().double(), count, torch.ones_like(count)])
+        part = torch.stack([total.detach().double(), count])
         self._sum = part if self._sum is None else self._sum + part
         return total / self.divisor, total, count
 
     def step_total(self) -> tuple[float, float, float]:
         """Collective: the step's (loss sum, tokens) over every rank and the factor its gradients
         take, D / tokens (0 with no token); resets this rank's part."""
-        part = self._sum if self._sum is not None else torch.zeros(3, dtype=torch.float64)
+        part = self._sum if self._sum is not None else torch.zeros(2, dtype=torch.float64)
         self._sum = None
         if self._counts:
             raise RuntimeError(f"token counts of micro-batches {sorted(self._counts)} were never used")
-        loss_sum, tokens, _ = (float(x) for x in self.total(part))
+        loss_sum, tokens = (float(x) for x in self.total(part))
         return loss_sum, tokens, self.divisor / tokens if tokens > 0 else 0.0

@@ -319,8 +319,8 @@ def seed_rank(seed: int, rank: int) -> None:
 
 def token_counts(model: Model, device: torch.device, group: dist.ProcessGroup | None, batch_size: int,
                  note: Callable[[torch.Tensor], None] | None = None, micro_batches: int = 1) -> TokenCounts:
-    """Token-weighted loss's bookkeeping (pipeline/tokens.py): the step's [loss sum, tokens,
-    micro-batches] summed over ``group`` (every rank) by one all-reduce; a Hugging Face model's
+    """Token-weighted loss's bookkeeping (pipeline/tokens.py): the step's [loss sum, tokens] summed
+    over ``group`` (every rank) by one all-reduce; a Hugging Face model's
     own-loss labels counted on the first stage; the first step's divisor from the tokens
     ``micro_batches`` micro-batches of ``batch_size`` rows of the example hold. Refuses an own-loss
     model it cannot count, or an example without labels."""

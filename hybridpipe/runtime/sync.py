@@ -107,4 +107,3 @@ def sync_report(sync: object, stage: Stage) -> list[dict] | None:
         algorithms = sorted({ran[p] for p in params if p in ran})
         out.append({"layer": name, "algorithm": "+".join(algorithms) or None, "planned": planned})
     return out
-
