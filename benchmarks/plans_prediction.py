@@ -41,6 +41,7 @@ if __package__ in (None, ""):                       # run as a script: make the 
 from hybridpipe.argtypes import float_range
 from hybridpipe.errors import UserError, one_line
 from hybridpipe.partitioner.refine.observed import RunObservation
+from hybridpipe.partitioner.refine.refinement import DEFAULT_TERMS
 
 GOAL = 0.03        # the issue's median |error|
 WORST = 0.10       # and worst
@@ -52,9 +53,9 @@ def shrink_strength(text: str) -> str | float:
 
 
 def term_list(text: str) -> tuple[str, ...]:
-    """``--terms``: comma-separated names of ``refinement.TERMS`` (empty: none)."""
+    """``--terms``: comma-separated names of ``refinement.TERMS`` (empty or ``none``: none)."""
     from hybridpipe.partitioner.refine.refinement import TERMS
-    names = tuple(t for t in text.split(",") if t)
+    names = tuple(t for t in text.split(",") if t and t != "none")
     if any(t not in TERMS for t in names):
         raise argparse.ArgumentTypeError(f"terms are {', '.join(TERMS)}; got {text!r}")
     return names
@@ -170,7 +171,8 @@ def run_dirs(work: Path, model: str, hosts: int) -> list[Path]:
 
 
 def group_refiner(profile_path: Path, cluster_path: Path, calibration_paths: Sequence[Path],
-                  node_shrink: float | None = 0.0, terms: Sequence[str] = (), step_loss: bool = True) -> Refiner:
+                  node_shrink: float | None = 0.0, terms: Sequence[str] = DEFAULT_TERMS,
+                  step_loss: bool = True) -> Refiner:
     """refine (as refine_from_runs does, with ``node_shrink``, ``terms`` and ``step_loss``: refinement.refine)
     on the group's calibrated profile and calibration; predict_run with the result."""
     from hybridpipe.partitioner.cost.calibration import load_calibration
@@ -258,13 +260,14 @@ def _main(argv: Sequence[str] | None) -> int:
                    help="pull the per-node compute factors "
                    "toward their common one (refine/shrinkage.py; cv: the strength cross-validated over the training "
                    "runs' stage layouts); default 0, refinement's own")
-    p.add_argument("--terms", type=term_list, default=(), metavar="NAME[,NAME]",
+    p.add_argument("--terms", type=term_list, default=None, metavar="NAME[,NAME]|none",
                    help="stage terms to fit beside the node factors (refinement.TERMS: replicas, accumulation; "
-                   "cost/computeterms.py); default none, refinement's own")
+                   "cost/computeterms.py); default refinement's own (both)")
     p.add_argument("--no-step-loss", dest="step_loss", action="store_false",
                    help="refine without the compute lost beside all-reduces fitted from the step times "
                    "(refinement.refine's step_loss; default: fitted, refinement's own)")
     a = p.parse_args(argv)
+    a.terms = DEFAULT_TERMS if a.terms is None else a.terms
     shrink = None if a.node_shrink == "cv" else a.node_shrink
     if len(a.work) != len(a.results) or (a.calibration and len(a.calibration) != len(a.work)):
         p.error("give one --work per --results (and one --calibration per --work, if any)")

@@ -55,6 +55,7 @@ from hybridpipe.partitioner.refine.observed import (
     steady_steps,
     without_settling,
 )
+from hybridpipe.partitioner.refine.refinement import DEFAULT_TERMS
 
 TERMS = ("compute", "sync", "optimizer", "wait")
 
@@ -191,7 +192,7 @@ def differences(measured: Sequence[dict], predicted: dict) -> dict[str, float]:
 
 
 def group_terms(work: Path, model: str, hosts: int, cluster_path: Path, calibration: Path | None = None,
-                terms: Sequence[str] = ()) -> list[dict]:
+                terms: Sequence[str] = DEFAULT_TERMS) -> list[dict]:
     """Every plan of a group with its measured and predicted terms (module docstring)."""
     from benchmarks.plans_prediction import group_plans, layout, pooled_ms, run_dirs
     from hybridpipe.commands.refining import load_run, refine_from_runs
@@ -262,8 +263,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True, help="the JSON to write")
     p.add_argument("--calibration", type=Path, action="append",
                    help="price with this calibration instead of the --work folder's (one per --work, in order)")
-    p.add_argument("--terms", type=term_list, default=(), metavar="NAME[,NAME]",
-                   help="stage terms to fit beside the node factors (as plans_prediction.py's --terms)")
+    p.add_argument("--terms", type=term_list, default=DEFAULT_TERMS, metavar="NAME[,NAME]|none",
+                   help="stage terms to fit beside the node factors (as plans_prediction.py's --terms; default both)")
     a = p.parse_args(argv)
     if len(a.work) != len(a.results) or (a.calibration and len(a.calibration) != len(a.work)):
         p.error("give one --work per --results (and one --calibration per --work, if any)")

@@ -32,6 +32,7 @@ from hybridpipe.partitioner.joint import AUTO_VIRTUAL, MAX_VIRTUAL, joint_partit
 from hybridpipe.partitioner.plan import ALGORITHMS, OPTIMIZER_HELP, OPTIMIZERS, PRECISIONS, STRATEGIES, Plan, save_plan
 from hybridpipe.partitioner.plan_options import add_micro_batches_option, add_schedule_option
 from hybridpipe.partitioner.planner import DEFAULT_TIME_BUDGET_S, Outcome, Request, partition
+from hybridpipe.partitioner.refine.refinement import DEFAULT_TERMS
 from hybridpipe.partitioner.schedule_registry import AUTO, DEFAULT_SCHEDULE, get_schedule
 from hybridpipe.partitioner.search.dp import Progress
 from hybridpipe.partitioner.search.options import RECOMPUTE
@@ -102,10 +103,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--refine", nargs="+", default=[], metavar="RUN_DIR",
                         help="correct the profile and calibration with what these runs (--run-dir of launch, "
                              "with their timelines) measured before planning; every strategy uses the corrections")
-    parser.add_argument("--refine-terms", type=refine_terms, default=(), metavar="T,T",
-                        help="with --refine: also fit these stage terms: replicas (a replicated stage's compute "
-                             "stretch per replica count), accumulation (gradient accumulation per parameter byte); "
-                             "off by default (benchmarks/RESULTS.md 4e)")
+    parser.add_argument("--refine-terms", type=refine_terms, default=None, metavar="T,T|none",
+                        help="with --refine: the stage terms fitted beside the node factors: replicas (a replicated "
+                             "stage's compute stretch per replica count), accumulation (gradient accumulation per "
+                             "parameter byte); default both, none for neither (benchmarks/RESULTS.md 4e)")
     parser.add_argument("--save-refined", type=output_dir, metavar="DIR",
                         help="with --refine: write the refined profile.json and calibration.json here (a later "
                              "partition of any model on this cluster can take the calibration)")
@@ -125,11 +126,12 @@ def run(args: argparse.Namespace) -> int:
     check_search_size(len(profile.nodes), args.workers or cluster.total_workers)
     if args.save_refined and not args.refine:
         raise UserError("--save-refined writes what --refine learnt; add --refine RUN_DIR")
-    if args.refine_terms and not args.refine:
+    if args.refine_terms is not None and not args.refine:
         raise UserError("--refine-terms says what --refine fits; add --refine RUN_DIR")
     if args.refine:
         runs = [load_run(d) for d in args.refine]
-        refined = refine_from_runs(profile, cluster, calibrations, runs, terms=args.refine_terms)
+        terms = DEFAULT_TERMS if args.refine_terms is None else args.refine_terms
+        refined = refine_from_runs(profile, cluster, calibrations, runs, terms=terms)
         print(describe(refined, profile, cluster, calibrations, runs) + "\n")
         profile, calibrations = refined.profile, list(refined.calibrations)
         if args.save_refined:

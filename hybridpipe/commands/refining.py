@@ -21,6 +21,7 @@ from hybridpipe.partitioner.cost.cluster import Cluster
 from hybridpipe.partitioner.plan import ALGORITHMS
 from hybridpipe.partitioner.refine.observed import RankEvents, RunObservation, observe_run
 from hybridpipe.partitioner.refine.refinement import (
+    DEFAULT_TERMS,
     TERMS,
     Refinement,
     predict_run,
@@ -63,7 +64,7 @@ class Refined:
 
 def refine_from_runs(profile: Profile, cluster: Cluster, calibrations: Sequence[Calibration],
                      runs: Sequence[RunObservation], algorithms: Sequence[str] = ALGORITHMS,
-                     terms: Sequence[str] = ()) -> Refined:
+                     terms: Sequence[str] = DEFAULT_TERMS) -> Refined:
     """refine (``terms``: the stage terms to fit, refinement.TERMS) and the refined profile and calibrations."""
     ref = refine(profile, cluster, calibrations, runs, algorithms, terms=terms)
     return Refined(ref, refined_profile(profile, ref), refined_calibrations(cluster, calibrations, ref))
@@ -127,11 +128,14 @@ def describe(refined: Refined, profile: Profile, cluster: Cluster, calibrations:
 
 
 def refine_terms(text: str) -> tuple[str, ...]:
-    """``--refine-terms A,B``: the stage terms refinement may fit beside the node factors (refinement.TERMS)."""
+    """``--refine-terms A,B`` (or ``none``): the stage terms refinement fits beside the node factors
+    (refinement.TERMS)."""
+    if text.strip() == "none":
+        return ()
     terms = tuple(t.strip() for t in text.split(",") if t.strip())
     unknown = [t for t in terms if t not in TERMS]
     if unknown or not terms:
         raise argparse.ArgumentTypeError(f"unknown term(s) {', '.join(unknown) or repr(text)}; choose from "
-                                         f"{', '.join(TERMS)} (comma-separated)")
+                                         f"{', '.join(TERMS)} (comma-separated), or none")
     return terms
 

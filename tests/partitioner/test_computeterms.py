@@ -129,7 +129,7 @@ def planted_runs(**truth):
 
 def test_refinement_recovers_planted_rho_and_accumulation_and_the_calibration_carries_them():
     """Runs whose replicated stages compute 1.2x (2 replicas) and 1.35x (4) what their nodes do, and whose later
-    backwards cost 0.3 ms per MB more: refine(terms=...) finds both, and the node factors without them."""
+    backwards cost 0.3 ms per MB more: refine finds both (by default), and the node factors without them."""
     truth = {"replica_factor": lambda r: {1: 1.0, 2: 1.2, 4: 1.35}[r], "accumulate_ms_per_byte": 0.3e-6}
     runs = planted_runs(**truth)
     ref = refine(PROFILE, CLUSTER, (), runs, terms=("replicas", "accumulation"))
@@ -143,8 +143,9 @@ def test_refinement_recovers_planted_rho_and_accumulation_and_the_calibration_ca
     assert cal.replica_compute == ref.replica_compute and cal.accumulate_s_per_byte == ref.accumulate_s_per_byte
     again = Calibration.from_dict(cal.to_dict())
     assert again.replica_compute == cal.replica_compute and again.accumulate_s_per_byte == cal.accumulate_s_per_byte
+    assert refine(PROFILE, CLUSTER, (), runs) == ref           # both terms are refinement's default
     # without the terms the node factors hold them, mixed: a node seen replicated and not gets neither
-    plain = refine(PROFILE, CLUSTER, (), runs)
+    plain = refine(PROFILE, CLUSTER, (), runs, terms=())
     assert plain.replica_compute == () and plain.accumulate_s_per_byte == 0.0
     assert max(abs(f / t - 1) for f, t in zip(plain.backward_factor[1:6], clean.backward_factor[1:6],
                                                strict=True)) > 0.05
@@ -196,8 +197,8 @@ def test_a_calibrations_bad_replica_points_are_one_clear_error(points):
 
 
 def test_partition_refine_terms_fits_them_from_run_folders_and_saves_them(tmp_path, capsys):
-    """``partition --refine RUN... --refine-terms replicas,accumulation --save-refined DIR``: the terms fitted
-    from the runs' own folders (their timelines) land in the refined calibration a later plan takes; an
+    """``partition --refine RUN... --save-refined DIR``: both terms (the default; ``--refine-terms none``: neither)
+    fitted from the runs' own folders (their timelines) land in the refined calibration a later plan takes; an
     unknown term, or the flag without --refine, is one line and exit 2."""
     import json
 
@@ -213,12 +214,16 @@ def test_partition_refine_terms_fits_them_from_run_folders_and_saves_them(tmp_pa
     cluster = tmp_path / "c.json"
     cluster.write_text(json.dumps(CLUSTER.to_dict()))
     base = ["partition", str(profile), "--cluster", str(cluster), "-o", str(tmp_path / "plan.json"), "-q"]
-    assert main([*base, "--refine", *map(str, dirs), "--refine-terms", "replicas,accumulation",
-                 "--save-refined", str(tmp_path / "ref")]) == 0
+    assert main([*base, "--refine", *map(str, dirs), "--save-refined", str(tmp_path / "ref")]) == 0
     cal = load_calibration(tmp_path / "ref" / "calibration.json")
     assert dict(cal.replica_compute) == pytest.approx({2: 1.2, 4: 1.35}, rel=1e-2)
     assert cal.accumulate_s_per_byte == pytest.approx(0.3e-9, rel=1e-2)
-    assert main([*base, "--refine", *map(str, dirs), "--save-refined", str(tmp_path / "plain")]) == 0
+    assert main([*base, "--refine", *map(str, dirs), "--refine-terms", "replicas",
+                 "--save-refined", str(tmp_path / "rho")]) == 0
+    rho = load_calibration(tmp_path / "rho" / "calibration.json")
+    assert rho.replica_compute and rho.accumulate_s_per_byte == 0.0
+    assert main([*base, "--refine", *map(str, dirs), "--refine-terms", "none",
+                 "--save-refined", str(tmp_path / "plain")]) == 0
     plain = load_calibration(tmp_path / "plain" / "calibration.json")
     assert plain.replica_compute == () and plain.accumulate_s_per_byte == 0.0
     capsys.readouterr()

@@ -42,9 +42,12 @@ observations are plain numbers (``observed.py``), so no process group is needed.
   optimizer step for its parameter bytes and the tied weights' sums it takes part in; the
   optimizer factor scales the profile's step times, the tied factor the sums' prices
   (``tied_slowdown``). The run's prediction counts the tied sums as the plan's does.
-* Optionally (``refine(terms=...)``, off by default: RESULTS 4e), two stage terms beside the node factors
-  (``computefit.py``, priced by ``cost/computeterms.py``): the replicas' compute stretch per replica count
-  (``replicas``) and the cost of gradient accumulation per parameter byte (``accumulation``).
+* Two stage terms beside the node factors (``refine(terms=...)``, both by default; ``computefit.py``, priced
+  by ``cost/computeterms.py``): the replicas' compute stretch per replica count (``replicas``: the last
+  backward beside the all-reduces, the hosts shared with the replicas) and the cost of gradient accumulation
+  per parameter byte (``accumulation``: a later backward adds to gradients already there). Without them the
+  node factors average both into every stage that holds a node (RESULTS 4e: on each of five recordings the
+  two lower leave-one-plan-out's median and worst).
 * p2p, per level: each transfer's seconds over the model's for its bytes at the level between
   its ranks. Receivers' records (header to last byte: the wire time, no wait for the sender)
   give the median of their ratios; without them (older traces), the lower quartile of the
@@ -98,6 +101,7 @@ from hybridpipe.partitioner.search.objective import Options, StageSpec, evaluate
 from hybridpipe.profiles.format import Profile
 
 TERMS = ("replicas", "accumulation")      # what refine(terms=...) may fit beside the node factors (computefit.py)
+DEFAULT_TERMS = TERMS                     # what it fits unless told otherwise (module docstring)
 
 
 @dataclass(frozen=True)
@@ -217,11 +221,11 @@ def stage_layouts(runs: Sequence[RunObservation], phase: str) -> list[list[tuple
 
 def refine(profile: Profile, cluster: Cluster, calibrations: Sequence[Calibration], runs: Sequence[RunObservation],
            algorithms: Sequence[str] = ALGORITHMS, node_shrink: float | None = 0.0,
-           terms: Collection[str] = (), step_loss: bool = True) -> Refinement:
+           terms: Collection[str] = DEFAULT_TERMS, step_loss: bool = True) -> Refinement:
     """What ``runs`` of ``profile``'s model on ``cluster`` say about the cost model (module docstring).
     ``node_shrink``: how hard the per-node factors are pulled toward the common one (``shrinkage.py``;
     None: cross-validated over the runs' stage layouts). ``terms``: which of :data:`TERMS` to fit as well
-    (``computefit.py``; none: the node factors alone, as before). ``step_loss``: :func:`fit_leftover`'s."""
+    (``computefit.py``; default both; none: the node factors alone). ``step_loss``: :func:`fit_leftover`'s."""
     if not runs:
         raise UserError("nothing to refine from: pass at least one run directory")
     model = CostModel(cluster, list(calibrations))
