@@ -331,7 +331,7 @@ def token_counts(model: Model, device: torch.device, group: dist.ProcessGroup | 
                         "count the tokens it averages over; give its factory a loss function returning "
                         "(loss_sum, count), or use --loss-normalization micro-batch")
     coupled = batch_coupled_terms(model.module) if count is not None else []
-    if coupled:
+    if coupled and (not dist.is_initialized() or dist.get_rank() == 0):       # one line per job, not per rank
         log.warning("hybridpipe: --loss-normalization tokens: %s's router loss (%s) is computed per micro-batch and "
                     "weighted by its tokens, as with gradient accumulation, not over the global batch at once",
                     spec.name, ", ".join(coupled))
