@@ -122,8 +122,11 @@ class Channels:
             if type(name) is not str or type(t) is not _Tensor or t.layout is not _STRIDED or not (cpu and t.is_cpu):
                 wire.check_item(name, t)
                 check_device(name, t, self.device)
-            # detached only where it has a graph: copying it into the frame must record none
-            items.append((name, (t.detach() if t.requires_grad else t).contiguous()))
+            # one with a graph is detached where it is copied (contiguous() here, on CUDA, into the
+            # frame: wire.FrameBuffer.pack, wire.flatten), so no copy records a graph
+            if t.requires_grad and not (cpu and t.is_contiguous()):
+                t = t.detach()
+            items.append((name, t.contiguous()))
         link.submit(key, items, None if cpu or not items else mark_ready(self.device))
 
     def recv(self, peer: int, key: str) -> dict[str, torch.Tensor]:

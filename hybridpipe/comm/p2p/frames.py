@@ -25,6 +25,7 @@ from hybridpipe.comm.p2p.groups import Route
 from hybridpipe.comm.p2p.wire import Flag, Header
 
 Clock = Callable[[], float]
+Wait = datetime.timedelta
 _MAX_WAIT_S = 7 * 24 * 3600.0
 _NO_PAYLOAD = Flag.CLOSE | Flag.HELLO
 _SPARE_SIZES = 8            # frame lengths a sender keeps buffers for (the most recently used)
@@ -84,17 +85,27 @@ def post_recv(t: torch.Tensor, group: dist.ProcessGroup, group_peer: int):
     return group.recv([torch.view_as_real(t) if t.is_complex() else t], group_peer, 0)
 
 
+def _left(deadline: float) -> Wait:
+    """What is left until ``deadline`` (monotonic), as a backend wait's timeout."""
+    return datetime.timedelta(seconds=min(max(deadline - time.monotonic(), 0.001), _MAX_WAIT_S))
+
+
+def fixed_wait(seconds: float) -> Wait:
+    """A backend wait's timeout of ``seconds`` (capped as every wait here), made once."""
+    return datetime.timedelta(seconds=min(max(seconds, 0.001), _MAX_WAIT_S))
+
+
 def _wait_work(work, deadline: float) -> None:
-    left = min(max(deadline - time.monotonic(), 0.001), _MAX_WAIT_S)
-    work.wait(datetime.timedelta(seconds=left))
+    work.wait(_left(deadline))
 
 
 class _End:
-    def __init__(self, route: Route, peer: int, stream: SideStream, clock: Clock, prepost: bool = True) -> None:
+    def __init__(self, route: Route, peer: int, stream: SideStream, clock: Clock | None,
+                 prepost: bool = True) -> None:
         self.route = route
         self.peer = peer
         self.stream = stream
-        self.clock = clock
+        self.clock = clock          # None: nobody reads transfer times (no on_transfer): no clock reads, times 0.0
         self.seq = 0
         self.cache = layouts.MetaCache()
         self.meta_frames = 0        # frames that carried (re-)announced metadata
@@ -180,7 +191,7 @@ class FrameSender(_End):
         seq = self.seq
         self.seq = seq + 1
         header = (flags, seq, msg, parts, len(items), meta_len, layout.payload_bytes, body, key)    # a Header's fields
-        t0 = self.clock()
+        t0 = clock() if (clock := self.clock) is not None else 0.0
         group, group_peer = self.route.control, self.control_peer
         try:
             if inline:
@@ -209,19 +220,26 @@ class FrameSender(_End):
             slots.append((fb, posted))
         return posted
 
-    def complete(self, posted: Posted, deadline: float) -> float:
-        """Wait until the frame has left; return the completion time (clock)."""
+    def complete(self, posted: Posted, deadline: float | None, wait: Wait | None = None) -> float:
+        """Wait until the frame has left; return the completion time (clock; 0.0 without one).
+        ``deadline`` None: wait at most ``wait`` in all (a bound fixed per link; a whole CPU frame,
+        one operation, then reads no clock)."""
+        if deadline is None:
+            if wait is None:
+                raise ValueError("complete needs a deadline or a wait")
+            if self.cuda or posted.data_works or len(posted.control_works) > 1:
+                deadline = time.monotonic() + wait.total_seconds()
         if self.cuda or posted.data_works:
-            self._complete(posted.control_works, posted.data_works, deadline, f"send {posted.key!r}")
+            self._complete(posted.control_works, posted.data_works, deadline, f"send {posted.key!r}")  # type: ignore[arg-type]
         else:                   # CPU: the control group's works, inline
             try:
                 for w in posted.control_works:
-                    w.wait(datetime.timedelta(seconds=min(max(deadline - time.monotonic(), 0.001), _MAX_WAIT_S)))
+                    w.wait(wait if deadline is None else _left(deadline))
             except Exception as e:      # noqa: BLE001 - backend errors have no common type
                 raise classify_transport_error(e, self.peer, f"send {posted.key!r}") from e
         posted.done = True
         posted.tensors.clear()
-        return self.clock()
+        return clock() if (clock := self.clock) is not None else 0.0
 
 
 class FrameReceiver(_End):
@@ -234,17 +252,22 @@ class FrameReceiver(_End):
         # a frame like it takes one lookup (emptied whenever metadata arrives)
         self._known: dict[tuple[str, int], layouts.Layout] = {}
 
-    def receive(self, deadline: float, what: str = "the next message") -> Frame:
-        """Receive the next frame: one message, or a split frame's header, metadata and body."""
+    def receive(self, deadline: float | None, what: str = "the next message", wait: Wait | None = None) -> Frame:
+        """Receive the next frame: one message, or a split frame's header, metadata and body.
+        ``deadline`` None: wait at most ``wait`` for the frame (a receive thread's fixed bound: no
+        clock read), and as long again for a split frame's rest."""
+        if deadline is None and wait is None:
+            raise ValueError("receive needs a deadline or a wait")
         if self._ahead is None:
             self._ahead = self._post(self.capacity, what)
         buf, work = self._ahead
         self._ahead = None
         try:
-            work.wait(datetime.timedelta(seconds=min(max(deadline - time.monotonic(), 0.001), _MAX_WAIT_S)))
+            work.wait(wait if deadline is None else _left(deadline))
         except Exception as e:          # noqa: BLE001
             raise classify_transport_error(e, self.peer, what) from e
-        t0 = self.clock()
+        clock = self.clock
+        t0 = clock() if clock is not None else 0.0
         raw = buf.numpy()
         try:
             header = wire.decode_header(raw)
@@ -261,8 +284,10 @@ class FrameReceiver(_End):
                 self._ahead = self._post(self.capacity, what)
             return Frame(header, {}, None, t0, t0)
         what = f"recv {header.key!r}"
+        if deadline is None and (flags & Flag.SPLIT or self.cuda):
+            deadline = time.monotonic() + wait.total_seconds()     # type: ignore[union-attr]
         if flags & Flag.SPLIT:
-            meta, body, base = self._receive_rest(header, deadline, what)
+            meta, body, base = self._receive_rest(header, deadline, what)  # type: ignore[arg-type]
         else:
             meta = raw[wire.HEADER_BYTES:wire.HEADER_BYTES + header.meta_len] if header.meta_len else b""
             body = buf
@@ -272,12 +297,12 @@ class FrameReceiver(_End):
         if layout is None or layout.payload_bytes != header.payload_bytes:
             layout = self._layout(header, meta)
         if self.cuda:
-            return self._receive_cuda(header, layout.metas, deadline, what, t0)
+            return self._receive_cuda(header, layout.metas, deadline, what, t0)  # type: ignore[arg-type]
         if layout.body_bytes != header.body_bytes:
             raise ProtocolError(self.peer, what, f"header announces a body of {header.body_bytes} bytes, "
                                 f"the metadata {layout.body_bytes}")
         tensors = wire.unflatten(body if header.body_bytes else None, layout.metas, base, layout.offsets)
-        return Frame(header, tensors, None, t0, self.clock())
+        return Frame(header, tensors, None, t0, clock() if clock is not None else 0.0)
 
     def _post(self, size: int, what: str) -> tuple[torch.Tensor, Any]:
         buf = wire.receive_buffer(size)
@@ -310,7 +335,7 @@ class FrameReceiver(_End):
         except Exception as e:          # noqa: BLE001
             raise classify_transport_error(e, self.peer, what) from e
         event = self._complete([], works, deadline, what)
-        return Frame(header, tensors, event, t0, self.clock())
+        return Frame(header, tensors, event, t0, clock() if (clock := self.clock) is not None else 0.0)
 
     def _layout(self, header: Header, meta) -> layouts.Layout:
         if header.flags & Flag.META:

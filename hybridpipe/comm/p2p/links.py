@@ -40,7 +40,7 @@ import torch
 
 from hybridpipe.comm.p2p.device import SideStream
 from hybridpipe.comm.p2p.errors import P2PError, PeerLost, ProtocolError, classify_transport_error
-from hybridpipe.comm.p2p.frames import Frame, FrameReceiver, FrameSender, Posted
+from hybridpipe.comm.p2p.frames import Frame, FrameReceiver, FrameSender, Posted, fixed_wait
 from hybridpipe.comm.p2p.groups import PairGroups
 from hybridpipe.comm.p2p.mailbox import Counter, Mailbox, QueueBox
 from hybridpipe.comm.p2p.wire import Flag
@@ -102,13 +102,17 @@ class Link:
         bound = cfg.transfer_timeout
         direct = bound is not None and self.mode != "sra" and self.device.type != "cuda"
         self._send_bound: float = bound if direct and bound is not None else cfg.idle_timeout
+        self._send_wait = fixed_wait(self._send_bound)     # the same bound, made once (see SaLink._reap)
+        self._idle_wait = fixed_wait(cfg.idle_timeout)     # a receive thread's wait for the next frame
         self.senders = [self._end(FrameSender, groups.outbound(peer, i), groups) for i in range(lanes)]
         self.receivers = [self._end(FrameReceiver, groups.inbound(peer, i), groups) for i in range(lanes)]
         self.inboxes: list[Mailbox] = [Mailbox() for _ in range(lanes)]
 
     def _end(self, cls, route, groups: PairGroups):
         stream = SideStream(groups.device, dedicated=self.cfg.dedicated_streams)
-        return cls(route, self.peer, stream, self.cfg.clock, prepost=self.mode != "sra")
+        # transfer times are only read by on_transfer: without it the frames read no clock
+        clock = self.cfg.clock if self.cfg.on_transfer is not None else None
+        return cls(route, self.peer, stream, clock, prepost=self.mode != "sra")
 
     # ---- caller side -------------------------------------------------------------------
     def submit(self, key: str, items: list[tuple[str, torch.Tensor]], ready) -> None:
@@ -243,7 +247,7 @@ class SaLink(Link):
             self.last_sent_key = key
             self.msg_out += 1
             if len(pending) > 1:        # the frames before this one have left by now (see _send_deadline)
-                self._reap(1, time.monotonic() + self._send_bound)
+                self._reap(1, None)     # each within the send bound (a fixed wait: no clock read)
             return
         sub = Submission(key, items, ready, self.msg_out, len(items))
         if self.direct:
@@ -288,16 +292,17 @@ class SaLink(Link):
                 log.warning("rank %d: closing the link to rank %d: %s", self.rank, self.peer, e)
         return super().join(deadline)
 
-    def _reap(self, keep: int, deadline: float) -> None:
-        """Lazy sends: wait (on the caller's thread) until at most ``keep`` frames are in flight.
+    def _reap(self, keep: int, deadline: float | None) -> None:
+        """Lazy sends: wait (on the caller's thread) until at most ``keep`` frames are in flight,
+        until ``deadline`` or (None) each frame at most the send bound.
         A failed link raises its failure at once: its frames will never leave, and waiting for them
         again would spend the whole timeout a second time."""
-        pending, sender = self.pending, self.senders[0]
+        pending, sender, wait = self.pending, self.senders[0], self._send_wait
         while len(pending) > keep:
             if (err := self.sent.error) is not None:
                 raise err
             try:
-                sender.complete(pending[0], deadline)
+                sender.complete(pending[0], deadline, wait)
             except P2PError as e:
                 self._fail(e)
                 raise
@@ -309,9 +314,9 @@ class SaLink(Link):
         self._send_close(self.senders[0])
 
     def _recv_loop(self) -> None:
-        receive, idle = self.receivers[0].receive, self.cfg.idle_timeout
+        receive, wait = self.receivers[0].receive, self._idle_wait
         while True:
-            f = receive(time.monotonic() + idle)        # as _deadline()
+            f = receive(None, wait=wait)        # at most idle_timeout, as _deadline()
             if not self._received(self.inbox, f, f):    # the frame is the message
                 return
 

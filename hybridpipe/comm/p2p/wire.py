@@ -27,6 +27,7 @@ single tensor is not copied), where copying it would cost more than the extra me
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import json
 import math
@@ -48,6 +49,8 @@ _WHOLE = struct.Struct(_FIXED.format + f"{MAX_KEY_BYTES}s")     # the fixed fiel
 FLAT_ALIGN = 64
 MIN_CAPACITY = 4096             # what a lane's receiver posts before any frame has grown it
 INLINE_LIMIT = 1 << 20          # a body above this travels apart, from its own memory
+RAW_COPY_LIMIT = 1 << 16        # a tensor up to this is packed by a plain memory copy (no aten op)
+_memmove, _Tensor = ctypes.memmove, torch.Tensor
 
 
 class WireError(ValueError):
@@ -213,7 +216,8 @@ def flatten(items: Sequence[tuple[str, torch.Tensor]], metas: Sequence[TensorMet
     offsets, total = flat_layout(metas)
     if total == 0:
         return None
-    full = [(t, off) for (_, t), off in zip(items, offsets, strict=True) if t.numel()]
+    full = [(t.detach() if t.requires_grad else t, off)       # no graph on what is sent
+            for (_, t), off in zip(items, offsets, strict=True) if t.numel()]
     if len(full) == 1:
         return _bytes_of(full[0][0])
     flat = torch.empty(total, dtype=torch.uint8)
@@ -315,8 +319,11 @@ class Placed(Protocol):
 class FrameBuffer:
     """A whole frame's buffer kept for the next frame of the same length (see :func:`encode_frame`:
     the same bytes, written in place). The body's destinations, typed views of each tensor's
-    place, are made once per layout and metadata length, so packing a frame is one ``copy_``
-    per tensor. The caller must not pack a buffer again before the send of its last frame completed."""
+    place, are made once per layout and metadata length, so packing a frame is one copy per
+    tensor: a plain memory copy for a small real tensor (up to ``RAW_COPY_LIMIT`` bytes: a
+    ``copy_`` costs a few microseconds of dispatch there, and a ``detach`` more for one that
+    requires grad), else ``copy_``. The caller must not pack a buffer again before the send of its
+    last frame completed."""
 
     __slots__ = ("buf", "view", "layout", "start", "dests")
 
@@ -325,7 +332,7 @@ class FrameBuffer:
         self.view = self.buf.numpy().data
         self.layout: Placed | None = None
         self.start = -1
-        self.dests: list[torch.Tensor | None] = []
+        self.dests: list[tuple[torch.Tensor, int, int, bool] | None] = []   # (view, address, bytes, plain)
 
     def pack(self, header: tuple, meta: bytes, items: Sequence[tuple[str, torch.Tensor]], layout: Placed,
              start: int) -> torch.Tensor:
@@ -333,8 +340,9 @@ class FrameBuffer:
         contiguous CPU ``items`` (whose metadata is ``layout``; the body at ``start``,
         :func:`body_offset`'s): the header's bytes are :func:`encode_header`'s."""
         if items and (self.layout is not layout or self.start != start):
-            buf = self.buf
-            self.dests = [buf[start + off:start + off + m.nbytes].view(m.dtype).view(m.shape) if m.nbytes else None
+            buf, base = self.buf, self.buf.data_ptr() + start
+            self.dests = [(buf[start + off:start + off + m.nbytes].view(m.dtype).view(m.shape), base + off, m.nbytes,
+                           m.nbytes <= RAW_COPY_LIMIT and not m.dtype.is_complex) if m.nbytes else None
                           for m, off in zip(layout.metas, layout.offsets, strict=True)]
             self.layout, self.start = layout, start
         flags, seq, msg, parts, n, meta_len, payload, body, key = header
@@ -345,7 +353,13 @@ class FrameBuffer:
             self.view[HEADER_BYTES:HEADER_BYTES + len(meta)] = meta
         for dst, (_, t) in zip(self.dests, items, strict=True) if items else ():
             if dst is not None:
-                dst.copy_(t)
+                view, addr, nbytes, plain = dst
+                # its own memory as it is: a plain CPU tensor, contiguous (the caller's contract), no
+                # lazy negation (a conjugate's imaginary view), not an efficient zero tensor (no memory)
+                if plain and type(t) is _Tensor and not t.is_neg() and (src := t.data_ptr()):
+                    _memmove(addr, src, nbytes)
+                else:
+                    view.copy_(t.detach() if t.requires_grad else t)
         return self.buf
 
 

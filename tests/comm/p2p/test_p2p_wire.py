@@ -192,6 +192,32 @@ def test_a_reused_frame_buffer_holds_the_bytes_encode_frame_writes(ms, announce)
         assert all(torch.equal(back[n], t) for n, t in items)
 
 
+def test_a_frame_buffer_packs_what_each_tensor_means():
+    """Small real tensors are packed by a plain memory copy, the rest by copy_: every kind reads back
+    as torch resolves it (a lazily negated view, a lazy conjugate, an efficient zero tensor with no
+    memory, one that requires grad, one above RAW_COPY_LIMIT), and the frame records no graph."""
+    z = torch.randn(3, dtype=torch.complex64)
+    items = [("grad", torch.randn(2, 8, requires_grad=True)),
+             ("neg", torch.randn(1, dtype=torch.complex64).conj().imag),     # is_neg, contiguous
+             ("conj", z.conj()),
+             ("zero", torch._efficientzerotensor(4)),
+             ("int", torch.arange(5, dtype=torch.int64)),
+             ("big", torch.randn(wire.RAW_COPY_LIMIT // 4 + 16))]
+    assert items[1][1].is_neg() and items[2][1].is_conj() and items[3][1]._is_zerotensor()
+    layout = layouts.layout_of(wire.describe(items))
+    start = wire.body_offset(0, layout.body_bytes)
+    fb = wire.FrameBuffer(start + layout.body_bytes)
+    for tag in (1, 2):          # the second pack reuses the destinations made by the first
+        items[0][1].data.add_(tag)
+        h = Header(Flag.NONE, tag, tag, len(items), len(items), 0, layout.payload_bytes, layout.body_bytes, "act/0")
+        got = fb.pack(h, b"", items, layout, start)
+        assert not got.requires_grad and got.grad_fn is None
+        back = wire.unflatten(got, layout.metas, start, layout.offsets)
+        for name, t in items:
+            want = t.detach().resolve_conj().resolve_neg()
+            assert back[name].dtype == t.dtype and torch.equal(back[name], want), name
+
+
 class _CountOps(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
