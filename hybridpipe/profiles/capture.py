@@ -80,10 +80,23 @@ def capture_model(model: nn.Module, example: Any, *, granularity: str | int = "b
     parse_granularity(granularity)          # refuse a bad granularity or leaf name before the slow export
     leaf_modules = tuple(leaf_modules)
     check_leaf_modules(model, leaf_modules)
+    _refuse_checkpointing(model)
     with autocast_context(model, autocast):
         captured = _capture(model, example, granularity, leaf_modules, dynamic)
     captured.autocast = autocast
     return captured
+
+
+def _refuse_checkpointing(model: nn.Module) -> None:
+    """UserError (one line) for a model with transformers' gradient checkpointing on
+    (``gradient_checkpointing_enable()``, ``gradient_checkpointing=true`` in its config): the exported
+    graph holds each layer's forward once and saves its activations as without it, so the memory
+    it promises would silently not be saved; hybridpipe recomputes per stage instead."""
+    if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
+        raise UserError(f"{type(model).__name__} has gradient checkpointing on, which the captured graph cannot keep "
+                        "(each layer would run once and keep its activations); turn it off "
+                        "(gradient_checkpointing_disable(), no gradient_checkpointing=true) and use hybridpipe's "
+                        "recomputation: partition --recompute all (or auto: only the stages that need it)")
 
 
 def _capture(model: nn.Module, example: Any, granularity: str | int, leaf_modules: tuple[type | str, ...],

@@ -10,7 +10,7 @@ plain loop), and each test compares with what transformers itself computes.
 * T5's config in transformers 5 lacks ``decoder_start_token_id``;
 * dict-valued config fields in the spec (``rope_scaling={...}``);
 * one-line refusals for a model without a loss (CLIPModel) or an input hybridpipe cannot make (audio
-  samples).
+  samples), and for transformers' gradient checkpointing (a captured graph cannot keep it).
 """
 
 from __future__ import annotations
@@ -120,3 +120,16 @@ def test_what_cannot_be_made_up_is_refused_in_one_line(spec, says):
     with pytest.raises(UserError) as e:
         resolve_model(spec)
     assert says in str(e.value) and "factory" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_gradient_checkpointing_is_refused_not_silently_dropped():
+    """``gradient_checkpointing=true`` was accepted: transformers consumes the field at the first
+    build only (the profile's build had it off), and a captured graph never recomputes anyway."""
+    from hybridpipe.profiles.capture import capture_model
+
+    with pytest.raises(UserError, match="--recompute"):
+        resolve_model(f"hf:bert[{BERT},gradient_checkpointing=true]")
+    model, batch = built(f"hf:bert[{BERT}]")
+    model.gradient_checkpointing_enable()          # a factory's own model, checkpointing on
+    with pytest.raises(UserError, match="gradient checkpointing on"):
+        capture_model(model, batch)

@@ -68,6 +68,11 @@ def hf_spec(spec: str) -> ModelSpec:
     check_options("hf model", spec.split("[")[0], RESERVED, reserved)
     if not 0 <= float(reserved.get("dropout", 0.0)) <= 1:
         raise UserError(f"hf model option dropout={reserved['dropout']} of {spec!r} must be between 0 and 1")
+    if kwargs.get("gradient_checkpointing"):
+        raise UserError(f"{spec.split('[')[0]}[gradient_checkpointing=true]: the captured graph cannot keep "
+                        "transformers' checkpointing (each layer would run once and keep its activations); leave it "
+                        "out and use hybridpipe's recomputation: partition --recompute all (or auto: only the "
+                        "stages that need it)")
     tf = _transformers()
     directory = os.path.sep in name or os.path.isdir(name)
     if directory:
