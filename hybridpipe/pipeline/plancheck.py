@@ -109,13 +109,15 @@ def build_stages(captured: CapturedModel, plan: Plan, rank: int, *,
 def check_sync_layers(stage: Stage, module: nn.Module, exclude: Collection[nn.Parameter] = ()) -> None:
     """A replicated stage's planned sync layers must cover exactly its trainable parameters (but
     the ``exclude``d: tied across stages, summed apart); a plan listing none gets the partitioner's
-    choice at launch (runtime/sync.py)."""
+    choice at launch (runtime/sync.py). A planned parameter the stage holds frozen is accepted: it
+    has no gradient, and launch leaves it out of the sync (runtime/sync.py trainable_layers)."""
     if not stage.layers:
         return
     skip = {id(p) for p in exclude}
     have = {name for name, p in module.named_parameters()
             if p.requires_grad and p.numel() > 0 and id(p) not in skip}
-    planned = {p for lv in stage.layers for p in lv.params}
+    frozen = {name for name, p in module.named_parameters() if not p.requires_grad}
+    planned = {p for lv in stage.layers for p in lv.params} - frozen
     if planned - have:
         extra = sorted(planned - have)
         raise UserError(f"stage {stage.index}: the plan syncs parameter {extra[0]!r}, which the stage does not have "

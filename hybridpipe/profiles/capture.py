@@ -60,6 +60,7 @@ from hybridpipe.profiles.export_support import (
     quiet_failures,
     side_effect_free,
 )
+from hybridpipe.profiles.host_random import host_draws
 from hybridpipe.profiles.input_shapes import input_shapes
 from hybridpipe.profiles.leaves import inline_leaves, leaf_paths, opaque_leaves, record_calls
 
@@ -80,10 +81,23 @@ def capture_model(model: nn.Module, example: Any, *, granularity: str | int = "b
     parse_granularity(granularity)          # refuse a bad granularity or leaf name before the slow export
     leaf_modules = tuple(leaf_modules)
     check_leaf_modules(model, leaf_modules)
+    _refuse_checkpointing(model)
     with autocast_context(model, autocast):
         captured = _capture(model, example, granularity, leaf_modules, dynamic)
     captured.autocast = autocast
     return captured
+
+
+def _refuse_checkpointing(model: nn.Module) -> None:
+    """UserError (one line) for a model with transformers' gradient checkpointing on
+    (``gradient_checkpointing_enable()``, ``gradient_checkpointing=true`` in its config): the exported
+    graph holds each layer's forward once and saves its activations as without it, so the memory
+    it promises would silently not be saved; hybridpipe recomputes per stage instead."""
+    if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
+        raise UserError(f"{type(model).__name__} has gradient checkpointing on, which the captured graph cannot keep "
+                        "(each layer would run once and keep its activations); turn it off "
+                        "(gradient_checkpointing_disable(), no gradient_checkpointing=true) and use hybridpipe's "
+                        "recomputation: partition --recompute all (or auto: only the stages that need it)")
 
 
 def _capture(model: nn.Module, example: Any, granularity: str | int, leaf_modules: tuple[type | str, ...],
@@ -131,19 +145,23 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, functions: list[str], d
                 raise ValueError("static shapes asked for")
             bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
             dynamic_shapes: Any = {name: pytree.tree_map(dynamic, value) for name, value in bound.items()}
-            with quiet_failures(), opaque_leaves(model, calls):
+            with quiet_failures(), opaque_leaves(model, calls), host_draws() as drawn:
                 ep = export(model, *_unmarked(args, kwargs), strict=False, dynamic_shapes=dynamic_shapes)
         except Exception as e:
             if isinstance(e, GuardOnDataDependentSymNode):
                 raise                    # a branch on tensor values: static shapes cannot help
             functions.clear()
-            with quiet_failures(), opaque_leaves(model, calls):   # fresh tensors: export marks dynamic dimensions
+            with quiet_failures(), opaque_leaves(model, calls), host_draws() as drawn:   # fresh tensors
                 ep = export(model, *_unmarked(args, kwargs), strict=False)
             if dynamic_shapes_wanted:
                 log.info("captured %s with static shapes: every batch must have the example's shapes "
                          "(dynamic shapes failed: %s: %s)", type(model).__name__, type(e).__name__, first_line(e))
     finally:
         hook.remove()
+    if drawn:
+        raise UserError(f"{type(model).__name__}'s forward draws host random numbers ({drawn[0]}): the captured graph "
+                        "would replay the capture's draw at every step instead of drawing anew; turn that randomness "
+                        "off (e.g. Wav2Vec2's mask_time_prob=0) or keep the module that draws whole: --leaf CLASS")
     gm = ep.module()
     guards = getattr(gm, GUARDS, None)      # export's checks of the input shapes: kept, called by flatten_input
     if calls:

@@ -18,6 +18,7 @@ Pure functions but for reading the module's parameters and the HybridDataParalle
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+from dataclasses import replace
 
 from torch import nn
 
@@ -44,7 +45,23 @@ def stage_layers(stage: Stage, module: nn.Module, model: CostModel,
     """The plan's layers for ``stage`` (checked against its parameters at start-up:
     pipeline/plancheck.py check_sync_layers), or for a plan that lists none what ``partition``
     would have written, over ``module``'s layers but the ``exclude``d (tied across stages)."""
-    return stage.layers or derived_layers(module, stage.ranks, model, exclude)
+    return trainable_layers(stage.layers, module) if stage.layers else derived_layers(module, stage.ranks, model,
+                                                                                       exclude)
+
+
+def trainable_layers(layers: Sequence[LayerSync], module: nn.Module) -> tuple[LayerSync, ...]:
+    """``layers`` without the parameters ``module`` holds frozen (``requires_grad`` False: no gradient
+    to sum), their bytes taken off, a layer left with none dropped: a profile lists every parameter
+    its nodes own, so ``partition`` plans a frozen one too (Whisper's sinusoidal position table, a
+    fine-tuning's frozen embedding)."""
+    frozen = {name: p for name, p in module.named_parameters() if not p.requires_grad}
+    out = []
+    for lv in layers:
+        kept = tuple(p for p in lv.params if p not in frozen)
+        if kept:
+            less = sum(frozen[p].numel() * frozen[p].element_size() for p in lv.params if p in frozen)
+            out.append(replace(lv, params=kept, bytes=lv.bytes - less))
+    return tuple(out)
 
 
 def override_layers(layers: Sequence[LayerSync], policy: str, ranks: Sequence[int],
@@ -99,7 +116,9 @@ def sync_report(sync: object, stage: Stage) -> list[dict] | None:
     ran = sync.algorithms_run
     layers: list[tuple[str, tuple[str, ...], str | None]]
     if stage.layers:
-        layers = [(lv.layer, lv.params, lv.algorithm) for lv in stage.layers]
+        synced = {n for u in sync.units for n in u.param_names}       # frozen parameters are not (trainable_layers)
+        layers = [(lv.layer, kept, lv.algorithm) for lv in stage.layers
+                  if (kept := tuple(p for p in lv.params if p in synced))]
     else:
         layers = [(layer.name, layer.param_names, None) for u in sync.units for layer in u.layers]
     out = []

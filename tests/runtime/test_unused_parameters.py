@@ -34,7 +34,8 @@ def test_the_nearest_blocks_stage_holds_an_unused_parameter():
 
 @pytest.mark.parametrize("spec,cut", [
     (SPARE, [1]),
-    pytest.param("hf:bart[encoder_layers=2,decoder_layers=2,d_model=32,encoder_ffn_dim=64,decoder_ffn_dim=64,"
+    pytest.param("hf:BartForCausalLM[encoder_layers=2,decoder_layers=2,d_model=32,encoder_ffn_dim=64,"
+                 "decoder_ffn_dim=64,"
                  "encoder_attention_heads=2,decoder_attention_heads=2,vocab_size=128,max_position_embeddings=64,"
                  "seq=8,dropout=0]", [2], marks=pytest.mark.slow, id="bart-causal")])
 def test_an_unused_parameter_is_saved_unchanged_and_merges(tmp_path, spec, cut):

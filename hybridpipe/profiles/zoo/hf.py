@@ -2,7 +2,9 @@
 
 * ``hf:gpt2[n_layer=4,n_embd=64,vocab_size=512]``: the model type's config class with those
   fields, random weights (nothing is downloaded), and the model type's default training head:
-  causal LM, else seq2seq LM, else masked LM, else image classification. ``attn_implementation``
+  causal LM, else seq2seq LM (speech seq2seq: Whisper), else masked LM, else image classification,
+  else sequence classification; an encoder-decoder type (BART, Whisper) its seq2seq head first
+  (its causal LM is the decoder alone: name ``BartForCausalLM`` for that). ``attn_implementation``
   and ``experts_implementation`` (``eager``: a mixture of experts' Python loop over the experts)
   are passed to the config too.
 * ``hf:BertForSequenceClassification[num_hidden_layers=2,num_labels=3]``: a model class by name.
@@ -37,10 +39,12 @@ from torch import nn
 
 from hybridpipe.errors import UserError
 from hybridpipe.limits import require_memory
+from hybridpipe.profiles.zoo.hf_tasks import task_sample
 from hybridpipe.profiles.zoo.spec import ModelSpec, call_user, check_options, parse_args
 
-HEADS = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForMaskedLM", "AutoModelForImageClassification",
-         "AutoModelForSequenceClassification")
+HEADS = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForSpeechSeq2Seq", "AutoModelForMaskedLM",
+         "AutoModelForImageClassification", "AutoModelForSequenceClassification")
+SEQ2SEQ = ("AutoModelForSeq2SeqLM", "AutoModelForSpeechSeq2Seq")     # an encoder-decoder type's heads, tried first
 RESERVED = {"seq": 128, "dropout": 0.0, "labels": 64, "leaf": ""}     # taken by hybridpipe (with examples)
 IMPLEMENTATIONS = ("attn_implementation", "experts_implementation")    # config arguments kept in private fields
 
@@ -64,6 +68,11 @@ def hf_spec(spec: str) -> ModelSpec:
     check_options("hf model", spec.split("[")[0], RESERVED, reserved)
     if not 0 <= float(reserved.get("dropout", 0.0)) <= 1:
         raise UserError(f"hf model option dropout={reserved['dropout']} of {spec!r} must be between 0 and 1")
+    if kwargs.get("gradient_checkpointing"):
+        raise UserError(f"{spec.split('[')[0]}[gradient_checkpointing=true]: the captured graph cannot keep "
+                        "transformers' checkpointing (each layer would run once and keep its activations); leave it "
+                        "out and use hybridpipe's recomputation: partition --recompute all (or auto: only the "
+                        "stages that need it)")
     tf = _transformers()
     directory = os.path.sep in name or os.path.isdir(name)
     if directory:
@@ -72,8 +81,10 @@ def hf_spec(spec: str) -> ModelSpec:
         cls, build, config = _from_name(tf, name, kwargs)
     if "dropout" in reserved:
         _set_dropout(config, float(reserved["dropout"]))
+    _problem_type(config, cls)
     _check_depth(spec, cls, config)
-    sample = _task_sample(config, cls.__name__, int(reserved.get("seq", 0)), int(reserved.get("labels", 0)))
+    sample = task_sample(config, cls, _forward_args(cls), int(reserved.get("seq", 0)), int(reserved.get("labels", 0)),
+                         spec.split("[")[0])
     leaves = tuple(x for x in str(reserved.get("leaf", "")).split("+") if x)
     return ModelSpec(name=spec, build=lambda: build(config), loss=None, sample=sample, leaf_modules=leaves,
                      skeleton=lambda: _skeleton(tf, cls, config, name if directory else None),
@@ -93,7 +104,8 @@ def _from_name(tf: Any, name: str, kwargs: dict) -> Built:
         except ValueError:
             raise UserError(f"hf:{name} is neither a transformers model class (like GPT2LMHeadModel) nor a model "
                             "type (like gpt2, llama, bert, t5, vit)") from None
-        cls = next((getattr(tf, head)._model_mapping[type(default)] for head in HEADS
+        heads = [*SEQ2SEQ, *HEADS] if getattr(default, "is_encoder_decoder", False) else HEADS
+        cls = next((getattr(tf, head)._model_mapping[type(default)] for head in heads
                     if type(default) in getattr(tf, head)._model_mapping), None)
         if cls is None:
             raise UserError(f"hf:{name} has no training head hybridpipe knows ({', '.join(HEADS)}); name the model "
@@ -101,7 +113,17 @@ def _from_name(tf: Any, name: str, kwargs: dict) -> Built:
 
         def make(**kw: Any) -> Any:
             return tf.AutoConfig.for_model(name, **kw)
-    return cls, cls, _config(f"hf:{name}", make, kwargs, cls)
+    config = _config(f"hf:{name}", make, kwargs, cls)
+    _start_token(config, cls)
+    return cls, cls, config
+
+
+def _start_token(config: Any, cls: type) -> None:
+    """T5's configs (T5, LongT5, Switch) in transformers 5 have no ``decoder_start_token_id``, which
+    their models read to shift the labels right into the decoder's inputs: the pad token, as MT5's
+    and UMT5's configs (and T5's own released checkpoints) say."""
+    if not hasattr(config, "decoder_start_token_id") and "decoder_start_token_id" in _names_read_by(cls):
+        config.decoder_start_token_id = config.pad_token_id
 
 
 def _config(name: str, make: Callable[..., Any], kwargs: dict, cls: type) -> Any:
@@ -192,37 +214,29 @@ def _check_depth(spec: str, cls: Any, config: Any) -> None:
                    "choose fewer layers or smaller model options")
 
 
+def _problem_type(config: Any, cls: type) -> None:
+    """A sequence or image classifier's ``problem_type`` fixed before capture where the config leaves
+    it None, as the model's own first forward would infer it from integer labels (regression for one
+    label, else single-label classification; BERT stores it so): DeBERTa's None branch drops
+    negative labels with a data-dependent ``nonzero``, which torch.export cannot capture."""
+    name = cls.__name__
+    if "Classification" in name and "TokenClassification" not in name and getattr(config, "problem_type", 0) is None:
+        config.problem_type = "regression" if int(getattr(config, "num_labels", 2)) == 1 else \
+            "single_label_classification"
+
+
+def _forward_args(cls: type) -> set[str]:
+    """The argument names ``cls.forward`` declares (a training head declares ``labels``)."""
+    return set(inspect.signature(cls.forward).parameters)  # type: ignore[attr-defined]
+
+
 def _set_dropout(config: Any, p: float) -> None:
+    """Every random drop probability of ``config`` (and of its sub-configs: an encoder-decoder's
+    or a two-tower model's) set to ``p``: dropout (``hidden_dropout_prob``, ``attn_pdrop``,
+    ``embd_drop``), stochastic depth (``drop_path_rate``: BEiT, Swin) and LayerDrop (``layerdrop``,
+    ``encoder_layerdrop``), each a float field whose name holds "drop"."""
     for key, value in list(vars(config).items()):
-        if isinstance(value, float) and ("dropout" in key or "pdrop" in key or key.endswith("_drop")):
+        if isinstance(value, float) and "drop" in key:
             setattr(config, key, p)
-
-
-def _task_sample(config: Any, model_cls: str, seq: int,
-                 label_len: int) -> Callable[[torch.Generator], dict[str, torch.Tensor]]:
-    """One synthetic sample for the model's task (its input dict, labels included); refused in
-    one line before anything is allocated when the sample alone would not fit in memory."""
-    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 512
-    seq = seq or min(128, int(positions))
-    require_memory(8 * (2 * seq + label_len), f"one sample of {seq:,} tokens", "choose a smaller seq")
-    vocab = int(getattr(config, "vocab_size", 0) or 2)
-    num_labels = int(getattr(config, "num_labels", 2))
-    if "ImageClassification" in model_cls:
-        size, channels = int(config.image_size), int(getattr(config, "num_channels", 3))
-        return lambda g: {"pixel_values": torch.randn(channels, size, size, generator=g),
-                          "labels": torch.randint(0, num_labels, (), generator=g)}
-    if "SequenceClassification" in model_cls:
-        return lambda g: {"input_ids": torch.randint(0, vocab, (seq,), generator=g),
-                          "labels": torch.randint(0, num_labels, (), generator=g)}
-    if "ConditionalGeneration" in model_cls or "Seq2Seq" in model_cls:
-        n = label_len or max(seq // 2, 1)
-        return lambda g: _copy_task(torch.randint(0, vocab, (seq,), generator=g), n)
-    return lambda g: _same(torch.randint(0, vocab, (seq,), generator=g))
-
-
-def _same(ids: torch.Tensor) -> dict[str, torch.Tensor]:
-    return {"input_ids": ids, "labels": ids.clone()}
-
-
-def _copy_task(ids: torch.Tensor, n: int) -> dict[str, torch.Tensor]:
-    return {"input_ids": ids, "labels": ids[:n].clone()}
+        elif hasattr(value, "to_dict") and hasattr(value, "model_type"):    # a nested PretrainedConfig
+            _set_dropout(value, p)

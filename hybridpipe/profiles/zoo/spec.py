@@ -109,8 +109,9 @@ def parse_spec(spec: str, what: str = "model", choices: str = "") -> tuple[str, 
 
 
 def parse_args(bracket: str, spec: str, what: str = "model") -> dict:
-    """``[k=v,...]`` (or "") -> keyword arguments (ints, floats, bools, strings, and lists of them
-    in brackets: ``hidden_sizes=[8,16]``)."""
+    """``[k=v,...]`` (or "") -> keyword arguments (ints, floats, bools, strings, lists of them in
+    brackets: ``hidden_sizes=[8,16]``, and dicts in braces, ``k=v`` or JSON's ``"k": v``:
+    ``rope_scaling={rope_type=linear,factor=2.0}``)."""
     text = bracket.strip()
     if text and not (text.startswith("[") and text.endswith("]")):
         raise UserError(f"cannot read the arguments of {what} {spec!r}: write them as [key=value,...]")
@@ -126,10 +127,10 @@ def parse_args(bracket: str, spec: str, what: str = "model") -> dict:
 
 
 def _split_top(text: str) -> list[str]:
-    """``text`` split at the commas outside brackets."""
+    """``text`` split at the commas outside brackets and braces."""
     parts, depth, start = [], 0, 0
     for i, c in enumerate(text):
-        depth += (c == "[") - (c == "]")
+        depth += (c in "[{") - (c in "]}")
         if c == "," and depth == 0:
             parts.append(text[start:i])
             start = i + 1
@@ -139,6 +140,10 @@ def _split_top(text: str) -> list[str]:
 def _literal(text: str):
     if len(text) >= 2 and text[0] == "[" and text[-1] == "]":
         return [_literal(x.strip()) for x in _split_top(text[1:-1]) if x.strip()]
+    if len(text) >= 2 and text[0] == "{" and text[-1] == "}":
+        return dict(_entry(x.strip()) for x in _split_top(text[1:-1]) if x.strip())
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "\"'":
+        return text[1:-1]
     if text.lower() in ("true", "false"):
         return text.lower() == "true"
     for cast in (int, float):
@@ -147,6 +152,15 @@ def _literal(text: str):
         except ValueError:
             pass
     return text
+
+
+def _entry(item: str) -> tuple[str, Any]:
+    """One ``k=v`` or ``"k": v`` entry of a dict in braces (the key's quotes dropped)."""
+    cut = min((i for i in (item.find("="), item.find(":")) if i > 0), default=-1)
+    if cut < 0:
+        raise UserError(f"cannot read {item!r} in a {{...}} value: write key=value or \"key\": value")
+    key = item[:cut].strip().strip("\"'")
+    return key, _literal(item[cut + 1:].strip())
 
 
 def check_options(what: str, name: str, defaults: dict[str, Any], kwargs: dict, *, least: int = 1) -> None:
