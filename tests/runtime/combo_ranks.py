@@ -1,0 +1,110 @@
+"""Rank programs of tests/runtime/test_combo_audit.py: the Trainer on combinations of features that
+each were tested alone (a weight shared by non-adjacent stages that is not an embedding, BatchNorm,
+replicas or ZeRO, virtual stages, clipping, parameter groups under a scheduler, evaluation between
+steps, resume), returning what the test compares with its plain single-process loop."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from hybridpipe import Trainer
+from hybridpipe.partitioner.plan import load_plan
+from tests.runtime.jobs import data_for
+
+SEED, STEPS, SAVE_AT, EVAL_AT = 3, 6, 3, 2
+
+
+class FarTied(nn.Module):
+    """One Linear applied at the front and again near the end (a shared block, not an embedding:
+    its uses land on non-adjacent stages), a BatchNorm between them."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.shared = nn.Linear(width, width)
+        self.a = nn.Linear(width, width)
+        self.bn = nn.BatchNorm1d(width)
+        self.b = nn.Linear(width, width)
+        self.c = nn.Linear(width, width)
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(torch.tanh(self.shared(x))))
+        h = torch.relu(self.b(self.bn(h)))
+        return self.head(torch.relu(self.c(torch.tanh(self.shared(h)))))
+
+
+def far_tied() -> tuple[nn.Module, torch.Tensor]:
+    """``tests.runtime.combo_ranks:far_tied``: (module, example input)."""
+    return FarTied(), torch.randn(4, 8)
+
+
+def grouped(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    """SGD with momentum in two groups: matrices decayed, vectors not."""
+    matrices = [p for p in params if p.ndim >= 2]
+    vectors = [p for p in params if p.ndim < 2]
+    groups = [{"params": g, "weight_decay": wd} for g, wd in ((matrices, 0.05), (vectors, 0.0)) if g]
+    return torch.optim.SGD(groups, lr=0.05, momentum=0.9)
+
+
+def grouped_adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    matrices = [p for p in params if p.ndim >= 2]
+    vectors = [p for p in params if p.ndim < 2]
+    groups = [{"params": g, "weight_decay": wd} for g, wd in ((matrices, 0.1), (vectors, 0.0)) if g]
+    return torch.optim.AdamW(groups, lr=1e-2)
+
+
+OPTIMIZERS = {"sgd": grouped, "adamw": grouped_adamw}
+
+
+def schedule(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    """Per-group rates: a linear warm-up then cosine decay for the first group, step decay for the second."""
+    warm = [lambda k: min(1.0, (k + 1) / 2) * 0.5 * (1 + __import__("math").cos(__import__("math").pi * k / STEPS)),
+            lambda k: 0.5 ** (k // 2)][:len(opt.param_groups)]
+    return torch.optim.lr_scheduler.LambdaLR(opt, warm)
+
+
+def _batch(trainer: Trainer, data: Any, k: int) -> tuple[Any, Any]:
+    x, y = data.global_batch(k)
+    return (x if trainer.stage_plan.index == 0 else None), (y if trainer.is_last else None)
+
+
+def in_turn(rank: int, world: int, calls: list) -> list:
+    """Several programs of this file one after the other in one job (see trainer_ranks.in_turn)."""
+    return [globals()[name](rank, world, *args) for name, args in calls]
+
+
+def train(rank: int, world: int, plan_path: str, out: str, optimizer: str, clip: float | None, resume: bool,
+          precision: str = "fp32") -> dict:
+    """STEPS steps (or resumed from OUT/mid after SAVE_AT), an evaluation of batch 0 after EVAL_AT;
+    saves OUT/mid after SAVE_AT and OUT/end (OUT/resumed) at the end: losses, norms, lrs, eval."""
+    plan = load_plan(plan_path)
+    trainer = Trainer(plan.model, plan, optimizer=OPTIMIZERS[optimizer], lr_scheduler=schedule, clip_grad_norm=clip,
+                      seed=SEED, timeout=60, precision=precision)
+    data = data_for(plan, STEPS, SEED)
+    if resume:
+        assert trainer.load(f"{out}/mid") is not None and trainer.step == SAVE_AT
+    value: dict = {"losses": {}, "norms": {}, "lrs": {}}
+    for k in range(trainer.step, STEPS):
+        value["lrs"][k] = [g["lr"] for g in trainer.optimizer.param_groups]
+        value["losses"][k] = trainer.train_step(*_batch(trainer, data, k))
+        value["norms"][k] = trainer.last_grad_norm
+        if k + 1 == EVAL_AT:
+            value["eval"] = trainer.eval_step(*_batch(trainer, data, 0))
+        if k + 1 == SAVE_AT and not resume:
+            trainer.save(f"{out}/mid")
+    trainer.save(f"{out}/{'resumed' if resume else 'end'}")
+    trainer.close()
+    return value
+
+
+def refused(rank: int, world: int, plan_path: str) -> str:
+    """Build a Trainer on a plan check_shards refuses: the one-line error every rank gets."""
+    plan = load_plan(plan_path)
+    try:
+        Trainer(plan.model, plan, optimizer=OPTIMIZERS["sgd"], seed=SEED, timeout=60).close()
+    except Exception as e:            # noqa: BLE001 -- the test checks it is the one-line UserError
+        return f"{type(e).__name__}: {e}"
+    return "trained"
