@@ -108,3 +108,89 @@ def refused(rank: int, world: int, plan_path: str) -> str:
     except Exception as e:            # noqa: BLE001 -- the test checks it is the one-line UserError
         return f"{type(e).__name__}: {e}"
     return "trained"
+
+
+VOCAB, SEQ = 11, 6
+
+
+class TokenNet(nn.Module):
+    """A small token model: embedding, a BatchNorm-free MLP, a head over the vocabulary."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 8)
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.head = nn.Linear(8, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.b(torch.relu(self.a(self.emb(ids))))))
+
+
+def smoothed_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Label-smoothed cross-entropy summed over the valid tokens (-100: ignored) and their count."""
+    total = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100,
+                                              label_smoothing=0.1, reduction="sum")
+    return total, (labels != -100).sum()
+
+
+def token_net() -> tuple:
+    """``tests.runtime.combo_ranks:token_net``: (module, example ids, loss, example labels)."""
+    ids = torch.randint(0, VOCAB, (2, SEQ))
+    return TokenNet(), ids, smoothed_sum, ids.clone()
+
+
+def token_batch(k: int, rows: int, empty: tuple[int, ...] = (), batch_size: int = 2) -> tuple[torch.Tensor, ...]:
+    """Step k's global batch of ids and labels: ~1 in 3 labels -100, and every label of the
+    micro-batches in ``empty`` (rows m*B .. m*B+B-1) -100 (a micro-batch of padding only)."""
+    g = torch.Generator().manual_seed(100 + k)
+    ids = torch.randint(0, VOCAB, (rows, SEQ), generator=g)
+    labels = torch.randint(0, VOCAB, (rows, SEQ), generator=g)
+    labels = torch.where(torch.rand(rows, SEQ, generator=g) < 0.33, -100, labels)
+    for m in empty:
+        labels[m * batch_size:(m + 1) * batch_size] = -100
+    return ids, labels
+
+
+def train_tokens(rank: int, world: int, plan_path: str, out: str, clip: float | None, precision: str,
+                 empty: list[int]) -> dict:
+    """STEPS token-weighted AdamW steps with the micro-batches ``empty`` of every step all padding;
+    an evaluation of step 0's batch after EVAL_AT; saves OUT/tokens."""
+    plan = load_plan(plan_path)
+    trainer = Trainer(plan.model, plan, optimizer=OPTIMIZERS["adamw"], lr_scheduler=schedule, clip_grad_norm=clip,
+                      seed=SEED, timeout=60, precision=precision, loss_normalization="tokens")
+    rows = plan.micro_batches * plan.batch_size
+    value: dict = {"losses": [], "norms": []}
+    for k in range(STEPS):
+        x, y = token_batch(k, rows, tuple(empty), plan.batch_size)
+        first, last = trainer.stage_plan.index == 0, trainer.is_last
+        value["losses"].append(trainer.train_step(x if first else None, y if last else None))
+        value["norms"].append(trainer.last_grad_norm)
+        if k + 1 == EVAL_AT:
+            x, y = token_batch(0, rows, tuple(empty), plan.batch_size)
+            value["eval"] = trainer.eval_step(x if first else None, y if last else None)
+    trainer.save(f"{out}/tokens")
+    trainer.close()
+    return value
+
+
+def train_then_other(rank: int, world: int, plan_path: str, other_path: str, out: str, clip: float | None) -> dict:
+    """SAVE_AT steps on ``plan_path`` saved to OUT/first, then a new Trainer on ``other_path`` (another
+    plan of the same world and global batch: an elastic restart's re-plan) resumed from there to STEPS;
+    saves OUT/other: losses, norms, lrs."""
+    value: dict = {"losses": {}, "norms": {}, "lrs": {}}
+    for path, resume in ((plan_path, False), (other_path, True)):
+        plan = load_plan(path)
+        trainer = Trainer(plan.model, plan, optimizer=OPTIMIZERS["sgd"], lr_scheduler=schedule, clip_grad_norm=clip,
+                          seed=SEED, timeout=60)
+        data = data_for(plan, STEPS, SEED)
+        if resume:
+            restored = trainer.load(f"{out}/first")
+            assert restored is not None and restored.resharded and trainer.step == SAVE_AT
+        for k in range(trainer.step, STEPS if resume else SAVE_AT):
+            value["lrs"][k] = [g["lr"] for g in trainer.optimizer.param_groups]
+            value["losses"][k] = trainer.train_step(*_batch(trainer, data, k))
+            value["norms"][k] = trainer.last_grad_norm
+        trainer.save(f"{out}/{'other' if resume else 'first'}")
+        trainer.close()
+    return value
