@@ -194,3 +194,40 @@ def train_then_other(rank: int, world: int, plan_path: str, other_path: str, out
         trainer.save(f"{out}/{'other' if resume else 'first'}")
         trainer.close()
     return value
+
+
+def train_fp16(rank: int, world: int, plan_path: str, out: str, clip: float | None, init_scale: float) -> dict:
+    """STEPS fp16 steps from loss scale ``init_scale`` (grouped SGD, LambdaLR, clipping): losses,
+    norms, scales; saves OUT/fp16."""
+    plan = load_plan(plan_path)
+    trainer = Trainer(plan.model, plan, optimizer=OPTIMIZERS["sgd"], lr_scheduler=schedule, clip_grad_norm=clip,
+                      seed=SEED, timeout=60, precision="fp16", loss_scale=init_scale)
+    assert trainer.scaler is not None
+    data = data_for(plan, STEPS, SEED)
+    value: dict = {"losses": [], "norms": [], "scales": []}
+    for k in range(STEPS):
+        value["losses"].append(trainer.train_step(*_batch(trainer, data, k)))
+        value["norms"].append(trainer.last_grad_norm)
+        value["scales"].append(trainer.scaler.scale)
+    trainer.save(f"{out}/fp16")
+    trainer.close()
+    return value
+
+
+def own_instance(rank: int) -> FarTied:
+    """What each rank builds when a user builds the model without seeding it the same everywhere."""
+    torch.manual_seed(1000 + rank)
+    return FarTied()
+
+
+def train_own_instance(rank: int, world: int, plan_path: str, out: str, clip: float | None) -> dict:
+    """STEPS steps of a Trainer given this rank's own FarTied instance (:func:`own_instance`: every
+    rank's differs); saves OUT/own."""
+    plan = load_plan(plan_path)
+    trainer = Trainer(own_instance(rank), plan, example=torch.randn(4, 8), loss=torch.nn.functional.cross_entropy,
+                      optimizer=OPTIMIZERS["sgd"], lr_scheduler=schedule, clip_grad_norm=clip, seed=SEED, timeout=60)
+    data = data_for(plan, STEPS, SEED)
+    losses = [trainer.train_step(*_batch(trainer, data, k)) for k in range(STEPS)]
+    trainer.save(f"{out}/own")
+    trainer.close()
+    return {"losses": losses}

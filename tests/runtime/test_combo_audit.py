@@ -219,3 +219,37 @@ def test_resharded_resume_with_batch_norm_zero_and_groups_equals_one_process(tmp
     end = final_weights(tmp_path / "other", R.STEPS)
     assert end["bn.num_batches_tracked"].item() == model.state_dict()["bn.num_batches_tracked"].item() == 3 * 4 + 3 * 8
     assert max_diff(end, model.state_dict()) <= 1e-6
+
+
+@pytest.mark.slow
+def test_a_module_each_rank_built_differently_trains_as_the_model_its_stages_first_ranks_hold(tmp_path):
+    """Trainer(module, ...) with every rank's own instance (built unseeded: each rank's values differ), 2+1
+    ranks, the shared Linear on both stages: a replicated stage takes its first replica's weights (as
+    DDP does), and now the tied copies take the lowest stage's first rank's. Before, each stage trained
+    its own copy of the one parameter (summed gradients, different values: 2 SGD steps left them 0.37
+    apart in sum) and the checkpoint refused the differing copies. Measured: = one process holding
+    stage 0's weights from rank 0's instance and stage 1's from rank 2's, 3e-8."""
+    plan = make_plan(MODEL, [3], [2, 1], schedule="1f1b", micro_batches=4, batch_size=4, granularity="modules")
+    spec = resolve_model(MODEL)
+    model = R.own_instance(0)
+    later = R.own_instance(plan.stages[1].ranks[0]).state_dict()
+    model.load_state_dict({k: later[k] if k.split(".")[0] in ("c", "head") else v
+                           for k, v in model.state_dict().items()})
+    opt = R.grouped(list(model.parameters()))
+    sched = R.schedule(opt)
+    data, M = data_for(plan, R.STEPS, R.SEED), plan.micro_batches
+    losses = []
+    for k in range(R.STEPS):
+        opt.zero_grad()
+        total = 0.0
+        for m in range(M):
+            loss = model_loss(spec, model, *data.batch(k, m))
+            (loss / M).backward()
+            total += float(loss.detach()) / M
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        sched.step()
+        losses.append(total)
+    for (value,) in run(plan, tmp_path, [["train_own_instance", [str(tmp_path), CLIP]]]):
+        assert value["losses"] == pytest.approx(losses, abs=1e-6)
+    assert max_diff(final_weights(tmp_path / "own", R.STEPS), model.state_dict()) <= 1e-6
