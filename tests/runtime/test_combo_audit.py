@@ -39,6 +39,25 @@ def sharded(plan: Plan, level: str) -> Plan:
                                                   for s in plan.stages))
 
 
+def far(cuts: list[int], replicas: list[int], schedule: str, M: int, B: int, level: str = "none") -> Plan:
+    """A plan of FarTied (virtual stages for zbv), its replicated stages sharded at ``level``."""
+    virtual = 2 if schedule == "zbv" else 1
+    return sharded(make_plan(MODEL, cuts, replicas, schedule=schedule, micro_batches=M, batch_size=B,
+                             granularity="modules", virtual_stages=virtual), level)
+
+
+def accumulate(spec, model: torch.nn.Module, plan: Plan, k: int) -> float:
+    """One plain step's gradients, micro-batch by micro-batch (loss / M: BatchNorm sees the
+    micro-batches); the step's mean loss."""
+    data, M = data_for(plan, R.STEPS, R.SEED), plan.micro_batches
+    total = 0.0
+    for m in range(M):
+        loss = model_loss(spec, model, *data.batch(k, m))
+        (loss / M).backward()
+        total += float(loss.detach()) / M
+    return total
+
+
 def reference(plan: Plan) -> tuple[dict, list, list, list, float]:
     """The unsplit model, micro-batch by micro-batch (loss / M: BatchNorm sees the micro-batches):
     state_dict, losses, norms, each step's learning rates, the evaluation loss after EVAL_AT steps."""
@@ -53,11 +72,7 @@ def reference(plan: Plan) -> tuple[dict, list, list, list, float]:
     for k in range(R.STEPS):
         lrs.append([g["lr"] for g in opt.param_groups])
         opt.zero_grad()
-        total = 0.0
-        for m in range(M):
-            loss = model_loss(spec, model, *data.batch(k, m))
-            (loss / M).backward()
-            total += float(loss.detach()) / M
+        total = accumulate(spec, model, plan, k)
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
         opt.step()
         sched.step()
@@ -82,15 +97,12 @@ def run(plan: Plan, tmp_path: Path, calls: list, timeout: float = 240) -> list[l
 
 PLANS = {
     # stage 0 (the shared Linear's first use) on 2 ZeRO-3 replicas, its second use on stage 2 alone
-    "1f1b-2+1+1-zero3": lambda: sharded(make_plan(MODEL, [1, 3], [2, 1, 1], schedule="1f1b", micro_batches=4,
-                                                  batch_size=4, granularity="modules"), "parameters"),
+    "1f1b-2+1+1-zero3": lambda: far([1, 3], [2, 1, 1], "1f1b", 4, 4, "parameters"),
     # zbv: rank 0 holds stages 0 and 3 alone, ranks 1-3 stages 1 (BatchNorm) and 2 (the second use) on
     # 3 ZeRO-2 replicas; 6 micro-batches
-    "zbv-1+3-zero2": lambda: sharded(make_plan(MODEL, [1, 2, 4], [1, 3], schedule="zbv", micro_batches=6, batch_size=2,
-                                               granularity="modules", virtual_stages=2), "gradients"),
+    "zbv-1+3-zero2": lambda: far([1, 2, 4], [1, 3], "zbv", 6, 2, "gradients"),
     # 3 micro-batches on 2 replicas (one replica runs 2, the other 1), ZeRO-1
-    "1f1b-2+2-m3-zero1": lambda: sharded(make_plan(MODEL, [3], [2, 2], schedule="1f1b", micro_batches=3, batch_size=2,
-                                                   granularity="modules"), "optimizer"),
+    "1f1b-2+2-m3-zero1": lambda: far([3], [2, 2], "1f1b", 3, 2, "optimizer"),
 }
 
 
@@ -116,10 +128,8 @@ def test_far_tied_batch_norm_groups_clipping_eval_and_resume_equal_one_process(t
 
 
 REFUSED = {
-    "zbv-1+3-zero3": lambda: sharded(make_plan(MODEL, [1, 3, 4], [1, 3], schedule="zbv", micro_batches=6, batch_size=2,
-                                               granularity="modules", virtual_stages=2), "parameters"),
-    "1f1b-2+2-m3-zero2": lambda: sharded(make_plan(MODEL, [3], [2, 2], schedule="1f1b", micro_batches=3, batch_size=2,
-                                                   granularity="modules"), "gradients"),
+    "zbv-1+3-zero3": lambda: far([1, 3, 4], [1, 3], "zbv", 6, 2, "parameters"),
+    "1f1b-2+2-m3-zero2": lambda: far([3], [2, 2], "1f1b", 3, 2, "gradients"),
 }
 
 
@@ -191,8 +201,7 @@ def test_resharded_resume_with_batch_norm_zero_and_groups_equals_one_process(tmp
     keyed by name, the per-group LambdaLR replayed to step 3, BatchNorm's statistics: = one process that
     switches its micro-batching at step 3 (measured 7e-9, num_batches_tracked exact)."""
     first = PLANS["1f1b-2+1+1-zero3"]()
-    other = sharded(make_plan(MODEL, [1, 2, 4], [1, 3], schedule="zbv", micro_batches=8, batch_size=2,
-                              granularity="modules", virtual_stages=2), "optimizer")
+    other = far([1, 2, 4], [1, 3], "zbv", 8, 2, "optimizer")
     spec = resolve_model(MODEL)
     torch.manual_seed(R.SEED)
     model = spec.build()
@@ -200,15 +209,9 @@ def test_resharded_resume_with_batch_norm_zero_and_groups_equals_one_process(tmp
     sched = R.schedule(opt)
     losses, lrs = [], []
     for k in range(R.STEPS):
-        plan = first if k < R.SAVE_AT else other
         lrs.append([g["lr"] for g in opt.param_groups])
-        data, M = data_for(plan, R.STEPS, R.SEED), plan.micro_batches
         opt.zero_grad()
-        total = 0.0
-        for m in range(M):
-            loss = model_loss(spec, model, *data.batch(k, m))
-            (loss / M).backward()
-            total += float(loss.detach()) / M
+        total = accumulate(spec, model, first if k < R.SAVE_AT else other, k)
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         sched.step()
@@ -230,7 +233,7 @@ def test_a_module_each_rank_built_differently_trains_as_the_model_its_stages_fir
     its own copy of the one parameter (summed gradients, different values: 2 SGD steps left them 0.37
     apart in sum) and the checkpoint refused the differing copies. Measured: = one process holding
     stage 0's weights from rank 0's instance and stage 1's from rank 2's, 3e-8."""
-    plan = make_plan(MODEL, [3], [2, 1], schedule="1f1b", micro_batches=4, batch_size=4, granularity="modules")
+    plan = far([3], [2, 1], "1f1b", 4, 4)
     spec = resolve_model(MODEL)
     model = R.own_instance(0)
     later = R.own_instance(plan.stages[1].ranks[0]).state_dict()
@@ -238,15 +241,10 @@ def test_a_module_each_rank_built_differently_trains_as_the_model_its_stages_fir
                            for k, v in model.state_dict().items()})
     opt = R.grouped(list(model.parameters()))
     sched = R.schedule(opt)
-    data, M = data_for(plan, R.STEPS, R.SEED), plan.micro_batches
     losses = []
     for k in range(R.STEPS):
         opt.zero_grad()
-        total = 0.0
-        for m in range(M):
-            loss = model_loss(spec, model, *data.batch(k, m))
-            (loss / M).backward()
-            total += float(loss.detach()) / M
+        total = accumulate(spec, model, plan, k)
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         sched.step()
