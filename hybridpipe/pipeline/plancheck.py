@@ -13,7 +13,9 @@ stages built from what it returns.
   recomputing stage that cannot keep it as one process would (``buffer_writes.py``);
 * ties other parameters than its stages share in this model (``partitioner/tied.py``);
 * syncs, on a replicated stage, other parameters than the stage holds but the tied ones
-  (:func:`check_sync_layers`).
+  (:func:`check_sync_layers`);
+* shards replicas in a way the runtime cannot run (:func:`check_shards`: an asynchronous schedule,
+  ZeRO-2/3 with micro-batches not a multiple of the replicas, ZeRO-3 gathers that would deadlock).
 
 The plan against launch's flags (model name, batch size, workers) is ``partitioner/plan.py``'s
 check_plan_fits, before the model is built.
