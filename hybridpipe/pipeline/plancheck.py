@@ -13,7 +13,9 @@ stages built from what it returns.
   recomputing stage that cannot keep it as one process would (``buffer_writes.py``);
 * ties other parameters than its stages share in this model (``partitioner/tied.py``);
 * syncs, on a replicated stage, other parameters than the stage holds but the tied ones
-  (:func:`check_sync_layers`).
+  (:func:`check_sync_layers`);
+* shards replicas in a way the runtime cannot run (:func:`check_shards`: an asynchronous schedule,
+  ZeRO-2/3 with micro-batches not a multiple of the replicas, ZeRO-3 gathers that would deadlock).
 
 The plan against launch's flags (model name, batch size, workers) is ``partitioner/plan.py``'s
 check_plan_fits, before the model is built.
@@ -30,7 +32,9 @@ from hybridpipe.errors import UserError
 from hybridpipe.partitioner.plan import Plan, Stage
 from hybridpipe.partitioner.tied import shared_across
 from hybridpipe.pipeline.buffer_writes import check_plan_writes
+from hybridpipe.pipeline.schedules import Topology, all_programs
 from hybridpipe.pipeline.stage import LossFn, PipelineStage, captured_signature
+from hybridpipe.pipeline.validate import ScheduleError, validate
 from hybridpipe.profiles.capture import CapturedModel, tied_parameters
 from hybridpipe.profiles.cut import StageBoundary, check_cuts, stage_boundaries, stage_graph_module
 from hybridpipe.profiles.graphinfo import node_infos
@@ -92,11 +96,37 @@ def build_stage(captured: CapturedModel, plan: Plan, rank: int, *, loss: LossFn 
 
 def check_shards(plan: Plan) -> None:
     """A shard level (every one of plan_parts.SHARD_LEVELS runs: ZeRO-1/2/3) needs a flushing schedule
-    (pipedream's asynchronous updates keep stashed whole weights)."""
+    (pipedream's asynchronous updates keep stashed whole weights), and ZeRO-3's gathers must not
+    deadlock: the replicas of a stage that shards its parameters all-gather the weights for each
+    forward (and, resharding after the forward, regather them for each backward) together, so the
+    n-th of every replica is one collective. With unequal replica counts per stage the replicas'
+    lists are one pipeline's order cut apart, and the collective can tie a replica waiting for a
+    gradient to one whose gradient waits on it (zbv with 1 and 3 replicas): such a plan is refused,
+    as is ZeRO-2/3 on r replicas with micro-batches not a multiple of r (a replica with fewer
+    micro-batches would miss the others' per-micro-batch reduce-scatters: both hung until the timeout)."""
     for s in plan.stages:
         if s.shard != "none" and not plan.kind.flushed:
             raise UserError(f"stage {s.index} shards its replicas ({s.shard}), which needs a flushing schedule; "
                             f"{plan.schedule} updates asynchronously: use 1f1b, gpipe, zb-h1, interleaved-1f1b or zbv")
+        if s.shard in ("gradients", "parameters") and plan.micro_batches % s.replicas:
+            raise UserError(f"stage {s.index} shards its {s.shard} over {s.replicas} replicas, whose reduce-scatters "
+                            f"run per micro-batch, so each replica needs as many micro-batches: use a multiple of "
+                            f"{s.replicas} micro-batches (not {plan.micro_batches}), or shard \"optimizer\"")
+    gathers = {s.index: "each" if s.reshard_after_forward else "first" for s in plan.stages
+               if s.shard == "parameters" and s.replicas > 1}
+    if not gathers:
+        return
+    topo = Topology.from_plan(plan)
+    lists = [all_programs(topo, plan.kind)]
+    try:
+        validate(topo, lists, gathers=gathers)
+    except ScheduleError:
+        validate(topo, lists)           # the lists alone are sound (else that error, a bug, propagates)
+        stages = ", ".join(map(str, sorted(gathers)))
+        raise UserError(f"stage(s) {stages} shard their parameters (ZeRO-3) over replicas whose {plan.schedule} lists "
+                        "would deadlock in the weight gathers (each waits for every replica of the stage, and one "
+                        "replica's gradients wait on another's gather: replica counts differ between stages); use "
+                        "shard \"gradients\", or the same replica count on every stage") from None
 
 
 def build_stages(captured: CapturedModel, plan: Plan, rank: int, *,

@@ -62,6 +62,9 @@ class _Chunk:
     backwarded: set[int] = field(default_factory=set)          # whole backward, or its weight half, done
     input_grads: set[int] = field(default_factory=set)         # input gradients computed (Backward or BackwardInput)
     sync_pending: int | None = None
+    gathered: int = 0           # gathering ops (``gathers``) done, and reached (waiting in the collective)
+    reached: int = 0
+    gathered_step: int = -1     # the last step whose first forward gathered ("first")
     synced: int = 0
     waited: int = 0
     in_flight: int = 0
@@ -94,7 +97,7 @@ class Report:
 
 
 def validate(topo: Topology, steps: Sequence[Mapping[int, Sequence[Instruction]]], *,
-             step_barrier: bool = True) -> Report:
+             step_barrier: bool = True, gathers: Mapping[int, str] | None = None) -> Report:
     """Run the lists of consecutive steps (``steps[k][rank]``) symbolically; raise ScheduleError.
 
     Micro-batch m of step k is global micro-batch ``k * M + m``. The run must end with every
@@ -102,11 +105,14 @@ def validate(topo: Topology, steps: Sequence[Mapping[int, Sequence[Instruction]]
     run the same number of syncs and optimizer steps. With ``step_barrier`` every rank must be
     able to finish step k before any rank starts step k+1 (so workers may meet in a collective
     between steps: metrics, checkpoints); messages may still be received a step later.
+    ``gathers``: stage -> "each" (every forward and every input-gradient backward all-gathers
+    across the stage's replicas: ZeRO-3 resharding after each forward) or "first" (the step's
+    first forward only: ZeRO-3 keeping the weights over the step).
     """
     ranks = _ranks(topo, steps)
     queues: _Queues = {}
     for limit in (range(len(steps)) if step_barrier else [len(steps) - 1]):
-        _run_until(topo, ranks, queues, limit)
+        _run_until(topo, ranks, queues, limit, gathers or {})
         stuck = [st for st in ranks.values() if st.pc < len(st.program) and st.program[st.pc][0] <= limit]
         if stuck:
             waits = "; ".join(f"rank {st.rank} waits at {st.program[st.pc][1]} (step {st.program[st.pc][0]})"
@@ -161,14 +167,15 @@ def in_transit(topo: Topology, schedule: Schedule, phase: int) -> dict[int, list
     ranks = _ranks(topo, steps)
     queues: _Queues = {}
     for limit in range(p + 1):
-        _run_until(topo, ranks, queues, limit)
+        _run_until(topo, ranks, queues, limit, {})
     out: dict[int, list[tuple[int, str, int]]] = {r: [] for r in ranks}
     for (src, dst), q in sorted(queues.items()):
         out[dst] += [(src, kind, g - (p + 1) * M) for kind, _, g in q]
     return out
 
 
-def _run_until(topo: Topology, ranks: dict[int, _Rank], queues: _Queues, limit: int) -> None:
+def _run_until(topo: Topology, ranks: dict[int, _Rank], queues: _Queues, limit: int,
+               gathers: Mapping[int, str]) -> None:
     """Advance every rank as far as it can without starting a step after ``limit``."""
     M = topo.micro_batches
     moved = True
@@ -178,13 +185,36 @@ def _run_until(topo: Topology, ranks: dict[int, _Rank], queues: _Queues, limit: 
             while st.pc < len(st.program) and st.program[st.pc][0] <= limit:
                 k, ins = st.program[st.pc]
                 if isinstance(ins, MicroBatchInstruction):
-                    done = _execute(topo, ranks, queues, st, ins.micro_batch, k * M + ins.micro_batch, ins)
+                    done = (_gathered(topo, ranks, st, ins, k, gathers.get(ins.stage))
+                            and _execute(topo, ranks, queues, st, ins.micro_batch, k * M + ins.micro_batch, ins))
                 else:
                     done = _execute_step_level(topo, ranks, st, ins)
                 if not done:
                     break
                 st.pc += 1
                 moved = True
+
+
+def _gathered(topo: Topology, ranks: dict[int, _Rank], st: _Rank, ins: MicroBatchInstruction, step: int,
+              mode: str | None) -> bool:
+    """Whether ``ins`` may run as far as its stage's weight gathers go (see ``validate``): True for
+    an instruction that gathers nothing; for one that does, once every replica reached its own."""
+    c = st.chunks.get(ins.stage)
+    if mode is None or c is None:
+        return True
+    if mode == "first":
+        gathering = isinstance(ins, Forward) and c.gathered_step < step
+    else:
+        gathering = isinstance(ins, (Forward, Backward, BackwardInput))
+    if not gathering:
+        return True
+    if c.reached == c.gathered:
+        c.reached += 1
+    if any(ranks[r].chunks[c.stage].reached < c.reached for r in topo.stage_ranks[c.stage]):
+        return False
+    c.gathered += 1
+    c.gathered_step = step
+    return True
 
 
 def _fail(st: _Rank, ins: Instruction, why: str) -> ScheduleError:

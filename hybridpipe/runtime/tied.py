@@ -37,6 +37,22 @@ def tied_sync(plan: Plan, stages: int | Iterable[int], model: nn.Module,
     return TiedSync([(params, summer(groups[ranks])) for ranks, params in held.items()])
 
 
+def align_tied(plan: Plan, stages: Iterable[int], model: nn.Module,
+               groups: dict[tuple[int, ...], dist.ProcessGroup]) -> None:
+    """Give every copy of each tied parameter this rank holds the value of the copy of the lowest
+    stage's first rank (collective over each tied group's ranks, in the plan's order), as a
+    replicated stage's weights are broadcast from its first replica: the copies are one parameter of
+    one model, and each rank built its own (an ``nn.Module`` given to the Trainer on every rank,
+    built unseeded or loaded differently, held differing copies that the summed gradients never
+    brought together)."""
+    mine = set(stages)
+    for g in plan.tied:
+        if mine & set(g.stages):
+            p = model.get_parameter(g.param)
+            with torch.no_grad():
+                dist.broadcast(p.data, src=plan.stages[min(g.stages)].ranks[0], group=groups[tied_ranks(plan, g)])
+
+
 def repeated_tied(plan: Plan, stages: list[int], module: nn.Module) -> set[int]:
     """ids of the tied parameters this rank's stages hold that are counted on another rank (the
     one of the lowest stage that holds them)."""

@@ -64,7 +64,7 @@ from hybridpipe.runtime.prestep import BeforeStep
 from hybridpipe.runtime.scaler import LossScaler
 from hybridpipe.runtime.sharded_optimizer import ShardedOptimizer, for_checkpoint
 from hybridpipe.runtime.step_news import FrameNews, carried_routes, loss_totals
-from hybridpipe.runtime.tied import repeated_tied, tied_process_groups, tied_sync
+from hybridpipe.runtime.tied import align_tied, repeated_tied, tied_process_groups, tied_sync
 from hybridpipe.runtime.timeline import trace_all_reduces
 from hybridpipe.runtime.training_config import TrainingConfig, flushes, with_settings
 
@@ -156,8 +156,9 @@ class Trainer:
         self.stage_plans, self.replica = plan.stages_of_rank(rank)
         self.stage_plan = self.stage_plans[0]
         groups = replica_groups(plan, timeout)
-        tied = tied_sync(plan, [s.index for s in self.stage_plans], self.model.module,
-                         tied_process_groups(plan, timeout))
+        tied_groups = tied_process_groups(plan, timeout)
+        align_tied(plan, [s.index for s in self.stage_plans], self.model.module, tied_groups)
+        tied = tied_sync(plan, [s.index for s in self.stage_plans], self.model.module, tied_groups)
         # the last stage alone knows a loss was bad: unreplicated, it need not wait for the others and
         # they need only its flag, unless a recovery in place needs every rank to pass the check first;
         # where the lists prove it, the flag and the loss totals ride on gradient frames (step_news.py)
