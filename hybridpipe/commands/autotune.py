@@ -37,6 +37,7 @@ from pathlib import Path
 
 from hybridpipe.argtypes import output_dir, positive_float, positive_int
 from hybridpipe.commands.refining import Refined, describe, load_run, refine_from_runs, save_refined
+from hybridpipe.commands.runnable import runnable
 from hybridpipe.commands.show import table
 from hybridpipe.errors import UserError, one_line
 from hybridpipe.jsonfile import write_json
@@ -169,8 +170,8 @@ def candidates(profile: Profile, cluster: Cluster, calibrations: Sequence[Calibr
     plans = []
     for name in strategies:
         try:
-            plans.append((name, partition(profile, cluster, Request(**{**req.__dict__, "strategy": name}),
-                                          calibrations).plan))
+            plans.append((name, runnable(lambda r: partition(profile, cluster, r, calibrations),
+                                         Request(**{**req.__dict__, "strategy": name})).plan))
         except UserError:
             continue                              # a strategy with no feasible plan competes with none
     return distinct(plans)

@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from hybridpipe.argtypes import MAX_TIMEOUT_S, float_range, memory_gb, output_dir, output_file, positive_int
 from hybridpipe.commands.refining import describe, load_run, refine_from_runs, refine_terms, save_refined
+from hybridpipe.commands.runnable import runnable
 from hybridpipe.commands.show import cluster_line, human_bytes, layer_table, search_line, table
 from hybridpipe.errors import UserError
 from hybridpipe.limits import require_memory
@@ -143,9 +144,12 @@ def run(args: argparse.Namespace) -> int:
                   recompute=args.recompute, precision=args.precision, reduce_dtype=args.reduce_dtype,
                   virtual_stages=(AUTO_VIRTUAL if args.schedule == AUTO else 1) if args.virtual_stages is None
                   else args.virtual_stages, shard=args.shard)
-    with search_bar(args.strategy, disable=args.quiet) as progress:
-        outcome = joint_partition(profile, cluster, req, calibrations, progress=progress,
-                                  simulate=simulated_step).outcome
+
+    def search(r: Request) -> Outcome:
+        with search_bar(args.strategy, disable=args.quiet) as progress:
+            return joint_partition(profile, cluster, r, calibrations, progress=progress,
+                                   simulate=simulated_step).outcome
+    outcome = runnable(search, req)
     req = chosen_request(req, outcome.plan)
     print(render(outcome, profile.nodes, layers=args.layers))
     for note in outcome.notes:

@@ -77,6 +77,8 @@ class Request:
     reduce_dtype: str = "fp32"                 # what replicas sum gradients in (bf16/fp16: half the bytes)
     virtual_stages: int = 1                    # model chunks per rank (interleaved-1f1b, zbv: virtual.py)
     shard: str = "none"                        # what replicas shard: none|optimizer|gradients|parameters|auto
+    zero3: bool = True                         # auto may choose ZeRO-3 (commands/runnable.py: False after its gathers
+    #                                            would deadlock in a plan)
 
 
 @dataclass(frozen=True)
@@ -123,7 +125,7 @@ def resolve(cluster: Cluster, req: Request) -> tuple[Cluster, int, Options]:
     memory = cluster.memory_gb * 1e9
     micro = req.micro_batches or MICRO_BATCHES_PER_WORKER * workers
     opts = Options(get_schedule(req.schedule), micro, req.optimizer, memory, tuple(req.algorithms), req.recompute,
-                   req.shard)
+                   req.shard, req.zero3)
     return cluster, workers, opts
 
 

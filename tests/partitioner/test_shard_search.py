@@ -91,6 +91,8 @@ def check_against_brute_force(layers, cluster, opts):
             assert e.shard == "none"          # a level on one replica (or under pipedream) is never chosen
         elif opts.shard != "auto":
             assert e.shard == opts.shard
+        if e.shard in ("gradients", "parameters"):     # per-micro-batch reduce-scatters: launch refuses others
+            assert opts.micro_batches % len(spec.ranks) == 0
 
 
 def test_shard_none_is_todays_objective_bit_for_bit():
@@ -101,6 +103,28 @@ def test_shard_none_is_todays_objective_bit_for_bit():
     a = evaluate(costs, model, stages, Options(get_schedule("1f1b"), 8, "adamw"))
     b = evaluate(costs, model, stages, Options(get_schedule("1f1b"), 8, "adamw", shard="none"))
     assert a == b and a.stages[0].shard == "none"
+
+
+def test_gradients_and_parameters_need_a_multiple_of_the_replicas_in_micro_batches():
+    """ZeRO-2/3 reduce-scatter once a micro-batch, so launch refuses them on r replicas unless r divides M
+    (pipeline/plancheck.check_shards): the search never chooses them there. 4 nodes on 2 workers, 3
+    micro-batches: forced, the level does not fit; auto leaves it out; an explicit level takes another layout."""
+    costs = model_costs(make_profile([(2.0, 4.0, 300_000, 4_000_000)] * 4, []))
+    model = CostModel(flat_cluster(2, 1.0, 50.0))
+    stages = baseline_stages("dp", costs, 2)
+    for level in ("gradients", "parameters"):
+        opts = Options(get_schedule("1f1b"), 3, "adamw", shard=level)
+        (variant,) = (v for v in sharded_variants(level) if v.reshard)
+        assert not evaluate(costs, model, stages, opts, variants=[variant]).fits
+        assert evaluate(costs, model, stages, dataclasses.replace(opts, micro_batches=4), variants=[variant]).fits
+        sol = dp.solve(costs, model, 2, opts, math.inf)
+        assert sol.stages and all(len(s.ranks) == 1 for s in sol.stages)     # a pipeline of 2 instead
+    auto = Options(get_schedule("1f1b"), 3, "adamw", shard="auto")
+    assert {v.level for v in auto.variants(2)} == {"none", "optimizer"}
+    assert {v.level for v in dataclasses.replace(auto, micro_batches=4).variants(2)} == {
+        "none", "optimizer", "gradients", "parameters"}
+    assert {v.level for v in dataclasses.replace(auto, micro_batches=4, zero3=False).variants(2)} == {
+        "none", "optimizer", "gradients"}
 
 
 def test_level_for_pipedream_or_without_paired_algorithms_is_one_line():

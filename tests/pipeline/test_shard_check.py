@@ -75,3 +75,32 @@ def test_per_micro_batch_reduce_scatters_need_a_multiple_of_the_replicas(level):
         check_shards(plan)
     check_shards(sharded(plan, "optimizer"))        # one reduce-scatter a step
     check_shards(sharded(plan, "none"))
+
+
+def test_partition_never_hands_on_a_plan_whose_gathers_deadlock():
+    """commands/runnable.py: the planner prices one stage at a time, so the command checks the plan it chose.
+    Under --shard auto a deadlocking ZeRO-3 choice is planned again without ZeRO-3 (with a note); under
+    --shard parameters it is refused in one line, as launch would. The planner's choice here is the
+    zbv 1 + 3 plan that hung on real ranks (test_combo_audit), put in a real Outcome of the search."""
+    from hybridpipe.commands.runnable import ZERO3_NOTE, runnable
+    from hybridpipe.partitioner.planner import Request, partition
+    from tests.partitioner.synth import flat_cluster, make_profile
+
+    deadlocking = sharded(plan_of("zbv", [1, 3], 6), "parameters")
+    asked: list[Request] = []
+    real = partition(make_profile([(1.0, 2.0, 1000, 4000)] * 4, []), flat_cluster(4), Request(micro_batches=6))
+
+    def plan_for(req: Request):
+        asked.append(req)
+        chosen = deadlocking if req.zero3 else sharded(deadlocking, "gradients")
+        return dataclasses.replace(real, plan=chosen)
+
+    got = runnable(plan_for, Request(shard="auto"))
+    assert [r.zero3 for r in asked] == [True, False] and got.notes[-1] == ZERO3_NOTE
+    assert {s.shard for s in got.plan.stages if s.replicas > 1} == {"gradients"}
+    asked.clear()
+    with pytest.raises(UserError, match="would deadlock in the weight gathers"):
+        runnable(plan_for, Request(shard="parameters"))
+    assert len(asked) == 1
+    fine = sharded(plan_of("1f1b", [1, 3], 6), "parameters")
+    assert runnable(lambda req: dataclasses.replace(real, plan=fine), Request(shard="auto")).plan is fine

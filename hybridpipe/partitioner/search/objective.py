@@ -57,7 +57,7 @@ from hybridpipe.partitioner.cost.layersync import StageSync, choose_layer_algori
 from hybridpipe.partitioner.cost.sharded import fastest_pair
 from hybridpipe.partitioner.search.modelcosts import ModelCosts
 from hybridpipe.partitioner.search.options import Options
-from hybridpipe.partitioner.search.sharding import NONE, Num, Variant, halves, midstep_ms
+from hybridpipe.partitioner.search.sharding import NONE, Num, Variant, halves, midstep_ms, runs_with
 from hybridpipe.partitioner.search.stagememory import inflight_micro_batches, memory_bytes, split_micro_batches
 from hybridpipe.partitioner.search.transfers import transfer_level, transfer_ms
 
@@ -174,6 +174,7 @@ def evaluate(costs: ModelCosts, model: CostModel, stages: Sequence[StageSpec], o
         tried = [_stage_eval(costs, model, opts, place, v) for v in allowed]
         fitting = [e for e in tried if e.memory_bytes <= opts.memory_bytes]
         evals.append(min(fitting, key=lambda e: e.term_ms) if fitting else tried[0])
+        forced_ok = forced_ok and bool(runs_with(Variant(evals[-1].shard), r, opts.micro_batches))
         workers_after -= r
     fits = forced_ok and all(e.memory_bytes <= opts.memory_bytes for e in evals) and all(
         opts.replicas_ok(len(s.ranks)) for s in stages) and all(costs.blocked_cut(s.last) is None for s in stages)

@@ -11,7 +11,7 @@ from hybridpipe.errors import UserError
 from hybridpipe.partitioner.cost.sharded import paired_algorithms
 from hybridpipe.partitioner.plan import ALGORITHMS, OPTIMIZERS
 from hybridpipe.partitioner.schedule_registry import DEFAULT_SCHEDULE, REGISTRY, Schedule
-from hybridpipe.partitioner.search.sharding import NONE, Variant, check_shard, sharded_variants
+from hybridpipe.partitioner.search.sharding import NONE, Variant, check_shard, runs_with, sharded_variants
 
 OPTIMIZER_STATES = {"sgd": 1, "adam": 2, "adamw": 2}   # extra copies of the weights an optimizer keeps
 RECOMPUTE = ("none", "all", "auto")
@@ -28,6 +28,7 @@ class Options:
     algorithms: tuple[str, ...] = ALGORITHMS
     recompute: str = "none"     # none | all | auto (a stage recomputes only when it would not fit otherwise)
     shard: str = "none"         # none | optimizer | gradients | parameters | auto (sharding.py)
+    zero3: bool = True          # auto may choose parameters (ZeRO-3); False after its gathers would deadlock
 
     def __post_init__(self):
         check_shard(self.shard)
@@ -56,4 +57,9 @@ class Options:
         if (self.shard == "none" or replicas <= 1 or self.schedule.asynchronous
                 or not paired_algorithms(self.algorithms)):
             return (NONE,)
-        return sharded_variants(self.shard)
+        every = sharded_variants(self.shard)
+        # auto leaves out what cannot run (sharding.runs_with); a level keeps it, and evaluate refuses the stage
+        if self.shard != "auto":
+            return every
+        return tuple(v for v in every if runs_with(v, replicas, self.micro_batches)
+                     and (self.zero3 or v.level != "parameters"))

@@ -35,7 +35,10 @@ all-reduce, H_l for layer l; H = sum over the stage's layers):
   compute lost to communication (``interference``) counts every collective's bytes: ``halves(...)``
   reduce-scatters or all-gathers of (r - 1) / r W per step (an all-reduce is two).
 
-A shard level needs a flushed schedule (pipedream stashes whole weight versions) and r > 1;
+A shard level needs a flushed schedule (pipedream stashes whole weight versions) and r > 1, and
+``gradients`` and ``parameters`` a multiple of r micro-batches (each replica reduce-scatters per
+micro-batch: one with fewer would leave the others waiting; launch refuses such a plan, so the
+search never makes one: :func:`runs_with`);
 ``--shard auto`` takes, per stage, the variant with the smallest stage term among those that fit (every
 level: launch runs them all, ZeRO-3's ``parameters`` included), ties to the first in ``VARIANTS``: less
 sharding.
@@ -80,6 +83,15 @@ def sharded_variants(shard: str) -> tuple[Variant, ...]:
     if shard == "auto":
         return VARIANTS
     return tuple(v for v in VARIANTS if v.level == shard)
+
+
+def runs_with(v: Variant, replicas: Num | int, micro_batches: int) -> Num | bool:
+    """Whether a stage of ``replicas`` can shard as ``v`` with ``micro_batches`` per step (module docstring;
+    elementwise on arrays)."""
+    if v.level not in ("gradients", "parameters"):
+        return True if not isinstance(replicas, np.ndarray) else np.ones(replicas.shape, dtype=bool)
+    return micro_batches % np.maximum(replicas, 1) == 0 if isinstance(replicas, np.ndarray) else \
+        micro_batches % max(int(replicas), 1) == 0
 
 
 def static_bytes(v: Variant, weights: Num, replicas: Num | int, states: int, unit1: Num, unit2: Num,

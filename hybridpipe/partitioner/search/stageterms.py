@@ -47,6 +47,7 @@ from hybridpipe.partitioner.search.sharding import (
     Variant,
     largest_units,
     midstep_ms,
+    runs_with,
     sharded_variants,
     static_bytes,
 )
@@ -148,7 +149,7 @@ class StageTerms:
         if self.opts.shard != "auto":                    # a level: every stage with replicas shards
             term = np.where((c.y - c.x) * self.copies > 1, np.inf, term)
         for v in sharded_variants(self.opts.shard):
-            if v != NONE:
+            if v != NONE and (self.opts.zero3 or v.level != "parameters"):
                 term = np.minimum(term, self._term(c, useful, v, xfer))
         return term
 
@@ -162,7 +163,7 @@ class StageTerms:
         ok = kind.replicas_ok(r, m_b) & (b >= 1) & self.cut_ok[j]
         sharded = v.level != "none"
         if sharded:
-            ok = ok & (r > 1)
+            ok = ok & (r > 1) & runs_with(v, r, m_b)
         r = np.maximum(r, 1)
         k = -(-m_b // r)
         kk = k if not self.flushed else k - 1
