@@ -15,7 +15,6 @@ from collections.abc import Callable
 
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner.planner import Outcome, Request
-from hybridpipe.pipeline.plancheck import check_shards
 
 ZERO3_NOTE = ("ZeRO-3 left out: the best plan's weight gathers would deadlock between stages of different "
               "replica counts (launch refuses it); this is the best plan without ZeRO-3")
@@ -25,6 +24,9 @@ def runnable(plan_for: Callable[[Request], Outcome], req: Request) -> Outcome:
     """``plan_for(req)``, or under ``--shard auto`` the plan without ZeRO-3 where its gathers would deadlock
     (module docstring); a UserError where the request leaves no other way."""
     got = plan_for(req)
+    if not any(s.shard == "parameters" and s.replicas > 1 for s in got.plan.stages):
+        return got                      # nothing gathers (and partition stays free of torch's import)
+    from hybridpipe.pipeline.plancheck import check_shards
     try:
         check_shards(got.plan)
     except UserError:

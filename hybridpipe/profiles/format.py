@@ -84,6 +84,9 @@ class ProfileNode:
     weight_half_bytes: int | None = None
     weight_half_saves: tuple[str, ...] | None = None
     weight_half_grad_bytes: int | None = None   # the gradients its input half records (None: not measured)
+    # of param_bytes, the trainable (requires_grad): what replicas sync and the optimizer steps; frozen
+    # parameters are only held (None: all of it, as older profiles meant)
+    trained_bytes: int | None = None
 
     @property
     def compute_ms(self) -> float:
@@ -274,6 +277,7 @@ def _node_from_dict(n: object, index: int, source: str) -> ProfileNode:
         else _name_list(field(n, "weight_half_saves", list, where), f"{where}: weight_half_saves", what="value names"),
         weight_half_grad_bytes=None if n.get("weight_half_grad_bytes") is None
         else figure(n, "weight_half_grad_bytes", int, where),
+        trained_bytes=None if n.get("trained_bytes") is None else figure(n, "trained_bytes", int, where),
     )
     if (node.weight_half_bytes is None) != (node.weight_half_saves is None):
         raise UserError(f"{where}: \"weight_half_bytes\" and \"weight_half_saves\" come together (both or neither)")
@@ -283,6 +287,8 @@ def _node_from_dict(n: object, index: int, source: str) -> ProfileNode:
                         f"{MAX_FIGURE:g})")
     if node.param_count and not node.param_bytes:
         raise UserError(f"{where}: param_count is {node.param_count} but param_bytes is 0")
+    if node.trained_bytes is not None and node.trained_bytes > node.param_bytes:
+        raise UserError(f"{where}: trained_bytes ({node.trained_bytes}) is more than param_bytes ({node.param_bytes})")
     return node
 
 

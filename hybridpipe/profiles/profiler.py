@@ -114,6 +114,7 @@ def profile_model(model: ModelSpec, *, batch_size: int, device: str | torch.devi
             forward_ms=round(cost.forward_ms, 6), backward_ms=round(cost.backward_ms, 6),
             activation_bytes=cost.output_bytes, saved_bytes=cost.saved.inner_bytes, saves=cost.saved.saves,
             param_count=sum(p.numel() for p in own), param_bytes=sum(p.numel() * p.element_size() for p in own),
+            trained_bytes=sum(p.numel() * p.element_size() for p in own if p.requires_grad),
             params=info.params, shared=info.shared,
             shared_bytes=tuple(_nbytes(module.get_parameter(p)) for p in info.shared),
             cut_bytes=sum(nbytes(v) for v in crossing),

@@ -147,6 +147,8 @@ def _mutate(d: dict, how: str) -> object:
         n[1]["weight_half_bytes"], n[1]["weight_half_saves"] = -1, []
     elif how == "half_grads_negative":
         n[1]["weight_half_grad_bytes"] = -1
+    elif how == "trained_over":
+        n[owners[0]]["trained_bytes"] = n[owners[0]]["param_bytes"] + 4
     elif how == "value_grad":
         d["values"][0]["grad"] = 1
     return d
@@ -172,6 +174,7 @@ MALFORMED = [
     ("half_alone", '"weight_half_bytes" and "weight_half_saves" come together'),
     ("half_unknown", "saves 'nowhere', which \"values\" does not list"),
     ("half_negative", "weight_half_bytes"), ("half_grads_negative", "weight_half_grad_bytes"),
+    ("trained_over", "is more than param_bytes"),
     ("value_grad", 'value 0: field "grad" must be true/false'),
 ]
 

@@ -80,6 +80,19 @@ def test_bytes_and_parameters_of_every_node():
     assert nodes[-1].backward_ms > 0                        # the last node carries the loss
 
 
+def test_frozen_parameters_are_held_but_not_trained():
+    """trained_bytes: of a node's parameter bytes, the trainable ones (what replicas sync and the optimizer
+    steps): a frozen layer's none; a layer the forward never calls, kept by a node, counts (it stays trainable,
+    so launch's sync list must hold it)."""
+    p = profile_model(resolve_model("tests.profiles.user_models:frozen_and_unused"), batch_size=4, **FAST)
+    linear = lambda i, o: (i * o + o) * 4         # noqa: E731
+    assert sum(n.param_bytes for n in p.nodes) == linear(6, 8) + linear(8, 3) + linear(8, 8)
+    assert sum(n.trained_bytes or 0 for n in p.nodes) == linear(8, 3) + linear(8, 8)
+    (frozen,) = (n for n in p.nodes if n.name == "frozen")
+    assert frozen.param_bytes - (frozen.trained_bytes or 0) == linear(6, 8)
+    assert all(n.trained_bytes is not None for n in p.nodes)
+
+
 def test_activation_bytes_use_the_real_dtype_and_all_outputs():
     class Split(nn.Module):
         def __init__(self):

@@ -54,6 +54,23 @@ def gated_sequential(width: int = 8):
     return nn.Sequential(nn.Linear(width, width), Gate(width), Gate(width), nn.Linear(width, 3)), torch.randn(2, width)
 
 
+class FrozenAndUnused(nn.Module):
+    """A frozen first layer (fine-tuning's frozen backbone) and a layer the forward never calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.frozen = nn.Linear(6, 8).requires_grad_(False)
+        self.trained = nn.Linear(8, 3)
+        self.spare = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.trained(torch.relu(self.frozen(x)))
+
+
+def frozen_and_unused():
+    return FrozenAndUnused(), torch.randn(4, 6)
+
+
 def module_only():
     return nn.Linear(3, 3)
 

@@ -46,6 +46,9 @@ Weights of a stage i..j (``weight_bytes``, the table ``weight_table``): the para
 own, plus a copy of every tied parameter (an embedding shared with the LM head) that one of its
 nodes reads and an earlier stage owns: each stage that reads a tied weight holds it, its gradient
 and its optimizer state (pipeline/tied.py), so a head stage pays for the whole embedding.
+Frozen parameters (the profile's ``trained_bytes`` below ``param_bytes``) count in the
+weights (``held``, their gradients and optimizer state too: an upper bound) but not in ``param_bytes``,
+the bytes replicas sync, the optimizer steps and later backwards accumulate into.
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ class ModelCosts:
     params: tuple[tuple[str, ...], ...]     # parameter names each node owns
     forward_ms: np.ndarray
     backward_ms: np.ndarray
-    param_bytes: np.ndarray
+    param_bytes: np.ndarray                 # what gets gradients: synced by replicas, stepped (profile's trained_bytes)
     activation_bytes: np.ndarray
     cut_bytes: np.ndarray                   # forward activations crossing the cut after each position
     cut_grad_bytes: np.ndarray              # their gradients coming back
@@ -88,6 +91,13 @@ class ModelCosts:
     half: np.ndarray | None = None
     # [i, j]: of ``half``, the gradients its input half records for the weight half (None: not measured)
     recorded: np.ndarray | None = None
+    # per node: every parameter byte it holds, frozen ones too (None: param_bytes, all trained)
+    held_bytes: np.ndarray | None = None
+
+    @property
+    def held(self) -> np.ndarray:
+        """Every parameter byte of each node (weights a stage holds), trained or not."""
+        return self.param_bytes if self.held_bytes is None else self.held_bytes
 
     @property
     def cut_ok(self) -> np.ndarray:
@@ -142,11 +152,11 @@ class ModelCosts:
     def weight_bytes(self, i: int, j: int) -> float:
         """Parameter bytes stage i..j holds: its nodes' own and its copies of tied ones (module docstring)."""
         copies = sum(size for size, owner, readers in self.tied if owner < i and any(i <= r <= j for r in readers))
-        return float(self.param_bytes[i:j + 1].sum()) + copies
+        return float(self.held[i:j + 1].sum()) + copies
 
     def weight_table(self) -> np.ndarray:
         """``weight_bytes`` as an n x n table, [i, j] for stage i..j (upper triangle)."""
-        p = self.prefix(self.param_bytes)
+        p = self.prefix(self.held)
         table = p[None, 1:] - p[:-1, None]
         rows, cols = np.arange(self.n)[:, None], np.arange(self.n)[None, :]
         for size, owner, readers in self.tied:      # stage i..j with owner < i and a reader in i..j: one copy
@@ -225,12 +235,14 @@ def model_costs(profile: Profile) -> ModelCosts:
     half, recorded = half_table(profile, tables[0], cut_grad) if tables[0] is not None else (None, None)
     transient = np.array([max(nd.forward_transient_bytes, nd.backward_transient_bytes) for nd in profile.nodes],
                          dtype=float)
+    held = np.array([nd.param_bytes for nd in profile.nodes], dtype=float)
     return ModelCosts(
         names=tuple(nd.name for nd in profile.nodes),
         params=tuple(nd.params for nd in profile.nodes),
         forward_ms=np.array([nd.forward_ms for nd in profile.nodes], dtype=float),
         backward_ms=np.array([nd.backward_ms for nd in profile.nodes], dtype=float),
-        param_bytes=np.array([nd.param_bytes for nd in profile.nodes], dtype=float),
+        param_bytes=np.array([nd.param_bytes if nd.trained_bytes is None else nd.trained_bytes for nd in profile.nodes],
+                             dtype=float),
         activation_bytes=np.array([nd.activation_bytes for nd in profile.nodes], dtype=float),
         cut_bytes=cut,
         cut_grad_bytes=cut_grad,
@@ -240,6 +252,8 @@ def model_costs(profile: Profile) -> ModelCosts:
         cut_blockers=tuple(nd.cut_blocker or "" for nd in profile.nodes),
         stash=tables[0], kept=tables[1], rerun=tables[2], tied=tied_reads(profile),
         transient=transient if transient.any() else None, half=half, recorded=recorded,
+        held_bytes=held if any(nd.trained_bytes is not None and nd.trained_bytes != nd.param_bytes
+                               for nd in profile.nodes) else None,
     )
 
 

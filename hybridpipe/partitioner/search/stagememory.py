@@ -62,7 +62,7 @@ def memory_bytes(costs: ModelCosts, i: int, j: int, inflight: int, opts: Options
         held = float(opts.schedule.held_bytes(inflight, whole, halves, stash, costs.half_bytes(i, j)))
     transient = transient_bytes(costs, i, j)
     if variant.level != "none":
-        unit1, unit2 = stage_units(costs.param_bytes[i:j + 1])
+        unit1, unit2 = stage_units(costs.held[i:j + 1])
         return static_bytes(variant, weights, replicas, OPTIMIZER_STATES[opts.optimizer], unit1, unit2,
                             versions) + held + transient
     return weights * (2 + OPTIMIZER_STATES[opts.optimizer] + versions) + held + transient

@@ -89,6 +89,7 @@ class StageTerms:
         self.pp = costs.prefix(costs.param_bytes)
         self.po = costs.prefix(costs.optimizer_ms(opts.optimizer))
         self.pcount = costs.prefix((costs.param_bytes > 0).astype(float))
+        self.pfrozen = costs.prefix(costs.held - costs.param_bytes)     # frozen: held, never synced
         a_in = np.concatenate([[0.0], costs.cut_bytes[:-1]])
         self.a_in, self.g_out = a_in, np.concatenate([[0.0], costs.cut_grad_bytes[:-1]])
         self.a_out, self.g_in = costs.cut_bytes.copy(), costs.cut_grad_bytes.copy()
@@ -118,7 +119,7 @@ class StageTerms:
         self.sharding = (opts.shard != "none" and self.flushed and bool(paired_algorithms(opts.algorithms)))
         if self.sharding:
             if "units" not in self.shared:
-                self.shared["units"] = largest_units(costs.param_bytes)
+                self.shared["units"] = largest_units(costs.held)
             self.units: tuple[np.ndarray, np.ndarray] = self.shared["units"]
         self.tables = BlockTables(self.spans, self.period, copies, self.wc)
         self._whole: float | None = None
@@ -208,7 +209,7 @@ class StageTerms:
         fb = fb + np.where(rc, fwd, 0.0)
         fb = np.where(ok, fb, np.inf)
         times = np.where(kk == 0, np.where(np.isfinite(fb), 0.0, np.inf), kk * np.where(kk == 0, 0.0, fb))
-        extra = self._overhead(i, j, r, k, weights, v)
+        extra = self._overhead(i, j, r, k, weights - (self.pfrozen[j + 1] - self.pfrozen[i]), v)
         work = self.trip + times if stretch is None else self.trip + stretch + times
         if self.flushed and self.share < 1:                 # the stage's own backward (and rerun forward)
             work = work + (1 - self.share) * back

@@ -67,7 +67,7 @@ def baseline_stages(strategy: str, costs: ModelCosts, workers: int, stages: int 
         ends = list(np.cumsum(wanted)[:-1] - 1)
         found: list[int] | None = np.diff([-1, *nearest_free_ends(costs, ends, strategy), n - 1]).tolist()
     elif strategy in ("params", "time"):
-        weights = costs.param_bytes if strategy == "params" else costs.forward_ms + costs.backward_ms
+        weights = costs.held if strategy == "params" else costs.forward_ms + costs.backward_ms
         found = balanced_sizes(weights, [1.0] * parts, free_ends_mask(costs), deadline)
     else:
         raise UserError(f"unknown baseline strategy {strategy!r}; choose from {', '.join(BASELINES)}")
