@@ -130,7 +130,8 @@ def run(args: argparse.Namespace) -> int:
     if args.refine_terms is not None and not args.refine:
         raise UserError("--refine-terms says what --refine fits; add --refine RUN_DIR")
     if args.refine:
-        runs = [load_run(d) for d in args.refine]
+        # a run named twice (runs/* holds runs/latest, a link to the last run) is one run
+        runs = [load_run(d) for d in dict.fromkeys(Path(d).resolve() for d in args.refine)]
         terms = DEFAULT_TERMS if args.refine_terms is None else args.refine_terms
         refined = refine_from_runs(profile, cluster, calibrations, runs, terms=terms)
         print(describe(refined, profile, cluster, calibrations, runs) + "\n")
