@@ -223,6 +223,7 @@ def test_partition_refine_terms_fits_them_from_run_folders_and_saves_them(tmp_pa
     rho = load_calibration(tmp_path / "rho" / "calibration.json")
     assert rho.replica_compute and rho.accumulate_s_per_byte == 0.0
     (tmp_path / "latest").symlink_to(dirs[-1])          # as launch's runs/latest: the same run, named twice
+    capsys.readouterr()
     assert main([*base, "--refine", *map(str, dirs), str(tmp_path / "latest"), "-q"]) == 0
     assert f"refined from {len(dirs)} run(s)" in capsys.readouterr().out
     assert main([*base, "--refine", *map(str, dirs), "--refine-terms", "none",
