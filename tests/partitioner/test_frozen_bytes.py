@@ -4,22 +4,19 @@ state) but never synced, stepped or accumulated into (the profile's ``trained_by
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import numpy as np
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.schedule_registry import get_schedule
-from hybridpipe.partitioner.search import dp
 from hybridpipe.partitioner.search.modelcosts import model_costs
 from hybridpipe.partitioner.search.objective import evaluate
 from hybridpipe.partitioner.search.options import Options
 from hybridpipe.partitioner.search.strategies import baseline_stages
 from tests.partitioner.synth import flat_cluster, make_profile
-from tests.partitioner.test_shard_search import CLUSTERS, LAYER, OPTIONS, brute_force
+from tests.partitioner.test_shard_search import CLUSTERS, LAYER, OPTIONS, check_costs_against_brute_force
 
 LAYERS = [(2.0, 4.0, 300_000, 40_000_000)] * 4
 
@@ -53,17 +50,6 @@ def test_a_frozen_share_is_synced_as_a_smaller_model_and_held_as_the_whole():
 def test_dp_with_frozen_bytes_equals_brute_force(layers, cluster, opts, share):
     """The DP's vectorised terms read the held and the trained bytes as the objective does: its optimum and
     tie-broken plan = enumerating every layout and shard level (20 cases)."""
-    costs = dataclasses.replace(model_costs(frozen(make_profile(layers, []), share)),
-                                step_ms=(("sgd", 5.0), ("adamw", 10.0)))
-    model = CostModel(cluster)
-    workers = cluster.total_workers
-    bound = evaluate(costs, model, baseline_stages("dp", costs, workers), opts).objective_ms
-    sol = dp.solve(costs, model, workers, opts, bound)
-    best, least_total = brute_force(costs, model, workers, opts)
-    if math.isinf(best):
-        assert not sol.stages
-        return
-    ev = evaluate(costs, model, sol.stages, opts)
-    assert sol.objective_ms == pytest.approx(best, rel=1e-9)
-    assert sum(e.term_ms for e in ev.stages) == pytest.approx(least_total, rel=1e-9)
+    costs = model_costs(frozen(make_profile(layers, []), share))
     assert np.all(costs.held >= costs.param_bytes)
+    check_costs_against_brute_force(costs, cluster, opts)

@@ -72,7 +72,12 @@ def test_dp_with_shard_equals_brute_force_over_levels_many(layers, cluster, opts
 
 
 def check_against_brute_force(layers, cluster, opts):
-    costs = dataclasses.replace(model_costs(make_profile(layers, [])), step_ms=(("sgd", 5.0), ("adamw", 10.0)))
+    check_costs_against_brute_force(model_costs(make_profile(layers, [])), cluster, opts)
+
+
+def check_costs_against_brute_force(costs, cluster, opts):
+    """The DP on ``costs`` (optimizer steps timed) = brute force, its plan's levels as ``opts`` allow."""
+    costs = dataclasses.replace(costs, step_ms=(("sgd", 5.0), ("adamw", 10.0)))
     model = CostModel(cluster)
     workers = cluster.total_workers
     bound = evaluate(costs, model, baseline_stages("dp", costs, workers), opts).objective_ms
