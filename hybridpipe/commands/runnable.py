@@ -32,7 +32,6 @@ def runnable(plan_for: Callable[[Request], Outcome], req: Request) -> Outcome:
     except UserError:
         if req.shard != "auto" or not req.zero3:
             raise
-        again = plan_for(dataclasses.replace(req, zero3=False))
-        check_shards(again.plan)
+        again = plan_for(dataclasses.replace(req, zero3=False))      # no ZeRO-3 stage: nothing gathers
         return dataclasses.replace(again, notes=(*again.notes, ZERO3_NOTE))
     return got

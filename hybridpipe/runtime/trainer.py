@@ -156,9 +156,9 @@ class Trainer:
         self.stage_plans, self.replica = plan.stages_of_rank(rank)
         self.stage_plan = self.stage_plans[0]
         groups = replica_groups(plan, timeout)
-        tied_groups = tied_process_groups(plan, timeout)
-        align_tied(plan, [s.index for s in self.stage_plans], self.model.module, tied_groups)
-        tied = tied_sync(plan, [s.index for s in self.stage_plans], self.model.module, tied_groups)
+        tied_groups, mine = tied_process_groups(plan, timeout), [s.index for s in self.stage_plans]
+        align_tied(plan, mine, self.model.module, tied_groups)
+        tied = tied_sync(plan, mine, self.model.module, tied_groups)
         # the last stage alone knows a loss was bad: unreplicated, it need not wait for the others and
         # they need only its flag, unless a recovery in place needs every rank to pass the check first;
         # where the lists prove it, the flag and the loss totals ride on gradient frames (step_news.py)

@@ -42,12 +42,9 @@ observations are plain numbers (``observed.py``), so no process group is needed.
   optimizer step for its parameter bytes and the tied weights' sums it takes part in; the
   optimizer factor scales the profile's step times, the tied factor the sums' prices
   (``tied_slowdown``). The run's prediction counts the tied sums as the plan's does.
-* Two stage terms beside the node factors (``refine(terms=...)``, both by default; ``computefit.py``, priced
-  by ``cost/computeterms.py``): the replicas' compute stretch per replica count (``replicas``: the last
-  backward beside the all-reduces, the hosts shared with the replicas) and the cost of gradient accumulation
-  per parameter byte (``accumulation``: a later backward adds to gradients already there). Without them the
-  node factors average both into every stage that holds a node (RESULTS 4e: on each of five recordings the
-  two lower leave-one-plan-out's median and worst).
+* Two stage terms beside the node factors (``refine(terms=...)``, both by default; ``computefit.py``):
+  the replicas' compute stretch per replica count (``replicas``) and gradient accumulation per parameter
+  byte (``accumulation``); without them the node factors average both into every stage (RESULTS 4e).
 * p2p, per level: each transfer's seconds over the model's for its bytes at the level between
   its ranks. Receivers' records (header to last byte: the wire time, no wait for the sender)
   give the median of their ratios; without them (older traces), the lower quartile of the

@@ -57,9 +57,11 @@ class Options:
         if (self.shard == "none" or replicas <= 1 or self.schedule.asynchronous
                 or not paired_algorithms(self.algorithms)):
             return (NONE,)
-        every = sharded_variants(self.shard)
         # auto leaves out what cannot run (sharding.runs_with); a level keeps it, and evaluate refuses the stage
         if self.shard != "auto":
-            return every
-        return tuple(v for v in every if runs_with(v, replicas, self.micro_batches)
-                     and (self.zero3 or v.level != "parameters"))
+            return self.levels()
+        return tuple(v for v in self.levels() if runs_with(v, replicas, self.micro_batches))
+
+    def levels(self) -> tuple[Variant, ...]:
+        """What ``--shard`` lets a stage with replicas take, whatever their count (``zero3`` False: no ZeRO-3)."""
+        return tuple(v for v in sharded_variants(self.shard) if self.zero3 or v.level != "parameters")

@@ -88,10 +88,8 @@ def sharded_variants(shard: str) -> tuple[Variant, ...]:
 def runs_with(v: Variant, replicas: Num | int, micro_batches: int) -> Num | bool:
     """Whether a stage of ``replicas`` can shard as ``v`` with ``micro_batches`` per step (module docstring;
     elementwise on arrays)."""
-    if v.level not in ("gradients", "parameters"):
-        return True if not isinstance(replicas, np.ndarray) else np.ones(replicas.shape, dtype=bool)
-    return micro_batches % np.maximum(replicas, 1) == 0 if isinstance(replicas, np.ndarray) else \
-        micro_batches % max(int(replicas), 1) == 0
+    per_micro_batch = v.level in ("gradients", "parameters")
+    return np.logical_or(not per_micro_batch, micro_batches % np.maximum(replicas, 1) == 0)
 
 
 def static_bytes(v: Variant, weights: Num, replicas: Num | int, states: int, unit1: Num, unit2: Num,

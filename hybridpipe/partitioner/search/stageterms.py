@@ -48,7 +48,6 @@ from hybridpipe.partitioner.search.sharding import (
     largest_units,
     midstep_ms,
     runs_with,
-    sharded_variants,
     static_bytes,
 )
 
@@ -149,8 +148,8 @@ class StageTerms:
             return term
         if self.opts.shard != "auto":                    # a level: every stage with replicas shards
             term = np.where((c.y - c.x) * self.copies > 1, np.inf, term)
-        for v in sharded_variants(self.opts.shard):
-            if v != NONE and (self.opts.zero3 or v.level != "parameters"):
+        for v in self.opts.levels():
+            if v != NONE:
                 term = np.minimum(term, self._term(c, useful, v, xfer))
         return term
 
