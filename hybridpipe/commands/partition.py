@@ -38,7 +38,7 @@ from hybridpipe.partitioner.schedule_registry import AUTO, DEFAULT_SCHEDULE, get
 from hybridpipe.partitioner.search.dp import Progress
 from hybridpipe.partitioner.search.options import RECOMPUTE
 from hybridpipe.partitioner.search.sharding import SHARD_CHOICES
-from hybridpipe.profiles.format import Profile, ProfileNode, load_profile
+from hybridpipe.profiles.format import Profile, ProfileNode, inconsistent_times, load_profile
 from hybridpipe.profiles.loss_normalization import LOSS_NORMALIZATIONS, check_normalization
 
 SHOW_AFTER_S = 1.0        # the progress bar appears only on partitions that take longer
@@ -155,6 +155,9 @@ def run(args: argparse.Namespace) -> int:
     print(render(outcome, profile.nodes, layers=args.layers))
     for note in outcome.notes:
         print(f"note: {note}")
+    busy = inconsistent_times(profile.totals.ratio, profile.threads)
+    if busy:
+        print(f"note: the profile's {busy}")
     print(compare(profile, cluster, req, calibrations, outcome, every=args.compare))
     if args.output:
         save_plan(dataclasses.replace(outcome.plan, loss_normalization=args.loss_normalization), Path(args.output))

@@ -18,7 +18,7 @@ from hybridpipe.limits import available_memory_bytes, require_memory
 from hybridpipe.pipeline.splitback import backward_input
 from hybridpipe.profiles.blocks import parse_granularity
 from hybridpipe.profiles.capture import call_args, training_switches
-from hybridpipe.profiles.format import save_profile
+from hybridpipe.profiles.format import inconsistent_times, save_profile
 from hybridpipe.profiles.profiler import profile_model, resolve_device
 from hybridpipe.profiles.zoo.registry import resolve_model, with_leaves, zoo_names
 from hybridpipe.profiles.zoo.spec import ModelSpec, call_user, describe_model
@@ -48,6 +48,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="what the job will compute in (launch --precision): bf16/fp16 capture and measure "
                         "under torch.autocast, so activation and transient bytes are the mixed-precision job's "
                         "(default fp32)")
+    parser.add_argument("--threads", type=int_range(1, 4096), default=None, metavar="N",
+                        help="intra-op CPU threads to measure with (default: torch's, which honours OMP_NUM_THREADS); "
+                        "measure with what each worker will compute with: torchrun gives each of several workers "
+                        "on a host 1")
     parser.add_argument("--seed", type=seed, default=0, help="seed for the weights and the example batch")
     parser.add_argument("-o", "--output", type=output_file,
                         help="profile file to write (default: MODEL.json in the current folder)")
@@ -64,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
     check_fits(model, args.batch_size, device)
     profile = profile_model(model, batch_size=args.batch_size, device=device, repeats=args.repeats,
                             warmup=args.warmup, seed=args.seed, progress=False if args.quiet else None,
-                            granularity=granularity, precision=args.precision, split_backward=backward_input)
+                            granularity=granularity, precision=args.precision, split_backward=backward_input,
+                            threads=args.threads)
     path = save_profile(profile, output)
     t = profile.totals
     print(f"profiled {profile.model}: {len(profile.nodes)} nodes ({profile.granularity}), {len(profile.edges)} edges, "
@@ -72,7 +77,10 @@ def run(args: argparse.Namespace) -> int:
           f"on {profile.device}")
     print(f"per-node sums: forward {t.forward_ms:.2f} ms + backward {t.backward_ms:.2f} ms = "
           f"{t.forward_ms + t.backward_ms:.2f} ms; one full forward+backward {t.measured_ms:.2f} ms "
-          f"(ratio {t.ratio:.2f})")
+          f"(ratio {t.ratio:.2f}; {profile.threads} intra-op thread{'s' if profile.threads > 1 else ''})")
+    busy = inconsistent_times(t.ratio, profile.threads)
+    if busy:
+        print(f"note: {busy}")
     print(f"one optimizer step over all parameters: sgd {t.sgd_step_ms:.2f} ms, adam {t.adam_step_ms:.2f} ms")
     print(f"wrote {path}; `hybridpipe show {path}` prints every node")
     return 0

@@ -88,6 +88,7 @@ class Plan:
     granularity: str = "blocks"            # the profile's grouping of operations into nodes (to re-capture alike)
     precision: str = "fp32"                # what the transfers were priced in (launch runs it unless told otherwise)
     profile_precision: str = "fp32"        # the profile's: its activation bytes are that precision's (cost/wire.py)
+    profile_threads: int = 0               # a CPU profile's intra-op threads: its times are that setting's (0: unknown)
     reduce_dtype: str = "fp32"             # what replicas sum gradients in (launch runs it unless told otherwise)
     tied: tuple[TiedGroup, ...] = ()       # parameters read by several stages
     virtual_stages: int = 1                # model chunks (stages) per rank: interleaved-1f1b, zbv (see above)
@@ -157,6 +158,7 @@ class Plan:
             granularity=field(d, "granularity", str, source, default="blocks"),
             precision=field(d, "precision", str, source, default="fp32", choices=PRECISIONS),
             profile_precision=field(d, "profile_precision", str, source, default="fp32", choices=PRECISIONS),
+            profile_threads=field(d, "profile_threads", int, source, minimum=0, maximum=MAX_FIGURE, default=0),
             reduce_dtype=field(d, "reduce_dtype", str, source, default="fp32", choices=PRECISIONS),
             tied=tuple(tied_from_dict(t, i, source) for i, t in enumerate(field(d, "tied", list, source, default=[]))),
             virtual_stages=field(d, "virtual_stages", int, source, minimum=1, default=1),

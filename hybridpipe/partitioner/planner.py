@@ -376,7 +376,8 @@ def build_plan(profile: Profile, costs: ModelCosts, cluster: Cluster, stages: Se
                 predicted_step_ms=step_ms, predicted_samples_per_s=samples,
                 created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                 granularity=profile.granularity, tied=tuple(tied), precision=precision,
-                profile_precision=profile.precision, reduce_dtype=reduce_dtype, graph_nodes=len(profile.nodes))
+                profile_precision=profile.precision, reduce_dtype=reduce_dtype, graph_nodes=len(profile.nodes),
+                profile_threads=profile.threads if profile.device == "cpu" else 0)
 
 
 def without_tied(layers: Sequence[LayerSync], tied: dict[str, int]) -> tuple[LayerSync, ...]:

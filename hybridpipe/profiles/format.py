@@ -32,6 +32,8 @@ gradients at the node's intermediates (the logits' at an LM head; on a node whos
 its outputs'), measured for every node the split backward ran on; absent (null) in older profiles,
 whose stages are then predicted to hold their whole stash until the weight half. ``precision`` bf16/fp16: the
 forwards and the loss ran under ``torch.autocast`` (so the bytes are those of a mixed-precision job).
+``threads``: the intra-op CPU threads (``torch.get_num_threads()``) the times were measured with;
+a worker computing with another count runs at other speeds (0 in older profiles: not recorded).
 
 Formats 1 (one node per torch.fx node) and 2 (per-node saved bytes that count a tensor two blocks
 save twice) are refused with a request to re-profile.
@@ -48,6 +50,8 @@ from pathlib import Path
 
 from hybridpipe.errors import UserError
 from hybridpipe.jsonfile import MAX_FIGURE, check_header, field, figure, read_json, write_json
+
+MAX_THREADS = 1 << 16       # more intra-op threads than any machine has: a corrupt file
 
 PROFILE_KIND = "profile"
 PROFILE_FORMAT = 3
@@ -144,6 +148,7 @@ class Profile:
     values: tuple[ProfileValue, ...] = ()   # the values blocks exchange (module docstring)
     loss_saved_bytes: int = 0     # what the loss function keeps for its backward beside the model's output
     precision: str = "fp32"       # fp32, or bf16 / fp16: forwards and the loss measured under torch.autocast
+    threads: int = 0              # intra-op CPU threads the times were measured with (0: not recorded)
 
     # ---- derived views -------------------------------------------------------------
     def signature(self) -> str:
@@ -209,6 +214,7 @@ class Profile:
             values=_values(field(d, "values", list, source, default=[]), nodes, source),
             loss_saved_bytes=figure(d, "loss_saved_bytes", int, source, default=0),
             precision=field(d, "precision", str, source, default="fp32", choices=PROFILE_PRECISIONS),
+            threads=field(d, "threads", int, source, minimum=0, maximum=MAX_THREADS, default=0),
         )
         if shape[0] != prof.batch_size:
             raise UserError(f"{source}: input_shape {shape} does not start with batch_size {prof.batch_size}")
@@ -351,3 +357,20 @@ def _values(raw: list, nodes: tuple[ProfileNode, ...], source: str) -> tuple[Pro
         if unknown:
             raise UserError(f"{source}: node {node.id} saves {unknown[0]!r}, which \"values\" does not list")
     return tuple(out)
+
+
+RATIO_BOUNDS = (1 / 3, 3.0)   # node sums / one full step outside these: the per-node times are not the step's
+
+
+def inconsistent_times(ratio: float, threads: int) -> str | None:
+    """What to do about a profile whose per-node sums are ``ratio`` x one measured full step, or None
+    within :data:`RATIO_BOUNDS` (0.9-1.3 on real models; up to ~3 on toy ones, whose sub-millisecond
+    nodes are mostly the fixed cost of a call; 8-55x for a UNet whose two threads met busy cores)."""
+    low, high = RATIO_BOUNDS
+    if ratio <= 0 or low <= ratio <= high:
+        return None
+    hint = (f"with {threads} intra-op threads an operation stalls while one core is busy: profile on an idle "
+            "machine or with --threads 1 (what torchrun gives each of several workers on a host)" if threads > 1
+            else "profile on an idle machine")
+    return (f"per-node times sum to {ratio:.2f}x one measured forward+backward, not a step's time (a busy machine, "
+            f"or nodes too small to time apart); {hint}")

@@ -24,7 +24,7 @@ from hybridpipe.profiles.capture import (
     own_loss,
     tied_parameters,
 )
-from hybridpipe.profiles.format import Profile, ProfileNode, ProfileTotals, ProfileValue
+from hybridpipe.profiles.format import Profile, ProfileNode, ProfileTotals, ProfileValue, inconsistent_times
 from hybridpipe.profiles.graphinfo import graph_edges, node_infos, unused_parameters
 from hybridpipe.profiles.losses import as_mean
 from hybridpipe.profiles.measure import (
@@ -68,7 +68,7 @@ def device_description(device: torch.device) -> str:
 def profile_model(model: ModelSpec, *, batch_size: int, device: str | torch.device = "cpu", repeats: int = 5,
                   warmup: int = 1, seed: int = 0, progress: bool | None = True,
                   granularity: str | int = "blocks", precision: str = "fp32",
-                  split_backward: SplitBackward | None = None) -> Profile:
+                  split_backward: SplitBackward | None = None, threads: int | None = None) -> Profile:
     """Capture and measure ``model`` at ``batch_size`` samples per (micro-)batch on ``device``.
 
     ``granularity``: how operations group into nodes (profiles/blocks.py). ``progress``: a tqdm
@@ -78,8 +78,23 @@ def profile_model(model: ModelSpec, *, batch_size: int, device: str | torch.devi
     split backward's input half (``pipeline/splitback.backward_input``; this package imports nothing
     of the pipeline): with it, each node's ``weight_half_bytes`` / ``weight_half_saves`` /
     ``weight_half_grad_bytes`` are measured (weighthalf.py), what a zero-bubble schedule's stage holds
-    between a micro-batch's input and weight halves.
+    between a micro-batch's input and weight halves. ``threads``: intra-op CPU threads to measure with
+    (None: torch's current count, which honours ``OMP_NUM_THREADS``), restored afterwards.
     """
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        return _profile(model, batch_size=batch_size, device=device, repeats=repeats, warmup=warmup, seed=seed,
+                        progress=progress, granularity=granularity, precision=precision,
+                        split_backward=split_backward)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _profile(model: ModelSpec, *, batch_size: int, device: str | torch.device, repeats: int, warmup: int,
+             seed: int, progress: bool | None, granularity: str | int, precision: str,
+             split_backward: SplitBackward | None) -> Profile:
     if precision not in AUTOCAST:
         raise UserError(f"unknown precision {precision!r}; choose one of {', '.join(AUTOCAST)}")
     autocast = AUTOCAST[precision]
@@ -138,16 +153,18 @@ def profile_model(model: ModelSpec, *, batch_size: int, device: str | torch.devi
     steps = {kind: measure_optimizer(module, kind, **timing) for kind in ("sgd", "adam")}
     first = next(t for t in tensors(batch))
     params = list(module.parameters())
+    totals = _totals(nodes, module, measured, steps)
+    busy = inconsistent_times(totals.ratio, torch.get_num_threads())
     return Profile(
         model=model.name, batch_size=batch_size, input_shape=tuple(first.shape),
         input_dtype=_dtype_name(first.dtype), dtype=_dtype_name(params[0].dtype) if params else "float32",
         device=device_description(device), torch_version=torch.__version__,
         nodes=tuple(nodes), edges=tuple(graph_edges(captured)),
-        totals=_totals(nodes, module, measured, steps), repeats=repeats,
+        totals=totals, repeats=repeats,
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        notes=_notes(captured), granularity=str(granularity), front_end=captured.front_end,
+        notes=_notes(captured) + ((busy,) if busy else ()), granularity=str(granularity), front_end=captured.front_end,
         tied=tuple(tied_parameters(module)), values=values, loss_saved_bytes=cost.saved.loss_bytes,
-        precision=precision)
+        precision=precision, threads=torch.get_num_threads())
 
 
 def boundary_values(captured: CapturedModel, blocks: list[BlockModule],

@@ -17,6 +17,8 @@ Each rank hands a :class:`RankReport` to one gather; :func:`summarize` turns the
   all-reduce actually ran (as the stage's HybridDataParallel recorded it on its first replica)
   and the plan's (``runtime/sync.py``); ``sync_as_planned`` says whether they all agree.
 * Settings: ``training`` holds the run's TrainingConfig (runtime/training_config.py), every field.
+* Threads: the intra-op CPU threads the ranks computed with, next to the profile's (the plan's
+  ``profile_threads``): the plan's times are that setting's, so a difference is named at the end.
 * Memory: per rank the peak bytes its stage held in any step (``pipeline/memory.py``: CUDA's max
   allocated, or on the CPU the tensors it holds), next to the plan's ``memory_bytes`` prediction
   (on the CPU less the kernels' ``transient_bytes``, which only an allocator sees).
@@ -52,6 +54,7 @@ class RankReport:
     #                                      the tensors the stage holds (CPU)
     more_stages: tuple[int, ...] = ()    # virtual stages: the rank's other model chunks (``stage`` is the first)
     more_sync: dict[int, list[dict]] = field(default_factory=dict)    # ``sync`` of those chunks, by stage
+    threads: int = 0                     # intra-op CPU threads it computed with (0: a GPU rank)
 
     @property
     def stages(self) -> tuple[int, ...]:
@@ -140,6 +143,7 @@ def summarize(reports: list[RankReport], plan: Plan, *, steps: int, first_step: 
         "skipped_nonfinite_steps": sorted(skipped or []),
         "sync": sync, "sync_as_planned": as_planned,
         "memory": [memory_record(r, plan) for r in reports],
+        "threads": {"profile": plan.profile_threads, "ranks": sorted({r.threads for r in reports if r.threads})},
         "run_dir": run_dir, "metrics_dir": f"{run_dir}/metrics", "trace_dir": trace_dir,
     }
 
@@ -211,6 +215,16 @@ def memory_line(memory: list[dict]) -> str:
     return line
 
 
+def threads_note(threads: dict | None) -> str | None:
+    """What to do when the ranks computed with other intra-op thread counts than the profile measured
+    with (``summary["threads"]``), or None."""
+    if not threads or not threads["profile"] or not threads["ranks"] or threads["ranks"] == [threads["profile"]]:
+        return None
+    ran = "/".join(map(str, threads["ranks"]))
+    return (f"the ranks computed with {ran} intra-op CPU thread(s), the profile measured with {threads['profile']}: "
+            f"the plan priced another setting (profile with --threads {threads['ranks'][0]} for this one)")
+
+
 def _precision(s: dict) -> str:
     """", bf16 (gradients reduced in fp32)" on the summary's first line; nothing for fp32 throughout."""
     precision, reduce = s.get("precision", "fp32"), s.get("reduce_dtype", "fp32")
@@ -237,6 +251,8 @@ def format_summary(summary: dict) -> str:
             line += (f", plan predicted {s['predicted_step_ms']:.1f} ms "
                      f"(measured/predicted {s['measured_over_predicted']:.2f})")
         out.append(line)
+        if threads_note(s.get("threads")):
+            out.append(f"  note: {threads_note(s.get('threads'))}")
     if s["replicas_identical"]:
         out.append(replicas_line(s["replicas_identical"], s.get("replicas_differ", {}), s.get("buffers_combined", {})))
     if s.get("sync"):

@@ -153,7 +153,8 @@ def _train(cfg: RunConfig, proc: Process, model: Model, closers: list, print_fn,
     metrics = MetricsWriter(run.run_dir, run.rank)
     closers.append(metrics.close)
     report = RankReport(run.rank, run.stages[0].index, run.replica, more_stages=tuple(s.index for s in run.stages[1:]),
-                        allocator_peak=run.device.type == "cuda")
+                        allocator_peak=run.device.type == "cuda",
+                        threads=torch.get_num_threads() if run.device.type == "cpu" else 0)
     saved_at, report, events = _steps(run, trainer, metrics, report, held_out, start, restart, progress, critical,
                                       recover)
     if cfg.checkpoint_dir and saved_at < cfg.steps:          # the final weights, always

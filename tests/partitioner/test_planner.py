@@ -315,3 +315,14 @@ def test_shard_level_round_trips_defaults_to_none_and_needs_replicas(tmp_path):
     one.write_text(json.dumps(data))
     with pytest.raises(UserError, match="needs replicas to shard over"):
         load_plan(one)
+
+
+def test_the_plan_records_the_cpu_threads_its_profile_measured_with(tmp_path):
+    """A CPU profile's times are those of its intra-op thread count: the plan carries it (launch compares
+    it with the ranks'); a GPU profile's or an older profile's is 0 (not a CPU setting, or unknown)."""
+    cpu = dataclasses.replace(make_profile([(1.0, 2.0, 1 << 20, 1 << 20)] * 2), device="cpu", threads=3)
+    cluster = two_level(1, 2)
+    plan = partition(cpu, cluster, Request()).plan
+    assert plan.profile_threads == 3 and load_plan(save_plan(plan, tmp_path / "p.json")).profile_threads == 3
+    assert partition(dataclasses.replace(cpu, device="cuda (H200)"), cluster, Request()).plan.profile_threads == 0
+    assert partition(dataclasses.replace(cpu, threads=0), cluster, Request()).plan.profile_threads == 0

@@ -213,3 +213,25 @@ def test_with_the_split_backward_each_node_records_what_it_holds_until_its_weigh
     r = profile_model(resolve_model("resnet-small[norm=none]"), batch_size=2, split_backward=backward_input, **FAST)
     assert r.nodes[2].type == "BasicBlock" and r.nodes[2].weight_half_bytes is r.nodes[2].weight_half_saves is None
     assert r.nodes[2].weight_half_grad_bytes > 0
+
+
+def test_threads_are_the_ones_measured_with_recorded_and_restored():
+    """``threads`` sets the intra-op threads for the measurement only; the profile records them (the
+    setting its times are of) and survives a save and load."""
+    from hybridpipe.profiles.format import Profile
+    before = torch.get_num_threads()
+    p = profile_model(resolve_model("mlp"), batch_size=2, threads=before + 1, **FAST)
+    assert p.threads == before + 1 and torch.get_num_threads() == before
+    assert Profile.from_dict(p.to_dict()).threads == before + 1
+    assert profile_model(resolve_model("mlp"), batch_size=2, **FAST).threads == before
+
+
+def test_per_node_times_that_do_not_add_up_to_the_step_are_named_with_the_fix():
+    """A busy core stalls an operation split over several threads (measured: a UNet's 2-thread node
+    sums 26-55x its full step on 2 busy cores, 1.3x with 1 thread): outside 1/3-3x the profile says so."""
+    from hybridpipe.profiles.format import inconsistent_times
+    assert inconsistent_times(1.37, 2) is None and inconsistent_times(0.4, 1) is None
+    assert inconsistent_times(2.9, 2) is None               # toy models' sub-millisecond nodes: fixed costs
+    busy = inconsistent_times(55.48, 2)
+    assert "55.48x" in busy and "--threads 1" in busy and "idle machine" in busy and "busy" in busy
+    assert "--threads" not in inconsistent_times(0.3, 1) and "0.30x" in inconsistent_times(0.3, 1)

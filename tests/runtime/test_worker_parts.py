@@ -169,3 +169,23 @@ def test_loss_rows_spread_over_the_run():
     rows = loss_rows(losses, rows=5)
     assert rows[0] == (0, 0.0) and rows[-1] == (19, 19.0) and len(rows) == 5
     assert loss_rows({"0": 1.0, "1": 0.5}) == [(0, 1.0), (1, 0.5)]
+
+
+def test_the_summary_names_a_thread_count_the_profile_did_not_measure(plan, tmp_path):
+    """The plan's times are the profile's setting: ranks computing with other intra-op thread counts
+    (torchrun gives each of several workers on a host 1) are named with the fix; equal counts, a GPU
+    profile (0) or GPU ranks say nothing."""
+    def text(profile_threads: int, rank_threads: list[int]) -> str:
+        p = type(plan)(**{**plan.__dict__, "predicted_step_ms": 100.0, "profile_threads": profile_threads})
+        reports = [RankReport(r, 0 if r < 2 else 1, r % 2, step_ms={0: 100, 1: 100}, digest="x", buffers="b",
+                              threads=t) for r, t in enumerate(rank_threads)]
+        s = summarize(reports, p, steps=2, first_step=0, run_dir=str(tmp_path), trace_dir=None, schedule="1f1b")
+        json.dumps(s)
+        return format_summary(s)
+
+    note = ("note: the ranks computed with 1 intra-op CPU thread(s), the profile measured with 2: the plan priced "
+            "another setting (profile with --threads 1 for this one)")
+    assert note in text(2, [1, 1, 1])
+    assert "1/4 intra-op" in text(2, [1, 4, 1])
+    for quiet in (text(1, [1, 1, 1]), text(0, [1, 1, 1]), text(2, [0, 0, 0])):
+        assert "intra-op" not in quiet
