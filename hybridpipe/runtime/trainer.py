@@ -43,6 +43,7 @@ from hybridpipe.pipeline.stage import loss_of
 from hybridpipe.pipeline.zero3 import gate_stages
 from hybridpipe.profiles.losses import as_mean
 from hybridpipe.profiles.zoo import ModelSpec
+from hybridpipe.runtime.aligned import align_state
 from hybridpipe.runtime.allocator import keep_freed_memory
 from hybridpipe.runtime.batches import GivenBatches, is_micro_batch_stream, split_batch, take_micro_batches
 from hybridpipe.runtime.checkpoint import Checkpointer
@@ -125,6 +126,7 @@ class Trainer(TrainerState):
         checked = self.model.checked if self.model.checked.plan == plan else check_plan(self.model.captured, plan)
         self.stages = [st.to(self.proc.device) for st in checked.stages_of_rank(rank, loss=loss_fn)]
         self._module = rank_module([st.module for st in self.stages])    # every chunk's parameters, each once
+        align_state(plan, rank, [(st.index, st.module) for st in self.stages])   # each rank's own build: one model
         uncounted: Collection[int] = repeated_tied(plan, mine, self.model.module)
         seed_rank(cfg.seed, rank)
         sharded = any(s.shard != "none" for s in self.stage_plans)
