@@ -64,7 +64,7 @@ class FrameNews:
                 raise RuntimeError(f"step {step}'s loss news is forwarded before it arrived (a route "
                                    "that the schedule's lists did not prove)")
             self._note = loss_totals(losses, None, self.device, extra=1)
-            self._note[0] = self.watch.flag
+            self._note[0] = self.watch.signal
             self._step = step
         return self._note
 

@@ -41,7 +41,6 @@ from hybridpipe.pipeline.chunks import rank_module
 from hybridpipe.pipeline.schedules import settle_phase
 from hybridpipe.pipeline.stage import loss_of
 from hybridpipe.pipeline.zero3 import gate_stages
-from hybridpipe.profiles.losses import as_mean
 from hybridpipe.profiles.zoo import ModelSpec
 from hybridpipe.runtime.aligned import align_state
 from hybridpipe.runtime.allocator import keep_freed_memory
@@ -122,7 +121,7 @@ class Trainer(TrainerState):
         self.watch = NonFiniteWatch(self.proc.device, skip=cfg.skip_nonfinite, flushing=flushes(plan),
                                     stage=self.stage_plan.index)
         loss_fn = loss_of(self.model.spec.loss) if cfg.loss_normalization == "tokens" else \
-            self.watch.wrap_loss(as_mean(loss_of(self.model.spec.loss)))
+            self.watch.wrap_mean(loss_of(self.model.spec.loss))
         checked = self.model.checked if self.model.checked.plan == plan else check_plan(self.model.captured, plan)
         self.stages = [st.to(self.proc.device) for st in checked.stages_of_rank(rank, loss=loss_fn)]
         self._module = rank_module([st.module for st in self.stages])    # every chunk's parameters, each once
