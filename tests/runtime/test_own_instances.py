@@ -64,25 +64,21 @@ def train_own(rank: int, world: int, plan_path: str, out: str) -> list[float]:
 
 def reference(plan) -> tuple[dict[str, torch.Tensor], list[float]]:
     """One process: rank 0's instance with the last stage's parameters from its first rank's instance
-    (the buffer stays rank 0's: the lowest stage's first rank), trained micro-batch by micro-batch."""
+    (the buffer stays rank 0's: the lowest stage's first rank), trained on each global batch."""
     from tests.runtime.jobs import data_for
 
     model = own_instance(0)
     last = own_instance(plan.stages[-1].ranks[0])
     model.head.load_state_dict(last.head.state_dict())
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    data, M = data_for(plan, STEPS, SEED), plan.micro_batches
+    data = data_for(plan, STEPS, SEED)
     losses = []
-    for k in range(STEPS):
+    for k in range(STEPS):      # equal micro-batches: the global batch's mean is the micro-batches' mean
         opt.zero_grad()
-        total = 0.0
-        for m in range(M):
-            x, y = data.batch(k, m)
-            loss = nn.functional.cross_entropy(model(x), y)
-            (loss / M).backward()
-            total += float(loss.detach()) / M
+        loss = nn.functional.cross_entropy(model(data.global_batch(k)[0]), data.global_batch(k)[1])
+        loss.backward()
         opt.step()
-        losses.append(total)
+        losses.append(float(loss.detach()))
     return model.state_dict(), losses
 
 
