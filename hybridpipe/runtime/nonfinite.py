@@ -33,6 +33,13 @@ after the source's last loss, through a chain of gradient messages and before it
 (pipeline/stepnews.py: plain chains under gpipe, 1f1b, zb-h1, ...), the watch is ``carried``: the
 source's flag rides upstream on those gradient frames (runtime/step_news.py's ``FrameNews`` calls
 :meth:`NonFiniteWatch.heard`) and agreeing costs no collective at all, on any rank.
+
+What a rank shares is its :attr:`~NonFiniteWatch.signal`, one scalar whose maximum over the ranks
+is the verdict: 1 a non-finite loss, 0 a loss that counted, -0.5 only ``(loss_sum, count)`` pairs
+that counted nothing, -1 no loss. So a step whose whole global batch counted nothing (every
+micro-batch all padding, on every last-stage replica) is withheld and stops, or is skipped, like a
+non-finite one, naming its cause (:attr:`~NonFiniteWatch.empty`); one replica with nothing to
+count beside another that counted is a normal step.
 """
 
 from __future__ import annotations
