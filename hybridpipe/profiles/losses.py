@@ -15,10 +15,11 @@ tensor, tuple or dict). It returns either
 
 **Loss normalization** (``--loss-normalization``, ``Trainer(loss_normalization=...)``, recorded in
 the plan): ``micro-batch`` (the default) makes a step's loss the mean of its micro-batches' mean
-losses (a pair counts as ``loss_sum / count``): what one process computes with gradient
-accumulation over equal micro-batches. ``tokens`` makes it the sum of every micro-batch's
-``loss_sum`` (all replicas) divided by the sum of their counts: what one process computes on the
-whole global batch at once, however the valid tokens spread over the micro-batches. It needs the
+losses (a pair counts as ``loss_sum / count``, and as 0 with count 0: an all-padding micro-batch adds
+no loss and no gradient): what one process computes with gradient accumulation over equal
+micro-batches. ``tokens`` makes it the sum of every micro-batch's ``loss_sum`` (all replicas)
+divided by the sum of their counts: what one process computes on the whole global batch at once,
+however the valid tokens spread over the micro-batches. It needs the
 pair form, or a model that computes its own mean loss over ``labels`` that hybridpipe can count
 (:func:`label_counter`: Hugging Face models; labels != -100, shifted by one for causal LMs).
 """
@@ -46,10 +47,15 @@ def is_pair(value: LossValue) -> bool:
 
 
 def loss_mean(value: LossValue) -> torch.Tensor:
-    """A loss value as the micro-batch's mean: the tensor itself, or ``loss_sum / count``."""
+    """A loss value as the micro-batch's mean: the tensor itself, or ``loss_sum / count``; a pair
+    counting nothing (an all-padding micro-batch) adds nothing: 0, with zero gradients, as the
+    gradient accumulation loop that skips it computes (its 0 / 0 was a NaN that stopped the run).
+    No host sync: the choice is made on the device."""
     if is_pair(value):
         total, count = value
-        return total / torch.as_tensor(count, device=total.device).to(total.dtype)
+        count = torch.as_tensor(count, device=total.device).to(total.dtype)
+        counted = count > 0
+        return total / torch.where(counted, count, torch.ones_like(count)) * counted
     return value
 
 
@@ -58,6 +64,15 @@ def as_mean(fn: Callable[..., LossValue]) -> Callable[..., torch.Tensor]:
     def mean(*args: Any, **kwargs: Any) -> torch.Tensor:
         return loss_mean(fn(*args, **kwargs))
     return mean
+
+
+def pair_counted(value: LossValue) -> torch.Tensor | None:
+    """For a ``(loss_sum, count)`` pair, whether it counted anything (a bool tensor, no host sync);
+    None for a mean."""
+    if not is_pair(value):
+        return None
+    total, count = value
+    return torch.as_tensor(count, device=total.device) > 0
 
 
 def loss_pair(value: LossValue) -> tuple[torch.Tensor, torch.Tensor]:

@@ -33,6 +33,13 @@ after the source's last loss, through a chain of gradient messages and before it
 (pipeline/stepnews.py: plain chains under gpipe, 1f1b, zb-h1, ...), the watch is ``carried``: the
 source's flag rides upstream on those gradient frames (runtime/step_news.py's ``FrameNews`` calls
 :meth:`NonFiniteWatch.heard`) and agreeing costs no collective at all, on any rank.
+
+What a rank shares is its :attr:`~NonFiniteWatch.signal`, one scalar whose maximum over the ranks
+is the verdict: 1 a non-finite loss, 0 a loss that counted, -0.5 only ``(loss_sum, count)`` pairs
+that counted nothing, -1 no loss. So a step whose whole global batch counted nothing (every
+micro-batch all padding, on every last-stage replica) is withheld and stops, or is skipped, like a
+non-finite one, naming its cause (:attr:`~NonFiniteWatch.empty`); one replica with nothing to
+count beside another that counted is a normal step.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ import torch
 import torch.distributed as dist
 
 from hybridpipe.errors import AgreedError
+from hybridpipe.profiles.losses import LossValue, loss_mean, pair_counted
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +73,10 @@ class NonFiniteWatch:
         # never written in place (note() makes a new tensor), so a fresh sum is this one, not a copy
         self._zero = torch.zeros((), dtype=torch.float64, device=device)
         self._sum = self._zero      # the step's losses added up: non-finite exactly when one of them is
+        self._plain = 0             # the step's losses noted without a count (they count)
+        self._counted = self._zero  # ... the step's (loss_sum, count) pairs whose count was not 0
+        self._pairs = 0             # ... and how many pairs were noted
+        self.empty = False          # the last agreement's cause: no micro-batch of the step counted anything
         self._verdict: bool | None = None
         self.carried = False        # the verdict reaches the other ranks on gradient frames (step_news.py)
         self._heard: torch.Tensor | None = None     # carried: the source's flag of this step, as received
@@ -97,18 +109,45 @@ class NonFiniteWatch:
             return value
         return loss
 
-    def note(self, value: torch.Tensor) -> None:
+    def wrap_mean(self, fn: Callable[..., LossValue]) -> Callable[..., torch.Tensor]:
+        """``fn`` returning the micro-batch's mean (profiles/losses.py's ``loss_mean``: a pair counting
+        nothing is 0), noted with whether it counted anything: a step whose every micro-batch, on
+        every rank, counted nothing stops (or is skipped) as a non-finite one does, naming the cause."""
+        def loss(*args: Any, **kwargs: Any) -> torch.Tensor:
+            value = fn(*args, **kwargs)
+            mean = loss_mean(value)
+            self.note(mean, counted=pair_counted(value))
+            return mean
+        return loss
+
+    def note(self, value: torch.Tensor, counted: torch.Tensor | None = None) -> None:
         """Raise the flag when ``value`` (a loss) is NaN or infinite (token-weighted losses are
         checked as sums, pipeline/tokens.py). One operation per loss: the value is added to the
         step's float64 sum, which a NaN or an infinity makes non-finite for good and finite float32
-        or bf16 losses cannot overflow; the flag is read from the sum once a step."""
+        or bf16 losses cannot overflow; the flag is read from the sum once a step. ``counted``: the
+        loss was a pair, and this says whether its count was not 0 (one more operation)."""
         with torch.no_grad():       # no graph from the loss to the sum (and no detach to dispatch)
             self._sum = self._sum + (value if value.dim() == 0 else value.sum(dtype=torch.float64))
+            if counted is None:
+                self._plain += 1
+            else:
+                self._counted = self._counted + counted
+                self._pairs += 1
 
     @property
     def flag(self) -> torch.Tensor:
         """This rank's flag since the last agreement (raised: 1.0, a float32 scalar)."""
         return (~torch.isfinite(self._sum)).to(torch.float32)
+
+    @property
+    def signal(self) -> torch.Tensor:
+        """What this rank shares at the agreement, a float32 scalar whose maximum over the ranks is the
+        verdict: 1 a non-finite loss; else 0 a loss that counted; else -0.5 only pairs counting nothing
+        (a step with no item to average); -1 no loss noted (a rank off the last stage)."""
+        if self._plain == 0 and self._pairs == 0:
+            return torch.where(torch.isfinite(self._sum), -1.0, 1.0).to(torch.float32)
+        some = torch.ones((), dtype=torch.float64, device=self.device) if self._plain else self._counted
+        return torch.where(torch.isfinite(self._sum), torch.where(some > 0, 0.0, -0.5), 1.0).to(torch.float32)
 
     def heard(self, flag: torch.Tensor) -> None:
         """Carried (step_news.py): the source's flag of this step, received on a gradient frame."""
@@ -120,32 +159,50 @@ class NonFiniteWatch:
     def reset(self) -> None:
         """Forget an interrupted step (in-place recovery): its flag, verdict and all-reduces."""
         self._pending.clear()
-        self._sum = self._zero
+        self._clear()
         self._verdict = None
         self._heard = None
 
     # ---- agreeing ----------------------------------------------------------------------
+    def _clear(self) -> None:
+        self._sum, self._counted, self._plain, self._pairs = self._zero, self._zero, 0, 0
+
+    def _host_signal(self) -> float:
+        """:attr:`signal` read on the host: one read (two where only pairs were noted)."""
+        if not math.isfinite(self._sum.item()):
+            return 1.0
+        if self._plain == 0 and self._pairs == 0:
+            return -1.0
+        return 0.0 if self._plain or self._counted.item() > 0 else -0.5
+
+    def _verdict_of(self, signal: float) -> bool:
+        """Whether the agreed ``signal`` withholds the update (:attr:`empty` says if for no count)."""
+        self.empty = signal == -0.5
+        return signal > 0 or self.empty
+
     def agree(self) -> bool:
-        """Collective: whether any rank saw a non-finite loss since the last call (then clears)."""
-        total, self._sum = self._sum, self._zero     # note() replaces the sum, never writes it: no copy
-        if not dist.is_initialized():
-            return not math.isfinite(total.item())
-        if self.carried:                          # no collective: the source knows, the others heard it
-            if self.decides_alone:
-                return not math.isfinite(total.item())
+        """Collective: whether any rank saw a non-finite loss since the last call, or no rank's
+        loss counted anything while some noted a pair (:attr:`empty`); then clears."""
+        if not dist.is_initialized() or (self.carried and self.decides_alone):
+            known = self._host_signal()           # no collective: this rank knows (carried: the others heard it)
+            self._clear()
+            return self._verdict_of(known)
+        if self.carried:
+            self._clear()                         # note() replaces the sums, never writes them: no copy
             heard, self._heard = self._heard, None
             if heard is None:
                 raise RuntimeError("this step's loss verdict did not arrive on its gradient frames")
-            return bool(heard.item() > 0)
-        flag = (~torch.isfinite(total)).to(torch.float32)     # a new tensor: the collectives work on it
+            return self._verdict_of(heard.item())
+        flag = self.signal                        # a new tensor: the collectives work on it
+        self._clear()
         if self.decides_alone:
-            mine = bool(flag.item() > 0)          # read before the collective works on it in place
+            mine = self._verdict_of(flag.item())      # read before the collective works on it in place
             for work in self._pending:            # the previous step's: long complete
                 work.wait()
             self._pending = [self._share(flag, async_op=True)]
             return mine
         self._share(flag, async_op=False)
-        return bool(flag.item() > 0)
+        return self._verdict_of(flag.item())
 
     def _share(self, flag: torch.Tensor, *, async_op: bool) -> Any:
         """Every rank's flag becomes the verdict: the source's, broadcast, or the max over the ranks."""
@@ -167,7 +224,8 @@ class NonFiniteWatch:
         self._verdict = None
         if not bad:
             return True
-        where = self._describe(step, losses)
+        where = f"no micro-batch of step {step} counted anything to average (the loss function's count was 0 on " \
+            "the whole global batch: all padding?)" if self.empty else self._describe(step, losses)
         if self.skip:
             self.skipped.append(step)
             log.warning("skipped step %d: %s", step, where)

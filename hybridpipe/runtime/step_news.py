@@ -4,9 +4,10 @@ gradient frames of the step instead of by collectives (none per step, where a br
 before the update and one of the loss totals after the step ran).
 
 The loss rank makes the note once per step, at its first carrying send (after its last loss):
-``[flag, loss sum, micro-batches]`` in float64, the sum computed as the collective path computes
-it (:func:`loss_totals`), so every rank returns the same bits as before. A rank that receives it
-hands the flag to the watch (``NonFiniteWatch.heard``) and forwards the same tensor upstream.
+``[signal, loss sum, micro-batches]`` in float64 (the watch's verdict signal, runtime/nonfinite.py),
+the sum computed as the collective path computes it (:func:`loss_totals`), so every rank returns
+the same bits as before. A rank that receives it hands the signal to the watch
+(``NonFiniteWatch.heard``) and forwards the same tensor upstream.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ class FrameNews:
                 raise RuntimeError(f"step {step}'s loss news is forwarded before it arrived (a route "
                                    "that the schedule's lists did not prove)")
             self._note = loss_totals(losses, None, self.device, extra=1)
-            self._note[0] = self.watch.flag
+            self._note[0] = self.watch.signal
             self._step = step
         return self._note
 

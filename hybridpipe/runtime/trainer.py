@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset
 
-from hybridpipe.comm.sharded import ShardedReplicas, whole_weights
+from hybridpipe.comm.sharded import ShardedReplicas
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner.plan import Plan, load_plan
 from hybridpipe.pipeline import PipelineEngine, Topology, check_plan
@@ -41,15 +41,14 @@ from hybridpipe.pipeline.chunks import rank_module
 from hybridpipe.pipeline.schedules import settle_phase
 from hybridpipe.pipeline.stage import loss_of
 from hybridpipe.pipeline.zero3 import gate_stages
-from hybridpipe.profiles.capture import tied_parameters
-from hybridpipe.profiles.losses import as_mean
 from hybridpipe.profiles.zoo import ModelSpec
+from hybridpipe.runtime.aligned import align_state
 from hybridpipe.runtime.allocator import keep_freed_memory
 from hybridpipe.runtime.batches import GivenBatches, is_micro_batch_stream, split_batch, take_micro_batches
-from hybridpipe.runtime.checkpoint import Checkpointer, Restored, reseed, restore_rng
+from hybridpipe.runtime.checkpoint import Checkpointer
 from hybridpipe.runtime.groups import init_distributed, replica_groups, stage_channels
 from hybridpipe.runtime.loader import MicroBatchSlice, StepLoader
-from hybridpipe.runtime.lr import SchedulerFactory, fresh_hyperparameters, replay_scheduler
+from hybridpipe.runtime.lr import SchedulerFactory, fresh_hyperparameters
 from hybridpipe.runtime.nonfinite import NonFiniteWatch
 from hybridpipe.runtime.parts import (
     PRECISIONS,
@@ -62,17 +61,18 @@ from hybridpipe.runtime.parts import (
 )
 from hybridpipe.runtime.prestep import BeforeStep
 from hybridpipe.runtime.scaler import LossScaler
-from hybridpipe.runtime.sharded_optimizer import ShardedOptimizer, for_checkpoint
+from hybridpipe.runtime.sharded_optimizer import ShardedOptimizer
 from hybridpipe.runtime.step_news import FrameNews, carried_routes, loss_totals
 from hybridpipe.runtime.tied import align_tied, repeated_tied, tied_process_groups, tied_sync
 from hybridpipe.runtime.timeline import trace_all_reduces
+from hybridpipe.runtime.trainer_state import TrainerState
 from hybridpipe.runtime.training_config import TrainingConfig, flushes, with_settings
 
 ModelArg = str | ModelSpec | Model | nn.Module | Callable[[], nn.Module]
 OptimizerArg = str | Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None
 
 
-class Trainer:
+class Trainer(TrainerState):
     """This rank's part of a pipelined hybrid-parallel job (see the module docstring).
 
     ``model``: a zoo / ``hf:`` / ``package.module:factory`` spec string, an ``nn.Module`` (built the
@@ -121,22 +121,23 @@ class Trainer:
         self.watch = NonFiniteWatch(self.proc.device, skip=cfg.skip_nonfinite, flushing=flushes(plan),
                                     stage=self.stage_plan.index)
         loss_fn = loss_of(self.model.spec.loss) if cfg.loss_normalization == "tokens" else \
-            self.watch.wrap_loss(as_mean(loss_of(self.model.spec.loss)))
+            self.watch.wrap_mean(loss_of(self.model.spec.loss))
         checked = self.model.checked if self.model.checked.plan == plan else check_plan(self.model.captured, plan)
         self.stages = [st.to(self.proc.device) for st in checked.stages_of_rank(rank, loss=loss_fn)]
-        self.module = rank_module([st.module for st in self.stages])     # every chunk's parameters, each once
+        self._module = rank_module([st.module for st in self.stages])    # every chunk's parameters, each once
+        align_state(plan, rank, [(st.index, st.module) for st in self.stages])   # each rank's own build: one model
         uncounted: Collection[int] = repeated_tied(plan, mine, self.model.module)
         seed_rank(cfg.seed, rank)
         sharded = any(s.shard != "none" for s in self.stage_plans)
         if sharded and cfg.in_place:
             raise UserError("in-place recovery re-forms the replica groups, which a sharded stage's optimizer state is "
                             "split over; use \"shard\": \"none\" or restart from checkpoints")
-        self.optimizer = build_optimizer(optimizer if callable(optimizer) else cfg.optimizer, self.module, cfg.lr,
+        self.optimizer = build_optimizer(optimizer if callable(optimizer) else cfg.optimizer, self._module, cfg.lr,
                                          cfg.momentum, cfg.weight_decay, sharded)
         self._make_scheduler, self._fresh_groups = lr_scheduler, fresh_hyperparameters(self.optimizer)
         self.scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None and \
             isinstance(self.optimizer, torch.optim.Optimizer) else None
-        self._before_step = BeforeStep(self.module, self.optimizer, self.proc.device, self.scaler, cfg.clip_grad_norm,
+        self._before_step = BeforeStep(self._module, self.optimizer, self.proc.device, self.scaler, cfg.clip_grad_norm,
                                        uncounted)
         self._feed = GivenBatches(keep=settle_phase(Topology.from_plan(plan), plan.kind) + 2, fallback=data,
                                   rank=rank, targets=self.takes_targets)
@@ -214,7 +215,7 @@ class Trainer:
             abandon = getattr(sync, "abandon", None)
             if abandon is not None:
                 abandon()
-        for p in self.module.parameters():
+        for p in self._module.parameters():
             p.grad = None
         if self.scaler is not None and self._scaler_at is not None and self._scaler_at[0] == self.step:
             self.scaler.load_state_dict(self._scaler_at[1])
@@ -308,50 +309,6 @@ class Trainer:
         groups = getattr(self.optimizer, "param_groups", [])
         return float(groups[0]["lr"]) if groups else None
 
-    # ---- checkpoints ---------------------------------------------------------------------
-    def save(self, directory: str | Path, *, keep: int = 3) -> Path:
-        """Checkpoint the steps done so far into ``directory`` (collective; runtime/checkpoint.py's
-        format, keeping the ``keep`` newest): weights, optimizer, scheduler, engine and RNG states."""
-        ckpt = self._checkpointer(directory, keep)
-        extra = {"scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-                 "scaler": self.scaler.state_dict() if self.scaler is not None else None}
-        with whole_weights(self.syncs.values()):                # ZeRO-3: the full weights, gathered
-            return ckpt.save(self.step, module=self.module, optimizer=for_checkpoint(self.optimizer),
-                             engine=self.engine.state_dict(), extra=extra,
-                             chunks={st.index: st.module for st in self.stages})
-
-    def load(self, directory: str | Path) -> Restored | None:
-        """Resume from the newest usable checkpoint in ``directory`` (collective): None when it holds
-        none; else what was restored (``.step`` steps done). Training continues bit-identically
-        (a checkpoint of another plan is resharded; then each rank's RNG is re-seeded)."""
-        ckpt = self._checkpointer(directory, 3)
-        restored = ckpt.restore(self.module)
-        if restored is None:
-            return None
-        if restored.resharded and self.scheduler is not None and self._make_scheduler is not None:
-            # the saved schedulers' state is per parameter group of other ranks: replay it to the step
-            self.scheduler = replay_scheduler(self._make_scheduler, self.optimizer, self._fresh_groups, restored.step)
-        with whole_weights(self.syncs.values()):                # ZeRO-3: each replica keeps its pieces
-            ckpt.load_into(restored, self.module, self.optimizer)
-        self.step = restored.step
-        if restored.engine:
-            self.engine.load_state_dict(restored.engine)
-        sched = restored.extra.get("scheduler")
-        if self.scheduler is not None and sched is not None and not restored.resharded:
-            self.scheduler.load_state_dict(sched)
-            # the checkpoint keeps the optimizer's state, not its hyperparameters: the schedule's
-            # learning rate of the next step comes back from the scheduler
-            for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr(), strict=True):
-                group["lr"] = lr
-        scaler = restored.extra.get("scaler")
-        if self.scaler is not None and scaler is not None:
-            self.scaler.load_state_dict(scaler)
-        if restored.rng is not None:
-            restore_rng(restored.rng)           # after everything that draws random numbers
-        else:                                   # resharded from another plan
-            reseed(self.config.seed, self.proc.rank, restored.step)
-        return restored
-
     def close(self) -> None:
         """Close the channels and the sync's threads; leave the job if the trainer joined it."""
         self.channels.close()
@@ -393,11 +350,3 @@ class Trainer:
 
     def _loss_scale(self) -> float:
         return self.scaler.scale if self.scaler is not None else 1.0
-
-    def _checkpointer(self, directory: str | Path, keep: int) -> Checkpointer:
-        key = str(Path(directory).resolve())
-        if key not in self._checkpointers:
-            self._checkpointers[key] = Checkpointer(directory, plan=self.plan, rank=self.proc.rank, keep=keep,
-                                                    tied=tied_parameters(self.model.module))
-        self._checkpointers[key].keep = keep
-        return self._checkpointers[key]

@@ -211,7 +211,8 @@ def _make_trainer(run: _Run, model: Model) -> Trainer:
 def _load_optimizer(trainer: Trainer, model: Model, state: dict) -> None:
     """``--init-from``'s name-keyed optimizer state into the trainer's optimizer."""
     canon = canonical_names(tied_parameters(model.module))
-    names = optimizer_names(trainer.optimizer, trainer.module, canon)
+    with trainer.gathered() as module:          # ZeRO-3: its names only, but trainer.module is freed
+        names = optimizer_names(trainer.optimizer, module, canon)
     trainer.optimizer.load_state_dict(indexed_optimizer_state(state, names, trainer.optimizer.state_dict()))
 
 

@@ -177,3 +177,23 @@ def test_default_targets_are_class_ids_of_the_first_output_tensor():
 def test_factory_mistakes_are_one_line(factory, message):
     with pytest.raises(UserError, match=message):
         resolve_model(f"{MODULE}:{factory}")
+
+
+def test_a_pair_counting_nothing_is_zero_with_zero_gradients_and_others_torchs_division():
+    """An all-padding micro-batch's (loss_sum, count) = (0, 0) under micro-batch normalization adds
+    nothing (it was 0 / 0: NaN); any other pair is loss_sum / count bit for bit, as torch divides."""
+    torch.manual_seed(0)
+    w = torch.randn(8, 5, requires_grad=True)
+    x = torch.randn(6, 8)
+    for labels in (torch.full((6,), -100), torch.tensor([1, -100, 3, 4, -100, 0])):
+        total = torch.nn.functional.cross_entropy(x @ w, labels, ignore_index=-100, reduction="sum")
+        count = (labels != -100).sum()
+        mean = loss_mean((total, count))
+        (grad,) = torch.autograd.grad(mean, w, retain_graph=True)
+        if count == 0:
+            assert float(mean) == 0.0 and torch.equal(grad, torch.zeros_like(w))
+        else:
+            want = torch.nn.functional.cross_entropy(x @ w, labels, ignore_index=-100)
+            (want_grad,) = torch.autograd.grad(total / count, w)
+            assert torch.equal(mean, total / count) and torch.allclose(mean, want)
+            assert torch.equal(grad, want_grad)

@@ -91,7 +91,8 @@ def train_grouped(rank: int, world: int, plan_path: str, clip: float) -> dict:
     for k in range(STEPS):
         losses.append(trainer.train_step(*_batch(trainer, data, k)))
         norms.append(trainer.last_grad_norm)
-    frozen = {n: p.detach().clone().tolist() for n, p in trainer.module.named_parameters() if not p.requires_grad}
+    with trainer.gathered() as module:          # ZeRO-3: trainer.module is freed between steps
+        frozen = {n: p.detach().clone().tolist() for n, p in module.named_parameters() if not p.requires_grad}
     trainer.save(f"{Path(plan_path).parent}/grouped")
     trainer.close()
     return {"losses": losses, "norms": norms, "frozen": frozen}

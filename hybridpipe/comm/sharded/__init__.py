@@ -5,7 +5,7 @@ algorithms, run from their one description (partitioner/cost/collectives.py)."""
 
 from hybridpipe.comm.sharded.gathered import UnitWeights
 from hybridpipe.comm.sharded.halves import Halves, HalvesRunner, plan_halves
-from hybridpipe.comm.sharded.replicas import LEVELS, Piece, ShardedReplicas, whole_weights
+from hybridpipe.comm.sharded.replicas import LEVELS, Piece, ShardedReplicas, readable_weights, whole_weights
 
 __all__ = ["Halves", "HalvesRunner", "plan_halves", "LEVELS", "Piece", "ShardedReplicas", "UnitWeights",
-           "whole_weights"]
+           "readable_weights", "whole_weights"]

@@ -67,6 +67,10 @@ class UnitWeights:
         """Whether unit ``i``'s full weights are there or on their way."""
         return self._state[i] != FREE
 
+    def whole_now(self) -> bool:
+        """Whether every unit's full weights are there (not freed, no gather on its way)."""
+        return all(state == READY for state in self._state)
+
     def gather(self, i: int) -> None:
         """Start unit ``i``'s all-gather (nothing when it is gathered or on its way)."""
         if self._state[i] != FREE:
@@ -119,7 +123,12 @@ class UnitWeights:
     @contextlib.contextmanager
     def whole(self) -> Iterator[None]:
         """Every unit gathered inside (collective: a checkpoint reads or loads the whole weights);
-        afterwards the owned pieces are taken from the weights (a load changed them) and freed."""
+        afterwards the owned pieces are taken from the weights (a load changed them) and freed.
+        Inside another :meth:`whole` (or once the weights stay whole) nothing is gathered or freed:
+        the outer one takes the pieces back."""
+        if self.whole_now():
+            yield
+            return
         for i in range(len(self.params)):
             self.gather(i)
         for i in range(len(self.params)):

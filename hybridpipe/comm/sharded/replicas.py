@@ -367,5 +367,18 @@ def whole_weights(syncs: Iterable[Any]) -> Iterator[None]:
         yield
 
 
+def readable_weights(syncs: Iterable[Any]) -> bool:
+    """Whether the modules of ``syncs`` hold their whole, updated weights now, for a reader outside
+    the step (not collective): ZeRO-1/2's gathers on their way are waited for; False where a ZeRO-3
+    sync's weights are freed (their storages have no bytes: reading them reads freed memory)."""
+    for sync in syncs:
+        gates = getattr(sync, "gates", None)
+        if isinstance(gates, LazyGathers):
+            gates.wait_all()
+        elif isinstance(gates, UnitWeights) and not gates.whole_now():
+            return False
+    return True
+
+
 def _index(shard: UnitShard, param: nn.Parameter) -> int:
     return next(i for i, p in enumerate(shard.unit.params) if p is param)
