@@ -172,22 +172,28 @@ def run_dirs(work: Path, model: str, hosts: int) -> list[Path]:
 
 def group_refiner(profile_path: Path, cluster_path: Path, calibration_paths: Sequence[Path],
                   node_shrink: float | None = 0.0, terms: Sequence[str] = DEFAULT_TERMS,
-                  step_loss: bool = True) -> Refiner:
+                  step_loss: bool = True, step: str = "simulated") -> Refiner:
     """refine (as refine_from_runs does, with ``node_shrink``, ``terms`` and ``step_loss``: refinement.refine)
-    on the group's calibrated profile and calibration; predict_run with the result."""
+    on the group's calibrated profile and calibration; predict_run with the result. ``step``: the step model
+    (``simulated``: the schedule's critical path, ``simulator.predicted_step_ms``, refine_from_runs' default;
+    ``formula``: ``objective.predict_step_ms``'s closed form)."""
     from hybridpipe.partitioner.cost.calibration import load_calibration
     from hybridpipe.partitioner.cost.cluster import load_cluster
     from hybridpipe.partitioner.refine.refinement import predict_run, refine, refined_calibrations, refined_profile
+    from hybridpipe.partitioner.search.objective import formula_step_ms
+    from hybridpipe.pipeline.simulator import predicted_step_ms
     from hybridpipe.profiles.format import load_profile
+    model = {"simulated": predicted_step_ms, "formula": formula_step_ms}[step]
     profile, cluster = load_profile(profile_path), load_cluster(cluster_path)
     cals = [load_calibration(c) for c in calibration_paths]
 
     def refiner(runs: Sequence[RunObservation]) -> Callable[[RunObservation], float]:
         if not runs:                                    # nothing to refine from: the model as calibrated
-            return lambda run: float(predict_run(profile, cluster, cals, run))
-        ref = refine(profile, cluster, cals, runs, node_shrink=node_shrink, terms=terms, step_loss=step_loss)
+            return lambda run: float(predict_run(profile, cluster, cals, run, step=model))
+        ref = refine(profile, cluster, cals, runs, node_shrink=node_shrink, terms=terms, step_loss=step_loss,
+                     step=model)
         prof, refined = refined_profile(profile, ref), refined_calibrations(cluster, cals, ref)
-        return lambda run: float(predict_run(prof, cluster, refined, run))
+        return lambda run: float(predict_run(prof, cluster, refined, run, step=model))
     return refiner
 
 
@@ -266,6 +272,10 @@ def _main(argv: Sequence[str] | None) -> int:
     p.add_argument("--no-step-loss", dest="step_loss", action="store_false",
                    help="refine without the compute lost beside all-reduces fitted from the step times "
                    "(refinement.refine's step_loss; default: fitted, refinement's own)")
+    p.add_argument("--step", choices=("simulated", "formula"), default="simulated",
+                   help="the step model: the schedule's critical path, one step simulated from a barrier "
+                   "(simulator.predicted_step_ms; default, as refine_from_runs) or the partitioner's closed form "
+                   "(objective.predict_step_ms)")
     a = p.parse_args(argv)
     a.terms = DEFAULT_TERMS if a.terms is None else a.terms
     shrink = None if a.node_shrink == "cv" else a.node_shrink
@@ -274,7 +284,7 @@ def _main(argv: Sequence[str] | None) -> int:
     groups: dict[str, list[PlanError]] = {}
     out: dict = {"benchmark": "plans_prediction", "machine": machine(), "results": [str(r) for r in a.results],
                  "drop_stalled": a.drop_stalled, "node_shrink": a.node_shrink, "terms": list(a.terms),
-                 "step_loss": a.step_loss, "groups": {}}
+                 "step_loss": a.step_loss, "step": a.step, "groups": {}}
     spreads: list[float] = []
     found = [(work, model, hosts, cal) for work, results, cal in zip(a.work, a.results, a.calibration or
                                                                       [None] * len(a.work), strict=True)
@@ -286,7 +296,7 @@ def _main(argv: Sequence[str] | None) -> int:
         out["calibrations"][f"{model}, {hosts} hosts"] = [str(c) for c in cal_paths]
         refiner = group_refiner(work / f"{model}.x{hosts}.profile.json",
                                 REPO / "examples" / "clusters" / f"{hosts}x1gbit.json", cal_paths, shrink, a.terms,
-                                a.step_loss)
+                                a.step_loss, a.step)
         plans = plan_errors(runs, refiner, refiner([]))
         nodes = read_json(work / f"{model}.x{hosts}.profile.json", "profile")["nodes"]
         fwd, bwd = [n["forward_ms"] for n in nodes], [n["backward_ms"] for n in nodes]

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hybridpipe.argtypes import output_dir, positive_float, positive_int
-from hybridpipe.commands.refining import Refined, describe, load_run, refine_from_runs, save_refined
+from hybridpipe.commands.refining import Refined, describe, load_run, refine_from_runs, save_refined, simulated_step_ms
 from hybridpipe.commands.runnable import runnable
 from hybridpipe.commands.show import table
 from hybridpipe.errors import UserError, one_line
@@ -270,7 +270,7 @@ def finish(out: Path, args, profile: Profile, cluster: Cluster, calibrations: Se
     if refined is not None:
         for t, obs in zip([t for t in tried if t.index >= 0 and t.exit_code == 0 and t.measured_ms is not None], runs,
                           strict=True):
-            final[t.index] = predict_run(refined.profile, cluster, refined.calibrations, obs)
+            final[t.index] = predict_run(refined.profile, cluster, refined.calibrations, obs, step=simulated_step_ms)
         save_refined(refined, out / "refined")
         print(describe(refined, profile, cluster, calibrations, [*earlier, *runs]))
     rows: list[list[object]] = []

@@ -29,6 +29,8 @@ from hybridpipe.partitioner.refine.refinement import (
     refined_calibrations,
     refined_profile,
 )
+from hybridpipe.partitioner.search.modelcosts import ModelCosts
+from hybridpipe.partitioner.search.objective import Evaluation, Options, StageSpec, StepModel
 from hybridpipe.profiles.format import Profile, save_profile
 from hybridpipe.runtime.timeline import find_rank_traces, load_rank_trace
 
@@ -53,6 +55,13 @@ def load_run(run_dir: str | os.PathLike, stall_limit: float | None = None) -> Ru
     return observe_run(str(base), summary, ranks, stall_limit)
 
 
+def simulated_step_ms(ev: Evaluation, costs: ModelCosts, stages: Sequence[StageSpec], opts: Options) -> float:
+    """The step model runs are predicted with: the schedule's critical path (``simulator.predicted_step_ms``)."""
+    from hybridpipe.pipeline.simulator import predicted_step_ms  # here: the pipeline package imports torch
+
+    return predicted_step_ms(ev, costs, stages, opts)
+
+
 @dataclass(frozen=True)
 class Refined:
     """A refinement and the model it makes: the refined profile and calibrations."""
@@ -64,9 +73,10 @@ class Refined:
 
 def refine_from_runs(profile: Profile, cluster: Cluster, calibrations: Sequence[Calibration],
                      runs: Sequence[RunObservation], algorithms: Sequence[str] = ALGORITHMS,
-                     terms: Sequence[str] = DEFAULT_TERMS) -> Refined:
-    """refine (``terms``: the stage terms to fit, refinement.TERMS) and the refined profile and calibrations."""
-    ref = refine(profile, cluster, calibrations, runs, algorithms, terms=terms)
+                     terms: Sequence[str] = DEFAULT_TERMS, step: StepModel = simulated_step_ms) -> Refined:
+    """refine (``terms``: the stage terms to fit, refinement.TERMS) and the refined profile and calibrations;
+    the leftover terms fitted under ``step`` (default the schedule's critical path, as runs are predicted)."""
+    ref = refine(profile, cluster, calibrations, runs, algorithms, terms=terms, step=step)
     return Refined(ref, refined_profile(profile, ref), refined_calibrations(cluster, calibrations, ref))
 
 
@@ -117,8 +127,8 @@ def describe(refined: Refined, profile: Profile, cluster: Cluster, calibrations:
         out.append(f"  per step beyond what the model prices: {ref.step_overhead_ms:.1f} ms")
     rows: list[list[object]] = []
     for run in runs:
-        before = predict_run(profile, cluster, calibrations, run)
-        after = predict_run(refined.profile, cluster, refined.calibrations, run)
+        before = predict_run(profile, cluster, calibrations, run, step=simulated_step_ms)
+        after = predict_run(refined.profile, cluster, refined.calibrations, run, step=simulated_step_ms)
         measured = run.measured_step_ms
         rows.append([run.name, "|".join(f"{s.first}-{s.last}x{len(s.ranks)}" for s in run.stages),
                      f"{before:.1f}", f"{after:.1f}", f"{measured:.1f}" if measured else "-",

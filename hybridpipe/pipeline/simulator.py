@@ -24,12 +24,17 @@ Discrete-event model, per rank, in instruction order:
   The compute a stage loses beside its replicas' collectives while they overlap its compute
   (the plan's ``overlapped_ring_ms``) lengthens the synced Backward but not its gradients' ready
   times, so the step pays the larger of it and the exposed sync (``objective.predict_step_ms``).
-* Optimizer steps, data loading and the loss's bookkeeping take no time.
+  Where a stage's costs say ``lost_after`` (the refined prediction's, ``simcosts.evaluated_costs``), that
+  compute lengthens nothing here: :func:`barrier_step_ms` charges it; and where they give ``ready_share``,
+  each layer's gradient is ready at that share of the backward.
+* A Step takes the ``step_ms`` of the rank's stages (0 unless given: the plan's optimizer steps are spread
+  over its backwards, ``simcosts.one_stage_costs``); data loading and the loss's bookkeeping take no time.
 
 The step time is measured between the ends of consecutive steps (t_k = when the last rank
 finishes step k's list) in the steady state: the later half of the simulated steps, leaving
 out the first and pipedream's warm-up (which may span several steps) and draining last step.
-Utilisation is measured over the same window.
+Utilisation is measured over the same window. :func:`barrier_step_ms` is one step alone, every rank
+starting it together, as the runtime runs them (:func:`predicted_step_ms`: the refined prediction).
 """
 
 from __future__ import annotations
@@ -46,7 +51,9 @@ from hybridpipe.partitioner.cost.costmodel import CostModel
 from hybridpipe.partitioner.cost.wire import WIRE_BYTES, activation_wire
 from hybridpipe.partitioner.plan import Plan
 from hybridpipe.partitioner.schedule_registry import Schedule
-from hybridpipe.partitioner.search.simcosts import StageCosts, stage_costs
+from hybridpipe.partitioner.search.modelcosts import ModelCosts
+from hybridpipe.partitioner.search.objective import Evaluation, Options, StageSpec, predict_step_ms
+from hybridpipe.partitioner.search.simcosts import StageCosts, evaluated_costs, stage_costs
 from hybridpipe.pipeline.instructions import (
     Backward,
     BackwardInput,
@@ -252,11 +259,13 @@ class _Sim:
                     ms *= 1.0 - (c.input_share if stage > 0 else 0.0)
                 synced = self.sync_next.get((r, stage)) == g
                 # the compute lost beside the sync stretches this backward, not its gradients' ready times
-                self._busy(r, "B" if isinstance(ins, Backward) else "W", g, ms + (c.lost_ms if synced else 0.0), stage)
+                stretch = c.lost_ms if synced and not c.lost_after else 0.0
+                self._busy(r, "B" if isinstance(ins, Backward) else "W", g, ms + stretch, stage)
                 if synced:
                     del self.sync_next[(r, stage)]
                     n = len(c.allreduce_ms)
-                    times = [t0 + ms * (i + 1) / n for i in range(n)]   # i-th gradient ready
+                    shares = c.ready_share[::-1] or [(i + 1) / n for i in range(n)]     # last layer first
+                    times = [t0 + ms * f for f in shares]               # i-th gradient ready
                     nth = self.synced.get((r, stage), 0)
                     self.ready.setdefault((stage, nth), []).append(times)
                     self.synced[(r, stage)] = nth + 1
@@ -267,7 +276,9 @@ class _Sim:
                     return False
                 self.clock[r] = max(now, done)
                 self.waited[(r, stage)] = key[1] + 1
-            case LoadInput() | LoadTarget() | Loss() | Step():
+            case Step():
+                self.clock[r] = now + sum(self.costs[s].step_ms for s in self.topo.stages_of(r))
+            case LoadInput() | LoadTarget() | Loss():
                 pass                # no time of their own: in the stage's forward / backward and the step's sync
             case _:
                 assert_never(ins)
@@ -303,6 +314,40 @@ class _Sim:
         self.group_free[group] = t
         self.sync_done[key] = t
         return t
+
+
+def barrier_step_ms(topo: Topology, schedule: Schedule, costs: Sequence[StageCosts]) -> float:
+    """One flushed step that every rank starts together and that ends when the last rank has synced and
+    stepped: how the runtime runs every step, which it ends with the step's loss summed over all ranks
+    (``Trainer._mean``), so that nothing of the next step overlaps this one's syncs.
+
+    A stage's compute lost beside its collectives (``lost_ms`` where ``lost_after``) slows what computes
+    beside them: where its sync starts before the step's last compute ends (the drain of the other stages;
+    hosts that share CPUs slow each other's compute), that last compute ends that much later, else its own
+    last backward (then it steps, ``step_ms``): the step pays the larger of that and the exposed sync."""
+    res = simulate_topology(topo, schedule, costs, steps=1)
+    end = res.step_ends[0]
+    last = max((iv.t1 for iv in res.intervals if iv.kind in COMPUTE), default=0.0)
+    for stage, c in enumerate(costs):
+        if c.lost_after and c.lost_ms:
+            first = min((iv.t0 for iv in res.intervals if iv.kind == "allreduce" and iv.stage == stage), default=last)
+            own = max(iv.t1 for iv in res.intervals if iv.kind in COMPUTE and iv.stage == stage)
+            end = max(end, (last if first < last else own) + c.lost_ms + c.step_ms)
+    return end
+
+
+def predicted_step_ms(ev: Evaluation, costs: ModelCosts, stages: Sequence[StageSpec], opts: Options) -> float:
+    """The step of an evaluated stage list (``objective.evaluate``) as its schedule's critical path: one step
+    from a barrier (:func:`barrier_step_ms`) of the terms ``objective.predict_step_ms`` adds, each where it
+    happens in the step (``simcosts.evaluated_costs``); never below a stage's transfer term. That is where
+    a replicated stage's sync starts once its last backward is done, which may wait for later stages to
+    drain, and what its replicas' idle time in the fill costs: the formula's closed form sees neither.
+    Asynchronous schedules (no step boundary) and infeasible lists: ``predict_step_ms``."""
+    if opts.schedule.asynchronous or not ev.fits:
+        return predict_step_ms(ev, opts)
+    topo = Topology(tuple(tuple(s.ranks) for s in stages), opts.micro_batches)
+    step = barrier_step_ms(topo, opts.schedule, evaluated_costs(ev, costs, stages, opts))
+    return max(step, max(opts.micro_batches * s.transfer_ms for s in ev.stages))
 
 
 def closed_form_ms(micro_batches: int, n_stages: int, forward_ms: float, backward_ms: float) -> float:

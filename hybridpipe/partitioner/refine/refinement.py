@@ -24,7 +24,9 @@ observations are plain numbers (``observed.py``, read run by run against the mod
   layers' bytes (weighted by their all-reduce time); a class's factor is the weighted geometric
   mean of its estimates. So a 400 MB layer that crawls beside compute does not slow the model's
   small all-reduces, as one overlap_slowdown number would.
-* What is left: each run's measured step against the refined model's prediction for its stages.
+* What is left: each run's measured step against the refined model's prediction for its stages
+  (the step by ``refine(step=...)``: ``objective.predict_step_ms`` here; the commands pass the schedule's
+  critical path, ``pipeline.simulator.predicted_step_ms``, which this package cannot import).
   Three terms explain the rest. Compute lost beside all-reduces that the stages' own compute
   did not show (on hosts that share CPUs a big all-reduce slows the other stages: it shows in
   the steps only), added to the interference per link byte (``interference.py``), is
@@ -102,7 +104,7 @@ from hybridpipe.partitioner.refine.sync import (
 )
 from hybridpipe.partitioner.schedule_registry import get_schedule
 from hybridpipe.partitioner.search.modelcosts import ModelCosts, model_costs
-from hybridpipe.partitioner.search.objective import Options, StageSpec, evaluate, predict_step_ms
+from hybridpipe.partitioner.search.objective import Options, StageSpec, StepModel, evaluate, formula_step_ms
 from hybridpipe.profiles.format import Profile
 
 TERMS = ("replicas", "accumulation")      # what refine(terms=...) may fit beside the node factors (computefit.py)
@@ -140,11 +142,13 @@ def base_costs(profile: Profile, model: CostModel) -> ModelCosts:
 
 def refine(profile: Profile, cluster: Cluster, calibrations: Sequence[Calibration], runs: Sequence[RunObservation],
            algorithms: Sequence[str] = ALGORITHMS, node_shrink: float | None = 0.0,
-           terms: Collection[str] = DEFAULT_TERMS, step_loss: bool = True) -> Refinement:
+           terms: Collection[str] = DEFAULT_TERMS, step_loss: bool = True,
+           step: StepModel = formula_step_ms) -> Refinement:
     """What ``runs`` of ``profile``'s model on ``cluster`` say about the cost model (module docstring).
     ``node_shrink``: how hard the per-node factors are pulled toward the common one (``shrinkage.py``;
     None: cross-validated over the runs' stage layouts). ``terms``: which of :data:`TERMS` to fit as well
-    (``computefit.py``; default both; none: the node factors alone). ``step_loss``: :func:`fit_leftover`'s."""
+    (``computefit.py``; default both; none: the node factors alone). ``step_loss``: :func:`fit_leftover`'s;
+    ``step``: the step model its leftover terms are fitted under (:func:`predict_run`'s)."""
     if not runs:
         raise UserError("nothing to refine from: pass at least one run directory")
     model = CostModel(cluster, list(calibrations))
@@ -191,7 +195,7 @@ def refine(profile: Profile, cluster: Cluster, calibrations: Sequence[Calibratio
                      tied_factor=1.0 if ends.tied is None else max(ends.tied, 1e-3),
                      allreduce_slowdown_groups=fit_groups(evidence), replica_compute=rho,
                      accumulate_s_per_byte=accumulate)
-    return fit_leftover(profile, cluster, calibrations, ref, runs, algorithms, step_loss)
+    return fit_leftover(profile, cluster, calibrations, ref, runs, algorithms, step_loss, step)
 
 
 def search_log(score: Callable[[float], float], grid: Sequence[float]) -> float:
@@ -213,7 +217,8 @@ def search_log(score: Callable[[float], float], grid: Sequence[float]) -> float:
 
 
 def fit_leftover(profile: Profile, cluster: Cluster, calibrations: Sequence[Calibration], ref: Refinement,
-                 runs: Sequence[RunObservation], algorithms: Sequence[str], step_loss: bool = True) -> Refinement:
+                 runs: Sequence[RunObservation], algorithms: Sequence[str], step_loss: bool = True,
+                 step: StepModel = formula_step_ms) -> Refinement:
     """``ref`` with the p2p message latency, the compute lost to all-reduces beyond what the stages'
     own compute showed (``step_loss``; else none), and the step overhead that best explain the measured
     steps (coordinate search: latency, then the loss, then the latency again)."""
@@ -228,7 +233,7 @@ def fit_leftover(profile: Profile, cluster: Cluster, calibrations: Sequence[Cali
         trial = replace(ref, p2p_extra_alpha_s=tuple((lv, delta) for lv in levels),
                         interference_s_per_byte=seen + lost)
         cals = refined_calibrations(cluster, calibrations, trial)
-        pred = [predict_run(prof, cluster, cals, r, algorithms=algorithms) for r in measured]
+        pred = [predict_run(prof, cluster, cals, r, algorithms=algorithms, step=step) for r in measured]
         left = max(0.0, statistics.median([r.measured_step_ms - p for r, p in zip(measured, pred, strict=True)
                                            if r.measured_step_ms]))
         err = sum(abs((p + left - (r.measured_step_ms or 0)) / (r.measured_step_ms or 1))
@@ -312,12 +317,13 @@ def refined_calibrations(cluster: Cluster, calibrations: Sequence[Calibration],
 
 
 def predict_run(profile: Profile, cluster: Cluster, calibrations: Sequence[Calibration], run: RunObservation,
-                optimizer: str = "sgd", algorithms: Sequence[str] = ALGORITHMS) -> float:
+                optimizer: str = "sgd", algorithms: Sequence[str] = ALGORITHMS,
+                step: StepModel = formula_step_ms) -> float:
     """The step time the model predicts for the stages a run ran (its ranks, schedule, micro-batches),
-    tied weights' sums included, as a plan's prediction counts them."""
+    tied weights' sums included, as a plan's prediction counts them; the step itself by ``step``."""
     model = CostModel(cluster, list(calibrations))
     stages = [StageSpec(s.first, s.last, s.ranks) for s in run.stages]
     opts = Options(get_schedule(run.schedule), run.micro_batches, optimizer, math.inf, tuple(algorithms))
-    ev = evaluate(base_costs(profile, model), model, stages, opts)
+    costs = base_costs(profile, model)
     tied = sum(t.predicted_ms for t in priced_tied(profile, stages, model))
-    return predict_step_ms(ev, opts) + tied + model.step_overhead_ms
+    return step(evaluate(costs, model, stages, opts), costs, stages, opts) + tied + model.step_overhead_ms

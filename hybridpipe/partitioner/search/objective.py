@@ -48,7 +48,7 @@ latencies added to the trip and to the gaps: the Plan's prediction.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from hybridpipe.partitioner.cost.computeterms import accumulation_ms, replica_factor
@@ -263,3 +263,13 @@ def predict_step_ms(ev: Evaluation, opts: Options) -> float:
                     opts.micro_batches * s.transfer_ms)
         before += moved
     return worst
+
+
+# (evaluation, the model's costs, its stages, options) -> the step (ms) before tied sums and the per-step overhead
+StepModel = Callable[[Evaluation, ModelCosts, Sequence[StageSpec], Options], float]
+
+
+def formula_step_ms(ev: Evaluation, costs: ModelCosts, stages: Sequence[StageSpec], opts: Options) -> float:  # noqa: ARG001
+    """:func:`predict_step_ms` as a ``StepModel`` (the closed form; ``pipeline.simulator.predicted_step_ms``
+    is the schedule's critical path)."""
+    return predict_step_ms(ev, opts)
