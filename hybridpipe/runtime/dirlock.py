@@ -35,13 +35,16 @@ import fcntl
 import json
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from hybridpipe.errors import UserError
+import torch.distributed as dist
+
+from hybridpipe.errors import UserError, one_line
 from hybridpipe.jsonfile import file_mode
 from hybridpipe.runtime.liveness import host_identity, process_alive
 
@@ -202,6 +205,26 @@ class DirLock:
             os.close(self.fd)
         except OSError:
             pass
+
+
+def lock_for_job(root: str | os.PathLike, rank: int) -> DirLock | None:
+    """Rank 0 locks ``root`` for the job (collective over the default group when there is one: every
+    rank learns the outcome); its DirLock on rank 0, None elsewhere. UserError on every rank when
+    another job has it (nothing written); a line on stderr when a stale lock was taken over."""
+    lock, said = None, [None, ""]
+    if rank == 0:
+        try:
+            lock, note = DirLock.acquire(root, Holder.here())
+            said = [None, note]
+        except UserError as e:
+            said = [one_line(e), ""]
+    if dist.is_initialized():
+        dist.broadcast_object_list(said, src=0)
+    if said[0] is not None:
+        raise UserError(str(said[0]))
+    if said[1] and rank == 0:
+        print(f"hybridpipe: {said[1]}", file=sys.stderr, flush=True)
+    return lock
 
 
 def _read(fd: int) -> Holder | None:

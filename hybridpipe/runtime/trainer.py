@@ -47,6 +47,7 @@ from hybridpipe.profiles.zoo import ModelSpec
 from hybridpipe.runtime.allocator import keep_freed_memory
 from hybridpipe.runtime.batches import GivenBatches, is_micro_batch_stream, split_batch, take_micro_batches
 from hybridpipe.runtime.checkpoint import Checkpointer, Restored, reseed, restore_rng
+from hybridpipe.runtime.dirlock import DirLock, lock_for_job
 from hybridpipe.runtime.groups import init_distributed, replica_groups, stage_channels
 from hybridpipe.runtime.loader import MicroBatchSlice, StepLoader
 from hybridpipe.runtime.lr import SchedulerFactory, fresh_hyperparameters, replay_scheduler
@@ -87,13 +88,14 @@ class Trainer:
     torch.optim.Optimizer``. ``lr_scheduler``: ``optimizer -> torch.optim.lr_scheduler.*``
     (stepped once per training step on every rank; see runtime/lr.py for launch's schedules).
     ``data``: a source of micro-batches by (step, micro-batch) for steps given no batch (launch's
-    ``MicroBatches``). ``recorder``: a timeline recorder (launch's).
+    ``MicroBatches``). ``recorder``: a timeline recorder (launch's). ``locked_dir``: a checkpoint
+    directory whose lock (runtime/dirlock.py) this job already holds (launch's ``--checkpoint-dir``).
     """
 
     def __init__(self, model: ModelArg, plan: Plan | str | Path, config: TrainingConfig | None = None, *,
                  loss: Callable[..., torch.Tensor] | None = None, optimizer: OptimizerArg = None,
                  lr_scheduler: SchedulerFactory | None = None, data: Any = None, example: Any = None,
-                 recorder: Any = None, **settings: Any) -> None:
+                 recorder: Any = None, locked_dir: str | Path | None = None, **settings: Any) -> None:
         self.plan = plan if isinstance(plan, Plan) else load_plan(str(plan))
         if isinstance(optimizer, str):
             settings["optimizer"] = optimizer
@@ -147,6 +149,8 @@ class Trainer:
         self.last_tokens: dict[int, float] = {}      # with tokens: their valid tokens
         self.last_peak_memory_bytes = 0               # what this rank's stage held at its peak in the last step
         self._checkpointers: dict[str, Checkpointer] = {}
+        # the checkpoint directories this job locked (rank 0 holds the DirLock; None: held elsewhere)
+        self._locks: dict[str, DirLock | None] = {} if locked_dir is None else {str(Path(locked_dir).resolve()): None}
 
     def _connect(self) -> None:
         """Everything of this rank that talks to others, for :attr:`plan` (collective: every rank,
@@ -311,7 +315,11 @@ class Trainer:
     # ---- checkpoints ---------------------------------------------------------------------
     def save(self, directory: str | Path, *, keep: int = 3) -> Path:
         """Checkpoint the steps done so far into ``directory`` (collective; runtime/checkpoint.py's
-        format, keeping the ``keep`` newest): weights, optimizer, scheduler, engine and RNG states."""
+        format, keeping the ``keep`` newest): weights, optimizer, scheduler, engine and RNG states.
+        The first save into a directory locks it until :meth:`close` (runtime/dirlock.py: UserError on
+        every rank, nothing written, when another job holds it; two jobs never write one directory)."""
+        if (key := str(Path(directory).resolve())) not in self._locks:
+            self._locks[key] = lock_for_job(directory, self.proc.rank)
         ckpt = self._checkpointer(directory, keep)
         extra = {"scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
                  "scaler": self.scaler.state_dict() if self.scaler is not None else None}
@@ -353,8 +361,13 @@ class Trainer:
         return restored
 
     def close(self) -> None:
-        """Close the channels and the sync's threads; leave the job if the trainer joined it."""
+        """Close the channels and the sync's threads; release the checkpoint directories' locks;
+        leave the job if the trainer joined it."""
         self.channels.close()
+        for lock in self._locks.values():
+            if lock is not None:
+                lock.release()
+        self._locks.clear()
         for sync in self.syncs.values():
             close = getattr(sync, "close", None)
             if close is not None:
