@@ -47,7 +47,7 @@ from hybridpipe.profiles.zoo import ModelSpec
 from hybridpipe.runtime.allocator import keep_freed_memory
 from hybridpipe.runtime.batches import GivenBatches, is_micro_batch_stream, split_batch, take_micro_batches
 from hybridpipe.runtime.checkpoint import Checkpointer, Restored, reseed, restore_rng
-from hybridpipe.runtime.dirlock import DirLock, lock_for_job
+from hybridpipe.runtime.dirlock import SaveLocks
 from hybridpipe.runtime.groups import init_distributed, replica_groups, stage_channels
 from hybridpipe.runtime.loader import MicroBatchSlice, StepLoader
 from hybridpipe.runtime.lr import SchedulerFactory, fresh_hyperparameters, replay_scheduler
@@ -149,8 +149,7 @@ class Trainer:
         self.last_tokens: dict[int, float] = {}      # with tokens: their valid tokens
         self.last_peak_memory_bytes = 0               # what this rank's stage held at its peak in the last step
         self._checkpointers: dict[str, Checkpointer] = {}
-        # the checkpoint directories this job locked (rank 0 holds the DirLock; None: held elsewhere)
-        self._locks: dict[str, DirLock | None] = {} if locked_dir is None else {str(Path(locked_dir).resolve()): None}
+        self._locks = SaveLocks(self.proc.rank, held=locked_dir)      # the checkpoint directories saved into
 
     def _connect(self) -> None:
         """Everything of this rank that talks to others, for :attr:`plan` (collective: every rank,
@@ -225,7 +224,7 @@ class Trainer:
         self.watch.reset()
         self.plan = plan
         self.proc = replace(self.proc, rank=dist.get_rank(), world_size=dist.get_world_size())
-        self._feed.rank = self.proc.rank
+        self._feed.rank = self._locks.rank = self.proc.rank
         self._checkpointers.clear()
         self._connect()
 
@@ -316,10 +315,9 @@ class Trainer:
     def save(self, directory: str | Path, *, keep: int = 3) -> Path:
         """Checkpoint the steps done so far into ``directory`` (collective; runtime/checkpoint.py's
         format, keeping the ``keep`` newest): weights, optimizer, scheduler, engine and RNG states.
-        The first save into a directory locks it until :meth:`close` (runtime/dirlock.py: UserError on
-        every rank, nothing written, when another job holds it; two jobs never write one directory)."""
-        if (key := str(Path(directory).resolve())) not in self._locks:
-            self._locks[key] = lock_for_job(directory, self.proc.rank)
+        The first save into a directory locks it until :meth:`close`: UserError on every rank when
+        another job holds it or it holds checkpoints this trainer did not :meth:`load` (dirlock.SaveLocks)."""
+        self._locks.before_save(directory)
         ckpt = self._checkpointer(directory, keep)
         extra = {"scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
                  "scaler": self.scaler.state_dict() if self.scaler is not None else None}
@@ -334,6 +332,7 @@ class Trainer:
         (a checkpoint of another plan is resharded; then each rank's RNG is re-seeded)."""
         ckpt = self._checkpointer(directory, 3)
         restored = ckpt.restore(self.module)
+        self._locks.loaded(directory)
         if restored is None:
             return None
         if restored.resharded and self.scheduler is not None and self._make_scheduler is not None:
@@ -364,10 +363,7 @@ class Trainer:
         """Close the channels and the sync's threads; release the checkpoint directories' locks;
         leave the job if the trainer joined it."""
         self.channels.close()
-        for lock in self._locks.values():
-            if lock is not None:
-                lock.release()
-        self._locks.clear()
+        self._locks.release()
         for sync in self.syncs.values():
             close = getattr(sync, "close", None)
             if close is not None:

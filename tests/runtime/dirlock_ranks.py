@@ -59,3 +59,24 @@ def second(rank: int, world: int, plan_path: str, ckpt: str, markers: str) -> st
     finally:
         (Path(markers) / "second-done").touch()
 
+
+def fresh_after(rank: int, world: int, plan_path: str, ckpt: str) -> dict:
+    """A run saves 2 steps into ``ckpt`` and ends; a fresh run (another seed, nothing loaded) then saves
+    its step 1 there, and its restart loads ``ckpt``: which run's weights does the restart hold?"""
+    first = _trained(plan_path, seed=3)
+    first.save(ckpt)
+    theirs = {k: v.clone() for k, v in first.module.state_dict().items()}
+    first.close()
+    fresh = _trained(plan_path, seed=4, steps=1)
+    try:
+        fresh.save(ckpt)
+        refused = ""
+    except UserError as e:
+        refused = str(e)
+    fresh.close()
+    restart = Trainer(load_plan(plan_path).model, plan_path, seed=4, lr=0.05, timeout=60)
+    restored = restart.load(ckpt)
+    state = restart.module.state_dict()
+    restart.close()
+    return {"refused": refused, "step": restored.step if restored is not None else None,
+            "theirs": all(torch.equal(state[k], v) for k, v in theirs.items())}

@@ -40,3 +40,18 @@ def test_a_second_trainer_job_on_a_used_checkpoint_dir_is_refused_and_the_first_
     assert "\n" not in second.value
     assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("step-")) == [step_dir(ckpt, 2).name]
 
+
+@pytest.mark.slow
+def test_a_fresh_trainer_refuses_to_save_among_another_runs_checkpoints(tmp_path):
+    """As launch without --resume: a Trainer that did not load a directory's checkpoints never saves
+    among them. Before, a fresh run's first save (step 1) went in beside an ended run's step 2 and
+    its restart's ``load`` resumed from the other run's step 2 without a word."""
+    plan = save_plan(make_plan("mlp", [], [1], micro_batches=2, batch_size=4), tmp_path / "plan.json")
+    ckpt = tmp_path / "ckpt"
+    with Job(RANKS, "fresh_after", 1, (str(plan), str(ckpt))) as job:
+        [result] = job.wait(timeout=120)
+    assert result.returncode == 0, result
+    value = result.value
+    assert value["refused"].startswith(f"{ckpt} already holds checkpoints ({step_dir(ckpt, 2).name})"), value
+    assert "\n" not in value["refused"]
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("step-")) == [step_dir(ckpt, 2).name]
