@@ -261,7 +261,7 @@ def test_fp16_overflow_and_clipping_on_zero3_with_batch_norm_equal_grad_scaler(t
     with clipping after the unscale, grouped SGD under LambdaLR, on 1f1b 2+1+1 with stage 0 on ZeRO-3:
     = torch.autocast + GradScaler (unscale_, clip_grad_norm_, step, update) in one process. Measured:
     weights 1.2e-7, the same scales, norms 5e-7; an overflowing step's norm is not finite, as
-    clip_grad_norm_'s is (before: ``last_grad_norm`` was None at step 0 and still step 2's 0.59 at step 3,
+    clip_grad_norm_'s is (before: ``last_grad_norm`` was None at step 0 and still step 3's 0.155 at step 4,
     so launch's metrics logged a finite norm for a skipped step)."""
     plan = PLANS["1f1b-2+1+1-zero3"]()
     spec = resolve_model(MODEL)
