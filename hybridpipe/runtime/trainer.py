@@ -225,7 +225,7 @@ class Trainer:
         self.plan = plan
         self.proc = replace(self.proc, rank=dist.get_rank(), world_size=dist.get_world_size())
         self._feed.rank = self._locks.rank = self.proc.rank
-        self._checkpointers.clear()
+        self._checkpointers = {k: c.for_plan(plan, self.proc.rank) for k, c in self._checkpointers.items()}
         self._connect()
 
     @property

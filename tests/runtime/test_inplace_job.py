@@ -96,6 +96,28 @@ def test_a_killed_replica_is_taken_over_in_place_and_training_ends_as_one_proces
 
 
 @pytest.mark.slow
+def test_checkpoints_saved_before_an_in_place_recovery_are_still_among_the_kept(tmp_path):
+    """--checkpoint-every 1 --keep-checkpoints 2 across an in-place recovery (rank 2 killed in step 4):
+    the run ends holding its 2 newest steps and ends as one process. Before, the re-formed trainer's
+    new checkpointer started a new lineage, so steps 2 and 3 (the old one's) were never pruned: 4 step
+    directories at the end, and one more pair per recovery."""
+    plan = make_plan(FAULTY.format("victim=2,phase=forward,at=9"), [5], [2, 2], micro_batches=4, batch_size=4)
+    save_plan(plan, tmp_path / "plan.json")
+    argv = args(tmp_path / "plan.json", tmp_path)[1:]
+    argv[argv.index("--checkpoint-every") + 1] = "1"
+    with Job(None, None, 4, launch=[*argv, "--keep-checkpoints", "2"]) as job:
+        deadline = time.monotonic() + 300
+        while 2 not in job.poll():
+            assert time.monotonic() < deadline and len(job.poll()) == 0, job.wait(1)
+            time.sleep(0.005)
+        killed_at = time.time()
+        results = job.wait(timeout=240)
+    assert [r.returncode for r in results] == [0, 0, -9, 0], results
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step-*")) == ["step-000015", "step-000016"]
+    check_in_place(tmp_path, killed_at, 2, train_reference(plan, STEPS, lr=LR, momentum=MOMENTUM, seed=SEED))
+
+
+@pytest.mark.slow
 def test_a_stage_left_without_a_replica_restarts(tmp_path):
     save_plan(plan_of([3, 1]), tmp_path / "plan.json")
     with Job(None, None, 4, launch=args(tmp_path / "plan.json", tmp_path)[1:]) as job:
