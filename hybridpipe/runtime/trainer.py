@@ -287,18 +287,19 @@ class Trainer:
         return self._mean(self.engine.run_eval(given, counts=counts), counts)
 
     def loader(self, dataset: Dataset, *, epoch: int = 0, shuffle: bool = True, seed: int | None = None,
-               num_workers: int = 0, collate_fn: Any = None) -> StepLoader:
+               num_workers: int = 0, collate_fn: Any = None, start: int = 0) -> StepLoader:
         """One epoch of ``dataset`` for this rank, a step at a time (pass each item to train_step or
         eval_step): the first stage's replicas load only their own micro-batches, the last stage's
         their targets, the others nothing (runtime/loader.py). ``seed`` (default: the trainer's)
-        and ``epoch`` fix the shuffle, the same on every rank; pinned memory on GPU."""
+        and ``epoch`` fix the shuffle, the same on every rank; pinned memory on GPU. ``start``: the
+        epoch's first step to yield (after :meth:`load` inside an epoch, the steps it already did)."""
         M = self.plan.micro_batches
         mine = [m for m in range(M) if m % self.stage_plan.replicas == self.replica]
         return StepLoader(dataset, batch_size=self.plan.batch_size, micro_batches=M, mine=mine,
                           inputs=self.stage_plan.index == 0, targets=self.is_last, pairs=self.takes_targets,
                           seed=self.config.seed if seed is None else seed, epoch=epoch, shuffle=shuffle,
                           num_workers=num_workers, pin_memory=self.proc.device.type == "cuda",
-                          collate_fn=collate_fn)
+                          collate_fn=collate_fn, start=start)
 
     @property
     def last_grad_norm(self) -> float | None:
