@@ -140,6 +140,14 @@ class Checkpointer:
         self.tag = tag              # the job's staging name (staging_dir); "": agreed at the first save
         self.trusted: set[int] = set()  # steps known good: written by this job, or verified by every rank's load
 
+    def for_plan(self, plan, rank: int) -> Checkpointer:
+        """This directory's checkpointer for another plan or rank (an in-place recovery re-formed the
+        world): the lineage (every rank knows it), staging name and known-good steps carried over, so
+        the ``keep`` newest are still counted over the whole run."""
+        again = Checkpointer(self.root, plan=plan, rank=rank, every=self.every, keep=self.keep, tied=self.tied)
+        again.lineage, again.tag, again.trusted = self.lineage, self.tag, set(self.trusted)
+        return again
+
     def not_mine(self, stage: int) -> set[str]:
         """Tied parameters another stage writes than ``stage`` (the lowest stage that reads one writes it)."""
         return {self.canon.get(t.param, t.param) for t in getattr(self.plan, "tied", ()) if min(t.stages) != stage}
@@ -157,8 +165,9 @@ class Checkpointer:
         full disk) on any rank stops every rank with the same line (AgreedError): the step is not
         committed, its staging directory is removed, older checkpoints are left as they were."""
         t0 = time.perf_counter()
-        if not self.tag:                    # one staging name per job: rank 0's pick
-            self.tag = str(self._gather(uuid.uuid4().hex[:12])[0])
+        if not self.tag:        # one staging name per job and, unless resumed, a new lineage: rank 0's picks
+            tag, lineage = self._gather((uuid.uuid4().hex[:12], uuid.uuid4().hex[:16]))[0]
+            self.tag, self.lineage = str(tag), self.lineage or str(lineage)
         d = staging_dir(self.root, steps_done, self.tag)
         records: list = []
         held: dict[int, list[str]] = {}

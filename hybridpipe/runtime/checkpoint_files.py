@@ -252,6 +252,15 @@ def sha256_of(path: Path) -> str:
     return h.hexdigest()
 
 
+def check_fresh(root: str | os.PathLike, *, named: str, hint: str) -> None:
+    """A fresh run never writes into checkpoints it did not make: UserError (``named``: how the
+    directory is called, ``hint``: what to do) when ``root`` holds any step directory."""
+    found = sorted(step_dirs(root).values())
+    if found:
+        more = " ..." if len(found) > 3 else ""
+        raise UserError(f"{named} already holds checkpoints ({', '.join(p.name for p in found[-3:])}{more}); {hint}")
+
+
 def step_dirs(root: str | os.PathLike) -> dict[int, Path]:
     """Every ``step-N`` directory under ``root`` (complete or not), by step."""
     base = Path(root)

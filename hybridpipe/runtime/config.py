@@ -23,7 +23,7 @@ from hybridpipe.partitioner.cost.calibration import load_calibration
 from hybridpipe.partitioner.plan import STRATEGIES, Plan, check_plan_fits, check_plan_memory, load_plan
 from hybridpipe.partitioner.plan_options import add_micro_batches_option, add_schedule_option
 from hybridpipe.pipeline.schedules import Topology, check_schedulable
-from hybridpipe.runtime.checkpoint_files import step_dirs
+from hybridpipe.runtime.checkpoint_files import check_fresh
 from hybridpipe.runtime.lr import SCHEDULES as LR_SCHEDULES
 from hybridpipe.runtime.training_config import TrainingConfig
 
@@ -238,12 +238,9 @@ def check_plan_source(args: argparse.Namespace) -> None:
 def check_checkpoint_dir(path: str, *, resume: bool) -> None:
     """A fresh run never writes into checkpoints it did not make: without --resume the directory
     must hold none (a resumed run continues them)."""
-    found = sorted(step_dirs(path).values())
-    if found and not resume:
-        names = ", ".join(p.name for p in found[-3:])
-        more = " ..." if len(found) > 3 else ""
-        raise UserError(f"--checkpoint-dir {path} already holds checkpoints ({names}{more}); "
-                        "continue them with --resume, or pass an empty --checkpoint-dir to start afresh")
+    if not resume:
+        check_fresh(path, named=f"--checkpoint-dir {path}",
+                    hint="continue them with --resume, or pass an empty --checkpoint-dir to start afresh")
 
 
 def env_world_size() -> int:

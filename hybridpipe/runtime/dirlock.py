@@ -35,14 +35,18 @@ import fcntl
 import json
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from hybridpipe.errors import UserError
+import torch.distributed as dist
+
+from hybridpipe.errors import UserError, one_line
 from hybridpipe.jsonfile import file_mode
+from hybridpipe.runtime.checkpoint_files import check_fresh
 from hybridpipe.runtime.liveness import host_identity, process_alive
 
 LOCK_NAME = "hybridpipe.lock"
@@ -202,6 +206,65 @@ class DirLock:
             os.close(self.fd)
         except OSError:
             pass
+
+
+def lock_for_job(root: str | os.PathLike, rank: int, check: Callable[[], None] | None = None) -> DirLock | None:
+    """Rank 0 locks ``root`` for the job (collective over the default group when there is one: every
+    rank learns the outcome); its DirLock on rank 0, None elsewhere. UserError on every rank when
+    another job has it (nothing written), or when ``check`` (run on rank 0 holding the lock) raises
+    one (the lock released); a line on stderr when a stale lock was taken over."""
+    lock, said = None, [None, ""]
+    if rank == 0:
+        try:
+            lock, note = DirLock.acquire(root, Holder.here())
+            said = [None, note]
+            if check is not None:
+                check()
+        except UserError as e:
+            said = [one_line(e), ""]
+            if lock is not None:
+                lock.release()
+                lock = None
+    if dist.is_initialized():
+        dist.broadcast_object_list(said, src=0)
+    if said[0] is not None:
+        raise UserError(str(said[0]))
+    if said[1] and rank == 0:
+        print(f"hybridpipe: {said[1]}", file=sys.stderr, flush=True)
+    return lock
+
+
+class SaveLocks:
+    """The checkpoint directories a Trainer saves into: the first save into one locks it for the
+    job (:func:`lock_for_job`, collective) until :meth:`release`, and refuses one that holds
+    checkpoints the trainer did not load (as launch without ``--resume``: a later load would take
+    the newest of either run's). ``held``: a directory the job locked already (launch's)."""
+
+    def __init__(self, rank: int, held: str | os.PathLike | None = None) -> None:
+        self.rank = rank
+        self.locks: dict[str, DirLock | None] = {} if held is None else {_key(held): None}
+        self.read: set[str] = set()
+
+    def loaded(self, root: str | os.PathLike) -> None:
+        """``root``'s checkpoints were loaded: saving there continues them."""
+        self.read.add(_key(root))
+
+    def before_save(self, root: str | os.PathLike) -> None:
+        if (key := _key(root)) in self.locks:
+            return
+        hint = "trainer.load(it) first to continue them, or save into an empty directory"
+        self.locks[key] = lock_for_job(root, self.rank, None if key in self.read else
+                                       lambda: check_fresh(root, named=str(root), hint=hint))
+
+    def release(self) -> None:
+        for lock in self.locks.values():
+            if lock is not None:
+                lock.release()
+        self.locks.clear()
+
+
+def _key(root: str | os.PathLike) -> str:
+    return str(Path(root).resolve())
 
 
 def _read(fd: int) -> Holder | None:

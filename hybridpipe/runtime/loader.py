@@ -5,7 +5,8 @@
 
 An epoch is a permutation of the dataset (``torch.randperm`` seeded by ``seed + epoch``, as
 ``DistributedSampler`` does; or the dataset's order without ``shuffle``), cut into steps of
-micro-batch size x micro-batches samples (an incomplete last step is dropped). Micro-batch m of
+micro-batch size x micro-batches samples (an incomplete last step is dropped; ``start`` skips the
+epoch's first steps without loading them: a run resumed inside an epoch). Micro-batch m of
 a step is the step's samples ``m*B .. m*B + B - 1``, exactly what a single process would see in
 that order. A stage with r replicas runs micro-batch m on replica ``m % r``, so each replica of
 the first stage loads only its own micro-batches (different samples: every sample of an epoch is
@@ -51,14 +52,17 @@ def micro_batch_indices(order: Sequence[int], step: int, micro_batch: int, batch
 
 
 class RankMicroBatches(Sampler[list[int]]):
-    """A batch sampler yielding, step after step, the index lists of the micro-batches ``mine``."""
+    """A batch sampler yielding, step after step from step ``start``, the index lists of the
+    micro-batches ``mine``; :attr:`steps` counts the steps it yields."""
 
-    def __init__(self, order: Sequence[int], batch_size: int, micro_batches: int, mine: Sequence[int]) -> None:
+    def __init__(self, order: Sequence[int], batch_size: int, micro_batches: int, mine: Sequence[int],
+                 start: int = 0) -> None:
         self.order, self.batch_size, self.micro_batches, self.mine = list(order), batch_size, micro_batches, list(mine)
-        self.steps = len(self.order) // (batch_size * micro_batches)
+        self.start = start
+        self.steps = max(0, len(self.order) // (batch_size * micro_batches) - start)
 
     def __iter__(self) -> Iterator[list[int]]:
-        for k in range(self.steps):
+        for k in range(self.start, self.start + self.steps):
             for m in self.mine:
                 yield micro_batch_indices(self.order, k, m, self.batch_size, self.micro_batches)
 
@@ -72,14 +76,16 @@ class StepLoader:
 
     def __init__(self, dataset: Dataset, *, batch_size: int, micro_batches: int, mine: Sequence[int],
                  inputs: bool, targets: bool, pairs: bool, seed: int = 0, epoch: int = 0, shuffle: bool = True,
-                 num_workers: int = 0, pin_memory: bool = False, collate_fn: Any = None) -> None:
+                 num_workers: int = 0, pin_memory: bool = False, collate_fn: Any = None, start: int = 0) -> None:
         n = len(dataset)  # type: ignore[arg-type]
         if n < batch_size * micro_batches:
             raise UserError(f"the dataset has {n} samples, fewer than one step's {batch_size * micro_batches} "
                             "(micro-batch size x micro-batches)")
         self.inputs, self.targets, self.pairs = inputs, targets, pairs
+        if start < 0:
+            raise UserError(f"start must be >= 0 (the epoch's first step to yield), got {start}")
         self.sampler = RankMicroBatches(epoch_order(n, seed=seed, epoch=epoch, shuffle=shuffle), batch_size,
-                                        micro_batches, mine if inputs or targets else [])
+                                        micro_batches, mine if inputs or targets else [], start)
         collate = collate_fn or getattr(dataset, "collate_fn", None) or default_collate
         self.loader = DataLoader(dataset, batch_sampler=self.sampler, num_workers=num_workers,
                                  pin_memory=pin_memory, collate_fn=collate)

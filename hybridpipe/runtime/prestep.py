@@ -38,7 +38,10 @@ class BeforeStep:
         return self.clip_grad_norm is not None or self.scaler is not None
 
     def __call__(self) -> bool:
-        """fp16's unscale and agreed overflow check (False: every rank skips this step), then the clipping."""
+        """fp16's unscale and agreed overflow check (False: every rank skips this step), then the
+        clipping; a skipped step's norm is still taken (not finite, as ``clip_grad_norm_``'s after
+        GradScaler's ``unscale_``), so :attr:`last_grad_norm` is never the step before's."""
+        found = False
         if self.scaler is not None:
             inv = 1.0 / self.scaler.scale
             bad = torch.zeros(1, device=self.device)
@@ -49,14 +52,13 @@ class BeforeStep:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.group)
             found = bool(bad.item() > 0)
             self.scaler.update(found)
-            if found:
-                return False
         if self.clip_grad_norm is not None:
-            self.clip()
-        return True
+            self.clip(scale=not found)
+        return not found
 
-    def clip(self) -> None:
-        """Scale every gradient by max_norm / norm when the global norm exceeds ``clip_grad_norm``."""
+    def clip(self, scale: bool = True) -> None:
+        """The global norm; with ``scale``, every gradient scaled by max_norm / norm when it exceeds
+        ``clip_grad_norm``."""
         sq = torch.zeros(1, dtype=torch.float64, device=self.device)
         grads = step_gradients(self.module, self.optimizer)
         for g in norm_terms(self.optimizer, self.module, self.replica == 0, self.uncounted):
@@ -65,7 +67,7 @@ class BeforeStep:
         norm = float(sq.sqrt())
         self.last_grad_norm = norm
         coef = float(self.clip_grad_norm or 0.0) / (norm + 1e-6)
-        if coef < 1.0:
+        if scale and coef < 1.0:
             with torch.no_grad():
                 for g in grads:
                     g.mul_(coef)

@@ -46,6 +46,7 @@ from hybridpipe.runtime.aligned import align_state
 from hybridpipe.runtime.allocator import keep_freed_memory
 from hybridpipe.runtime.batches import GivenBatches, is_micro_batch_stream, split_batch, take_micro_batches
 from hybridpipe.runtime.checkpoint import Checkpointer
+from hybridpipe.runtime.dirlock import SaveLocks
 from hybridpipe.runtime.groups import init_distributed, replica_groups, stage_channels
 from hybridpipe.runtime.loader import MicroBatchSlice, StepLoader
 from hybridpipe.runtime.lr import SchedulerFactory, fresh_hyperparameters
@@ -87,13 +88,14 @@ class Trainer(TrainerState):
     torch.optim.Optimizer``. ``lr_scheduler``: ``optimizer -> torch.optim.lr_scheduler.*``
     (stepped once per training step on every rank; see runtime/lr.py for launch's schedules).
     ``data``: a source of micro-batches by (step, micro-batch) for steps given no batch (launch's
-    ``MicroBatches``). ``recorder``: a timeline recorder (launch's).
+    ``MicroBatches``). ``recorder``: a timeline recorder (launch's). ``locked_dir``: a checkpoint
+    directory whose lock (runtime/dirlock.py) this job already holds (launch's ``--checkpoint-dir``).
     """
 
     def __init__(self, model: ModelArg, plan: Plan | str | Path, config: TrainingConfig | None = None, *,
                  loss: Callable[..., torch.Tensor] | None = None, optimizer: OptimizerArg = None,
                  lr_scheduler: SchedulerFactory | None = None, data: Any = None, example: Any = None,
-                 recorder: Any = None, **settings: Any) -> None:
+                 recorder: Any = None, locked_dir: str | Path | None = None, **settings: Any) -> None:
         self.plan = plan if isinstance(plan, Plan) else load_plan(str(plan))
         if isinstance(optimizer, str):
             settings["optimizer"] = optimizer
@@ -148,6 +150,7 @@ class Trainer(TrainerState):
         self.last_tokens: dict[int, float] = {}      # with tokens: their valid tokens
         self.last_peak_memory_bytes = 0               # what this rank's stage held at its peak in the last step
         self._checkpointers: dict[str, Checkpointer] = {}
+        self._locks = SaveLocks(self.proc.rank, held=locked_dir)      # the checkpoint directories saved into
 
     def _connect(self) -> None:
         """Everything of this rank that talks to others, for :attr:`plan` (collective: every rank,
@@ -222,8 +225,8 @@ class Trainer(TrainerState):
         self.watch.reset()
         self.plan = plan
         self.proc = replace(self.proc, rank=dist.get_rank(), world_size=dist.get_world_size())
-        self._feed.rank = self.proc.rank
-        self._checkpointers.clear()
+        self._feed.rank = self._locks.rank = self.proc.rank
+        self._checkpointers = {k: c.for_plan(plan, self.proc.rank) for k, c in self._checkpointers.items()}
         self._connect()
 
     @property
@@ -285,18 +288,19 @@ class Trainer(TrainerState):
         return self._mean(self.engine.run_eval(given, counts=counts), counts)
 
     def loader(self, dataset: Dataset, *, epoch: int = 0, shuffle: bool = True, seed: int | None = None,
-               num_workers: int = 0, collate_fn: Any = None) -> StepLoader:
+               num_workers: int = 0, collate_fn: Any = None, start: int = 0) -> StepLoader:
         """One epoch of ``dataset`` for this rank, a step at a time (pass each item to train_step or
         eval_step): the first stage's replicas load only their own micro-batches, the last stage's
         their targets, the others nothing (runtime/loader.py). ``seed`` (default: the trainer's)
-        and ``epoch`` fix the shuffle, the same on every rank; pinned memory on GPU."""
+        and ``epoch`` fix the shuffle, the same on every rank; pinned memory on GPU. ``start``: the
+        epoch's first step to yield (after :meth:`load` inside an epoch, the steps it already did)."""
         M = self.plan.micro_batches
         mine = [m for m in range(M) if m % self.stage_plan.replicas == self.replica]
         return StepLoader(dataset, batch_size=self.plan.batch_size, micro_batches=M, mine=mine,
                           inputs=self.stage_plan.index == 0, targets=self.is_last, pairs=self.takes_targets,
                           seed=self.config.seed if seed is None else seed, epoch=epoch, shuffle=shuffle,
                           num_workers=num_workers, pin_memory=self.proc.device.type == "cuda",
-                          collate_fn=collate_fn)
+                          collate_fn=collate_fn, start=start)
 
     @property
     def last_grad_norm(self) -> float | None:
@@ -310,8 +314,10 @@ class Trainer(TrainerState):
         return float(groups[0]["lr"]) if groups else None
 
     def close(self) -> None:
-        """Close the channels and the sync's threads; leave the job if the trainer joined it."""
+        """Close the channels and the sync's threads; release the checkpoint directories' locks;
+        leave the job if the trainer joined it."""
         self.channels.close()
+        self._locks.release()
         for sync in self.syncs.values():
             close = getattr(sync, "close", None)
             if close is not None:

@@ -21,6 +21,7 @@ from hybridpipe.partitioner.plan import Plan
 from hybridpipe.pipeline import PipelineEngine
 from hybridpipe.profiles.capture import tied_parameters
 from hybridpipe.runtime.checkpoint import Checkpointer, Restored, reseed, restore_rng
+from hybridpipe.runtime.dirlock import SaveLocks
 from hybridpipe.runtime.groups import Process
 from hybridpipe.runtime.lr import SchedulerFactory, replay_scheduler
 from hybridpipe.runtime.parts import Model
@@ -48,6 +49,7 @@ class TrainerState:
     _make_scheduler: SchedulerFactory | None
     _fresh_groups: list[dict[str, Any]]
     _checkpointers: dict[str, Checkpointer]
+    _locks: SaveLocks
 
     @property
     def module(self) -> nn.Module:
@@ -71,7 +73,10 @@ class TrainerState:
 
     def save(self, directory: str | Path, *, keep: int = 3) -> Path:
         """Checkpoint the steps done so far into ``directory`` (collective; runtime/checkpoint.py's
-        format, keeping the ``keep`` newest): weights, optimizer, scheduler, engine and RNG states."""
+        format, keeping the ``keep`` newest): weights, optimizer, scheduler, engine and RNG states.
+        The first save into a directory locks it until ``close``: UserError on every rank when
+        another job holds it or it holds checkpoints this trainer did not :meth:`load` (dirlock.SaveLocks)."""
+        self._locks.before_save(directory)
         ckpt = self._checkpointer(directory, keep)
         extra = {"scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
                  "scaler": self.scaler.state_dict() if self.scaler is not None else None}
@@ -86,6 +91,7 @@ class TrainerState:
         (a checkpoint of another plan is resharded; then each rank's RNG is re-seeded)."""
         ckpt = self._checkpointer(directory, 3)
         restored = ckpt.restore(self._module)
+        self._locks.loaded(directory)
         if restored is None:
             return None
         if restored.resharded and self.scheduler is not None and self._make_scheduler is not None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -25,14 +24,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hybridpipe.errors import UserError, one_line
+from hybridpipe.errors import UserError
 from hybridpipe.jsonfile import write_json
 from hybridpipe.partitioner.plan import Stage, save_plan
 from hybridpipe.pipeline import MicroBatches
 from hybridpipe.profiles.capture import tied_parameters
 from hybridpipe.runtime.agents import release_exit_barrier
 from hybridpipe.runtime.config import RunConfig
-from hybridpipe.runtime.dirlock import DirLock, Holder
+from hybridpipe.runtime.dirlock import DirLock, lock_for_job
 from hybridpipe.runtime.failure import EXIT_PEER_LOST, FailureGuard, default_store, describe_ranks, suspect_of
 from hybridpipe.runtime.groups import Process, init_distributed
 from hybridpipe.runtime.lr import lr_schedule
@@ -102,22 +101,7 @@ def run_worker(cfg: RunConfig, *, print_fn: Callable[[str], None] = print,
 def _lock_checkpoint_dir(cfg: RunConfig, rank: int) -> DirLock | None:
     """Rank 0 locks ``--checkpoint-dir`` for the job's life (runtime/dirlock.py); every rank learns
     the outcome (collective): UserError on every rank when another job has it, nothing written."""
-    if not cfg.checkpoint_dir:
-        return None
-    lock, said = None, [None, ""]
-    if rank == 0:
-        try:
-            lock, note = DirLock.acquire(cfg.checkpoint_dir, Holder.here())
-            said = [None, note]
-        except UserError as e:
-            said = [one_line(e), ""]
-    if dist.is_initialized():
-        dist.broadcast_object_list(said, src=0)
-    if said[0] is not None:
-        raise UserError(str(said[0]))
-    if said[1] and rank == 0:
-        print(f"hybridpipe: {said[1]}", file=sys.stderr, flush=True)
-    return lock
+    return lock_for_job(cfg.checkpoint_dir, rank) if cfg.checkpoint_dir else None
 
 
 @dataclass
@@ -202,6 +186,7 @@ def _make_trainer(run: _Run, model: Model) -> Trainer:
     """The Python API's Trainer with launch's options."""
     cfg = run.cfg
     trainer = Trainer(model, cfg.plan, cfg.training, recorder=run.recorder, data=make_data(cfg, model.spec),
+                      locked_dir=cfg.checkpoint_dir or None,
                       lr_scheduler=lr_schedule(cfg.lr_schedule, warmup=cfg.warmup_steps, total=cfg.steps))
     if cfg.checkpoint_dir:
         trainer.watch.hint = f"the newest checkpoint in {cfg.checkpoint_dir} is the last good one"

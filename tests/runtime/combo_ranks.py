@@ -196,9 +196,10 @@ def train_then_other(rank: int, world: int, plan_path: str, other_path: str, out
     return value
 
 
-def train_fp16(rank: int, world: int, plan_path: str, out: str, clip: float | None, init_scale: float) -> dict:
-    """STEPS fp16 steps from loss scale ``init_scale`` (grouped SGD, LambdaLR, clipping): losses,
-    norms, scales; saves OUT/fp16."""
+def train_fp16(rank: int, world: int, plan_path: str, out: str, clip: float | None, init_scale: float,
+               force_after: int = -1, forced: float = 0.0) -> dict:
+    """STEPS fp16 steps from loss scale ``init_scale`` (grouped SGD, LambdaLR, clipping), the scale set
+    to ``forced`` after step ``force_after``: losses, norms, scales; saves OUT/fp16."""
     plan = load_plan(plan_path)
     trainer = Trainer(plan.model, plan, optimizer=OPTIMIZERS["sgd"], lr_scheduler=schedule, clip_grad_norm=clip,
                       seed=SEED, timeout=60, precision="fp16", loss_scale=init_scale)
@@ -208,6 +209,8 @@ def train_fp16(rank: int, world: int, plan_path: str, out: str, clip: float | No
     for k in range(STEPS):
         value["losses"].append(trainer.train_step(*_batch(trainer, data, k)))
         value["norms"].append(trainer.last_grad_norm)
+        if k == force_after:
+            trainer.scaler.scale = forced
         value["scales"].append(trainer.scaler.scale)
     trainer.save(f"{out}/fp16")
     trainer.close()

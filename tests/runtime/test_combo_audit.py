@@ -257,16 +257,20 @@ def test_a_module_each_rank_built_differently_trains_as_the_model_its_stages_fir
 @pytest.mark.slow
 def test_fp16_overflow_and_clipping_on_zero3_with_batch_norm_equal_grad_scaler(tmp_path):
     """fp16 from a loss scale of 2^20 (step 0 overflows and is skipped everywhere, BatchNorm's statistics
-    of its forward kept, as in one process) with clipping after the unscale, grouped SGD under LambdaLR,
-    on 1f1b 2+1+1 with stage 0 on ZeRO-3: = torch.autocast + GradScaler (unscale_, clip_grad_norm_,
-    step, update) in one process. Measured: weights 1.2e-7, the same scales, norms 5e-7."""
+    of its forward kept, as in one process), the scale set to 2^20 again after step 2 (step 4 overflows),
+    with clipping after the unscale, grouped SGD under LambdaLR, on 1f1b 2+1+1 with stage 0 on ZeRO-3:
+    = torch.autocast + GradScaler (unscale_, clip_grad_norm_, step, update) in one process. Measured:
+    weights 1.2e-7, the same scales, norms 5e-7; an overflowing step's norm is not finite, as
+    clip_grad_norm_'s is (before: ``last_grad_norm`` was None at step 0 and still step 3's 0.155 at step 4,
+    so launch's metrics logged a finite norm for a skipped step)."""
     plan = PLANS["1f1b-2+1+1-zero3"]()
     spec = resolve_model(MODEL)
     torch.manual_seed(R.SEED)
     model = spec.build()
     opt = R.grouped(list(model.parameters()))
     sched = R.schedule(opt)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 20)
+    init, force_after = 2.0 ** 20, 2
+    scaler = torch.amp.GradScaler("cpu", init_scale=init)
     data, M = data_for(plan, R.STEPS, R.SEED), plan.micro_batches
     norms, scales = [], []
     for k in range(R.STEPS):
@@ -278,11 +282,15 @@ def test_fp16_overflow_and_clipping_on_zero3_with_batch_norm_equal_grad_scaler(t
         scaler.unscale_(opt)
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
         scaler.step(opt)
-        scaler.update()
+        scaler.update(init if k == force_after else None)
         sched.step()
         scales.append(scaler.get_scale())
-    assert not math.isfinite(norms[0]) and all(math.isfinite(n) for n in norms[1:])      # one skipped step
-    for (value,) in run(plan, tmp_path, [["train_fp16", [str(tmp_path), CLIP, 2.0 ** 20]]]):
+    skipped = [k for k, n in enumerate(norms) if not math.isfinite(n)]
+    assert len(skipped) == 2 and skipped[0] == 0 and skipped[1] > force_after   # the second after good steps
+    for (value,) in run(plan, tmp_path, [["train_fp16", [str(tmp_path), CLIP, init, force_after, init]]]):
         assert value["scales"] == scales
-        assert value["norms"][1:] == pytest.approx(norms[1:], rel=1e-5)
+        assert None not in value["norms"], value
+        assert [k for k, n in enumerate(value["norms"]) if not math.isfinite(n)] == skipped, value
+        assert [value["norms"][k] for k in range(R.STEPS) if k not in skipped] == \
+            pytest.approx([norms[k] for k in range(R.STEPS) if k not in skipped], rel=1e-5)
     assert max_diff(final_weights(tmp_path / "fp16", R.STEPS), model.state_dict()) <= 1e-6

@@ -17,7 +17,7 @@ import pytest
 
 from hybridpipe.errors import UserError
 from hybridpipe.partitioner.plan import save_plan
-from hybridpipe.runtime.dirlock import LOCK_NAME, DirLock, Holder, judge
+from hybridpipe.runtime.dirlock import LOCK_NAME, DirLock, Holder, SaveLocks, judge
 from tests import forked
 from tests.pipeline.harness import make_plan
 from tests.runtime.jobs import ROOT, _env
@@ -121,6 +121,28 @@ def test_a_dead_holder_whose_child_keeps_the_lock_is_taken_over_and_claimed_when
         os.close(fd)
     finally:
         lock.release()
+
+
+# ---- the Trainer's saves (one process, no process group) -------------------------------------------
+def test_a_trainers_first_save_locks_and_refuses_checkpoints_it_did_not_load(tmp_path):
+    """SaveLocks (Trainer.save): a directory holding another run's step is refused, nothing locked;
+    once loaded it is continued; while one holds it a second is refused; release lets go."""
+    (tmp_path / "step-000002").mkdir()
+    first = SaveLocks(0)
+    with pytest.raises(UserError, match=r"already holds checkpoints \(step-000002\); trainer.load\(it\) first"):
+        first.before_save(tmp_path)
+    assert first.locks == {} and (tmp_path / LOCK_NAME).read_text() == ""
+    first.loaded(tmp_path)
+    first.before_save(tmp_path)
+    first.before_save(tmp_path)                          # once per directory
+    second = SaveLocks(0)
+    second.loaded(tmp_path)
+    with pytest.raises(UserError, match="is in use by another job"):
+        second.before_save(tmp_path)
+    first.release()
+    second.before_save(tmp_path)
+    second.release()
+    assert SaveLocks(0, held=tmp_path).locks == {str(tmp_path.resolve()): None}    # launch's: not locked again
 
 
 # ---- two jobs on one directory -----------------------------------------------------------------

@@ -76,23 +76,45 @@ def check_in_place(out: Path, killed_at: float, victim: int, expected: dict[str,
     return event
 
 
+def killing_itself(argv: list[str], victim: int) -> tuple[list, float]:
+    """Launch's 4 ranks on ``argv`` until they end: their results, and when ``victim`` (a Fault that
+    kills itself) was seen gone, the others still running."""
+    with Job(None, None, 4, launch=argv) as job:
+        deadline = time.monotonic() + 300
+        while victim not in job.poll():
+            assert time.monotonic() < deadline and len(job.poll()) == 0, job.wait(1)
+            time.sleep(0.005)
+        killed_at = time.time()
+        return job.wait(timeout=240), killed_at
+
+
 def test_a_killed_replica_is_taken_over_in_place_and_training_ends_as_one_process(tmp_path):
     # rank 2 (stage 1's first replica: the rank that reports) SIGKILLs itself in its 5th forward
     # (step 2), never inside the step's final all-reduce (the commit point, where a kill may leave
     # the survivors a step apart: then the job restarts, test_inplace.py)
     plan = make_plan(FAULTY.format("victim=2,phase=forward,at=5"), [5], [2, 2], micro_batches=4, batch_size=4)
     save_plan(plan, tmp_path / "plan.json")
-    with Job(None, None, 4, launch=args(tmp_path / "plan.json", tmp_path)[1:]) as job:
-        deadline = time.monotonic() + 300
-        while 2 not in job.poll():
-            assert time.monotonic() < deadline and len(job.poll()) == 0, job.wait(1)
-            time.sleep(0.005)
-        killed_at = time.time()
-        results = job.wait(timeout=240)
+    results, killed_at = killing_itself(args(tmp_path / "plan.json", tmp_path)[1:], 2)
     assert results[2].returncode == -9
     assert [r.returncode for r in results if r.rank != 2] == [0, 0, 0], results
     event = check_in_place(tmp_path, killed_at, 2, train_reference(plan, STEPS, lr=LR, momentum=MOMENTUM, seed=SEED))
     print(f"in place: {event}")
+
+
+@pytest.mark.slow
+def test_checkpoints_saved_before_an_in_place_recovery_are_still_among_the_kept(tmp_path):
+    """--checkpoint-every 1 --keep-checkpoints 2 across an in-place recovery (rank 2 killed in step 4):
+    the run ends holding its 2 newest steps and ends as one process. Before, the re-formed trainer's
+    new checkpointer started a new lineage, so steps 2 and 3 (the old one's) were never pruned: 4 step
+    directories at the end, and one more pair per recovery."""
+    plan = make_plan(FAULTY.format("victim=2,phase=forward,at=9"), [5], [2, 2], micro_batches=4, batch_size=4)
+    save_plan(plan, tmp_path / "plan.json")
+    argv = args(tmp_path / "plan.json", tmp_path)[1:]
+    argv[argv.index("--checkpoint-every") + 1] = "1"
+    results, killed_at = killing_itself([*argv, "--keep-checkpoints", "2"], 2)
+    assert [r.returncode for r in results] == [0, 0, -9, 0], results
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step-*")) == ["step-000015", "step-000016"]
+    check_in_place(tmp_path, killed_at, 2, train_reference(plan, STEPS, lr=LR, momentum=MOMENTUM, seed=SEED))
 
 
 @pytest.mark.slow

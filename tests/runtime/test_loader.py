@@ -25,9 +25,9 @@ class Numbered(Dataset):
         return torch.tensor(i), torch.tensor(1000 + i)
 
 
-def loaders(data, replicas: int, *, first: bool, last: bool, B=2, M=6, epoch=0, workers=0):
+def loaders(data, replicas: int, *, first: bool, last: bool, B=2, M=6, epoch=0, workers=0, start=0):
     return [StepLoader(data, batch_size=B, micro_batches=M, mine=[m for m in range(M) if m % replicas == j],
-                       inputs=first, targets=last, pairs=True, seed=7, epoch=epoch, num_workers=workers)
+                       inputs=first, targets=last, pairs=True, seed=7, epoch=epoch, num_workers=workers, start=start)
             for j in range(replicas)]
 
 
@@ -64,3 +64,18 @@ def test_epochs_shuffle_differently_and_a_too_small_dataset_is_refused():
     assert epoch_order(5, seed=1, epoch=3, shuffle=False) == [0, 1, 2, 3, 4]
     with pytest.raises(UserError, match="fewer than one step's 12"):
         loaders(Numbered(5), 1, first=True, last=False)
+
+
+def test_a_loader_started_inside_an_epoch_yields_the_rest_of_it_and_loads_nothing_before():
+    """A run resumed after step 2 of an epoch of 4 (``start=2``): the steps the uninterrupted run's
+    loader yields third and fourth, and nothing of the first two is read."""
+    whole = [{m: x.tolist() for m, x in part.inputs.items()} for part in loaders(Numbered(50), 2, first=True,
+                                                                                   last=False, epoch=1)[1]]
+    data = Numbered(50)
+    [rest] = loaders(data, 2, first=True, last=False, epoch=1, start=2)[1:]
+    assert len(rest) == 2
+    assert [{m: x.tolist() for m, x in part.inputs.items()} for part in rest] == whole[2:]
+    assert sorted(data.fetched) == sorted(i for step in whole[2:] for x in step.values() for i in x)
+    assert len(loaders(Numbered(50), 1, first=True, last=False, start=4)[0]) == 0
+    with pytest.raises(UserError, match="start must be >= 0"):
+        loaders(Numbered(50), 1, first=True, last=False, start=-1)
