@@ -46,6 +46,10 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes per rank")
     args = p.parse_args()
 
+    checkpoints = args.out / "checkpoints"
+    if any(checkpoints.glob("step-*")):       # trainer.save would refuse them at the end, after training
+        raise SystemExit(f"{checkpoints} holds another run's checkpoints: pass another --out "
+                         "(trainer.load(dir) resumes a run, as launch --resume does)")
     dist.init_process_group("gloo")          # torchrun's environment; Trainer joins this group
     rank = dist.get_rank()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -81,7 +85,7 @@ def main() -> None:
                 break
         if trainer.step == args.steps:
             break
-    path = trainer.save(args.out / "checkpoints")            # trainer.load(...) resumes from it
+    path = trainer.save(checkpoints)                         # trainer.load(...) resumes from it
     if rank == 0:
         print(f"saved {path} (merge the stages: hybridpipe merge-checkpoint {args.out / 'checkpoints'} -o model.pt)")
     trainer.close()

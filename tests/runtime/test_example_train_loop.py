@@ -18,3 +18,7 @@ def test_the_train_loop_example_runs_under_torchrun_and_the_held_out_loss_falls(
     after = [float(x) for x in re.findall(r"held-out ([\d.]+)  lr", done.stdout)]
     assert len(after) == 2 and before > 5.0 and after[-1] < before - 1.5, done.stdout
     assert (tmp_path / "checkpoints" / "step-000020" / "manifest.json").exists()
+    # run again on the same --out: refused at once (Trainer.save would refuse it only after training)
+    again = torchrun(["--steps", "20", "--out", str(tmp_path)], 4, entry=[str(ROOT / "examples" / "train_loop.py")],
+                     timeout=300)
+    assert again.returncode != 0 and "holds another run's checkpoints: pass another --out" in again.stderr, again
