@@ -13,8 +13,8 @@ from their own memory). Received tensors are fresh and owned by the caller.
 
 Modes (``MODES``): ``per-tensor`` (PipeDream's original, the baseline), ``sa`` (default) and
 ``sra`` (needs ``order``, see order.link_orders; without it ``sra`` behaves exactly like
-``sa``). See links.py for the threads of each. All ranks must use the same mode (checked when
-the channels open).
+``sa``). See links.py, link_sa.py and link_sra.py for the threads of each. All ranks must use the
+same mode (checked when the channels open).
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ from hybridpipe.comm.p2p import wire
 from hybridpipe.comm.p2p.device import check_device, hand_over, mark_ready
 from hybridpipe.comm.p2p.errors import P2PError, P2PTimeout, ProtocolError
 from hybridpipe.comm.p2p.groups import PairGroups, pair_groups
+from hybridpipe.comm.p2p.link_sa import SaLink
 from hybridpipe.comm.p2p.link_sra import SraLink
-from hybridpipe.comm.p2p.links import Link, LinkConfig, PerTensorLink, SaLink, TransferHook
+from hybridpipe.comm.p2p.links import Link, LinkConfig, PerTensorLink, TransferHook
 from hybridpipe.comm.p2p.mailbox import Expired
 from hybridpipe.comm.p2p.order import Op, check_order, mirror, order_digest
 from hybridpipe.comm.p2p.wire import Flag
