@@ -134,8 +134,9 @@ class Channels:
         """Block until the next message from ``peer`` arrives and return its tensors.
 
         Raises ProtocolError if that message has another key (it stays queued), P2PTimeout
-        after ``timeout`` seconds (the message may still arrive; a later ``recv`` gets it),
-        PeerLost if the peer died or closed its channels.
+        after ``timeout`` seconds (the message may still arrive and a later ``recv`` get it, unless
+        the caller was receiving itself, see link_sa.py: then gloo closes the connection and the
+        link stays failed), PeerLost if the peer died or closed its channels.
         """
         link = self._links.get(peer) if type(peer) is int else None
         if link is None or self._closed or type(key) is not str or key not in self._keys:
