@@ -12,7 +12,7 @@ Counted on the calling thread around each call, in separate passes: Python funct
 (``sys.setprofile`` "call" events, per source file) and calls of C built-ins ("c_call"; calls made
 by this script's own code are left out), then the aten ops the call dispatches (a
 ``TorchDispatchMode``), then its thread CPU (``time.thread_time_ns``; load-dependent, a median).
-Rank 1 counts its ``Channels.recv`` (the hand-over from the link's receive thread) and, per
+Rank 1 counts its ``Channels.recv`` (the frame it receives itself or the receive thread hands over) and, per
 frame, the link's own threads (``threading.setprofile``; their aten ops through a wrapper of
 ``FrameReceiver.receive``). (The process's CPU per message is not reported: in this tight loop
 gloo's event-loop thread spins while a receive waits, on both sides, and it swamps the rest.)

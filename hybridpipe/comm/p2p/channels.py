@@ -13,8 +13,8 @@ from their own memory). Received tensors are fresh and owned by the caller.
 
 Modes (``MODES``): ``per-tensor`` (PipeDream's original, the baseline), ``sa`` (default) and
 ``sra`` (needs ``order``, see order.link_orders; without it ``sra`` behaves exactly like
-``sa``). See links.py for the threads of each. All ranks must use the same mode (checked when
-the channels open).
+``sa``). See links.py, link_sa.py and link_sra.py for the threads of each. All ranks must use the
+same mode (checked when the channels open).
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ from hybridpipe.comm.p2p import wire
 from hybridpipe.comm.p2p.device import check_device, hand_over, mark_ready
 from hybridpipe.comm.p2p.errors import P2PError, P2PTimeout, ProtocolError
 from hybridpipe.comm.p2p.groups import PairGroups, pair_groups
+from hybridpipe.comm.p2p.link_sa import SaLink
 from hybridpipe.comm.p2p.link_sra import SraLink
-from hybridpipe.comm.p2p.links import Link, LinkConfig, PerTensorLink, SaLink, TransferHook
+from hybridpipe.comm.p2p.links import Link, LinkConfig, PerTensorLink, TransferHook
 from hybridpipe.comm.p2p.mailbox import Expired
 from hybridpipe.comm.p2p.order import Op, check_order, mirror, order_digest
 from hybridpipe.comm.p2p.wire import Flag
@@ -133,8 +134,9 @@ class Channels:
         """Block until the next message from ``peer`` arrives and return its tensors.
 
         Raises ProtocolError if that message has another key (it stays queued), P2PTimeout
-        after ``timeout`` seconds (the message may still arrive; a later ``recv`` gets it),
-        PeerLost if the peer died or closed its channels.
+        after ``timeout`` seconds (the message may still arrive and a later ``recv`` get it, unless
+        the caller was receiving itself, see link_sa.py: then gloo closes the connection and the
+        link stays failed), PeerLost if the peer died or closed its channels.
         """
         link = self._links.get(peer) if type(peer) is int else None
         if link is None or self._closed or type(key) is not str or key not in self._keys:

@@ -291,7 +291,7 @@ class FrameReceiver(_End):
         else:
             meta = raw[wire.HEADER_BYTES:wire.HEADER_BYTES + header.meta_len] if header.meta_len else b""
             body = buf
-            if self.prepost:        # the next frame may flow while this one is delivered
+            if self.prepost and self.cuda:      # the next frame may flow while this one's data arrives
                 self._ahead = self._post(self.capacity, what)
         layout = self._known.get((header.key, header.n_tensors)) if not flags & Flag.META else None
         if layout is None or layout.payload_bytes != header.payload_bytes:
@@ -302,6 +302,14 @@ class FrameReceiver(_End):
             raise ProtocolError(self.peer, what, f"header announces a body of {header.body_bytes} bytes, "
                                 f"the metadata {layout.body_bytes}")
         tensors = wire.unflatten(body if header.body_bytes else None, layout.metas, base, layout.offsets)
+        if self.prepost and not flags & Flag.SPLIT:     # (a split frame's rest posted it)
+            # posted once this frame is read, not at once: by then the transport's thread that
+            # delivered it has let go of the connection (posting contended for its lock). A peer
+            # that died after sending this frame fails the next receive, not this one
+            try:
+                self._ahead = self._post(self.capacity, what)
+            except P2PError:
+                self._ahead = None      # posted again (and failing) by the next receive
         return Frame(header, tensors, None, t0, clock() if clock is not None else 0.0)
 
     def _post(self, size: int, what: str) -> tuple[torch.Tensor, Any]:

@@ -2,20 +2,17 @@
 
 * :class:`PerTensorLink` (``per-tensor``, PipeDream's original): a thread per direction and
   tensor slot ("lane"); tensor i of every message travels on lane i with blocking operations.
-* :class:`SaLink` (``sa``, seed 003's impl-SA): one send and one receive thread; all tensors of
-  a message are posted non-blocking, then waited for in order. On CPU the caller posts a
-  message itself (gloo's isend does not block) and the send thread only waits for it to
-  leave: the transfer starts without waiting for a thread to be scheduled. Where nobody
-  records each send's completion time (no ``on_transfer``: no timeline), a CPU link has no
-  send thread at all: the caller waits for its earlier frames to that peer when it posts the
-  next one, and in ``flush`` / ``close`` (as torch's schedules wait their sends). That wait never
-  depends on the receiving program: the peer's receive thread always has a receive posted.
+* :class:`SaLink` (``sa``, seed 003's impl-SA, in link_sa.py): one send and one receive thread;
+  all tensors of a message are posted non-blocking, then waited for in order. On CPU the caller
+  posts a message itself, and without a timeline waits for its earlier frames itself (no send
+  thread) and, while it comes back faster than frames arrive, receives itself too (see there).
+  A send's wait never depends on the receiving program for longer than link_sa.PARK_S.
 * :class:`SraLink` (``sra``, impl-SRA, in link_sra.py): one thread that performs the link's transfers in both
   directions in an order fixed in advance (see order.py), in lockstep with the peer's thread.
 
 Receive threads of ``per-tensor`` and ``sa`` always have the next frame's receive posted (they
-prefetch without bound), so a send never waits for the receiving program: any program that
-would run with unbounded buffers runs here, whatever the stage graph (fan-in, skip edges); a
+prefetch without bound; a parked ``sa`` thread within PARK_S), so a send never waits for the receiving
+program: any program that would run with unbounded buffers runs here, whatever the stage graph (fan-in, skip edges); a
 frame is one message into that receive (see wire.py). ``sra`` posts its receive only when its
 order says so. A link ends with a CLOSE frame in each direction (see Channels.close).
 
@@ -32,7 +29,6 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -215,110 +211,6 @@ class Link:
     def _mismatch(self, key: str, found: str) -> ProtocolError:
         return ProtocolError(self.peer, f"recv {key!r}", f"the next message from rank {self.peer} is "
                              f"{found!r}; both ranks must send and receive in the same order")
-
-
-class SaLink(Link):
-    mode = "sa"
-
-    def __init__(self, peer: int, groups: PairGroups, cfg: LinkConfig) -> None:
-        super().__init__(peer, groups, cfg)
-        self.inbox: QueueBox[Frame] = QueueBox()                 # the caller is the one taker
-        self.inboxes = []
-        self.outbox: queue.SimpleQueue = queue.SimpleQueue()     # C-level hand-over: no Python lock per frame
-        self.msg_out = 0
-        self.direct = self.device.type != "cuda"    # the caller posts (see the module docstring)
-        # ... and, where no completion time is recorded, waits for the frames itself: no send thread
-        self.lazy = self.direct and cfg.on_transfer is None
-        self.pending: deque[Posted] = deque()       # lazy: posted frames not yet waited for, oldest first
-        if not self.lazy:
-            self._thread(self._send_loop, "send")
-        self._thread(self._recv_loop, "recv")
-
-    def submit(self, key, items, ready) -> None:
-        if self.sent.error is not None or self.closed_by_peer:
-            self.check_usable(f"send {key!r}")
-        if self.lazy:
-            pending = self.pending
-            try:
-                pending.append(self.senders[0].post(key, self.msg_out, len(items), items))
-            except P2PError as e:
-                self._fail(e)
-                raise
-            self.last_sent_key = key
-            self.msg_out += 1
-            if len(pending) > 1:        # the frames before this one have left by now (see _send_deadline)
-                self._reap(1, None)     # each within the send bound (a fixed wait: no clock read)
-            return
-        sub = Submission(key, items, ready, self.msg_out, len(items))
-        if self.direct:
-            try:
-                sub.posted = self.senders[0].post(key, sub.msg, sub.parts, items, ready=ready)
-            except P2PError as e:
-                self._fail(e)
-                raise
-        self.sent.post()
-        self.last_sent_key = key
-        self.outbox.put(sub)
-        self.msg_out += 1
-
-    def boxes(self) -> Sequence[Box]:
-        return (self.inbox,)
-
-    def take(self, key: str, deadline: float) -> Frame:
-        if (head := self.inbox.take_if(deadline, key)).key != key:
-            raise self._mismatch(key, head.key)
-        return head
-
-    def request_close(self) -> None:
-        if not self.lazy:
-            self.outbox.put(CLOSE)
-            return
-        try:                            # posted now, waited for in join
-            self.pending.append(self.senders[0].post("close", 0, 0, [], flags=Flag.CLOSE))
-        except P2PError as e:
-            log.warning("rank %d: could not send close to rank %d: %s", self.rank, self.peer, e)
-
-    def wait_sent(self, deadline: float) -> None:
-        if self.lazy:
-            self._reap(0, deadline)
-        else:
-            super().wait_sent(deadline)
-
-    def join(self, deadline: float) -> list[str]:
-        if self.lazy:
-            try:
-                self._reap(0, deadline)
-            except P2PError as e:
-                log.warning("rank %d: closing the link to rank %d: %s", self.rank, self.peer, e)
-        return super().join(deadline)
-
-    def _reap(self, keep: int, deadline: float | None) -> None:
-        """Lazy sends: wait (on the caller's thread) until at most ``keep`` frames are in flight,
-        until ``deadline`` or (None) each frame at most the send bound.
-        A failed link raises its failure at once: its frames will never leave, and waiting for them
-        again would spend the whole timeout a second time."""
-        pending, sender, wait = self.pending, self.senders[0], self._send_wait
-        while len(pending) > keep:
-            if (err := self.sent.error) is not None:
-                raise err
-            try:
-                sender.complete(pending[0], deadline, wait)
-            except P2PError as e:
-                self._fail(e)
-                raise
-            pending.popleft()
-
-    def _send_loop(self) -> None:
-        while (item := self.outbox.get()) is not CLOSE:
-            self._send(self.senders[0], item)
-        self._send_close(self.senders[0])
-
-    def _recv_loop(self) -> None:
-        receive, wait = self.receivers[0].receive, self._idle_wait
-        while True:
-            f = receive(None, wait=wait)        # at most idle_timeout, as _deadline()
-            if not self._received(self.inbox, f, f):    # the frame is the message
-                return
 
 
 class PerTensorLink(Link):

@@ -125,6 +125,10 @@ class QueueBox(Generic[T]):
     def error(self) -> P2PError | None:
         return self._error
 
+    def empty(self) -> bool:
+        """Nothing to take yet (no item, no failure): a ``take`` now would wait."""
+        return self._head is _EMPTY and self._q.empty()
+
     def peek(self, deadline: float) -> T:
         """The head item, waiting until ``deadline`` (``time.monotonic()``); not removed. Raises the
         sticky failure once the items before it are taken, or :class:`Expired`."""

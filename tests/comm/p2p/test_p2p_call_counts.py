@@ -1,8 +1,9 @@
 """A steady-state message on a CPU ``sa`` channel (the default) costs a bounded number of Python
-calls and aten ops: on the caller's thread for ``send`` and for ``recv`` (the hand-over from the
-receive thread), and per frame in the receive thread. What benchmarks/p2p_calls.py counts; counts
-do not depend on the load, so the bounds (the measured counts) are exact: a change that adds work
-to every message fails here, one that removes some lowers them."""
+calls and aten ops: on the caller's thread for ``send`` and for ``recv``, and per frame in the
+receive thread (none: a caller that comes back faster than frames arrive receives itself,
+link_sa.py). What benchmarks/p2p_calls.py counts; counts do not depend on the load, so the bounds
+(the measured counts) are exact: a change that adds work to every message fails here, one that
+removes some lowers them."""
 
 from __future__ import annotations
 
@@ -15,11 +16,11 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hybridpipe.comm.p2p import open_channels
+from hybridpipe.comm.p2p import link_sa, open_channels
 from tests.comm.p2p.procs import expect_ok, run_ranks
 
 WARMUP, COUNTED = 16, 32
-C_SEND, C_THREAD = 26, 13         # C built-in calls per send and per frame in the receive thread
+C_SEND, C_RECV = 26, 18           # C built-in calls per send and per recv (the frame received by the caller)
 KEYS = [f"act/0/{m}" for m in range(8)]         # the engine's keys: repeating over micro-batches
 GRAD_KEYS = [f"grad/1/{m}" for m in range(8)]
 
@@ -51,6 +52,9 @@ class _Ops(TorchDispatchMode):
 
 
 def _count(rank: int, world: int) -> dict:
+    # the receiver comes back within this, so its receive thread, once parked, stays parked (even
+    # under load: a thread that took the receive back would count again; see link_sa)
+    link_sa.PARK_S = 30.0
     in_thread = _Calls()
     threading.setprofile(lambda *a: in_thread(*a) if threading.current_thread().name.endswith("-recv") else None)
     try:
@@ -62,6 +66,8 @@ def _count(rank: int, world: int) -> dict:
 
     def call(i: int, keys: list[str] = KEYS, sent: list[dict] = msgs) -> None:
         if rank == 0:
+            if i == 0:
+                time.sleep(0.3)     # rank 1 waits for the first frame: its receive thread hands it over and parks
             ch.send(1, keys[i % 8], sent[i % 8])
         else:
             ch.recv(0, keys[i % 8])
@@ -102,7 +108,8 @@ def _count(rank: int, world: int) -> dict:
 
 def test_a_message_costs_the_counted_calls_and_ops():
     """Base (1256dd4): send 31 Python calls, receive 9, the receive thread 13 per frame; base (dfbcf8c):
-    send 3 aten ops (an activation) and 30 C built-ins, the receive thread 19 C built-ins a frame."""
+    send 3 aten ops (an activation) and 30 C built-ins, the receive thread 19 C built-ins a frame;
+    base (5ec02b1): receive 3 Python calls, the receive thread 8 and 13 C built-ins a frame."""
     values = expect_ok(run_ranks(_count, 2, timeout=60))
     send, recv = values[0], values[1]
     # 10 a send: Channels.send, SaLink.submit, FrameSender.post, MetaCache.sent, FrameSender._buffer,
@@ -117,11 +124,19 @@ def test_a_message_costs_the_counted_calls_and_ops():
     # frame's wait with the link's fixed bound (was 2 monotonic, a max and a min), the copy (was
     # detach + copy_, now is_contiguous, is_neg, data_ptr and the memmove): 30 -> 26
     assert send["c_calls"] * COUNTED == C_SEND * COUNTED - 6, send     # the first: no wait (6 calls)
-    # Channels.recv, SaLink.take, QueueBox.take_if; no aten op: the tensors were made by the receive thread
-    assert recv["calls"] == 3 and recv["ops"] == {}, recv
-    # FrameReceiver.receive, decode_header, Header(), _post, unflatten, Frame(), Link._received, and
-    # _recv_loop's next receive
-    assert recv["thread_calls"] == 8, recv
-    # the receive thread's C built-ins per frame: no clock read (was 2 perf_counter), the wait for
-    # the next frame with the link's fixed idle bound (was 2 monotonic, a max and a min): 19 -> 13
-    assert recv["thread_c_calls"] == C_THREAD, recv
+    # the receiver's thread parked once it handed the first frame to the waiting caller: per frame
+    # it does nothing (was 8 Python calls and 13 C built-ins, a wake-up and a hand-over through the
+    # queue: base 5ec02b1), and the caller receives itself: Channels.recv, SaLink.take, QueueBox.empty
+    # (twice: before and after taking the receive's lock), SaLink._receive_direct,
+    # FrameReceiver.receive, decode_header, Header(), unflatten, _post, receive_buffer, Frame()
+    # (was Channels.recv, SaLink.take, QueueBox.take_if): 12 where caller and thread made 11
+    assert recv["thread_calls"] == 0 and recv["thread_c_calls"] == 0, recv
+    assert recv["calls"] == 12, recv
+    # its C built-ins: the lock, the backend's wait and receive, the queue's emptiness, the header's
+    # unpacking and the tensors' views (were 6 on the caller and 13 in the thread)
+    assert recv["c_calls"] == C_RECV, recv
+    # the aten ops the thread ran, now on the caller: the next receive's buffer and its posting, the
+    # views of the received tensors, numpy's detaches of the header's bytes
+    want = {"aten.empty.memory_format": 1, "c10d.recv_.default": 1, "aten.view.dtype": 1,
+            "aten.as_strided.default": 1, "aten.detach.default": 2}
+    assert recv["ops"] == want and recv["grad_ops"] == want, recv
