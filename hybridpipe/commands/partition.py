@@ -22,7 +22,14 @@ from pathlib import Path
 from tqdm import tqdm
 
 from hybridpipe.argtypes import MAX_TIMEOUT_S, float_range, memory_gb, output_dir, output_file, positive_int
-from hybridpipe.commands.refining import describe, load_run, refine_from_runs, refine_terms, save_refined
+from hybridpipe.commands.refining import (
+    describe,
+    load_run,
+    refine_from_runs,
+    refine_terms,
+    save_refined,
+    simulated_step_ms,
+)
 from hybridpipe.commands.runnable import runnable
 from hybridpipe.commands.show import cluster_line, human_bytes, layer_table, search_line, table
 from hybridpipe.errors import UserError
@@ -33,9 +40,10 @@ from hybridpipe.partitioner.joint import AUTO_VIRTUAL, MAX_VIRTUAL, joint_partit
 from hybridpipe.partitioner.plan import ALGORITHMS, OPTIMIZER_HELP, OPTIMIZERS, PRECISIONS, STRATEGIES, Plan, save_plan
 from hybridpipe.partitioner.plan_options import add_micro_batches_option, add_schedule_option
 from hybridpipe.partitioner.planner import DEFAULT_TIME_BUDGET_S, Outcome, Request, partition
-from hybridpipe.partitioner.refine.refinement import DEFAULT_TERMS
+from hybridpipe.partitioner.refine.refinement import DEFAULT_TERMS, predict_stages
 from hybridpipe.partitioner.schedule_registry import AUTO, DEFAULT_SCHEDULE, get_schedule
 from hybridpipe.partitioner.search.dp import Progress
+from hybridpipe.partitioner.search.objective import StageSpec
 from hybridpipe.partitioner.search.options import RECOMPUTE
 from hybridpipe.partitioner.search.sharding import SHARD_CHOICES
 from hybridpipe.profiles.format import Profile, ProfileNode, inconsistent_times, load_profile
@@ -155,6 +163,9 @@ def run(args: argparse.Namespace) -> int:
     print(render(outcome, profile.nodes, layers=args.layers))
     for note in outcome.notes:
         print(f"note: {note}")
+    critical = refined_step_note(outcome.plan, profile, cluster, calibrations) if args.refine else None
+    if critical:
+        print(f"note: {critical}")
     busy = inconsistent_times(profile.totals.ratio, profile.threads)
     if busy:
         print(f"note: the profile's {busy}")
@@ -165,6 +176,22 @@ def run(args: argparse.Namespace) -> int:
     else:
         print("(not saved: pass -o plan.json to write the plan)")
     return 0
+
+
+def refined_step_note(plan: Plan, profile: Profile, cluster: Cluster,
+                      calibrations: Sequence[Calibration]) -> str | None:
+    """What the refined model predicts for ``plan`` by the schedule's critical path, the step model
+    --refine fitted its leftover terms under (the search and the plan's ``predicted_step_ms`` use the
+    closed form, which the partitioner computes without the simulator); None where that model does not
+    price the plan: several chunks a rank, sharded replicas, recomputation, 16-bit wire, pipedream."""
+    if (plan.virtual_stages != 1 or not plan.kind.flushed or plan.precision != "fp32" or plan.reduce_dtype != "fp32"
+            or any(s.shard != "none" or s.recompute for s in plan.stages)):
+        return None
+    stages = [StageSpec(s.first_node, s.last_node, s.ranks) for s in plan.stages]
+    step_ms = predict_stages(profile, cluster, calibrations, stages, plan.schedule, plan.micro_batches, plan.optimizer,
+                             step=simulated_step_ms)
+    return (f"by the schedule's critical path, the step model --refine fitted under, this plan takes {step_ms:.1f} ms "
+            f"a step (the search's closed form, which the plan records: {plan.predicted_step_ms:.1f} ms)")
 
 
 # the optimal strategy's peak memory, measured by benchmarks/partitioner_speed.py (RESULTS.md): its

@@ -225,7 +225,26 @@ def test_partition_refine_terms_fits_them_from_run_folders_and_saves_them(tmp_pa
     (tmp_path / "latest").symlink_to(dirs[-1])          # as launch's runs/latest: the same run, named twice
     capsys.readouterr()
     assert main([*base, "--refine", *map(str, dirs), str(tmp_path / "latest"), "-q"]) == 0
-    assert f"refined from {len(dirs)} run(s)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"refined from {len(dirs)} run(s)" in out
+    # the plan's step by the critical path the leftover terms were fitted under, beside the closed form it records
+    import re
+
+    from hybridpipe.commands.refining import simulated_step_ms
+    from hybridpipe.partitioner.plan import load_plan
+    from hybridpipe.partitioner.refine.refinement import predict_stages
+    from hybridpipe.partitioner.search.objective import StageSpec
+    from hybridpipe.profiles.format import load_profile
+    critical, closed = map(float, re.search(r"this plan takes ([\d.]+) ms a step \(the search's closed form, which "
+                                            r"the plan records: ([\d.]+) ms\)", out).groups())
+    plan = load_plan(tmp_path / "plan.json")
+    assert closed == pytest.approx(plan.predicted_step_ms, abs=0.05)
+    ref = tmp_path / "ref"
+    prof, cals = load_profile(ref / "profile.json"), [load_calibration(ref / "calibration.json")]
+    specs = [StageSpec(st.first_node, st.last_node, st.ranks) for st in plan.stages]
+    expected = predict_stages(prof, CLUSTER, cals, specs, plan.schedule, plan.micro_batches, plan.optimizer,
+                              step=simulated_step_ms)
+    assert critical == pytest.approx(expected, abs=0.05)
     assert main([*base, "--refine", *map(str, dirs), "--refine-terms", "none",
                  "--save-refined", str(tmp_path / "plain")]) == 0
     plain = load_calibration(tmp_path / "plain" / "calibration.json")

@@ -321,9 +321,17 @@ def predict_run(profile: Profile, cluster: Cluster, calibrations: Sequence[Calib
                 step: StepModel = formula_step_ms) -> float:
     """The step time the model predicts for the stages a run ran (its ranks, schedule, micro-batches),
     tied weights' sums included, as a plan's prediction counts them; the step itself by ``step``."""
+    return predict_stages(profile, cluster, calibrations, [StageSpec(s.first, s.last, s.ranks) for s in run.stages],
+                          run.schedule, run.micro_batches, optimizer, algorithms, step)
+
+
+def predict_stages(profile: Profile, cluster: Cluster, calibrations: Sequence[Calibration],
+                   stages: Sequence[StageSpec], schedule: str, micro_batches: int, optimizer: str = "sgd",
+                   algorithms: Sequence[str] = ALGORITHMS, step: StepModel = formula_step_ms) -> float:
+    """:func:`predict_run` for ``stages`` (unsharded, without recomputation, fp32 on the wire) run with
+    ``schedule`` and ``micro_batches``: what a plan of them is predicted to take a step."""
     model = CostModel(cluster, list(calibrations))
-    stages = [StageSpec(s.first, s.last, s.ranks) for s in run.stages]
-    opts = Options(get_schedule(run.schedule), run.micro_batches, optimizer, math.inf, tuple(algorithms))
+    opts = Options(get_schedule(schedule), micro_batches, optimizer, math.inf, tuple(algorithms))
     costs = base_costs(profile, model)
     tied = sum(t.predicted_ms for t in priced_tied(profile, stages, model))
     return step(evaluate(costs, model, stages, opts), costs, stages, opts) + tied + model.step_overhead_ms
