@@ -53,7 +53,6 @@ torch.distributed.checkpoint: its metadata file is a pickle.)
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import logging
 import os
 import shutil
@@ -82,6 +81,7 @@ from hybridpipe.runtime.checkpoint_files import (
     why_incomplete,
     write_manifest,
 )
+from hybridpipe.runtime.checkpoint_meta import plan_change, plan_meta
 from hybridpipe.runtime.checkpoint_prune import describe_aside, prune
 from hybridpipe.runtime.reshard import (
     canonical_names,
@@ -134,7 +134,6 @@ class Checkpointer:
         stages, replica = plan.stages_of_rank(rank)
         self.stages = [s.index for s in stages]      # one, or the rank's model chunks (virtual stages)
         self.stage, self.replica = self.stages[0], replica
-        self.n_stages = len(plan.stages)
         self.committer = plan.stages[0].ranks[0]
         self.lineage = ""           # set by restore (the checkpoint's) or by the first save (new)
         self.tag = tag              # the job's staging name (staging_dir); "": agreed at the first save
@@ -362,27 +361,14 @@ class Checkpointer:
                         resharded="" if own is not None else self._plan_change(m)), ""
 
     def _meta(self, seconds: float) -> dict:
-        p = self.plan
-        return {"model": p.model, "schedule": p.schedule, "micro_batches": p.micro_batches,
-                "batch_size": p.batch_size, "global_batch": p.batch_size * p.micro_batches,
-                "n_stages": self.n_stages, "world_size": p.world_size,
-                "stages": [{"first_node": s.first_node, "last_node": s.last_node, "ranks": list(s.ranks)}
-                           for s in p.stages],
-                "tied": self.tied,
-                "lineage": self.lineage,
-                "plan": p.to_dict() if hasattr(p, "to_dict") else {},
-                "created": datetime.datetime.now().isoformat(timespec="seconds"), "save_seconds": round(seconds, 3)}
+        return plan_meta(self.plan, self.tied, self.lineage, seconds)
 
     def _same_plan(self, m: dict) -> bool:
         return not self._plan_change(m)
 
     def _plan_change(self, m: dict) -> str:
         """How the plan that wrote manifest ``m`` differs from this one ("" when it is the same)."""
-        mine = self._meta(0.0)
-        for key in ("schedule", "micro_batches", "batch_size", "n_stages", "world_size", "stages"):
-            if m.get(key) != mine[key]:
-                return f"{key}: {_short(m.get(key))} there, {_short(mine[key])} here"
-        return ""
+        return plan_change(m, self._meta(0.0))
 
     def _gather(self, obj: Any) -> list[Any]:
         if not dist.is_initialized():
@@ -403,7 +389,3 @@ def _check_tied_copies(digests: list[dict[str, str]], step: int) -> None:
                 raise AgreedError(f"checkpoint of step {step}: the stages' copies of tied parameter {name!r} differ; "
                                   "their gradients were not summed across stages (a bug: please report it)")
 
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
