@@ -12,7 +12,7 @@ after each step instead (the run stops before the step's weights are saved; skip
 at start).
 
     watch = NonFiniteWatch(device, skip=config.skip_nonfinite, flushing=flushes(plan))
-    stage = build_stage_index(..., loss=watch.wrap_loss(spec.loss))
+    stage = build_stage_index(..., loss=watch.wrap_mean(spec.loss))
     optimizer = watch.wrap_optimizer(make_optimizer(...))
     for step in ...:
         result = engine.run_step(step)
@@ -101,14 +101,6 @@ class NonFiniteWatch:
         return self._alone
 
     # ---- wrapping ----------------------------------------------------------------------
-    def wrap_loss(self, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-        """``fn`` that also raises the flag when its loss is NaN or infinite."""
-        def loss(*args: Any, **kwargs: Any) -> torch.Tensor:
-            value = fn(*args, **kwargs)
-            self.note(value)
-            return value
-        return loss
-
     def wrap_mean(self, fn: Callable[..., LossValue]) -> Callable[..., torch.Tensor]:
         """``fn`` returning the micro-batch's mean (profiles/losses.py's ``loss_mean``: a pair counting
         nothing is 0), noted with whether it counted anything: a step whose every micro-batch, on
